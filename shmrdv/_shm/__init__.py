@@ -1,0 +1,7 @@
+"""Same-host transport over POSIX shared memory (``/dev/shm``) and ``posix_ipc`` semaphores.
+
+Modules, one job each: ``naming`` (every OS object's name), ``layout`` (the segment
+header byte format, pure), ``segment`` (creating, opening, mapping and unlinking segment
+files: handle tracking lives there), ``presence`` / ``bell`` / ``registry`` (liveness
+records, doorbell semaphores, listing and collecting), ``transport`` (the rendezvous).
+"""

@@ -1,0 +1,170 @@
+"""Tests of shmrdv._shm.naming: pure name building and parsing."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shmrdv._errors import InvalidArgumentError
+from shmrdv._shm.naming import MAX_SLOT, SHM_DIR, Names, ObjectName, parse_name
+
+NS = "abcdefghijklmnopqrstuvwxyz"
+TASK = "/job:w/replica:0/task:1"
+KEY = (
+    "/job:w/replica:0/task:0/device:CPU:0;0000000000000001;"
+    "/job:w/replica:0/task:1/device:CPU:0;x;0:0"
+)
+_SAFE = re.compile(r"[a-z0-9_]+")
+
+
+def _names() -> Names:
+    return Names(NS)
+
+
+def test_names_namespace_invalid_rejected() -> None:
+    for bad in ["", "short", "UPPERCASEUPPER", "with_underscore", "a" * 65, "héllo123"]:
+        with pytest.raises(InvalidArgumentError, match="namespace"):
+            Names(bad)
+    Names("a" * 8)
+    Names("0" * 64)
+
+
+def test_names_all_kinds_round_trip_through_parse_name() -> None:
+    n = _names()
+    inc = 0xDEADBEEF01234567
+    cases: list[tuple[str, str]] = [
+        (n.presence(TASK), "presence"),
+        ("sem." + n.bell(TASK)[1:], "bell"),
+        (n.temp(), "temp"),
+        (n.message(7, KEY, inc, 3), "message"),
+        (n.pool(inc, 5), "pool"),
+        (n.held(inc, 5), "held"),
+        (n.returned(inc, 5), "returned"),
+    ]
+    for entry, kind in cases:
+        parsed = parse_name(entry)
+        assert parsed is not None, entry
+        assert parsed.kind == kind
+        assert parsed.namespace == NS
+        assert parsed.entry == entry
+        assert len(entry) < 100
+        assert _SAFE.fullmatch(entry.removeprefix("sem.")), entry
+        if kind in ("pool", "held", "returned"):
+            assert (parsed.incarnation, parsed.slot) == (inc, 5)
+        else:
+            assert parsed.incarnation is None and parsed.slot is None
+
+
+def test_names_bell_name_and_path_agree() -> None:
+    n = _names()
+    assert n.bell(TASK).startswith("/shmrdv_" + NS + "_b")
+    assert n.bell_path(TASK) == f"{SHM_DIR}/sem.{n.bell(TASK)[1:]}"
+    assert n.bell(TASK)[len(n.prefix) + 2 :] == n.presence(TASK)[len(n.prefix) + 1 :]
+
+
+def test_names_path_joins_shm_dir() -> None:
+    n = _names()
+    name = n.temp()
+    assert n.path(name) == f"/dev/shm/{name}"
+
+
+def test_names_hashes_are_deterministic_and_distinct() -> None:
+    n = _names()
+    assert n.presence(TASK) == Names(NS).presence(TASK)
+    assert n.presence("/job:w/replica:0/task:1") != n.presence("/job:w/replica:0/task:10")
+    assert n.message(1, KEY, 2, 3) == n.message(1, KEY, 2, 3)
+    variants = {
+        n.message(1, KEY, 2, 3),
+        n.message(2, KEY, 2, 3),
+        n.message(1, KEY + "x", 2, 3),
+        n.message(1, KEY, 3, 3),
+        n.message(1, KEY, 2, 4),
+        n.message(-1, KEY, 2, 3),
+    }
+    assert len(variants) == 6
+    assert Names("b" * 26).message(1, KEY, 2, 3) != n.message(1, KEY, 2, 3)
+
+
+def test_names_temp_is_random() -> None:
+    n = _names()
+    assert len({n.temp() for _ in range(100)}) == 100
+
+
+def test_names_out_of_range_fields_rejected() -> None:
+    n = _names()
+    with pytest.raises(InvalidArgumentError):
+        n.message(2**63, KEY, 0, 0)
+    with pytest.raises(InvalidArgumentError):
+        n.message(0, KEY, -1, 0)
+    with pytest.raises(InvalidArgumentError):
+        n.message(0, KEY, 0, 2**64)
+    with pytest.raises(InvalidArgumentError):
+        n.pool(2**64, 0)
+    with pytest.raises(InvalidArgumentError):
+        n.held(0, -1)
+    with pytest.raises(InvalidArgumentError):
+        n.returned(0, MAX_SLOT + 1)
+    with pytest.raises(InvalidArgumentError):
+        n.presence("")
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "",
+        "shmrdv_",
+        "shmrdv_" + NS,
+        "shmrdv_" + NS + "_",
+        "shmrdv_" + NS + "_z0123456789abcdef0123",
+        "shmrdv_" + NS + "_m0123456789abcdef012",  # one hex digit short
+        "shmrdv_" + NS + "_m0123456789ABCDEF0123",  # upper case
+        "shmrdv_" + NS + "_b0123456789abcdef0123",  # a bell without sem.
+        "sem.shmrdv_" + NS + "_m0123456789abcdef0123",  # sem. on a segment
+        "shmrdv_" + NS + "_p0123456789abcdefx01",  # leading zero slot
+        "shmrdv_" + NS + "_p0123456789abcdefx",
+        "shmrdv_" + NS + "_p0123456789abcdex1",
+        "shmrdv_" + NS + "_p0123456789abcdefx99999999999999999999",
+        "shmrdv_" + NS + "_p0123456789abcdefx99999999",
+        "shmrdv_SHORT_m0123456789abcdef0123",
+        "other_" + NS + "_m0123456789abcdef0123",
+        "sem.other",
+        "psm_1234",
+    ],
+)
+def test_parse_name_foreign_entries_are_none(entry: str) -> None:
+    assert parse_name(entry) is None
+
+
+def test_parse_name_returns_object_name() -> None:
+    parsed = parse_name(_names().pool(1, 0))
+    assert parsed == ObjectName(_names().pool(1, 0), "pool", NS, "0000000000000001x0", 1, 0)
+
+
+@given(st.text(max_size=120))
+def test_parse_name_fuzz_never_raises(entry: str) -> None:
+    parsed = parse_name(entry)
+    if parsed is not None:
+        assert parsed.entry == entry
+
+
+@given(
+    st.from_regex(r"[a-z0-9]{8,64}", fullmatch=True),
+    st.integers(0, 2**64 - 1),
+    st.integers(0, MAX_SLOT),
+    st.integers(-(2**63), 2**63 - 1),
+    st.text(max_size=300),
+)
+def test_names_fuzz_round_trip(ns: str, inc: int, slot: int, step: int, key: str) -> None:
+    n = Names(ns)
+    for entry in (n.pool(inc, slot), n.held(inc, slot), n.returned(inc, slot)):
+        parsed = parse_name(entry)
+        assert parsed is not None
+        assert (parsed.namespace, parsed.incarnation, parsed.slot) == (ns, inc, slot)
+        assert len(entry) < 100
+    msg = n.message(step, key, inc, slot)
+    assert len(n.presence(key or "t")) < 100
+    parsed = parse_name(msg)
+    assert parsed is not None and parsed.kind == "message" and len(msg) < 100
