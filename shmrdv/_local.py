@@ -1,0 +1,259 @@
+"""LocalRendezvous: the in-process rendezvous table, and the reference every transport is held to.
+
+A port of TensorFlow's ``LocalRendezvous`` (``core/framework/local_rendezvous.cc``): one
+table from key to a FIFO queue that holds either values sent and not yet received, or
+receivers waiting for a value, never both. Two deliberate differences:
+
+* the table is keyed by the full key string, not by ``Hash64(FullKey())`` as in
+  TensorFlow, so two keys can never share a queue (research/tf_rendezvous.md §1.2);
+* a waiter can be removed (timeout, ``Future.cancel()``, asyncio cancellation) and a
+  removed waiter never takes a value; TensorFlow leaves a timed-out waiter queued and it
+  swallows the next send (research/tf_rendezvous.md §2.2).
+
+Thread model: one lock guards the table and the counters. User callbacks (``done``) are
+called after the lock is released, in the thread that completed the pairing: the sender's
+thread when a waiter was queued, the receiver's when a value was, the aborting thread on
+abort (STYLE.md rule 5; TensorFlow does the same).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._callbacks import DoneCallback, invoke_done
+from ._errors import CancelledError, InvalidArgumentError
+from ._keys import ParsedKey
+from ._received import Received
+from ._rendezvous import Canceller, Rendezvous, as_parsed_key
+from ._values import check_value
+
+__all__ = ["LocalRendezvous"]
+
+_log = logging.getLogger("shmrdv.local")
+
+
+class _Waiter:
+    """One pending receive: its callback and whether it wants a private copy.
+
+    Hashed by identity, so a channel can find and remove exactly this waiter.
+    """
+
+    __slots__ = ("copy", "done")
+
+    def __init__(self, done: DoneCallback, copy: bool) -> None:
+        self.done = done
+        self.copy = copy
+
+
+@dataclass(eq=False)
+class _Channel:
+    """The queue of one key: values waiting for receivers, or receivers waiting for values.
+
+    At most one of the two is non-empty (TensorFlow's ``ItemQueue`` holds one kind at a
+    time); a channel with both empty is removed from the table at once. Waiters live in an
+    ``OrderedDict`` used as an ordered set rather than in a deque: the oldest is popped in
+    O(1) like a deque, and a cancelled waiter is removed in O(1) too, instead of
+    ``deque.remove``'s O(n) scan or a "cancelled" mark that a later send would have to skip
+    (and that would make the counts in ``stats()`` lie).
+    """
+
+    values: deque[tuple[npt.NDArray[Any], bool]] = field(default_factory=deque)
+    waiters: OrderedDict[_Waiter, None] = field(default_factory=OrderedDict)
+
+
+def _deliverable(value: npt.NDArray[Any], is_dead: bool, copy: bool) -> Received:
+    # Called outside the lock: copying a large array must not stall other keys.
+    return Received(np.array(value, copy=True) if copy else value, is_dead)
+
+
+class LocalRendezvous(Rendezvous):
+    """A rendezvous inside one process: ``send`` and ``recv`` meet in a locked table.
+
+    No copy is made: the receiver gets the very array object that was sent (as TensorFlow
+    shares a host tensor between Send and Recv on one worker), so the sender must not
+    write to it afterwards. ``recv(..., copy=True)`` (or ``copy=True`` on any receive
+    flavour) returns a private ``numpy.array(value, copy=True)`` instead.
+
+    Thread-safe. ``send`` never blocks. ``close()`` (or leaving a ``with`` block) aborts
+    with ``CancelledError``; ``start_abort(error)`` aborts with your error.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._table: dict[str, _Channel] = {}
+        self._error: BaseException | None = None
+        self._error_tb: TracebackType | None = None
+        self._sent = 0
+        self._received = 0
+
+    # -- the Rendezvous primitives -----------------------------------------------------
+
+    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+        """Queue ``value`` under ``key``, or hand it to the oldest waiting receiver.
+
+        Never blocks. If a receiver is waiting, its callback runs in this thread before
+        ``send`` returns (outside the lock); an exception from it is logged, not raised.
+        Raises ``InvalidArgumentError`` for a bad key or a value that is not a numpy array
+        or holds Python objects (nothing is queued), and the abort error once aborted.
+        """
+        pk = as_parsed_key(key)
+        arr = check_value(value, pk.full_key)
+        dead = bool(is_dead)
+        with self._lock:
+            if self._error is not None:
+                raise self._abort_error()
+            self._sent += 1
+            channel = self._table.get(pk.full_key)
+            if channel is None or not channel.waiters:
+                if channel is None:
+                    channel = self._table[pk.full_key] = _Channel()
+                channel.values.append((arr, dead))
+                return
+            waiter, _ = channel.waiters.popitem(last=False)
+            if not channel.waiters:
+                del self._table[pk.full_key]
+            self._received += 1
+        invoke_done(waiter.done, None, _deliverable(arr, dead, waiter.copy))
+
+    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
+        """Take the oldest value of ``key`` now, or queue a waiter for the next one.
+
+        With a value queued (or once aborted) ``done`` runs in this thread before the
+        call returns; otherwise it runs later in the thread of the ``send`` (or abort)
+        that completes it. The canceller removes exactly this waiter.
+        """
+        full_key = key.full_key
+        with self._lock:
+            if self._error is not None:
+                error: BaseException | None = self._abort_error()
+            else:
+                error = None
+                channel = self._table.get(full_key)
+                if channel is None or not channel.values:
+                    waiter = _Waiter(done, copy)
+                    if channel is None:
+                        channel = self._table[full_key] = _Channel()
+                    channel.waiters[waiter] = None
+                    return lambda: self._cancel(full_key, waiter)
+                value, dead = channel.values.popleft()
+                if not channel.values:
+                    del self._table[full_key]
+                self._received += 1
+        if error is not None:
+            invoke_done(done, error, None)
+        else:
+            invoke_done(done, None, _deliverable(value, dead, copy))
+        return _too_late
+
+    def _cancel(self, full_key: str, waiter: _Waiter) -> bool:
+        """Remove ``waiter`` if it is still queued: ``True``, and its done will never run."""
+        with self._lock:
+            channel = self._table.get(full_key)
+            if channel is None or waiter not in channel.waiters:
+                return False  # already handed a value or the abort error
+            del channel.waiters[waiter]
+            if not channel.waiters:
+                del self._table[full_key]
+            return True
+
+    def start_abort(self, error: BaseException) -> None:
+        """Fail every waiting receive with ``error`` and every later call; drop queued values.
+
+        The first error wins: later calls are no-ops. Waiters' callbacks run in this
+        thread after the lock is released. Never blocks (beyond those callbacks).
+        Raises ``InvalidArgumentError`` if ``error`` is not an exception (TensorFlow
+        CHECK-fails on an OK status).
+        """
+        if not isinstance(error, BaseException):
+            raise InvalidArgumentError(f"start_abort needs an exception instance, not {error!r}")
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error, self._error_tb = error, error.__traceback__
+            table, self._table = self._table, {}
+        waiters = [w for ch in table.values() for w in ch.waiters]
+        dropped = sum(len(ch.values) for ch in table.values())
+        if dropped:
+            # TensorFlow logs the dropped sends too ("Rendezvous aborted, dropping ...").
+            _log.debug(
+                "LocalRendezvous aborted (%r): dropped %d queued value(s) over %d key(s)",
+                error,
+                dropped,
+                sum(1 for ch in table.values() if ch.values),
+            )
+        for waiter in waiters:
+            invoke_done(waiter.done, self._abort_error(), None)
+
+    def _abort_error(self) -> BaseException:
+        """The stored abort error, with the traceback it had when stored.
+
+        Raising one instance again and again would grow its ``__traceback__`` by the
+        raising frames each time and keep those frames (and the arrays in them) alive.
+        """
+        error = self._error
+        assert error is not None
+        return error.with_traceback(self._error_tb)
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Abort with ``CancelledError("LocalRendezvous closed")`` unless already aborted.
+
+        Idempotent. Pending receives fail with that error; queued values are dropped.
+        """
+        self.start_abort(CancelledError("LocalRendezvous closed"))
+
+    def __enter__(self) -> LocalRendezvous:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- introspection -----------------------------------------------------------------
+
+    @property
+    def aborted(self) -> BaseException | None:
+        """The error the rendezvous was aborted with, or ``None``."""
+        return self._error
+
+    def stats(self) -> dict[str, int]:
+        """Counters: values and waiters pending now, keys with either, sent and received so far."""
+        with self._lock:
+            return {
+                "pending_values": sum(len(ch.values) for ch in self._table.values()),
+                "pending_waiters": sum(len(ch.waiters) for ch in self._table.values()),
+                "keys": len(self._table),
+                "sent": self._sent,
+                "received": self._received,
+            }
+
+    def pending_keys(self) -> list[str]:
+        """The keys that have values or receivers pending, oldest first."""
+        with self._lock:
+            return list(self._table)
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        state = "open" if self._error is None else f"aborted={self._error!r}"
+        return (
+            f"<LocalRendezvous {state} keys={s['keys']} pending_values={s['pending_values']} "
+            f"pending_waiters={s['pending_waiters']} sent={s['sent']} received={s['received']}>"
+        )
+
+
+def _too_late() -> bool:
+    """The canceller of a receive completed before ``_start_recv`` returned."""
+    return False
