@@ -1,0 +1,518 @@
+"""Presence records: a worker's liveness, as a JSON file in /dev/shm locked with ``flock``.
+
+A worker publishes ``shmrdv_<ns>_w<taskhash>`` (its task, pid, boot id, incarnation, start
+time, address) and holds ``fcntl.flock(LOCK_EX)`` on it for as long as it lives. A peer is
+alive exactly when that lock is held: the kernel drops it when the last descriptor of the
+open file description goes away, that is when the owner dies, however it dies (SIGKILL
+included). A SIGSTOPped or busy process keeps its lock, so it is not declared dead, which
+no heartbeat with a deadline can promise (research/pitfalls.md §1: the only cleanup after a
+SIGKILL is what the kernel does).
+
+``flock`` locks belong to the open file description, so:
+
+* a second ``open`` of the same file, even in the same process, gets its own description and
+  its own lock: ``PeerWatch`` can observe a ``Presence`` owned by its own process;
+* a ``fork`` shares the description with the child, which would keep a dead parent's lock
+  alive. An ``os.register_at_fork`` hook closes the inherited descriptors in every forked
+  child (``subprocess`` children never see them: ``os.open`` descriptors are close-on-exec).
+
+The record is written completely into a temporary name and only then linked (or renamed)
+onto its final name, so a reader never sees a half-written record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import functools
+import json
+import logging
+import os
+import stat
+import threading
+import time
+import weakref
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+from .._errors import InternalError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .naming import Names
+
+__all__ = ["PeerState", "PeerWatch", "Presence", "PresenceInfo", "boot_id", "read_presence"]
+
+_log = logging.getLogger("shmrdv.shm.presence")
+
+PeerState = Literal["absent", "alive", "dead"]
+
+_BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+# A record is a few hundred bytes; anything much larger was not written by us.
+_MAX_RECORD_BYTES = 64 * 1024
+
+# O_NOFOLLOW: never follow a symlink planted under our name (pitfalls.md §7: glibc's shm_open
+# does the same). O_NONBLOCK: a FIFO planted under our name must not block the open.
+_OPEN_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+# How often publish() looks again when it finds a record whose lock is held: another
+# publisher may hold it for a few microseconds while it replaces a stale record.
+_PUBLISH_ATTEMPTS = 5
+_PUBLISH_RETRY_S = 0.01
+
+
+@functools.lru_cache(maxsize=1)
+def boot_id() -> str:
+    """This kernel's boot id (``/proc/sys/kernel/random/boot_id``), read once and cached.
+
+    Raises ``InternalError`` if the file cannot be read (not Linux, or no /proc).
+    """
+    try:
+        with open(_BOOT_ID_PATH, encoding="ascii") as f:
+            return f.read().strip()
+    except OSError as e:
+        raise InternalError(f"cannot read the boot id from {_BOOT_ID_PATH}: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class PresenceInfo:
+    """What a presence record says about a worker."""
+
+    task: str  # canonical task name, e.g. /job:worker/replica:0/task:1
+    pid: int
+    boot_id: str
+    incarnation: int  # uint64
+    started: float  # time.time() at publish
+    namespace: str
+    address: str | None = None  # the worker's gRPC address, if it serves one
+
+    def to_json(self) -> bytes:
+        """The record's bytes."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> PresenceInfo:
+        """Parse a record; ``InternalError`` naming ``where`` if it is not a valid one."""
+        try:
+            obj = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise InternalError(f"presence record {where} is corrupt: {e}") from e
+        if not isinstance(obj, dict):
+            raise InternalError(f"presence record {where} is corrupt: not a JSON object")
+        fields: dict[str, tuple[type, ...]] = {
+            "task": (str,),
+            "pid": (int,),
+            "boot_id": (str,),
+            "incarnation": (int,),
+            "started": (int, float),
+            "namespace": (str,),
+            "address": (str, type(None)),
+        }
+        values: dict[str, Any] = {}
+        for name, types in fields.items():
+            value = obj.get(name)
+            if name not in obj or isinstance(value, bool) or not isinstance(value, types):
+                raise InternalError(
+                    f"presence record {where} is corrupt: field {name!r} is missing or has the "
+                    f"wrong type ({value!r})"
+                )
+            values[name] = value
+        values["started"] = float(values["started"])
+        return cls(**values)
+
+
+def _check_ours(st: os.stat_result, where: str, what: str = "presence record") -> None:
+    """Refuse a file another user planted under our name (pitfalls.md §7: fstat on attach)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise InternalError(f"{what} {where} is not a regular file (mode {st.st_mode:#o})")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise InternalError(
+            f"{what} {where} is not ours: owner uid {st.st_uid} (we are {os.geteuid()}), "
+            f"mode {stat.S_IMODE(st.st_mode):#o} (want no group/other bits); refusing to trust it"
+        )
+
+
+def _read_fd(fd: int, where: str) -> bytes:
+    chunks: list[bytes] = []
+    offset = 0
+    while True:
+        chunk = os.pread(fd, _MAX_RECORD_BYTES + 1 - offset, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+        if offset > _MAX_RECORD_BYTES:
+            raise InternalError(f"presence record {where} is larger than {_MAX_RECORD_BYTES} bytes")
+    return b"".join(chunks)
+
+
+def _read_record_fd(fd: int, where: str) -> tuple[PresenceInfo, os.stat_result]:
+    st = os.fstat(fd)
+    _check_ours(st, where)
+    return PresenceInfo.from_json(_read_fd(fd, where), where), st
+
+
+def _open_record(path: str) -> int | None:
+    """Open a record for reading; None if it does not exist. Symlinks are refused."""
+    try:
+        return os.open(path, _OPEN_READ_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InternalError(f"presence record {path} is a symlink; refusing it") from e
+        raise InternalError(f"cannot open presence record {path}: {e}") from e
+
+
+def _lock_held(fd: int) -> bool:
+    """Whether some other open file description holds a lock on ``fd``'s file.
+
+    Takes and at once drops a shared lock: it fails only while an exclusive lock is held.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def read_presence(names: Names, task: str) -> PresenceInfo | None:
+    """Read ``task``'s presence record, whether its owner is alive or not.
+
+    Returns None if there is none. Raises ``InternalError`` if the record is not ours (another
+    owner uid, group/other permission bits, not a regular file, a symlink) or is corrupt.
+    Does not block.
+    """
+    path = names.path(names.presence(task))
+    fd = _open_record(path)
+    if fd is None:
+        return None
+    try:
+        info, _ = _read_record_fd(fd, path)
+        return info
+    finally:
+        os.close(fd)
+
+
+# Every open Presence of this process, so a forked child can drop the inherited locks.
+_live: weakref.WeakSet[Presence] = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # The child shares each presence fd's open file description with its parent; keeping it
+    # would keep the parent "alive" after its death for as long as the child lives.
+    # Closing our copy drops no lock the parent relies on: the lock belongs to the
+    # description, which the parent still holds open. The lock is re-created: the parent's
+    # may have been held by the forking thread.
+    global _live_lock
+    _live_lock = threading.Lock()
+    for presence in list(_live):
+        presence._forget_after_fork()
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _close_fd(fd: int, path: str, ino: tuple[int, int]) -> None:
+    """Unlink ``path`` if it is still our record, then close ``fd`` (which drops the lock).
+
+    Unlinking first: a peer that sees the lock free and the record still there concludes
+    "dead", which is right a moment later anyway.
+    """
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        _log.warning("cannot stat presence record %s at close: %s", path, e)
+    else:
+        if (st.st_dev, st.st_ino) == ino:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    os.close(fd)
+
+
+class Presence:
+    """The owner side: this process's presence record for one task, locked while open.
+
+    Create with ``Presence.publish``. ``close()`` unlinks the record (if it is still ours)
+    and drops the lock; it is idempotent, and a ``weakref.finalize`` does the same if the
+    object is dropped unclosed. The kernel drops the lock if the process dies.
+    """
+
+    def __init__(self, names: Names, info: PresenceInfo, fd: int, path: str) -> None:
+        """Internal: use ``Presence.publish``."""
+        self._names = names
+        self._info = info
+        self._fd = fd
+        self._path = path
+        st = os.fstat(fd)
+        self._ino = (st.st_dev, st.st_ino)
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_fd, fd, path, self._ino)
+        with _live_lock:
+            _live.add(self)
+
+    @classmethod
+    def publish(cls, names: Names, info: PresenceInfo) -> Presence:
+        """Write ``info`` as ``info.task``'s record and lock it; return the owner handle.
+
+        A record left by a dead worker (its lock free) is replaced. Raises
+        ``InvalidArgumentError`` if a live process holds the task's record, ``InternalError``
+        if the record there is not ours or a file cannot be written. Does not block (beyond a
+        few 10 ms retries while another publisher replaces a stale record).
+        """
+        final = names.path(names.presence(info.task))
+        data = info.to_json()
+        temp = names.path(names.temp())
+        try:
+            fd = os.open(
+                temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
+        except OSError as e:
+            raise InternalError(f"cannot create presence record {temp}: {e}") from e
+        try:
+            os.fchmod(fd, 0o600)  # umask-proof
+            os.write(fd, data)
+            # Locked before it has its final name: no reader can ever see it unlocked.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            cls._install(temp, final, info)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            os.close(fd)
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        _log.debug("published presence %s for %s (pid %d)", final, info.task, info.pid)
+        return cls(names, info, fd, final)
+
+    @staticmethod
+    def _install(temp: str, final: str, info: PresenceInfo) -> None:
+        """Give the locked ``temp`` the name ``final``, replacing a stale record only."""
+        for attempt in range(_PUBLISH_ATTEMPTS):
+            try:
+                # link, not rename: it refuses an existing name, so two publishers racing
+                # for a free name cannot both win (pitfalls.md §3).
+                os.link(temp, final, follow_symlinks=False)
+                return
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise InternalError(f"cannot publish presence record {final}: {e}") from e
+            old = _open_record(final)
+            if old is None:
+                continue  # vanished meanwhile: try the link again
+            try:
+                st = os.fstat(old)
+                _check_ours(st, final)
+                try:
+                    # Exclusive: every replacer takes it, so replacements of one stale record
+                    # are serialised, and a live owner's lock makes it fail.
+                    fcntl.flock(old, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if attempt + 1 < _PUBLISH_ATTEMPTS:
+                        time.sleep(_PUBLISH_RETRY_S)
+                        continue
+                    owner = _describe_owner(old, final)
+                    raise InvalidArgumentError(
+                        f"task {info.task} is already running in {owner} "
+                        f"(namespace {info.namespace}, record {final})"
+                    ) from None
+                try:
+                    now = os.stat(final, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    continue  # someone replaced it first: look at the new one
+                _log.info(
+                    "replacing stale presence record %s (%s)", final, _describe_owner(old, final)
+                )
+                os.rename(temp, final)
+                return
+            finally:
+                os.close(old)
+        raise InternalError(f"cannot publish presence record {final}: it keeps changing")
+
+    @property
+    def info(self) -> PresenceInfo:
+        """What the record says."""
+        return self._info
+
+    @property
+    def path(self) -> str:
+        """The record's path in /dev/shm."""
+        return self._path
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` ran (or the handle was dropped in a forked child)."""
+        return self._closed
+
+    def close(self) -> None:
+        """Unlink the record if it is still ours, then drop the lock. Idempotent; never blocks."""
+        if self._closed:
+            return
+        self._closed = True
+        with _live_lock:
+            _live.discard(self)
+        self._finalizer()
+
+    def _forget_after_fork(self) -> None:
+        # In a forked child: close our copy of the fd only. Never unlink: the record is the
+        # parent's. Detaching the finalizer stops it from unlinking at the child's exit.
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+    def __enter__(self) -> Presence:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<Presence {self._info.task} pid={self._info.pid} "
+            f"incarnation={self._info.incarnation:#x} {state}>"
+        )
+
+
+def _describe_owner(fd: int, where: str) -> str:
+    try:
+        info = PresenceInfo.from_json(_read_fd(fd, where), where)
+    except (InternalError, OSError):
+        return "an unknown process"
+    return f"pid {info.pid} (incarnation {info.incarnation:#x})"
+
+
+class PeerWatch:
+    """The observer side: is another worker's presence record there, and is it locked?
+
+    ``state()`` costs one ``stat`` and one ``flock`` while the record is unchanged (the
+    descriptor is cached per inode), so a watcher thread may call it several times a second.
+    Not thread-safe: use one ``PeerWatch`` per thread, or lock around it.
+    """
+
+    def __init__(self, names: Names, task: str) -> None:
+        self._task = task
+        self._path = names.path(names.presence(task))
+        self._fd: int | None = None
+        self._ino: tuple[int, int] | None = None
+        self._info: PresenceInfo | None = None
+        self._closed = False
+        # The finalizer closes whatever fd the box holds when the watch is dropped unclosed.
+        self._fd_box: list[int | None] = [None]
+        self._finalizer = weakref.finalize(self, _close_quietly, self._fd_box)
+
+    @property
+    def task(self) -> str:
+        return self._task
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def _refresh(self) -> bool:
+        """Point the cached fd at the record's current inode; False if there is no record.
+
+        Raises ``InternalError`` if the record is not ours or is corrupt.
+        """
+        if self._closed:
+            raise InternalError(f"PeerWatch for {self._task} is closed")
+        try:
+            st = os.stat(self._path, follow_symlinks=False)
+        except FileNotFoundError:
+            self._drop()
+            return False
+        ino = (st.st_dev, st.st_ino)
+        if ino == self._ino:
+            return True
+        self._drop()
+        fd = _open_record(self._path)
+        if fd is None:
+            return False
+        try:
+            info, fst = _read_record_fd(fd, self._path)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._fd_box[0] = fd
+        # The inode actually opened: the name may have moved on since the stat above, in which
+        # case the next call sees a mismatch and reopens.
+        self._ino = (fst.st_dev, fst.st_ino)
+        self._info = info
+        return True
+
+    def _drop(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = None
+        self._fd_box[0] = None
+        self._ino = None
+        self._info = None
+
+    def info(self) -> PresenceInfo | None:
+        """The current record (re-read when it was replaced, e.g. by a restarted peer), or None.
+
+        Raises ``InternalError`` if the record is not ours or is corrupt. Does not block.
+        """
+        return self._info if self._refresh() else None
+
+    def state(self) -> PeerState:
+        """``"absent"`` (no record), ``"alive"`` (its lock is held) or ``"dead"`` (lock free).
+
+        A record from another boot is ``"dead"``. Raises ``InternalError`` if the record is not
+        ours or is corrupt. Does not block.
+        """
+        if not self._refresh():
+            return "absent"
+        assert self._fd is not None and self._info is not None
+        if self._info.boot_id != boot_id():
+            return "dead"
+        return "alive" if _lock_held(self._fd) else "dead"
+
+    def close(self) -> None:
+        """Close the cached descriptor. Idempotent."""
+        if self._closed:
+            return
+        self._drop()
+        self._closed = True
+        self._finalizer.detach()
+
+    def __enter__(self) -> PeerWatch:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<PeerWatch {self._task} {'closed' if self._closed else 'open'}>"
+
+
+def _close_quietly(box: list[int | None]) -> None:
+    fd = box[0]
+    box[0] = None
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)

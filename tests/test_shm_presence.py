@@ -1,0 +1,390 @@
+"""Presence records: publish, read, liveness by flock, across real child processes."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shmrdv._errors import InternalError, InvalidArgumentError
+from shmrdv._shm import naming
+from shmrdv._shm.naming import SHM_DIR, Names
+from shmrdv._shm.presence import (
+    PeerWatch,
+    Presence,
+    PresenceInfo,
+    boot_id,
+    read_presence,
+)
+
+# The directory holding the shmrdv package under test, for the children's PYTHONPATH.
+REPO = str(Path(naming.__file__).parents[2])
+TASK = "/job:worker/replica:0/task:1"
+OTHER = "/job:worker/replica:0/task:2"
+
+# A worker stand-in: publishes TASK's presence, says "ready", lives until its stdin closes.
+# mode "fork": first forks a grandchild that also lives until stdin closes (and reports its
+# pid). mode "forkexit": forks a grandchild that exits normally at once (running its atexit
+# finalizers), then reports whether the record survived that.
+CHILD = r"""
+import os, sys, time
+from shmrdv._shm.naming import Names
+from shmrdv._shm.presence import Presence, PresenceInfo, PeerWatch, boot_id
+ns, task, inc, mode = sys.argv[1:5]
+names = Names(ns)
+info = PresenceInfo(task, os.getpid(), boot_id(), int(inc), time.time(), ns, None)
+p = Presence.publish(names, info)
+extra = ""
+if mode == "fork":
+    pid = os.fork()
+    if pid == 0:
+        sys.stdin.read()
+        os._exit(0)
+    extra = str(pid)
+elif mode == "forkexit":
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)
+    os.waitpid(pid, 0)
+    with PeerWatch(names, task) as w:
+        extra = w.state()
+print("ready", extra, flush=True)
+sys.stdin.read()
+p.close()
+"""
+
+
+@pytest.fixture
+def names() -> Iterator[Names]:
+    n = Names(secrets.token_hex(13))
+    yield n
+    left = [e for e in os.listdir(SHM_DIR) if n.prefix in e]
+    for entry in left:
+        os.unlink(os.path.join(SHM_DIR, entry))
+    assert not left, f"test left {left} in {SHM_DIR}"
+
+
+def _info(names: Names, task: str = TASK, incarnation: int = 7) -> PresenceInfo:
+    return PresenceInfo(task, os.getpid(), boot_id(), incarnation, time.time(), names.namespace)
+
+
+class Child:
+    """A child process running CHILD; always reaped (and killed if need be) by ``stop``."""
+
+    def __init__(self, names: Names, incarnation: int = 1, mode: str = "plain") -> None:
+        env = dict(os.environ, PYTHONPATH=REPO)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, names.namespace, TASK, str(incarnation), mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        self.extra = self._ready()
+
+    def _ready(self, timeout: float = 10.0) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            self.stop()
+            raise AssertionError("child did not get ready")
+        line = self.proc.stdout.readline().decode()
+        if not line.startswith("ready"):
+            self.stop()
+            raise AssertionError(f"child said {line!r}, rc={self.proc.poll()}")
+        return line.split(" ", 1)[1].strip()
+
+    def stop(self) -> int:
+        """Close its stdin (a clean exit), kill it if it lingers; return the exit code."""
+        assert self.proc.stdin is not None
+        if not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            rc = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait(5)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+        return rc
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(5)
+
+
+def _wait_state(watch: PeerWatch, want: str, timeout: float = 1.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = watch.state()
+        if state == want or time.monotonic() > deadline:
+            return state
+        time.sleep(0.01)
+
+
+def _wait_gone(pid: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} still running")
+
+
+def test_boot_id_is_cached_uuid() -> None:
+    assert boot_id() == boot_id()
+    assert len(boot_id()) == 36
+
+
+def test_presence_publish_read_close(names: Names) -> None:
+    info = _info(names)
+    with Presence.publish(names, info) as p:
+        path = names.path(names.presence(TASK))
+        assert p.path == path
+        st = os.stat(path)
+        assert st.st_mode & 0o777 == 0o600
+        assert read_presence(names, TASK) == info
+        assert json.loads(Path(path).read_bytes())["incarnation"] == 7
+        assert "pid=" in repr(p)
+        # Only the record: the temporary name is gone.
+        assert os.listdir(SHM_DIR).count(names.presence(TASK)) == 1
+        assert [e for e in os.listdir(SHM_DIR) if names.prefix in e] == [names.presence(TASK)]
+    assert p.closed
+    assert not os.path.exists(path)
+    assert read_presence(names, TASK) is None
+    p.close()  # idempotent
+
+
+def test_presence_info_json_roundtrip_with_address(names: Names) -> None:
+    info = PresenceInfo(TASK, 1, "b", 2**64 - 1, 1.5, names.namespace, "127.0.0.1:2222")
+    assert PresenceInfo.from_json(info.to_json(), "x") == info
+
+
+def test_presence_second_publish_refused_in_process(names: Names) -> None:
+    with Presence.publish(names, _info(names)):
+        with pytest.raises(InvalidArgumentError, match=f"pid {os.getpid()}"):
+            Presence.publish(names, _info(names, incarnation=8))
+        current = read_presence(names, TASK)
+        assert current is not None and current.incarnation == 7
+
+
+def test_presence_second_publish_refused_across_processes(names: Names) -> None:
+    child = Child(names)
+    try:
+        with pytest.raises(InvalidArgumentError, match=f"already running in pid {child.proc.pid}"):
+            Presence.publish(names, _info(names))
+    finally:
+        assert child.stop() == 0
+    assert read_presence(names, TASK) is None
+
+
+def test_peerwatch_sees_alive_then_absent_after_clean_exit(names: Names) -> None:
+    with PeerWatch(names, TASK) as w:
+        assert w.state() == "absent"
+        assert w.info() is None
+        child = Child(names, incarnation=3)
+        try:
+            assert w.state() == "alive"
+            info = w.info()
+            assert info is not None and info.pid == child.proc.pid and info.incarnation == 3
+        finally:
+            child.stop()
+        assert w.state() == "absent"
+
+
+def test_peerwatch_sigkilled_child_is_dead_and_replaced(names: Names) -> None:
+    child = Child(names, incarnation=1)
+    with PeerWatch(names, TASK) as w:
+        assert w.state() == "alive"
+        child.kill()
+        assert _wait_state(w, "dead") == "dead"
+        stale = read_presence(names, TASK)
+        assert stale is not None and stale.incarnation == 1
+        # A new publish replaces the stale record; the watch notices the new inode.
+        with Presence.publish(names, _info(names, incarnation=2)):
+            assert w.state() == "alive"
+            info = w.info()
+            assert info is not None and info.incarnation == 2 and info.pid == os.getpid()
+        assert w.state() == "absent"
+    child.stop()
+
+
+def test_peerwatch_restarted_peer_shows_new_incarnation(names: Names) -> None:
+    first = Child(names, incarnation=1)
+    with PeerWatch(names, TASK) as w:
+        info = w.info()
+        assert info is not None and info.incarnation == 1
+        first.kill()
+        second = Child(names, incarnation=2)
+        try:
+            assert w.state() == "alive"
+            info = w.info()
+            assert info is not None and info.incarnation == 2 and info.pid == second.proc.pid
+        finally:
+            second.stop()
+    first.stop()
+
+
+def test_peerwatch_sigstopped_child_stays_alive(names: Names) -> None:
+    child = Child(names)
+    try:
+        with PeerWatch(names, TASK) as w:
+            os.kill(child.proc.pid, signal.SIGSTOP)
+            try:
+                for _ in range(5):
+                    assert w.state() == "alive"
+                    time.sleep(0.05)
+            finally:
+                os.kill(child.proc.pid, signal.SIGCONT)
+            assert w.state() == "alive"
+    finally:
+        assert child.stop() == 0
+
+
+def test_peerwatch_forked_grandchild_does_not_keep_dead_parent_alive(names: Names) -> None:
+    child = Child(names, mode="fork")
+    grandchild = int(child.extra)
+    try:
+        with PeerWatch(names, TASK) as w:
+            assert w.state() == "alive"
+            child.kill()
+            os.kill(grandchild, 0)  # still running
+            assert _wait_state(w, "dead") == "dead"
+    finally:
+        child.stop()  # closes the stdin pipe: the grandchild exits too
+        try:
+            os.kill(grandchild, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _wait_gone(grandchild)
+    os.unlink(names.path(names.presence(TASK)))  # the killed child's stale record
+
+
+def test_presence_forked_child_exit_leaves_parent_record(names: Names) -> None:
+    child = Child(names, mode="forkexit")
+    try:
+        assert child.extra == "alive"
+        assert read_presence(names, TASK) is not None
+    finally:
+        assert child.stop() == 0
+
+
+def test_peerwatch_same_process_presences_see_each_other(names: Names) -> None:
+    with (
+        Presence.publish(names, _info(names, TASK)),
+        Presence.publish(names, _info(names, OTHER)),
+        PeerWatch(names, TASK) as a,
+        PeerWatch(names, OTHER) as b,
+    ):
+        assert a.state() == "alive"
+        assert b.state() == "alive"
+
+
+def test_peerwatch_closed_presence_in_process_is_absent(names: Names) -> None:
+    p = Presence.publish(names, _info(names))
+    with PeerWatch(names, TASK) as w:
+        assert w.state() == "alive"
+        p.close()
+        assert w.state() == "absent"
+
+
+def test_presence_dropped_unclosed_is_finalized(names: Names) -> None:
+    p = Presence.publish(names, _info(names))
+    path = p.path
+    del p
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_peerwatch_record_from_other_boot_is_dead(names: Names) -> None:
+    info = PresenceInfo(TASK, os.getpid(), "another-boot", 1, time.time(), names.namespace)
+    with Presence.publish(names, info), PeerWatch(names, TASK) as w:
+        assert w.state() == "dead"
+
+
+def _plant(names: Names, task: str = TASK, mode: int = 0o600, uid: int | None = None) -> str:
+    path = names.path(names.presence(task))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    os.write(fd, _info(names, task).to_json())
+    os.fchmod(fd, mode)
+    if uid is not None:
+        os.fchown(fd, uid, uid)
+    os.close(fd)
+    return path
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
+def test_presence_record_of_other_uid_refused(names: Names) -> None:
+    path = _plant(names, uid=65534)
+    try:
+        with pytest.raises(InternalError, match="not ours"):
+            read_presence(names, TASK)
+        with PeerWatch(names, TASK) as w, pytest.raises(InternalError, match="not ours"):
+            w.state()
+        with pytest.raises(InternalError, match="not ours"):
+            Presence.publish(names, _info(names))
+    finally:
+        os.unlink(path)
+
+
+def test_presence_record_with_open_mode_refused(names: Names) -> None:
+    path = _plant(names, mode=0o644)
+    try:
+        with pytest.raises(InternalError, match="mode 0o644"):
+            read_presence(names, TASK)
+    finally:
+        os.unlink(path)
+
+
+def test_presence_symlink_refused(names: Names, tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_bytes(_info(names).to_json())
+    target.chmod(0o600)
+    path = names.path(names.presence(TASK))
+    os.symlink(target, path)
+    try:
+        with pytest.raises(InternalError, match="symlink"):
+            read_presence(names, TASK)
+        with PeerWatch(names, TASK) as w, pytest.raises(InternalError):
+            w.state()
+    finally:
+        os.unlink(path)
+
+
+def test_presence_corrupt_record_refused(names: Names) -> None:
+    path = names.path(names.presence(TASK))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b'{"task": 1')
+    os.close(fd)
+    try:
+        with pytest.raises(InternalError, match="corrupt"):
+            read_presence(names, TASK)
+        Path(path).write_bytes(json.dumps({"task": TASK}).encode())
+        with pytest.raises(InternalError, match="'pid' is missing"):
+            read_presence(names, TASK)
+    finally:
+        os.unlink(path)
+
+
+def test_presence_publish_failure_leaves_no_temp(names: Names) -> None:
+    with Presence.publish(names, _info(names)):
+        for _ in range(3):
+            with pytest.raises(InvalidArgumentError):
+                Presence.publish(names, _info(names))
+        assert [e for e in os.listdir(SHM_DIR) if names.prefix in e] == [names.presence(TASK)]
