@@ -1,0 +1,34 @@
+"""Running user callbacks: exactly once, never under a lock, their exceptions logged.
+
+CPython's ``concurrent.futures`` does the same (``LOGGER.exception('exception calling
+callback for %r', ...)``): an exception raised by a user's ``done`` must not unwind
+into whichever transport thread happened to complete the receive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from ._received import Received
+
+__all__ = ["DoneCallback", "invoke_done"]
+
+_log = logging.getLogger("shmrdv.callbacks")
+
+DoneCallback: TypeAlias = "Callable[[BaseException | None, Received | None], None]"
+
+
+def invoke_done(
+    done: DoneCallback, error: BaseException | None, received: Received | None
+) -> None:
+    """Call ``done(error, received)``; log, never raise, what it raises.
+
+    Callers must not hold any lock of theirs: the callback may call back into shmrdv.
+    """
+    try:
+        done(error, received)
+    except Exception:
+        _log.exception("exception in a recv_async done callback %r", done)

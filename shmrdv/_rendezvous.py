@@ -1,0 +1,255 @@
+"""The Rendezvous interface every transport implements, and the receive flavours built on it.
+
+A transport implements four things: ``send``, ``_start_recv`` (the one asynchronous
+receive primitive, with a canceller), ``start_abort`` and, where it can do better than a
+plain ``numpy.empty``, ``allocate``. Everything else a user calls — the blocking ``recv``
+with a timeout, ``recv_async``, ``recv_future`` and ``arecv`` — is written once, here, on
+top of ``_start_recv``, so every transport behaves the same way (TensorFlow: ``Recv`` is a
+"synchronous wrapper for RecvAsync").
+
+The canceller returned by ``_start_recv`` is how a timeout, ``Future.cancel()`` or an
+asyncio cancellation removes a waiter: it returns ``True`` when it removed the waiter
+before anything was delivered (``done`` will then never be called), ``False`` when the
+delivery already happened or is under way (``done`` is, or will be, called exactly once).
+Unlike TensorFlow, whose timed-out waiter stays queued and swallows the next send, a
+receive that gave up never takes a value.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._callbacks import DoneCallback, invoke_done
+from ._errors import DeadlineExceededError, InvalidArgumentError, RendezvousError
+from ._keys import ParsedKey, parse_key
+from ._received import Received
+
+__all__ = ["Canceller", "Rendezvous", "as_parsed_key", "check_timeout"]
+
+_log = logging.getLogger("shmrdv.rendezvous")
+
+Canceller = Callable[[], bool]
+
+
+def as_parsed_key(key: str | ParsedKey) -> ParsedKey:
+    """Accept a key string or an already parsed key."""
+    if isinstance(key, ParsedKey):
+        return key
+    if not isinstance(key, str):
+        raise InvalidArgumentError(
+            f"a rendezvous key must be a str (see shmrdv.create_key), not {type(key).__name__}"
+        )
+    return parse_key(key)
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """``None`` waits forever; a number must be finite and >= 0."""
+    if timeout is None:
+        return None
+    try:
+        t = float(timeout)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"timeout must be a number of seconds or None, not {timeout!r}") from None
+    if not t >= 0 or t == float("inf"):
+        raise InvalidArgumentError(f"timeout must be finite and >= 0 seconds, not {timeout!r}")
+    return t
+
+
+def _timeout_error(pk: ParsedKey, timeout: float | None) -> DeadlineExceededError:
+    return DeadlineExceededError(
+        f"Timed out after {timeout:g}s waiting for key {pk.full_key!r} "
+        f"(from {pk.src_device}); the waiter was removed"
+    )
+
+
+class _Slot:
+    """One blocking receiver's mailbox: filled exactly once by a done callback."""
+
+    __slots__ = ("error", "event", "received")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+        self.received: Received | None = None
+
+    def done(self, error: BaseException | None, received: Received | None) -> None:
+        self.error, self.received = error, received
+        self.event.set()
+
+    def result(self) -> Received:
+        if self.error is not None:
+            raise self.error
+        assert self.received is not None
+        return self.received
+
+
+class _RecvFuture(concurrent.futures.Future[Received]):
+    """A Future whose ``cancel()`` removes the waiter, or fails if the value is on its way."""
+
+    _canceller: Canceller | None = None
+
+    def cancel(self) -> bool:
+        if self.done():
+            return super().cancel()
+        canceller = self._canceller
+        # No canceller yet means _start_recv has not returned: the waiter exists and could
+        # receive at any time, so refusing is the only answer that cannot lose a value.
+        if canceller is None or not canceller():
+            return False
+        return super().cancel()
+
+
+def _settle(fut: asyncio.Future[Received], error: BaseException | None, received: Received | None) -> None:
+    if fut.done():  # pragma: no cover - we never cancel this future ourselves
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(received)  # type: ignore[arg-type]
+
+
+class Rendezvous(abc.ABC):
+    """A place where a producer's ``send`` meets a consumer's ``recv`` under one key.
+
+    Keys are TensorFlow rendezvous keys (``shmrdv.create_key``), as strings or
+    ``ParsedKey``. Several sends of one key queue in FIFO order; each receive takes the
+    oldest. ``send`` never blocks.
+    """
+
+    # -- what a transport implements -------------------------------------------------
+
+    @abc.abstractmethod
+    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+        """Hand ``value`` (a numpy array) to the receiver of ``key``. Never blocks."""
+
+    @abc.abstractmethod
+    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
+        """Arrange for ``done(error, received)`` to be called once; return a canceller.
+
+        May raise a ``RendezvousError`` at once for a call that cannot start (a key this
+        rendezvous cannot receive, an aborted rendezvous); ``done`` is then never called.
+
+        ``done`` may run in the calling thread (a value is already there) or in a
+        transport thread, never under a lock of the transport.
+        """
+
+    @abc.abstractmethod
+    def start_abort(self, error: BaseException) -> None:
+        """Fail every pending and later call with ``error``; the first error wins. Never blocks."""
+
+    def allocate(self, key: str | ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
+        """An array to fill and then pass to ``send(key, array)``.
+
+        Transports that can, return memory the receiver will see without a copy; the
+        default is a plain ``numpy.empty``, which ``send`` hands over as any array.
+        """
+        as_parsed_key(key)
+        try:
+            return np.empty(shape, dtype=dtype)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"cannot allocate shape={shape!r} dtype={dtype!r}: {e}") from e
+
+    # -- receive flavours, built once on _start_recv -----------------------------------
+
+    def recv_async(self, key: str | ParsedKey, done: DoneCallback, *, copy: bool = False) -> None:
+        """Call ``done(error, received)`` exactly once, when the value arrives or the call fails.
+
+        Returns at once. ``done`` runs in the calling thread if the value is already
+        there, otherwise in a transport thread; it never runs under a lock, and an
+        exception it raises is logged (logger ``shmrdv.callbacks``), not propagated.
+        A bad key is reported through ``done`` too.
+        """
+        try:
+            pk = as_parsed_key(key)
+            self._start_recv(pk, lambda err, rec: invoke_done(done, err, rec), copy)
+        except RendezvousError as e:
+            invoke_done(done, e, None)
+
+    def recv(
+        self, key: str | ParsedKey, *, timeout: float | None = None, copy: bool = False
+    ) -> Received:
+        """Block until the oldest value of ``key`` arrives; return ``Received(value, is_dead)``.
+
+        ``timeout`` (seconds, ``None`` = forever) that expires raises
+        ``DeadlineExceededError`` (also a ``TimeoutError``) and removes the waiter, so a
+        later send is not swallowed. ``copy=True`` returns a private copy where the
+        transport would otherwise hand out shared memory. Raises the abort error if the
+        rendezvous is or gets aborted; Ctrl-C (``KeyboardInterrupt``) also removes the waiter.
+        """
+        pk = as_parsed_key(key)
+        t = check_timeout(timeout)
+        slot = _Slot()
+        cancel = self._start_recv(pk, slot.done, copy)
+        try:
+            if not slot.event.wait(t):
+                if cancel():
+                    raise _timeout_error(pk, t)
+                slot.event.wait()  # lost the race to a delivery: it is on its way
+        except BaseException:
+            # Interrupted (Ctrl-C): remove the waiter so it cannot swallow a later send.
+            if not slot.event.is_set() and not cancel():
+                _log.warning("recv of %r interrupted just as its value arrived; the value is dropped", pk.full_key)
+            raise
+        return slot.result()
+
+    def recv_future(self, key: str | ParsedKey, *, copy: bool = False) -> concurrent.futures.Future[Received]:
+        """A ``concurrent.futures.Future`` of the next value of ``key``.
+
+        ``cancel()`` removes the waiter and returns ``True``, or returns ``False`` when the
+        value has already been taken for this future (it then completes normally).
+        """
+        fut = _RecvFuture()
+
+        def done(error: BaseException | None, received: Received | None) -> None:
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(received)  # type: ignore[arg-type]
+
+        try:
+            fut._canceller = self._start_recv(as_parsed_key(key), done, copy)
+        except RendezvousError as e:
+            fut.set_exception(e)
+        return fut
+
+    async def arecv(
+        self, key: str | ParsedKey, *, timeout: float | None = None, copy: bool = False
+    ) -> Received:
+        """``await`` the next value of ``key`` without blocking the event loop.
+
+        A ``timeout`` that expires raises ``DeadlineExceededError`` and removes the waiter;
+        cancelling the awaiting task removes it too. If the value was already taken when
+        the cancellation arrived, it is returned instead of being dropped (as
+        ``asyncio.wait_for`` does with a result that races its cancellation).
+        """
+        pk = as_parsed_key(key)
+        t = check_timeout(timeout)
+        loop = asyncio.get_running_loop()
+        afut: asyncio.Future[Received] = loop.create_future()
+
+        def done(error: BaseException | None, received: Received | None) -> None:
+            loop.call_soon_threadsafe(_settle, afut, error, received)
+
+        cancel = self._start_recv(pk, done, copy)
+        try:
+            finished, _ = await asyncio.wait({afut}, timeout=t)
+        except asyncio.CancelledError:
+            if cancel():
+                raise
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):
+                task.uncancel()
+            return await afut
+        if not finished:
+            if cancel():
+                raise _timeout_error(pk, t)
+        return await afut

@@ -1,0 +1,402 @@
+"""Worker: one task of a job, the owner of its step-scoped rendezvous and transports.
+
+A Worker is TensorFlow's worker process reduced to its rendezvous part: it has a task
+name (``/job:w/replica:0/task:1``), an incarnation (a random uint64 drawn at start), a
+namespace shared by the job's workers, and the transports that reach other workers —
+shared memory on this host, gRPC across hosts. ``rendezvous(step_id)`` hands out the
+step's router; ``cleanup(step_id)`` aborts and frees it (TensorFlow's
+``RendezvousMgr::Cleanup``), leaving a tombstone so a late call fails at once instead of
+waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ._cluster import ClusterSpec
+from ._devices import DeviceName
+from ._errors import AbortedError, InvalidArgumentError, UnavailableError
+from ._hostaddr import is_local_host, split_host_port
+from ._keys import ParsedKey
+from ._namespace import resolve_namespace
+from ._router import StepRendezvous
+from ._transport import Transport
+
+if TYPE_CHECKING:
+    from ._rpc.security import TLSConfig
+    from ._shm.presence import PeerWatch, Presence
+
+__all__ = ["Worker"]
+
+_log = logging.getLogger("shmrdv.worker")
+
+_TRANSPORTS = ("shm", "grpc")
+# How many cleaned-up step ids a worker remembers (TensorFlow keeps none and lets a late
+# RecvTensor wait forever; an unbounded set would leak in a long job).
+_TOMBSTONES = 65536
+
+_live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+def _mark_forked() -> None:
+    for w in list(_live_workers):
+        w._forked = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
+
+
+def _task_of(task: str | DeviceName) -> DeviceName:
+    dev = task if isinstance(task, DeviceName) else DeviceName.parse(task)
+    if dev.job is None or dev.task is None:
+        raise InvalidArgumentError(
+            f"a Worker needs a task name with a job and a task index, like "
+            f"'/job:worker/replica:0/task:0', not {str(task)!r}"
+        )
+    return DeviceName(job=dev.job, replica=dev.replica or 0, task=dev.task, type=None, id=None)
+
+
+class Worker:
+    """One task of a job: hands out step-scoped rendezvous and owns their transports.
+
+    Args:
+        task: this worker's task, e.g. ``"/job:worker/replica:0/task:0"`` (replica
+            defaults to 0). At most one live Worker per task and namespace on a host.
+        cluster: a ``ClusterSpec`` (or its dict) giving each task's ``host:port``.
+            ``None``: every task is on this host and no server is needed.
+        namespace: the job's token from ``shmrdv.new_namespace()``, shared by all its
+            workers; defaults to the ``SHMRDV_NAMESPACE`` environment variable.
+        transports: priority list among ``"shm"`` and ``"grpc"``; default both, with a
+            gRPC server started only when the cluster puts a task on another host.
+            Passing ``("grpc",)`` forces the network path (and starts the server).
+        incarnation: this run's id, a non-zero uint64; random unless given.
+        tls, token: gRPC security options (see ``TLSConfig``); a token is a shared
+            bearer secret every call must carry.
+        shm_pool_bytes: bytes of reusable shared-memory slots kept warm for sends to
+            this host's workers (0 disables the pool).
+
+    Close it (or use ``with``): ``close()`` aborts every step and releases every OS
+    object this worker owns. A Worker cannot be used in a ``fork`` child of the process
+    that created it: create a new one there.
+    """
+
+    def __init__(
+        self,
+        task: str | DeviceName,
+        *,
+        cluster: ClusterSpec | Mapping[str, Any] | None = None,
+        namespace: str | None = None,
+        transports: Iterable[str] | None = None,
+        incarnation: int | None = None,
+        tls: TLSConfig | None = None,
+        token: str | None = None,
+        shm_pool_bytes: int = 512 << 20,
+    ) -> None:
+        self._closed = True  # until fully built, so close() from the finalizer is a no-op
+        self._forked = False
+        self._pid = os.getpid()
+        self._task = _task_of(task)
+        self.task: str = str(self._task)
+        self.cluster: ClusterSpec | None = (
+            None if cluster is None else cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
+        )
+        self.namespace: str = resolve_namespace(namespace)
+        explicit = transports is not None
+        names = tuple(transports) if transports is not None else _TRANSPORTS
+        if isinstance(transports, str):
+            raise InvalidArgumentError(f"transports must be a list like ('shm', 'grpc'), not the string {transports!r}")
+        bad = [t for t in names if t not in _TRANSPORTS]
+        if bad or len(set(names)) != len(names):
+            raise InvalidArgumentError(f"transports must be distinct names among {_TRANSPORTS}, not {names!r}")
+        self.transports: tuple[str, ...] = names
+        if incarnation is None:
+            incarnation = 0
+            while incarnation == 0:
+                incarnation = secrets.randbits(64)
+        if isinstance(incarnation, bool) or not isinstance(incarnation, int) or not 0 < incarnation < 2**64:
+            raise InvalidArgumentError(f"incarnation must be a non-zero uint64, not {incarnation!r}")
+        self.incarnation: int = incarnation
+        if not isinstance(shm_pool_bytes, int) or shm_pool_bytes < 0:
+            raise InvalidArgumentError(f"shm_pool_bytes must be an int >= 0, not {shm_pool_bytes!r}")
+        self._tls = tls
+        self._token = token
+        self._shm_pool_bytes = shm_pool_bytes
+
+        self._lock = threading.Lock()
+        self._steps: dict[int, StepRendezvous] = {}
+        self._tombstones: OrderedDict[int, AbortedError] = OrderedDict()
+        self._routes: dict[tuple[str, int, int], Transport] = {}
+        self._watches: dict[tuple[str, int, int], PeerWatch] = {}
+        self._shm: Transport | None = None
+        self._grpc: Transport | None = None
+        self._presence: Presence | None = None
+        self.address: str | None = None
+
+        try:
+            self._start(explicit)
+        except BaseException:
+            self._closed = False
+            self.close()
+            raise
+        self._closed = False
+        _live_workers.add(self)
+        self._finalizer = weakref.finalize(self, _log.debug, "worker %s collected", self.task)
+
+    def _start(self, explicit_transports: bool) -> None:
+        from ._shm.naming import Names
+        from ._shm.presence import Presence, PresenceInfo, boot_id
+
+        self._names = Names(self.namespace)
+        start_server = "grpc" in self.transports and (
+            (explicit_transports and self.transports[0] == "grpc") or self._cluster_has_remote_task()
+        ) or (explicit_transports and "shm" not in self.transports)
+        if start_server:
+            from ._rpc.transport import GrpcTransport
+
+            bind = self._bind_address()
+            grpc_t = GrpcTransport(self, bind, tls=self._tls, token=self._token)
+            self._grpc = grpc_t
+            self.address = grpc_t.address
+        elif "grpc" in self.transports:
+            self._grpc = None  # created lazily on the first remote key (client side only)
+        self._presence = Presence.publish(
+            self._names,
+            PresenceInfo(
+                task=self.task,
+                pid=os.getpid(),
+                boot_id=boot_id(),
+                incarnation=self.incarnation,
+                started=__import__("time").time(),
+                namespace=self.namespace,
+                address=self.address,
+            ),
+        )
+        if "shm" in self.transports:
+            from ._shm.transport import ShmTransport
+
+            self._shm = ShmTransport(self, pool_bytes=self._shm_pool_bytes)
+
+    def _cluster_has_remote_task(self) -> bool:
+        if self.cluster is None:
+            return False
+        for t in self.cluster.tasks():
+            host, _ = split_host_port(self.cluster.task_address(t))
+            if not is_local_host(host):
+                return True
+        return False
+
+    def _bind_address(self) -> str:
+        if self.cluster is not None and self.task in self.cluster:
+            return self.cluster.task_address(self.task)
+        return "127.0.0.1:0"
+
+    # -- public API ----------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<shmrdv.Worker {self.task} incarnation={self.incarnation:016x} "
+            f"transports={self.transports} steps={len(self._steps)} {state}>"
+        )
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def rendezvous(self, step_id: int) -> StepRendezvous:
+        """The rendezvous of step ``step_id`` (created on first use, then the same object).
+
+        After ``cleanup(step_id)`` it is a rendezvous whose every call fails at once with
+        ``AbortedError("Cleanup <step_id>")``.
+        """
+        step = self._check_step(step_id)
+        self._check_usable()
+        with self._lock:
+            rdv = self._steps.get(step)
+            if rdv is not None:
+                return rdv
+            rdv = StepRendezvous(self, step)
+            tomb = self._tombstones.get(step)
+            if tomb is None:
+                self._steps[step] = rdv
+        if tomb is not None:
+            rdv.start_abort(tomb)
+        return rdv
+
+    def cleanup(self, step_id: int) -> None:
+        """Abort step ``step_id`` with ``AbortedError("Cleanup <step_id>")`` and free its state.
+
+        Pending receives of the step fail at once; values sent to this worker in that
+        step and not received are freed. Later calls on the step fail at once.
+        """
+        step = self._check_step(step_id)
+        error = AbortedError(f"Cleanup {step}")
+        with self._lock:
+            rdv = self._steps.pop(step, None)
+            self._tombstones[step] = error
+            self._tombstones.move_to_end(step)
+            while len(self._tombstones) > _TOMBSTONES:
+                self._tombstones.popitem(last=False)
+        if rdv is not None:
+            rdv.start_abort(error)
+        for t in self._active_transports():
+            t.abort_step(step, error)
+            t.cleanup_step(step)
+
+    def is_cleaned_up(self, step_id: int) -> bool:
+        """True if ``cleanup(step_id)`` ran (and is still remembered)."""
+        return step_id in self._tombstones
+
+    def close(self) -> None:
+        """Abort every step, stop the server, release every OS object. Idempotent.
+
+        Values this worker already sent to another worker on this host stay readable by
+        it: from ``send``'s return they belong to the consumer.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        _live_workers.discard(self)
+        if self._forked:
+            return  # the parent owns every OS object; touch nothing
+        with self._lock:
+            steps = list(self._steps.items())
+            self._steps.clear()
+        for step, rdv in steps:
+            rdv.start_abort(AbortedError(f"Worker {self.task} closed (step {step})"))
+        for t in self._active_transports():
+            try:
+                t.close()
+            except Exception:  # pragma: no cover - keep closing the rest
+                _log.exception("closing transport %s of %s", t.name, self.task)
+        for watch in self._watches.values():
+            watch.close()
+        if self._presence is not None:
+            self._presence.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> dict[str, Any]:
+        """Counters per transport (bytes, messages, pending, live segments) and steps."""
+        out: dict[str, Any] = {
+            "task": self.task,
+            "steps": len(self._steps),
+            "tombstones": len(self._tombstones),
+        }
+        local: dict[str, int] = {}
+        for rdv in list(self._steps.values()):
+            for k, v in rdv.stats().items():
+                local[k] = local.get(k, 0) + v
+        out["local"] = local
+        for t in self._active_transports():
+            out[t.name] = t.stats()
+        return out
+
+    # -- for the router and the transports ------------------------------------------------
+
+    @staticmethod
+    def _check_step(step_id: int) -> int:
+        if isinstance(step_id, bool) or not isinstance(step_id, int) or not -(2**63) <= step_id < 2**63:
+            raise InvalidArgumentError(f"step_id must be an int64, not {step_id!r}")
+        return step_id
+
+    def _check_usable(self) -> None:
+        if self._forked:
+            raise InvalidArgumentError(
+                f"this Worker ({self.task}) was created in pid {self._pid} and inherited across "
+                f"fork by pid {os.getpid()}; a Worker cannot be shared: create a new Worker in the child"
+            )
+        if self._closed:
+            raise AbortedError(f"Worker {self.task} is closed")
+
+    def _is_own_task(self, dev: DeviceName) -> bool:
+        return self._task.same_task(dev)
+
+    def _active_transports(self) -> list[Transport]:
+        return [t for t in (self._shm, self._grpc) if t is not None]
+
+    def peer_watch(self, task: DeviceName) -> PeerWatch:
+        """The (cached) presence watcher of another worker's task."""
+        from ._shm.presence import PeerWatch
+
+        tk = task.task_key()
+        with self._lock:
+            w = self._watches.get(tk)
+            if w is None:
+                w = PeerWatch(self._names, _task_of(task).__str__())
+                self._watches[tk] = w
+        return w
+
+    def _peer_is_local(self, task: DeviceName) -> bool:
+        from ._shm.presence import boot_id
+
+        info = self.peer_watch(task).info()
+        if info is not None and info.boot_id == boot_id():
+            return True
+        if self.cluster is None:
+            return True
+        try:
+            address = self.cluster.task_address(_task_of(task))
+        except InvalidArgumentError:
+            return True  # not in the cluster: only reachable here
+        host, _ = split_host_port(address)
+        return is_local_host(host)
+
+    def _route(self, task: DeviceName, pk: ParsedKey) -> Transport:
+        tk = task.task_key()
+        t = self._routes.get(tk)
+        if t is not None:
+            return t
+        local = self._peer_is_local(task)
+        chosen: Transport | None = None
+        for name in self.transports:
+            if name == "shm" and local and self._shm is not None:
+                chosen = self._shm
+                break
+            if name == "grpc":
+                chosen = self._grpc_transport()
+                break
+        if chosen is None:
+            where = "this host" if local else "another host"
+            raise InvalidArgumentError(
+                f"key {pk.full_key!r}: task {_task_of(task)} is on {where} and none of "
+                f"transports={self.transports} reaches it (shm reaches this host, grpc any host)"
+            )
+        with self._lock:
+            return self._routes.setdefault(tk, chosen)
+
+    def _transport_to(self, dst: DeviceName, pk: ParsedKey) -> Transport:
+        return self._route(dst, pk)
+
+    def _transport_from(self, src: DeviceName, pk: ParsedKey) -> Transport:
+        return self._route(src, pk)
+
+    def _grpc_transport(self) -> Transport:
+        with self._lock:
+            if self._grpc is None:
+                from ._rpc.transport import GrpcTransport
+
+                self._grpc = GrpcTransport(self, None, tls=self._tls, token=self._token)
+            return self._grpc
+
+    def peer_address(self, task: DeviceName, pk: ParsedKey | None = None) -> str:
+        """The gRPC address of another worker: the cluster's, else its presence record's."""
+        t = _task_of(task)
+        if self.cluster is not None and str(t) in self.cluster:
+            return self.cluster.task_address(t)
+        info = self.peer_watch(t).info()
+        if info is not None and info.address:
+            return info.address
+        what = f" for key {pk.full_key!r}" if pk is not None else ""
+        raise UnavailableError(f"no address known for task {t}{what}: not in the cluster spec and not running here")
