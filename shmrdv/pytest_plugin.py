@@ -1,0 +1,109 @@
+"""A pytest plugin for testing code built on shmrdv (registered as ``pytest11`` entry ``shmrdv``).
+
+Off unless enabled: pass ``-p shmrdv.pytest_plugin``... it is loaded through the entry point
+but does nothing until ``--shmrdv`` is given or the ini option ``shmrdv = true`` is set.
+Then it offers fixtures — ``shmrdv_namespace`` (a fresh namespace token),
+``shmrdv_leak_check`` (autouse: fails a test that leaves shmrdv objects in /dev/shm or
+child processes running) — and the helpers in ``shmrdv.testing``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+__all__ = ["child_pids", "leftover_objects"]
+
+SHM_DIR = "/dev/shm"
+
+
+def leftover_objects(prefix: str = "shmrdv_") -> set[str]:
+    """Names in /dev/shm (segments, records, ``sem.`` semaphores) that start with ``prefix``."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return set()
+    return {e for e in entries if e.startswith(prefix) or e.startswith("sem." + prefix)}
+
+
+def child_pids() -> set[int]:
+    """Pids of live (non-zombie) children of this process, from /proc."""
+    me = os.getpid()
+    out: set[int] = set()
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:  # pragma: no cover
+        return out
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parens; split after the last ')'.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) >= 2 and int(fields[1]) == me and fields[0] != b"Z":
+            out.add(pid)
+    return out
+
+
+def wait_clean(before_objects: set[str], before_children: set[int], grace: float = 3.0) -> tuple[set[str], set[int]]:
+    """Wait up to ``grace`` seconds for new objects and children to go; return what is left."""
+    deadline = time.monotonic() + grace
+    while True:
+        gc.collect()
+        objs = leftover_objects() - before_objects
+        kids = child_pids() - before_children
+        if (not objs and not kids) or time.monotonic() > deadline:
+            return objs, kids
+        time.sleep(0.05)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("shmrdv")
+    group.addoption(
+        "--shmrdv",
+        action="store_true",
+        default=False,
+        help="enable shmrdv's fixtures and its leak check (objects in /dev/shm, child processes)",
+    )
+    parser.addini("shmrdv", "enable the shmrdv plugin (true/false)", type="bool", default=False)
+
+
+def _enabled(config: pytest.Config) -> bool:
+    return bool(config.getoption("--shmrdv") or config.getini("shmrdv"))
+
+
+@pytest.fixture(autouse=True)
+def shmrdv_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the test if it left shmrdv objects in /dev/shm or child processes running."""
+    if not _enabled(request.config):
+        yield
+        return
+    before_objects, before_children = leftover_objects(), child_pids()
+    yield
+    objs, kids = wait_clean(before_objects, before_children)
+    problems = []
+    if objs:
+        problems.append(f"left in {SHM_DIR}: {sorted(objs)[:20]}")
+        for name in objs:  # clean up so one leak does not fail every later test
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+    if kids:
+        problems.append(f"child processes still running: {sorted(kids)}")
+    if problems:
+        pytest.fail("shmrdv leak check: " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def shmrdv_namespace() -> str:
+    """A fresh namespace token (``shmrdv.new_namespace()``)."""
+    from ._namespace import new_namespace
+
+    return new_namespace()
