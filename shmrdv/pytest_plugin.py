@@ -75,7 +75,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _enabled(config: pytest.Config) -> bool:
-    return bool(config.getoption("--shmrdv") or config.getini("shmrdv"))
+    if getattr(config.option, "shmrdv", False):
+        return True
+    try:
+        return bool(config.getini("shmrdv"))
+    except ValueError:  # registered after option parsing (a bare checkout's conftest)
+        return False
 
 
 @pytest.fixture(autouse=True)
