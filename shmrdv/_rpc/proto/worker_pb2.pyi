@@ -1,0 +1,62 @@
+from google.protobuf import any_pb2 as _any_pb2
+from . import device_attributes_pb2 as _device_attributes_pb2
+from . import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("device_attributes",)
+    DEVICE_ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    device_attributes: _containers.RepeatedCompositeFieldContainer[_device_attributes_pb2.DeviceAttributes]
+    def __init__(self, device_attributes: _Optional[_Iterable[_Union[_device_attributes_pb2.DeviceAttributes, _Mapping]]] = ...) -> None: ...
+
+class RecvTensorRequest(_message.Message):
+    __slots__ = ("step_id", "rendezvous_key", "dma_ok", "client_locality", "server_locality", "transport_options", "request_id")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
+    DMA_OK_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_LOCALITY_FIELD_NUMBER: _ClassVar[int]
+    SERVER_LOCALITY_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    rendezvous_key: str
+    dma_ok: bool
+    client_locality: _device_attributes_pb2.DeviceLocality
+    server_locality: _device_attributes_pb2.DeviceLocality
+    transport_options: _any_pb2.Any
+    request_id: int
+    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., dma_ok: _Optional[bool] = ..., client_locality: _Optional[_Union[_device_attributes_pb2.DeviceLocality, _Mapping]] = ..., server_locality: _Optional[_Union[_device_attributes_pb2.DeviceLocality, _Mapping]] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class RecvTensorResponse(_message.Message):
+    __slots__ = ("tensor", "is_dead", "send_start_micros", "transport_options", "require_ack")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    IS_DEAD_FIELD_NUMBER: _ClassVar[int]
+    SEND_START_MICROS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUIRE_ACK_FIELD_NUMBER: _ClassVar[int]
+    tensor: _tensor_pb2.TensorProto
+    is_dead: bool
+    send_start_micros: int
+    transport_options: _any_pb2.Any
+    require_ack: bool
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., send_start_micros: _Optional[int] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., require_ack: _Optional[bool] = ...) -> None: ...
+
+class MarkRecvFinishedRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    def __init__(self, request_id: _Optional[int] = ...) -> None: ...
+
+class MarkRecvFinishedResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
