@@ -1,0 +1,450 @@
+"""The segment header: a pure byte format at the start of every shared-memory segment.
+
+No shared memory and no I/O here (h11-style, STYLE.md rule 3): ``pack_into`` writes a
+``Header`` into any writable buffer and ``unpack`` reads one back from any buffer, so
+both are tested on plain ``bytearray``s. A segment is the header, padding up to
+``data_offset`` (a multiple of 64, so the array data is aligned for numpy and SIMD),
+then ``nbytes`` of array data in C order.
+
+Layout, little endian, no padding::
+
+    magic 8s | version u16 | flags u16 | header_len u32 | data_offset u64 | nbytes u64
+    step_id i64 | seq u64 | producer_incarnation u64 | producer_pid u32 | slot i64
+    created_ns u64 | ndim u32 | dtype_len u32 | key_len u32          (the fixed prefix)
+    shape: ndim x u64 | dtype descriptor: dtype_len bytes | key: key_len bytes (UTF-8)
+
+``flags`` bit 0 is ``is_dead``. ``header_len`` is the whole header (prefix through key).
+
+The dtype descriptor is one of:
+
+* ``dtype.str`` for plain dtypes (``<f4``, ``|S7``, ``<U5``, ``|b1``, ``<c16``, ``<M8[ns]``);
+* ``json:`` + JSON of ``numpy.lib.format.dtype_to_descr(dtype)`` for structured dtypes
+  (the ``.npy`` format's description; decoded with ``descr_to_dtype``);
+* ``ml_dtypes:<name>`` for ml_dtypes' types (bfloat16, float8_*), imported lazily.
+
+``unpack`` treats the buffer as hostile (a peer may be buggy or malicious): every length
+is checked against the buffer and the file before it is used, so garbage gives
+``InternalError("segment header corrupted: <field> ...")`` and never another exception or a
+large allocation.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import mmap
+import re
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.lib import format as npy_format
+
+from .._errors import InternalError, InvalidArgumentError
+
+__all__ = [
+    "ALIGNMENT",
+    "MAGIC",
+    "MAX_DTYPE_BYTES",
+    "MAX_KEY_BYTES",
+    "MAX_NDIM",
+    "PREFIX",
+    "VERSION",
+    "Header",
+    "data_offset_for",
+    "header_size",
+    "pack",
+    "pack_into",
+    "unpack",
+]
+
+#: Any buffer the header can be read from (``pack_into`` needs a writable one).
+BufferLike = bytes | bytearray | memoryview | mmap.mmap
+
+#: First bytes of every segment. The non-ASCII first byte and the newline catch text
+#: mangling, as the PNG signature does; an all-zero (fresh, unwritten) file never matches.
+MAGIC = b"\x89SHMRDV\n"
+VERSION = 1
+#: Data starts on a 64-byte boundary (a cache line; AVX-512 loads). numpy itself only
+#: needs the dtype's alignment, which is at most 16.
+ALIGNMENT = 64
+#: numpy's NPY_MAXDIMS is 64 since numpy 2.0 (32 before).
+MAX_NDIM = 64
+#: Bounds on the declared lengths, so a corrupted header never makes us allocate much.
+MAX_KEY_BYTES = 1 << 20
+MAX_DTYPE_BYTES = 1 << 20
+
+PREFIX = struct.Struct("<8sHHIQQqQQIqQIII")
+_FLAG_DEAD = 1
+_KNOWN_FLAGS = _FLAG_DEAD
+_SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
+_U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+#: numpy refuses arrays whose element count times itemsize exceeds NPY_MAX_INTP
+#: (it multiplies every non-zero dimension, even when another one is 0).
+_MAX_INTP = 2**63 - 1
+
+_JSON_TAG = b"json:"
+_ML_TAG = b"ml_dtypes:"
+_PLAIN_RE = re.compile(rb"[<>|=][a-zA-Z][0-9]{0,10}(\[[0-9]{0,10}[a-zA-Z]{1,3}\])?")
+_ML_NAME_RE = re.compile(rb"[a-z][a-z0-9_]{0,63}")
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """What a segment holds: the array's dtype and shape, where its bytes are, whose it is.
+
+    ``slot`` is the producer's pool slot, or -1 for a segment that is not pooled.
+    ``created_ns`` is ``time.time_ns()`` at the send. Use ``Header.build`` to compute
+    ``data_offset`` and ``nbytes`` from the key, dtype and shape.
+    """
+
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    is_dead: bool
+    data_offset: int
+    nbytes: int
+    step_id: int
+    seq: int
+    producer_incarnation: int
+    producer_pid: int
+    slot: int
+    created_ns: int
+    key: str
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        key: str,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+        step_id: int,
+        seq: int,
+        producer_incarnation: int,
+        producer_pid: int,
+        is_dead: bool = False,
+        slot: int = -1,
+        created_ns: int | None = None,
+    ) -> Header:
+        """A header with ``data_offset`` and ``nbytes`` filled in (``created_ns`` defaults to now).
+
+        Raises ``InvalidArgumentError`` for an object dtype or a dtype that cannot be described.
+        """
+        shape = tuple(int(d) for d in shape)
+        return cls(
+            dtype=dtype,
+            shape=shape,
+            is_dead=is_dead,
+            data_offset=data_offset_for(key, dtype, len(shape)),
+            nbytes=_prod(shape) * dtype.itemsize,
+            step_id=step_id,
+            seq=seq,
+            producer_incarnation=producer_incarnation,
+            producer_pid=producer_pid,
+            slot=slot,
+            created_ns=time.time_ns() if created_ns is None else created_ns,
+            key=key,
+        )
+
+    @property
+    def segment_size(self) -> int:
+        """Bytes the segment needs: ``data_offset + nbytes``."""
+        return self.data_offset + self.nbytes
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _corrupted(what: str) -> InternalError:
+    return InternalError(f"segment header corrupted: {what}")
+
+
+# --- dtype descriptors ------------------------------------------------------------------
+
+
+def _json_to_descr(obj: Any) -> Any:
+    """Undo JSON's tuple-to-list on a ``dtype_to_descr`` value (fields, titles, shapes)."""
+    if isinstance(obj, str):
+        return obj
+    if not isinstance(obj, list):
+        raise ValueError(f"not a dtype description: {obj!r:.80}")
+    fields: list[tuple[Any, ...]] = []
+    for field in obj:
+        if not isinstance(field, list) or len(field) not in (2, 3):
+            raise ValueError(f"not a field description: {field!r:.80}")
+        name = tuple(field[0]) if isinstance(field[0], list) else field[0]
+        if len(field) == 2:
+            fields.append((name, _json_to_descr(field[1])))
+        else:
+            fields.append((name, _json_to_descr(field[1]), tuple(field[2])))
+    return fields
+
+
+@functools.lru_cache(maxsize=256)
+def _encode_dtype(dtype: np.dtype[Any]) -> bytes:
+    """The descriptor bytes of ``dtype``; raises ``InvalidArgumentError`` if it has none."""
+    if dtype.hasobject:
+        raise InvalidArgumentError(
+            f"cannot put dtype {dtype} in shared memory: it holds Python objects, whose bytes "
+            "are pointers that mean nothing in another process"
+        )
+    if dtype.type.__module__.startswith("ml_dtypes"):
+        encoded = _ML_TAG + dtype.type.__name__.encode("ascii")
+    elif dtype.names is None and dtype.subdtype is None:
+        encoded = dtype.str.encode("ascii")
+    else:
+        # What numpy.lib.format.dtype_to_descr returns for a structured dtype (it also
+        # warns about metadata, which we drop silently: the .npy format drops it too).
+        encoded = _JSON_TAG + json.dumps(dtype.descr).encode("utf-8")
+    try:
+        same = _decode_dtype(encoded) == dtype
+    except InternalError:
+        same = False
+    if not same:
+        raise InvalidArgumentError(
+            f"cannot put dtype {dtype!r} in shared memory: its description {encoded!r:.200} "
+            "does not round-trip"
+        )
+    if len(encoded) > MAX_DTYPE_BYTES:
+        raise InvalidArgumentError(f"dtype {dtype!r:.200} is too complex to describe")
+    return encoded
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_dtype(encoded: bytes) -> np.dtype[Any]:
+    """The dtype of a descriptor; raises ``InternalError`` for anything unusable."""
+    try:
+        if encoded.startswith(_JSON_TAG):
+            descr = _json_to_descr(json.loads(encoded[len(_JSON_TAG) :].decode("utf-8")))
+            if isinstance(descr, str):
+                raise ValueError("a plain dtype in the structured form")
+            dtype = npy_format.descr_to_dtype(descr)
+        elif encoded.startswith(_ML_TAG):
+            dtype = _ml_dtype(encoded[len(_ML_TAG) :])
+        elif _PLAIN_RE.fullmatch(encoded):
+            dtype = np.dtype(encoded.decode("ascii"))
+        else:
+            raise ValueError("not a dtype descriptor")
+    except InternalError:
+        raise
+    except Exception as e:
+        # Anything numpy, json or a recursion limit raises on garbage: one error for all.
+        raise _corrupted(f"dtype {encoded!r:.200} is unusable ({type(e).__name__}: {e})") from e
+    if not isinstance(dtype, np.dtype) or dtype.hasobject:
+        raise _corrupted(f"dtype {encoded!r:.200} holds Python objects")
+    return dtype
+
+
+def _ml_dtype(name: bytes) -> np.dtype[Any]:
+    if _ML_NAME_RE.fullmatch(name) is None:
+        raise ValueError("not an ml_dtypes type name")
+    try:
+        # Lazily: optional, and only segments holding its types need it.
+        import ml_dtypes
+    except ImportError as e:
+        raise InternalError(
+            f"a segment holds an array of ml_dtypes.{name.decode('ascii')} but ml_dtypes is not "
+            "installed in this process (pip install ml_dtypes)"
+        ) from e
+    scalar_type = getattr(ml_dtypes, name.decode("ascii"), None)
+    if not isinstance(scalar_type, type) or not scalar_type.__module__.startswith("ml_dtypes"):
+        raise ValueError(f"ml_dtypes has no type {name.decode('ascii')!r}")
+    return np.dtype(scalar_type)
+
+
+# --- sizes ------------------------------------------------------------------------------
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+def _key_bytes(key: str) -> bytes:
+    raw = key.encode("utf-8")
+    if len(raw) > MAX_KEY_BYTES:
+        raise InvalidArgumentError(f"rendezvous key of {len(raw)} bytes is too long: {key[:200]!r}")
+    return raw
+
+
+def data_offset_for(key: str, dtype: np.dtype[Any], ndim: int) -> int:
+    """Where the data starts: the header's size rounded up to a multiple of ``ALIGNMENT``.
+
+    Raises ``InvalidArgumentError`` for an object or undescribable dtype, a too long key
+    or too many dimensions.
+    """
+    if not 0 <= ndim <= MAX_NDIM:
+        raise InvalidArgumentError(f"an array of {ndim} dimensions: at most {MAX_NDIM}")
+    size = PREFIX.size + 8 * ndim + len(_encode_dtype(dtype)) + len(_key_bytes(key))
+    return _round_up(size)
+
+
+def header_size(h: Header) -> int:
+    """Bytes ``pack`` writes for ``h`` (its ``data_offset`` is at least this)."""
+    return PREFIX.size + 8 * len(h.shape) + len(_encode_dtype(h.dtype)) + len(_key_bytes(h.key))
+
+
+# --- pack / unpack ----------------------------------------------------------------------
+
+
+def _check_fields(h: Header, size: int) -> None:
+    for name, value, lo, hi in (
+        ("step_id", h.step_id, _I64_MIN, _I64_MAX),
+        ("seq", h.seq, 0, _U64_MAX),
+        ("producer_incarnation", h.producer_incarnation, 0, _U64_MAX),
+        ("producer_pid", h.producer_pid, 0, _U32_MAX),
+        ("slot", h.slot, -1, _I64_MAX),
+        ("created_ns", h.created_ns, 0, _U64_MAX),
+        ("data_offset", h.data_offset, size, _U64_MAX),
+        ("nbytes", h.nbytes, 0, _MAX_INTP),
+    ):
+        if not lo <= value <= hi:
+            raise InternalError(f"cannot pack segment header: {name}={value!r} not in [{lo}, {hi}]")
+    if h.data_offset % ALIGNMENT:
+        raise InternalError(f"cannot pack segment header: data_offset={h.data_offset} unaligned")
+    if len(h.shape) > MAX_NDIM or any(not 0 <= d <= _MAX_INTP for d in h.shape):
+        raise InternalError(f"cannot pack segment header: bad shape {h.shape!r:.200}")
+    if h.nbytes != _prod(h.shape) * h.dtype.itemsize:
+        raise InternalError(
+            f"cannot pack segment header: nbytes={h.nbytes} but shape {h.shape} of {h.dtype} "
+            f"holds {_prod(h.shape) * h.dtype.itemsize}"
+        )
+
+
+def pack_into(buf: bytearray | memoryview | mmap.mmap, h: Header) -> None:
+    """Write ``h`` at the start of the writable ``buf`` (bytes up to ``data_offset`` untouched
+    past the header).
+
+    Raises ``InvalidArgumentError`` for an object dtype or a too long key (the caller's
+    value), ``InternalError`` for an inconsistent header or a too small buffer.
+    """
+    dtype_raw = _encode_dtype(h.dtype)
+    key_raw = _key_bytes(h.key)
+    ndim = len(h.shape)
+    shape_at = PREFIX.size
+    dtype_at = shape_at + 8 * ndim
+    key_at = dtype_at + len(dtype_raw)
+    size = key_at + len(key_raw)
+    _check_fields(h, size)
+    if len(buf) < size:
+        raise InternalError(
+            f"cannot pack segment header: {size} bytes into a {len(buf)}-byte buffer"
+        )
+    PREFIX.pack_into(
+        buf,
+        0,
+        MAGIC,
+        VERSION,
+        _FLAG_DEAD if h.is_dead else 0,
+        size,
+        h.data_offset,
+        h.nbytes,
+        h.step_id,
+        h.seq,
+        h.producer_incarnation,
+        h.producer_pid,
+        h.slot,
+        h.created_ns,
+        ndim,
+        len(dtype_raw),
+        len(key_raw),
+    )
+    _SHAPES[ndim].pack_into(buf, shape_at, *h.shape)
+    buf[dtype_at:key_at] = dtype_raw
+    buf[key_at:size] = key_raw
+
+
+def pack(h: Header) -> bytes:
+    """``h`` as bytes (the header only, without the padding up to ``data_offset``)."""
+    buf = bytearray(header_size(h))
+    pack_into(buf, h)
+    return bytes(buf)
+
+
+def unpack(buf: BufferLike, file_size: int) -> Header:
+    """Read the header at the start of ``buf``, a segment whose file is ``file_size`` bytes.
+
+    Reads each header byte once (a peer may be changing it). Raises ``InternalError``
+    ("segment header corrupted: ...", naming the field) for anything inconsistent, and
+    nothing else; allocates at most the declared header, itself bounded by ``buf``.
+    """
+    limit = min(len(buf), file_size)
+    if limit < PREFIX.size:
+        raise _corrupted(f"only {limit} bytes, the fixed header needs {PREFIX.size}")
+    (
+        magic,
+        version,
+        flags,
+        size,
+        data_offset,
+        nbytes,
+        step_id,
+        seq,
+        incarnation,
+        pid,
+        slot,
+        created_ns,
+        ndim,
+        dtype_len,
+        key_len,
+    ) = PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise _corrupted(f"magic {magic!r}, expected {MAGIC!r} (not a shmrdv segment)")
+    if version != VERSION:
+        raise _corrupted(f"version {version}, this shmrdv reads version {VERSION}")
+    if flags & ~_KNOWN_FLAGS:
+        raise _corrupted(f"unknown flags 0x{flags:04x}")
+    if ndim > MAX_NDIM:
+        raise _corrupted(f"ndim {ndim} > {MAX_NDIM}")
+    if dtype_len > MAX_DTYPE_BYTES or key_len > MAX_KEY_BYTES:
+        raise _corrupted(f"dtype length {dtype_len} or key length {key_len} too large")
+    shape_at = PREFIX.size
+    dtype_at = shape_at + 8 * ndim
+    key_at = dtype_at + dtype_len
+    end = key_at + key_len
+    if size != end:
+        raise _corrupted(f"header length {size} but its fields take {end} bytes")
+    if end > limit:
+        raise _corrupted(f"header length {end} past the end of the segment ({limit} bytes)")
+    if data_offset < end or data_offset % ALIGNMENT:
+        raise _corrupted(f"data offset {data_offset} (header ends at {end}, alignment {ALIGNMENT})")
+    if data_offset + nbytes > file_size:
+        raise _corrupted(
+            f"data offset {data_offset} + nbytes {nbytes} past the end of the file ({file_size})"
+        )
+    if slot < -1:
+        raise _corrupted(f"slot {slot}")
+    shape = _SHAPES[ndim].unpack_from(buf, shape_at)
+    dtype = _decode_dtype(bytes(buf[dtype_at:key_at]))
+    count = 1
+    for d in shape:
+        count *= d if d else 1
+    if count * max(dtype.itemsize, 1) > _MAX_INTP:
+        raise _corrupted(f"shape {shape} of {dtype} is larger than numpy allows")
+    if nbytes != _prod(shape) * dtype.itemsize:
+        raise _corrupted(f"nbytes {nbytes} but shape {shape} of {dtype} needs other")
+    try:
+        key = bytes(buf[key_at:end]).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _corrupted(f"key is not UTF-8 ({e})") from e
+    return Header(
+        dtype=dtype,
+        shape=shape,
+        is_dead=bool(flags & _FLAG_DEAD),
+        data_offset=data_offset,
+        nbytes=nbytes,
+        step_id=step_id,
+        seq=seq,
+        producer_incarnation=incarnation,
+        producer_pid=pid,
+        slot=slot,
+        created_ns=created_ns,
+        key=key,
+    )
