@@ -34,7 +34,8 @@ _TF_CONFIG_EXAMPLE = (
     '{"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 0}}'
 )
 
-JobTasks = Sequence[str] | Mapping[int, str]
+# A job maps to addresses by task index; JSON (TF_CONFIG) spells the indices as strings.
+JobTasks = Sequence[str] | Mapping[int, str] | Mapping[str, str]
 
 
 def _split_address(address: str) -> tuple[str, int] | None:

@@ -101,8 +101,8 @@ class DeviceName:
         Accepted, as TensorFlow's ``DeviceNameUtils::ParseFullName``:
 
         * ``/job:<job>``, ``/replica:<n>``, ``/task:<n>``, ``/device:<TYPE>`` with an
-          optional ``:<n>``, in any order (TensorFlow loops while a part matches), each
-          at most once in practice (a repeated part overrides, as in TensorFlow);
+          optional ``:<n>``, in any order (TensorFlow loops while a part matches); a
+          repeated part overrides the earlier one, as in TensorFlow;
         * legacy ``/cpu:<n>``, ``/CPU:<n>``, ``/gpu:<n>``, ``/GPU:<n>`` (type ``CPU``/``GPU``);
         * ``*`` for any value, meaning unset; ``""`` and ``"/"`` (everything unset);
 

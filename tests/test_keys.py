@@ -200,9 +200,7 @@ _DEVICES = st.builds(
     st.none() | _IDENTS,
     st.none() | _SMALL,
 ).map(str)
-_EDGE_NAMES = st.text(
-    st.characters(exclude_characters=";", exclude_categories=("Cs",)), min_size=1
-)
+_EDGE_NAMES = st.text(st.characters(exclude_characters=";", exclude_categories=["Cs"]), min_size=1)
 
 
 @given(

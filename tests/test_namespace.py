@@ -1,0 +1,64 @@
+"""Namespace tokens: random, shm-name safe, resolved from argument or environment."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from shmrdv._errors import InvalidArgumentError
+from shmrdv._namespace import ENV_VAR, new_namespace, resolve_namespace
+
+
+def test_new_namespace_is_26_lowercase_letters_and_digits() -> None:
+    token = new_namespace()
+    assert re.fullmatch(r"[a-z2-7]{26}", token), token
+    assert resolve_namespace(token) == token
+
+
+def test_new_namespace_is_random() -> None:
+    tokens = {new_namespace() for _ in range(1000)}
+    assert len(tokens) == 1000
+
+
+def test_resolve_namespace_prefers_the_argument() -> None:
+    assert resolve_namespace("abcdefgh", {ENV_VAR: "zzzzzzzz"}) == "abcdefgh"
+
+
+def test_resolve_namespace_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_namespace(None, {ENV_VAR: "0123456789"}) == "0123456789"
+    monkeypatch.setenv(ENV_VAR, "fromosenviron")
+    assert resolve_namespace(None) == "fromosenviron"
+
+
+@pytest.mark.parametrize("environ", [{}, {ENV_VAR: ""}])
+def test_resolve_namespace_missing_says_how_to_get_one(environ: dict[str, str]) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        resolve_namespace(None, environ)
+    message = str(info.value)
+    assert "shmrdv.new_namespace()" in message
+    assert f"export {ENV_VAR}=$(python -m shmrdv namespace)" in message
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["short", "a" * 65, "ABCDEFGH", "abcd-efgh", "abcd/efgh", "abcdefgh\n", "abcdéfgh", ""],
+)
+def test_resolve_namespace_rejects_unsafe_tokens(token: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"8 to 64 lowercase letters or digits"):
+        resolve_namespace(token)
+
+
+def test_resolve_namespace_rejects_unsafe_env_token_naming_the_variable() -> None:
+    with pytest.raises(InvalidArgumentError, match=f"environment variable {ENV_VAR} 'BAD'"):
+        resolve_namespace(None, {ENV_VAR: "BAD"})
+
+
+def test_resolve_namespace_rejects_non_str() -> None:
+    with pytest.raises(InvalidArgumentError, match="must be a str or None, not bytes"):
+        resolve_namespace(b"abcdefgh")  # type: ignore[arg-type]
+
+
+def test_resolve_namespace_accepts_bounds() -> None:
+    assert resolve_namespace("a" * 8) == "a" * 8
+    assert resolve_namespace("9" * 64) == "9" * 64
