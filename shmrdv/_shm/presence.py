@@ -42,7 +42,15 @@ from .._errors import InternalError, InvalidArgumentError
 if TYPE_CHECKING:
     from .naming import Names
 
-__all__ = ["PeerState", "PeerWatch", "Presence", "PresenceInfo", "boot_id", "read_presence"]
+__all__ = [
+    "PeerState",
+    "PeerWatch",
+    "Presence",
+    "PresenceInfo",
+    "boot_id",
+    "probe",
+    "read_presence",
+]
 
 _log = logging.getLogger("shmrdv.shm.presence")
 
@@ -193,6 +201,31 @@ def read_presence(names: Names, task: str) -> PresenceInfo | None:
     try:
         info, _ = _read_record_fd(fd, path)
         return info
+    finally:
+        os.close(fd)
+
+
+def probe(path: str) -> tuple[PeerState, PresenceInfo | None]:
+    """The state of the record file at ``path`` and what it says, for tools (``registry``).
+
+    ``("absent", None)`` if there is no file. The state comes from the lock alone (plus the
+    boot id when the content is readable), so a corrupt record still reads ``"alive"`` or
+    ``"dead"``, with ``None`` for its content. Raises ``InternalError`` if the file is not
+    ours (owner, mode, symlink). Does not block.
+    """
+    fd = _open_record(path)
+    if fd is None:
+        return "absent", None
+    try:
+        _check_ours(os.fstat(fd), path)
+        try:
+            info: PresenceInfo | None = PresenceInfo.from_json(_read_fd(fd, path), path)
+        except InternalError as e:
+            _log.debug("%s", e)
+            info = None
+        if info is not None and info.boot_id != boot_id():
+            return "dead", info
+        return ("alive" if _lock_held(fd) else "dead"), info
     finally:
         os.close(fd)
 

@@ -1,0 +1,274 @@
+"""Listing and collecting shmrdv's objects in /dev/shm (``python -m shmrdv ls`` / ``gc``).
+
+Everything shmrdv leaves in /dev/shm is named ``shmrdv_<namespace>_<kind>...`` (``naming``),
+so the directory itself is the registry: no daemon, no index file to get out of date. A
+namespace is *alive* while any of its workers holds the flock on its presence record
+(``presence``); the kernel drops that lock when the worker dies, SIGKILL included. Segments
+and semaphores of a dead namespace are garbage: nobody else can use or remove them (POSIX
+semaphores and ``posix_ipc`` segments survive their creators, research/pitfalls.md §1, §4).
+
+Only our own uid's files are listed or removed; symlinks are never followed; entries that
+vanish while we look (a live worker consuming a message) are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+
+from .._errors import InternalError
+from . import layout
+from .naming import SHM_DIR, ObjectName, parse_name
+from .presence import probe
+
+__all__ = ["ObjectInfo", "collect", "list_objects"]
+
+_log = logging.getLogger("shmrdv.shm.registry")
+
+_SEGMENT_KINDS = frozenset({"temp", "message", "pool", "held", "returned"})
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """One shmrdv object in /dev/shm, as ``list_objects`` saw it.
+
+    ``size`` is the memory it holds (allocated blocks, not the file's nominal length).
+    ``owner_pid`` is the worker's pid (presence record, or the doorbell's worker) or the
+    producer's pid (segment header); ``alive`` says whether that record's lock is held
+    (presence records) or whether any worker of the namespace is alive (everything else).
+    ``step_id`` and ``key`` come from a segment's header, ``task`` from a presence record.
+    Fields are None when unknown (an unwritten temp segment, a corrupt record).
+    """
+
+    kind: str
+    namespace: str
+    name: str
+    path: str
+    size: int
+    owner_pid: int | None
+    alive: bool | None
+    age_s: float
+    step_id: int | None = None
+    key: str | None = None
+    task: str | None = None
+
+
+@dataclasses.dataclass
+class _Entry:
+    parsed: ObjectName
+    path: str
+    ino: tuple[int, int]
+    size: int
+    mtime: float
+    owner_pid: int | None = None
+    alive: bool | None = None  # presence records only, until _infos() fills in the rest
+    step_id: int | None = None
+    key: str | None = None
+    task: str | None = None
+
+
+def _scan(shm_dir: str, namespace: str | None, kinds: Iterable[str] | None = None) -> list[_Entry]:
+    """Our regular files in ``shm_dir`` that shmrdv named (stat only, contents not read)."""
+    wanted = None if kinds is None else frozenset(kinds)
+    uid = os.geteuid()
+    out: list[_Entry] = []
+    try:
+        it = os.scandir(shm_dir)
+    except FileNotFoundError:
+        return out
+    with it:
+        for dirent in it:
+            parsed = parse_name(dirent.name)
+            if parsed is None or (namespace is not None and parsed.namespace != namespace):
+                continue
+            if wanted is not None and parsed.kind not in wanted:
+                continue
+            try:
+                st = dirent.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                continue
+            out.append(
+                _Entry(
+                    parsed=parsed,
+                    path=os.path.join(shm_dir, dirent.name),
+                    ino=(st.st_dev, st.st_ino),
+                    size=st.st_blocks * 512,
+                    mtime=st.st_mtime,
+                )
+            )
+    return out
+
+
+def _read_presence(entry: _Entry) -> None:
+    try:
+        state, info = probe(entry.path)
+    except InternalError as e:  # changed owner or mode since the scan
+        _log.debug("skipping %s: %s", entry.path, e)
+        return
+    if state == "absent":
+        return
+    entry.alive = state == "alive"
+    if info is not None:
+        entry.owner_pid = info.pid
+        entry.task = info.task
+
+
+def _read_header(entry: _Entry) -> None:
+    """Fill in what the segment header says; leave None for an unwritten or corrupt one."""
+    try:
+        fd = os.open(entry.path, _OPEN_FLAGS)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return
+        prefix = os.pread(fd, layout.PREFIX.size, 0)
+        if len(prefix) < layout.PREFIX.size or not prefix.startswith(layout.MAGIC):
+            return
+        header_len = layout.PREFIX.unpack_from(prefix)[3]
+        buf = os.pread(fd, min(header_len, st.st_size, 2 * layout.MAX_KEY_BYTES), 0)
+        header = layout.unpack(buf, st.st_size)
+    except (OSError, InternalError) as e:
+        _log.debug("no header in %s: %s", entry.path, e)
+        return
+    finally:
+        os.close(fd)
+    entry.owner_pid = header.producer_pid
+    entry.step_id = header.step_id
+    entry.key = header.key
+
+
+def _inspect(shm_dir: str, namespace: str | None) -> tuple[list[_Entry], dict[str, bool]]:
+    """Scan, read every record and header, and say which namespaces are alive."""
+    entries = _scan(shm_dir, namespace)
+    workers: dict[tuple[str, str], _Entry] = {}
+    alive: dict[str, bool] = {}
+    for entry in entries:
+        ns = entry.parsed.namespace
+        alive.setdefault(ns, False)
+        if entry.parsed.kind == "presence":
+            _read_presence(entry)
+            alive[ns] = alive[ns] or bool(entry.alive)
+            workers[ns, entry.parsed.rest] = entry
+        elif entry.parsed.kind in _SEGMENT_KINDS:
+            _read_header(entry)
+    for entry in entries:
+        if entry.parsed.kind == "presence":
+            continue
+        if entry.parsed.kind == "bell":
+            # A bell is named by the same task hash as its worker's presence record.
+            worker = workers.get((entry.parsed.namespace, entry.parsed.rest))
+            if worker is not None:
+                entry.owner_pid = worker.owner_pid
+                entry.task = worker.task
+        entry.alive = alive[entry.parsed.namespace]
+    return entries, alive
+
+
+def _info(entry: _Entry, now: float) -> ObjectInfo:
+    return ObjectInfo(
+        kind=entry.parsed.kind,
+        namespace=entry.parsed.namespace,
+        name=entry.parsed.entry,
+        path=entry.path,
+        size=entry.size,
+        owner_pid=entry.owner_pid,
+        alive=entry.alive,
+        age_s=max(now - entry.mtime, 0.0),
+        step_id=entry.step_id,
+        key=entry.key,
+        task=entry.task,
+    )
+
+
+def list_objects(namespace: str | None = None, shm_dir: str = SHM_DIR) -> list[ObjectInfo]:
+    """Every shmrdv object of ours in ``shm_dir`` (of ``namespace`` only, if given).
+
+    Sorted by namespace, kind and name. Reads presence records (their locks) and segment
+    headers; never blocks, never follows symlinks, skips other users' files and entries that
+    vanish meanwhile.
+    """
+    entries, _ = _inspect(shm_dir, namespace)
+    now = time.time()
+    infos = [_info(e, now) for e in entries]
+    infos.sort(key=lambda i: (i.namespace, i.kind, i.name))
+    return infos
+
+
+def _namespace_alive(shm_dir: str, namespace: str) -> bool:
+    """Whether a worker of ``namespace`` holds its presence lock right now."""
+    for entry in _scan(shm_dir, namespace, kinds=("presence",)):
+        try:
+            state, _ = probe(entry.path)
+        except InternalError:
+            continue
+        if state == "alive":
+            return True
+    return False
+
+
+def _unlink_if_same(entry: _Entry) -> bool:
+    """Unlink ``entry.path`` if it is still the file we listed; whether it was removed."""
+    try:
+        st = os.stat(entry.path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if (st.st_dev, st.st_ino) != entry.ino:
+        return False  # replaced since the listing (a new worker's file): not ours to take
+    try:
+        os.unlink(entry.path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def collect(
+    namespace: str | None = None, dry_run: bool = False, shm_dir: str = SHM_DIR
+) -> list[ObjectInfo]:
+    """Remove every object of the namespaces where no worker is alive; return what went.
+
+    A namespace is collected only if none of its presence records is locked, checked again
+    just before its objects are removed; within it, a file is removed only if it is still
+    the one listed (a worker starting meanwhile is left alone). Objects of live namespaces
+    and of other users are never touched. ``dry_run`` removes nothing and returns what would
+    go. Raises ``InternalError`` if an object cannot be removed (e.g. permissions). Does not
+    block.
+    """
+    entries, alive = _inspect(shm_dir, namespace)
+    now = time.time()
+    by_namespace: dict[str, list[_Entry]] = defaultdict(list)
+    for entry in entries:
+        by_namespace[entry.parsed.namespace].append(entry)
+    removed: list[ObjectInfo] = []
+    for ns in sorted(by_namespace):
+        if alive.get(ns):
+            continue
+        group = by_namespace[ns]
+        if dry_run:
+            removed.extend(_info(e, now) for e in group)
+            continue
+        if _namespace_alive(shm_dir, ns):
+            _log.info("namespace %s came alive while collecting; left alone", ns)
+            continue
+        # Presence records last: while one is there, tools still see whose the rest was.
+        group.sort(key=lambda e: e.parsed.kind == "presence")
+        count = len(removed)
+        for entry in group:
+            try:
+                gone = _unlink_if_same(entry)
+            except OSError as e:
+                raise InternalError(f"cannot remove {entry.path}: {e}") from e
+            if gone:
+                removed.append(_info(entry, now))
+        _log.info("collected %d object(s) of dead namespace %s", len(removed) - count, ns)
+    removed.sort(key=lambda i: (i.namespace, i.kind, i.name))
+    return removed
