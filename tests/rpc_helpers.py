@@ -1,0 +1,276 @@
+"""A real producer side for the RPC tests: what a Worker offers the gRPC server.
+
+``StepSource`` keeps one ``LocalRendezvous`` per step (the values a remote consumer will
+pull) and a tombstone set of cleaned-up steps, and implements the server's
+``TensorSource`` protocol on top of them. It is not a mock: the server pulls real values
+out of real rendezvous tables, exactly as it will from a Worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy.typing as npt
+
+from shmrdv._callbacks import DoneCallback
+from shmrdv._errors import AbortedError
+from shmrdv._keys import ParsedKey, create_key, parse_key
+from shmrdv._local import LocalRendezvous
+from shmrdv._rendezvous import Canceller
+
+TASK = "/job:worker/replica:0/task:0"
+PEER_TASK = "/job:worker/replica:0/task:1"
+INCARNATION = 0x2845C575404F86B6
+
+
+def make_key(
+    name: str,
+    *,
+    src_task: str = TASK,
+    incarnation: int = INCARNATION,
+    dst_task: str = PEER_TASK,
+) -> ParsedKey:
+    """A key produced on ``src_task``'s CPU and consumed on ``dst_task``'s."""
+    return parse_key(
+        create_key(f"{src_task}/device:CPU:0", incarnation, f"{dst_task}/device:CPU:0", name)
+    )
+
+
+class StepSource:
+    """A ``TensorSource``: per-step ``LocalRendezvous`` tables plus tombstones."""
+
+    def __init__(self, task: str = TASK, incarnation: int = INCARNATION) -> None:
+        self.task = task
+        self.incarnation = incarnation
+        self._lock = threading.Lock()
+        self._steps: dict[int, LocalRendezvous] = {}
+        self._tombstones: set[int] = set()
+
+    def rendezvous(self, step_id: int) -> LocalRendezvous:
+        """The step's table, created on first use; ``AbortedError`` once cleaned up."""
+        with self._lock:
+            if step_id in self._tombstones:
+                raise AbortedError(f"Step {step_id} was cleaned up on {self.task}")
+            rdv = self._steps.get(step_id)
+            if rdv is None:
+                rdv = self._steps[step_id] = LocalRendezvous()
+            return rdv
+
+    def send(
+        self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool = False
+    ) -> None:
+        self.rendezvous(step_id).send(key, value, is_dead=is_dead)
+
+    def cleanup(self, step_id: int) -> None:
+        """Abort the step's pending receives and refuse it from now on (TF: CleanupGraph)."""
+        with self._lock:
+            self._tombstones.add(step_id)
+            rdv = self._steps.pop(step_id, None)
+        if rdv is not None:
+            rdv.start_abort(AbortedError(f"Cleanup {step_id}"))
+
+    def pending_waiters(self, step_id: int) -> int:
+        with self._lock:
+            rdv = self._steps.get(step_id)
+        return 0 if rdv is None else rdv.stats()["pending_waiters"]
+
+    def serve_recv(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
+        """The TensorSource primitive: raise ``AbortedError`` for a cleaned-up step."""
+        return self.rendezvous(step_id)._start_recv(key, done, False)
+
+    def close(self) -> None:
+        with self._lock:
+            steps, self._steps = self._steps, {}
+        for rdv in steps.values():
+            rdv.close()
+
+
+# -- TLS material made at test time -------------------------------------------------------
+
+
+class Pki:
+    """A throwaway CA with a server certificate (SAN localhost, 127.0.0.1) and a client one."""
+
+    def __init__(
+        self,
+        ca: bytes,
+        server_cert: bytes,
+        server_key: bytes,
+        client_cert: bytes,
+        client_key: bytes,
+    ) -> None:
+        self.ca = ca
+        self.server_cert = server_cert
+        self.server_key = server_key
+        self.client_cert = client_cert
+        self.client_key = client_key
+
+
+def make_pki(tmp_dir: str) -> Pki | None:
+    """Certificates made with ``cryptography``, else the ``openssl`` CLI; ``None`` if neither."""
+    try:
+        return _pki_cryptography()
+    except ImportError:
+        pass
+    import shutil
+
+    if shutil.which("openssl") is None:
+        return None
+    return _pki_openssl(tmp_dir)
+
+
+def _pki_cryptography() -> Pki:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+        return key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(name("shmrdv test CA"))
+        .issuer_name(name("shmrdv test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    def leaf(cn: str, usage: x509.ObjectIdentifier) -> tuple[bytes, bytes]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name(cn))
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(
+                x509.SubjectAlternativeName(
+                    [
+                        x509.DNSName("localhost"),
+                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                    ]
+                ),
+                critical=False,
+            )
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        return cert.public_bytes(serialization.Encoding.PEM), key_pem(key)
+
+    server_cert, server_key = leaf("localhost", ExtendedKeyUsageOID.SERVER_AUTH)
+    client_cert, client_key = leaf("shmrdv test client", ExtendedKeyUsageOID.CLIENT_AUTH)
+    return Pki(
+        ca_cert.public_bytes(serialization.Encoding.PEM),
+        server_cert,
+        server_key,
+        client_cert,
+        client_key,
+    )
+
+
+def _pki_openssl(tmp_dir: str) -> Pki:
+    import os
+    import subprocess
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30, cwd=tmp_dir)
+
+    def read(name: str) -> bytes:
+        with open(os.path.join(tmp_dir, name), "rb") as f:
+            return f.read()
+
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=shmrdv test CA",
+    )
+    ext = os.path.join(tmp_dir, "san.ext")
+    with open(ext, "w") as f:
+        f.write("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for leaf in ("server", "client"):
+        run(
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            f"{leaf}.key",
+            "-out",
+            f"{leaf}.csr",
+            "-subj",
+            f"/CN={leaf}",
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{leaf}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{leaf}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            ext,
+        )
+    return Pki(
+        read("ca.pem"),
+        read("server.pem"),
+        read("server.key"),
+        read("client.pem"),
+        read("client.key"),
+    )
