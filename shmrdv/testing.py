@@ -124,7 +124,11 @@ def assert_same(actual: object, expected: npt.NDArray[Any], what: str = "value")
     got = np.ascontiguousarray(actual).tobytes()
     want = np.ascontiguousarray(expected).tobytes()
     if got != want:
-        first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        if len(got) == len(want):
+            diff = np.frombuffer(got, np.uint8) != np.frombuffer(want, np.uint8)
+            first = int(np.flatnonzero(diff)[0])
+        else:  # pragma: no cover - equal dtype and shape imply equal sizes
+            first = min(len(got), len(want))
         raise AssertionError(
             f"{what}: {expected.dtype} {expected.shape} contents differ "
             f"(first differing byte at offset {first} of {len(want)})"
@@ -653,6 +657,7 @@ def run_conformance(
 
     All checks run even when some fail; then ``AssertionError`` lists the failures,
     chained to the first one. Blocks for as long as the checks take (a few seconds).
+    Call it where no event loop is running: the asyncio checks use ``asyncio.run``.
     """
     failures: list[tuple[str, BaseException]] = []
     selected = list(CHECKS if checks is None else checks)

@@ -1,0 +1,151 @@
+"""The conformance battery (shmrdv.testing) over the in-process reference, LocalRendezvous.
+
+Every check runs as its own test on a fresh pair whose producer and consumer are one
+LocalRendezvous. The checks must also be able to fail: each deliberately broken
+rendezvous below is caught by the check written for that behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shmrdv._callbacks import DoneCallback
+from shmrdv._keys import ParsedKey, create_key
+from shmrdv._local import LocalRendezvous, _Channel
+from shmrdv._rendezvous import Canceller
+from shmrdv.testing import CHECKS, RendezvousPair, run_conformance
+
+DEVICE = "/job:worker/replica:0/task:0/device:CPU:0"
+
+
+def make_key(edge_name: str) -> str:
+    return create_key(DEVICE, 1, DEVICE, edge_name)
+
+
+@contextmanager
+def local_pair(rdv: LocalRendezvous | None = None) -> Iterator[RendezvousPair]:
+    with rdv or LocalRendezvous() as r:
+        yield RendezvousPair(producer=r, consumer=r, make_key=make_key)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_conformance_local_check(check: Callable[[RendezvousPair], None]) -> None:
+    with local_pair() as pair:
+        check(pair)
+
+
+def test_conformance_run_all_passes() -> None:
+    run_conformance(local_pair)
+
+
+def test_conformance_names_are_unique_checks() -> None:
+    names = [c.__name__ for c in CHECKS]
+    assert len(set(names)) == len(names)
+    assert all(n.startswith("check_") and c.__doc__ for n, c in zip(names, CHECKS))
+
+
+# -- mutants: each breaks one behaviour, and the check for it must notice -----------------
+
+
+class _Lifo(LocalRendezvous):
+    """Hands out the newest value instead of the oldest."""
+
+    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+        super().send(key, value, is_dead=is_dead)
+        with self._lock:
+            ch = self._table.get(str(key))
+            if ch is not None:
+                ch.values.rotate(1)
+
+
+class _DropsDead(LocalRendezvous):
+    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+        super().send(key, value, is_dead=False)
+
+
+class _KeepsTimedOutWaiters(LocalRendezvous):
+    """TensorFlow's trap: the canceller claims success but leaves the waiter queued."""
+
+    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
+        super()._start_recv(key, done, copy)
+        return lambda: True
+
+
+class _IgnoresCopy(LocalRendezvous):
+    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
+        return super()._start_recv(key, done, False)
+
+
+class _AcceptsObjects(LocalRendezvous):
+    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+        if isinstance(value, np.ndarray) and value.dtype.hasobject:
+            with self._lock:
+                self._table.setdefault(str(key), _Channel()).values.append((value, is_dead))
+            return
+        super().send(key, value, is_dead=is_dead)
+
+
+class _AbortForgetsWaiters(LocalRendezvous):
+    def start_abort(self, error: BaseException) -> None:
+        with self._lock:
+            self._table.clear()
+        super().start_abort(error)
+
+
+class _LastErrorWins(LocalRendezvous):
+    def start_abort(self, error: BaseException) -> None:
+        self._error = None
+        super().start_abort(error)
+
+
+class _CorruptsLarge(LocalRendezvous):
+    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+        if isinstance(value, np.ndarray) and value.nbytes > 1 << 20:
+            value = value.copy()
+            value.flat[-1] += 1
+        super().send(key, value, is_dead=is_dead)
+
+
+class _LosesStructure(LocalRendezvous):
+    """Sends raw bytes, as a careless transport might."""
+
+    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+        if isinstance(value, np.ndarray) and value.dtype.names is not None:
+            value = np.frombuffer(value.tobytes(), dtype=np.uint8)
+        super().send(key, value, is_dead=is_dead)
+
+
+def _check(name: str) -> Callable[[RendezvousPair], None]:
+    return next(c for c in CHECKS if c.__name__ == name)
+
+
+@pytest.mark.parametrize(
+    ("mutant", "check_name"),
+    [
+        (_Lifo, "check_fifo_channel"),
+        (_DropsDead, "check_is_dead_travels"),
+        (_KeepsTimedOutWaiters, "check_recv_timeout_removes_waiter"),
+        (_KeepsTimedOutWaiters, "check_recv_future_cancel"),
+        (_KeepsTimedOutWaiters, "check_arecv_cancel_removes_waiter"),
+        (_IgnoresCopy, "check_copy_true"),
+        (_AcceptsObjects, "check_object_array_refused"),
+        (_AbortForgetsWaiters, "check_abort_fails_pending"),
+        (_LastErrorWins, "check_abort_first_error_wins"),
+        (_CorruptsLarge, "check_large_value"),
+        (_LosesStructure, "check_dtypes_round_trip"),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else v,
+)
+def test_conformance_check_catches_mutant(
+    mutant: type[LocalRendezvous], check_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shorter waits: a mutant makes the checks wait for things that never come.
+    monkeypatch.setattr("shmrdv.testing.WAIT_S", 0.5)
+    monkeypatch.setattr("shmrdv.testing.PROMPT_S", 0.5)
+    with pytest.raises(AssertionError, match=check_name):
+        run_conformance(lambda: local_pair(mutant()), [_check(check_name)])
