@@ -1,0 +1,367 @@
+"""One shared-memory segment: a file in ``/dev/shm``, opened and mapped.
+
+Handle tracking lives here: this module is the only place that creates, opens, maps,
+renames and unlinks segment files. It never uses ``multiprocessing.shared_memory``,
+whose resource tracker unlinks segments it merely attached on Python 3.11
+(cpython#82300, research/pitfalls.md §1); it opens ``/dev/shm/<name>`` with ``os.open``
+and maps it with ``mmap`` (Linux: glibc's ``shm_open`` is exactly that file).
+
+Safety rules from research/pitfalls.md:
+
+* §2: space is reserved with ``os.posix_fallocate`` before mapping, so a full ``/dev/shm``
+  is a ``ResourceExhaustedError`` and never a SIGBUS; attaching never passes a size (it
+  takes ``fstat``'s) and ``check_size`` re-checks it before data is touched.
+* §7: files are created ``O_EXCL`` + ``O_NOFOLLOW`` with mode 0600 (``fchmod``: the umask
+  cannot widen or narrow it); attaching refuses a file of another user or with any
+  group/other permission bit, before reading a byte.
+
+Lifetime: ``close()`` is not ``unlink()``. Arrays made by ``ndarray()`` keep the mapping
+alive (through an owner array that is their numpy ``base``) after ``close()``; the memory
+is unmapped when the last one is garbage-collected, and ``on_release`` callbacks run then.
+Each open mapping holds one file descriptor (CPython's ``mmap`` keeps a ``dup`` of it until
+it is unmapped). A ``Segment`` is not thread-safe: its owner serialises calls.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import stat
+import weakref
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .._errors import InternalError, ResourceExhaustedError
+from .layout import Header
+from .naming import SHM_DIR, Names
+
+__all__ = ["Segment"]
+
+_log = logging.getLogger("shmrdv.shm.segment")
+
+_CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_ATTACH_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+_MODE = 0o600
+#: fallocate failures that mean "no room": the tmpfs is full (ENOSPC), the size is beyond a
+#: file size limit (EFBIG), or the memory cgroup refused the pages (ENOMEM).
+_NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.ENOMEM)
+_NO_FDS = (errno.EMFILE, errno.ENFILE)
+
+
+class _EmptyBuffer(bytearray):
+    """Stands in for the mapping of a 0-byte segment (``mmap`` cannot map nothing)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Owner(np.ndarray):  # type: ignore[type-arg,unused-ignore]
+    """The bytes of a mapping as an array: the numpy ``base`` of every array ``ndarray()`` makes.
+
+    numpy releases its buffer export on the ``mmap`` right after building an array over it,
+    so ``mmap.close()`` would succeed and unmap memory under live arrays (a segfault on the
+    next access). Arrays are built over this owner instead: it is alive exactly as long as
+    any of them (numpy does not collapse a view's base through a different subclass), and
+    the ``Segment`` only closes the ``mmap`` when no owner is alive.
+    """
+
+
+def _free_bytes() -> str:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError as e:  # pragma: no cover - /dev/shm vanished
+        return f"unknown ({e})"
+    return f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+
+
+def _open_error(e: OSError, what: str) -> Exception:
+    """Translate an ``OSError`` of ``open`` / ``mmap`` / ``fstat`` at the edge."""
+    if e.errno in _NO_FDS:
+        return ResourceExhaustedError(
+            f"cannot {what}: too many open files ({e.strerror}); each open shared-memory "
+            "segment holds a file descriptor, raise the limit (ulimit -n)"
+        )
+    if e.errno in _NO_SPACE:
+        return ResourceExhaustedError(f"cannot {what}: {e.strerror}; {SHM_DIR} has {_free_bytes()}")
+    return InternalError(f"cannot {what}: {e}")
+
+
+def _release_mem(mem: mmap.mmap | _EmptyBuffer, owner: weakref.ref[_Owner] | None) -> None:
+    """Unmap now unless arrays still use the mapping (they unmap it when they are collected)."""
+    if isinstance(mem, mmap.mmap) and (owner is None or owner() is None):
+        try:
+            mem.close()
+        except BufferError:
+            # Someone holds a memoryview of .buf; the mapping goes when it is released.
+            pass
+
+
+def _run_release_callback(
+    name: str, callback: Callable[..., object], args: tuple[object, ...]
+) -> None:
+    try:
+        callback(*args)
+    except Exception:
+        _log.exception("release callback of segment %s raised", name)
+
+
+class Segment:
+    """One open shared-memory segment file. Use ``create`` or ``attach``, not the constructor.
+
+    ``close()`` drops this handle's mapping (idempotent); ``unlink()`` removes the name. A
+    ``weakref.finalize`` closes a forgotten segment; it never unlinks.
+    """
+
+    __slots__ = ("__weakref__", "_finalizer", "_mem", "_name", "_owner", "_size", "names")
+
+    def __init__(self, names: Names, name: str, mem: mmap.mmap | _EmptyBuffer, size: int) -> None:
+        self.names = names
+        self._name = name
+        self._size = size
+        self._mem: mmap.mmap | _EmptyBuffer | None = mem
+        self._owner: weakref.ref[_Owner] | None = None
+        self._finalizer = weakref.finalize(self, _release_mem, mem, None)
+
+    # --- opening --------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, names: Names, size: int, name: str | None = None) -> Segment:
+        """Create, reserve and map a new segment of ``size`` bytes (default name: a temp name).
+
+        Raises ``ResourceExhaustedError`` when ``/dev/shm`` has no room for ``size`` bytes
+        (nothing is left behind) or the process is out of file descriptors, and
+        ``InternalError`` when the name exists already (squatted, or a collision).
+        """
+        if size < 0:
+            raise InternalError(f"cannot create a segment of {size} bytes")
+        if name is None:
+            name = names.temp()
+        path = names.path(name)
+        try:
+            fd = os.open(path, _CREATE_FLAGS, _MODE)
+        except FileExistsError as e:
+            raise InternalError(
+                f"cannot create segment {name}: the name exists already (a name collision, "
+                "or squatted by another process)"
+            ) from e
+        except OSError as e:
+            raise _open_error(e, f"create segment {name} ({size} bytes)") from e
+        try:
+            os.fchmod(fd, _MODE)  # the umask must not change it either way
+            if size > 0:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno in _NO_SPACE:
+                        raise ResourceExhaustedError(
+                            f"cannot reserve {size} bytes of shared memory for segment {name}: "
+                            f"{e.strerror}; {SHM_DIR} has {_free_bytes()}. In a container, give "
+                            "it more (docker run --shm-size=...); remove what dead processes "
+                            "left behind with `python -m shmrdv gc`"
+                        ) from e
+                    raise
+                mem: mmap.mmap | _EmptyBuffer = mmap.mmap(fd, size)
+            else:
+                mem = _EmptyBuffer()
+        except BaseException as e:
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except OSError:  # pragma: no cover - someone removed it already
+                pass
+            if isinstance(e, OSError):
+                raise _open_error(e, f"create segment {name} ({size} bytes)") from e
+            raise
+        os.close(fd)
+        return cls(names, name, mem, size)
+
+    @classmethod
+    def attach(cls, names: Names, name: str) -> Segment:
+        """Open and map the existing segment ``name`` at its current size.
+
+        Raises ``FileNotFoundError`` unchanged when it does not exist (callers read that as
+        "not published yet" or "taken"), ``InternalError`` when it is not a regular file of
+        this user with mode 0600 (it is then neither read nor written), and
+        ``ResourceExhaustedError`` when out of file descriptors.
+        """
+        path = names.path(name)
+        try:
+            fd = os.open(path, _ATTACH_FLAGS)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise _open_error(e, f"open segment {name}") from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InternalError(f"refusing segment {name}: not a regular file")
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise InternalError(
+                    f"refusing segment {name}: owned by uid {st.st_uid} / mode "
+                    f"0o{stat.S_IMODE(st.st_mode):03o}, expected uid {os.geteuid()} / mode 0o600 "
+                    "— possibly planted by another user"
+                )
+            size = st.st_size
+            mem: mmap.mmap | _EmptyBuffer = mmap.mmap(fd, size) if size > 0 else _EmptyBuffer()
+        except OSError as e:
+            raise _open_error(e, f"map segment {name}") from e
+        finally:
+            os.close(fd)
+        return cls(names, name, mem, size)
+
+    # --- properties -----------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The bare name (no directory); changes with ``rename``."""
+        return self._name
+
+    @name.setter
+    def name(self, new_name: str) -> None:
+        """Record that another process (or an ``os.rename`` elsewhere) renamed the file."""
+        self._name = new_name
+
+    @property
+    def path(self) -> str:
+        """``/dev/shm/<name>``."""
+        return self.names.path(self._name)
+
+    @property
+    def size(self) -> int:
+        """Bytes mapped (the file's size at create / attach)."""
+        return self._size
+
+    @property
+    def closed(self) -> bool:
+        return self._mem is None
+
+    @property
+    def buf(self) -> mmap.mmap | bytearray:
+        """The mapping, for reading and writing the header (``layout.pack_into`` / ``unpack``).
+
+        Make arrays with ``ndarray()`` only: an array built directly over this buffer does
+        not keep the mapping alive after ``close()``. Raises ``InternalError`` once closed.
+        """
+        return self._live_mem()
+
+    def _live_mem(self) -> mmap.mmap | _EmptyBuffer:
+        if self._mem is None:
+            raise InternalError(f"segment {self._name} is closed")
+        return self._mem
+
+    # --- data -----------------------------------------------------------------------------
+
+    def check_size(self, min_size: int) -> None:
+        """Raise ``InternalError`` unless the file still holds ``min_size`` bytes (one fstat).
+
+        A peer that truncates a mapped file makes readers of the lost pages die of SIGBUS;
+        call this before touching the data. A truncation after the check cannot be
+        prevented without sealed memfds (F_SEAL_SHRINK), which need fd passing.
+        """
+        mem = self._live_mem()
+        if min_size > self._size:
+            raise InternalError(
+                f"segment {self._name} maps {self._size} bytes, {min_size} are needed"
+            )
+        if isinstance(mem, mmap.mmap):
+            try:
+                actual = mem.size()  # fstat of the descriptor mmap keeps
+            except OSError as e:
+                raise InternalError(f"cannot stat segment {self._name}: {e}") from e
+            if actual < min_size:
+                raise InternalError(
+                    f"segment {self._name} was truncated to {actual} bytes under us "
+                    f"({min_size} needed): a buggy or hostile process of this user"
+                )
+
+    def ndarray(self, header: Header) -> npt.NDArray[Any]:
+        """A writable array over the data ``header`` describes, without a copy.
+
+        The array (and every view of it) keeps the mapping alive after ``close()``. Checks
+        the file's size first (``check_size``). Raises ``InternalError`` if the data lies
+        outside the segment or the segment is closed.
+        """
+        mem = self._live_mem()
+        end = header.data_offset + header.nbytes
+        self.check_size(end)
+        owner = self._owner() if self._owner is not None else None
+        if owner is None:
+            owner = _Owner((len(mem),), np.uint8, buffer=mem)
+            self._owner = weakref.ref(owner)
+        # An empty array needs no bytes; offset 0 keeps numpy happy whatever the segment size.
+        offset = header.data_offset if header.nbytes else 0
+        arr: npt.NDArray[Any] = np.ndarray(header.shape, header.dtype, buffer=owner, offset=offset)
+        return arr
+
+    def on_release(self, callback: Callable[..., object], *args: object) -> None:
+        """Run ``callback(*args)`` once the mapping is gone: this segment closed (or collected) and
+        every array from ``ndarray()`` collected.
+
+        It runs in whichever thread drops the last reference, possibly inside the garbage
+        collector: keep it short, and do not let it refer to the arrays or this segment.
+        Its exceptions are logged. It does not run at interpreter exit while arrays are
+        still alive (their memory may still be read then). Raises ``InternalError`` if closed.
+        """
+        mem = self._live_mem()
+        fin = weakref.finalize(mem, _run_release_callback, self._name, callback, args)
+        fin.atexit = False
+
+    # --- names ----------------------------------------------------------------------------
+
+    def rename(self, new_name: str) -> None:
+        """Give the file the name ``new_name`` (atomic; replaces an existing ``new_name``).
+
+        Mappings are unaffected. Raises ``FileNotFoundError`` unchanged when the file is no
+        longer under its old name (another process took or removed it).
+        """
+        try:
+            os.rename(self.path, self.names.path(new_name))
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise InternalError(f"cannot rename segment {self._name} to {new_name}: {e}") from e
+        self._name = new_name
+
+    def unlink(self) -> None:
+        """Remove the name (a missing file is fine). Mappings stay valid until closed."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise InternalError(f"cannot unlink segment {self._name}: {e}") from e
+
+    # --- closing --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop this handle's mapping (idempotent). Does not unlink.
+
+        Unmaps at once if no array from ``ndarray()`` is alive; otherwise the last of them
+        unmaps it when collected. Never raises.
+        """
+        if self._mem is None:
+            return
+        self._finalizer.detach()
+        mem, self._mem = self._mem, None
+        owner, self._owner = self._owner, None
+        _release_mem(mem, owner)
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._mem is None else "open"
+        return f"<Segment {self._name} {self._size} bytes {state}>"
