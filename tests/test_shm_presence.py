@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -388,3 +389,33 @@ def test_presence_publish_failure_leaves_no_temp(names: Names) -> None:
             with pytest.raises(InvalidArgumentError):
                 Presence.publish(names, _info(names))
         assert [e for e in os.listdir(SHM_DIR) if names.prefix in e] == [names.presence(TASK)]
+
+
+def test_peerwatch_shared_between_threads(names: Names) -> None:
+    errors: list[BaseException] = []
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    with PeerWatch(names, TASK) as w:
+
+        def poll() -> None:
+            try:
+                while not stop.is_set():
+                    seen.add(w.state())
+                    w.info()
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=poll) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            for incarnation in range(50):
+                with Presence.publish(names, _info(names, incarnation=incarnation)):
+                    time.sleep(0.001)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(5)
+    assert not errors
+    assert seen <= {"absent", "alive", "dead"} and "alive" in seen

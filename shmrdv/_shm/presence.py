@@ -438,7 +438,8 @@ class PeerWatch:
 
     ``state()`` costs one ``stat`` and one ``flock`` while the record is unchanged (the
     descriptor is cached per inode), so a watcher thread may call it several times a second.
-    Not thread-safe: use one ``PeerWatch`` per thread, or lock around it.
+    Thread-safe: a lock guards the cached descriptor (a closed fd number could otherwise be
+    reused under another thread's ``flock``).
     """
 
     def __init__(self, names: Names, task: str) -> None:
@@ -448,6 +449,7 @@ class PeerWatch:
         self._ino: tuple[int, int] | None = None
         self._info: PresenceInfo | None = None
         self._closed = False
+        self._lock = threading.Lock()
         # The finalizer closes whatever fd the box holds when the watch is dropped unclosed.
         self._fd_box: list[int | None] = [None]
         self._finalizer = weakref.finalize(self, _close_quietly, self._fd_box)
@@ -505,7 +507,8 @@ class PeerWatch:
 
         Raises ``InternalError`` if the record is not ours or is corrupt. Does not block.
         """
-        return self._info if self._refresh() else None
+        with self._lock:
+            return self._info if self._refresh() else None
 
     def state(self) -> PeerState:
         """``"absent"`` (no record), ``"alive"`` (its lock is held) or ``"dead"`` (lock free).
@@ -513,20 +516,22 @@ class PeerWatch:
         A record from another boot is ``"dead"``. Raises ``InternalError`` if the record is not
         ours or is corrupt. Does not block.
         """
-        if not self._refresh():
-            return "absent"
-        assert self._fd is not None and self._info is not None
-        if self._info.boot_id != boot_id():
-            return "dead"
-        return "alive" if _lock_held(self._fd) else "dead"
+        with self._lock:
+            if not self._refresh():
+                return "absent"
+            assert self._fd is not None and self._info is not None
+            if self._info.boot_id != boot_id():
+                return "dead"
+            return "alive" if _lock_held(self._fd) else "dead"
 
     def close(self) -> None:
         """Close the cached descriptor. Idempotent."""
-        if self._closed:
-            return
-        self._drop()
-        self._closed = True
-        self._finalizer.detach()
+        with self._lock:
+            if self._closed:
+                return
+            self._drop()
+            self._closed = True
+            self._finalizer.detach()
 
     def __enter__(self) -> PeerWatch:
         return self
