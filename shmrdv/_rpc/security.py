@@ -40,7 +40,7 @@ _BEARER = "Bearer "
 UNAUTHENTICATED_MESSAGE = "missing or wrong shmrdv token"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class TLSConfig:
     """TLS material of one side of a connection, as PEM bytes.
 
@@ -54,11 +54,11 @@ class TLSConfig:
 
     ``server_name_override`` makes a client accept a server certificate issued for that
     name instead of the host it dials (for tests; gRPC's ``ssl_target_name_override``).
-    The private key is left out of ``repr``.
+    ``repr`` shows sizes, never key material.
     """
 
     cert_chain: bytes | None = None
-    private_key: bytes | None = dataclasses.field(default=None, repr=False)
+    private_key: bytes | None = None
     root_certificates: bytes | None = None
     require_client_auth: bool = False
     server_name_override: str | None = None
@@ -83,6 +83,18 @@ class TLSConfig:
             )
         if self.server_name_override is not None and not isinstance(self.server_name_override, str):
             raise InvalidArgumentError("TLSConfig.server_name_override must be a str or None")
+
+    def __repr__(self) -> str:
+        def pem(value: bytes | None) -> str:
+            return "None" if value is None else f"<{len(value)} bytes PEM>"
+
+        return (
+            f"TLSConfig(cert_chain={pem(self.cert_chain)}, "
+            f"private_key={'None' if self.private_key is None else '<hidden>'}, "
+            f"root_certificates={pem(self.root_certificates)}, "
+            f"require_client_auth={self.require_client_auth}, "
+            f"server_name_override={self.server_name_override!r})"
+        )
 
     @classmethod
     def from_files(

@@ -1,0 +1,674 @@
+"""RpcServer: the producer side of the gRPC transport (TensorFlow's worker RecvTensor service).
+
+A consumer on another host pulls a value: it calls ``RecvTensor`` (TensorFlow's unary
+method, TF-compatible bytes) or ``RecvTensorStream`` (shmrdv's chunked stream, no 2 GiB
+ceiling) with a step id and a rendezvous key; the server validates the key, asks its
+``TensorSource`` (the Worker) for the next value of that key, waits for it up to the
+call's deadline and answers it (research/tf_rendezvous.md §3.2).
+
+Thread model: a ``grpc.aio`` server runs on its own event loop in one thread
+("shmrdv-rpc-server"). A call waiting for a value is an ``await`` on an asyncio future,
+not a blocked thread, so any number of calls can wait; the source's ``done`` callback
+(called in the producer's thread) settles that future with ``loop.call_soon_threadsafe``.
+All the server's bookkeeping (the waiters, the response cache) lives in that loop and
+needs no lock. Encoding a unary response (one copy of the tensor) runs in a bounded
+thread pool (``max_workers``) so that a large tensor does not stall the loop; stream
+chunks are small (``chunk_bytes``) and are cut in the loop.
+
+Response cache (TensorFlow: ``GrpcResponseCache``): a call with a non-zero
+``request_id`` registers its waiter under that id. A duplicate that arrives while the
+first is waiting joins it; one that arrives after the value was delivered gets the same
+value again for ``cache_ttl`` seconds (bounded in count and bytes), so a response lost on
+the wire is not a lost tensor. TensorFlow answers such a retry with ``ABORTED``
+(``RecentRequestIds``), and pytorch/xla#4084 shows that kills jobs.
+``MarkRecvFinished`` (sent by TensorFlow clients when a response has ``require_ack``)
+and ``drop_step`` release entries early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any, NoReturn, Protocol
+
+import grpc
+import grpc.aio
+
+from .._callbacks import DoneCallback
+from .._devices import DeviceName
+from .._errors import (
+    AbortedError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    RendezvousError,
+    UnavailableError,
+)
+from .._keys import ParsedKey, parse_key
+from .._received import Received
+from .._rendezvous import Canceller
+from .._status import code_for_error
+from . import coding
+from .proto import worker_pb2
+from .security import TLSConfig, TokenInterceptor, check_token
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "RECV_TENSOR_METHOD",
+    "RECV_TENSOR_STREAM_METHOD",
+    "GET_STATUS_METHOD",
+    "MARK_RECV_FINISHED_METHOD",
+    "RpcServer",
+    "TensorSource",
+]
+
+_log = logging.getLogger("shmrdv.rpc.server")
+
+# TensorFlow registers these by hand (grpc_worker_service_impl.cc, GrpcWorkerMethodName);
+# generated stubs would say /tensorflow.grpc.WorkerService/... (research §3.4).
+_TF_SERVICE = "tensorflow.WorkerService"
+_SHMRDV_SERVICE = "shmrdv.Rendezvous"
+RECV_TENSOR_METHOD = f"/{_TF_SERVICE}/RecvTensor"
+GET_STATUS_METHOD = f"/{_TF_SERVICE}/GetStatus"
+MARK_RECV_FINISHED_METHOD = f"/{_TF_SERVICE}/MarkRecvFinished"
+RECV_TENSOR_STREAM_METHOD = f"/{_SHMRDV_SERVICE}/RecvTensorStream"
+
+# research/pitfalls.md §6: stream in chunks of at most 4 MiB (gRPC's default receive limit).
+DEFAULT_CHUNK_BYTES = 4 << 20
+# TensorFlow: the server calls SetMaxMessageSize(INT32_MAX) (research §3.4). Requests are
+# tiny, so the receive limit stays small: a peer must not make us allocate 2 GiB.
+_MAX_SEND_BYTES = 2**31 - 1
+_MAX_RECEIVE_BYTES = 1 << 20
+
+_STARTUP_TIMEOUT = 30.0
+# TensorFlow: RecentRequestIds remembers the last 100,000 request ids.
+_ANSWERED_IDS = 100_000
+
+
+class TensorSource(Protocol):
+    """What the server pulls values from (implemented by the Worker).
+
+    ``task`` is the canonical task name (``/job:w/replica:0/task:0``), ``incarnation`` the
+    worker's incarnation. ``serve_recv`` raises ``AbortedError`` at once for a step that
+    was cleaned up; otherwise it calls ``done(error, Received)`` exactly once, in any
+    thread, unless the canceller it returned answered ``True``.
+    """
+
+    task: str
+    incarnation: int
+
+    def serve_recv(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller: ...
+
+
+_CacheKey = tuple[int, int, str]  # (request_id, step_id, full key)
+
+
+@dataclasses.dataclass(eq=False)
+class _Waiter:
+    """One ``serve_recv`` in progress or delivered, shared by calls with its request_id."""
+
+    cache_key: _CacheKey | None  # None: request_id 0, never shared or cached
+    future: asyncio.Future[Received]
+    canceller: Canceller | None = None
+    joiners: int = 0
+    send_start_micros: int = 0
+    nbytes: int = 0
+    expires: float = 0.0
+
+
+def _retrieve(fut: asyncio.Future[Received]) -> None:
+    # Mark an exception as retrieved so asyncio does not log "never retrieved" when every
+    # call that waited for this value has gone.
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _split_bind(bind: str) -> tuple[str, int]:
+    if not isinstance(bind, str):
+        raise InvalidArgumentError(f"bind must be a 'host:port' str, not {type(bind).__name__}")
+    host, sep, port_text = bind.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise InvalidArgumentError(
+            f"bind must be 'host:port' (e.g. '127.0.0.1:0', '[::]:2222'), not {bind!r}"
+        )
+    return host, int(port_text)
+
+
+class RpcServer:
+    """A gRPC server that answers RecvTensor for one ``TensorSource``.
+
+    Args:
+        bind: ``host:port`` to listen on, exactly as given: ``127.0.0.1:0`` or
+            ``localhost:0`` for loopback only, ``[::]:port`` for every interface (only
+            when asked). Port 0 picks a free port; ``address`` reports it.
+        source: where the values come from (``TensorSource``).
+        tls: serve TLS (``TLSConfig`` with the server's certificate and key).
+        token: refuse calls without ``authorization: Bearer <token>`` (``UNAUTHENTICATED``).
+        max_workers: threads that encode unary responses (waiting calls need none).
+        chunk_bytes: largest data chunk of a ``RecvTensorStream`` message.
+        cache_ttl, cache_entries, cache_bytes: bounds of the request_id response cache.
+        max_concurrent_rpcs: refuse calls beyond this many in flight
+            (``RESOURCE_EXHAUSTED``); ``None``: no limit.
+
+    ``start()`` blocks until the server listens; ``stop()`` fails waiting calls with
+    ``UNAVAILABLE``, stops the server and joins its threads. Use as a context manager.
+    """
+
+    def __init__(
+        self,
+        bind: str,
+        source: TensorSource,
+        *,
+        tls: TLSConfig | None = None,
+        token: str | None = None,
+        max_workers: int = 16,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        cache_ttl: float = 30.0,
+        cache_entries: int = 1024,
+        cache_bytes: int = 256 << 20,
+        max_concurrent_rpcs: int | None = None,
+    ) -> None:
+        self._host, self._port = _split_bind(bind)
+        self._bind = bind
+        self._source = source
+        try:
+            self._task = DeviceName.parse(source.task)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(
+                f"TensorSource.task {source.task!r} is not a task name: {e}"
+            ) from e
+        if not self._task.has_task:
+            raise InvalidArgumentError(f"TensorSource.task {source.task!r} names no job and task")
+        if tls is not None and not isinstance(tls, TLSConfig):
+            raise InvalidArgumentError(f"tls must be a TLSConfig or None, not {type(tls).__name__}")
+        self._tls = tls
+        self._token = check_token(token)
+        if not isinstance(max_workers, int) or max_workers < 1:
+            raise InvalidArgumentError(f"max_workers must be a positive int, not {max_workers!r}")
+        if not isinstance(chunk_bytes, int) or not 1024 <= chunk_bytes <= 64 << 20:
+            raise InvalidArgumentError(
+                f"chunk_bytes must be an int in [1 KiB, 64 MiB], not {chunk_bytes!r}"
+            )
+        self._max_workers = max_workers
+        self._chunk_bytes = chunk_bytes
+        self._cache_ttl = float(cache_ttl)
+        self._cache_entries = int(cache_entries)
+        self._cache_bytes = int(cache_bytes)
+        self._max_concurrent_rpcs = max_concurrent_rpcs
+
+        self._lock = threading.Lock()  # guards the lifecycle fields below (not the loop state)
+        self._state = "new"  # new -> running -> stopped
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._server: grpc.aio.Server | None = None
+        self._address: str | None = None
+
+        # Loop-thread state: touched only from the server's event loop.
+        self._stopping = False
+        self._waiters: set[_Waiter] = set()  # not yet settled
+        self._cache: OrderedDict[_CacheKey, _Waiter] = OrderedDict()  # by request_id, oldest first
+        self._cached_bytes = 0
+        self._answered: OrderedDict[int, None] = OrderedDict()  # request_ids given a value
+        self._stats = {
+            "calls": 0,
+            "values_served": 0,
+            "bytes_served": 0,
+            "cache_hits": 0,
+            "errors": 0,
+        }
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The bound ``host:port`` (the real port when bound to port 0); raise before start."""
+        if self._address is None:
+            raise InvalidArgumentError("RpcServer.address is known only after start()")
+        return self._address
+
+    def start(self) -> RpcServer:
+        """Bind and start serving; block until listening (or raise). Idempotent while running.
+
+        Raises ``UnavailableError`` when the address cannot be bound (in use, not local),
+        ``InvalidArgumentError`` after ``stop()``.
+        """
+        with self._lock:
+            if self._state == "running":
+                return self
+            if self._state == "stopped":
+                raise InvalidArgumentError(
+                    "RpcServer cannot be restarted after stop(); make a new one"
+                )
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(
+                target=self._run_loop,
+                args=(loop,),
+                name=f"shmrdv-rpc-server {self._bind}",
+                daemon=True,
+            )
+            self._loop, self._thread = loop, thread
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self._max_workers, thread_name_prefix="shmrdv-rpc-encode"
+            )
+            thread.start()
+            try:
+                port = asyncio.run_coroutine_threadsafe(self._astart(), loop).result(
+                    _STARTUP_TIMEOUT
+                )
+            except BaseException:
+                self._state = "stopped"
+                self._shutdown_threads()
+                raise
+            self._address = f"{self._host}:{port}"
+            self._state = "running"
+        _log.info("shmrdv RPC server for %s listening on %s", self._source.task, self._address)
+        return self
+
+    @staticmethod
+    def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+
+    async def _astart(self) -> int:
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_send_message_length", _MAX_SEND_BYTES),
+            ("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES),
+            # gRPC sets SO_REUSEPORT by default: a second server on a taken port would
+            # "bind" and silently share it. Binding must fail instead.
+            ("grpc.so_reuseport", 0),
+            # Let clients keep idle-call connections alive with pings (client.py).
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        interceptors = [TokenInterceptor(self._token)] if self._token is not None else []
+        server = grpc.aio.server(
+            options=options,
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=self._max_concurrent_rpcs,
+        )
+        server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    _TF_SERVICE,
+                    {
+                        "RecvTensor": grpc.unary_unary_rpc_method_handler(self._recv_tensor),
+                        "GetStatus": grpc.unary_unary_rpc_method_handler(self._get_status),
+                        "MarkRecvFinished": grpc.unary_unary_rpc_method_handler(
+                            self._mark_recv_finished
+                        ),
+                    },
+                ),
+                grpc.method_handlers_generic_handler(
+                    _SHMRDV_SERVICE,
+                    {
+                        "RecvTensorStream": grpc.unary_stream_rpc_method_handler(
+                            self._recv_tensor_stream
+                        )
+                    },
+                ),
+            ]
+        )
+        try:
+            if self._tls is not None:
+                port = server.add_secure_port(self._bind, self._tls.server_credentials())
+            else:
+                port = server.add_insecure_port(self._bind)
+        except RuntimeError as e:
+            raise UnavailableError(f"shmrdv RPC server cannot listen on {self._bind}: {e}") from e
+        if not port:
+            raise UnavailableError(f"shmrdv RPC server cannot listen on {self._bind}")
+        await server.start()
+        self._server = server
+        return int(port)
+
+    def stop(self, grace: float | None = 0.0) -> None:
+        """Stop serving; block until the server's threads have ended. Idempotent.
+
+        Calls waiting for a value fail at once with ``UNAVAILABLE`` (their waiters are
+        removed from the source); calls already streaming a value get ``grace`` seconds
+        to finish before they are cancelled.
+        """
+        with self._lock:
+            if self._state != "running":
+                self._state = "stopped"
+                return
+            self._state = "stopped"
+            loop = self._loop
+            assert loop is not None
+            try:
+                asyncio.run_coroutine_threadsafe(self._astop(grace), loop).result(
+                    (grace or 0.0) + _STARTUP_TIMEOUT
+                )
+            except Exception:
+                _log.exception("stopping the shmrdv RPC server on %s", self._address)
+            self._shutdown_threads()
+        _log.info("shmrdv RPC server on %s stopped", self._address)
+
+    async def _astop(self, grace: float | None) -> None:
+        self._stopping = True
+        error = UnavailableError(
+            f"shmrdv RPC server {self._address} ({self._source.task}) is stopping"
+        )
+        for waiter in list(self._waiters):
+            if waiter.canceller is not None:
+                waiter.canceller()
+            self._settle(waiter, error, None)
+        self._cache.clear()
+        self._cached_bytes = 0
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace)
+
+    def _shutdown_threads(self) -> None:
+        loop, thread, pool = self._loop, self._thread, self._pool
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join()
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._loop = self._thread = self._pool = None
+
+    def close(self) -> None:
+        """``stop(grace=0)``; idempotent."""
+        self.stop(0.0)
+
+    def __enter__(self) -> RpcServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, int]:
+        """Counters: calls, values and bytes served, cache hits, errors, waiting, cached."""
+        out = dict(self._stats)
+        out["waiting"] = len(self._waiters)
+        out["cached"] = len(self._cache)
+        out["cached_bytes"] = self._cached_bytes
+        return out
+
+    def __repr__(self) -> str:
+        where = self._address or self._bind
+        return f"<shmrdv RpcServer {self._state} {where} task={self._source.task}>"
+
+    # -- cache control (called by the Worker, any thread) --------------------------------
+
+    def drop_step(self, step_id: int) -> None:
+        """Forget cached responses of ``step_id`` (TensorFlow: on CleanupGraph). Never blocks."""
+        self._call_in_loop(self._drop_where, lambda ck: ck[1] == step_id)
+
+    def _call_in_loop(self, fn: Any, *args: Any) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed under us: nothing left to drop
+            pass
+
+    def _drop_where(self, predicate: Any) -> None:
+        for ck in [ck for ck in self._cache if predicate(ck)]:
+            self._uncache(ck)
+
+    # -- the handlers (event loop) ---------------------------------------------------------
+
+    async def _recv_tensor(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        """TensorFlow's unary RecvTensor: a TF-compatible RecvTensorResponse."""
+        self._stats["calls"] += 1
+        try:
+            req = coding.decode_request(request)
+            waiter, received = await self._wait_value(req, context)
+            loop = asyncio.get_running_loop()
+            data = await loop.run_in_executor(
+                self._pool,
+                functools.partial(
+                    coding.encode_response,
+                    received.value,
+                    is_dead=received.is_dead,
+                    send_start_micros=waiter.send_start_micros,
+                    # TensorFlow asks for MarkRecvFinished when its cache holds the response.
+                    require_ack=waiter.cache_key is not None,
+                ),
+            )
+        except RendezvousError as e:
+            await self._abort(context, e)
+        self._count_served(received)
+        return data
+
+    async def _recv_tensor_stream(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        """shmrdv's RecvTensorStream: a header, then raw chunks of at most ``chunk_bytes``."""
+        self._stats["calls"] += 1
+        try:
+            req = coding.decode_request(request)
+            waiter, received = await self._wait_value(req, context)
+            chunks = coding.encode_stream(
+                received.value,
+                is_dead=received.is_dead,
+                chunk_bytes=self._chunk_bytes,
+                send_start_micros=waiter.send_start_micros,
+            )
+        except RendezvousError as e:
+            await self._abort(context, e)
+        for chunk in chunks:
+            yield chunk
+        self._count_served(received)
+
+    async def _get_status(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        """TensorFlow's GetStatus: the worker's one CPU device and its incarnation."""
+        del request, context  # GetStatusRequest has no fields
+        device = coding.DeviceAttributes(
+            name=f"{self._task.task_part}/device:CPU:0",
+            device_type="CPU",
+            incarnation=self._source.incarnation,
+        )
+        return coding.encode_status_response([device])
+
+    async def _mark_recv_finished(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        """TensorFlow's MarkRecvFinished: the client has the response; drop it from the cache."""
+        try:
+            msg = worker_pb2.MarkRecvFinishedRequest.FromString(request)
+        except Exception as e:  # protobuf's DecodeError
+            await self._abort(context, InvalidArgumentError(f"bad MarkRecvFinishedRequest: {e}"))
+        rid = int(msg.request_id)
+        if rid:
+            self._drop_where(lambda ck: ck[0] == rid)
+        return b""
+
+    async def _abort(
+        self, context: grpc.aio.ServicerContext[Any, Any], error: RendezvousError
+    ) -> NoReturn:
+        self._stats["errors"] += 1
+        await context.abort(code_for_error(error), str(error))
+        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+    def _count_served(self, received: Received) -> None:
+        self._stats["values_served"] += 1
+        self._stats["bytes_served"] += received.value.nbytes
+
+    # -- waiting for a value (event loop) ------------------------------------------------
+
+    def _validate(self, req: coding.RecvRequest) -> ParsedKey:
+        """Parse and check the key as TensorFlow's GrpcWorker does; raise the TF error."""
+        pk = parse_key(req.rendezvous_key)
+        if not pk.src.same_task(self._task):
+            # TensorFlow (BaseRendezvousMgr::RecvLocalAsync / ValidateDevices):
+            raise InvalidArgumentError(
+                f"Invalid rendezvous key (src): {pk.full_key} @ {self._source.task}"
+            )
+        incarnation = self._source.incarnation
+        if pk.src_incarnation != 0 and pk.src_incarnation != incarnation:
+            # TensorFlow: GrpcWorker::PrepareRecvTensor, word for word.
+            raise AbortedError(
+                f"RecvTensor expects a different device incarnation: {pk.src_incarnation} vs. "
+                f'{incarnation}. Your worker job ("{self._source.task}") was probably '
+                "restarted. Check your worker job for the reason why it was restarted."
+            )
+        return pk
+
+    async def _wait_value(
+        self, req: coding.RecvRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> tuple[_Waiter, Received]:
+        """The value for ``req``: from the cache, by joining a waiter, or a new waiter.
+
+        Waits up to the call's deadline (``DeadlineExceededError``); a call cancelled by
+        its client (``asyncio.CancelledError``) leaves, and the last call to leave an
+        unsettled waiter removes it from the source.
+        """
+        if self._stopping:
+            raise UnavailableError(f"shmrdv RPC server {self._address} is stopping")
+        pk = self._validate(req)
+        waiter = self._find_or_start(req, pk)
+        waiter.joiners += 1
+        try:
+            timeout = context.time_remaining()
+            try:
+                received = await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+            except asyncio.TimeoutError:
+                raise DeadlineExceededError(
+                    f"RecvTensor on {self._source.task}: no value for key {pk.full_key!r} "
+                    f"(step {req.step_id}) before the call's deadline; the waiter was removed"
+                ) from None
+        finally:
+            waiter.joiners -= 1
+            if waiter.joiners == 0 and not waiter.future.done():
+                self._abandon(waiter, pk)
+        return waiter, received
+
+    def _find_or_start(self, req: coding.RecvRequest, pk: ParsedKey) -> _Waiter:
+        cache_key: _CacheKey | None = None
+        if req.request_id != 0:
+            cache_key = (req.request_id, req.step_id, pk.full_key)
+            self._expire()
+            found = self._cache.get(cache_key)
+            if found is not None:
+                if found.future.done():
+                    self._stats["cache_hits"] += 1
+                return found
+            if req.request_id in self._answered:
+                # TensorFlow (RecentRequestIds) answers every repeated id so: without it a
+                # retry would wait for, and steal, the key's next value.
+                raise AbortedError(
+                    f"RecvTensor request_id {req.request_id} for key {pk.full_key!r} (step "
+                    f"{req.step_id}) was already answered on {self._source.task} and its "
+                    "response is no longer cached; the value cannot be sent again"
+                )
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Received] = loop.create_future()
+        fut.add_done_callback(_retrieve)
+        waiter = _Waiter(cache_key, fut)
+
+        def done(error: BaseException | None, received: Received | None) -> None:
+            # Any thread (the producer's send, an abort). The loop may be gone if the server
+            # stopped meanwhile; the value then has no one left to go to.
+            try:
+                loop.call_soon_threadsafe(self._settle, waiter, error, received)
+            except RuntimeError:
+                _log.warning(
+                    "value for key %r (step %d) arrived after the RPC server stopped; dropped",
+                    pk.full_key,
+                    req.step_id,
+                )
+
+        # serve_recv raises AbortedError for a cleaned-up step: the call fails at once.
+        waiter.canceller = self._source.serve_recv(req.step_id, pk, done)
+        if not fut.done():
+            self._waiters.add(waiter)
+        if cache_key is not None:
+            self._cache[cache_key] = waiter
+        return waiter
+
+    def _settle(
+        self, waiter: _Waiter, error: BaseException | None, received: Received | None
+    ) -> None:
+        """The source's answer, now in the loop: wake the calls, keep a value for retries."""
+        self._waiters.discard(waiter)
+        if waiter.future.done():
+            return  # failed by stop(); a value arriving now has no one to go to
+        if error is not None:
+            if not isinstance(error, RendezvousError):
+                error = InternalError(f"TensorSource.serve_recv failed: {error!r}")
+            waiter.future.set_exception(error)
+            if waiter.cache_key is not None:
+                self._uncache(waiter.cache_key)
+            return
+        if received is None:
+            waiter.future.set_exception(InternalError("TensorSource called done(None, None)"))
+            return
+        waiter.send_start_micros = time.time_ns() // 1000
+        waiter.future.set_result(received)
+        if waiter.cache_key is not None:
+            self._answered[waiter.cache_key[0]] = None
+            if len(self._answered) > _ANSWERED_IDS:
+                self._answered.popitem(last=False)
+        if waiter.cache_key is not None and waiter.cache_key in self._cache:
+            waiter.nbytes = received.value.nbytes
+            waiter.expires = time.monotonic() + self._cache_ttl
+            self._cache.move_to_end(waiter.cache_key)
+            self._cached_bytes += waiter.nbytes
+            self._evict()
+
+    def _abandon(self, waiter: _Waiter, pk: ParsedKey) -> None:
+        """The last call waiting on ``waiter`` left before the value came: remove the waiter."""
+        canceller = waiter.canceller
+        if canceller is not None and canceller():
+            self._waiters.discard(waiter)
+            waiter.future.cancel()
+            if waiter.cache_key is not None:
+                self._uncache(waiter.cache_key)
+        elif waiter.cache_key is None:
+            # The value was already on its way (a race with the cancel). Without a
+            # request_id no retry can claim it, as in TensorFlow.
+            _log.warning(
+                "RecvTensor for key %r was cancelled as its value arrived; the value is dropped "
+                "(use a non-zero request_id to let a retry claim it)",
+                pk.full_key,
+            )
+
+    def _uncache(self, cache_key: _CacheKey) -> None:
+        waiter = self._cache.pop(cache_key, None)
+        if waiter is not None and waiter.future.done():
+            self._cached_bytes -= waiter.nbytes
+            waiter.nbytes = 0
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for ck, waiter in list(self._cache.items()):
+            if waiter.future.done() and waiter.expires <= now:
+                self._uncache(ck)
+
+    def _evict(self) -> None:
+        """Drop the oldest delivered entries beyond the count or byte budget."""
+        self._expire()
+        done = [ck for ck, w in self._cache.items() if w.future.done()]
+        for ck in done:
+            if len(self._cache) <= self._cache_entries and self._cached_bytes <= self._cache_bytes:
+                break
+            self._uncache(ck)
