@@ -1,0 +1,398 @@
+"""Tests of shmrdv._shm.segment on the real /dev/shm (a fresh namespace per test)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import secrets
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmrdv._errors import InternalError
+from shmrdv._shm import layout
+from shmrdv._shm.naming import SHM_DIR, Names
+from shmrdv._shm.segment import Segment
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = (
+    "/job:w/replica:0/task:0/device:CPU:0;0000000000000001;"
+    "/job:w/replica:0/task:1/device:CPU:0;t;0:0"
+)
+
+
+@pytest.fixture
+def names() -> Iterator[Names]:
+    n = Names(secrets.token_hex(13))
+    yield n
+    left = [e for e in os.listdir(SHM_DIR) if e.startswith(n.prefix)]
+    for entry in left:
+        os.unlink(os.path.join(SHM_DIR, entry))
+    assert not left, f"test left {left} in {SHM_DIR}"
+
+
+def _header(shape: tuple[int, ...] = (4, 8), dtype: str = "<f4") -> layout.Header:
+    return layout.Header.build(
+        key=KEY,
+        dtype=np.dtype(dtype),
+        shape=shape,
+        step_id=1,
+        seq=0,
+        producer_incarnation=1,
+        producer_pid=os.getpid(),
+    )
+
+
+def _mapped(path: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(path in line for line in f)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_segment_create_attach_zero_copy(names: Names) -> None:
+    h = _header()
+    with Segment.create(names, h.segment_size) as prod:
+        assert prod.name.startswith(names.prefix + "t")
+        assert prod.path == f"{SHM_DIR}/{prod.name}" and prod.size == h.segment_size
+        layout.pack_into(prod.buf, h)
+        src = prod.ndarray(h)
+        src[...] = np.arange(32, dtype="<f4").reshape(4, 8)
+        with Segment.attach(names, prod.name) as cons:
+            got = layout.unpack(cons.buf, cons.size)
+            assert got == h
+            dst = cons.ndarray(got)
+            assert dst.flags.writeable and dst.flags.aligned
+            np.testing.assert_array_equal(dst, np.arange(32, dtype="<f4").reshape(4, 8))
+            src[2, 3] = -1.0  # the producer's write is seen without a copy...
+            assert dst[2, 3] == -1.0
+            dst[0, 0] = 42.0  # ...and so is the consumer's
+            assert src[0, 0] == 42.0
+            assert dst.ctypes.data % 64 == 0
+            del dst
+        del src
+        prod.unlink()
+    assert not os.path.exists(prod.path)
+
+
+@pytest.mark.parametrize("umask", [0, 0o022, 0o077, 0o777])
+def test_segment_create_mode_0600_under_any_umask(names: Names, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        seg = Segment.create(names, 4096)
+    finally:
+        os.umask(old)
+    with seg:
+        st = os.stat(seg.path)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_uid == os.geteuid()
+        assert st.st_blocks * 512 >= 4096  # reserved by fallocate, not sparse
+        seg.unlink()
+
+
+def test_segment_create_existing_name_raises_internal(names: Names) -> None:
+    with Segment.create(names, 4096) as seg:
+        with pytest.raises(InternalError, match=f"{seg.name}.*exists already"):
+            Segment.create(names, 4096, seg.name)
+        assert os.path.exists(seg.path)  # the collision did not remove the original
+        seg.unlink()
+
+
+def test_segment_attach_missing_raises_file_not_found(names: Names) -> None:
+    with pytest.raises(FileNotFoundError):
+        Segment.attach(names, names.temp())
+
+
+def _plant(names: Names, mode: int, uid: int | None = None) -> str:
+    name = names.temp()
+    path = names.path(name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b"planted secret" + bytes(4096))
+    os.fchmod(fd, mode)
+    if uid is not None:
+        os.fchown(fd, uid, -1)
+    os.close(fd)
+    return name
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o666, 0o660, 0o601])
+def test_segment_attach_refuses_group_or_other_permissions(names: Names, mode: int) -> None:
+    name = _plant(names, mode)
+    path = names.path(name)
+    try:
+        with pytest.raises(InternalError, match=f"refusing segment {name}.*mode 0o{mode:03o}"):
+            Segment.attach(names, name)
+        assert not _mapped(path)
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_segment_attach_refuses_other_owner(names: Names) -> None:
+    name = _plant(names, 0o600, uid=65534)
+    path = names.path(name)
+    before = Path(path).read_bytes()
+    try:
+        with pytest.raises(InternalError, match=r"owned by uid 65534.*planted by another user"):
+            Segment.attach(names, name)
+        assert not _mapped(path)
+        assert Path(path).read_bytes() == before
+    finally:
+        os.unlink(path)
+
+
+def test_segment_attach_refuses_symlink_and_fifo(names: Names) -> None:
+    target = Segment.create(names, 4096)
+    link = names.temp()
+    os.symlink(target.path, names.path(link))
+    fifo = names.temp()
+    os.mkfifo(names.path(fifo), 0o600)
+    try:
+        with pytest.raises(InternalError, match=link):
+            Segment.attach(names, link)
+        with pytest.raises(InternalError, match="not a regular file"):
+            Segment.attach(names, fifo)
+    finally:
+        os.unlink(names.path(link))
+        os.unlink(names.path(fifo))
+        target.unlink()
+        target.close()
+
+
+def test_segment_check_size_detects_truncation(names: Names) -> None:
+    h = _header()
+    with Segment.create(names, h.segment_size) as prod:
+        layout.pack_into(prod.buf, h)
+        with Segment.attach(names, prod.name) as cons:
+            cons.check_size(h.segment_size)
+            os.truncate(prod.path, 100)  # a peer shrinks the file under the reader
+            with pytest.raises(InternalError, match="truncated to 100 bytes"):
+                cons.check_size(h.segment_size)
+            with pytest.raises(InternalError, match="truncated"):
+                cons.ndarray(h)  # checks before touching the data: no SIGBUS
+            with pytest.raises(InternalError, match="maps"):
+                cons.check_size(h.segment_size + 1)
+        prod.unlink()
+
+
+def test_segment_rename_and_unlink(names: Names) -> None:
+    seg = Segment.create(names, 4096)
+    old = seg.path
+    new = names.message(1, KEY, 1, 0)
+    seg.rename(new)
+    assert seg.name == new and seg.path == names.path(new)
+    assert not os.path.exists(old) and os.path.exists(seg.path)
+    seg.buf[0:5] = b"hello"
+    seg.unlink()
+    seg.unlink()  # a missing file is fine
+    assert not os.path.exists(seg.path)
+    assert seg.buf[0:5] == b"hello"  # the mapping outlives the name
+    with pytest.raises(FileNotFoundError):
+        seg.rename(names.temp())
+    seg.close()
+
+
+def test_segment_close_idempotent_repr_and_closed_errors(names: Names) -> None:
+    seg = Segment.create(names, 4096)
+    assert repr(seg) == f"<Segment {seg.name} 4096 bytes open>"
+    seg.unlink()
+    seg.close()
+    seg.close()
+    assert seg.closed and repr(seg).endswith("closed>")
+    assert not _mapped(seg.path)
+    for call in (lambda: seg.buf, lambda: seg.check_size(1), lambda: seg.ndarray(_header())):
+        with pytest.raises(InternalError, match="closed"):
+            call()
+
+
+def test_segment_no_fd_leak(names: Names) -> None:
+    before = _fds()
+    for _ in range(20):
+        with Segment.create(names, 8192) as seg, Segment.attach(names, seg.name) as other:
+            other.buf[0] = 1
+            seg.unlink()
+    with pytest.raises(InternalError):
+        Segment.create(names, 4096, "../not/there")
+    assert _fds() == before
+
+
+def test_segment_arrays_outlive_close(names: Names) -> None:
+    h = _header((1024,), "<f8")
+    seg = Segment.create(names, h.segment_size)
+    path = seg.path
+    arr = seg.ndarray(h)
+    view = arr[10:20]
+    seg.unlink()
+    seg.close()
+    assert _mapped(path)  # kept by the arrays
+    arr[:] = 1.5  # no segfault: the memory is still mapped
+    assert view.sum() == 15.0
+    del arr
+    assert _mapped(path)
+    del view
+    gc.collect()
+    assert not _mapped(path)
+
+
+def test_segment_on_release_fires_after_last_view(names: Names) -> None:
+    h = _header()
+    seg = Segment.create(names, h.segment_size)
+    calls: list[tuple[str, int]] = []
+    arr = seg.ndarray(h)
+    view = arr.T[1:]
+    again = seg.ndarray(h)
+    seg.on_release(lambda tag, n: calls.append((tag, n)), "gone", 1)
+    seg.unlink()
+    seg.close()
+    del arr
+    del again
+    assert calls == []
+    del view
+    assert calls == [("gone", 1)]
+
+
+def test_segment_on_release_fires_at_close_without_arrays(names: Names) -> None:
+    seg = Segment.create(names, 4096)
+    calls: list[int] = []
+    seg.on_release(calls.append, 1)
+    seg.unlink()
+    assert calls == []
+    seg.close()
+    assert calls == [1]
+    seg.close()
+    assert calls == [1]
+
+
+def test_segment_on_release_fires_when_segment_collected(names: Names) -> None:
+    seg = Segment.create(names, 4096)
+    calls: list[int] = []
+    seg.on_release(calls.append, 7)
+    seg.unlink()
+    path = seg.path
+    del seg
+    gc.collect()
+    assert calls == [7]
+    assert not _mapped(path)
+
+
+def test_segment_on_release_exception_is_logged(
+    names: Names, caplog: pytest.LogCaptureFixture
+) -> None:
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    seg = Segment.create(names, 4096)
+    seg.on_release(boom)
+    seg.unlink()
+    with caplog.at_level(logging.ERROR, logger="shmrdv.shm.segment"):
+        seg.close()
+    assert "release callback of segment" in caplog.text and "boom" in caplog.text
+
+
+def test_segment_empty_array_and_zero_size(names: Names) -> None:
+    h = _header((0, 3))
+    with Segment.create(names, h.segment_size) as seg:
+        layout.pack_into(seg.buf, h)
+        arr = seg.ndarray(h)
+        assert arr.shape == (0, 3) and arr.dtype == np.float32 and arr.flags.writeable
+        seg.unlink()
+    del arr
+    calls: list[int] = []
+    with Segment.create(names, 0) as zero:
+        assert zero.size == 0 and len(zero.buf) == 0
+        with Segment.attach(names, zero.name) as other:
+            assert other.size == 0
+            other.check_size(0)
+        zero.on_release(calls.append, 0)
+        zero.unlink()
+    assert calls == [0]
+
+
+def test_segment_ndarray_outside_segment_raises(names: Names) -> None:
+    h = _header((64, 64))
+    with Segment.create(names, 4096) as seg:
+        with pytest.raises(InternalError, match="needed"):
+            seg.ndarray(h)
+        seg.unlink()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_segment_larger_than_2gib(names: Names) -> None:
+    size = 2**31 + 4096
+    free = shutil.disk_usage(SHM_DIR).free
+    if free < 3 * 2**30:
+        pytest.skip(f"{SHM_DIR} has only {free} bytes free, the test needs 3 GiB")
+    with Segment.create(names, size) as prod:
+        prod.buf[size - 5 :] = b"tail!"
+        with Segment.attach(names, prod.name) as cons:
+            assert cons.size == size
+            cons.check_size(size)
+            assert cons.buf[size - 5 :] == b"tail!"
+        prod.unlink()
+
+
+_ENOSPC_CHILD = textwrap.dedent(
+    """
+    import os, re, sys
+    from shmrdv._errors import ResourceExhaustedError
+    from shmrdv._shm.naming import Names
+    from shmrdv._shm.segment import Segment
+
+    names = Names("enospc" + "0" * 20)
+    try:
+        Segment.create(names, 16 << 20)
+    except ResourceExhaustedError as e:
+        msg = str(e)
+        assert "16777216 bytes" in msg, msg
+        assert re.search(r"has \\d+ bytes free", msg), msg
+        assert "--shm-size" in msg and "shmrdv gc" in msg, msg
+    else:
+        sys.exit("no ResourceExhaustedError")
+    assert os.listdir("/dev/shm") == [], os.listdir("/dev/shm")
+    with Segment.create(names, 1 << 20) as seg:  # still alive, and smaller ones fit
+        seg.buf[-1] = 7
+        assert seg.buf[-1] == 7
+        seg.unlink()
+    assert os.listdir("/dev/shm") == [], os.listdir("/dev/shm")
+    print("child ok")
+    """
+)
+
+
+@pytest.mark.root
+@pytest.mark.timeout(60)
+def test_segment_enospc_is_resource_exhausted_not_sigbus() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs in a private mount namespace")
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+        capture_output=True,
+        timeout=20,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount in a private namespace: {probe.stderr.decode().strip()}")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    script = 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$0" -c "$1"'
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, sys.executable, _ENOSPC_CHILD],
+        capture_output=True,
+        timeout=50,
+        env=env,
+        cwd=str(REPO),
+    )
+    out = proc.stdout.decode() + proc.stderr.decode()
+    assert proc.returncode == 0, out
+    assert "child ok" in out
