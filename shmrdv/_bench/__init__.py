@@ -1,0 +1,8 @@
+"""``shmrdv bench``: hand numpy arrays between two processes and time it, for shmrdv and its peers.
+
+``runner`` spawns each method's pinger and ponger and drives the sizes (``main``,
+``build_parser``, ``run``); ``peers`` holds the method contract, the registry
+(``METHODS``, ``register_method``) and the peer methods; ``report`` turns the figures
+into markdown tables, JSON and a plot. Run it as ``python -m shmrdv bench`` or
+``python tools/bench.py``; see research/peer_numbers.md for the measurement it repeats.
+"""

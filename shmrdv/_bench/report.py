@@ -1,0 +1,392 @@
+"""Results of a ``shmrdv bench`` run and how they are shown: markdown, JSON, a plot.
+
+Every figure is derived here from the measured cells, so the markdown tables and
+the JSON file agree. Throughput is bytes / median one-way time (and, in the JSON,
+also bytes / median round trip), in GB/s = 10**9 B/s.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "BenchRun",
+    "CellResult",
+    "MethodResult",
+    "describe_machine",
+    "format_markdown",
+    "format_size",
+    "load_average",
+    "plot_run",
+    "to_json",
+    "write_json",
+]
+
+BASELINE_COPY = "memcpy"
+BASELINE_PEER = "mp_pipe_oob"
+
+
+@dataclass
+class CellResult:
+    """One (method, size): every time in nanoseconds, medians of repetition medians."""
+
+    nbytes: int
+    reps: int
+    per_rep: int
+    warmup: int
+    checks: int
+    rtt_median_ns: float
+    rtt_p99_ns: float
+    rtt_min_ns: float
+    rtt_rep_medians_ns: list[float]
+    oneway_median_ns: float
+    oneway_p99_ns: float
+    oneway_rep_medians_ns: list[float]
+    elapsed_s: float
+
+    @property
+    def rtt_spread(self) -> float:
+        """Largest over smallest repetition median: how noisy the cell was."""
+        lo = min(self.rtt_rep_medians_ns)
+        return max(self.rtt_rep_medians_ns) / lo if lo > 0 else float("nan")
+
+
+@dataclass
+class MethodResult:
+    """One method: ``status`` is "ok", "skipped" (with ``reason``) or "failed" (with the error)."""
+
+    name: str
+    label: str
+    group: str
+    status: str
+    reason: str | None = None
+    receiver_array: str = ""
+    fixed_nbytes: int | None = None
+    idle_cpu_percent: float | None = None
+    startup_s: float | None = None
+    cells: dict[int, CellResult] = field(default_factory=dict)
+
+
+@dataclass
+class BenchRun:
+    """A whole run: the machine, the settings, every method."""
+
+    machine: dict[str, Any]
+    config: dict[str, Any]
+    started: str
+    methods: list[MethodResult] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    interrupted: bool = False
+
+    def method(self, name: str) -> MethodResult | None:
+        for m in self.methods:
+            if m.name == name:
+                return m
+        return None
+
+    def ratio(self, name: str, nbytes: int, baseline: str, what: str) -> float | None:
+        """``what`` ("rtt" or "oneway") median of ``name`` over the same of ``baseline``."""
+        m, b = self.method(name), self.method(baseline)
+        if m is None or b is None or nbytes not in m.cells or nbytes not in b.cells:
+            return None
+        num = getattr(m.cells[nbytes], f"{what}_median_ns")
+        den = getattr(b.cells[nbytes], f"{what}_median_ns")
+        return float(num / den) if den > 0 else None
+
+
+# -- the machine -------------------------------------------------------------------------
+
+
+def load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def describe_machine() -> dict[str, Any]:
+    """CPU, cores, kernel, Python and the versions of everything measured; reads only files."""
+    cpu_model = None
+    cpuinfo = _read("/proc/cpuinfo") or ""
+    for line in cpuinfo.splitlines():
+        if line.startswith("model name"):
+            cpu_model = line.split(":", 1)[1].strip()
+            break
+    try:
+        affinity: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = None
+    uname = platform.uname()
+    shm: dict[str, Any] = {}
+    try:
+        st = os.statvfs("/dev/shm")
+        shm = {"size_bytes": st.f_frsize * st.f_blocks, "free_bytes": st.f_frsize * st.f_bavail}
+    except OSError:
+        pass
+    versions = {
+        dist: _version(dist)
+        for dist in ("numpy", "grpcio", "protobuf", "posix_ipc", "pyzmq", "torch", "ray", "matplotlib")
+    }
+    return {
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "kernel": f"{uname.system} {uname.release}",
+        "machine": uname.machine,
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "versions": versions,
+        "dev_shm": shm,
+        "cpuidle_driver": _read("/sys/devices/system/cpu/cpuidle/current_driver"),
+        "thp_shmem": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
+        "load_average_start": load_average(),
+        "load_average_end": None,
+        "argv": sys.argv[1:],
+    }
+
+
+# -- numbers as text ------------------------------------------------------------------------
+
+
+def format_size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def _sig(x: float) -> str:
+    """Three significant digits, thousands separated: 0.273, 12.3, 1,179."""
+    if x >= 100:
+        return f"{x:,.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+def _us(ns: float) -> str:
+    return f"{_sig(ns / 1000)} µs"
+
+
+def _gbps(nbytes: int, ns: float) -> str:
+    return f"{_sig(nbytes / ns)} GB/s" if ns > 0 else "–"
+
+
+def _times(r: float | None) -> str:
+    return "" if r is None else f"×{_sig(r)}"
+
+
+def _ordered(run: BenchRun) -> list[MethodResult]:
+    rank = {"floor": 0, "shmrdv": 1, "peer": 2}
+    return sorted(run.methods, key=lambda m: rank.get(m.group, 3))
+
+
+def _sizes(run: BenchRun) -> list[int]:
+    sizes: list[int] = list(run.config.get("sizes", []))
+    return sizes
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out.extend("| " + " | ".join(r) + " |" for r in rows)
+    return out
+
+
+def format_markdown(run: BenchRun) -> str:
+    """The run as markdown: machine, round trips, one-way times, p99, ratios, floors."""
+    mach = run.machine
+    sizes = _sizes(run)
+    ordered = _ordered(run)
+    sized = [m for m in ordered if m.fixed_nbytes is None]
+    fixed = [m for m in ordered if m.fixed_nbytes is not None]
+    v = mach.get("versions", {})
+    present = ", ".join(f"{k} {val}" for k, val in v.items() if val)
+    lines = [
+        "# shmrdv bench",
+        "",
+        f"{run.started} · {mach.get('cpu_model')} · {mach.get('cpu_count')} CPUs "
+        f"({mach.get('cpu_affinity')} usable) · {mach.get('kernel')} · {mach.get('python')}",
+        f"{present} · load {mach.get('load_average_start')} → {mach.get('load_average_end')} · "
+        f"{run.elapsed_s:.1f} s" + (" · INTERRUPTED" if run.interrupted else ""),
+        "",
+        f"Settings: {run.config.get('summary', '')}",
+        "",
+    ]
+
+    def cell_rows(render: Any) -> list[list[str]]:
+        rows = []
+        for m in sized:
+            row = [m.name]
+            for n in sizes:
+                c = m.cells.get(n)
+                row.append(render(m, n, c) if c is not None else ("–" if m.status == "ok" else ""))
+            rows.append(row)
+        return rows
+
+    header = ["method", *(format_size(n) for n in sizes)]
+
+    lines += [
+        "## Round trip (array there, ack back): median · GB/s · ×memcpy",
+        "",
+        *_table(
+            header,
+            cell_rows(
+                lambda m, n, c: f"{_us(c.rtt_median_ns)} · {_gbps(n, c.rtt_median_ns)} · "
+                f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'rtt'))}"
+            ),
+        ),
+        "",
+        "## One-way (until the ponger holds the array): median · GB/s · ×memcpy",
+        "",
+        *_table(
+            header,
+            cell_rows(
+                lambda m, n, c: f"{_us(c.oneway_median_ns)} · {_gbps(n, c.oneway_median_ns)} · "
+                f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'oneway'))}"
+            ),
+        ),
+        "",
+        "## Round trip p99 · spread of repetition medians (max/min)",
+        "",
+        *_table(
+            header,
+            cell_rows(lambda m, n, c: f"{_us(c.rtt_p99_ns)} · {c.rtt_spread:.2f}"),
+        ),
+        "",
+        f"## Ratio to {BASELINE_PEER} (round trip · one-way)",
+        "",
+        *_table(
+            header,
+            cell_rows(
+                lambda m, n, c: f"{_times(run.ratio(m.name, n, BASELINE_PEER, 'rtt'))} · "
+                f"{_times(run.ratio(m.name, n, BASELINE_PEER, 'oneway'))}"
+            ),
+        ),
+        "",
+    ]
+    if fixed:
+        lines += ["## Floors at a fixed size", ""]
+        rows = []
+        for m in fixed:
+            for n, c in sorted(m.cells.items()):
+                rows.append(
+                    [
+                        m.name,
+                        format_size(n),
+                        _us(c.rtt_median_ns),
+                        _us(c.rtt_p99_ns),
+                        _us(c.oneway_median_ns),
+                    ]
+                )
+        lines += _table(["method", "size", "RTT median", "RTT p99", "one-way median"], rows)
+        lines.append("")
+    lines += ["## Methods", ""]
+    rows = []
+    for m in ordered:
+        idle = "" if m.idle_cpu_percent is None else f"{m.idle_cpu_percent:.2f} %"
+        status = m.status if m.reason is None else f"{m.status}: {m.reason.splitlines()[-1][:160]}"
+        rows.append([m.name, m.label, m.receiver_array, idle, status])
+    lines += _table(["method", "what", "receiver's array", "idle CPU (blocked receive)", "status"], rows)
+    lines += [
+        "",
+        "Cells: medians of the per-repetition medians. Round trip = the pinger's "
+        "perf_counter_ns around one handoff (the array there, the ponger frees it, a 32-byte "
+        "ack back by the method's own path). One-way = the ponger's arrival time minus the "
+        "pinger's start (CLOCK_MONOTONIC is system-wide). GB/s = bytes / that median. "
+        "memcpy has no second process: its round trip is the copy.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# -- JSON ---------------------------------------------------------------------------------------
+
+
+def to_json(run: BenchRun) -> dict[str, Any]:
+    """Every figure of the run, ratios included, as plain JSON data."""
+    methods = []
+    for m in _ordered(run):
+        d = asdict(m)
+        cells = {}
+        for n, c in sorted(m.cells.items()):
+            cd = asdict(c)
+            cd["rtt_spread"] = c.rtt_spread
+            cd["gbps_oneway"] = n / c.oneway_median_ns if c.oneway_median_ns > 0 else None
+            cd["gbps_rtt"] = n / c.rtt_median_ns if c.rtt_median_ns > 0 else None
+            for base in (BASELINE_COPY, BASELINE_PEER):
+                for what in ("rtt", "oneway"):
+                    cd[f"{what}_x_{base}"] = run.ratio(m.name, n, base, what)
+            cells[str(n)] = cd
+        d["cells"] = cells
+        methods.append(d)
+    return {
+        "format": "shmrdv-bench/1",
+        "started": run.started,
+        "elapsed_s": run.elapsed_s,
+        "interrupted": run.interrupted,
+        "machine": run.machine,
+        "config": run.config,
+        "units": {"time": "ns", "throughput": "GB/s = 1e9 B/s"},
+        "methods": methods,
+    }
+
+
+def write_json(run: BenchRun, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(to_json(run), f, indent=1)
+        f.write("\n")
+
+
+# -- plot ---------------------------------------------------------------------------------------
+
+
+def plot_run(run: BenchRun, path: str) -> None:
+    """Median round trip against size, log-log, one line per method, into ``path``.
+
+    Raises ``ImportError`` when matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for m in _ordered(run):
+        if not m.cells:
+            continue
+        xs = sorted(m.cells)
+        ys = [m.cells[n].rtt_median_ns / 1000 for n in xs]
+        style = "--" if m.group == "floor" else "-"
+        ax.plot(xs, ys, style, marker="o", label=m.name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("array size (bytes)")
+    ax.set_ylabel("median round trip per handoff (µs)")
+    ax.set_title(f"shmrdv bench · {run.machine.get('cpu_model')} · {run.started}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,720 @@
+"""``shmrdv bench``: spawns each method's two roles, drives the sizes, collects the figures.
+
+Processes: for every method the runner spawns (``multiprocessing`` *spawn* context)
+a pinger and, unless the method is single-process, a ponger. Each talks to the
+runner over its own control Pipe; the two roles share a duplex ``link`` Pipe. The
+pinger runs the measurement loop (``_drive``): per size it warms up, then does
+``reps`` repetitions of ``n`` timed handoffs framed by two untimed CRC-checked ones,
+and sends its figures back. The runner watches both processes: a role that raises,
+dies or stays silent too long fails its method (the others still run), and every
+child is terminated, then killed, on the way out, also on Ctrl-C or SIGTERM.
+Everything a method creates in ``/dev/shm`` starts with ``shmrdv_bench<runner pid>_``
+and that prefix is swept in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import importlib
+import itertools
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnContext, SpawnProcess
+from typing import Any, TextIO
+
+import numpy as np
+import numpy.typing as npt
+
+from . import peers
+from .peers import (
+    KIND_CHECK,
+    KIND_PROBE_END,
+    KIND_PROBE_START,
+    KIND_STOP,
+    KIND_TIMED,
+    Ack,
+    Handler,
+    MethodSpec,
+    Pinger,
+    RoleContext,
+    make_stamp,
+)
+from .report import (
+    BenchRun,
+    CellResult,
+    MethodResult,
+    describe_machine,
+    format_markdown,
+    format_size,
+    load_average,
+    plot_run,
+    write_json,
+)
+
+__all__ = ["DEFAULT_SIZES", "QUICK_SIZES", "build_parser", "main", "parse_sizes", "run"]
+
+DEFAULT_SIZES = "64,1k,64k,1m,16m,64m,256m"
+QUICK_SIZES = "1k,64k,1m,16m,64m"
+BIG = 64 << 20  # from here on: fewer repetitions
+SHM_DIR = "/dev/shm"
+PLUGIN_MODULES = ("shmrdv._bench.shmrdv_methods",)
+
+F32 = npt.NDArray[np.float32]
+
+
+class BenchError(Exception):
+    """A handoff returned the wrong data, or a role failed."""
+
+
+# -- sizes ----------------------------------------------------------------------------------
+
+_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"64"``, ``"1k"``, ``"16m"``, ``"1g"`` (binary units; "kib"/"kb"/"b" also accepted)."""
+    s = text.strip().lower()
+    for tail in ("ib", "b"):
+        if s.endswith(tail) and len(s) > len(tail):
+            s = s[: -len(tail)]
+            break
+    unit = s[-1:] if s[-1:] in _SUFFIX else ""
+    digits = s[: len(s) - len(unit)]
+    try:
+        value = int(digits) * _SUFFIX[unit]
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 64, 1k, 16m, 1g)") from None
+    if value < 8 or value % 4:
+        raise ValueError(f"size {text!r}: must be a multiple of 4 bytes and at least 8")
+    return value
+
+
+def parse_sizes(text: str) -> list[int]:
+    """A comma-separated list of sizes, sorted, without repeats."""
+    return sorted({parse_size(part) for part in text.split(",") if part.strip()})
+
+
+# -- the roles (run in the spawned processes) ------------------------------------------------
+
+
+def _make_src(nbytes: int) -> F32:
+    src: F32 = np.random.default_rng(nbytes).random(nbytes // 4, dtype=np.float32)
+    return src
+
+
+def _handoff(pinger: Pinger, src: F32, seq: Iterator[int], kind: int, gap_ns: int) -> tuple[int, int, Ack]:
+    """One handoff: (round trip ns, one-way ns, ack); raises BenchError on wrong data."""
+    stamp = make_stamp(next(seq), kind)
+    src[0] = stamp
+    src[-1] = stamp
+    crc = zlib.crc32(src) if kind == KIND_CHECK else None
+    t0 = time.perf_counter_ns()
+    ack = pinger.handoff(src)
+    t1 = time.perf_counter_ns()
+    if ack.head != stamp or ack.tail != stamp:
+        raise BenchError(
+            f"{format_size(src.nbytes)}: sent stamp {stamp}, the ponger saw "
+            f"a[0]={ack.head} a[-1]={ack.tail}"
+        )
+    if crc is not None and ack.extra != crc:
+        raise BenchError(
+            f"{format_size(src.nbytes)}: CRC32 mismatch, sent {crc:#010x}, "
+            f"the ponger computed {ack.extra:#010x}"
+        )
+    if gap_ns:
+        # Spin, not sleep: the ponger gets time to block in its receive again, so
+        # every handoff pays a wake-up (as in research/peer_numbers.md).
+        until = t1 + gap_ns
+        while time.perf_counter_ns() < until:
+            pass
+    return t1 - t0, ack.t_recv_ns - t0, ack
+
+
+def _run_cell(pinger: Pinger, plan: dict[str, Any], seq: Iterator[int], ctrl: Connection) -> dict[str, Any]:
+    nbytes: int = plan["nbytes"]
+    reps: int = plan["reps"]
+    gap: int = plan["gap_ns"]
+    budget_ns = plan["budget_s"] * 1e9
+    src = _make_src(nbytes)
+    started = time.perf_counter()
+    warm: list[int] = []
+    min_warm = 1 if nbytes >= BIG // 2 else 3
+    while True:
+        rtt, _, _ = _handoff(pinger, src, seq, KIND_TIMED, gap)
+        warm.append(rtt)
+        if len(warm) >= 50 or (len(warm) >= min_warm and sum(warm) >= 0.1 * budget_ns):
+            break
+    per = statistics.median(warm[1:] if len(warm) > 1 else warm) + gap
+    n = int(0.9 * budget_ns / reps / max(per, 1.0))
+    n = max(plan["min_n"], min(plan["max_n"], n))
+    rtts: list[int] = []
+    oneways: list[int] = []
+    rep_rtt: list[float] = []
+    rep_oneway: list[float] = []
+    checks = 0
+    for rep in range(reps):
+        _handoff(pinger, src, seq, KIND_CHECK, gap)
+        r_rtt: list[int] = []
+        r_one: list[int] = []
+        for _ in range(n):
+            rtt, one, _ = _handoff(pinger, src, seq, KIND_TIMED, gap)
+            r_rtt.append(rtt)
+            r_one.append(one)
+        _handoff(pinger, src, seq, KIND_CHECK, gap)
+        checks += 2
+        rtts += r_rtt
+        oneways += r_one
+        rep_rtt.append(float(statistics.median(r_rtt)))
+        rep_oneway.append(float(statistics.median(r_one)))
+        ctrl.send(("progress", nbytes, rep + 1, reps, rep_rtt[-1]))
+    return {
+        "nbytes": nbytes,
+        "reps": reps,
+        "per_rep": n,
+        "warmup": len(warm),
+        "checks": checks,
+        "rtt_median_ns": float(statistics.median(rep_rtt)),
+        "rtt_p99_ns": float(np.percentile(rtts, 99)),
+        "rtt_min_ns": float(min(rtts)),
+        "rtt_rep_medians_ns": rep_rtt,
+        "oneway_median_ns": float(statistics.median(rep_oneway)),
+        "oneway_p99_ns": float(np.percentile(oneways, 99)),
+        "oneway_rep_medians_ns": rep_oneway,
+        "elapsed_s": time.perf_counter() - started,
+    }
+
+
+def _drive(pinger: Pinger, ctrl: Connection, started: float) -> None:
+    """The pinger's command loop: hello handoffs, then idle probe / cells / stop on request."""
+    seq = itertools.count(1)
+    small = _make_src(64)
+    for _ in range(3):  # the channel works and returns the right bytes before anything is timed
+        _handoff(pinger, small, seq, KIND_CHECK, 0)
+    ctrl.send(("ready", time.perf_counter() - started))
+    while True:
+        cmd = ctrl.recv()
+        if cmd[0] == "idle":
+            _handoff(pinger, small, seq, KIND_PROBE_START, 0)
+            time.sleep(cmd[1])
+            _, _, ack = _handoff(pinger, small, seq, KIND_PROBE_END, 0)
+            ctrl.send(("idle", ack.extra / 10_000))  # parts per million -> percent
+        elif cmd[0] == "cell":
+            ctrl.send(("cell", _run_cell(pinger, cmd[1], seq, ctrl)))
+        elif cmd[0] == "stop":
+            _handoff(pinger, small, seq, KIND_STOP, 0)
+            return
+        else:
+            raise BenchError(f"unknown command from the runner: {cmd!r}")
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGTERM this process when the runner dies (best effort)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _role_main(
+    role: str,
+    factory: Callable[[RoleContext], Any],
+    ctrl: Connection,
+    link: Connection | None,
+    shared: dict[str, Any],
+    env: dict[str, Any],
+) -> None:
+    """Entry point of a spawned role process."""
+    started = time.perf_counter()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner handles Ctrl-C and stops us
+    signal.signal(signal.SIGTERM, _on_sigterm)  # so that close() runs when terminated
+    _die_with_parent(env["parent_pid"])
+    if env.get("cpu") is not None:
+        os.sched_setaffinity(0, {env["cpu"]})
+    handler = Handler()
+    ctx = RoleContext(
+        role=role,
+        method=env["method"],
+        link=link,
+        shared=shared,
+        prefix=env["prefix"],
+        scratch_dir=env["scratch_dir"],
+        max_nbytes=env["max_nbytes"],
+        handler=handler,
+    )
+    obj: Any = None
+    failed = False
+    try:
+        obj = factory(ctx)
+        if role == "ponger":
+            ctrl.send(("ready", time.perf_counter() - started))
+            obj.serve(handler)
+        else:
+            _drive(obj, ctrl, started)
+    except BaseException:
+        failed = True
+        with contextlib.suppress(Exception):
+            ctrl.send(("error", role, traceback.format_exc()))
+    finally:
+        if obj is not None:
+            try:
+                obj.close()
+            except BaseException:
+                if not failed:
+                    failed = True
+                    with contextlib.suppress(Exception):
+                        ctrl.send(("error", role, "in close():\n" + traceback.format_exc()))
+    if failed:
+        raise SystemExit(1)
+    ctrl.send(("bye", handler.handled))
+
+
+# -- the runner side ---------------------------------------------------------------------------
+
+
+class _Progress:
+    """One updating line on a terminal; otherwise one line per finished cell."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._tty = stream.isatty()
+
+    def update(self, text: str) -> None:
+        if self._tty:
+            self._stream.write("\r\x1b[K" + text)
+            self._stream.flush()
+
+    def line(self, text: str) -> None:
+        self._stream.write(("\r\x1b[K" if self._tty else "") + text + "\n")
+        self._stream.flush()
+
+
+class _RoleFailed(Exception):
+    pass
+
+
+@dataclass
+class _Options:
+    sizes: list[int]
+    reps: int | None
+    budget_s: float
+    gap_ns: int
+    idle_s: float
+    pin: str
+    quick: bool
+
+
+class _Roles:
+    """The processes of one method and the runner's ends of their pipes."""
+
+    def __init__(self, spec: MethodSpec, mpctx: SpawnContext, env: dict[str, Any], cpus: list[int | None]) -> None:
+        self.spec = spec
+        self.stopping = False
+        self.procs: list[SpawnProcess] = []
+        self.shared: dict[str, Any] = spec.make_shared(mpctx) if spec.make_shared else {}
+        self.ping_ctrl, ping_child = mpctx.Pipe()
+        self.pong_ctrl: Connection | None = None
+        link_a: Connection | None = None
+        link_b: Connection | None = None
+        self.ponger: SpawnProcess | None = None
+        try:
+            if spec.ponger is not None:
+                link_a, link_b = mpctx.Pipe()
+                self.pong_ctrl, pong_child = mpctx.Pipe()
+                self.ponger = mpctx.Process(
+                    target=_role_main,
+                    args=("ponger", spec.ponger, pong_child, link_b, self.shared, {**env, "cpu": cpus[1]}),
+                    name=f"bench-{spec.name}-ponger",
+                    daemon=True,
+                )
+                self.ponger.start()
+                self.procs.append(self.ponger)
+                pong_child.close()
+            self.pinger = mpctx.Process(
+                target=_role_main,
+                args=("pinger", spec.pinger, ping_child, link_a, self.shared, {**env, "cpu": cpus[0]}),
+                name=f"bench-{spec.name}-pinger",
+                daemon=True,
+            )
+            self.pinger.start()
+            self.procs.append(self.pinger)
+        finally:
+            # Only the children keep these ends, so a dead role shows up as EOF.
+            ping_child.close()
+            for end in (link_a, link_b):
+                if end is not None:
+                    end.close()
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        try:
+            self.ping_ctrl.send(msg)
+        except OSError as e:
+            raise _RoleFailed(f"pinger gone ({self._exit(self.pinger)})") from e
+
+    @staticmethod
+    def _exit(p: SpawnProcess) -> str:
+        code = p.exitcode
+        if code is None:
+            return "still running"
+        return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+
+    def next(self, timeout: float) -> tuple[Any, ...]:
+        """The pinger's next message; raises _RoleFailed on an error, a death or silence."""
+        deadline = time.monotonic() + timeout
+        while True:
+            waitables: list[Any] = [self.ping_ctrl, self.pinger.sentinel]
+            if self.pong_ctrl is not None:
+                waitables.append(self.pong_ctrl)
+            if self.ponger is not None and self.ponger.exitcode is None:
+                waitables.append(self.ponger.sentinel)
+            remaining = deadline - time.monotonic()
+            ready = multiprocessing.connection.wait(waitables, timeout=max(0.0, remaining))
+            if not ready:
+                raise _RoleFailed(f"no word from the pinger for {timeout:g} s (hung?)")
+            if self.pong_ctrl is not None and self.pong_ctrl in ready:
+                try:
+                    msg = self.pong_ctrl.recv()
+                except EOFError:
+                    self.pong_ctrl.close()
+                    self.pong_ctrl = None
+                    continue
+                if msg[0] == "error":
+                    raise _RoleFailed(f"ponger failed:\n{msg[2]}")
+                continue
+            if self.ping_ctrl in ready or self.ping_ctrl.poll():
+                try:
+                    msg = self.ping_ctrl.recv()
+                except EOFError:
+                    self.pinger.join(5)
+                    raise _RoleFailed(f"pinger died ({self._exit(self.pinger)})") from None
+                if msg[0] == "error":
+                    raise _RoleFailed(f"pinger failed:\n{msg[2]}")
+                return tuple(msg)
+            if self.pinger.sentinel in ready:
+                raise _RoleFailed(f"pinger died ({self._exit(self.pinger)})")
+            if self.ponger is not None and self.ponger.sentinel in ready:
+                self.ponger.join(1)
+                if self.pong_ctrl is not None and self.pong_ctrl.poll():
+                    continue  # read its last words first
+                if not self.stopping or self.ponger.exitcode != 0:
+                    raise _RoleFailed(f"ponger died ({self._exit(self.ponger)})")
+
+    def expect(self, kind: str, timeout: float) -> tuple[Any, ...]:
+        msg = self.next(timeout)
+        if msg[0] != kind:
+            raise _RoleFailed(f"expected {kind!r} from the pinger, got {msg!r}")
+        return msg
+
+    def reap(self, grace: float) -> None:
+        """Join every child within ``grace`` s, then terminate, then kill."""
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.exitcode is None:
+                p.terminate()
+        for p in self.procs:
+            p.join(5)
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)
+        for conn in (self.ping_ctrl, self.pong_ctrl):
+            if conn is not None:
+                conn.close()
+        for obj in self.shared.values():
+            if hasattr(obj, "close") and hasattr(obj, "join_thread"):  # a Queue's feeder thread
+                obj.close()
+                obj.join_thread()
+        if self.spec.sweep is not None:
+            self.spec.sweep(self.shared)
+
+
+def _plan(nbytes: int, opts: _Options) -> dict[str, Any]:
+    reps = opts.reps if opts.reps is not None else (3 if opts.quick or nbytes >= BIG else 5)
+    return {
+        "nbytes": nbytes,
+        "reps": reps,
+        "budget_s": opts.budget_s,
+        "gap_ns": opts.gap_ns,
+        "min_n": 3,
+        "max_n": 2000,
+    }
+
+
+def _stall_timeout(nbytes: int) -> float:
+    # Generous: the slowest peers move ~0.3 GB/s, and a repetition has at least 5 handoffs.
+    return 60.0 + nbytes / 10e6
+
+
+def _cpus(pin: str) -> list[int | None]:
+    if pin == "none":
+        return [None, None]
+    cpus = sorted(os.sched_getaffinity(0))
+    if pin == "same" or len(cpus) < 2:
+        return [cpus[0], cpus[0]]
+    return [cpus[0], cpus[1]]
+
+
+def _run_method(
+    spec: MethodSpec,
+    opts: _Options,
+    mpctx: SpawnContext,
+    env: dict[str, Any],
+    progress: _Progress,
+    result: MethodResult,
+) -> None:
+    sizes = [spec.fixed_nbytes] if spec.fixed_nbytes is not None else opts.sizes
+    progress.update(f"{spec.name}: starting")
+    roles = _Roles(spec, mpctx, {**env, "method": spec.name}, _cpus(opts.pin))
+    ok = False
+    try:
+        result.startup_s = roles.expect("ready", 180.0)[1]
+        if opts.idle_s > 0 and spec.idle_cpu and spec.ponger is not None:
+            progress.update(f"{spec.name}: idle CPU of a blocked receiver ({opts.idle_s:g} s)")
+            roles.send(("idle", opts.idle_s))
+            result.idle_cpu_percent = roles.expect("idle", opts.idle_s + 60)[1]
+        for nbytes in sizes:
+            progress.update(f"{spec.name} · {format_size(nbytes)}: warming up")
+            roles.send(("cell", _plan(nbytes, opts)))
+            while True:
+                msg = roles.next(_stall_timeout(nbytes))
+                if msg[0] == "progress":
+                    _, _, rep, reps, med = msg
+                    progress.update(
+                        f"{spec.name} · {format_size(nbytes)}: repetition {rep}/{reps}, "
+                        f"median round trip {med / 1000:,.1f} µs"
+                    )
+                    continue
+                if msg[0] != "cell":
+                    raise _RoleFailed(f"expected a cell result, got {msg!r}")
+                cell = CellResult(**msg[1])
+                result.cells[nbytes] = cell
+                progress.line(
+                    f"{spec.name:>14} {format_size(nbytes):>8}: round trip {cell.rtt_median_ns / 1000:,.1f} µs"
+                    f" (p99 {cell.rtt_p99_ns / 1000:,.1f}), one-way {cell.oneway_median_ns / 1000:,.1f} µs"
+                    f" [{cell.reps}×{cell.per_rep}, {cell.elapsed_s:.1f} s]"
+                )
+                break
+        roles.stopping = True
+        roles.send(("stop",))
+        roles.expect("bye", 60.0)
+        ok = True
+        result.status = "ok"
+    except _RoleFailed as e:
+        result.status = "failed"
+        result.reason = str(e)
+        progress.line(f"{spec.name}: FAILED: {str(e).strip().splitlines()[-1]}")
+    finally:
+        roles.reap(30.0 if ok else 0.0)
+
+
+def _sweep(prefix: str) -> list[str]:
+    """Unlink every /dev/shm entry (segments and ``sem.`` semaphores) under ``prefix``."""
+    swept = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return swept
+    for name in names:
+        if name.startswith(prefix) or name.startswith("sem." + prefix):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                swept.append(name)
+    return swept
+
+
+def _load_plugins() -> None:
+    # shmrdv's own methods (shmrdv_send, shmrdv_allocate, shmrdv_grpc) register
+    # themselves from this module when it exists; see peers.py's contract.
+    for module in PLUGIN_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+
+
+def _select(names: str | None, with_baselines: bool) -> list[MethodSpec]:
+    if not names:
+        return list(peers.METHODS.values())
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in peers.METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(peers.METHODS)}")
+    if with_baselines:
+        for base in ("mp_pipe_oob", "memcpy"):
+            if base not in wanted:
+                wanted.insert(0, base)
+    return [peers.METHODS[n] for n in wanted]
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
+    parser.description = (
+        "Measure handing numpy arrays between two processes: shmrdv and its peers, "
+        "round trip and one-way, per size. Tables go to stdout, progress to stderr."
+    )
+    parser.add_argument("--methods", help="comma-separated methods (default: all available; see --list)")
+    parser.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="with --methods: do not add memcpy and mp_pipe_oob, the ratios' baselines",
+    )
+    parser.add_argument("--sizes", help=f"comma-separated sizes with k/m/g suffixes (default {DEFAULT_SIZES})")
+    parser.add_argument("--quick", action="store_true", help=f"about a minute: sizes {QUICK_SIZES}, 3 repetitions, short budgets")
+    parser.add_argument("--reps", type=int, help="repetitions per size (default 5, 3 at >= 64 MiB or with --quick)")
+    parser.add_argument("--budget", type=float, help="seconds of timed handoffs per (method, size) (default 2, --quick 0.25)")
+    parser.add_argument("--gap-us", type=float, default=50.0, help="spin between handoffs so the receiver blocks again (default 50)")
+    parser.add_argument("--idle-seconds", type=float, help="idle-CPU probe of a blocked receiver, 0 to skip (default 2, --quick 1)")
+    parser.add_argument("--pin", choices=("none", "cross", "same"), default="none", help="pin pinger/ponger to CPUs 0/1 (cross) or both to 0 (same)")
+    parser.add_argument("--json", metavar="FILE", help="write every figure and the machine description as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw median round trip vs size, log-log (needs matplotlib)")
+    parser.add_argument("--list", action="store_true", help="list the methods and whether they can run, then exit")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by parsed ``args``; the exit status (130 when interrupted)."""
+    _load_plugins()
+    if args.list:
+        for spec in peers.METHODS.values():
+            why = spec.available()
+            print(f"{spec.name:>14}  {'ok' if why is None else 'skipped: ' + why:<30} {spec.label}")
+        return 0
+    try:
+        sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+        specs = _select(args.methods, not args.no_baselines)
+    except ValueError as e:
+        print(f"shmrdv bench: {e}", file=sys.stderr)
+        return 2
+    if not sizes:
+        print("shmrdv bench: no sizes", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            print("shmrdv bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 2
+    opts = _Options(
+        sizes=sizes,
+        reps=args.reps,
+        budget_s=args.budget if args.budget is not None else (0.25 if args.quick else 2.0),
+        gap_ns=int(args.gap_us * 1000),
+        idle_s=args.idle_seconds if args.idle_seconds is not None else (1.0 if args.quick else 2.0),
+        pin=args.pin,
+        quick=args.quick,
+    )
+    prefix = f"shmrdv_bench{os.getpid()}_"
+    reps_text = str(opts.reps) if opts.reps is not None else ("3" if opts.quick else "5 (3 from 64 MiB)")
+    config = {
+        "sizes": sizes,
+        "methods": [s.name for s in specs],
+        "reps": opts.reps,
+        "budget_s": opts.budget_s,
+        "gap_us": opts.gap_ns / 1000,
+        "idle_s": opts.idle_s,
+        "pin": opts.pin,
+        "quick": opts.quick,
+        "prefix": prefix,
+        "summary": (
+            f"sizes {', '.join(format_size(n) for n in sizes)}; repetitions {reps_text}; "
+            f"{opts.budget_s:g} s of timed handoffs per cell; {opts.gap_ns / 1000:g} µs gap; "
+            f"pin {opts.pin}; idle probe {opts.idle_s:g} s"
+        ),
+    }
+    bench = BenchRun(
+        machine=describe_machine(),
+        config=config,
+        started=datetime.now(timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z"),
+    )
+    progress = _Progress(sys.stderr)
+    t_start = time.monotonic()
+    mpctx = multiprocessing.get_context("spawn")
+    scratch = tempfile.mkdtemp(prefix=prefix)
+    env = {
+        "parent_pid": os.getpid(),
+        "prefix": prefix,
+        "scratch_dir": scratch,
+        "max_nbytes": max(sizes),
+    }
+    status = 0
+    previous = signal.getsignal(signal.SIGTERM)
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    try:
+        for spec in specs:
+            result = MethodResult(
+                name=spec.name,
+                label=spec.label,
+                group=spec.group,
+                status="skipped",
+                receiver_array=spec.receiver_array,
+                fixed_nbytes=spec.fixed_nbytes,
+            )
+            bench.methods.append(result)
+            why = spec.available()
+            if why is not None:
+                result.reason = why
+                progress.line(f"{spec.name}: skipped ({why})")
+                continue
+            _run_method(spec, opts, mpctx, env, progress, result)
+            if result.status == "failed":
+                status = 1
+    except KeyboardInterrupt:
+        bench.interrupted = True
+        status = 130
+        progress.line("interrupted: stopping the children")
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+        for child in multiprocessing.active_children():
+            if child.name.startswith("bench-"):
+                child.kill()
+                child.join(5)
+        swept = _sweep(prefix)
+        if swept:
+            progress.line(f"swept {len(swept)} leftover /dev/shm object(s): {', '.join(sorted(swept))}")
+        shutil.rmtree(scratch, ignore_errors=True)
+    bench.elapsed_s = time.monotonic() - t_start
+    bench.machine["load_average_end"] = load_average()
+    sys.stdout.write(format_markdown(bench))
+    sys.stdout.flush()
+    if args.json:
+        write_json(bench, args.json)
+        progress.line(f"wrote {args.json}")
+    if args.plot:
+        plot_run(bench, args.plot)
+        progress.line(f"wrote {args.plot}")
+    return status
+
+
+def _sigterm_to_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``shmrdv bench`` as a program: parse ``argv`` (default ``sys.argv[1:]``), run, exit status."""
+    parser = build_parser(argparse.ArgumentParser(prog="shmrdv bench"))
+    args = parser.parse_args(argv)
+    return run(args)
