@@ -144,7 +144,7 @@ class Handler:
         kind = head % _KIND_BITS
         extra = 0
         if kind == KIND_CHECK:
-            extra = zlib.crc32(a)
+            extra = zlib.crc32(a.data)
         elif kind == KIND_PROBE_START:
             self._probe_cpu_ns = time.process_time_ns()
             self._probe_wall_ns = t_recv
@@ -440,8 +440,10 @@ class _ShmPerMsgPonger(PullPonger):
         msg = self._conn.recv_bytes()
         (nbytes,) = _NBYTES.unpack_from(msg)
         name = msg[_NBYTES.size :].decode()
-        self._shm = shared_memory.SharedMemory(name=name)
-        return np.ndarray((nbytes // 4,), np.float32, buffer=self._shm.buf)
+        shm = shared_memory.SharedMemory(name=name)
+        self._shm = shm
+        a: F32 = np.ndarray((nbytes // 4,), np.float32, buffer=shm.buf)
+        return a
 
     def release(self) -> None:
         shm, self._shm = self._shm, None
@@ -510,7 +512,11 @@ class _SemPinger:
         for sem in (self._ping, self._pong):
             sem.close()
         for unlink, name in zip(
-            (posix_ipc.unlink_shared_memory, posix_ipc.unlink_semaphore, posix_ipc.unlink_semaphore),
+            (
+                posix_ipc.unlink_shared_memory,
+                posix_ipc.unlink_semaphore,
+                posix_ipc.unlink_semaphore,
+            ),
             self._names,
         ):
             try:
@@ -761,7 +767,7 @@ def torch_ponger(ctx: RoleContext) -> Ponger:
 
 
 def _make_ray_actor(ray: Any) -> Any:
-    @ray.remote(num_cpus=0)  # type: ignore[misc]
+    @ray.remote(num_cpus=0)
     class _Consumer:
         def __init__(self) -> None:
             self._handler = Handler()

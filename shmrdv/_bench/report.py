@@ -30,6 +30,8 @@ __all__ = [
 
 BASELINE_COPY = "memcpy"
 BASELINE_PEER = "mp_pipe_oob"
+TIMES = "\u00d7"  # the multiplication sign of the ratio cells
+DASH = "\u2013"  # an en dash: a cell with no figure
 
 
 @dataclass
@@ -146,7 +148,16 @@ def describe_machine() -> dict[str, Any]:
         pass
     versions = {
         dist: _version(dist)
-        for dist in ("numpy", "grpcio", "protobuf", "posix_ipc", "pyzmq", "torch", "ray", "matplotlib")
+        for dist in (
+            "numpy",
+            "grpcio",
+            "protobuf",
+            "posix_ipc",
+            "pyzmq",
+            "torch",
+            "ray",
+            "matplotlib",
+        )
     }
     return {
         "cpu_model": cpu_model,
@@ -191,11 +202,11 @@ def _us(ns: float) -> str:
 
 
 def _gbps(nbytes: int, ns: float) -> str:
-    return f"{_sig(nbytes / ns)} GB/s" if ns > 0 else "–"
+    return f"{_sig(nbytes / ns)} GB/s" if ns > 0 else DASH
 
 
 def _times(r: float | None) -> str:
-    return "" if r is None else f"×{_sig(r)}"
+    return "" if r is None else f"{TIMES}{_sig(r)}"
 
 
 def _ordered(run: BenchRun) -> list[MethodResult]:
@@ -241,30 +252,34 @@ def format_markdown(run: BenchRun) -> str:
             row = [m.name]
             for n in sizes:
                 c = m.cells.get(n)
-                row.append(render(m, n, c) if c is not None else ("–" if m.status == "ok" else ""))
+                row.append(render(m, n, c) if c is not None else (DASH if m.status == "ok" else ""))
             rows.append(row)
         return rows
 
     header = ["method", *(format_size(n) for n in sizes)]
 
     lines += [
-        "## Round trip (array there, ack back): median · GB/s · ×memcpy",
+        f"## Round trip (array there, ack back): median · GB/s · {TIMES}memcpy",
         "",
         *_table(
             header,
             cell_rows(
-                lambda m, n, c: f"{_us(c.rtt_median_ns)} · {_gbps(n, c.rtt_median_ns)} · "
-                f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'rtt'))}"
+                lambda m, n, c: (
+                    f"{_us(c.rtt_median_ns)} · {_gbps(n, c.rtt_median_ns)} · "
+                    f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'rtt'))}"
+                )
             ),
         ),
         "",
-        "## One-way (until the ponger holds the array): median · GB/s · ×memcpy",
+        f"## One-way (until the ponger holds the array): median · GB/s · {TIMES}memcpy",
         "",
         *_table(
             header,
             cell_rows(
-                lambda m, n, c: f"{_us(c.oneway_median_ns)} · {_gbps(n, c.oneway_median_ns)} · "
-                f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'oneway'))}"
+                lambda m, n, c: (
+                    f"{_us(c.oneway_median_ns)} · {_gbps(n, c.oneway_median_ns)} · "
+                    f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'oneway'))}"
+                )
             ),
         ),
         "",
@@ -280,8 +295,10 @@ def format_markdown(run: BenchRun) -> str:
         *_table(
             header,
             cell_rows(
-                lambda m, n, c: f"{_times(run.ratio(m.name, n, BASELINE_PEER, 'rtt'))} · "
-                f"{_times(run.ratio(m.name, n, BASELINE_PEER, 'oneway'))}"
+                lambda m, n, c: (
+                    f"{_times(run.ratio(m.name, n, BASELINE_PEER, 'rtt'))} · "
+                    f"{_times(run.ratio(m.name, n, BASELINE_PEER, 'oneway'))}"
+                )
             ),
         ),
         "",
@@ -308,7 +325,9 @@ def format_markdown(run: BenchRun) -> str:
         idle = "" if m.idle_cpu_percent is None else f"{m.idle_cpu_percent:.2f} %"
         status = m.status if m.reason is None else f"{m.status}: {m.reason.splitlines()[-1][:160]}"
         rows.append([m.name, m.label, m.receiver_array, idle, status])
-    lines += _table(["method", "what", "receiver's array", "idle CPU (blocked receive)", "status"], rows)
+    lines += _table(
+        ["method", "what", "receiver's array", "idle CPU (blocked receive)", "status"], rows
+    )
     lines += [
         "",
         "Cells: medians of the per-repetition medians. Round trip = the pinger's "

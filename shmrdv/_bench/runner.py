@@ -118,12 +118,14 @@ def _make_src(nbytes: int) -> F32:
     return src
 
 
-def _handoff(pinger: Pinger, src: F32, seq: Iterator[int], kind: int, gap_ns: int) -> tuple[int, int, Ack]:
+def _handoff(
+    pinger: Pinger, src: F32, seq: Iterator[int], kind: int, gap_ns: int
+) -> tuple[int, int, Ack]:
     """One handoff: (round trip ns, one-way ns, ack); raises BenchError on wrong data."""
     stamp = make_stamp(next(seq), kind)
     src[0] = stamp
     src[-1] = stamp
-    crc = zlib.crc32(src) if kind == KIND_CHECK else None
+    crc = zlib.crc32(src.data) if kind == KIND_CHECK else None
     t0 = time.perf_counter_ns()
     ack = pinger.handoff(src)
     t1 = time.perf_counter_ns()
@@ -146,7 +148,9 @@ def _handoff(pinger: Pinger, src: F32, seq: Iterator[int], kind: int, gap_ns: in
     return t1 - t0, ack.t_recv_ns - t0, ack
 
 
-def _run_cell(pinger: Pinger, plan: dict[str, Any], seq: Iterator[int], ctrl: Connection) -> dict[str, Any]:
+def _run_cell(
+    pinger: Pinger, plan: dict[str, Any], seq: Iterator[int], ctrl: Connection
+) -> dict[str, Any]:
     nbytes: int = plan["nbytes"]
     reps: int = plan["reps"]
     gap: int = plan["gap_ns"]
@@ -326,7 +330,9 @@ class _Options:
 class _Roles:
     """The processes of one method and the runner's ends of their pipes."""
 
-    def __init__(self, spec: MethodSpec, mpctx: SpawnContext, env: dict[str, Any], cpus: list[int | None]) -> None:
+    def __init__(
+        self, spec: MethodSpec, mpctx: SpawnContext, env: dict[str, Any], cpus: list[int | None]
+    ) -> None:
         self.spec = spec
         self.stopping = False
         self.procs: list[SpawnProcess] = []
@@ -342,7 +348,14 @@ class _Roles:
                 self.pong_ctrl, pong_child = mpctx.Pipe()
                 self.ponger = mpctx.Process(
                     target=_role_main,
-                    args=("ponger", spec.ponger, pong_child, link_b, self.shared, {**env, "cpu": cpus[1]}),
+                    args=(
+                        "ponger",
+                        spec.ponger,
+                        pong_child,
+                        link_b,
+                        self.shared,
+                        {**env, "cpu": cpus[1]},
+                    ),
                     name=f"bench-{spec.name}-ponger",
                     daemon=True,
                 )
@@ -351,7 +364,14 @@ class _Roles:
                 pong_child.close()
             self.pinger = mpctx.Process(
                 target=_role_main,
-                args=("pinger", spec.pinger, ping_child, link_a, self.shared, {**env, "cpu": cpus[0]}),
+                args=(
+                    "pinger",
+                    spec.pinger,
+                    ping_child,
+                    link_a,
+                    self.shared,
+                    {**env, "cpu": cpus[0]},
+                ),
                 name=f"bench-{spec.name}-pinger",
                 daemon=True,
             )
@@ -509,9 +529,10 @@ def _run_method(
                 cell = CellResult(**msg[1])
                 result.cells[nbytes] = cell
                 progress.line(
-                    f"{spec.name:>14} {format_size(nbytes):>8}: round trip {cell.rtt_median_ns / 1000:,.1f} µs"
-                    f" (p99 {cell.rtt_p99_ns / 1000:,.1f}), one-way {cell.oneway_median_ns / 1000:,.1f} µs"
-                    f" [{cell.reps}×{cell.per_rep}, {cell.elapsed_s:.1f} s]"
+                    f"{spec.name:>14} {format_size(nbytes):>8}: round trip "
+                    f"{cell.rtt_median_ns / 1000:,.1f} µs (p99 {cell.rtt_p99_ns / 1000:,.1f}), "
+                    f"one-way {cell.oneway_median_ns / 1000:,.1f} µs "
+                    f"[{cell.reps} x {cell.per_rep}, {cell.elapsed_s:.1f} s]"
                 )
                 break
         roles.stopping = True
@@ -529,7 +550,7 @@ def _run_method(
 
 def _sweep(prefix: str) -> list[str]:
     """Unlink every /dev/shm entry (segments and ``sem.`` semaphores) under ``prefix``."""
-    swept = []
+    swept: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
@@ -559,7 +580,9 @@ def _select(names: str | None, with_baselines: bool) -> list[MethodSpec]:
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in peers.METHODS]
     if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(peers.METHODS)}")
+        raise ValueError(
+            f"unknown method(s) {', '.join(unknown)}; known: {', '.join(peers.METHODS)}"
+        )
     if with_baselines:
         for base in ("mp_pipe_oob", "memcpy"):
             if base not in wanted:
@@ -573,22 +596,58 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "Measure handing numpy arrays between two processes: shmrdv and its peers, "
         "round trip and one-way, per size. Tables go to stdout, progress to stderr."
     )
-    parser.add_argument("--methods", help="comma-separated methods (default: all available; see --list)")
+    parser.add_argument(
+        "--methods", help="comma-separated methods (default: all available; see --list)"
+    )
     parser.add_argument(
         "--no-baselines",
         action="store_true",
         help="with --methods: do not add memcpy and mp_pipe_oob, the ratios' baselines",
     )
-    parser.add_argument("--sizes", help=f"comma-separated sizes with k/m/g suffixes (default {DEFAULT_SIZES})")
-    parser.add_argument("--quick", action="store_true", help=f"about a minute: sizes {QUICK_SIZES}, 3 repetitions, short budgets")
-    parser.add_argument("--reps", type=int, help="repetitions per size (default 5, 3 at >= 64 MiB or with --quick)")
-    parser.add_argument("--budget", type=float, help="seconds of timed handoffs per (method, size) (default 2, --quick 0.25)")
-    parser.add_argument("--gap-us", type=float, default=50.0, help="spin between handoffs so the receiver blocks again (default 50)")
-    parser.add_argument("--idle-seconds", type=float, help="idle-CPU probe of a blocked receiver, 0 to skip (default 2, --quick 1)")
-    parser.add_argument("--pin", choices=("none", "cross", "same"), default="none", help="pin pinger/ponger to CPUs 0/1 (cross) or both to 0 (same)")
-    parser.add_argument("--json", metavar="FILE", help="write every figure and the machine description as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw median round trip vs size, log-log (needs matplotlib)")
-    parser.add_argument("--list", action="store_true", help="list the methods and whether they can run, then exit")
+    parser.add_argument(
+        "--sizes", help=f"comma-separated sizes with k/m/g suffixes (default {DEFAULT_SIZES})"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"about a minute: sizes {QUICK_SIZES}, 3 repetitions, short budgets",
+    )
+    parser.add_argument(
+        "--reps", type=int, help="repetitions per size (default 5, 3 at >= 64 MiB or with --quick)"
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds of timed handoffs per (method, size) (default 2, --quick 0.25)",
+    )
+    parser.add_argument(
+        "--gap-us",
+        type=float,
+        default=50.0,
+        help="spin between handoffs so the receiver blocks again (default 50)",
+    )
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        help="idle-CPU probe of a blocked receiver, 0 to skip (default 2, --quick 1)",
+    )
+    parser.add_argument(
+        "--pin",
+        choices=("none", "cross", "same"),
+        default="none",
+        help="pin pinger/ponger to CPUs 0/1 (cross) or both to 0 (same)",
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", help="write every figure and the machine description as JSON"
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw median round trip vs size, log-log (needs matplotlib)",
+    )
+    parser.add_argument(
+        "--list", action="store_true", help="list the methods and whether they can run, then exit"
+    )
     return parser
 
 
@@ -625,7 +684,9 @@ def run(args: argparse.Namespace) -> int:
         quick=args.quick,
     )
     prefix = f"shmrdv_bench{os.getpid()}_"
-    reps_text = str(opts.reps) if opts.reps is not None else ("3" if opts.quick else "5 (3 from 64 MiB)")
+    reps_text = (
+        str(opts.reps) if opts.reps is not None else ("3" if opts.quick else "5 (3 from 64 MiB)")
+    )
     config = {
         "sizes": sizes,
         "methods": [s.name for s in specs],
@@ -694,7 +755,9 @@ def run(args: argparse.Namespace) -> int:
                 child.join(5)
         swept = _sweep(prefix)
         if swept:
-            progress.line(f"swept {len(swept)} leftover /dev/shm object(s): {', '.join(sorted(swept))}")
+            progress.line(
+                f"swept {len(swept)} leftover /dev/shm object(s): {', '.join(sorted(swept))}"
+            )
         shutil.rmtree(scratch, ignore_errors=True)
     bench.elapsed_s = time.monotonic() - t_start
     bench.machine["load_average_end"] = load_average()
@@ -714,7 +777,11 @@ def _sigterm_to_interrupt(signum: int, frame: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``shmrdv bench`` as a program: parse ``argv`` (default ``sys.argv[1:]``), run, exit status."""
+    """``shmrdv bench`` as a program: parse ``argv`` (default: the command line), run it.
+
+    Returns the exit status: 0, 1 when a method failed, 2 on bad arguments, 130 when
+    interrupted.
+    """
     parser = build_parser(argparse.ArgumentParser(prog="shmrdv bench"))
     args = parser.parse_args(argv)
     return run(args)
