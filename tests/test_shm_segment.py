@@ -244,6 +244,22 @@ def test_segment_arrays_outlive_close(names: Names) -> None:
     assert not _mapped(path)
 
 
+def test_segment_arrays_outlive_forgotten_segment(names: Names) -> None:
+    h = _header((1024,), "<f8")
+    seg = Segment.create(names, h.segment_size)
+    seg.ndarray(h)  # an owner that died: the next array gets a new one
+    arr = seg.ndarray(h)
+    calls: list[int] = []
+    seg.on_release(calls.append, 1)
+    seg.unlink()
+    del seg
+    gc.collect()  # the finalize backstop runs, and must not unmap under arr
+    arr[:] = 2.0
+    assert arr.sum() == 2048.0 and calls == []
+    del arr
+    assert calls == [1]
+
+
 def test_segment_on_release_fires_after_last_view(names: Names) -> None:
     h = _header()
     seg = Segment.create(names, h.segment_size)

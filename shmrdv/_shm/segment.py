@@ -91,9 +91,13 @@ def _open_error(e: OSError, what: str) -> Exception:
     return InternalError(f"cannot {what}: {e}")
 
 
-def _release_mem(mem: mmap.mmap | _EmptyBuffer, owner: weakref.ref[_Owner] | None) -> None:
-    """Unmap now unless arrays still use the mapping (they unmap it when they are collected)."""
-    if isinstance(mem, mmap.mmap) and (owner is None or owner() is None):
+def _release_mem(mem: mmap.mmap | _EmptyBuffer, owner: list[weakref.ref[_Owner]]) -> None:
+    """Unmap now unless arrays still use the mapping (they unmap it when they are collected).
+
+    ``owner`` holds the weak reference to the current owner array, if any: a list shared
+    with the ``Segment`` so that the ``weakref.finalize`` backstop sees later ones too.
+    """
+    if isinstance(mem, mmap.mmap) and not (owner and owner[0]() is not None):
         try:
             mem.close()
         except BufferError:
@@ -124,8 +128,8 @@ class Segment:
         self._name = name
         self._size = size
         self._mem: mmap.mmap | _EmptyBuffer | None = mem
-        self._owner: weakref.ref[_Owner] | None = None
-        self._finalizer = weakref.finalize(self, _release_mem, mem, None)
+        self._owner: list[weakref.ref[_Owner]] = []
+        self._finalizer = weakref.finalize(self, _release_mem, mem, self._owner)
 
     # --- opening --------------------------------------------------------------------------
 
@@ -289,10 +293,10 @@ class Segment:
         mem = self._live_mem()
         end = header.data_offset + header.nbytes
         self.check_size(end)
-        owner = self._owner() if self._owner is not None else None
+        owner = self._owner[0]() if self._owner else None
         if owner is None:
             owner = _Owner((len(mem),), np.uint8, buffer=mem)
-            self._owner = weakref.ref(owner)
+            self._owner[:] = [weakref.ref(owner)]
         # An empty array needs no bytes; offset 0 keeps numpy happy whatever the segment size.
         offset = header.data_offset if header.nbytes else 0
         arr: npt.NDArray[Any] = np.ndarray(header.shape, header.dtype, buffer=owner, offset=offset)
@@ -348,8 +352,7 @@ class Segment:
             return
         self._finalizer.detach()
         mem, self._mem = self._mem, None
-        owner, self._owner = self._owner, None
-        _release_mem(mem, owner)
+        _release_mem(mem, self._owner)
 
     def __enter__(self) -> Segment:
         return self
