@@ -190,15 +190,17 @@ class Rendezvous(abc.ABC):
         slot = _Slot()
         cancel = self._start_recv(pk, slot.done, copy)
         try:
-            if not slot.event.wait(t):
-                if cancel():
-                    raise _timeout_error(pk, t)
+            arrived = slot.event.wait(t)
+            if not arrived and not cancel():
                 slot.event.wait()  # lost the race to a delivery: it is on its way
+                arrived = True
         except BaseException:
             # Interrupted (Ctrl-C): remove the waiter so it cannot swallow a later send.
             if not slot.event.is_set() and not cancel():
                 _log.warning("recv of %r interrupted just as its value arrived; the value is dropped", pk.full_key)
             raise
+        if not arrived:
+            raise _timeout_error(pk, t)
         return slot.result()
 
     def recv_future(self, key: str | ParsedKey, *, copy: bool = False) -> concurrent.futures.Future[Received]:

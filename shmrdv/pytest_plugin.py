@@ -83,23 +83,61 @@ def _enabled(config: pytest.Config) -> bool:
         return False
 
 
+def _dead_leftovers(names: set[str]) -> set[str]:
+    """Those of ``names`` whose namespace has no live worker (a live one still owns its objects)."""
+    if not names:
+        return set()
+    from ._shm.registry import list_objects
+
+    live = {o.name for o in list_objects() if o.alive}
+    return {n for n in names if n not in live}
+
+
+def _remove(names: set[str]) -> None:
+    for name in names:  # so that one leak does not fail every later test
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shmrdv_session_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    """At the end of the session, nothing the tests created may be left in /dev/shm."""
+    if not _enabled(request.config):
+        yield
+        return
+    before = leftover_objects()
+    yield
+    objs, _ = wait_clean(before, child_pids())
+    if objs:
+        _remove(_dead_leftovers(objs))
+        pytest.fail(f"shmrdv leak check: the session left in {SHM_DIR}: {sorted(objs)[:20]}", pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def shmrdv_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fail the test if it left shmrdv objects in /dev/shm or child processes running."""
+    """Fail the test if it left shmrdv objects in /dev/shm or child processes running.
+
+    Objects of a namespace that still has a live worker (one a longer-lived fixture
+    holds) are that worker's, not leaks; the session check catches them at the end.
+    """
     if not _enabled(request.config):
         yield
         return
     before_objects, before_children = leftover_objects(), child_pids()
     yield
-    objs, kids = wait_clean(before_objects, before_children)
+    deadline = time.monotonic() + 3.0
+    while True:
+        objs, kids = wait_clean(before_objects, before_children, grace=0.0)
+        dead = _dead_leftovers(objs)
+        if (not dead and not kids) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     problems = []
-    if objs:
-        problems.append(f"left in {SHM_DIR}: {sorted(objs)[:20]}")
-        for name in objs:  # clean up so one leak does not fail every later test
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
+    if dead:
+        problems.append(f"left in {SHM_DIR}: {sorted(dead)[:20]}")
+        _remove(dead)
     if kids:
         problems.append(f"child processes still running: {sorted(kids)}")
     if problems:
