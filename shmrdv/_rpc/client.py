@@ -132,6 +132,11 @@ class _StreamRecv:
         self._wake = threading.Event()
         self.thread = threading.Thread(target=self._run, name="shmrdv-rpc-recv", daemon=True)
 
+    @property
+    def receiving(self) -> bool:
+        """Data is flowing: the receive can no longer be cancelled."""
+        return self._state == _RECEIVING
+
     def _where(self) -> str:
         return f"key {self._key.full_key!r} (step {self._step_id}) from {self._address}"
 
@@ -489,9 +494,13 @@ class RpcClient:
         self.close()
 
     def stats(self) -> dict[str, int]:
-        """Counters: channels open, receives in flight."""
+        """Counters: channels open, receives in flight, and of those the ones receiving data."""
         with self._lock:
-            return {"channels": len(self._channels), "inflight": len(self._inflight)}
+            return {
+                "channels": len(self._channels),
+                "inflight": len(self._inflight),
+                "receiving": sum(1 for r in self._inflight if r.receiving),
+            }
 
     def __repr__(self) -> str:
         s = self.stats()

@@ -1,0 +1,388 @@
+"""RpcClient against a real RpcServer on 127.0.0.1 (and one in a child process)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from rpc_helpers import INCARNATION, TASK, StepSource, make_key
+
+from shmrdv._errors import (
+    AbortedError,
+    CancelledError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    UnavailableError,
+)
+from shmrdv._received import Received
+from shmrdv._rpc.client import RpcClient
+from shmrdv._rpc.server import RpcServer
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(_TESTS)
+
+
+@pytest.fixture
+def source() -> Iterator[StepSource]:
+    s = StepSource()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def server(source: StepSource) -> Iterator[RpcServer]:
+    with RpcServer("127.0.0.1:0", source) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client() -> Iterator[RpcClient]:
+    with RpcClient() as c:
+        yield c
+
+
+class _Done:
+    """A done callback that records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[BaseException | None, Received | None]] = []
+        self.event = threading.Event()
+
+    def __call__(self, error: BaseException | None, received: Received | None) -> None:
+        self.calls.append((error, received))
+        self.event.set()
+
+    def wait(self, timeout: float = 10.0) -> tuple[BaseException | None, Received | None]:
+        assert self.event.wait(timeout), "done was not called in time"
+        assert len(self.calls) == 1
+        return self.calls[0]
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- values --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(10, dtype=np.int32),
+        np.array([[True, False]]),
+        np.random.default_rng(1).random((3, 4, 5)),
+        np.array([1 + 2j], dtype=np.complex128),
+        np.full(7, 0.5, dtype=np.float16),
+        np.zeros((3, 0), dtype=np.float32),
+        np.array(3, dtype=np.int8),
+        np.array([b"ab", b"c"], dtype="S2"),
+        np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]),
+        np.arange(6, dtype=">i4"),
+    ],
+    ids=[
+        "int32",
+        "bool",
+        "float64",
+        "complex128",
+        "float16",
+        "empty",
+        "0-d",
+        "bytes",
+        "struct",
+        "be",
+    ],
+)
+def test_client_round_trips_values(
+    source: StepSource, server: RpcServer, client: RpcClient, value: np.ndarray[Any, Any]
+) -> None:
+    key = make_key("v")
+    source.send(1, key, value)
+    got = client.recv(server.address, 1, key, timeout=10)
+    assert got.value.dtype == value.dtype and got.value.shape == value.shape
+    np.testing.assert_array_equal(got.value, value)
+    assert not got.is_dead
+    assert got.value.flags.writeable  # the receiver owns the assembled array
+
+
+def test_client_carries_is_dead(source: StepSource, server: RpcServer, client: RpcClient) -> None:
+    key = make_key("dead")
+    source.send(1, key, np.zeros(4), is_dead=True)
+    assert client.recv(server.address, 1, key, timeout=10).is_dead
+
+
+def test_client_streams_64mib_tensor(
+    source: StepSource, server: RpcServer, client: RpcClient
+) -> None:
+    key = make_key("big")
+    value = np.arange(8 << 20, dtype=np.float64)  # 64 MiB
+    source.send(1, key, value)
+    got = client.recv(server.address, 1, key, timeout=30)
+    assert got.value.nbytes == 64 << 20
+    assert np.array_equal(got.value, value)
+
+
+def test_client_recv_unary_round_trip(
+    source: StepSource, server: RpcServer, client: RpcClient
+) -> None:
+    key = make_key("u")
+    source.send(1, key, np.arange(3.0))
+    got = client.recv_unary(server.address, 1, key, timeout=5)
+    assert got.value.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_client_get_status(server: RpcServer, client: RpcClient) -> None:
+    (dev,) = client.get_status(server.address)
+    assert (dev.name, dev.device_type, dev.incarnation) == (
+        f"{TASK}/device:CPU:0",
+        "CPU",
+        INCARNATION,
+    )
+
+
+# -- waiting, deadlines, cancellation --------------------------------------------------------------
+
+
+def test_client_waits_for_send(source: StepSource, server: RpcServer, client: RpcClient) -> None:
+    key = make_key("later")
+    done = _Done()
+    client.start_recv(server.address, 1, key, done)
+    _wait_for(lambda: source.pending_waiters(1) == 1)
+    assert not done.calls
+    source.send(1, key, np.array([42]))
+    error, got = done.wait()
+    assert error is None and got is not None and got.value.tolist() == [42]
+
+
+def test_client_timeout_is_deadline_exceeded_and_removes_waiter(
+    source: StepSource, server: RpcServer, client: RpcClient
+) -> None:
+    key = make_key("slow")
+    with pytest.raises(DeadlineExceededError, match=server.address) as info:
+        client.recv(server.address, 1, key, timeout=0.3)
+    assert key.full_key in str(info.value)
+    _wait_for(lambda: source.pending_waiters(1) == 0)
+    source.send(1, key, np.array([1]))
+    assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [1]
+
+
+def test_client_cancel_while_waiting_removes_waiter(
+    source: StepSource, server: RpcServer, client: RpcClient
+) -> None:
+    key = make_key("cancel")
+    done = _Done()
+    cancel = client.start_recv(server.address, 1, key, done)
+    _wait_for(lambda: source.pending_waiters(1) == 1)
+    assert cancel() is True
+    assert cancel() is False
+    _wait_for(lambda: source.pending_waiters(1) == 0)
+    _wait_for(lambda: client.stats()["inflight"] == 0)
+    source.send(1, key, np.array([5]))
+    assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [5]
+    assert done.calls == []  # never called after a successful cancel
+
+
+def test_client_cancel_after_delivery_is_refused(
+    source: StepSource, server: RpcServer, client: RpcClient
+) -> None:
+    key = make_key("fast")
+    source.send(1, key, np.array([1]))
+    done = _Done()
+    cancel = client.start_recv(server.address, 1, key, done)
+    done.wait()
+    assert cancel() is False
+    assert len(done.calls) == 1
+
+
+def test_client_cleaned_up_step_is_aborted_at_once(
+    source: StepSource, server: RpcServer, client: RpcClient
+) -> None:
+    source.cleanup(8)
+    key = make_key("x")
+    t0 = time.monotonic()
+    with pytest.raises(AbortedError, match=server.address) as info:
+        client.recv(server.address, 8, key, timeout=10)
+    assert time.monotonic() - t0 < 1
+    assert key.full_key in str(info.value)
+
+
+def test_client_wrong_src_is_invalid_argument(server: RpcServer, client: RpcClient) -> None:
+    key = make_key("x", src_task="/job:worker/replica:0/task:3")
+    with pytest.raises(InvalidArgumentError, match="Invalid rendezvous key"):
+        client.recv(server.address, 1, key, timeout=5)
+
+
+def test_client_wrong_incarnation_is_aborted(server: RpcServer, client: RpcClient) -> None:
+    with pytest.raises(AbortedError, match="different device incarnation"):
+        client.recv(server.address, 1, make_key("x", incarnation=99), timeout=5)
+
+
+def test_client_acks_release_the_server_cache(
+    source: StepSource, server: RpcServer, client: RpcClient
+) -> None:
+    key = make_key("ack")
+    source.send(1, key, np.arange(100))
+    client.recv(server.address, 1, key, timeout=5)
+    _wait_for(lambda: server.stats()["cached"] == 0)
+
+
+# -- unreachable peers, retries ------------------------------------------------------------
+
+
+def test_client_retries_until_producer_starts(source: StepSource, client: RpcClient) -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    key = make_key("early")
+    done = _Done()
+    client.start_recv(address, 1, key, done, timeout=20)
+    time.sleep(0.3)  # a few refused attempts
+    assert not done.calls
+    with RpcServer(address, source):
+        source.send(1, key, np.array([7]))
+        error, got = done.wait()
+    assert error is None and got is not None and got.value.tolist() == [7]
+
+
+def test_client_unreachable_peer_retries_until_cancelled(client: RpcClient) -> None:
+    done = _Done()
+    cancel = client.start_recv(f"127.0.0.1:{_free_port()}", 1, make_key("x"), done)
+    time.sleep(0.4)
+    assert not done.calls
+    assert cancel() is True
+    _wait_for(lambda: client.stats()["inflight"] == 0)
+    assert done.calls == []
+
+
+def test_client_unreachable_peer_times_out_naming_peer(client: RpcClient) -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    key = make_key("x")
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceededError, match="unavailable") as info:
+        client.recv(address, 1, key, timeout=0.5)
+    assert time.monotonic() - t0 < 2
+    assert address in str(info.value) and key.full_key in str(info.value)
+
+
+def test_client_unary_unreachable_is_unavailable(client: RpcClient) -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    with pytest.raises(UnavailableError, match=address):
+        client.recv_unary(address, 1, make_key("x"), timeout=2)
+
+
+# -- lifetime ------------------------------------------------------------------------------
+
+
+def test_client_close_fails_pending_and_joins_threads(
+    source: StepSource, server: RpcServer
+) -> None:
+    gc.collect()
+    before = threading.active_count()
+    client = RpcClient()
+    done = _Done()
+    client.start_recv(server.address, 1, make_key("pending"), done)
+    _wait_for(lambda: source.pending_waiters(1) == 1)
+    client.close()
+    client.close()
+    error, _ = done.wait()
+    assert isinstance(error, CancelledError)
+    _wait_for(lambda: source.pending_waiters(1) == 0)
+    after_done = _Done()
+    client.start_recv(server.address, 1, make_key("late"), after_done)
+    assert isinstance(after_done.wait()[0], CancelledError)
+    _wait_for(lambda: threading.active_count() <= before)
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+@pytest.mark.timeout(30)
+def test_client_works_in_forked_child(source: StepSource, server: RpcServer) -> None:
+    client = RpcClient()
+    try:
+        first, second = make_key("parent"), make_key("child")
+        source.send(1, first, np.array([1]))
+        assert client.recv(server.address, 1, first, timeout=5).value.tolist() == [1]
+        source.send(1, second, np.array([2]))
+        pid = os.fork()
+        if pid == 0:  # the child: one recv on the inherited client, then out
+            status = 1
+            try:
+                got = client.recv(server.address, 1, second, timeout=10)
+                status = 0 if got.value.tolist() == [2] else 2
+            finally:
+                os._exit(status)
+        deadline = time.monotonic() + 20
+        while True:
+            wpid, status = os.waitpid(pid, os.WNOHANG)
+            if wpid:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("forked child did not finish its recv in 20 s")
+            time.sleep(0.02)
+        assert os.waitstatus_to_exitcode(status) == 0
+        # The parent's client still works after the fork.
+        source.send(1, first, np.array([3]))
+        assert client.recv(server.address, 1, first, timeout=5).value.tolist() == [3]
+    finally:
+        client.close()
+
+
+_CHILD_SERVER = """
+import sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+import numpy as np
+from rpc_helpers import StepSource, make_key
+from shmrdv._rpc.server import RpcServer
+source = StepSource()
+server = RpcServer("127.0.0.1:0", source, chunk_bytes=16 << 10).start()
+source.send(1, make_key("huge"), np.ones((64 << 20) // 8))
+print(server.address, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.timeout(30)
+def test_client_server_killed_mid_stream_is_unavailable(client: RpcClient) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD_SERVER.format(repo=_REPO, tests=_TESTS)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None
+        address = child.stdout.readline().decode().strip()
+        assert address, "the child server did not start"
+        done = _Done()
+        cancel = client.start_recv(address, 1, make_key("huge"), done)
+        _wait_for(lambda: client.stats()["receiving"] == 1 or bool(done.calls), timeout=10)
+        assert not done.calls, "the stream finished before the kill; make it slower"
+        assert cancel() is False  # data is flowing: no longer cancellable
+        os.kill(child.pid, signal.SIGKILL)
+        error, got = done.wait(timeout=10)
+        assert isinstance(error, UnavailableError)
+        assert address in str(error)
+        assert got is None
+    finally:
+        child.kill()
+        child.wait(10)
+        if child.stdin is not None:
+            child.stdin.close()
+        if child.stdout is not None:
+            child.stdout.close()

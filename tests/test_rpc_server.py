@@ -1,0 +1,381 @@
+"""RpcServer over a real gRPC server on 127.0.0.1, called with a raw gRPC channel.
+
+The raw channel is what a TensorFlow worker would use: the hand-registered method path
+and bytes in, bytes out; responses are parsed with the generated protobuf classes.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from rpc_helpers import INCARNATION, TASK, StepSource, make_key
+
+from shmrdv._errors import InvalidArgumentError, UnavailableError
+from shmrdv._keys import ParsedKey
+from shmrdv._rpc import coding
+from shmrdv._rpc.proto import types_pb2, worker_pb2
+from shmrdv._rpc.server import (
+    GET_STATUS_METHOD,
+    MARK_RECV_FINISHED_METHOD,
+    RECV_TENSOR_METHOD,
+    RECV_TENSOR_STREAM_METHOD,
+    RpcServer,
+)
+
+_OPTIONS = [("grpc.max_receive_message_length", 2**31 - 1)]
+
+
+@pytest.fixture
+def source() -> Iterator[StepSource]:
+    s = StepSource()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def server(source: StepSource) -> Iterator[RpcServer]:
+    with RpcServer("127.0.0.1:0", source, chunk_bytes=64 << 10) as srv:
+        yield srv
+
+
+@pytest.fixture
+def channel(server: RpcServer) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server.address, _OPTIONS) as ch:
+        yield ch
+
+
+def _request(step_id: int, key: ParsedKey | str, request_id: int = 0) -> bytes:
+    text = key if isinstance(key, str) else key.full_key
+    return coding.encode_request(step_id, text, request_id)
+
+
+def _unary(channel: grpc.Channel) -> Callable[..., Any]:
+    return channel.unary_unary(RECV_TENSOR_METHOD)
+
+
+def _value(data: bytes) -> list[Any]:
+    return list(coding.decode_response(data).value.tolist())
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+# -- lifecycle -----------------------------------------------------------------------------------
+
+
+def test_server_address_reports_bound_port(server: RpcServer) -> None:
+    host, port = server.address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+
+
+def test_server_binds_loopback_only(server: RpcServer) -> None:
+    port = int(server.address.rsplit(":", 1)[1])
+    listeners = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr, p = local.split(":")
+            if int(p, 16) == port and state == "0A":  # LISTEN
+                listeners.append(addr)
+    # 127.0.0.1, as IPv4 or IPv4-mapped IPv6 (gRPC may listen on a tcp6 socket); nothing else.
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}
+    assert listeners and set(listeners) <= loopback
+
+
+def test_server_bind_in_use_is_unavailable(source: StepSource, server: RpcServer) -> None:
+    with pytest.raises(UnavailableError, match=server.address):
+        RpcServer(server.address, source).start()
+
+
+def test_server_bad_bind_is_invalid(source: StepSource) -> None:
+    with pytest.raises(InvalidArgumentError, match="host:port"):
+        RpcServer("127.0.0.1", source)
+
+
+def test_server_stop_is_idempotent_and_leaves_no_threads(source: StepSource) -> None:
+    gc.collect()
+    before = threading.active_count()
+    srv = RpcServer("127.0.0.1:0", source).start()
+    assert threading.active_count() > before
+    srv.stop()
+    srv.stop()
+    srv.close()
+    del srv
+    gc.collect()
+    _wait_for(lambda: threading.active_count() == before)
+
+
+def test_server_stop_fails_waiting_calls_quickly(source: StepSource) -> None:
+    srv = RpcServer("127.0.0.1:0", source).start()
+    key = make_key("never")
+    with grpc.insecure_channel(srv.address, _OPTIONS) as ch:
+        fut = _unary(ch).future(_request(1, key), timeout=30)
+        _wait_for(lambda: source.pending_waiters(1) == 1)
+        t0 = time.monotonic()
+        srv.stop()
+        with pytest.raises(grpc.RpcError) as info:
+            fut.result(timeout=5)
+        assert time.monotonic() - t0 < 2
+        assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+    assert source.pending_waiters(1) == 0  # the waiter was removed from the source
+
+
+# -- the TensorFlow unary path ------------------------------------------------------------------
+
+
+def test_recv_tensor_answers_tf_response(source: StepSource, channel: grpc.Channel) -> None:
+    key = make_key("a")
+    value = np.arange(12, dtype=np.float32).reshape(3, 4)
+    source.send(1, key, value)
+    data = _unary(channel)(_request(1, key), timeout=5)
+    resp = worker_pb2.RecvTensorResponse.FromString(data)
+    assert resp.tensor.dtype == types_pb2.DT_FLOAT
+    assert [d.size for d in resp.tensor.tensor_shape.dim] == [3, 4]
+    assert resp.tensor.tensor_content == value.tobytes()
+    assert not resp.is_dead
+    assert resp.send_start_micros > 0
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(10, dtype=np.int64),
+        np.array([True, False, True]),
+        np.linspace(0, 1, 6, dtype=np.float64).reshape(2, 3),
+        np.array([1 + 2j, 3 - 4j], dtype=np.complex64),
+        np.ones((2, 2), dtype=np.float16),
+        np.zeros((0, 5), dtype=np.uint8),
+        np.array(7.5, dtype=np.float32),
+        np.array(["ab", "cde"], dtype="U3"),
+    ],
+    ids=["int64", "bool", "float64", "complex64", "float16", "empty", "0-d", "unicode"],
+)
+def test_recv_tensor_round_trips_values(
+    source: StepSource, channel: grpc.Channel, value: np.ndarray[Any, Any]
+) -> None:
+    key = make_key("v")
+    source.send(2, key, value)
+    decoded = coding.decode_response(_unary(channel)(_request(2, key), timeout=5))
+    assert decoded.value.dtype == value.dtype and decoded.value.shape == value.shape
+    np.testing.assert_array_equal(decoded.value, value)
+
+
+def test_recv_tensor_carries_is_dead(source: StepSource, channel: grpc.Channel) -> None:
+    key = make_key("dead")
+    source.send(1, key, np.zeros(3), is_dead=True)
+    resp = worker_pb2.RecvTensorResponse.FromString(_unary(channel)(_request(1, key), timeout=5))
+    assert resp.is_dead
+
+
+def test_get_status_lists_cpu_device(channel: grpc.Channel) -> None:
+    resp = worker_pb2.GetStatusResponse.FromString(
+        channel.unary_unary(GET_STATUS_METHOD)(b"", timeout=5)
+    )
+    (dev,) = resp.device_attributes
+    assert dev.name == f"{TASK}/device:CPU:0"
+    assert dev.device_type == "CPU"
+    assert dev.incarnation == INCARNATION
+
+
+def test_recv_tensor_waits_for_send(source: StepSource, channel: grpc.Channel) -> None:
+    key = make_key("later")
+    fut = _unary(channel).future(_request(1, key), timeout=10)
+    _wait_for(lambda: source.pending_waiters(1) == 1)
+    assert not fut.done()
+    source.send(1, key, np.array([42]))
+    assert coding.decode_response(fut.result(timeout=5)).value.tolist() == [42]
+
+
+def test_recv_tensor_deadline_removes_waiter(source: StepSource, channel: grpc.Channel) -> None:
+    key = make_key("slow")
+    with pytest.raises(grpc.RpcError) as info:
+        _unary(channel)(_request(1, key), timeout=0.3)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_for(lambda: source.pending_waiters(1) == 0)
+    source.send(1, key, np.array([1]))  # not swallowed by the expired waiter
+    assert _value(_unary(channel)(_request(1, key), timeout=5)) == [1]
+
+
+def test_recv_tensor_cancel_removes_waiter(source: StepSource, channel: grpc.Channel) -> None:
+    key = make_key("cancelled")
+    fut = _unary(channel).future(_request(1, key), timeout=10)
+    _wait_for(lambda: source.pending_waiters(1) == 1)
+    assert fut.cancel()
+    _wait_for(lambda: source.pending_waiters(1) == 0)
+    source.send(1, key, np.array([5]))
+    assert _value(_unary(channel)(_request(1, key), timeout=5)) == [5]
+
+
+def test_recv_tensor_cleaned_up_step_aborts_at_once(
+    source: StepSource, channel: grpc.Channel
+) -> None:
+    source.cleanup(9)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        _unary(channel)(_request(9, make_key("x")), timeout=10)
+    assert time.monotonic() - t0 < 1
+    assert info.value.code() == grpc.StatusCode.ABORTED
+    assert "9" in info.value.details()
+
+
+def test_recv_tensor_cleanup_while_waiting_aborts(
+    source: StepSource, channel: grpc.Channel
+) -> None:
+    fut = _unary(channel).future(_request(4, make_key("x")), timeout=10)
+    _wait_for(lambda: source.pending_waiters(4) == 1)
+    source.cleanup(4)
+    with pytest.raises(grpc.RpcError) as info:
+        fut.result(timeout=5)
+    assert info.value.code() == grpc.StatusCode.ABORTED
+
+
+def test_recv_tensor_wrong_src_is_invalid_argument(channel: grpc.Channel) -> None:
+    key = make_key("x", src_task="/job:worker/replica:0/task:10")
+    with pytest.raises(grpc.RpcError) as info:
+        _unary(channel)(_request(1, key), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == f"Invalid rendezvous key (src): {key.full_key} @ {TASK}"
+
+
+def test_recv_tensor_wrong_incarnation_is_aborted(channel: grpc.Channel) -> None:
+    key = make_key("x", incarnation=12345)
+    with pytest.raises(grpc.RpcError) as info:
+        _unary(channel)(_request(1, key), timeout=5)
+    assert info.value.code() == grpc.StatusCode.ABORTED
+    assert info.value.details() == (
+        f"RecvTensor expects a different device incarnation: 12345 vs. {INCARNATION}. "
+        f'Your worker job ("{TASK}") was probably restarted. Check your worker job for '
+        "the reason why it was restarted."
+    )
+
+
+def test_recv_tensor_incarnation_zero_is_not_checked(
+    source: StepSource, channel: grpc.Channel
+) -> None:
+    key = make_key("x", incarnation=0)
+    source.send(1, key, np.array([3]))
+    assert _value(_unary(channel)(_request(1, key), timeout=5)) == [3]
+
+
+@pytest.mark.parametrize("bad", ["not a key", b"\xff\xff\xff"])
+def test_recv_tensor_bad_request_is_invalid_argument(channel: grpc.Channel, bad: object) -> None:
+    request = _request(1, bad) if isinstance(bad, str) else bad
+    with pytest.raises(grpc.RpcError) as info:
+        _unary(channel)(request, timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# -- request_id: retries, duplicates, MarkRecvFinished --------------------------------------------
+
+
+def test_recv_tensor_retry_is_served_from_cache(source: StepSource, channel: grpc.Channel) -> None:
+    key = make_key("retry")
+    source.send(1, key, np.array([1, 2, 3]))
+    source.send(1, key, np.array([4, 5, 6]))
+    first = _unary(channel)(_request(1, key, request_id=77), timeout=5)
+    second = _unary(channel)(_request(1, key, request_id=77), timeout=5)
+    assert coding.decode_response(first).value.tolist() == [1, 2, 3]
+    assert coding.decode_response(second).value.tolist() == [1, 2, 3]
+    assert worker_pb2.RecvTensorResponse.FromString(first).require_ack
+    # A new request_id takes the next value.
+    third = _unary(channel)(_request(1, key, request_id=78), timeout=5)
+    assert coding.decode_response(third).value.tolist() == [4, 5, 6]
+
+
+def test_recv_tensor_duplicate_while_waiting_joins(
+    source: StepSource, channel: grpc.Channel
+) -> None:
+    key = make_key("dup")
+    a = _unary(channel).future(_request(1, key, request_id=5), timeout=10)
+    _wait_for(lambda: source.pending_waiters(1) == 1)
+    b = _unary(channel).future(_request(1, key, request_id=5), timeout=10)
+    time.sleep(0.1)
+    assert source.pending_waiters(1) == 1  # joined, not a second waiter
+    source.send(1, key, np.array([9]))
+    assert coding.decode_response(a.result(timeout=5)).value.tolist() == [9]
+    assert coding.decode_response(b.result(timeout=5)).value.tolist() == [9]
+
+
+def test_mark_recv_finished_releases_the_cached_response(
+    source: StepSource, channel: grpc.Channel, server: RpcServer
+) -> None:
+    key = make_key("ack")
+    source.send(1, key, np.array([1]))
+    _unary(channel)(_request(1, key, request_id=31), timeout=5)
+    assert server.stats()["cached"] == 1
+    ack = worker_pb2.MarkRecvFinishedRequest(request_id=31).SerializeToString()
+    channel.unary_unary(MARK_RECV_FINISHED_METHOD)(ack, timeout=5)
+    assert server.stats()["cached"] == 0
+    # The id was answered and is gone from the cache: a retry must not steal the next value.
+    source.send(1, key, np.array([2]))
+    with pytest.raises(grpc.RpcError) as info:
+        _unary(channel)(_request(1, key, request_id=31), timeout=5)
+    assert info.value.code() == grpc.StatusCode.ABORTED
+    assert "31" in info.value.details()
+
+
+def test_recv_tensor_cache_expires(source: StepSource) -> None:
+    key = make_key("ttl")
+    with (
+        RpcServer("127.0.0.1:0", source, cache_ttl=0.05) as srv,
+        grpc.insecure_channel(srv.address, _OPTIONS) as ch,
+    ):
+        source.send(1, key, np.array([1]))
+        _unary(ch)(_request(1, key, request_id=3), timeout=5)
+        time.sleep(0.1)
+        source.send(1, key, np.array([2]))
+        _unary(ch)(_request(1, key, request_id=4), timeout=5)  # a lookup expires old entries
+        assert srv.stats()["cached"] == 1
+
+
+# -- the shmrdv stream ----------------------------------------------------------------------
+
+
+def test_stream_sends_bounded_chunks(source: StepSource, channel: grpc.Channel) -> None:
+    key = make_key("big")
+    value = np.random.default_rng(0).random((1000, 300))  # 2.4 MB in 64 KiB chunks
+    source.send(1, key, value)
+    assembler = coding.StreamAssembler()
+    sizes = []
+    for message in channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(_request(1, key), timeout=10):
+        sizes.append(len(message))
+        assembler.feed(message)
+    assert max(sizes) <= (64 << 10) + 256
+    assert len(sizes) == -(-value.nbytes // (64 << 10))
+    np.testing.assert_array_equal(assembler.result(), value)
+
+
+def test_stream_errors_carry_status(source: StepSource, channel: grpc.Channel) -> None:
+    source.cleanup(3)
+    with pytest.raises(grpc.RpcError) as info:
+        list(channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(_request(3, make_key("x")), timeout=5))
+    assert info.value.code() == grpc.StatusCode.ABORTED
+
+
+def test_server_many_waiting_calls_need_no_threads(
+    source: StepSource, channel: grpc.Channel
+) -> None:
+    before = threading.active_count()
+    keys = [make_key(f"k{i}") for i in range(64)]
+    futs = [_unary(channel).future(_request(1, k), timeout=20) for k in keys]
+    _wait_for(lambda: source.pending_waiters(1) == 64)
+    assert threading.active_count() <= before + 2  # gRPC's own channel thread at most
+    for i, k in enumerate(keys):
+        source.send(1, k, np.array([i]))
+    assert [coding.decode_response(f.result(timeout=10)).value[0] for f in futs] == list(range(64))
