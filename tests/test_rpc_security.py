@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from rpc_helpers import Pki, StepSource, make_key, make_pki
 
 from shmrdv._errors import (
     DeadlineExceededError,
@@ -18,8 +19,6 @@ from shmrdv._errors import (
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.security import TLSConfig, bearer_metadata, check_token, token_matches
 from shmrdv._rpc.server import RpcServer
-
-from rpc_helpers import Pki, StepSource, make_key, make_pki
 
 TOKEN = "s3cret-token"
 
@@ -86,7 +85,7 @@ def test_tlsconfig_from_files_reads_pem(pki: Pki, tmp_path: object) -> None:
 
 def test_tlsconfig_from_files_names_missing_file(tmp_path: object) -> None:
     missing = os.path.join(str(tmp_path), "nope.pem")
-    with pytest.raises(InvalidArgumentError, match="nope.pem"):
+    with pytest.raises(InvalidArgumentError, match=r"nope\.pem"):
         TLSConfig.from_files(None, None, missing)
 
 
@@ -120,9 +119,9 @@ def test_token_wrong_is_unauthenticated(source: StepSource) -> None:
     with (
         RpcServer("127.0.0.1:0", source, token=TOKEN) as server,
         RpcClient(token="wrong") as client,
+        pytest.raises(UnauthenticatedError, match="missing or wrong shmrdv token"),
     ):
-        with pytest.raises(UnauthenticatedError, match="missing or wrong shmrdv token"):
-            client.recv_unary(server.address, 1, make_key("t"), timeout=5)
+        client.recv_unary(server.address, 1, make_key("t"), timeout=5)
 
 
 def test_token_correct_works(source: StepSource) -> None:
@@ -141,17 +140,22 @@ def test_tls_server_and_client_work(source: StepSource, pki: Pki) -> None:
     key = make_key("tls")
     server_tls = TLSConfig(pki.server_cert, pki.server_key)
     client_tls = TLSConfig(root_certificates=pki.ca)
-    with RpcServer("127.0.0.1:0", source, tls=server_tls, token=TOKEN) as server:
-        with RpcClient(tls=client_tls, token=TOKEN) as client:
-            source.send(3, key, np.eye(3, dtype=np.float32))
-            got = client.recv(server.address, 3, key, timeout=10)
-            np.testing.assert_array_equal(got.value, np.eye(3, dtype=np.float32))
+    with (
+        RpcServer("127.0.0.1:0", source, tls=server_tls, token=TOKEN) as server,
+        RpcClient(tls=client_tls, token=TOKEN) as client,
+    ):
+        source.send(3, key, np.eye(3, dtype=np.float32))
+        got = client.recv(server.address, 3, key, timeout=10)
+        np.testing.assert_array_equal(got.value, np.eye(3, dtype=np.float32))
 
 
 def test_tls_localhost_name_verifies(source: StepSource, pki: Pki) -> None:
-    with RpcServer("localhost:0", source, tls=TLSConfig(pki.server_cert, pki.server_key)) as server:
-        with RpcClient(tls=TLSConfig(root_certificates=pki.ca)) as client:
-            assert client.get_status(server.address, timeout=10)
+    server_tls = TLSConfig(pki.server_cert, pki.server_key)
+    with (
+        RpcServer("localhost:0", source, tls=server_tls) as server,
+        RpcClient(tls=TLSConfig(root_certificates=pki.ca)) as client,
+    ):
+        assert client.get_status(server.address, timeout=10)
 
 
 def test_mtls_with_client_certificate_works(source: StepSource, pki: Pki) -> None:
@@ -181,9 +185,9 @@ def test_tls_plaintext_client_fails_unavailable(source: StepSource, pki: Pki) ->
     with (
         RpcServer("127.0.0.1:0", source, tls=TLSConfig(pki.server_cert, pki.server_key)) as server,
         RpcClient() as client,
+        pytest.raises(UnavailableError, match=server.address),
     ):
-        with pytest.raises(UnavailableError, match=server.address):
-            client.get_status(server.address, timeout=5)
+        client.get_status(server.address, timeout=5)
 
 
 def test_tls_client_with_wrong_ca_fails(source: StepSource, pki: Pki) -> None:
@@ -193,6 +197,6 @@ def test_tls_client_with_wrong_ca_fails(source: StepSource, pki: Pki) -> None:
     with (
         RpcServer("127.0.0.1:0", source, tls=TLSConfig(pki.server_cert, pki.server_key)) as server,
         RpcClient(tls=TLSConfig(root_certificates=other.ca)) as client,
+        pytest.raises(UnavailableError),
     ):
-        with pytest.raises(UnavailableError):
-            client.get_status(server.address, timeout=5)
+        client.get_status(server.address, timeout=5)
