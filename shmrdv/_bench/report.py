@@ -230,7 +230,8 @@ def format_markdown(run: BenchRun) -> str:
     mach = run.machine
     sizes = _sizes(run)
     ordered = _ordered(run)
-    sized = [m for m in ordered if m.fixed_nbytes is None]
+    # Skipped methods show only in the "Methods" table; failed ones keep their row.
+    sized = [m for m in ordered if m.fixed_nbytes is None and m.status != "skipped"]
     fixed = [m for m in ordered if m.fixed_nbytes is not None]
     v = mach.get("versions", {})
     present = ", ".join(f"{k} {val}" for k, val in v.items() if val)
@@ -252,7 +253,9 @@ def format_markdown(run: BenchRun) -> str:
             row = [m.name]
             for n in sizes:
                 c = m.cells.get(n)
-                row.append(render(m, n, c) if c is not None else (DASH if m.status == "ok" else ""))
+                row.append(
+                    render(m, n, c) if c is not None else (DASH if m.status == "ok" else m.status)
+                )
             rows.append(row)
         return rows
 

@@ -1,0 +1,132 @@
+"""``shmrdv bench``: size parsing, and a tiny real run through tools/bench.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shmrdv._bench.peers import METHODS, Handler, make_stamp, pack_ack, unpack_ack
+from shmrdv._bench.runner import parse_size, parse_sizes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _tagged_pids(tag: str) -> list[int]:
+    """Pids of live processes whose environment carries ``tag``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if tag.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def test_parse_size_suffixes() -> None:
+    assert parse_size("64") == 64
+    assert parse_size("1k") == 1024
+    assert parse_size("16M") == 16 << 20
+    assert parse_size("1g") == 1 << 30
+    assert parse_size("64KiB") == 64 << 10
+    assert parse_sizes("1m,64, 1k,1m") == [64, 1024, 1 << 20]
+
+
+@pytest.mark.parametrize("bad", ["", "x", "1q", "6", "4"])
+def test_parse_size_rejects_bad_sizes(bad: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+def test_handler_echoes_stamps_and_crc() -> None:
+    import zlib
+
+    import numpy as np
+
+    from shmrdv._bench.peers import KIND_CHECK, KIND_STOP
+
+    a = np.arange(16, dtype=np.float32)
+    stamp = make_stamp(7, KIND_CHECK)
+    a[0] = a[-1] = stamp
+    h = Handler()
+    ack = unpack_ack(pack_ack(h(a)))
+    assert (ack.head, ack.tail, ack.extra) == (stamp, stamp, zlib.crc32(a.tobytes()))
+    assert not h.done
+    a[0] = a[-1] = make_stamp(8, KIND_STOP)
+    h(a)
+    assert h.done
+
+
+def test_registry_has_the_peers() -> None:
+    for name in ("memcpy", "mp_pipe_oob", "mp_queue", "shm_per_msg", "grpc_unary", "sem_pingpong"):
+        assert METHODS[name].available() is None, name
+    for name in ("zmq_ipc", "torch_mp", "ray"):
+        assert name in METHODS
+
+
+@pytest.mark.timeout(60)
+def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    tag = f"SHMRDV_BENCH_TEST_TAG={uuid.uuid4().hex}"
+    plot = importlib.util.find_spec("matplotlib") is not None
+    cmd = [
+        sys.executable,
+        str(REPO / "tools" / "bench.py"),
+        "--methods=memcpy,mp_pipe_oob,sem_pingpong",
+        "--sizes=1k,64k",
+        "--reps=2",
+        "--budget=0.05",
+        "--idle-seconds=0.2",
+        f"--json={out}",
+    ]
+    if plot:
+        cmd.append(f"--plot={tmp_path / 'bench.png'}")
+    env = {**os.environ, tag.split("=")[0]: tag.split("=")[1]}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=50, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "## Round trip" in proc.stdout and "| mp_pipe_oob |" in proc.stdout
+
+    data = json.loads(out.read_text())
+    machine = data["machine"]
+    for field in ("cpu_model", "cpu_count", "kernel", "python", "load_average_start"):
+        assert field in machine
+    assert machine["versions"]["numpy"] and machine["load_average_end"] is not None
+    methods = {m["name"]: m for m in data["methods"]}
+    assert {n: m["status"] for n, m in methods.items()} == dict.fromkeys(
+        ("memcpy", "mp_pipe_oob", "sem_pingpong"), "ok"
+    )
+    for name in ("memcpy", "mp_pipe_oob"):
+        assert sorted(methods[name]["cells"]) == ["1024", "65536"]
+    for size in ("1024", "65536"):
+        copy = methods["memcpy"]["cells"][size]
+        pipe = methods["mp_pipe_oob"]["cells"][size]
+        assert copy["rtt_x_memcpy"] == pytest.approx(1.0)
+        assert pipe["rtt_x_mp_pipe_oob"] == pytest.approx(1.0)
+        assert pipe["rtt_x_memcpy"] > 1.0
+        assert pipe["rtt_median_ns"] >= pipe["oneway_median_ns"] > 0
+        assert pipe["rtt_p99_ns"] >= pipe["rtt_min_ns"] > 0
+        assert pipe["reps"] == 2 and pipe["checks"] == 4 and pipe["per_rep"] >= 3
+        assert pipe["gbps_oneway"] == pytest.approx(int(size) / pipe["oneway_median_ns"])
+    assert list(methods["sem_pingpong"]["cells"]) == ["64"]
+    assert 0 <= methods["mp_pipe_oob"]["idle_cpu_percent"] < 50
+    if plot:
+        assert (tmp_path / "bench.png").stat().st_size > 0
+
+    prefix = data["config"]["prefix"]
+    assert not [e for e in os.listdir("/dev/shm") if prefix in e]
+    # The runner's resource tracker notices the runner's exit a moment later.
+    deadline = time.monotonic() + 5
+    while _tagged_pids(tag.split("=")[1]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _tagged_pids(tag.split("=")[1]) == []
