@@ -176,6 +176,7 @@ class Worker:
                 started=__import__("time").time(),
                 namespace=self.namespace,
                 address=self.address,
+                transports=self.transports,
             ),
         )
         if "shm" in self.transports:
@@ -338,29 +339,40 @@ class Worker:
                 self._watches[tk] = w
         return w
 
-    def _peer_is_local(self, task: DeviceName) -> bool:
+    def _peer_placement(self, task: DeviceName) -> tuple[bool, tuple[str, ...], bool]:
+        """(same host?, the peer's transports, definitive?) for another worker's task.
+
+        The probe proper: the peer's presence record, visible in our /dev/shm with our
+        boot id, says it is here and which transports it takes. Before the peer has
+        started, its cluster address decides (loopback, this host's names and
+        addresses), and the answer is only provisional.
+        """
         from ._shm.presence import boot_id
 
         info = self.peer_watch(task).info()
         if info is not None and info.boot_id == boot_id():
-            return True
+            return True, info.transports, True
         if self.cluster is None:
-            return True
+            return True, _TRANSPORTS, False
         try:
             address = self.cluster.task_address(_task_of(task))
         except InvalidArgumentError:
-            return True  # not in the cluster: only reachable here
+            return True, _TRANSPORTS, False  # not in the cluster: only reachable here
         host, _ = split_host_port(address)
-        return is_local_host(host)
+        return is_local_host(host), _TRANSPORTS, False
 
     def _route(self, task: DeviceName, pk: ParsedKey) -> Transport:
+        """The transport for keys between this worker and ``task``: our first preference
+        the peer also takes and that reaches it. Cached per peer once the peer is seen."""
         tk = task.task_key()
         t = self._routes.get(tk)
         if t is not None:
             return t
-        local = self._peer_is_local(task)
+        local, theirs, definitive = self._peer_placement(task)
         chosen: Transport | None = None
         for name in self.transports:
+            if name not in theirs:
+                continue
             if name == "shm" and local and self._shm is not None:
                 chosen = self._shm
                 break
@@ -370,9 +382,12 @@ class Worker:
         if chosen is None:
             where = "this host" if local else "another host"
             raise InvalidArgumentError(
-                f"key {pk.full_key!r}: task {_task_of(task)} is on {where} and none of "
-                f"transports={self.transports} reaches it (shm reaches this host, grpc any host)"
+                f"key {pk.full_key!r}: task {_task_of(task)} is on {where} and takes "
+                f"transports {theirs}; none of this worker's transports={self.transports} "
+                "reaches it (shm reaches this host, grpc any host)"
             )
+        if not definitive:
+            return chosen
         with self._lock:
             return self._routes.setdefault(tk, chosen)
 

@@ -95,6 +95,9 @@ class PresenceInfo:
     started: float  # time.time() at publish
     namespace: str
     address: str | None = None  # the worker's gRPC address, if it serves one
+    # The transports the worker accepts, in its order of preference (TensorPipe's
+    # "brochure"): a peer that sees this record picks the first it has too.
+    transports: tuple[str, ...] = ("shm", "grpc")
 
     def to_json(self) -> bytes:
         """The record's bytes."""
@@ -128,6 +131,10 @@ class PresenceInfo:
                 )
             values[name] = value
         values["started"] = float(values["started"])
+        transports = obj.get("transports", ["shm", "grpc"])
+        if not isinstance(transports, list) or not all(isinstance(t, str) for t in transports):
+            raise InternalError(f"presence record {where} is corrupt: field 'transports' is {transports!r}")
+        values["transports"] = tuple(transports)
         return cls(**values)
 
 
