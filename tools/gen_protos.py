@@ -117,7 +117,7 @@ def check() -> int:
     if fresh == committed:
         print(f"gen_protos: {len(fresh)} files up to date (gencode {gencode_version(fresh)})")
         return 0
-    where = OUT_DIR.relative_to(ROOT)
+    where = OUT_DIR.relative_to(ROOT) if OUT_DIR.is_relative_to(ROOT) else OUT_DIR
     lines = [f"gen_protos: {where} differs from protos/ (run tools/gen_protos.py)"]
     have, want = gencode_version(committed), gencode_version(fresh)
     if have != want:
