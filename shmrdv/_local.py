@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._callbacks import DoneCallback, invoke_done
-from ._errors import CancelledError, InvalidArgumentError
+from ._errors import CancelledError, InvalidArgumentError, RendezvousError
 from ._keys import ParsedKey
 from ._received import Received
 from ._rendezvous import Canceller, Rendezvous, as_parsed_key
@@ -104,9 +104,22 @@ class LocalRendezvous(Rendezvous):
         Raises ``InvalidArgumentError`` for a bad key or a value that is not a numpy array
         or holds Python objects (nothing is queued), and the abort error once aborted.
         """
-        pk = as_parsed_key(key)
+        self._put(as_parsed_key(key), value, bool(is_dead), front=False)
+
+    def requeue(self, key: ParsedKey, received: Received) -> None:
+        """Put a value that was taken but could not be delivered back at the head of its key.
+
+        The next receive of ``key`` gets it before anything sent later, so FIFO order
+        holds (the gRPC server uses this when a call is cancelled after its value was
+        taken). After an abort the value is dropped, like every queued value.
+        """
+        try:
+            self._put(key, received.value, received.is_dead, front=True)
+        except RendezvousError:
+            pass
+
+    def _put(self, pk: ParsedKey, value: Any, dead: bool, *, front: bool) -> None:
         arr = check_value(value, pk.full_key)
-        dead = bool(is_dead)
         with self._lock:
             if self._error is not None:
                 raise self._abort_error()
@@ -115,7 +128,10 @@ class LocalRendezvous(Rendezvous):
             if channel is None or not channel.waiters:
                 if channel is None:
                     channel = self._table[pk.full_key] = _Channel()
-                channel.values.append((arr, dead))
+                if front:
+                    channel.values.appendleft((arr, dead))
+                else:
+                    channel.values.append((arr, dead))
                 return
             waiter, _ = channel.waiters.popitem(last=False)
             if not channel.waiters:
