@@ -461,6 +461,23 @@ def test_decode_request_invalid_utf8_key_refused() -> None:
         coding.decode_request(b"\x12\x02\xff\xfe")
 
 
+@pytest.mark.parametrize("request_id", [0, 1, -5, 2**63 - 1])
+def test_encode_mark_recv_finished_bytes_equal_generated(request_id: int) -> None:
+    ours = coding.encode_mark_recv_finished(request_id)
+    assert ours == worker_pb2.MarkRecvFinishedRequest(request_id=request_id).SerializeToString()
+    assert coding.decode_mark_recv_finished(ours) == request_id
+
+
+@FUZZ
+@given(data=st.binary(max_size=40))
+def test_decode_mark_recv_finished_fuzz_raises_only_shmrdv_errors(data: bytes) -> None:
+    try:
+        got = coding.decode_mark_recv_finished(data)
+    except WIRE_ERRORS:
+        return
+    assert worker_pb2.MarkRecvFinishedRequest.FromString(data).request_id == got
+
+
 # ---------------------------------------------------------------------- GetStatus
 
 

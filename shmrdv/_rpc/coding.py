@@ -80,12 +80,14 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "RecvRequest",
     "StreamAssembler",
+    "decode_mark_recv_finished",
     "decode_request",
     "decode_response",
     "decode_status_response",
     "dtype_from_descriptor",
     "dtype_descriptor",
     "dtype_to_tf",
+    "encode_mark_recv_finished",
     "encode_request",
     "encode_response",
     "encode_status_response",
@@ -845,6 +847,27 @@ def decode_request(data: _Buffer) -> RecvRequest:
     except _Malformed as e:
         raise InvalidArgumentError(f"Cannot parse RecvTensorRequest: {e}") from e
     return RecvRequest(step_id, key, request_id, dma_ok)
+
+
+def encode_mark_recv_finished(request_id: int) -> bytes:
+    """``MarkRecvFinishedRequest`` bytes (the client has the response of ``request_id``)."""
+    return _int_field(1, _check_int64("request_id", request_id))
+
+
+def decode_mark_recv_finished(data: _Buffer) -> int:
+    """The ``request_id`` in ``MarkRecvFinishedRequest`` bytes.
+
+    Raises ``InvalidArgumentError`` if they do not parse.
+    """
+    buf = _as_buffer(data)
+    request_id = 0
+    try:
+        for f in _fields(buf, 0, len(buf)):
+            if f.number == 1 and f.wire_type == _VARINT:
+                request_id = _signed64(f.value)
+    except _Malformed as e:
+        raise InvalidArgumentError(f"Cannot parse MarkRecvFinishedRequest: {e}") from e
+    return request_id
 
 
 # ------------------------------------------------------------------------ GetStatus
