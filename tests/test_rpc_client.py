@@ -324,6 +324,10 @@ def test_client_works_in_forked_child(source: StepSource, server: RpcServer) -> 
             try:
                 got = client.recv(server.address, 1, second, timeout=10)
                 status = 0 if got.value.tolist() == [2] else 2
+                t0 = time.monotonic()
+                server.stop()  # the parent's server: left alone, and no hang
+                if time.monotonic() - t0 > 1:
+                    status = 3
             finally:
                 os._exit(status)
         deadline = time.monotonic() + 20

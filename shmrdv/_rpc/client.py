@@ -43,11 +43,12 @@ from .._errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     RendezvousError,
+    ResourceExhaustedError,
     UnavailableError,
 )
 from .._keys import ParsedKey
 from .._received import Received
-from .._rendezvous import Canceller, check_timeout
+from .._rendezvous import Canceller, as_parsed_key, check_timeout
 from .._status import error_for_code
 from . import coding
 from .proto import worker_pb2
@@ -336,7 +337,7 @@ class RpcClient:
         self,
         address: str,
         step_id: int,
-        key: ParsedKey,
+        key: ParsedKey | str,
         done: DoneCallback,
         *,
         timeout: float | None = None,
@@ -354,11 +355,12 @@ class RpcClient:
         """
         t = check_timeout(timeout)
         try:
+            pk = as_parsed_key(key)
             channel = self._channel(address)
         except RendezvousError as e:
             invoke_done(done, e, None)
             return _too_late
-        recv = _StreamRecv(self, channel, address, int(step_id), key, done, t)
+        recv = _StreamRecv(self, channel, address, int(step_id), pk, done, t)
         with self._lock:
             if self._closed:
                 closed = True
@@ -368,11 +370,20 @@ class RpcClient:
         if closed:
             invoke_done(done, CancelledError("RpcClient is closed"), None)
             return _too_late
-        recv.thread.start()
+        try:
+            recv.thread.start()
+        except RuntimeError as e:  # "can't start new thread"
+            self._forget(recv)
+            invoke_done(
+                done,
+                ResourceExhaustedError(f"cannot start a receive thread for {recv._where()}: {e}"),
+                None,
+            )
+            return _too_late
         return recv.cancel
 
     def recv(
-        self, address: str, step_id: int, key: ParsedKey, *, timeout: float | None = None
+        self, address: str, step_id: int, key: ParsedKey | str, *, timeout: float | None = None
     ) -> Received:
         """Block until the next value of ``key`` arrives from ``address`` (``start_recv``)."""
         event = threading.Event()
@@ -399,7 +410,7 @@ class RpcClient:
         self,
         address: str,
         step_id: int,
-        key: ParsedKey,
+        key: ParsedKey | str,
         *,
         timeout: float | None = None,
         request_id: int = 0,
@@ -410,6 +421,7 @@ class RpcClient:
         Raises the mapped error naming the key and peer.
         """
         t = check_timeout(timeout)
+        key = as_parsed_key(key)
         channel = self._channel(address)
         request = coding.encode_request(int(step_id), key.full_key, int(request_id))
         where = f"key {key.full_key!r} (step {step_id}) from {address}"

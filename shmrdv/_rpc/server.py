@@ -28,12 +28,15 @@ and ``drop_step`` release entries early.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -91,6 +94,17 @@ _MAX_RECEIVE_BYTES = 1 << 20
 _STARTUP_TIMEOUT = 30.0
 # TensorFlow: RecentRequestIds remembers the last 100,000 request ids.
 _ANSWERED_IDS = 100_000
+
+
+# Servers still running at interpreter exit are stopped first, so that gRPC's threads do
+# not die under a running event loop (their daemon thread would be killed mid-call).
+_RUNNING: weakref.WeakSet[RpcServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_servers() -> None:
+    for server in list(_RUNNING):
+        server.stop(0.0)
 
 
 class TensorSource(Protocol):
@@ -211,6 +225,7 @@ class RpcServer:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._server: grpc.aio.Server | None = None
         self._address: str | None = None
+        self._pid = os.getpid()
 
         # Loop-thread state: touched only from the server's event loop.
         self._stopping = False
@@ -270,6 +285,8 @@ class RpcServer:
                 raise
             self._address = f"{self._host}:{port}"
             self._state = "running"
+            self._pid = os.getpid()
+            _RUNNING.add(self)
         _log.info("shmrdv RPC server for %s listening on %s", self._source.task, self._address)
         return self
 
@@ -348,6 +365,13 @@ class RpcServer:
                 self._state = "stopped"
                 return
             self._state = "stopped"
+            _RUNNING.discard(self)
+            if os.getpid() != self._pid:
+                # A forked child: the server's thread and gRPC state stayed in the parent.
+                # Touching them here would hang; the parent's server is the parent's.
+                self._loop = self._thread = self._pool = None
+                self._server = None
+                return
             loop = self._loop
             assert loop is not None
             try:
@@ -598,7 +622,15 @@ class RpcServer:
                 )
 
         # serve_recv raises AbortedError for a cleaned-up step: the call fails at once.
-        waiter.canceller = self._source.serve_recv(req.step_id, pk, done)
+        try:
+            waiter.canceller = self._source.serve_recv(req.step_id, pk, done)
+        except RendezvousError:
+            raise
+        except Exception as e:  # a bug in the source must still answer the call
+            _log.exception("TensorSource.serve_recv failed for key %r", pk.full_key)
+            raise InternalError(
+                f"TensorSource of {self._source.task} failed on key {pk.full_key!r}: {e!r}"
+            ) from e
         if not fut.done():
             self._waiters.add(waiter)
         if cache_key is not None:
