@@ -224,6 +224,7 @@ def test_dtype_descriptor_round_trips(arr: npt.NDArray[Any]) -> None:
         "[" * 5000,
         "x" * 70000,
     ],
+    ids=lambda text: repr(text[:16]),
 )
 def test_dtype_from_descriptor_garbage_refused(text: str) -> None:
     with pytest.raises(InvalidArgumentError):
