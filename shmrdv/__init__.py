@@ -27,6 +27,7 @@ from ._local import LocalRendezvous as LocalRendezvous
 from ._namespace import new_namespace as new_namespace
 from ._received import Received as Received
 from ._rendezvous import Rendezvous as Rendezvous
+from ._rpc.security import TLSConfig as TLSConfig
 from ._version import __version__ as __version__
 from ._worker import Worker as Worker
 
@@ -44,6 +45,7 @@ __all__ = [
     "Rendezvous",
     "RendezvousError",
     "ResourceExhaustedError",
+    "TLSConfig",
     "UnauthenticatedError",
     "UnavailableError",
     "Worker",
