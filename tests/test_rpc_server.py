@@ -56,7 +56,7 @@ def _request(step_id: int, key: ParsedKey | str, request_id: int = 0) -> bytes:
     return coding.encode_request(step_id, text, request_id)
 
 
-def _unary(channel: grpc.Channel) -> Callable[..., Any]:
+def _unary(channel: grpc.Channel) -> Any:
     return channel.unary_unary(RECV_TENSOR_METHOD)
 
 
@@ -379,3 +379,17 @@ def test_server_many_waiting_calls_need_no_threads(
     for i, k in enumerate(keys):
         source.send(1, k, np.array([i]))
     assert [coding.decode_response(f.result(timeout=10)).value[0] for f in futs] == list(range(64))
+
+
+def test_drop_step_forgets_cached_responses(
+    source: StepSource, channel: grpc.Channel, server: RpcServer
+) -> None:
+    key = make_key("drop")
+    source.send(6, key, np.array([1]))
+    _unary(channel)(_request(6, key, request_id=11), timeout=5)
+    assert server.stats()["cached"] == 1
+    server.drop_step(5)  # another step: kept
+    time.sleep(0.05)
+    assert server.stats()["cached"] == 1
+    server.drop_step(6)
+    _wait_for(lambda: server.stats()["cached"] == 0)
