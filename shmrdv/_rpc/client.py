@@ -262,8 +262,9 @@ class _StreamRecv:
 
     def _error(self, code: grpc.StatusCode, e: grpc.RpcError) -> RendezvousError:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            after = "" if self._timeout is None else f" after {self._timeout:g}s"
             return DeadlineExceededError(
-                f"Timed out after {self._timeout:g}s receiving {self._where()}: {_details(e)}"
+                f"Timed out{after} receiving {self._where()}: {_details(e)}"
             )
         if self._state == _RECEIVING and code == grpc.StatusCode.ABORTED:
             # A mid-stream retry found the value gone from the server's cache.
