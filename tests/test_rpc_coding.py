@@ -187,6 +187,12 @@ def test_dtype_to_tf_types_tensorflow_lacks_are_invalid_or_string(dtype: str) ->
     assert coding.dtype_to_tf(np.dtype(dtype)) == expected
 
 
+def test_dtype_descriptor_structured_with_ml_dtypes_field_refused() -> None:
+    dtype = np.dtype([("a", ml_dtypes.bfloat16), ("b", "<i4", (2,))])
+    with pytest.raises(InvalidArgumentError, match="ml_dtypes"):
+        coding.encode_response(np.zeros(2, dtype), is_dead=False)
+
+
 def test_dtype_to_tf_object_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="Python objects"):
         coding.dtype_to_tf(np.dtype(object))

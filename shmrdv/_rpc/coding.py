@@ -278,7 +278,23 @@ def dtype_descriptor(dtype: np.dtype[Any]) -> str:
         return f"ml_dtypes.{ml}"
     if dtype.fields is None and dtype.subdtype is None:
         return str(dtype.str)
+    if _has_ml_field(dtype):
+        # numpy's descr writes an ml_dtypes field as raw void ('<V2'): refuse rather
+        # than hand back another dtype.
+        raise InvalidArgumentError(
+            f"cannot encode structured dtype {dtype}: a field has an ml_dtypes type, "
+            "which the dtype descriptor cannot name; view the field as an integer of "
+            "the same size"
+        )
     return repr(npy_format.dtype_to_descr(dtype))
+
+
+def _has_ml_field(dtype: np.dtype[Any]) -> bool:
+    if dtype.subdtype is not None:
+        return _has_ml_field(dtype.subdtype[0])
+    if dtype.fields is None:
+        return dtype in _ML_NAME_OF
+    return any(_has_ml_field(spec[0]) for spec in dtype.fields.values())
 
 
 def dtype_from_descriptor(text: str) -> np.dtype[Any]:
