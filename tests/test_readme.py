@@ -1,0 +1,54 @@
+"""The README stays true: every python example runs, the Quickstart has two commands, CI runs the second."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README, re.S)
+
+
+def _quickstart_commands() -> list[str]:
+    m = re.search(r"^## Quickstart\s*$(.*?)(?=^## )", README, re.S | re.M)
+    assert m, "README has no '## Quickstart' section"
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", m.group(1), re.S)
+    return [line.strip() for b in blocks for line in b.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_readme_quickstart_has_exactly_two_commands() -> None:
+    cmds = _quickstart_commands()
+    assert len(cmds) == 2, cmds
+    assert "shmrdv demo" in cmds[0]
+    assert "pytest" in cmds[1]
+
+
+def test_readme_ci_runs_the_test_command_verbatim() -> None:
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert _quickstart_commands()[1] in ci.splitlines()
+
+
+def test_readme_has_python_examples() -> None:
+    assert len(_python_blocks()) >= 3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("index", range(len(_python_blocks())))
+def test_readme_example_runs(index: int, tmp_path: Path) -> None:
+    script = tmp_path / f"readme_example_{index}.py"
+    script.write_text(_python_blocks()[index], encoding="utf-8")
+    env = dict(os.environ)
+    env.pop("SHMRDV_NAMESPACE", None)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, f"example {index} failed:\n{proc.stdout}\n{proc.stderr}"
