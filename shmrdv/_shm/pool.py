@@ -1,7 +1,7 @@
 """A producer's pool of reusable, pre-faulted shared-memory slots.
 
 Fresh tmpfs pages cost a fault, an allocation and a zeroing each: writing a new
-segment runs at ~2 GB/s here against 7–14 GB/s for pages already faulted
+segment runs at ~2 GB/s here against 7-14 GB/s for pages already faulted
 (research/pitfalls.md §5). So a producer writes into slots it keeps: a slot is a
 segment file the producer created, fallocated and keeps mapped. A send renames the
 slot to the message's name (it then belongs to the consumer); the consumer renames it
@@ -10,7 +10,19 @@ producer renames ``returned`` back to a free ``pool`` name and writes into the s
 already faulted, pages again. Nothing but renames crosses the processes.
 
 Size classes are powers of two from 4 KiB, so a slot serves messages between half and
-all of its size; the pool holds at most ``limit_bytes`` of slots.
+all of its size; the pool holds at most ``limit_bytes`` of slots, and at most
+``max_slots`` of them: each slot keeps a mapping, and CPython's ``mmap`` keeps a file
+descriptor per mapping (many systems still default to 1024 descriptors per process).
+
+A lent slot can be lost to the producer: its consumer freed the message unreceived
+(``cleanup``), or exited or died while holding it (its ``held`` name unlinked by its
+``close`` or by ``gc``). A lent slot whose name is under none of ``m``/``h``/``r`` any
+more is forgotten: its bytes count no longer, and its mapping is dropped. The names are
+checked in the order the slot travels (``m`` -> ``h`` -> ``r``), so a slot moving on
+meanwhile is always found under one of them.
+
+Only files this producer created are taken back: a ``returned`` name must still be the
+slot's own inode (another user could plant a file under it, research/pitfalls.md §7).
 """
 
 from __future__ import annotations
@@ -21,7 +33,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from .naming import Names
+from .._errors import InternalError
+from .naming import MAX_SLOT, Names
 from .segment import Segment
 
 __all__ = ["Slot", "SlotPool"]
@@ -29,6 +42,8 @@ __all__ = ["Slot", "SlotPool"]
 _log = logging.getLogger("shmrdv.shm.pool")
 
 _MIN_CLASS = 4096
+#: Default cap on the number of slots (each holds one mapping and one file descriptor).
+DEFAULT_MAX_SLOTS = 256
 # A lent slot is checked for its return at most this many times per acquire, oldest first.
 _RECLAIM_SCAN = 32
 
@@ -46,26 +61,33 @@ class Slot:
     index: int
     capacity: int
     segment: Segment
+    ino: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file: its identity across renames
     state: str = "free"  # free | allocated | lent
     lent_key: str = field(default="")
+    lent_name: str = field(default="")  # the message name it was published under
 
 
 class SlotPool:
     """The producer side of the slot protocol. Thread-safe."""
 
-    def __init__(self, names: Names, incarnation: int, limit_bytes: int) -> None:
+    def __init__(
+        self, names: Names, incarnation: int, limit_bytes: int, max_slots: int = DEFAULT_MAX_SLOTS
+    ) -> None:
         self._names = names
         self._incarnation = incarnation
         self._limit = limit_bytes
+        self._max_slots = max_slots
         self._lock = threading.Lock()
         self._free: dict[int, list[Slot]] = {}  # size class -> free slots
         self._lent: deque[Slot] = deque()
         self._slots: dict[int, Slot] = {}
         self._next_index = 0
         self._bytes = 0
+        self._count = 0  # slots created or being created
         self._closed = False
         self.reused = 0
         self.created = 0
+        self.lost = 0
 
     @property
     def bytes(self) -> int:
@@ -80,6 +102,7 @@ class SlotPool:
                 "pool_lent": len(self._lent),
                 "pool_reused": self.reused,
                 "pool_created": self.created,
+                "pool_lost": self.lost,
             }
 
     def acquire(self, nbytes: int) -> Slot | None:
@@ -101,20 +124,42 @@ class SlotPool:
             if slot is not None:
                 self.reused += 1
                 return slot
-            while self._bytes + cls > self._limit and self._evict_one(cls):
+            while (
+                self._bytes + cls > self._limit or self._count >= self._max_slots
+            ) and self._evict_one(cls):
                 pass
-            if self._bytes + cls > self._limit:
+            if self._bytes + cls > self._limit or self._count >= self._max_slots:
                 return None
+            if self._next_index > MAX_SLOT:
+                return None  # a million slots created in one run: one-off segments from now on
             index = self._next_index
             self._next_index += 1
             self._bytes += cls  # reserve before leaving the lock
+            self._count += 1
         try:
             seg = Segment.create(self._names, cls, self._names.pool(self._incarnation, index))
-        except BaseException:
+        except BaseException as e:
             with self._lock:
                 self._bytes -= cls
+                self._count -= 1
+            if isinstance(e, InternalError):
+                # The name exists: planted by someone (our names are per incarnation and
+                # never reused). Never write into it; the caller uses a one-off segment.
+                _log.warning("pool slot %d of incarnation %016x: %s", index, self._incarnation, e)
+                return None
             raise
-        slot = Slot(index=index, capacity=cls, segment=seg, state="allocated")
+        try:
+            st = os.stat(seg.path, follow_symlinks=False)
+        except OSError:
+            seg.unlink()
+            seg.close()
+            with self._lock:
+                self._bytes -= cls
+                self._count -= 1
+            return None
+        slot = Slot(
+            index=index, capacity=cls, segment=seg, ino=(st.st_dev, st.st_ino), state="allocated"
+        )
         with self._lock:
             self._slots[index] = slot
             self.created += 1
@@ -129,18 +174,75 @@ class SlotPool:
         return None
 
     def _reclaim(self) -> None:
-        """Take back slots their consumers have returned (``r`` name -> ``p`` name)."""
+        """Take back slots their consumers have returned (``r`` name -> ``p`` name).
+
+        Forgets slots that are under none of their names any more (see the module docstring).
+        """
         for _ in range(min(len(self._lent), _RECLAIM_SCAN)):
             slot = self._lent.popleft()
-            ret = self._names.returned(self._incarnation, slot.index)
-            try:
-                os.rename(self._names.path(ret), self._names.path(self._names.pool(self._incarnation, slot.index)))
-            except FileNotFoundError:
+            if self._take_back(slot):
+                continue
+            if self._exists(slot.lent_name) or self._exists(
+                self._names.held(self._incarnation, slot.index)
+            ):
                 self._lent.append(slot)  # still with its consumer
                 continue
-            slot.segment.name = self._names.pool(self._incarnation, slot.index)
-            slot.state = "free"
-            self._free.setdefault(slot.capacity, []).append(slot)
+            if self._take_back(slot):  # returned while we looked
+                continue
+            _log.debug(
+                "pool slot %d (%s) was freed by its consumer; forgetting it",
+                slot.index,
+                slot.lent_key,
+            )
+            self.lost += 1
+            self._forget(slot)
+
+    def _take_back(self, slot: Slot) -> bool:
+        """Rename the slot's ``returned`` name back to its ``pool`` name; whether it was there."""
+        ret = self._names.path(self._names.returned(self._incarnation, slot.index))
+        try:
+            st = os.stat(ret, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            _log.warning("cannot stat returned pool slot %s: %s", ret, e)
+            return False
+        if (st.st_dev, st.st_ino) != slot.ino:
+            # Not the file we created: planted by someone else. Never take it as ours.
+            _log.warning("refusing %s: not the pool slot this producer created", ret)
+            return False
+        pool_name = self._names.pool(self._incarnation, slot.index)
+        try:
+            # Only our own uid can rename our file in the sticky /dev/shm, so it is still ours.
+            os.rename(ret, self._names.path(pool_name))
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            _log.warning("cannot take back pool slot %s: %s", ret, e)
+            return False
+        slot.segment.name = pool_name
+        slot.state = "free"
+        slot.lent_key = slot.lent_name = ""
+        self._free.setdefault(slot.capacity, []).append(slot)
+        return True
+
+    def _exists(self, name: str) -> bool:
+        if not name:
+            return False
+        try:
+            os.stat(self._names.path(name), follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # cannot tell: assume it is still out there
+        return True
+
+    def _forget(self, slot: Slot) -> None:
+        """Drop a slot whose file is gone (no name to unlink): its mapping and its bytes."""
+        self._slots.pop(slot.index, None)
+        self._bytes -= slot.capacity
+        self._count -= 1
+        slot.segment.close()
 
     def _evict_one(self, wanted: int) -> bool:
         """Drop one free slot of another size class to make room; False if there is none."""
@@ -154,6 +256,7 @@ class SlotPool:
     def _drop(self, slot: Slot) -> None:
         self._slots.pop(slot.index, None)
         self._bytes -= slot.capacity
+        self._count -= 1
         slot.segment.unlink()
         slot.segment.close()
 
@@ -167,11 +270,12 @@ class SlotPool:
             slot.state = "free"
             self._free.setdefault(slot.capacity, []).append(slot)
 
-    def lend(self, slot: Slot, key: str) -> None:
-        """Record that ``slot`` was published (renamed away): the consumer has it now."""
+    def lend(self, slot: Slot, key: str, name: str) -> None:
+        """Record that ``slot`` was published as message ``name``: the consumer has it now."""
         with self._lock:
             slot.state = "lent"
             slot.lent_key = key
+            slot.lent_name = name
             self._lent.append(slot)
 
     def close(self) -> None:
@@ -194,8 +298,13 @@ class SlotPool:
             slot.segment.unlink()
             slot.segment.close()
         for slot in lent:
+            ret = self._names.path(self._names.returned(self._incarnation, slot.index))
             try:
-                os.unlink(self._names.path(self._names.returned(self._incarnation, slot.index)))
+                st = os.stat(ret, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) == slot.ino:
+                    os.unlink(ret)
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                _log.warning("cannot remove returned pool slot %s: %s", ret, e)
             slot.segment.close()

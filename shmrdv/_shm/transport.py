@@ -28,6 +28,8 @@ to wait, outside every lock.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
 import threading
@@ -73,6 +75,49 @@ _TICK = 0.2
 # open() attempt per channel.
 _LISTDIR_ABOVE = 64
 
+# renameat2(2) with RENAME_NOREPLACE (Linux >= 3.15 on tmpfs, glibc >= 2.28): an atomic
+# move that refuses an existing target. Plain rename() replaces the target, and as root it
+# even replaces another user's file in the sticky /dev/shm: a planted file, or an
+# unreceived message of an earlier run, would be silently destroyed.
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _renameat2: Any = _libc.renameat2
+    _renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    _renameat2.restype = ctypes.c_int
+except (AttributeError, OSError):  # pragma: no cover - an old libc
+    _renameat2 = None
+
+
+def _move_noreplace(old: str, new: str) -> None:
+    """Move the file ``old`` to the name ``new`` atomically; ``FileExistsError`` if ``new`` exists.
+
+    Raises other ``OSError`` s unchanged (``FileNotFoundError`` when ``old`` is gone).
+    """
+    if _renameat2 is not None:
+        if (
+            _renameat2(_AT_FDCWD, os.fsencode(old), _AT_FDCWD, os.fsencode(new), _RENAME_NOREPLACE)
+            == 0
+        ):
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(err, os.strerror(err), old, None, new)
+    # No renameat2 here: link() refuses an existing name too (pitfalls.md §3); the old name
+    # goes right after (both names briefly exist, which no reader minds).
+    os.link(old, new, follow_symlinks=False)
+    try:
+        os.unlink(old)
+    except FileNotFoundError:
+        pass
+
 
 @dataclass(eq=False)
 class _Waiter:
@@ -115,21 +160,45 @@ class _Allocation:
     sent: bool = False
 
 
-def _return_slot(names: Names, producer_task: str, incarnation: int, slot: int) -> None:
+def _return_slot(
+    names: Names, producer_task: str, incarnation: int, slot: int, held_names: set[str]
+) -> None:
     """Consumer side, when the last array over a pool slot is collected: give it back.
 
     ``held`` -> ``returned``; if the producer is gone (closed, dead or restarted) nobody
-    will take it back, so unlink it instead. Runs in whatever thread collected the array.
+    will take it back, so unlink it instead. Runs in whatever thread collected the array
+    (possibly inside the garbage collector: it takes no lock).
     """
-    held = Names.path(names.held(incarnation, slot))
+    held_name = names.held(incarnation, slot)
+    held_names.discard(held_name)
+    _give_back(names, producer_task, incarnation, slot, Names.path(held_name))
+
+
+def _give_back(names: Names, producer_task: str, incarnation: int, slot: int, path: str) -> None:
+    """Rename the pool slot file at ``path`` to its ``returned`` name, for its producer.
+
+    If the producer is no longer the live worker of that incarnation, nobody will take it
+    back: unlink it instead. A missing ``path`` (removed by close or gc meanwhile) is fine.
+    """
     ret = Names.path(names.returned(incarnation, slot))
     try:
-        os.rename(held, ret)
-    except OSError:
-        return  # removed by cleanup or gc meanwhile
+        _move_noreplace(path, ret)
+    except FileNotFoundError:
+        return  # removed by close or gc meanwhile
+    except OSError as e:
+        _log.warning("cannot give pool slot %s back (%s); unlinking it", path, e)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return
     try:
         info = read_presence(names, producer_task)
-        alive = info is not None and info.incarnation == incarnation and _flock_held(names, producer_task)
+        alive = (
+            info is not None
+            and info.incarnation == incarnation
+            and _flock_held(names, producer_task)
+        )
     except Exception:  # a corrupt or foreign record: treat as gone
         alive = False
     if not alive:
@@ -165,6 +234,9 @@ class ShmTransport:
         self._channels: dict[tuple[int, str], _Channel] = {}
         self._waiting: dict[tuple[int, str], _Channel] = {}
         self._aborted: dict[int, BaseException] = {}
+        # ``held`` names of pool slots whose arrays this consumer still has. Finalizers do not
+        # run at exit, so close() unlinks what is left (the mappings stay valid).
+        self._held: set[str] = set()
         self._allocations: dict[int, _Allocation] = {}
         self._peer_bells: dict[str, Bell] = {}
         self._counters = {
@@ -181,6 +253,10 @@ class ShmTransport:
             target=self._run, name=f"shmrdv-shm-dispatch {self._task}", daemon=True
         )
         self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __repr__(self) -> str:
         return f"<ShmTransport {self._task} pending={len(self._waiting)} closed={self._closed}>"
@@ -200,12 +276,17 @@ class ShmTransport:
             dt = np.dtype(dtype)
             shp = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         except (TypeError, ValueError) as e:
-            raise InvalidArgumentError(f"allocate({key.full_key!r}): bad shape {shape!r} or dtype {dtype!r}: {e}") from e
+            raise InvalidArgumentError(
+                f"allocate({key.full_key!r}): bad shape {shape!r} or dtype {dtype!r}: {e}"
+            ) from e
         if any(d < 0 for d in shp):
-            raise InvalidArgumentError(f"allocate({key.full_key!r}): negative dimension in shape {shp}")
+            raise InvalidArgumentError(
+                f"allocate({key.full_key!r}): negative dimension in shape {shp}"
+            )
         if dt.hasobject:
             raise InvalidArgumentError(
-                f"allocate({key.full_key!r}): dtype {dt} holds Python objects, which cannot be shared"
+                f"allocate({key.full_key!r}): dtype {dt} holds Python objects, "
+                "which cannot be shared"
             )
         header = layout.Header.build(
             key=key.full_key,
@@ -271,7 +352,7 @@ class ShmTransport:
                 )
                 np.copyto(dst, value, casting="no")
                 del dst
-            self._publish(step_id, key, header, seg)
+            name = self._publish(step_id, key, header, seg)
         except BaseException:
             if slot is not None:
                 self._pool.release(slot)
@@ -280,13 +361,18 @@ class ShmTransport:
                 seg.close()
             raise
         if slot is not None:
-            self._pool.lend(slot, key.full_key)
+            self._pool.lend(slot, key.full_key, name)
         else:
             seg.close()
         self._after_publish(key, header.nbytes)
 
     def _send_allocated(
-        self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool, alloc: _Allocation
+        self,
+        step_id: int,
+        key: ParsedKey,
+        value: npt.NDArray[Any],
+        is_dead: bool,
+        alloc: _Allocation,
     ) -> None:
         if alloc.sent:
             raise InvalidArgumentError(
@@ -295,37 +381,58 @@ class ShmTransport:
             )
         if alloc.key != key.full_key or alloc.step != step_id:
             raise InvalidArgumentError(
-                f"this array was allocated for key {alloc.key!r} in step {alloc.step} and cannot be "
-                f"sent under key {key.full_key!r} in step {step_id}"
+                f"this array was allocated for key {alloc.key!r} in step {alloc.step} and "
+                f"cannot be sent under key {key.full_key!r} in step {step_id}"
             )
         header = replace(alloc.header, is_dead=is_dead, created_ns=time.time_ns())
         with self._lock:
             if alloc.sent:
-                raise InvalidArgumentError(f"this array from allocate() was already sent (key {alloc.key!r})")
+                raise InvalidArgumentError(
+                    f"this array from allocate() was already sent (key {alloc.key!r})"
+                )
             alloc.sent = True
         try:
-            self._publish(step_id, key, header, alloc.segment)
+            name = self._publish(step_id, key, header, alloc.segment)
         except BaseException:
             alloc.sent = False
             raise
         # The memory is the consumer's from here on: stop the producer writing into it.
         value.flags.writeable = False
         if alloc.slot is not None:
-            self._pool.lend(alloc.slot, key.full_key)
+            self._pool.lend(alloc.slot, key.full_key, name)
         else:
             alloc.segment.close()
         self._counters["sent_zero_copy"] += 1
         self._after_publish(key, header.nbytes)
 
-    def _publish(self, step_id: int, key: ParsedKey, header: layout.Header, seg: Segment) -> None:
-        """Give the message its sequence number and its name, atomically (one rename)."""
+    def _publish(self, step_id: int, key: ParsedKey, header: layout.Header, seg: Segment) -> str:
+        """Give the message its sequence number and its name, atomically; return the name.
+
+        Raises ``InternalError`` if a file has that name already (planted by another user,
+        or left by an earlier run with the same incarnation): it is neither replaced nor
+        written into. That sequence number is skipped (the consumer skips it too: it
+        refuses the file, or reads the earlier run's message).
+        """
         k = (step_id, key.full_key)
         with self._publish_lock:
             seq = self._send_seq.get(k, 0)
             header = replace(header, seq=seq)
             layout.pack_into(seg.buf, header)
-            seg.rename(self._names.message(step_id, key.full_key, self._inc, seq))
+            name = self._names.message(step_id, key.full_key, self._inc, seq)
+            try:
+                _move_noreplace(seg.path, Names.path(name))
+            except FileExistsError as e:
+                self._send_seq[k] = seq + 1
+                raise InternalError(
+                    f"cannot publish key {key.full_key!r} (step {step_id}, message {seq}): {name} "
+                    "exists already — planted by another process, or an unreceived message of an "
+                    "earlier run with this incarnation; it was left untouched"
+                ) from e
+            except OSError as e:
+                raise InternalError(f"cannot publish key {key.full_key!r} as {name}: {e}") from e
+            seg.name = name
             self._send_seq[k] = seq + 1
+        return name
 
     def _after_publish(self, key: ParsedKey, nbytes: int) -> None:
         self._counters["sent"] += 1
@@ -341,7 +448,9 @@ class ShmTransport:
             try:
                 bell = Bell.open(self._names, task)
             except RendezvousError:
-                _log.warning("doorbell of %s refused (not ours); relying on the dispatcher tick", task)
+                _log.warning(
+                    "doorbell of %s refused (not ours); relying on the dispatcher tick", task
+                )
                 return None
             if bell is None:
                 return None  # consumer not started: it scans when it starts
@@ -362,6 +471,10 @@ class ShmTransport:
             result: Received | BaseException | None = None
             if not ch.waiters:
                 result = self._try_take(ch)
+                if result is None and not ch.seen_alive:
+                    # Note now whether the producer is alive (so that its death is noticed
+                    # even before the dispatcher's first look), or fail a stale incarnation.
+                    result = self._producer_failure(ch)
             if result is None:
                 waiter = _Waiter(done, copy, ch)
                 ch.waiters.append(waiter)
@@ -389,14 +502,23 @@ class ShmTransport:
     def _resolve_incarnation(self, ch: _Channel) -> bool:
         if ch.inc:
             return True
-        info = self._w.peer_watch(ch.key.src).info()
+        try:
+            info = self._w.peer_watch(ch.key.src).info()
+        except RendezvousError as e:  # a record that is not ours, or corrupt
+            _log.warning("presence record of %s: %s", _canonical_task(ch.key.src), e)
+            return False
         if info is None:
             return False
         ch.inc = info.incarnation
         return True
 
     def _try_take(self, ch: _Channel) -> Received | BaseException | None:
-        """Open the channel's next message if it is published (under the lock)."""
+        """Open the channel's next message if it is published (under the lock).
+
+        None: not published yet. An exception: that message cannot be used (a file another
+        user planted under its name, a corrupt header) and is skipped, or the process is
+        out of descriptors (the message stays for the next receive).
+        """
         if not self._resolve_incarnation(ch):
             return None
         name = ch.name(self._names)
@@ -404,35 +526,60 @@ class ShmTransport:
             seg = Segment.attach(self._names, name)
         except FileNotFoundError:
             return None
-        except RendezvousError as e:
-            ch.seq += 1
+        except InternalError as e:
+            ch.seq += 1  # refused (not ours) or unreadable: never read it, never wait for it
             return e
+        except RendezvousError as e:
+            return e  # out of descriptors: the message stays where it is
         try:
             header = layout.unpack(seg.buf, seg.size)
             if header.key != ch.key.full_key or header.seq != ch.seq or header.step_id != ch.step:
                 raise InternalError(
-                    f"segment {name} holds key {header.key!r} step {header.step_id} seq {header.seq}, "
-                    f"expected {ch.key.full_key!r} step {ch.step} seq {ch.seq}"
+                    f"segment {name} holds key {header.key!r} step {header.step_id} "
+                    f"seq {header.seq}, expected {ch.key.full_key!r} step {ch.step} seq {ch.seq}"
                 )
-            seg.check_size(header.segment_size)
+            arr = seg.ndarray(header)  # checks the file's size first
         except RendezvousError as e:
-            seg.unlink()
+            self._unlink_quietly(seg)
             seg.close()
             ch.seq += 1
             return e
         ch.seq += 1
-        if header.slot >= 0:
-            seg.rename(self._names.held(header.producer_incarnation, header.slot))
-            seg.on_release(
-                _return_slot, self._names, _canonical_task(ch.key.src), header.producer_incarnation, header.slot
-            )
+        held = (
+            self._names.held(header.producer_incarnation, header.slot) if header.slot >= 0 else None
+        )
+        if held is not None:
+            try:
+                # From here on the name says "a consumer holds it"; the memory goes back when
+                # the array is collected (``_return_slot``).
+                _move_noreplace(seg.path, Names.path(held))
+            except OSError as e:
+                _log.warning("cannot mark %s as held (%s); it will not return to its pool", name, e)
+                held = None
+        if held is None:
+            self._unlink_quietly(seg)
         else:
-            seg.unlink()
-        arr = seg.ndarray(header)
+            seg.name = held
+            self._held.add(held)
+            seg.on_release(
+                _return_slot,
+                self._names,
+                _canonical_task(ch.key.src),
+                header.producer_incarnation,
+                header.slot,
+                self._held,
+            )
         seg.close()
         self._counters["received"] += 1
         self._counters["received_bytes"] += header.nbytes
         return Received(arr, header.is_dead)
+
+    @staticmethod
+    def _unlink_quietly(seg: Segment) -> None:
+        try:
+            seg.unlink()
+        except RendezvousError as e:
+            _log.warning("%s", e)
 
     def _deliver(self, items: list[tuple[DoneCallback, bool, Received | BaseException]]) -> None:
         for done, copy, result in items:
@@ -456,9 +603,13 @@ class ShmTransport:
             if bell.wait(_TICK):
                 bell.drain()
             with self._lock:
-                if self._closed:
+                if self.closed:  # close() may have run while we waited
                     return
-                items = self._scan()
+                try:
+                    items = self._scan()
+                except Exception:  # pragma: no cover - keep the dispatcher alive whatever happens
+                    _log.exception("shm dispatcher of %s: scan failed", self._task)
+                    items = []
             if items:
                 self._deliver(items)
 
@@ -470,12 +621,18 @@ class ShmTransport:
         present: set[str] | None = None
         if len(channels) > _LISTDIR_ABOVE:
             try:
-                present = {e for e in os.listdir(Names.path("")) if e.startswith(self._names.prefix)}
+                present = {
+                    e for e in os.listdir(Names.path("")) if e.startswith(self._names.prefix)
+                }
             except OSError:
                 present = None
         for ch in channels:
             while ch.waiters:
-                if present is not None and self._resolve_incarnation(ch) and ch.name(self._names) not in present:
+                if (
+                    present is not None
+                    and self._resolve_incarnation(ch)
+                    and ch.name(self._names) not in present
+                ):
                     result = None
                 else:
                     result = self._try_take(ch)
@@ -487,6 +644,14 @@ class ShmTransport:
             if ch.waiters:
                 failure = self._producer_failure(ch)
                 if failure is not None:
+                    # What the producer published before it died is visible now: deliver it.
+                    while ch.waiters:
+                        result = self._try_take(ch)
+                        if result is None:
+                            break
+                        waiter = ch.waiters.popleft()
+                        waiter.channel = None
+                        out.append((waiter.done, waiter.copy, result))
                     while ch.waiters:
                         waiter = ch.waiters.popleft()
                         waiter.channel = None
@@ -498,15 +663,21 @@ class ShmTransport:
     def _producer_failure(self, ch: _Channel) -> BaseException | None:
         """Why the channel's producer can no longer send, or None while it may."""
         watch = self._w.peer_watch(ch.key.src)
-        state = watch.state()
-        info = watch.info()
         src = _canonical_task(ch.key.src)
+        try:
+            state = watch.state()
+            info = watch.info()
+        except RendezvousError as e:
+            return UnavailableError(
+                f"producer {src} of key {ch.key.full_key!r} cannot be trusted: {e}"
+            )
         if state == "alive" and info is not None:
             if ch.key.src_incarnation and info.incarnation != ch.key.src_incarnation:
                 return AbortedError(
-                    f"RecvTensor expects a different device incarnation: {ch.key.src_incarnation:016x} vs. "
-                    f"{info.incarnation:016x}. Your worker job (\"{src}\") was probably restarted "
-                    f"(now pid {info.pid}); key {ch.key.full_key!r}"
+                    "RecvTensor expects a different device incarnation: "
+                    f"{ch.key.src_incarnation:016x} vs. {info.incarnation:016x}. "
+                    f'Your worker job ("{src}") was probably restarted (now pid {info.pid}); '
+                    f"key {ch.key.full_key!r}"
                 )
             if not ch.key.src_incarnation and ch.inc and info.incarnation != ch.inc:
                 # Restarted producer and a key that does not pin an incarnation: follow the
@@ -567,9 +738,23 @@ class ShmTransport:
                 continue
             try:
                 header = layout.unpack(seg.buf, seg.size)
-                dst = _parse_dst(header.key)
-                if (step_id is None or header.step_id == step_id) and dst is not None and self._w._is_own_task(dst):
-                    seg.unlink()
+                src, dst = _parse_ends(header.key)
+                if (
+                    (step_id is None or header.step_id == step_id)
+                    and dst is not None
+                    and self._w._is_own_task(dst)
+                ):
+                    if header.slot >= 0 and src is not None:
+                        # A pool slot: hand it back to its producer rather than drop it.
+                        _give_back(
+                            self._names,
+                            _canonical_task(src),
+                            header.producer_incarnation,
+                            header.slot,
+                            seg.path,
+                        )
+                    else:
+                        seg.unlink()
                     freed += 1
             except RendezvousError:
                 pass
@@ -596,11 +781,33 @@ class ShmTransport:
             self._thread.join(timeout=5)
         self._deliver(items)
         self._pool.close()
+        self._unlink_held()
         self._bell.close()
         self._bell.unlink()
         for b in self._peer_bells.values():
             b.close()
         self._peer_bells.clear()
+
+    def _unlink_held(self) -> None:
+        """Unlink the ``held`` names of arrays this consumer still has (their mappings stay).
+
+        Without this they would outlive the process: the finalizers that give them back do
+        not run at exit. Their producers see the slots gone and forget them (``pool``).
+        """
+        while True:
+            try:
+                held = list(self._held)  # a finalizer may discard meanwhile
+                break
+            except RuntimeError:  # pragma: no cover - changed size during the copy
+                continue
+        for name in held:
+            self._held.discard(name)
+            try:
+                os.unlink(Names.path(name))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                _log.warning("cannot unlink held pool slot %s: %s", name, e)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -609,6 +816,7 @@ class ShmTransport:
             out["pending_receives"] = sum(len(ch.waiters) for ch in self._waiting.values())
             out["channels"] = len(self._channels)
             out["allocations"] = len(self._allocations)
+            out["held"] = len(self._held)
         out.update(self._pool.stats())
         return out
 
@@ -622,10 +830,11 @@ def _canonical_task(dev: DeviceName) -> str:
     return f"/job:{job}/replica:{replica}/task:{task}"
 
 
-def _parse_dst(full_key: str) -> DeviceName | None:
+def _parse_ends(full_key: str) -> tuple[DeviceName | None, DeviceName | None]:
     from .._keys import parse_key
 
     try:
-        return parse_key(full_key).dst
+        pk = parse_key(full_key)
     except RendezvousError:
-        return None
+        return None, None
+    return pk.src, pk.dst
