@@ -21,9 +21,7 @@ _log = logging.getLogger("shmrdv.callbacks")
 DoneCallback: TypeAlias = "Callable[[BaseException | None, Received | None], None]"
 
 
-def invoke_done(
-    done: DoneCallback, error: BaseException | None, received: Received | None
-) -> None:
+def invoke_done(done: DoneCallback, error: BaseException | None, received: Received | None) -> None:
     """Call ``done(error, received)``; log, never raise, what it raises.
 
     Callers must not hold any lock of theirs: the callback may call back into shmrdv.

@@ -34,7 +34,9 @@ class ChildError(Exception):
     """An exception raised in the child that could not be sent back as itself."""
 
 
-def _child_main(conn: multiprocessing.connection.Connection, task: str, kwargs: dict[str, Any]) -> None:
+def _child_main(
+    conn: multiprocessing.connection.Connection, task: str, kwargs: dict[str, Any]
+) -> None:
     import shmrdv
 
     try:
@@ -74,9 +76,9 @@ def _run(worker: Any, cmd: str, args: tuple[Any, ...]) -> Any:
         rdv.send(key, buf, is_dead=is_dead)
         return None
     if cmd == "recv":
-        step, key, timeout, copy = args
-        got = worker.rendezvous(step).recv(key, timeout=timeout, copy=True)
-        return got
+        step, key, timeout = args
+        # copy=True: the value is pickled back to the parent, the segment freed at once.
+        return worker.rendezvous(step).recv(key, timeout=timeout, copy=True)
     if cmd == "cleanup":
         worker.cleanup(args[0])
         return None
@@ -128,13 +130,15 @@ class ChildWorker:
         reply_timeout: float = _DEFAULT_REPLY_S,
         **worker_kwargs: Any,
     ) -> None:
-        ctx = mp.get_context(start_method)
+        ctx: Any = mp.get_context(start_method)
         self.task = task
         self._reply_timeout = reply_timeout
         self._lock = threading.Lock()
         parent, child = ctx.Pipe()
         self._conn = parent
-        self._proc = ctx.Process(target=_child_main, args=(child, task, worker_kwargs), name=f"shmrdv-child {task}")
+        self._proc = ctx.Process(
+            target=_child_main, args=(child, task, worker_kwargs), name=f"shmrdv-child {task}"
+        )
         self._proc.daemon = True
         self._proc.start()
         child.close()
@@ -157,7 +161,9 @@ class ChildWorker:
     def _reply(self, what: str, timeout: float | None = None) -> Any:
         t = self._reply_timeout if timeout is None else timeout
         if not self._conn.poll(t):
-            raise TimeoutError(f"child {self.task} (pid {self._proc.pid}) did not answer {what!r} within {t:g}s")
+            raise TimeoutError(
+                f"child {self.task} (pid {self._proc.pid}) did not answer {what!r} within {t:g}s"
+            )
         try:
             status, payload = self._conn.recv()
         except (EOFError, OSError) as e:
@@ -182,14 +188,16 @@ class ChildWorker:
         """``worker.rendezvous(step).send(key, value)`` in the child."""
         self._call("send", step, key, value, is_dead)
 
-    def send_allocated(self, key: str, value: npt.NDArray[Any], *, is_dead: bool = False, step: int = 0) -> None:
+    def send_allocated(
+        self, key: str, value: npt.NDArray[Any], *, is_dead: bool = False, step: int = 0
+    ) -> None:
         """``allocate`` a buffer in the child, copy ``value`` into it, and send the buffer."""
         self._call("send_allocated", step, key, value, is_dead)
 
     def recv(self, key: str, *, timeout: float | None = None, step: int = 0) -> Received:
         """``worker.rendezvous(step).recv(key, timeout=...)`` in the child; the value comes back by pickle."""
         wait = None if timeout is None else timeout + self._reply_timeout
-        result: Received = self._call("recv", step, key, timeout, True, timeout=wait)
+        result: Received = self._call("recv", step, key, timeout, timeout=wait)
         return result
 
     def cleanup(self, step: int) -> None:

@@ -44,7 +44,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if not objs:
         print("no shmrdv objects in /dev/shm")
         return 0
-    print(f"{'kind':9} {'namespace':27} {'step':>6} {'size':>10} {'pid':>8} {'alive':5} {'age':>8}  task/key")
+    print(
+        f"{'kind':9} {'namespace':27} {'step':>6} {'size':>10} {'pid':>8} {'alive':5} {'age':>8}  task/key"
+    )
     for o in objs:
         step = "" if o.step_id is None else str(o.step_id)
         pid = "" if o.owner_pid is None else str(o.owner_pid)
@@ -65,7 +67,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     for o in removed:
         print(f"{verb} {o.kind} {o.name} ({_fmt_size(o.size)})")
     total = sum(o.size for o in removed)
-    print(f"{verb} {len(removed)} object(s), {_fmt_size(total)}; objects of live namespaces untouched")
+    print(
+        f"{verb} {len(removed)} object(s), {_fmt_size(total)}; objects of live namespaces untouched"
+    )
     return 0
 
 
@@ -90,8 +94,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     token = os.environ.get("SHMRDV_TOKEN") or None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with Worker(task, cluster=cluster, namespace=args.namespace, transports=("grpc", "shm"), token=token) as w:
-        print(f"serving {w.task} on {w.address} (incarnation {w.incarnation:016x}); Ctrl-C stops", flush=True)
+    with Worker(
+        task, cluster=cluster, namespace=args.namespace, transports=("grpc", "shm"), token=token
+    ) as w:
+        print(
+            f"serving {w.task} on {w.address} (incarnation {w.incarnation:016x}); Ctrl-C stops",
+            flush=True,
+        )
         try:
             while not stop.wait(1.0):
                 pass
@@ -119,7 +128,9 @@ def _run_bench(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from ._demo import build_parser
 
-    p = sub.add_parser("demo", help="run a multi-process pipeline over shmrdv and compare with mp.Queue")
+    p = sub.add_parser(
+        "demo", help="run a multi-process pipeline over shmrdv and compare with mp.Queue"
+    )
     build_parser(p)
     p.set_defaults(func=_run_demo)
 
@@ -141,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
 
-    p = sub.add_parser("ls", help="list shmrdv objects in /dev/shm (kind, namespace, step, size, owner, alive, age)")
+    p = sub.add_parser(
+        "ls",
+        help="list shmrdv objects in /dev/shm (kind, namespace, step, size, owner, alive, age)",
+    )
     p.add_argument("--namespace", help="only this namespace")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_ls)
@@ -151,13 +165,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     p.set_defaults(func=_cmd_gc)
 
-    p = sub.add_parser("serve", help="run a Worker for one task of a cluster (manual cross-host use)")
-    p.add_argument("--task", help="task name, e.g. /job:worker/replica:0/task:0 (default: TF_CONFIG's)")
-    p.add_argument("--cluster", help='cluster spec as JSON, e.g. \'{"worker": ["hostA:2222", "hostB:2222"]}\' (default: TF_CONFIG)')
+    p = sub.add_parser(
+        "serve", help="run a Worker for one task of a cluster (manual cross-host use)"
+    )
+    p.add_argument(
+        "--task", help="task name, e.g. /job:worker/replica:0/task:0 (default: TF_CONFIG's)"
+    )
+    p.add_argument(
+        "--cluster",
+        help='cluster spec as JSON, e.g. \'{"worker": ["hostA:2222", "hostB:2222"]}\' (default: TF_CONFIG)',
+    )
     p.add_argument("--namespace", help="namespace token (default: $SHMRDV_NAMESPACE)")
     p.set_defaults(func=_cmd_serve)
 
-    p = sub.add_parser("namespace", help="print a fresh namespace token (export SHMRDV_NAMESPACE=...)")
+    p = sub.add_parser(
+        "namespace", help="print a fresh namespace token (export SHMRDV_NAMESPACE=...)"
+    )
     p.set_defaults(func=_cmd_namespace)
     return parser
 

@@ -53,7 +53,9 @@ def _transports(role_group: str, hosts: int) -> tuple[str, ...] | None:
     return None
 
 
-def _producer(ns: str, frames: int, shape: tuple[int, int], stages: int, hosts: int, barrier: Any) -> None:
+def _producer(
+    ns: str, frames: int, shape: tuple[int, int], stages: int, hosts: int, barrier: Any
+) -> None:
     import shmrdv
 
     with shmrdv.Worker(_dev(0), namespace=ns, transports=_transports("A", hosts)) as w:
@@ -69,7 +71,9 @@ def _producer(ns: str, frames: int, shape: tuple[int, int], stages: int, hosts: 
         barrier.wait(600)  # stay up until every frame has been taken (gRPC pulls from us)
 
 
-def _stage(ns: str, frames: int, shape: tuple[int, int], stages: int, hosts: int, s: int, barrier: Any) -> None:
+def _stage(
+    ns: str, frames: int, shape: tuple[int, int], stages: int, hosts: int, s: int, barrier: Any
+) -> None:
     import shmrdv
 
     me, sink = 1 + s, 1 + stages
@@ -149,7 +153,9 @@ def _q_sink(frames: int, stages: int, qs: list[Any], progress: Any, barrier: Any
 # -- the driver ----------------------------------------------------------------------------
 
 
-def _run_procs(procs: list[Any], progress: Any, frames: int, nbytes: int, label: str, live: bool) -> tuple[float, int]:
+def _run_procs(
+    procs: list[Any], progress: Any, frames: int, nbytes: int, label: str, live: bool
+) -> tuple[float, int]:
     for p in procs:
         p.start()
     result: tuple[float, int] | None = None
@@ -163,7 +169,9 @@ def _run_procs(procs: list[Any], progress: Any, frames: int, nbytes: int, label:
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"{label}: process {dead[0].name} failed (exit code {dead[0].exitcode})") from None
+                    raise RuntimeError(
+                        f"{label}: process {dead[0].name} failed (exit code {dead[0].exitcode})"
+                    ) from None
                 continue
             if msg[0] == "progress" and live:
                 _, n, dt = msg
@@ -192,16 +200,30 @@ def _run_procs(procs: list[Any], progress: Any, frames: int, nbytes: int, label:
 
 def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=int, default=400, help="frames to push through (default 400)")
-    p.add_argument("--size", default="4m", help="frame size, e.g. 64k, 4m (default 4m float32 images)")
     p.add_argument(
-        "--stages", type=int, default=len(os.sched_getaffinity(0)), help="transform processes (default: cores available)"
+        "--size", default="4m", help="frame size, e.g. 64k, 4m (default 4m float32 images)"
     )
-    p.add_argument("--hosts", type=int, choices=(1, 2), default=1, help="2: producer reachable only through gRPC (loopback)")
-    p.add_argument("--no-baseline", action="store_true", help="skip the multiprocessing.Queue comparison")
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="transform processes (default: cores available)",
+    )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: producer reachable only through gRPC (loopback)",
+    )
+    p.add_argument(
+        "--no-baseline", action="store_true", help="skip the multiprocessing.Queue comparison"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     import shmrdv
+
     from ._shm.registry import collect
 
     if args.frames < 1 or args.stages < 1:
@@ -227,15 +249,29 @@ def run(args: argparse.Namespace) -> int:
     try:
         progress = ctx.Queue()
         barrier = ctx.Barrier(stages + 2)
-        procs = [ctx.Process(target=_producer, args=(ns, frames, shape, stages, args.hosts, barrier), name="producer")]
+        procs = [
+            ctx.Process(
+                target=_producer,
+                args=(ns, frames, shape, stages, args.hosts, barrier),
+                name="producer",
+            )
+        ]
         procs += [
-            ctx.Process(target=_stage, args=(ns, frames, shape, stages, args.hosts, s, barrier), name=f"stage{s}")
+            ctx.Process(
+                target=_stage,
+                args=(ns, frames, shape, stages, args.hosts, s, barrier),
+                name=f"stage{s}",
+            )
             for s in range(stages)
         ]
-        procs.append(ctx.Process(target=_sink, args=(ns, frames, stages, progress, barrier), name="sink"))
+        procs.append(
+            ctx.Process(target=_sink, args=(ns, frames, stages, progress, barrier), name="sink")
+        )
         dt, bad = _run_procs(procs, progress, frames, nbytes, "shmrdv", sys.stderr.isatty() or True)
         rate = frames / dt
-        print(f"shmrdv:                 {frames} frames in {dt:6.2f} s = {rate:8.1f} frames/s, {rate * nbytes / 1e9:6.2f} GB/s, {bad} bad")
+        print(
+            f"shmrdv:                 {frames} frames in {dt:6.2f} s = {rate:8.1f} frames/s, {rate * nbytes / 1e9:6.2f} GB/s, {bad} bad"
+        )
         if bad:
             status = 1
         if not args.no_baseline:
@@ -243,20 +279,39 @@ def run(args: argparse.Namespace) -> int:
             qs_out = [ctx.Queue(maxsize=4) for _ in range(stages)]
             qbarrier = ctx.Barrier(stages + 2)
             qprog = ctx.Queue()
-            qprocs = [ctx.Process(target=_q_producer, args=(frames, shape, qs_in, qbarrier), name="q-producer")]
+            qprocs = [
+                ctx.Process(
+                    target=_q_producer, args=(frames, shape, qs_in, qbarrier), name="q-producer"
+                )
+            ]
             qprocs += [
-                ctx.Process(target=_q_stage, args=(frames, s, stages, qs_in[s], qs_out[s], qbarrier), name=f"q-stage{s}")
+                ctx.Process(
+                    target=_q_stage,
+                    args=(frames, s, stages, qs_in[s], qs_out[s], qbarrier),
+                    name=f"q-stage{s}",
+                )
                 for s in range(stages)
             ]
-            qprocs.append(ctx.Process(target=_q_sink, args=(frames, stages, qs_out, qprog, qbarrier), name="q-sink"))
+            qprocs.append(
+                ctx.Process(
+                    target=_q_sink, args=(frames, stages, qs_out, qprog, qbarrier), name="q-sink"
+                )
+            )
             qdt, qbad = _run_procs(qprocs, qprog, frames, nbytes, "multiprocessing.Queue", False)
             qrate = frames / qdt
-            print(f"multiprocessing.Queue:  {frames} frames in {qdt:6.2f} s = {qrate:8.1f} frames/s, {qrate * nbytes / 1e9:6.2f} GB/s, {qbad} bad")
-            print(f"shmrdv is {qdt / dt:.1f}x the throughput of multiprocessing.Queue on this pipeline")
+            print(
+                f"multiprocessing.Queue:  {frames} frames in {qdt:6.2f} s = {qrate:8.1f} frames/s, {qrate * nbytes / 1e9:6.2f} GB/s, {qbad} bad"
+            )
+            print(
+                f"shmrdv is {qdt / dt:.1f}x the throughput of multiprocessing.Queue on this pipeline"
+            )
             if qbad:
                 status = 1
     finally:
         left = collect(ns)
         if left:
-            print(f"shmrdv demo: collected {len(left)} leftover object(s) of the demo's namespace", file=sys.stderr)
+            print(
+                f"shmrdv demo: collected {len(left)} leftover object(s) of the demo's namespace",
+                file=sys.stderr,
+            )
     return status

@@ -58,7 +58,9 @@ def check_timeout(timeout: float | None) -> float | None:
     try:
         t = float(timeout)
     except (TypeError, ValueError):
-        raise InvalidArgumentError(f"timeout must be a number of seconds or None, not {timeout!r}") from None
+        raise InvalidArgumentError(
+            f"timeout must be a number of seconds or None, not {timeout!r}"
+        ) from None
     if not t >= 0 or t == float("inf"):
         raise InvalidArgumentError(f"timeout must be finite and >= 0 seconds, not {timeout!r}")
     return t
@@ -108,7 +110,9 @@ class _RecvFuture(concurrent.futures.Future[Received]):
         return super().cancel()
 
 
-def _settle(fut: asyncio.Future[Received], error: BaseException | None, received: Received | None) -> None:
+def _settle(
+    fut: asyncio.Future[Received], error: BaseException | None, received: Received | None
+) -> None:
     if fut.done():  # pragma: no cover - we never cancel this future ourselves
         return
     if error is not None:
@@ -156,7 +160,9 @@ class Rendezvous(abc.ABC):
         try:
             return np.empty(shape, dtype=dtype)
         except (TypeError, ValueError) as e:
-            raise InvalidArgumentError(f"cannot allocate shape={shape!r} dtype={dtype!r}: {e}") from e
+            raise InvalidArgumentError(
+                f"cannot allocate shape={shape!r} dtype={dtype!r}: {e}"
+            ) from e
 
     # -- receive flavours, built once on _start_recv -----------------------------------
 
@@ -197,13 +203,18 @@ class Rendezvous(abc.ABC):
         except BaseException:
             # Interrupted (Ctrl-C): remove the waiter so it cannot swallow a later send.
             if not slot.event.is_set() and not cancel():
-                _log.warning("recv of %r interrupted just as its value arrived; the value is dropped", pk.full_key)
+                _log.warning(
+                    "recv of %r interrupted just as its value arrived; the value is dropped",
+                    pk.full_key,
+                )
             raise
         if not arrived:
             raise _timeout_error(pk, t)
         return slot.result()
 
-    def recv_future(self, key: str | ParsedKey, *, copy: bool = False) -> concurrent.futures.Future[Received]:
+    def recv_future(
+        self, key: str | ParsedKey, *, copy: bool = False
+    ) -> concurrent.futures.Future[Received]:
         """A ``concurrent.futures.Future`` of the next value of ``key``.
 
         ``cancel()`` removes the waiter and returns ``True``, or returns ``False`` when the
@@ -251,7 +262,6 @@ class Rendezvous(abc.ABC):
             if task is not None and hasattr(task, "uncancel"):
                 task.uncancel()
             return await afut
-        if not finished:
-            if cancel():
-                raise _timeout_error(pk, t)
+        if not finished and cancel():
+            raise _timeout_error(pk, t)
         return await afut

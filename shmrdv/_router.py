@@ -77,7 +77,7 @@ class StepRendezvous(Rendezvous):
         if pk.src_incarnation not in (0, w.incarnation):
             raise AbortedError(
                 f"RecvTensor expects a different device incarnation: {pk.src_incarnation:016x} vs. "
-                f"{w.incarnation:016x}. Your worker job (\"{w.task}\") was probably restarted; "
+                f'{w.incarnation:016x}. Your worker job ("{w.task}") was probably restarted; '
                 f"key {pk.full_key!r}"
             )
         return True

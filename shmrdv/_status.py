@@ -55,7 +55,7 @@ _ERROR_OF.update(
 def code_for_error(error: BaseException) -> grpc.StatusCode:
     """The status code a server answers for ``error``; unknown exceptions are ``INTERNAL``."""
     for cls in type(error).__mro__:
-        code = _CODE_OF.get(cls)  # type: ignore[call-overload]
+        code = _CODE_OF.get(cls)
         if code is not None:
             return code
     if isinstance(error, TimeoutError):

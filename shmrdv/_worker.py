@@ -105,26 +105,42 @@ class Worker:
         self._task = _task_of(task)
         self.task: str = str(self._task)
         self.cluster: ClusterSpec | None = (
-            None if cluster is None else cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
+            None
+            if cluster is None
+            else cluster
+            if isinstance(cluster, ClusterSpec)
+            else ClusterSpec(cluster)
         )
         self.namespace: str = resolve_namespace(namespace)
         explicit = transports is not None
         names = tuple(transports) if transports is not None else _TRANSPORTS
         if isinstance(transports, str):
-            raise InvalidArgumentError(f"transports must be a list like ('shm', 'grpc'), not the string {transports!r}")
+            raise InvalidArgumentError(
+                f"transports must be a list like ('shm', 'grpc'), not the string {transports!r}"
+            )
         bad = [t for t in names if t not in _TRANSPORTS]
         if bad or len(set(names)) != len(names):
-            raise InvalidArgumentError(f"transports must be distinct names among {_TRANSPORTS}, not {names!r}")
+            raise InvalidArgumentError(
+                f"transports must be distinct names among {_TRANSPORTS}, not {names!r}"
+            )
         self.transports: tuple[str, ...] = names
         if incarnation is None:
             incarnation = 0
             while incarnation == 0:
                 incarnation = secrets.randbits(64)
-        if isinstance(incarnation, bool) or not isinstance(incarnation, int) or not 0 < incarnation < 2**64:
-            raise InvalidArgumentError(f"incarnation must be a non-zero uint64, not {incarnation!r}")
+        if (
+            isinstance(incarnation, bool)
+            or not isinstance(incarnation, int)
+            or not 0 < incarnation < 2**64
+        ):
+            raise InvalidArgumentError(
+                f"incarnation must be a non-zero uint64, not {incarnation!r}"
+            )
         self.incarnation: int = incarnation
         if not isinstance(shm_pool_bytes, int) or shm_pool_bytes < 0:
-            raise InvalidArgumentError(f"shm_pool_bytes must be an int >= 0, not {shm_pool_bytes!r}")
+            raise InvalidArgumentError(
+                f"shm_pool_bytes must be an int >= 0, not {shm_pool_bytes!r}"
+            )
         self._tls = tls
         self._token = token
         self._shm_pool_bytes = shm_pool_bytes
@@ -154,9 +170,14 @@ class Worker:
         from ._shm.presence import Presence, PresenceInfo, boot_id
 
         self._names = Names(self.namespace)
-        start_server = "grpc" in self.transports and (
-            (explicit_transports and self.transports[0] == "grpc") or self._cluster_has_remote_task()
-        ) or (explicit_transports and "shm" not in self.transports)
+        start_server = (
+            ("grpc" in self.transports
+            and (
+                (explicit_transports and self.transports[0] == "grpc")
+                or self._cluster_has_remote_task()
+            ))
+            or (explicit_transports and "shm" not in self.transports)
+        )
         if start_server:
             from ._rpc.transport import GrpcTransport
 
@@ -308,7 +329,11 @@ class Worker:
 
     @staticmethod
     def _check_step(step_id: int) -> int:
-        if isinstance(step_id, bool) or not isinstance(step_id, int) or not -(2**63) <= step_id < 2**63:
+        if (
+            isinstance(step_id, bool)
+            or not isinstance(step_id, int)
+            or not -(2**63) <= step_id < 2**63
+        ):
             raise InvalidArgumentError(f"step_id must be an int64, not {step_id!r}")
         return step_id
 
@@ -414,4 +439,6 @@ class Worker:
         if info is not None and info.address:
             return info.address
         what = f" for key {pk.full_key!r}" if pk is not None else ""
-        raise UnavailableError(f"no address known for task {t}{what}: not in the cluster spec and not running here")
+        raise UnavailableError(
+            f"no address known for task {t}{what}: not in the cluster spec and not running here"
+        )

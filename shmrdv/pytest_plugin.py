@@ -51,7 +51,9 @@ def child_pids() -> set[int]:
     return out
 
 
-def wait_clean(before_objects: set[str], before_children: set[int], grace: float = 3.0) -> tuple[set[str], set[int]]:
+def wait_clean(
+    before_objects: set[str], before_children: set[int], grace: float = 3.0
+) -> tuple[set[str], set[int]]:
     """Wait up to ``grace`` seconds for new objects and children to go; return what is left."""
     deadline = time.monotonic() + grace
     while True:
@@ -112,7 +114,9 @@ def shmrdv_session_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     objs, _ = wait_clean(before, child_pids())
     if objs:
         _remove(_dead_leftovers(objs))
-        pytest.fail(f"shmrdv leak check: the session left in {SHM_DIR}: {sorted(objs)[:20]}", pytrace=False)
+        pytest.fail(
+            f"shmrdv leak check: the session left in {SHM_DIR}: {sorted(objs)[:20]}", pytrace=False
+        )
 
 
 @pytest.fixture(autouse=True)

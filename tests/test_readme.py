@@ -22,7 +22,12 @@ def _quickstart_commands() -> list[str]:
     m = re.search(r"^## Quickstart\s*$(.*?)(?=^## )", README, re.S | re.M)
     assert m, "README has no '## Quickstart' section"
     blocks = re.findall(r"```[a-z]*\n(.*?)```", m.group(1), re.S)
-    return [line.strip() for b in blocks for line in b.splitlines() if line.strip() and not line.startswith("#")]
+    return [
+        line.strip()
+        for b in blocks
+        for line in b.splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
 
 
 def test_readme_quickstart_has_exactly_two_commands() -> None:
@@ -49,6 +54,11 @@ def test_readme_example_runs(index: int, tmp_path: Path) -> None:
     env = dict(os.environ)
     env.pop("SHMRDV_NAMESPACE", None)
     proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
     )
     assert proc.returncode == 0, f"example {index} failed:\n{proc.stdout}\n{proc.stderr}"

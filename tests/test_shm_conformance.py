@@ -27,7 +27,10 @@ _steps = itertools.count(1)
 @pytest.fixture(scope="module")
 def workers() -> Iterator[tuple[ChildWorker, shmrdv.Worker]]:
     ns = shmrdv.new_namespace()
-    with shmrdv.Worker(CONSUMER, namespace=ns) as consumer, ChildWorker(PRODUCER, namespace=ns) as producer:
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        ChildWorker(PRODUCER, namespace=ns) as producer,
+    ):
         yield producer, consumer
         for step in range(1, next(_steps)):
             consumer.cleanup(step)

@@ -48,7 +48,9 @@ class GrpcTransport:
 
     name = "grpc"
 
-    def __init__(self, worker: Worker, bind: str | None, *, tls: TLSConfig | None, token: str | None) -> None:
+    def __init__(
+        self, worker: Worker, bind: str | None, *, tls: TLSConfig | None, token: str | None
+    ) -> None:
         self._w = worker
         self.task: str = worker.task
         self.incarnation: int = worker.incarnation
@@ -88,7 +90,9 @@ class GrpcTransport:
         try:
             arr: npt.NDArray[Any] = np.empty(shape, dtype=dtype)
         except (TypeError, ValueError) as e:
-            raise InvalidArgumentError(f"allocate({key.full_key!r}): bad shape {shape!r} or dtype {dtype!r}: {e}") from e
+            raise InvalidArgumentError(
+                f"allocate({key.full_key!r}): bad shape {shape!r} or dtype {dtype!r}: {e}"
+            ) from e
         with self._lock:
             self._owned[id(arr)] = weakref.ref(arr)
         weakref.finalize(arr, self._owned.pop, id(arr), None)
@@ -111,7 +115,9 @@ class GrpcTransport:
     # TensorSource, called by the server for every RecvTensor.
     def serve_recv(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
         if self._w.is_cleaned_up(step_id):
-            raise AbortedError(f"Cleanup {step_id}: step {step_id} of {self.task} was already cleaned up")
+            raise AbortedError(
+                f"Cleanup {step_id}: step {step_id} of {self.task} was already cleaned up"
+            )
         return self._outbox(step_id)._start_recv(key, done, False)
 
     def requeue(self, step_id: int, key: ParsedKey, received: Received) -> None:
