@@ -239,8 +239,9 @@ class MethodSpec:
 
     ``available()`` runs in the runner: ``None`` if the method can run, else why it is
     skipped. ``make_shared(mp_context)`` (runner, optional) returns objects handed to
-    both roles at spawn. ``sweep(shared)`` (runner, optional) removes leftovers after
-    the method's processes are gone. ``fixed_nbytes``: the method runs at that one size
+    both roles at spawn. ``sweep(prefix, shared)`` (runner, optional) removes leftovers
+    after the method's processes are gone; the runner then unlinks whatever is left
+    under ``prefix``. ``fixed_nbytes``: the method runs at that one size
     only, whatever the sizes asked (a floor reported on its own). ``idle_cpu``: the
     ponger blocks in its receive, so its idle CPU share can be measured.
     """
@@ -251,7 +252,7 @@ class MethodSpec:
     ponger: Callable[[RoleContext], Ponger] | None = None
     available: Callable[[], str | None] = _always
     make_shared: Callable[[BaseContext], dict[str, Any]] | None = None
-    sweep: Callable[[Mapping[str, Any]], None] | None = None
+    sweep: Callable[[str, Mapping[str, Any]], None] | None = None
     idle_cpu: bool = True
     fixed_nbytes: int | None = None
     group: str = "peer"  # "floor", "shmrdv" or "peer": the report's row order
@@ -456,6 +457,24 @@ class _ShmPerMsgPonger(PullPonger):
 
     def close(self) -> None:
         self.release()
+
+
+def _shm_per_msg_sweep(prefix: str, shared: Mapping[str, Any]) -> None:
+    """Unlink segments a killed role left, and drop them from the runner's tracker.
+
+    Runs in the runner, whose resource tracker the roles share: without the
+    unregister, the tracker would try to unlink them again at exit and warn.
+    """
+    from multiprocessing import resource_tracker
+
+    stem = prefix + "m"
+    for entry in os.listdir("/dev/shm"):
+        if entry.startswith(stem) and entry[len(stem) :].isdigit():
+            try:
+                os.unlink(os.path.join("/dev/shm", entry))
+            except OSError:
+                continue
+            resource_tracker.unregister("/" + entry, "shared_memory")
 
 
 def shm_per_msg_pinger(ctx: RoleContext) -> Pinger:
@@ -857,6 +876,7 @@ for _spec in (
         "new multiprocessing.shared_memory segment per message, name over a Pipe, view",
         shm_per_msg_pinger,
         shm_per_msg_ponger,
+        sweep=_shm_per_msg_sweep,
         receiver_array="writable view (segment unlinked after use)",
     ),
     MethodSpec(

@@ -326,7 +326,10 @@ def format_markdown(run: BenchRun) -> str:
     rows = []
     for m in ordered:
         idle = "" if m.idle_cpu_percent is None else f"{m.idle_cpu_percent:.2f} %"
-        status = m.status if m.reason is None else f"{m.status}: {m.reason.splitlines()[-1][:160]}"
+        status = m.status
+        if m.reason:
+            why = m.reason.strip().splitlines()
+            status += f": {why[0][:120]}" + (f" {why[-1][:120]}" if len(why) > 1 else "")
         rows.append([m.name, m.label, m.receiver_array, idle, status])
     lines += _table(
         ["method", "what", "receiver's array", "idle CPU (blocked receive)", "status"], rows

@@ -334,6 +334,7 @@ class _Roles:
         self, spec: MethodSpec, mpctx: SpawnContext, env: dict[str, Any], cpus: list[int | None]
     ) -> None:
         self.spec = spec
+        self.env = env
         self.stopping = False
         self.procs: list[SpawnProcess] = []
         self.shared: dict[str, Any] = spec.make_shared(mpctx) if spec.make_shared else {}
@@ -427,7 +428,7 @@ class _Roles:
                     self.pinger.join(5)
                     raise _RoleFailed(f"pinger died ({self._exit(self.pinger)})") from None
                 if msg[0] == "error":
-                    raise _RoleFailed(f"pinger failed:\n{msg[2]}")
+                    raise _RoleFailed(f"pinger failed{self._ponger_note()}:\n{msg[2]}")
                 return tuple(msg)
             if self.pinger.sentinel in ready:
                 raise _RoleFailed(f"pinger died ({self._exit(self.pinger)})")
@@ -437,6 +438,15 @@ class _Roles:
                     continue  # read its last words first
                 if not self.stopping or self.ponger.exitcode != 0:
                     raise _RoleFailed(f"ponger died ({self._exit(self.ponger)})")
+
+    def _ponger_note(self) -> str:
+        """Why the pinger's error may be the ponger's fault."""
+        if self.ponger is None:
+            return ""
+        self.ponger.join(0.5)
+        if self.ponger.exitcode is None or self.ponger.exitcode == 0:
+            return ""
+        return f" (the ponger had died first: {self._exit(self.ponger)})"
 
     def expect(self, kind: str, timeout: float) -> tuple[Any, ...]:
         msg = self.next(timeout)
@@ -465,7 +475,7 @@ class _Roles:
                 obj.close()
                 obj.join_thread()
         if self.spec.sweep is not None:
-            self.spec.sweep(self.shared)
+            self.spec.sweep(self.env["prefix"], self.shared)
 
 
 def _plan(nbytes: int, opts: _Options) -> dict[str, Any]:
@@ -540,10 +550,14 @@ def _run_method(
         roles.expect("bye", 60.0)
         ok = True
         result.status = "ok"
+    except KeyboardInterrupt:
+        result.status = "interrupted"
+        raise
     except _RoleFailed as e:
         result.status = "failed"
         result.reason = str(e)
-        progress.line(f"{spec.name}: FAILED: {str(e).strip().splitlines()[-1]}")
+        lines = str(e).strip().splitlines()
+        progress.line(f"{spec.name}: FAILED: {lines[0]} {lines[-1] if len(lines) > 1 else ''}")
     finally:
         roles.reap(30.0 if ok else 0.0)
 
