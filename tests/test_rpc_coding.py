@@ -418,6 +418,14 @@ def test_decode_response_huge_declared_shape_refused_without_allocating(dtype: i
     assert peak < 1 << 20
 
 
+def test_decode_response_dt_string_huge_declared_width_refused() -> None:
+    t = tensor_pb2.TensorProto(dtype=7, tensor_content=b"\x00" * 64, shmrdv_dtype="|S2147483647")
+    t.tensor_shape.dim.add(size=64)
+    data = worker_pb2.RecvTensorResponse(tensor=t).SerializeToString()
+    with pytest.raises(InvalidArgumentError, match="exceed this host's memory"):
+        coding.decode_response(data)
+
+
 # ----------------------------------------------------------------------- requests
 
 

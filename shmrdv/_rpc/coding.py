@@ -47,7 +47,8 @@ place.
 Errors: bytes that do not parse, or that describe an impossible tensor, raise
 ``InvalidArgumentError`` (TensorFlow: ``InvalidArgument("Cannot parse tensor from
 response")``); values that cannot be sent raise ``InvalidArgumentError``; a response
-beyond protobuf's 2 GiB ceiling raises ``ResourceExhaustedError``; misuse of a
+beyond protobuf's 2 GiB ceiling, or a buffer that cannot be allocated, raises
+``ResourceExhaustedError``; misuse of a
 ``StreamAssembler`` by its caller raises ``InternalError``. Nothing else escapes the
 decoders, whatever the input, and no declared length is allocated before it is checked
 against the bytes present (or, for streams, against ``max_bytes``).
@@ -141,6 +142,7 @@ _MAX_DESCRIPTOR_CHARS: Final = 1 << 16
 # Nesting limit for skipped groups; protobuf's default recursion limit is 100.
 _MAX_DEPTH: Final = 64
 _U64: Final = (1 << 64) - 1
+_DEFAULT_MAX_BYTES_FALLBACK: Final = 1 << 40
 _I64_MIN: Final = -(1 << 63)
 _I64_MAX: Final = (1 << 63) - 1
 
@@ -207,6 +209,18 @@ _NUMPY_OF_TF.update(
 )
 
 _Buffer = bytes | bytearray | memoryview
+
+
+def _default_max_bytes() -> int:
+    """This host's physical memory: a larger tensor could not be received anyway."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return _DEFAULT_MAX_BYTES_FALLBACK
+
+
+# No decoded array may be larger than this, whatever a peer declares.
+_MAX_DECODED_BYTES: Final = _default_max_bytes()
 
 
 class _Malformed(Exception):
@@ -734,7 +748,13 @@ def _decode_strings(
     width = dtype.itemsize if dtype.itemsize else max(lengths, default=1) or 1
     if lengths and max(lengths) > width:
         raise _Malformed(f"a DT_STRING element of {max(lengths)} bytes does not fit {dtype}")
-    out = np.zeros(n, np.dtype(f"S{width}"))
+    if n * width > _MAX_DECODED_BYTES:
+        # The declared width, not the content, sets this size: bound it before allocating.
+        raise _Malformed(f"{n} strings of width {width} exceed this host's memory")
+    try:
+        out = np.zeros(n, np.dtype(f"S{width}"))
+    except MemoryError as e:
+        raise ResourceExhaustedError(f"cannot allocate {n} strings of width {width}") from e
     for i, length in enumerate(lengths):
         out[i] = bytes(buf[pos : pos + length])
         pos += length
@@ -764,7 +784,18 @@ def _tensor_value(buf: _Buffer, acc: _TensorAcc, is_dead: bool) -> npt.NDArray[A
         value = _empty(shape, wire)
     else:
         value = np.frombuffer(buf, wire, _count(shape), start).reshape(shape)
-    return value.astype(dtype) if wire != dtype else value
+    return _to_dtype(value, dtype)
+
+
+def _to_dtype(value: npt.NDArray[Any], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """``value`` (in the little-endian wire dtype) as ``dtype``: a byte swap, or nothing."""
+    if value.dtype == dtype:
+        return value
+    try:
+        converted: npt.NDArray[Any] = value.astype(dtype)
+    except (TypeError, ValueError) as e:
+        raise _Malformed(f"cannot convert the received {value.dtype} to {dtype}: {e}") from e
+    return converted
 
 
 def decode_response(data: _Buffer) -> DecodedTensor:
@@ -951,14 +982,6 @@ def decode_status_response(data: _Buffer) -> tuple[DeviceAttributes, ...]:
 # ---------------------------------------------------------------------- streaming
 
 
-def _default_max_bytes() -> int:
-    """This host's physical memory: a larger tensor could not be received anyway."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-Linux
-        return 1 << 40
-
-
 def encode_stream(
     value: npt.NDArray[Any],
     *,
@@ -1027,7 +1050,7 @@ class StreamAssembler:
     )
 
     def __init__(self, *, max_bytes: int | None = None) -> None:
-        self._max_bytes = _default_max_bytes() if max_bytes is None else max_bytes
+        self._max_bytes = _MAX_DECODED_BYTES if max_bytes is None else max_bytes
         self._buffer: npt.NDArray[np.uint8] | None = None
         self._dtype = np.dtype(np.uint8)
         self._shape: tuple[int, ...] = ()
@@ -1165,5 +1188,8 @@ class StreamAssembler:
         dtype, shape = self._dtype, self._shape
         wire = _wire_dtype(dtype)
         value = _empty(shape, wire) if self._total == 0 else self._buffer.view(wire).reshape(shape)
-        self._result = value.astype(dtype) if wire != dtype else value
+        try:
+            self._result = _to_dtype(value, dtype)
+        except _Malformed as e:
+            raise InvalidArgumentError(f"Cannot parse tensor stream: {e}") from e
         return self._result
