@@ -1,0 +1,207 @@
+"""Worker: construction, steps, cleanup and tombstones, routing checks, close, stats."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import shmrdv
+from shmrdv import testing
+from shmrdv._worker import _TOMBSTONES
+
+TASK = "/job:worker/replica:0/task:0"
+DEV = TASK + "/device:CPU:0"
+OTHER = "/job:worker/replica:0/task:10/device:CPU:0"
+
+
+@pytest.fixture
+def worker() -> Iterator[shmrdv.Worker]:
+    with shmrdv.Worker(TASK, namespace=shmrdv.new_namespace()) as w:
+        yield w
+
+
+def key(edge: str, src: str = DEV, dst: str = DEV, inc: int = 0) -> str:
+    return shmrdv.create_key(src, inc, dst, edge)
+
+
+def test_worker_namespace_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    ns = shmrdv.new_namespace()
+    monkeypatch.setenv("SHMRDV_NAMESPACE", ns)
+    with shmrdv.Worker(TASK) as w:
+        assert w.namespace == ns
+
+
+def test_worker_without_namespace_says_how_to_get_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SHMRDV_NAMESPACE", raising=False)
+    with pytest.raises(shmrdv.InvalidArgumentError, match="new_namespace"):
+        shmrdv.Worker(TASK)
+
+
+def test_worker_namespace_is_unguessable() -> None:
+    tokens = {shmrdv.new_namespace() for _ in range(200)}
+    assert len(tokens) == 200
+    assert all(len(t) >= 20 and t.isalnum() and t.islower() for t in tokens)
+
+
+@pytest.mark.parametrize(
+    "task", ["", "/job:w", "/cpu:0", "/job:w/replica:0", "not a name", "/job:1bad/task:0"]
+)
+def test_worker_bad_task_refused(task: str) -> None:
+    with pytest.raises(shmrdv.InvalidArgumentError):
+        shmrdv.Worker(task, namespace=shmrdv.new_namespace())
+
+
+@pytest.mark.parametrize("transports", [("tcp",), ("shm", "shm"), "shm", ("SHM",)])
+def test_worker_bad_transports_refused(transports: object) -> None:
+    with pytest.raises(shmrdv.InvalidArgumentError, match="transports"):
+        shmrdv.Worker(TASK, namespace=shmrdv.new_namespace(), transports=transports)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("inc", [0, -1, 2**64, 1.5, True])
+def test_worker_bad_incarnation_refused(inc: object) -> None:
+    with pytest.raises(shmrdv.InvalidArgumentError, match="incarnation"):
+        shmrdv.Worker(TASK, namespace=shmrdv.new_namespace(), incarnation=inc)  # type: ignore[arg-type]
+
+
+def test_worker_incarnation_random_nonzero_or_given() -> None:
+    ns = shmrdv.new_namespace()
+    seen = set()
+    for i in range(5):
+        with shmrdv.Worker(f"/job:w/task:{i}", namespace=ns) as w:
+            assert 0 < w.incarnation < 2**64
+            seen.add(w.incarnation)
+    assert len(seen) == 5
+    with shmrdv.Worker(TASK, namespace=ns, incarnation=42) as w:
+        assert w.incarnation == 42
+
+
+def test_worker_task_is_canonical(worker: shmrdv.Worker) -> None:
+    with shmrdv.Worker("/job:worker/task:3", namespace=worker.namespace) as w:
+        assert w.task == "/job:worker/replica:0/task:3"
+
+
+def test_worker_one_live_worker_per_task(worker: shmrdv.Worker) -> None:
+    with pytest.raises(shmrdv.InvalidArgumentError, match="already running"):
+        shmrdv.Worker(TASK, namespace=worker.namespace)
+
+
+def test_worker_rendezvous_same_object_per_step(worker: shmrdv.Worker) -> None:
+    assert worker.rendezvous(1) is worker.rendezvous(1)
+    assert worker.rendezvous(1) is not worker.rendezvous(2)
+
+
+@pytest.mark.parametrize("step", [1.0, "1", True, 2**63, -(2**63) - 1])
+def test_worker_bad_step_refused(worker: shmrdv.Worker, step: object) -> None:
+    with pytest.raises(shmrdv.InvalidArgumentError, match="step_id"):
+        worker.rendezvous(step)  # type: ignore[arg-type]
+
+
+def test_worker_in_process_no_copy(worker: shmrdv.Worker) -> None:
+    rdv = worker.rendezvous(0)
+    a = np.arange(5)
+    rdv.send(key("x"), a)
+    assert rdv.recv(key("x"), timeout=1).value is a
+    assert worker.stats()["local"]["sent"] == 1
+
+
+def test_worker_cleanup_aborts_pending_and_later_calls(worker: shmrdv.Worker) -> None:
+    rdv = worker.rendezvous(7)
+    box: list[BaseException] = []
+    t = threading.Thread(target=lambda: box.append(_recv_error(rdv, key("y"))))
+    t.start()
+    time.sleep(0.05)
+    start = time.monotonic()
+    worker.cleanup(7)
+    t.join(5)
+    assert time.monotonic() - start < 1
+    assert isinstance(box[0], shmrdv.AbortedError) and str(box[0]) == "Cleanup 7"
+    with pytest.raises(shmrdv.AbortedError, match="Cleanup 7"):
+        rdv.send(key("y"), np.zeros(1))
+    later = worker.rendezvous(7)
+    with pytest.raises(shmrdv.AbortedError, match="Cleanup 7"):
+        later.recv(key("y"), timeout=1)
+    assert worker.is_cleaned_up(7)
+    assert worker.rendezvous(8).aborted is None
+
+
+def _recv_error(rdv: shmrdv.Rendezvous, k: str) -> BaseException:
+    try:
+        rdv.recv(k, timeout=5)
+    except BaseException as e:
+        return e
+    raise AssertionError("recv returned a value")
+
+
+def test_worker_tombstones_are_bounded(worker: shmrdv.Worker) -> None:
+    for step in range(_TOMBSTONES + 10):
+        worker.cleanup(step)
+    assert worker.stats()["tombstones"] == _TOMBSTONES
+    assert not worker.is_cleaned_up(0)
+    assert worker.is_cleaned_up(_TOMBSTONES + 9)
+
+
+def test_worker_checks_src_and_dst_as_parsed_tasks(worker: shmrdv.Worker) -> None:
+    rdv = worker.rendezvous(0)
+    # task:10 is not task:1's prefix sibling: TensorFlow's string-prefix trap.
+    with shmrdv.Worker("/job:worker/replica:0/task:1", namespace=worker.namespace) as w1:
+        r1 = w1.rendezvous(0)
+        with pytest.raises(shmrdv.InvalidArgumentError, match=r"Invalid rendezvous key \(src\)"):
+            r1.send(key("z", src=OTHER, dst=OTHER), np.zeros(1))
+        with pytest.raises(shmrdv.InvalidArgumentError, match=r"Invalid rendezvous key \(dst\)"):
+            r1.recv(key("z", src=OTHER, dst=OTHER), timeout=1)
+    with pytest.raises(shmrdv.InvalidArgumentError, match=r"\(src\)"):
+        rdv.send(key("z", src=OTHER), np.zeros(1))
+    with pytest.raises(shmrdv.InvalidArgumentError, match=r"\(dst\)"):
+        rdv.recv(key("z", dst=OTHER), timeout=1)
+
+
+def test_worker_incarnation_mismatch_is_aborted(worker: shmrdv.Worker) -> None:
+    rdv = worker.rendezvous(0)
+    stale = key("w", inc=(worker.incarnation + 1) % 2**64 or 1)
+    with pytest.raises(shmrdv.AbortedError, match="incarnation"):
+        rdv.send(stale, np.zeros(1))
+    with pytest.raises(shmrdv.AbortedError, match="incarnation"):
+        rdv.recv(stale, timeout=1)
+    ok = key("w", inc=worker.incarnation)
+    rdv.send(ok, np.ones(1))
+    assert rdv.recv(ok, timeout=1).value[0] == 1
+
+
+def test_worker_close_is_idempotent_and_aborts(worker: shmrdv.Worker) -> None:
+    rdv = worker.rendezvous(3)
+    fut = rdv.recv_future(key("c"))
+    worker.close()
+    worker.close()
+    assert worker.closed
+    with pytest.raises(shmrdv.AbortedError):
+        fut.result(timeout=2)
+    with pytest.raises(shmrdv.AbortedError, match="closed"):
+        worker.rendezvous(4)
+
+
+def test_worker_repr_and_stats(worker: shmrdv.Worker) -> None:
+    assert TASK in repr(worker) and "open" in repr(worker)
+    stats = worker.stats()
+    assert stats["task"] == TASK and "shm" in stats
+
+
+def test_worker_conformance_in_process() -> None:
+    """The battery over one worker's step rendezvous (both ends in the worker)."""
+    ns = shmrdv.new_namespace()
+    steps = iter(range(1000))
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def pair() -> Iterator[testing.RendezvousPair]:
+        with shmrdv.Worker(TASK, namespace=ns) as w:
+            rdv = w.rendezvous(next(steps))
+            yield testing.RendezvousPair(
+                producer=rdv, consumer=rdv, make_key=lambda e: shmrdv.create_key(DEV, 0, DEV, e)
+            )
+
+    testing.run_conformance(pair)
