@@ -679,9 +679,11 @@ def _is_typed_value(f: _Field) -> bool:
     """Whether ``f`` holds elements of one of TensorProto's typed ``*_val`` fields."""
     if f.number not in _VAL_FIELDS:
         return False
+    if f.number == 8:
+        return f.wire_type == _LEN  # one string_val element (maybe empty)
     if f.wire_type == _LEN:
-        return f.end > f.value  # packed elements, or a string_val element
-    return f.number != 8  # one unpacked numeric element
+        return f.end > f.value  # packed elements
+    return True  # one unpacked numeric element
 
 
 _VAL_FIELDS: Final = {
