@@ -17,6 +17,7 @@ from shmrdv._callbacks import DoneCallback
 from shmrdv._errors import AbortedError
 from shmrdv._keys import ParsedKey, create_key, parse_key
 from shmrdv._local import LocalRendezvous
+from shmrdv._received import Received
 from shmrdv._rendezvous import Canceller
 
 TASK = "/job:worker/replica:0/task:0"
@@ -78,6 +79,13 @@ class StepSource:
     def serve_recv(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
         """The TensorSource primitive: raise ``AbortedError`` for a cleaned-up step."""
         return self.rendezvous(step_id)._start_recv(key, done, False)
+
+    def requeue(self, step_id: int, key: ParsedKey, received: Received) -> None:
+        """Optional TensorSource part: a value no call delivered goes back to its key's head."""
+        with self._lock:
+            rdv = self._steps.get(step_id)
+        if rdv is not None:
+            rdv.requeue(key, received)
 
     def close(self) -> None:
         with self._lock:

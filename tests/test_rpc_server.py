@@ -393,3 +393,34 @@ def test_drop_step_forgets_cached_responses(
     assert server.stats()["cached"] == 1
     server.drop_step(6)
     _wait_for(lambda: server.stats()["cached"] == 0)
+
+
+def test_stream_cancelled_mid_way_gives_the_value_back(
+    source: StepSource, channel: grpc.Channel, server: RpcServer
+) -> None:
+    key = make_key("half")
+    value = np.arange(1 << 20, dtype=np.float64)  # 8 MiB in 64 KiB chunks
+    source.send(1, key, value)
+    call = channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(_request(1, key), timeout=10)
+    next(call)  # the header: the value was taken
+    call.cancel()
+    _wait_for(lambda: server.stats()["requeued"] == 1)
+    data = _unary(channel)(_request(1, key), timeout=10)  # no request_id: a fresh call
+    np.testing.assert_array_equal(coding.decode_response(data).value, value)
+
+
+def test_stream_cancelled_mid_way_is_kept_for_a_retry(
+    source: StepSource, channel: grpc.Channel, server: RpcServer
+) -> None:
+    key = make_key("retry-stream")
+    value = np.arange(1 << 20, dtype=np.float64)
+    source.send(1, key, value)
+    stream = channel.unary_stream(RECV_TENSOR_STREAM_METHOD)
+    call = stream(_request(1, key, request_id=99), timeout=10)
+    next(call)
+    call.cancel()
+    assembler = coding.StreamAssembler()
+    for message in stream(_request(1, key, request_id=99), timeout=10):
+        assembler.feed(message)
+    np.testing.assert_array_equal(assembler.result(), value)
+    assert server.stats()["requeued"] == 0

@@ -51,7 +51,6 @@ from .._received import Received
 from .._rendezvous import Canceller, as_parsed_key, check_timeout
 from .._status import error_for_code
 from . import coding
-from .proto import worker_pb2
 from .security import TLSConfig, bearer_metadata, check_token
 from .server import (
     GET_STATUS_METHOD,
@@ -459,7 +458,7 @@ class RpcClient:
 
     def _ack(self, channel: grpc.Channel, request_id: int) -> None:
         """Tell the server it may drop its cached response (TensorFlow: MarkRecvFinished)."""
-        request = worker_pb2.MarkRecvFinishedRequest(request_id=request_id).SerializeToString()
+        request = coding.encode_mark_recv_finished(request_id)
         try:
             fut = channel.unary_unary(MARK_RECV_FINISHED_METHOD).future(
                 request, timeout=_ACK_TIMEOUT, metadata=self._metadata

@@ -21,8 +21,13 @@ first is waiting joins it; one that arrives after the value was delivered gets t
 value again for ``cache_ttl`` seconds (bounded in count and bytes), so a response lost on
 the wire is not a lost tensor. TensorFlow answers such a retry with ``ABORTED``
 (``RecentRequestIds``), and pytorch/xla#4084 shows that kills jobs.
-``MarkRecvFinished`` (sent by TensorFlow clients when a response has ``require_ack``)
-and ``drop_step`` release entries early.
+``MarkRecvFinished`` (sent by TensorFlow clients when a response has ``require_ack``,
+and by ``RpcClient`` after every stream) and ``drop_step`` release entries early. A value
+whose every call went away before it was fully sent, and that no retry can claim any
+more, goes back to the source (``TensorSource.requeue``). One window remains: a client
+that cancels just as its value is taken never retries, so that value waits in the cache
+until it expires (``cache_ttl``) and only then returns to its key, behind values that
+may have been received meanwhile.
 """
 
 from __future__ import annotations
@@ -60,7 +65,6 @@ from .._received import Received
 from .._rendezvous import Canceller
 from .._status import code_for_error
 from . import coding
-from .proto import worker_pb2
 from .security import TLSConfig, TokenInterceptor, check_token
 
 __all__ = [
@@ -114,6 +118,12 @@ class TensorSource(Protocol):
     worker's incarnation. ``serve_recv`` raises ``AbortedError`` at once for a step that
     was cleaned up; otherwise it calls ``done(error, Received)`` exactly once, in any
     thread, unless the canceller it returned answered ``True``.
+
+    Optional: ``requeue(step_id, key, received)``. When present, a value that was taken
+    for a call but never delivered (the call went away mid-stream, or was cancelled as
+    the value arrived, and no retry can claim it: no request_id, or its cache entry
+    expired) is handed back to go to the head of its key (``LocalRendezvous.requeue``).
+    Without it such a value is dropped with a warning, as TensorFlow drops it.
     """
 
     task: str
@@ -131,11 +141,16 @@ class _Waiter:
 
     cache_key: _CacheKey | None  # None: request_id 0, never shared or cached
     future: asyncio.Future[Received]
+    step_id: int
+    key: ParsedKey
     canceller: Canceller | None = None
     joiners: int = 0
     send_start_micros: int = 0
     nbytes: int = 0
     expires: float = 0.0
+    serving: int = 0  # calls sending this value now
+    sent: bool = False  # a call handed the whole response to gRPC
+    given_back: bool = False  # returned to the source with requeue
 
 
 def _retrieve(fut: asyncio.Future[Received]) -> None:
@@ -239,6 +254,7 @@ class RpcServer:
             "bytes_served": 0,
             "cache_hits": 0,
             "errors": 0,
+            "requeued": 0,
         }
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -439,7 +455,7 @@ class RpcServer:
 
     def drop_step(self, step_id: int) -> None:
         """Forget cached responses of ``step_id`` (TensorFlow: on CleanupGraph). Never blocks."""
-        self._call_in_loop(self._drop_where, lambda ck: ck[1] == step_id)
+        self._call_in_loop(self._drop_step, step_id)
 
     def _call_in_loop(self, fn: Any, *args: Any) -> None:
         loop = self._loop
@@ -450,9 +466,9 @@ class RpcServer:
         except RuntimeError:  # the loop closed under us: nothing left to drop
             pass
 
-    def _drop_where(self, predicate: Any) -> None:
-        for ck in [ck for ck in self._cache if predicate(ck)]:
-            self._uncache(ck)
+    def _drop_step(self, step_id: int) -> None:
+        for ck in [ck for ck in self._cache if ck[1] == step_id]:
+            self._uncache(ck, give_back=False)  # the step is gone: nothing to give back to
 
     # -- the handlers (event loop) ---------------------------------------------------------
 
@@ -464,6 +480,9 @@ class RpcServer:
         try:
             req = coding.decode_request(request)
             waiter, received = await self._wait_value(req, context)
+        except RendezvousError as e:
+            await self._abort(context, e)
+        try:
             loop = asyncio.get_running_loop()
             data = await loop.run_in_executor(
                 self._pool,
@@ -476,8 +495,11 @@ class RpcServer:
                     require_ack=waiter.cache_key is not None,
                 ),
             )
+            waiter.sent = True
         except RendezvousError as e:
             await self._abort(context, e)
+        finally:
+            self._done_serving(waiter)
         self._count_served(received)
         return data
 
@@ -489,17 +511,29 @@ class RpcServer:
         try:
             req = coding.decode_request(request)
             waiter, received = await self._wait_value(req, context)
-            chunks = coding.encode_stream(
-                received.value,
-                is_dead=received.is_dead,
-                chunk_bytes=self._chunk_bytes,
-                send_start_micros=waiter.send_start_micros,
-            )
         except RendezvousError as e:
             await self._abort(context, e)
-        for chunk in chunks:
-            yield chunk
+        try:
+            try:
+                chunks = coding.encode_stream(
+                    received.value,
+                    is_dead=received.is_dead,
+                    chunk_bytes=self._chunk_bytes,
+                    send_start_micros=waiter.send_start_micros,
+                )
+            except RendezvousError as e:
+                await self._abort(context, e)
+            for chunk in chunks:
+                yield chunk
+            waiter.sent = True
+        finally:
+            # Also when the client went away mid-stream (asyncio.CancelledError here).
+            self._done_serving(waiter)
         self._count_served(received)
+
+    def _done_serving(self, waiter: _Waiter) -> None:
+        waiter.serving -= 1
+        self._maybe_give_back(waiter)
 
     async def _get_status(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
@@ -518,12 +552,13 @@ class RpcServer:
     ) -> bytes:
         """TensorFlow's MarkRecvFinished: the client has the response; drop it from the cache."""
         try:
-            msg = worker_pb2.MarkRecvFinishedRequest.FromString(request)
-        except Exception as e:  # protobuf's DecodeError
-            await self._abort(context, InvalidArgumentError(f"bad MarkRecvFinishedRequest: {e}"))
-        rid = int(msg.request_id)
+            rid = coding.decode_mark_recv_finished(request)
+        except RendezvousError as e:
+            await self._abort(context, e)
         if rid:
-            self._drop_where(lambda ck: ck[0] == rid)
+            for ck in [ck for ck in self._cache if ck[0] == rid]:
+                self._cache[ck].sent = True
+                self._uncache(ck)
         return b""
 
     async def _abort(
@@ -584,6 +619,8 @@ class RpcServer:
             waiter.joiners -= 1
             if waiter.joiners == 0 and not waiter.future.done():
                 self._abandon(waiter, pk)
+        # The caller sends the value now and calls _done_serving when it is through.
+        waiter.serving += 1
         return waiter, received
 
     def _find_or_start(self, req: coding.RecvRequest, pk: ParsedKey) -> _Waiter:
@@ -607,7 +644,7 @@ class RpcServer:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Received] = loop.create_future()
         fut.add_done_callback(_retrieve)
-        waiter = _Waiter(cache_key, fut)
+        waiter = _Waiter(cache_key, fut, req.step_id, pk)
 
         def done(error: BaseException | None, received: Received | None) -> None:
             # Any thread (the producer's send, an abort). The loop may be gone if the server
@@ -656,6 +693,12 @@ class RpcServer:
             return
         waiter.send_start_micros = time.time_ns() // 1000
         waiter.future.set_result(received)
+        if waiter.joiners == 0 and (
+            waiter.cache_key is None or waiter.cache_key not in self._cache
+        ):
+            # Every call left while the value was on its way, and no retry can claim it.
+            self._maybe_give_back(waiter)
+            return
         if waiter.cache_key is not None:
             self._answered[waiter.cache_key[0]] = None
             if len(self._answered) > _ANSWERED_IDS:
@@ -675,20 +718,55 @@ class RpcServer:
             waiter.future.cancel()
             if waiter.cache_key is not None:
                 self._uncache(waiter.cache_key)
-        elif waiter.cache_key is None:
-            # The value was already on its way (a race with the cancel). Without a
-            # request_id no retry can claim it, as in TensorFlow.
-            _log.warning(
-                "RecvTensor for key %r was cancelled as its value arrived; the value is dropped "
-                "(use a non-zero request_id to let a retry claim it)",
-                pk.full_key,
-            )
+        # Otherwise the value is already on its way (a race with the cancel): _settle
+        # keeps it for a retry (request_id) or gives it back to the source.
 
-    def _uncache(self, cache_key: _CacheKey) -> None:
+    def _uncache(self, cache_key: _CacheKey, *, give_back: bool = True) -> None:
         waiter = self._cache.pop(cache_key, None)
         if waiter is not None and waiter.future.done():
             self._cached_bytes -= waiter.nbytes
             waiter.nbytes = 0
+            if give_back:
+                self._maybe_give_back(waiter)
+
+    def _maybe_give_back(self, waiter: _Waiter) -> None:
+        """Give the value back if no call delivered it, none is using it, no retry can claim it."""
+        if (
+            waiter.sent
+            or waiter.given_back
+            or waiter.joiners
+            or waiter.serving
+            or not waiter.future.done()
+            or (waiter.cache_key is not None and waiter.cache_key in self._cache)
+        ):
+            return
+        self._give_back(waiter)
+
+    def _give_back(self, waiter: _Waiter) -> None:
+        """A value taken from the source that no call delivered goes back to its key's head.
+
+        Only when the source offers ``requeue`` (the Worker does); otherwise the value is
+        lost, as in TensorFlow, and we say so.
+        """
+        fut = waiter.future
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        waiter.given_back = True
+        requeue = getattr(self._source, "requeue", None)
+        if requeue is None:
+            _log.warning(
+                "value of key %r (step %d) was taken for a RecvTensor call that went away; "
+                "it is dropped",
+                waiter.key.full_key,
+                waiter.step_id,
+            )
+            return
+        try:
+            requeue(waiter.step_id, waiter.key, fut.result())
+        except Exception:
+            _log.exception("TensorSource.requeue failed for key %r", waiter.key.full_key)
+        else:
+            self._stats["requeued"] += 1
 
     def _expire(self) -> None:
         now = time.monotonic()
