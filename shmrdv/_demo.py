@@ -159,6 +159,7 @@ def _run_procs(
     for p in procs:
         p.start()
     result: tuple[float, int] | None = None
+    tty = sys.stderr.isatty()
     deadline = time.monotonic() + 300
     try:
         while result is None:
@@ -176,9 +177,9 @@ def _run_procs(
             if msg[0] == "progress" and live:
                 _, n, dt = msg
                 rate = n / dt if dt > 0 else 0.0
-                sys.stderr.write(
-                    f"\r  {label}: {n}/{frames} frames  {rate:7.1f} frames/s  {rate * nbytes / 1e9:6.2f} GB/s "
-                )
+                line = f"  {label}: {n}/{frames} frames  {rate:7.1f} frames/s  {rate * nbytes / 1e9:6.2f} GB/s"
+                # A terminal gets one updating line; a log gets a line per report.
+                sys.stderr.write(f"\r{line} " if tty else f"{line}\n")
                 sys.stderr.flush()
             elif msg[0] == "done":
                 _, n, dt, bad = msg
@@ -186,7 +187,7 @@ def _run_procs(
         for p in procs:
             p.join(60)
     finally:
-        if live:
+        if live and tty:
             sys.stderr.write("\n")
         for p in procs:
             if p.is_alive():
@@ -267,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         procs.append(
             ctx.Process(target=_sink, args=(ns, frames, stages, progress, barrier), name="sink")
         )
-        dt, bad = _run_procs(procs, progress, frames, nbytes, "shmrdv", sys.stderr.isatty() or True)
+        dt, bad = _run_procs(procs, progress, frames, nbytes, "shmrdv", True)
         rate = frames / dt
         print(
             f"shmrdv:                 {frames} frames in {dt:6.2f} s = {rate:8.1f} frames/s, {rate * nbytes / 1e9:6.2f} GB/s, {bad} bad"
