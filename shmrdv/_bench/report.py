@@ -261,51 +261,57 @@ def format_markdown(run: BenchRun) -> str:
 
     header = ["method", *(format_size(n) for n in sizes)]
 
-    lines += [
-        f"## Round trip (array there, ack back): median · GB/s · {TIMES}memcpy",
-        "",
-        *_table(
-            header,
-            cell_rows(
-                lambda m, n, c: (
-                    f"{_us(c.rtt_median_ns)} · {_gbps(n, c.rtt_median_ns)} · "
-                    f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'rtt'))}"
-                )
+    if not sized:
+        sizes = []  # only fixed-size floors ran: no per-size tables
+    lines += (
+        []
+        if not sizes
+        else [
+            f"## Round trip (array there, ack back): median · GB/s · {TIMES}memcpy",
+            "",
+            *_table(
+                header,
+                cell_rows(
+                    lambda m, n, c: (
+                        f"{_us(c.rtt_median_ns)} · {_gbps(n, c.rtt_median_ns)} · "
+                        f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'rtt'))}"
+                    )
+                ),
             ),
-        ),
-        "",
-        f"## One-way (until the ponger holds the array): median · GB/s · {TIMES}memcpy",
-        "",
-        *_table(
-            header,
-            cell_rows(
-                lambda m, n, c: (
-                    f"{_us(c.oneway_median_ns)} · {_gbps(n, c.oneway_median_ns)} · "
-                    f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'oneway'))}"
-                )
+            "",
+            f"## One-way (until the ponger holds the array): median · GB/s · {TIMES}memcpy",
+            "",
+            *_table(
+                header,
+                cell_rows(
+                    lambda m, n, c: (
+                        f"{_us(c.oneway_median_ns)} · {_gbps(n, c.oneway_median_ns)} · "
+                        f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'oneway'))}"
+                    )
+                ),
             ),
-        ),
-        "",
-        "## Round trip p99 · spread of repetition medians (max/min)",
-        "",
-        *_table(
-            header,
-            cell_rows(lambda m, n, c: f"{_us(c.rtt_p99_ns)} · {c.rtt_spread:.2f}"),
-        ),
-        "",
-        f"## Ratio to {BASELINE_PEER} (round trip · one-way)",
-        "",
-        *_table(
-            header,
-            cell_rows(
-                lambda m, n, c: (
-                    f"{_times(run.ratio(m.name, n, BASELINE_PEER, 'rtt'))} · "
-                    f"{_times(run.ratio(m.name, n, BASELINE_PEER, 'oneway'))}"
-                )
+            "",
+            "## Round trip p99 · spread of repetition medians (max/min)",
+            "",
+            *_table(
+                header,
+                cell_rows(lambda m, n, c: f"{_us(c.rtt_p99_ns)} · {c.rtt_spread:.2f}"),
             ),
-        ),
-        "",
-    ]
+            "",
+            f"## Ratio to {BASELINE_PEER} (round trip · one-way)",
+            "",
+            *_table(
+                header,
+                cell_rows(
+                    lambda m, n, c: (
+                        f"{_times(run.ratio(m.name, n, BASELINE_PEER, 'rtt'))} · "
+                        f"{_times(run.ratio(m.name, n, BASELINE_PEER, 'oneway'))}"
+                    )
+                ),
+            ),
+            "",
+        ]
+    )
     if fixed:
         lines += ["## Floors at a fixed size", ""]
         rows = []
