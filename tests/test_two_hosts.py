@@ -160,6 +160,9 @@ def test_two_hosts_router_picks_grpc_across_and_shm_within(
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+            for stream in (p.stdout, p.stderr):
+                if stream is not None:
+                    stream.close()
     a, b = reports["A"], reports["B"]
     assert b["got"] == [0, 1, 2, 3, 4]
     assert b["big_ok"] is True
