@@ -582,13 +582,22 @@ class ShmTransport:
             _log.warning("%s", e)
 
     def _deliver(self, items: list[tuple[DoneCallback, bool, Received | BaseException]]) -> None:
-        for done, copy, result in items:
+        """Call each ``done`` (outside every lock), emptying ``items``.
+
+        Holds no reference to a delivered value afterwards: a mapped array the receiver
+        drops (or that ``copy`` replaced) releases its segment at once.
+        """
+        items.reverse()
+        while items:
+            done, copy, result = items.pop()
             if isinstance(result, BaseException):
                 done(result, None)
-            elif copy:
-                done(None, Received(np.array(result.value, copy=True), result.is_dead))
-            else:
-                done(None, result)
+                continue
+            if copy:
+                # Rebinding drops the mapped original before the receiver wakes up.
+                result = Received(np.array(result.value, copy=True), result.is_dead)
+            done(None, result)
+            del result
 
     # -- the dispatcher ---------------------------------------------------------------
 
@@ -612,6 +621,9 @@ class ShmTransport:
                     items = []
             if items:
                 self._deliver(items)
+            # Drop the batch before waiting again: a received array kept alive here would
+            # hold its pool slot (and its ``held`` name) until the next wake-up.
+            del items
 
     def _scan(self) -> list[tuple[DoneCallback, bool, Received | BaseException]]:
         """Deliver every published message that has a waiter; fail waiters of dead producers."""
