@@ -14,7 +14,10 @@ a method only supplies two objects, each built in its process by a top-level fac
     until the ponger's ack is back. The runner stamps ``src[0]``/``src[-1]`` before
     the call and times it (the round trip). A method may copy ``src`` anywhere
     (``rdv.allocate`` + ``np.copyto`` + ``send`` is fine) but must not modify it.
-    ``close()`` frees everything; it also runs after an error.
+    ``close()`` frees everything; it also runs after an error. An optional
+    ``prepare(src)``, called untimed right before each ``handoff(src)``, lets a
+    zero-copy producer build its buffer (``rdv.allocate`` + fill) the way a real
+    producer writes its data in place; ``handoff`` then only hands it over.
 
 ``spec.ponger(ctx: RoleContext) -> Ponger``
     ``serve(handler) -> None`` loops: receive, hold a usable ``ndarray``, call

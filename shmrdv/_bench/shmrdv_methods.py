@@ -1,0 +1,155 @@
+"""shmrdv's own methods for ``shmrdv bench``: the same handoff through Worker rendezvous.
+
+* ``shmrdv_send``: ``rdv.send(key, src)`` over shared memory (one copy into a warm pool
+  slot); the ponger's ``recv`` returns a zero-copy view.
+* ``shmrdv_allocate``: the producer writes into ``rdv.allocate(...)`` (untimed
+  ``prepare``, as a real producer makes its data in place) and ``send`` only publishes
+  it: the handoff costs no copy at all.
+* ``shmrdv_grpc``: the same keys forced over gRPC on loopback (``transports=("grpc",)``).
+
+The ack travels back through shmrdv too (a 4-int64 array on a reverse key), so a round
+trip is two shmrdv handoffs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from multiprocessing.context import BaseContext
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .peers import Ack, Handler, MethodSpec, RoleContext, register_method
+
+PINGER_TASK = "/job:bench/replica:0/task:0"
+PONGER_TASK = "/job:bench/replica:0/task:1"
+_DATA = None  # keys are built lazily (importing shmrdv in the runner is not needed)
+_TIMEOUT = 120.0
+
+
+def _keys() -> tuple[str, str]:
+    import shmrdv
+
+    a, b = PINGER_TASK + "/device:CPU:0", PONGER_TASK + "/device:CPU:0"
+    return shmrdv.create_key(a, 0, b, "bench_data"), shmrdv.create_key(b, 0, a, "bench_ack")
+
+
+def _shared(ctx: BaseContext) -> dict[str, Any]:
+    import shmrdv
+
+    return {"namespace": shmrdv.new_namespace()}
+
+
+def _sweep(prefix: str, shared: Mapping[str, Any]) -> None:
+    from .._shm.registry import collect
+
+    collect(shared["namespace"])
+
+
+def _transports(method: str) -> tuple[str, ...] | None:
+    return ("grpc",) if method == "shmrdv_grpc" else None
+
+
+class _Pinger:
+    def __init__(self, ctx: RoleContext) -> None:
+        import shmrdv
+
+        self._w = shmrdv.Worker(
+            PINGER_TASK,
+            namespace=ctx.shared["namespace"],
+            transports=_transports(ctx.method),
+            shm_pool_bytes=max(512 << 20, 4 * ctx.max_nbytes),
+        )
+        self._rdv = self._w.rendezvous(0)
+        self._data, self._ack = _keys()
+        self._allocate = ctx.method == "shmrdv_allocate"
+        self._buf: npt.NDArray[Any] | None = None
+
+    def prepare(self, src: npt.NDArray[np.float32]) -> None:
+        if self._allocate:
+            buf = self._rdv.allocate(self._data, src.shape, src.dtype)
+            np.copyto(buf, src)
+            self._buf = buf
+
+    def handoff(self, src: npt.NDArray[np.float32]) -> Ack:
+        if self._allocate:
+            buf, self._buf = self._buf, None
+            assert buf is not None
+            self._rdv.send(self._data, buf)
+            del buf
+        else:
+            self._rdv.send(self._data, src)
+        a = self._rdv.recv(self._ack, timeout=_TIMEOUT).value
+        return Ack(int(a[0]), int(a[1]), int(a[2]), int(a[3]))
+
+    def close(self) -> None:
+        self._buf = None
+        self._w.cleanup(0)
+        self._w.close()
+
+
+class _Ponger:
+    def __init__(self, ctx: RoleContext) -> None:
+        import shmrdv
+
+        self._w = shmrdv.Worker(
+            PONGER_TASK, namespace=ctx.shared["namespace"], transports=_transports(ctx.method)
+        )
+        self._rdv = self._w.rendezvous(0)
+        self._data, self._ack = _keys()
+
+    def serve(self, handler: Handler) -> None:
+        while not handler.done:
+            a = self._rdv.recv(self._data, timeout=None).value
+            ack = handler(a)
+            del a  # the slot goes back to the producer's pool
+            self._rdv.send(self._ack, np.array(ack, dtype=np.int64))
+
+    def close(self) -> None:
+        self._w.cleanup(0)
+        self._w.close()
+
+
+def shmrdv_pinger(ctx: RoleContext) -> _Pinger:
+    return _Pinger(ctx)
+
+
+def shmrdv_ponger(ctx: RoleContext) -> _Ponger:
+    return _Ponger(ctx)
+
+
+for _spec in (
+    MethodSpec(
+        "shmrdv_send",
+        "shmrdv Worker rendezvous over shared memory: send(ndarray), zero-copy recv",
+        shmrdv_pinger,
+        shmrdv_ponger,
+        make_shared=_shared,
+        sweep=_sweep,
+        group="shmrdv",
+        receiver_array="writable view, the consumer's own",
+    ),
+    MethodSpec(
+        "shmrdv_allocate",
+        "shmrdv: producer fills rdv.allocate() (untimed), send publishes it, zero-copy recv",
+        shmrdv_pinger,
+        shmrdv_ponger,
+        make_shared=_shared,
+        sweep=_sweep,
+        group="shmrdv",
+        receiver_array="writable view, the consumer's own",
+    ),
+    MethodSpec(
+        "shmrdv_grpc",
+        "shmrdv Worker rendezvous forced over gRPC on loopback (RecvTensorStream)",
+        shmrdv_pinger,
+        shmrdv_ponger,
+        make_shared=_shared,
+        sweep=_sweep,
+        group="shmrdv",
+        receiver_array="writable, the consumer's own",
+    ),
+):
+    register_method(_spec)
+del _spec
