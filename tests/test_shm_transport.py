@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import itertools
+import multiprocessing.resource_tracker
 import os
 import shutil
 import stat
@@ -91,6 +92,13 @@ def child_idle_recv_cpu(worker: shmrdv.Worker, key: str, wait_s: float) -> tuple
 
 
 # -- fixtures -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _resource_tracker() -> None:
+    """Start multiprocessing's resource tracker before the leak check looks at our children
+    (spawning starts it on first use, and it lives as long as this process)."""
+    multiprocessing.resource_tracker.ensure_running()
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ import ctypes
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 import weakref
@@ -208,6 +209,34 @@ def _give_back(names: Names, producer_task: str, incarnation: int, slot: int, pa
             pass
 
 
+_PEEK_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _peek_header(path: str) -> layout.Header | None:
+    """The header of the segment file at ``path``, read with ``pread`` (nothing is mapped).
+
+    None if it is gone, not ours (owner, mode, not a regular file) or not a valid header.
+    """
+    try:
+        fd = os.open(path, _PEEK_FLAGS)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return None
+        prefix = os.pread(fd, layout.PREFIX.size, 0)
+        if len(prefix) < layout.PREFIX.size or not prefix.startswith(layout.MAGIC):
+            return None
+        header_len = layout.PREFIX.unpack_from(prefix)[3]
+        limit = min(header_len, st.st_size, layout.PREFIX.size + 2 * layout.MAX_KEY_BYTES)
+        return layout.unpack(os.pread(fd, limit, 0), st.st_size)
+    except (OSError, RendezvousError):
+        return None
+    finally:
+        os.close(fd)
+
+
 def _flock_held(names: Names, task: str) -> bool:
     from .presence import PeerWatch
 
@@ -237,6 +266,10 @@ class ShmTransport:
         # ``held`` names of pool slots whose arrays this consumer still has. Finalizers do not
         # run at exit, so close() unlinks what is left (the mappings stay valid).
         self._held: set[str] = set()
+        # Headers of published messages, by name (names are never reused), for finding the
+        # incarnation of a producer that is gone (``_orphan_incarnation``).
+        self._orphans: dict[str, tuple[int, str, int, int, int]] = {}
+        self._orphans_at = 0.0
         self._allocations: dict[int, _Allocation] = {}
         self._peer_bells: dict[str, Bell] = {}
         self._counters = {
@@ -507,10 +540,48 @@ class ShmTransport:
         except RendezvousError as e:  # a record that is not ours, or corrupt
             _log.warning("presence record of %s: %s", _canonical_task(ch.key.src), e)
             return False
-        if info is None:
-            return False
-        ch.inc = info.incarnation
-        return True
+        if info is not None:
+            ch.inc = info.incarnation
+            return True
+        # No record: the producer has not started, or it closed after sending. Its
+        # messages are still there, under names computed with its incarnation.
+        ch.inc = self._orphan_incarnation(ch)
+        return ch.inc != 0
+
+    def _orphan_incarnation(self, ch: _Channel) -> int:
+        """The incarnation of the message a gone producer left for the channel's next receive.
+
+        0 if there is none. Reads the headers of this namespace's published messages (each
+        once; at most one directory listing per ``_TICK / 2``). The newest wins if runs of
+        several incarnations left one.
+        """
+        now = time.monotonic()
+        if now - self._orphans_at >= _TICK / 2:
+            self._orphans_at = now
+            try:
+                entries = os.listdir(Names.path(""))
+            except OSError:
+                entries = []
+            marker = self._names.prefix + "m"
+            present = {e for e in entries if e.startswith(marker)}
+            for name in list(self._orphans):
+                if name not in present:
+                    del self._orphans[name]
+            for name in present - self._orphans.keys():
+                h = _peek_header(Names.path(name))
+                if h is not None:
+                    self._orphans[name] = (
+                        h.step_id,
+                        h.key,
+                        h.seq,
+                        h.producer_incarnation,
+                        h.created_ns,
+                    )
+        best, best_at = 0, -1
+        for step, key, seq, inc, created in self._orphans.values():
+            if step == ch.step and seq == ch.seq and key == ch.key.full_key and created > best_at:
+                best, best_at = inc, created
+        return best
 
     def _try_take(self, ch: _Channel) -> Received | BaseException | None:
         """Open the channel's next message if it is published (under the lock).
@@ -735,43 +806,41 @@ class ShmTransport:
         self._free_unreceived(step_id)
 
     def _free_unreceived(self, step_id: int | None) -> int:
+        """Free the messages of ``step_id`` (every step: None) addressed to this worker."""
         freed = 0
         try:
             entries = os.listdir(Names.path(""))
         except OSError:
             return 0
+        marker = self._names.prefix + "m"
         for entry in entries:
-            obj = parse_name(entry)
-            if obj is None or obj.namespace != self._names.namespace or obj.kind != "message":
+            if not entry.startswith(marker) or parse_name(entry) is None:
                 continue
-            try:
-                seg = Segment.attach(self._names, entry)
-            except (OSError, RendezvousError):
+            path = Names.path(entry)
+            header = _peek_header(path)
+            if header is None or (step_id is not None and header.step_id != step_id):
                 continue
-            try:
-                header = layout.unpack(seg.buf, seg.size)
-                src, dst = _parse_ends(header.key)
-                if (
-                    (step_id is None or header.step_id == step_id)
-                    and dst is not None
-                    and self._w._is_own_task(dst)
-                ):
-                    if header.slot >= 0 and src is not None:
-                        # A pool slot: hand it back to its producer rather than drop it.
-                        _give_back(
-                            self._names,
-                            _canonical_task(src),
-                            header.producer_incarnation,
-                            header.slot,
-                            seg.path,
-                        )
-                    else:
-                        seg.unlink()
-                    freed += 1
-            except RendezvousError:
-                pass
-            finally:
-                seg.close()
+            src, dst = _parse_ends(header.key)
+            if dst is None or not self._w._is_own_task(dst):
+                continue
+            if header.slot >= 0 and src is not None:
+                # A pool slot: hand it back to its producer rather than drop it.
+                _give_back(
+                    self._names,
+                    _canonical_task(src),
+                    header.producer_incarnation,
+                    header.slot,
+                    path,
+                )
+            else:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    _log.warning("cannot free unreceived message %s: %s", path, e)
+                    continue
+            freed += 1
         return freed
 
     def close(self) -> None:
