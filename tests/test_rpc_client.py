@@ -390,3 +390,24 @@ def test_client_server_killed_mid_stream_is_unavailable(client: RpcClient) -> No
             child.stdin.close()
         if child.stdout is not None:
             child.stdout.close()
+
+
+def test_client_cancel_racing_the_value_gives_it_back(
+    source: StepSource, server: RpcServer, client: RpcClient
+) -> None:
+    # Cancel just as the value is sent, many times: each value is received exactly once,
+    # in order, by this call or a later one; none waits in the server's cache.
+    key = make_key("race")
+    got: list[int] = []
+    for i in range(20):
+        done = _Done()
+        cancel = client.start_recv(server.address, 1, key, done)
+        _wait_for(lambda d=done: source.pending_waiters(1) == 1 or bool(d.calls))  # type: ignore[misc]
+        source.send(1, key, np.array([i]))
+        if not cancel():
+            error, received = done.wait()
+            assert error is None and received is not None
+            got.append(int(received.value[0]))
+    while len(got) < 20:
+        got.append(int(client.recv(server.address, 1, key, timeout=5).value[0]))
+    assert got == list(range(20))

@@ -26,6 +26,7 @@ from shmrdv._rpc.server import (
     MARK_RECV_FINISHED_METHOD,
     RECV_TENSOR_METHOD,
     RECV_TENSOR_STREAM_METHOD,
+    RELEASE_RECV_METHOD,
     RpcServer,
 )
 
@@ -424,3 +425,42 @@ def test_stream_cancelled_mid_way_is_kept_for_a_retry(
         assembler.feed(message)
     np.testing.assert_array_equal(assembler.result(), value)
     assert server.stats()["requeued"] == 0
+
+
+def test_expired_undelivered_value_goes_back(source: StepSource) -> None:
+    key = make_key("expire")
+    value = np.arange(1 << 20, dtype=np.float64)
+    with (
+        RpcServer("127.0.0.1:0", source, chunk_bytes=64 << 10, cache_ttl=0.05) as srv,
+        grpc.insecure_channel(srv.address, _OPTIONS) as ch,
+    ):
+        source.send(1, key, value)
+        call = ch.unary_stream(RECV_TENSOR_STREAM_METHOD)(
+            _request(1, key, request_id=4), timeout=10
+        )
+        next(call)
+        call.cancel()
+        _wait_for(lambda: srv.stats()["requeued"] == 1)  # no other call needed
+        np.testing.assert_array_equal(
+            coding.decode_response(_unary(ch)(_request(1, key), timeout=10)).value, value
+        )
+
+
+def test_release_recv_gives_a_parked_value_back(
+    source: StepSource, channel: grpc.Channel, server: RpcServer
+) -> None:
+    key = make_key("release")
+    value = np.arange(1 << 20, dtype=np.float64)
+    source.send(1, key, value)
+    call = channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(
+        _request(1, key, request_id=8), timeout=10
+    )
+    next(call)
+    call.cancel()  # parked in the cache for a retry...
+    _wait_for(lambda: server.stats()["waiting"] == 0)
+    release = coding.encode_mark_recv_finished(8)
+    channel.unary_unary(RELEASE_RECV_METHOD)(release, timeout=5)  # ...until released
+    assert server.stats()["requeued"] == 1
+    np.testing.assert_array_equal(
+        coding.decode_response(_unary(channel)(_request(1, key), timeout=10)).value, value
+    )

@@ -57,6 +57,7 @@ from .server import (
     MARK_RECV_FINISHED_METHOD,
     RECV_TENSOR_METHOD,
     RECV_TENSOR_STREAM_METHOD,
+    RELEASE_RECV_METHOD,
 )
 
 __all__ = ["RpcClient"]
@@ -152,6 +153,9 @@ class _StreamRecv:
         self._wake.set()
         if call is not None:
             call.cancel()
+            # The server may have taken the value just now: have it given back to the
+            # key's head instead of parked for a retry that will never come.
+            self._client._notify(self._channel, RELEASE_RECV_METHOD, self._request_id)
         return True
 
     def close(self, error: BaseException) -> None:
@@ -246,7 +250,7 @@ class _StreamRecv:
                 )
                 return
             self._deliver(None, received)
-            self._client._ack(self._channel, self._request_id)
+            self._client._notify(self._channel, MARK_RECV_FINISHED_METHOD, self._request_id)
             return
         # The caller's timeout expired between attempts (the peer kept being unavailable).
         error = DeadlineExceededError(
@@ -456,11 +460,15 @@ class RpcClient:
         except RendezvousError as e:
             raise type(e)(f"bad GetStatusResponse from {address}: {e}") from e
 
-    def _ack(self, channel: grpc.Channel, request_id: int) -> None:
-        """Tell the server it may drop its cached response (TensorFlow: MarkRecvFinished)."""
+    def _notify(self, channel: grpc.Channel, method: str, request_id: int) -> None:
+        """Tell the server, without waiting, that ``request_id`` is done with.
+
+        ``MarkRecvFinished`` (TensorFlow): the value arrived, drop the cached response.
+        ``ReleaseRecv`` (shmrdv): the call was cancelled, give back a value taken for it.
+        """
         request = coding.encode_mark_recv_finished(request_id)
         try:
-            fut = channel.unary_unary(MARK_RECV_FINISHED_METHOD).future(
+            fut = channel.unary_unary(method).future(
                 request, timeout=_ACK_TIMEOUT, metadata=self._metadata
             )
         except (ValueError, grpc.RpcError):  # the channel was closed meanwhile

@@ -71,6 +71,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "RECV_TENSOR_METHOD",
     "RECV_TENSOR_STREAM_METHOD",
+    "RELEASE_RECV_METHOD",
     "GET_STATUS_METHOD",
     "MARK_RECV_FINISHED_METHOD",
     "RpcServer",
@@ -87,6 +88,8 @@ RECV_TENSOR_METHOD = f"/{_TF_SERVICE}/RecvTensor"
 GET_STATUS_METHOD = f"/{_TF_SERVICE}/GetStatus"
 MARK_RECV_FINISHED_METHOD = f"/{_TF_SERVICE}/MarkRecvFinished"
 RECV_TENSOR_STREAM_METHOD = f"/{_SHMRDV_SERVICE}/RecvTensorStream"
+# Hand-registered, not in the .proto: MarkRecvFinishedRequest in, empty response out.
+RELEASE_RECV_METHOD = f"/{_SHMRDV_SERVICE}/ReleaseRecv"
 
 # research/pitfalls.md §6: stream in chunks of at most 4 MiB (gRPC's default receive limit).
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -248,6 +251,7 @@ class RpcServer:
         self._cache: OrderedDict[_CacheKey, _Waiter] = OrderedDict()  # by request_id, oldest first
         self._cached_bytes = 0
         self._answered: OrderedDict[int, None] = OrderedDict()  # request_ids given a value
+        self._released: OrderedDict[int, None] = OrderedDict()  # request_ids given up
         self._stats = {
             "calls": 0,
             "values_served": 0,
@@ -351,7 +355,8 @@ class RpcServer:
                     {
                         "RecvTensorStream": grpc.unary_stream_rpc_method_handler(
                             self._recv_tensor_stream
-                        )
+                        ),
+                        "ReleaseRecv": grpc.unary_unary_rpc_method_handler(self._release_recv),
                     },
                 ),
             ]
@@ -561,6 +566,26 @@ class RpcServer:
                 self._uncache(ck)
         return b""
 
+    async def _release_recv(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        """shmrdv's ReleaseRecv: the client cancelled this request_id and will not retry.
+
+        A value already taken for it and not delivered goes back to its key now instead of
+        waiting in the cache until it expires. Same message as MarkRecvFinished.
+        """
+        try:
+            rid = coding.decode_mark_recv_finished(request)
+        except RendezvousError as e:
+            await self._abort(context, e)
+        if rid:
+            self._released[rid] = None
+            if len(self._released) > _ANSWERED_IDS:
+                self._released.popitem(last=False)
+            for ck in [ck for ck in self._cache if ck[0] == rid]:
+                self._uncache(ck)  # gives back now, or when the call serving it ends
+        return b""
+
     async def _abort(
         self, context: grpc.aio.ServicerContext[Any, Any], error: RendezvousError
     ) -> NoReturn:
@@ -633,7 +658,9 @@ class RpcServer:
                 if found.future.done():
                     self._stats["cache_hits"] += 1
                 return found
-            if req.request_id in self._answered:
+            if req.request_id in self._released:
+                cache_key = None  # the client gave this id up: never cache under it
+            elif req.request_id in self._answered:
                 # TensorFlow (RecentRequestIds) answers every repeated id so: without it a
                 # retry would wait for, and steal, the key's next value.
                 raise AbortedError(
@@ -693,10 +720,13 @@ class RpcServer:
             return
         waiter.send_start_micros = time.time_ns() // 1000
         waiter.future.set_result(received)
-        if waiter.joiners == 0 and (
-            waiter.cache_key is None or waiter.cache_key not in self._cache
-        ):
-            # Every call left while the value was on its way, and no retry can claim it.
+        if waiter.joiners == 0:
+            # Every call left while the value was on its way (cancelled, or the connection
+            # broke). Give it back to the head of its key rather than park it in the
+            # cache: a retry with the same request_id starts a new waiter and gets it
+            # first, and a client that cancelled never comes back for it.
+            if waiter.cache_key is not None:
+                self._cache.pop(waiter.cache_key, None)
             self._maybe_give_back(waiter)
             return
         if waiter.cache_key is not None:
@@ -709,6 +739,8 @@ class RpcServer:
             self._cache.move_to_end(waiter.cache_key)
             self._cached_bytes += waiter.nbytes
             self._evict()
+            # Expiry also runs on every lookup; this timer covers a server that gets none.
+            asyncio.get_running_loop().call_later(self._cache_ttl + 0.01, self._expire)
 
     def _abandon(self, waiter: _Waiter, pk: ParsedKey) -> None:
         """The last call waiting on ``waiter`` left before the value came: remove the waiter."""
