@@ -1,10 +1,11 @@
 """A pytest plugin for testing code built on shmrdv (registered as ``pytest11`` entry ``shmrdv``).
 
-Off unless enabled: pass ``-p shmrdv.pytest_plugin``... it is loaded through the entry point
-but does nothing until ``--shmrdv`` is given or the ini option ``shmrdv = true`` is set.
-Then it offers fixtures — ``shmrdv_namespace`` (a fresh namespace token),
-``shmrdv_leak_check`` (autouse: fails a test that leaves shmrdv objects in /dev/shm or
-child processes running) — and the helpers in ``shmrdv.testing``.
+It is loaded through the entry point, but its leak check stays off until ``--shmrdv`` is
+given or the ini option ``shmrdv = true`` is set. Fixtures: ``shmrdv_namespace`` (a fresh
+namespace token), ``shmrdv_child_worker`` (a factory of Workers running in real child
+processes), and, when enabled, the autouse ``shmrdv_leak_check`` (fails a test that
+leaves shmrdv objects of a dead namespace in /dev/shm or child processes running) and a
+session-wide check. ``shmrdv.testing`` has the conformance battery and ``run_in_worker``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -30,8 +32,25 @@ def leftover_objects(prefix: str = "shmrdv_") -> set[str]:
     return {e for e in entries if e.startswith(prefix) or e.startswith("sem." + prefix)}
 
 
+def _helper_pids() -> set[int]:
+    """Long-lived helpers multiprocessing starts once per process (not a test's leak)."""
+    pids: set[int] = set()
+    try:
+        from multiprocessing import resource_tracker
+
+        pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+        if pid:
+            pids.add(pid)
+    except Exception:  # pragma: no cover - private API moved
+        pass
+    return pids
+
+
 def child_pids() -> set[int]:
-    """Pids of live (non-zombie) children of this process, from /proc."""
+    """Pids of live (non-zombie) children of this process, from /proc.
+
+    multiprocessing's resource tracker, started by the first ``spawn``, is not counted.
+    """
     me = os.getpid()
     out: set[int] = set()
     try:
@@ -48,7 +67,7 @@ def child_pids() -> set[int]:
         fields = stat[stat.rfind(b")") + 2 :].split()
         if len(fields) >= 2 and int(fields[1]) == me and fields[0] != b"Z":
             out.add(pid)
-    return out
+    return out - _helper_pids()
 
 
 def wait_clean(
@@ -116,7 +135,9 @@ def shmrdv_session_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     # session on this machine); ours are all closed by now.
     dead = _dead_leftovers(objs)
     if dead:
-        pytest.fail(f"shmrdv leak check: the session left in {SHM_DIR}: {sorted(dead)[:20]}", pytrace=False)
+        pytest.fail(
+            f"shmrdv leak check: the session left in {SHM_DIR}: {sorted(dead)[:20]}", pytrace=False
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -154,3 +175,24 @@ def shmrdv_namespace() -> str:
     from ._namespace import new_namespace
 
     return new_namespace()
+
+
+@pytest.fixture
+def shmrdv_child_worker(shmrdv_namespace: str) -> Iterator[Callable[..., Any]]:
+    """A factory: ``shmrdv_child_worker(task, **worker_kwargs)`` starts a real child process
+    holding a ``Worker`` for ``task`` in the test's namespace and returns its
+    ``shmrdv.testing.ChildWorker`` handle (send, recv, call, kill, ...). Every child is
+    closed at teardown."""
+    from ._child import ChildWorker
+
+    children: list[ChildWorker] = []
+
+    def make(task: str, **worker_kwargs: Any) -> ChildWorker:
+        worker_kwargs.setdefault("namespace", shmrdv_namespace)
+        child = ChildWorker(task, **worker_kwargs)
+        children.append(child)
+        return child
+
+    yield make
+    for child in reversed(children):
+        child.close()

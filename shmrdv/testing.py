@@ -37,12 +37,16 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from ._child import ChildError, ChildWorker
 from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError
 from ._received import Received
 from ._rendezvous import Rendezvous
 
 __all__ = [
     "CHECKS",
+    "ChildError",
+    "ChildWorker",
+    "run_in_worker",
     "EXPIRE_S",
     "PROMPT_S",
     "WAIT_S",
@@ -672,3 +676,17 @@ def run_conformance(
         raise AssertionError(
             f"{len(failures)} of {len(selected)} conformance checks failed:\n{lines}"
         ) from failures[0][1]
+
+
+def run_in_worker(
+    task: str, fn: Callable[..., _T], *args: Any, timeout: float = 60.0, **worker_kwargs: Any
+) -> _T:
+    """Run ``fn(worker, *args)`` in a fresh child process holding a ``Worker`` for ``task``.
+
+    Returns what ``fn`` returns (it must pickle) or raises what it raised; the child and
+    its Worker are closed before this returns. ``fn`` must be importable by name (a
+    module-level function). ``worker_kwargs`` go to ``shmrdv.Worker`` (``namespace=`` ...).
+    """
+    with ChildWorker(task, reply_timeout=timeout, **worker_kwargs) as child:
+        result: _T = child.call(fn, *args)
+        return result

@@ -56,7 +56,19 @@ def test_cli_demo_runs_checks_and_leaves_nothing() -> None:
 
 @pytest.mark.timeout(180)
 def test_cli_demo_two_hosts_over_grpc() -> None:
-    proc = run("demo", "--frames", "20", "--size", "64k", "--stages", "1", "--hosts", "2", "--no-baseline", timeout=170)
+    proc = run(
+        "demo",
+        "--frames",
+        "20",
+        "--size",
+        "64k",
+        "--stages",
+        "1",
+        "--hosts",
+        "2",
+        "--no-baseline",
+        timeout=170,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "gRPC" in proc.stdout and "0 bad" in proc.stdout
     assert "leftover" not in proc.stderr
@@ -81,9 +93,7 @@ def test_cli_ls_and_gc_see_only_dead_namespaces() -> None:
         assert run("ls", "--namespace", ns_live, timeout=60).stdout.count(ns_live) == len(objs)
     # A namespace whose only worker was SIGKILLed: everything it left is collected.
     ns_dead = shmrdv.new_namespace()
-    code = (
-        "import os, shmrdv; w = shmrdv.Worker('/job:cli/task:1', namespace=%r); os._exit(0)" % ns_dead
-    )
+    code = f"import os, shmrdv; w = shmrdv.Worker('/job:cli/task:1', namespace={ns_dead!r}); os._exit(0)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     listed = json.loads(run("ls", "--namespace", ns_dead, "--json", timeout=60).stdout)
     assert listed and not any(o["alive"] for o in listed)

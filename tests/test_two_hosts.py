@@ -111,8 +111,21 @@ def two_hosts() -> Iterator[tuple[str, str, str, str]]:
 
 def _host_cmd(netns: str, script: Path, *args: str) -> list[str]:
     # A private mount namespace with its own /dev/shm: the two hosts share no shared memory.
-    inner = f'mount -t tmpfs -o size=256m tmpfs /dev/shm && exec "$0" "$@"'
-    return ["ip", "netns", "exec", netns, "unshare", "-m", "sh", "-c", inner, sys.executable, str(script), *args]
+    inner = 'mount -t tmpfs -o size=256m tmpfs /dev/shm && exec "$0" "$@"'
+    return [
+        "ip",
+        "netns",
+        "exec",
+        netns,
+        "unshare",
+        "-m",
+        "sh",
+        "-c",
+        inner,
+        sys.executable,
+        str(script),
+        *args,
+    ]
 
 
 @pytest.mark.timeout(120)
@@ -148,7 +161,9 @@ def test_two_hosts_router_picks_grpc_across_and_shm_within(
             line = p.stdout.readline()
             if not line:
                 p.wait(10)
-                pytest.fail(f"host process failed (rc {p.returncode}):\n{p.stderr.read() if p.stderr else ''}")
+                pytest.fail(
+                    f"host process failed (rc {p.returncode}):\n{p.stderr.read() if p.stderr else ''}"
+                )
             rep = json.loads(line)
             reports[rep["role"]] = rep
         marker.write_text("done")
