@@ -22,12 +22,12 @@ value again for ``cache_ttl`` seconds (bounded in count and bytes), so a respons
 the wire is not a lost tensor. TensorFlow answers such a retry with ``ABORTED``
 (``RecentRequestIds``), and pytorch/xla#4084 shows that kills jobs.
 ``MarkRecvFinished`` (sent by TensorFlow clients when a response has ``require_ack``,
-and by ``RpcClient`` after every stream) and ``drop_step`` release entries early. A value
-whose every call went away before it was fully sent, and that no retry can claim any
-more, goes back to the source (``TensorSource.requeue``). One window remains: a client
-that cancels just as its value is taken never retries, so that value waits in the cache
-until it expires (``cache_ttl``) and only then returns to its key, behind values that
-may have been received meanwhile.
+and by ``RpcClient`` after every stream) and ``drop_step`` release entries early.
+
+A value is not lost to calls that go away before it is sent: one that arrives after every call for it
+left, or whose every call went away before it was fully sent and that no retry can
+claim (``ReleaseRecv`` from a client that cancelled, or cache expiry), goes back to the
+head of its key (``TensorSource.requeue``).
 """
 
 from __future__ import annotations
