@@ -1,0 +1,143 @@
+"""Workers in ``fork`` and ``spawn`` children; a Worker inherited across ``fork`` (issue 3 §5).
+
+A child made by either start method creates its own Worker and exchanges values with a
+Worker in this process over shared memory. A Worker the child inherited from its parent
+through ``fork`` refuses every call with a clear ``InvalidArgumentError`` and leaves the
+parent's objects alone, also when the child exits.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.resource_tracker
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmrdv
+from shmrdv._shm.naming import SHM_DIR
+
+PARENT = "/job:worker/replica:0/task:0"
+CHILD = "/job:worker/replica:0/task:1"
+
+
+def make_key(edge: str, src: str, dst: str) -> str:
+    return shmrdv.create_key(f"{src}/device:CPU:0", 0, f"{dst}/device:CPU:0", edge)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _resource_tracker() -> None:
+    """Start multiprocessing's resource tracker before the leak check looks at our children."""
+    multiprocessing.resource_tracker.ensure_running()
+
+
+def _child_echo(ns: str, results: Any) -> None:
+    """In the child: a new Worker; send a value, receive one, send it back plus one."""
+    try:
+        with shmrdv.Worker(CHILD, namespace=ns) as w:
+            rdv = w.rendezvous(1)
+            rdv.send(make_key("hello", CHILD, PARENT), np.arange(5, dtype=np.int64))
+            got = rdv.recv(make_key("ping", PARENT, CHILD), timeout=20)
+            rdv.send(make_key("pong", CHILD, PARENT), got.value + 1)
+            del got
+            w.cleanup(1)
+        results.put(("ok", os.getpid()))
+    except BaseException as e:
+        results.put(("error", f"{type(e).__name__}: {e}"))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_worker_in_child_of_each_start_method(method: str) -> None:
+    ctx = mp.get_context(method)
+    ns = shmrdv.new_namespace()
+    with shmrdv.Worker(PARENT, namespace=ns) as parent:
+        results = ctx.Queue()
+        proc = ctx.Process(target=_child_echo, args=(ns, results))
+        proc.start()
+        try:
+            rdv = parent.rendezvous(1)
+            hello = rdv.recv(make_key("hello", CHILD, PARENT), timeout=30)
+            np.testing.assert_array_equal(hello.value, np.arange(5))
+            rdv.send(make_key("ping", PARENT, CHILD), np.full(3, 41, dtype=np.int32))
+            pong = rdv.recv(make_key("pong", CHILD, PARENT), timeout=30)
+            assert list(pong.value) == [42, 42, 42]
+            status, detail = results.get(timeout=30)
+            assert status == "ok", detail
+            assert parent.stats()["shm"]["received"] == 2
+            del hello, pong
+        finally:
+            proc.join(30)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(10)
+            results.close()
+            results.join_thread()
+        assert proc.exitcode == 0
+        parent.cleanup(1)
+
+
+def _child_use_inherited(worker: shmrdv.Worker, results: Any) -> None:
+    """In a fork child: every use of the parent's Worker must be refused."""
+    outcomes = []
+    rdv = worker._steps[7]  # the step's rendezvous, made in the parent before the fork
+    calls: dict[str, Callable[[], object]] = {
+        "rendezvous": lambda: worker.rendezvous(1),
+        "send": lambda: rdv.send(make_key("x", PARENT, CHILD), np.zeros(1)),
+        "recv": lambda: rdv.recv(make_key("y", CHILD, PARENT), timeout=1),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except shmrdv.InvalidArgumentError as e:
+            outcomes.append((name, "refused", str(e)))
+        except BaseException as e:
+            outcomes.append((name, type(e).__name__, str(e)))
+        else:
+            outcomes.append((name, "accepted", ""))
+    worker.close()  # must touch nothing of the parent's
+    results.put(outcomes)
+
+
+def test_worker_inherited_across_fork_is_refused() -> None:
+    ctx = mp.get_context("fork")
+    ns = shmrdv.new_namespace()
+    with shmrdv.Worker(PARENT, namespace=ns) as parent:
+        parent.rendezvous(7)
+        objects_before = sorted(e for e in os.listdir(SHM_DIR) if ns in e)
+        results = ctx.Queue()
+        proc = ctx.Process(target=_child_use_inherited, args=(parent, results))
+        proc.start()
+        try:
+            outcomes = results.get(timeout=30)
+        finally:
+            proc.join(30)
+            results.close()
+            results.join_thread()
+        assert proc.exitcode == 0
+        for name, verdict, message in outcomes:
+            assert verdict == "refused", (name, verdict, message)
+            assert "fork" in message and "create a new Worker" in message, message
+            assert str(os.getpid()) in message  # names the process that created it
+        # The child's exit and its close() left the parent's objects in place and working.
+        assert sorted(e for e in os.listdir(SHM_DIR) if ns in e) == objects_before
+        child_results: Any = ctx.Queue()
+        proc = ctx.Process(target=_child_echo, args=(ns, child_results))
+        proc.start()
+        try:
+            rdv = parent.rendezvous(1)
+            assert rdv.recv(make_key("hello", CHILD, PARENT), timeout=30).value[4] == 4
+            rdv.send(make_key("ping", PARENT, CHILD), np.zeros(1))
+            assert rdv.recv(make_key("pong", CHILD, PARENT), timeout=30).value[0] == 1
+            assert child_results.get(timeout=30)[0] == "ok"
+        finally:
+            proc.join(30)
+            child_results.close()
+            child_results.join_thread()
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(10)
+        parent.cleanup(1)
+        parent.cleanup(7)
