@@ -51,7 +51,7 @@ def _child_echo(ns: str, results: Any) -> None:
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_worker_in_child_of_each_start_method(method: str) -> None:
-    ctx = mp.get_context(method)
+    ctx: Any = mp.get_context(method)
     ns = shmrdv.new_namespace()
     with shmrdv.Worker(PARENT, namespace=ns) as parent:
         results = ctx.Queue()
