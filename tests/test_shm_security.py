@@ -1,0 +1,193 @@
+"""Squatting by another local user (issue 3 §6; research/pitfalls.md §7).
+
+As root, a child process drops to uid 65534 ("nobody") and pre-creates, with mode 0666,
+an object under the exact name a worker is about to use (computed with ``Names``, as if
+the attacker knew the namespace token). The worker must detect it and refuse it: it is
+never written into, never read from, never posted; the legitimate side gets an error or
+takes a path the attacker cannot reach; the planted object is unchanged afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import posix_ipc
+import pytest
+
+import shmrdv
+from shmrdv._shm.naming import SHM_DIR, Names
+from shmrdv._shm.registry import collect
+
+PRODUCER = "/job:worker/replica:0/task:0"
+CONSUMER = "/job:worker/replica:0/task:1"
+INCARNATION = 0x5EC0_0000_0000_0001
+NOBODY = 65534
+PLANTED = b"planted by uid 65534; must never change".ljust(4096, b".")
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user (setuid)"),
+]
+
+
+def make_key(edge: str) -> str:
+    return shmrdv.create_key(f"{PRODUCER}/device:CPU:0", 0, f"{CONSUMER}/device:CPU:0", edge)
+
+
+def _plant_file(path: str) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    os.fchmod(fd, 0o666)
+    os.write(fd, PLANTED)
+    os.close(fd)
+
+
+def _plant_semaphore(name: str) -> None:
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o666, initial_value=0)
+    os.chmod(f"{SHM_DIR}/sem.{name[1:]}", 0o666)
+    sem.close()
+
+
+def _as_nobody(fn: Callable[[str], None], arg: str) -> None:
+    """Run ``fn(arg)`` in a forked child that first drops to uid/gid 65534."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            fn(arg)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the attacker child failed"
+
+
+@dataclass
+class Planted:
+    path: str
+
+    def assert_untouched(self) -> None:
+        st = os.stat(self.path, follow_symlinks=False)
+        assert st.st_uid == NOBODY and stat.S_IMODE(st.st_mode) == 0o666
+        with open(self.path, "rb") as f:
+            assert f.read() == PLANTED
+
+
+@pytest.fixture
+def ns() -> Iterator[str]:
+    token = shmrdv.new_namespace()
+    yield token
+    # Root removes what "nobody" planted, then whatever the test's workers left for gc.
+    for entry in os.listdir(SHM_DIR):
+        if token in entry and os.stat(os.path.join(SHM_DIR, entry)).st_uid == NOBODY:
+            os.unlink(os.path.join(SHM_DIR, entry))
+    collect(token)
+
+
+def plant_file(name: str) -> Planted:
+    path = Names.path(name)
+    _as_nobody(_plant_file, path)
+    planted = Planted(path)
+    planted.assert_untouched()
+    return planted
+
+
+def test_security_planted_message_is_refused_by_both_sides(ns: str) -> None:
+    key = make_key("secret")
+    planted = plant_file(Names(ns).message(1, key, INCARNATION, 0))
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        shmrdv.Worker(PRODUCER, namespace=ns, incarnation=INCARNATION) as producer,
+    ):
+        crdv, prdv = consumer.rendezvous(1), producer.rendezvous(1)
+        with pytest.raises(shmrdv.InternalError, match=r"planted|refusing"):
+            crdv.recv(key, timeout=5)
+        with pytest.raises(shmrdv.InternalError, match="exists already"):
+            prdv.send(key, np.full(100, 7, dtype=np.uint8))
+        planted.assert_untouched()
+        # Both skipped the squatted message: the next one goes through.
+        prdv.send(key, np.full(100, 8, dtype=np.uint8))
+        assert crdv.recv(key, timeout=5).value[0] == 8
+        planted.assert_untouched()
+        consumer.cleanup(1)
+        producer.cleanup(1)
+
+
+def test_security_planted_doorbell_is_refused(ns: str) -> None:
+    names = Names(ns)
+    bell = names.bell(CONSUMER)
+    _as_nobody(_plant_semaphore, bell)
+    try:
+        with pytest.raises(shmrdv.InternalError, match="not ours"):
+            shmrdv.Worker(CONSUMER, namespace=ns)
+        # A producer never posts a doorbell it does not own; its send still succeeds.
+        with shmrdv.Worker(PRODUCER, namespace=ns) as producer:
+            producer.rendezvous(1).send(make_key("unposted"), np.ones(10))
+            producer.cleanup(1)
+        sem = posix_ipc.Semaphore(bell)
+        try:
+            assert sem.value == 0
+        finally:
+            sem.close()
+        st = os.stat(names.bell_path(CONSUMER))
+        assert st.st_uid == NOBODY and stat.S_IMODE(st.st_mode) == 0o666
+    finally:
+        posix_ipc.unlink_semaphore(bell)
+
+
+def test_security_planted_pool_slot_is_not_used(ns: str) -> None:
+    planted = plant_file(Names(ns).pool(INCARNATION, 0))
+    key = make_key("pooled")
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        shmrdv.Worker(PRODUCER, namespace=ns, incarnation=INCARNATION) as producer,
+    ):
+        for i in range(3):
+            producer.rendezvous(1).send(key, np.full(1000, i, dtype=np.int16))
+            got = consumer.rendezvous(1).recv(key, timeout=5)
+            assert (got.value == i).all()
+            del got
+        planted.assert_untouched()
+        consumer.cleanup(1)
+        producer.cleanup(1)
+    planted.assert_untouched()
+
+
+def test_security_planted_held_name_is_not_used(ns: str) -> None:
+    planted = plant_file(Names(ns).held(INCARNATION, 0))
+    key = make_key("held")
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        shmrdv.Worker(PRODUCER, namespace=ns, incarnation=INCARNATION) as producer,
+    ):
+        producer.rendezvous(1).send(key, np.arange(1000, dtype=np.int64))
+        got = consumer.rendezvous(1).recv(key, timeout=5)
+        np.testing.assert_array_equal(got.value, np.arange(1000))
+        got.value[:] = -1  # writes go to the consumer's own segment, not the planted file
+        planted.assert_untouched()
+        del got
+        consumer.cleanup(1)
+        producer.cleanup(1)
+    planted.assert_untouched()
+
+
+def test_security_planted_presence_record_is_refused(ns: str) -> None:
+    names = Names(ns)
+    planted = plant_file(names.presence(PRODUCER))
+    with pytest.raises(shmrdv.InternalError, match="not ours"):
+        shmrdv.Worker(PRODUCER, namespace=ns)
+    with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
+        # A receive from a task whose record is squatted fails at once instead of trusting it.
+        with pytest.raises((shmrdv.InternalError, shmrdv.UnavailableError), match="not ours"):
+            consumer.rendezvous(1).recv(make_key("squatted"), timeout=5)
+        consumer.cleanup(1)
+    planted.assert_untouched()
