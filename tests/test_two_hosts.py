@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from netns_helpers import host_cmd, make_hosts
 
 pytestmark = pytest.mark.root
 
@@ -76,56 +75,10 @@ _HOST_SCRIPT = textwrap.dedent(
 )
 
 
-def _run(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def two_hosts() -> Iterator[tuple[str, str, str, str]]:
-    if os.geteuid() != 0:
-        pytest.skip("network and mount namespaces need root")
-    if shutil.which("ip") is None or shutil.which("unshare") is None:
-        pytest.skip("iproute2 (ip) and util-linux (unshare) are needed")
-    tag = secrets.token_hex(3)
-    a, b = f"shmrdva{tag}", f"shmrdvb{tag}"
-    net = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
-    addr_a, addr_b = f"{net}.1", f"{net}.2"
-    try:
-        _run("ip", "netns", "add", a)
-    except (subprocess.CalledProcessError, OSError) as e:
-        pytest.skip(f"cannot create a network namespace here: {e}")
-    try:
-        _run("ip", "netns", "add", b)
-        _run("ip", "link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}")
-        _run("ip", "link", "set", f"va{tag}", "netns", a)
-        _run("ip", "link", "set", f"vb{tag}", "netns", b)
-        for ns, dev, addr in ((a, f"va{tag}", addr_a), (b, f"vb{tag}", addr_b)):
-            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _run("ip", "-n", ns, "link", "set", dev, "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-        yield a, b, addr_a, addr_b
-    finally:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-
-
-def _host_cmd(netns: str, script: Path, *args: str) -> list[str]:
-    # A private mount namespace with its own /dev/shm: the two hosts share no shared memory.
-    inner = 'mount -t tmpfs -o size=256m tmpfs /dev/shm && exec "$0" "$@"'
-    return [
-        "ip",
-        "netns",
-        "exec",
-        netns,
-        "unshare",
-        "-m",
-        "sh",
-        "-c",
-        inner,
-        sys.executable,
-        str(script),
-        *args,
-    ]
+    with make_hosts() as h:
+        yield h.a, h.b, h.addr_a, h.addr_b
 
 
 @pytest.mark.timeout(120)
@@ -146,7 +99,7 @@ def test_two_hosts_router_picks_grpc_across_and_shm_within(
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs = [
         subprocess.Popen(
-            _host_cmd(netns, script, role, json.dumps(cluster), ns, str(marker)),
+            host_cmd(netns, script, role, json.dumps(cluster), ns, str(marker)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
