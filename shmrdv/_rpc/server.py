@@ -154,6 +154,9 @@ class _Waiter:
     serving: int = 0  # calls sending this value now
     sent: bool = False  # a call handed the whole response to gRPC
     given_back: bool = False  # returned to the source with requeue
+    # The client cancelled before taking any data (ReleaseRecv): whatever the stream
+    # wrote went nowhere, so the value goes back even if every chunk was written.
+    released: bool = False
 
 
 def _retrieve(fut: asyncio.Future[Received]) -> None:
@@ -583,6 +586,7 @@ class RpcServer:
             if len(self._released) > _ANSWERED_IDS:
                 self._released.popitem(last=False)
             for ck in [ck for ck in self._cache if ck[0] == rid]:
+                self._cache[ck].released = True
                 self._uncache(ck)  # gives back now, or when the call serving it ends
         return b""
 
@@ -764,7 +768,7 @@ class RpcServer:
     def _maybe_give_back(self, waiter: _Waiter) -> None:
         """Give the value back if no call delivered it, none is using it, no retry can claim it."""
         if (
-            waiter.sent
+            (waiter.sent and not waiter.released)
             or waiter.given_back
             or waiter.joiners
             or waiter.serving

@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,6 +45,15 @@ __all__ = ["GrpcTransport"]
 _log = logging.getLogger("shmrdv.rpc")
 
 
+@dataclass(eq=False)
+class _RemoteWaiter:
+    """One receive of a remote key: queued, or at the head with its RPC in flight."""
+
+    done: DoneCallback
+    copy: bool
+    cancel_rpc: Canceller | None = None
+
+
 class GrpcTransport:
     """gRPC transport of one Worker; also the ``TensorSource`` its server serves from."""
 
@@ -57,8 +68,7 @@ class GrpcTransport:
         self._lock = threading.Lock()
         self._outboxes: dict[int, LocalRendezvous] = {}
         self._aborted: dict[int, BaseException] = {}
-        self._inflight: dict[int, dict[int, tuple[Canceller, DoneCallback]]] = {}
-        self._next_call = 0
+        self._queues: dict[tuple[int, str], deque[_RemoteWaiter]] = {}
         self._owned: dict[int, weakref.ref[npt.NDArray[Any]]] = {}
         self._closed = False
         self._counters = {"sent": 0, "sent_bytes": 0, "received": 0, "received_bytes": 0}
@@ -130,45 +140,81 @@ class GrpcTransport:
     # -- consumer side --------------------------------------------------------------
 
     def start_recv(self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
+        """Queue a receive of ``key``; one RecvTensor per key is in flight at a time.
+
+        Concurrent RPCs for one key would reach the producer in any order and break the
+        channel's FIFO promise (the oldest receive gets the oldest value), so later
+        receives of a key wait here, in order, until the one ahead of them is answered.
+        """
         address = self._w.peer_address(key.src, key)
+        k = (step_id, key.full_key)
+        waiter = _RemoteWaiter(done, copy)
         with self._lock:
             if self._closed:
                 raise AbortedError(f"Worker {self.task} is closed")
             err = self._aborted.get(step_id)
             if err is not None:
                 raise err
-            call_id = self._next_call
-            self._next_call += 1
-            calls = self._inflight.setdefault(step_id, {})
+            queue = self._queues.setdefault(k, deque())
+            queue.append(waiter)
+            first = len(queue) == 1
+        if first:
+            self._issue(k, key, address, waiter)
+        return lambda: self._cancel(k, key, address, waiter)
 
+    def _issue(
+        self, k: tuple[int, str], key: ParsedKey, address: str, waiter: _RemoteWaiter
+    ) -> None:
         def finish(error: BaseException | None, received: Received | None) -> None:
-            with self._lock:
-                step_calls = self._inflight.get(step_id)
-                if step_calls is None or step_calls.pop(call_id, None) is None:
-                    return  # aborted meanwhile: abort_step already answered
+            ours, nxt = self._pop_head(k, waiter)
+            if not ours:
+                return  # aborted or cancelled meanwhile: someone else answered
+            if nxt is not None:
+                self._issue(k, key, address, nxt)
             if received is not None:
                 self._counters["received"] += 1
                 self._counters["received_bytes"] += received.value.nbytes
-                if copy or not received.value.flags.writeable:
+                if waiter.copy or not received.value.flags.writeable:
                     received = Received(np.array(received.value, copy=True), received.is_dead)
-            invoke_done(done, error, received)
+            invoke_done(waiter.done, error, received)
 
-        cancel = self._client.start_recv(address, step_id, key, finish)
+        cancel = self._client.start_recv(address, k[0], key, finish)
         with self._lock:
-            calls[call_id] = (cancel, done)
+            waiter.cancel_rpc = cancel
 
-        def canceller() -> bool:
-            with self._lock:
-                step_calls = self._inflight.get(step_id)
-                if step_calls is None or call_id not in step_calls:
-                    return False
-            if not cancel():
+    def _pop_head(
+        self, k: tuple[int, str], waiter: _RemoteWaiter
+    ) -> tuple[bool, _RemoteWaiter | None]:
+        """Remove ``waiter`` from the head of its queue: (was it there, the next waiter)."""
+        with self._lock:
+            queue = self._queues.get(k)
+            if not queue or queue[0] is not waiter:
+                return False, None
+            queue.popleft()
+            if queue:
+                return True, queue[0]
+            del self._queues[k]
+            return True, None
+
+    def _cancel(
+        self, k: tuple[int, str], key: ParsedKey, address: str, waiter: _RemoteWaiter
+    ) -> bool:
+        with self._lock:
+            queue = self._queues.get(k)
+            if not queue or waiter not in queue:
                 return False
-            with self._lock:
-                step_calls = self._inflight.get(step_id)
-                return step_calls is not None and step_calls.pop(call_id, None) is not None
-
-        return canceller
+            if queue[0] is not waiter:
+                queue.remove(waiter)  # not in flight yet
+                return True
+            rpc = waiter.cancel_rpc
+        if rpc is None or not rpc():
+            return False  # its value is arriving: done will be called
+        ours, nxt = self._pop_head(k, waiter)
+        if not ours:
+            return False
+        if nxt is not None:
+            self._issue(k, key, address, nxt)
+        return True
 
     # -- steps and lifetime -----------------------------------------------------------
 
@@ -177,20 +223,22 @@ class GrpcTransport:
             self._aborted.setdefault(step_id, error)
             error = self._aborted[step_id]
             box = self._outboxes.get(step_id)
-            calls = self._inflight.pop(step_id, {})
+            waiters: list[_RemoteWaiter] = []
+            for k in [k for k in self._queues if k[0] == step_id]:
+                waiters.extend(self._queues.pop(k))
         if box is not None:
             box.start_abort(error)
-        for cancel, done in calls.values():
-            # Stop the call in flight; if its value already arrived, finish() drops it
-            # (the step is aborted) and this is the answer the caller gets.
-            cancel()
-            invoke_done(done, error, None)
+        for waiter in waiters:
+            # Stop the call in flight; if its value already arrived, finish() finds the
+            # queue gone and drops it: this error is the answer the caller gets.
+            if waiter.cancel_rpc is not None:
+                waiter.cancel_rpc()
+            invoke_done(waiter.done, error, None)
 
     def cleanup_step(self, step_id: int) -> None:
         with self._lock:
             self._outboxes.pop(step_id, None)
             self._aborted.pop(step_id, None)
-            self._inflight.pop(step_id, None)
         if self._server is not None:
             self._server.drop_step(step_id)
 
@@ -201,7 +249,7 @@ class GrpcTransport:
             self._closed = True
             boxes = list(self._outboxes.values())
             self._outboxes.clear()
-            steps = list(self._inflight)
+            steps = {k[0] for k in self._queues}
         error = AbortedError(f"Worker {self.task} closed")
         for step in steps:
             self.abort_step(step, error)
@@ -216,7 +264,7 @@ class GrpcTransport:
         with self._lock:
             out["outbox_steps"] = len(self._outboxes)
             out["outbox_values"] = sum(b.stats()["pending_values"] for b in self._outboxes.values())
-            out["calls_in_flight"] = sum(len(c) for c in self._inflight.values())
+            out["receives_pending"] = sum(len(q) for q in self._queues.values())
         if self._server is not None:
             out.update({f"server_{k}": v for k, v in self._server.stats().items()})
         return out
