@@ -787,34 +787,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load",
         action="store_true",
-        help="run the load test (producers -> one consumer, every message checked) instead",
+        help="instead: the load run (producer processes -> one consumer, every message checked)",
     )
     parser.add_argument(
-        "--load-messages", type=int, default=d.messages, help=f"(default {d.messages:,})"
+        "--load-messages",
+        type=int,
+        default=d.messages,
+        metavar="N",
+        help=f"(default {d.messages:,})",
     )
     parser.add_argument(
-        "--load-producers", type=int, default=d.producers, help=f"(default {d.producers})"
+        "--load-producers",
+        type=int,
+        default=d.producers,
+        metavar="N",
+        help=f"producer processes (default {d.producers})",
     )
-    parser.add_argument("--load-keys", type=int, default=d.keys, help=f"(default {d.keys:,})")
     parser.add_argument(
-        "--load-max-size",
-        default="4m",
-        help="largest message, e.g. 256k (default 4m)",
+        "--load-keys", type=int, default=d.keys, metavar="N", help=f"(default {d.keys:,})"
     )
-    parser.add_argument("--load-seed", type=int, default=d.seed, help=f"(default {d.seed})")
+    parser.add_argument(
+        "--load-max-size", default="4m", metavar="SIZE", help="largest message (default 4m)"
+    )
+    parser.add_argument(
+        "--load-window",
+        default="64m",
+        metavar="SIZE",
+        help="unconsumed bytes a producer may have out (default 64m; latency grows with it)",
+    )
+    parser.add_argument(
+        "--load-seed", type=int, default=d.seed, metavar="N", help=argparse.SUPPRESS
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
     from .runner import parse_size
 
-    max_size = parse_size(args.load_max_size)
     return LoadConfig(
         messages=args.load_messages,
         producers=args.load_producers,
         keys=args.load_keys,
-        max_size=max_size,
+        max_size=parse_size(args.load_max_size),
         seed=args.load_seed,
-        window_bytes=max(LoadConfig.window_bytes, max_size),
+        window_bytes=parse_size(args.load_window),
     )
 
 

@@ -667,11 +667,29 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--list", action="store_true", help="list the methods and whether they can run, then exit"
     )
+    # The load and soak runs (issue 6 §3) are sub-modes sharing --json; see load.py, soak.py.
+    from . import load, soak
+
+    load.add_arguments(parser)
+    soak.add_arguments(parser)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; the exit status (130 when interrupted)."""
+    want_load = getattr(args, "load", False)
+    want_soak = getattr(args, "soak", None) is not None
+    if want_load and want_soak:
+        print("shmrdv bench: --load and --soak are separate runs; give one", file=sys.stderr)
+        return 2
+    if want_load:
+        from .load import run_cli as run_load
+
+        return run_load(args)
+    if want_soak:
+        from .soak import run_cli as run_soak
+
+        return run_soak(args)
     _load_plugins()
     if args.list:
         for spec in peers.METHODS.values():

@@ -46,6 +46,7 @@ from .report import describe_machine, format_size
 
 __all__ = [
     "COUNT_SERIES",
+    "INFO_SERIES",
     "SIZE_SERIES",
     "SOAK_SIZES",
     "SeriesReport",
@@ -71,9 +72,12 @@ SOAK_SIZES: tuple[tuple[int, float], ...] = (
     (64 << 10, 0.08),
     (256 << 10, 0.05),
 )
-#: Series that must not rise at all after warm-up, and series judged by their slope.
-COUNT_SERIES = ("fds", "threads_py", "threads_os", "shm_objects")
+#: Series that must not rise at all after warm-up, series judged by their slope, and
+#: series only reported (a producer's pool grows by design, up to its cap).
+COUNT_SERIES = ("fds_beside_pool", "threads_py", "threads_os", "shm_objects_beside_pool")
 SIZE_SERIES = ("rss_bytes", "shm_bytes")
+INFO_SERIES = ("fds", "shm_objects", "pool_slots", "shm_pool_objects")
+_POOL_KINDS = frozenset({"pool", "held", "returned"})
 _STEP = 0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _MIN_SIZE_SLACK = 1 << 20  # a size series may always wander this much
@@ -145,22 +149,37 @@ def _os_threads() -> int:
     return -1  # pragma: no cover - every Linux has the field
 
 
-def process_sample(namespace: str, handoffs: int) -> dict[str, int]:
-    """This process's resource figures now, and the namespace's objects in /dev/shm."""
+def process_sample(namespace: str, handoffs: int, worker: Any = None) -> dict[str, int]:
+    """This process's resource figures now, and the namespace's objects in /dev/shm.
+
+    Pool slots are counted apart (``pool_slots``: the worker's own, each one holding a
+    mapping and so a descriptor; ``shm_pool_objects``: every producer's slot files), since
+    a pool grows by design up to its cap (``pool.DEFAULT_MAX_SLOTS``, ``shm_pool_bytes``)
+    while it learns how many slots of each size are out at once.
+    """
     from .._shm.registry import list_objects
 
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * _PAGE
     objs = list_objects(namespace)
+    pool_objs = sum(1 for o in objs if o.kind in _POOL_KINDS)
+    pool_slots = 0
+    if worker is not None:
+        pool_slots = int(worker.stats().get("shm", {}).get("pool_slots", 0))
+    fds = len(os.listdir("/proc/self/fd"))
     return {
         "handoffs": handoffs,
         "t_ns": time.monotonic_ns(),
         "rss_bytes": rss,
-        "fds": len(os.listdir("/proc/self/fd")),
+        "fds": fds,
+        "fds_beside_pool": fds - pool_slots,
         "threads_py": threading.active_count(),
         "threads_os": _os_threads(),
         "shm_objects": len(objs),
+        "shm_objects_beside_pool": len(objs) - pool_objs,
         "shm_bytes": sum(o.size for o in objs),
+        "pool_slots": pool_slots,
+        "shm_pool_objects": pool_objs,
     }
 
 
@@ -189,7 +208,7 @@ def _producer(conn: Connection, cfg: SoakConfig, namespace: str, go: Any) -> Non
     with shmrdv.Worker(PRODUCER_TASK, namespace=namespace) as w:
         rdv = w.rendezvous(_STEP)
         scratch = np.zeros(cfg.max_size, dtype=np.uint8)
-        samples = [process_sample(namespace, 0)]
+        samples = [process_sample(namespace, 0, w)]
         conn.send(("ready",))
         if not go.wait(120.0):
             raise ChildFailed("soak producer: no start signal within 120 s")
@@ -218,7 +237,7 @@ def _producer(conn: Connection, cfg: SoakConfig, namespace: str, go: Any) -> Non
             if n % interval == 0 or n == n_total:
                 while credits < batches:
                     take_credit()
-                samples.append(process_sample(namespace, n))
+                samples.append(process_sample(namespace, n, w))
                 conn.send(("progress", n))
         elapsed = (time.monotonic_ns() - t0) / 1e9
         conn.send(("done", {"samples": samples, "elapsed_s": elapsed, "stats": w.stats()}))
@@ -236,7 +255,7 @@ def _consumer(conn: Connection, cfg: SoakConfig, namespace: str, go: Any) -> Non
     bad: list[str] = []
     with shmrdv.Worker(CONSUMER_TASK, namespace=namespace) as w:
         rdv = w.rendezvous(_STEP)
-        samples = [process_sample(namespace, 0)]
+        samples = [process_sample(namespace, 0, w)]
         conn.send(("ready",))
         if not go.wait(120.0):
             raise ChildFailed("soak consumer: no start signal within 120 s")
@@ -256,7 +275,7 @@ def _consumer(conn: Connection, cfg: SoakConfig, namespace: str, go: Any) -> Non
             del a  # its pool slot goes back to the producer now
             n = i + 1
             if n % interval == 0 or n == n_total:
-                samples.append(process_sample(namespace, n))
+                samples.append(process_sample(namespace, n, w))
             if n % cfg.batch == 0 or n == n_total:
                 rdv.send(credit, np.array([batch], dtype=np.int64))
                 batch += 1
@@ -317,14 +336,16 @@ def analyse(
     warm = total * warmup_fraction
     steady = [s for s in samples if s["handoffs"] >= warm] or list(samples[-1:])
     out: dict[str, SeriesReport] = {}
-    for name in (*SIZE_SERIES, *COUNT_SERIES):
+    for name in (*SIZE_SERIES, *COUNT_SERIES, *INFO_SERIES):
         xs = [s["handoffs"] for s in steady]
         ys = [s[name] for s in steady]
         slope = _slope(xs, ys)
         growth = slope * total
         first, last, top = ys[0], ys[-1], max(ys)
         why = ""
-        if name in COUNT_SERIES:
+        if name in INFO_SERIES:
+            pass
+        elif name in COUNT_SERIES:
             if top > first:
                 why = f"rose from {first} to {top} after warm-up"
         else:
@@ -486,6 +507,12 @@ def _slope_text(name: str, v: float) -> str:
     return f"{v:+.3f}"
 
 
+def _verdict(name: str, flagged: bool) -> str:
+    if name in INFO_SERIES:
+        return "(bounded pool)"
+    return "**yes**" if flagged else "no"
+
+
 def format_soak(r: SoakResult) -> str:
     """The run as a short Markdown report."""
     cfg = r.config
@@ -511,7 +538,7 @@ def format_soak(r: SoakResult) -> str:
                 lines.append(
                     f"| {proc} | {name} | {_value(name, s.first_steady)} | "
                     f"{_value(name, s.max_steady)} | {_value(name, s.last)} | "
-                    f"{_slope_text(name, s.slope_per_10k)} | {'**yes**' if s.flagged else 'no'} |"
+                    f"{_slope_text(name, s.slope_per_10k)} | {_verdict(name, s.flagged)} |"
                 )
         lines.append("")
     for f in r.flagged:
@@ -538,11 +565,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const=d.handoffs,
         metavar="N",
-        help=f"run the soak test (N handoffs, default {d.handoffs:,}; RSS/fds/threads/"
-        "/dev/shm sampled, slopes reported) instead",
+        help=f"instead: the soak run, N handoffs (default {d.handoffs:,}); RSS, descriptors, "
+        "threads and /dev/shm sampled, slopes reported",
     )
     parser.add_argument(
-        "--soak-max-size", default="256k", help="largest soak message (default 256k)"
+        "--soak-max-size",
+        default="256k",
+        metavar="SIZE",
+        help="largest soak message (default 256k)",
     )
 
 
