@@ -180,6 +180,12 @@ def _give_back(names: Names, producer_task: str, incarnation: int, slot: int, pa
 
     If the producer is no longer the live worker of that incarnation, nobody will take it
     back: unlink it instead. A missing ``path`` (removed by close or gc meanwhile) is fine.
+
+    No ``returned`` file outlives a closing producer: its ``close`` unlinks its doorbell
+    first and then removes the ``returned`` names of its lent slots. We rename first, then
+    look for the doorbell, then for its live presence record; if we see both, the doorbell
+    we saw was that producer's (a successor's appears only after the record is gone), so
+    our rename came before its sweep, which will find the file.
     """
     ret = Names.path(names.returned(incarnation, slot))
     try:
@@ -194,12 +200,14 @@ def _give_back(names: Names, producer_task: str, incarnation: int, slot: int, pa
             pass
         return
     try:
-        info = read_presence(names, producer_task)
-        alive = (
-            info is not None
-            and info.incarnation == incarnation
-            and _flock_held(names, producer_task)
-        )
+        alive = os.path.lexists(names.bell_path(producer_task))
+        if alive:
+            info = read_presence(names, producer_task)
+            alive = (
+                info is not None
+                and info.incarnation == incarnation
+                and _flock_held(names, producer_task)
+            )
     except Exception:  # a corrupt or foreign record: treat as gone
         alive = False
     if not alive:
@@ -861,10 +869,12 @@ class ShmTransport:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._deliver(items)
+        # The doorbell goes before the pool's last sweep: consumers giving a slot back look
+        # for it to know that this producer will still take the slot (``_give_back``).
+        self._bell.unlink()
         self._pool.close()
         self._unlink_held()
         self._bell.close()
-        self._bell.unlink()
         for b in self._peer_bells.values():
             b.close()
         self._peer_bells.clear()
