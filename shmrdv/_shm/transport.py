@@ -278,6 +278,8 @@ class ShmTransport:
         # incarnation of a producer that is gone (``_orphan_incarnation``).
         self._orphans: dict[str, tuple[int, str, int, int, int]] = {}
         self._orphans_at = 0.0
+        # Producer task -> (incarnation, when it was last seen alive), see _recently_alive.
+        self._alive_at: dict[tuple[str, int, int], tuple[int, float]] = {}
         self._allocations: dict[int, _Allocation] = {}
         self._peer_bells: dict[str, Bell] = {}
         self._counters = {
@@ -512,7 +514,7 @@ class ShmTransport:
             result: Received | BaseException | None = None
             if not ch.waiters:
                 result = self._try_take(ch)
-                if result is None and not ch.seen_alive:
+                if result is None and not ch.seen_alive and not self._recently_alive(ch):
                     # Note now whether the producer is alive (so that its death is noticed
                     # even before the dispatcher's first look), or fail a stale incarnation.
                     result = self._producer_failure(ch)
@@ -751,6 +753,19 @@ class ShmTransport:
                 self._waiting.pop((ch.step, ch.key.full_key), None)
         return out
 
+    def _recently_alive(self, ch: _Channel) -> bool:
+        """Whether the channel's producer was seen alive, with a fitting incarnation, less than
+        a tick ago (then ``seen_alive`` is set without a look at its record: a fresh key per
+        step must not cost a stat and a flock each)."""
+        seen = self._alive_at.get(ch.key.src.task_key())
+        if seen is None or time.monotonic() - seen[1] > _TICK:
+            return False
+        inc = seen[0]
+        if ch.key.src_incarnation not in (0, inc) or ch.inc not in (0, inc):
+            return False
+        ch.seen_alive = True
+        return True
+
     def _producer_failure(self, ch: _Channel) -> BaseException | None:
         """Why the channel's producer can no longer send, or None while it may."""
         watch = self._w.peer_watch(ch.key.src)
@@ -776,6 +791,7 @@ class ShmTransport:
                 ch.inc, ch.seq = info.incarnation, 0
                 return None
             ch.seen_alive = True
+            self._alive_at[ch.key.src.task_key()] = (info.incarnation, time.monotonic())
             return None
         if ch.seen_alive:
             how = "exited" if state == "absent" else "died"
