@@ -60,7 +60,7 @@ def test_plan_same_in_every_process_and_within_bounds() -> None:
 
 def test_plan_each_key_has_one_producer_who_interleaves_its_keys() -> None:
     plan = make_plan(LoadConfig(messages=2_000, producers=4, keys=100))
-    owners = {}
+    owners: dict[int, int] = {}
     for p in range(4):
         order = plan.order(p)
         assert {plan.owner(int(k)) for k in order} == {p}
