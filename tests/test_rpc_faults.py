@@ -1,0 +1,363 @@
+"""gRPC under faults (issue 6 §2): real child processes, real sockets, real signals.
+
+A producer Worker runs in a spawned child (``ChildWorker``, ``transports=("grpc",)``), the
+consumer in this process; the consumer finds the producer's address in its presence
+record (or in a cluster spec). The child is SIGKILLed mid-stream, restarted with a new
+incarnation, never started, or starved of file descriptors, and each case checks the
+error the consumer gets, when it gets it, that no partial array is ever delivered, and
+that nothing is left in /dev/shm once the dead child's namespace is collected.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.resource_tracker
+import os
+import resource
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmrdv
+from shmrdv._child import ChildWorker
+from shmrdv._shm.naming import SHM_DIR
+from shmrdv._shm.registry import collect
+
+pytestmark = pytest.mark.timeout(60)
+
+PRODUCER = "/job:worker/replica:0/task:0"
+CONSUMER = "/job:worker/replica:0/task:1"
+# How far past its deadline a receive may return (the issue: "never more than ~0.5 s").
+SLACK = 0.5
+# 1 GiB, as the issue asks: allocated in the child without a copy, about 2 s to fill and
+# 3 s to stream on 2 cores, so the kill lands mid-stream and the test stays under 30 s.
+BIG = 1 << 30
+
+
+def make_key(edge: str, *, incarnation: int = 0, src: str = PRODUCER, dst: str = CONSUMER) -> str:
+    return shmrdv.create_key(f"{src}/device:CPU:0", incarnation, f"{dst}/device:CPU:0", edge)
+
+
+def ours(ns: str) -> list[str]:
+    """Names of ``ns``'s objects in /dev/shm (segments, records, semaphores)."""
+    return sorted(e for e in os.listdir(SHM_DIR) if f"shmrdv_{ns}_" in e)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _resource_tracker() -> None:
+    """Start multiprocessing's resource tracker before the leak check counts our children."""
+    multiprocessing.resource_tracker.ensure_running()
+
+
+@pytest.fixture
+def ns() -> Iterator[str]:
+    """A fresh namespace; what dead children left in it is collected, then must be gone."""
+    token = shmrdv.new_namespace()
+    yield token
+    collect(token)
+    assert ours(token) == []
+
+
+class Receiver:
+    """``rdv.recv(key, timeout)`` in a thread: its outcome and how long it took."""
+
+    def __init__(self, rdv: Any, key: str, timeout: float) -> None:
+        self.timeout = timeout
+        self.value: np.ndarray[Any, Any] | None = None
+        self.error: BaseException | None = None
+        self.elapsed = -1.0
+        self._thread = threading.Thread(target=self._run, args=(rdv, key), daemon=True)
+        self._thread.start()
+
+    def _run(self, rdv: Any, key: str) -> None:
+        start = time.monotonic()
+        try:
+            self.value = rdv.recv(key, timeout=self.timeout).value
+        except BaseException as e:
+            self.error = e
+        self.elapsed = time.monotonic() - start
+
+    def join(self) -> None:
+        self._thread.join(self.timeout + 30)
+        assert not self._thread.is_alive(), f"recv still blocked {self.timeout + 30:g}s later"
+
+
+# -- functions the child runs (importable by name) ------------------------------------------
+
+
+def child_send_filled(worker: shmrdv.Worker, step: int, key: str, nbytes: int, fill: int) -> None:
+    """Send ``nbytes`` of ``fill`` from an ``allocate``d buffer (no copy on send)."""
+    rdv = worker.rendezvous(step)
+    buf = rdv.allocate(key, (nbytes,), np.uint8)
+    buf.fill(fill)
+    rdv.send(key, buf)
+
+
+def child_send(worker: shmrdv.Worker, step: int, key: str) -> None:
+    worker.rendezvous(step).send(key, np.arange(10.0))
+
+
+def child_starved(
+    worker: shmrdv.Worker, action: str, step: int, key: str, spare: int
+) -> dict[str, Any]:
+    """Run ``action`` ("send" or "recv") with only ``spare`` descriptors free, then again
+    once they are all back. Returns what each attempt gave: "ok" or (error type, message)."""
+
+    def attempt() -> Any:
+        try:
+            rdv = worker.rendezvous(step)
+            if action == "send":
+                rdv.send(key, np.arange(1000.0))
+            else:
+                rdv.recv(key, timeout=3.0, copy=True)
+            return "ok"
+        except BaseException as e:  # report anything, an OSError included
+            return (type(e).__name__, str(e))
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 64, hard))
+    hog: list[int] = []
+    try:
+        try:
+            while True:
+                hog.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        for _ in range(min(spare, len(hog))):
+            os.close(hog.pop())
+        starved = attempt()
+    finally:
+        for fd in hog:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return {"starved": starved, "after": attempt(), "alive": True}
+
+
+# -- a peer killed mid-stream ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_peer_killed_mid_stream_is_unavailable_without_partial_array(ns: str) -> None:
+    with shmrdv.Worker(CONSUMER, namespace=ns, transports=("grpc",)) as consumer:
+        producer = ChildWorker(PRODUCER, namespace=ns, transports=("grpc",))
+        try:
+            key = make_key("big")
+            producer.call(child_send_filled, 1, key, BIG, 7)
+            rdv = consumer.rendezvous(1)
+            recv = Receiver(rdv, key, timeout=30.0)
+            client = consumer._grpc._client  # type: ignore[union-attr]
+            deadline = time.monotonic() + 10
+            while not client.stats()["receiving"] and recv.elapsed < 0:
+                assert time.monotonic() < deadline, "the stream never started"
+                time.sleep(0.001)
+            time.sleep(0.2)
+            assert recv.elapsed < 0, "the 1 GiB stream finished before the kill"
+            killed = time.monotonic()
+            producer.kill()
+        finally:
+            producer.close()
+        recv.join()
+        noticed = time.monotonic() - killed
+        assert recv.value is None, "a partial array was delivered"
+        assert isinstance(recv.error, shmrdv.UnavailableError), repr(recv.error)
+        assert producer.address is not None and producer.address in str(recv.error)
+        assert noticed < 5.0, f"the kill was noticed only after {noticed:.1f}s"
+        # The consumer goes on: a later receive of the key waits (and times out) cleanly.
+        with pytest.raises(shmrdv.DeadlineExceededError):
+            rdv.recv(key, timeout=0.3)
+        # Only the dead child's presence record is left, for gc (the ns fixture collects it).
+        assert all("_w" in name for name in ours(ns)), ours(ns)
+
+
+# -- a peer restarted with a new incarnation -------------------------------------------------
+
+
+def test_restarted_peer_old_incarnation_is_aborted_naming_it(ns: str) -> None:
+    with shmrdv.Worker(CONSUMER, namespace=ns, transports=("grpc",)) as consumer:
+        rdv = consumer.rendezvous(1)
+        with ChildWorker(PRODUCER, namespace=ns, transports=("grpc",)) as first:
+            old = make_key("k", incarnation=first.incarnation)
+            first.call(child_send, 1, old)
+            assert rdv.recv(old, timeout=10).value.tolist() == list(range(10))
+            first.kill()
+        with ChildWorker(PRODUCER, namespace=ns, transports=("grpc",)) as second:
+            assert second.incarnation != first.incarnation
+            start = time.monotonic()
+            with pytest.raises(shmrdv.AbortedError) as info:
+                rdv.recv(old, timeout=10)
+            assert time.monotonic() - start < 2.0, "refused at once, not at the deadline"
+            text = str(info.value)
+            # TensorFlow's words (GrpcWorker::PrepareRecvTensor), naming the restarted task.
+            assert "expects a different device incarnation" in text
+            assert f'("{PRODUCER}") was probably restarted' in text
+            assert str(first.incarnation) in text and str(second.incarnation) in text
+            # Incarnation 0 is not checked; the new incarnation's own keys work too.
+            for inc in (0, second.incarnation):
+                key = make_key("k", incarnation=inc)
+                second.call(child_send, 1, key)
+                assert rdv.recv(key, timeout=10).value.tolist() == list(range(10))
+
+
+# -- a producer that is not running ----------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("timeout", [0.3, 1.0, 2.5])
+def test_producer_never_started_fails_at_the_deadline(ns: str, timeout: float) -> None:
+    # The cluster gives the producer an address where nothing listens: connection refused,
+    # retried with backoff until the deadline.
+    cluster = {"worker": [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]}
+    with shmrdv.Worker(CONSUMER, cluster=cluster, namespace=ns, transports=("grpc",)) as consumer:
+        recv = Receiver(consumer.rendezvous(1), make_key("x"), timeout)
+        recv.join()
+    assert isinstance(recv.error, (shmrdv.DeadlineExceededError, shmrdv.UnavailableError))
+    assert recv.elapsed <= timeout + SLACK, f"{recv.elapsed:.3f}s for a {timeout}s deadline"
+    if isinstance(recv.error, shmrdv.DeadlineExceededError):
+        assert recv.elapsed >= timeout * 0.95
+
+
+def test_producer_unknown_fails_at_once(ns: str) -> None:
+    # No cluster spec and no presence record: nothing says where the producer is.
+    with shmrdv.Worker(CONSUMER, namespace=ns, transports=("grpc",)) as consumer:
+        recv = Receiver(consumer.rendezvous(1), make_key("x"), 5.0)
+        recv.join()
+    assert isinstance(recv.error, shmrdv.UnavailableError)
+    assert PRODUCER in str(recv.error)
+    assert recv.elapsed < 0.5
+
+
+@pytest.mark.parametrize("timeout", [0.5, 2.0])
+def test_producer_killed_before_recv_fails_at_the_deadline(ns: str, timeout: float) -> None:
+    with shmrdv.Worker(CONSUMER, namespace=ns, transports=("grpc",)) as consumer:
+        rdv = consumer.rendezvous(1)
+        with ChildWorker(PRODUCER, namespace=ns, transports=("grpc",)) as producer:
+            producer.call(child_send, 1, make_key("warm"))
+            assert rdv.recv(make_key("warm"), timeout=10).value.size == 10  # connected
+            producer.kill()
+        recv = Receiver(rdv, make_key("x"), timeout)
+        recv.join()
+    assert isinstance(recv.error, (shmrdv.DeadlineExceededError, shmrdv.UnavailableError))
+    assert recv.elapsed <= timeout + SLACK, f"{recv.elapsed:.3f}s for a {timeout}s deadline"
+
+
+# -- open files exhausted --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_fd_exhaustion_send_is_resource_exhausted_and_recovers(ns: str, transport: str) -> None:
+    tr = (transport,)
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns, transports=tr) as consumer,
+        ChildWorker(PRODUCER, namespace=ns, transports=tr) as producer,
+    ):
+        key = make_key("k")
+        producer.call(child_send, 1, key)  # the route to the consumer is known
+        out = producer.call(child_starved, "send", 1, key, 0)
+        assert out["alive"]
+        if transport == "shm":
+            # A new segment needs a descriptor: refused, nothing half-sent.
+            assert out["starved"][0] == "ResourceExhaustedError", out
+            assert "open files" in out["starved"][1]
+            expected = 2
+        else:
+            # Buffered in the producer's memory: no descriptor needed.
+            assert out["starved"] == "ok", out
+            expected = 3
+        assert out["after"] == "ok", out
+        rdv = consumer.rendezvous(1)
+        for _ in range(expected):
+            assert rdv.recv(key, timeout=10).value.size in (10, 1000)
+        with pytest.raises(shmrdv.DeadlineExceededError):
+            rdv.recv(key, timeout=0.2)
+
+
+def test_fd_exhaustion_shm_recv_is_resource_exhausted_and_recovers(ns: str) -> None:
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        ChildWorker(PRODUCER, namespace=ns) as producer,
+    ):
+        back = make_key("back", src=CONSUMER, dst=PRODUCER)
+        rdv = consumer.rendezvous(1)
+        rdv.send(back, np.arange(3.0))
+        rdv.send(back, np.arange(4.0))
+        producer.call(child_send, 1, make_key("warm"))  # the route is known
+        rdv.recv(make_key("warm"), timeout=10)
+        out = producer.call(child_starved, "recv", 1, back, 0)
+        assert out["alive"]
+        # Mapping the segment needs a descriptor: refused, and the message stays queued.
+        assert out["starved"][0] == "ResourceExhaustedError", out
+        assert out["after"] == "ok", out
+        # ... so the second receive got the first value and the second is still there.
+        assert producer.recv(back, timeout=10, step=1).value.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "a first contact with a peer under EMFILE: Worker._peer_placement -> PeerWatch.info "
+        "-> presence._open_record turns the EMFILE into InternalError ('cannot open presence "
+        "record'), not ResourceExhaustedError"
+    ),
+)
+def test_fd_exhaustion_first_contact_is_resource_exhausted(ns: str) -> None:
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        ChildWorker(PRODUCER, namespace=ns) as producer,
+    ):
+        key = make_key("k")
+        out = producer.call(child_starved, "send", 1, key, 0)
+        assert out["alive"] and out["after"] == "ok", out
+        assert out["starved"][0] == "ResourceExhaustedError", out
+        consumer.rendezvous(1).recv(key, timeout=10)
+
+
+def _grpc_recv_starved(ns: str) -> dict[str, Any]:
+    """The producer child receives over a channel it never opened, with no descriptor free."""
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns, transports=("grpc",)) as consumer,
+        ChildWorker(PRODUCER, namespace=ns, transports=("grpc",)) as producer,
+    ):
+        producer.call(child_send, 1, make_key("warm"))  # the route is known, no channel yet
+        consumer.rendezvous(1).recv(make_key("warm"), timeout=10)
+        back = make_key("back", src=CONSUMER, dst=PRODUCER)
+        consumer.rendezvous(1).send(back, np.arange(3.0))
+        consumer.rendezvous(1).send(back, np.arange(4.0))
+        out: dict[str, Any] = producer.call(child_starved, "recv", 1, back, 0)
+        return out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "RpcClient._channel under EMFILE: grpc.insecure_channel imports grpc._channel lazily "
+        "and that import's OSError(EMFILE) escapes recv() raw, not as ResourceExhaustedError"
+    ),
+)
+def test_fd_exhaustion_grpc_new_channel_is_resource_exhausted(ns: str) -> None:
+    out = _grpc_recv_starved(ns)
+    assert out["alive"]
+    assert out["starved"][0] == "ResourceExhaustedError", out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "GrpcTransport.start_recv queues the receive, then _issue raises (the client's "
+        "OSError above): the waiter stays at the head of its key's queue with no call in "
+        "flight, so every later receive of that key waits behind it forever"
+    ),
+)
+def test_fd_exhaustion_grpc_recv_recovers_once_fds_are_back(ns: str) -> None:
+    out = _grpc_recv_starved(ns)
+    assert out["alive"]
+    assert out["after"] == "ok", out
