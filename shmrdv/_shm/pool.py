@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -45,7 +46,11 @@ _MIN_CLASS = 4096
 #: Default cap on the number of slots (each holds one mapping and one file descriptor).
 DEFAULT_MAX_SLOTS = 256
 # A lent slot is checked for its return at most this many times per acquire, oldest first.
-_RECLAIM_SCAN = 32
+# An acquire that finds no free slot looks at most this many lent slots (one stat each
+# when not returned): with a backlog nothing comes back, and each look is wasted.
+_RECLAIM_SCAN = 8
+# A lent slot is checked for being lost (two more stats) at most this often.
+_LOST_CHECK_S = 1.0
 
 
 def size_class(nbytes: int) -> int:
@@ -65,6 +70,7 @@ class Slot:
     state: str = "free"  # free | allocated | lent
     lent_key: str = field(default="")
     lent_name: str = field(default="")  # the message name it was published under
+    checked_at: float = 0.0  # time.monotonic() of the last lost check (or of the lend)
 
 
 class SlotPool:
@@ -178,10 +184,15 @@ class SlotPool:
 
         Forgets slots that are under none of their names any more (see the module docstring).
         """
+        now = time.monotonic()
         for _ in range(min(len(self._lent), _RECLAIM_SCAN)):
             slot = self._lent.popleft()
             if self._take_back(slot):
                 continue
+            if now - slot.checked_at < _LOST_CHECK_S:
+                self._lent.append(slot)
+                continue
+            slot.checked_at = now
             if self._exists(slot.lent_name) or self._exists(
                 self._names.held(self._incarnation, slot.index)
             ):
@@ -276,6 +287,7 @@ class SlotPool:
             slot.state = "lent"
             slot.lent_key = key
             slot.lent_name = name
+            slot.checked_at = time.monotonic()
             self._lent.append(slot)
 
     def close(self) -> None:
