@@ -196,6 +196,11 @@ def test_lifetime_recv_fails_unavailable_when_producer_dies(ns: str, delay: floa
         producer = ChildWorker(PRODUCER, namespace=ns)
         try:
             t, box = _recv_in_thread(consumer.rendezvous(1), make_key("orphan"), 20)
+            # The receive must be waiting while the producer is alive: the case is "alive,
+            # then died" (a record left by a producer that was dead all along is not it).
+            deadline = time.monotonic() + 5
+            while not consumer.stats()["shm"]["pending_receives"] and time.monotonic() < deadline:
+                time.sleep(0.005)
             time.sleep(delay)
             killed_at = time.monotonic()
             producer.kill(signal.SIGKILL)
