@@ -29,6 +29,8 @@ def _samples(**series: list[int]) -> list[dict[str, int]]:
     base = {
         "rss_bytes": 50 * MiB,
         "shm_bytes": MiB,
+        "shm_bytes_beside_pool": 0,
+        "shm_pool_bytes": MiB,
         "fds": 20,
         "fds_beside_pool": 10,
         "threads_py": 2,
