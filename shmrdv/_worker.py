@@ -171,13 +171,12 @@ class Worker:
 
         self._names = Names(self.namespace)
         start_server = (
-            ("grpc" in self.transports
+            "grpc" in self.transports
             and (
                 (explicit_transports and self.transports[0] == "grpc")
                 or self._cluster_has_remote_task()
-            ))
-            or (explicit_transports and "shm" not in self.transports)
-        )
+            )
+        ) or (explicit_transports and "shm" not in self.transports)
         if start_server:
             from ._rpc.transport import GrpcTransport
 

@@ -110,8 +110,11 @@ def _dead_leftovers(names: set[str]) -> set[str]:
         return set()
     from ._shm.registry import list_objects
 
+    # A name that vanished since the first listing was cleaned up by its owner, not leaked;
+    # one of a namespace with a live worker still belongs to that worker. Anything else
+    # that is still there (our objects, or a stray name with our prefix) is left over.
     live = {o.name for o in list_objects() if o.alive}
-    return {n for n in names if n not in live}
+    return {n for n in names if n not in live and os.path.lexists(os.path.join(SHM_DIR, n))}
 
 
 def _remove(names: set[str]) -> None:

@@ -212,15 +212,6 @@ def test_partition_while_waiting_fails_at_deadline_then_recovers(
     _recovers(producer, consumer)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a receive whose data is flowing cannot be cancelled (RpcClient: _RECEIVING), and the "
-        "stream has no deadline of its own (GrpcTransport.start_recv passes none), so a "
-        "partition mid-transfer blocks recv() long past its timeout (measured: still "
-        "blocked 45 s after a 4 s deadline)"
-    ),
-)
 def test_partition_mid_transfer_fails_within_deadline_then_recovers(
     hosts: tuple[Hosts, Host, Host],
 ) -> None:

@@ -301,14 +301,6 @@ def test_fd_exhaustion_shm_recv_is_resource_exhausted_and_recovers(ns: str) -> N
         assert producer.recv(back, timeout=10, step=1).value.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a first contact with a peer under EMFILE: Worker._peer_placement -> PeerWatch.info "
-        "-> presence._open_record turns the EMFILE into InternalError ('cannot open presence "
-        "record'), not ResourceExhaustedError"
-    ),
-)
 def test_fd_exhaustion_first_contact_is_resource_exhausted(ns: str) -> None:
     with (
         shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
@@ -336,27 +328,12 @@ def _grpc_recv_starved(ns: str) -> dict[str, Any]:
         return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "RpcClient._channel under EMFILE: grpc.insecure_channel imports grpc._channel lazily "
-        "and that import's OSError(EMFILE) escapes recv() raw, not as ResourceExhaustedError"
-    ),
-)
 def test_fd_exhaustion_grpc_new_channel_is_resource_exhausted(ns: str) -> None:
     out = _grpc_recv_starved(ns)
     assert out["alive"]
     assert out["starved"][0] == "ResourceExhaustedError", out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "GrpcTransport.start_recv queues the receive, then _issue raises (the client's "
-        "OSError above): the waiter stays at the head of its key's queue with no call in "
-        "flight, so every later receive of that key waits behind it forever"
-    ),
-)
 def test_fd_exhaustion_grpc_recv_recovers_once_fds_are_back(ns: str) -> None:
     out = _grpc_recv_starved(ns)
     assert out["alive"]

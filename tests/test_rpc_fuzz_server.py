@@ -383,14 +383,6 @@ def test_server_garbage_in_parallel_does_not_starve_valid_calls(pair: Pair) -> N
     pair.still_serves()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "GrpcTransport.serve_recv creates (through _outbox) a LocalRendezvous for every step "
-        "id a RecvTensor names and keeps it until Worker.cleanup(step), so a peer naming "
-        "random steps grows the producer's memory without bound"
-    ),
-)
 def test_server_requests_for_unused_steps_leave_no_state(pair: Pair) -> None:
     before = pair.server_stats()["outbox_steps"]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:

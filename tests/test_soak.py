@@ -135,13 +135,6 @@ def test_soak_cli_writes_json(tmp_path: Path) -> None:
     assert "slope_per_10k" in data["soak"]["series"]["producer"]["rss_bytes"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pytest_plugin._dead_leftovers calls an object dead when its name is missing from a "
-    "second listing, although its namespace has a live worker: a pool slot between two renames "
-    "(p -> m -> h -> r -> p) of another running job is then unlinked by the per-test leak check "
-    "(it killed a concurrent `shmrdv bench --soak` with InternalError in _publish)",
-)
 def test_leak_check_never_calls_objects_of_a_live_namespace_dead() -> None:
     import shmrdv
     from shmrdv.pytest_plugin import _dead_leftovers

@@ -26,6 +26,7 @@ notices the new pid and opens fresh channels in the child; the parent's are left
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -36,6 +37,7 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+import grpc._channel
 
 from .._callbacks import DoneCallback, invoke_done
 from .._errors import (
@@ -148,9 +150,14 @@ class _StreamRecv:
     # -- called by other threads -------------------------------------------------------
 
     def cancel(self) -> bool:
-        """Before data flows: stop, and ``done`` is never called (``True``). Else ``False``."""
+        """Stop, and ``done`` is never called (``True``); ``False`` once delivered or failed.
+
+        Also mid-stream: the partial value is dropped here and ``ReleaseRecv`` has the
+        server give it back to its key, so a receive whose deadline expires while a
+        large tensor is (slowly) arriving does not wait past its deadline.
+        """
         with self._lock:
-            if self._state != _PENDING:
+            if self._state not in (_PENDING, _RECEIVING):
                 return False
             self._state = _CANCELLED
             call = self._call
@@ -224,6 +231,19 @@ class _StreamRecv:
             except grpc.RpcError as e:
                 code = _code(e)
                 if self._state in (_DONE, _CANCELLED):
+                    return
+                if code == grpc.StatusCode.UNAVAILABLE and "Too many open files" in _details(e):
+                    # Not transient the way a restarting peer is: say what ran out, and
+                    # drop the channel so that the next receive, once descriptors are back,
+                    # connects afresh instead of inheriting this channel's reconnect backoff.
+                    self._client._drop_channel(self._address, self._channel)
+                    self._deliver(
+                        ResourceExhaustedError(
+                            f"cannot connect for {self._where()}: too many open files "
+                            f"(ulimit -n): {_details(e)}"
+                        ),
+                        None,
+                    )
                     return
                 if code == grpc.StatusCode.UNAVAILABLE:
                     if self._state == _RECEIVING:
@@ -331,13 +351,33 @@ class RpcClient:
             channel = self._channels.get(address)
             if channel is None:
                 options = list(_BASE_OPTIONS)
-                if self._tls is not None:
-                    options += self._tls.channel_options()
-                    channel = grpc.secure_channel(address, self._tls.channel_credentials(), options)
-                else:
-                    channel = grpc.insecure_channel(address, options)
+                try:
+                    if self._tls is not None:
+                        options += self._tls.channel_options()
+                        channel = grpc.secure_channel(
+                            address, self._tls.channel_credentials(), options
+                        )
+                    else:
+                        channel = grpc.insecure_channel(address, options)
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE):
+                        raise ResourceExhaustedError(
+                            f"cannot open a gRPC channel to {address}: too many open files "
+                            f"({e.strerror}); raise the limit (ulimit -n)"
+                        ) from e
+                    raise UnavailableError(f"cannot open a gRPC channel to {address}: {e}") from e
                 self._channels[address] = channel
             return channel
+
+    def _drop_channel(self, address: str, channel: Any) -> None:
+        with self._lock:
+            if self._channels.get(address) is not channel:
+                return
+            del self._channels[address]
+        try:
+            channel.close()
+        except Exception:  # pragma: no cover - closing a broken channel
+            _log.debug("closing the channel to %s failed", address, exc_info=True)
 
     # -- receiving -------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._callbacks import DoneCallback, invoke_done
-from .._errors import AbortedError, InvalidArgumentError
+from .._errors import AbortedError, InvalidArgumentError, RendezvousError, UnavailableError
 from .._keys import ParsedKey
 from .._local import LocalRendezvous
 from .._received import Received
@@ -69,6 +69,7 @@ class GrpcTransport:
         self._outboxes: dict[int, LocalRendezvous] = {}
         self._aborted: dict[int, BaseException] = {}
         self._queues: dict[tuple[int, str], deque[_RemoteWaiter]] = {}
+        self._sent_steps: set[int] = set()
         self._owned: dict[int, weakref.ref[npt.NDArray[Any]]] = {}
         self._closed = False
         self._counters = {"sent": 0, "sent_bytes": 0, "received": 0, "received_bytes": 0}
@@ -84,7 +85,7 @@ class GrpcTransport:
 
     # -- producer side --------------------------------------------------------------
 
-    def _outbox(self, step_id: int) -> LocalRendezvous:
+    def _outbox(self, step_id: int, *, for_send: bool) -> LocalRendezvous:
         with self._lock:
             if self._closed:
                 raise AbortedError(f"Worker {self.task} is closed")
@@ -94,7 +95,24 @@ class GrpcTransport:
             box = self._outboxes.get(step_id)
             if box is None:
                 box = self._outboxes[step_id] = LocalRendezvous()
+            if for_send:
+                self._sent_steps.add(step_id)
             return box
+
+    def _drop_if_unused(self, step_id: int) -> None:
+        """Forget an outbox a request created for a step this worker never sent in.
+
+        A peer naming arbitrary step ids must not grow the producer's memory: such an
+        outbox goes as soon as nothing waits in it. (One a send touched stays until
+        ``cleanup_step``; checking under the lock means a send never lands in a dropped box.)
+        """
+        with self._lock:
+            box = self._outboxes.get(step_id)
+            if box is None or step_id in self._sent_steps:
+                return
+            st = box.stats()
+            if st["pending_waiters"] == 0 and st["pending_values"] == 0:
+                del self._outboxes[step_id]
 
     def allocate(self, step_id: int, key: ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
         try:
@@ -109,7 +127,7 @@ class GrpcTransport:
         return arr
 
     def send(self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool) -> None:
-        box = self._outbox(step_id)
+        box = self._outbox(step_id, for_send=True)
         ref = self._owned.pop(id(value), None)
         if ref is not None and ref() is value:
             # From allocate(): hand it over as is, and stop the producer writing into it.
@@ -128,7 +146,21 @@ class GrpcTransport:
             raise AbortedError(
                 f"Cleanup {step_id}: step {step_id} of {self.task} was already cleaned up"
             )
-        return self._outbox(step_id)._start_recv(key, done, False)
+        box = self._outbox(step_id, for_send=False)
+
+        def finished(error: BaseException | None, received: Received | None) -> None:
+            done(error, received)
+            self._drop_if_unused(step_id)
+
+        cancel = box._start_recv(key, finished, False)
+
+        def canceller() -> bool:
+            removed = cancel()
+            if removed:
+                self._drop_if_unused(step_id)
+            return removed
+
+        return canceller
 
     def requeue(self, step_id: int, key: ParsedKey, received: Received) -> None:
         """A value taken for a call that then failed goes back to the head of its key."""
@@ -178,7 +210,25 @@ class GrpcTransport:
                     received = Received(np.array(received.value, copy=True), received.is_dead)
             invoke_done(waiter.done, error, received)
 
-        cancel = self._client.start_recv(address, k[0], key, finish)
+        try:
+            cancel = self._client.start_recv(address, k[0], key, finish)
+        except BaseException as e:
+            # Nothing is in flight for this waiter: take it off the head (or the key would
+            # be stuck behind it forever), answer it, and move the queue on.
+            ours, nxt = self._pop_head(k, waiter)
+            if ours:
+                invoke_done(
+                    waiter.done,
+                    e
+                    if isinstance(e, RendezvousError)
+                    else UnavailableError(
+                        f"cannot start receiving {key.full_key!r} from {address}: {e!r}"
+                    ),
+                    None,
+                )
+                if nxt is not None:
+                    self._issue(k, key, address, nxt)
+            return
         with self._lock:
             waiter.cancel_rpc = cancel
 
@@ -238,6 +288,7 @@ class GrpcTransport:
     def cleanup_step(self, step_id: int) -> None:
         with self._lock:
             self._outboxes.pop(step_id, None)
+            self._sent_steps.discard(step_id)
             self._aborted.pop(step_id, None)
         if self._server is not None:
             self._server.drop_step(step_id)

@@ -37,7 +37,7 @@ import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._errors import InternalError, InvalidArgumentError
+from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 
 if TYPE_CHECKING:
     from .naming import Names
@@ -133,7 +133,9 @@ class PresenceInfo:
         values["started"] = float(values["started"])
         transports = obj.get("transports", ["shm", "grpc"])
         if not isinstance(transports, list) or not all(isinstance(t, str) for t in transports):
-            raise InternalError(f"presence record {where} is corrupt: field 'transports' is {transports!r}")
+            raise InternalError(
+                f"presence record {where} is corrupt: field 'transports' is {transports!r}"
+            )
         values["transports"] = tuple(transports)
         return cls(**values)
 
@@ -178,6 +180,11 @@ def _open_record(path: str) -> int | None:
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise InternalError(f"presence record {path} is a symlink; refusing it") from e
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            raise ResourceExhaustedError(
+                f"cannot open presence record {path}: too many open files ({e.strerror}); "
+                "raise the limit (ulimit -n) or close files"
+            ) from e
         raise InternalError(f"cannot open presence record {path}: {e}") from e
 
 
