@@ -371,11 +371,12 @@ class RpcClient:
 
     def _drop_channel(self, address: str, channel: Any) -> None:
         with self._lock:
-            if self._channels.get(address) is not channel:
+            current = self._channels.get(address)
+            if current is None or current is not channel:
                 return
             del self._channels[address]
         try:
-            channel.close()
+            current.close()
         except Exception:  # pragma: no cover - closing a broken channel
             _log.debug("closing the channel to %s failed", address, exc_info=True)
 
