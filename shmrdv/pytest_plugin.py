@@ -110,11 +110,20 @@ def _dead_leftovers(names: set[str]) -> set[str]:
         return set()
     from ._shm.registry import list_objects
 
-    # A name that vanished since the first listing was cleaned up by its owner, not leaked;
-    # one of a namespace with a live worker still belongs to that worker. Anything else
-    # that is still there (our objects, or a stray name with our prefix) is left over.
-    live = {o.name for o in list_objects() if o.alive}
-    return {n for n in names if n not in live and os.path.lexists(os.path.join(SHM_DIR, n))}
+    # Judged by namespace, never by name: a live job's pool slot is renamed p -> m -> h -> r
+    # and may be missing from any one listing. A name that vanished was cleaned up by its
+    # owner; anything else still there, of a namespace nobody runs, is left over.
+    live = {o.namespace for o in list_objects() if o.alive}
+    return {
+        n
+        for n in names
+        if _namespace_of(n) not in live and os.path.lexists(os.path.join(SHM_DIR, n))
+    }
+
+
+def _namespace_of(name: str) -> str:
+    """The namespace token in ``shmrdv_<namespace>_...`` (or ``sem.shmrdv_...``)."""
+    return name.removeprefix("sem.").removeprefix("shmrdv_").split("_", 1)[0]
 
 
 def _remove(names: set[str]) -> None:
