@@ -19,7 +19,8 @@ from ._callbacks import DoneCallback
 from ._errors import AbortedError, InvalidArgumentError
 from ._keys import ParsedKey
 from ._local import LocalRendezvous
-from ._rendezvous import Canceller, Rendezvous, as_parsed_key
+from ._received import Received
+from ._rendezvous import Canceller, Rendezvous, as_parsed_key, check_timeout
 from ._values import check_value
 
 if TYPE_CHECKING:
@@ -97,6 +98,21 @@ class StepRendezvous(Rendezvous):
             self._local.send(pk, arr, is_dead=is_dead)
         else:
             self._worker._transport_to(pk.dst, pk).send(self.step_id, pk, arr, bool(is_dead))
+
+    def recv(
+        self, key: str | ParsedKey, *, timeout: float | None = None, copy: bool = False
+    ) -> Received:
+        pk = as_parsed_key(key)
+        if not self._check_dst(pk):
+            self._raise_if_aborted()
+            blocking = getattr(self._worker._transport_from(pk.src, pk), "recv_blocking", None)
+            if blocking is not None:
+                # Shared memory: the receiving thread waits on the doorbell itself.
+                result: Received = blocking(self.step_id, pk, check_timeout(timeout), copy)
+                return result
+        return super().recv(pk, timeout=timeout, copy=copy)
+
+    recv.__doc__ = Rendezvous.recv.__doc__
 
     def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
         local = self._check_dst(key)

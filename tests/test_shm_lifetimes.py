@@ -114,9 +114,9 @@ def test_lifetime_consumer_cleanup_frees_unreceived(ns: str) -> None:
         ChildWorker(PRODUCER, namespace=ns) as producer,
     ):
         for i in range(3):
-            producer.send(make_key(f"dropped{i}"), np.full(1000, i), step=1)
+            producer.send(make_key(f"dropped{i}"), np.full(10_000, i), step=1)  # > 64 KiB: segments
         producer.send(make_key("big"), np.ones(3 << 20, dtype=np.uint8), step=1)
-        producer.send(make_key("kept"), np.full(10, 7), step=2)
+        producer.send(make_key("kept"), np.full(10_000, 7), step=2)
         assert kinds(ns).count("m") == 5
         consumer.cleanup(1)
         assert kinds(ns).count("m") == 1  # step 2's message stays
@@ -126,7 +126,7 @@ def test_lifetime_consumer_cleanup_frees_unreceived(ns: str) -> None:
         # The pool slots went back to the producer: new sends reuse them, none is lost.
         before = producer.call(child_stats)["shm"]
         for i in range(3):
-            producer.send(make_key(f"again{i}"), np.full(1000, i), step=3)
+            producer.send(make_key(f"again{i}"), np.full(10_000, i), step=3)
         after = producer.call(child_stats)["shm"]
         assert after["pool_reused"] - before["pool_reused"] == 3, after
         assert after["pool_created"] == before["pool_created"]
@@ -141,7 +141,7 @@ def test_lifetime_consumer_exit_holding_array_leaves_nothing(ns: str) -> None:
     with ChildWorker(PRODUCER, namespace=ns) as producer:
         consumer = ChildWorker(CONSUMER, namespace=ns)
         try:
-            producer.send(make_key("held"), np.ones(1000), step=1)
+            producer.send(make_key("held"), np.ones(10_000), step=1)  # > 64 KiB: a pool slot
             assert consumer.call(child_recv_and_keep, 1, make_key("held")) == 1
             assert "h" in kinds(ns)
         finally:
@@ -151,7 +151,7 @@ def test_lifetime_consumer_exit_holding_array_leaves_nothing(ns: str) -> None:
         # and forgets it instead of waiting for it forever.
         deadline = time.monotonic() + 5
         while True:
-            producer.send(make_key("next"), np.ones(1000), step=2)
+            producer.send(make_key("next"), np.ones(10_000), step=2)
             stats = producer.call(child_stats)["shm"]
             if stats["pool_lost"] or time.monotonic() > deadline:
                 break
@@ -285,14 +285,14 @@ def test_lifetime_ls_and_gc_remove_only_dead_namespaces() -> None:
             # A dead namespace: its only worker sent a message nobody took, then was killed.
             victim = ChildWorker(PRODUCER, namespace=dead)
             try:
-                victim.send(make_key("lost"), np.ones(1000), step=4)
+                victim.send(make_key("lost"), np.ones(10_000), step=4)
                 victim.kill(signal.SIGKILL)
             finally:
                 victim.close()
             assert set(kinds(dead)) >= {"b", "m", "w"}
             # A live namespace with an unreceived message of a producer that has gone.
             with ChildWorker(PRODUCER, namespace=live) as producer:
-                producer.send(make_key("waiting"), np.full(10, 3), step=5)
+                producer.send(make_key("waiting"), np.full(10_000, 3), step=5)
             live_before = kinds(live)
             assert "m" in live_before
 

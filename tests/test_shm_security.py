@@ -112,10 +112,10 @@ def test_security_planted_message_is_refused_by_both_sides(ns: str) -> None:
         with pytest.raises(shmrdv.InternalError, match=r"planted|refusing"):
             crdv.recv(key, timeout=5)
         with pytest.raises(shmrdv.InternalError, match="exists already"):
-            prdv.send(key, np.full(100, 7, dtype=np.uint8))
+            prdv.send(key, np.full(70_000, 7, dtype=np.uint8))  # > 64 KiB: a segment
         planted.assert_untouched()
         # Both skipped the squatted message: the next one goes through.
-        prdv.send(key, np.full(100, 8, dtype=np.uint8))
+        prdv.send(key, np.full(70_000, 8, dtype=np.uint8))
         assert crdv.recv(key, timeout=5).value[0] == 8
         planted.assert_untouched()
         consumer.cleanup(1)
@@ -152,7 +152,7 @@ def test_security_planted_pool_slot_is_not_used(ns: str) -> None:
         shmrdv.Worker(PRODUCER, namespace=ns, incarnation=INCARNATION) as producer,
     ):
         for i in range(3):
-            producer.rendezvous(1).send(key, np.full(1000, i, dtype=np.int16))
+            producer.rendezvous(1).send(key, np.full(40_000, i, dtype=np.int16))  # > 64 KiB
             got = consumer.rendezvous(1).recv(key, timeout=5)
             assert (got.value == i).all()
             del got
@@ -169,9 +169,9 @@ def test_security_planted_held_name_is_not_used(ns: str) -> None:
         shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
         shmrdv.Worker(PRODUCER, namespace=ns, incarnation=INCARNATION) as producer,
     ):
-        producer.rendezvous(1).send(key, np.arange(1000, dtype=np.int64))
+        producer.rendezvous(1).send(key, np.arange(10_000, dtype=np.int64))  # > 64 KiB: a slot
         got = consumer.rendezvous(1).recv(key, timeout=5)
-        np.testing.assert_array_equal(got.value, np.arange(1000))
+        np.testing.assert_array_equal(got.value, np.arange(10_000))
         got.value[:] = -1  # writes go to the consumer's own segment, not the planted file
         planted.assert_untouched()
         del got

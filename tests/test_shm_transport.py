@@ -201,7 +201,10 @@ def test_segment_names_carry_namespace_and_are_0600(
     producer, consumer = pair
     ns = consumer.namespace
     key = make_key("named")
-    producer.send(key, np.ones(100, dtype=np.uint8), step=step)
+    # Above the ring's limit (64 KiB), so that the tensor gets a segment of its own; a
+    # small one goes inline through the producer's ring, also a 0600 file of the namespace.
+    producer.send(make_key("small"), np.ones(100, dtype=np.uint8), step=step)
+    producer.send(key, np.ones(100_000, dtype=np.uint8), step=step)
     message = Names(ns).message(step, key, producer.incarnation, 0)
     assert message in ns_entries(ns)
     assert message.startswith(f"shmrdv_{ns}_m")
@@ -211,8 +214,9 @@ def test_segment_names_carry_namespace_and_are_0600(
         assert stat.S_IMODE(st.st_mode) == 0o600, (entry, oct(st.st_mode))
         assert st.st_uid == os.geteuid()
     got = consumer.rendezvous(step).recv(key, timeout=10)
-    assert got.value.sum() == 100
+    assert got.value.sum() == 100_000
     assert message not in ns_entries(ns)  # taken: the name is gone (held or unlinked)
+    assert consumer.rendezvous(step).recv(make_key("small"), timeout=10).value.sum() == 100
 
 
 @pytest.mark.slow

@@ -60,6 +60,7 @@ KINDS = {
     "p": "pool",
     "h": "held",
     "r": "returned",
+    "q": "ring",
 }
 _CODES = {kind: code for code, kind in KINDS.items()}
 
@@ -204,6 +205,16 @@ class Names:
         raw = full_key.encode("utf-8")
         data = _MESSAGE_FIELDS.pack(step_id, producer_incarnation, seq, len(raw)) + raw
         return self._name("message", _digest(b"shmrdv.message", data))
+
+    def ring(self, producer_task: str, producer_incarnation: int, consumer_task: str) -> str:
+        """The small-message ring from one producer run to one consumer worker."""
+        if not 0 <= producer_incarnation <= _U64_MAX:
+            raise InvalidArgumentError(
+                f"invalid incarnation {producer_incarnation!r}: expected a uint64"
+            )
+        a, b = producer_task.encode("utf-8"), consumer_task.encode("utf-8")
+        data = _LENGTH.pack(len(a)) + a + _LENGTH.pack(producer_incarnation) + b
+        return self._name("ring", _digest(b"shmrdv.ring", data))
 
     def temp(self) -> str:
         """A fresh, unguessable name (80 random bits, ``secrets``) for a segment being written."""

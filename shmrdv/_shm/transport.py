@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import json
 import logging
 import os
 import stat
@@ -60,6 +62,7 @@ from .bell import Bell
 from .naming import Names, parse_name
 from .pool import Slot, SlotPool
 from .presence import read_presence
+from .ring import RINGS_SUPPORTED, Ring, ring_size
 from .segment import Segment
 
 if TYPE_CHECKING:
@@ -75,6 +78,17 @@ _TICK = 0.2
 # Above this many channels with waiters, one listdir of /dev/shm is cheaper than one
 # open() attempt per channel.
 _LISTDIR_ABOVE = 64
+# Before blocking on the doorbell, a polling thread tries it without blocking for this
+# long: waking a process that sleeps on another vCPU costs 30-70 µs on this kind of VM
+# (research/peer_numbers.md), so a reply that comes within the spin is taken at once.
+# An idle consumer spins once per _TICK: 0.05 % of a core.
+_SPIN_NS = 100_000
+# Tensors of at most this many bytes travel inline in the producer's ring for their
+# consumer (``ring.py``) instead of a segment of their own: for them the dozen system
+# calls of a segment cost far more than copying the bytes. 64 KiB and below measured
+# faster through the ring; the consumer gets a private copy (a fresh array).
+_RING_MAX = 64 << 10
+_RING_CAPACITY = 1 << 20
 
 # renameat2(2) with RENAME_NOREPLACE (Linux >= 3.15 on tmpfs, glibc >= 2.28): an atomic
 # move that refuses an existing target. Plain rename() replaces the target, and as root it
@@ -125,6 +139,24 @@ class _Waiter:
     done: DoneCallback
     copy: bool
     channel: _Channel | None = None
+    # A thread blocked in recv_blocking polls the doorbell itself; only callback waiters
+    # (recv_async, futures, asyncio) need the dispatcher thread.
+    blocking: bool = False
+
+
+class _Box:
+    """A blocking receiver's mailbox, filled once by ``_deliver``."""
+
+    __slots__ = ("error", "event", "received")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+        self.received: Received | None = None
+
+    def done(self, error: BaseException | None, received: Received | None) -> None:
+        self.error, self.received = error, received
+        self.event.set()
 
 
 @dataclass(eq=False)
@@ -202,12 +234,7 @@ def _give_back(names: Names, producer_task: str, incarnation: int, slot: int, pa
     try:
         alive = os.path.lexists(names.bell_path(producer_task))
         if alive:
-            info = read_presence(names, producer_task)
-            alive = (
-                info is not None
-                and info.incarnation == incarnation
-                and _flock_held(names, producer_task)
-            )
+            alive = _producer_alive(names, producer_task, incarnation)
     except Exception:  # a corrupt or foreign record: treat as gone
         alive = False
     if not alive:
@@ -245,6 +272,47 @@ def _peek_header(path: str) -> layout.Header | None:
         os.close(fd)
 
 
+# (namespace, task) -> ((st_dev, st_ino) of the record, its incarnation, an fd on it).
+_records: dict[tuple[str, str], tuple[tuple[int, int], int, int]] = {}
+
+
+def _producer_alive(names: Names, task: str, incarnation: int) -> bool:
+    """Is ``task``'s live worker the producer of that incarnation? Cheap and lock-free.
+
+    ``_give_back`` runs once per received message, possibly inside the garbage collector,
+    so this takes no Python lock and reads the record only when its inode changes: in the
+    steady state it is one ``stat`` and one ``flock`` test.
+    """
+    path = Names.path(names.presence(task))
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    key = (names.namespace, task)
+    cached = _records.get(key)
+    if cached is None or cached[0] != (st.st_dev, st.st_ino):
+        info = read_presence(names, task)
+        if info is None:
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fst = os.fstat(fd)
+        cached = ((fst.st_dev, fst.st_ino), info.incarnation, fd)
+        old = _records.get(key)
+        _records[key] = cached
+        if old is not None:
+            os.close(old[2])
+    if cached[1] != incarnation:
+        return False
+    try:
+        fcntl.flock(cached[2], fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True  # its owner holds the lock: alive
+    except OSError:
+        return False
+    fcntl.flock(cached[2], fcntl.LOCK_UN)
+    return False
+
+
 def _flock_held(names: Names, task: str) -> bool:
     from .presence import PeerWatch
 
@@ -265,6 +333,7 @@ class ShmTransport:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
+        self._polling = False  # a thread is waiting on the doorbell (recv_blocking, _run)
         self._publish_lock = threading.Lock()
         self._closed = False
         self._send_seq: dict[tuple[int, str], int] = {}
@@ -290,6 +359,13 @@ class ShmTransport:
             "received_bytes": 0,
             "dispatcher_scans": 0,
         }
+        # Producer side: consumer task -> (segment, ring), or None where a ring cannot be made.
+        self._rings_out: dict[str, tuple[Segment, Ring] | None] = {}
+        # Consumer side: (producer task, incarnation) -> (segment, ring), attached rings, and
+        # what was taken from them: (step, key) -> {(incarnation, seq): value}.
+        self._rings_in: dict[tuple[str, int], tuple[Segment, Ring]] = {}
+        self._stash: dict[tuple[int, str], dict[tuple[int, int], Received]] = {}
+        self._rings_listed_at = 0.0
         self._pool = SlotPool(self._names, self._inc, pool_bytes)
         self._bell = Bell.create(self._names, self._task, replace_stale=True)
         self._thread = threading.Thread(
@@ -385,6 +461,12 @@ class ShmTransport:
             producer_pid=self._pid,
             is_dead=is_dead,
         )
+        if (
+            header.nbytes <= _RING_MAX
+            and RINGS_SUPPORTED
+            and self._send_inline(step_id, key, value, header)
+        ):
+            return
         slot, seg = self._segment_for(header.segment_size)
         try:
             if slot is not None:
@@ -408,6 +490,49 @@ class ShmTransport:
         else:
             seg.close()
         self._after_publish(key, header.nbytes)
+
+    def _ring_to(self, dst: DeviceName) -> Ring | None:
+        """This producer's ring for the consumer ``dst`` (made on first use), or None."""
+        task = _canonical_task(dst)
+        if task in self._rings_out:
+            entry = self._rings_out[task]
+            return None if entry is None else entry[1]
+        entry = None
+        seg: Segment | None = None
+        name = self._names.ring(self._task, self._inc, task)
+        try:
+            seg = Segment.create(self._names, ring_size(_RING_CAPACITY))
+            meta = json.dumps({"producer": self._task, "incarnation": self._inc, "consumer": task})
+            ring = Ring.format(memoryview(seg.buf), _RING_CAPACITY, meta.encode())
+            _move_noreplace(seg.path, Names.path(name))  # published only once formatted
+            seg.name = name
+            entry = (seg, ring)
+        except (OSError, RendezvousError) as e:
+            _log.warning("no small-message ring to %s (%s); segments only", task, e)
+            if seg is not None:
+                self._unlink_quietly(seg)
+                seg.close()
+        self._rings_out[task] = entry
+        return None if entry is None else entry[1]
+
+    def _send_inline(
+        self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], header: layout.Header
+    ) -> bool:
+        """Append the message to the consumer's ring; False if it has no ring or no room."""
+        data = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+        k = (step_id, key.full_key)
+        with self._publish_lock:
+            ring = self._ring_to(key.dst)
+            if ring is None:
+                return False
+            seq = self._send_seq.get(k, 0)
+            head = layout.pack(replace(header, seq=seq))
+            pad = header.data_offset - len(head)
+            if not ring.try_put((head, bytes(pad), data.data)):
+                return False  # full: this one goes through a segment, in sequence
+            self._send_seq[k] = seq + 1
+        self._after_publish(key, header.nbytes)
+        return True
 
     def _send_allocated(
         self,
@@ -503,7 +628,15 @@ class ShmTransport:
 
     # -- consumer side --------------------------------------------------------------
 
-    def start_recv(self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
+    def start_recv(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        done: DoneCallback,
+        copy: bool,
+        *,
+        blocking: bool = False,
+    ) -> Canceller:
         k = (step_id, key.full_key)
         with self._lock:
             self._check_open(step_id)
@@ -519,10 +652,11 @@ class ShmTransport:
                     # even before the dispatcher's first look), or fail a stale incarnation.
                     result = self._producer_failure(ch)
             if result is None:
-                waiter = _Waiter(done, copy, ch)
+                waiter = _Waiter(done, copy, ch, blocking)
                 ch.waiters.append(waiter)
                 self._waiting[k] = ch
-                self._wake.notify()
+                if not blocking:
+                    self._wake.notify_all()
         if result is None:
             return lambda: self._cancel(waiter)
         self._deliver([(done, copy, result)])
@@ -587,6 +721,12 @@ class ShmTransport:
                         h.producer_incarnation,
                         h.created_ns,
                     )
+        if RINGS_SUPPORTED:
+            self._find_rings()
+            self._drain_rings()
+            for inc, seq in self._stash.get((ch.step, ch.key.full_key), {}):
+                if seq == ch.seq:
+                    return inc
         best, best_at = 0, -1
         for step, key, seq, inc, created in self._orphans.values():
             if step == ch.step and seq == ch.seq and key == ch.key.full_key and created > best_at:
@@ -602,6 +742,9 @@ class ShmTransport:
         """
         if not self._resolve_incarnation(ch):
             return None
+        inline = self._take_inline(ch)
+        if inline is not None:
+            return inline
         name = ch.name(self._names)
         try:
             seg = Segment.attach(self._names, name)
@@ -655,6 +798,86 @@ class ShmTransport:
         self._counters["received_bytes"] += header.nbytes
         return Received(arr, header.is_dead)
 
+    def _take_inline(self, ch: _Channel) -> Received | BaseException | None:
+        """The channel's next message if it came through a ring (under the lock)."""
+        src = _canonical_task(ch.key.src)
+        try:
+            if (src, ch.inc) not in self._rings_in:
+                self._attach_ring(self._names.ring(src, ch.inc, self._task), (src, ch.inc))
+            self._drain_rings()
+        except RendezvousError as e:
+            return e
+        box = self._stash.get((ch.step, ch.key.full_key))
+        if not box:
+            return None
+        got = box.pop((ch.inc, ch.seq), None)
+        if got is None:
+            return None
+        if not box:
+            del self._stash[(ch.step, ch.key.full_key)]
+        ch.seq += 1
+        self._counters["received"] += 1
+        self._counters["received_bytes"] += got.value.nbytes
+        return got
+
+    def _attach_ring(self, name: str, expect: tuple[str, int] | None) -> None:
+        """Map a producer's ring for this consumer and unlink its name (the mapping stays:
+        the memory goes when both sides have unmapped it, whoever dies first)."""
+        try:
+            seg = Segment.attach(self._names, name)
+        except FileNotFoundError:
+            return
+        try:
+            ring = Ring(memoryview(seg.buf))
+            meta = json.loads(ring.meta())
+            owner = (str(meta["producer"]), int(meta["incarnation"]))
+            if meta["consumer"] != self._task or (expect is not None and owner != expect):
+                raise InternalError(f"ring {name} is {meta}, not for {self._task}")
+        except (RendezvousError, ValueError, KeyError, TypeError) as e:
+            seg.close()
+            raise InternalError(f"refusing ring {name}: {e}") from e
+        self._unlink_quietly(seg)
+        self._rings_in[owner] = (seg, ring)
+
+    def _drain_rings(self) -> None:
+        """Copy every record waiting in the attached rings out, by (step, key)."""
+        for (src, inc), (_seg, ring) in self._rings_in.items():
+            if not ring.pending():
+                continue
+            for payload in ring.take():
+                try:
+                    header = layout.unpack(payload, len(payload))
+                except RendezvousError as e:
+                    _log.warning("dropping a corrupt record of the ring from %s: %s", src, e)
+                    continue
+                if self._w.is_cleaned_up(header.step_id):
+                    continue  # a late send of a step this worker already cleaned up
+                arr: npt.NDArray[Any] = np.empty(header.shape, header.dtype)
+                if header.nbytes:
+                    arr.reshape(-1).view(np.uint8)[:] = np.frombuffer(
+                        payload, np.uint8, header.nbytes, header.data_offset
+                    )
+                box = self._stash.setdefault((header.step_id, header.key), {})
+                box[(inc, header.seq)] = Received(arr, header.is_dead)
+
+    def _find_rings(self) -> None:
+        """Attach the rings addressed to this worker that a listing shows (a producer that
+        closed before we learned its incarnation); at most once per half tick."""
+        now = time.monotonic()
+        if now - self._rings_listed_at < _TICK / 2:
+            return
+        self._rings_listed_at = now
+        marker = self._names.prefix + "q"
+        try:
+            entries = [e for e in os.listdir(Names.path("")) if e.startswith(marker)]
+        except OSError:
+            return
+        for name in entries:
+            try:
+                self._attach_ring(name, None)
+            except RendezvousError as e:
+                _log.debug("%s", e)
+
     @staticmethod
     def _unlink_quietly(seg: Segment) -> None:
         try:
@@ -682,29 +905,108 @@ class ShmTransport:
 
     # -- the dispatcher ---------------------------------------------------------------
 
+    def recv_blocking(
+        self, step_id: int, key: ParsedKey, timeout: float | None, copy: bool
+    ) -> Received:
+        """A blocking receive in which the calling thread waits on the doorbell itself.
+
+        One thread at a time polls the doorbell (leader/follower): a receiver that finds
+        no one polling spins on it briefly, then blocks on it, scans and delivers what
+        arrived — to itself and to every other waiter — and hands the role on. The value
+        thus reaches a lone receiver with one wake-up, not two (doorbell -> dispatcher
+        thread -> receiver). Other receivers wait until delivered or the role is free.
+        Raises ``DeadlineExceededError`` when ``timeout`` expires (the waiter removed).
+        """
+        from .._rendezvous import _timeout_error
+
+        box = _Box()
+        cancel = self.start_recv(step_id, key, box.done, copy, blocking=True)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        expired = False
+        try:
+            while not box.event.is_set():
+                wait = _TICK
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        if cancel():
+                            expired = True
+                            break
+                        box.event.wait()  # lost the race to a delivery: it is on its way
+                        break
+                with self._lock:
+                    if box.event.is_set():
+                        break
+                    leader = not self._polling and not self._closed
+                    if leader:
+                        self._polling = True
+                    else:
+                        self._wake.wait(wait)
+                if leader:
+                    try:
+                        self._poll(wait)
+                    finally:
+                        with self._lock:
+                            self._polling = False
+                            self._wake.notify_all()
+        except BaseException:
+            # Interrupted (Ctrl-C): remove the waiter so that it cannot take a later send.
+            if not box.event.is_set() and not cancel():
+                _log.warning("recv of %r interrupted as its value arrived; dropped", key.full_key)
+            raise
+        if expired:
+            raise _timeout_error(key, timeout)
+        if box.error is not None:
+            raise box.error
+        assert box.received is not None
+        return box.received
+
+    def _has_callback_waiters(self) -> bool:
+        return any(not w.blocking for ch in self._waiting.values() for w in ch.waiters)
+
     def _run(self) -> None:
-        bell = self._bell
+        """The dispatcher: polls the doorbell while callback receives are pending and no
+        blocked receiver is polling it already."""
         while True:
             with self._wake:
-                while not self._closed and not self._waiting:
+                while not self._closed and (self._polling or not self._has_callback_waiters()):
                     self._wake.wait()
                 if self._closed:
                     return
-            if bell.wait(_TICK):
-                bell.drain()
-            with self._lock:
-                if self.closed:  # close() may have run while we waited
-                    return
-                try:
-                    items = self._scan()
-                except Exception:  # pragma: no cover - keep the dispatcher alive whatever happens
-                    _log.exception("shm dispatcher of %s: scan failed", self._task)
-                    items = []
-            if items:
-                self._deliver(items)
-            # Drop the batch before waiting again: a received array kept alive here would
-            # hold its pool slot (and its ``held`` name) until the next wake-up.
-            del items
+                self._polling = True
+            try:
+                self._poll(_TICK)
+            finally:
+                with self._lock:
+                    self._polling = False
+                    self._wake.notify_all()
+
+    def _poll(self, wait: float) -> None:
+        """Wait up to ``wait`` s for the doorbell (spinning first), then scan and deliver."""
+        bell = self._bell
+        rang = False
+        end = time.perf_counter_ns() + _SPIN_NS
+        while time.perf_counter_ns() < end:
+            if bell.wait(0):
+                rang = True
+                break
+        if not rang:
+            rang = bell.wait(max(wait, 0.0))
+        if rang:
+            bell.drain()
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                items = self._scan()
+            except Exception:  # pragma: no cover - keep polling whatever happens
+                _log.exception("shm dispatcher of %s: scan failed", self._task)
+                items = []
+        if items:
+            self._deliver(items)
+        # Drop the batch before waiting again: a received array kept alive here would
+        # hold its pool slot (and its ``held`` name) until the next wake-up.
+        del items
 
     def _scan(self) -> list[tuple[DoneCallback, bool, Received | BaseException]]:
         """Deliver every published message that has a waiter; fail waiters of dead producers."""
@@ -721,12 +1023,12 @@ class ShmTransport:
                 present = None
         for ch in channels:
             while ch.waiters:
-                if (
-                    present is not None
-                    and self._resolve_incarnation(ch)
-                    and ch.name(self._names) not in present
-                ):
-                    result = None
+                if present is not None and self._resolve_incarnation(ch):
+                    # The listing says whether a segment is there; the ring, whether an
+                    # inline message is (its stash is a dict lookup).
+                    result = self._take_inline(ch)
+                    if result is None and ch.name(self._names) in present:
+                        result = self._try_take(ch)
                 else:
                     result = self._try_take(ch)
                 if result is None:
@@ -818,6 +1120,8 @@ class ShmTransport:
                     items.append((waiter.done, waiter.copy, error))
                 del self._waiting[k]
         self._deliver(items)
+        with self._lock:
+            self._wake.notify_all()  # blocked receivers waiting for the poller role
 
     def cleanup_step(self, step_id: int) -> None:
         """Forget the step; free the unreceived messages addressed to this worker in it."""
@@ -827,6 +1131,12 @@ class ShmTransport:
             for k in [k for k in self._send_seq if k[0] == step_id]:
                 del self._send_seq[k]
             self._aborted.pop(step_id, None)
+            try:
+                self._drain_rings()
+            except RendezvousError as e:
+                _log.warning("%s", e)
+            for k in [k for k in self._stash if k[0] == step_id]:
+                del self._stash[k]
         self._free_unreceived(step_id)
 
     def _free_unreceived(self, step_id: int | None) -> int:
@@ -890,10 +1200,30 @@ class ShmTransport:
         self._bell.unlink()
         self._pool.close()
         self._unlink_held()
+        self._close_rings()
         self._bell.close()
         for b in self._peer_bells.values():
             b.close()
         self._peer_bells.clear()
+
+    def _close_rings(self) -> None:
+        """Unmap the rings. A ring of ours that its consumer never attached keeps its name
+        while it holds messages (they are the consumer's); an empty one goes."""
+        with self._publish_lock:
+            for entry in self._rings_out.values():
+                if entry is not None:
+                    seg, ring = entry
+                    if not ring.pending():
+                        self._unlink_quietly(seg)
+                    ring.release()
+                    seg.close()
+            self._rings_out.clear()
+        with self._lock:
+            for seg, ring in self._rings_in.values():
+                ring.release()
+                seg.close()
+            self._rings_in.clear()
+            self._stash.clear()
 
     def _unlink_held(self) -> None:
         """Unlink the ``held`` names of arrays this consumer still has (their mappings stay).

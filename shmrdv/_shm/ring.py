@@ -1,0 +1,170 @@
+"""A single-producer, single-consumer byte ring in shared memory, for small messages.
+
+A segment per message costs a dozen system calls (create or reuse, rename, open, map,
+rename again, unmap) — about 100 µs of a small message's life on this kind of machine,
+far more than its bytes. Small tensors therefore travel inline in a ring that one
+producer worker keeps for one consumer worker: the producer appends a record (the same
+header as a segment's, then the data) and advances ``head``; the consumer copies records
+out and advances ``tail``. No system call but the doorbell's post.
+
+Layout (little endian), at the start of the mapping: magic (8 bytes), capacity (u64);
+``head`` at byte 64 and ``tail`` at byte 128 (separate cache lines), both running byte
+counts; records from byte 4096, each ``u32 length`` (of the whole record, 8-aligned) then
+the payload. A record that would cross the end is preceded by a wrap mark (length
+``0xFFFFFFFF``) and starts again at the beginning.
+
+Ordering: the producer writes a record's bytes before it stores ``head``; the consumer
+loads ``head`` before it reads the bytes. Each is one aligned 8-byte store or load, and
+x86-64 keeps stores in order (TSO), so the consumer never reads a half-written record.
+Weaker memory models need fences Python cannot issue: the transport uses rings only on
+x86-64 (``RINGS_SUPPORTED``) and segments everywhere else.
+
+Pure on a buffer: no files here (``transport.py`` creates, maps and names the segment).
+A ring is not thread-safe on either side; each side's owner serialises its calls.
+"""
+
+from __future__ import annotations
+
+import platform
+import struct
+from collections.abc import Iterator, Sequence
+
+from .._errors import InternalError
+
+__all__ = ["RINGS_SUPPORTED", "Ring", "ring_size"]
+
+RINGS_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
+
+MAGIC = b"SHMRDVQ1"
+_META = struct.Struct("<8sQ")
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_HEAD, _TAIL = 64, 128
+_META_AT = 192  # u32 length, then the owner's description (who writes to whom), JSON
+_META_MAX = 3800
+DATA_OFFSET = 4096
+_WRAP = 0xFFFFFFFF
+_ALIGN = 8
+
+
+def ring_size(capacity: int) -> int:
+    """Bytes of segment a ring of ``capacity`` data bytes needs."""
+    return DATA_OFFSET + capacity
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) & ~(_ALIGN - 1)
+
+
+class Ring:
+    """A ring over ``buf`` (a writable buffer of ``ring_size(capacity)`` bytes)."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self._buf = buf
+        magic, capacity = _META.unpack_from(buf, 0)
+        if (
+            magic != MAGIC
+            or capacity <= 0
+            or capacity % _ALIGN
+            or DATA_OFFSET + capacity > len(buf)
+        ):
+            raise InternalError(
+                f"not a shmrdv ring: magic {magic!r}, capacity {capacity} in {len(buf)} bytes"
+            )
+        self.capacity: int = capacity
+
+    @classmethod
+    def format(cls, buf: memoryview, capacity: int, meta: bytes = b"") -> Ring:
+        """Write a fresh, empty ring into ``buf`` (the producer, before anyone can see it).
+
+        ``meta`` (at most 3800 bytes) says whose ring it is, for ``ls`` and for a consumer
+        that finds the ring by listing.
+        """
+        if len(meta) > _META_MAX:
+            raise InternalError(f"ring description of {len(meta)} bytes is too long")
+        _META.pack_into(buf, 0, MAGIC, capacity)
+        _U64.pack_into(buf, _HEAD, 0)
+        _U64.pack_into(buf, _TAIL, 0)
+        _U32.pack_into(buf, _META_AT, len(meta))
+        buf[_META_AT + 4 : _META_AT + 4 + len(meta)] = meta
+        return cls(buf)
+
+    def meta(self) -> bytes:
+        """The owner's description written by ``format``."""
+        n = _U32.unpack_from(self._buf, _META_AT)[0]
+        if n > _META_MAX:
+            raise InternalError(f"shmrdv ring corrupted: description of {n} bytes")
+        return bytes(self._buf[_META_AT + 4 : _META_AT + 4 + n])
+
+    def max_record(self) -> int:
+        """The largest payload a record may carry (a quarter of the ring)."""
+        return self.capacity // 4 - 8
+
+    # -- producer -----------------------------------------------------------------
+
+    def try_put(self, parts: Sequence[bytes | memoryview]) -> bool:
+        """Append one record made of ``parts``; False (nothing written) if it does not fit now."""
+        payload = sum(len(p) for p in parts)
+        size = _aligned(4 + payload)
+        if payload > self.max_record():
+            return False
+        buf, cap = self._buf, self.capacity
+        head = _U64.unpack_from(buf, _HEAD)[0]
+        tail = _U64.unpack_from(buf, _TAIL)[0]
+        pos = head % cap
+        pad = cap - pos if pos + size > cap else 0
+        if head + pad + size - tail > cap:
+            return False
+        if pad:
+            _U32.pack_into(buf, DATA_OFFSET + pos, _WRAP)
+            head += pad
+            pos = 0
+        at = DATA_OFFSET + pos
+        _U32.pack_into(buf, at, size)
+        at += 4
+        for p in parts:
+            n = len(p)
+            buf[at : at + n] = p
+            at += n
+        # Publish: one 8-byte store, after every byte of the record (see the docstring).
+        _U64.pack_into(buf, _HEAD, head + size)
+        return True
+
+    # -- consumer -----------------------------------------------------------------
+
+    def pending(self) -> bool:
+        """Records are waiting (``head`` is ahead of ``tail``)."""
+        head: int = _U64.unpack_from(self._buf, _HEAD)[0]
+        tail: int = _U64.unpack_from(self._buf, _TAIL)[0]
+        return head != tail
+
+    def release(self) -> None:
+        """Let go of the buffer (so that its mapping can be closed)."""
+        self._buf.release()
+
+    def take(self) -> Iterator[memoryview]:
+        """Yield every complete record's payload (a view valid until the next iteration).
+
+        ``tail`` advances past each record once the caller comes back for the next one, so
+        a record is never overwritten while it is being read. Raises ``InternalError`` on a
+        corrupted ring (a length past the data written).
+        """
+        buf, cap = self._buf, self.capacity
+        head = _U64.unpack_from(buf, _HEAD)[0]
+        tail = _U64.unpack_from(buf, _TAIL)[0]
+        if not tail <= head <= tail + cap:
+            raise InternalError(f"shmrdv ring corrupted: head {head}, tail {tail}, capacity {cap}")
+        while tail < head:
+            pos = tail % cap
+            size = _U32.unpack_from(buf, DATA_OFFSET + pos)[0] if pos + 4 <= cap else _WRAP
+            if size == _WRAP:
+                tail += cap - pos
+                _U64.pack_into(buf, _TAIL, tail)
+                continue
+            if size < 4 or size % _ALIGN or pos + size > cap or tail + size > head:
+                raise InternalError(
+                    f"shmrdv ring corrupted: record of {size} bytes at {tail} (head {head})"
+                )
+            yield buf[DATA_OFFSET + pos + 4 : DATA_OFFSET + pos + size]
+            tail += size
+            _U64.pack_into(buf, _TAIL, tail)

@@ -1,0 +1,166 @@
+"""The small-message ring: pure tests on a buffer, then through real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shmrdv
+from shmrdv._child import ChildWorker
+from shmrdv._shm.ring import DATA_OFFSET, Ring, ring_size
+
+PRODUCER = "/job:worker/replica:0/task:0"
+CONSUMER = "/job:worker/replica:0/task:1"
+
+
+def make_ring(capacity: int = 4096) -> Ring:
+    return Ring.format(memoryview(bytearray(ring_size(capacity))), capacity, b'{"x": 1}')
+
+
+def test_ring_put_take_in_order_with_meta() -> None:
+    ring = make_ring()
+    assert ring.meta() == b'{"x": 1}' and not ring.pending()
+    for i in range(5):
+        assert ring.try_put([bytes([i]) * (i + 1)])
+    assert ring.pending()
+    got = [bytes(p) for p in ring.take()]
+    assert [g[: i + 1] for i, g in enumerate(got)] == [bytes([i]) * (i + 1) for i in range(5)]
+    assert not ring.pending()
+
+
+def test_ring_full_refuses_without_writing_and_wraps() -> None:
+    ring = make_ring(1024)
+    record = b"x" * 200
+    n = 0
+    while ring.try_put([record]):
+        n += 1
+    assert n == 4  # 4 x 208 bytes fit in 1024, a fifth does not
+    assert len(list(ring.take())) == 4
+    for _ in range(10):  # wraps around the end many times, always in order
+        assert ring.try_put([b"a" * 200]) and ring.try_put([b"b" * 200])
+        assert [bytes(p)[:1] for p in ring.take()] == [b"a", b"b"]
+
+
+def test_ring_record_too_big_is_refused() -> None:
+    ring = make_ring(1024)
+    assert not ring.try_put([b"x" * 1024])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=40), st.integers(1, 5))
+def test_ring_interleaved_put_take_keeps_fifo(sizes: list[int], batch: int) -> None:
+    ring = make_ring(2048)
+    sent: list[bytes] = []
+    taken: list[bytes] = []
+    for i, n in enumerate(sizes):
+        rec = (i % 251).to_bytes(1, "little") * n
+        if ring.try_put([rec]):
+            sent.append(rec)
+        if i % batch == 0:
+            taken += [bytes(p)[: len(sent[len(taken) + j])] for j, p in enumerate(ring.take())]
+    taken += [bytes(p)[: len(sent[len(taken) + j])] for j, p in enumerate(ring.take())]
+    assert taken == sent
+
+
+def test_ring_corruption_is_an_error_not_a_crash() -> None:
+    buf = memoryview(bytearray(ring_size(1024)))
+    ring = Ring.format(buf, 1024)
+    ring.try_put([b"hello"])
+    buf[DATA_OFFSET : DATA_OFFSET + 4] = (999999).to_bytes(4, "little")
+    with pytest.raises(shmrdv.InternalError, match="corrupted"):
+        list(ring.take())
+    with pytest.raises(shmrdv.InternalError, match="not a shmrdv ring"):
+        Ring(memoryview(bytearray(ring_size(1024))))
+
+
+@pytest.fixture
+def ns() -> str:
+    return shmrdv.new_namespace()
+
+
+def key(edge: str) -> str:
+    return shmrdv.create_key(PRODUCER + "/device:CPU:0", 0, CONSUMER + "/device:CPU:0", edge)
+
+
+def test_ring_small_and_large_interleave_in_fifo_order(ns: str) -> None:
+    """Small tensors go inline, large ones through segments, a full ring falls back to
+    segments: one key's channel stays FIFO across all three."""
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        ChildWorker(PRODUCER, namespace=ns) as producer,
+    ):
+        k = key("mixed")
+        sizes = [10, 100_000, 10, 20_000, 3, 300_000, *([8000] * 300), 5]
+        for i, n in enumerate(sizes):
+            producer.send(k, np.full(n, i % 256, dtype=np.uint8), step=1)
+        rdv = consumer.rendezvous(1)
+        for i, n in enumerate(sizes):
+            got = rdv.recv(k, timeout=10).value
+            assert got.shape == (n,) and (got == i % 256).all(), i
+        st_ = consumer.stats()["shm"]
+        assert st_["received"] == len(sizes)
+        consumer.cleanup(1)
+
+
+def test_ring_messages_survive_producer_sigkill(ns: str) -> None:
+    with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
+        producer = ChildWorker(PRODUCER, namespace=ns)
+        for i in range(5):
+            producer.send(key("k"), np.full(100, i, dtype=np.int32), step=1)
+        producer.kill(signal.SIGKILL)
+        rdv = consumer.rendezvous(1)
+        assert [int(rdv.recv(key("k"), timeout=10).value[0]) for _ in range(5)] == list(range(5))
+        consumer.cleanup(1)
+    shmrdv_gc(ns)
+
+
+def test_ring_messages_survive_producer_close_before_consumer_starts(ns: str) -> None:
+    """The consumer never saw the producer: it finds the ring by listing, meta says whose."""
+    with ChildWorker(PRODUCER, namespace=ns) as producer:
+        for i in range(3):
+            producer.send(key("late"), np.full(7, i, dtype=np.float32), step=2)
+    rings = [e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{ns}_q")]
+    assert len(rings) == 1
+    with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
+        rdv = consumer.rendezvous(2)
+        assert [float(rdv.recv(key("late"), timeout=10).value[0]) for _ in range(3)] == [
+            0.0,
+            1.0,
+            2.0,
+        ]
+        consumer.cleanup(2)
+    assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{ns}_q")]
+
+
+def test_ring_meta_names_its_ends(ns: str) -> None:
+    with ChildWorker(PRODUCER, namespace=ns) as producer:
+        producer.send(key("m"), np.zeros(3), step=3)
+        (ring_name,) = [e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{ns}_q")]
+        from shmrdv._shm.naming import Names
+        from shmrdv._shm.segment import Segment
+
+        seg = Segment.attach(Names(ns), ring_name)
+        ring = Ring(memoryview(seg.buf))
+        meta = json.loads(ring.meta())
+        ring.release()
+        seg.close()
+        assert meta == {
+            "producer": PRODUCER,
+            "incarnation": producer.incarnation,
+            "consumer": CONSUMER,
+        }
+    with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
+        consumer.rendezvous(3).recv(key("m"), timeout=10)
+        consumer.cleanup(3)
+
+
+def shmrdv_gc(ns: str) -> None:
+    from shmrdv._shm.registry import collect
+
+    collect(ns)
