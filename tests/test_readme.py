@@ -49,12 +49,28 @@ def test_readme_has_python_examples() -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
 def test_readme_example_runs(index: int, tmp_path: Path) -> None:
-    script = tmp_path / f"readme_example_{index}.py"
-    script.write_text(_python_blocks()[index], encoding="utf-8")
+    block = _python_blocks()[index]
     env = dict(os.environ)
     env.pop("SHMRDV_NAMESPACE", None)
+    if "def test_" in block:
+        # An example test file: run it the way the README says, with pytest --shmrdv.
+        script = tmp_path / f"test_readme_example_{index}.py"
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "--shmrdv",
+            "-p",
+            "no:cacheprovider",
+            str(script),
+        ]
+    else:
+        script = tmp_path / f"readme_example_{index}.py"
+        cmd = [sys.executable, str(script)]
+    script.write_text(block, encoding="utf-8")
     proc = subprocess.run(
-        [sys.executable, str(script)],
+        cmd,
         cwd=tmp_path,
         env=env,
         capture_output=True,

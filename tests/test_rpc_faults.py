@@ -111,7 +111,7 @@ def child_starved(
         try:
             rdv = worker.rendezvous(step)
             if action == "send":
-                rdv.send(key, np.arange(1000.0))
+                rdv.send(key, np.arange(20_000.0))  # > 64 KiB: a segment (small ones need no fd)
             else:
                 rdv.recv(key, timeout=3.0, copy=True)
             return "ok"
@@ -276,7 +276,7 @@ def test_fd_exhaustion_send_is_resource_exhausted_and_recovers(ns: str, transpor
         assert out["after"] == "ok", out
         rdv = consumer.rendezvous(1)
         for _ in range(expected):
-            assert rdv.recv(key, timeout=10).value.size in (10, 1000)
+            assert rdv.recv(key, timeout=10).value.size in (10, 20_000)
         with pytest.raises(shmrdv.DeadlineExceededError):
             rdv.recv(key, timeout=0.2)
 
