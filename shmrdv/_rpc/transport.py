@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
 
 __all__ = ["GrpcTransport"]
 
+# How often a receive looks again for the address of a producer that has not started.
+_RESOLVE_PERIOD = 0.05
+
 _log = logging.getLogger("shmrdv.rpc")
 
 
@@ -52,6 +56,7 @@ class _RemoteWaiter:
     done: DoneCallback
     copy: bool
     cancel_rpc: Canceller | None = None
+    resolving: bool = False  # waiting for the producer's address (not started yet)
 
 
 class GrpcTransport:
@@ -178,7 +183,6 @@ class GrpcTransport:
         channel's FIFO promise (the oldest receive gets the oldest value), so later
         receives of a key wait here, in order, until the one ahead of them is answered.
         """
-        address = self._w.peer_address(key.src, key)
         k = (step_id, key.full_key)
         waiter = _RemoteWaiter(done, copy)
         with self._lock:
@@ -191,10 +195,53 @@ class GrpcTransport:
             queue.append(waiter)
             first = len(queue) == 1
         if first:
-            self._issue(k, key, address, waiter)
-        return lambda: self._cancel(k, key, address, waiter)
+            self._issue(k, key, waiter)
+        return lambda: self._cancel(k, key, waiter)
 
-    def _issue(
+    def _issue(self, k: tuple[int, str], key: ParsedKey, waiter: _RemoteWaiter) -> None:
+        """Start the head waiter's RecvTensor; wait for the producer's address if it is not
+        known yet (a producer that has not started: its record appears when it does)."""
+        try:
+            address = self._w.peer_address(key.src, key)
+        except UnavailableError:
+            with self._lock:
+                waiter.resolving = True
+            threading.Thread(
+                target=self._await_address,
+                args=(k, key, waiter),
+                daemon=True,
+                name="shmrdv-rpc-resolve",
+            ).start()
+            return
+        self._start(k, key, address, waiter)
+
+    def _await_address(self, k: tuple[int, str], key: ParsedKey, waiter: _RemoteWaiter) -> None:
+        while True:
+            with self._lock:
+                queue = self._queues.get(k)
+                if self._closed or not queue or queue[0] is not waiter:
+                    return  # cancelled, aborted or closed meanwhile: answered there
+            try:
+                address = self._w.peer_address(key.src, key)
+            except UnavailableError:
+                time.sleep(_RESOLVE_PERIOD)
+                continue
+            except RendezvousError as e:
+                ours, nxt = self._pop_head(k, waiter)
+                if ours:
+                    invoke_done(waiter.done, e, None)
+                    if nxt is not None:
+                        self._issue(k, key, nxt)
+                return
+            with self._lock:
+                queue = self._queues.get(k)
+                if not queue or queue[0] is not waiter:
+                    return
+                waiter.resolving = False
+            self._start(k, key, address, waiter)
+            return
+
+    def _start(
         self, k: tuple[int, str], key: ParsedKey, address: str, waiter: _RemoteWaiter
     ) -> None:
         def finish(error: BaseException | None, received: Received | None) -> None:
@@ -202,7 +249,7 @@ class GrpcTransport:
             if not ours:
                 return  # aborted or cancelled meanwhile: someone else answered
             if nxt is not None:
-                self._issue(k, key, address, nxt)
+                self._issue(k, key, nxt)
             if received is not None:
                 self._counters["received"] += 1
                 self._counters["received_bytes"] += received.value.nbytes
@@ -227,7 +274,7 @@ class GrpcTransport:
                     None,
                 )
                 if nxt is not None:
-                    self._issue(k, key, address, nxt)
+                    self._issue(k, key, nxt)
             return
         with self._lock:
             waiter.cancel_rpc = cancel
@@ -246,9 +293,7 @@ class GrpcTransport:
             del self._queues[k]
             return True, None
 
-    def _cancel(
-        self, k: tuple[int, str], key: ParsedKey, address: str, waiter: _RemoteWaiter
-    ) -> bool:
+    def _cancel(self, k: tuple[int, str], key: ParsedKey, waiter: _RemoteWaiter) -> bool:
         with self._lock:
             queue = self._queues.get(k)
             if not queue or waiter not in queue:
@@ -257,13 +302,14 @@ class GrpcTransport:
                 queue.remove(waiter)  # not in flight yet
                 return True
             rpc = waiter.cancel_rpc
-        if rpc is None or not rpc():
+            resolving = waiter.resolving
+        if not resolving and (rpc is None or not rpc()):
             return False  # its value is arriving: done will be called
         ours, nxt = self._pop_head(k, waiter)
         if not ours:
             return False
         if nxt is not None:
-            self._issue(k, key, address, nxt)
+            self._issue(k, key, nxt)
         return True
 
     # -- steps and lifetime -----------------------------------------------------------
