@@ -188,7 +188,7 @@ class _Allocation:
     step: int
     key: str
     header: layout.Header
-    segment: Segment
+    segment: Segment | None  # None: a small array, sent inline through the ring
     slot: Slot | None
     sent: bool = False
 
@@ -416,10 +416,17 @@ class ShmTransport:
             producer_incarnation=self._inc,
             producer_pid=self._pid,
         )
-        slot, seg = self._segment_for(header.segment_size)
-        if slot is not None:
-            header = replace(header, slot=slot.index)
-        arr = seg.ndarray(header)
+        seg: Segment | None = None
+        slot: Slot | None = None
+        if header.nbytes <= _RING_MAX and RINGS_SUPPORTED:
+            # Small: it will travel inline through the ring (copying a few KiB costs less
+            # than publishing a segment), so plain memory serves.
+            arr: npt.NDArray[Any] = np.empty(shp, dt)
+        else:
+            slot, seg = self._segment_for(header.segment_size)
+            if slot is not None:
+                header = replace(header, slot=slot.index)
+            arr = seg.ndarray(header)
         alloc = _Allocation(weakref.ref(arr), step_id, key.full_key, header, seg, slot)
         with self._lock:
             self._allocations[id(arr)] = alloc
@@ -435,7 +442,7 @@ class ShmTransport:
         # Allocated and never sent: the memory is still the producer's.
         if alloc.slot is not None:
             self._pool.release(alloc.slot)
-        else:
+        elif alloc.segment is not None:
             alloc.segment.unlink()
             alloc.segment.close()
 
@@ -467,6 +474,12 @@ class ShmTransport:
             and self._send_inline(step_id, key, value, header)
         ):
             return
+        self._send_copy(step_id, key, value, header)
+
+    def _send_copy(
+        self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], header: layout.Header
+    ) -> None:
+        """Copy ``value`` into a pool slot (or a one-off segment) and publish it."""
         slot, seg = self._segment_for(header.segment_size)
         try:
             if slot is not None:
@@ -559,6 +572,16 @@ class ShmTransport:
                     f"this array from allocate() was already sent (key {alloc.key!r})"
                 )
             alloc.sent = True
+        if alloc.segment is None:
+            # A small one: inline through the ring, else (ring full) a segment of its own.
+            try:
+                if not self._send_inline(step_id, key, value, header):
+                    self._send_copy(step_id, key, value, header)
+            except BaseException:
+                alloc.sent = False
+                raise
+            value.flags.writeable = False
+            return
         try:
             name = self._publish(step_id, key, header, alloc.segment)
         except BaseException:
