@@ -13,6 +13,7 @@ trip is two shmrdv handoffs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -107,6 +108,15 @@ class _Ponger:
             self._rdv.send(self._ack, np.array(ack, dtype=np.int64))
 
     def close(self) -> None:
+        # Over gRPC the pinger pulls the last ack from this worker's outbox: stay until it
+        # has (TensorFlow's pull model: a producer serves what it sent).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            g = self._w.stats().get("grpc", {})
+            if g.get("sent", 0) <= g.get("server_values_served", 0):
+                break
+            time.sleep(0.01)
+        time.sleep(0.05)  # the call's closing status
         self._w.cleanup(0)
         self._w.close()
 
