@@ -81,8 +81,10 @@ _LISTDIR_ABOVE = 64
 # Before blocking on the doorbell, a polling thread tries it without blocking for this
 # long: waking a process that sleeps on another vCPU costs 30-70 µs on this kind of VM
 # (research/peer_numbers.md), so a reply that comes within the spin is taken at once.
-# An idle consumer spins once per _TICK: 0.05 % of a core.
-_SPIN_NS = 100_000
+# The spin adapts (``_adapt_spin``) between these bounds; an idle consumer spins at most
+# once per _TICK: under 0.3 % of a core.
+_SPIN_MIN_NS = 20_000
+_SPIN_MAX_NS = 500_000
 # Tensors of at most this many bytes travel inline in the producer's ring for their
 # consumer (``ring.py``) instead of a segment of their own: for them the dozen system
 # calls of a segment cost far more than copying the bytes. 64 KiB and below measured
@@ -334,6 +336,8 @@ class ShmTransport:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._polling = False  # a thread is waiting on the doorbell (recv_blocking, _run)
+        self._spin_ns = _SPIN_MIN_NS
+        self._wait_avg_ns = _SPIN_MAX_NS
         self._publish_lock = threading.Lock()
         self._closed = False
         self._send_seq: dict[tuple[int, str], int] = {}
@@ -984,6 +988,18 @@ class ShmTransport:
         assert box.received is not None
         return box.received
 
+    def _adapt_spin(self, waited_ns: int) -> None:
+        """Spin about twice as long as doorbells have lately taken to ring, within bounds.
+
+        Ping-pong traffic (a reply within a few hundred µs) is then caught spinning, with
+        no sleep and wake-up at all; sparse traffic spins only ``_SPIN_MIN_NS``. The
+        average is over the last ~8 waits that ended with a post.
+        """
+        avg = self._wait_avg_ns = (7 * self._wait_avg_ns + waited_ns) // 8
+        self._spin_ns = (
+            _SPIN_MIN_NS if avg > _SPIN_MAX_NS else min(2 * avg + _SPIN_MIN_NS, _SPIN_MAX_NS)
+        )
+
     def _has_callback_waiters(self) -> bool:
         return any(not w.blocking for ch in self._waiting.values() for w in ch.waiters)
 
@@ -1008,7 +1024,8 @@ class ShmTransport:
         """Wait up to ``wait`` s for the doorbell (spinning first), then scan and deliver."""
         bell = self._bell
         rang = False
-        end = time.perf_counter_ns() + _SPIN_NS
+        start = time.perf_counter_ns()
+        end = start + self._spin_ns
         while time.perf_counter_ns() < end:
             if bell.wait(0):
                 rang = True
@@ -1016,6 +1033,7 @@ class ShmTransport:
         if not rang:
             rang = bell.wait(max(wait, 0.0))
         if rang:
+            self._adapt_spin(time.perf_counter_ns() - start)
             bell.drain()
         with self._lock:
             if self._closed:
