@@ -82,9 +82,10 @@ _LISTDIR_ABOVE = 64
 # long: waking a process that sleeps on another vCPU costs 30-70 µs on this kind of VM
 # (research/peer_numbers.md), so a reply that comes within the spin is taken at once.
 # The spin adapts (``_adapt_spin``) between these bounds; an idle consumer spins at most
-# once per _TICK: under 0.3 % of a core.
+# once per _TICK: under 0.1 % of a core. (500 µs measured no better here: two spinning
+# processes on two vCPUs starve the one doing the work.)
 _SPIN_MIN_NS = 20_000
-_SPIN_MAX_NS = 500_000
+_SPIN_MAX_NS = 100_000
 # Tensors of at most this many bytes travel inline in the producer's ring for their
 # consumer (``ring.py``) instead of a segment of their own: for them the dozen system
 # calls of a segment cost far more than copying the bytes. 64 KiB and below measured
