@@ -38,14 +38,12 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
-import json
 import multiprocessing
 import multiprocessing.connection
 import os
 import queue
 import signal
 import struct
-import sys
 import time
 import traceback
 import zlib
@@ -58,7 +56,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .report import describe_machine, format_size
+from .report import format_size
 
 __all__ = [
     "HEADER",
@@ -835,30 +833,9 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
 
 def run_cli(args: argparse.Namespace) -> int:
     """``shmrdv bench --load``: 0 when every check held, 1 otherwise, 2 on bad options."""
-    try:
-        cfg = config_from_args(args)
-        cfg.check()
-    except ValueError as e:
-        print(f"shmrdv bench --load: {e}", file=sys.stderr)
-        return 2
-    tty = sys.stderr.isatty()
+    from .report import run_mode
 
-    def progress(text: str) -> None:
-        if tty:
-            sys.stderr.write("\r\x1b[K" + text)
-            sys.stderr.flush()
-
-    result = run_load(cfg, progress)
-    if tty:
-        sys.stderr.write("\r\x1b[K")
-    sys.stdout.write(format_load(result))
-    sys.stdout.flush()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"load": result.to_json(), "machine": describe_machine()}, f, indent=1)
-            f.write("\n")
-        print(f"wrote {args.json}", file=sys.stderr)
-    return 0 if result.ok else 1
+    return run_mode("load", args, config_from_args, run_load, format_load)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -421,3 +422,43 @@ def plot_run(run: BenchRun, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def run_mode(
+    label: str,
+    args: Any,
+    make_config: Callable[[Any], Any],
+    run: Callable[[Any, Callable[[str], None]], Any],
+    fmt: Callable[[Any], str],
+) -> int:
+    """A whole-run mode of ``shmrdv bench`` (``--load``, ``--soak``): configure, run with a
+    progress line on a terminal, print the report, write ``--json``.
+
+    Returns 0 when the run's checks held (``result.ok``), 1 otherwise, 2 on bad options.
+    """
+    import sys
+
+    try:
+        cfg = make_config(args)
+        cfg.check()
+    except ValueError as e:
+        print(f"shmrdv bench --{label}: {e}", file=sys.stderr)
+        return 2
+    tty = sys.stderr.isatty()
+
+    def progress(text: str) -> None:
+        if tty:
+            sys.stderr.write("\r\x1b[K" + text)
+            sys.stderr.flush()
+
+    result = run(cfg, progress)
+    if tty:
+        sys.stderr.write("\r\x1b[K")
+    sys.stdout.write(fmt(result))
+    sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({label: result.to_json(), "machine": describe_machine()}, f, indent=1)
+            f.write("\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0 if result.ok else 1

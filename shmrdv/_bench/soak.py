@@ -38,9 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,7 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .load import ChildFailed, ChildGroup, ChildTimeout
-from .report import describe_machine, format_size
+from .report import format_size
 
 __all__ = [
     "COUNT_SERIES",
@@ -620,30 +618,9 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
 
 def run_cli(args: argparse.Namespace) -> int:
     """``shmrdv bench --soak N``: 0 when flat and correct, 1 otherwise, 2 on bad options."""
-    try:
-        cfg = config_from_args(args)
-        cfg.check()
-    except ValueError as e:
-        print(f"shmrdv bench --soak: {e}", file=sys.stderr)
-        return 2
-    tty = sys.stderr.isatty()
+    from .report import run_mode
 
-    def progress(text: str) -> None:
-        if tty:
-            sys.stderr.write("\r\x1b[K" + text)
-            sys.stderr.flush()
-
-    result = run_soak(cfg, progress)
-    if tty:
-        sys.stderr.write("\r\x1b[K")
-    sys.stdout.write(format_soak(result))
-    sys.stdout.flush()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"soak": result.to_json(), "machine": describe_machine()}, f, indent=1)
-            f.write("\n")
-        print(f"wrote {args.json}", file=sys.stderr)
-    return 0 if result.ok else 1
+    return run_mode("soak", args, config_from_args, run_soak, format_soak)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,7 +56,7 @@ from .._errors import (
 )
 from .._keys import ParsedKey
 from .._received import Received
-from .._rendezvous import Canceller
+from .._rendezvous import Canceller, _Slot, _timeout_error
 from . import layout
 from .bell import Bell
 from .naming import Names, parse_name
@@ -145,21 +145,6 @@ class _Waiter:
     # A thread blocked in recv_blocking polls the doorbell itself; only callback waiters
     # (recv_async, futures, asyncio) need the dispatcher thread.
     blocking: bool = False
-
-
-class _Box:
-    """A blocking receiver's mailbox, filled once by ``_deliver``."""
-
-    __slots__ = ("error", "event", "received")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.error: BaseException | None = None
-        self.received: Received | None = None
-
-    def done(self, error: BaseException | None, received: Received | None) -> None:
-        self.error, self.received = error, received
-        self.event.set()
 
 
 @dataclass(eq=False)
@@ -945,9 +930,7 @@ class ShmTransport:
         thread -> receiver). Other receivers wait until delivered or the role is free.
         Raises ``DeadlineExceededError`` when ``timeout`` expires (the waiter removed).
         """
-        from .._rendezvous import _timeout_error
-
-        box = _Box()
+        box = _Slot()
         cancel = self.start_recv(step_id, key, box.done, copy, blocking=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         expired = False

@@ -1,9 +1,10 @@
-"""The conformance battery over a real two-process pair through shared memory.
+"""The conformance battery over real two-process pairs: shared memory and gRPC.
 
 The consumer is a Worker in this process; the producer is a Worker in a spawned child
-process, driven over a pipe. Every value crosses a real segment, every wake-up a real
-semaphore. The same checks run with plain sends (one copy) and with allocate + send
-(zero copy).
+process, driven over a pipe. ``shm``: every value crosses a real segment or ring and
+every wake-up a real semaphore. ``grpc``: both take only ``transports=("grpc",)``, so
+every value is pulled through RecvTensorStream from the child's real server on
+127.0.0.1. Each check runs with plain sends and with allocate + send.
 """
 
 from __future__ import annotations
@@ -22,24 +23,22 @@ PRODUCER = "/job:worker/replica:0/task:0"
 CONSUMER = "/job:worker/replica:0/task:1"
 
 _steps = itertools.count(1)
+Workers = tuple[ChildWorker, shmrdv.Worker]
 
 
-@pytest.fixture(scope="module")
-def workers() -> Iterator[tuple[ChildWorker, shmrdv.Worker]]:
+@pytest.fixture(scope="module", params=["shm", "grpc"])
+def workers(request: pytest.FixtureRequest) -> Iterator[Workers]:
+    transports = ("grpc",) if request.param == "grpc" else None
     ns = shmrdv.new_namespace()
     with (
-        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
-        ChildWorker(PRODUCER, namespace=ns) as producer,
+        shmrdv.Worker(CONSUMER, namespace=ns, transports=transports) as consumer,
+        ChildWorker(PRODUCER, namespace=ns, transports=transports) as producer,
     ):
         yield producer, consumer
-        for step in range(1, next(_steps)):
-            consumer.cleanup(step)
 
 
 @contextmanager
-def shm_pair(
-    workers: tuple[ChildWorker, shmrdv.Worker], allocate: bool
-) -> Iterator[RendezvousPair]:
+def pair_of(workers: Workers, allocate: bool) -> Iterator[RendezvousPair]:
     producer, consumer = workers
     step = next(_steps)
 
@@ -57,17 +56,10 @@ def shm_pair(
         producer.cleanup(step)
 
 
+@pytest.mark.parametrize("allocate", [False, True], ids=["send", "allocate"])
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
-def test_shm_conformance_send(
-    check: Callable[[RendezvousPair], None], workers: tuple[ChildWorker, shmrdv.Worker]
+def test_conformance_pair(
+    check: Callable[[RendezvousPair], None], allocate: bool, workers: Workers
 ) -> None:
-    with shm_pair(workers, allocate=False) as pair:
-        check(pair)
-
-
-@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
-def test_shm_conformance_allocate(
-    check: Callable[[RendezvousPair], None], workers: tuple[ChildWorker, shmrdv.Worker]
-) -> None:
-    with shm_pair(workers, allocate=True) as pair:
+    with pair_of(workers, allocate) as pair:
         check(pair)
