@@ -92,7 +92,8 @@ INFO_SERIES = (
     "shm_pool_objects",
     "shm_pool_bytes",
 )
-_POOL_KINDS = frozenset({"pool", "held", "returned"})
+# Per-peer small-message rings are bounded like the pool (one per producer/consumer pair).
+_POOL_KINDS = frozenset({"pool", "held", "returned", "ring"})
 _STEP = 0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _MIN_SIZE_SLACK = 1 << 20  # a size series may always wander this much
@@ -185,7 +186,9 @@ def process_sample(namespace: str, handoffs: int, worker: Any = None) -> dict[st
     shm_bytes = sum(o.size for o in objs)
     pool_slots = 0
     if worker is not None:
-        pool_slots = int(worker.stats().get("shm", {}).get("pool_slots", 0))
+        shm = worker.stats().get("shm", {})
+        # Each pool slot and each mapped ring holds a mapping, and so a descriptor.
+        pool_slots = int(shm.get("pool_slots", 0)) + int(shm.get("rings", 0))
     fds = len(os.listdir("/proc/self/fd"))
     return {
         "handoffs": handoffs,

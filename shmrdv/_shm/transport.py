@@ -1278,6 +1278,7 @@ class ShmTransport:
             out["pending_receives"] = sum(len(ch.waiters) for ch in self._waiting.values())
             out["channels"] = len(self._channels)
             out["allocations"] = len(self._allocations)
+            out["rings"] = len(self._rings_in) + sum(1 for e in self._rings_out.values() if e)
             out["held"] = len(self._held)
         out.update(self._pool.stats())
         return out
