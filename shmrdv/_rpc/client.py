@@ -218,6 +218,7 @@ class _StreamRecv:
                 call = method(request, timeout=remaining, metadata=metadata)
                 self._call = call
             assembler = coding.StreamAssembler()
+            delivered = False
             try:
                 for message in call:
                     if self._state == _PENDING:
@@ -227,8 +228,17 @@ class _StreamRecv:
                                 return
                             self._state = _RECEIVING
                     assembler.feed(message)
+                    if assembler.complete and not delivered:
+                        # Every byte is here: hand it over now rather than after the
+                        # call's closing status (one more loopback round); the stream is
+                        # then drained, never cancelled (the server would take a cancel
+                        # after its last chunk for a value not delivered).
+                        delivered = True
+                        self._deliver(None, Received(assembler.result(), assembler.is_dead))
                 received = Received(assembler.result(), assembler.is_dead)
             except grpc.RpcError as e:
+                if delivered:
+                    return
                 code = _code(e)
                 if self._state in (_DONE, _CANCELLED):
                     return
@@ -273,7 +283,8 @@ class _StreamRecv:
                     None,
                 )
                 return
-            self._deliver(None, received)
+            if not delivered:
+                self._deliver(None, received)
             self._client._notify(self._channel, MARK_RECV_FINISHED_METHOD, self._request_id)
             return
         # The caller's timeout expired between attempts (the peer kept being unavailable).
