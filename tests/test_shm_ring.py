@@ -80,7 +80,9 @@ def test_ring_corruption_is_an_error_not_a_crash() -> None:
 
 
 @pytest.fixture
-def ns() -> str:
+def ns(monkeypatch: pytest.MonkeyPatch) -> str:
+    # The inline ring is opt-in (experimental); children inherit the variable at spawn.
+    monkeypatch.setenv("SHMRDV_INLINE_MAX", "65536")
     return shmrdv.new_namespace()
 
 
