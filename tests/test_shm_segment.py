@@ -8,14 +8,13 @@ import os
 import secrets
 import shutil
 import stat
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from small_shm import run_with_small_dev_shm
 
 from shmrdv._errors import InternalError
 from shmrdv._shm import layout
@@ -389,26 +388,4 @@ _ENOSPC_CHILD = textwrap.dedent(
 @pytest.mark.root
 @pytest.mark.timeout(60)
 def test_segment_enospc_is_resource_exhausted_not_sigbus() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs in a private mount namespace")
-    if shutil.which("unshare") is None:
-        pytest.skip("unshare(1) is not installed")
-    probe = subprocess.run(
-        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-        capture_output=True,
-        timeout=20,
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount in a private namespace: {probe.stderr.decode().strip()}")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    script = 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$0" -c "$1"'
-    proc = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script, sys.executable, _ENOSPC_CHILD],
-        capture_output=True,
-        timeout=50,
-        env=env,
-        cwd=str(REPO),
-    )
-    out = proc.stdout.decode() + proc.stderr.decode()
-    assert proc.returncode == 0, out
-    assert "child ok" in out
+    run_with_small_dev_shm(_ENOSPC_CHILD)

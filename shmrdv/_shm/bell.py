@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 import threading
 import time
 import weakref
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING
 import posix_ipc
 
 from .._errors import InternalError
+from .ownership import refuse_foreign
 
 if TYPE_CHECKING:
     from .naming import Names
@@ -47,13 +47,7 @@ def _check_ours(path: str, what: str) -> os.stat_result | None:
         return None
     except OSError as e:
         raise InternalError(f"cannot stat {what} {path}: {e}") from e
-    if not stat.S_ISREG(st.st_mode):
-        raise InternalError(f"{what} {path} is not a regular file (mode {st.st_mode:#o})")
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise InternalError(
-            f"{what} {path} is not ours: owner uid {st.st_uid} (we are {os.geteuid()}), "
-            f"mode {stat.S_IMODE(st.st_mode):#o} (want no group/other bits); refusing to use it"
-        )
+    refuse_foreign(st, path, what)
     return st
 
 

@@ -30,7 +30,6 @@ import functools
 import json
 import logging
 import os
-import stat
 import threading
 import time
 import weakref
@@ -38,6 +37,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
+from .ownership import refuse_foreign
 
 if TYPE_CHECKING:
     from .naming import Names
@@ -142,13 +142,7 @@ class PresenceInfo:
 
 def _check_ours(st: os.stat_result, where: str, what: str = "presence record") -> None:
     """Refuse a file another user planted under our name (pitfalls.md §7: fstat on attach)."""
-    if not stat.S_ISREG(st.st_mode):
-        raise InternalError(f"{what} {where} is not a regular file (mode {st.st_mode:#o})")
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise InternalError(
-            f"{what} {where} is not ours: owner uid {st.st_uid} (we are {os.geteuid()}), "
-            f"mode {stat.S_IMODE(st.st_mode):#o} (want no group/other bits); refusing to trust it"
-        )
+    refuse_foreign(st, where, what)
 
 
 def _read_fd(fd: int, where: str) -> bytes:

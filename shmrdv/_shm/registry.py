@@ -22,9 +22,9 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from .._errors import InternalError
-from . import layout
 from .naming import SHM_DIR, ObjectName, parse_name
 from .presence import probe
+from .segment import peek_header
 
 __all__ = ["ObjectInfo", "collect", "list_objects"]
 
@@ -123,25 +123,9 @@ def _read_presence(entry: _Entry) -> None:
 
 def _read_header(entry: _Entry) -> None:
     """Fill in what the segment header says; leave None for an unwritten or corrupt one."""
-    try:
-        fd = os.open(entry.path, _OPEN_FLAGS)
-    except OSError:
+    header = peek_header(entry.path)
+    if header is None:
         return
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            return
-        prefix = os.pread(fd, layout.PREFIX.size, 0)
-        if len(prefix) < layout.PREFIX.size or not prefix.startswith(layout.MAGIC):
-            return
-        header_len = layout.PREFIX.unpack_from(prefix)[3]
-        buf = os.pread(fd, min(header_len, st.st_size, 2 * layout.MAX_KEY_BYTES), 0)
-        header = layout.unpack(buf, st.st_size)
-    except (OSError, InternalError) as e:
-        _log.debug("no header in %s: %s", entry.path, e)
-        return
-    finally:
-        os.close(fd)
     entry.owner_pid = header.producer_pid
     entry.step_id = header.step_id
     entry.key = header.key

@@ -38,8 +38,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import InternalError, ResourceExhaustedError
-from .layout import Header
+from .layout import MAGIC, MAX_KEY_BYTES, PREFIX, Header, unpack
 from .naming import SHM_DIR, Names
+from .ownership import is_ours
 
 __all__ = ["Segment"]
 
@@ -204,7 +205,7 @@ class Segment:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise InternalError(f"refusing segment {name}: not a regular file")
-            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            if not is_ours(st):
                 raise InternalError(
                     f"refusing segment {name}: owned by uid {st.st_uid} / mode "
                     f"0o{stat.S_IMODE(st.st_mode):03o}, expected uid {os.geteuid()} / mode 0o600 "
@@ -368,3 +369,32 @@ class Segment:
     def __repr__(self) -> str:
         state = "closed" if self._mem is None else "open"
         return f"<Segment {self._name} {self._size} bytes {state}>"
+
+
+_PEEK_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def peek_header(path: str) -> Header | None:
+    """The header of the segment file at ``path``, read with ``pread`` (nothing is mapped).
+
+    None if it is gone, not ours (owner, mode, not a regular file) or holds no valid
+    header (still being written, or corrupt). For listing and finding, never for data.
+    """
+    try:
+        fd = os.open(path, _PEEK_FLAGS)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not is_ours(st):
+            return None
+        prefix = os.pread(fd, PREFIX.size, 0)
+        if len(prefix) < PREFIX.size or not prefix.startswith(MAGIC):
+            return None
+        header_len = PREFIX.unpack_from(prefix)[3]
+        limit = min(header_len, st.st_size, PREFIX.size + 2 * MAX_KEY_BYTES)
+        return unpack(os.pread(fd, limit, 0), st.st_size)
+    except (OSError, InternalError):
+        return None
+    finally:
+        os.close(fd)

@@ -34,7 +34,6 @@ import fcntl
 import json
 import logging
 import os
-import stat
 import threading
 import time
 import weakref
@@ -63,7 +62,7 @@ from .naming import Names, parse_name
 from .pool import Slot, SlotPool
 from .presence import read_presence
 from .ring import RINGS_SUPPORTED, Ring, ring_size
-from .segment import Segment
+from .segment import Segment, peek_header
 
 if TYPE_CHECKING:
     from .._worker import Worker
@@ -94,6 +93,8 @@ _SPIN_MAX_NS = 100_000
 # or an overwrite not yet explained), so it is enabled only with SHMRDV_INLINE_MAX=<bytes>
 # (e.g. 65536) until that is understood.
 _RING_LIMIT = 64 << 10
+# How often a consumer looks for a producer's ring that is not there yet.
+_RING_LOOK_S = 0.02
 
 
 def _inline_max() -> int:
@@ -101,6 +102,8 @@ def _inline_max() -> int:
         return max(0, min(int(os.environ.get("SHMRDV_INLINE_MAX", "0")), _RING_LIMIT))
     except ValueError:
         return 0
+
+
 _RING_CAPACITY = 1 << 20
 
 # renameat2(2) with RENAME_NOREPLACE (Linux >= 3.15 on tmpfs, glibc >= 2.28): an atomic
@@ -242,34 +245,6 @@ def _give_back(names: Names, producer_task: str, incarnation: int, slot: int, pa
             pass
 
 
-_PEEK_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-def _peek_header(path: str) -> layout.Header | None:
-    """The header of the segment file at ``path``, read with ``pread`` (nothing is mapped).
-
-    None if it is gone, not ours (owner, mode, not a regular file) or not a valid header.
-    """
-    try:
-        fd = os.open(path, _PEEK_FLAGS)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            return None
-        prefix = os.pread(fd, layout.PREFIX.size, 0)
-        if len(prefix) < layout.PREFIX.size or not prefix.startswith(layout.MAGIC):
-            return None
-        header_len = layout.PREFIX.unpack_from(prefix)[3]
-        limit = min(header_len, st.st_size, layout.PREFIX.size + 2 * layout.MAX_KEY_BYTES)
-        return layout.unpack(os.pread(fd, limit, 0), st.st_size)
-    except (OSError, RendezvousError):
-        return None
-    finally:
-        os.close(fd)
-
-
 # (namespace, task) -> ((st_dev, st_ino) of the record, its incarnation, an fd on it).
 _records: dict[tuple[str, str], tuple[tuple[int, int], int, int]] = {}
 
@@ -367,6 +342,7 @@ class ShmTransport:
         self._rings_in: dict[tuple[str, int], tuple[Segment, Ring]] = {}
         self._stash: dict[tuple[int, str], dict[tuple[int, int], Received]] = {}
         self._rings_listed_at = 0.0
+        self._ring_look_at: dict[tuple[str, int], float] = {}  # see _take_inline
         self._pool = SlotPool(self._names, self._inc, pool_bytes)
         self._bell = Bell.create(self._names, self._task, replace_stale=True)
         self._thread = threading.Thread(
@@ -736,7 +712,7 @@ class ShmTransport:
                 if name not in present:
                     del self._orphans[name]
             for name in present - self._orphans.keys():
-                h = _peek_header(Names.path(name))
+                h = peek_header(Names.path(name))
                 if h is not None:
                     self._orphans[name] = (
                         h.step_id,
@@ -825,10 +801,17 @@ class ShmTransport:
     def _take_inline(self, ch: _Channel) -> Received | BaseException | None:
         """The channel's next message if it came through a ring (under the lock)."""
         src = _canonical_task(ch.key.src)
+        owner = (src, ch.inc)
         try:
-            if (src, ch.inc) not in self._rings_in:
-                self._attach_ring(self._names.ring(src, ch.inc, self._task), (src, ch.inc))
-            self._drain_rings()
+            if owner not in self._rings_in:
+                # A producer without a ring (the default) must not cost every receive a
+                # hash and a failing open(): look again at most every _RING_LOOK_S.
+                now = time.monotonic()
+                if now >= self._ring_look_at.get(owner, 0.0):
+                    self._ring_look_at[owner] = now + _RING_LOOK_S
+                    self._attach_ring(self._names.ring(src, ch.inc, self._task), owner)
+            if self._rings_in:
+                self._drain_rings()
         except RendezvousError as e:
             return e
         box = self._stash.get((ch.step, ch.key.full_key))
@@ -1187,7 +1170,7 @@ class ShmTransport:
             if not entry.startswith(marker) or parse_name(entry) is None:
                 continue
             path = Names.path(entry)
-            header = _peek_header(path)
+            header = peek_header(path)
             if header is None or (step_id is not None and header.step_id != step_id):
                 continue
             src, dst = _parse_ends(header.key)
