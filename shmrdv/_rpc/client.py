@@ -1,9 +1,12 @@
 """RpcClient: the consumer side of the gRPC transport (TensorFlow's RpcRecvTensorCall).
 
-``start_recv`` pulls the next value of a key from the producer's worker: it calls
-``RecvTensorStream`` on the peer with a fresh random non-zero ``request_id`` and
-assembles the chunks into one array (one copy). The call is TensorFlow's
-``RecvFromRemoteAsync`` (research/tf_rendezvous.md §3.1) with two additions:
+``start_recv`` pulls the next value of a key from the producer's worker with a fresh
+random non-zero ``request_id``: first a unary ``RecvTensorInline``, which answers a
+tensor of at most ``inline_max`` bytes (1 MiB) in its one response; a larger one waits in
+the server's response cache and is then streamed with ``RecvTensorStream`` under the same
+request_id and assembled into one array (one copy). A peer without ``RecvTensorInline``
+is streamed from directly. The call is TensorFlow's ``RecvFromRemoteAsync``
+(research/tf_rendezvous.md §3.1) with these additions:
 
 * a transient ``UNAVAILABLE`` (peer not up yet, connection refused or reset before any
   data came) is retried with backoff (50 ms doubling to 1 s) and the *same*
@@ -12,32 +15,45 @@ assembles the chunks into one array (one copy). The call is TensorFlow's
   delivered value, so a response lost on the wire is not a lost tensor;
 * once data is flowing the call can no longer be cancelled (the producer has given the
   value away); a connection lost mid-stream is retried twice (the server still caches
-  the value), then fails with ``UnavailableError``. No partial array is ever delivered.
+  the value), then fails with ``UnavailableError``. No partial array is ever delivered;
+* a cancelled call sends ``ReleaseRecv``: a value the server took for it goes back to its
+  key's head;
+* acks (TensorFlow's ``MarkRecvFinished``) of inline answers ride on the next request to
+  the same peer; one that no request takes within 50 ms goes on its own.
 
-Thread model: the sync gRPC API, one daemon thread ("shmrdv-rpc-recv") per receive in
-flight, which ends with the call. (An asyncio channel would need no thread per call,
-but grpc.aio does not survive ``fork`` — measured: a forked child's aio calls time out —
-while a fresh sync channel in the child works; research/pitfalls.md §6.) ``done`` runs
-in that thread, never under a lock, exactly once unless the canceller returned ``True``.
+Thread model: the sync gRPC API. A unary call is a gRPC future: no thread of ours while
+it waits; its outcome arrives in gRPC's channel thread, which hands ``done`` to a reused
+callback thread (or calls it itself when the caller said ``direct``: a blocking receive's
+own slot). A streamed (large) value has a thread of its own ("shmrdv-rpc-recv"). One
+``Hold`` call per channel in use keeps gRPC's channel thread alive (server.py). (An
+asyncio channel would need none of this, but grpc.aio does not survive ``fork`` —
+measured: a forked child's aio calls time out — while a fresh sync channel in the child
+works; research/pitfalls.md §6.) ``done`` never runs under a lock, and exactly once
+unless the canceller returned ``True``.
 
 Fork: channels are per process. A client used in a parent and then in a forked child
 notices the new pid and opens fresh channels in the child; the parent's are left alone.
+Before a fork the Hold calls end (a thread inside gRPC at fork time breaks the child).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
 import grpc
 import grpc._channel
+import numpy as np
 
 from .._callbacks import DoneCallback, invoke_done
 from .._errors import (
@@ -56,7 +72,9 @@ from . import coding
 from .security import TLSConfig, bearer_metadata, check_token
 from .server import (
     GET_STATUS_METHOD,
+    HOLD_METHOD,
     MARK_RECV_FINISHED_METHOD,
+    RECV_TENSOR_INLINE_METHOD,
     RECV_TENSOR_METHOD,
     RECV_TENSOR_STREAM_METHOD,
     RELEASE_RECV_METHOD,
@@ -89,6 +107,17 @@ _RETRY_MAX = 1.0
 _MID_STREAM_RETRIES = 2
 _JOIN_TIMEOUT = 5.0
 _ACK_TIMEOUT = 5.0
+# Tensors up to this size come back in the one unary RecvTensorInline response; larger
+# ones are streamed in chunks (no 2 GiB ceiling, bounded messages).
+DEFAULT_INLINE_MAX = 1 << 20
+# An ack not piggybacked on a request to the same peer within this time goes on its own
+# (MarkRecvFinished), so that the server's cache does not hold the value until it expires.
+_ACK_DELAY = 0.05
+# A Hold call (server.py) lasts this long; it is renewed while the channel has been used
+# for a receive within the last _HOLD_SECONDS.
+_HOLD_SECONDS = 30.0
+# A callback thread with nothing to run for this long ends.
+_IDLE_EXIT = 10.0
 
 _PENDING, _RECEIVING, _DONE, _CANCELLED = range(4)
 
@@ -111,8 +140,84 @@ def _code(e: grpc.RpcError) -> grpc.StatusCode:
     return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
 
 
-class _StreamRecv:
-    """One ``start_recv``: its thread, its state and its canceller."""
+class _Runner:
+    """Runs ``done`` callbacks off gRPC's thread, on reused threads.
+
+    gRPC calls a future's callbacks in its channel thread, which must not block: a
+    callback that waits there (say, for another receive on that channel) would stop the
+    channel. So a caller's ``done`` runs here: on an idle thread if there is one, else on
+    a new one (so a ``done`` that blocks never holds up another), which ends after
+    ``_IDLE_EXIT`` seconds without work or at ``shutdown``.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._tasks: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
+        self._idle = 0
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        task = (fn, args)
+        with self._cond:
+            if not self._closed:
+                self._tasks.append(task)
+                if self._idle >= len(self._tasks):
+                    self._cond.notify()
+                    return
+                thread = threading.Thread(target=self._work, name="shmrdv-rpc-done", daemon=True)
+                self._threads.add(thread)
+            else:
+                thread = None
+        if thread is None:
+            fn(*args)
+            return
+        try:
+            thread.start()
+        except RuntimeError:  # "can't start new thread": run it here rather than never
+            with self._cond:
+                self._threads.discard(thread)
+                try:
+                    self._tasks.remove(task)
+                except ValueError:
+                    return  # an idle thread took it meanwhile
+            fn(*args)
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._cond:
+                self._idle += 1
+                while not self._tasks and not self._closed:
+                    if not self._cond.wait(_IDLE_EXIT) and not self._tasks:
+                        break
+                self._idle -= 1
+                if not self._tasks:
+                    self._threads.discard(me)
+                    return
+                fn, args = self._tasks.popleft()
+            fn(*args)
+
+    def shutdown(self, timeout: float) -> None:
+        """Let the threads finish what they run and end; join them (not the caller's)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            threads = list(self._threads)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+
+
+class _Recv:
+    """One ``start_recv``: its calls, its state and its canceller.
+
+    First a unary ``RecvTensorInline`` (no thread: its outcome arrives in a gRPC future's
+    callback), which answers a small tensor at once; a larger one stays in the server's
+    response cache and a thread then streams it with ``RecvTensorStream`` under the same
+    request_id. A peer without ``RecvTensorInline`` (``UNIMPLEMENTED``) is streamed from
+    at once, and that peer is remembered.
+    """
 
     def __init__(
         self,
@@ -123,6 +228,7 @@ class _StreamRecv:
         key: ParsedKey,
         done: DoneCallback,
         timeout: float | None,
+        direct: bool,
     ) -> None:
         self._client = client
         self._channel = channel
@@ -130,14 +236,20 @@ class _StreamRecv:
         self._step_id = step_id
         self._key = key
         self._done = done
+        self._direct = direct
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._timeout = timeout
         self._request_id = _new_request_id()
         self._lock = threading.Lock()
         self._state = _PENDING
-        self._call: Any = None
+        self._streaming = False  # the RecvTensorStream phase (in self.thread)
+        self._issued = False  # some call went out: the server may hold a value for it
+        self._call: Any = None  # the call in flight (a unary future or a stream)
+        self._timer: threading.Timer | None = None
+        self._backoff = _RETRY_INITIAL
+        self._last_unavailable: grpc.RpcError | None = None
         self._wake = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="shmrdv-rpc-recv", daemon=True)
+        self.thread: threading.Thread | None = None
 
     @property
     def receiving(self) -> bool:
@@ -152,21 +264,29 @@ class _StreamRecv:
     def cancel(self) -> bool:
         """Stop, and ``done`` is never called (``True``); ``False`` once delivered or failed.
 
-        Also mid-stream: the partial value is dropped here and ``ReleaseRecv`` has the
-        server give it back to its key, so a receive whose deadline expires while a
-        large tensor is (slowly) arriving does not wait past its deadline.
+        ``False`` also once the unary call has completed (its outcome is on its way to
+        ``done``). Mid-stream the partial value is dropped here, so a receive whose
+        deadline expires while a large tensor is (slowly) arriving does not wait past it.
+        Whenever a call went out, ``ReleaseRecv`` has the server give back a value it took
+        for it (to its key's head) instead of parking it for a retry that never comes.
         """
         with self._lock:
             if self._state not in (_PENDING, _RECEIVING):
                 return False
-            self._state = _CANCELLED
             call = self._call
+            if not self._streaming and call is not None and not call.cancel():
+                return False  # the unary call completed: its callback delivers
+            self._state = _CANCELLED
+            timer, self._timer = self._timer, None
+            issued = self._issued
         self._wake.set()
-        if call is not None:
+        if timer is not None:
+            timer.cancel()
+        if call is not None and self._streaming:
             call.cancel()
-            # The server may have taken the value just now: have it given back to the
-            # key's head instead of parked for a retry that will never come.
+        if issued:
             self._client._notify(self._channel, RELEASE_RECV_METHOD, self._request_id)
+        self._client._forget(self)
         return True
 
     def close(self, error: BaseException) -> None:
@@ -176,47 +296,209 @@ class _StreamRecv:
                 return
             self._state = _DONE
             call = self._call
+            timer, self._timer = self._timer, None
         self._wake.set()
+        if timer is not None:
+            timer.cancel()
         if call is not None:
             call.cancel()
         invoke_done(self._done, error, None)
 
-    # -- the receive thread ---------------------------------------------------------------
+    # -- delivering --------------------------------------------------------------------
 
     def _deliver(self, error: BaseException | None, received: Received | None) -> None:
         with self._lock:
             if self._state in (_DONE, _CANCELLED):
                 return
             self._state = _DONE
-        invoke_done(self._done, error, received)
+        self._client._forget(self)
+        if self._direct or threading.current_thread() is self.thread:
+            invoke_done(self._done, error, received)
+        else:
+            self._client._runner.submit(invoke_done, self._done, error, received)
+
+    def _remaining(self) -> float | None:
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+    def _timed_out(self) -> None:
+        """The caller's timeout expired between attempts (the peer kept being unavailable)."""
+        last = self._last_unavailable
+        self._deliver(
+            DeadlineExceededError(
+                f"Timed out after {self._timeout:g}s receiving {self._where()}"
+                + (f"; the peer was unavailable: {_details(last)}" if last else "")
+            ),
+            None,
+        )
+
+    def _out_of_files(self, e: grpc.RpcError) -> bool:
+        """UNAVAILABLE for lack of descriptors is not transient the way a restarting peer
+        is: say what ran out, and drop the channel so that the next receive, once
+        descriptors are back, connects afresh instead of inheriting its reconnect backoff."""
+        if _code(e) != grpc.StatusCode.UNAVAILABLE or "Too many open files" not in _details(e):
+            return False
+        self._client._drop_channel(self._address, self._channel)
+        self._deliver(
+            ResourceExhaustedError(
+                f"cannot connect for {self._where()}: too many open files "
+                f"(ulimit -n): {_details(e)}"
+            ),
+            None,
+        )
+        return True
+
+    # -- the unary phase (no thread of ours) ------------------------------------------
+
+    def start(self) -> None:
+        if self._client._streams_only(self._address):
+            self._start_stream()
+        else:
+            self._attempt()
+
+    def _attempt(self) -> None:
+        acks: list[int] = []
+        with self._lock:
+            self._timer = None
+            if self._state != _PENDING:
+                return
+            remaining = self._remaining()
+            if remaining is not None and remaining <= 0:
+                expired = True
+            else:
+                expired = False
+                acks = self._client._take_acks(self._address)
+                request = coding.encode_request(
+                    self._step_id,
+                    self._key.full_key,
+                    self._request_id,
+                    finished=acks,
+                    inline_max=self._client._inline_max,
+                )
+                try:
+                    call = self._channel.unary_unary(RECV_TENSOR_INLINE_METHOD).future(
+                        request, timeout=remaining, metadata=self._client._metadata
+                    )
+                except ValueError as e:  # the channel was closed under us
+                    call = None
+                    closed = e
+                self._call = call
+                self._issued = True
+        if expired:
+            self._timed_out()
+            return
+        if call is None:
+            self._client._give_back_acks(self._address, acks)
+            self._deliver(CancelledError(f"receiving {self._where()}: {closed}"), None)
+            return
+        call.add_done_callback(functools.partial(self._on_unary, acks))
+
+    def _on_unary(self, acks: list[int], call: Any) -> None:
+        """The unary call's outcome, in gRPC's channel thread (never block here)."""
+        with self._lock:
+            if self._state != _PENDING or self._call is not call:
+                return  # cancelled or closed: answered there
+            if call.cancelled():  # pragma: no cover - only our cancel/close cancel it
+                return
+            error = call.exception()
+            if error is not None:
+                self._call = None
+        if error is None:
+            self._answered(call.result())
+            return
+        self._client._give_back_acks(self._address, acks)
+        code = _code(error)
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            # Not a shmrdv server that knows RecvTensorInline: stream from it, as before.
+            self._client._remember_streams_only(self._address)
+            self._start_stream()
+        elif self._out_of_files(error):
+            pass
+        elif code == grpc.StatusCode.UNAVAILABLE:
+            self._retry_later(error)
+        else:
+            self._deliver(self._error(code, error), None)
+
+    def _answered(self, data: bytes) -> None:
+        if not data:
+            self._start_stream()  # too large to answer inline: it waits in the cache
+            return
+        try:
+            decoded = coding.decode_response(data)
+        except RendezvousError as e:
+            self._deliver(
+                type(e)(f"bad RecvTensorInline from {self._address} for {self._where()}: {e}"),
+                None,
+            )
+            return
+        self._client._ack(self._address, self._request_id)
+        self._client._hold(self._address, self._channel)
+        # A private, writable array (the response bytes are read-only); it is small.
+        value = np.array(decoded.value, copy=True)
+        self._deliver(None, Received(value, decoded.is_dead))
+
+    def _retry_later(self, error: grpc.RpcError) -> None:
+        """Transient UNAVAILABLE (peer not up yet, connection refused or reset): the same
+        request_id again after the backoff, so a response lost on the wire is not lost."""
+        self._last_unavailable = error
+        pause = self._backoff
+        remaining = self._remaining()
+        if remaining is not None:
+            pause = max(0.0, min(pause, remaining))
+        self._backoff = min(self._backoff * 2, _RETRY_MAX)
+        timer = threading.Timer(pause, self._attempt)
+        timer.daemon = True
+        timer.name = "shmrdv-rpc-retry"
+        with self._lock:
+            if self._state != _PENDING:
+                return
+            self._timer = timer
+        try:
+            timer.start()
+        except RuntimeError as e:  # "can't start new thread"
+            self._deliver(
+                ResourceExhaustedError(f"cannot retry receiving {self._where()}: {e}"), None
+            )
+
+    # -- the stream phase (a thread of its own: large values) ----------------------------
+
+    def _start_stream(self) -> None:
+        thread = threading.Thread(target=self._run, name="shmrdv-rpc-recv", daemon=True)
+        with self._lock:
+            if self._state != _PENDING:
+                return
+            self._streaming = True
+            self._call = None
+            self.thread = thread
+        try:
+            thread.start()
+        except RuntimeError as e:  # "can't start new thread"
+            self._deliver(
+                ResourceExhaustedError(f"cannot start a receive thread for {self._where()}: {e}"),
+                None,
+            )
 
     def _run(self) -> None:
         try:
-            self._attempts()
+            self._stream_attempts()
         except BaseException as e:  # a bug here must not leave the caller waiting forever
             _log.exception("RecvTensorStream of %s failed unexpectedly", self._where())
             self._deliver(UnavailableError(f"receiving {self._where()} failed: {e!r}"), None)
-        finally:
-            self._client._forget(self)
 
-    def _attempts(self) -> None:
+    def _stream_attempts(self) -> None:
         request = coding.encode_request(self._step_id, self._key.full_key, self._request_id)
         method = self._channel.unary_stream(RECV_TENSOR_STREAM_METHOD)
         metadata = self._client._metadata
-        backoff = _RETRY_INITIAL
         mid_stream_failures = 0
-        last_unavailable: grpc.RpcError | None = None
         while True:
             with self._lock:
                 if self._state in (_DONE, _CANCELLED):
                     return
-                remaining = None
-                if self._deadline is not None:
-                    remaining = self._deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
+                remaining = self._remaining()
+                if remaining is not None and remaining <= 0:
+                    break
                 call = method(request, timeout=remaining, metadata=metadata)
                 self._call = call
+                self._issued = True
             assembler = coding.StreamAssembler()
             delivered = False
             try:
@@ -242,18 +524,7 @@ class _StreamRecv:
                 code = _code(e)
                 if self._state in (_DONE, _CANCELLED):
                     return
-                if code == grpc.StatusCode.UNAVAILABLE and "Too many open files" in _details(e):
-                    # Not transient the way a restarting peer is: say what ran out, and
-                    # drop the channel so that the next receive, once descriptors are back,
-                    # connects afresh instead of inheriting this channel's reconnect backoff.
-                    self._client._drop_channel(self._address, self._channel)
-                    self._deliver(
-                        ResourceExhaustedError(
-                            f"cannot connect for {self._where()}: too many open files "
-                            f"(ulimit -n): {_details(e)}"
-                        ),
-                        None,
-                    )
+                if self._out_of_files(e):
                     return
                 if code == grpc.StatusCode.UNAVAILABLE:
                     if self._state == _RECEIVING:
@@ -267,12 +538,13 @@ class _StreamRecv:
                                 None,
                             )
                             return
-                    last_unavailable = e
-                    pause = backoff
-                    if self._deadline is not None:
-                        pause = max(0.0, min(pause, self._deadline - time.monotonic()))
+                    self._last_unavailable = e
+                    pause = self._backoff
+                    remaining = self._remaining()
+                    if remaining is not None:
+                        pause = max(0.0, min(pause, remaining))
                     self._wake.wait(pause)
-                    backoff = min(backoff * 2, _RETRY_MAX)
+                    self._backoff = min(self._backoff * 2, _RETRY_MAX)
                     continue
                 self._deliver(self._error(code, e), None)
                 return
@@ -285,18 +557,10 @@ class _StreamRecv:
                 return
             if not delivered:
                 self._deliver(None, received)
+            # A large value: release the server's cached copy now, not at the next request.
             self._client._notify(self._channel, MARK_RECV_FINISHED_METHOD, self._request_id)
             return
-        # The caller's timeout expired between attempts (the peer kept being unavailable).
-        error = DeadlineExceededError(
-            f"Timed out after {self._timeout:g}s receiving {self._where()}"
-            + (
-                f"; the peer was unavailable: {_details(last_unavailable)}"
-                if last_unavailable
-                else ""
-            )
-        )
-        self._deliver(error, None)
+        self._timed_out()
 
     def _error(self, code: grpc.StatusCode, e: grpc.RpcError) -> RendezvousError:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -328,19 +592,39 @@ class RpcClient:
     Thread-safe. ``close()`` fails receives in flight with ``CancelledError``.
     """
 
-    def __init__(self, *, tls: TLSConfig | None = None, token: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        tls: TLSConfig | None = None,
+        token: str | None = None,
+        inline_max: int = DEFAULT_INLINE_MAX,
+    ) -> None:
         if tls is not None and not isinstance(tls, TLSConfig):
             raise InvalidArgumentError(f"tls must be a TLSConfig or None, not {type(tls).__name__}")
+        if not isinstance(inline_max, int) or isinstance(inline_max, bool) or inline_max < 0:
+            raise InvalidArgumentError(f"inline_max must be an int >= 0, not {inline_max!r}")
         self._tls = tls
         self._metadata: Sequence[tuple[str, str]] = bearer_metadata(check_token(token))
+        self._inline_max = inline_max
         self._reset()
+        _CLIENTS.add(self)
 
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
-        self._inflight: set[_StreamRecv] = set()
+        self._inflight: set[_Recv] = set()
         self._closed = False
+        self._streams_only_peers: set[str] = set()
+        self._holds: dict[str, Any] = {}  # address -> its Hold call in flight
+        self._no_hold: set[str] = set()  # peers without the Hold method
+        self._used: dict[str, float] = {}  # address -> last start_recv (monotonic)
+        self._runner = _Runner()
+        # Acks (request_ids whose inline responses arrived), per peer, oldest first.
+        self._acks_cond = threading.Condition(threading.Lock())
+        self._acks: dict[str, deque[tuple[int, float]]] = {}
+        self._acker: threading.Thread | None = None
+        self._acker_idle = False
 
     def _check_fork(self) -> None:
         if os.getpid() != self._pid:
@@ -401,12 +685,15 @@ class RpcClient:
         done: DoneCallback,
         *,
         timeout: float | None = None,
+        direct: bool = False,
     ) -> Canceller:
         """Start pulling the next value of ``key`` from the worker at ``address``.
 
         Returns at once. ``done(error, Received)`` is called exactly once, in a client
         thread, unless the returned canceller answers ``True`` (it does while no data has
-        arrived; the call is then stopped and its server-side waiter removed). ``timeout``
+        arrived; the call is then stopped and its server-side waiter removed). ``direct``:
+        ``done`` is quick and never blocks, so it may run in gRPC's own channel thread
+        (one thread switch less). ``timeout``
         bounds the whole receive, retries included (``DeadlineExceededError``); without
         it an unreachable peer is retried until the caller cancels. Errors name the key
         and the peer: the server's error class (``AbortedError``, ``InvalidArgumentError``,
@@ -420,7 +707,8 @@ class RpcClient:
         except RendezvousError as e:
             invoke_done(done, e, None)
             return _too_late
-        recv = _StreamRecv(self, channel, address, int(step_id), pk, done, t)
+        self._used[address] = time.monotonic()
+        recv = _Recv(self, channel, address, int(step_id), pk, done, t, direct)
         with self._lock:
             if self._closed:
                 closed = True
@@ -430,16 +718,7 @@ class RpcClient:
         if closed:
             invoke_done(done, CancelledError("RpcClient is closed"), None)
             return _too_late
-        try:
-            recv.thread.start()
-        except RuntimeError as e:  # "can't start new thread"
-            self._forget(recv)
-            invoke_done(
-                done,
-                ResourceExhaustedError(f"cannot start a receive thread for {recv._where()}: {e}"),
-                None,
-            )
-            return _too_late
+        recv.start()
         return recv.cancel
 
     def recv(
@@ -453,7 +732,7 @@ class RpcClient:
             box[0], box[1] = error, received
             event.set()
 
-        cancel = self.start_recv(address, step_id, key, done, timeout=timeout)
+        cancel = self.start_recv(address, step_id, key, done, timeout=timeout, direct=True)
         try:
             event.wait()
         except BaseException:
@@ -532,9 +811,164 @@ class RpcClient:
         # The answer does not matter: the cache entry also expires on its own.
         fut.add_done_callback(lambda f: f.exception())
 
-    def _forget(self, recv: _StreamRecv) -> None:
+    def _forget(self, recv: _Recv) -> None:
         with self._lock:
             self._inflight.discard(recv)
+
+    # -- keeping gRPC's channel thread ----------------------------------------------------
+
+    def _hold(self, address: str, channel: grpc.Channel) -> None:
+        """Keep a Hold call in flight on a channel in use.
+
+        grpcio's sync channel runs one event thread while it has calls in flight; when the
+        last one ends the thread ends, and the next call starts a new one. A receive at a
+        time (ping-pong) would start a thread per call, which costs about as much as the
+        rest of a small receive; one long call in flight keeps the thread. Started once
+        a receive from the peer succeeded (a peer that is down gets none).
+        """
+        if address in self._holds or address in self._no_hold:
+            return
+        with self._lock:
+            current = self._channels.get(address)
+            if self._closed or address in self._holds or current is None or current is not channel:
+                return
+            try:
+                call = current.unary_unary(HOLD_METHOD).future(
+                    b"", timeout=_HOLD_SECONDS, metadata=self._metadata, wait_for_ready=True
+                )
+            except ValueError:  # the channel was closed meanwhile
+                return
+            self._holds[address] = call
+        call.add_done_callback(functools.partial(self._held, address, channel))
+
+    def _drop_holds(self) -> None:
+        """Before a fork: end the Hold calls and wait (briefly) for gRPC's channel threads.
+
+        A fork while a thread is inside gRPC leaves the child's gRPC broken (it crashes);
+        an idle client must fork as cleanly as one without Holds. The next receive in the
+        parent starts a new Hold.
+        """
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            holds, self._holds = self._holds, {}
+            channels = dict(self._channels)
+        for call in holds.values():
+            call.cancel()
+        deadline = time.monotonic() + _FORK_WAIT
+        for address in holds:
+            state = getattr(channels.get(address), "_call_state", None)
+            while (
+                state is not None
+                and getattr(state, "managed_calls", 0) > 0
+                and time.monotonic() < deadline
+            ):
+                with self._lock:
+                    busy = any(r._address == address for r in self._inflight)
+                if busy:
+                    break  # receives in flight: as before, forking now is the caller's risk
+                time.sleep(0.001)
+
+    def _held(self, address: str, channel: grpc.Channel, call: Any) -> None:
+        """A Hold call ended (gRPC's thread): renew it while the channel is in use."""
+        with self._lock:
+            if self._holds.get(address) is call:
+                del self._holds[address]
+        if call.cancelled():
+            return
+        code = call.code()
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            with self._lock:
+                self._no_hold.add(address)  # not a shmrdv server that holds
+        elif (
+            code in (grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED)
+            and time.monotonic() - self._used.get(address, 0.0) < _HOLD_SECONDS
+        ):
+            self._hold(address, channel)
+        # Otherwise (the peer went away) the next receive starts a new one.
+
+    def _streams_only(self, address: str) -> bool:
+        return address in self._streams_only_peers
+
+    def _remember_streams_only(self, address: str) -> None:
+        with self._lock:
+            self._streams_only_peers.add(address)
+
+    # -- acks: piggybacked on the next request to the peer, else sent after _ACK_DELAY --
+
+    def _ack(self, address: str, request_id: int) -> None:
+        """The inline response of ``request_id`` arrived: tell the server, cheaply."""
+        with self._acks_cond:
+            if self._closed:
+                return
+            self._acks.setdefault(address, deque()).append((request_id, time.monotonic()))
+            if self._acker is None:
+                self._acker = threading.Thread(
+                    target=self._send_late_acks, name="shmrdv-rpc-acks", daemon=True
+                )
+                try:
+                    self._acker.start()
+                except RuntimeError:  # no thread: the server's cache expires them instead
+                    self._acker = None
+            elif self._acker_idle:
+                # Only an idle acker needs waking; a busy one looks every _ACK_DELAY (a
+                # wake-up per receive would cost a receive a thread switch).
+                self._acker_idle = False
+                self._acks_cond.notify()
+
+    def _take_acks(self, address: str) -> list[int]:
+        """The acks to piggyback on a request to ``address`` (they leave the queue)."""
+        with self._acks_cond:
+            pending = self._acks.pop(address, None)
+        return [rid for rid, _ in pending] if pending else []
+
+    def _give_back_acks(self, address: str, acks: list[int]) -> None:
+        """A request that carried ``acks`` failed: they go with a later one."""
+        if acks:
+            now = time.monotonic()
+            with self._acks_cond:
+                if not self._closed:
+                    self._acks.setdefault(address, deque()).extendleft(
+                        (rid, now) for rid in reversed(acks)
+                    )
+                    self._acks_cond.notify()
+
+    def _send_late_acks(self) -> None:
+        """The acker thread: sends acks no request took within ``_ACK_DELAY``.
+
+        It looks every ``_ACK_DELAY`` while acks come, and sleeps until woken after a
+        period that had none.
+        """
+        quiet = False
+        while True:
+            due: list[tuple[str, int]] = []
+            with self._acks_cond:
+                while not due:
+                    if self._closed:
+                        return
+                    now = time.monotonic()
+                    oldest = min((q[0][1] for q in self._acks.values() if q), default=None)
+                    if oldest is None and quiet:
+                        self._acker_idle = True
+                        self._acks_cond.wait()
+                        self._acker_idle = quiet = False
+                    elif oldest is None:
+                        quiet = True
+                        self._acks_cond.wait(_ACK_DELAY)
+                    elif oldest + _ACK_DELAY > now:
+                        quiet = False
+                        self._acks_cond.wait(oldest + _ACK_DELAY - now)
+                    else:
+                        for address, q in list(self._acks.items()):
+                            while q and q[0][1] + _ACK_DELAY <= now:
+                                due.append((address, q.popleft()[0]))
+                            if not q:
+                                del self._acks[address]
+            for address, rid in due:
+                with self._lock:
+                    channel = self._channels.get(address)
+                if channel is not None:
+                    self._notify(channel, MARK_RECV_FINISHED_METHOD, rid)
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -550,11 +984,18 @@ class RpcClient:
             self._closed = True
             inflight, self._inflight = list(self._inflight), set()
             channels, self._channels = list(self._channels.values()), {}
+        with self._acks_cond:
+            self._acks.clear()
+            self._acks_cond.notify_all()
+            acker = self._acker
         for recv in inflight:
             recv.close(CancelledError("RpcClient closed"))
         for recv in inflight:
-            if recv.thread is not threading.current_thread():
+            if recv.thread is not None and recv.thread is not threading.current_thread():
                 recv.thread.join(_JOIN_TIMEOUT)
+        if acker is not None and acker is not threading.current_thread():
+            acker.join(_JOIN_TIMEOUT)
+        self._runner.shutdown(_JOIN_TIMEOUT)
         for channel in channels:
             channel.close()
 
@@ -582,6 +1023,22 @@ class RpcClient:
         s = self.stats()
         state = "closed" if self._closed else "open"
         return f"<shmrdv RpcClient {state} channels={s['channels']} inflight={s['inflight']}>"
+
+
+# Live clients, for the fork hook (their Holds end before a fork).
+_CLIENTS: weakref.WeakSet[RpcClient] = weakref.WeakSet()
+_FORK_WAIT = 0.5
+
+
+def _before_fork() -> None:
+    for client in list(_CLIENTS):
+        try:
+            client._drop_holds()
+        except Exception:  # pragma: no cover - never fail a fork
+            _log.debug("dropping Hold calls before fork failed", exc_info=True)
+
+
+os.register_at_fork(before=_before_fork)
 
 
 # Channels inherited by forked children, kept referenced so that their finalizers never

@@ -851,14 +851,36 @@ class RecvRequest:
     rendezvous_key: str
     request_id: int
     dma_ok: bool = False
+    # shmrdv's extension fields (TensorFlow skips them as unknown fields):
+    finished: tuple[int, ...] = ()  # 1001: request_ids whose responses arrived (acks)
+    inline_max: int = -1  # 1002: largest tensor to answer inline; -1: not given
+
+
+# Extension fields of RecvTensorRequest, read by shmrdv's RecvTensorInline only.
+_FINISHED_FIELD = 1001
+_INLINE_MAX_FIELD = 1002
 
 
 def encode_request(
-    step_id: int, rendezvous_key: str, request_id: int, dma_ok: bool = False
+    step_id: int,
+    rendezvous_key: str,
+    request_id: int,
+    dma_ok: bool = False,
+    *,
+    finished: Sequence[int] = (),
+    inline_max: int = -1,
 ) -> bytes:
-    """``RecvTensorRequest`` bytes; ``InvalidArgumentError`` for out-of-range ints."""
+    """``RecvTensorRequest`` bytes; ``InvalidArgumentError`` for out-of-range ints.
+
+    ``finished`` (request_ids whose responses arrived: piggybacked acks, as many
+    ``MarkRecvFinished``) and ``inline_max`` (answer tensors up to this many bytes in the
+    unary response) are shmrdv extension fields 1001 and 1002, for ``RecvTensorInline``.
+    """
     _check_int64("step_id", step_id)
     _check_int64("request_id", request_id)
+    ext = b"".join(_int_field(_FINISHED_FIELD, _check_int64("finished", f)) for f in finished)
+    if inline_max >= 0:
+        ext += _tag(_INLINE_MAX_FIELD, _VARINT) + _varint(_check_int64("inline_max", inline_max))
     if not isinstance(rendezvous_key, str):
         raise InvalidArgumentError(f"rendezvous_key must be a str, got {rendezvous_key!r}")
     try:
@@ -870,6 +892,7 @@ def encode_request(
         + (_len_field(2, key) if key else b"")
         + _int_field(3, int(bool(dma_ok)))
         + _int_field(7, request_id)
+        + ext
     )
 
 
@@ -879,6 +902,8 @@ def decode_request(data: _Buffer) -> RecvRequest:
     step_id = request_id = 0
     key = ""
     dma_ok = False
+    finished: list[int] = []
+    inline_max = -1
     try:
         for f in _fields(buf, 0, len(buf)):
             if f.number == 1 and f.wire_type == _VARINT:
@@ -893,9 +918,18 @@ def decode_request(data: _Buffer) -> RecvRequest:
                 _validate(buf, f.value, f.end, _ANY)
             elif f.number == 7 and f.wire_type == _VARINT:
                 request_id = _signed64(f.value)
+            elif f.number == _FINISHED_FIELD and f.wire_type == _VARINT:
+                if len(finished) < _MAX_FINISHED:
+                    finished.append(_signed64(f.value))
+            elif f.number == _INLINE_MAX_FIELD and f.wire_type == _VARINT:
+                inline_max = _signed64(f.value)
     except _Malformed as e:
         raise InvalidArgumentError(f"Cannot parse RecvTensorRequest: {e}") from e
-    return RecvRequest(step_id, key, request_id, dma_ok)
+    return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max)
+
+
+# A request carries at most this many acks; more are ignored (they expire on their own).
+_MAX_FINISHED = 1024
 
 
 def encode_mark_recv_finished(request_id: int) -> bytes:

@@ -1,7 +1,8 @@
 """RpcServer: the producer side of the gRPC transport (TensorFlow's worker RecvTensor service).
 
 A consumer on another host pulls a value: it calls ``RecvTensor`` (TensorFlow's unary
-method, TF-compatible bytes) or ``RecvTensorStream`` (shmrdv's chunked stream, no 2 GiB
+method, TF-compatible bytes), ``RecvTensorInline`` (shmrdv's: the same answer for a small
+tensor, else "stream it") or ``RecvTensorStream`` (shmrdv's chunked stream, no 2 GiB
 ceiling) with a step id and a rendezvous key; the server validates the key, asks its
 ``TensorSource`` (the Worker) for the next value of that key, waits for it up to the
 call's deadline and answers it (research/tf_rendezvous.md §3.2).
@@ -12,7 +13,8 @@ not a blocked thread, so any number of calls can wait; the source's ``done`` cal
 (called in the producer's thread) settles that future with ``loop.call_soon_threadsafe``.
 All the server's bookkeeping (the waiters, the response cache) lives in that loop and
 needs no lock. Encoding a unary response (one copy of the tensor) runs in a bounded
-thread pool (``max_workers``) so that a large tensor does not stall the loop; stream
+thread pool (``max_workers``) when it is large (a small one is encoded in the loop,
+cheaper than two thread switches) so that a large tensor does not stall the loop; stream
 chunks are small (``chunk_bytes``) and are cut in the loop.
 
 Response cache (TensorFlow: ``GrpcResponseCache``): a call with a non-zero
@@ -22,7 +24,8 @@ value again for ``cache_ttl`` seconds (bounded in count and bytes), so a respons
 the wire is not a lost tensor. TensorFlow answers such a retry with ``ABORTED``
 (``RecentRequestIds``), and pytorch/xla#4084 shows that kills jobs.
 ``MarkRecvFinished`` (sent by TensorFlow clients when a response has ``require_ack``,
-and by ``RpcClient`` after every stream) and ``drop_step`` release entries early.
+and by ``RpcClient`` after every stream), the acks a ``RecvTensorInline`` request carries
+(extension field 1001) and ``drop_step`` release entries early.
 
 A value is not lost to calls that go away before it is sent: one that arrives after every call for it
 left, or whose every call went away before it was fully sent and that no retry can
@@ -69,10 +72,12 @@ from .security import TLSConfig, TokenInterceptor, check_token
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "RECV_TENSOR_INLINE_METHOD",
     "RECV_TENSOR_METHOD",
     "RECV_TENSOR_STREAM_METHOD",
     "RELEASE_RECV_METHOD",
     "GET_STATUS_METHOD",
+    "HOLD_METHOD",
     "MARK_RECV_FINISHED_METHOD",
     "RpcServer",
     "TensorSource",
@@ -88,6 +93,15 @@ RECV_TENSOR_METHOD = f"/{_TF_SERVICE}/RecvTensor"
 GET_STATUS_METHOD = f"/{_TF_SERVICE}/GetStatus"
 MARK_RECV_FINISHED_METHOD = f"/{_TF_SERVICE}/MarkRecvFinished"
 RECV_TENSOR_STREAM_METHOD = f"/{_SHMRDV_SERVICE}/RecvTensorStream"
+# Hand-registered, not in the .proto: a RecvTensorRequest (with shmrdv's extension fields)
+# in; a TensorFlow RecvTensorResponse out for a tensor of at most ``inline_max`` bytes, or
+# empty bytes: "fetch it with RecvTensorStream under the same request_id".
+RECV_TENSOR_INLINE_METHOD = f"/{_SHMRDV_SERVICE}/RecvTensorInline"
+# Hand-registered: any request in, empty bytes out at the call's deadline (or when the
+# server stops). A client keeps one in flight on a busy channel: grpcio's sync channel
+# ends its event thread whenever no call is in flight and starts a new one for the next
+# call, which costs a small receive more than the rest of it (client.py).
+HOLD_METHOD = f"/{_SHMRDV_SERVICE}/Hold"
 # Hand-registered, not in the .proto: MarkRecvFinishedRequest in, empty response out.
 RELEASE_RECV_METHOD = f"/{_SHMRDV_SERVICE}/ReleaseRecv"
 
@@ -99,6 +113,11 @@ _MAX_SEND_BYTES = 2**31 - 1
 _MAX_RECEIVE_BYTES = 1 << 20
 
 _STARTUP_TIMEOUT = 30.0
+# A unary response of a tensor up to this size is encoded in the event loop: handing so
+# small a copy to the encoding pool costs more (two thread switches) than the copy.
+_ENCODE_IN_LOOP_BYTES = 256 << 10
+# RecvTensorInline without an inline_max field answers tensors up to this size inline.
+DEFAULT_INLINE_MAX = 1 << 20
 # TensorFlow: RecentRequestIds remembers the last 100,000 request ids.
 _ANSWERED_IDS = 100_000
 
@@ -157,6 +176,9 @@ class _Waiter:
     # The client cancelled before taking any data (ReleaseRecv): whatever the stream
     # wrote went nowhere, so the value goes back even if every chunk was written.
     released: bool = False
+    # RecvTensorInline found it too large and left it for the client's RecvTensorStream:
+    # never evicted for room (only expiry or ReleaseRecv give it back).
+    deferred: bool = False
 
 
 def _retrieve(fut: asyncio.Future[Received]) -> None:
@@ -250,6 +272,7 @@ class RpcServer:
 
         # Loop-thread state: touched only from the server's event loop.
         self._stopping = False
+        self._holds: set[asyncio.Future[None]] = set()  # Hold calls in flight
         self._waiters: set[_Waiter] = set()  # not yet settled
         self._cache: OrderedDict[_CacheKey, _Waiter] = OrderedDict()  # by request_id, oldest first
         self._cached_bytes = 0
@@ -360,6 +383,10 @@ class RpcServer:
                             self._recv_tensor_stream
                         ),
                         "ReleaseRecv": grpc.unary_unary_rpc_method_handler(self._release_recv),
+                        "RecvTensorInline": grpc.unary_unary_rpc_method_handler(
+                            self._recv_tensor_inline
+                        ),
+                        "Hold": grpc.unary_unary_rpc_method_handler(self._hold),
                     },
                 ),
             ]
@@ -418,6 +445,9 @@ class RpcServer:
             self._settle(waiter, error, None)
         self._cache.clear()
         self._cached_bytes = 0
+        for hold in self._holds:
+            if not hold.done():
+                hold.set_result(None)
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace)
@@ -491,18 +521,55 @@ class RpcServer:
         except RendezvousError as e:
             await self._abort(context, e)
         try:
-            loop = asyncio.get_running_loop()
-            data = await loop.run_in_executor(
-                self._pool,
-                functools.partial(
-                    coding.encode_response,
-                    received.value,
-                    is_dead=received.is_dead,
-                    send_start_micros=waiter.send_start_micros,
-                    # TensorFlow asks for MarkRecvFinished when its cache holds the response.
-                    require_ack=waiter.cache_key is not None,
-                ),
-            )
+            data = await self._encode(waiter, received)
+            waiter.sent = True
+        except RendezvousError as e:
+            await self._abort(context, e)
+        finally:
+            self._done_serving(waiter)
+        self._count_served(received)
+        return data
+
+    async def _encode(self, waiter: _Waiter, received: Received) -> bytes:
+        """The RecvTensorResponse bytes of ``received``: small ones here, large in the pool."""
+        encode = functools.partial(
+            coding.encode_response,
+            received.value,
+            is_dead=received.is_dead,
+            send_start_micros=waiter.send_start_micros,
+            # TensorFlow asks for MarkRecvFinished when its cache holds the response.
+            require_ack=waiter.cache_key is not None,
+        )
+        if received.value.nbytes <= _ENCODE_IN_LOOP_BYTES:
+            return encode()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
+
+    async def _recv_tensor_inline(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        """shmrdv's RecvTensorInline: one unary call answers a small tensor.
+
+        The request is a RecvTensorRequest whose extension fields carry acks (request_ids
+        whose responses arrived, as MarkRecvFinished would) and ``inline_max``. A tensor
+        of at most ``inline_max`` bytes (or any, for request_id 0) is answered in a TF
+        RecvTensorResponse; a larger one stays in the response cache under the
+        request_id and the answer is empty bytes: the client fetches it with
+        RecvTensorStream under the same request_id (a cache hit), in chunks.
+        """
+        self._stats["calls"] += 1
+        try:
+            req = coding.decode_request(request)
+            for rid in req.finished:
+                self._finished(rid)
+            waiter, received = await self._wait_value(req, context)
+        except RendezvousError as e:
+            await self._abort(context, e)
+        try:
+            limit = DEFAULT_INLINE_MAX if req.inline_max < 0 else req.inline_max
+            if waiter.cache_key is not None and received.value.nbytes > limit:
+                waiter.deferred = True
+                return b""  # still cached and not sent: the stream call takes it from there
+            data = await self._encode(waiter, received)
             waiter.sent = True
         except RendezvousError as e:
             await self._abort(context, e)
@@ -521,6 +588,7 @@ class RpcServer:
             waiter, received = await self._wait_value(req, context)
         except RendezvousError as e:
             await self._abort(context, e)
+        waiter.deferred = False
         try:
             try:
                 chunks = coding.encode_stream(
@@ -543,6 +611,21 @@ class RpcServer:
         waiter.serving -= 1
         self._maybe_give_back(waiter)
 
+    async def _hold(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        """shmrdv's Hold: answer empty bytes at the call's deadline, or at once on stop."""
+        del request
+        if self._stopping:
+            return b""
+        hold: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._holds.add(hold)
+        try:
+            await asyncio.wait_for(hold, context.time_remaining())
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._holds.discard(hold)
+        return b""
+
     async def _get_status(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes:
@@ -563,11 +646,15 @@ class RpcServer:
             rid = coding.decode_mark_recv_finished(request)
         except RendezvousError as e:
             await self._abort(context, e)
+        self._finished(rid)
+        return b""
+
+    def _finished(self, rid: int) -> None:
+        """The client has the response of request ``rid``: drop it from the cache."""
         if rid:
             for ck in [ck for ck in self._cache if ck[0] == rid]:
                 self._cache[ck].sent = True
                 self._uncache(ck)
-        return b""
 
     async def _release_recv(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
@@ -813,7 +900,12 @@ class RpcServer:
     def _evict(self) -> None:
         """Drop the oldest delivered entries beyond the count or byte budget."""
         self._expire()
-        done = [ck for ck, w in self._cache.items() if w.future.done()]
+        # Not one a call is still answering, nor one left for the client's stream.
+        done = [
+            ck
+            for ck, w in self._cache.items()
+            if w.future.done() and not (w.deferred or w.joiners or w.serving)
+        ]
         for ck in done:
             if len(self._cache) <= self._cache_entries and self._cached_bytes <= self._cache_bytes:
                 break

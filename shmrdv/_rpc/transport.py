@@ -11,8 +11,10 @@ Consumer side: ``start_recv`` pulls the next value of the key from the producer'
 address (the cluster's, else the producer's presence record) through ``RpcClient``;
 aborting or cleaning up the step cancels the calls in flight.
 
-Thread model: the server runs its own event loop thread; the client runs one thread per
-receive in flight; ``done`` callbacks run in those threads, never under a lock of ours.
+Thread model: the server runs its own event loop thread; the client needs no thread per
+receive (a small value arrives in a gRPC future's callback; a large one streams in a
+thread of its own). ``done`` callbacks run in client threads, never under a lock of ours;
+a blocking ``recv`` is woken by gRPC's thread directly (``recv_blocking``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from .._errors import AbortedError, InvalidArgumentError, RendezvousError, Unava
 from .._keys import ParsedKey
 from .._local import LocalRendezvous
 from .._received import Received
-from .._rendezvous import Canceller
+from .._rendezvous import Canceller, _Slot, _timeout_error
 from .client import RpcClient
 from .server import RpcServer
 
@@ -55,6 +57,7 @@ class _RemoteWaiter:
 
     done: DoneCallback
     copy: bool
+    direct: bool = False  # done is quick and never blocks (recv_blocking's own slot)
     cancel_rpc: Canceller | None = None
     resolving: bool = False  # waiting for the producer's address (not started yet)
 
@@ -176,15 +179,18 @@ class GrpcTransport:
 
     # -- consumer side --------------------------------------------------------------
 
-    def start_recv(self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
+    def start_recv(
+        self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, *, direct: bool = False
+    ) -> Canceller:
         """Queue a receive of ``key``; one RecvTensor per key is in flight at a time.
 
         Concurrent RPCs for one key would reach the producer in any order and break the
         channel's FIFO promise (the oldest receive gets the oldest value), so later
         receives of a key wait here, in order, until the one ahead of them is answered.
+        ``direct``: ``done`` is quick and never blocks; it may run in gRPC's thread.
         """
         k = (step_id, key.full_key)
-        waiter = _RemoteWaiter(done, copy)
+        waiter = _RemoteWaiter(done, copy, direct)
         with self._lock:
             if self._closed:
                 raise AbortedError(f"Worker {self.task} is closed")
@@ -197,6 +203,31 @@ class GrpcTransport:
         if first:
             self._issue(k, key, waiter)
         return lambda: self._cancel(k, key, waiter)
+
+    def recv_blocking(
+        self, step_id: int, key: ParsedKey, timeout: float | None, copy: bool
+    ) -> Received:
+        """A blocking receive whose value is handed to the waiting thread by gRPC's own
+        thread: one thread switch from the response to the caller, none through a thread
+        of ours. Same contract as ``Rendezvous.recv`` (the timeout removes the waiter)."""
+        slot = _Slot()
+        cancel = self.start_recv(step_id, key, slot.done, copy, direct=True)
+        try:
+            arrived = slot.event.wait(timeout)
+            if not arrived and not cancel():
+                slot.event.wait()  # lost the race to a delivery: it is on its way
+                arrived = True
+        except BaseException:
+            # Interrupted (Ctrl-C): remove the waiter so it cannot swallow a later send.
+            if not slot.event.is_set() and not cancel():
+                _log.warning(
+                    "recv of %r interrupted just as its value arrived; the value is dropped",
+                    key.full_key,
+                )
+            raise
+        if not arrived:
+            raise _timeout_error(key, timeout)
+        return slot.result()
 
     def _issue(self, k: tuple[int, str], key: ParsedKey, waiter: _RemoteWaiter) -> None:
         """Start the head waiter's RecvTensor; wait for the producer's address if it is not
@@ -258,7 +289,7 @@ class GrpcTransport:
             invoke_done(waiter.done, error, received)
 
         try:
-            cancel = self._client.start_recv(address, k[0], key, finish)
+            cancel = self._client.start_recv(address, k[0], key, finish, direct=waiter.direct)
         except BaseException as e:
             # Nothing is in flight for this waiter: take it off the head (or the key would
             # be stuck behind it forever), answer it, and move the queue on.
