@@ -14,7 +14,9 @@ the payload. A record that would cross the end is preceded by a wrap mark (lengt
 ``0xFFFFFFFF``) and starts again at the beginning.
 
 Ordering: the producer writes a record's bytes before it stores ``head``; the consumer
-loads ``head`` before it reads the bytes. Each is one aligned 8-byte store or load, and
+loads ``head`` before it reads the bytes. Each is one aligned 8-byte store or load
+(through a ``memoryview`` cast to ``Q``: ``struct.pack_into`` zeroes its target before
+writing, so the other side could read ``head`` or ``tail`` as 0 in between), and
 x86-64 keeps stores in order (TSO), so the consumer never reads a half-written record.
 Weaker memory models need fences Python cannot issue: the transport uses rings only on
 x86-64 (``RINGS_SUPPORTED``) and segments everywhere else.
@@ -37,9 +39,9 @@ RINGS_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
 
 MAGIC = b"SHMRDVQ1"
 _META = struct.Struct("<8sQ")
-_U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _HEAD, _TAIL = 64, 128
+_H, _T = _HEAD // 8, _TAIL // 8  # their indexes in the words view
 _META_AT = 192  # u32 length, then the owner's description (who writes to whom), JSON
 _META_MAX = 3800
 DATA_OFFSET = 4096
@@ -60,7 +62,10 @@ class Ring:
     """A ring over ``buf`` (a writable buffer of ``ring_size(capacity)`` bytes)."""
 
     def __init__(self, buf: memoryview) -> None:
+        if len(buf) < DATA_OFFSET:
+            raise InternalError(f"not a shmrdv ring: {len(buf)} bytes")
         self._buf = buf
+        self._words = buf[:DATA_OFFSET].cast("Q")
         magic, capacity = _META.unpack_from(buf, 0)
         if (
             magic != MAGIC
@@ -68,6 +73,7 @@ class Ring:
             or capacity % _ALIGN
             or DATA_OFFSET + capacity > len(buf)
         ):
+            self._words.release()
             raise InternalError(
                 f"not a shmrdv ring: magic {magic!r}, capacity {capacity} in {len(buf)} bytes"
             )
@@ -83,8 +89,8 @@ class Ring:
         if len(meta) > _META_MAX:
             raise InternalError(f"ring description of {len(meta)} bytes is too long")
         _META.pack_into(buf, 0, MAGIC, capacity)
-        _U64.pack_into(buf, _HEAD, 0)
-        _U64.pack_into(buf, _TAIL, 0)
+        buf[_HEAD : _HEAD + 8] = bytes(8)
+        buf[_TAIL : _TAIL + 8] = bytes(8)
         _U32.pack_into(buf, _META_AT, len(meta))
         buf[_META_AT + 4 : _META_AT + 4 + len(meta)] = meta
         return cls(buf)
@@ -108,9 +114,8 @@ class Ring:
         size = _aligned(4 + payload)
         if payload > self.max_record():
             return False
-        buf, cap = self._buf, self.capacity
-        head = _U64.unpack_from(buf, _HEAD)[0]
-        tail = _U64.unpack_from(buf, _TAIL)[0]
+        buf, words, cap = self._buf, self._words, self.capacity
+        head, tail = words[_H], words[_T]
         pos = head % cap
         pad = cap - pos if pos + size > cap else 0
         if head + pad + size - tail > cap:
@@ -127,19 +132,19 @@ class Ring:
             buf[at : at + n] = p
             at += n
         # Publish: one 8-byte store, after every byte of the record (see the docstring).
-        _U64.pack_into(buf, _HEAD, head + size)
+        words[_H] = head + size
         return True
 
     # -- consumer -----------------------------------------------------------------
 
     def pending(self) -> bool:
         """Records are waiting (``head`` is ahead of ``tail``)."""
-        head: int = _U64.unpack_from(self._buf, _HEAD)[0]
-        tail: int = _U64.unpack_from(self._buf, _TAIL)[0]
-        return head != tail
+        words = self._words
+        return bool(words[_H] != words[_T])
 
     def release(self) -> None:
         """Let go of the buffer (so that its mapping can be closed)."""
+        self._words.release()
         self._buf.release()
 
     def take(self) -> Iterator[memoryview]:
@@ -149,9 +154,8 @@ class Ring:
         a record is never overwritten while it is being read. Raises ``InternalError`` on a
         corrupted ring (a length past the data written).
         """
-        buf, cap = self._buf, self.capacity
-        head = _U64.unpack_from(buf, _HEAD)[0]
-        tail = _U64.unpack_from(buf, _TAIL)[0]
+        buf, words, cap = self._buf, self._words, self.capacity
+        head, tail = words[_H], words[_T]
         if not tail <= head <= tail + cap:
             raise InternalError(f"shmrdv ring corrupted: head {head}, tail {tail}, capacity {cap}")
         while tail < head:
@@ -159,7 +163,7 @@ class Ring:
             size = _U32.unpack_from(buf, DATA_OFFSET + pos)[0] if pos + 4 <= cap else _WRAP
             if size == _WRAP:
                 tail += cap - pos
-                _U64.pack_into(buf, _TAIL, tail)
+                words[_T] = tail
                 continue
             if size < 4 or size % _ALIGN or pos + size > cap or tail + size > head:
                 raise InternalError(
@@ -167,4 +171,4 @@ class Ring:
                 )
             yield buf[DATA_OFFSET + pos + 4 : DATA_OFFSET + pos + size]
             tail += size
-            _U64.pack_into(buf, _TAIL, tail)
+            words[_T] = tail
