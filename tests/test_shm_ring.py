@@ -129,7 +129,8 @@ def test_ring_across_processes_never_reads_a_torn_word() -> None:
 
 @pytest.fixture
 def ns(monkeypatch: pytest.MonkeyPatch) -> str:
-    # The inline ring is opt-in (experimental); children inherit the variable at spawn.
+    # The ring is on by default; say so anyway, in case the environment turned it off
+    # (children inherit the variable at spawn).
     monkeypatch.setenv("SHMRDV_INLINE_MAX", "65536")
     return shmrdv.new_namespace()
 

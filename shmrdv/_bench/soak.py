@@ -187,8 +187,9 @@ def process_sample(namespace: str, handoffs: int, worker: Any = None) -> dict[st
     pool_slots = 0
     if worker is not None:
         shm = worker.stats().get("shm", {})
-        # Each pool slot and each mapped ring holds a mapping, and so a descriptor.
-        pool_slots = int(shm.get("pool_slots", 0)) + int(shm.get("rings", 0))
+        # Each pool slot and each mapped ring holds a mapping, and so a descriptor; so
+        # does each producer's presence record whose lock tells its liveness.
+        pool_slots = sum(int(shm.get(k, 0)) for k in ("pool_slots", "rings", "liveness_fds"))
     fds = len(os.listdir("/proc/self/fd"))
     return {
         "handoffs": handoffs,

@@ -85,13 +85,10 @@ _LISTDIR_ABOVE = 64
 # processes on two vCPUs starve the one doing the work.)
 _SPIN_MIN_NS = 20_000
 _SPIN_MAX_NS = 100_000
-# Tensors of at most this many bytes may travel inline in the producer's ring for their
-# consumer (``ring.py``) instead of a segment of their own: for them the dozen system
-# calls of a segment cost far more than copying the bytes (a 64 B round trip drops from
-# ~750 µs to ~150 µs here). EXPERIMENTAL and off by default: the 30,000-handoff soak test
-# found a ring whose head read 0 under a consumer that had read 47 MB from it (a reformat
-# or an overwrite not yet explained), so it is enabled only with SHMRDV_INLINE_MAX=<bytes>
-# (e.g. 65536) until that is understood.
+# Tensors of at most this many bytes (SHMRDV_INLINE_MAX, default and maximum 64 KiB; 0
+# turns it off) travel inline in the producer's ring for their consumer (``ring.py``)
+# instead of a segment of their own: for them the dozen system calls of a segment cost
+# far more than copying the bytes (a 64 B round trip drops from ~750 µs to ~150 µs here).
 _RING_LIMIT = 64 << 10
 # How often a consumer looks for a producer's ring that is not there yet.
 _RING_LOOK_S = 0.02
@@ -99,9 +96,10 @@ _RING_LOOK_S = 0.02
 
 def _inline_max() -> int:
     try:
-        return max(0, min(int(os.environ.get("SHMRDV_INLINE_MAX", "0")), _RING_LIMIT))
+        wanted = int(os.environ.get("SHMRDV_INLINE_MAX", str(_RING_LIMIT)))
     except ValueError:
-        return 0
+        return _RING_LIMIT
+    return max(0, min(wanted, _RING_LIMIT))
 
 
 _RING_CAPACITY = 1 << 20
@@ -270,9 +268,11 @@ def _producer_alive(names: Names, task: str, incarnation: int) -> bool:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         fst = os.fstat(fd)
         cached = ((fst.st_dev, fst.st_ino), info.incarnation, fd)
-        old = _records.get(key)
+        # Lock-free, so two callers (threads, or gc inside one) may both get here: the
+        # one whose pop finds the old entry closes it, exactly once.
+        old = _records.pop(key, None)
         _records[key] = cached
-        if old is not None:
+        if old is not None and old[2] != fd:
             os.close(old[2])
     if cached[1] != incarnation:
         return False
@@ -1274,6 +1274,8 @@ class ShmTransport:
             out["allocations"] = len(self._allocations)
             out["rings"] = len(self._rings_in) + sum(1 for e in self._rings_out.values() if e)
             out["held"] = len(self._held)
+        # One fd per producer whose liveness we test (cached, closed when it restarts).
+        out["liveness_fds"] = sum(1 for k in list(_records) if k[0] == self._names.namespace)
         out.update(self._pool.stats())
         return out
 
