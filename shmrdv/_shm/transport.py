@@ -58,6 +58,7 @@ from .._received import Received
 from .._rendezvous import Canceller, _Slot, _timeout_error
 from . import layout
 from .bell import Bell
+from .copier import copy_into
 from .naming import Names, parse_name
 from .pool import Slot, SlotPool
 from .presence import read_presence
@@ -465,7 +466,7 @@ class ShmTransport:
                 dst: npt.NDArray[Any] = np.ndarray(
                     value.shape, dtype=value.dtype, buffer=seg.buf, offset=header.data_offset
                 )
-                np.copyto(dst, value, casting="no")
+                copy_into(dst, value)
                 del dst
             name = self._publish(step_id, key, header, seg)
         except BaseException:
