@@ -112,6 +112,8 @@ _ACK_TIMEOUT = 5.0
 DEFAULT_INLINE_MAX = 1 << 20
 # An ack not piggybacked on a request to the same peer within this time goes on its own
 # (MarkRecvFinished), so that the server's cache does not hold the value until it expires.
+# Closing waits this long (s) at most for the acks it sends.
+_CLOSE_ACK_WAIT = 1.0
 _ACK_DELAY = 0.05
 # A Hold call (server.py) lasts this long; it is renewed while the channel has been used
 # for a receive within the last _HOLD_SECONDS.
@@ -274,8 +276,18 @@ class _Recv:
             if self._state not in (_PENDING, _RECEIVING):
                 return False
             call = self._call
-            if not self._streaming and call is not None and not call.cancel():
-                return False  # the unary call completed: its callback delivers
+            # A unary call that completed delivers through its callback only a value
+            # answered inline; an error (retried, or turned into an error) or an empty
+            # answer ("stream it") would start more work, which this cancel stops instead
+            # (``_on_unary`` and what it starts see the state).
+            if (
+                not self._streaming
+                and call is not None
+                and not call.cancel()
+                and call.exception() is None
+                and call.result()
+            ):
+                return False
             self._state = _CANCELLED
             timer, self._timer = self._timer, None
             issued = self._issued
@@ -367,28 +379,33 @@ class _Recv:
             else:
                 expired = False
                 acks = self._client._take_acks(self._address)
-                request = coding.encode_request(
-                    self._step_id,
-                    self._key.full_key,
-                    self._request_id,
-                    finished=acks,
-                    inline_max=self._client._inline_max,
-                )
+                failure: RendezvousError | None = None
                 try:
+                    request = coding.encode_request(
+                        self._step_id,
+                        self._key.full_key,
+                        self._request_id,
+                        finished=acks,
+                        inline_max=self._client._inline_max,
+                    )
                     call = self._channel.unary_unary(RECV_TENSOR_INLINE_METHOD).future(
                         request, timeout=remaining, metadata=self._client._metadata
                     )
+                    self._issued = True
+                except RendezvousError as e:  # a step id or key the wire cannot carry
+                    call = None
+                    failure = e
                 except ValueError as e:  # the channel was closed under us
                     call = None
-                    closed = e
+                    failure = CancelledError(f"receiving {self._where()}: {e}")
                 self._call = call
-                self._issued = True
         if expired:
             self._timed_out()
             return
         if call is None:
             self._client._give_back_acks(self._address, acks)
-            self._deliver(CancelledError(f"receiving {self._where()}: {closed}"), None)
+            assert failure is not None
+            self._deliver(failure, None)
             return
         call.add_done_callback(functools.partial(self._on_unary, acks))
 
@@ -396,7 +413,11 @@ class _Recv:
         """The unary call's outcome, in gRPC's channel thread (never block here)."""
         with self._lock:
             if self._state != _PENDING or self._call is not call:
-                return  # cancelled or closed: answered there
+                if not call.cancelled() and call.exception() is not None:
+                    # Cancelled or closed meanwhile: a failed request may not have
+                    # reached the server, so its acks go out again with the next one.
+                    self._client._give_back_acks(self._address, acks)
+                return  # answered there
             if call.cancelled():  # pragma: no cover - only our cancel/close cancel it
                 return
             error = call.exception()
@@ -983,8 +1004,9 @@ class RpcClient:
                 return
             self._closed = True
             inflight, self._inflight = list(self._inflight), set()
-            channels, self._channels = list(self._channels.values()), {}
+            by_address, self._channels = dict(self._channels), {}
         with self._acks_cond:
+            unsent = [(a, rid) for a, q in self._acks.items() for rid, _ in q]
             self._acks.clear()
             self._acks_cond.notify_all()
             acker = self._acker
@@ -996,8 +1018,34 @@ class RpcClient:
         if acker is not None and acker is not threading.current_thread():
             acker.join(_JOIN_TIMEOUT)
         self._runner.shutdown(_JOIN_TIMEOUT)
-        for channel in channels:
+        self._flush_acks(unsent, by_address)
+        for channel in by_address.values():
             channel.close()
+
+    def _flush_acks(self, unsent: list[tuple[str, int]], channels: dict[str, grpc.Channel]) -> None:
+        """Closing: send the acks no request took yet, waiting at most ``_CLOSE_ACK_WAIT``,
+        so that servers drop the delivered values now rather than when their cache expires."""
+        calls = []
+        for address, rid in unsent:
+            channel = channels.get(address)
+            if channel is None:
+                continue
+            try:
+                calls.append(
+                    channel.unary_unary(MARK_RECV_FINISHED_METHOD).future(
+                        coding.encode_mark_recv_finished(rid),
+                        timeout=_CLOSE_ACK_WAIT,
+                        metadata=self._metadata,
+                    )
+                )
+            except (ValueError, grpc.RpcError):  # the channel closed meanwhile
+                continue
+        deadline = time.monotonic() + _CLOSE_ACK_WAIT
+        for call in calls:
+            try:
+                call.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # timed out or cancelled: the server's cache expires it
+                call.cancel()
 
     def __enter__(self) -> RpcClient:
         return self

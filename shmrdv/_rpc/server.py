@@ -364,6 +364,16 @@ class RpcServer:
             interceptors=interceptors,
             maximum_concurrent_rpcs=self._max_concurrent_rpcs,
         )
+        shmrdv_methods = {
+            "RecvTensorStream": grpc.unary_stream_rpc_method_handler(self._recv_tensor_stream),
+            "ReleaseRecv": grpc.unary_unary_rpc_method_handler(self._release_recv),
+            "RecvTensorInline": grpc.unary_unary_rpc_method_handler(self._recv_tensor_inline),
+        }
+        if self._max_concurrent_rpcs is None:
+            # A Hold stays in flight per client channel: under a limit it would take a
+            # slot from real calls, so a limited server has none (clients then see
+            # UNIMPLEMENTED and stop asking).
+            shmrdv_methods["Hold"] = grpc.unary_unary_rpc_method_handler(self._hold)
         server.add_generic_rpc_handlers(
             [
                 grpc.method_handlers_generic_handler(
@@ -376,19 +386,7 @@ class RpcServer:
                         ),
                     },
                 ),
-                grpc.method_handlers_generic_handler(
-                    _SHMRDV_SERVICE,
-                    {
-                        "RecvTensorStream": grpc.unary_stream_rpc_method_handler(
-                            self._recv_tensor_stream
-                        ),
-                        "ReleaseRecv": grpc.unary_unary_rpc_method_handler(self._release_recv),
-                        "RecvTensorInline": grpc.unary_unary_rpc_method_handler(
-                            self._recv_tensor_inline
-                        ),
-                        "Hold": grpc.unary_unary_rpc_method_handler(self._hold),
-                    },
-                ),
+                grpc.method_handlers_generic_handler(_SHMRDV_SERVICE, shmrdv_methods),
             ]
         )
         try:

@@ -1,0 +1,123 @@
+"""RpcClient edge cases found in review: a server with a concurrency limit, acks at close,
+a request the wire cannot carry, and cancel racing a failed call. Real RpcServer and
+RpcClient on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from rpc_helpers import StepSource, make_key
+
+from shmrdv._errors import InvalidArgumentError
+from shmrdv._received import Received
+from shmrdv._rpc import client as client_mod
+from shmrdv._rpc.client import RpcClient
+from shmrdv._rpc.server import RpcServer
+
+
+@pytest.fixture
+def source() -> Iterator[StepSource]:
+    s = StepSource()
+    yield s
+    s.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("limit", [1, 2])
+def test_a_server_with_a_call_limit_serves_every_receive(source: StepSource, limit: int) -> None:
+    """A client's idle Hold call must not take the only slots of a limited server."""
+    key = make_key("limited")
+    with RpcServer("127.0.0.1:0", source, max_concurrent_rpcs=limit) as srv:
+        clients = [RpcClient() for _ in range(limit)]
+        try:
+            for i in range(4):
+                source.send(1, key, np.array([i]))
+            got = []
+            for i in range(4):
+                got.append(int(clients[i % limit].recv(srv.address, 1, key, timeout=10).value[0]))
+                time.sleep(0.2)  # a Hold call starts, the late ack goes: both have ended
+            assert got == [0, 1, 2, 3]
+        finally:
+            for c in clients:
+                c.close()
+
+
+@pytest.mark.timeout(60)
+def test_close_sends_the_acks_still_pending(source: StepSource) -> None:
+    """Delivered values leave the server's cache when the client closes, not at its TTL."""
+    keys = [make_key(f"ack{i}") for i in range(50)]
+    with RpcServer("127.0.0.1:0", source) as srv:
+        cli = RpcClient()
+        arrived = threading.Semaphore(0)
+        for k in keys:
+            cli.start_recv(srv.address, 1, k, lambda e, r: arrived.release(), timeout=10)
+        for i, k in enumerate(keys):
+            source.send(1, k, np.array([i]))
+        for _ in keys:
+            assert arrived.acquire(timeout=10)
+        cli.close()  # at once: most acks are still waiting to ride on a next request
+        deadline = time.monotonic() + 5
+        while srv.stats()["cached"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.stats()["cached"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_request_the_wire_cannot_carry_fails_through_done(source: StepSource) -> None:
+    with RpcServer("127.0.0.1:0", source) as srv, RpcClient() as cli:
+        box: list[BaseException | None] = []
+        ev = threading.Event()
+
+        def done(e: BaseException | None, r: Received | None) -> None:
+            box.append(e)
+            ev.set()
+
+        cli.start_recv(srv.address, 2**63, make_key("huge-step"), done)
+        assert ev.wait(10)
+        assert isinstance(box[0], InvalidArgumentError)
+        assert cli.stats()["inflight"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_cancel_racing_a_failed_call_never_strands_the_receiver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cancel()`` answers False only if ``done`` will be called.
+
+    The call to a port where nothing listens fails (UNAVAILABLE); gRPC's thread is made
+    slow to report it, and ``cancel()`` runs in that gap. Before the fix ``cancel()``
+    said False and the failure was then retried forever: a blocked recv hung.
+    """
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there
+    original = client_mod._Recv._on_unary
+    failed = threading.Event()
+
+    def slow_on_unary(self: Any, acks: list[int], call: Any) -> None:
+        failed.set()
+        time.sleep(0.3)
+        original(self, acks, call)
+
+    monkeypatch.setattr(client_mod._Recv, "_on_unary", slow_on_unary)
+    with RpcClient() as cli:
+        called = threading.Event()
+        cancel = cli.start_recv(f"127.0.0.1:{port}", 1, make_key("race"), lambda e, r: called.set())
+        assert failed.wait(10)
+        cancelled = cancel()
+        if cancelled:
+            time.sleep(0.6)  # past the slowed callback and a retry's backoff
+            assert not called.is_set()
+        else:
+            assert called.wait(5), "cancel() said a result was coming; none came"
+        deadline = time.monotonic() + 5
+        while cli.stats()["inflight"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert cli.stats()["inflight"] == 0
