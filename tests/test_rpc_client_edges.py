@@ -121,3 +121,17 @@ def test_cancel_racing_a_failed_call_never_strands_the_receiver(
         while cli.stats()["inflight"] and time.monotonic() < deadline:
             time.sleep(0.02)
         assert cli.stats()["inflight"] == 0
+
+
+def test_acks_go_at_most_max_acks_per_request() -> None:
+    """A server reads at most MAX_ACKS acks from one request: the client puts no more on it."""
+    from shmrdv._rpc import coding
+
+    with RpcClient() as cli:
+        ids = list(range(1, coding.MAX_ACKS + 477))
+        cli._give_back_acks("127.0.0.1:1", ids)
+        first = cli._take_acks("127.0.0.1:1")
+        second = cli._take_acks("127.0.0.1:1")
+        assert first == ids[: coding.MAX_ACKS]
+        assert second == ids[coding.MAX_ACKS :]
+        assert cli._take_acks("127.0.0.1:1") == []

@@ -809,3 +809,27 @@ def test_decode_status_response_fuzz_raises_only_shmrdv_errors(data: bytes) -> N
         coding.decode_status_response(data)
     except WIRE_ERRORS:
         pass
+
+
+def test_request_acks_unpacked_and_packed_decode_alike() -> None:
+    """Field 1001 (acks) as shmrdv writes it (one varint each) and packed, as a standard
+    protobuf encoder writes a repeated int64; both give the same ids, capped at MAX_ACKS."""
+    acks = [1, 2**40, 2**63 - 1, 7]
+    plain = coding.encode_request(3, "k", 9, finished=acks)
+    got = coding.decode_request(plain)
+    assert list(got.finished) == acks
+    base = coding.encode_request(3, "k", 9)
+    payload = b"".join(coding._varint(a) for a in acks)
+    packed = base + coding._tag(1001, 2) + coding._varint(len(payload)) + payload
+    assert list(coding.decode_request(packed).finished) == acks
+    many = list(range(1, coding.MAX_ACKS + 50))
+    payload = b"".join(coding._varint(a) for a in many)
+    packed = base + coding._tag(1001, 2) + coding._varint(len(payload)) + payload
+    assert list(coding.decode_request(packed).finished) == many[: coding.MAX_ACKS]
+
+
+def test_truncated_packed_acks_are_refused() -> None:
+    base = coding.encode_request(3, "k", 9)
+    bad = base + coding._tag(1001, 2) + coding._varint(2) + b"\xff\xff"  # varint never ends
+    with pytest.raises(InvalidArgumentError):
+        coding.decode_request(bad)

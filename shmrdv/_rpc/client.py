@@ -59,6 +59,7 @@ from .._callbacks import DoneCallback, invoke_done
 from .._errors import (
     CancelledError,
     DeadlineExceededError,
+    InternalError,
     InvalidArgumentError,
     RendezvousError,
     ResourceExhaustedError,
@@ -410,7 +411,17 @@ class _Recv:
         call.add_done_callback(functools.partial(self._on_unary, acks))
 
     def _on_unary(self, acks: list[int], call: Any) -> None:
-        """The unary call's outcome, in gRPC's channel thread (never block here)."""
+        """The unary call's outcome, in gRPC's channel thread (never block here).
+
+        Whatever goes wrong here fails this receive: its caller must not wait forever.
+        """
+        try:
+            self._on_unary_outcome(acks, call)
+        except Exception as e:
+            _log.exception("RecvTensorInline callback for %s failed", self._where())
+            self._deliver(InternalError(f"receiving {self._where()}: {e!r}"), None)
+
+    def _on_unary_outcome(self, acks: list[int], call: Any) -> None:
         with self._lock:
             if self._state != _PENDING or self._call is not call:
                 if not call.cancelled() and call.exception() is not None:
@@ -940,8 +951,14 @@ class RpcClient:
     def _take_acks(self, address: str) -> list[int]:
         """The acks to piggyback on a request to ``address`` (they leave the queue)."""
         with self._acks_cond:
-            pending = self._acks.pop(address, None)
-        return [rid for rid, _ in pending] if pending else []
+            pending = self._acks.get(address)
+            if not pending:
+                return []
+            n = min(len(pending), coding.MAX_ACKS)  # what a server takes from one request
+            taken = [pending.popleft()[0] for _ in range(n)]
+            if not pending:
+                del self._acks[address]
+        return taken
 
     def _give_back_acks(self, address: str, acks: list[int]) -> None:
         """A request that carried ``acks`` failed: they go with a later one."""

@@ -919,8 +919,15 @@ def decode_request(data: _Buffer) -> RecvRequest:
             elif f.number == 7 and f.wire_type == _VARINT:
                 request_id = _signed64(f.value)
             elif f.number == _FINISHED_FIELD and f.wire_type == _VARINT:
-                if len(finished) < _MAX_FINISHED:
+                if len(finished) < MAX_ACKS:
                     finished.append(_signed64(f.value))
+            elif f.number == _FINISHED_FIELD and f.wire_type == _LEN:
+                # Packed, as a standard protobuf encoder writes a repeated int64.
+                pos = f.value
+                while pos < f.end:
+                    v, pos = _read_varint(buf, pos, f.end)
+                    if len(finished) < MAX_ACKS:
+                        finished.append(_signed64(v))
             elif f.number == _INLINE_MAX_FIELD and f.wire_type == _VARINT:
                 inline_max = _signed64(f.value)
     except _Malformed as e:
@@ -928,8 +935,9 @@ def decode_request(data: _Buffer) -> RecvRequest:
     return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max)
 
 
-# A request carries at most this many acks; more are ignored (they expire on their own).
-_MAX_FINISHED = 1024
+#: A request carries at most this many acks; more are ignored (they expire on their own),
+#: so a client puts no more on one request.
+MAX_ACKS = 1024
 
 
 def encode_mark_recv_finished(request_id: int) -> bytes:
