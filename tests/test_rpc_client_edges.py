@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from rpc_helpers import StepSource, make_key
 
-from shmrdv._errors import InvalidArgumentError
+from shmrdv._errors import DeadlineExceededError, InvalidArgumentError
 from shmrdv._received import Received
 from shmrdv._rpc import client as client_mod
 from shmrdv._rpc.client import RpcClient
@@ -135,3 +135,29 @@ def test_acks_go_at_most_max_acks_per_request() -> None:
         assert first == ids[: coding.MAX_ACKS]
         assert second == ids[coding.MAX_ACKS :]
         assert cli._take_acks("127.0.0.1:1") == []
+
+
+@pytest.mark.timeout(60)
+def test_a_value_caught_by_the_deadline_stays_first_in_its_key(source: StepSource) -> None:
+    """A large value sent just before the receive's deadline (so taken by the server and
+    streamed too late) goes back to the head of its key at once: the next receive gets it,
+    before a value sent later."""
+    key = make_key("late-big")
+    big = np.arange(24 << 20, dtype=np.int64)  # 192 MiB: streamed, for a while
+    with RpcServer("127.0.0.1:0", source) as srv, RpcClient() as cli:
+        timer = threading.Timer(0.3, lambda: source.send(1, key, big))
+        timer.start()
+        try:
+            first = cli.recv(srv.address, 1, key, timeout=0.5)
+        except DeadlineExceededError:
+            first = None
+        timer.join()
+        source.send(1, key, np.array([2]))
+        second = cli.recv(srv.address, 1, key, timeout=20)
+        if first is None:  # the usual case: the deadline came first
+            assert second.value.shape == big.shape and second.value[-1] == big[-1]
+            assert int(cli.recv(srv.address, 1, key, timeout=20).value[0]) == 2
+        else:
+            assert np.array_equal(first.value, big)
+            assert int(second.value[0]) == 2
+        assert srv.stats()["cached"] <= 1  # at most the last one's, until its ack

@@ -448,6 +448,7 @@ class _Recv:
         elif code == grpc.StatusCode.UNAVAILABLE:
             self._retry_later(error)
         else:
+            self._release_if_late(code)
             self._deliver(self._error(code, error), None)
 
     def _answered(self, data: bytes) -> None:
@@ -467,6 +468,14 @@ class _Recv:
         # A private, writable array (the response bytes are read-only); it is small.
         value = np.array(decoded.value, copy=True)
         self._deliver(None, Received(value, decoded.is_dead))
+
+    def _release_if_late(self, code: grpc.StatusCode) -> None:
+        """The deadline passed with a call out: the server may have taken a value for it
+        (being streamed, or answered too late). ``ReleaseRecv`` gives it back to the head
+        of its key at once: the next receive gets it, in order, rather than a later value
+        while this one waits in the server's cache until it expires."""
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._issued:
+            self._client._notify(self._channel, RELEASE_RECV_METHOD, self._request_id)
 
     def _retry_later(self, error: grpc.RpcError) -> None:
         """Transient UNAVAILABLE (peer not up yet, connection refused or reset): the same
@@ -578,6 +587,7 @@ class _Recv:
                     self._wake.wait(pause)
                     self._backoff = min(self._backoff * 2, _RETRY_MAX)
                     continue
+                self._release_if_late(code)
                 self._deliver(self._error(code, e), None)
                 return
             except RendezvousError as e:  # the assembler refused what arrived
