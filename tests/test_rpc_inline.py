@@ -128,8 +128,8 @@ def test_hold_answers_at_its_deadline_and_at_stop(source: StepSource) -> None:
         with grpc.insecure_channel(srv.address) as ch:
             hold = ch.unary_unary(HOLD_METHOD)
             t0 = time.monotonic()
-            assert hold(b"", timeout=0.3) == b""
-            assert 0.25 <= time.monotonic() - t0 < 3
+            assert hold(b"", timeout=0.3) == b""  # a little before the deadline, not at it
+            assert 0.15 <= time.monotonic() - t0 < 3
             pending = hold.future(b"", timeout=30)
             time.sleep(0.2)
             assert not pending.done()

@@ -610,14 +610,18 @@ class RpcServer:
         self._maybe_give_back(waiter)
 
     async def _hold(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        """shmrdv's Hold: answer empty bytes at the call's deadline, or at once on stop."""
+        """shmrdv's Hold: answer empty bytes just before the call's deadline (an answer at
+        the deadline itself races it: the client may see DEADLINE_EXCEEDED), or at once on
+        stop."""
         del request
         if self._stopping:
             return b""
         hold: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._holds.add(hold)
         try:
-            await asyncio.wait_for(hold, context.time_remaining())
+            remaining = context.time_remaining()
+            wait = None if remaining is None else max(0.0, remaining - min(0.1, remaining / 4))
+            await asyncio.wait_for(hold, wait)
         except asyncio.TimeoutError:
             pass
         finally:
