@@ -127,6 +127,21 @@ def test_ring_across_processes_never_reads_a_torn_word() -> None:
     ring.release()
 
 
+@pytest.mark.parametrize(
+    ("env", "expected"), [(None, 65536), ("0", 0), ("1024", 1024), ("1000000", 65536), ("x", 65536)]
+)
+def test_the_ring_is_on_by_default_and_bounded(
+    env: str | None, expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shmrdv._shm.transport import _inline_max
+
+    if env is None:
+        monkeypatch.delenv("SHMRDV_INLINE_MAX", raising=False)
+    else:
+        monkeypatch.setenv("SHMRDV_INLINE_MAX", env)
+    assert _inline_max() == expected
+
+
 @pytest.fixture
 def ns(monkeypatch: pytest.MonkeyPatch) -> str:
     # The ring is on by default; say so anyway, in case the environment turned it off

@@ -837,8 +837,9 @@ class RpcClient:
         except RendezvousError as e:
             raise type(e)(f"bad GetStatusResponse from {address}: {e}") from e
 
-    def _notify(self, channel: grpc.Channel, method: str, request_id: int) -> None:
-        """Tell the server, without waiting, that ``request_id`` is done with.
+    def _notify(self, channel: grpc.Channel, method: str, request_id: int) -> Any:
+        """Tell the server, without waiting, that ``request_id`` is done with; return the
+        call's future (None if the channel is closed), for a caller that wants to wait.
 
         ``MarkRecvFinished`` (TensorFlow): the value arrived, drop the cached response.
         ``ReleaseRecv`` (shmrdv): the call was cancelled, give back a value taken for it.
@@ -849,9 +850,10 @@ class RpcClient:
                 request, timeout=_ACK_TIMEOUT, metadata=self._metadata
             )
         except (ValueError, grpc.RpcError):  # the channel was closed meanwhile
-            return
+            return None
         # The answer does not matter: the cache entry also expires on its own.
-        fut.add_done_callback(lambda f: f.exception())
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return fut
 
     def _forget(self, recv: _Recv) -> None:
         with self._lock:
@@ -1052,21 +1054,12 @@ class RpcClient:
     def _flush_acks(self, unsent: list[tuple[str, int]], channels: dict[str, grpc.Channel]) -> None:
         """Closing: send the acks no request took yet, waiting at most ``_CLOSE_ACK_WAIT``,
         so that servers drop the delivered values now rather than when their cache expires."""
-        calls = []
-        for address, rid in unsent:
-            channel = channels.get(address)
-            if channel is None:
-                continue
-            try:
-                calls.append(
-                    channel.unary_unary(MARK_RECV_FINISHED_METHOD).future(
-                        coding.encode_mark_recv_finished(rid),
-                        timeout=_CLOSE_ACK_WAIT,
-                        metadata=self._metadata,
-                    )
-                )
-            except (ValueError, grpc.RpcError):  # the channel closed meanwhile
-                continue
+        calls = [
+            call
+            for address, rid in unsent
+            if (channel := channels.get(address)) is not None
+            and (call := self._notify(channel, MARK_RECV_FINISHED_METHOD, rid)) is not None
+        ]
         deadline = time.monotonic() + _CLOSE_ACK_WAIT
         for call in calls:
             try:

@@ -139,8 +139,9 @@ def copy_into(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
     once every byte is copied (also when interrupted: no helper writes ``dst`` after).
     """
     nbytes = src.nbytes
-    n = helpers()
-    if nbytes < PARALLEL_MIN or n == 0 or not src.flags.c_contiguous:
+    # Size first: every send comes here, and helpers() costs a system call.
+    n = 0 if nbytes < PARALLEL_MIN or not src.flags.c_contiguous else helpers()
+    if n == 0:
         np.copyto(dst, src, casting="no")
         return
     d = dst.reshape(-1).view(np.uint8)

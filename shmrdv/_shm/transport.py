@@ -273,7 +273,7 @@ def _producer_alive(names: Names, task: str, incarnation: int) -> bool:
         # one whose pop finds the old entry closes it, exactly once.
         old = _records.pop(key, None)
         _records[key] = cached
-        if old is not None and old[2] != fd:
+        if old is not None:
             os.close(old[2])
     if cached[1] != incarnation:
         return False
