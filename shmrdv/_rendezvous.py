@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,11 +34,22 @@ from ._errors import DeadlineExceededError, InvalidArgumentError, RendezvousErro
 from ._keys import ParsedKey, parse_key
 from ._received import Received
 
-__all__ = ["Canceller", "Rendezvous", "as_parsed_key", "check_timeout"]
+__all__ = [
+    "Canceller",
+    "RecvSlot",
+    "Rendezvous",
+    "as_parsed_key",
+    "check_timeout",
+    "wait_received",
+]
 
 _log = logging.getLogger("shmrdv.rendezvous")
 
 Canceller = Callable[[], bool]
+
+# How long a blocked receiver waits between looks at its deadline and the transport's
+# work (a dispatcher tick): short enough for a dead producer to be noticed within a second.
+_HELP_PERIOD = 0.2
 
 
 def as_parsed_key(key: str | ParsedKey) -> ParsedKey:
@@ -73,25 +85,85 @@ def _timeout_error(pk: ParsedKey, timeout: float | None) -> DeadlineExceededErro
     )
 
 
-class _Slot:
-    """One blocking receiver's mailbox: filled exactly once by a done callback."""
+class RecvSlot:
+    """One blocking receiver's mailbox: filled exactly once by its ``done`` callback.
 
-    __slots__ = ("error", "event", "received")
+    A plain lock, taken at creation and released by ``done``, is the wake-up: it costs a
+    fraction of a ``threading.Event`` (which builds a ``Condition``), and a receive whose
+    value is already there never waits on it at all.
+    """
+
+    __slots__ = ("_lock", "error", "filled", "received")
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self.filled = False
         self.error: BaseException | None = None
         self.received: Received | None = None
 
     def done(self, error: BaseException | None, received: Received | None) -> None:
         self.error, self.received = error, received
-        self.event.set()
+        self.filled = True
+        self._lock.release()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until filled (True) or ``timeout`` seconds pass (False; None: forever)."""
+        if self.filled:
+            return True
+        if self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
+            self._lock.release()  # let a later wait() pass too
+            return True
+        return self.filled
 
     def result(self) -> Received:
         if self.error is not None:
             raise self.error
         assert self.received is not None
         return self.received
+
+
+def _plain_wait(slot: RecvSlot, timeout: float) -> None:
+    slot.wait(timeout)
+
+
+def wait_received(
+    slot: RecvSlot,
+    cancel: Canceller,
+    key: ParsedKey,
+    timeout: float | None,
+    helper: Callable[[RecvSlot, float], None] = _plain_wait,
+) -> Received:
+    """The one blocking receive loop: wait for ``slot``, cancel on timeout or interrupt.
+
+    ``helper(slot, seconds)`` blocks up to ``seconds`` or until the slot is filled, doing
+    whatever work the transport needs from a blocked receiver meanwhile (``Transport.wait``);
+    it may return early. A timeout that expires removes the waiter (``cancel()``) and raises
+    ``DeadlineExceededError``; if the value won the race, it is returned. Ctrl-C
+    (``KeyboardInterrupt``) removes the waiter too and propagates.
+    """
+    if slot.filled:
+        return slot.result()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while not slot.filled:
+            if deadline is None:
+                helper(slot, _HELP_PERIOD)
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if cancel():
+                    raise _timeout_error(key, timeout)
+                slot.wait(None)  # lost the race to a delivery: it is on its way
+                break
+            helper(slot, min(left, _HELP_PERIOD))
+    except BaseException as e:
+        if isinstance(e, DeadlineExceededError) or slot.filled or cancel():
+            raise
+        # Interrupted just as the value was being delivered: it is dropped with the call.
+        _log.warning("recv of %r interrupted just as its value arrived; dropped", key.full_key)
+        raise
+    return slot.result()
 
 
 class _RecvFuture(concurrent.futures.Future[Received]):
@@ -193,24 +265,9 @@ class Rendezvous(abc.ABC):
         """
         pk = as_parsed_key(key)
         t = check_timeout(timeout)
-        slot = _Slot()
+        slot = RecvSlot()
         cancel = self._start_recv(pk, slot.done, copy)
-        try:
-            arrived = slot.event.wait(t)
-            if not arrived and not cancel():
-                slot.event.wait()  # lost the race to a delivery: it is on its way
-                arrived = True
-        except BaseException:
-            # Interrupted (Ctrl-C): remove the waiter so it cannot swallow a later send.
-            if not slot.event.is_set() and not cancel():
-                _log.warning(
-                    "recv of %r interrupted just as its value arrived; the value is dropped",
-                    pk.full_key,
-                )
-            raise
-        if not arrived:
-            raise _timeout_error(pk, t)
-        return slot.result()
+        return wait_received(slot, cancel, pk, t)
 
     def recv_future(
         self, key: str | ParsedKey, *, copy: bool = False

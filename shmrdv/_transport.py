@@ -1,24 +1,99 @@
-"""What a cross-process transport offers the Worker's per-step router.
+"""The seam between a Worker's router and its cross-process transports.
 
-The router (``_router.py``) decides, per key, which transport carries it; a transport
-only moves values for keys it was handed. Both ends in one worker never reach a
-transport: they stay in the step's in-process ``LocalRendezvous``.
+Everything a transport offers and everything it is given is declared here, and nothing
+else passes between them (TensorPipe's ``Transport`` / ``Context`` split):
 
-Thread model: every method may be called from any thread. ``done`` callbacks are
-called exactly once (unless the canceller returned ``True``), never under a lock.
+* ``TransportContext`` — what a transport knows of its worker: task, incarnation,
+  namespace names, the peer directory and a "step cleaned up?" query. Frozen; a
+  transport never sees the ``Worker``.
+* ``PeerRecord`` / ``PeerDirectory`` — where another worker is (same host or not),
+  which transports it takes, its gRPC address, whether the answer is final, and a
+  fresh liveness check.
+* ``Transport`` — send, allocate, start a receive, help a blocked receiver wait, abort
+  and clean up a step, close, stats, and whether it can reach a peer
+  (TensorPipe's ``canCommunicateWithRemote``).
+
+The router (``_router.py``) picks, per peer, the first transport of the worker's
+priority list that the peer takes and that ``can_reach`` it. Both ends in one worker
+never reach a transport: they stay in the step's in-process ``LocalRendezvous``.
+
+Thread model: every method may be called from any thread. ``done`` callbacks are called
+exactly once (unless the canceller returned ``True``), through ``invoke_done``, never
+under a lock of the transport.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy.typing as npt
 
 from ._callbacks import DoneCallback
+from ._devices import DeviceName
 from ._keys import ParsedKey
-from ._rendezvous import Canceller
 
-__all__ = ["Transport"]
+if TYPE_CHECKING:
+    from ._rendezvous import Canceller, RecvSlot
+    from ._shm.naming import Names
+
+__all__ = ["PeerDirectory", "PeerRecord", "PeerState", "Transport", "TransportContext"]
+
+#: ``"absent"``: no presence record on this host; ``"alive"``: its owner holds its lock;
+#: ``"dead"``: a record whose owner is gone (or from another boot).
+PeerState = Literal["absent", "alive", "dead"]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRecord:
+    """What this worker knows of another worker's task.
+
+    ``final`` is True when the answer comes from the peer's own presence record on this
+    host (it cannot change while that peer lives); a provisional answer (from the cluster
+    spec, before the peer has started) must not be cached. ``incarnation`` and ``pid``
+    are 0 when unknown.
+    """
+
+    task: str  # canonical: /job:<j>/replica:<r>/task:<t>
+    same_host: bool
+    transports: tuple[str, ...]
+    address: str | None
+    final: bool
+    incarnation: int = 0
+    pid: int = 0
+
+
+class PeerDirectory(Protocol):
+    """Answers, per peer task, where it is and whether it lives."""
+
+    def lookup(self, task: DeviceName) -> PeerRecord:
+        """Where ``task`` is and what it takes (cheap: one ``stat`` while nothing changed).
+
+        Raises ``InternalError`` if its presence record is not ours or is corrupt.
+        """
+        ...
+
+    def liveness(self, task: DeviceName) -> tuple[PeerState, PeerRecord | None]:
+        """A fresh look: the state of ``task``'s presence record and what it says.
+
+        The record is None when absent. Cheap (one ``stat`` and one ``flock`` test while the
+        record is unchanged), lock-free for the caller, and bounded in descriptors. Raises
+        ``InternalError`` if the record is not ours or is corrupt. Never blocks.
+        """
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TransportContext:
+    """What a transport is given of its worker (never the Worker itself)."""
+
+    task: DeviceName  # this worker's task, canonical (job, replica, task set)
+    task_name: str  # str(task)
+    incarnation: int
+    names: Names  # the namespace's object names (shared memory)
+    peers: PeerDirectory
+    cleaned_up: Callable[[int], bool]  # has Worker.cleanup(step_id) run (and is remembered)?
 
 
 class Transport(Protocol):
@@ -26,23 +101,61 @@ class Transport(Protocol):
 
     name: str
 
-    def send(self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool) -> None:
-        """Hand ``value`` to the consumer of ``key`` (another worker). Never blocks on the consumer."""
+    def can_reach(self, peer: PeerRecord) -> bool:
+        """Whether this transport can carry keys between this worker and ``peer``."""
+        ...
 
-    def start_recv(self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
-        """Receive the next value of ``key`` from its producer (another worker)."""
+    def send(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        value: npt.NDArray[Any],
+        is_dead: bool,
+        timeout: float | None,
+    ) -> None:
+        """Hand ``value`` to the consumer of ``key`` (another worker).
+
+        Never blocks on the consumer, unless a ``max_inflight_bytes`` window is set and
+        full: then it waits up to ``timeout`` seconds (None: as long as it takes) and
+        raises ``ResourceExhaustedError``, having sent nothing.
+        """
+        ...
 
     def allocate(self, step_id: int, key: ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
         """Memory the consumer of ``key`` will see without a copy (or a plain array)."""
+        ...
+
+    def start_recv(
+        self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, waits: bool
+    ) -> Canceller:
+        """Receive the next value of ``key`` from its producer (another worker).
+
+        ``done(error, received)`` is called exactly once (in this thread if the value is
+        already there) unless the returned canceller removes the waiter first and returns
+        True. ``waits``: the caller is a blocked receiver that will call ``wait`` until
+        ``done`` has run, so the transport need not wake another thread for it. May raise
+        a ``RendezvousError`` at once (closed, step aborted); ``done`` is then never called.
+        """
+        ...
+
+    def wait(self, slot: RecvSlot, timeout: float) -> None:
+        """Block the calling receiver up to ``timeout`` seconds, helping the transport
+        meanwhile (e.g. polling the doorbell as leader); return early once ``slot`` is
+        filled. May return early for no reason: the caller loops."""
+        ...
 
     def abort_step(self, step_id: int, error: BaseException) -> None:
         """Fail every pending receive of the step with ``error``; later ones fail at once."""
+        ...
 
     def cleanup_step(self, step_id: int) -> None:
-        """Free what the step still holds (called after ``abort_step``)."""
+        """Free what the step still holds (called once per cleanup, after ``abort_step``)."""
+        ...
 
     def close(self) -> None:
-        """Release every resource; idempotent."""
+        """Release every resource; idempotent. Pending receives fail with the closed error."""
+        ...
 
     def stats(self) -> dict[str, int]:
         """Counters: bytes, messages, pending, live segments."""
+        ...

@@ -26,8 +26,9 @@ from ._errors import AbortedError, InvalidArgumentError, UnavailableError
 from ._hostaddr import is_local_host, split_host_port
 from ._keys import ParsedKey
 from ._namespace import resolve_namespace
+from ._peers import Peers
 from ._router import StepRendezvous
-from ._transport import Transport
+from ._transport import Transport, TransportContext
 
 if TYPE_CHECKING:
     from ._rpc.security import TLSConfig
@@ -153,6 +154,7 @@ class Worker:
         self._shm: Transport | None = None
         self._grpc: Transport | None = None
         self._presence: Presence | None = None
+        self._peers: Peers | None = None
         self.address: str | None = None
 
         try:
@@ -170,6 +172,15 @@ class Worker:
         from ._shm.presence import Presence, PresenceInfo, boot_id
 
         self._names = Names(self.namespace)
+        self._peers = Peers(self._names, self.cluster)
+        self._ctx = TransportContext(
+            task=self._task,
+            task_name=self.task,
+            incarnation=self.incarnation,
+            names=self._names,
+            peers=self._peers,
+            cleaned_up=self._tombstones.__contains__,
+        )
         start_server = (
             "grpc" in self.transports
             and (
@@ -301,6 +312,8 @@ class Worker:
                 _log.exception("closing transport %s of %s", t.name, self.task)
         for watch in self._watches.values():
             watch.close()
+        if self._peers is not None:
+            self._peers.close()
         if self._presence is not None:
             self._presence.close()
 

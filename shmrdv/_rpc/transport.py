@@ -35,7 +35,7 @@ from .._errors import AbortedError, InvalidArgumentError, RendezvousError, Unava
 from .._keys import ParsedKey
 from .._local import LocalRendezvous
 from .._received import Received
-from .._rendezvous import Canceller, _Slot, _timeout_error
+from .._rendezvous import Canceller, RecvSlot, _timeout_error
 from .client import RpcClient
 from .server import RpcServer
 
@@ -210,16 +210,16 @@ class GrpcTransport:
         """A blocking receive whose value is handed to the waiting thread by gRPC's own
         thread: one thread switch from the response to the caller, none through a thread
         of ours. Same contract as ``Rendezvous.recv`` (the timeout removes the waiter)."""
-        slot = _Slot()
+        slot = RecvSlot()
         cancel = self.start_recv(step_id, key, slot.done, copy, direct=True)
         try:
-            arrived = slot.event.wait(timeout)
+            arrived = slot.wait(timeout)
             if not arrived and not cancel():
-                slot.event.wait()  # lost the race to a delivery: it is on its way
+                slot.wait(None)  # lost the race to a delivery: it is on its way
                 arrived = True
         except BaseException:
             # Interrupted (Ctrl-C): remove the waiter so it cannot swallow a later send.
-            if not slot.event.is_set() and not cancel():
+            if not slot.filled and not cancel():
                 _log.warning(
                     "recv of %r interrupted just as its value arrived; the value is dropped",
                     key.full_key,

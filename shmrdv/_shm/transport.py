@@ -55,7 +55,7 @@ from .._errors import (
 )
 from .._keys import ParsedKey
 from .._received import Received
-from .._rendezvous import Canceller, _Slot, _timeout_error
+from .._rendezvous import Canceller, RecvSlot, _timeout_error
 from . import layout
 from .bell import Bell
 from .copier import copy_into
@@ -925,12 +925,12 @@ class ShmTransport:
         thread -> receiver). Other receivers wait until delivered or the role is free.
         Raises ``DeadlineExceededError`` when ``timeout`` expires (the waiter removed).
         """
-        box = _Slot()
+        box = RecvSlot()
         cancel = self.start_recv(step_id, key, box.done, copy, blocking=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         expired = False
         try:
-            while not box.event.is_set():
+            while not box.filled:
                 wait = _TICK
                 if deadline is not None:
                     wait = min(wait, deadline - time.monotonic())
@@ -938,10 +938,10 @@ class ShmTransport:
                         if cancel():
                             expired = True
                             break
-                        box.event.wait()  # lost the race to a delivery: it is on its way
+                        box.wait(None)  # lost the race to a delivery: it is on its way
                         break
                 with self._lock:
-                    if box.event.is_set():
+                    if box.filled:
                         break
                     leader = not self._polling and not self._closed
                     if leader:
@@ -957,7 +957,7 @@ class ShmTransport:
                             self._wake.notify_all()
         except BaseException:
             # Interrupted (Ctrl-C): remove the waiter so that it cannot take a later send.
-            if not box.event.is_set() and not cancel():
+            if not box.filled and not cancel():
                 _log.warning("recv of %r interrupted as its value arrived; dropped", key.full_key)
             raise
         if expired:
