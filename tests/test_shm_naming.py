@@ -40,9 +40,9 @@ def test_names_all_kinds_round_trip_through_parse_name() -> None:
         ("sem." + n.bell(TASK)[1:], "bell"),
         (n.temp(), "temp"),
         (n.message(7, KEY, inc, 3), "message"),
-        (n.pool(inc, 5), "pool"),
-        (n.held(inc, 5), "held"),
-        (n.returned(inc, 5), "returned"),
+        (n.pool(TASK, inc, 5), "pool"),
+        (n.held(TASK, inc, 5), "held"),
+        (n.returned(TASK, inc, 5), "returned"),
     ]
     for entry, kind in cases:
         parsed = parse_name(entry)
@@ -102,11 +102,11 @@ def test_names_out_of_range_fields_rejected() -> None:
     with pytest.raises(InvalidArgumentError):
         n.message(0, KEY, 0, 2**64)
     with pytest.raises(InvalidArgumentError):
-        n.pool(2**64, 0)
+        n.pool(TASK, 2**64, 0)
     with pytest.raises(InvalidArgumentError):
-        n.held(0, -1)
+        n.held(TASK, 0, -1)
     with pytest.raises(InvalidArgumentError):
-        n.returned(0, MAX_SLOT + 1)
+        n.returned(TASK, 0, MAX_SLOT + 1)
     with pytest.raises(InvalidArgumentError):
         n.presence("")
 
@@ -139,8 +139,9 @@ def test_parse_name_foreign_entries_are_none(entry: str) -> None:
 
 
 def test_parse_name_returns_object_name() -> None:
-    parsed = parse_name(_names().pool(1, 0))
-    assert parsed == ObjectName(_names().pool(1, 0), "pool", NS, "0000000000000001x0", 1, 0)
+    name = _names().pool(TASK, 1, 0)
+    parsed = parse_name(name)
+    assert parsed == ObjectName(name, "pool", NS, name.rsplit("_", 1)[1][1:], 1, 0)
 
 
 @given(st.text(max_size=120))
@@ -159,7 +160,8 @@ def test_parse_name_fuzz_never_raises(entry: str) -> None:
 )
 def test_names_fuzz_round_trip(ns: str, inc: int, slot: int, step: int, key: str) -> None:
     n = Names(ns)
-    for entry in (n.pool(inc, slot), n.held(inc, slot), n.returned(inc, slot)):
+    names = (n.pool(TASK, inc, slot), n.held(TASK, inc, slot), n.returned(TASK, inc, slot))
+    for entry in names:
         parsed = parse_name(entry)
         assert parsed is not None
         assert (parsed.namespace, parsed.incarnation, parsed.slot) == (ns, inc, slot)
@@ -168,3 +170,10 @@ def test_names_fuzz_round_trip(ns: str, inc: int, slot: int, step: int, key: str
     assert len(n.presence(key or "t")) < 100
     parsed = parse_name(msg)
     assert parsed is not None and parsed.kind == "message" and len(msg) < 100
+
+
+def test_names_pool_slots_differ_between_producers_of_one_incarnation() -> None:
+    n = _names()
+    other = "/job:w/replica:0/task:2"
+    for kind in (n.pool, n.held, n.returned):
+        assert kind(TASK, 1, 0) != kind(other, 1, 0)

@@ -145,7 +145,7 @@ def test_security_planted_doorbell_is_refused(ns: str) -> None:
 
 
 def test_security_planted_pool_slot_is_not_used(ns: str) -> None:
-    planted = plant_file(Names(ns).pool(INCARNATION, 0))
+    planted = plant_file(Names(ns).pool(PRODUCER, INCARNATION, 0))
     key = make_key("pooled")
     with (
         shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
@@ -163,7 +163,7 @@ def test_security_planted_pool_slot_is_not_used(ns: str) -> None:
 
 
 def test_security_planted_held_name_is_not_used(ns: str) -> None:
-    planted = plant_file(Names(ns).held(INCARNATION, 0))
+    planted = plant_file(Names(ns).held(PRODUCER, INCARNATION, 0))
     key = make_key("held")
     with (
         shmrdv.Worker(CONSUMER, namespace=ns) as consumer,

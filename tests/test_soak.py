@@ -142,5 +142,5 @@ def test_leak_check_never_calls_objects_of_a_live_namespace_dead() -> None:
     with shmrdv.Worker("/job:soak/replica:0/task:9", namespace=shmrdv.new_namespace()) as w:
         # The name of one of w's pool slots at a moment it is renamed to its message name:
         # the leak check's first listing saw it, its second does not.
-        between_renames = w._names.pool(w.incarnation, 7)
+        between_renames = w._names.pool(w.task, w.incarnation, 7)
         assert _dead_leftovers({between_renames}) == set()

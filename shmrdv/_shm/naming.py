@@ -10,9 +10,13 @@ the secret). Kinds, one letter each:
 * ``b<taskhash>`` a worker's doorbell semaphore, on disk as ``sem.shmrdv_<ns>_b<taskhash>``;
 * ``t<random>`` a segment being written;
 * ``m<hash>`` a published message, ``hash`` over (step_id, full_key, incarnation, seq);
-* ``p<incarnation16hex>x<slot>`` a free pool slot of a producer;
-* ``h<incarnation16hex>x<slot>`` a pool slot held by its consumer;
-* ``r<incarnation16hex>x<slot>`` a pool slot its consumer released.
+* ``p<taskhash><incarnation16hex>x<slot>`` a free pool slot of a producer worker;
+* ``h<taskhash><incarnation16hex>x<slot>`` a pool slot held by its consumer;
+* ``r<taskhash><incarnation16hex>x<slot>`` a pool slot its consumer released.
+
+Pool slot names carry the producer's task as well as its incarnation: several producer
+workers may share an incarnation (``Worker(..., incarnation=1)``) and must never share a
+slot name.
 
 Hashes are 10-byte blake2b digests (80 bits, 20 hex characters) over a struct-packed,
 length-prefixed encoding of the fields, with a per-kind ``person`` string so that no two
@@ -66,7 +70,7 @@ _CODES = {kind: code for code, kind in KINDS.items()}
 
 _NAMESPACE_RE = re.compile(r"[a-z0-9]{8,64}")
 _HEX_RE = re.compile(rf"[0-9a-f]{{{2 * DIGEST_BYTES}}}")
-_SLOT_RE = re.compile(r"([0-9a-f]{16})x(0|[1-9][0-9]{0,6})")
+_SLOT_RE = re.compile(rf"[0-9a-f]{{{2 * DIGEST_BYTES}}}([0-9a-f]{{16}})x(0|[1-9][0-9]{{0,6}})")
 _U64_MAX = 2**64 - 1
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 #: A producer never needs a million pool slots; the bound keeps names under 100 characters.
@@ -99,14 +103,14 @@ def _task_hash(task: str) -> str:
     return _digest(b"shmrdv.task", _LENGTH.pack(len(raw)) + raw)
 
 
-def _slot_rest(incarnation: int, slot: int) -> str:
+def _slot_rest(task: str, incarnation: int, slot: int) -> str:
     if not 0 <= incarnation <= _U64_MAX:
         raise InvalidArgumentError(f"invalid incarnation {incarnation!r}: expected a uint64")
     if not 0 <= slot <= MAX_SLOT:
         raise InvalidArgumentError(
             f"invalid pool slot {slot!r}: expected an int in [0, {MAX_SLOT}]"
         )
-    return f"{incarnation:016x}x{slot:d}"
+    return f"{_task_hash(task)}{incarnation:016x}x{slot:d}"
 
 
 @dataclass(frozen=True)
@@ -220,17 +224,17 @@ class Names:
         """A fresh, unguessable name (80 random bits, ``secrets``) for a segment being written."""
         return self._name("temp", secrets.token_hex(DIGEST_BYTES))
 
-    def pool(self, incarnation: int, slot: int) -> str:
-        """Free pool slot ``slot`` of the producer worker with ``incarnation``."""
-        return self._name("pool", _slot_rest(incarnation, slot))
+    def pool(self, task: str, incarnation: int, slot: int) -> str:
+        """Free pool slot ``slot`` of the producer worker ``task`` with ``incarnation``."""
+        return self._name("pool", _slot_rest(task, incarnation, slot))
 
-    def held(self, incarnation: int, slot: int) -> str:
+    def held(self, task: str, incarnation: int, slot: int) -> str:
         """The same slot while its consumer holds it."""
-        return self._name("held", _slot_rest(incarnation, slot))
+        return self._name("held", _slot_rest(task, incarnation, slot))
 
-    def returned(self, incarnation: int, slot: int) -> str:
+    def returned(self, task: str, incarnation: int, slot: int) -> str:
         """The same slot once its consumer released it (for the producer to take back)."""
-        return self._name("returned", _slot_rest(incarnation, slot))
+        return self._name("returned", _slot_rest(task, incarnation, slot))
 
     @staticmethod
     def path(name: str) -> str:

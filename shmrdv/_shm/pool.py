@@ -77,9 +77,15 @@ class SlotPool:
     """The producer side of the slot protocol. Thread-safe."""
 
     def __init__(
-        self, names: Names, incarnation: int, limit_bytes: int, max_slots: int = DEFAULT_MAX_SLOTS
+        self,
+        names: Names,
+        task: str,
+        incarnation: int,
+        limit_bytes: int,
+        max_slots: int = DEFAULT_MAX_SLOTS,
     ) -> None:
         self._names = names
+        self._task = task
         self._incarnation = incarnation
         self._limit = limit_bytes
         self._max_slots = max_slots
@@ -143,7 +149,9 @@ class SlotPool:
             self._bytes += cls  # reserve before leaving the lock
             self._count += 1
         try:
-            seg = Segment.create(self._names, cls, self._names.pool(self._incarnation, index))
+            seg = Segment.create(
+                self._names, cls, self._names.pool(self._task, self._incarnation, index)
+            )
         except BaseException as e:
             with self._lock:
                 self._bytes -= cls
@@ -194,7 +202,7 @@ class SlotPool:
                 continue
             slot.checked_at = now
             if self._exists(slot.lent_name) or self._exists(
-                self._names.held(self._incarnation, slot.index)
+                self._names.held(self._task, self._incarnation, slot.index)
             ):
                 self._lent.append(slot)  # still with its consumer
                 continue
@@ -210,7 +218,7 @@ class SlotPool:
 
     def _take_back(self, slot: Slot) -> bool:
         """Rename the slot's ``returned`` name back to its ``pool`` name; whether it was there."""
-        ret = self._names.path(self._names.returned(self._incarnation, slot.index))
+        ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.index))
         try:
             st = os.stat(ret, follow_symlinks=False)
         except FileNotFoundError:
@@ -222,7 +230,7 @@ class SlotPool:
             # Not the file we created: planted by someone else. Never take it as ours.
             _log.warning("refusing %s: not the pool slot this producer created", ret)
             return False
-        pool_name = self._names.pool(self._incarnation, slot.index)
+        pool_name = self._names.pool(self._task, self._incarnation, slot.index)
         try:
             # Only our own uid can rename our file in the sticky /dev/shm, so it is still ours.
             os.rename(ret, self._names.path(pool_name))
@@ -310,7 +318,7 @@ class SlotPool:
             slot.segment.unlink()
             slot.segment.close()
         for slot in lent:
-            ret = self._names.path(self._names.returned(self._incarnation, slot.index))
+            ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.index))
             try:
                 st = os.stat(ret, follow_symlinks=False)
                 if (st.st_dev, st.st_ino) == slot.ino:

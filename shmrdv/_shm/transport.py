@@ -202,7 +202,7 @@ def _return_slot(
     will take it back, so unlink it instead. Runs in whatever thread collected the array
     (possibly inside the garbage collector: it takes no lock).
     """
-    held_name = names.held(incarnation, slot)
+    held_name = names.held(producer_task, incarnation, slot)
     held_names.discard(held_name)
     _give_back(names, producer_task, incarnation, slot, Names.path(held_name))
 
@@ -219,7 +219,7 @@ def _give_back(names: Names, producer_task: str, incarnation: int, slot: int, pa
     we saw was that producer's (a successor's appears only after the record is gone), so
     our rename came before its sweep, which will find the file.
     """
-    ret = Names.path(names.returned(incarnation, slot))
+    ret = Names.path(names.returned(producer_task, incarnation, slot))
     try:
         _move_noreplace(path, ret)
     except FileNotFoundError:
@@ -344,7 +344,7 @@ class ShmTransport:
         self._stash: dict[tuple[int, str], dict[tuple[int, int], Received]] = {}
         self._rings_listed_at = 0.0
         self._ring_look_at: dict[tuple[str, int], float] = {}  # see _take_inline
-        self._pool = SlotPool(self._names, self._inc, pool_bytes)
+        self._pool = SlotPool(self._names, self._task, self._inc, pool_bytes)
         self._bell = Bell.create(self._names, self._task, replace_stale=True)
         self._thread = threading.Thread(
             target=self._run, name=f"shmrdv-shm-dispatch {self._task}", daemon=True
@@ -771,7 +771,9 @@ class ShmTransport:
             return e
         ch.seq += 1
         held = (
-            self._names.held(header.producer_incarnation, header.slot) if header.slot >= 0 else None
+            self._names.held(_canonical_task(ch.key.src), header.producer_incarnation, header.slot)
+            if header.slot >= 0
+            else None
         )
         if held is not None:
             try:
