@@ -9,7 +9,15 @@ import numpy.typing as npt
 
 from ._errors import InvalidArgumentError
 
-__all__ = ["check_value"]
+__all__ = ["MAX_ELEMENTS", "MAX_ZERO_ITEM_ELEMENTS", "check_value", "shape_problem"]
+
+#: The most elements any tensor may have, whatever its item size (2**40: 4 TiB of float32).
+#: A peer's header or wire message is checked against it before anything is allocated or
+#: looped over: a count bounded only through ``nbytes`` lets zero-byte items through.
+MAX_ELEMENTS = 1 << 40
+#: Zero-byte items (``V0``, ``S0``, ``U0``) carry no data but still cost per-element work
+#: (numpy even widens ``S0`` to ``S1`` when it allocates): a much lower bound for them.
+MAX_ZERO_ITEM_ELEMENTS = 1 << 24
 
 
 def check_value(value: object, key: str) -> npt.NDArray[Any]:
@@ -28,6 +36,9 @@ def check_value(value: object, key: str) -> npt.NDArray[Any]:
             f"cannot send a {type(value).__module__}.{type(value).__qualname__} under key {key!r}: "
             "only numpy arrays (or numpy scalars) are sent; wrap it with numpy.asarray(...)"
         )
+    problem = shape_problem(arr.shape, arr.dtype.itemsize)
+    if problem is not None:
+        raise InvalidArgumentError(f"cannot send this array under key {key!r}: {problem}")
     if arr.dtype.hasobject:
         raise InvalidArgumentError(
             f"cannot send an array of dtype {arr.dtype} under key {key!r}: it holds Python objects, "
@@ -35,3 +46,26 @@ def check_value(value: object, key: str) -> npt.NDArray[Any]:
             "numeric, bool, bytes (S) or unicode (U) dtype first"
         )
     return arr
+
+
+def shape_problem(shape: tuple[int, ...], itemsize: int) -> str | None:
+    """Why an array of ``shape`` with ``itemsize``-byte items is refused, or None.
+
+    The one rule shared by ``send`` (the caller's value), the segment header, the ring
+    record and the gRPC coding (a peer's bytes): every dimension >= 0, at most
+    ``MAX_ELEMENTS`` elements (``MAX_ZERO_ITEM_ELEMENTS`` for zero-byte items), counted
+    with zero dimensions taken as 1 so that ``(0, 2**62)`` is refused too.
+    """
+    count = 1
+    for d in shape:
+        if d < 0:
+            return f"negative dimension in shape {shape!r:.200}"
+        count *= d if d else 1
+        if count > MAX_ELEMENTS:
+            return f"shape {shape!r:.200} has more than {MAX_ELEMENTS} elements"
+    if itemsize == 0 and count > MAX_ZERO_ITEM_ELEMENTS:
+        return (
+            f"shape {shape!r:.200} of zero-byte items has more than {MAX_ZERO_ITEM_ELEMENTS} "
+            "elements"
+        )
+    return None
