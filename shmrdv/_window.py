@@ -1,0 +1,122 @@
+"""Backpressure: the bytes a producer has sent to one consumer that it has not received yet.
+
+``Worker(..., max_inflight_bytes=N)`` gives each consumer worker of a producer one
+``InflightWindow`` (per transport). ``send`` reserves the tensor's bytes before anything
+of it is sent; the transport gives them back when it learns that the consumer took the
+message (or died, or the step was cleaned up). A reservation that does not fit waits up
+to the send's timeout, then raises ``ResourceExhaustedError`` naming the consumer and the
+window. A tensor larger than the whole window goes out once nothing else is in flight to
+that consumer, so no tensor is refused for its size alone (``multiprocessing.Queue(maxsize)``
+counts items; a byte window is what bounds /dev/shm).
+
+How the transport learns of a receive is its own business: the gRPC outbox knows at
+once (a pull takes the value); the shared-memory producer cannot be told without a
+message back, so while a reservation waits it is asked to ``refresh`` (look at what the
+consumer took: the ring's read position, which message names are gone) every
+``REFRESH_S`` seconds.
+
+Thread model: any thread may reserve or release; a reservation blocks only its caller,
+never under a transport lock (the refresh callback is called without the window's lock).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from ._errors import InvalidArgumentError, ResourceExhaustedError
+
+__all__ = ["REFRESH_S", "InflightWindow", "check_window"]
+
+#: How often a waiting reservation asks the transport what the consumer has taken.
+REFRESH_S = 0.002
+
+
+def check_window(limit: object) -> int | None:
+    """``max_inflight_bytes`` as given to ``Worker``: None, or an int >= 1."""
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidArgumentError(
+            f"max_inflight_bytes must be None (no window) or an int >= 1, not {limit!r}"
+        )
+    return limit
+
+
+class InflightWindow:
+    """The window of one producer towards one consumer worker."""
+
+    __slots__ = ("_cond", "_limit", "_used", "consumer", "waits")
+
+    def __init__(self, consumer: str, limit: int) -> None:
+        self.consumer = consumer
+        self._limit = limit
+        self._used = 0
+        self._cond = threading.Condition(threading.Lock())
+        self.waits = 0
+
+    @property
+    def used(self) -> int:
+        """Bytes reserved and not given back."""
+        return self._used
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def _fits(self, nbytes: int) -> bool:
+        return self._used + nbytes <= self._limit or self._used == 0
+
+    def reserve(
+        self,
+        nbytes: int,
+        timeout: float | None,
+        refresh: Callable[[], None] | None = None,
+        what: str = "tensor",
+    ) -> None:
+        """Reserve ``nbytes`` for a send, waiting up to ``timeout`` s (None: forever) for room.
+
+        ``refresh()`` is called (outside the lock) while waiting, so the transport can
+        ``release`` what the consumer has taken meanwhile. Raises ``ResourceExhaustedError``
+        when the time is up; nothing is reserved then.
+        """
+        with self._cond:
+            if self._fits(nbytes):
+                self._used += nbytes
+                return
+            self.waits += 1
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if refresh is not None:
+                refresh()
+            with self._cond:
+                if self._fits(nbytes):
+                    self._used += nbytes
+                    return
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise ResourceExhaustedError(
+                        f"cannot send {what} ({nbytes} bytes) to {self.consumer}: "
+                        f"max_inflight_bytes={self._limit} and {self._used} bytes sent to it are "
+                        f"not received yet; waited {timeout:g}s (nothing of it was sent)"
+                    )
+                wait = REFRESH_S if refresh is not None else None
+                if left is not None:
+                    wait = left if wait is None else min(wait, left)
+                self._cond.wait(wait)
+
+    def release(self, nbytes: int) -> None:
+        """Give back bytes the consumer took (or that will never reach it)."""
+        with self._cond:
+            self._used = max(0, self._used - nbytes)
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Give back everything (the consumer died or restarted)."""
+        with self._cond:
+            self._used = 0
+            self._cond.notify_all()
+
+    def __repr__(self) -> str:
+        return f"<InflightWindow to {self.consumer} {self._used}/{self._limit} bytes>"
