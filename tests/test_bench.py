@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from shmrdv._bench.common import parse_size, parse_sizes
 from shmrdv._bench.peers import METHODS, Handler, make_stamp, pack_ack, unpack_ack
-from shmrdv._bench.runner import parse_size, parse_sizes
 
 REPO = Path(__file__).resolve().parent.parent
 

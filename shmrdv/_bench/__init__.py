@@ -1,6 +1,7 @@
 """``shmrdv bench``: hand numpy arrays between two processes and time it, for shmrdv and its peers.
 
-``runner`` spawns each method's pinger and ponger and drives the sizes (``main``,
+``options`` defines the command line (standard library only: the CLI builds it without
+loading the rest); ``common`` holds what every mode shares. ``runner`` spawns each method's pinger and ponger and drives the sizes (``main``,
 ``build_parser``, ``run``); ``peers`` holds the method contract, the registry
 (``METHODS``, ``register_method``) and the peer methods; ``report`` turns the figures
 into markdown tables, JSON and a plot. Run it as ``python -m shmrdv bench`` or

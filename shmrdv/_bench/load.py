@@ -56,7 +56,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .report import format_size
+from . import options
+from .common import die_with_parent, format_size, on_sigterm, parse_size
 
 __all__ = [
     "HEADER",
@@ -66,7 +67,6 @@ __all__ = [
     "LoadConfig",
     "LoadPlan",
     "LoadResult",
-    "add_arguments",
     "format_load",
     "make_plan",
     "run_cli",
@@ -97,13 +97,13 @@ _PAYLOAD_SLACK = 1 << 16  # the random payload source is this much longer than a
 class LoadConfig:
     """What a load run does. ``window_bytes`` bounds each producer's unconsumed bytes."""
 
-    messages: int = 50_000
-    producers: int = 8
-    keys: int = 1_000
+    messages: int = options.LOAD_MESSAGES
+    producers: int = options.LOAD_PRODUCERS
+    keys: int = options.LOAD_KEYS
     min_size: int = 64
-    max_size: int = 4 << 20
-    seed: int = 6
-    window_bytes: int = 64 << 20
+    max_size: int = parse_size(options.LOAD_MAX_SIZE)
+    seed: int = options.LOAD_SEED
+    window_bytes: int = parse_size(options.LOAD_WINDOW)
     alloc_fraction: float = 0.5
     timeout_s: float = 900.0
 
@@ -215,23 +215,11 @@ class ChildTimeout(ChildFailed):
     """A child stayed silent longer than the wait allowed (it may still be working)."""
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGTERM this process when the parent dies (best effort)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # so that Worker.close() runs on terminate()
-
-
 def _child_main(target: Callable[..., None], conn: Connection, parent_pid: int, *args: Any) -> None:
     """Entry point of every spawned child: run ``target(conn, *args)``, report a failure."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGTERM, on_sigterm)  # so that Worker.close() runs on terminate()
+    die_with_parent(parent_pid)
     try:
         target(conn, *args)
     except BaseException:
@@ -779,48 +767,7 @@ def format_load(r: LoadResult) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--load`` options of ``shmrdv bench``."""
-    d = LoadConfig()
-    parser.add_argument(
-        "--load",
-        action="store_true",
-        help="instead: the load run (producer processes -> one consumer, every message checked)",
-    )
-    parser.add_argument(
-        "--load-messages",
-        type=int,
-        default=d.messages,
-        metavar="N",
-        help=f"(default {d.messages:,})",
-    )
-    parser.add_argument(
-        "--load-producers",
-        type=int,
-        default=d.producers,
-        metavar="N",
-        help=f"producer processes (default {d.producers})",
-    )
-    parser.add_argument(
-        "--load-keys", type=int, default=d.keys, metavar="N", help=f"(default {d.keys:,})"
-    )
-    parser.add_argument(
-        "--load-max-size", default="4m", metavar="SIZE", help="largest message (default 4m)"
-    )
-    parser.add_argument(
-        "--load-window",
-        default="64m",
-        metavar="SIZE",
-        help="unconsumed bytes a producer may have out (default 64m; latency grows with it)",
-    )
-    parser.add_argument(
-        "--load-seed", type=int, default=d.seed, metavar="N", help=argparse.SUPPRESS
-    )
-
-
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
-    from .runner import parse_size
-
     return LoadConfig(
         messages=args.load_messages,
         producers=args.load_producers,
@@ -841,7 +788,7 @@ def run_cli(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m shmrdv._bench.load``: the load test alone (same options as ``--load``)."""
     parser = argparse.ArgumentParser(prog="shmrdv bench --load")
-    add_arguments(parser)
+    options.add_load_arguments(parser)
     parser.add_argument("--json", metavar="FILE")
     return run_cli(parser.parse_args(argv))
 

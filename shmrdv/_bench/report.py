@@ -16,13 +16,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .common import format_size
+
 __all__ = [
     "BenchRun",
     "CellResult",
     "MethodResult",
     "describe_machine",
     "format_markdown",
-    "format_size",
     "load_average",
     "plot_run",
     "to_json",
@@ -178,13 +179,6 @@ def describe_machine() -> dict[str, Any]:
 
 
 # -- numbers as text ------------------------------------------------------------------------
-
-
-def format_size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
 
 
 def _sig(x: float) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import importlib
 import itertools
 import multiprocessing
@@ -41,7 +40,9 @@ from typing import Any, TextIO
 import numpy as np
 import numpy.typing as npt
 
-from . import peers
+from . import options, peers
+from .common import die_with_parent, format_size, on_sigterm, parse_sizes
+from .options import DEFAULT_SIZES, QUICK_SIZES
 from .peers import (
     KIND_CHECK,
     KIND_PROBE_END,
@@ -61,16 +62,13 @@ from .report import (
     MethodResult,
     describe_machine,
     format_markdown,
-    format_size,
     load_average,
     plot_run,
     write_json,
 )
 
-__all__ = ["DEFAULT_SIZES", "QUICK_SIZES", "build_parser", "main", "parse_sizes", "run"]
+__all__ = ["build_parser", "main", "run"]
 
-DEFAULT_SIZES = "64,1k,64k,1m,16m,64m,256m"
-QUICK_SIZES = "1k,64k,1m,16m,64m"
 BIG = 64 << 20  # from here on: fewer repetitions
 SHM_DIR = "/dev/shm"
 PLUGIN_MODULES = ("shmrdv._bench.shmrdv_methods",)
@@ -80,34 +78,6 @@ F32 = npt.NDArray[np.float32]
 
 class BenchError(Exception):
     """A handoff returned the wrong data, or a role failed."""
-
-
-# -- sizes ----------------------------------------------------------------------------------
-
-_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """``"64"``, ``"1k"``, ``"16m"``, ``"1g"`` (binary units; "kib"/"kb"/"b" also accepted)."""
-    s = text.strip().lower()
-    for tail in ("ib", "b"):
-        if s.endswith(tail) and len(s) > len(tail):
-            s = s[: -len(tail)]
-            break
-    unit = s[-1:] if s[-1:] in _SUFFIX else ""
-    digits = s[: len(s) - len(unit)]
-    try:
-        value = int(digits) * _SUFFIX[unit]
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (use e.g. 64, 1k, 16m, 1g)") from None
-    if value < 8 or value % 4:
-        raise ValueError(f"size {text!r}: must be a multiple of 4 bytes and at least 8")
-    return value
-
-
-def parse_sizes(text: str) -> list[int]:
-    """A comma-separated list of sizes, sorted, without repeats."""
-    return sorted({parse_size(part) for part in text.split(",") if part.strip()})
 
 
 # -- the roles (run in the spawned processes) ------------------------------------------------
@@ -232,18 +202,6 @@ def _drive(pinger: Pinger, ctrl: Connection, started: float) -> None:
             raise BenchError(f"unknown command from the runner: {cmd!r}")
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGTERM this process when the runner dies (best effort)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def _role_main(
     role: str,
     factory: Callable[[RoleContext], Any],
@@ -255,8 +213,8 @@ def _role_main(
     """Entry point of a spawned role process."""
     started = time.perf_counter()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner handles Ctrl-C and stops us
-    signal.signal(signal.SIGTERM, _on_sigterm)  # so that close() runs when terminated
-    _die_with_parent(env["parent_pid"])
+    signal.signal(signal.SIGTERM, on_sigterm)  # so that close() runs when terminated
+    die_with_parent(env["parent_pid"])
     if env.get("cpu") is not None:
         os.sched_setaffinity(0, {env["cpu"]})
     handler = Handler()
@@ -610,69 +568,8 @@ def _select(names: str | None, with_baselines: bool) -> list[MethodSpec]:
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
-    parser.description = (
-        "Measure handing numpy arrays between two processes: shmrdv and its peers, "
-        "round trip and one-way, per size. Tables go to stdout, progress to stderr."
-    )
-    parser.add_argument(
-        "--methods", help="comma-separated methods (default: all available; see --list)"
-    )
-    parser.add_argument(
-        "--no-baselines",
-        action="store_true",
-        help="with --methods: do not add memcpy and mp_pipe_oob, the ratios' baselines",
-    )
-    parser.add_argument(
-        "--sizes", help=f"comma-separated sizes with k/m/g suffixes (default {DEFAULT_SIZES})"
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"about a minute: sizes {QUICK_SIZES}, 3 repetitions, short budgets",
-    )
-    parser.add_argument(
-        "--reps", type=int, help="repetitions per size (default 5, 3 at >= 64 MiB or with --quick)"
-    )
-    parser.add_argument(
-        "--budget",
-        type=float,
-        help="seconds of timed handoffs per (method, size) (default 2, --quick 0.25)",
-    )
-    parser.add_argument(
-        "--gap-us",
-        type=float,
-        default=50.0,
-        help="spin between handoffs so the receiver blocks again (default 50)",
-    )
-    parser.add_argument(
-        "--idle-seconds",
-        type=float,
-        help="idle-CPU probe of a blocked receiver, 0 to skip (default 2, --quick 1)",
-    )
-    parser.add_argument(
-        "--pin",
-        choices=("none", "cross", "same"),
-        default="none",
-        help="pin pinger/ponger to CPUs 0/1 (cross) or both to 0 (same)",
-    )
-    parser.add_argument(
-        "--json", metavar="FILE", help="write every figure and the machine description as JSON"
-    )
-    parser.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        help="draw median round trip vs size, log-log (needs matplotlib)",
-    )
-    parser.add_argument(
-        "--list", action="store_true", help="list the methods and whether they can run, then exit"
-    )
-    # The load and soak runs (issue 6 §3) are sub-modes sharing --json; see load.py, soak.py.
-    from . import load, soak
-
-    load.add_arguments(parser)
-    soak.add_arguments(parser)
-    return parser
+    """Add the bench options to ``parser`` and return it (see ``options.build_parser``)."""
+    return options.build_parser(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,170 @@
+"""The command line of ``shmrdv bench``: every option of every mode, defined once.
+
+Standard library only: ``shmrdv``'s CLI builds its ``bench`` subcommand from here without
+importing the benchmark code (numpy, the peers, the modes), which loads only when a
+benchmark runs. ``runner.run`` dispatches the parsed options to the mode they ask for.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "LOAD_KEYS",
+    "LOAD_MAX_SIZE",
+    "LOAD_MESSAGES",
+    "LOAD_PRODUCERS",
+    "LOAD_SEED",
+    "LOAD_WINDOW",
+    "QUICK_SIZES",
+    "SOAK_HANDOFFS",
+    "SOAK_MAX_SIZE",
+    "add_load_arguments",
+    "add_pingpong_arguments",
+    "add_soak_arguments",
+    "build_parser",
+]
+
+DEFAULT_SIZES = "64,1k,64k,1m,16m,64m,256m"
+QUICK_SIZES = "1k,64k,1m,16m,64m"
+
+# --load (load.py's LoadConfig takes its defaults from here)
+LOAD_MESSAGES = 50_000
+LOAD_PRODUCERS = 8
+LOAD_KEYS = 1_000
+LOAD_MAX_SIZE = "4m"
+LOAD_WINDOW = "64m"
+LOAD_SEED = 6
+# --soak (soak.py's SoakConfig likewise)
+SOAK_HANDOFFS = 200_000
+SOAK_MAX_SIZE = "256k"
+
+
+def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the default run: methods, sizes, repetitions, pinning, output."""
+    parser.add_argument(
+        "--methods", help="comma-separated methods (default: all available; see --list)"
+    )
+    parser.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="with --methods: do not add memcpy and mp_pipe_oob, the ratios' baselines",
+    )
+    parser.add_argument(
+        "--sizes", help=f"comma-separated sizes with k/m/g suffixes (default {DEFAULT_SIZES})"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"about a minute: sizes {QUICK_SIZES}, 3 repetitions, short budgets",
+    )
+    parser.add_argument(
+        "--reps", type=int, help="repetitions per size (default 5, 3 at >= 64 MiB or with --quick)"
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds of timed handoffs per (method, size) (default 2, --quick 0.25)",
+    )
+    parser.add_argument(
+        "--gap-us",
+        type=float,
+        default=50.0,
+        help="spin between handoffs so the receiver blocks again (default 50)",
+    )
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        help="idle-CPU probe of a blocked receiver, 0 to skip (default 2, --quick 1)",
+    )
+    parser.add_argument(
+        "--pin",
+        choices=("none", "cross", "same"),
+        default="none",
+        help="pin pinger/ponger to CPUs 0/1 (cross) or both to 0 (same)",
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", help="write every figure and the machine description as JSON"
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw median round trip vs size, log-log (needs matplotlib)",
+    )
+    parser.add_argument(
+        "--list", action="store_true", help="list the methods and whether they can run, then exit"
+    )
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--load`` options (load.py)."""
+    parser.add_argument(
+        "--load",
+        action="store_true",
+        help="instead: the load run (producer processes -> one consumer, every message checked)",
+    )
+    parser.add_argument(
+        "--load-messages",
+        type=int,
+        default=LOAD_MESSAGES,
+        metavar="N",
+        help=f"(default {LOAD_MESSAGES:,})",
+    )
+    parser.add_argument(
+        "--load-producers",
+        type=int,
+        default=LOAD_PRODUCERS,
+        metavar="N",
+        help=f"producer processes (default {LOAD_PRODUCERS})",
+    )
+    parser.add_argument(
+        "--load-keys", type=int, default=LOAD_KEYS, metavar="N", help=f"(default {LOAD_KEYS:,})"
+    )
+    parser.add_argument(
+        "--load-max-size",
+        default=LOAD_MAX_SIZE,
+        metavar="SIZE",
+        help=f"largest message (default {LOAD_MAX_SIZE})",
+    )
+    parser.add_argument(
+        "--load-window",
+        default=LOAD_WINDOW,
+        metavar="SIZE",
+        help=f"unconsumed bytes a producer may have out (default {LOAD_WINDOW}; "
+        "latency grows with it)",
+    )
+    parser.add_argument(
+        "--load-seed", type=int, default=LOAD_SEED, metavar="N", help=argparse.SUPPRESS
+    )
+
+
+def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--soak`` options (soak.py)."""
+    parser.add_argument(
+        "--soak",
+        type=int,
+        nargs="?",
+        const=SOAK_HANDOFFS,
+        metavar="N",
+        help=f"instead: the soak run, N handoffs (default {SOAK_HANDOFFS:,}); RSS, descriptors, "
+        "threads and /dev/shm sampled, slopes reported",
+    )
+    parser.add_argument(
+        "--soak-max-size",
+        default=SOAK_MAX_SIZE,
+        metavar="SIZE",
+        help=f"largest soak message (default {SOAK_MAX_SIZE})",
+    )
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
+    parser.description = (
+        "Measure handing numpy arrays between two processes: shmrdv and its peers, "
+        "round trip and one-way, per size. Tables go to stdout, progress to stderr."
+    )
+    add_pingpong_arguments(parser)
+    add_load_arguments(parser)
+    add_soak_arguments(parser)
+    return parser
