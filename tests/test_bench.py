@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from shmrdv._bench.common import parse_size, parse_sizes
+from shmrdv._bench.options import build_parser
 from shmrdv._bench.peers import METHODS, Handler, make_stamp, pack_ack, unpack_ack
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,6 +48,55 @@ def test_parse_size_suffixes() -> None:
 def test_parse_size_rejects_bad_sizes(bad: str) -> None:
     with pytest.raises(ValueError):
         parse_size(bad)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "valid"),
+    [
+        ("--reps", "0", "from 1 to 1,000"),
+        ("--reps", "x", "from 1 to 1,000"),
+        ("--budget", "0", "above 0 and up to 3600"),
+        ("--budget", "-1", "above 0 and up to 3600"),
+        ("--gap-us", "-5", "from 0 to 1e+06"),
+        ("--idle-seconds", "601", "from 0 to 600"),
+        ("--sizes", "1k,6", "multiple of 4"),
+        ("--sizes", "32g", "16 GiB"),
+        ("--sizes", ",", "no sizes"),
+        ("--load-messages", "0", "from 1 to"),
+        ("--load-producers", "257", "from 1 to 256"),
+        ("--load-keys", "0", "from 1 to"),
+        ("--load-max-size", "4x", "e.g. 64, 1k"),
+        ("--load-window", "0", "at least 8"),
+        ("--load-seed", "-1", "from 0 to"),
+        ("--soak", "0", "from 1 to"),
+        ("--soak-max-size", "3", "at least 8"),
+    ],
+)
+def test_options_out_of_range_is_a_usage_error_naming_the_range(
+    flag: str, value: str, valid: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    parser = build_parser(argparse.ArgumentParser(prog="shmrdv bench"))
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--quick", f"{flag}={value}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and valid in err, err
+
+
+def test_cli_reps_0_is_a_usage_error() -> None:
+    # Before: --quick --reps 0 ran 16 s and died with ZeroDivisionError in a child.
+    for cmd in (
+        [sys.executable, "-m", "shmrdv", "bench", "--quick", "--reps", "0"],
+        [sys.executable, str(REPO / "tools" / "bench.py"), "--quick", "--reps", "0"],
+    ):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+        assert proc.returncode == 2, proc.stderr
+        assert "argument --reps: 0 is out of range (give an integer from 1 to 1,000)" in (
+            proc.stderr
+        )
+        assert proc.stdout == "" and "Traceback" not in proc.stderr
 
 
 def test_handler_echoes_stamps_and_crc() -> None:

@@ -1,7 +1,8 @@
 """``shmrdv bench``: hand numpy arrays between two processes and time it, for shmrdv and its peers.
 
-``options`` defines the command line (standard library only: the CLI builds it without
-loading the rest); ``common`` holds what every mode shares. ``runner`` spawns each method's pinger and ponger and drives the sizes (``main``,
+``options`` defines the command line and checks every value's range (standard library
+only: the CLI builds it without loading the rest); ``common`` holds what every mode
+shares. ``runner`` spawns each method's pinger and ponger and drives the sizes (``main``,
 ``build_parser``, ``run``); ``peers`` holds the method contract, the registry
 (``METHODS``, ``register_method``) and the peer methods; ``report`` turns the figures
 into markdown tables, JSON and a plot. Run it as ``python -m shmrdv bench`` or

@@ -772,9 +772,9 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         messages=args.load_messages,
         producers=args.load_producers,
         keys=args.load_keys,
-        max_size=parse_size(args.load_max_size),
+        max_size=args.load_max_size,
         seed=args.load_seed,
-        window_bytes=parse_size(args.load_window),
+        window_bytes=args.load_window,
     )
 
 

@@ -594,13 +594,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"{spec.name:>14}  {'ok' if why is None else 'skipped: ' + why:<30} {spec.label}")
         return 0
     try:
-        sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+        sizes = args.sizes or parse_sizes(QUICK_SIZES if args.quick else DEFAULT_SIZES)
         specs = _select(args.methods, not args.no_baselines)
     except ValueError as e:
         print(f"shmrdv bench: {e}", file=sys.stderr)
-        return 2
-    if not sizes:
-        print("shmrdv bench: no sizes", file=sys.stderr)
         return 2
     if args.plot:
         try:

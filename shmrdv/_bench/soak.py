@@ -595,7 +595,7 @@ def format_soak(r: SoakResult) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> SoakConfig:
-    return SoakConfig(handoffs=args.soak, max_size=parse_size(args.soak_max_size))
+    return SoakConfig(handoffs=args.soak, max_size=args.soak_max_size)
 
 
 def run_cli(args: argparse.Namespace) -> int:
