@@ -17,6 +17,7 @@ __all__ = [
     "die_with_parent",
     "format_size",
     "on_sigterm",
+    "pin_cpus",
     "parse_size",
     "parse_sizes",
 ]
@@ -71,3 +72,20 @@ def die_with_parent(parent_pid: int) -> None:
         ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def pin_cpus(pin: bool | None) -> tuple[int, int] | None:
+    """The CPUs of the producer and the consumer, or ``None`` for no pinning.
+
+    ``pin`` None (the default): pin where this process may use two CPUs or more
+    (``os.sched_getaffinity``), so that every method pays the same cross-CPU wake-up
+    (issue 11). True: pin, and raise ``ValueError`` if fewer than two CPUs are usable.
+    """
+    if pin is False:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        if pin:
+            raise ValueError(f"--pin needs two usable CPUs; this process may use {len(cpus)}")
+        return None
+    return cpus[0], cpus[1]

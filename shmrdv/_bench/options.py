@@ -163,9 +163,10 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pin",
-        choices=("none", "cross", "same"),
-        default="none",
-        help="pin pinger/ponger to CPUs 0/1 (cross) or both to 0 (same)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pin the producer and the consumer of every method to two different CPUs "
+        "(default: on where two CPUs or more are usable; --no-pin: let the kernel place them)",
     )
     parser.add_argument(
         "--json", metavar="FILE", help="write every figure and the machine description as JSON"

@@ -74,6 +74,7 @@ class MethodResult:
     fixed_nbytes: int | None = None
     idle_cpu_percent: float | None = None
     startup_s: float | None = None
+    cpus: dict[str, list[int] | None] = field(default_factory=dict)  # each role's affinity
     cells: dict[int, CellResult] = field(default_factory=dict)
 
 
@@ -262,36 +263,35 @@ def format_markdown(run: BenchRun) -> str:
         []
         if not sizes
         else [
-            f"## Round trip (array there, ack back): median · GB/s · {TIMES}memcpy",
+            f"## Round trip (array there, ack back): median (p99) · GB/s · {TIMES}memcpy",
             "",
             *_table(
                 header,
                 cell_rows(
                     lambda m, n, c: (
-                        f"{_us(c.rtt_median_ns)} · {_gbps(n, c.rtt_median_ns)} · "
+                        f"{_us(c.rtt_median_ns)} ({_sig(c.rtt_p99_ns / 1000)}) · "
+                        f"{_gbps(n, c.rtt_median_ns)} · "
                         f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'rtt'))}"
                     )
                 ),
             ),
             "",
-            f"## One-way (until the ponger holds the array): median · GB/s · {TIMES}memcpy",
+            f"## One-way (until the ponger holds the array): median (p99) · GB/s · {TIMES}memcpy",
             "",
             *_table(
                 header,
                 cell_rows(
                     lambda m, n, c: (
-                        f"{_us(c.oneway_median_ns)} · {_gbps(n, c.oneway_median_ns)} · "
+                        f"{_us(c.oneway_median_ns)} ({_sig(c.oneway_p99_ns / 1000)}) · "
+                        f"{_gbps(n, c.oneway_median_ns)} · "
                         f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'oneway'))}"
                     )
                 ),
             ),
             "",
-            "## Round trip p99 · spread of repetition medians (max/min)",
+            "## Spread of the round trip's repetition medians (max/min)",
             "",
-            *_table(
-                header,
-                cell_rows(lambda m, n, c: f"{_us(c.rtt_p99_ns)} · {c.rtt_spread:.2f}"),
-            ),
+            *_table(header, cell_rows(lambda m, n, c: f"{c.rtt_spread:.2f}")),
             "",
             f"## Ratio to {BASELINE_PEER} (round trip · one-way)",
             "",
@@ -319,9 +319,12 @@ def format_markdown(run: BenchRun) -> str:
                         _us(c.rtt_median_ns),
                         _us(c.rtt_p99_ns),
                         _us(c.oneway_median_ns),
+                        _us(c.oneway_p99_ns),
                     ]
                 )
-        lines += _table(["method", "size", "RTT median", "RTT p99", "one-way median"], rows)
+        lines += _table(
+            ["method", "size", "RTT median", "RTT p99", "one-way median", "one-way p99"], rows
+        )
         lines.append("")
     lines += ["## Methods", ""]
     rows = []
@@ -337,7 +340,8 @@ def format_markdown(run: BenchRun) -> str:
     )
     lines += [
         "",
-        "Cells: medians of the per-repetition medians. Round trip = the pinger's "
+        "Cells: medians of the per-repetition medians; (p99) = the 99th percentile of "
+        "every timed handoff, in µs. Round trip = the pinger's "
         "perf_counter_ns around one handoff (the array there, the ponger frees it, a 32-byte "
         "ack back by the method's own path). One-way = the ponger's arrival time minus the "
         "pinger's start (CLOCK_MONOTONIC is system-wide). GB/s = bytes / that median. "

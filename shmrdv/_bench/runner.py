@@ -41,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import options, peers
-from .common import die_with_parent, format_size, on_sigterm, parse_sizes
+from .common import die_with_parent, format_size, on_sigterm, parse_sizes, pin_cpus
 from .options import DEFAULT_SIZES, QUICK_SIZES
 from .peers import (
     KIND_CHECK,
@@ -185,7 +185,7 @@ def _drive(pinger: Pinger, ctrl: Connection, started: float) -> None:
     small = _make_src(64)
     for _ in range(3):  # the channel works and returns the right bytes before anything is timed
         _handoff(pinger, small, seq, KIND_CHECK, 0)
-    ctrl.send(("ready", time.perf_counter() - started))
+    ctrl.send(("ready", time.perf_counter() - started, sorted(os.sched_getaffinity(0))))
     while True:
         cmd = ctrl.recv()
         if cmd[0] == "idle":
@@ -233,7 +233,7 @@ def _role_main(
     try:
         obj = factory(ctx)
         if role == "ponger":
-            ctrl.send(("ready", time.perf_counter() - started))
+            ctrl.send(("ready", time.perf_counter() - started, sorted(os.sched_getaffinity(0))))
             obj.serve(handler)
         else:
             _drive(obj, ctrl, started)
@@ -286,7 +286,7 @@ class _Options:
     budget_s: float
     gap_ns: int
     idle_s: float
-    pin: str
+    pin: tuple[int, int] | None  # (pinger CPU, ponger CPU)
     quick: bool
 
 
@@ -299,6 +299,7 @@ class _Roles:
         self.spec = spec
         self.env = env
         self.stopping = False
+        self.ponger_cpus: list[int] | None = None
         self.procs: list[SpawnProcess] = []
         self.shared: dict[str, Any] = spec.make_shared(mpctx) if spec.make_shared else {}
         self.ping_ctrl, ping_child = mpctx.Pipe()
@@ -383,6 +384,8 @@ class _Roles:
                     continue
                 if msg[0] == "error":
                     raise _RoleFailed(f"ponger failed:\n{msg[2]}")
+                if msg[0] == "ready":
+                    self.ponger_cpus = msg[2]
                 continue
             if self.ping_ctrl in ready or self.ping_ctrl.poll():
                 try:
@@ -458,15 +461,6 @@ def _stall_timeout(nbytes: int) -> float:
     return 60.0 + nbytes / 10e6
 
 
-def _cpus(pin: str) -> list[int | None]:
-    if pin == "none":
-        return [None, None]
-    cpus = sorted(os.sched_getaffinity(0))
-    if pin == "same" or len(cpus) < 2:
-        return [cpus[0], cpus[0]]
-    return [cpus[0], cpus[1]]
-
-
 def _run_method(
     spec: MethodSpec,
     opts: _Options,
@@ -477,10 +471,16 @@ def _run_method(
 ) -> None:
     sizes = [spec.fixed_nbytes] if spec.fixed_nbytes is not None else opts.sizes
     progress.update(f"{spec.name}: starting")
-    roles = _Roles(spec, mpctx, {**env, "method": spec.name}, _cpus(opts.pin))
+    roles = _Roles(
+        spec,
+        mpctx,
+        {**env, "method": spec.name},
+        [None, None] if opts.pin is None else list(opts.pin),
+    )
     ok = False
     try:
-        result.startup_s = roles.expect("ready", 180.0)[1]
+        _, result.startup_s, pinger_cpus = roles.expect("ready", 180.0)
+        result.cpus = {"pinger": pinger_cpus, "ponger": roles.ponger_cpus}
         if opts.idle_s > 0 and spec.idle_cpu and spec.ponger is not None:
             progress.update(f"{spec.name}: idle CPU of a blocked receiver ({opts.idle_s:g} s)")
             roles.send(("idle", opts.idle_s))
@@ -596,6 +596,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         sizes = args.sizes or parse_sizes(QUICK_SIZES if args.quick else DEFAULT_SIZES)
         specs = _select(args.methods, not args.no_baselines)
+        pin = pin_cpus(args.pin)
     except ValueError as e:
         print(f"shmrdv bench: {e}", file=sys.stderr)
         return 2
@@ -611,7 +612,7 @@ def run(args: argparse.Namespace) -> int:
         budget_s=args.budget if args.budget is not None else (0.25 if args.quick else 2.0),
         gap_ns=int(args.gap_us * 1000),
         idle_s=args.idle_seconds if args.idle_seconds is not None else (1.0 if args.quick else 2.0),
-        pin=args.pin,
+        pin=pin,
         quick=args.quick,
     )
     prefix = f"shmrdv_bench{os.getpid()}_"
@@ -625,13 +626,13 @@ def run(args: argparse.Namespace) -> int:
         "budget_s": opts.budget_s,
         "gap_us": opts.gap_ns / 1000,
         "idle_s": opts.idle_s,
-        "pin": opts.pin,
+        "pin_cpus": list(opts.pin) if opts.pin else None,
         "quick": opts.quick,
         "prefix": prefix,
         "summary": (
             f"sizes {', '.join(format_size(n) for n in sizes)}; repetitions {reps_text}; "
             f"{opts.budget_s:g} s of timed handoffs per cell; {opts.gap_ns / 1000:g} µs gap; "
-            f"pin {opts.pin}; idle probe {opts.idle_s:g} s"
+            f"{_pin_text(opts.pin)}; idle probe {opts.idle_s:g} s"
         ),
     }
     bench = BenchRun(
@@ -701,6 +702,15 @@ def run(args: argparse.Namespace) -> int:
         plot_run(bench, args.plot)
         progress.line(f"wrote {args.plot}")
     return status
+
+
+def _pin_text(pin: tuple[int, int] | None) -> str:
+    if pin is None:
+        return "not pinned"
+    return (
+        f"pinger (producer) on CPU {pin[0]}, ponger (consumer) on CPU {pin[1]}; "
+        f"one-process methods on CPU {pin[0]}"
+    )
 
 
 def _sigterm_to_interrupt(signum: int, frame: Any) -> None:
