@@ -50,8 +50,8 @@ import numpy as np
 import numpy.typing as npt
 
 from . import options
+from .children import ChildFailed, ChildGroup, ChildTimeout, wait_for_close
 from .common import format_size, parse_size
-from .load import ChildFailed, ChildGroup, ChildTimeout
 
 __all__ = [
     "COUNT_SERIES",
@@ -212,14 +212,6 @@ def process_sample(namespace: str, handoffs: int, worker: Any = None) -> dict[st
 # -- the two processes ------------------------------------------------------------------------
 
 
-def _wait_for_close(conn: Connection) -> None:
-    try:
-        while conn.recv()[0] != "close":
-            pass
-    except (EOFError, OSError):
-        pass
-
-
 def _stamp(buf: npt.NDArray[Any], i: int) -> None:
     buf[:8].view(np.int64)[0] = i
     buf[-8:].view(np.int64)[0] = i
@@ -269,7 +261,7 @@ def _producer(conn: Connection, cfg: SoakConfig, namespace: str, go: Any) -> Non
                 conn.send(("progress", n))
         elapsed = (time.monotonic_ns() - t0) / 1e9
         conn.send(("done", {"samples": samples, "elapsed_s": elapsed, "stats": w.stats()}))
-        _wait_for_close(conn)
+        wait_for_close(conn)
         w.cleanup(_STEP)
     conn.send(("bye",))
 
@@ -324,7 +316,7 @@ def _consumer(conn: Connection, cfg: SoakConfig, namespace: str, go: Any) -> Non
                 },
             )
         )
-        _wait_for_close(conn)
+        wait_for_close(conn)
         w.cleanup(_STEP)
     conn.send(("bye",))
 
