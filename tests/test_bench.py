@@ -187,3 +187,36 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     while _tagged_pids(tag.split("=")[1]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _tagged_pids(tag.split("=")[1]) == []
+
+
+def _bench(*args: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shmrdv", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(60)
+def test_python_cost_reports_every_operation_against_pickle(tmp_path: Path) -> None:
+    out = tmp_path / "pc.json"
+    proc = _bench("--python-cost", "--python-cost-count=50", "--reps=1", f"--json={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert "shmrdv `recv` (value already there)" in proc.stdout
+    data = json.loads(out.read_text())["python-cost"]
+    ops = data["ops"]
+    assert set(ops) == {"shmrdv_send", "shmrdv_recv", "pipe_send", "pipe_recv", "pickle"}
+    for op in ops.values():
+        assert op["p99_ns"] >= op["median_ns"] > 0 and op["mean_ns"] > 0
+        assert len(op["round_means_ns"]) == 1 and op["x_pickle"] > 0
+    assert ops["pickle"]["x_pickle"] == pytest.approx(1.0)
+    assert data["config"]["count"] == 50 and data["pipe_batch"] >= 1
+    usable = sorted(os.sched_getaffinity(0))
+    assert data["cpus"] == (usable[:2] if len(usable) >= 2 else None)
+
+
+def test_modes_are_separate_runs() -> None:
+    proc = _bench("--python-cost", "--load")
+    assert proc.returncode == 2
+    assert "--load and --python-cost are separate runs" in proc.stderr

@@ -25,6 +25,7 @@ __all__ = [
     "SOAK_MAX_SIZE",
     "add_load_arguments",
     "add_pingpong_arguments",
+    "add_python_cost_arguments",
     "add_soak_arguments",
     "build_parser",
 ]
@@ -253,6 +254,22 @@ def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_python_cost_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--python-cost`` options (pycost.py); ``--reps`` gives its rounds."""
+    parser.add_argument(
+        "--python-cost",
+        action="store_true",
+        help="instead: Python cost of one send and one already-there recv of 64 B, no "
+        "wake-up, against pickle 5 dumps+loads and Pipe (rounds: --reps, default 3)",
+    )
+    parser.add_argument(
+        "--python-cost-count",
+        type=int_range(1, 1_000_000),
+        metavar="N",
+        help="arrays per round, 1 to 1,000,000 (default 3,000; --quick 1,000)",
+    )
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
     parser.description = (
@@ -262,4 +279,5 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_pingpong_arguments(parser)
     add_load_arguments(parser)
     add_soak_arguments(parser)
+    add_python_cost_arguments(parser)
     return parser

@@ -81,6 +81,8 @@ __all__ = [
     "RoleContext",
     "make_stamp",
     "pack_ack",
+    "pipe_oob_recv",
+    "pipe_oob_send",
     "register_method",
     "unpack_ack",
 ]
@@ -314,16 +316,30 @@ def memcpy_pinger(ctx: RoleContext) -> Pinger:
 _COUNT = struct.Struct("<I")
 
 
+def pipe_oob_send(conn: Connection, a: npt.NDArray[Any]) -> None:
+    """Send ``a`` on ``conn`` as pickle protocol 5 with its buffers out of band."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(a, protocol=5, buffer_callback=buffers.append)
+    conn.send_bytes(_COUNT.pack(len(buffers)) + head)
+    for buf in buffers:
+        conn.send_bytes(buf.raw())
+
+
+def pipe_oob_recv(conn: Connection) -> npt.NDArray[Any]:
+    """The next array that ``pipe_oob_send`` sent on ``conn``'s other end."""
+    msg = conn.recv_bytes()
+    (count,) = _COUNT.unpack_from(msg)
+    buffers = [conn.recv_bytes() for _ in range(count)]
+    a: npt.NDArray[Any] = pickle.loads(memoryview(msg)[_COUNT.size :], buffers=buffers)
+    return a
+
+
 class _PipeOobPinger:
     def __init__(self, ctx: RoleContext) -> None:
         self._conn = _link(ctx)
 
     def handoff(self, src: F32) -> Ack:
-        buffers: list[pickle.PickleBuffer] = []
-        head = pickle.dumps(src, protocol=5, buffer_callback=buffers.append)
-        self._conn.send_bytes(_COUNT.pack(len(buffers)) + head)
-        for buf in buffers:
-            self._conn.send_bytes(buf.raw())
+        pipe_oob_send(self._conn, src)
         return unpack_ack(self._conn.recv_bytes())
 
     def close(self) -> None:
@@ -335,11 +351,7 @@ class _PipeOobPonger(PullPonger):
         self._conn = _link(ctx)
 
     def receive(self) -> npt.NDArray[Any]:
-        msg = self._conn.recv_bytes()
-        (count,) = _COUNT.unpack_from(msg)
-        buffers = [self._conn.recv_bytes() for _ in range(count)]
-        a: npt.NDArray[Any] = pickle.loads(memoryview(msg)[_COUNT.size :], buffers=buffers)
-        return a
+        return pipe_oob_recv(self._conn)
 
     def send_ack(self, data: bytes) -> None:
         self._conn.send_bytes(data)

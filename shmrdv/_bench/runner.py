@@ -574,19 +574,30 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; the exit status (130 when interrupted)."""
-    want_load = getattr(args, "load", False)
-    want_soak = getattr(args, "soak", None) is not None
-    if want_load and want_soak:
-        print("shmrdv bench: --load and --soak are separate runs; give one", file=sys.stderr)
+    modes = [
+        flag
+        for flag, wanted in (
+            ("--load", args.load),
+            ("--soak", args.soak is not None),
+            ("--python-cost", args.python_cost),
+        )
+        if wanted
+    ]
+    if len(modes) > 1:
+        print(f"shmrdv bench: {' and '.join(modes)} are separate runs; give one", file=sys.stderr)
         return 2
-    if want_load:
+    if modes == ["--load"]:
         from .load import run_cli as run_load
 
         return run_load(args)
-    if want_soak:
+    if modes == ["--soak"]:
         from .soak import run_cli as run_soak
 
         return run_soak(args)
+    if modes == ["--python-cost"]:
+        from .pycost import run_cli as run_pycost
+
+        return run_pycost(args)
     _load_plugins()
     if args.list:
         for spec in peers.METHODS.values():
