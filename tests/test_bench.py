@@ -119,7 +119,8 @@ def test_handler_echoes_stamps_and_crc() -> None:
 
 
 def test_registry_has_the_peers() -> None:
-    for name in ("memcpy", "mp_pipe_oob", "mp_queue", "shm_per_msg", "grpc_unary", "sem_pingpong"):
+    names = ("memcpy", "mp_pipe_oob", "mp_queue", "shm_per_msg", "grpc_push", "grpc_pull")
+    for name in (*names, "sem_pingpong"):
         assert METHODS[name].available() is None, name
     for name in ("zmq_ipc", "torch_mp", "ray"):
         assert name in METHODS
@@ -220,3 +221,30 @@ def test_modes_are_separate_runs() -> None:
     proc = _bench("--python-cost", "--load")
     assert proc.returncode == 2
     assert "--load and --python-cost are separate runs" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
+    out = tmp_path / "g.json"
+    # grpc_unary is the push's old name; the pull is added as its baseline.
+    proc = _bench(
+        "--methods=grpc_unary",
+        "--sizes=1k,64k",
+        "--reps=1",
+        "--budget=0.02",
+        "--idle-seconds=0",
+        f"--json={out}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "## Ratio to grpc_pull (round trip · one-way) · one-way GB/s" in proc.stdout
+    methods = {m["name"]: m for m in json.loads(out.read_text())["methods"]}
+    assert set(methods) == {"memcpy", "mp_pipe_oob", "grpc_pull", "grpc_push"}
+    assert all(m["status"] == "ok" for m in methods.values())
+    assert methods["grpc_push"]["baseline"] == "grpc_pull"
+    for size in ("1024", "65536"):
+        push = methods["grpc_push"]["cells"][size]
+        pull = methods["grpc_pull"]["cells"][size]
+        assert push["rtt_x_grpc_pull"] == pytest.approx(
+            push["rtt_median_ns"] / pull["rtt_median_ns"]
+        )
+        assert pull["checks"] == 2 and pull["oneway_median_ns"] > 0

@@ -128,7 +128,8 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-baselines",
         action="store_true",
-        help="with --methods: do not add memcpy and mp_pipe_oob, the ratios' baselines",
+        help="with --methods: do not add the ratios' baselines (memcpy, mp_pipe_oob, and "
+        "grpc_pull for the gRPC methods)",
     )
     parser.add_argument(
         "--sizes",

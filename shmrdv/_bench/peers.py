@@ -66,6 +66,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "ALIASES",
     "KIND_CHECK",
     "KIND_PROBE_END",
     "KIND_PROBE_START",
@@ -246,7 +247,8 @@ class MethodSpec:
     skipped. ``make_shared(mp_context)`` (runner, optional) returns objects handed to
     both roles at spawn. ``sweep(prefix, shared)`` (runner, optional) removes leftovers
     after the method's processes are gone; the runner then unlinks whatever is left
-    under ``prefix``. ``fixed_nbytes``: the method runs at that one size
+    under ``prefix``. ``baseline``: a further method the report and the JSON compare
+    this one with (and that ``--methods`` adds), beside memcpy and mp_pipe_oob. ``fixed_nbytes``: the method runs at that one size
     only, whatever the sizes asked (a floor reported on its own). ``idle_cpu``: the
     ponger blocks in its receive, so its idle CPU share can be measured.
     """
@@ -261,11 +263,13 @@ class MethodSpec:
     idle_cpu: bool = True
     fixed_nbytes: int | None = None
     group: str = "peer"  # "floor", "shmrdv" or "peer": the report's row order
+    baseline: str | None = None  # the method this one is also compared with, e.g. grpc_pull
     receiver_array: str = ""
     notes: str = field(default="")
 
 
 METHODS: dict[str, MethodSpec] = {}
+ALIASES = {"grpc_unary": "grpc_push"}  # the push's name before grpc_pull existed
 
 
 def register_method(spec: MethodSpec) -> None:
@@ -596,10 +600,12 @@ def sem_ponger(ctx: RoleContext) -> Ponger:
     return _SemPonger(ctx)
 
 
-# -- grpc_unary: raw grpcio unary call on 127.0.0.1 ---------------------------------------
+# -- grpc_push: raw grpcio unary call on 127.0.0.1, the tensor in the REQUEST -------------
 # Identity serializers: the request is a.tobytes(), the handler views it with
 # np.frombuffer, the response is the packed ack. Message limits are lifted on both
 # ends (the default receive limit is 4 MiB, pitfalls.md §6). The ponger is the server.
+# An upload: in grpcio's Python API 3-4x slower than a download (issue 12 §1), so it is
+# not the baseline of shmrdv's gRPC path, which pulls; grpc_pull below is.
 
 _GRPC_METHOD = "/shmrdv.bench.Bench/Handoff"
 _GRPC_OPTIONS = [
@@ -676,6 +682,94 @@ def grpc_ponger(ctx: RoleContext) -> Ponger:
 
 def _grpc_available() -> str | None:
     return _module_missing("grpc", "grpcio")()
+
+
+# -- grpc_pull: raw grpcio unary call, the tensor in the RESPONSE (a download) --------------
+# The like-for-like baseline of shmrdv's gRPC path, where the consumer pulls (TensorFlow's
+# RecvTensor): the pinger (producer) is the server and holds the tensor, the ponger
+# (consumer) is the client and keeps one call parked, as a consumer posts its receive
+# before the value is sent. The handler answers the parked call with the next tensor
+# (tobytes(): grpcio's identity serializer takes bytes); the ponger's next call carries
+# the 32-byte ack of the last one in its request. So one handoff is one unary call: the
+# best a user could write with the same library, not one call plus a second for the ack.
+# Identity serializers and lifted message limits as above.
+
+_GRPC_PULL_METHOD = "/shmrdv.bench.Bench/Pull"
+_PULL_DONE = b""  # the pinger's answer to the last parked call: nothing more comes
+
+
+class _GrpcPullPinger:
+    def __init__(self, ctx: RoleContext) -> None:
+        import queue
+        from concurrent.futures import ThreadPoolExecutor
+
+        import grpc
+
+        self._data: queue.Queue[bytes] = queue.Queue()
+        self._acks: queue.Queue[bytes] = queue.Queue()
+
+        def handle(request: bytes, context: Any) -> bytes:
+            if request:  # the ack of the previous handoff
+                self._acks.put(request)
+            return self._data.get()
+
+        rpc = grpc.unary_unary_rpc_method_handler(
+            handle, request_deserializer=None, response_serializer=None
+        )
+        service, method = _GRPC_PULL_METHOD.strip("/").split("/")
+        generic = grpc.method_handlers_generic_handler(service, {method: rpc})
+        self._server: Any = grpc.server(ThreadPoolExecutor(max_workers=2), options=_GRPC_OPTIONS)
+        self._server.add_generic_rpc_handlers((generic,))
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+        _link(ctx).send(port)
+
+    def handoff(self, src: F32) -> Ack:
+        import queue
+
+        self._data.put(src.tobytes())
+        try:
+            return unpack_ack(self._acks.get(timeout=600))
+        except queue.Empty:
+            raise TimeoutError("grpc_pull: no ack from the ponger within 600 s") from None
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._data.put(_PULL_DONE)  # answers the ponger's last parked call
+            self._server.stop(grace=2.0).wait(5.0)
+            self._server = None
+
+
+class _GrpcPullPonger:
+    def __init__(self, ctx: RoleContext) -> None:
+        import grpc
+
+        port = _recv_link(_link(ctx), "gRPC port")
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_GRPC_OPTIONS)
+        grpc.channel_ready_future(self._channel).result(timeout=30)
+        self._call = self._channel.unary_unary(
+            _GRPC_PULL_METHOD, request_serializer=None, response_deserializer=None
+        )
+
+    def serve(self, handler: Handler) -> None:
+        ack = b""
+        while not handler.done:
+            data = self._call(ack, timeout=600)
+            a: F32 = np.frombuffer(data, np.float32)
+            ack = pack_ack(handler(a))
+            del a, data
+        self._call(ack, timeout=60)  # delivers the stop's ack; the answer is _PULL_DONE
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def grpc_pull_pinger(ctx: RoleContext) -> Pinger:
+    return _GrpcPullPinger(ctx)
+
+
+def grpc_pull_ponger(ctx: RoleContext) -> Ponger:
+    return _GrpcPullPonger(ctx)
 
 
 # -- zmq_ipc: pyzmq PAIR over ipc://, zero-copy frames --------------------------------------
@@ -912,11 +1006,22 @@ for _spec in (
         receiver_array="writable (shared storage)",
     ),
     MethodSpec(
-        "grpc_unary",
-        "grpcio unary call on 127.0.0.1, identity serializers, tobytes()/frombuffer",
+        "grpc_pull",
+        "grpcio unary call on 127.0.0.1, the tensor in the response (a pull, like "
+        "RecvTensor), ack in the next request; identity serializers",
+        grpc_pull_pinger,
+        grpc_pull_ponger,
+        available=_grpc_available,
+        receiver_array="read-only (backed by bytes)",
+    ),
+    MethodSpec(
+        "grpc_push",
+        "grpcio unary call on 127.0.0.1, the tensor in the request (an upload), ack in the "
+        "response; identity serializers",
         grpc_pinger,
         grpc_ponger,
         available=_grpc_available,
+        baseline="grpc_pull",
         receiver_array="read-only (backed by bytes)",
     ),
     MethodSpec(

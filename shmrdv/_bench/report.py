@@ -75,6 +75,7 @@ class MethodResult:
     idle_cpu_percent: float | None = None
     startup_s: float | None = None
     cpus: dict[str, list[int] | None] = field(default_factory=dict)  # each role's affinity
+    baseline: str | None = None  # compared with this method too (grpc_pull for gRPC paths)
     cells: dict[int, CellResult] = field(default_factory=dict)
 
 
@@ -215,6 +216,11 @@ def _sizes(run: BenchRun) -> list[int]:
     return sizes
 
 
+def _baselines(run: BenchRun) -> list[str]:
+    """The further baselines that methods of the run name (``MethodSpec.baseline``)."""
+    return list(dict.fromkeys(m.baseline for m in run.methods if m.baseline))
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out.extend("| " + " | ".join(r) + " |" for r in rows)
@@ -243,9 +249,9 @@ def format_markdown(run: BenchRun) -> str:
         "",
     ]
 
-    def cell_rows(render: Any) -> list[list[str]]:
+    def cell_rows(render: Any, methods: list[MethodResult] | None = None) -> list[list[str]]:
         rows = []
-        for m in sized:
+        for m in sized if methods is None else methods:
             row = [m.name]
             for n in sizes:
                 c = m.cells.get(n)
@@ -307,6 +313,26 @@ def format_markdown(run: BenchRun) -> str:
             "",
         ]
     )
+    for base in _baselines(run):
+        compared = [m for m in sized if m.name == base or m.baseline == base]
+        if not sizes or len(compared) < 2:
+            continue
+        lines += [
+            f"## Ratio to {base} (round trip · one-way) · one-way GB/s",
+            "",
+            *_table(
+                header,
+                cell_rows(
+                    lambda m, n, c, base=base: (
+                        f"{_times(run.ratio(m.name, n, base, 'rtt'))} · "
+                        f"{_times(run.ratio(m.name, n, base, 'oneway'))} · "
+                        f"{_gbps(n, c.oneway_median_ns)}"
+                    ),
+                    compared,
+                ),
+            ),
+            "",
+        ]
     if fixed:
         lines += ["## Floors at a fixed size", ""]
         rows = []
@@ -365,7 +391,7 @@ def to_json(run: BenchRun) -> dict[str, Any]:
             cd["rtt_spread"] = c.rtt_spread
             cd["gbps_oneway"] = n / c.oneway_median_ns if c.oneway_median_ns > 0 else None
             cd["gbps_rtt"] = n / c.rtt_median_ns if c.rtt_median_ns > 0 else None
-            for base in (BASELINE_COPY, BASELINE_PEER):
+            for base in (BASELINE_COPY, BASELINE_PEER, *([m.baseline] if m.baseline else [])):
                 for what in ("rtt", "oneway"):
                     cd[f"{what}_x_{base}"] = run.ratio(m.name, n, base, what)
             cells[str(n)] = cd

@@ -554,17 +554,18 @@ def _load_plugins() -> None:
 def _select(names: str | None, with_baselines: bool) -> list[MethodSpec]:
     if not names:
         return list(peers.METHODS.values())
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    wanted = [peers.ALIASES.get(n.strip(), n.strip()) for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in peers.METHODS]
     if unknown:
         raise ValueError(
             f"unknown method(s) {', '.join(unknown)}; known: {', '.join(peers.METHODS)}"
         )
     if with_baselines:
-        for base in ("mp_pipe_oob", "memcpy"):
+        extra = [peers.METHODS[n].baseline for n in wanted]
+        for base in ("mp_pipe_oob", "memcpy", *(b for b in extra if b is not None)):
             if base not in wanted:
                 wanted.insert(0, base)
-    return [peers.METHODS[n] for n in wanted]
+    return [peers.METHODS[n] for n in dict.fromkeys(wanted)]
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -675,6 +676,7 @@ def run(args: argparse.Namespace) -> int:
                 status="skipped",
                 receiver_array=spec.receiver_array,
                 fixed_nbytes=spec.fixed_nbytes,
+                baseline=spec.baseline,
             )
             bench.methods.append(result)
             why = spec.available()

@@ -158,6 +158,7 @@ for _spec in (
         make_shared=_shared,
         sweep=_sweep,
         group="shmrdv",
+        baseline="grpc_pull",  # RecvTensor is a pull: compared with a raw pull (issue 12)
         receiver_array="writable, the consumer's own",
     ),
 ):
