@@ -248,3 +248,24 @@ def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
             push["rtt_median_ns"] / pull["rtt_median_ns"]
         )
         assert pull["checks"] == 2 and pull["oneway_median_ns"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_pending_compares_with_no_pending_in_the_same_run(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    args = ("--sizes=64", "--reps=1", "--budget=0.02", "--idle-seconds=0", "--no-baselines")
+    proc = _bench("--pending=20", *args, f"--json={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert "## Ratio to shmrdv_send (round trip · one-way)" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["config"]["pending"] == 20
+    methods = {m["name"]: m for m in data["methods"]}
+    assert {n: m["status"] for n, m in methods.items()} == {
+        "shmrdv_send": "ok",
+        "shmrdv_send_pending": "ok",
+    }
+    cell = methods["shmrdv_send_pending"]["cells"]["64"]
+    assert cell["rtt_x_shmrdv_send"] > 0 and cell["checks"] == 2
+    # A method of the mode needs the mode.
+    proc = _bench("--methods=shmrdv_send_pending", *args)
+    assert proc.returncode == 2 and "need --pending" in proc.stderr

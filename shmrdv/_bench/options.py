@@ -181,6 +181,14 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--list", action="store_true", help="list the methods and whether they can run, then exit"
     )
+    parser.add_argument(
+        "--pending",
+        type=int_range(1, 1_000_000),
+        metavar="N",
+        help="instead: the round trip with N other receives pending on unsent keys in the "
+        "consumer (shmrdv_send_pending; shmrdv_grpc_pending with --methods), against none, "
+        "in the same run; default size 64 B",
+    )
 
 
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:

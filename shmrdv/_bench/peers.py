@@ -32,7 +32,7 @@ a method only supplies two objects, each built in its process by a top-level fac
 or as the data channel); ``shared``, what ``spec.make_shared(mp_context)`` returned
 in the runner (queues, a namespace token, any small setup dict; passed at spawn);
 ``prefix``, which starts every ``/dev/shm`` name the method creates (the runner
-sweeps it afterwards); ``scratch_dir`` for sockets; ``max_nbytes``; and ``handler``
+sweeps it afterwards); ``scratch_dir`` for sockets; ``max_nbytes``; ``pending`` (``--pending N``); and ``handler``
 for single-process methods (``ponger is None``), whose pinger plays both roles.
 
 Acks are four int64s (``Ack``: head stamp, tail stamp, arrival time in
@@ -179,6 +179,7 @@ class RoleContext:
     scratch_dir: str
     max_nbytes: int
     handler: Handler | None = None
+    pending: int = 0  # --pending N: receives the ponger keeps waiting on unsent keys
 
 
 class Pinger(Protocol):
@@ -248,7 +249,8 @@ class MethodSpec:
     both roles at spawn. ``sweep(prefix, shared)`` (runner, optional) removes leftovers
     after the method's processes are gone; the runner then unlinks whatever is left
     under ``prefix``. ``baseline``: a further method the report and the JSON compare
-    this one with (and that ``--methods`` adds), beside memcpy and mp_pipe_oob. ``fixed_nbytes``: the method runs at that one size
+    this one with (and that ``--methods`` adds), beside memcpy and mp_pipe_oob. ``mode``:
+    the method belongs to that mode (``--pending``) and runs in it only. ``fixed_nbytes``: the method runs at that one size
     only, whatever the sizes asked (a floor reported on its own). ``idle_cpu``: the
     ponger blocks in its receive, so its idle CPU share can be measured.
     """
@@ -264,6 +266,7 @@ class MethodSpec:
     fixed_nbytes: int | None = None
     group: str = "peer"  # "floor", "shmrdv" or "peer": the report's row order
     baseline: str | None = None  # the method this one is also compared with, e.g. grpc_pull
+    mode: str | None = None  # runs only in that mode of the bench ("pending"), not by default
     receiver_array: str = ""
     notes: str = field(default="")
 

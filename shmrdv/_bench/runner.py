@@ -227,6 +227,7 @@ def _role_main(
         scratch_dir=env["scratch_dir"],
         max_nbytes=env["max_nbytes"],
         handler=handler,
+        pending=env["pending"],
     )
     obj: Any = None
     failed = False
@@ -551,14 +552,27 @@ def _load_plugins() -> None:
                 raise
 
 
-def _select(names: str | None, with_baselines: bool) -> list[MethodSpec]:
+PENDING_METHODS = ("shmrdv_send", "shmrdv_send_pending")
+
+
+def _select(names: str | None, with_baselines: bool, mode: str | None = None) -> list[MethodSpec]:
+    """The methods to run: ``names`` (comma-separated, aliases allowed) with their
+    baselines, or every method of ``mode`` (None: the default run)."""
     if not names:
-        return list(peers.METHODS.values())
+        if mode == "pending":
+            names = ",".join(PENDING_METHODS)
+        else:
+            return [m for m in peers.METHODS.values() if m.mode == mode]
     wanted = [peers.ALIASES.get(n.strip(), n.strip()) for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in peers.METHODS]
     if unknown:
         raise ValueError(
             f"unknown method(s) {', '.join(unknown)}; known: {', '.join(peers.METHODS)}"
+        )
+    wrong_mode = [n for n in wanted if peers.METHODS[n].mode not in (None, mode)]
+    if wrong_mode:
+        raise ValueError(
+            f"method(s) {', '.join(wrong_mode)} need --{peers.METHODS[wrong_mode[0]].mode}"
         )
     if with_baselines:
         extra = [peers.METHODS[n].baseline for n in wanted]
@@ -581,6 +595,7 @@ def run(args: argparse.Namespace) -> int:
             ("--load", args.load),
             ("--soak", args.soak is not None),
             ("--python-cost", args.python_cost),
+            ("--pending", args.pending is not None),
         )
         if wanted
     ]
@@ -606,8 +621,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{spec.name:>14}  {'ok' if why is None else 'skipped: ' + why:<30} {spec.label}")
         return 0
     try:
-        sizes = args.sizes or parse_sizes(QUICK_SIZES if args.quick else DEFAULT_SIZES)
-        specs = _select(args.methods, not args.no_baselines)
+        default_sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
+        sizes = args.sizes or parse_sizes("64" if args.pending else default_sizes)
+        specs = _select(args.methods, not args.no_baselines, "pending" if args.pending else None)
         pin = pin_cpus(args.pin)
     except ValueError as e:
         print(f"shmrdv bench: {e}", file=sys.stderr)
@@ -640,11 +656,13 @@ def run(args: argparse.Namespace) -> int:
         "idle_s": opts.idle_s,
         "pin_cpus": list(opts.pin) if opts.pin else None,
         "quick": opts.quick,
+        "pending": args.pending or 0,
         "prefix": prefix,
         "summary": (
             f"sizes {', '.join(format_size(n) for n in sizes)}; repetitions {reps_text}; "
             f"{opts.budget_s:g} s of timed handoffs per cell; {opts.gap_ns / 1000:g} µs gap; "
             f"{_pin_text(opts.pin)}; idle probe {opts.idle_s:g} s"
+            + (f"; {args.pending:,} receives pending in *_pending" if args.pending else "")
         ),
     }
     bench = BenchRun(
@@ -661,6 +679,7 @@ def run(args: argparse.Namespace) -> int:
         "prefix": prefix,
         "scratch_dir": scratch,
         "max_nbytes": max(sizes),
+        "pending": args.pending or 0,
     }
     status = 0
     previous = signal.getsignal(signal.SIGTERM)
