@@ -269,3 +269,19 @@ def test_pending_compares_with_no_pending_in_the_same_run(tmp_path: Path) -> Non
     # A method of the mode needs the mode.
     proc = _bench("--methods=shmrdv_send_pending", *args)
     assert proc.returncode == 2 and "need --pending" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_fan_in_measures_send_and_allocate_against_memcpy(tmp_path: Path) -> None:
+    out = tmp_path / "f.json"
+    proc = _bench("--fan-in=2", "--sizes=64k", "--fan-in-count=6", "--reps=1", f"--json={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert "| `allocate` |" in proc.stdout
+    data = json.loads(out.read_text())["fan-in"]
+    assert data["config"]["producers"] == 2 and data["config"]["nbytes"] == 64 << 10
+    assert set(data["gbps"]) == {"send", "allocate"} and data["memcpy_gbps"] > 0
+    for path in ("send", "allocate"):
+        assert len(data["round_gbps"][path]) == 1
+        assert data["x_memcpy"][path] == pytest.approx(data["gbps"][path] / data["memcpy_gbps"])
+    proc = _bench("--fan-in=2", "--sizes=1k,64k")
+    assert proc.returncode == 2 and "--fan-in takes one size" in proc.stderr

@@ -23,6 +23,7 @@ __all__ = [
     "QUICK_SIZES",
     "SOAK_HANDOFFS",
     "SOAK_MAX_SIZE",
+    "add_fan_in_arguments",
     "add_load_arguments",
     "add_pingpong_arguments",
     "add_python_cost_arguments",
@@ -279,6 +280,24 @@ def add_python_cost_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_fan_in_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--fan-in`` options (fanin.py); ``--sizes`` (one) and ``--reps`` apply."""
+    parser.add_argument(
+        "--fan-in",
+        type=int_range(1, 64),
+        metavar="N",
+        help="instead: aggregate GB/s of N producer processes into one consumer, for send "
+        "and allocate, against one memcpy (size: --sizes, default 16m; rounds: --reps, "
+        "default 3)",
+    )
+    parser.add_argument(
+        "--fan-in-count",
+        type=int_range(1, 100_000),
+        metavar="N",
+        help="arrays per producer per round, 1 to 100,000 (default 40; --quick 10)",
+    )
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
     parser.description = (
@@ -289,4 +308,5 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_load_arguments(parser)
     add_soak_arguments(parser)
     add_python_cost_arguments(parser)
+    add_fan_in_arguments(parser)
     return parser

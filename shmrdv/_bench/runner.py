@@ -596,6 +596,7 @@ def run(args: argparse.Namespace) -> int:
             ("--soak", args.soak is not None),
             ("--python-cost", args.python_cost),
             ("--pending", args.pending is not None),
+            ("--fan-in", args.fan_in is not None),
         )
         if wanted
     ]
@@ -610,6 +611,10 @@ def run(args: argparse.Namespace) -> int:
         from .soak import run_cli as run_soak
 
         return run_soak(args)
+    if modes == ["--fan-in"]:
+        from .fanin import run_cli as run_fanin
+
+        return run_fanin(args)
     if modes == ["--python-cost"]:
         from .pycost import run_cli as run_pycost
 
