@@ -169,13 +169,16 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         assert pipe["rtt_p99_ns"] >= pipe["rtt_min_ns"] > 0
         assert pipe["reps"] == 2 and pipe["checks"] == 4 and pipe["per_rep"] >= 3
         assert pipe["gbps_oneway"] == pytest.approx(int(size) / pipe["oneway_median_ns"])
+        assert pipe["rtt_fixed_cost_ns"] == pytest.approx(
+            pipe["rtt_median_ns"] - copy["rtt_median_ns"]
+        )
     usable = sorted(os.sched_getaffinity(0))
     if len(usable) >= 2:  # --pin is on by default: producer and consumer on two CPUs
         assert data["config"]["pin_cpus"] == usable[:2]
         for name in ("mp_pipe_oob", "sem_pingpong"):
             assert methods[name]["cpus"] == {"pinger": usable[:1], "ponger": usable[1:2]}
         assert methods["memcpy"]["cpus"]["pinger"] == usable[:1]
-    assert "median (p99)" in proc.stdout
+    assert "median (p99)" in proc.stdout and "## Fixed cost: round trip" in proc.stdout
     assert list(methods["sem_pingpong"]["cells"]) == ["64"]
     assert 0 <= methods["mp_pipe_oob"]["idle_cpu_percent"] < 50
     if plot:

@@ -96,6 +96,14 @@ class BenchRun:
                 return m
         return None
 
+    def fixed_cost_ns(self, name: str, nbytes: int) -> float | None:
+        """Median round trip of ``name`` minus memcpy's at the same size (issue 11 §4): what
+        a handoff costs beyond the one copy it cannot avoid."""
+        m, b = self.method(name), self.method(BASELINE_COPY)
+        if m is None or b is None or nbytes not in m.cells or nbytes not in b.cells:
+            return None
+        return float(m.cells[nbytes].rtt_median_ns - b.cells[nbytes].rtt_median_ns)
+
     def ratio(self, name: str, nbytes: int, baseline: str, what: str) -> float | None:
         """``what`` ("rtt" or "oneway") median of ``name`` over the same of ``baseline``."""
         m, b = self.method(name), self.method(baseline)
@@ -202,6 +210,10 @@ def _gbps(nbytes: int, ns: float) -> str:
     return f"{_sig(nbytes / ns)} GB/s" if ns > 0 else DASH
 
 
+def _fixed(ns: float | None) -> str:
+    return DASH if ns is None else f"{'-' if ns < 0 else ''}{_sig(abs(ns) / 1000)} µs"
+
+
 def _times(r: float | None) -> str:
     return "" if r is None else f"{TIMES}{_sig(r)}"
 
@@ -292,6 +304,16 @@ def format_markdown(run: BenchRun) -> str:
                         f"{_gbps(n, c.oneway_median_ns)} · "
                         f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'oneway'))}"
                     )
+                ),
+            ),
+            "",
+            f"## Fixed cost: round trip {DASH} one memcpy of the same size (same run), µs",
+            "",
+            *_table(
+                header,
+                cell_rows(
+                    lambda m, n, c: _fixed(run.fixed_cost_ns(m.name, n)),
+                    [m for m in sized if m.name != BASELINE_COPY],
                 ),
             ),
             "",
@@ -391,6 +413,7 @@ def to_json(run: BenchRun) -> dict[str, Any]:
             cd["rtt_spread"] = c.rtt_spread
             cd["gbps_oneway"] = n / c.oneway_median_ns if c.oneway_median_ns > 0 else None
             cd["gbps_rtt"] = n / c.rtt_median_ns if c.rtt_median_ns > 0 else None
+            cd["rtt_fixed_cost_ns"] = run.fixed_cost_ns(m.name, n)
             for base in (BASELINE_COPY, BASELINE_PEER, *([m.baseline] if m.baseline else [])):
                 for what in ("rtt", "oneway"):
                     cd[f"{what}_x_{base}"] = run.ratio(m.name, n, base, what)
