@@ -215,6 +215,7 @@ def test_python_cost_reports_every_operation_against_pickle(tmp_path: Path) -> N
         assert op["p99_ns"] >= op["median_ns"] > 0 and op["mean_ns"] > 0
         assert len(op["round_means_ns"]) == 1 and op["x_pickle"] > 0
     assert ops["pickle"]["x_pickle"] == pytest.approx(1.0)
+    assert ops["pickle"]["x_pickle_median"] == pytest.approx(1.0)
     assert data["config"]["count"] == 50 and data["pipe_batch"] >= 1
     usable = sorted(os.sched_getaffinity(0))
     assert data["cpus"] == (usable[:2] if len(usable) >= 2 else None)
@@ -279,11 +280,12 @@ def test_fan_in_measures_send_and_allocate_against_memcpy(tmp_path: Path) -> Non
     out = tmp_path / "f.json"
     proc = _bench("--fan-in=2", "--sizes=64k", "--fan-in-count=6", "--reps=1", f"--json={out}")
     assert proc.returncode == 0, proc.stderr
-    assert "| `allocate` |" in proc.stdout
+    assert "| `allocate`, two stamps written, `send` |" in proc.stdout
     data = json.loads(out.read_text())["fan-in"]
     assert data["config"]["producers"] == 2 and data["config"]["nbytes"] == 64 << 10
-    assert set(data["gbps"]) == {"send", "allocate"} and data["memcpy_gbps"] > 0
-    for path in ("send", "allocate"):
+    paths = ("send", "allocate", "allocate_fill")
+    assert set(data["gbps"]) == set(paths) and data["memcpy_gbps"] > 0
+    for path in paths:
         assert len(data["round_gbps"][path]) == 1
         assert data["x_memcpy"][path] == pytest.approx(data["gbps"][path] / data["memcpy_gbps"])
     proc = _bench("--fan-in=2", "--sizes=1k,64k")

@@ -286,9 +286,9 @@ def add_fan_in_arguments(parser: argparse.ArgumentParser) -> None:
         "--fan-in",
         type=int_range(1, 64),
         metavar="N",
-        help="instead: aggregate GB/s of N producer processes into one consumer, for send "
-        "and allocate, against one memcpy (size: --sizes, default 16m; rounds: --reps, "
-        "default 3)",
+        help="instead: aggregate GB/s of N producer processes into one consumer, for send, "
+        "allocate, and allocate filled by the producer, against one memcpy (size: --sizes, "
+        "default 16m; rounds: --reps, default 3)",
     )
     parser.add_argument(
         "--fan-in-count",
