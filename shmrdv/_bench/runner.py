@@ -503,7 +503,7 @@ def _run_method(
                 cell = CellResult(**msg[1])
                 result.cells[nbytes] = cell
                 progress.line(
-                    f"{spec.name:>14} {format_size(nbytes):>8}: round trip "
+                    f"{spec.name:>19} {format_size(nbytes):>8}: round trip "
                     f"{cell.rtt_median_ns / 1000:,.1f} µs (p99 {cell.rtt_p99_ns / 1000:,.1f}), "
                     f"one-way {cell.oneway_median_ns / 1000:,.1f} µs "
                     f"[{cell.reps} x {cell.per_rep}, {cell.elapsed_s:.1f} s]"
@@ -623,7 +623,7 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for spec in peers.METHODS.values():
             why = spec.available()
-            print(f"{spec.name:>14}  {'ok' if why is None else 'skipped: ' + why:<30} {spec.label}")
+            print(f"{spec.name:>19}  {'ok' if why is None else 'skipped: ' + why:<30} {spec.label}")
         return 0
     try:
         default_sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
