@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from shmrdv._bench.common import parse_size, parse_sizes
+from shmrdv._bench.options import build_parser
 from shmrdv._bench.peers import METHODS, Handler, make_stamp, pack_ack, unpack_ack
-from shmrdv._bench.runner import parse_size, parse_sizes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,6 +50,55 @@ def test_parse_size_rejects_bad_sizes(bad: str) -> None:
         parse_size(bad)
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "valid"),
+    [
+        ("--reps", "0", "from 1 to 1,000"),
+        ("--reps", "x", "from 1 to 1,000"),
+        ("--budget", "0", "above 0 and up to 3600"),
+        ("--budget", "-1", "above 0 and up to 3600"),
+        ("--gap-us", "-5", "from 0 to 1e+06"),
+        ("--idle-seconds", "601", "from 0 to 600"),
+        ("--sizes", "1k,6", "multiple of 4"),
+        ("--sizes", "32g", "16 GiB"),
+        ("--sizes", ",", "no sizes"),
+        ("--load-messages", "0", "from 1 to"),
+        ("--load-producers", "257", "from 1 to 256"),
+        ("--load-keys", "0", "from 1 to"),
+        ("--load-max-size", "4x", "e.g. 64, 1k"),
+        ("--load-window", "0", "at least 8"),
+        ("--load-seed", "-1", "from 0 to"),
+        ("--soak", "0", "from 1 to"),
+        ("--soak-max-size", "3", "at least 8"),
+    ],
+)
+def test_options_out_of_range_is_a_usage_error_naming_the_range(
+    flag: str, value: str, valid: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    parser = build_parser(argparse.ArgumentParser(prog="shmrdv bench"))
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--quick", f"{flag}={value}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and valid in err, err
+
+
+def test_cli_reps_0_is_a_usage_error() -> None:
+    # Before: --quick --reps 0 ran 16 s and died with ZeroDivisionError in a child.
+    for cmd in (
+        [sys.executable, "-m", "shmrdv", "bench", "--quick", "--reps", "0"],
+        [sys.executable, str(REPO / "tools" / "bench.py"), "--quick", "--reps", "0"],
+    ):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+        assert proc.returncode == 2, proc.stderr
+        assert "argument --reps: 0 is out of range (give an integer from 1 to 1,000)" in (
+            proc.stderr
+        )
+        assert proc.stdout == "" and "Traceback" not in proc.stderr
+
+
 def test_handler_echoes_stamps_and_crc() -> None:
     import zlib
 
@@ -69,7 +119,8 @@ def test_handler_echoes_stamps_and_crc() -> None:
 
 
 def test_registry_has_the_peers() -> None:
-    for name in ("memcpy", "mp_pipe_oob", "mp_queue", "shm_per_msg", "grpc_unary", "sem_pingpong"):
+    names = ("memcpy", "mp_pipe_oob", "mp_queue", "shm_per_msg", "grpc_push", "grpc_pull")
+    for name in (*names, "sem_pingpong"):
         assert METHODS[name].available() is None, name
     for name in ("zmq_ipc", "torch_mp", "ray"):
         assert name in METHODS
@@ -118,6 +169,16 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         assert pipe["rtt_p99_ns"] >= pipe["rtt_min_ns"] > 0
         assert pipe["reps"] == 2 and pipe["checks"] == 4 and pipe["per_rep"] >= 3
         assert pipe["gbps_oneway"] == pytest.approx(int(size) / pipe["oneway_median_ns"])
+        assert pipe["rtt_fixed_cost_ns"] == pytest.approx(
+            pipe["rtt_median_ns"] - copy["rtt_median_ns"]
+        )
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) >= 2:  # --pin is on by default: producer and consumer on two CPUs
+        assert data["config"]["pin_cpus"] == usable[:2]
+        for name in ("mp_pipe_oob", "sem_pingpong"):
+            assert methods[name]["cpus"] == {"pinger": usable[:1], "ponger": usable[1:2]}
+        assert methods["memcpy"]["cpus"]["pinger"] == usable[:1]
+    assert "median (p99)" in proc.stdout and "## Fixed cost: round trip" in proc.stdout
     assert list(methods["sem_pingpong"]["cells"]) == ["64"]
     assert 0 <= methods["mp_pipe_oob"]["idle_cpu_percent"] < 50
     if plot:
@@ -130,3 +191,102 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     while _tagged_pids(tag.split("=")[1]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _tagged_pids(tag.split("=")[1]) == []
+
+
+def _bench(*args: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shmrdv", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(60)
+def test_python_cost_reports_every_operation_against_pickle(tmp_path: Path) -> None:
+    out = tmp_path / "pc.json"
+    proc = _bench("--python-cost", "--python-cost-count=50", "--reps=1", f"--json={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert "shmrdv `recv` (value already there)" in proc.stdout
+    data = json.loads(out.read_text())["python-cost"]
+    ops = data["ops"]
+    assert set(ops) == {"shmrdv_send", "shmrdv_recv", "pipe_send", "pipe_recv", "pickle"}
+    for op in ops.values():
+        assert op["p99_ns"] >= op["median_ns"] > 0 and op["mean_ns"] > 0
+        assert len(op["round_means_ns"]) == 1 and op["x_pickle"] > 0
+    assert ops["pickle"]["x_pickle"] == pytest.approx(1.0)
+    assert ops["pickle"]["x_pickle_median"] == pytest.approx(1.0)
+    assert data["config"]["count"] == 50 and data["pipe_batch"] >= 1
+    usable = sorted(os.sched_getaffinity(0))
+    assert data["cpus"] == (usable[:2] if len(usable) >= 2 else None)
+
+
+def test_modes_are_separate_runs() -> None:
+    proc = _bench("--python-cost", "--load")
+    assert proc.returncode == 2
+    assert "--load and --python-cost are separate runs" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
+    out = tmp_path / "g.json"
+    # grpc_unary is the push's old name; the pull is added as its baseline.
+    proc = _bench(
+        "--methods=grpc_unary",
+        "--sizes=1k,64k",
+        "--reps=1",
+        "--budget=0.02",
+        "--idle-seconds=0",
+        f"--json={out}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "## Ratio to grpc_pull (round trip · one-way) · one-way GB/s" in proc.stdout
+    methods = {m["name"]: m for m in json.loads(out.read_text())["methods"]}
+    assert set(methods) == {"memcpy", "mp_pipe_oob", "grpc_pull", "grpc_push"}
+    assert all(m["status"] == "ok" for m in methods.values())
+    assert methods["grpc_push"]["baseline"] == "grpc_pull"
+    for size in ("1024", "65536"):
+        push = methods["grpc_push"]["cells"][size]
+        pull = methods["grpc_pull"]["cells"][size]
+        assert push["rtt_x_grpc_pull"] == pytest.approx(
+            push["rtt_median_ns"] / pull["rtt_median_ns"]
+        )
+        assert pull["checks"] == 2 and pull["oneway_median_ns"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_pending_compares_with_no_pending_in_the_same_run(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    args = ("--sizes=64", "--reps=1", "--budget=0.02", "--idle-seconds=0", "--no-baselines")
+    proc = _bench("--pending=20", *args, f"--json={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert "## Ratio to shmrdv_send (round trip · one-way)" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["config"]["pending"] == 20
+    methods = {m["name"]: m for m in data["methods"]}
+    assert {n: m["status"] for n, m in methods.items()} == {
+        "shmrdv_send": "ok",
+        "shmrdv_send_pending": "ok",
+    }
+    cell = methods["shmrdv_send_pending"]["cells"]["64"]
+    assert cell["rtt_x_shmrdv_send"] > 0 and cell["checks"] == 2
+    # A method of the mode needs the mode.
+    proc = _bench("--methods=shmrdv_send_pending", *args)
+    assert proc.returncode == 2 and "need --pending" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_fan_in_measures_send_and_allocate_against_memcpy(tmp_path: Path) -> None:
+    out = tmp_path / "f.json"
+    proc = _bench("--fan-in=2", "--sizes=64k", "--fan-in-count=6", "--reps=1", f"--json={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert "| `allocate`, two stamps written, `send` |" in proc.stdout
+    data = json.loads(out.read_text())["fan-in"]
+    assert data["config"]["producers"] == 2 and data["config"]["nbytes"] == 64 << 10
+    paths = ("send", "allocate", "allocate_fill")
+    assert set(data["gbps"]) == set(paths) and data["memcpy_gbps"] > 0
+    for path in paths:
+        assert len(data["round_gbps"][path]) == 1
+        assert data["x_memcpy"][path] == pytest.approx(data["gbps"][path] / data["memcpy_gbps"])
+    proc = _bench("--fan-in=2", "--sizes=1k,64k")
+    assert proc.returncode == 2 and "--fan-in takes one size" in proc.stderr

@@ -1,8 +1,14 @@
 """``shmrdv bench``: hand numpy arrays between two processes and time it, for shmrdv and its peers.
 
-``runner`` spawns each method's pinger and ponger and drives the sizes (``main``,
-``build_parser``, ``run``); ``peers`` holds the method contract, the registry
-(``METHODS``, ``register_method``) and the peer methods; ``report`` turns the figures
-into markdown tables, JSON and a plot. Run it as ``python -m shmrdv bench`` or
+``options`` defines the command line and checks every value's range (standard library
+only: the CLI builds it without loading the rest); ``common`` holds what every mode
+shares (sizes, pinning, a child's start-up); ``children`` spawns and reaps the modes'
+processes. ``runner`` spawns each method's pinger and ponger and drives the sizes (``main``,
+``build_parser``, ``run``; ``--pending N`` is a set of its methods); ``peers`` holds the
+method contract, the registry (``METHODS``, ``register_method``) and the peer methods,
+``shmrdv_methods`` shmrdv's own; ``report`` turns the figures into markdown tables, JSON
+and a plot. The other modes are whole runs of their own: ``load`` (``--load``), ``soak``
+(``--soak``), ``pycost`` (``--python-cost``) and ``fanin`` (``--fan-in N``). Nothing here
+is imported by ``import shmrdv``. Run it as ``python -m shmrdv bench`` or
 ``python tools/bench.py``; see research/peer_numbers.md for the measurement it repeats.
 """

@@ -35,38 +35,30 @@ and collects it (``registry.collect``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import dataclasses
-import multiprocessing
-import multiprocessing.connection
-import os
 import queue
-import signal
 import struct
 import time
-import traceback
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.context import SpawnProcess
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from .report import format_size
+from . import options
+from .children import ChildFailed, ChildGroup, ChildTimeout, wait_for_close
+from .common import format_size, parse_size
 
 __all__ = [
     "HEADER",
     "SIZE_BUCKETS",
-    "ChildGroup",
-    "ChildFailed",
     "LoadConfig",
     "LoadPlan",
     "LoadResult",
-    "add_arguments",
     "format_load",
     "make_plan",
     "run_cli",
@@ -97,13 +89,13 @@ _PAYLOAD_SLACK = 1 << 16  # the random payload source is this much longer than a
 class LoadConfig:
     """What a load run does. ``window_bytes`` bounds each producer's unconsumed bytes."""
 
-    messages: int = 50_000
-    producers: int = 8
-    keys: int = 1_000
+    messages: int = options.LOAD_MESSAGES
+    producers: int = options.LOAD_PRODUCERS
+    keys: int = options.LOAD_KEYS
     min_size: int = 64
-    max_size: int = 4 << 20
-    seed: int = 6
-    window_bytes: int = 64 << 20
+    max_size: int = parse_size(options.LOAD_MAX_SIZE)
+    seed: int = options.LOAD_SEED
+    window_bytes: int = parse_size(options.LOAD_WINDOW)
     alloc_fraction: float = 0.5
     timeout_s: float = 900.0
 
@@ -204,152 +196,6 @@ def key_name(k: int, owner: int) -> str:
     )
 
 
-# -- child processes -----------------------------------------------------------------------------
-
-
-class ChildFailed(Exception):
-    """A child of the run raised, died or stayed silent too long."""
-
-
-class ChildTimeout(ChildFailed):
-    """A child stayed silent longer than the wait allowed (it may still be working)."""
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGTERM this process when the parent dies (best effort)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # so that Worker.close() runs on terminate()
-
-
-def _child_main(target: Callable[..., None], conn: Connection, parent_pid: int, *args: Any) -> None:
-    """Entry point of every spawned child: run ``target(conn, *args)``, report a failure."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    _die_with_parent(parent_pid)
-    try:
-        target(conn, *args)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-        raise SystemExit(1) from None
-
-
-class ChildGroup:
-    """Spawned children, each with a control pipe; every message waited for is bounded.
-
-    ``start`` spawns one; ``expect(name, kind, timeout)`` returns that child's next message
-    of ``kind`` (raising ``ChildFailed`` on an ``error`` message, a death or silence);
-    ``reap`` joins, then terminates, then kills whatever is left and says how many it had
-    to stop.
-    """
-
-    def __init__(self) -> None:
-        self.ctx = multiprocessing.get_context("spawn")
-        self.procs: dict[str, SpawnProcess] = {}
-        self.conns: dict[str, Connection] = {}
-        self.on_message: Callable[[str, tuple[Any, ...]], bool] | None = None
-
-    def start(self, name: str, target: Callable[..., None], *args: Any) -> None:
-        parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(
-            target=_child_main,
-            args=(target, child, os.getpid(), *args),
-            name=f"shmrdv-bench-{name}",
-            daemon=True,
-        )
-        proc.start()
-        child.close()  # only the child keeps it: its death shows up as EOF
-        self.procs[name] = proc
-        self.conns[name] = parent
-
-    def send(self, name: str, msg: tuple[Any, ...]) -> None:
-        try:
-            self.conns[name].send(msg)
-        except OSError as e:
-            raise ChildFailed(f"{name} is gone ({self._exit(name)})") from e
-
-    def _exit(self, name: str) -> str:
-        code = self.procs[name].exitcode
-        if code is None:
-            return "still running"
-        return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
-
-    def expect(self, name: str, kind: str, timeout: float) -> tuple[Any, ...]:
-        """``name``'s next message of ``kind``; other kinds go to ``on_message`` (or fail)."""
-        deadline = time.monotonic() + timeout
-        conn = self.conns[name]
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not conn.poll(min(remaining, 1.0)):
-                if time.monotonic() >= deadline:
-                    raise ChildTimeout(f"no {kind!r} from {name} within {timeout:g} s (hung?)")
-                if self.procs[name].exitcode is not None and not conn.poll():
-                    raise ChildFailed(f"{name} died ({self._exit(name)})")
-                continue
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                self.procs[name].join(5)
-                raise ChildFailed(f"{name} died ({self._exit(name)})") from None
-            if msg[0] == "error":
-                raise ChildFailed(f"{name} failed:\n{msg[1]}")
-            if msg[0] == kind:
-                return tuple(msg)
-            if self.on_message is None or not self.on_message(name, tuple(msg)):
-                raise ChildFailed(f"expected {kind!r} from {name}, got {msg!r}")
-
-    def check_alive(self, names: Sequence[str]) -> None:
-        """Raise ``ChildFailed`` if one of ``names`` died or reported an error meanwhile."""
-        for name in names:
-            conn = self.conns[name]
-            if conn.poll():
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    raise ChildFailed(f"{name} died ({self._exit(name)})") from None
-                if msg[0] == "error":
-                    raise ChildFailed(f"{name} failed:\n{msg[1]}")
-                if self.on_message is None or not self.on_message(name, tuple(msg)):
-                    raise ChildFailed(f"unexpected message from {name}: {msg!r}")
-            elif self.procs[name].exitcode is not None:
-                raise ChildFailed(f"{name} died ({self._exit(name)})")
-
-    def reap(self, grace: float) -> int:
-        """Stop every child (join within ``grace``, then SIGTERM, then SIGKILL); how many were stopped."""
-        deadline = time.monotonic() + grace
-        for p in self.procs.values():
-            p.join(max(0.0, deadline - time.monotonic()))
-        stopped = 0
-        for p in self.procs.values():
-            if p.exitcode is None:
-                stopped += 1
-                p.terminate()
-        for p in self.procs.values():
-            p.join(5)
-            if p.exitcode is None:
-                p.kill()
-                p.join(5)
-        for c in self.conns.values():
-            c.close()
-        return stopped
-
-    def alive(self) -> int:
-        return sum(1 for p in self.procs.values() if p.exitcode is None)
-
-
-def _wait_for_close(conn: Connection) -> None:
-    """Block until the parent says ``close`` (or is gone)."""
-    with contextlib.suppress(EOFError, OSError):
-        while conn.recv()[0] != "close":
-            pass
-
-
 def _producer(
     conn: Connection,
     p: int,
@@ -413,7 +259,7 @@ def _producer(
                 },
             )
         )
-        _wait_for_close(conn)
+        wait_for_close(conn)
         w.cleanup(_STEP)
     conn.send(("bye",))
 
@@ -522,7 +368,7 @@ def _consumer(conn: Connection, cfg: LoadConfig, namespace: str, go: Any, consum
                 },
             )
         )
-        _wait_for_close(conn)
+        wait_for_close(conn)
         w.cleanup(_STEP)
     conn.send(("bye",))
 
@@ -779,55 +625,14 @@ def format_load(r: LoadResult) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--load`` options of ``shmrdv bench``."""
-    d = LoadConfig()
-    parser.add_argument(
-        "--load",
-        action="store_true",
-        help="instead: the load run (producer processes -> one consumer, every message checked)",
-    )
-    parser.add_argument(
-        "--load-messages",
-        type=int,
-        default=d.messages,
-        metavar="N",
-        help=f"(default {d.messages:,})",
-    )
-    parser.add_argument(
-        "--load-producers",
-        type=int,
-        default=d.producers,
-        metavar="N",
-        help=f"producer processes (default {d.producers})",
-    )
-    parser.add_argument(
-        "--load-keys", type=int, default=d.keys, metavar="N", help=f"(default {d.keys:,})"
-    )
-    parser.add_argument(
-        "--load-max-size", default="4m", metavar="SIZE", help="largest message (default 4m)"
-    )
-    parser.add_argument(
-        "--load-window",
-        default="64m",
-        metavar="SIZE",
-        help="unconsumed bytes a producer may have out (default 64m; latency grows with it)",
-    )
-    parser.add_argument(
-        "--load-seed", type=int, default=d.seed, metavar="N", help=argparse.SUPPRESS
-    )
-
-
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
-    from .runner import parse_size
-
     return LoadConfig(
         messages=args.load_messages,
         producers=args.load_producers,
         keys=args.load_keys,
-        max_size=parse_size(args.load_max_size),
+        max_size=args.load_max_size,
         seed=args.load_seed,
-        window_bytes=parse_size(args.load_window),
+        window_bytes=args.load_window,
     )
 
 
@@ -841,7 +646,7 @@ def run_cli(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m shmrdv._bench.load``: the load test alone (same options as ``--load``)."""
     parser = argparse.ArgumentParser(prog="shmrdv bench --load")
-    add_arguments(parser)
+    options.add_load_arguments(parser)
     parser.add_argument("--json", metavar="FILE")
     return run_cli(parser.parse_args(argv))
 

@@ -32,7 +32,7 @@ a method only supplies two objects, each built in its process by a top-level fac
 or as the data channel); ``shared``, what ``spec.make_shared(mp_context)`` returned
 in the runner (queues, a namespace token, any small setup dict; passed at spawn);
 ``prefix``, which starts every ``/dev/shm`` name the method creates (the runner
-sweeps it afterwards); ``scratch_dir`` for sockets; ``max_nbytes``; and ``handler``
+sweeps it afterwards); ``scratch_dir`` for sockets; ``max_nbytes``; ``pending`` (``--pending N``); and ``handler``
 for single-process methods (``ponger is None``), whose pinger plays both roles.
 
 Acks are four int64s (``Ack``: head stamp, tail stamp, arrival time in
@@ -66,6 +66,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "ALIASES",
     "KIND_CHECK",
     "KIND_PROBE_END",
     "KIND_PROBE_START",
@@ -81,6 +82,8 @@ __all__ = [
     "RoleContext",
     "make_stamp",
     "pack_ack",
+    "pipe_oob_recv",
+    "pipe_oob_send",
     "register_method",
     "unpack_ack",
 ]
@@ -176,6 +179,7 @@ class RoleContext:
     scratch_dir: str
     max_nbytes: int
     handler: Handler | None = None
+    pending: int = 0  # --pending N: receives the ponger keeps waiting on unsent keys
 
 
 class Pinger(Protocol):
@@ -244,7 +248,9 @@ class MethodSpec:
     skipped. ``make_shared(mp_context)`` (runner, optional) returns objects handed to
     both roles at spawn. ``sweep(prefix, shared)`` (runner, optional) removes leftovers
     after the method's processes are gone; the runner then unlinks whatever is left
-    under ``prefix``. ``fixed_nbytes``: the method runs at that one size
+    under ``prefix``. ``baseline``: a further method the report and the JSON compare
+    this one with (and that ``--methods`` adds), beside memcpy and mp_pipe_oob. ``mode``:
+    the method belongs to that mode (``--pending``) and runs in it only. ``fixed_nbytes``: the method runs at that one size
     only, whatever the sizes asked (a floor reported on its own). ``idle_cpu``: the
     ponger blocks in its receive, so its idle CPU share can be measured.
     """
@@ -259,11 +265,14 @@ class MethodSpec:
     idle_cpu: bool = True
     fixed_nbytes: int | None = None
     group: str = "peer"  # "floor", "shmrdv" or "peer": the report's row order
+    baseline: str | None = None  # the method this one is also compared with, e.g. grpc_pull
+    mode: str | None = None  # runs only in that mode of the bench ("pending"), not by default
     receiver_array: str = ""
     notes: str = field(default="")
 
 
 METHODS: dict[str, MethodSpec] = {}
+ALIASES = {"grpc_unary": "grpc_push"}  # the push's name before grpc_pull existed
 
 
 def register_method(spec: MethodSpec) -> None:
@@ -314,16 +323,30 @@ def memcpy_pinger(ctx: RoleContext) -> Pinger:
 _COUNT = struct.Struct("<I")
 
 
+def pipe_oob_send(conn: Connection, a: npt.NDArray[Any]) -> None:
+    """Send ``a`` on ``conn`` as pickle protocol 5 with its buffers out of band."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(a, protocol=5, buffer_callback=buffers.append)
+    conn.send_bytes(_COUNT.pack(len(buffers)) + head)
+    for buf in buffers:
+        conn.send_bytes(buf.raw())
+
+
+def pipe_oob_recv(conn: Connection) -> npt.NDArray[Any]:
+    """The next array that ``pipe_oob_send`` sent on ``conn``'s other end."""
+    msg = conn.recv_bytes()
+    (count,) = _COUNT.unpack_from(msg)
+    buffers = [conn.recv_bytes() for _ in range(count)]
+    a: npt.NDArray[Any] = pickle.loads(memoryview(msg)[_COUNT.size :], buffers=buffers)
+    return a
+
+
 class _PipeOobPinger:
     def __init__(self, ctx: RoleContext) -> None:
         self._conn = _link(ctx)
 
     def handoff(self, src: F32) -> Ack:
-        buffers: list[pickle.PickleBuffer] = []
-        head = pickle.dumps(src, protocol=5, buffer_callback=buffers.append)
-        self._conn.send_bytes(_COUNT.pack(len(buffers)) + head)
-        for buf in buffers:
-            self._conn.send_bytes(buf.raw())
+        pipe_oob_send(self._conn, src)
         return unpack_ack(self._conn.recv_bytes())
 
     def close(self) -> None:
@@ -335,11 +358,7 @@ class _PipeOobPonger(PullPonger):
         self._conn = _link(ctx)
 
     def receive(self) -> npt.NDArray[Any]:
-        msg = self._conn.recv_bytes()
-        (count,) = _COUNT.unpack_from(msg)
-        buffers = [self._conn.recv_bytes() for _ in range(count)]
-        a: npt.NDArray[Any] = pickle.loads(memoryview(msg)[_COUNT.size :], buffers=buffers)
-        return a
+        return pipe_oob_recv(self._conn)
 
     def send_ack(self, data: bytes) -> None:
         self._conn.send_bytes(data)
@@ -584,10 +603,12 @@ def sem_ponger(ctx: RoleContext) -> Ponger:
     return _SemPonger(ctx)
 
 
-# -- grpc_unary: raw grpcio unary call on 127.0.0.1 ---------------------------------------
+# -- grpc_push: raw grpcio unary call on 127.0.0.1, the tensor in the REQUEST -------------
 # Identity serializers: the request is a.tobytes(), the handler views it with
 # np.frombuffer, the response is the packed ack. Message limits are lifted on both
 # ends (the default receive limit is 4 MiB, pitfalls.md §6). The ponger is the server.
+# An upload: in grpcio's Python API 3-4x slower than a download (issue 12 §1), so it is
+# not the baseline of shmrdv's gRPC path, which pulls; grpc_pull below is.
 
 _GRPC_METHOD = "/shmrdv.bench.Bench/Handoff"
 _GRPC_OPTIONS = [
@@ -664,6 +685,94 @@ def grpc_ponger(ctx: RoleContext) -> Ponger:
 
 def _grpc_available() -> str | None:
     return _module_missing("grpc", "grpcio")()
+
+
+# -- grpc_pull: raw grpcio unary call, the tensor in the RESPONSE (a download) --------------
+# The like-for-like baseline of shmrdv's gRPC path, where the consumer pulls (TensorFlow's
+# RecvTensor): the pinger (producer) is the server and holds the tensor, the ponger
+# (consumer) is the client and keeps one call parked, as a consumer posts its receive
+# before the value is sent. The handler answers the parked call with the next tensor
+# (tobytes(): grpcio's identity serializer takes bytes); the ponger's next call carries
+# the 32-byte ack of the last one in its request. So one handoff is one unary call: the
+# best a user could write with the same library, not one call plus a second for the ack.
+# Identity serializers and lifted message limits as above.
+
+_GRPC_PULL_METHOD = "/shmrdv.bench.Bench/Pull"
+_PULL_DONE = b""  # the pinger's answer to the last parked call: nothing more comes
+
+
+class _GrpcPullPinger:
+    def __init__(self, ctx: RoleContext) -> None:
+        import queue
+        from concurrent.futures import ThreadPoolExecutor
+
+        import grpc
+
+        self._data: queue.Queue[bytes] = queue.Queue()
+        self._acks: queue.Queue[bytes] = queue.Queue()
+
+        def handle(request: bytes, context: Any) -> bytes:
+            if request:  # the ack of the previous handoff
+                self._acks.put(request)
+            return self._data.get()
+
+        rpc = grpc.unary_unary_rpc_method_handler(
+            handle, request_deserializer=None, response_serializer=None
+        )
+        service, method = _GRPC_PULL_METHOD.strip("/").split("/")
+        generic = grpc.method_handlers_generic_handler(service, {method: rpc})
+        self._server: Any = grpc.server(ThreadPoolExecutor(max_workers=2), options=_GRPC_OPTIONS)
+        self._server.add_generic_rpc_handlers((generic,))
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+        _link(ctx).send(port)
+
+    def handoff(self, src: F32) -> Ack:
+        import queue
+
+        self._data.put(src.tobytes())
+        try:
+            return unpack_ack(self._acks.get(timeout=600))
+        except queue.Empty:
+            raise TimeoutError("grpc_pull: no ack from the ponger within 600 s") from None
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._data.put(_PULL_DONE)  # answers the ponger's last parked call
+            self._server.stop(grace=2.0).wait(5.0)
+            self._server = None
+
+
+class _GrpcPullPonger:
+    def __init__(self, ctx: RoleContext) -> None:
+        import grpc
+
+        port = _recv_link(_link(ctx), "gRPC port")
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_GRPC_OPTIONS)
+        grpc.channel_ready_future(self._channel).result(timeout=30)
+        self._call = self._channel.unary_unary(
+            _GRPC_PULL_METHOD, request_serializer=None, response_deserializer=None
+        )
+
+    def serve(self, handler: Handler) -> None:
+        ack = b""
+        while not handler.done:
+            data = self._call(ack, timeout=600)
+            a: F32 = np.frombuffer(data, np.float32)
+            ack = pack_ack(handler(a))
+            del a, data
+        self._call(ack, timeout=60)  # delivers the stop's ack; the answer is _PULL_DONE
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def grpc_pull_pinger(ctx: RoleContext) -> Pinger:
+    return _GrpcPullPinger(ctx)
+
+
+def grpc_pull_ponger(ctx: RoleContext) -> Ponger:
+    return _GrpcPullPonger(ctx)
 
 
 # -- zmq_ipc: pyzmq PAIR over ipc://, zero-copy frames --------------------------------------
@@ -900,11 +1009,22 @@ for _spec in (
         receiver_array="writable (shared storage)",
     ),
     MethodSpec(
-        "grpc_unary",
-        "grpcio unary call on 127.0.0.1, identity serializers, tobytes()/frombuffer",
+        "grpc_pull",
+        "grpcio unary call on 127.0.0.1, the tensor in the response (a pull, like "
+        "RecvTensor), ack in the next request; identity serializers",
+        grpc_pull_pinger,
+        grpc_pull_ponger,
+        available=_grpc_available,
+        receiver_array="read-only (backed by bytes)",
+    ),
+    MethodSpec(
+        "grpc_push",
+        "grpcio unary call on 127.0.0.1, the tensor in the request (an upload), ack in the "
+        "response; identity serializers",
         grpc_pinger,
         grpc_ponger,
         available=_grpc_available,
+        baseline="grpc_pull",
         receiver_array="read-only (backed by bytes)",
     ),
     MethodSpec(

@@ -16,13 +16,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .common import format_size
+
 __all__ = [
     "BenchRun",
     "CellResult",
     "MethodResult",
     "describe_machine",
     "format_markdown",
-    "format_size",
     "load_average",
     "plot_run",
     "to_json",
@@ -73,6 +74,8 @@ class MethodResult:
     fixed_nbytes: int | None = None
     idle_cpu_percent: float | None = None
     startup_s: float | None = None
+    cpus: dict[str, list[int] | None] = field(default_factory=dict)  # each role's affinity
+    baseline: str | None = None  # compared with this method too (grpc_pull for gRPC paths)
     cells: dict[int, CellResult] = field(default_factory=dict)
 
 
@@ -92,6 +95,14 @@ class BenchRun:
             if m.name == name:
                 return m
         return None
+
+    def fixed_cost_ns(self, name: str, nbytes: int) -> float | None:
+        """Median round trip of ``name`` minus memcpy's at the same size (issue 11 §4): what
+        a handoff costs beyond the one copy it cannot avoid."""
+        m, b = self.method(name), self.method(BASELINE_COPY)
+        if m is None or b is None or nbytes not in m.cells or nbytes not in b.cells:
+            return None
+        return float(m.cells[nbytes].rtt_median_ns - b.cells[nbytes].rtt_median_ns)
 
     def ratio(self, name: str, nbytes: int, baseline: str, what: str) -> float | None:
         """``what`` ("rtt" or "oneway") median of ``name`` over the same of ``baseline``."""
@@ -180,13 +191,6 @@ def describe_machine() -> dict[str, Any]:
 # -- numbers as text ------------------------------------------------------------------------
 
 
-def format_size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
 def _sig(x: float) -> str:
     """Three significant digits, thousands separated: 0.273, 12.3, 1,179."""
     if x >= 100:
@@ -206,6 +210,10 @@ def _gbps(nbytes: int, ns: float) -> str:
     return f"{_sig(nbytes / ns)} GB/s" if ns > 0 else DASH
 
 
+def _fixed(ns: float | None) -> str:
+    return DASH if ns is None else f"{'-' if ns < 0 else ''}{_sig(abs(ns) / 1000)} µs"
+
+
 def _times(r: float | None) -> str:
     return "" if r is None else f"{TIMES}{_sig(r)}"
 
@@ -218,6 +226,11 @@ def _ordered(run: BenchRun) -> list[MethodResult]:
 def _sizes(run: BenchRun) -> list[int]:
     sizes: list[int] = list(run.config.get("sizes", []))
     return sizes
+
+
+def _baselines(run: BenchRun) -> list[str]:
+    """The further baselines that methods of the run name (``MethodSpec.baseline``)."""
+    return list(dict.fromkeys(m.baseline for m in run.methods if m.baseline))
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -248,9 +261,9 @@ def format_markdown(run: BenchRun) -> str:
         "",
     ]
 
-    def cell_rows(render: Any) -> list[list[str]]:
+    def cell_rows(render: Any, methods: list[MethodResult] | None = None) -> list[list[str]]:
         rows = []
-        for m in sized:
+        for m in sized if methods is None else methods:
             row = [m.name]
             for n in sizes:
                 c = m.cells.get(n)
@@ -268,36 +281,45 @@ def format_markdown(run: BenchRun) -> str:
         []
         if not sizes
         else [
-            f"## Round trip (array there, ack back): median · GB/s · {TIMES}memcpy",
+            f"## Round trip (array there, ack back): median (p99) · GB/s · {TIMES}memcpy",
             "",
             *_table(
                 header,
                 cell_rows(
                     lambda m, n, c: (
-                        f"{_us(c.rtt_median_ns)} · {_gbps(n, c.rtt_median_ns)} · "
+                        f"{_us(c.rtt_median_ns)} ({_sig(c.rtt_p99_ns / 1000)}) · "
+                        f"{_gbps(n, c.rtt_median_ns)} · "
                         f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'rtt'))}"
                     )
                 ),
             ),
             "",
-            f"## One-way (until the ponger holds the array): median · GB/s · {TIMES}memcpy",
+            f"## One-way (until the ponger holds the array): median (p99) · GB/s · {TIMES}memcpy",
             "",
             *_table(
                 header,
                 cell_rows(
                     lambda m, n, c: (
-                        f"{_us(c.oneway_median_ns)} · {_gbps(n, c.oneway_median_ns)} · "
+                        f"{_us(c.oneway_median_ns)} ({_sig(c.oneway_p99_ns / 1000)}) · "
+                        f"{_gbps(n, c.oneway_median_ns)} · "
                         f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'oneway'))}"
                     )
                 ),
             ),
             "",
-            "## Round trip p99 · spread of repetition medians (max/min)",
+            f"## Fixed cost: round trip {DASH} one memcpy of the same size (same run), µs",
             "",
             *_table(
                 header,
-                cell_rows(lambda m, n, c: f"{_us(c.rtt_p99_ns)} · {c.rtt_spread:.2f}"),
+                cell_rows(
+                    lambda m, n, c: _fixed(run.fixed_cost_ns(m.name, n)),
+                    [m for m in sized if m.name != BASELINE_COPY],
+                ),
             ),
+            "",
+            "## Spread of the round trip's repetition medians (max/min)",
+            "",
+            *_table(header, cell_rows(lambda m, n, c: f"{c.rtt_spread:.2f}")),
             "",
             f"## Ratio to {BASELINE_PEER} (round trip · one-way)",
             "",
@@ -313,6 +335,26 @@ def format_markdown(run: BenchRun) -> str:
             "",
         ]
     )
+    for base in _baselines(run):
+        compared = [m for m in sized if m.name == base or m.baseline == base]
+        if not sizes or len(compared) < 2:
+            continue
+        lines += [
+            f"## Ratio to {base} (round trip · one-way) · one-way GB/s",
+            "",
+            *_table(
+                header,
+                cell_rows(
+                    lambda m, n, c, base=base: (
+                        f"{_times(run.ratio(m.name, n, base, 'rtt'))} · "
+                        f"{_times(run.ratio(m.name, n, base, 'oneway'))} · "
+                        f"{_gbps(n, c.oneway_median_ns)}"
+                    ),
+                    compared,
+                ),
+            ),
+            "",
+        ]
     if fixed:
         lines += ["## Floors at a fixed size", ""]
         rows = []
@@ -325,9 +367,12 @@ def format_markdown(run: BenchRun) -> str:
                         _us(c.rtt_median_ns),
                         _us(c.rtt_p99_ns),
                         _us(c.oneway_median_ns),
+                        _us(c.oneway_p99_ns),
                     ]
                 )
-        lines += _table(["method", "size", "RTT median", "RTT p99", "one-way median"], rows)
+        lines += _table(
+            ["method", "size", "RTT median", "RTT p99", "one-way median", "one-way p99"], rows
+        )
         lines.append("")
     lines += ["## Methods", ""]
     rows = []
@@ -343,7 +388,8 @@ def format_markdown(run: BenchRun) -> str:
     )
     lines += [
         "",
-        "Cells: medians of the per-repetition medians. Round trip = the pinger's "
+        "Cells: medians of the per-repetition medians; (p99) = the 99th percentile of "
+        "every timed handoff, in µs. Round trip = the pinger's "
         "perf_counter_ns around one handoff (the array there, the ponger frees it, a 32-byte "
         "ack back by the method's own path). One-way = the ponger's arrival time minus the "
         "pinger's start (CLOCK_MONOTONIC is system-wide). GB/s = bytes / that median. "
@@ -367,7 +413,8 @@ def to_json(run: BenchRun) -> dict[str, Any]:
             cd["rtt_spread"] = c.rtt_spread
             cd["gbps_oneway"] = n / c.oneway_median_ns if c.oneway_median_ns > 0 else None
             cd["gbps_rtt"] = n / c.rtt_median_ns if c.rtt_median_ns > 0 else None
-            for base in (BASELINE_COPY, BASELINE_PEER):
+            cd["rtt_fixed_cost_ns"] = run.fixed_cost_ns(m.name, n)
+            for base in (BASELINE_COPY, BASELINE_PEER, *([m.baseline] if m.baseline else [])):
                 for what in ("rtt", "oneway"):
                     cd[f"{what}_x_{base}"] = run.ratio(m.name, n, base, what)
             cells[str(n)] = cd

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import importlib
 import itertools
 import multiprocessing
@@ -41,7 +40,9 @@ from typing import Any, TextIO
 import numpy as np
 import numpy.typing as npt
 
-from . import peers
+from . import options, peers
+from .common import die_with_parent, format_size, on_sigterm, parse_sizes, pin_cpus
+from .options import DEFAULT_SIZES, QUICK_SIZES
 from .peers import (
     KIND_CHECK,
     KIND_PROBE_END,
@@ -61,16 +62,13 @@ from .report import (
     MethodResult,
     describe_machine,
     format_markdown,
-    format_size,
     load_average,
     plot_run,
     write_json,
 )
 
-__all__ = ["DEFAULT_SIZES", "QUICK_SIZES", "build_parser", "main", "parse_sizes", "run"]
+__all__ = ["build_parser", "main", "run"]
 
-DEFAULT_SIZES = "64,1k,64k,1m,16m,64m,256m"
-QUICK_SIZES = "1k,64k,1m,16m,64m"
 BIG = 64 << 20  # from here on: fewer repetitions
 SHM_DIR = "/dev/shm"
 PLUGIN_MODULES = ("shmrdv._bench.shmrdv_methods",)
@@ -80,34 +78,6 @@ F32 = npt.NDArray[np.float32]
 
 class BenchError(Exception):
     """A handoff returned the wrong data, or a role failed."""
-
-
-# -- sizes ----------------------------------------------------------------------------------
-
-_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """``"64"``, ``"1k"``, ``"16m"``, ``"1g"`` (binary units; "kib"/"kb"/"b" also accepted)."""
-    s = text.strip().lower()
-    for tail in ("ib", "b"):
-        if s.endswith(tail) and len(s) > len(tail):
-            s = s[: -len(tail)]
-            break
-    unit = s[-1:] if s[-1:] in _SUFFIX else ""
-    digits = s[: len(s) - len(unit)]
-    try:
-        value = int(digits) * _SUFFIX[unit]
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (use e.g. 64, 1k, 16m, 1g)") from None
-    if value < 8 or value % 4:
-        raise ValueError(f"size {text!r}: must be a multiple of 4 bytes and at least 8")
-    return value
-
-
-def parse_sizes(text: str) -> list[int]:
-    """A comma-separated list of sizes, sorted, without repeats."""
-    return sorted({parse_size(part) for part in text.split(",") if part.strip()})
 
 
 # -- the roles (run in the spawned processes) ------------------------------------------------
@@ -215,7 +185,7 @@ def _drive(pinger: Pinger, ctrl: Connection, started: float) -> None:
     small = _make_src(64)
     for _ in range(3):  # the channel works and returns the right bytes before anything is timed
         _handoff(pinger, small, seq, KIND_CHECK, 0)
-    ctrl.send(("ready", time.perf_counter() - started))
+    ctrl.send(("ready", time.perf_counter() - started, sorted(os.sched_getaffinity(0))))
     while True:
         cmd = ctrl.recv()
         if cmd[0] == "idle":
@@ -232,18 +202,6 @@ def _drive(pinger: Pinger, ctrl: Connection, started: float) -> None:
             raise BenchError(f"unknown command from the runner: {cmd!r}")
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGTERM this process when the runner dies (best effort)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def _role_main(
     role: str,
     factory: Callable[[RoleContext], Any],
@@ -255,8 +213,8 @@ def _role_main(
     """Entry point of a spawned role process."""
     started = time.perf_counter()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner handles Ctrl-C and stops us
-    signal.signal(signal.SIGTERM, _on_sigterm)  # so that close() runs when terminated
-    _die_with_parent(env["parent_pid"])
+    signal.signal(signal.SIGTERM, on_sigterm)  # so that close() runs when terminated
+    die_with_parent(env["parent_pid"])
     if env.get("cpu") is not None:
         os.sched_setaffinity(0, {env["cpu"]})
     handler = Handler()
@@ -269,13 +227,14 @@ def _role_main(
         scratch_dir=env["scratch_dir"],
         max_nbytes=env["max_nbytes"],
         handler=handler,
+        pending=env["pending"],
     )
     obj: Any = None
     failed = False
     try:
         obj = factory(ctx)
         if role == "ponger":
-            ctrl.send(("ready", time.perf_counter() - started))
+            ctrl.send(("ready", time.perf_counter() - started, sorted(os.sched_getaffinity(0))))
             obj.serve(handler)
         else:
             _drive(obj, ctrl, started)
@@ -328,7 +287,7 @@ class _Options:
     budget_s: float
     gap_ns: int
     idle_s: float
-    pin: str
+    pin: tuple[int, int] | None  # (pinger CPU, ponger CPU)
     quick: bool
 
 
@@ -341,6 +300,7 @@ class _Roles:
         self.spec = spec
         self.env = env
         self.stopping = False
+        self.ponger_cpus: list[int] | None = None
         self.procs: list[SpawnProcess] = []
         self.shared: dict[str, Any] = spec.make_shared(mpctx) if spec.make_shared else {}
         self.ping_ctrl, ping_child = mpctx.Pipe()
@@ -425,6 +385,8 @@ class _Roles:
                     continue
                 if msg[0] == "error":
                     raise _RoleFailed(f"ponger failed:\n{msg[2]}")
+                if msg[0] == "ready":
+                    self.ponger_cpus = msg[2]
                 continue
             if self.ping_ctrl in ready or self.ping_ctrl.poll():
                 try:
@@ -500,15 +462,6 @@ def _stall_timeout(nbytes: int) -> float:
     return 60.0 + nbytes / 10e6
 
 
-def _cpus(pin: str) -> list[int | None]:
-    if pin == "none":
-        return [None, None]
-    cpus = sorted(os.sched_getaffinity(0))
-    if pin == "same" or len(cpus) < 2:
-        return [cpus[0], cpus[0]]
-    return [cpus[0], cpus[1]]
-
-
 def _run_method(
     spec: MethodSpec,
     opts: _Options,
@@ -519,10 +472,16 @@ def _run_method(
 ) -> None:
     sizes = [spec.fixed_nbytes] if spec.fixed_nbytes is not None else opts.sizes
     progress.update(f"{spec.name}: starting")
-    roles = _Roles(spec, mpctx, {**env, "method": spec.name}, _cpus(opts.pin))
+    roles = _Roles(
+        spec,
+        mpctx,
+        {**env, "method": spec.name},
+        [None, None] if opts.pin is None else list(opts.pin),
+    )
     ok = False
     try:
-        result.startup_s = roles.expect("ready", 180.0)[1]
+        _, result.startup_s, pinger_cpus = roles.expect("ready", 180.0)
+        result.cpus = {"pinger": pinger_cpus, "ponger": roles.ponger_cpus}
         if opts.idle_s > 0 and spec.idle_cpu and spec.ponger is not None:
             progress.update(f"{spec.name}: idle CPU of a blocked receiver ({opts.idle_s:g} s)")
             roles.send(("idle", opts.idle_s))
@@ -544,7 +503,7 @@ def _run_method(
                 cell = CellResult(**msg[1])
                 result.cells[nbytes] = cell
                 progress.line(
-                    f"{spec.name:>14} {format_size(nbytes):>8}: round trip "
+                    f"{spec.name:>19} {format_size(nbytes):>8}: round trip "
                     f"{cell.rtt_median_ns / 1000:,.1f} µs (p99 {cell.rtt_p99_ns / 1000:,.1f}), "
                     f"one-way {cell.oneway_median_ns / 1000:,.1f} µs "
                     f"[{cell.reps} x {cell.per_rep}, {cell.elapsed_s:.1f} s]"
@@ -593,117 +552,86 @@ def _load_plugins() -> None:
                 raise
 
 
-def _select(names: str | None, with_baselines: bool) -> list[MethodSpec]:
+PENDING_METHODS = ("shmrdv_send", "shmrdv_send_pending")
+
+
+def _select(names: str | None, with_baselines: bool, mode: str | None = None) -> list[MethodSpec]:
+    """The methods to run: ``names`` (comma-separated, aliases allowed) with their
+    baselines, or every method of ``mode`` (None: the default run)."""
     if not names:
-        return list(peers.METHODS.values())
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
+        if mode == "pending":
+            names = ",".join(PENDING_METHODS)
+        else:
+            return [m for m in peers.METHODS.values() if m.mode == mode]
+    wanted = [peers.ALIASES.get(n.strip(), n.strip()) for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in peers.METHODS]
     if unknown:
         raise ValueError(
             f"unknown method(s) {', '.join(unknown)}; known: {', '.join(peers.METHODS)}"
         )
+    wrong_mode = [n for n in wanted if peers.METHODS[n].mode not in (None, mode)]
+    if wrong_mode:
+        raise ValueError(
+            f"method(s) {', '.join(wrong_mode)} need --{peers.METHODS[wrong_mode[0]].mode}"
+        )
     if with_baselines:
-        for base in ("mp_pipe_oob", "memcpy"):
+        extra = [peers.METHODS[n].baseline for n in wanted]
+        for base in ("mp_pipe_oob", "memcpy", *(b for b in extra if b is not None)):
             if base not in wanted:
                 wanted.insert(0, base)
-    return [peers.METHODS[n] for n in wanted]
+    return [peers.METHODS[n] for n in dict.fromkeys(wanted)]
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
-    parser.description = (
-        "Measure handing numpy arrays between two processes: shmrdv and its peers, "
-        "round trip and one-way, per size. Tables go to stdout, progress to stderr."
-    )
-    parser.add_argument(
-        "--methods", help="comma-separated methods (default: all available; see --list)"
-    )
-    parser.add_argument(
-        "--no-baselines",
-        action="store_true",
-        help="with --methods: do not add memcpy and mp_pipe_oob, the ratios' baselines",
-    )
-    parser.add_argument(
-        "--sizes", help=f"comma-separated sizes with k/m/g suffixes (default {DEFAULT_SIZES})"
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"about a minute: sizes {QUICK_SIZES}, 3 repetitions, short budgets",
-    )
-    parser.add_argument(
-        "--reps", type=int, help="repetitions per size (default 5, 3 at >= 64 MiB or with --quick)"
-    )
-    parser.add_argument(
-        "--budget",
-        type=float,
-        help="seconds of timed handoffs per (method, size) (default 2, --quick 0.25)",
-    )
-    parser.add_argument(
-        "--gap-us",
-        type=float,
-        default=50.0,
-        help="spin between handoffs so the receiver blocks again (default 50)",
-    )
-    parser.add_argument(
-        "--idle-seconds",
-        type=float,
-        help="idle-CPU probe of a blocked receiver, 0 to skip (default 2, --quick 1)",
-    )
-    parser.add_argument(
-        "--pin",
-        choices=("none", "cross", "same"),
-        default="none",
-        help="pin pinger/ponger to CPUs 0/1 (cross) or both to 0 (same)",
-    )
-    parser.add_argument(
-        "--json", metavar="FILE", help="write every figure and the machine description as JSON"
-    )
-    parser.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        help="draw median round trip vs size, log-log (needs matplotlib)",
-    )
-    parser.add_argument(
-        "--list", action="store_true", help="list the methods and whether they can run, then exit"
-    )
-    # The load and soak runs (issue 6 §3) are sub-modes sharing --json; see load.py, soak.py.
-    from . import load, soak
-
-    load.add_arguments(parser)
-    soak.add_arguments(parser)
-    return parser
+    """Add the bench options to ``parser`` and return it (see ``options.build_parser``)."""
+    return options.build_parser(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; the exit status (130 when interrupted)."""
-    want_load = getattr(args, "load", False)
-    want_soak = getattr(args, "soak", None) is not None
-    if want_load and want_soak:
-        print("shmrdv bench: --load and --soak are separate runs; give one", file=sys.stderr)
+    modes = [
+        flag
+        for flag, wanted in (
+            ("--load", args.load),
+            ("--soak", args.soak is not None),
+            ("--python-cost", args.python_cost),
+            ("--pending", args.pending is not None),
+            ("--fan-in", args.fan_in is not None),
+        )
+        if wanted
+    ]
+    if len(modes) > 1:
+        print(f"shmrdv bench: {' and '.join(modes)} are separate runs; give one", file=sys.stderr)
         return 2
-    if want_load:
+    if modes == ["--load"]:
         from .load import run_cli as run_load
 
         return run_load(args)
-    if want_soak:
+    if modes == ["--soak"]:
         from .soak import run_cli as run_soak
 
         return run_soak(args)
+    if modes == ["--fan-in"]:
+        from .fanin import run_cli as run_fanin
+
+        return run_fanin(args)
+    if modes == ["--python-cost"]:
+        from .pycost import run_cli as run_pycost
+
+        return run_pycost(args)
     _load_plugins()
     if args.list:
         for spec in peers.METHODS.values():
             why = spec.available()
-            print(f"{spec.name:>14}  {'ok' if why is None else 'skipped: ' + why:<30} {spec.label}")
+            print(f"{spec.name:>19}  {'ok' if why is None else 'skipped: ' + why:<30} {spec.label}")
         return 0
     try:
-        sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
-        specs = _select(args.methods, not args.no_baselines)
+        default_sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
+        sizes = args.sizes or parse_sizes("64" if args.pending else default_sizes)
+        specs = _select(args.methods, not args.no_baselines, "pending" if args.pending else None)
+        pin = pin_cpus(args.pin)
     except ValueError as e:
         print(f"shmrdv bench: {e}", file=sys.stderr)
-        return 2
-    if not sizes:
-        print("shmrdv bench: no sizes", file=sys.stderr)
         return 2
     if args.plot:
         try:
@@ -717,7 +645,7 @@ def run(args: argparse.Namespace) -> int:
         budget_s=args.budget if args.budget is not None else (0.25 if args.quick else 2.0),
         gap_ns=int(args.gap_us * 1000),
         idle_s=args.idle_seconds if args.idle_seconds is not None else (1.0 if args.quick else 2.0),
-        pin=args.pin,
+        pin=pin,
         quick=args.quick,
     )
     prefix = f"shmrdv_bench{os.getpid()}_"
@@ -731,13 +659,15 @@ def run(args: argparse.Namespace) -> int:
         "budget_s": opts.budget_s,
         "gap_us": opts.gap_ns / 1000,
         "idle_s": opts.idle_s,
-        "pin": opts.pin,
+        "pin_cpus": list(opts.pin) if opts.pin else None,
         "quick": opts.quick,
+        "pending": args.pending or 0,
         "prefix": prefix,
         "summary": (
             f"sizes {', '.join(format_size(n) for n in sizes)}; repetitions {reps_text}; "
             f"{opts.budget_s:g} s of timed handoffs per cell; {opts.gap_ns / 1000:g} µs gap; "
-            f"pin {opts.pin}; idle probe {opts.idle_s:g} s"
+            f"{_pin_text(opts.pin)}; idle probe {opts.idle_s:g} s"
+            + (f"; {args.pending:,} receives pending in *_pending" if args.pending else "")
         ),
     }
     bench = BenchRun(
@@ -754,6 +684,7 @@ def run(args: argparse.Namespace) -> int:
         "prefix": prefix,
         "scratch_dir": scratch,
         "max_nbytes": max(sizes),
+        "pending": args.pending or 0,
     }
     status = 0
     previous = signal.getsignal(signal.SIGTERM)
@@ -769,6 +700,7 @@ def run(args: argparse.Namespace) -> int:
                 status="skipped",
                 receiver_array=spec.receiver_array,
                 fixed_nbytes=spec.fixed_nbytes,
+                baseline=spec.baseline,
             )
             bench.methods.append(result)
             why = spec.available()
@@ -807,6 +739,15 @@ def run(args: argparse.Namespace) -> int:
         plot_run(bench, args.plot)
         progress.line(f"wrote {args.plot}")
     return status
+
+
+def _pin_text(pin: tuple[int, int] | None) -> str:
+    if pin is None:
+        return "not pinned"
+    return (
+        f"pinger (producer) on CPU {pin[0]}, ponger (consumer) on CPU {pin[1]}; "
+        f"one-process methods on CPU {pin[0]}"
+    )
 
 
 def _sigterm_to_interrupt(signum: int, frame: Any) -> None:

@@ -49,7 +49,7 @@ def _sweep(prefix: str, shared: Mapping[str, Any]) -> None:
 
 
 def _transports(method: str) -> tuple[str, ...] | None:
-    return ("grpc",) if method == "shmrdv_grpc" else None
+    return ("grpc",) if method.startswith("shmrdv_grpc") else None
 
 
 class _Pinger:
@@ -99,6 +99,12 @@ class _Ponger:
         )
         self._rdv = self._w.rendezvous(0)
         self._data, self._ack = _keys()
+        if ctx.method.endswith("_pending"):
+            # Issue 15 §1: a consumer with many receives posted on keys not sent yet
+            # (a step with many edges); each handoff must not cost more for them.
+            a, b = PINGER_TASK + "/device:CPU:0", PONGER_TASK + "/device:CPU:0"
+            for i in range(ctx.pending):
+                self._rdv.recv_future(shmrdv.create_key(a, 0, b, f"bench_pending_{i}"))
 
     def serve(self, handler: Handler) -> None:
         while not handler.done:
@@ -158,6 +164,31 @@ for _spec in (
         make_shared=_shared,
         sweep=_sweep,
         group="shmrdv",
+        baseline="grpc_pull",  # RecvTensor is a pull: compared with a raw pull (issue 12)
+        receiver_array="writable, the consumer's own",
+    ),
+    MethodSpec(
+        "shmrdv_send_pending",
+        "shmrdv_send with --pending N other receives waiting in the consumer on unsent keys",
+        shmrdv_pinger,
+        shmrdv_ponger,
+        make_shared=_shared,
+        sweep=_sweep,
+        group="shmrdv",
+        baseline="shmrdv_send",
+        mode="pending",
+        receiver_array="writable view, the consumer's own",
+    ),
+    MethodSpec(
+        "shmrdv_grpc_pending",
+        "shmrdv_grpc with --pending N other receives waiting in the consumer on unsent keys",
+        shmrdv_pinger,
+        shmrdv_ponger,
+        make_shared=_shared,
+        sweep=_sweep,
+        group="shmrdv",
+        baseline="shmrdv_grpc",
+        mode="pending",
         receiver_array="writable, the consumer's own",
     ),
 ):

@@ -49,8 +49,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .load import ChildFailed, ChildGroup, ChildTimeout
-from .report import format_size
+from . import options
+from .children import ChildFailed, ChildGroup, ChildTimeout, wait_for_close
+from .common import format_size, parse_size
 
 __all__ = [
     "COUNT_SERIES",
@@ -60,7 +61,6 @@ __all__ = [
     "SeriesReport",
     "SoakConfig",
     "SoakResult",
-    "add_arguments",
     "analyse",
     "format_soak",
     "process_sample",
@@ -104,9 +104,9 @@ _MIN_RATE = 100.0  # handoffs per second below which a run counts as wedged
 class SoakConfig:
     """What a soak run does (see the module docstring for ``batch`` and ``lag``)."""
 
-    handoffs: int = 200_000
+    handoffs: int = options.SOAK_HANDOFFS
     keys: int = 4
-    max_size: int = 256 << 10
+    max_size: int = parse_size(options.SOAK_MAX_SIZE)
     samples: int = 20
     warmup_fraction: float = 0.1
     growth_fraction: float = 0.05
@@ -212,14 +212,6 @@ def process_sample(namespace: str, handoffs: int, worker: Any = None) -> dict[st
 # -- the two processes ------------------------------------------------------------------------
 
 
-def _wait_for_close(conn: Connection) -> None:
-    try:
-        while conn.recv()[0] != "close":
-            pass
-    except (EOFError, OSError):
-        pass
-
-
 def _stamp(buf: npt.NDArray[Any], i: int) -> None:
     buf[:8].view(np.int64)[0] = i
     buf[-8:].view(np.int64)[0] = i
@@ -269,7 +261,7 @@ def _producer(conn: Connection, cfg: SoakConfig, namespace: str, go: Any) -> Non
                 conn.send(("progress", n))
         elapsed = (time.monotonic_ns() - t0) / 1e9
         conn.send(("done", {"samples": samples, "elapsed_s": elapsed, "stats": w.stats()}))
-        _wait_for_close(conn)
+        wait_for_close(conn)
         w.cleanup(_STEP)
     conn.send(("bye",))
 
@@ -324,7 +316,7 @@ def _consumer(conn: Connection, cfg: SoakConfig, namespace: str, go: Any) -> Non
                 },
             )
         )
-        _wait_for_close(conn)
+        wait_for_close(conn)
         w.cleanup(_STEP)
     conn.send(("bye",))
 
@@ -594,30 +586,8 @@ def format_soak(r: SoakResult) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--soak`` options of ``shmrdv bench``."""
-    d = SoakConfig()
-    parser.add_argument(
-        "--soak",
-        type=int,
-        nargs="?",
-        const=d.handoffs,
-        metavar="N",
-        help=f"instead: the soak run, N handoffs (default {d.handoffs:,}); RSS, descriptors, "
-        "threads and /dev/shm sampled, slopes reported",
-    )
-    parser.add_argument(
-        "--soak-max-size",
-        default="256k",
-        metavar="SIZE",
-        help="largest soak message (default 256k)",
-    )
-
-
 def config_from_args(args: argparse.Namespace) -> SoakConfig:
-    from .runner import parse_size
-
-    return SoakConfig(handoffs=args.soak, max_size=parse_size(args.soak_max_size))
+    return SoakConfig(handoffs=args.soak, max_size=args.soak_max_size)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -630,7 +600,7 @@ def run_cli(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m shmrdv._bench.soak``: the soak alone (same options as ``--soak``)."""
     parser = argparse.ArgumentParser(prog="shmrdv bench --soak")
-    add_arguments(parser)
+    options.add_soak_arguments(parser)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     if args.soak is None:
