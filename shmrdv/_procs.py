@@ -256,9 +256,10 @@ class ChildGroup:
         self.children[name] = child
         return child
 
-    def check_alive(self) -> None:
-        """``ChildFailed`` if a child died with a failure or reported an error meanwhile."""
-        for child in self.children.values():
+    def check_alive(self, names: Iterable[str] | None = None) -> None:
+        """``ChildFailed`` if a child (of ``names``, default all) failed or sent anything meanwhile."""
+        chosen = self.children.values() if names is None else [self.children[n] for n in names]
+        for child in chosen:
             if child.poll():
                 try:
                     msg = child.conn.recv()
