@@ -198,10 +198,10 @@ class Child:
                 os.kill(self.pid, sig)
 
     def stop(self, grace: float) -> bool:
-        """Join within ``grace`` s, then SIGTERM, then SIGKILL; True if it had to be stopped."""
-        stopped = reap([self], grace) > 0
+        """Close the pipe (a child in ``wait_for_close`` or ``recv`` sees EOF and returns),
+        join within ``grace`` s, then SIGTERM, then SIGKILL; True if it had to be stopped."""
         self.close()
-        return stopped
+        return reap([self], grace) > 0
 
     def close(self) -> None:
         """Close the parent's end of the pipe (idempotent); the process is left alone."""
@@ -280,8 +280,8 @@ class ChildGroup:
         return sum(1 for c in self.children.values() if c.process.exitcode is None)
 
     def reap(self, grace: float) -> int:
-        """Stop every child (join within ``grace``, then SIGTERM, then SIGKILL); how many were stopped."""
-        stopped = reap(self.children.values(), grace)
+        """Stop every child (close its pipe, join within ``grace``, then SIGTERM, then SIGKILL);
+        how many had to be stopped."""
         for child in self.children.values():
             child.close()
-        return stopped
+        return reap(self.children.values(), grace)

@@ -132,3 +132,11 @@ def test_group_reaps_everything_and_check_alive_names_the_failure() -> None:
         group["a"].send(("close",))
         assert group.reap(10) == 0
         assert group.alive() == 0
+
+
+def test_stop_closes_the_pipe_so_a_waiting_child_exits_by_itself() -> None:
+    child = Child("waiter", _silent)
+    t0 = time.monotonic()
+    assert not child.stop(20)  # EOF ended wait_for_close: no signal needed
+    assert child.process.exitcode == 0
+    assert time.monotonic() - t0 < 20
