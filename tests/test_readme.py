@@ -50,6 +50,8 @@ def test_readme_has_python_examples() -> None:
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
 def test_readme_example_runs(index: int, tmp_path: Path) -> None:
     block = _python_blocks()[index]
+    if re.search(r"^import torch$", block, re.M):
+        pytest.importorskip("torch")  # the "PyTorch users" example runs where torch is
     env = dict(os.environ)
     env.pop("SHMRDV_NAMESPACE", None)
     if "def test_" in block:
@@ -113,3 +115,9 @@ def test_readme_cli_table_says_plot_needs_the_plot_extra() -> None:
 def test_readme_cli_table_explains_the_two_hosts_comparison() -> None:
     row = _cli_table()["demo"]
     assert "--hosts 2" in row and "network path" in row and "same-host" in row, row
+
+
+def test_readme_pytorch_section_has_a_torch_example() -> None:
+    body = _section("PyTorch users")
+    (block,) = re.findall(r"```python\n(.*?)```", body, re.S)
+    assert ".numpy()" in block and "torch.from_numpy" in block
