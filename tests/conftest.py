@@ -35,11 +35,10 @@ def _resource_tracker() -> None:
 
 
 @pytest.fixture
-def ns() -> Iterator[str]:
-    """A fresh namespace; whatever dead workers left in it is collected afterwards."""
-    import shmrdv
+def ns(shmrdv_namespace: str) -> Iterator[str]:
+    """The plugin's fresh ``shmrdv_namespace``; what dead workers left in it is collected
+    afterwards (a test that kills a producer leaves its tensors for ``gc``)."""
     from shmrdv._shm.registry import collect
 
-    token = shmrdv.new_namespace()
-    yield token
-    collect(token)
+    yield shmrdv_namespace
+    collect(shmrdv_namespace)

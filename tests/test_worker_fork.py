@@ -39,9 +39,8 @@ def _child_echo(ns: str, results: Any) -> None:
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_worker_in_child_of_each_start_method(method: str) -> None:
+def test_worker_in_child_of_each_start_method(method: str, ns: str) -> None:
     ctx: Any = mp.get_context(method)
-    ns = shmrdv.new_namespace()
     with shmrdv.Worker(PARENT, namespace=ns) as parent:
         results = ctx.Queue()
         proc = ctx.Process(target=_child_echo, args=(ns, results))
@@ -90,9 +89,8 @@ def _child_use_inherited(worker: shmrdv.Worker, results: Any) -> None:
     results.put(outcomes)
 
 
-def test_worker_inherited_across_fork_is_refused() -> None:
+def test_worker_inherited_across_fork_is_refused(ns: str) -> None:
     ctx = mp.get_context("fork")
-    ns = shmrdv.new_namespace()
     with shmrdv.Worker(PARENT, namespace=ns) as parent:
         parent.rendezvous(7)
         objects_before = sorted(e for e in os.listdir(SHM_DIR) if ns in e)
