@@ -197,11 +197,12 @@ class Child:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
-    def stop(self, grace: float) -> bool:
+    def stop(self, grace: float, term_wait: float = 5.0) -> bool:
         """Close the pipe (a child in ``wait_for_close`` or ``recv`` sees EOF and returns),
-        join within ``grace`` s, then SIGTERM, then SIGKILL; True if it had to be stopped."""
+        join within ``grace`` s, then SIGTERM, then (``term_wait`` s later) SIGKILL; True
+        if it had to be stopped."""
         self.close()
-        return reap([self], grace) > 0
+        return reap([self], grace, term_wait) > 0
 
     def close(self) -> None:
         """Close the parent's end of the pipe (idempotent); the process is left alone."""
@@ -210,10 +211,15 @@ class Child:
             self.conn.close()
 
 
-def reap(children: Iterable[Child | multiprocessing.process.BaseProcess], grace: float) -> int:
+def reap(
+    children: Iterable[Child | multiprocessing.process.BaseProcess],
+    grace: float,
+    term_wait: float = 5.0,
+) -> int:
     """Join every process within ``grace`` s in all, then SIGTERM, then SIGKILL the rest.
 
-    Returns how many had to be terminated. Each wait is bounded (5 s after a signal).
+    Returns how many had to be terminated. Each wait is bounded: ``term_wait`` s after
+    SIGTERM (time for ``with`` blocks to close), 5 s after SIGKILL.
     """
     procs = [c.process if isinstance(c, Child) else c for c in children]
     deadline = time.monotonic() + grace
@@ -222,8 +228,9 @@ def reap(children: Iterable[Child | multiprocessing.process.BaseProcess], grace:
     stopped = [p for p in procs if p.exitcode is None]
     for p in stopped:
         p.terminate()
+    term_deadline = time.monotonic() + term_wait
     for p in stopped:
-        p.join(5)
+        p.join(max(0.0, term_deadline - time.monotonic()))
         if p.exitcode is None:
             p.kill()
             p.join(5)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import shmrdv
+from shmrdv._cli import main
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -86,47 +87,52 @@ def test_cli_demo_bad_arguments_exit_2() -> None:
     assert run("demo", "--size", "lots", timeout=60).returncode == 2
 
 
+def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run ``shmrdv argv`` in this process; it must be a usage error (exit 2): its stderr."""
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("size", ["4x", "lots", "0", "2"])
-def test_cli_demo_bad_size_is_usage_error_with_an_example(size: str) -> None:
-    proc = run("demo", "--size", size, timeout=60)
-    assert proc.returncode == 2
-    assert "usage: shmrdv demo" in proc.stderr
-    assert "argument --size" in proc.stderr and repr(size) in proc.stderr
-    assert "e.g." in proc.stderr and "4m" in proc.stderr, proc.stderr
+def test_cli_demo_bad_size_is_usage_error_with_an_example(
+    size: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = usage_error(capsys, "demo", "--size", size)
+    assert "usage: shmrdv demo" in err
+    assert "argument --size" in err and repr(size) in err
+    assert "e.g." in err and "4m" in err, err
 
 
 @pytest.mark.parametrize(
     "argv",
     [["ls", "--bogus"], ["gc", "--json"], ["namespace", "-x"], ["demo", "--nope", "1"]],
 )
-def test_cli_unknown_flag_prints_the_subcommands_usage(argv: list[str]) -> None:
-    proc = run(*argv, timeout=60)
-    assert proc.returncode == 2
-    assert f"usage: shmrdv {argv[0]} " in proc.stderr, proc.stderr
-    assert f"unrecognized arguments: {' '.join(argv[1:])}" in proc.stderr
+def test_cli_unknown_flag_prints_the_subcommands_usage(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = usage_error(capsys, *argv)
+    assert f"usage: shmrdv {argv[0]} " in err, err
+    assert f"unrecognized arguments: {' '.join(argv[1:])}" in err
 
 
-def test_cli_serve_without_cluster_or_namespace_is_a_usage_error() -> None:
-    env = dict(os.environ)
-    for var in ("TF_CONFIG", "SHMRDV_NAMESPACE"):
-        env.pop(var, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "shmrdv", "serve", "--task", "/job:s/task:0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert "usage: shmrdv serve" in proc.stderr
+def test_cli_serve_without_cluster_or_namespace_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.delenv("SHMRDV_NAMESPACE", raising=False)
+    err = usage_error(capsys, "serve", "--task", "/job:s/task:0")
+    assert "usage: shmrdv serve" in err
     for needed in ("TF_CONFIG", "--cluster", "--namespace", "SHMRDV_NAMESPACE"):
-        assert needed in proc.stderr, (needed, proc.stderr)
+        assert needed in err, (needed, err)
 
 
-def test_cli_serve_bad_cluster_json_is_a_usage_error() -> None:
-    proc = run("serve", "--task", "/job:s/task:0", "--cluster", "{nope", "--namespace", "x" * 26)
-    assert proc.returncode == 2
-    assert "--cluster is not JSON" in proc.stderr and "e.g." in proc.stderr
+def test_cli_serve_bad_cluster_json_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(
+        capsys, "serve", "--task", "/job:s/task:0", "--cluster", "{nope", "--namespace", "x" * 26
+    )
+    assert "--cluster is not JSON" in err and "e.g." in err
 
 
 @pytest.mark.parametrize(

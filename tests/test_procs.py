@@ -92,9 +92,9 @@ def test_stop_terminates_then_kills_a_child_that_ignores_sigterm() -> None:
     child = Child("stubborn", _ignores_sigterm)
     child.expect("ready", 30)
     t0 = time.monotonic()
-    assert child.stop(0.1)  # had to be stopped
+    assert child.stop(0.1, term_wait=0.5)  # had to be stopped
     assert child.process.exitcode == -signal.SIGKILL
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 6
 
 
 def test_sigterm_unwinds_the_child_so_its_finally_blocks_run(tmp_path: object) -> None:
