@@ -137,7 +137,15 @@ def test_cli_serve_bad_cluster_json_is_a_usage_error(capsys: pytest.CaptureFixtu
 
 @pytest.mark.parametrize(
     "argv",
-    [["namespace"], ["ls"], ["ls", "--json"], ["gc", "--dry-run"], ["--help"], ["ls", "--help"]],
+    [
+        ["namespace"],
+        ["ls"],
+        ["ls", "--json"],
+        ["gc", "--dry-run"],
+        ["--help"],
+        ["ls", "--help"],
+        ["demo", "--frames", "2", "--size", "4k", "--stages", "1", "--no-baseline"],
+    ],
 )
 def test_cli_exits_quietly_when_its_output_pipe_closes(argv: list[str]) -> None:
     # As `shmrdv ls | head -1`: the reader is gone before (or while) the command writes.
