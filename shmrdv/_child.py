@@ -9,9 +9,7 @@ exception, which is re-raised in the parent.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import multiprocessing.connection
-import os
 import signal
 import threading
 import traceback
@@ -22,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import UnavailableError
+from ._procs import Child, ChildFailed, ChildTimeout
 from ._received import Received
 
 __all__ = ["ChildError", "ChildWorker"]
@@ -44,7 +43,7 @@ def _child_main(
     except BaseException as e:  # report why it could not start
         conn.send(("err", _portable(e)))
         return
-    conn.send(("ok", (os.getpid(), worker.incarnation, worker.address)))
+    conn.send(("ok", (worker.incarnation, worker.address)))
     with worker:
         while True:
             try:
@@ -130,27 +129,22 @@ class ChildWorker:
         reply_timeout: float = _DEFAULT_REPLY_S,
         **worker_kwargs: Any,
     ) -> None:
-        ctx: Any = mp.get_context(start_method)
         self.task = task
         self._reply_timeout = reply_timeout
         self._lock = threading.Lock()
-        parent, child = ctx.Pipe()
-        self._conn = parent
-        self._proc = ctx.Process(
-            target=_child_main, args=(child, task, worker_kwargs), name=f"shmrdv-child {task}"
+        self._child = Child(
+            f"shmrdv-child {task}", _child_main, task, worker_kwargs, start_method=start_method
         )
-        self._proc.daemon = True
-        self._proc.start()
-        child.close()
+        self.pid = self._child.pid
         self._closed = False
         try:
-            self.pid, self.incarnation, self.address = self._reply("start")
+            self.incarnation, self.address = self._reply("start")
         except BaseException:
             self.kill()
             raise
 
     def __repr__(self) -> str:
-        return f"<ChildWorker {self.task} pid={self._proc.pid} alive={self._proc.is_alive()}>"
+        return f"<ChildWorker {self.task} pid={self.pid} alive={self.process.is_alive()}>"
 
     def __enter__(self) -> ChildWorker:
         return self
@@ -160,15 +154,15 @@ class ChildWorker:
 
     def _reply(self, what: str, timeout: float | None = None) -> Any:
         t = self._reply_timeout if timeout is None else timeout
-        if not self._conn.poll(t):
-            raise TimeoutError(
-                f"child {self.task} (pid {self._proc.pid}) did not answer {what!r} within {t:g}s"
-            )
         try:
-            status, payload = self._conn.recv()
-        except (EOFError, OSError) as e:
+            status, payload = self._child.recv(t, f"answer to {what!r}")
+        except ChildTimeout:
+            raise TimeoutError(
+                f"child {self.task} (pid {self.pid}) did not answer {what!r} within {t:g}s"
+            ) from None
+        except ChildFailed as e:
             raise UnavailableError(
-                f"child {self.task} (pid {self._proc.pid}) died during {what!r} (exit code {self._proc.exitcode})"
+                f"child {self.task} (pid {self.pid}) died during {what!r} ({e})"
             ) from e
         if status == "err":
             raise payload
@@ -179,9 +173,9 @@ class ChildWorker:
             if self._closed:
                 raise UnavailableError(f"child {self.task} is closed")
             try:
-                self._conn.send((cmd, args))
-            except (BrokenPipeError, OSError) as e:
-                raise UnavailableError(f"child {self.task} (pid {self._proc.pid}) is gone") from e
+                self._child.send((cmd, args))
+            except ChildFailed as e:
+                raise UnavailableError(f"child {self.task} (pid {self.pid}) is gone") from e
             return self._reply(cmd, timeout)
 
     def send(self, key: str, value: Any, *, is_dead: bool = False, step: int = 0) -> None:
@@ -212,36 +206,25 @@ class ChildWorker:
         return _ChildProducer(self, step, allocate)
 
     @property
-    def process(self) -> Any:
-        return self._proc
+    def process(self) -> multiprocessing.process.BaseProcess:
+        return self._child.process
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the child (only the child we started, by its pid)."""
-        if self._proc.pid is not None and self._proc.exitcode is None:
-            try:
-                os.kill(self._proc.pid, sig)
-            except ProcessLookupError:
-                pass
+        self._child.signal(sig)
         if sig in (signal.SIGKILL, signal.SIGTERM):
-            self._proc.join(10)
+            self.process.join(10)
             self._closed = True
-            self._conn.close()
+            self._child.close()
 
     def close(self, timeout: float = 10.0) -> None:
         """Close the child's Worker and wait for the process; kill it if it does not exit."""
         with self._lock:
-            if self._closed:
-                self._proc.join(timeout)
-                return
-            self._closed = True
-            try:
-                self._conn.send(("close", ()))
-                if self._conn.poll(timeout):
-                    self._conn.recv()
-            except (BrokenPipeError, EOFError, OSError):
-                pass
-            self._conn.close()
-        self._proc.join(timeout)
-        if self._proc.exitcode is None:
-            self._proc.kill()
-            self._proc.join(timeout)
+            if not self._closed:
+                self._closed = True
+                try:
+                    self._child.send(("close", ()))
+                    self._child.recv(timeout, "answer to 'close'")
+                except ChildFailed:
+                    pass  # gone already, or hung: stop() below ends it
+        self._child.stop(timeout)

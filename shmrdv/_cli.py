@@ -1,7 +1,8 @@
 """The ``shmrdv`` command: demo, bench, ls, gc, serve, namespace.
 
 Exit codes: 0 success, 1 the command ran and failed (a check failed, leftovers found),
-2 bad usage (argparse's own code). Errors go to stderr; results to stdout.
+2 bad usage (argparse's own code), 141 the reader of the output went away (as a command
+killed by SIGPIPE, silently). Errors go to stderr; results to stdout.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from ._sizes import format_size
 from ._version import __version__
 
 __all__ = ["main"]
@@ -26,12 +28,8 @@ def _cmd_namespace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt_size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)  # pragma: no cover
+# What a shell reports for a command killed by SIGPIPE (128 + 13).
+_EXIT_PIPE_CLOSED = 141
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
@@ -53,7 +51,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         alive = "?" if o.alive is None else ("yes" if o.alive else "no")
         what = o.task or o.key or o.name
         print(
-            f"{o.kind:9} {o.namespace:27} {step:>6} {_fmt_size(o.size):>10} {pid:>8} {alive:5} "
+            f"{o.kind:9} {o.namespace:27} {step:>6} {format_size(o.size):>10} {pid:>8} {alive:5} "
             f"{o.age_s:7.1f}s  {what}"
         )
     return 0
@@ -65,32 +63,45 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     removed = collect(args.namespace, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for o in removed:
-        print(f"{verb} {o.kind} {o.name} ({_fmt_size(o.size)})")
+        print(f"{verb} {o.kind} {o.name} ({format_size(o.size)})")
     total = sum(o.size for o in removed)
     print(
-        f"{verb} {len(removed)} object(s), {_fmt_size(total)}; objects of live namespaces untouched"
+        f"{verb} {len(removed)} object(s), {format_size(total)}; objects of live namespaces untouched"
     )
     return 0
 
 
+_SERVE_NEEDS = (
+    "give --task and --cluster JSON, or a TF_CONFIG holding both; and --namespace "
+    "or $SHMRDV_NAMESPACE (python3 -m shmrdv namespace makes one)"
+)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from ._cluster import ClusterSpec
+    from ._namespace import ENV_VAR
     from ._worker import Worker
 
+    usage: argparse.ArgumentParser = args.parser
+    missing = []
+    if not args.cluster and not os.environ.get("TF_CONFIG"):
+        missing.append("no --cluster and TF_CONFIG is not set")
+    if not args.namespace and not os.environ.get(ENV_VAR):
+        missing.append(f"no --namespace and ${ENV_VAR} is not set")
+    if missing:
+        usage.error(f"{'; '.join(missing)}: {_SERVE_NEEDS}")
     if args.cluster:
         try:
             spec = json.loads(args.cluster)
         except ValueError as e:
-            print(f"shmrdv serve: --cluster is not JSON: {e}", file=sys.stderr)
-            return 2
+            usage.error(f'--cluster is not JSON ({e}); e.g. \'{{"worker": ["hostA:2222"]}}\'')
         cluster = ClusterSpec(spec)
         task = args.task
     else:
         cluster = ClusterSpec.from_tf_config()
         task = args.task or ClusterSpec.tf_config_task()
     if not task:
-        print("shmrdv serve: give --task (or a TF_CONFIG with a task)", file=sys.stderr)
-        return 2
+        usage.error(f"no task: {_SERVE_NEEDS}")
     token = os.environ.get("SHMRDV_TOKEN") or None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -114,7 +125,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     from ._bench.options import build_parser  # the options only: the benchmarks load on use
 
     build_parser(p)
-    p.set_defaults(func=_run_bench)
+    p.set_defaults(func=_run_bench, parser=p)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -130,7 +141,7 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "demo", help="run a multi-process pipeline over shmrdv and compare with mp.Queue"
     )
     build_parser(p)
-    p.set_defaults(func=_run_demo)
+    p.set_defaults(func=_run_demo, parser=p)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -156,12 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--namespace", help="only this namespace")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_cmd_ls)
+    p.set_defaults(func=_cmd_ls, parser=p)
 
     p = sub.add_parser("gc", help="remove the objects of namespaces in which no worker is alive")
     p.add_argument("--namespace", help="only this namespace")
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
-    p.set_defaults(func=_cmd_gc)
+    p.set_defaults(func=_cmd_gc, parser=p)
 
     p = sub.add_parser(
         "serve", help="run a Worker for one task of a cluster (manual cross-host use)"
@@ -173,21 +184,48 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster",
         help='cluster spec as JSON, e.g. \'{"worker": ["hostA:2222", "hostB:2222"]}\' (default: TF_CONFIG)',
     )
-    p.add_argument("--namespace", help="namespace token (default: $SHMRDV_NAMESPACE)")
-    p.set_defaults(func=_cmd_serve)
+    p.add_argument(
+        "--namespace",
+        help="namespace token shared by the job's workers (default: $SHMRDV_NAMESPACE)",
+    )
+    p.set_defaults(func=_cmd_serve, parser=p)
 
     p = sub.add_parser(
         "namespace", help="print a fresh namespace token (export SHMRDV_NAMESPACE=...)"
     )
-    p.set_defaults(func=_cmd_namespace)
+    p.set_defaults(func=_cmd_namespace, parser=p)
     return parser
 
 
+def _quiet_stdout() -> None:
+    """After the reader of stdout went away: send what is left to /dev/null, so that the
+    interpreter's final flush does not print "Exception ignored ... BrokenPipeError"."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit: a closed pipe shows up in the try
+    except BrokenPipeError:
+        _quiet_stdout()
+        return _EXIT_PIPE_CLOSED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from ._errors import RendezvousError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse would blame the top-level parser; the flag belongs to the subcommand.
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         rc: int = args.func(args)
     except RendezvousError as e:

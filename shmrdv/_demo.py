@@ -5,6 +5,10 @@ transform them, a sink checks and counts them. Every hop is a rendezvous key bet
 Workers: frame ``i`` goes producer -> stage ``i % N`` -> sink. With ``--hosts 2`` the
 producer is a group of its own that the others may reach only through gRPC (loopback),
 as if it ran on another host.
+
+Every process is a ``shmrdv._procs.Child``: it dies with the demo, and the demo closes
+them in order: the consumers first, then the producer they pull from, so that no gRPC
+channel sees its server go away (no "GOAWAY ... Cancelling all calls" log line).
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import sys
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
+from ._procs import ChildFailed, ChildGroup, ChildTimeout, reap, wait_for_close
+from ._sizes import EXAMPLE, parse_size
 
 __all__ = ["build_parser", "run"]
 
@@ -28,10 +35,17 @@ def _dev(task: int) -> str:
     return f"/job:{_JOB}/replica:0/task:{task}/device:CPU:0"
 
 
-def _parse_size(text: str) -> int:
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(t[-1:], 1)
-    return int(float(t[:-1] if t[-1:] in "kmg" else t) * mult)
+def _frame_size(text: str) -> int:
+    """argparse ``type`` for ``--size``: a usage error with an example when it is not one."""
+    try:
+        size = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if size < 4:
+        raise argparse.ArgumentTypeError(
+            f"frame size {text!r} is less than one float32 (4 bytes); give {EXAMPLE}"
+        )
+    return size
 
 
 def _shape_for(size: int) -> tuple[int, int]:
@@ -45,6 +59,7 @@ def _expected(i: int) -> float:
 
 
 # -- shmrdv roles (top-level functions: spawn pickles them by name) ------------------------
+# Each runs in a Child: ``conn`` is its control pipe; after its work it waits for "close".
 
 
 def _transports(role_group: str, hosts: int) -> tuple[str, ...] | None:
@@ -54,25 +69,39 @@ def _transports(role_group: str, hosts: int) -> tuple[str, ...] | None:
 
 
 def _producer(
-    ns: str, frames: int, shape: tuple[int, int], stages: int, hosts: int, barrier: Any
+    conn: Connection,
+    ns: str,
+    frames: int,
+    shape: tuple[int, int],
+    stages: int,
+    hosts: int,
+    go: Any,
 ) -> None:
     import shmrdv
 
     with shmrdv.Worker(_dev(0), namespace=ns, transports=_transports("A", hosts)) as w:
         rdv = w.rendezvous(0)
         keys = [shmrdv.create_key(_dev(0), 0, _dev(1 + s), "frame") for s in range(stages)]
-        barrier.wait(60)
+        go.wait(60)
         for i in range(frames):
             key = keys[i % stages]
             buf = rdv.allocate(key, shape, np.float32)
             buf.fill(float(i % 1000))
             rdv.send(key, buf)
             del buf
-        barrier.wait(600)  # stay up until every frame has been taken (gRPC pulls from us)
+        # Stay up until the demo says so: with --hosts 2 the stages pull from us over gRPC,
+        # and they close their channels before we stop our server.
+        wait_for_close(conn)
 
 
 def _stage(
-    ns: str, frames: int, shape: tuple[int, int], stages: int, hosts: int, s: int, barrier: Any
+    conn: Connection,
+    ns: str,
+    frames: int,
+    shape: tuple[int, int],
+    stages: int,
+    s: int,
+    go: Any,
 ) -> None:
     import shmrdv
 
@@ -81,7 +110,7 @@ def _stage(
         rdv = w.rendezvous(0)
         src = shmrdv.create_key(_dev(0), 0, _dev(me), "frame")
         dst = shmrdv.create_key(_dev(me), 0, _dev(sink), "out")
-        barrier.wait(60)
+        go.wait(60)
         for _ in range(s, frames, stages):
             frame = rdv.recv(src, timeout=60).value
             out = rdv.allocate(dst, shape, np.float32)
@@ -90,17 +119,17 @@ def _stage(
             del frame
             rdv.send(dst, out)
             del out
-        barrier.wait(600)
+        wait_for_close(conn)  # the sink may still be taking our last frames
 
 
-def _sink(ns: str, frames: int, stages: int, progress: Any, barrier: Any) -> None:
+def _sink(conn: Connection, ns: str, frames: int, stages: int, go: Any) -> None:
     import shmrdv
 
     me = 1 + stages
     with shmrdv.Worker(_dev(me), namespace=ns) as w:
         rdv = w.rendezvous(0)
         keys = [shmrdv.create_key(_dev(1 + s), 0, _dev(me), "out") for s in range(stages)]
-        barrier.wait(60)
+        go.wait(60)
         t0 = time.perf_counter()
         last = t0
         bad = 0
@@ -112,34 +141,40 @@ def _sink(ns: str, frames: int, stages: int, progress: Any, barrier: Any) -> Non
             del v
             now = time.perf_counter()
             if now - last > 0.25 or i == frames - 1:
-                progress.put(("progress", i + 1, now - t0))
+                conn.send(("progress", i + 1, now - t0))
                 last = now
-        progress.put(("done", frames, time.perf_counter() - t0, bad))
-        barrier.wait(600)
+        conn.send(("done", frames, time.perf_counter() - t0, bad))
+        wait_for_close(conn)
 
 
 # -- the same pipeline over multiprocessing.Queue ---------------------------------------
 
 
-def _q_producer(frames: int, shape: tuple[int, int], qs: list[Any], barrier: Any) -> None:
-    barrier.wait(60)
+def _q_producer(
+    conn: Connection, frames: int, shape: tuple[int, int], qs: list[Any], go: Any
+) -> None:
+    go.wait(60)
     for i in range(frames):
         buf = np.empty(shape, np.float32)
         buf.fill(float(i % 1000))
         qs[i % len(qs)].put(buf)
+    wait_for_close(conn)
 
 
-def _q_stage(frames: int, s: int, stages: int, qin: Any, qout: Any, barrier: Any) -> None:
-    barrier.wait(60)
+def _q_stage(
+    conn: Connection, frames: int, s: int, stages: int, qin: Any, qout: Any, go: Any
+) -> None:
+    go.wait(60)
     for _ in range(s, frames, stages):
         frame = qin.get(timeout=60)
         out = frame * 0.5
         out += 1.0
         qout.put(out)
+    wait_for_close(conn)
 
 
-def _q_sink(frames: int, stages: int, qs: list[Any], progress: Any, barrier: Any) -> None:
-    barrier.wait(60)
+def _q_sink(conn: Connection, frames: int, stages: int, qs: list[Any], go: Any) -> None:
+    go.wait(60)
     t0 = time.perf_counter()
     bad = 0
     for i in range(frames):
@@ -147,32 +182,34 @@ def _q_sink(frames: int, stages: int, qs: list[Any], progress: Any, barrier: Any
         e = _expected(i)
         if not (v[0, 0] == e and v[-1, -1] == e):
             bad += 1
-    progress.put(("done", frames, time.perf_counter() - t0, bad))
+    conn.send(("done", frames, time.perf_counter() - t0, bad))
+    wait_for_close(conn)
 
 
 # -- the driver ----------------------------------------------------------------------------
 
+# Seconds a run may take, and the grace a closing process gets before it is stopped.
+_RUN_S = 300.0
+_CLOSE_S = 60.0
 
-def _run_procs(
-    procs: list[Any], progress: Any, frames: int, nbytes: int, label: str, live: bool
+
+def _run_group(
+    group: ChildGroup, frames: int, nbytes: int, label: str, live: bool
 ) -> tuple[float, int]:
-    for p in procs:
-        p.start()
-    result: tuple[float, int] | None = None
+    """Follow the sink's reports until its "done"; then close consumers before producers."""
+    sink = group["sink"]
+    others = [c.name for c in group if c is not sink]
     tty = sys.stderr.isatty()
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + _RUN_S
+    result: tuple[float, int] | None = None
     try:
         while result is None:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{label}: no result within 300 s")
+                raise RuntimeError(f"{label}: no result within {_RUN_S:g} s")
             try:
-                msg = progress.get(timeout=0.5)
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(
-                        f"{label}: process {dead[0].name} failed (exit code {dead[0].exitcode})"
-                    ) from None
+                msg = sink.recv(0.5, "progress")
+            except ChildTimeout:
+                group.check_alive(others)
                 continue
             if msg[0] == "progress" and live:
                 _, n, dt = msg
@@ -184,25 +221,29 @@ def _run_procs(
             elif msg[0] == "done":
                 _, n, dt, bad = msg
                 result = (dt, bad)
-        for p in procs:
-            p.join(60)
+    except ChildFailed as e:
+        raise RuntimeError(f"{label}: {e}") from None
     finally:
         if live and tty:
             sys.stderr.write("\n")
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-            if p.is_alive():  # pragma: no cover
-                p.kill()
-                p.join(5)
+    # Consumers close first (their gRPC channels, their Workers), then the producer.
+    for wave in ([c for c in group if c.name != "producer"], [group["producer"]]):
+        for child in wave:
+            try:
+                child.send(("close",))
+            except ChildFailed:
+                pass  # already gone: reap reports nothing more
+        reap(wave, _CLOSE_S)
     return result
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=int, default=400, help="frames to push through (default 400)")
     p.add_argument(
-        "--size", default="4m", help="frame size, e.g. 64k, 4m (default 4m float32 images)"
+        "--size",
+        type=_frame_size,
+        default="4m",
+        help="frame size, e.g. 64k, 4m, 1g (default 4m float32 images)",
     )
     p.add_argument(
         "--stages",
@@ -215,11 +256,21 @@ def build_parser(p: argparse.ArgumentParser) -> None:
         type=int,
         choices=(1, 2),
         default=1,
-        help="2: producer reachable only through gRPC (loopback)",
+        help="2: producer reachable only through gRPC (loopback), as from another host",
     )
     p.add_argument(
         "--no-baseline", action="store_true", help="skip the multiprocessing.Queue comparison"
     )
+
+
+def _comparison(ratio: float, hosts: int) -> str:
+    if hosts == 2:
+        return (
+            f"shmrdv over gRPC is {ratio:.1f}x the throughput of multiprocessing.Queue: this "
+            "compares the network path (here on loopback) with a queue that works only "
+            "within one host; without --hosts 2 the same pipeline runs over shared memory"
+        )
+    return f"shmrdv is {ratio:.1f}x the throughput of multiprocessing.Queue on this pipeline"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -230,17 +281,16 @@ def run(args: argparse.Namespace) -> int:
     if args.frames < 1 or args.stages < 1:
         print("shmrdv demo: --frames and --stages must be >= 1", file=sys.stderr)
         return 2
-    try:
-        size = _parse_size(args.size)
-    except ValueError:
-        print(f"shmrdv demo: bad --size {args.size!r}", file=sys.stderr)
-        return 2
-    shape = _shape_for(size)
+    shape = _shape_for(args.size)
     nbytes = shape[0] * shape[1] * 4
     frames, stages = args.frames, args.stages
     ctx = mp.get_context("spawn")
     ns = shmrdv.new_namespace()
-    where = "2 worker groups joined by gRPC on loopback" if args.hosts == 2 else "shared memory"
+    where = (
+        "2 worker groups joined by gRPC on loopback (as between hosts)"
+        if args.hosts == 2
+        else "shared memory"
+    )
     print(
         f"shmrdv demo: {frames} frames of {shape[0]}x{shape[1]} float32 ({nbytes / 2**20:.1f} MiB), "
         f"producer -> {stages} stage(s) -> sink, over {where}",
@@ -248,27 +298,13 @@ def run(args: argparse.Namespace) -> int:
     )
     status = 0
     try:
-        progress = ctx.Queue()
-        barrier = ctx.Barrier(stages + 2)
-        procs = [
-            ctx.Process(
-                target=_producer,
-                args=(ns, frames, shape, stages, args.hosts, barrier),
-                name="producer",
-            )
-        ]
-        procs += [
-            ctx.Process(
-                target=_stage,
-                args=(ns, frames, shape, stages, args.hosts, s, barrier),
-                name=f"stage{s}",
-            )
-            for s in range(stages)
-        ]
-        procs.append(
-            ctx.Process(target=_sink, args=(ns, frames, stages, progress, barrier), name="sink")
-        )
-        dt, bad = _run_procs(procs, progress, frames, nbytes, "shmrdv", True)
+        with ChildGroup() as group:
+            go = ctx.Barrier(stages + 2)
+            group.start("producer", _producer, ns, frames, shape, stages, args.hosts, go)
+            for s in range(stages):
+                group.start(f"stage{s}", _stage, ns, frames, shape, stages, s, go)
+            group.start("sink", _sink, ns, frames, stages, go)
+            dt, bad = _run_group(group, frames, nbytes, "shmrdv", True)
         rate = frames / dt
         print(
             f"shmrdv:                 {frames} frames in {dt:6.2f} s = {rate:8.1f} frames/s, {rate * nbytes / 1e9:6.2f} GB/s, {bad} bad"
@@ -278,34 +314,21 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_baseline:
             qs_in = [ctx.Queue(maxsize=4) for _ in range(stages)]
             qs_out = [ctx.Queue(maxsize=4) for _ in range(stages)]
-            qbarrier = ctx.Barrier(stages + 2)
-            qprog = ctx.Queue()
-            qprocs = [
-                ctx.Process(
-                    target=_q_producer, args=(frames, shape, qs_in, qbarrier), name="q-producer"
-                )
-            ]
-            qprocs += [
-                ctx.Process(
-                    target=_q_stage,
-                    args=(frames, s, stages, qs_in[s], qs_out[s], qbarrier),
-                    name=f"q-stage{s}",
-                )
-                for s in range(stages)
-            ]
-            qprocs.append(
-                ctx.Process(
-                    target=_q_sink, args=(frames, stages, qs_out, qprog, qbarrier), name="q-sink"
-                )
-            )
-            qdt, qbad = _run_procs(qprocs, qprog, frames, nbytes, "multiprocessing.Queue", False)
+            with ChildGroup() as group:
+                go = ctx.Barrier(stages + 2)
+                group.start("producer", _q_producer, frames, shape, qs_in, go)
+                for s in range(stages):
+                    group.start(f"stage{s}", _q_stage, frames, s, stages, qs_in[s], qs_out[s], go)
+                group.start("sink", _q_sink, frames, stages, qs_out, go)
+                qdt, qbad = _run_group(group, frames, nbytes, "multiprocessing.Queue", False)
+            for q in qs_in + qs_out:
+                q.close()
+                q.join_thread()
             qrate = frames / qdt
             print(
                 f"multiprocessing.Queue:  {frames} frames in {qdt:6.2f} s = {qrate:8.1f} frames/s, {qrate * nbytes / 1e9:6.2f} GB/s, {qbad} bad"
             )
-            print(
-                f"shmrdv is {qdt / dt:.1f}x the throughput of multiprocessing.Queue on this pipeline"
-            )
+            print(_comparison(qdt / dt, args.hosts))
             if qbad:
                 status = 1
     finally:

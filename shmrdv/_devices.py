@@ -6,8 +6,9 @@ string prefixes: TensorFlow's ``IsLocalDevice`` is a prefix test, under which
 ``/job:w/replica:0/task:1`` wrongly owns ``/job:w/replica:0/task:10/...``
 (research/tf_rendezvous.md §2.3).
 
-The grammar follows ``DeviceNameUtils::ParseFullName`` and ``ParseLocalName``
-(tensorflow/core/util/device_name_utils.cc), see ``DeviceName.parse``.
+The grammar follows ``DeviceNameUtils::ParseFullName`` (``DeviceName.parse``) and, kept
+apart as in TensorFlow, ``ParseLocalName`` (``DeviceName.parse_local``, the bare
+``CPU:0`` form), tensorflow/core/util/device_name_utils.cc.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = ["DeviceName", "parse_full_name"]
 # ASCII-only on purpose: ``[A-Za-z]`` is a literal range, unlike ``\w``.
 _IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _DIGITS = re.compile(r"[0-9]+")
+_LOCAL = re.compile(r"[A-Za-z][A-Za-z0-9_]*:[0-9]+")
 
 # TensorFlow keeps these fields in an ``int``; we cap at int64 so that every parsed number
 # fits TensorFlow's wire types and ``int()`` never sees a string long enough to hit
@@ -96,25 +98,39 @@ class DeviceName:
 
     @classmethod
     def parse(cls, name: str) -> DeviceName:
-        """Parse a device name, full, partial, legacy or local; raise ``InvalidArgumentError``.
+        """Parse a full, partial or legacy device name; raise ``InvalidArgumentError``.
 
-        Accepted, as TensorFlow's ``DeviceNameUtils::ParseFullName``:
+        Accepts exactly what TensorFlow's ``DeviceNameUtils::ParseFullName`` accepts:
 
         * ``/job:<job>``, ``/replica:<n>``, ``/task:<n>``, ``/device:<TYPE>`` with an
           optional ``:<n>``, in any order (TensorFlow loops while a part matches); a
           repeated part overrides the earlier one, as in TensorFlow;
-        * legacy ``/cpu:<n>``, ``/CPU:<n>``, ``/gpu:<n>``, ``/GPU:<n>`` (type ``CPU``/``GPU``);
-        * ``*`` for any value, meaning unset; ``""`` and ``"/"`` (everything unset);
+        * legacy ``/cpu:<n>``, ``/CPU:<n>``, ``/gpu:<n>``, ``/GPU:<n>`` (type ``CPU``/``GPU``;
+          only these four: ``/device:gpu:0`` keeps its lower-case type ``gpu``, as there);
+        * ``*`` for any value, meaning unset; ``""`` and ``"/"`` (everything unset).
 
-        and, as ``ParseLocalName``, a bare local name ``<TYPE>:<n>`` such as ``CPU:0``.
-        Job and type names match ``[A-Za-z][A-Za-z0-9_]*``; numbers are ASCII decimal
-        digits up to 2**63-1. Results are cached (this is on the send/recv hot path).
-        Any other input, including a non-``str``, raises ``InvalidArgumentError`` whose
-        message quotes the name and says which part is wrong.
+        Every part starts with ``/``: ``gpu:3`` or ``CPU:0`` is refused here (it is a
+        local name, read by ``parse_local``). Job and type names match
+        ``[A-Za-z][A-Za-z0-9_]*``; numbers are ASCII decimal digits up to 2**63-1
+        (TensorFlow reads them into an ``int``). Results are cached (this is on the
+        send/recv hot path). Any other input, including a non-``str``, raises
+        ``InvalidArgumentError`` whose message quotes the name and says which part is wrong.
         """
         if type(name) is not str:
             raise InvalidArgumentError(f"a device name must be a str, not {type(name).__name__}")
-        return _parse_cached(name, True)
+        return _parse_cached(name)
+
+    @classmethod
+    def parse_local(cls, name: str) -> DeviceName:
+        """Parse a bare local device name ``<TYPE>:<n>`` such as ``CPU:0``.
+
+        TensorFlow's ``DeviceNameUtils::ParseLocalName``: a type, ``:`` and a number, no
+        wildcard, nothing else; job, replica and task stay unset. Raises
+        ``InvalidArgumentError`` otherwise (a name starting with ``/`` is ``parse``'s).
+        """
+        if type(name) is not str:
+            raise InvalidArgumentError(f"a device name must be a str, not {type(name).__name__}")
+        return _parse_local(name)
 
     def __str__(self) -> str:
         """Canonical form, as TensorFlow's ``ParsedNameToString``: set parts only.
@@ -185,15 +201,9 @@ _UNSET = DeviceName(None, None, None, None, None)
 
 
 def parse_full_name(name: str) -> DeviceName:
-    """Parse as ``DeviceNameUtils::ParseFullName`` only: no bare local ``TYPE:id`` form.
-
-    Used for the device parts of rendezvous keys, where TensorFlow's ``ParseKey``
-    accepts exactly what ``ParseFullName`` accepts. Cached; raises
-    ``InvalidArgumentError`` as ``DeviceName.parse``.
-    """
-    if type(name) is not str:
-        raise InvalidArgumentError(f"a device name must be a str, not {type(name).__name__}")
-    return _parse_cached(name, False)
+    """``DeviceName.parse``: the device parts of rendezvous keys, which TensorFlow's
+    ``Rendezvous::ParseKey`` reads with ``ParseFullName``."""
+    return DeviceName.parse(name)
 
 
 def _error(name: str, what: str) -> InvalidArgumentError:
@@ -238,12 +248,14 @@ def _token(name: str, pos: int, stops: str) -> tuple[str, int]:
 
 def _parse_local(name: str) -> DeviceName:
     """TensorFlow ``ParseLocalName``: exactly ``<TYPE>:<n>``, no wildcard."""
+    if name.startswith("/"):
+        raise _error(
+            name, "a local name is <TYPE>:<n> (like CPU:0), without a leading '/' (that is parse's)"
+        )
     type_token, pos = _token(name, 0, "/:")
     if _IDENT.fullmatch(type_token) is None:
         raise _error(
-            name,
-            "expected a name starting with '/' (like /job:w/replica:0/task:0/device:CPU:0) "
-            "or a local name <TYPE>:<n> (like CPU:0)",
+            name, "expected a local name <TYPE>:<n> (like CPU:0), TYPE [A-Za-z][A-Za-z0-9_]*"
         )
     if not name.startswith(":", pos):
         raise _error(name, f"local name {_quote(type_token)} lacks ':<n>' (like CPU:0)")
@@ -253,12 +265,19 @@ def _parse_local(name: str) -> DeviceName:
     return DeviceName(None, None, None, type_token, _parse_number(name, id_token, "device id"))
 
 
-def _parse_uncached(name: str, allow_local: bool) -> DeviceName:
+def _parse_uncached(name: str) -> DeviceName:
     # TensorFlow: ``"/"`` alone is "no details"; the empty string falls out of the loop.
     if name in ("", "/"):
         return _UNSET
-    if allow_local and not name.startswith("/"):
-        return _parse_local(name)
+    if not name.startswith("/"):
+        hint = ""
+        if _LOCAL.fullmatch(name):
+            hint = f"; {_quote(name)} is a local name: DeviceName.parse_local reads it"
+        raise _error(
+            name,
+            "a device name starts with '/' (like /job:w/replica:0/task:0/device:CPU:0 "
+            f"or /device:GPU:3){hint}",
+        )
     job: str | None = None
     replica: int | None = None
     task: int | None = None

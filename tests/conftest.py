@@ -1,6 +1,14 @@
-"""The project's own tests use shmrdv's pytest plugin with its leak check always on."""
+"""The project's own tests use shmrdv's pytest plugin with its leak check always on.
+
+Shared fixtures: ``ns`` (a fresh namespace, what dead workers left in it collected
+afterwards) and a session-wide start of multiprocessing's resource tracker. Shared
+functions are in ``tests/helpers.py``.
+"""
 
 from __future__ import annotations
+
+import multiprocessing.resource_tracker
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,3 +22,23 @@ def pytest_configure(config: pytest.Config) -> None:
 
         config.pluginmanager.register(shmrdv.pytest_plugin, "shmrdv")
     config.option.shmrdv = True
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _resource_tracker() -> None:
+    """Start multiprocessing's resource tracker before any leak check counts children.
+
+    The first ``spawn`` starts it, and it lives as long as this process: started inside a
+    test, the per-test leak check would see a new child.
+    """
+    multiprocessing.resource_tracker.ensure_running()
+
+
+@pytest.fixture
+def ns(shmrdv_namespace: str) -> Iterator[str]:
+    """The plugin's fresh ``shmrdv_namespace``; what dead workers left in it is collected
+    afterwards (a test that kills a producer leaves its tensors for ``gc``)."""
+    from shmrdv._shm.registry import collect
+
+    yield shmrdv_namespace
+    collect(shmrdv_namespace)

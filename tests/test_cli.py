@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 import shmrdv
+from shmrdv._cli import main
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -66,17 +68,125 @@ def test_cli_demo_two_hosts_over_grpc() -> None:
         "1",
         "--hosts",
         "2",
-        "--no-baseline",
         timeout=170,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "gRPC" in proc.stdout and "0 bad" in proc.stdout
     assert "leftover" not in proc.stderr
+    # Consumers close their channels before the producer stops its server: grpc core has
+    # nothing to log ("Got goaway ... Cancelling all calls").
+    assert "goaway" not in proc.stderr.lower(), proc.stderr
+    assert "chttp2" not in proc.stderr, proc.stderr
+    # The ratio is explained: the network path against a same-host queue.
+    last = proc.stdout.strip().splitlines()[-1]
+    assert "network path" in last and "within one host" in last, last
 
 
 def test_cli_demo_bad_arguments_exit_2() -> None:
     assert run("demo", "--frames", "0", timeout=60).returncode == 2
     assert run("demo", "--size", "lots", timeout=60).returncode == 2
+
+
+def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run ``shmrdv argv`` in this process; it must be a usage error (exit 2): its stderr."""
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", ["4x", "lots", "0", "2"])
+def test_cli_demo_bad_size_is_usage_error_with_an_example(
+    size: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = usage_error(capsys, "demo", "--size", size)
+    assert "usage: shmrdv demo" in err
+    assert "argument --size" in err and repr(size) in err
+    assert "e.g." in err and "4m" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["ls", "--bogus"], ["gc", "--json"], ["namespace", "-x"], ["demo", "--nope", "1"]],
+)
+def test_cli_unknown_flag_prints_the_subcommands_usage(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = usage_error(capsys, *argv)
+    assert f"usage: shmrdv {argv[0]} " in err, err
+    assert f"unrecognized arguments: {' '.join(argv[1:])}" in err
+
+
+def test_cli_serve_without_cluster_or_namespace_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.delenv("SHMRDV_NAMESPACE", raising=False)
+    err = usage_error(capsys, "serve", "--task", "/job:s/task:0")
+    assert "usage: shmrdv serve" in err
+    for needed in ("TF_CONFIG", "--cluster", "--namespace", "SHMRDV_NAMESPACE"):
+        assert needed in err, (needed, err)
+
+
+def test_cli_serve_bad_cluster_json_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(
+        capsys, "serve", "--task", "/job:s/task:0", "--cluster", "{nope", "--namespace", "x" * 26
+    )
+    assert "--cluster is not JSON" in err and "e.g." in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["namespace"],
+        ["ls"],
+        ["ls", "--json"],
+        ["gc", "--dry-run"],
+        ["--help"],
+        ["ls", "--help"],
+        ["demo", "--frames", "2", "--size", "4k", "--stages", "1", "--no-baseline"],
+    ],
+)
+def test_cli_exits_quietly_when_its_output_pipe_closes(argv: list[str]) -> None:
+    # As `shmrdv ls | head -1`: the reader is gone before (or while) the command writes.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "shmrdv", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.stderr == "", proc.stderr
+    assert proc.returncode in (0, 141)
+
+
+def test_cli_ls_with_many_objects_into_head_exits_quietly() -> None:
+    # More than a pipe buffer (64 KiB) of listing; head reads one line and goes away.
+    with contextlib.ExitStack() as stack:
+        for i in range(90):
+            ns = shmrdv.new_namespace()
+            stack.enter_context(shmrdv.Worker(f"/job:many/task:{i}", namespace=ns))
+        proc = subprocess.run(
+            [sys.executable, "-m", "shmrdv", "ls", "--json"],
+            stdout=subprocess.PIPE,
+            timeout=60,
+        )
+        assert len(proc.stdout) > 65536, len(proc.stdout)
+        piped = subprocess.run(
+            f"{sys.executable} -m shmrdv ls --json | head -c 10 >/dev/null; echo ${{PIPESTATUS[0]}}",
+            shell=True,
+            executable="/bin/bash",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert piped.stderr == "", piped.stderr
+    assert piped.stdout.strip() == "141"
 
 
 def test_cli_ls_and_gc_see_only_dead_namespaces() -> None:

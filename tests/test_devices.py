@@ -37,8 +37,6 @@ D = DeviceName
         ("/job:w/task:01", D("w", None, 1, None, None)),
         ("/job:a/job:b", D("b", None, None, None, None)),  # TensorFlow: a repeated part overrides
         ("/cpu:0/device:GPU", D(None, None, None, "GPU", None)),
-        ("CPU:0", D(None, None, None, "CPU", 0)),
-        ("XLA_GPU:12", D(None, None, None, "XLA_GPU", 12)),
         (f"/task:{2**63 - 1}", D(None, None, 2**63 - 1, None, None)),
         ("/task:" + "0" * 5000 + "7", D(None, None, 7, None, None)),
     ],
@@ -75,13 +73,15 @@ def test_parse_accepts_tensorflow_forms(name: str, expected: DeviceName) -> None
         ("/cpu:", "device id is empty"),
         ("/Cpu:0", "unexpected '/Cpu:0'"),
         ("/cpu:0x", "device id '0x'"),
-        ("job:w", "device id 'w'"),  # no leading '/': tried as a local name TYPE:n
-        ("CPU", "local name 'CPU' lacks ':<n>'"),
-        ("CPU:*", "takes no '*' id"),
-        ("CPU:-1", "device id '-1'"),
-        ("CPU:0/job:w", "device id '0/job:w'"),
-        ("0:0", "expected a name starting with '/'"),
-        (" /cpu:0", "expected a name starting with '/'"),
+        # TensorFlow's ParseFullName: every part starts with '/'. A local name is refused,
+        # and pointed at parse_local (ParseLocalName) when it is one.
+        ("gpu:3", "starts with '/'"),
+        ("gpu:3", "'gpu:3' is a local name: DeviceName.parse_local reads it"),
+        ("CPU:0", "DeviceName.parse_local"),
+        ("job:w", "starts with '/'"),
+        ("CPU", "starts with '/'"),
+        ("0:0", "starts with '/'"),
+        (" /cpu:0", "starts with '/'"),
     ],
 )
 def test_parse_rejects_with_message_naming_the_part(name: str, fragment: str) -> None:
@@ -108,12 +108,52 @@ def test_parse_non_str_raises_invalid_argument(bad: object) -> None:
         parse_full_name(bad)  # type: ignore[arg-type]
 
 
-def test_parse_full_name_rejects_local_form() -> None:
-    # Keys use ParseFullName only (TensorFlow Rendezvous::ParseKey); "CPU:0" is not one.
-    assert DeviceName.parse("CPU:0") == D(None, None, None, "CPU", 0)
-    with pytest.raises(InvalidArgumentError, match="unexpected 'CPU:0'"):
+def test_parse_full_name_is_parse() -> None:
+    # Keys use ParseFullName (TensorFlow Rendezvous::ParseKey), as DeviceName.parse does.
+    with pytest.raises(InvalidArgumentError, match="starts with '/'"):
         parse_full_name("CPU:0")
     assert parse_full_name("/cpu:0") == D(None, None, None, "CPU", 0)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("CPU:0", D(None, None, None, "CPU", 0)),
+        ("XLA_GPU:12", D(None, None, None, "XLA_GPU", 12)),
+        ("gpu:3", D(None, None, None, "gpu", 3)),  # ParseLocalName keeps the case
+        ("CPU:007", D(None, None, None, "CPU", 7)),
+    ],
+)
+def test_parse_local_accepts_tensorflow_local_names(name: str, expected: DeviceName) -> None:
+    assert DeviceName.parse_local(name) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("/cpu:0", "without a leading '/'"),
+        ("/device:CPU:0", "without a leading '/'"),
+        ("CPU", "local name 'CPU' lacks ':<n>'"),
+        ("CPU:*", "takes no '*' id"),
+        ("CPU:-1", "device id '-1'"),
+        ("CPU:0/job:w", "device id '0/job:w'"),
+        ("CPU:", "device id is empty"),
+        ("0:0", "expected a local name"),
+        ("", "expected a local name"),
+    ],
+)
+def test_parse_local_rejects_with_message_naming_the_part(name: str, fragment: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="Invalid device name") as info:
+        DeviceName.parse_local(name)
+    assert fragment in str(info.value)
+
+
+@given(st.text())
+def test_parse_refuses_every_name_without_a_leading_slash(text: str) -> None:
+    if text.startswith("/") or text == "":
+        return
+    with pytest.raises(InvalidArgumentError):
+        DeviceName.parse(text)
 
 
 def test_parse_is_cached() -> None:
@@ -185,7 +225,7 @@ def test_str_of_legacy_name_is_device_form() -> None:
 def test_equality_is_on_parsed_fields() -> None:
     assert DeviceName.parse("/cpu:0") == DeviceName.parse("/device:CPU:0")
     assert DeviceName.parse("/job:w/task:1") != DeviceName.parse("/job:w/task:10")
-    assert hash(DeviceName.parse("/CPU:0")) == hash(DeviceName.parse("CPU:0"))
+    assert hash(DeviceName.parse("/CPU:0")) == hash(DeviceName.parse_local("CPU:0"))
 
 
 def test_task_part_has_only_set_parts() -> None:

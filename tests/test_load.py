@@ -123,6 +123,7 @@ def test_check_message_catches_reorder_duplicate_corruption_and_wrong_key() -> N
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_load_scaled_down_all_delivered_fifo_no_duplicates() -> None:
     cfg = LoadConfig(messages=2_000, producers=4, keys=100, max_size=256 << 10)
     r = run_load(cfg)
@@ -140,6 +141,7 @@ def test_load_scaled_down_all_delivered_fifo_no_duplicates() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_load_cli_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
     proc = subprocess.run(

@@ -194,6 +194,7 @@ def _recovers(producer: Host, consumer: Host) -> None:
     assert done == {"event": "done", "late": False, "ok": True, "elapsed": done["elapsed"]}
 
 
+@pytest.mark.slow
 def test_partition_while_waiting_fails_at_deadline_then_recovers(
     hosts: tuple[Hosts, Host, Host],
 ) -> None:
@@ -212,6 +213,7 @@ def test_partition_while_waiting_fails_at_deadline_then_recovers(
     _recovers(producer, consumer)
 
 
+@pytest.mark.slow
 def test_partition_mid_transfer_fails_within_deadline_then_recovers(
     hosts: tuple[Hosts, Host, Host],
 ) -> None:

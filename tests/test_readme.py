@@ -50,6 +50,8 @@ def test_readme_has_python_examples() -> None:
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
 def test_readme_example_runs(index: int, tmp_path: Path) -> None:
     block = _python_blocks()[index]
+    if re.search(r"^import torch$", block, re.M):
+        pytest.importorskip("torch")  # the "PyTorch users" example runs where torch is
     env = dict(os.environ)
     env.pop("SHMRDV_NAMESPACE", None)
     if "def test_" in block:
@@ -78,3 +80,44 @@ def test_readme_example_runs(index: int, tmp_path: Path) -> None:
         timeout=100,
     )
     assert proc.returncode == 0, f"example {index} failed:\n{proc.stdout}\n{proc.stderr}"
+
+
+def _section(title: str) -> str:
+    m = re.search(rf"^## {re.escape(title)}\s*$(.*?)(?=^## )", README, re.S | re.M)
+    assert m, f"README has no '## {title}' section"
+    return m.group(1)
+
+
+def _cli_table() -> dict[str, str]:
+    """The command line table: the command's first word -> the whole row."""
+    rows = {}
+    for line in _section("Command line").splitlines():
+        m = re.match(r"\| `(\w+)", line)
+        if m:
+            rows.setdefault(m.group(1), "")
+            rows[m.group(1)] += line
+    return rows
+
+
+def test_readme_cli_table_names_every_command_and_its_namespace_option() -> None:
+    rows = _cli_table()
+    assert set(rows) == {"demo", "bench", "ls", "gc", "serve", "namespace"}, set(rows)
+    for command in ("ls", "gc", "serve"):
+        assert "--namespace" in rows[command], rows[command]
+    assert "TF_CONFIG" in rows["serve"] and "SHMRDV_NAMESPACE" in rows["serve"]
+
+
+def test_readme_cli_table_says_plot_needs_the_plot_extra() -> None:
+    row = _cli_table()["bench"]
+    assert "--plot" in row and "matplotlib" in row and "[plot]" in row, row
+
+
+def test_readme_cli_table_explains_the_two_hosts_comparison() -> None:
+    row = _cli_table()["demo"]
+    assert "--hosts 2" in row and "network path" in row and "same-host" in row, row
+
+
+def test_readme_pytorch_section_has_a_torch_example() -> None:
+    body = _section("PyTorch users")
+    (block,) = re.findall(r"```python\n(.*?)```", body, re.S)
+    assert ".numpy()" in block and "torch.from_numpy" in block

@@ -138,6 +138,7 @@ def test_acks_go_at_most_max_acks_per_request() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_value_caught_by_the_deadline_stays_first_in_its_key(source: StepSource) -> None:
     """A large value sent just before the receive's deadline (so taken by the server and
     streamed too late) goes back to the head of its key at once: the next receive gets it,

@@ -668,6 +668,7 @@ _ARRAYS = _DTYPES.flatmap(
     ssm=st.integers(-(2**63), 2**63 - 1),
     chunk=st.integers(1, 40),
 )
+@pytest.mark.slow
 def test_round_trip_response_and_stream_property(
     arr: npt.NDArray[Any], is_dead: bool, ssm: int, chunk: int
 ) -> None:
@@ -787,6 +788,7 @@ def test_decode_request_fuzz_raises_only_shmrdv_errors(data: bytes) -> None:
     index=st.integers(0, 50),
     data=st.data(),
 )
+@pytest.mark.slow
 def test_stream_assembler_fuzz_raises_only_shmrdv_errors(
     stream: list[bytes], index: int, data: st.DataObject
 ) -> None:

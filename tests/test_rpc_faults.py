@@ -142,6 +142,7 @@ def child_starved(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_peer_killed_mid_stream_is_unavailable_without_partial_array(ns: str) -> None:
     with shmrdv.Worker(CONSUMER, namespace=ns, transports=("grpc",)) as consumer:
         producer = ChildWorker(PRODUCER, namespace=ns, transports=("grpc",))
@@ -177,6 +178,7 @@ def test_peer_killed_mid_stream_is_unavailable_without_partial_array(ns: str) ->
 # -- a peer restarted with a new incarnation -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_restarted_peer_old_incarnation_is_aborted_naming_it(ns: str) -> None:
     with shmrdv.Worker(CONSUMER, namespace=ns, transports=("grpc",)) as consumer:
         rdv = consumer.rendezvous(1)
@@ -213,6 +215,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("timeout", [0.3, 1.0, 2.5])
+@pytest.mark.slow
 def test_producer_never_started_fails_at_the_deadline(ns: str, timeout: float) -> None:
     # The cluster gives the producer an address where nothing listens: connection refused,
     # retried with backoff until the deadline.
@@ -246,6 +249,7 @@ def test_producer_started_after_the_recv_is_found(ns: str) -> None:
 
 
 @pytest.mark.parametrize("timeout", [0.5, 2.0])
+@pytest.mark.slow
 def test_producer_killed_before_recv_fails_at_the_deadline(ns: str, timeout: float) -> None:
     with shmrdv.Worker(CONSUMER, namespace=ns, transports=("grpc",)) as consumer:
         rdv = consumer.rendezvous(1)
@@ -263,6 +267,7 @@ def test_producer_killed_before_recv_fails_at_the_deadline(ns: str, timeout: flo
 
 
 @pytest.mark.parametrize("transport", ["shm", "grpc"])
+@pytest.mark.slow
 def test_fd_exhaustion_send_is_resource_exhausted_and_recovers(ns: str, transport: str) -> None:
     tr = (transport,)
     with (
@@ -290,6 +295,7 @@ def test_fd_exhaustion_send_is_resource_exhausted_and_recovers(ns: str, transpor
             rdv.recv(key, timeout=0.2)
 
 
+@pytest.mark.slow
 def test_fd_exhaustion_shm_recv_is_resource_exhausted_and_recovers(ns: str) -> None:
     with (
         shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
@@ -310,6 +316,7 @@ def test_fd_exhaustion_shm_recv_is_resource_exhausted_and_recovers(ns: str) -> N
         assert producer.recv(back, timeout=10, step=1).value.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+@pytest.mark.slow
 def test_fd_exhaustion_first_contact_is_resource_exhausted(ns: str) -> None:
     with (
         shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
@@ -337,12 +344,14 @@ def _grpc_recv_starved(ns: str) -> dict[str, Any]:
         return out
 
 
+@pytest.mark.slow
 def test_fd_exhaustion_grpc_new_channel_is_resource_exhausted(ns: str) -> None:
     out = _grpc_recv_starved(ns)
     assert out["alive"]
     assert out["starved"][0] == "ResourceExhaustedError", out
 
 
+@pytest.mark.slow
 def test_fd_exhaustion_grpc_recv_recovers_once_fds_are_back(ns: str) -> None:
     out = _grpc_recv_starved(ns)
     assert out["alive"]

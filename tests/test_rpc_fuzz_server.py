@@ -211,6 +211,7 @@ _ANY_INPUT = st.one_of(
 
 @FUZZ
 @given(data=_ANY_INPUT, which=st.sampled_from(_METHODS))
+@pytest.mark.slow
 def test_server_fuzz_answers_every_method_with_the_right_code(
     pair: Pair, data: bytes, which: tuple[str, bool]
 ) -> None:
@@ -368,6 +369,7 @@ def test_server_unknown_method_is_unimplemented(pair: Pair, method: str) -> None
     pair.still_serves()
 
 
+@pytest.mark.slow
 def test_server_garbage_in_parallel_does_not_starve_valid_calls(pair: Pair) -> None:
     bad: list[tuple[str, bytes, bool]] = []
     for i in range(100):
@@ -383,6 +385,7 @@ def test_server_garbage_in_parallel_does_not_starve_valid_calls(pair: Pair) -> N
     pair.still_serves()
 
 
+@pytest.mark.slow
 def test_server_requests_for_unused_steps_leave_no_state(pair: Pair) -> None:
     before = pair.server_stats()["outbox_steps"]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:

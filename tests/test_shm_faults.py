@@ -52,6 +52,7 @@ def send_forever(worker: shmrdv.Worker, k: str) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("delay", [0.05, 0.2, 0.5])
+@pytest.mark.slow
 def test_fault_producer_killed_while_writing_never_yields_a_half_tensor(
     ns: str, delay: float
 ) -> None:
@@ -100,6 +101,7 @@ def recv_blocked(worker: shmrdv.Worker, k: str) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("moment", ["blocked", "holding"])
+@pytest.mark.slow
 def test_fault_consumer_killed_leaves_producer_working_and_gc_collects(
     ns: str, moment: str
 ) -> None:

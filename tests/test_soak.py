@@ -87,6 +87,7 @@ def test_process_sample_reads_this_process() -> None:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.slow
 def test_soak_30000_handoffs_resources_flat_after_warmup() -> None:
     cfg = SoakConfig(handoffs=30_000, max_size=16 << 10)
     r = run_soak(cfg)
@@ -108,6 +109,7 @@ def test_soak_30000_handoffs_resources_flat_after_warmup() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_soak_cli_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     proc = subprocess.run(

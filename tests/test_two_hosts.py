@@ -82,6 +82,7 @@ def two_hosts() -> Iterator[tuple[str, str, str, str]]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_two_hosts_router_picks_grpc_across_and_shm_within(
     two_hosts: tuple[str, str, str, str], tmp_path: Path
 ) -> None:

@@ -9,29 +9,18 @@ parent's objects alone, also when the child exits.
 from __future__ import annotations
 
 import multiprocessing as mp
-import multiprocessing.resource_tracker
 import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import CONSUMER as CHILD
+from helpers import PRODUCER as PARENT
+from helpers import make_key
 
 import shmrdv
 from shmrdv._shm.naming import SHM_DIR
-
-PARENT = "/job:worker/replica:0/task:0"
-CHILD = "/job:worker/replica:0/task:1"
-
-
-def make_key(edge: str, src: str, dst: str) -> str:
-    return shmrdv.create_key(f"{src}/device:CPU:0", 0, f"{dst}/device:CPU:0", edge)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _resource_tracker() -> None:
-    """Start multiprocessing's resource tracker before the leak check looks at our children."""
-    multiprocessing.resource_tracker.ensure_running()
 
 
 def _child_echo(ns: str, results: Any) -> None:
@@ -39,9 +28,9 @@ def _child_echo(ns: str, results: Any) -> None:
     try:
         with shmrdv.Worker(CHILD, namespace=ns) as w:
             rdv = w.rendezvous(1)
-            rdv.send(make_key("hello", CHILD, PARENT), np.arange(5, dtype=np.int64))
-            got = rdv.recv(make_key("ping", PARENT, CHILD), timeout=20)
-            rdv.send(make_key("pong", CHILD, PARENT), got.value + 1)
+            rdv.send(make_key("hello", src=CHILD, dst=PARENT), np.arange(5, dtype=np.int64))
+            got = rdv.recv(make_key("ping", src=PARENT, dst=CHILD), timeout=20)
+            rdv.send(make_key("pong", src=CHILD, dst=PARENT), got.value + 1)
             del got
             w.cleanup(1)
         results.put(("ok", os.getpid()))
@@ -50,19 +39,18 @@ def _child_echo(ns: str, results: Any) -> None:
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_worker_in_child_of_each_start_method(method: str) -> None:
+def test_worker_in_child_of_each_start_method(method: str, ns: str) -> None:
     ctx: Any = mp.get_context(method)
-    ns = shmrdv.new_namespace()
     with shmrdv.Worker(PARENT, namespace=ns) as parent:
         results = ctx.Queue()
         proc = ctx.Process(target=_child_echo, args=(ns, results))
         proc.start()
         try:
             rdv = parent.rendezvous(1)
-            hello = rdv.recv(make_key("hello", CHILD, PARENT), timeout=30)
+            hello = rdv.recv(make_key("hello", src=CHILD, dst=PARENT), timeout=30)
             np.testing.assert_array_equal(hello.value, np.arange(5))
-            rdv.send(make_key("ping", PARENT, CHILD), np.full(3, 41, dtype=np.int32))
-            pong = rdv.recv(make_key("pong", CHILD, PARENT), timeout=30)
+            rdv.send(make_key("ping", src=PARENT, dst=CHILD), np.full(3, 41, dtype=np.int32))
+            pong = rdv.recv(make_key("pong", src=CHILD, dst=PARENT), timeout=30)
             assert list(pong.value) == [42, 42, 42]
             status, detail = results.get(timeout=30)
             assert status == "ok", detail
@@ -85,8 +73,8 @@ def _child_use_inherited(worker: shmrdv.Worker, results: Any) -> None:
     rdv = worker._steps[7]  # the step's rendezvous, made in the parent before the fork
     calls: dict[str, Callable[[], object]] = {
         "rendezvous": lambda: worker.rendezvous(1),
-        "send": lambda: rdv.send(make_key("x", PARENT, CHILD), np.zeros(1)),
-        "recv": lambda: rdv.recv(make_key("y", CHILD, PARENT), timeout=1),
+        "send": lambda: rdv.send(make_key("x", src=PARENT, dst=CHILD), np.zeros(1)),
+        "recv": lambda: rdv.recv(make_key("y", src=CHILD, dst=PARENT), timeout=1),
     }
     for name, call in calls.items():
         try:
@@ -101,9 +89,8 @@ def _child_use_inherited(worker: shmrdv.Worker, results: Any) -> None:
     results.put(outcomes)
 
 
-def test_worker_inherited_across_fork_is_refused() -> None:
+def test_worker_inherited_across_fork_is_refused(ns: str) -> None:
     ctx = mp.get_context("fork")
-    ns = shmrdv.new_namespace()
     with shmrdv.Worker(PARENT, namespace=ns) as parent:
         parent.rendezvous(7)
         objects_before = sorted(e for e in os.listdir(SHM_DIR) if ns in e)
@@ -128,9 +115,9 @@ def test_worker_inherited_across_fork_is_refused() -> None:
         proc.start()
         try:
             rdv = parent.rendezvous(1)
-            assert rdv.recv(make_key("hello", CHILD, PARENT), timeout=30).value[4] == 4
-            rdv.send(make_key("ping", PARENT, CHILD), np.zeros(1))
-            assert rdv.recv(make_key("pong", CHILD, PARENT), timeout=30).value[0] == 1
+            assert rdv.recv(make_key("hello", src=CHILD, dst=PARENT), timeout=30).value[4] == 4
+            rdv.send(make_key("ping", src=PARENT, dst=CHILD), np.zeros(1))
+            assert rdv.recv(make_key("pong", src=CHILD, dst=PARENT), timeout=30).value[0] == 1
             assert child_results.get(timeout=30)[0] == "ok"
         finally:
             proc.join(30)

@@ -1,0 +1,294 @@
+"""Child processes that die with their parent, each with a control pipe and bounded waits.
+
+The one process harness of the library, the demo, the benchmarks and the tests:
+
+* ``Child(name, target, *args)`` spawns ``target(conn, *args)`` in a new process. In the
+  child, SIGINT is ignored (the parent handles Ctrl-C and stops it), SIGTERM raises
+  ``SystemExit`` (so ``with Worker(...)`` blocks close), and Linux is asked to SIGTERM
+  the child when the parent dies (``PR_SET_PDEATHSIG``). If ``target`` raises, the child
+  sends ``("error", traceback_text)`` and exits 1.
+* ``Child.recv(timeout)`` waits for the next message, at most ``timeout`` seconds:
+  ``ChildTimeout`` on silence, ``ChildFailed`` on death or an ``error`` message.
+* ``Child.stop(grace)`` / ``reap(children, grace)``: join within ``grace``, then SIGTERM,
+  then SIGKILL; only the processes started here, by their pid.
+* ``ChildGroup`` holds named children and forwards to them.
+* ``wait_for_close(conn)`` in a child blocks until the parent sends ``("close",)`` or is
+  gone: the parent decides the order in which children close (consumers before the
+  producers they pull from, so that no channel sees its server go away mid-call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = [
+    "Child",
+    "ChildFailed",
+    "ChildGroup",
+    "ChildTimeout",
+    "child_setup",
+    "exit_reason",
+    "reap",
+    "wait_for_close",
+]
+
+# linux/prctl.h
+_PR_SET_PDEATHSIG = 1
+
+
+class ChildFailed(Exception):
+    """A child raised (its traceback is in the message), died, or stayed silent too long."""
+
+
+class ChildTimeout(ChildFailed):
+    """A child stayed silent longer than the wait allowed (it may still be working)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def child_setup(parent_pid: int) -> None:
+    """Run first in a child: ignore SIGINT, turn SIGTERM into ``SystemExit``, die with the parent.
+
+    ``PR_SET_PDEATHSIG`` fires when the parent *thread* exits; a child whose parent is
+    already gone (``getppid`` changed before the request took effect) exits at once.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    with contextlib.suppress(Exception):  # not Linux, or no libc symbol: best effort
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _entry(target: Callable[..., None], conn: Connection, parent_pid: int, *args: Any) -> None:
+    child_setup(parent_pid)
+    try:
+        target(conn, *args)
+    except BaseException as e:
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            raise
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        conn.close()
+
+
+def exit_reason(proc: multiprocessing.process.BaseProcess) -> str:
+    """``"still running"``, ``"exit code N"`` or ``"killed by signal N"``."""
+    code = proc.exitcode
+    if code is None:
+        return "still running"
+    return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+
+
+def wait_for_close(conn: Connection) -> None:
+    """In a child: block until the parent sends ``("close",)`` or is gone."""
+    with contextlib.suppress(EOFError, OSError):
+        while conn.recv()[0] != "close":
+            pass
+
+
+class Child:
+    """One spawned process running ``target(conn, *args)``, and the parent's end of its pipe.
+
+    ``target`` and ``args`` must pickle (spawn starts a fresh interpreter): a top-level
+    function. ``daemon=True`` (the default) also stops it when the parent exits normally;
+    a daemon cannot start children of its own. Use it as a context manager: leaving stops
+    it (``stop(grace=5)``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        target: Callable[..., None],
+        *args: Any,
+        start_method: str = "spawn",
+        daemon: bool = True,
+    ) -> None:
+        ctx: Any = multiprocessing.get_context(start_method)
+        self.name = name
+        parent, child = ctx.Pipe()
+        self.conn: Connection = parent
+        self.process: multiprocessing.process.BaseProcess = ctx.Process(
+            target=_entry, args=(target, child, os.getpid(), *args), name=name, daemon=daemon
+        )
+        try:
+            self.process.start()
+        finally:
+            child.close()  # only the child keeps its end: its death shows up here as EOF
+        self._closed = False
+
+    @property
+    def pid(self) -> int:
+        pid = self.process.pid
+        assert pid is not None  # started in __init__
+        return pid
+
+    def __repr__(self) -> str:
+        return f"<Child {self.name} pid={self.process.pid} {exit_reason(self.process)}>"
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(5.0)
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        """Send ``msg`` to the child; ``ChildFailed`` if it is gone."""
+        try:
+            self.conn.send(msg)
+        except (OSError, ValueError) as e:
+            raise ChildFailed(f"{self.name} is gone ({exit_reason(self.process)})") from e
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        """Whether a message (or EOF) is there to read, waiting at most ``timeout`` s."""
+        try:
+            return self.conn.poll(timeout)
+        except (OSError, ValueError):
+            return True  # closed: the next recv reports why
+
+    def recv(self, timeout: float, what: str = "a message") -> tuple[Any, ...]:
+        """The child's next message within ``timeout`` s.
+
+        Raises ``ChildTimeout`` if none came, ``ChildFailed`` if the child died (its exit
+        code or signal in the message) or sent ``("error", traceback)``.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if self.poll(max(0.0, min(remaining, 0.5))):
+                break
+            if self.process.exitcode is not None and not self.poll():
+                raise ChildFailed(f"{self.name} died ({exit_reason(self.process)})")
+            if remaining <= 0:
+                raise ChildTimeout(f"no {what} from {self.name} within {timeout:g} s (hung?)")
+        try:
+            msg: tuple[Any, ...] = tuple(self.conn.recv())
+        except (EOFError, OSError, ValueError):
+            self.process.join(5)
+            raise ChildFailed(f"{self.name} died ({exit_reason(self.process)})") from None
+        if msg and msg[0] == "error":
+            raise ChildFailed(f"{self.name} failed:\n{msg[1]}")
+        return msg
+
+    def expect(self, kind: str, timeout: float) -> tuple[Any, ...]:
+        """The next message, which must be of ``kind`` (its first item)."""
+        msg = self.recv(timeout, repr(kind))
+        if msg[0] != kind:
+            raise ChildFailed(f"expected {kind!r} from {self.name}, got {msg!r}")
+        return msg
+
+    def signal(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to this child (by its pid), unless it has exited."""
+        if self.process.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def stop(self, grace: float, term_wait: float = 5.0) -> bool:
+        """Close the pipe (a child in ``wait_for_close`` or ``recv`` sees EOF and returns),
+        join within ``grace`` s, then SIGTERM, then (``term_wait`` s later) SIGKILL; True
+        if it had to be stopped."""
+        self.close()
+        return reap([self], grace, term_wait) > 0
+
+    def close(self) -> None:
+        """Close the parent's end of the pipe (idempotent); the process is left alone."""
+        if not self._closed:
+            self._closed = True
+            self.conn.close()
+
+
+def reap(
+    children: Iterable[Child | multiprocessing.process.BaseProcess],
+    grace: float,
+    term_wait: float = 5.0,
+) -> int:
+    """Join every process within ``grace`` s in all, then SIGTERM, then SIGKILL the rest.
+
+    Returns how many had to be terminated. Each wait is bounded: ``term_wait`` s after
+    SIGTERM (time for ``with`` blocks to close), 5 s after SIGKILL.
+    """
+    procs = [c.process if isinstance(c, Child) else c for c in children]
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    stopped = [p for p in procs if p.exitcode is None]
+    for p in stopped:
+        p.terminate()
+    term_deadline = time.monotonic() + term_wait
+    for p in stopped:
+        p.join(max(0.0, term_deadline - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join(5)
+    return len(stopped)
+
+
+class ChildGroup:
+    """Named children started together and stopped together (``reap``)."""
+
+    def __init__(self, start_method: str = "spawn") -> None:
+        self._start_method = start_method
+        self.children: dict[str, Child] = {}
+
+    def __enter__(self) -> ChildGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reap(5.0)
+
+    def __getitem__(self, name: str) -> Child:
+        return self.children[name]
+
+    def __iter__(self) -> Iterator[Child]:
+        return iter(list(self.children.values()))
+
+    def start(self, name: str, target: Callable[..., None], *args: Any) -> Child:
+        if name in self.children:
+            raise ValueError(f"a child named {name!r} was already started")
+        child = Child(name, target, *args, start_method=self._start_method)
+        self.children[name] = child
+        return child
+
+    def check_alive(self, names: Iterable[str] | None = None) -> None:
+        """``ChildFailed`` if a child (of ``names``, default all) failed or sent anything meanwhile."""
+        chosen = self.children.values() if names is None else [self.children[n] for n in names]
+        for child in chosen:
+            if child.poll():
+                try:
+                    msg = child.conn.recv()
+                except (EOFError, OSError, ValueError):
+                    child.process.join(5)
+                    if child.process.exitcode not in (0, None):
+                        raise ChildFailed(
+                            f"{child.name} died ({exit_reason(child.process)})"
+                        ) from None
+                    continue
+                if msg[0] == "error":
+                    raise ChildFailed(f"{child.name} failed:\n{msg[1]}")
+                raise ChildFailed(f"unexpected message from {child.name}: {msg!r}")
+            if child.process.exitcode not in (0, None):
+                raise ChildFailed(f"{child.name} died ({exit_reason(child.process)})")
+
+    def alive(self) -> int:
+        return sum(1 for c in self.children.values() if c.process.exitcode is None)
+
+    def reap(self, grace: float) -> int:
+        """Stop every child (close its pipe, join within ``grace``, then SIGTERM, then SIGKILL);
+        how many had to be stopped."""
+        for child in self.children.values():
+            child.close()
+        return reap(self.children.values(), grace)

@@ -1,0 +1,142 @@
+"""shmrdv._procs: spawned children with a control pipe, bounded waits, parent-death signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+
+from shmrdv._procs import Child, ChildFailed, ChildGroup, ChildTimeout, reap, wait_for_close
+
+
+def _echo(conn: Connection) -> None:
+    while True:
+        msg = conn.recv()
+        if msg[0] == "close":
+            return
+        conn.send(("echo", *msg))
+
+
+def _raises(conn: Connection) -> None:
+    raise ValueError("bad input 42")
+
+
+def _silent(conn: Connection) -> None:
+    wait_for_close(conn)
+
+
+def _ignores_sigterm(conn: Connection) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn.send(("ready",))
+    time.sleep(60)
+
+
+def _sigterm_runs_finally(conn: Connection, path: str) -> None:
+    try:
+        conn.send(("ready",))
+        time.sleep(60)
+    finally:
+        with open(path, "w") as f:
+            f.write("closed")
+
+
+def _middle(conn: Connection) -> None:
+    grandchild = Child("grandchild", _silent)
+    conn.send(("pid", grandchild.pid))
+    time.sleep(60)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_child_messages_round_trip_and_close_cleanly() -> None:
+    with Child("echo", _echo) as child:
+        child.send(("hi", 1))
+        assert child.expect("echo", 10) == ("echo", "hi", 1)
+        child.send(("close",))
+        assert not child.stop(10)  # exited by itself
+        assert child.process.exitcode == 0
+
+
+def test_child_exception_arrives_with_its_traceback() -> None:
+    with Child("raiser", _raises) as child, pytest.raises(ChildFailed) as info:
+        child.recv(10)
+    assert "raiser failed" in str(info.value)
+    assert "ValueError: bad input 42" in str(info.value)
+
+
+def test_child_death_is_reported_with_its_signal() -> None:
+    with Child("victim", _silent) as child:
+        child.signal(signal.SIGKILL)
+        with pytest.raises(ChildFailed, match="victim died \\(killed by signal 9\\)"):
+            child.recv(10)
+
+
+def test_child_silence_is_a_bounded_timeout() -> None:
+    with Child("quiet", _silent) as child:
+        t0 = time.monotonic()
+        with pytest.raises(ChildTimeout, match=r"no 'ready' from quiet within 0\.3 s"):
+            child.expect("ready", 0.3)
+        assert time.monotonic() - t0 < 3
+
+
+def test_stop_terminates_then_kills_a_child_that_ignores_sigterm() -> None:
+    child = Child("stubborn", _ignores_sigterm)
+    child.expect("ready", 30)
+    t0 = time.monotonic()
+    assert child.stop(0.1, term_wait=0.5)  # had to be stopped
+    assert child.process.exitcode == -signal.SIGKILL
+    assert time.monotonic() - t0 < 6
+
+
+def test_sigterm_unwinds_the_child_so_its_finally_blocks_run(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "closed")
+    child = Child("unwinds", _sigterm_runs_finally, path)
+    child.expect("ready", 30)
+    assert reap([child], 0.0) == 1
+    with open(path) as f:
+        assert f.read() == "closed"
+    child.close()
+
+
+def test_a_child_dies_with_its_parent() -> None:
+    with Child("middle", _middle, daemon=False) as middle:
+        _, grandchild = middle.expect("pid", 60)
+        assert _alive(grandchild)
+        middle.signal(signal.SIGKILL)  # no chance to clean up: only PR_SET_PDEATHSIG acts
+        deadline = time.monotonic() + 20
+        while _alive(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(grandchild), f"grandchild {grandchild} outlived its parent"
+
+
+def test_group_reaps_everything_and_check_alive_names_the_failure() -> None:
+    with ChildGroup() as group:
+        group.start("a", _silent)
+        group.start("b", _raises)
+        with pytest.raises(ValueError, match="already started"):
+            group.start("a", _silent)
+        deadline = time.monotonic() + 30
+        with pytest.raises(ChildFailed, match="b failed"):
+            while time.monotonic() < deadline:
+                group.check_alive()
+                time.sleep(0.05)
+        group["a"].send(("close",))
+        assert group.reap(10) == 0
+        assert group.alive() == 0
+
+
+def test_stop_closes_the_pipe_so_a_waiting_child_exits_by_itself() -> None:
+    child = Child("waiter", _silent)
+    t0 = time.monotonic()
+    assert not child.stop(20)  # EOF ended wait_for_close: no signal needed
+    assert child.process.exitcode == 0
+    assert time.monotonic() - t0 < 20
