@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import functools
 import json
@@ -36,8 +35,8 @@ import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
-from .ownership import refuse_foreign
+from .._errors import InternalError, InvalidArgumentError
+from .ownership import open_checked, refuse_foreign
 
 if TYPE_CHECKING:
     from .naming import Names
@@ -60,10 +59,6 @@ _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 # A record is a few hundred bytes; anything much larger was not written by us.
 _MAX_RECORD_BYTES = 64 * 1024
-
-# O_NOFOLLOW: never follow a symlink planted under our name (pitfalls.md §7: glibc's shm_open
-# does the same). O_NONBLOCK: a FIFO planted under our name must not block the open.
-_OPEN_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 # How often publish() looks again when it finds a record whose lock is held: another
 # publisher may hold it for a few microseconds while it replaces a stale record.
@@ -166,20 +161,13 @@ def _read_record_fd(fd: int, where: str) -> tuple[PresenceInfo, os.stat_result]:
 
 
 def _open_record(path: str) -> int | None:
-    """Open a record for reading; None if it does not exist. Symlinks are refused."""
+    """Open a record for reading; None if it does not exist (``ownership.open_checked``:
+    never blocks; a symlink, a foreign or leased file is an ``InternalError``)."""
     try:
-        return os.open(path, _OPEN_READ_FLAGS)
+        fd, _ = open_checked(path, os.O_RDONLY, "presence record", max_size=_MAX_RECORD_BYTES)
     except FileNotFoundError:
         return None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise InternalError(f"presence record {path} is a symlink; refusing it") from e
-        if e.errno in (errno.EMFILE, errno.ENFILE):
-            raise ResourceExhaustedError(
-                f"cannot open presence record {path}: too many open files ({e.strerror}); "
-                "raise the limit (ulimit -n) or close files"
-            ) from e
-        raise InternalError(f"cannot open presence record {path}: {e}") from e
+    return fd
 
 
 def _lock_held(fd: int) -> bool:
