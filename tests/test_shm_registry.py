@@ -142,7 +142,7 @@ def test_registry_live_namespace_listed_and_kept(names: Names) -> None:
         infos = list_objects(names.namespace)
         kinds = _by_kind(infos)
         assert set(kinds) == {"presence", "bell", "message", "temp"}
-        assert all(i.namespace == names.namespace and i.alive for i in infos)
+        assert all(i.namespace == names.namespace_id and i.alive for i in infos)
         presence = kinds["presence"]
         assert presence.owner_pid == worker.proc.pid and presence.task == TASK
         assert presence.path == names.path(names.presence(TASK))
@@ -218,7 +218,7 @@ def test_registry_collect_all_namespaces(tmp_path: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX)
         assert len(list_objects(shm_dir=directory)) == 6
         removed = collect(shm_dir=directory)
-        assert {i.namespace for i in removed} == {dead.namespace}
+        assert {i.namespace for i in removed} == {dead.namespace_id}
         assert len(removed) == 3
         assert _ours(dead, directory) == set()
         assert len(_ours(live, directory)) == 3

@@ -40,7 +40,7 @@ import numpy.typing as npt
 from .._errors import InternalError, ResourceExhaustedError
 from .layout import MAGIC, MAX_KEY_BYTES, PREFIX, Header, unpack
 from .naming import SHM_DIR, Names
-from .ownership import open_checked
+from .ownership import is_ours, open_checked
 
 __all__ = ["Segment"]
 
@@ -361,9 +361,12 @@ def peek_header(path: str) -> Header | None:
 
     None if it is gone, not ours (owner, mode, not a regular file, under a lease) or holds
     no valid header (still being written, or corrupt). For listing and finding, never for
-    data. Never blocks (``open_checked``).
+    data. Never blocks (``open_checked``). Another user's file costs one ``lstat`` and is
+    never opened (a flood of planted names must stay cheap to skip).
     """
     try:
+        if not is_ours(os.stat(path, follow_symlinks=False)):
+            return None
         fd, st = open_checked(path, os.O_RDONLY, "segment")
     except (OSError, InternalError, ResourceExhaustedError):
         return None
