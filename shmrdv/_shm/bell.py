@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import posix_ipc
 
-from .._errors import InternalError
+from .._errors import InternalError, ResourceExhaustedError
 from .ownership import open_checked
 
 if TYPE_CHECKING:
@@ -86,8 +86,8 @@ class Bell:
         If the name exists and is ours (our uid, no group/other bits), it is unlinked and
         created afresh when ``replace_stale`` is true (the caller knows the previous owner is
         dead: it holds the task's presence record). Raises ``InternalError`` naming the
-        semaphore when it exists otherwise (another live owner, or squatted by another user).
-        Does not block.
+        semaphore when it exists otherwise (another live owner, or squatted by another user),
+        ``ResourceExhaustedError`` when /dev/shm is full. Does not block.
         """
         name, path = names.bell(task), names.bell_path(task)
         for attempt in (1, 2):
@@ -110,6 +110,12 @@ class Bell:
                     pass
                 continue
             except (posix_ipc.Error, OSError, ValueError) as e:
+                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise ResourceExhaustedError(
+                        f"cannot create doorbell semaphore {path} of {task}: {e.strerror}; "
+                        "/dev/shm is full (remove what dead processes left behind with "
+                        "`python -m shmrdv gc`)"
+                    ) from e
                 raise InternalError(
                     f"cannot create doorbell semaphore {path} of {task}: {e}"
                 ) from e

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import functools
 import json
@@ -35,7 +36,7 @@ import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._errors import InternalError, InvalidArgumentError
+from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from .ownership import open_checked, refuse_foreign
 
 if TYPE_CHECKING:
@@ -304,10 +305,14 @@ class Presence:
                 temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
             )
         except OSError as e:
-            raise InternalError(f"cannot create presence record {temp}: {e}") from e
+            raise _publish_error(e, temp) from e
         try:
             os.fchmod(fd, 0o600)  # umask-proof
-            os.write(fd, data)
+            try:
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.ENOSPC, "short write", temp)
+            except OSError as e:
+                raise _publish_error(e, temp) from e
             # Locked before it has its final name: no reader can ever see it unlocked.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             cls._install(temp, final, info)
@@ -419,6 +424,23 @@ class Presence:
             f"<Presence {self._info.task} pid={self._info.pid} "
             f"incarnation={self._info.incarnation:#x} {state}>"
         )
+
+
+def _publish_error(e: OSError, path: str) -> Exception:
+    """A full /dev/shm (no room, no inodes, the memory cgroup) is ``ResourceExhaustedError``
+    (issue 13 §5), anything else ``InternalError``."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG):
+        try:
+            st = os.statvfs(os.path.dirname(path))
+            free = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+        except OSError:
+            free = "unknown space free"
+        return ResourceExhaustedError(
+            f"cannot write presence record {path}: {e.strerror}; {os.path.dirname(path)} has "
+            f"{free}. In a container, give it more (docker run --shm-size=...); remove what "
+            "dead processes left behind with `python -m shmrdv gc`"
+        )
+    return InternalError(f"cannot create presence record {path}: {e}")
 
 
 def _describe_owner(fd: int, where: str) -> str:
