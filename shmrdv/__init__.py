@@ -24,6 +24,7 @@ from ._keys import ParsedKey as ParsedKey
 from ._keys import create_key as create_key
 from ._keys import parse_key as parse_key
 from ._local import LocalRendezvous as LocalRendezvous
+from ._namespace import namespace_id as namespace_id
 from ._namespace import new_namespace as new_namespace
 from ._received import Received as Received
 from ._rendezvous import Rendezvous as Rendezvous
@@ -51,6 +52,7 @@ __all__ = [
     "Worker",
     "__version__",
     "create_key",
+    "namespace_id",
     "new_namespace",
     "parse_key",
 ]

@@ -43,7 +43,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         print("no shmrdv objects in /dev/shm")
         return 0
     print(
-        f"{'kind':9} {'namespace':27} {'step':>6} {'size':>10} {'pid':>8} {'alive':5} {'age':>8}  task/key"
+        f"{'kind':9} {'namespace id':16} {'step':>6} {'size':>10} {'pid':>8} {'alive':5} "
+        f"{'age':>8}  task/key"
     )
     for o in objs:
         step = "" if o.step_id is None else str(o.step_id)
@@ -51,7 +52,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         alive = "?" if o.alive is None else ("yes" if o.alive else "no")
         what = o.task or o.key or o.name
         print(
-            f"{o.kind:9} {o.namespace:27} {step:>6} {format_size(o.size):>10} {pid:>8} {alive:5} "
+            f"{o.kind:9} {o.namespace:16} {step:>6} {format_size(o.size):>10} {pid:>8} {alive:5} "
             f"{o.age_s:7.1f}s  {what}"
         )
     return 0
@@ -165,12 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         "ls",
         help="list shmrdv objects in /dev/shm (kind, namespace, step, size, owner, alive, age)",
     )
-    p.add_argument("--namespace", help="only this namespace")
+    p.add_argument("--namespace", help="only this namespace (its token or its id)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_ls, parser=p)
 
     p = sub.add_parser("gc", help="remove the objects of namespaces in which no worker is alive")
-    p.add_argument("--namespace", help="only this namespace")
+    p.add_argument("--namespace", help="only this namespace (its token or its id)")
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     p.set_defaults(func=_cmd_gc, parser=p)
 

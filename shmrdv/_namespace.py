@@ -1,15 +1,16 @@
-"""Namespace tokens: the unguessable part of every OS object name shmrdv creates.
+"""Namespace tokens: the secret every OS object name shmrdv creates is derived from.
 
-Segments and semaphores are named ``shmrdv_<namespace>...`` in /dev/shm, which every
-local user can list. A secret random token shared by one job's workers means other
-users can neither guess a name to read nor create one first to squat it
-(DESIGN.md, "Segments are created 0600 with O_EXCL; names carry an unguessable
-namespace token").
+Segments and semaphores live in /dev/shm, which every local user can list. One job's
+workers share a secret random token; a name is ``shmrdv_<namespace id>_<kind><hash>``
+where the *namespace id* is a public digest of the token (tools list and collect by it)
+and the hash is keyed by the token, so reading a listing lets another user neither find
+the token nor predict, squat or plant a name of the job (DESIGN.md, "Names and keys").
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import re
 import secrets
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 from ._devices import _quote
 from ._errors import InvalidArgumentError
 
-__all__ = ["ENV_VAR", "new_namespace", "resolve_namespace"]
+__all__ = ["ENV_VAR", "NAMESPACE_ID_HEX", "namespace_id", "new_namespace", "resolve_namespace"]
 
 ENV_VAR = "SHMRDV_NAMESPACE"
 
@@ -28,6 +29,11 @@ _TOKEN_BYTES = 16
 # Tokens go into /dev/shm and semaphore names (NAME_MAX 255 bytes, shared with the
 # prefix and the key digest), so keep them short and to one safe alphabet.
 _VALID = re.compile(r"[a-z0-9]{8,64}")
+
+#: A namespace id is 8 bytes of blake2b (16 hex characters): enough to tell a host's jobs
+#: apart, short enough to leave room in a name; it is public, so its size is no secret.
+NAMESPACE_ID_HEX = 16
+_ID_PERSON = b"shmrdv.nsid"
 
 _HOW_TO_GET_ONE = (
     "call shmrdv.new_namespace() once per job and pass it to every Worker, "
@@ -42,6 +48,23 @@ def new_namespace() -> str:
     """
     raw = base64.b32encode(secrets.token_bytes(_TOKEN_BYTES)).decode("ascii")
     return raw.rstrip("=").lower()
+
+
+def namespace_id(token: str) -> str:
+    """The public id of the namespace ``token``: 16 lowercase hex characters.
+
+    It prefixes every object of the job in /dev/shm (``shmrdv_<id>_...``) and is what
+    ``shmrdv ls`` shows and ``shmrdv gc --namespace`` accepts; it reveals nothing that
+    helps find the token (a one-way digest of 128 random bits). Raises
+    ``InvalidArgumentError`` if ``token`` is not a valid token.
+    """
+    if token is None:
+        raise InvalidArgumentError("namespace_id() needs a namespace token, not None")
+    token = resolve_namespace(token)
+    digest = hashlib.blake2b(
+        token.encode("ascii"), digest_size=NAMESPACE_ID_HEX // 2, person=_ID_PERSON
+    )
+    return digest.hexdigest()
 
 
 def resolve_namespace(namespace: str | None, environ: Mapping[str, str] | None = None) -> str:

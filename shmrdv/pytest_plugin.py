@@ -24,12 +24,30 @@ SHM_DIR = "/dev/shm"
 
 
 def leftover_objects(prefix: str = "shmrdv_") -> set[str]:
-    """Names in /dev/shm (segments, records, ``sem.`` semaphores) that start with ``prefix``."""
+    """Names in /dev/shm (segments, records, ``sem.`` semaphores) that start with ``prefix``.
+
+    Only names shmrdv makes (``parse_name``) and files of this user count: /dev/shm is
+    world-writable, and another user's junk ``shmrdv_...`` files are neither this test's
+    leak nor for it to remove. One string parse per entry, one ``lstat`` per shmrdv name.
+    """
+    from ._shm.naming import parse_name
+
     try:
         entries = os.listdir(SHM_DIR)
     except OSError:
         return set()
-    return {e for e in entries if e.startswith(prefix) or e.startswith("sem." + prefix)}
+    uid = os.geteuid()
+    out = set()
+    for e in entries:
+        if not (e.startswith(prefix) or e.startswith("sem." + prefix)) or parse_name(e) is None:
+            continue
+        try:
+            if os.stat(os.path.join(SHM_DIR, e), follow_symlinks=False).st_uid != uid:
+                continue
+        except FileNotFoundError:
+            continue
+        out.add(e)
+    return out
 
 
 def _helper_pids() -> set[int]:
@@ -130,7 +148,7 @@ def _dead_leftovers(names: set[str]) -> set[str]:
 
 
 def _namespace_of(name: str) -> str:
-    """The namespace token in ``shmrdv_<namespace>_...`` (or ``sem.shmrdv_...``)."""
+    """The namespace id in ``shmrdv_<namespace id>_...`` (or ``sem.shmrdv_...``)."""
     return name.removeprefix("sem.").removeprefix("shmrdv_").split("_", 1)[0]
 
 

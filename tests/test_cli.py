@@ -200,7 +200,13 @@ def test_cli_ls_and_gc_see_only_dead_namespaces() -> None:
         gc = run("gc", "--namespace", ns_live, timeout=60)
         assert gc.returncode == 0
         assert "removed 0 object" in gc.stdout
-        assert run("ls", "--namespace", ns_live, timeout=60).stdout.count(ns_live) == len(objs)
+        # ls shows the public namespace id, never the token; --namespace takes either.
+        nsid = shmrdv.namespace_id(ns_live)
+        assert all(o["namespace"] == nsid and ns_live not in o["name"] for o in objs)
+        for which in (ns_live, nsid):
+            shown = run("ls", "--namespace", which, timeout=60).stdout
+            assert shown.count(nsid) == len(objs) and ns_live not in shown
+        assert run("gc", "--namespace", "NOT-A-NAMESPACE", timeout=60).returncode == 1
     # A namespace whose only worker was SIGKILLed: everything it left is collected.
     ns_dead = shmrdv.new_namespace()
     code = f"import os, shmrdv; w = shmrdv.Worker('/job:cli/task:1', namespace={ns_dead!r}); os._exit(0)"

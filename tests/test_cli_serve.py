@@ -55,7 +55,7 @@ def test_cli_serve_answers_getstatus_and_stops_cleanly_on_sigterm() -> None:
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
-    assert not [e for e in os.listdir("/dev/shm") if ns in e]
+    assert not [e for e in os.listdir("/dev/shm") if shmrdv.namespace_id(ns) in e]
 
 
 def test_cli_serve_without_task_is_usage_error() -> None:

@@ -24,6 +24,7 @@ EXPECTED = {
     "Worker",
     "__version__",
     "create_key",
+    "namespace_id",
     "new_namespace",
     "parse_key",
 }

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import pytest
 
+import shmrdv
 from shmrdv._errors import InvalidArgumentError
 from shmrdv._namespace import ENV_VAR, new_namespace, resolve_namespace
 
@@ -62,3 +64,19 @@ def test_resolve_namespace_rejects_non_str() -> None:
 def test_resolve_namespace_accepts_bounds() -> None:
     assert resolve_namespace("a" * 8) == "a" * 8
     assert resolve_namespace("9" * 64) == "9" * 64
+
+
+def test_namespace_id_is_a_public_digest_of_the_token() -> None:
+    token = new_namespace()
+    nsid = shmrdv.namespace_id(token)
+    assert re.fullmatch(r"[0-9a-f]{16}", nsid)
+    assert nsid == shmrdv.namespace_id(token)
+    assert nsid != shmrdv.namespace_id(new_namespace())
+    assert nsid == hashlib.blake2b(token.encode(), digest_size=8, person=b"shmrdv.nsid").hexdigest()
+    assert token not in nsid
+
+
+@pytest.mark.parametrize("token", [None, "", "short", "UPPER_CASE_TOKEN", 12345678])
+def test_namespace_id_rejects_what_is_not_a_token(token: object) -> None:
+    with pytest.raises(shmrdv.InvalidArgumentError, match="namespace"):
+        shmrdv.namespace_id(token)  # type: ignore[arg-type]

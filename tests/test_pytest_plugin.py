@@ -44,7 +44,8 @@ import os, shmrdv
 
 def test_leaks_a_segment(shmrdv_namespace):
     # A user's bug: an object of a namespace nobody runs any more.
-    fd = os.open(f"/dev/shm/shmrdv_{shmrdv_namespace}_tdeadbeef", os.O_CREAT | os.O_RDWR, 0o600)
+    nsid = shmrdv.namespace_id(shmrdv_namespace)
+    fd = os.open(f"/dev/shm/shmrdv_{nsid}_t{'dead' * 5}", os.O_CREAT | os.O_RDWR, 0o600)
     os.close(fd)
 
 def test_clean(shmrdv_namespace):
@@ -61,7 +62,7 @@ def test_plugin_leak_check_off_by_default(pytester: pytest.Pytester) -> None:
     import glob
     import os
 
-    for path in glob.glob("/dev/shm/shmrdv_*_tdeadbeef"):
+    for path in glob.glob("/dev/shm/shmrdv_*_t" + "dead" * 5):
         os.unlink(path)
 
 
@@ -69,4 +70,4 @@ def test_plugin_leak_check_fails_the_leaking_test(pytester: pytest.Pytester) -> 
     pytester.makepyfile(USER_TESTS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--shmrdv")
     result.assert_outcomes(passed=2, errors=1)
-    result.stdout.fnmatch_lines(["*shmrdv leak check*tdeadbeef*"])
+    result.stdout.fnmatch_lines(["*shmrdv leak check*tdeaddead*"])

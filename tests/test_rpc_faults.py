@@ -24,7 +24,7 @@ import pytest
 
 import shmrdv
 from shmrdv._child import ChildWorker
-from shmrdv._shm.naming import SHM_DIR
+from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.registry import collect
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,7 +44,7 @@ def make_key(edge: str, *, incarnation: int = 0, src: str = PRODUCER, dst: str =
 
 def ours(ns: str) -> list[str]:
     """Names of ``ns``'s objects in /dev/shm (segments, records, semaphores)."""
-    return sorted(e for e in os.listdir(SHM_DIR) if f"shmrdv_{ns}_" in e)
+    return sorted(e for e in os.listdir(SHM_DIR) if Names(ns).prefix in e)
 
 
 @pytest.fixture(scope="module", autouse=True)

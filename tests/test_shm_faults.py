@@ -16,7 +16,7 @@ import pytest
 
 import shmrdv
 from shmrdv._child import ChildWorker
-from shmrdv._shm.naming import SHM_DIR
+from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.registry import collect
 
 PRODUCER = "/job:worker/replica:0/task:0"
@@ -38,7 +38,7 @@ def ns() -> Iterator[str]:
 def ns_left(ns: str) -> list[str]:
     import os
 
-    return [e for e in os.listdir(SHM_DIR) if ns in e]
+    return [e for e in os.listdir(SHM_DIR) if Names(ns).prefix in e]
 
 
 def send_forever(worker: shmrdv.Worker, k: str) -> None:

@@ -281,8 +281,30 @@ def test_unpack_shape_too_large_for_numpy_raises_internal() -> None:
     bad = bytearray(buf)
     struct.pack_into("<2Q", bad, PREFIX.size, 0, 2**62)  # 0 elements, but numpy refuses it
     bad = _with(bad, nbytes=0)
-    with pytest.raises(InternalError, match="larger than numpy allows"):
+    with pytest.raises(InternalError, match="more than 1099511627776 elements"):
         layout.unpack(bad, len(bad))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [("|V0", (2**62,)), ("|S0", (2**40,)), ("<U0", (2**25,)), ("|V0", (2**31, 2**31))],
+)
+def test_unpack_zero_itemsize_huge_shape_raises_internal(
+    dtype: str, shape: tuple[int, ...]
+) -> None:
+    """Issue 13 §3: nbytes is 0, so only an element bound independent of the item size
+    (``_values.shape_problem``) refuses it; numpy would hang or raise MemoryError."""
+    h = _header(dtype=dtype, shape=shape)
+    assert h.nbytes == 0
+    buf = _segment(h)
+    with pytest.raises(InternalError, match=r"segment header corrupted: shape .* elements"):
+        layout.unpack(buf, len(buf))
+
+
+def test_unpack_zero_itemsize_within_bound_round_trips() -> None:
+    h = _header(dtype="|V0", shape=(1000, 3))
+    buf = _segment(h)
+    assert layout.unpack(buf, len(buf)) == h
 
 
 def test_unpack_key_not_utf8_raises_internal() -> None:

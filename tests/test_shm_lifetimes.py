@@ -24,7 +24,7 @@ import pytest
 
 import shmrdv
 from shmrdv._child import ChildWorker
-from shmrdv._shm.naming import SHM_DIR
+from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.registry import collect, list_objects
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def make_key(edge: str, *, incarnation: int = 0, src: str = PRODUCER, dst: str =
 
 def kinds(ns: str) -> list[str]:
     """The kind letters of ``ns``'s objects in /dev/shm (``b`` for doorbell semaphores)."""
-    prefix = f"shmrdv_{ns}_"
+    prefix = Names(ns).prefix
     out = []
     for e in os.listdir(SHM_DIR):
         name = e[4:] if e.startswith("sem.") else e
@@ -296,9 +296,9 @@ def test_lifetime_ls_and_gc_remove_only_dead_namespaces() -> None:
             live_before = kinds(live)
             assert "m" in live_before
 
-            out = _cli("ls", "--namespace", dead)
+            out = _cli("ls", "--namespace", shmrdv.namespace_id(dead))  # an id, or a token
             assert out.returncode == 0, out.stderr
-            lines = [ln for ln in out.stdout.splitlines() if dead in ln]
+            lines = [ln for ln in out.stdout.splitlines() if shmrdv.namespace_id(dead) in ln]
             assert {ln.split()[0] for ln in lines} >= {"bell", "message", "presence"}
             message = next(ln for ln in lines if ln.startswith("message"))
             assert " 4 " in message and " no " in message and "lost" in message
@@ -316,7 +316,7 @@ def test_lifetime_ls_and_gc_remove_only_dead_namespaces() -> None:
             out = _cli("gc", "--namespace", dead)
             assert out.returncode == 0, out.stderr
             assert kinds(dead) == []
-            assert {o.namespace for o in list_objects(live)} == {live}
+            assert {o.namespace for o in list_objects(live)} == {shmrdv.namespace_id(live)}
             # The live namespace's message is still there and still received.
             assert consumer.rendezvous(5).recv(make_key("waiting"), timeout=5).value[0] == 3
             consumer.cleanup(5)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
+import struct
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shmrdv import namespace_id
 from shmrdv._errors import InvalidArgumentError
-from shmrdv._shm.naming import MAX_SLOT, SHM_DIR, Names, ObjectName, parse_name
+from shmrdv._shm.naming import DIGEST_BYTES, MAX_SLOT, SHM_DIR, Names, ObjectName, parse_name
 
 NS = "abcdefghijklmnopqrstuvwxyz"
+NSID = namespace_id(NS)
 TASK = "/job:w/replica:0/task:1"
 KEY = (
     "/job:w/replica:0/task:0/device:CPU:0;0000000000000001;"
@@ -48,19 +52,17 @@ def test_names_all_kinds_round_trip_through_parse_name() -> None:
         parsed = parse_name(entry)
         assert parsed is not None, entry
         assert parsed.kind == kind
-        assert parsed.namespace == NS
+        assert parsed.namespace == NSID
         assert parsed.entry == entry
         assert len(entry) < 100
         assert _SAFE.fullmatch(entry.removeprefix("sem.")), entry
-        if kind in ("pool", "held", "returned"):
-            assert (parsed.incarnation, parsed.slot) == (inc, 5)
-        else:
-            assert parsed.incarnation is None and parsed.slot is None
+        # Nothing of the token, the task, the incarnation or the slot is in clear.
+        assert NS not in entry and f"{inc:016x}" not in entry and "x5" not in entry
 
 
 def test_names_bell_name_and_path_agree() -> None:
     n = _names()
-    assert n.bell(TASK).startswith("/shmrdv_" + NS + "_b")
+    assert n.bell(TASK).startswith("/shmrdv_" + NSID + "_b")
     assert n.bell_path(TASK) == f"{SHM_DIR}/sem.{n.bell(TASK)[1:]}"
     assert n.bell(TASK)[len(n.prefix) + 2 :] == n.presence(TASK)[len(n.prefix) + 1 :]
 
@@ -116,20 +118,19 @@ def test_names_out_of_range_fields_rejected() -> None:
     [
         "",
         "shmrdv_",
-        "shmrdv_" + NS,
-        "shmrdv_" + NS + "_",
-        "shmrdv_" + NS + "_z0123456789abcdef0123",
-        "shmrdv_" + NS + "_m0123456789abcdef012",  # one hex digit short
-        "shmrdv_" + NS + "_m0123456789ABCDEF0123",  # upper case
-        "shmrdv_" + NS + "_b0123456789abcdef0123",  # a bell without sem.
-        "sem.shmrdv_" + NS + "_m0123456789abcdef0123",  # sem. on a segment
-        "shmrdv_" + NS + "_p0123456789abcdefx01",  # leading zero slot
-        "shmrdv_" + NS + "_p0123456789abcdefx",
-        "shmrdv_" + NS + "_p0123456789abcdex1",
-        "shmrdv_" + NS + "_p0123456789abcdefx99999999999999999999",
-        "shmrdv_" + NS + "_p0123456789abcdefx99999999",
-        "shmrdv_SHORT_m0123456789abcdef0123",
-        "other_" + NS + "_m0123456789abcdef0123",
+        "shmrdv_" + NSID,
+        "shmrdv_" + NSID + "_",
+        "shmrdv_" + NSID + "_z0123456789abcdef0123",
+        "shmrdv_" + NSID + "_m0123456789abcdef012",  # one hex digit short
+        "shmrdv_" + NSID + "_m0123456789abcdef01234",  # one too many
+        "shmrdv_" + NSID + "_m0123456789ABCDEF0123",  # upper case
+        "shmrdv_" + NSID + "_b0123456789abcdef0123",  # a bell without sem.
+        "sem.shmrdv_" + NSID + "_m0123456789abcdef0123",  # sem. on a segment
+        "shmrdv_" + NSID + "_p0123456789abcdef0123x1",  # the old slot form
+        "shmrdv_" + NS + "_m0123456789abcdef0123",  # a token where the id belongs
+        "shmrdv_" + NSID[:-1] + "_m0123456789abcdef0123",
+        "shmrdv_" + NSID.upper() + "_m0123456789abcdef0123",
+        "other_" + NSID + "_m0123456789abcdef0123",
         "sem.other",
         "psm_1234",
     ],
@@ -141,7 +142,7 @@ def test_parse_name_foreign_entries_are_none(entry: str) -> None:
 def test_parse_name_returns_object_name() -> None:
     name = _names().pool(TASK, 1, 0)
     parsed = parse_name(name)
-    assert parsed == ObjectName(name, "pool", NS, name.rsplit("_", 1)[1][1:], 1, 0)
+    assert parsed == ObjectName(name, "pool", NSID, name.rsplit("_", 1)[1][1:])
 
 
 @given(st.text(max_size=120))
@@ -164,7 +165,7 @@ def test_names_fuzz_round_trip(ns: str, inc: int, slot: int, step: int, key: str
     for entry in names:
         parsed = parse_name(entry)
         assert parsed is not None
-        assert (parsed.namespace, parsed.incarnation, parsed.slot) == (ns, inc, slot)
+        assert parsed.namespace == n.namespace_id == namespace_id(ns)
         assert len(entry) < 100
     msg = n.message(step, key, inc, slot)
     assert len(n.presence(key or "t")) < 100
@@ -177,3 +178,55 @@ def test_names_pool_slots_differ_between_producers_of_one_incarnation() -> None:
     other = "/job:w/replica:0/task:2"
     for kind in (n.pool, n.held, n.returned):
         assert kind(TASK, 1, 0) != kind(other, 1, 0)
+
+
+def _keyed(token: str, person: bytes, data: bytes) -> str:
+    return hashlib.blake2b(
+        data, digest_size=DIGEST_BYTES, key=token.encode(), person=person
+    ).hexdigest()
+
+
+def test_names_are_keyed_by_the_token() -> None:
+    """Issue 13 §2: every part but the public id is a blake2b keyed by the token."""
+    n = _names()
+    raw = TASK.encode()
+    task = struct.pack("<Q", len(raw)) + raw
+    assert n.presence(TASK) == f"shmrdv_{NSID}_w" + _keyed(NS, b"shmrdv.task", task)
+    assert n.bell(TASK) == f"/shmrdv_{NSID}_b" + _keyed(NS, b"shmrdv.task", task)
+    slot = task + struct.pack("<QQ", 7, 3)
+    assert n.pool(TASK, 7, 3) == f"shmrdv_{NSID}_p" + _keyed(NS, b"shmrdv.pool", slot)
+    assert n.held(TASK, 7, 3) == f"shmrdv_{NSID}_h" + _keyed(NS, b"shmrdv.held", slot)
+    assert n.returned(TASK, 7, 3) == f"shmrdv_{NSID}_r" + _keyed(NS, b"shmrdv.returned", slot)
+    key = KEY.encode()
+    msg = struct.pack("<qQQQ", 1, 2, 3, len(key)) + key
+    assert n.message(1, KEY, 2, 3) == f"shmrdv_{NSID}_m" + _keyed(NS, b"shmrdv.message", msg)
+
+
+def test_names_of_another_token_share_nothing_but_their_shape() -> None:
+    """Knowing the id (or a name of one token) predicts no name of another token."""
+    a, b = _names(), Names("b" * 26)
+    for kind in (a.presence, b.presence):
+        assert kind(TASK).startswith(("shmrdv_" + a.namespace_id, "shmrdv_" + b.namespace_id))
+    pairs = [
+        (a.presence(TASK), b.presence(TASK)),
+        (a.message(1, KEY, 2, 3), b.message(1, KEY, 2, 3)),
+        (a.ring(TASK, 1, TASK), b.ring(TASK, 1, TASK)),
+        (a.pool(TASK, 1, 0), b.pool(TASK, 1, 0)),
+    ]
+    for x, y in pairs:
+        assert x.rsplit("_", 1)[1][1:] != y.rsplit("_", 1)[1][1:]
+    # An attacker who takes the visible id for a token gets other names entirely.
+    fake = Names(a.namespace_id)
+    assert fake.prefix != a.prefix and fake.presence(TASK) != a.presence(TASK)
+
+
+def test_names_slot_states_are_unlinkable() -> None:
+    """A free slot's name does not tell its held or returned name (each is keyed apart)."""
+    n = _names()
+    rests = {name.rsplit("_", 1)[1][1:] for name in (n.pool(TASK, 1, 0), n.held(TASK, 1, 0))}
+    rests.add(n.returned(TASK, 1, 0).rsplit("_", 1)[1][1:])
+    assert len(rests) == 3
+
+
+def test_names_repr_hides_the_token() -> None:
+    assert NS not in repr(_names()) and NSID in repr(_names())

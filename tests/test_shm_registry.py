@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import shmrdv
 from shmrdv._shm import layout, naming, registry
 from shmrdv._shm.bell import Bell
 from shmrdv._shm.naming import SHM_DIR, Names
@@ -142,7 +143,7 @@ def test_registry_live_namespace_listed_and_kept(names: Names) -> None:
         infos = list_objects(names.namespace)
         kinds = _by_kind(infos)
         assert set(kinds) == {"presence", "bell", "message", "temp"}
-        assert all(i.namespace == names.namespace and i.alive for i in infos)
+        assert all(i.namespace == names.namespace_id and i.alive for i in infos)
         presence = kinds["presence"]
         assert presence.owner_pid == worker.proc.pid and presence.task == TASK
         assert presence.path == names.path(names.presence(TASK))
@@ -218,7 +219,7 @@ def test_registry_collect_all_namespaces(tmp_path: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX)
         assert len(list_objects(shm_dir=directory)) == 6
         removed = collect(shm_dir=directory)
-        assert {i.namespace for i in removed} == {dead.namespace}
+        assert {i.namespace for i in removed} == {dead.namespace_id}
         assert len(removed) == 3
         assert _ours(dead, directory) == set()
         assert len(_ours(live, directory)) == 3
@@ -286,3 +287,14 @@ def test_registry_collect_skips_replaced_file(tmp_path: Path) -> None:
     assert not any(registry._unlink_if_same(e) for e in entries)
     assert len(_ours(n, directory)) == 2
     assert len(collect(shm_dir=directory)) == 2
+
+
+def test_registry_namespace_may_be_a_token_or_an_id() -> None:
+    token = shmrdv.new_namespace()
+    nsid = shmrdv.namespace_id(token)
+    assert registry.namespace_ids(token) == {nsid}
+    # 16 hex characters are also a valid token: both readings are kept.
+    assert registry.namespace_ids(nsid) == {nsid, shmrdv.namespace_id(nsid)}
+    for bad in ("", "NOT-A-NAMESPACE", "short", "0123456789abcdeF"):
+        with pytest.raises(shmrdv.InvalidArgumentError, match="namespace"):
+            registry.namespace_ids(bad)

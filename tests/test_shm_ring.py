@@ -191,7 +191,9 @@ def test_ring_messages_survive_producer_close_before_consumer_starts(ns: str) ->
     with ChildWorker(PRODUCER, namespace=ns) as producer:
         for i in range(3):
             producer.send(key("late"), np.full(7, i, dtype=np.float32), step=2)
-    rings = [e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{ns}_q")]
+    rings = [
+        e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{shmrdv.namespace_id(ns)}_q")
+    ]
     assert len(rings) == 1
     with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
         rdv = consumer.rendezvous(2)
@@ -201,13 +203,17 @@ def test_ring_messages_survive_producer_close_before_consumer_starts(ns: str) ->
             2.0,
         ]
         consumer.cleanup(2)
-    assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{ns}_q")]
+    assert not [
+        e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{shmrdv.namespace_id(ns)}_q")
+    ]
 
 
 def test_ring_meta_names_its_ends(ns: str) -> None:
     with ChildWorker(PRODUCER, namespace=ns) as producer:
         producer.send(key("m"), np.zeros(3), step=3)
-        (ring_name,) = [e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{ns}_q")]
+        (ring_name,) = [
+            e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{shmrdv.namespace_id(ns)}_q")
+        ]
         from shmrdv._shm.naming import Names
         from shmrdv._shm.segment import Segment
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import pytest
 
 import shmrdv
 from shmrdv._shm.naming import SHM_DIR, Names
-from shmrdv._shm.registry import collect
+from shmrdv._shm.registry import collect, list_objects
 
 PRODUCER = "/job:worker/replica:0/task:0"
 CONSUMER = "/job:worker/replica:0/task:1"
@@ -87,10 +88,11 @@ def ns() -> Iterator[str]:
     token = shmrdv.new_namespace()
     yield token
     # Root removes what "nobody" planted, then whatever the test's workers left for gc.
+    prefix = Names(token).prefix
     for entry in os.listdir(SHM_DIR):
-        if token in entry and os.stat(os.path.join(SHM_DIR, entry)).st_uid == NOBODY:
+        if prefix in entry and os.stat(os.path.join(SHM_DIR, entry)).st_uid == NOBODY:
             os.unlink(os.path.join(SHM_DIR, entry))
-    collect(token)
+    collect(Names(token).namespace_id)
 
 
 def plant_file(name: str) -> Planted:
@@ -191,3 +193,116 @@ def test_security_planted_presence_record_is_refused(ns: str) -> None:
             consumer.rendezvous(1).recv(make_key("squatted"), timeout=5)
         consumer.cleanup(1)
     planted.assert_untouched()
+
+
+# -- issue 13 §2: a listing of /dev/shm predicts no name of the job ------------------------
+
+
+def _plant_many(paths: str) -> None:
+    for path in paths.split("\n"):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        os.close(fd)
+
+
+def _plant_bells(names: str) -> None:
+    for name in names.split("\n"):
+        _plant_semaphore(name)
+
+
+def test_security_listing_does_not_let_a_user_squat_the_next_worker(ns: str) -> None:
+    """An attacker lists /dev/shm while task 0 of the job runs and plants the presence record
+    and doorbell of task 1 under every name it can derive from what it sees (the namespace
+    part of the names it read, taken as the token; the old unkeyed task hash). Task 1 must
+    still start. Before issue 13 the names carried the token: this planted the exact names
+    and ``Worker(task:1)`` failed with "not ours"."""
+    with shmrdv.Worker(PRODUCER, namespace=ns) as first:
+        # What the attacker sees of the job (other jobs' names, of parallel runs, left out).
+        job = Names(ns)
+        mine = {job.presence(PRODUCER), "sem." + job.bell(PRODUCER)[1:]}
+        seen = [e for e in os.listdir(SHM_DIR) if e in mine]
+        visible = {e.removeprefix("sem.").split("_")[1] for e in seen}
+        files, bells = [], []
+        for part in visible:
+            try:
+                guess = Names(part)  # the visible part, as if it were the token
+            except shmrdv.InvalidArgumentError:
+                continue
+            # With the real prefix too: the visible id plus a hash the attacker computes.
+            for prefix in {guess.prefix, f"shmrdv_{part}_"}:
+                files.append(Names.path(prefix + guess.presence(CONSUMER).rsplit("_", 1)[1]))
+                bells.append("/" + prefix + guess.bell(CONSUMER).rsplit("_", 1)[1])
+        assert files, f"nothing of the job visible in {seen}"
+        _as_nobody(_plant_many, "\n".join(sorted(set(files))))
+        _as_nobody(_plant_bells, "\n".join(sorted(set(bells))))
+        try:
+            with shmrdv.Worker(CONSUMER, namespace=ns) as second:
+                key = make_key("after-squat")
+                first.rendezvous(1).send(key, np.arange(5))
+                assert second.rendezvous(1).recv(key, timeout=5).value.tolist() == [0, 1, 2, 3, 4]
+                second.cleanup(1)
+            first.cleanup(1)
+        finally:
+            for bell in set(bells):
+                try:
+                    posix_ipc.unlink_semaphore(bell)
+                except posix_ipc.ExistentialError:
+                    pass
+
+
+#: The consumer's poll tick (``transport._TICK``): a receive may overrun by one.
+TICK_S = 0.2
+FLOOD = 20_000
+
+
+def _flood(ns: str) -> None:
+    """``FLOOD`` message-shaped and ``FLOOD // 10`` ring-shaped files of uid 65534 under the
+    job's (public) prefix."""
+    prefix = Names(ns).prefix
+    paths = [Names.path(f"{prefix}m{os.urandom(10).hex()}") for _ in range(FLOOD)]
+    paths += [Names.path(f"{prefix}q{os.urandom(10).hex()}") for _ in range(FLOOD // 10)]
+    _as_nobody(_plant_many, "\n".join(paths))
+
+
+def _timed_recv(rdv: shmrdv.Rendezvous, key: str) -> tuple[float, float]:
+    t0, cpu0 = time.monotonic(), time.process_time()
+    with pytest.raises(shmrdv.DeadlineExceededError):
+        rdv.recv(key, timeout=3)
+    took, cpu = time.monotonic() - t0, time.process_time() - cpu0
+    print(f"recv(timeout=3) among {FLOOD} junk names: {took:.2f} s, {cpu:.2f} s CPU")
+    return took, cpu
+
+
+@pytest.mark.slow
+def test_security_junk_flood_costs_a_receive_from_a_live_producer_nothing(ns: str) -> None:
+    """With the producer running, a junk flood costs a receive nothing (the transport does not
+    list /dev/shm), and ``list_objects`` skips the junk without opening it (issue 13 §2)."""
+    _flood(ns)
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        shmrdv.Worker(PRODUCER, namespace=ns, incarnation=INCARNATION) as producer,
+    ):
+        took, _ = _timed_recv(consumer.rendezvous(1), make_key("never-sent"))
+        assert took < 3 + TICK_S
+        t0 = time.monotonic()
+        listed = list_objects(ns)
+        assert time.monotonic() - t0 < 2.0  # one parse and one lstat per junk entry
+        assert {o.kind for o in listed} == {"presence", "bell"}
+        consumer.cleanup(1)
+        producer.cleanup(1)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 13 §2, shm transport: a consumer waiting for a producer that is not running "
+    "lists /dev/shm each half tick and looks at every junk name again (~1 s CPU per 3 s here)",
+)
+def test_security_junk_flood_costs_a_receive_no_more_than_its_timeout(ns: str) -> None:
+    """20,000 message-shaped names of another user in the job's namespace (the prefix is
+    public) must not make ``recv(timeout=3)`` from a producer that is not running overrun by
+    more than a tick, nor burn a core (issue 13 §2)."""
+    _flood(ns)
+    with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
+        took, cpu = _timed_recv(consumer.rendezvous(1), make_key("not-running"))
+        assert took < 3 + TICK_S and cpu < 0.3, (took, cpu)
+        consumer.cleanup(1)

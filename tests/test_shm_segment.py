@@ -129,7 +129,7 @@ def test_segment_attach_refuses_group_or_other_permissions(names: Names, mode: i
     name = _plant(names, mode)
     path = names.path(name)
     try:
-        with pytest.raises(InternalError, match=f"refusing segment {name}.*mode 0o{mode:03o}"):
+        with pytest.raises(InternalError, match=f"segment .*{name} is not ours.*mode 0o{mode:o}"):
             Segment.attach(names, name)
         assert not _mapped(path)
     finally:
@@ -142,7 +142,7 @@ def test_segment_attach_refuses_other_owner(names: Names) -> None:
     path = names.path(name)
     before = Path(path).read_bytes()
     try:
-        with pytest.raises(InternalError, match=r"owned by uid 65534.*planted by another user"):
+        with pytest.raises(InternalError, match=r"not ours: owner uid 65534.*refusing"):
             Segment.attach(names, name)
         assert not _mapped(path)
         assert Path(path).read_bytes() == before

@@ -45,7 +45,7 @@ def make_key(edge: str, *, src: str = PRODUCER, dst: str = CONSUMER, incarnation
 
 def ns_entries(ns: str) -> list[str]:
     """Entries of /dev/shm that belong to namespace ``ns`` (semaphores included)."""
-    prefix = f"shmrdv_{ns}_"
+    prefix = Names(ns).prefix
     return sorted(
         e for e in os.listdir(SHM_DIR) if e.startswith(prefix) or e.startswith("sem." + prefix)
     )
@@ -53,7 +53,7 @@ def ns_entries(ns: str) -> list[str]:
 
 def kinds(ns: str) -> list[str]:
     """The kind letters of ``ns``'s objects (``b`` for the doorbell semaphores)."""
-    prefix = f"shmrdv_{ns}_"
+    prefix = Names(ns).prefix
     return sorted(e.split(prefix, 1)[1][0] for e in ns_entries(ns))
 
 
@@ -206,7 +206,7 @@ def test_segment_names_carry_namespace_and_are_0600(
     producer.send(key, np.ones(100_000, dtype=np.uint8), step=step)
     message = Names(ns).message(step, key, producer.incarnation, 0)
     assert message in ns_entries(ns)
-    assert message.startswith(f"shmrdv_{ns}_m")
+    assert message.startswith(Names(ns).prefix + "m")
     for entry in ns_entries(ns):
         st = os.stat(os.path.join(SHM_DIR, entry), follow_symlinks=False)
         assert stat.S_ISREG(st.st_mode), entry

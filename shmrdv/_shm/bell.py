@@ -7,7 +7,9 @@ after publishing a message. A post is a hint, never a lock and never the data: t
 Semaphores are only ever created with ``O_CREX``: ``O_CREAT`` silently opens an existing
 semaphore, another user's included, whose owner could then swallow our wake-ups
 (research/pitfalls.md §4, §7). Before trusting a bell it did not create, a producer checks
-the owner and mode of its file ``/dev/shm/sem.<name>``.
+the owner, mode and type of its file ``/dev/shm/sem.<name>`` (``ownership.open_checked``:
+never blocks, even on a planted file under a lease), because glibc's ``sem_open`` itself
+opens without ``O_NONBLOCK``.
 
 ``posix_ipc`` releases the GIL while blocked, turns EINTR into ``SignalError`` without
 retrying (Linux never restarts ``sem_timedwait``, signal(7)) and lets a ``KeyboardInterrupt``
@@ -28,8 +30,8 @@ from typing import TYPE_CHECKING
 
 import posix_ipc
 
-from .._errors import InternalError
-from .ownership import refuse_foreign
+from .._errors import InternalError, ResourceExhaustedError
+from .ownership import open_checked
 
 if TYPE_CHECKING:
     from .naming import Names
@@ -39,15 +41,20 @@ __all__ = ["Bell"]
 _log = logging.getLogger("shmrdv.shm.bell")
 
 
+#: glibc's semaphore file holds one ``sem_t`` (32 bytes on x86-64); anything much larger
+#: under a bell's name is not a semaphore of ours.
+_MAX_SEM_FILE = 4096
+
+
 def _check_ours(path: str, what: str) -> os.stat_result | None:
-    """lstat ``path``; None if it is missing; ``InternalError`` if another user planted it."""
+    """``open_checked`` the semaphore's file: None if it is missing; ``InternalError`` if
+    another user planted it (or holds a lease on it). Never blocks, never follows a symlink.
+    """
     try:
-        st = os.stat(path, follow_symlinks=False)
+        fd, st = open_checked(path, os.O_RDONLY, what, max_size=_MAX_SEM_FILE)
     except FileNotFoundError:
         return None
-    except OSError as e:
-        raise InternalError(f"cannot stat {what} {path}: {e}") from e
-    refuse_foreign(st, path, what)
+    os.close(fd)
     return st
 
 
@@ -79,8 +86,8 @@ class Bell:
         If the name exists and is ours (our uid, no group/other bits), it is unlinked and
         created afresh when ``replace_stale`` is true (the caller knows the previous owner is
         dead: it holds the task's presence record). Raises ``InternalError`` naming the
-        semaphore when it exists otherwise (another live owner, or squatted by another user).
-        Does not block.
+        semaphore when it exists otherwise (another live owner, or squatted by another user),
+        ``ResourceExhaustedError`` when /dev/shm is full. Does not block.
         """
         name, path = names.bell(task), names.bell_path(task)
         for attempt in (1, 2):
@@ -103,6 +110,12 @@ class Bell:
                     pass
                 continue
             except (posix_ipc.Error, OSError, ValueError) as e:
+                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise ResourceExhaustedError(
+                        f"cannot create doorbell semaphore {path} of {task}: {e.strerror}; "
+                        "/dev/shm is full (remove what dead processes left behind with "
+                        "`python -m shmrdv gc`)"
+                    ) from e
                 raise InternalError(
                     f"cannot create doorbell semaphore {path} of {task}: {e}"
                 ) from e

@@ -43,6 +43,7 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 from .._errors import InternalError, InvalidArgumentError
+from .._values import shape_problem
 
 __all__ = [
     "ALIGNMENT",
@@ -423,10 +424,16 @@ def unpack(buf: BufferLike, file_size: int) -> Header:
         raise _corrupted(f"slot {slot}")
     shape = _SHAPES[ndim].unpack_from(buf, shape_at)
     dtype = _decode_dtype(bytes(buf[dtype_at:key_at]))
+    # The element count is bounded whatever the item size (issue 13 §3: a |V0 shape of
+    # 2**62 has nbytes 0 and passed every byte-length check, then hung numpy): one rule,
+    # shared with send and the gRPC coding.
+    problem = shape_problem(shape, dtype.itemsize)
+    if problem is not None:
+        raise _corrupted(f"{problem} ({dtype})")
     count = 1
     for d in shape:
         count *= d if d else 1
-    if count * max(dtype.itemsize, 1) > _MAX_INTP:
+    if count * dtype.itemsize > _MAX_INTP:  # numpy multiplies every non-zero dimension
         raise _corrupted(f"shape {shape} of {dtype} is larger than numpy allows")
     if nbytes != _prod(shape) * dtype.itemsize:
         raise _corrupted(f"nbytes {nbytes} but shape {shape} of {dtype} needs other")

@@ -1,26 +1,32 @@
 """Names of every OS object the shared-memory transport creates in ``/dev/shm``.
 
-Pure: no I/O. Every name is ``shmrdv_<namespace>_<kind><rest>`` with only ``[a-z0-9_]``
-and a fixed, short length, derived from the rendezvous key through a hash and never
-taken from the user: keys are long and contain ``/`` and ``;`` (research/pitfalls.md §3),
-and a name must not be guessable by another local user (§7: the namespace token is
-the secret). Kinds, one letter each:
+Pure: no I/O. Every name is ``shmrdv_<namespace id>_<kind><hash>`` with only ``[a-z0-9_]``
+and a fixed, short length. The *namespace id* is a public digest of the secret namespace
+token (``shmrdv.namespace_id``): tools list and collect a job's objects by it. The hash is
+a blake2b **keyed by the token** over the object's fields, so one who can list /dev/shm
+(every local user) can neither find the token nor predict, squat or plant a name of the
+job (DESIGN.md "Names and keys"; research/pitfalls.md §3, §7; issue 13 §2). Names are
+derived from the rendezvous key through the hash, never taken from the user: keys are long
+and contain ``/`` and ``;``. Kinds, one letter each:
 
 * ``w<taskhash>`` a worker's presence record;
-* ``b<taskhash>`` a worker's doorbell semaphore, on disk as ``sem.shmrdv_<ns>_b<taskhash>``;
-* ``t<random>`` a segment being written;
-* ``m<hash>`` a published message, ``hash`` over (step_id, full_key, incarnation, seq);
-* ``p<taskhash><incarnation16hex>x<slot>`` a free pool slot of a producer worker;
-* ``h<taskhash><incarnation16hex>x<slot>`` a pool slot held by its consumer;
-* ``r<taskhash><incarnation16hex>x<slot>`` a pool slot its consumer released.
+* ``b<taskhash>`` a worker's doorbell semaphore, on disk as ``sem.shmrdv_<id>_b<taskhash>``
+  (the same keyed task hash as the presence record: tools pair them);
+* ``t<random>`` a segment being written (80 random bits);
+* ``m<hash>`` a published message, over (step_id, full_key, incarnation, seq);
+* ``q<hash>`` the ring from one producer run to one consumer;
+* ``p<hash>`` / ``h<hash>`` / ``r<hash>`` a producer's pool slot while free, held by its
+  consumer, and released, each over (task, incarnation, slot) with its own ``person``:
+  seeing a slot's ``p`` name tells nothing of its ``h`` or ``r`` name.
 
-Pool slot names carry the producer's task as well as its incarnation: several producer
+Pool slot names cover the producer's task as well as its incarnation: several producer
 workers may share an incarnation (``Worker(..., incarnation=1)``) and must never share a
 slot name.
 
-Hashes are 10-byte blake2b digests (80 bits, 20 hex characters) over a struct-packed,
+Hashes are 10-byte digests (80 bits, 20 hex characters) over a struct-packed,
 length-prefixed encoding of the fields, with a per-kind ``person`` string so that no two
-kinds or field tuples can collide by construction.
+kinds or field tuples can collide by construction. ``parse_name`` recognises a name's kind
+and namespace id only: the rest cannot be read back without the token.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import hashlib
 import re
 import secrets
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .._errors import InvalidArgumentError
+from .._namespace import NAMESPACE_ID_HEX, namespace_id
 
 __all__ = [
     "DIGEST_BYTES",
@@ -69,14 +76,20 @@ KINDS = {
 _CODES = {kind: code for code, kind in KINDS.items()}
 
 _NAMESPACE_RE = re.compile(r"[a-z0-9]{8,64}")
+_ID_RE = re.compile(rf"[0-9a-f]{{{NAMESPACE_ID_HEX}}}")
 _HEX_RE = re.compile(rf"[0-9a-f]{{{2 * DIGEST_BYTES}}}")
-_SLOT_RE = re.compile(rf"[0-9a-f]{{{2 * DIGEST_BYTES}}}([0-9a-f]{{16}})x(0|[1-9][0-9]{{0,6}})")
 _U64_MAX = 2**64 - 1
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 #: A producer never needs a million pool slots; the bound keeps names under 100 characters.
 MAX_SLOT = 2**20 - 1
 _MESSAGE_FIELDS = struct.Struct("<qQQQ")  # step_id, incarnation, seq, len(full_key)
+_SLOT_FIELDS = struct.Struct("<QQ")  # incarnation, slot
 _LENGTH = struct.Struct("<Q")
+_PERSONS = {
+    "pool": b"shmrdv.pool",
+    "held": b"shmrdv.held",
+    "returned": b"shmrdv.returned",
+}
 
 
 def check_namespace(namespace: object) -> str:
@@ -92,42 +105,31 @@ def check_namespace(namespace: object) -> str:
     return namespace
 
 
-def _digest(person: bytes, data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=DIGEST_BYTES, person=person).hexdigest()
-
-
-def _task_hash(task: str) -> str:
+def _encoded_task(task: str) -> bytes:
     if not isinstance(task, str) or not task:
         raise InvalidArgumentError(f"invalid task name {task!r}: expected a non-empty string")
     raw = task.encode("utf-8")
-    return _digest(b"shmrdv.task", _LENGTH.pack(len(raw)) + raw)
+    return _LENGTH.pack(len(raw)) + raw
 
 
-def _slot_rest(task: str, incarnation: int, slot: int) -> str:
+def _check_incarnation(incarnation: int) -> None:
     if not 0 <= incarnation <= _U64_MAX:
         raise InvalidArgumentError(f"invalid incarnation {incarnation!r}: expected a uint64")
-    if not 0 <= slot <= MAX_SLOT:
-        raise InvalidArgumentError(
-            f"invalid pool slot {slot!r}: expected an int in [0, {MAX_SLOT}]"
-        )
-    return f"{_task_hash(task)}{incarnation:016x}x{slot:d}"
 
 
 @dataclass(frozen=True)
 class ObjectName:
     """What an entry of ``/dev/shm`` is, when shmrdv made it (see ``parse_name``).
 
-    ``kind`` is one of ``KINDS``' values; ``rest`` is the text after the kind letter;
-    ``incarnation`` and ``slot`` are set for ``pool`` / ``held`` / ``returned`` only.
-    ``entry`` is the directory entry as given (with ``sem.`` for a bell).
+    ``kind`` is one of ``KINDS``' values; ``namespace`` is the namespace *id* (public, not
+    the token); ``rest`` is the text after the kind letter (a keyed hash: opaque without
+    the token). ``entry`` is the directory entry as given (with ``sem.`` for a bell).
     """
 
     entry: str
     kind: str
     namespace: str
     rest: str
-    incarnation: int | None = None
-    slot: int | None = None
 
 
 def parse_name(entry: str) -> ObjectName | None:
@@ -143,21 +145,11 @@ def parse_name(entry: str) -> ObjectName | None:
     if not name.startswith(PREFIX):
         return None
     namespace, sep, tail = name[len(PREFIX) :].partition("_")
-    if not sep or not tail or _NAMESPACE_RE.fullmatch(namespace) is None:
+    if not sep or not tail or _ID_RE.fullmatch(namespace) is None:
         return None
     kind = KINDS.get(tail[0])
     rest = tail[1:]
-    if kind is None or is_sem != (kind == "bell"):
-        return None
-    if kind in ("pool", "held", "returned"):
-        match = _SLOT_RE.fullmatch(rest)
-        if match is None:
-            return None
-        slot = int(match.group(2))
-        if slot > MAX_SLOT:
-            return None
-        return ObjectName(entry, kind, namespace, rest, int(match.group(1), 16), slot)
-    if _HEX_RE.fullmatch(rest) is None:
+    if kind is None or is_sem != (kind == "bell") or _HEX_RE.fullmatch(rest) is None:
         return None
     return ObjectName(entry, kind, namespace, rest)
 
@@ -166,59 +158,80 @@ def parse_name(entry: str) -> ObjectName | None:
 class Names:
     """The names of one namespace's objects. Bare names: no directory, no leading slash.
 
-    Raises ``InvalidArgumentError`` for a namespace that is not ``[a-z0-9]{8,64}`` and
-    for out-of-range fields (task names must be non-empty; incarnations and sequence
-    numbers are uint64, step ids int64, slots >= 0).
+    ``namespace`` is the secret token; ``namespace_id`` its public digest, the one part of
+    a name in clear. Raises ``InvalidArgumentError`` for a namespace that is not
+    ``[a-z0-9]{8,64}`` and for out-of-range fields (task names must be non-empty;
+    incarnations and sequence numbers are uint64, step ids int64, slots in [0, MAX_SLOT]).
     """
 
-    namespace: str
+    namespace: str = field(repr=False)  # the secret: kept out of logs
+    namespace_id: str = field(init=False)
+    _key: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
+        object.__setattr__(self, "namespace_id", namespace_id(self.namespace))
+        object.__setattr__(self, "_key", self.namespace.encode("ascii"))
 
     @property
     def prefix(self) -> str:
-        """``shmrdv_<namespace>_``: every segment and record of this namespace starts so."""
-        return f"{PREFIX}{self.namespace}_"
+        """``shmrdv_<namespace id>_``: every segment and record of this namespace starts so."""
+        return f"{PREFIX}{self.namespace_id}_"
 
     def _name(self, kind: str, rest: str) -> str:
         return f"{self.prefix}{_CODES[kind]}{rest}"
 
+    def _digest(self, person: bytes, data: bytes) -> str:
+        """blake2b keyed by the token: unpredictable without it (a token is <= 64 bytes, the
+        most blake2b takes as a key)."""
+        return hashlib.blake2b(
+            data, digest_size=DIGEST_BYTES, key=self._key, person=person
+        ).hexdigest()
+
+    def _task_hash(self, task: str) -> str:
+        return self._digest(b"shmrdv.task", _encoded_task(task))
+
+    def _slot(self, kind: str, task: str, incarnation: int, slot: int) -> str:
+        _check_incarnation(incarnation)
+        if not 0 <= slot <= MAX_SLOT:
+            raise InvalidArgumentError(
+                f"invalid pool slot {slot!r}: expected an int in [0, {MAX_SLOT}]"
+            )
+        data = _encoded_task(task) + _SLOT_FIELDS.pack(incarnation, slot)
+        return self._name(kind, self._digest(_PERSONS[kind], data))
+
     def presence(self, task: str) -> str:
         """The presence record of the worker ``task`` (canonical task name)."""
-        return self._name("presence", _task_hash(task))
+        return self._name("presence", self._task_hash(task))
 
     def bell(self, task: str) -> str:
         """The ``posix_ipc`` name (with its leading slash) of the worker ``task``'s doorbell."""
-        return "/" + self._name("bell", _task_hash(task))
+        return "/" + self._name("bell", self._task_hash(task))
 
     def bell_path(self, task: str) -> str:
-        """Where glibc keeps that semaphore: ``/dev/shm/sem.shmrdv_<ns>_b<hash>``."""
-        return f"{SHM_DIR}/{SEM_PREFIX}{self._name('bell', _task_hash(task))}"
+        """Where glibc keeps that semaphore: ``/dev/shm/sem.shmrdv_<id>_b<hash>``."""
+        return f"{SHM_DIR}/{SEM_PREFIX}{self._name('bell', self._task_hash(task))}"
 
     def message(self, step_id: int, full_key: str, producer_incarnation: int, seq: int) -> str:
         """The published segment of the ``seq``-th send of ``full_key`` in step ``step_id``."""
         if not _I64_MIN <= step_id <= _I64_MAX:
             raise InvalidArgumentError(f"invalid step id {step_id!r}: expected an int64")
-        if not 0 <= producer_incarnation <= _U64_MAX:
-            raise InvalidArgumentError(
-                f"invalid incarnation {producer_incarnation!r}: expected a uint64"
-            )
+        _check_incarnation(producer_incarnation)
         if not 0 <= seq <= _U64_MAX:
             raise InvalidArgumentError(f"invalid sequence number {seq!r}: expected a uint64")
         raw = full_key.encode("utf-8")
         data = _MESSAGE_FIELDS.pack(step_id, producer_incarnation, seq, len(raw)) + raw
-        return self._name("message", _digest(b"shmrdv.message", data))
+        return self._name("message", self._digest(b"shmrdv.message", data))
 
     def ring(self, producer_task: str, producer_incarnation: int, consumer_task: str) -> str:
         """The small-message ring from one producer run to one consumer worker."""
-        if not 0 <= producer_incarnation <= _U64_MAX:
-            raise InvalidArgumentError(
-                f"invalid incarnation {producer_incarnation!r}: expected a uint64"
-            )
-        a, b = producer_task.encode("utf-8"), consumer_task.encode("utf-8")
-        data = _LENGTH.pack(len(a)) + a + _LENGTH.pack(producer_incarnation) + b
-        return self._name("ring", _digest(b"shmrdv.ring", data))
+        _check_incarnation(producer_incarnation)
+        data = (
+            _encoded_task(producer_task)
+            + _LENGTH.pack(producer_incarnation)
+            + _encoded_task(consumer_task)
+        )
+        return self._name("ring", self._digest(b"shmrdv.ring", data))
 
     def temp(self) -> str:
         """A fresh, unguessable name (80 random bits, ``secrets``) for a segment being written."""
@@ -226,15 +239,15 @@ class Names:
 
     def pool(self, task: str, incarnation: int, slot: int) -> str:
         """Free pool slot ``slot`` of the producer worker ``task`` with ``incarnation``."""
-        return self._name("pool", _slot_rest(task, incarnation, slot))
+        return self._slot("pool", task, incarnation, slot)
 
     def held(self, task: str, incarnation: int, slot: int) -> str:
         """The same slot while its consumer holds it."""
-        return self._name("held", _slot_rest(task, incarnation, slot))
+        return self._slot("held", task, incarnation, slot)
 
     def returned(self, task: str, incarnation: int, slot: int) -> str:
         """The same slot once its consumer released it (for the producer to take back)."""
-        return self._name("returned", _slot_rest(task, incarnation, slot))
+        return self._slot("returned", task, incarnation, slot)
 
     @staticmethod
     def path(name: str) -> str:

@@ -37,7 +37,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
-from .ownership import refuse_foreign
+from .ownership import open_checked, refuse_foreign
 
 if TYPE_CHECKING:
     from .naming import Names
@@ -60,10 +60,6 @@ _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 # A record is a few hundred bytes; anything much larger was not written by us.
 _MAX_RECORD_BYTES = 64 * 1024
-
-# O_NOFOLLOW: never follow a symlink planted under our name (pitfalls.md §7: glibc's shm_open
-# does the same). O_NONBLOCK: a FIFO planted under our name must not block the open.
-_OPEN_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 # How often publish() looks again when it finds a record whose lock is held: another
 # publisher may hold it for a few microseconds while it replaces a stale record.
@@ -166,20 +162,13 @@ def _read_record_fd(fd: int, where: str) -> tuple[PresenceInfo, os.stat_result]:
 
 
 def _open_record(path: str) -> int | None:
-    """Open a record for reading; None if it does not exist. Symlinks are refused."""
+    """Open a record for reading; None if it does not exist (``ownership.open_checked``:
+    never blocks; a symlink, a foreign or leased file is an ``InternalError``)."""
     try:
-        return os.open(path, _OPEN_READ_FLAGS)
+        fd, _ = open_checked(path, os.O_RDONLY, "presence record", max_size=_MAX_RECORD_BYTES)
     except FileNotFoundError:
         return None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise InternalError(f"presence record {path} is a symlink; refusing it") from e
-        if e.errno in (errno.EMFILE, errno.ENFILE):
-            raise ResourceExhaustedError(
-                f"cannot open presence record {path}: too many open files ({e.strerror}); "
-                "raise the limit (ulimit -n) or close files"
-            ) from e
-        raise InternalError(f"cannot open presence record {path}: {e}") from e
+    return fd
 
 
 def _lock_held(fd: int) -> bool:
@@ -316,10 +305,14 @@ class Presence:
                 temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
             )
         except OSError as e:
-            raise InternalError(f"cannot create presence record {temp}: {e}") from e
+            raise _publish_error(e, temp) from e
         try:
             os.fchmod(fd, 0o600)  # umask-proof
-            os.write(fd, data)
+            try:
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.ENOSPC, "short write", temp)
+            except OSError as e:
+                raise _publish_error(e, temp) from e
             # Locked before it has its final name: no reader can ever see it unlocked.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             cls._install(temp, final, info)
@@ -431,6 +424,23 @@ class Presence:
             f"<Presence {self._info.task} pid={self._info.pid} "
             f"incarnation={self._info.incarnation:#x} {state}>"
         )
+
+
+def _publish_error(e: OSError, path: str) -> Exception:
+    """A full /dev/shm (no room, no inodes, the memory cgroup) is ``ResourceExhaustedError``
+    (issue 13 §5), anything else ``InternalError``."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG):
+        try:
+            st = os.statvfs(os.path.dirname(path))
+            free = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+        except OSError:
+            free = "unknown space free"
+        return ResourceExhaustedError(
+            f"cannot write presence record {path}: {e.strerror}; {os.path.dirname(path)} has "
+            f"{free}. In a container, give it more (docker run --shm-size=...); remove what "
+            "dead processes left behind with `python -m shmrdv gc`"
+        )
+    return InternalError(f"cannot create presence record {path}: {e}")
 
 
 def _describe_owner(fd: int, where: str) -> str:

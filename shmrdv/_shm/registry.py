@@ -1,14 +1,18 @@
 """Listing and collecting shmrdv's objects in /dev/shm (``python -m shmrdv ls`` / ``gc``).
 
-Everything shmrdv leaves in /dev/shm is named ``shmrdv_<namespace>_<kind>...`` (``naming``),
-so the directory itself is the registry: no daemon, no index file to get out of date. A
+Everything shmrdv leaves in /dev/shm is named ``shmrdv_<namespace id>_<kind>...``
+(``naming``), so the directory itself is the registry: no daemon, no index file to get out of date. A
 namespace is *alive* while any of its workers holds the flock on its presence record
 (``presence``); the kernel drops that lock when the worker dies, SIGKILL included. Segments
 and semaphores of a dead namespace are garbage: nobody else can use or remove them (POSIX
 semaphores and ``posix_ipc`` segments survive their creators, research/pitfalls.md §1, §4).
 
 Only our own uid's files are listed or removed; symlinks are never followed; entries that
-vanish while we look (a live worker consuming a message) are skipped.
+vanish while we look (a live worker consuming a message) are skipped. The directory is
+world-writable, so the scan is built to cost little per junk entry another user plants:
+a name is parsed first (pure), then ``lstat``-ed from the directory entry, and only a
+regular file of ours with mode 0600-or-less is ever opened (``ownership.open_checked``,
+which never blocks); the listing holds no lock.
 """
 
 from __future__ import annotations
@@ -16,17 +20,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import stat
 import time
 from collections import defaultdict
 from collections.abc import Iterable
 
-from .._errors import InternalError
-from .naming import SHM_DIR, ObjectName, parse_name
+from .._errors import InternalError, InvalidArgumentError
+from .._namespace import NAMESPACE_ID_HEX, namespace_id
+from .naming import SHM_DIR, ObjectName, check_namespace, parse_name
+from .ownership import is_ours
 from .presence import probe
 from .segment import peek_header
 
-__all__ = ["ObjectInfo", "collect", "list_objects"]
+__all__ = ["ObjectInfo", "collect", "list_objects", "namespace_ids"]
 
 _log = logging.getLogger("shmrdv.shm.registry")
 
@@ -47,7 +52,7 @@ class ObjectInfo:
     """
 
     kind: str
-    namespace: str
+    namespace: str  # the namespace id (public), never the token
     name: str
     path: str
     size: int
@@ -73,10 +78,36 @@ class _Entry:
     task: str | None = None
 
 
+def namespace_ids(namespace: str) -> frozenset[str]:
+    """The namespace ids ``namespace`` may mean: an id (16 hex characters), a token, or both.
+
+    Raises ``InvalidArgumentError`` when it is neither.
+    """
+    ids: set[str] = set()
+    if len(namespace) == NAMESPACE_ID_HEX and all(c in "0123456789abcdef" for c in namespace):
+        ids.add(namespace)
+    try:
+        check_namespace(namespace)
+    except InvalidArgumentError:
+        if not ids:
+            raise InvalidArgumentError(
+                f"{namespace!r} is neither a namespace id ({NAMESPACE_ID_HEX} hex characters, "
+                "as `shmrdv ls` shows) nor a namespace token"
+            ) from None
+    else:
+        ids.add(namespace_id(namespace))
+    return frozenset(ids)
+
+
 def _scan(shm_dir: str, namespace: str | None, kinds: Iterable[str] | None = None) -> list[_Entry]:
-    """Our regular files in ``shm_dir`` that shmrdv named (stat only, contents not read)."""
+    """Our files in ``shm_dir`` that shmrdv named (stat only, contents not read).
+
+    ``namespace`` is a token or an id (``namespace_ids``). Costs one string parse per
+    entry and one ``lstat`` per shmrdv-shaped name of a wanted namespace; files of other
+    users, of other modes or types are skipped without being opened.
+    """
     wanted = None if kinds is None else frozenset(kinds)
-    uid = os.geteuid()
+    ids = None if namespace is None else namespace_ids(namespace)
     out: list[_Entry] = []
     try:
         it = os.scandir(shm_dir)
@@ -85,7 +116,7 @@ def _scan(shm_dir: str, namespace: str | None, kinds: Iterable[str] | None = Non
     with it:
         for dirent in it:
             parsed = parse_name(dirent.name)
-            if parsed is None or (namespace is not None and parsed.namespace != namespace):
+            if parsed is None or (ids is not None and parsed.namespace not in ids):
                 continue
             if wanted is not None and parsed.kind not in wanted:
                 continue
@@ -93,7 +124,7 @@ def _scan(shm_dir: str, namespace: str | None, kinds: Iterable[str] | None = Non
                 st = dirent.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+            if not is_ours(st):
                 continue
             out.append(
                 _Entry(
@@ -175,7 +206,8 @@ def _info(entry: _Entry, now: float) -> ObjectInfo:
 
 
 def list_objects(namespace: str | None = None, shm_dir: str = SHM_DIR) -> list[ObjectInfo]:
-    """Every shmrdv object of ours in ``shm_dir`` (of ``namespace`` only, if given).
+    """Every shmrdv object of ours in ``shm_dir`` (of ``namespace`` only, if given: a token
+    or a namespace id; ``InvalidArgumentError`` if it is neither).
 
     Sorted by namespace, kind and name. Reads presence records (their locks) and segment
     headers; never blocks, never follows symlinks, skips other users' files and entries that
@@ -224,8 +256,9 @@ def collect(
     just before its objects are removed; within it, a file is removed only if it is still
     the one listed (a worker starting meanwhile is left alone). Objects of live namespaces
     and of other users are never touched. ``dry_run`` removes nothing and returns what would
-    go. Raises ``InternalError`` if an object cannot be removed (e.g. permissions). Does not
-    block.
+    go. ``namespace`` is a token or a namespace id. Raises ``InternalError`` if an object
+    cannot be removed (e.g. permissions), ``InvalidArgumentError`` for a ``namespace`` that
+    is neither a token nor an id. Does not block.
     """
     entries, alive = _inspect(shm_dir, namespace)
     now = time.time()

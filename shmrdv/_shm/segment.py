@@ -12,8 +12,9 @@ Safety rules from research/pitfalls.md:
   is a ``ResourceExhaustedError`` and never a SIGBUS; attaching never passes a size (it
   takes ``fstat``'s) and ``check_size`` re-checks it before data is touched.
 * §7: files are created ``O_EXCL`` + ``O_NOFOLLOW`` with mode 0600 (``fchmod``: the umask
-  cannot widen or narrow it); attaching refuses a file of another user or with any
-  group/other permission bit, before reading a byte.
+  cannot widen or narrow it); attaching opens through ``ownership.open_checked``
+  (``O_NOFOLLOW | O_NONBLOCK``: a planted file under a lease fails at once) and refuses a
+  file of another user or with any group/other permission bit, before reading a byte.
 
 Lifetime: ``close()`` is not ``unlink()``. Arrays made by ``ndarray()`` keep the mapping
 alive (through an owner array that is their numpy ``base``) after ``close()``; the memory
@@ -28,7 +29,6 @@ import errno
 import logging
 import mmap
 import os
-import stat
 import weakref
 from collections.abc import Callable
 from types import TracebackType
@@ -40,14 +40,13 @@ import numpy.typing as npt
 from .._errors import InternalError, ResourceExhaustedError
 from .layout import MAGIC, MAX_KEY_BYTES, PREFIX, Header, unpack
 from .naming import SHM_DIR, Names
-from .ownership import is_ours
+from .ownership import is_ours, open_checked
 
 __all__ = ["Segment"]
 
 _log = logging.getLogger("shmrdv.shm.segment")
 
 _CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_ATTACH_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 _MODE = 0o600
 #: fallocate failures that mean "no room": the tmpfs is full (ENOSPC), the size is beyond a
 #: file size limit (EFBIG), or the memory cgroup refused the pages (ENOMEM).
@@ -191,26 +190,12 @@ class Segment:
 
         Raises ``FileNotFoundError`` unchanged when it does not exist (callers read that as
         "not published yet" or "taken"), ``InternalError`` when it is not a regular file of
-        this user with mode 0600 (it is then neither read nor written), and
-        ``ResourceExhaustedError`` when out of file descriptors.
+        this user with mode 0600 or is under another process's lease (it is then neither
+        read nor written), and ``ResourceExhaustedError`` when out of file descriptors.
+        Never blocks: the open goes through ``ownership.open_checked``.
         """
-        path = names.path(name)
+        fd, st = open_checked(names.path(name), os.O_RDWR, "segment")
         try:
-            fd = os.open(path, _ATTACH_FLAGS)
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            raise _open_error(e, f"open segment {name}") from e
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise InternalError(f"refusing segment {name}: not a regular file")
-            if not is_ours(st):
-                raise InternalError(
-                    f"refusing segment {name}: owned by uid {st.st_uid} / mode "
-                    f"0o{stat.S_IMODE(st.st_mode):03o}, expected uid {os.geteuid()} / mode 0o600 "
-                    "— possibly planted by another user"
-                )
             size = st.st_size
             mem: mmap.mmap | _EmptyBuffer = mmap.mmap(fd, size) if size > 0 else _EmptyBuffer()
         except OSError as e:
@@ -371,23 +356,21 @@ class Segment:
         return f"<Segment {self._name} {self._size} bytes {state}>"
 
 
-_PEEK_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
 def peek_header(path: str) -> Header | None:
     """The header of the segment file at ``path``, read with ``pread`` (nothing is mapped).
 
-    None if it is gone, not ours (owner, mode, not a regular file) or holds no valid
-    header (still being written, or corrupt). For listing and finding, never for data.
+    None if it is gone, not ours (owner, mode, not a regular file, under a lease) or holds
+    no valid header (still being written, or corrupt). For listing and finding, never for
+    data. Never blocks (``open_checked``). Another user's file costs one ``lstat`` and is
+    never opened (a flood of planted names must stay cheap to skip).
     """
     try:
-        fd = os.open(path, _PEEK_FLAGS)
-    except OSError:
+        if not is_ours(os.stat(path, follow_symlinks=False)):
+            return None
+        fd, st = open_checked(path, os.O_RDONLY, "segment")
+    except (OSError, InternalError, ResourceExhaustedError):
         return None
     try:
-        st = os.fstat(fd)
-        if not is_ours(st):
-            return None
         prefix = os.pread(fd, PREFIX.size, 0)
         if len(prefix) < PREFIX.size or not prefix.startswith(MAGIC):
             return None
