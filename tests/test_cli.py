@@ -168,8 +168,8 @@ def test_cli_exits_quietly_when_its_output_pipe_closes(argv: list[str]) -> None:
 def test_cli_ls_with_many_objects_into_head_exits_quietly() -> None:
     # More than a pipe buffer (64 KiB) of listing; head reads one line and goes away.
     with contextlib.ExitStack() as stack:
-        for i in range(90):
-            ns = shmrdv.new_namespace()
+        ns = shmrdv.new_namespace()
+        for i in range(150):
             stack.enter_context(shmrdv.Worker(f"/job:many/task:{i}", namespace=ns))
         proc = subprocess.run(
             [sys.executable, "-m", "shmrdv", "ls", "--json"],
