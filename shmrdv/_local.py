@@ -32,7 +32,7 @@ from ._callbacks import DoneCallback, invoke_done
 from ._errors import CancelledError, InvalidArgumentError, RendezvousError
 from ._keys import ParsedKey
 from ._received import Received
-from ._rendezvous import Canceller, Rendezvous, as_parsed_key
+from ._rendezvous import Canceller, Rendezvous, as_parsed_key, check_timeout
 from ._values import check_value
 
 __all__ = ["LocalRendezvous"]
@@ -96,14 +96,23 @@ class LocalRendezvous(Rendezvous):
 
     # -- the Rendezvous primitives -----------------------------------------------------
 
-    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+    def send(
+        self,
+        key: str | ParsedKey,
+        value: Any,
+        *,
+        is_dead: bool = False,
+        timeout: float | None = None,
+    ) -> None:
         """Queue ``value`` under ``key``, or hand it to the oldest waiting receiver.
 
-        Never blocks. If a receiver is waiting, its callback runs in this thread before
+        Never blocks (``timeout`` is accepted for the common signature; nothing here waits). If a receiver is waiting, its callback runs in this thread before
         ``send`` returns (outside the lock); an exception from it is logged, not raised.
         Raises ``InvalidArgumentError`` for a bad key or a value that is not a numpy array
         or holds Python objects (nothing is queued), and the abort error once aborted.
         """
+        if timeout is not None:
+            check_timeout(timeout)
         self._put(as_parsed_key(key), value, bool(is_dead), front=False)
 
     def requeue(self, key: ParsedKey, received: Received) -> None:

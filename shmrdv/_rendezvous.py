@@ -204,8 +204,20 @@ class Rendezvous(abc.ABC):
     # -- what a transport implements -------------------------------------------------
 
     @abc.abstractmethod
-    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
-        """Hand ``value`` (a numpy array) to the receiver of ``key``. Never blocks."""
+    def send(
+        self,
+        key: str | ParsedKey,
+        value: Any,
+        *,
+        is_dead: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        """Hand ``value`` (a numpy array) to the receiver of ``key``.
+
+        Never blocks on the consumer, unless its Worker has a ``max_inflight_bytes``
+        window and it is full: then it waits up to ``timeout`` seconds (None: as long as
+        it takes) for room and raises ``ResourceExhaustedError``, having sent nothing.
+        """
 
     @abc.abstractmethod
     def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
