@@ -238,7 +238,7 @@ class StepRendezvous(Rendezvous):
             timeout = check_timeout(timeout)
         arr = check_value(value, r.pk.full_key)
         if r.local:
-            self._local.send(r.pk, arr, is_dead=is_dead)
+            self._local.put(r.pk, arr, bool(is_dead))
         else:
             t = r.transport or self._router.transport(r)
             t.send(self.step_id, r.pk, arr, bool(is_dead), timeout)
