@@ -21,7 +21,9 @@ The router is given a ``RouterContext``, never the Worker.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,15 +32,26 @@ import numpy.typing as npt
 
 from ._callbacks import DoneCallback
 from ._devices import DeviceName
-from ._errors import AbortedError, InvalidArgumentError
+from ._diagnose import explain_absent_producer
+from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError, RendezvousError
 from ._keys import ParsedKey, parse_key
 from ._local import LocalRendezvous
 from ._received import Received
-from ._rendezvous import Canceller, RecvSlot, Rendezvous, check_timeout, wait_received
+from ._rendezvous import (
+    Canceller,
+    RecvSlot,
+    Rendezvous,
+    check_timeout,
+    timeout_error,
+    wait_received,
+)
+from ._shm.naming import PREFIX
 from ._transport import PeerRecord, Transport, TransportContext
 from ._values import check_value
 
 __all__ = ["KeyRoute", "Router", "RouterContext", "StepRendezvous"]
+
+_log = logging.getLogger("shmrdv.router")
 
 # How many key strings' routes a worker remembers: far more than the distinct keys of any
 # graph (TensorFlow reuses each key in every step), small enough to bound a job that
@@ -94,6 +107,11 @@ class Router:
         self._by_key: Callable[[str], KeyRoute] = functools.lru_cache(maxsize=_KEY_ROUTES)(
             self._derive
         )
+        # Blocked receives that have waited long (WaitObserver), by id of their slot:
+        # (step, key, since when). Only long waits get here, never every message.
+        self._long_waits: dict[int, tuple[int, ParsedKey, float]] = {}
+        # The namespace as it appears in this worker's object names.
+        self._namespace = rc.ctx.names.prefix[len(PREFIX) : -1]
 
     def _derive(self, full_key: str) -> KeyRoute:
         return KeyRoute(parse_key(full_key), self.rc.ctx.task, self.rc.ctx.incarnation)
@@ -181,6 +199,45 @@ class Router:
         for t in self.rc.active():
             t.abort_step(step_id, error)
 
+    # -- why a receive waits (never per message) --------------------------------------
+
+    def diagnose(self, pk: ParsedKey) -> str | None:
+        """Where the producer of ``pk`` is alive, if not in this worker's namespace.
+
+        None for a producer on another host (or one that is alive here, in this namespace).
+        Lists /dev/shm: only for a timeout, a long wait or ``stats()``.
+        """
+        try:
+            record = self.rc.ctx.peers.lookup(pk.src)
+        except RendezvousError as e:
+            return f"the presence record of {pk.src} cannot be read: {e}"
+        if not record.same_host:
+            return None
+        return explain_absent_producer(record.task, self._namespace)
+
+    def long_wait_started(self, slot: RecvSlot, step_id: int, pk: ParsedKey, since: float) -> None:
+        with self._lock:
+            self._long_waits[id(slot)] = (step_id, pk, since)
+
+    def long_wait_ended(self, slot: RecvSlot) -> None:
+        with self._lock:
+            self._long_waits.pop(id(slot), None)
+
+    def waiting(self) -> list[dict[str, Any]]:
+        """The blocked receives waiting for over a second: step, key, seconds, diagnosis."""
+        with self._lock:
+            waits = list(self._long_waits.values())
+        now = time.monotonic()
+        return [
+            {
+                "step": step,
+                "key": pk.full_key,
+                "waited_s": round(now - since, 3),
+                "diagnosis": self.diagnose(pk),
+            }
+            for step, pk, since in waits
+        ]
+
 
 class StepRendezvous(Rendezvous):
     """The rendezvous of one step of one Worker (``Worker.rendezvous(step_id)``).
@@ -257,7 +314,7 @@ class StepRendezvous(Rendezvous):
             return wait_received(slot, cancel, r.pk, timeout)
         t = r.transport or self._router.transport(r)
         cancel = t.start_recv(self.step_id, r.pk, slot.done, copy, True)
-        return wait_received(slot, cancel, r.pk, timeout, r.wait or t.wait)
+        return wait_received(slot, cancel, r.pk, timeout, r.wait or t.wait, self)
 
     recv.__doc__ = Rendezvous.recv.__doc__
 
@@ -294,6 +351,32 @@ class StepRendezvous(Rendezvous):
     def aborted(self) -> BaseException | None:
         """The abort error, or ``None`` while the step is open."""
         return self._error
+
+    # -- WaitObserver: what a cross-process receive that waits says ---------------------
+
+    def _timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
+        error = timeout_error(key, timeout)
+        if self._router.route(key).local:
+            return error
+        hint = self._router.diagnose(key)
+        return error if hint is None else DeadlineExceededError(f"{error}; {hint}")
+
+    def timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
+        return self._timeout_error(key, timeout)
+
+    def waiting_long(self, slot: RecvSlot, key: ParsedKey, waited: float) -> None:
+        self._router.long_wait_started(slot, self.step_id, key, time.monotonic() - waited)
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug(
+                "recv of %r in step %d has waited %.0fs: %s",
+                key.full_key,
+                self.step_id,
+                waited,
+                self._router.diagnose(key) or f"its producer {key.src} is alive in this namespace",
+            )
+
+    def stopped_waiting(self, slot: RecvSlot) -> None:
+        self._router.long_wait_ended(slot)
 
     def stats(self) -> dict[str, int]:
         return self._local.stats()

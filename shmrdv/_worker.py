@@ -422,12 +422,16 @@ class Worker:
 
     def stats(self) -> dict[str, Any]:
         """Counters per transport (bytes, messages, pending, live segments), steps,
-        tombstones and ``routes`` (key strings whose route is remembered)."""
+        tombstones, ``routes`` (key strings whose route is remembered) and ``waiting``:
+        the blocked receives waiting for over a second, each with step, key, seconds
+        waited and a diagnosis (None, or where its producer's task is alive if not in this
+        worker's namespace, or that it is alive nowhere on this host)."""
         out: dict[str, Any] = {
             "task": self.task,
             "steps": len(self._steps),
             "tombstones": len(self._tombstones),
             "routes": self._router.cached_routes(),
+            "waiting": self._router.waiting(),
         }
         local: dict[str, int] = {}
         for rdv in list(self._steps.values()):
