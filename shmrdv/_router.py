@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 
 from ._callbacks import DoneCallback
@@ -70,14 +71,31 @@ class RouterContext:
     check_usable: Callable[[], None]  # raises if the Worker is closed (or inherited by fork)
 
 
+# Matches no array: a dtype object of our own (never handed out) and an impossible shape.
+_NOTHING_ACCEPTED: tuple[np.dtype[Any], tuple[int, ...]] = (np.dtype([("never", "u1")]), (-1,))
+
+
 class KeyRoute:
     """What one key string means to this worker, derived once (see the module docstring).
 
     ``peer`` is the other end's task (None when both ends, or neither, are this worker);
-    ``transport`` and ``wait`` are filled in once the peer's record is final.
+    ``transport`` and ``wait`` are filled in once the peer's record is final. ``accepted``
+    is the (dtype, shape) of the last array ``check_value`` accepted under the key (one
+    tuple, replaced whole: threads never mix two arrays' halves): an array of the same
+    dtype object and shape needs no second look.
     """
 
-    __slots__ = ("dst_own", "inc_ok", "local", "peer", "pk", "src_own", "transport", "wait")
+    __slots__ = (
+        "accepted",
+        "dst_own",
+        "inc_ok",
+        "local",
+        "peer",
+        "pk",
+        "src_own",
+        "transport",
+        "wait",
+    )
 
     def __init__(self, pk: ParsedKey, task: DeviceName, incarnation: int) -> None:
         self.pk = pk
@@ -94,6 +112,16 @@ class KeyRoute:
         )
         self.transport: Transport | None = None
         self.wait: Callable[[RecvSlot, float], None] | None = None
+        self.accepted: tuple[np.dtype[Any], tuple[int, ...]] = _NOTHING_ACCEPTED
+
+    def checked(self, value: Any) -> npt.NDArray[Any]:
+        """``check_value(value)``, skipped for an ndarray like the last one accepted."""
+        dtype, shape = self.accepted
+        if type(value) is np.ndarray and value.dtype is dtype and value.shape == shape:
+            return value
+        arr = check_value(value, self.pk.full_key)
+        self.accepted = (arr.dtype, arr.shape)
+        return arr
 
 
 class Router:
@@ -293,7 +321,7 @@ class StepRendezvous(Rendezvous):
         r = self._send_route(key)
         if timeout is not None:
             timeout = check_timeout(timeout)
-        arr = check_value(value, r.pk.full_key)
+        arr = r.checked(value)
         if r.local:
             self._local.put(r.pk, arr, bool(is_dead))
         else:

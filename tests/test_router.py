@@ -108,3 +108,19 @@ def test_router_bad_send_timeout_refused(shmrdv_namespace: str) -> None:
         pytest.raises(shmrdv.InvalidArgumentError, match="timeout"),
     ):
         w.rendezvous(1).send(_key(A, A), np.zeros(1), timeout=-1)
+
+
+def test_router_checks_every_value_whatever_came_before(shmrdv_namespace: str) -> None:
+    # The per-key memo of the last accepted (dtype, shape) never lets a bad value through.
+    with shmrdv.Worker(A, namespace=shmrdv_namespace) as w:
+        rdv, key = w.rendezvous(1), _key(A, A)
+        with pytest.raises(shmrdv.InvalidArgumentError, match="Python objects"):
+            rdv.send(key, np.empty((), dtype=object))
+        rdv.send(key, np.zeros(2))
+        with pytest.raises(shmrdv.InvalidArgumentError, match="Python objects"):
+            rdv.send(key, np.empty(2, dtype=object))
+        with pytest.raises(shmrdv.InvalidArgumentError, match="only numpy arrays"):
+            rdv.send(key, [0.0, 0.0])
+        rdv.send(key, np.float64(3.0))  # a numpy scalar: a 0-d array
+        assert rdv.recv(key, timeout=5).value.tolist() == [0.0, 0.0]
+        assert rdv.recv(key, timeout=5).value.tolist() == 3.0
