@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import threading
@@ -62,7 +63,10 @@ def test_diagnose_timeout_adds_nothing_when_producer_shares_the_namespace() -> N
     assert str(info.value).endswith("the waiter was removed"), str(info.value)
 
 
-def test_diagnose_long_wait_shows_in_stats_and_goes_away() -> None:
+def test_diagnose_long_wait_shows_in_stats_and_goes_away(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="shmrdv.router")
     ours, theirs = shmrdv.new_namespace(), shmrdv.new_namespace()
     with (
         ChildWorker(PRODUCER, namespace=theirs),
@@ -93,6 +97,8 @@ def test_diagnose_long_wait_shows_in_stats_and_goes_away() -> None:
         assert not t.is_alive()
         assert isinstance(outcome[0], shmrdv.AbortedError)
         assert consumer.stats()["waiting"] == []
+    lines = [r.getMessage() for r in caplog.records if r.name == "shmrdv.router"]
+    assert any("has waited 1s" in m and f"namespace id {theirs}" in m for m in lines), lines
 
 
 def _record(task: str, pid: int, ns: str) -> bytes:
