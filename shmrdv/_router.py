@@ -54,6 +54,8 @@ __all__ = ["KeyRoute", "Router", "RouterContext", "StepRendezvous"]
 
 _log = logging.getLogger("shmrdv.router")
 
+_INF = float("inf")
+
 # How many key strings' routes a worker remembers: far more than the distinct keys of any
 # graph (TensorFlow reuses each key in every step), small enough to bound a job that
 # makes a new key per message.
@@ -319,8 +321,8 @@ class StepRendezvous(Rendezvous):
         timeout: float | None = None,
     ) -> None:
         r = self._send_route(key)
-        if timeout is not None:
-            timeout = check_timeout(timeout)
+        if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
+            timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
         arr = r.checked(value)
         if r.local:
             self._local.put(r.pk, arr, bool(is_dead))
@@ -334,8 +336,8 @@ class StepRendezvous(Rendezvous):
         self, key: str | ParsedKey, *, timeout: float | None = None, copy: bool = False
     ) -> Received:
         r = self._recv_route(key)
-        if timeout is not None:
-            timeout = check_timeout(timeout)
+        if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
+            timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
         slot = RecvSlot()
         if r.local:
             cancel = self._local._start_recv(r.pk, slot.done, copy)
