@@ -18,11 +18,17 @@ import pytest
 import shmrdv
 from shmrdv._child import ChildWorker
 from shmrdv._diagnose import _MAX_RECORDS, sightings
+from shmrdv._shm.naming import PREFIX, Names
 
 # A job name of this run's own: other test runs on the host use /job:worker tasks too.
 _JOB = f"diag{os.getpid()}x{secrets.token_hex(4)}"
 PRODUCER = f"/job:{_JOB}/replica:0/task:0"
 CONSUMER = f"/job:{_JOB}/replica:0/task:1"
+
+
+def _shown(token: str) -> str:
+    """The namespace as a diagnosis shows it: as it appears in the objects' names."""
+    return Names(token).prefix[len(PREFIX) : -1]
 
 
 def _key(name: str = "x") -> str:
@@ -38,7 +44,7 @@ def test_diagnose_timeout_names_the_producers_other_namespace() -> None:
     ):
         consumer.rendezvous(1).recv(_key(), timeout=0.5)
     msg = str(info.value)
-    assert f"task {PRODUCER} is alive in namespace id {theirs}" in msg, msg
+    assert f"task {PRODUCER} is alive in namespace id {_shown(theirs)}" in msg, msg
     assert "producer and consumer must share the namespace" in msg
     assert "the waiter was removed" in msg
 
@@ -90,7 +96,7 @@ def test_diagnose_long_wait_shows_in_stats_and_goes_away(
             (entry,) = consumer.stats()["waiting"]
             assert entry["step"] == 3 and entry["key"] == _key("long")
             assert entry["waited_s"] >= 1.0
-            assert f"alive in namespace id {theirs}" in entry["diagnosis"]
+            assert f"alive in namespace id {_shown(theirs)}" in entry["diagnosis"]
         finally:
             consumer.cleanup(3)  # the blocked receive fails at once
             t.join(10)
@@ -98,7 +104,7 @@ def test_diagnose_long_wait_shows_in_stats_and_goes_away(
         assert isinstance(outcome[0], shmrdv.AbortedError)
         assert consumer.stats()["waiting"] == []
     lines = [r.getMessage() for r in caplog.records if r.name == "shmrdv.router"]
-    assert any("has waited 1s" in m and f"namespace id {theirs}" in m for m in lines), lines
+    assert any("has waited 1s" in m and f"id {_shown(theirs)}" in m for m in lines), lines
 
 
 def _record(task: str, pid: int, ns: str) -> bytes:
@@ -116,7 +122,7 @@ def _record(task: str, pid: int, ns: str) -> bytes:
 
 
 def test_diagnose_scan_keeps_only_our_private_records(tmp_path: Path) -> None:
-    ns = "abcdefgh"
+    ns = _shown(shmrdv.new_namespace())
     good = tmp_path / f"shmrdv_{ns}_w{'1' * 20}"
     good.write_bytes(_record(PRODUCER, 11, ns))
     good.chmod(0o600)
@@ -136,9 +142,10 @@ def test_diagnose_scan_keeps_only_our_private_records(tmp_path: Path) -> None:
 
 
 def test_diagnose_scan_is_bounded(tmp_path: Path) -> None:
+    ns = _shown(shmrdv.new_namespace())
     for i in range(_MAX_RECORDS + 20):
-        p = tmp_path / f"shmrdv_abcdefgh_w{i:020x}"
-        p.write_bytes(_record(PRODUCER, i + 1, "abcdefgh"))
+        p = tmp_path / f"shmrdv_{ns}_w{i:020x}"
+        p.write_bytes(_record(PRODUCER, i + 1, ns))
         os.chmod(p, 0o600)
     assert len(sightings(PRODUCER, shm_dir=str(tmp_path))) == _MAX_RECORDS
 
