@@ -19,6 +19,7 @@ __all__ = [
     "ResourceExhaustedError",
     "UnauthenticatedError",
     "UnavailableError",
+    "closed_error",
 ]
 
 
@@ -68,3 +69,11 @@ class UnauthenticatedError(RendezvousError, PermissionError):
 
 class InternalError(RendezvousError):
     """A broken invariant inside shmrdv or a corrupted peer. TensorFlow: ``INTERNAL``."""
+
+
+def closed_error(task: str) -> AbortedError:
+    """The one error for a call on (or pending in) a Worker its owner closed.
+
+    "Closed by you", as opposed to a peer that broke (``UnavailableError``).
+    """
+    return AbortedError(f"Worker {task} is closed")

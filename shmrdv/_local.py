@@ -32,7 +32,7 @@ from ._callbacks import DoneCallback, invoke_done
 from ._errors import CancelledError, InvalidArgumentError, RendezvousError
 from ._keys import ParsedKey
 from ._received import Received
-from ._rendezvous import Canceller, Rendezvous, as_parsed_key
+from ._rendezvous import Canceller, Rendezvous, as_parsed_key, check_timeout
 from ._values import check_value
 
 __all__ = ["LocalRendezvous"]
@@ -96,15 +96,29 @@ class LocalRendezvous(Rendezvous):
 
     # -- the Rendezvous primitives -----------------------------------------------------
 
-    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+    def send(
+        self,
+        key: str | ParsedKey,
+        value: Any,
+        *,
+        is_dead: bool = False,
+        timeout: float | None = None,
+    ) -> None:
         """Queue ``value`` under ``key``, or hand it to the oldest waiting receiver.
 
-        Never blocks. If a receiver is waiting, its callback runs in this thread before
+        Never blocks (``timeout`` is accepted for the common signature; nothing here waits). If a receiver is waiting, its callback runs in this thread before
         ``send`` returns (outside the lock); an exception from it is logged, not raised.
         Raises ``InvalidArgumentError`` for a bad key or a value that is not a numpy array
         or holds Python objects (nothing is queued), and the abort error once aborted.
         """
+        if timeout is not None:
+            check_timeout(timeout)
         self._put(as_parsed_key(key), value, bool(is_dead), front=False)
+
+    def put(self, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool) -> None:
+        """``send`` for a caller that already parsed the key and checked the value with
+        ``check_value`` (a Worker's router): the same, minus those two per-message steps."""
+        self._put(key, value, is_dead, front=False, checked=True)
 
     def requeue(self, key: ParsedKey, received: Received) -> None:
         """Put a value that was taken but could not be delivered back at the head of its key.
@@ -118,8 +132,10 @@ class LocalRendezvous(Rendezvous):
         except RendezvousError:
             pass
 
-    def _put(self, pk: ParsedKey, value: Any, dead: bool, *, front: bool) -> None:
-        arr = check_value(value, pk.full_key)
+    def _put(
+        self, pk: ParsedKey, value: Any, dead: bool, *, front: bool, checked: bool = False
+    ) -> None:
+        arr = value if checked else check_value(value, pk.full_key)
         with self._lock:
             if self._error is not None:
                 raise self._abort_error()

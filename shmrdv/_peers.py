@@ -43,7 +43,8 @@ class Peers:
         self._watches: dict[tuple[str, int, int], PeerWatch] = {}
         self._closed = False
 
-    def _watch(self, task: DeviceName) -> PeerWatch:
+    def watch(self, task: DeviceName) -> PeerWatch:
+        """The cached presence watcher of ``task`` (one descriptor per peer task)."""
         tk = task.task_key()
         w = self._watches.get(tk)
         if w is None:
@@ -79,10 +80,10 @@ class Peers:
         return PeerRecord(name, is_local_host(host), ALL_TRANSPORTS, address, False)
 
     def lookup(self, task: DeviceName) -> PeerRecord:
-        return self._record(task, self._watch(task).info())
+        return self._record(task, self.watch(task).info())
 
     def liveness(self, task: DeviceName) -> tuple[PeerState, PeerRecord | None]:
-        watch = self._watch(task)
+        watch = self.watch(task)
         state = watch.state()
         info = watch.info() if state != "absent" else None
         return state, (self._record(task, info) if info is not None else None)

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -38,8 +38,10 @@ __all__ = [
     "Canceller",
     "RecvSlot",
     "Rendezvous",
+    "WaitObserver",
     "as_parsed_key",
     "check_timeout",
+    "timeout_error",
     "wait_received",
 ]
 
@@ -50,6 +52,9 @@ Canceller = Callable[[], bool]
 # How long a blocked receiver waits between looks at its deadline and the transport's
 # work (a dispatcher tick): short enough for a dead producer to be noticed within a second.
 _HELP_PERIOD = 0.2
+# After this long a blocked receive tells its observer it is still waiting (then after
+# twice as long, and so on): a debug line and an entry in Worker.stats(), never per message.
+_LONG_WAIT = 1.0
 
 
 def as_parsed_key(key: str | ParsedKey) -> ParsedKey:
@@ -78,11 +83,15 @@ def check_timeout(timeout: float | None) -> float | None:
     return t
 
 
-def _timeout_error(pk: ParsedKey, timeout: float | None) -> DeadlineExceededError:
+def timeout_error(pk: ParsedKey, timeout: float | None) -> DeadlineExceededError:
+    """The error of a receive of ``pk`` whose ``timeout`` expired (its waiter removed)."""
     return DeadlineExceededError(
         f"Timed out after {timeout:g}s waiting for key {pk.full_key!r} "
         f"(from {pk.src_device}); the waiter was removed"
     )
+
+
+_timeout_error = timeout_error  # the old name, still imported by _shm/transport.py
 
 
 class RecvSlot:
@@ -127,12 +136,29 @@ def _plain_wait(slot: RecvSlot, timeout: float) -> None:
     slot.wait(timeout)
 
 
+class WaitObserver(Protocol):
+    """What a blocked receive tells whoever routes it (the Worker's step rendezvous)."""
+
+    def timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
+        """The error of a receive whose timeout expired (its waiter already removed)."""
+        ...
+
+    def waiting_long(self, slot: RecvSlot, key: ParsedKey, waited: float) -> None:
+        """The receive of ``slot`` has waited ``waited`` seconds (after 1 s, 2 s, 4 s, ...)."""
+        ...
+
+    def stopped_waiting(self, slot: RecvSlot) -> None:
+        """The receive of ``slot``, once reported by ``waiting_long``, no longer waits."""
+        ...
+
+
 def wait_received(
     slot: RecvSlot,
     cancel: Canceller,
     key: ParsedKey,
     timeout: float | None,
     helper: Callable[[RecvSlot, float], None] = _plain_wait,
+    observer: WaitObserver | None = None,
 ) -> Received:
     """The one blocking receive loop: wait for ``slot``, cancel on timeout or interrupt.
 
@@ -140,20 +166,31 @@ def wait_received(
     whatever work the transport needs from a blocked receiver meanwhile (``Transport.wait``);
     it may return early. A timeout that expires removes the waiter (``cancel()``) and raises
     ``DeadlineExceededError``; if the value won the race, it is returned. Ctrl-C
-    (``KeyboardInterrupt``) removes the waiter too and propagates.
+    (``KeyboardInterrupt``) removes the waiter too and propagates. ``observer`` (if any)
+    builds the timeout's error and hears of a wait that lasts (``WaitObserver``).
     """
     if slot.filled:
         return slot.result()
-    deadline = None if timeout is None else time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+    report_at = start + _LONG_WAIT if observer is not None else float("inf")
+    reported = False
     try:
         while not slot.filled:
+            now = time.monotonic()
+            if now >= report_at and observer is not None:
+                reported = True
+                observer.waiting_long(slot, key, now - start)
+                report_at = now + (now - start)
             if deadline is None:
                 helper(slot, _HELP_PERIOD)
                 continue
-            left = deadline - time.monotonic()
+            left = deadline - now
             if left <= 0:
                 if cancel():
-                    raise _timeout_error(key, timeout)
+                    if observer is not None:
+                        raise observer.timeout_error(key, timeout)
+                    raise timeout_error(key, timeout)
                 slot.wait(None)  # lost the race to a delivery: it is on its way
                 break
             helper(slot, min(left, _HELP_PERIOD))
@@ -163,6 +200,9 @@ def wait_received(
         # Interrupted just as the value was being delivered: it is dropped with the call.
         _log.warning("recv of %r interrupted just as its value arrived; dropped", key.full_key)
         raise
+    finally:
+        if reported and observer is not None:
+            observer.stopped_waiting(slot)
     return slot.result()
 
 
@@ -204,8 +244,20 @@ class Rendezvous(abc.ABC):
     # -- what a transport implements -------------------------------------------------
 
     @abc.abstractmethod
-    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
-        """Hand ``value`` (a numpy array) to the receiver of ``key``. Never blocks."""
+    def send(
+        self,
+        key: str | ParsedKey,
+        value: Any,
+        *,
+        is_dead: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        """Hand ``value`` (a numpy array) to the receiver of ``key``.
+
+        Never blocks on the consumer, unless its Worker has a ``max_inflight_bytes``
+        window and it is full: then it waits up to ``timeout`` seconds (None: as long as
+        it takes) for room and raises ``ResourceExhaustedError``, having sent nothing.
+        """
 
     @abc.abstractmethod
     def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
@@ -320,5 +372,9 @@ class Rendezvous(abc.ABC):
                 task.uncancel()
             return await afut
         if not finished and cancel():
-            raise _timeout_error(pk, t)
+            raise self._timeout_error(pk, t)
         return await afut
+
+    def _timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
+        """The error of a receive of ``key`` whose ``timeout`` expired (overridable)."""
+        return timeout_error(key, timeout)

@@ -1,32 +1,272 @@
-"""The step-scoped rendezvous a Worker hands out: it routes each key to a transport.
+"""Routing: which rendezvous carries a key, and the step-scoped rendezvous a Worker hands out.
 
 Both ends in this worker: the step's in-process ``LocalRendezvous`` (no copy). The other
-end in another worker: the transport the Worker picked for that peer (shared memory on
-this host, gRPC across hosts). Like TensorFlow's ``BaseRemoteRendezvous``, a step's
+end in another worker: the first transport of the worker's priority list that the peer
+takes (its ``PeerRecord.transports``) and that ``can_reach`` it (TensorPipe's
+``canCommunicateWithRemote``). Like TensorFlow's ``BaseRemoteRendezvous``, a step's
 rendezvous only sends keys whose src task is its worker and only receives keys whose
 dst task is its worker; tasks are compared as parsed names (``task:1`` is not
 ``task:10``, the string-prefix trap of TF's ``IsLocalDevice``).
+
+Per-message work is only what the message needs. What a key string implies — its parse,
+the own-task and incarnation checks, the peer and the chosen transport — is derived once
+per key string and kept in a bounded LRU (TensorFlow reuses a key in every step, each with
+a new step id, so the cache is keyed by the key alone). A peer's transport is cached once
+its record is final (its own presence record); a provisional answer (from the cluster
+spec) is asked again next time.
+
+The router is given a ``RouterContext``, never the Worker.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 
 from ._callbacks import DoneCallback
-from ._errors import AbortedError, InvalidArgumentError
-from ._keys import ParsedKey
+from ._devices import DeviceName
+from ._diagnose import explain_absent_producer
+from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError, RendezvousError
+from ._keys import ParsedKey, parse_key
 from ._local import LocalRendezvous
 from ._received import Received
-from ._rendezvous import Canceller, Rendezvous, as_parsed_key, check_timeout
+from ._rendezvous import (
+    Canceller,
+    RecvSlot,
+    Rendezvous,
+    check_timeout,
+    timeout_error,
+    wait_received,
+)
+from ._shm.naming import PREFIX
+from ._transport import PeerRecord, Transport, TransportContext
 from ._values import check_value
 
-if TYPE_CHECKING:
-    from ._worker import Worker
+__all__ = ["KeyRoute", "Router", "RouterContext", "StepRendezvous"]
 
-__all__ = ["StepRendezvous"]
+_log = logging.getLogger("shmrdv.router")
+
+_INF = float("inf")
+
+# How many key strings' routes a worker remembers: far more than the distinct keys of any
+# graph (TensorFlow reuses each key in every step), small enough to bound a job that
+# makes a new key per message.
+_KEY_ROUTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class RouterContext:
+    """What the router is given of its Worker."""
+
+    ctx: TransportContext
+    order: tuple[str, ...]  # the worker's transport priority list
+    transport: Callable[[str], Transport]  # the named transport (created on first use)
+    active: Callable[[], tuple[Transport, ...]]  # the transports created so far
+    check_usable: Callable[[], None]  # raises if the Worker is closed (or inherited by fork)
+
+
+# Matches no array: a dtype object of our own (never handed out) and an impossible shape.
+_NOTHING_ACCEPTED: tuple[np.dtype[Any], tuple[int, ...]] = (np.dtype([("never", "u1")]), (-1,))
+
+
+class KeyRoute:
+    """What one key string means to this worker, derived once (see the module docstring).
+
+    ``peer`` is the other end's task (None when both ends, or neither, are this worker);
+    ``transport`` and ``wait`` are filled in once the peer's record is final. ``accepted``
+    is the (dtype, shape) of the last array ``check_value`` accepted under the key (one
+    tuple, replaced whole: threads never mix two arrays' halves): an array of the same
+    dtype object and shape needs no second look.
+    """
+
+    __slots__ = (
+        "accepted",
+        "dst_own",
+        "inc_ok",
+        "local",
+        "peer",
+        "pk",
+        "src_own",
+        "transport",
+        "wait",
+    )
+
+    def __init__(self, pk: ParsedKey, task: DeviceName, incarnation: int) -> None:
+        self.pk = pk
+        self.src_own = task.same_task(pk.src)
+        self.dst_own = task.same_task(pk.dst)
+        self.inc_ok = not self.src_own or pk.src_incarnation in (0, incarnation)
+        self.local = self.src_own and self.dst_own
+        self.peer: DeviceName | None = (
+            pk.dst
+            if self.src_own and not self.dst_own
+            else pk.src
+            if self.dst_own and not self.src_own
+            else None
+        )
+        self.transport: Transport | None = None
+        self.wait: Callable[[RecvSlot, float], None] | None = None
+        self.accepted: tuple[np.dtype[Any], tuple[int, ...]] = _NOTHING_ACCEPTED
+
+    def checked(self, value: Any) -> npt.NDArray[Any]:
+        """``check_value(value)``, skipped for an ndarray like the last one accepted."""
+        dtype, shape = self.accepted
+        if type(value) is np.ndarray and value.dtype is dtype and value.shape == shape:
+            return value
+        arr = check_value(value, self.pk.full_key)
+        self.accepted = (arr.dtype, arr.shape)
+        return arr
+
+
+class Router:
+    """The routing of one Worker, shared by all its steps. Thread-safe."""
+
+    def __init__(self, rc: RouterContext) -> None:
+        self.rc = rc
+        self.task_name = rc.ctx.task_name
+        self._lock = threading.Lock()
+        self._peer_routes: dict[tuple[str, int, int], Transport] = {}
+        self._by_key: Callable[[str], KeyRoute] = functools.lru_cache(maxsize=_KEY_ROUTES)(
+            self._derive
+        )
+        # Blocked receives that have waited long (WaitObserver), by id of their slot:
+        # (step, key, since when). Only long waits get here, never every message.
+        self._long_waits: dict[int, tuple[int, ParsedKey, float]] = {}
+        # The namespace as it appears in this worker's object names.
+        self._namespace = rc.ctx.names.prefix[len(PREFIX) : -1]
+
+    def _derive(self, full_key: str) -> KeyRoute:
+        return KeyRoute(parse_key(full_key), self.rc.ctx.task, self.rc.ctx.incarnation)
+
+    def route(self, key: str | ParsedKey) -> KeyRoute:
+        """The route of ``key``; ``InvalidArgumentError`` for a key that does not parse."""
+        if type(key) is str:
+            return self._by_key(key)
+        if isinstance(key, ParsedKey):
+            return self._by_key(key.full_key)
+        raise InvalidArgumentError(
+            f"a rendezvous key must be a str (see shmrdv.create_key), not {type(key).__name__}"
+        )
+
+    def cached_routes(self) -> int:
+        """How many key strings' routes are remembered (bounded by ``_KEY_ROUTES``)."""
+        info = self._by_key.cache_info()  # type: ignore[attr-defined]
+        return int(info.currsize)
+
+    # -- the checks, their errors built only when they fail ---------------------------
+
+    def send_error(self, r: KeyRoute) -> Exception:
+        pk = r.pk
+        if not r.src_own:
+            return InvalidArgumentError(
+                f"Invalid rendezvous key (src): {pk.full_key} @ {self.task_name}"
+            )
+        inc = self.rc.ctx.incarnation
+        return AbortedError(
+            f"key {pk.full_key!r} names incarnation {pk.src_incarnation:016x} of "
+            f"{self.task_name}, but this worker is incarnation {inc:016x}: the key is from a "
+            "previous run of this worker"
+        )
+
+    def recv_error(self, r: KeyRoute) -> Exception:
+        pk = r.pk
+        if not r.dst_own:
+            return InvalidArgumentError(
+                f"Invalid rendezvous key (dst): {pk.full_key} @ {self.task_name}"
+            )
+        inc = self.rc.ctx.incarnation
+        return AbortedError(
+            f"RecvTensor expects a different device incarnation: {pk.src_incarnation:016x} "
+            f'vs. {inc:016x}. Your worker job ("{self.task_name}") was probably restarted; '
+            f"key {pk.full_key!r}"
+        )
+
+    # -- choosing a transport ---------------------------------------------------------
+
+    def transport(self, r: KeyRoute) -> Transport:
+        """The transport for ``r``'s peer (``r.peer`` must be set)."""
+        t = r.transport
+        if t is not None:
+            return t
+        peer = r.peer
+        assert peer is not None
+        tk = peer.task_key()
+        t = self._peer_routes.get(tk)
+        if t is None:
+            record = self.rc.ctx.peers.lookup(peer)
+            t = self._choose(record, r.pk)
+            if not record.final:
+                return t  # provisional: ask again next time
+            with self._lock:
+                t = self._peer_routes.setdefault(tk, t)
+        r.wait = t.wait
+        r.transport = t
+        return t
+
+    def _choose(self, record: PeerRecord, pk: ParsedKey) -> Transport:
+        for name in self.rc.order:
+            if name not in record.transports:
+                continue
+            t = self.rc.transport(name)
+            if t.can_reach(record):
+                return t
+        where = "this host" if record.same_host else "another host"
+        raise InvalidArgumentError(
+            f"key {pk.full_key!r}: task {record.task} is on {where} and takes transports "
+            f"{record.transports}; none of this worker's transports={self.rc.order} reaches it"
+        )
+
+    def abort_step(self, step_id: int, error: BaseException) -> None:
+        """Abort ``step_id`` in every transport created so far (each once)."""
+        for t in self.rc.active():
+            t.abort_step(step_id, error)
+
+    # -- why a receive waits (never per message) --------------------------------------
+
+    def diagnose(self, pk: ParsedKey) -> str | None:
+        """Where the producer of ``pk`` is alive, if not in this worker's namespace.
+
+        None for a producer on another host (or one that is alive here, in this namespace).
+        Lists /dev/shm: only for a timeout, a long wait or ``stats()``.
+        """
+        try:
+            record = self.rc.ctx.peers.lookup(pk.src)
+        except RendezvousError as e:
+            return f"the presence record of {pk.src} cannot be read: {e}"
+        if not record.same_host:
+            return None
+        return explain_absent_producer(record.task, self._namespace)
+
+    def long_wait_started(self, slot: RecvSlot, step_id: int, pk: ParsedKey, since: float) -> None:
+        with self._lock:
+            self._long_waits[id(slot)] = (step_id, pk, since)
+
+    def long_wait_ended(self, slot: RecvSlot) -> None:
+        with self._lock:
+            self._long_waits.pop(id(slot), None)
+
+    def waiting(self) -> list[dict[str, Any]]:
+        """The blocked receives waiting for over a second: step, key, seconds, diagnosis."""
+        with self._lock:
+            waits = list(self._long_waits.values())
+        now = time.monotonic()
+        return [
+            {
+                "step": step,
+                "key": pk.full_key,
+                "waited_s": round(now - since, 3),
+                "diagnosis": self.diagnose(pk),
+            }
+            for step, pk, since in waits
+        ]
 
 
 class StepRendezvous(Rendezvous):
@@ -37,11 +277,12 @@ class StepRendezvous(Rendezvous):
     consumer in this worker) and buffers it for a consumer on another host, which
     pulls it. Receives block, call back, or complete a Future / awaitable as described
     on ``Rendezvous``. ``start_abort`` (or ``Worker.cleanup``) fails everything pending
-    in this step and every later call.
+    in this step and every later call; the step's abort error lives here only.
     """
 
-    def __init__(self, worker: Worker, step_id: int) -> None:
-        self._worker = worker
+    def __init__(self, router: Router, step_id: int) -> None:
+        self._router = router
+        self._check_usable = router.rc.check_usable
         self.step_id = step_id
         self._local = LocalRendezvous()
         self._lock = threading.Lock()
@@ -49,77 +290,70 @@ class StepRendezvous(Rendezvous):
 
     def __repr__(self) -> str:
         state = f"aborted: {self._error!r}" if self._error is not None else "open"
-        return f"<StepRendezvous step={self.step_id} of {self._worker.task} ({state})>"
+        return f"<StepRendezvous step={self.step_id} of {self._router.task_name} ({state})>"
 
-    # -- checks ------------------------------------------------------------------------
-
-    def _check_src(self, pk: ParsedKey) -> bool:
-        """True if the consumer is this worker too. Raises for a key this worker cannot send."""
-        w = self._worker
-        w._check_usable()
-        if not w._is_own_task(pk.src):
-            raise InvalidArgumentError(f"Invalid rendezvous key (src): {pk.full_key} @ {w.task}")
-        if pk.src_incarnation not in (0, w.incarnation):
-            raise AbortedError(
-                f"key {pk.full_key!r} names incarnation {pk.src_incarnation:016x} of {w.task}, "
-                f"but this worker is incarnation {w.incarnation:016x}: the key is from a previous "
-                "run of this worker"
-            )
-        return w._is_own_task(pk.dst)
-
-    def _check_dst(self, pk: ParsedKey) -> bool:
-        """True if the producer is this worker too. Raises for a key this worker cannot receive."""
-        w = self._worker
-        w._check_usable()
-        if not w._is_own_task(pk.dst):
-            raise InvalidArgumentError(f"Invalid rendezvous key (dst): {pk.full_key} @ {w.task}")
-        if not w._is_own_task(pk.src):
-            return False
-        if pk.src_incarnation not in (0, w.incarnation):
-            raise AbortedError(
-                f"RecvTensor expects a different device incarnation: {pk.src_incarnation:016x} vs. "
-                f'{w.incarnation:016x}. Your worker job ("{w.task}") was probably restarted; '
-                f"key {pk.full_key!r}"
-            )
-        return True
-
-    def _raise_if_aborted(self) -> None:
+    def _send_route(self, key: str | ParsedKey) -> KeyRoute:
+        self._check_usable()
+        r = self._router.route(key)
+        if not (r.src_own and r.inc_ok):
+            raise self._router.send_error(r)
         if self._error is not None:
             raise self._error
+        return r
+
+    def _recv_route(self, key: str | ParsedKey) -> KeyRoute:
+        self._check_usable()
+        r = self._router.route(key)
+        if not r.dst_own or not r.inc_ok:
+            raise self._router.recv_error(r)
+        if self._error is not None:
+            raise self._error
+        return r
 
     # -- Rendezvous --------------------------------------------------------------------
 
-    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
-        pk = as_parsed_key(key)
-        local = self._check_src(pk)
-        self._raise_if_aborted()
-        arr = check_value(value, pk.full_key)
-        if local:
-            self._local.send(pk, arr, is_dead=is_dead)
+    def send(
+        self,
+        key: str | ParsedKey,
+        value: Any,
+        *,
+        is_dead: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        r = self._send_route(key)
+        if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
+            timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
+        arr = r.checked(value)
+        if r.local:
+            self._local.put(r.pk, arr, bool(is_dead))
         else:
-            self._worker._transport_to(pk.dst, pk).send(self.step_id, pk, arr, bool(is_dead))
+            t = r.transport or self._router.transport(r)
+            t.send(self.step_id, r.pk, arr, bool(is_dead), timeout)
+
+    send.__doc__ = Rendezvous.send.__doc__
 
     def recv(
         self, key: str | ParsedKey, *, timeout: float | None = None, copy: bool = False
     ) -> Received:
-        pk = as_parsed_key(key)
-        if not self._check_dst(pk):
-            self._raise_if_aborted()
-            blocking = getattr(self._worker._transport_from(pk.src, pk), "recv_blocking", None)
-            if blocking is not None:
-                # Shared memory: the receiving thread waits on the doorbell itself.
-                result: Received = blocking(self.step_id, pk, check_timeout(timeout), copy)
-                return result
-        return super().recv(pk, timeout=timeout, copy=copy)
+        r = self._recv_route(key)
+        if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
+            timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
+        slot = RecvSlot()
+        if r.local:
+            cancel = self._local._start_recv(r.pk, slot.done, copy)
+            return wait_received(slot, cancel, r.pk, timeout)
+        t = r.transport or self._router.transport(r)
+        cancel = t.start_recv(self.step_id, r.pk, slot.done, copy, True)
+        return wait_received(slot, cancel, r.pk, timeout, r.wait or t.wait, self)
 
     recv.__doc__ = Rendezvous.recv.__doc__
 
     def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
-        local = self._check_dst(key)
-        self._raise_if_aborted()
-        if local:
-            return self._local._start_recv(key, done, copy)
-        return self._worker._transport_from(key.src, key).start_recv(self.step_id, key, done, copy)
+        r = self._recv_route(key)
+        if r.local:
+            return self._local._start_recv(r.pk, done, copy)
+        t = r.transport or self._router.transport(r)
+        return t.start_recv(self.step_id, r.pk, done, copy, False)
 
     def allocate(self, key: str | ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
         """An array to fill and then ``send(key, array)``.
@@ -127,12 +361,11 @@ class StepRendezvous(Rendezvous):
         For a consumer on this host it lies in a shared-memory segment, so ``send`` only
         publishes it: no copy at all. It may be sent once, under this key only.
         """
-        pk = as_parsed_key(key)
-        local = self._check_src(pk)
-        self._raise_if_aborted()
-        if local:
-            return super().allocate(pk, shape, dtype)
-        return self._worker._transport_to(pk.dst, pk).allocate(self.step_id, pk, shape, dtype)
+        r = self._send_route(key)
+        if r.local:
+            return super().allocate(r.pk, shape, dtype)
+        t = r.transport or self._router.transport(r)
+        return t.allocate(self.step_id, r.pk, shape, dtype)
 
     def start_abort(self, error: BaseException) -> None:
         if not isinstance(error, BaseException):
@@ -142,13 +375,38 @@ class StepRendezvous(Rendezvous):
                 return
             self._error = error
         self._local.start_abort(error)
-        for t in self._worker._active_transports():
-            t.abort_step(self.step_id, error)
+        self._router.abort_step(self.step_id, error)
 
     @property
     def aborted(self) -> BaseException | None:
         """The abort error, or ``None`` while the step is open."""
         return self._error
+
+    # -- WaitObserver: what a cross-process receive that waits says ---------------------
+
+    def _timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
+        error = timeout_error(key, timeout)
+        if self._router.route(key).local:
+            return error
+        hint = self._router.diagnose(key)
+        return error if hint is None else DeadlineExceededError(f"{error}; {hint}")
+
+    def timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
+        return self._timeout_error(key, timeout)
+
+    def waiting_long(self, slot: RecvSlot, key: ParsedKey, waited: float) -> None:
+        self._router.long_wait_started(slot, self.step_id, key, time.monotonic() - waited)
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug(
+                "recv of %r in step %d has waited %.0fs: %s",
+                key.full_key,
+                self.step_id,
+                waited,
+                self._router.diagnose(key) or f"its producer {key.src} is alive in this namespace",
+            )
+
+    def stopped_waiting(self, slot: RecvSlot) -> None:
+        self._router.long_wait_ended(slot)
 
     def stats(self) -> dict[str, int]:
         return self._local.stats()

@@ -1,12 +1,13 @@
-"""Worker: one task of a job, the owner of its step-scoped rendezvous and transports.
+"""Worker: one task of a job, the owner of its steps, their tombstones and its lifetime.
 
 A Worker is TensorFlow's worker process reduced to its rendezvous part: it has a task
 name (``/job:w/replica:0/task:1``), an incarnation (a random uint64 drawn at start), a
 namespace shared by the job's workers, and the transports that reach other workers —
-shared memory on this host, gRPC across hosts. ``rendezvous(step_id)`` hands out the
-step's router; ``cleanup(step_id)`` aborts and frees it (TensorFlow's
-``RendezvousMgr::Cleanup``), leaving a tombstone so a late call fails at once instead of
-waiting forever.
+shared memory on this host, gRPC across hosts. It builds them (with the
+``TransportContext``, the peer directory and the ``Router``) and closes them; routing
+itself lives in ``_router.py``. ``rendezvous(step_id)`` hands out the step's rendezvous;
+``cleanup(step_id)`` aborts and frees it (TensorFlow's ``RendezvousMgr::Cleanup``),
+leaving a tombstone so a late call fails at once instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -20,17 +21,21 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ._callbacks import DoneCallback
 from ._cluster import ClusterSpec
 from ._devices import DeviceName
-from ._errors import AbortedError, InvalidArgumentError, UnavailableError
+from ._errors import AbortedError, InvalidArgumentError, closed_error
 from ._hostaddr import is_local_host, split_host_port
 from ._keys import ParsedKey
 from ._namespace import resolve_namespace
-from ._peers import Peers
-from ._router import StepRendezvous
-from ._transport import Transport, TransportContext
+from ._peers import ALL_TRANSPORTS, Peers, canonical_task
+from ._rendezvous import Canceller, RecvSlot
+from ._router import Router, RouterContext, StepRendezvous
+from ._transport import PeerRecord, Transport, TransportContext
 
 if TYPE_CHECKING:
+    import numpy.typing as npt
+
     from ._rpc.security import TLSConfig
     from ._shm.presence import PeerWatch, Presence
 
@@ -38,7 +43,7 @@ __all__ = ["Worker"]
 
 _log = logging.getLogger("shmrdv.worker")
 
-_TRANSPORTS = ("shm", "grpc")
+_TRANSPORTS = ALL_TRANSPORTS
 # How many cleaned-up step ids a worker remembers (TensorFlow keeps none and lets a late
 # RecvTensor wait forever; an unbounded set would leak in a long job).
 _TOMBSTONES = 65536
@@ -61,7 +66,96 @@ def _task_of(task: str | DeviceName) -> DeviceName:
             f"a Worker needs a task name with a job and a task index, like "
             f"'/job:worker/replica:0/task:0', not {str(task)!r}"
         )
-    return DeviceName(job=dev.job, replica=dev.replica or 0, task=dev.task, type=None, id=None)
+    return canonical_task(dev)
+
+
+class _LegacyShmHost:
+    """TEMPORARY (until the split ShmTransport takes a TransportContext): what the old
+    ``ShmTransport`` reads of its "worker", built from the context alone."""
+
+    def __init__(self, ctx: TransportContext, peers: Peers) -> None:
+        self._ctx = ctx
+        self._names = ctx.names
+        self.task = ctx.task_name
+        self.incarnation = ctx.incarnation
+        self._peers = peers
+
+    def peer_watch(self, task: DeviceName) -> PeerWatch:
+        return self._peers.watch(task)
+
+    def is_cleaned_up(self, step_id: int) -> bool:
+        return self._ctx.cleaned_up(step_id)
+
+    def _is_own_task(self, dev: DeviceName) -> bool:
+        return self._ctx.task.same_task(dev)
+
+
+class _LegacyShm:
+    """TEMPORARY adapter of the old ``ShmTransport`` (which takes the Worker) to the
+    ``Transport`` protocol; replaced by ``ShmTransport(ctx, pool_bytes=...)``."""
+
+    name = "shm"
+
+    def __init__(self, ctx: TransportContext, peers: Peers, *, pool_bytes: int) -> None:
+        from ._shm.transport import ShmTransport
+
+        self._host = _LegacyShmHost(ctx, peers)
+        self._t: Any = ShmTransport(self._host, pool_bytes=pool_bytes)  # type: ignore[arg-type]
+
+    def can_reach(self, peer: PeerRecord) -> bool:
+        return peer.same_host
+
+    def send(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        value: npt.NDArray[Any],
+        is_dead: bool,
+        timeout: float | None,
+    ) -> None:
+        self._t.send(step_id, key, value, is_dead)
+
+    def allocate(self, step_id: int, key: ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
+        arr: npt.NDArray[Any] = self._t.allocate(step_id, key, shape, dtype)
+        return arr
+
+    def start_recv(
+        self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, waits: bool
+    ) -> Canceller:
+        cancel: Canceller = self._t.start_recv(step_id, key, done, copy, blocking=waits)
+        return cancel
+
+    def wait(self, slot: RecvSlot, timeout: float) -> None:
+        # One round of the old recv_blocking loop: lead the doorbell or follow the leader.
+        t = self._t
+        with t._lock:
+            if slot.filled:
+                return
+            leader = not t._polling and not t._closed
+            if leader:
+                t._polling = True
+            else:
+                t._wake.wait(timeout)
+        if leader:
+            try:
+                t._poll(timeout)
+            finally:
+                with t._lock:
+                    t._polling = False
+                    t._wake.notify_all()
+
+    def abort_step(self, step_id: int, error: BaseException) -> None:
+        self._t.abort_step(step_id, error)
+
+    def cleanup_step(self, step_id: int) -> None:
+        self._t.cleanup_step(step_id)
+
+    def close(self) -> None:
+        self._t.close()
+
+    def stats(self) -> dict[str, int]:
+        out: dict[str, int] = self._t.stats()
+        return out
 
 
 class Worker:
@@ -149,8 +243,6 @@ class Worker:
         self._lock = threading.Lock()
         self._steps: dict[int, StepRendezvous] = {}
         self._tombstones: OrderedDict[int, AbortedError] = OrderedDict()
-        self._routes: dict[tuple[str, int, int], Transport] = {}
-        self._watches: dict[tuple[str, int, int], PeerWatch] = {}
         self._shm: Transport | None = None
         self._grpc: Transport | None = None
         self._presence: Presence | None = None
@@ -181,6 +273,15 @@ class Worker:
             peers=self._peers,
             cleaned_up=self._tombstones.__contains__,
         )
+        self._router = Router(
+            RouterContext(
+                ctx=self._ctx,
+                order=self.transports,
+                transport=self._transport,
+                active=self._active_transports,
+                check_usable=self._check_usable,
+            )
+        )
         start_server = (
             "grpc" in self.transports
             and (
@@ -192,7 +293,7 @@ class Worker:
             from ._rpc.transport import GrpcTransport
 
             bind = self._bind_address()
-            grpc_t = GrpcTransport(self, bind, tls=self._tls, token=self._token)
+            grpc_t = GrpcTransport(self._ctx, bind, tls=self._tls, token=self._token)
             self._grpc = grpc_t
             self.address = grpc_t.address
         elif "grpc" in self.transports:
@@ -211,9 +312,7 @@ class Worker:
             ),
         )
         if "shm" in self.transports:
-            from ._shm.transport import ShmTransport
-
-            self._shm = ShmTransport(self, pool_bytes=self._shm_pool_bytes)
+            self._shm = _LegacyShm(self._ctx, self._peers, pool_bytes=self._shm_pool_bytes)
 
     def _cluster_has_remote_task(self) -> bool:
         if self.cluster is None:
@@ -256,7 +355,7 @@ class Worker:
             rdv = self._steps.get(step)
             if rdv is not None:
                 return rdv
-            rdv = StepRendezvous(self, step)
+            rdv = StepRendezvous(self._router, step)
             tomb = self._tombstones.get(step)
             if tomb is None:
                 self._steps[step] = rdv
@@ -279,9 +378,10 @@ class Worker:
             while len(self._tombstones) > _TOMBSTONES:
                 self._tombstones.popitem(last=False)
         if rdv is not None:
-            rdv.start_abort(error)
+            rdv.start_abort(error)  # aborts the transports too (unless aborted before)
+        else:
+            self._router.abort_step(step, error)
         for t in self._active_transports():
-            t.abort_step(step, error)
             t.cleanup_step(step)
 
     def is_cleaned_up(self, step_id: int) -> bool:
@@ -303,15 +403,14 @@ class Worker:
         with self._lock:
             steps = list(self._steps.items())
             self._steps.clear()
-        for step, rdv in steps:
-            rdv.start_abort(AbortedError(f"Worker {self.task} closed (step {step})"))
+        error = closed_error(self.task)
+        for _step, rdv in steps:
+            rdv.start_abort(error)
         for t in self._active_transports():
             try:
                 t.close()
             except Exception:  # pragma: no cover - keep closing the rest
                 _log.exception("closing transport %s of %s", t.name, self.task)
-        for watch in self._watches.values():
-            watch.close()
         if self._peers is not None:
             self._peers.close()
         if self._presence is not None:
@@ -322,11 +421,17 @@ class Worker:
         return self._closed
 
     def stats(self) -> dict[str, Any]:
-        """Counters per transport (bytes, messages, pending, live segments) and steps."""
+        """Counters per transport (bytes, messages, pending, live segments), steps,
+        tombstones, ``routes`` (key strings whose route is remembered) and ``waiting``:
+        the blocked receives waiting for over a second, each with step, key, seconds
+        waited and a diagnosis (None, or where its producer's task is alive if not in this
+        worker's namespace, or that it is alive nowhere on this host)."""
         out: dict[str, Any] = {
             "task": self.task,
             "steps": len(self._steps),
             "tombstones": len(self._tombstones),
+            "routes": self._router.cached_routes(),
+            "waiting": self._router.waiting(),
         }
         local: dict[str, int] = {}
         for rdv in list(self._steps.values()):
@@ -337,7 +442,7 @@ class Worker:
             out[t.name] = t.stats()
         return out
 
-    # -- for the router and the transports ------------------------------------------------
+    # -- lifecycle and the transports it built (given to the router as callables) --------
 
     @staticmethod
     def _check_step(step_id: int) -> int:
@@ -356,101 +461,20 @@ class Worker:
                 f"fork by pid {os.getpid()}; a Worker cannot be shared: create a new Worker in the child"
             )
         if self._closed:
-            raise AbortedError(f"Worker {self.task} is closed")
+            raise closed_error(self.task)
 
-    def _is_own_task(self, dev: DeviceName) -> bool:
-        return self._task.same_task(dev)
+    def _active_transports(self) -> tuple[Transport, ...]:
+        return tuple(t for t in (self._shm, self._grpc) if t is not None)
 
-    def _active_transports(self) -> list[Transport]:
-        return [t for t in (self._shm, self._grpc) if t is not None]
+    def _transport(self, name: str) -> Transport:
+        """The named transport of this worker; gRPC's client is made on first use."""
+        if name == "shm" and self._shm is not None:
+            return self._shm
+        if name == "grpc":
+            with self._lock:
+                if self._grpc is None:
+                    from ._rpc.transport import GrpcTransport
 
-    def peer_watch(self, task: DeviceName) -> PeerWatch:
-        """The (cached) presence watcher of another worker's task."""
-        from ._shm.presence import PeerWatch
-
-        tk = task.task_key()
-        with self._lock:
-            w = self._watches.get(tk)
-            if w is None:
-                w = PeerWatch(self._names, _task_of(task).__str__())
-                self._watches[tk] = w
-        return w
-
-    def _peer_placement(self, task: DeviceName) -> tuple[bool, tuple[str, ...], bool]:
-        """(same host?, the peer's transports, definitive?) for another worker's task.
-
-        The probe proper: the peer's presence record, visible in our /dev/shm with our
-        boot id, says it is here and which transports it takes. Before the peer has
-        started, its cluster address decides (loopback, this host's names and
-        addresses), and the answer is only provisional.
-        """
-        from ._shm.presence import boot_id
-
-        info = self.peer_watch(task).info()
-        if info is not None and info.boot_id == boot_id():
-            return True, info.transports, True
-        if self.cluster is None:
-            return True, _TRANSPORTS, False
-        try:
-            address = self.cluster.task_address(_task_of(task))
-        except InvalidArgumentError:
-            return True, _TRANSPORTS, False  # not in the cluster: only reachable here
-        host, _ = split_host_port(address)
-        return is_local_host(host), _TRANSPORTS, False
-
-    def _route(self, task: DeviceName, pk: ParsedKey) -> Transport:
-        """The transport for keys between this worker and ``task``: our first preference
-        the peer also takes and that reaches it. Cached per peer once the peer is seen."""
-        tk = task.task_key()
-        t = self._routes.get(tk)
-        if t is not None:
-            return t
-        local, theirs, definitive = self._peer_placement(task)
-        chosen: Transport | None = None
-        for name in self.transports:
-            if name not in theirs:
-                continue
-            if name == "shm" and local and self._shm is not None:
-                chosen = self._shm
-                break
-            if name == "grpc":
-                chosen = self._grpc_transport()
-                break
-        if chosen is None:
-            where = "this host" if local else "another host"
-            raise InvalidArgumentError(
-                f"key {pk.full_key!r}: task {_task_of(task)} is on {where} and takes "
-                f"transports {theirs}; none of this worker's transports={self.transports} "
-                "reaches it (shm reaches this host, grpc any host)"
-            )
-        if not definitive:
-            return chosen
-        with self._lock:
-            return self._routes.setdefault(tk, chosen)
-
-    def _transport_to(self, dst: DeviceName, pk: ParsedKey) -> Transport:
-        return self._route(dst, pk)
-
-    def _transport_from(self, src: DeviceName, pk: ParsedKey) -> Transport:
-        return self._route(src, pk)
-
-    def _grpc_transport(self) -> Transport:
-        with self._lock:
-            if self._grpc is None:
-                from ._rpc.transport import GrpcTransport
-
-                self._grpc = GrpcTransport(self, None, tls=self._tls, token=self._token)
-            return self._grpc
-
-    def peer_address(self, task: DeviceName, pk: ParsedKey | None = None) -> str:
-        """The gRPC address of another worker: the cluster's, else its presence record's."""
-        t = _task_of(task)
-        if self.cluster is not None and str(t) in self.cluster:
-            return self.cluster.task_address(t)
-        info = self.peer_watch(t).info()
-        if info is not None and info.address:
-            return info.address
-        what = f" for key {pk.full_key!r}" if pk is not None else ""
-        raise UnavailableError(
-            f"no address known for task {t}{what}: not in the cluster spec and not running here"
-        )
+                    self._grpc = GrpcTransport(self._ctx, None, tls=self._tls, token=self._token)
+                return self._grpc
+        raise InvalidArgumentError(f"{self.task} has no transport {name!r}")  # pragma: no cover

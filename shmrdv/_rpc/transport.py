@@ -8,13 +8,17 @@ The outbox is created on the first send or request of a step and dropped by
 (TensorFlow's FindOrCreate would wait forever).
 
 Consumer side: ``start_recv`` pulls the next value of the key from the producer's
-address (the cluster's, else the producer's presence record) through ``RpcClient``;
-aborting or cleaning up the step cancels the calls in flight.
+address (``TransportContext.peers``: the cluster's, else the producer's presence record)
+through ``RpcClient``; aborting or cleaning up the step cancels the calls in flight.
+
+Implements ``Transport`` (``_transport.py``) and nothing else: it is given a
+``TransportContext``, never the Worker.
 
 Thread model: the server runs its own event loop thread; the client needs no thread per
 receive (a small value arrives in a gRPC future's callback; a large one streams in a
-thread of its own). ``done`` callbacks run in client threads, never under a lock of ours;
-a blocking ``recv`` is woken by gRPC's thread directly (``recv_blocking``).
+thread of its own). ``done`` callbacks run in client threads through ``invoke_done``,
+never under a lock of ours. A blocked receiver (``waits=True``) is woken by gRPC's thread
+directly: its ``done`` only fills a ``RecvSlot``; ``wait`` just waits on that slot.
 """
 
 from __future__ import annotations
@@ -31,16 +35,22 @@ import numpy as np
 import numpy.typing as npt
 
 from .._callbacks import DoneCallback, invoke_done
-from .._errors import AbortedError, InvalidArgumentError, RendezvousError, UnavailableError
+from .._errors import (
+    AbortedError,
+    InvalidArgumentError,
+    RendezvousError,
+    UnavailableError,
+    closed_error,
+)
 from .._keys import ParsedKey
 from .._local import LocalRendezvous
 from .._received import Received
-from .._rendezvous import Canceller, RecvSlot, _timeout_error
+from .._rendezvous import Canceller, RecvSlot
+from .._transport import PeerRecord, TransportContext
 from .client import RpcClient
 from .server import RpcServer
 
 if TYPE_CHECKING:
-    from .._worker import Worker
     from .security import TLSConfig
 
 __all__ = ["GrpcTransport"]
@@ -57,22 +67,31 @@ class _RemoteWaiter:
 
     done: DoneCallback
     copy: bool
-    direct: bool = False  # done is quick and never blocks (recv_blocking's own slot)
+    direct: bool = False  # done is quick and never blocks (a blocked receiver's RecvSlot)
     cancel_rpc: Canceller | None = None
     resolving: bool = False  # waiting for the producer's address (not started yet)
 
 
 class GrpcTransport:
-    """gRPC transport of one Worker; also the ``TensorSource`` its server serves from."""
+    """gRPC transport of one Worker; also the ``TensorSource`` its server serves from.
+
+    ``bind``: the address to serve on (``host:port``; port 0 picks one), or None for a
+    client only (this worker receives from other hosts but nobody pulls from it).
+    """
 
     name = "grpc"
 
     def __init__(
-        self, worker: Worker, bind: str | None, *, tls: TLSConfig | None, token: str | None
+        self,
+        ctx: TransportContext,
+        bind: str | None,
+        *,
+        tls: TLSConfig | None,
+        token: str | None,
     ) -> None:
-        self._w = worker
-        self.task: str = worker.task
-        self.incarnation: int = worker.incarnation
+        self._ctx = ctx
+        self.task: str = ctx.task_name
+        self.incarnation: int = ctx.incarnation
         self._lock = threading.Lock()
         self._outboxes: dict[int, LocalRendezvous] = {}
         self._aborted: dict[int, BaseException] = {}
@@ -96,7 +115,7 @@ class GrpcTransport:
     def _outbox(self, step_id: int, *, for_send: bool) -> LocalRendezvous:
         with self._lock:
             if self._closed:
-                raise AbortedError(f"Worker {self.task} is closed")
+                raise closed_error(self.task)
             err = self._aborted.get(step_id)
             if err is not None:
                 raise err
@@ -134,7 +153,18 @@ class GrpcTransport:
         weakref.finalize(arr, self._owned.pop, id(arr), None)
         return arr
 
-    def send(self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool) -> None:
+    def can_reach(self, peer: PeerRecord) -> bool:
+        """Any host: a peer not yet known gets its address once it publishes it."""
+        return True
+
+    def send(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        value: npt.NDArray[Any],
+        is_dead: bool,
+        timeout: float | None,
+    ) -> None:
         box = self._outbox(step_id, for_send=True)
         ref = self._owned.pop(id(value), None)
         if ref is not None and ref() is value:
@@ -150,14 +180,14 @@ class GrpcTransport:
 
     # TensorSource, called by the server for every RecvTensor.
     def serve_recv(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
-        if self._w.is_cleaned_up(step_id):
+        if self._ctx.cleaned_up(step_id):
             raise AbortedError(
                 f"Cleanup {step_id}: step {step_id} of {self.task} was already cleaned up"
             )
         box = self._outbox(step_id, for_send=False)
 
         def finished(error: BaseException | None, received: Received | None) -> None:
-            done(error, received)
+            invoke_done(done, error, received)
             self._drop_if_unused(step_id)
 
         cancel = box._start_recv(key, finished, False)
@@ -180,20 +210,21 @@ class GrpcTransport:
     # -- consumer side --------------------------------------------------------------
 
     def start_recv(
-        self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, *, direct: bool = False
+        self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, waits: bool
     ) -> Canceller:
         """Queue a receive of ``key``; one RecvTensor per key is in flight at a time.
 
         Concurrent RPCs for one key would reach the producer in any order and break the
         channel's FIFO promise (the oldest receive gets the oldest value), so later
         receives of a key wait here, in order, until the one ahead of them is answered.
-        ``direct``: ``done`` is quick and never blocks; it may run in gRPC's thread.
+        ``waits``: ``done`` is a blocked receiver's slot (quick, never blocks), so it may
+        run in gRPC's own thread: one thread switch from the response to the caller.
         """
         k = (step_id, key.full_key)
-        waiter = _RemoteWaiter(done, copy, direct)
+        waiter = _RemoteWaiter(done, copy, waits)
         with self._lock:
             if self._closed:
-                raise AbortedError(f"Worker {self.task} is closed")
+                raise closed_error(self.task)
             err = self._aborted.get(step_id)
             if err is not None:
                 raise err
@@ -204,36 +235,25 @@ class GrpcTransport:
             self._issue(k, key, waiter)
         return lambda: self._cancel(k, key, waiter)
 
-    def recv_blocking(
-        self, step_id: int, key: ParsedKey, timeout: float | None, copy: bool
-    ) -> Received:
-        """A blocking receive whose value is handed to the waiting thread by gRPC's own
-        thread: one thread switch from the response to the caller, none through a thread
-        of ours. Same contract as ``Rendezvous.recv`` (the timeout removes the waiter)."""
-        slot = RecvSlot()
-        cancel = self.start_recv(step_id, key, slot.done, copy, direct=True)
-        try:
-            arrived = slot.wait(timeout)
-            if not arrived and not cancel():
-                slot.wait(None)  # lost the race to a delivery: it is on its way
-                arrived = True
-        except BaseException:
-            # Interrupted (Ctrl-C): remove the waiter so it cannot swallow a later send.
-            if not slot.filled and not cancel():
-                _log.warning(
-                    "recv of %r interrupted just as its value arrived; the value is dropped",
-                    key.full_key,
-                )
-            raise
-        if not arrived:
-            raise _timeout_error(key, timeout)
-        return slot.result()
+    def wait(self, slot: RecvSlot, timeout: float) -> None:
+        """Nothing to help with: gRPC's thread fills the slot."""
+        slot.wait(timeout)
+
+    def _address(self, key: ParsedKey) -> str:
+        """The producer's gRPC address: the cluster's, else its presence record's."""
+        address = self._ctx.peers.lookup(key.src).address
+        if address is None:
+            raise UnavailableError(
+                f"no address known for task {key.src} for key {key.full_key!r}: not in the "
+                "cluster spec and not running here"
+            )
+        return address
 
     def _issue(self, k: tuple[int, str], key: ParsedKey, waiter: _RemoteWaiter) -> None:
         """Start the head waiter's RecvTensor; wait for the producer's address if it is not
         known yet (a producer that has not started: its record appears when it does)."""
         try:
-            address = self._w.peer_address(key.src, key)
+            address = self._address(key)
         except UnavailableError:
             with self._lock:
                 waiter.resolving = True
@@ -244,7 +264,22 @@ class GrpcTransport:
                 name="shmrdv-rpc-resolve",
             ).start()
             return
+        except RendezvousError as e:
+            # Cannot even look (out of descriptors, a record that is not ours): answer this
+            # waiter, never leave it at the head where the key's later receives queue.
+            self._fail_head(k, key, waiter, e)
+            return
         self._start(k, key, address, waiter)
+
+    def _fail_head(
+        self, k: tuple[int, str], key: ParsedKey, waiter: _RemoteWaiter, error: BaseException
+    ) -> None:
+        """Answer the head waiter with ``error`` and move the key's queue on."""
+        ours, nxt = self._pop_head(k, waiter)
+        if ours:
+            invoke_done(waiter.done, error, None)
+            if nxt is not None:
+                self._issue(k, key, nxt)
 
     def _await_address(self, k: tuple[int, str], key: ParsedKey, waiter: _RemoteWaiter) -> None:
         while True:
@@ -253,16 +288,12 @@ class GrpcTransport:
                 if self._closed or not queue or queue[0] is not waiter:
                     return  # cancelled, aborted or closed meanwhile: answered there
             try:
-                address = self._w.peer_address(key.src, key)
+                address = self._address(key)
             except UnavailableError:
                 time.sleep(_RESOLVE_PERIOD)
                 continue
             except RendezvousError as e:
-                ours, nxt = self._pop_head(k, waiter)
-                if ours:
-                    invoke_done(waiter.done, e, None)
-                    if nxt is not None:
-                        self._issue(k, key, nxt)
+                self._fail_head(k, key, waiter, e)
                 return
             with self._lock:
                 queue = self._queues.get(k)
@@ -293,19 +324,16 @@ class GrpcTransport:
         except BaseException as e:
             # Nothing is in flight for this waiter: take it off the head (or the key would
             # be stuck behind it forever), answer it, and move the queue on.
-            ours, nxt = self._pop_head(k, waiter)
-            if ours:
-                invoke_done(
-                    waiter.done,
-                    e
-                    if isinstance(e, RendezvousError)
-                    else UnavailableError(
-                        f"cannot start receiving {key.full_key!r} from {address}: {e!r}"
-                    ),
-                    None,
-                )
-                if nxt is not None:
-                    self._issue(k, key, nxt)
+            self._fail_head(
+                k,
+                key,
+                waiter,
+                e
+                if isinstance(e, RendezvousError)
+                else UnavailableError(
+                    f"cannot start receiving {key.full_key!r} from {address}: {e!r}"
+                ),
+            )
             return
         with self._lock:
             waiter.cancel_rpc = cancel
@@ -378,7 +406,7 @@ class GrpcTransport:
             boxes = list(self._outboxes.values())
             self._outboxes.clear()
             steps = {k[0] for k in self._queues}
-        error = AbortedError(f"Worker {self.task} closed")
+        error = closed_error(self.task)
         for step in steps:
             self.abort_step(step, error)
         for box in boxes:

@@ -1,0 +1,57 @@
+"""The peer directory: provisional answers from the cluster spec, final ones from a live
+peer's presence record (real Workers, real records)."""
+
+from __future__ import annotations
+
+import os
+
+import shmrdv
+from shmrdv._devices import DeviceName
+from shmrdv._peers import ALL_TRANSPORTS, Peers
+from shmrdv._shm.naming import Names
+
+A = "/job:a/replica:0/task:0"
+B = "/job:b/replica:0/task:0"
+
+
+def test_peers_unknown_task_is_provisional_and_local(shmrdv_namespace: str) -> None:
+    peers = Peers(Names(shmrdv_namespace), None)
+    try:
+        rec = peers.lookup(DeviceName.parse(B + "/device:CPU:0"))
+        assert (rec.task, rec.same_host, rec.transports, rec.address, rec.final) == (
+            B,
+            True,
+            ALL_TRANSPORTS,
+            None,
+            False,
+        )
+        assert peers.liveness(DeviceName.parse(B)) == ("absent", None)
+    finally:
+        peers.close()
+
+
+def test_peers_cluster_address_decides_before_the_peer_starts(shmrdv_namespace: str) -> None:
+    cluster = shmrdv.ClusterSpec({"a": ["127.0.0.1:1"], "b": ["192.0.2.7:2222"]})
+    peers = Peers(Names(shmrdv_namespace), cluster)
+    try:
+        rec = peers.lookup(DeviceName.parse(B))
+        assert not rec.same_host and rec.address == "192.0.2.7:2222" and not rec.final
+        assert peers.lookup(DeviceName.parse(A)).same_host
+    finally:
+        peers.close()
+
+
+def test_peers_live_record_is_final(shmrdv_namespace: str) -> None:
+    peers = Peers(Names(shmrdv_namespace), None)
+    try:
+        with shmrdv.Worker(B, namespace=shmrdv_namespace, transports=("grpc",)) as w:
+            rec = peers.lookup(DeviceName.parse("/job:b/task:0"))  # replica defaults to 0
+            assert rec.final and rec.same_host
+            assert rec.transports == ("grpc",)
+            assert rec.address == w.address and rec.pid == os.getpid()
+            assert rec.incarnation == w.incarnation
+            state, live = peers.liveness(DeviceName.parse(B))
+            assert state == "alive" and live == rec
+        assert peers.liveness(DeviceName.parse(B)) == ("absent", None)
+    finally:
+        peers.close()
