@@ -81,7 +81,7 @@ _SERVE_NEEDS = (
 def _cmd_serve(args: argparse.Namespace) -> int:
     from ._cluster import ClusterSpec
     from ._namespace import ENV_VAR
-    from ._worker import Worker
+    from . import Worker
 
     usage: argparse.ArgumentParser = args.parser
     missing = []
