@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._procs import ChildFailed, ChildGroup
-from .common import format_size
+from .._sizes import format_size
 from .report import TIMES
 
 __all__ = ["FanInConfig", "FanInResult", "format_fanin", "run_cli", "run_fanin"]

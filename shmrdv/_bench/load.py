@@ -51,8 +51,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .._procs import ChildFailed, ChildGroup, ChildTimeout, wait_for_close
+from .._sizes import format_size
 from . import options
-from .common import format_size, parse_size
+from .common import parse_array_size
 
 __all__ = [
     "HEADER",
@@ -94,9 +95,9 @@ class LoadConfig:
     producers: int = options.LOAD_PRODUCERS
     keys: int = options.LOAD_KEYS
     min_size: int = 64
-    max_size: int = parse_size(options.LOAD_MAX_SIZE)
+    max_size: int = parse_array_size(options.LOAD_MAX_SIZE)
     seed: int = options.LOAD_SEED
-    window_bytes: int = parse_size(options.LOAD_WINDOW)
+    window_bytes: int = parse_array_size(options.LOAD_WINDOW)
     alloc_fraction: float = 0.5
     timeout_s: float = 900.0
 

@@ -37,7 +37,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .._procs import ChildFailed, ChildGroup
-from .common import format_size, pin_cpus
+from .._sizes import format_size
+from .common import pin_cpus
 from .peers import pipe_oob_recv, pipe_oob_send
 from .report import TIMES
 

@@ -40,8 +40,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .._procs import Child, ChildFailed, ChildTimeout, exit_reason, reap
+from .._sizes import format_size
 from . import options, peers
-from .common import format_size, parse_sizes, pin_cpus
+from .common import parse_sizes, pin_cpus
 from .options import DEFAULT_SIZES, QUICK_SIZES
 from .peers import (
     KIND_CHECK,

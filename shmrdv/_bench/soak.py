@@ -51,8 +51,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .._procs import ChildFailed, ChildGroup, ChildTimeout, wait_for_close
+from .._sizes import format_size
 from . import options
-from .common import format_size, parse_size
+from .common import parse_array_size
 
 __all__ = [
     "COUNT_SERIES",
@@ -107,7 +108,7 @@ class SoakConfig:
 
     handoffs: int = options.SOAK_HANDOFFS
     keys: int = 4
-    max_size: int = parse_size(options.SOAK_MAX_SIZE)
+    max_size: int = parse_array_size(options.SOAK_MAX_SIZE)
     samples: int = 20
     warmup_fraction: float = 0.1
     growth_fraction: float = 0.05
