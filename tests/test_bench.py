@@ -15,7 +15,17 @@ import pytest
 
 from shmrdv._bench.common import parse_array_size, parse_sizes
 from shmrdv._bench.options import build_parser
-from shmrdv._bench.peers import METHODS, Handler, make_stamp, pack_ack, unpack_ack
+from shmrdv._bench.peers import (
+    METHODS,
+    Handler,
+    MethodSpec,
+    Ponger,
+    RoleContext,
+    make_stamp,
+    pack_ack,
+    register_method,
+    unpack_ack,
+)
 from shmrdv._sizes import format_size
 
 REPO = Path(__file__).resolve().parent.parent
@@ -311,3 +321,43 @@ def test_fan_in_measures_send_and_allocate_against_memcpy(tmp_path: Path) -> Non
         assert data["x_memcpy"][path] == pytest.approx(data["gbps"][path] / data["memcpy_gbps"])
     proc = _bench("--fan-in=2", "--sizes=1k,64k")
     assert proc.returncode == 2 and "--fan-in takes one size" in proc.stderr
+
+
+def _planted_ponger_failure(ctx: RoleContext) -> Ponger:
+    raise ValueError("planted ponger failure")
+
+
+def test_a_failing_role_fails_its_method_with_the_cause(tmp_path: Path) -> None:
+    from shmrdv._bench import runner
+
+    register_method(
+        MethodSpec(
+            name="planted_failure",
+            label="a ponger that raises while it starts",
+            pinger=METHODS["mp_pipe_oob"].pinger,
+            ponger=_planted_ponger_failure,
+        )
+    )
+    out = tmp_path / "bench.json"
+    try:
+        status = runner.main(
+            [
+                "--methods=planted_failure",
+                "--no-baselines",
+                "--sizes=1k",
+                "--reps=1",
+                "--budget=0.05",
+                "--idle-seconds=0",
+                f"--json={out}",
+            ]
+        )
+    finally:
+        del METHODS["planted_failure"]
+    assert status == 1
+    (method,) = json.loads(out.read_text())["methods"]
+    assert method["status"] == "failed"
+    # The ponger's traceback, or the pinger's (its link closed) naming the ponger's death.
+    reason = method["reason"]
+    assert "ValueError: planted ponger failure" in reason or (
+        "the ponger had died first: exit code 1" in reason
+    ), reason

@@ -308,6 +308,9 @@ class _Roles:
                 self.ponger = self._start("ponger", spec.ponger, link_b, pins[1])
                 self._ponger_open = True
             self.pinger = self._start("pinger", spec.pinger, link_a, pins[0])
+        except BaseException:
+            reap(self.children, 0.0)  # the ponger, if the pinger did not start
+            raise
         finally:
             for end in (link_a, link_b):  # only the roles keep the link
                 if end is not None:
@@ -673,10 +676,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
-        for child in multiprocessing.active_children():
-            if child.name.startswith("bench-"):
-                child.kill()
-                child.join(5)
         swept = _sweep(prefix)
         if swept:
             progress.line(
