@@ -213,7 +213,7 @@ class Worker:
         if "shm" in self.transports:
             from ._shm.transport import ShmTransport
 
-            self._shm = ShmTransport(self, pool_bytes=self._shm_pool_bytes)
+            self._shm = ShmTransport(self._ctx, pool_bytes=self._shm_pool_bytes)
 
     def _cluster_has_remote_task(self) -> bool:
         if self.cluster is None:

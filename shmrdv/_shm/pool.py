@@ -21,6 +21,8 @@ more is forgotten: its bytes count no longer, and its mapping is dropped. The na
 checked in the order the slot travels (``m`` -> ``h`` -> ``r``), so a slot moving on
 meanwhile is always found under one of them.
 
+The consumer's half of the protocol is ``return_slot`` / ``give_back`` below.
+
 Only files this producer created are taken back: a ``returned`` name must still be the
 slot's own inode (another user could plant a file under it, research/pitfalls.md §7).
 """
@@ -32,13 +34,14 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .._errors import InternalError
 from .naming import MAX_SLOT, Names
-from .segment import Segment
+from .segment import Segment, move_noreplace
 
-__all__ = ["Slot", "SlotPool"]
+__all__ = ["ProducerAlive", "Slot", "SlotPool", "give_back", "return_slot"]
 
 _log = logging.getLogger("shmrdv.shm.pool")
 
@@ -302,7 +305,7 @@ class SlotPool:
         """Unlink free slots and those already returned; lent ones belong to their consumers.
 
         Consumers returning a slot after this see the producer gone and unlink it
-        themselves (``transport._return_slot``).
+        themselves (``return_slot``).
         """
         with self._lock:
             if self._closed:
@@ -328,3 +331,64 @@ class SlotPool:
             except OSError as e:
                 _log.warning("cannot remove returned pool slot %s: %s", ret, e)
             slot.segment.close()
+
+
+#: ``alive(producer_task, incarnation)``: is that task's live worker of that incarnation? Must
+#: be lock-free (it runs inside the garbage collector) and must not block.
+ProducerAlive = Callable[[str, int], bool]
+
+
+def return_slot(
+    names: Names,
+    alive: ProducerAlive,
+    producer_task: str,
+    incarnation: int,
+    slot: int,
+    held_names: set[str],
+) -> None:
+    """Consumer side, when the last array over a pool slot is collected: give it back.
+
+    ``held`` -> ``returned``; if the producer is gone (closed, dead or restarted) nobody
+    will take it back, so unlink it instead. Runs in whatever thread collected the array
+    (possibly inside the garbage collector: it takes no lock).
+    """
+    held_name = names.held(producer_task, incarnation, slot)
+    held_names.discard(held_name)
+    give_back(names, alive, producer_task, incarnation, slot, names.path(held_name))
+
+
+def give_back(
+    names: Names, alive: ProducerAlive, producer_task: str, incarnation: int, slot: int, path: str
+) -> None:
+    """Rename the pool slot file at ``path`` to its ``returned`` name, for its producer.
+
+    If the producer is no longer the live worker of that incarnation, nobody will take it
+    back: unlink it instead. A missing ``path`` (removed by close or gc meanwhile) is fine.
+
+    No ``returned`` file outlives a closing producer: its ``close`` unlinks its doorbell
+    first and then removes the ``returned`` names of its lent slots. We rename first, then
+    look for the doorbell, then for its live presence record; if we see both, the doorbell
+    we saw was that producer's (a successor's appears only after the record is gone), so
+    our rename came before its sweep, which will find the file.
+    """
+    ret = names.path(names.returned(producer_task, incarnation, slot))
+    try:
+        move_noreplace(path, ret)
+    except FileNotFoundError:
+        return  # removed by close or gc meanwhile
+    except OSError as e:
+        _log.warning("cannot give pool slot %s back (%s); unlinking it", path, e)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return
+    try:
+        ok = os.path.lexists(names.bell_path(producer_task)) and alive(producer_task, incarnation)
+    except Exception:  # a corrupt or foreign record: treat as gone
+        ok = False
+    if not ok:
+        try:
+            os.unlink(ret)
+        except OSError:
+            pass

@@ -50,6 +50,7 @@ __all__ = [
     "boot_id",
     "probe",
     "read_presence",
+    "record_state",
 ]
 
 _log = logging.getLogger("shmrdv.shm.presence")
@@ -231,9 +232,7 @@ def probe(path: str) -> tuple[PeerState, PresenceInfo | None]:
         except InternalError as e:
             _log.debug("%s", e)
             info = None
-        if info is not None and info.boot_id != boot_id():
-            return "dead", info
-        return ("alive" if _lock_held(fd) else "dead"), info
+        return record_state(fd, info), info
     finally:
         os.close(fd)
 
@@ -441,26 +440,53 @@ def _describe_owner(fd: int, where: str) -> str:
     return f"pid {info.pid} (incarnation {info.incarnation:#x})"
 
 
+# A PeerWatch keeps at most this many descriptors open: the current record's and a few
+# it replaced, which a thread that read the old state a moment ago may still be testing
+# (closing them at once could let that thread flock an unrelated file that reused the
+# number). A record is replaced only when its peer restarts, so the bound is never felt.
+_WATCH_FDS = 4
+
+
+class _Seen:
+    """One opened record: its inode, a descriptor on it, what it says (never changes)."""
+
+    __slots__ = ("fd", "info", "ino")
+
+    def __init__(self, ino: tuple[int, int], fd: int, info: PresenceInfo) -> None:
+        self.ino, self.fd, self.info = ino, fd, info
+
+
+def record_state(fd: int, info: PresenceInfo | None) -> PeerState:
+    """The liveness check proper: a record's owner is alive exactly while it holds the lock.
+
+    A record from another boot is ``"dead"`` whatever its lock says. One ``flock`` test.
+    """
+    if info is not None and info.boot_id != boot_id():
+        return "dead"
+    return "alive" if _lock_held(fd) else "dead"
+
+
 class PeerWatch:
     """The observer side: is another worker's presence record there, and is it locked?
 
     ``state()`` costs one ``stat`` and one ``flock`` while the record is unchanged (the
-    descriptor is cached per inode), so a watcher thread may call it several times a second.
-    Thread-safe: a lock guards the cached descriptor (a closed fd number could otherwise be
-    reused under another thread's ``flock``).
+    descriptor is cached per inode), so it may be called several times a second.
+
+    Lock-free, so that it may run anywhere, a garbage-collector finalizer included (a
+    lock taken there could be held by the interrupted thread itself): the current record
+    is one immutable ``_Seen`` swapped by a single assignment, and every descriptor ever
+    opened sits in ``_fds``, from which each is popped (atomic under the GIL) and closed
+    exactly once — the oldest when more than ``_WATCH_FDS`` are open, all at ``close``.
     """
 
     def __init__(self, names: Names, task: str) -> None:
         self._task = task
         self._path = names.path(names.presence(task))
-        self._fd: int | None = None
-        self._ino: tuple[int, int] | None = None
-        self._info: PresenceInfo | None = None
+        self._seen: _Seen | None = None
         self._closed = False
-        self._lock = threading.Lock()
-        # The finalizer closes whatever fd the box holds when the watch is dropped unclosed.
-        self._fd_box: list[int | None] = [None]
-        self._finalizer = weakref.finalize(self, _close_quietly, self._fd_box)
+        # The finalizer closes whatever descriptors are left when the watch is dropped unclosed.
+        self._fds: list[int] = []
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
 
     @property
     def task(self) -> str:
@@ -470,53 +496,58 @@ class PeerWatch:
     def path(self) -> str:
         return self._path
 
-    def _refresh(self) -> bool:
-        """Point the cached fd at the record's current inode; False if there is no record.
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
-        Raises ``InternalError`` if the record is not ours or is corrupt.
+    def _current(self) -> _Seen | None:
+        """The record at the path now (re-opened when its inode changed), or None.
+
+        Raises ``InternalError`` if the record is not ours or is corrupt, or the watch is closed.
         """
         if self._closed:
             raise InternalError(f"PeerWatch for {self._task} is closed")
         try:
             st = os.stat(self._path, follow_symlinks=False)
         except FileNotFoundError:
-            self._drop()
-            return False
-        ino = (st.st_dev, st.st_ino)
-        if ino == self._ino:
-            return True
-        self._drop()
+            return None
+        seen = self._seen
+        if seen is not None and seen.ino == (st.st_dev, st.st_ino):
+            return seen
         fd = _open_record(self._path)
         if fd is None:
-            return False
+            return None
         try:
             info, fst = _read_record_fd(fd, self._path)
         except BaseException:
             os.close(fd)
             raise
-        self._fd = fd
-        self._fd_box[0] = fd
         # The inode actually opened: the name may have moved on since the stat above, in which
         # case the next call sees a mismatch and reopens.
-        self._ino = (fst.st_dev, fst.st_ino)
-        self._info = info
-        return True
-
-    def _drop(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-        self._fd = None
-        self._fd_box[0] = None
-        self._ino = None
-        self._info = None
+        seen = _Seen((fst.st_dev, fst.st_ino), fd, info)
+        self._fds.append(fd)
+        self._seen = seen
+        while len(self._fds) > _WATCH_FDS:
+            try:
+                old = self._fds.pop(0)
+            except IndexError:  # pragma: no cover - emptied by a racing caller
+                break
+            if old == seen.fd:  # pragma: no cover - only when _WATCH_FDS callers race
+                self._fds.append(old)
+                break
+            with contextlib.suppress(OSError):
+                os.close(old)
+        if self.closed:  # closed while we opened: close() may have missed our fd
+            _close_all(self._fds)
+        return seen
 
     def info(self) -> PresenceInfo | None:
         """The current record (re-read when it was replaced, e.g. by a restarted peer), or None.
 
         Raises ``InternalError`` if the record is not ours or is corrupt. Does not block.
         """
-        with self._lock:
-            return self._info if self._refresh() else None
+        seen = self._current()
+        return None if seen is None else seen.info
 
     def state(self) -> PeerState:
         """``"absent"`` (no record), ``"alive"`` (its lock is held) or ``"dead"`` (lock free).
@@ -524,22 +555,26 @@ class PeerWatch:
         A record from another boot is ``"dead"``. Raises ``InternalError`` if the record is not
         ours or is corrupt. Does not block.
         """
-        with self._lock:
-            if not self._refresh():
-                return "absent"
-            assert self._fd is not None and self._info is not None
-            if self._info.boot_id != boot_id():
-                return "dead"
-            return "alive" if _lock_held(self._fd) else "dead"
+        return self.look()[0]
+
+    def look(self) -> tuple[PeerState, PresenceInfo | None]:
+        """``state()`` and ``info()`` of one and the same record, in one look."""
+        seen = self._current()
+        if seen is None:
+            return "absent", None
+        return record_state(seen.fd, seen.info), seen.info
+
+    def open_fds(self) -> int:
+        """How many descriptors the watch holds (at most ``_WATCH_FDS``)."""
+        return len(self._fds)
 
     def close(self) -> None:
-        """Close the cached descriptor. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._drop()
-            self._closed = True
-            self._finalizer.detach()
+        """Close the cached descriptors. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._seen = None
+        self._finalizer()
 
     def __enter__(self) -> PeerWatch:
         return self
@@ -556,9 +591,11 @@ class PeerWatch:
         return f"<PeerWatch {self._task} {'closed' if self._closed else 'open'}>"
 
 
-def _close_quietly(box: list[int | None]) -> None:
-    fd = box[0]
-    box[0] = None
-    if fd is not None:
+def _close_all(fds: list[int]) -> None:
+    while True:
+        try:
+            fd = fds.pop()
+        except IndexError:
+            return
         with contextlib.suppress(OSError):
             os.close(fd)
