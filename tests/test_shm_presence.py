@@ -468,5 +468,5 @@ def test_peerwatch_bounded_descriptors_over_restarts(names: Names) -> None:
                 state, seen = w.look()
                 assert state == "alive" and seen is not None and seen.incarnation == inc
             assert w.state() == "absent"
-            assert w.open_fds() <= 4
+            assert w.open_fds() <= 1
     assert w.open_fds() == 0

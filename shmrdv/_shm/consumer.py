@@ -1,23 +1,31 @@
 """The consumer side of the same-host transport: channels, taking messages, incoming rings.
 
-Each (step, key) is a channel with the next sequence number it expects. A receive takes
-that message if it is there (from the producer's ring, or by opening the segment of that
-name); if not, the waiter is queued on the channel and a later ``scan`` (run by whoever
-polls the doorbell, see ``dispatcher.py``) delivers it. The array handed out is a view
-over the mapped segment (zero copy), writable and the consumer's alone; the segment's
-name is unlinked (or, for a pool slot, renamed to ``held``) at once, so the memory goes
-back when the array is garbage-collected — or when the consumer dies, since nothing names
-it any more (a held slot: by ``gc``).
+Each (step, key) is a channel with the next sequence number it expects. Every message a
+producer sends leaves a record in the ring that producer keeps for this consumer: the
+tensor itself when small (inline), else a notice "message (step, key, seq) is published
+as a segment". Draining a ring therefore leads each arrival straight to its own channel:
+no name is opened or probed per channel, nothing is listed, however many receives are
+pending (issue 15 §1). A record with nobody waiting is kept (``_stash``) for the receive
+that will come.
 
-Names are the truth, the doorbell is a hint: a lost or extra post costs at most one
-dispatcher tick, never a message. ``scan`` also checks, for channels with waiters, whether
-their producer died (its presence record's flock, released by the kernel at death — a
-stopped process still holds it): a receive whose producer was alive and then died fails
-with ``UnavailableError`` within a second.
+Names are the truth, rings and the doorbell are the fast path: a producer without a ring
+(not x86-64, or it could not make one) is read by name, and a producer whose ring was
+full counts the records it lost, which makes the consumer look for that producer's
+messages by one listing (``_recover``, rate-limited). A lost doorbell post costs at most
+one tick (``TICK``), never a message.
 
-Thread model: every method takes ``lock`` itself (callers never hold it). None of them
-calls a ``done`` callback: they return ``(done, copy, result)`` items that the caller
-delivers outside the lock (``deliver``).
+The array handed out for a segment is a view over the mapped segment (zero copy),
+writable and the consumer's alone; the segment's name is unlinked (or, for a pool slot,
+renamed to ``held``) at once, so the memory goes back when the array is garbage-collected
+— or when the consumer dies, since nothing names it any more (a held slot: by ``gc``).
+
+Once per tick, per producer task with waiters (not per channel), its presence record is
+checked: a receive whose producer was alive and then died fails with ``UnavailableError``
+within a second; its flock is released by the kernel at death, a stopped process keeps it.
+
+Thread model: every public method takes ``lock`` itself (callers never hold it); none
+blocks on a peer or calls a ``done`` callback: they return ``(done, copy, result)`` items
+that the caller delivers outside the lock (``deliver``).
 """
 
 from __future__ import annotations
@@ -29,7 +37,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,6 +48,7 @@ from .._errors import AbortedError, InternalError, RendezvousError, UnavailableE
 from .._keys import ParsedKey, parse_key
 from .._received import Received
 from .._transport import TransportContext
+from .._values import shape_problem
 from . import layout
 from .naming import Names, parse_name
 from .pool import give_back, return_slot
@@ -52,48 +60,100 @@ __all__ = ["TICK", "Consumer", "Item", "deliver"]
 
 _log = logging.getLogger("shmrdv.shm")
 
-# Dispatcher wake-up period while receives are pending: bounds the cost of a lost
+# Liveness and fallback period while receives are pending: bounds the cost of a lost
 # doorbell post and the time to notice a dead producer (the issue asks for < 1 s).
 TICK = 0.2
-# Above this many channels with waiters, one listdir of /dev/shm is cheaper than one
-# open() attempt per channel.
+# Above this many waiting channels of a ringless producer, one listdir of /dev/shm is
+# cheaper than one open() attempt per channel.
 _LISTDIR_ABOVE = 64
 # How often a consumer looks for a producer's ring that is not there yet.
 _RING_LOOK_S = 0.02
+# A notice record's data is in a segment: its header is checked against no file size.
+_NO_FILE = 1 << 63
 
 #: A delivery to make outside the lock: ``done``, whether to copy, the value or the error.
 Item = tuple[DoneCallback, bool, Received | BaseException]
 
 
-@dataclass(eq=False)
+class _Notice:
+    """A stashed notice: the message is the segment of its name (``slot``: pool slot or -1)."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+
+
 class _Waiter:
-    done: DoneCallback
-    copy: bool
-    channel: _Channel | None = None
-    # A blocked receiver polls the doorbell itself (``Transport.wait``); only callback
-    # waiters (recv_async, futures, asyncio) need the dispatcher thread.
-    blocking: bool = False
+    __slots__ = ("blocking", "channel", "copy", "done")
+
+    def __init__(self, done: DoneCallback, copy: bool, channel: _Channel, blocking: bool) -> None:
+        self.done = done
+        self.copy = copy
+        self.channel: _Channel | None = channel
+        # A blocked receiver polls the doorbell itself (``Transport.wait``); only callback
+        # waiters (recv_async, futures, asyncio) need the dispatcher thread.
+        self.blocking = blocking
 
 
-@dataclass(eq=False)
 class _Channel:
-    """The consumer side of one (step, key): the next sequence number and who waits for it."""
+    """One (step, key): the next sequence number, what is stashed for it, who waits."""
 
-    step: int
-    key: ParsedKey
-    inc: int = 0  # producer incarnation the names are computed with (0 = not known yet)
-    seq: int = 0
-    seen_alive: bool = False
-    waiters: deque[_Waiter] = field(default_factory=deque)
-    _name: str | None = None
-    _name_for: tuple[int, int] = (-1, -1)
+    __slots__ = ("inc", "key", "nready", "pk", "seen_alive", "seq", "src", "step", "waiters")
 
-    def name(self, names: Names) -> str:
-        if self._name_for != (self.inc, self.seq):
-            self._name = names.message(self.step, self.key.full_key, self.inc, self.seq)
-            self._name_for = (self.inc, self.seq)
-        assert self._name is not None
-        return self._name
+    def __init__(self, step: int, key: str, src: _Src, inc: int) -> None:
+        self.step = step
+        self.key = key
+        self.src = src
+        self.pk: ParsedKey | None = None  # set by the first receive
+        self.inc = inc  # producer incarnation (0 = not known yet)
+        self.seq = 0
+        self.nready = 0  # stashed messages (any sequence number)
+        self.seen_alive = False
+        self.waiters: deque[_Waiter] = deque()
+
+
+class _InRing:
+    """A producer's ring for this consumer, attached (its name already unlinked)."""
+
+    __slots__ = ("inc", "lost_seen", "ring", "segment")
+
+    def __init__(self, segment: Segment, ring: Ring, inc: int) -> None:
+        self.segment, self.ring, self.inc = segment, ring, inc
+        self.lost_seen = 0
+
+
+class _Src:
+    """One producer task, as this consumer sees it."""
+
+    __slots__ = (
+        "alive_at",
+        "dev",
+        "inc",
+        "look_at",
+        "restarted",
+        "ring_incs",
+        "rings",
+        "task",
+        "tried",
+        "unseen",
+        "waiting",
+        "was_alive",
+    )
+
+    def __init__(self, task: str, dev: DeviceName) -> None:
+        self.task = task
+        self.dev = dev
+        self.inc = 0  # of its live worker, or of the last one seen
+        self.rings: list[_InRing] = []
+        self.ring_incs: set[int] = set()  # incarnations whose ring is attached
+        self.tried: set[int] = set()  # earlier incarnations whose ring was looked for
+        self.look_at = 0.0  # when to look for its ring again
+        self.alive_at = -1.0  # when it was last seen alive (with incarnation ``inc``)
+        self.waiting: dict[tuple[int, str], _Channel] = {}  # its channels with waiters
+        self.unseen: list[_Channel] = []  # waiting channels not yet marked seen_alive
+        self.was_alive = False  # some waiting channel has seen it alive
+        self.restarted = False  # a new incarnation was seen: its channels need a look
 
 
 def deliver(items: list[Item]) -> None:
@@ -125,27 +185,35 @@ class Consumer:
         self._wake_dispatcher = on_callback_waiter
         self.lock = threading.Lock()
         self._closed = False
-        self._channels: dict[tuple[int, str], _Channel] = {}
-        self._waiting: dict[tuple[int, str], _Channel] = {}
+        # step -> key -> channel; a step's table goes in one piece at cleanup.
+        self._channels: dict[int, dict[str, _Channel]] = {}
+        # step -> (key, incarnation, seq) -> what came for it (a value, a notice, an error).
+        self._stash: dict[int, dict[tuple[str, int, int], Received | _Notice | BaseException]] = {}
         self._aborted: dict[int, BaseException] = {}
+        self._srcs: dict[str, _Src] = {}  # by task name
+        self._src_by_device: dict[str, _Src] = {}  # by the key's src device, as written
+        self._rings: list[tuple[_Src, _InRing]] = []  # every attached ring
+        self._touched: list[_Channel] = []  # channels with waiters and new stash entries
+        self._waiting = 0  # channels with waiters
         #: Number of queued callback (non-blocking) waiters: the dispatcher runs while > 0.
         self.callback_waiters = 0
+        self._tick_at = 0.0
+        self._headers = layout.HeaderCache()
         # ``held`` names of pool slots whose arrays this consumer still has. Finalizers do not
         # run at exit, so close() unlinks what is left (the mappings stay valid).
         self._held: set[str] = set()
-        # Headers of published messages, by name (names are never reused), for finding the
-        # incarnation of a producer that is gone (``_orphan_incarnation``).
-        self._orphans: dict[str, tuple[int, str, int, int, int]] = {}
-        self._orphans_at = 0.0
-        # Producer task -> (incarnation, when it was last seen alive), see _recently_alive.
-        self._alive_at: dict[tuple[str, int, int], tuple[int, float]] = {}
-        # (producer task, incarnation) -> (segment, ring), attached rings, and what was
-        # taken from them: (step, key) -> {(incarnation, seq): value}.
-        self._rings_in: dict[tuple[str, int], tuple[Segment, Ring]] = {}
-        self._stash: dict[tuple[int, str], dict[tuple[int, int], Received]] = {}
+        # Names of published messages already looked at by a listing (_recover, _orphans).
+        self._listed: dict[str, tuple[int, str, int, int, int, int]] = {}
+        self._listed_at = 0.0
         self._rings_listed_at = 0.0
-        self._ring_look_at: dict[tuple[str, int], float] = {}  # see _take_inline
-        self.counters = {"received": 0, "received_bytes": 0, "dispatcher_scans": 0}
+        self.counters = {
+            "received": 0,
+            "received_bytes": 0,
+            "dispatcher_scans": 0,
+            "name_probes": 0,
+            "listings": 0,
+            "refused_records": 0,
+        }
 
     def _producer_alive(self, task: str, incarnation: int) -> bool:
         """``pool.ProducerAlive``: one lock-free look at the producer's presence record."""
@@ -157,33 +225,68 @@ class Consumer:
     def check_open(self, step: int) -> None:
         if self._closed:
             raise AbortedError(f"Worker {self._task} is closed")
-        err = self._aborted.get(step)
-        if err is not None:
-            raise err
+        if self._aborted:
+            err = self._aborted.get(step)
+            if err is not None:
+                raise err
+
+    def _src(self, key: ParsedKey) -> _Src:
+        src = self._src_by_device.get(key.src_device)
+        if src is None:
+            name = task_name(key.src)
+            src = self._srcs.get(name)
+            if src is None:
+                src = self._srcs[name] = _Src(name, key.src)
+            self._src_by_device[key.src_device] = src
+        return src
+
+    def _channel(self, step: int, key: str, src: _Src, inc: int) -> _Channel:
+        chans = self._channels.get(step)
+        if chans is None:
+            chans = self._channels[step] = {}
+        ch = chans.get(key)
+        if ch is None:
+            ch = chans[key] = _Channel(step, key, src, inc)
+        return ch
 
     def start(
         self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, blocking: bool
     ) -> tuple[Item | None, _Waiter | None]:
         """Take the next value now (an item to deliver) or queue a waiter (returned)."""
-        k = (step_id, key.full_key)
         with self.lock:
             self.check_open(step_id)
-            ch = self._channels.get(k)
-            if ch is None:
-                ch = _Channel(step_id, key, inc=key.src_incarnation)
-                self._channels[k] = ch
+            src = self._src(key)
+            ch = self._channel(step_id, key.full_key, src, key.src_incarnation)
+            if ch.pk is None:
+                ch.pk = key
+                if key.src_incarnation:
+                    ch.inc = key.src_incarnation
             result: Received | BaseException | None = None
             if not ch.waiters:
-                result = self._try_take(ch)
-                if result is None and not ch.seen_alive and not self._recently_alive(ch):
+                if src.look_at <= time.monotonic():
+                    self._look_for_ring(src)
+                if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
+                    self._look_for_old_ring(src, ch.inc)
+                for _, r in self._rings:
+                    if r.ring.pending():
+                        self._drain_all()
+                        break
+                result = self._take(ch, self._probe(ch))
+                if result is None and not ch.seen_alive:
                     # Note now whether the producer is alive (so that its death is noticed
-                    # even before the dispatcher's first look), or fail a stale incarnation.
-                    result = self._producer_failure(ch)
+                    # even before the first tick), or fail a stale incarnation.
+                    result = self._producer_failure(ch, self._liveness(src))
             if result is not None:
                 return (done, copy, result), None
             waiter = _Waiter(done, copy, ch, blocking)
+            if not ch.waiters:
+                src.waiting[(step_id, ch.key)] = ch
+                self._waiting += 1
+            if ch.seen_alive:
+                src.was_alive = True
+            else:
+                src.unseen.append(ch)
             ch.waiters.append(waiter)
-            self._waiting[k] = ch
             if not blocking:
                 self.callback_waiters += 1
         if not blocking:
@@ -197,94 +300,127 @@ class Consumer:
             if ch is None:
                 return False
             try:
-                ch.waiters.remove(waiter)
+                ch.waiters.remove(waiter)  # O(waiters of this one key)
             except ValueError:
                 return False
             self._unqueued(waiter)
             if not ch.waiters:
-                self._waiting.pop((ch.step, ch.key.full_key), None)
+                self._unwait(ch)
             return True
+
+    @staticmethod
+    def _probe(ch: _Channel) -> bool:
+        """Whether the channel's messages must be looked for by name: no ring of that
+        producer incarnation is attached (a ringless producer, or not known yet)."""
+        return (ch.inc or ch.src.inc) not in ch.src.ring_incs
 
     def _unqueued(self, waiter: _Waiter) -> None:
         waiter.channel = None
         if not waiter.blocking:
             self.callback_waiters -= 1
 
-    def _pop_waiter(self, ch: _Channel, out: list[Item], result: Received | BaseException) -> None:
-        waiter = ch.waiters.popleft()
-        self._unqueued(waiter)
-        out.append((waiter.done, waiter.copy, result))
+    def _unwait(self, ch: _Channel) -> None:
+        if ch.src.waiting.pop((ch.step, ch.key), None) is not None:
+            self._waiting -= 1
 
-    def _resolve_incarnation(self, ch: _Channel) -> bool:
-        if ch.inc:
-            return True
-        try:
-            record = self._ctx.peers.lookup(ch.key.src)
-        except RendezvousError as e:  # a record that is not ours, or corrupt
-            _log.warning("presence record of %s: %s", task_name(ch.key.src), e)
-            return False
-        if record.final and record.incarnation:
-            ch.inc = record.incarnation
-            return True
-        # No record: the producer has not started, or it closed after sending. Its
-        # messages are still there, under names computed with its incarnation.
-        ch.inc = self._orphan_incarnation(ch)
-        return ch.inc != 0
+    def _serve(self, ch: _Channel, out: list[Item], probe: bool) -> None:
+        """Hand the channel's waiters what is there for them."""
+        while ch.waiters:
+            result = self._take(ch, probe)
+            if result is None:
+                return
+            waiter = ch.waiters.popleft()
+            self._unqueued(waiter)
+            out.append((waiter.done, waiter.copy, result))
+        self._unwait(ch)
 
-    def _orphan_incarnation(self, ch: _Channel) -> int:
-        """The incarnation of the message a gone producer left for the channel's next receive.
+    # -- taking a message ---------------------------------------------------------------
 
-        0 if there is none. Reads the headers of this namespace's published messages (each
-        once; at most one directory listing per ``TICK / 2``). The newest wins if runs of
-        several incarnations left one.
+    def _take(self, ch: _Channel, probe: bool) -> Received | BaseException | None:
+        """The channel's next message, if it is there (under the lock).
+
+        From the stash when a ring brought it; by its name when ``probe`` (a producer
+        without a ring), when its ring lost records, or when the stash holds later
+        messages but not this one (a sequence number the producer skipped). None: not
+        there yet.
         """
-        now = time.monotonic()
-        if now - self._orphans_at >= TICK / 2:
-            self._orphans_at = now
-            try:
-                entries = os.listdir(Names.path(""))
-            except OSError:
-                entries = []
-            marker = self._names.prefix + "m"
-            present = {e for e in entries if e.startswith(marker)}
-            for name in list(self._orphans):
-                if name not in present:
-                    del self._orphans[name]
-            for name in present - self._orphans.keys():
-                h = peek_header(Names.path(name))
-                if h is not None:
-                    self._orphans[name] = (
-                        h.step_id,
-                        h.key,
-                        h.seq,
-                        h.producer_incarnation,
-                        h.created_ns,
-                    )
-        if RINGS_SUPPORTED:
-            self._find_rings()
-            self._drain_rings()
-            for inc, seq in self._stash.get((ch.step, ch.key.full_key), {}):
-                if seq == ch.seq:
-                    return inc
-        best, best_at = 0, -1
-        for step, key, seq, inc, created in self._orphans.values():
-            if step == ch.step and seq == ch.seq and key == ch.key.full_key and created > best_at:
-                best, best_at = inc, created
-        return best
-
-    def _try_take(self, ch: _Channel) -> Received | BaseException | None:
-        """Open the channel's next message if it is published (under the lock).
-
-        None: not published yet. An exception: that message cannot be used (a file another
-        user planted under its name, a corrupt header) and is skipped, or the process is
-        out of descriptors (the message stays for the next receive).
-        """
-        if not self._resolve_incarnation(ch):
+        if not ch.nready:
+            lost = self._lost_records(ch.src)
+            if not (probe or lost):
+                return None
+            if lost:
+                self._recover(ch.src)
+            if not ch.nready and not ch.inc:
+                self._resolve_incarnation(ch)  # may attach a gone producer's ring
+            if not ch.nready:
+                return self._take_named(ch)
+        stash = self._stash.get(ch.step)
+        got = None
+        if stash is not None:
+            if not ch.inc:
+                self._adopt_incarnation(ch, stash)
+            got = stash.pop((ch.key, ch.inc, ch.seq), None)
+        if got is not None:
+            ch.nready -= 1
+            if not stash:
+                del self._stash[ch.step]
+            return self._taken(ch, got)
+        # Later messages are here but not this one: was it published without a record?
+        found = self._take_named(ch)
+        if found is not None:
+            return found
+        if self._recover(ch.src):
+            return self._take(ch, probe)
+        nxt = self._next_stashed(ch)
+        if nxt is None:
+            ch.nready = 0  # what was counted is gone (another incarnation's, or stale)
             return None
-        inline = self._take_inline(ch)
-        if inline is not None:
-            return inline
-        name = ch.name(self._names)
+        _log.debug("message %d of %r never came; skipping to %d", ch.seq, ch.key, nxt)
+        ch.seq = nxt
+        return self._take(ch, probe)
+
+    def _adopt_incarnation(
+        self, ch: _Channel, stash: dict[tuple[str, int, int], Received | _Notice | BaseException]
+    ) -> None:
+        for key, inc, _seq in stash:
+            if key == ch.key:
+                ch.inc = inc
+                return
+
+    def _next_stashed(self, ch: _Channel) -> int | None:
+        stash = self._stash.get(ch.step, {})
+        seqs = [s for (k, i, s) in stash if k == ch.key and i == ch.inc and s > ch.seq]
+        return min(seqs) if seqs else None
+
+    def _taken(
+        self, ch: _Channel, got: Received | _Notice | BaseException
+    ) -> Received | BaseException:
+        if isinstance(got, _Notice):
+            named = self._take_named(ch)
+            if named is not None:
+                return named
+            ch.seq += 1
+            return InternalError(
+                f"message {ch.seq - 1} of key {ch.key!r} from {ch.src.task} was announced but "
+                "its segment is gone"
+            )
+        ch.seq += 1
+        if isinstance(got, Received):
+            self.counters["received"] += 1
+            self.counters["received_bytes"] += got.value.nbytes
+        return got
+
+    def _take_named(self, ch: _Channel) -> Received | BaseException | None:
+        """Open the channel's next message by its name, if it is published (under the lock).
+
+        None: not published (yet). An exception: that message cannot be used (a file
+        another user planted under its name, a corrupt header) and is skipped, or the
+        process is out of descriptors (the message stays for the next receive).
+        """
+        if not ch.inc and not self._resolve_incarnation(ch):
+            return None
+        self.counters["name_probes"] += 1
+        name = self._names.message(ch.step, ch.key, ch.inc, ch.seq)
         try:
             seg = Segment.attach(self._names, name)
         except FileNotFoundError:
@@ -294,13 +430,20 @@ class Consumer:
             return e
         except RendezvousError as e:
             return e  # out of descriptors: the message stays where it is
+        # Taken now: a stashed notice of it is stale.
+        stash = self._stash.get(ch.step)
+        if stash is not None and stash.pop((ch.key, ch.inc, ch.seq), None) is not None:
+            ch.nready -= 1
         try:
             header = layout.unpack(seg.buf, seg.size)
-            if header.key != ch.key.full_key or header.seq != ch.seq or header.step_id != ch.step:
+            if header.key != ch.key or header.seq != ch.seq or header.step_id != ch.step:
                 raise InternalError(
                     f"segment {name} holds key {header.key!r} step {header.step_id} "
-                    f"seq {header.seq}, expected {ch.key.full_key!r} step {ch.step} seq {ch.seq}"
+                    f"seq {header.seq}, expected {ch.key!r} step {ch.step} seq {ch.seq}"
                 )
+            problem = shape_problem(header.shape, header.dtype.itemsize)
+            if problem is not None:
+                raise InternalError(f"segment {name} from {ch.src.task}: {problem}")
             arr = seg.ndarray(header)  # checks the file's size first
         except RendezvousError as e:
             _unlink_quietly(seg)
@@ -308,9 +451,8 @@ class Consumer:
             ch.seq += 1
             return e
         ch.seq += 1
-        src = task_name(ch.key.src)
         held = (
-            self._names.held(src, header.producer_incarnation, header.slot)
+            self._names.held(ch.src.task, header.producer_incarnation, header.slot)
             if header.slot >= 0
             else None
         )
@@ -331,7 +473,7 @@ class Consumer:
                 return_slot,
                 self._names,
                 self._producer_alive,
-                src,
+                ch.src.task,
                 header.producer_incarnation,
                 header.slot,
                 self._held,
@@ -341,74 +483,239 @@ class Consumer:
         self.counters["received_bytes"] += header.nbytes
         return Received(arr, header.is_dead)
 
-    def _take_inline(self, ch: _Channel) -> Received | BaseException | None:
-        """The channel's next message if it came through a ring (under the lock)."""
-        src = task_name(ch.key.src)
-        owner = (src, ch.inc)
-        try:
-            if owner not in self._rings_in:
-                # A producer without a ring (the default) must not cost every receive a
-                # hash and a failing open(): look again at most every _RING_LOOK_S.
-                now = time.monotonic()
-                if now >= self._ring_look_at.get(owner, 0.0):
-                    self._ring_look_at[owner] = now + _RING_LOOK_S
-                    self._attach_ring(self._names.ring(src, ch.inc, self._task), owner)
-            if self._rings_in:
-                self._drain_rings()
-        except RendezvousError as e:
-            return e
-        box = self._stash.get((ch.step, ch.key.full_key))
-        if not box:
-            return None
-        got = box.pop((ch.inc, ch.seq), None)
-        if got is None:
-            return None
-        if not box:
-            del self._stash[(ch.step, ch.key.full_key)]
-        ch.seq += 1
-        self.counters["received"] += 1
-        self.counters["received_bytes"] += got.value.nbytes
-        return got
+    # -- rings --------------------------------------------------------------------------
 
-    def _attach_ring(self, name: str, expect: tuple[str, int] | None) -> None:
+    def _look_for_ring(self, src: _Src) -> None:
+        """Attach the ring of ``src``'s current incarnation if it is there (rate-limited)."""
+        if not RINGS_SUPPORTED:
+            src.look_at = float("inf")
+            return
+        now = time.monotonic()
+        src.look_at = now + _RING_LOOK_S
+        if not src.inc:
+            try:
+                record = self._ctx.peers.lookup(src.dev)
+            except RendezvousError as e:  # a record that is not ours, or corrupt
+                _log.warning("presence record of %s: %s", src.task, e)
+                return
+            if not (record.final and record.incarnation):
+                return
+            src.inc = record.incarnation
+        if src.inc in src.ring_incs:
+            src.look_at = float("inf")  # until the producer restarts
+            return
+        try:
+            self._attach_ring(self._names.ring(src.task, src.inc, self._task), (src.task, src.inc))
+        except RendezvousError as e:
+            _log.warning("%s", e)
+            src.look_at = now + TICK
+
+    def _look_for_old_ring(self, src: _Src, inc: int) -> None:
+        """A key pinned to an incarnation that is not (or not yet) the live one: attach that
+        run's ring if it left one with messages (once per incarnation)."""
+        src.tried.add(inc)
+        if not RINGS_SUPPORTED:
+            return
+        try:
+            self._attach_ring(self._names.ring(src.task, inc, self._task), (src.task, inc))
+        except RendezvousError as e:
+            _log.warning("%s", e)
+
+    def _attach_ring(self, name: str, expect: tuple[str, int] | None) -> bool:
         """Map a producer's ring for this consumer and unlink its name (the mapping stays:
         the memory goes when both sides have unmapped it, whoever dies first)."""
         try:
             seg = Segment.attach(self._names, name)
         except FileNotFoundError:
-            return
+            return False
         try:
             ring = Ring(memoryview(seg.buf))
             meta = json.loads(ring.meta())
             owner = (str(meta["producer"]), int(meta["incarnation"]))
             if meta["consumer"] != self._task or (expect is not None and owner != expect):
                 raise InternalError(f"ring {name} is {meta}, not for {self._task}")
+            if not owner[1]:
+                raise InternalError(f"ring {name} names incarnation 0")
         except (RendezvousError, ValueError, KeyError, TypeError) as e:
             seg.close()
             raise InternalError(f"refusing ring {name}: {e}") from e
         _unlink_quietly(seg)
-        self._rings_in[owner] = (seg, ring)
+        src = self._srcs.get(owner[0])
+        if src is None:
+            src = self._srcs[owner[0]] = _Src(owner[0], DeviceName.parse(owner[0]))
+        if not src.inc:
+            src.inc = owner[1]
+        r = _InRing(seg, ring, owner[1])
+        src.rings.append(r)
+        src.ring_incs.add(owner[1])
+        self._rings.append((src, r))
+        self._drain(src, r)
+        return True
 
-    def _drain_rings(self) -> None:
-        """Copy every record waiting in the attached rings out, by (step, key)."""
-        for (src, inc), (_seg, ring) in self._rings_in.items():
-            if not ring.pending():
+    def _drain_all(self) -> None:
+        for src, r in self._rings:
+            if r.ring.pending():
+                self._drain(src, r)
+
+    def _drain(self, src: _Src, r: _InRing) -> None:
+        """Take every record waiting in one ring to its channel's stash."""
+        try:
+            for payload in r.ring.take():
+                self._record(src, r.inc, payload)
+        except RendezvousError as e:
+            _log.warning("ring from %s: %s", src.task, e)
+
+    def _record(self, src: _Src, inc: int, payload: memoryview) -> None:
+        """One ring record: to its channel's stash, and its waiters served when they can be.
+
+        A ring record is the producer's bytes: its header gets ``unpack``'s checks (through
+        ``HeaderCache``) and the shared element-count rule (``shape_problem``). A record
+        refused for what it says of its array still names its key: its receiver gets the
+        ``InternalError``, and what follows in the ring is delivered as usual.
+        """
+        value: Received | _Notice | BaseException
+        try:
+            notice = len(payload) > 11 and bool(payload[10] & layout.FLAG_NOTICE)
+            (flags, dtype, shape, offset, nbytes, step, seq, _inc, _pid, slot, _t, key) = (
+                self._headers.unpack(payload, _NO_FILE if notice else len(payload))
+            )
+            problem = shape_problem(shape, dtype.itemsize)
+            if problem is not None:
+                raise InternalError(f"segment header corrupted: {problem}")
+        except RendezvousError as e:
+            self.counters["refused_records"] += 1
+            who = layout.unpack_identity(payload)
+            _log.warning("refusing a record of the ring from %s: %s", src.task, e)
+            if who is None:
+                return
+            step, seq, key = who
+            notice = False
+            value = InternalError(
+                f"refusing message {seq} of key {key!r} (step {step}) from producer {src.task}: {e}"
+            )
+        else:
+            if notice:
+                value = _Notice(slot)
+            elif nbytes:
+                arr: npt.NDArray[Any] = np.frombuffer(
+                    bytearray(payload[offset : offset + nbytes]), dtype
+                )
+                if len(shape) != 1:
+                    arr = arr.reshape(shape)
+                value = Received(arr, bool(flags & 1))
+            else:
+                value = Received(np.empty(shape, dtype), bool(flags & 1))
+        if self._ctx.cleaned_up(step):
+            if notice:  # a late send of a step this worker already cleaned up: free it
+                self._free_named(src.task, step, key, inc, seq, slot)
+            return
+        ch = self._channel(step, key, src, inc)
+        if ch.inc == inc and seq < ch.seq:
+            return  # already taken by its name
+        stash = self._stash.get(step)
+        if stash is None:
+            stash = self._stash[step] = {}
+        stash[(key, inc, seq)] = value
+        ch.nready += 1
+        if ch.waiters:
+            self._touched.append(ch)
+
+    def _lost_records(self, src: _Src) -> bool:
+        return any(r.ring.lost() != r.lost_seen for r in src.rings)
+
+    def _recover(self, src: _Src) -> bool:
+        """Stash notices for ``src``'s messages whose records its full ring lost (one listing).
+
+        Returns whether it stashed anything. Rate-limited with the other listings.
+        """
+        lost = [(r, r.ring.lost()) for r in src.rings if r.ring.lost() != r.lost_seen]
+        if not lost or not self._list_messages():
+            return False
+        for r, n in lost:
+            r.lost_seen = n
+        incs = {r.inc for r in src.rings}
+        found = False
+        for step, key, seq, inc, _created, slot in list(self._listed.values()):
+            if inc not in incs or self._ctx.cleaned_up(step):
                 continue
-            for payload in ring.take():
-                try:
-                    header = layout.unpack(payload, len(payload))
-                except RendezvousError as e:
-                    _log.warning("dropping a corrupt record of the ring from %s: %s", src, e)
+            ch = self._channels.get(step, {}).get(key)
+            if ch is not None and (ch.inc not in (0, inc) or seq < ch.seq):
+                continue
+            stash = self._stash.setdefault(step, {})
+            if (key, inc, seq) in stash:
+                continue
+            try:
+                if task_name(parse_key(key).src) != src.task:
                     continue
-                if self._ctx.cleaned_up(header.step_id):
-                    continue  # a late send of a step this worker already cleaned up
-                arr: npt.NDArray[Any] = np.empty(header.shape, header.dtype)
-                if header.nbytes:
-                    arr.reshape(-1).view(np.uint8)[:] = np.frombuffer(
-                        payload, np.uint8, header.nbytes, header.data_offset
-                    )
-                box = self._stash.setdefault((header.step_id, header.key), {})
-                box[(inc, header.seq)] = Received(arr, header.is_dead)
+            except RendezvousError:
+                continue
+            stash[(key, inc, seq)] = _Notice(slot)
+            ch = self._channel(step, key, src, inc)
+            ch.nready += 1
+            if ch.waiters:
+                self._touched.append(ch)
+            found = True
+        return found
+
+    def _list_messages(self) -> bool:
+        """Refresh ``_listed`` from one listing of /dev/shm (at most once per half tick)."""
+        now = time.monotonic()
+        if now - self._listed_at < TICK / 2:
+            return False
+        self._listed_at = now
+        self.counters["listings"] += 1
+        try:
+            entries = os.listdir(Names.path(""))
+        except OSError:
+            return False
+        marker = self._names.prefix + "m"
+        present = {e for e in entries if e.startswith(marker)}
+        for name in list(self._listed):
+            if name not in present:
+                del self._listed[name]
+        for name in present - self._listed.keys():
+            h = peek_header(Names.path(name))
+            if h is not None:
+                self._listed[name] = (
+                    h.step_id,
+                    h.key,
+                    h.seq,
+                    h.producer_incarnation,
+                    h.created_ns,
+                    h.slot,
+                )
+        return True
+
+    def _resolve_incarnation(self, ch: _Channel) -> bool:
+        """Find the incarnation of the channel's producer: its presence record, else (it is
+        gone) the newest message a listing shows for the channel's next receive."""
+        src = ch.src
+        if not src.inc:
+            try:
+                record = self._ctx.peers.lookup(src.dev)
+            except RendezvousError as e:  # a record that is not ours, or corrupt
+                _log.warning("presence record of %s: %s", src.task, e)
+                return False
+            if record.final and record.incarnation:
+                src.inc = record.incarnation
+        if src.inc:
+            ch.inc = src.inc
+            return True
+        # No record: the producer has not started, or it closed after sending. Its
+        # messages are still there, under names computed with its incarnation.
+        if RINGS_SUPPORTED:
+            self._find_rings()
+            if ch.nready:
+                stash = self._stash.get(ch.step, {})
+                self._adopt_incarnation(ch, stash)
+                return ch.inc != 0
+        self._list_messages()
+        best, best_at = 0, -1
+        for step, key, seq, inc, created, _slot in self._listed.values():
+            if step == ch.step and seq == ch.seq and key == ch.key and created > best_at:
+                best, best_at = inc, created
+        ch.inc = best
+        return best != 0
 
     def _find_rings(self) -> None:
         """Attach the rings addressed to this worker that a listing shows (a producer that
@@ -417,6 +724,7 @@ class Consumer:
         if now - self._rings_listed_at < TICK / 2:
             return
         self._rings_listed_at = now
+        self.counters["listings"] += 1
         marker = self._names.prefix + "q"
         try:
             entries = [e for e in os.listdir(Names.path("")) if e.startswith(marker)]
@@ -431,7 +739,8 @@ class Consumer:
     # -- the scan (run by whoever polls the doorbell) ---------------------------------
 
     def scan(self) -> list[Item]:
-        """Deliver every published message that has a waiter; fail waiters of dead producers."""
+        """Drain the rings, serve the channels they brought something for; once per tick,
+        check the producers that have waiters (liveness, ringless ones by name)."""
         with self.lock:
             if self._closed:
                 return []
@@ -444,87 +753,126 @@ class Consumer:
     def _scan(self) -> list[Item]:
         self.counters["dispatcher_scans"] += 1
         out: list[Item] = []
-        channels = list(self._waiting.values())
-        present: set[str] | None = None
-        if len(channels) > _LISTDIR_ABOVE:
-            try:
-                present = {
-                    e for e in os.listdir(Names.path("")) if e.startswith(self._names.prefix)
-                }
-            except OSError:
-                present = None
-        for ch in channels:
-            while ch.waiters:
-                if present is not None and self._resolve_incarnation(ch):
-                    # The listing says whether a segment is there; the ring, whether an
-                    # inline message is (its stash is a dict lookup).
-                    result = self._take_inline(ch)
-                    if result is None and ch.name(self._names) in present:
-                        result = self._try_take(ch)
-                else:
-                    result = self._try_take(ch)
-                if result is None:
-                    break
-                self._pop_waiter(ch, out, result)
-            if ch.waiters:
-                failure = self._producer_failure(ch)
-                if failure is not None:
-                    # What the producer published before it died is visible now: deliver it.
-                    while ch.waiters:
-                        result = self._try_take(ch)
-                        if result is None:
-                            break
-                        self._pop_waiter(ch, out, result)
-                    while ch.waiters:
-                        self._pop_waiter(ch, out, failure)
-            if not ch.waiters:
-                self._waiting.pop((ch.step, ch.key.full_key), None)
+        self._drain_all()
+        self._serve_touched(out)
+        now = time.monotonic()
+        if self._waiting and now >= self._tick_at:
+            self._tick_at = now + TICK
+            for src in list(self._srcs.values()):
+                if src.waiting:
+                    self._tick(src, out)
+            self._serve_touched(out)
         return out
 
-    def _recently_alive(self, ch: _Channel) -> bool:
-        """Whether the channel's producer was seen alive, with a fitting incarnation, less than
-        a tick ago (then ``seen_alive`` is set without a look at its record: a fresh key per
-        step must not cost a stat and a flock each)."""
-        seen = self._alive_at.get(ch.key.src.task_key())
-        if seen is None or time.monotonic() - seen[1] > TICK:
-            return False
-        inc = seen[0]
-        if ch.key.src_incarnation not in (0, inc) or ch.inc not in (0, inc):
-            return False
-        ch.seen_alive = True
-        return True
+    def _serve_touched(self, out: list[Item]) -> None:
+        while self._touched:
+            touched, self._touched = self._touched, []
+            for ch in touched:
+                if ch.waiters:
+                    self._serve(ch, out, probe=self._probe(ch))
 
-    def _producer_failure(self, ch: _Channel) -> BaseException | None:
-        """Why the channel's producer can no longer send, or None while it may."""
-        src = task_name(ch.key.src)
+    def _tick(self, src: _Src, out: list[Item]) -> None:
+        """Once per tick for a producer with waiters: its ring, its messages by name if it
+        has no ring (or lost records), its liveness."""
+        if not src.rings or src.look_at <= time.monotonic():
+            self._look_for_ring(src)
+            for r in src.rings:
+                self._drain(src, r)
+        lost = self._lost_records(src)
+        if lost:
+            self._recover(src)
+        if src.inc not in src.ring_incs or lost or src.tried:
+            chans = list(src.waiting.values())
+            if not lost:
+                chans = [c for c in chans if self._probe(c)]
+            if len(chans) > _LISTDIR_ABOVE and not lost:
+                self._list_messages()  # then open only the names that are there
+                there = {(s, k, q, i) for s, k, q, i, _c, _sl in self._listed.values()}
+                chans = [c for c in chans if (c.step, c.key, c.seq, c.inc) in there or not c.inc]
+            for ch in chans:
+                self._serve(ch, out, probe=True)
+        if not src.waiting:
+            return
+        live = self._liveness(src)
+        if live[0] == "alive":
+            if src.restarted:
+                src.restarted = False
+                for ch in list(src.waiting.values()):
+                    failure = self._producer_failure(ch, live)  # follows it, or fails
+                    if failure is not None:
+                        self._fail(ch, out, failure)
+            for ch in src.unseen:
+                ch.seen_alive = True
+            src.was_alive = src.was_alive or bool(src.unseen)
+            src.unseen.clear()
+            return
+        if live[0] != "broken" and not src.was_alive:
+            return  # not started yet (or gone before anyone here saw it): keep waiting
+        src.was_alive = False
+        for ch in list(src.waiting.values()):
+            failure = self._producer_failure(ch, live)
+            if failure is None:
+                continue
+            # What the producer published before it died is visible now: deliver it.
+            self._serve(ch, out, probe=True)
+            self._fail(ch, out, failure)
+
+    def _fail(self, ch: _Channel, out: list[Item], failure: BaseException) -> None:
+        while ch.waiters:
+            waiter = ch.waiters.popleft()
+            self._unqueued(waiter)
+            out.append((waiter.done, waiter.copy, failure))
+        self._unwait(ch)
+
+    # -- producer liveness --------------------------------------------------------------
+
+    def _liveness(self, src: _Src) -> tuple[str, Any]:
+        """``(state, record)`` of the producer; a look at most once per tick while alive."""
+        now = time.monotonic()
+        if src.alive_at >= 0 and now - src.alive_at <= TICK:
+            return "alive", None
         try:
-            state, record = self._ctx.peers.liveness(ch.key.src)
+            state, record = self._ctx.peers.liveness(src.dev)
         except RendezvousError as e:
-            return UnavailableError(
-                f"producer {src} of key {ch.key.full_key!r} cannot be trusted: {e}"
-            )
+            return "broken", e
         if state == "alive" and record is not None:
-            if ch.key.src_incarnation and record.incarnation != ch.key.src_incarnation:
+            if record.incarnation != src.inc:
+                src.restarted = bool(src.inc)
+                src.inc = record.incarnation
+                src.look_at = 0.0  # a restarted producer: look for its new ring
+            src.alive_at = now
+        else:
+            src.alive_at = -1.0
+        return state, record
+
+    def _producer_failure(self, ch: _Channel, live: tuple[str, Any]) -> BaseException | None:
+        """Why the channel's producer can no longer send, or None while it may."""
+        state, record = live
+        key = ch.pk.full_key if ch.pk is not None else ch.key
+        src = ch.src.task
+        if state == "broken":
+            return UnavailableError(f"producer {src} of key {key!r} cannot be trusted: {record}")
+        if state == "alive":
+            inc = ch.src.inc
+            pinned = ch.pk.src_incarnation if ch.pk is not None else 0
+            if pinned and inc != pinned:
                 return AbortedError(
                     "RecvTensor expects a different device incarnation: "
-                    f"{ch.key.src_incarnation:016x} vs. {record.incarnation:016x}. "
-                    f'Your worker job ("{src}") was probably restarted (now pid {record.pid}); '
-                    f"key {ch.key.full_key!r}"
+                    f"{pinned:016x} vs. {inc:016x}. "
+                    f'Your worker job ("{src}") was probably restarted; key {key!r}'
                 )
-            if not ch.key.src_incarnation and ch.inc and record.incarnation != ch.inc:
+            if not pinned and ch.inc and inc != ch.inc and not ch.nready:
                 # Restarted producer and a key that does not pin an incarnation: follow the
                 # new run from its first message.
-                ch.inc, ch.seq = record.incarnation, 0
+                ch.inc, ch.seq = inc, 0
                 return None
             ch.seen_alive = True
-            self._alive_at[ch.key.src.task_key()] = (record.incarnation, time.monotonic())
             return None
         if ch.seen_alive:
             how = "exited" if state == "absent" else "died"
             pid = f" (pid {record.pid})" if record is not None and record.pid else ""
             return UnavailableError(
-                f"producer {src}{pid} {how} while key {ch.key.full_key!r} was awaited "
-                f"in step {ch.step}"
+                f"producer {src}{pid} {how} while key {key!r} was awaited in step {ch.step}"
             )
         return None
 
@@ -535,27 +883,33 @@ class Consumer:
             self._aborted.setdefault(step_id, error)
             error = self._aborted[step_id]
             items: list[Item] = []
-            for k, ch in list(self._waiting.items()):
-                if ch.step != step_id:
-                    continue
+            for ch in self._channels.get(step_id, {}).values():
                 while ch.waiters:
-                    self._pop_waiter(ch, items, error)
-                del self._waiting[k]
+                    waiter = ch.waiters.popleft()
+                    self._unqueued(waiter)
+                    items.append((waiter.done, waiter.copy, error))
+                self._unwait(ch)
         return items
 
     def cleanup_step(self, step_id: int) -> None:
         """Forget the step; free the unreceived messages addressed to this worker in it."""
         with self.lock:
-            for k in [k for k in self._channels if k[0] == step_id]:
-                del self._channels[k]
+            self._drain_all()
+            self._channels.pop(step_id, None)
             self._aborted.pop(step_id, None)
-            try:
-                self._drain_rings()
-            except RendezvousError as e:
-                _log.warning("%s", e)
-            for k in [k for k in self._stash if k[0] == step_id]:
-                del self._stash[k]
+            stash = self._stash.pop(step_id, None)
         self._free_unreceived(step_id)
+        del stash
+
+    def _free_named(self, src: str, step: int, key: str, inc: int, seq: int, slot: int) -> None:
+        path = Names.path(self._names.message(step, key, inc, seq))
+        if slot >= 0:
+            give_back(self._names, self._producer_alive, src, inc, slot, path)
+            return
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
     def _free_unreceived(self, step_id: int | None) -> int:
         """Free the messages of ``step_id`` (every step: None) addressed to this worker."""
@@ -608,20 +962,26 @@ class Consumer:
             self._closed = True
             items: list[Item] = []
             error = AbortedError(f"Worker {self._task} closed")
-            for ch in self._waiting.values():
-                while ch.waiters:
-                    self._pop_waiter(ch, items, error)
-            self._waiting.clear()
+            for src in self._srcs.values():
+                for ch in list(src.waiting.values()):
+                    while ch.waiters:
+                        waiter = ch.waiters.popleft()
+                        self._unqueued(waiter)
+                        items.append((waiter.done, waiter.copy, error))
+                    self._unwait(ch)
         return items
 
     def release(self) -> None:
         """Unlink the held names, unmap the rings (after ``close``)."""
         self._unlink_held()
         with self.lock:
-            for seg, ring in self._rings_in.values():
-                ring.release()
-                seg.close()
-            self._rings_in.clear()
+            for _src, r in self._rings:
+                r.ring.release()
+                r.segment.close()
+            self._rings.clear()
+            for src in self._srcs.values():
+                src.rings.clear()
+                src.ring_incs.clear()
             self._stash.clear()
 
     def _unlink_held(self) -> None:
@@ -647,15 +1007,17 @@ class Consumer:
 
     @property
     def pending(self) -> int:
-        return len(self._waiting)
+        return self._waiting
 
     def stats(self) -> dict[str, int]:
         with self.lock:
             out = dict(self.counters)
-            out["pending_keys"] = len(self._waiting)
-            out["pending_receives"] = sum(len(ch.waiters) for ch in self._waiting.values())
-            out["channels"] = len(self._channels)
-            out["rings_in"] = len(self._rings_in)
+            out["pending_keys"] = self._waiting
+            out["pending_receives"] = sum(
+                len(ch.waiters) for s in self._srcs.values() for ch in s.waiting.values()
+            )
+            out["channels"] = sum(len(c) for c in self._channels.values())
+            out["rings_in"] = len(self._rings)
             out["held"] = len(self._held)
         return out
 

@@ -440,22 +440,6 @@ def _describe_owner(fd: int, where: str) -> str:
     return f"pid {info.pid} (incarnation {info.incarnation:#x})"
 
 
-# A PeerWatch keeps at most this many descriptors open: the current record's and a few
-# it replaced, which a thread that read the old state a moment ago may still be testing
-# (closing them at once could let that thread flock an unrelated file that reused the
-# number). A record is replaced only when its peer restarts, so the bound is never felt.
-_WATCH_FDS = 4
-
-
-class _Seen:
-    """One opened record: its inode, a descriptor on it, what it says (never changes)."""
-
-    __slots__ = ("fd", "info", "ino")
-
-    def __init__(self, ino: tuple[int, int], fd: int, info: PresenceInfo) -> None:
-        self.ino, self.fd, self.info = ino, fd, info
-
-
 def record_state(fd: int, info: PresenceInfo | None) -> PeerState:
     """The liveness check proper: a record's owner is alive exactly while it holds the lock.
 
@@ -469,24 +453,26 @@ def record_state(fd: int, info: PresenceInfo | None) -> PeerState:
 class PeerWatch:
     """The observer side: is another worker's presence record there, and is it locked?
 
-    ``state()`` costs one ``stat`` and one ``flock`` while the record is unchanged (the
+    ``state()`` costs one ``stat`` and one ``flock`` while the record is unchanged (one
     descriptor is cached per inode), so it may be called several times a second.
 
-    Lock-free, so that it may run anywhere, a garbage-collector finalizer included (a
-    lock taken there could be held by the interrupted thread itself): the current record
-    is one immutable ``_Seen`` swapped by a single assignment, and every descriptor ever
-    opened sits in ``_fds``, from which each is popped (atomic under the GIL) and closed
-    exactly once — the oldest when more than ``_WATCH_FDS`` are open, all at ``close``.
+    Never blocks and never waits for a lock, so that it may run anywhere, a
+    garbage-collector finalizer included (a lock waited for there could be held by the
+    interrupted thread itself): the cached descriptor is used under a lock taken only if
+    it is free; a caller that finds it taken looks through a descriptor of its own, opened
+    and closed within the call. A watch thus holds at most one descriptor of its own.
     """
 
     def __init__(self, names: Names, task: str) -> None:
         self._task = task
         self._path = names.path(names.presence(task))
-        self._seen: _Seen | None = None
+        self._lock = threading.Lock()
+        self._ino: tuple[int, int] | None = None
+        self._info: PresenceInfo | None = None
         self._closed = False
-        # The finalizer closes whatever descriptors are left when the watch is dropped unclosed.
-        self._fds: list[int] = []
-        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        # The finalizer closes the cached descriptor when the watch is dropped unclosed.
+        self._fd_box: list[int] = []
+        self._finalizer = weakref.finalize(self, _close_all, self._fd_box)
 
     @property
     def task(self) -> str:
@@ -500,20 +486,22 @@ class PeerWatch:
     def closed(self) -> bool:
         return self._closed
 
-    def _current(self) -> _Seen | None:
-        """The record at the path now (re-opened when its inode changed), or None.
+    def _cached(self) -> tuple[int, PresenceInfo] | None:
+        """The record at the path now through the cached descriptor (re-opened when its
+        inode changed), or None. Under ``_lock``.
 
-        Raises ``InternalError`` if the record is not ours or is corrupt, or the watch is closed.
+        Raises ``InternalError`` if the record is not ours or is corrupt.
         """
-        if self._closed:
-            raise InternalError(f"PeerWatch for {self._task} is closed")
         try:
             st = os.stat(self._path, follow_symlinks=False)
         except FileNotFoundError:
             return None
-        seen = self._seen
-        if seen is not None and seen.ino == (st.st_dev, st.st_ino):
-            return seen
+        box = self._fd_box
+        if box and self._ino == (st.st_dev, st.st_ino):
+            assert self._info is not None
+            return box[0], self._info
+        _close_all(box)
+        self._ino = self._info = None
         fd = _open_record(self._path)
         if fd is None:
             return None
@@ -522,32 +510,48 @@ class PeerWatch:
         except BaseException:
             os.close(fd)
             raise
+        box.append(fd)
         # The inode actually opened: the name may have moved on since the stat above, in which
         # case the next call sees a mismatch and reopens.
-        seen = _Seen((fst.st_dev, fst.st_ino), fd, info)
-        self._fds.append(fd)
-        self._seen = seen
-        while len(self._fds) > _WATCH_FDS:
+        self._ino = (fst.st_dev, fst.st_ino)
+        self._info = info
+        return fd, info
+
+    def look(self) -> tuple[PeerState, PresenceInfo | None]:
+        """``state()`` and ``info()`` of one and the same record, in one look.
+
+        Raises ``InternalError`` if the record is not ours or is corrupt, or the watch is
+        closed. Does not block.
+        """
+        if self._closed:
+            raise InternalError(f"PeerWatch for {self._task} is closed")
+        if self._lock.acquire(blocking=False):
             try:
-                old = self._fds.pop(0)
-            except IndexError:  # pragma: no cover - emptied by a racing caller
-                break
-            if old == seen.fd:  # pragma: no cover - only when _WATCH_FDS callers race
-                self._fds.append(old)
-                break
-            with contextlib.suppress(OSError):
-                os.close(old)
-        if self.closed:  # closed while we opened: close() may have missed our fd
-            _close_all(self._fds)
-        return seen
+                if self._closed:
+                    raise InternalError(f"PeerWatch for {self._task} is closed")
+                seen = self._cached()
+                if seen is None:
+                    return "absent", None
+                return record_state(seen[0], seen[1]), seen[1]
+            finally:
+                self._lock.release()
+        # Contended (another thread, or the garbage collector inside this one): look
+        # through a descriptor of our own.
+        fd = _open_record(self._path)
+        if fd is None:
+            return "absent", None
+        try:
+            info, _ = _read_record_fd(fd, self._path)
+            return record_state(fd, info), info
+        finally:
+            os.close(fd)
 
     def info(self) -> PresenceInfo | None:
         """The current record (re-read when it was replaced, e.g. by a restarted peer), or None.
 
         Raises ``InternalError`` if the record is not ours or is corrupt. Does not block.
         """
-        seen = self._current()
-        return None if seen is None else seen.info
+        return self.look()[1]
 
     def state(self) -> PeerState:
         """``"absent"`` (no record), ``"alive"`` (its lock is held) or ``"dead"`` (lock free).
@@ -557,24 +561,19 @@ class PeerWatch:
         """
         return self.look()[0]
 
-    def look(self) -> tuple[PeerState, PresenceInfo | None]:
-        """``state()`` and ``info()`` of one and the same record, in one look."""
-        seen = self._current()
-        if seen is None:
-            return "absent", None
-        return record_state(seen.fd, seen.info), seen.info
-
     def open_fds(self) -> int:
-        """How many descriptors the watch holds (at most ``_WATCH_FDS``)."""
-        return len(self._fds)
+        """How many descriptors the watch holds (at most one)."""
+        return len(self._fd_box)
 
     def close(self) -> None:
-        """Close the cached descriptors. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._seen = None
-        self._finalizer()
+        """Close the cached descriptor. Idempotent. (A look running meanwhile in another
+        thread finishes first: close waits for it, which takes microseconds.)"""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._ino = self._info = None
+            self._finalizer()
 
     def __enter__(self) -> PeerWatch:
         return self
@@ -592,6 +591,7 @@ class PeerWatch:
 
 
 def _close_all(fds: list[int]) -> None:
+    """Close every descriptor in ``fds`` (each popped first: closed exactly once)."""
     while True:
         try:
             fd = fds.pop()

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -73,10 +73,29 @@ class _Allocation:
     ref: weakref.ref[npt.NDArray[Any]]
     step: int
     key: str
-    header: layout.Header
+    template: layout.Template
     segment: Segment | None  # None: a small array, sent inline through the ring
     slot: Slot | None
     sent: bool = False
+
+
+class _Route:
+    """What this producer keeps per consumer worker: its ring and its doorbell."""
+
+    __slots__ = ("bell", "bell_look_at", "ring", "ring_segment", "task")
+
+    def __init__(self, task: str, ring: tuple[Segment, Ring] | None) -> None:
+        self.task = task
+        self.ring_segment: Segment | None = None if ring is None else ring[0]
+        self.ring: Ring | None = None if ring is None else ring[1]
+        self.bell: Bell | None = None
+        self.bell_look_at = 0.0
+
+
+# How often a producer looks again for the doorbell of a consumer that has not started.
+_BELL_LOOK_S = 0.02
+# Header templates kept (per key; a key's dtype or shape change replaces its entry).
+_TEMPLATES_MAX = 4096
 
 
 class Producer:
@@ -87,16 +106,71 @@ class Producer:
         self._task = task
         self._inc = incarnation
         self._pid = os.getpid()
-        self._inline_max = inline_max()
+        self._inline_max = inline_max() if RINGS_SUPPORTED else -1
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
-        self._send_seq: dict[tuple[int, str], int] = {}
+        # step -> key -> next sequence number: a step's table goes in one piece at cleanup.
+        self._seqs: dict[int, dict[str, int]] = {}
+        self._templates: dict[tuple[np.dtype[Any], tuple[int, ...], int], layout.Template] = {}
         self._allocations: dict[int, _Allocation] = {}
-        self._peer_bells: dict[str, Bell] = {}
-        # consumer task -> (segment, ring), or None where a ring cannot be made.
-        self._rings_out: dict[str, tuple[Segment, Ring] | None] = {}
+        self._routes: dict[str, _Route] = {}  # by the key's dst device, as written
+        self._consumers: dict[str, _Route] = {}  # by consumer task
         self._pool = SlotPool(names, task, incarnation, pool_bytes)
-        self.counters = {"sent": 0, "sent_bytes": 0, "sent_zero_copy": 0}
+        self.counters = {"sent": 0, "sent_bytes": 0, "sent_zero_copy": 0, "ring_full": 0}
+
+    # -- what is derived once ---------------------------------------------------------
+
+    def _template(
+        self, dtype: np.dtype[Any], shape: tuple[int, ...], key_len: int
+    ) -> layout.Template:
+        """The header template of (dtype, shape, key length), cached."""
+        k = (dtype, shape, key_len)
+        t = self._templates.get(k)
+        if t is None:
+            t = layout.Template(dtype, shape, key_len)
+            if len(self._templates) >= _TEMPLATES_MAX:
+                self._templates.clear()
+            self._templates[k] = t
+        return t
+
+    def _route(self, key: ParsedKey) -> _Route:
+        """The route to the consumer of ``key`` (its ring made on first use)."""
+        with self._publish_lock:
+            route = self._routes.get(key.dst_device)
+            if route is not None:
+                return route
+            task = task_name(key.dst)
+            route = self._consumers.get(task)
+            if route is None:
+                route = _Route(task, self._make_ring(task) if RINGS_SUPPORTED else None)
+                self._consumers[task] = route
+            self._routes[key.dst_device] = route
+            return route
+
+    def _make_ring(self, task: str) -> tuple[Segment, Ring] | None:
+        """This producer's ring for the consumer ``task``, or None where one cannot be made."""
+        seg: Segment | None = None
+        name = self._names.ring(self._task, self._inc, task)
+        try:
+            seg = Segment.create(self._names, ring_size(RING_CAPACITY))
+            meta = json.dumps({"producer": self._task, "incarnation": self._inc, "consumer": task})
+            ring = Ring.format(memoryview(seg.buf), RING_CAPACITY, meta.encode())
+            move_noreplace(seg.path, Names.path(name))  # published only once formatted
+            seg.name = name
+        except (OSError, RendezvousError) as e:
+            _log.warning("no ring to %s (%s); segments only, found by name", task, e)
+            if seg is not None:
+                _unlink_quietly(seg)
+                seg.close()
+            return None
+        return seg, ring
+
+    def _next_seq(self, step_id: int, key: str) -> int:
+        """The sequence number of the next message of (step, key) (under the publish lock)."""
+        seqs = self._seqs.get(step_id)
+        if seqs is None:
+            seqs = self._seqs[step_id] = {}
+        return seqs.get(key, 0)
 
     # -- allocate ---------------------------------------------------------------------
 
@@ -117,27 +191,19 @@ class Producer:
                 f"allocate({key.full_key!r}): dtype {dt} holds Python objects, "
                 "which cannot be shared"
             )
-        header = layout.Header.build(
-            key=key.full_key,
-            dtype=dt,
-            shape=shp,
-            step_id=step_id,
-            seq=0,
-            producer_incarnation=self._inc,
-            producer_pid=self._pid,
-        )
+        t = self._template(dt, shp, len(key.full_key.encode()))
         seg: Segment | None = None
         slot: Slot | None = None
-        if header.nbytes <= self._inline_max and RINGS_SUPPORTED and header.nbytes:
+        if 0 < t.nbytes <= self._inline_max:
             # Small: it will travel inline through the ring (copying a few KiB costs less
             # than publishing a segment), so plain memory serves.
             arr: npt.NDArray[Any] = np.empty(shp, dt)
         else:
-            slot, seg = self._segment_for(header.segment_size)
-            if slot is not None:
-                header = replace(header, slot=slot.index)
-            arr = seg.ndarray(header)
-        alloc = _Allocation(weakref.ref(arr), step_id, key.full_key, header, seg, slot)
+            slot, seg = self._segment_for(t.segment_size)
+            arr = seg.ndarray(
+                t.to_header(key.full_key, step_id, self._inc, self._pid, _slot_index(slot))
+            )
+        alloc = _Allocation(weakref.ref(arr), step_id, key.full_key, t, seg, slot)
         with self._lock:
             self._allocations[id(arr)] = alloc
         weakref.finalize(arr, self._allocation_dropped, id(arr), alloc)
@@ -165,43 +231,76 @@ class Producer:
     # -- send -------------------------------------------------------------------------
 
     def send(self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool) -> None:
-        alloc = self._allocations.get(id(value)) if self._allocations else None
-        if alloc is not None and alloc.ref() is value:
-            self._send_allocated(step_id, key, value, is_dead, alloc)
-            return
-        header = layout.Header.build(
-            key=key.full_key,
-            dtype=value.dtype,
-            shape=value.shape,
-            step_id=step_id,
-            seq=0,
-            producer_incarnation=self._inc,
-            producer_pid=self._pid,
-            is_dead=is_dead,
-        )
-        if (
-            header.nbytes <= self._inline_max
-            and RINGS_SUPPORTED
-            and self._send_inline(step_id, key, value, header)
+        if self._allocations:
+            alloc = self._allocations.get(id(value))
+            if alloc is not None and alloc.ref() is value:
+                self._send_allocated(step_id, key, value, is_dead, alloc)
+                return
+        raw = key.full_key.encode()
+        t = self._templates.get((value.dtype, value.shape, len(raw)))
+        if t is None:
+            t = self._template(value.dtype, value.shape, len(raw))
+        route = self._routes.get(key.dst_device) or self._route(key)
+        flags = 1 if is_dead else 0
+        if t.nbytes <= self._inline_max and self._send_inline(
+            step_id, key, raw, value, t, route, flags
         ):
             return
-        self._send_copy(step_id, key, value, header)
+        self._send_copy(step_id, key, raw, value, t, route, flags)
+
+    def _send_inline(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        raw: bytes,
+        value: npt.NDArray[Any],
+        t: layout.Template,
+        route: _Route,
+        flags: int,
+    ) -> bool:
+        """Append the message to the consumer's ring; False if it has no ring or no room."""
+        ring = route.ring
+        if ring is None:
+            return False
+        n = t.nbytes
+        data = value.tobytes() if n else b""
+        fk = key.full_key
+        with self._publish_lock:
+            seq = self._next_seq(step_id, fk)
+            at = ring.reserve(t.data_offset + n)
+            if at < 0:
+                self.counters["ring_full"] += 1
+                return False  # full: this one goes through a segment, in sequence
+            buf = ring.buf
+            t.write(buf, at, raw, flags, step_id, seq, self._inc, self._pid, -1, time.time_ns())
+            if n:
+                at += t.data_offset
+                buf[at : at + n] = data
+            ring.commit()
+            self._seqs[step_id][fk] = seq + 1
+        self._after_publish(route, n)
+        return True
 
     def _send_copy(
-        self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], header: layout.Header
+        self,
+        step_id: int,
+        key: ParsedKey,
+        raw: bytes,
+        value: npt.NDArray[Any],
+        t: layout.Template,
+        route: _Route,
+        flags: int,
     ) -> None:
         """Copy ``value`` into a pool slot (or a one-off segment) and publish it."""
-        slot, seg = self._segment_for(header.segment_size)
+        slot, seg = self._segment_for(t.segment_size)
         try:
-            if slot is not None:
-                header = replace(header, slot=slot.index)
-            if header.nbytes:
+            if t.nbytes:
                 dst: npt.NDArray[Any] = np.ndarray(
-                    value.shape, dtype=value.dtype, buffer=seg.buf, offset=header.data_offset
+                    value.shape, dtype=value.dtype, buffer=seg.buf, offset=t.data_offset
                 )
                 copy_into(dst, value)
                 del dst
-            name = self._publish(step_id, key, header, seg)
+            name = self._publish(step_id, key, raw, t, seg, _slot_index(slot), route, flags)
         except BaseException:
             if slot is not None:
                 self._pool.release(slot)
@@ -213,50 +312,7 @@ class Producer:
             self._pool.lend(slot, key.full_key, name)
         else:
             seg.close()
-        self._after_publish(key, header.nbytes)
-
-    def _ring_to(self, dst: DeviceName) -> Ring | None:
-        """This producer's ring for the consumer ``dst`` (made on first use), or None."""
-        task = task_name(dst)
-        if task in self._rings_out:
-            entry = self._rings_out[task]
-            return None if entry is None else entry[1]
-        entry = None
-        seg: Segment | None = None
-        name = self._names.ring(self._task, self._inc, task)
-        try:
-            seg = Segment.create(self._names, ring_size(RING_CAPACITY))
-            meta = json.dumps({"producer": self._task, "incarnation": self._inc, "consumer": task})
-            ring = Ring.format(memoryview(seg.buf), RING_CAPACITY, meta.encode())
-            move_noreplace(seg.path, Names.path(name))  # published only once formatted
-            seg.name = name
-            entry = (seg, ring)
-        except (OSError, RendezvousError) as e:
-            _log.warning("no small-message ring to %s (%s); segments only", task, e)
-            if seg is not None:
-                _unlink_quietly(seg)
-                seg.close()
-        self._rings_out[task] = entry
-        return None if entry is None else entry[1]
-
-    def _send_inline(
-        self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], header: layout.Header
-    ) -> bool:
-        """Append the message to the consumer's ring; False if it has no ring or no room."""
-        data = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-        k = (step_id, key.full_key)
-        with self._publish_lock:
-            ring = self._ring_to(key.dst)
-            if ring is None:
-                return False
-            seq = self._send_seq.get(k, 0)
-            head = layout.pack(replace(header, seq=seq))
-            pad = header.data_offset - len(head)
-            if not ring.try_put((head, bytes(pad), data.data)):
-                return False  # full: this one goes through a segment, in sequence
-            self._send_seq[k] = seq + 1
-        self._after_publish(key, header.nbytes)
-        return True
+        self._after_publish(route, t.nbytes)
 
     def _send_allocated(
         self,
@@ -276,25 +332,30 @@ class Producer:
                 f"this array was allocated for key {alloc.key!r} in step {alloc.step} and "
                 f"cannot be sent under key {key.full_key!r} in step {step_id}"
             )
-        header = replace(alloc.header, is_dead=is_dead, created_ns=time.time_ns())
         with self._lock:
             if alloc.sent:
                 raise InvalidArgumentError(
                     f"this array from allocate() was already sent (key {alloc.key!r})"
                 )
             alloc.sent = True
+        t = alloc.template
+        raw = key.full_key.encode()
+        route = self._routes.get(key.dst_device) or self._route(key)
+        flags = 1 if is_dead else 0
         if alloc.segment is None:
             # A small one: inline through the ring, else (ring full) a segment of its own.
             try:
-                if not self._send_inline(step_id, key, value, header):
-                    self._send_copy(step_id, key, value, header)
+                if not self._send_inline(step_id, key, raw, value, t, route, flags):
+                    self._send_copy(step_id, key, raw, value, t, route, flags)
             except BaseException:
                 alloc.sent = False
                 raise
             value.flags.writeable = False
             return
         try:
-            name = self._publish(step_id, key, header, alloc.segment)
+            name = self._publish(
+                step_id, key, raw, t, alloc.segment, _slot_index(alloc.slot), route, flags
+            )
         except BaseException:
             alloc.sent = False
             raise
@@ -305,86 +366,131 @@ class Producer:
         else:
             alloc.segment.close()
         self.counters["sent_zero_copy"] += 1
-        self._after_publish(key, header.nbytes)
+        self._after_publish(route, t.nbytes)
 
-    def _publish(self, step_id: int, key: ParsedKey, header: layout.Header, seg: Segment) -> str:
+    def _publish(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        raw: bytes,
+        t: layout.Template,
+        seg: Segment,
+        slot: int,
+        route: _Route,
+        flags: int,
+    ) -> str:
         """Give the message its sequence number and its name, atomically; return the name.
+
+        Then append a notice of it to the consumer's ring, so that the consumer goes
+        straight to that name (with no ring, or a full one, it finds it by name).
 
         Raises ``InternalError`` if a file has that name already (planted by another user,
         or left by an earlier run with the same incarnation): it is neither replaced nor
         written into. That sequence number is skipped (the consumer skips it too: it
         refuses the file, or reads the earlier run's message).
         """
-        k = (step_id, key.full_key)
+        fk = key.full_key
         with self._publish_lock:
-            seq = self._send_seq.get(k, 0)
-            header = replace(header, seq=seq)
-            layout.pack_into(seg.buf, header)
-            name = self._names.message(step_id, key.full_key, self._inc, seq)
+            seq = self._next_seq(step_id, fk)
+            now = time.time_ns()
+            t.write(seg.buf, 0, raw, flags, step_id, seq, self._inc, self._pid, slot, now)
+            name = self._names.message(step_id, fk, self._inc, seq)
             try:
                 move_noreplace(seg.path, Names.path(name))
             except FileExistsError as e:
-                self._send_seq[k] = seq + 1
+                self._seqs[step_id][fk] = seq + 1
                 raise InternalError(
-                    f"cannot publish key {key.full_key!r} (step {step_id}, message {seq}): {name} "
+                    f"cannot publish key {fk!r} (step {step_id}, message {seq}): {name} "
                     "exists already — planted by another process, or an unreceived message of an "
                     "earlier run with this incarnation; it was left untouched"
                 ) from e
             except OSError as e:
-                raise InternalError(f"cannot publish key {key.full_key!r} as {name}: {e}") from e
+                raise InternalError(f"cannot publish key {fk!r} as {name}: {e}") from e
             seg.name = name
-            self._send_seq[k] = seq + 1
+            self._seqs[step_id][fk] = seq + 1
+            ring = route.ring
+            if ring is not None:
+                at = ring.reserve(t.data_offset)
+                if at < 0:
+                    self.counters["ring_full"] += 1
+                    ring.count_lost()
+                else:
+                    t.write(
+                        ring.buf,
+                        at,
+                        raw,
+                        flags | layout.FLAG_NOTICE,
+                        step_id,
+                        seq,
+                        self._inc,
+                        self._pid,
+                        slot,
+                        now,
+                    )
+                    ring.commit()
         return name
 
-    def _after_publish(self, key: ParsedKey, nbytes: int) -> None:
-        self.counters["sent"] += 1
-        self.counters["sent_bytes"] += nbytes
-        bell = self._peer_bell(key.dst)
-        if bell is not None:
-            bell.ring()
-
-    def _peer_bell(self, dst: DeviceName) -> Bell | None:
-        task = task_name(dst)
-        bell = self._peer_bells.get(task)
+    def _after_publish(self, route: _Route, nbytes: int) -> None:
+        counters = self.counters
+        counters["sent"] += 1
+        counters["sent_bytes"] += nbytes
+        bell = route.bell
         if bell is None:
-            try:
-                bell = Bell.open(self._names, task)
-            except RendezvousError:
-                _log.warning(
-                    "doorbell of %s refused (not ours); relying on the dispatcher tick", task
-                )
-                return None
+            bell = self._peer_bell(route)
             if bell is None:
-                return None  # consumer not started: it scans when it starts
-            with self._lock:
-                bell = self._peer_bells.setdefault(task, bell)
-        return bell
+                return
+        bell.ring()
+
+    def _peer_bell(self, route: _Route) -> Bell | None:
+        now = time.monotonic()
+        if now < route.bell_look_at:
+            return None
+        route.bell_look_at = now + _BELL_LOOK_S
+        try:
+            bell = Bell.open(self._names, route.task)
+        except RendezvousError:
+            _log.warning(
+                "doorbell of %s refused (not ours); relying on the dispatcher tick", route.task
+            )
+            route.bell_look_at = now + 3600.0
+            return None
+        if bell is None:
+            return None  # consumer not started: it scans when it starts
+        with self._lock:
+            if route.bell is None:
+                route.bell = bell
+            else:
+                bell.close()
+            return route.bell
 
     # -- steps and lifetime -----------------------------------------------------------
 
     def cleanup_step(self, step_id: int) -> None:
         with self._publish_lock:
-            for k in [k for k in self._send_seq if k[0] == step_id]:
-                del self._send_seq[k]
+            self._seqs.pop(step_id, None)
 
     def close(self) -> None:
         """Sweep the pool, unmap the rings, close the doorbells. The caller has already
         unlinked this worker's own doorbell (``pool.give_back`` relies on that order)."""
         self._pool.close()
         with self._publish_lock:
-            for entry in self._rings_out.values():
-                if entry is not None:
-                    seg, ring = entry
+            routes = list(self._consumers.values())
+            self._consumers.clear()
+            self._routes.clear()
+            for route in routes:
+                ring, seg = route.ring, route.ring_segment
+                route.ring = route.ring_segment = None
+                if ring is not None and seg is not None:
                     # A ring its consumer never attached keeps its name while it holds
                     # messages (they are the consumer's); an empty one goes.
                     if not ring.pending():
                         _unlink_quietly(seg)
                     ring.release()
                     seg.close()
-            self._rings_out.clear()
         with self._lock:
-            bells = list(self._peer_bells.values())
-            self._peer_bells.clear()
+            bells = [r.bell for r in routes if r.bell is not None]
+            for r in routes:
+                r.bell = None
         for b in bells:
             b.close()
 
@@ -392,9 +498,13 @@ class Producer:
         out = dict(self.counters)
         with self._lock:
             out["allocations"] = len(self._allocations)
-        out["rings_out"] = sum(1 for e in list(self._rings_out.values()) if e)
+        out["rings_out"] = sum(1 for r in list(self._consumers.values()) if r.ring is not None)
         out.update(self._pool.stats())
         return out
+
+
+def _slot_index(slot: Slot | None) -> int:
+    return -1 if slot is None else slot.index
 
 
 def _unlink_quietly(seg: Segment) -> None:
