@@ -9,8 +9,10 @@ to ``held`` while its array lives and to ``returned`` when the array is collecte
 producer renames ``returned`` back to a free ``pool`` name and writes into the same,
 already faulted, pages again. Nothing but renames crosses the processes.
 
-Size classes are powers of two from 4 KiB, so a slot serves messages between half and
-all of its size; the pool holds at most ``limit_bytes`` of slots, and at most
+Size classes are powers of two from 4 KiB (above 128 KiB, a power of two plus 64 KiB of
+room for the header), so a slot serves messages between about half and all of its size;
+the pool holds at most ``limit_bytes`` of slots (their header room not counted, so that
+two 256 MiB slots fit a 512 MiB pool: one lent while the next is written), and at most
 ``max_slots`` of them: each slot keeps a mapping, and CPython's ``mmap`` keeps a file
 descriptor per mapping (many systems still default to 1024 descriptors per process).
 
@@ -56,10 +58,26 @@ _RECLAIM_SCAN = 8
 _LOST_CHECK_S = 1.0
 
 
+# Room for the header above a power-of-two tensor. A segment is header + data, so a
+# 16 MiB tensor needs a bit more than 16 MiB: with plain powers of two its slot was
+# 32 MiB, and a 256 MiB tensor's slot (512 MiB) filled the default pool alone, so a send
+# made while the consumer still held it wrote a fresh, unfaulted segment: 9.3x a memcpy
+# for one run in three (issue 11).
+_HEADER_ROOM = 64 << 10
+
+
+def _counted(cls: int) -> int:
+    """The bytes a slot of class ``cls`` counts against the pool's limit (its data part)."""
+    return cls - _HEADER_ROOM if cls > 2 * _HEADER_ROOM else cls
+
+
 def size_class(nbytes: int) -> int:
-    """The slot size serving a segment of ``nbytes``: the next power of two, >= 4 KiB."""
+    """The slot size serving a segment of ``nbytes``: the next power of two (>= 4 KiB),
+    above 128 KiB the next power of two of the data plus 64 KiB of room for the header."""
     n = max(nbytes, _MIN_CLASS)
-    return 1 << (n - 1).bit_length()
+    if n <= 2 * _HEADER_ROOM:
+        return 1 << (n - 1).bit_length()
+    return (1 << (n - _HEADER_ROOM - 1).bit_length()) + _HEADER_ROOM
 
 
 @dataclass(eq=False)
@@ -127,7 +145,7 @@ class SlotPool:
         slots): the caller writes a one-off segment instead.
         """
         cls = size_class(nbytes)
-        if self._limit <= 0 or cls > self._limit:
+        if self._limit <= 0 or _counted(cls) > self._limit:
             return None
         with self._lock:
             if self._closed:
@@ -140,16 +158,16 @@ class SlotPool:
                 self.reused += 1
                 return slot
             while (
-                self._bytes + cls > self._limit or self._count >= self._max_slots
+                self._bytes + _counted(cls) > self._limit or self._count >= self._max_slots
             ) and self._evict_one(cls):
                 pass
-            if self._bytes + cls > self._limit or self._count >= self._max_slots:
+            if self._bytes + _counted(cls) > self._limit or self._count >= self._max_slots:
                 return None
             if self._next_index > MAX_SLOT:
                 return None  # a million slots created in one run: one-off segments from now on
             index = self._next_index
             self._next_index += 1
-            self._bytes += cls  # reserve before leaving the lock
+            self._bytes += _counted(cls)  # reserve before leaving the lock
             self._count += 1
         try:
             seg = Segment.create(
@@ -157,7 +175,7 @@ class SlotPool:
             )
         except BaseException as e:
             with self._lock:
-                self._bytes -= cls
+                self._bytes -= _counted(cls)
                 self._count -= 1
             if isinstance(e, InternalError):
                 # The name exists: planted by someone (our names are per incarnation and
@@ -171,7 +189,7 @@ class SlotPool:
             seg.unlink()
             seg.close()
             with self._lock:
-                self._bytes -= cls
+                self._bytes -= _counted(cls)
                 self._count -= 1
             return None
         slot = Slot(
@@ -262,7 +280,7 @@ class SlotPool:
     def _forget(self, slot: Slot) -> None:
         """Drop a slot whose file is gone (no name to unlink): its mapping and its bytes."""
         self._slots.pop(slot.index, None)
-        self._bytes -= slot.capacity
+        self._bytes -= _counted(slot.capacity)
         self._count -= 1
         slot.segment.close()
 
@@ -277,7 +295,7 @@ class SlotPool:
 
     def _drop(self, slot: Slot) -> None:
         self._slots.pop(slot.index, None)
-        self._bytes -= slot.capacity
+        self._bytes -= _counted(slot.capacity)
         self._count -= 1
         slot.segment.unlink()
         slot.segment.close()
