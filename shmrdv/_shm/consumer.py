@@ -287,10 +287,12 @@ class Consumer:
             else:
                 src.unseen.append(ch)
             ch.waiters.append(waiter)
+            first = False
             if not blocking:
                 self.callback_waiters += 1
-        if not blocking:
-            self._wake_dispatcher()
+                first = self.callback_waiters == 1
+        if first:
+            self._wake_dispatcher()  # it sleeps while no callback receive is pending
         return None, waiter
 
     def cancel(self, waiter: _Waiter) -> bool:
@@ -353,7 +355,7 @@ class Consumer:
             if not ch.nready and not ch.inc:
                 self._resolve_incarnation(ch)  # may attach a gone producer's ring
             if not ch.nready:
-                return self._take_named(ch)
+                return self._take_named(ch) if ch.inc else None
         stash = self._stash.get(ch.step)
         got = None
         if stash is not None:
@@ -417,8 +419,8 @@ class Consumer:
         another user planted under its name, a corrupt header) and is skipped, or the
         process is out of descriptors (the message stays for the next receive).
         """
-        if not ch.inc and not self._resolve_incarnation(ch):
-            return None
+        if not ch.inc:
+            return None  # the name cannot be computed yet
         self.counters["name_probes"] += 1
         name = self._names.message(ch.step, ch.key, ch.inc, ch.seq)
         try:
@@ -620,7 +622,8 @@ class Consumer:
         if ch.waiters:
             self._touched.append(ch)
 
-    def _lost_records(self, src: _Src) -> bool:
+    @staticmethod
+    def _lost_records(src: _Src) -> bool:
         return any(r.ring.lost() != r.lost_seen for r in src.rings)
 
     def _recover(self, src: _Src) -> bool:
@@ -755,6 +758,8 @@ class Consumer:
         out: list[Item] = []
         self._drain_all()
         self._serve_touched(out)
+        if self._waiting:
+            self._probe_ringless(out)
         now = time.monotonic()
         if self._waiting and now >= self._tick_at:
             self._tick_at = now + TICK
@@ -778,19 +783,10 @@ class Consumer:
             self._look_for_ring(src)
             for r in src.rings:
                 self._drain(src, r)
-        lost = self._lost_records(src)
-        if lost:
+        if self._lost_records(src):
             self._recover(src)
-        if src.inc not in src.ring_incs or lost or src.tried:
-            chans = list(src.waiting.values())
-            if not lost:
-                chans = [c for c in chans if self._probe(c)]
-            if len(chans) > _LISTDIR_ABOVE and not lost:
-                self._list_messages()  # then open only the names that are there
-                there = {(s, k, q, i) for s, k, q, i, _c, _sl in self._listed.values()}
-                chans = [c for c in chans if (c.step, c.key, c.seq, c.inc) in there or not c.inc]
-            for ch in chans:
-                self._serve(ch, out, probe=True)
+        if not src.inc or src.tried:
+            self._find_gone(src, out)
         if not src.waiting:
             return
         live = self._liveness(src)
@@ -816,6 +812,38 @@ class Consumer:
             # What the producer published before it died is visible now: deliver it.
             self._serve(ch, out, probe=True)
             self._fail(ch, out, failure)
+
+    def _find_gone(self, src: _Src, out: list[Item]) -> None:
+        """Messages of a producer whose incarnation is unknown (it is gone, or has not
+        started) or of keys pinned to an earlier run: what one listing (rate-limited) shows
+        for its waiting channels. Costs O(messages listed), not O(channels)."""
+        if RINGS_SUPPORTED:
+            self._find_rings()
+        self._list_messages()
+        for step, key, seq, inc, _created, _slot in list(self._listed.values()):
+            chans = self._channels.get(step)
+            ch = chans.get(key) if chans is not None else None
+            if ch is None or ch.src is not src or not ch.waiters or ch.seq != seq:
+                continue
+            if ch.inc not in (0, inc):
+                continue
+            ch.inc = inc
+            self._serve(ch, out, probe=True)
+
+    def _probe_ringless(self, out: list[Item]) -> None:
+        """Per doorbell wake-up: the waiting channels of known producers without a ring
+        are looked for by name (the fallback path: O(their channels), or one listing when
+        they are many)."""
+        for src in self._srcs.values():
+            if not src.waiting or not src.inc or src.inc in src.ring_incs:
+                continue
+            chans = [c for c in src.waiting.values() if self._probe(c)]
+            if len(chans) > _LISTDIR_ABOVE:
+                self._list_messages()  # then open only the names that are there
+                there = {(s, k, q, i) for s, k, q, i, _c, _sl in self._listed.values()}
+                chans = [c for c in chans if (c.step, c.key, c.seq, c.inc) in there]
+            for ch in chans:
+                self._serve(ch, out, probe=True)
 
     def _fail(self, ch: _Channel, out: list[Item], failure: BaseException) -> None:
         while ch.waiters:

@@ -47,6 +47,8 @@ class Dispatcher:
         self._consumer = consumer
         self._cond = threading.Condition(threading.Lock())
         self._polling = False
+        self._thread_polls = False  # the poller is the dispatcher thread
+        self._blocked = 0  # blocked receivers waiting for the role
         self._closed = False
         self._spin_ns = _SPIN_MIN_NS
         self._wait_avg_ns = _SPIN_MAX_NS
@@ -67,13 +69,26 @@ class Dispatcher:
         self._bell.ring()  # and the leader stop waiting on the doorbell
 
     def wait(self, slot: RecvSlot, timeout: float) -> None:
-        """Block up to ``timeout`` s as leader (polling) or follower; early once filled."""
+        """Block up to ``timeout`` s as leader (polling) or follower; early once filled.
+
+        A blocked receiver has priority over the dispatcher thread: finding the thread
+        polling, it rings the doorbell so that the thread hands the role over, and then
+        takes it (one wake-up per message for it, not two, however many callback receives
+        are pending besides).
+        """
         with self._cond:
             if slot.filled or self._closed:
                 return
             if self._polling:
-                self._cond.wait(timeout)
-                return
+                self._blocked += 1
+                try:
+                    if self._thread_polls:
+                        self._bell.ring()
+                    self._cond.wait(timeout)
+                finally:
+                    self._blocked -= 1
+                if not self._role_free(slot):
+                    return
             self._polling = True
         try:
             self._poll(timeout)
@@ -82,20 +97,26 @@ class Dispatcher:
                 self._polling = False
                 self._cond.notify_all()
 
+    def _role_free(self, slot: RecvSlot) -> bool:
+        """(Under ``_cond``) whether a waiting receiver should now take the poller role."""
+        return not (self._polling or slot.filled or self._closed)
+
     def _run(self) -> None:
         consumer = self._consumer
         while True:
             with self._cond:
-                while not self._closed and (self._polling or consumer.callback_waiters <= 0):
+                while not self._closed and (
+                    self._polling or self._blocked or consumer.callback_waiters <= 0
+                ):
                     self._cond.wait()
                 if self._closed:
                     return
-                self._polling = True
+                self._polling = self._thread_polls = True
             try:
                 self._poll(TICK)
             finally:
                 with self._cond:
-                    self._polling = False
+                    self._polling = self._thread_polls = False
                     self._cond.notify_all()
 
     def _poll(self, wait: float) -> None:
