@@ -128,6 +128,7 @@ class _Src:
 
     __slots__ = (
         "alive_at",
+        "broken",
         "dev",
         "inc",
         "look_at",
@@ -154,6 +155,7 @@ class _Src:
         self.unseen: list[_Channel] = []  # waiting channels not yet marked seen_alive
         self.was_alive = False  # some waiting channel has seen it alive
         self.restarted = False  # a new incarnation was seen: its channels need a look
+        self.broken: InternalError | None = None  # why its ring was failed, once
 
 
 def deliver(items: list[Item]) -> None:
@@ -271,7 +273,10 @@ class Consumer:
                     if r.ring.pending():
                         self._drain_all()
                         break
-                result = self._take(ch, self._probe(ch))
+                if src.broken is not None:
+                    result, src.broken = src.broken, None
+                else:
+                    result = self._take(ch, self._probe(ch))
                 if result is None and not ch.seen_alive:
                     # Note now whether the producer is alive (so that its death is noticed
                     # even before the first tick), or fail a stale incarnation.
@@ -555,17 +560,50 @@ class Consumer:
         return True
 
     def _drain_all(self) -> None:
-        for src, r in self._rings:
+        for src, r in list(self._rings):
             if r.ring.pending():
                 self._drain(src, r)
 
     def _drain(self, src: _Src, r: _InRing) -> None:
-        """Take every record waiting in one ring to its channel's stash."""
+        """Take every record waiting in one ring to its channel's stash.
+
+        First one ``fstat``: a process that kept a descriptor of the ring may have truncated
+        it, and reading a lost page would kill this process (SIGBUS). Such a ring is failed:
+        unmapped, and the receives waiting on its producer get the ``InternalError``.
+        """
+        try:
+            r.segment.check_size(r.segment.size)
+        except InternalError as e:
+            self._fail_ring(src, r, e)
+            return
         try:
             for payload in r.ring.take():
                 self._record(src, r.inc, payload)
         except RendezvousError as e:
             _log.warning("ring from %s: %s", src.task, e)
+
+    def _fail_ring(self, src: _Src, r: _InRing, e: InternalError) -> None:
+        error = InternalError(f"the ring from producer {src.task} is unusable: {e}")
+        _log.warning("%s", error)
+        self._rings = [(s, x) for s, x in self._rings if x is not r]
+        src.rings.remove(r)
+        src.ring_incs.discard(r.inc)
+        src.look_at = float("inf")  # its name is gone; a restarted producer makes a new one
+        src.broken = error
+        r.ring.release()
+        r.segment.close()
+        for ch in list(src.waiting.values()):
+            self._fail_later(ch, error)
+
+    def _fail_later(self, ch: _Channel, error: BaseException) -> None:
+        """Queue ``error`` for the channel's next receive (delivered like a message)."""
+        stash = self._stash.setdefault(ch.step, {})
+        key = (ch.key, ch.inc, ch.seq)
+        if key not in stash:
+            stash[key] = error
+            ch.nready += 1
+        if ch.waiters:
+            self._touched.append(ch)
 
     def _record(self, src: _Src, inc: int, payload: memoryview) -> None:
         """One ring record: to its channel's stash, and its waiters served when they can be.
@@ -781,8 +819,8 @@ class Consumer:
         has no ring (or lost records), its liveness."""
         if not src.rings or src.look_at <= time.monotonic():
             self._look_for_ring(src)
-            for r in src.rings:
-                self._drain(src, r)
+        for r in list(src.rings):
+            self._drain(src, r)  # also checks its size once per tick
         if self._lost_records(src):
             self._recover(src)
         if not src.inc or src.tried:

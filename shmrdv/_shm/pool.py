@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .._errors import InternalError
+from .._errors import InternalError, ResourceExhaustedError
 from .naming import MAX_SLOT, Names
 from .segment import Segment, move_noreplace
 
@@ -177,6 +177,11 @@ class SlotPool:
             with self._lock:
                 self._bytes -= _counted(cls)
                 self._count -= 1
+            if isinstance(e, ResourceExhaustedError):
+                # /dev/shm cannot hold the size class: the caller tries an exact-size
+                # segment, which may still fit (issue 13 §5).
+                _log.info("no room for a %d-byte pool slot: %s", cls, e)
+                return None
             if isinstance(e, InternalError):
                 # The name exists: planted by someone (our names are per incarnation and
                 # never reused). Never write into it; the caller uses a one-off segment.
