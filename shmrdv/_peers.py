@@ -11,8 +11,6 @@ Thread-safe. One ``PeerWatch`` (one cached descriptor) per peer task, closed by 
 
 from __future__ import annotations
 
-import threading
-
 from ._cluster import ClusterSpec
 from ._devices import DeviceName
 from ._errors import InvalidArgumentError
@@ -39,7 +37,6 @@ class Peers:
     def __init__(self, names: Names, cluster: ClusterSpec | None) -> None:
         self._names = names
         self._cluster = cluster
-        self._lock = threading.Lock()
         self._watches: dict[tuple[str, int, int], PeerWatch] = {}
         self._closed = False
 
@@ -48,11 +45,13 @@ class Peers:
         tk = task.task_key()
         w = self._watches.get(tk)
         if w is None:
-            with self._lock:
-                w = self._watches.get(tk)
-                if w is None:
-                    w = PeerWatch(self._names, str(canonical_task(task)))
-                    self._watches[tk] = w
+            # No lock: this runs inside the garbage collector too (a pool slot given back
+            # asks whether its producer lives), where waiting on a lock the interrupted
+            # thread holds would deadlock. The atomic setdefault picks one watch.
+            fresh = PeerWatch(self._names, str(canonical_task(task)))
+            w = self._watches.setdefault(tk, fresh)
+            if w is not fresh:
+                fresh.close()
         return w
 
     def _record(self, task: DeviceName, info: PresenceInfo | None) -> PeerRecord:
@@ -90,8 +89,7 @@ class Peers:
 
     def close(self) -> None:
         """Close every cached descriptor. Idempotent."""
-        with self._lock:
-            watches = list(self._watches.values())
-            self._watches.clear()
+        watches = list(self._watches.values())
+        self._watches.clear()
         for w in watches:
             w.close()

@@ -91,8 +91,6 @@ def timeout_error(pk: ParsedKey, timeout: float | None) -> DeadlineExceededError
     )
 
 
-
-
 class RecvSlot:
     """One blocking receiver's mailbox: filled exactly once by its ``done`` callback.
 

@@ -44,7 +44,13 @@ import numpy.typing as npt
 
 from .._callbacks import DoneCallback, invoke_done
 from .._devices import DeviceName
-from .._errors import AbortedError, InternalError, RendezvousError, UnavailableError
+from .._errors import (
+    AbortedError,
+    InternalError,
+    RendezvousError,
+    UnavailableError,
+    closed_error,
+)
 from .._keys import ParsedKey, parse_key
 from .._received import Received
 from .._transport import TransportContext
@@ -226,7 +232,7 @@ class Consumer:
 
     def check_open(self, step: int) -> None:
         if self._closed:
-            raise AbortedError(f"Worker {self._task} is closed")
+            raise closed_error(self._task)
         if self._aborted:
             err = self._aborted.get(step)
             if err is not None:
@@ -1027,7 +1033,7 @@ class Consumer:
                 return []
             self._closed = True
             items: list[Item] = []
-            error = AbortedError(f"Worker {self._task} closed")
+            error = closed_error(self._task)
             for src in self._srcs.values():
                 for ch in list(src.waiting.values()):
                     while ch.waiters:
