@@ -108,9 +108,11 @@ _RETRY_MAX = 1.0
 _MID_STREAM_RETRIES = 2
 _JOIN_TIMEOUT = 5.0
 _ACK_TIMEOUT = 5.0
-# Tensors up to this size come back in the one unary RecvTensorInline response; larger
-# ones are streamed in chunks (no 2 GiB ceiling, bounded messages).
-DEFAULT_INLINE_MAX = 1 << 20
+# Tensors up to this size come back in the one unary RecvTensorInline response: gRPC's
+# C core moves one large message at full speed, with no Python chunk loop and no
+# reassembly (issue 12). Larger ones (protobuf's 2 GiB message limit, less room for the
+# header) are streamed in chunks.
+DEFAULT_INLINE_MAX = coding.MAX_INLINE_BYTES
 # An ack not piggybacked on a request to the same peer within this time goes on its own
 # (MarkRecvFinished), so that the server's cache does not hold the value until it expires.
 # Closing waits this long (s) at most for the acks it sends.
@@ -119,6 +121,9 @@ _ACK_DELAY = 0.05
 # A Hold call (server.py) lasts this long; it is renewed while the channel has been used
 # for a receive within the last _HOLD_SECONDS.
 _HOLD_SECONDS = 30.0
+# An inline answer larger than this is decoded and copied on a callback thread, not in
+# gRPC's channel thread (a copy of a few hundred KiB costs less than the thread switch).
+_COPY_IN_CHANNEL_THREAD = 1 << 20
 # A callback thread with nothing to run for this long ends.
 _IDLE_EXIT = 10.0
 
@@ -319,13 +324,17 @@ class _Recv:
 
     # -- delivering --------------------------------------------------------------------
 
-    def _deliver(self, error: BaseException | None, received: Received | None) -> None:
+    def _deliver(
+        self, error: BaseException | None, received: Received | None, *, here: bool = False
+    ) -> None:
+        """Answer ``done`` once: in this thread when ``here`` (a thread of ours), when the
+        caller said ``direct`` or from the stream thread, else on a callback thread."""
         with self._lock:
             if self._state in (_DONE, _CANCELLED):
                 return
             self._state = _DONE
         self._client._forget(self)
-        if self._direct or threading.current_thread() is self.thread:
+        if here or self._direct or threading.current_thread() is self.thread:
             invoke_done(self._done, error, received)
         else:
             self._client._runner.submit(invoke_done, self._done, error, received)
@@ -455,6 +464,21 @@ class _Recv:
         if not data:
             self._start_stream()  # too large to answer inline: it waits in the cache
             return
+        if len(data) > _COPY_IN_CHANNEL_THREAD:
+            # Copying a large tensor would stall gRPC's channel thread (every call on the
+            # channel): decode and copy it on a callback thread instead.
+            self._client._runner.submit(self._take_off_channel, data)
+        else:
+            self._take(data, self._direct)
+
+    def _take_off_channel(self, data: bytes) -> None:
+        try:
+            self._take(data, True)
+        except Exception as e:  # the caller must not wait forever
+            _log.exception("decoding the RecvTensorInline answer for %s failed", self._where())
+            self._deliver(InternalError(f"receiving {self._where()}: {e!r}"), None, here=True)
+
+    def _take(self, data: bytes, off_channel: bool) -> None:
         try:
             decoded = coding.decode_response(data)
         except RendezvousError as e:
@@ -465,9 +489,9 @@ class _Recv:
             return
         self._client._ack(self._address, self._request_id)
         self._client._hold(self._address, self._channel)
-        # A private, writable array (the response bytes are read-only); it is small.
+        # A private, writable array (the response bytes are read-only).
         value = np.array(decoded.value, copy=True)
-        self._deliver(None, Received(value, decoded.is_dead))
+        self._deliver(None, Received(value, decoded.is_dead), here=off_channel)
 
     def _release_if_late(self, code: grpc.StatusCode) -> None:
         """The deadline passed with a call out: the server may have taken a value for it

@@ -78,6 +78,7 @@ __all__ = [
     "DataType",
     "DecodedTensor",
     "DeviceAttributes",
+    "MAX_INLINE_BYTES",
     "MAX_MESSAGE_BYTES",
     "RecvRequest",
     "StreamAssembler",
@@ -135,6 +136,9 @@ class DataType(IntEnum):
 # TensorFlow: kProtoBufLimitBytes = 1 << 31 ("Cannot encode a Tensor that exceeds the
 # 2GB protobuf limit"); gRPC's largest message length is INT32_MAX.
 MAX_MESSAGE_BYTES: Final = (1 << 31) - 1
+# The largest tensor answered in one response: the message limit less room for the
+# header (fields, shape, a dtype descriptor of at most _MAX_DESCRIPTOR_CHARS).
+MAX_INLINE_BYTES: Final = MAX_MESSAGE_BYTES - (1 << 20)
 # numpy's NPY_MAXDIMS (64 since numpy 2.0).
 _MAX_DIMS: Final = 64
 # A dtype descriptor longer than this is refused before it is parsed.

@@ -564,6 +564,7 @@ class RpcServer:
             await self._abort(context, e)
         try:
             limit = DEFAULT_INLINE_MAX if req.inline_max < 0 else req.inline_max
+            limit = min(limit, coding.MAX_INLINE_BYTES)  # beyond it: only a stream can carry it
             if waiter.cache_key is not None and received.value.nbytes > limit:
                 waiter.deferred = True
                 return b""  # still cached and not sent: the stream call takes it from there
