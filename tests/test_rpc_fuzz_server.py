@@ -48,7 +48,7 @@ from hypothesis import strategies as st
 import shmrdv
 from shmrdv._keys import parse_key
 from shmrdv._rpc import coding
-from shmrdv._rpc.server import (
+from shmrdv._rpc.methods import (
     GET_STATUS_METHOD,
     MARK_RECV_FINISHED_METHOD,
     RECV_TENSOR_METHOD,

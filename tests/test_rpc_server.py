@@ -20,15 +20,15 @@ from rpc_helpers import INCARNATION, TASK, StepSource, make_key
 from shmrdv._errors import InvalidArgumentError, UnavailableError
 from shmrdv._keys import ParsedKey
 from shmrdv._rpc import coding
-from shmrdv._rpc.proto import types_pb2, worker_pb2
-from shmrdv._rpc.server import (
+from shmrdv._rpc.methods import (
     GET_STATUS_METHOD,
     MARK_RECV_FINISHED_METHOD,
     RECV_TENSOR_METHOD,
     RECV_TENSOR_STREAM_METHOD,
     RELEASE_RECV_METHOD,
-    RpcServer,
 )
+from shmrdv._rpc.proto import types_pb2, worker_pb2
+from shmrdv._rpc.server import RpcServer
 
 _OPTIONS = [("grpc.max_receive_message_length", 2**31 - 1)]
 

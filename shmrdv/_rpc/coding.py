@@ -80,6 +80,11 @@ __all__ = [
     "DeviceAttributes",
     "MAX_INLINE_BYTES",
     "MAX_MESSAGE_BYTES",
+    "LinkReply",
+    "decode_link_reply",
+    "encode_link_error",
+    "encode_link_fetch",
+    "encode_link_value",
     "RecvRequest",
     "StreamAssembler",
     "decode_mark_recv_finished",
@@ -583,8 +588,11 @@ def encode_response(
     is_dead: bool,
     send_start_micros: int = 0,
     require_ack: bool = False,
+    extra: bytes = b"",
 ) -> bytes:
     """``RecvTensorResponse`` bytes for ``value``, as TensorFlow's worker sends them.
+
+    ``extra``: encoded extension fields to put first (``encode_link_value``).
 
     One copy of the tensor buffer (the final join). Raises ``InvalidArgumentError`` for
     a value that cannot be sent and ``ResourceExhaustedError`` if the message would
@@ -596,7 +604,8 @@ def encode_response(
     # TensorFlow writes fields 2, 3, 5 first ("A" in EncodeTensorToByteBuffer), then
     # field 1, so that the tensor bytes end the message.
     prefix = (
-        _int_field(2, int(bool(is_dead)))
+        extra
+        + _int_field(2, int(bool(is_dead)))
         + _int_field(3, send_start_micros)
         + _int_field(5, int(bool(require_ack)))
         + _tag(1, _LEN)
@@ -858,11 +867,15 @@ class RecvRequest:
     # shmrdv's extension fields (TensorFlow skips them as unknown fields):
     finished: tuple[int, ...] = ()  # 1001: request_ids whose responses arrived (acks)
     inline_max: int = -1  # 1002: largest tensor to answer inline; -1: not given
+    cancel: bool = False  # 1003 (Exchange): the client gives request_id up
+    wait_ms: int = -1  # 1004 (Exchange): wait at most this long for the value; -1: not given
 
 
-# Extension fields of RecvTensorRequest, read by shmrdv's RecvTensorInline only.
+# Extension fields of RecvTensorRequest, read by shmrdv's RecvTensorInline and Exchange.
 _FINISHED_FIELD = 1001
 _INLINE_MAX_FIELD = 1002
+_CANCEL_FIELD = 1003
+_WAIT_MS_FIELD = 1004
 
 
 def encode_request(
@@ -873,6 +886,8 @@ def encode_request(
     *,
     finished: Sequence[int] = (),
     inline_max: int = -1,
+    cancel: bool = False,
+    wait_ms: int = -1,
 ) -> bytes:
     """``RecvTensorRequest`` bytes; ``InvalidArgumentError`` for out-of-range ints.
 
@@ -885,6 +900,9 @@ def encode_request(
     ext = b"".join(_int_field(_FINISHED_FIELD, _check_int64("finished", f)) for f in finished)
     if inline_max >= 0:
         ext += _tag(_INLINE_MAX_FIELD, _VARINT) + _varint(_check_int64("inline_max", inline_max))
+    ext += _int_field(_CANCEL_FIELD, int(bool(cancel)))
+    if wait_ms >= 0:
+        ext += _tag(_WAIT_MS_FIELD, _VARINT) + _varint(_check_int64("wait_ms", wait_ms))
     if not isinstance(rendezvous_key, str):
         raise InvalidArgumentError(f"rendezvous_key must be a str, got {rendezvous_key!r}")
     try:
@@ -907,7 +925,8 @@ def decode_request(data: _Buffer) -> RecvRequest:
     key = ""
     dma_ok = False
     finished: list[int] = []
-    inline_max = -1
+    inline_max = wait_ms = -1
+    cancel = False
     try:
         for f in _fields(buf, 0, len(buf)):
             if f.number == 1 and f.wire_type == _VARINT:
@@ -934,9 +953,15 @@ def decode_request(data: _Buffer) -> RecvRequest:
                         finished.append(_signed64(v))
             elif f.number == _INLINE_MAX_FIELD and f.wire_type == _VARINT:
                 inline_max = _signed64(f.value)
+            elif f.number == _CANCEL_FIELD and f.wire_type == _VARINT:
+                cancel = bool(f.value)
+            elif f.number == _WAIT_MS_FIELD and f.wire_type == _VARINT:
+                wait_ms = _signed64(f.value)
     except _Malformed as e:
         raise InvalidArgumentError(f"Cannot parse RecvTensorRequest: {e}") from e
-    return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max)
+    return RecvRequest(
+        step_id, key, request_id, dma_ok, tuple(finished), inline_max, cancel, wait_ms
+    )
 
 
 #: A request carries at most this many acks; more are ignored (they expire on their own),
@@ -1028,6 +1053,86 @@ def decode_status_response(data: _Buffer) -> tuple[DeviceAttributes, ...]:
 
 
 # ---------------------------------------------------------------------- streaming
+
+
+# ----------------------------------------------------------------------- Exchange replies
+# shmrdv's Exchange stream answers each request_id with one RecvTensorResponse that
+# carries extension fields (TensorFlow would skip them as unknown fields): the
+# request_id it answers, and instead of a tensor either an error (a grpc status code
+# number and its message) or "fetch": too large for the stream, fetch it with
+# RecvTensorInline under the same request_id (the server keeps it in its cache).
+_LINK_REQUEST_ID_FIELD = 1001
+_LINK_CODE_FIELD = 1002
+_LINK_MESSAGE_FIELD = 1003
+_LINK_FETCH_FIELD = 1004
+_MAX_ERROR_MESSAGE = 16 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class LinkReply:
+    """The extension fields of an Exchange reply; the tensor itself is ``decode_response``."""
+
+    request_id: int
+    code: int = 0  # a grpc status code number; 0: a value (or a fetch)
+    message: str = ""
+    fetch: bool = False
+
+
+def encode_link_value(
+    request_id: int, value: npt.NDArray[Any], *, is_dead: bool, send_start_micros: int = 0
+) -> bytes:
+    """An Exchange reply carrying ``value`` for ``request_id`` (one copy of the tensor)."""
+    return encode_response(
+        value,
+        is_dead=is_dead,
+        send_start_micros=send_start_micros,
+        require_ack=True,
+        extra=_int_field(_LINK_REQUEST_ID_FIELD, _check_int64("request_id", request_id)),
+    )
+
+
+def encode_link_error(request_id: int, code: int, message: str) -> bytes:
+    """An Exchange reply failing ``request_id`` with grpc status ``code`` (non-zero)."""
+    if not 0 < code < 1 << 31:
+        raise InvalidArgumentError(f"an error reply needs a non-zero status code, not {code!r}")
+    text = message.encode("utf-8", "replace")[:_MAX_ERROR_MESSAGE]
+    return (
+        _int_field(_LINK_REQUEST_ID_FIELD, _check_int64("request_id", request_id))
+        + _int_field(_LINK_CODE_FIELD, code)
+        + _len_field(_LINK_MESSAGE_FIELD, text)
+    )
+
+
+def encode_link_fetch(request_id: int) -> bytes:
+    """An Exchange reply saying: fetch ``request_id`` with RecvTensorInline."""
+    return _int_field(_LINK_REQUEST_ID_FIELD, _check_int64("request_id", request_id)) + _int_field(
+        _LINK_FETCH_FIELD, 1
+    )
+
+
+def decode_link_reply(data: _Buffer) -> LinkReply:
+    """The extension fields of an Exchange reply; ``InvalidArgumentError`` if they do not
+    parse or name no request_id."""
+    buf = _as_buffer(data)
+    request_id = code = 0
+    message = ""
+    fetch = False
+    try:
+        for f in _fields(buf, 0, len(buf)):
+            if f.number == _LINK_REQUEST_ID_FIELD and f.wire_type == _VARINT:
+                request_id = _signed64(f.value)
+            elif f.number == _LINK_CODE_FIELD and f.wire_type == _VARINT:
+                code = f.value if f.value < 1 << 31 else 2  # out of range: UNKNOWN
+            elif f.number == _LINK_MESSAGE_FIELD and f.wire_type == _LEN:
+                end = min(f.end, f.value + _MAX_ERROR_MESSAGE)
+                message = bytes(buf[f.value : end]).decode("utf-8", "replace")
+            elif f.number == _LINK_FETCH_FIELD and f.wire_type == _VARINT:
+                fetch = bool(f.value)
+    except _Malformed as e:
+        raise InvalidArgumentError(f"Cannot parse an Exchange reply: {e}") from e
+    if not request_id:
+        raise InvalidArgumentError("Cannot parse an Exchange reply: it names no request_id")
+    return LinkReply(request_id, code, message, fetch)
 
 
 def encode_stream(

@@ -46,7 +46,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Any, NoReturn, Protocol
 
@@ -68,45 +68,19 @@ from .._received import Received
 from .._rendezvous import Canceller
 from .._status import code_for_error
 from . import coding
+from .methods import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_INLINE_MAX,
+    LINK_INLINE_MAX,
+    SHMRDV_SERVICE,
+    TF_SERVICE,
+)
 from .security import TLSConfig, TokenInterceptor, check_token
 
-__all__ = [
-    "DEFAULT_CHUNK_BYTES",
-    "RECV_TENSOR_INLINE_METHOD",
-    "RECV_TENSOR_METHOD",
-    "RECV_TENSOR_STREAM_METHOD",
-    "RELEASE_RECV_METHOD",
-    "GET_STATUS_METHOD",
-    "HOLD_METHOD",
-    "MARK_RECV_FINISHED_METHOD",
-    "RpcServer",
-    "TensorSource",
-]
+__all__ = ["RpcServer", "TensorSource"]
 
 _log = logging.getLogger("shmrdv.rpc.server")
 
-# TensorFlow registers these by hand (grpc_worker_service_impl.cc, GrpcWorkerMethodName);
-# generated stubs would say /tensorflow.grpc.WorkerService/... (research §3.4).
-_TF_SERVICE = "tensorflow.WorkerService"
-_SHMRDV_SERVICE = "shmrdv.Rendezvous"
-RECV_TENSOR_METHOD = f"/{_TF_SERVICE}/RecvTensor"
-GET_STATUS_METHOD = f"/{_TF_SERVICE}/GetStatus"
-MARK_RECV_FINISHED_METHOD = f"/{_TF_SERVICE}/MarkRecvFinished"
-RECV_TENSOR_STREAM_METHOD = f"/{_SHMRDV_SERVICE}/RecvTensorStream"
-# Hand-registered, not in the .proto: a RecvTensorRequest (with shmrdv's extension fields)
-# in; a TensorFlow RecvTensorResponse out for a tensor of at most ``inline_max`` bytes, or
-# empty bytes: "fetch it with RecvTensorStream under the same request_id".
-RECV_TENSOR_INLINE_METHOD = f"/{_SHMRDV_SERVICE}/RecvTensorInline"
-# Hand-registered: any request in, empty bytes out at the call's deadline (or when the
-# server stops). A client keeps one in flight on a busy channel: grpcio's sync channel
-# ends its event thread whenever no call is in flight and starts a new one for the next
-# call, which costs a small receive more than the rest of it (client.py).
-HOLD_METHOD = f"/{_SHMRDV_SERVICE}/Hold"
-# Hand-registered, not in the .proto: MarkRecvFinishedRequest in, empty response out.
-RELEASE_RECV_METHOD = f"/{_SHMRDV_SERVICE}/ReleaseRecv"
-
-# research/pitfalls.md §6: stream in chunks of at most 4 MiB (gRPC's default receive limit).
-DEFAULT_CHUNK_BYTES = 4 << 20
 # TensorFlow: the server calls SetMaxMessageSize(INT32_MAX) (research §3.4). Requests are
 # tiny, so the receive limit stays small: a peer must not make us allocate 2 GiB.
 _MAX_SEND_BYTES = 2**31 - 1
@@ -116,8 +90,6 @@ _STARTUP_TIMEOUT = 30.0
 # A unary response of a tensor up to this size is encoded in the event loop: handing so
 # small a copy to the encoding pool costs more (two thread switches) than the copy.
 _ENCODE_IN_LOOP_BYTES = 256 << 10
-# RecvTensorInline without an inline_max field answers tensors up to this size inline.
-DEFAULT_INLINE_MAX = 1 << 20
 # TensorFlow: RecentRequestIds remembers the last 100,000 request ids.
 _ANSWERED_IDS = 100_000
 
@@ -186,6 +158,26 @@ def _retrieve(fut: asyncio.Future[Received]) -> None:
     # call that waited for this value has gone.
     if not fut.cancelled():
         fut.exception()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Reply:
+    """An Exchange reply ready to write; ``waiter`` is served by it (None: an error)."""
+
+    data: bytes
+    waiter: _Waiter | None = None
+    received: Received | None = None
+
+
+def _forget_want(wants: dict[int, asyncio.Task[None]], rid: int, task: asyncio.Task[None]) -> None:
+    if wants.get(rid) is task:
+        del wants[rid]
+
+
+def _as_rendezvous_error(error: BaseException) -> RendezvousError:
+    if isinstance(error, RendezvousError):
+        return error
+    return InternalError(f"Exchange failed: {error!r}")
 
 
 def _split_bind(bind: str) -> tuple[str, int]:
@@ -272,9 +264,9 @@ class RpcServer:
 
         # Loop-thread state: touched only from the server's event loop.
         self._stopping = False
-        self._holds: set[asyncio.Future[None]] = set()  # Hold calls in flight
         self._waiters: set[_Waiter] = set()  # not yet settled
         self._cache: OrderedDict[_CacheKey, _Waiter] = OrderedDict()  # by request_id, oldest first
+        self._by_rid: dict[int, list[_CacheKey]] = {}  # request_id -> its cache keys (O(1) acks)
         self._cached_bytes = 0
         self._answered: OrderedDict[int, None] = OrderedDict()  # request_ids given a value
         self._released: OrderedDict[int, None] = OrderedDict()  # request_ids given up
@@ -368,16 +360,12 @@ class RpcServer:
             "RecvTensorStream": grpc.unary_stream_rpc_method_handler(self._recv_tensor_stream),
             "ReleaseRecv": grpc.unary_unary_rpc_method_handler(self._release_recv),
             "RecvTensorInline": grpc.unary_unary_rpc_method_handler(self._recv_tensor_inline),
+            "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange),
         }
-        if self._max_concurrent_rpcs is None:
-            # A Hold stays in flight per client channel: under a limit it would take a
-            # slot from real calls, so a limited server has none (clients then see
-            # UNIMPLEMENTED and stop asking).
-            shmrdv_methods["Hold"] = grpc.unary_unary_rpc_method_handler(self._hold)
         server.add_generic_rpc_handlers(
             [
                 grpc.method_handlers_generic_handler(
-                    _TF_SERVICE,
+                    TF_SERVICE,
                     {
                         "RecvTensor": grpc.unary_unary_rpc_method_handler(self._recv_tensor),
                         "GetStatus": grpc.unary_unary_rpc_method_handler(self._get_status),
@@ -386,7 +374,7 @@ class RpcServer:
                         ),
                     },
                 ),
-                grpc.method_handlers_generic_handler(_SHMRDV_SERVICE, shmrdv_methods),
+                grpc.method_handlers_generic_handler(SHMRDV_SERVICE, shmrdv_methods),
             ]
         )
         try:
@@ -442,10 +430,8 @@ class RpcServer:
                 waiter.canceller()
             self._settle(waiter, error, None)
         self._cache.clear()
+        self._by_rid.clear()
         self._cached_bytes = 0
-        for hold in self._holds:
-            if not hold.done():
-                hold.set_result(None)
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace)
@@ -515,7 +501,7 @@ class RpcServer:
         self._stats["calls"] += 1
         try:
             req = coding.decode_request(request)
-            waiter, received = await self._wait_value(req, context)
+            waiter, received = await self._wait_value(req, context.time_remaining())
         except RendezvousError as e:
             await self._abort(context, e)
         try:
@@ -528,16 +514,28 @@ class RpcServer:
         self._count_served(received)
         return data
 
-    async def _encode(self, waiter: _Waiter, received: Received) -> bytes:
-        """The RecvTensorResponse bytes of ``received``: small ones here, large in the pool."""
-        encode = functools.partial(
-            coding.encode_response,
-            received.value,
-            is_dead=received.is_dead,
-            send_start_micros=waiter.send_start_micros,
-            # TensorFlow asks for MarkRecvFinished when its cache holds the response.
-            require_ack=waiter.cache_key is not None,
-        )
+    async def _encode(self, waiter: _Waiter, received: Received, *, request_id: int = 0) -> bytes:
+        """The RecvTensorResponse bytes of ``received``: small ones here, large in the pool.
+
+        With ``request_id``: an Exchange reply for it (``coding.encode_link_value``)."""
+        encode: Callable[[], bytes]
+        if request_id:
+            encode = functools.partial(
+                coding.encode_link_value,
+                request_id,
+                received.value,
+                is_dead=received.is_dead,
+                send_start_micros=waiter.send_start_micros,
+            )
+        else:
+            encode = functools.partial(
+                coding.encode_response,
+                received.value,
+                is_dead=received.is_dead,
+                send_start_micros=waiter.send_start_micros,
+                # TensorFlow asks for MarkRecvFinished when its cache holds the response.
+                require_ack=waiter.cache_key is not None,
+            )
         if received.value.nbytes <= _ENCODE_IN_LOOP_BYTES:
             return encode()
         return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
@@ -559,7 +557,7 @@ class RpcServer:
             req = coding.decode_request(request)
             for rid in req.finished:
                 self._finished(rid)
-            waiter, received = await self._wait_value(req, context)
+            waiter, received = await self._wait_value(req, context.time_remaining())
         except RendezvousError as e:
             await self._abort(context, e)
         try:
@@ -584,7 +582,7 @@ class RpcServer:
         self._stats["calls"] += 1
         try:
             req = coding.decode_request(request)
-            waiter, received = await self._wait_value(req, context)
+            waiter, received = await self._wait_value(req, context.time_remaining())
         except RendezvousError as e:
             await self._abort(context, e)
         waiter.deferred = False
@@ -610,24 +608,102 @@ class RpcServer:
         waiter.serving -= 1
         self._maybe_give_back(waiter)
 
-    async def _hold(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        """shmrdv's Hold: answer empty bytes just before the call's deadline (an answer at
-        the deadline itself races it: the client may see DEADLINE_EXCEEDED), or at once on
-        stop."""
-        del request
-        if self._stopping:
-            return b""
-        hold: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._holds.add(hold)
+    async def _exchange(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        """shmrdv's Exchange: the consumer's wants in, one reply per want out, as the
+        values are sent (``EXCHANGE_METHOD``). When the stream ends, every want still
+        waiting is removed (a value already taken stays cached for a retry under its
+        request_id, or goes back to its key)."""
+        self._stats["calls"] += 1
+        out: asyncio.Queue[_Reply | None] = asyncio.Queue()
+        wants: dict[int, asyncio.Task[None]] = {}
+        reader = asyncio.ensure_future(self._read_wants(requests, out, wants))
+        reader.add_done_callback(lambda _: out.put_nowait(None))
         try:
-            remaining = context.time_remaining()
-            wait = None if remaining is None else max(0.0, remaining - min(0.1, remaining / 4))
-            await asyncio.wait_for(hold, wait)
-        except asyncio.TimeoutError:
-            pass
+            while True:
+                reply = await out.get()
+                if reply is None:
+                    break
+                try:
+                    yield reply.data
+                    if reply.waiter is not None:
+                        reply.waiter.sent = True
+                finally:
+                    if reply.waiter is not None:
+                        self._done_serving(reply.waiter)
+                if reply.received is not None:
+                    self._count_served(reply.received)
+            if not reader.cancelled() and reader.exception() is not None:
+                error = reader.exception()
+                assert error is not None
+                await self._abort(context, _as_rendezvous_error(error))
         finally:
-            self._holds.discard(hold)
-        return b""
+            reader.cancel()
+            for task in list(wants.values()):
+                task.cancel()
+            while not out.empty():
+                left = out.get_nowait()
+                if left is not None and left.waiter is not None:
+                    self._done_serving(left.waiter)
+
+    async def _read_wants(
+        self,
+        requests: AsyncIterator[bytes],
+        out: asyncio.Queue[_Reply | None],
+        wants: dict[int, asyncio.Task[None]],
+    ) -> None:
+        async for raw in requests:
+            req = coding.decode_request(raw)  # a stream that does not parse is aborted
+            for rid in req.finished:
+                self._finished(rid)
+            if req.cancel:
+                task = wants.pop(req.request_id, None)
+                self._release(req.request_id)
+                if task is not None:
+                    task.cancel()
+                continue
+            if not req.rendezvous_key:
+                continue  # acks only
+            if req.request_id == 0 or req.request_id in wants:
+                raise InvalidArgumentError(
+                    f"Exchange: a want needs a fresh non-zero request_id, not {req.request_id}"
+                )
+            task = asyncio.ensure_future(self._serve_want(req, out))
+            wants[req.request_id] = task
+            task.add_done_callback(functools.partial(_forget_want, wants, req.request_id))
+
+    async def _serve_want(self, req: coding.RecvRequest, out: asyncio.Queue[_Reply | None]) -> None:
+        rid = req.request_id
+        timeout = None if req.wait_ms < 0 else req.wait_ms / 1000
+        try:
+            waiter, received = await self._wait_value(req, timeout)
+        except RendezvousError as e:
+            self._stats["errors"] += 1
+            out.put_nowait(
+                _Reply(coding.encode_link_error(rid, code_for_error(e).value[0], str(e)))
+            )
+            return
+        try:
+            limit = LINK_INLINE_MAX if req.inline_max < 0 else min(req.inline_max, LINK_INLINE_MAX)
+            if received.value.nbytes > limit and waiter.cache_key is not None:
+                waiter.deferred = True  # cached, not sent: the client fetches it
+                data = coding.encode_link_fetch(rid)
+                self._done_serving(waiter)
+                out.put_nowait(_Reply(data))
+                return
+            data = await self._encode(waiter, received, request_id=rid)
+        except RendezvousError as e:
+            self._done_serving(waiter)
+            self._stats["errors"] += 1
+            out.put_nowait(
+                _Reply(coding.encode_link_error(rid, code_for_error(e).value[0], str(e)))
+            )
+            return
+        except BaseException:
+            self._done_serving(waiter)
+            raise
+        out.put_nowait(_Reply(data, waiter, received))
 
     async def _get_status(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
@@ -655,7 +731,7 @@ class RpcServer:
     def _finished(self, rid: int) -> None:
         """The client has the response of request ``rid``: drop it from the cache."""
         if rid:
-            for ck in [ck for ck in self._cache if ck[0] == rid]:
+            for ck in self._cached_for(rid):
                 self._cache[ck].sent = True
                 self._uncache(ck)
 
@@ -671,14 +747,19 @@ class RpcServer:
             rid = coding.decode_mark_recv_finished(request)
         except RendezvousError as e:
             await self._abort(context, e)
+        self._release(rid)
+        return b""
+
+    def _release(self, rid: int) -> None:
+        """The client gave request ``rid`` up: a value taken for it and not delivered goes
+        back to its key (now, or when the call serving it ends)."""
         if rid:
             self._released[rid] = None
             if len(self._released) > _ANSWERED_IDS:
                 self._released.popitem(last=False)
-            for ck in [ck for ck in self._cache if ck[0] == rid]:
+            for ck in self._cached_for(rid):
                 self._cache[ck].released = True
-                self._uncache(ck)  # gives back now, or when the call serving it ends
-        return b""
+                self._uncache(ck)
 
     async def _abort(
         self, context: grpc.aio.ServicerContext[Any, Any], error: RendezvousError
@@ -712,7 +793,7 @@ class RpcServer:
         return pk
 
     async def _wait_value(
-        self, req: coding.RecvRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, req: coding.RecvRequest, timeout: float | None
     ) -> tuple[_Waiter, Received]:
         """The value for ``req``: from the cache, by joining a waiter, or a new waiter.
 
@@ -725,8 +806,8 @@ class RpcServer:
         pk = self._validate(req)
         waiter = self._find_or_start(req, pk)
         waiter.joiners += 1
+        taken = False
         try:
-            timeout = context.time_remaining()
             try:
                 received = await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
             except asyncio.TimeoutError:
@@ -734,12 +815,17 @@ class RpcServer:
                     f"RecvTensor on {self._source.task}: no value for key {pk.full_key!r} "
                     f"(step {req.step_id}) before the call's deadline; the waiter was removed"
                 ) from None
+            # The caller sends the value now and calls _done_serving when it is through.
+            waiter.serving += 1
+            taken = True
         finally:
             waiter.joiners -= 1
             if waiter.joiners == 0 and not waiter.future.done():
                 self._abandon(waiter, pk)
-        # The caller sends the value now and calls _done_serving when it is through.
-        waiter.serving += 1
+            elif not taken:
+                # Cancelled just as the value came: it stays cached for a retry under its
+                # request_id, or (released, uncached) goes back to its key now.
+                self._maybe_give_back(waiter)
         return waiter, received
 
     def _find_or_start(self, req: coding.RecvRequest, pk: ParsedKey) -> _Waiter:
@@ -793,6 +879,7 @@ class RpcServer:
             self._waiters.add(waiter)
         if cache_key is not None:
             self._cache[cache_key] = waiter
+            self._by_rid.setdefault(cache_key[0], []).append(cache_key)
         return waiter
 
     def _settle(
@@ -820,7 +907,7 @@ class RpcServer:
             # cache: a retry with the same request_id starts a new waiter and gets it
             # first, and a client that cancelled never comes back for it.
             if waiter.cache_key is not None:
-                self._cache.pop(waiter.cache_key, None)
+                self._cache_pop(waiter.cache_key)
             self._maybe_give_back(waiter)
             return
         if waiter.cache_key is not None:
@@ -848,12 +935,26 @@ class RpcServer:
         # keeps it for a retry (request_id) or gives it back to the source.
 
     def _uncache(self, cache_key: _CacheKey, *, give_back: bool = True) -> None:
-        waiter = self._cache.pop(cache_key, None)
+        waiter = self._cache_pop(cache_key)
         if waiter is not None and waiter.future.done():
             self._cached_bytes -= waiter.nbytes
             waiter.nbytes = 0
             if give_back:
                 self._maybe_give_back(waiter)
+
+    def _cache_pop(self, cache_key: _CacheKey) -> _Waiter | None:
+        waiter = self._cache.pop(cache_key, None)
+        if waiter is not None:
+            keys = self._by_rid.get(cache_key[0])
+            if keys is not None:
+                keys.remove(cache_key)
+                if not keys:
+                    del self._by_rid[cache_key[0]]
+        return waiter
+
+    def _cached_for(self, rid: int) -> list[_CacheKey]:
+        """The cache keys of request ``rid`` (a copy; O(1), not a scan of the cache)."""
+        return list(self._by_rid.get(rid, ()))
 
     def _maybe_give_back(self, waiter: _Waiter) -> None:
         """Give the value back if no call delivered it, none is using it, no retry can claim it."""
