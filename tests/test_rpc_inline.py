@@ -149,8 +149,8 @@ def test_client_large_value_is_streamed_after_the_inline_call(
         before = server.stats()["calls"]
         got = client.recv(server.address, 1, key, timeout=10)
         np.testing.assert_array_equal(got.value, big)
-        # Exchange (the link: "fetch it"), RecvTensorInline, RecvTensorStream
-        assert server.stats()["calls"] - before == 3
+        # Exchange (the link: "too large for me, fetch it"), then RecvTensorStream
+        assert server.stats()["calls"] - before == 2
         assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [7.0]
         _wait_for(lambda: server.stats()["cached"] <= 1)
 

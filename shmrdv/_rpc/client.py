@@ -447,8 +447,10 @@ class _Recv:
             if self._state != _PENDING:
                 return  # cancelled: the server gives the value back
             self._link = None
-            self._state = _RECEIVING  # the server has set the value aside for us
-        self._client._runner.submit(self._fetch)
+        # Streamed in chunks on a thread of its own, under the same request_id (a cache
+        # hit). Measured on loopback, a 256 MiB tensor streams in 4 MiB chunks in half the
+        # time it takes as one message (1.5 s against 2.6-3.8 s), 16 MiB in about the same.
+        self._start_stream()
 
     def _give_up(self) -> None:
         """Tell the server we will not take this request_id's value: on the link when it is
@@ -456,57 +458,6 @@ class _Recv:
         before that want is served), else with ReleaseRecv."""
         if not self._client._send_on_link(self._address, self._cancel_request()):
             self._client._notify(self._channel, RELEASE_RECV_METHOD, self._request_id)
-
-    def _fetch(self) -> None:
-        """A large value, set aside by the server under our request_id: fetch it with a
-        blocking RecvTensorInline on this (callback) thread. A blocking call polls its own
-        completion queue: a future's answer would come through gRPC's channel thread,
-        which moves a large message at a third of the speed while the link's stream is
-        in flight (16 MiB: 90 ms against 31 ms, measured on loopback)."""
-        method = self._channel.unary_unary(RECV_TENSOR_INLINE_METHOD)
-        failures = 0
-        while True:
-            remaining = self._remaining()
-            if remaining is not None and remaining <= 0:
-                # Too late to fetch: the value goes back to its key's head.
-                self._give_up()
-                self._timed_out()
-                return
-            try:
-                request = coding.encode_request(
-                    self._step_id,
-                    self._key.full_key,
-                    self._request_id,
-                    inline_max=self._client._inline_max,
-                )
-                data = method(request, timeout=remaining, metadata=self._client._metadata)
-            except grpc.RpcError as e:
-                code = _code(e)
-                if code == grpc.StatusCode.UNAVAILABLE and failures < _MID_STREAM_RETRIES:
-                    failures += 1
-                    self._wake.wait(self._backoff)
-                    continue
-                # The server set the value aside for us: give it back to its key's head.
-                self._give_up()
-                if code == grpc.StatusCode.UNAVAILABLE or code == grpc.StatusCode.ABORTED:
-                    error: RendezvousError = UnavailableError(
-                        f"lost the connection while receiving {self._where()} and could not "
-                        f"get the value again: {_details(e)}"
-                    )
-                else:
-                    error = self._error(code, e)
-                self._deliver(error, None, here=True)
-                return
-            except ValueError as e:  # the channel was closed under us
-                self._deliver(CancelledError(f"receiving {self._where()}: {e}"), None, here=True)
-                return
-            if not data:  # beyond one message: streamed (a thread of its own)
-                with self._lock:
-                    self._state = _PENDING
-                self._start_stream()
-                return
-            self._take(data, True)
-            return
 
     def link_failed(self, error: RendezvousError, code: grpc.StatusCode) -> None:
         with self._lock:
