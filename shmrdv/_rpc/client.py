@@ -569,6 +569,8 @@ class _Recv:
             pass
         elif code == grpc.StatusCode.UNAVAILABLE:
             self._retry_later(error)
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED and self._deadline is None:
+            self._attempt()  # the server's longest wait (max_wait), not ours: ask again
         else:
             self._release_if_late(code)
             self._deliver(self._error(code, error), None)
@@ -596,7 +598,9 @@ class _Recv:
             decoded = coding.decode_response(data)
         except RendezvousError as e:
             self._deliver(
-                type(e)(f"bad RecvTensorInline from {self._address} for {self._where()}: {e}"),
+                InternalError(
+                    f"bad RecvTensorInline from {self._address} for {self._where()}: {e}"
+                ),
                 None,
             )
             return
@@ -729,7 +733,9 @@ class _Recv:
             except RendezvousError as e:  # the assembler refused what arrived
                 call.cancel()
                 self._deliver(
-                    type(e)(f"bad RecvTensorStream from {self._address} for {self._where()}: {e}"),
+                    InternalError(
+                        f"bad RecvTensorStream from {self._address} for {self._where()}: {e}"
+                    ),
                     None,
                 )
                 return

@@ -68,6 +68,7 @@ import numpy.typing as npt
 from numpy.lib import format as npy_format
 
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
+from .._values import shape_problem
 
 try:  # optional: bfloat16 and float8 kinds
     import ml_dtypes
@@ -721,6 +722,14 @@ def _count(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _check_shape(shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    """The shared element-count rule (``_values.shape_problem``), before anything is
+    allocated or looped over: zero-byte items pass every length check (issue 12 §4)."""
+    problem = shape_problem(shape, dtype.itemsize)
+    if problem is not None:
+        raise _Malformed(f"a {dtype} tensor: {problem}")
+
+
 def _empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     try:
         return np.empty(shape, dtype)
@@ -787,6 +796,7 @@ def _tensor_value(buf: _Buffer, acc: _TensorAcc, is_dead: bool) -> npt.NDArray[A
         if _count(shape) == 0:
             return _empty(shape, np.dtype(np.float32))
     dtype = _resolve_dtype(acc.dtype, acc.ext)
+    _check_shape(shape, dtype)
     if acc.dtype == DataType.DT_STRING:
         return _decode_strings(buf, start, end, shape, dtype)
     wire = _wire_dtype(dtype)
@@ -1306,6 +1316,7 @@ class StreamAssembler:
         except InvalidArgumentError as e:
             raise _Malformed(str(e)) from e
         shape = acc.shape()
+        _check_shape(shape, dtype)
         need = _count(shape) * dtype.itemsize
         if need != total:
             raise _Malformed(

@@ -61,6 +61,7 @@ from .._errors import (
     InternalError,
     InvalidArgumentError,
     RendezvousError,
+    ResourceExhaustedError,
     UnavailableError,
 )
 from .._keys import ParsedKey, parse_key
@@ -180,6 +181,13 @@ def _as_rendezvous_error(error: BaseException) -> RendezvousError:
     return InternalError(f"Exchange failed: {error!r}")
 
 
+def _peer_host(peer: str) -> str:
+    """A call's peer without its port ("ipv4:10.0.0.1:5123" -> "ipv4:10.0.0.1"): the
+    unit the per-peer bound counts (one host opening many connections is one peer)."""
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() else peer
+
+
 def _split_bind(bind: str) -> tuple[str, int]:
     if not isinstance(bind, str):
         raise InvalidArgumentError(f"bind must be a 'host:port' str, not {type(bind).__name__}")
@@ -206,6 +214,13 @@ class RpcServer:
         cache_ttl, cache_entries, cache_bytes: bounds of the request_id response cache.
         max_concurrent_rpcs: refuse calls beyond this many in flight
             (``RESOURCE_EXHAUSTED``); ``None``: no limit.
+        max_waiting, max_waiting_per_peer: most calls (and Exchange wants) waiting for a
+            value, in all and from one peer host; beyond: ``RESOURCE_EXHAUSTED``.
+        max_wait: longest wait for a value of a call without a deadline (or a later one);
+            then ``DEADLINE_EXCEEDED`` (shmrdv clients ask again).
+        handshake_timeout, max_connections: a connection that has not finished its
+            HTTP/2 (and TLS) handshake within this many seconds is closed; connections
+            beyond ``max_connections`` are refused: idle floods cannot use up descriptors.
 
     ``start()`` blocks until the server listens; ``stop()`` fails waiting calls with
     ``UNAVAILABLE``, stops the server and joins its threads. Use as a context manager.
@@ -224,6 +239,11 @@ class RpcServer:
         cache_entries: int = 1024,
         cache_bytes: int = 256 << 20,
         max_concurrent_rpcs: int | None = None,
+        max_waiting: int = 65_536,
+        max_waiting_per_peer: int = 16_384,
+        max_wait: float = 300.0,
+        handshake_timeout: float = 10.0,
+        max_connections: int = 1024,
     ) -> None:
         self._host, self._port = _split_bind(bind)
         self._bind = bind
@@ -252,6 +272,21 @@ class RpcServer:
         self._cache_entries = int(cache_entries)
         self._cache_bytes = int(cache_bytes)
         self._max_concurrent_rpcs = max_concurrent_rpcs
+        for name, value in (
+            ("max_waiting", max_waiting),
+            ("max_waiting_per_peer", max_waiting_per_peer),
+            ("max_connections", max_connections),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
+        for name, seconds in (("max_wait", max_wait), ("handshake_timeout", handshake_timeout)):
+            if not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
+                raise InvalidArgumentError(f"{name} must be seconds > 0, not {seconds!r}")
+        self._max_waiting = max_waiting
+        self._max_waiting_per_peer = max_waiting_per_peer
+        self._max_wait = float(max_wait)
+        self._handshake_timeout = float(handshake_timeout)
+        self._max_connections = max_connections
 
         self._lock = threading.Lock()  # guards the lifecycle fields below (not the loop state)
         self._state = "new"  # new -> running -> stopped
@@ -267,6 +302,10 @@ class RpcServer:
         self._waiters: set[_Waiter] = set()  # not yet settled
         self._cache: OrderedDict[_CacheKey, _Waiter] = OrderedDict()  # by request_id, oldest first
         self._by_rid: dict[int, list[_CacheKey]] = {}  # request_id -> its cache keys (O(1) acks)
+        # Entries holding a delivered value, oldest first (= first to expire).
+        self._delivered: OrderedDict[_CacheKey, None] = OrderedDict()
+        self._parked = 0  # calls waiting for a value
+        self._parked_by_peer: dict[str, int] = {}
         self._cached_bytes = 0
         self._answered: OrderedDict[int, None] = OrderedDict()  # request_ids given a value
         self._released: OrderedDict[int, None] = OrderedDict()  # request_ids given up
@@ -349,6 +388,14 @@ class RpcServer:
             # Let clients keep idle-call connections alive with pings (client.py).
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # Shed what hostile or broken clients leave open (issue 12 §4): connections
+            # stuck before the handshake, idle ones (no call for a minute), half-open ones
+            # (a keepalive ping unanswered for 20 s), and any beyond the cap.
+            ("grpc.server_handshake_timeout_ms", int(self._handshake_timeout * 1000)),
+            ("grpc.max_connection_idle_ms", 60_000),
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.max_allowed_incoming_connections", self._max_connections),
         ]
         interceptors = [TokenInterceptor(self._token)] if self._token is not None else []
         server = grpc.aio.server(
@@ -431,6 +478,7 @@ class RpcServer:
             self._settle(waiter, error, None)
         self._cache.clear()
         self._by_rid.clear()
+        self._delivered.clear()
         self._cached_bytes = 0
         server, self._server = self._server, None
         if server is not None:
@@ -467,6 +515,7 @@ class RpcServer:
         out["waiting"] = len(self._waiters)
         out["cached"] = len(self._cache)
         out["cached_bytes"] = self._cached_bytes
+        out["parked"] = self._parked
         return out
 
     def __repr__(self) -> str:
@@ -501,7 +550,7 @@ class RpcServer:
         self._stats["calls"] += 1
         try:
             req = coding.decode_request(request)
-            waiter, received = await self._wait_value(req, context.time_remaining())
+            waiter, received = await self._wait_value(req, context.time_remaining(), context)
         except RendezvousError as e:
             await self._abort(context, e)
         try:
@@ -557,7 +606,7 @@ class RpcServer:
             req = coding.decode_request(request)
             for rid in req.finished:
                 self._finished(rid)
-            waiter, received = await self._wait_value(req, context.time_remaining())
+            waiter, received = await self._wait_value(req, context.time_remaining(), context)
         except RendezvousError as e:
             await self._abort(context, e)
         try:
@@ -582,7 +631,7 @@ class RpcServer:
         self._stats["calls"] += 1
         try:
             req = coding.decode_request(request)
-            waiter, received = await self._wait_value(req, context.time_remaining())
+            waiter, received = await self._wait_value(req, context.time_remaining(), context)
         except RendezvousError as e:
             await self._abort(context, e)
         waiter.deferred = False
@@ -618,7 +667,7 @@ class RpcServer:
         self._stats["calls"] += 1
         out: asyncio.Queue[_Reply | None] = asyncio.Queue()
         wants: dict[int, asyncio.Task[None]] = {}
-        reader = asyncio.ensure_future(self._read_wants(requests, out, wants))
+        reader = asyncio.ensure_future(self._read_wants(requests, out, wants, context))
         reader.add_done_callback(lambda _: out.put_nowait(None))
         try:
             while True:
@@ -652,6 +701,7 @@ class RpcServer:
         requests: AsyncIterator[bytes],
         out: asyncio.Queue[_Reply | None],
         wants: dict[int, asyncio.Task[None]],
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
         async for raw in requests:
             req = coding.decode_request(raw)  # a stream that does not parse is aborted
@@ -669,15 +719,20 @@ class RpcServer:
                 raise InvalidArgumentError(
                     f"Exchange: a want needs a fresh non-zero request_id, not {req.request_id}"
                 )
-            task = asyncio.ensure_future(self._serve_want(req, out))
+            task = asyncio.ensure_future(self._serve_want(req, out, context))
             wants[req.request_id] = task
             task.add_done_callback(functools.partial(_forget_want, wants, req.request_id))
 
-    async def _serve_want(self, req: coding.RecvRequest, out: asyncio.Queue[_Reply | None]) -> None:
+    async def _serve_want(
+        self,
+        req: coding.RecvRequest,
+        out: asyncio.Queue[_Reply | None],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
         rid = req.request_id
         timeout = None if req.wait_ms < 0 else req.wait_ms / 1000
         try:
-            waiter, received = await self._wait_value(req, timeout)
+            waiter, received = await self._wait_value(req, timeout, context)
         except RendezvousError as e:
             self._stats["errors"] += 1
             out.put_nowait(
@@ -793,7 +848,10 @@ class RpcServer:
         return pk
 
     async def _wait_value(
-        self, req: coding.RecvRequest, timeout: float | None
+        self,
+        req: coding.RecvRequest,
+        timeout: float | None,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> tuple[_Waiter, Received]:
         """The value for ``req``: from the cache, by joining a waiter, or a new waiter.
 
@@ -804,9 +862,25 @@ class RpcServer:
         if self._stopping:
             raise UnavailableError(f"shmrdv RPC server {self._address} is stopping")
         pk = self._validate(req)
+        # A client that never sets a deadline (or a far one) must not park a call forever.
+        timeout = self._max_wait if timeout is None else min(timeout, self._max_wait)
+        peer = _peer_host(context.peer())
+        if self._parked >= self._max_waiting:
+            raise ResourceExhaustedError(
+                f"RecvTensor on {self._source.task}: {self._parked} calls already wait for "
+                f"values (max_waiting={self._max_waiting}); key {pk.full_key!r} refused"
+            )
+        if self._parked_by_peer.get(peer, 0) >= self._max_waiting_per_peer:
+            raise ResourceExhaustedError(
+                f"RecvTensor on {self._source.task}: {peer} already has "
+                f"{self._parked_by_peer[peer]} calls waiting for values "
+                f"(max_waiting_per_peer={self._max_waiting_per_peer}); key {pk.full_key!r} refused"
+            )
         waiter = self._find_or_start(req, pk)
         waiter.joiners += 1
         taken = False
+        self._parked += 1
+        self._parked_by_peer[peer] = self._parked_by_peer.get(peer, 0) + 1
         try:
             try:
                 received = await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
@@ -819,6 +893,12 @@ class RpcServer:
             waiter.serving += 1
             taken = True
         finally:
+            self._parked -= 1
+            left = self._parked_by_peer[peer] - 1
+            if left:
+                self._parked_by_peer[peer] = left
+            else:
+                del self._parked_by_peer[peer]
             waiter.joiners -= 1
             if waiter.joiners == 0 and not waiter.future.done():
                 self._abandon(waiter, pk)
@@ -918,6 +998,7 @@ class RpcServer:
             waiter.nbytes = received.value.nbytes
             waiter.expires = time.monotonic() + self._cache_ttl
             self._cache.move_to_end(waiter.cache_key)
+            self._delivered[waiter.cache_key] = None
             self._cached_bytes += waiter.nbytes
             self._evict()
             # Expiry also runs on every lookup; this timer covers a server that gets none.
@@ -944,6 +1025,7 @@ class RpcServer:
 
     def _cache_pop(self, cache_key: _CacheKey) -> _Waiter | None:
         waiter = self._cache.pop(cache_key, None)
+        self._delivered.pop(cache_key, None)
         if waiter is not None:
             keys = self._by_rid.get(cache_key[0])
             if keys is not None:
@@ -996,21 +1078,32 @@ class RpcServer:
             self._stats["requeued"] += 1
 
     def _expire(self) -> None:
+        """Drop delivered entries whose time is up: the oldest first, stopping at the first
+        that is not (they expire in the order they were delivered): O(1) per call."""
         now = time.monotonic()
-        for ck, waiter in list(self._cache.items()):
-            if waiter.future.done() and waiter.expires <= now:
+        while self._delivered:
+            ck = next(iter(self._delivered))
+            waiter = self._cache.get(ck)
+            if waiter is None:
+                del self._delivered[ck]
+            elif waiter.expires > now:
+                return
+            else:
                 self._uncache(ck)
 
     def _evict(self) -> None:
-        """Drop the oldest delivered entries beyond the count or byte budget."""
+        """Drop the oldest delivered entries beyond the count or byte budget (waiting calls
+        are bounded on their own: ``max_waiting``)."""
         self._expire()
+        if len(self._delivered) <= self._cache_entries and self._cached_bytes <= self._cache_bytes:
+            return
         # Not one a call is still answering, nor one left for the client's stream.
-        done = [
-            ck
-            for ck, w in self._cache.items()
-            if w.future.done() and not (w.deferred or w.joiners or w.serving)
-        ]
-        for ck in done:
-            if len(self._cache) <= self._cache_entries and self._cached_bytes <= self._cache_bytes:
+        for ck in list(self._delivered):
+            if (
+                len(self._delivered) <= self._cache_entries
+                and self._cached_bytes <= self._cache_bytes
+            ):
                 break
-            self._uncache(ck)
+            w = self._cache.get(ck)
+            if w is not None and not (w.deferred or w.joiners or w.serving):
+                self._uncache(ck)
