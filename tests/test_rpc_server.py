@@ -260,7 +260,7 @@ def test_recv_tensor_wrong_incarnation_is_aborted(channel: grpc.Channel) -> None
         _unary(channel)(_request(1, key), timeout=5)
     assert info.value.code() == grpc.StatusCode.ABORTED
     assert info.value.details() == (
-        f"RecvTensor expects a different device incarnation: 12345 vs. {INCARNATION}. "
+        f"RecvTensor expects a different device incarnation: {12345:016x} vs. {INCARNATION:016x}. "
         f'Your worker job ("{TASK}") was probably restarted. Check your worker job for '
         "the reason why it was restarted."
     )

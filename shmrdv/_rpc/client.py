@@ -64,6 +64,7 @@ from .._errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from .._hostaddr import split_host_port
 from .._keys import ParsedKey
 from .._received import Received
 from .._rendezvous import Canceller, as_parsed_key, check_timeout
@@ -821,8 +822,7 @@ class RpcClient:
             self._reset()
 
     def _channel(self, address: str) -> grpc.Channel:
-        if not isinstance(address, str) or ":" not in address:
-            raise InvalidArgumentError(f"peer address must be 'host:port', not {address!r}")
+        split_host_port(address)  # InvalidArgumentError naming a bad address
         self._check_fork()
         with self._lock:
             if self._closed:

@@ -64,6 +64,7 @@ from .._errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from .._hostaddr import split_host_port
 from .._keys import ParsedKey, parse_key
 from .._received import Received
 from .._rendezvous import Canceller
@@ -189,14 +190,14 @@ def _peer_host(peer: str) -> str:
 
 
 def _split_bind(bind: str) -> tuple[str, int]:
-    if not isinstance(bind, str):
-        raise InvalidArgumentError(f"bind must be a 'host:port' str, not {type(bind).__name__}")
-    host, sep, port_text = bind.rpartition(":")
-    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+    """(host as given, brackets kept for the reported address; port) of ``bind``."""
+    try:
+        _, port = split_host_port(bind)
+    except InvalidArgumentError as e:
         raise InvalidArgumentError(
-            f"bind must be 'host:port' (e.g. '127.0.0.1:0', '[::]:2222'), not {bind!r}"
-        )
-    return host, int(port_text)
+            f"bind must be 'host:port' (e.g. '127.0.0.1:0', '[::]:2222'): {e}"
+        ) from e
+    return bind.rpartition(":")[0], port
 
 
 class RpcServer:
@@ -841,8 +842,8 @@ class RpcServer:
         if pk.src_incarnation != 0 and pk.src_incarnation != incarnation:
             # TensorFlow: GrpcWorker::PrepareRecvTensor, word for word.
             raise AbortedError(
-                f"RecvTensor expects a different device incarnation: {pk.src_incarnation} vs. "
-                f'{incarnation}. Your worker job ("{self._source.task}") was probably '
+                f"RecvTensor expects a different device incarnation: {pk.src_incarnation:016x} "
+                f'vs. {incarnation:016x}. Your worker job ("{self._source.task}") was probably '
                 "restarted. Check your worker job for the reason why it was restarted."
             )
         return pk
