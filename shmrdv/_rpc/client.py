@@ -1,39 +1,49 @@
 """RpcClient: the consumer side of the gRPC transport (TensorFlow's RpcRecvTensorCall).
 
 ``start_recv`` pulls the next value of a key from the producer's worker with a fresh
-random non-zero ``request_id``: first a unary ``RecvTensorInline``, which answers a
-tensor of at most ``inline_max`` bytes (1 MiB) in its one response; a larger one waits in
-the server's response cache and is then streamed with ``RecvTensorStream`` under the same
-request_id and assembled into one array (one copy). A peer without ``RecvTensorInline``
-is streamed from directly. The call is TensorFlow's ``RecvFromRemoteAsync``
-(research/tf_rendezvous.md §3.1) with these additions:
+random non-zero ``request_id``. To a shmrdv peer it posts a *want* on the long-lived
+``Exchange`` stream to that peer (``link.Link``, one per peer): the producer answers with
+one stream message as soon as the value is sent, so a small tensor costs one message and
+no new call. A tensor larger than 1 MiB is set aside by the server, which says "fetch
+it"; it is then streamed with ``RecvTensorStream`` under the same request_id on a thread
+of its own and assembled into one array (one copy). A peer without ``Exchange``
+(TensorFlow, an older shmrdv) gets a unary ``RecvTensorInline`` (answered inline up to
+``inline_max``), and one without that is streamed from directly. The call is
+TensorFlow's ``RecvFromRemoteAsync`` (research/tf_rendezvous.md §3.1) with these additions:
 
 * a transient ``UNAVAILABLE`` (peer not up yet, connection refused or reset before any
   data came) is retried with backoff (50 ms doubling to 1 s) and the *same*
-  ``request_id``, until the caller cancels or its ``timeout`` expires. The server's
-  response cache makes that safe: a retry joins the first attempt's waiter or gets its
-  delivered value, so a response lost on the wire is not a lost tensor;
+  ``request_id``, until the caller cancels or its ``timeout`` expires (on the link: the
+  stream is reopened and every pending want posted again). The server's response cache
+  makes that safe: a retry joins the first attempt's waiter or gets its delivered value,
+  so a response lost on the wire is not a lost tensor;
+* a server's longest wait (``RpcServer(max_wait=)``) ending a receive without a timeout
+  of its own is asked again, transparently;
 * once data is flowing the call can no longer be cancelled (the producer has given the
   value away); a connection lost mid-stream is retried twice (the server still caches
   the value), then fails with ``UnavailableError``. No partial array is ever delivered;
-* a cancelled call sends ``ReleaseRecv``: a value the server took for it goes back to its
-  key's head;
-* acks (TensorFlow's ``MarkRecvFinished``) of inline answers ride on the next request to
-  the same peer; one that no request takes within 50 ms goes on its own.
+* a cancelled call tells the server (a cancel on the link, ordered before the next want;
+  else ``ReleaseRecv``): a value the server took for it goes back to its key's head;
+* acks (TensorFlow's ``MarkRecvFinished``) ride on the next want or request to the same
+  peer; one that none takes within 50 ms goes on its own (on the link if open).
+* a peer's bytes that do not parse, or describe an impossible tensor (the element-count
+  rule of ``_values.shape_problem``), fail the receive with ``InternalError`` naming the
+  peer, before anything is allocated.
 
-Thread model: the sync gRPC API. A unary call is a gRPC future: no thread of ours while
-it waits; its outcome arrives in gRPC's channel thread, which hands ``done`` to a reused
-callback thread (or calls it itself when the caller said ``direct``: a blocking receive's
-own slot). A streamed (large) value has a thread of its own ("shmrdv-rpc-recv"). One
-``Hold`` call per channel in use keeps gRPC's channel thread alive (server.py). (An
-asyncio channel would need none of this, but grpc.aio does not survive ``fork`` —
-measured: a forked child's aio calls time out — while a fresh sync channel in the child
-works; research/pitfalls.md §6.) ``done`` never runs under a lock, and exactly once
-unless the canceller returned ``True``.
+Thread model: the sync gRPC API. A link has a reader thread ("shmrdv-rpc-link") that
+decodes each reply and calls ``done`` itself when the caller said ``direct`` (a blocking
+receive's own slot), else hands it to a reused callback thread. A unary call is a gRPC
+future: its outcome arrives in gRPC's channel thread, handled the same way. A streamed
+(large) value has a thread of its own ("shmrdv-rpc-recv"). (An asyncio channel would need
+none of this, but grpc.aio does not survive ``fork`` — measured: a forked child's aio
+calls time out — while a fresh sync channel in the child works; research/pitfalls.md
+§6.) ``done`` never runs under a lock, and exactly once unless the canceller returned
+``True``.
 
-Fork: channels are per process. A client used in a parent and then in a forked child
-notices the new pid and opens fresh channels in the child; the parent's are left alone.
-Before a fork the Hold calls end (a thread inside gRPC at fork time breaks the child).
+Fork: channels and links are per process. A client used in a parent and then in a
+forked child notices the new pid and opens fresh ones in the child; the parent's are
+left alone. Before a fork the idle links end and their threads are joined (a thread
+inside gRPC at fork time breaks the child).
 """
 
 from __future__ import annotations

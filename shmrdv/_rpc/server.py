@@ -5,7 +5,15 @@ method, TF-compatible bytes), ``RecvTensorInline`` (shmrdv's: the same answer fo
 tensor, else "stream it") or ``RecvTensorStream`` (shmrdv's chunked stream, no 2 GiB
 ceiling) with a step id and a rendezvous key; the server validates the key, asks its
 ``TensorSource`` (the Worker) for the next value of that key, waits for it up to the
-call's deadline and answers it (research/tf_rendezvous.md §3.2).
+call's deadline and answers it (research/tf_rendezvous.md §3.2). A shmrdv consumer
+keeps one ``Exchange`` stream open instead and posts its wants on it; each is served
+the same way and answered by one stream message (``methods.EXCHANGE_METHOD``).
+
+Hostile or broken clients cannot exhaust it (issue 12 §4): waiting calls are bounded in
+all and per peer host (``RESOURCE_EXHAUSTED``), a call without a deadline waits at most
+``max_wait``, an ack costs O(1) (request_id index; expiry walks delivered entries oldest
+first), and gRPC sheds connections that never finish their handshake, idle ones,
+half-open ones and any beyond ``max_connections``.
 
 Thread model: a ``grpc.aio`` server runs on its own event loop in one thread
 ("shmrdv-rpc-server"). A call waiting for a value is an ``await`` on an asyncio future,
@@ -24,12 +32,13 @@ value again for ``cache_ttl`` seconds (bounded in count and bytes), so a respons
 the wire is not a lost tensor. TensorFlow answers such a retry with ``ABORTED``
 (``RecentRequestIds``), and pytorch/xla#4084 shows that kills jobs.
 ``MarkRecvFinished`` (sent by TensorFlow clients when a response has ``require_ack``,
-and by ``RpcClient`` after every stream), the acks a ``RecvTensorInline`` request carries
-(extension field 1001) and ``drop_step`` release entries early.
+and by ``RpcClient`` after every stream), the acks a ``RecvTensorInline`` request or an
+``Exchange`` want carries (extension field 1001) and ``drop_step`` release entries early.
 
 A value is not lost to calls that go away before it is sent: one that arrives after every call for it
 left, or whose every call went away before it was fully sent and that no retry can
-claim (``ReleaseRecv`` from a client that cancelled, or cache expiry), goes back to the
+claim (``ReleaseRecv`` or an Exchange cancel from a client that gave it up, or cache
+expiry), goes back to the
 head of its key (``TensorSource.requeue``).
 """
 
