@@ -33,10 +33,9 @@ Dtypes:
 * Big-endian (non-native) inputs travel little-endian, as TensorFlow's wire is; the
   extension names the original byte order and a shmrdv decoder swaps back (one copy).
 
-``shmrdv_dtype`` format: ``ml_dtypes.<name>`` for ml_dtypes kinds; ``dtype.str`` (e.g.
-``<U3``, ``|S7``, ``<M8[ns]``) for simple dtypes; for structured dtypes the
-``repr`` of ``numpy.lib.format.dtype_to_descr`` (the ``.npy`` header form), read back
-with ``ast.literal_eval`` (never ``eval``).
+``shmrdv_dtype`` format: the dtype descriptor the segment header also uses
+(``shmrdv/_dtypes.py``): ``dtype.str`` for simple dtypes, ``json:`` + the ``.npy``
+description for structured ones, ``ml_dtypes:<name>`` for ml_dtypes kinds.
 
 Streaming (``shmrdv.Rendezvous/RecvTensorStream``) sends one ``TensorChunk`` with a
 ``TensorHeader`` (and the first data if it fits) and then raw chunks; the data is
@@ -56,7 +55,6 @@ against the bytes present (or, for streams, against ``max_bytes``).
 
 from __future__ import annotations
 
-import ast
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -65,8 +63,8 @@ from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
-from numpy.lib import format as npy_format
 
+from .._dtypes import decode_dtype, encode_dtype
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from .._values import shape_problem
 
@@ -295,14 +293,9 @@ def tf_to_dtype(code: int) -> np.dtype[Any]:
 
 
 def dtype_descriptor(dtype: np.dtype[Any]) -> str:
-    """The ``shmrdv_dtype`` string for ``dtype`` (format: module docstring)."""
+    """The ``shmrdv_dtype`` string for ``dtype`` (``_dtypes.encode_dtype``)."""
     _refuse_object(dtype, "a tensor")
-    ml = _ML_NAME_OF.get(dtype)
-    if ml is not None:
-        return f"ml_dtypes.{ml}"
-    if dtype.fields is None and dtype.subdtype is None:
-        return str(dtype.str)
-    if _has_ml_field(dtype):
+    if dtype.fields is not None and _has_ml_field(dtype):
         # numpy's descr writes an ml_dtypes field as raw void ('<V2'): refuse rather
         # than hand back another dtype.
         raise InvalidArgumentError(
@@ -310,7 +303,7 @@ def dtype_descriptor(dtype: np.dtype[Any]) -> str:
             "which the dtype descriptor cannot name; view the field as an integer of "
             "the same size"
         )
-    return repr(npy_format.dtype_to_descr(dtype))
+    return encode_dtype(dtype).decode("utf-8")
 
 
 def _has_ml_field(dtype: np.dtype[Any]) -> bool:
@@ -326,25 +319,9 @@ def dtype_from_descriptor(text: str) -> np.dtype[Any]:
     if len(text) > _MAX_DESCRIPTOR_CHARS:
         raise InvalidArgumentError(f"shmrdv_dtype is {len(text)} characters long, too long")
     try:
-        if text.startswith("ml_dtypes."):
-            dt = _ML_DTYPE_OF.get(text[len("ml_dtypes.") :])
-            if dt is None:
-                raise InvalidArgumentError(
-                    f"shmrdv_dtype {text!r} needs ml_dtypes"
-                    + (" (not installed)" if ml_dtypes is None else " (unknown kind)")
-                )
-        elif text.startswith("["):
-            # The .npy header form; literal_eval evaluates literals only.
-            dt = npy_format.descr_to_dtype(ast.literal_eval(text))
-        else:
-            dt = np.dtype(text)
-    except InvalidArgumentError:
-        raise
-    except Exception as e:  # any failure of numpy or the literal parser on foreign text
-        raise InvalidArgumentError(f"shmrdv_dtype {text[:200]!r} is not a dtype: {e}") from e
-    if dt.hasobject:
-        raise InvalidArgumentError(f"shmrdv_dtype {text[:200]!r} holds Python objects")
-    return dt
+        return decode_dtype(text.encode("utf-8"), "shmrdv_dtype")
+    except InternalError as e:
+        raise InvalidArgumentError(str(e)) from e
 
 
 # ----------------------------------------------------------------- wire primitives
