@@ -12,14 +12,26 @@ import functools
 import ipaddress
 import socket
 
+from ._errors import InvalidArgumentError
+
 __all__ = ["is_local_host", "split_host_port"]
 
 
 def split_host_port(address: str) -> tuple[str, int]:
-    """``"host:port"`` / ``"[v6]:port"`` -> (host, port); raises ValueError."""
+    """``"host:port"`` / ``"[v6]:port"`` -> (host without brackets, port).
+
+    The one host:port parser: raises ``InvalidArgumentError`` (also a ``ValueError``)
+    naming the address for anything else (no port, a port that is not 0-65535).
+    """
+    if not isinstance(address, str):
+        raise InvalidArgumentError(
+            f"an address must be a 'host:port' str, not {type(address).__name__}"
+        )
     host, sep, port = address.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"address {address!r} is not host:port")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise InvalidArgumentError(
+            f"address {address!r} is not 'host:port' (e.g. '127.0.0.1:2222', '[::1]:2222')"
+        )
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)

@@ -363,7 +363,9 @@ sys.stdin.read()
 
 
 @pytest.mark.timeout(30)
-def test_client_server_killed_mid_stream_is_unavailable(client: RpcClient) -> None:
+def test_client_server_killed_mid_stream_is_unavailable() -> None:
+    # inline_max=0: streamed in chunks (a 64 MiB tensor would otherwise come in one message).
+    client = RpcClient(inline_max=0)
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD_SERVER.format(repo=_REPO, tests=_TESTS)],
         stdin=subprocess.PIPE,
@@ -389,6 +391,7 @@ def test_client_server_killed_mid_stream_is_unavailable(client: RpcClient) -> No
             child.stdin.close()
         if child.stdout is not None:
             child.stdout.close()
+        client.close()
 
 
 def test_client_cancel_racing_the_value_gives_it_back(

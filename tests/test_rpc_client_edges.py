@@ -108,6 +108,7 @@ def test_cancel_racing_a_failed_call_never_strands_the_receiver(
 
     monkeypatch.setattr(client_mod._Recv, "_on_unary", slow_on_unary)
     with RpcClient() as cli:
+        cli._remember_no_link(f"127.0.0.1:{port}")  # the unary path, whose race this is
         called = threading.Event()
         cancel = cli.start_recv(f"127.0.0.1:{port}", 1, make_key("race"), lambda e, r: called.set())
         assert failed.wait(10)

@@ -197,7 +197,7 @@ def test_restarted_peer_old_incarnation_is_aborted_naming_it(ns: str) -> None:
             # TensorFlow's words (GrpcWorker::PrepareRecvTensor), naming the restarted task.
             assert "expects a different device incarnation" in text
             assert f'("{PRODUCER}") was probably restarted' in text
-            assert str(first.incarnation) in text and str(second.incarnation) in text
+            assert f"{first.incarnation:016x}" in text and f"{second.incarnation:016x}" in text
             # Incarnation 0 is not checked; the new incarnation's own keys work too.
             for inc in (0, second.incarnation):
                 key = make_key("k", incarnation=inc)

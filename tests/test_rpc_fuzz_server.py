@@ -48,7 +48,7 @@ from hypothesis import strategies as st
 import shmrdv
 from shmrdv._keys import parse_key
 from shmrdv._rpc import coding
-from shmrdv._rpc.server import (
+from shmrdv._rpc.methods import (
     GET_STATUS_METHOD,
     MARK_RECV_FINISHED_METHOD,
     RECV_TENSOR_METHOD,
@@ -485,7 +485,7 @@ def test_consumer_garbage_peer_then_good_stream_is_received(
 ) -> None:
     peer, consumer = garbage_peer
     peer.messages = [b"\xff\xff"]
-    with pytest.raises(shmrdv.InvalidArgumentError):
+    with pytest.raises(shmrdv.InternalError, match="bad RecvTensorStream from"):
         consumer.rendezvous(1).recv(make_key("g"), timeout=2.0)
     peer.messages = _GOOD_STREAM
     got = consumer.rendezvous(1).recv(make_key("g"), timeout=5.0).value

@@ -16,12 +16,8 @@ from shmrdv._errors import DeadlineExceededError
 from shmrdv._received import Received
 from shmrdv._rpc import coding
 from shmrdv._rpc.client import RpcClient
-from shmrdv._rpc.server import (
-    HOLD_METHOD,
-    RECV_TENSOR_INLINE_METHOD,
-    RECV_TENSOR_STREAM_METHOD,
-    RpcServer,
-)
+from shmrdv._rpc.methods import RECV_TENSOR_INLINE_METHOD, RECV_TENSOR_STREAM_METHOD
+from shmrdv._rpc.server import RpcServer
 
 
 @pytest.fixture
@@ -91,7 +87,7 @@ def test_inline_leaves_a_large_tensor_for_the_stream_under_its_request_id(
 def test_inline_left_value_goes_back_when_released(
     source: StepSource, server: RpcServer, channel: grpc.Channel
 ) -> None:
-    from shmrdv._rpc.server import RELEASE_RECV_METHOD
+    from shmrdv._rpc.methods import RELEASE_RECV_METHOD
 
     key = make_key("released")
     source.send(1, key, np.arange(1000, dtype=np.int64))
@@ -122,29 +118,6 @@ def test_inline_acks_release_the_cache(
     assert server.stats()["cached"] == 1  # 22's, until it is acked in turn
 
 
-def test_hold_answers_at_its_deadline_and_at_stop(source: StepSource) -> None:
-    srv = RpcServer("127.0.0.1:0", source).start()
-    try:
-        with grpc.insecure_channel(srv.address) as ch:
-            hold = ch.unary_unary(HOLD_METHOD)
-            t0 = time.monotonic()
-            assert hold(b"", timeout=0.3) == b""  # a little before the deadline, not at it
-            assert 0.15 <= time.monotonic() - t0 < 3
-            pending = hold.future(b"", timeout=30)
-            time.sleep(0.2)
-            assert not pending.done()
-            t0 = time.monotonic()
-            srv.stop()
-            # Ended at once: answered, or cut by the stopping server.
-            try:
-                assert pending.result(timeout=5) == b""
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.UNAVAILABLE
-            assert time.monotonic() - t0 < 3
-    finally:
-        srv.stop()
-
-
 # -- the client ---------------------------------------------------------------------------------
 
 
@@ -156,7 +129,13 @@ def test_client_small_value_costs_one_call(source: StepSource, server: RpcServer
         got = client.recv(server.address, 1, key, timeout=5)
         assert got.value.tolist() == [0, 1, 2]
         assert got.value.flags.writeable
+        assert server.stats()["calls"] - before == 1  # the Exchange link opens
+        # The next values ride the open link: one stream message each, no new call.
+        for i in range(3):
+            source.send(1, key, np.array([i]))
+            assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [i]
         assert server.stats()["calls"] - before == 1
+        assert client.stats()["links"] == 1
 
 
 def test_client_large_value_is_streamed_after_the_inline_call(
@@ -170,7 +149,8 @@ def test_client_large_value_is_streamed_after_the_inline_call(
         before = server.stats()["calls"]
         got = client.recv(server.address, 1, key, timeout=10)
         np.testing.assert_array_equal(got.value, big)
-        assert server.stats()["calls"] - before == 2  # RecvTensorInline, RecvTensorStream
+        # Exchange (the link: "too large for me, fetch it"), then RecvTensorStream
+        assert server.stats()["calls"] - before == 2
         assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [7.0]
         _wait_for(lambda: server.stats()["cached"] <= 1)
 

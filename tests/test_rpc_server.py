@@ -20,15 +20,15 @@ from rpc_helpers import INCARNATION, TASK, StepSource, make_key
 from shmrdv._errors import InvalidArgumentError, UnavailableError
 from shmrdv._keys import ParsedKey
 from shmrdv._rpc import coding
-from shmrdv._rpc.proto import types_pb2, worker_pb2
-from shmrdv._rpc.server import (
+from shmrdv._rpc.methods import (
     GET_STATUS_METHOD,
     MARK_RECV_FINISHED_METHOD,
     RECV_TENSOR_METHOD,
     RECV_TENSOR_STREAM_METHOD,
     RELEASE_RECV_METHOD,
-    RpcServer,
 )
+from shmrdv._rpc.proto import types_pb2, worker_pb2
+from shmrdv._rpc.server import RpcServer
 
 _OPTIONS = [("grpc.max_receive_message_length", 2**31 - 1)]
 
@@ -260,7 +260,7 @@ def test_recv_tensor_wrong_incarnation_is_aborted(channel: grpc.Channel) -> None
         _unary(channel)(_request(1, key), timeout=5)
     assert info.value.code() == grpc.StatusCode.ABORTED
     assert info.value.details() == (
-        f"RecvTensor expects a different device incarnation: 12345 vs. {INCARNATION}. "
+        f"RecvTensor expects a different device incarnation: {12345:016x} vs. {INCARNATION:016x}. "
         f'Your worker job ("{TASK}") was probably restarted. Check your worker job for '
         "the reason why it was restarted."
     )

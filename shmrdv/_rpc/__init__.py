@@ -1,6 +1,8 @@
 """The cross-host transport: TensorFlow's RecvTensor over gRPC.
 
-``coding`` builds and parses the wire bytes (pure), ``proto`` holds the generated
-reference modules (tools/gen_protos.py), ``server``/``client`` carry the bytes and
-``security`` holds the TLS and token options.
+``coding`` builds and parses the wire bytes (pure), ``methods`` names the methods and
+limits both ends agree on, ``proto`` holds the generated reference modules
+(tools/gen_protos.py), ``server`` answers calls, ``client`` makes them (``link``: its
+Exchange stream per peer), ``security`` holds the TLS and token options and
+``transport`` is the Worker's side of it all.
 """

@@ -33,10 +33,9 @@ Dtypes:
 * Big-endian (non-native) inputs travel little-endian, as TensorFlow's wire is; the
   extension names the original byte order and a shmrdv decoder swaps back (one copy).
 
-``shmrdv_dtype`` format: ``ml_dtypes.<name>`` for ml_dtypes kinds; ``dtype.str`` (e.g.
-``<U3``, ``|S7``, ``<M8[ns]``) for simple dtypes; for structured dtypes the
-``repr`` of ``numpy.lib.format.dtype_to_descr`` (the ``.npy`` header form), read back
-with ``ast.literal_eval`` (never ``eval``).
+``shmrdv_dtype`` format: the dtype descriptor the segment header also uses
+(``shmrdv/_dtypes.py``): ``dtype.str`` for simple dtypes, ``json:`` + the ``.npy``
+description for structured ones, ``ml_dtypes:<name>`` for ml_dtypes kinds.
 
 Streaming (``shmrdv.Rendezvous/RecvTensorStream``) sends one ``TensorChunk`` with a
 ``TensorHeader`` (and the first data if it fits) and then raw chunks; the data is
@@ -56,7 +55,6 @@ against the bytes present (or, for streams, against ``max_bytes``).
 
 from __future__ import annotations
 
-import ast
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -65,9 +63,10 @@ from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
-from numpy.lib import format as npy_format
 
+from .._dtypes import decode_dtype, encode_dtype
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
+from .._values import shape_problem
 
 try:  # optional: bfloat16 and float8 kinds
     import ml_dtypes
@@ -78,7 +77,13 @@ __all__ = [
     "DataType",
     "DecodedTensor",
     "DeviceAttributes",
+    "MAX_INLINE_BYTES",
     "MAX_MESSAGE_BYTES",
+    "LinkReply",
+    "decode_link_reply",
+    "encode_link_error",
+    "encode_link_fetch",
+    "encode_link_value",
     "RecvRequest",
     "StreamAssembler",
     "decode_mark_recv_finished",
@@ -135,6 +140,9 @@ class DataType(IntEnum):
 # TensorFlow: kProtoBufLimitBytes = 1 << 31 ("Cannot encode a Tensor that exceeds the
 # 2GB protobuf limit"); gRPC's largest message length is INT32_MAX.
 MAX_MESSAGE_BYTES: Final = (1 << 31) - 1
+# The largest tensor answered in one response: the message limit less room for the
+# header (fields, shape, a dtype descriptor of at most _MAX_DESCRIPTOR_CHARS).
+MAX_INLINE_BYTES: Final = MAX_MESSAGE_BYTES - (1 << 20)
 # numpy's NPY_MAXDIMS (64 since numpy 2.0).
 _MAX_DIMS: Final = 64
 # A dtype descriptor longer than this is refused before it is parsed.
@@ -285,14 +293,9 @@ def tf_to_dtype(code: int) -> np.dtype[Any]:
 
 
 def dtype_descriptor(dtype: np.dtype[Any]) -> str:
-    """The ``shmrdv_dtype`` string for ``dtype`` (format: module docstring)."""
+    """The ``shmrdv_dtype`` string for ``dtype`` (``_dtypes.encode_dtype``)."""
     _refuse_object(dtype, "a tensor")
-    ml = _ML_NAME_OF.get(dtype)
-    if ml is not None:
-        return f"ml_dtypes.{ml}"
-    if dtype.fields is None and dtype.subdtype is None:
-        return str(dtype.str)
-    if _has_ml_field(dtype):
+    if dtype.fields is not None and _has_ml_field(dtype):
         # numpy's descr writes an ml_dtypes field as raw void ('<V2'): refuse rather
         # than hand back another dtype.
         raise InvalidArgumentError(
@@ -300,7 +303,7 @@ def dtype_descriptor(dtype: np.dtype[Any]) -> str:
             "which the dtype descriptor cannot name; view the field as an integer of "
             "the same size"
         )
-    return repr(npy_format.dtype_to_descr(dtype))
+    return encode_dtype(dtype).decode("utf-8")
 
 
 def _has_ml_field(dtype: np.dtype[Any]) -> bool:
@@ -316,25 +319,9 @@ def dtype_from_descriptor(text: str) -> np.dtype[Any]:
     if len(text) > _MAX_DESCRIPTOR_CHARS:
         raise InvalidArgumentError(f"shmrdv_dtype is {len(text)} characters long, too long")
     try:
-        if text.startswith("ml_dtypes."):
-            dt = _ML_DTYPE_OF.get(text[len("ml_dtypes.") :])
-            if dt is None:
-                raise InvalidArgumentError(
-                    f"shmrdv_dtype {text!r} needs ml_dtypes"
-                    + (" (not installed)" if ml_dtypes is None else " (unknown kind)")
-                )
-        elif text.startswith("["):
-            # The .npy header form; literal_eval evaluates literals only.
-            dt = npy_format.descr_to_dtype(ast.literal_eval(text))
-        else:
-            dt = np.dtype(text)
-    except InvalidArgumentError:
-        raise
-    except Exception as e:  # any failure of numpy or the literal parser on foreign text
-        raise InvalidArgumentError(f"shmrdv_dtype {text[:200]!r} is not a dtype: {e}") from e
-    if dt.hasobject:
-        raise InvalidArgumentError(f"shmrdv_dtype {text[:200]!r} holds Python objects")
-    return dt
+        return decode_dtype(text.encode("utf-8"), "shmrdv_dtype")
+    except InternalError as e:
+        raise InvalidArgumentError(str(e)) from e
 
 
 # ----------------------------------------------------------------- wire primitives
@@ -579,8 +566,11 @@ def encode_response(
     is_dead: bool,
     send_start_micros: int = 0,
     require_ack: bool = False,
+    extra: bytes = b"",
 ) -> bytes:
     """``RecvTensorResponse`` bytes for ``value``, as TensorFlow's worker sends them.
+
+    ``extra``: encoded extension fields to put first (``encode_link_value``).
 
     One copy of the tensor buffer (the final join). Raises ``InvalidArgumentError`` for
     a value that cannot be sent and ``ResourceExhaustedError`` if the message would
@@ -592,7 +582,8 @@ def encode_response(
     # TensorFlow writes fields 2, 3, 5 first ("A" in EncodeTensorToByteBuffer), then
     # field 1, so that the tensor bytes end the message.
     prefix = (
-        _int_field(2, int(bool(is_dead)))
+        extra
+        + _int_field(2, int(bool(is_dead)))
         + _int_field(3, send_start_micros)
         + _int_field(5, int(bool(require_ack)))
         + _tag(1, _LEN)
@@ -708,6 +699,14 @@ def _count(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _check_shape(shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    """The shared element-count rule (``_values.shape_problem``), before anything is
+    allocated or looped over: zero-byte items pass every length check (issue 12 §4)."""
+    problem = shape_problem(shape, dtype.itemsize)
+    if problem is not None:
+        raise _Malformed(f"a {dtype} tensor: {problem}")
+
+
 def _empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     try:
         return np.empty(shape, dtype)
@@ -774,6 +773,7 @@ def _tensor_value(buf: _Buffer, acc: _TensorAcc, is_dead: bool) -> npt.NDArray[A
         if _count(shape) == 0:
             return _empty(shape, np.dtype(np.float32))
     dtype = _resolve_dtype(acc.dtype, acc.ext)
+    _check_shape(shape, dtype)
     if acc.dtype == DataType.DT_STRING:
         return _decode_strings(buf, start, end, shape, dtype)
     wire = _wire_dtype(dtype)
@@ -854,11 +854,15 @@ class RecvRequest:
     # shmrdv's extension fields (TensorFlow skips them as unknown fields):
     finished: tuple[int, ...] = ()  # 1001: request_ids whose responses arrived (acks)
     inline_max: int = -1  # 1002: largest tensor to answer inline; -1: not given
+    cancel: bool = False  # 1003 (Exchange): the client gives request_id up
+    wait_ms: int = -1  # 1004 (Exchange): wait at most this long for the value; -1: not given
 
 
-# Extension fields of RecvTensorRequest, read by shmrdv's RecvTensorInline only.
+# Extension fields of RecvTensorRequest, read by shmrdv's RecvTensorInline and Exchange.
 _FINISHED_FIELD = 1001
 _INLINE_MAX_FIELD = 1002
+_CANCEL_FIELD = 1003
+_WAIT_MS_FIELD = 1004
 
 
 def encode_request(
@@ -869,6 +873,8 @@ def encode_request(
     *,
     finished: Sequence[int] = (),
     inline_max: int = -1,
+    cancel: bool = False,
+    wait_ms: int = -1,
 ) -> bytes:
     """``RecvTensorRequest`` bytes; ``InvalidArgumentError`` for out-of-range ints.
 
@@ -881,6 +887,9 @@ def encode_request(
     ext = b"".join(_int_field(_FINISHED_FIELD, _check_int64("finished", f)) for f in finished)
     if inline_max >= 0:
         ext += _tag(_INLINE_MAX_FIELD, _VARINT) + _varint(_check_int64("inline_max", inline_max))
+    ext += _int_field(_CANCEL_FIELD, int(bool(cancel)))
+    if wait_ms >= 0:
+        ext += _tag(_WAIT_MS_FIELD, _VARINT) + _varint(_check_int64("wait_ms", wait_ms))
     if not isinstance(rendezvous_key, str):
         raise InvalidArgumentError(f"rendezvous_key must be a str, got {rendezvous_key!r}")
     try:
@@ -903,7 +912,8 @@ def decode_request(data: _Buffer) -> RecvRequest:
     key = ""
     dma_ok = False
     finished: list[int] = []
-    inline_max = -1
+    inline_max = wait_ms = -1
+    cancel = False
     try:
         for f in _fields(buf, 0, len(buf)):
             if f.number == 1 and f.wire_type == _VARINT:
@@ -930,9 +940,15 @@ def decode_request(data: _Buffer) -> RecvRequest:
                         finished.append(_signed64(v))
             elif f.number == _INLINE_MAX_FIELD and f.wire_type == _VARINT:
                 inline_max = _signed64(f.value)
+            elif f.number == _CANCEL_FIELD and f.wire_type == _VARINT:
+                cancel = bool(f.value)
+            elif f.number == _WAIT_MS_FIELD and f.wire_type == _VARINT:
+                wait_ms = _signed64(f.value)
     except _Malformed as e:
         raise InvalidArgumentError(f"Cannot parse RecvTensorRequest: {e}") from e
-    return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max)
+    return RecvRequest(
+        step_id, key, request_id, dma_ok, tuple(finished), inline_max, cancel, wait_ms
+    )
 
 
 #: A request carries at most this many acks; more are ignored (they expire on their own),
@@ -1024,6 +1040,86 @@ def decode_status_response(data: _Buffer) -> tuple[DeviceAttributes, ...]:
 
 
 # ---------------------------------------------------------------------- streaming
+
+
+# ----------------------------------------------------------------------- Exchange replies
+# shmrdv's Exchange stream answers each request_id with one RecvTensorResponse that
+# carries extension fields (TensorFlow would skip them as unknown fields): the
+# request_id it answers, and instead of a tensor either an error (a grpc status code
+# number and its message) or "fetch": too large for the stream, fetch it with
+# RecvTensorInline under the same request_id (the server keeps it in its cache).
+_LINK_REQUEST_ID_FIELD = 1001
+_LINK_CODE_FIELD = 1002
+_LINK_MESSAGE_FIELD = 1003
+_LINK_FETCH_FIELD = 1004
+_MAX_ERROR_MESSAGE = 16 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class LinkReply:
+    """The extension fields of an Exchange reply; the tensor itself is ``decode_response``."""
+
+    request_id: int
+    code: int = 0  # a grpc status code number; 0: a value (or a fetch)
+    message: str = ""
+    fetch: bool = False
+
+
+def encode_link_value(
+    request_id: int, value: npt.NDArray[Any], *, is_dead: bool, send_start_micros: int = 0
+) -> bytes:
+    """An Exchange reply carrying ``value`` for ``request_id`` (one copy of the tensor)."""
+    return encode_response(
+        value,
+        is_dead=is_dead,
+        send_start_micros=send_start_micros,
+        require_ack=True,
+        extra=_int_field(_LINK_REQUEST_ID_FIELD, _check_int64("request_id", request_id)),
+    )
+
+
+def encode_link_error(request_id: int, code: int, message: str) -> bytes:
+    """An Exchange reply failing ``request_id`` with grpc status ``code`` (non-zero)."""
+    if not 0 < code < 1 << 31:
+        raise InvalidArgumentError(f"an error reply needs a non-zero status code, not {code!r}")
+    text = message.encode("utf-8", "replace")[:_MAX_ERROR_MESSAGE]
+    return (
+        _int_field(_LINK_REQUEST_ID_FIELD, _check_int64("request_id", request_id))
+        + _int_field(_LINK_CODE_FIELD, code)
+        + _len_field(_LINK_MESSAGE_FIELD, text)
+    )
+
+
+def encode_link_fetch(request_id: int) -> bytes:
+    """An Exchange reply saying: fetch ``request_id`` with RecvTensorInline."""
+    return _int_field(_LINK_REQUEST_ID_FIELD, _check_int64("request_id", request_id)) + _int_field(
+        _LINK_FETCH_FIELD, 1
+    )
+
+
+def decode_link_reply(data: _Buffer) -> LinkReply:
+    """The extension fields of an Exchange reply; ``InvalidArgumentError`` if they do not
+    parse or name no request_id."""
+    buf = _as_buffer(data)
+    request_id = code = 0
+    message = ""
+    fetch = False
+    try:
+        for f in _fields(buf, 0, len(buf)):
+            if f.number == _LINK_REQUEST_ID_FIELD and f.wire_type == _VARINT:
+                request_id = _signed64(f.value)
+            elif f.number == _LINK_CODE_FIELD and f.wire_type == _VARINT:
+                code = f.value if f.value < 1 << 31 else 2  # out of range: UNKNOWN
+            elif f.number == _LINK_MESSAGE_FIELD and f.wire_type == _LEN:
+                end = min(f.end, f.value + _MAX_ERROR_MESSAGE)
+                message = bytes(buf[f.value : end]).decode("utf-8", "replace")
+            elif f.number == _LINK_FETCH_FIELD and f.wire_type == _VARINT:
+                fetch = bool(f.value)
+    except _Malformed as e:
+        raise InvalidArgumentError(f"Cannot parse an Exchange reply: {e}") from e
+    if not request_id:
+        raise InvalidArgumentError("Cannot parse an Exchange reply: it names no request_id")
+    return LinkReply(request_id, code, message, fetch)
 
 
 def encode_stream(
@@ -1197,6 +1293,7 @@ class StreamAssembler:
         except InvalidArgumentError as e:
             raise _Malformed(str(e)) from e
         shape = acc.shape()
+        _check_shape(shape, dtype)
         need = _count(shape) * dtype.itemsize
         if need != total:
             raise _Malformed(

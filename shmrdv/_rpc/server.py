@@ -5,7 +5,15 @@ method, TF-compatible bytes), ``RecvTensorInline`` (shmrdv's: the same answer fo
 tensor, else "stream it") or ``RecvTensorStream`` (shmrdv's chunked stream, no 2 GiB
 ceiling) with a step id and a rendezvous key; the server validates the key, asks its
 ``TensorSource`` (the Worker) for the next value of that key, waits for it up to the
-call's deadline and answers it (research/tf_rendezvous.md §3.2).
+call's deadline and answers it (research/tf_rendezvous.md §3.2). A shmrdv consumer
+keeps one ``Exchange`` stream open instead and posts its wants on it; each is served
+the same way and answered by one stream message (``methods.EXCHANGE_METHOD``).
+
+Hostile or broken clients cannot exhaust it (issue 12 §4): waiting calls are bounded in
+all and per peer host (``RESOURCE_EXHAUSTED``), a call without a deadline waits at most
+``max_wait``, an ack costs O(1) (request_id index; expiry walks delivered entries oldest
+first), and gRPC sheds connections that never finish their handshake, idle ones,
+half-open ones and any beyond ``max_connections``.
 
 Thread model: a ``grpc.aio`` server runs on its own event loop in one thread
 ("shmrdv-rpc-server"). A call waiting for a value is an ``await`` on an asyncio future,
@@ -24,12 +32,13 @@ value again for ``cache_ttl`` seconds (bounded in count and bytes), so a respons
 the wire is not a lost tensor. TensorFlow answers such a retry with ``ABORTED``
 (``RecentRequestIds``), and pytorch/xla#4084 shows that kills jobs.
 ``MarkRecvFinished`` (sent by TensorFlow clients when a response has ``require_ack``,
-and by ``RpcClient`` after every stream), the acks a ``RecvTensorInline`` request carries
-(extension field 1001) and ``drop_step`` release entries early.
+and by ``RpcClient`` after every stream), the acks a ``RecvTensorInline`` request or an
+``Exchange`` want carries (extension field 1001) and ``drop_step`` release entries early.
 
 A value is not lost to calls that go away before it is sent: one that arrives after every call for it
 left, or whose every call went away before it was fully sent and that no retry can
-claim (``ReleaseRecv`` from a client that cancelled, or cache expiry), goes back to the
+claim (``ReleaseRecv`` or an Exchange cancel from a client that gave it up, or cache
+expiry), goes back to the
 head of its key (``TensorSource.requeue``).
 """
 
@@ -46,7 +55,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Any, NoReturn, Protocol
 
@@ -61,52 +70,28 @@ from .._errors import (
     InternalError,
     InvalidArgumentError,
     RendezvousError,
+    ResourceExhaustedError,
     UnavailableError,
 )
+from .._hostaddr import split_host_port
 from .._keys import ParsedKey, parse_key
 from .._received import Received
 from .._rendezvous import Canceller
 from .._status import code_for_error
 from . import coding
+from .methods import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_INLINE_MAX,
+    LINK_INLINE_MAX,
+    SHMRDV_SERVICE,
+    TF_SERVICE,
+)
 from .security import TLSConfig, TokenInterceptor, check_token
 
-__all__ = [
-    "DEFAULT_CHUNK_BYTES",
-    "RECV_TENSOR_INLINE_METHOD",
-    "RECV_TENSOR_METHOD",
-    "RECV_TENSOR_STREAM_METHOD",
-    "RELEASE_RECV_METHOD",
-    "GET_STATUS_METHOD",
-    "HOLD_METHOD",
-    "MARK_RECV_FINISHED_METHOD",
-    "RpcServer",
-    "TensorSource",
-]
+__all__ = ["RpcServer", "TensorSource"]
 
 _log = logging.getLogger("shmrdv.rpc.server")
 
-# TensorFlow registers these by hand (grpc_worker_service_impl.cc, GrpcWorkerMethodName);
-# generated stubs would say /tensorflow.grpc.WorkerService/... (research §3.4).
-_TF_SERVICE = "tensorflow.WorkerService"
-_SHMRDV_SERVICE = "shmrdv.Rendezvous"
-RECV_TENSOR_METHOD = f"/{_TF_SERVICE}/RecvTensor"
-GET_STATUS_METHOD = f"/{_TF_SERVICE}/GetStatus"
-MARK_RECV_FINISHED_METHOD = f"/{_TF_SERVICE}/MarkRecvFinished"
-RECV_TENSOR_STREAM_METHOD = f"/{_SHMRDV_SERVICE}/RecvTensorStream"
-# Hand-registered, not in the .proto: a RecvTensorRequest (with shmrdv's extension fields)
-# in; a TensorFlow RecvTensorResponse out for a tensor of at most ``inline_max`` bytes, or
-# empty bytes: "fetch it with RecvTensorStream under the same request_id".
-RECV_TENSOR_INLINE_METHOD = f"/{_SHMRDV_SERVICE}/RecvTensorInline"
-# Hand-registered: any request in, empty bytes out at the call's deadline (or when the
-# server stops). A client keeps one in flight on a busy channel: grpcio's sync channel
-# ends its event thread whenever no call is in flight and starts a new one for the next
-# call, which costs a small receive more than the rest of it (client.py).
-HOLD_METHOD = f"/{_SHMRDV_SERVICE}/Hold"
-# Hand-registered, not in the .proto: MarkRecvFinishedRequest in, empty response out.
-RELEASE_RECV_METHOD = f"/{_SHMRDV_SERVICE}/ReleaseRecv"
-
-# research/pitfalls.md §6: stream in chunks of at most 4 MiB (gRPC's default receive limit).
-DEFAULT_CHUNK_BYTES = 4 << 20
 # TensorFlow: the server calls SetMaxMessageSize(INT32_MAX) (research §3.4). Requests are
 # tiny, so the receive limit stays small: a peer must not make us allocate 2 GiB.
 _MAX_SEND_BYTES = 2**31 - 1
@@ -116,8 +101,6 @@ _STARTUP_TIMEOUT = 30.0
 # A unary response of a tensor up to this size is encoded in the event loop: handing so
 # small a copy to the encoding pool costs more (two thread switches) than the copy.
 _ENCODE_IN_LOOP_BYTES = 256 << 10
-# RecvTensorInline without an inline_max field answers tensors up to this size inline.
-DEFAULT_INLINE_MAX = 1 << 20
 # TensorFlow: RecentRequestIds remembers the last 100,000 request ids.
 _ANSWERED_IDS = 100_000
 
@@ -188,15 +171,42 @@ def _retrieve(fut: asyncio.Future[Received]) -> None:
         fut.exception()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Reply:
+    """An Exchange reply ready to write; ``waiter`` is served by it (None: an error)."""
+
+    data: bytes
+    waiter: _Waiter | None = None
+    received: Received | None = None
+
+
+def _forget_want(wants: dict[int, asyncio.Task[None]], rid: int, task: asyncio.Task[None]) -> None:
+    if wants.get(rid) is task:
+        del wants[rid]
+
+
+def _as_rendezvous_error(error: BaseException) -> RendezvousError:
+    if isinstance(error, RendezvousError):
+        return error
+    return InternalError(f"Exchange failed: {error!r}")
+
+
+def _peer_host(peer: str) -> str:
+    """A call's peer without its port ("ipv4:10.0.0.1:5123" -> "ipv4:10.0.0.1"): the
+    unit the per-peer bound counts (one host opening many connections is one peer)."""
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() else peer
+
+
 def _split_bind(bind: str) -> tuple[str, int]:
-    if not isinstance(bind, str):
-        raise InvalidArgumentError(f"bind must be a 'host:port' str, not {type(bind).__name__}")
-    host, sep, port_text = bind.rpartition(":")
-    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+    """(host as given, brackets kept for the reported address; port) of ``bind``."""
+    try:
+        _, port = split_host_port(bind)
+    except InvalidArgumentError as e:
         raise InvalidArgumentError(
-            f"bind must be 'host:port' (e.g. '127.0.0.1:0', '[::]:2222'), not {bind!r}"
-        )
-    return host, int(port_text)
+            f"bind must be 'host:port' (e.g. '127.0.0.1:0', '[::]:2222'): {e}"
+        ) from e
+    return bind.rpartition(":")[0], port
 
 
 class RpcServer:
@@ -214,6 +224,13 @@ class RpcServer:
         cache_ttl, cache_entries, cache_bytes: bounds of the request_id response cache.
         max_concurrent_rpcs: refuse calls beyond this many in flight
             (``RESOURCE_EXHAUSTED``); ``None``: no limit.
+        max_waiting, max_waiting_per_peer: most calls (and Exchange wants) waiting for a
+            value, in all and from one peer host; beyond: ``RESOURCE_EXHAUSTED``.
+        max_wait: longest wait for a value of a call without a deadline (or a later one);
+            then ``DEADLINE_EXCEEDED`` (shmrdv clients ask again).
+        handshake_timeout, max_connections: a connection that has not finished its
+            HTTP/2 (and TLS) handshake within this many seconds is closed; connections
+            beyond ``max_connections`` are refused: idle floods cannot use up descriptors.
 
     ``start()`` blocks until the server listens; ``stop()`` fails waiting calls with
     ``UNAVAILABLE``, stops the server and joins its threads. Use as a context manager.
@@ -232,6 +249,11 @@ class RpcServer:
         cache_entries: int = 1024,
         cache_bytes: int = 256 << 20,
         max_concurrent_rpcs: int | None = None,
+        max_waiting: int = 65_536,
+        max_waiting_per_peer: int = 16_384,
+        max_wait: float = 300.0,
+        handshake_timeout: float = 10.0,
+        max_connections: int = 1024,
     ) -> None:
         self._host, self._port = _split_bind(bind)
         self._bind = bind
@@ -260,6 +282,21 @@ class RpcServer:
         self._cache_entries = int(cache_entries)
         self._cache_bytes = int(cache_bytes)
         self._max_concurrent_rpcs = max_concurrent_rpcs
+        for name, value in (
+            ("max_waiting", max_waiting),
+            ("max_waiting_per_peer", max_waiting_per_peer),
+            ("max_connections", max_connections),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
+        for name, seconds in (("max_wait", max_wait), ("handshake_timeout", handshake_timeout)):
+            if not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
+                raise InvalidArgumentError(f"{name} must be seconds > 0, not {seconds!r}")
+        self._max_waiting = max_waiting
+        self._max_waiting_per_peer = max_waiting_per_peer
+        self._max_wait = float(max_wait)
+        self._handshake_timeout = float(handshake_timeout)
+        self._max_connections = max_connections
 
         self._lock = threading.Lock()  # guards the lifecycle fields below (not the loop state)
         self._state = "new"  # new -> running -> stopped
@@ -272,9 +309,13 @@ class RpcServer:
 
         # Loop-thread state: touched only from the server's event loop.
         self._stopping = False
-        self._holds: set[asyncio.Future[None]] = set()  # Hold calls in flight
         self._waiters: set[_Waiter] = set()  # not yet settled
         self._cache: OrderedDict[_CacheKey, _Waiter] = OrderedDict()  # by request_id, oldest first
+        self._by_rid: dict[int, list[_CacheKey]] = {}  # request_id -> its cache keys (O(1) acks)
+        # Entries holding a delivered value, oldest first (= first to expire).
+        self._delivered: OrderedDict[_CacheKey, None] = OrderedDict()
+        self._parked = 0  # calls waiting for a value
+        self._parked_by_peer: dict[str, int] = {}
         self._cached_bytes = 0
         self._answered: OrderedDict[int, None] = OrderedDict()  # request_ids given a value
         self._released: OrderedDict[int, None] = OrderedDict()  # request_ids given up
@@ -357,6 +398,14 @@ class RpcServer:
             # Let clients keep idle-call connections alive with pings (client.py).
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # Shed what hostile or broken clients leave open (issue 12 §4): connections
+            # stuck before the handshake, idle ones (no call for a minute), half-open ones
+            # (a keepalive ping unanswered for 20 s), and any beyond the cap.
+            ("grpc.server_handshake_timeout_ms", int(self._handshake_timeout * 1000)),
+            ("grpc.max_connection_idle_ms", 60_000),
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.max_allowed_incoming_connections", self._max_connections),
         ]
         interceptors = [TokenInterceptor(self._token)] if self._token is not None else []
         server = grpc.aio.server(
@@ -368,16 +417,12 @@ class RpcServer:
             "RecvTensorStream": grpc.unary_stream_rpc_method_handler(self._recv_tensor_stream),
             "ReleaseRecv": grpc.unary_unary_rpc_method_handler(self._release_recv),
             "RecvTensorInline": grpc.unary_unary_rpc_method_handler(self._recv_tensor_inline),
+            "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange),
         }
-        if self._max_concurrent_rpcs is None:
-            # A Hold stays in flight per client channel: under a limit it would take a
-            # slot from real calls, so a limited server has none (clients then see
-            # UNIMPLEMENTED and stop asking).
-            shmrdv_methods["Hold"] = grpc.unary_unary_rpc_method_handler(self._hold)
         server.add_generic_rpc_handlers(
             [
                 grpc.method_handlers_generic_handler(
-                    _TF_SERVICE,
+                    TF_SERVICE,
                     {
                         "RecvTensor": grpc.unary_unary_rpc_method_handler(self._recv_tensor),
                         "GetStatus": grpc.unary_unary_rpc_method_handler(self._get_status),
@@ -386,7 +431,7 @@ class RpcServer:
                         ),
                     },
                 ),
-                grpc.method_handlers_generic_handler(_SHMRDV_SERVICE, shmrdv_methods),
+                grpc.method_handlers_generic_handler(SHMRDV_SERVICE, shmrdv_methods),
             ]
         )
         try:
@@ -442,10 +487,9 @@ class RpcServer:
                 waiter.canceller()
             self._settle(waiter, error, None)
         self._cache.clear()
+        self._by_rid.clear()
+        self._delivered.clear()
         self._cached_bytes = 0
-        for hold in self._holds:
-            if not hold.done():
-                hold.set_result(None)
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace)
@@ -481,6 +525,7 @@ class RpcServer:
         out["waiting"] = len(self._waiters)
         out["cached"] = len(self._cache)
         out["cached_bytes"] = self._cached_bytes
+        out["parked"] = self._parked
         return out
 
     def __repr__(self) -> str:
@@ -515,7 +560,7 @@ class RpcServer:
         self._stats["calls"] += 1
         try:
             req = coding.decode_request(request)
-            waiter, received = await self._wait_value(req, context)
+            waiter, received = await self._wait_value(req, context.time_remaining(), context)
         except RendezvousError as e:
             await self._abort(context, e)
         try:
@@ -528,16 +573,28 @@ class RpcServer:
         self._count_served(received)
         return data
 
-    async def _encode(self, waiter: _Waiter, received: Received) -> bytes:
-        """The RecvTensorResponse bytes of ``received``: small ones here, large in the pool."""
-        encode = functools.partial(
-            coding.encode_response,
-            received.value,
-            is_dead=received.is_dead,
-            send_start_micros=waiter.send_start_micros,
-            # TensorFlow asks for MarkRecvFinished when its cache holds the response.
-            require_ack=waiter.cache_key is not None,
-        )
+    async def _encode(self, waiter: _Waiter, received: Received, *, request_id: int = 0) -> bytes:
+        """The RecvTensorResponse bytes of ``received``: small ones here, large in the pool.
+
+        With ``request_id``: an Exchange reply for it (``coding.encode_link_value``)."""
+        encode: Callable[[], bytes]
+        if request_id:
+            encode = functools.partial(
+                coding.encode_link_value,
+                request_id,
+                received.value,
+                is_dead=received.is_dead,
+                send_start_micros=waiter.send_start_micros,
+            )
+        else:
+            encode = functools.partial(
+                coding.encode_response,
+                received.value,
+                is_dead=received.is_dead,
+                send_start_micros=waiter.send_start_micros,
+                # TensorFlow asks for MarkRecvFinished when its cache holds the response.
+                require_ack=waiter.cache_key is not None,
+            )
         if received.value.nbytes <= _ENCODE_IN_LOOP_BYTES:
             return encode()
         return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
@@ -559,11 +616,12 @@ class RpcServer:
             req = coding.decode_request(request)
             for rid in req.finished:
                 self._finished(rid)
-            waiter, received = await self._wait_value(req, context)
+            waiter, received = await self._wait_value(req, context.time_remaining(), context)
         except RendezvousError as e:
             await self._abort(context, e)
         try:
             limit = DEFAULT_INLINE_MAX if req.inline_max < 0 else req.inline_max
+            limit = min(limit, coding.MAX_INLINE_BYTES)  # beyond it: only a stream can carry it
             if waiter.cache_key is not None and received.value.nbytes > limit:
                 waiter.deferred = True
                 return b""  # still cached and not sent: the stream call takes it from there
@@ -583,7 +641,7 @@ class RpcServer:
         self._stats["calls"] += 1
         try:
             req = coding.decode_request(request)
-            waiter, received = await self._wait_value(req, context)
+            waiter, received = await self._wait_value(req, context.time_remaining(), context)
         except RendezvousError as e:
             await self._abort(context, e)
         waiter.deferred = False
@@ -609,24 +667,108 @@ class RpcServer:
         waiter.serving -= 1
         self._maybe_give_back(waiter)
 
-    async def _hold(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        """shmrdv's Hold: answer empty bytes just before the call's deadline (an answer at
-        the deadline itself races it: the client may see DEADLINE_EXCEEDED), or at once on
-        stop."""
-        del request
-        if self._stopping:
-            return b""
-        hold: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._holds.add(hold)
+    async def _exchange(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        """shmrdv's Exchange: the consumer's wants in, one reply per want out, as the
+        values are sent (``EXCHANGE_METHOD``). When the stream ends, every want still
+        waiting is removed (a value already taken stays cached for a retry under its
+        request_id, or goes back to its key)."""
+        self._stats["calls"] += 1
+        out: asyncio.Queue[_Reply | None] = asyncio.Queue()
+        wants: dict[int, asyncio.Task[None]] = {}
+        reader = asyncio.ensure_future(self._read_wants(requests, out, wants, context))
+        reader.add_done_callback(lambda _: out.put_nowait(None))
         try:
-            remaining = context.time_remaining()
-            wait = None if remaining is None else max(0.0, remaining - min(0.1, remaining / 4))
-            await asyncio.wait_for(hold, wait)
-        except asyncio.TimeoutError:
-            pass
+            while True:
+                reply = await out.get()
+                if reply is None:
+                    break
+                try:
+                    yield reply.data
+                    if reply.waiter is not None:
+                        reply.waiter.sent = True
+                finally:
+                    if reply.waiter is not None:
+                        self._done_serving(reply.waiter)
+                if reply.received is not None:
+                    self._count_served(reply.received)
+            if not reader.cancelled() and reader.exception() is not None:
+                error = reader.exception()
+                assert error is not None
+                await self._abort(context, _as_rendezvous_error(error))
         finally:
-            self._holds.discard(hold)
-        return b""
+            reader.cancel()
+            for task in list(wants.values()):
+                task.cancel()
+            while not out.empty():
+                left = out.get_nowait()
+                if left is not None and left.waiter is not None:
+                    self._done_serving(left.waiter)
+
+    async def _read_wants(
+        self,
+        requests: AsyncIterator[bytes],
+        out: asyncio.Queue[_Reply | None],
+        wants: dict[int, asyncio.Task[None]],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        async for raw in requests:
+            req = coding.decode_request(raw)  # a stream that does not parse is aborted
+            for rid in req.finished:
+                self._finished(rid)
+            if req.cancel:
+                task = wants.pop(req.request_id, None)
+                self._release(req.request_id)
+                if task is not None:
+                    task.cancel()
+                continue
+            if not req.rendezvous_key:
+                continue  # acks only
+            if req.request_id == 0 or req.request_id in wants:
+                raise InvalidArgumentError(
+                    f"Exchange: a want needs a fresh non-zero request_id, not {req.request_id}"
+                )
+            task = asyncio.ensure_future(self._serve_want(req, out, context))
+            wants[req.request_id] = task
+            task.add_done_callback(functools.partial(_forget_want, wants, req.request_id))
+
+    async def _serve_want(
+        self,
+        req: coding.RecvRequest,
+        out: asyncio.Queue[_Reply | None],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        rid = req.request_id
+        timeout = None if req.wait_ms < 0 else req.wait_ms / 1000
+        try:
+            waiter, received = await self._wait_value(req, timeout, context)
+        except RendezvousError as e:
+            self._stats["errors"] += 1
+            out.put_nowait(
+                _Reply(coding.encode_link_error(rid, code_for_error(e).value[0], str(e)))
+            )
+            return
+        try:
+            limit = LINK_INLINE_MAX if req.inline_max < 0 else min(req.inline_max, LINK_INLINE_MAX)
+            if received.value.nbytes > limit and waiter.cache_key is not None:
+                waiter.deferred = True  # cached, not sent: the client fetches it
+                data = coding.encode_link_fetch(rid)
+                self._done_serving(waiter)
+                out.put_nowait(_Reply(data))
+                return
+            data = await self._encode(waiter, received, request_id=rid)
+        except RendezvousError as e:
+            self._done_serving(waiter)
+            self._stats["errors"] += 1
+            out.put_nowait(
+                _Reply(coding.encode_link_error(rid, code_for_error(e).value[0], str(e)))
+            )
+            return
+        except BaseException:
+            self._done_serving(waiter)
+            raise
+        out.put_nowait(_Reply(data, waiter, received))
 
     async def _get_status(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
@@ -654,7 +796,7 @@ class RpcServer:
     def _finished(self, rid: int) -> None:
         """The client has the response of request ``rid``: drop it from the cache."""
         if rid:
-            for ck in [ck for ck in self._cache if ck[0] == rid]:
+            for ck in self._cached_for(rid):
                 self._cache[ck].sent = True
                 self._uncache(ck)
 
@@ -670,14 +812,19 @@ class RpcServer:
             rid = coding.decode_mark_recv_finished(request)
         except RendezvousError as e:
             await self._abort(context, e)
+        self._release(rid)
+        return b""
+
+    def _release(self, rid: int) -> None:
+        """The client gave request ``rid`` up: a value taken for it and not delivered goes
+        back to its key (now, or when the call serving it ends)."""
         if rid:
             self._released[rid] = None
             if len(self._released) > _ANSWERED_IDS:
                 self._released.popitem(last=False)
-            for ck in [ck for ck in self._cache if ck[0] == rid]:
+            for ck in self._cached_for(rid):
                 self._cache[ck].released = True
-                self._uncache(ck)  # gives back now, or when the call serving it ends
-        return b""
+                self._uncache(ck)
 
     async def _abort(
         self, context: grpc.aio.ServicerContext[Any, Any], error: RendezvousError
@@ -704,14 +851,17 @@ class RpcServer:
         if pk.src_incarnation != 0 and pk.src_incarnation != incarnation:
             # TensorFlow: GrpcWorker::PrepareRecvTensor, word for word.
             raise AbortedError(
-                f"RecvTensor expects a different device incarnation: {pk.src_incarnation} vs. "
-                f'{incarnation}. Your worker job ("{self._source.task}") was probably '
+                f"RecvTensor expects a different device incarnation: {pk.src_incarnation:016x} "
+                f'vs. {incarnation:016x}. Your worker job ("{self._source.task}") was probably '
                 "restarted. Check your worker job for the reason why it was restarted."
             )
         return pk
 
     async def _wait_value(
-        self, req: coding.RecvRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self,
+        req: coding.RecvRequest,
+        timeout: float | None,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> tuple[_Waiter, Received]:
         """The value for ``req``: from the cache, by joining a waiter, or a new waiter.
 
@@ -722,10 +872,26 @@ class RpcServer:
         if self._stopping:
             raise UnavailableError(f"shmrdv RPC server {self._address} is stopping")
         pk = self._validate(req)
+        # A client that never sets a deadline (or a far one) must not park a call forever.
+        timeout = self._max_wait if timeout is None else min(timeout, self._max_wait)
+        peer = _peer_host(context.peer())
+        if self._parked >= self._max_waiting:
+            raise ResourceExhaustedError(
+                f"RecvTensor on {self._source.task}: {self._parked} calls already wait for "
+                f"values (max_waiting={self._max_waiting}); key {pk.full_key!r} refused"
+            )
+        if self._parked_by_peer.get(peer, 0) >= self._max_waiting_per_peer:
+            raise ResourceExhaustedError(
+                f"RecvTensor on {self._source.task}: {peer} already has "
+                f"{self._parked_by_peer[peer]} calls waiting for values "
+                f"(max_waiting_per_peer={self._max_waiting_per_peer}); key {pk.full_key!r} refused"
+            )
         waiter = self._find_or_start(req, pk)
         waiter.joiners += 1
+        taken = False
+        self._parked += 1
+        self._parked_by_peer[peer] = self._parked_by_peer.get(peer, 0) + 1
         try:
-            timeout = context.time_remaining()
             try:
                 received = await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
             except asyncio.TimeoutError:
@@ -733,12 +899,23 @@ class RpcServer:
                     f"RecvTensor on {self._source.task}: no value for key {pk.full_key!r} "
                     f"(step {req.step_id}) before the call's deadline; the waiter was removed"
                 ) from None
+            # The caller sends the value now and calls _done_serving when it is through.
+            waiter.serving += 1
+            taken = True
         finally:
+            self._parked -= 1
+            left = self._parked_by_peer[peer] - 1
+            if left:
+                self._parked_by_peer[peer] = left
+            else:
+                del self._parked_by_peer[peer]
             waiter.joiners -= 1
             if waiter.joiners == 0 and not waiter.future.done():
                 self._abandon(waiter, pk)
-        # The caller sends the value now and calls _done_serving when it is through.
-        waiter.serving += 1
+            elif not taken:
+                # Cancelled just as the value came: it stays cached for a retry under its
+                # request_id, or (released, uncached) goes back to its key now.
+                self._maybe_give_back(waiter)
         return waiter, received
 
     def _find_or_start(self, req: coding.RecvRequest, pk: ParsedKey) -> _Waiter:
@@ -792,6 +969,7 @@ class RpcServer:
             self._waiters.add(waiter)
         if cache_key is not None:
             self._cache[cache_key] = waiter
+            self._by_rid.setdefault(cache_key[0], []).append(cache_key)
         return waiter
 
     def _settle(
@@ -819,7 +997,7 @@ class RpcServer:
             # cache: a retry with the same request_id starts a new waiter and gets it
             # first, and a client that cancelled never comes back for it.
             if waiter.cache_key is not None:
-                self._cache.pop(waiter.cache_key, None)
+                self._cache_pop(waiter.cache_key)
             self._maybe_give_back(waiter)
             return
         if waiter.cache_key is not None:
@@ -830,6 +1008,7 @@ class RpcServer:
             waiter.nbytes = received.value.nbytes
             waiter.expires = time.monotonic() + self._cache_ttl
             self._cache.move_to_end(waiter.cache_key)
+            self._delivered[waiter.cache_key] = None
             self._cached_bytes += waiter.nbytes
             self._evict()
             # Expiry also runs on every lookup; this timer covers a server that gets none.
@@ -847,12 +1026,27 @@ class RpcServer:
         # keeps it for a retry (request_id) or gives it back to the source.
 
     def _uncache(self, cache_key: _CacheKey, *, give_back: bool = True) -> None:
-        waiter = self._cache.pop(cache_key, None)
+        waiter = self._cache_pop(cache_key)
         if waiter is not None and waiter.future.done():
             self._cached_bytes -= waiter.nbytes
             waiter.nbytes = 0
             if give_back:
                 self._maybe_give_back(waiter)
+
+    def _cache_pop(self, cache_key: _CacheKey) -> _Waiter | None:
+        waiter = self._cache.pop(cache_key, None)
+        self._delivered.pop(cache_key, None)
+        if waiter is not None:
+            keys = self._by_rid.get(cache_key[0])
+            if keys is not None:
+                keys.remove(cache_key)
+                if not keys:
+                    del self._by_rid[cache_key[0]]
+        return waiter
+
+    def _cached_for(self, rid: int) -> list[_CacheKey]:
+        """The cache keys of request ``rid`` (a copy; O(1), not a scan of the cache)."""
+        return list(self._by_rid.get(rid, ()))
 
     def _maybe_give_back(self, waiter: _Waiter) -> None:
         """Give the value back if no call delivered it, none is using it, no retry can claim it."""
@@ -894,21 +1088,32 @@ class RpcServer:
             self._stats["requeued"] += 1
 
     def _expire(self) -> None:
+        """Drop delivered entries whose time is up: the oldest first, stopping at the first
+        that is not (they expire in the order they were delivered): O(1) per call."""
         now = time.monotonic()
-        for ck, waiter in list(self._cache.items()):
-            if waiter.future.done() and waiter.expires <= now:
+        while self._delivered:
+            ck = next(iter(self._delivered))
+            waiter = self._cache.get(ck)
+            if waiter is None:
+                del self._delivered[ck]
+            elif waiter.expires > now:
+                return
+            else:
                 self._uncache(ck)
 
     def _evict(self) -> None:
-        """Drop the oldest delivered entries beyond the count or byte budget."""
+        """Drop the oldest delivered entries beyond the count or byte budget (waiting calls
+        are bounded on their own: ``max_waiting``)."""
         self._expire()
+        if len(self._delivered) <= self._cache_entries and self._cached_bytes <= self._cache_bytes:
+            return
         # Not one a call is still answering, nor one left for the client's stream.
-        done = [
-            ck
-            for ck, w in self._cache.items()
-            if w.future.done() and not (w.deferred or w.joiners or w.serving)
-        ]
-        for ck in done:
-            if len(self._cache) <= self._cache_entries and self._cached_bytes <= self._cache_bytes:
+        for ck in list(self._delivered):
+            if (
+                len(self._delivered) <= self._cache_entries
+                and self._cached_bytes <= self._cache_bytes
+            ):
                 break
-            self._uncache(ck)
+            w = self._cache.get(ck)
+            if w is not None and not (w.deferred or w.joiners or w.serving):
+                self._uncache(ck)

@@ -1,0 +1,253 @@
+"""A server hostile clients cannot exhaust, and a client a hostile peer cannot hang
+(issue 12 §4): real RpcServer, real grpcio clients and fake peers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+from rpc_helpers import StepSource, make_key
+
+from shmrdv._errors import InternalError
+from shmrdv._rpc import coding
+from shmrdv._rpc.client import RpcClient
+from shmrdv._rpc.methods import GET_STATUS_METHOD, RECV_TENSOR_INLINE_METHOD, RECV_TENSOR_METHOD
+from shmrdv._rpc.server import RpcServer
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture
+def source() -> Iterator[StepSource]:
+    s = StepSource()
+    yield s
+    s.close()
+
+
+def _park(channel: grpc.Channel, name: str, n: int, timeout: float = 30.0) -> list[grpc.Future]:
+    """``n`` RecvTensorInline calls for keys never sent, each with its own request_id."""
+    call = channel.unary_unary(RECV_TENSOR_INLINE_METHOD)
+    return [
+        call.future(
+            coding.encode_request(1, make_key(f"{name}{i}").full_key, secrets.randbits(62) + 1),
+            timeout=timeout,
+        )
+        for i in range(n)
+    ]
+
+
+def _wait_parked(server: RpcServer, n: int) -> None:
+    deadline = time.monotonic() + 20
+    while server.stats()["parked"] < n:
+        assert time.monotonic() < deadline, f"only {server.stats()['parked']} of {n} parked"
+        time.sleep(0.02)
+
+
+def _cancel(calls: list[grpc.Future]) -> None:
+    for c in calls:
+        c.cancel()
+
+
+def test_waiting_calls_are_bounded_per_peer(source: StepSource) -> None:
+    with (
+        RpcServer("127.0.0.1:0", source, max_waiting_per_peer=3) as server,
+        grpc.insecure_channel(server.address) as ch,
+    ):
+        parked = _park(ch, "p", 3)
+        _wait_parked(server, 3)
+        with pytest.raises(grpc.RpcError) as info:
+            _park(ch, "q", 1)[0].result(timeout=10)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_waiting_per_peer=3" in (info.value.details() or "")
+        _cancel(parked)
+
+
+def test_waiting_calls_are_bounded_in_total(source: StepSource) -> None:
+    with (
+        RpcServer("127.0.0.1:0", source, max_waiting=2) as server,
+        grpc.insecure_channel(server.address) as ch,
+    ):
+        parked = _park(ch, "p", 2)
+        _wait_parked(server, 2)
+        with pytest.raises(grpc.RpcError) as info:
+            _park(ch, "q", 1)[0].result(timeout=10)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_waiting=2" in (info.value.details() or "")
+        _cancel(parked)
+        # Room again once they have gone.
+        deadline = time.monotonic() + 10
+        while server.stats()["parked"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        source.send(1, make_key("after"), np.array([5]))
+        with RpcClient() as client:
+            assert client.recv(server.address, 1, make_key("after"), timeout=10).value[0] == 5
+
+
+def test_a_call_without_deadline_waits_at_most_max_wait(source: StepSource) -> None:
+    with (
+        RpcServer("127.0.0.1:0", source, max_wait=0.5) as server,
+        grpc.insecure_channel(server.address) as ch,
+    ):
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            # TensorFlow's unary RecvTensor, no deadline at all.
+            ch.unary_unary(RECV_TENSOR_METHOD)(coding.encode_request(1, make_key("x").full_key, 7))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert 0.4 < time.monotonic() - t0 < 10
+        assert server.stats()["parked"] == 0
+        # A shmrdv client without a timeout asks again: the value still comes.
+        with RpcClient() as client:
+            key = make_key("later")
+            threading.Timer(1.5, source.send, (1, key, np.array([3]))).start()
+            got = client.recv(server.address, 1, key)
+            assert got.value.tolist() == [3]
+
+
+@pytest.mark.timeout(120)
+def test_an_ack_flood_does_not_slow_a_legitimate_call(source: StepSource) -> None:
+    """Each ack costs O(1): with 2,000 parked calls, 20 requests of 1,024 acks each used
+    to scan the cache 20,480 times in the server's one event loop."""
+    with (
+        RpcServer("127.0.0.1:0", source) as server,
+        grpc.insecure_channel(server.address) as ch,
+    ):
+        parked = _park(ch, "p", 2000, timeout=60)
+        _wait_parked(server, 2000)
+        inline = ch.unary_unary(RECV_TENSOR_INLINE_METHOD)
+        flood = [
+            inline.future(
+                coding.encode_request(
+                    1,
+                    make_key(f"flood{i}").full_key,
+                    secrets.randbits(62) + 1,
+                    finished=[secrets.randbits(62) + 1 for _ in range(coding.MAX_ACKS)],
+                ),
+                timeout=5,
+            )
+            for i in range(20)
+        ]
+        t0 = time.monotonic()
+        ch.unary_unary(GET_STATUS_METHOD)(b"", timeout=30)
+        took = time.monotonic() - t0
+        _cancel(flood)
+        _cancel(parked)
+        assert took < 1.5, f"GetStatus took {took:.2f}s behind the ack flood"
+
+
+# -- a fake peer -----------------------------------------------------------------------------
+
+
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        out.append(b | (0x80 if v else 0))
+        if not v:
+            return bytes(out)
+
+
+def _len_field(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _zero_item_response(count: int) -> bytes:
+    """A RecvTensorResponse of dtype |V0 and shape (count,): no bytes, every length fits."""
+    dtype = np.dtype("V0")
+    tensor = (
+        _varint(1 << 3) + _varint(coding.dtype_to_tf(dtype))
+        + _len_field(2, _len_field(2, _varint(1 << 3) + _varint(count)))
+        + _len_field(1001, coding.dtype_descriptor(dtype).encode())
+    )  # fmt: skip
+    return _len_field(1, tensor)
+
+
+@pytest.mark.parametrize("count", [2**62, 2**30], ids=["2**62", "2**30"])
+def test_a_zero_itemsize_tensor_of_many_elements_is_refused_naming_the_peer(count: int) -> None:
+    """A fake peer (no Exchange: the client falls back to RecvTensorInline) answers |V0 of
+    shape (count,): refused at once with InternalError, no per-element work anywhere."""
+    answer = _zero_item_response(count)
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: answer)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("shmrdv.Rendezvous", {"RecvTensorInline": handler})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    address = f"127.0.0.1:{port}"
+    try:
+        with RpcClient() as client:
+            t0 = time.monotonic()
+            with pytest.raises(InternalError, match=address) as info:
+                client.recv(address, 1, make_key("void"), timeout=10)
+            assert time.monotonic() - t0 < 5
+            assert f"shape ({count},)" in str(info.value)
+            assert "elements" in str(info.value)
+    finally:
+        server.stop(0)
+
+
+# -- idle connections under a descriptor limit -------------------------------------------------
+
+_CHILD = """
+import os, resource, sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+from rpc_helpers import StepSource
+from shmrdv._rpc.server import RpcServer
+server = RpcServer("127.0.0.1:0", StepSource(), handshake_timeout=1.0).start()
+print(server.address, flush=True)
+for line in sys.stdin:
+    try:
+        os.close(os.open("/dev/null", os.O_RDONLY))
+        print("open ok", flush=True)
+    except OSError as e:
+        print(f"open failed: {{e}}", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_idle_connections_are_shed_under_a_descriptor_limit() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD.format(repo=_REPO, tests=_TESTS)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    idle: list[socket.socket] = []
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        address = child.stdout.readline().strip()
+        assert address, "the child server did not start"
+        host, port = address.rsplit(":", 1)
+        for _ in range(300):  # more than the child's 256 descriptors, none says a word
+            try:
+                idle.append(socket.create_connection((host, int(port)), timeout=5))
+            except OSError:
+                break
+        time.sleep(4)  # past the handshake timeout: the server has closed them
+        child.stdin.write("open?\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "open ok"
+        with grpc.insecure_channel(address) as ch:
+            ch.unary_unary(GET_STATUS_METHOD)(b"", timeout=20)
+    finally:
+        for s in idle:
+            s.close()
+        child.kill()
+        child.wait(10)
+        for f in (child.stdin, child.stdout):
+            if f is not None:
+                f.close()
