@@ -79,9 +79,9 @@ _SERVE_NEEDS = (
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from . import Worker
     from ._cluster import ClusterSpec
     from ._namespace import ENV_VAR
-    from . import Worker
 
     usage: argparse.ArgumentParser = args.parser
     missing = []
