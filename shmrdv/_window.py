@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+from ._devices import DeviceName
 from ._errors import InvalidArgumentError, ResourceExhaustedError
 
-__all__ = ["REFRESH_S", "InflightWindow", "check_window"]
+__all__ = ["REFRESH_S", "InflightWindow", "Windows", "check_window"]
 
 #: How often a waiting reservation asks the transport what the consumer has taken.
 REFRESH_S = 0.002
@@ -106,6 +107,11 @@ class InflightWindow:
                     wait = left if wait is None else min(wait, left)
                 self._cond.wait(wait)
 
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` again without waiting (a value put back in flight, e.g. requeued)."""
+        with self._cond:
+            self._used += nbytes
+
     def release(self, nbytes: int) -> None:
         """Give back bytes the consumer took (or that will never reach it)."""
         with self._cond:
@@ -120,3 +126,48 @@ class InflightWindow:
 
     def __repr__(self) -> str:
         return f"<InflightWindow to {self.consumer} {self._used}/{self._limit} bytes>"
+
+
+class Windows:
+    """A producer's windows, one per consumer task (made on first use), all of one limit."""
+
+    __slots__ = ("_by_task", "_limit", "_lock")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._by_task: dict[tuple[str, int, int], InflightWindow] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def of(self, consumer: DeviceName) -> InflightWindow:
+        """The window towards the task of device ``consumer`` (one per task, not per device)."""
+        tk = consumer.task_key()
+        w = self._by_task.get(tk)
+        if w is None:
+            with self._lock:
+                w = self._by_task.get(tk)
+                if w is None:
+                    job, replica, task = tk
+                    w = InflightWindow(f"/job:{job}/replica:{replica}/task:{task}", self._limit)
+                    self._by_task[tk] = w
+        return w
+
+    def __iter__(self) -> Iterator[InflightWindow]:
+        with self._lock:
+            return iter(list(self._by_task.values()))
+
+    def used(self) -> int:
+        """Bytes in flight to all consumers together."""
+        return sum(w.used for w in self)
+
+    def waits(self) -> int:
+        """Reservations that had to wait, all consumers together."""
+        return sum(w.waits for w in self)
+
+    def reset(self) -> None:
+        """Give everything back (the producer is closing)."""
+        for w in self:
+            w.reset()
