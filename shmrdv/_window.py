@@ -24,14 +24,20 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from ._devices import DeviceName
-from ._errors import InvalidArgumentError, ResourceExhaustedError
+from ._errors import InvalidArgumentError, RendezvousError, ResourceExhaustedError
 
-__all__ = ["REFRESH_S", "InflightWindow", "Windows", "check_window"]
+if TYPE_CHECKING:
+    from ._transport import PeerDirectory
+
+__all__ = ["LIVENESS_S", "REFRESH_S", "ConsumerWatch", "InflightWindow", "Windows", "check_window"]
 
 #: How often a waiting reservation asks the transport what the consumer has taken.
 REFRESH_S = 0.002
+#: How often a waiting reservation looks whether its consumer died.
+LIVENESS_S = 0.05
 
 
 def check_window(limit: object) -> int | None:
@@ -171,3 +177,35 @@ class Windows:
         """Give everything back (the producer is closing)."""
         for w in self:
             w.reset()
+
+
+class ConsumerWatch:
+    """Whether a consumer task died since it was seen alive: then its window is freed.
+
+    Looks (``PeerDirectory.liveness``: a ``stat`` and a ``flock`` test) when made and then
+    at most every ``LIVENESS_S`` seconds, only when asked (by a waiting reservation's
+    refresh). A consumer seen alive and then "dead", "absent" or alive with another
+    incarnation died: ``died()`` is True once for it, and the watch waits for the next life.
+    """
+
+    __slots__ = ("_alive", "_next", "_peers", "_task")
+
+    def __init__(self, peers: PeerDirectory, task: DeviceName) -> None:
+        self._peers = peers
+        self._task = task
+        self._alive: int | None = None  # the incarnation seen alive (0: unknown)
+        self._next = 0.0
+        self.died()
+
+    def died(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + LIVENESS_S
+        try:
+            state, record = self._peers.liveness(self._task)
+        except RendezvousError:  # a record that is not ours: not a death we can vouch for
+            return False
+        incarnation = record.incarnation if state == "alive" and record is not None else None
+        before, self._alive = self._alive, incarnation
+        return before is not None and incarnation != before
