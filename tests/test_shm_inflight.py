@@ -45,9 +45,9 @@ def test_inflight_segment_counts_until_its_name_is_gone(names: Names, peers: Pee
     flight = Inflight(100, peers).of(DST)
     segs = []
     for seq in range(2):
-        flight.reserve(50, None, "m")
+        ticket = flight.reserve(50, None, "m")
         seg = _publish(names, seq)
-        flight.segment(seg.name, 50)
+        ticket.segment(seg.name)
         segs.append(seg)
     with pytest.raises(ResourceExhaustedError, match=r"task:1.*max_inflight_bytes=100"):
         flight.reserve(50, 0.05, "m")
@@ -75,9 +75,9 @@ def test_inflight_refresh_looks_at_a_bounded_number_of_names(names: Names, peers
     flight = Inflight(10 * n, peers).of(DST)
     segs = []
     for seq in range(n):
-        flight.reserve(10, None, "m")
+        ticket = flight.reserve(10, None, "m")
         segs.append(_publish(names, seq))
-        flight.segment(segs[-1].name, 10)
+        ticket.segment(segs[-1].name)
     for seg in segs:
         seg.unlink()
     flight.refresh()
@@ -95,9 +95,9 @@ def test_inflight_ring_record_counts_until_the_consumer_passes_it(
         producer = Ring.format(memoryview(seg.buf), capacity)
         flight = Inflight(300, peers).of(DST)
         for i in range(3):
-            flight.reserve(100, None, "m")
+            ticket = flight.reserve(100, None, "m")
             assert producer.try_put([bytes([i]) * 100])
-            flight.record(producer, producer.head, 100)
+            ticket.record(producer, producer.head)
         with pytest.raises(ResourceExhaustedError):
             flight.reserve(100, 0.05, "m")
         other = Segment.attach(names, seg.name)  # the consumer's own mapping
@@ -122,9 +122,9 @@ def test_inflight_ring_record_counts_until_the_consumer_passes_it(
 def test_inflight_dead_consumer_frees_its_window(ns: str, names: Names, peers: Peers) -> None:
     with ChildWorker(CONSUMER, namespace=ns) as consumer:
         flight = Inflight(100, peers).of(DST)  # sees the consumer alive
-        flight.reserve(100, None, "m")
+        ticket = flight.reserve(100, None, "m")
         seg = _publish(names, 0)
-        flight.segment(seg.name, 100)
+        ticket.segment(seg.name)
         with pytest.raises(ResourceExhaustedError):
             flight.reserve(1, 0.1, "m")
         consumer.kill()
@@ -148,3 +148,21 @@ def test_inflight_one_flight_per_consumer_task(peers: Peers) -> None:
     assert inflight.waits() == 1
     inflight.close()
     assert inflight.used() == 0
+
+
+def test_inflight_ticket_cancel_gives_back_once_and_only_before_publish(
+    names: Names, peers: Peers
+) -> None:
+    flight = Inflight(100, peers).of(DST)
+    failed = flight.reserve(70, None, "m")
+    failed.cancel()  # the send failed before publishing: its bytes come back
+    failed.cancel()
+    assert flight.window.used == 0
+    sent = flight.reserve(70, None, "m")
+    seg = _publish(names, 0)
+    sent.segment(seg.name)
+    sent.cancel()  # an error after publishing: the message is in flight all the same
+    assert flight.window.used == 70 and flight.in_flight() == 1
+    seg.unlink()
+    flight.refresh()
+    assert flight.window.used == 0

@@ -13,8 +13,9 @@ and how to tell each one was received, and the ``InflightWindow`` they fill
 * a consumer that died (``ConsumerWatch``: its presence record "dead" or "absent", or
   another incarnation, after it was seen alive) frees its whole window.
 
-The producer calls ``reserve`` before it copies anything, then ``segment`` or ``record``
-once the message is published (or ``unreserve`` if it was not). Looking costs nothing on
+The producer calls ``Flight.reserve`` before it copies anything and gets a ``Ticket``;
+once the message is published it says where (``Ticket.segment`` or ``Ticket.record``),
+and if it fails before that, ``Ticket.cancel`` gives the bytes back. Looking costs nothing on
 the way: only a reservation that does not fit calls ``refresh`` (the window's refresh,
 every ``REFRESH_S`` while it waits), which reads the ring's position and ``lstat``\\ s at
 most ``LSTATS_PER_REFRESH`` names, oldest first, round robin.
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from .._transport import PeerDirectory
     from .ring import Ring
 
-__all__ = ["LSTATS_PER_REFRESH", "Flight", "Inflight"]
+__all__ = ["LSTATS_PER_REFRESH", "Flight", "Inflight", "Ticket"]
 
 #: How many published names one refresh looks at, at most.
 LSTATS_PER_REFRESH = 32
@@ -57,23 +58,18 @@ class Flight:
         self._records: deque[tuple[int, int]] = deque()  # (end in the ring, bytes)
         self._ring: Ring | None = None
 
-    def reserve(self, nbytes: int, timeout: float | None, what: str) -> None:
+    def reserve(self, nbytes: int, timeout: float | None, what: str) -> Ticket:
         """Reserve ``nbytes`` before sending them (see ``InflightWindow.reserve``)."""
         self.window.reserve(nbytes, timeout, self.refresh, what)
+        return Ticket(self, nbytes)
 
-    def unreserve(self, nbytes: int) -> None:
-        """The reserved message was not published after all."""
-        self.window.release(nbytes)
-
-    def segment(self, name: str, nbytes: int) -> None:
-        """A reserved message was published as segment ``name``."""
+    def _segment(self, name: str, nbytes: int) -> None:
         if not nbytes:
             return  # frees nothing when taken: not worth a look
         with self._lock:
             self._segments.append((name, nbytes))
 
-    def record(self, ring: Ring, end: int, nbytes: int) -> None:
-        """A reserved message was appended to ``ring``, its record ending at ``end``."""
+    def _record(self, ring: Ring, end: int, nbytes: int) -> None:
         if not nbytes:
             return
         with self._lock:
@@ -127,6 +123,37 @@ class Flight:
             self._records.clear()
             self._ring = None
         self.window.reset()
+
+
+class Ticket:
+    """One reservation of a ``Flight``: published once (as a segment or a ring record), or
+    cancelled; whatever comes after the first of these is ignored."""
+
+    __slots__ = ("_flight", "_open", "nbytes")
+
+    def __init__(self, flight: Flight, nbytes: int) -> None:
+        self._flight = flight
+        self.nbytes = nbytes
+        self._open = True
+
+    def segment(self, name: str) -> None:
+        """The message was published as segment ``name``: in flight until the name is gone."""
+        if self._open:
+            self._open = False
+            self._flight._segment(name, self.nbytes)
+
+    def record(self, ring: Ring, end: int) -> None:
+        """The message was appended to ``ring``, its record ending at ``end`` (``Ring.head``
+        just after the append): in flight until the consumer's ``Ring.tail`` passes it."""
+        if self._open:
+            self._open = False
+            self._flight._record(ring, end, self.nbytes)
+
+    def cancel(self) -> None:
+        """Nothing of the message was published: give its bytes back."""
+        if self._open:
+            self._open = False
+            self._flight.window.release(self.nbytes)
 
 
 class Inflight:
