@@ -54,13 +54,14 @@ def check_window(limit: object) -> int | None:
 class InflightWindow:
     """The window of one producer towards one consumer worker."""
 
-    __slots__ = ("_cond", "_limit", "_used", "consumer", "waits")
+    __slots__ = ("_cond", "_limit", "_lock", "_used", "consumer", "waits")
 
     def __init__(self, consumer: str, limit: int) -> None:
         self.consumer = consumer
         self._limit = limit
         self._used = 0
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self.waits = 0
 
     @property
@@ -88,9 +89,10 @@ class InflightWindow:
         ``release`` what the consumer has taken meanwhile. Raises ``ResourceExhaustedError``
         when the time is up; nothing is reserved then.
         """
-        with self._cond:
-            if self._fits(nbytes):
-                self._used += nbytes
+        with self._lock:  # the fast path: the lock itself, not the Condition's wrapper
+            used = self._used
+            if used + nbytes <= self._limit or used == 0:
+                self._used = used + nbytes
                 return
             self.waits += 1
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -166,3 +166,13 @@ def test_inflight_ticket_cancel_gives_back_once_and_only_before_publish(
     seg.unlink()
     flight.refresh()
     assert flight.window.used == 0
+
+
+def test_inflight_for_key_is_the_consumer_tasks_flight(peers: Peers) -> None:
+    from shmrdv._keys import parse_key
+    from tests.helpers import make_key
+
+    inflight = Inflight(10, peers)
+    flight = inflight.for_key(parse_key(make_key("a")))
+    assert inflight.for_key(parse_key(make_key("b"))) is flight
+    assert inflight.of(DST) is flight

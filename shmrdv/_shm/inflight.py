@@ -36,6 +36,7 @@ from .naming import Names
 
 if TYPE_CHECKING:
     from .._devices import DeviceName
+    from .._keys import ParsedKey
     from .._transport import PeerDirectory
     from .ring import Ring
 
@@ -163,7 +164,15 @@ class Inflight:
         self._windows = Windows(limit)
         self._peers = peers
         self._flights: dict[InflightWindow, Flight] = {}
+        self._by_device: dict[str, Flight] = {}  # by a key's dst device, as written
         self._lock = threading.Lock()
+
+    def for_key(self, key: ParsedKey) -> Flight:
+        """The flight to ``key``'s consumer (one dict look-up once known: the send path)."""
+        flight = self._by_device.get(key.dst_device)
+        if flight is None:
+            flight = self._by_device.setdefault(key.dst_device, self.of(key.dst))
+        return flight
 
     def of(self, consumer: DeviceName) -> Flight:
         """The flight to the task of device ``consumer`` (made on first use)."""
