@@ -30,6 +30,7 @@ from ._devices import DeviceName
 from ._errors import InvalidArgumentError, RendezvousError, ResourceExhaustedError
 
 if TYPE_CHECKING:
+    from ._keys import ParsedKey
     from ._transport import PeerDirectory
 
 __all__ = ["LIVENESS_S", "REFRESH_S", "ConsumerWatch", "InflightWindow", "Windows", "check_window"]
@@ -139,11 +140,12 @@ class InflightWindow:
 class Windows:
     """A producer's windows, one per consumer task (made on first use), all of one limit."""
 
-    __slots__ = ("_by_task", "_limit", "_lock")
+    __slots__ = ("_by_device", "_by_task", "_limit", "_lock")
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._by_task: dict[tuple[str, int, int], InflightWindow] = {}
+        self._by_device: dict[str, InflightWindow] = {}  # by a key's dst device, as written
         self._lock = threading.Lock()
 
     @property
@@ -161,6 +163,13 @@ class Windows:
                     job, replica, task = tk
                     w = InflightWindow(f"/job:{job}/replica:{replica}/task:{task}", self._limit)
                     self._by_task[tk] = w
+        return w
+
+    def for_key(self, key: ParsedKey) -> InflightWindow:
+        """The window towards ``key``'s consumer (one dict look-up once known: the send path)."""
+        w = self._by_device.get(key.dst_device)
+        if w is None:
+            w = self._by_device.setdefault(key.dst_device, self.of(key.dst))
         return w
 
     def __iter__(self) -> Iterator[InflightWindow]:

@@ -102,3 +102,15 @@ def test_windows_one_per_consumer_task_not_per_device() -> None:
     assert ws.used() == 130 and ws.waits() == 1
     ws.reset()
     assert ws.used() == 0
+
+
+def test_windows_for_key_is_the_dst_tasks_window() -> None:
+    from shmrdv._devices import DeviceName
+    from shmrdv._keys import create_key, parse_key
+    from shmrdv._window import Windows
+
+    ws = Windows(10)
+    src = "/job:w/replica:0/task:0/device:CPU:0"
+    a = ws.for_key(parse_key(create_key(src, 0, "/job:w/task:1/device:CPU:0", "a")))
+    b = ws.for_key(parse_key(create_key(src, 0, "/job:w/replica:0/task:1/cpu:0", "b")))
+    assert a is b is ws.of(DeviceName.parse("/job:w/replica:0/task:1"))

@@ -184,7 +184,7 @@ class GrpcTransport:
             self._put(box, key, value, is_dead)
             return
         nbytes = value.nbytes
-        window = self._windows.of(key.dst)
+        window = self._windows.for_key(key)
         watch = self._watches.get(window)
         if watch is None:
             watch = self._watches.setdefault(window, ConsumerWatch(self._ctx.peers, key.dst))
@@ -193,7 +193,7 @@ class GrpcTransport:
             if watch.died():
                 self._forget(window)
 
-        window.reserve(nbytes, timeout, refresh, repr(key.full_key))
+        window.reserve(nbytes, timeout, refresh, key.full_key)
         try:
             self._hold(step_id, window, nbytes)
         except BaseException:
@@ -275,7 +275,7 @@ class GrpcTransport:
 
         def finished(error: BaseException | None, received: Received | None) -> None:
             if received is not None and self._windows is not None:
-                self._unhold(step_id, self._windows.of(key.dst), received.value.nbytes)
+                self._unhold(step_id, self._windows.for_key(key), received.value.nbytes)
             invoke_done(done, error, received)
             self._drop_if_unused(step_id)
 
@@ -299,7 +299,7 @@ class GrpcTransport:
             box.requeue(key, received)
             return
         nbytes = received.value.nbytes
-        window = self._windows.of(key.dst)
+        window = self._windows.for_key(key)
         try:
             self._hold(step_id, window, nbytes)
         except RendezvousError:
