@@ -6,7 +6,8 @@ The one process harness of the library, the demo, the benchmarks and the tests:
   child, SIGINT is ignored (the parent handles Ctrl-C and stops it), SIGTERM raises
   ``SystemExit`` (so ``with Worker(...)`` blocks close), and Linux is asked to SIGTERM
   the child when the parent dies (``PR_SET_PDEATHSIG``). If ``target`` raises, the child
-  sends ``("error", traceback_text)`` and exits 1.
+  sends ``("error", traceback_text)`` and exits 1. ``cpus=`` pins the child to those CPUs
+  before ``target`` starts (the threads it starts inherit the mask).
 * ``Child.recv(timeout)`` waits for the next message, at most ``timeout`` seconds:
   ``ChildTimeout`` on silence, ``ChildFailed`` on death or an ``error`` message.
 * ``Child.stop(grace)`` / ``reap(children, grace)``: join within ``grace``, then SIGTERM,
@@ -72,9 +73,17 @@ def child_setup(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _entry(target: Callable[..., None], conn: Connection, parent_pid: int, *args: Any) -> None:
+def _entry(
+    target: Callable[..., None],
+    conn: Connection,
+    parent_pid: int,
+    cpus: frozenset[int] | None,
+    *args: Any,
+) -> None:
     child_setup(parent_pid)
     try:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
         target(conn, *args)
     except BaseException as e:
         if isinstance(e, SystemExit) and e.code in (0, None):
@@ -106,8 +115,9 @@ class Child:
 
     ``target`` and ``args`` must pickle (spawn starts a fresh interpreter): a top-level
     function. ``daemon=True`` (the default) also stops it when the parent exits normally;
-    a daemon cannot start children of its own. Use it as a context manager: leaving stops
-    it (``stop(grace=5)``).
+    a daemon cannot start children of its own. ``cpus``: pin the child to these CPUs
+    (``os.sched_setaffinity``; one this process may not use fails the child). Use it as
+    a context manager: leaving stops it (``stop(grace=5)``).
     """
 
     def __init__(
@@ -117,13 +127,20 @@ class Child:
         *args: Any,
         start_method: str = "spawn",
         daemon: bool = True,
+        cpus: Iterable[int] | None = None,
     ) -> None:
+        pinned = None if cpus is None else frozenset(cpus)
+        if pinned is not None and not pinned:
+            raise ValueError(f"{name}: cpus must name at least one CPU, or be None")
         ctx: Any = multiprocessing.get_context(start_method)
         self.name = name
         parent, child = ctx.Pipe()
         self.conn: Connection = parent
         self.process: multiprocessing.process.BaseProcess = ctx.Process(
-            target=_entry, args=(target, child, os.getpid(), *args), name=name, daemon=daemon
+            target=_entry,
+            args=(target, child, os.getpid(), pinned, *args),
+            name=name,
+            daemon=daemon,
         )
         try:
             self.process.start()
@@ -166,7 +183,9 @@ class Child:
         Raises ``ChildTimeout`` if none came, ``ChildFailed`` if the child died (its exit
         code or signal in the message) or sent ``("error", traceback)``.
         """
-        deadline = time.monotonic() + timeout
+        return self._recv_by(time.monotonic() + timeout, timeout, what)
+
+    def _recv_by(self, deadline: float, timeout: float, what: str) -> tuple[Any, ...]:
         while True:
             remaining = deadline - time.monotonic()
             if self.poll(max(0.0, min(remaining, 0.5))):
@@ -184,12 +203,24 @@ class Child:
             raise ChildFailed(f"{self.name} failed:\n{msg[1]}")
         return msg
 
-    def expect(self, kind: str, timeout: float) -> tuple[Any, ...]:
-        """The next message, which must be of ``kind`` (its first item)."""
-        msg = self.recv(timeout, repr(kind))
-        if msg[0] != kind:
-            raise ChildFailed(f"expected {kind!r} from {self.name}, got {msg!r}")
-        return msg
+    def expect(
+        self,
+        kind: str,
+        timeout: float,
+        other: Callable[[tuple[Any, ...]], bool] | None = None,
+    ) -> tuple[Any, ...]:
+        """The next message of ``kind`` (its first item), within ``timeout`` s in all.
+
+        A message of another kind goes to ``other`` (progress reports, say), which returns
+        True to keep waiting; without ``other``, or if it returns False, ``ChildFailed``.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._recv_by(deadline, timeout, repr(kind))
+            if msg[0] == kind:
+                return msg
+            if other is None or not other(msg):
+                raise ChildFailed(f"expected {kind!r} from {self.name}, got {msg!r}")
 
     def signal(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to this child (by its pid), unless it has exited."""
@@ -256,10 +287,17 @@ class ChildGroup:
     def __iter__(self) -> Iterator[Child]:
         return iter(list(self.children.values()))
 
-    def start(self, name: str, target: Callable[..., None], *args: Any) -> Child:
+    def start(
+        self,
+        name: str,
+        target: Callable[..., None],
+        *args: Any,
+        cpus: Iterable[int] | None = None,
+    ) -> Child:
+        """Start ``Child(name, target, *args, cpus=cpus)`` in this group."""
         if name in self.children:
             raise ValueError(f"a child named {name!r} was already started")
-        child = Child(name, target, *args, start_method=self._start_method)
+        child = Child(name, target, *args, start_method=self._start_method, cpus=cpus)
         self.children[name] = child
         return child
 

@@ -91,7 +91,6 @@ def timeout_error(pk: ParsedKey, timeout: float | None) -> DeadlineExceededError
     )
 
 
-_timeout_error = timeout_error  # the old name, still imported by _shm/transport.py
 
 
 class RecvSlot:

@@ -21,24 +21,19 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._callbacks import DoneCallback
 from ._cluster import ClusterSpec
 from ._devices import DeviceName
 from ._errors import AbortedError, InvalidArgumentError, closed_error
 from ._hostaddr import is_local_host, split_host_port
-from ._keys import ParsedKey
 from ._namespace import resolve_namespace
 from ._peers import ALL_TRANSPORTS, Peers, canonical_task
-from ._rendezvous import Canceller, RecvSlot
 from ._router import Router, RouterContext, StepRendezvous
-from ._transport import PeerRecord, Transport, TransportContext
+from ._transport import Transport, TransportContext
 from ._window import check_window
 
 if TYPE_CHECKING:
-    import numpy.typing as npt
-
     from ._rpc.security import TLSConfig
-    from ._shm.presence import PeerWatch, Presence
+    from ._shm.presence import Presence
 
 __all__ = ["Worker"]
 
@@ -68,95 +63,6 @@ def _task_of(task: str | DeviceName) -> DeviceName:
             f"'/job:worker/replica:0/task:0', not {str(task)!r}"
         )
     return canonical_task(dev)
-
-
-class _LegacyShmHost:
-    """TEMPORARY (until the split ShmTransport takes a TransportContext): what the old
-    ``ShmTransport`` reads of its "worker", built from the context alone."""
-
-    def __init__(self, ctx: TransportContext, peers: Peers) -> None:
-        self._ctx = ctx
-        self._names = ctx.names
-        self.task = ctx.task_name
-        self.incarnation = ctx.incarnation
-        self._peers = peers
-
-    def peer_watch(self, task: DeviceName) -> PeerWatch:
-        return self._peers.watch(task)
-
-    def is_cleaned_up(self, step_id: int) -> bool:
-        return self._ctx.cleaned_up(step_id)
-
-    def _is_own_task(self, dev: DeviceName) -> bool:
-        return self._ctx.task.same_task(dev)
-
-
-class _LegacyShm:
-    """TEMPORARY adapter of the old ``ShmTransport`` (which takes the Worker) to the
-    ``Transport`` protocol; replaced by ``ShmTransport(ctx, pool_bytes=...)``."""
-
-    name = "shm"
-
-    def __init__(self, ctx: TransportContext, peers: Peers, *, pool_bytes: int) -> None:
-        from ._shm.transport import ShmTransport
-
-        self._host = _LegacyShmHost(ctx, peers)
-        self._t: Any = ShmTransport(self._host, pool_bytes=pool_bytes)  # type: ignore[arg-type]
-
-    def can_reach(self, peer: PeerRecord) -> bool:
-        return peer.same_host
-
-    def send(
-        self,
-        step_id: int,
-        key: ParsedKey,
-        value: npt.NDArray[Any],
-        is_dead: bool,
-        timeout: float | None,
-    ) -> None:
-        self._t.send(step_id, key, value, is_dead)
-
-    def allocate(self, step_id: int, key: ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
-        arr: npt.NDArray[Any] = self._t.allocate(step_id, key, shape, dtype)
-        return arr
-
-    def start_recv(
-        self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, waits: bool
-    ) -> Canceller:
-        cancel: Canceller = self._t.start_recv(step_id, key, done, copy, blocking=waits)
-        return cancel
-
-    def wait(self, slot: RecvSlot, timeout: float) -> None:
-        # One round of the old recv_blocking loop: lead the doorbell or follow the leader.
-        t = self._t
-        with t._lock:
-            if slot.filled:
-                return
-            leader = not t._polling and not t._closed
-            if leader:
-                t._polling = True
-            else:
-                t._wake.wait(timeout)
-        if leader:
-            try:
-                t._poll(timeout)
-            finally:
-                with t._lock:
-                    t._polling = False
-                    t._wake.notify_all()
-
-    def abort_step(self, step_id: int, error: BaseException) -> None:
-        self._t.abort_step(step_id, error)
-
-    def cleanup_step(self, step_id: int) -> None:
-        self._t.cleanup_step(step_id)
-
-    def close(self) -> None:
-        self._t.close()
-
-    def stats(self) -> dict[str, int]:
-        out: dict[str, int] = self._t.stats()
-        return out
 
 
 class Worker:
@@ -322,7 +228,9 @@ class Worker:
             ),
         )
         if "shm" in self.transports:
-            self._shm = _LegacyShm(self._ctx, self._peers, pool_bytes=self._shm_pool_bytes)
+            from ._shm.transport import ShmTransport
+
+            self._shm = ShmTransport(self._ctx, pool_bytes=self._shm_pool_bytes)
 
     def _cluster_has_remote_task(self) -> bool:
         if self.cluster is None:

@@ -13,9 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from shmrdv._bench.common import parse_size, parse_sizes
+from shmrdv._bench.common import parse_array_size, parse_sizes
 from shmrdv._bench.options import build_parser
-from shmrdv._bench.peers import METHODS, Handler, make_stamp, pack_ack, unpack_ack
+from shmrdv._bench.peers import (
+    METHODS,
+    Handler,
+    MethodSpec,
+    Ponger,
+    RoleContext,
+    make_stamp,
+    pack_ack,
+    register_method,
+    unpack_ack,
+)
+from shmrdv._sizes import format_size
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,18 +47,37 @@ def _tagged_pids(tag: str) -> list[int]:
 
 
 def test_parse_size_suffixes() -> None:
-    assert parse_size("64") == 64
-    assert parse_size("1k") == 1024
-    assert parse_size("16M") == 16 << 20
-    assert parse_size("1g") == 1 << 30
-    assert parse_size("64KiB") == 64 << 10
+    assert parse_array_size("64") == 64
+    assert parse_array_size("1k") == 1024
+    assert parse_array_size("16M") == 16 << 20
+    assert parse_array_size("1g") == 1 << 30
+    assert parse_array_size("64KiB") == 64 << 10
     assert parse_sizes("1m,64, 1k,1m") == [64, 1024, 1 << 20]
 
 
-@pytest.mark.parametrize("bad", ["", "x", "1q", "6", "4"])
-def test_parse_size_rejects_bad_sizes(bad: str) -> None:
-    with pytest.raises(ValueError):
-        parse_size(bad)
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ("", "e.g. 4096, 64k"),
+        ("x", "e.g. 4096, 64k"),
+        ("1q", "e.g. 4096, 64k"),
+        ("10", "must be a multiple of 4 bytes"),
+        ("4", "must be at least 8 bytes"),
+    ],
+)
+def test_parse_size_rejects_bad_sizes(bad: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        parse_array_size(bad)
+
+
+def test_sizes_print_whole_units_whole() -> None:
+    assert [format_size(n) for n in (64, 1024, 1536, 16 << 20, 5 << 29)] == [
+        "64 B",
+        "1 KiB",
+        "1.5 KiB",
+        "16 MiB",
+        "2.5 GiB",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -59,13 +89,14 @@ def test_parse_size_rejects_bad_sizes(bad: str) -> None:
         ("--budget", "-1", "above 0 and up to 3600"),
         ("--gap-us", "-5", "from 0 to 1e+06"),
         ("--idle-seconds", "601", "from 0 to 600"),
-        ("--sizes", "1k,6", "multiple of 4"),
+        ("--sizes", "1k,10", "multiple of 4"),
+        ("--sizes", "1k,6", "at least 8 bytes"),
         ("--sizes", "32g", "16 GiB"),
         ("--sizes", ",", "no sizes"),
         ("--load-messages", "0", "from 1 to"),
         ("--load-producers", "257", "from 1 to 256"),
         ("--load-keys", "0", "from 1 to"),
-        ("--load-max-size", "4x", "e.g. 64, 1k"),
+        ("--load-max-size", "4x", "e.g. 4096, 64k"),
         ("--load-window", "0", "at least 8"),
         ("--load-seed", "-1", "from 0 to"),
         ("--soak", "0", "from 1 to"),
@@ -290,3 +321,43 @@ def test_fan_in_measures_send_and_allocate_against_memcpy(tmp_path: Path) -> Non
         assert data["x_memcpy"][path] == pytest.approx(data["gbps"][path] / data["memcpy_gbps"])
     proc = _bench("--fan-in=2", "--sizes=1k,64k")
     assert proc.returncode == 2 and "--fan-in takes one size" in proc.stderr
+
+
+def _planted_ponger_failure(ctx: RoleContext) -> Ponger:
+    raise ValueError("planted ponger failure")
+
+
+def test_a_failing_role_fails_its_method_with_the_cause(tmp_path: Path) -> None:
+    from shmrdv._bench import runner
+
+    register_method(
+        MethodSpec(
+            name="planted_failure",
+            label="a ponger that raises while it starts",
+            pinger=METHODS["mp_pipe_oob"].pinger,
+            ponger=_planted_ponger_failure,
+        )
+    )
+    out = tmp_path / "bench.json"
+    try:
+        status = runner.main(
+            [
+                "--methods=planted_failure",
+                "--no-baselines",
+                "--sizes=1k",
+                "--reps=1",
+                "--budget=0.05",
+                "--idle-seconds=0",
+                f"--json={out}",
+            ]
+        )
+    finally:
+        del METHODS["planted_failure"]
+    assert status == 1
+    (method,) = json.loads(out.read_text())["methods"]
+    assert method["status"] == "failed"
+    # The ponger's traceback, or the pinger's (its link closed) naming the ponger's death.
+    reason = method["reason"]
+    assert "ValueError: planted ponger failure" in reason or (
+        "the ponger had died first: exit code 1" in reason
+    ), reason

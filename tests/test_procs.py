@@ -140,3 +140,49 @@ def test_stop_closes_the_pipe_so_a_waiting_child_exits_by_itself() -> None:
     assert not child.stop(20)  # EOF ended wait_for_close: no signal needed
     assert child.process.exitcode == 0
     assert time.monotonic() - t0 < 20
+
+
+def _affinity(conn: Connection) -> None:
+    conn.send(("cpus", sorted(os.sched_getaffinity(0))))
+    wait_for_close(conn)
+
+
+def test_cpus_pins_the_child_before_its_target_runs() -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    with ChildGroup() as group:
+        group.start("pinned", _affinity, cpus=[usable[-1]])
+        group.start("free", _affinity)
+        assert group["pinned"].expect("cpus", 30) == ("cpus", [usable[-1]])
+        assert group["free"].expect("cpus", 30) == ("cpus", usable)
+
+
+def test_cpus_outside_the_mask_fail_the_child_and_empty_cpus_are_refused() -> None:
+    outside = max(os.sched_getaffinity(0)) + 1
+    child = Child("unpinnable", _affinity, cpus=[outside])
+    with child, pytest.raises(ChildFailed, match=r"unpinnable failed:(.|\n)*OSError"):
+        child.recv(30)
+    with pytest.raises(ValueError, match="cpus must name at least one CPU"):
+        Child("nowhere", _affinity, cpus=[])
+
+
+def _reports_progress(conn: Connection, steps: int) -> None:
+    for n in range(steps):
+        conn.send(("progress", n))
+    conn.send(("done", steps))
+    wait_for_close(conn)
+
+
+def test_expect_hands_other_kinds_to_other_and_fails_on_unhandled_ones() -> None:
+    seen: list[tuple[object, ...]] = []
+
+    def note(msg: tuple[object, ...]) -> bool:
+        seen.append(msg)
+        return True
+
+    with Child("reporter", _reports_progress, 3) as child:
+        assert child.expect("done", 30, other=note) == ("done", 3)
+    assert seen == [("progress", 0), ("progress", 1), ("progress", 2)]
+    child = Child("reporter", _reports_progress, 1)
+    unhandled = r"expected 'done' from reporter, got \('progress', 0\)"
+    with child, pytest.raises(ChildFailed, match=unhandled):
+        child.expect("done", 30, other=lambda m: False)

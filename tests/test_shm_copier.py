@@ -96,3 +96,48 @@ def test_a_forked_child_copies_with_its_own_helpers(monkeypatch: pytest.MonkeyPa
         os.waitpid(pid, 0)
         pytest.fail("the forked child's copy hung")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+_HOLD_ALL_TOKENS = r"""
+import fcntl, os, sys
+from shmrdv._shm import copier
+fd = os.open(copier._TOKENS_PATH.format(uid=os.geteuid()), copier._TOKENS_OPEN, 0o600)
+for i in range(copier.machine_budget()):
+    fcntl.lockf(fd, fcntl.LOCK_EX, 1, i)
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_helpers_share_one_budget_across_processes() -> None:
+    """Another process holding every helper token leaves this one plain copies; its death
+    gives the tokens back (issue 15 §3: 4 producers on 2 CPUs ran 16 copying threads)."""
+    import subprocess
+    import sys
+
+    if copier.machine_budget() == 0:
+        pytest.skip("one CPU: no helpers at all")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_ALL_TOKENS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "holding"
+        assert copier._tokens.take(3, check_load=False) == []
+        src = np.arange(2 * PARALLEL_MIN // 8, dtype=np.int64)
+        dst = np.zeros_like(src)
+        copy_into(dst, src)  # a plain copy, still every byte
+        assert np.array_equal(dst, src)
+    finally:
+        child.kill()
+        child.communicate()
+    got = copier._tokens.take(3, check_load=False)
+    try:
+        assert 1 <= len(got) <= copier.machine_budget()
+    finally:
+        copier._tokens.give(got)

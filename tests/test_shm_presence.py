@@ -419,3 +419,54 @@ def test_peerwatch_shared_between_threads(names: Names) -> None:
                 t.join(5)
     assert not errors
     assert seen <= {"absent", "alive", "dead"} and "alive" in seen
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_liveness_fds_flat_over_many_jobs_in_one_process() -> None:
+    """Each job's liveness descriptors go with its workers (issue 11: +40 fds after 40 jobs).
+
+    Every job sends pool-slot tensors between two workers of this process, so the consumer
+    gives slots back, which asks whether the producer lives (its presence record's flock).
+    """
+    import numpy as np
+
+    import shmrdv
+
+    def job() -> None:
+        ns = shmrdv.new_namespace()
+        a, b = "/job:j/replica:0/task:0", "/job:j/replica:0/task:1"
+        with shmrdv.Worker(a, namespace=ns) as wa, shmrdv.Worker(b, namespace=ns) as wb:
+            k = shmrdv.create_key(a + "/device:CPU:0", 0, b + "/device:CPU:0", "x")
+            for step in range(3):
+                wa.rendezvous(step).send(k, np.ones(1 << 18, np.float32))
+                got = wb.rendezvous(step).recv(k, timeout=10)
+                assert got.value[0] == 1.0
+                del got
+                gc.collect()  # the slot goes back: a liveness look at the producer
+                wb.cleanup(step)
+                wa.cleanup(step)
+
+    job()
+    job()
+    gc.collect()
+    before = _open_fds()
+    for _ in range(40):
+        job()
+    gc.collect()
+    assert _open_fds() <= before
+
+
+def test_peerwatch_bounded_descriptors_over_restarts(names: Names) -> None:
+    """A watched task restarted many times: the watch keeps a handful of descriptors."""
+    with PeerWatch(names, TASK) as w:
+        for inc in range(1, 30):
+            info = PresenceInfo(TASK, os.getpid(), boot_id(), inc, time.time(), names.namespace)
+            with Presence.publish(names, info):
+                state, seen = w.look()
+                assert state == "alive" and seen is not None and seen.incarnation == inc
+            assert w.state() == "absent"
+            assert w.open_fds() <= 1
+    assert w.open_fds() == 0

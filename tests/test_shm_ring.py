@@ -133,7 +133,7 @@ def test_ring_across_processes_never_reads_a_torn_word() -> None:
 def test_the_ring_is_on_by_default_and_bounded(
     env: str | None, expected: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shmrdv._shm.transport import _inline_max
+    from shmrdv._shm.producer import inline_max as _inline_max
 
     if env is None:
         monkeypatch.delenv("SHMRDV_INLINE_MAX", raising=False)

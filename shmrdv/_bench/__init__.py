@@ -2,8 +2,8 @@
 
 ``options`` defines the command line and checks every value's range (standard library
 only: the CLI builds it without loading the rest); ``common`` holds what every mode
-shares (sizes, pinning, a child's start-up); ``children`` spawns and reaps the modes'
-processes. ``runner`` spawns each method's pinger and ponger and drives the sizes (``main``,
+shares (size lists, pinning); every mode's processes are ``shmrdv._procs`` children.
+``runner`` spawns each method's pinger and ponger and drives the sizes (``main``,
 ``build_parser``, ``run``; ``--pending N`` is a set of its methods); ``peers`` holds the
 method contract, the registry (``METHODS``, ``register_method``) and the peer methods,
 ``shmrdv_methods`` shmrdv's own; ``report`` turns the figures into markdown tables, JSON

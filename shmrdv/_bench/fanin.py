@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .children import ChildFailed, ChildGroup
-from .common import format_size
+from .._procs import ChildFailed, ChildGroup
+from .._sizes import format_size
 from .report import TIMES
 
 __all__ = ["FanInConfig", "FanInResult", "format_fanin", "run_cli", "run_fanin"]
@@ -249,34 +249,34 @@ def run_fanin(cfg: FanInConfig, say: Callable[[str], None] = lambda _: None) -> 
         for p, name in enumerate(producers):
             group.start(name, _producer, p, cfg, namespace, windows[p])
         for name in ("consumer", *producers):
-            group.expect(name, "ready", 180.0)
-        group.send("consumer", ("memcpy",))
-        memcpy = [group.expect("consumer", "memcpy", t)[1]]
+            group[name].expect("ready", 180.0)
+        group["consumer"].send(("memcpy",))
+        memcpy = [group["consumer"].expect("memcpy", t)[1]]
         step = 0
         for path in PATHS:
             result.round_gbps[path] = []
             for r in range(cfg.rounds + 1):  # round 0 warms the pools up
                 say(f"fan-in: {path}, round {r}/{cfg.rounds}")
                 step += 1
-                group.send("consumer", ("run", step))
-                group.expect("consumer", "armed", t)
+                group["consumer"].send(("run", step))
+                group["consumer"].expect("armed", t)
                 for name in producers:
-                    group.send(name, ("run", step, path))
-                firsts = [group.expect(name, "sent", t)[1] for name in producers]
-                t_last = group.expect("consumer", "received", t)[1]
+                    group[name].send(("run", step, path))
+                firsts = [group[name].expect("sent", t)[1] for name in producers]
+                t_last = group["consumer"].expect("received", t)[1]
                 for name in ("consumer", *producers):
-                    group.send(name, ("cleanup",))
-                    group.expect(name, "cleaned", t)
+                    group[name].send(("cleanup",))
+                    group[name].expect("cleaned", t)
                 if r > 0:
                     total = cfg.producers * cfg.count * cfg.nbytes
                     result.round_gbps[path].append(total / max(1, t_last - min(firsts)))
             result.gbps[path] = float(statistics.median(result.round_gbps[path]))
-        group.send("consumer", ("memcpy",))
-        memcpy.append(group.expect("consumer", "memcpy", t)[1])
+        group["consumer"].send(("memcpy",))
+        memcpy.append(group["consumer"].expect("memcpy", t)[1])
         result.memcpy_gbps = float(statistics.median(memcpy))
         for name in ("consumer", *producers):
-            group.send(name, ("close",))
-            group.expect(name, "bye", 60.0)
+            group[name].send(("close",))
+            group[name].expect("bye", 60.0)
         ok = True
     except ChildFailed as e:
         result.failure = str(e)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import multiprocessing
 import queue
 import struct
 import time
@@ -49,9 +50,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._procs import ChildFailed, ChildGroup, ChildTimeout, wait_for_close
+from .._sizes import format_size
 from . import options
-from .children import ChildFailed, ChildGroup, ChildTimeout, wait_for_close
-from .common import format_size, parse_size
+from .common import parse_array_size
 
 __all__ = [
     "HEADER",
@@ -93,9 +95,9 @@ class LoadConfig:
     producers: int = options.LOAD_PRODUCERS
     keys: int = options.LOAD_KEYS
     min_size: int = 64
-    max_size: int = parse_size(options.LOAD_MAX_SIZE)
+    max_size: int = parse_array_size(options.LOAD_MAX_SIZE)
     seed: int = options.LOAD_SEED
-    window_bytes: int = parse_size(options.LOAD_WINDOW)
+    window_bytes: int = parse_array_size(options.LOAD_WINDOW)
     alloc_fraction: float = 0.5
     timeout_s: float = 900.0
 
@@ -487,23 +489,20 @@ def run_load(cfg: LoadConfig, progress: Callable[[str], None] | None = None) -> 
     )
     namespace = shmrdv.new_namespace()
     group = ChildGroup()
-    go = group.ctx.Event()
-    consumed = group.ctx.RawArray(ctypes.c_int64, cfg.producers)
+    mpctx = multiprocessing.get_context("spawn")
+    go = mpctx.Event()
+    consumed = mpctx.RawArray(ctypes.c_int64, cfg.producers)
     t_wall = time.monotonic()
     ok = False
 
     sent: dict[str, dict[str, Any]] = {}
 
-    def on_message(name: str, msg: tuple[Any, ...]) -> bool:
+    def on_progress(msg: tuple[Any, ...]) -> bool:
         if msg[0] == "progress":
             say(f"load: {msg[1]:,}/{cfg.messages:,} messages checked")
             return True
-        if msg[0] == "sent":
-            sent[name] = msg[1]
-            return True
         return False
 
-    group.on_message = on_message
     producers = [f"producer{p}" for p in range(cfg.producers)]
     try:
         say(
@@ -513,28 +512,30 @@ def run_load(cfg: LoadConfig, progress: Callable[[str], None] | None = None) -> 
         group.start("consumer", _consumer, cfg, namespace, go, consumed)
         for p, name in enumerate(producers):
             group.start(name, _producer, p, cfg, namespace, go, consumed)
-        group.expect("consumer", "ready", 180.0)
+        group["consumer"].expect("ready", 180.0)
         for name in producers:
-            group.expect(name, "ready", 180.0)
+            group[name].expect("ready", 180.0)
         t0 = time.monotonic()
         go.set()
         deadline = t0 + cfg.timeout_s + 60.0
         while True:
             try:
-                done = group.expect("consumer", "done", 1.0)[1]
+                done = group["consumer"].expect("done", 1.0, on_progress)[1]
                 break
             except ChildTimeout:
                 if time.monotonic() > deadline:
                     raise
-                group.check_alive(producers)  # a dead producer fails the run now, not at timeout
+                for name in producers:  # a failed producer fails the run now, not at timeout
+                    if name not in sent and group[name].poll():
+                        sent[name] = group[name].expect("sent", 0.0)[1]
         for name in producers:
             if name not in sent:
-                sent[name] = group.expect(name, "sent", 60.0)[1]
+                sent[name] = group[name].expect("sent", 60.0)[1]
         result.elapsed_s = time.monotonic() - t0
         for name in (*producers, "consumer"):
-            group.send(name, ("close",))
+            group[name].send(("close",))
         for name in (*producers, "consumer"):
-            group.expect(name, "bye", 60.0)
+            group[name].expect("bye", 60.0)
         ok = True
         result.producers = [sent[name] for name in producers]
         for f in (

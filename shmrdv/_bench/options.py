@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from .common import format_size, parse_size, parse_sizes
+from .._sizes import format_size
+from .common import parse_array_size, parse_sizes
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -93,7 +94,7 @@ def float_range(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str
 
 
 def _checked_size(text: str) -> int:
-    value = parse_size(text)
+    value = parse_array_size(text)
     if value > MAX_SIZE:
         raise ValueError(f"size {text!r} is above the largest, {format_size(MAX_SIZE)}")
     return value

@@ -36,8 +36,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .children import ChildFailed, ChildGroup
-from .common import format_size, pin_cpus
+from .._procs import ChildFailed, ChildGroup
+from .._sizes import format_size
+from .common import pin_cpus
 from .peers import pipe_oob_recv, pipe_oob_send
 from .report import TIMES
 
@@ -278,42 +279,42 @@ def run_pycost(cfg: PyCostConfig, say: Callable[[str], None] = lambda _: None) -
     namespace = shmrdv.new_namespace()
     group = ChildGroup()
     reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
-    cpus: tuple[int | None, int | None] = result.cpus or (None, None)
     started = time.monotonic()
     raw: dict[str, list[list[list[int]]]] = {op: [] for op in OPS}
     ok = False
     try:
-        group.start("producer", _producer, cfg, namespace, writer, cpu=cpus[0])
-        group.start("consumer", _consumer, cfg, namespace, reader, cpu=cpus[1])
+        pins = [None, None] if result.cpus is None else [[cpu] for cpu in result.cpus]
+        group.start("producer", _producer, cfg, namespace, writer, cpus=pins[0])
+        group.start("consumer", _consumer, cfg, namespace, reader, cpus=pins[1])
         writer.close()
         reader.close()
-        _, _, batch = group.expect("producer", "ready", 180.0)
-        group.expect("consumer", "ready", 180.0)
+        _, _, batch = group["producer"].expect("ready", 180.0)
+        group["consumer"].expect("ready", 180.0)
         result.pipe_batch = batch
         t = cfg.timeout_s
         for r in range(cfg.rounds + 1):  # round 0 warms up
             say(f"python cost: round {r}/{cfg.rounds}")
-            group.send("producer", ("send", r))
-            sent = group.expect("producer", "sent", t)[1]
+            group["producer"].send(("send", r))
+            sent = group["producer"].expect("sent", t)[1]
             time.sleep(SETTLE_S)
-            group.send("consumer", ("recv", r))
-            received = group.expect("consumer", "received", t)[1]
+            group["consumer"].send(("recv", r))
+            received = group["consumer"].expect("received", t)[1]
             for name in ("producer", "consumer"):
-                group.send(name, ("cleanup", r))
-                group.expect(name, "cleaned", t)
+                group[name].send(("cleanup", r))
+                group[name].expect("cleaned", t)
             piped: list[list[int]] = []
             unpiped: list[list[int]] = []
             left = cfg.count
             while left > 0:
                 n = min(batch, left)
-                group.send("producer", ("pipe", n))
-                piped.append(group.expect("producer", "piped", t)[1])
+                group["producer"].send(("pipe", n))
+                piped.append(group["producer"].expect("piped", t)[1])
                 time.sleep(SETTLE_S / 10)
-                group.send("consumer", ("pipe", n))
-                unpiped.append(group.expect("consumer", "unpiped", t)[1])
+                group["consumer"].send(("pipe", n))
+                unpiped.append(group["consumer"].expect("unpiped", t)[1])
                 left -= n
-            group.send("producer", ("pickle",))
-            pickled = group.expect("producer", "pickled", t)[1]
+            group["producer"].send(("pickle",))
+            pickled = group["producer"].expect("pickled", t)[1]
             if r == 0:
                 continue
             raw["shmrdv_send"].append([sent])
@@ -324,8 +325,8 @@ def run_pycost(cfg: PyCostConfig, say: Callable[[str], None] = lambda _: None) -
         for op in OPS:
             result.ops[op] = _figures(raw[op])
         for name in ("producer", "consumer"):
-            group.send(name, ("close",))
-            group.expect(name, "bye", 60.0)
+            group[name].send(("close",))
+            group[name].expect("bye", 60.0)
         ok = True
     except ChildFailed as e:
         result.failure = str(e)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .common import format_size
+from .._sizes import format_size
 
 __all__ = [
     "BenchRun",

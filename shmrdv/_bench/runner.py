@@ -28,20 +28,21 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from multiprocessing.connection import Connection
-from multiprocessing.context import SpawnContext, SpawnProcess
+from multiprocessing.context import SpawnContext
 from typing import Any, TextIO
 
 import numpy as np
 import numpy.typing as npt
 
+from .._procs import Child, ChildFailed, ChildTimeout, exit_reason, reap
+from .._sizes import format_size
 from . import options, peers
-from .common import die_with_parent, format_size, on_sigterm, parse_sizes, pin_cpus
+from .common import parse_sizes, pin_cpus
 from .options import DEFAULT_SIZES, QUICK_SIZES
 from .peers import (
     KIND_CHECK,
@@ -203,20 +204,18 @@ def _drive(pinger: Pinger, ctrl: Connection, started: float) -> None:
 
 
 def _role_main(
+    ctrl: Connection,
     role: str,
     factory: Callable[[RoleContext], Any],
-    ctrl: Connection,
     link: Connection | None,
     shared: dict[str, Any],
     env: dict[str, Any],
 ) -> None:
-    """Entry point of a spawned role process."""
+    """A role's process (a ``_procs.Child``): build the method's end, serve or drive it.
+
+    A failure raises out of here, and ``_procs`` sends its traceback to the runner.
+    """
     started = time.perf_counter()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner handles Ctrl-C and stops us
-    signal.signal(signal.SIGTERM, on_sigterm)  # so that close() runs when terminated
-    die_with_parent(env["parent_pid"])
-    if env.get("cpu") is not None:
-        os.sched_setaffinity(0, {env["cpu"]})
     handler = Handler()
     ctx = RoleContext(
         role=role,
@@ -229,30 +228,21 @@ def _role_main(
         handler=handler,
         pending=env["pending"],
     )
-    obj: Any = None
-    failed = False
+    obj = factory(ctx)
     try:
-        obj = factory(ctx)
         if role == "ponger":
             ctrl.send(("ready", time.perf_counter() - started, sorted(os.sched_getaffinity(0))))
             obj.serve(handler)
         else:
             _drive(obj, ctrl, started)
     except BaseException:
-        failed = True
-        with contextlib.suppress(Exception):
-            ctrl.send(("error", role, traceback.format_exc()))
-    finally:
-        if obj is not None:
-            try:
-                obj.close()
-            except BaseException:
-                if not failed:
-                    failed = True
-                    with contextlib.suppress(Exception):
-                        ctrl.send(("error", role, "in close():\n" + traceback.format_exc()))
-    if failed:
-        raise SystemExit(1)
+        with contextlib.suppress(BaseException):  # the first failure is the one to report
+            obj.close()
+        raise
+    try:
+        obj.close()
+    except Exception as e:
+        raise BenchError(f"the {role} failed in close()") from e
     ctrl.send(("bye", handler.handled))
 
 
@@ -276,10 +266,6 @@ class _Progress:
         self._stream.flush()
 
 
-class _RoleFailed(Exception):
-    pass
-
-
 @dataclass
 class _Options:
     sizes: list[int]
@@ -292,151 +278,124 @@ class _Options:
 
 
 class _Roles:
-    """The processes of one method and the runner's ends of their pipes."""
+    """The two processes of one method (``_procs.Child``), watched together.
+
+    The runner talks to the pinger; the ponger only says ``ready`` (with its CPUs) or
+    fails, and either role's failure or death fails the method (``ChildFailed``).
+    """
 
     def __init__(
-        self, spec: MethodSpec, mpctx: SpawnContext, env: dict[str, Any], cpus: list[int | None]
+        self,
+        spec: MethodSpec,
+        mpctx: SpawnContext,
+        env: dict[str, Any],
+        cpus: Sequence[int | None],
     ) -> None:
         self.spec = spec
         self.env = env
         self.stopping = False
         self.ponger_cpus: list[int] | None = None
-        self.procs: list[SpawnProcess] = []
         self.shared: dict[str, Any] = spec.make_shared(mpctx) if spec.make_shared else {}
-        self.ping_ctrl, ping_child = mpctx.Pipe()
-        self.pong_ctrl: Connection | None = None
+        self.children: list[Child] = []
+        self.ponger: Child | None = None
+        self._ponger_open = False
+        pins = [None if cpu is None else [cpu] for cpu in cpus]
         link_a: Connection | None = None
         link_b: Connection | None = None
-        self.ponger: SpawnProcess | None = None
         try:
             if spec.ponger is not None:
                 link_a, link_b = mpctx.Pipe()
-                self.pong_ctrl, pong_child = mpctx.Pipe()
-                self.ponger = mpctx.Process(
-                    target=_role_main,
-                    args=(
-                        "ponger",
-                        spec.ponger,
-                        pong_child,
-                        link_b,
-                        self.shared,
-                        {**env, "cpu": cpus[1]},
-                    ),
-                    name=f"bench-{spec.name}-ponger",
-                    daemon=True,
-                )
-                self.ponger.start()
-                self.procs.append(self.ponger)
-                pong_child.close()
-            self.pinger = mpctx.Process(
-                target=_role_main,
-                args=(
-                    "pinger",
-                    spec.pinger,
-                    ping_child,
-                    link_a,
-                    self.shared,
-                    {**env, "cpu": cpus[0]},
-                ),
-                name=f"bench-{spec.name}-pinger",
-                daemon=True,
-            )
-            self.pinger.start()
-            self.procs.append(self.pinger)
+                self.ponger = self._start("ponger", spec.ponger, link_b, pins[1])
+                self._ponger_open = True
+            self.pinger = self._start("pinger", spec.pinger, link_a, pins[0])
+        except BaseException:
+            reap(self.children, 0.0)  # the ponger, if the pinger did not start
+            raise
         finally:
-            # Only the children keep these ends, so a dead role shows up as EOF.
-            ping_child.close()
-            for end in (link_a, link_b):
+            for end in (link_a, link_b):  # only the roles keep the link
                 if end is not None:
                     end.close()
 
-    def send(self, msg: tuple[Any, ...]) -> None:
-        try:
-            self.ping_ctrl.send(msg)
-        except OSError as e:
-            raise _RoleFailed(f"pinger gone ({self._exit(self.pinger)})") from e
+    def _start(
+        self,
+        role: str,
+        factory: Callable[[RoleContext], Any],
+        link: Connection | None,
+        cpus: list[int] | None,
+    ) -> Child:
+        name = f"bench-{self.spec.name}-{role}"
+        args = (role, factory, link, self.shared, self.env)
+        child = Child(name, _role_main, *args, cpus=cpus)
+        self.children.append(child)
+        return child
 
-    @staticmethod
-    def _exit(p: SpawnProcess) -> str:
-        code = p.exitcode
-        if code is None:
-            return "still running"
-        return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+    def send(self, msg: tuple[Any, ...]) -> None:
+        self.pinger.send(msg)
 
     def next(self, timeout: float) -> tuple[Any, ...]:
-        """The pinger's next message; raises _RoleFailed on an error, a death or silence."""
+        """The pinger's next message; ``ChildFailed`` on an error, a death or silence."""
         deadline = time.monotonic() + timeout
         while True:
-            waitables: list[Any] = [self.ping_ctrl, self.pinger.sentinel]
-            if self.pong_ctrl is not None:
-                waitables.append(self.pong_ctrl)
-            if self.ponger is not None and self.ponger.exitcode is None:
-                waitables.append(self.ponger.sentinel)
+            waitables: list[Any] = [self.pinger.conn, self.pinger.process.sentinel]
+            if self.ponger is not None:
+                if self._ponger_open:
+                    waitables.append(self.ponger.conn)
+                if self.ponger.process.exitcode is None:
+                    waitables.append(self.ponger.process.sentinel)
             remaining = deadline - time.monotonic()
             ready = multiprocessing.connection.wait(waitables, timeout=max(0.0, remaining))
             if not ready:
-                raise _RoleFailed(f"no word from the pinger for {timeout:g} s (hung?)")
-            if self.pong_ctrl is not None and self.pong_ctrl in ready:
-                try:
-                    msg = self.pong_ctrl.recv()
-                except EOFError:
-                    self.pong_ctrl.close()
-                    self.pong_ctrl = None
-                    continue
-                if msg[0] == "error":
-                    raise _RoleFailed(f"ponger failed:\n{msg[2]}")
-                if msg[0] == "ready":
-                    self.ponger_cpus = msg[2]
+                raise ChildTimeout(f"no word from the pinger for {timeout:g} s (hung?)")
+            if self.ponger is not None and self.ponger.conn in ready:
+                self._from_ponger(self.ponger)
                 continue
-            if self.ping_ctrl in ready or self.ping_ctrl.poll():
+            if self.pinger.conn in ready or self.pinger.poll():
                 try:
-                    msg = self.ping_ctrl.recv()
-                except EOFError:
-                    self.pinger.join(5)
-                    raise _RoleFailed(f"pinger died ({self._exit(self.pinger)})") from None
-                if msg[0] == "error":
-                    raise _RoleFailed(f"pinger failed{self._ponger_note()}:\n{msg[2]}")
-                return tuple(msg)
-            if self.pinger.sentinel in ready:
-                raise _RoleFailed(f"pinger died ({self._exit(self.pinger)})")
-            if self.ponger is not None and self.ponger.sentinel in ready:
-                self.ponger.join(1)
-                if self.pong_ctrl is not None and self.pong_ctrl.poll():
+                    return self.pinger.recv(0.0)
+                except ChildFailed as e:
+                    raise ChildFailed(f"{e}{self._ponger_note()}") from None
+            if self.pinger.process.sentinel in ready:
+                raise ChildFailed(f"{self.pinger.name} died ({exit_reason(self.pinger.process)})")
+            if self.ponger is not None and self.ponger.process.sentinel in ready:
+                self.ponger.process.join(1)
+                if self._ponger_open and self.ponger.poll():
                     continue  # read its last words first
-                if not self.stopping or self.ponger.exitcode != 0:
-                    raise _RoleFailed(f"ponger died ({self._exit(self.ponger)})")
+                if not self.stopping or self.ponger.process.exitcode != 0:
+                    reason = exit_reason(self.ponger.process)
+                    raise ChildFailed(f"{self.ponger.name} died ({reason})")
+
+    def _from_ponger(self, ponger: Child) -> None:
+        """Take the ponger's message: ``ready`` (its CPUs), an error (raised) or its EOF."""
+        try:
+            msg = ponger.conn.recv()
+        except EOFError:
+            self._ponger_open = False  # its death, if any, shows on its sentinel
+            return
+        if msg[0] == "error":
+            raise ChildFailed(f"{ponger.name} failed:\n{msg[1]}")
+        if msg[0] == "ready":
+            self.ponger_cpus = msg[2]
 
     def _ponger_note(self) -> str:
-        """Why the pinger's error may be the ponger's fault."""
+        """Why the pinger's failure may be the ponger's fault."""
         if self.ponger is None:
             return ""
-        self.ponger.join(0.5)
-        if self.ponger.exitcode is None or self.ponger.exitcode == 0:
+        self.ponger.process.join(0.5)
+        if self.ponger.process.exitcode in (None, 0):
             return ""
-        return f" (the ponger had died first: {self._exit(self.ponger)})"
+        return f"\n(the ponger had died first: {exit_reason(self.ponger.process)})"
 
     def expect(self, kind: str, timeout: float) -> tuple[Any, ...]:
         msg = self.next(timeout)
         if msg[0] != kind:
-            raise _RoleFailed(f"expected {kind!r} from the pinger, got {msg!r}")
+            raise ChildFailed(f"expected {kind!r} from the pinger, got {msg!r}")
         return msg
 
     def reap(self, grace: float) -> None:
-        """Join every child within ``grace`` s, then terminate, then kill."""
-        deadline = time.monotonic() + grace
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.exitcode is None:
-                p.terminate()
-        for p in self.procs:
-            p.join(5)
-            if p.exitcode is None:
-                p.kill()
-                p.join(5)
-        for conn in (self.ping_ctrl, self.pong_ctrl):
-            if conn is not None:
-                conn.close()
+        """Stop both roles (``_procs.reap``), then close the shared objects and sweep."""
+        for child in self.children:
+            child.close()
+        reap(self.children, grace)
         for obj in self.shared.values():
             if hasattr(obj, "close") and hasattr(obj, "join_thread"):  # a Queue's feeder thread
                 obj.close()
@@ -499,7 +458,7 @@ def _run_method(
                     )
                     continue
                 if msg[0] != "cell":
-                    raise _RoleFailed(f"expected a cell result, got {msg!r}")
+                    raise ChildFailed(f"expected a cell result, got {msg!r}")
                 cell = CellResult(**msg[1])
                 result.cells[nbytes] = cell
                 progress.line(
@@ -517,7 +476,7 @@ def _run_method(
     except KeyboardInterrupt:
         result.status = "interrupted"
         raise
-    except _RoleFailed as e:
+    except ChildFailed as e:
         result.status = "failed"
         result.reason = str(e)
         lines = str(e).strip().splitlines()
@@ -680,7 +639,6 @@ def run(args: argparse.Namespace) -> int:
     mpctx = multiprocessing.get_context("spawn")
     scratch = tempfile.mkdtemp(prefix=prefix)
     env = {
-        "parent_pid": os.getpid(),
         "prefix": prefix,
         "scratch_dir": scratch,
         "max_nbytes": max(sizes),
@@ -718,10 +676,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
-        for child in multiprocessing.active_children():
-            if child.name.startswith("bench-"):
-                child.kill()
-                child.join(5)
         swept = _sweep(prefix)
         if swept:
             progress.line(

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import multiprocessing
 import os
 import threading
 import time
@@ -49,9 +50,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._procs import ChildFailed, ChildGroup, ChildTimeout, wait_for_close
+from .._sizes import format_size
 from . import options
-from .children import ChildFailed, ChildGroup, ChildTimeout, wait_for_close
-from .common import format_size, parse_size
+from .common import parse_array_size
 
 __all__ = [
     "COUNT_SERIES",
@@ -106,7 +108,7 @@ class SoakConfig:
 
     handoffs: int = options.SOAK_HANDOFFS
     keys: int = 4
-    max_size: int = parse_size(options.SOAK_MAX_SIZE)
+    max_size: int = parse_array_size(options.SOAK_MAX_SIZE)
     samples: int = 20
     warmup_fraction: float = 0.1
     growth_fraction: float = 0.05
@@ -460,28 +462,24 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
     result = SoakResult(config=dataclasses.asdict(cfg))
     namespace = shmrdv.new_namespace()
     group = ChildGroup()
-    go = group.ctx.Event()
+    go = multiprocessing.get_context("spawn").Event()
     t_wall = time.monotonic()
     ok = False
 
     finished: dict[str, dict[str, Any]] = {}
 
-    def on_message(name: str, msg: tuple[Any, ...]) -> bool:
+    def on_progress(msg: tuple[Any, ...]) -> bool:
         if msg[0] == "progress":
             say(f"soak: {msg[1]:,}/{cfg.handoffs:,} handoffs")
             return True
-        if msg[0] == "done":
-            finished[name] = msg[1]
-            return True
         return False
 
-    group.on_message = on_message
     try:
         say(f"soak: {cfg.handoffs:,} handoffs, sizes up to {format_size(cfg.max_size)}")
         group.start("consumer", _consumer, cfg, namespace, go)
         group.start("producer", _producer, cfg, namespace, go)
-        group.expect("consumer", "ready", 180.0)
-        group.expect("producer", "ready", 180.0)
+        group["consumer"].expect("ready", 180.0)
+        group["producer"].expect("ready", 180.0)
         go.set()
         # Every receive in the children is bounded; this only catches a wedged child.
         deadline = time.monotonic() + 120.0 + cfg.handoffs / _MIN_RATE
@@ -489,14 +487,14 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
             for name in ("producer", "consumer"):
                 if name not in finished:
                     with contextlib.suppress(ChildTimeout):
-                        finished[name] = group.expect(name, "done", 0.5)[1]
+                        finished[name] = group[name].expect("done", 0.5, on_progress)[1]
             if len(finished) < 2 and time.monotonic() > deadline:
                 raise ChildTimeout(f"the soak did not finish within {deadline - t_wall:.0f} s")
         prod, cons = finished["producer"], finished["consumer"]
         for name in ("producer", "consumer"):
-            group.send(name, ("close",))
+            group[name].send(("close",))
         for name in ("producer", "consumer"):
-            group.expect(name, "bye", 60.0)
+            group[name].expect("bye", 60.0)
         ok = True
         result.handoffs = cons["samples"][-1]["handoffs"]
         result.elapsed_s = cons["elapsed_s"]

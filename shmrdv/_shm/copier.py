@@ -10,19 +10,36 @@ The helpers are daemon threads started at the first large copy (none in a proces
 never sends one), at most ``helpers()`` of them per process, shared by every Worker;
 a forked child starts its own. Below ``PARALLEL_MIN`` bytes, or for a non-contiguous
 source, it is one plain ``np.copyto``.
+
+Helpers only pay when there are idle CPUs: four producers on a 2-CPU machine, each with
+three helpers, ran 16 copying threads on 2 CPUs and got a quarter of one memcpy's
+bandwidth (issue 15 §3). So the helpers of all this user's processes share one
+machine-wide budget of CPUs - 1 (at most 3): tokens that are byte-range locks on one file
+per user (``/dev/shm/.shmrdv-copiers-<uid>``, not a ``shmrdv_`` name: it belongs to no
+job). The kernel drops a dead process's locks, so no token is ever lost. A copy takes the
+tokens it can get without waiting, and none while the machine's load average says its
+CPUs are busy (unless ``SHMRDV_COPY_THREADS`` asks for helpers); with no token it is one
+plain copy in the calling thread.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import logging
 import os
 import queue
+import stat
 import threading
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["PARALLEL_MIN", "copy_into", "helpers"]
+__all__ = ["PARALLEL_MIN", "copy_into", "helpers", "machine_budget"]
+
+_log = logging.getLogger("shmrdv.shm.copier")
 
 #: Below this many bytes a thread handoff costs more than it saves.
 PARALLEL_MIN = 4 << 20
@@ -44,6 +61,95 @@ def helpers() -> int:
         except ValueError:
             pass
     return max(0, min(cpus - 1, _MAX_HELPERS))
+
+
+def machine_budget() -> int:
+    """Copy helpers all of this user's processes may run at once: CPUs - 1, at most 3."""
+    return max(0, min((os.cpu_count() or 1) - 1, _MAX_HELPERS))
+
+
+_TOKENS_PATH = "/dev/shm/.shmrdv-copiers-{uid}"
+_TOKENS_OPEN = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class _Tokens:
+    """This process's handle on the machine-wide helper budget (see the module docstring).
+
+    One descriptor per process, kept open: closing any descriptor of the file would drop
+    every POSIX lock this process holds on it. A forked child opens its own.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # one copy of this process holds tokens at a time
+        self._fd: int | None = None
+        self._pid = 0
+
+    def _open(self) -> int | None:
+        if self._pid == os.getpid():
+            return self._fd
+        self._pid, self._fd = os.getpid(), None
+        path = _TOKENS_PATH.format(uid=os.geteuid())
+        try:
+            fd = os.open(path, _TOKENS_OPEN, 0o600)
+        except OSError as e:
+            _log.debug("no copy helper budget (%s): plain copies", e)
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            # Planted by another user (or loosened): not ours to count on.
+            _log.warning(
+                "refusing %s (uid %d, mode 0o%o): plain copies", path, st.st_uid, st.st_mode
+            )
+            os.close(fd)
+            return None
+        self._fd = fd
+        return fd
+
+    def take(self, wanted: int, check_load: bool) -> list[int]:
+        """Up to ``wanted`` tokens, without waiting (none when ``check_load`` and the
+        machine's CPUs are busy)."""
+        if wanted <= 0 or not self._lock.acquire(blocking=False):
+            return []
+        try:
+            budget = machine_budget()
+            cpus = os.cpu_count() or 1
+            if budget == 0 or (check_load and os.getloadavg()[0] >= cpus):
+                self._lock.release()
+                return []
+            fd = self._open()
+            got: list[int] = []
+            if fd is not None:
+                for i in range(budget):
+                    try:
+                        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, i)
+                    except OSError as e:
+                        if e.errno not in (errno.EAGAIN, errno.EACCES):
+                            _log.debug("copy token %d: %s", i, e)
+                        continue
+                    got.append(i)
+                    if len(got) == wanted:
+                        break
+        except BaseException:
+            self._lock.release()
+            raise
+        if not got:
+            self._lock.release()
+        return got
+
+    def give(self, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        fd = self._fd
+        try:
+            if fd is not None:
+                for i in tokens:
+                    with contextlib.suppress(OSError):
+                        fcntl.lockf(fd, fcntl.LOCK_UN, 1, i)
+        finally:
+            self._lock.release()
+
+
+_tokens = _Tokens()
 
 
 _EMPTY: npt.NDArray[Any] = np.empty(0, np.uint8)
@@ -144,14 +250,22 @@ def copy_into(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
     if n == 0:
         np.copyto(dst, src, casting="no")
         return
-    d = dst.reshape(-1).view(np.uint8)
-    s = src.reshape(-1).view(np.uint8)
-    chunks = [slice(i, min(i + _CHUNK, nbytes)) for i in range(0, nbytes, _CHUNK)]
-    job = _Job(d, s, chunks)
-    _helpers.offer(job, n)
+    # An explicit SHMRDV_COPY_THREADS is obeyed whatever the load (the budget still holds).
+    tokens = _tokens.take(n, check_load=not os.environ.get("SHMRDV_COPY_THREADS"))
+    if not tokens:
+        np.copyto(dst, src, casting="no")
+        return
     try:
-        job.work()
+        d = dst.reshape(-1).view(np.uint8)
+        s = src.reshape(-1).view(np.uint8)
+        chunks = [slice(i, min(i + _CHUNK, nbytes)) for i in range(0, nbytes, _CHUNK)]
+        job = _Job(d, s, chunks)
+        _helpers.offer(job, len(tokens))
+        try:
+            job.work()
+        finally:
+            job.finish()
     finally:
-        job.finish()
+        _tokens.give(tokens)
     if job.error is not None:  # pragma: no cover - see _Job.work
         raise job.error

@@ -13,7 +13,8 @@ Layout, little endian, no padding::
     created_ns u64 | ndim u32 | dtype_len u32 | key_len u32          (the fixed prefix)
     shape: ndim x u64 | dtype descriptor: dtype_len bytes | key: key_len bytes (UTF-8)
 
-``flags`` bit 0 is ``is_dead``. ``header_len`` is the whole header (prefix through key).
+``flags`` bit 0 is ``is_dead``; bit 1 (``FLAG_NOTICE``, ring records only) says the record
+carries no data: the array is in the segment published under this message's name. ``header_len`` is the whole header (prefix through key).
 
 The dtype descriptor is one of:
 
@@ -53,12 +54,17 @@ __all__ = [
     "MAX_NDIM",
     "PREFIX",
     "VERSION",
+    "FLAG_NOTICE",
     "Header",
+    "HeaderCache",
+    "Template",
     "data_offset_for",
     "header_size",
     "pack",
     "pack_into",
     "unpack",
+    "unpack_fields",
+    "unpack_identity",
 ]
 
 #: Any buffer the header can be read from (``pack_into`` needs a writable one).
@@ -79,7 +85,12 @@ MAX_DTYPE_BYTES = 1 << 20
 
 PREFIX = struct.Struct("<8sHHIQQqQQIqQIII")
 _FLAG_DEAD = 1
-_KNOWN_FLAGS = _FLAG_DEAD
+FLAG_NOTICE = 2
+_KNOWN_FLAGS = _FLAG_DEAD | FLAG_NOTICE
+# The fields a message changes, from ``flags`` to ``created_ns`` (offsets 10-75 of PREFIX):
+# a ``Template`` writes them with one pack_into.
+_VARYING = struct.Struct("<HIQQqQQIqQ")
+_VARYING_AT = 10
 _SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
@@ -362,6 +373,109 @@ def pack_into(buf: bytearray | memoryview | mmap.mmap, h: Header) -> None:
     buf[key_at:size] = key_raw
 
 
+class Template:
+    """The header of every message of one (dtype, shape, key length), packed once.
+
+    Per message only the key's bytes and the fields that change (flags, step, seq,
+    incarnation, pid, slot, created_ns) are written, the fields with one ``pack_into`` at a
+    fixed offset; their ranges are checked by ``struct`` itself. ``data_offset``,
+    ``nbytes`` and ``segment_size`` are the message's. Building one validates like
+    ``pack_into`` (``InvalidArgumentError`` for the caller's bad dtype or too long a key).
+    """
+
+    __slots__ = (
+        "_key_at",
+        "_size",
+        "data_offset",
+        "dtype",
+        "header",
+        "key_len",
+        "nbytes",
+        "segment_size",
+        "shape",
+    )
+
+    def __init__(self, dtype: np.dtype[Any], shape: tuple[int, ...], key_len: int) -> None:
+        h = Header.build(
+            key="k" * key_len,
+            dtype=dtype,
+            shape=shape,
+            step_id=0,
+            seq=0,
+            producer_incarnation=0,
+            producer_pid=0,
+            created_ns=0,
+        )
+        buf = bytearray(h.data_offset)
+        pack_into(buf, h)
+        self.header = bytes(buf)  # through data_offset (the padding is zeros)
+        self._size = header_size(h)
+        self._key_at = self._size - key_len
+        self.key_len = key_len
+        self.dtype = dtype
+        self.shape = h.shape
+        self.data_offset = h.data_offset
+        self.nbytes = h.nbytes
+        self.segment_size = h.segment_size
+
+    def write(
+        self,
+        buf: bytearray | memoryview | mmap.mmap,
+        at: int,
+        key: bytes,
+        flags: int,
+        step_id: int,
+        seq: int,
+        incarnation: int,
+        pid: int,
+        slot: int,
+        created_ns: int,
+    ) -> None:
+        """Write the header of one message, whose UTF-8 key is ``key`` (``key_len`` bytes),
+        at ``buf[at:]`` (``data_offset`` bytes). Raises ``InternalError`` if a field is out
+        of its range."""
+        buf[at : at + self.data_offset] = self.header
+        k = at + self._key_at
+        buf[k : k + self.key_len] = key
+        try:
+            _VARYING.pack_into(
+                buf,
+                at + _VARYING_AT,
+                flags,
+                self._size,
+                self.data_offset,
+                self.nbytes,
+                step_id,
+                seq,
+                incarnation,
+                pid,
+                slot,
+                created_ns,
+            )
+        except struct.error as e:
+            raise InternalError(
+                f"cannot pack segment header: a field is out of range (step {step_id}, seq {seq}, "
+                f"slot {slot}): {e}"
+            ) from e
+
+    def to_header(self, key: str, step_id: int, incarnation: int, pid: int, slot: int) -> Header:
+        """The ``Header`` of one message (for ``Segment.ndarray``)."""
+        return Header(
+            dtype=self.dtype,
+            shape=self.shape,
+            is_dead=False,
+            data_offset=self.data_offset,
+            nbytes=self.nbytes,
+            step_id=step_id,
+            seq=0,
+            producer_incarnation=incarnation,
+            producer_pid=pid,
+            slot=slot,
+            created_ns=0,
+            key=key,
+        )
+
+
 def pack(h: Header) -> bytes:
     """``h`` as bytes (the header only, without the padding up to ``data_offset``)."""
     buf = bytearray(header_size(h))
@@ -371,6 +485,33 @@ def pack(h: Header) -> bytes:
 
 def unpack(buf: BufferLike, file_size: int) -> Header:
     """Read the header at the start of ``buf``, a segment whose file is ``file_size`` bytes.
+
+    Raises ``InternalError`` for anything inconsistent (see ``unpack_fields``).
+    """
+    f = unpack_fields(buf, file_size)
+    return Header(
+        dtype=f[1],
+        shape=f[2],
+        is_dead=bool(f[0] & _FLAG_DEAD),
+        data_offset=f[3],
+        nbytes=f[4],
+        step_id=f[5],
+        seq=f[6],
+        producer_incarnation=f[7],
+        producer_pid=f[8],
+        slot=f[9],
+        created_ns=f[10],
+        key=f[11],
+    )
+
+
+#: What ``unpack_fields`` returns: flags, dtype, shape, data_offset, nbytes, step_id, seq,
+#: producer_incarnation, producer_pid, slot, created_ns, key.
+Fields = tuple[int, np.dtype[Any], tuple[int, ...], int, int, int, int, int, int, int, int, str]
+
+
+def unpack_fields(buf: BufferLike, file_size: int) -> Fields:
+    """``unpack``'s checks without building a ``Header`` (the hot path of ring records).
 
     Reads each header byte once (a peer may be changing it). Raises ``InternalError``
     ("segment header corrupted: ...", naming the field) for anything inconsistent, and
@@ -441,17 +582,100 @@ def unpack(buf: BufferLike, file_size: int) -> Header:
         key = bytes(buf[key_at:end]).decode("utf-8")
     except UnicodeDecodeError as e:
         raise _corrupted(f"key is not UTF-8 ({e})") from e
-    return Header(
-        dtype=dtype,
-        shape=shape,
-        is_dead=bool(flags & _FLAG_DEAD),
-        data_offset=data_offset,
-        nbytes=nbytes,
-        step_id=step_id,
-        seq=seq,
-        producer_incarnation=incarnation,
-        producer_pid=pid,
-        slot=slot,
-        created_ns=created_ns,
-        key=key,
+    return (
+        flags,
+        dtype,
+        shape,
+        data_offset,
+        nbytes,
+        step_id,
+        seq,
+        incarnation,
+        pid,
+        slot,
+        created_ns,
+        key,
     )
+
+
+_STATIC_AT = _VARYING_AT + _VARYING.size  # where the per-message fields end: 76
+_LEAD = MAGIC + struct.pack("<H", VERSION)  # the first 10 bytes of every header
+
+
+class HeaderCache:
+    """``unpack_fields`` memoized over the header bytes that do not change per message.
+
+    A producer's messages of one (key, dtype, shape) differ only in the fields from
+    ``flags`` to ``created_ns``: the rest (ndim, lengths, shape, dtype, key) is looked up
+    by its bytes, and what ``unpack_fields`` concluded about exactly those bytes is reused.
+    The changing fields are still checked every time (flags, header length, data offset,
+    nbytes, slot, the file size), so a hostile buffer gets the same answer as from
+    ``unpack_fields``, which is called whenever the bytes are new. Not thread-safe.
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._limit = limit
+        self._known: dict[bytes, tuple[int, int, int, np.dtype[Any], tuple[int, ...], str]] = {}
+
+    def unpack(self, buf: BufferLike, file_size: int) -> Fields:
+        """``unpack_fields(buf, file_size)``, cheaply when the header was seen before."""
+        if len(buf) >= PREFIX.size:
+            flags, size, off, nbytes, step, seq, inc, pid, slot, created = _VARYING.unpack_from(
+                buf, _VARYING_AT
+            )
+            if (
+                PREFIX.size <= size <= len(buf)
+                and not flags & ~_KNOWN_FLAGS
+                and slot >= -1
+                and off + nbytes <= file_size
+                and buf[:_VARYING_AT] == _LEAD
+            ):
+                known = self._known.get(bytes(buf[_STATIC_AT:size]))
+                if (
+                    known is not None
+                    and known[0] == size
+                    and known[1] == off
+                    and known[2] == nbytes
+                ):
+                    return (
+                        flags,
+                        known[3],
+                        known[4],
+                        off,
+                        nbytes,
+                        step,
+                        seq,
+                        inc,
+                        pid,
+                        slot,
+                        created,
+                        known[5],
+                    )
+        f = unpack_fields(buf, file_size)
+        size = PREFIX.unpack_from(buf, 0)[3]
+        if len(self._known) >= self._limit:
+            self._known.clear()
+        self._known[bytes(buf[_STATIC_AT:size])] = (size, f[3], f[4], f[1], f[2], f[11])
+        return f
+
+
+def unpack_identity(buf: BufferLike) -> tuple[int, int, str] | None:
+    """(step_id, seq, key) of a header that ``unpack`` refuses, when those three can still be
+    read within ``buf`` (so the refusal can go to that key's receiver), else None."""
+    if len(buf) < PREFIX.size or bytes(buf[:_VARYING_AT]) != _LEAD:
+        return None
+    fields = PREFIX.unpack_from(buf, 0)
+    step_id, seq, ndim, dtype_len, key_len = (
+        fields[6],
+        fields[7],
+        fields[12],
+        fields[13],
+        fields[14],
+    )
+    key_at = PREFIX.size + 8 * ndim + dtype_len
+    if ndim > MAX_NDIM or key_len > MAX_KEY_BYTES or key_at + key_len > len(buf):
+        return None
+    try:
+        return step_id, seq, bytes(buf[key_at : key_at + key_len]).decode("utf-8")
+    except UnicodeDecodeError:
+        return None

@@ -9,8 +9,10 @@ to ``held`` while its array lives and to ``returned`` when the array is collecte
 producer renames ``returned`` back to a free ``pool`` name and writes into the same,
 already faulted, pages again. Nothing but renames crosses the processes.
 
-Size classes are powers of two from 4 KiB, so a slot serves messages between half and
-all of its size; the pool holds at most ``limit_bytes`` of slots, and at most
+Size classes are powers of two from 4 KiB (above 128 KiB, a power of two plus 64 KiB of
+room for the header), so a slot serves messages between about half and all of its size;
+the pool holds at most ``limit_bytes`` of slots (their header room not counted, so that
+two 256 MiB slots fit a 512 MiB pool: one lent while the next is written), and at most
 ``max_slots`` of them: each slot keeps a mapping, and CPython's ``mmap`` keeps a file
 descriptor per mapping (many systems still default to 1024 descriptors per process).
 
@@ -20,6 +22,8 @@ A lent slot can be lost to the producer: its consumer freed the message unreceiv
 more is forgotten: its bytes count no longer, and its mapping is dropped. The names are
 checked in the order the slot travels (``m`` -> ``h`` -> ``r``), so a slot moving on
 meanwhile is always found under one of them.
+
+The consumer's half of the protocol is ``return_slot`` / ``give_back`` below.
 
 Only files this producer created are taken back: a ``returned`` name must still be the
 slot's own inode (another user could plant a file under it, research/pitfalls.md §7).
@@ -32,13 +36,14 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .._errors import InternalError
+from .._errors import InternalError, ResourceExhaustedError
 from .naming import MAX_SLOT, Names
-from .segment import Segment
+from .segment import Segment, move_noreplace
 
-__all__ = ["Slot", "SlotPool"]
+__all__ = ["ProducerAlive", "Slot", "SlotPool", "give_back", "return_slot"]
 
 _log = logging.getLogger("shmrdv.shm.pool")
 
@@ -53,10 +58,26 @@ _RECLAIM_SCAN = 8
 _LOST_CHECK_S = 1.0
 
 
+# Room for the header above a power-of-two tensor. A segment is header + data, so a
+# 16 MiB tensor needs a bit more than 16 MiB: with plain powers of two its slot was
+# 32 MiB, and a 256 MiB tensor's slot (512 MiB) filled the default pool alone, so a send
+# made while the consumer still held it wrote a fresh, unfaulted segment: 9.3x a memcpy
+# for one run in three (issue 11).
+_HEADER_ROOM = 64 << 10
+
+
+def _counted(cls: int) -> int:
+    """The bytes a slot of class ``cls`` counts against the pool's limit (its data part)."""
+    return cls - _HEADER_ROOM if cls > 2 * _HEADER_ROOM else cls
+
+
 def size_class(nbytes: int) -> int:
-    """The slot size serving a segment of ``nbytes``: the next power of two, >= 4 KiB."""
+    """The slot size serving a segment of ``nbytes``: the next power of two (>= 4 KiB),
+    above 128 KiB the next power of two of the data plus 64 KiB of room for the header."""
     n = max(nbytes, _MIN_CLASS)
-    return 1 << (n - 1).bit_length()
+    if n <= 2 * _HEADER_ROOM:
+        return 1 << (n - 1).bit_length()
+    return (1 << (n - _HEADER_ROOM - 1).bit_length()) + _HEADER_ROOM
 
 
 @dataclass(eq=False)
@@ -124,7 +145,7 @@ class SlotPool:
         slots): the caller writes a one-off segment instead.
         """
         cls = size_class(nbytes)
-        if self._limit <= 0 or cls > self._limit:
+        if self._limit <= 0 or _counted(cls) > self._limit:
             return None
         with self._lock:
             if self._closed:
@@ -137,16 +158,16 @@ class SlotPool:
                 self.reused += 1
                 return slot
             while (
-                self._bytes + cls > self._limit or self._count >= self._max_slots
+                self._bytes + _counted(cls) > self._limit or self._count >= self._max_slots
             ) and self._evict_one(cls):
                 pass
-            if self._bytes + cls > self._limit or self._count >= self._max_slots:
+            if self._bytes + _counted(cls) > self._limit or self._count >= self._max_slots:
                 return None
             if self._next_index > MAX_SLOT:
                 return None  # a million slots created in one run: one-off segments from now on
             index = self._next_index
             self._next_index += 1
-            self._bytes += cls  # reserve before leaving the lock
+            self._bytes += _counted(cls)  # reserve before leaving the lock
             self._count += 1
         try:
             seg = Segment.create(
@@ -154,8 +175,13 @@ class SlotPool:
             )
         except BaseException as e:
             with self._lock:
-                self._bytes -= cls
+                self._bytes -= _counted(cls)
                 self._count -= 1
+            if isinstance(e, ResourceExhaustedError):
+                # /dev/shm cannot hold the size class: the caller tries an exact-size
+                # segment, which may still fit (issue 13 §5).
+                _log.info("no room for a %d-byte pool slot: %s", cls, e)
+                return None
             if isinstance(e, InternalError):
                 # The name exists: planted by someone (our names are per incarnation and
                 # never reused). Never write into it; the caller uses a one-off segment.
@@ -168,7 +194,7 @@ class SlotPool:
             seg.unlink()
             seg.close()
             with self._lock:
-                self._bytes -= cls
+                self._bytes -= _counted(cls)
                 self._count -= 1
             return None
         slot = Slot(
@@ -259,7 +285,7 @@ class SlotPool:
     def _forget(self, slot: Slot) -> None:
         """Drop a slot whose file is gone (no name to unlink): its mapping and its bytes."""
         self._slots.pop(slot.index, None)
-        self._bytes -= slot.capacity
+        self._bytes -= _counted(slot.capacity)
         self._count -= 1
         slot.segment.close()
 
@@ -274,7 +300,7 @@ class SlotPool:
 
     def _drop(self, slot: Slot) -> None:
         self._slots.pop(slot.index, None)
-        self._bytes -= slot.capacity
+        self._bytes -= _counted(slot.capacity)
         self._count -= 1
         slot.segment.unlink()
         slot.segment.close()
@@ -302,7 +328,7 @@ class SlotPool:
         """Unlink free slots and those already returned; lent ones belong to their consumers.
 
         Consumers returning a slot after this see the producer gone and unlink it
-        themselves (``transport._return_slot``).
+        themselves (``return_slot``).
         """
         with self._lock:
             if self._closed:
@@ -328,3 +354,64 @@ class SlotPool:
             except OSError as e:
                 _log.warning("cannot remove returned pool slot %s: %s", ret, e)
             slot.segment.close()
+
+
+#: ``alive(producer_task, incarnation)``: is that task's live worker of that incarnation? Must
+#: be lock-free (it runs inside the garbage collector) and must not block.
+ProducerAlive = Callable[[str, int], bool]
+
+
+def return_slot(
+    names: Names,
+    alive: ProducerAlive,
+    producer_task: str,
+    incarnation: int,
+    slot: int,
+    held_names: set[str],
+) -> None:
+    """Consumer side, when the last array over a pool slot is collected: give it back.
+
+    ``held`` -> ``returned``; if the producer is gone (closed, dead or restarted) nobody
+    will take it back, so unlink it instead. Runs in whatever thread collected the array
+    (possibly inside the garbage collector: it takes no lock).
+    """
+    held_name = names.held(producer_task, incarnation, slot)
+    held_names.discard(held_name)
+    give_back(names, alive, producer_task, incarnation, slot, names.path(held_name))
+
+
+def give_back(
+    names: Names, alive: ProducerAlive, producer_task: str, incarnation: int, slot: int, path: str
+) -> None:
+    """Rename the pool slot file at ``path`` to its ``returned`` name, for its producer.
+
+    If the producer is no longer the live worker of that incarnation, nobody will take it
+    back: unlink it instead. A missing ``path`` (removed by close or gc meanwhile) is fine.
+
+    No ``returned`` file outlives a closing producer: its ``close`` unlinks its doorbell
+    first and then removes the ``returned`` names of its lent slots. We rename first, then
+    look for the doorbell, then for its live presence record; if we see both, the doorbell
+    we saw was that producer's (a successor's appears only after the record is gone), so
+    our rename came before its sweep, which will find the file.
+    """
+    ret = names.path(names.returned(producer_task, incarnation, slot))
+    try:
+        move_noreplace(path, ret)
+    except FileNotFoundError:
+        return  # removed by close or gc meanwhile
+    except OSError as e:
+        _log.warning("cannot give pool slot %s back (%s); unlinking it", path, e)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return
+    try:
+        ok = os.path.lexists(names.bell_path(producer_task)) and alive(producer_task, incarnation)
+    except Exception:  # a corrupt or foreign record: treat as gone
+        ok = False
+    if not ok:
+        try:
+            os.unlink(ret)
+        except OSError:
+            pass

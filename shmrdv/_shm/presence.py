@@ -50,6 +50,7 @@ __all__ = [
     "boot_id",
     "probe",
     "read_presence",
+    "record_state",
 ]
 
 _log = logging.getLogger("shmrdv.shm.presence")
@@ -220,9 +221,7 @@ def probe(path: str) -> tuple[PeerState, PresenceInfo | None]:
         except InternalError as e:
             _log.debug("%s", e)
             info = None
-        if info is not None and info.boot_id != boot_id():
-            return "dead", info
-        return ("alive" if _lock_held(fd) else "dead"), info
+        return record_state(fd, info), info
     finally:
         os.close(fd)
 
@@ -451,26 +450,39 @@ def _describe_owner(fd: int, where: str) -> str:
     return f"pid {info.pid} (incarnation {info.incarnation:#x})"
 
 
+def record_state(fd: int, info: PresenceInfo | None) -> PeerState:
+    """The liveness check proper: a record's owner is alive exactly while it holds the lock.
+
+    A record from another boot is ``"dead"`` whatever its lock says. One ``flock`` test.
+    """
+    if info is not None and info.boot_id != boot_id():
+        return "dead"
+    return "alive" if _lock_held(fd) else "dead"
+
+
 class PeerWatch:
     """The observer side: is another worker's presence record there, and is it locked?
 
-    ``state()`` costs one ``stat`` and one ``flock`` while the record is unchanged (the
-    descriptor is cached per inode), so a watcher thread may call it several times a second.
-    Thread-safe: a lock guards the cached descriptor (a closed fd number could otherwise be
-    reused under another thread's ``flock``).
+    ``state()`` costs one ``stat`` and one ``flock`` while the record is unchanged (one
+    descriptor is cached per inode), so it may be called several times a second.
+
+    Never blocks and never waits for a lock, so that it may run anywhere, a
+    garbage-collector finalizer included (a lock waited for there could be held by the
+    interrupted thread itself): the cached descriptor is used under a lock taken only if
+    it is free; a caller that finds it taken looks through a descriptor of its own, opened
+    and closed within the call. A watch thus holds at most one descriptor of its own.
     """
 
     def __init__(self, names: Names, task: str) -> None:
         self._task = task
         self._path = names.path(names.presence(task))
-        self._fd: int | None = None
+        self._lock = threading.Lock()
         self._ino: tuple[int, int] | None = None
         self._info: PresenceInfo | None = None
         self._closed = False
-        self._lock = threading.Lock()
-        # The finalizer closes whatever fd the box holds when the watch is dropped unclosed.
-        self._fd_box: list[int | None] = [None]
-        self._finalizer = weakref.finalize(self, _close_quietly, self._fd_box)
+        # The finalizer closes the cached descriptor when the watch is dropped unclosed.
+        self._fd_box: list[int] = []
+        self._finalizer = weakref.finalize(self, _close_all, self._fd_box)
 
     @property
     def task(self) -> str:
@@ -480,53 +492,76 @@ class PeerWatch:
     def path(self) -> str:
         return self._path
 
-    def _refresh(self) -> bool:
-        """Point the cached fd at the record's current inode; False if there is no record.
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _cached(self) -> tuple[int, PresenceInfo] | None:
+        """The record at the path now through the cached descriptor (re-opened when its
+        inode changed), or None. Under ``_lock``.
 
         Raises ``InternalError`` if the record is not ours or is corrupt.
         """
-        if self._closed:
-            raise InternalError(f"PeerWatch for {self._task} is closed")
         try:
             st = os.stat(self._path, follow_symlinks=False)
         except FileNotFoundError:
-            self._drop()
-            return False
-        ino = (st.st_dev, st.st_ino)
-        if ino == self._ino:
-            return True
-        self._drop()
+            return None
+        box = self._fd_box
+        if box and self._ino == (st.st_dev, st.st_ino):
+            assert self._info is not None
+            return box[0], self._info
+        _close_all(box)
+        self._ino = self._info = None
         fd = _open_record(self._path)
         if fd is None:
-            return False
+            return None
         try:
             info, fst = _read_record_fd(fd, self._path)
         except BaseException:
             os.close(fd)
             raise
-        self._fd = fd
-        self._fd_box[0] = fd
+        box.append(fd)
         # The inode actually opened: the name may have moved on since the stat above, in which
         # case the next call sees a mismatch and reopens.
         self._ino = (fst.st_dev, fst.st_ino)
         self._info = info
-        return True
+        return fd, info
 
-    def _drop(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-        self._fd = None
-        self._fd_box[0] = None
-        self._ino = None
-        self._info = None
+    def look(self) -> tuple[PeerState, PresenceInfo | None]:
+        """``state()`` and ``info()`` of one and the same record, in one look.
+
+        Raises ``InternalError`` if the record is not ours or is corrupt, or the watch is
+        closed. Does not block.
+        """
+        if self._closed:
+            raise InternalError(f"PeerWatch for {self._task} is closed")
+        if self._lock.acquire(blocking=False):
+            try:
+                if self._closed:
+                    raise InternalError(f"PeerWatch for {self._task} is closed")
+                seen = self._cached()
+                if seen is None:
+                    return "absent", None
+                return record_state(seen[0], seen[1]), seen[1]
+            finally:
+                self._lock.release()
+        # Contended (another thread, or the garbage collector inside this one): look
+        # through a descriptor of our own.
+        fd = _open_record(self._path)
+        if fd is None:
+            return "absent", None
+        try:
+            info, _ = _read_record_fd(fd, self._path)
+            return record_state(fd, info), info
+        finally:
+            os.close(fd)
 
     def info(self) -> PresenceInfo | None:
         """The current record (re-read when it was replaced, e.g. by a restarted peer), or None.
 
         Raises ``InternalError`` if the record is not ours or is corrupt. Does not block.
         """
-        with self._lock:
-            return self._info if self._refresh() else None
+        return self.look()[1]
 
     def state(self) -> PeerState:
         """``"absent"`` (no record), ``"alive"`` (its lock is held) or ``"dead"`` (lock free).
@@ -534,22 +569,21 @@ class PeerWatch:
         A record from another boot is ``"dead"``. Raises ``InternalError`` if the record is not
         ours or is corrupt. Does not block.
         """
-        with self._lock:
-            if not self._refresh():
-                return "absent"
-            assert self._fd is not None and self._info is not None
-            if self._info.boot_id != boot_id():
-                return "dead"
-            return "alive" if _lock_held(self._fd) else "dead"
+        return self.look()[0]
+
+    def open_fds(self) -> int:
+        """How many descriptors the watch holds (at most one)."""
+        return len(self._fd_box)
 
     def close(self) -> None:
-        """Close the cached descriptor. Idempotent."""
+        """Close the cached descriptor. Idempotent. (A look running meanwhile in another
+        thread finishes first: close waits for it, which takes microseconds.)"""
         with self._lock:
             if self._closed:
                 return
-            self._drop()
             self._closed = True
-            self._finalizer.detach()
+            self._ino = self._info = None
+            self._finalizer()
 
     def __enter__(self) -> PeerWatch:
         return self
@@ -566,9 +600,12 @@ class PeerWatch:
         return f"<PeerWatch {self._task} {'closed' if self._closed else 'open'}>"
 
 
-def _close_quietly(box: list[int | None]) -> None:
-    fd = box[0]
-    box[0] = None
-    if fd is not None:
+def _close_all(fds: list[int]) -> None:
+    """Close every descriptor in ``fds`` (each popped first: closed exactly once)."""
+    while True:
+        try:
+            fd = fds.pop()
+        except IndexError:
+            return
         with contextlib.suppress(OSError):
             os.close(fd)

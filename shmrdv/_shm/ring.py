@@ -9,7 +9,8 @@ out and advances ``tail``. No system call but the doorbell's post.
 
 Layout (little endian), at the start of the mapping: magic (8 bytes), capacity (u64);
 ``head`` at byte 64 and ``tail`` at byte 128 (separate cache lines), both running byte
-counts; records from byte 4096, each ``u32 length`` (of the whole record, 8-aligned) then
+counts; ``lost`` at byte 160, how many records the producer could not append (ring full),
+so that the consumer knows when to look for messages by name; records from byte 4096, each ``u32 length`` (of the whole record, 8-aligned) then
 the payload. A record that would cross the end is preceded by a wrap mark (length
 ``0xFFFFFFFF``) and starts again at the beginning.
 
@@ -41,7 +42,8 @@ MAGIC = b"SHMRDVQ1"
 _META = struct.Struct("<8sQ")
 _U32 = struct.Struct("<I")
 _HEAD, _TAIL = 64, 128
-_H, _T = _HEAD // 8, _TAIL // 8  # their indexes in the words view
+_LOST = 160
+_H, _T, _L = _HEAD // 8, _TAIL // 8, _LOST // 8  # their indexes in the words view
 _META_AT = 192  # u32 length, then the owner's description (who writes to whom), JSON
 _META_MAX = 3800
 DATA_OFFSET = 4096
@@ -78,6 +80,7 @@ class Ring:
                 f"not a shmrdv ring: magic {magic!r}, capacity {capacity} in {len(buf)} bytes"
             )
         self.capacity: int = capacity
+        self._next_head = 0
 
     @classmethod
     def format(cls, buf: memoryview, capacity: int, meta: bytes = b"") -> Ring:
@@ -91,6 +94,7 @@ class Ring:
         _META.pack_into(buf, 0, MAGIC, capacity)
         buf[_HEAD : _HEAD + 8] = bytes(8)
         buf[_TAIL : _TAIL + 8] = bytes(8)
+        buf[_LOST : _LOST + 8] = bytes(8)
         _U32.pack_into(buf, _META_AT, len(meta))
         buf[_META_AT + 4 : _META_AT + 4 + len(meta)] = meta
         return cls(buf)
@@ -108,32 +112,58 @@ class Ring:
 
     # -- producer -----------------------------------------------------------------
 
-    def try_put(self, parts: Sequence[bytes | memoryview]) -> bool:
-        """Append one record made of ``parts``; False (nothing written) if it does not fit now."""
-        payload = sum(len(p) for p in parts)
+    @property
+    def buf(self) -> memoryview:
+        """The whole ring (records are written into it between ``reserve`` and ``commit``)."""
+        return self._buf
+
+    def reserve(self, payload: int) -> int:
+        """Make room for a record of ``payload`` bytes; return where its payload goes in
+        ``buf``, or -1 (nothing written) if it does not fit now. The record becomes visible
+        at ``commit()``; until then the producer may write ``buf[at : at + payload]``."""
         size = _aligned(4 + payload)
         if payload > self.max_record():
-            return False
+            return -1
         buf, words, cap = self._buf, self._words, self.capacity
         head, tail = words[_H], words[_T]
         pos = head % cap
         pad = cap - pos if pos + size > cap else 0
         if head + pad + size - tail > cap:
-            return False
+            return -1
         if pad:
             _U32.pack_into(buf, DATA_OFFSET + pos, _WRAP)
             head += pad
             pos = 0
         at = DATA_OFFSET + pos
         _U32.pack_into(buf, at, size)
-        at += 4
+        self._next_head = head + size
+        return at + 4
+
+    def commit(self) -> None:
+        """Publish the record ``reserve`` made room for: one 8-byte store of ``head``, after
+        every byte of the record (see the module docstring)."""
+        self._words[_H] = self._next_head
+
+    def try_put(self, parts: Sequence[bytes | memoryview]) -> bool:
+        """Append one record made of ``parts``; False (nothing written) if it does not fit now."""
+        at = self.reserve(sum(len(p) for p in parts))
+        if at < 0:
+            return False
+        buf = self._buf
         for p in parts:
             n = len(p)
             buf[at : at + n] = p
             at += n
-        # Publish: one 8-byte store, after every byte of the record (see the docstring).
-        words[_H] = head + size
+        self.commit()
         return True
+
+    def count_lost(self) -> None:
+        """Producer: a record could not be appended (the consumer looks by name then)."""
+        self._words[_L] += 1
+
+    def lost(self) -> int:
+        """How many records the producer could not append so far."""
+        return int(self._words[_L])
 
     # -- consumer -----------------------------------------------------------------
 

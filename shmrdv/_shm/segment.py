@@ -25,6 +25,7 @@ it is unmapped). A ``Segment`` is not thread-safe: its owner serialises calls.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -42,7 +43,7 @@ from .layout import MAGIC, MAX_KEY_BYTES, PREFIX, Header, unpack
 from .naming import SHM_DIR, Names
 from .ownership import is_ours, open_checked
 
-__all__ = ["Segment"]
+__all__ = ["Segment", "move_noreplace"]
 
 _log = logging.getLogger("shmrdv.shm.segment")
 
@@ -381,3 +382,46 @@ def peek_header(path: str) -> Header | None:
         return None
     finally:
         os.close(fd)
+
+
+# renameat2(2) with RENAME_NOREPLACE (Linux >= 3.15 on tmpfs, glibc >= 2.28): an atomic
+# move that refuses an existing target. Plain rename() replaces the target, and as root it
+# even replaces another user's file in the sticky /dev/shm: a planted file, or an
+# unreceived message of an earlier run, would be silently destroyed.
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+try:
+    _renameat2: Any = ctypes.CDLL(None, use_errno=True).renameat2
+    _renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    _renameat2.restype = ctypes.c_int
+except (AttributeError, OSError):  # pragma: no cover - an old libc
+    _renameat2 = None
+
+
+def move_noreplace(old: str, new: str) -> None:
+    """Move the file ``old`` to the name ``new`` atomically; ``FileExistsError`` if ``new`` exists.
+
+    Raises other ``OSError`` s unchanged (``FileNotFoundError`` when ``old`` is gone).
+    """
+    if _renameat2 is not None:
+        if (
+            _renameat2(_AT_FDCWD, os.fsencode(old), _AT_FDCWD, os.fsencode(new), _RENAME_NOREPLACE)
+            == 0
+        ):
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(err, os.strerror(err), old, None, new)
+    # No renameat2 here: link() refuses an existing name too (pitfalls.md §3); the old name
+    # goes right after (both names briefly exist, which no reader minds).
+    os.link(old, new, follow_symlinks=False)
+    try:
+        os.unlink(old)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,514 @@
+"""The producer side of the same-host transport: sequence numbers, publish, rings, doorbells.
+
+``send`` writes the array into a segment — a warm pool slot when one fits, else a fresh
+fallocated segment — writes the header, then publishes it with one rename (no replace)
+to the message's name, derived from (namespace, step, key, producer incarnation,
+sequence number). The consumer can never see a half-written tensor: the name appears
+only once the bytes are complete, also if the producer dies mid-write (then only a
+``t``/``p`` name is left, for ``gc``). Small tensors instead travel inline in the ring
+this producer keeps for their consumer (``ring.py``). Then the consumer's doorbell is
+posted.
+
+Thread model: any thread may call ``send`` / ``allocate``. ``_publish_lock`` serialises
+the sequence numbers and the rings (single producer per ring); ``_lock`` guards the
+allocation table and the doorbell cache. Neither is held across a call that can block.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .._devices import DeviceName
+from .._errors import InternalError, InvalidArgumentError, RendezvousError
+from .._keys import ParsedKey
+from . import layout
+from .bell import Bell
+from .copier import copy_into
+from .naming import Names
+from .pool import Slot, SlotPool
+from .ring import RINGS_SUPPORTED, Ring, ring_size
+from .segment import Segment, move_noreplace
+
+__all__ = ["RING_CAPACITY", "RING_LIMIT", "Producer", "inline_max", "task_name"]
+
+_log = logging.getLogger("shmrdv.shm")
+
+# Tensors of at most this many bytes (SHMRDV_INLINE_MAX, default and maximum 64 KiB; 0
+# turns it off) travel inline in the producer's ring for their consumer (``ring.py``)
+# instead of a segment of their own: for them the dozen system calls of a segment cost
+# far more than copying the bytes (a 64 B round trip drops from ~750 µs to ~150 µs here).
+RING_LIMIT = 64 << 10
+RING_CAPACITY = 1 << 20
+
+
+def inline_max() -> int:
+    """The inline limit in bytes from ``SHMRDV_INLINE_MAX`` (default and maximum 64 KiB)."""
+    try:
+        wanted = int(os.environ.get("SHMRDV_INLINE_MAX", str(RING_LIMIT)))
+    except ValueError:
+        return RING_LIMIT
+    return max(0, min(wanted, RING_LIMIT))
+
+
+def task_name(dev: DeviceName) -> str:
+    """The canonical task part of ``dev``: ``/job:<j>/replica:<r>/task:<t>``."""
+    job, replica, task = dev.task_key()
+    return f"/job:{job}/replica:{replica}/task:{task}"
+
+
+@dataclass(eq=False)
+class _Allocation:
+    """An array handed out by ``allocate``: where it lives and what it may be sent as."""
+
+    ref: weakref.ref[npt.NDArray[Any]]
+    step: int
+    key: str
+    template: layout.Template
+    segment: Segment | None  # None: a small array, sent inline through the ring
+    slot: Slot | None
+    sent: bool = False
+
+
+class _Route:
+    """What this producer keeps per consumer worker: its ring and its doorbell."""
+
+    __slots__ = ("bell", "bell_look_at", "ring", "ring_segment", "task")
+
+    def __init__(self, task: str, ring: tuple[Segment, Ring] | None) -> None:
+        self.task = task
+        self.ring_segment: Segment | None = None if ring is None else ring[0]
+        self.ring: Ring | None = None if ring is None else ring[1]
+        self.bell: Bell | None = None
+        self.bell_look_at = 0.0
+
+
+# How often a producer looks again for the doorbell of a consumer that has not started.
+_BELL_LOOK_S = 0.02
+# Header templates kept (per key; a key's dtype or shape change replaces its entry).
+_TEMPLATES_MAX = 4096
+
+
+class Producer:
+    """The sending half of one worker's shared-memory transport (see the module docstring)."""
+
+    def __init__(self, names: Names, task: str, incarnation: int, pool_bytes: int) -> None:
+        self._names = names
+        self._task = task
+        self._inc = incarnation
+        self._pid = os.getpid()
+        self._inline_max = inline_max() if RINGS_SUPPORTED else -1
+        self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()
+        # step -> key -> next sequence number: a step's table goes in one piece at cleanup.
+        self._seqs: dict[int, dict[str, int]] = {}
+        self._templates: dict[tuple[np.dtype[Any], tuple[int, ...], int], layout.Template] = {}
+        self._allocations: dict[int, _Allocation] = {}
+        self._routes: dict[str, _Route] = {}  # by the key's dst device, as written
+        self._consumers: dict[str, _Route] = {}  # by consumer task
+        self._pool = SlotPool(names, task, incarnation, pool_bytes)
+        self.counters = {"sent": 0, "sent_bytes": 0, "sent_zero_copy": 0, "ring_full": 0}
+
+    # -- what is derived once ---------------------------------------------------------
+
+    def _template(
+        self, dtype: np.dtype[Any], shape: tuple[int, ...], key_len: int
+    ) -> layout.Template:
+        """The header template of (dtype, shape, key length), cached."""
+        k = (dtype, shape, key_len)
+        t = self._templates.get(k)
+        if t is None:
+            t = layout.Template(dtype, shape, key_len)
+            if len(self._templates) >= _TEMPLATES_MAX:
+                self._templates.clear()
+            self._templates[k] = t
+        return t
+
+    def _route(self, key: ParsedKey) -> _Route:
+        """The route to the consumer of ``key`` (its ring made on first use)."""
+        with self._publish_lock:
+            route = self._routes.get(key.dst_device)
+            if route is not None:
+                return route
+            task = task_name(key.dst)
+            route = self._consumers.get(task)
+            if route is None:
+                route = _Route(task, self._make_ring(task) if RINGS_SUPPORTED else None)
+                self._consumers[task] = route
+            self._routes[key.dst_device] = route
+            return route
+
+    def _make_ring(self, task: str) -> tuple[Segment, Ring] | None:
+        """This producer's ring for the consumer ``task``, or None where one cannot be made."""
+        seg: Segment | None = None
+        name = self._names.ring(self._task, self._inc, task)
+        try:
+            seg = Segment.create(self._names, ring_size(RING_CAPACITY))
+            meta = json.dumps({"producer": self._task, "incarnation": self._inc, "consumer": task})
+            ring = Ring.format(memoryview(seg.buf), RING_CAPACITY, meta.encode())
+            move_noreplace(seg.path, Names.path(name))  # published only once formatted
+            seg.name = name
+        except (OSError, RendezvousError) as e:
+            _log.warning("no ring to %s (%s); segments only, found by name", task, e)
+            if seg is not None:
+                _unlink_quietly(seg)
+                seg.close()
+            return None
+        return seg, ring
+
+    def _next_seq(self, step_id: int, key: str) -> int:
+        """The sequence number of the next message of (step, key) (under the publish lock)."""
+        seqs = self._seqs.get(step_id)
+        if seqs is None:
+            seqs = self._seqs[step_id] = {}
+        return seqs.get(key, 0)
+
+    # -- allocate ---------------------------------------------------------------------
+
+    def allocate(self, step_id: int, key: ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
+        try:
+            dt = np.dtype(dtype)
+            shp = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(
+                f"allocate({key.full_key!r}): bad shape {shape!r} or dtype {dtype!r}: {e}"
+            ) from e
+        if any(d < 0 for d in shp):
+            raise InvalidArgumentError(
+                f"allocate({key.full_key!r}): negative dimension in shape {shp}"
+            )
+        if dt.hasobject:
+            raise InvalidArgumentError(
+                f"allocate({key.full_key!r}): dtype {dt} holds Python objects, "
+                "which cannot be shared"
+            )
+        t = self._template(dt, shp, len(key.full_key.encode()))
+        seg: Segment | None = None
+        slot: Slot | None = None
+        if 0 < t.nbytes <= self._inline_max:
+            # Small: it will travel inline through the ring (copying a few KiB costs less
+            # than publishing a segment), so plain memory serves.
+            arr: npt.NDArray[Any] = np.empty(shp, dt)
+        else:
+            slot, seg = self._segment_for(t.segment_size)
+            arr = seg.ndarray(
+                t.to_header(key.full_key, step_id, self._inc, self._pid, _slot_index(slot))
+            )
+        alloc = _Allocation(weakref.ref(arr), step_id, key.full_key, t, seg, slot)
+        with self._lock:
+            self._allocations[id(arr)] = alloc
+        weakref.finalize(arr, self._allocation_dropped, id(arr), alloc)
+        return arr
+
+    def _allocation_dropped(self, ident: int, alloc: _Allocation) -> None:
+        with self._lock:
+            if self._allocations.get(ident) is alloc:
+                del self._allocations[ident]
+        if alloc.sent:
+            return
+        # Allocated and never sent: the memory is still the producer's.
+        if alloc.slot is not None:
+            self._pool.release(alloc.slot)
+        elif alloc.segment is not None:
+            alloc.segment.unlink()
+            alloc.segment.close()
+
+    def _segment_for(self, size: int) -> tuple[Slot | None, Segment]:
+        slot = self._pool.acquire(size)
+        if slot is not None:
+            return slot, slot.segment
+        return None, Segment.create(self._names, size)
+
+    # -- send -------------------------------------------------------------------------
+
+    def send(self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool) -> None:
+        if self._allocations:
+            alloc = self._allocations.get(id(value))
+            if alloc is not None and alloc.ref() is value:
+                self._send_allocated(step_id, key, value, is_dead, alloc)
+                return
+        raw = key.full_key.encode()
+        t = self._templates.get((value.dtype, value.shape, len(raw)))
+        if t is None:
+            t = self._template(value.dtype, value.shape, len(raw))
+        route = self._routes.get(key.dst_device) or self._route(key)
+        flags = 1 if is_dead else 0
+        if t.nbytes <= self._inline_max and self._send_inline(
+            step_id, key, raw, value, t, route, flags
+        ):
+            return
+        self._send_copy(step_id, key, raw, value, t, route, flags)
+
+    def _send_inline(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        raw: bytes,
+        value: npt.NDArray[Any],
+        t: layout.Template,
+        route: _Route,
+        flags: int,
+    ) -> bool:
+        """Append the message to the consumer's ring; False if it has no ring or no room."""
+        ring = route.ring
+        if ring is None:
+            return False
+        n = t.nbytes
+        data = value.tobytes() if n else b""
+        fk = key.full_key
+        with self._publish_lock:
+            seq = self._next_seq(step_id, fk)
+            at = ring.reserve(t.data_offset + n)
+            if at < 0:
+                self.counters["ring_full"] += 1
+                return False  # full: this one goes through a segment, in sequence
+            buf = ring.buf
+            t.write(buf, at, raw, flags, step_id, seq, self._inc, self._pid, -1, time.time_ns())
+            if n:
+                at += t.data_offset
+                buf[at : at + n] = data
+            ring.commit()
+            self._seqs[step_id][fk] = seq + 1
+        self._after_publish(route, n)
+        return True
+
+    def _send_copy(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        raw: bytes,
+        value: npt.NDArray[Any],
+        t: layout.Template,
+        route: _Route,
+        flags: int,
+    ) -> None:
+        """Copy ``value`` into a pool slot (or a one-off segment) and publish it."""
+        slot, seg = self._segment_for(t.segment_size)
+        try:
+            if t.nbytes:
+                dst: npt.NDArray[Any] = np.ndarray(
+                    value.shape, dtype=value.dtype, buffer=seg.buf, offset=t.data_offset
+                )
+                copy_into(dst, value)
+                del dst
+            name = self._publish(step_id, key, raw, t, seg, _slot_index(slot), route, flags)
+        except BaseException:
+            if slot is not None:
+                self._pool.release(slot)
+            else:
+                seg.unlink()
+                seg.close()
+            raise
+        if slot is not None:
+            self._pool.lend(slot, key.full_key, name)
+        else:
+            seg.close()
+        self._after_publish(route, t.nbytes)
+
+    def _send_allocated(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        value: npt.NDArray[Any],
+        is_dead: bool,
+        alloc: _Allocation,
+    ) -> None:
+        if alloc.sent:
+            raise InvalidArgumentError(
+                f"this array from allocate() was already sent (under key {alloc.key!r}); "
+                "its memory belongs to the consumer now: allocate a new one"
+            )
+        if alloc.key != key.full_key or alloc.step != step_id:
+            raise InvalidArgumentError(
+                f"this array was allocated for key {alloc.key!r} in step {alloc.step} and "
+                f"cannot be sent under key {key.full_key!r} in step {step_id}"
+            )
+        with self._lock:
+            if alloc.sent:
+                raise InvalidArgumentError(
+                    f"this array from allocate() was already sent (key {alloc.key!r})"
+                )
+            alloc.sent = True
+        t = alloc.template
+        raw = key.full_key.encode()
+        route = self._routes.get(key.dst_device) or self._route(key)
+        flags = 1 if is_dead else 0
+        if alloc.segment is None:
+            # A small one: inline through the ring, else (ring full) a segment of its own.
+            try:
+                if not self._send_inline(step_id, key, raw, value, t, route, flags):
+                    self._send_copy(step_id, key, raw, value, t, route, flags)
+            except BaseException:
+                alloc.sent = False
+                raise
+            value.flags.writeable = False
+            return
+        try:
+            name = self._publish(
+                step_id, key, raw, t, alloc.segment, _slot_index(alloc.slot), route, flags
+            )
+        except BaseException:
+            alloc.sent = False
+            raise
+        # The memory is the consumer's from here on: stop the producer writing into it.
+        value.flags.writeable = False
+        if alloc.slot is not None:
+            self._pool.lend(alloc.slot, key.full_key, name)
+        else:
+            alloc.segment.close()
+        self.counters["sent_zero_copy"] += 1
+        self._after_publish(route, t.nbytes)
+
+    def _publish(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        raw: bytes,
+        t: layout.Template,
+        seg: Segment,
+        slot: int,
+        route: _Route,
+        flags: int,
+    ) -> str:
+        """Give the message its sequence number and its name, atomically; return the name.
+
+        Then append a notice of it to the consumer's ring, so that the consumer goes
+        straight to that name (with no ring, or a full one, it finds it by name).
+
+        Raises ``InternalError`` if a file has that name already (planted by another user,
+        or left by an earlier run with the same incarnation): it is neither replaced nor
+        written into. That sequence number is skipped (the consumer skips it too: it
+        refuses the file, or reads the earlier run's message).
+        """
+        fk = key.full_key
+        with self._publish_lock:
+            seq = self._next_seq(step_id, fk)
+            now = time.time_ns()
+            t.write(seg.buf, 0, raw, flags, step_id, seq, self._inc, self._pid, slot, now)
+            name = self._names.message(step_id, fk, self._inc, seq)
+            try:
+                move_noreplace(seg.path, Names.path(name))
+            except FileExistsError as e:
+                self._seqs[step_id][fk] = seq + 1
+                raise InternalError(
+                    f"cannot publish key {fk!r} (step {step_id}, message {seq}): {name} "
+                    "exists already — planted by another process, or an unreceived message of an "
+                    "earlier run with this incarnation; it was left untouched"
+                ) from e
+            except OSError as e:
+                raise InternalError(f"cannot publish key {fk!r} as {name}: {e}") from e
+            seg.name = name
+            self._seqs[step_id][fk] = seq + 1
+            ring = route.ring
+            if ring is not None:
+                at = ring.reserve(t.data_offset)
+                if at < 0:
+                    self.counters["ring_full"] += 1
+                    ring.count_lost()
+                else:
+                    t.write(
+                        ring.buf,
+                        at,
+                        raw,
+                        flags | layout.FLAG_NOTICE,
+                        step_id,
+                        seq,
+                        self._inc,
+                        self._pid,
+                        slot,
+                        now,
+                    )
+                    ring.commit()
+        return name
+
+    def _after_publish(self, route: _Route, nbytes: int) -> None:
+        counters = self.counters
+        counters["sent"] += 1
+        counters["sent_bytes"] += nbytes
+        bell = route.bell
+        if bell is None:
+            bell = self._peer_bell(route)
+            if bell is None:
+                return
+        bell.ring()
+
+    def _peer_bell(self, route: _Route) -> Bell | None:
+        now = time.monotonic()
+        if now < route.bell_look_at:
+            return None
+        route.bell_look_at = now + _BELL_LOOK_S
+        try:
+            bell = Bell.open(self._names, route.task)
+        except RendezvousError:
+            _log.warning(
+                "doorbell of %s refused (not ours); relying on the dispatcher tick", route.task
+            )
+            route.bell_look_at = now + 3600.0
+            return None
+        if bell is None:
+            return None  # consumer not started: it scans when it starts
+        with self._lock:
+            if route.bell is None:
+                route.bell = bell
+            else:
+                bell.close()
+            return route.bell
+
+    # -- steps and lifetime -----------------------------------------------------------
+
+    def cleanup_step(self, step_id: int) -> None:
+        with self._publish_lock:
+            self._seqs.pop(step_id, None)
+
+    def close(self) -> None:
+        """Sweep the pool, unmap the rings, close the doorbells. The caller has already
+        unlinked this worker's own doorbell (``pool.give_back`` relies on that order)."""
+        self._pool.close()
+        with self._publish_lock:
+            routes = list(self._consumers.values())
+            self._consumers.clear()
+            self._routes.clear()
+            for route in routes:
+                ring, seg = route.ring, route.ring_segment
+                route.ring = route.ring_segment = None
+                if ring is not None and seg is not None:
+                    # A ring its consumer never attached keeps its name while it holds
+                    # messages (they are the consumer's); an empty one goes.
+                    if not ring.pending():
+                        _unlink_quietly(seg)
+                    ring.release()
+                    seg.close()
+        with self._lock:
+            bells = [r.bell for r in routes if r.bell is not None]
+            for r in routes:
+                r.bell = None
+        for b in bells:
+            b.close()
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self.counters)
+        with self._lock:
+            out["allocations"] = len(self._allocations)
+        out["rings_out"] = sum(1 for r in list(self._consumers.values()) if r.ring is not None)
+        out.update(self._pool.stats())
+        return out
+
+
+def _slot_index(slot: Slot | None) -> int:
+    return -1 if slot is None else slot.index
+
+
+def _unlink_quietly(seg: Segment) -> None:
+    try:
+        seg.unlink()
+    except RendezvousError as e:
+        _log.warning("%s", e)

@@ -1,0 +1,110 @@
+"""A ring's bytes are a peer's: truncated rings and refused records (issue 13 §3-§5)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from shm_harness import Endpoint, key_between
+from small_shm import run_with_small_dev_shm
+
+import shmrdv
+from shmrdv._shm import layout
+from shmrdv._shm.naming import Names
+from shmrdv._shm.ring import RINGS_SUPPORTED, Ring
+
+P, C = "/job:rf/replica:0/task:0", "/job:rf/replica:0/task:1"
+
+pytestmark = pytest.mark.skipif(not RINGS_SUPPORTED, reason="rings are x86-64 only")
+
+
+def _ring_fd(prod: Endpoint) -> int:
+    """A descriptor of the producer's ring for C, as a buggy process of this user keeps."""
+    name = Names.path(prod.names.ring(prod.task, prod.incarnation, C))
+    return os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def test_ring_truncated_under_the_consumer_fails_it_not_the_process() -> None:
+    ns = shmrdv.new_namespace()
+    with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
+        prod.send(1, key_between(P, C, "first"), np.arange(4))
+        fd = _ring_fd(prod)  # before the consumer attaches (and unlinks) it
+        try:
+            assert cons.recv(1, key_between(P, C, "first")).value.tolist() == [0, 1, 2, 3]
+            os.ftruncate(fd, 8192)  # the records area is gone; head and tail still mapped
+        finally:
+            os.close(fd)
+        prod.send(1, key_between(P, C, "second"), np.arange(3))  # pragma: the producer's
+        # own write went to a page still there (the ring's start); the consumer must not
+        # read past the file's end: the ring is failed with InternalError.
+        with pytest.raises(shmrdv.InternalError, match="truncated"):
+            cons.recv(1, key_between(P, C, "second"), timeout=5)
+        assert cons.transport.stats()["rings"] == 0  # unmapped
+        # Large messages still arrive, found by name.
+        big = np.arange(100_000, dtype=np.float64)
+        prod.send(1, key_between(P, C, "big"), big)
+        assert np.array_equal(cons.recv(1, key_between(P, C, "big"), timeout=5).value, big)
+
+
+def _write_record(
+    prod: Endpoint, step: int, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]
+) -> None:
+    """Append a record by hand into the producer's ring (as a buggy producer would)."""
+    from shmrdv._shm.segment import Segment
+
+    seg = Segment.attach(prod.names, prod.names.ring(prod.task, prod.incarnation, C))
+    try:
+        ring = Ring(memoryview(seg.buf))
+        key = key_between(P, C, name).full_key.encode()
+        t = layout.Template(dtype, shape, len(key))
+        at = ring.reserve(t.data_offset)
+        assert at >= 0
+        t.write(ring.buf, at, key, 0, step, 0, prod.incarnation, os.getpid(), -1, time.time_ns())
+        ring.commit()
+        ring.release()
+    finally:
+        seg.close()
+
+
+def test_ring_zero_itemsize_record_refused_and_what_follows_delivered() -> None:
+    ns = shmrdv.new_namespace()
+    with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
+        prod.send(1, key_between(P, C, "first"), np.arange(2))  # makes the ring
+        _write_record(prod, 1, "huge", np.dtype("|S0"), (2**40,))  # 2**40 zero-byte items
+        prod.send(1, key_between(P, C, "after"), np.arange(5))
+        assert cons.recv(1, key_between(P, C, "first")).value.tolist() == [0, 1]
+        with pytest.raises(shmrdv.InternalError, match=f"producer {P}") as info:
+            cons.recv(1, key_between(P, C, "huge"), timeout=5)
+        assert "zero-byte items" in str(info.value)
+        assert cons.recv(1, key_between(P, C, "after"), timeout=5).value.tolist() == list(range(5))
+        assert cons.transport.stats()["refused_records"] == 1
+
+
+_FULL_SHM = r"""
+import os, numpy as np, shmrdv
+ns = shmrdv.new_namespace()
+a, b = "/job:f/replica:0/task:0", "/job:f/replica:0/task:1"
+k = shmrdv.create_key(a + "/device:CPU:0", 0, b + "/device:CPU:0", "x")
+with shmrdv.Worker(a, namespace=ns) as wa, shmrdv.Worker(b, namespace=ns) as wb:
+    wa.rendezvous(1).send(k, np.ones(4))  # the ring exists
+    assert wb.rendezvous(1).recv(k, timeout=10).value.tolist() == [1.0] * 4
+    free = os.statvfs("/dev/shm")
+    filler = "/dev/shm/filler"
+    with open(filler, "wb") as f:  # leave about 1.5 MiB free
+        f.write(b"\0" * (free.f_bavail * free.f_frsize - (3 << 19)))
+    n = (1 << 20) + (128 << 10)  # its pool size class (2 MiB + 64 KiB) is more than is left
+    wa.rendezvous(1).send(k, np.ones(n, np.uint8))
+    got = wb.rendezvous(1).recv(k, timeout=10)
+    assert got.value.nbytes == n and got.value[0] == 1
+    del got
+    os.unlink(filler)
+print("child ok")
+"""
+
+
+def test_full_dev_shm_falls_back_to_an_exact_size_segment() -> None:
+    out = run_with_small_dev_shm(_FULL_SHM, size="8m")
+    assert "child ok" in out

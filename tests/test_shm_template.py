@@ -1,0 +1,89 @@
+"""Header templates and the header cache (layout.py's hot path), on plain buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shmrdv._errors import InternalError
+from shmrdv._shm import layout
+
+KEY = "/job:w/replica:0/task:0/device:CPU:0;0000000000000001;/job:w/replica:0/task:1/device:CPU:0;e;0:0"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [(np.dtype("<f4"), (16,)), (np.dtype("|S3"), (2, 0, 5)), (np.dtype([("a", "<i2")]), ())],
+)
+def test_template_write_equals_pack_into(dtype: np.dtype, shape: tuple[int, ...]) -> None:
+    t = layout.Template(dtype, shape, len(KEY.encode()))
+    got = bytearray(t.data_offset)
+    t.write(got, 0, KEY.encode(), 1, -7, 3, 2**64 - 1, 42, 5, 123)
+    h = layout.Header.build(
+        key=KEY,
+        dtype=dtype,
+        shape=shape,
+        step_id=-7,
+        seq=3,
+        producer_incarnation=2**64 - 1,
+        producer_pid=42,
+        is_dead=True,
+        slot=5,
+        created_ns=123,
+    )
+    want = bytearray(h.data_offset)
+    layout.pack_into(want, h)
+    assert got == want
+    assert layout.unpack(got, h.segment_size) == h
+
+
+def test_template_field_out_of_range_refused() -> None:
+    t = layout.Template(np.dtype("<f8"), (2,), len(KEY))
+    buf = bytearray(t.data_offset)
+    with pytest.raises(InternalError, match="out of range"):
+        t.write(buf, 0, KEY.encode(), 0, 2**63, 0, 1, 1, -1, 0)
+    with pytest.raises(InternalError, match="out of range"):
+        t.write(buf, 0, KEY.encode(), 0, 1, -1, 1, 1, -1, 0)
+
+
+def _record(seq: int, flags: int = 0) -> bytearray:
+    t = layout.Template(np.dtype("<f4"), (16,), len(KEY))
+    buf = bytearray(t.data_offset + 64)
+    t.write(buf, 0, KEY.encode(), flags, 1, seq, 9, 9, -1, 0)
+    return buf
+
+
+def test_header_cache_answers_as_unpack_fields() -> None:
+    cache = layout.HeaderCache()
+    for seq in range(3):
+        rec = _record(seq)
+        assert cache.unpack(rec, len(rec)) == layout.unpack_fields(rec, len(rec))
+
+
+def test_header_cache_still_checks_the_changing_fields() -> None:
+    cache = layout.HeaderCache()
+    rec = _record(0)
+    cache.unpack(rec, len(rec))  # now known
+    bad_flags = _record(1, flags=0x80)
+    with pytest.raises(InternalError, match="flags"):
+        cache.unpack(bad_flags, len(bad_flags))
+    short = _record(2)
+    with pytest.raises(InternalError, match="past the end"):
+        cache.unpack(short, len(short) - 8)  # the data would run past the record
+    moved = _record(3)
+    moved[16:24] = (64).to_bytes(8, "little")  # data_offset 256 -> 64: inside the header
+    with pytest.raises(InternalError, match="data offset"):
+        cache.unpack(moved, len(moved))
+
+
+def test_unpack_identity_names_a_refused_record() -> None:
+    rec = _record(4)
+    rec[76:80] = (65).to_bytes(4, "little")  # ndim 65: unpack refuses it
+    with pytest.raises(InternalError):
+        layout.unpack_fields(rec, len(rec))
+    assert layout.unpack_identity(rec) is None  # the key cannot be located past a bad ndim
+    rec = _record(5)
+    rec[24:32] = (1).to_bytes(8, "little")  # nbytes 1: inconsistent with the shape
+    with pytest.raises(InternalError):
+        layout.unpack_fields(rec, len(rec))
+    assert layout.unpack_identity(rec) == (1, 5, KEY)
