@@ -17,8 +17,7 @@ from shmrdv.testing import ChildWorker
 from tests.helpers import CONSUMER, PRODUCER, make_key
 
 MIB = 1 << 20
-SHM_PENDING = "the shm producer's window is wired after the shm split merges"
-TRANSPORTS = [pytest.param(("shm",), marks=pytest.mark.skip(reason=SHM_PENDING)), ("grpc",)]
+TRANSPORTS = [("shm",), ("grpc",)]
 
 
 def _inflight(w: shmrdv.Worker, transport: tuple[str, ...]) -> int:
