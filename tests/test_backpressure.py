@@ -14,7 +14,7 @@ import pytest
 
 import shmrdv
 from shmrdv.testing import ChildWorker
-from tests.helpers import CONSUMER, PRODUCER, make_key
+from tests.helpers import CONSUMER, PRODUCER, make_key, wait_for
 
 MIB = 1 << 20
 TRANSPORTS = [("shm",), ("grpc",)]
@@ -128,6 +128,34 @@ def test_backpressure_cleanup_returns_the_steps_bytes(
     assert consumer.rendezvous(2).recv(key, timeout=10).value.nbytes == MIB
     producer.cleanup(2)
     consumer.cleanup(2)
+
+
+def test_backpressure_close_wakes_a_waiting_send(ns: str, transport: tuple[str, ...]) -> None:
+    key = make_key("closing")
+    errors: list[BaseException] = []
+    with shmrdv.Worker(CONSUMER, namespace=ns, transports=transport) as consumer:
+        producer = shmrdv.Worker(
+            PRODUCER, namespace=ns, transports=transport, max_inflight_bytes=MIB
+        )
+        producer.rendezvous(0).send(key, np.zeros(MIB, np.uint8))
+
+        def blocked() -> None:
+            try:
+                producer.rendezvous(0).send(key, np.ones(MIB, np.uint8))  # no timeout
+            except shmrdv.RendezvousError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=blocked)
+        t.start()
+        wait_for(lambda: producer.stats()[transport[0]]["window_waits"] == 1)
+        producer.close()
+        t.join(10)
+        assert not t.is_alive() and len(errors) == 1, errors
+        if transport == ("shm",):  # over gRPC the outbox went with the producer
+            assert consumer.rendezvous(0).recv(key, timeout=10).value[0] == 0
+            with pytest.raises(shmrdv.DeadlineExceededError):
+                consumer.rendezvous(0).recv(key, timeout=0.3)  # the woken one never went out
+        consumer.cleanup(0)
 
 
 def test_backpressure_dead_consumer_frees_the_window(ns: str, transport: tuple[str, ...]) -> None:

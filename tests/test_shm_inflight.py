@@ -146,7 +146,12 @@ def test_inflight_one_flight_per_consumer_task(peers: Peers) -> None:
     with pytest.raises(ResourceExhaustedError, match="task:2"):
         b.reserve(7, 0, "m")
     assert inflight.waits() == 1
-    inflight.close()
+    inflight.close(RuntimeError("closed"))
+    assert inflight.used() == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        a.reserve(1, None, "m")
+    with pytest.raises(RuntimeError, match="closed"):  # a flight made after closing too
+        inflight.of(DeviceName.parse("/job:worker/replica:0/task:3")).reserve(1, None, "m")
     assert inflight.used() == 0
 
 

@@ -49,7 +49,7 @@ LSTATS_PER_REFRESH = 32
 class Flight:
     """One consumer's messages in flight and its window (made by ``Inflight.of``)."""
 
-    __slots__ = ("_lock", "_records", "_ring", "_segments", "_watch", "window")
+    __slots__ = ("_closed", "_lock", "_records", "_ring", "_segments", "_watch", "window")
 
     def __init__(self, window: InflightWindow, watch: ConsumerWatch) -> None:
         self.window = window
@@ -58,10 +58,17 @@ class Flight:
         self._segments: deque[tuple[str, int]] = deque()  # (published name, bytes)
         self._records: deque[tuple[int, int]] = deque()  # (end in the ring, bytes)
         self._ring: Ring | None = None
+        self._closed: BaseException | None = None
 
     def reserve(self, nbytes: int, timeout: float | None, what: str) -> Ticket:
-        """Reserve ``nbytes`` before sending them (see ``InflightWindow.reserve``)."""
+        """Reserve ``nbytes`` before sending them (see ``InflightWindow.reserve``).
+
+        Raises the closing error if the producer closed meanwhile (closing frees the window,
+        which wakes every reservation waiting for room: none may publish any more)."""
         self.window.reserve(nbytes, timeout, self.refresh, what)
+        if self._closed is not None:
+            self.window.release(nbytes)
+            raise self._closed
         return Ticket(self, nbytes)
 
     def _segment(self, name: str, nbytes: int) -> None:
@@ -166,6 +173,7 @@ class Inflight:
         self._flights: dict[InflightWindow, Flight] = {}
         self._by_device: dict[str, Flight] = {}  # by a key's dst device, as written
         self._lock = threading.Lock()
+        self._closed: BaseException | None = None
 
     def for_key(self, key: ParsedKey) -> Flight:
         """The flight to ``key``'s consumer (one dict look-up once known: the send path)."""
@@ -182,6 +190,7 @@ class Inflight:
             watch = ConsumerWatch(self._peers, consumer)  # looks once: outside the lock
             with self._lock:
                 flight = self._flights.setdefault(window, Flight(window, watch))
+                flight._closed = self._closed
         return flight
 
     def used(self) -> int:
@@ -192,9 +201,12 @@ class Inflight:
         """Reservations that had to wait, all consumers together."""
         return self._windows.waits()
 
-    def close(self) -> None:
-        """Forget every flight (before the rings are unmapped)."""
+    def close(self, error: BaseException) -> None:
+        """Forget every flight (before the rings are unmapped); a reservation made from now
+        on, or waiting now, raises ``error``."""
         with self._lock:
+            self._closed = error
             flights = list(self._flights.values())
         for f in flights:
+            f._closed = error
             f.forget()

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._devices import DeviceName
-from .._errors import InternalError, InvalidArgumentError, RendezvousError
+from .._errors import InternalError, InvalidArgumentError, RendezvousError, closed_error
 from .._keys import ParsedKey
 from . import layout
 from .bell import Bell
@@ -517,7 +517,7 @@ class Producer:
         """Sweep the pool, unmap the rings, close the doorbells. The caller has already
         unlinked this worker's own doorbell (``pool.give_back`` relies on that order)."""
         if self._inflight is not None:
-            self._inflight.close()  # before the rings it reads are unmapped
+            self._inflight.close(closed_error(self._task))  # before the rings are unmapped
         self._pool.close()
         with self._publish_lock:
             routes = list(self._consumers.values())
