@@ -15,6 +15,10 @@ message back, so while a reservation waits it is asked to ``refresh`` (look at w
 consumer took: the ring's read position, which message names are gone) every
 ``REFRESH_S`` seconds.
 
+``Windows`` is a producer's windows, one per consumer task; ``ConsumerWatch`` tells, from
+the consumer's presence record on this host, that it died (its window is then freed: what
+it did not take will never be taken by it).
+
 Thread model: any thread may reserve or release; a reservation blocks only its caller,
 never under a transport lock (the refresh callback is called without the window's lock).
 """
