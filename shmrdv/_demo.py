@@ -6,6 +6,11 @@ Workers: frame ``i`` goes producer -> stage ``i % N`` -> sink. With ``--hosts 2`
 producer is a group of its own that the others may reach only through gRPC (loopback),
 as if it ran on another host.
 
+Backpressure: every Worker that sends (the producer and the stages) has a window
+(``Worker(max_inflight_bytes=...)``) of ``--window`` frames per consumer (default 4, like
+the baseline's ``multiprocessing.Queue(maxsize=4)``): a producer that runs ahead of a slow
+stage waits for it instead of filling /dev/shm. ``--window 0`` turns it off.
+
 Every process is a ``shmrdv._procs.Child``: it dies with the demo, and the demo closes
 them in order: the consumers first, then the producer they pull from, so that no gRPC
 channel sees its server go away (no "GOAWAY ... Cancelling all calls" log line).
@@ -75,11 +80,14 @@ def _producer(
     shape: tuple[int, int],
     stages: int,
     hosts: int,
+    window: int | None,
     go: Any,
 ) -> None:
     import shmrdv
 
-    with shmrdv.Worker(_dev(0), namespace=ns, transports=_transports("A", hosts)) as w:
+    with shmrdv.Worker(
+        _dev(0), namespace=ns, transports=_transports("A", hosts), max_inflight_bytes=window
+    ) as w:
         rdv = w.rendezvous(0)
         keys = [shmrdv.create_key(_dev(0), 0, _dev(1 + s), "frame") for s in range(stages)]
         go.wait(60)
@@ -87,7 +95,7 @@ def _producer(
             key = keys[i % stages]
             buf = rdv.allocate(key, shape, np.float32)
             buf.fill(float(i % 1000))
-            rdv.send(key, buf)
+            rdv.send(key, buf, timeout=60)  # waits while the window to that stage is full
             del buf
         # Stay up until the demo says so: with --hosts 2 the stages pull from us over gRPC,
         # and they close their channels before we stop our server.
@@ -101,12 +109,13 @@ def _stage(
     shape: tuple[int, int],
     stages: int,
     s: int,
+    window: int | None,
     go: Any,
 ) -> None:
     import shmrdv
 
     me, sink = 1 + s, 1 + stages
-    with shmrdv.Worker(_dev(me), namespace=ns) as w:
+    with shmrdv.Worker(_dev(me), namespace=ns, max_inflight_bytes=window) as w:
         rdv = w.rendezvous(0)
         src = shmrdv.create_key(_dev(0), 0, _dev(me), "frame")
         dst = shmrdv.create_key(_dev(me), 0, _dev(sink), "out")
@@ -117,7 +126,7 @@ def _stage(
             np.multiply(frame, 0.5, out=out)
             out += 1.0
             del frame
-            rdv.send(dst, out)
+            rdv.send(dst, out, timeout=60)
             del out
         wait_for_close(conn)  # the sink may still be taking our last frames
 
@@ -259,6 +268,13 @@ def build_parser(p: argparse.ArgumentParser) -> None:
         help="2: producer reachable only through gRPC (loopback), as from another host",
     )
     p.add_argument(
+        "--window",
+        type=int,
+        default=4,
+        help="backpressure: at most this many frames in flight from a sender to each of its "
+        "consumers (Worker(max_inflight_bytes=...)); 0: no window (default 4)",
+    )
+    p.add_argument(
         "--no-baseline", action="store_true", help="skip the multiprocessing.Queue comparison"
     )
 
@@ -281,6 +297,9 @@ def run(args: argparse.Namespace) -> int:
     if args.frames < 1 or args.stages < 1:
         print("shmrdv demo: --frames and --stages must be >= 1", file=sys.stderr)
         return 2
+    if args.window < 0:
+        print("shmrdv demo: --window must be >= 0 (0: no window)", file=sys.stderr)
+        return 2
     shape = _shape_for(args.size)
     nbytes = shape[0] * shape[1] * 4
     frames, stages = args.frames, args.stages
@@ -296,13 +315,21 @@ def run(args: argparse.Namespace) -> int:
         f"producer -> {stages} stage(s) -> sink, over {where}",
         flush=True,
     )
+    window = args.window * nbytes if args.window else None
+    print(
+        f"backpressure: at most {args.window} frames ({window / 2**20:.1f} MiB) in flight from "
+        "each sender to each consumer (Worker(max_inflight_bytes=...); --window 0: none)"
+        if window
+        else "backpressure: none (--window 0): a sender never waits for its consumers",
+        flush=True,
+    )
     status = 0
     try:
         with ChildGroup() as group:
             go = ctx.Barrier(stages + 2)
-            group.start("producer", _producer, ns, frames, shape, stages, args.hosts, go)
+            group.start("producer", _producer, ns, frames, shape, stages, args.hosts, window, go)
             for s in range(stages):
-                group.start(f"stage{s}", _stage, ns, frames, shape, stages, s, go)
+                group.start(f"stage{s}", _stage, ns, frames, shape, stages, s, window, go)
             group.start("sink", _sink, ns, frames, stages, go)
             dt, bad = _run_group(group, frames, nbytes, "shmrdv", True)
         rate = frames / dt

@@ -94,6 +94,8 @@ class TransportContext:
     names: Names  # the namespace's object names (shared memory)
     peers: PeerDirectory
     cleaned_up: Callable[[int], bool]  # has Worker.cleanup(step_id) run (and is remembered)?
+    # Backpressure: bytes in flight to one consumer task at most (None: no window).
+    max_inflight_bytes: int | None = None
 
 
 class Transport(Protocol):

@@ -15,6 +15,10 @@ message back, so while a reservation waits it is asked to ``refresh`` (look at w
 consumer took: the ring's read position, which message names are gone) every
 ``REFRESH_S`` seconds.
 
+``Windows`` is a producer's windows, one per consumer task; ``ConsumerWatch`` tells, from
+the consumer's presence record on this host, that it died (its window is then freed: what
+it did not take will never be taken by it).
+
 Thread model: any thread may reserve or release; a reservation blocks only its caller,
 never under a transport lock (the refresh callback is called without the window's lock).
 """
@@ -23,14 +27,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
-from ._errors import InvalidArgumentError, ResourceExhaustedError
+from ._devices import DeviceName
+from ._errors import InvalidArgumentError, RendezvousError, ResourceExhaustedError
 
-__all__ = ["REFRESH_S", "InflightWindow", "check_window"]
+if TYPE_CHECKING:
+    from ._keys import ParsedKey
+    from ._transport import PeerDirectory
+
+__all__ = ["LIVENESS_S", "REFRESH_S", "ConsumerWatch", "InflightWindow", "Windows", "check_window"]
 
 #: How often a waiting reservation asks the transport what the consumer has taken.
 REFRESH_S = 0.002
+#: How often a waiting reservation looks whether its consumer died.
+LIVENESS_S = 0.05
 
 
 def check_window(limit: object) -> int | None:
@@ -47,13 +59,14 @@ def check_window(limit: object) -> int | None:
 class InflightWindow:
     """The window of one producer towards one consumer worker."""
 
-    __slots__ = ("_cond", "_limit", "_used", "consumer", "waits")
+    __slots__ = ("_cond", "_limit", "_lock", "_used", "consumer", "waits")
 
     def __init__(self, consumer: str, limit: int) -> None:
         self.consumer = consumer
         self._limit = limit
         self._used = 0
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self.waits = 0
 
     @property
@@ -81,9 +94,10 @@ class InflightWindow:
         ``release`` what the consumer has taken meanwhile. Raises ``ResourceExhaustedError``
         when the time is up; nothing is reserved then.
         """
-        with self._cond:
-            if self._fits(nbytes):
-                self._used += nbytes
+        with self._lock:  # the fast path: the lock itself, not the Condition's wrapper
+            used = self._used
+            if used + nbytes <= self._limit or used == 0:
+                self._used = used + nbytes
                 return
             self.waits += 1
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -106,6 +120,11 @@ class InflightWindow:
                     wait = left if wait is None else min(wait, left)
                 self._cond.wait(wait)
 
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` again without waiting (a value put back in flight, e.g. requeued)."""
+        with self._cond:
+            self._used += nbytes
+
     def release(self, nbytes: int) -> None:
         """Give back bytes the consumer took (or that will never reach it)."""
         with self._cond:
@@ -120,3 +139,88 @@ class InflightWindow:
 
     def __repr__(self) -> str:
         return f"<InflightWindow to {self.consumer} {self._used}/{self._limit} bytes>"
+
+
+class Windows:
+    """A producer's windows, one per consumer task (made on first use), all of one limit."""
+
+    __slots__ = ("_by_device", "_by_task", "_limit", "_lock")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._by_task: dict[tuple[str, int, int], InflightWindow] = {}
+        self._by_device: dict[str, InflightWindow] = {}  # by a key's dst device, as written
+        self._lock = threading.Lock()
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def of(self, consumer: DeviceName) -> InflightWindow:
+        """The window towards the task of device ``consumer`` (one per task, not per device)."""
+        tk = consumer.task_key()
+        w = self._by_task.get(tk)
+        if w is None:
+            with self._lock:
+                w = self._by_task.get(tk)
+                if w is None:
+                    job, replica, task = tk
+                    w = InflightWindow(f"/job:{job}/replica:{replica}/task:{task}", self._limit)
+                    self._by_task[tk] = w
+        return w
+
+    def for_key(self, key: ParsedKey) -> InflightWindow:
+        """The window towards ``key``'s consumer (one dict look-up once known: the send path)."""
+        w = self._by_device.get(key.dst_device)
+        if w is None:
+            w = self._by_device.setdefault(key.dst_device, self.of(key.dst))
+        return w
+
+    def __iter__(self) -> Iterator[InflightWindow]:
+        with self._lock:
+            return iter(list(self._by_task.values()))
+
+    def used(self) -> int:
+        """Bytes in flight to all consumers together."""
+        return sum(w.used for w in self)
+
+    def waits(self) -> int:
+        """Reservations that had to wait, all consumers together."""
+        return sum(w.waits for w in self)
+
+    def reset(self) -> None:
+        """Give everything back (the producer is closing)."""
+        for w in self:
+            w.reset()
+
+
+class ConsumerWatch:
+    """Whether a consumer task died since it was seen alive: then its window is freed.
+
+    Looks (``PeerDirectory.liveness``: a ``stat`` and a ``flock`` test) when made and then
+    at most every ``LIVENESS_S`` seconds, only when asked (by a waiting reservation's
+    refresh). A consumer seen alive and then "dead", "absent" or alive with another
+    incarnation died: ``died()`` is True once for it, and the watch waits for the next life.
+    """
+
+    __slots__ = ("_alive", "_next", "_peers", "_task")
+
+    def __init__(self, peers: PeerDirectory, task: DeviceName) -> None:
+        self._peers = peers
+        self._task = task
+        self._alive: int | None = None  # the incarnation seen alive (0: unknown)
+        self._next = 0.0
+        self.died()
+
+    def died(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + LIVENESS_S
+        try:
+            state, record = self._peers.liveness(self._task)
+        except RendezvousError:  # a record that is not ours: not a death we can vouch for
+            return False
+        incarnation = record.incarnation if state == "alive" and record is not None else None
+        before, self._alive = self._alive, incarnation
+        return before is not None and incarnation != before

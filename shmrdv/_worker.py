@@ -29,6 +29,7 @@ from ._namespace import resolve_namespace
 from ._peers import ALL_TRANSPORTS, Peers, canonical_task
 from ._router import Router, RouterContext, StepRendezvous
 from ._transport import Transport, TransportContext
+from ._window import check_window
 
 if TYPE_CHECKING:
     from ._rpc.security import TLSConfig
@@ -82,6 +83,12 @@ class Worker:
             bearer secret every call must carry.
         shm_pool_bytes: bytes of reusable shared-memory slots kept warm for sends to
             this host's workers (0 disables the pool).
+        max_inflight_bytes: backpressure. At most this many bytes sent to any one
+            consumer worker and not yet received by it (every cross-process transport);
+            a ``send`` that would exceed it waits up to its ``timeout`` for room, then
+            raises ``ResourceExhaustedError`` having sent nothing. A tensor larger than
+            the window goes out once nothing else is in flight to that consumer.
+            ``None`` (default): no window, ``send`` never waits.
 
     Close it (or use ``with``): ``close()`` aborts every step and releases every OS
     object this worker owns. A Worker cannot be used in a ``fork`` child of the process
@@ -99,6 +106,7 @@ class Worker:
         tls: TLSConfig | None = None,
         token: str | None = None,
         shm_pool_bytes: int = 512 << 20,
+        max_inflight_bytes: int | None = None,
     ) -> None:
         self._closed = True  # until fully built, so close() from the finalizer is a no-op
         self._forked = False
@@ -142,6 +150,7 @@ class Worker:
             raise InvalidArgumentError(
                 f"shm_pool_bytes must be an int >= 0, not {shm_pool_bytes!r}"
             )
+        self.max_inflight_bytes: int | None = check_window(max_inflight_bytes)
         self._tls = tls
         self._token = token
         self._shm_pool_bytes = shm_pool_bytes
@@ -178,6 +187,7 @@ class Worker:
             names=self._names,
             peers=self._peers,
             cleaned_up=self._tombstones.__contains__,
+            max_inflight_bytes=self.max_inflight_bytes,
         )
         self._router = Router(
             RouterContext(
@@ -240,9 +250,14 @@ class Worker:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
+        window = (
+            ""
+            if self.max_inflight_bytes is None
+            else f" max_inflight_bytes={self.max_inflight_bytes}"
+        )
         return (
             f"<shmrdv.Worker {self.task} incarnation={self.incarnation:016x} "
-            f"transports={self.transports} steps={len(self._steps)} {state}>"
+            f"transports={self.transports}{window} steps={len(self._steps)} {state}>"
         )
 
     def __enter__(self) -> Worker:
@@ -330,7 +345,9 @@ class Worker:
 
     def stats(self) -> dict[str, Any]:
         """Counters per transport (bytes, messages, pending, live segments), steps,
-        tombstones, ``routes`` (key strings whose route is remembered) and ``waiting``:
+        tombstones, ``max_inflight_bytes`` (the backpressure window, None if unset; each
+        transport reports ``inflight_bytes`` and ``window_waits`` when set), ``routes``
+        (key strings whose route is remembered) and ``waiting``:
         the blocked receives waiting for over a second, each with step, key, seconds
         waited and a diagnosis (None, or where its producer's task is alive if not in this
         worker's namespace, or that it is alive nowhere on this host)."""
@@ -338,6 +355,7 @@ class Worker:
             "task": self.task,
             "steps": len(self._steps),
             "tombstones": len(self._tombstones),
+            "max_inflight_bytes": self.max_inflight_bytes,
             "routes": self._router.cached_routes(),
             "waiting": self._router.waiting(),
         }

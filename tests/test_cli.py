@@ -53,6 +53,7 @@ def test_cli_demo_runs_checks_and_leaves_nothing() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 bad" in proc.stdout
     assert "multiprocessing.Queue" in proc.stdout
+    assert "backpressure: at most 4 frames" in proc.stdout  # the demo says it uses a window
     assert "leftover" not in proc.stderr
 
 
@@ -85,6 +86,7 @@ def test_cli_demo_two_hosts_over_grpc() -> None:
 def test_cli_demo_bad_arguments_exit_2() -> None:
     assert run("demo", "--frames", "0", timeout=60).returncode == 2
     assert run("demo", "--size", "lots", timeout=60).returncode == 2
+    assert run("demo", "--window", "-1", timeout=60).returncode == 2
 
 
 def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

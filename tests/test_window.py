@@ -74,3 +74,43 @@ def test_window_tensor_larger_than_window_goes_when_nothing_in_flight() -> None:
     w.reset()
     w.reserve(1, 0)
     assert w.used == 1
+
+
+def test_window_charge_counts_without_waiting() -> None:
+    w = InflightWindow("c", 10)
+    w.reserve(10, None)
+    w.charge(7)  # a value put back in flight: counted again, even over the limit
+    assert w.used == 17
+    w.release(17)
+    assert w.used == 0
+
+
+def test_windows_one_per_consumer_task_not_per_device() -> None:
+    from shmrdv._devices import DeviceName
+    from shmrdv._window import Windows
+
+    ws = Windows(100)
+    cpu = ws.of(DeviceName.parse("/job:w/task:1/device:CPU:0"))
+    assert ws.of(DeviceName.parse("/job:w/replica:0/task:1/device:GPU:1")) is cpu
+    assert cpu.consumer == "/job:w/replica:0/task:1" and cpu.limit == 100
+    other = ws.of(DeviceName.parse("/job:w/replica:0/task:2"))
+    assert other is not cpu
+    cpu.reserve(30, None)
+    other.reserve(100, None)
+    with pytest.raises(ResourceExhaustedError, match="task:2"):
+        other.reserve(1, 0)
+    assert ws.used() == 130 and ws.waits() == 1
+    ws.reset()
+    assert ws.used() == 0
+
+
+def test_windows_for_key_is_the_dst_tasks_window() -> None:
+    from shmrdv._devices import DeviceName
+    from shmrdv._keys import create_key, parse_key
+    from shmrdv._window import Windows
+
+    ws = Windows(10)
+    src = "/job:w/replica:0/task:0/device:CPU:0"
+    a = ws.for_key(parse_key(create_key(src, 0, "/job:w/task:1/device:CPU:0", "a")))
+    b = ws.for_key(parse_key(create_key(src, 0, "/job:w/replica:0/task:1/cpu:0", "b")))
+    assert a is b is ws.of(DeviceName.parse("/job:w/replica:0/task:1"))

@@ -7,6 +7,14 @@ The outbox is created on the first send or request of a step and dropped by
 ``cleanup_step``; a request for a step already cleaned up fails at once with ``ABORTED``
 (TensorFlow's FindOrCreate would wait forever).
 
+Backpressure (``TransportContext.max_inflight_bytes``): one ``InflightWindow`` per
+consumer task. ``send`` reserves the value's bytes before copying it into the outbox
+(waiting up to the send's timeout); a pull that takes the value gives them back, a
+``requeue`` counts them again, ``cleanup_step`` gives back what the step's outbox still
+holds and ``close`` everything; a consumer that died (its presence record on this host,
+looked at while a reservation waits) frees its window. The bytes a step holds per consumer are counted here
+(``_held``), so the window and the outboxes cannot drift apart.
+
 Consumer side: ``start_recv`` pulls the next value of the key from the producer's
 address (``TransportContext.peers``: the cluster's, else the producer's presence record)
 through ``RpcClient``; aborting or cleaning up the step cancels the calls in flight.
@@ -47,6 +55,7 @@ from .._local import LocalRendezvous
 from .._received import Received
 from .._rendezvous import Canceller, RecvSlot
 from .._transport import PeerRecord, TransportContext
+from .._window import ConsumerWatch, InflightWindow, Windows
 from .client import RpcClient
 from .server import RpcServer
 
@@ -100,6 +109,11 @@ class GrpcTransport:
         self._owned: dict[int, weakref.ref[npt.NDArray[Any]]] = {}
         self._closed = False
         self._counters = {"sent": 0, "sent_bytes": 0, "received": 0, "received_bytes": 0}
+        limit = ctx.max_inflight_bytes
+        self._windows: Windows | None = None if limit is None else Windows(limit)
+        # Per step, per consumer's window: bytes in its outbox not taken yet.
+        self._held: dict[int, dict[InflightWindow, int]] = {}
+        self._watches: dict[InflightWindow, ConsumerWatch] = {}
         self._client = RpcClient(tls=tls, token=token)
         self._server: RpcServer | None = None
         self.address: str | None = None
@@ -166,6 +180,34 @@ class GrpcTransport:
         timeout: float | None,
     ) -> None:
         box = self._outbox(step_id, for_send=True)
+        if self._windows is None:
+            self._put(box, key, value, is_dead)
+            return
+        nbytes = value.nbytes
+        window = self._windows.for_key(key)
+        watch = self._watches.get(window)
+        if watch is None:
+            watch = self._watches.setdefault(window, ConsumerWatch(self._ctx.peers, key.dst))
+
+        def refresh() -> None:
+            if watch.died():
+                self._forget(window)
+
+        window.reserve(nbytes, timeout, refresh, key.full_key)
+        try:
+            self._hold(step_id, window, nbytes)
+        except BaseException:
+            window.release(nbytes)
+            raise
+        try:
+            self._put(box, key, value, is_dead)
+        except BaseException:
+            self._unhold(step_id, window, nbytes)
+            raise
+
+    def _put(
+        self, box: LocalRendezvous, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool
+    ) -> None:
         ref = self._owned.pop(id(value), None)
         if ref is not None and ref() is value:
             # From allocate(): hand it over as is, and stop the producer writing into it.
@@ -178,6 +220,51 @@ class GrpcTransport:
         self._counters["sent"] += 1
         self._counters["sent_bytes"] += value.nbytes
 
+    # -- the window's accounting (only with max_inflight_bytes) -------------------------
+
+    def _hold(self, step_id: int, window: InflightWindow, nbytes: int) -> None:
+        """``nbytes`` counted in ``window`` are now held by the step's outbox."""
+        with self._lock:
+            if self._closed:
+                raise closed_error(self.task)
+            err = self._aborted.get(step_id)
+            if err is not None:
+                raise err
+            per = self._held.setdefault(step_id, {})
+            per[window] = per.get(window, 0) + nbytes
+
+    def _unhold(self, step_id: int, window: InflightWindow, nbytes: int) -> None:
+        """``nbytes`` left the step's outbox (taken, or never put): give them back.
+
+        At most what the step still holds: after ``cleanup_step`` gave it all back, a
+        late take gives back nothing twice."""
+        with self._lock:
+            per = self._held.get(step_id)
+            have = 0 if per is None else per.get(window, 0)
+            gone = min(have, nbytes)
+            if per is not None and gone:
+                per[window] = have - gone
+        if gone:
+            window.release(gone)
+
+    def _forget(self, window: InflightWindow) -> None:
+        """Its consumer died: what it did not take no longer counts (it stays in the
+        outboxes until their steps are cleaned up, for a consumer that comes back)."""
+        with self._lock:
+            for per in self._held.values():
+                per.pop(window, None)
+        window.reset()
+
+    def _release_held(self, step_id: int) -> None:
+        """Give back the bytes the step's outbox still holds (it dropped them)."""
+        if self._windows is None:
+            return
+        with self._lock:
+            per = self._held.pop(step_id, None)
+        for window, nbytes in (per or {}).items():
+            if nbytes:
+                window.release(nbytes)
+
     # TensorSource, called by the server for every RecvTensor.
     def serve_recv(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
         if self._ctx.cleaned_up(step_id):
@@ -187,6 +274,8 @@ class GrpcTransport:
         box = self._outbox(step_id, for_send=False)
 
         def finished(error: BaseException | None, received: Received | None) -> None:
+            if received is not None and self._windows is not None:
+                self._unhold(step_id, self._windows.for_key(key), received.value.nbytes)
             invoke_done(done, error, received)
             self._drop_if_unused(step_id)
 
@@ -204,8 +293,21 @@ class GrpcTransport:
         """A value taken for a call that then failed goes back to the head of its key."""
         with self._lock:
             box = self._outboxes.get(step_id)
-        if box is not None:
+        if box is None:
+            return
+        if self._windows is None:
             box.requeue(key, received)
+            return
+        nbytes = received.value.nbytes
+        window = self._windows.for_key(key)
+        try:
+            self._hold(step_id, window, nbytes)
+        except RendezvousError:
+            return  # aborted or closed meanwhile: the value is dropped, like the outbox's
+        window.charge(nbytes)  # in flight again, without waiting
+        box.requeue(key, received)
+        if box.aborted is not None:
+            self._unhold(step_id, window, nbytes)  # dropped by an abort that came in between
 
     # -- consumer side --------------------------------------------------------------
 
@@ -382,7 +484,8 @@ class GrpcTransport:
             for k in [k for k in self._queues if k[0] == step_id]:
                 waiters.extend(self._queues.pop(k))
         if box is not None:
-            box.start_abort(error)
+            box.start_abort(error)  # drops the values it holds: they give back their bytes
+        self._release_held(step_id)
         for waiter in waiters:
             # Stop the call in flight; if its value already arrived, finish() finds the
             # queue gone and drops it: this error is the answer the caller gets.
@@ -395,6 +498,7 @@ class GrpcTransport:
             self._outboxes.pop(step_id, None)
             self._sent_steps.discard(step_id)
             self._aborted.pop(step_id, None)
+        self._release_held(step_id)
         if self._server is not None:
             self._server.drop_step(step_id)
 
@@ -411,6 +515,10 @@ class GrpcTransport:
             self.abort_step(step, error)
         for box in boxes:
             box.start_abort(error)
+        if self._windows is not None:
+            with self._lock:
+                self._held.clear()
+            self._windows.reset()
         if self._server is not None:
             self._server.stop()
         self._client.close()
@@ -421,6 +529,9 @@ class GrpcTransport:
             out["outbox_steps"] = len(self._outboxes)
             out["outbox_values"] = sum(b.stats()["pending_values"] for b in self._outboxes.values())
             out["receives_pending"] = sum(len(q) for q in self._queues.values())
+        if self._windows is not None:
+            out["inflight_bytes"] = self._windows.used()
+            out["window_waits"] = self._windows.waits()
         if self._server is not None:
             out.update({f"server_{k}": v for k, v in self._server.stats().items()})
         return out

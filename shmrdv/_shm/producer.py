@@ -29,11 +29,12 @@ import numpy as np
 import numpy.typing as npt
 
 from .._devices import DeviceName
-from .._errors import InternalError, InvalidArgumentError, RendezvousError
+from .._errors import InternalError, InvalidArgumentError, RendezvousError, closed_error
 from .._keys import ParsedKey
 from . import layout
 from .bell import Bell
 from .copier import copy_into
+from .inflight import Inflight, Ticket
 from .naming import Names
 from .pool import Slot, SlotPool
 from .ring import RINGS_SUPPORTED, Ring, ring_size
@@ -101,8 +102,16 @@ _TEMPLATES_MAX = 4096
 class Producer:
     """The sending half of one worker's shared-memory transport (see the module docstring)."""
 
-    def __init__(self, names: Names, task: str, incarnation: int, pool_bytes: int) -> None:
+    def __init__(
+        self,
+        names: Names,
+        task: str,
+        incarnation: int,
+        pool_bytes: int,
+        inflight: Inflight | None = None,
+    ) -> None:
         self._names = names
+        self._inflight = inflight  # the max_inflight_bytes windows, if any
         self._task = task
         self._inc = incarnation
         self._pid = os.getpid()
@@ -230,11 +239,36 @@ class Producer:
 
     # -- send -------------------------------------------------------------------------
 
-    def send(self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool) -> None:
+    def send(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        value: npt.NDArray[Any],
+        is_dead: bool,
+        timeout: float | None = None,
+    ) -> None:
+        if self._inflight is None:
+            self._send(step_id, key, value, is_dead, None)
+            return
+        # Backpressure: room in the consumer's window before anything is copied or published.
+        ticket = self._inflight.for_key(key).reserve(value.nbytes, timeout, key.full_key)
+        try:
+            self._send(step_id, key, value, is_dead, ticket)
+        finally:
+            ticket.cancel()  # a no-op once published
+
+    def _send(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        value: npt.NDArray[Any],
+        is_dead: bool,
+        ticket: Ticket | None,
+    ) -> None:
         if self._allocations:
             alloc = self._allocations.get(id(value))
             if alloc is not None and alloc.ref() is value:
-                self._send_allocated(step_id, key, value, is_dead, alloc)
+                self._send_allocated(step_id, key, value, is_dead, alloc, ticket)
                 return
         raw = key.full_key.encode()
         t = self._templates.get((value.dtype, value.shape, len(raw)))
@@ -243,10 +277,10 @@ class Producer:
         route = self._routes.get(key.dst_device) or self._route(key)
         flags = 1 if is_dead else 0
         if t.nbytes <= self._inline_max and self._send_inline(
-            step_id, key, raw, value, t, route, flags
+            step_id, key, raw, value, t, route, flags, ticket
         ):
             return
-        self._send_copy(step_id, key, raw, value, t, route, flags)
+        self._send_copy(step_id, key, raw, value, t, route, flags, ticket)
 
     def _send_inline(
         self,
@@ -257,6 +291,7 @@ class Producer:
         t: layout.Template,
         route: _Route,
         flags: int,
+        ticket: Ticket | None,
     ) -> bool:
         """Append the message to the consumer's ring; False if it has no ring or no room."""
         ring = route.ring
@@ -277,7 +312,10 @@ class Producer:
                 at += t.data_offset
                 buf[at : at + n] = data
             ring.commit()
+            end = ring.head
             self._seqs[step_id][fk] = seq + 1
+        if ticket is not None:
+            ticket.record(ring, end)
         self._after_publish(route, n)
         return True
 
@@ -290,6 +328,7 @@ class Producer:
         t: layout.Template,
         route: _Route,
         flags: int,
+        ticket: Ticket | None,
     ) -> None:
         """Copy ``value`` into a pool slot (or a one-off segment) and publish it."""
         slot, seg = self._segment_for(t.segment_size)
@@ -301,6 +340,8 @@ class Producer:
                 copy_into(dst, value)
                 del dst
             name = self._publish(step_id, key, raw, t, seg, _slot_index(slot), route, flags)
+            if ticket is not None:
+                ticket.segment(name)
         except BaseException:
             if slot is not None:
                 self._pool.release(slot)
@@ -321,6 +362,7 @@ class Producer:
         value: npt.NDArray[Any],
         is_dead: bool,
         alloc: _Allocation,
+        ticket: Ticket | None,
     ) -> None:
         if alloc.sent:
             raise InvalidArgumentError(
@@ -345,8 +387,8 @@ class Producer:
         if alloc.segment is None:
             # A small one: inline through the ring, else (ring full) a segment of its own.
             try:
-                if not self._send_inline(step_id, key, raw, value, t, route, flags):
-                    self._send_copy(step_id, key, raw, value, t, route, flags)
+                if not self._send_inline(step_id, key, raw, value, t, route, flags, ticket):
+                    self._send_copy(step_id, key, raw, value, t, route, flags, ticket)
             except BaseException:
                 alloc.sent = False
                 raise
@@ -356,6 +398,8 @@ class Producer:
             name = self._publish(
                 step_id, key, raw, t, alloc.segment, _slot_index(alloc.slot), route, flags
             )
+            if ticket is not None:
+                ticket.segment(name)
         except BaseException:
             alloc.sent = False
             raise
@@ -472,6 +516,8 @@ class Producer:
     def close(self) -> None:
         """Sweep the pool, unmap the rings, close the doorbells. The caller has already
         unlinked this worker's own doorbell (``pool.give_back`` relies on that order)."""
+        if self._inflight is not None:
+            self._inflight.close(closed_error(self._task))  # before the rings are unmapped
         self._pool.close()
         with self._publish_lock:
             routes = list(self._consumers.values())
@@ -500,6 +546,9 @@ class Producer:
             out["allocations"] = len(self._allocations)
         out["rings_out"] = sum(1 for r in list(self._consumers.values()) if r.ring is not None)
         out.update(self._pool.stats())
+        if self._inflight is not None:
+            out["inflight_bytes"] = self._inflight.used()
+            out["window_waits"] = self._inflight.waits()
         return out
 
 

@@ -172,6 +172,16 @@ class Ring:
         words = self._words
         return bool(words[_H] != words[_T])
 
+    @property
+    def head(self) -> int:
+        """Bytes appended so far (a running count; the end of the last record published)."""
+        return int(self._words[_H])
+
+    @property
+    def tail(self) -> int:
+        """Bytes the consumer has taken so far: every record ending at or before it is read."""
+        return int(self._words[_T])
+
     def release(self) -> None:
         """Let go of the buffer (so that its mapping can be closed)."""
         self._words.release()

@@ -28,6 +28,7 @@ from .._transport import PeerRecord, TransportContext
 from .bell import Bell
 from .consumer import Consumer, deliver
 from .dispatcher import Dispatcher
+from .inflight import Inflight
 from .producer import Producer
 
 __all__ = ["ShmTransport"]
@@ -51,7 +52,14 @@ class ShmTransport:
         self._closed = False
         self._bell = Bell.create(ctx.names, ctx.task_name, replace_stale=True)
         try:
-            self._producer = Producer(ctx.names, ctx.task_name, ctx.incarnation, pool_bytes)
+            limit = ctx.max_inflight_bytes
+            self._producer = Producer(
+                ctx.names,
+                ctx.task_name,
+                ctx.incarnation,
+                pool_bytes,
+                None if limit is None else Inflight(limit, ctx.peers),
+            )
             self._consumer = Consumer(ctx, self._kick)
             self._dispatcher = Dispatcher(self._bell, self._consumer, ctx.task_name)
         except BaseException:
@@ -86,9 +94,8 @@ class ShmTransport:
         is_dead: bool,
         timeout: float | None = None,
     ) -> None:
-        # ``timeout`` is for the max_inflight_bytes window, which this transport has not yet.
         self._consumer.check_open(step_id)
-        self._producer.send(step_id, key, value, is_dead)
+        self._producer.send(step_id, key, value, is_dead, timeout)
 
     # -- consumer side ----------------------------------------------------------------
 
