@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import itertools
-import multiprocessing.resource_tracker
 import os
 import shutil
 import stat
@@ -26,6 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+from helpers import CONSUMER, PRODUCER, make_key
 from small_shm import run_with_small_dev_shm
 
 import shmrdv
@@ -33,14 +33,8 @@ from shmrdv._child import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, Names
 
 REPO = Path(__file__).resolve().parents[1]
-PRODUCER = "/job:worker/replica:0/task:0"
-CONSUMER = "/job:worker/replica:0/task:1"
 
 _steps = itertools.count(1)
-
-
-def make_key(edge: str, *, src: str = PRODUCER, dst: str = CONSUMER, incarnation: int = 0) -> str:
-    return shmrdv.create_key(f"{src}/device:CPU:0", incarnation, f"{dst}/device:CPU:0", edge)
 
 
 def ns_entries(ns: str) -> list[str]:
@@ -91,13 +85,6 @@ def child_idle_recv_cpu(worker: shmrdv.Worker, key: str, wait_s: float) -> tuple
 
 
 # -- fixtures -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _resource_tracker() -> None:
-    """Start multiprocessing's resource tracker before the leak check looks at our children
-    (spawning starts it on first use, and it lives as long as this process)."""
-    multiprocessing.resource_tracker.ensure_running()
 
 
 @pytest.fixture(scope="module")
