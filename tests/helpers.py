@@ -2,15 +2,20 @@
 
 ``make_key`` (a key between two tasks' CPUs), ``wait_for`` (poll a condition, bounded),
 ``free_port`` (a loopback port nobody listens on right now), ``remove_planted`` (clean up
-what a test, as root, planted in /dev/shm as user ``NOBODY``).
+what a test, as root, planted in /dev/shm as user ``NOBODY``), ``PresenceChild`` (a child
+process holding a task's presence record, for tests below the Worker).
 """
 
 from __future__ import annotations
 
 import os
+import select
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import shmrdv
 from shmrdv._shm.naming import SHM_DIR, Names
@@ -53,3 +58,93 @@ def remove_planted(namespace: str, uid: int = NOBODY) -> None:
         path = os.path.join(SHM_DIR, entry)
         if prefix in entry and os.stat(path, follow_symlinks=False).st_uid == uid:
             os.unlink(path)
+
+
+# The directory holding the shmrdv package under test, for the children's PYTHONPATH.
+_REPO = str(Path(shmrdv.__file__).resolve().parents[1])
+
+# A worker stand-in: publishes a task's presence, says "ready", lives until its stdin closes.
+# mode "fork": first forks a grandchild that also lives until stdin closes (and reports its
+# pid). mode "forkexit": forks a grandchild that exits normally at once (running its atexit
+# finalizers), then reports whether the record survived that.
+_PRESENCE_CHILD = r"""
+import os, sys, time
+from shmrdv._shm.naming import Names
+from shmrdv._shm.presence import Presence, PresenceInfo, PeerWatch, boot_id
+ns, task, inc, mode = sys.argv[1:5]
+names = Names(ns)
+info = PresenceInfo(task, os.getpid(), boot_id(), int(inc), time.time(), ns, None)
+p = Presence.publish(names, info)
+extra = ""
+if mode == "fork":
+    pid = os.fork()
+    if pid == 0:
+        sys.stdin.read()
+        os._exit(0)
+    extra = str(pid)
+elif mode == "forkexit":
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)
+    os.waitpid(pid, 0)
+    with PeerWatch(names, task) as w:
+        extra = w.state()
+print("ready", extra, flush=True)
+sys.stdin.read()
+p.close()
+"""
+
+
+class PresenceChild:
+    """A child process publishing ``task``'s presence record in ``names`` (``_PRESENCE_CHILD``);
+    always reaped (and killed if need be) by ``stop``.
+
+    A plain interpreter rather than ``shmrdv._procs.Child``: its clean exit must run the
+    ``atexit`` hooks (``weakref.finalize`` included), which a multiprocessing child skips
+    (it leaves through ``os._exit``), so that mode ``forkexit`` tests what a normal exit does.
+    """
+
+    def __init__(self, names: Names, task: str, incarnation: int = 1, mode: str = "plain") -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _PRESENCE_CHILD, names.namespace, task, str(incarnation), mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=dict(os.environ, PYTHONPATH=_REPO),
+        )
+        self.extra = self._ready()
+
+    def _ready(self, timeout: float = 10.0) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            self.stop()
+            raise AssertionError("child did not get ready")
+        line = self.proc.stdout.readline().decode()
+        if not line.startswith("ready"):
+            self.stop()
+            raise AssertionError(f"child said {line!r}, rc={self.proc.poll()}")
+        return line.split(" ", 1)[1].strip()
+
+    def stop(self) -> int:
+        """Close its stdin (a clean exit), kill it if it lingers; return the exit code."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            rc = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait(5)
+        self.proc.stdout.close()
+        return rc
+
+    def kill(self) -> None:
+        """SIGKILL it (its record stays behind), reap it and close its pipes."""
+        self.proc.kill()
+        self.proc.wait(5)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        self.proc.stdout.close()
