@@ -5,11 +5,9 @@ from __future__ import annotations
 import gc
 import json
 import os
-import secrets
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,16 +25,6 @@ from shmrdv._shm.presence import (
 
 TASK = "/job:worker/replica:0/task:1"
 OTHER = "/job:worker/replica:0/task:2"
-
-
-@pytest.fixture
-def names() -> Iterator[Names]:
-    n = Names(secrets.token_hex(13))
-    yield n
-    left = [e for e in os.listdir(SHM_DIR) if n.prefix in e]
-    for entry in left:
-        os.unlink(os.path.join(SHM_DIR, entry))
-    assert not left, f"test left {left} in {SHM_DIR}"
 
 
 def _info(names: Names, task: str = TASK, incarnation: int = 7) -> PresenceInfo:

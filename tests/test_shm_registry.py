@@ -36,16 +36,6 @@ def _ours(names: Names, directory: str = SHM_DIR) -> set[str]:
 
 
 @pytest.fixture
-def names() -> Iterator[Names]:
-    n = _fresh()
-    yield n
-    left = _ours(n)
-    for entry in left:
-        os.unlink(os.path.join(SHM_DIR, entry))
-    assert not left, f"test left {left} in {SHM_DIR}"
-
-
-@pytest.fixture
 def other() -> Iterator[Names]:
     n = _fresh()
     yield n
