@@ -3,7 +3,8 @@
 ``make_key`` (a key between two tasks' CPUs), ``wait_for`` (poll a condition, bounded),
 ``free_port`` (a loopback port nobody listens on right now), ``remove_planted`` (clean up
 what a test, as root, planted in /dev/shm as user ``NOBODY``), ``PresenceChild`` (a child
-process holding a task's presence record, for tests below the Worker).
+process holding a task's presence record, for tests below the Worker), ``reap_popen`` (kill
+if need be, reap and close the pipes of a ``subprocess.Popen``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import shmrdv
 from shmrdv._shm.naming import SHM_DIR, Names
@@ -58,6 +60,16 @@ def remove_planted(namespace: str, uid: int = NOBODY) -> None:
         path = os.path.join(SHM_DIR, entry)
         if prefix in entry and os.stat(path, follow_symlinks=False).st_uid == uid:
             os.unlink(path)
+
+
+def reap_popen(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """Kill ``proc`` if it still runs, wait for it (``timeout`` s) and close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout)
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
 
 
 # The directory holding the shmrdv package under test, for the children's PYTHONPATH.
