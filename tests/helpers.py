@@ -33,13 +33,16 @@ def make_key(edge: str, *, src: str = PRODUCER, dst: str = CONSUMER, incarnation
 
 
 def wait_for(
-    predicate: Callable[[], bool], timeout: float = 5.0, what: str = "the condition"
+    predicate: Callable[[], object],
+    timeout: float = 5.0,
+    what: str = "the condition",
+    interval: float = 0.01,
 ) -> None:
-    """Poll ``predicate`` every 10 ms until it is true; fail after ``timeout`` seconds."""
+    """Poll ``predicate`` every ``interval`` s until it is true; fail after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not reached within {timeout:g}s"
-        time.sleep(0.01)
+        time.sleep(interval)
 
 
 def free_port() -> int:

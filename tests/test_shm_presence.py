@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import PresenceChild
+from helpers import PresenceChild, wait_for
 
 from shmrdv._errors import InternalError, InvalidArgumentError
 from shmrdv._shm.naming import SHM_DIR, Names
@@ -31,26 +31,13 @@ def _info(names: Names, task: str = TASK, incarnation: int = 7) -> PresenceInfo:
     return PresenceInfo(task, os.getpid(), boot_id(), incarnation, time.time(), names.namespace)
 
 
-def _wait_state(watch: PeerWatch, want: str, timeout: float = 1.0) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = watch.state()
-        if state == want or time.monotonic() > deadline:
-            return state
-        time.sleep(0.01)
-
-
-def _wait_gone(pid: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"pid {pid} still running")
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie counts: it runs no more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
 
 
 def test_boot_id_is_cached_uuid() -> None:
@@ -119,7 +106,7 @@ def test_peerwatch_sigkilled_child_is_dead_and_replaced(names: Names) -> None:
     with PeerWatch(names, TASK) as w:
         assert w.state() == "alive"
         child.kill()
-        assert _wait_state(w, "dead") == "dead"
+        wait_for(lambda: w.state() == "dead", 1.0, "the watch seeing the peer dead")
         stale = read_presence(names, TASK)
         assert stale is not None and stale.incarnation == 1
         # A new publish replaces the stale record; the watch notices the new inode.
@@ -171,14 +158,14 @@ def test_peerwatch_forked_grandchild_does_not_keep_dead_parent_alive(names: Name
             assert w.state() == "alive"
             child.kill()
             os.kill(grandchild, 0)  # still running
-            assert _wait_state(w, "dead") == "dead"
+            wait_for(lambda: w.state() == "dead", 1.0, "the watch seeing the parent dead")
     finally:
         child.stop()  # closes the stdin pipe: the grandchild exits too
         try:
             os.kill(grandchild, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        _wait_gone(grandchild)
+        wait_for(lambda: _gone(grandchild), 5.0, f"pid {grandchild} exiting")
     os.unlink(names.path(names.presence(TASK)))  # the killed child's stale record
 
 

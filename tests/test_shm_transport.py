@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
-from helpers import CONSUMER, PRODUCER, make_key
+from helpers import CONSUMER, PRODUCER, make_key, wait_for
 from small_shm import run_with_small_dev_shm
 
 import shmrdv
@@ -120,10 +120,7 @@ def shm_stats(worker: shmrdv.Worker) -> dict[str, int]:
 def wait_held_zero(worker: shmrdv.Worker, within: float = 2.0) -> None:
     """Wait until ``worker`` holds no pool slot (the dispatcher thread may still be
     returning from the ``done`` that woke us, holding the value for a moment)."""
-    deadline = time.monotonic() + within
-    while shm_stats(worker)["held"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert shm_stats(worker)["held"] == 0
+    wait_for(lambda: shm_stats(worker)["held"] == 0, within, "no pool slot held")
 
 
 # -- §1 routing -----------------------------------------------------------------------------
