@@ -7,11 +7,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
 
 from shmrdv._bench.common import parse_array_size, parse_sizes
 from shmrdv._bench.options import build_parser
@@ -218,10 +218,7 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     prefix = data["config"]["prefix"]
     assert not [e for e in os.listdir("/dev/shm") if prefix in e]
     # The runner's resource tracker notices the runner's exit a moment later.
-    deadline = time.monotonic() + 5
-    while _tagged_pids(tag.split("=")[1]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _tagged_pids(tag.split("=")[1]) == []
+    wait_for(lambda: _tagged_pids(tag.split("=")[1]) == [], 5, "the runner's children gone", 0.05)
 
 
 def _bench(*args: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
