@@ -4,7 +4,8 @@
 ``free_port`` (a loopback port nobody listens on right now), ``remove_planted`` (clean up
 what a test, as root, planted in /dev/shm as user ``NOBODY``), ``PresenceChild`` (a child
 process holding a task's presence record, for tests below the Worker), ``reap_popen`` (kill
-if need be, reap and close the pipes of a ``subprocess.Popen``).
+if need be, reap and close the pipes of a ``subprocess.Popen``), ``run_bench`` (the
+``shmrdv bench`` command in a subprocess).
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def remove_planted(namespace: str, uid: int = NOBODY) -> None:
         path = os.path.join(SHM_DIR, entry)
         if prefix in entry and os.stat(path, follow_symlinks=False).st_uid == uid:
             os.unlink(path)
+
+
+def run_bench(
+    *args: str, timeout: float = 50, cwd: str | Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m shmrdv bench *args`` to its end (at most ``timeout`` s), output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "shmrdv", "bench", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def reap_popen(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
