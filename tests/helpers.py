@@ -26,6 +26,10 @@ from shmrdv._shm.naming import SHM_DIR, Names
 PRODUCER = "/job:worker/replica:0/task:0"
 CONSUMER = "/job:worker/replica:0/task:1"
 NOBODY = 65534  # the uid a root test drops to, to act as another local user
+#: The checkout these tests are in (``tools/``, ``tests/``, and the default ``shmrdv``).
+REPO = Path(__file__).resolve().parents[1]
+#: The directory holding the shmrdv package under test, for the children's PYTHONPATH.
+SHMRDV_PATH = str(Path(shmrdv.__file__).resolve().parents[1])
 
 
 def make_key(edge: str, *, src: str = PRODUCER, dst: str = CONSUMER, incarnation: int = 0) -> str:
@@ -89,9 +93,6 @@ def reap_popen(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
             stream.close()
 
 
-# The directory holding the shmrdv package under test, for the children's PYTHONPATH.
-_REPO = str(Path(shmrdv.__file__).resolve().parents[1])
-
 # A worker stand-in: publishes a task's presence, says "ready", lives until its stdin closes.
 # mode "fork": first forks a grandchild that also lives until stdin closes (and reports its
 # pid). mode "forkexit": forks a grandchild that exits normally at once (running its atexit
@@ -138,7 +139,7 @@ class PresenceChild:
             [sys.executable, "-c", _PRESENCE_CHILD, names.namespace, task, str(incarnation), mode],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=dict(os.environ, PYTHONPATH=_REPO),
+            env=dict(os.environ, PYTHONPATH=SHMRDV_PATH),
         )
         self.extra = self._ready()
 

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import run_bench, wait_for
+from helpers import REPO, run_bench, wait_for
 
 from shmrdv._bench.common import parse_array_size, parse_sizes
 from shmrdv._bench.options import build_parser
@@ -27,8 +27,6 @@ from shmrdv._bench.peers import (
     unpack_ack,
 )
 from shmrdv._sizes import format_size
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _tagged_pids(tag: str) -> list[int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_bench
+from helpers import REPO, run_bench
 
 from shmrdv._bench.load import (
     HEADER,
@@ -24,8 +24,6 @@ from shmrdv._bench.load import (
     make_plan,
     run_load,
 )
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _message(plan: LoadPlan, k: int, s: int) -> np.ndarray:

@@ -14,19 +14,16 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import CONSUMER, PRODUCER, make_key
+from helpers import CONSUMER, PRODUCER, REPO, make_key
 
 import shmrdv
 from shmrdv._child import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.registry import collect, list_objects
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def kinds(ns: str) -> list[str]:

@@ -19,7 +19,6 @@ from shmrdv._shm import layout
 from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.segment import Segment
 
-REPO = Path(__file__).resolve().parents[1]
 KEY = (
     "/job:w/replica:0/task:0/device:CPU:0;0000000000000001;"
     "/job:w/replica:0/task:1/device:CPU:0;t;0:0"

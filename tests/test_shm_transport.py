@@ -19,7 +19,6 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,8 +30,6 @@ from small_shm import run_with_small_dev_shm
 import shmrdv
 from shmrdv._child import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, Names
-
-REPO = Path(__file__).resolve().parents[1]
 
 _steps = itertools.count(1)
 

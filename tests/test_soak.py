@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import run_bench
+from helpers import REPO, run_bench
 
 from shmrdv._bench.soak import (
     COUNT_SERIES,
@@ -19,7 +19,6 @@ from shmrdv._bench.soak import (
 )
 from shmrdv._shm.pool import DEFAULT_MAX_SLOTS
 
-REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 
 
