@@ -1,16 +1,23 @@
 """The project's own tests use shmrdv's pytest plugin with its leak check always on.
 
 Shared fixtures: ``ns`` (a fresh namespace, what dead workers left in it collected
-afterwards) and a session-wide start of multiprocessing's resource tracker. Shared
+afterwards), ``names`` (fresh ``Names`` for tests below the Worker, which must leave
+nothing) and a session-wide start of multiprocessing's resource tracker. Shared
 functions are in ``tests/helpers.py``.
 """
 
 from __future__ import annotations
 
 import multiprocessing.resource_tracker
+import os
+import secrets
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from shmrdv._shm.naming import Names
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,3 +49,17 @@ def ns(shmrdv_namespace: str) -> Iterator[str]:
 
     yield shmrdv_namespace
     collect(shmrdv_namespace)
+
+
+@pytest.fixture
+def names() -> Iterator[Names]:
+    """``Names`` of a fresh random namespace; fails a test that leaves any of its objects
+    in /dev/shm (semaphores included), after removing them."""
+    from shmrdv._shm.naming import SHM_DIR, Names
+
+    n = Names(secrets.token_hex(13))
+    yield n
+    left = [e for e in os.listdir(SHM_DIR) if n.prefix in e]
+    for entry in left:
+        os.unlink(os.path.join(SHM_DIR, entry))
+    assert not left, f"test left {left} in {SHM_DIR}"

@@ -6,11 +6,9 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
 
 
 def run_with_small_dev_shm(code: str, size: str = "8m") -> str:

@@ -7,11 +7,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
+from helpers import REPO, run_bench, wait_for
 
 from shmrdv._bench.common import parse_array_size, parse_sizes
 from shmrdv._bench.options import build_parser
@@ -27,8 +27,6 @@ from shmrdv._bench.peers import (
     unpack_ack,
 )
 from shmrdv._sizes import format_size
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _tagged_pids(tag: str) -> list[int]:
@@ -218,25 +216,13 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     prefix = data["config"]["prefix"]
     assert not [e for e in os.listdir("/dev/shm") if prefix in e]
     # The runner's resource tracker notices the runner's exit a moment later.
-    deadline = time.monotonic() + 5
-    while _tagged_pids(tag.split("=")[1]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _tagged_pids(tag.split("=")[1]) == []
-
-
-def _bench(*args: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shmrdv", "bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    wait_for(lambda: _tagged_pids(tag.split("=")[1]) == [], 5, "the runner's children gone", 0.05)
 
 
 @pytest.mark.timeout(60)
 def test_python_cost_reports_every_operation_against_pickle(tmp_path: Path) -> None:
     out = tmp_path / "pc.json"
-    proc = _bench("--python-cost", "--python-cost-count=50", "--reps=1", f"--json={out}")
+    proc = run_bench("--python-cost", "--python-cost-count=50", "--reps=1", f"--json={out}")
     assert proc.returncode == 0, proc.stderr
     assert "shmrdv `recv` (value already there)" in proc.stdout
     data = json.loads(out.read_text())["python-cost"]
@@ -253,7 +239,7 @@ def test_python_cost_reports_every_operation_against_pickle(tmp_path: Path) -> N
 
 
 def test_modes_are_separate_runs() -> None:
-    proc = _bench("--python-cost", "--load")
+    proc = run_bench("--python-cost", "--load")
     assert proc.returncode == 2
     assert "--load and --python-cost are separate runs" in proc.stderr
 
@@ -262,7 +248,7 @@ def test_modes_are_separate_runs() -> None:
 def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
     out = tmp_path / "g.json"
     # grpc_unary is the push's old name; the pull is added as its baseline.
-    proc = _bench(
+    proc = run_bench(
         "--methods=grpc_unary",
         "--sizes=1k,64k",
         "--reps=1",
@@ -289,7 +275,7 @@ def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
 def test_pending_compares_with_no_pending_in_the_same_run(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     args = ("--sizes=64", "--reps=1", "--budget=0.02", "--idle-seconds=0", "--no-baselines")
-    proc = _bench("--pending=20", *args, f"--json={out}")
+    proc = run_bench("--pending=20", *args, f"--json={out}")
     assert proc.returncode == 0, proc.stderr
     assert "## Ratio to shmrdv_send (round trip · one-way)" in proc.stdout
     data = json.loads(out.read_text())
@@ -302,14 +288,14 @@ def test_pending_compares_with_no_pending_in_the_same_run(tmp_path: Path) -> Non
     cell = methods["shmrdv_send_pending"]["cells"]["64"]
     assert cell["rtt_x_shmrdv_send"] > 0 and cell["checks"] == 2
     # A method of the mode needs the mode.
-    proc = _bench("--methods=shmrdv_send_pending", *args)
+    proc = run_bench("--methods=shmrdv_send_pending", *args)
     assert proc.returncode == 2 and "need --pending" in proc.stderr
 
 
 @pytest.mark.timeout(60)
 def test_fan_in_measures_send_and_allocate_against_memcpy(tmp_path: Path) -> None:
     out = tmp_path / "f.json"
-    proc = _bench("--fan-in=2", "--sizes=64k", "--fan-in-count=6", "--reps=1", f"--json={out}")
+    proc = run_bench("--fan-in=2", "--sizes=64k", "--fan-in-count=6", "--reps=1", f"--json={out}")
     assert proc.returncode == 0, proc.stderr
     assert "| `allocate`, two stamps written, `send` |" in proc.stdout
     data = json.loads(out.read_text())["fan-in"]
@@ -319,7 +305,7 @@ def test_fan_in_measures_send_and_allocate_against_memcpy(tmp_path: Path) -> Non
     for path in paths:
         assert len(data["round_gbps"][path]) == 1
         assert data["x_memcpy"][path] == pytest.approx(data["gbps"][path] / data["memcpy_gbps"])
-    proc = _bench("--fan-in=2", "--sizes=1k,64k")
+    proc = run_bench("--fan-in=2", "--sizes=1k,64k")
     assert proc.returncode == 2 and "--fan-in takes one size" in proc.stderr
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import free_port
+from helpers import free_port, reap_popen
 
 import shmrdv
 from shmrdv._rpc.client import RpcClient
@@ -49,12 +49,7 @@ def test_cli_serve_answers_getstatus_and_stops_cleanly_on_sigterm() -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+        reap_popen(proc)
     assert not [e for e in os.listdir("/dev/shm") if shmrdv.namespace_id(ns) in e]
 
 

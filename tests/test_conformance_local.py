@@ -13,24 +13,24 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import PRODUCER, make_key
 
 from shmrdv._callbacks import DoneCallback
-from shmrdv._keys import ParsedKey, create_key
+from shmrdv._keys import ParsedKey
 from shmrdv._local import LocalRendezvous, _Channel
 from shmrdv._rendezvous import Canceller
 from shmrdv.testing import CHECKS, RendezvousPair, run_conformance
 
-DEVICE = "/job:worker/replica:0/task:0/device:CPU:0"
 
-
-def make_key(edge_name: str) -> str:
-    return create_key(DEVICE, 1, DEVICE, edge_name)
+def local_key(edge: str) -> str:
+    """A key from the producer task's CPU to itself: one LocalRendezvous is both ends."""
+    return make_key(edge, dst=PRODUCER, incarnation=1)
 
 
 @contextmanager
 def local_pair(rdv: LocalRendezvous | None = None) -> Iterator[RendezvousPair]:
     with rdv or LocalRendezvous() as r:
-        yield RendezvousPair(producer=r, consumer=r, make_key=make_key)
+        yield RendezvousPair(producer=r, consumer=r, make_key=local_key)
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

@@ -14,13 +14,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
+from helpers import CONSUMER, PRODUCER, make_key
 
 import shmrdv
 from shmrdv._child import ChildWorker
 from shmrdv.testing import CHECKS, RendezvousPair
-
-PRODUCER = "/job:worker/replica:0/task:0"
-CONSUMER = "/job:worker/replica:0/task:1"
 
 _steps = itertools.count(1)
 Workers = tuple[ChildWorker, shmrdv.Worker]
@@ -41,9 +39,6 @@ def workers(request: pytest.FixtureRequest) -> Iterator[Workers]:
 def pair_of(workers: Workers, allocate: bool) -> Iterator[RendezvousPair]:
     producer, consumer = workers
     step = next(_steps)
-
-    def make_key(edge: str) -> str:
-        return shmrdv.create_key(f"{PRODUCER}/device:CPU:0", 0, f"{CONSUMER}/device:CPU:0", edge)
 
     try:
         yield RendezvousPair(

@@ -10,10 +10,10 @@ import logging
 import os
 import secrets
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
 
 import shmrdv
 from shmrdv._child import ChildWorker
@@ -90,9 +90,7 @@ def test_diagnose_long_wait_shows_in_stats_and_goes_away(
         t = threading.Thread(target=wait)
         t.start()
         try:
-            deadline = time.monotonic() + 10
-            while not consumer.stats()["waiting"] and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_for(lambda: consumer.stats()["waiting"], 10, "a waiting receive", 0.1)
             (entry,) = consumer.stats()["waiting"]
             assert entry["step"] == 3 and entry["key"] == _key("long")
             assert entry["waited_s"] >= 1.0

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REPO, run_bench
 
 from shmrdv._bench.load import (
     HEADER,
@@ -23,8 +24,6 @@ from shmrdv._bench.load import (
     make_plan,
     run_load,
 )
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _message(plan: LoadPlan, k: int, s: int) -> np.ndarray:
@@ -144,30 +143,22 @@ def test_load_scaled_down_all_delivered_fifo_no_duplicates() -> None:
 @pytest.mark.slow
 def test_load_cli_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shmrdv",
-            "bench",
-            "--load",
-            "--load-messages",
-            "300",
-            "--load-producers",
-            "2",
-            "--load-keys",
-            "10",
-            "--load-max-size",
-            "16k",
-            "--load-window",
-            "1m",
-            "--json",
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    proc = run_bench(
+        "--load",
+        "--load-messages",
+        "300",
+        "--load-producers",
+        "2",
+        "--load-keys",
+        "10",
+        "--load-max-size",
+        "16k",
+        "--load-window",
+        "1m",
+        "--json",
+        str(out),
         timeout=100,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "**OK**" in proc.stdout

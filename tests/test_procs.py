@@ -8,6 +8,7 @@ import time
 from multiprocessing.connection import Connection
 
 import pytest
+from helpers import wait_for
 
 from shmrdv._procs import Child, ChildFailed, ChildGroup, ChildTimeout, reap, wait_for_close
 
@@ -112,10 +113,12 @@ def test_a_child_dies_with_its_parent() -> None:
         _, grandchild = middle.expect("pid", 60)
         assert _alive(grandchild)
         middle.signal(signal.SIGKILL)  # no chance to clean up: only PR_SET_PDEATHSIG acts
-        deadline = time.monotonic() + 20
-        while _alive(grandchild) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(grandchild), f"grandchild {grandchild} outlived its parent"
+        wait_for(
+            lambda: not _alive(grandchild),
+            20,
+            f"grandchild {grandchild} dying with its parent",
+            0.05,
+        )
 
 
 def test_group_reaps_everything_and_check_alive_names_the_failure() -> None:

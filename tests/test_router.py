@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import make_key
 
 import shmrdv
 
@@ -14,14 +15,10 @@ A = "/job:a/replica:0/task:0"
 B = "/job:b/replica:0/task:0"
 
 
-def _key(src: str, dst: str, name: str = "x") -> str:
-    return shmrdv.create_key(src + "/device:CPU:0", 0, dst + "/device:CPU:0", name)
-
-
 def test_router_one_route_per_key_whatever_the_steps(shmrdv_namespace: str) -> None:
     # TensorFlow reuses each key in every step: the key's route is derived once.
     with shmrdv.Worker(A, namespace=shmrdv_namespace) as w:
-        key = _key(A, A)
+        key = make_key("x", src=A, dst=A)
         for step in range(200):
             rdv = w.rendezvous(step)
             rdv.send(key, np.arange(3))
@@ -36,7 +33,7 @@ def test_router_routes_are_bounded(shmrdv_namespace: str) -> None:
     with shmrdv.Worker(A, namespace=shmrdv_namespace) as w:
         rdv = w.rendezvous(1)
         for i in range(_KEY_ROUTES + 50):
-            key = _key(A, A, f"k{i}")
+            key = make_key(f"k{i}", src=A, dst=A)
             rdv.send(key, np.zeros(1))
             rdv.recv(key, timeout=5)
         assert w.stats()["routes"] == _KEY_ROUTES
@@ -49,7 +46,7 @@ def test_router_takes_only_a_transport_the_peer_takes(shmrdv_namespace: str) -> 
         shmrdv.Worker(B, namespace=shmrdv_namespace, transports=("shm",)) as consumer,
         shmrdv.Worker(A, namespace=shmrdv_namespace, transports=("grpc", "shm")) as producer,
     ):
-        key = _key(A, B)
+        key = make_key("x", src=A, dst=B)
         producer.rendezvous(1).send(key, np.arange(4.0))
         assert consumer.rendezvous(1).recv(key, timeout=10).value.tolist() == [0, 1, 2, 3]
         assert producer.stats()["shm"]["sent"] == 1
@@ -61,7 +58,7 @@ def test_router_first_preference_wins_when_the_peer_takes_both(shmrdv_namespace:
         shmrdv.Worker(B, namespace=shmrdv_namespace, transports=("grpc", "shm")) as consumer,
         shmrdv.Worker(A, namespace=shmrdv_namespace, transports=("grpc", "shm")) as producer,
     ):
-        key = _key(A, B)
+        key = make_key("x", src=A, dst=B)
         producer.rendezvous(1).send(key, np.arange(4.0))
         assert consumer.rendezvous(1).recv(key, timeout=10).value.tolist() == [0, 1, 2, 3]
         assert producer.stats()["grpc"]["sent"] == 1
@@ -74,7 +71,7 @@ def test_router_no_common_transport_says_why(shmrdv_namespace: str) -> None:
         shmrdv.Worker(A, namespace=shmrdv_namespace, transports=("shm",)) as producer,
         pytest.raises(shmrdv.InvalidArgumentError, match="takes transports"),
     ):
-        producer.rendezvous(1).send(_key(A, B), np.zeros(2))
+        producer.rendezvous(1).send(make_key("x", src=A, dst=B), np.zeros(2))
 
 
 def test_router_closed_worker_has_one_message(shmrdv_namespace: str) -> None:
@@ -87,14 +84,14 @@ def test_router_closed_worker_has_one_message(shmrdv_namespace: str) -> None:
         errors.append(error)  # type: ignore[arg-type]
         got.set()
 
-    rdv.recv_async(_key(B, A), done)  # pending across the close
+    rdv.recv_async(make_key("x", src=B, dst=A), done)  # pending across the close
     w.close()
     assert got.wait(10)
     expected = f"Worker {A} is closed"
     assert isinstance(errors[0], shmrdv.AbortedError) and str(errors[0]) == expected
     for call in (
-        lambda: rdv.send(_key(A, B), np.zeros(1)),
-        lambda: rdv.recv(_key(B, A), timeout=1),
+        lambda: rdv.send(make_key("x", src=A, dst=B), np.zeros(1)),
+        lambda: rdv.recv(make_key("x", src=B, dst=A), timeout=1),
         lambda: w.rendezvous(2),
     ):
         with pytest.raises(shmrdv.AbortedError) as info:
@@ -107,13 +104,13 @@ def test_router_bad_send_timeout_refused(shmrdv_namespace: str) -> None:
         shmrdv.Worker(A, namespace=shmrdv_namespace) as w,
         pytest.raises(shmrdv.InvalidArgumentError, match="timeout"),
     ):
-        w.rendezvous(1).send(_key(A, A), np.zeros(1), timeout=-1)
+        w.rendezvous(1).send(make_key("x", src=A, dst=A), np.zeros(1), timeout=-1)
 
 
 def test_router_checks_every_value_whatever_came_before(shmrdv_namespace: str) -> None:
     # The per-key memo of the last accepted (dtype, shape) never lets a bad value through.
     with shmrdv.Worker(A, namespace=shmrdv_namespace) as w:
-        rdv, key = w.rendezvous(1), _key(A, A)
+        rdv, key = w.rendezvous(1), make_key("x", src=A, dst=A)
         with pytest.raises(shmrdv.InvalidArgumentError, match="Python objects"):
             rdv.send(key, np.empty((), dtype=object))
         rdv.send(key, np.zeros(2))

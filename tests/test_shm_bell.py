@@ -3,36 +3,22 @@
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import posix_ipc
 import pytest
+from helpers import SHMRDV_PATH
 
 from shmrdv._errors import InternalError
-from shmrdv._shm import naming
 from shmrdv._shm.bell import Bell
-from shmrdv._shm.naming import SHM_DIR, Names
+from shmrdv._shm.naming import Names
 
-# The directory holding the shmrdv package under test, for the children's PYTHONPATH.
-REPO = str(Path(naming.__file__).parents[2])
 TASK = "/job:worker/replica:0/task:0"
-
-
-@pytest.fixture
-def names() -> Iterator[Names]:
-    n = Names(secrets.token_hex(13))
-    yield n
-    left = [e for e in os.listdir(SHM_DIR) if n.prefix in e]
-    for entry in left:
-        os.unlink(os.path.join(SHM_DIR, entry))
-    assert not left, f"test left {left} in {SHM_DIR}"
 
 
 @pytest.fixture
@@ -193,7 +179,7 @@ def test_bell_ring_across_processes(names: Names, bell: Bell) -> None:
     )
     subprocess.run(
         [sys.executable, "-c", code, names.namespace, TASK],
-        env=dict(os.environ, PYTHONPATH=REPO),
+        env=dict(os.environ, PYTHONPATH=SHMRDV_PATH),
         check=True,
         timeout=30,
     )

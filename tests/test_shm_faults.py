@@ -9,30 +9,17 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from helpers import CONSUMER, PRODUCER, make_key
 
 import shmrdv
 from shmrdv._child import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.registry import collect
 
-PRODUCER = "/job:worker/replica:0/task:0"
-CONSUMER = "/job:worker/replica:0/task:1"
 N = 32 << 20  # 32 MiB: a send takes milliseconds, so a kill lands inside one
-
-
-def key(edge: str, src: str = PRODUCER, dst: str = CONSUMER) -> str:
-    return shmrdv.create_key(src + "/device:CPU:0", 0, dst + "/device:CPU:0", edge)
-
-
-@pytest.fixture
-def ns() -> Iterator[str]:
-    token = shmrdv.new_namespace()
-    yield token
-    collect(token)
 
 
 def ns_left(ns: str) -> list[str]:
@@ -56,7 +43,7 @@ def send_forever(worker: shmrdv.Worker, k: str) -> None:
 def test_fault_producer_killed_while_writing_never_yields_a_half_tensor(
     ns: str, delay: float
 ) -> None:
-    k = key("stream")
+    k = make_key("stream")
     with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
         producer = ChildWorker(PRODUCER, namespace=ns, reply_timeout=5)
         box: list[BaseException] = []
@@ -105,7 +92,7 @@ def recv_blocked(worker: shmrdv.Worker, k: str) -> None:
 def test_fault_consumer_killed_leaves_producer_working_and_gc_collects(
     ns: str, moment: str
 ) -> None:
-    k = key("held")
+    k = make_key("held")
     with shmrdv.Worker(PRODUCER, namespace=ns) as producer:
         consumer = ChildWorker(CONSUMER, namespace=ns, reply_timeout=5)
         done: list[BaseException] = []
@@ -122,7 +109,7 @@ def test_fault_consumer_killed_leaves_producer_working_and_gc_collects(
         # The producer is unharmed: it keeps sending (the consumer's messages stay for it).
         rdv = producer.rendezvous(1)
         for i in range(3):
-            rdv.send(key(f"after{i}"), np.full(1 << 17, i, dtype=np.int64))
+            rdv.send(make_key(f"after{i}"), np.full(1 << 17, i, dtype=np.int64))
         producer.cleanup(1)
     # The producer closed; the consumer died: the namespace is dead and gc takes all of it,
     # the held slot of the killed consumer included.

@@ -14,14 +14,13 @@ import time
 
 import numpy as np
 import pytest
+from helpers import CONSUMER, PRODUCER, make_key
 
 import shmrdv
 from shmrdv._shm import layout
 from shmrdv._shm.naming import Names
 from shmrdv._shm.segment import Segment
 
-PRODUCER = "/job:worker/replica:0/task:0"
-CONSUMER = "/job:worker/replica:0/task:1"
 INCARNATION = 0xF0F0_0000_0000_0003
 STEP = 1
 
@@ -50,7 +49,7 @@ def test_forged_zero_itemsize_segment_fails_the_receive_fast(
     shmrdv_namespace: str, dtype: str, shape: tuple[int, ...], copy: bool
 ) -> None:
     ns = shmrdv_namespace
-    key = shmrdv.create_key(f"{PRODUCER}/device:CPU:0", 0, f"{CONSUMER}/device:CPU:0", "forged")
+    key = make_key("forged")
     with (
         shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
         shmrdv.Worker(PRODUCER, namespace=ns, incarnation=INCARNATION) as producer,

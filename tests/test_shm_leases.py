@@ -22,17 +22,15 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from helpers import CONSUMER, NOBODY, PRODUCER, make_key, remove_planted
 
 import shmrdv
-from shmrdv._shm.naming import SHM_DIR, Names
-from shmrdv._shm.registry import collect, list_objects
+from shmrdv._shm.naming import Names
+from shmrdv._shm.registry import list_objects
 
-PRODUCER = "/job:worker/replica:0/task:0"
-CONSUMER = "/job:worker/replica:0/task:1"
 ABSENT = "/job:worker/replica:0/task:2"  # only its presence record is planted
 BELLLESS = "/job:worker/replica:0/task:3"  # only its doorbell is planted
 INCARNATION = 0x1EA5_0000_0000_0001
-NOBODY = 65534
 STEP = 1
 #: The slack the issue allows beyond a call's own timeout.
 SLACK_S = 0.5
@@ -66,20 +64,12 @@ while not done.wait(0.005):
 """
 
 
-def make_key(src: str, dst: str, edge: str) -> str:
-    return shmrdv.create_key(f"{src}/device:CPU:0", 0, f"{dst}/device:CPU:0", edge)
-
-
 @pytest.fixture
-def ns() -> Iterator[str]:
-    token = shmrdv.new_namespace()
-    prefix = Names(token).prefix
-    yield token
-    for entry in os.listdir(SHM_DIR):
-        path = os.path.join(SHM_DIR, entry)
-        if prefix in entry and os.stat(path, follow_symlinks=False).st_uid == NOBODY:
-            os.unlink(path)
-    collect(token)
+def ns(ns: str) -> Iterator[str]:
+    """conftest's ``ns``, which differs here only in that root first removes what "nobody"
+    planted: ``gc`` leaves another user's objects alone, then collects what is left."""
+    yield ns
+    remove_planted(ns)
 
 
 def _planted_paths(names: Names, key: str) -> list[str]:
@@ -119,7 +109,7 @@ def _python_for_nobody() -> str:
 @pytest.fixture
 def attacker(ns: str) -> Iterator[list[str]]:
     names = Names(ns)
-    paths = _planted_paths(names, make_key(PRODUCER, CONSUMER, "leased"))
+    paths = _planted_paths(names, make_key("leased"))
     proc = subprocess.Popen(
         [_python_for_nobody(), "-c", _ATTACKER, *paths],
         stdin=subprocess.PIPE,
@@ -157,9 +147,9 @@ def _timed(fn: object, results: dict[str, object], name: str) -> threading.Threa
 
 def test_leases_planted_files_do_not_stall_recv_or_send(ns: str, attacker: list[str]) -> None:
     assert all(os.stat(p).st_uid == NOBODY for p in attacker)
-    leased = make_key(PRODUCER, CONSUMER, "leased")
-    back = make_key(CONSUMER, PRODUCER, "unrelated")
-    absent = make_key(ABSENT, CONSUMER, "absent")
+    leased = make_key("leased")
+    back = make_key("unrelated", src=CONSUMER, dst=PRODUCER)
+    absent = make_key("absent", src=ABSENT)
     with (
         shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
         shmrdv.Worker(PRODUCER, namespace=ns, incarnation=INCARNATION) as producer,
@@ -174,7 +164,9 @@ def test_leases_planted_files_do_not_stall_recv_or_send(ns: str, attacker: list[
         threads.append(_timed(lambda: crdv.send(back, np.arange(100_000)), results, "send"))
         threads.append(
             _timed(
-                lambda: prdv.send(make_key(PRODUCER, BELLLESS, "x"), np.ones(4)), results, "bell"
+                lambda: prdv.send(make_key("x", dst=BELLLESS), np.ones(4)),
+                results,
+                "bell",
             )
         )
         for thread in threads:

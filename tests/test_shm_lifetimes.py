@@ -8,32 +8,22 @@ is what ``gc`` is for, and these tests collect it (only their own namespace) at 
 
 from __future__ import annotations
 
-import multiprocessing.resource_tracker
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import CONSUMER, PRODUCER, REPO, make_key
 
 import shmrdv
 from shmrdv._child import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.registry import collect, list_objects
-
-REPO = Path(__file__).resolve().parents[1]
-PRODUCER = "/job:worker/replica:0/task:0"
-CONSUMER = "/job:worker/replica:0/task:1"
-
-
-def make_key(edge: str, *, incarnation: int = 0, src: str = PRODUCER, dst: str = CONSUMER) -> str:
-    return shmrdv.create_key(f"{src}/device:CPU:0", incarnation, f"{dst}/device:CPU:0", edge)
 
 
 def kinds(ns: str) -> list[str]:
@@ -45,24 +35,6 @@ def kinds(ns: str) -> list[str]:
         if name.startswith(prefix):
             out.append(name[len(prefix)])
     return sorted(out)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _resource_tracker() -> None:
-    """Start multiprocessing's resource tracker before the leak check looks at our children.
-
-    Spawning a process starts it on first use (``popen_spawn_posix``); it then lives as long
-    as this process, which the per-test leak check would count as a leftover child.
-    """
-    multiprocessing.resource_tracker.ensure_running()
-
-
-@pytest.fixture
-def ns() -> Iterator[str]:
-    """A fresh namespace; whatever dead workers left in it is collected afterwards."""
-    token = shmrdv.new_namespace()
-    yield token
-    collect(token)
 
 
 def child_exit_now(worker: shmrdv.Worker) -> None:

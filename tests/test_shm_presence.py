@@ -5,20 +5,15 @@ from __future__ import annotations
 import gc
 import json
 import os
-import secrets
-import select
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import PresenceChild, wait_for
 
 from shmrdv._errors import InternalError, InvalidArgumentError
-from shmrdv._shm import naming
 from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.presence import (
     PeerWatch,
@@ -28,124 +23,21 @@ from shmrdv._shm.presence import (
     read_presence,
 )
 
-# The directory holding the shmrdv package under test, for the children's PYTHONPATH.
-REPO = str(Path(naming.__file__).parents[2])
 TASK = "/job:worker/replica:0/task:1"
 OTHER = "/job:worker/replica:0/task:2"
-
-# A worker stand-in: publishes TASK's presence, says "ready", lives until its stdin closes.
-# mode "fork": first forks a grandchild that also lives until stdin closes (and reports its
-# pid). mode "forkexit": forks a grandchild that exits normally at once (running its atexit
-# finalizers), then reports whether the record survived that.
-CHILD = r"""
-import os, sys, time
-from shmrdv._shm.naming import Names
-from shmrdv._shm.presence import Presence, PresenceInfo, PeerWatch, boot_id
-ns, task, inc, mode = sys.argv[1:5]
-names = Names(ns)
-info = PresenceInfo(task, os.getpid(), boot_id(), int(inc), time.time(), ns, None)
-p = Presence.publish(names, info)
-extra = ""
-if mode == "fork":
-    pid = os.fork()
-    if pid == 0:
-        sys.stdin.read()
-        os._exit(0)
-    extra = str(pid)
-elif mode == "forkexit":
-    pid = os.fork()
-    if pid == 0:
-        sys.exit(0)
-    os.waitpid(pid, 0)
-    with PeerWatch(names, task) as w:
-        extra = w.state()
-print("ready", extra, flush=True)
-sys.stdin.read()
-p.close()
-"""
-
-
-@pytest.fixture
-def names() -> Iterator[Names]:
-    n = Names(secrets.token_hex(13))
-    yield n
-    left = [e for e in os.listdir(SHM_DIR) if n.prefix in e]
-    for entry in left:
-        os.unlink(os.path.join(SHM_DIR, entry))
-    assert not left, f"test left {left} in {SHM_DIR}"
 
 
 def _info(names: Names, task: str = TASK, incarnation: int = 7) -> PresenceInfo:
     return PresenceInfo(task, os.getpid(), boot_id(), incarnation, time.time(), names.namespace)
 
 
-class Child:
-    """A child process running CHILD; always reaped (and killed if need be) by ``stop``."""
-
-    def __init__(self, names: Names, incarnation: int = 1, mode: str = "plain") -> None:
-        env = dict(os.environ, PYTHONPATH=REPO)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, names.namespace, TASK, str(incarnation), mode],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        self.extra = self._ready()
-
-    def _ready(self, timeout: float = 10.0) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            self.stop()
-            raise AssertionError("child did not get ready")
-        line = self.proc.stdout.readline().decode()
-        if not line.startswith("ready"):
-            self.stop()
-            raise AssertionError(f"child said {line!r}, rc={self.proc.poll()}")
-        return line.split(" ", 1)[1].strip()
-
-    def stop(self) -> int:
-        """Close its stdin (a clean exit), kill it if it lingers; return the exit code."""
-        assert self.proc.stdin is not None
-        if not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
-        try:
-            rc = self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait(5)
-        assert self.proc.stdout is not None
-        self.proc.stdout.close()
-        return rc
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(5)
-
-
-def _wait_state(watch: PeerWatch, want: str, timeout: float = 1.0) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = watch.state()
-        if state == want or time.monotonic() > deadline:
-            return state
-        time.sleep(0.01)
-
-
-def _wait_gone(pid: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"pid {pid} still running")
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie counts: it runs no more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
 
 
 def test_boot_id_is_cached_uuid() -> None:
@@ -186,7 +78,7 @@ def test_presence_second_publish_refused_in_process(names: Names) -> None:
 
 
 def test_presence_second_publish_refused_across_processes(names: Names) -> None:
-    child = Child(names)
+    child = PresenceChild(names, TASK)
     try:
         with pytest.raises(InvalidArgumentError, match=f"already running in pid {child.proc.pid}"):
             Presence.publish(names, _info(names))
@@ -199,7 +91,7 @@ def test_peerwatch_sees_alive_then_absent_after_clean_exit(names: Names) -> None
     with PeerWatch(names, TASK) as w:
         assert w.state() == "absent"
         assert w.info() is None
-        child = Child(names, incarnation=3)
+        child = PresenceChild(names, TASK, incarnation=3)
         try:
             assert w.state() == "alive"
             info = w.info()
@@ -210,11 +102,11 @@ def test_peerwatch_sees_alive_then_absent_after_clean_exit(names: Names) -> None
 
 
 def test_peerwatch_sigkilled_child_is_dead_and_replaced(names: Names) -> None:
-    child = Child(names, incarnation=1)
+    child = PresenceChild(names, TASK, incarnation=1)
     with PeerWatch(names, TASK) as w:
         assert w.state() == "alive"
         child.kill()
-        assert _wait_state(w, "dead") == "dead"
+        wait_for(lambda: w.state() == "dead", 1.0, "the watch seeing the peer dead")
         stale = read_presence(names, TASK)
         assert stale is not None and stale.incarnation == 1
         # A new publish replaces the stale record; the watch notices the new inode.
@@ -227,12 +119,12 @@ def test_peerwatch_sigkilled_child_is_dead_and_replaced(names: Names) -> None:
 
 
 def test_peerwatch_restarted_peer_shows_new_incarnation(names: Names) -> None:
-    first = Child(names, incarnation=1)
+    first = PresenceChild(names, TASK, incarnation=1)
     with PeerWatch(names, TASK) as w:
         info = w.info()
         assert info is not None and info.incarnation == 1
         first.kill()
-        second = Child(names, incarnation=2)
+        second = PresenceChild(names, TASK, incarnation=2)
         try:
             assert w.state() == "alive"
             info = w.info()
@@ -243,7 +135,7 @@ def test_peerwatch_restarted_peer_shows_new_incarnation(names: Names) -> None:
 
 
 def test_peerwatch_sigstopped_child_stays_alive(names: Names) -> None:
-    child = Child(names)
+    child = PresenceChild(names, TASK)
     try:
         with PeerWatch(names, TASK) as w:
             os.kill(child.proc.pid, signal.SIGSTOP)
@@ -259,26 +151,26 @@ def test_peerwatch_sigstopped_child_stays_alive(names: Names) -> None:
 
 
 def test_peerwatch_forked_grandchild_does_not_keep_dead_parent_alive(names: Names) -> None:
-    child = Child(names, mode="fork")
+    child = PresenceChild(names, TASK, mode="fork")
     grandchild = int(child.extra)
     try:
         with PeerWatch(names, TASK) as w:
             assert w.state() == "alive"
             child.kill()
             os.kill(grandchild, 0)  # still running
-            assert _wait_state(w, "dead") == "dead"
+            wait_for(lambda: w.state() == "dead", 1.0, "the watch seeing the parent dead")
     finally:
         child.stop()  # closes the stdin pipe: the grandchild exits too
         try:
             os.kill(grandchild, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        _wait_gone(grandchild)
+        wait_for(lambda: _gone(grandchild), 5.0, f"pid {grandchild} exiting")
     os.unlink(names.path(names.presence(TASK)))  # the killed child's stale record
 
 
 def test_presence_forked_child_exit_leaves_parent_record(names: Names) -> None:
-    child = Child(names, mode="forkexit")
+    child = PresenceChild(names, TASK, mode="forkexit")
     try:
         assert child.extra == "alive"
         assert read_presence(names, TASK) is not None

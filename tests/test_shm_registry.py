@@ -5,43 +5,26 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
-import select
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import PresenceChild
 
 import shmrdv
-from shmrdv._shm import layout, naming, registry
+from shmrdv._shm import layout, registry
 from shmrdv._shm.bell import Bell
 from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.presence import Presence, PresenceInfo, boot_id
 from shmrdv._shm.registry import ObjectInfo, collect, list_objects
 
-# The directory holding the shmrdv package under test, for the children's PYTHONPATH.
-REPO = str(Path(naming.__file__).parents[2])
 TASK = "/job:worker/replica:0/task:1"
 KEY = (
     "/job:worker/replica:0/task:0/device:CPU:0;0000000000000001;"
     "/job:worker/replica:0/task:1/device:CPU:0;x;0:0"
 )
-
-# A worker stand-in: publishes TASK's presence, says "ready", lives until its stdin closes.
-CHILD = r"""
-import os, sys, time
-from shmrdv._shm.naming import Names
-from shmrdv._shm.presence import Presence, PresenceInfo, boot_id
-ns, task = sys.argv[1:3]
-info = PresenceInfo(task, os.getpid(), boot_id(), 5, time.time(), ns, None)
-p = Presence.publish(Names(ns), info)
-print("ready", flush=True)
-sys.stdin.read()
-p.close()
-"""
 
 
 def _fresh() -> Names:
@@ -53,55 +36,11 @@ def _ours(names: Names, directory: str = SHM_DIR) -> set[str]:
 
 
 @pytest.fixture
-def names() -> Iterator[Names]:
-    n = _fresh()
-    yield n
-    left = _ours(n)
-    for entry in left:
-        os.unlink(os.path.join(SHM_DIR, entry))
-    assert not left, f"test left {left} in {SHM_DIR}"
-
-
-@pytest.fixture
 def other() -> Iterator[Names]:
     n = _fresh()
     yield n
     for entry in _ours(n):
         os.unlink(os.path.join(SHM_DIR, entry))
-
-
-class Worker:
-    """A child process holding TASK's presence record of ``names``."""
-
-    def __init__(self, names: Names) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, names.namespace, TASK],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=dict(os.environ, PYTHONPATH=REPO),
-        )
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], 10)
-        if not ready or not self.proc.stdout.readline().startswith(b"ready"):
-            self.kill()
-            raise AssertionError("worker child did not start")
-
-    def stop(self) -> None:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self.proc.stdout.close()
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(5)
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.close()
-        self.proc.stdout.close()
 
 
 def _write(path: str, data: bytes) -> None:
@@ -136,7 +75,7 @@ def _by_kind(infos: list[ObjectInfo]) -> dict[str, ObjectInfo]:
 
 
 def test_registry_live_namespace_listed_and_kept(names: Names) -> None:
-    worker = Worker(names)
+    worker = PresenceChild(names, TASK, incarnation=5)
     bell = Bell.create(names, TASK)
     try:
         _segments(names)
@@ -169,7 +108,7 @@ def test_registry_live_namespace_listed_and_kept(names: Names) -> None:
 
 
 def test_registry_dead_namespace_collected_whole(names: Names, other: Names) -> None:
-    worker = Worker(names)
+    worker = PresenceChild(names, TASK, incarnation=5)
     bell = Bell.create(names, TASK)
     bell.close()
     _segments(names)

@@ -8,15 +8,13 @@ import signal
 
 import numpy as np
 import pytest
+from helpers import CONSUMER, PRODUCER, make_key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shmrdv
 from shmrdv._child import ChildWorker
 from shmrdv._shm.ring import DATA_OFFSET, Ring, ring_size
-
-PRODUCER = "/job:worker/replica:0/task:0"
-CONSUMER = "/job:worker/replica:0/task:1"
 
 
 def make_ring(capacity: int = 4096) -> Ring:
@@ -143,15 +141,13 @@ def test_the_ring_is_on_by_default_and_bounded(
 
 
 @pytest.fixture
-def ns(monkeypatch: pytest.MonkeyPatch) -> str:
-    # The ring is on by default; say so anyway, in case the environment turned it off
-    # (children inherit the variable at spawn).
+def ns(shmrdv_namespace: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    # Not conftest's ``ns``: this one turns the ring on, and collects nothing afterwards, so
+    # that the leak check still sees whatever a ring test leaves behind. The ring is on by
+    # default; say so anyway, in case the environment turned it off (children inherit the
+    # variable at spawn).
     monkeypatch.setenv("SHMRDV_INLINE_MAX", "65536")
-    return shmrdv.new_namespace()
-
-
-def key(edge: str) -> str:
-    return shmrdv.create_key(PRODUCER + "/device:CPU:0", 0, CONSUMER + "/device:CPU:0", edge)
+    return shmrdv_namespace
 
 
 def test_ring_small_and_large_interleave_in_fifo_order(ns: str) -> None:
@@ -161,7 +157,7 @@ def test_ring_small_and_large_interleave_in_fifo_order(ns: str) -> None:
         shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
         ChildWorker(PRODUCER, namespace=ns) as producer,
     ):
-        k = key("mixed")
+        k = make_key("mixed")
         sizes = [10, 100_000, 10, 20_000, 3, 300_000, *([8000] * 300), 5]
         for i, n in enumerate(sizes):
             producer.send(k, np.full(n, i % 256, dtype=np.uint8), step=1)
@@ -178,10 +174,12 @@ def test_ring_messages_survive_producer_sigkill(ns: str) -> None:
     with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
         producer = ChildWorker(PRODUCER, namespace=ns)
         for i in range(5):
-            producer.send(key("k"), np.full(100, i, dtype=np.int32), step=1)
+            producer.send(make_key("k"), np.full(100, i, dtype=np.int32), step=1)
         producer.kill(signal.SIGKILL)
         rdv = consumer.rendezvous(1)
-        assert [int(rdv.recv(key("k"), timeout=10).value[0]) for _ in range(5)] == list(range(5))
+        assert [int(rdv.recv(make_key("k"), timeout=10).value[0]) for _ in range(5)] == list(
+            range(5)
+        )
         consumer.cleanup(1)
     shmrdv_gc(ns)
 
@@ -190,14 +188,14 @@ def test_ring_messages_survive_producer_close_before_consumer_starts(ns: str) ->
     """The consumer never saw the producer: it finds the ring by listing, meta says whose."""
     with ChildWorker(PRODUCER, namespace=ns) as producer:
         for i in range(3):
-            producer.send(key("late"), np.full(7, i, dtype=np.float32), step=2)
+            producer.send(make_key("late"), np.full(7, i, dtype=np.float32), step=2)
     rings = [
         e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{shmrdv.namespace_id(ns)}_q")
     ]
     assert len(rings) == 1
     with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
         rdv = consumer.rendezvous(2)
-        assert [float(rdv.recv(key("late"), timeout=10).value[0]) for _ in range(3)] == [
+        assert [float(rdv.recv(make_key("late"), timeout=10).value[0]) for _ in range(3)] == [
             0.0,
             1.0,
             2.0,
@@ -210,7 +208,7 @@ def test_ring_messages_survive_producer_close_before_consumer_starts(ns: str) ->
 
 def test_ring_meta_names_its_ends(ns: str) -> None:
     with ChildWorker(PRODUCER, namespace=ns) as producer:
-        producer.send(key("m"), np.zeros(3), step=3)
+        producer.send(make_key("m"), np.zeros(3), step=3)
         (ring_name,) = [
             e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{shmrdv.namespace_id(ns)}_q")
         ]
@@ -228,7 +226,7 @@ def test_ring_meta_names_its_ends(ns: str) -> None:
             "consumer": CONSUMER,
         }
     with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
-        consumer.rendezvous(3).recv(key("m"), timeout=10)
+        consumer.rendezvous(3).recv(make_key("m"), timeout=10)
         consumer.cleanup(3)
 
 

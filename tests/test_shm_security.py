@@ -19,25 +19,19 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 import pytest
+from helpers import CONSUMER, NOBODY, PRODUCER, make_key, remove_planted
 
 import shmrdv
 from shmrdv._shm.naming import SHM_DIR, Names
-from shmrdv._shm.registry import collect, list_objects
+from shmrdv._shm.registry import list_objects
 
-PRODUCER = "/job:worker/replica:0/task:0"
-CONSUMER = "/job:worker/replica:0/task:1"
 INCARNATION = 0x5EC0_0000_0000_0001
-NOBODY = 65534
 PLANTED = b"planted by uid 65534; must never change".ljust(4096, b".")
 
 pytestmark = [
     pytest.mark.root,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user (setuid)"),
 ]
-
-
-def make_key(edge: str) -> str:
-    return shmrdv.create_key(f"{PRODUCER}/device:CPU:0", 0, f"{CONSUMER}/device:CPU:0", edge)
 
 
 def _plant_file(path: str) -> None:
@@ -84,15 +78,11 @@ class Planted:
 
 
 @pytest.fixture
-def ns() -> Iterator[str]:
-    token = shmrdv.new_namespace()
-    yield token
-    # Root removes what "nobody" planted, then whatever the test's workers left for gc.
-    prefix = Names(token).prefix
-    for entry in os.listdir(SHM_DIR):
-        if prefix in entry and os.stat(os.path.join(SHM_DIR, entry)).st_uid == NOBODY:
-            os.unlink(os.path.join(SHM_DIR, entry))
-    collect(Names(token).namespace_id)
+def ns(ns: str) -> Iterator[str]:
+    """conftest's ``ns``, which differs here only in that root first removes what "nobody"
+    planted: ``gc`` leaves another user's objects alone, then collects what is left."""
+    yield ns
+    remove_planted(ns)
 
 
 def plant_file(name: str) -> Planted:

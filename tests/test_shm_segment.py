@@ -5,11 +5,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import secrets
 import shutil
 import stat
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,21 +19,10 @@ from shmrdv._shm import layout
 from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.segment import Segment
 
-REPO = Path(__file__).resolve().parents[1]
 KEY = (
     "/job:w/replica:0/task:0/device:CPU:0;0000000000000001;"
     "/job:w/replica:0/task:1/device:CPU:0;t;0:0"
 )
-
-
-@pytest.fixture
-def names() -> Iterator[Names]:
-    n = Names(secrets.token_hex(13))
-    yield n
-    left = [e for e in os.listdir(SHM_DIR) if e.startswith(n.prefix)]
-    for entry in left:
-        os.unlink(os.path.join(SHM_DIR, entry))
-    assert not left, f"test left {left} in {SHM_DIR}"
 
 
 def _header(shape: tuple[int, ...] = (4, 8), dtype: str = "<f4") -> layout.Header:

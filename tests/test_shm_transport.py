@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import itertools
-import multiprocessing.resource_tracker
 import os
 import shutil
 import stat
@@ -20,27 +19,19 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
+from helpers import CONSUMER, PRODUCER, make_key, wait_for
 from small_shm import run_with_small_dev_shm
 
 import shmrdv
 from shmrdv._child import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, Names
 
-REPO = Path(__file__).resolve().parents[1]
-PRODUCER = "/job:worker/replica:0/task:0"
-CONSUMER = "/job:worker/replica:0/task:1"
-
 _steps = itertools.count(1)
-
-
-def make_key(edge: str, *, src: str = PRODUCER, dst: str = CONSUMER, incarnation: int = 0) -> str:
-    return shmrdv.create_key(f"{src}/device:CPU:0", incarnation, f"{dst}/device:CPU:0", edge)
 
 
 def ns_entries(ns: str) -> list[str]:
@@ -93,13 +84,6 @@ def child_idle_recv_cpu(worker: shmrdv.Worker, key: str, wait_s: float) -> tuple
 # -- fixtures -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _resource_tracker() -> None:
-    """Start multiprocessing's resource tracker before the leak check looks at our children
-    (spawning starts it on first use, and it lives as long as this process)."""
-    multiprocessing.resource_tracker.ensure_running()
-
-
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[ChildWorker, shmrdv.Worker]]:
     """A producer in a spawned child and a consumer here, in one namespace, for the module."""
@@ -133,10 +117,7 @@ def shm_stats(worker: shmrdv.Worker) -> dict[str, int]:
 def wait_held_zero(worker: shmrdv.Worker, within: float = 2.0) -> None:
     """Wait until ``worker`` holds no pool slot (the dispatcher thread may still be
     returning from the ``done`` that woke us, holding the value for a moment)."""
-    deadline = time.monotonic() + within
-    while shm_stats(worker)["held"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert shm_stats(worker)["held"] == 0
+    wait_for(lambda: shm_stats(worker)["held"] == 0, within, "no pool slot held")
 
 
 # -- §1 routing -----------------------------------------------------------------------------

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO, run_bench
 
 from shmrdv._bench.soak import (
     COUNT_SERIES,
@@ -20,7 +19,6 @@ from shmrdv._bench.soak import (
 )
 from shmrdv._shm.pool import DEFAULT_MAX_SLOTS
 
-REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 
 
@@ -112,23 +110,15 @@ def test_soak_30000_handoffs_resources_flat_after_warmup() -> None:
 @pytest.mark.slow
 def test_soak_cli_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shmrdv",
-            "bench",
-            "--soak",
-            "2000",
-            "--soak-max-size",
-            "4k",
-            "--json",
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    proc = run_bench(
+        "--soak",
+        "2000",
+        "--soak-max-size",
+        "4k",
+        "--json",
+        str(out),
         timeout=100,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())

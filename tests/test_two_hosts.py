@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import reap_popen
 from netns_helpers import host_cmd, make_hosts
 
 pytestmark = pytest.mark.root
@@ -126,12 +127,7 @@ def test_two_hosts_router_picks_grpc_across_and_shm_within(
     finally:
         marker.write_text("done")
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-            for stream in (p.stdout, p.stderr):
-                if stream is not None:
-                    stream.close()
+            reap_popen(p)
     a, b = reports["A"], reports["B"]
     assert b["got"] == [0, 1, 2, 3, 4]
     assert b["big_ok"] is True
