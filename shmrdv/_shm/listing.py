@@ -32,10 +32,17 @@ _TRUST_NS = 20_000_000
 
 
 class Listing:
-    """The names under ``prefix`` in /dev/shm (see the module docstring)."""
+    """The names under ``prefix`` in /dev/shm (or ``directory``; see the module docstring)."""
 
-    def __init__(self, prefix: str, min_interval: float, refused_max: int = 1 << 17) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        min_interval: float,
+        refused_max: int = 1 << 17,
+        directory: str | None = None,
+    ) -> None:
         self._prefix = prefix
+        self._dir = Names.path("") if directory is None else directory
         self._interval = min_interval
         self._refused_max = refused_max
         self._gap = min_interval  # the current least time between two listdirs
@@ -51,7 +58,7 @@ class Listing:
     def refresh(self) -> bool:
         """Make ``names`` current if allowed; True if they are (listed now, or the directory
         has not changed since), False if a listing is due but rate-limited or failed."""
-        path = Names.path("")
+        path = self._dir
         try:
             mtime = os.stat(path).st_mtime_ns
         except OSError:
