@@ -282,11 +282,6 @@ def test_security_junk_flood_costs_a_receive_from_a_live_producer_nothing(ns: st
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 §2, shm transport: a consumer waiting for a producer that is not running "
-    "lists /dev/shm each half tick and looks at every junk name again (~1 s CPU per 3 s here)",
-)
 def test_security_junk_flood_costs_a_receive_no_more_than_its_timeout(ns: str) -> None:
     """20,000 message-shaped names of another user in the job's namespace (the prefix is
     public) must not make ``recv(timeout=3)`` from a producer that is not running overrun by

@@ -46,10 +46,10 @@ def test_template_field_out_of_range_refused() -> None:
         t.write(buf, 0, KEY.encode(), 0, 1, -1, 1, 1, -1, 0)
 
 
-def _record(seq: int, flags: int = 0) -> bytearray:
-    t = layout.Template(np.dtype("<f4"), (16,), len(KEY))
+def _record(seq: int, flags: int = 0, key: bytes = KEY.encode()) -> bytearray:
+    t = layout.Template(np.dtype("<f4"), (16,), len(key))
     buf = bytearray(t.data_offset + 64)
-    t.write(buf, 0, KEY.encode(), flags, 1, seq, 9, 9, -1, 0)
+    t.write(buf, 0, key, flags, 1, seq, 9, 9, -1, 0)
     return buf
 
 
@@ -58,6 +58,20 @@ def test_header_cache_answers_as_unpack_fields() -> None:
     for seq in range(3):
         rec = _record(seq)
         assert cache.unpack(rec, len(rec)) == layout.unpack_fields(rec, len(rec))
+
+
+def test_header_cache_decodes_each_key_and_refuses_a_bad_one() -> None:
+    """New keys of a known (dtype, shape, key length) hit the cache; each key is decoded."""
+    cache = layout.HeaderCache()
+    for name in ("a", "b", "c"):
+        key = KEY.replace(";e;", f";{name};").encode()
+        rec = _record(0, key=key)
+        got = cache.unpack(rec, len(rec))
+        assert got == layout.unpack_fields(rec, len(rec))
+        assert got[11] == key.decode()
+    bad = _record(1, key=KEY.replace(";e;", ";\xff;").encode("latin-1"))
+    with pytest.raises(InternalError, match="UTF-8"):
+        cache.unpack(bad, len(bad))
 
 
 def test_header_cache_still_checks_the_changing_fields() -> None:

@@ -56,7 +56,9 @@ from .._received import Received
 from .._transport import TransportContext
 from .._values import shape_problem
 from . import layout
+from .listing import Listing
 from .naming import Names, parse_name
+from .ownership import is_ours
 from .pool import give_back, return_slot
 from .producer import task_name
 from .ring import RINGS_SUPPORTED, Ring
@@ -76,6 +78,14 @@ _LISTDIR_ABOVE = 64
 _RING_LOOK_S = 0.02
 # A notice record's data is in a segment: its header is checked against no file size.
 _NO_FILE = 1 << 63
+# Names a listing found not ours (another user's, not a regular file, a ring for another
+# consumer, no valid header) are remembered, up to this many, and skipped without a system
+# call afterwards: a flood of planted names costs one ``lstat`` each, once (issue 13 §2).
+_REFUSED_MAX = 1 << 17
+# At most this many names new to the consumer are looked at per listing (one ``lstat``,
+# then maybe one open each); the rest wait for the next listing. Bounds a listing's work
+# whatever another user plants.
+_NEW_PER_LISTING = 32768
 
 #: A delivery to make outside the lock: ``done``, whether to copy, the value or the error.
 Item = tuple[DoneCallback, bool, Received | BaseException]
@@ -212,14 +222,14 @@ class Consumer:
         self._held: set[str] = set()
         # Names of published messages already looked at by a listing (_recover, _orphans).
         self._listed: dict[str, tuple[int, str, int, int, int, int]] = {}
-        self._listed_at = 0.0
-        self._rings_listed_at = 0.0
+        self._listing = Listing(self._names.prefix, TICK / 2, _REFUSED_MAX)
+        self._listed_gen = -1  # the listing generation ``_listed`` reflects
+        self._rings_gen = -1  # the listing generation ``_find_rings`` went through
         self.counters = {
             "received": 0,
             "received_bytes": 0,
             "dispatcher_scans": 0,
             "name_probes": 0,
-            "listings": 0,
             "refused_records": 0,
         }
 
@@ -265,6 +275,12 @@ class Consumer:
             self.check_open(step_id)
             src = self._src(key)
             ch = self._channel(step_id, key.full_key, src, key.src_incarnation)
+            if ch.nready and not ch.waiters and src.broken is None:
+                # The fast path: a ring brought this very message already (no ring to
+                # look for, nothing to drain first: what follows it stays in its ring).
+                got = self._stashed(ch, key)
+                if got is not None:
+                    return (done, copy, got), None
             if ch.pk is None:
                 ch.pk = key
                 if key.src_incarnation:
@@ -391,6 +407,30 @@ class Consumer:
         _log.debug("message %d of %r never came; skipping to %d", ch.seq, ch.key, nxt)
         ch.seq = nxt
         return self._take(ch, probe)
+
+    def _stashed(self, ch: _Channel, key: ParsedKey) -> Received | BaseException | None:
+        """The channel's next message if a ring record of it is stashed (not a notice)."""
+        if ch.pk is None:
+            ch.pk = key
+            if key.src_incarnation:
+                ch.inc = key.src_incarnation
+        stash = self._stash.get(ch.step)
+        if stash is None or not ch.inc:
+            return None
+        at = (ch.key, ch.inc, ch.seq)
+        got = stash.get(at)
+        if got is None or isinstance(got, _Notice):
+            return None
+        del stash[at]
+        if not stash:
+            del self._stash[ch.step]
+        ch.nready -= 1
+        ch.seq += 1
+        if isinstance(got, Received):
+            counters = self.counters
+            counters["received"] += 1
+            counters["received_bytes"] += got.value.nbytes
+        return got
 
     def _adopt_incarnation(
         self, ch: _Channel, stash: dict[tuple[str, int, int], Received | _Notice | BaseException]
@@ -622,12 +662,10 @@ class Consumer:
         value: Received | _Notice | BaseException
         try:
             notice = len(payload) > 11 and bool(payload[10] & layout.FLAG_NOTICE)
+            # ``unpack_fields`` (or the cache of its verdicts) also applies ``shape_problem``.
             (flags, dtype, shape, offset, nbytes, step, seq, _inc, _pid, slot, _t, key) = (
                 self._headers.unpack(payload, _NO_FILE if notice else len(payload))
             )
-            problem = shape_problem(shape, dtype.itemsize)
-            if problem is not None:
-                raise InternalError(f"segment header corrupted: {problem}")
         except RendezvousError as e:
             self.counters["refused_records"] += 1
             who = layout.unpack_identity(payload)
@@ -643,9 +681,10 @@ class Consumer:
             if notice:
                 value = _Notice(slot)
             elif nbytes:
+                # One copy out of the ring (the record's bytes are overwritten later).
                 arr: npt.NDArray[Any] = np.frombuffer(
-                    bytearray(payload[offset : offset + nbytes]), dtype
-                )
+                    payload, dtype, nbytes // dtype.itemsize, offset
+                ).copy()
                 if len(shape) != 1:
                     arr = arr.reshape(shape)
                 value = Received(arr, bool(flags & 1))
@@ -655,8 +694,13 @@ class Consumer:
             if notice:  # a late send of a step this worker already cleaned up: free it
                 self._free_named(src.task, step, key, inc, seq, slot)
             return
-        ch = self._channel(step, key, src, inc)
-        if ch.inc == inc and seq < ch.seq:
+        chans = self._channels.get(step)
+        if chans is None:
+            chans = self._channels[step] = {}
+        ch = chans.get(key)
+        if ch is None:
+            ch = chans[key] = _Channel(step, key, src, inc)
+        elif ch.inc == inc and seq < ch.seq:
             return  # already taken by its name
         stash = self._stash.get(step)
         if stash is None:
@@ -705,25 +749,39 @@ class Consumer:
         return found
 
     def _list_messages(self) -> bool:
-        """Refresh ``_listed`` from one listing of /dev/shm (at most once per half tick)."""
-        now = time.monotonic()
-        if now - self._listed_at < TICK / 2:
+        """Bring ``_listed`` up to date with /dev/shm (``Listing``: a listdir at most once
+        per half tick, none while the directory is unchanged); False if it may be stale.
+
+        A name new to this consumer costs one ``lstat`` if it is another user's, at most
+        ``_NEW_PER_LISTING`` of them per listing, and is never looked at again if refused.
+        """
+        listing = self._listing
+        if not listing.refresh():
             return False
-        self._listed_at = now
-        self.counters["listings"] += 1
-        try:
-            entries = os.listdir(Names.path(""))
-        except OSError:
-            return False
+        if self._listed_gen == listing.generation:
+            return True
+        self._listed_gen = listing.generation
         marker = self._names.prefix + "m"
-        present = {e for e in entries if e.startswith(marker)}
-        for name in list(self._listed):
+        listed = self._listed
+        present = set()
+        new: list[str] = []
+        for e in listing.names:
+            if e.startswith(marker):
+                present.add(e)
+                if e not in listed:
+                    new.append(e)
+        for name in list(listed):
             if name not in present:
-                del self._listed[name]
-        for name in present - self._listed.keys():
-            h = peek_header(Names.path(name))
-            if h is not None:
-                self._listed[name] = (
+                del listed[name]
+        if len(new) > _NEW_PER_LISTING:
+            del new[_NEW_PER_LISTING:]
+            listing.incomplete()
+        for name in new:
+            h = peek_header(Names.path(name))  # one lstat for another user's name
+            if h is None:
+                listing.refuse(name)
+            else:
+                listed[name] = (
                     h.step_id,
                     h.key,
                     h.seq,
@@ -766,20 +824,31 @@ class Consumer:
 
     def _find_rings(self) -> None:
         """Attach the rings addressed to this worker that a listing shows (a producer that
-        closed before we learned its incarnation); at most once per half tick."""
-        now = time.monotonic()
-        if now - self._rings_listed_at < TICK / 2:
+        closed before we learned its incarnation); each name is tried once."""
+        listing = self._listing
+        if not listing.refresh() or self._rings_gen == listing.generation:
             return
-        self._rings_listed_at = now
-        self.counters["listings"] += 1
+        self._rings_gen = listing.generation
         marker = self._names.prefix + "q"
-        try:
-            entries = [e for e in os.listdir(Names.path("")) if e.startswith(marker)]
-        except OSError:
-            return
-        for name in entries:
+        budget = _NEW_PER_LISTING
+        for name in listing.names:
+            if not name.startswith(marker) or listing.refused(name):
+                continue
+            if budget <= 0:
+                listing.incomplete()
+                break
+            budget -= 1
+            try:
+                if not is_ours(os.stat(Names.path(name), follow_symlinks=False)):
+                    listing.refuse(name)  # another user's: one lstat, never opened
+                    continue
+            except OSError:
+                continue
             try:
                 self._attach_ring(name, None)
+            except InternalError as e:  # not ours, or not for this consumer: never again
+                listing.refuse(name)
+                _log.debug("%s", e)
             except RendezvousError as e:
                 _log.debug("%s", e)
 
@@ -992,12 +1061,16 @@ class Consumer:
             return 0
         marker = self._names.prefix + "m"
         own = self._ctx.task.task_key()
+        listing = self._listing
         for entry in entries:
-            if not entry.startswith(marker) or parse_name(entry) is None:
+            if not entry.startswith(marker) or listing.refused(entry) or parse_name(entry) is None:
                 continue
             path = Names.path(entry)
-            header = peek_header(path)
-            if header is None or (step_id is not None and header.step_id != step_id):
+            header = peek_header(path)  # one lstat for another user's name
+            if header is None:
+                listing.refuse(entry)  # a set.add: safe outside the lock
+                continue
+            if step_id is not None and header.step_id != step_id:
                 continue
             try:
                 pk = parse_key(header.key)
@@ -1091,6 +1164,7 @@ class Consumer:
             out["channels"] = sum(len(c) for c in self._channels.values())
             out["rings_in"] = len(self._rings)
             out["held"] = len(self._held)
+            out["listings"] = self._listing.listings
         return out
 
 

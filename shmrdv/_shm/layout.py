@@ -500,22 +500,26 @@ def unpack_fields(buf: BufferLike, file_size: int) -> Fields:
 
 _STATIC_AT = _VARYING_AT + _VARYING.size  # where the per-message fields end: 76
 _LEAD = MAGIC + struct.pack("<H", VERSION)  # the first 10 bytes of every header
+_KEY_LEN = struct.Struct("<I")
+_KEY_LEN_AT = PREFIX.size - 4  # key_len, the last field of the fixed prefix
 
 
 class HeaderCache:
     """``unpack_fields`` memoized over the header bytes that do not change per message.
 
-    A producer's messages of one (key, dtype, shape) differ only in the fields from
-    ``flags`` to ``created_ns``: the rest (ndim, lengths, shape, dtype, key) is looked up
-    by its bytes, and what ``unpack_fields`` concluded about exactly those bytes is reused.
-    The changing fields are still checked every time (flags, header length, data offset,
-    nbytes, slot, the file size), so a hostile buffer gets the same answer as from
-    ``unpack_fields``, which is called whenever the bytes are new. Not thread-safe.
+    A producer's messages of one (dtype, shape, key length) differ only in the fields from
+    ``flags`` to ``created_ns`` and in the key: the rest (ndim, lengths, shape, dtype) is
+    looked up by its bytes, and what ``unpack_fields`` concluded about exactly those bytes
+    is reused; the key is decoded (strict UTF-8) every time, so a step that uses new keys
+    hits the cache too. The changing fields are still checked every time (flags, header
+    length, data offset, nbytes, slot, the file size), so a hostile buffer gets the same
+    answer as from ``unpack_fields``, which is called whenever the bytes are new. Not
+    thread-safe.
     """
 
     def __init__(self, limit: int = 4096) -> None:
         self._limit = limit
-        self._known: dict[bytes, tuple[int, int, int, np.dtype[Any], tuple[int, ...], str]] = {}
+        self._known: dict[bytes, tuple[int, int, int, np.dtype[Any], tuple[int, ...]]] = {}
 
     def unpack(self, buf: BufferLike, file_size: int) -> Fields:
         """``unpack_fields(buf, file_size)``, cheaply when the header was seen before."""
@@ -523,20 +527,25 @@ class HeaderCache:
             flags, size, off, nbytes, step, seq, inc, pid, slot, created = _VARYING.unpack_from(
                 buf, _VARYING_AT
             )
+            key_at = size - _KEY_LEN.unpack_from(buf, _KEY_LEN_AT)[0]
             if (
-                PREFIX.size <= size <= len(buf)
+                PREFIX.size <= key_at <= size <= len(buf)
                 and not flags & ~_KNOWN_FLAGS
                 and slot >= -1
                 and off + nbytes <= file_size
                 and buf[:_VARYING_AT] == _LEAD
             ):
-                known = self._known.get(bytes(buf[_STATIC_AT:size]))
+                known = self._known.get(bytes(buf[_STATIC_AT:key_at]))
                 if (
                     known is not None
                     and known[0] == size
                     and known[1] == off
                     and known[2] == nbytes
                 ):
+                    try:
+                        key = str(buf[key_at:size], "utf-8")
+                    except UnicodeDecodeError as e:
+                        raise _corrupted(f"key is not UTF-8 ({e})") from e
                     return (
                         flags,
                         known[3],
@@ -549,13 +558,14 @@ class HeaderCache:
                         pid,
                         slot,
                         created,
-                        known[5],
+                        key,
                     )
         f = unpack_fields(buf, file_size)
         size = PREFIX.unpack_from(buf, 0)[3]
         if len(self._known) >= self._limit:
             self._known.clear()
-        self._known[bytes(buf[_STATIC_AT:size])] = (size, f[3], f[4], f[1], f[2], f[11])
+        key_at = size - _KEY_LEN.unpack_from(buf, _KEY_LEN_AT)[0]
+        self._known[bytes(buf[_STATIC_AT:key_at])] = (size, f[3], f[4], f[1], f[2])
         return f
 
 
