@@ -57,6 +57,11 @@ def sightings(task: str, *, shm_dir: str = SHM_DIR) -> list[Sighting]:
         return out
     with it:
         for dirent in it:
+            # A cheap look before parse_name: only a presence record has "_w" (its kind
+            # letter after the namespace id; ids and hashes are hex), and a flood of other
+            # names must cost a timed-out receive next to nothing.
+            if "_w" not in dirent.name:
+                continue
             parsed = parse_name(dirent.name)
             if parsed is None or parsed.kind != "presence":
                 continue
