@@ -126,15 +126,15 @@ def test_cancel_racing_a_failed_call_never_strands_the_receiver(
 
 def test_acks_go_at_most_max_acks_per_request() -> None:
     """A server reads at most MAX_ACKS acks from one request: the client puts no more on it."""
-    from shmrdv._rpc import coding
+    from shmrdv._rpc import messages
 
     with RpcClient() as cli:
-        ids = list(range(1, coding.MAX_ACKS + 477))
+        ids = list(range(1, messages.MAX_ACKS + 477))
         cli._give_back_acks("127.0.0.1:1", ids)
         first = cli._take_acks("127.0.0.1:1")
         second = cli._take_acks("127.0.0.1:1")
-        assert first == ids[: coding.MAX_ACKS]
-        assert second == ids[coding.MAX_ACKS :]
+        assert first == ids[: messages.MAX_ACKS]
+        assert second == ids[messages.MAX_ACKS :]
         assert cli._take_acks("127.0.0.1:1") == []
 
 

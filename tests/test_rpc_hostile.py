@@ -19,7 +19,7 @@ import pytest
 from rpc_helpers import StepSource, make_key
 
 from shmrdv._errors import InternalError
-from shmrdv._rpc import coding
+from shmrdv._rpc import messages, tensors
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.methods import GET_STATUS_METHOD, RECV_TENSOR_INLINE_METHOD, RECV_TENSOR_METHOD
 from shmrdv._rpc.server import RpcServer
@@ -40,7 +40,7 @@ def _park(channel: grpc.Channel, name: str, n: int, timeout: float = 30.0) -> li
     call = channel.unary_unary(RECV_TENSOR_INLINE_METHOD)
     return [
         call.future(
-            coding.encode_request(1, make_key(f"{name}{i}").full_key, secrets.randbits(62) + 1),
+            messages.encode_request(1, make_key(f"{name}{i}").full_key, secrets.randbits(62) + 1),
             timeout=timeout,
         )
         for i in range(n)
@@ -103,7 +103,9 @@ def test_a_call_without_deadline_waits_at_most_max_wait(source: StepSource) -> N
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
             # TensorFlow's unary RecvTensor, no deadline at all.
-            ch.unary_unary(RECV_TENSOR_METHOD)(coding.encode_request(1, make_key("x").full_key, 7))
+            ch.unary_unary(RECV_TENSOR_METHOD)(
+                messages.encode_request(1, make_key("x").full_key, 7)
+            )
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert 0.4 < time.monotonic() - t0 < 10
         assert server.stats()["parked"] == 0
@@ -128,11 +130,11 @@ def test_an_ack_flood_does_not_slow_a_legitimate_call(source: StepSource) -> Non
         inline = ch.unary_unary(RECV_TENSOR_INLINE_METHOD)
         flood = [
             inline.future(
-                coding.encode_request(
+                messages.encode_request(
                     1,
                     make_key(f"flood{i}").full_key,
                     secrets.randbits(62) + 1,
-                    finished=[secrets.randbits(62) + 1 for _ in range(coding.MAX_ACKS)],
+                    finished=[secrets.randbits(62) + 1 for _ in range(messages.MAX_ACKS)],
                 ),
                 timeout=5,
             )
@@ -167,9 +169,9 @@ def _zero_item_response(count: int) -> bytes:
     """A RecvTensorResponse of dtype |V0 and shape (count,): no bytes, every length fits."""
     dtype = np.dtype("V0")
     tensor = (
-        _varint(1 << 3) + _varint(coding.dtype_to_tf(dtype))
+        _varint(1 << 3) + _varint(tensors.dtype_to_tf(dtype))
         + _len_field(2, _len_field(2, _varint(1 << 3) + _varint(count)))
-        + _len_field(1001, coding.dtype_descriptor(dtype).encode())
+        + _len_field(1001, tensors.dtype_descriptor(dtype).encode())
     )  # fmt: skip
     return _len_field(1, tensor)
 

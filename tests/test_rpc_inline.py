@@ -14,7 +14,7 @@ from rpc_helpers import StepSource, make_key
 
 from shmrdv._errors import DeadlineExceededError
 from shmrdv._received import Received
-from shmrdv._rpc import coding
+from shmrdv._rpc import assembly, messages
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.methods import RECV_TENSOR_INLINE_METHOD, RECV_TENSOR_STREAM_METHOD
 from shmrdv._rpc.server import RpcServer
@@ -59,8 +59,8 @@ def test_inline_answers_a_small_tensor_as_tf_response(
 ) -> None:
     key = make_key("small")
     source.send(1, key, np.arange(5, dtype=np.int32))
-    data = _inline(channel, coding.encode_request(1, key.full_key, 7, inline_max=1024))
-    got = coding.decode_response(data)
+    data = _inline(channel, messages.encode_request(1, key.full_key, 7, inline_max=1024))
+    got = messages.decode_response(data)
     assert got.value.tolist() == [0, 1, 2, 3, 4] and not got.is_dead
 
 
@@ -70,18 +70,18 @@ def test_inline_leaves_a_large_tensor_for_the_stream_under_its_request_id(
     key = make_key("large")
     source.send(1, key, np.arange(1000, dtype=np.int64))
     source.send(1, key, np.array([-1]))
-    assert _inline(channel, coding.encode_request(1, key.full_key, 9, inline_max=100)) == b""
+    assert _inline(channel, messages.encode_request(1, key.full_key, 9, inline_max=100)) == b""
     assert server.stats()["cached"] == 1
     stream = channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(
-        coding.encode_request(1, key.full_key, 9), timeout=5
+        messages.encode_request(1, key.full_key, 9), timeout=5
     )
-    assembler = coding.StreamAssembler()
+    assembler = assembly.StreamAssembler()
     for message in stream:
         assembler.feed(message)
     assert assembler.result().tolist() == list(range(1000))
     # The next value was not taken meanwhile.
-    rest = _inline(channel, coding.encode_request(1, key.full_key, 10))
-    assert coding.decode_response(rest).value.tolist() == [-1]
+    rest = _inline(channel, messages.encode_request(1, key.full_key, 10))
+    assert messages.decode_response(rest).value.tolist() == [-1]
 
 
 def test_inline_left_value_goes_back_when_released(
@@ -91,10 +91,10 @@ def test_inline_left_value_goes_back_when_released(
 
     key = make_key("released")
     source.send(1, key, np.arange(1000, dtype=np.int64))
-    assert _inline(channel, coding.encode_request(1, key.full_key, 11, inline_max=0)) == b""
-    channel.unary_unary(RELEASE_RECV_METHOD)(coding.encode_mark_recv_finished(11), timeout=5)
-    again = _inline(channel, coding.encode_request(1, key.full_key, 12))
-    assert coding.decode_response(again).value.tolist() == list(range(1000))
+    assert _inline(channel, messages.encode_request(1, key.full_key, 11, inline_max=0)) == b""
+    channel.unary_unary(RELEASE_RECV_METHOD)(messages.encode_mark_recv_finished(11), timeout=5)
+    again = _inline(channel, messages.encode_request(1, key.full_key, 12))
+    assert messages.decode_response(again).value.tolist() == list(range(1000))
 
 
 def test_inline_request_id_zero_is_always_answered_inline(
@@ -102,8 +102,8 @@ def test_inline_request_id_zero_is_always_answered_inline(
 ) -> None:
     key = make_key("zero")
     source.send(1, key, np.arange(1000, dtype=np.int64))
-    data = _inline(channel, coding.encode_request(1, key.full_key, 0, inline_max=0))
-    assert coding.decode_response(data).value.tolist() == list(range(1000))
+    data = _inline(channel, messages.encode_request(1, key.full_key, 0, inline_max=0))
+    assert messages.decode_response(data).value.tolist() == list(range(1000))
 
 
 def test_inline_acks_release_the_cache(
@@ -112,9 +112,9 @@ def test_inline_acks_release_the_cache(
     key = make_key("acks")
     source.send(1, key, np.array([1]))
     source.send(1, key, np.array([2]))
-    _inline(channel, coding.encode_request(1, key.full_key, 21))
+    _inline(channel, messages.encode_request(1, key.full_key, 21))
     assert server.stats()["cached"] == 1
-    _inline(channel, coding.encode_request(1, key.full_key, 22, finished=[21]))
+    _inline(channel, messages.encode_request(1, key.full_key, 22, finished=[21]))
     assert server.stats()["cached"] == 1  # 22's, until it is acked in turn
 
 

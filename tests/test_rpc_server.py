@@ -19,7 +19,7 @@ from rpc_helpers import INCARNATION, TASK, StepSource, make_key
 
 from shmrdv._errors import InvalidArgumentError, UnavailableError
 from shmrdv._keys import ParsedKey
-from shmrdv._rpc import coding
+from shmrdv._rpc import assembly, messages
 from shmrdv._rpc.methods import (
     GET_STATUS_METHOD,
     MARK_RECV_FINISHED_METHOD,
@@ -54,7 +54,7 @@ def channel(server: RpcServer) -> Iterator[grpc.Channel]:
 
 def _request(step_id: int, key: ParsedKey | str, request_id: int = 0) -> bytes:
     text = key if isinstance(key, str) else key.full_key
-    return coding.encode_request(step_id, text, request_id)
+    return messages.encode_request(step_id, text, request_id)
 
 
 def _unary(channel: grpc.Channel) -> Any:
@@ -62,7 +62,7 @@ def _unary(channel: grpc.Channel) -> Any:
 
 
 def _value(data: bytes) -> list[Any]:
-    return list(coding.decode_response(data).value.tolist())
+    return list(messages.decode_response(data).value.tolist())
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -172,7 +172,7 @@ def test_recv_tensor_round_trips_values(
 ) -> None:
     key = make_key("v")
     source.send(2, key, value)
-    decoded = coding.decode_response(_unary(channel)(_request(2, key), timeout=5))
+    decoded = messages.decode_response(_unary(channel)(_request(2, key), timeout=5))
     assert decoded.value.dtype == value.dtype and decoded.value.shape == value.shape
     np.testing.assert_array_equal(decoded.value, value)
 
@@ -200,7 +200,7 @@ def test_recv_tensor_waits_for_send(source: StepSource, channel: grpc.Channel) -
     _wait_for(lambda: source.pending_waiters(1) == 1)
     assert not fut.done()
     source.send(1, key, np.array([42]))
-    assert coding.decode_response(fut.result(timeout=5)).value.tolist() == [42]
+    assert messages.decode_response(fut.result(timeout=5)).value.tolist() == [42]
 
 
 def test_recv_tensor_deadline_removes_waiter(source: StepSource, channel: grpc.Channel) -> None:
@@ -291,12 +291,12 @@ def test_recv_tensor_retry_is_served_from_cache(source: StepSource, channel: grp
     source.send(1, key, np.array([4, 5, 6]))
     first = _unary(channel)(_request(1, key, request_id=77), timeout=5)
     second = _unary(channel)(_request(1, key, request_id=77), timeout=5)
-    assert coding.decode_response(first).value.tolist() == [1, 2, 3]
-    assert coding.decode_response(second).value.tolist() == [1, 2, 3]
+    assert messages.decode_response(first).value.tolist() == [1, 2, 3]
+    assert messages.decode_response(second).value.tolist() == [1, 2, 3]
     assert worker_pb2.RecvTensorResponse.FromString(first).require_ack
     # A new request_id takes the next value.
     third = _unary(channel)(_request(1, key, request_id=78), timeout=5)
-    assert coding.decode_response(third).value.tolist() == [4, 5, 6]
+    assert messages.decode_response(third).value.tolist() == [4, 5, 6]
 
 
 def test_recv_tensor_duplicate_while_waiting_joins(
@@ -309,8 +309,8 @@ def test_recv_tensor_duplicate_while_waiting_joins(
     time.sleep(0.1)
     assert source.pending_waiters(1) == 1  # joined, not a second waiter
     source.send(1, key, np.array([9]))
-    assert coding.decode_response(a.result(timeout=5)).value.tolist() == [9]
-    assert coding.decode_response(b.result(timeout=5)).value.tolist() == [9]
+    assert messages.decode_response(a.result(timeout=5)).value.tolist() == [9]
+    assert messages.decode_response(b.result(timeout=5)).value.tolist() == [9]
 
 
 def test_mark_recv_finished_releases_the_cached_response(
@@ -352,7 +352,7 @@ def test_stream_sends_bounded_chunks(source: StepSource, channel: grpc.Channel) 
     key = make_key("big")
     value = np.random.default_rng(0).random((1000, 300))  # 2.4 MB in 64 KiB chunks
     source.send(1, key, value)
-    assembler = coding.StreamAssembler()
+    assembler = assembly.StreamAssembler()
     sizes = []
     for message in channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(_request(1, key), timeout=10):
         sizes.append(len(message))
@@ -379,7 +379,9 @@ def test_server_many_waiting_calls_need_no_threads(
     assert threading.active_count() <= before + 2  # gRPC's own channel thread at most
     for i, k in enumerate(keys):
         source.send(1, k, np.array([i]))
-    assert [coding.decode_response(f.result(timeout=10)).value[0] for f in futs] == list(range(64))
+    assert [messages.decode_response(f.result(timeout=10)).value[0] for f in futs] == list(
+        range(64)
+    )
 
 
 def test_drop_step_forgets_cached_responses(
@@ -407,7 +409,7 @@ def test_stream_cancelled_mid_way_gives_the_value_back(
     call.cancel()
     _wait_for(lambda: server.stats()["requeued"] == 1)
     data = _unary(channel)(_request(1, key), timeout=10)  # no request_id: a fresh call
-    np.testing.assert_array_equal(coding.decode_response(data).value, value)
+    np.testing.assert_array_equal(messages.decode_response(data).value, value)
 
 
 def test_stream_cancelled_mid_way_is_kept_for_a_retry(
@@ -420,7 +422,7 @@ def test_stream_cancelled_mid_way_is_kept_for_a_retry(
     call = stream(_request(1, key, request_id=99), timeout=10)
     next(call)
     call.cancel()
-    assembler = coding.StreamAssembler()
+    assembler = assembly.StreamAssembler()
     for message in stream(_request(1, key, request_id=99), timeout=10):
         assembler.feed(message)
     np.testing.assert_array_equal(assembler.result(), value)
@@ -442,7 +444,7 @@ def test_expired_undelivered_value_goes_back(source: StepSource) -> None:
         call.cancel()
         _wait_for(lambda: srv.stats()["requeued"] == 1)  # no other call needed
         np.testing.assert_array_equal(
-            coding.decode_response(_unary(ch)(_request(1, key), timeout=10)).value, value
+            messages.decode_response(_unary(ch)(_request(1, key), timeout=10)).value, value
         )
 
 
@@ -458,9 +460,9 @@ def test_release_recv_gives_a_parked_value_back(
     next(call)
     call.cancel()  # parked in the cache for a retry...
     _wait_for(lambda: server.stats()["waiting"] == 0)
-    release = coding.encode_mark_recv_finished(8)
+    release = messages.encode_mark_recv_finished(8)
     channel.unary_unary(RELEASE_RECV_METHOD)(release, timeout=5)  # ...until released
     assert server.stats()["requeued"] == 1
     np.testing.assert_array_equal(
-        coding.decode_response(_unary(channel)(_request(1, key), timeout=10)).value, value
+        messages.decode_response(_unary(channel)(_request(1, key), timeout=10)).value, value
     )

@@ -79,7 +79,7 @@ from .._keys import ParsedKey
 from .._received import Received
 from .._rendezvous import Canceller, as_parsed_key, check_timeout
 from .._status import error_for_code
-from . import coding
+from . import assembly, messages
 from .link import Link
 from .methods import (
     DEFAULT_INLINE_MAX,
@@ -415,7 +415,7 @@ class _Recv:
     # -- the Exchange link (link.Want; called in the link's reader thread) ---------------
 
     def _cancel_request(self) -> bytes:
-        return coding.encode_request(
+        return messages.encode_request(
             self._step_id, self._key.full_key, self._request_id, cancel=True
         )
 
@@ -426,7 +426,7 @@ class _Recv:
             remaining = self._remaining()
             self._issued = True
         wait_ms = -1 if remaining is None else max(0, int(remaining * 1000))
-        return coding.encode_request(
+        return messages.encode_request(
             self._step_id,
             self._key.full_key,
             self._request_id,
@@ -442,7 +442,7 @@ class _Recv:
             self._state = _RECEIVING
             self._link = None
         try:
-            decoded = coding.decode_response(data)
+            decoded = messages.decode_response(data)
         except RendezvousError as e:
             self._deliver(
                 InternalError(f"bad Exchange reply from {self._address} for {self._where()}: {e}"),
@@ -515,7 +515,7 @@ class _Recv:
                 acks = self._client._take_acks(self._address)
                 failure: RendezvousError | None = None
                 try:
-                    request = coding.encode_request(
+                    request = messages.encode_request(
                         self._step_id,
                         self._key.full_key,
                         self._request_id,
@@ -606,7 +606,7 @@ class _Recv:
 
     def _take(self, data: bytes, off_channel: bool) -> None:
         try:
-            decoded = coding.decode_response(data)
+            decoded = messages.decode_response(data)
         except RendezvousError as e:
             self._deliver(
                 InternalError(
@@ -677,7 +677,7 @@ class _Recv:
             self._deliver(UnavailableError(f"receiving {self._where()} failed: {e!r}"), None)
 
     def _stream_attempts(self) -> None:
-        request = coding.encode_request(self._step_id, self._key.full_key, self._request_id)
+        request = messages.encode_request(self._step_id, self._key.full_key, self._request_id)
         method = self._channel.unary_stream(RECV_TENSOR_STREAM_METHOD)
         metadata = self._client._metadata
         mid_stream_failures = 0
@@ -691,7 +691,7 @@ class _Recv:
                 call = method(request, timeout=remaining, metadata=metadata)
                 self._call = call
                 self._issued = True
-            assembler = coding.StreamAssembler()
+            assembler = assembly.StreamAssembler()
             delivered = False
             try:
                 for message in call:
@@ -956,7 +956,7 @@ class RpcClient:
         t = check_timeout(timeout)
         key = as_parsed_key(key)
         channel = self._channel(address)
-        request = coding.encode_request(int(step_id), key.full_key, int(request_id))
+        request = messages.encode_request(int(step_id), key.full_key, int(request_id))
         where = f"key {key.full_key!r} (step {step_id}) from {address}"
         try:
             data = channel.unary_unary(RECV_TENSOR_METHOD)(
@@ -965,14 +965,14 @@ class RpcClient:
         except grpc.RpcError as e:
             raise error_for_code(_code(e))(f"RecvTensor of {where} failed: {_details(e)}") from e
         try:
-            decoded = coding.decode_response(data)
+            decoded = messages.decode_response(data)
         except RendezvousError as e:
             raise type(e)(f"bad RecvTensorResponse for {where}: {e}") from e
         return Received(decoded.value, decoded.is_dead)
 
     def get_status(
         self, address: str, *, timeout: float = 5.0
-    ) -> tuple[coding.DeviceAttributes, ...]:
+    ) -> tuple[messages.DeviceAttributes, ...]:
         """TensorFlow's ``GetStatus`` of the worker at ``address`` (its devices); blocks.
 
         A cheap "is this peer up and whose incarnation is it" probe. Raises the mapped
@@ -985,7 +985,7 @@ class RpcClient:
         except grpc.RpcError as e:
             raise error_for_code(_code(e))(f"GetStatus of {address} failed: {_details(e)}") from e
         try:
-            return coding.decode_status_response(data)
+            return messages.decode_status_response(data)
         except RendezvousError as e:
             raise type(e)(f"bad GetStatusResponse from {address}: {e}") from e
 
@@ -996,7 +996,7 @@ class RpcClient:
         ``MarkRecvFinished`` (TensorFlow): the value arrived, drop the cached response.
         ``ReleaseRecv`` (shmrdv): the call was cancelled, give back a value taken for it.
         """
-        request = coding.encode_mark_recv_finished(request_id)
+        request = messages.encode_mark_recv_finished(request_id)
         try:
             fut = channel.unary_unary(method).future(
                 request, timeout=_ACK_TIMEOUT, metadata=self._metadata
@@ -1096,7 +1096,7 @@ class RpcClient:
             pending = self._acks.get(address)
             if not pending:
                 return []
-            n = min(len(pending), coding.MAX_ACKS)  # what a server takes from one request
+            n = min(len(pending), messages.MAX_ACKS)  # what a server takes from one request
             taken = [pending.popleft()[0] for _ in range(n)]
             if not pending:
                 del self._acks[address]
@@ -1151,8 +1151,8 @@ class RpcClient:
                 with self._lock:
                     channel = self._channels.get(address)
                     link = self._links.get(address)
-                for start in range(0, len(rids), coding.MAX_ACKS):
-                    chunk = rids[start : start + coding.MAX_ACKS]
+                for start in range(0, len(rids), messages.MAX_ACKS):
+                    chunk = rids[start : start + messages.MAX_ACKS]
                     if link is not None and link.send_acks(chunk):
                         continue  # on the stream: no call of its own
                     if channel is not None:

@@ -27,7 +27,7 @@ import grpc
 
 from .._errors import RendezvousError, ResourceExhaustedError
 from .._status import error_for_code
-from . import coding
+from . import messages
 from .methods import EXCHANGE_METHOD
 
 __all__ = ["Link", "Want"]
@@ -49,7 +49,7 @@ class Want(Protocol):
         """The want's request bytes carrying ``acks``; None: it is over (post nothing)."""
 
     def link_value(self, data: bytes) -> None:
-        """Its value arrived (a RecvTensorResponse, ``coding.encode_link_value``)."""
+        """Its value arrived (a RecvTensorResponse, ``messages.encode_link_value``)."""
 
     def link_fetch(self) -> None:
         """Too large for the stream: fetch it with RecvTensorInline under request_id."""
@@ -127,7 +127,7 @@ class Link:
 
     def send_acks(self, acks: Sequence[int]) -> bool:
         """Post an acks-only message; False if the link is over."""
-        return self.send(coding.encode_request(0, "", 0, finished=acks))
+        return self.send(messages.encode_request(0, "", 0, finished=acks))
 
     def send(self, request: bytes) -> bool:
         """Post ``request`` (acks, a cancel) if the stream is open; False if not."""
@@ -247,7 +247,7 @@ class Link:
 
     def _reply(self, data: bytes) -> None:
         try:
-            reply = coding.decode_link_reply(data)
+            reply = messages.decode_link_reply(data)
         except RendezvousError:
             _log.warning("a bad Exchange reply from %s was ignored", self.address)
             return

@@ -78,7 +78,7 @@ from .._keys import ParsedKey, parse_key
 from .._received import Received
 from .._rendezvous import Canceller
 from .._status import code_for_error
-from . import coding
+from . import assembly, messages, tensors
 from .methods import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_INLINE_MAX,
@@ -559,7 +559,7 @@ class RpcServer:
         """TensorFlow's unary RecvTensor: a TF-compatible RecvTensorResponse."""
         self._stats["calls"] += 1
         try:
-            req = coding.decode_request(request)
+            req = messages.decode_request(request)
             waiter, received = await self._wait_value(req, context.time_remaining(), context)
         except RendezvousError as e:
             await self._abort(context, e)
@@ -576,11 +576,11 @@ class RpcServer:
     async def _encode(self, waiter: _Waiter, received: Received, *, request_id: int = 0) -> bytes:
         """The RecvTensorResponse bytes of ``received``: small ones here, large in the pool.
 
-        With ``request_id``: an Exchange reply for it (``coding.encode_link_value``)."""
+        With ``request_id``: an Exchange reply for it (``messages.encode_link_value``)."""
         encode: Callable[[], bytes]
         if request_id:
             encode = functools.partial(
-                coding.encode_link_value,
+                messages.encode_link_value,
                 request_id,
                 received.value,
                 is_dead=received.is_dead,
@@ -588,7 +588,7 @@ class RpcServer:
             )
         else:
             encode = functools.partial(
-                coding.encode_response,
+                messages.encode_response,
                 received.value,
                 is_dead=received.is_dead,
                 send_start_micros=waiter.send_start_micros,
@@ -613,7 +613,7 @@ class RpcServer:
         """
         self._stats["calls"] += 1
         try:
-            req = coding.decode_request(request)
+            req = messages.decode_request(request)
             for rid in req.finished:
                 self._finished(rid)
             waiter, received = await self._wait_value(req, context.time_remaining(), context)
@@ -621,7 +621,7 @@ class RpcServer:
             await self._abort(context, e)
         try:
             limit = DEFAULT_INLINE_MAX if req.inline_max < 0 else req.inline_max
-            limit = min(limit, coding.MAX_INLINE_BYTES)  # beyond it: only a stream can carry it
+            limit = min(limit, tensors.MAX_INLINE_BYTES)  # beyond it: only a stream can carry it
             if waiter.cache_key is not None and received.value.nbytes > limit:
                 waiter.deferred = True
                 return b""  # still cached and not sent: the stream call takes it from there
@@ -640,14 +640,14 @@ class RpcServer:
         """shmrdv's RecvTensorStream: a header, then raw chunks of at most ``chunk_bytes``."""
         self._stats["calls"] += 1
         try:
-            req = coding.decode_request(request)
+            req = messages.decode_request(request)
             waiter, received = await self._wait_value(req, context.time_remaining(), context)
         except RendezvousError as e:
             await self._abort(context, e)
         waiter.deferred = False
         try:
             try:
-                chunks = coding.encode_stream(
+                chunks = assembly.encode_stream(
                     received.value,
                     is_dead=received.is_dead,
                     chunk_bytes=self._chunk_bytes,
@@ -714,7 +714,7 @@ class RpcServer:
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
         async for raw in requests:
-            req = coding.decode_request(raw)  # a stream that does not parse is aborted
+            req = messages.decode_request(raw)  # a stream that does not parse is aborted
             for rid in req.finished:
                 self._finished(rid)
             if req.cancel:
@@ -735,7 +735,7 @@ class RpcServer:
 
     async def _serve_want(
         self,
-        req: coding.RecvRequest,
+        req: messages.RecvRequest,
         out: asyncio.Queue[_Reply | None],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
@@ -746,14 +746,14 @@ class RpcServer:
         except RendezvousError as e:
             self._stats["errors"] += 1
             out.put_nowait(
-                _Reply(coding.encode_link_error(rid, code_for_error(e).value[0], str(e)))
+                _Reply(messages.encode_link_error(rid, code_for_error(e).value[0], str(e)))
             )
             return
         try:
             limit = LINK_INLINE_MAX if req.inline_max < 0 else min(req.inline_max, LINK_INLINE_MAX)
             if received.value.nbytes > limit and waiter.cache_key is not None:
                 waiter.deferred = True  # cached, not sent: the client fetches it
-                data = coding.encode_link_fetch(rid)
+                data = messages.encode_link_fetch(rid)
                 self._done_serving(waiter)
                 out.put_nowait(_Reply(data))
                 return
@@ -762,7 +762,7 @@ class RpcServer:
             self._done_serving(waiter)
             self._stats["errors"] += 1
             out.put_nowait(
-                _Reply(coding.encode_link_error(rid, code_for_error(e).value[0], str(e)))
+                _Reply(messages.encode_link_error(rid, code_for_error(e).value[0], str(e)))
             )
             return
         except BaseException:
@@ -775,19 +775,19 @@ class RpcServer:
     ) -> bytes:
         """TensorFlow's GetStatus: the worker's one CPU device and its incarnation."""
         del request, context  # GetStatusRequest has no fields
-        device = coding.DeviceAttributes(
+        device = messages.DeviceAttributes(
             name=f"{self._task.task_part}/device:CPU:0",
             device_type="CPU",
             incarnation=self._source.incarnation,
         )
-        return coding.encode_status_response([device])
+        return messages.encode_status_response([device])
 
     async def _mark_recv_finished(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes:
         """TensorFlow's MarkRecvFinished: the client has the response; drop it from the cache."""
         try:
-            rid = coding.decode_mark_recv_finished(request)
+            rid = messages.decode_mark_recv_finished(request)
         except RendezvousError as e:
             await self._abort(context, e)
         self._finished(rid)
@@ -809,7 +809,7 @@ class RpcServer:
         waiting in the cache until it expires. Same message as MarkRecvFinished.
         """
         try:
-            rid = coding.decode_mark_recv_finished(request)
+            rid = messages.decode_mark_recv_finished(request)
         except RendezvousError as e:
             await self._abort(context, e)
         self._release(rid)
@@ -839,7 +839,7 @@ class RpcServer:
 
     # -- waiting for a value (event loop) ------------------------------------------------
 
-    def _validate(self, req: coding.RecvRequest) -> ParsedKey:
+    def _validate(self, req: messages.RecvRequest) -> ParsedKey:
         """Parse and check the key as TensorFlow's GrpcWorker does; raise the TF error."""
         pk = parse_key(req.rendezvous_key)
         if not pk.src.same_task(self._task):
@@ -859,7 +859,7 @@ class RpcServer:
 
     async def _wait_value(
         self,
-        req: coding.RecvRequest,
+        req: messages.RecvRequest,
         timeout: float | None,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> tuple[_Waiter, Received]:
@@ -918,7 +918,7 @@ class RpcServer:
                 self._maybe_give_back(waiter)
         return waiter, received
 
-    def _find_or_start(self, req: coding.RecvRequest, pk: ParsedKey) -> _Waiter:
+    def _find_or_start(self, req: messages.RecvRequest, pk: ParsedKey) -> _Waiter:
         cache_key: _CacheKey | None = None
         if req.request_id != 0:
             cache_key = (req.request_id, req.step_id, pk.full_key)
