@@ -9,7 +9,7 @@ out of real rendezvous tables, exactly as it will from a Worker.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
@@ -18,7 +18,10 @@ from shmrdv._errors import AbortedError
 from shmrdv._keys import ParsedKey, create_key, parse_key
 from shmrdv._local import LocalRendezvous
 from shmrdv._received import Received
-from shmrdv._rendezvous import Canceller
+from shmrdv._rendezvous import Canceller, RecvSlot
+
+if TYPE_CHECKING:
+    from shmrdv._rpc.client import RpcClient
 
 TASK = "/job:worker/replica:0/task:0"
 PEER_TASK = "/job:worker/replica:0/task:1"
@@ -282,3 +285,19 @@ def _pki_openssl(tmp_dir: str) -> Pki:
         read("client.pem"),
         read("client.key"),
     )
+
+
+def pull(
+    client: RpcClient,
+    address: str,
+    step_id: int,
+    key: ParsedKey | str,
+    *,
+    timeout: float | None = None,
+) -> Received:
+    """One blocking receive the way a Worker makes it: ``start_recv`` filling a
+    ``RecvSlot`` directly; the client's own ``timeout`` ends it (raises its error)."""
+    slot = RecvSlot()
+    client.start_recv(address, step_id, key, slot.done, timeout=timeout, direct=True)
+    assert slot.wait(None if timeout is None else timeout + 30), "start_recv never answered"
+    return slot.result()

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from rpc_helpers import INCARNATION, TASK, StepSource, make_key
+from rpc_helpers import INCARNATION, TASK, StepSource, make_key, pull
 
 from shmrdv._errors import (
     AbortedError,
@@ -116,7 +116,7 @@ def test_client_round_trips_values(
 ) -> None:
     key = make_key("v")
     source.send(1, key, value)
-    got = client.recv(server.address, 1, key, timeout=10)
+    got = pull(client, server.address, 1, key, timeout=10)
     assert got.value.dtype == value.dtype and got.value.shape == value.shape
     np.testing.assert_array_equal(got.value, value)
     assert not got.is_dead
@@ -126,7 +126,7 @@ def test_client_round_trips_values(
 def test_client_carries_is_dead(source: StepSource, server: RpcServer, client: RpcClient) -> None:
     key = make_key("dead")
     source.send(1, key, np.zeros(4), is_dead=True)
-    assert client.recv(server.address, 1, key, timeout=10).is_dead
+    assert pull(client, server.address, 1, key, timeout=10).is_dead
 
 
 def test_client_streams_64mib_tensor(
@@ -135,18 +135,9 @@ def test_client_streams_64mib_tensor(
     key = make_key("big")
     value = np.arange(8 << 20, dtype=np.float64)  # 64 MiB
     source.send(1, key, value)
-    got = client.recv(server.address, 1, key, timeout=30)
+    got = pull(client, server.address, 1, key, timeout=30)
     assert got.value.nbytes == 64 << 20
     assert np.array_equal(got.value, value)
-
-
-def test_client_recv_unary_round_trip(
-    source: StepSource, server: RpcServer, client: RpcClient
-) -> None:
-    key = make_key("u")
-    source.send(1, key, np.arange(3.0))
-    got = client.recv_unary(server.address, 1, key, timeout=5)
-    assert got.value.tolist() == [0.0, 1.0, 2.0]
 
 
 def test_client_get_status(server: RpcServer, client: RpcClient) -> None:
@@ -177,11 +168,11 @@ def test_client_timeout_is_deadline_exceeded_and_removes_waiter(
 ) -> None:
     key = make_key("slow")
     with pytest.raises(DeadlineExceededError, match=server.address) as info:
-        client.recv(server.address, 1, key, timeout=0.3)
+        pull(client, server.address, 1, key, timeout=0.3)
     assert key.full_key in str(info.value)
     _wait_for(lambda: source.pending_waiters(1) == 0)
     source.send(1, key, np.array([1]))
-    assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [1]
+    assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [1]
 
 
 def test_client_cancel_while_waiting_removes_waiter(
@@ -196,7 +187,7 @@ def test_client_cancel_while_waiting_removes_waiter(
     _wait_for(lambda: source.pending_waiters(1) == 0)
     _wait_for(lambda: client.stats()["inflight"] == 0)
     source.send(1, key, np.array([5]))
-    assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [5]
+    assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [5]
     assert done.calls == []  # never called after a successful cancel
 
 
@@ -219,7 +210,7 @@ def test_client_cleaned_up_step_is_aborted_at_once(
     key = make_key("x")
     t0 = time.monotonic()
     with pytest.raises(AbortedError, match=server.address) as info:
-        client.recv(server.address, 8, key, timeout=10)
+        pull(client, server.address, 8, key, timeout=10)
     assert time.monotonic() - t0 < 1
     assert key.full_key in str(info.value)
 
@@ -227,12 +218,12 @@ def test_client_cleaned_up_step_is_aborted_at_once(
 def test_client_wrong_src_is_invalid_argument(server: RpcServer, client: RpcClient) -> None:
     key = make_key("x", src_task="/job:worker/replica:0/task:3")
     with pytest.raises(InvalidArgumentError, match="Invalid rendezvous key"):
-        client.recv(server.address, 1, key, timeout=5)
+        pull(client, server.address, 1, key, timeout=5)
 
 
 def test_client_wrong_incarnation_is_aborted(server: RpcServer, client: RpcClient) -> None:
     with pytest.raises(AbortedError, match="different device incarnation"):
-        client.recv(server.address, 1, make_key("x", incarnation=99), timeout=5)
+        pull(client, server.address, 1, make_key("x", incarnation=99), timeout=5)
 
 
 def test_client_acks_release_the_server_cache(
@@ -240,7 +231,7 @@ def test_client_acks_release_the_server_cache(
 ) -> None:
     key = make_key("ack")
     source.send(1, key, np.arange(100))
-    client.recv(server.address, 1, key, timeout=5)
+    pull(client, server.address, 1, key, timeout=5)
     _wait_for(lambda: server.stats()["cached"] == 0)
 
 
@@ -275,15 +266,15 @@ def test_client_unreachable_peer_times_out_naming_peer(client: RpcClient) -> Non
     key = make_key("x")
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceededError, match="unavailable") as info:
-        client.recv(address, 1, key, timeout=0.5)
+        pull(client, address, 1, key, timeout=0.5)
     assert time.monotonic() - t0 < 2
     assert address in str(info.value) and key.full_key in str(info.value)
 
 
-def test_client_unary_unreachable_is_unavailable(client: RpcClient) -> None:
+def test_client_get_status_unreachable_is_unavailable(client: RpcClient) -> None:
     address = f"127.0.0.1:{_free_port()}"
     with pytest.raises(UnavailableError, match=address):
-        client.recv_unary(address, 1, make_key("x"), timeout=2)
+        client.get_status(address, timeout=2)
 
 
 # -- lifetime ------------------------------------------------------------------------------
@@ -316,13 +307,13 @@ def test_client_works_in_forked_child(source: StepSource, server: RpcServer) -> 
     try:
         first, second = make_key("parent"), make_key("child")
         source.send(1, first, np.array([1]))
-        assert client.recv(server.address, 1, first, timeout=5).value.tolist() == [1]
+        assert pull(client, server.address, 1, first, timeout=5).value.tolist() == [1]
         source.send(1, second, np.array([2]))
         pid = os.fork()
         if pid == 0:  # the child: one recv on the inherited client, then out
             status = 1
             try:
-                got = client.recv(server.address, 1, second, timeout=10)
+                got = pull(client, server.address, 1, second, timeout=10)
                 status = 0 if got.value.tolist() == [2] else 2
                 t0 = time.monotonic()
                 server.stop()  # the parent's server: left alone, and no hang
@@ -343,7 +334,7 @@ def test_client_works_in_forked_child(source: StepSource, server: RpcServer) -> 
         assert os.waitstatus_to_exitcode(status) == 0
         # The parent's client still works after the fork.
         source.send(1, first, np.array([3]))
-        assert client.recv(server.address, 1, first, timeout=5).value.tolist() == [3]
+        assert pull(client, server.address, 1, first, timeout=5).value.tolist() == [3]
     finally:
         client.close()
 
@@ -411,5 +402,5 @@ def test_client_cancel_racing_the_value_gives_it_back(
             assert error is None and received is not None
             got.append(int(received.value[0]))
     while len(got) < 20:
-        got.append(int(client.recv(server.address, 1, key, timeout=5).value[0]))
+        got.append(int(pull(client, server.address, 1, key, timeout=5).value[0]))
     assert got == list(range(20))

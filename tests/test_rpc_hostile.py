@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
-from rpc_helpers import StepSource, make_key
+from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import InternalError
 from shmrdv._rpc import messages, tensors
@@ -92,7 +92,7 @@ def test_waiting_calls_are_bounded_in_total(source: StepSource) -> None:
             time.sleep(0.02)
         source.send(1, make_key("after"), np.array([5]))
         with RpcClient() as client:
-            assert client.recv(server.address, 1, make_key("after"), timeout=10).value[0] == 5
+            assert pull(client, server.address, 1, make_key("after"), timeout=10).value[0] == 5
 
 
 def test_a_call_without_deadline_waits_at_most_max_wait(source: StepSource) -> None:
@@ -113,7 +113,7 @@ def test_a_call_without_deadline_waits_at_most_max_wait(source: StepSource) -> N
         with RpcClient() as client:
             key = make_key("later")
             threading.Timer(1.5, source.send, (1, key, np.array([3]))).start()
-            got = client.recv(server.address, 1, key)
+            got = pull(client, server.address, 1, key)
             assert got.value.tolist() == [3]
 
 
@@ -193,7 +193,7 @@ def test_a_zero_itemsize_tensor_of_many_elements_is_refused_naming_the_peer(coun
         with RpcClient() as client:
             t0 = time.monotonic()
             with pytest.raises(InternalError, match=address) as info:
-                client.recv(address, 1, make_key("void"), timeout=10)
+                pull(client, address, 1, make_key("void"), timeout=10)
             assert time.monotonic() - t0 < 5
             assert f"shape ({count},)" in str(info.value)
             assert "elements" in str(info.value)

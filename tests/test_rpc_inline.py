@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import numpy as np
 import pytest
-from rpc_helpers import StepSource, make_key
+from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import DeadlineExceededError
 from shmrdv._received import Received
@@ -126,14 +126,14 @@ def test_client_small_value_costs_one_call(source: StepSource, server: RpcServer
         key = make_key("one-call")
         source.send(1, key, np.arange(3))
         before = server.stats()["calls"]
-        got = client.recv(server.address, 1, key, timeout=5)
+        got = pull(client, server.address, 1, key, timeout=5)
         assert got.value.tolist() == [0, 1, 2]
         assert got.value.flags.writeable
         assert server.stats()["calls"] - before == 1  # the Exchange link opens
         # The next values ride the open link: one stream message each, no new call.
         for i in range(3):
             source.send(1, key, np.array([i]))
-            assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [i]
+            assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [i]
         assert server.stats()["calls"] - before == 1
         assert client.stats()["links"] == 1
 
@@ -147,11 +147,11 @@ def test_client_large_value_is_streamed_after_the_inline_call(
         source.send(1, key, big)
         source.send(1, key, np.array([7.0]))
         before = server.stats()["calls"]
-        got = client.recv(server.address, 1, key, timeout=10)
+        got = pull(client, server.address, 1, key, timeout=10)
         np.testing.assert_array_equal(got.value, big)
         # Exchange (the link: "too large for me, fetch it"), then RecvTensorStream
         assert server.stats()["calls"] - before == 2
-        assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [7.0]
+        assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [7.0]
         _wait_for(lambda: server.stats()["cached"] <= 1)
 
 
@@ -160,7 +160,7 @@ def test_client_acks_ride_on_the_next_request(source: StepSource, server: RpcSer
         key = make_key("piggyback")
         for i in range(20):
             source.send(1, key, np.array([i]))
-            assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [i]
+            assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [i]
             # Each request carried the previous one's ack: at most the last one is cached.
             assert server.stats()["cached"] <= 1
         _wait_for(lambda: server.stats()["cached"] == 0)  # the last goes on its own
@@ -170,7 +170,7 @@ def test_client_pending_receives_need_no_thread_each(source: StepSource, server:
     with RpcClient() as client:
         warm = make_key("warm")
         source.send(1, warm, np.array([0]))
-        client.recv(server.address, 1, warm, timeout=5)
+        pull(client, server.address, 1, warm, timeout=5)
         before = threading.active_count()
         results: list[tuple[BaseException | None, Received | None]] = []
         all_done = threading.Event()
@@ -204,7 +204,7 @@ def test_client_done_may_block_without_stalling_other_receives(
         finished = threading.Event()
 
         def done(error: BaseException | None, received: Received | None) -> None:
-            inner.append(client.recv(server.address, 1, second, timeout=5))
+            inner.append(pull(client, server.address, 1, second, timeout=5))
             finished.set()
 
         client.start_recv(server.address, 1, first, done, timeout=10)
@@ -221,7 +221,7 @@ def test_client_timeout_with_inline_removes_the_waiter(
     with RpcClient() as client:
         key = make_key("late")
         with pytest.raises(DeadlineExceededError, match="late"):
-            client.recv(server.address, 1, key, timeout=0.3)
+            pull(client, server.address, 1, key, timeout=0.3)
         _wait_for(lambda: source.pending_waiters(1) == 0)
         source.send(1, key, np.array([5]))
-        assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [5]
+        assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [5]

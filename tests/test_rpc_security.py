@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from rpc_helpers import Pki, StepSource, make_key, make_pki
+from rpc_helpers import Pki, StepSource, make_key, make_pki, pull
 
 from shmrdv._errors import (
     DeadlineExceededError,
@@ -111,7 +111,7 @@ def test_token_missing_is_unauthenticated(source: StepSource) -> None:
         with pytest.raises(UnauthenticatedError, match="missing or wrong shmrdv token"):
             client.get_status(server.address)
         with pytest.raises(UnauthenticatedError, match=server.address):
-            client.recv(server.address, 1, make_key("t"), timeout=5)
+            pull(client, server.address, 1, make_key("t"), timeout=5)
         assert source.pending_waiters(1) == 0  # refused before the handler ran
 
 
@@ -121,14 +121,14 @@ def test_token_wrong_is_unauthenticated(source: StepSource) -> None:
         RpcClient(token="wrong") as client,
         pytest.raises(UnauthenticatedError, match="missing or wrong shmrdv token"),
     ):
-        client.recv_unary(server.address, 1, make_key("t"), timeout=5)
+        client.get_status(server.address, timeout=5)
 
 
 def test_token_correct_works(source: StepSource) -> None:
     key = make_key("t")
     with RpcServer("127.0.0.1:0", source, token=TOKEN) as server, RpcClient(token=TOKEN) as client:
         source.send(1, key, np.arange(5))
-        got = client.recv(server.address, 1, key, timeout=5)
+        got = pull(client, server.address, 1, key, timeout=5)
         assert got.value.tolist() == [0, 1, 2, 3, 4]
         assert client.get_status(server.address)[0].device_type == "CPU"
 
@@ -145,7 +145,7 @@ def test_tls_server_and_client_work(source: StepSource, pki: Pki) -> None:
         RpcClient(tls=client_tls, token=TOKEN) as client,
     ):
         source.send(3, key, np.eye(3, dtype=np.float32))
-        got = client.recv(server.address, 3, key, timeout=10)
+        got = pull(client, server.address, 3, key, timeout=10)
         np.testing.assert_array_equal(got.value, np.eye(3, dtype=np.float32))
 
 
@@ -178,7 +178,7 @@ def test_mtls_without_client_certificate_fails(source: StepSource, pki: Pki) -> 
             client.get_status(server.address, timeout=5)
         # The retrying stream path gives up at the caller's timeout, saying why.
         with pytest.raises(DeadlineExceededError, match="unavailable"):
-            client.recv(server.address, 1, make_key("m"), timeout=0.5)
+            pull(client, server.address, 1, make_key("m"), timeout=0.5)
 
 
 def test_tls_plaintext_client_fails_unavailable(source: StepSource, pki: Pki) -> None:
