@@ -5,16 +5,17 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+import rpc_helpers
+from helpers import free_port, wait_for
 from rpc_helpers import INCARNATION, TASK, StepSource, make_key, pull
 
 from shmrdv._errors import (
@@ -31,18 +32,9 @@ from shmrdv._rpc.server import RpcServer
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_TESTS)
 
-
-@pytest.fixture
-def source() -> Iterator[StepSource]:
-    s = StepSource()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def server(source: StepSource) -> Iterator[RpcServer]:
-    with RpcServer("127.0.0.1:0", source) as srv:
-        yield srv
+# Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
+source = rpc_helpers.source
+server = rpc_helpers.server
 
 
 @pytest.fixture
@@ -66,19 +58,6 @@ class _Done:
         assert self.event.wait(timeout), "done was not called in time"
         assert len(self.calls) == 1
         return self.calls[0]
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- values --------------------------------------------------------------------------------------
@@ -156,7 +135,7 @@ def test_client_waits_for_send(source: StepSource, server: RpcServer, client: Rp
     key = make_key("later")
     done = _Done()
     client.start_recv(server.address, 1, key, done)
-    _wait_for(lambda: source.pending_waiters(1) == 1)
+    wait_for(lambda: source.pending_waiters(1) == 1)
     assert not done.calls
     source.send(1, key, np.array([42]))
     error, got = done.wait()
@@ -170,7 +149,7 @@ def test_client_timeout_is_deadline_exceeded_and_removes_waiter(
     with pytest.raises(DeadlineExceededError, match=server.address) as info:
         pull(client, server.address, 1, key, timeout=0.3)
     assert key.full_key in str(info.value)
-    _wait_for(lambda: source.pending_waiters(1) == 0)
+    wait_for(lambda: source.pending_waiters(1) == 0)
     source.send(1, key, np.array([1]))
     assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [1]
 
@@ -181,11 +160,11 @@ def test_client_cancel_while_waiting_removes_waiter(
     key = make_key("cancel")
     done = _Done()
     cancel = client.start_recv(server.address, 1, key, done)
-    _wait_for(lambda: source.pending_waiters(1) == 1)
+    wait_for(lambda: source.pending_waiters(1) == 1)
     assert cancel() is True
     assert cancel() is False
-    _wait_for(lambda: source.pending_waiters(1) == 0)
-    _wait_for(lambda: client.stats()["inflight"] == 0)
+    wait_for(lambda: source.pending_waiters(1) == 0)
+    wait_for(lambda: client.stats()["inflight"] == 0)
     source.send(1, key, np.array([5]))
     assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [5]
     assert done.calls == []  # never called after a successful cancel
@@ -232,14 +211,14 @@ def test_client_acks_release_the_server_cache(
     key = make_key("ack")
     source.send(1, key, np.arange(100))
     pull(client, server.address, 1, key, timeout=5)
-    _wait_for(lambda: server.stats()["cached"] == 0)
+    wait_for(lambda: server.stats()["cached"] == 0)
 
 
 # -- unreachable peers, retries ------------------------------------------------------------
 
 
 def test_client_retries_until_producer_starts(source: StepSource, client: RpcClient) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     key = make_key("early")
     done = _Done()
     client.start_recv(address, 1, key, done, timeout=20)
@@ -253,16 +232,16 @@ def test_client_retries_until_producer_starts(source: StepSource, client: RpcCli
 
 def test_client_unreachable_peer_retries_until_cancelled(client: RpcClient) -> None:
     done = _Done()
-    cancel = client.start_recv(f"127.0.0.1:{_free_port()}", 1, make_key("x"), done)
+    cancel = client.start_recv(f"127.0.0.1:{free_port()}", 1, make_key("x"), done)
     time.sleep(0.4)
     assert not done.calls
     assert cancel() is True
-    _wait_for(lambda: client.stats()["inflight"] == 0)
+    wait_for(lambda: client.stats()["inflight"] == 0)
     assert done.calls == []
 
 
 def test_client_unreachable_peer_times_out_naming_peer(client: RpcClient) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     key = make_key("x")
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceededError, match="unavailable") as info:
@@ -272,7 +251,7 @@ def test_client_unreachable_peer_times_out_naming_peer(client: RpcClient) -> Non
 
 
 def test_client_get_status_unreachable_is_unavailable(client: RpcClient) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     with pytest.raises(UnavailableError, match=address):
         client.get_status(address, timeout=2)
 
@@ -288,16 +267,16 @@ def test_client_close_fails_pending_and_joins_threads(
     client = RpcClient()
     done = _Done()
     client.start_recv(server.address, 1, make_key("pending"), done)
-    _wait_for(lambda: source.pending_waiters(1) == 1)
+    wait_for(lambda: source.pending_waiters(1) == 1)
     client.close()
     client.close()
     error, _ = done.wait()
     assert isinstance(error, CancelledError)
-    _wait_for(lambda: source.pending_waiters(1) == 0)
+    wait_for(lambda: source.pending_waiters(1) == 0)
     after_done = _Done()
     client.start_recv(server.address, 1, make_key("late"), after_done)
     assert isinstance(after_done.wait()[0], CancelledError)
-    _wait_for(lambda: threading.active_count() <= before)
+    wait_for(lambda: threading.active_count() <= before)
 
 
 @pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
@@ -368,7 +347,7 @@ def test_client_server_killed_mid_stream_is_unavailable() -> None:
         assert address, "the child server did not start"
         done = _Done()
         client.start_recv(address, 1, make_key("huge"), done)
-        _wait_for(lambda: client.stats()["receiving"] == 1 or bool(done.calls), timeout=10)
+        wait_for(lambda: client.stats()["receiving"] == 1 or bool(done.calls), timeout=10)
         assert not done.calls, "the stream finished before the kill; make it slower"
         os.kill(child.pid, signal.SIGKILL)
         error, got = done.wait(timeout=10)
@@ -395,7 +374,7 @@ def test_client_cancel_racing_the_value_gives_it_back(
     for i in range(20):
         done = _Done()
         cancel = client.start_recv(server.address, 1, key, done)
-        _wait_for(lambda d=done: source.pending_waiters(1) == 1 or bool(d.calls))  # type: ignore[misc]
+        wait_for(lambda d=done: source.pending_waiters(1) == 1 or bool(d.calls))  # type: ignore[misc]
         source.send(1, key, np.array([i]))
         if not cancel():
             error, received = done.wait()

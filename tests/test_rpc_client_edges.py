@@ -7,11 +7,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+import rpc_helpers
 from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import DeadlineExceededError, InvalidArgumentError
@@ -20,12 +20,8 @@ from shmrdv._rpc import call as call_mod
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.server import RpcServer
 
-
-@pytest.fixture
-def source() -> Iterator[StepSource]:
-    s = StepSource()
-    yield s
-    s.close()
+# Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
+source = rpc_helpers.source
 
 
 @pytest.mark.timeout(60)

@@ -42,6 +42,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from helpers import CONSUMER, PRODUCER, make_key
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -58,8 +59,6 @@ from shmrdv._rpc.methods import (
 
 pytestmark = pytest.mark.timeout(120)
 
-PRODUCER = "/job:worker/replica:0/task:0"
-CONSUMER = "/job:worker/replica:0/task:1"
 # Deadline of one garbage call: a request that happens to be a well-formed key waits this
 # long for a value that never comes.
 CALL_DEADLINE = 0.3
@@ -79,10 +78,6 @@ BAD_REQUEST_CODES = {
     grpc.StatusCode.ABORTED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
 }
-
-
-def make_key(name: str, *, incarnation: int = 0, src: str = PRODUCER, dst: str = CONSUMER) -> str:
-    return shmrdv.create_key(f"{src}/device:CPU:0", incarnation, f"{dst}/device:CPU:0", name)
 
 
 class Pair:

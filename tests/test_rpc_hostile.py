@@ -11,11 +11,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
+import rpc_helpers
 from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import InternalError
@@ -27,12 +27,8 @@ from shmrdv._rpc.server import RpcServer
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 
-
-@pytest.fixture
-def source() -> Iterator[StepSource]:
-    s = StepSource()
-    yield s
-    s.close()
+# Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
+source = rpc_helpers.source
 
 
 def _park(channel: grpc.Channel, name: str, n: int, timeout: float = 30.0) -> list[grpc.Future]:

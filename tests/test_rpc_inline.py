@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
 import pytest
+import rpc_helpers
+from helpers import wait_for
 from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import DeadlineExceededError
@@ -19,31 +20,10 @@ from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.methods import RECV_TENSOR_INLINE_METHOD, RECV_TENSOR_STREAM_METHOD
 from shmrdv._rpc.server import RpcServer
 
-
-@pytest.fixture
-def source() -> Iterator[StepSource]:
-    s = StepSource()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def server(source: StepSource) -> Iterator[RpcServer]:
-    with RpcServer("127.0.0.1:0", source) as srv:
-        yield srv
-
-
-@pytest.fixture
-def channel(server: RpcServer) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(server.address) as ch:
-        yield ch
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
+# Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
+source = rpc_helpers.source
+server = rpc_helpers.server
+channel = rpc_helpers.channel
 
 
 def _inline(channel: grpc.Channel, request: bytes) -> bytes:
@@ -152,7 +132,7 @@ def test_client_large_value_is_streamed_after_the_inline_call(
         # Exchange (the link: "too large for me, fetch it"), then RecvTensorStream
         assert server.stats()["calls"] - before == 2
         assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [7.0]
-        _wait_for(lambda: server.stats()["cached"] <= 1)
+        wait_for(lambda: server.stats()["cached"] <= 1)
 
 
 def test_client_acks_ride_on_the_next_request(source: StepSource, server: RpcServer) -> None:
@@ -163,7 +143,7 @@ def test_client_acks_ride_on_the_next_request(source: StepSource, server: RpcSer
             assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [i]
             # Each request carried the previous one's ack: at most the last one is cached.
             assert server.stats()["cached"] <= 1
-        _wait_for(lambda: server.stats()["cached"] == 0)  # the last goes on its own
+        wait_for(lambda: server.stats()["cached"] == 0)  # the last goes on its own
 
 
 def test_client_pending_receives_need_no_thread_each(source: StepSource, server: RpcServer) -> None:
@@ -185,7 +165,7 @@ def test_client_pending_receives_need_no_thread_each(source: StepSource, server:
         keys = [make_key(f"pending{i}") for i in range(32)]
         for key in keys:
             client.start_recv(server.address, 1, key, done, timeout=20)
-        _wait_for(lambda: source.pending_waiters(1) == 32)
+        wait_for(lambda: source.pending_waiters(1) == 32)
         assert threading.active_count() <= before + 2
         for i, key in enumerate(keys):
             source.send(1, key, np.array([i]))
@@ -222,6 +202,6 @@ def test_client_timeout_with_inline_removes_the_waiter(
         key = make_key("late")
         with pytest.raises(DeadlineExceededError, match="late"):
             pull(client, server.address, 1, key, timeout=0.3)
-        _wait_for(lambda: source.pending_waiters(1) == 0)
+        wait_for(lambda: source.pending_waiters(1) == 0)
         source.send(1, key, np.array([5]))
         assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [5]

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import rpc_helpers
 from rpc_helpers import Pki, StepSource, make_key, make_pki, pull
 
 from shmrdv._errors import (
@@ -20,6 +21,9 @@ from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.security import TLSConfig, bearer_metadata, check_token, token_matches
 from shmrdv._rpc.server import RpcServer
 
+# Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
+source = rpc_helpers.source
+
 TOKEN = "s3cret-token"
 
 
@@ -30,13 +34,6 @@ def pki() -> Iterator[Pki]:
         if made is None:
             pytest.skip("neither the cryptography package nor the openssl CLI is available")
         yield made
-
-
-@pytest.fixture
-def source() -> Iterator[StepSource]:
-    s = StepSource()
-    yield s
-    s.close()
 
 
 # -- TLSConfig and token, pure --------------------------------------------------------------
