@@ -49,9 +49,7 @@ def notify(
     """
     request = messages.encode_mark_recv_finished(request_id)
     try:
-        fut = channel.unary_unary(method).future(
-            request, timeout=_ACK_TIMEOUT, metadata=metadata
-        )
+        fut = channel.unary_unary(method).future(request, timeout=_ACK_TIMEOUT, metadata=metadata)
     except (ValueError, grpc.RpcError):  # the channel was closed meanwhile
         return None
     # The answer does not matter: the cache entry also expires on its own.

@@ -59,9 +59,10 @@ from .methods import (
     RECV_TENSOR_STREAM_METHOD,
     RELEASE_RECV_METHOD,
 )
+from .rpc_errors import error_code, error_details
 from .runner import Runner
 
-__all__ = ["CallContext", "Recv", "error_code", "error_details"]
+__all__ = ["CallContext", "Recv"]
 
 _log = logging.getLogger("shmrdv.rpc.client")
 
@@ -93,16 +94,6 @@ def _new_request_id() -> int:
         rid = secrets.randbits(63)
         if rid:
             return rid
-
-
-def error_details(e: grpc.RpcError) -> str:
-    details = e.details() if hasattr(e, "details") else None
-    return details or str(e)
-
-
-def error_code(e: grpc.RpcError) -> grpc.StatusCode:
-    code = e.code() if hasattr(e, "code") else None
-    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
 
 
 class Recv:
@@ -261,7 +252,9 @@ class Recv:
         """UNAVAILABLE for lack of descriptors is not transient the way a restarting peer
         is: say what ran out, and drop the channel so that the next receive, once
         descriptors are back, connects afresh instead of inheriting its reconnect backoff."""
-        if error_code(e) != grpc.StatusCode.UNAVAILABLE or "Too many open files" not in error_details(e):
+        if error_code(
+            e
+        ) != grpc.StatusCode.UNAVAILABLE or "Too many open files" not in error_details(e):
             return False
         self._ctx.channels.drop_channel(self._address, self._channel)
         self._deliver(

@@ -63,10 +63,11 @@ from .._rendezvous import Canceller, as_parsed_key, check_timeout
 from .._status import error_for_code
 from . import messages
 from .acks import AckQueue
-from .call import CallContext, Recv, error_code, error_details
+from .call import CallContext, Recv
 from .channels import ChannelCache
 from .link import Link
 from .methods import DEFAULT_INLINE_MAX, GET_STATUS_METHOD
+from .rpc_errors import error_code, error_details
 from .runner import Runner
 from .security import TLSConfig, bearer_metadata, check_token
 

@@ -29,6 +29,7 @@ from .._errors import RendezvousError, ResourceExhaustedError
 from .._status import error_for_code
 from . import messages
 from .methods import EXCHANGE_METHOD
+from .rpc_errors import error_code, error_details
 
 __all__ = ["Link", "Want"]
 
@@ -189,7 +190,7 @@ class Link:
                 if error is None:
                     code, details = grpc.StatusCode.UNAVAILABLE, "the producer ended the stream"
                 else:
-                    code, details = _code(error), _details(error)
+                    code, details = error_code(error), error_details(error)
                 if code == grpc.StatusCode.UNIMPLEMENTED:
                     self._end_all(lambda w: w.link_unsupported())
                     return
@@ -282,13 +283,3 @@ class Link:
                 tell(want)
             except Exception:
                 _log.exception("ending a want on the link to %s failed", self.address)
-
-
-def _details(e: grpc.RpcError) -> str:
-    details = e.details() if hasattr(e, "details") else None
-    return details or str(e)
-
-
-def _code(e: grpc.RpcError) -> grpc.StatusCode:
-    code = e.code() if hasattr(e, "code") else None
-    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN

@@ -85,4 +85,3 @@ class Runner:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout)
-
