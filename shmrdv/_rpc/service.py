@@ -230,6 +230,12 @@ class RecvService:
             waiter, received = await self._wait_value(req, context.time_remaining(), context)
         except RendezvousError as e:
             await self._abort(context, e)
+        return await self._send_unary(waiter, received, context)
+
+    async def _send_unary(
+        self, waiter: Waiter, received: Received, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        """The unary answer of a call that took ``received`` (it is done serving after)."""
         try:
             data = await self._encode(waiter, received)
             waiter.sent = True
@@ -286,20 +292,13 @@ class RecvService:
             waiter, received = await self._wait_value(req, context.time_remaining(), context)
         except RendezvousError as e:
             await self._abort(context, e)
-        try:
-            limit = DEFAULT_INLINE_MAX if req.inline_max < 0 else req.inline_max
-            limit = min(limit, tensors.MAX_INLINE_BYTES)  # beyond it: only a stream can carry it
-            if waiter.cache_key is not None and received.value.nbytes > limit:
-                waiter.deferred = True
-                return b""  # still cached and not sent: the stream call takes it from there
-            data = await self._encode(waiter, received)
-            waiter.sent = True
-        except RendezvousError as e:
-            await self._abort(context, e)
-        finally:
+        limit = DEFAULT_INLINE_MAX if req.inline_max < 0 else req.inline_max
+        limit = min(limit, tensors.MAX_INLINE_BYTES)  # beyond it: only a stream can carry it
+        if waiter.cache_key is not None and received.value.nbytes > limit:
+            waiter.deferred = True
             self._done_serving(waiter)
-        self._count_served(received)
-        return data
+            return b""  # still cached and not sent: the stream call takes it from there
+        return await self._send_unary(waiter, received, context)
 
     async def _recv_tensor_stream(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
@@ -453,11 +452,7 @@ class RecvService:
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes:
         """TensorFlow's MarkRecvFinished: the client has the response; drop it from the cache."""
-        try:
-            rid = messages.decode_mark_recv_finished(request)
-        except RendezvousError as e:
-            await self._abort(context, e)
-        self._cache.finished(rid)
+        self._cache.finished(await self._request_id_of(request, context))
         return b""
 
     async def _release_recv(
@@ -468,12 +463,17 @@ class RecvService:
         A value already taken for it and not delivered goes back to its key now instead of
         waiting in the cache until it expires. Same message as MarkRecvFinished.
         """
+        self._cache.release(await self._request_id_of(request, context))
+        return b""
+
+    async def _request_id_of(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> int:
+        """The request_id of a MarkRecvFinishedRequest; the call fails if it does not parse."""
         try:
-            rid = messages.decode_mark_recv_finished(request)
+            return messages.decode_mark_recv_finished(request)
         except RendezvousError as e:
             await self._abort(context, e)
-        self._cache.release(rid)
-        return b""
 
     async def _abort(
         self, context: grpc.aio.ServicerContext[Any, Any], error: RendezvousError
