@@ -1,28 +1,42 @@
-"""A real producer side for the RPC tests: what a Worker offers the gRPC server.
+"""A real producer side for the RPC tests, and their shared fixtures.
 
 ``StepSource`` keeps one ``LocalRendezvous`` per step (the values a remote consumer will
 pull) and a tombstone set of cleaned-up steps, and implements the server's
 ``TensorSource`` protocol on top of them. It is not a mock: the server pulls real values
 out of real rendezvous tables, exactly as it will from a Worker.
+
+Fixtures (import them into a test module to use them): ``source`` (a ``StepSource``),
+``server`` (a real ``RpcServer`` on loopback serving it, 64 KiB stream chunks) and
+``channel`` (a plain gRPC channel to it, receive limit lifted). ``pull`` is one blocking
+receive through ``RpcClient.start_recv``.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
+import grpc
+import helpers
 import numpy.typing as npt
+import pytest
+from helpers import CONSUMER, PRODUCER
 
 from shmrdv._callbacks import DoneCallback
 from shmrdv._errors import AbortedError
-from shmrdv._keys import ParsedKey, create_key, parse_key
+from shmrdv._keys import ParsedKey, parse_key
 from shmrdv._local import LocalRendezvous
 from shmrdv._received import Received
-from shmrdv._rendezvous import Canceller
+from shmrdv._rendezvous import Canceller, RecvSlot
+from shmrdv._rpc.client import RpcClient
+from shmrdv._rpc.server import RpcServer
 
-TASK = "/job:worker/replica:0/task:0"
-PEER_TASK = "/job:worker/replica:0/task:1"
+TASK = PRODUCER
+PEER_TASK = CONSUMER
 INCARNATION = 0x2845C575404F86B6
+# A raw channel takes responses of any size, as shmrdv's own client does.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 2**31 - 1)]
 
 
 def make_key(
@@ -32,10 +46,8 @@ def make_key(
     incarnation: int = INCARNATION,
     dst_task: str = PEER_TASK,
 ) -> ParsedKey:
-    """A key produced on ``src_task``'s CPU and consumed on ``dst_task``'s."""
-    return parse_key(
-        create_key(f"{src_task}/device:CPU:0", incarnation, f"{dst_task}/device:CPU:0", name)
-    )
+    """``helpers.make_key`` parsed, with the producer's incarnation by default."""
+    return parse_key(helpers.make_key(name, src=src_task, dst=dst_task, incarnation=incarnation))
 
 
 class StepSource:
@@ -282,3 +294,38 @@ def _pki_openssl(tmp_dir: str) -> Pki:
         read("client.pem"),
         read("client.key"),
     )
+
+
+def pull(
+    client: RpcClient,
+    address: str,
+    step_id: int,
+    key: ParsedKey | str,
+    *,
+    timeout: float | None = None,
+) -> Received:
+    """One blocking receive the way a Worker makes it: ``start_recv`` filling a
+    ``RecvSlot`` directly; the client's own ``timeout`` ends it (raises its error)."""
+    slot = RecvSlot()
+    client.start_recv(address, step_id, key, slot.done, timeout=timeout, direct=True)
+    assert slot.wait(None if timeout is None else timeout + 30), "start_recv never answered"
+    return slot.result()
+
+
+@pytest.fixture
+def source() -> Iterator[StepSource]:
+    s = StepSource()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def server(source: StepSource) -> Iterator[RpcServer]:
+    with RpcServer("127.0.0.1:0", source, chunk_bytes=64 << 10) as srv:
+        yield srv
+
+
+@pytest.fixture
+def channel(server: RpcServer) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch:
+        yield ch

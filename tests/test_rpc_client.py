@@ -5,17 +5,18 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from rpc_helpers import INCARNATION, TASK, StepSource, make_key
+import rpc_helpers
+from helpers import free_port, wait_for
+from rpc_helpers import INCARNATION, TASK, StepSource, make_key, pull
 
 from shmrdv._errors import (
     AbortedError,
@@ -31,18 +32,9 @@ from shmrdv._rpc.server import RpcServer
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_TESTS)
 
-
-@pytest.fixture
-def source() -> Iterator[StepSource]:
-    s = StepSource()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def server(source: StepSource) -> Iterator[RpcServer]:
-    with RpcServer("127.0.0.1:0", source) as srv:
-        yield srv
+# Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
+source = rpc_helpers.source
+server = rpc_helpers.server
 
 
 @pytest.fixture
@@ -66,19 +58,6 @@ class _Done:
         assert self.event.wait(timeout), "done was not called in time"
         assert len(self.calls) == 1
         return self.calls[0]
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- values --------------------------------------------------------------------------------------
@@ -116,7 +95,7 @@ def test_client_round_trips_values(
 ) -> None:
     key = make_key("v")
     source.send(1, key, value)
-    got = client.recv(server.address, 1, key, timeout=10)
+    got = pull(client, server.address, 1, key, timeout=10)
     assert got.value.dtype == value.dtype and got.value.shape == value.shape
     np.testing.assert_array_equal(got.value, value)
     assert not got.is_dead
@@ -126,7 +105,7 @@ def test_client_round_trips_values(
 def test_client_carries_is_dead(source: StepSource, server: RpcServer, client: RpcClient) -> None:
     key = make_key("dead")
     source.send(1, key, np.zeros(4), is_dead=True)
-    assert client.recv(server.address, 1, key, timeout=10).is_dead
+    assert pull(client, server.address, 1, key, timeout=10).is_dead
 
 
 def test_client_streams_64mib_tensor(
@@ -135,18 +114,9 @@ def test_client_streams_64mib_tensor(
     key = make_key("big")
     value = np.arange(8 << 20, dtype=np.float64)  # 64 MiB
     source.send(1, key, value)
-    got = client.recv(server.address, 1, key, timeout=30)
+    got = pull(client, server.address, 1, key, timeout=30)
     assert got.value.nbytes == 64 << 20
     assert np.array_equal(got.value, value)
-
-
-def test_client_recv_unary_round_trip(
-    source: StepSource, server: RpcServer, client: RpcClient
-) -> None:
-    key = make_key("u")
-    source.send(1, key, np.arange(3.0))
-    got = client.recv_unary(server.address, 1, key, timeout=5)
-    assert got.value.tolist() == [0.0, 1.0, 2.0]
 
 
 def test_client_get_status(server: RpcServer, client: RpcClient) -> None:
@@ -165,7 +135,7 @@ def test_client_waits_for_send(source: StepSource, server: RpcServer, client: Rp
     key = make_key("later")
     done = _Done()
     client.start_recv(server.address, 1, key, done)
-    _wait_for(lambda: source.pending_waiters(1) == 1)
+    wait_for(lambda: source.pending_waiters(1) == 1)
     assert not done.calls
     source.send(1, key, np.array([42]))
     error, got = done.wait()
@@ -177,11 +147,11 @@ def test_client_timeout_is_deadline_exceeded_and_removes_waiter(
 ) -> None:
     key = make_key("slow")
     with pytest.raises(DeadlineExceededError, match=server.address) as info:
-        client.recv(server.address, 1, key, timeout=0.3)
+        pull(client, server.address, 1, key, timeout=0.3)
     assert key.full_key in str(info.value)
-    _wait_for(lambda: source.pending_waiters(1) == 0)
+    wait_for(lambda: source.pending_waiters(1) == 0)
     source.send(1, key, np.array([1]))
-    assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [1]
+    assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [1]
 
 
 def test_client_cancel_while_waiting_removes_waiter(
@@ -190,13 +160,13 @@ def test_client_cancel_while_waiting_removes_waiter(
     key = make_key("cancel")
     done = _Done()
     cancel = client.start_recv(server.address, 1, key, done)
-    _wait_for(lambda: source.pending_waiters(1) == 1)
+    wait_for(lambda: source.pending_waiters(1) == 1)
     assert cancel() is True
     assert cancel() is False
-    _wait_for(lambda: source.pending_waiters(1) == 0)
-    _wait_for(lambda: client.stats()["inflight"] == 0)
+    wait_for(lambda: source.pending_waiters(1) == 0)
+    wait_for(lambda: client.stats()["inflight"] == 0)
     source.send(1, key, np.array([5]))
-    assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [5]
+    assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [5]
     assert done.calls == []  # never called after a successful cancel
 
 
@@ -219,7 +189,7 @@ def test_client_cleaned_up_step_is_aborted_at_once(
     key = make_key("x")
     t0 = time.monotonic()
     with pytest.raises(AbortedError, match=server.address) as info:
-        client.recv(server.address, 8, key, timeout=10)
+        pull(client, server.address, 8, key, timeout=10)
     assert time.monotonic() - t0 < 1
     assert key.full_key in str(info.value)
 
@@ -227,12 +197,12 @@ def test_client_cleaned_up_step_is_aborted_at_once(
 def test_client_wrong_src_is_invalid_argument(server: RpcServer, client: RpcClient) -> None:
     key = make_key("x", src_task="/job:worker/replica:0/task:3")
     with pytest.raises(InvalidArgumentError, match="Invalid rendezvous key"):
-        client.recv(server.address, 1, key, timeout=5)
+        pull(client, server.address, 1, key, timeout=5)
 
 
 def test_client_wrong_incarnation_is_aborted(server: RpcServer, client: RpcClient) -> None:
     with pytest.raises(AbortedError, match="different device incarnation"):
-        client.recv(server.address, 1, make_key("x", incarnation=99), timeout=5)
+        pull(client, server.address, 1, make_key("x", incarnation=99), timeout=5)
 
 
 def test_client_acks_release_the_server_cache(
@@ -240,15 +210,15 @@ def test_client_acks_release_the_server_cache(
 ) -> None:
     key = make_key("ack")
     source.send(1, key, np.arange(100))
-    client.recv(server.address, 1, key, timeout=5)
-    _wait_for(lambda: server.stats()["cached"] == 0)
+    pull(client, server.address, 1, key, timeout=5)
+    wait_for(lambda: server.stats()["cached"] == 0)
 
 
 # -- unreachable peers, retries ------------------------------------------------------------
 
 
 def test_client_retries_until_producer_starts(source: StepSource, client: RpcClient) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     key = make_key("early")
     done = _Done()
     client.start_recv(address, 1, key, done, timeout=20)
@@ -262,28 +232,28 @@ def test_client_retries_until_producer_starts(source: StepSource, client: RpcCli
 
 def test_client_unreachable_peer_retries_until_cancelled(client: RpcClient) -> None:
     done = _Done()
-    cancel = client.start_recv(f"127.0.0.1:{_free_port()}", 1, make_key("x"), done)
+    cancel = client.start_recv(f"127.0.0.1:{free_port()}", 1, make_key("x"), done)
     time.sleep(0.4)
     assert not done.calls
     assert cancel() is True
-    _wait_for(lambda: client.stats()["inflight"] == 0)
+    wait_for(lambda: client.stats()["inflight"] == 0)
     assert done.calls == []
 
 
 def test_client_unreachable_peer_times_out_naming_peer(client: RpcClient) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     key = make_key("x")
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceededError, match="unavailable") as info:
-        client.recv(address, 1, key, timeout=0.5)
+        pull(client, address, 1, key, timeout=0.5)
     assert time.monotonic() - t0 < 2
     assert address in str(info.value) and key.full_key in str(info.value)
 
 
-def test_client_unary_unreachable_is_unavailable(client: RpcClient) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+def test_client_get_status_unreachable_is_unavailable(client: RpcClient) -> None:
+    address = f"127.0.0.1:{free_port()}"
     with pytest.raises(UnavailableError, match=address):
-        client.recv_unary(address, 1, make_key("x"), timeout=2)
+        client.get_status(address, timeout=2)
 
 
 # -- lifetime ------------------------------------------------------------------------------
@@ -297,16 +267,16 @@ def test_client_close_fails_pending_and_joins_threads(
     client = RpcClient()
     done = _Done()
     client.start_recv(server.address, 1, make_key("pending"), done)
-    _wait_for(lambda: source.pending_waiters(1) == 1)
+    wait_for(lambda: source.pending_waiters(1) == 1)
     client.close()
     client.close()
     error, _ = done.wait()
     assert isinstance(error, CancelledError)
-    _wait_for(lambda: source.pending_waiters(1) == 0)
+    wait_for(lambda: source.pending_waiters(1) == 0)
     after_done = _Done()
     client.start_recv(server.address, 1, make_key("late"), after_done)
     assert isinstance(after_done.wait()[0], CancelledError)
-    _wait_for(lambda: threading.active_count() <= before)
+    wait_for(lambda: threading.active_count() <= before)
 
 
 @pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
@@ -316,13 +286,13 @@ def test_client_works_in_forked_child(source: StepSource, server: RpcServer) -> 
     try:
         first, second = make_key("parent"), make_key("child")
         source.send(1, first, np.array([1]))
-        assert client.recv(server.address, 1, first, timeout=5).value.tolist() == [1]
+        assert pull(client, server.address, 1, first, timeout=5).value.tolist() == [1]
         source.send(1, second, np.array([2]))
         pid = os.fork()
         if pid == 0:  # the child: one recv on the inherited client, then out
             status = 1
             try:
-                got = client.recv(server.address, 1, second, timeout=10)
+                got = pull(client, server.address, 1, second, timeout=10)
                 status = 0 if got.value.tolist() == [2] else 2
                 t0 = time.monotonic()
                 server.stop()  # the parent's server: left alone, and no hang
@@ -343,7 +313,7 @@ def test_client_works_in_forked_child(source: StepSource, server: RpcServer) -> 
         assert os.waitstatus_to_exitcode(status) == 0
         # The parent's client still works after the fork.
         source.send(1, first, np.array([3]))
-        assert client.recv(server.address, 1, first, timeout=5).value.tolist() == [3]
+        assert pull(client, server.address, 1, first, timeout=5).value.tolist() == [3]
     finally:
         client.close()
 
@@ -377,7 +347,7 @@ def test_client_server_killed_mid_stream_is_unavailable() -> None:
         assert address, "the child server did not start"
         done = _Done()
         client.start_recv(address, 1, make_key("huge"), done)
-        _wait_for(lambda: client.stats()["receiving"] == 1 or bool(done.calls), timeout=10)
+        wait_for(lambda: client.stats()["receiving"] == 1 or bool(done.calls), timeout=10)
         assert not done.calls, "the stream finished before the kill; make it slower"
         os.kill(child.pid, signal.SIGKILL)
         error, got = done.wait(timeout=10)
@@ -404,12 +374,12 @@ def test_client_cancel_racing_the_value_gives_it_back(
     for i in range(20):
         done = _Done()
         cancel = client.start_recv(server.address, 1, key, done)
-        _wait_for(lambda d=done: source.pending_waiters(1) == 1 or bool(d.calls))  # type: ignore[misc]
+        wait_for(lambda d=done: source.pending_waiters(1) == 1 or bool(d.calls))  # type: ignore[misc]
         source.send(1, key, np.array([i]))
         if not cancel():
             error, received = done.wait()
             assert error is None and received is not None
             got.append(int(received.value[0]))
     while len(got) < 20:
-        got.append(int(client.recv(server.address, 1, key, timeout=5).value[0]))
+        got.append(int(pull(client, server.address, 1, key, timeout=5).value[0]))
     assert got == list(range(20))

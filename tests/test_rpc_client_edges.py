@@ -7,25 +7,21 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from rpc_helpers import StepSource, make_key
+import rpc_helpers
+from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import DeadlineExceededError, InvalidArgumentError
 from shmrdv._received import Received
-from shmrdv._rpc import client as client_mod
+from shmrdv._rpc import call as call_mod
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.server import RpcServer
 
-
-@pytest.fixture
-def source() -> Iterator[StepSource]:
-    s = StepSource()
-    yield s
-    s.close()
+# Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
+source = rpc_helpers.source
 
 
 @pytest.mark.timeout(60)
@@ -40,7 +36,7 @@ def test_a_server_with_a_call_limit_serves_every_receive(source: StepSource, lim
                 source.send(1, key, np.array([i]))
             got = []
             for i in range(4):
-                got.append(int(clients[i % limit].recv(srv.address, 1, key, timeout=10).value[0]))
+                got.append(int(pull(clients[i % limit], srv.address, 1, key, timeout=10).value[0]))
                 time.sleep(0.2)  # a Hold call starts, the late ack goes: both have ended
             assert got == [0, 1, 2, 3]
         finally:
@@ -98,7 +94,7 @@ def test_cancel_racing_a_failed_call_never_strands_the_receiver(
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there
-    original = client_mod._Recv._on_unary
+    original = call_mod.Recv._on_unary
     failed = threading.Event()
 
     def slow_on_unary(self: Any, acks: list[int], call: Any) -> None:
@@ -106,9 +102,9 @@ def test_cancel_racing_a_failed_call_never_strands_the_receiver(
         time.sleep(0.3)
         original(self, acks, call)
 
-    monkeypatch.setattr(client_mod._Recv, "_on_unary", slow_on_unary)
+    monkeypatch.setattr(call_mod.Recv, "_on_unary", slow_on_unary)
     with RpcClient() as cli:
-        cli._remember_no_link(f"127.0.0.1:{port}")  # the unary path, whose race this is
+        cli._channels.remember_no_link(f"127.0.0.1:{port}")  # the unary path, whose race this is
         called = threading.Event()
         cancel = cli.start_recv(f"127.0.0.1:{port}", 1, make_key("race"), lambda e, r: called.set())
         assert failed.wait(10)
@@ -126,16 +122,18 @@ def test_cancel_racing_a_failed_call_never_strands_the_receiver(
 
 def test_acks_go_at_most_max_acks_per_request() -> None:
     """A server reads at most MAX_ACKS acks from one request: the client puts no more on it."""
-    from shmrdv._rpc import coding
+    from shmrdv._rpc import messages
+    from shmrdv._rpc.acks import AckQueue
 
-    with RpcClient() as cli:
-        ids = list(range(1, coding.MAX_ACKS + 477))
-        cli._give_back_acks("127.0.0.1:1", ids)
-        first = cli._take_acks("127.0.0.1:1")
-        second = cli._take_acks("127.0.0.1:1")
-        assert first == ids[: coding.MAX_ACKS]
-        assert second == ids[coding.MAX_ACKS :]
-        assert cli._take_acks("127.0.0.1:1") == []
+    queue = AckQueue((), lambda address: (None, None))
+    ids = list(range(1, messages.MAX_ACKS + 477))
+    queue.give_back("127.0.0.1:1", ids)
+    first = queue.take("127.0.0.1:1")
+    second = queue.take("127.0.0.1:1")
+    assert first == ids[: messages.MAX_ACKS]
+    assert second == ids[messages.MAX_ACKS :]
+    assert queue.take("127.0.0.1:1") == []
+    assert queue.close(5.0) == []
 
 
 @pytest.mark.timeout(60)
@@ -150,15 +148,15 @@ def test_a_value_caught_by_the_deadline_stays_first_in_its_key(source: StepSourc
         timer = threading.Timer(0.3, lambda: source.send(1, key, big))
         timer.start()
         try:
-            first = cli.recv(srv.address, 1, key, timeout=0.5)
+            first = pull(cli, srv.address, 1, key, timeout=0.5)
         except DeadlineExceededError:
             first = None
         timer.join()
         source.send(1, key, np.array([2]))
-        second = cli.recv(srv.address, 1, key, timeout=20)
+        second = pull(cli, srv.address, 1, key, timeout=20)
         if first is None:  # the usual case: the deadline came first
             assert second.value.shape == big.shape and second.value[-1] == big[-1]
-            assert int(cli.recv(srv.address, 1, key, timeout=20).value[0]) == 2
+            assert int(pull(cli, srv.address, 1, key, timeout=20).value[0]) == 2
         else:
             assert np.array_equal(first.value, big)
             assert int(second.value[0]) == 2

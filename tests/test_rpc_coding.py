@@ -1,4 +1,4 @@
-"""shmrdv/_rpc/coding.py against the generated protobuf classes (the reference).
+"""shmrdv/_rpc/{wire,tensors,messages,assembly}.py against the generated protobuf classes.
 
 Byte-for-byte: our RecvTensorResponse is TensorFlow's order (fields 2, 3, 5, then the
 tensor), which equals the concatenation of two canonical serialisations, and parses to
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from shmrdv._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
-from shmrdv._rpc import coding
+from shmrdv._rpc import assembly, messages, tensors, wire
 from shmrdv._rpc.proto import (
     device_attributes_pb2,
     rendezvous_pb2,
@@ -31,7 +31,7 @@ from shmrdv._rpc.proto import (
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 # TensorFlow's codes (tensorflow/core/framework/types.proto), written out again here
-# so that the table in coding.py is checked against an independent copy.
+# so that the table in tensors.py is checked against an independent copy.
 TF_CODES: dict[str, int] = {
     "float32": 1,
     "float64": 2,
@@ -90,12 +90,12 @@ def _expected_tensor(arr: npt.NDArray[Any]) -> tensor_pb2.TensorProto:
     else:
         code = TF_CODES.get(name, ML_CODES.get(name, 0))
         t.dtype = code  # type: ignore[assignment]
-        wire = np.ascontiguousarray(arr)
+        wire_arr = np.ascontiguousarray(arr)
         if dt != _le(dt):
-            wire = wire.astype(_le(dt))
-        t.tensor_content = wire.tobytes()
+            wire_arr = wire_arr.astype(_le(dt))
+        t.tensor_content = wire_arr.tobytes()
         if code == 0 or dt != _le(dt):
-            t.shmrdv_dtype = coding.dtype_descriptor(dt)
+            t.shmrdv_dtype = tensors.dtype_descriptor(dt)
     for size in arr.shape:
         t.tensor_shape.dim.add(size=size)
     return t
@@ -169,52 +169,52 @@ IDS = [f"{a.dtype}-{a.shape}" for a in SAMPLES]
 @pytest.mark.parametrize("name,code", sorted({**TF_CODES, **ML_CODES}.items()))
 def test_dtype_to_tf_uses_tensorflow_codes(name: str, code: int) -> None:
     dtype = np.dtype(getattr(ml_dtypes, name)) if name in ML_CODES else np.dtype(name)
-    assert coding.dtype_to_tf(dtype) == code
-    assert coding.tf_to_dtype(code) == dtype
-    assert coding.dtype_to_tf(dtype.newbyteorder(">") if dtype.byteorder != "|" else dtype) == code
+    assert tensors.dtype_to_tf(dtype) == code
+    assert tensors.tf_to_dtype(code) == dtype
+    assert tensors.dtype_to_tf(dtype.newbyteorder(">") if dtype.byteorder != "|" else dtype) == code
 
 
 def test_dtype_to_tf_enum_matches_generated_enum() -> None:
     from shmrdv._rpc.proto import types_pb2
 
-    for member in coding.DataType:
+    for member in tensors.DataType:
         assert types_pb2.DataType.Value(member.name) == member.value
 
 
 @pytest.mark.parametrize("dtype", ["U3", "M8[ns]", "m8", "V4", "i4,f8", "S0"])
 def test_dtype_to_tf_types_tensorflow_lacks_are_invalid_or_string(dtype: str) -> None:
     expected = 7 if dtype.startswith("S") else 0
-    assert coding.dtype_to_tf(np.dtype(dtype)) == expected
+    assert tensors.dtype_to_tf(np.dtype(dtype)) == expected
 
 
 def test_dtype_descriptor_structured_with_ml_dtypes_field_refused() -> None:
     dtype = np.dtype([("a", ml_dtypes.bfloat16), ("b", "<i4", (2,))])
     with pytest.raises(InvalidArgumentError, match="ml_dtypes"):
-        coding.encode_response(np.zeros(2, dtype), is_dead=False)
+        messages.encode_response(np.zeros(2, dtype), is_dead=False)
 
 
 def test_dtype_to_tf_object_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="Python objects"):
-        coding.dtype_to_tf(np.dtype(object))
+        tensors.dtype_to_tf(np.dtype(object))
     with pytest.raises(InvalidArgumentError, match="Python objects"):
-        coding.dtype_to_tf(np.dtype([("a", "i4"), ("b", "O")]))
+        tensors.dtype_to_tf(np.dtype([("a", "i4"), ("b", "O")]))
 
 
 @pytest.mark.parametrize("code", [0, 20, 21, 27, 29, 101, 1000, -1])
 def test_tf_to_dtype_codes_without_numpy_kind_refused(code: int) -> None:
     with pytest.raises(InvalidArgumentError, match="no numpy dtype"):
-        coding.tf_to_dtype(code)
+        tensors.tf_to_dtype(code)
 
 
 def test_tf_to_dtype_quantized_gives_storage_integer() -> None:
-    assert coding.tf_to_dtype(11) == np.int8
-    assert coding.tf_to_dtype(13) == np.int32
+    assert tensors.tf_to_dtype(11) == np.int8
+    assert tensors.tf_to_dtype(13) == np.int32
 
 
 @pytest.mark.parametrize("arr", SAMPLES, ids=IDS)
 def test_dtype_descriptor_round_trips(arr: npt.NDArray[Any]) -> None:
-    text = coding.dtype_descriptor(arr.dtype)
-    assert coding.dtype_from_descriptor(text) == arr.dtype
+    text = tensors.dtype_descriptor(arr.dtype)
+    assert tensors.dtype_from_descriptor(text) == arr.dtype
 
 
 @pytest.mark.parametrize(
@@ -234,7 +234,7 @@ def test_dtype_descriptor_round_trips(arr: npt.NDArray[Any]) -> None:
 )
 def test_dtype_from_descriptor_garbage_refused(text: str) -> None:
     with pytest.raises(InvalidArgumentError):
-        coding.dtype_from_descriptor(text)
+        tensors.dtype_from_descriptor(text)
 
 
 # ---------------------------------------------------------------- encode_response
@@ -247,7 +247,7 @@ def test_dtype_from_descriptor_garbage_refused(text: str) -> None:
 def test_encode_response_bytes_equal_generated(
     arr: npt.NDArray[Any], is_dead: bool, ssm: int, ack: bool
 ) -> None:
-    ours = coding.encode_response(arr, is_dead=is_dead, send_start_micros=ssm, require_ack=ack)
+    ours = messages.encode_response(arr, is_dead=is_dead, send_start_micros=ssm, require_ack=ack)
     tf_order, canonical = _expected_response(arr, is_dead, ssm, ack)
     assert ours == tf_order
     assert worker_pb2.RecvTensorResponse.FromString(ours).SerializeToString() == canonical
@@ -255,13 +255,13 @@ def test_encode_response_bytes_equal_generated(
 
 @pytest.mark.parametrize("arr", [a for a in SAMPLES if a.ndim == 0], ids=lambda a: str(a.dtype))
 def test_encode_response_scalar_has_no_shape_field(arr: npt.NDArray[Any]) -> None:
-    msg = worker_pb2.RecvTensorResponse.FromString(coding.encode_response(arr, is_dead=False))
+    msg = worker_pb2.RecvTensorResponse.FromString(messages.encode_response(arr, is_dead=False))
     assert not msg.tensor.HasField("tensor_shape")
 
 
 def test_encode_response_tensor_bytes_come_last_in_tensorflow_order() -> None:
     arr = np.arange(300, dtype=np.float64)  # > kLargeTensorBytes = 1024
-    ours = coding.encode_response(arr, is_dead=True, send_start_micros=5, require_ack=True)
+    ours = messages.encode_response(arr, is_dead=True, send_start_micros=5, require_ack=True)
     # A: is_dead, send_start_micros, require_ack; B: tag 0x0a; then the tensor.
     assert ours.startswith(b"\x10\x01\x18\x05\x28\x01\x0a")
     assert ours.endswith(arr.tobytes())
@@ -269,7 +269,7 @@ def test_encode_response_tensor_bytes_come_last_in_tensorflow_order() -> None:
 
 def test_encode_response_dt_string_follows_tensorflow_string_list() -> None:
     arr = np.array([b"ab", b"", b"x" * 200], "S200")
-    msg = worker_pb2.RecvTensorResponse.FromString(coding.encode_response(arr, is_dead=False))
+    msg = worker_pb2.RecvTensorResponse.FromString(messages.encode_response(arr, is_dead=False))
     assert msg.tensor.dtype == 7
     assert msg.tensor.tensor_content == b"\x02\x00\xc8\x01" + b"ab" + b"x" * 200
     assert msg.tensor.shmrdv_dtype == "|S200"
@@ -277,9 +277,9 @@ def test_encode_response_dt_string_follows_tensorflow_string_list() -> None:
 
 def test_encode_response_object_array_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="Python objects"):
-        coding.encode_response(np.array([1, "a"], dtype=object), is_dead=False)
+        messages.encode_response(np.array([1, "a"], dtype=object), is_dead=False)
     with pytest.raises(InvalidArgumentError, match="only numpy arrays"):
-        coding.encode_response([1, 2], is_dead=False)  # type: ignore[arg-type]
+        messages.encode_response([1, 2], is_dead=False)  # type: ignore[arg-type]
 
 
 def test_encode_response_over_2gib_refused_before_copying() -> None:
@@ -288,7 +288,7 @@ def test_encode_response_over_2gib_refused_before_copying() -> None:
     except MemoryError:
         pytest.skip("cannot reserve 2 GiB of address space here")
     with pytest.raises(ResourceExhaustedError, match="2 GiB"):
-        coding.encode_response(arr, is_dead=False)
+        messages.encode_response(arr, is_dead=False)
 
 
 # ---------------------------------------------------------------- decode_response
@@ -297,14 +297,14 @@ def test_encode_response_over_2gib_refused_before_copying() -> None:
 @pytest.mark.parametrize("arr", SAMPLES, ids=IDS)
 def test_decode_response_reads_generated_bytes(arr: npt.NDArray[Any]) -> None:
     _, canonical = _expected_response(arr, True, 42, True)
-    got = coding.decode_response(canonical)
+    got = messages.decode_response(canonical)
     assert _same(got.value, np.asarray(arr))
     assert (got.is_dead, got.send_start_micros, got.require_ack) == (True, 42, True)
 
 
 def test_decode_response_numeric_is_read_only_view_of_message() -> None:
-    data = coding.encode_response(np.arange(10, dtype=np.int32), is_dead=False)
-    got = coding.decode_response(data)
+    data = messages.encode_response(np.arange(10, dtype=np.int32), is_dead=False)
+    got = messages.decode_response(data)
     assert not got.value.flags.writeable
     assert np.shares_memory(got.value, np.frombuffer(data, np.uint8))
 
@@ -314,7 +314,7 @@ def test_decode_response_tensorflow_skeleton_with_zero_dims_and_empty_content() 
     # tensor_content field; canonical protobuf leaves both out.
     tensor = b"\x08\x01" + b"\x12\x08" + b"\x12\x02\x08\x02" + b"\x12\x02\x08\x00" + b"\x22\x00"
     data = b"\x18\x07" + b"\x0a" + bytes([len(tensor)]) + tensor
-    got = coding.decode_response(data)
+    got = messages.decode_response(data)
     assert got.value.dtype == np.float32 and got.value.shape == (2, 0)
     assert got.send_start_micros == 7
 
@@ -322,7 +322,7 @@ def test_decode_response_tensorflow_skeleton_with_zero_dims_and_empty_content() 
 def test_decode_response_accepts_fields_in_any_order() -> None:
     arr = np.arange(6, dtype=np.int16).reshape(3, 2)
     msg = worker_pb2.RecvTensorResponse.FromString(
-        coding.encode_response(arr, is_dead=True, send_start_micros=9, require_ack=True)
+        messages.encode_response(arr, is_dead=True, send_start_micros=9, require_ack=True)
     )
     t = msg.tensor
     pieces = [
@@ -341,7 +341,7 @@ def test_decode_response_accepts_fields_in_any_order() -> None:
     ]
     for seed in range(5):
         random.Random(seed).shuffle(fields)
-        got = coding.decode_response(b"".join(fields))
+        got = messages.decode_response(b"".join(fields))
         assert _same(got.value, arr) and got.is_dead and got.require_ack
         assert got.send_start_micros == 9
 
@@ -357,7 +357,7 @@ def test_decode_response_repeated_tensor_fields_merge_like_protobuf() -> None:
     )
     reference = worker_pb2.RecvTensorResponse.FromString(data)
     assert [d.size for d in reference.tensor.tensor_shape.dim] == [2, 3]
-    assert coding.decode_response(data).value.shape == (2, 3)
+    assert messages.decode_response(data).value.shape == (2, 3)
 
 
 def test_decode_response_typed_val_fields_refused() -> None:
@@ -365,11 +365,11 @@ def test_decode_response_typed_val_fields_refused() -> None:
     t.tensor_shape.dim.add(size=2)
     data = worker_pb2.RecvTensorResponse(tensor=t).SerializeToString()
     with pytest.raises(InvalidArgumentError, match="float_val is not supported"):
-        coding.decode_response(data)
+        messages.decode_response(data)
 
 
 def test_decode_response_dead_without_tensor_gives_empty_float() -> None:
-    got = coding.decode_response(worker_pb2.RecvTensorResponse(is_dead=True).SerializeToString())
+    got = messages.decode_response(worker_pb2.RecvTensorResponse(is_dead=True).SerializeToString())
     assert got.is_dead and got.value.dtype == np.float32 and got.value.shape == (0,)
 
 
@@ -390,14 +390,14 @@ def test_decode_response_dead_without_tensor_gives_empty_float() -> None:
 def test_decode_response_impossible_tensor_refused(tensor: tensor_pb2.TensorProto) -> None:
     data = worker_pb2.RecvTensorResponse(tensor=tensor).SerializeToString()
     with pytest.raises(InvalidArgumentError, match="Cannot parse tensor from response"):
-        coding.decode_response(data)
+        messages.decode_response(data)
 
 
 def test_decode_response_negative_dim_refused() -> None:
     t = tensor_pb2.TensorProto(dtype=1)
     t.tensor_shape.dim.add(size=-1)
     with pytest.raises(InvalidArgumentError, match="unknown"):
-        coding.decode_response(worker_pb2.RecvTensorResponse(tensor=t).SerializeToString())
+        messages.decode_response(worker_pb2.RecvTensorResponse(tensor=t).SerializeToString())
 
 
 @pytest.mark.parametrize("dtype", [1, 7, 0])
@@ -411,7 +411,7 @@ def test_decode_response_huge_declared_shape_refused_without_allocating(dtype: i
     tracemalloc.start()
     try:
         with pytest.raises(InvalidArgumentError):
-            coding.decode_response(data)
+            messages.decode_response(data)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -423,7 +423,7 @@ def test_decode_response_dt_string_huge_declared_width_refused() -> None:
     t.tensor_shape.dim.add(size=64)
     data = worker_pb2.RecvTensorResponse(tensor=t).SerializeToString()
     with pytest.raises(InvalidArgumentError, match="exceed this host's memory"):
-        coding.decode_response(data)
+        messages.decode_response(data)
 
 
 # ----------------------------------------------------------------------- requests
@@ -446,12 +446,12 @@ def test_decode_response_dt_string_huge_declared_width_refused() -> None:
 def test_encode_request_bytes_equal_generated(
     step_id: int, key: str, request_id: int, dma_ok: bool
 ) -> None:
-    ours = coding.encode_request(step_id, key, request_id, dma_ok)
+    ours = messages.encode_request(step_id, key, request_id, dma_ok)
     ref = worker_pb2.RecvTensorRequest(
         step_id=step_id, rendezvous_key=key, request_id=request_id, dma_ok=dma_ok
     )
     assert ours == ref.SerializeToString()
-    assert coding.decode_request(ours) == coding.RecvRequest(step_id, key, request_id, dma_ok)
+    assert messages.decode_request(ours) == messages.RecvRequest(step_id, key, request_id, dma_ok)
 
 
 def test_decode_request_skips_localities_and_transport_options() -> None:
@@ -461,33 +461,33 @@ def test_decode_request_skips_localities_and_transport_options() -> None:
     ref.server_locality.numa_node = 1
     ref.transport_options.type_url = "type.googleapis.com/x.Y"
     ref.transport_options.value = b"\x00\x01"
-    got = coding.decode_request(ref.SerializeToString())
-    assert got == coding.RecvRequest(3, "k", 9, False)
+    got = messages.decode_request(ref.SerializeToString())
+    assert got == messages.RecvRequest(3, "k", 9, False)
 
 
 @pytest.mark.parametrize("bad", [2**63, -(2**63) - 1, 1.5, True])
 def test_encode_request_out_of_range_refused(bad: Any) -> None:
     with pytest.raises(InvalidArgumentError):
-        coding.encode_request(bad, "k", 1)
+        messages.encode_request(bad, "k", 1)
 
 
 def test_decode_request_invalid_utf8_key_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="UTF-8"):
-        coding.decode_request(b"\x12\x02\xff\xfe")
+        messages.decode_request(b"\x12\x02\xff\xfe")
 
 
 @pytest.mark.parametrize("request_id", [0, 1, -5, 2**63 - 1])
 def test_encode_mark_recv_finished_bytes_equal_generated(request_id: int) -> None:
-    ours = coding.encode_mark_recv_finished(request_id)
+    ours = messages.encode_mark_recv_finished(request_id)
     assert ours == worker_pb2.MarkRecvFinishedRequest(request_id=request_id).SerializeToString()
-    assert coding.decode_mark_recv_finished(ours) == request_id
+    assert messages.decode_mark_recv_finished(ours) == request_id
 
 
 @FUZZ
 @given(data=st.binary(max_size=40))
 def test_decode_mark_recv_finished_fuzz_raises_only_shmrdv_errors(data: bytes) -> None:
     try:
-        got = coding.decode_mark_recv_finished(data)
+        got = messages.decode_mark_recv_finished(data)
     except WIRE_ERRORS:
         return
     assert worker_pb2.MarkRecvFinishedRequest.FromString(data).request_id == got
@@ -498,10 +498,10 @@ def test_decode_mark_recv_finished_fuzz_raises_only_shmrdv_errors(data: bytes) -
 
 def test_encode_status_response_bytes_equal_generated() -> None:
     devices = [
-        coding.DeviceAttributes(
+        messages.DeviceAttributes(
             "/job:w/replica:0/task:0/device:CPU:0", "CPU", 1 << 30, 2**64 - 1, "host", -1
         ),
-        coding.DeviceAttributes(
+        messages.DeviceAttributes(
             "/job:w/replica:0/task:0/device:CPU:1", "CPU", incarnation=5, xla_global_id=3
         ),
     ]
@@ -518,17 +518,17 @@ def test_encode_status_response_bytes_equal_generated() -> None:
             for d in devices
         ]
     )
-    ours = coding.encode_status_response(devices)
+    ours = messages.encode_status_response(devices)
     assert ours == ref.SerializeToString()
-    assert coding.decode_status_response(ours) == tuple(devices)
+    assert messages.decode_status_response(ours) == tuple(devices)
 
 
 # ---------------------------------------------------------------------- streaming
 
 
-def _assemble(messages: list[bytes], **kw: Any) -> coding.StreamAssembler:
-    asm = coding.StreamAssembler(**kw)
-    for m in messages:
+def _assemble(chunks: list[bytes], **kw: Any) -> assembly.StreamAssembler:
+    asm = assembly.StreamAssembler(**kw)
+    for m in chunks:
         asm.feed(m)
     return asm
 
@@ -538,10 +538,10 @@ def _assemble(messages: list[bytes], **kw: Any) -> coding.StreamAssembler:
 def test_encode_stream_round_trips_through_assembler(
     arr: npt.NDArray[Any], chunk_bytes: int
 ) -> None:
-    messages = list(
-        coding.encode_stream(arr, is_dead=True, chunk_bytes=chunk_bytes, send_start_micros=11)
+    chunks = list(
+        assembly.encode_stream(arr, is_dead=True, chunk_bytes=chunk_bytes, send_start_micros=11)
     )
-    asm = _assemble(messages)
+    asm = _assemble(chunks)
     assert asm.complete and asm.is_dead and asm.send_start_micros == 11
     value = asm.result()
     assert _same(value, np.asarray(arr))
@@ -551,69 +551,69 @@ def test_encode_stream_round_trips_through_assembler(
 
 def test_encode_stream_messages_match_generated_tensor_chunks() -> None:
     arr = np.arange(10, dtype=">f8").reshape(2, 5)  # 80 bytes, chunk boundary inside elements
-    messages = list(coding.encode_stream(arr, is_dead=False, chunk_bytes=12, send_start_micros=-4))
-    assert len(messages) == 7
-    first = rendezvous_pb2.TensorChunk.FromString(messages[0])
+    chunks = list(assembly.encode_stream(arr, is_dead=False, chunk_bytes=12, send_start_micros=-4))
+    assert len(chunks) == 7
+    first = rendezvous_pb2.TensorChunk.FromString(chunks[0])
     h = first.header
     assert (h.dtype, [d.size for d in h.tensor_shape.dim], h.total_bytes) == (2, [2, 5], 80)
     assert (h.shmrdv_dtype, h.send_start_micros, h.is_dead) == (">f8", -4, False)
-    assert messages[0] == first.SerializeToString()
-    data = b"".join(rendezvous_pb2.TensorChunk.FromString(m).data for m in messages)
+    assert chunks[0] == first.SerializeToString()
+    data = b"".join(rendezvous_pb2.TensorChunk.FromString(m).data for m in chunks)
     assert data == arr.astype("<f8").tobytes()
-    for i, m in enumerate(messages[1:], start=1):
+    for i, m in enumerate(chunks[1:], start=1):
         chunk = rendezvous_pb2.TensorChunk.FromString(m)
         assert not chunk.HasField("header") and chunk.offset == 12 * i
         assert m == chunk.SerializeToString()
 
 
 def test_encode_stream_empty_tensor_is_one_header() -> None:
-    messages = list(coding.encode_stream(np.zeros((3, 0), "U4"), is_dead=False, chunk_bytes=8))
-    assert len(messages) == 1
-    assert _assemble(messages).result().shape == (3, 0)
+    chunks = list(assembly.encode_stream(np.zeros((3, 0), "U4"), is_dead=False, chunk_bytes=8))
+    assert len(chunks) == 1
+    assert _assemble(chunks).result().shape == (3, 0)
 
 
 def test_encode_stream_bad_chunk_size_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="chunk_bytes"):
-        coding.encode_stream(np.zeros(3), is_dead=False, chunk_bytes=0)
+        assembly.encode_stream(np.zeros(3), is_dead=False, chunk_bytes=0)
 
 
 def _stream(arr: npt.NDArray[Any], chunk: int = 8) -> list[bytes]:
-    return list(coding.encode_stream(arr, is_dead=False, chunk_bytes=chunk))
+    return list(assembly.encode_stream(arr, is_dead=False, chunk_bytes=chunk))
 
 
 def test_stream_assembler_first_message_without_header_refused() -> None:
-    messages = _stream(np.arange(8, dtype=np.int32))
+    chunks = _stream(np.arange(8, dtype=np.int32))
     with pytest.raises(InvalidArgumentError, match="no header"):
-        _assemble(messages[1:])
+        _assemble(chunks[1:])
 
 
 def test_stream_assembler_out_of_order_chunk_refused() -> None:
-    messages = _stream(np.arange(8, dtype=np.int32))
+    chunks = _stream(np.arange(8, dtype=np.int32))
     with pytest.raises(InvalidArgumentError, match="offset 16, expected 8"):
-        _assemble([messages[0], messages[2]])
+        _assemble([chunks[0], chunks[2]])
 
 
 def test_stream_assembler_second_header_refused() -> None:
-    messages = _stream(np.arange(8, dtype=np.int32))
+    chunks = _stream(np.arange(8, dtype=np.int32))
     with pytest.raises(InvalidArgumentError, match="second header"):
-        _assemble([messages[0], messages[0]])
+        _assemble([chunks[0], chunks[0]])
 
 
 def test_stream_assembler_overrun_refused() -> None:
-    messages = _stream(np.arange(2, dtype=np.int32))
+    chunks = _stream(np.arange(2, dtype=np.int32))
     extra = rendezvous_pb2.TensorChunk(offset=8, data=b"\x00").SerializeToString()
     with pytest.raises(InvalidArgumentError, match="overruns"):
-        _assemble([*messages, extra])
+        _assemble([*chunks, extra])
 
 
 def test_stream_assembler_truncated_stream_refused() -> None:
-    messages = _stream(np.arange(8, dtype=np.int32))
-    asm = _assemble(messages[:-1])
+    chunks = _stream(np.arange(8, dtype=np.int32))
+    asm = _assemble(chunks[:-1])
     assert not asm.complete
     with pytest.raises(InvalidArgumentError, match="ended after 24 of 32 bytes"):
         asm.result()
     with pytest.raises(InvalidArgumentError, match="before its header"):
-        coding.StreamAssembler().result()
+        assembly.StreamAssembler().result()
 
 
 def test_stream_assembler_feed_after_result_is_internal_error() -> None:
@@ -672,14 +672,14 @@ _ARRAYS = _DTYPES.flatmap(
 def test_round_trip_response_and_stream_property(
     arr: npt.NDArray[Any], is_dead: bool, ssm: int, chunk: int
 ) -> None:
-    data = coding.encode_response(arr, is_dead=is_dead, send_start_micros=ssm)
-    got = coding.decode_response(data)
+    data = messages.encode_response(arr, is_dead=is_dead, send_start_micros=ssm)
+    got = messages.decode_response(data)
     assert _same(got.value, arr) and got.is_dead == is_dead and got.send_start_micros == ssm
     ref = worker_pb2.RecvTensorResponse.FromString(data)
     assert [d.size for d in ref.tensor.tensor_shape.dim] == list(arr.shape)
-    assert ref.tensor.dtype == coding.dtype_to_tf(arr.dtype)
+    assert ref.tensor.dtype == tensors.dtype_to_tf(arr.dtype)
     asm = _assemble(
-        list(coding.encode_stream(arr, is_dead=is_dead, chunk_bytes=chunk, send_start_micros=ssm))
+        list(assembly.encode_stream(arr, is_dead=is_dead, chunk_bytes=chunk, send_start_micros=ssm))
     )
     assert _same(asm.result(), arr) and asm.is_dead == is_dead
 
@@ -703,7 +703,7 @@ def test_round_trip_response_and_stream_property(
 def test_round_trip_ml_dtypes_property(name: str, raw: bytes) -> None:
     dtype = np.dtype(getattr(ml_dtypes, name))
     arr = np.frombuffer(raw, dtype, len(raw) // dtype.itemsize)
-    assert _same(coding.decode_response(coding.encode_response(arr, is_dead=False)).value, arr)
+    assert _same(messages.decode_response(messages.encode_response(arr, is_dead=False)).value, arr)
     assert _same(_assemble(_stream(arr, 5)).result(), arr)
 
 
@@ -733,11 +733,11 @@ def _mutations(seed_messages: list[bytes]) -> st.SearchStrategy[bytes]:
 
 
 _RESPONSES = [
-    coding.encode_response(a, is_dead=i % 2 == 0, send_start_micros=i)
+    messages.encode_response(a, is_dead=i % 2 == 0, send_start_micros=i)
     for i, a in enumerate(SAMPLES)
 ]
 _REQUESTS = [
-    coding.encode_request(5, "a;0000000000000001;b;edge;0:0", 77, True),
+    messages.encode_request(5, "a;0000000000000001;b;edge;0:0", 77, True),
     worker_pb2.RecvTensorRequest(
         step_id=1,
         rendezvous_key="k",
@@ -752,7 +752,7 @@ _RESPONSE_INPUTS = st.one_of(st.binary(max_size=200), _mutations(_RESPONSES))
 @given(data=_RESPONSE_INPUTS)
 def test_decode_response_fuzz_raises_only_shmrdv_errors(data: bytes) -> None:
     try:
-        got = coding.decode_response(data)
+        got = messages.decode_response(data)
     except WIRE_ERRORS:
         return
     # What we accept, protobuf accepts too, and reads the same way.
@@ -770,7 +770,7 @@ def test_decode_response_fuzz_raises_only_shmrdv_errors(data: bytes) -> None:
 @given(data=st.one_of(st.binary(max_size=120), _mutations(_REQUESTS)))
 def test_decode_request_fuzz_raises_only_shmrdv_errors(data: bytes) -> None:
     try:
-        got = coding.decode_request(data)
+        got = messages.decode_request(data)
     except WIRE_ERRORS:
         return
     ref = worker_pb2.RecvTensorRequest.FromString(data)
@@ -792,12 +792,12 @@ def test_decode_request_fuzz_raises_only_shmrdv_errors(data: bytes) -> None:
 def test_stream_assembler_fuzz_raises_only_shmrdv_errors(
     stream: list[bytes], index: int, data: st.DataObject
 ) -> None:
-    messages = list(stream)
-    i = index % len(messages)
-    messages[i] = data.draw(st.one_of(st.binary(max_size=80), _mutations([messages[i]])))
-    asm = coding.StreamAssembler(max_bytes=1 << 24)
+    chunks = list(stream)
+    i = index % len(chunks)
+    chunks[i] = data.draw(st.one_of(st.binary(max_size=80), _mutations([chunks[i]])))
+    asm = assembly.StreamAssembler(max_bytes=1 << 24)
     try:
-        for m in messages:
+        for m in chunks:
             asm.feed(m)
         asm.result()
     except WIRE_ERRORS:
@@ -808,7 +808,7 @@ def test_stream_assembler_fuzz_raises_only_shmrdv_errors(
 @given(data=st.binary(max_size=200))
 def test_decode_status_response_fuzz_raises_only_shmrdv_errors(data: bytes) -> None:
     try:
-        coding.decode_status_response(data)
+        messages.decode_status_response(data)
     except WIRE_ERRORS:
         pass
 
@@ -817,21 +817,21 @@ def test_request_acks_unpacked_and_packed_decode_alike() -> None:
     """Field 1001 (acks) as shmrdv writes it (one varint each) and packed, as a standard
     protobuf encoder writes a repeated int64; both give the same ids, capped at MAX_ACKS."""
     acks = [1, 2**40, 2**63 - 1, 7]
-    plain = coding.encode_request(3, "k", 9, finished=acks)
-    got = coding.decode_request(plain)
+    plain = messages.encode_request(3, "k", 9, finished=acks)
+    got = messages.decode_request(plain)
     assert list(got.finished) == acks
-    base = coding.encode_request(3, "k", 9)
-    payload = b"".join(coding._varint(a) for a in acks)
-    packed = base + coding._tag(1001, 2) + coding._varint(len(payload)) + payload
-    assert list(coding.decode_request(packed).finished) == acks
-    many = list(range(1, coding.MAX_ACKS + 50))
-    payload = b"".join(coding._varint(a) for a in many)
-    packed = base + coding._tag(1001, 2) + coding._varint(len(payload)) + payload
-    assert list(coding.decode_request(packed).finished) == many[: coding.MAX_ACKS]
+    base = messages.encode_request(3, "k", 9)
+    payload = b"".join(wire.encode_varint(a) for a in acks)
+    packed = base + wire.encode_tag(1001, 2) + wire.encode_varint(len(payload)) + payload
+    assert list(messages.decode_request(packed).finished) == acks
+    many = list(range(1, messages.MAX_ACKS + 50))
+    payload = b"".join(wire.encode_varint(a) for a in many)
+    packed = base + wire.encode_tag(1001, 2) + wire.encode_varint(len(payload)) + payload
+    assert list(messages.decode_request(packed).finished) == many[: messages.MAX_ACKS]
 
 
 def test_truncated_packed_acks_are_refused() -> None:
-    base = coding.encode_request(3, "k", 9)
-    bad = base + coding._tag(1001, 2) + coding._varint(2) + b"\xff\xff"  # varint never ends
+    base = messages.encode_request(3, "k", 9)
+    bad = base + wire.encode_tag(1001, 2) + wire.encode_varint(2) + b"\xff\xff"  # varint never ends
     with pytest.raises(InvalidArgumentError):
-        coding.decode_request(bad)
+        messages.decode_request(bad)

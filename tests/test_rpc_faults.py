@@ -10,27 +10,22 @@ that nothing is left in /dev/shm once the dead child's namespace is collected.
 
 from __future__ import annotations
 
-import multiprocessing.resource_tracker
 import os
 import resource
-import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import CONSUMER, PRODUCER, free_port, make_key
 
 import shmrdv
 from shmrdv._child import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, Names
-from shmrdv._shm.registry import collect
 
 pytestmark = pytest.mark.timeout(60)
 
-PRODUCER = "/job:worker/replica:0/task:0"
-CONSUMER = "/job:worker/replica:0/task:1"
 # How far past its deadline a receive may return (the issue: "never more than ~0.5 s").
 SLACK = 0.5
 # 1 GiB, as the issue asks: allocated in the child without a copy, about 2 s to fill and
@@ -38,28 +33,9 @@ SLACK = 0.5
 BIG = 1 << 30
 
 
-def make_key(edge: str, *, incarnation: int = 0, src: str = PRODUCER, dst: str = CONSUMER) -> str:
-    return shmrdv.create_key(f"{src}/device:CPU:0", incarnation, f"{dst}/device:CPU:0", edge)
-
-
 def ours(ns: str) -> list[str]:
     """Names of ``ns``'s objects in /dev/shm (segments, records, semaphores)."""
     return sorted(e for e in os.listdir(SHM_DIR) if Names(ns).prefix in e)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _resource_tracker() -> None:
-    """Start multiprocessing's resource tracker before the leak check counts our children."""
-    multiprocessing.resource_tracker.ensure_running()
-
-
-@pytest.fixture
-def ns() -> Iterator[str]:
-    """A fresh namespace; what dead children left in it is collected, then must be gone."""
-    token = shmrdv.new_namespace()
-    yield token
-    collect(token)
-    assert ours(token) == []
 
 
 class Receiver:
@@ -208,18 +184,12 @@ def test_restarted_peer_old_incarnation_is_aborted_naming_it(ns: str) -> None:
 # -- a producer that is not running ----------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("timeout", [0.3, 1.0, 2.5])
 @pytest.mark.slow
 def test_producer_never_started_fails_at_the_deadline(ns: str, timeout: float) -> None:
     # The cluster gives the producer an address where nothing listens: connection refused,
     # retried with backoff until the deadline.
-    cluster = {"worker": [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]}
+    cluster = {"worker": [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]}
     with shmrdv.Worker(CONSUMER, cluster=cluster, namespace=ns, transports=("grpc",)) as consumer:
         recv = Receiver(consumer.rendezvous(1), make_key("x"), timeout)
         recv.join()

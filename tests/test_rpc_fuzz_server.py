@@ -42,12 +42,13 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from helpers import CONSUMER, PRODUCER, make_key
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmrdv
 from shmrdv._keys import parse_key
-from shmrdv._rpc import coding
+from shmrdv._rpc import assembly, messages
 from shmrdv._rpc.methods import (
     GET_STATUS_METHOD,
     MARK_RECV_FINISHED_METHOD,
@@ -58,8 +59,6 @@ from shmrdv._rpc.methods import (
 
 pytestmark = pytest.mark.timeout(120)
 
-PRODUCER = "/job:worker/replica:0/task:0"
-CONSUMER = "/job:worker/replica:0/task:1"
 # Deadline of one garbage call: a request that happens to be a well-formed key waits this
 # long for a value that never comes.
 CALL_DEADLINE = 0.3
@@ -79,10 +78,6 @@ BAD_REQUEST_CODES = {
     grpc.StatusCode.ABORTED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
 }
-
-
-def make_key(name: str, *, incarnation: int = 0, src: str = PRODUCER, dst: str = CONSUMER) -> str:
-    return shmrdv.create_key(f"{src}/device:CPU:0", incarnation, f"{dst}/device:CPU:0", name)
 
 
 class Pair:
@@ -161,7 +156,7 @@ def _varint(n: int) -> bytes:
 
 
 def _valid_request(name: str = "fuzz", step: int = 3, request_id: int = 0) -> bytes:
-    return coding.encode_request(step, make_key(name), request_id)
+    return messages.encode_request(step, make_key(name), request_id)
 
 
 # -- random bytes and mutations through every method -------------------------------------
@@ -239,7 +234,7 @@ def test_server_every_truncation_is_invalid_argument(pair: Pair) -> None:
         # Cut right after the key field, what is left is a complete request (no
         # request_id) for a key nobody sends: it waits. Every other cut is malformed.
         try:
-            parse_key(coding.decode_request(request[:cut]).rendezvous_key)
+            parse_key(messages.decode_request(request[:cut]).rendezvous_key)
             expected = grpc.StatusCode.DEADLINE_EXCEEDED
         except shmrdv.InvalidArgumentError:
             expected = grpc.StatusCode.INVALID_ARGUMENT
@@ -286,9 +281,9 @@ def test_server_request_over_receive_limit_is_resource_exhausted(pair: Pair) -> 
     "request_bytes",
     [
         b"",  # no key at all
-        coding.encode_request(3, "", 0),
-        coding.encode_request(3, "a;b;c", 0),
-        coding.encode_request(3, make_key("x").replace("task:0", "task:zero"), 0),
+        messages.encode_request(3, "", 0),
+        messages.encode_request(3, "a;b;c", 0),
+        messages.encode_request(3, make_key("x").replace("task:0", "task:zero"), 0),
         b"\x12\x04\xff\xfe\xfd\xfc",  # a key that is not UTF-8
         b"\x08" + b"\xff" * 11,  # a varint longer than 10 bytes
         b"\x0f",  # wire type 7 does not exist
@@ -314,7 +309,7 @@ def test_server_malformed_request_is_invalid_argument(pair: Pair, request_bytes:
 
 def test_server_key_of_another_task_is_invalid_argument(pair: Pair) -> None:
     for src in (CONSUMER, "/job:worker/replica:0/task:10", "/job:ps/replica:0/task:0"):
-        request = coding.encode_request(3, make_key("x", src=src), 0)
+        request = messages.encode_request(3, make_key("x", src=src), 0)
         with pytest.raises(grpc.RpcError) as info:
             pair.channel.unary_unary(RECV_TENSOR_METHOD)(request, timeout=5)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -324,7 +319,7 @@ def test_server_key_of_another_task_is_invalid_argument(pair: Pair) -> None:
 
 def test_server_key_of_another_incarnation_is_aborted_naming_the_task(pair: Pair) -> None:
     other = pair.producer.incarnation ^ 0x5A5A
-    request = coding.encode_request(3, make_key("x", incarnation=other), 0)
+    request = messages.encode_request(3, make_key("x", incarnation=other), 0)
     with pytest.raises(grpc.RpcError) as info:
         pair.channel.unary_unary(RECV_TENSOR_METHOD)(request, timeout=5)
     assert info.value.code() == grpc.StatusCode.ABORTED
@@ -338,7 +333,7 @@ def test_server_key_of_a_cleaned_up_step_is_aborted_at_once(pair: Pair) -> None:
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
         pair.channel.unary_unary(RECV_TENSOR_METHOD)(
-            coding.encode_request(11, make_key("x"), 0), timeout=5
+            messages.encode_request(11, make_key("x"), 0), timeout=5
         )
     assert info.value.code() == grpc.StatusCode.ABORTED
     assert time.monotonic() - start < 1.0
@@ -348,7 +343,7 @@ def test_server_key_of_a_cleaned_up_step_is_aborted_at_once(pair: Pair) -> None:
 @pytest.mark.parametrize("step", [0, -1, 2**63 - 1, -(2**63), 12345])
 def test_server_key_of_a_step_nobody_sends_waits_until_the_deadline(pair: Pair, step: int) -> None:
     start = time.monotonic()
-    code = pair.call(RECV_TENSOR_METHOD, coding.encode_request(step, make_key("nobody"), 0))
+    code = pair.call(RECV_TENSOR_METHOD, messages.encode_request(step, make_key("nobody"), 0))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - start >= CALL_DEADLINE * 0.9
     pair.still_serves()
@@ -391,7 +386,9 @@ def test_server_requests_for_unused_steps_leave_no_state(pair: Pair) -> None:
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         codes = list(
             pool.map(
-                lambda s: pair.call(RECV_TENSOR_METHOD, coding.encode_request(s, make_key("n"), 0)),
+                lambda s: pair.call(
+                    RECV_TENSOR_METHOD, messages.encode_request(s, make_key("n"), 0)
+                ),
                 range(1000, 1200),
             )
         )
@@ -443,7 +440,7 @@ def garbage_peer() -> Iterator[tuple[GarbagePeer, shmrdv.Worker]]:
 
 
 _GOOD_STREAM = list(
-    coding.encode_stream(np.arange(600, dtype=np.int32), is_dead=False, chunk_bytes=1024)
+    assembly.encode_stream(np.arange(600, dtype=np.int32), is_dead=False, chunk_bytes=1024)
 )
 
 

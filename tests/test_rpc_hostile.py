@@ -11,15 +11,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
-from rpc_helpers import StepSource, make_key
+import rpc_helpers
+from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import InternalError
-from shmrdv._rpc import coding
+from shmrdv._rpc import messages, tensors
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.methods import GET_STATUS_METHOD, RECV_TENSOR_INLINE_METHOD, RECV_TENSOR_METHOD
 from shmrdv._rpc.server import RpcServer
@@ -27,12 +27,8 @@ from shmrdv._rpc.server import RpcServer
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 
-
-@pytest.fixture
-def source() -> Iterator[StepSource]:
-    s = StepSource()
-    yield s
-    s.close()
+# Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
+source = rpc_helpers.source
 
 
 def _park(channel: grpc.Channel, name: str, n: int, timeout: float = 30.0) -> list[grpc.Future]:
@@ -40,7 +36,7 @@ def _park(channel: grpc.Channel, name: str, n: int, timeout: float = 30.0) -> li
     call = channel.unary_unary(RECV_TENSOR_INLINE_METHOD)
     return [
         call.future(
-            coding.encode_request(1, make_key(f"{name}{i}").full_key, secrets.randbits(62) + 1),
+            messages.encode_request(1, make_key(f"{name}{i}").full_key, secrets.randbits(62) + 1),
             timeout=timeout,
         )
         for i in range(n)
@@ -92,7 +88,7 @@ def test_waiting_calls_are_bounded_in_total(source: StepSource) -> None:
             time.sleep(0.02)
         source.send(1, make_key("after"), np.array([5]))
         with RpcClient() as client:
-            assert client.recv(server.address, 1, make_key("after"), timeout=10).value[0] == 5
+            assert pull(client, server.address, 1, make_key("after"), timeout=10).value[0] == 5
 
 
 def test_a_call_without_deadline_waits_at_most_max_wait(source: StepSource) -> None:
@@ -103,7 +99,9 @@ def test_a_call_without_deadline_waits_at_most_max_wait(source: StepSource) -> N
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
             # TensorFlow's unary RecvTensor, no deadline at all.
-            ch.unary_unary(RECV_TENSOR_METHOD)(coding.encode_request(1, make_key("x").full_key, 7))
+            ch.unary_unary(RECV_TENSOR_METHOD)(
+                messages.encode_request(1, make_key("x").full_key, 7)
+            )
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert 0.4 < time.monotonic() - t0 < 10
         assert server.stats()["parked"] == 0
@@ -111,7 +109,7 @@ def test_a_call_without_deadline_waits_at_most_max_wait(source: StepSource) -> N
         with RpcClient() as client:
             key = make_key("later")
             threading.Timer(1.5, source.send, (1, key, np.array([3]))).start()
-            got = client.recv(server.address, 1, key)
+            got = pull(client, server.address, 1, key)
             assert got.value.tolist() == [3]
 
 
@@ -128,11 +126,11 @@ def test_an_ack_flood_does_not_slow_a_legitimate_call(source: StepSource) -> Non
         inline = ch.unary_unary(RECV_TENSOR_INLINE_METHOD)
         flood = [
             inline.future(
-                coding.encode_request(
+                messages.encode_request(
                     1,
                     make_key(f"flood{i}").full_key,
                     secrets.randbits(62) + 1,
-                    finished=[secrets.randbits(62) + 1 for _ in range(coding.MAX_ACKS)],
+                    finished=[secrets.randbits(62) + 1 for _ in range(messages.MAX_ACKS)],
                 ),
                 timeout=5,
             )
@@ -167,9 +165,9 @@ def _zero_item_response(count: int) -> bytes:
     """A RecvTensorResponse of dtype |V0 and shape (count,): no bytes, every length fits."""
     dtype = np.dtype("V0")
     tensor = (
-        _varint(1 << 3) + _varint(coding.dtype_to_tf(dtype))
+        _varint(1 << 3) + _varint(tensors.dtype_to_tf(dtype))
         + _len_field(2, _len_field(2, _varint(1 << 3) + _varint(count)))
-        + _len_field(1001, coding.dtype_descriptor(dtype).encode())
+        + _len_field(1001, tensors.dtype_descriptor(dtype).encode())
     )  # fmt: skip
     return _len_field(1, tensor)
 
@@ -191,7 +189,7 @@ def test_a_zero_itemsize_tensor_of_many_elements_is_refused_naming_the_peer(coun
         with RpcClient() as client:
             t0 = time.monotonic()
             with pytest.raises(InternalError, match=address) as info:
-                client.recv(address, 1, make_key("void"), timeout=10)
+                pull(client, address, 1, make_key("void"), timeout=10)
             assert time.monotonic() - t0 < 5
             assert f"shape ({count},)" in str(info.value)
             assert "elements" in str(info.value)

@@ -5,45 +5,25 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
 import pytest
-from rpc_helpers import StepSource, make_key
+import rpc_helpers
+from helpers import wait_for
+from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import DeadlineExceededError
 from shmrdv._received import Received
-from shmrdv._rpc import coding
+from shmrdv._rpc import assembly, messages
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.methods import RECV_TENSOR_INLINE_METHOD, RECV_TENSOR_STREAM_METHOD
 from shmrdv._rpc.server import RpcServer
 
-
-@pytest.fixture
-def source() -> Iterator[StepSource]:
-    s = StepSource()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def server(source: StepSource) -> Iterator[RpcServer]:
-    with RpcServer("127.0.0.1:0", source) as srv:
-        yield srv
-
-
-@pytest.fixture
-def channel(server: RpcServer) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(server.address) as ch:
-        yield ch
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
+# Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
+source = rpc_helpers.source
+server = rpc_helpers.server
+channel = rpc_helpers.channel
 
 
 def _inline(channel: grpc.Channel, request: bytes) -> bytes:
@@ -59,8 +39,8 @@ def test_inline_answers_a_small_tensor_as_tf_response(
 ) -> None:
     key = make_key("small")
     source.send(1, key, np.arange(5, dtype=np.int32))
-    data = _inline(channel, coding.encode_request(1, key.full_key, 7, inline_max=1024))
-    got = coding.decode_response(data)
+    data = _inline(channel, messages.encode_request(1, key.full_key, 7, inline_max=1024))
+    got = messages.decode_response(data)
     assert got.value.tolist() == [0, 1, 2, 3, 4] and not got.is_dead
 
 
@@ -70,18 +50,18 @@ def test_inline_leaves_a_large_tensor_for_the_stream_under_its_request_id(
     key = make_key("large")
     source.send(1, key, np.arange(1000, dtype=np.int64))
     source.send(1, key, np.array([-1]))
-    assert _inline(channel, coding.encode_request(1, key.full_key, 9, inline_max=100)) == b""
+    assert _inline(channel, messages.encode_request(1, key.full_key, 9, inline_max=100)) == b""
     assert server.stats()["cached"] == 1
     stream = channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(
-        coding.encode_request(1, key.full_key, 9), timeout=5
+        messages.encode_request(1, key.full_key, 9), timeout=5
     )
-    assembler = coding.StreamAssembler()
+    assembler = assembly.StreamAssembler()
     for message in stream:
         assembler.feed(message)
     assert assembler.result().tolist() == list(range(1000))
     # The next value was not taken meanwhile.
-    rest = _inline(channel, coding.encode_request(1, key.full_key, 10))
-    assert coding.decode_response(rest).value.tolist() == [-1]
+    rest = _inline(channel, messages.encode_request(1, key.full_key, 10))
+    assert messages.decode_response(rest).value.tolist() == [-1]
 
 
 def test_inline_left_value_goes_back_when_released(
@@ -91,10 +71,10 @@ def test_inline_left_value_goes_back_when_released(
 
     key = make_key("released")
     source.send(1, key, np.arange(1000, dtype=np.int64))
-    assert _inline(channel, coding.encode_request(1, key.full_key, 11, inline_max=0)) == b""
-    channel.unary_unary(RELEASE_RECV_METHOD)(coding.encode_mark_recv_finished(11), timeout=5)
-    again = _inline(channel, coding.encode_request(1, key.full_key, 12))
-    assert coding.decode_response(again).value.tolist() == list(range(1000))
+    assert _inline(channel, messages.encode_request(1, key.full_key, 11, inline_max=0)) == b""
+    channel.unary_unary(RELEASE_RECV_METHOD)(messages.encode_mark_recv_finished(11), timeout=5)
+    again = _inline(channel, messages.encode_request(1, key.full_key, 12))
+    assert messages.decode_response(again).value.tolist() == list(range(1000))
 
 
 def test_inline_request_id_zero_is_always_answered_inline(
@@ -102,8 +82,8 @@ def test_inline_request_id_zero_is_always_answered_inline(
 ) -> None:
     key = make_key("zero")
     source.send(1, key, np.arange(1000, dtype=np.int64))
-    data = _inline(channel, coding.encode_request(1, key.full_key, 0, inline_max=0))
-    assert coding.decode_response(data).value.tolist() == list(range(1000))
+    data = _inline(channel, messages.encode_request(1, key.full_key, 0, inline_max=0))
+    assert messages.decode_response(data).value.tolist() == list(range(1000))
 
 
 def test_inline_acks_release_the_cache(
@@ -112,9 +92,9 @@ def test_inline_acks_release_the_cache(
     key = make_key("acks")
     source.send(1, key, np.array([1]))
     source.send(1, key, np.array([2]))
-    _inline(channel, coding.encode_request(1, key.full_key, 21))
+    _inline(channel, messages.encode_request(1, key.full_key, 21))
     assert server.stats()["cached"] == 1
-    _inline(channel, coding.encode_request(1, key.full_key, 22, finished=[21]))
+    _inline(channel, messages.encode_request(1, key.full_key, 22, finished=[21]))
     assert server.stats()["cached"] == 1  # 22's, until it is acked in turn
 
 
@@ -126,14 +106,14 @@ def test_client_small_value_costs_one_call(source: StepSource, server: RpcServer
         key = make_key("one-call")
         source.send(1, key, np.arange(3))
         before = server.stats()["calls"]
-        got = client.recv(server.address, 1, key, timeout=5)
+        got = pull(client, server.address, 1, key, timeout=5)
         assert got.value.tolist() == [0, 1, 2]
         assert got.value.flags.writeable
         assert server.stats()["calls"] - before == 1  # the Exchange link opens
         # The next values ride the open link: one stream message each, no new call.
         for i in range(3):
             source.send(1, key, np.array([i]))
-            assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [i]
+            assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [i]
         assert server.stats()["calls"] - before == 1
         assert client.stats()["links"] == 1
 
@@ -147,12 +127,12 @@ def test_client_large_value_is_streamed_after_the_inline_call(
         source.send(1, key, big)
         source.send(1, key, np.array([7.0]))
         before = server.stats()["calls"]
-        got = client.recv(server.address, 1, key, timeout=10)
+        got = pull(client, server.address, 1, key, timeout=10)
         np.testing.assert_array_equal(got.value, big)
         # Exchange (the link: "too large for me, fetch it"), then RecvTensorStream
         assert server.stats()["calls"] - before == 2
-        assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [7.0]
-        _wait_for(lambda: server.stats()["cached"] <= 1)
+        assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [7.0]
+        wait_for(lambda: server.stats()["cached"] <= 1)
 
 
 def test_client_acks_ride_on_the_next_request(source: StepSource, server: RpcServer) -> None:
@@ -160,17 +140,17 @@ def test_client_acks_ride_on_the_next_request(source: StepSource, server: RpcSer
         key = make_key("piggyback")
         for i in range(20):
             source.send(1, key, np.array([i]))
-            assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [i]
+            assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [i]
             # Each request carried the previous one's ack: at most the last one is cached.
             assert server.stats()["cached"] <= 1
-        _wait_for(lambda: server.stats()["cached"] == 0)  # the last goes on its own
+        wait_for(lambda: server.stats()["cached"] == 0)  # the last goes on its own
 
 
 def test_client_pending_receives_need_no_thread_each(source: StepSource, server: RpcServer) -> None:
     with RpcClient() as client:
         warm = make_key("warm")
         source.send(1, warm, np.array([0]))
-        client.recv(server.address, 1, warm, timeout=5)
+        pull(client, server.address, 1, warm, timeout=5)
         before = threading.active_count()
         results: list[tuple[BaseException | None, Received | None]] = []
         all_done = threading.Event()
@@ -185,7 +165,7 @@ def test_client_pending_receives_need_no_thread_each(source: StepSource, server:
         keys = [make_key(f"pending{i}") for i in range(32)]
         for key in keys:
             client.start_recv(server.address, 1, key, done, timeout=20)
-        _wait_for(lambda: source.pending_waiters(1) == 32)
+        wait_for(lambda: source.pending_waiters(1) == 32)
         assert threading.active_count() <= before + 2
         for i, key in enumerate(keys):
             source.send(1, key, np.array([i]))
@@ -204,7 +184,7 @@ def test_client_done_may_block_without_stalling_other_receives(
         finished = threading.Event()
 
         def done(error: BaseException | None, received: Received | None) -> None:
-            inner.append(client.recv(server.address, 1, second, timeout=5))
+            inner.append(pull(client, server.address, 1, second, timeout=5))
             finished.set()
 
         client.start_recv(server.address, 1, first, done, timeout=10)
@@ -221,7 +201,7 @@ def test_client_timeout_with_inline_removes_the_waiter(
     with RpcClient() as client:
         key = make_key("late")
         with pytest.raises(DeadlineExceededError, match="late"):
-            client.recv(server.address, 1, key, timeout=0.3)
-        _wait_for(lambda: source.pending_waiters(1) == 0)
+            pull(client, server.address, 1, key, timeout=0.3)
+        wait_for(lambda: source.pending_waiters(1) == 0)
         source.send(1, key, np.array([5]))
-        assert client.recv(server.address, 1, key, timeout=5).value.tolist() == [5]
+        assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [5]

@@ -6,22 +6,18 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import rpc_helpers
 from rpc_helpers import StepSource, make_key
 
 from shmrdv._received import Received
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.server import RpcServer
 
-
-@pytest.fixture
-def source() -> Iterator[StepSource]:
-    s = StepSource()
-    yield s
-    s.close()
+# Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
+source = rpc_helpers.source
 
 
 def _handoffs(client: RpcClient, source: StepSource, address: str, n: int) -> float:

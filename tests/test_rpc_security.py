@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from rpc_helpers import Pki, StepSource, make_key, make_pki
+import rpc_helpers
+from rpc_helpers import Pki, StepSource, make_key, make_pki, pull
 
 from shmrdv._errors import (
     DeadlineExceededError,
@@ -20,6 +21,9 @@ from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.security import TLSConfig, bearer_metadata, check_token, token_matches
 from shmrdv._rpc.server import RpcServer
 
+# Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
+source = rpc_helpers.source
+
 TOKEN = "s3cret-token"
 
 
@@ -30,13 +34,6 @@ def pki() -> Iterator[Pki]:
         if made is None:
             pytest.skip("neither the cryptography package nor the openssl CLI is available")
         yield made
-
-
-@pytest.fixture
-def source() -> Iterator[StepSource]:
-    s = StepSource()
-    yield s
-    s.close()
 
 
 # -- TLSConfig and token, pure --------------------------------------------------------------
@@ -111,7 +108,7 @@ def test_token_missing_is_unauthenticated(source: StepSource) -> None:
         with pytest.raises(UnauthenticatedError, match="missing or wrong shmrdv token"):
             client.get_status(server.address)
         with pytest.raises(UnauthenticatedError, match=server.address):
-            client.recv(server.address, 1, make_key("t"), timeout=5)
+            pull(client, server.address, 1, make_key("t"), timeout=5)
         assert source.pending_waiters(1) == 0  # refused before the handler ran
 
 
@@ -121,14 +118,14 @@ def test_token_wrong_is_unauthenticated(source: StepSource) -> None:
         RpcClient(token="wrong") as client,
         pytest.raises(UnauthenticatedError, match="missing or wrong shmrdv token"),
     ):
-        client.recv_unary(server.address, 1, make_key("t"), timeout=5)
+        client.get_status(server.address, timeout=5)
 
 
 def test_token_correct_works(source: StepSource) -> None:
     key = make_key("t")
     with RpcServer("127.0.0.1:0", source, token=TOKEN) as server, RpcClient(token=TOKEN) as client:
         source.send(1, key, np.arange(5))
-        got = client.recv(server.address, 1, key, timeout=5)
+        got = pull(client, server.address, 1, key, timeout=5)
         assert got.value.tolist() == [0, 1, 2, 3, 4]
         assert client.get_status(server.address)[0].device_type == "CPU"
 
@@ -145,7 +142,7 @@ def test_tls_server_and_client_work(source: StepSource, pki: Pki) -> None:
         RpcClient(tls=client_tls, token=TOKEN) as client,
     ):
         source.send(3, key, np.eye(3, dtype=np.float32))
-        got = client.recv(server.address, 3, key, timeout=10)
+        got = pull(client, server.address, 3, key, timeout=10)
         np.testing.assert_array_equal(got.value, np.eye(3, dtype=np.float32))
 
 
@@ -178,7 +175,7 @@ def test_mtls_without_client_certificate_fails(source: StepSource, pki: Pki) -> 
             client.get_status(server.address, timeout=5)
         # The retrying stream path gives up at the caller's timeout, saying why.
         with pytest.raises(DeadlineExceededError, match="unavailable"):
-            client.recv(server.address, 1, make_key("m"), timeout=0.5)
+            pull(client, server.address, 1, make_key("m"), timeout=0.5)
 
 
 def test_tls_plaintext_client_fails_unavailable(source: StepSource, pki: Pki) -> None:

@@ -9,17 +9,18 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+import rpc_helpers
+from helpers import wait_for
 from rpc_helpers import INCARNATION, TASK, StepSource, make_key
 
 from shmrdv._errors import InvalidArgumentError, UnavailableError
 from shmrdv._keys import ParsedKey
-from shmrdv._rpc import coding
+from shmrdv._rpc import assembly, messages
 from shmrdv._rpc.methods import (
     GET_STATUS_METHOD,
     MARK_RECV_FINISHED_METHOD,
@@ -30,31 +31,17 @@ from shmrdv._rpc.methods import (
 from shmrdv._rpc.proto import types_pb2, worker_pb2
 from shmrdv._rpc.server import RpcServer
 
+# Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
+source = rpc_helpers.source
+server = rpc_helpers.server
+channel = rpc_helpers.channel
+
 _OPTIONS = [("grpc.max_receive_message_length", 2**31 - 1)]
-
-
-@pytest.fixture
-def source() -> Iterator[StepSource]:
-    s = StepSource()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def server(source: StepSource) -> Iterator[RpcServer]:
-    with RpcServer("127.0.0.1:0", source, chunk_bytes=64 << 10) as srv:
-        yield srv
-
-
-@pytest.fixture
-def channel(server: RpcServer) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(server.address, _OPTIONS) as ch:
-        yield ch
 
 
 def _request(step_id: int, key: ParsedKey | str, request_id: int = 0) -> bytes:
     text = key if isinstance(key, str) else key.full_key
-    return coding.encode_request(step_id, text, request_id)
+    return messages.encode_request(step_id, text, request_id)
 
 
 def _unary(channel: grpc.Channel) -> Any:
@@ -62,14 +49,7 @@ def _unary(channel: grpc.Channel) -> Any:
 
 
 def _value(data: bytes) -> list[Any]:
-    return list(coding.decode_response(data).value.tolist())
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
+    return list(messages.decode_response(data).value.tolist())
 
 
 # -- lifecycle -----------------------------------------------------------------------------------
@@ -119,7 +99,7 @@ def test_server_stop_is_idempotent_and_leaves_no_threads(source: StepSource) -> 
     srv.close()
     del srv
     gc.collect()
-    _wait_for(lambda: threading.active_count() == before)
+    wait_for(lambda: threading.active_count() == before)
 
 
 def test_server_stop_fails_waiting_calls_quickly(source: StepSource) -> None:
@@ -127,7 +107,7 @@ def test_server_stop_fails_waiting_calls_quickly(source: StepSource) -> None:
     key = make_key("never")
     with grpc.insecure_channel(srv.address, _OPTIONS) as ch:
         fut = _unary(ch).future(_request(1, key), timeout=30)
-        _wait_for(lambda: source.pending_waiters(1) == 1)
+        wait_for(lambda: source.pending_waiters(1) == 1)
         t0 = time.monotonic()
         srv.stop()
         with pytest.raises(grpc.RpcError) as info:
@@ -172,7 +152,7 @@ def test_recv_tensor_round_trips_values(
 ) -> None:
     key = make_key("v")
     source.send(2, key, value)
-    decoded = coding.decode_response(_unary(channel)(_request(2, key), timeout=5))
+    decoded = messages.decode_response(_unary(channel)(_request(2, key), timeout=5))
     assert decoded.value.dtype == value.dtype and decoded.value.shape == value.shape
     np.testing.assert_array_equal(decoded.value, value)
 
@@ -197,10 +177,10 @@ def test_get_status_lists_cpu_device(channel: grpc.Channel) -> None:
 def test_recv_tensor_waits_for_send(source: StepSource, channel: grpc.Channel) -> None:
     key = make_key("later")
     fut = _unary(channel).future(_request(1, key), timeout=10)
-    _wait_for(lambda: source.pending_waiters(1) == 1)
+    wait_for(lambda: source.pending_waiters(1) == 1)
     assert not fut.done()
     source.send(1, key, np.array([42]))
-    assert coding.decode_response(fut.result(timeout=5)).value.tolist() == [42]
+    assert messages.decode_response(fut.result(timeout=5)).value.tolist() == [42]
 
 
 def test_recv_tensor_deadline_removes_waiter(source: StepSource, channel: grpc.Channel) -> None:
@@ -208,7 +188,7 @@ def test_recv_tensor_deadline_removes_waiter(source: StepSource, channel: grpc.C
     with pytest.raises(grpc.RpcError) as info:
         _unary(channel)(_request(1, key), timeout=0.3)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_for(lambda: source.pending_waiters(1) == 0)
+    wait_for(lambda: source.pending_waiters(1) == 0)
     source.send(1, key, np.array([1]))  # not swallowed by the expired waiter
     assert _value(_unary(channel)(_request(1, key), timeout=5)) == [1]
 
@@ -216,9 +196,9 @@ def test_recv_tensor_deadline_removes_waiter(source: StepSource, channel: grpc.C
 def test_recv_tensor_cancel_removes_waiter(source: StepSource, channel: grpc.Channel) -> None:
     key = make_key("cancelled")
     fut = _unary(channel).future(_request(1, key), timeout=10)
-    _wait_for(lambda: source.pending_waiters(1) == 1)
+    wait_for(lambda: source.pending_waiters(1) == 1)
     assert fut.cancel()
-    _wait_for(lambda: source.pending_waiters(1) == 0)
+    wait_for(lambda: source.pending_waiters(1) == 0)
     source.send(1, key, np.array([5]))
     assert _value(_unary(channel)(_request(1, key), timeout=5)) == [5]
 
@@ -239,7 +219,7 @@ def test_recv_tensor_cleanup_while_waiting_aborts(
     source: StepSource, channel: grpc.Channel
 ) -> None:
     fut = _unary(channel).future(_request(4, make_key("x")), timeout=10)
-    _wait_for(lambda: source.pending_waiters(4) == 1)
+    wait_for(lambda: source.pending_waiters(4) == 1)
     source.cleanup(4)
     with pytest.raises(grpc.RpcError) as info:
         fut.result(timeout=5)
@@ -291,12 +271,12 @@ def test_recv_tensor_retry_is_served_from_cache(source: StepSource, channel: grp
     source.send(1, key, np.array([4, 5, 6]))
     first = _unary(channel)(_request(1, key, request_id=77), timeout=5)
     second = _unary(channel)(_request(1, key, request_id=77), timeout=5)
-    assert coding.decode_response(first).value.tolist() == [1, 2, 3]
-    assert coding.decode_response(second).value.tolist() == [1, 2, 3]
+    assert messages.decode_response(first).value.tolist() == [1, 2, 3]
+    assert messages.decode_response(second).value.tolist() == [1, 2, 3]
     assert worker_pb2.RecvTensorResponse.FromString(first).require_ack
     # A new request_id takes the next value.
     third = _unary(channel)(_request(1, key, request_id=78), timeout=5)
-    assert coding.decode_response(third).value.tolist() == [4, 5, 6]
+    assert messages.decode_response(third).value.tolist() == [4, 5, 6]
 
 
 def test_recv_tensor_duplicate_while_waiting_joins(
@@ -304,13 +284,13 @@ def test_recv_tensor_duplicate_while_waiting_joins(
 ) -> None:
     key = make_key("dup")
     a = _unary(channel).future(_request(1, key, request_id=5), timeout=10)
-    _wait_for(lambda: source.pending_waiters(1) == 1)
+    wait_for(lambda: source.pending_waiters(1) == 1)
     b = _unary(channel).future(_request(1, key, request_id=5), timeout=10)
     time.sleep(0.1)
     assert source.pending_waiters(1) == 1  # joined, not a second waiter
     source.send(1, key, np.array([9]))
-    assert coding.decode_response(a.result(timeout=5)).value.tolist() == [9]
-    assert coding.decode_response(b.result(timeout=5)).value.tolist() == [9]
+    assert messages.decode_response(a.result(timeout=5)).value.tolist() == [9]
+    assert messages.decode_response(b.result(timeout=5)).value.tolist() == [9]
 
 
 def test_mark_recv_finished_releases_the_cached_response(
@@ -352,7 +332,7 @@ def test_stream_sends_bounded_chunks(source: StepSource, channel: grpc.Channel) 
     key = make_key("big")
     value = np.random.default_rng(0).random((1000, 300))  # 2.4 MB in 64 KiB chunks
     source.send(1, key, value)
-    assembler = coding.StreamAssembler()
+    assembler = assembly.StreamAssembler()
     sizes = []
     for message in channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(_request(1, key), timeout=10):
         sizes.append(len(message))
@@ -375,11 +355,13 @@ def test_server_many_waiting_calls_need_no_threads(
     before = threading.active_count()
     keys = [make_key(f"k{i}") for i in range(64)]
     futs = [_unary(channel).future(_request(1, k), timeout=20) for k in keys]
-    _wait_for(lambda: source.pending_waiters(1) == 64)
+    wait_for(lambda: source.pending_waiters(1) == 64)
     assert threading.active_count() <= before + 2  # gRPC's own channel thread at most
     for i, k in enumerate(keys):
         source.send(1, k, np.array([i]))
-    assert [coding.decode_response(f.result(timeout=10)).value[0] for f in futs] == list(range(64))
+    assert [messages.decode_response(f.result(timeout=10)).value[0] for f in futs] == list(
+        range(64)
+    )
 
 
 def test_drop_step_forgets_cached_responses(
@@ -393,7 +375,7 @@ def test_drop_step_forgets_cached_responses(
     time.sleep(0.05)
     assert server.stats()["cached"] == 1
     server.drop_step(6)
-    _wait_for(lambda: server.stats()["cached"] == 0)
+    wait_for(lambda: server.stats()["cached"] == 0)
 
 
 def test_stream_cancelled_mid_way_gives_the_value_back(
@@ -405,9 +387,9 @@ def test_stream_cancelled_mid_way_gives_the_value_back(
     call = channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(_request(1, key), timeout=10)
     next(call)  # the header: the value was taken
     call.cancel()
-    _wait_for(lambda: server.stats()["requeued"] == 1)
+    wait_for(lambda: server.stats()["requeued"] == 1)
     data = _unary(channel)(_request(1, key), timeout=10)  # no request_id: a fresh call
-    np.testing.assert_array_equal(coding.decode_response(data).value, value)
+    np.testing.assert_array_equal(messages.decode_response(data).value, value)
 
 
 def test_stream_cancelled_mid_way_is_kept_for_a_retry(
@@ -420,7 +402,7 @@ def test_stream_cancelled_mid_way_is_kept_for_a_retry(
     call = stream(_request(1, key, request_id=99), timeout=10)
     next(call)
     call.cancel()
-    assembler = coding.StreamAssembler()
+    assembler = assembly.StreamAssembler()
     for message in stream(_request(1, key, request_id=99), timeout=10):
         assembler.feed(message)
     np.testing.assert_array_equal(assembler.result(), value)
@@ -440,9 +422,9 @@ def test_expired_undelivered_value_goes_back(source: StepSource) -> None:
         )
         next(call)
         call.cancel()
-        _wait_for(lambda: srv.stats()["requeued"] == 1)  # no other call needed
+        wait_for(lambda: srv.stats()["requeued"] == 1)  # no other call needed
         np.testing.assert_array_equal(
-            coding.decode_response(_unary(ch)(_request(1, key), timeout=10)).value, value
+            messages.decode_response(_unary(ch)(_request(1, key), timeout=10)).value, value
         )
 
 
@@ -457,10 +439,10 @@ def test_release_recv_gives_a_parked_value_back(
     )
     next(call)
     call.cancel()  # parked in the cache for a retry...
-    _wait_for(lambda: server.stats()["waiting"] == 0)
-    release = coding.encode_mark_recv_finished(8)
+    wait_for(lambda: server.stats()["waiting"] == 0)
+    release = messages.encode_mark_recv_finished(8)
     channel.unary_unary(RELEASE_RECV_METHOD)(release, timeout=5)  # ...until released
     assert server.stats()["requeued"] == 1
     np.testing.assert_array_equal(
-        coding.decode_response(_unary(channel)(_request(1, key), timeout=10)).value, value
+        messages.decode_response(_unary(channel)(_request(1, key), timeout=10)).value, value
     )

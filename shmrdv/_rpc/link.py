@@ -27,8 +27,9 @@ import grpc
 
 from .._errors import RendezvousError, ResourceExhaustedError
 from .._status import error_for_code
-from . import coding
+from . import messages
 from .methods import EXCHANGE_METHOD
+from .rpc_errors import error_code, error_details
 
 __all__ = ["Link", "Want"]
 
@@ -49,7 +50,7 @@ class Want(Protocol):
         """The want's request bytes carrying ``acks``; None: it is over (post nothing)."""
 
     def link_value(self, data: bytes) -> None:
-        """Its value arrived (a RecvTensorResponse, ``coding.encode_link_value``)."""
+        """Its value arrived (a RecvTensorResponse, ``messages.encode_link_value``)."""
 
     def link_fetch(self) -> None:
         """Too large for the stream: fetch it with RecvTensorInline under request_id."""
@@ -127,7 +128,7 @@ class Link:
 
     def send_acks(self, acks: Sequence[int]) -> bool:
         """Post an acks-only message; False if the link is over."""
-        return self.send(coding.encode_request(0, "", 0, finished=acks))
+        return self.send(messages.encode_request(0, "", 0, finished=acks))
 
     def send(self, request: bytes) -> bool:
         """Post ``request`` (acks, a cancel) if the stream is open; False if not."""
@@ -189,7 +190,7 @@ class Link:
                 if error is None:
                     code, details = grpc.StatusCode.UNAVAILABLE, "the producer ended the stream"
                 else:
-                    code, details = _code(error), _details(error)
+                    code, details = error_code(error), error_details(error)
                 if code == grpc.StatusCode.UNIMPLEMENTED:
                     self._end_all(lambda w: w.link_unsupported())
                     return
@@ -247,7 +248,7 @@ class Link:
 
     def _reply(self, data: bytes) -> None:
         try:
-            reply = coding.decode_link_reply(data)
+            reply = messages.decode_link_reply(data)
         except RendezvousError:
             _log.warning("a bad Exchange reply from %s was ignored", self.address)
             return
@@ -282,13 +283,3 @@ class Link:
                 tell(want)
             except Exception:
                 _log.exception("ending a want on the link to %s failed", self.address)
-
-
-def _details(e: grpc.RpcError) -> str:
-    details = e.details() if hasattr(e, "details") else None
-    return details or str(e)
-
-
-def _code(e: grpc.RpcError) -> grpc.StatusCode:
-    code = e.code() if hasattr(e, "code") else None
-    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN

@@ -40,14 +40,14 @@ RELEASE_RECV_METHOD: Final = f"/{SHMRDV_SERVICE}/ReleaseRecv"
 # A long-lived stream per consumer and producer. The consumer writes RecvTensorRequests
 # (what it wants, acks, cancels: extension fields 1001-1004); the producer answers each
 # request_id with one RecvTensorResponse as soon as the value is sent
-# (coding.encode_link_value / _error / _fetch): a tensor costs one stream message, no new
+# (messages.encode_link_value / _error / _fetch): a tensor costs one stream message, no new
 # call and no handler wake-up (issue 12).
 EXCHANGE_METHOD: Final = f"/{SHMRDV_SERVICE}/Exchange"
 
 # research/pitfalls.md §6: stream in chunks of at most 4 MiB (gRPC's default receive limit).
 DEFAULT_CHUNK_BYTES: Final = 4 << 20
 # RecvTensorInline answers tensors up to this size in its one response when the request
-# does not say (a request may ask for more, up to coding.MAX_INLINE_BYTES); larger ones
+# does not say (a request may ask for more, up to tensors.MAX_INLINE_BYTES); larger ones
 # are streamed in chunks on a thread of their own: measured on loopback, 256 MiB as one
 # message took 2.6-3.8 s against 1.5 s streamed in 4 MiB chunks, 16 MiB about the same.
 DEFAULT_INLINE_MAX: Final = 1 << 20

@@ -1,0 +1,191 @@
+"""Ack handling: telling servers which responses arrived (TensorFlow's MarkRecvFinished).
+
+An ack rides on the next want or request to the same peer (``take``); one that none
+takes within ``_ACK_DELAY`` goes on its own, on the peer's Exchange link when it is open,
+else as a ``MarkRecvFinished`` call (``notify``), so that the server's response cache
+drops the delivered value now rather than when it expires. Closing sends what is left,
+waiting at most ``_CLOSE_ACK_WAIT``.
+
+Thread model: the queues are guarded by one condition; one daemon thread
+("shmrdv-rpc-acks"), started with the first ack, sends the late ones. It sleeps until
+woken after a period without acks, so an idle client costs nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from . import messages
+from .link import Link
+from .methods import MARK_RECV_FINISHED_METHOD
+
+__all__ = ["AckQueue", "notify"]
+
+_ACK_TIMEOUT = 5.0
+# An ack not piggybacked on a request to the same peer within this time goes on its own
+# (MarkRecvFinished), so that the server's cache does not hold the value until it expires.
+# Closing waits this long (s) at most for the acks it sends.
+_CLOSE_ACK_WAIT = 1.0
+_ACK_DELAY = 0.05
+
+#: Where an ack for a peer can go: its channel and its Exchange link, each if open.
+Route = Callable[[str], tuple[grpc.Channel | None, Link | None]]
+
+
+def notify(
+    channel: grpc.Channel, method: str, request_id: int, metadata: Sequence[tuple[str, str]]
+) -> Any:
+    """Tell the server, without waiting, that ``request_id`` is done with; return the
+    call's future (None if the channel is closed), for a caller that wants to wait.
+
+    ``MarkRecvFinished`` (TensorFlow): the value arrived, drop the cached response.
+    ``ReleaseRecv`` (shmrdv): the call was cancelled, give back a value taken for it.
+    """
+    request = messages.encode_mark_recv_finished(request_id)
+    try:
+        fut = channel.unary_unary(method).future(request, timeout=_ACK_TIMEOUT, metadata=metadata)
+    except (ValueError, grpc.RpcError):  # the channel was closed meanwhile
+        return None
+    # The answer does not matter: the cache entry also expires on its own.
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
+
+
+class AckQueue:
+    """The acks (request_ids whose responses arrived) per peer, oldest first.
+
+    Args:
+        metadata: the call metadata (the token) of acks sent on their own.
+        route: where a peer's late acks go (``Route``).
+    """
+
+    def __init__(self, metadata: Sequence[tuple[str, str]], route: Route) -> None:
+        self._metadata = metadata
+        self._route = route
+        self._cond = threading.Condition(threading.Lock())
+        self._acks: dict[str, deque[tuple[int, float]]] = {}
+        self._acker: threading.Thread | None = None
+        self._acker_idle = False
+        self._closed = False
+
+    def ack(self, address: str, request_id: int) -> None:
+        """The response of ``request_id`` arrived: tell the server, cheaply."""
+        with self._cond:
+            if self._closed:
+                return
+            self._acks.setdefault(address, deque()).append((request_id, time.monotonic()))
+            if self._acker is None:
+                self._acker = threading.Thread(
+                    target=self._send_late_acks, name="shmrdv-rpc-acks", daemon=True
+                )
+                try:
+                    self._acker.start()
+                except RuntimeError:  # no thread: the server's cache expires them instead
+                    self._acker = None
+            elif self._acker_idle:
+                # Only an idle acker needs waking; a busy one looks every _ACK_DELAY (a
+                # wake-up per receive would cost a receive a thread switch).
+                self._acker_idle = False
+                self._cond.notify()
+
+    def take(self, address: str) -> list[int]:
+        """The acks to piggyback on a request to ``address`` (they leave the queue)."""
+        with self._cond:
+            pending = self._acks.get(address)
+            if not pending:
+                return []
+            n = min(len(pending), messages.MAX_ACKS)  # what a server takes from one request
+            taken = [pending.popleft()[0] for _ in range(n)]
+            if not pending:
+                del self._acks[address]
+        return taken
+
+    def give_back(self, address: str, acks: list[int]) -> None:
+        """A request that carried ``acks`` failed: they go with a later one."""
+        if acks:
+            now = time.monotonic()
+            with self._cond:
+                if not self._closed:
+                    self._acks.setdefault(address, deque()).extendleft(
+                        (rid, now) for rid in reversed(acks)
+                    )
+                    self._cond.notify()
+
+    def close(self, join_timeout: float) -> list[tuple[str, int]]:
+        """Stop taking acks and join the acker thread; the acks not yet sent."""
+        with self._cond:
+            self._closed = True
+            unsent = [(a, rid) for a, q in self._acks.items() for rid, _ in q]
+            self._acks.clear()
+            self._cond.notify_all()
+            acker = self._acker
+        if acker is not None and acker is not threading.current_thread():
+            acker.join(join_timeout)
+        return unsent
+
+    def flush(self, unsent: list[tuple[str, int]], channels: dict[str, grpc.Channel]) -> None:
+        """Closing: send the acks no request took yet, waiting at most ``_CLOSE_ACK_WAIT``,
+        so that servers drop the delivered values now rather than when their cache expires."""
+        calls = [
+            call
+            for address, rid in unsent
+            if (channel := channels.get(address)) is not None
+            and (call := notify(channel, MARK_RECV_FINISHED_METHOD, rid, self._metadata))
+            is not None
+        ]
+        deadline = time.monotonic() + _CLOSE_ACK_WAIT
+        for call in calls:
+            try:
+                call.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # timed out or cancelled: the server's cache expires it
+                call.cancel()
+
+    def _send_late_acks(self) -> None:
+        """The acker thread: sends acks no request took within ``_ACK_DELAY``.
+
+        It looks every ``_ACK_DELAY`` while acks come, and sleeps until woken after a
+        period that had none.
+        """
+        quiet = False
+        while True:
+            due: list[tuple[str, int]] = []
+            with self._cond:
+                while not due:
+                    if self._closed:
+                        return
+                    now = time.monotonic()
+                    oldest = min((q[0][1] for q in self._acks.values() if q), default=None)
+                    if oldest is None and quiet:
+                        self._acker_idle = True
+                        self._cond.wait()
+                        self._acker_idle = quiet = False
+                    elif oldest is None:
+                        quiet = True
+                        self._cond.wait(_ACK_DELAY)
+                    elif oldest + _ACK_DELAY > now:
+                        quiet = False
+                        self._cond.wait(oldest + _ACK_DELAY - now)
+                    else:
+                        for address, q in list(self._acks.items()):
+                            while q and q[0][1] + _ACK_DELAY <= now:
+                                due.append((address, q.popleft()[0]))
+                            if not q:
+                                del self._acks[address]
+            by_address: dict[str, list[int]] = {}
+            for address, rid in due:
+                by_address.setdefault(address, []).append(rid)
+            for address, rids in by_address.items():
+                channel, link = self._route(address)
+                for start in range(0, len(rids), messages.MAX_ACKS):
+                    chunk = rids[start : start + messages.MAX_ACKS]
+                    if link is not None and link.send_acks(chunk):
+                        continue  # on the stream: no call of its own
+                    if channel is not None:
+                        for rid in chunk:
+                            notify(channel, MARK_RECV_FINISHED_METHOD, rid, self._metadata)
