@@ -156,6 +156,7 @@ def test_registry_has_the_peers() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     tag = f"SHMRDV_BENCH_TEST_TAG={uuid.uuid4().hex}"
@@ -245,6 +246,7 @@ def test_modes_are_separate_runs() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
     out = tmp_path / "g.json"
     # grpc_unary is the push's old name; the pull is added as its baseline.
@@ -272,6 +274,7 @@ def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_pending_compares_with_no_pending_in_the_same_run(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     args = ("--sizes=64", "--reps=1", "--budget=0.02", "--idle-seconds=0", "--no-baselines")
@@ -293,6 +296,7 @@ def test_pending_compares_with_no_pending_in_the_same_run(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_fan_in_measures_send_and_allocate_against_memcpy(tmp_path: Path) -> None:
     out = tmp_path / "f.json"
     proc = run_bench("--fan-in=2", "--sizes=64k", "--fan-in-count=6", "--reps=1", f"--json={out}")

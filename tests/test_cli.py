@@ -48,6 +48,7 @@ def test_cli_namespace_prints_a_token() -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_cli_demo_runs_checks_and_leaves_nothing() -> None:
     proc = run("demo", "--frames", "40", "--size", "256k", "--stages", "2", timeout=170)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -58,6 +59,7 @@ def test_cli_demo_runs_checks_and_leaves_nothing() -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_cli_demo_two_hosts_over_grpc() -> None:
     proc = run(
         "demo",
@@ -191,6 +193,7 @@ def test_cli_ls_with_many_objects_into_head_exits_quietly() -> None:
     assert piped.stdout.strip() == "141"
 
 
+@pytest.mark.slow
 def test_cli_ls_and_gc_see_only_dead_namespaces() -> None:
     ns_live = shmrdv.new_namespace()
     with shmrdv.Worker("/job:cli/task:0", namespace=ns_live):

@@ -99,6 +99,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_runtime_needs_no_protobuf(tmp_path: Path) -> None:
     script = tmp_path / "no_protobuf.py"
     script.write_text(_NO_PROTOBUF, encoding="utf-8")

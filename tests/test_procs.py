@@ -108,6 +108,7 @@ def test_sigterm_unwinds_the_child_so_its_finally_blocks_run(tmp_path: object) -
     child.close()
 
 
+@pytest.mark.slow
 def test_a_child_dies_with_its_parent() -> None:
     with Child("middle", _middle, daemon=False) as middle:
         _, grandchild = middle.expect("pid", 60)

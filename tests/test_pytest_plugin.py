@@ -54,6 +54,7 @@ def test_clean(shmrdv_namespace):
 """
 
 
+@pytest.mark.slow
 def test_plugin_leak_check_off_by_default(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(USER_TESTS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
@@ -66,6 +67,7 @@ def test_plugin_leak_check_off_by_default(pytester: pytest.Pytester) -> None:
         os.unlink(path)
 
 
+@pytest.mark.slow
 def test_plugin_leak_check_fails_the_leaking_test(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(USER_TESTS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--shmrdv")

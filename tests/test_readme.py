@@ -48,6 +48,7 @@ def test_readme_has_python_examples() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
+@pytest.mark.slow
 def test_readme_example_runs(index: int, tmp_path: Path) -> None:
     block = _python_blocks()[index]
     if re.search(r"^import torch$", block, re.M):

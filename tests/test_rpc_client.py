@@ -333,6 +333,7 @@ sys.stdin.read()
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.slow
 def test_client_server_killed_mid_stream_is_unavailable() -> None:
     # inline_max=0: streamed in chunks (a 64 MiB tensor would otherwise come in one message).
     client = RpcClient(inline_max=0)

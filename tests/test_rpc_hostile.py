@@ -91,6 +91,7 @@ def test_waiting_calls_are_bounded_in_total(source: StepSource) -> None:
             assert pull(client, server.address, 1, make_key("after"), timeout=10).value[0] == 5
 
 
+@pytest.mark.slow
 def test_a_call_without_deadline_waits_at_most_max_wait(source: StepSource) -> None:
     with (
         RpcServer("127.0.0.1:0", source, max_wait=0.5) as server,
@@ -114,6 +115,7 @@ def test_a_call_without_deadline_waits_at_most_max_wait(source: StepSource) -> N
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_an_ack_flood_does_not_slow_a_legitimate_call(source: StepSource) -> None:
     """Each ack costs O(1): with 2,000 parked calls, 20 requests of 1,024 acks each used
     to scan the cache 20,480 times in the server's one event loop."""
@@ -217,6 +219,7 @@ for line in sys.stdin:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_idle_connections_are_shed_under_a_descriptor_limit() -> None:
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD.format(repo=_REPO, tests=_TESTS)],

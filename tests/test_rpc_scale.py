@@ -49,6 +49,7 @@ def _handoffs(client: RpcClient, source: StepSource, address: str, n: int) -> fl
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_ten_thousand_pending_receives_do_not_slow_a_handoff(source: StepSource) -> None:
     with RpcServer("127.0.0.1:0", source) as server, RpcClient() as client:
         before = _handoffs(client, source, server.address, 60)

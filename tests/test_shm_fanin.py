@@ -29,6 +29,7 @@ def _send_many(worker: shmrdv.Worker, task: int, n: int) -> int:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_fanin_producers_with_equal_incarnations_all_arrive() -> None:
     """Four producers (tasks 0-3) all made with incarnation=1: pool slots, held/returned
     names, rings, doorbells and presence records carry the task, so nothing collides."""

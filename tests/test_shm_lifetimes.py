@@ -108,6 +108,7 @@ def test_lifetime_consumer_cleanup_frees_unreceived(ns: str) -> None:
         assert "m" not in kinds(ns)
 
 
+@pytest.mark.slow
 def test_lifetime_consumer_exit_holding_array_leaves_nothing(ns: str) -> None:
     """A consumer process that ends while holding received arrays leaves no ``held`` name."""
     with ChildWorker(PRODUCER, namespace=ns) as producer:
@@ -187,6 +188,7 @@ def test_lifetime_recv_fails_unavailable_when_producer_dies(ns: str, delay: floa
         consumer.cleanup(1)
 
 
+@pytest.mark.slow
 def test_lifetime_stopped_producer_is_not_dead(ns: str) -> None:
     with (
         shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
@@ -250,6 +252,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_lifetime_ls_and_gc_remove_only_dead_namespaces() -> None:
     dead, live = shmrdv.new_namespace(), shmrdv.new_namespace()
     try:

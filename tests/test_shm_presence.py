@@ -317,6 +317,7 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+@pytest.mark.slow
 def test_liveness_fds_flat_over_many_jobs_in_one_process() -> None:
     """Each job's liveness descriptors go with its workers (issue 11: +40 fds after 40 jobs).
 

@@ -370,6 +370,7 @@ def test_zero_copy_allocate_send_publishes_without_copy() -> None:
 # -- §4 notification -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_notify_blocked_recv_does_not_spin() -> None:
     ns = shmrdv.new_namespace()
     with ChildWorker(CONSUMER, namespace=ns) as consumer:
@@ -380,6 +381,7 @@ def test_notify_blocked_recv_does_not_spin() -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_notify_10000_pending_futures_few_threads() -> None:
     n = 10_000
     ns = shmrdv.new_namespace()

@@ -136,6 +136,7 @@ def _recv_error(rdv: shmrdv.Rendezvous, k: str) -> BaseException:
     raise AssertionError("recv returned a value")
 
 
+@pytest.mark.slow
 def test_worker_tombstones_are_bounded(worker: shmrdv.Worker) -> None:
     for step in range(_TOMBSTONES + 10):
         worker.cleanup(step)
