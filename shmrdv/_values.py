@@ -9,7 +9,13 @@ import numpy.typing as npt
 
 from ._errors import InvalidArgumentError
 
-__all__ = ["MAX_ELEMENTS", "MAX_ZERO_ITEM_ELEMENTS", "check_value", "shape_problem"]
+__all__ = [
+    "MAX_ELEMENTS",
+    "MAX_ZERO_ITEM_ELEMENTS",
+    "as_ndarray",
+    "check_value",
+    "shape_problem",
+]
 
 #: The most elements any tensor may have, whatever its item size (2**40: 4 TiB of float32).
 #: A peer's header or wire message is checked against it before anything is allocated or
@@ -20,6 +26,22 @@ MAX_ELEMENTS = 1 << 40
 MAX_ZERO_ITEM_ELEMENTS = 1 << 24
 
 
+def as_ndarray(value: object, verb: str, where: str = "") -> npt.NDArray[Any]:
+    """``value`` if it is an ndarray, a numpy scalar as a 0-d array; else raise.
+
+    The ``InvalidArgumentError`` reads "cannot <verb> a <type><where>: only numpy arrays …".
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    raise InvalidArgumentError(
+        f"cannot {verb} a {kind}{where}: only numpy arrays (or numpy scalars) are accepted; "
+        "wrap it with numpy.asarray(...)"
+    )
+
+
 def check_value(value: object, key: str) -> npt.NDArray[Any]:
     """Return ``value`` as an ndarray, or raise ``InvalidArgumentError`` saying why not.
 
@@ -27,15 +49,7 @@ def check_value(value: object, key: str) -> npt.NDArray[Any]:
     (as 0-d arrays). Refuses dtypes that hold Python objects, at any depth of a
     structured dtype: their bytes are pointers, meaningless in another process.
     """
-    if isinstance(value, np.ndarray):
-        arr = value
-    elif isinstance(value, np.generic):
-        arr = np.asarray(value)
-    else:
-        raise InvalidArgumentError(
-            f"cannot send a {type(value).__module__}.{type(value).__qualname__} under key {key!r}: "
-            "only numpy arrays (or numpy scalars) are sent; wrap it with numpy.asarray(...)"
-        )
+    arr = as_ndarray(value, "send", f" under key {key!r}")
     problem = shape_problem(arr.shape, arr.dtype.itemsize)
     if problem is not None:
         raise InvalidArgumentError(f"cannot send this array under key {key!r}: {problem}")

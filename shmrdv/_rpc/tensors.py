@@ -55,7 +55,7 @@ import numpy.typing as npt
 
 from .._dtypes import decode_dtype, encode_dtype
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
-from .._values import shape_problem
+from .._values import as_ndarray, shape_problem
 from .wire import (
     LEN,
     VARINT,
@@ -327,14 +327,8 @@ def dtype_from_descriptor(text: str) -> np.dtype[Any]:
 
 
 def as_array(value: object) -> npt.NDArray[Any]:
-    if isinstance(value, np.ndarray):
-        arr = value
-    elif isinstance(value, np.generic):
-        arr = np.asarray(value)
-    else:
-        raise InvalidArgumentError(
-            f"cannot encode a {type(value).__qualname__}: only numpy arrays are encoded"
-        )
+    """``value`` as an array the wire can carry (no Python objects), else raise."""
+    arr = as_ndarray(value, "encode")
     _refuse_object(arr.dtype, "an array")
     return arr
 
