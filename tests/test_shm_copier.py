@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,3 +142,30 @@ def test_helpers_share_one_budget_across_processes() -> None:
         assert 1 <= len(got) <= copier.machine_budget()
     finally:
         copier._tokens.give(got)
+
+
+def test_budget_file_planted_or_loosened_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The budget's name is predictable (one per uid): whatever stands there must be a
+    # regular file of this user with mode 0600, or the copier counts on no helper.
+    if copier.machine_budget() == 0:
+        pytest.skip("one CPU: no helper budget to take")
+    path = tmp_path / "copiers-{uid}"
+    real = str(path).format(uid=os.geteuid())
+    monkeypatch.setattr(copier, "_TOKENS_PATH", str(path))
+
+    os.symlink(tmp_path / "elsewhere", real)
+    assert copier._Tokens().take(1, check_load=False) == []
+    os.unlink(real)
+
+    fd = os.open(real, os.O_CREAT | os.O_WRONLY, 0o644)
+    os.fchmod(fd, 0o644)
+    os.close(fd)
+    assert copier._Tokens().take(1, check_load=False) == []
+    os.unlink(real)
+
+    ours = copier._Tokens()
+    got = ours.take(1, check_load=False)
+    assert got == [0]
+    ours.give(got)

@@ -30,12 +30,13 @@ import fcntl
 import logging
 import os
 import queue
-import stat
 import threading
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from .ownership import OPEN_FLAGS, is_ours
 
 __all__ = ["PARALLEL_MIN", "copy_into", "helpers", "machine_budget"]
 
@@ -69,7 +70,7 @@ def machine_budget() -> int:
 
 
 _TOKENS_PATH = "/dev/shm/.shmrdv-copiers-{uid}"
-_TOKENS_OPEN = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_TOKENS_OPEN = os.O_RDWR | os.O_CREAT | OPEN_FLAGS
 
 
 class _Tokens:
@@ -95,7 +96,7 @@ class _Tokens:
             _log.debug("no copy helper budget (%s): plain copies", e)
             return None
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        if not is_ours(st):
             # Planted by another user (or loosened): not ours to count on.
             _log.warning(
                 "refusing %s (uid %d, mode 0o%o): plain copies", path, st.st_uid, st.st_mode
