@@ -407,9 +407,10 @@ def test_notify_busy_poll_polls_until_the_value_comes_and_reports_it() -> None:
             timer.join(10)
         cpu, wall = time.thread_time() - cpu0, time.monotonic() - t0
         st = shm_stats(consumer)
-        # It polled (used CPU) rather than slept, and says how long.
+        # It polled rather than slept, and says how long (the CPU it got is a share of
+        # the wall time on a loaded machine, but far more than a sleeper's).
         assert st["spin_us"] >= 0.5 * wall * 1e6, st
-        assert cpu >= 0.5 * wall, (cpu, wall)
+        assert cpu >= 0.1 * wall, (cpu, wall)
         consumer.cleanup(1)
         producer.cleanup(1)
 
