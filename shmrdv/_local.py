@@ -128,14 +128,22 @@ class LocalRendezvous(Rendezvous):
             self._received += 1
         invoke_done(waiter.done, None, _deliverable(arr, dead, waiter.copy))
 
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
         """Take the oldest value of ``key`` now, or queue a waiter for the next one.
 
         With a value queued (or once aborted) ``done`` runs in this thread before the
         call returns; otherwise it runs later in the thread of the ``send`` (or abort)
-        that completes it. The canceller removes exactly this waiter.
+        that completes it, whether ``blocking`` or not. The canceller removes exactly
+        this waiter. Raises ``InvalidArgumentError`` for a bad key.
         """
-        full_key = key.full_key
+        full_key = as_parsed_key(key).full_key
         with self._lock:
             if self._error is not None:
                 error: BaseException | None = self._abort_error()
@@ -250,5 +258,5 @@ class LocalRendezvous(Rendezvous):
 
 
 def _too_late() -> bool:
-    """The canceller of a receive completed before ``_start_recv`` returned."""
+    """The canceller of a receive completed before ``start_recv`` returned."""
     return False

@@ -332,28 +332,34 @@ class StepRendezvous(Rendezvous):
 
     send.__doc__ = Rendezvous.send.__doc__
 
-    def recv(
-        self, key: str | ParsedKey, *, timeout: float | None = None, copy: bool = False
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
+        r = self._recv_route(key)
+        if r.local:
+            return self._local.start_recv(r.pk, done, copy=copy, blocking=blocking)
+        t = r.transport or self._router.transport(r)
+        return t.start_recv(self.step_id, r.pk, done, copy=copy, blocking=blocking)
+
+    start_recv.__doc__ = Rendezvous.start_recv.__doc__
+
+    def _wait_blocked(
+        self, slot: RecvSlot, cancel: Canceller, key: str | ParsedKey, timeout: float | None
     ) -> Received:
-        r = self._recv_route(key)
-        if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
-            timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
-        slot = RecvSlot()
+        """A blocked receiver helps its transport while it waits (``Transport.wait``: the
+        shared-memory one polls the doorbell as leader) and reports a wait that lasts."""
+        r = self._router.route(key)
         if r.local:
-            cancel = self._local._start_recv(r.pk, slot.done, copy)
             return wait_received(slot, cancel, r.pk, timeout)
-        t = r.transport or self._router.transport(r)
-        cancel = t.start_recv(self.step_id, r.pk, slot.done, copy, True)
-        return wait_received(slot, cancel, r.pk, timeout, r.wait or t.wait, self)
-
-    recv.__doc__ = Rendezvous.recv.__doc__
-
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
-        r = self._recv_route(key)
-        if r.local:
-            return self._local._start_recv(r.pk, done, copy)
-        t = r.transport or self._router.transport(r)
-        return t.start_recv(self.step_id, r.pk, done, copy, False)
+        # The route's transport, as start_recv chose it (asked again only while the
+        # peer's record is provisional, i.e. before the peer has started).
+        helper = r.wait or self._router.transport(r).wait
+        return wait_received(slot, cancel, r.pk, timeout, helper, self)
 
     def allocate(self, key: str | ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
         """An array to fill and then ``send(key, array)``.

@@ -128,15 +128,23 @@ class Transport(Protocol):
         ...
 
     def start_recv(
-        self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, waits: bool
+        self,
+        step_id: int,
+        key: ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
     ) -> Canceller:
         """Receive the next value of ``key`` from its producer (another worker).
 
-        ``done(error, received)`` is called exactly once (in this thread if the value is
-        already there) unless the returned canceller removes the waiter first and returns
-        True. ``waits``: the caller is a blocked receiver that will call ``wait`` until
-        ``done`` has run, so the transport need not wake another thread for it. May raise
-        a ``RendezvousError`` at once (closed, step aborted); ``done`` is then never called.
+        ``Rendezvous.start_recv`` of one step, on this transport. ``done(error, received)``
+        is called exactly once (in this thread if the value is already there) unless the
+        returned canceller removes the waiter first and returns True. ``copy``: deliver a
+        private copy. ``blocking``: the caller is a blocked receiver that will call
+        ``wait`` until ``done`` has run (``done`` is quick and never blocks), so the
+        transport need not wake another thread for it. May raise a ``RendezvousError`` at
+        once (closed, step aborted); ``done`` is then never called.
         """
         ...
 

@@ -76,7 +76,7 @@ class Endpoint:
 
     def recv(self, step: int, key: ParsedKey, timeout: float | None = 10.0) -> Received:
         slot = RecvSlot()
-        cancel = self.transport.start_recv(step, key, slot.done, False, True)
+        cancel = self.transport.start_recv(step, key, slot.done, blocking=True)
         return wait_received(slot, cancel, key, timeout, self.transport.wait)
 
     def cleanup(self, step: int) -> None:

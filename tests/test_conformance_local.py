@@ -74,14 +74,28 @@ class _DropsDead(LocalRendezvous):
 class _KeepsTimedOutWaiters(LocalRendezvous):
     """TensorFlow's trap: the canceller claims success but leaves the waiter queued."""
 
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
-        super()._start_recv(key, done, copy)
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
+        super().start_recv(key, done, copy=copy, blocking=blocking)
         return lambda: True
 
 
 class _IgnoresCopy(LocalRendezvous):
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
-        return super()._start_recv(key, done, False)
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
+        return super().start_recv(key, done, copy=False, blocking=blocking)
 
 
 class _AcceptsObjects(LocalRendezvous):

@@ -2,7 +2,7 @@
 
 recv (timeout, interruption), recv_async, recv_future (cancel and its race) and arecv
 (timeout, cancellation and its race) are written once in _rendezvous.py on top of a
-transport's ``_start_recv``; these tests pin them down with the reference transport.
+rendezvous's ``start_recv``; these tests pin them down with the reference transport.
 """
 
 from __future__ import annotations
@@ -47,13 +47,20 @@ class _SlowDelivery(LocalRendezvous):
         self.entered = threading.Event()
         self.gate = threading.Event()
 
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
         def slow(error: BaseException | None, received: Received | None) -> None:
             self.entered.set()
             self.gate.wait(5)
             done(error, received)
 
-        return super()._start_recv(key, slow, copy)
+        return super().start_recv(key, slow, copy=copy, blocking=blocking)
 
 
 def _send_in_thread(rdv: LocalRendezvous, value: Any) -> threading.Thread:

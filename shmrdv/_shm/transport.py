@@ -100,10 +100,16 @@ class ShmTransport:
     # -- consumer side ----------------------------------------------------------------
 
     def start_recv(
-        self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, waits: bool = False
+        self,
+        step_id: int,
+        key: ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
     ) -> Canceller:
         consumer = self._consumer
-        item, waiter = consumer.start(step_id, key, done, copy, waits)
+        item, waiter = consumer.start(step_id, key, done, copy, blocking)
         if waiter is not None:
             return lambda: consumer.cancel(waiter)
         assert item is not None
