@@ -24,7 +24,8 @@ from shmrdv._errors import AbortedError, DeadlineExceededError, InvalidArgumentE
 from shmrdv._keys import ParsedKey, create_key, parse_key
 from shmrdv._local import LocalRendezvous
 from shmrdv._received import Received
-from shmrdv._rendezvous import Canceller, check_timeout
+from shmrdv._rendezvous import Canceller, Rendezvous, check_timeout
+from shmrdv._router import StepRendezvous
 
 DEV = "/job:w/replica:0/task:0/device:CPU:0"
 KEY = create_key(DEV, 1, DEV, "edge")
@@ -358,3 +359,11 @@ def test_rendezvous_allocate_default(rdv: LocalRendezvous) -> None:
         rdv.allocate(KEY, (2,), "not a dtype")
     with pytest.raises(InvalidArgumentError):
         rdv.allocate("bad", (2,), np.float32)
+
+
+def test_rendezvous_abstract_methods_are_public_and_recv_is_written_once() -> None:
+    """A user's subclass implements public methods only; every flavour lives in the base."""
+    assert Rendezvous.__abstractmethods__ == {"send", "start_recv", "start_abort"}
+    flavours = ("recv", "recv_async", "recv_future", "arecv")
+    for cls in (LocalRendezvous, StepRendezvous):
+        assert not [name for name in flavours if name in vars(cls)], cls
