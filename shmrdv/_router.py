@@ -46,7 +46,6 @@ from ._rendezvous import (
     timeout_error,
     wait_received,
 )
-from ._shm.naming import PREFIX
 from ._transport import PeerRecord, Transport, TransportContext
 from ._values import check_value
 
@@ -140,8 +139,6 @@ class Router:
         # Blocked receives that have waited long (WaitObserver), by id of their slot:
         # (step, key, since when). Only long waits get here, never every message.
         self._long_waits: dict[int, tuple[int, ParsedKey, float]] = {}
-        # The namespace as it appears in this worker's object names.
-        self._namespace = rc.ctx.names.prefix[len(PREFIX) : -1]
 
     def _derive(self, full_key: str) -> KeyRoute:
         return KeyRoute(parse_key(full_key), self.rc.ctx.task, self.rc.ctx.incarnation)
@@ -234,16 +231,18 @@ class Router:
     def diagnose(self, pk: ParsedKey) -> str | None:
         """Where the producer of ``pk`` is alive, if not in this worker's namespace.
 
-        None for a producer on another host (or one that is alive here, in this namespace).
-        Lists /dev/shm: only for a timeout, a long wait or ``stats()``.
+        None for a producer on another host (or one that is alive here, in this namespace),
+        or where this host keeps no presence records. Lists them
+        (``PeerDirectory.sightings``): only for a timeout, a long wait or ``stats()``.
         """
+        peers = self.rc.ctx.peers
         try:
-            record = self.rc.ctx.peers.lookup(pk.src)
+            record = peers.lookup(pk.src)
         except RendezvousError as e:
             return f"the presence record of {pk.src} cannot be read: {e}"
         if not record.same_host:
             return None
-        return explain_absent_producer(record.task, self._namespace)
+        return explain_absent_producer(record.task, peers.sightings(pk.src))
 
     def long_wait_started(self, slot: RecvSlot, step_id: int, pk: ParsedKey, since: float) -> None:
         with self._lock:

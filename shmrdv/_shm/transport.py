@@ -29,6 +29,7 @@ from .bell import Bell
 from .consumer import Consumer, deliver
 from .dispatcher import Dispatcher
 from .inflight import Inflight
+from .naming import Names
 from .producer import Producer
 
 __all__ = ["ShmTransport"]
@@ -50,17 +51,18 @@ class ShmTransport:
         self._task = ctx.task_name
         self._close_lock = threading.Lock()
         self._closed = False
-        self._bell = Bell.create(ctx.names, ctx.task_name, replace_stale=True)
+        names = Names(ctx.namespace)
+        self._bell = Bell.create(names, ctx.task_name, replace_stale=True)
         try:
             limit = ctx.max_inflight_bytes
             self._producer = Producer(
-                ctx.names,
+                names,
                 ctx.task_name,
                 ctx.incarnation,
                 pool_bytes,
                 None if limit is None else Inflight(limit, ctx.peers),
             )
-            self._consumer = Consumer(ctx, self._kick)
+            self._consumer = Consumer(ctx, names, self._kick)
             self._dispatcher = Dispatcher(self._bell, self._consumer, ctx.task_name)
         except BaseException:
             self._bell.unlink()
