@@ -6,7 +6,7 @@ either values sent and not yet received, or receivers waiting for a value, never
 differs from TensorFlow as that table does: a key's own queue (not ``Hash64(FullKey())``,
 research/tf_rendezvous.md §1.2), and a removed waiter never takes a value (§2.2).
 
-Thread model: one lock guards the table and the counters. User callbacks (``done``) are
+Thread model (``docs/threads.md``): one lock guards the table and the counters. User callbacks (``done``) are
 called after the lock is released, in the thread that completed the pairing: the sender's
 thread when a waiter was queued, the receiver's when a value was, the aborting thread on
 abort (STYLE.md rule 5; TensorFlow does the same).

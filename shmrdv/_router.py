@@ -16,6 +16,11 @@ its record is final (its own presence record); a provisional answer (from the cl
 spec) is asked again next time.
 
 The router is given a ``RouterContext``, never the Worker.
+
+Thread model (``docs/threads.md``): thread-safe, no thread of its own. ``Router._lock``
+guards the final per-peer routes and the long-wait records, a step's lock its abort
+error; neither is held across a transport call. Receives complete in the threads the
+transports say; a blocked ``recv`` waits in its caller's thread, helping its transport.
 """
 
 from __future__ import annotations

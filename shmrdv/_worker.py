@@ -8,6 +8,10 @@ shared memory on this host, gRPC across hosts. It builds them (with the
 itself lives in ``_router.py``. ``rendezvous(step_id)`` hands out the step's rendezvous;
 ``cleanup(step_id)`` aborts and frees it (TensorFlow's ``RendezvousMgr::Cleanup``),
 leaving a tombstone so a late call fails at once instead of waiting forever.
+
+Thread model (``docs/threads.md``): thread-safe, no thread of its own (its transports
+have theirs). ``_lock`` guards the steps, the tombstones and the lazy creation of the gRPC
+client transport. A Worker inherited across ``fork`` refuses every call.
 """
 
 from __future__ import annotations

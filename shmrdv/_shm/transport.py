@@ -7,7 +7,7 @@ A thin façade implementing ``shmrdv._transport.Transport`` over three parts:
 * ``dispatcher.py`` — who polls this worker's doorbell: a blocked receiver as leader
   (``wait``), else the one dispatcher thread, for callback receives.
 
-Thread model: every method may be called from any thread. ``done`` callbacks run through
+Thread model (``docs/threads.md``): every method may be called from any thread. ``done`` callbacks run through
 ``invoke_done``, outside every lock: in the calling thread when the value is already
 there, else in the thread that polled the doorbell (a blocked receiver or the
 dispatcher thread).
