@@ -4,7 +4,7 @@ where /dev/shm is read-only or absent (issue 18 §3).
 Each case runs ``tests/noshm_conformance.py`` (producer Worker in a child process,
 consumer Worker in the script, both ``transports=("grpc",)``) in a private mount
 namespace made for it; it skips where that namespace cannot be made (not root, no
-``unshare``, mounts not permitted).
+``unshare``, mounts not permitted). In the slow set (``pytest -m slow``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ _SETUP = {
 }
 
 
+@pytest.mark.slow  # ~10 s each: a Worker pair and the battery, twice (send, allocate)
 @pytest.mark.parametrize("shm", sorted(_SETUP))
 def test_worker_noshm_grpc_only_passes_conformance(shm: str) -> None:
     if os.geteuid() != 0:
