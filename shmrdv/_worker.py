@@ -8,6 +8,10 @@ shared memory on this host, gRPC across hosts. It builds them (with the
 itself lives in ``_router.py``. ``rendezvous(step_id)`` hands out the step's rendezvous;
 ``cleanup(step_id)`` aborts and frees it (TensorFlow's ``RendezvousMgr::Cleanup``),
 leaving a tombstone so a late call fails at once instead of waiting forever.
+
+Thread model (``docs/threads.md``): thread-safe, no thread of its own (its transports
+have theirs). ``_lock`` guards the steps, the tombstones and the lazy creation of the gRPC
+client transport. A Worker inherited across ``fork`` refuses every call.
 """
 
 from __future__ import annotations
@@ -26,14 +30,13 @@ from ._devices import DeviceName
 from ._errors import AbortedError, InvalidArgumentError, closed_error
 from ._hostaddr import is_local_host, split_host_port
 from ._namespace import resolve_namespace
-from ._peers import ALL_TRANSPORTS, Peers, canonical_task
+from ._peers import ALL_TRANSPORTS, NoPresence, Peers, canonical_task
 from ._router import Router, RouterContext, StepRendezvous
-from ._transport import Transport, TransportContext
+from ._transport import PresenceBoard, Transport, TransportContext
 from ._window import check_window
 
 if TYPE_CHECKING:
     from ._rpc.security import TLSConfig
-    from ._shm.presence import Presence
 
 __all__ = ["Worker"]
 
@@ -175,7 +178,6 @@ class Worker:
         self._tombstones: OrderedDict[int, AbortedError] = OrderedDict()
         self._shm: Transport | None = None
         self._grpc: Transport | None = None
-        self._presence: Presence | None = None
         self._peers: Peers | None = None
         self.address: str | None = None
 
@@ -189,17 +191,28 @@ class Worker:
         _live_workers.add(self)
         self._finalizer = weakref.finalize(self, _log.debug, "worker %s collected", self.task)
 
-    def _start(self, explicit_transports: bool) -> None:
-        from ._shm.naming import Names
-        from ._shm.presence import Presence, PresenceInfo, boot_id
+    def _presence_board(self) -> PresenceBoard:
+        """The shared-memory board; none for a worker without ``"shm"`` where /dev/shm
+        cannot be used (its peers are then found by the cluster spec alone)."""
+        from ._shm.board import ShmBoard, usable
 
-        self._names = Names(self.namespace)
-        self._peers = Peers(self._names, self.cluster)
+        if "shm" not in self.transports and not usable():
+            _log.info(
+                "%s: /dev/shm cannot be used: no presence record (peers found by the cluster "
+                "spec only, same-host peers cannot see this worker's liveness)",
+                self.task,
+            )
+            return NoPresence()
+        return ShmBoard(self.namespace)
+
+    def _start(self, explicit_transports: bool) -> None:
+        board = self._presence_board()
+        self._peers = Peers(board, self.cluster)
         self._ctx = TransportContext(
             task=self._task,
             task_name=self.task,
             incarnation=self.incarnation,
-            names=self._names,
+            namespace=self.namespace,
             peers=self._peers,
             cleaned_up=self._tombstones.__contains__,
             max_inflight_bytes=self.max_inflight_bytes,
@@ -229,19 +242,7 @@ class Worker:
             self.address = grpc_t.address
         elif "grpc" in self.transports:
             self._grpc = None  # created lazily on the first remote key (client side only)
-        self._presence = Presence.publish(
-            self._names,
-            PresenceInfo(
-                task=self.task,
-                pid=os.getpid(),
-                boot_id=boot_id(),
-                incarnation=self.incarnation,
-                started=__import__("time").time(),
-                namespace=self.namespace,
-                address=self.address,
-                transports=self.transports,
-            ),
-        )
+        board.publish(self.task, self.incarnation, self.address, self.transports)
         if "shm" in self.transports:
             from ._shm.transport import ShmTransport
 
@@ -352,9 +353,7 @@ class Worker:
             except Exception:  # pragma: no cover - keep closing the rest
                 _log.exception("closing transport %s of %s", t.name, self.task)
         if self._peers is not None:
-            self._peers.close()
-        if self._presence is not None:
-            self._presence.close()
+            self._peers.close()  # and its presence board: this worker's record goes
 
     @property
     def closed(self) -> bool:

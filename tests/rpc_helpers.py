@@ -90,7 +90,7 @@ class StepSource:
 
     def serve_recv(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
         """The TensorSource primitive: raise ``AbortedError`` for a cleaned-up step."""
-        return self.rendezvous(step_id)._start_recv(key, done, False)
+        return self.rendezvous(step_id).start_recv(key, done)
 
     def requeue(self, step_id: int, key: ParsedKey, received: Received) -> None:
         """Optional TensorSource part: a value no call delivered goes back to its key's head."""

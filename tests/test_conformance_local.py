@@ -17,8 +17,9 @@ from helpers import PRODUCER, make_key
 
 from shmrdv._callbacks import DoneCallback
 from shmrdv._keys import ParsedKey
-from shmrdv._local import LocalRendezvous, _Channel
+from shmrdv._local import LocalRendezvous
 from shmrdv._rendezvous import Canceller
+from shmrdv._waiters import MISSING
 from shmrdv.testing import CHECKS, RendezvousPair, run_conformance
 
 
@@ -58,9 +59,11 @@ class _Lifo(LocalRendezvous):
     def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
         super().send(key, value, is_dead=is_dead)
         with self._lock:
-            ch = self._table.get(str(key))
-            if ch is not None:
-                ch.values.rotate(1)
+            values = []
+            while (got := self._table.take(str(key))) is not MISSING:
+                values.append(got)
+            for value_dead in values[-1:] + values[:-1]:
+                self._table.put(str(key), value_dead)
 
 
 class _DropsDead(LocalRendezvous):
@@ -71,21 +74,35 @@ class _DropsDead(LocalRendezvous):
 class _KeepsTimedOutWaiters(LocalRendezvous):
     """TensorFlow's trap: the canceller claims success but leaves the waiter queued."""
 
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
-        super()._start_recv(key, done, copy)
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
+        super().start_recv(key, done, copy=copy, blocking=blocking)
         return lambda: True
 
 
 class _IgnoresCopy(LocalRendezvous):
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
-        return super()._start_recv(key, done, False)
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
+        return super().start_recv(key, done, copy=False, blocking=blocking)
 
 
 class _AcceptsObjects(LocalRendezvous):
     def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
         if isinstance(value, np.ndarray) and value.dtype.hasobject:
             with self._lock:
-                self._table.setdefault(str(key), _Channel()).values.append((value, is_dead))
+                self._table.put(str(key), (value, is_dead))
             return
         super().send(key, value, is_dead=is_dead)
 
@@ -93,7 +110,7 @@ class _AcceptsObjects(LocalRendezvous):
 class _AbortForgetsWaiters(LocalRendezvous):
     def start_abort(self, error: BaseException) -> None:
         with self._lock:
-            self._table.clear()
+            self._table.abort()
         super().start_abort(error)
 
 

@@ -15,21 +15,20 @@ from shmrdv._keys import parse_key
 from shmrdv._peers import Peers
 from shmrdv._received import Received
 from shmrdv._rpc.transport import GrpcTransport
-from shmrdv._shm.naming import Names
+from shmrdv._shm.board import ShmBoard
 from shmrdv._transport import TransportContext
 from tests.helpers import PRODUCER, make_key
 
 
 @pytest.fixture
 def transport(ns: str) -> Iterator[GrpcTransport]:
-    names = Names(ns)
-    peers = Peers(names, None)
+    peers = Peers(ShmBoard(ns), None)
     task = DeviceName.parse(PRODUCER)
     ctx = TransportContext(
         task=task,
         task_name=PRODUCER,
         incarnation=1,
-        names=names,
+        namespace=ns,
         peers=peers,
         cleaned_up=lambda step: False,
         max_inflight_bytes=1000,

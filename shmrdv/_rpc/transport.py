@@ -25,7 +25,7 @@ Implements ``Transport`` (``_transport.py``) and nothing else: it is given a
 Thread model: the server runs its own event loop thread; the client needs no thread per
 receive (a small value arrives in a gRPC future's callback; a large one streams in a
 thread of its own). ``done`` callbacks run in client threads through ``invoke_done``,
-never under a lock of ours. A blocked receiver (``waits=True``) is woken by gRPC's thread
+never under a lock of ours. A blocked receiver (``blocking=True``) is woken by gRPC's thread
 directly: its ``done`` only fills a ``RecvSlot``; ``wait`` just waits on that slot.
 """
 
@@ -279,7 +279,7 @@ class GrpcTransport:
             invoke_done(done, error, received)
             self._drop_if_unused(step_id)
 
-        cancel = box._start_recv(key, finished, False)
+        cancel = box.start_recv(key, finished)
 
         def canceller() -> bool:
             removed = cancel()
@@ -312,18 +312,24 @@ class GrpcTransport:
     # -- consumer side --------------------------------------------------------------
 
     def start_recv(
-        self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, waits: bool
+        self,
+        step_id: int,
+        key: ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
     ) -> Canceller:
         """Queue a receive of ``key``; one RecvTensor per key is in flight at a time.
 
         Concurrent RPCs for one key would reach the producer in any order and break the
         channel's FIFO promise (the oldest receive gets the oldest value), so later
         receives of a key wait here, in order, until the one ahead of them is answered.
-        ``waits``: ``done`` is a blocked receiver's slot (quick, never blocks), so it may
-        run in gRPC's own thread: one thread switch from the response to the caller.
+        ``blocking``: ``done`` is a blocked receiver's slot (quick, never blocks), so it
+        may run in gRPC's own thread: one thread switch from the response to the caller.
         """
         k = (step_id, key.full_key)
-        waiter = _RemoteWaiter(done, copy, waits)
+        waiter = _RemoteWaiter(done, copy, blocking)
         with self._lock:
             if self._closed:
                 raise closed_error(self.task)

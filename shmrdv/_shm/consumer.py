@@ -197,9 +197,11 @@ def deliver(items: list[Item]) -> None:
 class Consumer:
     """The receiving half of one worker's shared-memory transport (see the module docstring)."""
 
-    def __init__(self, ctx: TransportContext, on_callback_waiter: Callable[[], None]) -> None:
+    def __init__(
+        self, ctx: TransportContext, names: Names, on_callback_waiter: Callable[[], None]
+    ) -> None:
         self._ctx = ctx
-        self._names = ctx.names
+        self._names = names
         self._task = ctx.task_name
         self._wake_dispatcher = on_callback_waiter
         self.lock = threading.Lock()

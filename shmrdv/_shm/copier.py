@@ -20,6 +20,10 @@ job). The kernel drops a dead process's locks, so no token is ever lost. A copy 
 tokens it can get without waiting, and none while the machine's load average says its
 CPUs are busy (unless ``SHMRDV_COPY_THREADS`` asks for helpers); with no token it is one
 plain copy in the calling thread.
+
+Thread model (``docs/threads.md``): ``copy_into`` runs in the sending thread, which takes
+chunks too and returns once every chunk is copied; helpers ("shmrdv-copy-<n>") wait on a
+queue for jobs. Tokens are taken without waiting; no lock is held while copying.
 """
 
 from __future__ import annotations

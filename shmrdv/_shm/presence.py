@@ -18,6 +18,10 @@ SIGKILL is what the kernel does).
 
 The record is written completely into a temporary name and only then linked (or renamed)
 onto its final name, so a reader never sees a half-written record.
+
+Thread model (``docs/threads.md``): no thread of its own. A ``PeerWatch`` only *tries*
+its lock (it may be asked inside the garbage collector); ``Presence`` is owned by its
+Worker's board.
 """
 
 from __future__ import annotations
