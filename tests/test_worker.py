@@ -160,6 +160,30 @@ def test_worker_checks_src_and_dst_as_parsed_tasks(worker: shmrdv.Worker) -> Non
         rdv.recv(key("z", dst=OTHER), timeout=1)
 
 
+def test_worker_key_of_another_task_says_which_tasks_and_what_to_do(
+    worker: shmrdv.Worker,
+) -> None:
+    rdv = worker.rendezvous(0)
+    other_task = "/job:worker/replica:0/task:10"
+    with pytest.raises(shmrdv.InvalidArgumentError) as info:
+        rdv.recv(key("d", dst=OTHER), timeout=1)
+    text = str(info.value)
+    assert text.startswith("Invalid rendezvous key (dst): ")  # TensorFlow's words first
+    assert f"the key's consumer (dst) is task {other_task}" in text
+    assert f"this worker is {TASK}" in text
+    assert "call recv on the Worker of the task the key names" in text
+    assert f"a dst device of this task (e.g. {TASK}/device:CPU:0)" in text
+    with pytest.raises(shmrdv.InvalidArgumentError) as info:
+        rdv.send(key("s", src=OTHER), np.zeros(1))
+    text = str(info.value)
+    assert f"the key's producer (src) is task {other_task}" in text
+    assert f"this worker is {TASK}" in text
+    assert "call send on the Worker of the task the key names" in text
+    # A device without a task (TensorFlow's legacy "/cpu:0") is said to name none.
+    with pytest.raises(shmrdv.InvalidArgumentError, match="names no task"):
+        rdv.recv(key("l", dst="/cpu:0"), timeout=1)
+
+
 def test_worker_incarnation_mismatch_is_aborted(worker: shmrdv.Worker) -> None:
     rdv = worker.rendezvous(0)
     stale = key("w", inc=(worker.incarnation + 1) % 2**64 or 1)
