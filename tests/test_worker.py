@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -182,6 +183,34 @@ def test_worker_key_of_another_task_says_which_tasks_and_what_to_do(
     # A device without a task (TensorFlow's legacy "/cpu:0") is said to name none.
     with pytest.raises(shmrdv.InvalidArgumentError, match="names no task"):
         rdv.recv(key("l", dst="/cpu:0"), timeout=1)
+
+
+@pytest.mark.parametrize("transports", [None, ("grpc",)], ids=["shm", "grpc"])
+def test_worker_sends_memmap_refuses_masked_array(
+    tmp_path: Any, transports: tuple[str, ...] | None
+) -> None:
+    from shmrdv._child import ChildWorker
+
+    ns = shmrdv.new_namespace()
+    peer = "/job:worker/replica:0/task:1"
+    with (
+        shmrdv.Worker(TASK, namespace=ns, transports=transports) as w,
+        ChildWorker(peer, namespace=ns, transports=transports) as child,
+    ):
+        rdv = w.rendezvous(0)
+        mapped = np.memmap(tmp_path / "m", dtype=np.float64, mode="w+", shape=(256, 256))
+        mapped[:] = np.arange(256 * 256, dtype=np.float64).reshape(256, 256)
+        k = key("mapped", dst=peer + "/device:CPU:0")
+        rdv.send(k, mapped)
+        testing.assert_same(child.recv(k, timeout=10).value, np.asarray(mapped), "memmap")
+        masked = np.ma.masked_array(np.arange(3.0), mask=[True, False, False])
+        k = key("masked", dst=peer + "/device:CPU:0")
+        with pytest.raises(shmrdv.InvalidArgumentError, match="without the mask"):
+            rdv.send(k, masked)
+        with pytest.raises(shmrdv.DeadlineExceededError):
+            child.recv(k, timeout=0.3)  # nothing of it was sent
+        del mapped
+        child.close()
 
 
 def test_worker_incarnation_mismatch_is_aborted(worker: shmrdv.Worker) -> None:
