@@ -284,7 +284,7 @@ def test_encode_response_object_array_refused() -> None:
 
 def test_encode_response_masked_array_refused_memmap_encoded(tmp_path: Any) -> None:
     masked = np.ma.masked_array([1.0, 2.0], mask=[False, True])
-    with pytest.raises(InvalidArgumentError, match="cannot encode a numpy.ma.MaskedArray.*mask"):
+    with pytest.raises(InvalidArgumentError, match=r"cannot encode a numpy\.ma\.MaskedArray.*mask"):
         messages.encode_response(masked, is_dead=False)
     mapped = np.memmap(tmp_path / "m", dtype=np.int32, mode="w+", shape=(4, 3))
     mapped[:] = np.arange(12, dtype=np.int32).reshape(4, 3)

@@ -35,7 +35,7 @@ def test_as_ndarray_refuses_subclass_with_state_naming_it() -> None:
 
 def test_as_ndarray_masked_array_refused_even_unmasked() -> None:
     # No entry masked today does not mean none tomorrow: the type is refused, not the state.
-    with pytest.raises(InvalidArgumentError, match="numpy.ma.getmaskarray"):
+    with pytest.raises(InvalidArgumentError, match=r"numpy\.ma\.getmaskarray"):
         as_ndarray(np.ma.masked_array([1, 2]), "send")
 
 
