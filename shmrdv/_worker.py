@@ -222,7 +222,7 @@ class Worker:
                 boot_id=boot_id(),
                 incarnation=self.incarnation,
                 started=__import__("time").time(),
-                namespace=self.namespace,
+                namespace=self._names.namespace_id,
                 address=self.address,
                 transports=self.transports,
             ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -86,8 +87,15 @@ def test_worker_task_is_canonical(worker: shmrdv.Worker) -> None:
 
 
 def test_worker_one_live_worker_per_task(worker: shmrdv.Worker) -> None:
-    with pytest.raises(shmrdv.InvalidArgumentError, match="already running"):
+    with pytest.raises(shmrdv.InvalidArgumentError, match="already running") as info:
         shmrdv.Worker(TASK, namespace=worker.namespace)
+    text = str(info.value)
+    # The holder is this very process, and the message says so; the namespace goes by its id.
+    assert (
+        f"in this process itself (pid {os.getpid()}, incarnation {worker.incarnation:#x})" in text
+    )
+    assert f"namespace id {shmrdv.namespace_id(worker.namespace)}" in text
+    assert worker.namespace not in text
 
 
 def test_worker_rendezvous_same_object_per_step(worker: shmrdv.Worker) -> None:

@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from .._errors import InternalError, InvalidArgumentError
-from .._namespace import NAMESPACE_ID_HEX, namespace_id
+from .._namespace import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
 from .naming import SHM_DIR, ObjectName, check_namespace, parse_name
 from .ownership import is_ours
 from .presence import probe
@@ -91,8 +91,8 @@ def namespace_ids(namespace: str) -> frozenset[str]:
     except InvalidArgumentError:
         if not ids:
             raise InvalidArgumentError(
-                f"{namespace!r} is neither a namespace id ({NAMESPACE_ID_HEX} hex characters, "
-                "as `shmrdv ls` shows) nor a namespace token"
+                f"namespace ({describe_bad_token(namespace)}) is neither a namespace id "
+                f"({NAMESPACE_ID_HEX} hex characters, as `shmrdv ls` shows) nor a namespace token"
             ) from None
     else:
         ids.add(namespace_id(namespace))
