@@ -274,7 +274,7 @@ def collect(
             removed.extend(_info(e, now) for e in group)
             continue
         if _namespace_alive(shm_dir, ns):
-            _log.info("namespace %s came alive while collecting; left alone", ns)
+            _log.info("namespace id %s came alive while collecting; left alone", ns)
             continue
         # Presence records last: while one is there, tools still see whose the rest was.
         group.sort(key=lambda e: e.parsed.kind == "presence")
@@ -286,6 +286,6 @@ def collect(
                 raise InternalError(f"cannot remove {entry.path}: {e}") from e
             if gone:
                 removed.append(_info(entry, now))
-        _log.info("collected %d object(s) of dead namespace %s", len(removed) - count, ns)
+        _log.info("collected %d object(s) of dead namespace id %s", len(removed) - count, ns)
     removed.sort(key=lambda i: (i.namespace, i.kind, i.name))
     return removed
