@@ -211,4 +211,8 @@ def test_namespace_repr_of_every_public_value_hides_the_token() -> None:
     with shmrdv.Worker(A, namespace=ns) as w:
         shown: list[Any] = [w, w.rendezvous(0), w.stats()]
         assert all(ns not in repr(x) and ns not in str(x) for x in shown)
+        # The worker says which namespace it is in, by the public id.
+        assert w.namespace_id == names.namespace_id
+        assert f"namespace_id={w.namespace_id}" in repr(w)
+        assert w.stats()["namespace_id"] == w.namespace_id
         w.cleanup(0)
