@@ -4,15 +4,16 @@ Every object name is keyed by the token, so a token in a log is a job's names gi
 away. One battery drives the error paths the suites reach (bad tokens, a duplicate
 task, refused values, keys of other tasks, stale incarnations, timeouts with and
 without a producer elsewhere, a full window, aborted, cleaned-up and closed steps, a
-producer killed, a gRPC peer gone, ``ls`` and ``gc``) over in-process, shared-memory
-and gRPC workers, keeps every exception text (with its chain and traceback), every log
-line of every level, the reprs and ``stats()``, and what child processes printed, and
-greps all of it for the tokens.
+producer killed, a gRPC peer gone, a wrong gRPC bearer token, ``ls`` and ``gc``) over
+in-process, shared-memory and gRPC workers, keeps every exception text (with its chain
+and traceback), every log line of every level, the reprs and ``stats()``, and what child
+processes printed, and greps all of it for the tokens (the gRPC bearer token too).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import traceback
 from collections.abc import Callable, Iterator
@@ -183,6 +184,20 @@ def _grpc(t: _Texts, ns: str) -> None:
         wb.cleanup(5)
 
 
+def _grpc_wrong_bearer(t: _Texts, ns: str, bearers: tuple[str, str]) -> None:
+    """The gRPC bearer token, a secret too: a consumer with the wrong one is refused."""
+    with (
+        shmrdv.Worker(A, namespace=ns, transports=("grpc",), token=bearers[0]) as wa,
+        shmrdv.Worker(C, namespace=ns, transports=("grpc",), token=bearers[1]) as wc,
+    ):
+        key = _key("t", A, C)
+        wa.rendezvous(6).send(key, np.arange(3))
+        t.fails(lambda: wc.rendezvous(6).recv(key, timeout=5))
+        t.add(wa, wc, wa.stats(), wc.stats())
+        wa.cleanup(6)
+        wc.cleanup(6)
+
+
 def test_namespace_token_appears_in_no_message_log_repr_or_stats(
     texts: _Texts, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -191,11 +206,13 @@ def test_namespace_token_appears_in_no_message_log_repr_or_stats(
     _same_process(texts, ns, other_ns)
     _killed_producer(texts, ns)
     _grpc(texts, ns)
+    bearers = (secrets.token_hex(16), secrets.token_hex(16))
+    _grpc_wrong_bearer(texts, ns, bearers)
     texts.add(collect(ns), list_objects(), Names(ns))
     out, err = capfd.readouterr()  # what child processes (and gRPC's C core) printed
     seen = [*texts.texts, out, err]
-    assert texts.errors >= 40  # the battery ran
-    for secret in (ns, other_ns, ns.upper()):
+    assert texts.errors >= 45  # the battery ran
+    for secret in (ns, other_ns, ns.upper(), *bearers):
         leaks = [text for text in seen if secret in text]
         assert not leaks, f"the namespace token appears in {len(leaks)} text(s): {leaks[:3]}"
     # The texts name the namespaces by their public ids instead.
