@@ -126,12 +126,16 @@ def test_plugin_ends_leaked_children_and_names_leaked_objects(
     try:
         result.assert_outcomes(passed=2, errors=2)
         result.stdout.fnmatch_lines(
-            [f"*shmrdv leak check: child processes still running, ended by the leak check: "
-             f"{min(pids)} (SIGTERM), {max(pids)} (SIGTERM)*"]
+            [
+                f"*shmrdv leak check: child processes still running, ended by the leak check: "
+                f"{min(pids)} (SIGTERM), {max(pids)} (SIGTERM)*"
+            ]
         )
         result.stdout.fnmatch_lines(
-            ["*left in /dev/shm: *presence of namespace id *, task /job:u/replica:0/task:5, "
-             "pid *(shmrdv_*"]
+            [
+                "*left in /dev/shm: *presence of namespace id *, task /job:u/replica:0/task:5, "
+                "pid *(shmrdv_*"
+            ]
         )
         # Neither outlived the session, nor held up its exit (60 s sleeps).
         assert not [pid for pid in pids if _alive(pid)]
