@@ -168,9 +168,7 @@ class Router:
     def send_error(self, r: KeyRoute) -> Exception:
         pk = r.pk
         if not r.src_own:
-            return InvalidArgumentError(
-                f"Invalid rendezvous key (src): {pk.full_key} @ {self.task_name}"
-            )
+            return _not_this_task(pk, "src", self.task_name)
         inc = self.rc.ctx.incarnation
         return AbortedError(
             f"key {pk.full_key!r} names incarnation {pk.src_incarnation:016x} of "
@@ -181,9 +179,7 @@ class Router:
     def recv_error(self, r: KeyRoute) -> Exception:
         pk = r.pk
         if not r.dst_own:
-            return InvalidArgumentError(
-                f"Invalid rendezvous key (dst): {pk.full_key} @ {self.task_name}"
-            )
+            return _not_this_task(pk, "dst", self.task_name)
         inc = self.rc.ctx.incarnation
         return AbortedError(
             f"RecvTensor expects a different device incarnation: {pk.src_incarnation:016x} "
@@ -420,3 +416,23 @@ class StepRendezvous(Rendezvous):
 
     def stats(self) -> dict[str, int]:
         return self._local.stats()
+
+
+def _not_this_task(pk: ParsedKey, side: str, task_name: str) -> InvalidArgumentError:
+    """TensorFlow's "Invalid rendezvous key (src|dst)", saying which task the key names,
+    which task this worker is, and what to do instead."""
+    device = pk.src if side == "src" else pk.dst
+    role, verb = ("producer", "sends") if side == "src" else ("consumer", "receives")
+    call = "send" if side == "src" else "recv"
+    named = (
+        f"task {device.task_part}"
+        if device.has_task
+        else f"device {str(device) or '(empty)'}, which names no task (it needs /job: and /task:)"
+    )
+    return InvalidArgumentError(
+        f"Invalid rendezvous key ({side}): {pk.full_key} @ {task_name}: the key's {role} "
+        f"({side}) is {named}, but this worker is {task_name}, and a worker {verb} only keys "
+        f"whose {side} device is on its own task; call {call} on the Worker of the task the "
+        f"key names, or build the key with a {side} device of this task (e.g. "
+        f"{task_name}/device:CPU:0)"
+    )

@@ -29,7 +29,7 @@ from ._cluster import ClusterSpec
 from ._devices import DeviceName
 from ._errors import AbortedError, InvalidArgumentError, closed_error
 from ._hostaddr import is_local_host, split_host_port
-from ._namespace import resolve_namespace
+from ._namespace import namespace_id, resolve_namespace
 from ._peers import ALL_TRANSPORTS, NoPresence, Peers, canonical_task
 from ._router import Router, RouterContext, StepRendezvous
 from ._transport import PresenceBoard, Transport, TransportContext
@@ -85,7 +85,9 @@ class Worker:
         cluster: a ``ClusterSpec`` (or its dict) giving each task's ``host:port``.
             ``None``: every task is on this host and no server is needed.
         namespace: the job's token from ``shmrdv.new_namespace()``, shared by all its
-            workers; defaults to the ``SHMRDV_NAMESPACE`` environment variable.
+            workers; defaults to the ``SHMRDV_NAMESPACE`` environment variable. It is a
+            secret: messages, logs, ``repr`` and ``stats()`` name the namespace by its
+            public id, ``w.namespace_id`` (``shmrdv.namespace_id(token)``), never by it.
         transports: priority list among ``"shm"`` and ``"grpc"``; default both, with a
             gRPC server started only when the cluster puts a task on another host.
             Passing ``("grpc",)`` forces the network path (and starts the server).
@@ -138,6 +140,7 @@ class Worker:
             else ClusterSpec(cluster)
         )
         self.namespace: str = resolve_namespace(namespace)
+        self.namespace_id: str = namespace_id(self.namespace)  # what messages name; public
         explicit = transports is not None
         names = tuple(transports) if transports is not None else _TRANSPORTS
         if isinstance(transports, str):
@@ -274,7 +277,8 @@ class Worker:
             else f" max_inflight_bytes={self.max_inflight_bytes}"
         )
         return (
-            f"<shmrdv.Worker {self.task} incarnation={self.incarnation:016x} "
+            f"<shmrdv.Worker {self.task} namespace_id={self.namespace_id} "
+            f"incarnation={self.incarnation:016x} "
             f"transports={self.transports}{window} steps={len(self._steps)} {state}>"
         )
 
@@ -369,6 +373,7 @@ class Worker:
         worker's namespace, or that it is alive nowhere on this host)."""
         out: dict[str, Any] = {
             "task": self.task,
+            "namespace_id": self.namespace_id,
             "steps": len(self._steps),
             "tombstones": len(self._tombstones),
             "max_inflight_bytes": self.max_inflight_bytes,

@@ -107,6 +107,21 @@ class _AcceptsObjects(LocalRendezvous):
         super().send(key, value, is_dead=is_dead)
 
 
+class _AcceptsMasked(LocalRendezvous):
+    """Sends a masked array's data, as shmrdv did before (issue 20 §4)."""
+
+    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+        super().send(key, np.ma.getdata(value), is_dead=is_dead)
+
+
+class _KeepsSubclass(LocalRendezvous):
+    """Hands the sent object itself to the receiver, subclass and all."""
+
+    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+        with self._lock:
+            self._table.put(str(key), (value, is_dead))
+
+
 class _AbortForgetsWaiters(LocalRendezvous):
     def start_abort(self, error: BaseException) -> None:
         with self._lock:
@@ -151,6 +166,8 @@ def _check(name: str) -> Callable[[RendezvousPair], None]:
         (_KeepsTimedOutWaiters, "check_arecv_cancel_removes_waiter"),
         (_IgnoresCopy, "check_copy_true"),
         (_AcceptsObjects, "check_object_array_refused"),
+        (_AcceptsMasked, "check_state_losing_subclass_refused"),
+        (_KeepsSubclass, "check_plain_subclasses_arrive"),
         (_AbortForgetsWaiters, "check_abort_fails_pending"),
         (_LastErrorWins, "check_abort_first_error_wins"),
         (_CorruptsLarge, "check_large_value"),

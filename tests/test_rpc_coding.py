@@ -282,6 +282,18 @@ def test_encode_response_object_array_refused() -> None:
         messages.encode_response([1, 2], is_dead=False)  # type: ignore[arg-type]
 
 
+def test_encode_response_masked_array_refused_memmap_encoded(tmp_path: Any) -> None:
+    masked = np.ma.masked_array([1.0, 2.0], mask=[False, True])
+    with pytest.raises(InvalidArgumentError, match=r"cannot encode a numpy\.ma\.MaskedArray.*mask"):
+        messages.encode_response(masked, is_dead=False)
+    mapped = np.memmap(tmp_path / "m", dtype=np.int32, mode="w+", shape=(4, 3))
+    mapped[:] = np.arange(12, dtype=np.int32).reshape(4, 3)
+    got = messages.decode_response(messages.encode_response(mapped, is_dead=False)).value
+    assert type(got) is np.ndarray
+    assert got.dtype == np.int32 and got.tolist() == np.asarray(mapped).tolist()
+    del mapped
+
+
 def test_encode_response_over_2gib_refused_before_copying() -> None:
     try:
         arr = np.empty(1 << 31, np.uint8)  # never written: its pages are never touched

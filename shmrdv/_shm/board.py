@@ -61,7 +61,7 @@ class ShmBoard:
                 boot_id=boot_id(),
                 incarnation=incarnation,
                 started=time.time(),
-                namespace=self._names.namespace,
+                namespace=self._names.namespace_id,
                 address=address,
                 transports=transports,
             ),

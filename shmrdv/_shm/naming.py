@@ -38,7 +38,7 @@ import struct
 from dataclasses import dataclass, field
 
 from .._errors import InvalidArgumentError
-from .._namespace import NAMESPACE_ID_HEX, namespace_id
+from .._namespace import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
 
 __all__ = [
     "DIGEST_BYTES",
@@ -95,12 +95,12 @@ _PERSONS = {
 def check_namespace(namespace: object) -> str:
     """Return ``namespace`` if it is a valid token (``[a-z0-9]{8,64}``), else raise.
 
-    Raises ``InvalidArgumentError`` naming the bad value.
+    Raises ``InvalidArgumentError`` describing the bad value without echoing it.
     """
     if not isinstance(namespace, str) or _NAMESPACE_RE.fullmatch(namespace) is None:
         raise InvalidArgumentError(
-            f"invalid shmrdv namespace {namespace!r}: expected 8 to 64 characters of [a-z0-9] "
-            "(use shmrdv.new_namespace())"
+            f"invalid shmrdv namespace ({describe_bad_token(namespace)}): expected 8 to 64 "
+            "characters of [a-z0-9] (use shmrdv.new_namespace())"
         )
     return namespace
 
