@@ -173,6 +173,12 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: on where two CPUs or more are usable; --no-pin: let the kernel place them)",
     )
     parser.add_argument(
+        "--touch",
+        action="store_true",
+        help="the consumer reads every byte of every array it receives (timed, in the round "
+        "trip); its minor page faults per message are reported either way",
+    )
+    parser.add_argument(
         "--json", metavar="FILE", help="write every figure and the machine description as JSON"
     )
     parser.add_argument(

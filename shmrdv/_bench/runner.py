@@ -46,6 +46,7 @@ from .common import parse_sizes, pin_cpus
 from .options import DEFAULT_SIZES, QUICK_SIZES
 from .peers import (
     KIND_CHECK,
+    KIND_FAULTS,
     KIND_PROBE_END,
     KIND_PROBE_START,
     KIND_STOP,
@@ -72,7 +73,7 @@ __all__ = ["build_parser", "main", "run"]
 
 BIG = 64 << 20  # from here on: fewer repetitions
 SHM_DIR = "/dev/shm"
-PLUGIN_MODULES = ("shmrdv._bench.shmrdv_methods",)
+PLUGIN_MODULES = ("shmrdv._bench.shmrdv_methods", "shmrdv._bench.iceoryx_methods")
 
 F32 = npt.NDArray[np.float32]
 
@@ -148,6 +149,9 @@ def _run_cell(
     rep_rtt: list[float] = []
     rep_oneway: list[float] = []
     checks = 0
+    # The consumer's minor page faults over every handoff from here to the last probe
+    # (timed and checks alike), read by two untimed probes (issue 18 §2).
+    _, _, faults_before = _handoff(pinger, src, seq, KIND_FAULTS, gap)
     for rep in range(reps):
         _handoff(pinger, src, seq, KIND_CHECK, gap)
         r_rtt: list[int] = []
@@ -163,6 +167,8 @@ def _run_cell(
         rep_rtt.append(float(statistics.median(r_rtt)))
         rep_oneway.append(float(statistics.median(r_one)))
         ctrl.send(("progress", nbytes, rep + 1, reps, rep_rtt[-1]))
+    _, _, faults_after = _handoff(pinger, src, seq, KIND_FAULTS, gap)
+    faults = (faults_after.extra - faults_before.extra) / (reps * (n + 2) + 1)
     return {
         "nbytes": nbytes,
         "reps": reps,
@@ -177,6 +183,7 @@ def _run_cell(
         "oneway_p99_ns": float(np.percentile(oneways, 99)),
         "oneway_rep_medians_ns": rep_oneway,
         "elapsed_s": time.perf_counter() - started,
+        "consumer_faults_per_msg": faults,
     }
 
 
@@ -216,7 +223,7 @@ def _role_main(
     A failure raises out of here, and ``_procs`` sends its traceback to the runner.
     """
     started = time.perf_counter()
-    handler = Handler()
+    handler = Handler(touch=env.get("touch", False))
     ctx = RoleContext(
         role=role,
         method=env["method"],
@@ -621,12 +628,14 @@ def run(args: argparse.Namespace) -> int:
         "pin_cpus": list(opts.pin) if opts.pin else None,
         "quick": opts.quick,
         "pending": args.pending or 0,
+        "touch": args.touch,
         "prefix": prefix,
         "summary": (
             f"sizes {', '.join(format_size(n) for n in sizes)}; repetitions {reps_text}; "
             f"{opts.budget_s:g} s of timed handoffs per cell; {opts.gap_ns / 1000:g} µs gap; "
             f"{_pin_text(opts.pin)}; idle probe {opts.idle_s:g} s"
             + (f"; {args.pending:,} receives pending in *_pending" if args.pending else "")
+            + ("; the consumer reads every byte (--touch)" if args.touch else "")
         ),
     }
     bench = BenchRun(
@@ -643,6 +652,7 @@ def run(args: argparse.Namespace) -> int:
         "scratch_dir": scratch,
         "max_nbytes": max(sizes),
         "pending": args.pending or 0,
+        "touch": args.touch,
     }
     status = 0
     previous = signal.getsignal(signal.SIGTERM)
