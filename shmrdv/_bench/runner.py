@@ -69,7 +69,7 @@ from .report import (
     write_json,
 )
 
-__all__ = ["build_parser", "main", "run"]
+__all__ = ["build_parser", "main", "registered_methods", "run", "run_handoffs"]
 
 BIG = 64 << 20  # from here on: fewer repetitions
 SHM_DIR = "/dev/shm"
@@ -203,6 +203,12 @@ def _drive(pinger: Pinger, ctrl: Connection, started: float) -> None:
             ctrl.send(("idle", ack.extra / 10_000))  # parts per million -> percent
         elif cmd[0] == "cell":
             ctrl.send(("cell", _run_cell(pinger, cmd[1], seq, ctrl)))
+        elif cmd[0] == "count":  # run_handoffs: exactly n untimed handoffs, nothing measured
+            _, nbytes, n, gap_ns = cmd
+            src = _make_src(nbytes)
+            for _ in range(n):
+                _handoff(pinger, src, seq, KIND_TIMED, gap_ns)
+            ctrl.send(("count", n))
         elif cmd[0] == "stop":
             _handoff(pinger, small, seq, KIND_STOP, 0)
             return
@@ -518,6 +524,12 @@ def _load_plugins() -> None:
                 raise
 
 
+def registered_methods() -> dict[str, MethodSpec]:
+    """Every method by name, shmrdv's and the plugins' included (``peers.METHODS``)."""
+    _load_plugins()
+    return peers.METHODS
+
+
 PENDING_METHODS = ("shmrdv_send", "shmrdv_send_pending")
 
 
@@ -563,6 +575,7 @@ def run(args: argparse.Namespace) -> int:
             ("--python-cost", args.python_cost),
             ("--pending", args.pending is not None),
             ("--fan-in", args.fan_in is not None),
+            ("--syscalls", args.syscalls is not None),
         )
         if wanted
     ]
@@ -581,6 +594,10 @@ def run(args: argparse.Namespace) -> int:
         from .fanin import run_cli as run_fanin
 
         return run_fanin(args)
+    if modes == ["--syscalls"]:
+        from .syscalls import run_cli as run_syscalls
+
+        return run_syscalls(args)
     if modes == ["--python-cost"]:
         from .pycost import run_cli as run_pycost
 
@@ -703,6 +720,53 @@ def run(args: argparse.Namespace) -> int:
         plot_run(bench, args.plot)
         progress.line(f"wrote {args.plot}")
     return status
+
+
+def run_handoffs(
+    name: str,
+    nbytes: int,
+    count: int,
+    *,
+    pin: tuple[int, int] | None,
+    gap_us: float = 50.0,
+    touch: bool = False,
+) -> None:
+    """Start method ``name``'s roles as a run does, make exactly ``count`` handoffs of
+    ``nbytes`` (at the method's fixed size if it has one), stop the roles, sweep.
+
+    Nothing is timed: ``syscalls.py`` runs this under strace to count what a handoff costs.
+    Raises ``KeyError`` for an unknown method and ``ChildFailed`` when a role fails.
+    """
+    _load_plugins()
+    spec = peers.METHODS[peers.ALIASES.get(name, name)]
+    nbytes = spec.fixed_nbytes or nbytes
+    prefix = f"shmrdv_bench{os.getpid()}_"
+    scratch = tempfile.mkdtemp(prefix=prefix)
+    env = {
+        "prefix": prefix,
+        "scratch_dir": scratch,
+        "max_nbytes": nbytes,
+        "pending": 0,
+        "touch": touch,
+        "method": spec.name,
+    }
+    try:
+        cpus: list[int | None] = [None, None] if pin is None else list(pin)
+        roles = _Roles(spec, multiprocessing.get_context("spawn"), env, cpus)
+        ok = False
+        try:
+            roles.expect("ready", 180.0)
+            roles.send(("count", nbytes, count, int(gap_us * 1000)))
+            roles.expect("count", _stall_timeout(nbytes) + count * (0.01 + nbytes / 1e8))
+            roles.stopping = True
+            roles.send(("stop",))
+            roles.expect("bye", 60.0)
+            ok = True
+        finally:
+            roles.reap(30.0 if ok else 0.0)
+    finally:
+        _sweep(prefix)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _pin_text(pin: tuple[int, int] | None) -> str:
