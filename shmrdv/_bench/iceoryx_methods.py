@@ -42,7 +42,10 @@ import contextlib
 import ctypes
 import importlib
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -65,6 +68,7 @@ __all__ = [
     "iceoryx_available",
     "iceoryx_pinger",
     "iceoryx_ponger",
+    "iceoryx_sweep",
     "reserved_bytes",
 ]
 
@@ -76,6 +80,10 @@ F32 = npt.NDArray[np.float32]
 POLL_SPIN_S = 0.5
 _POLL_IDLE_SLEEP_S = 0.001
 _TIMEOUT_S = 600.0  # a polling receiver gives up after this long without a sample
+# A listener's unix socket is <root_path><prefix><a 30-digit id>.event, and a socket path
+# holds at most 107 bytes (sun_path).
+_SOCKET_PATH_MAX = 107
+_EVENT_NAME_BYTES = 36
 
 
 def iceoryx_available() -> str | None:
@@ -109,9 +117,15 @@ def _node(ctx: RoleContext) -> Any:
     children turn into ``SystemExit`` (``_procs``).
     """
     iox = _iox()
+    root = os.path.join(ctx.scratch_dir, "iox") + "/"
+    if len(os.fsencode(root + ctx.prefix)) + _EVENT_NAME_BYTES > _SOCKET_PATH_MAX:
+        raise RuntimeError(
+            f"iceoryx2's event sockets would live under {root!r}, too long a path for a unix "
+            "socket: set TMPDIR to a shorter directory"
+        )
     cfg = iox.config.default()
     cfg.global_cfg.prefix = iox.FileName.new(ctx.prefix)
-    cfg.global_cfg.root_path = iox.Path.new(os.path.join(ctx.scratch_dir, "iceoryx2") + "/")
+    cfg.global_cfg.root_path = iox.Path.new(root)
     return (
         iox.NodeBuilder.new()
         .config(cfg)
@@ -303,6 +317,20 @@ class _IceoryxPonger(PullPonger):
         self._end.close()
 
 
+def iceoryx_sweep(prefix: str, shared: Mapping[str, Any]) -> None:
+    """Remove the management file iceoryx2 leaves in /dev/shm after its last node is gone.
+
+    Runs in the runner once both roles have exited. ``…_node.<version>.global_mgmt`` stays
+    behind even after a clean close (iceoryx2 0.10); anything else under ``prefix`` that a
+    killed role left is the runner's sweep's.
+    """
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/dev/shm"):
+            if entry.startswith(prefix) and entry.endswith(".global_mgmt"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", entry))
+
+
 def iceoryx_pinger(ctx: RoleContext) -> Pinger:
     return _IceoryxPinger(ctx)
 
@@ -311,21 +339,23 @@ def iceoryx_ponger(ctx: RoleContext) -> Ponger:
     return _IceoryxPonger(ctx)
 
 
-def reserved_bytes(max_nbytes: int, *, defaults: bool, directory: str) -> int:
-    """The bytes a publisher of ``max_nbytes`` samples reserves in ``/dev/shm`` up front.
+def reserved_bytes(max_nbytes: int, *, defaults: bool) -> int:
+    """The size of the data segment a publisher of ``max_nbytes`` samples creates up front.
 
-    Creates a throwaway service (files prefixed ``shmrdv_iox_probe<pid>_``, under
-    ``directory``), sums the sizes of its files, and removes them. ``defaults``: iceoryx2's
-    default service sizing rather than this module's one-ping-pong sizing.
+    Creates a throwaway service (``/dev/shm`` files prefixed ``shmrdv_iox_probe<pid>_``,
+    the rest in a temporary directory), reads the size, and removes them all. ``defaults``:
+    iceoryx2's default service sizing rather than this module's one-ping-pong sizing. The
+    file is sparse: a page takes memory once written.
     """
     prefix = f"shmrdv_iox_probe{os.getpid()}_"
+    scratch = tempfile.mkdtemp(prefix="iox")
     ctx = RoleContext(
         role="probe",
         method="probe",
         link=None,
         shared={},
         prefix=prefix,
-        scratch_dir=directory,
+        scratch_dir=scratch,
         max_nbytes=max_nbytes,
     )
     iox = _iox()
@@ -351,6 +381,7 @@ def reserved_bytes(max_nbytes: int, *, defaults: bool, directory: str) -> int:
             if e.startswith(prefix):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join("/dev/shm", e))
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _spec(name: str, label: str, baseline: str, idle_cpu: bool) -> MethodSpec:
@@ -360,6 +391,7 @@ def _spec(name: str, label: str, baseline: str, idle_cpu: bool) -> MethodSpec:
         iceoryx_pinger,
         iceoryx_ponger,
         available=iceoryx_available,
+        sweep=iceoryx_sweep,
         idle_cpu=idle_cpu,
         baseline=baseline,
         receiver_array="read-only view of the publisher's segment",
