@@ -95,7 +95,11 @@ class Dispatcher:
         finally:
             with self._cond:
                 self._polling = False
-                self._cond.notify_all()
+                # Only a follower or the dispatcher thread (callback receives pending) needs
+                # to hear that the role is free: waking the parked thread for nothing costs
+                # it a wake-up and both threads a GIL handoff per message (issue 18 §1).
+                if self._blocked or self._consumer.callback_waiters > 0:
+                    self._cond.notify_all()
 
     def _role_free(self, slot: RecvSlot) -> bool:
         """(Under ``_cond``) whether a waiting receiver should now take the poller role."""
