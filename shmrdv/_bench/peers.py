@@ -41,8 +41,9 @@ Acks are four int64s (``Ack``: head stamp, tail stamp, arrival time in
 the pinger's start is the one-way time.
 
 Adding a method: write the two factories, then ``register_method(MethodSpec(...))``
-at import time of the module that holds them (the runner imports
-``shmrdv._bench.shmrdv_methods`` if it exists). Peers live in this file.
+at import time of the module that holds them (the runner imports the modules of its
+``PLUGIN_MODULES``: ``shmrdv_methods``, shmrdv's own, and ``iceoryx_methods``, iceoryx2's,
+a peer big enough for a file of its own). The other peers live in this file.
 """
 
 from __future__ import annotations
