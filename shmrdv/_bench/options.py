@@ -24,11 +24,13 @@ __all__ = [
     "QUICK_SIZES",
     "SOAK_HANDOFFS",
     "SOAK_MAX_SIZE",
+    "SYSCALL_HANDOFFS",
     "add_fan_in_arguments",
     "add_load_arguments",
     "add_pingpong_arguments",
     "add_python_cost_arguments",
     "add_soak_arguments",
+    "add_syscall_arguments",
     "build_parser",
 ]
 
@@ -47,6 +49,8 @@ LOAD_SEED = 6
 # --soak (soak.py's SoakConfig likewise)
 SOAK_HANDOFFS = 200_000
 SOAK_MAX_SIZE = "256k"
+# --syscalls (syscalls.py): handoffs of the longer of its two strace runs
+SYSCALL_HANDOFFS = 2_000
 
 
 # -- option types: a value out of range is a usage error (exit 2) that gives the range ------
@@ -171,6 +175,12 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="pin the producer and the consumer of every method to two different CPUs "
         "(default: on where two CPUs or more are usable; --no-pin: let the kernel place them)",
+    )
+    parser.add_argument(
+        "--touch",
+        action="store_true",
+        help="the consumer reads every byte of every array it receives (timed, in the round "
+        "trip); its minor page faults per message are reported either way",
     )
     parser.add_argument(
         "--json", metavar="FILE", help="write every figure and the machine description as JSON"
@@ -299,6 +309,21 @@ def add_fan_in_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_syscall_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--syscalls`` option (syscalls.py); ``--methods``, ``--sizes``, ``--pin``,
+    ``--gap-us``, ``--touch`` and ``--json`` apply."""
+    parser.add_argument(
+        "--syscalls",
+        type=int_range(8, 10_000_000),
+        nargs="?",
+        const=SYSCALL_HANDOFFS,
+        metavar="N",
+        help="instead: system calls and futex calls per handoff of each method (default "
+        "sem_pingpong,shmrdv_send; size default 64 B), counted by `strace -f -c` over N and "
+        f"N/4 handoffs (default N {SYSCALL_HANDOFFS:,}), the difference divided; needs strace",
+    )
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
     parser.description = (
@@ -310,4 +335,5 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_soak_arguments(parser)
     add_python_cost_arguments(parser)
     add_fan_in_arguments(parser)
+    add_syscall_arguments(parser)
     return parser

@@ -41,8 +41,9 @@ Acks are four int64s (``Ack``: head stamp, tail stamp, arrival time in
 the pinger's start is the one-way time.
 
 Adding a method: write the two factories, then ``register_method(MethodSpec(...))``
-at import time of the module that holds them (the runner imports
-``shmrdv._bench.shmrdv_methods`` if it exists). Peers live in this file.
+at import time of the module that holds them (the runner imports the modules of its
+``PLUGIN_MODULES``: ``shmrdv_methods``, shmrdv's own, and ``iceoryx_methods``, iceoryx2's,
+a peer big enough for a file of its own). The other peers live in this file.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import importlib.util
 import mmap
 import os
 import pickle
+import resource
 import struct
 import threading
 import time
@@ -68,6 +70,7 @@ import numpy.typing as npt
 __all__ = [
     "ALIASES",
     "KIND_CHECK",
+    "KIND_FAULTS",
     "KIND_PROBE_END",
     "KIND_PROBE_START",
     "KIND_STOP",
@@ -98,6 +101,7 @@ KIND_CHECK = 1  # untimed; the ponger CRC32s the whole array into Ack.extra
 KIND_PROBE_START = 2  # idle-CPU probe starts: the ponger notes its CPU time
 KIND_PROBE_END = 3  # idle-CPU probe ends: Ack.extra = CPU share in parts per million
 KIND_STOP = 4  # last handoff: the ponger acks it and leaves serve()
+KIND_FAULTS = 5  # untimed; Ack.extra = the ponger's minor page faults so far (getrusage)
 _KIND_BITS = 8
 SEQ_LIMIT = 2**24 // _KIND_BITS
 
@@ -135,9 +139,12 @@ class Handler:
 
     Call it as soon as a usable array is held; it does not keep the array. It never
     blocks; a CRC of a large array takes a while, but only on the untimed check handoffs.
+    ``touch`` (``--touch``): it also reads every byte of every array, as a consumer that
+    uses its data does (the read is timed: it is part of the round trip, not the one-way).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, touch: bool = False) -> None:
+        self.touch = touch
         self.done = False
         self.handled = 0
         self._probe_cpu_ns = 0
@@ -149,6 +156,10 @@ class Handler:
         tail = int(a[-1])
         kind = head % _KIND_BITS
         extra = 0
+        if self.touch:
+            # The fastest full read numpy has (~60 GB/s when cached): what is timed is
+            # reaching the bytes (mapping, faults, cache misses), not arithmetic.
+            extra = int(a.reshape(-1).view(np.uint8).max())
         if kind == KIND_CHECK:
             extra = zlib.crc32(a.data)
         elif kind == KIND_PROBE_START:
@@ -158,6 +169,9 @@ class Handler:
             cpu = time.process_time_ns() - self._probe_cpu_ns
             wall = max(1, t_recv - self._probe_wall_ns)
             extra = cpu * 1_000_000 // wall
+        elif kind == KIND_FAULTS:
+            # After the touch: the faults of this array's read count with this handoff.
+            extra = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         elif kind == KIND_STOP:
             self.done = True
         self.handled += 1
@@ -900,8 +914,8 @@ def torch_ponger(ctx: RoleContext) -> Ponger:
 def _make_ray_actor(ray: Any) -> Any:
     @ray.remote(num_cpus=0)
     class _Consumer:
-        def __init__(self) -> None:
-            self._handler = Handler()
+        def __init__(self, touch: bool) -> None:
+            self._handler = Handler(touch)
 
         def ready(self) -> bool:
             return True
@@ -926,7 +940,7 @@ class _RayPinger:
             object_store_memory=max(2 << 30, 4 * ctx.max_nbytes),
             runtime_env={"env_vars": {"PYTHONPATH": path}},
         )
-        self._actor = _make_ray_actor(ray).remote()
+        self._actor = _make_ray_actor(ray).remote(ctx.handler is not None and ctx.handler.touch)
         ray.get(self._actor.ready.remote(), timeout=120)
 
     def handoff(self, src: F32) -> Ack:

@@ -53,6 +53,7 @@ class CellResult:
     oneway_p99_ns: float
     oneway_rep_medians_ns: list[float]
     elapsed_s: float
+    consumer_faults_per_msg: float | None = None  # minor page faults (getrusage), after warm-up
 
     @property
     def rtt_spread(self) -> float:
@@ -314,6 +315,20 @@ def format_markdown(run: BenchRun) -> str:
                 cell_rows(
                     lambda m, n, c: _fixed(run.fixed_cost_ns(m.name, n)),
                     [m for m in sized if m.name != BASELINE_COPY],
+                ),
+            ),
+            "",
+            "## The consumer's minor page faults per handoff, after warm-up"
+            + (" (it reads every byte: --touch)" if run.config.get("touch") else ""),
+            "",
+            *_table(
+                header,
+                cell_rows(
+                    lambda m, n, c: (
+                        DASH
+                        if c.consumer_faults_per_msg is None
+                        else f"{c.consumer_faults_per_msg:,.1f}"
+                    )
                 ),
             ),
             "",
