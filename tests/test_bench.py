@@ -26,6 +26,7 @@ from shmrdv._bench.peers import (
     register_method,
     unpack_ack,
 )
+from shmrdv._bench.textfit import WIDTH
 from shmrdv._sizes import format_size
 
 
@@ -208,7 +209,8 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         for name in ("mp_pipe_oob", "sem_pingpong"):
             assert methods[name]["cpus"] == {"pinger": usable[:1], "ponger": usable[1:2]}
         assert methods["memcpy"]["cpus"]["pinger"] == usable[:1]
-    assert "median (p99)" in proc.stdout and "## Fixed cost: round trip" in proc.stdout
+    assert "## Round trip: p99" in proc.stdout and "## Fixed cost: round trip" in proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) <= WIDTH
     assert list(methods["sem_pingpong"]["cells"]) == ["64"]
     assert 0 <= methods["mp_pipe_oob"]["idle_cpu_percent"] < 50
     if plot:
@@ -259,7 +261,7 @@ def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
         f"--json={out}",
     )
     assert proc.returncode == 0, proc.stderr
-    assert "## Ratio to grpc_pull (round trip · one-way) · one-way GB/s" in proc.stdout
+    assert "## Round trip \u00d7grpc_pull" in proc.stdout and "## One-way \u00d7grpc_pull" in proc.stdout
     methods = {m["name"]: m for m in json.loads(out.read_text())["methods"]}
     assert set(methods) == {"memcpy", "mp_pipe_oob", "grpc_pull", "grpc_push"}
     assert all(m["status"] == "ok" for m in methods.values())
@@ -280,7 +282,7 @@ def test_pending_compares_with_no_pending_in_the_same_run(tmp_path: Path) -> Non
     args = ("--sizes=64", "--reps=1", "--budget=0.02", "--idle-seconds=0", "--no-baselines")
     proc = run_bench("--pending=20", *args, f"--json={out}")
     assert proc.returncode == 0, proc.stderr
-    assert "## Ratio to shmrdv_send (round trip · one-way)" in proc.stdout
+    assert "## Round trip \u00d7shmrdv_send" in proc.stdout
     data = json.loads(out.read_text())
     assert data["config"]["pending"] == 20
     methods = {m["name"]: m for m in data["methods"]}
@@ -351,3 +353,42 @@ def test_a_failing_role_fails_its_method_with_the_cause(tmp_path: Path) -> None:
     assert "ValueError: planted ponger failure" in reason or (
         "the ponger had died first: exit code 1" in reason
     ), reason
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.slow
+def test_bench_children_log_no_grpc_goaway() -> None:
+    # Before: gRPC core printed "chttp2_transport.cc:1403] ... Got goaway [2] ... Cancelling
+    # all calls" in 4 runs of 6, when one role's Worker stopped its server first.
+    for _ in range(2):
+        proc = run_bench(
+            "--methods=shmrdv_grpc",
+            "--no-baselines",
+            "--sizes=64",
+            "--reps=1",
+            "--budget=0.02",
+            "--idle-seconds=0",
+            timeout=40,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "goaway" not in proc.stderr.lower() and "chttp2" not in proc.stderr, proc.stderr
+        assert max(len(line) for line in proc.stderr.splitlines()) <= WIDTH, proc.stderr
+
+
+def test_grpc_quiet_children_sets_the_verbosity_only_while_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shmrdv._bench.common import grpc_quiet_children
+
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    with grpc_quiet_children():
+        code = "import os; print(os.environ.get('GRPC_VERBOSITY'))"
+        child = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=30
+        )
+        assert child.stdout.strip() == "ERROR"
+    assert "GRPC_VERBOSITY" not in os.environ
+    monkeypatch.setenv("GRPC_VERBOSITY", "DEBUG")  # the user's own choice is kept
+    with grpc_quiet_children():
+        assert os.environ["GRPC_VERBOSITY"] == "DEBUG"
+    assert os.environ["GRPC_VERBOSITY"] == "DEBUG"
