@@ -14,13 +14,28 @@ from collections.abc import Iterator
 
 from .._sizes import parse_size
 
-__all__ = ["GRPC_VERBOSITY", "grpc_quiet_children", "parse_array_size", "parse_sizes", "pin_cpus"]
+__all__ = [
+    "GRPC_OPTIONS",
+    "GRPC_VERBOSITY",
+    "grpc_quiet_children",
+    "parse_array_size",
+    "parse_sizes",
+    "pin_cpus",
+]
 
 # gRPC core logs at INFO when a channel's server goes away with calls open ("chttp2_transport.cc
 # ... Got goaway [2] ... Cancelling all calls"): a bench role's Worker stops its server while
 # the other role's stream to it is still parked. That is no error of the run, so the bench's
 # children log gRPC errors only (issue 20 §4); a GRPC_VERBOSITY the user set is kept.
 GRPC_VERBOSITY = "ERROR"
+
+# The channel and server options of every raw grpcio peer: no message size limit (the
+# default receive limit is 4 MiB, pitfalls.md §6) and no proxy for loopback.
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.enable_http_proxy", 0),
+]
 
 
 def parse_array_size(text: str) -> int:

@@ -21,11 +21,13 @@ __all__ = [
     "LOAD_PRODUCERS",
     "LOAD_SEED",
     "LOAD_WINDOW",
+    "PIPELINE_CASES",
     "QUICK_SIZES",
     "SOAK_HANDOFFS",
     "SOAK_MAX_SIZE",
     "add_fan_in_arguments",
     "add_load_arguments",
+    "add_pipeline_arguments",
     "add_pingpong_arguments",
     "add_python_cost_arguments",
     "add_soak_arguments",
@@ -47,6 +49,8 @@ LOAD_SEED = 6
 # --soak (soak.py's SoakConfig likewise)
 SOAK_HANDOFFS = 200_000
 SOAK_MAX_SIZE = "256k"
+# --pipeline (pipeline.py takes its default cases from here)
+PIPELINE_CASES = "64k:1000,16m:100"
 
 
 # -- option types: a value out of range is a usage error (exit 2) that gives the range ------
@@ -299,6 +303,22 @@ def add_fan_in_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--pipeline`` options (pipeline.py); ``--reps``, ``--methods`` and ``--pin`` apply."""
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="instead: throughput of a stream of tensors from one producer to one consumer "
+        "that receives them in order, shmrdv over gRPC and shared memory against a raw grpcio "
+        "server-streaming call (cases: --pipeline-cases; rounds: --reps, default 3)",
+    )
+    parser.add_argument(
+        "--pipeline-cases",
+        metavar="SIZE:COUNT,...",
+        help=f"tensor size and count of each case (default {PIPELINE_CASES})",
+    )
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
     parser.description = (
@@ -310,4 +330,5 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_soak_arguments(parser)
     add_python_cost_arguments(parser)
     add_fan_in_arguments(parser)
+    add_pipeline_arguments(parser)
     return parser

@@ -25,6 +25,7 @@ __all__ = [
     "MethodResult",
     "describe_machine",
     "format_markdown",
+    "format_sig",
     "format_time",
     "load_average",
     "plot_run",
@@ -213,6 +214,12 @@ def _sig(x: float) -> str:
     if x >= 1:
         return f"{x:.2f}"
     return f"{x:.3g}"
+
+
+def format_sig(x: float) -> str:
+    """``x`` as every figure of the report shows it: three significant digits, thousands
+    separated (0.273, 12.3, 1,179)."""
+    return _sig(x)
 
 
 def format_time(ns: float) -> str:

@@ -567,6 +567,7 @@ def _run_mode(args: argparse.Namespace) -> int:
             ("--python-cost", args.python_cost),
             ("--pending", args.pending is not None),
             ("--fan-in", args.fan_in is not None),
+            ("--pipeline", args.pipeline),
         )
         if wanted
     ]
@@ -585,6 +586,10 @@ def _run_mode(args: argparse.Namespace) -> int:
         from .fanin import run_cli as run_fanin
 
         return run_fanin(args)
+    if modes == ["--pipeline"]:
+        from .pipeline import run_cli as run_pipeline
+
+        return run_pipeline(args)
     if modes == ["--python-cost"]:
         from .pycost import run_cli as run_pycost
 
