@@ -27,6 +27,7 @@ __all__ = [
     "SOAK_MAX_SIZE",
     "add_fan_in_arguments",
     "add_load_arguments",
+    "add_peer_arguments",
     "add_pipeline_arguments",
     "add_pingpong_arguments",
     "add_python_cost_arguments",
@@ -319,6 +320,17 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--peer`` option (remote.py); ``--sizes``, ``--reps``, ``--budget`` apply."""
+    parser.add_argument(
+        "--peer",
+        metavar="HOST:PORT",
+        help="instead: the round trip to `shmrdv serve --listen HOST:PORT` on another host "
+        "(an echo peer, as iperf's server), shmrdv over gRPC against a raw grpcio call, "
+        "per size (default sizes 64,64k,1m,16m); the token, if any, from $SHMRDV_TOKEN",
+    )
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
     parser.description = (
@@ -331,4 +343,5 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_python_cost_arguments(parser)
     add_fan_in_arguments(parser)
     add_pipeline_arguments(parser)
+    add_peer_arguments(parser)
     return parser

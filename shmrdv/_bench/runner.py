@@ -568,6 +568,7 @@ def _run_mode(args: argparse.Namespace) -> int:
             ("--pending", args.pending is not None),
             ("--fan-in", args.fan_in is not None),
             ("--pipeline", args.pipeline),
+            ("--peer", args.peer is not None),
         )
         if wanted
     ]
@@ -590,6 +591,10 @@ def _run_mode(args: argparse.Namespace) -> int:
         from .pipeline import run_cli as run_pipeline
 
         return run_pipeline(args)
+    if modes == ["--peer"]:
+        from .remote import run_cli as run_remote
+
+        return run_remote(args)
     if modes == ["--python-cost"]:
         from .pycost import run_cli as run_pycost
 
