@@ -347,7 +347,7 @@ def format_markdown(run: BenchRun) -> str:
         for base, compared in [(BASELINE_PEER, sized)] + [
             (b, [m for m in sized if m.name == b or m.baseline == b]) for b in _baselines(run)
         ]:
-            if len(compared) < 2:
+            if len(compared) < 2 or not any(m.name == base for m in compared):
                 continue
             for what, title in (("rtt", "Round trip"), ("oneway", "One-way")):
                 lines += section(
@@ -379,7 +379,7 @@ def format_markdown(run: BenchRun) -> str:
         idle = (
             ""
             if m.idle_cpu_percent is None
-            else f" Idle CPU of a blocked receive: {m.idle_cpu_percent:.2f} %."
+            else f" Idle CPU of a blocked receive: {m.idle_cpu_percent:.2f}\u00a0%."
         )
         status = m.status
         if m.reason:
