@@ -62,7 +62,7 @@ RAW_METHOD = "/shmrdv.bench.Echo/Raw"
 MAX_MESSAGE = (256 << 20) + (64 << 10)  # the largest --peer size, 256 MiB, and its framing
 IDLE_S = 120.0  # a session with no echo for this long is closed
 BUSY_S = 5.0  # a session idle for this long gives way to the next bench's Open
-_POLL_S = 0.5  # how often an echo thread looks at its stop flag
+_JOIN_S = 10.0  # an echo thread ends this soon after close() aborted its receive
 _BACKOFF_S = 0.5  # after a failed receive (the peer is not up, or gone)
 
 
@@ -80,9 +80,11 @@ def echo_keys(echo_task: str, peer_task: str) -> tuple[str, str]:
 class EchoLoop:
     """Threads that echo what each peer task sends ``worker`` (see the module docstring).
 
-    ``echoed`` counts the arrays sent back; ``last_echo`` is the ``time.monotonic()`` of the
-    last one (or of the start). ``close()`` stops and joins the threads (within a second);
-    the Worker stays open: its owner closes it."""
+    Each thread blocks in ``recv`` (no polling); ``close()`` aborts the worker's step
+    ``STEP`` (``start_abort``: the loop owns that step), which ends every receive at once,
+    and joins the threads. The Worker stays open: its owner closes it. ``echoed`` counts
+    the arrays sent back; ``last_echo`` is the ``time.monotonic()`` of the last one (or of
+    the start)."""
 
     def __init__(self, worker: Any, peers: Iterable[str]) -> None:
         self._worker = worker
@@ -99,15 +101,13 @@ class EchoLoop:
             t.start()
 
     def _run(self, peer: str) -> None:
-        from .._errors import DeadlineExceededError, RendezvousError
+        from .._errors import RendezvousError
 
         key_in, key_out = echo_keys(self._worker.task, peer)
         while not self._stop.is_set():
             try:
-                got = self._rdv.recv(key_in, timeout=_POLL_S)
+                got = self._rdv.recv(key_in)
                 self._rdv.send(key_out, got.value, is_dead=got.is_dead)
-            except DeadlineExceededError:
-                continue
             except RendezvousError as e:
                 if self._stop.is_set():
                     return
@@ -120,9 +120,12 @@ class EchoLoop:
                 self.last_echo = time.monotonic()
 
     def close(self) -> None:
+        from .._errors import CancelledError
+
         self._stop.set()
+        self._rdv.start_abort(CancelledError("the echo loop is closed"))
         for t in self._threads:
-            t.join(_POLL_S + 5.0)
+            t.join(_JOIN_S)
 
 
 def peer_host(peer: str) -> str:
@@ -213,7 +216,7 @@ class EchoService:
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=4, thread_name_prefix="shmrdv-echo-rpc"),
             options=options,
-            maximum_concurrent_rpcs=8,
+            maximum_concurrent_rpcs=4,  # a bench makes one call at a time
         )
         self._server.add_generic_rpc_handlers((generic,))
         try:
