@@ -356,7 +356,7 @@ def format_remote(r: RemoteResult) -> str:
         f"Round trips from this host ({r.local_address or '?'}) to the echo peer at "
         f"{cfg['peer']} (`shmrdv serve --listen`): the array there and back, checked; "
         f"{cfg['reps']} repetition(s) of {cfg['budget_s']:g} s per cell; {r.elapsed_s:.1f} s"
-        + ("" if r.echoed is None else f"; the peer echoed {r.echoed:,} arrays")
+        + ("" if r.echoed is None else f"; the echo's Worker sent {r.echoed:,} arrays back")
         + ".",
         "",
         f"## Round trip: median (p99) · GB/s (2 {TIMES} size / median)",
