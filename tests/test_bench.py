@@ -406,6 +406,7 @@ def test_pipeline_measures_shmrdv_against_a_raw_grpc_stream(tmp_path: Path) -> N
     )
     assert proc.returncode == 0, proc.stderr
     assert "## Throughput: MB/s (median of rounds) · tensors/s" in proc.stdout
+    assert "goaway" not in proc.stderr.lower(), proc.stderr
     assert max(len(line) for line in proc.stdout.splitlines()) <= WIDTH
     data = json.loads(out.read_text())["pipeline"]
     assert data["config"]["cases"] == [[1024, 30], [65536, 8]]

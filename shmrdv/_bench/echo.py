@@ -27,6 +27,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -119,7 +120,14 @@ class EchoLoop:
                 self.echoed += 1
                 self.last_echo = time.monotonic()
 
+    def __enter__(self) -> EchoLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Stop echoing (idempotent): abort the loop's step, join the threads."""
         from .._errors import CancelledError
 
         self._stop.set()
@@ -227,6 +235,9 @@ class EchoService:
             raise UnavailableError(f"shmrdv serve cannot listen on {listen} (in use?)")
         self.address = f"{self._bind_host}:{port}"
         self._server.start()
+        # The backstop if the service is dropped unclosed: stop listening (the session's
+        # Worker has its own).
+        self._finalizer = weakref.finalize(self, self._server.stop, None)
 
     def __repr__(self) -> str:
         with self._lock:
@@ -312,4 +323,5 @@ class EchoService:
             session, self._session = self._session, None
             if session is not None:
                 session.close()
+        self._finalizer.detach()
         self._server.stop(grace=1.0).wait(5.0)
