@@ -27,6 +27,7 @@ from shmrdv._bench.peers import (
     register_method,
     unpack_ack,
 )
+from shmrdv._bench.textfit import WIDTH
 from shmrdv._sizes import format_size
 
 
@@ -209,7 +210,8 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         for name in ("mp_pipe_oob", "sem_pingpong"):
             assert methods[name]["cpus"] == {"pinger": usable[:1], "ponger": usable[1:2]}
         assert methods["memcpy"]["cpus"]["pinger"] == usable[:1]
-    assert "median (p99)" in proc.stdout and "## Fixed cost: round trip" in proc.stdout
+    assert "## Round trip: p99" in proc.stdout and "## Fixed cost: round trip" in proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) <= WIDTH
     assert list(methods["sem_pingpong"]["cells"]) == ["64"]
     assert 0 <= methods["mp_pipe_oob"]["idle_cpu_percent"] < 50
     if plot:
@@ -260,7 +262,10 @@ def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
         f"--json={out}",
     )
     assert proc.returncode == 0, proc.stderr
-    assert "## Ratio to grpc_pull (round trip · one-way) · one-way GB/s" in proc.stdout
+    assert (
+        "## Round trip \u00d7grpc_pull" in proc.stdout
+        and "## One-way \u00d7grpc_pull" in proc.stdout
+    )
     methods = {m["name"]: m for m in json.loads(out.read_text())["methods"]}
     assert set(methods) == {"memcpy", "mp_pipe_oob", "grpc_pull", "grpc_push"}
     assert all(m["status"] == "ok" for m in methods.values())
@@ -281,7 +286,7 @@ def test_pending_compares_with_no_pending_in_the_same_run(tmp_path: Path) -> Non
     args = ("--sizes=64", "--reps=1", "--budget=0.02", "--idle-seconds=0", "--no-baselines")
     proc = run_bench("--pending=20", *args, f"--json={out}")
     assert proc.returncode == 0, proc.stderr
-    assert "## Ratio to shmrdv_send (round trip · one-way)" in proc.stdout
+    assert "## Round trip \u00d7shmrdv_send" in proc.stdout
     data = json.loads(out.read_text())
     assert data["config"]["pending"] == 20
     methods = {m["name"]: m for m in data["methods"]}
@@ -581,3 +586,139 @@ def test_shmrdv_busy_runs_or_names_the_missing_option(tmp_path: Path) -> None:
         assert sorted(m["cells"]) == ["64", "65536"]
         # It polls 0.1 s after a handoff, then blocks: a 0.3 s idle probe is well below 100 %.
         assert m["idle_cpu_percent"] < 80
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.slow
+def test_bench_children_log_no_grpc_goaway() -> None:
+    # Before: gRPC core printed "chttp2_transport.cc:1403] ... Got goaway [2] ... Cancelling
+    # all calls" in 4 runs of 6, when one role's Worker stopped its server first.
+    for _ in range(2):
+        proc = run_bench(
+            "--methods=shmrdv_grpc",
+            "--no-baselines",
+            "--sizes=64",
+            "--reps=1",
+            "--budget=0.02",
+            "--idle-seconds=0",
+            timeout=40,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "goaway" not in proc.stderr.lower() and "chttp2" not in proc.stderr, proc.stderr
+        assert max(len(line) for line in proc.stderr.splitlines()) <= WIDTH, proc.stderr
+
+
+def test_grpc_quiet_children_sets_the_verbosity_only_while_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shmrdv._bench.common import grpc_quiet_children
+
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    with grpc_quiet_children():
+        code = "import os; print(os.environ.get('GRPC_VERBOSITY'))"
+        child = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=30
+        )
+        assert child.stdout.strip() == "ERROR"
+    assert "GRPC_VERBOSITY" not in os.environ
+    monkeypatch.setenv("GRPC_VERBOSITY", "DEBUG")  # the user's own choice is kept
+    with grpc_quiet_children():
+        assert os.environ["GRPC_VERBOSITY"] == "DEBUG"
+    assert os.environ["GRPC_VERBOSITY"] == "DEBUG"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.slow
+def test_pipeline_measures_shmrdv_against_a_raw_grpc_stream(tmp_path: Path) -> None:
+    out = tmp_path / "pl.json"
+    proc = run_bench(
+        "--pipeline", "--pipeline-cases=1k:30,64k:8", "--reps=2", f"--json={out}", timeout=80
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "## Throughput: MB/s (median of rounds) · tensors/s" in proc.stdout
+    assert "goaway" not in proc.stderr.lower(), proc.stderr
+    assert max(len(line) for line in proc.stdout.splitlines()) <= WIDTH
+    data = json.loads(out.read_text())["pipeline"]
+    assert data["config"]["cases"] == [[1024, 30], [65536, 8]]
+    names = ("grpc_stream", "shmrdv_grpc", "shmrdv_shm")
+    assert data["status"] == {n: {"status": "ok", "failure": None} for n in names}
+    usable = sorted(os.sched_getaffinity(0))
+    assert data["config"]["pin"] == (usable[:2] if len(usable) >= 2 else None)
+    for key, (nbytes, count) in (("1024x30", (1024, 30)), ("65536x8", (65536, 8))):
+        case = data["cases"][key]
+        assert (case["nbytes"], case["count"]) == (nbytes, count)
+        base = case["methods"]["grpc_stream"]
+        assert base["x_grpc_stream"] == pytest.approx(1.0)
+        for m in case["methods"].values():
+            assert len(m["round_mbps"]) == 2 and m["mbps"] > 0
+            assert m["tensors_per_s"] == pytest.approx(m["mbps"] * 1e6 / nbytes)
+            assert m["x_grpc_stream"] == pytest.approx(m["mbps"] / base["mbps"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pipeline-cases=64k"], "give SIZE:COUNT"),
+        (["--pipeline-cases=64k:0"], "count must be 1 to 1,000,000"),
+        (["--pipeline-cases=6:10"], "at least 8 bytes"),
+        (["--methods=grpc_pull"], "unknown pipeline method(s) grpc_pull"),
+    ],
+)
+def test_pipeline_bad_options_are_usage_errors(argv: list[str], message: str) -> None:
+    proc = run_bench("--pipeline", *argv)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_grpc_pull_serves_the_array_as_it_is_at_each_handoff() -> None:
+    # Issue 19 §3: the raw pull pays one tobytes() of the array per handoff, like a producer
+    # with a new tensor each time: change the array's contents, and the next handoff carries
+    # them (a prebuilt payload would not).
+    import multiprocessing
+    import threading
+    import zlib
+
+    import numpy as np
+
+    from shmrdv._bench.peers import KIND_CHECK, KIND_STOP
+
+    near, far = multiprocessing.Pipe()
+    spec = METHODS["grpc_pull"]
+    assert spec.ponger is not None
+
+    def ctx(role: str, link: object) -> RoleContext:
+        return RoleContext(role, "grpc_pull", link, {}, "t_", "/tmp", 1 << 16)  # type: ignore[arg-type]
+
+    pinger = spec.pinger(ctx("pinger", near))
+    handler = Handler()
+    failures: list[BaseException] = []
+
+    def ponger_main() -> None:
+        assert spec.ponger is not None
+        try:
+            ponger = spec.ponger(ctx("ponger", far))
+            try:
+                ponger.serve(handler)
+            finally:
+                ponger.close()
+        except BaseException as e:  # reported below
+            failures.append(e)
+
+    thread = threading.Thread(target=ponger_main, daemon=True)
+    thread.start()
+    try:
+        src = np.arange(16384, dtype=np.float32)
+        for seq in range(1, 4):
+            src[1:-1] = seq  # new contents each time
+            src[0] = src[-1] = make_stamp(seq, KIND_CHECK)
+            ack = pinger.handoff(src)
+            assert ack.extra == zlib.crc32(src.tobytes()), seq
+        src[0] = src[-1] = make_stamp(9, KIND_STOP)
+        pinger.handoff(src)
+    finally:
+        pinger.close()
+        thread.join(30)
+        near.close()
+        far.close()
+    assert not thread.is_alive() and not failures, failures

@@ -21,12 +21,15 @@ __all__ = [
     "LOAD_PRODUCERS",
     "LOAD_SEED",
     "LOAD_WINDOW",
+    "PIPELINE_CASES",
     "QUICK_SIZES",
     "SOAK_HANDOFFS",
     "SOAK_MAX_SIZE",
     "SYSCALL_HANDOFFS",
     "add_fan_in_arguments",
     "add_load_arguments",
+    "add_peer_arguments",
+    "add_pipeline_arguments",
     "add_pingpong_arguments",
     "add_python_cost_arguments",
     "add_soak_arguments",
@@ -51,6 +54,8 @@ SOAK_HANDOFFS = 200_000
 SOAK_MAX_SIZE = "256k"
 # --syscalls (syscalls.py): handoffs of the longer of its two strace runs
 SYSCALL_HANDOFFS = 2_000
+# --pipeline (pipeline.py takes its default cases from here)
+PIPELINE_CASES = "64k:1000,16m:100"
 
 
 # -- option types: a value out of range is a usage error (exit 2) that gives the range ------
@@ -324,6 +329,33 @@ def add_syscall_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--pipeline`` options (pipeline.py); ``--reps``, ``--methods`` and ``--pin`` apply."""
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="instead: throughput of a stream of tensors from one producer to one consumer "
+        "that receives them in order, shmrdv over gRPC and shared memory against a raw grpcio "
+        "server-streaming call (cases: --pipeline-cases; rounds: --reps, default 3)",
+    )
+    parser.add_argument(
+        "--pipeline-cases",
+        metavar="SIZE:COUNT,...",
+        help=f"tensor size and count of each case (default {PIPELINE_CASES})",
+    )
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--peer`` option (remote.py); ``--sizes``, ``--reps``, ``--budget`` apply."""
+    parser.add_argument(
+        "--peer",
+        metavar="HOST:PORT",
+        help="instead: the round trip to `shmrdv serve --listen HOST:PORT` on another host "
+        "(an echo peer, as iperf's server), shmrdv over gRPC against a raw grpcio call, "
+        "per size (default sizes 64,64k,1m,16m); the token, if any, from $SHMRDV_TOKEN",
+    )
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
     parser.description = (
@@ -336,4 +368,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_python_cost_arguments(parser)
     add_fan_in_arguments(parser)
     add_syscall_arguments(parser)
+    add_pipeline_arguments(parser)
+    add_peer_arguments(parser)
     return parser

@@ -67,6 +67,8 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from .common import GRPC_OPTIONS
+
 __all__ = [
     "ALIASES",
     "KIND_CHECK",
@@ -618,18 +620,14 @@ def sem_ponger(ctx: RoleContext) -> Ponger:
 
 
 # -- grpc_push: raw grpcio unary call on 127.0.0.1, the tensor in the REQUEST -------------
-# Identity serializers: the request is a.tobytes(), the handler views it with
+# Identity serializers: the request is a.tobytes() (made per handoff, timed, as in grpc_pull
+# below), the handler views it with
 # np.frombuffer, the response is the packed ack. Message limits are lifted on both
 # ends (the default receive limit is 4 MiB, pitfalls.md §6). The ponger is the server.
 # An upload: in grpcio's Python API 3-4x slower than a download (issue 12 §1), so it is
 # not the baseline of shmrdv's gRPC path, which pulls; grpc_pull below is.
 
 _GRPC_METHOD = "/shmrdv.bench.Bench/Handoff"
-_GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.max_send_message_length", -1),
-    ("grpc.enable_http_proxy", 0),
-]
 
 
 class _GrpcPinger:
@@ -637,7 +635,7 @@ class _GrpcPinger:
         import grpc
 
         port = _recv_link(_link(ctx), "gRPC port")
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_GRPC_OPTIONS)
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
         grpc.channel_ready_future(self._channel).result(timeout=30)
         self._call = self._channel.unary_unary(
             _GRPC_METHOD, request_serializer=None, response_deserializer=None
@@ -675,7 +673,7 @@ class _GrpcPonger:
         )
         service, method = _GRPC_METHOD.strip("/").split("/")
         generic = grpc.method_handlers_generic_handler(service, {method: rpc})
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=2), options=_GRPC_OPTIONS)
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
         self._server.add_generic_rpc_handlers((generic,))
         port = self._server.add_insecure_port("127.0.0.1:0")
         self._server.start()
@@ -706,7 +704,9 @@ def _grpc_available() -> str | None:
 # RecvTensor): the pinger (producer) is the server and holds the tensor, the ponger
 # (consumer) is the client and keeps one call parked, as a consumer posts its receive
 # before the value is sent. The handler answers the parked call with the next tensor
-# (tobytes(): grpcio's identity serializer takes bytes); the ponger's next call carries
+# (tobytes(): grpcio's identity serializer takes bytes, so every handoff makes the bytes of
+# the array as it is then, inside the timed handoff: the one copy every real producer pays
+# for a new tensor, never a prebuilt payload; issue 19 §3); the ponger's next call carries
 # the 32-byte ack of the last one in its request. So one handoff is one unary call: the
 # best a user could write with the same library, not one call plus a second for the ack.
 # Identity serializers and lifted message limits as above.
@@ -735,7 +735,7 @@ class _GrpcPullPinger:
         )
         service, method = _GRPC_PULL_METHOD.strip("/").split("/")
         generic = grpc.method_handlers_generic_handler(service, {method: rpc})
-        self._server: Any = grpc.server(ThreadPoolExecutor(max_workers=2), options=_GRPC_OPTIONS)
+        self._server: Any = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
         self._server.add_generic_rpc_handlers((generic,))
         port = self._server.add_insecure_port("127.0.0.1:0")
         self._server.start()
@@ -762,7 +762,7 @@ class _GrpcPullPonger:
         import grpc
 
         port = _recv_link(_link(ctx), "gRPC port")
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_GRPC_OPTIONS)
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
         grpc.channel_ready_future(self._channel).result(timeout=30)
         self._call = self._channel.unary_unary(
             _GRPC_PULL_METHOD, request_serializer=None, response_deserializer=None

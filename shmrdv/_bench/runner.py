@@ -42,7 +42,7 @@ import numpy.typing as npt
 from .._procs import Child, ChildFailed, ChildTimeout, exit_reason, reap
 from .._sizes import format_size
 from . import options, peers
-from .common import parse_sizes, pin_cpus
+from .common import grpc_quiet_children, parse_sizes, pin_cpus
 from .options import DEFAULT_SIZES, QUICK_SIZES
 from .peers import (
     KIND_CHECK,
@@ -64,10 +64,12 @@ from .report import (
     MethodResult,
     describe_machine,
     format_markdown,
+    format_time,
     load_average,
     plot_run,
     write_json,
 )
+from .textfit import wrap_line
 
 __all__ = ["build_parser", "main", "registered_methods", "run", "run_handoffs"]
 
@@ -278,6 +280,10 @@ class _Progress:
         self._stream.write(("\r\x1b[K" if self._tty else "") + text + "\n")
         self._stream.flush()
 
+    def lines(self, text: str) -> None:
+        """``text`` wrapped to ``textfit.WIDTH`` columns (an error, a list of names)."""
+        self.line("\n".join(wrap_line(text)))
+
 
 @dataclass
 class _Options:
@@ -476,8 +482,8 @@ def _run_method(
                 result.cells[nbytes] = cell
                 progress.line(
                     f"{spec.name:>19} {format_size(nbytes):>8}: round trip "
-                    f"{cell.rtt_median_ns / 1000:,.1f} µs (p99 {cell.rtt_p99_ns / 1000:,.1f}), "
-                    f"one-way {cell.oneway_median_ns / 1000:,.1f} µs "
+                    f"{format_time(cell.rtt_median_ns)} (p99 {format_time(cell.rtt_p99_ns)}), "
+                    f"one-way {format_time(cell.oneway_median_ns)} "
                     f"[{cell.reps} x {cell.per_rep}, {cell.elapsed_s:.1f} s]"
                 )
                 break
@@ -493,7 +499,7 @@ def _run_method(
         result.status = "failed"
         result.reason = str(e)
         lines = str(e).strip().splitlines()
-        progress.line(f"{spec.name}: FAILED: {lines[0]} {lines[-1] if len(lines) > 1 else ''}")
+        progress.lines(f"{spec.name}: FAILED: {lines[0]} {lines[-1] if len(lines) > 1 else ''}")
     finally:
         roles.reap(30.0 if ok else 0.0)
 
@@ -567,6 +573,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; the exit status (130 when interrupted)."""
+    with grpc_quiet_children():
+        return _run_mode(args)
+
+
+def _run_mode(args: argparse.Namespace) -> int:
     modes = [
         flag
         for flag, wanted in (
@@ -576,6 +587,8 @@ def run(args: argparse.Namespace) -> int:
             ("--pending", args.pending is not None),
             ("--fan-in", args.fan_in is not None),
             ("--syscalls", args.syscalls is not None),
+            ("--pipeline", args.pipeline),
+            ("--peer", args.peer is not None),
         )
         if wanted
     ]
@@ -598,6 +611,14 @@ def run(args: argparse.Namespace) -> int:
         from .syscalls import run_cli as run_syscalls
 
         return run_syscalls(args)
+    if modes == ["--pipeline"]:
+        from .pipeline import run_cli as run_pipeline
+
+        return run_pipeline(args)
+    if modes == ["--peer"]:
+        from .remote import run_cli as run_remote
+
+        return run_remote(args)
     if modes == ["--python-cost"]:
         from .pycost import run_cli as run_pycost
 
@@ -606,7 +627,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for spec in peers.METHODS.values():
             why = spec.available()
-            print(f"{spec.name:>19}  {'ok' if why is None else 'skipped: ' + why:<30} {spec.label}")
+            print(f"{spec.name}: {'ok' if why is None else 'skipped: ' + why}")
+            print("\n".join(wrap_line("    " + spec.label)))
         return 0
     try:
         default_sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
@@ -691,7 +713,7 @@ def run(args: argparse.Namespace) -> int:
             why = spec.available()
             if why is not None:
                 result.reason = why
-                progress.line(f"{spec.name}: skipped ({why})")
+                progress.lines(f"{spec.name}: skipped ({why})")
                 continue
             _run_method(spec, opts, mpctx, env, progress, result)
             if result.status == "failed":
@@ -705,7 +727,7 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, previous)
         swept = _sweep(prefix)
         if swept:
-            progress.line(
+            progress.lines(
                 f"swept {len(swept)} leftover /dev/shm object(s): {', '.join(sorted(swept))}"
             )
         shutil.rmtree(scratch, ignore_errors=True)
