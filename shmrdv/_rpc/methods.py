@@ -34,7 +34,7 @@ RECV_TENSOR_STREAM_METHOD: Final = f"/{SHMRDV_SERVICE}/RecvTensorStream"
 # research/pitfalls.md §6: stream in chunks of at most 4 MiB (gRPC's default receive limit).
 DEFAULT_CHUNK_BYTES: Final = 4 << 20
 # A shmrdv client asks for tensors up to this size in RecvTensor's one response; larger
-# ones are streamed in chunks (RecvTensorStream). Measured on loopback: 256 MiB as one
-# message took 2.6-3.8 s against 1.5 s streamed in 4 MiB chunks; 16 MiB is faster as one
-# message (no second call, no assembly).
-DEFAULT_INLINE_MAX: Final = 64 << 20
+# ones are streamed in chunks (RecvTensorStream). Measured on loopback (issue 19, same
+# run): 16 MiB took 40-150 ms as one RecvTensor response from the aio server against
+# 20-30 ms streamed in 4 MiB chunks; 256 MiB as one message took 2.6-3.8 s against 1.5 s.
+DEFAULT_INLINE_MAX: Final = 1 << 20
