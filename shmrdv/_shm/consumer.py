@@ -854,6 +854,17 @@ class Consumer:
 
     # -- the scan (run by whoever polls the doorbell) ---------------------------------
 
+    def arrived(self) -> bool:
+        """Whether a ring holds records not yet drained: a look at shared memory, without
+        the lock and without a system call (what a spinning poller checks between turns)."""
+        try:
+            for _, r in self._rings:
+                if r.ring.pending():
+                    return True
+        except ValueError:  # a ring failed and released meanwhile: let the scan see to it
+            return True
+        return False
+
     def scan(self) -> list[Item]:
         """Drain the rings, serve the channels they brought something for; once per tick,
         check the producers that have waiters (liveness, ringless ones by name)."""

@@ -45,7 +45,7 @@ class ShmTransport:
 
     name = "shm"
 
-    def __init__(self, ctx: TransportContext, *, pool_bytes: int) -> None:
+    def __init__(self, ctx: TransportContext, *, pool_bytes: int, busy_poll: float = 0.0) -> None:
         self._ctx = ctx
         self._task = ctx.task_name
         self._close_lock = threading.Lock()
@@ -61,7 +61,7 @@ class ShmTransport:
                 None if limit is None else Inflight(limit, ctx.peers),
             )
             self._consumer = Consumer(ctx, self._kick)
-            self._dispatcher = Dispatcher(self._bell, self._consumer, ctx.task_name)
+            self._dispatcher = Dispatcher(self._bell, self._consumer, ctx.task_name, busy_poll)
         except BaseException:
             self._bell.unlink()
             self._bell.close()
@@ -144,4 +144,5 @@ class ShmTransport:
         out = self._producer.stats()
         out.update(self._consumer.stats())
         out["rings"] = out.pop("rings_in") + out.pop("rings_out")
+        out.update(self._dispatcher.stats())
         return out
