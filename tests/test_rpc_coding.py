@@ -492,7 +492,7 @@ def test_decode_mark_recv_finished_fuzz_raises_only_shmrdv_errors(data: bytes) -
         got = messages.decode_mark_recv_finished(data)
     except WIRE_ERRORS:
         return
-    assert worker_pb2.MarkRecvFinishedRequest.FromString(data).request_id == got
+    assert worker_pb2.MarkRecvFinishedRequest.FromString(data).request_id == got[0]
 
 
 # ---------------------------------------------------------------------- GetStatus

@@ -123,7 +123,7 @@ class _Parked:
         self.total = 0
         self._by: dict[str, int] = {}
 
-    def refusal(self, peer: str, where: str) -> str | None:
+    def refusal(self, peer: str) -> str | None:
         """Why one more call from ``peer`` may not wait (None: it may)."""
         total, per_host, per_connection = self.bounds
         if self.total >= total:
@@ -428,14 +428,13 @@ class RecvService:
         if self._stopping:
             raise UnavailableError(f"shmrdv RPC server {self._address} is stopping")
         pk = self._validate(req)
-        waiter = self._find_or_start(req, pk)
-        waiter.joiners += 1
+        waiter = self._find_or_start(req, pk)  # joined: waiter.joiners counts this call
         taken = False
         peer = ""
         try:
             if not waiter.future.done():
                 peer = context.peer()
-                why = self._parked.refusal(peer, self._source.task)
+                why = self._parked.refusal(peer)
                 if why is not None:
                     peer = ""
                     raise ResourceExhaustedError(
@@ -468,10 +467,13 @@ class RecvService:
         return waiter, received
 
     def _find_or_start(self, req: messages.RecvRequest, pk: ParsedKey) -> Waiter:
+        """The waiter this call joins (counted in its ``joiners``): a cached one, or a new
+        one whose value, if already there, it holds at once."""
         found = self._cache.find(req.request_id, req.step_id, pk)
         if isinstance(found, Waiter):
             if found.future.done():
                 self._stats["cache_hits"] += 1
+            found.joiners += 1
             return found
         cache_key = found
         loop = asyncio.get_running_loop()
@@ -513,21 +515,15 @@ class RecvService:
         self._waiters.add(waiter)
         if cache_key is not None:
             self._cache.add(waiter)
+        waiter.joiners = 1  # before settling: a joined value is neither evicted nor given back
         if at_once:
-            self._settle(waiter, *at_once[0], joining=True)
+            self._settle(waiter, *at_once[0])
         return waiter
 
     def _settle(
-        self,
-        waiter: Waiter,
-        error: BaseException | None,
-        received: Received | None,
-        *,
-        joining: bool = False,
+        self, waiter: Waiter, error: BaseException | None, received: Received | None
     ) -> None:
-        """The source's answer, now in the loop: wake the calls, keep a value for retries.
-
-        ``joining``: a call is about to join the waiter (the value was there at once)."""
+        """The source's answer, now in the loop: wake the calls, keep a value for retries."""
         self._waiters.discard(waiter)
         if waiter.future.done():
             return  # failed by stop(); a value arriving now has no one to go to
@@ -543,7 +539,7 @@ class RecvService:
             return
         waiter.send_start_micros = time.time_ns() // 1000
         waiter.future.set_result(received)
-        if waiter.joiners == 0 and not joining:
+        if waiter.joiners == 0:
             # Every call left while the value was on its way (cancelled, or the connection
             # broke). Give it back to the head of its key rather than park it in the
             # cache: a retry with the same request_id starts a new waiter and gets it
