@@ -492,7 +492,9 @@ def test_decode_request_invalid_utf8_key_refused() -> None:
 def test_encode_mark_recv_finished_bytes_equal_generated(request_id: int) -> None:
     ours = messages.encode_mark_recv_finished(request_id)
     assert ours == worker_pb2.MarkRecvFinishedRequest(request_id=request_id).SerializeToString()
-    assert messages.decode_mark_recv_finished(ours) == request_id
+    assert messages.decode_mark_recv_finished(ours) == (request_id, False)
+    released = messages.encode_mark_recv_finished(request_id, released=True)
+    assert messages.decode_mark_recv_finished(released) == (request_id, True)
 
 
 @FUZZ
@@ -502,7 +504,7 @@ def test_decode_mark_recv_finished_fuzz_raises_only_shmrdv_errors(data: bytes) -
         got = messages.decode_mark_recv_finished(data)
     except WIRE_ERRORS:
         return
-    assert worker_pb2.MarkRecvFinishedRequest.FromString(data).request_id == got
+    assert worker_pb2.MarkRecvFinishedRequest.FromString(data).request_id == got[0]
 
 
 # ---------------------------------------------------------------------- GetStatus

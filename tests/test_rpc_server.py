@@ -26,7 +26,6 @@ from shmrdv._rpc.methods import (
     MARK_RECV_FINISHED_METHOD,
     RECV_TENSOR_METHOD,
     RECV_TENSOR_STREAM_METHOD,
-    RELEASE_RECV_METHOD,
 )
 from shmrdv._rpc.proto import types_pb2, worker_pb2
 from shmrdv._rpc.server import RpcServer
@@ -441,7 +440,7 @@ def test_expired_undelivered_value_goes_back(source: StepSource) -> None:
         )
 
 
-def test_release_recv_gives_a_parked_value_back(
+def test_released_request_id_gives_a_parked_value_back(
     source: StepSource, channel: grpc.Channel, server: RpcServer
 ) -> None:
     key = make_key("release")
@@ -453,8 +452,8 @@ def test_release_recv_gives_a_parked_value_back(
     next(call)
     call.cancel()  # parked in the cache for a retry...
     wait_for(lambda: server.stats()["waiting"] == 0)
-    release = messages.encode_mark_recv_finished(8)
-    channel.unary_unary(RELEASE_RECV_METHOD)(release, timeout=5)  # ...until released
+    release = messages.encode_mark_recv_finished(8, released=True)
+    channel.unary_unary(MARK_RECV_FINISHED_METHOD)(release, timeout=5)  # ...until released
     assert server.stats()["requeued"] == 1
     np.testing.assert_array_equal(
         messages.decode_response(_unary(channel)(_request(1, key), timeout=10)).value, value

@@ -190,7 +190,7 @@ for _spec in (
     ),
     MethodSpec(
         "shmrdv_grpc",
-        "shmrdv Worker rendezvous forced over gRPC on loopback (RecvTensorInline; streamed > 1 MiB)",
+        "shmrdv Worker rendezvous forced over gRPC on loopback (RecvTensor; streamed > 1 MiB)",
         shmrdv_pinger,
         shmrdv_ponger,
         make_shared=_shared,
