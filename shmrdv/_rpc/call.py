@@ -62,6 +62,14 @@ _log = logging.getLogger("shmrdv.rpc.client")
 _RETRY_INITIAL = 0.05
 _RETRY_MAX = 1.0
 _MID_STREAM_RETRIES = 2
+# A producer that was reached and then went away (its server stopped, the connection
+# lost) has this long to come back before its receives fail with UnavailableError: the
+# time shared memory takes to see a dead producer's presence record go (bug 3a of i19).
+_GONE_GRACE = 1.0
+# grpcio's words for a connection never made (nobody listening yet): a starting peer.
+_NEVER_CONNECTED = "failed to connect"
+# A blocked receiver's own call in flight (``Recv._call``): no future to cancel.
+_OWN: Any = object()
 # How often a receive looks again for the address of a producer that has not started.
 _RESOLVE_PERIOD = 0.05
 # An answer larger than this is decoded and copied on a callback thread, not in gRPC's
@@ -132,8 +140,12 @@ class Recv:
         self._streaming = False  # the RecvTensorStream phase (in self.thread)
         self._issued = False  # some call went out: the server may hold a value for it
         self._call: Any = None  # the call in flight (a unary future or a stream)
-        self._own: Any = None  # the unary call the blocked receiver waits on itself
         self._owner = threading.get_ident()  # the receiving thread
+        # A blocked receiver's next call is its own to make (in ``wait``), set once the
+        # address is known; ``_go`` wakes it when another thread made it so.
+        self._own_turn = False
+        self._go = threading.Event()
+        self._gone_at: float | None = None  # when the peer was first seen to go away
         self._acks: list[int] = []  # the acks the unary call in flight carries
         self._timer: threading.Timer | None = None
         self._backoff = _RETRY_INITIAL
@@ -155,39 +167,33 @@ class Recv:
         """Stop, and ``done`` is never called (``True``); ``False`` once delivered or failed.
 
         ``False`` also once a unary call has answered with the value (it is on its way to
-        ``done``; a blocked receiver's own answer is delivered here). Mid-stream the
-        partial value is dropped, so a receive whose deadline expires while a large tensor
-        is (slowly) arriving does not wait past it. Whenever a call went out, the server
-        is told to give back a value it took for it (to its key's head) instead of
-        parking it for a retry that never comes.
+        ``done``). Mid-stream the partial value is dropped, so a receive whose deadline
+        expires while a large tensor is (slowly) arriving does not wait past it. Whenever a
+        call went out, the server is told to give back a value it took for it (to its
+        key's head) instead of parking it for a retry that never comes; a blocked
+        receiver's own call still in progress tells it when it returns.
         """
-        take = None
         with self._lock:
             if self._state not in (_PENDING, _RECEIVING):
                 return False
             call = self._call
-            # A completed call whose answer is the value: it is delivered (a blocked
-            # receiver's own call: here, now). An error or an empty answer ("stream it")
-            # would start more work, which this cancel stops instead.
+            # A completed call whose answer is the value: its callback is delivering it.
+            # An error or an empty answer ("stream it") would start more work, which this
+            # cancel stops instead.
             if (
                 not self._streaming
                 and call is not None
+                and call is not _OWN
                 and not call.cancel()
                 and call.exception() is None
                 and call.result()
             ):
-                if call is not self._own:
-                    return False  # its callback is delivering it
-                self._claim(call)
-                take = call
-            if take is None:
-                self._state = _CANCELLED
-                timer, self._timer = self._timer, None
-                issued = self._issued
-        if take is not None:
-            self._take(take.result(), here=True)
-            return False
+                return False
+            self._state = _CANCELLED
+            timer, self._timer = self._timer, None
+            issued = self._issued and call is not _OWN
         self._wake.set()
+        self._go.set()
         if timer is not None:
             timer.cancel()
         if call is not None and self._streaming:
@@ -199,7 +205,8 @@ class Recv:
 
     def close(self, error: BaseException) -> None:
         """Fail this receive with ``error`` unless it already finished (client closed,
-        step aborted): the call in flight is stopped."""
+        step aborted): the call in flight is stopped (a blocked receiver's own call ends
+        at its short deadline, and then gives back what it got)."""
         with self._lock:
             if self._state in (_DONE, _CANCELLED):
                 return
@@ -207,28 +214,84 @@ class Recv:
             call = self._call
             timer, self._timer = self._timer, None
         self._wake.set()
+        self._go.set()
         if timer is not None:
             timer.cancel()
-        if call is not None:
+        if call is not None and call is not _OWN:
             call.cancel()
         self._ctx.forget(self)
         invoke_done(self.done, error, None)
 
     def wait(self, timeout: float) -> bool:
-        """A blocked receiver waits up to ``timeout`` on the call it made itself and, once
-        it has answered, decodes it and fills its slot here. False: there is no such call
-        (queued, resolving, retrying, streaming): wait on the slot instead."""
-        with self._lock:
-            call = self._own if self._state == _PENDING and self._call is self._own else None
-        if call is None:
+        """A blocked receiver makes its own call here: a plain blocking unary call, the
+        one grpcio answers in the calling thread (no channel thread, no future), with a
+        deadline of at most ``timeout``; an answer is decoded and its slot filled here.
+        A call that ends at that deadline is made again under the same request_id at
+        the next ``wait`` (the server's response cache makes that safe). While its turn
+        has not come (queued behind another receive of the key, its producer's address
+        not known yet, a retry's pause) it waits up to ``timeout`` for it. False: nothing
+        to do here (not the receiving thread, or streaming): wait on the slot instead."""
+        if not self._blocking or threading.get_ident() != self._owner or self._streaming:
             return False
-        try:
-            call.exception(timeout)
-        except grpc.FutureTimeoutError:
+        end = time.monotonic() + timeout
+        if not self._own_turn:
+            self._go.wait(timeout)
+        failure: RendezvousError | None = None
+        with self._lock:
+            if self._state != _PENDING or not self._own_turn:
+                return not self._streaming
+            self._own_turn = False
+            self._go.clear()
+            left = end - time.monotonic()
+            remaining = self._remaining()
+            if remaining is not None and remaining <= 0:
+                expired = True
+            else:
+                expired = False
+                t = max(left, 0.001) if remaining is None else min(max(left, 0.001), remaining)
+                acks = self._ctx.acks.take(self._address)
+                try:
+                    request = self._request(acks)
+                except RendezvousError as e:
+                    failure = e
+                else:
+                    self._call = _OWN
+                    self._issued = True
+        if expired:
+            self._timed_out()
             return True
-        except grpc.FutureCancelledError:
-            return True  # cancelled by cancel() or close(): they answered
-        self._outcome(call, here=True)
+        if failure is not None:
+            self._ctx.acks.give_back(self._address, acks)
+            self._deliver(failure, None, here=True)
+            return True
+        assert self._channel is not None
+        data = b""
+        error: grpc.RpcError | None = None
+        try:
+            data = self._channel.unary_unary(RECV_TENSOR_METHOD)(
+                request, timeout=t, metadata=self._ctx.metadata
+            )
+        except grpc.RpcError as e:
+            error = e
+        except ValueError as e:  # the channel was closed under us
+            self._deliver(CancelledError(f"receiving {self._where()}: {e}"), None, here=True)
+            return True
+        finally:
+            with self._lock:
+                if self._call is _OWN:
+                    self._call = None
+                mine = self._state == _PENDING
+                if mine and error is None and data:
+                    self._state = _ARRIVED
+        if not mine:
+            # Cancelled or closed while the call was out: a value the server took for it
+            # goes back to its key's head.
+            self._give_up()
+            return True
+        if error is None:
+            self._answered(data, here=True)
+        else:
+            self._failed(error, acks)
         return True
 
     # -- delivering --------------------------------------------------------------------
@@ -306,10 +369,27 @@ class Recv:
 
     # -- the unary phase ----------------------------------------------------------------
 
+    def _request(self, acks: list[int]) -> bytes:
+        return messages.encode_request(
+            self.step_id,
+            self.key.full_key,
+            self._request_id,
+            finished=acks,
+            inline_max=self._ctx.inline_max,
+        )
+
     def _attempt(self) -> None:
+        """Make the next call: a future (its outcome in gRPC's channel thread), or for a
+        blocked receiver, its turn to make it itself (``wait``)."""
+        if self._blocking:
+            with self._lock:
+                self._timer = None
+                if self._state != _PENDING:
+                    return
+                self._own_turn = True
+            self._go.set()
+            return
         acks: list[int] = []
-        # The receiving thread's own call: it waits on it and decodes it itself.
-        own = self._blocking and threading.get_ident() == self._owner
         with self._lock:
             self._timer = None
             if self._state != _PENDING:
@@ -322,13 +402,7 @@ class Recv:
                 acks = self._ctx.acks.take(self._address)
                 failure: RendezvousError | None = None
                 try:
-                    request = messages.encode_request(
-                        self.step_id,
-                        self.key.full_key,
-                        self._request_id,
-                        finished=acks,
-                        inline_max=self._ctx.inline_max,
-                    )
+                    request = self._request(acks)
                     assert self._channel is not None
                     call = self._channel.unary_unary(RECV_TENSOR_METHOD).future(
                         request, timeout=remaining, metadata=self._ctx.metadata
@@ -341,7 +415,6 @@ class Recv:
                     call = None
                     failure = CancelledError(f"receiving {self._where()}: {e}")
                 self._call = call
-                self._own = call if own else None
                 self._acks = acks
         if expired:
             self._timed_out()
@@ -351,8 +424,7 @@ class Recv:
             assert failure is not None
             self._deliver(failure, None)
             return
-        if not own:
-            call.add_done_callback(self._on_callback)
+        call.add_done_callback(self._on_callback)
 
     def _on_callback(self, call: Any) -> None:
         """The unary call's outcome, in gRPC's channel thread (never block here).
@@ -365,10 +437,6 @@ class Recv:
             _log.exception("RecvTensor callback for %s failed", self._where())
             self._deliver(InternalError(f"receiving {self._where()}: {e!r}"), None)
 
-    def _claim(self, call: Any) -> None:
-        """Under the lock: this thread handles ``call``'s answer (no other will)."""
-        self._call = self._own = None
-        self._state = _ARRIVED
 
     def _outcome(self, call: Any, *, here: bool) -> None:
         acks = self._acks
@@ -380,26 +448,61 @@ class Recv:
                     self._ctx.acks.give_back(self._address, acks)
                 return  # answered there
             error = call.exception()
+            self._call = None
             if error is None and call.result():
-                self._claim(call)
-            else:
-                self._call = self._own = None
+                self._state = _ARRIVED
         if error is None:
             self._answered(call.result(), here)
-            return
+        else:
+            self._failed(error, acks)
+
+    def _failed(self, error: grpc.RpcError, acks: list[int]) -> None:
+        """A unary call failed: try again (same request_id) or fail the receive."""
         self._ctx.acks.give_back(self._address, acks)
         code = error_code(error)
         if self.out_of_files(error):
-            pass
-        elif code == grpc.StatusCode.UNAVAILABLE:
+            return
+        if code == grpc.StatusCode.UNAVAILABLE:
+            gone = self._peer_gone(error)
+            if gone is not None:
+                self._deliver(gone, None)
+                return
             self._last_unavailable = error
             pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
+            if self._gone_at is not None:  # fail within the grace, not a backoff later
+                pause = min(pause, max(0.0, self._gone_at + _GONE_GRACE - time.monotonic()))
             self._retry_later(pause, self._attempt)
-        elif code == grpc.StatusCode.DEADLINE_EXCEEDED and self._deadline is None:
-            self._attempt()  # the server's longest wait (max_wait), not ours: ask again
-        else:
-            self.release_if_late(code)
-            self._deliver(self.error(code, error), None)
+            return
+        remaining = self._remaining()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and (remaining is None or remaining > 0):
+            # The call's own short deadline (a blocked receiver's), or the server's longest
+            # wait (max_wait), not the receive's: ask again, same request_id.
+            self._attempt()
+            return
+        self.release_if_late(code)
+        self._deliver(self.error(code, error), None)
+
+    def _peer_gone(self, error: grpc.RpcError) -> UnavailableError | None:
+        """The receive's error once its producer has gone away, else None (retry).
+
+        A peer not reachable yet (no connection ever made: still starting) is waited for
+        until the receive's timeout. One that was reached and went away (its server
+        stopping, the connection lost) gets ``_GONE_GRACE`` to come back, as shared memory
+        gives a producer whose presence record is gone, then the receive fails naming the
+        peer, its address and the gRPC status (issue 19 bug 3a).
+        """
+        details = error_details(error)
+        now = time.monotonic()
+        if self._gone_at is None:
+            if _NEVER_CONNECTED in details.lower():
+                return None
+            self._gone_at = now
+        if now - self._gone_at < _GONE_GRACE:
+            return None
+        return UnavailableError(
+            f"producer {self.key.src} at {self._address} went away while receiving "
+            f"{self._where()}: gRPC {error_code(error).name}: {details}"
+        )
 
     def _answered(self, data: bytes, here: bool) -> None:
         if not data:

@@ -480,6 +480,9 @@ class RecvService:
         fut: asyncio.Future[Received] = loop.create_future()
         fut.add_done_callback(_retrieve)
         waiter = Waiter(cache_key, fut, req.step_id, pk)
+        # A request_id its client already gave up (the release overtook the call): the
+        # client will not take this value, so one sent to it goes back (bug 3c of i19).
+        waiter.released = cache_key is None and req.request_id != 0
         at_once: list[tuple[BaseException | None, Received | None]] = []
         starting = True
 
