@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import random
 import secrets
 import threading
 import time
@@ -98,10 +100,16 @@ class CallContext:
     count: Callable[[int], None]  # a value of this many bytes was received
 
 
+# Request ids need to be unique, not secret: a generator seeded from the OS (again in a
+# forked child) costs no syscall per receive, as secrets.randbits would.
+_ids = random.Random(secrets.randbits(128))
+os.register_at_fork(after_in_child=lambda: _ids.seed(secrets.randbits(128)))
+
+
 def _new_request_id() -> int:
     # TensorFlow: GetUniqueRequestId, a random non-zero int64.
     while True:
-        rid = secrets.randbits(63)
+        rid = _ids.getrandbits(63)
         if rid:
             return rid
 
@@ -126,6 +134,7 @@ class Recv:
     ) -> None:
         self._ctx = ctx
         self._resolve = address
+        self._lookup = None if isinstance(address, str) else address
         self._address = address if isinstance(address, str) else "(address not known yet)"
         self._channel: grpc.Channel | None = None
         self.step_id = step_id
@@ -471,7 +480,7 @@ class Recv:
             pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
             if self._gone_at is not None:  # fail within the grace, not a backoff later
                 pause = min(pause, max(0.0, self._gone_at + _GONE_GRACE - time.monotonic()))
-            self._retry_later(pause, self._attempt)
+            self._retry_later(pause, self._again)
             return
         remaining = self._remaining()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and (remaining is None or remaining > 0):
@@ -481,6 +490,25 @@ class Recv:
             return
         self.release_if_late(code)
         self._deliver(self.error(code, error), None)
+
+    def _again(self) -> None:
+        """A retry after UNAVAILABLE: look the producer's address up again first (it may
+        have restarted elsewhere), then call."""
+        if self._lookup is not None:
+            try:
+                address = self._lookup()
+            except RendezvousError:
+                address = self._address
+            if address != self._address:
+                try:
+                    channel = self._ctx.channels.channel(address)
+                except RendezvousError as e:
+                    self._deliver(e, None)
+                    return
+                with self._lock:
+                    self._address, self._channel = address, channel
+                    self._gone_at = None
+        self._attempt()
 
     def _peer_gone(self, error: grpc.RpcError) -> UnavailableError | None:
         """The receive's error once its producer has gone away, else None (retry).

@@ -61,6 +61,8 @@ class Waiter:
     # client's RecvTensorStream: never evicted for room (only expiry or a release give
     # it back).
     deferred: bool = False
+    # The calls waiting for the value, each on a future of its own (service._woken).
+    calls: set[asyncio.Future[bool]] = dataclasses.field(default_factory=set)
 
 
 class ResponseCache:

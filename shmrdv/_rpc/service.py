@@ -108,6 +108,35 @@ def _retrieve(fut: asyncio.Future[Received]) -> None:
         fut.exception()
 
 
+async def _woken(waiter: Waiter, timeout: float) -> bool:
+    """Wait until ``waiter`` is settled (True) or ``timeout`` passes (False).
+
+    Each call waiting on a waiter has a future of its own, which ``_settle`` completes
+    directly (``_wake``): a call that leaves never cancels the shared one, and the wake-up
+    takes one turn of the loop (``wait_for(shield(...))`` took four).
+    """
+    loop = asyncio.get_running_loop()
+    call: asyncio.Future[bool] = loop.create_future()
+    waiter.calls.add(call)
+    timer = loop.call_later(timeout, _resolve, call, False)
+    try:
+        return await call
+    finally:
+        timer.cancel()
+        waiter.calls.discard(call)
+
+
+def _resolve(call: asyncio.Future[bool], settled: bool) -> None:
+    if not call.done():
+        call.set_result(settled)
+
+
+def _wake(waiter: Waiter) -> None:
+    """``waiter`` is settled: wake every call waiting on it."""
+    for call in waiter.calls:
+        _resolve(call, True)
+
+
 def _peer_host(peer: str) -> str:
     """A call's peer without its port ("ipv4:10.0.0.1:5123" -> "ipv4:10.0.0.1"): the
     unit the per-host bound counts (one host opening many connections is one peer)."""
@@ -443,9 +472,7 @@ class RecvService:
                 self._parked.add(peer, 1)
                 # A client that never sets a deadline (or a far one) must not park forever.
                 timeout = self._max_wait if timeout is None else min(timeout, self._max_wait)
-                try:
-                    await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-                except asyncio.TimeoutError:
+                if not await _woken(waiter, timeout):
                     raise DeadlineExceededError(
                         f"RecvTensor on {self._source.task}: no value for key {pk.full_key!r} "
                         f"(step {req.step_id}) before the call's deadline; the waiter was removed"
@@ -534,14 +561,17 @@ class RecvService:
             if not isinstance(error, RendezvousError):
                 error = InternalError(f"TensorSource.serve_recv failed: {error!r}")
             waiter.future.set_exception(error)
+            _wake(waiter)
             if waiter.cache_key is not None:
                 self._cache.uncache(waiter.cache_key)
             return
         if received is None:
             waiter.future.set_exception(InternalError("TensorSource called done(None, None)"))
+            _wake(waiter)
             return
         waiter.send_start_micros = time.time_ns() // 1000
         waiter.future.set_result(received)
+        _wake(waiter)
         if waiter.joiners == 0:
             # Every call left while the value was on its way (cancelled, or the connection
             # broke). Give it back to the head of its key rather than park it in the

@@ -19,6 +19,7 @@ callbacks never run under a lock of ours.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
@@ -36,6 +37,13 @@ if TYPE_CHECKING:
     from .security import TLSConfig
 
 __all__ = ["GrpcTransport"]
+
+# How long a producer's address, once looked up, is used without looking again: a
+# presence lookup costs a stat and a lock per receive. A restarted producer's new address
+# is found within this time (a receive's UNAVAILABLE retries look again).
+_ADDRESS_TTL = 1.0
+# How long close() lets calls already sending a value finish (bug 3b of i19).
+_CLOSE_GRACE = 1.0
 
 
 class GrpcTransport:
@@ -62,6 +70,7 @@ class GrpcTransport:
         self._server: RpcServer | None = None
         self.address: str | None = None
         self._closed = False
+        self._addresses: dict[str, tuple[str, float]] = {}  # task -> (address, looked up)
         if bind is not None:
             self._server = RpcServer(bind, self._outbox, tls=tls, token=token).start()
             self.address = self._server.address
@@ -114,8 +123,16 @@ class GrpcTransport:
             slot.wait(timeout)
 
     def _address(self, key: ParsedKey) -> str:
-        """The producer's gRPC address: the cluster's, else its presence record's."""
+        """The producer's gRPC address: the cluster's, else its presence record's (looked
+        up again after ``_ADDRESS_TTL``)."""
+        task = key.src.task_part
+        now = time.monotonic()
+        known = self._addresses.get(task)
+        if known is not None and now - known[1] < _ADDRESS_TTL:
+            return known[0]
         address = self._ctx.peers.lookup(key.src).address
+        if address is not None:
+            self._addresses[task] = (address, now)
         if address is None:
             raise UnavailableError(
                 f"no address known for task {key.src} for key {key.full_key!r}: not in the "
@@ -141,7 +158,8 @@ class GrpcTransport:
         self._closed = True
         self._outbox.close()
         if self._server is not None:
-            self._server.stop()
+            # Calls already sending a value may finish (bounded); waiting ones fail at once.
+            self._server.stop(_CLOSE_GRACE)
         self._client.close(closed_error(self.task))
 
     def stats(self) -> dict[str, int]:
