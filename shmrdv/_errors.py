@@ -20,6 +20,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "closed_error",
+    "is_closed_error",
 ]
 
 
@@ -77,3 +78,9 @@ def closed_error(task: str) -> AbortedError:
     "Closed by you", as opposed to a peer that broke (``UnavailableError``).
     """
     return AbortedError(f"Worker {task} is closed")
+
+
+def is_closed_error(error: BaseException, task: str) -> bool:
+    """Whether ``error`` is ``closed_error(task)``: the worker is closing, not a step
+    failing (a transport tells its remote peers that the producer went away)."""
+    return isinstance(error, AbortedError) and str(error) == str(closed_error(task))

@@ -53,7 +53,7 @@ from .._status import error_for_code
 from . import assembly, messages
 from .acks import AckQueue, notify
 from .channels import ChannelCache
-from .methods import RECV_TENSOR_METHOD, RECV_TENSOR_STREAM_METHOD
+from .methods import RECV_TENSOR_METHOD, RECV_TENSOR_STREAM_METHOD, SERVER_STOPPING
 from .rpc_errors import error_code, error_details
 from .runner import Runner
 
@@ -446,7 +446,6 @@ class Recv:
             _log.exception("RecvTensor callback for %s failed", self._where())
             self._deliver(InternalError(f"receiving {self._where()}: {e!r}"), None)
 
-
     def _outcome(self, call: Any, *, here: bool) -> None:
         acks = self._acks
         with self._lock:
@@ -514,10 +513,11 @@ class Recv:
         """The receive's error once its producer has gone away, else None (retry).
 
         A peer not reachable yet (no connection ever made: still starting) is waited for
-        until the receive's timeout. One that was reached and went away (its server
-        stopping, the connection lost) gets ``_GONE_GRACE`` to come back, as shared memory
-        gives a producer whose presence record is gone, then the receive fails naming the
-        peer, its address and the gRPC status (issue 19 bug 3a).
+        until the receive's timeout. One whose server says it is stopping is gone at once;
+        one that was reached and went away otherwise (the connection lost: it died) gets
+        ``_GONE_GRACE`` to come back, as shared memory gives a producer whose presence
+        record is gone. The receive then fails naming the peer, its address and the gRPC
+        status (issue 19 bug 3a).
         """
         details = error_details(error)
         now = time.monotonic()
@@ -525,11 +525,11 @@ class Recv:
             if _NEVER_CONNECTED in details.lower():
                 return None
             self._gone_at = now
-        if now - self._gone_at < _GONE_GRACE:
+        if now - self._gone_at < _GONE_GRACE and SERVER_STOPPING not in details:
             return None
         return UnavailableError(
-            f"producer {self.key.src} at {self._address} went away while receiving "
-            f"{self._where()}: gRPC {error_code(error).name}: {details}"
+            f"producer {self.key.src} went away while receiving {self._where()}: "
+            f"gRPC {error_code(error).name}: {details}"
         )
 
     def _answered(self, data: bytes, here: bool) -> None:

@@ -15,6 +15,7 @@ __all__ = [
     "MARK_RECV_FINISHED_METHOD",
     "RECV_TENSOR_METHOD",
     "RECV_TENSOR_STREAM_METHOD",
+    "SERVER_STOPPING",
 ]
 
 # TensorFlow registers these by hand (grpc_worker_service_impl.cc, GrpcWorkerMethodName);
@@ -38,3 +39,8 @@ DEFAULT_CHUNK_BYTES: Final = 4 << 20
 # run): 16 MiB took 40-150 ms as one RecvTensor response from the aio server against
 # 20-30 ms streamed in 4 MiB chunks; 256 MiB as one message took 2.6-3.8 s against 1.5 s.
 DEFAULT_INLINE_MAX: Final = 1 << 20
+
+# The words an UNAVAILABLE status from a shmrdv server that is shutting down carries: its
+# producer is gone for good (a restarted one has a new address and incarnation), so a
+# client fails its receive at once instead of retrying (issue 19, bug 3a).
+SERVER_STOPPING: Final = "is stopping"

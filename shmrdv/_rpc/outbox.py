@@ -33,13 +33,21 @@ import numpy as np
 import numpy.typing as npt
 
 from .._callbacks import DoneCallback
-from .._errors import AbortedError, InvalidArgumentError, RendezvousError, closed_error
+from .._errors import (
+    AbortedError,
+    InvalidArgumentError,
+    RendezvousError,
+    UnavailableError,
+    closed_error,
+    is_closed_error,
+)
 from .._keys import ParsedKey
 from .._local import LocalRendezvous
 from .._received import Received
 from .._rendezvous import Canceller
 from .._transport import TransportContext
 from .._window import ConsumerWatch, InflightWindow, Windows
+from .methods import SERVER_STOPPING
 
 __all__ = ["Outbox"]
 
@@ -258,7 +266,13 @@ class Outbox:
     # -- steps and lifetime -----------------------------------------------------------
 
     def abort_step(self, step_id: int, error: BaseException) -> None:
-        """Drop the step's values; later sends and requests fail with ``error``."""
+        """Drop the step's values; later sends and requests fail with ``error``.
+
+        The worker closing is, to a consumer on another host, its producer going away:
+        its waiting calls fail with ``UNAVAILABLE`` saying the server is stopping, and
+        the consumer fails its receive at once (issue 19, bug 3a)."""
+        if is_closed_error(error, self.task):
+            error = UnavailableError(f"Worker {self.task} is closed: its server {SERVER_STOPPING}")
         with self._lock:
             self._aborted.setdefault(step_id, error)
             error = self._aborted[step_id]

@@ -34,7 +34,7 @@ import grpc.aio
 from .._devices import DeviceName
 from .._errors import InvalidArgumentError, UnavailableError
 from .._hostaddr import split_host_port
-from .methods import DEFAULT_CHUNK_BYTES
+from .methods import DEFAULT_CHUNK_BYTES, SERVER_STOPPING
 from .security import TLSConfig, TokenInterceptor, check_token
 from .service import RecvService, TensorSource
 
@@ -313,7 +313,9 @@ class RpcServer:
 
     async def _astop(self, grace: float | None) -> None:
         self._service.stop_serving(
-            UnavailableError(f"shmrdv RPC server {self._address} ({self._source.task}) is stopping")
+            UnavailableError(
+                f"shmrdv RPC server {self._address} ({self._source.task}) {SERVER_STOPPING}"
+            )
         )
         server, self._server = self._server, None
         if server is not None:

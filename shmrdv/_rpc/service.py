@@ -62,7 +62,7 @@ from .._keys import ParsedKey, parse_key
 from .._received import Received
 from .._status import code_for_error
 from . import assembly, messages, tensors
-from .methods import SHMRDV_SERVICE, TF_SERVICE
+from .methods import SERVER_STOPPING, SHMRDV_SERVICE, TF_SERVICE
 from .response_cache import ResponseCache, Waiter
 
 __all__ = ["RecvService", "TensorSource"]
@@ -455,7 +455,7 @@ class RecvService:
         waiter removes it from the source.
         """
         if self._stopping:
-            raise UnavailableError(f"shmrdv RPC server {self._address} is stopping")
+            raise UnavailableError(f"shmrdv RPC server {self._address} {SERVER_STOPPING}")
         pk = self._validate(req)
         waiter = self._find_or_start(req, pk)  # joined: waiter.joiners counts this call
         taken = False

@@ -156,10 +156,12 @@ class GrpcTransport:
         if self._closed:
             return
         self._closed = True
-        self._outbox.close()
         if self._server is not None:
-            # Calls already sending a value may finish (bounded); waiting ones fail at once.
+            # First the server: calls waiting for a value fail at once with UNAVAILABLE
+            # ("stopping": their consumers fail too, naming this worker); calls already
+            # sending one may finish, bounded (bug 3b of issue 19).
             self._server.stop(_CLOSE_GRACE)
+        self._outbox.close()
         self._client.close(closed_error(self.task))
 
     def stats(self) -> dict[str, int]:
