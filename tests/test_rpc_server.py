@@ -458,3 +458,44 @@ def test_released_request_id_gives_a_parked_value_back(
     np.testing.assert_array_equal(
         messages.decode_response(_unary(channel)(_request(1, key), timeout=10)).value, value
     )
+
+
+def test_released_request_id_answered_anyway_gives_the_value_back(
+    source: StepSource, channel: grpc.Channel, server: RpcServer
+) -> None:
+    # Bug 3c of issue 19: a client cancels a parked call and releases its request_id, but
+    # the cancel has not reached the server when the value comes: the server answers the
+    # call and, from its side, the call ends well. The client took nothing (it released
+    # the id), so the value must go back to its key, not be counted as delivered.
+    key = make_key("released_answered")
+    parked = _unary(channel).future(_request(1, key, request_id=9), timeout=10)
+    wait_for(lambda: server.stats()["parked"] == 1)
+    release = messages.encode_mark_recv_finished(9, released=True)
+    channel.unary_unary(MARK_RECV_FINISHED_METHOD)(release, timeout=5)
+    value = np.arange(5.0)
+    source.send(1, key, value)
+    assert parked.result(timeout=10)  # answered: the cancel never came
+    wait_for(lambda: server.stats()["requeued"] == 1)
+    np.testing.assert_array_equal(
+        messages.decode_response(_unary(channel)(_request(1, key), timeout=10)).value, value
+    )
+
+
+def test_call_after_its_release_gives_the_value_back(
+    source: StepSource, channel: grpc.Channel, server: RpcServer
+) -> None:
+    # The release of a cancelled call overtook the call itself (another HTTP/2 stream):
+    # the call arrives for a request_id its client already gave up; what it is answered
+    # goes back too.
+    key = make_key("release_first")
+    release = messages.encode_mark_recv_finished(10, released=True)
+    channel.unary_unary(MARK_RECV_FINISHED_METHOD)(release, timeout=5)
+    parked = _unary(channel).future(_request(1, key, request_id=10), timeout=10)
+    wait_for(lambda: server.stats()["parked"] == 1)
+    value = np.arange(3.0)
+    source.send(1, key, value)
+    assert parked.result(timeout=10)
+    wait_for(lambda: server.stats()["requeued"] == 1)
+    np.testing.assert_array_equal(
+        messages.decode_response(_unary(channel)(_request(1, key), timeout=10)).value, value
+    )

@@ -315,12 +315,18 @@ class RecvService:
     def _call_ended(self, waiter: Waiter, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """The unary call that sent ``waiter``'s value has ended: written to the client
         (delivered: the window counts it no more), or cancelled before (the value stays
-        cached for a retry, or leaves: ``_maybe_give_back``)."""
+        cached for a retry, or leaves: ``_maybe_give_back``).
+
+        A call can end well here and still have been cancelled by its client: the answer
+        was written before the client's cancel arrived. A client that then released the
+        request_id (it cancelled before any data reached its caller) did not take the
+        value, so it goes back to its key (bug 3c of issue 19: it was dropped, and the
+        next receive waited for nothing)."""
         waiter.writing -= 1
-        if not context.cancelled():
-            self._report_done(waiter)
-        else:
+        if context.cancelled() or waiter.released:
             self._maybe_give_back(waiter)
+        else:
+            self._report_done(waiter)
 
     def _report_done(self, waiter: Waiter) -> None:
         """Tell the source, once per value, that the service is done with it."""
