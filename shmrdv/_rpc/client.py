@@ -48,7 +48,6 @@ notices the new pid and opens fresh ones in the child; the parent's are left alo
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
 
@@ -59,6 +58,7 @@ from .._errors import CancelledError, InvalidArgumentError, RendezvousError
 from .._keys import ParsedKey
 from .._rendezvous import Canceller, as_parsed_key, check_timeout
 from .._status import error_for_code
+from .._waiters import WaiterTable
 from . import messages
 from .acks import AckQueue
 from .call import Address, CallContext, Recv
@@ -106,8 +106,9 @@ class RpcClient:
     def _reset(self) -> None:
         self._lock = threading.Lock()  # guards the tables below and _closed
         self._inflight: set[Recv] = set()
-        # Per (step, key): its receives in order; the head's call is in flight.
-        self._queues: dict[tuple[int, str], deque[Recv]] = {}
+        # Per (step, key): its receives in order, as waiters (they never queue values:
+        # the producer holds those); the head's call is in flight.
+        self._queues: WaiterTable[tuple[int, str], None, Recv] = WaiterTable()
         self._blocked: dict[DoneCallback, Recv] = {}  # blocking receives, by their slot
         self._aborted: dict[int, BaseException] = {}
         self._closed = False
@@ -179,9 +180,7 @@ class RpcClient:
                 closed = True
             else:
                 closed = False
-                queue = self._queues.setdefault(k, deque())
-                queue.append(recv)
-                first = len(queue) == 1
+                first = self._queues.wait(k, recv)
                 self._inflight.add(recv)
                 if blocking:
                     self._blocked[done] = recv
@@ -207,18 +206,9 @@ class RpcClient:
             self._inflight.discard(recv)
             if self._blocked.get(recv.done) is recv:
                 del self._blocked[recv.done]
-            queue = self._queues.get(k)
-            if queue:
-                if queue[0] is recv:
-                    queue.popleft()
-                    nxt = queue[0] if queue else None
-                else:
-                    try:
-                        queue.remove(recv)
-                    except ValueError:
-                        pass
-                if not queue:
-                    del self._queues[k]
+            was_head = self._queues.head(k) is recv
+            if self._queues.cancel(k, recv) and was_head:
+                nxt = self._queues.head(k)
         if nxt is not None:
             nxt.start()
 
@@ -231,8 +221,9 @@ class RpcClient:
         with self._lock:
             self._aborted.setdefault(step_id, error)
             error = self._aborted[step_id]
-            recvs = [r for k, q in self._queues.items() if k[0] == step_id for r in q]
-        for recv in reversed(recvs):  # the queued ones first: no later one starts
+            # Out of the table first: closing one then starts no later one.
+            recvs = self._queues.abort(lambda k: k[0] == step_id)
+        for recv in recvs:
             recv.close(error)
 
     def cleanup_step(self, step_id: int) -> None:
@@ -274,7 +265,7 @@ class RpcClient:
             if self._closed:
                 return
             self._closed = True
-            inflight = [r for q in self._queues.values() for r in reversed(q)]
+            inflight = self._queues.abort()
             inflight += [r for r in self._inflight if r not in inflight]
         by_address = self._channels.close()
         unsent = self._acks.close(_JOIN_TIMEOUT)
