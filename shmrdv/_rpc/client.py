@@ -14,6 +14,10 @@ with these additions:
   ``request_id``, until the caller cancels or its ``timeout`` expires. The server's
   response cache makes that safe: a retry joins the first attempt's waiter or gets its
   delivered value, so a response lost on the wire is not a lost tensor;
+* a producer that was reached and then went away (its server stopping, the connection
+  lost) fails the receive with ``UnavailableError`` naming it, its address and the gRPC
+  status: at once when its server said it is stopping, else after 1 s of not coming
+  back (``recv_errors.PeerWatch``), as shared memory notices a dead producer;
 * a server's longest wait (``RpcServer(max_wait=)``) ending a receive without a timeout
   of its own is asked again, transparently;
 * once data is flowing the call can no longer be cancelled (the producer has given the
@@ -27,7 +31,7 @@ with these additions:
   rule of ``_values.shape_problem``), fail the receive with ``InternalError`` naming the
   peer, before anything is allocated.
 
-Modules: ``call`` (one receive's RPCs), ``channels`` (the channel per peer, with fork
+Modules: ``call`` (one receive's RPCs), ``recv_errors`` (its errors), ``channels`` (the channel per peer, with fork
 handling), ``acks`` (acks piggybacked or sent late), ``runner`` (the callback threads).
 This module is the client's face: it orders receives, opens them and closes it all.
 
