@@ -75,6 +75,8 @@ from .security import TLSConfig, bearer_metadata, check_token
 __all__ = ["RpcClient"]
 
 _JOIN_TIMEOUT = 5.0
+# Keys whose last value size is remembered (``_last_size``).
+_SIZES_KEPT = 4096
 
 
 class RpcClient:
@@ -117,6 +119,7 @@ class RpcClient:
         self._aborted: dict[int, BaseException] = {}
         self._closed = False
         self._counters = {"received": 0, "received_bytes": 0}
+        self._sizes: dict[str, int] = {}  # full key -> bytes of its last value
         self._channels = ChannelCache(self._tls)
         self._acks = AckQueue(self._metadata, self._channels.route)
         self._runner = Runner()
@@ -128,6 +131,7 @@ class RpcClient:
             inline_max=self._inline_max,
             forget=self._forget,
             count=self._count,
+            last_size=self._last_size,
         )
 
     def _check_fork(self) -> None:
@@ -216,9 +220,17 @@ class RpcClient:
         if nxt is not None:
             nxt.start()
 
-    def _count(self, nbytes: int) -> None:
+    def _count(self, key: ParsedKey, nbytes: int) -> None:
         self._counters["received"] += 1
         self._counters["received_bytes"] += nbytes
+        if len(self._sizes) >= _SIZES_KEPT and key.full_key not in self._sizes:
+            self._sizes.clear()  # a bound, not an LRU: a hint is cheap to learn again
+        self._sizes[key.full_key] = nbytes
+
+    def _last_size(self, key: ParsedKey) -> int:
+        """Bytes of the last value of ``key`` received (0: none yet): how a blocked
+        receiver of it will wait (``call``)."""
+        return self._sizes.get(key.full_key, 0)
 
     def abort_step(self, step_id: int, error: BaseException) -> None:
         """Fail every receive of ``step_id`` with ``error``; later ones raise it at once."""
