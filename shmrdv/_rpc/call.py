@@ -73,6 +73,10 @@ _MID_STREAM_RETRIES = 2
 # (bench, pinned, same run): the own call cut a 64 KiB round trip from 1.8-2.2 ms to
 # 1.1 ms, but made 1 MiB slower (4-5.5 ms against 3.1-3.6 ms).
 _OWN_CALL_MAX = 256 << 10
+# After this many own calls (about a second of the wait's 0.2 s turns) without a value,
+# a blocked receiver waits on one long call instead: an idle receiver's repeats cost
+# 0.8-1 % of a core (bench idle probe), one long call about 0.5 %.
+_OWN_CALLS_IDLE = 5
 # A blocked receiver's own call in flight (``Recv._call``): no future to cancel.
 _OWN: Any = object()
 # How often a receive looks again for the address of a producer that has not started.
@@ -159,6 +163,7 @@ class Recv:
         # A blocked receiver's next call is its own to make (in ``wait``), set once the
         # address is known; ``_go`` wakes it when another thread made it so.
         self._own_turn = False
+        self._own_made = 0  # own calls made (each ends at its short deadline, or answered)
         self._go = threading.Event()
         self._peer = PeerWatch()  # whether the producer went away
         self._acks: list[int] = []  # the acks the unary call in flight carries
@@ -272,6 +277,7 @@ class Recv:
                 else:
                     self._call = _OWN
                     self._issued = True
+                    self._own_made += 1
         if expired:
             self._timed_out()
             return True
@@ -382,7 +388,7 @@ class Recv:
     def _attempt(self) -> None:
         """Make the next call: a future (its outcome in gRPC's channel thread), or for a
         blocked receiver, its turn to make it itself (``wait``)."""
-        if self._own_calls:
+        if self._own_calls and self._own_made < _OWN_CALLS_IDLE:
             with self._lock:
                 self._timer = None
                 if self._state != _PENDING:
@@ -390,6 +396,9 @@ class Recv:
                 self._own_turn = True
             self._go.set()
             return
+        # A receiver that waited that long for nothing waits on one long call (a future)
+        # from now on: its repeats would cost CPU for a latency nobody waits for.
+        self._own_calls = False
         acks: list[int] = []
         with self._lock:
             self._timer = None
