@@ -354,7 +354,9 @@ class Recv:
     # -- starting: the producer's address and channel -----------------------------------
 
     def start(self) -> None:
-        """Make the first call (in the caller's thread: a blocked receiver's own)."""
+        """Find the producer's address and channel, then make the first call (a blocked
+        receiver's own: its turn, taken in ``wait``). A step id or key the wire cannot
+        carry fails when the request is encoded."""
         resolve = self._resolve
         if not isinstance(resolve, str):
             try:
@@ -368,8 +370,7 @@ class Recv:
             self._resolve = self._address
         try:
             self._channel = self._ctx.channels.channel(self._address)
-            messages.encode_request(self.step_id, self.key.full_key, self._request_id)
-        except RendezvousError as e:  # a bad address, or a step id the wire cannot carry
+        except RendezvousError as e:  # a bad address
             self._deliver(e, None)
             return
         self._attempt()
