@@ -142,6 +142,31 @@ def test_client_waits_for_send(source: StepSource, server: RpcServer, client: Rp
     assert error is None and got is not None and got.value.tolist() == [42]
 
 
+def test_client_blocked_receiver_calls_itself_then_idles_on_one_call(
+    source: StepSource, server: RpcServer, client: RpcClient
+) -> None:
+    # Issue 19 §1 and the idle-CPU target: a blocked receiver makes short calls of its
+    # own (re-made under one request_id while nothing comes), and after about a second
+    # of them waits on one long call, so an idle receiver stops costing calls.
+    key = make_key("idle")
+    result: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: result.append(pull(client, server.address, 1, key, timeout=20))
+    )
+    thread.start()
+    try:
+        wait_for(lambda: server.stats()["calls"] >= 3)  # the receiver's own short calls
+        time.sleep(1.5)
+        settled = server.stats()["calls"]
+        time.sleep(1.0)
+        assert server.stats()["calls"] == settled, "an idle blocked receiver kept calling"
+        assert source.pending_waiters(1) == 1
+        source.send(1, key, np.array([5]))
+    finally:
+        thread.join(30)
+    assert result and result[0].value.tolist() == [5]
+
+
 def test_client_timeout_is_deadline_exceeded_and_removes_waiter(
     source: StepSource, server: RpcServer, client: RpcClient
 ) -> None:
