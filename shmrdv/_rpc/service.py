@@ -63,6 +63,7 @@ from .._received import Received
 from .._status import code_for_error
 from . import assembly, messages, tensors
 from .methods import SERVER_STOPPING, SHMRDV_SERVICE, TF_SERVICE
+from .parked import ParkedCalls
 from .response_cache import ResponseCache, Waiter
 
 __all__ = ["RecvService", "TensorSource"]
@@ -139,50 +140,6 @@ def _wake(waiter: Waiter) -> None:
         _resolve(call, True)
 
 
-def _peer_host(peer: str) -> str:
-    """A call's peer without its port ("ipv4:10.0.0.1:5123" -> "ipv4:10.0.0.1"): the
-    unit the per-host bound counts (one host opening many connections is one peer)."""
-    host, sep, port = peer.rpartition(":")
-    return host if sep and port.isdigit() else peer
-
-
-class _Parked:
-    """Counts of calls waiting for a value: in all, per peer host, per connection."""
-
-    def __init__(self, total: int, per_host: int, per_connection: int) -> None:
-        self.bounds = (total, per_host, per_connection)
-        self.total = 0
-        self._by: dict[str, int] = {}
-
-    def refusal(self, peer: str) -> str | None:
-        """Why one more call from ``peer`` may not wait (None: it may)."""
-        total, per_host, per_connection = self.bounds
-        if self.total >= total:
-            return f"{self.total} calls already wait for values (max_waiting={total})"
-        host = _peer_host(peer)
-        if self._by.get(host, 0) >= per_host:
-            return (
-                f"{host} already has {self._by[host]} calls waiting for values "
-                f"(max_waiting_per_peer={per_host})"
-            )
-        if host != peer and self._by.get(peer, 0) >= per_connection:
-            return (
-                f"connection {peer} already has {self._by[peer]} calls waiting for values "
-                f"(max_waiting_per_connection={per_connection})"
-            )
-        return None
-
-    def add(self, peer: str, n: int) -> None:
-        self.total += n
-        host = _peer_host(peer)
-        for unit in (host, peer) if host != peer else (host,):
-            left = self._by.get(unit, 0) + n
-            if left:
-                self._by[unit] = left
-            else:
-                del self._by[unit]
-
-
 class RecvService:
     """The handlers of one server, serving values of one ``TensorSource``.
 
@@ -222,7 +179,7 @@ class RecvService:
         self._loop_thread = -1
         self._stopping = False
         self._waiters: set[Waiter] = set()  # not yet settled
-        self._parked = _Parked(max_waiting, max_waiting_per_peer, max_waiting_per_connection)
+        self._parked = ParkedCalls(max_waiting, max_waiting_per_peer, max_waiting_per_connection)
         self._stats = {
             "calls": 0,
             "values_served": 0,
