@@ -24,7 +24,8 @@ import time
 
 from .._rendezvous import RecvSlot
 from .bell import Bell
-from .consumer import TICK, Consumer, deliver
+from .consumer import TICK, Consumer
+from .delivery import deliver
 
 __all__ = ["Dispatcher"]
 

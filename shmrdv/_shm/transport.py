@@ -3,7 +3,10 @@
 A thin façade implementing ``shmrdv._transport.Transport`` over three parts:
 
 * ``producer.py`` — sequence numbers, publish, pool lending, outgoing rings, doorbells;
-* ``consumer.py`` — channels, taking messages, incoming rings, producer liveness;
+* ``consumer.py`` — the receiving half, a coordinator of ``book.py`` (channels, stash,
+  waiters), ``inbox.py`` (incoming rings), ``named.py`` (messages taken by name),
+  ``liveness.py`` (producer presence), ``recovery.py`` (listings) and ``orphans.py``
+  (freeing what nobody received);
 * ``dispatcher.py`` — who polls this worker's doorbell: a blocked receiver as leader
   (``wait``), else the one dispatcher thread, for callback receives.
 
@@ -26,7 +29,8 @@ from .._keys import ParsedKey
 from .._rendezvous import Canceller, RecvSlot
 from .._transport import PeerRecord, TransportContext
 from .bell import Bell
-from .consumer import Consumer, deliver
+from .consumer import Consumer, Waiter
+from .delivery import deliver, deliver_one
 from .dispatcher import Dispatcher
 from .inflight import Inflight
 from .naming import Names
@@ -111,11 +115,10 @@ class ShmTransport:
         blocking: bool = False,
     ) -> Canceller:
         consumer = self._consumer
-        item, waiter = consumer.start(step_id, key, done, copy, blocking)
-        if waiter is not None:
-            return lambda: consumer.cancel(waiter)
-        assert item is not None
-        deliver([item])
+        got = consumer.start(step_id, key, done, copy, blocking)
+        if type(got) is Waiter:
+            return lambda: consumer.cancel(got)
+        deliver_one(done, copy, got)  # type: ignore[arg-type]  # not a Waiter
         return _already_done
 
     def wait(self, slot: RecvSlot, timeout: float) -> None:
