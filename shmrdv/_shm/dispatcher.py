@@ -11,7 +11,7 @@ The dispatcher thread (one per transport, whatever the number of pending keys) t
 role only while callback receives are pending and no blocked receiver holds it; it runs
 their ``done`` callbacks outside every lock.
 
-Thread model: ``wait`` from any receiving thread; ``kick`` / ``wake_all`` from any thread;
+Thread model (docs/threads.md): ``wait`` from any receiving thread; ``kick`` / ``wake_all`` from any thread;
 ``_cond`` guards only the poller role and is never held while polling or delivering.
 """
 
