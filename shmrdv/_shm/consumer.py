@@ -101,7 +101,8 @@ class Consumer:
             if ch is None:
                 ch = book.channel(step_id, key.full_key, book.source(key), key.src_incarnation)
             src = ch.src
-            waiting = ch in self._waiters
+            # ``src.waiting`` holds exactly the channels with waiters (a dict: no call).
+            waiting = ch in src.waiting
             if ch.nready and not waiting and src.broken is None:
                 # The fast path: a ring brought this very message already (no ring to
                 # look for, nothing to drain first: what follows it stays in its ring).

@@ -261,7 +261,7 @@ class Inbox:
             stash = book.stash[step] = {}
         stash[(key, inc, seq)] = value
         ch.nready += 1
-        if ch in book.waiters:
+        if ch in ch.src.waiting:  # it has waiters
             book.touched.append(ch)
 
     # -- lifetime -------------------------------------------------------------------

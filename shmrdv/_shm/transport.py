@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy.typing as npt
 
-from .._callbacks import DoneCallback
+from .._callbacks import DoneCallback, invoke_done
 from .._keys import ParsedKey
+from .._received import Received
 from .._rendezvous import Canceller, RecvSlot
 from .._transport import PeerRecord, TransportContext
 from .bell import Bell
@@ -116,9 +117,12 @@ class ShmTransport:
     ) -> Canceller:
         consumer = self._consumer
         got = consumer.start(step_id, key, done, copy, blocking)
-        if type(got) is Waiter:
+        if type(got) is Received and not copy:
+            invoke_done(done, None, got)  # the value was there: no item, no list
+        elif type(got) is Waiter:
             return lambda: consumer.cancel(got)
-        deliver_one(done, copy, got)  # type: ignore[arg-type]  # not a Waiter
+        else:
+            deliver_one(done, copy, got)  # type: ignore[arg-type]  # not a Waiter
         return _already_done
 
     def wait(self, slot: RecvSlot, timeout: float) -> None:
