@@ -546,8 +546,7 @@ class Consumer:
                 header.slot,
                 self._held,
             )
-            if not kept:
-                self._maps.keep(seg, ident, ch.src.task, header.producer_incarnation, header.slot)
+            self._maps.keep(seg, ident, ch.src.task, header.producer_incarnation, header.slot)
         self.counters["received"] += 1
         self.counters["received_bytes"] += header.nbytes
         return Received(arr, header.is_dead)
