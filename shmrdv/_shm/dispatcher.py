@@ -150,6 +150,12 @@ class Dispatcher:
         budget = self._spin_budget(start)
         found = False
         if budget:
+            # First a scan, which checks the rings' sizes (issue 20 §3: a truncated ring
+            # read is a SIGBUS); the spin then reads only their heads, for a moment.
+            items = self._consumer.scan()
+            if items:
+                deliver(items)
+                return
             found = self._spin(start + budget)
             now = time.perf_counter_ns()
             self._spun_ns += now - start
@@ -165,7 +171,7 @@ class Dispatcher:
             bell.drain()
         else:
             self._spin_ns = 0  # unanswered: no spin until posts come again
-        items = self._consumer.scan()
+        items = self._consumer.scan(check=not found)
         if items:
             deliver(items)
         # Drop the batch before waiting again: a received array kept alive here would
