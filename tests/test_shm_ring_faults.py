@@ -1,4 +1,5 @@
-"""A ring's bytes are a peer's: truncated rings and refused records (issue 13 §3-§5)."""
+"""A ring's bytes are a peer's: truncated rings and pool slots, refused records (issue 13
+§3-§5, issue 20 §3)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,19 @@ def test_ring_truncated_with_records_in_it_fails_their_receive(size: int) -> Non
             cons.recv(1, key_between(P, C, "lost"), timeout=5)
         prod.send(1, key_between(P, C, "after"), np.arange(3))
         assert cons.recv(1, key_between(P, C, "after"), timeout=5).value.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("size", [0, 4096, 1 << 20])
+def test_pool_slot_truncated_while_returned_is_dropped_not_written(size: int) -> None:
+    ns = shmrdv.new_namespace()
+    big = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: a pool slot, not the ring
+    with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
+        prod.send(1, key_between(P, C, "a"), big)
+        got = cons.recv(1, key_between(P, C, "a"), timeout=5).value
+        assert np.array_equal(got, big)
+        del got  # the slot goes back: "returned", for the producer to take back
+        returned = [e for e in os.listdir("/dev/shm") if e.startswith(prod.names.prefix + "r")]
+        assert len(returned) == 1, os.listdir("/dev/shm")
+        os.truncate(os.path.join("/dev/shm", returned[0]), size)  # a buggy process of ours
+        prod.send(1, key_between(P, C, "b"), big)  # writing the lost pages would be a SIGBUS
+        assert np.array_equal(cons.recv(1, key_between(P, C, "b"), timeout=5).value, big)
