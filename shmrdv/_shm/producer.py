@@ -83,12 +83,14 @@ class _Allocation:
 class _Route:
     """What this producer keeps per consumer worker: its ring and its doorbell."""
 
-    __slots__ = ("bell", "bell_look_at", "ring", "ring_segment", "task")
+    __slots__ = ("bell", "bell_look_at", "ring", "ring_mem", "ring_segment", "task")
 
     def __init__(self, task: str, ring: tuple[Segment, Ring] | None) -> None:
         self.task = task
         self.ring_segment: Segment | None = None if ring is None else ring[0]
         self.ring: Ring | None = None if ring is None else ring[1]
+        # The ring's mapping (``mmap.size()`` is one fstat): checked before every write.
+        self.ring_mem: Any = None if ring is None else ring[0].buf
         self.bell: Bell | None = None
         self.bell_look_at = 0.0
 
@@ -330,8 +332,10 @@ class Producer:
         if seg is None or route.ring is None:
             return False
         try:
-            seg.check_size(seg.size)
-        except InternalError as e:
+            if route.ring_mem.size() >= seg.size:  # fstat of the descriptor mmap keeps
+                return True
+            seg.check_size(seg.size)  # says what is wrong
+        except (InternalError, OSError, ValueError) as e:
             _log.warning("the ring to %s is unusable (%s); segments from now on", route.task, e)
             route.ring.release()
             route.ring = None
