@@ -1,0 +1,148 @@
+"""The request gate (issue 19 §4): a call that sends no request message is dropped at a
+short deadline, and silent calls never take more than their share of the server.
+
+Real ``RpcServer`` on 127.0.0.1, real grpc.aio clients opening calls that send their
+headers and never a message (``flood_helpers.silent_call_outcomes``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+import grpc.aio
+import numpy as np
+import pytest
+import rpc_helpers
+from flood_helpers import silent_call_outcomes
+from helpers import wait_for
+from rpc_helpers import StepSource, make_key, pull
+
+from shmrdv._rpc import messages
+from shmrdv._rpc.client import RpcClient
+from shmrdv._rpc.limits import ServerLimits
+from shmrdv._rpc.methods import (
+    EXCHANGE_METHOD,
+    GET_STATUS_METHOD,
+    MARK_RECV_FINISHED_METHOD,
+    RECV_TENSOR_INLINE_METHOD,
+    RECV_TENSOR_METHOD,
+    RECV_TENSOR_STREAM_METHOD,
+    RELEASE_RECV_METHOD,
+)
+from shmrdv._rpc.server import RpcServer
+
+source = rpc_helpers.source
+
+# Every method the server serves, and whether its answer is a stream.
+METHODS = [
+    (RECV_TENSOR_METHOD, False),
+    (GET_STATUS_METHOD, False),
+    (MARK_RECV_FINISHED_METHOD, False),
+    (RECV_TENSOR_INLINE_METHOD, False),
+    (RELEASE_RECV_METHOD, False),
+    (RECV_TENSOR_STREAM_METHOD, True),
+    (EXCHANGE_METHOD, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "response_stream"), METHODS, ids=[m.rsplit("/", 1)[1] for m, _ in METHODS]
+)
+def test_gate_drops_a_silent_call_of_every_method_at_its_deadline(
+    source: StepSource, method: str, response_stream: bool
+) -> None:
+    limits = ServerLimits(first_message_timeout=0.3)
+    with RpcServer("127.0.0.1:0", source, limits=limits) as server:
+        [(code, details, took)] = silent_call_outcomes(
+            server.address, method, response_stream=response_stream
+        )
+        assert code == grpc.StatusCode.UNAVAILABLE, details
+        assert "first_message_timeout" in details and server.address in details
+        assert 0.25 < took < 5, f"dropped after {took:.2f}s for a 0.3s deadline"
+        wait_for(lambda: server.stats()["awaiting_request"] == 0, what="the call freed")
+        assert server.stats()["silent_calls_dropped"] == 1
+        # The server still serves.
+        key = make_key("after")
+        source.send(1, key, np.arange(3))
+        with RpcClient() as client:
+            assert pull(client, server.address, 1, key, timeout=10).value.tolist() == [0, 1, 2]
+
+
+def test_gate_drops_the_oldest_silent_call_beyond_its_bound(source: StepSource) -> None:
+    """40 call slots: at most 10 silent calls wait at a time; each one more drops the
+    oldest at once, and a real call on a new connection is served meanwhile."""
+    limits = ServerLimits(max_concurrent_rpcs=40)
+    assert limits.max_awaiting_request == 10
+
+    async def flood(address: str) -> tuple[list[tuple[grpc.StatusCode, str]], dict[str, int]]:
+        async with grpc.aio.insecure_channel(address) as ch:
+            calls = [ch.stream_unary(GET_STATUS_METHOD)(timeout=20) for _ in range(30)]
+            ended: list[tuple[grpc.StatusCode, str]] = []
+            codes = [asyncio.ensure_future(c.code()) for c in calls]
+            done: set[Any] = set()
+            deadline = time.monotonic() + 4  # before the gate's deadline (5 s)
+            while len(done) < 20 and time.monotonic() < deadline:
+                done, _ = await asyncio.wait(codes, timeout=0.05)
+            for c, code in zip(calls, codes, strict=True):
+                if code in done:
+                    ended.append((code.result(), await c.details() or ""))
+            stats = server.stats()
+            async with grpc.aio.insecure_channel(address) as fresh:
+                await fresh.unary_unary(GET_STATUS_METHOD)(b"", timeout=10)
+            for c in calls:
+                c.cancel()
+            await asyncio.wait(codes, timeout=10)
+            return ended, stats
+
+    with RpcServer("127.0.0.1:0", source, limits=limits) as server:
+        ended, stats = asyncio.run(flood(server.address))
+        assert len(ended) == 20, ended
+        assert all(code == grpc.StatusCode.UNAVAILABLE for code, _ in ended), ended
+        assert all("the oldest was dropped" in details for _, details in ended), ended
+        assert stats["awaiting_request"] == 10 and stats["crowded_calls_dropped"] == 20
+        # Calls their clients cancel are freed at once, not at the deadline (5 s).
+        wait_for(lambda: server.stats()["awaiting_request"] == 0, timeout=3, what="freed")
+        assert server.stats()["silent_calls_dropped"] == 0
+
+
+def test_gate_refuses_a_unary_call_that_ends_without_its_request(source: StepSource) -> None:
+    with RpcServer("127.0.0.1:0", source) as server:
+        [(code, details, took)] = silent_call_outcomes(
+            server.address, GET_STATUS_METHOD, half_close=True
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert "without a request message" in details
+        assert took < 5
+        assert server.stats()["awaiting_request"] == 0
+
+
+def test_gate_lets_an_exchange_end_at_once(source: StepSource) -> None:
+    """A stream that ends before its first message is an empty stream, not an error."""
+    with RpcServer("127.0.0.1:0", source) as server:
+        [(code, details, _)] = silent_call_outcomes(
+            server.address, EXCHANGE_METHOD, response_stream=True, half_close=True
+        )
+        assert code == grpc.StatusCode.OK, details
+
+
+def test_gate_keeps_the_real_calls_of_a_busy_client(source: StepSource) -> None:
+    """200 receives in flight at once, each with its own call: none is taken for silent."""
+    limits = ServerLimits(max_concurrent_rpcs=400, first_message_timeout=0.5)
+    keys = [make_key(f"busy{i}") for i in range(200)]
+    with RpcServer("127.0.0.1:0", source, limits=limits) as server:
+        with grpc.insecure_channel(server.address, rpc_helpers.CHANNEL_OPTIONS) as channel:
+            inline = channel.unary_unary(RECV_TENSOR_INLINE_METHOD)
+            calls = [
+                inline.future(messages.encode_request(1, k.full_key, i + 1), timeout=30)
+                for i, k in enumerate(keys)
+            ]
+            time.sleep(1.0)  # past the gate's deadline: they wait for values, not requests
+            for i, k in enumerate(keys):
+                source.send(1, k, np.array([i]))
+            for i, c in enumerate(calls):
+                assert messages.decode_response(c.result(timeout=30)).value.tolist() == [i]
+        stats = server.stats()
+        assert stats["silent_calls_dropped"] == 0 and stats["crowded_calls_dropped"] == 0
