@@ -28,6 +28,7 @@ from ._hostaddr import is_local_host, split_host_port
 from ._namespace import resolve_namespace
 from ._peers import ALL_TRANSPORTS, Peers, canonical_task
 from ._router import Router, RouterContext, StepRendezvous
+from ._rpc.limits import ServerLimits
 from ._transport import Transport, TransportContext
 from ._window import check_window
 
@@ -89,6 +90,15 @@ class Worker:
             raises ``ResourceExhaustedError`` having sent nothing. A tensor larger than
             the window goes out once nothing else is in flight to that consumer.
             ``None`` (default): no window, ``send`` never waits.
+        max_connections, max_concurrent_rpcs, first_message_timeout: bounds of this
+            worker's gRPC server against clients that never finish a call, with or
+            without the token. Connections beyond ``max_connections`` are refused
+            (default: a quarter of the process's descriptor limit, ``ulimit -n``, at
+            most 1,024; at most half of it may be asked for); calls in flight beyond
+            ``max_concurrent_rpcs`` (default 16,384) get ``RESOURCE_EXHAUSTED``; a call
+            that has not sent its request message ``first_message_timeout`` seconds
+            (default 5) after opening is dropped with ``UNAVAILABLE``. Checked here
+            even when no server starts.
 
     Close it (or use ``with``): ``close()`` aborts every step and releases every OS
     object this worker owns. A Worker cannot be used in a ``fork`` child of the process
@@ -107,6 +117,9 @@ class Worker:
         token: str | None = None,
         shm_pool_bytes: int = 512 << 20,
         max_inflight_bytes: int | None = None,
+        max_connections: int | None = None,
+        max_concurrent_rpcs: int = 16_384,
+        first_message_timeout: float = 5.0,
     ) -> None:
         self._closed = True  # until fully built, so close() from the finalizer is a no-op
         self._forked = False
@@ -151,6 +164,11 @@ class Worker:
                 f"shm_pool_bytes must be an int >= 0, not {shm_pool_bytes!r}"
             )
         self.max_inflight_bytes: int | None = check_window(max_inflight_bytes)
+        self._server_limits = ServerLimits(
+            max_connections=max_connections,
+            max_concurrent_rpcs=max_concurrent_rpcs,
+            first_message_timeout=first_message_timeout,
+        )
         self._tls = tls
         self._token = token
         self._shm_pool_bytes = shm_pool_bytes
@@ -209,7 +227,9 @@ class Worker:
             from ._rpc.transport import GrpcTransport
 
             bind = self._bind_address()
-            grpc_t = GrpcTransport(self._ctx, bind, tls=self._tls, token=self._token)
+            grpc_t = GrpcTransport(
+                self._ctx, bind, tls=self._tls, token=self._token, limits=self._server_limits
+            )
             self._grpc = grpc_t
             self.address = grpc_t.address
         elif "grpc" in self.transports:

@@ -57,6 +57,7 @@ from .._rendezvous import Canceller, RecvSlot
 from .._transport import PeerRecord, TransportContext
 from .._window import ConsumerWatch, InflightWindow, Windows
 from .client import RpcClient
+from .limits import ServerLimits
 from .server import RpcServer
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class GrpcTransport:
 
     ``bind``: the address to serve on (``host:port``; port 0 picks one), or None for a
     client only (this worker receives from other hosts but nobody pulls from it).
+    ``limits``: the server's connection and call bounds (``ServerLimits``; default ones).
     """
 
     name = "grpc"
@@ -97,6 +99,7 @@ class GrpcTransport:
         *,
         tls: TLSConfig | None,
         token: str | None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self._ctx = ctx
         self.task: str = ctx.task_name
@@ -118,7 +121,7 @@ class GrpcTransport:
         self._server: RpcServer | None = None
         self.address: str | None = None
         if bind is not None:
-            self._server = RpcServer(bind, self, tls=tls, token=token).start()
+            self._server = RpcServer(bind, self, tls=tls, token=token, limits=limits).start()
             self.address = self._server.address
 
     def __repr__(self) -> str:
