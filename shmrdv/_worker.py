@@ -28,7 +28,11 @@ from ._hostaddr import is_local_host, split_host_port
 from ._namespace import resolve_namespace
 from ._peers import ALL_TRANSPORTS, Peers, canonical_task
 from ._router import Router, RouterContext, StepRendezvous
-from ._rpc.limits import ServerLimits
+from ._rpc.limits import (
+    DEFAULT_FIRST_MESSAGE_TIMEOUT,
+    DEFAULT_MAX_CONCURRENT_RPCS,
+    ServerLimits,
+)
 from ._transport import Transport, TransportContext
 from ._window import check_window
 
@@ -118,8 +122,8 @@ class Worker:
         shm_pool_bytes: int = 512 << 20,
         max_inflight_bytes: int | None = None,
         max_connections: int | None = None,
-        max_concurrent_rpcs: int = 16_384,
-        first_message_timeout: float = 5.0,
+        max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+        first_message_timeout: float = DEFAULT_FIRST_MESSAGE_TIMEOUT,
     ) -> None:
         self._closed = True  # until fully built, so close() from the finalizer is a no-op
         self._forked = False

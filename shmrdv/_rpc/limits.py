@@ -26,9 +26,20 @@ import resource
 
 from .._errors import InvalidArgumentError
 
-__all__ = ["ServerLimits", "descriptor_limit"]
+__all__ = [
+    "DEFAULT_FIRST_MESSAGE_TIMEOUT",
+    "DEFAULT_MAX_CONCURRENT_RPCS",
+    "ServerLimits",
+    "descriptor_limit",
+]
 
 _DEFAULT_MAX_CONNECTIONS = 1024
+# Calls waiting for a value are calls in flight too: as many as one peer may park
+# (``RpcServer(max_waiting_per_peer=)``).
+DEFAULT_MAX_CONCURRENT_RPCS = 16_384
+# A real client sends its request right behind its headers (one write); 5 s leaves room
+# for a loaded machine and is short next to the flood it stops.
+DEFAULT_FIRST_MESSAGE_TIMEOUT = 5.0
 _MAX_AWAITING_REQUEST = 1024
 # A process whose limit is "unlimited" is treated as having this many descriptors.
 _UNLIMITED = 1 << 20
@@ -55,8 +66,8 @@ class ServerLimits:
     """
 
     max_connections: int | None = None
-    max_concurrent_rpcs: int = 16_384
-    first_message_timeout: float = 5.0
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS
+    first_message_timeout: float = DEFAULT_FIRST_MESSAGE_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.max_connections is not None:
