@@ -80,9 +80,11 @@ served.close()
 """
 
 _FLOOD = r"""
-import asyncio, json, sys, time
+import asyncio, json, resource, sys
 import grpc, grpc.aio
 address, method, connections, calls = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a socket per connection
 
 async def main():
     channels, pending = [], []
