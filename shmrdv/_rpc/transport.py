@@ -54,6 +54,7 @@ from .._keys import ParsedKey
 from .._local import LocalRendezvous
 from .._received import Received
 from .._rendezvous import Canceller, RecvSlot
+from .._status import code_for_error
 from .._transport import PeerRecord, TransportContext
 from .._window import ConsumerWatch, InflightWindow, Windows
 from .client import RpcClient
@@ -67,6 +68,10 @@ __all__ = ["GrpcTransport"]
 
 # How often a receive looks again for the address of a producer that has not started.
 _RESOLVE_PERIOD = 0.05
+# How long explain_wait waits for a peer's GetStatus. A peer with nothing listening
+# answers at once (connection refused, or the channel's last failure); only a host that
+# drops packets makes the probe wait this long, on a receive that already timed out.
+_PROBE_TIMEOUT = 0.25
 
 _log = logging.getLogger("shmrdv.rpc")
 
@@ -173,6 +178,22 @@ class GrpcTransport:
     def can_reach(self, peer: PeerRecord) -> bool:
         """Any host: a peer not yet known gets its address once it publishes it."""
         return True
+
+    def explain_wait(self, peer: PeerRecord) -> str | None:
+        """None if ``peer``'s server answers a GetStatus within ``_PROBE_TIMEOUT``; else
+        its address and the gRPC status the probe got (issue 19 §4: "nothing listening"
+        used to read as "not alive anywhere on this host")."""
+        address = peer.address
+        if address is None:
+            return None  # not started: its presence record will carry its address
+        try:
+            self._client.get_status(address, timeout=_PROBE_TIMEOUT)
+        except RendezvousError as e:
+            return (
+                f"the gRPC server of {peer.task} at {address} does not answer: "
+                f"{code_for_error(e).name}: {e}"
+            )
+        return None
 
     def send(
         self,
