@@ -7,7 +7,8 @@ stream into one buffer). ``methods`` names the methods and limits both ends agre
 TLS and token options; ``rpc_errors`` reads a grpc error's code and details.
 
 Producer side: ``server`` (the server lifecycle), ``service`` (the handlers),
-``response_cache`` (TensorFlow's GrpcResponseCache). Consumer side: ``client`` (its
+``response_cache`` (TensorFlow's GrpcResponseCache), ``limits`` (connection and call
+bounds), ``request_gate`` (dropping calls that send no request). Consumer side: ``client`` (its
 face), ``call`` (one receive's RPCs), ``channels`` (channel and link per peer, fork
 handling), ``link`` (the Exchange stream per peer), ``acks`` (ack handling), ``runner``
 (callback threads). ``transport`` is the Worker's side of it all.
