@@ -101,8 +101,9 @@ class Worker:
             most 1,024; at most half of it may be asked for); calls in flight beyond
             ``max_concurrent_rpcs`` (default 16,384) get ``RESOURCE_EXHAUSTED``; a call
             that has not sent its request message ``first_message_timeout`` seconds
-            (default 5) after opening is dropped with ``UNAVAILABLE``. Checked here
-            even when no server starts.
+            (default 5) after opening is dropped with ``UNAVAILABLE`` (and only a
+            quarter of ``max_concurrent_rpcs``, at most 1,024, may wait for theirs
+            longer than a second). Checked here even when no server starts.
 
     Close it (or use ``with``): ``close()`` aborts every step and releases every OS
     object this worker owns. A Worker cannot be used in a ``fork`` child of the process

@@ -319,9 +319,10 @@ def test_silent_connections_beyond_the_cap_leave_the_process_its_descriptors(ns:
 
 @pytest.mark.timeout(120)
 def test_a_silent_call_flood_takes_a_bounded_share_and_real_calls_go_on(ns: str) -> None:
-    """3,200 calls that never send their request, on 8 connections: at most 1,024 wait
-    for it (the oldest beyond are dropped at once), and a new client is served meanwhile.
-    They all used to wait, for ever.
+    """3,200 calls that never send their request, on 8 connections: within a second or
+    two at most 1,024 still wait for it (the oldest beyond are dropped once a second
+    old; the rest at the 5 s deadline), and a new client is served meanwhile. They all
+    used to wait, for ever.
 
     While the burst arrives faster than the server's one event loop takes calls, gRPC's
     own overload shedding (``grpc.server.max_pending_requests``) may cancel a call, a
@@ -334,12 +335,14 @@ def test_a_silent_call_flood_takes_a_bounded_share_and_real_calls_go_on(ns: str)
         _get_status_soon(server.address)
         during = server.check()
         assert during["shm"] == "ok", during
-        assert during["server"]["awaiting_request"] <= 1024, during
         deadline = time.monotonic() + 20
-        while _ended(flood) < 3200 - 1024:
+        while (during := server.check())["server"]["awaiting_request"] > 1024:
+            assert time.monotonic() < deadline, during
+            time.sleep(0.1)
+        assert during["server"]["crowded_calls_dropped"] > 0, during
+        while _ended(flood) < 3200 - 1024:  # told: dropped, or shed by gRPC at once
             assert time.monotonic() < deadline, flood.outcomes()
-            time.sleep(0.2)
-        assert server.check()["server"]["crowded_calls_dropped"] > 0
+            time.sleep(0.1)
     finally:
         if flood is not None:
             flood.close()
@@ -366,7 +369,6 @@ def test_the_issue_19_silent_floods_leave_the_server_bounded(ns: str) -> None:
         _get_status_soon(server.address)
         during = server.check()
         assert during["shm"] == "ok", during
-        assert during["server"]["awaiting_request"] <= 1024, during
         grown = during["rss_mb"] - before["rss_mb"]
         assert grown < 250, f"RSS grew by {grown:.0f} MB under 55,000 silent calls"
         # Every one of them ends: dropped by the gate, or refused by gRPC itself.

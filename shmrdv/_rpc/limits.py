@@ -13,8 +13,8 @@ shared-memory sends of the same process failed with "too many open files". The b
 * ``max_concurrent_rpcs``: calls in flight beyond it are refused (``RESOURCE_EXHAUSTED``).
 * ``first_message_timeout``: a call that has not sent its request message this many
   seconds after opening is dropped (``UNAVAILABLE``); at most ``max_awaiting_request``
-  calls (a quarter of ``max_concurrent_rpcs``, at most 1,024) wait for their message at
-  a time, and one more drops the oldest (``request_gate.RequestGate``).
+  calls (a quarter of ``max_concurrent_rpcs``, at most 1,024) may wait for their message
+  longer than a second, the oldest beyond them are dropped (``request_gate.RequestGate``).
 
 Pure: no gRPC import, so a ``Worker`` validates these without loading gRPC.
 """
@@ -94,5 +94,5 @@ class ServerLimits:
 
     @property
     def max_awaiting_request(self) -> int:
-        """Most calls waiting for their request message at a time."""
+        """Most calls that may wait longer than a second for their request message."""
         return max(1, min(_MAX_AWAITING_REQUEST, self.max_concurrent_rpcs // 4))
