@@ -75,8 +75,8 @@ async def _then(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 class RequestGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Drop calls that send no request message within ``timeout`` s; at most
-    ``max_waiting`` wait at a time (see the module docstring)."""
+    """Drop calls that send no request message within ``timeout`` s, and the oldest of
+    those waiting longer than a second beyond ``max_waiting`` (see the module docstring)."""
 
     def __init__(self, timeout: float, max_waiting: int) -> None:
         self._timeout = timeout
@@ -86,7 +86,7 @@ class RequestGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._timer: asyncio.TimerHandle | None = None
         self._gated: dict[Any, grpc.RpcMethodHandler] = {}
         self._silent = 0  # calls dropped at their deadline
-        self._crowded = 0  # calls dropped as the oldest of too many
+        self._crowded = 0  # calls dropped as the oldest of too many waiting over a second
 
     async def intercept_service(
         self,
@@ -110,7 +110,7 @@ class RequestGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def stats(self) -> dict[str, int]:
         """``awaiting_request`` (calls waiting for their first message now), and the calls
         dropped so far: ``silent_calls_dropped`` (deadline), ``crowded_calls_dropped``
-        (the oldest of more than ``max_waiting``)."""
+        (the oldest beyond ``max_waiting``, once waiting over a second)."""
         return {
             "awaiting_request": len(self._waiting),
             "silent_calls_dropped": self._silent,
