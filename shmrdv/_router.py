@@ -137,7 +137,8 @@ class Router:
         self.rc = rc
         self.task_name = rc.ctx.task_name
         self._lock = threading.Lock()
-        self._peer_routes: dict[tuple[str, int, int], Transport] = {}
+        # (peer task, this worker produces) -> transport: each direction its producer's pick.
+        self._peer_routes: dict[tuple[tuple[str, int, int], bool], Transport] = {}
         self._by_key: Callable[[str], KeyRoute] = functools.lru_cache(maxsize=_KEY_ROUTES)(
             self._derive
         )
@@ -196,11 +197,11 @@ class Router:
             return t
         peer = r.peer
         assert peer is not None
-        tk = peer.task_key()
+        tk = (peer.task_key(), r.src_own)
         t = self._peer_routes.get(tk)
         if t is None:
             record = self.rc.ctx.peers.lookup(peer)
-            t = self._choose(record, r.pk)
+            t = self._choose(record, r.pk, producer=r.src_own)
             if not record.final:
                 return t  # provisional: ask again next time
             with self._lock:
@@ -209,10 +210,17 @@ class Router:
         r.transport = t
         return t
 
-    def _choose(self, record: PeerRecord, pk: ParsedKey) -> Transport:
-        for name in self.rc.order:
-            if name not in record.transports:
-                continue
+    def _choose(self, record: PeerRecord, pk: ParsedKey, *, producer: bool) -> Transport:
+        """The transport of a key between this worker and ``record``'s: the first of the
+        *producer's* priority list that both take and that reaches the peer, so that both
+        ends pick the same one whatever order each lists them in (a consumer listing
+        ``("grpc", "shm")`` waited on gRPC for what a ``("shm", "grpc")`` producer had
+        put in shared memory)."""
+        if producer:
+            order = [n for n in self.rc.order if n in record.transports]
+        else:
+            order = [n for n in record.transports if n in self.rc.order]
+        for name in order:
             t = self.rc.transport(name)
             if t.can_reach(record):
                 return t
