@@ -81,11 +81,12 @@ class Waiter:
 class InRing:
     """A producer's ring for this consumer, attached (its name already unlinked)."""
 
-    __slots__ = ("inc", "lost_seen", "ring", "segment")
+    __slots__ = ("inc", "lost", "lost_seen", "ring", "segment")
 
     def __init__(self, segment: Segment, ring: Ring, inc: int) -> None:
         self.segment, self.ring, self.inc = segment, ring, inc
         self.lost_seen = 0
+        self.lost = 0  # the ring's lost count at the last (size-checked) drain
 
 
 class Source:

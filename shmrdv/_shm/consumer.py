@@ -139,12 +139,11 @@ class Consumer:
             inbox.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
             inbox.look_for_old_ring(src, ch.inc)
-        inbox.drain_all()
-        result: Received | BaseException | None
-        if src.broken is not None:
+        # Rings are drained by whoever polls (``scan``), right after checking their size:
+        # reading a truncated ring's words here would be a SIGBUS.
+        result = self._take(ch, self._probe(ch))
+        if result is None and src.broken is not None:
             result, src.broken = src.broken, None
-        else:
-            result = self._take(ch, self._probe(ch))
         if result is None and not ch.seen_alive:
             # Note now whether the producer is alive (so that its death is noticed even
             # before the first tick), or fail a stale incarnation.
@@ -297,23 +296,28 @@ class Consumer:
 
     # -- the scan (run by whoever polls the doorbell) ---------------------------------
 
-    def scan(self) -> list[Item]:
+    def scan(self, check: bool = True) -> list[Item]:
         """Drain the rings, serve the channels they brought something for; once per tick,
-        check the producers that have waiters (liveness, ringless ones by name)."""
+        check the producers that have waiters (liveness, ringless ones by name).
+
+        ``check=False``: the rings' sizes were checked by a scan a moment ago (before a
+        spin on their heads); they are not checked again.
+        """
         with self.lock:
             if self._closed:
                 return []
             try:
-                return self._scan()
+                return self._scan(check)
             except Exception:  # pragma: no cover - keep polling whatever happens
                 _log.exception("shm dispatcher of %s: scan failed", self._task)
                 return []
 
-    def _scan(self) -> list[Item]:
+    def _scan(self, check: bool) -> list[Item]:
         self._scans += 1
         out: list[Item] = []
-        self._inbox.drain_all()
+        self._inbox.drain_all(check)
         self._serve_touched(out)
+        self._serve_failed(out)
         waiting = bool(self._waiters)
         if waiting:
             self._probe_ringless(out)
@@ -328,6 +332,7 @@ class Consumer:
                 if src.waiting:
                     self._tick(src, out)
             self._serve_touched(out)
+            self._serve_failed(out)
         return out
 
     def _serve_touched(self, out: list[Item]) -> None:
@@ -337,6 +342,16 @@ class Consumer:
             for ch in touched:
                 if ch in self._waiters:
                     self._serve(ch, out, probe=self._probe(ch))
+
+    def _serve_failed(self, out: list[Item]) -> None:
+        """Serve by name the channels of producers whose ring failed, else fail them."""
+        failed = self._inbox.failed
+        while failed:
+            src, error = failed.pop()
+            for ch in list(src.waiting):
+                self._serve(ch, out, probe=True)
+                if ch in src.waiting:
+                    self._fail(ch, out, error)
 
     def _tick(self, src: Source, out: list[Item]) -> None:
         """Once per tick for a producer with waiters: its ring, its messages by name if it

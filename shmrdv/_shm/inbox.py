@@ -75,6 +75,8 @@ class Inbox:
         self._cleaned_up = ctx.cleaned_up
         #: Every attached ring, with its producer.
         self.rings: list[tuple[Source, InRing]] = []
+        #: Producers whose ring failed while they had waiters, with the error.
+        self.failed: list[tuple[Source, InternalError]] = []
         self.refused_records = 0
 
     # -- attaching ------------------------------------------------------------------
@@ -152,7 +154,8 @@ class Inbox:
 
     def arrived(self) -> bool:
         """Whether a ring holds records not yet drained: a look at shared memory, without
-        the lock and without a system call (what a spinning poller checks between turns)."""
+        the lock and without a system call (what a spinning poller checks between turns,
+        right after a ``scan`` checked the rings' sizes)."""
         try:
             for _, r in self.rings:
                 if r.ring.pending():
@@ -161,23 +164,25 @@ class Inbox:
             return True
         return False
 
-    def drain_all(self) -> None:
+    def drain_all(self, check: bool = True) -> None:
         for src, r in list(self.rings):
-            if r.ring.pending():
-                self.drain(src, r)
+            self.drain(src, r, check)
 
-    def drain(self, src: Source, r: InRing) -> None:
+    def drain(self, src: Source, r: InRing, check: bool = True) -> None:
         """Take every record waiting in one ring to its channel's stash.
 
-        First one ``fstat``: a process that kept a descriptor of the ring may have truncated
-        it, and reading a lost page would kill this process (SIGBUS). Such a ring is failed:
-        unmapped, and the receives waiting on its producer get the ``InternalError``.
+        First one ``fstat`` (unless ``check`` is False: the caller checked it a moment ago):
+        a process that kept a descriptor of the ring may have truncated it, and reading a
+        lost page would kill this process (SIGBUS). Such a ring is failed: unmapped, and the
+        receives waiting on its producer get the ``InternalError`` (``failed``).
         """
-        try:
-            r.segment.check_size(r.segment.size)
-        except InternalError as e:
-            self._fail_ring(src, r, e)
-            return
+        if check:
+            try:
+                r.segment.check_size(r.segment.size)
+            except InternalError as e:
+                self._fail_ring(src, r, e)
+                return
+        r.lost = r.ring.lost()
         record = self._record
         inc = r.inc
         try:
@@ -188,8 +193,9 @@ class Inbox:
 
     @staticmethod
     def lost_records(src: Source) -> bool:
-        """Whether a ring of ``src`` lost records not recovered yet (``recovery.py``)."""
-        return any(r.ring.lost() != r.lost_seen for r in src.rings)
+        """Whether a ring of ``src`` lost records not recovered yet (``recovery.py``), as of
+        the last drain: the ring's words are read only right after a size check."""
+        return any(r.lost != r.lost_seen for r in src.rings)
 
     def _fail_ring(self, src: Source, r: InRing, e: InternalError) -> None:
         error = InternalError(f"the ring from producer {src.task} is unusable: {e}")
@@ -198,12 +204,15 @@ class Inbox:
         src.rings.remove(r)
         src.ring_incs.discard(r.inc)
         src.look_at = float("inf")  # its name is gone; a restarted producer makes a new one
-        src.broken = error
         r.ring.release()
         r.segment.close()
-        for ch in list(src.waiting):
-            # Queued for the channel's next receive (delivered like a message).
-            self._book.put(ch, ch.inc, ch.seq, error)
+        # A producer that saw the truncation itself went on by name: the waiting receives
+        # look for their message by name first (``Consumer``), and fail only if it is not
+        # there; the next receive of this producer hears of it once (``broken``).
+        if src.waiting:
+            self.failed.append((src, error))
+        else:
+            src.broken = error
 
     def _record(self, src: Source, inc: int, payload: memoryview) -> None:
         """One ring record: to its channel's stash, its channel touched if it has waiters.

@@ -122,8 +122,7 @@ class NamedMessages:
                 header.slot,
                 self.held,
             )
-            if not kept:
-                maps.keep(seg, ident, ch.src.task, header.producer_incarnation, header.slot)
+            maps.keep(seg, ident, ch.src.task, header.producer_incarnation, header.slot)
         self._book.count(header.nbytes)
         return Received(arr, header.is_dead)
 

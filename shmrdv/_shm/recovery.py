@@ -68,7 +68,7 @@ class Recovery:
 
         Returns whether it stashed anything. Rate-limited with the other listings.
         """
-        lost = [(r, r.ring.lost()) for r in src.rings if r.ring.lost() != r.lost_seen]
+        lost = [(r, r.lost) for r in src.rings if r.lost != r.lost_seen]
         if not lost or not self._list_messages():
             return False
         for r, n in lost:
