@@ -36,7 +36,7 @@ from .naming import Names
 from .orphans import Orphans
 from .recovery import Recovery
 
-__all__ = ["TICK", "Consumer", "Waiter"]
+__all__ = ["TICK", "Consumer"]
 
 _log = logging.getLogger("shmrdv.shm")
 

@@ -30,7 +30,8 @@ from .._received import Received
 from .._rendezvous import Canceller, RecvSlot
 from .._transport import PeerRecord, TransportContext
 from .bell import Bell
-from .consumer import Consumer, Waiter
+from .book import Waiter
+from .consumer import Consumer
 from .delivery import deliver, deliver_one
 from .dispatcher import Dispatcher
 from .inflight import Inflight
