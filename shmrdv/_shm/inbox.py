@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from .._errors import InternalError, RendezvousError
 from .._received import Received
 from .._transport import TransportContext
 from . import layout
-from .book import Book, Channel, InRing, Notice, Source
+from .book import Book, Channel, InRing, Notice, Source, Stash
 from .naming import Names
 from .ring import RINGS_SUPPORTED, Ring
 from .segment import Segment
@@ -183,11 +183,8 @@ class Inbox:
                 self._fail_ring(src, r, e)
                 return
         r.lost = r.ring.lost()
-        record = self._record
-        inc = r.inc
         try:
-            for payload in r.ring.take():
-                record(src, inc, payload)
+            self._take_records(src, r.inc, r.ring.take())
         except RendezvousError as e:
             _log.warning("ring from %s: %s", src.task, e)
 
@@ -214,64 +211,94 @@ class Inbox:
         else:
             src.broken = error
 
-    def _record(self, src: Source, inc: int, payload: memoryview) -> None:
-        """One ring record: to its channel's stash, its channel touched if it has waiters.
+    def _take_records(self, src: Source, inc: int, records: Iterator[memoryview]) -> None:
+        """Each ring record to its channel's stash, its channel touched if it has waiters.
 
         A ring record is the producer's bytes: its header gets ``unpack``'s checks (through
         ``HeaderCache``) and the shared element-count rule (``shape_problem``). A record
         refused for what it says of its array still names its key: its receiver gets the
         ``InternalError``, and what follows in the ring is delivered as usual.
+
+        The hot loop of the receive side, hence one function: what does not change from
+        one record to the next (the step's channels and stash, whether the step was
+        cleaned up) is looked up once per run of records of one step; per record there is
+        the header check, one array copied out of the ring and its ``Received``.
         """
-        value: Received | Notice | BaseException
-        size = len(payload)
-        notice = size > 11 and bool(payload[10] & _FLAG_NOTICE)
-        try:
-            # ``unpack_fields`` (or the cache of its verdicts) also applies ``shape_problem``.
-            (flags, dtype, shape, offset, nbytes, step, seq, _inc, _pid, slot, _t, key) = (
-                self._headers.unpack(payload, _NO_FILE if notice else size)
-            )
-        except RendezvousError as e:
-            self.refused_records += 1
-            who = layout.unpack_identity(payload)
-            _log.warning("refusing a record of the ring from %s: %s", src.task, e)
-            if who is None:
-                return
-            step, seq, key = who
-            notice = False
-            value = InternalError(
-                f"refusing message {seq} of key {key!r} (step {step}) from producer {src.task}: {e}"
-            )
-        else:
-            if notice:
-                value = Notice(slot)
-            elif nbytes:
-                # One copy out of the ring (the record's bytes are overwritten later).
-                arr: Any = np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset).copy()
-                if len(shape) != 1:
-                    arr = arr.reshape(shape)
-                value = Received(arr, bool(flags & 1))
-            else:
-                value = Received(np.empty(shape, dtype), bool(flags & 1))
-        if self._cleaned_up(step):
-            if notice:  # a late send of a step this worker already cleaned up: free it
-                self._free_named(src.task, step, key, inc, seq, slot)
-            return
+        unpack = self._headers.unpack
         book = self._book
-        chans = book.channels.get(step)
-        if chans is None:
-            chans = book.channels[step] = {}
-        ch = chans.get(key)
-        if ch is None:
-            ch = chans[key] = Channel(step, key, src, inc)
-        elif ch.inc == inc and seq < ch.seq:
-            return  # already taken by its name
-        stash = book.stash.get(step)
-        if stash is None:
-            stash = book.stash[step] = {}
-        stash[(key, inc, seq)] = value
-        ch.nready += 1
-        if ch in ch.src.waiting:  # it has waiters
-            book.touched.append(ch)
+        channels, stashes, touched = book.channels, book.stash, book.touched
+        last_step = -1
+        dropped = False
+        chans: dict[str, Channel] = {}
+        stash: Stash | None = None
+        value: Received | Notice | BaseException
+        for payload in records:
+            size = len(payload)
+            notice = size > 11 and bool(payload[10] & _FLAG_NOTICE)
+            try:
+                # ``unpack_fields`` (or the cache of its verdicts) applies ``shape_problem``.
+                (flags, dtype, shape, offset, nbytes, step, seq, _inc, _pid, slot, _t, key) = (
+                    unpack(payload, _NO_FILE if notice else size)
+                )
+            except RendezvousError as e:
+                refused = self._refused(src, payload, e)
+                if refused is None:
+                    continue
+                step, seq, key, value = refused
+                notice = False
+            else:
+                if notice:
+                    value = Notice(slot)
+                elif nbytes:
+                    # One copy out of the ring (the record's bytes are overwritten later).
+                    arr: Any = np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset)
+                    arr = arr.copy() if len(shape) == 1 else arr.reshape(shape).copy()
+                    value = Received(arr, bool(flags & 1))
+                else:
+                    value = Received(np.empty(shape, dtype), bool(flags & 1))
+            if step != last_step:
+                last_step, stash = step, None
+                dropped = self._cleaned_up(step)
+                if not dropped:
+                    got = channels.get(step)
+                    chans = channels[step] = {} if got is None else got
+            if dropped:
+                if notice:  # a late send of a step this worker already cleaned up: free it
+                    self._free_named(src.task, step, key, inc, seq, slot)
+                continue
+            ch = chans.get(key)
+            if ch is None:
+                ch = chans[key] = Channel(step, key, src, inc)
+            elif ch.inc == inc and seq < ch.seq:
+                continue  # already taken by its name
+            if stash is None:
+                stash = stashes.get(step)
+                if stash is None:
+                    stash = stashes[step] = {}
+            stash[(key, inc, seq)] = value
+            ch.nready += 1
+            if ch in ch.src.waiting:  # it has waiters
+                touched.append(ch)
+
+    def _refused(
+        self, src: Source, payload: memoryview, e: RendezvousError
+    ) -> tuple[int, int, str, InternalError] | None:
+        """(step, seq, key, the error for its receiver) of a record refused with ``e``, or
+        None when the record does not even say whose it is."""
+        self.refused_records += 1
+        who = layout.unpack_identity(payload)
+        _log.warning("refusing a record of the ring from %s: %s", src.task, e)
+        if who is None:
+            return None
+        step, seq, key = who
+        return (
+            step,
+            seq,
+            key,
+            InternalError(
+                f"refusing message {seq} of key {key!r} (step {step}) from producer {src.task}: {e}"
+            ),
+        )
 
     # -- lifetime -------------------------------------------------------------------
 
