@@ -55,6 +55,19 @@ def _mark_forked() -> None:
 os.register_at_fork(after_in_child=_mark_forked)
 
 
+def _sweep(task: str, when: str) -> None:
+    """Collect what dead workers of this user left in /dev/shm (``_shm.reaper``: bounded, never
+    a live worker's objects); a failure is logged, never raised into ``Worker`` start or close."""
+    from ._shm import reaper
+
+    if not reaper.enabled():
+        return
+    try:
+        reaper.sweep()
+    except Exception:  # pragma: no cover - the sweep raises nothing it expects
+        _log.exception("sweep of /dev/shm at the %s of %s", when, task)
+
+
 def _task_of(task: str | DeviceName) -> DeviceName:
     dev = task if isinstance(task, DeviceName) else DeviceName.parse(task)
     if dev.job is None or dev.task is None:
@@ -227,6 +240,7 @@ class Worker:
                 transports=self.transports,
             ),
         )
+        _sweep(self.task, "start")
         if "shm" in self.transports:
             from ._shm.transport import ShmTransport
 
@@ -338,6 +352,7 @@ class Worker:
             self._peers.close()
         if self._presence is not None:
             self._presence.close()
+            _sweep(self.task, "close")
 
     @property
     def closed(self) -> bool:

@@ -18,23 +18,34 @@ which never blocks); the listing holds no lock.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import logging
 import os
 import time
 from collections import defaultdict
 from collections.abc import Iterable
 
-from .._errors import InternalError, InvalidArgumentError
+from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from .._namespace import NAMESPACE_ID_HEX, namespace_id
-from .naming import SHM_DIR, ObjectName, check_namespace, parse_name
-from .ownership import is_ours
+from .naming import KINDS, PREFIX, SHM_DIR, ObjectName, check_namespace, parse_name
+from .ownership import is_ours, open_checked
 from .presence import probe
 from .segment import peek_header
 
-__all__ = ["ObjectInfo", "collect", "list_objects", "namespace_ids"]
+__all__ = [
+    "ObjectInfo",
+    "collect",
+    "list_objects",
+    "namespace_alive",
+    "namespace_ids",
+    "unlink_if_unused",
+]
 
 _log = logging.getLogger("shmrdv.shm.registry")
 
+# The kind letter of presence records, to find a namespace's records by prefix.
+_PRESENCE_CODE = next(code for code, kind in KINDS.items() if kind == "presence")
 _SEGMENT_KINDS = frozenset({"temp", "message", "pool", "held", "returned"})
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -220,11 +231,23 @@ def list_objects(namespace: str | None = None, shm_dir: str = SHM_DIR) -> list[O
     return infos
 
 
-def _namespace_alive(shm_dir: str, namespace: str) -> bool:
-    """Whether a worker of ``namespace`` holds its presence lock right now."""
-    for entry in _scan(shm_dir, namespace, kinds=("presence",)):
+def namespace_alive(namespace_id: str, shm_dir: str = SHM_DIR) -> bool:
+    """Whether a worker of the namespace ``namespace_id`` holds its presence lock right now.
+
+    One ``listdir`` (names compared in C-speed string tests, not parsed) and one ``probe``
+    of each presence record of that namespace: cheap however many other names there are.
+    A record that is not ours does not count.
+    """
+    prefix = f"{PREFIX}{namespace_id}_{_PRESENCE_CODE}"
+    try:
+        entries = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return False
+    for entry in entries:
+        if not entry.startswith(prefix) or parse_name(entry) is None:
+            continue
         try:
-            state, _ = probe(entry.path)
+            state, _ = probe(os.path.join(shm_dir, entry))
         except InternalError:
             continue
         if state == "alive":
@@ -232,19 +255,54 @@ def _namespace_alive(shm_dir: str, namespace: str) -> bool:
     return False
 
 
-def _unlink_if_same(entry: _Entry) -> bool:
-    """Unlink ``entry.path`` if it is still the file we listed; whether it was removed."""
+def unlink_if_unused(path: str, ino: tuple[int, int]) -> bool:
+    """Unlink ``path`` if it is still the file ``ino`` (``(st_dev, st_ino)``, as listed), is
+    ours, and no process has it open or mapped; whether it was removed.
+
+    "Unused" is asked of the kernel: a write lease (``F_SETLEASE``) is granted only while no
+    other open file description of the file exists, mappings included. So a file a live
+    process is still writing, holding (a received array) or waiting on (a doorbell) is never
+    removed, whatever its namespace looks like; a worker that is starting (its presence
+    record still under a temporary name, locked and open) is safe from a sweep that thought
+    its namespace dead. The lease is dropped before the unlink: nobody ever waits on it.
+    Where leases are off (``fs.leases-enable=0``), only the other checks are made.
+    Never follows a symlink, never blocks (``ownership.open_checked``). Raises ``OSError``
+    when the unlink itself fails (e.g. permissions).
+    """
     try:
-        st = os.stat(entry.path, follow_symlinks=False)
+        fd, st = open_checked(path, os.O_RDONLY, "shmrdv object")
     except FileNotFoundError:
         return False
-    if (st.st_dev, st.st_ino) != entry.ino:
-        return False  # replaced since the listing (a new worker's file): not ours to take
-    try:
-        os.unlink(entry.path)
-    except FileNotFoundError:
+    except (InternalError, ResourceExhaustedError) as e:  # not ours, leased, no fds: leave it
+        _log.debug("leaving %s: %s", path, e)
         return False
-    return True
+    try:
+        if (st.st_dev, st.st_ino) != ino:
+            return False  # replaced since the listing (a new worker's file): not ours to take
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EBUSY):
+                _log.debug("leaving %s: a process still has it open", path)
+                return False
+            if e.errno != errno.EINVAL:  # EINVAL: leases are off here
+                _log.debug("leaving %s: cannot tell whether it is in use (%s)", path, e)
+                return False
+        else:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if (now.st_dev, now.st_ino) != ino:
+            return False
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        os.close(fd)
 
 
 def collect(
@@ -273,7 +331,7 @@ def collect(
         if dry_run:
             removed.extend(_info(e, now) for e in group)
             continue
-        if _namespace_alive(shm_dir, ns):
+        if namespace_alive(ns, shm_dir):
             _log.info("namespace %s came alive while collecting; left alone", ns)
             continue
         # Presence records last: while one is there, tools still see whose the rest was.
@@ -281,7 +339,7 @@ def collect(
         count = len(removed)
         for entry in group:
             try:
-                gone = _unlink_if_same(entry)
+                gone = unlink_if_unused(entry.path, entry.ino)
             except OSError as e:
                 raise InternalError(f"cannot remove {entry.path}: {e}") from e
             if gone:

@@ -1,0 +1,290 @@
+"""What dead workers left in /dev/shm, collected without anyone running ``gc`` (issue 20 §1).
+
+A worker killed by SIGKILL, SIGTERM or the OOM killer runs no cleanup: its presence
+record, doorbell, pool slots, rings and unreceived messages stay in /dev/shm, and a
+service that restarts workers fills it. Python's ``resource_tracker`` and iceoryx2 clean
+up after dead processes; so does shmrdv, in two places:
+
+* ``sweep()`` runs when a Worker starts (after its presence record is published) and when
+  it closes (after its record is gone). It collects the namespaces of this user in which
+  no worker is alive, by ``gc``'s rule and with its checks (``registry``): a namespace is
+  dead only while none of its presence records is locked, checked again just before its
+  objects go; only regular files of ours are removed, never through a symlink, only if
+  still the file listed, and only if no process has it open or mapped
+  (``registry.unlink_if_unused``). A sweep is bounded in time and in objects: what it
+  leaves, the next one takes. ``SHMRDV_AUTO_GC=0`` turns sweeps off (to look at what a
+  crashed job left, with ``shmrdv ls``).
+* ``collect_producer()`` is for a consumer that has taken everything a dead producer run
+  sent it: it frees what is left of that run and that nobody will take any more (its free
+  and returned pool slots, half-written segments, its ring to that consumer, and, while
+  its record stays dead, its doorbell and record). Unreceived messages to other consumers
+  are theirs and stay.
+
+A live worker's objects are never touched: it holds its presence lock (so its namespace is
+alive), and it has its own files open or mapped (so none of them is unused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import logging
+import os
+import time
+from collections import defaultdict
+
+from .._errors import InternalError
+from .naming import SEM_PREFIX, SHM_DIR, Names, ObjectName, parse_name
+from .ownership import is_ours, open_checked
+from .presence import probe, record_state
+from .registry import namespace_alive, unlink_if_unused
+from .segment import peek_header
+
+__all__ = [
+    "ENV_VAR",
+    "MAX_NAMESPACES",
+    "MAX_OBJECTS",
+    "MAX_SECONDS",
+    "Swept",
+    "collect_producer",
+    "enabled",
+    "sweep",
+]
+
+_log = logging.getLogger("shmrdv.shm.reaper")
+
+#: ``SHMRDV_AUTO_GC=0`` turns the sweeps at Worker start and close off.
+ENV_VAR = "SHMRDV_AUTO_GC"
+#: One sweep removes at most this many objects...
+MAX_OBJECTS = 4096
+#: ...spends at most about this long (a Worker's start and close wait for it)...
+MAX_SECONDS = 0.25
+#: ...and looks at most at this many dead namespaces (each costs one more listing).
+MAX_NAMESPACES = 16
+# Directory entries parsed between two looks at the clock.
+_CLOCK_EVERY = 256
+# Kinds a dead producer run may leave that belong to nobody else (messages and held slots
+# are their consumers').
+_PRODUCER_KINDS = frozenset({"pool", "returned", "temp"})
+
+
+def enabled() -> bool:
+    """Whether sweeps run (``SHMRDV_AUTO_GC`` is not ``0``)."""
+    return os.environ.get(ENV_VAR, "1").strip() != "0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Swept:
+    """What one ``sweep`` did: objects removed, the dead namespaces (ids) it collected from,
+    and whether it got through everything (False: a bound stopped it; the next sweep goes on)."""
+
+    removed: int
+    namespaces: tuple[str, ...]
+    complete: bool
+
+
+def _group(shm_dir: str, deadline: float) -> dict[str, list[ObjectName]] | None:
+    """Every shmrdv-shaped name in ``shm_dir`` by namespace id (names only, nothing opened);
+    None if the deadline passed first (another user's flood of names: try next time)."""
+    groups: dict[str, list[ObjectName]] = defaultdict(list)
+    try:
+        it = os.scandir(shm_dir)
+    except OSError:
+        return {}
+    with it:
+        for i, dirent in enumerate(it):
+            if i % _CLOCK_EVERY == 0 and time.monotonic() > deadline:
+                return None
+            parsed = parse_name(dirent.name)
+            if parsed is not None:
+                groups[parsed.namespace].append(parsed)
+    return groups
+
+
+def _alive(shm_dir: str, group: list[ObjectName]) -> bool:
+    for parsed in group:
+        if parsed.kind != "presence":
+            continue
+        try:
+            state, _ = probe(os.path.join(shm_dir, parsed.entry))
+        except InternalError:
+            continue  # not ours: counts for nothing
+        if state == "alive":
+            return True
+    return False
+
+
+def _stat_ours(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if is_ours(st) else None
+
+
+def sweep(
+    shm_dir: str = SHM_DIR,
+    *,
+    max_objects: int = MAX_OBJECTS,
+    max_seconds: float = MAX_SECONDS,
+    max_namespaces: int = MAX_NAMESPACES,
+) -> Swept:
+    """Collect the objects of this user's namespaces in which no worker is alive (see the
+    module docstring), within the bounds. Never raises for what it finds (an object it
+    cannot remove is left and logged); never blocks."""
+    deadline = time.monotonic() + max_seconds
+    groups = _group(shm_dir, deadline)
+    if groups is None:
+        _log.debug("sweep of %s stopped: listing it took more than %.2f s", shm_dir, max_seconds)
+        return Swept(0, (), False)
+    removed = 0
+    collected: list[str] = []
+    complete = True
+    looked = 0
+    for ns, group in groups.items():
+        if removed >= max_objects or time.monotonic() > deadline or looked >= max_namespaces:
+            complete = False
+            break
+        if _alive(shm_dir, group):
+            continue
+        looked += 1
+        listed = []
+        for parsed in group[: max_objects - removed]:
+            path = os.path.join(shm_dir, parsed.entry)
+            ino = _stat_ours(path)
+            if ino is not None:
+                listed.append((parsed.kind == "presence", path, ino))
+        complete = complete and len(group) <= max_objects - removed
+        if not listed:
+            continue
+        # Again, now that the files are listed: a worker that published since is seen, and
+        # everything it makes from now on is not in the list.
+        if namespace_alive(ns, shm_dir):
+            continue
+        listed.sort()  # presence records last: while one is there, `ls` shows whose the rest is
+        count = 0
+        for _, path, ino in listed:
+            if time.monotonic() > deadline:
+                complete = False
+                break
+            try:
+                count += unlink_if_unused(path, ino)
+            except OSError as e:
+                _log.warning("cannot remove %s of dead namespace %s: %s", path, ns, e)
+        if count:
+            removed += count
+            collected.append(ns)
+            _log.info("collected %d object(s) left by the dead workers of namespace %s", count, ns)
+    return Swept(removed, tuple(collected), complete)
+
+
+def collect_producer(
+    names: Names,
+    producer_task: str,
+    incarnation: int,
+    consumer_task: str,
+    shm_dir: str = SHM_DIR,
+    *,
+    max_objects: int = MAX_OBJECTS,
+) -> int:
+    """Free what is left of the dead run ``incarnation`` of ``producer_task``; return how
+    many objects went.
+
+    For a consumer (``consumer_task``) that has taken everything that run sent it, once it
+    has unmapped that run's ring: removes the run's free and ``returned`` pool slots and its
+    half-written segments (told by the incarnation in their header, and for slots by their
+    name), its ring to ``consumer_task``, and, if its presence record is still that run's and
+    dead, its doorbell and then the record (under the record's lock, so a successor that
+    publishes meanwhile waits a moment and its doorbell is never taken). Messages not
+    received and ``held`` slots belong to their consumers and stay. Does nothing while the
+    run is alive. Every removal is ``registry.unlink_if_unused``: nothing open or mapped by
+    any process goes. Never blocks; never raises for what it finds.
+    """
+    record = os.path.join(shm_dir, names.presence(producer_task))
+    try:
+        state, info = probe(record)
+    except InternalError as e:
+        _log.debug("not collecting %s: %s", producer_task, e)
+        return 0
+    if state == "alive" and (info is None or info.incarnation == incarnation):
+        return 0  # that run lives (or a corrupt record hides which run): nothing is left over
+    removed = 0
+    prefix = names.prefix
+    try:
+        entries = [e for e in os.listdir(shm_dir) if e.startswith(prefix)]
+    except OSError:
+        entries = []
+    wanted = {
+        "pool": names.pool,
+        "returned": names.returned,
+    }
+    for entry in entries:
+        if removed >= max_objects:
+            break
+        parsed = parse_name(entry)
+        if parsed is None or parsed.kind not in _PRODUCER_KINDS:
+            continue
+        path = os.path.join(shm_dir, entry)
+        header = peek_header(path)
+        if header is None or header.producer_incarnation != incarnation:
+            continue
+        slot_name = wanted.get(parsed.kind)
+        if slot_name is not None and (
+            header.slot < 0 or slot_name(producer_task, incarnation, header.slot) != entry
+        ):
+            continue  # another producer's slot, or a name that is no slot of this run
+        ino = _stat_ours(path)
+        if ino is not None:
+            removed += _unlink(path, ino)
+    ring = os.path.join(shm_dir, names.ring(producer_task, incarnation, consumer_task))
+    ino = _stat_ours(ring)
+    if ino is not None:
+        removed += _unlink(ring, ino)
+    if state == "dead" and info is not None and info.incarnation == incarnation:
+        removed += _remove_dead_worker(names, producer_task, record, shm_dir)
+    if removed:
+        _log.info(
+            "collected %d object(s) left by dead producer %s (incarnation %016x)",
+            removed,
+            producer_task,
+            incarnation,
+        )
+    return removed
+
+
+def _unlink(path: str, ino: tuple[int, int]) -> int:
+    try:
+        return int(unlink_if_unused(path, ino))
+    except OSError as e:
+        _log.warning("cannot remove %s: %s", path, e)
+        return 0
+
+
+def _remove_dead_worker(names: Names, task: str, record: str, shm_dir: str) -> int:
+    """The doorbell and presence record of ``task``, if the record is still dead: under the
+    record's exclusive lock, which a live owner holds and a successor's publish takes."""
+    try:
+        fd, st = open_checked(record, os.O_RDONLY, "presence record")
+    except (OSError, InternalError):
+        return 0
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0  # alive again, or being replaced
+        if record_state(fd, None) != "dead":  # pragma: no cover - we hold the lock
+            return 0
+        removed = 0
+        bell = os.path.join(shm_dir, SEM_PREFIX + names.bell(task)[1:])
+        ino = _stat_ours(bell)
+        if ino is not None:
+            removed += _unlink(bell, ino)
+        with contextlib.suppress(OSError):
+            now = os.stat(record, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.unlink(record)
+                removed += 1
+        return removed
+    finally:
+        os.close(fd)
