@@ -297,3 +297,42 @@ def test_security_junk_flood_costs_a_receive_no_more_than_its_timeout(ns: str) -
         took, cpu = _timed_recv(consumer.rendezvous(1), make_key("not-running"))
         assert took < 3 + TICK_S and cpu < 0.3, (took, cpu)
         consumer.cleanup(1)
+
+
+def _plant_at(paths: str) -> None:
+    for path in paths.split("\n"):
+        with contextlib.suppress(FileExistsError):
+            _plant_file(path)
+
+
+def test_security_recreated_message_names_do_not_jam_the_window(ns: str) -> None:
+    """Another user re-creates each consumed message's name (issue 20 §3, done there with
+    inotify): before, any file at the name counted as in flight, so after the window filled
+    once every ``send(timeout=2)`` failed after 2 s with ``ResourceExhaustedError``. The
+    window counts the message's own file (its inode, ours) only."""
+    key = make_key("jammed")
+    value = np.ones(300_000, np.uint8)  # a segment, not a ring record
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        shmrdv.Worker(PRODUCER, namespace=ns, max_inflight_bytes=2 * value.nbytes) as producer,
+    ):
+        out, inbox = producer.rendezvous(1), consumer.rendezvous(1)
+        names = Names(ns)
+        sent = 0
+        for _ in range(3):
+            planted = []
+            for _ in range(2):
+                out.send(key, value, timeout=2)
+                planted.append(names.path(names.message(1, key, producer.incarnation, sent)))
+                sent += 1
+            for _ in range(2):
+                assert inbox.recv(key, timeout=5).value[0] == 1
+            _as_nobody(_plant_at, "\n".join(planted))
+            assert all(os.stat(p).st_uid == NOBODY for p in planted)
+        t0 = time.monotonic()
+        out.send(key, value, timeout=2)
+        assert time.monotonic() - t0 < 1.0
+        assert producer.stats()["shm"]["inflight_bytes"] == value.nbytes
+        assert inbox.recv(key, timeout=5).value[0] == 1
+        consumer.cleanup(1)
+        producer.cleanup(1)

@@ -150,12 +150,16 @@ def sweep(
             continue
         looked += 1
         listed = []
-        for parsed in group[: max_objects - removed]:
+        for i, parsed in enumerate(group):
+            if len(listed) >= max_objects - removed or (
+                i % _CLOCK_EVERY == 0 and time.monotonic() > deadline
+            ):
+                complete = False  # the rest next time
+                break
             path = os.path.join(shm_dir, parsed.entry)
-            ino = _stat_ours(path)
+            ino = _stat_ours(path)  # another user's names cost one lstat, never an open
             if ino is not None:
                 listed.append((parsed.kind == "presence", path, ino))
-        complete = complete and len(group) <= max_objects - removed
         if not listed:
             continue
         # Again, now that the files are listed: a worker that published since is seen, and
