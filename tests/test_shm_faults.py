@@ -111,10 +111,8 @@ def test_fault_consumer_killed_leaves_producer_working_and_gc_collects(
         for i in range(3):
             rdv.send(make_key(f"after{i}"), np.full(1 << 17, i, dtype=np.int64))
         producer.cleanup(1)
-    # The producer closed; the consumer died: the namespace is dead and gc takes all of it,
-    # the held slot of the killed consumer included.
-    removed = collect(ns)
-    assert removed or moment == "blocked"
+    # The producer closed; the consumer died: the namespace is dead and the producer's close
+    # took all of it, the held slot of the killed consumer included (no gc was run).
     assert ns_left(ns) == []
 
 

@@ -3,7 +3,8 @@
 Real child processes (``ChildWorker``, spawned) are closed, exited, SIGKILLed, stopped and
 restarted while a consumer in this process sends or waits. A namespace whose producer was
 killed leaves that producer's presence record, doorbell and free pool slots behind: that
-is what ``gc`` is for, and these tests collect it (only their own namespace) at the end.
+is collected by the next Worker to start or close on the host (``test_shm_reaper.py``), or
+by ``gc``.
 """
 
 from __future__ import annotations
@@ -131,8 +132,7 @@ def test_lifetime_consumer_exit_holding_array_leaves_nothing(ns: str) -> None:
             time.sleep(0.2)
         assert stats["pool_lost"] == 1, stats
         producer.cleanup(2)
-    assert "m" in kinds(ns)  # sent to a consumer that is gone: gc's job
-    collect(ns)
+    # Sent to a consumer that is gone: the job's last close collected it, no gc was run.
     assert kinds(ns) == []
 
 
@@ -253,7 +253,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_lifetime_ls_and_gc_remove_only_dead_namespaces() -> None:
+def test_lifetime_ls_and_gc_remove_only_dead_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Workers' own sweeps would collect the dead namespace first (test_shm_reaper.py):
+    # turned off here, to see what ls and gc do with it.
+    monkeypatch.setenv("SHMRDV_AUTO_GC", "0")
     dead, live = shmrdv.new_namespace(), shmrdv.new_namespace()
     try:
         with shmrdv.Worker(CONSUMER, namespace=live) as consumer:

@@ -149,7 +149,7 @@ def sweep(
         if _alive(shm_dir, group):
             continue
         looked += 1
-        listed = []
+        listed: list[tuple[bool, str, tuple[int, int]]] = []
         for i, parsed in enumerate(group):
             if len(listed) >= max_objects - removed or (
                 i % _CLOCK_EVERY == 0 and time.monotonic() > deadline
