@@ -366,3 +366,57 @@ def test_reaper_can_be_turned_off(ns: str, monkeypatch: pytest.MonkeyPatch) -> N
     with shmrdv.Worker(CONSUMER, namespace=shmrdv.new_namespace()):
         pass
     assert "w" in kinds(ns)
+
+
+def _plant_junk(spec: str) -> None:
+    directory, names = spec.split("\n", 1)
+    for name in names.split("\n"):
+        fd = os.open(os.path.join(directory, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.close(fd)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user (setuid)")
+def test_reaper_other_users_junk_namespaces_do_not_stop_the_sweep() -> None:
+    # Another user plants shmrdv-shaped names (presence records included) under more fake
+    # namespace ids than one sweep looks at: they are neither opened nor removed, and they
+    # cost no place in the bound, so a dead namespace of ours is still collected.
+    import shutil
+    import tempfile
+
+    from helpers import NOBODY
+
+    directory = tempfile.mkdtemp(dir=SHM_DIR)  # a directory nobody can reach, as /dev/shm
+    os.chmod(directory, 0o1777)
+    try:
+        _sweep_among_junk(directory, NOBODY)
+    finally:
+        shutil.rmtree(directory)
+
+
+def _sweep_among_junk(directory: str, nobody: int) -> None:
+    # Ours first: tmpfs lists the newest names first, so the sweep meets the junk first.
+    ours = Names(shmrdv.new_namespace())
+    for name in (ours.presence(PRODUCER), ours.temp()):
+        os.close(os.open(os.path.join(directory, name), os.O_CREAT | os.O_WRONLY, 0o600))
+    junk = []
+    for _ in range(3 * reaper.MAX_NAMESPACES):
+        fake = Names(shmrdv.new_namespace())
+        junk += [fake.presence(PRODUCER), fake.temp(), fake.message(1, "k", 1, 0)]
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(nobody)
+            os.setuid(nobody)
+            _plant_junk(directory + "\n" + "\n".join(junk))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    out = reaper.sweep(directory)
+    assert out.removed == 2 and out.namespaces == (ours.namespace_id,)
+    assert sorted(os.listdir(directory)) == sorted(junk)
+    assert reaper.sweep(directory).complete

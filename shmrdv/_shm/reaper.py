@@ -37,7 +37,7 @@ from collections import defaultdict
 from .._errors import InternalError
 from .naming import SEM_PREFIX, SHM_DIR, Names, ObjectName, parse_name
 from .ownership import is_ours, open_checked
-from .presence import probe, record_state
+from .presence import PresenceInfo, probe
 from .registry import namespace_alive, unlink_if_unused
 from .segment import peek_header
 
@@ -62,6 +62,8 @@ MAX_OBJECTS = 4096
 MAX_SECONDS = 0.25
 #: ...and looks at most at this many dead namespaces (each costs one more listing).
 MAX_NAMESPACES = 16
+# A presence record is a few hundred bytes (presence.py refuses more than 64 KiB).
+_MAX_RECORD_BYTES = 64 * 1024
 # Directory entries parsed between two looks at the clock.
 _CLOCK_EVERY = 256
 # Kinds a dead producer run may leave that belong to nobody else (messages and held slots
@@ -106,10 +108,13 @@ def _alive(shm_dir: str, group: list[ObjectName]) -> bool:
     for parsed in group:
         if parsed.kind != "presence":
             continue
+        path = os.path.join(shm_dir, parsed.entry)
+        if _stat_ours(path) is None:
+            continue  # another user's name: counts for nothing, and is never opened
         try:
-            state, _ = probe(os.path.join(shm_dir, parsed.entry))
+            state, _ = probe(path)
         except InternalError:
-            continue  # not ours: counts for nothing
+            continue
         if state == "alive":
             return True
     return False
@@ -148,7 +153,6 @@ def sweep(
             break
         if _alive(shm_dir, group):
             continue
-        looked += 1
         listed: list[tuple[bool, str, tuple[int, int]]] = []
         for i, parsed in enumerate(group):
             if len(listed) >= max_objects - removed or (
@@ -161,7 +165,8 @@ def sweep(
             if ino is not None:
                 listed.append((parsed.kind == "presence", path, ino))
         if not listed:
-            continue
+            continue  # nothing of ours (another user's names): costs no namespace of the bound
+        looked += 1
         # Again, now that the files are listed: a worker that published since is seen, and
         # everything it makes from now on is not in the list.
         if namespace_alive(ns, shm_dir):
@@ -246,7 +251,7 @@ def collect_producer(
     if ino is not None:
         removed += _unlink(ring, ino)
     if state == "dead" and info is not None and info.incarnation == incarnation:
-        removed += _remove_dead_worker(names, producer_task, record, shm_dir)
+        removed += _remove_dead_worker(names, producer_task, incarnation, record, shm_dir)
     if removed:
         _log.info(
             "collected %d object(s) left by dead producer %s (incarnation %016x)",
@@ -265,7 +270,9 @@ def _unlink(path: str, ino: tuple[int, int]) -> int:
         return 0
 
 
-def _remove_dead_worker(names: Names, task: str, record: str, shm_dir: str) -> int:
+def _remove_dead_worker(
+    names: Names, task: str, incarnation: int, record: str, shm_dir: str
+) -> int:
     """The doorbell and presence record of ``task``, if the record is still dead: under the
     record's exclusive lock, which a live owner holds and a successor's publish takes."""
     try:
@@ -277,7 +284,13 @@ def _remove_dead_worker(names: Names, task: str, record: str, shm_dir: str) -> i
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return 0  # alive again, or being replaced
-        if record_state(fd, None) != "dead":  # pragma: no cover - we hold the lock
+        # Still the run we were asked about? (A successor may have replaced the record since
+        # and died too.) Holding the lock, nobody else holds one: that run is dead.
+        try:
+            info = PresenceInfo.from_json(os.pread(fd, _MAX_RECORD_BYTES, 0), record)
+        except (OSError, InternalError):
+            return 0
+        if info.incarnation != incarnation:
             return 0
         removed = 0
         bell = os.path.join(shm_dir, SEM_PREFIX + names.bell(task)[1:])

@@ -246,9 +246,12 @@ def namespace_alive(namespace_id: str, shm_dir: str = SHM_DIR) -> bool:
     for entry in entries:
         if not entry.startswith(prefix) or parse_name(entry) is None:
             continue
+        path = os.path.join(shm_dir, entry)
         try:
-            state, _ = probe(os.path.join(shm_dir, entry))
-        except InternalError:
+            if not is_ours(os.stat(path, follow_symlinks=False)):
+                continue  # another user's name: never opened
+            state, _ = probe(path)
+        except (FileNotFoundError, InternalError):
             continue
         if state == "alive":
             return True
