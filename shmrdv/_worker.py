@@ -33,6 +33,7 @@ from ._window import check_window
 
 if TYPE_CHECKING:
     from ._rpc.security import TLSConfig
+    from ._shm.naming import Names
     from ._shm.presence import Presence
 
 __all__ = ["Worker"]
@@ -55,17 +56,18 @@ def _mark_forked() -> None:
 os.register_at_fork(after_in_child=_mark_forked)
 
 
-def _sweep(task: str, when: str) -> None:
+def _sweep(task: str, closing: Names | None = None) -> None:
     """Collect what dead workers of this user left in /dev/shm (``_shm.reaper``: bounded, never
-    a live worker's objects); a failure is logged, never raised into ``Worker`` start or close."""
+    a live worker's objects), at a Worker's start or (``closing``: its namespace) its close; a
+    failure is logged, never raised into ``Worker`` start or close."""
     from ._shm import reaper
 
     if not reaper.enabled():
         return
     try:
-        reaper.sweep()
+        reaper.sweep(closing=None if closing is None else (closing, task))
     except Exception:  # pragma: no cover - the sweep raises nothing it expects
-        _log.exception("sweep of /dev/shm at the %s of %s", when, task)
+        _log.exception("sweep of /dev/shm at the %s of %s", "close" if closing else "start", task)
 
 
 def _task_of(task: str | DeviceName) -> DeviceName:
@@ -240,7 +242,7 @@ class Worker:
                 transports=self.transports,
             ),
         )
-        _sweep(self.task, "start")
+        _sweep(self.task)
         if "shm" in self.transports:
             from ._shm.transport import ShmTransport
 
@@ -352,7 +354,7 @@ class Worker:
             self._peers.close()
         if self._presence is not None:
             self._presence.close()
-            _sweep(self.task, "close")
+            _sweep(self.task, self._names)
 
     @property
     def closed(self) -> bool:

@@ -6,12 +6,16 @@ service that restarts workers fills it. Python's ``resource_tracker`` and iceory
 up after dead processes; so does shmrdv, in two places:
 
 * ``sweep()`` runs when a Worker starts (after its presence record is published) and when
-  it closes (after its record is gone). It collects the namespaces of this user in which
-  no worker is alive, by ``gc``'s rule and with its checks (``registry``): a namespace is
-  dead only while none of its presence records is locked, checked again just before its
-  objects go; only regular files of ours are removed, never through a symlink, only if
-  still the file listed, and only if no process has it open or mapped
-  (``registry.unlink_if_unused``). A sweep is bounded in time and in objects: what it
+  it closes (after its record is gone). It collects from the namespaces of this user in
+  which no worker is alive, by ``gc``'s rule and with its checks (``registry``): a
+  namespace is dead only while none of its presence records is locked, checked again just
+  before its objects go; only regular files of ours are removed, never through a symlink,
+  only if still the file listed, and only if no process has it open or mapped
+  (``registry.unlink_if_unused``). Records, doorbells, pool slots and half-written
+  segments go at once. Messages and rings may be for a consumer that has not started yet
+  (a producer may send and close first): they wait ``GRACE_S`` after their last write or
+  rename, unless they are addressed to the worker whose close runs the sweep (its own,
+  which it will never take). A sweep is bounded in time, objects and namespaces: what it
   leaves, the next one takes. ``SHMRDV_AUTO_GC=0`` turns sweeps off (to look at what a
   crashed job left, with ``shmrdv ls``).
 * ``collect_producer()`` is for a consumer that has taken everything a dead producer run
@@ -29,20 +33,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import logging
 import os
+import struct
 import time
 from collections import defaultdict
 
-from .._errors import InternalError
+from .._devices import DeviceName
+from .._errors import InternalError, InvalidArgumentError, RendezvousError
+from .._keys import parse_key
 from .naming import SEM_PREFIX, SHM_DIR, Names, ObjectName, parse_name
 from .ownership import is_ours, open_checked
 from .presence import PresenceInfo, probe
 from .registry import namespace_alive, unlink_if_unused
-from .segment import peek_header
+from .ring import Ring
+from .segment import Segment, peek_header
 
 __all__ = [
     "ENV_VAR",
+    "GRACE_S",
     "MAX_NAMESPACES",
     "MAX_OBJECTS",
     "MAX_SECONDS",
@@ -62,6 +72,12 @@ MAX_OBJECTS = 4096
 MAX_SECONDS = 0.25
 #: ...and looks at most at this many dead namespaces (each costs one more listing).
 MAX_NAMESPACES = 16
+#: Messages and rings of a dead namespace wait this long (seconds since they were last
+#: written or renamed) for a consumer that has not started yet: a producer may send and
+#: close before its consumer starts (tests/test_shm_ring.py).
+GRACE_S = 30.0
+# What a consumer that starts later may still take.
+_FOR_A_CONSUMER = frozenset({"message", "ring"})
 # A presence record is a few hundred bytes (presence.py refuses more than 64 KiB).
 _MAX_RECORD_BYTES = 64 * 1024
 # Directory entries parsed between two looks at the clock.
@@ -131,13 +147,20 @@ def _stat_ours(path: str) -> tuple[int, int] | None:
 def sweep(
     shm_dir: str = SHM_DIR,
     *,
+    closing: tuple[Names, str] | None = None,
     max_objects: int = MAX_OBJECTS,
     max_seconds: float = MAX_SECONDS,
     max_namespaces: int = MAX_NAMESPACES,
 ) -> Swept:
-    """Collect the objects of this user's namespaces in which no worker is alive (see the
-    module docstring), within the bounds. Never raises for what it finds (an object it
-    cannot remove is left and logged); never blocks."""
+    """Collect what this user's dead namespaces left (see the module docstring), within the
+    bounds; ``closing`` is ``(names, task)`` of the worker whose close runs it.
+
+    In a namespace where no worker is alive, everything goes at once but messages and rings:
+    those wait for a consumer that has not started yet, up to ``GRACE_S`` after they were
+    last written or renamed, unless they are addressed to the closing worker (it will never
+    take them: they were its own). Never raises for what it finds (an object it cannot
+    remove is left and logged); never blocks.
+    """
     deadline = time.monotonic() + max_seconds
     groups = _group(shm_dir, deadline)
     if groups is None:
@@ -153,7 +176,7 @@ def sweep(
             break
         if _alive(shm_dir, group):
             continue
-        listed: list[tuple[bool, str, tuple[int, int]]] = []
+        listed: list[_Listed] = []
         for i, parsed in enumerate(group):
             if len(listed) >= max_objects - removed or (
                 i % _CLOCK_EVERY == 0 and time.monotonic() > deadline
@@ -161,9 +184,9 @@ def sweep(
                 complete = False  # the rest next time
                 break
             path = os.path.join(shm_dir, parsed.entry)
-            ino = _stat_ours(path)  # another user's names cost one lstat, never an open
-            if ino is not None:
-                listed.append((parsed.kind == "presence", path, ino))
+            seen = _stat_listed(parsed, path)  # another user's name: one lstat, never an open
+            if seen is not None:
+                listed.append(seen)
         if not listed:
             continue  # nothing of ours (another user's names): costs no namespace of the bound
         looked += 1
@@ -171,21 +194,93 @@ def sweep(
         # everything it makes from now on is not in the list.
         if namespace_alive(ns, shm_dir):
             continue
-        listed.sort()  # presence records last: while one is there, `ls` shows whose the rest is
+        mine = closing if closing is not None and closing[0].namespace_id == ns else None
+        theirs = set() if mine is None else _addressed_to(mine[0], mine[1], listed)
+        waiting = time.time() - GRACE_S
+        listed.sort(key=lambda e: e.kind == "presence")  # records last: `ls` shows whose
         count = 0
-        for _, path, ino in listed:
+        for e in listed:
             if time.monotonic() > deadline:
                 complete = False
                 break
+            if e.kind in _FOR_A_CONSUMER and e.path not in theirs and e.changed > waiting:
+                complete = False  # may be for a consumer about to start: a later sweep
+                continue
             try:
-                count += unlink_if_unused(path, ino)
-            except OSError as e:
-                _log.warning("cannot remove %s of dead namespace %s: %s", path, ns, e)
+                count += unlink_if_unused(e.path, e.ino)
+            except OSError as err:
+                _log.warning("cannot remove %s of dead namespace %s: %s", e.path, ns, err)
         if count:
             removed += count
             collected.append(ns)
             _log.info("collected %d object(s) left by the dead workers of namespace %s", count, ns)
     return Swept(removed, tuple(collected), complete)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Listed:
+    kind: str
+    path: str
+    ino: tuple[int, int]
+    changed: float  # last write or rename (max of mtime and ctime)
+
+
+def _stat_listed(parsed: ObjectName, path: str) -> _Listed | None:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    if not is_ours(st):
+        return None
+    return _Listed(parsed.kind, path, (st.st_dev, st.st_ino), max(st.st_mtime, st.st_ctime))
+
+
+def _addressed_to(names: Names, task: str, listed: list[_Listed]) -> set[str]:
+    """The paths among ``listed`` of messages and rings addressed to ``task``: a message by
+    the key in its header, a ring by the description its producer wrote into it."""
+    try:
+        me = DeviceName.parse(task).task_key()
+    except InvalidArgumentError:
+        return set()
+    out: set[str] = set()
+    for e in listed:
+        if e.kind == "message":
+            header = peek_header(e.path)
+            dst = None if header is None else _task_of_key(header.key)
+        elif e.kind == "ring" and e.path == names.path(os.path.basename(e.path)):
+            dst = _ring_consumer(names, os.path.basename(e.path))
+        else:
+            continue
+        if dst is not None and dst == me:
+            out.add(e.path)
+    return out
+
+
+def _task_of_key(key: str) -> tuple[str, int, int] | None:
+    try:
+        return parse_key(key).dst.task_key()
+    except InvalidArgumentError:
+        return None
+
+
+def _ring_consumer(names: Names, name: str) -> tuple[str, int, int] | None:
+    """The consumer task a ring was made for (its description, ``Ring.meta``), or None.
+    The ring is mapped only for that look (``Segment.attach``: checked, never blocks)."""
+    try:
+        seg = Segment.attach(names, name)
+    except (OSError, RendezvousError):
+        return None
+    try:
+        ring = Ring(memoryview(seg.buf))
+        try:
+            meta = json.loads(ring.meta())
+        finally:
+            ring.release()
+        return DeviceName.parse(str(meta["consumer"])).task_key()
+    except (RendezvousError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return None  # not a ring of ours (a corrupt or truncated file): not addressed to us
+    finally:
+        seg.close()
 
 
 def collect_producer(
