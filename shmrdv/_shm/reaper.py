@@ -43,7 +43,8 @@ from collections import defaultdict
 from .._devices import DeviceName
 from .._errors import InternalError, InvalidArgumentError, RendezvousError
 from .._keys import parse_key
-from .naming import SEM_PREFIX, SHM_DIR, Names, ObjectName, parse_name
+from .._namespace import NAMESPACE_ID_HEX
+from .naming import KINDS, PREFIX, SEM_PREFIX, SHM_DIR, Names, ObjectName, parse_name
 from .ownership import is_ours, open_checked
 from .presence import PresenceInfo, probe
 from .registry import namespace_alive, unlink_if_unused
@@ -80,7 +81,13 @@ GRACE_S = 30.0
 _FOR_A_CONSUMER = frozenset({"message", "ring"})
 # A presence record is a few hundred bytes (presence.py refuses more than 64 KiB).
 _MAX_RECORD_BYTES = 64 * 1024
-# Directory entries parsed between two looks at the clock.
+# Objects a sweep of a dead namespace tries to remove even when out of time.
+_AT_LEAST = 64
+# The kind letter of presence records, to find a namespace's records by prefix.
+_PRESENCE_CODE = next(code for code, kind in KINDS.items() if kind == "presence")
+# What names of semaphores (doorbells) start with.
+_SEM_NAMES = SEM_PREFIX + PREFIX
+# Directory entries looked at between two looks at the clock.
 _CLOCK_EVERY = 256
 # Kinds a dead producer run may leave that belong to nobody else (messages and held slots
 # are their consumers').
@@ -102,29 +109,35 @@ class Swept:
     complete: bool
 
 
-def _group(shm_dir: str, deadline: float) -> dict[str, list[ObjectName]] | None:
-    """Every shmrdv-shaped name in ``shm_dir`` by namespace id (names only, nothing opened);
-    None if the deadline passed first (another user's flood of names: try next time)."""
-    groups: dict[str, list[ObjectName]] = defaultdict(list)
+def _group(shm_dir: str, deadline: float) -> dict[str, list[str]] | None:
+    """The shmrdv-looking names in ``shm_dir`` by namespace id (string slicing only: names
+    are parsed later, and only in namespaces that turn out dead); None if the deadline passed
+    first (a flood of names: try next time)."""
+    groups: dict[str, list[str]] = defaultdict(list)
     try:
-        it = os.scandir(shm_dir)
+        entries = os.listdir(shm_dir)
     except OSError:
         return {}
-    with it:
-        for i, dirent in enumerate(it):
-            if i % _CLOCK_EVERY == 0 and time.monotonic() > deadline:
-                return None
-            parsed = parse_name(dirent.name)
-            if parsed is not None:
-                groups[parsed.namespace].append(parsed)
+    plain, sem = len(PREFIX), len(SEM_PREFIX) + len(PREFIX)
+    id_len = NAMESPACE_ID_HEX
+    for i, entry in enumerate(entries):
+        if i % _CLOCK_EVERY == 0 and time.monotonic() > deadline:
+            return None
+        if entry.startswith(PREFIX):
+            groups[entry[plain : plain + id_len]].append(entry)
+        elif entry.startswith(_SEM_NAMES):
+            groups[entry[sem : sem + id_len]].append(entry)
     return groups
 
 
-def _alive(shm_dir: str, group: list[ObjectName]) -> bool:
-    for parsed in group:
-        if parsed.kind != "presence":
+def _alive(shm_dir: str, ns: str, group: list[str]) -> bool:
+    """Whether one of the records among ``group`` (the names of namespace ``ns``) is ours and
+    locked. Only names of records are looked at (a string test each)."""
+    prefix = f"{PREFIX}{ns}_{_PRESENCE_CODE}"
+    for entry in group:
+        if not entry.startswith(prefix) or parse_name(entry) is None:
             continue
-        path = os.path.join(shm_dir, parsed.entry)
+        path = os.path.join(shm_dir, entry)
         if _stat_ours(path) is None:
             continue  # another user's name: counts for nothing, and is never opened
         try:
@@ -161,8 +174,12 @@ def sweep(
     take them: they were its own). Never raises for what it finds (an object it cannot
     remove is left and logged); never blocks.
     """
-    deadline = time.monotonic() + max_seconds
-    groups = _group(shm_dir, deadline)
+    start = time.monotonic()
+    deadline = start + max_seconds
+    # Listing and looking may take half the time; removing gets the rest, and always a few
+    # objects: a sweep of a crowded directory still makes progress.
+    looking_until = start + max_seconds / 2
+    groups = _group(shm_dir, looking_until)
     if groups is None:
         _log.debug("sweep of %s stopped: listing it took more than %.2f s", shm_dir, max_seconds)
         return Swept(0, (), False)
@@ -174,16 +191,19 @@ def sweep(
         if removed >= max_objects or time.monotonic() > deadline or looked >= max_namespaces:
             complete = False
             break
-        if _alive(shm_dir, group):
+        if _alive(shm_dir, ns, group):
             continue
         listed: list[_Listed] = []
-        for i, parsed in enumerate(group):
+        for i, entry in enumerate(group):
             if len(listed) >= max_objects - removed or (
-                i % _CLOCK_EVERY == 0 and time.monotonic() > deadline
+                i % _CLOCK_EVERY == 0 and time.monotonic() > looking_until
             ):
                 complete = False  # the rest next time
                 break
-            path = os.path.join(shm_dir, parsed.entry)
+            parsed = parse_name(entry)
+            if parsed is None:
+                continue
+            path = os.path.join(shm_dir, entry)
             seen = _stat_listed(parsed, path)  # another user's name: one lstat, never an open
             if seen is not None:
                 listed.append(seen)
@@ -198,14 +218,15 @@ def sweep(
         theirs = set() if mine is None else _addressed_to(mine[0], mine[1], listed)
         waiting = time.time() - GRACE_S
         listed.sort(key=lambda e: e.kind == "presence")  # records last: `ls` shows whose
-        count = 0
+        count = tried = 0
         for e in listed:
-            if time.monotonic() > deadline:
+            if tried >= _AT_LEAST and time.monotonic() > deadline:
                 complete = False
                 break
             if e.kind in _FOR_A_CONSUMER and e.path not in theirs and e.changed > waiting:
                 complete = False  # may be for a consumer about to start: a later sweep
                 continue
+            tried += 1
             try:
                 count += unlink_if_unused(e.path, e.ino)
             except OSError as err:
