@@ -44,10 +44,10 @@ from .._devices import DeviceName
 from .._errors import InternalError, InvalidArgumentError, RendezvousError
 from .._keys import parse_key
 from .._namespace import NAMESPACE_ID_HEX
-from .naming import KINDS, PREFIX, SEM_PREFIX, SHM_DIR, Names, ObjectName, parse_name
+from .naming import PREFIX, SEM_PREFIX, SHM_DIR, Names, ObjectName, parse_name
 from .ownership import is_ours, open_checked
-from .presence import PresenceInfo, probe
-from .registry import namespace_alive, unlink_if_unused
+from .presence import probe, read_record
+from .registry import namespace_alive, records_alive, unlink_if_unused
 from .ring import Ring
 from .segment import Segment, peek_header
 
@@ -79,12 +79,8 @@ MAX_NAMESPACES = 16
 GRACE_S = 30.0
 # What a consumer that starts later may still take.
 _FOR_A_CONSUMER = frozenset({"message", "ring"})
-# A presence record is a few hundred bytes (presence.py refuses more than 64 KiB).
-_MAX_RECORD_BYTES = 64 * 1024
 # Objects a sweep of a dead namespace tries to remove even when out of time.
 _AT_LEAST = 64
-# The kind letter of presence records, to find a namespace's records by prefix.
-_PRESENCE_CODE = next(code for code, kind in KINDS.items() if kind == "presence")
 # What names of semaphores (doorbells) start with.
 _SEM_NAMES = SEM_PREFIX + PREFIX
 # Directory entries looked at between two looks at the clock.
@@ -130,25 +126,6 @@ def _group(shm_dir: str, deadline: float) -> dict[str, list[str]] | None:
     return groups
 
 
-def _alive(shm_dir: str, ns: str, group: list[str]) -> bool:
-    """Whether one of the records among ``group`` (the names of namespace ``ns``) is ours and
-    locked. Only names of records are looked at (a string test each)."""
-    prefix = f"{PREFIX}{ns}_{_PRESENCE_CODE}"
-    for entry in group:
-        if not entry.startswith(prefix) or parse_name(entry) is None:
-            continue
-        path = os.path.join(shm_dir, entry)
-        if _stat_ours(path) is None:
-            continue  # another user's name: counts for nothing, and is never opened
-        try:
-            state, _ = probe(path)
-        except InternalError:
-            continue
-        if state == "alive":
-            return True
-    return False
-
-
 def _stat_ours(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(path, follow_symlinks=False)
@@ -191,7 +168,7 @@ def sweep(
         if removed >= max_objects or time.monotonic() > deadline or looked >= max_namespaces:
             complete = False
             break
-        if _alive(shm_dir, ns, group):
+        if records_alive(ns, group, shm_dir):
             continue
         listed: list[_Listed] = []
         for i, entry in enumerate(group):
@@ -403,7 +380,7 @@ def _remove_dead_worker(
         # Still the run we were asked about? (A successor may have replaced the record since
         # and died too.) Holding the lock, nobody else holds one: that run is dead.
         try:
-            info = PresenceInfo.from_json(os.pread(fd, _MAX_RECORD_BYTES, 0), record)
+            info = read_record(fd, record)
         except (OSError, InternalError):
             return 0
         if info.incarnation != incarnation:

@@ -39,6 +39,8 @@ __all__ = [
     "list_objects",
     "namespace_alive",
     "namespace_ids",
+    "records_alive",
+    "records_prefix",
     "unlink_if_unused",
 ]
 
@@ -231,25 +233,33 @@ def list_objects(namespace: str | None = None, shm_dir: str = SHM_DIR) -> list[O
     return infos
 
 
-def namespace_alive(namespace_id: str, shm_dir: str = SHM_DIR) -> bool:
-    """Whether a worker of the namespace ``namespace_id`` holds its presence lock right now.
+def records_prefix(namespace_id: str) -> str:
+    """What the names of the presence records of namespace ``namespace_id`` start with."""
+    return f"{PREFIX}{namespace_id}_{_PRESENCE_CODE}"
 
-    One ``listdir`` (names compared in C-speed string tests, not parsed) and one ``probe``
-    of each presence record of that namespace: cheap however many other names there are.
-    A record that is not ours does not count.
-    """
-    prefix = f"{PREFIX}{namespace_id}_{_PRESENCE_CODE}"
+
+def namespace_alive(namespace_id: str, shm_dir: str = SHM_DIR) -> bool:
+    """Whether a worker of the namespace ``namespace_id`` holds its presence lock right now
+    (one ``listdir``, then ``records_alive``)."""
     try:
         entries = os.listdir(shm_dir)
     except FileNotFoundError:
         return False
+    return records_alive(namespace_id, entries, shm_dir)
+
+
+def records_alive(namespace_id: str, entries: Iterable[str], shm_dir: str = SHM_DIR) -> bool:
+    """Whether one of the directory ``entries`` is a presence record of ``namespace_id`` of
+    ours that is locked. Other names cost a string test each; another user's record one
+    ``lstat``, and is never opened nor counted."""
+    prefix = records_prefix(namespace_id)
     for entry in entries:
         if not entry.startswith(prefix) or parse_name(entry) is None:
             continue
         path = os.path.join(shm_dir, entry)
         try:
             if not is_ours(os.stat(path, follow_symlinks=False)):
-                continue  # another user's name: never opened
+                continue
             state, _ = probe(path)
         except (FileNotFoundError, InternalError):
             continue
