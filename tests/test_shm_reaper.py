@@ -455,3 +455,23 @@ def _sweep_among_junk(directory: str, nobody: int) -> None:
     assert out.removed == 2 and out.namespaces == (ours.namespace_id,)
     assert sorted(os.listdir(directory)) == sorted(junk)
     assert reaper.sweep(directory).complete
+
+
+def test_reaper_collect_producer_leaves_a_successors_record(names: Names) -> None:
+    # A dead run's record is replaced by its successor's: collecting the first run never
+    # takes the successor's record, alive or dead.
+    from helpers import PresenceChild
+
+    record = names.path(names.presence(PRODUCER))
+    first = PresenceChild(names, PRODUCER, incarnation=5)
+    first.kill()
+    second = PresenceChild(names, PRODUCER, incarnation=6)  # replaces the stale record
+    try:
+        assert reaper.collect_producer(names, PRODUCER, 5, CONSUMER) == 0
+        assert reaper.collect_producer(names, PRODUCER, 6, CONSUMER) == 0  # alive
+    finally:
+        second.kill()
+    assert reaper.collect_producer(names, PRODUCER, 5, CONSUMER) == 0
+    assert os.path.exists(record)
+    assert reaper.collect_producer(names, PRODUCER, 6, CONSUMER) == 1
+    assert not os.path.exists(record)
