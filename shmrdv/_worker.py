@@ -56,16 +56,21 @@ def _mark_forked() -> None:
 os.register_at_fork(after_in_child=_mark_forked)
 
 
-def _sweep(task: str, closing: Names | None = None) -> None:
+def _sweep(names: Names, task: str, incarnation: int, closing: bool) -> None:
     """Collect what dead workers of this user left in /dev/shm (``_shm.reaper``: bounded, never
-    a live worker's objects), at a Worker's start or (``closing``: its namespace) its close; a
-    failure is logged, never raised into ``Worker`` start or close."""
+    a live worker's objects): at a Worker's start, also what earlier runs of its task left;
+    at its close, also what was sent to it if its job ends with it. A failure is logged,
+    never raised into ``Worker`` start or close."""
     from ._shm import reaper
 
     if not reaper.enabled():
         return
     try:
-        reaper.sweep(closing=None if closing is None else (closing, task))
+        if closing:
+            reaper.sweep(closing=(names, task))
+        else:
+            reaper.sweep()
+            reaper.collect_earlier_runs(names, task, incarnation)
     except Exception:  # pragma: no cover - the sweep raises nothing it expects
         _log.exception("sweep of /dev/shm at the %s of %s", "close" if closing else "start", task)
 
@@ -242,7 +247,7 @@ class Worker:
                 transports=self.transports,
             ),
         )
-        _sweep(self.task)
+        _sweep(self._names, self.task, self.incarnation, closing=False)
         if "shm" in self.transports:
             from ._shm.transport import ShmTransport
 
@@ -354,7 +359,7 @@ class Worker:
             self._peers.close()
         if self._presence is not None:
             self._presence.close()
-            _sweep(self.task, self._names)
+            _sweep(self._names, self.task, self.incarnation, closing=True)
 
     @property
     def closed(self) -> bool:

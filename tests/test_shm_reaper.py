@@ -475,3 +475,29 @@ def test_reaper_collect_producer_leaves_a_successors_record(names: Names) -> Non
     assert os.path.exists(record)
     assert reaper.collect_producer(names, PRODUCER, 6, CONSUMER) == 1
     assert not os.path.exists(record)
+
+
+def test_reaper_restarted_producer_frees_its_predecessors_pool(ns: str) -> None:
+    # A service restarts a killed producer while its consumer runs on: each dead run left
+    # its warm pool slots (up to shm_pool_bytes). The next run of the task frees them at its
+    # start; what the dead run sent stays for the consumer.
+    with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
+        inbox = consumer.rendezvous(1)
+        for run in range(2):
+            producer = ChildWorker(PRODUCER, namespace=ns)
+            try:
+                for i in range(3):
+                    producer.send(make_key(f"r{run}-{i}"), np.full(300_000, i, np.uint8), step=1)
+                got = inbox.recv(make_key(f"r{run}-0"), timeout=10)
+                del got  # its slot goes back to the (soon dead) producer: "returned"
+                producer.kill(signal.SIGKILL)
+            finally:
+                producer.close()
+        # The second run's start took the first run's slot; the second run's is left.
+        assert kinds(ns).count("r") == 1
+        with ChildWorker(PRODUCER, namespace=ns):
+            assert kinds(ns).count("p") + kinds(ns).count("r") == 0
+            # What the dead runs sent is still the consumer's.
+            for run in range(2):
+                for i in (1, 2):
+                    assert inbox.recv(make_key(f"r{run}-{i}"), timeout=10).value[0] == i

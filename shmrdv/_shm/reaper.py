@@ -58,6 +58,7 @@ __all__ = [
     "MAX_OBJECTS",
     "MAX_SECONDS",
     "Swept",
+    "collect_earlier_runs",
     "collect_producer",
     "enabled",
     "sweep",
@@ -311,34 +312,7 @@ def collect_producer(
         return 0
     if state == "alive" and (info is None or info.incarnation == incarnation):
         return 0  # that run lives (or a corrupt record hides which run): nothing is left over
-    removed = 0
-    prefix = names.prefix
-    try:
-        entries = [e for e in os.listdir(shm_dir) if e.startswith(prefix)]
-    except OSError:
-        entries = []
-    wanted = {
-        "pool": names.pool,
-        "returned": names.returned,
-    }
-    for entry in entries:
-        if removed >= max_objects:
-            break
-        parsed = parse_name(entry)
-        if parsed is None or parsed.kind not in _PRODUCER_KINDS:
-            continue
-        path = os.path.join(shm_dir, entry)
-        header = peek_header(path)
-        if header is None or header.producer_incarnation != incarnation:
-            continue
-        slot_name = wanted.get(parsed.kind)
-        if slot_name is not None and (
-            header.slot < 0 or slot_name(producer_task, incarnation, header.slot) != entry
-        ):
-            continue  # another producer's slot, or a name that is no slot of this run
-        ino = _stat_ours(path)
-        if ino is not None:
-            removed += _unlink(path, ino)
+    removed = _collect_slots(names, producer_task, shm_dir, max_objects, run=incarnation)
     ring = os.path.join(shm_dir, names.ring(producer_task, incarnation, consumer_task))
     ino = _stat_ours(ring)
     if ino is not None:
@@ -352,6 +326,70 @@ def collect_producer(
             producer_task,
             incarnation,
         )
+    return removed
+
+
+def collect_earlier_runs(
+    names: Names,
+    task: str,
+    incarnation: int,
+    shm_dir: str = SHM_DIR,
+    *,
+    max_objects: int = MAX_OBJECTS,
+) -> int:
+    """At the start of run ``incarnation`` of ``task`` (its presence record published and
+    locked: no other run of the task lives), free the pool slots that earlier runs of the
+    task left (free or ``returned``; told by their name, which only that task and run
+    make). A restarted producer thus takes back what its killed predecessor held, while its
+    job goes on; messages, held slots and rings stay for their consumers. Returns how many
+    went. Never blocks; never raises for what it finds."""
+    removed = _collect_slots(names, task, shm_dir, max_objects, but=incarnation)
+    if removed:
+        _log.info("collected %d pool slot(s) of earlier runs of %s", removed, task)
+    return removed
+
+
+def _collect_slots(
+    names: Names,
+    task: str,
+    shm_dir: str,
+    max_objects: int,
+    *,
+    run: int | None = None,
+    but: int | None = None,
+) -> int:
+    """Unused pool slots (free, ``returned``) of ``task``'s run ``run`` (or of every run but
+    ``but``), and, for ``run``, its half-written segments: told by the producer incarnation
+    in their header, and a slot by its name too (only that task and run make it)."""
+    deadline = time.monotonic() + MAX_SECONDS
+    try:
+        entries = [e for e in os.listdir(shm_dir) if e.startswith(names.prefix)]
+    except OSError:
+        return 0
+    slot_names = {"pool": names.pool, "returned": names.returned}
+    kinds = _PRODUCER_KINDS if run is not None else frozenset(slot_names)
+    removed = 0
+    for entry in entries:
+        if removed >= max_objects or time.monotonic() > deadline:
+            break
+        parsed = parse_name(entry)
+        if parsed is None or parsed.kind not in kinds:
+            continue
+        path = os.path.join(shm_dir, entry)
+        header = peek_header(path)
+        if header is None:
+            continue
+        inc = header.producer_incarnation
+        if (run is not None and inc != run) or (but is not None and inc == but) or not inc:
+            continue
+        slot_name = slot_names.get(parsed.kind)
+        if slot_name is not None and (
+            header.slot < 0 or slot_name(task, inc, header.slot) != entry
+        ):
+            continue  # another producer's slot, or a name that is no slot of that run
+        ino = _stat_ours(path)
+        if ino is not None:
+            removed += _unlink(path, ino)
     return removed
 
 
