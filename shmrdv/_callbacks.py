@@ -2,7 +2,8 @@
 
 CPython's ``concurrent.futures`` does the same (``LOGGER.exception('exception calling
 callback for %r', ...)``): an exception raised by a user's ``done`` must not unwind
-into whichever transport thread happened to complete the receive.
+into whichever transport thread happened to complete the receive. Which thread that is,
+per transport: ``docs/threads.md``.
 """
 
 from __future__ import annotations

@@ -106,7 +106,9 @@ class _ChildProducer:
         self._child, self._step, self._allocate = child, step, allocate
 
     def send(self, key: str, value: npt.NDArray[Any], *, is_dead: bool = False) -> None:
-        if self._allocate and isinstance(value, np.ndarray) and not value.dtype.hasobject:
+        # Only plain arrays go through allocate: what send refuses or converts (object
+        # dtypes, ndarray subclasses) must meet send itself.
+        if self._allocate and type(value) is np.ndarray and not value.dtype.hasobject:
             self._child.send_allocated(key, value, is_dead=is_dead, step=self._step)
         else:
             self._child.send(key, value, is_dead=is_dead, step=self._step)

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ._sizes import format_size
 from ._version import __version__
@@ -73,16 +73,55 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 _SERVE_NEEDS = (
-    "give --task and --cluster JSON, or a TF_CONFIG holding both; and --namespace "
+    "give --listen HOST:PORT for the echo peer of `shmrdv bench --peer`; or, for a task "
+    "of a cluster, --task and --cluster JSON, or a TF_CONFIG holding both; and --namespace "
     "or $SHMRDV_NAMESPACE (python3 -m shmrdv namespace makes one)"
 )
 
 
+def _serve_until_stopped(tick: Callable[[], object] = lambda: None) -> None:
+    """Block until SIGTERM or Ctrl-C, calling ``tick`` every second."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            tick()
+    except KeyboardInterrupt:
+        pass
+
+
+def _cmd_serve_echo(args: argparse.Namespace) -> int:
+    from ._bench.echo import EchoService
+    from ._errors import InvalidArgumentError
+
+    usage: argparse.ArgumentParser = args.parser
+    if args.task or args.cluster or args.namespace:
+        usage.error(
+            "--listen runs the echo peer on its own: give it without --task, --cluster, --namespace"
+        )
+    try:
+        service = EchoService(args.listen, token=os.environ.get("SHMRDV_TOKEN") or None)
+    except InvalidArgumentError as e:
+        usage.error(f"--listen: {e}")
+    with service:
+        port = service.address.rpartition(":")[2]
+        print(
+            f"echo peer listening on {service.address}; on another host run: "
+            f"shmrdv bench --peer <this host>:{port}; Ctrl-C stops",
+            flush=True,
+        )
+        _serve_until_stopped(service.expire_idle)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from . import Worker
+    from . import DeviceName, Worker
+    from ._bench.echo import EchoLoop
     from ._cluster import ClusterSpec
     from ._namespace import ENV_VAR
 
+    if args.listen:
+        return _cmd_serve_echo(args)
     usage: argparse.ArgumentParser = args.parser
     missing = []
     if not args.cluster and not os.environ.get("TF_CONFIG"):
@@ -104,20 +143,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not task:
         usage.error(f"no task: {_SERVE_NEEDS}")
     token = os.environ.get("SHMRDV_TOKEN") or None
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with Worker(
         task, cluster=cluster, namespace=args.namespace, transports=("grpc", "shm"), token=token
     ) as w:
-        print(
-            f"serving {w.task} on {w.address} (incarnation {w.incarnation:016x}); Ctrl-C stops",
-            flush=True,
-        )
+        me = DeviceName.parse(w.task)
+        others = [t for t in cluster.tasks() if DeviceName.parse(t) != me]
+        echo = EchoLoop(w, others)
         try:
-            while not stop.wait(1.0):
-                pass
-        except KeyboardInterrupt:
-            pass
+            print(
+                f"serving {w.task} on {w.address} (incarnation {w.incarnation:016x}), echoing "
+                f"what {len(others)} other task(s) send it; Ctrl-C stops",
+                flush=True,
+            )
+            _serve_until_stopped()
+        finally:
+            echo.close()
     return 0
 
 
@@ -176,7 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_gc, parser=p)
 
     p = sub.add_parser(
-        "serve", help="run a Worker for one task of a cluster (manual cross-host use)"
+        "serve",
+        help="an echo peer: every array another host sends it comes back (shmrdv bench --peer "
+        "measures against it), on its own (--listen) or as a task of a cluster",
+    )
+    p.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="the echo peer of `shmrdv bench --peer HOST:PORT`, listening here "
+        "(0.0.0.0:PORT: every interface); one bench at a time; token from $SHMRDV_TOKEN",
     )
     p.add_argument(
         "--task", help="task name, e.g. /job:worker/replica:0/task:0 (default: TF_CONFIG's)"

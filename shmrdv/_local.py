@@ -1,16 +1,12 @@
 """LocalRendezvous: the in-process rendezvous table, and the reference every transport is held to.
 
 A port of TensorFlow's ``LocalRendezvous`` (``core/framework/local_rendezvous.cc``): one
-table from key to a FIFO queue that holds either values sent and not yet received, or
-receivers waiting for a value, never both. Two deliberate differences:
+``WaiterTable`` (``_waiters.py``) from the full key string to a FIFO queue that holds
+either values sent and not yet received, or receivers waiting for a value, never both. It
+differs from TensorFlow as that table does: a key's own queue (not ``Hash64(FullKey())``,
+research/tf_rendezvous.md §1.2), and a removed waiter never takes a value (§2.2).
 
-* the table is keyed by the full key string, not by ``Hash64(FullKey())`` as in
-  TensorFlow, so two keys can never share a queue (research/tf_rendezvous.md §1.2);
-* a waiter can be removed (timeout, ``Future.cancel()``, asyncio cancellation) and a
-  removed waiter never takes a value; TensorFlow leaves a timed-out waiter queued and it
-  swallows the next send (research/tf_rendezvous.md §2.2).
-
-Thread model: one lock guards the table and the counters. User callbacks (``done``) are
+Thread model (``docs/threads.md``): one lock guards the table and the counters. User callbacks (``done``) are
 called after the lock is released, in the thread that completed the pairing: the sender's
 thread when a waiter was queued, the receiver's when a value was, the aborting thread on
 abort (STYLE.md rule 5; TensorFlow does the same).
@@ -20,8 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -34,6 +28,7 @@ from ._keys import ParsedKey
 from ._received import Received
 from ._rendezvous import Canceller, Rendezvous, as_parsed_key, check_timeout
 from ._values import check_value
+from ._waiters import MISSING, WaiterTable
 
 __all__ = ["LocalRendezvous"]
 
@@ -53,20 +48,7 @@ class _Waiter:
         self.copy = copy
 
 
-@dataclass(eq=False)
-class _Channel:
-    """The queue of one key: values waiting for receivers, or receivers waiting for values.
-
-    At most one of the two is non-empty (TensorFlow's ``ItemQueue`` holds one kind at a
-    time); a channel with both empty is removed from the table at once. Waiters live in an
-    ``OrderedDict`` used as an ordered set rather than in a deque: the oldest is popped in
-    O(1) like a deque, and a cancelled waiter is removed in O(1) too, instead of
-    ``deque.remove``'s O(n) scan or a "cancelled" mark that a later send would have to skip
-    (and that would make the counts in ``stats()`` lie).
-    """
-
-    values: deque[tuple[npt.NDArray[Any], bool]] = field(default_factory=deque)
-    waiters: OrderedDict[_Waiter, None] = field(default_factory=OrderedDict)
+_Value = tuple[npt.NDArray[Any], bool]  # a queued value and its is_dead
 
 
 def _deliverable(value: npt.NDArray[Any], is_dead: bool, copy: bool) -> Received:
@@ -88,7 +70,7 @@ class LocalRendezvous(Rendezvous):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._table: dict[str, _Channel] = {}
+        self._table: WaiterTable[str, _Value, _Waiter] = WaiterTable()
         self._error: BaseException | None = None
         self._error_tb: TracebackType | None = None
         self._sent = 0
@@ -140,44 +122,39 @@ class LocalRendezvous(Rendezvous):
             if self._error is not None:
                 raise self._abort_error()
             self._sent += 1
-            channel = self._table.get(pk.full_key)
-            if channel is None or not channel.waiters:
-                if channel is None:
-                    channel = self._table[pk.full_key] = _Channel()
-                if front:
-                    channel.values.appendleft((arr, dead))
-                else:
-                    channel.values.append((arr, dead))
+            waiter = self._table.put(pk.full_key, (arr, dead), front=front)
+            if waiter is None:
                 return
-            waiter, _ = channel.waiters.popitem(last=False)
-            if not channel.waiters:
-                del self._table[pk.full_key]
             self._received += 1
         invoke_done(waiter.done, None, _deliverable(arr, dead, waiter.copy))
 
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
         """Take the oldest value of ``key`` now, or queue a waiter for the next one.
 
         With a value queued (or once aborted) ``done`` runs in this thread before the
         call returns; otherwise it runs later in the thread of the ``send`` (or abort)
-        that completes it. The canceller removes exactly this waiter.
+        that completes it, whether ``blocking`` or not. The canceller removes exactly
+        this waiter. Raises ``InvalidArgumentError`` for a bad key.
         """
-        full_key = key.full_key
+        full_key = as_parsed_key(key).full_key
         with self._lock:
             if self._error is not None:
                 error: BaseException | None = self._abort_error()
             else:
                 error = None
-                channel = self._table.get(full_key)
-                if channel is None or not channel.values:
+                got = self._table.take(full_key)
+                if got is MISSING:
                     waiter = _Waiter(done, copy)
-                    if channel is None:
-                        channel = self._table[full_key] = _Channel()
-                    channel.waiters[waiter] = None
+                    self._table.wait(full_key, waiter)
                     return lambda: self._cancel(full_key, waiter)
-                value, dead = channel.values.popleft()
-                if not channel.values:
-                    del self._table[full_key]
+                value, dead = got
                 self._received += 1
         if error is not None:
             invoke_done(done, error, None)
@@ -188,13 +165,7 @@ class LocalRendezvous(Rendezvous):
     def _cancel(self, full_key: str, waiter: _Waiter) -> bool:
         """Remove ``waiter`` if it is still queued: ``True``, and its done will never run."""
         with self._lock:
-            channel = self._table.get(full_key)
-            if channel is None or waiter not in channel.waiters:
-                return False  # already handed a value or the abort error
-            del channel.waiters[waiter]
-            if not channel.waiters:
-                del self._table[full_key]
-            return True
+            return self._table.cancel(full_key, waiter)
 
     def start_abort(self, error: BaseException) -> None:
         """Fail every waiting receive with ``error`` and every later call; drop queued values.
@@ -210,16 +181,16 @@ class LocalRendezvous(Rendezvous):
             if self._error is not None:
                 return
             self._error, self._error_tb = error, error.__traceback__
-            table, self._table = self._table, {}
-        waiters = [w for ch in table.values() for w in ch.waiters]
-        dropped = sum(len(ch.values) for ch in table.values())
+            dropped = self._table.pending_values
+            keys = sum(1 for k in self._table if self._table.values_of(k)) if dropped else 0
+            waiters = self._table.abort()
         if dropped:
             # TensorFlow logs the dropped sends too ("Rendezvous aborted, dropping ...").
             _log.debug(
                 "LocalRendezvous aborted (%r): dropped %d queued value(s) over %d key(s)",
                 error,
                 dropped,
-                sum(1 for ch in table.values() if ch.values),
+                keys,
             )
         for waiter in waiters:
             invoke_done(waiter.done, self._abort_error(), None)
@@ -265,8 +236,8 @@ class LocalRendezvous(Rendezvous):
         """Counters: values and waiters pending now, keys with either, sent and received so far."""
         with self._lock:
             return {
-                "pending_values": sum(len(ch.values) for ch in self._table.values()),
-                "pending_waiters": sum(len(ch.waiters) for ch in self._table.values()),
+                "pending_values": self._table.pending_values,
+                "pending_waiters": self._table.pending_waiters,
                 "keys": len(self._table),
                 "sent": self._sent,
                 "received": self._received,
@@ -287,5 +258,5 @@ class LocalRendezvous(Rendezvous):
 
 
 def _too_late() -> bool:
-    """The canceller of a receive completed before ``_start_recv`` returned."""
+    """The canceller of a receive completed before ``start_recv`` returned."""
     return False

@@ -16,10 +16,16 @@ import re
 import secrets
 from collections.abc import Mapping
 
-from ._devices import _quote
 from ._errors import InvalidArgumentError
 
-__all__ = ["ENV_VAR", "NAMESPACE_ID_HEX", "namespace_id", "new_namespace", "resolve_namespace"]
+__all__ = [
+    "ENV_VAR",
+    "NAMESPACE_ID_HEX",
+    "describe_bad_token",
+    "namespace_id",
+    "new_namespace",
+    "resolve_namespace",
+]
 
 ENV_VAR = "SHMRDV_NAMESPACE"
 
@@ -89,7 +95,29 @@ def resolve_namespace(namespace: str | None, environ: Mapping[str, str] | None =
         )
     if _VALID.fullmatch(namespace) is None:
         raise InvalidArgumentError(
-            f"{source} {_quote(namespace)} is not a valid namespace token: it must be 8 to 64 "
-            f"lowercase letters or digits ([a-z0-9]); {_HOW_TO_GET_ONE}"
+            f"{source} is not a valid namespace token ({describe_bad_token(namespace)}): it "
+            f"must be 8 to 64 lowercase letters or digits ([a-z0-9]); {_HOW_TO_GET_ONE}"
         )
     return namespace
+
+
+# At most this many of a bad token's characters are named in a message.
+_MAX_NAMED_CHARS = 5
+
+
+def describe_bad_token(value: object) -> str:
+    """``value``, refused as a namespace token, described without echoing it.
+
+    A near miss (a token read with its trailing newline, or in upper case) is as secret as
+    the token itself, and messages reach logs: say its type or length and which characters
+    are not allowed, never the value.
+    """
+    if not isinstance(value, str):
+        return f"a {type(value).__name__}, not a str"
+    bad = sorted({c for c in value if not ("a" <= c <= "z" or "0" <= c <= "9")})
+    text = f"a string of {len(value)} characters"
+    if bad:
+        named = ", ".join(repr(c) for c in bad[:_MAX_NAMED_CHARS])
+        more = ", ..." if len(bad) > _MAX_NAMED_CHARS else ""
+        text += f", with {named}{more} among them"
+    return text

@@ -1,25 +1,28 @@
 """The peer directory: where each other worker of the job is, and whether it lives.
 
 Answers per peer task with a frozen ``PeerRecord``. The probe proper is the peer's
-presence record in /dev/shm: visible with our boot id, it says the peer is on this host,
-which transports it takes, its incarnation, pid and gRPC address (a final answer). Before
-the peer has started, its cluster address decides (loopback, this host's names and
+presence record on this host, read through the worker's ``PresenceBoard``
+(``_transport.py``): one of this boot says the peer is on this host, which transports it
+takes, its incarnation, pid and gRPC address (a final answer). Before the peer has
+started, or where the host keeps no presence records (``NoPresence``: /dev/shm unusable,
+a gRPC-only worker), its cluster address decides (loopback, this host's names and
 addresses), and the answer is only provisional.
 
-Thread-safe. One ``PeerWatch`` (one cached descriptor) per peer task, closed by ``close``.
+Thread model (``docs/threads.md``): thread-safe, no thread or lock of its own; the
+board's descriptors are closed by ``close``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from ._cluster import ClusterSpec
 from ._devices import DeviceName
 from ._errors import InvalidArgumentError
 from ._hostaddr import is_local_host, split_host_port
-from ._shm.naming import Names
-from ._shm.presence import PeerWatch, PresenceInfo, boot_id
-from ._transport import PeerRecord, PeerState
+from ._transport import PeerRecord, PeerState, PresenceBoard, Sighting
 
-__all__ = ["ALL_TRANSPORTS", "Peers", "canonical_task"]
+__all__ = ["ALL_TRANSPORTS", "NoPresence", "Peers", "canonical_task"]
 
 #: Every transport name, in the default order of preference.
 ALL_TRANSPORTS = ("shm", "grpc")
@@ -31,44 +34,40 @@ def canonical_task(dev: DeviceName) -> DeviceName:
     return DeviceName(job=job, replica=replica, task=task, type=None, id=None)
 
 
+class NoPresence:
+    """The ``PresenceBoard`` of a host without presence records: nobody is seen here.
+
+    For a worker that takes no shared-memory transport where /dev/shm cannot be used: its
+    peers are found through the cluster spec alone, and nothing is published.
+    """
+
+    def publish(
+        self, task: str, incarnation: int, address: str | None, transports: tuple[str, ...]
+    ) -> None:
+        pass
+
+    def look(self, task: str) -> tuple[PeerState, PeerRecord | None]:
+        return "absent", None
+
+    def sightings(self, task: str) -> list[Sighting] | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "<NoPresence>"
+
+
 class Peers:
-    """The ``PeerDirectory`` of one Worker."""
+    """The ``PeerDirectory`` of one Worker, over its ``PresenceBoard`` and cluster spec."""
 
-    def __init__(self, names: Names, cluster: ClusterSpec | None) -> None:
-        self._names = names
+    def __init__(self, board: PresenceBoard, cluster: ClusterSpec | None) -> None:
+        self._board = board
         self._cluster = cluster
-        self._watches: dict[tuple[str, int, int], PeerWatch] = {}
-        self._closed = False
 
-    def watch(self, task: DeviceName) -> PeerWatch:
-        """The cached presence watcher of ``task`` (one descriptor per peer task)."""
-        tk = task.task_key()
-        w = self._watches.get(tk)
-        if w is None:
-            # No lock: this runs inside the garbage collector too (a pool slot given back
-            # asks whether its producer lives), where waiting on a lock the interrupted
-            # thread holds would deadlock. The atomic setdefault picks one watch.
-            fresh = PeerWatch(self._names, str(canonical_task(task)))
-            w = self._watches.setdefault(tk, fresh)
-            if w is not fresh:
-                fresh.close()
-        return w
-
-    def _record(self, task: DeviceName, info: PresenceInfo | None) -> PeerRecord:
-        name = str(canonical_task(task))
-        if info is not None and info.boot_id == boot_id():
-            address = info.address
-            if self._cluster is not None and name in self._cluster:
-                address = self._cluster.task_address(name)
-            return PeerRecord(
-                task=name,
-                same_host=True,
-                transports=info.transports,
-                address=address,
-                final=True,
-                incarnation=info.incarnation,
-                pid=info.pid,
-            )
+    def _provisional(self, name: str) -> PeerRecord:
+        """What the cluster spec says of task ``name`` (nothing final)."""
         if self._cluster is None:
             return PeerRecord(name, True, ALL_TRANSPORTS, None, False)
         try:
@@ -78,18 +77,29 @@ class Peers:
         host, _ = split_host_port(address)
         return PeerRecord(name, is_local_host(host), ALL_TRANSPORTS, address, False)
 
+    def _final(self, record: PeerRecord) -> PeerRecord:
+        """A record from the board, with the cluster's address for the task if it has one."""
+        if self._cluster is not None and record.task in self._cluster:
+            address = self._cluster.task_address(record.task)
+            if address != record.address:
+                return dataclasses.replace(record, address=address)
+        return record
+
     def lookup(self, task: DeviceName) -> PeerRecord:
-        return self._record(task, self.watch(task).info())
+        name = str(canonical_task(task))
+        _, record = self._board.look(name)
+        return self._provisional(name) if record is None else self._final(record)
 
     def liveness(self, task: DeviceName) -> tuple[PeerState, PeerRecord | None]:
-        watch = self.watch(task)
-        state = watch.state()
-        info = watch.info() if state != "absent" else None
-        return state, (self._record(task, info) if info is not None else None)
+        name = str(canonical_task(task))
+        state, record = self._board.look(name)
+        if state == "absent":
+            return state, None
+        return state, self._provisional(name) if record is None else self._final(record)
+
+    def sightings(self, task: DeviceName) -> list[Sighting] | None:
+        return self._board.sightings(str(canonical_task(task)))
 
     def close(self) -> None:
-        """Close every cached descriptor. Idempotent."""
-        watches = list(self._watches.values())
-        self._watches.clear()
-        for w in watches:
-            w.close()
+        """Close the board's descriptors. Idempotent."""
+        self._board.close()

@@ -1,18 +1,23 @@
 """The Rendezvous interface every transport implements, and the receive flavours built on it.
 
-A transport implements four things: ``send``, ``_start_recv`` (the one asynchronous
-receive primitive, with a canceller), ``start_abort`` and, where it can do better than a
-plain ``numpy.empty``, ``allocate``. Everything else a user calls — the blocking ``recv``
-with a timeout, ``recv_async``, ``recv_future`` and ``arecv`` — is written once, here, on
-top of ``_start_recv``, so every transport behaves the same way (TensorFlow: ``Recv`` is a
-"synchronous wrapper for RecvAsync").
+A rendezvous implements four things: ``send``, ``start_recv`` (the one asynchronous
+receive primitive, with a canceller: TensorFlow's ``RecvAsync``), ``start_abort`` and,
+where it can do better than a plain ``numpy.empty``, ``allocate``. Everything else a user
+calls — the blocking ``recv`` with a timeout, ``recv_async``, ``recv_future`` and
+``arecv`` — is written once, here, on top of ``start_recv``, so every rendezvous behaves
+the same way (TensorFlow: ``Recv`` is a "synchronous wrapper for RecvAsync"). The same
+name and flags go on down to the transports (``Transport.start_recv`` in
+``_transport.py``).
 
-The canceller returned by ``_start_recv`` is how a timeout, ``Future.cancel()`` or an
+The canceller returned by ``start_recv`` is how a timeout, ``Future.cancel()`` or an
 asyncio cancellation removes a waiter: it returns ``True`` when it removed the waiter
 before anything was delivered (``done`` will then never be called), ``False`` when the
 delivery already happened or is under way (``done`` is, or will be, called exactly once).
 Unlike TensorFlow, whose timed-out waiter stays queued and swallows the next send, a
 receive that gave up never takes a value.
+
+Thread model: see ``docs/threads.md``. A blocked ``recv`` waits in the calling thread;
+``done`` callbacks run where the rendezvous says, never under its lock.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ Canceller = Callable[[], bool]
 # How long a blocked receiver waits between looks at its deadline and the transport's
 # work (a dispatcher tick): short enough for a dead producer to be noticed within a second.
 _HELP_PERIOD = 0.2
+_INF = float("inf")
 # After this long a blocked receive tells its observer it is still waiting (then after
 # twice as long, and so on): a debug line and an entry in Worker.stats(), never per message.
 _LONG_WAIT = 1.0
@@ -83,8 +89,9 @@ def check_timeout(timeout: float | None) -> float | None:
     return t
 
 
-def timeout_error(pk: ParsedKey, timeout: float | None) -> DeadlineExceededError:
-    """The error of a receive of ``pk`` whose ``timeout`` expired (its waiter removed)."""
+def timeout_error(key: str | ParsedKey, timeout: float | None) -> DeadlineExceededError:
+    """The error of a receive of ``key`` whose ``timeout`` expired (its waiter removed)."""
+    pk = as_parsed_key(key)
     return DeadlineExceededError(
         f"Timed out after {timeout:g}s waiting for key {pk.full_key!r} "
         f"(from {pk.src_device}); the waiter was removed"
@@ -152,7 +159,7 @@ class WaitObserver(Protocol):
 def wait_received(
     slot: RecvSlot,
     cancel: Canceller,
-    key: ParsedKey,
+    key: str | ParsedKey,
     timeout: float | None,
     helper: Callable[[RecvSlot, float], None] = _plain_wait,
     observer: WaitObserver | None = None,
@@ -164,7 +171,8 @@ def wait_received(
     it may return early. A timeout that expires removes the waiter (``cancel()``) and raises
     ``DeadlineExceededError``; if the value won the race, it is returned. Ctrl-C
     (``KeyboardInterrupt``) removes the waiter too and propagates. ``observer`` (if any)
-    builds the timeout's error and hears of a wait that lasts (``WaitObserver``).
+    builds the timeout's error and hears of a wait that lasts (``WaitObserver``). ``key``
+    (checked already) is parsed only for those, never on the way to a value.
     """
     if slot.filled:
         return slot.result()
@@ -177,7 +185,7 @@ def wait_received(
             now = time.monotonic()
             if now >= report_at and observer is not None:
                 reported = True
-                observer.waiting_long(slot, key, now - start)
+                observer.waiting_long(slot, as_parsed_key(key), now - start)
                 report_at = now + (now - start)
             if deadline is None:
                 helper(slot, _HELP_PERIOD)
@@ -186,7 +194,7 @@ def wait_received(
             if left <= 0:
                 if cancel():
                     if observer is not None:
-                        raise observer.timeout_error(key, timeout)
+                        raise observer.timeout_error(as_parsed_key(key), timeout)
                     raise timeout_error(key, timeout)
                 slot.wait(None)  # lost the race to a delivery: it is on its way
                 break
@@ -195,7 +203,7 @@ def wait_received(
         if isinstance(e, DeadlineExceededError) or slot.filled or cancel():
             raise
         # Interrupted just as the value was being delivered: it is dropped with the call.
-        _log.warning("recv of %r interrupted just as its value arrived; dropped", key.full_key)
+        _log.warning("recv of %r interrupted just as its value arrived; dropped", str(key))
         raise
     finally:
         if reported and observer is not None:
@@ -212,7 +220,7 @@ class _RecvFuture(concurrent.futures.Future[Received]):
         if self.done():
             return super().cancel()
         canceller = self._canceller
-        # No canceller yet means _start_recv has not returned: the waiter exists and could
+        # No canceller yet means start_recv has not returned: the waiter exists and could
         # receive at any time, so refusing is the only answer that cannot lose a value.
         if canceller is None or not canceller():
             return False
@@ -257,14 +265,30 @@ class Rendezvous(abc.ABC):
         """
 
     @abc.abstractmethod
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
         """Arrange for ``done(error, received)`` to be called once; return a canceller.
 
-        May raise a ``RendezvousError`` at once for a call that cannot start (a key this
-        rendezvous cannot receive, an aborted rendezvous); ``done`` is then never called.
+        The one receive primitive the other flavours are built on (TensorFlow's
+        ``RecvAsync``). The canceller removes the waiter and returns ``True`` (``done``
+        will never run), or returns ``False`` when the value is delivered or on its way.
 
         ``done`` may run in the calling thread (a value is already there) or in a
-        transport thread, never under a lock of the transport.
+        transport thread, never under a lock of the rendezvous. ``copy``: deliver a
+        private copy instead of shared memory. ``blocking``: the caller is a thread
+        that will block in ``recv`` until ``done`` has run, and ``done`` is quick and
+        never blocks (a ``RecvSlot``'s): a transport may then let that thread wait for
+        the value itself instead of waking another thread for it.
+
+        May raise a ``RendezvousError`` at once for a call that cannot start (a bad key,
+        a key this rendezvous cannot receive, an aborted rendezvous); ``done`` is then
+        never called.
         """
 
     @abc.abstractmethod
@@ -285,7 +309,7 @@ class Rendezvous(abc.ABC):
                 f"cannot allocate shape={shape!r} dtype={dtype!r}: {e}"
             ) from e
 
-    # -- receive flavours, built once on _start_recv -----------------------------------
+    # -- receive flavours, built once on start_recv ------------------------------------
 
     def recv_async(self, key: str | ParsedKey, done: DoneCallback, *, copy: bool = False) -> None:
         """Call ``done(error, received)`` exactly once, when the value arrives or the call fails.
@@ -296,8 +320,7 @@ class Rendezvous(abc.ABC):
         A bad key is reported through ``done`` too.
         """
         try:
-            pk = as_parsed_key(key)
-            self._start_recv(pk, lambda err, rec: invoke_done(done, err, rec), copy)
+            self.start_recv(key, lambda err, rec: invoke_done(done, err, rec), copy=copy)
         except RendezvousError as e:
             invoke_done(done, e, None)
 
@@ -312,11 +335,23 @@ class Rendezvous(abc.ABC):
         transport would otherwise hand out shared memory. Raises the abort error if the
         rendezvous is or gets aborted; Ctrl-C (``KeyboardInterrupt``) also removes the waiter.
         """
-        pk = as_parsed_key(key)
-        t = check_timeout(timeout)
+        if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
+            timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
         slot = RecvSlot()
-        cancel = self._start_recv(pk, slot.done, copy)
-        return wait_received(slot, cancel, pk, t)
+        cancel = self.start_recv(key, slot.done, copy=copy, blocking=True)
+        if slot.filled:
+            return slot.result()
+        return self._wait_blocked(slot, cancel, key, timeout)
+
+    def _wait_blocked(
+        self, slot: RecvSlot, cancel: Canceller, key: str | ParsedKey, timeout: float | None
+    ) -> Received:
+        """How ``recv`` waits for a ``slot`` that ``start_recv(..., blocking=True)`` will fill.
+
+        Here: on the slot alone (``wait_received``). A rendezvous whose transports need
+        help from a blocked receiver, or that reports long waits, says so by overriding it.
+        """
+        return wait_received(slot, cancel, key, timeout)
 
     def recv_future(
         self, key: str | ParsedKey, *, copy: bool = False
@@ -335,7 +370,7 @@ class Rendezvous(abc.ABC):
                 fut.set_result(received)  # type: ignore[arg-type]
 
         try:
-            fut._canceller = self._start_recv(as_parsed_key(key), done, copy)
+            fut._canceller = self.start_recv(key, done, copy=copy)
         except RendezvousError as e:
             fut.set_exception(e)
         return fut
@@ -358,7 +393,7 @@ class Rendezvous(abc.ABC):
         def done(error: BaseException | None, received: Received | None) -> None:
             loop.call_soon_threadsafe(_settle, afut, error, received)
 
-        cancel = self._start_recv(pk, done, copy)
+        cancel = self.start_recv(pk, done, copy=copy)
         try:
             finished, _ = await asyncio.wait({afut}, timeout=t)
         except asyncio.CancelledError:

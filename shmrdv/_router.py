@@ -16,6 +16,11 @@ its record is final (its own presence record); a provisional answer (from the cl
 spec) is asked again next time.
 
 The router is given a ``RouterContext``, never the Worker.
+
+Thread model (``docs/threads.md``): thread-safe, no thread of its own. ``Router._lock``
+guards the final per-peer routes and the long-wait records, a step's lock its abort
+error; neither is held across a transport call. Receives complete in the threads the
+transports say; a blocked ``recv`` waits in its caller's thread, helping its transport.
 """
 
 from __future__ import annotations
@@ -46,7 +51,6 @@ from ._rendezvous import (
     timeout_error,
     wait_received,
 )
-from ._shm.naming import PREFIX
 from ._transport import PeerRecord, Transport, TransportContext
 from ._values import check_value
 
@@ -140,8 +144,6 @@ class Router:
         # Blocked receives that have waited long (WaitObserver), by id of their slot:
         # (step, key, since when). Only long waits get here, never every message.
         self._long_waits: dict[int, tuple[int, ParsedKey, float]] = {}
-        # The namespace as it appears in this worker's object names.
-        self._namespace = rc.ctx.names.prefix[len(PREFIX) : -1]
 
     def _derive(self, full_key: str) -> KeyRoute:
         return KeyRoute(parse_key(full_key), self.rc.ctx.task, self.rc.ctx.incarnation)
@@ -166,9 +168,7 @@ class Router:
     def send_error(self, r: KeyRoute) -> Exception:
         pk = r.pk
         if not r.src_own:
-            return InvalidArgumentError(
-                f"Invalid rendezvous key (src): {pk.full_key} @ {self.task_name}"
-            )
+            return _not_this_task(pk, "src", self.task_name)
         inc = self.rc.ctx.incarnation
         return AbortedError(
             f"key {pk.full_key!r} names incarnation {pk.src_incarnation:016x} of "
@@ -179,9 +179,7 @@ class Router:
     def recv_error(self, r: KeyRoute) -> Exception:
         pk = r.pk
         if not r.dst_own:
-            return InvalidArgumentError(
-                f"Invalid rendezvous key (dst): {pk.full_key} @ {self.task_name}"
-            )
+            return _not_this_task(pk, "dst", self.task_name)
         inc = self.rc.ctx.incarnation
         return AbortedError(
             f"RecvTensor expects a different device incarnation: {pk.src_incarnation:016x} "
@@ -234,16 +232,18 @@ class Router:
     def diagnose(self, pk: ParsedKey) -> str | None:
         """Where the producer of ``pk`` is alive, if not in this worker's namespace.
 
-        None for a producer on another host (or one that is alive here, in this namespace).
-        Lists /dev/shm: only for a timeout, a long wait or ``stats()``.
+        None for a producer on another host (or one that is alive here, in this namespace),
+        or where this host keeps no presence records. Lists them
+        (``PeerDirectory.sightings``): only for a timeout, a long wait or ``stats()``.
         """
+        peers = self.rc.ctx.peers
         try:
-            record = self.rc.ctx.peers.lookup(pk.src)
+            record = peers.lookup(pk.src)
         except RendezvousError as e:
             return f"the presence record of {pk.src} cannot be read: {e}"
         if not record.same_host:
             return None
-        return explain_absent_producer(record.task, self._namespace)
+        return explain_absent_producer(record.task, peers.sightings(pk.src))
 
     def long_wait_started(self, slot: RecvSlot, step_id: int, pk: ParsedKey, since: float) -> None:
         with self._lock:
@@ -332,28 +332,34 @@ class StepRendezvous(Rendezvous):
 
     send.__doc__ = Rendezvous.send.__doc__
 
-    def recv(
-        self, key: str | ParsedKey, *, timeout: float | None = None, copy: bool = False
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
+        r = self._recv_route(key)
+        if r.local:
+            return self._local.start_recv(r.pk, done, copy=copy, blocking=blocking)
+        t = r.transport or self._router.transport(r)
+        return t.start_recv(self.step_id, r.pk, done, copy=copy, blocking=blocking)
+
+    start_recv.__doc__ = Rendezvous.start_recv.__doc__
+
+    def _wait_blocked(
+        self, slot: RecvSlot, cancel: Canceller, key: str | ParsedKey, timeout: float | None
     ) -> Received:
-        r = self._recv_route(key)
-        if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
-            timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
-        slot = RecvSlot()
+        """A blocked receiver helps its transport while it waits (``Transport.wait``: the
+        shared-memory one polls the doorbell as leader) and reports a wait that lasts."""
+        r = self._router.route(key)
         if r.local:
-            cancel = self._local._start_recv(r.pk, slot.done, copy)
             return wait_received(slot, cancel, r.pk, timeout)
-        t = r.transport or self._router.transport(r)
-        cancel = t.start_recv(self.step_id, r.pk, slot.done, copy, True)
-        return wait_received(slot, cancel, r.pk, timeout, r.wait or t.wait, self)
-
-    recv.__doc__ = Rendezvous.recv.__doc__
-
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
-        r = self._recv_route(key)
-        if r.local:
-            return self._local._start_recv(r.pk, done, copy)
-        t = r.transport or self._router.transport(r)
-        return t.start_recv(self.step_id, r.pk, done, copy, False)
+        # The route's transport, as start_recv chose it (asked again only while the
+        # peer's record is provisional, i.e. before the peer has started).
+        helper = r.wait or self._router.transport(r).wait
+        return wait_received(slot, cancel, r.pk, timeout, helper, self)
 
     def allocate(self, key: str | ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
         """An array to fill and then ``send(key, array)``.
@@ -410,3 +416,23 @@ class StepRendezvous(Rendezvous):
 
     def stats(self) -> dict[str, int]:
         return self._local.stats()
+
+
+def _not_this_task(pk: ParsedKey, side: str, task_name: str) -> InvalidArgumentError:
+    """TensorFlow's "Invalid rendezvous key (src|dst)", saying which task the key names,
+    which task this worker is, and what to do instead."""
+    device = pk.src if side == "src" else pk.dst
+    role, verb = ("producer", "sends") if side == "src" else ("consumer", "receives")
+    call = "send" if side == "src" else "recv"
+    named = (
+        f"task {device.task_part}"
+        if device.has_task
+        else f"device {str(device) or '(empty)'}, which names no task (it needs /job: and /task:)"
+    )
+    return InvalidArgumentError(
+        f"Invalid rendezvous key ({side}): {pk.full_key} @ {task_name}: the key's {role} "
+        f"({side}) is {named}, but this worker is {task_name}, and a worker {verb} only keys "
+        f"whose {side} device is on its own task; call {call} on the Worker of the task the "
+        f"key names, or build the key with a {side} device of this task (e.g. "
+        f"{task_name}/device:CPU:0)"
+    )

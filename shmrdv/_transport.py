@@ -4,22 +4,27 @@ Everything a transport offers and everything it is given is declared here, and n
 else passes between them (TensorPipe's ``Transport`` / ``Context`` split):
 
 * ``TransportContext`` — what a transport knows of its worker: task, incarnation,
-  namespace names, the peer directory and a "step cleaned up?" query. Frozen; a
+  namespace token, the peer directory and a "step cleaned up?" query. Frozen; a
   transport never sees the ``Worker``.
 * ``PeerRecord`` / ``PeerDirectory`` — where another worker is (same host or not),
-  which transports it takes, its gRPC address, whether the answer is final, and a
-  fresh liveness check.
+  which transports it takes, its gRPC address, whether the answer is final, a fresh
+  liveness check, and where else on this host its task was seen (``Sighting``).
+* ``PresenceBoard`` — this host's presence records, from which the peer directory
+  (``_peers.py``) learns what it answers: the shared-memory one (``_shm/board.py``), or
+  none where /dev/shm cannot be used (``_peers.NoPresence``: a gRPC-only worker).
 * ``Transport`` — send, allocate, start a receive, help a blocked receiver wait, abort
   and clean up a step, close, stats, and whether it can reach a peer
   (TensorPipe's ``canCommunicateWithRemote``).
 
 The router (``_router.py``) picks, per peer, the first transport of the worker's
 priority list that the peer takes and that ``can_reach`` it. Both ends in one worker
-never reach a transport: they stay in the step's in-process ``LocalRendezvous``.
+never reach a transport: they stay in the step's in-process ``LocalRendezvous``. The
+core modules (router, peers, diagnosis, worker's steps) know a transport only through
+these declarations, never through a transport package's modules.
 
-Thread model: every method may be called from any thread. ``done`` callbacks are called
-exactly once (unless the canceller returned ``True``), through ``invoke_done``, never
-under a lock of the transport.
+Thread model (``docs/threads.md``): every method may be called from any thread. ``done``
+callbacks are called exactly once (unless the canceller returned ``True``), through
+``invoke_done``, never under a lock of the transport.
 """
 
 from __future__ import annotations
@@ -36,9 +41,16 @@ from ._keys import ParsedKey
 
 if TYPE_CHECKING:
     from ._rendezvous import Canceller, RecvSlot
-    from ._shm.naming import Names
 
-__all__ = ["PeerDirectory", "PeerRecord", "PeerState", "Transport", "TransportContext"]
+__all__ = [
+    "PeerDirectory",
+    "PeerRecord",
+    "PeerState",
+    "PresenceBoard",
+    "Sighting",
+    "Transport",
+    "TransportContext",
+]
 
 #: ``"absent"``: no presence record on this host; ``"alive"``: its owner holds its lock;
 #: ``"dead"``: a record whose owner is gone (or from another boot).
@@ -64,6 +76,16 @@ class PeerRecord:
     pid: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Sighting:
+    """A presence record of a task found on this host, in some namespace of this user."""
+
+    namespace: str  # as it appears in object names (the namespace id)
+    pid: int
+    alive: bool
+    ours: bool  # in the namespace of the worker that looked
+
+
 class PeerDirectory(Protocol):
     """Answers, per peer task, where it is and whether it lives."""
 
@@ -83,6 +105,45 @@ class PeerDirectory(Protocol):
         """
         ...
 
+    def sightings(self, task: DeviceName) -> list[Sighting] | None:
+        """Where ``task`` has a presence record on this host, in any namespace of this user.
+
+        None when this host keeps no presence records to look at. Costly (it lists them):
+        for a diagnosis only, never per message. Never raises for what it finds.
+        """
+        ...
+
+
+class PresenceBoard(Protocol):
+    """This host's presence records of one namespace: a worker's own, and its peers'.
+
+    A worker publishes its record for as long as it lives; a peer's record on this host
+    says it is here, which transports it takes, its gRPC address and whether it lives.
+    """
+
+    def publish(
+        self, task: str, incarnation: int, address: str | None, transports: tuple[str, ...]
+    ) -> None:
+        """Publish this worker's record (held until ``close``). Raises if it cannot."""
+        ...
+
+    def look(self, task: str) -> tuple[PeerState, PeerRecord | None]:
+        """A fresh look at ``task``'s record (canonical name): its state, and what it says
+        as a final same-host ``PeerRecord`` (None when absent or from another boot).
+
+        Cheap and lock-free for the caller (it may run inside the garbage collector).
+        Raises ``InternalError`` if the record is not ours or is corrupt. Never blocks.
+        """
+        ...
+
+    def sightings(self, task: str) -> list[Sighting] | None:
+        """``PeerDirectory.sightings`` of ``task`` (canonical name)."""
+        ...
+
+    def close(self) -> None:
+        """Withdraw the published record and release every descriptor. Idempotent."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class TransportContext:
@@ -91,7 +152,7 @@ class TransportContext:
     task: DeviceName  # this worker's task, canonical (job, replica, task set)
     task_name: str  # str(task)
     incarnation: int
-    names: Names  # the namespace's object names (shared memory)
+    namespace: str  # the job's namespace token (secret: names its OS objects)
     peers: PeerDirectory
     cleaned_up: Callable[[int], bool]  # has Worker.cleanup(step_id) run (and is remembered)?
     # Backpressure: bytes in flight to one consumer task at most (None: no window).
@@ -128,15 +189,23 @@ class Transport(Protocol):
         ...
 
     def start_recv(
-        self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, waits: bool
+        self,
+        step_id: int,
+        key: ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
     ) -> Canceller:
         """Receive the next value of ``key`` from its producer (another worker).
 
-        ``done(error, received)`` is called exactly once (in this thread if the value is
-        already there) unless the returned canceller removes the waiter first and returns
-        True. ``waits``: the caller is a blocked receiver that will call ``wait`` until
-        ``done`` has run, so the transport need not wake another thread for it. May raise
-        a ``RendezvousError`` at once (closed, step aborted); ``done`` is then never called.
+        ``Rendezvous.start_recv`` of one step, on this transport. ``done(error, received)``
+        is called exactly once (in this thread if the value is already there) unless the
+        returned canceller removes the waiter first and returns True. ``copy``: deliver a
+        private copy. ``blocking``: the caller is a blocked receiver that will call
+        ``wait`` until ``done`` has run (``done`` is quick and never blocks), so the
+        transport need not wake another thread for it. May raise a ``RendezvousError`` at
+        once (closed, step aborted); ``done`` is then never called.
         """
         ...
 

@@ -26,20 +26,74 @@ MAX_ELEMENTS = 1 << 40
 MAX_ZERO_ITEM_ELEMENTS = 1 << 24
 
 
-def as_ndarray(value: object, verb: str, where: str = "") -> npt.NDArray[Any]:
-    """``value`` if it is an ndarray, a numpy scalar as a 0-d array; else raise.
+# ndarray subclasses whose instance attributes only describe where the bytes live
+# (np.memmap: file, offset, mode) or how numpy indexes them (np.matrix's ``_getitem``
+# flag): every value is in the bytes, so they go as the plain array they view.
+_VALUES_IN_BYTES: tuple[type, ...] = (np.memmap, np.matrix)
+# Listed by name in a refusal, at most this many.
+_MAX_NAMED_ATTRIBUTES = 5
 
-    The ``InvalidArgumentError`` reads "cannot <verb> a <type><where>: only numpy arrays …".
+
+def as_ndarray(value: object, verb: str, where: str = "") -> npt.NDArray[Any]:
+    """``value`` as a plain ndarray (a numpy scalar as a 0-d array); else raise.
+
+    An ndarray subclass whose instances hold nothing beyond their bytes (``np.memmap``,
+    ``np.matrix``, ``np.recarray``, any subclass without instance attributes) is returned
+    as a plain ``numpy.ndarray`` view of the same memory: that is what a receiver gets.
+    One that holds more (a masked array's mask, a unit, ...) is refused, since the receiver
+    would silently lose it. The ``InvalidArgumentError`` reads "cannot <verb> a
+    <type><where>: ...".
     """
-    if isinstance(value, np.ndarray):
+    if type(value) is np.ndarray:
         return value
+    if isinstance(value, np.ndarray):
+        return _plain(value, verb, where)
     if isinstance(value, np.generic):
         return np.asarray(value)
-    kind = f"{type(value).__module__}.{type(value).__qualname__}"
     raise InvalidArgumentError(
-        f"cannot {verb} a {kind}{where}: only numpy arrays (or numpy scalars) are accepted; "
-        "wrap it with numpy.asarray(...)"
+        f"cannot {verb} a {_type_name(value)}{where}: only numpy arrays (or numpy scalars) are "
+        "accepted; wrap it with numpy.asarray(...)"
     )
+
+
+def _type_name(value: object) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _plain(value: npt.NDArray[Any], verb: str, where: str) -> npt.NDArray[Any]:
+    """The plain-ndarray view of a subclass instance whose values are all in its bytes."""
+    if isinstance(value, np.ma.MaskedArray):
+        raise InvalidArgumentError(
+            f"cannot {verb} a numpy.ma.MaskedArray{where}: only its data would travel, so the "
+            "receiver would get a plain array without the mask (and whatever values lie under "
+            "the masked entries); send numpy.ma.getdata(a) or a.filled(fill_value) for the "
+            "values, and numpy.ma.getmaskarray(a) under a second key if the receiver needs "
+            "the mask"
+        )
+    if not isinstance(value, _VALUES_IN_BYTES):
+        state = _instance_state(value)
+        if state:
+            named = ", ".join(state[:_MAX_NAMED_ATTRIBUTES])
+            more = ", ..." if len(state) > _MAX_NAMED_ATTRIBUTES else ""
+            raise InvalidArgumentError(
+                f"cannot {verb} a {_type_name(value)}{where}: this ndarray subclass holds "
+                f"state its bytes do not (attributes {named}{more}), which the receiver "
+                "would silently lose, getting a plain numpy.ndarray; send numpy.asarray(a) if "
+                "the plain values are what you mean, and what else it holds separately"
+            )
+    return value.view(np.ndarray)
+
+
+def _instance_state(value: npt.NDArray[Any]) -> list[str]:
+    """The names of the attributes an ndarray subclass instance holds (``__dict__`` and
+    ``__slots__``), sorted."""
+    names = set(getattr(value, "__dict__", {}))
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                names.add(slot)
+    return sorted(names)
 
 
 def check_value(value: object, key: str) -> npt.NDArray[Any]:

@@ -19,7 +19,7 @@ consumer took: the ring's read position, which message names are gone) every
 the consumer's presence record on this host, that it died (its window is then freed: what
 it did not take will never be taken by it).
 
-Thread model: any thread may reserve or release; a reservation blocks only its caller,
+Thread model (``docs/threads.md``): any thread may reserve or release; a reservation blocks only its caller,
 never under a transport lock (the refresh callback is called without the window's lock).
 """
 

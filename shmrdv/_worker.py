@@ -8,6 +8,10 @@ shared memory on this host, gRPC across hosts. It builds them (with the
 itself lives in ``_router.py``. ``rendezvous(step_id)`` hands out the step's rendezvous;
 ``cleanup(step_id)`` aborts and frees it (TensorFlow's ``RendezvousMgr::Cleanup``),
 leaving a tombstone so a late call fails at once instead of waiting forever.
+
+Thread model (``docs/threads.md``): thread-safe, no thread of its own (its transports
+have theirs). ``_lock`` guards the steps, the tombstones and the lazy creation of the gRPC
+client transport. A Worker inherited across ``fork`` refuses every call.
 """
 
 from __future__ import annotations
@@ -25,16 +29,14 @@ from ._cluster import ClusterSpec
 from ._devices import DeviceName
 from ._errors import AbortedError, InvalidArgumentError, closed_error
 from ._hostaddr import is_local_host, split_host_port
-from ._namespace import resolve_namespace
-from ._peers import ALL_TRANSPORTS, Peers, canonical_task
+from ._namespace import namespace_id, resolve_namespace
+from ._peers import ALL_TRANSPORTS, NoPresence, Peers, canonical_task
 from ._router import Router, RouterContext, StepRendezvous
-from ._transport import Transport, TransportContext
+from ._transport import PresenceBoard, Transport, TransportContext
 from ._window import check_window
 
 if TYPE_CHECKING:
     from ._rpc.security import TLSConfig
-    from ._shm.naming import Names
-    from ._shm.presence import Presence
 
 __all__ = ["Worker"]
 
@@ -56,25 +58,6 @@ def _mark_forked() -> None:
 os.register_at_fork(after_in_child=_mark_forked)
 
 
-def _sweep(names: Names, task: str, incarnation: int, closing: bool) -> None:
-    """Collect what dead workers of this user left in /dev/shm (``_shm.reaper``: bounded, never
-    a live worker's objects): at a Worker's start, also what earlier runs of its task left;
-    at its close, also what was sent to it if its job ends with it. A failure is logged,
-    never raised into ``Worker`` start or close."""
-    from ._shm import reaper
-
-    if not reaper.enabled():
-        return
-    try:
-        if closing:
-            reaper.sweep(closing=(names, task))
-        else:
-            reaper.sweep()
-            reaper.collect_earlier_runs(names, task, incarnation)
-    except Exception:  # pragma: no cover - the sweep raises nothing it expects
-        _log.exception("sweep of /dev/shm at the %s of %s", "close" if closing else "start", task)
-
-
 def _task_of(task: str | DeviceName) -> DeviceName:
     dev = task if isinstance(task, DeviceName) else DeviceName.parse(task)
     if dev.job is None or dev.task is None:
@@ -83,6 +66,14 @@ def _task_of(task: str | DeviceName) -> DeviceName:
             f"'/job:worker/replica:0/task:0', not {str(task)!r}"
         )
     return canonical_task(dev)
+
+
+def _check_busy_poll(seconds: Any) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise InvalidArgumentError(f"busy_poll must be a number of seconds >= 0, not {seconds!r}")
+    if not 0.0 <= seconds <= 3600.0:
+        raise InvalidArgumentError(f"busy_poll must be between 0 and 3600 seconds, not {seconds!r}")
+    return float(seconds)
 
 
 class Worker:
@@ -94,7 +85,9 @@ class Worker:
         cluster: a ``ClusterSpec`` (or its dict) giving each task's ``host:port``.
             ``None``: every task is on this host and no server is needed.
         namespace: the job's token from ``shmrdv.new_namespace()``, shared by all its
-            workers; defaults to the ``SHMRDV_NAMESPACE`` environment variable.
+            workers; defaults to the ``SHMRDV_NAMESPACE`` environment variable. It is a
+            secret: messages, logs, ``repr`` and ``stats()`` name the namespace by its
+            public id, ``w.namespace_id`` (``shmrdv.namespace_id(token)``), never by it.
         transports: priority list among ``"shm"`` and ``"grpc"``; default both, with a
             gRPC server started only when the cluster puts a task on another host.
             Passing ``("grpc",)`` forces the network path (and starts the server).
@@ -109,6 +102,11 @@ class Worker:
             raises ``ResourceExhaustedError`` having sent nothing. A tensor larger than
             the window goes out once nothing else is in flight to that consumer.
             ``None`` (default): no window, ``send`` never waits.
+        busy_poll: low latency for a stage that has a core of its own. A receive blocked
+            on another process of this host polls shared memory instead of sleeping on
+            the doorbell until this many seconds have passed since the last message
+            arrived (0, the default: a short adaptive spin that stays off on one CPU). The time spent polling is in ``stats()``
+            (``spin_us``, with ``spin_hits``).
 
     Close it (or use ``with``): ``close()`` aborts every step and releases every OS
     object this worker owns. A Worker cannot be used in a ``fork`` child of the process
@@ -127,6 +125,7 @@ class Worker:
         token: str | None = None,
         shm_pool_bytes: int = 512 << 20,
         max_inflight_bytes: int | None = None,
+        busy_poll: float = 0.0,
     ) -> None:
         self._closed = True  # until fully built, so close() from the finalizer is a no-op
         self._forked = False
@@ -141,6 +140,7 @@ class Worker:
             else ClusterSpec(cluster)
         )
         self.namespace: str = resolve_namespace(namespace)
+        self.namespace_id: str = namespace_id(self.namespace)  # what messages name; public
         explicit = transports is not None
         names = tuple(transports) if transports is not None else _TRANSPORTS
         if isinstance(transports, str):
@@ -174,13 +174,13 @@ class Worker:
         self._tls = tls
         self._token = token
         self._shm_pool_bytes = shm_pool_bytes
+        self._busy_poll = _check_busy_poll(busy_poll)
 
         self._lock = threading.Lock()
         self._steps: dict[int, StepRendezvous] = {}
         self._tombstones: OrderedDict[int, AbortedError] = OrderedDict()
         self._shm: Transport | None = None
         self._grpc: Transport | None = None
-        self._presence: Presence | None = None
         self._peers: Peers | None = None
         self.address: str | None = None
 
@@ -194,17 +194,28 @@ class Worker:
         _live_workers.add(self)
         self._finalizer = weakref.finalize(self, _log.debug, "worker %s collected", self.task)
 
-    def _start(self, explicit_transports: bool) -> None:
-        from ._shm.naming import Names
-        from ._shm.presence import Presence, PresenceInfo, boot_id
+    def _presence_board(self) -> PresenceBoard:
+        """The shared-memory board; none for a worker without ``"shm"`` where /dev/shm
+        cannot be used (its peers are then found by the cluster spec alone)."""
+        from ._shm.board import ShmBoard, usable
 
-        self._names = Names(self.namespace)
-        self._peers = Peers(self._names, self.cluster)
+        if "shm" not in self.transports and not usable():
+            _log.info(
+                "%s: /dev/shm cannot be used: no presence record (peers found by the cluster "
+                "spec only, same-host peers cannot see this worker's liveness)",
+                self.task,
+            )
+            return NoPresence()
+        return ShmBoard(self.namespace)
+
+    def _start(self, explicit_transports: bool) -> None:
+        board = self._presence_board()
+        self._peers = Peers(board, self.cluster)
         self._ctx = TransportContext(
             task=self._task,
             task_name=self.task,
             incarnation=self.incarnation,
-            names=self._names,
+            namespace=self.namespace,
             peers=self._peers,
             cleaned_up=self._tombstones.__contains__,
             max_inflight_bytes=self.max_inflight_bytes,
@@ -234,24 +245,13 @@ class Worker:
             self.address = grpc_t.address
         elif "grpc" in self.transports:
             self._grpc = None  # created lazily on the first remote key (client side only)
-        self._presence = Presence.publish(
-            self._names,
-            PresenceInfo(
-                task=self.task,
-                pid=os.getpid(),
-                boot_id=boot_id(),
-                incarnation=self.incarnation,
-                started=__import__("time").time(),
-                namespace=self.namespace,
-                address=self.address,
-                transports=self.transports,
-            ),
-        )
-        _sweep(self._names, self.task, self.incarnation, closing=False)
+        board.publish(self.task, self.incarnation, self.address, self.transports)
         if "shm" in self.transports:
             from ._shm.transport import ShmTransport
 
-            self._shm = ShmTransport(self._ctx, pool_bytes=self._shm_pool_bytes)
+            self._shm = ShmTransport(
+                self._ctx, pool_bytes=self._shm_pool_bytes, busy_poll=self._busy_poll
+            )
 
     def _cluster_has_remote_task(self) -> bool:
         if self.cluster is None:
@@ -277,7 +277,8 @@ class Worker:
             else f" max_inflight_bytes={self.max_inflight_bytes}"
         )
         return (
-            f"<shmrdv.Worker {self.task} incarnation={self.incarnation:016x} "
+            f"<shmrdv.Worker {self.task} namespace_id={self.namespace_id} "
+            f"incarnation={self.incarnation:016x} "
             f"transports={self.transports}{window} steps={len(self._steps)} {state}>"
         )
 
@@ -356,10 +357,7 @@ class Worker:
             except Exception:  # pragma: no cover - keep closing the rest
                 _log.exception("closing transport %s of %s", t.name, self.task)
         if self._peers is not None:
-            self._peers.close()
-        if self._presence is not None:
-            self._presence.close()
-            _sweep(self._names, self.task, self.incarnation, closing=True)
+            self._peers.close()  # and its presence board: this worker's record goes
 
     @property
     def closed(self) -> bool:
@@ -375,6 +373,7 @@ class Worker:
         worker's namespace, or that it is alive nowhere on this host)."""
         out: dict[str, Any] = {
             "task": self.task,
+            "namespace_id": self.namespace_id,
             "steps": len(self._steps),
             "tombstones": len(self._tombstones),
             "max_inflight_bytes": self.max_inflight_bytes,

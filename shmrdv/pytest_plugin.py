@@ -5,22 +5,34 @@ given or the ini option ``shmrdv = true`` is set. Fixtures: ``shmrdv_namespace``
 namespace token), ``shmrdv_child_worker`` (a factory of Workers running in real child
 processes), and, when enabled, the autouse ``shmrdv_leak_check`` (fails a test that
 leaves shmrdv objects of a dead namespace in /dev/shm or child processes running) and a
-session-wide check. ``shmrdv.testing`` has the conformance battery and ``run_in_worker``.
+session-wide check. Leaked objects are named by namespace id, kind and, where their
+header or record tells, key, step, task and pid; leaked children are ended (SIGTERM,
+then SIGKILL; only those, by pid), so that none outlives the session or holds up its
+exit. ``shmrdv.testing`` has the conformance battery and ``run_in_worker``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import select
+import signal
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-__all__ = ["child_pids", "leftover_objects"]
+if TYPE_CHECKING:
+    from ._shm.registry import ObjectInfo
+
+__all__ = ["child_pids", "describe_objects", "end_children", "leftover_objects"]
 
 SHM_DIR = "/dev/shm"
+# How long a leaked child has to exit after SIGTERM (a Worker in it closes), then SIGKILL.
+_TERM_GRACE_S = 2.0
+_KILL_WAIT_S = 2.0
 
 
 def leftover_objects(prefix: str = "shmrdv_") -> set[str]:
@@ -64,28 +76,119 @@ def _helper_pids() -> set[int]:
     return pids
 
 
+def _is_live_child(pid: int) -> bool:
+    """Whether ``pid`` is a live (non-zombie) child of this process, from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # "pid (comm) state ppid ...": comm may hold spaces and parens; split after the last ')'.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return len(fields) >= 2 and int(fields[1]) == os.getpid() and fields[0] != b"Z"
+
+
 def child_pids() -> set[int]:
     """Pids of live (non-zombie) children of this process, from /proc.
 
     multiprocessing's resource tracker, started by the first ``spawn``, is not counted.
     """
-    me = os.getpid()
-    out: set[int] = set()
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:  # pragma: no cover
-        return out
-    for pid in pids:
+        return set()
+    return {pid for pid in pids if _is_live_child(pid)} - _helper_pids()
+
+
+def _wait_exits(fds: dict[int, int], timeout: float) -> None:
+    """Wait up to ``timeout`` s until every pidfd in ``fds`` (pid -> fd) is readable
+    (its process exited); drop those from ``fds``."""
+    deadline = time.monotonic() + timeout
+    while fds:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        poller = select.poll()
+        for fd in fds.values():
+            poller.register(fd, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(left * 1000)}
+        for pid in [p for p, fd in fds.items() if fd in ready]:
+            os.close(fds.pop(pid))
+
+
+def end_children(pids: Sequence[int] | set[int]) -> dict[int, str]:
+    """End those of ``pids`` that are still live children of this process; say how.
+
+    Each gets SIGTERM (a shmrdv child then closes its Worker), and SIGKILL if it is still
+    running ``_TERM_GRACE_S`` later. Signals go through a pidfd taken while the pid was
+    checked to be our child, so a pid reused meanwhile is never signalled. The exited
+    children are not reaped: their owners (a ``multiprocessing.Process``, a ``Popen``) do
+    that. Returns pid -> ``"SIGTERM"``, ``"SIGKILL"``, ``"gone"`` or ``"still running"``.
+    """
+    how: dict[int, str] = {}
+    fds: dict[int, int] = {}
+    for pid in sorted(pids):
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
+            fd = os.pidfd_open(pid)
         except OSError:
+            how[pid] = "gone"
             continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parens; split after the last ')'.
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) >= 2 and int(fields[1]) == me and fields[0] != b"Z":
-            out.add(pid)
-    return out - _helper_pids()
+        if not _is_live_child(pid):  # checked after the pidfd pins the process
+            os.close(fd)
+            how[pid] = "gone"
+            continue
+        fds[pid] = fd
+    try:
+        for sig, wait in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, _KILL_WAIT_S)):
+            for pid, fd in fds.items():
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(fd, sig)
+                how[pid] = sig.name
+            _wait_exits(fds, wait)
+        for pid in fds:
+            how[pid] = "still running"
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return how
+
+
+def describe_objects(names: set[str], listing: list[ObjectInfo] | None = None) -> list[str]:
+    """Each of ``names`` (entries of /dev/shm) as "<kind> of namespace id <id>", with the
+    key, step, task and pid where its header or record says them, and the raw name.
+
+    ``listing`` is a ``list_objects()`` taken beforehand (one is taken if None).
+    """
+    from ._shm.naming import parse_name
+
+    if listing is None:
+        from ._shm.registry import list_objects
+
+        listing = list_objects()
+    known = {o.name: o for o in listing}
+    out = []
+    for name in sorted(names):
+        info = known.get(name)
+        parsed = parse_name(name)
+        if info is not None:
+            kind, ns = info.kind, info.namespace
+        elif parsed is not None:
+            kind, ns = parsed.kind, parsed.namespace
+        else:
+            out.append(name)
+            continue
+        parts = [f"{kind} of namespace id {ns}"]
+        if info is not None:
+            if info.key is not None:
+                parts.append(f"key {info.key!r}")
+            if info.step_id is not None:
+                parts.append(f"step {info.step_id}")
+            if info.task is not None:
+                parts.append(f"task {info.task}")
+            if info.owner_pid is not None:
+                parts.append(f"pid {info.owner_pid}")
+        out.append(", ".join(parts) + f" ({name})")
+    return out
 
 
 def wait_clean(
@@ -130,21 +233,24 @@ def _enabled(config: pytest.Config) -> bool:
         return False
 
 
-def _dead_leftovers(names: set[str]) -> set[str]:
-    """Those of ``names`` whose namespace has no live worker (a live one still owns its objects)."""
+def _dead_leftovers(names: set[str]) -> tuple[set[str], list[ObjectInfo]]:
+    """Those of ``names`` whose namespace has no live worker (a live one still owns its
+    objects), and the listing that judged them."""
     if not names:
-        return set()
+        return set(), []
     from ._shm.registry import list_objects
 
     # Judged by namespace, never by name: a live job's pool slot is renamed p -> m -> h -> r
     # and may be missing from any one listing. A name that vanished was cleaned up by its
     # owner; anything else still there, of a namespace nobody runs, is left over.
-    live = {o.namespace for o in list_objects() if o.alive}
-    return {
+    listing = list_objects()
+    live = {o.namespace for o in listing if o.alive}
+    dead = {
         n
         for n in names
         if _namespace_of(n) not in live and os.path.lexists(os.path.join(SHM_DIR, n))
     }
+    return dead, listing
 
 
 def _namespace_of(name: str) -> str:
@@ -171,10 +277,12 @@ def shmrdv_session_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     objs, _ = wait_clean(before, child_pids())
     # Objects of a namespace with a live worker belong to a process still running (another
     # session on this machine); ours are all closed by now.
-    dead = _dead_leftovers(objs)
+    dead, listing = _dead_leftovers(objs)
     if dead:
         pytest.fail(
-            f"shmrdv leak check: the session left in {SHM_DIR}: {sorted(dead)[:20]}", pytrace=False
+            f"shmrdv leak check: the session left in {SHM_DIR}: "
+            f"{'; '.join(describe_objects(dead, listing)[:20])}",
+            pytrace=False,
         )
 
 
@@ -190,21 +298,36 @@ def shmrdv_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     before_objects, before_children = leftover_objects(), child_pids()
     yield
-    deadline = time.monotonic() + 3.0
-    while True:
-        objs, kids = wait_clean(before_objects, before_children, grace=0.0)
-        dead = _dead_leftovers(objs)
-        if (not dead and not kids) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    dead, listing, kids = _wait_leftovers(before_objects, before_children, grace=3.0)
     problems = []
-    if dead:
-        problems.append(f"left in {SHM_DIR}: {sorted(dead)[:20]}")
-        _remove(dead)
     if kids:
-        problems.append(f"child processes still running: {sorted(kids)}")
+        # Ended, not only reported: a leaked multiprocessing child holds up pytest's exit
+        # (its atexit joins it), and any other outlives the session.
+        how = end_children(kids)
+        ended = ", ".join(f"{pid} ({how[pid]})" for pid in sorted(kids))
+        problems.append(f"child processes still running, ended by the leak check: {ended}")
+        # What an ended child left of a namespace nobody runs now is left over too.
+        dead, listing, _ = _wait_leftovers(before_objects, child_pids(), grace=1.0)
+    if dead:
+        shown = describe_objects(dead, listing)
+        problems.append(f"left in {SHM_DIR}: {'; '.join(shown[:20])}")
+        _remove(dead)
     if problems:
         pytest.fail("shmrdv leak check: " + "; ".join(problems), pytrace=False)
+
+
+def _wait_leftovers(
+    before_objects: set[str], before_children: set[int], grace: float
+) -> tuple[set[str], list[ObjectInfo], set[int]]:
+    """Wait up to ``grace`` s for new objects (of dead namespaces) and children to go;
+    return the objects left, the listing that judged them, and the children left."""
+    deadline = time.monotonic() + grace
+    while True:
+        objs, kids = wait_clean(before_objects, before_children, grace=0.0)
+        dead, listing = _dead_leftovers(objs)
+        if (not dead and not kids) or time.monotonic() > deadline:
+            return dead, listing, kids
+        time.sleep(0.05)
 
 
 @pytest.fixture

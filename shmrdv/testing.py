@@ -581,6 +581,45 @@ def check_object_array_refused(pair: RendezvousPair) -> None:
     _expect_nothing(pair, key, "refused sends")
 
 
+def check_state_losing_subclass_refused(pair: RendezvousPair) -> None:
+    """A masked array is refused by send (InvalidArgumentError naming the mask); nothing is
+    queued: only its data would travel, and the receiver would lose the mask silently."""
+    key = _key(pair, "masked")
+    masked = np.ma.masked_array(np.arange(4.0), mask=[False, True, False, True])
+    try:
+        pair.producer.send(key, masked)
+    except InvalidArgumentError as e:
+        _expect("mask" in str(e), f"the refusal of a masked array does not name the mask: {e}")
+    else:
+        raise AssertionError("send of a numpy.ma.MaskedArray was accepted")
+    _expect_nothing(pair, key, "a refused masked array")
+
+
+def check_plain_subclasses_arrive(pair: RendezvousPair) -> None:
+    """Memory-mapped arrays, matrices and record arrays hold all their values in their bytes:
+    each arrives as a plain ndarray of the same dtype, shape and values."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as f:
+        mapped = np.memmap(f, dtype=np.float32, mode="w+", shape=(3, 5))
+        mapped[:] = np.arange(15, dtype=np.float32).reshape(3, 5)
+        sent: dict[str, npt.NDArray[Any]] = {
+            "memmap": mapped,
+            "memmap slice": mapped[1:, ::2],
+            # A view: np.matrix() itself warns (PendingDeprecationWarning).
+            "matrix": np.arange(4, dtype=np.int16).reshape(2, 2).view(np.matrix),
+            "recarray": np.rec.array([(1, 2.5), (3, 4.5)], dtype=[("a", "<i4"), ("b", "<f8")]),
+        }
+        for what, value in sent.items():
+            key = _key(pair, f"subclass-{what}")
+            pair.producer.send(key, value)
+            pair.settle()
+            got = _recv(pair, key).value
+            _expect(type(got) is np.ndarray, f"a {what} arrived as {type(got).__name__}")
+            assert_same(got, np.asarray(value), what)
+        del mapped
+
+
 def check_copy_true(pair: RendezvousPair) -> None:
     """``copy=True`` gives a writable array of its own, equal to what was sent."""
     key = _key(pair, "copy")
@@ -647,6 +686,8 @@ CHECKS: list[Callable[[RendezvousPair], None]] = [
     check_abort_fails_pending,
     check_abort_first_error_wins,
     check_object_array_refused,
+    check_state_losing_subclass_refused,
+    check_plain_subclasses_arrive,
     check_copy_true,
     check_large_value,
     check_bad_key_reported,

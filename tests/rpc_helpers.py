@@ -14,6 +14,7 @@ receive through ``RpcClient.start_recv``.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,10 +91,13 @@ class StepSource:
 
     def serve_recv(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
         """The TensorSource primitive: raise ``AbortedError`` for a cleaned-up step."""
-        return self.rendezvous(step_id)._start_recv(key, done, False)
+        return self.rendezvous(step_id).start_recv(key, done)
+
+    def done_with(self, step_id: int, key: ParsedKey, nbytes: int) -> None:
+        """TensorSource: the server is done with a value (no window here to give back to)."""
 
     def requeue(self, step_id: int, key: ParsedKey, received: Received) -> None:
-        """Optional TensorSource part: a value no call delivered goes back to its key's head."""
+        """TensorSource: a value no call delivered goes back to its key's head."""
         with self._lock:
             rdv = self._steps.get(step_id)
         if rdv is not None:
@@ -304,11 +308,16 @@ def pull(
     *,
     timeout: float | None = None,
 ) -> Received:
-    """One blocking receive the way a Worker makes it: ``start_recv`` filling a
-    ``RecvSlot`` directly; the client's own ``timeout`` ends it (raises its error)."""
+    """One blocking receive the way a Worker makes it: ``start_recv(blocking=True)``
+    filling a ``RecvSlot``, the caller waiting on its own call (``wait``); the client's own
+    ``timeout`` ends it (raises its error)."""
     slot = RecvSlot()
-    client.start_recv(address, step_id, key, slot.done, timeout=timeout, direct=True)
-    assert slot.wait(None if timeout is None else timeout + 30), "start_recv never answered"
+    client.start_recv(address, step_id, key, slot.done, timeout=timeout, blocking=True)
+    give_up = time.monotonic() + (300 if timeout is None else timeout + 30)
+    while not slot.filled:
+        assert time.monotonic() < give_up, "start_recv never answered"
+        if not client.wait(slot.done, 0.2):
+            slot.wait(0.2)
     return slot.result()
 
 

@@ -22,6 +22,7 @@ from shmrdv._keys import ParsedKey, create_key, parse_key
 from shmrdv._peers import Peers, canonical_task
 from shmrdv._received import Received
 from shmrdv._rendezvous import RecvSlot, wait_received
+from shmrdv._shm.board import ShmBoard
 from shmrdv._shm.naming import Names
 from shmrdv._shm.presence import Presence, PresenceInfo, boot_id
 from shmrdv._shm.transport import ShmTransport
@@ -58,12 +59,12 @@ class Endpoint:
                 namespace=namespace,
             ),
         )
-        self.peers = Peers(self.names, None)
+        self.peers = Peers(ShmBoard(namespace), None)
         self.ctx = TransportContext(
             task=canonical_task(DeviceName.parse(task)),
             task_name=self.task,
             incarnation=self.incarnation,
-            names=self.names,
+            namespace=namespace,
             peers=self.peers,
             cleaned_up=self.cleaned.__contains__,
         )
@@ -76,7 +77,7 @@ class Endpoint:
 
     def recv(self, step: int, key: ParsedKey, timeout: float | None = 10.0) -> Received:
         slot = RecvSlot()
-        cancel = self.transport.start_recv(step, key, slot.done, False, True)
+        cancel = self.transport.start_recv(step, key, slot.done, blocking=True)
         return wait_received(slot, cancel, key, timeout, self.transport.wait)
 
     def cleanup(self, step: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -26,6 +27,7 @@ from shmrdv._bench.peers import (
     register_method,
     unpack_ack,
 )
+from shmrdv._bench.textfit import WIDTH
 from shmrdv._sizes import format_size
 
 
@@ -208,7 +210,8 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         for name in ("mp_pipe_oob", "sem_pingpong"):
             assert methods[name]["cpus"] == {"pinger": usable[:1], "ponger": usable[1:2]}
         assert methods["memcpy"]["cpus"]["pinger"] == usable[:1]
-    assert "median (p99)" in proc.stdout and "## Fixed cost: round trip" in proc.stdout
+    assert "## Round trip: p99" in proc.stdout and "## Fixed cost: round trip" in proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) <= WIDTH
     assert list(methods["sem_pingpong"]["cells"]) == ["64"]
     assert 0 <= methods["mp_pipe_oob"]["idle_cpu_percent"] < 50
     if plot:
@@ -259,7 +262,10 @@ def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
         f"--json={out}",
     )
     assert proc.returncode == 0, proc.stderr
-    assert "## Ratio to grpc_pull (round trip · one-way) · one-way GB/s" in proc.stdout
+    assert (
+        "## Round trip \u00d7grpc_pull" in proc.stdout
+        and "## One-way \u00d7grpc_pull" in proc.stdout
+    )
     methods = {m["name"]: m for m in json.loads(out.read_text())["methods"]}
     assert set(methods) == {"memcpy", "mp_pipe_oob", "grpc_pull", "grpc_push"}
     assert all(m["status"] == "ok" for m in methods.values())
@@ -280,7 +286,7 @@ def test_pending_compares_with_no_pending_in_the_same_run(tmp_path: Path) -> Non
     args = ("--sizes=64", "--reps=1", "--budget=0.02", "--idle-seconds=0", "--no-baselines")
     proc = run_bench("--pending=20", *args, f"--json={out}")
     assert proc.returncode == 0, proc.stderr
-    assert "## Ratio to shmrdv_send (round trip · one-way)" in proc.stdout
+    assert "## Round trip \u00d7shmrdv_send" in proc.stdout
     data = json.loads(out.read_text())
     assert data["config"]["pending"] == 20
     methods = {m["name"]: m for m in data["methods"]}
@@ -351,3 +357,368 @@ def test_a_failing_role_fails_its_method_with_the_cause(tmp_path: Path) -> None:
     assert "ValueError: planted ponger failure" in reason or (
         "the ponger had died first: exit code 1" in reason
     ), reason
+
+
+# -- iceoryx2, --touch, --syscalls, shmrdv_busy (issue 18 §4) --------------------------------
+
+_HAS_IOX = importlib.util.find_spec("iceoryx2") is not None
+_IOX_METHODS = ("iceoryx2_send", "iceoryx2_loan", "iceoryx2_poll_send", "iceoryx2_poll_loan")
+
+
+def _load_methods() -> dict[str, MethodSpec]:
+    from shmrdv._bench.runner import registered_methods
+
+    return registered_methods()
+
+
+def test_iceoryx2_methods_are_registered_with_their_shmrdv_twins() -> None:
+    methods = _load_methods()
+    twins = dict(
+        zip(_IOX_METHODS, ("shmrdv_send", "shmrdv_allocate", "shmrdv_busy", "shmrdv_busy_allocate"))
+    )
+    for name, twin in twins.items():
+        assert methods[name].baseline == twin and twin in methods
+        assert (methods[name].available() is None) == _HAS_IOX
+        assert "read-only" in methods[name].receiver_array
+    assert methods["shmrdv_busy"].baseline == "shmrdv_send"
+
+
+@pytest.mark.skipif(not _HAS_IOX, reason="iceoryx2 not installed")
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("method", _IOX_METHODS)
+def test_iceoryx2_hands_the_array_over_as_a_read_only_view(method: str, tmp_path: Path) -> None:
+    # Both roles in this process (the ponger on a thread: iceoryx2's waits release the GIL),
+    # over real iceoryx2 services in /dev/shm.
+    import gc
+    import multiprocessing
+    import tempfile
+    import threading
+    import zlib
+    from typing import Any
+
+    import numpy as np
+
+    from shmrdv._bench.iceoryx_methods import iceoryx_pinger, iceoryx_ponger, iceoryx_sweep
+    from shmrdv._bench.peers import KIND_CHECK, KIND_STOP, KIND_TIMED
+
+    prefix = f"shmrdv_benchtest{os.getpid()}_"
+    a_end, b_end = multiprocessing.Pipe()
+    seen: list[tuple[bool, int]] = []
+
+    class Recording(Handler):
+        def __call__(self, a: Any) -> Any:
+            seen.append((a.flags.writeable, a.nbytes))
+            return super().__call__(a)
+
+    # Not tmp_path: a listener's socket path must fit in 107 bytes.
+    scratch = tempfile.mkdtemp(prefix="iox")
+
+    def ctx(role: str, link: Any) -> RoleContext:
+        return RoleContext(role, method, link, {}, prefix, scratch, 1 << 16)
+
+    roles: dict[str, Any] = {"ponger": iceoryx_ponger(ctx("ponger", b_end))}
+    errors: list[BaseException] = []
+
+    def serve(ponger: Any) -> None:
+        try:
+            ponger.serve(Recording(touch=True))
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=serve, args=(roles["ponger"],), daemon=True)
+    thread.start()
+    try:
+        roles["pinger"] = pinger = iceoryx_pinger(ctx("pinger", a_end))
+        handoffs = [(64, KIND_CHECK), (1 << 16, KIND_TIMED), (1 << 16, KIND_CHECK), (64, KIND_STOP)]
+        for seq, (nbytes, kind) in enumerate(handoffs, 1):
+            src = np.random.default_rng(seq).random(nbytes // 4, dtype=np.float32)
+            src[0] = src[-1] = make_stamp(seq, kind)
+            pinger.prepare(src)
+            ack = pinger.handoff(src)
+            assert (ack.head, ack.tail) == (make_stamp(seq, kind),) * 2
+            if kind == KIND_CHECK:
+                assert ack.extra == zlib.crc32(src.data)
+            elif kind == KIND_TIMED:  # --touch: the largest byte of the array, read in full
+                assert ack.extra == int(src.view(np.uint8).max())
+        del pinger
+        thread.join(10)
+        assert not thread.is_alive() and not errors, errors
+    finally:
+        for role in roles.values():
+            role.close()
+        roles.clear()
+        a_end.close()
+        b_end.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert seen == [(False, 64), (False, 1 << 16), (False, 1 << 16), (False, 64)]
+    gc.collect()  # the nodes go with the last reference; their files with them
+    iceoryx_sweep(prefix, {})
+    assert [e for e in os.listdir("/dev/shm") if e.startswith(prefix)] == []
+
+
+@pytest.mark.skipif(not _HAS_IOX, reason="iceoryx2 not installed")
+def test_iceoryx2_reserves_every_possible_sample_up_front() -> None:
+    # The README's claim: a 16 MiB service sized by iceoryx2's defaults is a 34-slot file.
+    from shmrdv._bench.iceoryx_methods import reserved_bytes
+
+    mib16 = 16 << 20
+    by_default = reserved_bytes(mib16, defaults=True)
+    ours = reserved_bytes(mib16, defaults=False)
+    assert 34 * mib16 <= by_default < 35 * mib16
+    assert 3 * mib16 <= ours < 4 * mib16
+
+
+@pytest.mark.skipif(not _HAS_IOX, reason="iceoryx2 not installed")
+@pytest.mark.timeout(60)
+@pytest.mark.slow
+def test_iceoryx2_runs_beside_its_shmrdv_twins(tmp_path: Path) -> None:
+    out = tmp_path / "i.json"
+    proc = run_bench(
+        "--methods=iceoryx2_send,iceoryx2_loan,iceoryx2_poll_send",
+        "--sizes=64,64k",
+        "--reps=1",
+        "--budget=0.02",
+        "--idle-seconds=0.1",
+        "--touch",
+        f"--json={out}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "## Ratio to shmrdv_send (round trip · one-way)" in proc.stdout
+    assert "(it reads every byte: --touch)" in proc.stdout
+    data = json.loads(out.read_text())
+    methods = {m["name"]: m for m in data["methods"]}
+    for name in ("iceoryx2_send", "iceoryx2_loan", "iceoryx2_poll_send", "shmrdv_send"):
+        assert methods[name]["status"] == "ok", methods[name]
+        for cell in methods[name]["cells"].values():
+            assert cell["checks"] == 2 and cell["consumer_faults_per_msg"] >= 0
+    assert methods["iceoryx2_send"]["idle_cpu_percent"] is not None
+    assert methods["iceoryx2_poll_send"]["idle_cpu_percent"] is None  # it spins: not probed
+    assert not [e for e in os.listdir("/dev/shm") if data["config"]["prefix"] in e]
+    assert "swept" not in proc.stderr  # iceoryx2's own leftover is its method's to remove
+
+
+def test_touch_reads_every_byte_and_faults_are_counted() -> None:
+    import mmap
+
+    import numpy as np
+
+    from shmrdv._bench.peers import KIND_FAULTS
+
+    probe = np.zeros(16, np.float32)
+    probe[0] = probe[-1] = make_stamp(1, KIND_FAULTS)
+    faults = {}
+    for touch in (False, True):
+        h = Handler(touch=touch)
+        with mmap.mmap(-1, 1 << 20) as mm:  # shared anonymous: fresh pages, faulted on read
+            fresh = np.frombuffer(mm, np.float32)
+            fresh[0] = fresh[-1] = make_stamp(2, KIND_FAULTS)
+            before = h(probe).extra
+            after = h(fresh).extra
+            del fresh
+        faults[touch] = after - before
+    # 1 MiB is 256 pages; the kernel maps shared memory up to 16 pages per fault.
+    assert faults[True] >= 12 and faults[False] <= 6, faults
+
+
+def test_parse_strace_summary_counts_calls_per_name() -> None:
+    from shmrdv._bench.syscalls import parse_strace_summary
+
+    text = """% time     seconds  usecs/call     calls    errors syscall
+------ ----------- ----------- --------- --------- ----------------
+ 81.40    0.083195        1039        80        40 futex
+  2.79    0.002851           2      1374           read
+  0.00    0.000000           0         6           chdir
+------ ----------- ----------- --------- --------- ----------------
+100.00    0.102209          11      1460        40 total
+"""
+    assert parse_strace_summary(text) == {"futex": 80, "read": 1374, "chdir": 6}
+
+
+def test_syscalls_skip_where_strace_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shmrdv._bench.syscalls import count_handoff_syscalls
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no strace on PATH
+    c = count_handoff_syscalls("sem_pingpong", 64, 40, pin=None)
+    assert c.status == "skipped" and "strace not found" in (c.reason or "")
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+def test_syscalls_counts_the_semaphore_floor(tmp_path: Path) -> None:
+    out = tmp_path / "s.json"
+    proc = run_bench("--syscalls=200", "--methods=sem_pingpong", f"--json={out}", timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    assert "| sem_pingpong | 64 B |" in proc.stdout
+    (count,) = json.loads(out.read_text())["syscalls"]
+    # A post and a wait each way; a wait that finds the post there needs no futex call.
+    assert count["status"] == "ok" and 1.5 <= count["futex_per_round_trip"] <= 6
+    assert count["per_message"] == pytest.approx(count["per_round_trip"] / 2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.slow
+def test_shmrdv_busy_runs_or_names_the_missing_option(tmp_path: Path) -> None:
+    out = tmp_path / "b.json"
+    proc = run_bench(
+        "--methods=shmrdv_busy,shmrdv_busy_allocate",
+        "--no-baselines",
+        "--sizes=64,64k",
+        "--reps=1",
+        "--budget=0.02",
+        "--idle-seconds=0.3",
+        f"--json={out}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    methods = {m["name"]: m for m in json.loads(out.read_text())["methods"]}
+    import inspect
+
+    import shmrdv
+
+    if "busy_poll" not in inspect.signature(shmrdv.Worker).parameters:
+        for m in methods.values():
+            assert m["status"] == "skipped" and "no busy_poll option" in m["reason"]
+        return
+    for m in methods.values():
+        assert m["status"] == "ok", m
+        assert sorted(m["cells"]) == ["64", "65536"]
+        # It polls 0.1 s after a handoff, then blocks: a 0.3 s idle probe is well below 100 %.
+        assert m["idle_cpu_percent"] < 80
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.slow
+def test_bench_children_log_no_grpc_goaway() -> None:
+    # Before: gRPC core printed "chttp2_transport.cc:1403] ... Got goaway [2] ... Cancelling
+    # all calls" in 4 runs of 6, when one role's Worker stopped its server first.
+    for _ in range(2):
+        proc = run_bench(
+            "--methods=shmrdv_grpc",
+            "--no-baselines",
+            "--sizes=64",
+            "--reps=1",
+            "--budget=0.02",
+            "--idle-seconds=0",
+            timeout=40,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "goaway" not in proc.stderr.lower() and "chttp2" not in proc.stderr, proc.stderr
+        assert max(len(line) for line in proc.stderr.splitlines()) <= WIDTH, proc.stderr
+
+
+def test_grpc_quiet_children_sets_the_verbosity_only_while_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shmrdv._bench.common import grpc_quiet_children
+
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    with grpc_quiet_children():
+        code = "import os; print(os.environ.get('GRPC_VERBOSITY'))"
+        child = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=30
+        )
+        assert child.stdout.strip() == "ERROR"
+    assert "GRPC_VERBOSITY" not in os.environ
+    monkeypatch.setenv("GRPC_VERBOSITY", "DEBUG")  # the user's own choice is kept
+    with grpc_quiet_children():
+        assert os.environ["GRPC_VERBOSITY"] == "DEBUG"
+    assert os.environ["GRPC_VERBOSITY"] == "DEBUG"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.slow
+def test_pipeline_measures_shmrdv_against_a_raw_grpc_stream(tmp_path: Path) -> None:
+    out = tmp_path / "pl.json"
+    proc = run_bench(
+        "--pipeline", "--pipeline-cases=1k:30,64k:8", "--reps=2", f"--json={out}", timeout=80
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "## Throughput: MB/s (median of rounds) · tensors/s" in proc.stdout
+    assert "goaway" not in proc.stderr.lower(), proc.stderr
+    assert max(len(line) for line in proc.stdout.splitlines()) <= WIDTH
+    data = json.loads(out.read_text())["pipeline"]
+    assert data["config"]["cases"] == [[1024, 30], [65536, 8]]
+    names = ("grpc_stream", "shmrdv_grpc", "shmrdv_shm")
+    assert data["status"] == {n: {"status": "ok", "failure": None} for n in names}
+    usable = sorted(os.sched_getaffinity(0))
+    assert data["config"]["pin"] == (usable[:2] if len(usable) >= 2 else None)
+    for key, (nbytes, count) in (("1024x30", (1024, 30)), ("65536x8", (65536, 8))):
+        case = data["cases"][key]
+        assert (case["nbytes"], case["count"]) == (nbytes, count)
+        base = case["methods"]["grpc_stream"]
+        assert base["x_grpc_stream"] == pytest.approx(1.0)
+        for m in case["methods"].values():
+            assert len(m["round_mbps"]) == 2 and m["mbps"] > 0
+            assert m["tensors_per_s"] == pytest.approx(m["mbps"] * 1e6 / nbytes)
+            assert m["x_grpc_stream"] == pytest.approx(m["mbps"] / base["mbps"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pipeline-cases=64k"], "give SIZE:COUNT"),
+        (["--pipeline-cases=64k:0"], "count must be 1 to 1,000,000"),
+        (["--pipeline-cases=6:10"], "at least 8 bytes"),
+        (["--methods=grpc_pull"], "unknown pipeline method(s) grpc_pull"),
+    ],
+)
+def test_pipeline_bad_options_are_usage_errors(argv: list[str], message: str) -> None:
+    proc = run_bench("--pipeline", *argv)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_grpc_pull_serves_the_array_as_it_is_at_each_handoff() -> None:
+    # Issue 19 §3: the raw pull pays one tobytes() of the array per handoff, like a producer
+    # with a new tensor each time: change the array's contents, and the next handoff carries
+    # them (a prebuilt payload would not).
+    import multiprocessing
+    import threading
+    import zlib
+
+    import numpy as np
+
+    from shmrdv._bench.peers import KIND_CHECK, KIND_STOP
+
+    near, far = multiprocessing.Pipe()
+    spec = METHODS["grpc_pull"]
+    assert spec.ponger is not None
+
+    def ctx(role: str, link: object) -> RoleContext:
+        return RoleContext(role, "grpc_pull", link, {}, "t_", "/tmp", 1 << 16)  # type: ignore[arg-type]
+
+    pinger = spec.pinger(ctx("pinger", near))
+    handler = Handler()
+    failures: list[BaseException] = []
+
+    def ponger_main() -> None:
+        assert spec.ponger is not None
+        try:
+            ponger = spec.ponger(ctx("ponger", far))
+            try:
+                ponger.serve(handler)
+            finally:
+                ponger.close()
+        except BaseException as e:  # reported below
+            failures.append(e)
+
+    thread = threading.Thread(target=ponger_main, daemon=True)
+    thread.start()
+    try:
+        src = np.arange(16384, dtype=np.float32)
+        for seq in range(1, 4):
+            src[1:-1] = seq  # new contents each time
+            src[0] = src[-1] = make_stamp(seq, KIND_CHECK)
+            ack = pinger.handoff(src)
+            assert ack.extra == zlib.crc32(src.tobytes()), seq
+        src[0] = src[-1] = make_stamp(9, KIND_STOP)
+        pinger.handoff(src)
+    finally:
+        pinger.close()
+        thread.join(30)
+        near.close()
+        far.close()
+    assert not thread.is_alive() and not failures, failures

@@ -17,8 +17,9 @@ from helpers import PRODUCER, make_key
 
 from shmrdv._callbacks import DoneCallback
 from shmrdv._keys import ParsedKey
-from shmrdv._local import LocalRendezvous, _Channel
+from shmrdv._local import LocalRendezvous
 from shmrdv._rendezvous import Canceller
+from shmrdv._waiters import MISSING
 from shmrdv.testing import CHECKS, RendezvousPair, run_conformance
 
 
@@ -58,9 +59,11 @@ class _Lifo(LocalRendezvous):
     def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
         super().send(key, value, is_dead=is_dead)
         with self._lock:
-            ch = self._table.get(str(key))
-            if ch is not None:
-                ch.values.rotate(1)
+            values = []
+            while (got := self._table.take(str(key))) is not MISSING:
+                values.append(got)
+            for value_dead in values[-1:] + values[:-1]:
+                self._table.put(str(key), value_dead)
 
 
 class _DropsDead(LocalRendezvous):
@@ -71,29 +74,58 @@ class _DropsDead(LocalRendezvous):
 class _KeepsTimedOutWaiters(LocalRendezvous):
     """TensorFlow's trap: the canceller claims success but leaves the waiter queued."""
 
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
-        super()._start_recv(key, done, copy)
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
+        super().start_recv(key, done, copy=copy, blocking=blocking)
         return lambda: True
 
 
 class _IgnoresCopy(LocalRendezvous):
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
-        return super()._start_recv(key, done, False)
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
+        return super().start_recv(key, done, copy=False, blocking=blocking)
 
 
 class _AcceptsObjects(LocalRendezvous):
     def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
         if isinstance(value, np.ndarray) and value.dtype.hasobject:
             with self._lock:
-                self._table.setdefault(str(key), _Channel()).values.append((value, is_dead))
+                self._table.put(str(key), (value, is_dead))
             return
         super().send(key, value, is_dead=is_dead)
+
+
+class _AcceptsMasked(LocalRendezvous):
+    """Sends a masked array's data, as shmrdv did before (issue 20 §4)."""
+
+    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+        super().send(key, np.ma.getdata(value), is_dead=is_dead)
+
+
+class _KeepsSubclass(LocalRendezvous):
+    """Hands the sent object itself to the receiver, subclass and all."""
+
+    def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
+        with self._lock:
+            self._table.put(str(key), (value, is_dead))
 
 
 class _AbortForgetsWaiters(LocalRendezvous):
     def start_abort(self, error: BaseException) -> None:
         with self._lock:
-            self._table.clear()
+            self._table.abort()
         super().start_abort(error)
 
 
@@ -134,6 +166,8 @@ def _check(name: str) -> Callable[[RendezvousPair], None]:
         (_KeepsTimedOutWaiters, "check_arecv_cancel_removes_waiter"),
         (_IgnoresCopy, "check_copy_true"),
         (_AcceptsObjects, "check_object_array_refused"),
+        (_AcceptsMasked, "check_state_losing_subclass_refused"),
+        (_KeepsSubclass, "check_plain_subclasses_arrive"),
         (_AbortForgetsWaiters, "check_abort_fails_pending"),
         (_LastErrorWins, "check_abort_first_error_wins"),
         (_CorruptsLarge, "check_large_value"),

@@ -17,8 +17,10 @@ from helpers import wait_for
 
 import shmrdv
 from shmrdv._child import ChildWorker
-from shmrdv._diagnose import _MAX_RECORDS, sightings
+from shmrdv._diagnose import explain_absent_producer
 from shmrdv._shm.naming import PREFIX, Names
+from shmrdv._shm.sightings import _MAX_RECORDS, sightings
+from shmrdv._transport import Sighting
 
 # A job name of this run's own: other test runs on the host use /job:worker tasks too.
 _JOB = f"diag{os.getpid()}x{secrets.token_hex(4)}"
@@ -134,9 +136,10 @@ def test_diagnose_scan_keeps_only_our_private_records(tmp_path: Path) -> None:
     other = tmp_path / f"shmrdv_{ns}_w{'5' * 20}"  # another task
     other.write_bytes(_record(CONSUMER, 14, ns))
     other.chmod(0o600)
-    found = sightings(PRODUCER, shm_dir=str(tmp_path))
+    found = sightings(PRODUCER, ns, shm_dir=str(tmp_path))
     # The one record found is not alive: nobody holds its lock (and its boot id is not ours).
-    assert [(s.namespace, s.pid, s.alive) for s in found] == [(ns, 11, False)]
+    assert [(s.namespace, s.pid, s.alive, s.ours) for s in found] == [(ns, 11, False, True)]
+    assert [s.ours for s in sightings(PRODUCER, "0" * len(ns), shm_dir=str(tmp_path))] == [False]
 
 
 def test_diagnose_scan_is_bounded(tmp_path: Path) -> None:
@@ -145,7 +148,7 @@ def test_diagnose_scan_is_bounded(tmp_path: Path) -> None:
         p = tmp_path / f"shmrdv_{ns}_w{i:020x}"
         p.write_bytes(_record(PRODUCER, i + 1, ns))
         os.chmod(p, 0o600)
-    assert len(sightings(PRODUCER, shm_dir=str(tmp_path))) == _MAX_RECORDS
+    assert len(sightings(PRODUCER, ns, shm_dir=str(tmp_path))) == _MAX_RECORDS
 
 
 def test_diagnose_arecv_timeout_explains_too() -> None:
@@ -165,3 +168,11 @@ def test_diagnose_local_timeout_has_no_hint() -> None:
     ):
         w.rendezvous(1).recv(key, timeout=0.1)
     assert str(info.value).endswith("the waiter was removed")
+
+
+def test_diagnose_sentence_from_sightings() -> None:
+    seen = [Sighting("aa", 7, True, False), Sighting("bb", 8, False, True)]
+    assert "is alive in namespace id aa (pid 7)" in (explain_absent_producer("t", seen) or "")
+    assert explain_absent_producer("t", [Sighting("bb", 8, True, True)]) is None
+    assert "not alive anywhere" in (explain_absent_producer("t", []) or "")
+    assert explain_absent_producer("t", None) is None  # no presence records on this host

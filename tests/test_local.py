@@ -112,7 +112,7 @@ def test_local_empty_channels_are_removed() -> None:
                 rdv.recv(key(f"t{i}"), timeout=0)
             assert rdv.recv_future(key(f"c{i}")).cancel()
         assert rdv.pending_keys() == []
-        assert rdv._table == {}
+        assert len(rdv._table) == 0
         assert rdv.stats() == {
             "pending_values": 0,
             "pending_waiters": 0,
@@ -131,8 +131,7 @@ def test_local_channel_holds_values_or_waiters_never_both() -> None:
         assert [f.result(1).value[0] for f in futs] == [0, 1, 2]
         s = rdv.stats()
         assert (s["pending_values"], s["pending_waiters"], s["keys"]) == (2, 0, 1)
-        channel = rdv._table[key("a")]
-        assert len(channel.values) == 2 and not channel.waiters
+        assert rdv._table.values_of(key("a")) == 2 and rdv._table.waiters_of(key("a")) == 0
 
 
 def test_local_stats_and_repr() -> None:

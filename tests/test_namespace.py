@@ -52,8 +52,21 @@ def test_resolve_namespace_rejects_unsafe_tokens(token: str) -> None:
 
 
 def test_resolve_namespace_rejects_unsafe_env_token_naming_the_variable() -> None:
-    with pytest.raises(InvalidArgumentError, match=f"environment variable {ENV_VAR} 'BAD'"):
+    with pytest.raises(InvalidArgumentError, match=f"environment variable {ENV_VAR} is not"):
         resolve_namespace(None, {ENV_VAR: "BAD"})
+
+
+def test_resolve_namespace_bad_token_described_not_echoed() -> None:
+    # A near miss of a real token (read with its newline, upper-cased) is as secret as it.
+    token = new_namespace()
+    with pytest.raises(InvalidArgumentError) as info:
+        resolve_namespace(token + "\n")
+    text = str(info.value)
+    assert token not in text
+    assert f"a string of {len(token) + 1} characters, with '\\n' among them" in text
+    with pytest.raises(InvalidArgumentError) as info:
+        resolve_namespace(token.upper())
+    assert token.upper() not in str(info.value)
 
 
 def test_resolve_namespace_rejects_non_str() -> None:

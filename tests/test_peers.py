@@ -7,15 +7,15 @@ import os
 
 import shmrdv
 from shmrdv._devices import DeviceName
-from shmrdv._peers import ALL_TRANSPORTS, Peers
-from shmrdv._shm.naming import Names
+from shmrdv._peers import ALL_TRANSPORTS, NoPresence, Peers
+from shmrdv._shm.board import ShmBoard
 
 A = "/job:a/replica:0/task:0"
 B = "/job:b/replica:0/task:0"
 
 
 def test_peers_unknown_task_is_provisional_and_local(shmrdv_namespace: str) -> None:
-    peers = Peers(Names(shmrdv_namespace), None)
+    peers = Peers(ShmBoard(shmrdv_namespace), None)
     try:
         rec = peers.lookup(DeviceName.parse(B + "/device:CPU:0"))
         assert (rec.task, rec.same_host, rec.transports, rec.address, rec.final) == (
@@ -32,7 +32,7 @@ def test_peers_unknown_task_is_provisional_and_local(shmrdv_namespace: str) -> N
 
 def test_peers_cluster_address_decides_before_the_peer_starts(shmrdv_namespace: str) -> None:
     cluster = shmrdv.ClusterSpec({"a": ["127.0.0.1:1"], "b": ["192.0.2.7:2222"]})
-    peers = Peers(Names(shmrdv_namespace), cluster)
+    peers = Peers(ShmBoard(shmrdv_namespace), cluster)
     try:
         rec = peers.lookup(DeviceName.parse(B))
         assert not rec.same_host and rec.address == "192.0.2.7:2222" and not rec.final
@@ -42,7 +42,7 @@ def test_peers_cluster_address_decides_before_the_peer_starts(shmrdv_namespace: 
 
 
 def test_peers_live_record_is_final(shmrdv_namespace: str) -> None:
-    peers = Peers(Names(shmrdv_namespace), None)
+    peers = Peers(ShmBoard(shmrdv_namespace), None)
     try:
         with shmrdv.Worker(B, namespace=shmrdv_namespace, transports=("grpc",)) as w:
             rec = peers.lookup(DeviceName.parse("/job:b/task:0"))  # replica defaults to 0
@@ -53,5 +53,18 @@ def test_peers_live_record_is_final(shmrdv_namespace: str) -> None:
             state, live = peers.liveness(DeviceName.parse(B))
             assert state == "alive" and live == rec
         assert peers.liveness(DeviceName.parse(B)) == ("absent", None)
+    finally:
+        peers.close()
+
+
+def test_peers_without_presence_records_answer_from_the_cluster() -> None:
+    """Where /dev/shm cannot be used (NoPresence): provisional answers, no sightings."""
+    cluster = shmrdv.ClusterSpec({"a": ["127.0.0.1:1"], "b": ["192.0.2.7:2222"]})
+    peers = Peers(NoPresence(), cluster)
+    try:
+        rec = peers.lookup(DeviceName.parse(A))
+        assert rec.same_host and rec.address == "127.0.0.1:1" and not rec.final
+        assert peers.liveness(DeviceName.parse(A)) == ("absent", None)
+        assert peers.sightings(DeviceName.parse(A)) is None
     finally:
         peers.close()

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
 import pytest
 
 import shmrdv
@@ -73,3 +79,71 @@ def test_plugin_leak_check_fails_the_leaking_test(pytester: pytest.Pytester) -> 
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--shmrdv")
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*shmrdv leak check*tdeaddead*"])
+
+
+LEAKY_TESTS = """
+import multiprocessing, os, subprocess, sys, time
+from shmrdv.testing import ChildWorker
+
+def _note(pid):
+    with open(os.environ["SHMRDV_TEST_LEAK_PIDS"], "a") as f:
+        f.write(f"{pid}\\n")
+
+def test_leaks_children():
+    # A user's bugs: children never joined. pytest joins the first at exit; the second
+    # would outlive the session.
+    p = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    p.start()
+    q = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # leaked"])
+    _note(p.pid)
+    _note(q.pid)
+
+def test_leaks_a_dead_worker(shmrdv_namespace):
+    child = ChildWorker("/job:u/task:5", namespace=shmrdv_namespace)
+    child.kill()  # SIGKILL: its presence record and doorbell stay
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_plugin_ends_leaked_children_and_names_leaked_objects(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pids_file = tmp_path / "pids"
+    monkeypatch.setenv("SHMRDV_TEST_LEAK_PIDS", str(pids_file))
+    pytester.makepyfile(LEAKY_TESTS)
+    t0 = time.monotonic()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--shmrdv", timeout=150)
+    elapsed = time.monotonic() - t0
+    pids = [int(p) for p in pids_file.read_text().split()]
+    try:
+        result.assert_outcomes(passed=2, errors=2)
+        result.stdout.fnmatch_lines(
+            [
+                f"*shmrdv leak check: child processes still running, ended by the leak check: "
+                f"{min(pids)} (SIGTERM), {max(pids)} (SIGTERM)*"
+            ]
+        )
+        result.stdout.fnmatch_lines(
+            [
+                "*left in /dev/shm: *presence of namespace id *, task /job:u/replica:0/task:5, "
+                "pid *(shmrdv_*"
+            ]
+        )
+        # Neither outlived the session, nor held up its exit (60 s sleeps).
+        assert not [pid for pid in pids if _alive(pid)]
+        assert elapsed < 30
+    finally:
+        for pid in pids:  # what a plugin that only reports leaves running (orphans now)
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+                if b"sleep(60)" in cmdline or b"multiprocessing" in cmdline:
+                    os.kill(pid, signal.SIGKILL)

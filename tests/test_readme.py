@@ -122,3 +122,14 @@ def test_readme_pytorch_section_has_a_torch_example() -> None:
     body = _section("PyTorch users")
     (block,) = re.findall(r"```python\n(.*?)```", body, re.S)
     assert ".numpy()" in block and "torch.from_numpy" in block
+
+
+def test_readme_pytorch_section_says_it_needs_torch_before_its_example() -> None:
+    prose = _section("PyTorch users").split("```python", 1)[0]
+    assert "needs PyTorch" in prose and "pip install torch" in prose, prose
+
+
+def test_readme_states_no_test_counts() -> None:
+    # Counts go stale with every test added (it said 1,405 when 1,406 were collected).
+    counts = re.findall(r"\b\d[\d,]*\s+tests\b", README)
+    assert not counts, f"the README states test counts that go stale: {counts}"

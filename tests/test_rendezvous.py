@@ -2,7 +2,7 @@
 
 recv (timeout, interruption), recv_async, recv_future (cancel and its race) and arecv
 (timeout, cancellation and its race) are written once in _rendezvous.py on top of a
-transport's ``_start_recv``; these tests pin them down with the reference transport.
+rendezvous's ``start_recv``; these tests pin them down with the reference transport.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from shmrdv._errors import AbortedError, DeadlineExceededError, InvalidArgumentE
 from shmrdv._keys import ParsedKey, create_key, parse_key
 from shmrdv._local import LocalRendezvous
 from shmrdv._received import Received
-from shmrdv._rendezvous import Canceller, check_timeout
+from shmrdv._rendezvous import Canceller, Rendezvous, check_timeout
+from shmrdv._router import StepRendezvous
 
 DEV = "/job:w/replica:0/task:0/device:CPU:0"
 KEY = create_key(DEV, 1, DEV, "edge")
@@ -47,13 +48,20 @@ class _SlowDelivery(LocalRendezvous):
         self.entered = threading.Event()
         self.gate = threading.Event()
 
-    def _start_recv(self, key: ParsedKey, done: DoneCallback, copy: bool) -> Canceller:
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
         def slow(error: BaseException | None, received: Received | None) -> None:
             self.entered.set()
             self.gate.wait(5)
             done(error, received)
 
-        return super()._start_recv(key, slow, copy)
+        return super().start_recv(key, slow, copy=copy, blocking=blocking)
 
 
 def _send_in_thread(rdv: LocalRendezvous, value: Any) -> threading.Thread:
@@ -351,3 +359,11 @@ def test_rendezvous_allocate_default(rdv: LocalRendezvous) -> None:
         rdv.allocate(KEY, (2,), "not a dtype")
     with pytest.raises(InvalidArgumentError):
         rdv.allocate("bad", (2,), np.float32)
+
+
+def test_rendezvous_abstract_methods_are_public_and_recv_is_written_once() -> None:
+    """A user's subclass implements public methods only; every flavour lives in the base."""
+    assert Rendezvous.__abstractmethods__ == {"send", "start_recv", "start_abort"}
+    flavours = ("recv", "recv_async", "recv_future", "arecv")
+    for cls in (LocalRendezvous, StepRendezvous):
+        assert not [name for name in flavours if name in vars(cls)], cls

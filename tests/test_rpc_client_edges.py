@@ -94,17 +94,16 @@ def test_cancel_racing_a_failed_call_never_strands_the_receiver(
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there
-    original = call_mod.Recv._on_unary
+    original = call_mod.Recv._on_callback
     failed = threading.Event()
 
-    def slow_on_unary(self: Any, acks: list[int], call: Any) -> None:
+    def slow_on_callback(self: Any, call: Any) -> None:
         failed.set()
         time.sleep(0.3)
-        original(self, acks, call)
+        original(self, call)
 
-    monkeypatch.setattr(call_mod.Recv, "_on_unary", slow_on_unary)
+    monkeypatch.setattr(call_mod.Recv, "_on_callback", slow_on_callback)
     with RpcClient() as cli:
-        cli._channels.remember_no_link(f"127.0.0.1:{port}")  # the unary path, whose race this is
         called = threading.Event()
         cancel = cli.start_recv(f"127.0.0.1:{port}", 1, make_key("race"), lambda e, r: called.set())
         assert failed.wait(10)
@@ -125,7 +124,7 @@ def test_acks_go_at_most_max_acks_per_request() -> None:
     from shmrdv._rpc import messages
     from shmrdv._rpc.acks import AckQueue
 
-    queue = AckQueue((), lambda address: (None, None))
+    queue = AckQueue((), lambda address: None)
     ids = list(range(1, messages.MAX_ACKS + 477))
     queue.give_back("127.0.0.1:1", ids)
     first = queue.take("127.0.0.1:1")

@@ -282,6 +282,18 @@ def test_encode_response_object_array_refused() -> None:
         messages.encode_response([1, 2], is_dead=False)  # type: ignore[arg-type]
 
 
+def test_encode_response_masked_array_refused_memmap_encoded(tmp_path: Any) -> None:
+    masked = np.ma.masked_array([1.0, 2.0], mask=[False, True])
+    with pytest.raises(InvalidArgumentError, match=r"cannot encode a numpy\.ma\.MaskedArray.*mask"):
+        messages.encode_response(masked, is_dead=False)
+    mapped = np.memmap(tmp_path / "m", dtype=np.int32, mode="w+", shape=(4, 3))
+    mapped[:] = np.arange(12, dtype=np.int32).reshape(4, 3)
+    got = messages.decode_response(messages.encode_response(mapped, is_dead=False)).value
+    assert type(got) is np.ndarray
+    assert got.dtype == np.int32 and got.tolist() == np.asarray(mapped).tolist()
+    del mapped
+
+
 def test_encode_response_over_2gib_refused_before_copying() -> None:
     try:
         arr = np.empty(1 << 31, np.uint8)  # never written: its pages are never touched
@@ -480,7 +492,9 @@ def test_decode_request_invalid_utf8_key_refused() -> None:
 def test_encode_mark_recv_finished_bytes_equal_generated(request_id: int) -> None:
     ours = messages.encode_mark_recv_finished(request_id)
     assert ours == worker_pb2.MarkRecvFinishedRequest(request_id=request_id).SerializeToString()
-    assert messages.decode_mark_recv_finished(ours) == request_id
+    assert messages.decode_mark_recv_finished(ours) == (request_id, False)
+    released = messages.encode_mark_recv_finished(request_id, released=True)
+    assert messages.decode_mark_recv_finished(released) == (request_id, True)
 
 
 @FUZZ
@@ -490,7 +504,7 @@ def test_decode_mark_recv_finished_fuzz_raises_only_shmrdv_errors(data: bytes) -
         got = messages.decode_mark_recv_finished(data)
     except WIRE_ERRORS:
         return
-    assert worker_pb2.MarkRecvFinishedRequest.FromString(data).request_id == got
+    assert worker_pb2.MarkRecvFinishedRequest.FromString(data).request_id == got[0]
 
 
 # ---------------------------------------------------------------------- GetStatus

@@ -54,7 +54,6 @@ from shmrdv._rpc.methods import (
     MARK_RECV_FINISHED_METHOD,
     RECV_TENSOR_METHOD,
     RECV_TENSOR_STREAM_METHOD,
-    RELEASE_RECV_METHOD,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,7 +164,6 @@ _METHODS: list[tuple[str, bool]] = [
     (RECV_TENSOR_METHOD, False),
     (RECV_TENSOR_STREAM_METHOD, True),
     (MARK_RECV_FINISHED_METHOD, False),
-    (RELEASE_RECV_METHOD, False),
     (GET_STATUS_METHOD, False),
 ]
 
@@ -175,7 +173,7 @@ def _expected(method: str, code: grpc.StatusCode) -> bool:
         return code in BAD_REQUEST_CODES
     if method == GET_STATUS_METHOD:
         return bool(code == grpc.StatusCode.OK)  # GetStatusRequest has no fields: anything goes
-    # MarkRecvFinished / ReleaseRecv: an id to forget, or a parse error.
+    # MarkRecvFinished (also "released"): an id to forget, or a parse error.
     return code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT)
 
 
@@ -401,17 +399,24 @@ def test_server_requests_for_unused_steps_leave_no_state(pair: Pair) -> None:
 
 
 class GarbagePeer:
-    """A raw gRPC server on the producer's address whose RecvTensorStream answers whatever
-    messages the test sets (a broken or hostile peer, not shmrdv's server)."""
+    """A raw gRPC server on the producer's address whose RecvTensor says "stream it"
+    (empty bytes) and whose RecvTensorStream answers whatever messages the test sets (a
+    broken or hostile peer, not shmrdv's server)."""
 
     def __init__(self) -> None:
         self.messages: list[bytes] = []
-        handler = grpc.method_handlers_generic_handler(
-            "shmrdv.Rendezvous",
-            {"RecvTensorStream": grpc.unary_stream_rpc_method_handler(self._stream)},
-        )
+        handlers = [
+            grpc.method_handlers_generic_handler(
+                "shmrdv.Rendezvous",
+                {"RecvTensorStream": grpc.unary_stream_rpc_method_handler(self._stream)},
+            ),
+            grpc.method_handlers_generic_handler(
+                "tensorflow.WorkerService",
+                {"RecvTensor": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"")},
+            ),
+        ]
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
-        self.server.add_generic_rpc_handlers([handler])
+        self.server.add_generic_rpc_handlers(handlers)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
 

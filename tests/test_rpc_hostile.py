@@ -21,7 +21,7 @@ from rpc_helpers import StepSource, make_key, pull
 from shmrdv._errors import InternalError
 from shmrdv._rpc import messages, tensors
 from shmrdv._rpc.client import RpcClient
-from shmrdv._rpc.methods import GET_STATUS_METHOD, RECV_TENSOR_INLINE_METHOD, RECV_TENSOR_METHOD
+from shmrdv._rpc.methods import GET_STATUS_METHOD, RECV_TENSOR_METHOD
 from shmrdv._rpc.server import RpcServer
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,8 +32,8 @@ source = rpc_helpers.source
 
 
 def _park(channel: grpc.Channel, name: str, n: int, timeout: float = 30.0) -> list[grpc.Future]:
-    """``n`` RecvTensorInline calls for keys never sent, each with its own request_id."""
-    call = channel.unary_unary(RECV_TENSOR_INLINE_METHOD)
+    """``n`` RecvTensor calls for keys never sent, each with its own request_id."""
+    call = channel.unary_unary(RECV_TENSOR_METHOD)
     return [
         call.future(
             messages.encode_request(1, make_key(f"{name}{i}").full_key, secrets.randbits(62) + 1),
@@ -125,9 +125,9 @@ def test_an_ack_flood_does_not_slow_a_legitimate_call(source: StepSource) -> Non
     ):
         parked = _park(ch, "p", 2000, timeout=60)
         _wait_parked(server, 2000)
-        inline = ch.unary_unary(RECV_TENSOR_INLINE_METHOD)
+        recv = ch.unary_unary(RECV_TENSOR_METHOD)
         flood = [
-            inline.future(
+            recv.future(
                 messages.encode_request(
                     1,
                     make_key(f"flood{i}").full_key,
@@ -176,13 +176,13 @@ def _zero_item_response(count: int) -> bytes:
 
 @pytest.mark.parametrize("count", [2**62, 2**30], ids=["2**62", "2**30"])
 def test_a_zero_itemsize_tensor_of_many_elements_is_refused_naming_the_peer(count: int) -> None:
-    """A fake peer (no Exchange: the client falls back to RecvTensorInline) answers |V0 of
-    shape (count,): refused at once with InternalError, no per-element work anywhere."""
+    """A fake peer answers RecvTensor with |V0 of shape (count,): refused at once with
+    InternalError, no per-element work anywhere."""
     answer = _zero_item_response(count)
     handler = grpc.unary_unary_rpc_method_handler(lambda request, context: answer)
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
     server.add_generic_rpc_handlers(
-        [grpc.method_handlers_generic_handler("shmrdv.Rendezvous", {"RecvTensorInline": handler})]
+        [grpc.method_handlers_generic_handler("tensorflow.WorkerService", {"RecvTensor": handler})]
     )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

@@ -1,4 +1,4 @@
-"""A handoff's cost does not grow with the receives pending on the same link
+"""A handoff's cost does not grow with the receives pending on the same channel
 (issue 15 §1, gRPC side): real RpcServer and RpcClient on 127.0.0.1."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _handoffs(client: RpcClient, source: StepSource, address: str, n: int) -> fl
             got.append(received)
             arrived.set()
 
-        client.start_recv(address, 1, key, done, direct=True)
+        client.start_recv(address, 1, key, done)
         time.sleep(0.002)  # parked on the server first: the handoff is the send
         t0 = time.perf_counter()
         source.send(1, key, np.array([i]))
@@ -62,7 +62,6 @@ def test_ten_thousand_pending_receives_do_not_slow_a_handoff(source: StepSource)
             assert time.monotonic() < deadline, f"{server.stats()['parked']} parked"
             time.sleep(0.05)
         with_pending = _handoffs(client, source, server.address, 60)
-        assert client.stats()["links"] == 1
         assert all(cancel() for cancel in cancels)
         # Issue 15's target is 1.2x; a shared 2-CPU machine needs slack for its noise.
         assert with_pending <= 2.0 * before + 0.0005, (before, with_pending)

@@ -14,6 +14,7 @@ from shmrdv._child import ChildWorker
 from shmrdv._devices import DeviceName
 from shmrdv._errors import ResourceExhaustedError
 from shmrdv._peers import Peers
+from shmrdv._shm.board import ShmBoard
 from shmrdv._shm.inflight import LSTATS_PER_REFRESH, Inflight
 from shmrdv._shm.naming import Names
 from shmrdv._shm.ring import Ring, ring_size
@@ -29,8 +30,8 @@ def names(ns: str) -> Names:
 
 
 @pytest.fixture
-def peers(names: Names) -> Iterator[Peers]:
-    p = Peers(names, None)
+def peers(ns: str) -> Iterator[Peers]:
+    p = Peers(ShmBoard(ns), None)
     yield p
     p.close()
 

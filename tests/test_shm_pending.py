@@ -20,7 +20,7 @@ def test_pending_receives_do_not_make_handoffs_probe_or_list() -> None:
         calls: list[object] = []
         cancels = [
             cons.transport.start_recv(
-                1, key_between(P, C, f"never{i}"), lambda e, r: calls.append(e), False, False
+                1, key_between(P, C, f"never{i}"), lambda e, r: calls.append(e)
             )
             for i in range(2000)
         ]

@@ -28,7 +28,7 @@ OTHER = "/job:worker/replica:0/task:2"
 
 
 def _info(names: Names, task: str = TASK, incarnation: int = 7) -> PresenceInfo:
-    return PresenceInfo(task, os.getpid(), boot_id(), incarnation, time.time(), names.namespace)
+    return PresenceInfo(task, os.getpid(), boot_id(), incarnation, time.time(), names.namespace_id)
 
 
 def _gone(pid: int) -> bool:

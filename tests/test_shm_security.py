@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import stat
 import time
 import traceback
@@ -359,3 +360,75 @@ def test_security_planted_copier_budget_does_not_turn_helpers_off() -> None:
             tokens.give(got)
     finally:
         os.unlink(old)
+
+
+def _squat_vacated(prefix: str) -> None:
+    """As "nobody": plant a file under every name of the namespace seen to vanish, until
+    killed (at most 60 s)."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = {e for e in os.listdir(SHM_DIR) if e.startswith(prefix)}
+        for name in seen - now:
+            with contextlib.suppress(OSError):
+                _plant_file(os.path.join(SHM_DIR, name))
+        seen |= now
+        time.sleep(0.0005)
+
+
+def child_pingpong_big(worker: shmrdv.Worker, n: int, nbytes: int) -> dict[str, int]:
+    rdv = worker.rendezvous(1)
+    for i in range(n):
+        rdv.send(make_key(f"big{i}"), np.full(nbytes, i % 251, np.uint8))
+        rdv.recv(make_key(f"ack{i}", src=CONSUMER, dst=PRODUCER), timeout=20)
+    stats: dict[str, int] = worker.stats()["shm"]
+    return stats
+
+
+@pytest.mark.timeout(120)
+def test_security_files_planted_under_vacated_slot_names_do_not_defeat_the_pool(ns: str) -> None:
+    """Issue 20 §3: another user re-creates every name it saw vanish (a pool slot's ``p``,
+    ``h``, ``r`` names); each lend of a slot has names of its own, so the pool keeps
+    reusing its slots and nothing planted is ever touched."""
+    from shmrdv._child import ChildWorker
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the attacker
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            _squat_vacated(Names(ns).prefix)
+            code = 0
+        finally:
+            os._exit(code)
+    n = 60
+    try:
+        with (
+            shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+            ChildWorker(PRODUCER, namespace=ns) as producer,
+        ):
+            rdv = consumer.rendezvous(1)
+
+            def pong() -> None:
+                for i in range(n):
+                    got = rdv.recv(make_key(f"big{i}"), timeout=20).value
+                    assert got[0] == got[-1] == i % 251
+                    del got
+                    rdv.send(make_key(f"ack{i}", src=CONSUMER, dst=PRODUCER), np.array([i]))
+
+            import threading
+
+            t = threading.Thread(target=pong, daemon=True)
+            t.start()
+            stats = producer.call(child_pingpong_big, n, 4 << 20, timeout=90)
+            t.join(30)
+            consumer.cleanup(1)
+            producer.cleanup(1)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    # Before: reuse dropped to 0-98 of 200 (a planted "r" name made a slot's return fail).
+    assert stats["pool_reused"] >= n - 5, stats
+    assert stats["pool_created"] <= 4, stats

@@ -81,6 +81,14 @@ def child_idle_recv_cpu(worker: shmrdv.Worker, key: str, wait_s: float) -> tuple
     return time.process_time() - cpu0, time.monotonic() - wall0, err
 
 
+def child_recv_pinned(worker: shmrdv.Worker, key: str) -> tuple[int, int]:
+    """On one CPU, block in recv until ``key`` comes; return (value, spin_us)."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    time.sleep(1.1)  # the dispatcher counts the usable CPUs again after a second
+    got = worker.rendezvous(1).recv(key, timeout=20).value
+    return int(got[0]), int(worker.stats()["shm"]["spin_us"])
+
+
 # -- fixtures -------------------------------------------------------------------------------
 
 
@@ -378,6 +386,59 @@ def test_notify_blocked_recv_does_not_spin() -> None:
     assert err == "DeadlineExceededError"
     assert wall >= 1.9
     assert cpu < 0.05 * wall, f"a consumer blocked {wall:.2f}s used {cpu:.3f}s of CPU"
+
+
+def test_notify_busy_poll_polls_until_the_value_comes_and_reports_it() -> None:
+    ns = shmrdv.new_namespace()
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns, busy_poll=5.0) as consumer,
+        ChildWorker(PRODUCER, namespace=ns) as producer,
+    ):
+        rdv = consumer.rendezvous(1)
+        # A first message starts the busy-poll budget (polling lasts busy_poll after one).
+        producer.send(make_key("first"), np.array([1]), step=1)
+        assert rdv.recv(make_key("first"), timeout=10).value[0] == 1
+        timer = threading.Timer(0.3, producer.send, (make_key("late"), np.array([7])), {"step": 1})
+        cpu0, t0 = time.thread_time(), time.monotonic()
+        timer.start()
+        try:
+            assert rdv.recv(make_key("late"), timeout=10).value[0] == 7
+        finally:
+            timer.join(10)
+        cpu, wall = time.thread_time() - cpu0, time.monotonic() - t0
+        st = shm_stats(consumer)
+        # It polled rather than slept, and says how long (the CPU it got is a share of
+        # the wall time on a loaded machine, but far more than a sleeper's).
+        assert st["spin_us"] >= 0.5 * wall * 1e6, st
+        assert cpu >= 0.1 * wall, (cpu, wall)
+        consumer.cleanup(1)
+        producer.cleanup(1)
+
+
+@pytest.mark.parametrize("bad", [-1, "fast", float("nan"), True, 1e9])
+def test_notify_busy_poll_refuses_bad_values(bad: Any) -> None:
+    with pytest.raises(shmrdv.InvalidArgumentError, match="busy_poll"):
+        shmrdv.Worker(CONSUMER, namespace=shmrdv.new_namespace(), busy_poll=bad)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin to one")
+def test_notify_no_spin_on_one_cpu() -> None:
+    ns = shmrdv.new_namespace()
+    with (
+        shmrdv.Worker(PRODUCER, namespace=ns) as producer,
+        ChildWorker(CONSUMER, namespace=ns) as consumer,
+    ):
+        key = make_key("pinned")
+        timer = threading.Timer(1.6, producer.rendezvous(1).send, (key, np.array([5])))
+        timer.start()
+        try:
+            value, spin_us = consumer.call(child_recv_pinned, key, timeout=30)
+        finally:
+            timer.join(10)
+        assert value == 5
+        assert spin_us == 0, f"spun {spin_us} µs with one usable CPU"
+        producer.cleanup(1)
+        consumer.cleanup(1)
 
 
 @pytest.mark.timeout(90)

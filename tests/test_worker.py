@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,8 +87,15 @@ def test_worker_task_is_canonical(worker: shmrdv.Worker) -> None:
 
 
 def test_worker_one_live_worker_per_task(worker: shmrdv.Worker) -> None:
-    with pytest.raises(shmrdv.InvalidArgumentError, match="already running"):
+    with pytest.raises(shmrdv.InvalidArgumentError, match="already running") as info:
         shmrdv.Worker(TASK, namespace=worker.namespace)
+    text = str(info.value)
+    # The holder is this very process, and the message says so; the namespace goes by its id.
+    assert (
+        f"in this process itself (pid {os.getpid()}, incarnation {worker.incarnation:#x})" in text
+    )
+    assert f"namespace id {shmrdv.namespace_id(worker.namespace)}" in text
+    assert worker.namespace not in text
 
 
 def test_worker_rendezvous_same_object_per_step(worker: shmrdv.Worker) -> None:
@@ -158,6 +167,58 @@ def test_worker_checks_src_and_dst_as_parsed_tasks(worker: shmrdv.Worker) -> Non
         rdv.send(key("z", src=OTHER), np.zeros(1))
     with pytest.raises(shmrdv.InvalidArgumentError, match=r"\(dst\)"):
         rdv.recv(key("z", dst=OTHER), timeout=1)
+
+
+def test_worker_key_of_another_task_says_which_tasks_and_what_to_do(
+    worker: shmrdv.Worker,
+) -> None:
+    rdv = worker.rendezvous(0)
+    other_task = "/job:worker/replica:0/task:10"
+    with pytest.raises(shmrdv.InvalidArgumentError) as info:
+        rdv.recv(key("d", dst=OTHER), timeout=1)
+    text = str(info.value)
+    assert text.startswith("Invalid rendezvous key (dst): ")  # TensorFlow's words first
+    assert f"the key's consumer (dst) is task {other_task}" in text
+    assert f"this worker is {TASK}" in text
+    assert "call recv on the Worker of the task the key names" in text
+    assert f"a dst device of this task (e.g. {TASK}/device:CPU:0)" in text
+    with pytest.raises(shmrdv.InvalidArgumentError) as info:
+        rdv.send(key("s", src=OTHER), np.zeros(1))
+    text = str(info.value)
+    assert f"the key's producer (src) is task {other_task}" in text
+    assert f"this worker is {TASK}" in text
+    assert "call send on the Worker of the task the key names" in text
+    # A device without a task (TensorFlow's legacy "/cpu:0") is said to name none.
+    with pytest.raises(shmrdv.InvalidArgumentError, match="names no task"):
+        rdv.recv(key("l", dst="/cpu:0"), timeout=1)
+
+
+@pytest.mark.parametrize("transports", [None, ("grpc",)], ids=["shm", "grpc"])
+def test_worker_sends_memmap_refuses_masked_array(
+    tmp_path: Any, transports: tuple[str, ...] | None
+) -> None:
+    from shmrdv._child import ChildWorker
+
+    ns = shmrdv.new_namespace()
+    peer = "/job:worker/replica:0/task:1"
+    with (
+        shmrdv.Worker(TASK, namespace=ns, transports=transports) as w,
+        ChildWorker(peer, namespace=ns, transports=transports) as child,
+    ):
+        rdv = w.rendezvous(0)
+        mapped = np.memmap(tmp_path / "m", dtype=np.float64, mode="w+", shape=(256, 256))
+        mapped[:] = np.arange(256 * 256, dtype=np.float64).reshape(256, 256)
+        k = key("mapped", dst=peer + "/device:CPU:0")
+        rdv.send(k, mapped)
+        testing.assert_same(child.recv(k, timeout=10).value, np.asarray(mapped), "memmap")
+        masked = np.ma.masked_array(np.arange(3.0), mask=[True, False, False])
+        k = key("masked", dst=peer + "/device:CPU:0")
+        with pytest.raises(shmrdv.InvalidArgumentError, match="without the mask"):
+            rdv.send(k, masked)
+        with pytest.raises(shmrdv.DeadlineExceededError):
+            child.recv(k, timeout=0.3)  # nothing of it was sent
+        del mapped
+        child.close()
 
 
 def test_worker_incarnation_mismatch_is_aborted(worker: shmrdv.Worker) -> None:

@@ -8,7 +8,9 @@ shares (size lists, pinning); every mode's processes are ``shmrdv._procs`` child
 method contract, the registry (``METHODS``, ``register_method``) and the peer methods,
 ``shmrdv_methods`` shmrdv's own; ``report`` turns the figures into markdown tables, JSON
 and a plot. The other modes are whole runs of their own: ``load`` (``--load``), ``soak``
-(``--soak``), ``pycost`` (``--python-cost``) and ``fanin`` (``--fan-in N``). Nothing here
+(``--soak``), ``pycost`` (``--python-cost``), ``fanin`` (``--fan-in N``), ``pipeline``
+(``--pipeline``) and ``remote`` (``--peer HOST:PORT``, against ``echo``, the echo peer of
+``shmrdv serve``). ``textfit`` fits every report into 100 columns. Nothing here
 is imported by ``import shmrdv``. Run it as ``python -m shmrdv bench`` or
 ``python tools/bench.py``; see research/peer_numbers.md for the measurement it repeats.
 """

@@ -1,4 +1,5 @@
-"""What every ``shmrdv bench`` mode shares: sizes of float32 arrays as text, and CPU pinning.
+"""What every ``shmrdv bench`` mode shares: sizes of float32 arrays as text, CPU pinning, and
+the environment its child processes start with.
 
 Sizes are ``shmrdv._sizes`` sizes (one parser and one printer for the whole project),
 narrowed to what a float32 array can be. ``runner``, ``load``, ``soak`` and the other modes
@@ -7,11 +8,34 @@ import it; it imports none of them.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 from .._sizes import parse_size
 
-__all__ = ["parse_array_size", "parse_sizes", "pin_cpus"]
+__all__ = [
+    "GRPC_OPTIONS",
+    "GRPC_VERBOSITY",
+    "grpc_quiet_children",
+    "parse_array_size",
+    "parse_sizes",
+    "pin_cpus",
+]
+
+# gRPC core logs at INFO when a channel's server goes away with calls open ("chttp2_transport.cc
+# ... Got goaway [2] ... Cancelling all calls"): a bench role's Worker stops its server while
+# the other role's stream to it is still parked. That is no error of the run, so the bench's
+# children log gRPC errors only (issue 20 §4); a GRPC_VERBOSITY the user set is kept.
+GRPC_VERBOSITY = "ERROR"
+
+# The channel and server options of every raw grpcio peer: no message size limit (the
+# default receive limit is 4 MiB, pitfalls.md §6) and no proxy for loopback.
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.enable_http_proxy", 0),
+]
 
 
 def parse_array_size(text: str) -> int:
@@ -43,3 +67,17 @@ def pin_cpus(pin: bool | None) -> tuple[int, int] | None:
             raise ValueError(f"--pin needs two usable CPUs; this process may use {len(cpus)}")
         return None
     return cpus[0], cpus[1]
+
+
+@contextlib.contextmanager
+def grpc_quiet_children() -> Iterator[None]:
+    """While open, processes started from here get ``GRPC_VERBOSITY=ERROR`` (gRPC reads it
+    when it loads), unless the variable is set; this process's own setting is restored after."""
+    if "GRPC_VERBOSITY" in os.environ:
+        yield
+        return
+    os.environ["GRPC_VERBOSITY"] = GRPC_VERBOSITY
+    try:
+        yield
+    finally:
+        os.environ.pop("GRPC_VERBOSITY", None)

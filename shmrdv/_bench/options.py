@@ -21,14 +21,19 @@ __all__ = [
     "LOAD_PRODUCERS",
     "LOAD_SEED",
     "LOAD_WINDOW",
+    "PIPELINE_CASES",
     "QUICK_SIZES",
     "SOAK_HANDOFFS",
     "SOAK_MAX_SIZE",
+    "SYSCALL_HANDOFFS",
     "add_fan_in_arguments",
     "add_load_arguments",
+    "add_peer_arguments",
+    "add_pipeline_arguments",
     "add_pingpong_arguments",
     "add_python_cost_arguments",
     "add_soak_arguments",
+    "add_syscall_arguments",
     "build_parser",
 ]
 
@@ -47,6 +52,10 @@ LOAD_SEED = 6
 # --soak (soak.py's SoakConfig likewise)
 SOAK_HANDOFFS = 200_000
 SOAK_MAX_SIZE = "256k"
+# --syscalls (syscalls.py): handoffs of the longer of its two strace runs
+SYSCALL_HANDOFFS = 2_000
+# --pipeline (pipeline.py takes its default cases from here)
+PIPELINE_CASES = "64k:1000,16m:100"
 
 
 # -- option types: a value out of range is a usage error (exit 2) that gives the range ------
@@ -171,6 +180,12 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="pin the producer and the consumer of every method to two different CPUs "
         "(default: on where two CPUs or more are usable; --no-pin: let the kernel place them)",
+    )
+    parser.add_argument(
+        "--touch",
+        action="store_true",
+        help="the consumer reads every byte of every array it receives (timed, in the round "
+        "trip); its minor page faults per message are reported either way",
     )
     parser.add_argument(
         "--json", metavar="FILE", help="write every figure and the machine description as JSON"
@@ -299,6 +314,48 @@ def add_fan_in_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_syscall_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--syscalls`` option (syscalls.py); ``--methods``, ``--sizes``, ``--pin``,
+    ``--gap-us``, ``--touch`` and ``--json`` apply."""
+    parser.add_argument(
+        "--syscalls",
+        type=int_range(8, 10_000_000),
+        nargs="?",
+        const=SYSCALL_HANDOFFS,
+        metavar="N",
+        help="instead: system calls and futex calls per handoff of each method (default "
+        "sem_pingpong,shmrdv_send; size default 64 B), counted by `strace -f -c` over N and "
+        f"N/4 handoffs (default N {SYSCALL_HANDOFFS:,}), the difference divided; needs strace",
+    )
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--pipeline`` options (pipeline.py); ``--reps``, ``--methods`` and ``--pin`` apply."""
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="instead: throughput of a stream of tensors from one producer to one consumer "
+        "that receives them in order, shmrdv over gRPC and shared memory against a raw grpcio "
+        "server-streaming call (cases: --pipeline-cases; rounds: --reps, default 3)",
+    )
+    parser.add_argument(
+        "--pipeline-cases",
+        metavar="SIZE:COUNT,...",
+        help=f"tensor size and count of each case (default {PIPELINE_CASES})",
+    )
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--peer`` option (remote.py); ``--sizes``, ``--reps``, ``--budget`` apply."""
+    parser.add_argument(
+        "--peer",
+        metavar="HOST:PORT",
+        help="instead: the round trip to `shmrdv serve --listen HOST:PORT` on another host "
+        "(an echo peer, as iperf's server), shmrdv over gRPC against a raw grpcio call, "
+        "per size (default sizes 64,64k,1m,16m); the token, if any, from $SHMRDV_TOKEN",
+    )
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
     parser.description = (
@@ -310,4 +367,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_soak_arguments(parser)
     add_python_cost_arguments(parser)
     add_fan_in_arguments(parser)
+    add_syscall_arguments(parser)
+    add_pipeline_arguments(parser)
+    add_peer_arguments(parser)
     return parser

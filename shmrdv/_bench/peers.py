@@ -41,8 +41,9 @@ Acks are four int64s (``Ack``: head stamp, tail stamp, arrival time in
 the pinger's start is the one-way time.
 
 Adding a method: write the two factories, then ``register_method(MethodSpec(...))``
-at import time of the module that holds them (the runner imports
-``shmrdv._bench.shmrdv_methods`` if it exists). Peers live in this file.
+at import time of the module that holds them (the runner imports the modules of its
+``PLUGIN_MODULES``: ``shmrdv_methods``, shmrdv's own, and ``iceoryx_methods``, iceoryx2's,
+a peer big enough for a file of its own). The other peers live in this file.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import importlib.util
 import mmap
 import os
 import pickle
+import resource
 import struct
 import threading
 import time
@@ -65,9 +67,12 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from .common import GRPC_OPTIONS
+
 __all__ = [
     "ALIASES",
     "KIND_CHECK",
+    "KIND_FAULTS",
     "KIND_PROBE_END",
     "KIND_PROBE_START",
     "KIND_STOP",
@@ -98,6 +103,7 @@ KIND_CHECK = 1  # untimed; the ponger CRC32s the whole array into Ack.extra
 KIND_PROBE_START = 2  # idle-CPU probe starts: the ponger notes its CPU time
 KIND_PROBE_END = 3  # idle-CPU probe ends: Ack.extra = CPU share in parts per million
 KIND_STOP = 4  # last handoff: the ponger acks it and leaves serve()
+KIND_FAULTS = 5  # untimed; Ack.extra = the ponger's minor page faults so far (getrusage)
 _KIND_BITS = 8
 SEQ_LIMIT = 2**24 // _KIND_BITS
 
@@ -135,9 +141,12 @@ class Handler:
 
     Call it as soon as a usable array is held; it does not keep the array. It never
     blocks; a CRC of a large array takes a while, but only on the untimed check handoffs.
+    ``touch`` (``--touch``): it also reads every byte of every array, as a consumer that
+    uses its data does (the read is timed: it is part of the round trip, not the one-way).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, touch: bool = False) -> None:
+        self.touch = touch
         self.done = False
         self.handled = 0
         self._probe_cpu_ns = 0
@@ -149,6 +158,10 @@ class Handler:
         tail = int(a[-1])
         kind = head % _KIND_BITS
         extra = 0
+        if self.touch:
+            # The fastest full read numpy has (~60 GB/s when cached): what is timed is
+            # reaching the bytes (mapping, faults, cache misses), not arithmetic.
+            extra = int(a.reshape(-1).view(np.uint8).max())
         if kind == KIND_CHECK:
             extra = zlib.crc32(a.data)
         elif kind == KIND_PROBE_START:
@@ -158,6 +171,9 @@ class Handler:
             cpu = time.process_time_ns() - self._probe_cpu_ns
             wall = max(1, t_recv - self._probe_wall_ns)
             extra = cpu * 1_000_000 // wall
+        elif kind == KIND_FAULTS:
+            # After the touch: the faults of this array's read count with this handoff.
+            extra = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         elif kind == KIND_STOP:
             self.done = True
         self.handled += 1
@@ -604,18 +620,14 @@ def sem_ponger(ctx: RoleContext) -> Ponger:
 
 
 # -- grpc_push: raw grpcio unary call on 127.0.0.1, the tensor in the REQUEST -------------
-# Identity serializers: the request is a.tobytes(), the handler views it with
+# Identity serializers: the request is a.tobytes() (made per handoff, timed, as in grpc_pull
+# below), the handler views it with
 # np.frombuffer, the response is the packed ack. Message limits are lifted on both
 # ends (the default receive limit is 4 MiB, pitfalls.md §6). The ponger is the server.
 # An upload: in grpcio's Python API 3-4x slower than a download (issue 12 §1), so it is
 # not the baseline of shmrdv's gRPC path, which pulls; grpc_pull below is.
 
 _GRPC_METHOD = "/shmrdv.bench.Bench/Handoff"
-_GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.max_send_message_length", -1),
-    ("grpc.enable_http_proxy", 0),
-]
 
 
 class _GrpcPinger:
@@ -623,7 +635,7 @@ class _GrpcPinger:
         import grpc
 
         port = _recv_link(_link(ctx), "gRPC port")
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_GRPC_OPTIONS)
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
         grpc.channel_ready_future(self._channel).result(timeout=30)
         self._call = self._channel.unary_unary(
             _GRPC_METHOD, request_serializer=None, response_deserializer=None
@@ -661,7 +673,7 @@ class _GrpcPonger:
         )
         service, method = _GRPC_METHOD.strip("/").split("/")
         generic = grpc.method_handlers_generic_handler(service, {method: rpc})
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=2), options=_GRPC_OPTIONS)
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
         self._server.add_generic_rpc_handlers((generic,))
         port = self._server.add_insecure_port("127.0.0.1:0")
         self._server.start()
@@ -692,7 +704,9 @@ def _grpc_available() -> str | None:
 # RecvTensor): the pinger (producer) is the server and holds the tensor, the ponger
 # (consumer) is the client and keeps one call parked, as a consumer posts its receive
 # before the value is sent. The handler answers the parked call with the next tensor
-# (tobytes(): grpcio's identity serializer takes bytes); the ponger's next call carries
+# (tobytes(): grpcio's identity serializer takes bytes, so every handoff makes the bytes of
+# the array as it is then, inside the timed handoff: the one copy every real producer pays
+# for a new tensor, never a prebuilt payload; issue 19 §3); the ponger's next call carries
 # the 32-byte ack of the last one in its request. So one handoff is one unary call: the
 # best a user could write with the same library, not one call plus a second for the ack.
 # Identity serializers and lifted message limits as above.
@@ -721,7 +735,7 @@ class _GrpcPullPinger:
         )
         service, method = _GRPC_PULL_METHOD.strip("/").split("/")
         generic = grpc.method_handlers_generic_handler(service, {method: rpc})
-        self._server: Any = grpc.server(ThreadPoolExecutor(max_workers=2), options=_GRPC_OPTIONS)
+        self._server: Any = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
         self._server.add_generic_rpc_handlers((generic,))
         port = self._server.add_insecure_port("127.0.0.1:0")
         self._server.start()
@@ -748,7 +762,7 @@ class _GrpcPullPonger:
         import grpc
 
         port = _recv_link(_link(ctx), "gRPC port")
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_GRPC_OPTIONS)
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
         grpc.channel_ready_future(self._channel).result(timeout=30)
         self._call = self._channel.unary_unary(
             _GRPC_PULL_METHOD, request_serializer=None, response_deserializer=None
@@ -900,8 +914,8 @@ def torch_ponger(ctx: RoleContext) -> Ponger:
 def _make_ray_actor(ray: Any) -> Any:
     @ray.remote(num_cpus=0)
     class _Consumer:
-        def __init__(self) -> None:
-            self._handler = Handler()
+        def __init__(self, touch: bool) -> None:
+            self._handler = Handler(touch)
 
         def ready(self) -> bool:
             return True
@@ -926,7 +940,7 @@ class _RayPinger:
             object_store_memory=max(2 << 30, 4 * ctx.max_nbytes),
             runtime_env={"env_vars": {"PYTHONPATH": path}},
         )
-        self._actor = _make_ray_actor(ray).remote()
+        self._actor = _make_ray_actor(ray).remote(ctx.handler is not None and ctx.handler.touch)
         ray.get(self._actor.ready.remote(), timeout=120)
 
     def handoff(self, src: F32) -> Ack:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._sizes import format_size
+from .textfit import fit_markdown
 
 __all__ = [
     "BenchRun",
@@ -24,6 +25,8 @@ __all__ = [
     "MethodResult",
     "describe_machine",
     "format_markdown",
+    "format_sig",
+    "format_time",
     "load_average",
     "plot_run",
     "to_json",
@@ -34,6 +37,17 @@ BASELINE_COPY = "memcpy"
 BASELINE_PEER = "mp_pipe_oob"
 TIMES = "\u00d7"  # the multiplication sign of the ratio cells
 DASH = "\u2013"  # an en dash: a cell with no figure
+# A round trip shorter than one single-threaded memcpy of the same size has no fixed cost
+# to show: the difference is not a cost but a copy the method did not make (allocate fills
+# the buffer untimed; send splits large copies over helper threads) (issue 20 §4).
+FASTER_THAN_COPY = "< memcpy"
+FASTER_THAN_COPY_NOTE = (
+    f"{FASTER_THAN_COPY}: the round trip took less than one single-threaded memcpy of the "
+    "same size, so round trip minus memcpy is no fixed cost: the method made no such copy "
+    "in the timed handoff (shmrdv_allocate's producer fills its buffer untimed) or made it "
+    "on several threads (shmrdv_send's copy helpers from a few MiB). The JSON keeps the "
+    "signed difference (rtt_fixed_cost_ns)."
+)
 
 
 @dataclass
@@ -53,6 +67,7 @@ class CellResult:
     oneway_p99_ns: float
     oneway_rep_medians_ns: list[float]
     elapsed_s: float
+    consumer_faults_per_msg: float | None = None  # minor page faults (getrusage), after warm-up
 
     @property
     def rtt_spread(self) -> float:
@@ -202,7 +217,18 @@ def _sig(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _us(ns: float) -> str:
+def format_sig(x: float) -> str:
+    """``x`` as every figure of the report shows it: three significant digits, thousands
+    separated (0.273, 12.3, 1,179)."""
+    return _sig(x)
+
+
+def format_time(ns: float) -> str:
+    """A time in the unit that keeps it short: 812 µs, 1.37 ms, 1.17 s."""
+    if ns >= 1e9:
+        return f"{_sig(ns / 1e9)} s"
+    if ns >= 1e6:
+        return f"{_sig(ns / 1e6)} ms"
     return f"{_sig(ns / 1000)} µs"
 
 
@@ -211,7 +237,9 @@ def _gbps(nbytes: int, ns: float) -> str:
 
 
 def _fixed(ns: float | None) -> str:
-    return DASH if ns is None else f"{'-' if ns < 0 else ''}{_sig(abs(ns) / 1000)} µs"
+    if ns is None:
+        return DASH
+    return FASTER_THAN_COPY if ns < 0 else format_time(ns)
 
 
 def _times(r: float | None) -> str:
@@ -240,11 +268,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def format_markdown(run: BenchRun) -> str:
-    """The run as markdown: machine, round trips, one-way times, p99, ratios, floors."""
+    """The run as markdown: machine, round trips, one-way times, p99, ratios, floors.
+
+    One figure per cell, so that a table of seven sizes fits 100 columns; ``textfit``
+    wraps and splits whatever is still wider (``fit_markdown``)."""
     mach = run.machine
     sizes = _sizes(run)
     ordered = _ordered(run)
-    # Skipped methods show only in the "Methods" table; failed ones keep their row.
+    # Skipped methods show only in the "Methods" list; failed ones keep their row.
     sized = [m for m in ordered if m.fixed_nbytes is None and m.status != "skipped"]
     fixed = [m for m in ordered if m.fixed_nbytes is not None]
     v = mach.get("versions", {})
@@ -275,86 +306,63 @@ def format_markdown(run: BenchRun) -> str:
 
     header = ["method", *(format_size(n) for n in sizes)]
 
+    def section(title: str, render: Any, methods: list[MethodResult] | None = None) -> list[str]:
+        return [f"## {title}", "", *_table(header, cell_rows(render, methods)), ""]
+
     if not sized:
         sizes = []  # only fixed-size floors ran: no per-size tables
-    lines += (
-        []
-        if not sizes
-        else [
-            f"## Round trip (array there, ack back): median (p99) · GB/s · {TIMES}memcpy",
-            "",
-            *_table(
-                header,
-                cell_rows(
-                    lambda m, n, c: (
-                        f"{_us(c.rtt_median_ns)} ({_sig(c.rtt_p99_ns / 1000)}) · "
-                        f"{_gbps(n, c.rtt_median_ns)} · "
-                        f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'rtt'))}"
-                    )
-                ),
+    if sizes:
+        lines += section(
+            "Round trip (the array there, the ack back): median",
+            lambda m, n, c: format_time(c.rtt_median_ns),
+        )
+        lines += section("Round trip: p99", lambda m, n, c: format_time(c.rtt_p99_ns))
+        lines += section(
+            "One-way (until the ponger holds the array): median",
+            lambda m, n, c: format_time(c.oneway_median_ns),
+        )
+        lines += section(
+            "Throughput: size / median one-way, GB/s",
+            lambda m, n, c: _gbps(n, c.oneway_median_ns).removesuffix(" GB/s"),
+        )
+        lines += section(
+            f"Round trip {TIMES}{BASELINE_COPY}",
+            lambda m, n, c: _times(run.ratio(m.name, n, BASELINE_COPY, "rtt")),
+        )
+        copying = [m for m in sized if m.name != BASELINE_COPY]
+        lines += section(
+            f"Fixed cost: round trip {DASH} one {BASELINE_COPY} of the same size (same run)",
+            lambda m, n, c: _fixed(run.fixed_cost_ns(m.name, n)),
+            copying,
+        )
+        if any(
+            (cost := run.fixed_cost_ns(m.name, n)) is not None and cost < 0
+            for m in copying
+            for n in sizes
+        ):
+            lines += [FASTER_THAN_COPY_NOTE, ""]
+        lines += section(
+            "The consumer's minor page faults per handoff, after warm-up"
+            + (" (it reads every byte: --touch)" if run.config.get("touch") else ""),
+            lambda m, n, c: (
+                DASH if c.consumer_faults_per_msg is None else f"{c.consumer_faults_per_msg:,.1f}"
             ),
-            "",
-            f"## One-way (until the ponger holds the array): median (p99) · GB/s · {TIMES}memcpy",
-            "",
-            *_table(
-                header,
-                cell_rows(
-                    lambda m, n, c: (
-                        f"{_us(c.oneway_median_ns)} ({_sig(c.oneway_p99_ns / 1000)}) · "
-                        f"{_gbps(n, c.oneway_median_ns)} · "
-                        f"{_times(run.ratio(m.name, n, BASELINE_COPY, 'oneway'))}"
-                    )
-                ),
-            ),
-            "",
-            f"## Fixed cost: round trip {DASH} one memcpy of the same size (same run), µs",
-            "",
-            *_table(
-                header,
-                cell_rows(
-                    lambda m, n, c: _fixed(run.fixed_cost_ns(m.name, n)),
-                    [m for m in sized if m.name != BASELINE_COPY],
-                ),
-            ),
-            "",
-            "## Spread of the round trip's repetition medians (max/min)",
-            "",
-            *_table(header, cell_rows(lambda m, n, c: f"{c.rtt_spread:.2f}")),
-            "",
-            f"## Ratio to {BASELINE_PEER} (round trip · one-way)",
-            "",
-            *_table(
-                header,
-                cell_rows(
-                    lambda m, n, c: (
-                        f"{_times(run.ratio(m.name, n, BASELINE_PEER, 'rtt'))} · "
-                        f"{_times(run.ratio(m.name, n, BASELINE_PEER, 'oneway'))}"
-                    )
-                ),
-            ),
-            "",
-        ]
-    )
-    for base in _baselines(run):
-        compared = [m for m in sized if m.name == base or m.baseline == base]
-        if not sizes or len(compared) < 2:
-            continue
-        lines += [
-            f"## Ratio to {base} (round trip · one-way) · one-way GB/s",
-            "",
-            *_table(
-                header,
-                cell_rows(
-                    lambda m, n, c, base=base: (
-                        f"{_times(run.ratio(m.name, n, base, 'rtt'))} · "
-                        f"{_times(run.ratio(m.name, n, base, 'oneway'))} · "
-                        f"{_gbps(n, c.oneway_median_ns)}"
-                    ),
+        )
+        lines += section(
+            "Spread of the round trip's repetition medians (max/min)",
+            lambda m, n, c: f"{c.rtt_spread:.2f}",
+        )
+        for base, compared in [(BASELINE_PEER, sized)] + [
+            (b, [m for m in sized if m.name == b or m.baseline == b]) for b in _baselines(run)
+        ]:
+            if len(compared) < 2 or not any(m.name == base for m in compared):
+                continue
+            for what, title in (("rtt", "Round trip"), ("oneway", "One-way")):
+                lines += section(
+                    f"{title} {TIMES}{base}",
+                    lambda m, n, c, base=base, what=what: _times(run.ratio(m.name, n, base, what)),
                     compared,
-                ),
-            ),
-            "",
-        ]
+                )
     if fixed:
         lines += ["## Floors at a fixed size", ""]
         rows = []
@@ -364,10 +372,10 @@ def format_markdown(run: BenchRun) -> str:
                     [
                         m.name,
                         format_size(n),
-                        _us(c.rtt_median_ns),
-                        _us(c.rtt_p99_ns),
-                        _us(c.oneway_median_ns),
-                        _us(c.oneway_p99_ns),
+                        format_time(c.rtt_median_ns),
+                        format_time(c.rtt_p99_ns),
+                        format_time(c.oneway_median_ns),
+                        format_time(c.oneway_p99_ns),
                     ]
                 )
         lines += _table(
@@ -375,28 +383,29 @@ def format_markdown(run: BenchRun) -> str:
         )
         lines.append("")
     lines += ["## Methods", ""]
-    rows = []
     for m in ordered:
-        idle = "" if m.idle_cpu_percent is None else f"{m.idle_cpu_percent:.2f} %"
+        idle = (
+            ""
+            if m.idle_cpu_percent is None
+            else f" Idle CPU of a blocked receive: {m.idle_cpu_percent:.2f}\u00a0%."
+        )
         status = m.status
         if m.reason:
             why = m.reason.strip().splitlines()
             status += f": {why[0][:120]}" + (f" {why[-1][:120]}" if len(why) > 1 else "")
-        rows.append([m.name, m.label, m.receiver_array, idle, status])
-    lines += _table(
-        ["method", "what", "receiver's array", "idle CPU (blocked receive)", "status"], rows
-    )
+        array = f" Receiver's array: {m.receiver_array}." if m.receiver_array else ""
+        lines.append(f"* `{m.name}` ({status}): {m.label}.{array}{idle}")
     lines += [
         "",
-        "Cells: medians of the per-repetition medians; (p99) = the 99th percentile of "
-        "every timed handoff, in µs. Round trip = the pinger's "
+        "Cells: medians of the per-repetition medians; p99 = the 99th percentile of "
+        "every timed handoff. Round trip = the pinger's "
         "perf_counter_ns around one handoff (the array there, the ponger frees it, a 32-byte "
         "ack back by the method's own path). One-way = the ponger's arrival time minus the "
         "pinger's start (CLOCK_MONOTONIC is system-wide). GB/s = bytes / that median. "
         "memcpy has no second process: its round trip is the copy.",
         "",
     ]
-    return "\n".join(lines)
+    return fit_markdown("\n".join(lines))
 
 
 # -- JSON ---------------------------------------------------------------------------------------
@@ -501,7 +510,7 @@ def run_mode(
     result = run(cfg, progress)
     if tty:
         sys.stderr.write("\r\x1b[K")
-    sys.stdout.write(fmt(result))
+    sys.stdout.write(fit_markdown(fmt(result)))
     sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:

@@ -42,10 +42,11 @@ import numpy.typing as npt
 from .._procs import Child, ChildFailed, ChildTimeout, exit_reason, reap
 from .._sizes import format_size
 from . import options, peers
-from .common import parse_sizes, pin_cpus
+from .common import grpc_quiet_children, parse_sizes, pin_cpus
 from .options import DEFAULT_SIZES, QUICK_SIZES
 from .peers import (
     KIND_CHECK,
+    KIND_FAULTS,
     KIND_PROBE_END,
     KIND_PROBE_START,
     KIND_STOP,
@@ -63,16 +64,18 @@ from .report import (
     MethodResult,
     describe_machine,
     format_markdown,
+    format_time,
     load_average,
     plot_run,
     write_json,
 )
+from .textfit import wrap_line
 
-__all__ = ["build_parser", "main", "run"]
+__all__ = ["build_parser", "main", "registered_methods", "run", "run_handoffs"]
 
 BIG = 64 << 20  # from here on: fewer repetitions
 SHM_DIR = "/dev/shm"
-PLUGIN_MODULES = ("shmrdv._bench.shmrdv_methods",)
+PLUGIN_MODULES = ("shmrdv._bench.shmrdv_methods", "shmrdv._bench.iceoryx_methods")
 
 F32 = npt.NDArray[np.float32]
 
@@ -148,6 +151,9 @@ def _run_cell(
     rep_rtt: list[float] = []
     rep_oneway: list[float] = []
     checks = 0
+    # The consumer's minor page faults over every handoff from here to the last probe
+    # (timed and checks alike), read by two untimed probes (issue 18 §2).
+    _, _, faults_before = _handoff(pinger, src, seq, KIND_FAULTS, gap)
     for rep in range(reps):
         _handoff(pinger, src, seq, KIND_CHECK, gap)
         r_rtt: list[int] = []
@@ -163,6 +169,8 @@ def _run_cell(
         rep_rtt.append(float(statistics.median(r_rtt)))
         rep_oneway.append(float(statistics.median(r_one)))
         ctrl.send(("progress", nbytes, rep + 1, reps, rep_rtt[-1]))
+    _, _, faults_after = _handoff(pinger, src, seq, KIND_FAULTS, gap)
+    faults = (faults_after.extra - faults_before.extra) / (reps * (n + 2) + 1)
     return {
         "nbytes": nbytes,
         "reps": reps,
@@ -177,6 +185,7 @@ def _run_cell(
         "oneway_p99_ns": float(np.percentile(oneways, 99)),
         "oneway_rep_medians_ns": rep_oneway,
         "elapsed_s": time.perf_counter() - started,
+        "consumer_faults_per_msg": faults,
     }
 
 
@@ -196,6 +205,12 @@ def _drive(pinger: Pinger, ctrl: Connection, started: float) -> None:
             ctrl.send(("idle", ack.extra / 10_000))  # parts per million -> percent
         elif cmd[0] == "cell":
             ctrl.send(("cell", _run_cell(pinger, cmd[1], seq, ctrl)))
+        elif cmd[0] == "count":  # run_handoffs: exactly n untimed handoffs, nothing measured
+            _, nbytes, n, gap_ns = cmd
+            src = _make_src(nbytes)
+            for _ in range(n):
+                _handoff(pinger, src, seq, KIND_TIMED, gap_ns)
+            ctrl.send(("count", n))
         elif cmd[0] == "stop":
             _handoff(pinger, small, seq, KIND_STOP, 0)
             return
@@ -216,7 +231,7 @@ def _role_main(
     A failure raises out of here, and ``_procs`` sends its traceback to the runner.
     """
     started = time.perf_counter()
-    handler = Handler()
+    handler = Handler(touch=env.get("touch", False))
     ctx = RoleContext(
         role=role,
         method=env["method"],
@@ -264,6 +279,10 @@ class _Progress:
     def line(self, text: str) -> None:
         self._stream.write(("\r\x1b[K" if self._tty else "") + text + "\n")
         self._stream.flush()
+
+    def lines(self, text: str) -> None:
+        """``text`` wrapped to ``textfit.WIDTH`` columns (an error, a list of names)."""
+        self.line("\n".join(wrap_line(text)))
 
 
 @dataclass
@@ -463,8 +482,8 @@ def _run_method(
                 result.cells[nbytes] = cell
                 progress.line(
                     f"{spec.name:>19} {format_size(nbytes):>8}: round trip "
-                    f"{cell.rtt_median_ns / 1000:,.1f} µs (p99 {cell.rtt_p99_ns / 1000:,.1f}), "
-                    f"one-way {cell.oneway_median_ns / 1000:,.1f} µs "
+                    f"{format_time(cell.rtt_median_ns)} (p99 {format_time(cell.rtt_p99_ns)}), "
+                    f"one-way {format_time(cell.oneway_median_ns)} "
                     f"[{cell.reps} x {cell.per_rep}, {cell.elapsed_s:.1f} s]"
                 )
                 break
@@ -480,7 +499,7 @@ def _run_method(
         result.status = "failed"
         result.reason = str(e)
         lines = str(e).strip().splitlines()
-        progress.line(f"{spec.name}: FAILED: {lines[0]} {lines[-1] if len(lines) > 1 else ''}")
+        progress.lines(f"{spec.name}: FAILED: {lines[0]} {lines[-1] if len(lines) > 1 else ''}")
     finally:
         roles.reap(30.0 if ok else 0.0)
 
@@ -509,6 +528,12 @@ def _load_plugins() -> None:
         except ModuleNotFoundError as e:
             if e.name != module:
                 raise
+
+
+def registered_methods() -> dict[str, MethodSpec]:
+    """Every method by name, shmrdv's and the plugins' included (``peers.METHODS``)."""
+    _load_plugins()
+    return peers.METHODS
 
 
 PENDING_METHODS = ("shmrdv_send", "shmrdv_send_pending")
@@ -548,6 +573,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; the exit status (130 when interrupted)."""
+    with grpc_quiet_children():
+        return _run_mode(args)
+
+
+def _run_mode(args: argparse.Namespace) -> int:
     modes = [
         flag
         for flag, wanted in (
@@ -556,6 +586,9 @@ def run(args: argparse.Namespace) -> int:
             ("--python-cost", args.python_cost),
             ("--pending", args.pending is not None),
             ("--fan-in", args.fan_in is not None),
+            ("--syscalls", args.syscalls is not None),
+            ("--pipeline", args.pipeline),
+            ("--peer", args.peer is not None),
         )
         if wanted
     ]
@@ -574,6 +607,18 @@ def run(args: argparse.Namespace) -> int:
         from .fanin import run_cli as run_fanin
 
         return run_fanin(args)
+    if modes == ["--syscalls"]:
+        from .syscalls import run_cli as run_syscalls
+
+        return run_syscalls(args)
+    if modes == ["--pipeline"]:
+        from .pipeline import run_cli as run_pipeline
+
+        return run_pipeline(args)
+    if modes == ["--peer"]:
+        from .remote import run_cli as run_remote
+
+        return run_remote(args)
     if modes == ["--python-cost"]:
         from .pycost import run_cli as run_pycost
 
@@ -582,7 +627,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for spec in peers.METHODS.values():
             why = spec.available()
-            print(f"{spec.name:>19}  {'ok' if why is None else 'skipped: ' + why:<30} {spec.label}")
+            print(f"{spec.name}: {'ok' if why is None else 'skipped: ' + why}")
+            print("\n".join(wrap_line("    " + spec.label)))
         return 0
     try:
         default_sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
@@ -621,12 +667,14 @@ def run(args: argparse.Namespace) -> int:
         "pin_cpus": list(opts.pin) if opts.pin else None,
         "quick": opts.quick,
         "pending": args.pending or 0,
+        "touch": args.touch,
         "prefix": prefix,
         "summary": (
             f"sizes {', '.join(format_size(n) for n in sizes)}; repetitions {reps_text}; "
             f"{opts.budget_s:g} s of timed handoffs per cell; {opts.gap_ns / 1000:g} µs gap; "
             f"{_pin_text(opts.pin)}; idle probe {opts.idle_s:g} s"
             + (f"; {args.pending:,} receives pending in *_pending" if args.pending else "")
+            + ("; the consumer reads every byte (--touch)" if args.touch else "")
         ),
     }
     bench = BenchRun(
@@ -643,6 +691,7 @@ def run(args: argparse.Namespace) -> int:
         "scratch_dir": scratch,
         "max_nbytes": max(sizes),
         "pending": args.pending or 0,
+        "touch": args.touch,
     }
     status = 0
     previous = signal.getsignal(signal.SIGTERM)
@@ -664,7 +713,7 @@ def run(args: argparse.Namespace) -> int:
             why = spec.available()
             if why is not None:
                 result.reason = why
-                progress.line(f"{spec.name}: skipped ({why})")
+                progress.lines(f"{spec.name}: skipped ({why})")
                 continue
             _run_method(spec, opts, mpctx, env, progress, result)
             if result.status == "failed":
@@ -678,7 +727,7 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, previous)
         swept = _sweep(prefix)
         if swept:
-            progress.line(
+            progress.lines(
                 f"swept {len(swept)} leftover /dev/shm object(s): {', '.join(sorted(swept))}"
             )
         shutil.rmtree(scratch, ignore_errors=True)
@@ -693,6 +742,53 @@ def run(args: argparse.Namespace) -> int:
         plot_run(bench, args.plot)
         progress.line(f"wrote {args.plot}")
     return status
+
+
+def run_handoffs(
+    name: str,
+    nbytes: int,
+    count: int,
+    *,
+    pin: tuple[int, int] | None,
+    gap_us: float = 50.0,
+    touch: bool = False,
+) -> None:
+    """Start method ``name``'s roles as a run does, make exactly ``count`` handoffs of
+    ``nbytes`` (at the method's fixed size if it has one), stop the roles, sweep.
+
+    Nothing is timed: ``syscalls.py`` runs this under strace to count what a handoff costs.
+    Raises ``KeyError`` for an unknown method and ``ChildFailed`` when a role fails.
+    """
+    _load_plugins()
+    spec = peers.METHODS[peers.ALIASES.get(name, name)]
+    nbytes = spec.fixed_nbytes or nbytes
+    prefix = f"shmrdv_bench{os.getpid()}_"
+    scratch = tempfile.mkdtemp(prefix=prefix)
+    env = {
+        "prefix": prefix,
+        "scratch_dir": scratch,
+        "max_nbytes": nbytes,
+        "pending": 0,
+        "touch": touch,
+        "method": spec.name,
+    }
+    try:
+        cpus: list[int | None] = [None, None] if pin is None else list(pin)
+        roles = _Roles(spec, multiprocessing.get_context("spawn"), env, cpus)
+        ok = False
+        try:
+            roles.expect("ready", 180.0)
+            roles.send(("count", nbytes, count, int(gap_us * 1000)))
+            roles.expect("count", _stall_timeout(nbytes) + count * (0.01 + nbytes / 1e8))
+            roles.stopping = True
+            roles.send(("stop",))
+            roles.expect("bye", 60.0)
+            ok = True
+        finally:
+            roles.reap(30.0 if ok else 0.0)
+    finally:
+        _sweep(prefix)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _pin_text(pin: tuple[int, int] | None) -> str:

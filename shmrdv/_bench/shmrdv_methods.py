@@ -6,6 +6,10 @@
   ``prepare``, as a real producer makes its data in place) and ``send`` only publishes
   it: the handoff costs no copy at all.
 * ``shmrdv_grpc``: the same keys forced over gRPC on loopback (``transports=("grpc",)``).
+* ``shmrdv_busy`` / ``shmrdv_busy_allocate``: ``shmrdv_send`` / ``shmrdv_allocate`` with
+  ``Worker(busy_poll=BUSY_POLL_S)`` on both sides: a blocked receive polls shared memory
+  that long before it blocks (issue 18 §1, the low-latency option), against iceoryx2's
+  busy-polling (``iceoryx_methods``).
 
 The ack travels back through shmrdv too (a 4-int64 array on a reverse key), so a round
 trip is two shmrdv handoffs.
@@ -13,6 +17,7 @@ trip is two shmrdv handoffs.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Mapping
 from multiprocessing.context import BaseContext
@@ -27,6 +32,10 @@ PINGER_TASK = "/job:bench/replica:0/task:0"
 PONGER_TASK = "/job:bench/replica:0/task:1"
 _DATA = None  # keys are built lazily (importing shmrdv in the runner is not needed)
 _TIMEOUT = 120.0
+# shmrdv_busy*: how long a blocked receive polls before it blocks. Far above the bench's
+# gap (50 µs) and a 16 MiB handoff, so every timed handoff is found by polling; the idle
+# probe (seconds) shows that the poll then stops.
+BUSY_POLL_S = 0.1
 
 
 def _keys() -> tuple[str, str]:
@@ -52,6 +61,25 @@ def _transports(method: str) -> tuple[str, ...] | None:
     return ("grpc",) if method.startswith("shmrdv_grpc") else None
 
 
+def _busy_poll_missing() -> str | None:
+    """Why ``shmrdv_busy*`` cannot run: this shmrdv's ``Worker`` has no ``busy_poll``."""
+    import shmrdv
+
+    if "busy_poll" not in inspect.signature(shmrdv.Worker).parameters:
+        return "this shmrdv's Worker has no busy_poll option (issue 18 §1)"
+    return None
+
+
+def _options(method: str) -> dict[str, Any]:
+    """The ``Worker`` keywords that set ``method`` apart from ``shmrdv_send``."""
+    if not method.startswith("shmrdv_busy"):
+        return {}
+    why = _busy_poll_missing()
+    if why is not None:
+        raise RuntimeError(f"{method}: {why}")
+    return {"busy_poll": BUSY_POLL_S}
+
+
 class _Pinger:
     def __init__(self, ctx: RoleContext) -> None:
         import shmrdv
@@ -61,10 +89,11 @@ class _Pinger:
             namespace=ctx.shared["namespace"],
             transports=_transports(ctx.method),
             shm_pool_bytes=max(512 << 20, 4 * ctx.max_nbytes),
+            **_options(ctx.method),
         )
         self._rdv = self._w.rendezvous(0)
         self._data, self._ack = _keys()
-        self._allocate = ctx.method == "shmrdv_allocate"
+        self._allocate = ctx.method.endswith("allocate")
         self._buf: npt.NDArray[Any] | None = None
 
     def prepare(self, src: npt.NDArray[np.float32]) -> None:
@@ -95,7 +124,10 @@ class _Ponger:
         import shmrdv
 
         self._w = shmrdv.Worker(
-            PONGER_TASK, namespace=ctx.shared["namespace"], transports=_transports(ctx.method)
+            PONGER_TASK,
+            namespace=ctx.shared["namespace"],
+            transports=_transports(ctx.method),
+            **_options(ctx.method),
         )
         self._rdv = self._w.rendezvous(0)
         self._data, self._ack = _keys()
@@ -158,7 +190,7 @@ for _spec in (
     ),
     MethodSpec(
         "shmrdv_grpc",
-        "shmrdv Worker rendezvous forced over gRPC on loopback (RecvTensorInline; streamed > 1 MiB)",
+        "shmrdv Worker rendezvous forced over gRPC on loopback (RecvTensor; streamed > 1 MiB)",
         shmrdv_pinger,
         shmrdv_ponger,
         make_shared=_shared,
@@ -166,6 +198,30 @@ for _spec in (
         group="shmrdv",
         baseline="grpc_pull",  # RecvTensor is a pull: compared with a raw pull (issue 12)
         receiver_array="writable, the consumer's own",
+    ),
+    MethodSpec(
+        "shmrdv_busy",
+        f"shmrdv_send with Worker(busy_poll={BUSY_POLL_S:g}): receives poll before they block",
+        shmrdv_pinger,
+        shmrdv_ponger,
+        available=_busy_poll_missing,
+        make_shared=_shared,
+        sweep=_sweep,
+        group="shmrdv",
+        baseline="shmrdv_send",
+        receiver_array="writable view, the consumer's own",
+    ),
+    MethodSpec(
+        "shmrdv_busy_allocate",
+        f"shmrdv_allocate with Worker(busy_poll={BUSY_POLL_S:g}): receives poll before they block",
+        shmrdv_pinger,
+        shmrdv_ponger,
+        available=_busy_poll_missing,
+        make_shared=_shared,
+        sweep=_sweep,
+        group="shmrdv",
+        baseline="shmrdv_allocate",
+        receiver_array="writable view, the consumer's own",
     ),
     MethodSpec(
         "shmrdv_send_pending",

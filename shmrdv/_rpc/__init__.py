@@ -6,9 +6,12 @@ stream into one buffer). ``methods`` names the methods and limits both ends agre
 ``proto`` holds the generated reference modules (tools/gen_protos.py); ``security`` the
 TLS and token options; ``rpc_errors`` reads a grpc error's code and details.
 
-Producer side: ``server`` (the server lifecycle), ``service`` (the handlers),
-``response_cache`` (TensorFlow's GrpcResponseCache). Consumer side: ``client`` (its
-face), ``call`` (one receive's RPCs), ``channels`` (channel and link per peer, fork
-handling), ``link`` (the Exchange stream per peer), ``acks`` (ack handling), ``runner``
-(callback threads). ``transport`` is the Worker's side of it all.
+Producer side: ``outbox`` (the values sent to other hosts, and the window's
+accounting), ``server`` (the server lifecycle), ``service`` (the handlers),
+``response_cache`` (TensorFlow's GrpcResponseCache). Consumer side: ``client`` (the
+consumer's client: receives in order per key), ``call`` (one receive's RPCs),
+``channels`` (a channel per peer, fork handling), ``acks`` (ack handling), ``runner``
+(callback threads). ``transport`` composes the two for the Worker.
+
+Thread model: docs/threads.md.
 """

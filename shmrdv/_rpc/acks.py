@@ -1,12 +1,12 @@
 """Ack handling: telling servers which responses arrived (TensorFlow's MarkRecvFinished).
 
-An ack rides on the next want or request to the same peer (``take``); one that none
-takes within ``_ACK_DELAY`` goes on its own, on the peer's Exchange link when it is open,
-else as a ``MarkRecvFinished`` call (``notify``), so that the server's response cache
-drops the delivered value now rather than when it expires. Closing sends what is left,
+An ack rides on the next RecvTensor request to the same peer (``take``); one that none
+takes within ``_ACK_DELAY`` goes on its own as a ``MarkRecvFinished`` call (``notify``),
+so that the server's response cache drops the delivered value now rather than when it
+expires. Closing sends what is left,
 waiting at most ``_CLOSE_ACK_WAIT``.
 
-Thread model: the queues are guarded by one condition; one daemon thread
+Thread model (docs/threads.md): the queues are guarded by one condition; one daemon thread
 ("shmrdv-rpc-acks"), started with the first ack, sends the late ones. It sleeps until
 woken after a period without acks, so an idle client costs nothing.
 """
@@ -22,7 +22,6 @@ from typing import Any
 import grpc
 
 from . import messages
-from .link import Link
 from .methods import MARK_RECV_FINISHED_METHOD
 
 __all__ = ["AckQueue", "notify"]
@@ -34,22 +33,28 @@ _ACK_TIMEOUT = 5.0
 _CLOSE_ACK_WAIT = 1.0
 _ACK_DELAY = 0.05
 
-#: Where an ack for a peer can go: its channel and its Exchange link, each if open.
-Route = Callable[[str], tuple[grpc.Channel | None, Link | None]]
+#: Where an ack for a peer can go: its open channel, if any.
+Route = Callable[[str], grpc.Channel | None]
 
 
 def notify(
-    channel: grpc.Channel, method: str, request_id: int, metadata: Sequence[tuple[str, str]]
+    channel: grpc.Channel,
+    request_id: int,
+    metadata: Sequence[tuple[str, str]],
+    *,
+    released: bool = False,
 ) -> Any:
     """Tell the server, without waiting, that ``request_id`` is done with; return the
     call's future (None if the channel is closed), for a caller that wants to wait.
 
-    ``MarkRecvFinished`` (TensorFlow): the value arrived, drop the cached response.
-    ``ReleaseRecv`` (shmrdv): the call was cancelled, give back a value taken for it.
+    ``MarkRecvFinished`` (TensorFlow): the value arrived, drop the cached response; with
+    ``released`` (shmrdv's flag): the call was cancelled, give back a value taken for it.
     """
-    request = messages.encode_mark_recv_finished(request_id)
+    request = messages.encode_mark_recv_finished(request_id, released=released)
     try:
-        fut = channel.unary_unary(method).future(request, timeout=_ACK_TIMEOUT, metadata=metadata)
+        fut = channel.unary_unary(MARK_RECV_FINISHED_METHOD).future(
+            request, timeout=_ACK_TIMEOUT, metadata=metadata
+        )
     except (ValueError, grpc.RpcError):  # the channel was closed meanwhile
         return None
     # The answer does not matter: the cache entry also expires on its own.
@@ -136,8 +141,7 @@ class AckQueue:
             call
             for address, rid in unsent
             if (channel := channels.get(address)) is not None
-            and (call := notify(channel, MARK_RECV_FINISHED_METHOD, rid, self._metadata))
-            is not None
+            and (call := notify(channel, rid, self._metadata)) is not None
         ]
         deadline = time.monotonic() + _CLOSE_ACK_WAIT
         for call in calls:
@@ -181,11 +185,7 @@ class AckQueue:
             for address, rid in due:
                 by_address.setdefault(address, []).append(rid)
             for address, rids in by_address.items():
-                channel, link = self._route(address)
-                for start in range(0, len(rids), messages.MAX_ACKS):
-                    chunk = rids[start : start + messages.MAX_ACKS]
-                    if link is not None and link.send_acks(chunk):
-                        continue  # on the stream: no call of its own
-                    if channel is not None:
-                        for rid in chunk:
-                            notify(channel, MARK_RECV_FINISHED_METHOD, rid, self._metadata)
+                channel = self._route(address)
+                if channel is not None:
+                    for rid in rids:
+                        notify(channel, rid, self._metadata)

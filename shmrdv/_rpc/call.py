@@ -1,31 +1,31 @@
-"""One receive's RPCs: the Exchange want, the unary RecvTensorInline, or the stream.
+"""One receive's RPCs: a unary ``RecvTensor``, then for a large value ``RecvTensorStream``.
 
-``Recv`` is one ``RpcClient.start_recv``. To a shmrdv peer it posts a *want* on the
-long-lived ``Exchange`` stream to that peer (``link.Link``): the producer answers with
-one stream message as soon as the value is sent, so a small tensor costs one message and
-no new call. A tensor larger than 1 MiB is set aside by the server, which says "fetch
-it"; it is then streamed with ``RecvTensorStream`` under the same request_id on a thread
-of its own and assembled into one array (one copy). A peer without ``Exchange``
-(TensorFlow, an older shmrdv) gets a unary ``RecvTensorInline`` (answered inline up to
-``inline_max``), and one without that is streamed from directly. Retries, deadlines,
-cancels and the errors a receive can end with are described on ``RpcClient``.
+``Recv`` is one ``RpcClient.start_recv`` (TensorFlow's ``RpcRecvTensorCall``). It asks
+``RecvTensor`` with a fresh request_id and shmrdv's ``inline_max``: a tensor up to that
+size comes back in the one response; a larger one stays in the server's response cache
+and the answer is empty bytes, and the receive then streams it with
+``RecvTensorStream`` under the same request_id (a cache hit) on a thread of its own,
+assembled into one array. Either way the consumer makes one copy of the bytes: the
+response into the writable array it delivers. Retries, deadlines, cancels and the
+errors a receive can end with are described on ``RpcClient``.
 
-What a receive uses of its client is declared in ``CallContext``: the peer's channel and
-link (``channels.ChannelCache``), the acks (``acks.AckQueue``), the callback threads
+What a receive uses of its client is declared in ``CallContext``: the channels
+(``channels.ChannelCache``), the acks (``acks.AckQueue``), the callback threads
 (``runner.Runner``), the call metadata and inline limit, and ``forget``.
 
-Thread model: a unary call is a gRPC future: its outcome arrives in gRPC's channel
-thread, which never blocks here (a large answer is decoded on a ``Runner`` thread). A
-link calls the ``link_*`` methods in its reader thread. A streamed (large) value has a
-thread of its own ("shmrdv-rpc-recv"); a retry waits on a timer thread. One lock guards
-the state; ``done`` never runs under it, and runs exactly once unless ``cancel``
-returned ``True``.
+Thread model (docs/threads.md): a *blocking* receive's call is made by the receiving
+thread, which then waits on it (``wait``), decodes the answer and fills its slot itself:
+no other thread of ours runs. Any other unary call is a gRPC future whose outcome arrives
+in gRPC's channel thread, which never blocks here (a large answer is decoded, and a
+``done`` that is not ``direct`` runs, on a ``Runner`` thread). A streamed (large) value
+has a thread of its own ("shmrdv-rpc-recv"); a retry or a wait for the producer's
+address runs on a timer thread. One lock guards the state; ``done`` never runs under it,
+and runs exactly once unless ``cancel`` returned ``True``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import secrets
 import threading
@@ -51,29 +51,30 @@ from .._status import error_for_code
 from . import assembly, messages
 from .acks import AckQueue, notify
 from .channels import ChannelCache
-from .link import Link
-from .methods import (
-    LINK_INLINE_MAX,
-    MARK_RECV_FINISHED_METHOD,
-    RECV_TENSOR_INLINE_METHOD,
-    RECV_TENSOR_STREAM_METHOD,
-    RELEASE_RECV_METHOD,
-)
+from .methods import RECV_TENSOR_METHOD, RECV_TENSOR_STREAM_METHOD
 from .rpc_errors import error_code, error_details
 from .runner import Runner
 
-__all__ = ["CallContext", "Recv"]
+__all__ = ["Address", "CallContext", "Recv"]
 
 _log = logging.getLogger("shmrdv.rpc.client")
 
 _RETRY_INITIAL = 0.05
 _RETRY_MAX = 1.0
 _MID_STREAM_RETRIES = 2
-# An inline answer larger than this is decoded and copied on a callback thread, not in
-# gRPC's channel thread (a copy of a few hundred KiB costs less than the thread switch).
+# How often a receive looks again for the address of a producer that has not started.
+_RESOLVE_PERIOD = 0.05
+# An answer larger than this is decoded and copied on a callback thread, not in gRPC's
+# channel thread (a copy of a few hundred KiB costs less than the thread switch).
 _COPY_IN_CHANNEL_THREAD = 1 << 20
 
-_PENDING, _RECEIVING, _DONE, _CANCELLED = range(4)
+# PENDING: no data yet (cancellable); ARRIVED: an answer is being decoded; RECEIVING: a
+# stream is flowing; DONE: delivered or failed; CANCELLED.
+_PENDING, _ARRIVED, _RECEIVING, _DONE, _CANCELLED = range(5)
+
+#: The producer's ``host:port``, or a function that returns it and raises
+#: ``UnavailableError`` while it is not known yet (a producer that has not started).
+Address = str | Callable[[], str]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,6 +87,7 @@ class CallContext:
     metadata: Sequence[tuple[str, str]]
     inline_max: int
     forget: Callable[[Recv], None]  # the receive has ended (delivered, failed, cancelled)
+    count: Callable[[int], None]  # a value of this many bytes was received
 
 
 def _new_request_id() -> int:
@@ -99,47 +101,45 @@ def _new_request_id() -> int:
 class Recv:
     """One ``start_recv``: its calls, its state and its canceller.
 
-    First a unary ``RecvTensorInline`` (no thread: its outcome arrives in a gRPC future's
-    callback), which answers a small tensor at once; a larger one stays in the server's
-    response cache and a thread then streams it with ``RecvTensorStream`` under the same
-    request_id. A peer without ``RecvTensorInline`` (``UNIMPLEMENTED``) is streamed from
-    at once, and that peer is remembered.
+    ``blocking``: ``done`` is a blocked receiver's slot (quick, never blocks) and the
+    receiver calls ``wait`` until it is filled: the call it makes itself is waited on and
+    decoded in its own thread.
     """
 
     def __init__(
         self,
         ctx: CallContext,
-        channel: grpc.Channel,
-        address: str,
+        address: Address,
         step_id: int,
         key: ParsedKey,
         done: DoneCallback,
         timeout: float | None,
-        direct: bool,
+        blocking: bool,
     ) -> None:
         self._ctx = ctx
-        self._channel = channel
-        self._address = address
-        self._step_id = step_id
-        self._key = key
-        self._done = done
-        self._direct = direct
+        self._resolve = address
+        self._address = address if isinstance(address, str) else "(address not known yet)"
+        self._channel: grpc.Channel | None = None
+        self.step_id = step_id
+        self.key = key
+        self.done = done
+        self._blocking = blocking
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._timeout = timeout
         self._request_id = _new_request_id()
-        self.request_id = self._request_id  # link.Want
         self._lock = threading.Lock()
         self._state = _PENDING
         self._streaming = False  # the RecvTensorStream phase (in self.thread)
         self._issued = False  # some call went out: the server may hold a value for it
         self._call: Any = None  # the call in flight (a unary future or a stream)
+        self._own: Any = None  # the unary call the blocked receiver waits on itself
+        self._owner = threading.get_ident()  # the receiving thread
+        self._acks: list[int] = []  # the acks the unary call in flight carries
         self._timer: threading.Timer | None = None
         self._backoff = _RETRY_INITIAL
         self._last_unavailable: grpc.RpcError | None = None
-        self._link_down = ""  # why the link is down, while it is
         self._wake = threading.Event()
         self.thread: threading.Thread | None = None
-        self._link: Link | None = None  # posted on this Exchange link (not yet answered)
 
     @property
     def receiving(self) -> bool:
@@ -147,39 +147,28 @@ class Recv:
         return self._state == _RECEIVING
 
     def _where(self) -> str:
-        return f"key {self._key.full_key!r} (step {self._step_id}) from {self._address}"
+        return f"key {self.key.full_key!r} (step {self.step_id}) from {self._address}"
 
     # -- called by other threads -------------------------------------------------------
 
     def cancel(self) -> bool:
         """Stop, and ``done`` is never called (``True``); ``False`` once delivered or failed.
 
-        ``False`` also once the unary call has completed (its outcome is on its way to
-        ``done``). Mid-stream the partial value is dropped here, so a receive whose
-        deadline expires while a large tensor is (slowly) arriving does not wait past it.
-        Whenever a call went out, ``ReleaseRecv`` has the server give back a value it took
-        for it (to its key's head) instead of parking it for a retry that never comes.
+        ``False`` also once a unary call has answered with the value (it is on its way to
+        ``done``; a blocked receiver's own answer is delivered here). Mid-stream the
+        partial value is dropped, so a receive whose deadline expires while a large tensor
+        is (slowly) arriving does not wait past it. Whenever a call went out, the server
+        is told to give back a value it took for it (to its key's head) instead of
+        parking it for a retry that never comes.
         """
-        with self._lock:
-            link = self._link
-            if link is not None:
-                if self._state != _PENDING:
-                    return False  # its value is being handed over
-                self._state = _CANCELLED
-        if link is not None:
-            # The server gives back a value it took for this request_id (also one already
-            # on the wire: the link drops that reply).
-            link.withdraw(self, self._cancel_request())
-            self._ctx.forget(self)
-            return True
+        take = None
         with self._lock:
             if self._state not in (_PENDING, _RECEIVING):
                 return False
             call = self._call
-            # A unary call that completed delivers through its callback only a value
-            # answered inline; an error (retried, or turned into an error) or an empty
-            # answer ("stream it") would start more work, which this cancel stops instead
-            # (``_on_unary`` and what it starts see the state).
+            # A completed call whose answer is the value: it is delivered (a blocked
+            # receiver's own call: here, now). An error or an empty answer ("stream it")
+            # would start more work, which this cancel stops instead.
             if (
                 not self._streaming
                 and call is not None
@@ -187,10 +176,17 @@ class Recv:
                 and call.exception() is None
                 and call.result()
             ):
-                return False
-            self._state = _CANCELLED
-            timer, self._timer = self._timer, None
-            issued = self._issued
+                if call is not self._own:
+                    return False  # its callback is delivering it
+                self._claim(call)
+                take = call
+            if take is None:
+                self._state = _CANCELLED
+                timer, self._timer = self._timer, None
+                issued = self._issued
+        if take is not None:
+            self._take(take.result(), here=True)
+            return False
         self._wake.set()
         if timer is not None:
             timer.cancel()
@@ -202,7 +198,8 @@ class Recv:
         return True
 
     def close(self, error: BaseException) -> None:
-        """The client closes: fail this receive with ``error`` unless it already finished."""
+        """Fail this receive with ``error`` unless it already finished (client closed,
+        step aborted): the call in flight is stopped."""
         with self._lock:
             if self._state in (_DONE, _CANCELLED):
                 return
@@ -214,7 +211,25 @@ class Recv:
             timer.cancel()
         if call is not None:
             call.cancel()
-        invoke_done(self._done, error, None)
+        self._ctx.forget(self)
+        invoke_done(self.done, error, None)
+
+    def wait(self, timeout: float) -> bool:
+        """A blocked receiver waits up to ``timeout`` on the call it made itself and, once
+        it has answered, decodes it and fills its slot here. False: there is no such call
+        (queued, resolving, retrying, streaming): wait on the slot instead."""
+        with self._lock:
+            call = self._own if self._state == _PENDING and self._call is self._own else None
+        if call is None:
+            return False
+        try:
+            call.exception(timeout)
+        except grpc.FutureTimeoutError:
+            return True
+        except grpc.FutureCancelledError:
+            return True  # cancelled by cancel() or close(): they answered
+        self._outcome(call, here=True)
+        return True
 
     # -- delivering --------------------------------------------------------------------
 
@@ -222,24 +237,26 @@ class Recv:
         self, error: BaseException | None, received: Received | None, *, here: bool = False
     ) -> None:
         """Answer ``done`` once: in this thread when ``here`` (a thread of ours), when the
-        caller said ``direct`` or from the stream thread, else on a callback thread."""
+        caller is blocked (its slot) or from the stream thread, else on a callback thread."""
         with self._lock:
             if self._state in (_DONE, _CANCELLED):
                 return
             self._state = _DONE
         self._ctx.forget(self)
-        if here or self._direct or threading.current_thread() is self.thread:
-            invoke_done(self._done, error, received)
+        if received is not None:
+            self._ctx.count(received.value.nbytes)
+        if here or self._blocking or threading.current_thread() is self.thread:
+            invoke_done(self.done, error, received)
         else:
-            self._ctx.runner.submit(invoke_done, self._done, error, received)
+            self._ctx.runner.submit(invoke_done, self.done, error, received)
 
     def _remaining(self) -> float | None:
         return None if self._deadline is None else self._deadline - time.monotonic()
 
-    def _timed_out(self) -> None:
+    def _timed_out(self, why: str = "") -> None:
         """The caller's timeout expired between attempts (the peer kept being unavailable)."""
         last = self._last_unavailable
-        why = error_details(last) if last is not None else self._link_down
+        why = error_details(last) if last is not None else why
         self._deliver(
             DeadlineExceededError(
                 f"Timed out after {self._timeout:g}s receiving {self._where()}"
@@ -248,138 +265,51 @@ class Recv:
             None,
         )
 
-    def _out_of_files(self, e: grpc.RpcError) -> bool:
+    def out_of_files(self, e: grpc.RpcError) -> bool:
         """UNAVAILABLE for lack of descriptors is not transient the way a restarting peer
         is: say what ran out, and drop the channel so that the next receive, once
         descriptors are back, connects afresh instead of inheriting its reconnect backoff."""
-        if error_code(
-            e
-        ) != grpc.StatusCode.UNAVAILABLE or "Too many open files" not in error_details(e):
+        details = error_details(e)
+        if error_code(e) != grpc.StatusCode.UNAVAILABLE or "Too many open files" not in details:
             return False
         self._ctx.channels.drop_channel(self._address, self._channel)
         self._deliver(
             ResourceExhaustedError(
-                f"cannot connect for {self._where()}: too many open files "
-                f"(ulimit -n): {error_details(e)}"
+                f"cannot connect for {self._where()}: too many open files (ulimit -n): {details}"
             ),
             None,
         )
         return True
 
-    # -- the unary phase (no thread of ours) ------------------------------------------
+    # -- starting: the producer's address and channel -----------------------------------
 
     def start(self) -> None:
-        if self._ctx.channels.streams_only(self._address):
-            self._start_stream()
-            return
+        """Make the first call (in the caller's thread: a blocked receiver's own)."""
+        resolve = self._resolve
+        if not isinstance(resolve, str):
+            try:
+                self._address = resolve()
+            except UnavailableError as e:
+                self._retry_later(_RESOLVE_PERIOD, self.start, str(e))
+                return
+            except RendezvousError as e:
+                self._deliver(e, None)
+                return
+            self._resolve = self._address
         try:
-            self._cancel_request()  # a step id or key the wire cannot carry fails here
-        except RendezvousError as e:
+            self._channel = self._ctx.channels.channel(self._address)
+            messages.encode_request(self.step_id, self.key.full_key, self._request_id)
+        except RendezvousError as e:  # a bad address, or a step id the wire cannot carry
             self._deliver(e, None)
             return
-        for _ in range(2):
-            link = self._ctx.channels.link_for(self._address, self._channel)
-            if link is None:
-                break
-            with self._lock:
-                self._link = link
-            if link.post(self):
-                return
-            with self._lock:
-                self._link = None
         self._attempt()
 
-    # -- the Exchange link (link.Want; called in the link's reader thread) ---------------
-
-    def _cancel_request(self) -> bytes:
-        return messages.encode_request(
-            self._step_id, self._key.full_key, self._request_id, cancel=True
-        )
-
-    def link_request(self, acks: Sequence[int]) -> bytes | None:
-        with self._lock:
-            if self._state != _PENDING or self._link is None:
-                return None
-            remaining = self._remaining()
-            self._issued = True
-        wait_ms = -1 if remaining is None else max(0, int(remaining * 1000))
-        return messages.encode_request(
-            self._step_id,
-            self._key.full_key,
-            self._request_id,
-            finished=acks,
-            inline_max=min(self._ctx.inline_max, LINK_INLINE_MAX),
-            wait_ms=wait_ms,
-        )
-
-    def link_value(self, data: bytes) -> None:
-        with self._lock:
-            if self._state != _PENDING:
-                return  # cancelled as it arrived: the server gives the value back
-            self._state = _RECEIVING
-            self._link = None
-        try:
-            decoded = messages.decode_response(data)
-        except RendezvousError as e:
-            self._deliver(
-                InternalError(f"bad Exchange reply from {self._address} for {self._where()}: {e}"),
-                None,
-            )
-            return
-        self._ctx.acks.ack(self._address, self._request_id)
-        # A private, writable array (the reply bytes are read-only); it is small.
-        self._deliver(None, Received(np.array(decoded.value, copy=True), decoded.is_dead))
-
-    def link_fetch(self) -> None:
-        with self._lock:
-            if self._state != _PENDING:
-                return  # cancelled: the server gives the value back
-            self._link = None
-        # Streamed in chunks on a thread of its own, under the same request_id (a cache
-        # hit). Measured on loopback, a 256 MiB tensor streams in 4 MiB chunks in half the
-        # time it takes as one message (1.5 s against 2.6-3.8 s), 16 MiB in about the same.
-        self._start_stream()
-
-    def _give_up(self) -> None:
-        """Tell the server we will not take this request_id's value: on the link when it is
-        open (ordered before our next want there, so the value is back at its key's head
-        before that want is served), else with ReleaseRecv."""
-        if not self._ctx.channels.send_on_link(self._address, self._cancel_request()):
-            notify(self._channel, RELEASE_RECV_METHOD, self._request_id, self._ctx.metadata)
-
-    def link_failed(self, error: RendezvousError, code: grpc.StatusCode) -> None:
-        with self._lock:
-            if self._state != _PENDING:
-                return
-            self._link = None
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            if self._deadline is None or (self._remaining() or 0.0) > 0:
-                self.start()  # the server's longest wait, not ours: ask again
-            else:
-                self._timed_out()
-            return
-        self._deliver(type(error)(f"RecvTensor of {self._where()} failed: {error}"), None)
-
-    def link_expired(self, why: str) -> bool:
-        remaining = self._remaining()
-        if remaining is None or remaining > 0:
-            return False
-        self._link_down = why
-        with self._lock:
-            self._link = None
-        self._timed_out()
-        return True
-
-    def link_unsupported(self) -> None:
-        self._ctx.channels.remember_no_link(self._address)
-        with self._lock:
-            if self._state != _PENDING:
-                return
-            self._link = None
-        self._attempt()
+    # -- the unary phase ----------------------------------------------------------------
 
     def _attempt(self) -> None:
         acks: list[int] = []
+        # The receiving thread's own call: it waits on it and decodes it itself.
+        own = self._blocking and threading.get_ident() == self._owner
         with self._lock:
             self._timer = None
             if self._state != _PENDING:
@@ -393,13 +323,14 @@ class Recv:
                 failure: RendezvousError | None = None
                 try:
                     request = messages.encode_request(
-                        self._step_id,
-                        self._key.full_key,
+                        self.step_id,
+                        self.key.full_key,
                         self._request_id,
                         finished=acks,
                         inline_max=self._ctx.inline_max,
                     )
-                    call = self._channel.unary_unary(RECV_TENSOR_INLINE_METHOD).future(
+                    assert self._channel is not None
+                    call = self._channel.unary_unary(RECV_TENSOR_METHOD).future(
                         request, timeout=remaining, metadata=self._ctx.metadata
                     )
                     self._issued = True
@@ -410,6 +341,8 @@ class Recv:
                     call = None
                     failure = CancelledError(f"receiving {self._where()}: {e}")
                 self._call = call
+                self._own = call if own else None
+                self._acks = acks
         if expired:
             self._timed_out()
             return
@@ -418,103 +351,114 @@ class Recv:
             assert failure is not None
             self._deliver(failure, None)
             return
-        call.add_done_callback(functools.partial(self._on_unary, acks))
+        if not own:
+            call.add_done_callback(self._on_callback)
 
-    def _on_unary(self, acks: list[int], call: Any) -> None:
+    def _on_callback(self, call: Any) -> None:
         """The unary call's outcome, in gRPC's channel thread (never block here).
 
         Whatever goes wrong here fails this receive: its caller must not wait forever.
         """
         try:
-            self._on_unary_outcome(acks, call)
+            self._outcome(call, here=False)
         except Exception as e:
-            _log.exception("RecvTensorInline callback for %s failed", self._where())
+            _log.exception("RecvTensor callback for %s failed", self._where())
             self._deliver(InternalError(f"receiving {self._where()}: {e!r}"), None)
 
-    def _on_unary_outcome(self, acks: list[int], call: Any) -> None:
+    def _claim(self, call: Any) -> None:
+        """Under the lock: this thread handles ``call``'s answer (no other will)."""
+        self._call = self._own = None
+        self._state = _ARRIVED
+
+    def _outcome(self, call: Any, *, here: bool) -> None:
+        acks = self._acks
         with self._lock:
-            if self._state != _PENDING or self._call is not call:
+            if self._state != _PENDING or self._call is not call or call.cancelled():
                 if not call.cancelled() and call.exception() is not None:
                     # Cancelled or closed meanwhile: a failed request may not have
                     # reached the server, so its acks go out again with the next one.
                     self._ctx.acks.give_back(self._address, acks)
                 return  # answered there
-            if call.cancelled():  # pragma: no cover - only our cancel/close cancel it
-                return
             error = call.exception()
-            if error is not None:
-                self._call = None
+            if error is None and call.result():
+                self._claim(call)
+            else:
+                self._call = self._own = None
         if error is None:
-            self._answered(call.result())
+            self._answered(call.result(), here)
             return
         self._ctx.acks.give_back(self._address, acks)
         code = error_code(error)
-        if code == grpc.StatusCode.UNIMPLEMENTED:
-            # Not a shmrdv server that knows RecvTensorInline: stream from it, as before.
-            self._ctx.channels.remember_streams_only(self._address)
-            self._start_stream()
-        elif self._out_of_files(error):
+        if self.out_of_files(error):
             pass
         elif code == grpc.StatusCode.UNAVAILABLE:
-            self._retry_later(error)
+            self._last_unavailable = error
+            pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
+            self._retry_later(pause, self._attempt)
         elif code == grpc.StatusCode.DEADLINE_EXCEEDED and self._deadline is None:
             self._attempt()  # the server's longest wait (max_wait), not ours: ask again
         else:
-            self._release_if_late(code)
-            self._deliver(self._error(code, error), None)
+            self.release_if_late(code)
+            self._deliver(self.error(code, error), None)
 
-    def _answered(self, data: bytes) -> None:
+    def _answered(self, data: bytes, here: bool) -> None:
         if not data:
-            self._start_stream()  # too large to answer inline: it waits in the cache
-            return
-        if len(data) > _COPY_IN_CHANNEL_THREAD:
+            self._start_stream()  # larger than inline_max: it waits in the server's cache
+        elif here or len(data) <= _COPY_IN_CHANNEL_THREAD:
+            self._take(data, here)
+        else:
             # Copying a large tensor would stall gRPC's channel thread (every call on the
             # channel): decode and copy it on a callback thread instead.
             self._ctx.runner.submit(self._take_off_channel, data)
-        else:
-            self._take(data, self._direct)
 
     def _take_off_channel(self, data: bytes) -> None:
         try:
             self._take(data, True)
         except Exception as e:  # the caller must not wait forever
-            _log.exception("decoding the RecvTensorInline answer for %s failed", self._where())
+            _log.exception("decoding the RecvTensor answer for %s failed", self._where())
             self._deliver(InternalError(f"receiving {self._where()}: {e!r}"), None, here=True)
 
-    def _take(self, data: bytes, off_channel: bool) -> None:
+    def _take(self, data: bytes, here: bool) -> None:
         try:
             decoded = messages.decode_response(data)
         except RendezvousError as e:
             self._deliver(
                 InternalError(
-                    f"bad RecvTensorInline from {self._address} for {self._where()}: {e}"
+                    f"bad RecvTensor answer from {self._address} for {self._where()}: {e}"
                 ),
                 None,
+                here=here,
             )
             return
         self._ctx.acks.ack(self._address, self._request_id)
-        # A private, writable array (the response bytes are read-only).
+        # The one copy: a private, writable array (the response bytes are read-only).
         value = np.array(decoded.value, copy=True)
-        self._deliver(None, Received(value, decoded.is_dead), here=off_channel)
+        self._deliver(None, Received(value, decoded.is_dead), here=here)
 
-    def _release_if_late(self, code: grpc.StatusCode) -> None:
+    def _give_up(self) -> None:
+        """Tell the server we will not take this request_id's value (MarkRecvFinished with
+        shmrdv's "released" flag): a value it took goes back to its key's head now."""
+        if self._channel is not None:
+            notify(self._channel, self._request_id, self._ctx.metadata, released=True)
+
+    def release_if_late(self, code: grpc.StatusCode) -> None:
         """The deadline passed with a call out: the server may have taken a value for it
-        (being streamed, or answered too late). ``ReleaseRecv`` gives it back to the head
-        of its key at once: the next receive gets it, in order, rather than a later value
-        while this one waits in the server's cache until it expires."""
+        (being streamed, or answered too late). Releasing gives it back to the head of its
+        key at once: the next receive gets it, in order, rather than a later value while
+        this one waits in the server's cache until it expires."""
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._issued:
             self._give_up()
 
-    def _retry_later(self, error: grpc.RpcError) -> None:
-        """Transient UNAVAILABLE (peer not up yet, connection refused or reset): the same
-        request_id again after the backoff, so a response lost on the wire is not lost."""
-        self._last_unavailable = error
-        pause = self._backoff
+    def _retry_later(self, pause: float, then: Callable[[], None], why: str = "") -> None:
+        """Run ``then`` after ``pause`` (a transient UNAVAILABLE: the same request_id
+        again, so a response lost on the wire is not lost; or an address not known yet)."""
         remaining = self._remaining()
         if remaining is not None:
+            if remaining <= 0:
+                self._timed_out(why)
+                return
             pause = max(0.0, min(pause, remaining))
-        self._backoff = min(self._backoff * 2, _RETRY_MAX)
-        timer = threading.Timer(pause, self._attempt)
+        timer = threading.Timer(pause, then)
         timer.daemon = True
         timer.name = "shmrdv-rpc-retry"
         with self._lock:
@@ -533,8 +477,9 @@ class Recv:
     def _start_stream(self) -> None:
         thread = threading.Thread(target=self._run, name="shmrdv-rpc-recv", daemon=True)
         with self._lock:
-            if self._state != _PENDING:
+            if self._state not in (_PENDING, _ARRIVED):
                 return
+            self._state = _PENDING
             self._streaming = True
             self._call = None
             self.thread = thread
@@ -554,9 +499,9 @@ class Recv:
             self._deliver(UnavailableError(f"receiving {self._where()} failed: {e!r}"), None)
 
     def _stream_attempts(self) -> None:
-        request = messages.encode_request(self._step_id, self._key.full_key, self._request_id)
+        request = messages.encode_request(self.step_id, self.key.full_key, self._request_id)
+        assert self._channel is not None
         method = self._channel.unary_stream(RECV_TENSOR_STREAM_METHOD)
-        metadata = self._ctx.metadata
         mid_stream_failures = 0
         while True:
             with self._lock:
@@ -565,9 +510,8 @@ class Recv:
                 remaining = self._remaining()
                 if remaining is not None and remaining <= 0:
                     break
-                call = method(request, timeout=remaining, metadata=metadata)
+                call = method(request, timeout=remaining, metadata=self._ctx.metadata)
                 self._call = call
-                self._issued = True
             assembler = assembly.StreamAssembler()
             delivered = False
             try:
@@ -588,13 +532,9 @@ class Recv:
                         self._deliver(None, Received(assembler.result(), assembler.is_dead))
                 received = Received(assembler.result(), assembler.is_dead)
             except grpc.RpcError as e:
-                if delivered:
+                if delivered or self._state in (_DONE, _CANCELLED) or self.out_of_files(e):
                     return
                 code = error_code(e)
-                if self._state in (_DONE, _CANCELLED):
-                    return
-                if self._out_of_files(e):
-                    return
                 if code == grpc.StatusCode.UNAVAILABLE:
                     if self._state == _RECEIVING:
                         mid_stream_failures += 1
@@ -608,15 +548,12 @@ class Recv:
                             )
                             return
                     self._last_unavailable = e
-                    pause = self._backoff
+                    pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
                     remaining = self._remaining()
-                    if remaining is not None:
-                        pause = max(0.0, min(pause, remaining))
-                    self._wake.wait(pause)
-                    self._backoff = min(self._backoff * 2, _RETRY_MAX)
+                    self._wake.wait(pause if remaining is None else max(0.0, min(pause, remaining)))
                     continue
-                self._release_if_late(code)
-                self._deliver(self._error(code, e), None)
+                self.release_if_late(code)
+                self._deliver(self.error(code, e), None)
                 return
             except RendezvousError as e:  # the assembler refused what arrived
                 call.cancel()
@@ -630,11 +567,12 @@ class Recv:
             if not delivered:
                 self._deliver(None, received)
             # A large value: release the server's cached copy now, not at the next request.
-            notify(self._channel, MARK_RECV_FINISHED_METHOD, self._request_id, self._ctx.metadata)
+            notify(self._channel, self._request_id, self._ctx.metadata)
             return
         self._timed_out()
 
-    def _error(self, code: grpc.StatusCode, e: grpc.RpcError) -> RendezvousError:
+    def error(self, code: grpc.StatusCode, e: grpc.RpcError) -> RendezvousError:
+        """The receive's error for a call that failed with ``code``."""
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             after = "" if self._timeout is None else f" after {self._timeout:g}s"
             return DeadlineExceededError(

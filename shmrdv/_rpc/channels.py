@@ -1,17 +1,15 @@
-"""ChannelCache: one gRPC channel and one Exchange link per peer, and what each peer speaks.
+"""ChannelCache: one gRPC channel per peer.
 
 It owns the channel options (TensorFlow's message limits and reconnect backoff,
-keepalive), opens a peer's channel on first use and its ``link.Link`` when a receive
-asks, and remembers peers without ``Exchange`` or without ``RecvTensorInline``.
+keepalive) and opens a peer's channel on first use.
 
-Fork: channels and links are per process. A cache used in a parent and then in a
-forked child (``forked()``) keeps the parent's channels referenced, never closed (closing
-would act on the parent's connections, and their finalizers must not run in the child);
-its owner then opens a fresh cache. Before a fork the idle links of every cache end and
-their threads are joined (a thread inside gRPC at fork time breaks the child).
+Fork: channels are per process. A cache used in a parent and then in a forked child
+(``forked()``) keeps the parent's channels referenced, never closed (closing would act on
+the parent's connections, and their finalizers must not run in the child); its owner
+then opens a fresh cache.
 
-Thread model: thread-safe; one lock guards the tables, and nothing blocks under it
-(channels are created, not connected, under it; links are closed outside it).
+Thread model (docs/threads.md): thread-safe; one lock guards the table, and nothing
+blocks under it (channels are created, not connected, under it).
 """
 
 from __future__ import annotations
@@ -20,15 +18,12 @@ import errno
 import logging
 import os
 import threading
-import weakref
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
 from .._errors import CancelledError, ResourceExhaustedError, UnavailableError
 from .._hostaddr import split_host_port
-from .link import Link
 from .security import TLSConfig
 
 __all__ = ["ChannelCache"]
@@ -56,31 +51,14 @@ _BASE_OPTIONS: list[tuple[str, Any]] = [
 
 
 class ChannelCache:
-    """The channels and links of one client in one process.
+    """The channels of one client in one process (``tls``: open TLS channels)."""
 
-    Args:
-        tls: open TLS channels (``None``: plaintext).
-        metadata: the call metadata (the token) of the links' streams.
-        take_acks: the acks a link's next request to a peer carries.
-    """
-
-    def __init__(
-        self,
-        tls: TLSConfig | None,
-        metadata: Sequence[tuple[str, str]],
-        take_acks: Callable[[str], list[int]],
-    ) -> None:
+    def __init__(self, tls: TLSConfig | None) -> None:
         self._tls = tls
-        self._metadata = metadata
-        self._take_acks = take_acks
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._closed = False
         self._channels: dict[str, grpc.Channel] = {}
-        self._links: dict[str, Link] = {}  # address -> its Exchange link
-        self._no_link: set[str] = set()  # peers without Exchange (TensorFlow, older shmrdv)
-        self._streams_only_peers: set[str] = set()  # peers without RecvTensorInline
-        _CACHES.add(self)
 
     def forked(self) -> bool:
         """True in a forked child: this cache is the parent's, and is left alone for good."""
@@ -91,8 +69,7 @@ class ChannelCache:
         # closing: closing would act on the parent's connections. (A child is
         # single-threaded when it starts, so no race here.)
         _log.debug("RpcClient: pid changed (fork); opening fresh channels")
-        _FORKED_LEFTOVERS.append((self._channels, self._links))
-        _CACHES.discard(self)
+        _FORKED_LEFTOVERS.append(self._channels)
         return True
 
     def channel(self, address: str) -> grpc.Channel:
@@ -138,93 +115,21 @@ class ChannelCache:
         except Exception:  # pragma: no cover - closing a broken channel
             _log.debug("closing the channel to %s failed", address, exc_info=True)
 
-    def route(self, address: str) -> tuple[grpc.Channel | None, Link | None]:
-        """``address``'s open channel and link, each None if there is none."""
+    def route(self, address: str) -> grpc.Channel | None:
+        """``address``'s open channel, or None."""
         with self._lock:
-            return self._channels.get(address), self._links.get(address)
+            return self._channels.get(address)
 
-    def link_for(self, address: str, channel: grpc.Channel) -> Link | None:
-        """The live link to ``address`` (opened now if need be); None for a peer without
-        Exchange, or once closed."""
-        with self._lock:
-            if self._closed or address in self._no_link:
-                return None
-            if self._channels.get(address) is not channel:
-                return None  # the channel was dropped meanwhile: the unary way, this once
-            link = self._links.get(address)
-            if link is None:
-                link = Link(
-                    address,
-                    channel,
-                    self._metadata,
-                    lambda: self._take_acks(address),
-                    self._link_ended,
-                )
-                self._links[address] = link
-            return link
-
-    def _link_ended(self, link: Link) -> None:
-        with self._lock:
-            if self._links.get(link.address) is link:
-                del self._links[link.address]
-
-    def send_on_link(self, address: str, request: bytes) -> bool:
-        """Send ``request`` on ``address``'s open link; False if there is none."""
-        with self._lock:
-            link = self._links.get(address)
-        return link is not None and link.send(request)
-
-    def remember_no_link(self, address: str) -> None:
-        with self._lock:
-            self._no_link.add(address)
-
-    def streams_only(self, address: str) -> bool:
-        return address in self._streams_only_peers
-
-    def remember_streams_only(self, address: str) -> None:
-        with self._lock:
-            self._streams_only_peers.add(address)
-
-    def close_idle_links(self) -> None:
-        """Before a fork: end the links no receive waits on, and join their threads.
-
-        A fork while a thread of ours is inside gRPC leaves the child's gRPC broken; an
-        idle client must fork as cleanly as one without links. The next receive opens a
-        new link. (Links with receives pending stay: forking now is the caller's risk.)
-        """
-        if os.getpid() != self._pid:
-            return
-        with self._lock:
-            idle = [link for link in self._links.values() if not link.pending]
-        for link in idle:
-            link.close()
-
-    def close(self) -> tuple[dict[str, grpc.Channel], list[Link]]:
-        """Stop opening channels and links; the open ones, for the caller to close."""
+    def close(self) -> dict[str, grpc.Channel]:
+        """Stop opening channels; the open ones, for the caller to close."""
         with self._lock:
             self._closed = True
             channels, self._channels = dict(self._channels), {}
-            links, self._links = list(self._links.values()), {}
-        return channels, links
+        return channels
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"channels": len(self._channels), "links": len(self._links)}
-
-
-# Live caches, for the fork hook (their idle links end before a fork).
-_CACHES: weakref.WeakSet[ChannelCache] = weakref.WeakSet()
-
-
-def _before_fork() -> None:
-    for cache in list(_CACHES):
-        try:
-            cache.close_idle_links()
-        except Exception:  # pragma: no cover - never fail a fork
-            _log.debug("closing idle links before fork failed", exc_info=True)
-
-
-os.register_at_fork(before=_before_fork)
+            return {"channels": len(self._channels)}
 
 
 # Channels inherited by forked children, kept referenced so that their finalizers never

@@ -1,56 +1,54 @@
-"""RpcClient: the consumer side of the gRPC transport (TensorFlow's RpcRecvTensorCall).
+"""RpcClient: the consumer's client of the gRPC transport (TensorFlow's RpcRecvTensorCall).
 
 ``start_recv`` pulls the next value of a key from the producer's worker with a fresh
-random non-zero ``request_id``. To a shmrdv peer it posts a *want* on the long-lived
-``Exchange`` stream to that peer (``link.Link``, one per peer): the producer answers with
-one stream message as soon as the value is sent, so a small tensor costs one message and
-no new call. A tensor larger than 1 MiB is set aside by the server, which says "fetch
-it"; it is then streamed with ``RecvTensorStream`` under the same request_id on a thread
-of its own and assembled into one array (one copy). A peer without ``Exchange``
-(TensorFlow, an older shmrdv) gets a unary ``RecvTensorInline`` (answered inline up to
-``inline_max``), and one without that is streamed from directly. The call is
-TensorFlow's ``RecvFromRemoteAsync`` (research/tf_rendezvous.md §3.1) with these additions:
+random non-zero ``request_id``: one unary ``RecvTensor`` per receive, as TensorFlow's
+worker makes, answered as soon as the value is sent; a tensor larger than ``inline_max``
+is then streamed in chunks with ``RecvTensorStream`` (``call.Recv``). Receives of one key
+go out one at a time, in order: concurrent calls for one key would reach the producer in
+any order and break the channel's FIFO promise (the oldest receive gets the oldest
+value). The call is TensorFlow's ``RecvFromRemoteAsync`` (research/tf_rendezvous.md §3.1)
+with these additions:
 
 * a transient ``UNAVAILABLE`` (peer not up yet, connection refused or reset before any
   data came) is retried with backoff (50 ms doubling to 1 s) and the *same*
-  ``request_id``, until the caller cancels or its ``timeout`` expires (on the link: the
-  stream is reopened and every pending want posted again). The server's response cache
-  makes that safe: a retry joins the first attempt's waiter or gets its delivered value,
-  so a response lost on the wire is not a lost tensor;
+  ``request_id``, until the caller cancels or its ``timeout`` expires. The server's
+  response cache makes that safe: a retry joins the first attempt's waiter or gets its
+  delivered value, so a response lost on the wire is not a lost tensor;
 * a server's longest wait (``RpcServer(max_wait=)``) ending a receive without a timeout
   of its own is asked again, transparently;
 * once data is flowing the call can no longer be cancelled (the producer has given the
   value away); a connection lost mid-stream is retried twice (the server still caches
   the value), then fails with ``UnavailableError``. No partial array is ever delivered;
-* a cancelled call tells the server (a cancel on the link, ordered before the next want;
-  else ``ReleaseRecv``): a value the server took for it goes back to its key's head;
-* acks (TensorFlow's ``MarkRecvFinished``) ride on the next want or request to the same
-  peer; one that none takes within 50 ms goes on its own (on the link if open).
+* a cancelled call tells the server (``MarkRecvFinished`` with shmrdv's "released"
+  flag): a value the server took for it goes back to its key's head;
+* acks (TensorFlow's ``MarkRecvFinished``) ride on the next request to the same peer;
+  one that none takes within 50 ms goes on its own (``acks``);
 * a peer's bytes that do not parse, or describe an impossible tensor (the element-count
   rule of ``_values.shape_problem``), fail the receive with ``InternalError`` naming the
   peer, before anything is allocated.
 
-Modules: ``call`` (one receive's RPCs), ``channels`` (the channel and Exchange link per
-peer, with fork handling), ``acks`` (acks piggybacked or sent late), ``runner`` (the
-callback threads). This module is the client's face: it opens receives and closes it all.
+Modules: ``call`` (one receive's RPCs), ``channels`` (the channel per peer, with fork
+handling), ``acks`` (acks piggybacked or sent late), ``runner`` (the callback threads).
+This module is the client's face: it orders receives, opens them and closes it all.
 
-Thread model: the sync gRPC API; thread-safe. A link has a reader thread
-("shmrdv-rpc-link") that decodes each reply and calls ``done`` itself when the caller
-said ``direct`` (a blocking receive's own slot), else hands it to a reused callback
-thread. A unary call's outcome arrives in gRPC's channel thread, handled the same way; a
+Thread model (docs/threads.md): the sync gRPC API; thread-safe. A blocking receive
+(``blocking=True``, then ``wait``) makes its call from the receiving thread and waits on
+it there: no thread of ours in between. Otherwise a unary call's outcome arrives in
+gRPC's channel thread and ``done`` runs on a reused callback thread (``runner``); a
 streamed (large) value has a thread of its own. (An asyncio channel would need none of
 this, but grpc.aio does not survive ``fork`` — measured: a forked child's aio calls time
 out — while a fresh sync channel in the child works; research/pitfalls.md §6.) ``done``
 never runs under a lock, and exactly once unless the canceller returned ``True``.
 
-Fork: channels and links are per process. A client used in a parent and then in a
-forked child notices the new pid and opens fresh ones in the child; the parent's are
-left alone (``channels``).
+Fork: channels are per process. A client used in a parent and then in a forked child
+notices the new pid and opens fresh ones in the child; the parent's are left alone
+(``channels``).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
 
@@ -63,9 +61,8 @@ from .._rendezvous import Canceller, as_parsed_key, check_timeout
 from .._status import error_for_code
 from . import messages
 from .acks import AckQueue
-from .call import CallContext, Recv
+from .call import Address, CallContext, Recv
 from .channels import ChannelCache
-from .link import Link
 from .methods import DEFAULT_INLINE_MAX, GET_STATUS_METHOD
 from .rpc_errors import error_code, error_details
 from .runner import Runner
@@ -83,7 +80,8 @@ class RpcClient:
         tls: use TLS (``TLSConfig`` with the CA of the servers, and a client
             certificate for servers that require one). ``None``: plaintext.
         token: send ``authorization: Bearer <token>`` with every call.
-        inline_max: largest tensor a peer answers in its unary response.
+        inline_max: largest tensor asked for in RecvTensor's one response; larger ones
+            are streamed in chunks.
 
     One channel per peer address, opened on first use, reopened in a forked child.
     Thread-safe. ``close()`` fails receives in flight with ``CancelledError``.
@@ -106,11 +104,16 @@ class RpcClient:
         self._reset()
 
     def _reset(self) -> None:
-        self._lock = threading.Lock()  # guards _inflight and _closed
+        self._lock = threading.Lock()  # guards the tables below and _closed
         self._inflight: set[Recv] = set()
+        # Per (step, key): its receives in order; the head's call is in flight.
+        self._queues: dict[tuple[int, str], deque[Recv]] = {}
+        self._blocked: dict[DoneCallback, Recv] = {}  # blocking receives, by their slot
+        self._aborted: dict[int, BaseException] = {}
         self._closed = False
-        self._acks = AckQueue(self._metadata, self._route)
-        self._channels = ChannelCache(self._tls, self._metadata, self._acks.take)
+        self._counters = {"received": 0, "received_bytes": 0}
+        self._channels = ChannelCache(self._tls)
+        self._acks = AckQueue(self._metadata, self._channels.route)
         self._runner = Runner()
         self._context = CallContext(
             channels=self._channels,
@@ -119,64 +122,123 @@ class RpcClient:
             metadata=self._metadata,
             inline_max=self._inline_max,
             forget=self._forget,
+            count=self._count,
         )
-
-    def _route(self, address: str) -> tuple[grpc.Channel | None, Link | None]:
-        return self._channels.route(address)
 
     def _check_fork(self) -> None:
         if self._channels.forked():
             # A forked child: the parent's channels, threads and locks are not ours.
             self._reset()
 
-    def _channel(self, address: str) -> grpc.Channel:
-        self._check_fork()
-        return self._channels.channel(address)
-
     # -- receiving -------------------------------------------------------------------------
 
     def start_recv(
         self,
-        address: str,
+        address: Address,
         step_id: int,
         key: ParsedKey | str,
         done: DoneCallback,
         *,
         timeout: float | None = None,
-        direct: bool = False,
+        blocking: bool = False,
     ) -> Canceller:
         """Start pulling the next value of ``key`` from the worker at ``address``.
 
-        Returns at once. ``done(error, Received)`` is called exactly once, in a client
-        thread, unless the returned canceller answers ``True`` (it does while no data has
-        arrived; the call is then stopped and its server-side waiter removed). ``direct``:
-        ``done`` is quick and never blocks, so it may run in gRPC's own channel thread
-        (one thread switch less). ``timeout``
-        bounds the whole receive, retries included (``DeadlineExceededError``); without
-        it an unreachable peer is retried until the caller cancels. Errors name the key
-        and the peer: the server's error class (``AbortedError``, ``InvalidArgumentError``,
-        ...), ``UnavailableError`` for a connection lost mid-stream,
-        ``UnauthenticatedError`` for a refused token.
+        ``address``: ``host:port``, or a function returning it that raises
+        ``UnavailableError`` while the producer's address is not known (asked again every
+        50 ms). Returns at once. ``done(error, Received)`` is called exactly once unless
+        the returned canceller answers ``True`` (it does while no data has arrived; the
+        call is then stopped and its server-side waiter removed). The value is a private,
+        writable array. ``timeout`` bounds the whole receive, retries included
+        (``DeadlineExceededError``); without it an unreachable peer is retried until the
+        caller cancels. Errors name the key and the peer: the server's error class
+        (``AbortedError``, ``InvalidArgumentError``, ...), ``UnavailableError`` for a
+        connection lost mid-stream, ``UnauthenticatedError`` for a refused token.
+
+        ``blocking``: ``done`` is quick and never blocks (a blocked receiver's slot), and
+        the caller calls ``wait(done, ...)`` until it has run: the call is made, waited on
+        and decoded in the caller's thread. Otherwise ``done`` runs on a callback thread.
+
+        Raises ``AbortedError`` (the step was aborted: ``abort_step``) at once; ``done``
+        is then never called.
         """
+        self._check_fork()
         t = check_timeout(timeout)
         try:
             pk = as_parsed_key(key)
-            channel = self._channel(address)
         except RendezvousError as e:
             invoke_done(done, e, None)
             return _too_late
-        recv = Recv(self._context, channel, address, int(step_id), pk, done, t, direct)
+        recv = Recv(self._context, address, int(step_id), pk, done, t, blocking)
+        k = (recv.step_id, pk.full_key)
         with self._lock:
+            err = self._aborted.get(recv.step_id)
+            if err is not None:
+                raise err
             if self._closed:
                 closed = True
             else:
                 closed = False
+                queue = self._queues.setdefault(k, deque())
+                queue.append(recv)
+                first = len(queue) == 1
                 self._inflight.add(recv)
+                if blocking:
+                    self._blocked[done] = recv
         if closed:
             invoke_done(done, CancelledError("RpcClient is closed"), None)
             return _too_late
-        recv.start()
+        if first:
+            recv.start()
         return recv.cancel
+
+    def wait(self, done: DoneCallback, timeout: float) -> bool:
+        """Help the blocking receive whose ``done`` this is: wait up to ``timeout`` on the
+        call it made, and decode its answer here. False: nothing to help with now (wait
+        on ``done``'s slot instead)."""
+        recv = self._blocked.get(done)
+        return recv is not None and recv.wait(timeout)
+
+    def _forget(self, recv: Recv) -> None:
+        """``recv`` has ended: the next receive of its key goes out."""
+        k = (recv.step_id, recv.key.full_key)
+        nxt = None
+        with self._lock:
+            self._inflight.discard(recv)
+            if self._blocked.get(recv.done) is recv:
+                del self._blocked[recv.done]
+            queue = self._queues.get(k)
+            if queue:
+                if queue[0] is recv:
+                    queue.popleft()
+                    nxt = queue[0] if queue else None
+                else:
+                    try:
+                        queue.remove(recv)
+                    except ValueError:
+                        pass
+                if not queue:
+                    del self._queues[k]
+        if nxt is not None:
+            nxt.start()
+
+    def _count(self, nbytes: int) -> None:
+        self._counters["received"] += 1
+        self._counters["received_bytes"] += nbytes
+
+    def abort_step(self, step_id: int, error: BaseException) -> None:
+        """Fail every receive of ``step_id`` with ``error``; later ones raise it at once."""
+        with self._lock:
+            self._aborted.setdefault(step_id, error)
+            error = self._aborted[step_id]
+            recvs = [r for k, q in self._queues.items() if k[0] == step_id for r in q]
+        for recv in reversed(recvs):  # the queued ones first: no later one starts
+            recv.close(error)
+
+    def cleanup_step(self, step_id: int) -> None:
+        """Forget that ``step_id`` was aborted (it is cleaned up)."""
+        with self._lock:
+            self._aborted.pop(step_id, None)
 
     def get_status(
         self, address: str, *, timeout: float = 5.0
@@ -188,7 +250,8 @@ class RpcClient:
         error (``UnavailableError`` when the peer cannot be reached).
         """
         t = check_timeout(timeout)
-        channel = self._channel(address)
+        self._check_fork()
+        channel = self._channels.channel(address)
         try:
             data = channel.unary_unary(GET_STATUS_METHOD)(b"", timeout=t, metadata=self._metadata)
         except grpc.RpcError as e:
@@ -200,29 +263,23 @@ class RpcClient:
         except RendezvousError as e:
             raise type(e)(f"bad GetStatusResponse from {address}: {e}") from e
 
-    def _forget(self, recv: Recv) -> None:
-        with self._lock:
-            self._inflight.discard(recv)
-
     # -- lifetime ----------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Fail receives in flight with ``CancelledError``, join their threads, close channels.
-
-        Idempotent; blocks up to a few seconds per receive thread.
+    def close(self, error: BaseException | None = None) -> None:
+        """Fail receives in flight with ``error`` (default ``CancelledError``), join their
+        threads, close channels. Idempotent; blocks up to a few seconds per receive thread.
         """
         self._check_fork()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            inflight, self._inflight = list(self._inflight), set()
-        by_address, links = self._channels.close()
+            inflight = [r for q in self._queues.values() for r in reversed(q)]
+            inflight += [r for r in self._inflight if r not in inflight]
+        by_address = self._channels.close()
         unsent = self._acks.close(_JOIN_TIMEOUT)
         for recv in inflight:
-            recv.close(CancelledError("RpcClient closed"))
-        for link in links:
-            link.close()
+            recv.close(error if error is not None else CancelledError("RpcClient closed"))
         for recv in inflight:
             if recv.thread is not None and recv.thread is not threading.current_thread():
                 recv.thread.join(_JOIN_TIMEOUT)
@@ -243,8 +300,10 @@ class RpcClient:
         self.close()
 
     def stats(self) -> dict[str, int]:
-        """Counters: channels open, receives in flight, and of those the ones receiving data."""
+        """Counters: channels open, receives in flight (and of those the ones receiving
+        data), values and bytes received."""
         out = self._channels.stats()
+        out.update(self._counters)
         with self._lock:
             out["inflight"] = len(self._inflight)
             out["receiving"] = sum(1 for r in self._inflight if r.receiving)

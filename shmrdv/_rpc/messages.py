@@ -4,10 +4,10 @@ Pure: no gRPC, no protobuf runtime, no I/O; thread model: none needed. The messa
 those of ``protos/shmrdv/*.proto``; the generated modules in ``shmrdv/_rpc/proto`` are
 the reference the tests compare these bytes against:
 
-* ``RecvTensorRequest`` (with shmrdv's extension fields 1001-1004: acks, inline limit,
-  cancel, wait) and ``RecvTensorResponse`` (the tensor from ``tensors``);
-* ``MarkRecvFinishedRequest`` and ``GetStatusResponse`` (``DeviceAttributes``);
-* the replies of shmrdv's Exchange stream (a RecvTensorResponse with extension fields).
+* ``RecvTensorRequest`` (with shmrdv's extension fields 1001-1002: acks, inline limit)
+  and ``RecvTensorResponse`` (the tensor from ``tensors``);
+* ``MarkRecvFinishedRequest`` (with shmrdv's extension field 1001: "released") and
+  ``GetStatusResponse`` (``DeviceAttributes``).
 
 A response is written as TensorFlow's worker writes it (the small fields first, then
 the tensor, whose content is the array's own buffer appended with one copy), so the
@@ -61,17 +61,12 @@ from .wire import (
 
 __all__ = [
     "DeviceAttributes",
-    "LinkReply",
     "MAX_ACKS",
     "RecvRequest",
-    "decode_link_reply",
     "decode_mark_recv_finished",
     "decode_request",
     "decode_response",
     "decode_status_response",
-    "encode_link_error",
-    "encode_link_fetch",
-    "encode_link_value",
     "encode_mark_recv_finished",
     "encode_request",
     "encode_response",
@@ -171,21 +166,14 @@ class RecvRequest:
     # shmrdv's extension fields (TensorFlow skips them as unknown fields):
     finished: tuple[int, ...] = ()  # 1001: request_ids whose responses arrived (acks)
     inline_max: int = -1  # 1002: largest tensor to answer inline; -1: not given
-    cancel: bool = False  # 1003 (Exchange): the client gives request_id up
-    wait_ms: int = -1  # 1004 (Exchange): wait at most this long for the value; -1: not given
 
 
-# Extension fields of RecvTensorRequest, read by shmrdv's RecvTensorInline and Exchange.
+# Extension fields of RecvTensorRequest, read by shmrdv's RecvTensor (TensorFlow's skips
+# them as unknown fields).
 _FINISHED_FIELD = 1001
 
 
 _INLINE_MAX_FIELD = 1002
-
-
-_CANCEL_FIELD = 1003
-
-
-_WAIT_MS_FIELD = 1004
 
 
 def encode_request(
@@ -196,14 +184,13 @@ def encode_request(
     *,
     finished: Sequence[int] = (),
     inline_max: int = -1,
-    cancel: bool = False,
-    wait_ms: int = -1,
 ) -> bytes:
     """``RecvTensorRequest`` bytes; ``InvalidArgumentError`` for out-of-range ints.
 
     ``finished`` (request_ids whose responses arrived: piggybacked acks, as many
     ``MarkRecvFinished``) and ``inline_max`` (answer tensors up to this many bytes in the
-    unary response) are shmrdv extension fields 1001 and 1002, for ``RecvTensorInline``.
+    unary response; a larger one is answered with empty bytes: "stream it") are shmrdv
+    extension fields 1001 and 1002.
     """
     check_int64("step_id", step_id)
     check_int64("request_id", request_id)
@@ -212,9 +199,6 @@ def encode_request(
         ext += encode_tag(_INLINE_MAX_FIELD, VARINT) + encode_varint(
             check_int64("inline_max", inline_max)
         )
-    ext += int_field(_CANCEL_FIELD, int(bool(cancel)))
-    if wait_ms >= 0:
-        ext += encode_tag(_WAIT_MS_FIELD, VARINT) + encode_varint(check_int64("wait_ms", wait_ms))
     if not isinstance(rendezvous_key, str):
         raise InvalidArgumentError(f"rendezvous_key must be a str, got {rendezvous_key!r}")
     try:
@@ -237,8 +221,7 @@ def decode_request(data: Buffer) -> RecvRequest:
     key = ""
     dma_ok = False
     finished: list[int] = []
-    inline_max = wait_ms = -1
-    cancel = False
+    inline_max = -1
     try:
         for f in iter_fields(buf, 0, len(buf)):
             if f.number == 1 and f.wire_type == VARINT:
@@ -265,15 +248,9 @@ def decode_request(data: Buffer) -> RecvRequest:
                         finished.append(signed64(v))
             elif f.number == _INLINE_MAX_FIELD and f.wire_type == VARINT:
                 inline_max = signed64(f.value)
-            elif f.number == _CANCEL_FIELD and f.wire_type == VARINT:
-                cancel = bool(f.value)
-            elif f.number == _WAIT_MS_FIELD and f.wire_type == VARINT:
-                wait_ms = signed64(f.value)
     except Malformed as e:
         raise InvalidArgumentError(f"Cannot parse RecvTensorRequest: {e}") from e
-    return RecvRequest(
-        step_id, key, request_id, dma_ok, tuple(finished), inline_max, cancel, wait_ms
-    )
+    return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max)
 
 
 #: A request carries at most this many acks; more are ignored (they expire on their own),
@@ -281,25 +258,37 @@ def decode_request(data: Buffer) -> RecvRequest:
 MAX_ACKS = 1024
 
 
-def encode_mark_recv_finished(request_id: int) -> bytes:
-    """``MarkRecvFinishedRequest`` bytes (the client has the response of ``request_id``)."""
-    return int_field(1, check_int64("request_id", request_id))
+# Extension field of MarkRecvFinishedRequest (TensorFlow skips it and just drops the
+# cached response): the client gave the request_id up without taking its value, so a
+# value taken for it goes back to the head of its key (shmrdv's cancel).
+_RELEASED_FIELD = 1001
 
 
-def decode_mark_recv_finished(data: Buffer) -> int:
-    """The ``request_id`` in ``MarkRecvFinishedRequest`` bytes.
+def encode_mark_recv_finished(request_id: int, *, released: bool = False) -> bytes:
+    """``MarkRecvFinishedRequest`` bytes: the client has the response of ``request_id``,
+    or (``released``, shmrdv's extension field 1001) gave it up without taking it."""
+    return int_field(1, check_int64("request_id", request_id)) + int_field(
+        _RELEASED_FIELD, int(released)
+    )
+
+
+def decode_mark_recv_finished(data: Buffer) -> tuple[int, bool]:
+    """``(request_id, released)`` of ``MarkRecvFinishedRequest`` bytes.
 
     Raises ``InvalidArgumentError`` if they do not parse.
     """
     buf = as_buffer(data)
     request_id = 0
+    released = False
     try:
         for f in iter_fields(buf, 0, len(buf)):
             if f.number == 1 and f.wire_type == VARINT:
                 request_id = signed64(f.value)
+            elif f.number == _RELEASED_FIELD and f.wire_type == VARINT:
+                released = bool(f.value)
     except Malformed as e:
         raise InvalidArgumentError(f"Cannot parse MarkRecvFinishedRequest: {e}") from e
-    return request_id
+    return request_id, released
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,90 +348,3 @@ def decode_status_response(data: Buffer) -> tuple[DeviceAttributes, ...]:
     except Malformed as e:
         raise InvalidArgumentError(f"Cannot parse GetStatusResponse: {e}") from e
     return tuple(out)
-
-
-# shmrdv's Exchange stream answers each request_id with one RecvTensorResponse that
-# carries extension fields (TensorFlow would skip them as unknown fields): the
-# request_id it answers, and instead of a tensor either an error (a grpc status code
-# number and its message) or "fetch": too large for the stream, fetch it with
-# RecvTensorInline under the same request_id (the server keeps it in its cache).
-_LINK_REQUEST_ID_FIELD = 1001
-
-
-_LINK_CODE_FIELD = 1002
-
-
-_LINK_MESSAGE_FIELD = 1003
-
-
-_LINK_FETCH_FIELD = 1004
-
-
-_MAX_ERROR_MESSAGE = 16 << 10
-
-
-@dataclass(frozen=True, slots=True)
-class LinkReply:
-    """The extension fields of an Exchange reply; the tensor itself is ``decode_response``."""
-
-    request_id: int
-    code: int = 0  # a grpc status code number; 0: a value (or a fetch)
-    message: str = ""
-    fetch: bool = False
-
-
-def encode_link_value(
-    request_id: int, value: npt.NDArray[Any], *, is_dead: bool, send_start_micros: int = 0
-) -> bytes:
-    """An Exchange reply carrying ``value`` for ``request_id`` (one copy of the tensor)."""
-    return encode_response(
-        value,
-        is_dead=is_dead,
-        send_start_micros=send_start_micros,
-        require_ack=True,
-        extra=int_field(_LINK_REQUEST_ID_FIELD, check_int64("request_id", request_id)),
-    )
-
-
-def encode_link_error(request_id: int, code: int, message: str) -> bytes:
-    """An Exchange reply failing ``request_id`` with grpc status ``code`` (non-zero)."""
-    if not 0 < code < 1 << 31:
-        raise InvalidArgumentError(f"an error reply needs a non-zero status code, not {code!r}")
-    text = message.encode("utf-8", "replace")[:_MAX_ERROR_MESSAGE]
-    return (
-        int_field(_LINK_REQUEST_ID_FIELD, check_int64("request_id", request_id))
-        + int_field(_LINK_CODE_FIELD, code)
-        + len_field(_LINK_MESSAGE_FIELD, text)
-    )
-
-
-def encode_link_fetch(request_id: int) -> bytes:
-    """An Exchange reply saying: fetch ``request_id`` with RecvTensorInline."""
-    return int_field(_LINK_REQUEST_ID_FIELD, check_int64("request_id", request_id)) + int_field(
-        _LINK_FETCH_FIELD, 1
-    )
-
-
-def decode_link_reply(data: Buffer) -> LinkReply:
-    """The extension fields of an Exchange reply; ``InvalidArgumentError`` if they do not
-    parse or name no request_id."""
-    buf = as_buffer(data)
-    request_id = code = 0
-    message = ""
-    fetch = False
-    try:
-        for f in iter_fields(buf, 0, len(buf)):
-            if f.number == _LINK_REQUEST_ID_FIELD and f.wire_type == VARINT:
-                request_id = signed64(f.value)
-            elif f.number == _LINK_CODE_FIELD and f.wire_type == VARINT:
-                code = f.value if f.value < 1 << 31 else 2  # out of range: UNKNOWN
-            elif f.number == _LINK_MESSAGE_FIELD and f.wire_type == LEN:
-                end = min(f.end, f.value + _MAX_ERROR_MESSAGE)
-                message = bytes(buf[f.value : end]).decode("utf-8", "replace")
-            elif f.number == _LINK_FETCH_FIELD and f.wire_type == VARINT:
-                fetch = bool(f.value)
-    except Malformed as e:
-        raise InvalidArgumentError(f"Cannot parse an Exchange reply: {e}") from e
-    if not request_id:
-        raise InvalidArgumentError("Cannot parse an Exchange reply: it names no request_id")
-    return LinkReply(request_id, code, message, fetch)

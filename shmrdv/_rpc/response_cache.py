@@ -6,11 +6,11 @@ it; one that arrives after the value was delivered gets the same value again for
 seconds (bounded in count and bytes), so a response lost on the wire is not a lost
 tensor. TensorFlow answers such a retry with ``ABORTED`` (``RecentRequestIds``), and
 pytorch/xla#4084 shows that kills jobs; a request_id answered and no longer cached gets
-``ABORTED`` here too. Acks (``finished``), releases and ``drop_step`` remove entries
+``ABORTED`` here too. Acks (``finished``), releases (a client gave an id up) and ``drop_step`` remove entries
 early; an ack or release costs O(1) (a request_id index), expiry walks the delivered
 entries oldest first and stops at the first that is not due.
 
-Thread model: none of its own. It belongs to the server's event loop and is touched only
+Thread model (docs/threads.md): none of its own. It belongs to the server's event loop and is touched only
 from there, so it needs no lock. An entry it drops is handed to ``give_back`` (the
 service's: a value no call delivered goes back to its key), called synchronously.
 """
@@ -50,13 +50,16 @@ class Waiter:
     nbytes: int = 0
     expires: float = 0.0
     serving: int = 0  # calls sending this value now
+    writing: int = 0  # unary calls that handed it to gRPC and have not ended yet
     sent: bool = False  # a call handed the whole response to gRPC
     given_back: bool = False  # returned to the source with requeue
-    # The client cancelled before taking any data (ReleaseRecv): whatever the stream
+    reported: bool = False  # the source was told the service is done with it (done_with)
+    # The client cancelled before taking any data (a release): whatever the stream
     # wrote went nowhere, so the value goes back even if every chunk was written.
     released: bool = False
-    # RecvTensorInline found it too large and left it for the client's RecvTensorStream:
-    # never evicted for room (only expiry or ReleaseRecv give it back).
+    # RecvTensor found it larger than the client's inline_max and left it for the
+    # client's RecvTensorStream: never evicted for room (only expiry or a release give
+    # it back).
     deferred: bool = False
 
 
@@ -232,5 +235,5 @@ class ResponseCache:
             if len(self._delivered) <= self._entries and self._cached_bytes <= self._max_bytes:
                 break
             w = self._cache.get(ck)
-            if w is not None and not (w.deferred or w.joiners or w.serving):
+            if w is not None and not (w.deferred or w.joiners or w.serving or w.writing):
                 self.uncache(ck)

@@ -1,6 +1,6 @@
 """Runner: a receive's ``done`` callbacks, run off gRPC's channel thread.
 
-Thread model: reused daemon threads ("shmrdv-rpc-done"), made on demand and ended after
+Thread model (docs/threads.md): reused daemon threads ("shmrdv-rpc-done"), made on demand and ended after
 ``_IDLE_EXIT`` seconds without work or at ``shutdown``; the task queue is guarded by one
 condition. A task runs outside that lock.
 """

@@ -9,7 +9,7 @@ Hostile or broken clients cannot exhaust it (issue 12 §4): the service bounds w
 calls, and gRPC sheds connections that never finish their handshake, idle ones,
 half-open ones and any beyond ``max_connections``.
 
-Thread model: a ``grpc.aio`` server runs on its own event loop in one thread
+Thread model (docs/threads.md): a ``grpc.aio`` server runs on its own event loop in one thread
 ("shmrdv-rpc-server"); every handler and all of the service's bookkeeping live in that
 loop. ``start``, ``stop``, ``drop_step`` and ``stats`` may be called from any thread;
 the lifecycle fields are guarded by a lock, and ``drop_step`` is handed to the loop.
@@ -87,8 +87,9 @@ class RpcServer:
         cache_ttl, cache_entries, cache_bytes: bounds of the request_id response cache.
         max_concurrent_rpcs: refuse calls beyond this many in flight
             (``RESOURCE_EXHAUSTED``); ``None``: no limit.
-        max_waiting, max_waiting_per_peer: most calls (and Exchange wants) waiting for a
-            value, in all and from one peer host; beyond: ``RESOURCE_EXHAUSTED``.
+        max_waiting, max_waiting_per_peer, max_waiting_per_connection: most calls waiting
+            for a value, in all, from one peer host and on one connection; beyond:
+            ``RESOURCE_EXHAUSTED`` (never for a value that is already there).
         max_wait: longest wait for a value of a call without a deadline (or a later one);
             then ``DEADLINE_EXCEEDED`` (shmrdv clients ask again).
         handshake_timeout, max_connections: a connection that has not finished its
@@ -113,7 +114,8 @@ class RpcServer:
         cache_bytes: int = 256 << 20,
         max_concurrent_rpcs: int | None = None,
         max_waiting: int = 65_536,
-        max_waiting_per_peer: int = 16_384,
+        max_waiting_per_peer: int = 32_768,
+        max_waiting_per_connection: int = 16_384,
         max_wait: float = 300.0,
         handshake_timeout: float = 10.0,
         max_connections: int = 1024,
@@ -144,6 +146,7 @@ class RpcServer:
         for name, value in (
             ("max_waiting", max_waiting),
             ("max_waiting_per_peer", max_waiting_per_peer),
+            ("max_waiting_per_connection", max_waiting_per_connection),
             ("max_connections", max_connections),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -173,6 +176,7 @@ class RpcServer:
             cache_bytes=cache_bytes,
             max_waiting=max_waiting,
             max_waiting_per_peer=max_waiting_per_peer,
+            max_waiting_per_connection=max_waiting_per_connection,
             max_wait=max_wait,
         )
 

@@ -1,39 +1,45 @@
-"""The service handlers: RecvTensor and its kin, answered from a ``TensorSource``.
+"""The service handlers: RecvTensor and its stream, answered from a ``TensorSource``.
 
 A consumer on another host pulls a value: it calls ``RecvTensor`` (TensorFlow's unary
-method, TF-compatible bytes), ``RecvTensorInline`` (shmrdv's: the same answer for a small
-tensor, else "stream it") or ``RecvTensorStream`` (shmrdv's chunked stream, no 2 GiB
-ceiling) with a step id and a rendezvous key; the handler validates the key, asks its
-``TensorSource`` (the Worker) for the next value of that key, waits for it up to the
-call's deadline and answers it (research/tf_rendezvous.md §3.2). A shmrdv consumer
-keeps one ``Exchange`` stream open instead and posts its wants on it; each is served
-the same way and answered by one stream message (``methods.EXCHANGE_METHOD``).
-Duplicates, retries and acks go through the ``ResponseCache``.
+method, TF-compatible bytes) with a step id and a rendezvous key; the handler validates
+the key, asks its ``TensorSource`` (the producer's outbox) for the next value of that
+key, waits for it up to the call's deadline and answers it (research/tf_rendezvous.md
+§3.2). A shmrdv client also says ``inline_max`` (extension field 1002): a larger tensor
+is answered with empty bytes and kept cached under the request_id, and the client then
+streams it with ``RecvTensorStream`` (shmrdv's chunked stream, no 2 GiB ceiling).
+Duplicates, retries and acks go through the ``ResponseCache``; acks ride on requests
+(extension field 1001) or come as ``MarkRecvFinished`` (which, with shmrdv's "released"
+flag, also says the client gave a request_id up).
 
-Hostile or broken clients cannot exhaust it (issue 12 §4): waiting calls are bounded in
-all and per peer host (``RESOURCE_EXHAUSTED``) and a call without a deadline waits at
-most ``max_wait``.
+Hostile or broken clients cannot exhaust it (issues 12 §4, 19 §4): waiting calls are
+bounded in all, per peer host and per connection (``RESOURCE_EXHAUSTED``), a call
+without a deadline waits at most ``max_wait``, and a request whose value is already
+there is never refused. A value taken counts in the producer's ``max_inflight_bytes``
+until the call that carries it has ended (``TensorSource.done_with``), not when it is
+taken: a client that asks and never reads holds the window, not the producer's memory.
 
 A value is not lost to calls that go away before it is sent: one that arrives after
 every call for it left, or whose every call went away before it was fully sent and that
-no retry can claim (``ReleaseRecv`` or an Exchange cancel from a client that gave it up,
-or cache expiry), goes back to the head of its key (``TensorSource.requeue``).
+no retry can claim (a release from a client that gave it up, or cache expiry), goes back
+to the head of its key (``TensorSource.requeue``).
 
-Thread model: every handler runs on the server's event loop (``server``), and all the
-state here (waiters, counters, the cache) is touched only from there: no lock. A call
-waiting for a value is an ``await`` on an asyncio future; the source's ``done`` callback
-(called in the producer's thread) settles it with ``loop.call_soon_threadsafe``. A large
-unary response is encoded in the thread pool given to ``started`` (a small one in the
-loop, cheaper than two thread switches); stream chunks are cut in the loop.
+Thread model (docs/threads.md): every handler runs on the server's event loop
+(``server``), and all the state here (waiters, counters, the cache) is touched only from
+there: no lock. A value already there is answered in the loop without a thread hop (the
+source calls ``done`` in the loop's own thread). A call waiting for a value is an
+``await`` on an asyncio future, which the source's ``done`` (called in the producer's
+thread) settles with ``loop.call_soon_threadsafe``. A large unary response is encoded in
+the thread pool given to ``started`` (a small one in the loop, cheaper than two thread
+switches); stream chunks are cut in the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn, Protocol
@@ -54,10 +60,9 @@ from .._errors import (
 )
 from .._keys import ParsedKey, parse_key
 from .._received import Received
-from .._rendezvous import Canceller
 from .._status import code_for_error
 from . import assembly, messages, tensors
-from .methods import DEFAULT_INLINE_MAX, LINK_INLINE_MAX, SHMRDV_SERVICE, TF_SERVICE
+from .methods import SHMRDV_SERVICE, TF_SERVICE
 from .response_cache import ResponseCache, Waiter
 
 __all__ = ["RecvService", "TensorSource"]
@@ -70,24 +75,30 @@ _ENCODE_IN_LOOP_BYTES = 256 << 10
 
 
 class TensorSource(Protocol):
-    """What the server pulls values from (implemented by the Worker).
+    """What the server pulls values from (the producer's outbox).
 
     ``task`` is the canonical task name (``/job:w/replica:0/task:0``), ``incarnation`` the
     worker's incarnation. ``serve_recv`` raises ``AbortedError`` at once for a step that
     was cleaned up; otherwise it calls ``done(error, Received)`` exactly once, in any
-    thread, unless the canceller it returned answered ``True``.
+    thread (in the caller's when the value is already there), unless the canceller it
+    returned answered ``True``.
 
-    Optional: ``requeue(step_id, key, received)``. When present, a value that was taken
-    for a call but never delivered (the call went away mid-stream, or was cancelled as
-    the value arrived, and no retry can claim it: no request_id, or its cache entry
-    expired) is handed back to go to the head of its key (``LocalRendezvous.requeue``).
-    Without it such a value is dropped with a warning, as TensorFlow drops it.
+    A value it gave is the service's until the service calls ``done_with`` for it, exactly
+    once: the call that carried it has ended, or the service dropped it, or is about to
+    hand it back with ``requeue`` (to the head of its key: it was taken for a call that
+    went away before it was delivered, and no retry can claim it).
     """
 
     task: str
     incarnation: int
 
-    def serve_recv(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller: ...
+    def serve_recv(
+        self, step_id: int, key: ParsedKey, done: DoneCallback
+    ) -> Callable[[], bool]: ...
+
+    def done_with(self, step_id: int, key: ParsedKey, nbytes: int) -> None: ...
+
+    def requeue(self, step_id: int, key: ParsedKey, received: Received) -> None: ...
 
 
 def _retrieve(fut: asyncio.Future[Received]) -> None:
@@ -97,31 +108,48 @@ def _retrieve(fut: asyncio.Future[Received]) -> None:
         fut.exception()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Reply:
-    """An Exchange reply ready to write; ``waiter`` is served by it (None: an error)."""
-
-    data: bytes
-    waiter: Waiter | None = None
-    received: Received | None = None
-
-
-def _forget_want(wants: dict[int, asyncio.Task[None]], rid: int, task: asyncio.Task[None]) -> None:
-    if wants.get(rid) is task:
-        del wants[rid]
-
-
-def _as_rendezvous_error(error: BaseException) -> RendezvousError:
-    if isinstance(error, RendezvousError):
-        return error
-    return InternalError(f"Exchange failed: {error!r}")
-
-
 def _peer_host(peer: str) -> str:
     """A call's peer without its port ("ipv4:10.0.0.1:5123" -> "ipv4:10.0.0.1"): the
-    unit the per-peer bound counts (one host opening many connections is one peer)."""
+    unit the per-host bound counts (one host opening many connections is one peer)."""
     host, sep, port = peer.rpartition(":")
     return host if sep and port.isdigit() else peer
+
+
+class _Parked:
+    """Counts of calls waiting for a value: in all, per peer host, per connection."""
+
+    def __init__(self, total: int, per_host: int, per_connection: int) -> None:
+        self.bounds = (total, per_host, per_connection)
+        self.total = 0
+        self._by: dict[str, int] = {}
+
+    def refusal(self, peer: str) -> str | None:
+        """Why one more call from ``peer`` may not wait (None: it may)."""
+        total, per_host, per_connection = self.bounds
+        if self.total >= total:
+            return f"{self.total} calls already wait for values (max_waiting={total})"
+        host = _peer_host(peer)
+        if self._by.get(host, 0) >= per_host:
+            return (
+                f"{host} already has {self._by[host]} calls waiting for values "
+                f"(max_waiting_per_peer={per_host})"
+            )
+        if host != peer and self._by.get(peer, 0) >= per_connection:
+            return (
+                f"connection {peer} already has {self._by[peer]} calls waiting for values "
+                f"(max_waiting_per_connection={per_connection})"
+            )
+        return None
+
+    def add(self, peer: str, n: int) -> None:
+        self.total += n
+        host = _peer_host(peer)
+        for unit in (host, peer) if host != peer else (host,):
+            left = self._by.get(unit, 0) + n
+            if left:
+                self._by[unit] = left
+            else:
+                del self._by[unit]
 
 
 class RecvService:
@@ -144,13 +172,12 @@ class RecvService:
         cache_bytes: int,
         max_waiting: int,
         max_waiting_per_peer: int,
+        max_waiting_per_connection: int,
         max_wait: float,
     ) -> None:
         self._source = source
         self._task = task
         self._chunk_bytes = chunk_bytes
-        self._max_waiting = max_waiting
-        self._max_waiting_per_peer = max_waiting_per_peer
         self._max_wait = float(max_wait)
         self._cache = ResponseCache(
             ttl=cache_ttl,
@@ -161,10 +188,10 @@ class RecvService:
         )
         self._pool: concurrent.futures.Executor | None = None
         self._address = "(not started)"
+        self._loop_thread = -1
         self._stopping = False
         self._waiters: set[Waiter] = set()  # not yet settled
-        self._parked = 0  # calls waiting for a value
-        self._parked_by_peer: dict[str, int] = {}
+        self._parked = _Parked(max_waiting, max_waiting_per_peer, max_waiting_per_connection)
         self._stats = {
             "calls": 0,
             "values_served": 0,
@@ -178,9 +205,6 @@ class RecvService:
         """The generic handlers of TensorFlow's WorkerService and shmrdv's Rendezvous."""
         shmrdv_methods = {
             "RecvTensorStream": grpc.unary_stream_rpc_method_handler(self._recv_tensor_stream),
-            "ReleaseRecv": grpc.unary_unary_rpc_method_handler(self._release_recv),
-            "RecvTensorInline": grpc.unary_unary_rpc_method_handler(self._recv_tensor_inline),
-            "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange),
         }
         tf_methods = {
             "RecvTensor": grpc.unary_unary_rpc_method_handler(self._recv_tensor),
@@ -193,8 +217,10 @@ class RecvService:
         ]
 
     def started(self, address: str, pool: concurrent.futures.Executor) -> None:
-        """The server listens on ``address``; large responses are encoded in ``pool``."""
+        """The server listens on ``address`` (called in the loop); large responses are
+        encoded in ``pool``."""
         self._address, self._pool = address, pool
+        self._loop_thread = threading.get_ident()
 
     def stop_serving(self, error: RendezvousError) -> None:
         """Fail every waiting call with ``error`` and forget the cache (the server stops)."""
@@ -215,7 +241,7 @@ class RecvService:
         out["waiting"] = len(self._waiters)
         out["cached"] = len(self._cache)
         out["cached_bytes"] = self._cache.cached_bytes
-        out["parked"] = self._parked
+        out["parked"] = self._parked.total
         return out
 
     # -- the handlers (event loop) ---------------------------------------------------------
@@ -223,66 +249,13 @@ class RecvService:
     async def _recv_tensor(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes:
-        """TensorFlow's unary RecvTensor: a TF-compatible RecvTensorResponse."""
-        self._stats["calls"] += 1
-        try:
-            req = messages.decode_request(request)
-            waiter, received = await self._wait_value(req, context.time_remaining(), context)
-        except RendezvousError as e:
-            await self._abort(context, e)
-        return await self._send_unary(waiter, received, context)
+        """TensorFlow's unary RecvTensor: a TF-compatible RecvTensorResponse.
 
-    async def _send_unary(
-        self, waiter: Waiter, received: Received, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> bytes:
-        """The unary answer of a call that took ``received`` (it is done serving after)."""
-        try:
-            data = await self._encode(waiter, received)
-            waiter.sent = True
-        except RendezvousError as e:
-            await self._abort(context, e)
-        finally:
-            self._done_serving(waiter)
-        self._count_served(received)
-        return data
-
-    async def _encode(self, waiter: Waiter, received: Received, *, request_id: int = 0) -> bytes:
-        """The RecvTensorResponse bytes of ``received``: small ones here, large in the pool.
-
-        With ``request_id``: an Exchange reply for it (``messages.encode_link_value``)."""
-        encode: Callable[[], bytes]
-        if request_id:
-            encode = functools.partial(
-                messages.encode_link_value,
-                request_id,
-                received.value,
-                is_dead=received.is_dead,
-                send_start_micros=waiter.send_start_micros,
-            )
-        else:
-            encode = functools.partial(
-                messages.encode_response,
-                received.value,
-                is_dead=received.is_dead,
-                send_start_micros=waiter.send_start_micros,
-                # TensorFlow asks for MarkRecvFinished when its cache holds the response.
-                require_ack=waiter.cache_key is not None,
-            )
-        if received.value.nbytes <= _ENCODE_IN_LOOP_BYTES:
-            return encode()
-        return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
-
-    async def _recv_tensor_inline(
-        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> bytes:
-        """shmrdv's RecvTensorInline: one unary call answers a small tensor.
-
-        The request is a RecvTensorRequest whose extension fields carry acks (request_ids
-        whose responses arrived, as MarkRecvFinished would) and ``inline_max``. A tensor
-        of at most ``inline_max`` bytes (or any, for request_id 0) is answered in a TF
-        RecvTensorResponse; a larger one stays in the response cache under the
-        request_id and the answer is empty bytes: the client fetches it with
-        RecvTensorStream under the same request_id (a cache hit), in chunks.
+        shmrdv's extension fields of the request carry acks (request_ids whose responses
+        arrived, as MarkRecvFinished would) and ``inline_max``: a tensor larger than that
+        stays in the response cache under the request_id and the answer is empty bytes;
+        the client fetches it with RecvTensorStream under the same request_id (a cache
+        hit), in chunks. Without ``inline_max`` (TensorFlow) every tensor is answered.
         """
         self._stats["calls"] += 1
         try:
@@ -292,13 +265,55 @@ class RecvService:
             waiter, received = await self._wait_value(req, context.time_remaining(), context)
         except RendezvousError as e:
             await self._abort(context, e)
-        limit = DEFAULT_INLINE_MAX if req.inline_max < 0 else req.inline_max
-        limit = min(limit, tensors.MAX_INLINE_BYTES)  # beyond it: only a stream can carry it
-        if waiter.cache_key is not None and received.value.nbytes > limit:
-            waiter.deferred = True
+        if req.inline_max >= 0 and waiter.cache_key is not None:
+            limit = min(req.inline_max, tensors.MAX_INLINE_BYTES)
+            if received.value.nbytes > limit:
+                waiter.deferred = True
+                self._done_serving(waiter)
+                return b""  # still cached and not sent: the stream call takes it from there
+        try:
+            data = await self._encode(waiter, received)
+            waiter.sent = True
+            waiter.writing += 1
+            context.add_done_callback(functools.partial(self._call_ended, waiter))
+        except RendezvousError as e:
+            await self._abort(context, e)
+        finally:
             self._done_serving(waiter)
-            return b""  # still cached and not sent: the stream call takes it from there
-        return await self._send_unary(waiter, received, context)
+        self._count_served(received)
+        return data
+
+    def _call_ended(self, waiter: Waiter, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """The unary call that sent ``waiter``'s value has ended: written to the client
+        (delivered: the window counts it no more), or cancelled before (the value stays
+        cached for a retry, or leaves: ``_maybe_give_back``)."""
+        waiter.writing -= 1
+        if not context.cancelled():
+            self._report_done(waiter)
+        else:
+            self._maybe_give_back(waiter)
+
+    def _report_done(self, waiter: Waiter) -> None:
+        """Tell the source, once per value, that the service is done with it."""
+        fut = waiter.future
+        if waiter.reported or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return
+        waiter.reported = True
+        self._source.done_with(waiter.step_id, waiter.key, fut.result().value.nbytes)
+
+    async def _encode(self, waiter: Waiter, received: Received) -> bytes:
+        """The RecvTensorResponse bytes of ``received``: small ones here, large in the pool."""
+        encode = functools.partial(
+            messages.encode_response,
+            received.value,
+            is_dead=received.is_dead,
+            send_start_micros=waiter.send_start_micros,
+            # TensorFlow asks for MarkRecvFinished when its cache holds the response.
+            require_ack=waiter.cache_key is not None,
+        )
+        if received.value.nbytes <= _ENCODE_IN_LOOP_BYTES:
+            return encode()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
 
     async def _recv_tensor_stream(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
@@ -322,119 +337,17 @@ class RecvService:
             except RendezvousError as e:
                 await self._abort(context, e)
             for chunk in chunks:
-                yield chunk
+                yield chunk  # returns once gRPC has written it (flow control)
             waiter.sent = True
         finally:
             # Also when the client went away mid-stream (asyncio.CancelledError here).
             self._done_serving(waiter)
         self._count_served(received)
+        self._report_done(waiter)
 
     def _done_serving(self, waiter: Waiter) -> None:
         waiter.serving -= 1
         self._maybe_give_back(waiter)
-
-    async def _exchange(
-        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[bytes]:
-        """shmrdv's Exchange: the consumer's wants in, one reply per want out, as the
-        values are sent (``EXCHANGE_METHOD``). When the stream ends, every want still
-        waiting is removed (a value already taken stays cached for a retry under its
-        request_id, or goes back to its key)."""
-        self._stats["calls"] += 1
-        out: asyncio.Queue[_Reply | None] = asyncio.Queue()
-        wants: dict[int, asyncio.Task[None]] = {}
-        reader = asyncio.ensure_future(self._read_wants(requests, out, wants, context))
-        reader.add_done_callback(lambda _: out.put_nowait(None))
-        try:
-            while True:
-                reply = await out.get()
-                if reply is None:
-                    break
-                try:
-                    yield reply.data
-                    if reply.waiter is not None:
-                        reply.waiter.sent = True
-                finally:
-                    if reply.waiter is not None:
-                        self._done_serving(reply.waiter)
-                if reply.received is not None:
-                    self._count_served(reply.received)
-            if not reader.cancelled() and reader.exception() is not None:
-                error = reader.exception()
-                assert error is not None
-                await self._abort(context, _as_rendezvous_error(error))
-        finally:
-            reader.cancel()
-            for task in list(wants.values()):
-                task.cancel()
-            while not out.empty():
-                left = out.get_nowait()
-                if left is not None and left.waiter is not None:
-                    self._done_serving(left.waiter)
-
-    async def _read_wants(
-        self,
-        requests: AsyncIterator[bytes],
-        out: asyncio.Queue[_Reply | None],
-        wants: dict[int, asyncio.Task[None]],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> None:
-        async for raw in requests:
-            req = messages.decode_request(raw)  # a stream that does not parse is aborted
-            for rid in req.finished:
-                self._cache.finished(rid)
-            if req.cancel:
-                task = wants.pop(req.request_id, None)
-                self._cache.release(req.request_id)
-                if task is not None:
-                    task.cancel()
-                continue
-            if not req.rendezvous_key:
-                continue  # acks only
-            if req.request_id == 0 or req.request_id in wants:
-                raise InvalidArgumentError(
-                    f"Exchange: a want needs a fresh non-zero request_id, not {req.request_id}"
-                )
-            task = asyncio.ensure_future(self._serve_want(req, out, context))
-            wants[req.request_id] = task
-            task.add_done_callback(functools.partial(_forget_want, wants, req.request_id))
-
-    async def _serve_want(
-        self,
-        req: messages.RecvRequest,
-        out: asyncio.Queue[_Reply | None],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> None:
-        rid = req.request_id
-        timeout = None if req.wait_ms < 0 else req.wait_ms / 1000
-        try:
-            waiter, received = await self._wait_value(req, timeout, context)
-        except RendezvousError as e:
-            self._stats["errors"] += 1
-            out.put_nowait(
-                _Reply(messages.encode_link_error(rid, code_for_error(e).value[0], str(e)))
-            )
-            return
-        try:
-            limit = LINK_INLINE_MAX if req.inline_max < 0 else min(req.inline_max, LINK_INLINE_MAX)
-            if received.value.nbytes > limit and waiter.cache_key is not None:
-                waiter.deferred = True  # cached, not sent: the client fetches it
-                data = messages.encode_link_fetch(rid)
-                self._done_serving(waiter)
-                out.put_nowait(_Reply(data))
-                return
-            data = await self._encode(waiter, received, request_id=rid)
-        except RendezvousError as e:
-            self._done_serving(waiter)
-            self._stats["errors"] += 1
-            out.put_nowait(
-                _Reply(messages.encode_link_error(rid, code_for_error(e).value[0], str(e)))
-            )
-            return
-        except BaseException:
-            self._done_serving(waiter)
-            raise
-        out.put_nowait(_Reply(data, waiter, received))
 
     async def _get_status(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
@@ -451,29 +364,21 @@ class RecvService:
     async def _mark_recv_finished(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes:
-        """TensorFlow's MarkRecvFinished: the client has the response; drop it from the cache."""
-        self._cache.finished(await self._request_id_of(request, context))
-        return b""
+        """TensorFlow's MarkRecvFinished: the client has the response; drop it from the cache.
 
-    async def _release_recv(
-        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> bytes:
-        """shmrdv's ReleaseRecv: the client cancelled this request_id and will not retry.
-
-        A value already taken for it and not delivered goes back to its key now instead of
-        waiting in the cache until it expires. Same message as MarkRecvFinished.
+        With shmrdv's "released" flag: the client cancelled this request_id and will not
+        retry; a value taken for it and not delivered goes back to its key now instead of
+        waiting in the cache until it expires.
         """
-        self._cache.release(await self._request_id_of(request, context))
-        return b""
-
-    async def _request_id_of(
-        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> int:
-        """The request_id of a MarkRecvFinishedRequest; the call fails if it does not parse."""
         try:
-            return messages.decode_mark_recv_finished(request)
+            rid, released = messages.decode_mark_recv_finished(request)
         except RendezvousError as e:
             await self._abort(context, e)
+        if released:
+            self._cache.release(rid)
+        else:
+            self._cache.finished(rid)
+        return b""
 
     async def _abort(
         self, context: grpc.aio.ServicerContext[Any, Any], error: RendezvousError
@@ -514,53 +419,47 @@ class RecvService:
     ) -> tuple[Waiter, Received]:
         """The value for ``req``: from the cache, by joining a waiter, or a new waiter.
 
-        Waits up to the call's deadline (``DeadlineExceededError``); a call cancelled by
-        its client (``asyncio.CancelledError``) leaves, and the last call to leave an
-        unsettled waiter removes it from the source.
+        A value already there is taken at once, whatever the bounds. Otherwise the call
+        waits, if the bounds on waiting calls let it, up to its deadline
+        (``DeadlineExceededError``); a call cancelled by its client
+        (``asyncio.CancelledError``) leaves, and the last call to leave an unsettled
+        waiter removes it from the source.
         """
         if self._stopping:
             raise UnavailableError(f"shmrdv RPC server {self._address} is stopping")
         pk = self._validate(req)
-        # A client that never sets a deadline (or a far one) must not park a call forever.
-        timeout = self._max_wait if timeout is None else min(timeout, self._max_wait)
-        peer = _peer_host(context.peer())
-        if self._parked >= self._max_waiting:
-            raise ResourceExhaustedError(
-                f"RecvTensor on {self._source.task}: {self._parked} calls already wait for "
-                f"values (max_waiting={self._max_waiting}); key {pk.full_key!r} refused"
-            )
-        if self._parked_by_peer.get(peer, 0) >= self._max_waiting_per_peer:
-            raise ResourceExhaustedError(
-                f"RecvTensor on {self._source.task}: {peer} already has "
-                f"{self._parked_by_peer[peer]} calls waiting for values "
-                f"(max_waiting_per_peer={self._max_waiting_per_peer}); key {pk.full_key!r} refused"
-            )
-        waiter = self._find_or_start(req, pk)
-        waiter.joiners += 1
+        waiter = self._find_or_start(req, pk)  # joined: waiter.joiners counts this call
         taken = False
-        self._parked += 1
-        self._parked_by_peer[peer] = self._parked_by_peer.get(peer, 0) + 1
+        peer = ""
         try:
-            try:
-                received = await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-            except asyncio.TimeoutError:
-                raise DeadlineExceededError(
-                    f"RecvTensor on {self._source.task}: no value for key {pk.full_key!r} "
-                    f"(step {req.step_id}) before the call's deadline; the waiter was removed"
-                ) from None
+            if not waiter.future.done():
+                peer = context.peer()
+                why = self._parked.refusal(peer)
+                if why is not None:
+                    peer = ""
+                    raise ResourceExhaustedError(
+                        f"RecvTensor on {self._source.task}: {why}; key {pk.full_key!r} refused"
+                    )
+                self._parked.add(peer, 1)
+                # A client that never sets a deadline (or a far one) must not park forever.
+                timeout = self._max_wait if timeout is None else min(timeout, self._max_wait)
+                try:
+                    await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+                except asyncio.TimeoutError:
+                    raise DeadlineExceededError(
+                        f"RecvTensor on {self._source.task}: no value for key {pk.full_key!r} "
+                        f"(step {req.step_id}) before the call's deadline; the waiter was removed"
+                    ) from None
+            received = waiter.future.result()
             # The caller sends the value now and calls _done_serving when it is through.
             waiter.serving += 1
             taken = True
         finally:
-            self._parked -= 1
-            left = self._parked_by_peer[peer] - 1
-            if left:
-                self._parked_by_peer[peer] = left
-            else:
-                del self._parked_by_peer[peer]
+            if peer:
+                self._parked.add(peer, -1)
             waiter.joiners -= 1
             if waiter.joiners == 0 and not waiter.future.done():
-                self._abandon(waiter, pk)
+                self._abandon(waiter)
             elif not taken:
                 # Cancelled just as the value came: it stays cached for a retry under its
                 # request_id, or (released, uncached) goes back to its key now.
@@ -568,20 +467,30 @@ class RecvService:
         return waiter, received
 
     def _find_or_start(self, req: messages.RecvRequest, pk: ParsedKey) -> Waiter:
+        """The waiter this call joins (counted in its ``joiners``): a cached one, or a new
+        one whose value, if already there, it holds at once."""
         found = self._cache.find(req.request_id, req.step_id, pk)
         if isinstance(found, Waiter):
             if found.future.done():
                 self._stats["cache_hits"] += 1
+            found.joiners += 1
             return found
         cache_key = found
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Received] = loop.create_future()
         fut.add_done_callback(_retrieve)
         waiter = Waiter(cache_key, fut, req.step_id, pk)
+        at_once: list[tuple[BaseException | None, Received | None]] = []
+        starting = True
 
         def done(error: BaseException | None, received: Received | None) -> None:
-            # Any thread (the producer's send, an abort). The loop may be gone if the server
-            # stopped meanwhile; the value then has no one left to go to.
+            # Any thread (the producer's send, an abort); in this one, while serve_recv
+            # runs, when the value is already there: settled below, with no hop.
+            if starting and threading.get_ident() == self._loop_thread:
+                at_once.append((error, received))
+                return
+            # The loop may be gone if the server stopped meanwhile; the value then has no
+            # one left to go to.
             try:
                 loop.call_soon_threadsafe(self._settle, waiter, error, received)
             except RuntimeError:
@@ -601,10 +510,14 @@ class RecvService:
             raise InternalError(
                 f"TensorSource of {self._source.task} failed on key {pk.full_key!r}: {e!r}"
             ) from e
-        if not fut.done():
-            self._waiters.add(waiter)
+        finally:
+            starting = False
+        self._waiters.add(waiter)
         if cache_key is not None:
             self._cache.add(waiter)
+        waiter.joiners = 1  # before settling: a joined value is neither evicted nor given back
+        if at_once:
+            self._settle(waiter, *at_once[0])
         return waiter
 
     def _settle(
@@ -639,7 +552,7 @@ class RecvService:
             # Expiry also runs on every lookup; this timer covers a server that gets none.
             asyncio.get_running_loop().call_later(self._cache.ttl + 0.01, self._cache.expire)
 
-    def _abandon(self, waiter: Waiter, pk: ParsedKey) -> None:
+    def _abandon(self, waiter: Waiter) -> None:
         """The last call waiting on ``waiter`` left before the value came: remove the waiter."""
         canceller = waiter.canceller
         if canceller is not None and canceller():
@@ -651,39 +564,31 @@ class RecvService:
         # keeps it for a retry (request_id) or gives it back to the source.
 
     def _maybe_give_back(self, waiter: Waiter) -> None:
-        """Give the value back if no call delivered it, none is using it, no retry can claim it."""
+        """A value no call uses and no retry can claim leaves the service: given back if
+        no call delivered it, else (delivered, or sent to a call that went away) dropped."""
         if (
-            (waiter.sent and not waiter.released)
-            or waiter.given_back
+            waiter.given_back
             or waiter.joiners
             or waiter.serving
+            or waiter.writing
             or not waiter.future.done()
             or (waiter.cache_key is not None and waiter.cache_key in self._cache)
         ):
             return
+        if waiter.sent and not waiter.released:
+            self._report_done(waiter)
+            return
         self._give_back(waiter)
 
     def _give_back(self, waiter: Waiter) -> None:
-        """A value taken from the source that no call delivered goes back to its key's head.
-
-        Only when the source offers ``requeue`` (the Worker does); otherwise the value is
-        lost, as in TensorFlow, and we say so.
-        """
+        """A value taken from the source that no call delivered goes back to its key's head."""
         fut = waiter.future
         if fut.cancelled() or fut.exception() is not None:
             return
         waiter.given_back = True
-        requeue = getattr(self._source, "requeue", None)
-        if requeue is None:
-            _log.warning(
-                "value of key %r (step %d) was taken for a RecvTensor call that went away; "
-                "it is dropped",
-                waiter.key.full_key,
-                waiter.step_id,
-            )
-            return
+        self._report_done(waiter)
         try:
-            requeue(waiter.step_id, waiter.key, fut.result())
+            self._source.requeue(waiter.step_id, waiter.key, fut.result())
         except Exception:
             _log.exception("TensorSource.requeue failed for key %r", waiter.key.full_key)
         else:

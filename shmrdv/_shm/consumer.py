@@ -63,6 +63,7 @@ from .pool import give_back, return_slot
 from .producer import task_name
 from .ring import RINGS_SUPPORTED, Ring
 from .segment import Segment, move_noreplace, peek_header
+from .slotmaps import SlotMaps
 
 __all__ = ["TICK", "Consumer", "Item", "deliver"]
 
@@ -196,9 +197,11 @@ def deliver(items: list[Item]) -> None:
 class Consumer:
     """The receiving half of one worker's shared-memory transport (see the module docstring)."""
 
-    def __init__(self, ctx: TransportContext, on_callback_waiter: Callable[[], None]) -> None:
+    def __init__(
+        self, ctx: TransportContext, names: Names, on_callback_waiter: Callable[[], None]
+    ) -> None:
         self._ctx = ctx
-        self._names = ctx.names
+        self._names = names
         self._task = ctx.task_name
         self._wake_dispatcher = on_callback_waiter
         self.lock = threading.Lock()
@@ -217,6 +220,8 @@ class Consumer:
         self.callback_waiters = 0
         self._tick_at = 0.0
         self._headers = layout.HeaderCache()
+        self._maps = SlotMaps(self._names)
+        self._sweep_at = 0.0
         # ``held`` names of pool slots whose arrays this consumer still has. Finalizers do not
         # run at exit, so close() unlinks what is left (the mappings stay valid).
         self._held: set[str] = set()
@@ -475,7 +480,7 @@ class Consumer:
         self.counters["name_probes"] += 1
         name = self._names.message(ch.step, ch.key, ch.inc, ch.seq)
         try:
-            seg = Segment.attach(self._names, name)
+            seg, ident, kept = self._maps.open(name)
         except FileNotFoundError:
             return None
         except InternalError as e:
@@ -497,10 +502,13 @@ class Consumer:
             problem = shape_problem(header.shape, header.dtype.itemsize)
             if problem is not None:
                 raise InternalError(f"segment {name} from {ch.src.task}: {problem}")
-            arr = seg.ndarray(header)  # checks the file's size first
+            seg.check_size(header.data_offset + header.nbytes)
         except RendezvousError as e:
             _unlink_quietly(seg)
-            seg.close()
+            if kept:
+                self._maps.forget(ident)
+            else:
+                seg.close()
             ch.seq += 1
             return e
         ch.seq += 1
@@ -519,10 +527,17 @@ class Consumer:
                 held = None
         if held is None:
             _unlink_quietly(seg)
+            arr = seg.ndarray(header)
+            if kept:
+                self._maps.forget(ident)
+            else:
+                seg.close()
         else:
             seg.name = held
             self._held.add(held)
-            seg.on_release(
+            # An array of its own per message; the mapping is kept for the slot's next one.
+            arr = seg.lend(
+                header,
                 return_slot,
                 self._names,
                 self._producer_alive,
@@ -531,7 +546,7 @@ class Consumer:
                 header.slot,
                 self._held,
             )
-        seg.close()
+            self._maps.keep(seg, ident, ch.src.task, header.producer_incarnation, header.slot)
         self.counters["received"] += 1
         self.counters["received_bytes"] += header.nbytes
         return Received(arr, header.is_dead)
@@ -854,6 +869,17 @@ class Consumer:
 
     # -- the scan (run by whoever polls the doorbell) ---------------------------------
 
+    def arrived(self) -> bool:
+        """Whether a ring holds records not yet drained: a look at shared memory, without
+        the lock and without a system call (what a spinning poller checks between turns)."""
+        try:
+            for _, r in self._rings:
+                if r.ring.pending():
+                    return True
+        except ValueError:  # a ring failed and released meanwhile: let the scan see to it
+            return True
+        return False
+
     def scan(self) -> list[Item]:
         """Drain the rings, serve the channels they brought something for; once per tick,
         check the producers that have waiters (liveness, ringless ones by name)."""
@@ -874,6 +900,9 @@ class Consumer:
         if self._waiting:
             self._probe_ringless(out)
         now = time.monotonic()
+        if self._maps and now >= self._sweep_at:
+            self._sweep_at = now + TICK
+            self._maps.sweep()
         if self._waiting and now >= self._tick_at:
             self._tick_at = now + TICK
             for src in list(self._srcs.values()):
@@ -1124,6 +1153,7 @@ class Consumer:
                 r.ring.release()
                 r.segment.close()
             self._rings.clear()
+            self._maps.close()
             for src in self._srcs.values():
                 src.rings.clear()
                 src.ring_incs.clear()
@@ -1164,6 +1194,8 @@ class Consumer:
             out["channels"] = sum(len(c) for c in self._channels.values())
             out["rings_in"] = len(self._rings)
             out["held"] = len(self._held)
+            out["slots_mapped"] = len(self._maps)
+            out["slot_map_hits"] = self._maps.hits
             out["listings"] = self._listing.listings
         return out
 

@@ -27,6 +27,10 @@ this user (or root) that no group or other user may write. It was
 where another user planted a file and so turned this user's copy helpers off for good
 (64 MiB send 4.9 -> 8.6 ms, issue 20 §3). With no private directory at all, the budget
 is this process's own (helpers still run, not shared with other processes).
+
+Thread model (``docs/threads.md``): ``copy_into`` runs in the sending thread, which takes
+chunks too and returns once every chunk is copied; helpers ("shmrdv-copy-<n>") wait on a
+queue for jobs. Tokens are taken without waiting; no lock is held while copying.
 """
 
 from __future__ import annotations

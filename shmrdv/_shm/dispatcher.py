@@ -18,6 +18,7 @@ Thread model: ``wait`` from any receiving thread; ``kick`` / ``wake_all`` from a
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -29,20 +30,33 @@ __all__ = ["Dispatcher"]
 
 _log = logging.getLogger("shmrdv.shm")
 
-# Before blocking on the doorbell, a polling thread tries it without blocking for this
-# long: waking a process that sleeps on another vCPU costs 30-70 µs on this kind of VM
-# (research/peer_numbers.md), so a reply that comes within the spin is taken at once.
-# The spin adapts (``_adapt_spin``) between these bounds; an idle consumer spins at most
-# once per TICK: under 0.1 % of a core. (500 µs measured no better here: two spinning
-# processes on two vCPUs starve the one doing the work.)
+# Before blocking on the doorbell, a polling thread spins on the rings' heads in shared
+# memory (no system call, no GIL handoff): waking a process that sleeps on another vCPU
+# costs 30-70 µs on this kind of VM (research/peer_numbers.md), so a reply that comes
+# within the spin is taken at once. The spin adapts (``_adapt_spin``) between these bounds,
+# is off while only one CPU is usable (the sender could not run meanwhile) and after a
+# wait that went unanswered, until a post comes again; ``busy_poll`` replaces it by a
+# fixed budget. (500 µs measured no better here: two spinning processes on two vCPUs
+# starve the one doing the work.)
 _SPIN_MIN_NS = 20_000
 _SPIN_MAX_NS = 100_000
+# A spin looks at the doorbell itself (for producers without a ring) every this many turns.
+_BELL_EVERY = 32
+# How often the usable CPUs are counted again (the affinity may change; a system call).
+_CPUS_EVERY_NS = 1_000_000_000
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 class Dispatcher:
     """The doorbell poller of one transport (see the module docstring)."""
 
-    def __init__(self, bell: Bell, consumer: Consumer, label: str) -> None:
+    def __init__(self, bell: Bell, consumer: Consumer, label: str, busy_poll: float = 0.0) -> None:
         self._bell = bell
         self._consumer = consumer
         self._cond = threading.Condition(threading.Lock())
@@ -52,6 +66,12 @@ class Dispatcher:
         self._closed = False
         self._spin_ns = _SPIN_MIN_NS
         self._wait_avg_ns = _SPIN_MAX_NS
+        self._busy_ns = int(busy_poll * 1e9)
+        self._multi_cpu = _usable_cpus() > 1
+        self._cpus_at = time.monotonic_ns() + _CPUS_EVERY_NS
+        self._spun_ns = 0  # wall time spent spinning (a spinning thread is on a CPU)
+        self._last_msg_ns = 0  # perf_counter_ns of the last poll that found a message
+        self._spin_hits = 0  # spins that found a message
         self._thread = threading.Thread(
             target=self._run, name=f"shmrdv-shm-dispatch {label}", daemon=True
         )
@@ -95,7 +115,11 @@ class Dispatcher:
         finally:
             with self._cond:
                 self._polling = False
-                self._cond.notify_all()
+                # Only a follower or the dispatcher thread (callback receives pending) needs
+                # to hear that the role is free: waking the parked thread for nothing costs
+                # it a wake-up and both threads a GIL handoff per message (issue 18 §1).
+                if self._blocked or self._consumer.callback_waiters > 0:
+                    self._cond.notify_all()
 
     def _role_free(self, slot: RecvSlot) -> bool:
         """(Under ``_cond``) whether a waiting receiver should now take the poller role."""
@@ -120,26 +144,65 @@ class Dispatcher:
                     self._cond.notify_all()
 
     def _poll(self, wait: float) -> None:
-        """Wait up to ``wait`` s for the doorbell (spinning first), then scan and deliver."""
+        """Wait up to ``wait`` s for a message (spinning first), then scan and deliver."""
         bell = self._bell
-        rang = False
         start = time.perf_counter_ns()
-        end = start + self._spin_ns
-        while time.perf_counter_ns() < end:
-            if bell.wait(0):
-                rang = True
-                break
-        if not rang:
-            rang = bell.wait(max(wait, 0.0))
-        if rang:
-            self._adapt_spin(time.perf_counter_ns() - start)
+        budget = self._spin_budget(start)
+        found = False
+        if budget:
+            found = self._spin(start + budget)
+            now = time.perf_counter_ns()
+            self._spun_ns += now - start
+            wait -= (now - start) / 1e9
+        if found:
+            self._spin_hits += 1
+            self._last_msg_ns = now = time.perf_counter_ns()
+            self._adapt_spin(now - start)
+            bell.drain()  # the posts of what the spin found: no wasted wake-up for them
+        elif bell.wait(max(wait, 0.0)):
+            self._last_msg_ns = now = time.perf_counter_ns()
+            self._adapt_spin(now - start)
             bell.drain()
+        else:
+            self._spin_ns = 0  # unanswered: no spin until posts come again
         items = self._consumer.scan()
         if items:
             deliver(items)
         # Drop the batch before waiting again: a received array kept alive here would
         # hold its pool slot (and its ``held`` name) until the next wake-up.
         del items
+
+    def _spin_budget(self, now_ns: int) -> int:
+        """How long this poll may spin before it blocks on the doorbell, in ns.
+
+        With ``busy_poll``: until that long after the last message (traffic keeps the
+        receiver polling; an idle one sleeps once the budget is spent, and the next post
+        starts it again).
+        """
+        if self._busy_ns:
+            return max(self._last_msg_ns + self._busy_ns - now_ns, 0)
+        if now_ns >= self._cpus_at:
+            self._cpus_at = now_ns + _CPUS_EVERY_NS
+            self._multi_cpu = _usable_cpus() > 1
+        return self._spin_ns if self._multi_cpu else 0
+
+    def _spin(self, end_ns: int) -> bool:
+        """Poll the rings' heads (shared memory) until one has records or ``end_ns``;
+        every ``_BELL_EVERY`` turns take a doorbell post instead, if there is one."""
+        arrived = self._consumer.arrived
+        clock = time.perf_counter_ns
+        bell = self._bell
+        turns = 0
+        while True:
+            if arrived():
+                return True
+            turns += 1
+            if turns == _BELL_EVERY:
+                turns = 0
+                if bell.wait(0):
+                    return True
+            if clock() >= end_ns:
+                return False
 
     def _adapt_spin(self, waited_ns: int) -> None:
         """Spin about twice as long as doorbells have lately taken to ring, within bounds.
@@ -152,6 +215,10 @@ class Dispatcher:
         self._spin_ns = (
             _SPIN_MIN_NS if avg > _SPIN_MAX_NS else min(2 * avg + _SPIN_MIN_NS, _SPIN_MAX_NS)
         )
+
+    def stats(self) -> dict[str, int]:
+        """Time spent spinning (µs; the CPU time of a spinning poller) and spins that paid."""
+        return {"spin_us": self._spun_ns // 1000, "spin_hits": self._spin_hits}
 
     def close(self) -> None:
         """Stop the thread (after the consumer is closed). Idempotent."""

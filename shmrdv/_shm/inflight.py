@@ -23,7 +23,7 @@ the way: only a reservation that does not fit calls ``refresh`` (the window's re
 every ``REFRESH_S`` while it waits), which reads the ring's position and ``lstat``\\ s at
 most ``LSTATS_PER_REFRESH`` names, oldest first, round robin.
 
-Thread model: any thread may call any method. One lock per consumer guards its lists,
+Thread model (``docs/threads.md``): any thread may call any method. One lock per consumer guards its lists,
 never held across a filesystem call.
 """
 

@@ -18,6 +18,10 @@ SIGKILL is what the kernel does).
 
 The record is written completely into a temporary name and only then linked (or renamed)
 onto its final name, so a reader never sees a half-written record.
+
+Thread model (``docs/threads.md``): no thread of its own. A ``PeerWatch`` only *tries*
+its lock (it may be asked inside the garbage collector); ``Presence`` is owned by its
+Worker's board.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ class PresenceInfo:
     boot_id: str
     incarnation: int  # uint64
     started: float  # time.time() at publish
-    namespace: str
+    namespace: str  # the namespace id (public); never the token
     address: str | None = None  # the worker's gRPC address, if it serves one
     # The transports the worker accepts, in its order of preference (TensorPipe's
     # "brochure"): a peer that sees this record picks the first it has too.
@@ -303,6 +307,8 @@ class Presence:
         if the record there is not ours or a file cannot be written. Does not block (beyond a
         few 10 ms retries while another publisher replaces a stale record).
         """
+        # The record names its namespace by the public id, never the token (issue 20 §2).
+        info = dataclasses.replace(info, namespace=names.namespace_id)
         final = names.path(names.presence(info.task))
         data = info.to_json()
         temp = names.path(names.temp())
@@ -359,10 +365,10 @@ class Presence:
                     if attempt + 1 < _PUBLISH_ATTEMPTS:
                         time.sleep(_PUBLISH_RETRY_S)
                         continue
-                    owner = _describe_owner(old, final)
                     raise InvalidArgumentError(
-                        f"task {info.task} is already running in {owner} "
-                        f"(namespace {info.namespace}, record {final})"
+                        f"task {info.task} is already running in {_describe_owner(old, final)} "
+                        f"(namespace id {info.namespace}, record {final}): one Worker per task "
+                        "and namespace; close that one first, or start this one for another task"
                     ) from None
                 try:
                     now = os.stat(final, follow_symlinks=False)
@@ -454,6 +460,8 @@ def _describe_owner(fd: int, where: str) -> str:
         info = PresenceInfo.from_json(_read_fd(fd, where), where)
     except (InternalError, OSError):
         return "an unknown process"
+    if info.pid == os.getpid() and info.boot_id == boot_id():
+        return f"this process itself (pid {info.pid}, incarnation {info.incarnation:#x})"
     return f"pid {info.pid} (incarnation {info.incarnation:#x})"
 
 

@@ -553,7 +553,8 @@ class Producer:
 
 
 def _slot_index(slot: Slot | None) -> int:
-    return -1 if slot is None else slot.index
+    """What a header says of the slot: its ticket (the names of this lend), or -1."""
+    return -1 if slot is None else slot.ticket
 
 
 def _unlink_quietly(seg: Segment) -> None:

@@ -44,7 +44,7 @@ from .._devices import DeviceName
 from .._errors import InternalError, InvalidArgumentError, RendezvousError
 from .._keys import parse_key
 from .._namespace import NAMESPACE_ID_HEX
-from .naming import PREFIX, SEM_PREFIX, SHM_DIR, Names, ObjectName, parse_name
+from .naming import PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
 from .ownership import is_ours, open_checked
 from .presence import probe, read_record
 from .registry import namespace_alive, records_alive, unlink_if_unused
@@ -58,6 +58,8 @@ __all__ = [
     "MAX_OBJECTS",
     "MAX_SECONDS",
     "Swept",
+    "at_close",
+    "at_start",
     "collect_earlier_runs",
     "collect_producer",
     "enabled",
@@ -89,11 +91,36 @@ _CLOCK_EVERY = 256
 # Kinds a dead producer run may leave that belong to nobody else (messages and held slots
 # are their consumers').
 _PRODUCER_KINDS = frozenset({"pool", "returned", "temp"})
+_SLOT_KINDS = frozenset({"pool", "returned"})
 
 
 def enabled() -> bool:
     """Whether sweeps run (``SHMRDV_AUTO_GC`` is not ``0``)."""
     return os.environ.get(ENV_VAR, "1").strip() != "0"
+
+
+def at_start(names: Names, task: str, incarnation: int) -> None:
+    """What a worker's start collects, once its presence record is published: ``sweep()``,
+    then what earlier runs of its task left (``collect_earlier_runs``). Logs a failure,
+    never raises it (a worker starts whatever was left behind)."""
+    if not enabled():
+        return
+    try:
+        sweep()
+        collect_earlier_runs(names, task, incarnation)
+    except Exception:  # pragma: no cover - nothing it expects is raised
+        _log.exception("sweep of /dev/shm at the start of %s", task)
+
+
+def at_close(names: Names, task: str) -> None:
+    """What a worker's close collects, once its presence record is gone: ``sweep()`` with
+    what was sent to it, if its job ends with it. Logs a failure, never raises it."""
+    if not enabled():
+        return
+    try:
+        sweep(closing=(names, task))
+    except Exception:  # pragma: no cover - nothing it expects is raised
+        _log.exception("sweep of /dev/shm at the close of %s", task)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,8 +393,7 @@ def _collect_slots(
         entries = [e for e in os.listdir(shm_dir) if e.startswith(names.prefix)]
     except OSError:
         return 0
-    slot_names = {"pool": names.pool, "returned": names.returned}
-    kinds = _PRODUCER_KINDS if run is not None else frozenset(slot_names)
+    kinds = _PRODUCER_KINDS if run is not None else _SLOT_KINDS
     removed = 0
     for entry in entries:
         if removed >= max_objects or time.monotonic() > deadline:
@@ -382,15 +408,26 @@ def _collect_slots(
         inc = header.producer_incarnation
         if (run is not None and inc != run) or (but is not None and inc == but) or not inc:
             continue
-        slot_name = slot_names.get(parsed.kind)
-        if slot_name is not None and (
-            header.slot < 0 or slot_name(task, inc, header.slot) != entry
+        if parsed.kind in _SLOT_KINDS and not _is_slot_of(
+            names, parsed.kind, task, inc, header.slot, entry
         ):
             continue  # another producer's slot, or a name that is no slot of that run
         ino = _stat_ours(path)
         if ino is not None:
             removed += _unlink(path, ino)
     return removed
+
+
+def _is_slot_of(names: Names, kind: str, task: str, inc: int, ticket: int, entry: str) -> bool:
+    """Whether ``entry`` is a ``pool``/``returned`` name of ``task``'s run ``inc`` for the
+    slot whose header says ``ticket`` (its last lend, ``naming.SLOT_BITS``): ``returned``
+    under that ticket; ``pool`` under it (never lent) or under the next one (taken back)."""
+    if ticket < 0:
+        return False
+    if kind == "returned":
+        return names.returned(task, inc, ticket) == entry
+    nxt = ticket + (1 << SLOT_BITS)
+    return entry in (names.pool(task, inc, ticket), names.pool(task, inc, nxt))
 
 
 def _unlink(path: str, ino: tuple[int, int]) -> int:

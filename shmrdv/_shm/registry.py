@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
-from .._namespace import NAMESPACE_ID_HEX, namespace_id
+from .._namespace import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
 from .naming import KINDS, PREFIX, SHM_DIR, ObjectName, check_namespace, parse_name
 from .ownership import is_ours, open_checked
 from .presence import probe
@@ -104,8 +104,8 @@ def namespace_ids(namespace: str) -> frozenset[str]:
     except InvalidArgumentError:
         if not ids:
             raise InvalidArgumentError(
-                f"{namespace!r} is neither a namespace id ({NAMESPACE_ID_HEX} hex characters, "
-                "as `shmrdv ls` shows) nor a namespace token"
+                f"namespace ({describe_bad_token(namespace)}) is neither a namespace id "
+                f"({NAMESPACE_ID_HEX} hex characters, as `shmrdv ls` shows) nor a namespace token"
             ) from None
     else:
         ids.add(namespace_id(namespace))
@@ -345,7 +345,7 @@ def collect(
             removed.extend(_info(e, now) for e in group)
             continue
         if namespace_alive(ns, shm_dir):
-            _log.info("namespace %s came alive while collecting; left alone", ns)
+            _log.info("namespace id %s came alive while collecting; left alone", ns)
             continue
         # Presence records last: while one is there, tools still see whose the rest was.
         group.sort(key=lambda e: e.parsed.kind == "presence")
@@ -357,6 +357,6 @@ def collect(
                 raise InternalError(f"cannot remove {entry.path}: {e}") from e
             if gone:
                 removed.append(_info(entry, now))
-        _log.info("collected %d object(s) of dead namespace %s", len(removed) - count, ns)
+        _log.info("collected %d object(s) of dead namespace id %s", len(removed) - count, ns)
     removed.sort(key=lambda i: (i.namespace, i.kind, i.name))
     return removed

@@ -30,6 +30,7 @@ import errno
 import logging
 import mmap
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from types import TracebackType
@@ -92,13 +93,16 @@ def _open_error(e: OSError, what: str) -> Exception:
     return InternalError(f"cannot {what}: {e}")
 
 
-def _release_mem(mem: mmap.mmap | _EmptyBuffer, owner: list[weakref.ref[_Owner]]) -> None:
+def _release_mem(
+    mem: mmap.mmap | _EmptyBuffer, owner: list[weakref.ref[_Owner]], lent: list[int]
+) -> None:
     """Unmap now unless arrays still use the mapping (they unmap it when they are collected).
 
     ``owner`` holds the weak reference to the current owner array, if any: a list shared
-    with the ``Segment`` so that the ``weakref.finalize`` backstop sees later ones too.
+    with the ``Segment`` so that the ``weakref.finalize`` backstop sees later ones too;
+    ``lent`` (one counter) how many arrays ``lend`` made are alive.
     """
-    if isinstance(mem, mmap.mmap) and not (owner and owner[0]() is not None):
+    if isinstance(mem, mmap.mmap) and not (owner and owner[0]() is not None) and not lent[0]:
         try:
             mem.close()
         except BufferError:
@@ -115,6 +119,19 @@ def _run_release_callback(
         _log.exception("release callback of segment %s raised", name)
 
 
+# Guards every Segment's count of lent arrays: ``lend`` (the consumer's thread) and the
+# finalizers (any thread) both change it, and a miscount could unmap memory under an array.
+_LENT_LOCK = threading.Lock()
+
+
+def _returned(
+    lent: list[int], name: str, callback: Callable[..., object], args: tuple[object, ...]
+) -> None:
+    with _LENT_LOCK:
+        lent[0] -= 1
+    _run_release_callback(name, callback, args)
+
+
 class Segment:
     """One open shared-memory segment file. Use ``create`` or ``attach``, not the constructor.
 
@@ -122,7 +139,7 @@ class Segment:
     ``weakref.finalize`` closes a forgotten segment; it never unlinks.
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "_mem", "_name", "_owner", "_size", "names")
+    __slots__ = ("__weakref__", "_finalizer", "_lent", "_mem", "_name", "_owner", "_size", "names")
 
     def __init__(self, names: Names, name: str, mem: mmap.mmap | _EmptyBuffer, size: int) -> None:
         self.names = names
@@ -130,7 +147,8 @@ class Segment:
         self._size = size
         self._mem: mmap.mmap | _EmptyBuffer | None = mem
         self._owner: list[weakref.ref[_Owner]] = []
-        self._finalizer = weakref.finalize(self, _release_mem, mem, self._owner)
+        self._lent = [0]  # arrays from lend() still alive (a cell their finalizers share)
+        self._finalizer = weakref.finalize(self, _release_mem, mem, self._owner, self._lent)
 
     # --- opening --------------------------------------------------------------------------
 
@@ -196,6 +214,12 @@ class Segment:
         Never blocks: the open goes through ``ownership.open_checked``.
         """
         fd, st = open_checked(names.path(name), os.O_RDWR, "segment")
+        return cls.map_fd(names, name, fd, st)
+
+    @classmethod
+    def map_fd(cls, names: Names, name: str, fd: int, st: os.stat_result) -> Segment:
+        """Map the file of ``fd`` (checked by ``open_checked``, which gave ``st``) at its size,
+        then close ``fd``. Raises ``ResourceExhaustedError`` when out of descriptors."""
         try:
             size = st.st_size
             mem: mmap.mmap | _EmptyBuffer = mmap.mmap(fd, size) if size > 0 else _EmptyBuffer()
@@ -289,6 +313,33 @@ class Segment:
         arr: npt.NDArray[Any] = np.ndarray(header.shape, header.dtype, buffer=owner, offset=offset)
         return arr
 
+    def lend(
+        self, header: Header, callback: Callable[..., object], *args: object
+    ) -> npt.NDArray[Any]:
+        """A writable array over the data ``header`` describes, with an owner of its own.
+
+        ``callback(*args)`` runs once that array and every view of it are collected (in
+        whichever thread drops the last one, possibly inside the garbage collector; its
+        exceptions are logged), while the mapping stays with this segment: a kept
+        mapping lends one array per message. The array keeps the mapping alive after
+        ``close()`` as ``ndarray()``'s do. Checks the file's size first.
+        """
+        mem = self._live_mem()
+        self.check_size(header.data_offset + header.nbytes)
+        owner = _Owner((len(mem),), np.uint8, buffer=mem)
+        with _LENT_LOCK:
+            self._lent[0] += 1
+        fin = weakref.finalize(owner, _returned, self._lent, self._name, callback, args)
+        fin.atexit = False
+        offset = header.data_offset if header.nbytes else 0
+        arr: npt.NDArray[Any] = np.ndarray(header.shape, header.dtype, buffer=owner, offset=offset)
+        return arr
+
+    @property
+    def lent(self) -> int:
+        """How many arrays ``lend`` made are still alive."""
+        return self._lent[0]
+
     def on_release(self, callback: Callable[..., object], *args: object) -> None:
         """Run ``callback(*args)`` once the mapping is gone: this segment closed (or collected) and
         every array from ``ndarray()`` collected.
@@ -339,7 +390,7 @@ class Segment:
             return
         self._finalizer.detach()
         mem, self._mem = self._mem, None
-        _release_mem(mem, self._owner)
+        _release_mem(mem, self._owner, self._lent)
 
     def __enter__(self) -> Segment:
         return self

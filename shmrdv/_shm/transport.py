@@ -7,7 +7,7 @@ A thin façade implementing ``shmrdv._transport.Transport`` over three parts:
 * ``dispatcher.py`` — who polls this worker's doorbell: a blocked receiver as leader
   (``wait``), else the one dispatcher thread, for callback receives.
 
-Thread model: every method may be called from any thread. ``done`` callbacks run through
+Thread model (``docs/threads.md``): every method may be called from any thread. ``done`` callbacks run through
 ``invoke_done``, outside every lock: in the calling thread when the value is already
 there, else in the thread that polled the doorbell (a blocked receiver or the
 dispatcher thread).
@@ -29,6 +29,7 @@ from .bell import Bell
 from .consumer import Consumer, deliver
 from .dispatcher import Dispatcher
 from .inflight import Inflight
+from .naming import Names
 from .producer import Producer
 
 __all__ = ["ShmTransport"]
@@ -45,23 +46,24 @@ class ShmTransport:
 
     name = "shm"
 
-    def __init__(self, ctx: TransportContext, *, pool_bytes: int) -> None:
+    def __init__(self, ctx: TransportContext, *, pool_bytes: int, busy_poll: float = 0.0) -> None:
         self._ctx = ctx
         self._task = ctx.task_name
         self._close_lock = threading.Lock()
         self._closed = False
-        self._bell = Bell.create(ctx.names, ctx.task_name, replace_stale=True)
+        names = Names(ctx.namespace)
+        self._bell = Bell.create(names, ctx.task_name, replace_stale=True)
         try:
             limit = ctx.max_inflight_bytes
             self._producer = Producer(
-                ctx.names,
+                names,
                 ctx.task_name,
                 ctx.incarnation,
                 pool_bytes,
                 None if limit is None else Inflight(limit, ctx.peers),
             )
-            self._consumer = Consumer(ctx, self._kick)
-            self._dispatcher = Dispatcher(self._bell, self._consumer, ctx.task_name)
+            self._consumer = Consumer(ctx, names, self._kick)
+            self._dispatcher = Dispatcher(self._bell, self._consumer, ctx.task_name, busy_poll)
         except BaseException:
             self._bell.unlink()
             self._bell.close()
@@ -100,10 +102,16 @@ class ShmTransport:
     # -- consumer side ----------------------------------------------------------------
 
     def start_recv(
-        self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, waits: bool = False
+        self,
+        step_id: int,
+        key: ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
     ) -> Canceller:
         consumer = self._consumer
-        item, waiter = consumer.start(step_id, key, done, copy, waits)
+        item, waiter = consumer.start(step_id, key, done, copy, blocking)
         if waiter is not None:
             return lambda: consumer.cancel(waiter)
         assert item is not None
@@ -144,4 +152,5 @@ class ShmTransport:
         out = self._producer.stats()
         out.update(self._consumer.stats())
         out["rings"] = out.pop("rings_in") + out.pop("rings_out")
+        out.update(self._dispatcher.stats())
         return out

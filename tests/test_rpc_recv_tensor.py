@@ -1,4 +1,5 @@
-"""RecvTensorInline: a small tensor in one unary call, acks riding on the next request,
+"""RecvTensor with shmrdv's extension fields: a tensor up to ``inline_max`` in the one
+unary answer, a larger one left for RecvTensorStream, acks riding on the next request,
 no thread per receive; real RpcServer and RpcClient on 127.0.0.1."""
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from shmrdv._errors import DeadlineExceededError
 from shmrdv._received import Received
 from shmrdv._rpc import assembly, messages
 from shmrdv._rpc.client import RpcClient
-from shmrdv._rpc.methods import RECV_TENSOR_INLINE_METHOD, RECV_TENSOR_STREAM_METHOD
+from shmrdv._rpc.methods import (
+    MARK_RECV_FINISHED_METHOD,
+    RECV_TENSOR_METHOD,
+    RECV_TENSOR_STREAM_METHOD,
+)
 from shmrdv._rpc.server import RpcServer
 
 # Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
@@ -27,14 +32,14 @@ channel = rpc_helpers.channel
 
 
 def _inline(channel: grpc.Channel, request: bytes) -> bytes:
-    data: bytes = channel.unary_unary(RECV_TENSOR_INLINE_METHOD)(request, timeout=5)
+    data: bytes = channel.unary_unary(RECV_TENSOR_METHOD)(request, timeout=5)
     return data
 
 
 # -- the server's method ---------------------------------------------------------------------
 
 
-def test_inline_answers_a_small_tensor_as_tf_response(
+def test_recv_tensor_answers_a_small_tensor_as_tf_response(
     source: StepSource, channel: grpc.Channel
 ) -> None:
     key = make_key("small")
@@ -44,7 +49,7 @@ def test_inline_answers_a_small_tensor_as_tf_response(
     assert got.value.tolist() == [0, 1, 2, 3, 4] and not got.is_dead
 
 
-def test_inline_leaves_a_large_tensor_for_the_stream_under_its_request_id(
+def test_recv_tensor_leaves_a_large_tensor_for_the_stream_under_its_request_id(
     source: StepSource, server: RpcServer, channel: grpc.Channel
 ) -> None:
     key = make_key("large")
@@ -64,20 +69,19 @@ def test_inline_leaves_a_large_tensor_for_the_stream_under_its_request_id(
     assert messages.decode_response(rest).value.tolist() == [-1]
 
 
-def test_inline_left_value_goes_back_when_released(
+def test_recv_tensor_left_value_goes_back_when_released(
     source: StepSource, server: RpcServer, channel: grpc.Channel
 ) -> None:
-    from shmrdv._rpc.methods import RELEASE_RECV_METHOD
-
     key = make_key("released")
     source.send(1, key, np.arange(1000, dtype=np.int64))
     assert _inline(channel, messages.encode_request(1, key.full_key, 11, inline_max=0)) == b""
-    channel.unary_unary(RELEASE_RECV_METHOD)(messages.encode_mark_recv_finished(11), timeout=5)
+    release = messages.encode_mark_recv_finished(11, released=True)
+    channel.unary_unary(MARK_RECV_FINISHED_METHOD)(release, timeout=5)
     again = _inline(channel, messages.encode_request(1, key.full_key, 12))
     assert messages.decode_response(again).value.tolist() == list(range(1000))
 
 
-def test_inline_request_id_zero_is_always_answered_inline(
+def test_recv_tensor_request_id_zero_is_always_answered_inline(
     source: StepSource, channel: grpc.Channel
 ) -> None:
     key = make_key("zero")
@@ -86,7 +90,7 @@ def test_inline_request_id_zero_is_always_answered_inline(
     assert messages.decode_response(data).value.tolist() == list(range(1000))
 
 
-def test_inline_acks_release_the_cache(
+def test_recv_tensor_acks_release_the_cache(
     source: StepSource, server: RpcServer, channel: grpc.Channel
 ) -> None:
     key = make_key("acks")
@@ -101,7 +105,7 @@ def test_inline_acks_release_the_cache(
 # -- the client ---------------------------------------------------------------------------------
 
 
-def test_client_small_value_costs_one_call(source: StepSource, server: RpcServer) -> None:
+def test_client_small_value_costs_one_call_each(source: StepSource, server: RpcServer) -> None:
     with RpcClient() as client:
         key = make_key("one-call")
         source.send(1, key, np.arange(3))
@@ -109,16 +113,14 @@ def test_client_small_value_costs_one_call(source: StepSource, server: RpcServer
         got = pull(client, server.address, 1, key, timeout=5)
         assert got.value.tolist() == [0, 1, 2]
         assert got.value.flags.writeable
-        assert server.stats()["calls"] - before == 1  # the Exchange link opens
-        # The next values ride the open link: one stream message each, no new call.
+        assert server.stats()["calls"] - before == 1
         for i in range(3):
             source.send(1, key, np.array([i]))
             assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [i]
-        assert server.stats()["calls"] - before == 1
-        assert client.stats()["links"] == 1
+        assert server.stats()["calls"] - before == 4  # one RecvTensor per receive
 
 
-def test_client_large_value_is_streamed_after_the_inline_call(
+def test_client_large_value_is_streamed_after_the_unary_call(
     source: StepSource, server: RpcServer
 ) -> None:
     with RpcClient(inline_max=1024) as client:
@@ -129,7 +131,7 @@ def test_client_large_value_is_streamed_after_the_inline_call(
         before = server.stats()["calls"]
         got = pull(client, server.address, 1, key, timeout=10)
         np.testing.assert_array_equal(got.value, big)
-        # Exchange (the link: "too large for me, fetch it"), then RecvTensorStream
+        # RecvTensor (empty: "too large for you, stream it"), then RecvTensorStream
         assert server.stats()["calls"] - before == 2
         assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [7.0]
         wait_for(lambda: server.stats()["cached"] <= 1)
@@ -195,9 +197,7 @@ def test_client_done_may_block_without_stalling_other_receives(
         assert inner[0].value.tolist() == [2]
 
 
-def test_client_timeout_with_inline_removes_the_waiter(
-    source: StepSource, server: RpcServer
-) -> None:
+def test_client_timeout_removes_the_waiter(source: StepSource, server: RpcServer) -> None:
     with RpcClient() as client:
         key = make_key("late")
         with pytest.raises(DeadlineExceededError, match="late"):

@@ -1,0 +1,224 @@
+"""WaiterTable: per key, a FIFO of values not yet taken or of waiters not yet served.
+
+The one rendezvous table of the library (issue 18 §3), after TensorFlow's
+``LocalRendezvous`` (``core/framework/local_rendezvous.cc``): each key holds either values
+that arrived with nobody waiting, or waiters that came with nothing there, never both; a
+key with neither is not in the table. What a value and a waiter are is the owner's
+business (an array, a notice, a ``Received``; a callback record, a future): the table only
+orders them and pairs them.
+
+How an owner uses it, under the owner's own lock (the table has none)::
+
+    table: WaiterTable[str, Received, MyWaiter] = WaiterTable()
+
+    # a value arrives
+    waiter = table.put(key, value)         # the oldest waiter, removed; or None: queued
+    # a receive starts
+    value = table.take(key)                # the oldest value, removed; or MISSING
+    if value is MISSING:
+        table.wait(key, waiter)            # queue the waiter (no value is there)
+    # the receive is given up (timeout, Future.cancel, asyncio cancellation)
+    if table.cancel(key, waiter): ...      # True: removed, it will never get a value
+    # everything fails
+    for waiter in table.abort(): ...       # every waiter, oldest first; values dropped
+
+Whatever the table hands back (a waiter to complete, waiters to fail) the owner completes
+after releasing its lock (STYLE.md rule 5).
+
+Differences from TensorFlow, both deliberate:
+
+* a waiter can be removed, in O(1), and a removed waiter never takes a value;
+  TensorFlow leaves a timed-out waiter queued and it swallows the next send
+  (research/tf_rendezvous.md §2.2). The waiters of a key live in an ``OrderedDict`` used
+  as an ordered set: the oldest is popped in O(1) like a deque's, a cancelled one is
+  removed in O(1) too, instead of ``deque.remove``'s scan or a "cancelled" mark that a
+  later ``put`` would have to skip (and that would make the counts lie);
+* the key is whatever the owner passes (a full key string, a ``(step_id, key)`` pair),
+  not ``Hash64(FullKey())``, so two keys can never share a queue.
+
+Waiters are found again by hash and equality: use objects that hash by identity (a plain
+class, a ``dataclass(eq=False)``), never ``None``, and queue one at most once at a time.
+
+Thread model: none of its own and no lock: every call is made under its owner's lock
+(``docs/threads.md``). Nothing here blocks or calls back.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterator
+from typing import Final, Generic, Literal, TypeVar
+
+__all__ = ["MISSING", "Missing", "WaiterTable"]
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+W = TypeVar("W", bound=Hashable)
+
+
+class Missing(enum.Enum):
+    """The type of ``MISSING`` (an enum, so that ``is MISSING`` narrows for mypy)."""
+
+    MISSING = "MISSING"
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+#: What ``take`` returns when a key has no value queued (a value may itself be ``None``).
+MISSING: Final = Missing.MISSING
+
+
+class WaiterTable(Generic[K, V, W]):
+    """Per key, a FIFO of values (``V``) or of waiters (``W``), never both (module docstring).
+
+    Not thread-safe: its owner's lock guards every call. Every operation is O(1) except
+    ``abort`` (O(keys + items)). The counts (``len``, ``pending_values``,
+    ``pending_waiters``) are kept as it goes, so reading them is O(1) too.
+    """
+
+    __slots__ = ("_nvalues", "_nwaiters", "_table")
+
+    def __init__(self) -> None:
+        # One dict for both kinds keeps the keys in arrival order (``keys``). A key maps
+        # to a deque of values or to an OrderedDict of waiters, never an empty one.
+        self._table: dict[K, deque[V] | OrderedDict[W, None]] = {}
+        self._nvalues = 0
+        self._nwaiters = 0
+
+    # -- pairing ---------------------------------------------------------------------
+
+    def put(self, key: K, value: V, *, front: bool = False) -> W | None:
+        """Hand ``value`` to the oldest waiter of ``key``, or queue it.
+
+        Returns that waiter, removed from the table (the caller completes it with
+        ``value``), or ``None`` when nobody waited and ``value`` was queued: at the back,
+        or with ``front=True`` at the head (a value taken and given back keeps its place
+        before everything that arrived after it).
+        """
+        queue = self._table.get(key)
+        if queue is None:
+            self._table[key] = deque((value,))
+        elif isinstance(queue, deque):
+            if front:
+                queue.appendleft(value)
+            else:
+                queue.append(value)
+        else:
+            waiter, _ = queue.popitem(last=False)
+            if not queue:
+                del self._table[key]
+            self._nwaiters -= 1
+            return waiter
+        self._nvalues += 1
+        return None
+
+    def take(self, key: K) -> V | Literal[Missing.MISSING]:
+        """Remove and return the oldest value of ``key``, or ``MISSING`` if none is queued."""
+        queue = self._table.get(key)
+        if not isinstance(queue, deque):
+            return MISSING
+        value = queue.popleft()
+        if not queue:
+            del self._table[key]
+        self._nvalues -= 1
+        return value
+
+    def wait(self, key: K, waiter: W) -> bool:
+        """Queue ``waiter`` behind the waiters of ``key``; True if it is the only one.
+
+        Call it after ``take`` found nothing. Raises ``ValueError`` if ``key`` has values
+        queued (the waiter would wait for nothing) or ``waiter`` is queued already.
+        """
+        queue = self._table.get(key)
+        if queue is None:
+            self._table[key] = OrderedDict(((waiter, None),))
+            self._nwaiters += 1
+            return True
+        if isinstance(queue, deque):
+            raise ValueError(f"wait({key!r}): values are queued; take one instead")
+        if waiter in queue:
+            raise ValueError(f"wait({key!r}): {waiter!r} is already queued")
+        queue[waiter] = None
+        self._nwaiters += 1
+        return False
+
+    def cancel(self, key: K, waiter: W) -> bool:
+        """Remove ``waiter`` from ``key``: True if it was queued (it will get nothing),
+        False if it was not (already handed a value by ``put``, or by ``abort``)."""
+        queue = self._table.get(key)
+        if not isinstance(queue, OrderedDict) or waiter not in queue:
+            return False
+        del queue[waiter]
+        if not queue:
+            del self._table[key]
+        self._nwaiters -= 1
+        return True
+
+    def head(self, key: K) -> W | None:
+        """The oldest waiter of ``key``, left in place, or ``None`` (for an owner that
+        serves one waiter per key at a time, such as one RPC in flight per key)."""
+        queue = self._table.get(key)
+        if not isinstance(queue, OrderedDict):
+            return None
+        return next(iter(queue))
+
+    def abort(self, where: Callable[[K], bool] | None = None) -> list[W]:
+        """Empty the table, or the keys for which ``where(key)`` is true.
+
+        Returns their waiters, each key's oldest first, for the caller to fail with its
+        error; their values are dropped (count them first with ``pending_values`` if you
+        log them).
+        """
+        keys = list(self._table) if where is None else [k for k in self._table if where(k)]
+        waiters: list[W] = []
+        for key in keys:
+            queue = self._table.pop(key)
+            if isinstance(queue, deque):
+                self._nvalues -= len(queue)
+            else:
+                waiters.extend(queue)
+                self._nwaiters -= len(queue)
+        return waiters
+
+    # -- keys and counts ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Keys with a value or a waiter queued."""
+        return len(self._table)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._table
+
+    def __iter__(self) -> Iterator[K]:
+        """Keys with a value or a waiter queued, in the order they entered the table.
+
+        Do not change the table while iterating.
+        """
+        return iter(self._table)
+
+    def values_of(self, key: K) -> int:
+        """How many values ``key`` has queued."""
+        queue = self._table.get(key)
+        return len(queue) if isinstance(queue, deque) else 0
+
+    def waiters_of(self, key: K) -> int:
+        """How many waiters ``key`` has queued."""
+        queue = self._table.get(key)
+        return len(queue) if isinstance(queue, OrderedDict) else 0
+
+    @property
+    def pending_values(self) -> int:
+        """Values queued over all keys."""
+        return self._nvalues
+
+    @property
+    def pending_waiters(self) -> int:
+        """Waiters queued over all keys."""
+        return self._nwaiters
+
+    def __repr__(self) -> str:
+        return (
+            f"<WaiterTable keys={len(self._table)} values={self._nvalues} waiters={self._nwaiters}>"
+        )

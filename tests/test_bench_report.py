@@ -1,0 +1,172 @@
+"""``shmrdv bench``'s report as text (issue 20 §4): narrow lines, no negative fixed cost.
+
+Pure: a ``BenchRun`` is built by hand (the figures of a real run with every method and
+the seven default sizes) and formatted; nothing is measured.
+"""
+
+from __future__ import annotations
+
+import re
+
+from shmrdv._bench.report import (
+    FASTER_THAN_COPY,
+    BenchRun,
+    CellResult,
+    MethodResult,
+    format_markdown,
+    format_time,
+    to_json,
+)
+from shmrdv._bench.textfit import WIDTH, fit_markdown, split_table, wrap_line
+
+SIZES = [64, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+
+
+def _cell(nbytes: int, rtt_ns: float) -> CellResult:
+    return CellResult(
+        nbytes=nbytes,
+        reps=3,
+        per_rep=100,
+        warmup=3,
+        checks=6,
+        rtt_median_ns=rtt_ns,
+        rtt_p99_ns=rtt_ns * 13.7,
+        rtt_min_ns=rtt_ns * 0.8,
+        rtt_rep_medians_ns=[rtt_ns, rtt_ns * 1.1, rtt_ns * 0.9],
+        oneway_median_ns=rtt_ns * 0.6,
+        oneway_p99_ns=rtt_ns * 7.1,
+        oneway_rep_medians_ns=[rtt_ns * 0.6] * 3,
+        elapsed_s=1.0,
+    )
+
+
+def _method(
+    name: str, group: str, per_byte_ns: float, fixed_ns: float, **kw: object
+) -> MethodResult:
+    m = MethodResult(
+        name=name,
+        label=f"{name}: a label as long as the longest of the registry, which names the call, "
+        "the direction and the serializers, and then some more words",
+        group=group,
+        status="ok",
+        receiver_array="writable view (segment unlinked after use), the consumer's own",
+        idle_cpu_percent=0.26,
+        **kw,  # type: ignore[arg-type]
+    )
+    m.cells = {n: _cell(n, fixed_ns + per_byte_ns * n) for n in SIZES}
+    return m
+
+
+def _run() -> BenchRun:
+    run = BenchRun(
+        machine={
+            "cpu_model": "AMD EPYC 7B13 64-Core Processor with a long brand string",
+            "cpu_count": 2,
+            "cpu_affinity": 2,
+            "kernel": "Linux 6.18.44-fc-v1252",
+            "python": "CPython 3.11.7",
+            "versions": {
+                "numpy": "2.4.6",
+                "grpcio": "1.85.3",
+                "protobuf": "7.36.2",
+                "posix_ipc": "1.3.2",
+                "pyzmq": "27.3.0",
+                "torch": "2.13.0",
+                "ray": "2.60.0",
+                "matplotlib": "3.10.1",
+            },
+            "load_average_start": [2.01, 1.19, 0.54],
+            "load_average_end": [2.5, 1.3, 0.6],
+        },
+        config={
+            "sizes": SIZES,
+            "summary": "sizes "
+            + ", ".join(str(n) for n in SIZES)
+            + "; repetitions 5 (3 from 64 MiB); 2 s of timed handoffs per cell; 50 µs gap; "
+            "pinger (producer) on CPU 0, ponger (consumer) on CPU 1; one-process methods on "
+            "CPU 0; idle probe 2 s",
+        },
+        started="2026-12-04 05:08:00 UTC",
+    )
+    run.methods = [
+        _method("memcpy", "floor", 0.06, 2_000),
+        _method("shmrdv_send", "shmrdv", 0.05, 200_000),  # helper threads: under memcpy at 256 MiB
+        _method("shmrdv_allocate", "shmrdv", 0.0, 200_000),  # no copy at all
+        _method("shmrdv_grpc_pending", "shmrdv", 2.0, 1_400_000, baseline="grpc_pull"),
+        _method("mp_pipe_oob", "peer", 1.4, 190_000),
+        _method("grpc_pull", "peer", 1.0, 520_000),
+    ]
+    return run
+
+
+def test_report_every_line_fits_the_width() -> None:
+    text = format_markdown(_run())
+    long = [line for line in text.splitlines() if len(line) > WIDTH]
+    assert not long, "\n".join(long)  # before: rows of 432 characters
+
+
+def test_report_shows_no_negative_fixed_cost() -> None:
+    run = _run()
+    assert run.fixed_cost_ns("shmrdv_allocate", 256 << 20) < 0  # the case: faster than a copy
+    text = format_markdown(run)
+    fixed = text.split("## Fixed cost")[1].split("\n## ")[0]
+    assert not re.search(r"-\s*[\d,.]+ ?(µs|ms|s)\b", fixed), fixed  # before: "-11,964 µs"
+    allocate = next(r for r in fixed.splitlines() if r.startswith("| shmrdv_allocate |"))
+    assert FASTER_THAN_COPY in allocate
+    assert f"{FASTER_THAN_COPY}: the round trip took less than one single-threaded memcpy" in (
+        " ".join(text.split())
+    )
+    # The JSON keeps the signed difference: it is data, not a cost.
+    cells = {m["name"]: m["cells"] for m in to_json(run)["methods"]}
+    assert cells["shmrdv_allocate"][str(256 << 20)]["rtt_fixed_cost_ns"] < 0
+
+
+def test_report_keeps_every_figure_of_every_size() -> None:
+    text = format_markdown(_run())
+    for title in ("Round trip (the array there", "Round trip: p99", "One-way (until"):
+        section = text.split(f"## {title}")[1].split("\n## ")[0]
+        rows = [r for r in section.splitlines() if r.startswith("| shmrdv_grpc_pending |")]
+        cells = [c for r in rows for c in r.strip("|").split("|")[1:]]
+        assert len(cells) == len(SIZES), section  # split tables keep every column
+    assert "## Round trip \u00d7grpc_pull" in text and "## One-way \u00d7mp_pipe_oob" in text
+
+
+def test_format_time_picks_a_short_unit() -> None:
+    assert [format_time(ns) for ns in (2_200, 812_000, 1_370_000, 447e6, 1.17e9)] == [
+        "2.20 µs",
+        "812 µs",
+        "1.37 ms",
+        "447 ms",
+        "1.17 s",
+    ]
+
+
+def test_wrap_line_indents_a_list_items_continuation() -> None:
+    line = "* `grpc_pull` (ok): " + "word " * 40
+    out = wrap_line(line, 50)
+    assert len(out) > 1 and all(len(x) <= 50 for x in out)
+    assert out[0].startswith("* `grpc_pull`") and all(x.startswith("  ") for x in out[1:])
+    assert " ".join(" ".join(out).split()) == " ".join(line.split())
+
+
+def test_split_table_repeats_the_first_column() -> None:
+    header = "| method | " + " | ".join(f"size{i}" for i in range(10)) + " |"
+    rule = "|" + "---|" * 11
+    row = "| shmrdv_allocate | " + " | ".join(f"{i}.{i}{i} ms" for i in range(10)) + " |"
+    out = split_table([header, rule, row], 60)
+    assert all(len(x) <= 60 for x in out)
+    tables = "\n".join(out).split("\n\n")
+    assert len(tables) > 1
+    for t in tables:
+        lines = t.splitlines()
+        assert lines[0].startswith("| method |") and lines[2].startswith("| shmrdv_allocate |")
+        assert set(lines[1]) == {"|", "-"}
+    assert all(f"{i}.{i}{i} ms" in "\n".join(out) for i in range(10))
+
+
+def test_fit_markdown_leaves_headings_and_code_alone() -> None:
+    long = "x" * 150
+    text = f"# {long}\n```\n{long}\n```\n{'word ' * 40}"
+    out = fit_markdown(text, 80).splitlines()
+    assert out[0] == f"# {long}" and out[2] == long
+    assert all(len(x) <= 80 for x in out[4:])
