@@ -47,7 +47,7 @@ from .._namespace import NAMESPACE_ID_HEX
 from .naming import PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
 from .ownership import is_ours, open_checked
 from .presence import probe, read_record
-from .registry import namespace_alive, records_alive, unlink_if_unused
+from .registry import namespace_alive, records_alive, unlink_if_same, unlink_if_unused
 from .ring import Ring
 from .segment import Segment, peek_header
 
@@ -414,7 +414,9 @@ def _collect_slots(
             continue  # another producer's slot, or a name that is no slot of that run
         ino = _stat_ours(path)
         if ino is not None:
-            removed += _unlink(path, ino)
+            # A slot of a dead run may still be kept mapped by a consumer for reuse: its
+            # names go anyway (the mapping follows, slotmaps.py). A temp must be unused.
+            removed += _unlink(path, ino, mapped_ok=parsed.kind in _SLOT_KINDS)
     return removed
 
 
@@ -430,9 +432,9 @@ def _is_slot_of(names: Names, kind: str, task: str, inc: int, ticket: int, entry
     return entry in (names.pool(task, inc, ticket), names.pool(task, inc, nxt))
 
 
-def _unlink(path: str, ino: tuple[int, int]) -> int:
+def _unlink(path: str, ino: tuple[int, int], *, mapped_ok: bool = False) -> int:
     try:
-        return int(unlink_if_unused(path, ino))
+        return int(unlink_if_same(path, ino) if mapped_ok else unlink_if_unused(path, ino))
     except OSError as e:
         _log.warning("cannot remove %s: %s", path, e)
         return 0

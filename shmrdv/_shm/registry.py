@@ -41,6 +41,7 @@ __all__ = [
     "namespace_ids",
     "records_alive",
     "records_prefix",
+    "unlink_if_same",
     "unlink_if_unused",
 ]
 
@@ -268,7 +269,14 @@ def records_alive(namespace_id: str, entries: Iterable[str], shm_dir: str = SHM_
     return False
 
 
-def unlink_if_unused(path: str, ino: tuple[int, int]) -> bool:
+def unlink_if_same(path: str, ino: tuple[int, int]) -> bool:
+    """``unlink_if_unused`` without asking whether a process has the file open: for the pool
+    slots of a run known dead, which a consumer may still keep mapped for reuse (its kept
+    mapping goes once the slot's names are gone, ``slotmaps.py``; the memory with it)."""
+    return unlink_if_unused(path, ino, mapped_ok=True)
+
+
+def unlink_if_unused(path: str, ino: tuple[int, int], *, mapped_ok: bool = False) -> bool:
     """Unlink ``path`` if it is still the file ``ino`` (``(st_dev, st_ino)``, as listed), is
     ours, and no process has it open or mapped; whether it was removed.
 
@@ -278,8 +286,8 @@ def unlink_if_unused(path: str, ino: tuple[int, int]) -> bool:
     removed, whatever its namespace looks like; a worker that is starting (its presence
     record still under a temporary name, locked and open) is safe from a sweep that thought
     its namespace dead. The lease is dropped before the unlink: nobody ever waits on it.
-    Where leases are off (``fs.leases-enable=0``), only the other checks are made.
-    Never follows a symlink, never blocks (``ownership.open_checked``). Raises ``OSError``
+    Where leases are off (``fs.leases-enable=0``), only the other checks are made, and so
+    with ``mapped_ok`` (``unlink_if_same``). Never follows a symlink, never blocks (``ownership.open_checked``). Raises ``OSError``
     when the unlink itself fails (e.g. permissions).
     """
     try:
@@ -293,7 +301,8 @@ def unlink_if_unused(path: str, ino: tuple[int, int]) -> bool:
         if (st.st_dev, st.st_ino) != ino:
             return False  # replaced since the listing (a new worker's file): not ours to take
         try:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+            if not mapped_ok:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EBUSY):
                 _log.debug("leaving %s: a process still has it open", path)
@@ -302,7 +311,8 @@ def unlink_if_unused(path: str, ino: tuple[int, int]) -> bool:
                 _log.debug("leaving %s: cannot tell whether it is in use (%s)", path, e)
                 return False
         else:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            if not mapped_ok:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
         try:
             now = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
