@@ -53,7 +53,7 @@ def test_threads_doc_names_every_library_thread() -> None:
         for name in _thread_names(tree)
         if name.startswith("shmrdv-")
     }
-    assert "shmrdv-shm-dispatch" in found and "shmrdv-rpc-link" in found  # the scan works
+    assert "shmrdv-shm-dispatch" in found and "shmrdv-rpc-server" in found  # the scan works
     missing = sorted(name for name in found if name not in _DOC)
     assert missing == []
 

@@ -133,11 +133,12 @@ class _Channel:
 class _InRing:
     """A producer's ring for this consumer, attached (its name already unlinked)."""
 
-    __slots__ = ("inc", "lost_seen", "ring", "segment")
+    __slots__ = ("inc", "lost", "lost_seen", "ring", "segment")
 
     def __init__(self, segment: Segment, ring: Ring, inc: int) -> None:
         self.segment, self.ring, self.inc = segment, ring, inc
         self.lost_seen = 0
+        self.lost = 0  # the ring's lost count at the last (size-checked) drain
 
 
 class _Src:
@@ -215,6 +216,7 @@ class Consumer:
         self._src_by_device: dict[str, _Src] = {}  # by the key's src device, as written
         self._rings: list[tuple[_Src, _InRing]] = []  # every attached ring
         self._touched: list[_Channel] = []  # channels with waiters and new stash entries
+        self._failed: list[tuple[_Src, InternalError]] = []  # rings failed with waiters
         self._waiting = 0  # channels with waiters
         #: Number of queued callback (non-blocking) waiters: the dispatcher runs while > 0.
         self.callback_waiters = 0
@@ -296,14 +298,11 @@ class Consumer:
                     self._look_for_ring(src)
                 if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
                     self._look_for_old_ring(src, ch.inc)
-                for _, r in self._rings:
-                    if r.ring.pending():
-                        self._drain_all()
-                        break
-                if src.broken is not None:
+                # Rings are drained by whoever polls (``scan``), right after checking their
+                # size: reading a truncated ring's words here would be a SIGBUS.
+                result = self._take(ch, self._probe(ch))
+                if result is None and src.broken is not None:
                     result, src.broken = src.broken, None
-                else:
-                    result = self._take(ch, self._probe(ch))
                 if result is None and not ch.seen_alive:
                     # Note now whether the producer is alive (so that its death is noticed
                     # even before the first tick), or fail a stale incarnation.
@@ -620,23 +619,25 @@ class Consumer:
         self._drain(src, r)
         return True
 
-    def _drain_all(self) -> None:
+    def _drain_all(self, check: bool = True) -> None:
         for src, r in list(self._rings):
-            if r.ring.pending():
-                self._drain(src, r)
+            self._drain(src, r, check)
 
-    def _drain(self, src: _Src, r: _InRing) -> None:
+    def _drain(self, src: _Src, r: _InRing, check: bool = True) -> None:
         """Take every record waiting in one ring to its channel's stash.
 
-        First one ``fstat``: a process that kept a descriptor of the ring may have truncated
-        it, and reading a lost page would kill this process (SIGBUS). Such a ring is failed:
-        unmapped, and the receives waiting on its producer get the ``InternalError``.
+        First one ``fstat`` (unless ``check`` is False: the caller checked it a moment ago):
+        a process that kept a descriptor of the ring may have truncated it, and reading a
+        lost page would kill this process (SIGBUS). Such a ring is failed: unmapped, and the
+        receives waiting on its producer get the ``InternalError``.
         """
-        try:
-            r.segment.check_size(r.segment.size)
-        except InternalError as e:
-            self._fail_ring(src, r, e)
-            return
+        if check:
+            try:
+                r.segment.check_size(r.segment.size)
+            except InternalError as e:
+                self._fail_ring(src, r, e)
+                return
+        r.lost = r.ring.lost()
         try:
             for payload in r.ring.take():
                 self._record(src, r.inc, payload)
@@ -650,11 +651,24 @@ class Consumer:
         src.rings.remove(r)
         src.ring_incs.discard(r.inc)
         src.look_at = float("inf")  # its name is gone; a restarted producer makes a new one
-        src.broken = error
         r.ring.release()
         r.segment.close()
-        for ch in list(src.waiting.values()):
-            self._fail_later(ch, error)
+        # A producer that saw the truncation itself went on by name: the waiting receives
+        # look for their message by name first (``_serve_failed``), and fail only if it is
+        # not there; the next receive of this producer hears of it once (``broken``).
+        if src.waiting:
+            self._failed.append((src, error))
+        else:
+            src.broken = error
+
+    def _serve_failed(self, out: list[Item]) -> None:
+        """Serve by name the channels of producers whose ring failed, else fail them."""
+        while self._failed:
+            src, error = self._failed.pop()
+            for ch in list(src.waiting.values()):
+                self._serve(ch, out, probe=True)
+                if ch.waiters:
+                    self._fail(ch, out, error)
 
     def _fail_later(self, ch: _Channel, error: BaseException) -> None:
         """Queue ``error`` for the channel's next receive (delivered like a message)."""
@@ -727,14 +741,15 @@ class Consumer:
 
     @staticmethod
     def _lost_records(src: _Src) -> bool:
-        return any(r.ring.lost() != r.lost_seen for r in src.rings)
+        # As of the last drain: the ring's words are read only right after a size check.
+        return any(r.lost != r.lost_seen for r in src.rings)
 
     def _recover(self, src: _Src) -> bool:
         """Stash notices for ``src``'s messages whose records its full ring lost (one listing).
 
         Returns whether it stashed anything. Rate-limited with the other listings.
         """
-        lost = [(r, r.ring.lost()) for r in src.rings if r.ring.lost() != r.lost_seen]
+        lost = [(r, r.lost) for r in src.rings if r.lost != r.lost_seen]
         if not lost or not self._list_messages():
             return False
         for r, n in lost:
@@ -871,7 +886,8 @@ class Consumer:
 
     def arrived(self) -> bool:
         """Whether a ring holds records not yet drained: a look at shared memory, without
-        the lock and without a system call (what a spinning poller checks between turns)."""
+        the lock and without a system call (what a spinning poller checks between turns,
+        right after a ``scan`` checked the rings' sizes)."""
         try:
             for _, r in self._rings:
                 if r.ring.pending():
@@ -880,23 +896,28 @@ class Consumer:
             return True
         return False
 
-    def scan(self) -> list[Item]:
+    def scan(self, check: bool = True) -> list[Item]:
         """Drain the rings, serve the channels they brought something for; once per tick,
-        check the producers that have waiters (liveness, ringless ones by name)."""
+        check the producers that have waiters (liveness, ringless ones by name).
+
+        ``check=False``: the rings' sizes were checked by a scan a moment ago (before a
+        spin on their heads); they are not checked again.
+        """
         with self.lock:
             if self._closed:
                 return []
             try:
-                return self._scan()
+                return self._scan(check)
             except Exception:  # pragma: no cover - keep polling whatever happens
                 _log.exception("shm dispatcher of %s: scan failed", self._task)
                 return []
 
-    def _scan(self) -> list[Item]:
+    def _scan(self, check: bool = True) -> list[Item]:
         self.counters["dispatcher_scans"] += 1
         out: list[Item] = []
-        self._drain_all()
+        self._drain_all(check)
         self._serve_touched(out)
+        self._serve_failed(out)
         if self._waiting:
             self._probe_ringless(out)
         now = time.monotonic()
@@ -909,6 +930,7 @@ class Consumer:
                 if src.waiting:
                     self._tick(src, out)
             self._serve_touched(out)
+            self._serve_failed(out)
         return out
 
     def _serve_touched(self, out: list[Item]) -> None:

@@ -161,7 +161,7 @@ class SlotPool:
             if slot is None:
                 self._reclaim()
                 slot = self._take_free(cls)
-            if slot is not None:
+            if slot is not None and self._intact(slot):
                 self.reused += 1
                 return slot
             while (
@@ -216,6 +216,17 @@ class SlotPool:
             self._slots[index] = slot
             self.created += 1
         return slot
+
+    def _intact(self, slot: Slot) -> bool:
+        """(Under the lock) whether the slot's file still holds the whole slot (one fstat):
+        writing to a page a truncation took would be a SIGBUS. A truncated slot is dropped."""
+        try:
+            slot.segment.check_size(slot.capacity)
+        except InternalError as e:
+            _log.warning("dropping pool slot %d: %s", slot.index, e)
+            self._drop(slot)
+            return False
+        return True
 
     def _take_free(self, cls: int) -> Slot | None:
         free = self._free.get(cls)

@@ -49,7 +49,7 @@ from .ownership import is_ours, open_checked
 from .presence import probe, read_record
 from .registry import namespace_alive, records_alive, unlink_if_same, unlink_if_unused
 from .ring import Ring
-from .segment import Segment, peek_header
+from .segment import peek_header
 
 __all__ = [
     "ENV_VAR",
@@ -80,6 +80,8 @@ MAX_NAMESPACES = 16
 #: written or renamed) for a consumer that has not started yet: a producer may send and
 #: close before its consumer starts (tests/test_shm_ring.py).
 GRACE_S = 30.0
+# A ring is ~1 MiB (``ring.ring_size``); anything much larger is not read whole.
+_RING_MAX_BYTES = 16 << 20
 # What a consumer that starts later may still take.
 _FOR_A_CONSUMER = frozenset({"message", "ring"})
 # Objects a sweep of a dead namespace tries to remove even when out of time.
@@ -220,7 +222,7 @@ def sweep(
         if namespace_alive(ns, shm_dir):
             continue
         mine = closing if closing is not None and closing[0].namespace_id == ns else None
-        theirs = set() if mine is None else _addressed_to(mine[0], mine[1], listed)
+        theirs = set() if mine is None else _addressed_to(mine[1], listed)
         waiting = time.time() - GRACE_S
         listed.sort(key=lambda e: e.kind == "presence")  # records last: `ls` shows whose
         count = tried = 0
@@ -261,7 +263,7 @@ def _stat_listed(parsed: ObjectName, path: str) -> _Listed | None:
     return _Listed(parsed.kind, path, (st.st_dev, st.st_ino), max(st.st_mtime, st.st_ctime))
 
 
-def _addressed_to(names: Names, task: str, listed: list[_Listed]) -> set[str]:
+def _addressed_to(task: str, listed: list[_Listed]) -> set[str]:
     """The paths among ``listed`` of messages and rings addressed to ``task``: a message by
     the key in its header, a ring by the description its producer wrote into it."""
     try:
@@ -273,8 +275,8 @@ def _addressed_to(names: Names, task: str, listed: list[_Listed]) -> set[str]:
         if e.kind == "message":
             header = peek_header(e.path)
             dst = None if header is None else _task_of_key(header.key)
-        elif e.kind == "ring" and e.path == names.path(os.path.basename(e.path)):
-            dst = _ring_consumer(names, os.path.basename(e.path))
+        elif e.kind == "ring":
+            dst = _ring_consumer(e.path)
         else:
             continue
         if dst is not None and dst == me:
@@ -289,15 +291,22 @@ def _task_of_key(key: str) -> tuple[str, int, int] | None:
         return None
 
 
-def _ring_consumer(names: Names, name: str) -> tuple[str, int, int] | None:
+def _ring_consumer(path: str) -> tuple[str, int, int] | None:
     """The consumer task a ring was made for (its description, ``Ring.meta``), or None.
-    The ring is mapped only for that look (``Segment.attach``: checked, never blocks)."""
+    The ring is read with ``pread`` into a private buffer, never mapped: a truncation by
+    another process costs nothing, and no mapping of ours keeps the file in use."""
     try:
-        seg = Segment.attach(names, name)
+        fd, st = open_checked(path, os.O_RDONLY, "ring", max_size=_RING_MAX_BYTES)
     except (OSError, RendezvousError):
         return None
     try:
-        ring = Ring(memoryview(seg.buf))
+        data = bytearray(os.pread(fd, st.st_size, 0))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        ring = Ring(memoryview(data))
         try:
             meta = json.loads(ring.meta())
         finally:
@@ -305,8 +314,6 @@ def _ring_consumer(names: Names, name: str) -> tuple[str, int, int] | None:
         return DeviceName.parse(str(meta["consumer"])).task_key()
     except (RendezvousError, ValueError, KeyError, TypeError, IndexError, struct.error):
         return None  # not a ring of ours (a corrupt or truncated file): not addressed to us
-    finally:
-        seg.close()
 
 
 def collect_producer(

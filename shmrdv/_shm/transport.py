@@ -82,6 +82,10 @@ class ShmTransport:
     def can_reach(self, peer: PeerRecord) -> bool:
         return peer.same_host and self.name in peer.transports
 
+    def explain_wait(self, peer: PeerRecord) -> str | None:
+        """Nothing beyond what its presence record tells (``_diagnose``)."""
+        return None
+
     # -- producer side ----------------------------------------------------------------
 
     def allocate(self, step_id: int, key: ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
