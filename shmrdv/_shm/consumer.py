@@ -8,7 +8,9 @@ polls the doorbell (``dispatcher.py``), drains the rings and serves the channels
 brought something for; once per tick it also checks the producers that have waiters
 (``liveness.py``) and looks for messages a ring cannot show (``recovery.py``: a full ring
 lost records, a producer gone). A lost doorbell post costs at most one tick (``TICK``),
-never a message. ``cleanup_step`` frees what nobody received (``orphans.py``).
+never a message. ``cleanup_step`` frees what nobody received (``orphans.py``); the ring
+of a producer run that is over is drained a last time and unmapped, and what that run
+left goes (``reaper.collect_producer``, after the lock).
 
 Thread model (docs/threads.md): every public method takes ``lock`` itself (callers never
 hold it); none blocks on a peer or calls a ``done`` callback: they return what to deliver
@@ -27,6 +29,7 @@ from .._errors import InternalError, closed_error
 from .._keys import ParsedKey
 from .._received import Received
 from .._transport import TransportContext
+from . import reaper
 from .book import Book, Channel, Notice, Source, Stashed, Waiter
 from .delivery import Item
 from .inbox import Inbox
@@ -73,6 +76,10 @@ class Consumer:
         self._tick_at = 0.0
         self._sweep_at = 0.0
         self._scans = 0
+        self._names = names
+        # (producer task, incarnation) of runs that are over and whose ring this consumer
+        # drained and unmapped: what they left goes, outside the lock (``scan``).
+        self._over: list[tuple[str, int]] = []
 
     def _free_named(self, src: str, step: int, key: str, inc: int, seq: int, slot: int) -> None:
         self._orphans.free_named(src, step, key, inc, seq, slot)
@@ -307,10 +314,23 @@ class Consumer:
             if self._closed:
                 return []
             try:
-                return self._scan(check)
+                out = self._scan(check)
             except Exception:  # pragma: no cover - keep polling whatever happens
                 _log.exception("shm dispatcher of %s: scan failed", self._task)
                 return []
+            over, self._over = self._over, []
+        for task, inc in over:
+            self._collect(task, inc)
+        return out
+
+    def _collect(self, task: str, inc: int) -> None:
+        """Free what a producer run that is over left (``reaper.collect_producer``): this
+        consumer took every record of its ring and unmapped it (a filesystem listing and
+        unlinks: never under the lock)."""
+        try:
+            reaper.collect_producer(self._names, task, inc, self._task)
+        except Exception:  # pragma: no cover - it never raises for what it finds
+            _log.exception("collecting what producer %s (%016x) left", task, inc)
 
     def _scan(self, check: bool) -> list[Item]:
         self._scans += 1
@@ -326,14 +346,29 @@ class Consumer:
         if maps and now >= self._sweep_at:
             self._sweep_at = now + TICK
             maps.sweep()
-        if waiting and now >= self._tick_at:
+        if now >= self._tick_at:
             self._tick_at = now + TICK
-            for src in list(self._book.srcs.values()):
-                if src.waiting:
-                    self._tick(src, out)
-            self._serve_touched(out)
-            self._serve_failed(out)
+            if waiting:
+                for src in list(self._book.srcs.values()):
+                    if src.waiting:
+                        self._tick(src, out)
+                self._serve_touched(out)
+                self._serve_failed(out)
+            self._retire_over()
+            self._serve_touched(out)  # what the last drains of those rings brought
         return out
+
+    def _retire_over(self) -> None:
+        """Once per tick: the rings of producer runs that are over are drained a last time
+        and unmapped, and what those runs left is collected after the lock (``_over``)."""
+        inbox = self._inbox
+        for src, r in list(inbox.rings):
+            if r not in src.rings or not self._live.run_over(src, r.inc):
+                continue
+            inbox.drain(src, r)  # what it sent before it ended (its size checked first)
+            if r in src.rings and not r.ring.pending():
+                inbox.retire(src, r)
+                self._over.append((src.task, r.inc))
 
     def _serve_touched(self, out: list[Item]) -> None:
         book = self._book

@@ -300,6 +300,18 @@ class Inbox:
             ),
         )
 
+    def retire(self, src: Source, r: InRing) -> None:
+        """Unmap the ring of a producer run that is over, once drained (nothing more can
+        come through it); that run is then looked for by name only, its ring never again."""
+        self.rings = [(s, x) for s, x in self.rings if x is not r]
+        src.rings.remove(r)
+        src.ring_incs.discard(r.inc)
+        src.tried.add(r.inc)
+        if src.inc == r.inc:
+            src.look_at = float("inf")  # a restarted producer is looked for again (liveness)
+        r.ring.release()
+        r.segment.close()
+
     # -- lifetime -------------------------------------------------------------------
 
     def release(self) -> None:

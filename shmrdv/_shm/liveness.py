@@ -90,6 +90,15 @@ class Liveness:
             )
         return None
 
+    def run_over(self, src: Source, inc: int) -> bool:
+        """Whether run ``inc`` of the producer can send nothing more: its record is gone or
+        dead, or names another run (a look at most once per tick while alive)."""
+        state, record = self.state(src)
+        if state == "alive":
+            live = record.incarnation if record is not None else src.inc
+            return bool(live) and live != inc
+        return state in ("absent", "dead")
+
     def verdicts(self, src: Source) -> tuple[bool, list[tuple[Channel, BaseException]]]:
         """The tick's look at a producer with waiting channels.
 
