@@ -216,7 +216,9 @@ class Router:
         ends pick the same one whatever order each lists them in (a consumer listing
         ``("grpc", "shm")`` waited on gRPC for what a ``("shm", "grpc")`` producer had
         put in shared memory)."""
-        if producer:
+        if producer or not record.final:
+            # A provisional record (the cluster spec's, before the producer has started)
+            # does not know the producer's order: this worker's own is the best guess.
             order = [n for n in self.rc.order if n in record.transports]
         else:
             order = [n for n in record.transports if n in self.rc.order]
