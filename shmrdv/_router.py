@@ -137,7 +137,8 @@ class Router:
         self.rc = rc
         self.task_name = rc.ctx.task_name
         self._lock = threading.Lock()
-        self._peer_routes: dict[tuple[str, int, int], Transport] = {}
+        # (peer task, this worker produces) -> transport: each direction its producer's pick.
+        self._peer_routes: dict[tuple[tuple[str, int, int], bool], Transport] = {}
         self._by_key: Callable[[str], KeyRoute] = functools.lru_cache(maxsize=_KEY_ROUTES)(
             self._derive
         )
@@ -196,11 +197,11 @@ class Router:
             return t
         peer = r.peer
         assert peer is not None
-        tk = peer.task_key()
+        tk = (peer.task_key(), r.src_own)
         t = self._peer_routes.get(tk)
         if t is None:
             record = self.rc.ctx.peers.lookup(peer)
-            t = self._choose(record, r.pk)
+            t = self._choose(record, r.pk, producer=r.src_own)
             if not record.final:
                 return t  # provisional: ask again next time
             with self._lock:
@@ -209,10 +210,19 @@ class Router:
         r.transport = t
         return t
 
-    def _choose(self, record: PeerRecord, pk: ParsedKey) -> Transport:
-        for name in self.rc.order:
-            if name not in record.transports:
-                continue
+    def _choose(self, record: PeerRecord, pk: ParsedKey, *, producer: bool) -> Transport:
+        """The transport of a key between this worker and ``record``'s: the first of the
+        *producer's* priority list that both take and that reaches the peer, so that both
+        ends pick the same one whatever order each lists them in (a consumer listing
+        ``("grpc", "shm")`` waited on gRPC for what a ``("shm", "grpc")`` producer had
+        put in shared memory)."""
+        if producer or not record.final:
+            # A provisional record (the cluster spec's, before the producer has started)
+            # does not know the producer's order: this worker's own is the best guess.
+            order = [n for n in self.rc.order if n in record.transports]
+        else:
+            order = [n for n in record.transports if n in self.rc.order]
+        for name in order:
             t = self.rc.transport(name)
             if t.can_reach(record):
                 return t
@@ -229,21 +239,40 @@ class Router:
 
     # -- why a receive waits (never per message) --------------------------------------
 
-    def diagnose(self, pk: ParsedKey) -> str | None:
-        """Where the producer of ``pk`` is alive, if not in this worker's namespace.
+    def diagnose(self, pk: ParsedKey, *, probe: bool = False) -> str | None:
+        """Why a receive of ``pk`` may be waiting: where its producer is alive, if not in
+        this worker's namespace; with ``probe``, also what the key's transport finds (a
+        gRPC address that does not answer, and its status: ``Transport.explain_wait``).
 
-        None for a producer on another host (or one that is alive here, in this namespace),
-        or where this host keeps no presence records. Lists them
-        (``PeerDirectory.sightings``): only for a timeout, a long wait or ``stats()``.
+        None when there is nothing to tell. Lists the presence records
+        (``PeerDirectory.sightings``), and a probe may wait a moment: only for a timeout, a
+        long wait or ``stats()``.
         """
         peers = self.rc.ctx.peers
         try:
             record = peers.lookup(pk.src)
         except RendezvousError as e:
             return f"the presence record of {pk.src} cannot be read: {e}"
-        if not record.same_host:
+        hints = []
+        if probe:
+            hint = self._transport_hint(pk, record)
+            if hint is not None:
+                hints.append(hint)
+        if record.same_host:
+            absent = explain_absent_producer(record.task, peers.sightings(pk.src))
+            if absent is not None:
+                hints.append(absent)
+        return "; ".join(hints) or None
+
+    def _transport_hint(self, pk: ParsedKey, record: PeerRecord) -> str | None:
+        r = self.route(pk)
+        if r.peer is None:
             return None
-        return explain_absent_producer(record.task, peers.sightings(pk.src))
+        try:
+            return self.transport(r).explain_wait(record)
+        except Exception:  # a diagnosis must never replace the error it explains
+            _log.debug("explaining the wait for %r failed", pk.full_key, exc_info=True)
+            return None
 
     def long_wait_started(self, slot: RecvSlot, step_id: int, pk: ParsedKey, since: float) -> None:
         with self._lock:
@@ -258,12 +287,16 @@ class Router:
         with self._lock:
             waits = list(self._long_waits.values())
         now = time.monotonic()
+        hints: dict[str, str | None] = {}  # one look (and probe) per producer task
+        for _, pk, _ in waits:
+            if str(pk.src) not in hints:
+                hints[str(pk.src)] = self.diagnose(pk, probe=True)
         return [
             {
                 "step": step,
                 "key": pk.full_key,
                 "waited_s": round(now - since, 3),
-                "diagnosis": self.diagnose(pk),
+                "diagnosis": hints[str(pk.src)],
             }
             for step, pk, since in waits
         ]
@@ -394,7 +427,7 @@ class StepRendezvous(Rendezvous):
         error = timeout_error(key, timeout)
         if self._router.route(key).local:
             return error
-        hint = self._router.diagnose(key)
+        hint = self._router.diagnose(key, probe=True)
         return error if hint is None else DeadlineExceededError(f"{error}; {hint}")
 
     def timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:

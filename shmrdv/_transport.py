@@ -168,6 +168,15 @@ class Transport(Protocol):
         """Whether this transport can carry keys between this worker and ``peer``."""
         ...
 
+    def explain_wait(self, peer: PeerRecord) -> str | None:
+        """Why a receive from ``peer`` may be waiting, as this transport sees it now (e.g.
+        its address does not answer, and the status it got); None: nothing to tell.
+
+        For the message of a timeout and for ``stats()``, never per message. Blocks for a
+        short probe at most (well under a second).
+        """
+        ...
+
     def send(
         self,
         step_id: int,

@@ -32,6 +32,11 @@ from ._hostaddr import is_local_host, split_host_port
 from ._namespace import namespace_id, resolve_namespace
 from ._peers import ALL_TRANSPORTS, NoPresence, Peers, canonical_task
 from ._router import Router, RouterContext, StepRendezvous
+from ._rpc.limits import (
+    DEFAULT_FIRST_MESSAGE_TIMEOUT,
+    DEFAULT_MAX_CONCURRENT_RPCS,
+    ServerLimits,
+)
 from ._transport import PresenceBoard, Transport, TransportContext
 from ._window import check_window
 
@@ -107,6 +112,16 @@ class Worker:
             the doorbell until this many seconds have passed since the last message
             arrived (0, the default: a short adaptive spin that stays off on one CPU). The time spent polling is in ``stats()``
             (``spin_us``, with ``spin_hits``).
+        max_connections, max_concurrent_rpcs, first_message_timeout: bounds of this
+            worker's gRPC server against clients that never finish a call, with or
+            without the token. Connections beyond ``max_connections`` are refused
+            (default: a quarter of the process's descriptor limit, ``ulimit -n``, at
+            most 1,024; at most half of it may be asked for); calls in flight beyond
+            ``max_concurrent_rpcs`` (default 16,384) get ``RESOURCE_EXHAUSTED``; a call
+            that has not sent its request message ``first_message_timeout`` seconds
+            (default 5) after opening is dropped with ``UNAVAILABLE`` (and only a
+            quarter of ``max_concurrent_rpcs``, at most 1,024, may wait for theirs
+            longer than a second). Checked here even when no server starts.
 
     Close it (or use ``with``): ``close()`` aborts every step and releases every OS
     object this worker owns. A Worker cannot be used in a ``fork`` child of the process
@@ -126,6 +141,9 @@ class Worker:
         shm_pool_bytes: int = 512 << 20,
         max_inflight_bytes: int | None = None,
         busy_poll: float = 0.0,
+        max_connections: int | None = None,
+        max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+        first_message_timeout: float = DEFAULT_FIRST_MESSAGE_TIMEOUT,
     ) -> None:
         self._closed = True  # until fully built, so close() from the finalizer is a no-op
         self._forked = False
@@ -171,6 +189,11 @@ class Worker:
                 f"shm_pool_bytes must be an int >= 0, not {shm_pool_bytes!r}"
             )
         self.max_inflight_bytes: int | None = check_window(max_inflight_bytes)
+        self._server_limits = ServerLimits(
+            max_connections=max_connections,
+            max_concurrent_rpcs=max_concurrent_rpcs,
+            first_message_timeout=first_message_timeout,
+        )
         self._tls = tls
         self._token = token
         self._shm_pool_bytes = shm_pool_bytes
@@ -240,7 +263,9 @@ class Worker:
             from ._rpc.transport import GrpcTransport
 
             bind = self._bind_address()
-            grpc_t = GrpcTransport(self._ctx, bind, tls=self._tls, token=self._token)
+            grpc_t = GrpcTransport(
+                self._ctx, bind, tls=self._tls, token=self._token, limits=self._server_limits
+            )
             self._grpc = grpc_t
             self.address = grpc_t.address
         elif "grpc" in self.transports:

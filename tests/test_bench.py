@@ -483,7 +483,7 @@ def test_iceoryx2_runs_beside_its_shmrdv_twins(tmp_path: Path) -> None:
         f"--json={out}",
     )
     assert proc.returncode == 0, proc.stderr
-    assert "## Ratio to shmrdv_send (round trip · one-way)" in proc.stdout
+    assert "## Round trip \u00d7shmrdv_send" in proc.stdout
     assert "(it reads every byte: --touch)" in proc.stdout
     data = json.loads(out.read_text())
     methods = {m["name"]: m for m in data["methods"]}

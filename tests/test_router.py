@@ -65,6 +65,29 @@ def test_router_first_preference_wins_when_the_peer_takes_both(shmrdv_namespace:
         assert producer.stats()["shm"]["sent"] == 0
 
 
+@pytest.mark.parametrize(
+    ("consumer_order", "producer_order", "used"),
+    [(("grpc", "shm"), ("shm", "grpc"), "shm"), (("shm", "grpc"), ("grpc", "shm"), "grpc")],
+)
+def test_router_both_ends_take_the_producers_pick(
+    shmrdv_namespace: str,
+    consumer_order: tuple[str, ...],
+    producer_order: tuple[str, ...],
+    used: str,
+) -> None:
+    """Workers that list the transports in different orders still meet: a key goes by the
+    producer's first choice, and its consumer waits there (it waited on its own first
+    choice, and the value never came)."""
+    with (
+        shmrdv.Worker(B, namespace=shmrdv_namespace, transports=consumer_order) as consumer,
+        shmrdv.Worker(A, namespace=shmrdv_namespace, transports=producer_order) as producer,
+    ):
+        key = make_key("x", src=A, dst=B)
+        producer.rendezvous(1).send(key, np.arange(4.0))
+        assert consumer.rendezvous(1).recv(key, timeout=10).value.tolist() == [0, 1, 2, 3]
+        assert producer.stats()[used]["sent"] == 1
+
+
 def test_router_no_common_transport_says_why(shmrdv_namespace: str) -> None:
     with (
         shmrdv.Worker(B, namespace=shmrdv_namespace, transports=("grpc",)),

@@ -18,6 +18,7 @@ from shmrdv._errors import DeadlineExceededError, InvalidArgumentError
 from shmrdv._received import Received
 from shmrdv._rpc import call as call_mod
 from shmrdv._rpc.client import RpcClient
+from shmrdv._rpc.limits import ServerLimits
 from shmrdv._rpc.server import RpcServer
 
 # Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
@@ -29,7 +30,7 @@ source = rpc_helpers.source
 def test_a_server_with_a_call_limit_serves_every_receive(source: StepSource, limit: int) -> None:
     """A client's idle Hold call must not take the only slots of a limited server."""
     key = make_key("limited")
-    with RpcServer("127.0.0.1:0", source, max_concurrent_rpcs=limit) as srv:
+    with RpcServer("127.0.0.1:0", source, limits=ServerLimits(max_concurrent_rpcs=limit)) as srv:
         clients = [RpcClient() for _ in range(limit)]
         try:
             for i in range(4):

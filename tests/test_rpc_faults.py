@@ -199,6 +199,42 @@ def test_producer_never_started_fails_at_the_deadline(ns: str, timeout: float) -
         assert recv.elapsed >= timeout * 0.95
 
 
+@pytest.mark.parametrize("where", ["loopback", "unroutable"])
+def test_unreachable_producer_is_named_with_its_address_and_grpc_status(
+    ns: str, where: str
+) -> None:
+    """Nothing listens at the producer's address: the timeout says which address and what
+    gRPC answered; it used to say only that the task "is not alive anywhere on this host
+    ... or it runs on another host" (issue 19 §4). ``unroutable``: an address of another
+    host that answers nothing (TEST-NET-1, RFC 5737)."""
+    address = f"127.0.0.1:{free_port()}" if where == "loopback" else "192.0.2.1:2222"
+    cluster = {"worker": [address, f"127.0.0.1:{free_port()}"]}
+    with shmrdv.Worker(CONSUMER, cluster=cluster, namespace=ns, transports=("grpc",)) as consumer:
+        recv = Receiver(consumer.rendezvous(1), make_key("x"), 0.5)
+        recv.join()
+    assert isinstance(recv.error, shmrdv.DeadlineExceededError), recv.error
+    text = str(recv.error)
+    assert f"the gRPC server of {PRODUCER} at {address} does not answer" in text, text
+    assert "UNAVAILABLE" in text or "DEADLINE_EXCEEDED" in text, text
+    assert recv.elapsed <= 0.5 + SLACK, f"{recv.elapsed:.3f}s for a 0.5s deadline"
+
+
+def test_unreachable_producer_is_named_in_the_stats_of_a_long_wait(ns: str) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    cluster = {"worker": [address, f"127.0.0.1:{free_port()}"]}
+    with shmrdv.Worker(CONSUMER, cluster=cluster, namespace=ns, transports=("grpc",)) as consumer:
+        recv = Receiver(consumer.rendezvous(1), make_key("x"), 10)
+        deadline = time.monotonic() + 8
+        while not consumer.stats()["waiting"]:  # listed after a second of waiting
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        [waiting] = consumer.stats()["waiting"]
+        assert f"at {address} does not answer: UNAVAILABLE" in waiting["diagnosis"], waiting
+        consumer.cleanup(1)
+        recv.join()
+    assert isinstance(recv.error, shmrdv.AbortedError)
+
+
 def test_producer_not_started_is_awaited_until_the_deadline(ns: str) -> None:
     # No cluster spec and no presence record yet: the producer may still start (its record
     # will carry its address), so the receive waits for it — and no longer than asked.

@@ -1,5 +1,7 @@
 """A server hostile clients cannot exhaust, and a client a hostile peer cannot hang
-(issue 12 §4): real RpcServer, real grpcio clients and fake peers on 127.0.0.1."""
+(issues 12 and 19 §4): real RpcServer, real grpcio clients and fake peers on 127.0.0.1;
+the floods of silent calls come from a child process at a worker in another one
+(``flood_helpers``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import rpc_helpers
+from flood_helpers import ServerChild, SilentFlood
 from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import InternalError
@@ -252,3 +255,129 @@ def test_idle_connections_are_shed_under_a_descriptor_limit() -> None:
         for f in (child.stdin, child.stdout):
             if f is not None:
                 f.close()
+
+
+# -- silent calls: no token needed (issue 19 §4) -----------------------------------------------
+
+# Each connection of its own: a flood's connections and a real client's never share one.
+_OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+
+
+def _get_status(address: str, *, within: float = 10.0, channel: grpc.Channel | None = None) -> None:
+    """A legitimate GetStatus, on ``channel`` or a new connection; it must succeed."""
+    if channel is not None:
+        channel.unary_unary(GET_STATUS_METHOD)(b"", timeout=within)
+        return
+    with grpc.insecure_channel(address, _OWN_CONNECTION) as fresh:
+        fresh.unary_unary(GET_STATUS_METHOD)(b"", timeout=within)
+
+
+def _get_status_soon(address: str, within: float = 15.0) -> None:
+    """GetStatus on new connections until one is served (a refused or shed one fails at
+    once)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            _get_status(address, within=5)
+            return
+        except grpc.RpcError:
+            assert time.monotonic() < deadline, f"no GetStatus served within {within}s"
+            time.sleep(0.2)
+
+
+def _ended(flood: SilentFlood) -> int:
+    return sum(flood.outcomes()["codes"].values())
+
+
+@pytest.mark.timeout(120)
+def test_silent_connections_beyond_the_cap_leave_the_process_its_descriptors(ns: str) -> None:
+    """300 connections, each with a call that never sends its request, at a worker whose
+    process may open 256 descriptors: they used to take every one of them, so that its
+    shared-memory sends and any open() failed with "too many open files" and a new
+    GetStatus timed out. Now at most a quarter of the limit are let in; the rest of the
+    process keeps working, and so does a client connected before the flood."""
+    server = ServerChild(ns, nofile=256)
+    legit = grpc.insecure_channel(server.address, _OWN_CONNECTION)
+    flood: SilentFlood | None = None
+    try:
+        _get_status(server.address, channel=legit)
+        flood = SilentFlood(server.address, GET_STATUS_METHOD, connections=300)
+        during = server.check()
+        assert during["open"] == "ok" and during["shm"] == "ok", during
+        assert during["fds"] < 256 // 2, during
+        assert flood.up()["ready"] <= 256 // 4, flood.up()
+        _get_status(server.address, channel=legit)
+        flood.close()
+        flood = None
+        _get_status_soon(server.address)  # the flood's connections went with it
+    finally:
+        legit.close()
+        if flood is not None:
+            flood.close()
+        server.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_call_flood_takes_a_bounded_share_and_real_calls_go_on(ns: str) -> None:
+    """3,200 calls that never send their request, on 8 connections: within a second or
+    two at most 1,024 still wait for it (the oldest beyond are dropped once a second
+    old; the rest at the 5 s deadline), and a new client is served meanwhile. They all
+    used to wait, for ever.
+
+    While the burst arrives faster than the server's one event loop takes calls, gRPC's
+    own overload shedding (``grpc.server.max_pending_requests``) may cancel a call, a
+    real one too; the next one gets through."""
+    server = ServerChild(ns, nofile=1024)
+    flood: SilentFlood | None = None
+    try:
+        flood = SilentFlood(server.address, GET_STATUS_METHOD, connections=8, calls=400)
+        assert flood.up()["ready"] == 8
+        _get_status_soon(server.address)
+        during = server.check()
+        assert during["shm"] == "ok", during
+        deadline = time.monotonic() + 20
+        while (during := server.check())["server"]["awaiting_request"] > 1024:
+            assert time.monotonic() < deadline, during
+            time.sleep(0.1)
+        assert during["server"]["crowded_calls_dropped"] > 0, during
+        while _ended(flood) < 3200 - 1024:  # told: dropped, or shed by gRPC at once
+            assert time.monotonic() < deadline, flood.outcomes()
+            time.sleep(0.1)
+    finally:
+        if flood is not None:
+            flood.close()
+        server.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_the_issue_19_silent_floods_leave_the_server_bounded(ns: str) -> None:
+    """The review's numbers: 1,100 silent connections at a 1,024-descriptor worker, then
+    55,000 silent calls (the server went from 50 MB to 1.06 GB and kept 750 MB)."""
+    server = ServerChild(ns, nofile=1024)
+    flood: SilentFlood | None = None
+    try:
+        before = server.check()
+        flood = SilentFlood(server.address, GET_STATUS_METHOD, connections=1100)
+        during = server.check()
+        assert during["open"] == "ok" and during["shm"] == "ok", during
+        assert flood.up()["ready"] <= 1024 // 4, flood.up()
+        flood.close()
+        _get_status_soon(server.address)
+
+        flood = SilentFlood(server.address, GET_STATUS_METHOD, connections=55, calls=1000)
+        _get_status_soon(server.address)
+        during = server.check()
+        assert during["shm"] == "ok", during
+        grown = during["rss_mb"] - before["rss_mb"]
+        assert grown < 250, f"RSS grew by {grown:.0f} MB under 55,000 silent calls"
+        # Every one of them ends: dropped by the gate, or refused by gRPC itself.
+        deadline = time.monotonic() + 60
+        while _ended(flood) < 55_000:
+            assert time.monotonic() < deadline, flood.outcomes()
+            time.sleep(0.5)
+        assert server.check()["server"]["awaiting_request"] == 0
+    finally:
+        if flood is not None:
+            flood.close()
+        server.close()

@@ -6,9 +6,11 @@ import os
 import tempfile
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import pytest
 import rpc_helpers
+from flood_helpers import silent_call_outcomes
 from rpc_helpers import Pki, StepSource, make_key, make_pki, pull
 
 from shmrdv._errors import (
@@ -18,6 +20,7 @@ from shmrdv._errors import (
     UnavailableError,
 )
 from shmrdv._rpc.client import RpcClient
+from shmrdv._rpc.methods import RECV_TENSOR_METHOD, RECV_TENSOR_STREAM_METHOD
 from shmrdv._rpc.security import TLSConfig, bearer_metadata, check_token, token_matches
 from shmrdv._rpc.server import RpcServer
 
@@ -119,6 +122,23 @@ def test_token_wrong_is_unauthenticated(source: StepSource) -> None:
         pytest.raises(UnauthenticatedError, match="missing or wrong shmrdv token"),
     ):
         client.get_status(server.address, timeout=5)
+
+
+@pytest.mark.parametrize("response_stream", [False, True], ids=["unary", "stream"])
+def test_token_missing_refuses_a_silent_call_at_once(
+    source: StepSource, response_stream: bool
+) -> None:
+    """A call that never sends its request message is refused on its headers alone, well
+    before the server's first_message_timeout (5 s): it used to wait for a message that
+    never came (issue 19 §4)."""
+    method = RECV_TENSOR_STREAM_METHOD if response_stream else RECV_TENSOR_METHOD
+    with RpcServer("127.0.0.1:0", source, token=TOKEN) as server:
+        [(code, details, took)] = silent_call_outcomes(
+            server.address, method, response_stream=response_stream, timeout=4
+        )
+    assert code == grpc.StatusCode.UNAUTHENTICATED, details
+    assert details == "missing or wrong shmrdv token"
+    assert took < 2
 
 
 def test_token_correct_works(source: StepSource) -> None:

@@ -102,7 +102,9 @@ def test_a_forked_child_copies_with_its_own_helpers(monkeypatch: pytest.MonkeyPa
 _HOLD_ALL_TOKENS = r"""
 import fcntl, os, sys
 from shmrdv._shm import copier
-fd = os.open(copier._TOKENS_PATH.format(uid=os.geteuid()), copier._TOKENS_OPEN, 0o600)
+path = copier.budget_path()
+assert path is not None, "no private directory for the budget"
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 for i in range(copier.machine_budget()):
     fcntl.lockf(fd, fcntl.LOCK_EX, 1, i)
 print("holding", flush=True)
@@ -144,28 +146,66 @@ def test_helpers_share_one_budget_across_processes() -> None:
         copier._tokens.give(got)
 
 
-def test_budget_file_planted_or_loosened_is_refused(
+def test_budget_file_lives_in_a_private_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The budget's name is predictable (one per uid): whatever stands there must be a
-    # regular file of this user with mode 0600, or the copier counts on no helper.
+    # $XDG_RUNTIME_DIR if it is this user's and nobody else may write it, else ~/.cache/shmrdv
+    # (made 0700); a directory others may write is never used (issue 20 §3).
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(home))
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert copier.budget_path() == str(runtime / "shmrdv-copiers")
+    os.chmod(runtime, 0o1777)  # shared, like /tmp or /dev/shm
+    cache = home / ".cache" / "shmrdv"
+    assert copier.budget_path() == str(cache) + "/shmrdv-copiers"
+    assert (cache.stat().st_mode & 0o777) == 0o700
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert copier.budget_path() == str(cache) + "/shmrdv-copiers"
+    os.chmod(home / ".cache", 0o777)
+    assert copier.budget_path() is None
+
+
+def test_budget_without_a_private_directory_is_the_processs_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if copier.machine_budget() == 0:
         pytest.skip("one CPU: no helper budget to take")
-    path = tmp_path / "copiers-{uid}"
-    real = str(path).format(uid=os.geteuid())
-    monkeypatch.setattr(copier, "_TOKENS_PATH", str(path))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    monkeypatch.setenv("HOME", str(shared))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    tokens = copier._Tokens()
+    got = tokens.take(1, check_load=False)
+    try:
+        assert got == [0] and not tokens.shared
+    finally:
+        tokens.give(got)
 
-    os.symlink(tmp_path / "elsewhere", real)
-    assert copier._Tokens().take(1, check_load=False) == []
-    os.unlink(real)
 
-    fd = os.open(real, os.O_CREAT | os.O_WRONLY, 0o644)
+def test_budget_file_loosened_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if copier.machine_budget() == 0:
+        pytest.skip("one CPU: no helper budget to take")
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    path = copier.budget_path()
+    assert path is not None
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
     os.fchmod(fd, 0o644)
     os.close(fd)
-    assert copier._Tokens().take(1, check_load=False) == []
-    os.unlink(real)
-
-    ours = copier._Tokens()
-    got = ours.take(1, check_load=False)
-    assert got == [0]
-    ours.give(got)
+    tokens = copier._Tokens()
+    got = tokens.take(1, check_load=False)
+    tokens.give(got)
+    assert not tokens.shared  # not counted on; helpers still run, per process
+    os.chmod(path, 0o600)
+    tokens = copier._Tokens()
+    got = tokens.take(1, check_load=False)
+    try:
+        assert got == [0] and tokens.shared
+    finally:
+        tokens.give(got)

@@ -3,6 +3,7 @@ shared memory, a real consumer process for liveness."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -182,3 +183,21 @@ def test_inflight_for_key_is_the_consumer_tasks_flight(peers: Peers) -> None:
     flight = inflight.for_key(parse_key(make_key("a")))
     assert inflight.for_key(parse_key(make_key("b"))) is flight
     assert inflight.of(DST) is flight
+
+
+def test_inflight_another_file_at_the_name_is_not_the_message(names: Names, peers: Peers) -> None:
+    # The consumer took the message; a file re-created at its name (another user's, or any
+    # other inode) does not keep it in flight (issue 20 §3).
+    flight = Inflight(100, peers).of(DST)
+    ticket = flight.reserve(100, None, "m")
+    seg = _publish(names, 0)
+    ticket.segment(seg.name)
+    assert flight.in_flight() == 1
+    seg.unlink()
+    fd = os.open(seg.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.close(fd)
+    try:
+        flight.reserve(100, 1, "m").cancel()
+        assert flight.in_flight() == 0
+    finally:
+        os.unlink(seg.path)

@@ -2,8 +2,8 @@
 
 Real child processes (``ChildWorker``, spawned) are closed, exited, SIGKILLed, stopped and
 restarted while a consumer in this process sends or waits. A namespace whose producer was
-killed leaves that producer's presence record, doorbell and free pool slots behind: that
-is what ``gc`` is for, and these tests collect it (only their own namespace) at the end.
+killed leaves that producer's presence record, doorbell and free pool slots behind: the
+job's last close collects them (``test_shm_reaper.py``), or ``gc``.
 """
 
 from __future__ import annotations
@@ -131,7 +131,9 @@ def test_lifetime_consumer_exit_holding_array_leaves_nothing(ns: str) -> None:
             time.sleep(0.2)
         assert stats["pool_lost"] == 1, stats
         producer.cleanup(2)
-    assert "m" in kinds(ns)  # sent to a consumer that is gone: gc's job
+    # Sent to a consumer that is gone: it waits for another run of that consumer (for
+    # reaper.GRACE_S), then the next Worker's sweep or gc takes it.
+    assert set(kinds(ns)) == {"m"}
     collect(ns)
     assert kinds(ns) == []
 
@@ -253,7 +255,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_lifetime_ls_and_gc_remove_only_dead_namespaces() -> None:
+def test_lifetime_ls_and_gc_remove_only_dead_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Workers' own sweeps would collect the dead namespace first (test_shm_reaper.py):
+    # turned off here, to see what ls and gc do with it.
+    monkeypatch.setenv("SHMRDV_AUTO_GC", "0")
     dead, live = shmrdv.new_namespace(), shmrdv.new_namespace()
     try:
         with shmrdv.Worker(CONSUMER, namespace=live) as consumer:

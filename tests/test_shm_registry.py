@@ -223,7 +223,7 @@ def test_registry_collect_skips_replaced_file(tmp_path: Path) -> None:
     for entry in entries:
         _write(entry.path + ".new", b"new")  # a new inode while the old one still exists
         os.rename(entry.path + ".new", entry.path)
-    assert not any(registry._unlink_if_same(e) for e in entries)
+    assert not any(registry.unlink_if_unused(e.path, e.ino) for e in entries)
     assert len(_ours(n, directory)) == 2
     assert len(collect(shm_dir=directory)) == 2
 

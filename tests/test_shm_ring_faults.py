@@ -1,4 +1,5 @@
-"""A ring's bytes are a peer's: truncated rings and refused records (issue 13 §3-§5)."""
+"""A ring's bytes are a peer's: truncated rings and pool slots, refused records (issue 13
+§3-§5, issue 20 §3)."""
 
 from __future__ import annotations
 
@@ -27,21 +28,24 @@ def _ring_fd(prod: Endpoint) -> int:
     return os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
 
 
-def test_ring_truncated_under_the_consumer_fails_it_not_the_process() -> None:
+# Every size a truncation can leave: no page, part of the words' page, the words without
+# the records, part of the records (issue 20 §3: 4,096 killed the producer, 0 the consumer).
+@pytest.mark.parametrize("size", [0, 1, 64, 4095, 4096, 4097, 8191, 8192, 65536])
+def test_ring_truncated_fails_it_not_the_processes(size: int) -> None:
     ns = shmrdv.new_namespace()
     with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
         prod.send(1, key_between(P, C, "first"), np.arange(4))
         fd = _ring_fd(prod)  # before the consumer attaches (and unlinks) it
         try:
             assert cons.recv(1, key_between(P, C, "first")).value.tolist() == [0, 1, 2, 3]
-            os.ftruncate(fd, 8192)  # the records area is gone; head and tail still mapped
+            os.ftruncate(fd, size)  # some or all of the ring's pages are gone
         finally:
             os.close(fd)
-        prod.send(1, key_between(P, C, "second"), np.arange(3))  # pragma: the producer's
-        # own write went to a page still there (the ring's start); the consumer must not
-        # read past the file's end: the ring is failed with InternalError.
-        with pytest.raises(shmrdv.InternalError, match="truncated"):
-            cons.recv(1, key_between(P, C, "second"), timeout=5)
+        # The producer checks its ring's size before it writes: it gives the ring up and
+        # publishes by name; the consumer checks before it reads, gives the ring up too, and
+        # finds the message by name. Neither process touches a lost page (SIGBUS).
+        prod.send(1, key_between(P, C, "second"), np.arange(3))
+        assert cons.recv(1, key_between(P, C, "second"), timeout=5).value.tolist() == [0, 1, 2]
         assert cons.transport.stats()["rings"] == 0  # unmapped
         # Large messages still arrive, found by name.
         big = np.arange(100_000, dtype=np.float64)
@@ -108,3 +112,37 @@ print("child ok")
 def test_full_dev_shm_falls_back_to_an_exact_size_segment() -> None:
     out = run_with_small_dev_shm(_FULL_SHM, size="8m")
     assert "child ok" in out
+
+
+@pytest.mark.parametrize("size", [0, 4096, 8192])
+def test_ring_truncated_with_records_in_it_fails_their_receive(size: int) -> None:
+    ns = shmrdv.new_namespace()
+    with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
+        prod.send(1, key_between(P, C, "first"), np.arange(4))
+        fd = _ring_fd(prod)  # before the consumer attaches (and unlinks) it
+        try:
+            assert cons.recv(1, key_between(P, C, "first")).value.tolist() == [0, 1, 2, 3]
+            prod.send(1, key_between(P, C, "lost"), np.arange(2))  # in the ring, not read yet
+            os.ftruncate(fd, size)  # and gone with the ring's pages
+        finally:
+            os.close(fd)
+        with pytest.raises(shmrdv.InternalError, match="truncated"):
+            cons.recv(1, key_between(P, C, "lost"), timeout=5)
+        prod.send(1, key_between(P, C, "after"), np.arange(3))
+        assert cons.recv(1, key_between(P, C, "after"), timeout=5).value.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("size", [0, 4096, 1 << 20])
+def test_pool_slot_truncated_while_returned_is_dropped_not_written(size: int) -> None:
+    ns = shmrdv.new_namespace()
+    big = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: a pool slot, not the ring
+    with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
+        prod.send(1, key_between(P, C, "a"), big)
+        got = cons.recv(1, key_between(P, C, "a"), timeout=5).value
+        assert np.array_equal(got, big)
+        del got  # the slot goes back: "returned", for the producer to take back
+        returned = [e for e in os.listdir("/dev/shm") if e.startswith(prod.names.prefix + "r")]
+        assert len(returned) == 1, os.listdir("/dev/shm")
+        os.truncate(os.path.join("/dev/shm", returned[0]), size)  # a buggy process of ours
+        prod.send(1, key_between(P, C, "b"), big)  # writing the lost pages would be a SIGBUS
+        assert np.array_equal(cons.recv(1, key_between(P, C, "b"), timeout=5).value, big)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import stat
 import time
 import traceback
@@ -297,3 +298,137 @@ def test_security_junk_flood_costs_a_receive_no_more_than_its_timeout(ns: str) -
         took, cpu = _timed_recv(consumer.rendezvous(1), make_key("not-running"))
         assert took < 3 + TICK_S and cpu < 0.3, (took, cpu)
         consumer.cleanup(1)
+
+
+def _plant_at(paths: str) -> None:
+    for path in paths.split("\n"):
+        with contextlib.suppress(FileExistsError):
+            _plant_file(path)
+
+
+def test_security_recreated_message_names_do_not_jam_the_window(ns: str) -> None:
+    """Another user re-creates each consumed message's name (issue 20 §3, done there with
+    inotify): before, any file at the name counted as in flight, so after the window filled
+    once every ``send(timeout=2)`` failed after 2 s with ``ResourceExhaustedError``. The
+    window counts the message's own file (its inode, ours) only."""
+    key = make_key("jammed")
+    value = np.ones(300_000, np.uint8)  # a segment, not a ring record
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        shmrdv.Worker(PRODUCER, namespace=ns, max_inflight_bytes=2 * value.nbytes) as producer,
+    ):
+        out, inbox = producer.rendezvous(1), consumer.rendezvous(1)
+        names = Names(ns)
+        sent = 0
+        for _ in range(3):
+            planted = []
+            for _ in range(2):
+                out.send(key, value, timeout=2)
+                planted.append(names.path(names.message(1, key, producer.incarnation, sent)))
+                sent += 1
+            for _ in range(2):
+                assert inbox.recv(key, timeout=5).value[0] == 1
+            _as_nobody(_plant_at, "\n".join(planted))
+            assert all(os.stat(p).st_uid == NOBODY for p in planted)
+        t0 = time.monotonic()
+        out.send(key, value, timeout=2)
+        assert time.monotonic() - t0 < 1.0
+        assert producer.stats()["shm"]["inflight_bytes"] == value.nbytes
+        assert inbox.recv(key, timeout=5).value[0] == 1
+        consumer.cleanup(1)
+        producer.cleanup(1)
+
+
+def test_security_planted_copier_budget_does_not_turn_helpers_off() -> None:
+    """The copy helpers' budget file had a predictable name in /dev/shm; another user planted
+    a file there and this user's large sends lost their helpers for good (64 MiB: 4.9 ->
+    8.6 ms, issue 20 §3). It lives in a directory only its user can write now."""
+    from shmrdv._shm import copier
+
+    if copier.machine_budget() == 0:
+        pytest.skip("one CPU: no helper budget to take")
+    old = f"{SHM_DIR}/.shmrdv-copiers-{os.geteuid()}"
+    _as_nobody(_plant_at, old)
+    try:
+        path = copier.budget_path()
+        assert path is not None and not path.startswith(SHM_DIR)
+        tokens = copier._Tokens()
+        got = tokens.take(1, check_load=False)
+        try:
+            assert got == [0] and tokens.shared
+        finally:
+            tokens.give(got)
+    finally:
+        os.unlink(old)
+
+
+def _squat_vacated(prefix: str) -> None:
+    """As "nobody": plant a file under every name of the namespace seen to vanish, until
+    killed (at most 60 s)."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = {e for e in os.listdir(SHM_DIR) if e.startswith(prefix)}
+        for name in seen - now:
+            with contextlib.suppress(OSError):
+                _plant_file(os.path.join(SHM_DIR, name))
+        seen |= now
+        time.sleep(0.0005)
+
+
+def child_pingpong_big(worker: shmrdv.Worker, n: int, nbytes: int) -> dict[str, int]:
+    rdv = worker.rendezvous(1)
+    for i in range(n):
+        rdv.send(make_key(f"big{i}"), np.full(nbytes, i % 251, np.uint8))
+        rdv.recv(make_key(f"ack{i}", src=CONSUMER, dst=PRODUCER), timeout=20)
+    stats: dict[str, int] = worker.stats()["shm"]
+    return stats
+
+
+@pytest.mark.timeout(120)
+def test_security_files_planted_under_vacated_slot_names_do_not_defeat_the_pool(ns: str) -> None:
+    """Issue 20 §3: another user re-creates every name it saw vanish (a pool slot's ``p``,
+    ``h``, ``r`` names); each lend of a slot has names of its own, so the pool keeps
+    reusing its slots and nothing planted is ever touched."""
+    from shmrdv._child import ChildWorker
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the attacker
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            _squat_vacated(Names(ns).prefix)
+            code = 0
+        finally:
+            os._exit(code)
+    n = 60
+    try:
+        with (
+            shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+            ChildWorker(PRODUCER, namespace=ns) as producer,
+        ):
+            rdv = consumer.rendezvous(1)
+
+            def pong() -> None:
+                for i in range(n):
+                    got = rdv.recv(make_key(f"big{i}"), timeout=20).value
+                    assert got[0] == got[-1] == i % 251
+                    del got
+                    rdv.send(make_key(f"ack{i}", src=CONSUMER, dst=PRODUCER), np.array([i]))
+
+            import threading
+
+            t = threading.Thread(target=pong, daemon=True)
+            t.start()
+            stats = producer.call(child_pingpong_big, n, 4 << 20, timeout=90)
+            t.join(30)
+            consumer.cleanup(1)
+            producer.cleanup(1)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    # Before: reuse dropped to 0-98 of 200 (a planted "r" name made a slot's return fail).
+    assert stats["pool_reused"] >= n - 5, stats
+    assert stats["pool_created"] <= 4, stats

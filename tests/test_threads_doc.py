@@ -15,7 +15,7 @@ _DOC = (_PACKAGE.parent / "docs" / "threads.md").read_text(encoding="utf-8")
 _TOOLS = ("_bench/", "testing.py")
 # Being rewritten for issue 18 by other hands: their new docstrings point to the doc.
 # (The rpc package's docstrings are the rpc rewrite's to point.)
-_PENDING = {"_shm/consumer.py", "_shm/dispatcher.py", "_shm/producer.py"}
+_PENDING = {"_shm/producer.py"}
 
 
 def _modules() -> list[tuple[str, ast.Module]]:
@@ -53,7 +53,7 @@ def test_threads_doc_names_every_library_thread() -> None:
         for name in _thread_names(tree)
         if name.startswith("shmrdv-")
     }
-    assert "shmrdv-shm-dispatch" in found and "shmrdv-rpc-link" in found  # the scan works
+    assert "shmrdv-shm-dispatch" in found and "shmrdv-rpc-server" in found  # the scan works
     missing = sorted(name for name in found if name not in _DOC)
     assert missing == []
 

@@ -8,11 +8,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
+from flood_helpers import silent_call_outcomes
+from helpers import wait_for
 
 import shmrdv
 from shmrdv import testing
+from shmrdv._rpc import messages
+from shmrdv._rpc.methods import GET_STATUS_METHOD, RECV_TENSOR_METHOD
 from shmrdv._worker import _TOMBSTONES
 
 TASK = "/job:worker/replica:0/task:0"
@@ -67,6 +72,70 @@ def test_worker_bad_transports_refused(transports: object) -> None:
 def test_worker_bad_incarnation_refused(inc: object) -> None:
     with pytest.raises(shmrdv.InvalidArgumentError, match="incarnation"):
         shmrdv.Worker(TASK, namespace=shmrdv.new_namespace(), incarnation=inc)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("max_connections", 0, "positive int"),
+        ("max_connections", True, "positive int"),
+        ("max_connections", 10**9, "file descriptors (ulimit -n)"),
+        ("max_concurrent_rpcs", 0, "positive int"),
+        ("max_concurrent_rpcs", 2.5, "positive int"),
+        ("first_message_timeout", 0, "seconds"),
+        ("first_message_timeout", -1.0, "seconds"),
+        ("first_message_timeout", "5", "seconds"),
+    ],
+)
+def test_worker_bad_server_limits_refused(option: str, value: object, says: str) -> None:
+    """Checked at construction, also for a worker that starts no server."""
+    with pytest.raises(shmrdv.InvalidArgumentError, match=option) as info:
+        shmrdv.Worker(TASK, namespace=shmrdv.new_namespace(), **{option: value})  # type: ignore[arg-type]
+    assert says in str(info.value)
+
+
+def test_worker_server_limits_reach_its_server() -> None:
+    """The Worker's options bound its gRPC server: connections, calls, silence."""
+    with shmrdv.Worker(
+        TASK,
+        namespace=shmrdv.new_namespace(),
+        transports=("grpc",),
+        max_connections=3,
+        max_concurrent_rpcs=2,
+        first_message_timeout=0.3,
+    ) as w:
+        assert w.address is not None
+        [(code, details, took)] = silent_call_outcomes(w.address, GET_STATUS_METHOD)
+        assert code == grpc.StatusCode.UNAVAILABLE and "first_message_timeout" in details
+        assert took < 5
+        own_connection = [("grpc.use_local_subchannel_pool", 1)]
+        channels = [grpc.insecure_channel(w.address, own_connection) for _ in range(5)]
+        try:
+            status = [ch.unary_unary(GET_STATUS_METHOD) for ch in channels]
+            served, refused = [], []
+            for i, call in enumerate(status):
+                try:
+                    call(b"", timeout=10)
+                    served.append(i)
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                    refused.append(i)
+            # 3 connections at most (the silent call's may not be gone yet).
+            assert 2 <= len(served) <= 3 and served[0] == 0, (served, refused)
+            inline = channels[0].unary_unary(RECV_TENSOR_METHOD)
+            parked = [
+                inline.future(messages.encode_request(1, key(f"parked{i}"), i + 1), timeout=20)
+                for i in range(2)
+            ]
+            wait_for(lambda: w.stats()["grpc"]["server_parked"] == 2, timeout=10, what="2 parked")
+            with pytest.raises(grpc.RpcError) as busy:
+                status[0](b"", timeout=10)  # a third call in flight
+            assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for call in parked:
+                call.cancel()
+        finally:
+            for ch in channels:
+                ch.close()
 
 
 def test_worker_incarnation_random_nonzero_or_given() -> None:

@@ -8,10 +8,11 @@ TLS and token options; ``rpc_errors`` reads a grpc error's code and details.
 
 Producer side: ``outbox`` (the values sent to other hosts, and the window's
 accounting), ``server`` (the server lifecycle), ``service`` (the handlers),
-``response_cache`` (TensorFlow's GrpcResponseCache). Consumer side: ``client`` (the
-consumer's client: receives in order per key), ``call`` (one receive's RPCs),
-``channels`` (a channel per peer, fork handling), ``acks`` (ack handling), ``runner``
-(callback threads). ``transport`` composes the two for the Worker.
+``response_cache`` (TensorFlow's GrpcResponseCache), ``limits`` (connection and call
+bounds), ``request_gate`` (dropping calls that send no request). Consumer side:
+``client`` (the consumer's client: receives in order per key), ``call`` (one receive's
+RPCs), ``channels`` (a channel per peer, fork handling), ``acks`` (ack handling),
+``runner`` (callback threads). ``transport`` composes the two for the Worker.
 
 Thread model: docs/threads.md.
 """

@@ -7,8 +7,8 @@ Two independent options (DESIGN.md "TLS and a shared token are options"):
   in plaintext, which is why ``RpcServer`` binds loopback unless told otherwise
   (research/pitfalls.md §7).
 * a token: every call carries ``authorization: Bearer <token>`` metadata; the server's
-  ``TokenInterceptor`` refuses any other call with ``UNAUTHENTICATED`` before a handler
-  runs. The comparison is constant-time (``hmac.compare_digest``). A token over
+  ``TokenInterceptor`` refuses any other call with ``UNAUTHENTICATED`` as soon as its
+  headers arrive, before a handler runs and without waiting for a request message. The comparison is constant-time (``hmac.compare_digest``). A token over
   plaintext only keeps out peers that do not know it; anyone on the path can read it,
   so use it with TLS across hosts.
 """
@@ -187,21 +187,30 @@ def token_matches(metadata: Sequence[tuple[str, Any]] | None, token: str) -> boo
     return found
 
 
-async def _refuse_unary(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+# The refusing handlers take a request *stream* and never read it: gRPC runs them as soon
+# as the call's headers arrive. A unary-request handler would run only once the request
+# message arrived, and a client that never sends one would never be refused (issue 19 §4).
+async def _refuse_unary(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
 
-async def _refuse_stream(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+async def _refuse_stream(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
     yield b""  # pragma: no cover - makes this an async generator, as the method expects
+
+
+_REFUSE_UNARY = grpc.stream_unary_rpc_method_handler(_refuse_unary)
+_REFUSE_STREAM = grpc.stream_stream_rpc_method_handler(_refuse_stream)
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Refuse every call without ``authorization: Bearer <token>`` with ``UNAUTHENTICATED``.
 
-    Runs before the handler, so an unauthenticated call never touches a rendezvous. The
-    refusing handler has the same shape (unary or server-streaming) as the real one.
+    Runs when the call's headers arrive, before any handler and without waiting for the
+    request message, so an unauthenticated call never touches a rendezvous and cannot
+    linger by keeping silent. The refusal answers in the shape the method's client
+    expects (one response or a stream).
     """
 
     def __init__(self, token: str) -> None:
@@ -217,6 +226,4 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(handler_call_details)
         if handler is None or token_matches(handler_call_details.invocation_metadata, self._token):
             return handler
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(_refuse_stream)
-        return grpc.unary_unary_rpc_method_handler(_refuse_unary)
+        return _REFUSE_STREAM if handler.response_streaming else _REFUSE_UNARY

@@ -5,9 +5,11 @@ options (message limits, keepalive, connection shedding), the bounds it validate
 ``start``/``stop``. What the calls do is ``service.RecvService`` (the handlers, with
 ``response_cache.ResponseCache``); ``methods`` names the methods.
 
-Hostile or broken clients cannot exhaust it (issue 12 §4): the service bounds waiting
-calls, and gRPC sheds connections that never finish their handshake, idle ones,
-half-open ones and any beyond ``max_connections``.
+Hostile or broken clients cannot exhaust it (issues 12 and 19 §4), with or without the
+token: the service bounds waiting calls; ``limits.ServerLimits`` caps connections well
+below the descriptor limit and calls in flight; ``request_gate.RequestGate`` drops a call
+that sends no request message soon after opening; gRPC sheds connections that never
+finish their handshake, idle ones and half-open ones.
 
 Thread model (docs/threads.md): a ``grpc.aio`` server runs on its own event loop in one thread
 ("shmrdv-rpc-server"); every handler and all of the service's bookkeeping live in that
@@ -34,7 +36,9 @@ import grpc.aio
 from .._devices import DeviceName
 from .._errors import InvalidArgumentError, UnavailableError
 from .._hostaddr import split_host_port
+from .limits import ServerLimits
 from .methods import DEFAULT_CHUNK_BYTES, SERVER_STOPPING
+from .request_gate import RequestGate
 from .security import TLSConfig, TokenInterceptor, check_token
 from .service import RecvService, TensorSource
 
@@ -85,16 +89,15 @@ class RpcServer:
         max_workers: threads that encode unary responses (waiting calls need none).
         chunk_bytes: largest data chunk of a ``RecvTensorStream`` message.
         cache_ttl, cache_entries, cache_bytes: bounds of the request_id response cache.
-        max_concurrent_rpcs: refuse calls beyond this many in flight
-            (``RESOURCE_EXHAUSTED``); ``None``: no limit.
+        limits: connections and calls in flight (beyond: refused), and how long a call
+            may take to send its request message (``ServerLimits``).
         max_waiting, max_waiting_per_peer, max_waiting_per_connection: most calls waiting
             for a value, in all, from one peer host and on one connection; beyond:
             ``RESOURCE_EXHAUSTED`` (never for a value that is already there).
         max_wait: longest wait for a value of a call without a deadline (or a later one);
             then ``DEADLINE_EXCEEDED`` (shmrdv clients ask again).
-        handshake_timeout, max_connections: a connection that has not finished its
-            HTTP/2 (and TLS) handshake within this many seconds is closed; connections
-            beyond ``max_connections`` are refused: idle floods cannot use up descriptors.
+        handshake_timeout: a connection that has not finished its HTTP/2 (and TLS)
+            handshake within this many seconds is closed.
 
     ``start()`` blocks until the server listens; ``stop()`` fails waiting calls with
     ``UNAVAILABLE``, stops the server and joins its threads. Use as a context manager.
@@ -112,13 +115,12 @@ class RpcServer:
         cache_ttl: float = 30.0,
         cache_entries: int = 1024,
         cache_bytes: int = 256 << 20,
-        max_concurrent_rpcs: int | None = None,
+        limits: ServerLimits | None = None,
         max_waiting: int = 65_536,
         max_waiting_per_peer: int = 32_768,
         max_waiting_per_connection: int = 16_384,
         max_wait: float = 300.0,
         handshake_timeout: float = 10.0,
-        max_connections: int = 1024,
     ) -> None:
         self._host, self._port = _split_bind(bind)
         self._bind = bind
@@ -142,12 +144,15 @@ class RpcServer:
                 f"chunk_bytes must be an int in [1 KiB, 64 MiB], not {chunk_bytes!r}"
             )
         self._max_workers = max_workers
-        self._max_concurrent_rpcs = max_concurrent_rpcs
+        if limits is not None and not isinstance(limits, ServerLimits):
+            raise InvalidArgumentError(
+                f"limits must be a ServerLimits or None, not {type(limits).__name__}"
+            )
+        self._limits = ServerLimits() if limits is None else limits
         for name, value in (
             ("max_waiting", max_waiting),
             ("max_waiting_per_peer", max_waiting_per_peer),
             ("max_waiting_per_connection", max_waiting_per_connection),
-            ("max_connections", max_connections),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
@@ -155,7 +160,7 @@ class RpcServer:
             if not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
                 raise InvalidArgumentError(f"{name} must be seconds > 0, not {seconds!r}")
         self._handshake_timeout = float(handshake_timeout)
-        self._max_connections = max_connections
+        self._gate: RequestGate | None = None
 
         self._lock = threading.Lock()  # guards the lifecycle fields below (not the loop state)
         self._state = "new"  # new -> running -> stopped
@@ -257,13 +262,23 @@ class RpcServer:
             ("grpc.max_connection_idle_ms", 60_000),
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_timeout_ms", 20_000),
-            ("grpc.max_allowed_incoming_connections", self._max_connections),
+            # Connections beyond the cap are closed at accept: they can never take the
+            # descriptors the rest of the process needs (issue 19 §4).
+            ("grpc.max_allowed_incoming_connections", self._limits.connections()),
         ]
-        interceptors = [TokenInterceptor(self._token)] if self._token is not None else []
+        # The token is checked first, as soon as a call's headers arrive; the gate then
+        # reads the request message under its deadline.
+        self._gate = RequestGate(
+            self._limits.first_message_timeout, self._limits.max_awaiting_request
+        )
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self._token is not None:
+            interceptors.append(TokenInterceptor(self._token))
+        interceptors.append(self._gate)
         server = grpc.aio.server(
             options=options,
             interceptors=interceptors,
-            maximum_concurrent_rpcs=self._max_concurrent_rpcs,
+            maximum_concurrent_rpcs=self._limits.max_concurrent_rpcs,
         )
         server.add_generic_rpc_handlers(self._service.handlers())
         try:
@@ -277,6 +292,7 @@ class RpcServer:
             raise UnavailableError(f"shmrdv RPC server cannot listen on {self._bind}")
         assert self._pool is not None
         self._service.started(f"{self._host}:{port}", self._pool)
+        self._gate.started(f"{self._host}:{port}")
         await server.start()
         self._server = server
         return int(port)
@@ -320,6 +336,8 @@ class RpcServer:
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace)
+        if self._gate is not None:
+            self._gate.close()
 
     def _shutdown_threads(self) -> None:
         loop, thread, pool = self._loop, self._thread, self._pool
@@ -347,8 +365,14 @@ class RpcServer:
         self.close()
 
     def stats(self) -> dict[str, int]:
-        """Counters: calls, values and bytes served, cache hits, errors, waiting, cached."""
-        return self._service.stats()
+        """Counters: calls, values and bytes served, cache hits, errors, waiting, cached;
+        calls awaiting their request message and those dropped for keeping silent
+        (``RequestGate.stats``). Read from any thread: a snapshot, not a transaction."""
+        out = self._service.stats()
+        gate = self._gate
+        if gate is not None:
+            out.update(gate.stats())
+        return out
 
     def __repr__(self) -> str:
         where = self._address or self._bind

@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 import numpy.typing as npt
 
 from .._callbacks import DoneCallback
-from .._errors import UnavailableError, closed_error
+from .._errors import RendezvousError, UnavailableError, closed_error
 from .._keys import ParsedKey
 from .._rendezvous import Canceller, RecvSlot
+from .._status import code_for_error
 from .._transport import PeerRecord, TransportContext
 from .client import RpcClient
+from .limits import ServerLimits
 from .outbox import Outbox
 from .server import RpcServer
 
@@ -44,6 +46,10 @@ __all__ = ["GrpcTransport"]
 _ADDRESS_TTL = 1.0
 # How long close() lets calls already sending a value finish (bug 3b of i19).
 _CLOSE_GRACE = 1.0
+# How long explain_wait waits for a peer's GetStatus. A peer with nothing listening
+# answers at once (connection refused, or the channel's last failure); only a host that
+# drops packets makes the probe wait this long, on a receive that already timed out.
+_PROBE_TIMEOUT = 0.25
 
 
 class GrpcTransport:
@@ -51,6 +57,7 @@ class GrpcTransport:
 
     ``bind``: the address to serve on (``host:port``; port 0 picks one), or None for a
     client only (this worker receives from other hosts but nobody pulls from it).
+    ``limits``: the server's connection and call bounds (``ServerLimits``; default ones).
     """
 
     name = "grpc"
@@ -62,6 +69,7 @@ class GrpcTransport:
         *,
         tls: TLSConfig | None,
         token: str | None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self._ctx = ctx
         self.task: str = ctx.task_name
@@ -72,7 +80,9 @@ class GrpcTransport:
         self._closed = False
         self._addresses: dict[str, tuple[str, float]] = {}  # task -> (address, looked up)
         if bind is not None:
-            self._server = RpcServer(bind, self._outbox, tls=tls, token=token).start()
+            self._server = RpcServer(
+                bind, self._outbox, tls=tls, token=token, limits=limits
+            ).start()
             self.address = self._server.address
 
     def __repr__(self) -> str:
@@ -81,6 +91,22 @@ class GrpcTransport:
     def can_reach(self, peer: PeerRecord) -> bool:
         """Any host: a peer not yet known gets its address once it publishes it."""
         return True
+
+    def explain_wait(self, peer: PeerRecord) -> str | None:
+        """None if ``peer``'s server answers a GetStatus within ``_PROBE_TIMEOUT``; else
+        its address and the gRPC status the probe got (issue 19 §4: "nothing listening"
+        used to read as "not alive anywhere on this host")."""
+        address = peer.address
+        if address is None:
+            return None  # not started: its presence record will carry its address
+        try:
+            self._client.get_status(address, timeout=_PROBE_TIMEOUT)
+        except RendezvousError as e:
+            return (
+                f"the gRPC server of {peer.task} at {address} does not answer: "
+                f"{code_for_error(e).name}: {e}"
+            )
+        return None
 
     # -- producer side --------------------------------------------------------------
 

@@ -6,6 +6,9 @@ peer task (one cached descriptor each) and answered as a final same-host ``PeerR
 when it is from this boot. ``sightings`` lists the records of a task in every namespace
 (``sightings.py``), for a diagnosis only.
 
+Publishing and closing also collect what dead workers of this user left in /dev/shm
+(``reaper.at_start`` / ``reaper.at_close``: bounded, never a live worker's objects).
+
 ``usable()`` says whether /dev/shm can hold records at all: where it cannot (absent,
 read-only), a worker that takes no shared-memory transport runs without a board
 (``_peers.NoPresence``) instead of failing.
@@ -21,6 +24,7 @@ import os
 import time
 
 from .._transport import PeerRecord, PeerState, Sighting
+from . import reaper
 from .naming import SHM_DIR, Names
 from .presence import PeerWatch, Presence, PresenceInfo, boot_id
 from .sightings import sightings
@@ -44,6 +48,7 @@ class ShmBoard:
         self._names = names
         self._watches: dict[str, PeerWatch] = {}
         self._presence: Presence | None = None
+        self._task = ""  # the published worker's task
         self._shown = names.namespace_id  # as it appears in object names (and Sightings)
 
     def __repr__(self) -> str:
@@ -53,6 +58,7 @@ class ShmBoard:
         self, task: str, incarnation: int, address: str | None, transports: tuple[str, ...]
     ) -> None:
         assert self._presence is None, "a board publishes one worker's record"
+        self._task = task
         self._presence = Presence.publish(
             self._names,
             PresenceInfo(
@@ -66,6 +72,7 @@ class ShmBoard:
                 transports=transports,
             ),
         )
+        reaper.at_start(self._names, task, incarnation)  # what dead workers left (issue 20 §1)
 
     def _watch(self, task: str) -> PeerWatch:
         """The cached presence watcher of ``task`` (one descriptor per peer task)."""
@@ -105,3 +112,4 @@ class ShmBoard:
         presence, self._presence = self._presence, None
         if presence is not None:
             presence.close()
+            reaper.at_close(self._names, self._task)

@@ -11,7 +11,7 @@ The dispatcher thread (one per transport, whatever the number of pending keys) t
 role only while callback receives are pending and no blocked receiver holds it; it runs
 their ``done`` callbacks outside every lock.
 
-Thread model: ``wait`` from any receiving thread; ``kick`` / ``wake_all`` from any thread;
+Thread model (docs/threads.md): ``wait`` from any receiving thread; ``kick`` / ``wake_all`` from any thread;
 ``_cond`` guards only the poller role and is never held while polling or delivering.
 """
 
@@ -24,7 +24,8 @@ import time
 
 from .._rendezvous import RecvSlot
 from .bell import Bell
-from .consumer import TICK, Consumer, deliver
+from .consumer import TICK, Consumer
+from .delivery import deliver
 
 __all__ = ["Dispatcher"]
 
@@ -42,15 +43,23 @@ _SPIN_MIN_NS = 20_000
 _SPIN_MAX_NS = 100_000
 # A spin looks at the doorbell itself (for producers without a ring) every this many turns.
 _BELL_EVERY = 32
-# How often the usable CPUs are counted again (the affinity may change; a system call).
-_CPUS_EVERY_NS = 1_000_000_000
+# How often the usable CPUs are counted again (a quota may change; a file read).
+_CPUS_EVERY_NS = 10_000_000_000
 
 
 def _usable_cpus() -> int:
+    """CPUs this job's processes can run on at once: the machine's, or fewer under a cgroup
+    v2 CPU quota. Not this process's own affinity: a stage pinned to one CPU, its peer to
+    another, is exactly where a spin pays (the peer runs meanwhile)."""
+    cpus = os.cpu_count() or 1
     try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 class Dispatcher:
@@ -150,6 +159,12 @@ class Dispatcher:
         budget = self._spin_budget(start)
         found = False
         if budget:
+            # First a scan, which checks the rings' sizes (issue 20 §3: a truncated ring
+            # read is a SIGBUS); the spin then reads only their heads, for a moment.
+            items = self._consumer.scan()
+            if items:
+                deliver(items)
+                return
             found = self._spin(start + budget)
             now = time.perf_counter_ns()
             self._spun_ns += now - start
@@ -165,7 +180,7 @@ class Dispatcher:
             bell.drain()
         else:
             self._spin_ns = 0  # unanswered: no spin until posts come again
-        items = self._consumer.scan()
+        items = self._consumer.scan(check=not found)
         if items:
             deliver(items)
         # Drop the batch before waiting again: a received array kept alive here would

@@ -5,9 +5,12 @@ a message only by looking. Per consumer worker this module keeps the messages in
 and how to tell each one was received, and the ``InflightWindow`` they fill
 (``_window.py``):
 
-* a segment message by its published name being gone (the consumer renames or unlinks
-  it when it takes it, or when its step is cleaned up): an ``os.lstat`` — never an open,
-  so a planted name cannot make it block or follow a link;
+* a segment message by its published file being gone from its name (the consumer renames
+  or unlinks it when it takes it, or when its step is cleaned up): an ``os.lstat`` — never
+  an open, so a planted name cannot make it block or follow a link. The file is known by
+  its inode, taken when it is published: whatever else stands at the name later (another
+  user re-creating each consumed name, issue 20 §3) is not the message, so it does not
+  hold the window;
 * an inline ring record by the ring's consumer position (``Ring.tail``) having passed
   the record's end;
 * a consumer that died (``ConsumerWatch``: its presence record "dead" or "absent", or
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from .._window import ConsumerWatch, InflightWindow, Windows
 from .naming import Names
+from .ownership import is_ours
 
 if TYPE_CHECKING:
     from .._devices import DeviceName
@@ -46,6 +50,15 @@ __all__ = ["LSTATS_PER_REFRESH", "Flight", "Inflight", "Ticket"]
 LSTATS_PER_REFRESH = 32
 
 
+def _our_file(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the file of ours at ``path`` (``lstat``), or None."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if is_ours(st) else None
+
+
 class Flight:
     """One consumer's messages in flight and its window (made by ``Inflight.of``)."""
 
@@ -55,7 +68,8 @@ class Flight:
         self.window = window
         self._watch = watch
         self._lock = threading.Lock()
-        self._segments: deque[tuple[str, int]] = deque()  # (published name, bytes)
+        # (published name, (st_dev, st_ino) of the message's file, bytes)
+        self._segments: deque[tuple[str, tuple[int, int], int]] = deque()
         self._records: deque[tuple[int, int]] = deque()  # (end in the ring, bytes)
         self._ring: Ring | None = None
         self._closed: BaseException | None = None
@@ -74,8 +88,12 @@ class Flight:
     def _segment(self, name: str, nbytes: int) -> None:
         if not nbytes:
             return  # frees nothing when taken: not worth a look
+        ino = _our_file(Names.path(name))
+        if ino is None:  # taken already (or never ours): nothing in flight
+            self.window.release(nbytes)
+            return
         with self._lock:
-            self._segments.append((name, nbytes))
+            self._segments.append((name, ino, nbytes))
 
     def _record(self, ring: Ring, end: int, nbytes: int) -> None:
         if not nbytes:
@@ -110,15 +128,19 @@ class Flight:
             return
         still = []
         freed = 0
-        for name, nbytes in looking:
+        for name, ino, nbytes in looking:
             try:
-                os.lstat(Names.path(name))
+                st = os.lstat(Names.path(name))
             except FileNotFoundError:
                 freed += nbytes  # taken (renamed or unlinked) by the consumer
                 continue
             except OSError:
                 pass  # cannot tell: count it as in flight
-            still.append((name, nbytes))
+            else:
+                if (st.st_dev, st.st_ino) != ino or not is_ours(st):
+                    freed += nbytes  # taken; what stands there now is another file
+                    continue
+            still.append((name, ino, nbytes))
         with self._lock:
             self._segments.extend(still)  # to the back: the next refresh looks at others
         if freed:
@@ -145,7 +167,8 @@ class Ticket:
         self._open = True
 
     def segment(self, name: str) -> None:
-        """The message was published as segment ``name``: in flight until the name is gone."""
+        """The message was published as segment ``name``: in flight until its file (known by
+        its inode from now on: one ``lstat``) is no longer at that name."""
         if self._open:
             self._open = False
             self._flight._segment(name, self.nbytes)

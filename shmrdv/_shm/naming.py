@@ -80,8 +80,14 @@ _ID_RE = re.compile(rf"[0-9a-f]{{{NAMESPACE_ID_HEX}}}")
 _HEX_RE = re.compile(rf"[0-9a-f]{{{2 * DIGEST_BYTES}}}")
 _U64_MAX = 2**64 - 1
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
-#: A producer never needs a million pool slots; the bound keeps names under 100 characters.
+#: A producer never needs a million pool slots.
 MAX_SLOT = 2**20 - 1
+#: A pool slot's names are over its *ticket*: the slot index in the low ``SLOT_BITS`` bits
+#: and the slot's lend generation above. Each lend of a slot thus has ``p``/``h``/``r``
+#: names of its own, never used again: a name another user saw vacated and planted a
+#: file under is never wanted afterwards (issue 20 §3).
+SLOT_BITS = 20
+MAX_TICKET = 2**62 - 1
 _MESSAGE_FIELDS = struct.Struct("<qQQQ")  # step_id, incarnation, seq, len(full_key)
 _SLOT_FIELDS = struct.Struct("<QQ")  # incarnation, slot
 _LENGTH = struct.Struct("<Q")
@@ -193,9 +199,9 @@ class Names:
 
     def _slot(self, kind: str, task: str, incarnation: int, slot: int) -> str:
         _check_incarnation(incarnation)
-        if not 0 <= slot <= MAX_SLOT:
+        if not 0 <= slot <= MAX_TICKET:
             raise InvalidArgumentError(
-                f"invalid pool slot {slot!r}: expected an int in [0, {MAX_SLOT}]"
+                f"invalid pool slot ticket {slot!r}: expected an int in [0, {MAX_TICKET}]"
             )
         data = _encoded_task(task) + _SLOT_FIELDS.pack(incarnation, slot)
         return self._name(kind, self._digest(_PERSONS[kind], data))
@@ -238,7 +244,8 @@ class Names:
         return self._name("temp", secrets.token_hex(DIGEST_BYTES))
 
     def pool(self, task: str, incarnation: int, slot: int) -> str:
-        """Free pool slot ``slot`` of the producer worker ``task`` with ``incarnation``."""
+        """Free pool slot ``slot`` (its ticket, ``MAX_TICKET``) of the producer worker
+        ``task`` with ``incarnation``."""
         return self._slot("pool", task, incarnation, slot)
 
     def held(self, task: str, incarnation: int, slot: int) -> str:

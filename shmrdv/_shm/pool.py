@@ -27,6 +27,10 @@ The consumer's half of the protocol is ``return_slot`` / ``give_back`` below.
 
 Only files this producer created are taken back: a ``returned`` name must still be the
 slot's own inode (another user could plant a file under it, research/pitfalls.md §7).
+The names are over the slot's *ticket* (``naming.SLOT_BITS``), whose generation the
+producer bumps at each take-back: every lend has names of its own, so a file planted
+under a name seen vacated is never in the way. Such a file, if met anyway, is refused
+quietly (``pool_refused`` in ``stats()``, one warning per pool).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .._errors import InternalError, ResourceExhaustedError
-from .naming import MAX_SLOT, Names
+from .naming import MAX_SLOT, SLOT_BITS, Names
 from .segment import Segment, move_noreplace
 
 __all__ = ["ProducerAlive", "Slot", "SlotPool", "give_back", "return_slot"]
@@ -87,6 +91,7 @@ class Slot:
     index: int
     capacity: int
     segment: Segment
+    ticket: int = -1  # the index and the lend generation (naming.SLOT_BITS); set at creation
     ino: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file: its identity across renames
     state: str = "free"  # free | allocated | lent
     lent_key: str = field(default="")
@@ -121,6 +126,7 @@ class SlotPool:
         self.reused = 0
         self.created = 0
         self.lost = 0
+        self.refused = 0  # files under a slot's names that were not that slot's
 
     @property
     def bytes(self) -> int:
@@ -136,6 +142,7 @@ class SlotPool:
                 "pool_reused": self.reused,
                 "pool_created": self.created,
                 "pool_lost": self.lost,
+                "pool_refused": self.refused,
             }
 
     def acquire(self, nbytes: int) -> Slot | None:
@@ -154,7 +161,7 @@ class SlotPool:
             if slot is None:
                 self._reclaim()
                 slot = self._take_free(cls)
-            if slot is not None:
+            if slot is not None and self._intact(slot):
                 self.reused += 1
                 return slot
             while (
@@ -198,12 +205,28 @@ class SlotPool:
                 self._count -= 1
             return None
         slot = Slot(
-            index=index, capacity=cls, segment=seg, ino=(st.st_dev, st.st_ino), state="allocated"
+            index=index,
+            capacity=cls,
+            segment=seg,
+            ticket=index,
+            ino=(st.st_dev, st.st_ino),
+            state="allocated",
         )
         with self._lock:
             self._slots[index] = slot
             self.created += 1
         return slot
+
+    def _intact(self, slot: Slot) -> bool:
+        """(Under the lock) whether the slot's file still holds the whole slot (one fstat):
+        writing to a page a truncation took would be a SIGBUS. A truncated slot is dropped."""
+        try:
+            slot.segment.check_size(slot.capacity)
+        except InternalError as e:
+            _log.warning("dropping pool slot %d: %s", slot.index, e)
+            self._drop(slot)
+            return False
+        return True
 
     def _take_free(self, cls: int) -> Slot | None:
         free = self._free.get(cls)
@@ -228,7 +251,7 @@ class SlotPool:
                 continue
             slot.checked_at = now
             if self._exists(slot.lent_name) or self._exists(
-                self._names.held(self._task, self._incarnation, slot.index)
+                self._names.held(self._task, self._incarnation, slot.ticket)
             ):
                 self._lent.append(slot)  # still with its consumer
                 continue
@@ -244,7 +267,7 @@ class SlotPool:
 
     def _take_back(self, slot: Slot) -> bool:
         """Rename the slot's ``returned`` name back to its ``pool`` name; whether it was there."""
-        ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.index))
+        ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.ticket))
         try:
             st = os.stat(ret, follow_symlinks=False)
         except FileNotFoundError:
@@ -254,9 +277,10 @@ class SlotPool:
             return False
         if (st.st_dev, st.st_ino) != slot.ino:
             # Not the file we created: planted by someone else. Never take it as ours.
-            _log.warning("refusing %s: not the pool slot this producer created", ret)
+            self._refuse(ret)
             return False
-        pool_name = self._names.pool(self._task, self._incarnation, slot.index)
+        ticket = slot.ticket + (1 << SLOT_BITS)  # the next lend gets names of its own
+        pool_name = self._names.pool(self._task, self._incarnation, ticket)
         try:
             # Only our own uid can rename our file in the sticky /dev/shm, so it is still ours.
             os.rename(ret, self._names.path(pool_name))
@@ -266,10 +290,21 @@ class SlotPool:
             _log.warning("cannot take back pool slot %s: %s", ret, e)
             return False
         slot.segment.name = pool_name
+        slot.ticket = ticket
         slot.state = "free"
         slot.lent_key = slot.lent_name = ""
         self._free.setdefault(slot.capacity, []).append(slot)
         return True
+
+    def _refuse(self, path: str) -> None:
+        """A file under one of a slot's names that is not the slot: counted, warned of once."""
+        self.refused += 1
+        if self.refused == 1:
+            _log.warning(
+                "refusing %s: not the pool slot this producer created (planted by another "
+                "process?); further ones are counted in stats() as pool_refused",
+                path,
+            )
 
     def _exists(self, name: str) -> bool:
         if not name:
@@ -344,7 +379,7 @@ class SlotPool:
             slot.segment.unlink()
             slot.segment.close()
         for slot in lent:
-            ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.index))
+            ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.ticket))
             try:
                 st = os.stat(ret, follow_symlinks=False)
                 if (st.st_dev, st.st_ino) == slot.ino:

@@ -54,6 +54,7 @@ __all__ = [
     "boot_id",
     "probe",
     "read_presence",
+    "read_record",
     "record_state",
 ]
 
@@ -187,6 +188,12 @@ def _lock_held(fd: int) -> bool:
         return True
     fcntl.flock(fd, fcntl.LOCK_UN)
     return False
+
+
+def read_record(fd: int, where: str) -> PresenceInfo:
+    """What the record open at ``fd`` says (for one who holds its lock, ``reaper``). Raises
+    ``InternalError`` naming ``where`` if it is not ours or is corrupt. Does not block."""
+    return _read_record_fd(fd, where)[0]
 
 
 def read_presence(names: Names, task: str) -> PresenceInfo | None:

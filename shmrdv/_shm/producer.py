@@ -83,12 +83,14 @@ class _Allocation:
 class _Route:
     """What this producer keeps per consumer worker: its ring and its doorbell."""
 
-    __slots__ = ("bell", "bell_look_at", "ring", "ring_segment", "task")
+    __slots__ = ("bell", "bell_look_at", "ring", "ring_mem", "ring_segment", "task")
 
     def __init__(self, task: str, ring: tuple[Segment, Ring] | None) -> None:
         self.task = task
         self.ring_segment: Segment | None = None if ring is None else ring[0]
         self.ring: Ring | None = None if ring is None else ring[1]
+        # The ring's mapping (``mmap.size()`` is one fstat): checked before every write.
+        self.ring_mem: Any = None if ring is None else ring[0].buf
         self.bell: Bell | None = None
         self.bell_look_at = 0.0
 
@@ -301,6 +303,8 @@ class Producer:
         data = value.tobytes() if n else b""
         fk = key.full_key
         with self._publish_lock:
+            if not self._ring_intact(route):
+                return False  # the ring was failed: segments from now on
             seq = self._next_seq(step_id, fk)
             at = ring.reserve(t.data_offset + n)
             if at < 0:
@@ -317,6 +321,27 @@ class Producer:
         if ticket is not None:
             ticket.record(ring, end)
         self._after_publish(route, n)
+        return True
+
+    def _ring_intact(self, route: _Route) -> bool:
+        """Whether ``route``'s ring file still holds the whole ring (one ``fstat``; under the
+        publish lock). A process of this user that kept a descriptor may have truncated it,
+        and writing to a lost page would kill this process with SIGBUS (issue 20 §3): such
+        a ring is given up, and this consumer is sent segments, found by name."""
+        seg = route.ring_segment
+        if seg is None or route.ring is None:
+            return False
+        try:
+            if route.ring_mem.size() >= seg.size:  # fstat of the descriptor mmap keeps
+                return True
+            seg.check_size(seg.size)  # says what is wrong
+        except (InternalError, OSError, ValueError) as e:
+            _log.warning("the ring to %s is unusable (%s); segments from now on", route.task, e)
+            route.ring.release()
+            route.ring = None
+            route.ring_segment = None
+            seg.close()
+            return False
         return True
 
     def _send_copy(
@@ -452,7 +477,7 @@ class Producer:
                 raise InternalError(f"cannot publish key {fk!r} as {name}: {e}") from e
             seg.name = name
             self._seqs[step_id][fk] = seq + 1
-            ring = route.ring
+            ring = route.ring if self._ring_intact(route) else None
             if ring is not None:
                 at = ring.reserve(t.data_offset)
                 if at < 0:
@@ -528,8 +553,9 @@ class Producer:
                 route.ring = route.ring_segment = None
                 if ring is not None and seg is not None:
                     # A ring its consumer never attached keeps its name while it holds
-                    # messages (they are the consumer's); an empty one goes.
-                    if not ring.pending():
+                    # messages (they are the consumer's); an empty one goes. (Checked first:
+                    # a truncated ring's words may be gone.)
+                    if _intact(seg) and not ring.pending():
                         _unlink_quietly(seg)
                     ring.release()
                     seg.close()
@@ -552,8 +578,18 @@ class Producer:
         return out
 
 
+def _intact(seg: Segment) -> bool:
+    """Whether the file still holds all ``seg`` maps (one ``fstat``)."""
+    try:
+        seg.check_size(seg.size)
+    except InternalError:
+        return False
+    return True
+
+
 def _slot_index(slot: Slot | None) -> int:
-    return -1 if slot is None else slot.index
+    """What a header says of the slot: its ticket (the names of this lend), or -1."""
+    return -1 if slot is None else slot.ticket
 
 
 def _unlink_quietly(seg: Segment) -> None:

@@ -18,23 +18,37 @@ which never blocks); the listing holds no lock.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import logging
 import os
 import time
 from collections import defaultdict
 from collections.abc import Iterable
 
-from .._errors import InternalError, InvalidArgumentError
+from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from .._namespace import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
-from .naming import SHM_DIR, ObjectName, check_namespace, parse_name
-from .ownership import is_ours
+from .naming import KINDS, PREFIX, SHM_DIR, ObjectName, check_namespace, parse_name
+from .ownership import is_ours, open_checked
 from .presence import probe
 from .segment import peek_header
 
-__all__ = ["ObjectInfo", "collect", "list_objects", "namespace_ids"]
+__all__ = [
+    "ObjectInfo",
+    "collect",
+    "list_objects",
+    "namespace_alive",
+    "namespace_ids",
+    "records_alive",
+    "records_prefix",
+    "unlink_if_same",
+    "unlink_if_unused",
+]
 
 _log = logging.getLogger("shmrdv.shm.registry")
 
+# The kind letter of presence records, to find a namespace's records by prefix.
+_PRESENCE_CODE = next(code for code, kind in KINDS.items() if kind == "presence")
 _SEGMENT_KINDS = frozenset({"temp", "message", "pool", "held", "returned"})
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -220,31 +234,98 @@ def list_objects(namespace: str | None = None, shm_dir: str = SHM_DIR) -> list[O
     return infos
 
 
-def _namespace_alive(shm_dir: str, namespace: str) -> bool:
-    """Whether a worker of ``namespace`` holds its presence lock right now."""
-    for entry in _scan(shm_dir, namespace, kinds=("presence",)):
+def records_prefix(namespace_id: str) -> str:
+    """What the names of the presence records of namespace ``namespace_id`` start with."""
+    return f"{PREFIX}{namespace_id}_{_PRESENCE_CODE}"
+
+
+def namespace_alive(namespace_id: str, shm_dir: str = SHM_DIR) -> bool:
+    """Whether a worker of the namespace ``namespace_id`` holds its presence lock right now
+    (one ``listdir``, then ``records_alive``)."""
+    try:
+        entries = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return False
+    return records_alive(namespace_id, entries, shm_dir)
+
+
+def records_alive(namespace_id: str, entries: Iterable[str], shm_dir: str = SHM_DIR) -> bool:
+    """Whether one of the directory ``entries`` is a presence record of ``namespace_id`` of
+    ours that is locked. Other names cost a string test each; another user's record one
+    ``lstat``, and is never opened nor counted."""
+    prefix = records_prefix(namespace_id)
+    for entry in entries:
+        if not entry.startswith(prefix) or parse_name(entry) is None:
+            continue
+        path = os.path.join(shm_dir, entry)
         try:
-            state, _ = probe(entry.path)
-        except InternalError:
+            if not is_ours(os.stat(path, follow_symlinks=False)):
+                continue
+            state, _ = probe(path)
+        except (FileNotFoundError, InternalError):
             continue
         if state == "alive":
             return True
     return False
 
 
-def _unlink_if_same(entry: _Entry) -> bool:
-    """Unlink ``entry.path`` if it is still the file we listed; whether it was removed."""
+def unlink_if_same(path: str, ino: tuple[int, int]) -> bool:
+    """``unlink_if_unused`` without asking whether a process has the file open: for the pool
+    slots of a run known dead, which a consumer may still keep mapped for reuse (its kept
+    mapping goes once the slot's names are gone, ``slotmaps.py``; the memory with it)."""
+    return unlink_if_unused(path, ino, mapped_ok=True)
+
+
+def unlink_if_unused(path: str, ino: tuple[int, int], *, mapped_ok: bool = False) -> bool:
+    """Unlink ``path`` if it is still the file ``ino`` (``(st_dev, st_ino)``, as listed), is
+    ours, and no process has it open or mapped; whether it was removed.
+
+    "Unused" is asked of the kernel: a write lease (``F_SETLEASE``) is granted only while no
+    other open file description of the file exists, mappings included. So a file a live
+    process is still writing, holding (a received array) or waiting on (a doorbell) is never
+    removed, whatever its namespace looks like; a worker that is starting (its presence
+    record still under a temporary name, locked and open) is safe from a sweep that thought
+    its namespace dead. The lease is dropped before the unlink: nobody ever waits on it.
+    Where leases are off (``fs.leases-enable=0``), only the other checks are made, and so
+    with ``mapped_ok`` (``unlink_if_same``). Never follows a symlink, never blocks (``ownership.open_checked``). Raises ``OSError``
+    when the unlink itself fails (e.g. permissions).
+    """
     try:
-        st = os.stat(entry.path, follow_symlinks=False)
+        fd, st = open_checked(path, os.O_RDONLY, "shmrdv object")
     except FileNotFoundError:
         return False
-    if (st.st_dev, st.st_ino) != entry.ino:
-        return False  # replaced since the listing (a new worker's file): not ours to take
-    try:
-        os.unlink(entry.path)
-    except FileNotFoundError:
+    except (InternalError, ResourceExhaustedError) as e:  # not ours, leased, no fds: leave it
+        _log.debug("leaving %s: %s", path, e)
         return False
-    return True
+    try:
+        if (st.st_dev, st.st_ino) != ino:
+            return False  # replaced since the listing (a new worker's file): not ours to take
+        try:
+            if not mapped_ok:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EBUSY):
+                _log.debug("leaving %s: a process still has it open", path)
+                return False
+            if e.errno != errno.EINVAL:  # EINVAL: leases are off here
+                _log.debug("leaving %s: cannot tell whether it is in use (%s)", path, e)
+                return False
+        else:
+            if not mapped_ok:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if (now.st_dev, now.st_ino) != ino:
+            return False
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        os.close(fd)
 
 
 def collect(
@@ -273,7 +354,7 @@ def collect(
         if dry_run:
             removed.extend(_info(e, now) for e in group)
             continue
-        if _namespace_alive(shm_dir, ns):
+        if namespace_alive(ns, shm_dir):
             _log.info("namespace id %s came alive while collecting; left alone", ns)
             continue
         # Presence records last: while one is there, tools still see whose the rest was.
@@ -281,7 +362,7 @@ def collect(
         count = len(removed)
         for entry in group:
             try:
-                gone = _unlink_if_same(entry)
+                gone = unlink_if_unused(entry.path, entry.ino)
             except OSError as e:
                 raise InternalError(f"cannot remove {entry.path}: {e}") from e
             if gone:

@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .naming import Names
+from .naming import SLOT_BITS, Names
 from .ownership import open_checked
 from .segment import Segment
 
@@ -48,7 +48,7 @@ class _Kept:
     size: int
     task: str  # the producer's task, incarnation and slot index: the slot's names
     incarnation: int
-    slot: int
+    slot: int  # the ticket of its last lend
     used_at: float
 
 
@@ -89,7 +89,12 @@ class SlotMaps:
         return Segment.map_fd(self._names, name, fd, st), ident, False
 
     def keep(self, seg: Segment, ident: _Ident, task: str, incarnation: int, slot: int) -> None:
-        """Keep ``seg`` (a pool slot of ``task``'s ``incarnation``) mapped for its next message."""
+        """Keep ``seg`` (a pool slot of ``task``'s ``incarnation`` lent under ticket ``slot``)
+        mapped for its next message; for a kept one, note the ticket of this lend."""
+        kept = self._kept.get(ident)
+        if kept is not None:
+            kept.slot = slot
+            return
         while len(self._kept) >= self._limit and self._evict_one():
             pass
         if len(self._kept) >= self._limit:
@@ -130,7 +135,8 @@ class SlotMaps:
     def _slot_exists(self, ident: _Ident, kept: _Kept) -> bool:
         names = self._names
         for name in (
-            names.pool(kept.task, kept.incarnation, kept.slot),
+            # Taken back, the slot is free under its next ticket (naming.SLOT_BITS).
+            names.pool(kept.task, kept.incarnation, kept.slot + (1 << SLOT_BITS)),
             names.returned(kept.task, kept.incarnation, kept.slot),
             names.held(kept.task, kept.incarnation, kept.slot),
         ):

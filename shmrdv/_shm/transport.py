@@ -3,7 +3,10 @@
 A thin façade implementing ``shmrdv._transport.Transport`` over three parts:
 
 * ``producer.py`` — sequence numbers, publish, pool lending, outgoing rings, doorbells;
-* ``consumer.py`` — channels, taking messages, incoming rings, producer liveness;
+* ``consumer.py`` — the receiving half, a coordinator of ``book.py`` (channels, stash,
+  waiters), ``inbox.py`` (incoming rings), ``named.py`` (messages taken by name),
+  ``liveness.py`` (producer presence), ``recovery.py`` (listings) and ``orphans.py``
+  (freeing what nobody received);
 * ``dispatcher.py`` — who polls this worker's doorbell: a blocked receiver as leader
   (``wait``), else the one dispatcher thread, for callback receives.
 
@@ -21,12 +24,15 @@ from typing import Any
 
 import numpy.typing as npt
 
-from .._callbacks import DoneCallback
+from .._callbacks import DoneCallback, invoke_done
 from .._keys import ParsedKey
+from .._received import Received
 from .._rendezvous import Canceller, RecvSlot
 from .._transport import PeerRecord, TransportContext
 from .bell import Bell
-from .consumer import Consumer, deliver
+from .book import Waiter
+from .consumer import Consumer
+from .delivery import deliver, deliver_one
 from .dispatcher import Dispatcher
 from .inflight import Inflight
 from .naming import Names
@@ -82,6 +88,10 @@ class ShmTransport:
     def can_reach(self, peer: PeerRecord) -> bool:
         return peer.same_host and self.name in peer.transports
 
+    def explain_wait(self, peer: PeerRecord) -> str | None:
+        """Nothing beyond what its presence record tells (``_diagnose``)."""
+        return None
+
     # -- producer side ----------------------------------------------------------------
 
     def allocate(self, step_id: int, key: ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
@@ -111,11 +121,13 @@ class ShmTransport:
         blocking: bool = False,
     ) -> Canceller:
         consumer = self._consumer
-        item, waiter = consumer.start(step_id, key, done, copy, blocking)
-        if waiter is not None:
-            return lambda: consumer.cancel(waiter)
-        assert item is not None
-        deliver([item])
+        got = consumer.start(step_id, key, done, copy, blocking)
+        if type(got) is Received and not copy:
+            invoke_done(done, None, got)  # the value was there: no item, no list
+        elif type(got) is Waiter:
+            return lambda: consumer.cancel(got)
+        else:
+            deliver_one(done, copy, got)  # type: ignore[arg-type]  # not a Waiter
         return _already_done
 
     def wait(self, slot: RecvSlot, timeout: float) -> None:

@@ -1,0 +1,213 @@
+"""The shared-memory consumer's book: what it knows per key, per producer, per ring.
+
+Each (step, key) is a ``Channel`` with the next sequence number it expects; each producer
+task is a ``Source``; each attached ring a ``InRing``. What arrived for a channel and was
+not taken yet waits in the stash, ``(key, incarnation, seq) -> value`` per step: a
+``Received``, a ``Notice`` (the message is the segment of its name) or an error to
+deliver like a message. The channels with waiters are the keys of one ``WaiterTable``
+(``shmrdv/_waiters.py``), each channel's waiters oldest first.
+
+The book holds no lock and does no I/O: the parts of the consumer (``inbox``,
+``liveness``, ``recovery``, ``named``, ``orphans``) read and change it under the
+coordinator's lock (``consumer.py``).
+
+Thread model (docs/threads.md): none of its own; every call is made under
+``Consumer.lock``.
+"""
+
+from __future__ import annotations
+
+from .._callbacks import DoneCallback
+from .._devices import DeviceName
+from .._errors import InternalError
+from .._keys import ParsedKey
+from .._received import Received
+from .._waiters import WaiterTable
+from .producer import task_name
+from .ring import Ring
+from .segment import Segment
+
+__all__ = ["Book", "Channel", "InRing", "Notice", "Source", "Stash", "Waiter"]
+
+
+class Notice:
+    """A stashed notice: the message is the segment of its name (``slot``: pool slot or -1)."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+
+
+#: What the stash holds for one message.
+Stashed = Received | Notice | BaseException
+#: One step's stash: ``(key, incarnation, seq) -> what came``.
+Stash = dict[tuple[str, int, int], Stashed]
+
+
+class Channel:
+    """One (step, key): the next sequence number and how many of its messages are stashed.
+
+    Hashes by identity: it is its own key in the waiter table.
+    """
+
+    __slots__ = ("inc", "key", "nready", "pk", "seen_alive", "seq", "src", "step")
+
+    def __init__(self, step: int, key: str, src: Source, inc: int) -> None:
+        self.step = step
+        self.key = key
+        self.src = src
+        self.pk: ParsedKey | None = None  # set by the first receive
+        self.inc = inc  # producer incarnation (0 = not known yet)
+        self.seq = 0
+        self.nready = 0  # stashed messages (any sequence number)
+        self.seen_alive = False
+
+
+class Waiter:
+    """One queued receive of a channel."""
+
+    __slots__ = ("blocking", "channel", "copy", "done")
+
+    def __init__(self, done: DoneCallback, copy: bool, channel: Channel, blocking: bool) -> None:
+        self.done = done
+        self.copy = copy
+        self.channel = channel
+        # A blocked receiver polls the doorbell itself (``Transport.wait``); only callback
+        # waiters (recv_async, futures, asyncio) need the dispatcher thread.
+        self.blocking = blocking
+
+
+class InRing:
+    """A producer's ring for this consumer, attached (its name already unlinked)."""
+
+    __slots__ = ("inc", "lost", "lost_seen", "ring", "segment")
+
+    def __init__(self, segment: Segment, ring: Ring, inc: int) -> None:
+        self.segment, self.ring, self.inc = segment, ring, inc
+        self.lost_seen = 0
+        self.lost = 0  # the ring's lost count at the last (size-checked) drain
+
+
+class Source:
+    """One producer task, as this consumer sees it."""
+
+    __slots__ = (
+        "alive_at",
+        "broken",
+        "dev",
+        "inc",
+        "look_at",
+        "restarted",
+        "ring_incs",
+        "rings",
+        "task",
+        "tried",
+        "unseen",
+        "waiting",
+        "was_alive",
+    )
+
+    def __init__(self, task: str, dev: DeviceName) -> None:
+        self.task = task
+        self.dev = dev
+        self.inc = 0  # of its live worker, or of the last one seen
+        self.rings: list[InRing] = []
+        self.ring_incs: set[int] = set()  # incarnations whose ring is attached
+        self.tried: set[int] = set()  # earlier incarnations whose ring was looked for
+        self.look_at = 0.0  # when to look for its ring again
+        self.alive_at = -1.0  # when it was last seen alive (with incarnation ``inc``)
+        self.waiting: dict[Channel, None] = {}  # its channels with waiters (ordered set)
+        self.unseen: list[Channel] = []  # waiting channels not yet marked seen_alive
+        self.was_alive = False  # some waiting channel has seen it alive
+        self.restarted = False  # a new incarnation was seen: its channels need a look
+        self.broken: InternalError | None = None  # why its ring was failed, once
+
+
+class Book:
+    """Channels, producers, stash and waiters of one consumer (see the module docstring)."""
+
+    __slots__ = (
+        "channels",
+        "received",
+        "received_bytes",
+        "src_by_device",
+        "srcs",
+        "stash",
+        "touched",
+        "waiters",
+    )
+
+    def __init__(self) -> None:
+        # step -> key -> channel; a step's table goes in one piece at cleanup.
+        self.channels: dict[int, dict[str, Channel]] = {}
+        # step -> (key, incarnation, seq) -> what came for it.
+        self.stash: dict[int, Stash] = {}
+        self.srcs: dict[str, Source] = {}  # by task name
+        self.src_by_device: dict[str, Source] = {}  # by the key's src device, as written
+        self.touched: list[Channel] = []  # channels with waiters and new stash entries
+        # Channels with waiters, each one's waiters oldest first (values stay in the stash).
+        self.waiters: WaiterTable[Channel, object, Waiter] = WaiterTable()
+        self.received = 0
+        self.received_bytes = 0
+
+    def source(self, key: ParsedKey) -> Source:
+        """The producer of ``key``, known from now on."""
+        src = self.src_by_device.get(key.src_device)
+        if src is None:
+            src = self.source_named(task_name(key.src))
+            self.src_by_device[key.src_device] = src
+        return src
+
+    def source_named(self, task: str) -> Source:
+        src = self.srcs.get(task)
+        if src is None:
+            src = self.srcs[task] = Source(task, DeviceName.parse(task))
+        return src
+
+    def channel(self, step: int, key: str, src: Source, inc: int) -> Channel:
+        """The channel of (step, key), made if new (for producer ``src``, incarnation ``inc``)."""
+        chans = self.channels.get(step)
+        if chans is None:
+            chans = self.channels[step] = {}
+        ch = chans.get(key)
+        if ch is None:
+            ch = chans[key] = Channel(step, key, src, inc)
+        return ch
+
+    def put(self, ch: Channel, inc: int, seq: int, value: Stashed) -> bool:
+        """Stash ``value`` as message (``inc``, ``seq``) of ``ch`` unless one is there already."""
+        stash = self.stash.get(ch.step)
+        if stash is None:
+            stash = self.stash[ch.step] = {}
+        at = (ch.key, inc, seq)
+        added = at not in stash
+        if added:
+            stash[at] = value
+            ch.nready += 1
+        if ch in self.waiters:
+            self.touched.append(ch)
+        return added
+
+    def adopt_incarnation(self, ch: Channel) -> None:
+        """Give ``ch`` the incarnation of a message stashed for its key, if any."""
+        for key, inc, _seq in self.stash.get(ch.step, {}):
+            if key == ch.key:
+                ch.inc = inc
+                return
+
+    def next_stashed(self, ch: Channel) -> int | None:
+        """The lowest sequence number above ``ch.seq`` stashed for ``ch``, if any."""
+        stash = self.stash.get(ch.step, {})
+        seqs = [s for (k, i, s) in stash if k == ch.key and i == ch.inc and s > ch.seq]
+        return min(seqs) if seqs else None
+
+    def drop_stashed(self, ch: Channel) -> None:
+        """Forget a stashed entry of ``ch``'s next message (it was taken by its name)."""
+        stash = self.stash.get(ch.step)
+        if stash is not None and stash.pop((ch.key, ch.inc, ch.seq), None) is not None:
+            ch.nready -= 1
+
+    def count(self, nbytes: int) -> None:
+        self.received += 1
+        self.received_bytes += nbytes

@@ -1,0 +1,324 @@
+"""The consumer's incoming rings: records in, stashed arrivals out.
+
+Every message a producer sends leaves a record in the ring that producer keeps for this
+consumer: the tensor itself when small (inline), else a notice "message (step, key, seq)
+is published as a segment". Draining a ring therefore leads each arrival straight to its
+own channel's stash (``book.py``): no name is opened or probed per channel, nothing is
+listed, however many receives are pending (issue 15 §1).
+
+A ring is attached once (its name unlinked at once: the memory goes when both sides have
+unmapped it, whoever dies first) and checked for truncation before each drain; a ring
+that fails is released and the receives waiting on its producer get the error.
+
+Thread model (docs/threads.md): every method runs under ``Consumer.lock`` except
+``arrived``, a lock-free look at the rings' heads for a spinning poller.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from .._errors import InternalError, RendezvousError
+from .._received import Received
+from .._transport import TransportContext
+from . import layout
+from .book import Book, Channel, InRing, Notice, Source, Stash
+from .naming import Names
+from .ring import RINGS_SUPPORTED, Ring
+from .segment import Segment
+
+__all__ = ["Inbox", "unlink_quietly"]
+
+_log = logging.getLogger("shmrdv.shm")
+
+# How often a consumer looks for a producer's ring that is not there yet.
+_RING_LOOK_S = 0.02
+# A notice record's data is in a segment: its header is checked against no file size.
+_NO_FILE = 1 << 63
+_FLAG_NOTICE = layout.FLAG_NOTICE
+
+#: ``(producer task, step, key, incarnation, seq, slot)``: free a late notice's segment.
+FreeNamed = Callable[[str, int, str, int, int, int], None]
+
+
+def unlink_quietly(seg: Segment) -> None:
+    try:
+        seg.unlink()
+    except RendezvousError as e:
+        _log.warning("%s", e)
+
+
+class Inbox:
+    """The rings this consumer drains (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: TransportContext,
+        names: Names,
+        book: Book,
+        free_named: FreeNamed,
+        retry_s: float,
+    ) -> None:
+        self._ctx = ctx
+        self._names = names
+        self._task = ctx.task_name
+        self._book = book
+        self._free_named = free_named
+        self._retry_s = retry_s
+        self._headers = layout.HeaderCache()
+        self._cleaned_up = ctx.cleaned_up
+        #: Every attached ring, with its producer.
+        self.rings: list[tuple[Source, InRing]] = []
+        #: Producers whose ring failed while they had waiters, with the error.
+        self.failed: list[tuple[Source, InternalError]] = []
+        self.refused_records = 0
+
+    # -- attaching ------------------------------------------------------------------
+
+    def look_for_ring(self, src: Source) -> None:
+        """Attach the ring of ``src``'s current incarnation if it is there (rate-limited)."""
+        if not RINGS_SUPPORTED:
+            src.look_at = float("inf")
+            return
+        now = time.monotonic()
+        src.look_at = now + _RING_LOOK_S
+        if not src.inc:
+            try:
+                record = self._ctx.peers.lookup(src.dev)
+            except RendezvousError as e:  # a record that is not ours, or corrupt
+                _log.warning("presence record of %s: %s", src.task, e)
+                return
+            if not (record.final and record.incarnation):
+                return
+            src.inc = record.incarnation
+        if src.inc in src.ring_incs:
+            src.look_at = float("inf")  # until the producer restarts
+            return
+        try:
+            self.attach(self._names.ring(src.task, src.inc, self._task), (src.task, src.inc))
+        except RendezvousError as e:
+            _log.warning("%s", e)
+            src.look_at = now + self._retry_s
+
+    def look_for_old_ring(self, src: Source, inc: int) -> None:
+        """A key pinned to an incarnation that is not (or not yet) the live one: attach that
+        run's ring if it left one with messages (once per incarnation)."""
+        src.tried.add(inc)
+        if not RINGS_SUPPORTED:
+            return
+        try:
+            self.attach(self._names.ring(src.task, inc, self._task), (src.task, inc))
+        except RendezvousError as e:
+            _log.warning("%s", e)
+
+    def attach(self, name: str, expect: tuple[str, int] | None) -> bool:
+        """Map a producer's ring for this consumer and unlink its name (the mapping stays:
+        the memory goes when both sides have unmapped it, whoever dies first).
+
+        False: no such name. Raises ``InternalError`` for a ring that is not ours or not
+        for this consumer (or not from ``expect``, (producer task, incarnation)).
+        """
+        try:
+            seg = Segment.attach(self._names, name)
+        except FileNotFoundError:
+            return False
+        try:
+            ring = Ring(memoryview(seg.buf))
+            meta = json.loads(ring.meta())
+            owner = (str(meta["producer"]), int(meta["incarnation"]))
+            if meta["consumer"] != self._task or (expect is not None and owner != expect):
+                raise InternalError(f"ring {name} is {meta}, not for {self._task}")
+            if not owner[1]:
+                raise InternalError(f"ring {name} names incarnation 0")
+        except (RendezvousError, ValueError, KeyError, TypeError) as e:
+            seg.close()
+            raise InternalError(f"refusing ring {name}: {e}") from e
+        unlink_quietly(seg)
+        src = self._book.source_named(owner[0])
+        if not src.inc:
+            src.inc = owner[1]
+        r = InRing(seg, ring, owner[1])
+        src.rings.append(r)
+        src.ring_incs.add(owner[1])
+        self.rings.append((src, r))
+        self.drain(src, r)
+        return True
+
+    # -- draining -------------------------------------------------------------------
+
+    def arrived(self) -> bool:
+        """Whether a ring holds records not yet drained: a look at shared memory, without
+        the lock and without a system call (what a spinning poller checks between turns,
+        right after a ``scan`` checked the rings' sizes)."""
+        try:
+            for _, r in self.rings:
+                if r.ring.pending():
+                    return True
+        except ValueError:  # a ring failed and released meanwhile: let the scan see to it
+            return True
+        return False
+
+    def drain_all(self, check: bool = True) -> None:
+        for src, r in list(self.rings):
+            self.drain(src, r, check)
+
+    def drain(self, src: Source, r: InRing, check: bool = True) -> None:
+        """Take every record waiting in one ring to its channel's stash.
+
+        First one ``fstat`` (unless ``check`` is False: the caller checked it a moment ago):
+        a process that kept a descriptor of the ring may have truncated it, and reading a
+        lost page would kill this process (SIGBUS). Such a ring is failed: unmapped, and the
+        receives waiting on its producer get the ``InternalError`` (``failed``).
+        """
+        if check:
+            try:
+                r.segment.check_size(r.segment.size)
+            except InternalError as e:
+                self._fail_ring(src, r, e)
+                return
+        r.lost = r.ring.lost()
+        try:
+            self._take_records(src, r.inc, r.ring.take())
+        except RendezvousError as e:
+            _log.warning("ring from %s: %s", src.task, e)
+
+    @staticmethod
+    def lost_records(src: Source) -> bool:
+        """Whether a ring of ``src`` lost records not recovered yet (``recovery.py``), as of
+        the last drain: the ring's words are read only right after a size check."""
+        return any(r.lost != r.lost_seen for r in src.rings)
+
+    def _fail_ring(self, src: Source, r: InRing, e: InternalError) -> None:
+        error = InternalError(f"the ring from producer {src.task} is unusable: {e}")
+        _log.warning("%s", error)
+        self.rings = [(s, x) for s, x in self.rings if x is not r]
+        src.rings.remove(r)
+        src.ring_incs.discard(r.inc)
+        src.look_at = float("inf")  # its name is gone; a restarted producer makes a new one
+        r.ring.release()
+        r.segment.close()
+        # A producer that saw the truncation itself went on by name: the waiting receives
+        # look for their message by name first (``Consumer``), and fail only if it is not
+        # there; the next receive of this producer hears of it once (``broken``).
+        if src.waiting:
+            self.failed.append((src, error))
+        else:
+            src.broken = error
+
+    def _take_records(self, src: Source, inc: int, records: Iterator[memoryview]) -> None:
+        """Each ring record to its channel's stash, its channel touched if it has waiters.
+
+        A ring record is the producer's bytes: its header gets ``unpack``'s checks (through
+        ``HeaderCache``) and the shared element-count rule (``shape_problem``). A record
+        refused for what it says of its array still names its key: its receiver gets the
+        ``InternalError``, and what follows in the ring is delivered as usual.
+
+        The hot loop of the receive side, hence one function: what does not change from
+        one record to the next (the step's channels and stash, whether the step was
+        cleaned up) is looked up once per run of records of one step; per record there is
+        the header check, one array copied out of the ring and its ``Received``.
+        """
+        unpack = self._headers.unpack
+        book = self._book
+        channels, stashes, touched = book.channels, book.stash, book.touched
+        last_step = -1
+        dropped = False
+        chans: dict[str, Channel] = {}
+        stash: Stash | None = None
+        value: Received | Notice | BaseException
+        for payload in records:
+            size = len(payload)
+            notice = size > 11 and bool(payload[10] & _FLAG_NOTICE)
+            try:
+                # ``unpack_fields`` (or the cache of its verdicts) applies ``shape_problem``.
+                (flags, dtype, shape, offset, nbytes, step, seq, _inc, _pid, slot, _t, key) = (
+                    unpack(payload, _NO_FILE if notice else size)
+                )
+            except RendezvousError as e:
+                refused = self._refused(src, payload, e)
+                if refused is None:
+                    continue
+                step, seq, key, value = refused
+                notice = False
+            else:
+                if notice:
+                    value = Notice(slot)
+                elif nbytes:
+                    # One copy out of the ring (the record's bytes are overwritten later).
+                    arr: Any = np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset)
+                    arr = arr.copy() if len(shape) == 1 else arr.reshape(shape).copy()
+                    value = Received(arr, bool(flags & 1))
+                else:
+                    value = Received(np.empty(shape, dtype), bool(flags & 1))
+            if step != last_step:
+                last_step, stash = step, None
+                dropped = self._cleaned_up(step)
+                if not dropped:
+                    got = channels.get(step)
+                    chans = channels[step] = {} if got is None else got
+            if dropped:
+                if notice:  # a late send of a step this worker already cleaned up: free it
+                    self._free_named(src.task, step, key, inc, seq, slot)
+                continue
+            ch = chans.get(key)
+            if ch is None:
+                ch = chans[key] = Channel(step, key, src, inc)
+            elif ch.inc == inc and seq < ch.seq:
+                continue  # already taken by its name
+            if stash is None:
+                stash = stashes.get(step)
+                if stash is None:
+                    stash = stashes[step] = {}
+            stash[(key, inc, seq)] = value
+            ch.nready += 1
+            if ch in ch.src.waiting:  # it has waiters
+                touched.append(ch)
+
+    def _refused(
+        self, src: Source, payload: memoryview, e: RendezvousError
+    ) -> tuple[int, int, str, InternalError] | None:
+        """(step, seq, key, the error for its receiver) of a record refused with ``e``, or
+        None when the record does not even say whose it is."""
+        self.refused_records += 1
+        who = layout.unpack_identity(payload)
+        _log.warning("refusing a record of the ring from %s: %s", src.task, e)
+        if who is None:
+            return None
+        step, seq, key = who
+        return (
+            step,
+            seq,
+            key,
+            InternalError(
+                f"refusing message {seq} of key {key!r} (step {step}) from producer {src.task}: {e}"
+            ),
+        )
+
+    def retire(self, src: Source, r: InRing) -> None:
+        """Unmap the ring of a producer run that is over, once drained (nothing more can
+        come through it); that run is then looked for by name only, its ring never again."""
+        self.rings = [(s, x) for s, x in self.rings if x is not r]
+        src.rings.remove(r)
+        src.ring_incs.discard(r.inc)
+        src.tried.add(r.inc)
+        if src.inc == r.inc:
+            src.look_at = float("inf")  # a restarted producer is looked for again (liveness)
+        r.ring.release()
+        r.segment.close()
+
+    # -- lifetime -------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Unmap every ring (after the consumer is closed)."""
+        for src, r in self.rings:
+            r.ring.release()
+            r.segment.close()
+            src.rings.clear()
+            src.ring_incs.clear()
+        self.rings.clear()

@@ -1,0 +1,148 @@
+"""Taking a published message by its name: the segment named by (step, key, incarnation, seq).
+
+The array handed out for a segment is a view over the mapped segment (zero copy),
+writable and the consumer's alone; the segment's name is unlinked (or, for a pool slot,
+renamed to ``held``) at once, so the memory goes back when the array is garbage-collected
+— or when the consumer dies, since nothing names it any more (a held slot: by ``gc``).
+A pool slot's mapping is kept from one message to the next (``SlotMaps``).
+
+Thread model (docs/threads.md): ``take`` runs under ``Consumer.lock``; ``unlink_held``
+after the consumer is closed; the ``held`` set is also changed by the finalizers of lent
+arrays (``pool.return_slot``), in whichever thread collects them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .._errors import InternalError, RendezvousError
+from .._received import Received
+from .._values import shape_problem
+from . import layout
+from .book import Book, Channel
+from .inbox import unlink_quietly
+from .naming import Names
+from .pool import ProducerAlive, return_slot
+from .segment import move_noreplace
+from .slotmaps import SlotMaps
+
+__all__ = ["NamedMessages"]
+
+_log = logging.getLogger("shmrdv.shm")
+
+
+class NamedMessages:
+    """Opens a channel's next message by name (see the module docstring)."""
+
+    def __init__(self, names: Names, book: Book, producer_alive: ProducerAlive) -> None:
+        self._names = names
+        self._book = book
+        self._producer_alive = producer_alive
+        self.maps = SlotMaps(names)
+        # ``held`` names of pool slots whose arrays this consumer still has. Finalizers do not
+        # run at exit, so close() unlinks what is left (the mappings stay valid).
+        self.held: set[str] = set()
+        self.probes = 0
+
+    def take(self, ch: Channel) -> Received | BaseException | None:
+        """Open the channel's next message by its name, if it is published (under the lock).
+
+        None: not published (yet). An exception: that message cannot be used (a file
+        another user planted under its name, a corrupt header) and is skipped, or the
+        process is out of descriptors (the message stays for the next receive).
+        """
+        if not ch.inc:
+            return None  # the name cannot be computed yet
+        self.probes += 1
+        name = self._names.message(ch.step, ch.key, ch.inc, ch.seq)
+        maps = self.maps
+        try:
+            seg, ident, kept = maps.open(name)
+        except FileNotFoundError:
+            return None
+        except InternalError as e:
+            ch.seq += 1  # refused (not ours) or unreadable: never read it, never wait for it
+            return e
+        except RendezvousError as e:
+            return e  # out of descriptors: the message stays where it is
+        # Taken now: a stashed notice of it is stale.
+        self._book.drop_stashed(ch)
+        try:
+            header = layout.unpack(seg.buf, seg.size)
+            if header.key != ch.key or header.seq != ch.seq or header.step_id != ch.step:
+                raise InternalError(
+                    f"segment {name} holds key {header.key!r} step {header.step_id} "
+                    f"seq {header.seq}, expected {ch.key!r} step {ch.step} seq {ch.seq}"
+                )
+            problem = shape_problem(header.shape, header.dtype.itemsize)
+            if problem is not None:
+                raise InternalError(f"segment {name} from {ch.src.task}: {problem}")
+            seg.check_size(header.data_offset + header.nbytes)
+        except RendezvousError as e:
+            unlink_quietly(seg)
+            if kept:
+                maps.forget(ident)
+            else:
+                seg.close()
+            ch.seq += 1
+            return e
+        ch.seq += 1
+        held = (
+            self._names.held(ch.src.task, header.producer_incarnation, header.slot)
+            if header.slot >= 0
+            else None
+        )
+        if held is not None:
+            try:
+                # From here on the name says "a consumer holds it"; the memory goes back when
+                # the array is collected (``pool.return_slot``).
+                move_noreplace(seg.path, Names.path(held))
+            except OSError as e:
+                _log.warning("cannot mark %s as held (%s); it will not return to its pool", name, e)
+                held = None
+        if held is None:
+            unlink_quietly(seg)
+            arr = seg.ndarray(header)
+            if kept:
+                maps.forget(ident)
+            else:
+                seg.close()
+        else:
+            seg.name = held
+            self.held.add(held)
+            # An array of its own per message; the mapping is kept for the slot's next one.
+            arr = seg.lend(
+                header,
+                return_slot,
+                self._names,
+                self._producer_alive,
+                ch.src.task,
+                header.producer_incarnation,
+                header.slot,
+                self.held,
+            )
+            maps.keep(seg, ident, ch.src.task, header.producer_incarnation, header.slot)
+        self._book.count(header.nbytes)
+        return Received(arr, header.is_dead)
+
+    def unlink_held(self) -> None:
+        """Unlink the ``held`` names of arrays this consumer still has (their mappings stay).
+
+        Without this they would outlive the process: the finalizers that give them back do
+        not run at exit. Their producers see the slots gone and forget them (``pool``).
+        """
+        while True:
+            try:
+                held = list(self.held)  # a finalizer may discard meanwhile
+                break
+            except RuntimeError:  # pragma: no cover - changed size during the copy
+                continue
+        for name in held:
+            self.held.discard(name)
+            try:
+                os.unlink(Names.path(name))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                _log.warning("cannot unlink held pool slot %s: %s", name, e)

@@ -1,0 +1,58 @@
+"""The shared-memory consumer after its producers: a dead run's leftovers go while it polls."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+from helpers import CONSUMER, PRODUCER, make_key
+
+import shmrdv
+from shmrdv._child import ChildWorker
+from shmrdv._shm.naming import SHM_DIR, Names
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _left(ns: str) -> set[str]:
+    prefix = Names(ns).prefix
+    return {e for e in os.listdir(SHM_DIR) if prefix in e}
+
+
+def test_consumer_collects_a_killed_producer_run_it_has_drained(ns: str) -> None:
+    """A consumer that took every record of a SIGKILLed producer's ring unmaps it and frees
+    what that run left (pool slots, doorbell, presence record) while it polls: no sweep,
+    no ``gc``, and the messages it had not taken yet are still delivered."""
+    with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
+        mine = _left(ns)  # the consumer's own record and doorbell
+        producer = ChildWorker(PRODUCER, namespace=ns)
+        try:
+            for i in range(3):
+                producer.send(make_key(f"big{i}"), np.full(300_000, i, np.uint8), step=1)
+            producer.send(make_key("small"), np.arange(4, dtype=np.int32), step=1)
+            rdv = consumer.rendezvous(1)
+            for i in range(2):  # the third big one and the small one stay unreceived
+                got = rdv.recv(make_key(f"big{i}"), timeout=10)
+                assert got.value[0] == i
+                del got
+            producer.kill(signal.SIGKILL)
+        finally:
+            producer.close()
+        assert _left(ns) > mine  # the dead run's record, doorbell, slots
+        # Polling: a receive waits for a key the dead run never sent (the consumer never
+        # saw that channel's producer alive, so it waits out its timeout).
+        with pytest.raises(shmrdv.DeadlineExceededError):
+            rdv.recv(make_key("never"), timeout=1.0)
+        left = _left(ns) - mine
+        kinds = sorted(e.split(Names(ns).prefix, 1)[1][0] for e in left)
+        assert kinds == ["m"]  # only the unreceived big message (its own segment)
+        assert rdv.recv(make_key("big2"), timeout=10).value[0] == 2
+        assert rdv.recv(make_key("small"), timeout=10).value.tolist() == [0, 1, 2, 3]
+        assert consumer.stats()["shm"]["rings"] == 0  # the dead run's ring is unmapped
+        # A new run of the producer is received as before.
+        with ChildWorker(PRODUCER, namespace=ns) as again:
+            again.send(make_key("after"), np.full(300_000, 9, np.uint8), step=2)
+            assert consumer.rendezvous(2).recv(make_key("after"), timeout=10).value[0] == 9
+    assert _left(ns) == set()
