@@ -461,13 +461,26 @@ def plot_run(run: BenchRun, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 6))
-    for m in _ordered(run):
+    # More methods than a default colour cycle has colours: every line its own colour and
+    # marker, shmrdv's own lines thick (tab20 has 20 colours, the markers cycle by 7).
+    cmap = plt.get_cmap("tab20")
+    colors = [cmap(k) for k in range(20)]
+    markers = "osD^v<>"
+    for i, m in enumerate(_ordered(run)):
         if not m.cells:
             continue
         xs = sorted(m.cells)
         ys = [m.cells[n].rtt_median_ns / 1000 for n in xs]
         style = "--" if m.group == "floor" else "-"
-        ax.plot(xs, ys, style, marker="o", label=m.name)
+        ax.plot(
+            xs,
+            ys,
+            style,
+            color=colors[i % len(colors)],
+            marker=markers[i % len(markers)],
+            linewidth=2.4 if m.name.startswith("shmrdv") else 1.2,
+            label=m.name,
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("array size (bytes)")
