@@ -190,8 +190,11 @@ def process_sample(namespace: str, handoffs: int, worker: Any = None) -> dict[st
     if worker is not None:
         shm = worker.stats().get("shm", {})
         # Each pool slot and each mapped ring holds a mapping, and so a descriptor; so
-        # does each producer's presence record whose lock tells its liveness.
-        pool_slots = sum(int(shm.get(k, 0)) for k in ("pool_slots", "rings", "liveness_fds"))
+        # does each producer's presence record whose lock tells its liveness, and each
+        # producer's slot a consumer keeps mapped (``slots_mapped``, bounded like a pool).
+        pool_slots = sum(
+            int(shm.get(k, 0)) for k in ("pool_slots", "rings", "liveness_fds", "slots_mapped")
+        )
     fds = len(os.listdir("/proc/self/fd"))
     return {
         "handoffs": handoffs,

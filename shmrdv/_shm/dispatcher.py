@@ -146,17 +146,20 @@ class Dispatcher:
                     return
                 self._polling = self._thread_polls = True
             try:
-                self._poll(TICK)
+                self._poll(TICK, spin=False)
             finally:
                 with self._cond:
                     self._polling = self._thread_polls = False
                     self._cond.notify_all()
 
-    def _poll(self, wait: float) -> None:
-        """Wait up to ``wait`` s for a message (spinning first), then scan and deliver."""
+    def _poll(self, wait: float, spin: bool = True) -> None:
+        """Wait up to ``wait`` s for a message (spinning first if ``spin``), then scan and
+        deliver. The dispatcher thread never spins: a spinning thread keeps the GIL, and
+        the blocked receiver that wants the poller role (and the user's threads) would
+        wait for it up to the interpreter's switch interval (5 ms)."""
         bell = self._bell
         start = time.perf_counter_ns()
-        budget = self._spin_budget(start)
+        budget = self._spin_budget(start) if spin else 0
         found = False
         if budget:
             # First a scan, which checks the rings' sizes (issue 20 §3: a truncated ring
