@@ -553,8 +553,9 @@ def test_syscalls_counts_the_semaphore_floor(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "| sem_pingpong | 64 B |" in proc.stdout
     (count,) = json.loads(out.read_text())["syscalls"]
-    # A post and a wait each way; a wait that finds the post there needs no futex call.
-    assert count["status"] == "ok" and 1.5 <= count["futex_per_round_trip"] <= 6
+    # A post and a wait each way, at most; a wait that finds the post there needs no futex
+    # call (how often depends on timing: 1.32 per round trip was seen in CI), but some do.
+    assert count["status"] == "ok" and 0.2 <= count["futex_per_round_trip"] <= 6
     assert count["per_message"] == pytest.approx(count["per_round_trip"] / 2)
 
 
