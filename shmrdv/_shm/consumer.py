@@ -146,8 +146,10 @@ class Consumer:
             inbox.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
             inbox.look_for_old_ring(src, ch.inc)
-        # Rings are drained by whoever polls (``scan``), right after checking their size:
-        # reading a truncated ring's words here would be a SIGBUS.
+        # What the rings hold goes to the stash first (each ring's size checked: reading a
+        # truncated ring's words would be a SIGBUS), so that the take below never mistakes
+        # a record still in a ring for a message that never came.
+        inbox.drain_all()
         result = self._take(ch, self._probe(ch))
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None
@@ -218,7 +220,9 @@ class Consumer:
 
     # -- taking a message ---------------------------------------------------------------
 
-    def _take(self, ch: Channel, probe: bool) -> Received | BaseException | None:
+    def _take(
+        self, ch: Channel, probe: bool, drained: bool = False
+    ) -> Received | BaseException | None:
         """The channel's next message, if it is there (under the lock).
 
         From the stash when a ring brought it; by its name when ``probe`` (a producer
@@ -248,7 +252,14 @@ class Consumer:
             if not stash:
                 del book.stash[ch.step]
             return self._taken(ch, got)
-        # Later messages are here but not this one: was it published without a record?
+        # Later messages are here but not this one. Its record may still be in the ring: a
+        # listing (recovery) stashed the notice of a later message published by name while
+        # this one went inline. Records are appended in sequence, so draining now brings it
+        # (checked first: SIGBUS); skipping before that lost messages.
+        if not drained:
+            self._inbox.drain_all()
+            return self._take(ch, probe, drained=True)
+        # Was it published without a record?
         found = self._named.take(ch)
         if found is not None:
             return found
