@@ -146,10 +146,9 @@ class Consumer:
             inbox.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
             inbox.look_for_old_ring(src, ch.inc)
-        # What the rings hold goes to the stash first (each ring's size checked: reading a
-        # truncated ring's words would be a SIGBUS), so that the take below never mistakes
-        # a record still in a ring for a message that never came.
-        inbox.drain_all()
+        # Rings are drained by whoever polls (``scan``), right after checking their size
+        # (reading a truncated ring's words would be a SIGBUS); a take that would skip a
+        # sequence number drains them first (``_take``).
         result = self._take(ch, self._probe(ch))
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None

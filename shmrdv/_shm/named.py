@@ -78,7 +78,8 @@ class NamedMessages:
             problem = shape_problem(header.shape, header.dtype.itemsize)
             if problem is not None:
                 raise InternalError(f"segment {name} from {ch.src.task}: {problem}")
-            seg.check_size(header.data_offset + header.nbytes)
+            # The data's end within the file's size (its fstat of a moment ago, in the
+            # checked open) is ``unpack``'s check; ``lend`` / ``ndarray`` check it again.
         except RendezvousError as e:
             unlink_quietly(seg)
             if kept:
