@@ -57,6 +57,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def fork_as_nobody(fn: Callable[[str], None], arg: str) -> int:
+    """Start ``fn(arg)`` in a forked child that first drops to uid/gid ``NOBODY`` (another
+    local user, for a test running as root); return its pid (the caller waits for it)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            fn(arg)
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def run_as_nobody(fn: Callable[[str], None], arg: str) -> None:
+    """``fork_as_nobody`` and wait: fails the test if ``fn`` raised."""
+    _, status = os.waitpid(fork_as_nobody(fn, arg), 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child acting as another user failed"
+
+
 def remove_planted(namespace: str, uid: int = NOBODY) -> None:
     """Unlink the objects of ``namespace`` in /dev/shm that belong to ``uid``.
 

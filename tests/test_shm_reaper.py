@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import CONSUMER, PRODUCER, SHMRDV_PATH, make_key
+from helpers import CONSUMER, PRODUCER, SHMRDV_PATH, make_key, run_as_nobody
 
 import shmrdv
 from shmrdv._child import ChildWorker
@@ -419,17 +419,15 @@ def test_reaper_other_users_junk_namespaces_do_not_stop_the_sweep() -> None:
     import shutil
     import tempfile
 
-    from helpers import NOBODY
-
     directory = tempfile.mkdtemp(dir=SHM_DIR)  # a directory nobody can reach, as /dev/shm
     os.chmod(directory, 0o1777)
     try:
-        _sweep_among_junk(directory, NOBODY)
+        _sweep_among_junk(directory)
     finally:
         shutil.rmtree(directory)
 
 
-def _sweep_among_junk(directory: str, nobody: int) -> None:
+def _sweep_among_junk(directory: str) -> None:
     # Ours first: tmpfs lists the newest names first, so the sweep meets the junk first.
     ours = Names(shmrdv.new_namespace())
     for name in (ours.presence(PRODUCER), ours.temp()):
@@ -438,19 +436,7 @@ def _sweep_among_junk(directory: str, nobody: int) -> None:
     for _ in range(3 * reaper.MAX_NAMESPACES):
         fake = Names(shmrdv.new_namespace())
         junk += [fake.presence(PRODUCER), fake.temp(), fake.message(1, "k", 1, 0)]
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(nobody)
-            os.setuid(nobody)
-            _plant_junk(directory + "\n" + "\n".join(junk))
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    run_as_nobody(_plant_junk, directory + "\n" + "\n".join(junk))
     out = reaper.sweep(directory)
     assert out.removed == 2 and out.namespaces == (ours.namespace_id,)
     assert sorted(os.listdir(directory)) == sorted(junk)

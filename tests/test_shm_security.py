@@ -14,14 +14,21 @@ import os
 import signal
 import stat
 import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
 import pytest
-from helpers import CONSUMER, NOBODY, PRODUCER, make_key, remove_planted
+from helpers import (
+    CONSUMER,
+    NOBODY,
+    PRODUCER,
+    fork_as_nobody,
+    make_key,
+    remove_planted,
+    run_as_nobody,
+)
 
 import shmrdv
 from shmrdv._shm.naming import SHM_DIR, Names
@@ -49,25 +56,6 @@ def _plant_semaphore(name: str) -> None:
     sem.close()
 
 
-def _as_nobody(fn: Callable[[str], None], arg: str) -> None:
-    """Run ``fn(arg)`` in a forked child that first drops to uid/gid 65534."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            fn(arg)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the attacker child failed"
-
-
 @dataclass
 class Planted:
     path: str
@@ -89,7 +77,7 @@ def ns(ns: str) -> Iterator[str]:
 
 def plant_file(name: str) -> Planted:
     path = Names.path(name)
-    _as_nobody(_plant_file, path)
+    run_as_nobody(_plant_file, path)
     planted = Planted(path)
     planted.assert_untouched()
     return planted
@@ -119,7 +107,7 @@ def test_security_planted_message_is_refused_by_both_sides(ns: str) -> None:
 def test_security_planted_doorbell_is_refused(ns: str) -> None:
     names = Names(ns)
     bell = names.bell(CONSUMER)
-    _as_nobody(_plant_semaphore, bell)
+    run_as_nobody(_plant_semaphore, bell)
     try:
         with pytest.raises(shmrdv.InternalError, match="not ours"):
             shmrdv.Worker(CONSUMER, namespace=ns)
@@ -224,8 +212,8 @@ def test_security_listing_does_not_let_a_user_squat_the_next_worker(ns: str) -> 
                 files.append(Names.path(prefix + guess.presence(CONSUMER).rsplit("_", 1)[1]))
                 bells.append("/" + prefix + guess.bell(CONSUMER).rsplit("_", 1)[1])
         assert files, f"nothing of the job visible in {seen}"
-        _as_nobody(_plant_many, "\n".join(sorted(set(files))))
-        _as_nobody(_plant_bells, "\n".join(sorted(set(bells))))
+        run_as_nobody(_plant_many, "\n".join(sorted(set(files))))
+        run_as_nobody(_plant_bells, "\n".join(sorted(set(bells))))
         try:
             with shmrdv.Worker(CONSUMER, namespace=ns) as second:
                 key = make_key("after-squat")
@@ -257,7 +245,7 @@ def _flood(ns: str) -> None:
     prefix = Names(ns).prefix
     paths = [Names.path(f"{prefix}m{os.urandom(10).hex()}") for _ in range(FLOOD)]
     paths += [Names.path(f"{prefix}q{os.urandom(10).hex()}") for _ in range(FLOOD // 10)]
-    _as_nobody(_plant_many, "\n".join(paths))
+    run_as_nobody(_plant_many, "\n".join(paths))
 
 
 def _timed_recv(rdv: shmrdv.Rendezvous, key: str) -> tuple[float, float]:
@@ -328,7 +316,7 @@ def test_security_recreated_message_names_do_not_jam_the_window(ns: str) -> None
                 sent += 1
             for _ in range(2):
                 assert inbox.recv(key, timeout=5).value[0] == 1
-            _as_nobody(_plant_at, "\n".join(planted))
+            run_as_nobody(_plant_at, "\n".join(planted))
             assert all(os.stat(p).st_uid == NOBODY for p in planted)
         t0 = time.monotonic()
         out.send(key, value, timeout=2)
@@ -348,7 +336,7 @@ def test_security_planted_copier_budget_does_not_turn_helpers_off() -> None:
     if copier.machine_budget() == 0:
         pytest.skip("one CPU: no helper budget to take")
     old = f"{SHM_DIR}/.shmrdv-copiers-{os.geteuid()}"
-    _as_nobody(_plant_at, old)
+    run_as_nobody(_plant_at, old)
     try:
         path = copier.budget_path()
         assert path is not None and not path.startswith(SHM_DIR)
@@ -392,17 +380,7 @@ def test_security_files_planted_under_vacated_slot_names_do_not_defeat_the_pool(
     reusing its slots and nothing planted is ever touched."""
     from shmrdv._child import ChildWorker
 
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the attacker
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            _squat_vacated(Names(ns).prefix)
-            code = 0
-        finally:
-            os._exit(code)
+    pid = fork_as_nobody(_squat_vacated, Names(ns).prefix)
     n = 60
     try:
         with (
