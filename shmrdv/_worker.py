@@ -110,8 +110,10 @@ class Worker:
         busy_poll: low latency for a stage that has a core of its own. A receive blocked
             on another process of this host polls shared memory instead of sleeping on
             the doorbell until this many seconds have passed since the last message
-            arrived (0, the default: a short adaptive spin that stays off on one CPU). The time spent polling is in ``stats()``
-            (``spin_us``, with ``spin_hits``).
+            arrived (0, the default: a short adaptive spin, off where the job has one
+            CPU, by the machine or its cgroup quota, and after a wait that went
+            unanswered). The time spent polling is in ``stats()`` (``spin_us``, with
+            ``spins`` started and ``spin_hits``, those that found a message).
         max_connections, max_concurrent_rpcs, first_message_timeout: bounds of this
             worker's gRPC server against clients that never finish a call, with or
             without the token. Connections beyond ``max_connections`` are refused
