@@ -224,7 +224,11 @@ class Dispatcher:
     def stats(self) -> dict[str, int]:
         """Time spent spinning (µs; the CPU time of a spinning poller), spins started and
         spins that paid."""
-        return {"spin_us": self._spun_ns // 1000, "spins": self._spins, "spin_hits": self._spin_hits}
+        return {
+            "spin_us": self._spun_ns // 1000,
+            "spins": self._spins,
+            "spin_hits": self._spin_hits,
+        }
 
     def close(self) -> None:
         """Stop the thread (after the consumer is closed). Idempotent."""
