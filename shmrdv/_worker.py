@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ._closing import Closing
 from ._cluster import ClusterSpec
 from ._devices import DeviceName
 from ._errors import AbortedError, InvalidArgumentError, closed_error
@@ -81,7 +82,7 @@ def _check_busy_poll(seconds: Any) -> float:
     return float(seconds)
 
 
-class Worker:
+class Worker(Closing):
     """One task of a job: hands out step-scoped rendezvous and owns their transports.
 
     Args:
@@ -308,12 +309,6 @@ class Worker:
             f"incarnation={self.incarnation:016x} "
             f"transports={self.transports}{window} steps={len(self._steps)} {state}>"
         )
-
-    def __enter__(self) -> Worker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def rendezvous(self, step_id: int) -> StepRendezvous:
         """The rendezvous of step ``step_id`` (created on first use, then the same object).
