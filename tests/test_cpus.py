@@ -219,9 +219,13 @@ def test_cpus_a_job_with_a_one_cpu_quota_never_spins(one_cpu_cgroup: Path) -> No
 
 def test_cpus_an_unanswered_wait_turns_the_spin_off() -> None:
     """A receiver that waited a whole tick in vain spins no more until posts come again:
-    an idle receiver blocked for 1.2 s (six ticks) spins once, at its first poll."""
+    an idle receiver blocked for 1.2 s (six ticks) spins once, at its first poll. (Its
+    producer is up, and silent.)"""
     ns = shmrdv.new_namespace()
-    with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        shmrdv.Worker(PRODUCER, namespace=ns),
+    ):
         rdv = consumer.rendezvous(1)
         with pytest.raises(shmrdv.DeadlineExceededError):
             rdv.recv(make_key("never"), timeout=1.2)
