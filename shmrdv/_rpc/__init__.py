@@ -11,9 +11,10 @@ accounting), ``server`` (the server lifecycle), ``service`` (the handlers),
 ``waits`` (calls matched with values; ``tensor_source`` declares the outbox's side),
 ``response_cache`` (TensorFlow's GrpcResponseCache), ``limits`` (connection and call
 bounds), ``request_gate`` (dropping calls that send no request). Consumer side:
-``client`` (the consumer's client: receives in order per key), ``call`` (one receive's
-RPCs), ``channels`` (a channel per peer, fork handling), ``acks`` (ack handling),
-``runner`` (callback threads). ``transport`` composes the two for the Worker.
+``client`` (the consumer's client: receives in order per key), ``call`` (one receive;
+its phases ``recv_unary`` and ``recv_stream``; ``recv_context``, what it is given),
+``channels`` (a channel per peer, fork handling), ``acks`` (ack handling), ``runner``
+(callback threads). ``transport`` composes the two for the Worker.
 
 Thread model: docs/threads.md.
 """

@@ -1,4 +1,4 @@
-"""The service handlers: RecvTensor and its stream, answered from a ``TensorSource``.
+"""The gRPC methods' handlers: each answers a call from the values ``waits`` gives it.
 
 A consumer on another host pulls a value: it calls ``RecvTensor`` (TensorFlow's unary
 method, TF-compatible bytes) with a step id and a rendezvous key; the handler decodes the
