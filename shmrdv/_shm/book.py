@@ -23,6 +23,7 @@ from .._errors import InternalError
 from .._keys import ParsedKey
 from .._received import Received
 from .._waiters import WaiterTable
+from .pool import RunWatch
 from .producer import task_name
 from .ring import Ring
 from .segment import Segment
@@ -79,12 +80,16 @@ class Waiter:
 
 
 class InRing:
-    """A producer's ring for this consumer, attached (its name already unlinked)."""
+    """A producer's ring for this consumer, attached (its name already unlinked).
 
-    __slots__ = ("inc", "lost", "lost_seen", "ring", "segment")
+    ``watch`` is live while the ring is attached: this consumer will then collect what the
+    producer run leaves when it is over (``pool.RunWatch``)."""
+
+    __slots__ = ("inc", "lost", "lost_seen", "ring", "segment", "watch")
 
     def __init__(self, segment: Segment, ring: Ring, inc: int) -> None:
         self.segment, self.ring, self.inc = segment, ring, inc
+        self.watch = RunWatch()
         self.lost_seen = 0
         self.lost = 0  # the ring's lost count at the last (size-checked) drain
 

@@ -4,7 +4,10 @@ The array handed out for a segment is a view over the mapped segment (zero copy)
 writable and the consumer's alone; the segment's name is unlinked (or, for a pool slot,
 renamed to ``held``) at once, so the memory goes back when the array is garbage-collected
 — or when the consumer dies, since nothing names it any more (a held slot: by ``gc``).
-A pool slot's mapping is kept from one message to the next (``SlotMaps``).
+A pool slot's mapping is kept from one message to the next (``SlotMaps``); a slot that the
+producer's ring announced and that is mapped already is taken without opening its name
+(one rename to ``held`` and one ``fstat``), and its array gives it back through the slot's
+control block (``pool.return_slot``).
 
 Thread model (docs/threads.md): ``take`` runs under ``Consumer.lock``; ``unlink_held``
 after the consumer is closed; the ``held`` set is also changed by the finalizers of lent
@@ -14,7 +17,11 @@ arrays (``pool.return_slot``), in whichever thread collects them.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+from typing import Any
+
+import numpy.typing as npt
 
 from .._errors import InternalError, RendezvousError
 from .._received import Received
@@ -23,11 +30,18 @@ from . import layout
 from .book import Book, Channel
 from .inbox import unlink_quietly
 from .naming import Names
-from .pool import ProducerAlive, return_slot
-from .segment import move_noreplace
-from .slotmaps import SlotMaps
+from .pool import CONTROL, ProducerAlive, RunWatch, return_slot
+from .segment import Segment, move_noreplace
+from .slotmaps import SlotIdent, SlotMaps
 
 __all__ = ["NamedMessages"]
+
+
+class _Unsure:
+    """``_take_kept`` could not tell: take the message through the checked open instead."""
+
+
+_UNSURE = _Unsure()
 
 _log = logging.getLogger("shmrdv.shm")
 
@@ -45,8 +59,11 @@ class NamedMessages:
         self.held: set[str] = set()
         self.probes = 0
 
-    def take(self, ch: Channel) -> Received | BaseException | None:
+    def take(self, ch: Channel, slot: int = -1) -> Received | BaseException | None:
         """Open the channel's next message by its name, if it is published (under the lock).
+
+        ``slot``: the pool slot ticket its producer's ring announced it in (-1: unknown); a
+        slot mapped already is then taken without an open (``_take_kept``).
 
         None: not published (yet). An exception: that message cannot be used (a file
         another user planted under its name, a corrupt header) and is skipped, or the
@@ -57,6 +74,12 @@ class NamedMessages:
         self.probes += 1
         name = self._names.message(ch.step, ch.key, ch.inc, ch.seq)
         maps = self.maps
+        if slot >= 0:
+            found = maps.find(ch.src.task, ch.inc, slot)
+            if found is not None:
+                got = self._take_kept(ch, name, slot, found[0], found[1])
+                if not isinstance(got, _Unsure):
+                    return got
         try:
             seg, ident, kept = maps.open(name)
         except FileNotFoundError:
@@ -111,21 +134,88 @@ class NamedMessages:
                 seg.close()
         else:
             seg.name = held
-            self.held.add(held)
-            # An array of its own per message; the mapping is kept for the slot's next one.
-            arr = seg.lend(
-                header,
-                return_slot,
-                self._names,
-                self._producer_alive,
-                ch.src.task,
-                header.producer_incarnation,
-                header.slot,
-                self.held,
-            )
+            arr = self._lend(ch, seg, header, held, checked=False)
             maps.keep(seg, ident, ch.src.task, header.producer_incarnation, header.slot)
         self._book.count(header.nbytes)
         return Received(arr, header.is_dead)
+
+    def _take_kept(
+        self, ch: Channel, name: str, ticket: int, seg: Segment, ident: SlotIdent
+    ) -> Received | BaseException | _Unsure | None:
+        """Take the message ``name`` that the producer's ring announced in slot ``ticket``,
+        whose file ``seg`` maps already (``SlotMaps.find``): rename it to ``held`` (the
+        name says "a consumer holds it" from here on), check the file's size, read the
+        header from the mapping. ``_UNSURE`` when a name is in the way: the checked open
+        decides then."""
+        held = self._names.held(ch.src.task, ch.inc, ticket)
+        try:
+            move_noreplace(Names.path(name), Names.path(held))
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return _UNSURE
+        self._book.drop_stashed(ch)
+        seg.name = held
+        try:
+            seg.check_size(seg.size)  # a shrunk file: reading its header would be a SIGBUS
+            header = layout.unpack(seg.buf, seg.size)
+            if (
+                header.key != ch.key
+                or header.seq != ch.seq
+                or header.step_id != ch.step
+                or header.slot != ticket
+                or header.producer_incarnation != ch.inc
+            ):
+                raise InternalError(
+                    f"pool slot {name} holds key {header.key!r} step {header.step_id} seq "
+                    f"{header.seq} slot {header.slot}, expected {ch.key!r} step {ch.step} seq "
+                    f"{ch.seq} slot {ticket}"
+                )
+            problem = shape_problem(header.shape, header.dtype.itemsize)
+            if problem is not None:
+                raise InternalError(f"segment {name} from {ch.src.task}: {problem}")
+        except RendezvousError as e:
+            unlink_quietly(seg)
+            self.maps.forget(ident)
+            ch.seq += 1
+            return e
+        ch.seq += 1
+        arr = self._lend(ch, seg, header, held, checked=True)
+        self.maps.keep(seg, ident, ch.src.task, ch.inc, ticket)
+        self._book.count(header.nbytes)
+        return Received(arr, header.is_dead)
+
+    def _lend(
+        self, ch: Channel, seg: Segment, header: layout.Header, held: str, checked: bool
+    ) -> npt.NDArray[Any]:
+        """The array of a message in a pool slot now named ``held``: its own per message,
+        over the mapping kept for the slot's next one; its collection gives the slot back
+        (through the slot's control block when the file has one and the producer run is
+        watched, ``pool.return_slot``)."""
+        self.held.add(held)
+        inc = header.producer_incarnation
+        mem = seg.buf
+        ctl: mmap.mmap | None = None
+        watch: RunWatch | None = None
+        if isinstance(mem, mmap.mmap) and header.data_offset + header.nbytes <= seg.size - CONTROL:
+            ctl = mem
+            for r in ch.src.rings:
+                if r.inc == inc:
+                    watch = r.watch
+                    break
+        return seg.lend(
+            header,
+            return_slot,
+            self._names,
+            self._producer_alive,
+            ch.src.task,
+            inc,
+            header.slot,
+            self.held,
+            ctl,
+            watch,
+            checked=checked,
+        )
 
     def unlink_held(self) -> None:
         """Unlink the ``held`` names of arrays this consumer still has (their mappings stay).

@@ -16,12 +16,23 @@ two 256 MiB slots fit a 512 MiB pool: one lent while the next is written), and a
 ``max_slots`` of them: each slot keeps a mapping, and CPython's ``mmap`` keeps a file
 descriptor per mapping (many systems still default to 1024 descriptors per process).
 
+The way back is through shared memory when it can be (issue 18 §2): the last ``CONTROL``
+bytes of a slot's file are its control block, outside every message's data. A consumer
+whose array over the slot is collected renames ``held`` straight to the slot's next free
+``pool`` name (the one the producer would rename ``returned`` to) and then stores that
+next ticket in the control block; the producer, at its next acquire, reads the word
+(after one ``fstat``: a file shrunk under it must not be read) and takes the slot back
+with no system call on a name at all. The names stay the truth: a slot is under ``m``
+while published, ``h`` while held, and ``p`` when free, whoever crashed when. Where the
+word cannot be used (a slot freed unreceived by ``cleanup``, a name in the way), the
+consumer renames to ``returned`` and the producer takes that back as before.
+
 A lent slot can be lost to the producer: its consumer freed the message unreceived
 (``cleanup``), or exited or died while holding it (its ``held`` name unlinked by its
 ``close`` or by ``gc``). A lent slot whose name is under none of ``m``/``h``/``r`` any
 more is forgotten: its bytes count no longer, and its mapping is dropped. The names are
-checked in the order the slot travels (``m`` -> ``h`` -> ``r``), so a slot moving on
-meanwhile is always found under one of them.
+checked in the order the slot travels (``m`` -> ``h`` -> ``r`` or next ``p``), so a slot
+moving on meanwhile is always found under one of them.
 
 The consumer's half of the protocol is ``return_slot`` / ``give_back`` below.
 
@@ -36,7 +47,9 @@ quietly (``pool_refused`` in ``stats()``, one warning per pool).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import struct
 import threading
 import time
 from collections import deque
@@ -47,7 +60,16 @@ from .._errors import InternalError, ResourceExhaustedError
 from .naming import MAX_SLOT, SLOT_BITS, Names
 from .segment import Segment, move_noreplace
 
-__all__ = ["ProducerAlive", "Slot", "SlotPool", "give_back", "return_slot"]
+__all__ = [
+    "CONTROL",
+    "ProducerAlive",
+    "RunWatch",
+    "Slot",
+    "SlotPool",
+    "give_back",
+    "return_slot",
+    "size_class",
+]
 
 _log = logging.getLogger("shmrdv.shm.pool")
 
@@ -70,15 +92,25 @@ _LOST_CHECK_S = 1.0
 _HEADER_ROOM = 64 << 10
 
 
+#: Bytes at the end of every slot file kept for its control block (the return word), out of
+#: reach of any message's data: a class serves a segment of at most its size minus these.
+CONTROL = 64
+# The return word: the ticket of the slot's next lend, stored by the consumer that gave it
+# back (``return_slot``). Tickets only grow, so a word left from an earlier lend never
+# matches.
+_WORD = struct.Struct("<Q")
+
+
 def _counted(cls: int) -> int:
     """The bytes a slot of class ``cls`` counts against the pool's limit (its data part)."""
     return cls - _HEADER_ROOM if cls > 2 * _HEADER_ROOM else cls
 
 
 def size_class(nbytes: int) -> int:
-    """The slot size serving a segment of ``nbytes``: the next power of two (>= 4 KiB),
-    above 128 KiB the next power of two of the data plus 64 KiB of room for the header."""
-    n = max(nbytes, _MIN_CLASS)
+    """The slot size serving a segment of ``nbytes`` (and the ``CONTROL`` block): the next
+    power of two (>= 4 KiB), above 128 KiB the next power of two of the data plus 64 KiB of
+    room for the header."""
+    n = max(nbytes + CONTROL, _MIN_CLASS)
     if n <= 2 * _HEADER_ROOM:
         return 1 << (n - 1).bit_length()
     return (1 << (n - _HEADER_ROOM - 1).bit_length()) + _HEADER_ROOM
@@ -93,7 +125,7 @@ class Slot:
     segment: Segment
     ticket: int = -1  # the index and the lend generation (naming.SLOT_BITS); set at creation
     ino: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file: its identity across renames
-    state: str = "free"  # free | allocated | lent
+    state: str = "free"  # free | allocated | lent | lost
     lent_key: str = field(default="")
     lent_name: str = field(default="")  # the message name it was published under
     checked_at: float = 0.0  # time.monotonic() of the last lost check (or of the lend)
@@ -237,15 +269,16 @@ class SlotPool:
         return None
 
     def _reclaim(self) -> None:
-        """Take back slots their consumers have returned (``r`` name -> ``p`` name).
+        """Take back slots their consumers have given back: through the control block (no
+        name touched), or under their ``returned`` name (``r`` name -> ``p`` name).
 
         Forgets slots that are under none of their names any more (see the module docstring).
         """
         now = time.monotonic()
         for _ in range(min(len(self._lent), _RECLAIM_SCAN)):
             slot = self._lent.popleft()
-            if self._take_back(slot):
-                continue
+            if self._came_back(slot) or slot.state != "lent" or self._take_back(slot):
+                continue  # free again, or forgotten (its file was shrunk under it)
             if now - slot.checked_at < _LOST_CHECK_S:
                 self._lent.append(slot)
                 continue
@@ -255,8 +288,13 @@ class SlotPool:
             ):
                 self._lent.append(slot)  # still with its consumer
                 continue
-            if self._take_back(slot):  # returned while we looked
-                continue
+            if (
+                self._came_back(slot)
+                or slot.state != "lent"
+                or self._take_back(slot)
+                or self._freed(slot)
+            ):
+                continue  # given back while we looked, or forgotten
             _log.debug(
                 "pool slot %d (%s) was freed by its consumer; forgetting it",
                 slot.index,
@@ -264,6 +302,49 @@ class SlotPool:
             )
             self.lost += 1
             self._forget(slot)
+
+    def _came_back(self, slot: Slot) -> bool:
+        """Whether the consumer gave ``slot`` back through its control block (it renamed the
+        file to the slot's next ``pool`` name first); if so it is free again. One ``fstat``:
+        reading a page a truncation took would be a SIGBUS. A shrunk slot is forgotten."""
+        nxt = slot.ticket + (1 << SLOT_BITS)
+        seg = slot.segment
+        try:
+            seg.check_size(slot.capacity)
+            word = _WORD.unpack_from(seg.buf, slot.capacity - CONTROL)[0]
+        except InternalError as e:
+            _log.warning("forgetting pool slot %d: %s", slot.index, e)
+            self.lost += 1
+            slot.state = "lost"
+            self._forget(slot)
+            return False
+        if word != nxt:
+            return False
+        self._freed_as(slot, nxt, self._names.pool(self._task, self._incarnation, nxt))
+        return True
+
+    def _freed(self, slot: Slot) -> bool:
+        """Whether the slot is under its next ``pool`` name although its control block does
+        not say so (its consumer died between the rename and the store): then it is free."""
+        nxt = slot.ticket + (1 << SLOT_BITS)
+        name = self._names.pool(self._task, self._incarnation, nxt)
+        path = self._names.path(name)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return False
+        if (st.st_dev, st.st_ino) != slot.ino:
+            self._refuse(path)
+            return False
+        self._freed_as(slot, nxt, name)
+        return True
+
+    def _freed_as(self, slot: Slot, ticket: int, pool_name: str) -> None:
+        slot.segment.name = pool_name
+        slot.ticket = ticket
+        slot.state = "free"
+        slot.lent_key = slot.lent_name = ""
+        self._free.setdefault(slot.capacity, []).append(slot)
 
     def _take_back(self, slot: Slot) -> bool:
         """Rename the slot's ``returned`` name back to its ``pool`` name; whether it was there."""
@@ -289,11 +370,7 @@ class SlotPool:
         except OSError as e:
             _log.warning("cannot take back pool slot %s: %s", ret, e)
             return False
-        slot.segment.name = pool_name
-        slot.ticket = ticket
-        slot.state = "free"
-        slot.lent_key = slot.lent_name = ""
-        self._free.setdefault(slot.capacity, []).append(slot)
+        self._freed_as(slot, ticket, pool_name)
         return True
 
     def _refuse(self, path: str) -> None:
@@ -379,21 +456,43 @@ class SlotPool:
             slot.segment.unlink()
             slot.segment.close()
         for slot in lent:
-            ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.ticket))
-            try:
-                st = os.stat(ret, follow_symlinks=False)
-                if (st.st_dev, st.st_ino) == slot.ino:
-                    os.unlink(ret)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                _log.warning("cannot remove returned pool slot %s: %s", ret, e)
+            nxt = slot.ticket + (1 << SLOT_BITS)
+            for name in (
+                self._names.returned(self._task, self._incarnation, slot.ticket),
+                self._names.pool(self._task, self._incarnation, nxt),
+            ):
+                path = self._names.path(name)
+                try:
+                    st = os.stat(path, follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) == slot.ino:
+                        os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    _log.warning("cannot remove given-back pool slot %s: %s", path, e)
             slot.segment.close()
 
 
 #: ``alive(producer_task, incarnation)``: is that task's live worker of that incarnation? Must
 #: be lock-free (it runs inside the garbage collector) and must not block.
 ProducerAlive = Callable[[str, int], bool]
+
+
+class RunWatch:
+    """A consumer's word about one producer run, read by ``return_slot`` without a lock.
+
+    While ``live``, the consumer has that run's ring attached and will collect what the run
+    leaves once it is over (``reaper.collect_producer``, after the ring is retired), so a
+    slot given back meanwhile needs no look at the producer's liveness: if the producer
+    closed before taking it, that collection frees it. The consumer clears ``live`` (under
+    its lock) before the collection lists anything, and ``return_slot`` reads it after its
+    rename: a rename it does not see cleared came before the listing.
+    """
+
+    __slots__ = ("live",)
+
+    def __init__(self) -> None:
+        self.live = True
 
 
 def return_slot(
@@ -403,16 +502,55 @@ def return_slot(
     incarnation: int,
     slot: int,
     held_names: set[str],
+    mem: mmap.mmap | None = None,
+    watch: RunWatch | None = None,
 ) -> None:
     """Consumer side, when the last array over a pool slot is collected: give it back.
 
-    ``held`` -> ``returned``; if the producer is gone (closed, dead or restarted) nobody
-    will take it back, so unlink it instead. Runs in whatever thread collected the array
-    (possibly inside the garbage collector: it takes no lock).
+    With the slot's mapping (``mem``, whose last ``CONTROL`` bytes are the slot's control
+    block) and a ``watch`` of its producer run: ``held`` -> the next ``pool`` name, then the
+    next ticket stored in the control block (module docstring); one rename and one
+    ``fstat``. Else, or if that name is taken: ``held`` -> ``returned`` (``give_back``). If
+    the producer is gone (closed, dead or restarted) nobody will take it back, so it is
+    unlinked instead. Runs in whatever thread collected the array (possibly inside the
+    garbage collector: it takes no lock).
     """
     held_name = names.held(producer_task, incarnation, slot)
     held_names.discard(held_name)
-    give_back(names, alive, producer_task, incarnation, slot, names.path(held_name))
+    path = names.path(held_name)
+    if mem is None or watch is None:
+        give_back(names, alive, producer_task, incarnation, slot, path)
+        return
+    nxt = slot + (1 << SLOT_BITS)
+    free = names.path(names.pool(producer_task, incarnation, nxt))
+    try:
+        move_noreplace(path, free)
+    except FileNotFoundError:
+        return  # removed by close or gc meanwhile
+    except OSError:
+        give_back(names, alive, producer_task, incarnation, slot, path)
+        return
+    try:
+        # A file shrunk under the mapping would make the store a SIGBUS: one fstat first.
+        end = len(mem)
+        if end >= CONTROL and mem.size() >= end:
+            _WORD.pack_into(mem, end - CONTROL, nxt)
+    except (OSError, ValueError):
+        pass  # its producer finds it under its name (``SlotPool._freed``)
+    if not watch.live and not _taken_back(names, alive, producer_task, incarnation):
+        try:
+            os.unlink(free)
+        except OSError:
+            pass
+
+
+def _taken_back(names: Names, alive: ProducerAlive, producer_task: str, incarnation: int) -> bool:
+    """Whether the producer run will still take back what is given back to it now (called
+    after the rename): its doorbell is there and its presence record is that run's, alive."""
+    try:
+        return os.path.lexists(names.bell_path(producer_task)) and alive(producer_task, incarnation)
+    except Exception:  # a corrupt or foreign record: treat as gone
+        return False
 
 
 def give_back(
@@ -441,11 +579,7 @@ def give_back(
         except OSError:
             pass
         return
-    try:
-        ok = os.path.lexists(names.bell_path(producer_task)) and alive(producer_task, incarnation)
-    except Exception:  # a corrupt or foreign record: treat as gone
-        ok = False
-    if not ok:
+    if not _taken_back(names, alive, producer_task, incarnation):
         try:
             os.unlink(ret)
         except OSError:

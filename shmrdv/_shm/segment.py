@@ -314,7 +314,11 @@ class Segment:
         return arr
 
     def lend(
-        self, header: Header, callback: Callable[..., object], *args: object
+        self,
+        header: Header,
+        callback: Callable[..., object],
+        *args: object,
+        checked: bool = False,
     ) -> npt.NDArray[Any]:
         """A writable array over the data ``header`` describes, with an owner of its own.
 
@@ -322,10 +326,12 @@ class Segment:
         whichever thread drops the last one, possibly inside the garbage collector; its
         exceptions are logged), while the mapping stays with this segment: a kept
         mapping lends one array per message. The array keeps the mapping alive after
-        ``close()`` as ``ndarray()``'s do. Checks the file's size first.
+        ``close()`` as ``ndarray()``'s do. Checks the file's size first, unless ``checked``
+        (the caller's ``check_size`` of a moment ago covered the data).
         """
         mem = self._live_mem()
-        self.check_size(header.data_offset + header.nbytes)
+        if not checked:
+            self.check_size(header.data_offset + header.nbytes)
         owner = _Owner((len(mem),), np.uint8, buffer=mem)
         with _LENT_LOCK:
             self._lent[0] += 1
