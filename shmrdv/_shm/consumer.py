@@ -298,7 +298,7 @@ class Consumer:
 
     def _taken(self, ch: Channel, got: Stashed) -> Received | BaseException:
         if isinstance(got, Notice):
-            named = self._named.take(ch, got.slot)
+            named = self._named.take(ch, got)
             if named is not None:
                 return named
             ch.seq += 1

@@ -249,7 +249,7 @@ class Inbox:
                 notice = False
             else:
                 if notice:
-                    value = Notice(slot)
+                    value = Notice(slot, (dtype, shape, offset, nbytes, bool(flags & 1)))
                 elif nbytes:
                     # One copy out of the ring (the record's bytes are overwritten later).
                     arr: Any = np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset)

@@ -27,7 +27,7 @@ from .._errors import InternalError, RendezvousError
 from .._received import Received
 from .._values import shape_problem
 from . import layout
-from .book import Book, Channel
+from .book import Book, Channel, Notice, NoticeArray
 from .inbox import unlink_quietly
 from .naming import Names
 from .pool import CONTROL, ProducerAlive, RunWatch, return_slot
@@ -59,11 +59,11 @@ class NamedMessages:
         self.held: set[str] = set()
         self.probes = 0
 
-    def take(self, ch: Channel, slot: int = -1) -> Received | BaseException | None:
+    def take(self, ch: Channel, notice: Notice | None = None) -> Received | BaseException | None:
         """Open the channel's next message by its name, if it is published (under the lock).
 
-        ``slot``: the pool slot ticket its producer's ring announced it in (-1: unknown); a
-        slot mapped already is then taken without an open (``_take_kept``).
+        ``notice``: what its producer's ring said of it, if anything; a pool slot mapped
+        already is then taken without an open (``_take_kept``).
 
         None: not published (yet). An exception: that message cannot be used (a file
         another user planted under its name, a corrupt header) and is skipped, or the
@@ -74,10 +74,10 @@ class NamedMessages:
         self.probes += 1
         name = self._names.message(ch.step, ch.key, ch.inc, ch.seq)
         maps = self.maps
-        if slot >= 0:
-            found = maps.find(ch.src.task, ch.inc, slot)
+        if notice is not None and notice.slot >= 0 and notice.array is not None:
+            found = maps.find(ch.src.task, ch.inc, notice.slot)
             if found is not None:
-                got = self._take_kept(ch, name, slot, found[0], found[1])
+                got = self._take_kept(ch, name, notice.slot, notice.array, found[0], found[1])
                 if not isinstance(got, _Unsure):
                     return got
         try:
@@ -134,19 +134,39 @@ class NamedMessages:
                 seg.close()
         else:
             seg.name = held
-            arr = self._lend(ch, seg, header, held, checked=False)
-            maps.keep(seg, ident, ch.src.task, header.producer_incarnation, header.slot)
+            inc = header.producer_incarnation
+            arr = self._lend(
+                ch,
+                seg,
+                inc,
+                header.slot,
+                held,
+                header.dtype,
+                header.shape,
+                header.data_offset,
+                header.nbytes,
+                checked=False,
+            )
+            maps.keep(seg, ident, ch.src.task, inc, header.slot)
         self._book.count(header.nbytes)
         return Received(arr, header.is_dead)
 
     def _take_kept(
-        self, ch: Channel, name: str, ticket: int, seg: Segment, ident: SlotIdent
+        self,
+        ch: Channel,
+        name: str,
+        ticket: int,
+        array: NoticeArray,
+        seg: Segment,
+        ident: SlotIdent,
     ) -> Received | BaseException | _Unsure | None:
-        """Take the message ``name`` that the producer's ring announced in slot ``ticket``,
-        whose file ``seg`` maps already (``SlotMaps.find``): rename it to ``held`` (the
-        name says "a consumer holds it" from here on), check the file's size, read the
-        header from the mapping. ``_UNSURE`` when a name is in the way: the checked open
-        decides then."""
+        """Take the message ``name`` that the producer's ring announced in slot ``ticket``
+        (with ``array``, what the ring record said of its array), whose file ``seg`` maps
+        already (``SlotMaps.find``): rename it to ``held`` (the name says "a consumer holds
+        it" from here on) and check that the file still holds the data (one ``fstat``). The
+        header in the file is the record's twin, written by the same producer; the ring
+        record was checked when drained. ``_UNSURE`` when a name is in the way: the checked
+        open decides then."""
         held = self._names.held(ch.src.task, ch.inc, ticket)
         try:
             move_noreplace(Names.path(name), Names.path(held))
@@ -156,61 +176,58 @@ class NamedMessages:
             return _UNSURE
         self._book.drop_stashed(ch)
         seg.name = held
+        dtype, shape, offset, nbytes, dead = array
+        ch.seq += 1
         try:
-            seg.check_size(seg.size)  # a shrunk file: reading its header would be a SIGBUS
-            header = layout.unpack(seg.buf, seg.size)
-            if (
-                header.key != ch.key
-                or header.seq != ch.seq
-                or header.step_id != ch.step
-                or header.slot != ticket
-                or header.producer_incarnation != ch.inc
-            ):
-                raise InternalError(
-                    f"pool slot {name} holds key {header.key!r} step {header.step_id} seq "
-                    f"{header.seq} slot {header.slot}, expected {ch.key!r} step {ch.step} seq "
-                    f"{ch.seq} slot {ticket}"
-                )
-            problem = shape_problem(header.shape, header.dtype.itemsize)
-            if problem is not None:
-                raise InternalError(f"segment {name} from {ch.src.task}: {problem}")
+            seg.check_size(offset + nbytes)  # a shrunk file: reading it would be a SIGBUS
         except RendezvousError as e:
             unlink_quietly(seg)
             self.maps.forget(ident)
-            ch.seq += 1
             return e
-        ch.seq += 1
-        arr = self._lend(ch, seg, header, held, checked=True)
+        arr = self._lend(ch, seg, ch.inc, ticket, held, dtype, shape, offset, nbytes, checked=True)
         self.maps.keep(seg, ident, ch.src.task, ch.inc, ticket)
-        self._book.count(header.nbytes)
-        return Received(arr, header.is_dead)
+        self._book.count(nbytes)
+        return Received(arr, dead)
 
     def _lend(
-        self, ch: Channel, seg: Segment, header: layout.Header, held: str, checked: bool
+        self,
+        ch: Channel,
+        seg: Segment,
+        inc: int,
+        ticket: int,
+        held: str,
+        dtype: Any,
+        shape: tuple[int, ...],
+        offset: int,
+        nbytes: int,
+        checked: bool,
     ) -> npt.NDArray[Any]:
-        """The array of a message in a pool slot now named ``held``: its own per message,
-        over the mapping kept for the slot's next one; its collection gives the slot back
-        (through the slot's control block when the file has one and the producer run is
-        watched, ``pool.return_slot``)."""
+        """The array of a message in pool slot ``ticket`` of producer run ``inc``, now named
+        ``held``: its own per message, over the mapping kept for the slot's next one; its
+        collection gives the slot back (through the slot's control block when the file has
+        one and the producer run is watched, ``pool.return_slot``)."""
         self.held.add(held)
-        inc = header.producer_incarnation
         mem = seg.buf
         ctl: mmap.mmap | None = None
         watch: RunWatch | None = None
-        if isinstance(mem, mmap.mmap) and header.data_offset + header.nbytes <= seg.size - CONTROL:
+        if isinstance(mem, mmap.mmap) and offset + nbytes <= seg.size - CONTROL:
             ctl = mem
             for r in ch.src.rings:
                 if r.inc == inc:
                     watch = r.watch
                     break
         return seg.lend(
-            header,
+            dtype,
+            shape,
+            offset,
+            nbytes,
             return_slot,
             self._names,
             self._producer_alive,
             ch.src.task,
             inc,
-            header.slot,
+            ticket,
+            held,
             self.held,
             ctl,
             watch,

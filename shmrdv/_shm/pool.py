@@ -129,6 +129,7 @@ class Slot:
     lent_key: str = field(default="")
     lent_name: str = field(default="")  # the message name it was published under
     checked_at: float = 0.0  # time.monotonic() of the last lost check (or of the lend)
+    sized: int = -1  # the acquire in which its file's size was last checked
 
 
 class SlotPool:
@@ -154,6 +155,7 @@ class SlotPool:
         self._next_index = 0
         self._bytes = 0
         self._count = 0  # slots created or being created
+        self._acquires = 0  # acquires so far (``Slot.sized``)
         self._closed = False
         self.reused = 0
         self.created = 0
@@ -189,6 +191,7 @@ class SlotPool:
         with self._lock:
             if self._closed:
                 return None
+            self._acquires += 1
             slot = self._take_free(cls)
             if slot is None:
                 self._reclaim()
@@ -250,8 +253,11 @@ class SlotPool:
         return slot
 
     def _intact(self, slot: Slot) -> bool:
-        """(Under the lock) whether the slot's file still holds the whole slot (one fstat):
-        writing to a page a truncation took would be a SIGBUS. A truncated slot is dropped."""
+        """(Under the lock) whether the slot's file still holds the whole slot (one fstat,
+        unless ``_came_back`` made it a moment ago): writing to a page a truncation took
+        would be a SIGBUS. A truncated slot is dropped."""
+        if slot.sized == self._acquires:
+            return True
         try:
             slot.segment.check_size(slot.capacity)
         except InternalError as e:
@@ -321,6 +327,7 @@ class SlotPool:
         if word != nxt:
             return False
         self._freed_as(slot, nxt, self._names.pool(self._task, self._incarnation, nxt))
+        slot.sized = self._acquires
         return True
 
     def _freed(self, slot: Slot) -> bool:
@@ -501,11 +508,13 @@ def return_slot(
     producer_task: str,
     incarnation: int,
     slot: int,
+    held_name: str,
     held_names: set[str],
     mem: mmap.mmap | None = None,
     watch: RunWatch | None = None,
 ) -> None:
-    """Consumer side, when the last array over a pool slot is collected: give it back.
+    """Consumer side, when the last array over a pool slot is collected: give it back
+    (``held_name``: its ``held`` name, one of ``held_names``).
 
     With the slot's mapping (``mem``, whose last ``CONTROL`` bytes are the slot's control
     block) and a ``watch`` of its producer run: ``held`` -> the next ``pool`` name, then the
@@ -515,7 +524,6 @@ def return_slot(
     unlinked instead. Runs in whatever thread collected the array (possibly inside the
     garbage collector: it takes no lock).
     """
-    held_name = names.held(producer_task, incarnation, slot)
     held_names.discard(held_name)
     path = names.path(held_name)
     if mem is None or watch is None:

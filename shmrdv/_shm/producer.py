@@ -211,8 +211,10 @@ class Producer:
             arr: npt.NDArray[Any] = np.empty(shp, dt)
         else:
             slot, seg = self._segment_for(t.segment_size)
+            # A pool slot's size was checked by its acquire a moment ago (``SlotPool._intact``).
             arr = seg.ndarray(
-                t.to_header(key.full_key, step_id, self._inc, self._pid, _slot_index(slot))
+                t.to_header(key.full_key, step_id, self._inc, self._pid, _slot_index(slot)),
+                checked=slot is not None,
             )
         alloc = _Allocation(weakref.ref(arr), step_id, key.full_key, t, seg, slot)
         with self._lock:
