@@ -371,7 +371,13 @@ class SlotPool:
         pool_name = self._names.pool(self._task, self._incarnation, ticket)
         try:
             # Only our own uid can rename our file in the sticky /dev/shm, so it is still ours.
-            os.rename(ret, self._names.path(pool_name))
+            # No replace: a file planted under the pool name (as root, rename would destroy
+            # it) is left alone, and the slot stays free under its returned name, which
+            # ``gc`` knows as well (its header names this lend).
+            move_noreplace(ret, self._names.path(pool_name))
+        except FileExistsError:
+            self._refuse(self._names.path(pool_name))
+            pool_name = self._names.returned(self._task, self._incarnation, slot.ticket)
         except FileNotFoundError:
             return False
         except OSError as e:
