@@ -16,23 +16,23 @@ two 256 MiB slots fit a 512 MiB pool: one lent while the next is written), and a
 ``max_slots`` of them: each slot keeps a mapping, and CPython's ``mmap`` keeps a file
 descriptor per mapping (many systems still default to 1024 descriptors per process).
 
-The way back is through shared memory when it can be (issue 18 §2): the last ``CONTROL``
-bytes of a slot's file are its control block, outside every message's data. A consumer
-whose array over the slot is collected renames ``held`` straight to the slot's next free
-``pool`` name (the one the producer would rename ``returned`` to) and then stores that
-next ticket in the control block; the producer, at its next acquire, reads the word
-(after one ``fstat``: a file shrunk under it must not be read) and takes the slot back
-with no system call on a name at all. The names stay the truth: a slot is under ``m``
-while published, ``h`` while held, and ``p`` when free, whoever crashed when. Where the
-word cannot be used (a slot freed unreceived by ``cleanup``, a name in the way), the
-consumer renames to ``returned`` and the producer takes that back as before.
+The way back is told through shared memory when it can be (issue 18 §2): the last
+``CONTROL`` bytes of a slot's file are its control block, outside every message's data. A
+consumer whose array over the slot is collected renames ``held`` to ``returned`` and then
+stores the ticket of the slot's next lend in the control block; the producer, at its next
+acquire, reads the word (after one ``fstat``: a file shrunk under it must not be read) and
+has the slot back with no system call on a name: the next send publishes it from its
+``returned`` name. The names stay the truth, whoever crashed when: a slot is under ``m``
+while published, ``h`` while held, ``r`` once given back, ``p`` when free and never lent
+(or taken back by name: a slot freed unreceived by ``cleanup``, or one whose word did not
+come, is renamed ``returned`` -> ``pool`` as before).
 
 A lent slot can be lost to the producer: its consumer freed the message unreceived
 (``cleanup``), or exited or died while holding it (its ``held`` name unlinked by its
 ``close`` or by ``gc``). A lent slot whose name is under none of ``m``/``h``/``r`` any
 more is forgotten: its bytes count no longer, and its mapping is dropped. The names are
-checked in the order the slot travels (``m`` -> ``h`` -> ``r`` or next ``p``), so a slot
-moving on meanwhile is always found under one of them.
+checked in the order the slot travels (``m`` -> ``h`` -> ``r``), so a slot moving on
+meanwhile is always found under one of them.
 
 The consumer's half of the protocol is ``return_slot`` / ``give_back`` below.
 
@@ -294,12 +294,7 @@ class SlotPool:
             ):
                 self._lent.append(slot)  # still with its consumer
                 continue
-            if (
-                self._came_back(slot)
-                or slot.state != "lent"
-                or self._take_back(slot)
-                or self._freed(slot)
-            ):
+            if self._came_back(slot) or slot.state != "lent" or self._take_back(slot):
                 continue  # given back while we looked, or forgotten
             _log.debug(
                 "pool slot %d (%s) was freed by its consumer; forgetting it",
@@ -311,39 +306,33 @@ class SlotPool:
 
     def _came_back(self, slot: Slot) -> bool:
         """Whether the consumer gave ``slot`` back through its control block (it renamed the
-        file to the slot's next ``pool`` name first); if so it is free again. One ``fstat``:
-        reading a page a truncation took would be a SIGBUS. A shrunk slot is forgotten."""
+        file to its ``returned`` name first); if so it is free again, under that name. One
+        ``fstat``: reading a page a truncation took would be a SIGBUS. A shrunk slot is
+        forgotten."""
         nxt = slot.ticket + (1 << SLOT_BITS)
         seg = slot.segment
         try:
             seg.check_size(slot.capacity)
             word = _WORD.unpack_from(seg.buf, slot.capacity - CONTROL)[0]
         except InternalError as e:
-            _log.warning("forgetting pool slot %d: %s", slot.index, e)
+            _log.warning("dropping pool slot %d: %s", slot.index, e)
             self.lost += 1
             slot.state = "lost"
+            # Given back already? Then its returned name is ours to remove (a held one is
+            # still its consumer's).
+            ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.ticket))
+            try:
+                st = os.stat(ret, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) == slot.ino:
+                    os.unlink(ret)
+            except OSError:
+                pass
             self._forget(slot)
             return False
         if word != nxt:
             return False
-        self._freed_as(slot, nxt, self._names.pool(self._task, self._incarnation, nxt))
+        self._freed_as(slot, nxt, self._names.returned(self._task, self._incarnation, slot.ticket))
         slot.sized = self._acquires
-        return True
-
-    def _freed(self, slot: Slot) -> bool:
-        """Whether the slot is under its next ``pool`` name although its control block does
-        not say so (its consumer died between the rename and the store): then it is free."""
-        nxt = slot.ticket + (1 << SLOT_BITS)
-        name = self._names.pool(self._task, self._incarnation, nxt)
-        path = self._names.path(name)
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except OSError:
-            return False
-        if (st.st_dev, st.st_ino) != slot.ino:
-            self._refuse(path)
-            return False
-        self._freed_as(slot, nxt, name)
         return True
 
     def _freed_as(self, slot: Slot, ticket: int, pool_name: str) -> None:
@@ -469,20 +458,15 @@ class SlotPool:
             slot.segment.unlink()
             slot.segment.close()
         for slot in lent:
-            nxt = slot.ticket + (1 << SLOT_BITS)
-            for name in (
-                self._names.returned(self._task, self._incarnation, slot.ticket),
-                self._names.pool(self._task, self._incarnation, nxt),
-            ):
-                path = self._names.path(name)
-                try:
-                    st = os.stat(path, follow_symlinks=False)
-                    if (st.st_dev, st.st_ino) == slot.ino:
-                        os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    _log.warning("cannot remove given-back pool slot %s: %s", path, e)
+            ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.ticket))
+            try:
+                st = os.stat(ret, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) == slot.ino:
+                    os.unlink(ret)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                _log.warning("cannot remove returned pool slot %s: %s", ret, e)
             slot.segment.close()
 
 
@@ -522,40 +506,13 @@ def return_slot(
     """Consumer side, when the last array over a pool slot is collected: give it back
     (``held_name``: its ``held`` name, one of ``held_names``).
 
-    With the slot's mapping (``mem``, whose last ``CONTROL`` bytes are the slot's control
-    block) and a ``watch`` of its producer run: ``held`` -> the next ``pool`` name, then the
-    next ticket stored in the control block (module docstring); one rename and one
-    ``fstat``. Else, or if that name is taken: ``held`` -> ``returned`` (``give_back``). If
-    the producer is gone (closed, dead or restarted) nobody will take it back, so it is
-    unlinked instead. Runs in whatever thread collected the array (possibly inside the
-    garbage collector: it takes no lock).
+    ``held`` -> ``returned`` (``give_back``, with the slot's mapping ``mem`` and a ``watch``
+    of its producer run when there are: then the control block tells the producer, and no
+    look at its liveness is needed). Runs in whatever thread collected the array (possibly
+    inside the garbage collector: it takes no lock).
     """
     held_names.discard(held_name)
-    path = names.path(held_name)
-    if mem is None or watch is None:
-        give_back(names, alive, producer_task, incarnation, slot, path)
-        return
-    nxt = slot + (1 << SLOT_BITS)
-    free = names.path(names.pool(producer_task, incarnation, nxt))
-    try:
-        move_noreplace(path, free)
-    except FileNotFoundError:
-        return  # removed by close or gc meanwhile
-    except OSError:
-        give_back(names, alive, producer_task, incarnation, slot, path)
-        return
-    try:
-        # A file shrunk under the mapping would make the store a SIGBUS: one fstat first.
-        end = len(mem)
-        if end >= CONTROL and mem.size() >= end:
-            _WORD.pack_into(mem, end - CONTROL, nxt)
-    except (OSError, ValueError):
-        pass  # its producer finds it under its name (``SlotPool._freed``)
-    if not watch.live and not _taken_back(names, alive, producer_task, incarnation):
-        try:
-            os.unlink(free)
-        except OSError:
-            pass
+    give_back(names, alive, producer_task, incarnation, slot, names.path(held_name), mem, watch)
 
 
 def _taken_back(names: Names, alive: ProducerAlive, producer_task: str, incarnation: int) -> bool:
@@ -568,18 +525,30 @@ def _taken_back(names: Names, alive: ProducerAlive, producer_task: str, incarnat
 
 
 def give_back(
-    names: Names, alive: ProducerAlive, producer_task: str, incarnation: int, slot: int, path: str
+    names: Names,
+    alive: ProducerAlive,
+    producer_task: str,
+    incarnation: int,
+    slot: int,
+    path: str,
+    mem: mmap.mmap | None = None,
+    watch: RunWatch | None = None,
 ) -> None:
-    """Rename the pool slot file at ``path`` to its ``returned`` name, for its producer.
+    """Rename the pool slot file at ``path`` to its ``returned`` name, for its producer; with
+    its mapping ``mem``, then store the slot's next ticket in its control block (one
+    ``fstat`` first: a store into a page a truncation took would be a SIGBUS).
 
     If the producer is no longer the live worker of that incarnation, nobody will take it
     back: unlink it instead. A missing ``path`` (removed by close or gc meanwhile) is fine.
+    That look (the doorbell, the presence record and its lock) is skipped while ``watch``
+    is live: its consumer will collect what the run leaves (``RunWatch``).
 
     No ``returned`` file outlives a closing producer: its ``close`` unlinks its doorbell
     first and then removes the ``returned`` names of its lent slots. We rename first, then
     look for the doorbell, then for its live presence record; if we see both, the doorbell
     we saw was that producer's (a successor's appears only after the record is gone), so
-    our rename came before its sweep, which will find the file.
+    our rename came before its sweep, which will find the file. (Under a live ``watch``, a
+    rename after that sweep leaves the file to the consumer's collection of the run.)
     """
     ret = names.path(names.returned(producer_task, incarnation, slot))
     try:
@@ -592,6 +561,15 @@ def give_back(
             os.unlink(path)
         except OSError:
             pass
+        return
+    if mem is not None:
+        try:
+            end = len(mem)
+            if end >= CONTROL and mem.size() >= end:
+                _WORD.pack_into(mem, end - CONTROL, slot + (1 << SLOT_BITS))
+        except (OSError, ValueError):
+            pass  # its producer finds it under its name (``SlotPool._take_back``)
+    if watch is not None and watch.live:
         return
     if not _taken_back(names, alive, producer_task, incarnation):
         try:
