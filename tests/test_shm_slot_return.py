@@ -12,6 +12,7 @@ process: both workers run in it).
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import pytest
 from helpers import CONSUMER, PRODUCER, make_key, remove_planted, run_as_nobody, wait_for
 
 import shmrdv
+from shmrdv._child import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, SLOT_BITS, Names
 from shmrdv._shm.pool import CONTROL
 
@@ -181,3 +183,46 @@ def test_slot_given_back_after_its_producer_closed_is_collected(ns: str) -> None
         assert not {"p", "r", "h"} & set(kinds(ns)), kinds(ns)
         consumer.cleanup(1)
     wait_for(lambda: kinds(ns) == [], 5, "nothing left")
+
+
+_kept: list[Any] = []
+
+
+def child_recv_and_keep(worker: shmrdv.Worker, key: str) -> float:
+    got = worker.rendezvous(1).recv(key, timeout=10).value
+    _kept.append(got)  # held until the process dies
+    return float(got[0])
+
+
+@pytest.mark.slow
+def test_slot_held_by_a_killed_consumer_goes_back_to_its_producer(ns: str) -> None:
+    """A consumer killed while it holds a slot leaves its ``held`` name (nothing ran to
+    give it back): the producer sees that run gone and takes the slot back for its next
+    sends, within about a second, instead of holding its memory for nothing."""
+    names = Names(ns)
+    key = make_key("killed")
+    with shmrdv.Worker(PRODUCER, namespace=ns, incarnation=INCARNATION) as producer:
+        prdv = producer.rendezvous(1)
+        consumer = ChildWorker(CONSUMER, namespace=ns)
+        try:
+            prdv.send(key, np.full(N, 1.0))
+            assert consumer.call(child_recv_and_keep, key) == 1.0
+            held = names.path(names.held(PRODUCER, INCARNATION, 0))
+            assert os.path.exists(held)
+            consumer.kill(signal.SIGKILL)
+            consumer.process.join(10)
+        finally:
+            consumer.close()
+        assert os.path.exists(held)  # the killed consumer left it
+        deadline = time.monotonic() + 5
+        while pool_stats(producer)["pool_reclaimed"] == 0:
+            assert time.monotonic() < deadline, pool_stats(producer)
+            # Each send needs a slot: the lost check of the held one runs at most once a
+            # second. (Nobody receives these: they are unlinked at cleanup.)
+            prdv.send(key, np.full(N, 2.0))
+            time.sleep(0.2)
+        assert not os.path.exists(held)
+        st = pool_stats(producer)
+        # The send that took it back was served by it (the others' slots are unreceived).
+        assert st["pool_reused"] == 1 and st["pool_lost"] == 0, st
+        producer.cleanup(1)

@@ -65,7 +65,7 @@ class Consumer:
         self._book = book = Book()
         self._waiters = book.waiters
         self._live = Liveness(ctx, TICK)
-        self._named = NamedMessages(names, book, self._live.producer_alive)
+        self._named = NamedMessages(names, book, self._live.producer_alive, ctx.incarnation)
         self._inbox = Inbox(ctx, names, book, self._free_named, TICK)
         self._recovery = Recovery(ctx, names, book, self._inbox, TICK)
         self._orphans = Orphans(ctx, names, self._recovery.listing, self._live.producer_alive)

@@ -30,7 +30,7 @@ from . import layout
 from .book import Book, Channel, Notice, NoticeArray
 from .inbox import unlink_quietly
 from .naming import Names
-from .pool import CONTROL, ProducerAlive, RunWatch, return_slot
+from .pool import CONTROL, ProducerAlive, RunWatch, hold, return_slot
 from .segment import Segment, move_noreplace
 from .slotmaps import SlotIdent, SlotMaps
 
@@ -49,8 +49,11 @@ _log = logging.getLogger("shmrdv.shm")
 class NamedMessages:
     """Opens a channel's next message by name (see the module docstring)."""
 
-    def __init__(self, names: Names, book: Book, producer_alive: ProducerAlive) -> None:
+    def __init__(
+        self, names: Names, book: Book, producer_alive: ProducerAlive, incarnation: int = 0
+    ) -> None:
         self._names = names
+        self._inc = incarnation  # this consumer's run: noted in the slots it holds
         self._book = book
         self._producer_alive = producer_alive
         self.maps = SlotMaps(names)
@@ -118,6 +121,13 @@ class NamedMessages:
             else None
         )
         if held is not None:
+            mem = seg.buf
+            if (
+                self._inc
+                and isinstance(mem, mmap.mmap)
+                and header.data_offset + header.nbytes <= seg.size - CONTROL
+            ):
+                hold(mem, self._inc)  # the checked open's fstat saw the file whole
             try:
                 # From here on the name says "a consumer holds it"; the memory goes back when
                 # the array is collected (``pool.return_slot``).
@@ -168,6 +178,15 @@ class NamedMessages:
         record was checked when drained. ``_UNSURE`` when a name is in the way: the checked
         open decides then."""
         held = self._names.held(ch.src.task, ch.inc, ticket)
+        dtype, shape, offset, nbytes, dead = array
+        try:
+            # A shrunk file: reading (or noting ourselves in) it would be a SIGBUS.
+            seg.check_size(seg.size)
+        except RendezvousError:
+            return _UNSURE  # the checked open refuses it, and says why
+        mem = seg.buf
+        if self._inc and isinstance(mem, mmap.mmap) and offset + nbytes <= seg.size - CONTROL:
+            hold(mem, self._inc)
         try:
             move_noreplace(Names.path(name), Names.path(held))
         except FileNotFoundError:
@@ -176,11 +195,11 @@ class NamedMessages:
             return _UNSURE
         self._book.drop_stashed(ch)
         seg.name = held
-        dtype, shape, offset, nbytes, dead = array
         ch.seq += 1
-        try:
-            seg.check_size(offset + nbytes)  # a shrunk file: reading it would be a SIGBUS
-        except RendezvousError as e:
+        if offset + nbytes > seg.size:
+            e = InternalError(
+                f"pool slot {name} of {seg.size} bytes cannot hold {nbytes} bytes at {offset}"
+            )
             unlink_quietly(seg)
             self.maps.forget(ident)
             return e

@@ -27,6 +27,12 @@ while published, ``h`` while held, ``r`` once given back, ``p`` when free and ne
 (or taken back by name: a slot freed unreceived by ``cleanup``, or one whose word did not
 come, is renamed ``returned`` -> ``pool`` as before).
 
+The control block's second word names the consumer run that holds the slot: a consumer
+stores its incarnation there before it renames a message to ``held`` (the producer zeroes it
+at each publish). A slot whose ``held`` name stays while the presence record of its
+consumer task says that run is gone (killed: nothing unlinked the name) is taken back by
+the producer (``held`` -> ``returned`` -> free), at its lost check.
+
 A lent slot can be lost to the producer: its consumer freed the message unreceived
 (``cleanup``), or exited or died while holding it (its ``held`` name unlinked by its
 ``close`` or by ``gc``). A lent slot whose name is under none of ``m``/``h``/``r`` any
@@ -66,7 +72,9 @@ __all__ = [
     "RunWatch",
     "Slot",
     "SlotPool",
+    "clear_holder",
     "give_back",
+    "hold",
     "return_slot",
     "size_class",
 ]
@@ -99,6 +107,21 @@ CONTROL = 64
 # back (``return_slot``). Tickets only grow, so a word left from an earlier lend never
 # matches.
 _WORD = struct.Struct("<Q")
+# The holder word, right after the return word: the incarnation of the consumer run that
+# took the lend (0: not known).
+_HOLDER_AT = _WORD.size
+
+
+def hold(mem: mmap.mmap, incarnation: int) -> None:
+    """Consumer side: note in the slot mapped at ``mem`` that run ``incarnation`` holds it
+    (before the rename to ``held``). The caller checked that the file holds ``mem`` whole."""
+    _WORD.pack_into(mem, len(mem) - CONTROL + _HOLDER_AT, incarnation)
+
+
+def clear_holder(mem: mmap.mmap | bytearray) -> None:
+    """Producer side, before a publish: no consumer holds this lend yet."""
+    if len(mem) >= CONTROL:
+        _WORD.pack_into(mem, len(mem) - CONTROL + _HOLDER_AT, 0)
 
 
 def _counted(cls: int) -> int:
@@ -128,6 +151,7 @@ class Slot:
     state: str = "free"  # free | allocated | lent | lost
     lent_key: str = field(default="")
     lent_name: str = field(default="")  # the message name it was published under
+    lent_to: str = field(default="")  # the consumer task it was published for
     checked_at: float = 0.0  # time.monotonic() of the last lost check (or of the lend)
     sized: int = -1  # the acquire in which its file's size was last checked
 
@@ -142,8 +166,12 @@ class SlotPool:
         incarnation: int,
         limit_bytes: int,
         max_slots: int = DEFAULT_MAX_SLOTS,
+        holder_alive: ProducerAlive | None = None,
     ) -> None:
         self._names = names
+        # ``holder_alive(consumer task, incarnation)``: is that run alive (a lost check asks
+        # it of a slot whose held name stays)? None: never take a held slot back.
+        self._holder_alive = holder_alive
         self._task = task
         self._incarnation = incarnation
         self._limit = limit_bytes
@@ -161,6 +189,7 @@ class SlotPool:
         self.created = 0
         self.lost = 0
         self.refused = 0  # files under a slot's names that were not that slot's
+        self.reclaimed = 0  # held slots taken back from a consumer run that is gone
 
     @property
     def bytes(self) -> int:
@@ -177,6 +206,7 @@ class SlotPool:
                 "pool_created": self.created,
                 "pool_lost": self.lost,
                 "pool_refused": self.refused,
+                "pool_reclaimed": self.reclaimed,
             }
 
     def acquire(self, nbytes: int) -> Slot | None:
@@ -289,10 +319,13 @@ class SlotPool:
                 self._lent.append(slot)
                 continue
             slot.checked_at = now
-            if self._exists(slot.lent_name) or self._exists(
-                self._names.held(self._task, self._incarnation, slot.ticket)
-            ):
-                self._lent.append(slot)  # still with its consumer
+            if self._exists(slot.lent_name):
+                self._lent.append(slot)  # not received yet: its consumer's
+                continue
+            held = self._names.path(self._names.held(self._task, self._incarnation, slot.ticket))
+            if self._exists(held):
+                if not self._reclaim_held(slot, held):
+                    self._lent.append(slot)  # still with its consumer
                 continue
             if self._came_back(slot) or slot.state != "lent" or self._take_back(slot):
                 continue  # given back while we looked, or forgotten
@@ -303,6 +336,43 @@ class SlotPool:
             )
             self.lost += 1
             self._forget(slot)
+
+    def _reclaim_held(self, slot: Slot, held: str) -> bool:
+        """Take back a slot whose ``held`` name stays although the consumer run that holds
+        it is gone (killed: nothing renamed or unlinked it); whether it was. Only the file
+        we created, only when the holder word names a run and its presence record says that
+        run is over: a live consumer's slot is never touched."""
+        if self._holder_alive is None or not slot.lent_to:
+            return False
+        seg = slot.segment
+        try:
+            seg.check_size(slot.capacity)
+            holder = _WORD.unpack_from(seg.buf, slot.capacity - CONTROL + _HOLDER_AT)[0]
+            st = os.stat(held, follow_symlinks=False)
+        except (InternalError, OSError):
+            return False
+        if not holder or (st.st_dev, st.st_ino) != slot.ino:
+            return False
+        try:
+            if self._holder_alive(slot.lent_to, holder):
+                return False
+        except Exception:  # a corrupt or foreign record: cannot tell, so it is not over
+            return False
+        ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.ticket))
+        try:
+            move_noreplace(held, ret)
+        except OSError:
+            return False
+        if not self._take_back(slot):
+            return False
+        self.reclaimed += 1
+        _log.info(
+            "took back pool slot %d from %s (incarnation %016x), which is gone",
+            slot.index,
+            slot.lent_to,
+            holder,
+        )
+        return True
 
     def _came_back(self, slot: Slot) -> bool:
         """Whether the consumer gave ``slot`` back through its control block (it renamed the
@@ -339,7 +409,7 @@ class SlotPool:
         slot.segment.name = pool_name
         slot.ticket = ticket
         slot.state = "free"
-        slot.lent_key = slot.lent_name = ""
+        slot.lent_key = slot.lent_name = slot.lent_to = ""
         self._free.setdefault(slot.capacity, []).append(slot)
 
     def _take_back(self, slot: Slot) -> bool:
@@ -386,10 +456,11 @@ class SlotPool:
             )
 
     def _exists(self, name: str) -> bool:
+        """Whether there is a file under ``name`` (a bare name, or a path)."""
         if not name:
             return False
         try:
-            os.stat(self._names.path(name), follow_symlinks=False)
+            os.stat(self._names.path(name) if "/" not in name else name, follow_symlinks=False)
         except FileNotFoundError:
             return False
         except OSError:
@@ -429,12 +500,14 @@ class SlotPool:
             slot.state = "free"
             self._free.setdefault(slot.capacity, []).append(slot)
 
-    def lend(self, slot: Slot, key: str, name: str) -> None:
-        """Record that ``slot`` was published as message ``name``: the consumer has it now."""
+    def lend(self, slot: Slot, key: str, name: str, consumer: str = "") -> None:
+        """Record that ``slot`` was published as message ``name`` for the consumer task
+        ``consumer``: the consumer has it now."""
         with self._lock:
             slot.state = "lent"
             slot.lent_key = key
             slot.lent_name = name
+            slot.lent_to = consumer
             slot.checked_at = time.monotonic()
             self._lent.append(slot)
 
