@@ -121,13 +121,6 @@ class NamedMessages:
             else None
         )
         if held is not None:
-            mem = seg.buf
-            if (
-                self._inc
-                and isinstance(mem, mmap.mmap)
-                and header.data_offset + header.nbytes <= seg.size - CONTROL
-            ):
-                hold(mem, self._inc)  # the checked open's fstat saw the file whole
             try:
                 # From here on the name says "a consumer holds it"; the memory goes back when
                 # the array is collected (``pool.return_slot``).
@@ -135,6 +128,14 @@ class NamedMessages:
             except OSError as e:
                 _log.warning("cannot mark %s as held (%s); it will not return to its pool", name, e)
                 held = None
+            else:
+                mem = seg.buf
+                if (
+                    self._inc
+                    and isinstance(mem, mmap.mmap)
+                    and header.data_offset + header.nbytes <= seg.size - CONTROL
+                ):
+                    hold(mem, self._inc)  # the checked open's fstat saw the file whole
         if held is None:
             unlink_quietly(seg)
             arr = seg.ndarray(header)
@@ -184,15 +185,15 @@ class NamedMessages:
             seg.check_size(seg.size)
         except RendezvousError:
             return _UNSURE  # the checked open refuses it, and says why
-        mem = seg.buf
-        if self._inc and isinstance(mem, mmap.mmap) and offset + nbytes <= seg.size - CONTROL:
-            hold(mem, self._inc)
         try:
             move_noreplace(Names.path(name), Names.path(held))
         except FileNotFoundError:
             return None
         except OSError:
             return _UNSURE
+        mem = seg.buf
+        if self._inc and isinstance(mem, mmap.mmap) and offset + nbytes <= seg.size - CONTROL:
+            hold(mem, self._inc)  # after the rename: only the run that took it says so
         self._book.drop_stashed(ch)
         seg.name = held
         ch.seq += 1

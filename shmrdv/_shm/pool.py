@@ -28,8 +28,9 @@ while published, ``h`` while held, ``r`` once given back, ``p`` when free and ne
 come, is renamed ``returned`` -> ``pool`` as before).
 
 The control block's second word names the consumer run that holds the slot: a consumer
-stores its incarnation there before it renames a message to ``held`` (the producer zeroes it
-at each publish). A slot whose ``held`` name stays while the presence record of its
+stores its incarnation there once its rename of a message to ``held`` succeeded (the
+producer zeroes it at each publish, so a word is only ever the current lend's holder; one
+that died between the two leaves 0, and its slot is never taken back). A slot whose ``held`` name stays while the presence record of its
 consumer task says that run is gone (killed: nothing unlinked the name) is taken back by
 the producer (``held`` -> ``returned`` -> free), at its lost check.
 
@@ -114,7 +115,7 @@ _HOLDER_AT = _WORD.size
 
 def hold(mem: mmap.mmap, incarnation: int) -> None:
     """Consumer side: note in the slot mapped at ``mem`` that run ``incarnation`` holds it
-    (before the rename to ``held``). The caller checked that the file holds ``mem`` whole."""
+    (after its rename to ``held``). The caller checked that the file holds ``mem`` whole."""
     _WORD.pack_into(mem, len(mem) - CONTROL + _HOLDER_AT, incarnation)
 
 
