@@ -226,3 +226,19 @@ def test_slot_held_by_a_killed_consumer_goes_back_to_its_producer(ns: str) -> No
         # The send that took it back was served by it (the others' slots are unreceived).
         assert st["pool_reused"] == 1 and st["pool_lost"] == 0, st
         producer.cleanup(1)
+
+
+def test_slot_given_back_after_its_producer_closed_goes_at_the_consumers_close(ns: str) -> None:
+    """As above, but the consumer closes without another scan, while another worker keeps
+    the namespace alive (so no sweep of a dead namespace takes it): its close collects
+    what the closed producer run left."""
+    key = make_key("late-close")
+    with shmrdv.Worker("/job:worker/replica:0/task:2", namespace=ns):
+        with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
+            with shmrdv.Worker(PRODUCER, namespace=ns, incarnation=INCARNATION) as producer:
+                producer.rendezvous(1).send(key, np.full(N, 6.0))
+                got = consumer.rendezvous(1).recv(key, timeout=5).value
+            assert got[0] == 6.0
+            del got  # given back to a producer that is gone
+            consumer.cleanup(1)
+        assert not {"p", "r", "h", "m"} & set(kinds(ns)), kinds(ns)

@@ -461,12 +461,21 @@ class Consumer:
             return self._fail_all(None, closed_error(self._task))
 
     def release(self) -> None:
-        """Unlink the held names, unmap the rings (after ``close``)."""
+        """Unlink the held names, unmap the rings (after ``close``); collect what producer
+        runs that are over left (slots given back to them after their close, which a live
+        ``pool.RunWatch`` let go unchecked: nobody else would free those)."""
         self._named.unlink_held()
+        over: list[tuple[str, int]] = []
         with self.lock:
+            for src, r in self._inbox.rings:
+                src.alive_at = -1.0  # a fresh look, not the tick's
+                if self._live.run_over(src, r.inc):
+                    over.append((src.task, r.inc))
             self._inbox.release()
             self._named.maps.close()
             self._book.stash.clear()
+        for task, inc in over:
+            self._collect(task, inc)
 
     @property
     def pending(self) -> int:

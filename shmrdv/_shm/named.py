@@ -3,7 +3,8 @@
 The array handed out for a segment is a view over the mapped segment (zero copy),
 writable and the consumer's alone; the segment's name is unlinked (or, for a pool slot,
 renamed to ``held``) at once, so the memory goes back when the array is garbage-collected
-— or when the consumer dies, since nothing names it any more (a held slot: by ``gc``).
+— or when the consumer dies, since nothing names it any more (a held slot: its producer
+takes it back once it sees that consumer run gone, ``pool.py``; else ``gc``).
 A pool slot's mapping is kept from one message to the next (``SlotMaps``); a slot that the
 producer's ring announced and that is mapped already is taken without opening its name
 (one rename to ``held`` and one ``fstat``), and its array gives it back through the slot's
