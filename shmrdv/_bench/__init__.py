@@ -4,9 +4,10 @@
 only: the CLI builds it without loading the rest); ``common`` holds what every mode
 shares (size lists, pinning); every mode's processes are ``shmrdv._procs`` children.
 ``runner`` spawns each method's pinger and ponger and drives the sizes (``main``,
-``build_parser``, ``run``; ``--pending N`` is a set of its methods); ``peers`` holds the
-method contract, the registry (``METHODS``, ``register_method``) and the peer methods,
-``shmrdv_methods`` shmrdv's own; ``report`` turns the figures into markdown tables, JSON
+``build_parser``, ``run``; ``--pending N`` is a set of its methods); ``contract`` is what a
+method supplies, ``methods`` the one registry (``METHODS``, ``register_method``); the methods
+live by family: ``floor_methods``, ``mp_methods``, ``zmq_methods``, ``framework_methods``,
+``grpc_methods``, ``iceoryx_methods``, and ``shmrdv_methods`` shmrdv's own; ``report`` turns the figures into markdown tables, JSON
 and a plot. The other modes are whole runs of their own: ``load`` (``--load``), ``soak``
 (``--soak``), ``pycost`` (``--python-cost``), ``fanin`` (``--fan-in N``), ``pipeline``
 (``--pipeline``) and ``remote`` (``--peer HOST:PORT``, against ``echo``, the echo peer of

@@ -41,10 +41,9 @@ import numpy.typing as npt
 
 from .._procs import Child, ChildFailed, ChildTimeout, exit_reason, reap
 from .._sizes import format_size
-from . import options, peers
+from . import methods, options
 from .common import grpc_quiet_children, parse_sizes, pin_cpus
-from .options import DEFAULT_SIZES, QUICK_SIZES
-from .peers import (
+from .contract import (
     KIND_CHECK,
     KIND_FAULTS,
     KIND_PROBE_END,
@@ -58,6 +57,7 @@ from .peers import (
     RoleContext,
     make_stamp,
 )
+from .options import DEFAULT_SIZES, QUICK_SIZES
 from .report import (
     BenchRun,
     CellResult,
@@ -521,7 +521,7 @@ def _sweep(prefix: str) -> list[str]:
 
 def _load_plugins() -> None:
     # shmrdv's own methods (shmrdv_send, shmrdv_allocate, shmrdv_grpc) register
-    # themselves from this module when it exists; see peers.py's contract.
+    # themselves from this module when it exists; see contract.py.
     for module in PLUGIN_MODULES:
         try:
             importlib.import_module(module)
@@ -531,9 +531,9 @@ def _load_plugins() -> None:
 
 
 def registered_methods() -> dict[str, MethodSpec]:
-    """Every method by name, shmrdv's and the plugins' included (``peers.METHODS``)."""
+    """Every method by name, shmrdv's and the plugins' included (``methods.METHODS``)."""
     _load_plugins()
-    return peers.METHODS
+    return methods.METHODS
 
 
 PENDING_METHODS = ("shmrdv_send", "shmrdv_send_pending")
@@ -546,24 +546,24 @@ def _select(names: str | None, with_baselines: bool, mode: str | None = None) ->
         if mode == "pending":
             names = ",".join(PENDING_METHODS)
         else:
-            return [m for m in peers.METHODS.values() if m.mode == mode]
-    wanted = [peers.ALIASES.get(n.strip(), n.strip()) for n in names.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in peers.METHODS]
+            return [m for m in methods.METHODS.values() if m.mode == mode]
+    wanted = [methods.ALIASES.get(n.strip(), n.strip()) for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in methods.METHODS]
     if unknown:
         raise ValueError(
-            f"unknown method(s) {', '.join(unknown)}; known: {', '.join(peers.METHODS)}"
+            f"unknown method(s) {', '.join(unknown)}; known: {', '.join(methods.METHODS)}"
         )
-    wrong_mode = [n for n in wanted if peers.METHODS[n].mode not in (None, mode)]
+    wrong_mode = [n for n in wanted if methods.METHODS[n].mode not in (None, mode)]
     if wrong_mode:
         raise ValueError(
-            f"method(s) {', '.join(wrong_mode)} need --{peers.METHODS[wrong_mode[0]].mode}"
+            f"method(s) {', '.join(wrong_mode)} need --{methods.METHODS[wrong_mode[0]].mode}"
         )
     if with_baselines:
-        extra = [peers.METHODS[n].baseline for n in wanted]
+        extra = [methods.METHODS[n].baseline for n in wanted]
         for base in ("mp_pipe_oob", "memcpy", *(b for b in extra if b is not None)):
             if base not in wanted:
                 wanted.insert(0, base)
-    return [peers.METHODS[n] for n in dict.fromkeys(wanted)]
+    return [methods.METHODS[n] for n in dict.fromkeys(wanted)]
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -625,7 +625,7 @@ def _run_mode(args: argparse.Namespace) -> int:
         return run_pycost(args)
     _load_plugins()
     if args.list:
-        for spec in peers.METHODS.values():
+        for spec in methods.METHODS.values():
             why = spec.available()
             print(f"{spec.name}: {'ok' if why is None else 'skipped: ' + why}")
             print("\n".join(wrap_line("    " + spec.label)))
@@ -760,7 +760,7 @@ def run_handoffs(
     Raises ``KeyError`` for an unknown method and ``ChildFailed`` when a role fails.
     """
     _load_plugins()
-    spec = peers.METHODS[peers.ALIASES.get(name, name)]
+    spec = methods.METHODS[methods.ALIASES.get(name, name)]
     nbytes = spec.fixed_nbytes or nbytes
     prefix = f"shmrdv_bench{os.getpid()}_"
     scratch = tempfile.mkdtemp(prefix=prefix)

@@ -201,7 +201,7 @@ def format_markdown(counts: list[SyscallCount], summary: str) -> str:
 def run_cli(args: argparse.Namespace) -> int:
     """``shmrdv bench --syscalls``: count, print the table, write ``--json``; 1 if a method
     failed, 2 on bad options."""
-    from .peers import ALIASES
+    from .methods import ALIASES
     from .runner import registered_methods
 
     methods = registered_methods()
