@@ -365,7 +365,7 @@ _IOX_METHODS = ("iceoryx2_send", "iceoryx2_loan", "iceoryx2_poll_send", "iceoryx
 
 
 def _load_methods() -> dict[str, MethodSpec]:
-    from shmrdv._bench.runner import registered_methods
+    from shmrdv._bench.selection import registered_methods
 
     return registered_methods()
 

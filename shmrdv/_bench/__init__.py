@@ -3,8 +3,9 @@
 ``options`` defines the command line and checks every value's range (standard library
 only: the CLI builds it without loading the rest); ``common`` holds what every mode
 shares (size lists, pinning); every mode's processes are ``shmrdv._procs`` children.
-``runner`` spawns each method's pinger and ponger and drives the sizes (``main``,
-``build_parser``, ``run``; ``--pending N`` is a set of its methods); ``contract`` is what a
+``runner`` drives each method over the sizes (``main``, ``build_parser``, ``run``;
+``--pending N`` is a set of its methods) through ``pair`` (a method's pinger and ponger
+processes; ``role``: what runs in them); ``selection`` picks the methods; ``contract`` is what a
 method supplies, ``methods`` the one registry (``METHODS``, ``register_method``); the methods
 live by family: ``floor_methods``, ``mp_methods``, ``zmq_methods``, ``framework_methods``,
 ``grpc_methods``, ``iceoryx_methods``, and ``shmrdv_methods`` shmrdv's own; ``report`` turns the figures into markdown tables, JSON

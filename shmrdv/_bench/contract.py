@@ -3,7 +3,7 @@
 Contract
 ========
 A *method* moves a prepared float32 array from a **pinger** to a **ponger** and a tiny
-ack back. The runner (``runner.py``) spawns one pinger process and, unless the method
+ack back. The runner (``runner.py``, ``pair.py``) spawns one pinger process and, unless the method
 is single-process, one ponger process per method (``multiprocessing`` *spawn*
 context); both live for every size of the run. The runner owns the measurement loop;
 a method only supplies two objects, each built in its process by a top-level factory
