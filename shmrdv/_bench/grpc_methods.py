@@ -7,6 +7,7 @@ response, the baseline of shmrdv's gRPC path) and ``grpc_push`` (the tensor in t
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,38 @@ from .contract import (
 __all__ = ["GRPC_PULL", "GRPC_PUSH"]
 
 
+# -- both: a raw unary method with identity serializers, its client and its server ---------
+
+
+def _unary_client(ctx: RoleContext, path: str) -> tuple[Any, Any]:
+    """(channel, callable) of ``path`` on the loopback server whose port the other role sends."""
+    import grpc
+
+    port = recv_link(role_link(ctx), "gRPC port")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+    return channel, call
+
+
+def _unary_server(path: str, handle: Callable[[bytes, Any], bytes]) -> tuple[Any, int]:
+    """A started loopback server of ``path`` answered by ``handle``, and its port."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    rpc = grpc.unary_unary_rpc_method_handler(
+        handle, request_deserializer=None, response_serializer=None
+    )
+    service, method = path.strip("/").split("/")
+    generic = grpc.method_handlers_generic_handler(service, {method: rpc})
+    server = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((generic,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
 # -- grpc_push: raw grpcio unary call on 127.0.0.1, the tensor in the REQUEST -------------
 # Identity serializers: the request is a.tobytes() (made per handoff, timed, as in grpc_pull
 # below), the handler views it with
@@ -43,14 +76,7 @@ _GRPC_METHOD = "/shmrdv.bench.Bench/Handoff"
 
 class _GrpcPinger:
     def __init__(self, ctx: RoleContext) -> None:
-        import grpc
-
-        port = recv_link(role_link(ctx), "gRPC port")
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
-        grpc.channel_ready_future(self._channel).result(timeout=30)
-        self._call = self._channel.unary_unary(
-            _GRPC_METHOD, request_serializer=None, response_deserializer=None
-        )
+        self._channel, self._call = _unary_client(ctx, _GRPC_METHOD)
 
     def handoff(self, src: F32) -> Ack:
         return unpack_ack(self._call(src.tobytes(), timeout=600))
@@ -65,10 +91,6 @@ class _GrpcPonger:
         self._server: Any = None
 
     def serve(self, handler: Handler) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        import grpc
-
         finished = threading.Event()
 
         def handle(request: bytes, context: Any) -> bytes:
@@ -79,15 +101,7 @@ class _GrpcPonger:
                 finished.set()
             return pack_ack(ack)
 
-        rpc = grpc.unary_unary_rpc_method_handler(
-            handle, request_deserializer=None, response_serializer=None
-        )
-        service, method = _GRPC_METHOD.strip("/").split("/")
-        generic = grpc.method_handlers_generic_handler(service, {method: rpc})
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
-        self._server.add_generic_rpc_handlers((generic,))
-        port = self._server.add_insecure_port("127.0.0.1:0")
-        self._server.start()
+        self._server, port = _unary_server(_GRPC_METHOD, handle)
         self._link.send(port)
         finished.wait()
 
@@ -129,9 +143,6 @@ _PULL_DONE = b""  # the pinger's answer to the last parked call: nothing more co
 class _GrpcPullPinger:
     def __init__(self, ctx: RoleContext) -> None:
         import queue
-        from concurrent.futures import ThreadPoolExecutor
-
-        import grpc
 
         self._data: queue.Queue[bytes] = queue.Queue()
         self._acks: queue.Queue[bytes] = queue.Queue()
@@ -141,15 +152,8 @@ class _GrpcPullPinger:
                 self._acks.put(request)
             return self._data.get()
 
-        rpc = grpc.unary_unary_rpc_method_handler(
-            handle, request_deserializer=None, response_serializer=None
-        )
-        service, method = _GRPC_PULL_METHOD.strip("/").split("/")
-        generic = grpc.method_handlers_generic_handler(service, {method: rpc})
-        self._server: Any = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
-        self._server.add_generic_rpc_handlers((generic,))
-        port = self._server.add_insecure_port("127.0.0.1:0")
-        self._server.start()
+        self._server: Any
+        self._server, port = _unary_server(_GRPC_PULL_METHOD, handle)
         role_link(ctx).send(port)
 
     def handoff(self, src: F32) -> Ack:
@@ -170,14 +174,7 @@ class _GrpcPullPinger:
 
 class _GrpcPullPonger:
     def __init__(self, ctx: RoleContext) -> None:
-        import grpc
-
-        port = recv_link(role_link(ctx), "gRPC port")
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
-        grpc.channel_ready_future(self._channel).result(timeout=30)
-        self._call = self._channel.unary_unary(
-            _GRPC_PULL_METHOD, request_serializer=None, response_deserializer=None
-        )
+        self._channel, self._call = _unary_client(ctx, _GRPC_PULL_METHOD)
 
     def serve(self, handler: Handler) -> None:
         ack = b""
