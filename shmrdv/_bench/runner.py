@@ -32,19 +32,11 @@ from .._sizes import format_size
 from . import methods, options
 from .common import grpc_quiet_children, parse_sizes, pin_cpus
 from .contract import MethodSpec
+from .machine import describe_machine, load_average
 from .options import DEFAULT_SIZES, QUICK_SIZES
 from .pair import RolePair, stall_timeout, sweep
-from .report import (
-    BenchRun,
-    CellResult,
-    MethodResult,
-    describe_machine,
-    format_markdown,
-    format_time,
-    load_average,
-    plot_run,
-    write_json,
-)
+from .report import format_markdown, format_time, plot_run, write_json
+from .results import BenchRun, CellResult, MethodResult
 from .role import BIG
 from .selection import load_plugins, select
 from .textfit import wrap_line

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from .._sizes import format_size
 from .common import parse_sizes, pin_cpus
-from .report import describe_machine
+from .machine import describe_machine
 
 __all__ = [
     "DEFAULT_METHODS",
