@@ -58,7 +58,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -78,6 +78,7 @@ __all__ = [
     "MethodSpec",
     "Pinger",
     "Ponger",
+    "Preparer",
     "PullPonger",
     "RoleContext",
     "make_stamp",
@@ -198,6 +199,14 @@ class Pinger(Protocol):
     def handoff(self, src: F32) -> Ack: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Preparer(Protocol):
+    """A pinger with the optional ``prepare(src)``: it builds its buffer before each handoff,
+    untimed (see the module docstring)."""
+
+    def prepare(self, src: F32) -> None: ...
 
 
 class Ponger(Protocol):

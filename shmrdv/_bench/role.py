@@ -33,6 +33,7 @@ from .contract import (
     Ack,
     Handler,
     Pinger,
+    Preparer,
     RoleContext,
     make_stamp,
 )
@@ -59,11 +60,10 @@ def _handoff(
     src[0] = stamp
     src[-1] = stamp
     crc = zlib.crc32(src.data) if kind == KIND_CHECK else None
-    prepare = getattr(pinger, "prepare", None)
-    if prepare is not None:
+    if isinstance(pinger, Preparer):
         # Untimed: a producer that writes straight into shared memory (rdv.allocate)
         # makes its data there; what is timed is handing the finished buffer over.
-        prepare(src)
+        pinger.prepare(src)
     t0 = time.perf_counter_ns()
     ack = pinger.handoff(src)
     t1 = time.perf_counter_ns()
