@@ -15,18 +15,17 @@ import pytest
 from helpers import REPO, run_bench, wait_for
 
 from shmrdv._bench.common import parse_array_size, parse_sizes
-from shmrdv._bench.options import build_parser
-from shmrdv._bench.peers import (
-    METHODS,
+from shmrdv._bench.contract import (
     Handler,
     MethodSpec,
     Ponger,
     RoleContext,
     make_stamp,
     pack_ack,
-    register_method,
     unpack_ack,
 )
+from shmrdv._bench.methods import METHODS, register_method
+from shmrdv._bench.options import build_parser
 from shmrdv._bench.textfit import WIDTH
 from shmrdv._sizes import format_size
 
@@ -135,7 +134,7 @@ def test_handler_echoes_stamps_and_crc() -> None:
 
     import numpy as np
 
-    from shmrdv._bench.peers import KIND_CHECK, KIND_STOP
+    from shmrdv._bench.contract import KIND_CHECK, KIND_STOP
 
     a = np.arange(16, dtype=np.float32)
     stamp = make_stamp(7, KIND_CHECK)
@@ -366,7 +365,7 @@ _IOX_METHODS = ("iceoryx2_send", "iceoryx2_loan", "iceoryx2_poll_send", "iceoryx
 
 
 def _load_methods() -> dict[str, MethodSpec]:
-    from shmrdv._bench.runner import registered_methods
+    from shmrdv._bench.selection import registered_methods
 
     return registered_methods()
 
@@ -398,8 +397,8 @@ def test_iceoryx2_hands_the_array_over_as_a_read_only_view(method: str, tmp_path
 
     import numpy as np
 
+    from shmrdv._bench.contract import KIND_CHECK, KIND_STOP, KIND_TIMED
     from shmrdv._bench.iceoryx_methods import iceoryx_pinger, iceoryx_ponger, iceoryx_sweep
-    from shmrdv._bench.peers import KIND_CHECK, KIND_STOP, KIND_TIMED
 
     prefix = f"shmrdv_benchtest{os.getpid()}_"
     a_end, b_end = multiprocessing.Pipe()
@@ -502,7 +501,7 @@ def test_touch_reads_every_byte_and_faults_are_counted() -> None:
 
     import numpy as np
 
-    from shmrdv._bench.peers import KIND_FAULTS
+    from shmrdv._bench.contract import KIND_FAULTS
 
     probe = np.zeros(16, np.float32)
     probe[0] = probe[-1] = make_stamp(1, KIND_FAULTS)
@@ -682,7 +681,7 @@ def test_grpc_pull_serves_the_array_as_it_is_at_each_handoff() -> None:
 
     import numpy as np
 
-    from shmrdv._bench.peers import KIND_CHECK, KIND_STOP
+    from shmrdv._bench.contract import KIND_CHECK, KIND_STOP
 
     near, far = multiprocessing.Pipe()
     spec = METHODS["grpc_pull"]

@@ -8,15 +8,8 @@ from __future__ import annotations
 
 import re
 
-from shmrdv._bench.report import (
-    FASTER_THAN_COPY,
-    BenchRun,
-    CellResult,
-    MethodResult,
-    format_markdown,
-    format_time,
-    to_json,
-)
+from shmrdv._bench.report import FASTER_THAN_COPY, format_markdown, format_time, to_json
+from shmrdv._bench.results import BenchRun, CellResult, MethodResult
 from shmrdv._bench.textfit import WIDTH, fit_markdown, split_table, wrap_line
 
 SIZES = [64, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]

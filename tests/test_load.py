@@ -12,18 +12,9 @@ import numpy as np
 import pytest
 from helpers import REPO, run_bench
 
-from shmrdv._bench.load import (
-    HEADER,
-    MAGIC,
-    LoadConfig,
-    LoadPlan,
-    _Check,
-    _check_message,
-    draw_sizes,
-    format_load,
-    make_plan,
-    run_load,
-)
+from shmrdv._bench.load import format_load, run_load
+from shmrdv._bench.load_plan import HEADER, MAGIC, LoadConfig, LoadPlan, draw_sizes, make_plan
+from shmrdv._bench.load_roles import _Check, _check_message
 
 
 def _message(plan: LoadPlan, k: int, s: int) -> np.ndarray:

@@ -8,15 +8,10 @@ from pathlib import Path
 import pytest
 from helpers import REPO, run_bench
 
-from shmrdv._bench.soak import (
-    COUNT_SERIES,
-    SoakConfig,
-    analyse,
-    format_soak,
-    process_sample,
-    run_soak,
-    soak_sizes,
-)
+from shmrdv._bench.soak import format_soak, run_soak
+from shmrdv._bench.soak_analysis import COUNT_SERIES, analyse
+from shmrdv._bench.soak_plan import SoakConfig, soak_sizes
+from shmrdv._bench.soak_sample import process_sample
 from shmrdv._shm.pool import DEFAULT_MAX_SLOTS
 
 MiB = 1 << 20

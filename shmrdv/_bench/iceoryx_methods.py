@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .peers import (
+from .contract import (
     ACK_BYTES,
     Ack,
     MethodSpec,
@@ -59,9 +59,11 @@ from .peers import (
     Ponger,
     PullPonger,
     RoleContext,
-    register_method,
+    recv_link,
+    role_link,
     unpack_ack,
 )
+from .methods import register_method
 
 __all__ = [
     "POLL_SPIN_S",
@@ -245,12 +247,8 @@ class _End:
 
 class _IceoryxPinger:
     def __init__(self, ctx: RoleContext) -> None:
-        link = ctx.link
-        if link is None:
-            raise RuntimeError(f"{ctx.method}: the runner gave the pinger no link")
-        if not link.poll(60.0):  # the ponger creates the services
-            raise TimeoutError(f"{ctx.method}: the ponger did not create its services in 60 s")
-        link.recv()
+        # the ponger creates the services
+        recv_link(role_link(ctx), f"{ctx.method} services", timeout=60.0)
         self._end = _End(ctx, sends="data", receives="ack", create=False)
         self._views = _Views()
         self._loan = ctx.method.endswith("_loan")
@@ -289,9 +287,7 @@ class _IceoryxPinger:
 
 class _IceoryxPonger(PullPonger):
     def __init__(self, ctx: RoleContext) -> None:
-        link = ctx.link
-        if link is None:
-            raise RuntimeError(f"{ctx.method}: the runner gave the ponger no link")
+        link = role_link(ctx)
         self._end = _End(ctx, sends="ack", receives="data", create=True)
         self._views = _Views()
         self._sample: Any = None

@@ -10,7 +10,7 @@ blocks, so what is timed is the Python (and the syscalls) of the two calls, not 
 The same run measures, in the producer's process, one pickle protocol 5 ``dumps`` +
 ``loads`` of the same array (the cost any Python handoff pays at least) and, through
 the same two processes, ``multiprocessing.Pipe`` with pickle 5 out-of-band buffers
-(``peers.pipe_oob_send`` / ``pipe_oob_recv``): the producer writes as many messages as
+(``mp_methods.pipe_oob_send`` / ``pipe_oob_recv``): the producer writes as many messages as
 the pipe holds (its buffer raised to 1 MiB where allowed), then the consumer reads them.
 Every figure is reported per operation (the loop's time over ``count``: the mean, with the
 median and p99 of the single calls), and against the pickle reference.
@@ -39,7 +39,7 @@ import numpy.typing as npt
 from .._procs import ChildFailed, ChildGroup
 from .._sizes import format_size
 from .common import pin_cpus
-from .peers import pipe_oob_recv, pipe_oob_send
+from .mp_methods import pipe_oob_recv, pipe_oob_send
 from .report import TIMES
 
 __all__ = ["PyCostConfig", "PyCostResult", "format_pycost", "run_cli", "run_pycost"]

@@ -1,4 +1,4 @@
-"""Results of a ``shmrdv bench`` run and how they are shown: markdown, JSON, a plot.
+"""How the results of a ``shmrdv bench`` run are shown: markdown, JSON, a plot.
 
 Every figure is derived here from the measured cells, so the markdown tables and
 the JSON file agree. Throughput is bytes / median one-way time (and, in the JSON,
@@ -7,34 +7,30 @@ also bytes / median round trip), in GB/s = 10**9 B/s.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import os
-import platform
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from .._sizes import format_size
+from .machine import describe_machine
+from .results import BASELINE_COPY, BASELINE_PEER, BenchRun, MethodResult
 from .textfit import fit_markdown
 
 __all__ = [
-    "BenchRun",
-    "CellResult",
-    "MethodResult",
-    "describe_machine",
+    "DASH",
+    "FASTER_THAN_COPY",
+    "TIMES",
     "format_markdown",
     "format_sig",
     "format_time",
-    "load_average",
     "plot_run",
+    "run_mode",
     "to_json",
     "write_json",
 ]
 
-BASELINE_COPY = "memcpy"
-BASELINE_PEER = "mp_pipe_oob"
 TIMES = "\u00d7"  # the multiplication sign of the ratio cells
 DASH = "\u2013"  # an en dash: a cell with no figure
 # A round trip shorter than one single-threaded memcpy of the same size has no fixed cost
@@ -48,159 +44,6 @@ FASTER_THAN_COPY_NOTE = (
     "on several threads (shmrdv_send's copy helpers from a few MiB). The JSON keeps the "
     "signed difference (rtt_fixed_cost_ns)."
 )
-
-
-@dataclass
-class CellResult:
-    """One (method, size): every time in nanoseconds, medians of repetition medians."""
-
-    nbytes: int
-    reps: int
-    per_rep: int
-    warmup: int
-    checks: int
-    rtt_median_ns: float
-    rtt_p99_ns: float
-    rtt_min_ns: float
-    rtt_rep_medians_ns: list[float]
-    oneway_median_ns: float
-    oneway_p99_ns: float
-    oneway_rep_medians_ns: list[float]
-    elapsed_s: float
-    consumer_faults_per_msg: float | None = None  # minor page faults (getrusage), after warm-up
-
-    @property
-    def rtt_spread(self) -> float:
-        """Largest over smallest repetition median: how noisy the cell was."""
-        lo = min(self.rtt_rep_medians_ns)
-        return max(self.rtt_rep_medians_ns) / lo if lo > 0 else float("nan")
-
-
-@dataclass
-class MethodResult:
-    """One method: ``status`` is "ok", "skipped" (with ``reason``) or "failed" (with the error)."""
-
-    name: str
-    label: str
-    group: str
-    status: str
-    reason: str | None = None
-    receiver_array: str = ""
-    fixed_nbytes: int | None = None
-    idle_cpu_percent: float | None = None
-    startup_s: float | None = None
-    cpus: dict[str, list[int] | None] = field(default_factory=dict)  # each role's affinity
-    baseline: str | None = None  # compared with this method too (grpc_pull for gRPC paths)
-    cells: dict[int, CellResult] = field(default_factory=dict)
-
-
-@dataclass
-class BenchRun:
-    """A whole run: the machine, the settings, every method."""
-
-    machine: dict[str, Any]
-    config: dict[str, Any]
-    started: str
-    methods: list[MethodResult] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    interrupted: bool = False
-
-    def method(self, name: str) -> MethodResult | None:
-        for m in self.methods:
-            if m.name == name:
-                return m
-        return None
-
-    def fixed_cost_ns(self, name: str, nbytes: int) -> float | None:
-        """Median round trip of ``name`` minus memcpy's at the same size (issue 11 §4): what
-        a handoff costs beyond the one copy it cannot avoid."""
-        m, b = self.method(name), self.method(BASELINE_COPY)
-        if m is None or b is None or nbytes not in m.cells or nbytes not in b.cells:
-            return None
-        return float(m.cells[nbytes].rtt_median_ns - b.cells[nbytes].rtt_median_ns)
-
-    def ratio(self, name: str, nbytes: int, baseline: str, what: str) -> float | None:
-        """``what`` ("rtt" or "oneway") median of ``name`` over the same of ``baseline``."""
-        m, b = self.method(name), self.method(baseline)
-        if m is None or b is None or nbytes not in m.cells or nbytes not in b.cells:
-            return None
-        num = getattr(m.cells[nbytes], f"{what}_median_ns")
-        den = getattr(b.cells[nbytes], f"{what}_median_ns")
-        return float(num / den) if den > 0 else None
-
-
-# -- the machine -------------------------------------------------------------------------
-
-
-def load_average() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def describe_machine() -> dict[str, Any]:
-    """CPU, cores, kernel, Python and the versions of everything measured; reads only files."""
-    cpu_model = None
-    cpuinfo = _read("/proc/cpuinfo") or ""
-    for line in cpuinfo.splitlines():
-        if line.startswith("model name"):
-            cpu_model = line.split(":", 1)[1].strip()
-            break
-    try:
-        affinity: int | None = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        affinity = None
-    uname = platform.uname()
-    shm: dict[str, Any] = {}
-    try:
-        st = os.statvfs("/dev/shm")
-        shm = {"size_bytes": st.f_frsize * st.f_blocks, "free_bytes": st.f_frsize * st.f_bavail}
-    except OSError:
-        pass
-    versions = {
-        dist: _version(dist)
-        for dist in (
-            "numpy",
-            "grpcio",
-            "protobuf",
-            "posix_ipc",
-            "pyzmq",
-            "torch",
-            "ray",
-            "matplotlib",
-        )
-    }
-    return {
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": affinity,
-        "kernel": f"{uname.system} {uname.release}",
-        "machine": uname.machine,
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "versions": versions,
-        "dev_shm": shm,
-        "cpuidle_driver": _read("/sys/devices/system/cpu/cpuidle/current_driver"),
-        "thp_shmem": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
-        "load_average_start": load_average(),
-        "load_average_end": None,
-        "argv": sys.argv[1:],
-    }
 
 
 # -- numbers as text ------------------------------------------------------------------------
@@ -505,7 +348,6 @@ def run_mode(
 
     Returns 0 when the run's checks held (``result.ok``), 1 otherwise, 2 on bad options.
     """
-    import sys
 
     try:
         cfg = make_config(args)

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .peers import Ack, Handler, MethodSpec, RoleContext, register_method
+from .contract import Ack, Handler, MethodSpec, RoleContext
+from .methods import register_method
 
 PINGER_TASK = "/job:bench/replica:0/task:0"
 PONGER_TASK = "/job:bench/replica:0/task:1"

@@ -1,7 +1,7 @@
 """``shmrdv bench --syscalls``: the system calls a handoff costs, counted by strace.
 
 For each method and size, a child process starts the method's two roles the way a run
-does (``runner.run_handoffs``) and makes exactly N handoffs; it runs under
+does (``pair.run_handoffs``) and makes exactly N handoffs; it runs under
 ``strace -f -c`` (every process and thread it starts), twice: with N/4 and with N
 handoffs. The difference of the two counts, divided by the difference of the handoffs,
 is the steady-state cost of one round trip (the array there, the ack back): startup,
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from .._sizes import format_size
 from .common import parse_sizes, pin_cpus
-from .report import describe_machine
+from .machine import describe_machine
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -148,8 +148,8 @@ def count_handoff_syscalls(
 
 def child_main(argv: Sequence[str] | None = None) -> None:
     """The process strace watches: ``METHOD NBYTES N PIN GAP_US TOUCH`` (``PIN`` is ``-``
-    or ``a,b``); runs ``runner.run_handoffs`` and exits 0, or raises."""
-    from .runner import run_handoffs
+    or ``a,b``); runs ``pair.run_handoffs`` and exits 0, or raises."""
+    from .pair import run_handoffs
 
     method, nbytes, n, pin, gap_us, touch = (sys.argv[1:] if argv is None else list(argv))[:6]
     cpus = None if pin == "-" else tuple(int(c) for c in pin.split(","))
@@ -201,8 +201,8 @@ def format_markdown(counts: list[SyscallCount], summary: str) -> str:
 def run_cli(args: argparse.Namespace) -> int:
     """``shmrdv bench --syscalls``: count, print the table, write ``--json``; 1 if a method
     failed, 2 on bad options."""
-    from .peers import ALIASES
-    from .runner import registered_methods
+    from .methods import ALIASES
+    from .selection import registered_methods
 
     methods = registered_methods()
     names = [

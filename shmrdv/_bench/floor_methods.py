@@ -1,0 +1,175 @@
+"""The floors of ``shmrdv bench``: ``memcpy`` (the copy, in one process) and
+``sem_pingpong`` (the notification: two semaphore wake-ups, no copy to speak of).
+
+Every other method is read against them (``contract.py`` is the contract they follow).
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from .contract import (
+    ACK_BYTES,
+    F32,
+    Ack,
+    Handler,
+    MethodSpec,
+    Pinger,
+    Ponger,
+    RoleContext,
+    module_missing,
+    pack_ack,
+    recv_link,
+    role_link,
+    unpack_ack,
+)
+
+__all__ = ["MEMCPY", "SEM_PAYLOAD", "SEM_PINGPONG"]
+
+
+# -- memcpy: the copy floor, in one process ---------------------------------------------
+
+
+class _MemcpyPinger:
+    def __init__(self, ctx: RoleContext) -> None:
+        if ctx.handler is None:
+            raise RuntimeError("memcpy runs in one process and needs the handler")
+        self._handler = ctx.handler
+        self._dst: F32 | None = None
+
+    def handoff(self, src: F32) -> Ack:
+        dst = self._dst
+        if dst is None or dst.shape != src.shape:
+            dst = np.empty_like(src)
+            dst.fill(0)  # fault the pages in: the destination is warm, as its name says
+            self._dst = dst
+        np.copyto(dst, src)
+        return self._handler(dst)
+
+    def close(self) -> None:
+        self._dst = None
+
+
+def memcpy_pinger(ctx: RoleContext) -> Pinger:
+    return _MemcpyPinger(ctx)
+
+
+# -- sem_pingpong: bare posix_ipc semaphore pair, 64-byte payload in a reused segment ----
+# The notification floor: no serialization, no allocation, only two semaphore
+# wake-ups. Layout: payload in bytes [0, 64), ack in [64, 96). The pinger creates
+# everything with O_CREX and unlinks it on close; the ponger opens with size 0 and
+# takes the length from the segment (pitfalls.md §2: a size on open would resize).
+
+SEM_PAYLOAD = 64
+_SEM_SEGMENT = SEM_PAYLOAD + ACK_BYTES
+
+
+def _sem_names(prefix: str) -> tuple[str, str, str]:
+    return f"/{prefix}pp_shm", f"/{prefix}pp_ping", f"/{prefix}pp_pong"
+
+
+class _SemPinger:
+    def __init__(self, ctx: RoleContext) -> None:
+        import posix_ipc
+
+        self._names = _sem_names(ctx.prefix)
+        shm_name, ping_name, pong_name = self._names
+        shm = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=0o600, size=_SEM_SEGMENT)
+        try:
+            self._mm = mmap.mmap(shm.fd, _SEM_SEGMENT)
+        finally:
+            shm.close_fd()
+        self._ping = posix_ipc.Semaphore(ping_name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+        self._pong = posix_ipc.Semaphore(pong_name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+        self._payload: F32 = np.frombuffer(self._mm, np.float32, SEM_PAYLOAD // 4)
+        role_link(ctx).send("ready")
+
+    def handoff(self, src: F32) -> Ack:
+        if src.nbytes != SEM_PAYLOAD:
+            raise ValueError(f"sem_pingpong moves {SEM_PAYLOAD} bytes, not {src.nbytes}")
+        np.copyto(self._payload, src)
+        self._ping.release()
+        self._pong.acquire()
+        return unpack_ack(self._mm[SEM_PAYLOAD:_SEM_SEGMENT])
+
+    def close(self) -> None:
+        import posix_ipc
+
+        del self._payload
+        self._mm.close()
+        for sem in (self._ping, self._pong):
+            sem.close()
+        for unlink, name in zip(
+            (
+                posix_ipc.unlink_shared_memory,
+                posix_ipc.unlink_semaphore,
+                posix_ipc.unlink_semaphore,
+            ),
+            self._names,
+        ):
+            try:
+                unlink(name)
+            except posix_ipc.ExistentialError:
+                pass
+
+
+class _SemPonger:
+    def __init__(self, ctx: RoleContext) -> None:
+        import posix_ipc
+
+        recv_link(role_link(ctx), "segment-ready message")
+        shm_name, ping_name, pong_name = _sem_names(ctx.prefix)
+        shm = posix_ipc.SharedMemory(shm_name)
+        try:
+            self._mm = mmap.mmap(shm.fd, shm.size)
+        finally:
+            shm.close_fd()
+        self._ping = posix_ipc.Semaphore(ping_name)
+        self._pong = posix_ipc.Semaphore(pong_name)
+
+    def serve(self, handler: Handler) -> None:
+        while not handler.done:
+            self._ping.acquire()
+            a: F32 = np.frombuffer(self._mm, np.float32, SEM_PAYLOAD // 4)
+            ack = handler(a)
+            del a
+            self._mm[SEM_PAYLOAD:_SEM_SEGMENT] = pack_ack(ack)
+            self._pong.release()
+
+    def close(self) -> None:
+        self._mm.close()
+        self._ping.close()
+        self._pong.close()
+
+
+def sem_pinger(ctx: RoleContext) -> Pinger:
+    return _SemPinger(ctx)
+
+
+def sem_ponger(ctx: RoleContext) -> Ponger:
+    return _SemPonger(ctx)
+
+
+# -- the specs -----------------------------------------------------------------------------
+
+MEMCPY = MethodSpec(
+    "memcpy",
+    "np.copyto into a warm preallocated array, one process (copy floor)",
+    memcpy_pinger,
+    group="floor",
+    idle_cpu=False,
+    receiver_array="writable, private",
+)
+
+SEM_PINGPONG = MethodSpec(
+    "sem_pingpong",
+    "bare posix_ipc semaphore pair, 64 B in a reused segment (notification floor)",
+    sem_pinger,
+    sem_ponger,
+    available=module_missing("posix_ipc", "posix_ipc"),
+    fixed_nbytes=SEM_PAYLOAD,
+    group="floor",
+    receiver_array="view of the reused segment",
+)

@@ -1,0 +1,221 @@
+"""Raw grpcio on loopback as ``shmrdv bench`` methods: ``grpc_pull`` (the tensor in the
+response, the baseline of shmrdv's gRPC path) and ``grpc_push`` (the tensor in the request).
+
+``contract.py`` is the contract they follow.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .common import GRPC_OPTIONS
+from .contract import (
+    F32,
+    Ack,
+    Handler,
+    MethodSpec,
+    Pinger,
+    Ponger,
+    RoleContext,
+    module_missing,
+    pack_ack,
+    recv_link,
+    role_link,
+    unpack_ack,
+)
+
+__all__ = ["GRPC_PULL", "GRPC_PUSH"]
+
+
+# -- both: a raw unary method with identity serializers, its client and its server ---------
+
+
+def _unary_client(ctx: RoleContext, path: str) -> tuple[Any, Any]:
+    """(channel, callable) of ``path`` on the loopback server whose port the other role sends."""
+    import grpc
+
+    port = recv_link(role_link(ctx), "gRPC port")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+    return channel, call
+
+
+def _unary_server(path: str, handle: Callable[[bytes, Any], bytes]) -> tuple[Any, int]:
+    """A started loopback server of ``path`` answered by ``handle``, and its port."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    rpc = grpc.unary_unary_rpc_method_handler(
+        handle, request_deserializer=None, response_serializer=None
+    )
+    service, method = path.strip("/").split("/")
+    generic = grpc.method_handlers_generic_handler(service, {method: rpc})
+    server = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((generic,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+# -- grpc_push: raw grpcio unary call on 127.0.0.1, the tensor in the REQUEST -------------
+# Identity serializers: the request is a.tobytes() (made per handoff, timed, as in grpc_pull
+# below), the handler views it with
+# np.frombuffer, the response is the packed ack. Message limits are lifted on both
+# ends (the default receive limit is 4 MiB, pitfalls.md §6). The ponger is the server.
+# An upload: in grpcio's Python API 3-4x slower than a download (issue 12 §1), so it is
+# not the baseline of shmrdv's gRPC path, which pulls; grpc_pull below is.
+
+_GRPC_METHOD = "/shmrdv.bench.Bench/Handoff"
+
+
+class _GrpcPinger:
+    def __init__(self, ctx: RoleContext) -> None:
+        self._channel, self._call = _unary_client(ctx, _GRPC_METHOD)
+
+    def handoff(self, src: F32) -> Ack:
+        return unpack_ack(self._call(src.tobytes(), timeout=600))
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class _GrpcPonger:
+    def __init__(self, ctx: RoleContext) -> None:
+        self._link = role_link(ctx)
+        self._server: Any = None
+
+    def serve(self, handler: Handler) -> None:
+        finished = threading.Event()
+
+        def handle(request: bytes, context: Any) -> bytes:
+            a: F32 = np.frombuffer(request, np.float32)
+            ack = handler(a)
+            del a
+            if handler.done:
+                finished.set()
+            return pack_ack(ack)
+
+        self._server, port = _unary_server(_GRPC_METHOD, handle)
+        self._link.send(port)
+        finished.wait()
+
+    def close(self) -> None:
+        if self._server is not None:
+            # The grace lets the stop handoff's response reach the pinger.
+            self._server.stop(grace=2.0).wait(5.0)
+            self._server = None
+
+
+def grpc_pinger(ctx: RoleContext) -> Pinger:
+    return _GrpcPinger(ctx)
+
+
+def grpc_ponger(ctx: RoleContext) -> Ponger:
+    return _GrpcPonger(ctx)
+
+
+def _grpc_available() -> str | None:
+    return module_missing("grpc", "grpcio")()
+
+
+# -- grpc_pull: raw grpcio unary call, the tensor in the RESPONSE (a download) --------------
+# The like-for-like baseline of shmrdv's gRPC path, where the consumer pulls (TensorFlow's
+# RecvTensor): the pinger (producer) is the server and holds the tensor, the ponger
+# (consumer) is the client and keeps one call parked, as a consumer posts its receive
+# before the value is sent. The handler answers the parked call with the next tensor
+# (tobytes(): grpcio's identity serializer takes bytes, so every handoff makes the bytes of
+# the array as it is then, inside the timed handoff: the one copy every real producer pays
+# for a new tensor, never a prebuilt payload; issue 19 §3); the ponger's next call carries
+# the 32-byte ack of the last one in its request. So one handoff is one unary call: the
+# best a user could write with the same library, not one call plus a second for the ack.
+# Identity serializers and lifted message limits as above.
+
+_GRPC_PULL_METHOD = "/shmrdv.bench.Bench/Pull"
+_PULL_DONE = b""  # the pinger's answer to the last parked call: nothing more comes
+
+
+class _GrpcPullPinger:
+    def __init__(self, ctx: RoleContext) -> None:
+        import queue
+
+        self._data: queue.Queue[bytes] = queue.Queue()
+        self._acks: queue.Queue[bytes] = queue.Queue()
+
+        def handle(request: bytes, context: Any) -> bytes:
+            if request:  # the ack of the previous handoff
+                self._acks.put(request)
+            return self._data.get()
+
+        self._server: Any
+        self._server, port = _unary_server(_GRPC_PULL_METHOD, handle)
+        role_link(ctx).send(port)
+
+    def handoff(self, src: F32) -> Ack:
+        import queue
+
+        self._data.put(src.tobytes())
+        try:
+            return unpack_ack(self._acks.get(timeout=600))
+        except queue.Empty:
+            raise TimeoutError("grpc_pull: no ack from the ponger within 600 s") from None
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._data.put(_PULL_DONE)  # answers the ponger's last parked call
+            self._server.stop(grace=2.0).wait(5.0)
+            self._server = None
+
+
+class _GrpcPullPonger:
+    def __init__(self, ctx: RoleContext) -> None:
+        self._channel, self._call = _unary_client(ctx, _GRPC_PULL_METHOD)
+
+    def serve(self, handler: Handler) -> None:
+        ack = b""
+        while not handler.done:
+            data = self._call(ack, timeout=600)
+            a: F32 = np.frombuffer(data, np.float32)
+            ack = pack_ack(handler(a))
+            del a, data
+        self._call(ack, timeout=60)  # delivers the stop's ack; the answer is _PULL_DONE
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def grpc_pull_pinger(ctx: RoleContext) -> Pinger:
+    return _GrpcPullPinger(ctx)
+
+
+def grpc_pull_ponger(ctx: RoleContext) -> Ponger:
+    return _GrpcPullPonger(ctx)
+
+
+# -- the specs -----------------------------------------------------------------------------
+
+GRPC_PULL = MethodSpec(
+    "grpc_pull",
+    "grpcio unary call on 127.0.0.1, the tensor in the response (a pull, like "
+    "RecvTensor), ack in the next request; identity serializers",
+    grpc_pull_pinger,
+    grpc_pull_ponger,
+    available=_grpc_available,
+    receiver_array="read-only (backed by bytes)",
+)
+
+GRPC_PUSH = MethodSpec(
+    "grpc_push",
+    "grpcio unary call on 127.0.0.1, the tensor in the request (an upload), ack in the "
+    "response; identity serializers",
+    grpc_pinger,
+    grpc_ponger,
+    available=_grpc_available,
+    baseline="grpc_pull",
+    receiver_array="read-only (backed by bytes)",
+)
