@@ -14,6 +14,7 @@ __all__ = [
     "GET_STATUS_METHOD",
     "MARK_RECV_FINISHED_METHOD",
     "RECV_TENSOR_METHOD",
+    "RECV_TENSOR_SERIES_METHOD",
     "RECV_TENSOR_STREAM_METHOD",
     "SERVER_STOPPING",
 ]
@@ -31,6 +32,12 @@ MARK_RECV_FINISHED_METHOD: Final = f"/{TF_SERVICE}/MarkRecvFinished"
 # ``inline_max`` (extension field 1002); the server answers a larger tensor with empty
 # bytes ("stream it") and keeps it cached under the request_id for this method.
 RECV_TENSOR_STREAM_METHOD: Final = f"/{SHMRDV_SERVICE}/RecvTensorStream"
+# shmrdv's own, for a key that carries a series of values (a channel): a
+# RecvTensorRequest in; out, every value of that key as it is sent, each as the
+# TensorChunk messages of RecvTensorStream, back to back, until the consumer cancels or
+# the key stays idle. Kept because it measures faster than one RecvTensor per value: a
+# pipeline of 1,000 64 KiB tensors (bench --pipeline; figures in series_service.py).
+RECV_TENSOR_SERIES_METHOD: Final = f"/{SHMRDV_SERVICE}/RecvTensorSeries"
 
 # research/pitfalls.md §6: stream in chunks of at most 4 MiB (gRPC's default receive limit).
 DEFAULT_CHUNK_BYTES: Final = 4 << 20

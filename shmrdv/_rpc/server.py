@@ -40,6 +40,7 @@ from .limits import ServerLimits
 from .methods import DEFAULT_CHUNK_BYTES, SERVER_STOPPING
 from .request_gate import RequestGate
 from .security import TLSConfig, TokenInterceptor, check_token
+from .series_service import SeriesService
 from .service import RecvService, TensorSource
 
 __all__ = ["RpcServer", "TensorSource"]
@@ -96,6 +97,11 @@ class RpcServer:
             ``RESOURCE_EXHAUSTED`` (never for a value that is already there).
         max_wait: longest wait for a value of a call without a deadline (or a later one);
             then ``DEADLINE_EXCEEDED`` (shmrdv clients ask again).
+        series_idle: a ``RecvTensorSeries`` whose key has no value for this long ends
+            (``series_service``; the consumer opens another when it waits again).
+        max_series, max_series_per_peer, max_series_per_connection: most series open at
+            once, in all, from one peer host and on one connection; beyond:
+            ``RESOURCE_EXHAUSTED`` (the client then uses ``RecvTensor``).
         handshake_timeout: a connection that has not finished its HTTP/2 (and TLS)
             handshake within this many seconds is closed.
 
@@ -121,6 +127,10 @@ class RpcServer:
         max_waiting_per_connection: int = 16_384,
         max_wait: float = 300.0,
         handshake_timeout: float = 10.0,
+        series_idle: float = 10.0,
+        max_series: int = 4096,
+        max_series_per_peer: int = 1024,
+        max_series_per_connection: int = 256,
     ) -> None:
         self._host, self._port = _split_bind(bind)
         self._bind = bind
@@ -153,10 +163,17 @@ class RpcServer:
             ("max_waiting", max_waiting),
             ("max_waiting_per_peer", max_waiting_per_peer),
             ("max_waiting_per_connection", max_waiting_per_connection),
+            ("max_series", max_series),
+            ("max_series_per_peer", max_series_per_peer),
+            ("max_series_per_connection", max_series_per_connection),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
-        for name, seconds in (("max_wait", max_wait), ("handshake_timeout", handshake_timeout)):
+        for name, seconds in (
+            ("max_wait", max_wait),
+            ("handshake_timeout", handshake_timeout),
+            ("series_idle", series_idle),
+        ):
             if not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
                 raise InvalidArgumentError(f"{name} must be seconds > 0, not {seconds!r}")
         self._handshake_timeout = float(handshake_timeout)
@@ -183,6 +200,15 @@ class RpcServer:
             max_waiting_per_peer=max_waiting_per_peer,
             max_waiting_per_connection=max_waiting_per_connection,
             max_wait=max_wait,
+        )
+        self._series = SeriesService(
+            source,
+            task,
+            chunk_bytes=chunk_bytes,
+            idle=series_idle,
+            max_series=max_series,
+            max_series_per_peer=max_series_per_peer,
+            max_series_per_connection=max_series_per_connection,
         )
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -280,7 +306,7 @@ class RpcServer:
             interceptors=interceptors,
             maximum_concurrent_rpcs=self._limits.max_concurrent_rpcs,
         )
-        server.add_generic_rpc_handlers(self._service.handlers())
+        server.add_generic_rpc_handlers([*self._service.handlers(), self._series.handler()])
         try:
             if self._tls is not None:
                 port = server.add_secure_port(self._bind, self._tls.server_credentials())
@@ -292,6 +318,7 @@ class RpcServer:
             raise UnavailableError(f"shmrdv RPC server cannot listen on {self._bind}")
         assert self._pool is not None
         self._service.started(f"{self._host}:{port}", self._pool)
+        self._series.started(f"{self._host}:{port}")
         self._gate.started(f"{self._host}:{port}")
         await server.start()
         self._server = server
@@ -328,11 +355,11 @@ class RpcServer:
         _log.info("shmrdv RPC server on %s stopped", self._address)
 
     async def _astop(self, grace: float | None) -> None:
-        self._service.stop_serving(
-            UnavailableError(
-                f"shmrdv RPC server {self._address} ({self._source.task}) {SERVER_STOPPING}"
-            )
+        stopping = UnavailableError(
+            f"shmrdv RPC server {self._address} ({self._source.task}) {SERVER_STOPPING}"
         )
+        self._service.stop_serving(stopping)
+        self._series.stop_serving(stopping)
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace)
@@ -369,6 +396,7 @@ class RpcServer:
         calls awaiting their request message and those dropped for keeping silent
         (``RequestGate.stats``). Read from any thread: a snapshot, not a transaction."""
         out = self._service.stats()
+        out.update(self._series.stats())
         gate = self._gate
         if gate is not None:
             out.update(gate.stats())
