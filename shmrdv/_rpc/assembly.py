@@ -15,6 +15,7 @@ checked against ``max_bytes``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,6 +57,7 @@ from .wire import (
 
 __all__ = [
     "StreamAssembler",
+    "chunk_pieces",
     "encode_stream",
 ]
 
@@ -73,38 +75,65 @@ def encode_stream(
     its slice of the buffer. Raises ``InvalidArgumentError`` (at the call, before the
     first message) for a value that cannot be sent or a ``chunk_bytes`` below 1.
     """
+    pieces = chunk_pieces(
+        value, is_dead=is_dead, chunk_bytes=chunk_bytes, send_start_micros=send_start_micros
+    )
+    return (b"".join(p) for p in pieces)
+
+
+def chunk_pieces(
+    value: npt.NDArray[Any],
+    *,
+    is_dead: bool,
+    chunk_bytes: int,
+    send_start_micros: int = 0,
+) -> list[tuple[bytes, memoryview | bytes]]:
+    """The ``TensorChunk`` messages of ``encode_stream``, each as (its fields before the
+    data, the data: a view of ``value``'s buffer), not joined: a caller that packs them
+    into a larger message copies the data once. Raises as ``encode_stream``."""
     arr = as_array(value)
     check_int64("send_start_micros", send_start_micros)
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise InvalidArgumentError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    wire = contiguous_wire(arr)
-    raw = raw_bytes(wire)
-    total = len(raw)
-    shape = shape_bytes(arr.shape)
+    raw = raw_bytes(contiguous_wire(arr))
+    prefixes = _prefixes(
+        arr.dtype, arr.shape, bool(is_dead), len(raw), chunk_bytes, send_start_micros
+    )
+    return [
+        (prefix, raw[offset : offset + chunk_bytes])
+        for prefix, offset in zip(prefixes, range(0, max(len(raw), 1), chunk_bytes))
+    ]
+
+
+@functools.lru_cache(maxsize=256)
+def _prefixes(
+    dtype: np.dtype[Any],
+    shape: tuple[int, ...],
+    is_dead: bool,
+    total: int,
+    chunk_bytes: int,
+    send_start_micros: int,
+) -> tuple[bytes, ...]:
+    """The fields before the data of every chunk of a tensor: the same for every tensor
+    of one dtype and shape (a stream of them pays for the header once)."""
+    shape_field = shape_bytes(shape)
     header = b"".join(
         [
-            int_field(1, dtype_to_tf(arr.dtype)),
-            len_field(2, shape) if shape else b"",
-            int_field(3, int(bool(is_dead))),
+            int_field(1, dtype_to_tf(dtype)),
+            len_field(2, shape_field) if shape_field else b"",
+            int_field(3, int(is_dead)),
             int_field(4, total),
-            len_field(5, dtype_descriptor(arr.dtype).encode()),
+            len_field(5, dtype_descriptor(dtype).encode()),
             int_field(6, send_start_micros),
         ]
     )
-    return _chunks(len_field(1, header), raw, total, chunk_bytes)
-
-
-def _chunks(
-    header: bytes, raw: memoryview | bytes, total: int, chunk_bytes: int
-) -> Iterator[bytes]:
     first = min(total, chunk_bytes)
-    head = header + (encode_tag(3, LEN) + encode_varint(first) if first else b"")
-    yield b"".join([head, raw[:first]])
+    head = len_field(1, header) + (encode_tag(3, LEN) + encode_varint(first) if first else b"")
+    out = [head]
     for offset in range(first, total, chunk_bytes):
         n = min(chunk_bytes, total - offset)
-        yield b"".join(
-            [int_field(2, offset), encode_tag(3, LEN), encode_varint(n), raw[offset : offset + n]]
-        )
+        out.append(int_field(2, offset) + encode_tag(3, LEN) + encode_varint(n))
+    return tuple(out)
 
 
 class StreamAssembler:

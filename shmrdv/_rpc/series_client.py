@@ -54,7 +54,7 @@ from .._errors import CancelledError, InternalError, RendezvousError
 from .._keys import ParsedKey
 from .._received import Received
 from .._rendezvous import Canceller
-from . import assembly, messages
+from . import assembly, messages, series_wire
 from .methods import RECV_TENSOR_SERIES_METHOD
 from .recv_errors import call_error
 from .rpc_errors import error_code
@@ -184,14 +184,15 @@ class _Series:
             values = 0
             try:
                 for message in call:
-                    if assembler is None:
-                        assembler = assembly.StreamAssembler()
-                    assembler.feed(message)
-                    if assembler.complete:
-                        received = Received(assembler.result(), assembler.is_dead)
-                        assembler = None
-                        values += 1
-                        self._arrived(received)
+                    for chunk in series_wire.series_chunks(message):
+                        if assembler is None:
+                            assembler = assembly.StreamAssembler()
+                        assembler.feed(chunk)
+                        if assembler.complete:
+                            received = Received(assembler.result(), assembler.is_dead)
+                            assembler = None
+                            values += 1
+                            self._arrived(received)
             except grpc.RpcError as e:
                 if self.closed:
                     return

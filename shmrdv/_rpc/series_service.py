@@ -53,7 +53,7 @@ from .._errors import InternalError, RendezvousError, ResourceExhaustedError, Un
 from .._keys import ParsedKey
 from .._received import Received
 from .._status import code_for_error
-from . import assembly, messages
+from . import messages, series_wire
 from .keycheck import check_served_key
 from .methods import SERVER_STOPPING, SHMRDV_SERVICE
 from .parked import ParkedCalls
@@ -151,29 +151,88 @@ class SeriesService:
                     await _abort(context, e)
                 if received is None:
                     return  # idle: the consumer opens another series when it waits again
-                nbytes = received.value.nbytes
-                try:
-                    chunks = assembly.encode_stream(
-                        received.value, is_dead=received.is_dead, chunk_bytes=self._chunk_bytes
-                    )
-                except RendezvousError as e:  # not sendable: dropped, never requeued
-                    self._source.done_with(req.step_id, pk, nbytes)
-                    await _abort(context, e)
-                written = False
-                try:
-                    for chunk in chunks:
-                        yield chunk  # returns once gRPC has taken it (flow control)
-                    written = True
-                finally:
-                    # Written: delivered, the window counts it no more. Not all written
-                    # (the consumer went away, the server stops): back to its key's head.
-                    self._source.done_with(req.step_id, pk, nbytes)
-                    if not written:
-                        self._requeue(req.step_id, pk, received)
-                self._stats["series_values"] += 1
-                self._stats["series_bytes"] += nbytes
+                batch = self._more(req.step_id, pk, received)
+                async for chunk in self._write(context, req.step_id, pk, batch):
+                    yield chunk
         finally:
             self._open.add(peer, -1)
+
+    def _more(self, step_id: int, pk: ParsedKey, first: Received) -> list[Received]:
+        """``first`` and the values of ``pk`` already there, up to about one message."""
+        batch = [first]
+        size = first.value.nbytes
+        while size < self._chunk_bytes:
+            received = self._take_now(step_id, pk)
+            if received is None:
+                break
+            batch.append(received)
+            size += received.value.nbytes
+        return batch
+
+    def _take_now(self, step_id: int, pk: ParsedKey) -> Received | None:
+        """The next value of ``pk`` if it is there now; else (or on an error, which the
+        next ``_take`` raises) None, and nothing waits for one."""
+        got: list[_Outcome] = []
+        taking = [True]
+        loop = asyncio.get_running_loop()
+
+        def done(error: BaseException | None, received: Received | None) -> None:
+            if taking[0]:
+                got.append((error, received))
+                return
+            # Sent just as the take gave up (another thread): back to the key's head.
+            try:
+                loop.call_soon_threadsafe(self._late, step_id, pk, received)
+            except RuntimeError:
+                pass
+
+        try:
+            cancel = self._source.serve_recv(step_id, pk, done)
+        except RendezvousError:
+            return None
+        finally:
+            taking[0] = False
+        if not got:
+            cancel()
+            return None
+        error, received = got[0]
+        return None if error is not None else received
+
+    def _late(self, step_id: int, pk: ParsedKey, received: Received | None) -> None:
+        if received is not None:
+            self._source.done_with(step_id, pk, received.value.nbytes)
+            self._requeue(step_id, pk, received)
+
+    async def _write(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        step_id: int,
+        pk: ParsedKey,
+        batch: list[Received],
+    ) -> AsyncIterator[bytes]:
+        """``batch`` as series messages. A value whose last chunk gRPC took is
+        delivered (the window counts it no more); the rest, if the writing stops (the
+        consumer went away, the server stops), go back to their key's head, in order."""
+        try:
+            messages_out = series_wire.encode_series(batch, self._chunk_bytes)
+        except RendezvousError as e:  # not sendable: dropped, never requeued
+            for received in batch:
+                self._source.done_with(step_id, pk, received.value.nbytes)
+            await _abort(context, e)
+        sent = 0
+        try:
+            for message, completed in messages_out:
+                yield message  # returns once gRPC has taken it (flow control)
+                if completed:
+                    nbytes = sum(r.value.nbytes for r in batch[sent : sent + completed])
+                    self._source.done_with(step_id, pk, nbytes)  # once per message
+                    self._stats["series_values"] += completed
+                    self._stats["series_bytes"] += nbytes
+                sent += completed
+        finally:
+            for received in reversed(batch[sent:]):
+                self._source.done_with(step_id, pk, received.value.nbytes)
+                self._requeue(step_id, pk, received)
 
     def _requeue(self, step_id: int, pk: ParsedKey, received: Received) -> None:
         try:
