@@ -89,7 +89,13 @@ class SeriesService:
         self._task = task
         self._chunk_bytes = chunk_bytes
         self._idle = float(idle)
-        self._open = ParkedCalls(max_series, max_series_per_peer, max_series_per_connection)
+        self._open = ParkedCalls(
+            max_series,
+            max_series_per_peer,
+            max_series_per_connection,
+            what="series open",
+            option="max_series",
+        )
         self._address = "(not started)"
         self._loop_thread = -1
         self._stopping = False
