@@ -137,6 +137,32 @@ def test_a_receive_that_times_out_on_a_series_loses_nothing(
     assert [c.recv(_key(), timeout=10).value.tolist() for _ in range(2)] == [[2], [3]]
 
 
+def test_a_callback_receive_on_a_series_runs_off_its_reader(
+    pair: tuple[shmrdv.Worker, shmrdv.Worker],
+) -> None:
+    """A callback that blocks (here: receives the key's next value) must not hold up the
+    series' reader, which is the thread that brings that value."""
+    producer, consumer = pair
+    p, c = producer.rendezvous(1), consumer.rendezvous(1)
+    for i in range(2):
+        p.send(_key(), np.array([i]))
+        c.recv(_key(), timeout=10)
+    seen: list[object] = []
+    finished = threading.Event()
+
+    def done(error: BaseException | None, received: Received | None) -> None:
+        assert received is not None
+        seen.append((threading.current_thread().name, int(received.value[0])))
+        seen.append(int(c.recv(_key(), timeout=10).value[0]))
+        finished.set()
+
+    c.recv_async(_key(), done)
+    p.send(_key(), np.array([2]))
+    p.send(_key(), np.array([3]))
+    assert finished.wait(20)
+    assert seen == [("shmrdv-rpc-done", 2), 3]
+
+
 def test_producer_cleanup_fails_a_receive_waiting_on_a_series(
     pair: tuple[shmrdv.Worker, shmrdv.Worker],
 ) -> None:

@@ -30,8 +30,8 @@ see the closing note of issue 19 for the figures; 64 KiB x 1,000 went from one
 ``RecvTensor`` per value (~1,200 values/s) to the series.
 
 Thread model (docs/threads.md): one reader thread per series ("shmrdv-rpc-series"),
-reading its call; it runs ``done`` of a receive that waited (a blocked receiver's slot,
-or a callback receive's callback: keep those short). A receive whose value is there is
+reading its call; it fills the slot of a blocked receiver that waited, and hands any
+other waiting receive's ``done`` to a callback thread (``runner``). A receive whose value is there is
 answered in its own thread. One lock per series guards its table and a condition on it
 holds the reader while the table is full; one lock guards ``SeriesClient``'s tables.
 ``done`` never runs under a lock of ours.
@@ -58,6 +58,7 @@ from . import assembly, messages, series_wire
 from .methods import RECV_TENSOR_SERIES_METHOD
 from .recv_errors import call_error
 from .rpc_errors import error_code
+from .runner import Runner
 
 __all__ = ["SeriesClient"]
 
@@ -78,10 +79,11 @@ Fallback = Callable[[int, ParsedKey, DoneCallback], Canceller]
 class _Waiter:
     """A receive waiting on a series (hashed by identity)."""
 
-    __slots__ = ("done", "redirect")
+    __slots__ = ("blocking", "done", "redirect")
 
-    def __init__(self, done: DoneCallback) -> None:
+    def __init__(self, done: DoneCallback, blocking: bool) -> None:
         self.done = done
+        self.blocking = blocking  # done only fills a blocked receiver's slot
         self.redirect: Canceller | None = None  # handed to RecvTensor: its canceller
 
 
@@ -120,7 +122,7 @@ class _Series:
 
     # -- receives (any thread) ------------------------------------------------------------
 
-    def start_recv(self, done: DoneCallback) -> Canceller | None:
+    def start_recv(self, done: DoneCallback, blocking: bool) -> Canceller | None:
         """Take the next value (``done`` now), or wait for it; None: the series has
         ended and holds nothing, the receive must go elsewhere."""
         with self._lock:
@@ -131,7 +133,7 @@ class _Series:
             elif self.ended:
                 return None
             else:
-                waiter = _Waiter(done)
+                waiter = _Waiter(done, blocking)
                 self._waiters[waiter] = None
                 return lambda: self._cancel(waiter)
         self._owner.count(received)
@@ -239,7 +241,7 @@ class _Series:
                     self._room.wait()
                 return
         self._owner.count(received)
-        invoke_done(waiter.done, None, received)
+        self._owner.deliver(waiter, None, received)
 
     def _end(self, error: BaseException, fallback: bool) -> None:
         """The series is over: its waiting receives fail with ``error``, or (``fallback``:
@@ -254,7 +256,7 @@ class _Series:
                 with self._lock:
                     waiter.redirect = canceller
             else:
-                invoke_done(waiter.done, error, None)
+                self._owner.deliver(waiter, error, None)
 
 
 class SeriesClient:
@@ -284,6 +286,7 @@ class SeriesClient:
         self._reset()
 
     def _reset(self) -> None:
+        self._runner = Runner()  # callback receives' done, off the reader thread
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._series: dict[tuple[int, str], _Series] = {}
@@ -294,11 +297,19 @@ class SeriesClient:
         self._stats = {"received": 0, "received_bytes": 0, "series_opened": 0}
 
     def start_recv(
-        self, step_id: int, key: ParsedKey, done: DoneCallback, address: Callable[[], str]
+        self,
+        step_id: int,
+        key: ParsedKey,
+        done: DoneCallback,
+        address: Callable[[], str],
+        *,
+        blocking: bool = False,
     ) -> Canceller | None:
         """Receive through the key's series (opened now if the key qualifies); None: use
         ``RecvTensor`` for this receive. ``address()`` gives the producer's address or
-        raises ``RendezvousError``."""
+        raises ``RendezvousError``. ``blocking``: ``done`` only fills a blocked
+        receiver's slot (the reader runs it); other ``done``s run on a callback thread
+        when the value arrives later."""
         if os.getpid() != self._pid:
             self._reset()  # a forked child: the parent's series are not ours
         k = (step_id, key.full_key)
@@ -313,16 +324,21 @@ class SeriesClient:
                 if len(self._series) >= self._max_series:
                     return None
         if series is not None:
-            canceller = series.start_recv(done)
+            canceller = series.start_recv(done, blocking)
             if canceller is None:  # over and drained: a new one opens at the next receive
                 with self._lock:
                     if self._series.get(k) is series:
                         del self._series[k]
             return canceller
-        return self._open(k, key, done, address)
+        return self._open(k, key, done, address, blocking)
 
     def _open(
-        self, k: tuple[int, str], key: ParsedKey, done: DoneCallback, address: Callable[[], str]
+        self,
+        k: tuple[int, str],
+        key: ParsedKey,
+        done: DoneCallback,
+        address: Callable[[], str],
+        blocking: bool,
     ) -> Canceller | None:
         if self._busy(*k):
             return None
@@ -339,12 +355,22 @@ class SeriesClient:
                 return None
             series = self._series[k] = _Series(self, channel, where, k[0], key)
             self._stats["series_opened"] += 1
-        canceller = series.start_recv(done)
+        canceller = series.start_recv(done, blocking)
         try:
             series.thread.start()
         except RuntimeError as e:  # "can't start new thread"
             series.close(InternalError(f"cannot start a series reader: {e}"))
         return canceller
+
+    def deliver(
+        self, waiter: _Waiter, error: BaseException | None, received: Received | None
+    ) -> None:
+        """Complete a receive that waited: a blocked receiver's slot here (the reader's
+        thread), any other ``done`` on a callback thread (it may block, or receive)."""
+        if waiter.blocking:
+            invoke_done(waiter.done, error, received)
+        else:
+            self._runner.submit(invoke_done, waiter.done, error, received)
 
     def count(self, received: Received) -> None:
         self._stats["received"] += 1
@@ -391,6 +417,7 @@ class SeriesClient:
         for s in gone:
             if s.thread.is_alive() and s.thread is not threading.current_thread():
                 s.thread.join(_JOIN_TIMEOUT)
+        self._runner.shutdown(_JOIN_TIMEOUT)
 
     def stats(self) -> dict[str, int]:
         out = dict(self._stats)

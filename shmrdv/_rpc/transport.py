@@ -145,7 +145,9 @@ class GrpcTransport:
         moot). ``blocking``: the caller then calls ``wait`` until ``done`` has run."""
         if self._closed:
             raise closed_error(self.task)
-        canceller = self._series.start_recv(step_id, key, done, lambda: self._address(key))
+        canceller = self._series.start_recv(
+            step_id, key, done, lambda: self._address(key), blocking=blocking
+        )
         if canceller is not None:
             return canceller
         return self._client.start_recv(
