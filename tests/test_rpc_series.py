@@ -54,7 +54,7 @@ def test_series_messages_are_tensor_chunks_that_reassemble() -> None:
         Received(np.arange(3000, dtype=">i4").reshape(30, 100), is_dead=True),
         Received(np.array(7.5)),
     ]
-    out = series_wire.encode_series(values, 4096)  # the 12 KB one is cut in chunks
+    out = list(series_wire.encode_series(values, 4096))  # the 12 KB one in chunks
     assert sum(done for _, done in out) == len(values)
     assert len(out) >= 3
     got: list[Received] = []

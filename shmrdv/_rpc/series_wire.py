@@ -23,29 +23,38 @@ __all__ = ["encode_series", "series_chunks"]
 _CHUNKS = encode_tag(1, LEN)
 
 
-def encode_series(values: Sequence[Received], budget: int) -> list[tuple[bytes, int]]:
+def encode_series(values: Sequence[Received], budget: int) -> Iterator[tuple[bytes, int]]:
     """``values`` as series messages: (message, how many of ``values`` it completes).
 
-    Raises ``InvalidArgumentError`` for a value that cannot be sent (before any message).
+    Each message is made when it is asked for (a large value is never copied whole
+    ahead of its writing). Raises ``InvalidArgumentError`` for a value that cannot be
+    sent, at the call, before any message.
     """
-    out: list[tuple[bytes, int]] = []
+    pieces = [
+        chunk_pieces(received.value, is_dead=received.is_dead, chunk_bytes=budget)
+        for received in values
+    ]
+    return _messages(pieces, budget)
+
+
+def _messages(
+    pieces: list[list[tuple[bytes, memoryview | bytes]]], budget: int
+) -> Iterator[tuple[bytes, int]]:
     parts: list[bytes | memoryview] = []
     size = 0
     completed = 0
-    for received in values:
-        pieces = chunk_pieces(received.value, is_dead=received.is_dead, chunk_bytes=budget)
-        for i, (prefix, data) in enumerate(pieces):
+    for chunks in pieces:
+        for i, (prefix, data) in enumerate(chunks):
             n = len(prefix) + len(data)
             if parts and size + n > budget:
-                out.append((b"".join(parts), completed))
+                yield b"".join(parts), completed
                 parts, size, completed = [], 0, 0
             parts += [_CHUNKS, encode_varint(n), prefix, data]
             size += n
-            if i == len(pieces) - 1:
+            if i == len(chunks) - 1:
                 completed += 1
     if parts:
-        out.append((b"".join(parts), completed))
-    return out
+        yield b"".join(parts), completed
 
 
 def series_chunks(message: Buffer) -> Iterator[memoryview]:
