@@ -57,7 +57,7 @@ from . import messages, series_wire
 from .keycheck import check_served_key
 from .methods import SERVER_STOPPING, SHMRDV_SERVICE
 from .parked import ParkedCalls
-from .service import TensorSource
+from .tensor_source import TensorSource
 
 __all__ = ["SeriesService"]
 

@@ -18,10 +18,10 @@ Thread model (docs/threads.md): ``wait`` from any receiving thread; ``kick`` / `
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
+from .._cpus import usable_cpus
 from .._rendezvous import RecvSlot
 from .bell import Bell
 from .consumer import TICK, Consumer
@@ -47,21 +47,6 @@ _BELL_EVERY = 32
 _CPUS_EVERY_NS = 10_000_000_000
 
 
-def _usable_cpus() -> int:
-    """CPUs this job's processes can run on at once: the machine's, or fewer under a cgroup
-    v2 CPU quota. Not this process's own affinity: a stage pinned to one CPU, its peer to
-    another, is exactly where a spin pays (the peer runs meanwhile)."""
-    cpus = os.cpu_count() or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return cpus
-
-
 class Dispatcher:
     """The doorbell poller of one transport (see the module docstring)."""
 
@@ -76,10 +61,11 @@ class Dispatcher:
         self._spin_ns = _SPIN_MIN_NS
         self._wait_avg_ns = _SPIN_MAX_NS
         self._busy_ns = int(busy_poll * 1e9)
-        self._multi_cpu = _usable_cpus() > 1
+        self._multi_cpu = usable_cpus() > 1
         self._cpus_at = time.monotonic_ns() + _CPUS_EVERY_NS
         self._spun_ns = 0  # wall time spent spinning (a spinning thread is on a CPU)
         self._last_msg_ns = 0  # perf_counter_ns of the last poll that found a message
+        self._spins = 0  # spins started
         self._spin_hits = 0  # spins that found a message
         self._thread = threading.Thread(
             target=self._run, name=f"shmrdv-shm-dispatch {label}", daemon=True
@@ -168,6 +154,7 @@ class Dispatcher:
             if items:
                 deliver(items)
                 return
+            self._spins += 1
             found = self._spin(start + budget)
             now = time.perf_counter_ns()
             self._spun_ns += now - start
@@ -201,7 +188,7 @@ class Dispatcher:
             return max(self._last_msg_ns + self._busy_ns - now_ns, 0)
         if now_ns >= self._cpus_at:
             self._cpus_at = now_ns + _CPUS_EVERY_NS
-            self._multi_cpu = _usable_cpus() > 1
+            self._multi_cpu = usable_cpus() > 1
         return self._spin_ns if self._multi_cpu else 0
 
     def _spin(self, end_ns: int) -> bool:
@@ -235,8 +222,13 @@ class Dispatcher:
         )
 
     def stats(self) -> dict[str, int]:
-        """Time spent spinning (µs; the CPU time of a spinning poller) and spins that paid."""
-        return {"spin_us": self._spun_ns // 1000, "spin_hits": self._spin_hits}
+        """Time spent spinning (µs; the CPU time of a spinning poller), spins started and
+        spins that paid."""
+        return {
+            "spin_us": self._spun_ns // 1000,
+            "spins": self._spins,
+            "spin_hits": self._spin_hits,
+        }
 
     def close(self) -> None:
         """Stop the thread (after the consumer is closed). Idempotent."""
