@@ -33,6 +33,7 @@ from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.methods import RECV_TENSOR_SERIES_METHOD
 from shmrdv._rpc.proto import rendezvous_pb2
 from shmrdv._rpc.series_client import SeriesClient
+from shmrdv._rpc.series_service import SeriesLimits
 from shmrdv._rpc.server import RpcServer
 from shmrdv._rpc.transport import GrpcTransport
 
@@ -72,6 +73,13 @@ def test_series_messages_are_tensor_chunks_that_reassemble() -> None:
     for want, have in zip(values, got, strict=True):
         assert have.value.dtype == want.value.dtype and have.is_dead == want.is_dead
         np.testing.assert_array_equal(have.value, want.value)
+
+
+def test_series_limits_refuse_bad_values() -> None:
+    with pytest.raises(InvalidArgumentError, match="max_series_per_peer"):
+        SeriesLimits(max_series_per_peer=0)
+    with pytest.raises(InvalidArgumentError, match="idle"):
+        SeriesLimits(idle=-1)
 
 
 def test_series_chunks_refuse_bytes_that_do_not_parse() -> None:
@@ -246,7 +254,9 @@ def test_a_series_that_is_never_read_holds_the_window(
 
 def test_series_are_bounded_per_connection(source: StepSource) -> None:
     with (
-        RpcServer("127.0.0.1:0", source, max_series_per_connection=2) as server,
+        RpcServer(
+            "127.0.0.1:0", source, series=SeriesLimits(max_series_per_connection=2)
+        ) as server,
         grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch,
     ):
         series = ch.unary_stream(RECV_TENSOR_SERIES_METHOD)
@@ -332,7 +342,10 @@ def test_a_producer_without_series_is_pulled_with_recv_tensor(source: StepSource
 
 
 def test_an_idle_series_ends_and_a_waiting_receive_opens_another(source: StepSource) -> None:
-    with RpcServer("127.0.0.1:0", source, series_idle=0.2) as server, RpcClient() as client:
+    with (
+        RpcServer("127.0.0.1:0", source, series=SeriesLimits(idle=0.2)) as server,
+        RpcClient() as client,
+    ):
         sc = _series_client(client, server.address)
         key = make_key("idle")
         for i in range(2):

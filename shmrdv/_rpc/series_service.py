@@ -40,6 +40,7 @@ no hop; one sent later is handed over by the producer's ``send`` thread with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -49,7 +50,13 @@ import grpc
 import grpc.aio
 
 from .._devices import DeviceName
-from .._errors import InternalError, RendezvousError, ResourceExhaustedError, UnavailableError
+from .._errors import (
+    InternalError,
+    InvalidArgumentError,
+    RendezvousError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from .._keys import ParsedKey
 from .._received import Received
 from .._status import code_for_error
@@ -59,12 +66,33 @@ from .methods import SERVER_STOPPING, SHMRDV_SERVICE
 from .parked import ParkedCalls
 from .tensor_source import TensorSource
 
-__all__ = ["SeriesService"]
+__all__ = ["SeriesLimits", "SeriesService"]
 
 _log = logging.getLogger("shmrdv.rpc.server")
 
 # What a take settles with: (error, value).
 _Outcome = tuple[BaseException | None, Received | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SeriesLimits:
+    """How long an idle series lives, and how many may be open: in all, from one peer
+    host and on one connection (beyond: ``RESOURCE_EXHAUSTED``, and the client uses
+    ``RecvTensor``). Bad values raise ``InvalidArgumentError`` naming them."""
+
+    idle: float = 10.0
+    max_series: int = 4096
+    max_series_per_peer: int = 1024
+    max_series_per_connection: int = 256
+
+    def __post_init__(self) -> None:
+        idle = self.idle
+        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not 0 < idle < 1e6:
+            raise InvalidArgumentError(f"series idle must be seconds > 0, not {idle!r}")
+        for name in ("max_series", "max_series_per_peer", "max_series_per_connection"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
 
 
 class SeriesService:
@@ -80,19 +108,16 @@ class SeriesService:
         task: DeviceName,
         *,
         chunk_bytes: int,
-        idle: float,
-        max_series: int,
-        max_series_per_peer: int,
-        max_series_per_connection: int,
+        limits: SeriesLimits,
     ) -> None:
         self._source = source
         self._task = task
         self._chunk_bytes = chunk_bytes
-        self._idle = float(idle)
+        self._idle = float(limits.idle)
         self._open = ParkedCalls(
-            max_series,
-            max_series_per_peer,
-            max_series_per_connection,
+            limits.max_series,
+            limits.max_series_per_peer,
+            limits.max_series_per_connection,
             what="series open",
             option="max_series",
         )

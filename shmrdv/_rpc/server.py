@@ -40,7 +40,7 @@ from .limits import ServerLimits
 from .methods import DEFAULT_CHUNK_BYTES, SERVER_STOPPING
 from .request_gate import RequestGate
 from .security import TLSConfig, TokenInterceptor, check_token
-from .series_service import SeriesService
+from .series_service import SeriesLimits, SeriesService
 from .service import RecvService
 from .tensor_source import TensorSource
 
@@ -98,11 +98,7 @@ class RpcServer:
             ``RESOURCE_EXHAUSTED`` (never for a value that is already there).
         max_wait: longest wait for a value of a call without a deadline (or a later one);
             then ``DEADLINE_EXCEEDED`` (shmrdv clients ask again).
-        series_idle: a ``RecvTensorSeries`` whose key has no value for this long ends
-            (``series_service``; the consumer opens another when it waits again).
-        max_series, max_series_per_peer, max_series_per_connection: most series open at
-            once, in all, from one peer host and on one connection; beyond:
-            ``RESOURCE_EXHAUSTED`` (the client then uses ``RecvTensor``).
+        series: ``RecvTensorSeries``' idle end and bounds (``SeriesLimits``).
         handshake_timeout: a connection that has not finished its HTTP/2 (and TLS)
             handshake within this many seconds is closed.
 
@@ -128,10 +124,7 @@ class RpcServer:
         max_waiting_per_connection: int = 16_384,
         max_wait: float = 300.0,
         handshake_timeout: float = 10.0,
-        series_idle: float = 10.0,
-        max_series: int = 4096,
-        max_series_per_peer: int = 1024,
-        max_series_per_connection: int = 256,
+        series: SeriesLimits | None = None,
     ) -> None:
         self._host, self._port = _split_bind(bind)
         self._bind = bind
@@ -164,17 +157,10 @@ class RpcServer:
             ("max_waiting", max_waiting),
             ("max_waiting_per_peer", max_waiting_per_peer),
             ("max_waiting_per_connection", max_waiting_per_connection),
-            ("max_series", max_series),
-            ("max_series_per_peer", max_series_per_peer),
-            ("max_series_per_connection", max_series_per_connection),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
-        for name, seconds in (
-            ("max_wait", max_wait),
-            ("handshake_timeout", handshake_timeout),
-            ("series_idle", series_idle),
-        ):
+        for name, seconds in (("max_wait", max_wait), ("handshake_timeout", handshake_timeout)):
             if not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
                 raise InvalidArgumentError(f"{name} must be seconds > 0, not {seconds!r}")
         self._handshake_timeout = float(handshake_timeout)
@@ -202,14 +188,10 @@ class RpcServer:
             max_waiting_per_connection=max_waiting_per_connection,
             max_wait=max_wait,
         )
+        if series is not None and not isinstance(series, SeriesLimits):
+            raise InvalidArgumentError(f"series must be a SeriesLimits, not {series!r}")
         self._series = SeriesService(
-            source,
-            task,
-            chunk_bytes=chunk_bytes,
-            idle=series_idle,
-            max_series=max_series,
-            max_series_per_peer=max_series_per_peer,
-            max_series_per_connection=max_series_per_connection,
+            source, task, chunk_bytes=chunk_bytes, limits=series or SeriesLimits()
         )
 
     # -- lifecycle -----------------------------------------------------------------------
