@@ -15,6 +15,7 @@ checked against ``max_bytes``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -237,38 +238,13 @@ class StreamAssembler:
         self._received += end - start
 
     def _start(self, buf: Buffer, start: int, end: int) -> None:
-        acc = TensorAcc()
-        total = 0
-        for f in iter_fields(buf, start, end):
-            if f.number == 1 and f.wire_type == VARINT:
-                acc.dtype = signed64(f.value)
-            elif f.number == 2 and f.wire_type == LEN:
-                acc.add_shape(buf, f.value, f.end)
-            elif f.number == 3 and f.wire_type == VARINT:
-                self._is_dead = bool(f.value)
-            elif f.number == 4 and f.wire_type == VARINT:
-                total = f.value
-            elif f.number == 5 and f.wire_type == LEN:
-                acc.ext = read_utf8(buf, f.value, f.end, "TensorHeader.shmrdv_dtype")
-            elif f.number == 6 and f.wire_type == VARINT:
-                self._send_start_micros = signed64(f.value)
-        if not acc.ext:
-            raise Malformed("TensorHeader has no shmrdv_dtype")
-        try:
-            dtype = resolve_dtype(acc.dtype, acc.ext)
-        except InvalidArgumentError as e:
-            raise Malformed(str(e)) from e
-        shape = acc.shape()
-        check_shape(shape, dtype)
-        need = element_count(shape) * dtype.itemsize
-        if need != total:
-            raise Malformed(f"{dtype} tensor of shape {shape} is {need} bytes, header says {total}")
+        header = _parse_header(bytes(buf[start:end]))
+        dtype, shape, total = header.dtype, header.shape, header.total
+        self._is_dead, self._send_start_micros = header.is_dead, header.send_start_micros
         if total > self._max_bytes:
             raise Malformed(
                 f"tensor of {total} bytes exceeds this receiver's limit of {self._max_bytes}"
             )
-        if total == 0:
-            empty_array(shape, dtype)  # checks that numpy can represent the shape
         try:
             self._buffer = np.empty(total, np.uint8)
         except MemoryError as e:
@@ -300,3 +276,52 @@ class StreamAssembler:
         except Malformed as e:
             raise InvalidArgumentError(f"Cannot parse tensor stream: {e}") from e
         return self._result
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Header:
+    """A parsed, checked ``TensorHeader``."""
+
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    is_dead: bool
+    total: int
+    send_start_micros: int
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_header(header: bytes) -> _Header:
+    """``header`` parsed and checked (dtype, shape, size); ``Malformed`` if it is not one.
+
+    Cached by its bytes: a stream of tensors of one dtype and shape parses it once (a
+    header that fails is not cached and fails again)."""
+    acc = TensorAcc()
+    total = send_start_micros = 0
+    is_dead = False
+    for f in iter_fields(header, 0, len(header)):
+        if f.number == 1 and f.wire_type == VARINT:
+            acc.dtype = signed64(f.value)
+        elif f.number == 2 and f.wire_type == LEN:
+            acc.add_shape(header, f.value, f.end)
+        elif f.number == 3 and f.wire_type == VARINT:
+            is_dead = bool(f.value)
+        elif f.number == 4 and f.wire_type == VARINT:
+            total = f.value
+        elif f.number == 5 and f.wire_type == LEN:
+            acc.ext = read_utf8(header, f.value, f.end, "TensorHeader.shmrdv_dtype")
+        elif f.number == 6 and f.wire_type == VARINT:
+            send_start_micros = signed64(f.value)
+    if not acc.ext:
+        raise Malformed("TensorHeader has no shmrdv_dtype")
+    try:
+        dtype = resolve_dtype(acc.dtype, acc.ext)
+    except InvalidArgumentError as e:
+        raise Malformed(str(e)) from e
+    shape = acc.shape()
+    check_shape(shape, dtype)
+    need = element_count(shape) * dtype.itemsize
+    if need != total:
+        raise Malformed(f"{dtype} tensor of shape {shape} is {need} bytes, header says {total}")
+    if total == 0:
+        empty_array(shape, dtype)  # checks that numpy can represent the shape
+    return _Header(dtype, shape, is_dead, total, send_start_micros)

@@ -2,8 +2,9 @@
 
 One ``RecvTensor`` per receive waits a round trip for every value, so a consumer that
 takes a key's values one after another (a pipeline) gets at most one value per round
-trip. When a (step, key) is received a second time and no ``RecvTensor`` of it is in
-flight, ``SeriesClient`` opens one ``RecvTensorSeries`` call for it to its producer
+trip. When a (step, key) is received a second time (or the first time, for a key that
+had a series in an earlier step) and no ``RecvTensor`` of it is in flight,
+``SeriesClient`` opens one ``RecvTensorSeries`` call for it to its producer
 (``series_service``): the producer pushes the key's values as they are sent, a reader
 thread assembles each (one copy: the chunks into the writable array a receive returns)
 and keeps it in the series' table until a receive takes it, in order.
@@ -103,6 +104,7 @@ class SeriesClient:
         self._lock = threading.Lock()
         self._series: dict[tuple[int, str], SeriesReader] = {}
         self._counts: dict[tuple[int, str], int] = {}
+        self._channel_keys: dict[str, None] = {}  # keys that had a series, in any step
         self._aborted: set[int] = set()
         self._unsupported: dict[str, float] = {}  # address -> until (monotonic)
         self._closed = False
@@ -131,7 +133,9 @@ class SeriesClient:
                 if len(self._counts) >= _COUNTS_KEPT and k not in self._counts:
                     self._counts.clear()  # a bound, not an LRU
                 n = self._counts[k] = self._counts.get(k, 0) + 1
-                if n < 2 or self._closed or step_id in self._aborted:
+                if n < 2 and key.full_key not in self._channel_keys:
+                    return None
+                if self._closed or step_id in self._aborted:
                     return None
                 if len(self._series) >= self._max_series:
                     return None
@@ -166,6 +170,9 @@ class SeriesClient:
             if self._closed or k in self._series or k[0] in self._aborted:
                 return None
             series = self._series[k] = SeriesReader(self, channel, where, k[0], key)
+            if len(self._channel_keys) >= _COUNTS_KEPT and k[1] not in self._channel_keys:
+                self._channel_keys.clear()
+            self._channel_keys[k[1]] = None
             self._stats["series_opened"] += 1
         canceller = series.start_recv(done, blocking)
         try:
