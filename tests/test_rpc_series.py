@@ -359,3 +359,26 @@ def test_an_idle_series_ends_and_a_waiting_receive_opens_another(source: StepSou
         slot.wait(20)
         assert slot.result().value.tolist() == [9]
         sc.close(AbortedError("end"))
+
+
+def test_a_series_to_a_producer_not_listening_hands_its_receive_to_recv_tensor(
+    source: StepSource,
+) -> None:
+    """Nothing listening (a producer not up yet, or restarting): the series fails before
+    any value, so its receive goes to RecvTensor, which retries (it did fail at once)."""
+    with RpcServer("127.0.0.1:0", source) as server:
+        address = server.address  # then nothing listens there
+    client = RpcClient()
+    sc = _series_client(client, address)
+    key = make_key("nobody")
+    assert sc.start_recv(1, key, RecvSlot().done, lambda: address) is None  # the first
+    slot = RecvSlot()
+    assert sc.start_recv(1, key, slot.done, lambda: address) is not None
+    wait_for(lambda: client.stats()["inflight"] == 1, timeout=20)  # RecvTensor retries
+    time.sleep(0.5)
+    assert not slot.filled
+    sc.close(AbortedError("end"))
+    client.close()
+    assert slot.filled
+    with pytest.raises(shmrdv.CancelledError):
+        slot.result()

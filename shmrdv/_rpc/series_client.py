@@ -19,10 +19,12 @@ and keeps it in the series' table until a receive takes it, in order.
   receive waits, else the series goes once its table is empty (the next receive opens a
   new one). An error (the producer's step aborted or cleaned up, its worker closing,
   the connection lost) fails the receives waiting on it, with the error mapped as for
-  ``RecvTensor``; values already there are still taken. A producer that does not know
-  the method (``UNIMPLEMENTED``: TensorFlow, an older shmrdv) or refuses one more series
-  (``RESOURCE_EXHAUSTED``) gets the waiting receives handed to ``RecvTensor``
-  (``fallback``), and no series again (that address, resp. for ``_REFUSED_PAUSE``).
+  ``RecvTensor``; values already there are still taken. A call that fails before any
+  value came hands its waiting receives to ``RecvTensor`` (``fallback``), in order: a
+  producer that does not know the method (``UNIMPLEMENTED``: TensorFlow, an older
+  shmrdv; no series to that address again), refuses one more series
+  (``RESOURCE_EXHAUSTED``; none for ``_REFUSED_PAUSE``), or cannot be reached
+  (``UNAVAILABLE``: ``RecvTensor`` retries it, or names it gone).
 * ``abort_step``, ``cleanup_step`` and ``close`` cancel the step's (every) series and
   fail their waiting receives; values a series held go with its step.
 

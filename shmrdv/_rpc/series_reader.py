@@ -183,11 +183,14 @@ class SeriesReader:
                 if self.closed:
                     return
                 code = error_code(e)
+                # Nothing came on this call, so nothing was lost: RecvTensor takes over
+                # (it retries a peer not up yet, and knows one that is gone).
                 fallback = values == 0 and code in (
                     grpc.StatusCode.UNIMPLEMENTED,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.UNAVAILABLE,
                 )
-                if fallback:
+                if fallback and code != grpc.StatusCode.UNAVAILABLE:
                     self._owner.refused(self.address, code)
                 self._end(call_error(code, e, self._where(), None, receiving=False), fallback)
                 return

@@ -40,6 +40,7 @@ no hop; one sent later is handed over by the producer's ``send`` thread with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -183,8 +184,12 @@ class SeriesService:
                 if received is None:
                     return  # idle: the consumer opens another series when it waits again
                 batch = self._more(req.step_id, pk, received)
-                async for chunk in self._write(context, req.step_id, pk, batch):
-                    yield chunk
+                # Closed here, not when collected: what it did not write goes back now.
+                async with contextlib.aclosing(
+                    self._write(context, req.step_id, pk, batch)
+                ) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
         finally:
             self._open.add(peer, -1)
 
