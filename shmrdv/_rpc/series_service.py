@@ -44,7 +44,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -245,7 +245,7 @@ class SeriesService:
         step_id: int,
         pk: ParsedKey,
         batch: list[Received],
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """``batch`` as series messages. A value whose last chunk gRPC took is
         delivered (the window counts it no more); the rest, if the writing stops (the
         consumer went away, the server stops), go back to their key's head, in order."""
