@@ -27,6 +27,9 @@ and keeps it in the series' table until a receive takes it, in order.
   (``UNAVAILABLE``: ``RecvTensor`` retries it, or names it gone).
 * ``abort_step``, ``cleanup_step`` and ``close`` cancel the step's (every) series and
   fail their waiting receives; values a series held go with its step.
+* No request_id: a series is never retried. A connection lost after values came fails
+  the receives waiting on it (``UnavailableError``): values in flight on it are lost
+  with it, and the receive says so rather than skip them.
 
 Measured (``bench --pipeline --pipeline-cases 64k:1000,16m:100``, pinned, loopback, one
 session, three runs each, against raw grpcio server-streaming): one ``RecvTensor`` per
