@@ -94,7 +94,7 @@ class Recv:
         self._backoff = _RETRY_INITIAL
         self._last_unavailable: grpc.RpcError | None = None
         self._peer = PeerWatch()  # whether the producer went away
-        self._wake = threading.Event()
+        self._wake: threading.Event | None = None  # ends a stream's backoff pause early
         self.thread: threading.Thread | None = None
         # The receiving thread makes its calls itself (``wait``) for small values.
         own_calls = blocking and ctx.last_size(key) <= _OWN_CALL_MAX
@@ -147,7 +147,9 @@ class Recv:
             timer, self._timer = self._timer, None
             issued = self._unary.issued and not self._unary.own_call_out_locked()
             call = self._stream_call if self._streaming else None
-        self._wake.set()
+            wake = self._wake
+        if wake is not None:
+            wake.set()
         self._unary.stop()
         if timer is not None:
             timer.cancel()
@@ -168,7 +170,9 @@ class Recv:
             self._state = _DONE
             timer, self._timer = self._timer, None
             call = self._stream_call
-        self._wake.set()
+            wake = self._wake
+        if wake is not None:
+            wake.set()
         self._unary.stop()
         if timer is not None:
             timer.cancel()
@@ -339,6 +343,7 @@ class Recv:
                 return
             self._state = _PENDING
             self._streaming = True
+            self._wake = threading.Event()
             self.thread = thread
         try:
             thread.start()
@@ -372,6 +377,7 @@ class Recv:
         self._last_unavailable = error
         pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
         remaining = self.remaining()
+        assert self._wake is not None  # made when the stream phase started
         self._wake.wait(pause if remaining is None else max(0.0, min(pause, remaining)))
 
     def error(self, code: grpc.StatusCode, e: grpc.RpcError) -> RendezvousError:

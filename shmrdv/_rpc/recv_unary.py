@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Protocol
 
 import grpc
@@ -47,6 +48,19 @@ _OWN: Any = object()
 # An answer larger than this is decoded and copied on a callback thread, not in gRPC's
 # channel thread (a copy of a few hundred KiB costs less than the thread switch).
 _COPY_IN_CHANNEL_THREAD = 1 << 20
+# Each channel's RecvTensor callable, made once: ``Channel.unary_unary`` costs a few
+# microseconds per call (grpcio builds a closure and evaluates its type annotations).
+_RECV_TENSOR: weakref.WeakKeyDictionary[grpc.Channel, grpc.UnaryUnaryMultiCallable] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _recv_tensor(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
+    """``channel``'s RecvTensor callable (identity serializers: bytes in, bytes out)."""
+    method = _RECV_TENSOR.get(channel)
+    if method is None:
+        method = _RECV_TENSOR[channel] = channel.unary_unary(RECV_TENSOR_METHOD)
+    return method
 
 
 class UnaryOwner(Protocol):
@@ -183,7 +197,7 @@ class UnaryCalls:
                 failure: RendezvousError | None = None
                 try:
                     request = self._request(acks)
-                    call = owner.channel.unary_unary(RECV_TENSOR_METHOD).future(
+                    call = _recv_tensor(owner.channel).future(
                         request, timeout=remaining, metadata=self._ctx.metadata
                     )
                     self.issued = True
@@ -252,9 +266,7 @@ class UnaryCalls:
         data = b""
         error: grpc.RpcError | None = None
         try:
-            data = owner.channel.unary_unary(RECV_TENSOR_METHOD)(
-                request, timeout=t, metadata=self._ctx.metadata
-            )
+            data = _recv_tensor(owner.channel)(request, timeout=t, metadata=self._ctx.metadata)
         except grpc.RpcError as e:
             error = e
         except ValueError as e:  # the channel was closed under us

@@ -60,14 +60,14 @@ def _retrieve(fut: asyncio.Future[Received]) -> None:
         fut.exception()
 
 
-async def _woken(waiter: Waiter, timeout: float) -> bool:
+async def _woken(loop: asyncio.AbstractEventLoop, waiter: Waiter, timeout: float) -> bool:
     """Wait until ``waiter`` is settled (True) or ``timeout`` passes (False).
 
     Each call waiting on a waiter has a future of its own, which ``_settle`` completes
     directly (``_wake``): a call that leaves never cancels the shared one, and the wake-up
-    takes one turn of the loop (``wait_for(shield(...))`` took four).
+    takes one turn of the loop (``wait_for(shield(...))`` took four). ``loop`` is the
+    running one (``asyncio.get_running_loop`` costs a ``getpid`` system call).
     """
-    loop = asyncio.get_running_loop()
     call: asyncio.Future[bool] = loop.create_future()
     waiter.calls.add(call)
     timer = loop.call_later(timeout, _resolve, call, False)
@@ -120,6 +120,7 @@ class Waits:
             where=source.task,
         )
         self._address = "(not started)"
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = -1
         self._stopping = False
         self._waiters: set[Waiter] = set()  # not yet settled
@@ -129,6 +130,7 @@ class Waits:
     def started(self, address: str) -> None:
         """The server listens on ``address``; called in the loop."""
         self._address = address
+        self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
 
     def stop(self, error: RendezvousError) -> None:
@@ -234,7 +236,8 @@ class Waits:
                 self._parked.add(peer, 1)
                 # A client that never sets a deadline (or a far one) must not park forever.
                 timeout = self._max_wait if timeout is None else min(timeout, self._max_wait)
-                if not await _woken(waiter, timeout):
+                assert self._loop is not None
+                if not await _woken(self._loop, waiter, timeout):
                     raise DeadlineExceededError(
                         f"RecvTensor on {self._source.task}: no value for key {pk.full_key!r} "
                         f"(step {req.step_id}) before the call's deadline; the waiter was removed"
@@ -265,7 +268,8 @@ class Waits:
             found.joiners += 1
             return found
         cache_key = found
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None
         fut: asyncio.Future[Received] = loop.create_future()
         fut.add_done_callback(_retrieve)
         waiter = Waiter(cache_key, fut, req.step_id, pk)
@@ -345,7 +349,8 @@ class Waits:
             return
         if self._cache.delivered(waiter, received.value.nbytes, time.monotonic()):
             # Expiry also runs on every lookup; this timer covers a server that gets none.
-            asyncio.get_running_loop().call_later(self._cache.ttl + 0.01, self._cache.expire)
+            assert self._loop is not None
+            self._loop.call_later(self._cache.ttl + 0.01, self._cache.expire)
 
     def _abandon(self, waiter: Waiter) -> None:
         """The last call waiting on ``waiter`` left before the value came: remove the waiter."""

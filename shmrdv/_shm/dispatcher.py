@@ -37,10 +37,14 @@ _log = logging.getLogger("shmrdv.shm")
 # within the spin is taken at once. The spin adapts (``_adapt_spin``) between these bounds,
 # is off while only one CPU is usable (the sender could not run meanwhile) and after a
 # wait that went unanswered, until a post comes again; ``busy_poll`` replaces it by a
-# fixed budget. (500 µs measured no better here: two spinning processes on two vCPUs
-# starve the one doing the work.)
+# fixed budget. The bound is 250 µs: a zero-copy pool-slot message takes its peer
+# 60-100 µs of work per side here, so with 100 µs a blocked wait (that work plus the
+# wake-up) averaged above the bound, the spin fell to its minimum and both sides blocked
+# on every message (16 MiB allocate round trip 183-268 µs, 0-22 spins of 1,000 found the
+# message; 92-160 µs and 1,000-1,560 with 250 µs; issue 18 §2). (500 µs measured no
+# better for 64 B: two spinning processes on two vCPUs starve the one doing the work.)
 _SPIN_MIN_NS = 20_000
-_SPIN_MAX_NS = 100_000
+_SPIN_MAX_NS = 250_000
 # A spin looks at the doorbell itself (for producers without a ring) every this many turns.
 _BELL_EVERY = 32
 # How often the usable CPUs are counted again (a quota may change; a file read).

@@ -201,6 +201,7 @@ class Inbox:
         src.rings.remove(r)
         src.ring_incs.discard(r.inc)
         src.look_at = float("inf")  # its name is gone; a restarted producer makes a new one
+        r.watch.live = False
         r.ring.release()
         r.segment.close()
         # A producer that saw the truncation itself went on by name: the waiting receives
@@ -248,7 +249,7 @@ class Inbox:
                 notice = False
             else:
                 if notice:
-                    value = Notice(slot)
+                    value = Notice(slot, (dtype, shape, offset, nbytes, bool(flags & 1)))
                 elif nbytes:
                     # One copy out of the ring (the record's bytes are overwritten later).
                     arr: Any = np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset)
@@ -309,6 +310,7 @@ class Inbox:
         src.tried.add(r.inc)
         if src.inc == r.inc:
             src.look_at = float("inf")  # a restarted producer is looked for again (liveness)
+        r.watch.live = False  # before what the run left is collected (``pool.RunWatch``)
         r.ring.release()
         r.segment.close()
 
@@ -317,6 +319,7 @@ class Inbox:
     def release(self) -> None:
         """Unmap every ring (after the consumer is closed)."""
         for src, r in self.rings:
+            r.watch.live = False
             r.ring.release()
             r.segment.close()
             src.rings.clear()
