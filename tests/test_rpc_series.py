@@ -382,3 +382,22 @@ def test_a_series_to_a_producer_not_listening_hands_its_receive_to_recv_tensor(
     assert slot.filled
     with pytest.raises(shmrdv.CancelledError):
         slot.result()
+
+
+def test_a_series_needs_the_token(source: StepSource) -> None:
+    token = "series-" + "t" * 24
+    key = make_key("secret")
+    with RpcServer("127.0.0.1:0", source, token=token) as server:
+        with grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch:
+            series = ch.unary_stream(RECV_TENSOR_SERIES_METHOD)
+            call = series(messages.encode_request(1, key.full_key, 0), timeout=10)
+            with pytest.raises(grpc.RpcError) as info:
+                next(call)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with RpcClient(token=token) as client:
+            sc = _series_client(client, server.address)
+            for i in range(3):
+                source.send(1, key, np.array([i]))
+                assert _recv(sc, client, server.address, key).value.tolist() == [i]
+            wait_for(lambda: server.stats()["series_values"] >= 1, timeout=10)
+            sc.close(AbortedError("end"))
