@@ -26,6 +26,7 @@ from shmrdv._rpc.methods import (
     GET_STATUS_METHOD,
     MARK_RECV_FINISHED_METHOD,
     RECV_TENSOR_METHOD,
+    RECV_TENSOR_SERIES_METHOD,
     RECV_TENSOR_STREAM_METHOD,
 )
 from shmrdv._rpc.server import RpcServer
@@ -38,6 +39,7 @@ METHODS = [
     (GET_STATUS_METHOD, False),
     (MARK_RECV_FINISHED_METHOD, False),
     (RECV_TENSOR_STREAM_METHOD, True),
+    (RECV_TENSOR_SERIES_METHOD, True),
 ]
 
 

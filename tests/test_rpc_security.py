@@ -20,7 +20,11 @@ from shmrdv._errors import (
     UnavailableError,
 )
 from shmrdv._rpc.client import RpcClient
-from shmrdv._rpc.methods import RECV_TENSOR_METHOD, RECV_TENSOR_STREAM_METHOD
+from shmrdv._rpc.methods import (
+    RECV_TENSOR_METHOD,
+    RECV_TENSOR_SERIES_METHOD,
+    RECV_TENSOR_STREAM_METHOD,
+)
 from shmrdv._rpc.security import TLSConfig, bearer_metadata, check_token, token_matches
 from shmrdv._rpc.server import RpcServer
 
@@ -124,14 +128,21 @@ def test_token_wrong_is_unauthenticated(source: StepSource) -> None:
         client.get_status(server.address, timeout=5)
 
 
-@pytest.mark.parametrize("response_stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize(
+    ("method", "response_stream"),
+    [
+        (RECV_TENSOR_METHOD, False),
+        (RECV_TENSOR_STREAM_METHOD, True),
+        (RECV_TENSOR_SERIES_METHOD, True),
+    ],
+    ids=["unary", "stream", "series"],
+)
 def test_token_missing_refuses_a_silent_call_at_once(
-    source: StepSource, response_stream: bool
+    source: StepSource, method: str, response_stream: bool
 ) -> None:
     """A call that never sends its request message is refused on its headers alone, well
     before the server's first_message_timeout (5 s): it used to wait for a message that
     never came (issue 19 §4)."""
-    method = RECV_TENSOR_STREAM_METHOD if response_stream else RECV_TENSOR_METHOD
     with RpcServer("127.0.0.1:0", source, token=TOKEN) as server:
         [(code, details, took)] = silent_call_outcomes(
             server.address, method, response_stream=response_stream, timeout=4

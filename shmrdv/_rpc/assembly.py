@@ -15,6 +15,8 @@ checked against ``max_bytes``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,6 +55,7 @@ from .wire import (
 
 __all__ = [
     "StreamAssembler",
+    "chunk_pieces",
     "encode_stream",
 ]
 
@@ -70,38 +73,65 @@ def encode_stream(
     its slice of the buffer. Raises ``InvalidArgumentError`` (at the call, before the
     first message) for a value that cannot be sent or a ``chunk_bytes`` below 1.
     """
+    pieces = chunk_pieces(
+        value, is_dead=is_dead, chunk_bytes=chunk_bytes, send_start_micros=send_start_micros
+    )
+    return (b"".join(p) for p in pieces)
+
+
+def chunk_pieces(
+    value: npt.NDArray[Any],
+    *,
+    is_dead: bool,
+    chunk_bytes: int,
+    send_start_micros: int = 0,
+) -> list[tuple[bytes, memoryview | bytes]]:
+    """The ``TensorChunk`` messages of ``encode_stream``, each as (its fields before the
+    data, the data: a view of ``value``'s buffer), not joined: a caller that packs them
+    into a larger message copies the data once. Raises as ``encode_stream``."""
     arr = as_array(value)
     check_int64("send_start_micros", send_start_micros)
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise InvalidArgumentError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    wire = contiguous_wire(arr)
-    raw = raw_bytes(wire)
-    total = len(raw)
-    shape = shape_bytes(arr.shape)
+    raw = raw_bytes(contiguous_wire(arr))
+    prefixes = _prefixes(
+        arr.dtype, arr.shape, bool(is_dead), len(raw), chunk_bytes, send_start_micros
+    )
+    return [
+        (prefix, raw[offset : offset + chunk_bytes])
+        for prefix, offset in zip(prefixes, range(0, max(len(raw), 1), chunk_bytes))
+    ]
+
+
+@functools.lru_cache(maxsize=256)
+def _prefixes(
+    dtype: np.dtype[Any],
+    shape: tuple[int, ...],
+    is_dead: bool,
+    total: int,
+    chunk_bytes: int,
+    send_start_micros: int,
+) -> tuple[bytes, ...]:
+    """The fields before the data of every chunk of a tensor: the same for every tensor
+    of one dtype and shape (a stream of them pays for the header once)."""
+    shape_field = shape_bytes(shape)
     header = b"".join(
         [
-            int_field(1, dtype_to_tf(arr.dtype)),
-            len_field(2, shape) if shape else b"",
-            int_field(3, int(bool(is_dead))),
+            int_field(1, dtype_to_tf(dtype)),
+            len_field(2, shape_field) if shape_field else b"",
+            int_field(3, int(is_dead)),
             int_field(4, total),
-            len_field(5, dtype_descriptor(arr.dtype).encode()),
+            len_field(5, dtype_descriptor(dtype).encode()),
             int_field(6, send_start_micros),
         ]
     )
-    return _chunks(len_field(1, header), raw, total, chunk_bytes)
-
-
-def _chunks(
-    header: bytes, raw: memoryview | bytes, total: int, chunk_bytes: int
-) -> Iterator[bytes]:
     first = min(total, chunk_bytes)
-    head = header + (encode_tag(3, LEN) + encode_varint(first) if first else b"")
-    yield b"".join([head, raw[:first]])
+    head = len_field(1, header) + (encode_tag(3, LEN) + encode_varint(first) if first else b"")
+    out = [head]
     for offset in range(first, total, chunk_bytes):
         n = min(chunk_bytes, total - offset)
-        yield b"".join(
-            [int_field(2, offset), encode_tag(3, LEN), encode_varint(n), raw[offset : offset + n]]
-        )
+        out.append(int_field(2, offset) + encode_tag(3, LEN) + encode_varint(n))
+    return tuple(out)
 
 
 class StreamAssembler:
@@ -208,38 +238,13 @@ class StreamAssembler:
         self._received += end - start
 
     def _start(self, buf: Buffer, start: int, end: int) -> None:
-        acc = TensorAcc()
-        total = 0
-        for f in iter_fields(buf, start, end):
-            if f.number == 1 and f.wire_type == VARINT:
-                acc.dtype = signed64(f.value)
-            elif f.number == 2 and f.wire_type == LEN:
-                acc.add_shape(buf, f.value, f.end)
-            elif f.number == 3 and f.wire_type == VARINT:
-                self._is_dead = bool(f.value)
-            elif f.number == 4 and f.wire_type == VARINT:
-                total = f.value
-            elif f.number == 5 and f.wire_type == LEN:
-                acc.ext = read_utf8(buf, f.value, f.end, "TensorHeader.shmrdv_dtype")
-            elif f.number == 6 and f.wire_type == VARINT:
-                self._send_start_micros = signed64(f.value)
-        if not acc.ext:
-            raise Malformed("TensorHeader has no shmrdv_dtype")
-        try:
-            dtype = resolve_dtype(acc.dtype, acc.ext)
-        except InvalidArgumentError as e:
-            raise Malformed(str(e)) from e
-        shape = acc.shape()
-        check_shape(shape, dtype)
-        need = element_count(shape) * dtype.itemsize
-        if need != total:
-            raise Malformed(f"{dtype} tensor of shape {shape} is {need} bytes, header says {total}")
+        header = _parse_header(bytes(buf[start:end]))
+        dtype, shape, total = header.dtype, header.shape, header.total
+        self._is_dead, self._send_start_micros = header.is_dead, header.send_start_micros
         if total > self._max_bytes:
             raise Malformed(
                 f"tensor of {total} bytes exceeds this receiver's limit of {self._max_bytes}"
             )
-        if total == 0:
-            empty_array(shape, dtype)  # checks that numpy can represent the shape
         try:
             self._buffer = np.empty(total, np.uint8)
         except MemoryError as e:
@@ -271,3 +276,52 @@ class StreamAssembler:
         except Malformed as e:
             raise InvalidArgumentError(f"Cannot parse tensor stream: {e}") from e
         return self._result
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Header:
+    """A parsed, checked ``TensorHeader``."""
+
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    is_dead: bool
+    total: int
+    send_start_micros: int
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_header(header: bytes) -> _Header:
+    """``header`` parsed and checked (dtype, shape, size); ``Malformed`` if it is not one.
+
+    Cached by its bytes: a stream of tensors of one dtype and shape parses it once (a
+    header that fails is not cached and fails again)."""
+    acc = TensorAcc()
+    total = send_start_micros = 0
+    is_dead = False
+    for f in iter_fields(header, 0, len(header)):
+        if f.number == 1 and f.wire_type == VARINT:
+            acc.dtype = signed64(f.value)
+        elif f.number == 2 and f.wire_type == LEN:
+            acc.add_shape(header, f.value, f.end)
+        elif f.number == 3 and f.wire_type == VARINT:
+            is_dead = bool(f.value)
+        elif f.number == 4 and f.wire_type == VARINT:
+            total = f.value
+        elif f.number == 5 and f.wire_type == LEN:
+            acc.ext = read_utf8(header, f.value, f.end, "TensorHeader.shmrdv_dtype")
+        elif f.number == 6 and f.wire_type == VARINT:
+            send_start_micros = signed64(f.value)
+    if not acc.ext:
+        raise Malformed("TensorHeader has no shmrdv_dtype")
+    try:
+        dtype = resolve_dtype(acc.dtype, acc.ext)
+    except InvalidArgumentError as e:
+        raise Malformed(str(e)) from e
+    shape = acc.shape()
+    check_shape(shape, dtype)
+    need = element_count(shape) * dtype.itemsize
+    if need != total:
+        raise Malformed(f"{dtype} tensor of shape {shape} is {need} bytes, header says {total}")
+    if total == 0:
+        empty_array(shape, dtype)  # checks that numpy can represent the shape
+    return _Header(dtype, shape, is_dead, total, send_start_micros)

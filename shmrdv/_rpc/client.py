@@ -208,6 +208,22 @@ class RpcClient:
         recv = self._blocked.get(done)
         return recv is not None and recv.wait(timeout)
 
+    def busy(self, step_id: int, full_key: str) -> bool:
+        """Whether a receive of (``step_id``, ``full_key``) is in flight or queued here."""
+        with self._lock:
+            return self._queues.head((step_id, full_key)) is not None
+
+    def channel(self, address: str) -> grpc.Channel:
+        """This process's channel to ``address`` (opened on first use; the client's TLS);
+        ``InvalidArgumentError`` for a bad address."""
+        self._check_fork()
+        return self._channels.channel(address)
+
+    @property
+    def metadata(self) -> Sequence[tuple[str, str]]:
+        """What goes with every call (the token, if any)."""
+        return self._metadata
+
     def _forget(self, recv: Recv) -> None:
         """``recv`` has ended: the next receive of its key goes out."""
         k = (recv.step_id, recv.key.full_key)

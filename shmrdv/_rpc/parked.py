@@ -24,26 +24,34 @@ def peer_host(peer: str) -> str:
 class ParkedCalls:
     """Counts of calls waiting for a value: in all, per peer host, per connection."""
 
-    def __init__(self, total: int, per_host: int, per_connection: int) -> None:
+    def __init__(
+        self,
+        total: int,
+        per_host: int,
+        per_connection: int,
+        *,
+        what: str = "calls waiting for values",
+        option: str = "max_waiting",
+    ) -> None:
         self.bounds = (total, per_host, per_connection)
         self.total = 0
         self._by: dict[str, int] = {}
+        self._what = what  # what is counted, and the options that bound it (the refusals)
+        self._option = option
 
     def refusal(self, peer: str) -> str | None:
         """Why one more call from ``peer`` may not wait (None: it may)."""
         total, per_host, per_connection = self.bounds
+        what, option = self._what, self._option
         if self.total >= total:
-            return f"{self.total} calls already wait for values (max_waiting={total})"
+            return f"{self.total} {what} already ({option}={total})"
         host = peer_host(peer)
         if self._by.get(host, 0) >= per_host:
-            return (
-                f"{host} already has {self._by[host]} calls waiting for values "
-                f"(max_waiting_per_peer={per_host})"
-            )
+            return f"{host} already has {self._by[host]} {what} ({option}_per_peer={per_host})"
         if host != peer and self._by.get(peer, 0) >= per_connection:
             return (
-                f"connection {peer} already has {self._by[peer]} calls waiting for values "
-                f"(max_waiting_per_connection={per_connection})"
+                f"connection {peer} already has {self._by[peer]} {what} "
+                f"({option}_per_connection={per_connection})"
             )
         return None
 

@@ -40,6 +40,7 @@ from .limits import ServerLimits
 from .methods import DEFAULT_CHUNK_BYTES, SERVER_STOPPING
 from .request_gate import RequestGate
 from .security import TLSConfig, TokenInterceptor, check_token
+from .series_service import SeriesLimits, SeriesService
 from .service import RecvService
 from .tensor_source import TensorSource
 
@@ -97,6 +98,7 @@ class RpcServer:
             ``RESOURCE_EXHAUSTED`` (never for a value that is already there).
         max_wait: longest wait for a value of a call without a deadline (or a later one);
             then ``DEADLINE_EXCEEDED`` (shmrdv clients ask again).
+        series: ``RecvTensorSeries``' idle end and bounds (``SeriesLimits``).
         handshake_timeout: a connection that has not finished its HTTP/2 (and TLS)
             handshake within this many seconds is closed.
 
@@ -122,6 +124,7 @@ class RpcServer:
         max_waiting_per_connection: int = 16_384,
         max_wait: float = 300.0,
         handshake_timeout: float = 10.0,
+        series: SeriesLimits | None = None,
     ) -> None:
         self._host, self._port = _split_bind(bind)
         self._bind = bind
@@ -184,6 +187,11 @@ class RpcServer:
             max_waiting_per_peer=max_waiting_per_peer,
             max_waiting_per_connection=max_waiting_per_connection,
             max_wait=max_wait,
+        )
+        if series is not None and not isinstance(series, SeriesLimits):
+            raise InvalidArgumentError(f"series must be a SeriesLimits, not {series!r}")
+        self._series = SeriesService(
+            source, task, chunk_bytes=chunk_bytes, limits=series or SeriesLimits()
         )
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -281,7 +289,7 @@ class RpcServer:
             interceptors=interceptors,
             maximum_concurrent_rpcs=self._limits.max_concurrent_rpcs,
         )
-        server.add_generic_rpc_handlers(self._service.handlers())
+        server.add_generic_rpc_handlers([*self._service.handlers(), self._series.handler()])
         try:
             if self._tls is not None:
                 port = server.add_secure_port(self._bind, self._tls.server_credentials())
@@ -293,6 +301,7 @@ class RpcServer:
             raise UnavailableError(f"shmrdv RPC server cannot listen on {self._bind}")
         assert self._pool is not None
         self._service.started(f"{self._host}:{port}", self._pool)
+        self._series.started(f"{self._host}:{port}")
         self._gate.started(f"{self._host}:{port}")
         await server.start()
         self._server = server
@@ -329,11 +338,11 @@ class RpcServer:
         _log.info("shmrdv RPC server on %s stopped", self._address)
 
     async def _astop(self, grace: float | None) -> None:
-        self._service.stop_serving(
-            UnavailableError(
-                f"shmrdv RPC server {self._address} ({self._source.task}) {SERVER_STOPPING}"
-            )
+        stopping = UnavailableError(
+            f"shmrdv RPC server {self._address} ({self._source.task}) {SERVER_STOPPING}"
         )
+        self._service.stop_serving(stopping)
+        self._series.stop_serving(stopping)
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace)
@@ -370,6 +379,7 @@ class RpcServer:
         calls awaiting their request message and those dropped for keeping silent
         (``RequestGate.stats``). Read from any thread: a snapshot, not a transaction."""
         out = self._service.stats()
+        out.update(self._series.stats())
         gate = self._gate
         if gate is not None:
             out.update(gate.stats())

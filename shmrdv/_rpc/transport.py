@@ -33,6 +33,7 @@ from .._transport import PeerRecord, TransportContext
 from .client import RpcClient
 from .limits import ServerLimits
 from .outbox import Outbox
+from .series_client import SeriesClient
 from .server import RpcServer
 
 if TYPE_CHECKING:
@@ -75,6 +76,12 @@ class GrpcTransport:
         self.task: str = ctx.task_name
         self._outbox = Outbox(ctx)
         self._client = RpcClient(tls=tls, token=token)
+        self._series = SeriesClient(
+            channel=self._client.channel,
+            metadata=self._client.metadata,
+            busy=self._client.busy,
+            fallback=self._fallback,
+        )
         self._server: RpcServer | None = None
         self.address: str | None = None
         self._closed = False
@@ -138,9 +145,18 @@ class GrpcTransport:
         moot). ``blocking``: the caller then calls ``wait`` until ``done`` has run."""
         if self._closed:
             raise closed_error(self.task)
+        canceller = self._series.start_recv(
+            step_id, key, done, lambda: self._address(key), blocking=blocking
+        )
+        if canceller is not None:
+            return canceller
         return self._client.start_recv(
             lambda: self._address(key), step_id, key, done, blocking=blocking
         )
+
+    def _fallback(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
+        """A receive its key's series could not serve goes by RecvTensor."""
+        return self._client.start_recv(lambda: self._address(key), step_id, key, done)
 
     def wait(self, slot: RecvSlot, timeout: float) -> None:
         """Wait on the blocked receiver's own call (decoding its answer here), else on
@@ -170,10 +186,12 @@ class GrpcTransport:
 
     def abort_step(self, step_id: int, error: BaseException) -> None:
         self._outbox.abort_step(step_id, error)
+        self._series.abort_step(step_id, error)
         self._client.abort_step(step_id, error)
 
     def cleanup_step(self, step_id: int) -> None:
         self._outbox.cleanup_step(step_id)
+        self._series.cleanup_step(step_id)
         self._client.cleanup_step(step_id)
         if self._server is not None:
             self._server.drop_step(step_id)
@@ -188,14 +206,17 @@ class GrpcTransport:
             # sending one may finish, bounded (bug 3b of issue 19).
             self._server.stop(_CLOSE_GRACE)
         self._outbox.close()
+        self._series.close(closed_error(self.task))
         self._client.close(closed_error(self.task))
 
     def stats(self) -> dict[str, int]:
         out = self._outbox.stats()
         client = self._client.stats()
-        out["received"] = client["received"]
-        out["received_bytes"] = client["received_bytes"]
+        series = self._series.stats()
+        out["received"] = client["received"] + series["received"]
+        out["received_bytes"] = client["received_bytes"] + series["received_bytes"]
         out["receives_pending"] = client["inflight"]
+        out["series"] = series["series"]
         if self._server is not None:
             out.update({f"server_{k}": v for k, v in self._server.stats().items()})
         return out

@@ -33,17 +33,16 @@ from collections.abc import Callable
 
 from .._devices import DeviceName
 from .._errors import (
-    AbortedError,
     DeadlineExceededError,
     InternalError,
-    InvalidArgumentError,
     RendezvousError,
     ResourceExhaustedError,
     UnavailableError,
 )
-from .._keys import ParsedKey, parse_key
+from .._keys import ParsedKey
 from .._received import Received
 from . import messages
+from .keycheck import check_served_key
 from .methods import SERVER_STOPPING
 from .parked import ParkedCalls
 from .response_cache import ResponseCache, Waiter
@@ -200,21 +199,9 @@ class Waits:
 
     def _validate(self, req: messages.RecvRequest) -> ParsedKey:
         """Parse and check the key as TensorFlow's GrpcWorker does; raise the TF error."""
-        pk = parse_key(req.rendezvous_key)
-        if not pk.src.same_task(self._task):
-            # TensorFlow (BaseRendezvousMgr::RecvLocalAsync / ValidateDevices):
-            raise InvalidArgumentError(
-                f"Invalid rendezvous key (src): {pk.full_key} @ {self._source.task}"
-            )
-        incarnation = self._source.incarnation
-        if pk.src_incarnation != 0 and pk.src_incarnation != incarnation:
-            # TensorFlow: GrpcWorker::PrepareRecvTensor, word for word.
-            raise AbortedError(
-                f"RecvTensor expects a different device incarnation: {pk.src_incarnation:016x} "
-                f'vs. {incarnation:016x}. Your worker job ("{self._source.task}") was probably '
-                "restarted. Check your worker job for the reason why it was restarted."
-            )
-        return pk
+        return check_served_key(
+            req.rendezvous_key, self._task, self._source.task, self._source.incarnation
+        )
 
     async def take(
         self,

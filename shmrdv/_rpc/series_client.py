@@ -1,0 +1,255 @@
+"""RecvTensorSeries, the consumer's side: a key's values arrive before they are asked for.
+
+One ``RecvTensor`` per receive waits a round trip for every value, so a consumer that
+takes a key's values one after another (a pipeline) gets at most one value per round
+trip. When a (step, key) is received a second time (or the first time, for a key that
+had a series in an earlier step) and no ``RecvTensor`` of it is in flight,
+``SeriesClient`` opens one ``RecvTensorSeries`` call for it to its producer
+(``series_service``): the producer pushes the key's values as they are sent, a reader
+thread assembles each (one copy: the chunks into the writable array a receive returns)
+and keeps it in the series' table until a receive takes it, in order.
+
+* **Bounded**: a series keeps at most ``prefetch_bytes`` of values nobody took yet (one
+  value whatever its size); then its reader stops reading and HTTP/2 flow control stops
+  the producer. At most ``max_series`` series are open; other keys use ``RecvTensor``.
+* **Order**: while a series of a (step, key) exists every receive of it goes there; a
+  series is opened only when no ``RecvTensor`` of the key is in flight (``busy``), so
+  values are never served to two methods at once.
+* **Ends**: the producer ends an idle series; the reader opens another at once if a
+  receive waits, else the series goes once its table is empty (the next receive opens a
+  new one). An error (the producer's step aborted or cleaned up, its worker closing,
+  the connection lost) fails the receives waiting on it, with the error mapped as for
+  ``RecvTensor``; values already there are still taken. A call that fails before any
+  value came hands its waiting receives to ``RecvTensor`` (``fallback``), in order: a
+  producer that does not know the method (``UNIMPLEMENTED``: TensorFlow, an older
+  shmrdv; no series to that address again), refuses one more series
+  (``RESOURCE_EXHAUSTED``; none for ``_REFUSED_PAUSE``), or cannot be reached
+  (``UNAVAILABLE``: ``RecvTensor`` retries it, or names it gone).
+* ``abort_step``, ``cleanup_step`` and ``close`` cancel the step's (every) series and
+  fail their waiting receives; values a series held go with its step.
+* No request_id: a series is never retried. A connection lost after values came fails
+  the receives waiting on it (``UnavailableError``): values in flight on it are lost
+  with it, and the receive says so rather than skip them.
+
+Measured (``bench --pipeline --pipeline-cases 64k:1000,16m:100``, pinned, loopback, one
+session, three runs each, against raw grpcio server-streaming): one ``RecvTensor`` per
+value gave x0.109-0.156 at 64 KiB (763-1,175 values/s) and x0.52-0.74 at 16 MiB; the
+series x0.98-1.14 and x0.94-1.03 (8,457-10,067 values/s at 64 KiB).
+
+Modules: ``series_reader`` (one series: its call, reader thread and table),
+``series_wire`` (its messages); this one opens series, routes receives to them and ends
+them.
+
+Thread model (docs/threads.md): one reader thread per series ("shmrdv-rpc-series",
+``series_reader``); it fills the slot of a blocked receiver that waited, and hands any
+other waiting receive's ``done`` to a callback thread (``runner``). A receive whose value
+is there is answered in its own thread. One lock guards ``SeriesClient``'s tables;
+``done`` never runs under a lock of ours.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from .._callbacks import DoneCallback, invoke_done
+from .._errors import CancelledError, InternalError, RendezvousError
+from .._keys import ParsedKey
+from .._received import Received
+from .._rendezvous import Canceller
+from .runner import Runner
+from .series_reader import SeriesReader, Waiter
+
+__all__ = ["SeriesClient"]
+
+_PREFETCH_BYTES = 32 << 20
+_MAX_SERIES = 64
+# Receives counted per (step, key) to find the keys that carry a series.
+_COUNTS_KEPT = 4096
+# After a producer refused a series (its bounds), how long its keys use RecvTensor.
+_REFUSED_PAUSE = 5.0
+_JOIN_TIMEOUT = 5.0
+
+#: Start a ``RecvTensor`` receive of (step, key) with ``done``: the fallback.
+Fallback = Callable[[int, ParsedKey, DoneCallback], Canceller]
+
+
+class SeriesClient:
+    """The series of one client (module docstring).
+
+    ``channel(address)`` gives the channel to a producer, ``metadata`` goes with every
+    call, ``busy(step_id, full_key)`` says whether a ``RecvTensor`` of that key is in
+    flight, and ``fallback`` starts one.
+    """
+
+    def __init__(
+        self,
+        *,
+        channel: Callable[[str], grpc.Channel],
+        metadata: Sequence[tuple[str, str]],
+        busy: Callable[[int, str], bool],
+        fallback: Fallback,
+        prefetch_bytes: int = _PREFETCH_BYTES,
+        max_series: int = _MAX_SERIES,
+    ) -> None:
+        self._channel = channel
+        self.metadata = metadata
+        self._busy = busy
+        self.fallback = fallback
+        self.prefetch_bytes = prefetch_bytes
+        self._max_series = max_series
+        self._reset()
+
+    def _reset(self) -> None:
+        self._runner = Runner()  # callback receives' done, off the reader thread
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._series: dict[tuple[int, str], SeriesReader] = {}
+        self._counts: dict[tuple[int, str], int] = {}
+        self._channel_keys: dict[str, None] = {}  # keys that had a series, in any step
+        self._aborted: set[int] = set()
+        self._unsupported: dict[str, float] = {}  # address -> until (monotonic)
+        self._closed = False
+        self._stats = {"received": 0, "received_bytes": 0, "series_opened": 0}
+
+    def start_recv(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        done: DoneCallback,
+        address: Callable[[], str],
+        *,
+        blocking: bool = False,
+    ) -> Canceller | None:
+        """Receive through the key's series (opened now if the key qualifies); None: use
+        ``RecvTensor`` for this receive. ``address()`` gives the producer's address or
+        raises ``RendezvousError``. ``blocking``: ``done`` only fills a blocked
+        receiver's slot (the reader runs it); other ``done``s run on a callback thread
+        when the value arrives later."""
+        if os.getpid() != self._pid:
+            self._reset()  # a forked child: the parent's series are not ours
+        k = (step_id, key.full_key)
+        with self._lock:
+            series = self._series.get(k)
+            if series is None:
+                if len(self._counts) >= _COUNTS_KEPT and k not in self._counts:
+                    self._counts.clear()  # a bound, not an LRU
+                n = self._counts[k] = self._counts.get(k, 0) + 1
+                if n < 2 and key.full_key not in self._channel_keys:
+                    return None
+                if self._closed or step_id in self._aborted:
+                    return None
+                if len(self._series) >= self._max_series:
+                    return None
+        if series is not None:
+            canceller = series.start_recv(done, blocking)
+            if canceller is None:  # over and drained: a new one opens at the next receive
+                with self._lock:
+                    if self._series.get(k) is series:
+                        del self._series[k]
+            return canceller
+        return self._open(k, key, done, address, blocking)
+
+    def _open(
+        self,
+        k: tuple[int, str],
+        key: ParsedKey,
+        done: DoneCallback,
+        address: Callable[[], str],
+        blocking: bool,
+    ) -> Canceller | None:
+        if self._busy(*k):
+            return None
+        try:
+            where = address()
+            channel = self._channel(where)
+        except RendezvousError:
+            return None  # RecvTensor retries and explains
+        with self._lock:
+            until = self._unsupported.get(where)
+            if until is not None and time.monotonic() < until:
+                return None
+            if self._closed or k in self._series or k[0] in self._aborted:
+                return None
+            series = self._series[k] = SeriesReader(self, channel, where, k[0], key)
+            if len(self._channel_keys) >= _COUNTS_KEPT and k[1] not in self._channel_keys:
+                self._channel_keys.clear()
+            self._channel_keys[k[1]] = None
+            self._stats["series_opened"] += 1
+        canceller = series.start_recv(done, blocking)
+        try:
+            series.thread.start()
+        except RuntimeError as e:  # "can't start new thread"
+            series.close(InternalError(f"cannot start a series reader: {e}"))
+        return canceller
+
+    def deliver(
+        self, waiter: Waiter, error: BaseException | None, received: Received | None
+    ) -> None:
+        """Complete a receive that waited: a blocked receiver's slot here (the reader's
+        thread), any other ``done`` on a callback thread (it may block, or receive)."""
+        if waiter.blocking:
+            invoke_done(waiter.done, error, received)
+        else:
+            self._runner.submit(invoke_done, waiter.done, error, received)
+
+    def count(self, received: Received) -> None:
+        self._stats["received"] += 1
+        self._stats["received_bytes"] += received.value.nbytes
+
+    def refused(self, address: str, code: grpc.StatusCode) -> None:
+        """``address`` has no series for us: none at all, or none for a while."""
+        pause = float("inf") if code == grpc.StatusCode.UNIMPLEMENTED else _REFUSED_PAUSE
+        with self._lock:
+            self._unsupported[address] = time.monotonic() + pause
+
+    def abort_step(self, step_id: int, error: BaseException) -> None:
+        """Fail the step's waiting receives with ``error`` and stop its series."""
+        with self._lock:
+            self._aborted.add(step_id)
+            gone = [s for k, s in self._series.items() if k[0] == step_id]
+            for s in gone:
+                del self._series[(s.step_id, s.key.full_key)]
+        for s in gone:
+            s.close(error)
+
+    def cleanup_step(self, step_id: int) -> None:
+        """Forget the step: its series (stopped), counts and abort."""
+        with self._lock:
+            self._aborted.discard(step_id)
+            gone = [s for k, s in self._series.items() if k[0] == step_id]
+            for s in gone:
+                del self._series[(s.step_id, s.key.full_key)]
+            for k in [k for k in self._counts if k[0] == step_id]:
+                del self._counts[k]
+        for s in gone:
+            s.close(CancelledError(f"step {step_id} was cleaned up"))
+
+    def close(self, error: BaseException) -> None:
+        """Stop every series (waiting receives fail with ``error``) and join the readers."""
+        if os.getpid() != self._pid:
+            self._reset()
+        with self._lock:
+            self._closed = True
+            gone = list(self._series.values())
+            self._series.clear()
+        for s in gone:
+            s.close(error)
+        for s in gone:
+            if s.thread.is_alive() and s.thread is not threading.current_thread():
+                s.thread.join(_JOIN_TIMEOUT)
+        self._runner.shutdown(_JOIN_TIMEOUT)
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self._stats)
+        with self._lock:
+            out["series"] = len(self._series)
+        return out
+
+
+def _too_late() -> bool:
+    return False

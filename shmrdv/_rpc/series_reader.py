@@ -1,0 +1,250 @@
+"""One ``RecvTensorSeries`` call of a consumer: its reader thread and its table.
+
+A ``SeriesReader`` is opened by ``series_client.SeriesClient`` for one (step, key) and
+reads the call: each value is assembled (``assembly.StreamAssembler``: one copy, the
+chunks into the writable array a receive returns) and handed to the oldest waiting
+receive, or kept (in order, at most ``prefetch_bytes``; then the reader stops reading and
+HTTP/2 flow control holds the producer). The producer ending an idle series makes the
+reader open another if a receive waits. What the series does on errors and ends is
+described on ``series_client``; what it uses of its owner is ``SeriesOwner``.
+
+Thread model (docs/threads.md): the reader thread ("shmrdv-rpc-series") reads the call
+and delivers; receives, cancels and ``close`` come from any thread. One lock guards the
+table and waiters; the ``room`` condition on it holds the reader while the table is
+full. ``done`` never runs under it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import grpc
+
+from .._callbacks import DoneCallback, invoke_done
+from .._errors import InternalError, RendezvousError
+from .._keys import ParsedKey
+from .._received import Received
+from .._rendezvous import Canceller
+from . import assembly, messages, series_wire
+from .methods import RECV_TENSOR_SERIES_METHOD
+from .recv_errors import call_error
+from .rpc_errors import error_code
+
+__all__ = ["SeriesOwner", "SeriesReader", "Waiter"]
+
+_log = logging.getLogger("shmrdv.rpc.client")
+
+
+class SeriesOwner(Protocol):
+    """What a series uses of the client that opened it."""
+
+    metadata: Sequence[tuple[str, str]]
+    prefetch_bytes: int
+
+    def count(self, received: Received) -> None:
+        """A value was received."""
+
+    def deliver(
+        self, waiter: Waiter, error: BaseException | None, received: Received | None
+    ) -> None:
+        """Complete a receive that waited (in this thread or on a callback thread)."""
+
+    def refused(self, address: str, code: grpc.StatusCode) -> None:
+        """The producer at ``address`` has no series for us."""
+
+    def fallback(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
+        """Start a ``RecvTensor`` receive instead."""
+
+
+class Waiter:
+    """A receive waiting on a series (hashed by identity)."""
+
+    __slots__ = ("blocking", "done", "redirect")
+
+    def __init__(self, done: DoneCallback, blocking: bool) -> None:
+        self.done = done
+        self.blocking = blocking  # done only fills a blocked receiver's slot
+        self.redirect: Canceller | None = None  # handed to RecvTensor: its canceller
+
+
+class SeriesReader:
+    """One ``RecvTensorSeries`` call for (step, key), its reader thread and its table."""
+
+    def __init__(
+        self,
+        owner: SeriesOwner,
+        channel: grpc.Channel,
+        address: str,
+        step_id: int,
+        key: ParsedKey,
+    ) -> None:
+        self._owner = owner
+        self._method = channel.unary_stream(RECV_TENSOR_SERIES_METHOD)
+        self.address = address
+        self.step_id = step_id
+        self.key = key
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
+        self._values: collections.deque[Received] = collections.deque()
+        self._held = 0
+        self._waiters: collections.OrderedDict[Waiter, None] = collections.OrderedDict()
+        self.ended = False  # no value will come any more
+        self._closed = False
+        self._call: Any = None
+        self.thread = threading.Thread(target=self._run, name="shmrdv-rpc-series", daemon=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _where(self) -> str:
+        return f"key {self.key.full_key!r} (step {self.step_id}) from {self.address}"
+
+    # -- receives (any thread) ------------------------------------------------------------
+
+    def start_recv(self, done: DoneCallback, blocking: bool) -> Canceller | None:
+        """Take the next value (``done`` now), or wait for it; None: the series has
+        ended and holds nothing, the receive must go elsewhere."""
+        with self._lock:
+            if self._values:
+                received = self._values.popleft()
+                self._held -= received.value.nbytes
+                self._room.notify()
+            elif self.ended:
+                return None
+            else:
+                waiter = Waiter(done, blocking)
+                self._waiters[waiter] = None
+                return lambda: self._cancel(waiter)
+        self._owner.count(received)
+        invoke_done(done, None, received)
+        return _too_late
+
+    def _cancel(self, waiter: Waiter) -> bool:
+        with self._lock:
+            if waiter in self._waiters:
+                del self._waiters[waiter]
+                return True
+            redirect = waiter.redirect
+        return redirect() if redirect is not None else False
+
+    def close(self, error: BaseException) -> None:
+        """Stop the call; waiting receives fail with ``error``; held values are dropped."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = self.ended = True
+            call = self._call
+            waiters = list(self._waiters)
+            self._waiters.clear()
+            self._values.clear()
+            self._held = 0
+            self._room.notify_all()
+        if call is not None:
+            call.cancel()
+        for waiter in waiters:
+            invoke_done(waiter.done, error, None)
+
+    # -- the reader thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._read()
+        except BaseException as e:  # a bug here must not leave a receiver waiting forever
+            _log.exception("RecvTensorSeries of %s failed unexpectedly", self._where())
+            self._end(InternalError(f"receiving {self._where()} failed: {e!r}"), fallback=False)
+
+    def _read(self) -> None:
+        request = messages.encode_request(self.step_id, self.key.full_key, 0)
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                call = self._method(request, metadata=self._owner.metadata)
+                self._call = call
+            assembler: assembly.StreamAssembler | None = None
+            values = 0
+            try:
+                for message in call:
+                    for chunk in series_wire.series_chunks(message):
+                        if assembler is None:
+                            assembler = assembly.StreamAssembler()
+                        assembler.feed(chunk)
+                        if assembler.complete:
+                            received = Received(assembler.result(), assembler.is_dead)
+                            assembler = None
+                            values += 1
+                            self._arrived(received)
+            except grpc.RpcError as e:
+                if self.closed:
+                    return
+                code = error_code(e)
+                # Nothing came on this call, so nothing was lost: RecvTensor takes over
+                # (it retries a peer not up yet, and knows one that is gone).
+                fallback = values == 0 and code in (
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.UNAVAILABLE,
+                )
+                if fallback and code != grpc.StatusCode.UNAVAILABLE:
+                    self._owner.refused(self.address, code)
+                self._end(call_error(code, e, self._where(), None, receiving=False), fallback)
+                return
+            except RendezvousError as e:  # the assembler refused what arrived
+                call.cancel()
+                self._end(
+                    InternalError(
+                        f"bad RecvTensorSeries from {self.address} for {self._where()}: {e}"
+                    ),
+                    fallback=False,
+                )
+                return
+            if assembler is not None:
+                self._end(
+                    InternalError(f"RecvTensorSeries of {self._where()} ended inside a value"),
+                    fallback=False,
+                )
+                return
+            with self._lock:  # the producer ended it: the key was idle
+                if self._closed or not self._waiters:
+                    self.ended = True
+                    return
+            # A receive waits: open another.
+
+    def _arrived(self, received: Received) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if self._waiters:
+                waiter, _ = self._waiters.popitem(last=False)
+            else:
+                self._values.append(received)
+                self._held += received.value.nbytes
+                while self._held >= self._owner.prefetch_bytes and not self._closed:
+                    self._room.wait()
+                return
+        self._owner.count(received)
+        self._owner.deliver(waiter, None, received)
+
+    def _end(self, error: BaseException, fallback: bool) -> None:
+        """The series is over: its waiting receives fail with ``error``, or (``fallback``:
+        the producer has no series for us) go to ``RecvTensor``, in order."""
+        with self._lock:
+            self.ended = True
+            waiters = list(self._waiters)
+            self._waiters.clear()
+        for waiter in waiters:
+            if fallback:
+                canceller = self._owner.fallback(self.step_id, self.key, waiter.done)
+                with self._lock:
+                    waiter.redirect = canceller
+            else:
+                self._owner.deliver(waiter, error, None)
+
+
+def _too_late() -> bool:
+    return False

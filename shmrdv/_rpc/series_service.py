@@ -1,0 +1,351 @@
+"""RecvTensorSeries, the producer's side: every value of one key, pushed as it is sent.
+
+A consumer that receives one key again and again (a channel: a pipeline of tensors)
+would otherwise make one ``RecvTensor`` per value, and wait a round trip for each: the
+values must reach it before it asks. Between two shmrdv workers it then opens one
+server-streaming ``RecvTensorSeries`` call for that (step, key) (``series_client``); the
+handler here takes the key's values from the ``TensorSource`` in order, as they are
+sent, and writes each as the ``TensorChunk`` messages of ``RecvTensorStream`` (a header
+with the first data, then chunks of at most ``chunk_bytes``), back to back.
+
+* **Flow control** is HTTP/2's: a write returns once gRPC has taken the message within
+  the stream's window, so a consumer that stops reading stops the handler. A value is
+  taken from the source only once the previous one is written.
+* **The window** (``max_inflight_bytes``): a value counts until its last chunk is
+  written (``TensorSource.done_with``), not when it is taken: a consumer that opens a
+  series and never reads holds the window, not this process's memory (issue 19 §4).
+* A value whose writing did not finish (the consumer went away, the server stops) goes
+  back to the head of its key (``TensorSource.requeue``): a receive that comes later, by
+  either method, gets it. Values written and not yet read by the consumer are the
+  consumer's (its series holds them; they go with its step).
+* **Ends**: with ``OK`` once the key had no value for ``idle`` seconds (the consumer
+  opens a new series when it waits again); with the source's error (an aborted or
+  cleaned-up step: ``ABORTED``, a closed worker: ``UNAVAILABLE``); with ``UNAVAILABLE``
+  when the server stops.
+* **Bounds** (a hostile client, issue 19 §4): series open at once are counted in all,
+  per peer host and per connection (``ParkedCalls``); beyond them ``RESOURCE_EXHAUSTED``
+  and the client uses ``RecvTensor``. The token, the request gate and the call and
+  connection caps of ``RpcServer`` hold as for every method. The key is checked as
+  ``RecvTensor`` checks it (``keycheck``).
+
+The figures that keep this method (faster than ``RecvTensor`` per value, in the same
+run) are in ``series_client``'s docstring.
+
+Thread model (docs/threads.md): the handler runs on the server's event loop, and all
+the state here lives there (no lock). A value already there is taken in the loop with
+no hop; one sent later is handed over by the producer's ``send`` thread with
+``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, NoReturn
+
+import grpc
+import grpc.aio
+
+from .._devices import DeviceName
+from .._errors import (
+    InternalError,
+    InvalidArgumentError,
+    RendezvousError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from .._keys import ParsedKey
+from .._received import Received
+from .._status import code_for_error
+from . import messages, series_wire
+from .keycheck import check_served_key
+from .methods import SERVER_STOPPING, SHMRDV_SERVICE
+from .parked import ParkedCalls
+from .tensor_source import TensorSource
+
+__all__ = ["SeriesLimits", "SeriesService"]
+
+_log = logging.getLogger("shmrdv.rpc.server")
+
+# What a take settles with: (error, value).
+_Outcome = tuple[BaseException | None, Received | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SeriesLimits:
+    """How long an idle series lives, and how many may be open: in all, from one peer
+    host and on one connection (beyond: ``RESOURCE_EXHAUSTED``, and the client uses
+    ``RecvTensor``). Bad values raise ``InvalidArgumentError`` naming them."""
+
+    idle: float = 10.0
+    max_series: int = 4096
+    max_series_per_peer: int = 1024
+    max_series_per_connection: int = 256
+
+    def __post_init__(self) -> None:
+        idle = self.idle
+        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not 0 < idle < 1e6:
+            raise InvalidArgumentError(f"series idle must be seconds > 0, not {idle!r}")
+        for name in ("max_series", "max_series_per_peer", "max_series_per_connection"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
+
+
+class SeriesService:
+    """The ``RecvTensorSeries`` handler of one server, serving values of ``source``.
+
+    ``handler()`` is registered on the gRPC server; ``started`` is called in the loop
+    before the first call; ``stop_serving`` ends every series (loop thread).
+    """
+
+    def __init__(
+        self,
+        source: TensorSource,
+        task: DeviceName,
+        *,
+        chunk_bytes: int,
+        limits: SeriesLimits,
+    ) -> None:
+        self._source = source
+        self._task = task
+        self._chunk_bytes = chunk_bytes
+        self._idle = float(limits.idle)
+        self._open = ParkedCalls(
+            limits.max_series,
+            limits.max_series_per_peer,
+            limits.max_series_per_connection,
+            what="series open",
+            option="max_series",
+        )
+        self._address = "(not started)"
+        self._loop_thread = -1
+        self._stopping = False
+        # Takes waiting for a value, with their cancellers (stop_serving fails them).
+        self._waiting: dict[asyncio.Future[_Outcome], Callable[[], bool]] = {}
+        self._stats = {"series": 0, "series_values": 0, "series_bytes": 0, "series_refused": 0}
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SHMRDV_SERVICE,
+            {"RecvTensorSeries": grpc.unary_stream_rpc_method_handler(self._series)},
+        )
+
+    def started(self, address: str) -> None:
+        """The server listens on ``address`` (called in the loop)."""
+        self._address = address
+        self._loop_thread = threading.get_ident()
+
+    def stop_serving(self, error: RendezvousError) -> None:
+        """End every series: a take waiting for a value fails with ``error``."""
+        self._stopping = True
+        for fut, cancel in list(self._waiting.items()):
+            if cancel() and not fut.done():
+                fut.set_result((error, None))
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self._stats)
+        out["series_open"] = self._open.total
+        return out
+
+    # -- the handler (event loop) ----------------------------------------------------------
+
+    async def _series(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        self._stats["series"] += 1
+        try:
+            if self._stopping:
+                raise UnavailableError(f"shmrdv RPC server {self._address} {SERVER_STOPPING}")
+            req = messages.decode_request(request)
+            pk = check_served_key(
+                req.rendezvous_key, self._task, self._source.task, self._source.incarnation
+            )
+            peer = context.peer()
+            why = self._open.refusal(peer)
+            if why is not None:
+                self._stats["series_refused"] += 1
+                raise ResourceExhaustedError(
+                    f"RecvTensorSeries on {self._source.task}: {why}; key {pk.full_key!r}"
+                )
+        except RendezvousError as e:
+            await _abort(context, e)
+        self._open.add(peer, 1)
+        try:
+            while True:
+                try:
+                    received = await self._take(req.step_id, pk)
+                except RendezvousError as e:
+                    await _abort(context, e)
+                if received is None:
+                    return  # idle: the consumer opens another series when it waits again
+                batch = self._more(req.step_id, pk, received)
+                # Closed here, not when collected: what it did not write goes back now.
+                async with contextlib.aclosing(
+                    self._write(context, req.step_id, pk, batch)
+                ) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+        finally:
+            self._open.add(peer, -1)
+
+    def _more(self, step_id: int, pk: ParsedKey, first: Received) -> list[Received]:
+        """``first`` and the values of ``pk`` already there, up to about one message."""
+        batch = [first]
+        size = first.value.nbytes
+        while size < self._chunk_bytes:
+            received = self._take_now(step_id, pk)
+            if received is None:
+                break
+            batch.append(received)
+            size += received.value.nbytes
+        return batch
+
+    def _take_now(self, step_id: int, pk: ParsedKey) -> Received | None:
+        """The next value of ``pk`` if it is there now; else (or on an error, which the
+        next ``_take`` raises) None, and nothing waits for one."""
+        got: list[_Outcome] = []
+        taking = [True]
+        loop = asyncio.get_running_loop()
+
+        def done(error: BaseException | None, received: Received | None) -> None:
+            if taking[0]:
+                got.append((error, received))
+                return
+            # Sent just as the take gave up (another thread): back to the key's head.
+            try:
+                loop.call_soon_threadsafe(self._late, step_id, pk, received)
+            except RuntimeError:
+                pass
+
+        try:
+            cancel = self._source.serve_recv(step_id, pk, done)
+        except RendezvousError:
+            return None
+        finally:
+            taking[0] = False
+        if not got:
+            cancel()
+            return None
+        error, received = got[0]
+        return None if error is not None else received
+
+    def _late(self, step_id: int, pk: ParsedKey, received: Received | None) -> None:
+        if received is not None:
+            self._source.done_with(step_id, pk, received.value.nbytes)
+            self._requeue(step_id, pk, received)
+
+    async def _write(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        step_id: int,
+        pk: ParsedKey,
+        batch: list[Received],
+    ) -> AsyncGenerator[bytes, None]:
+        """``batch`` as series messages. A value whose last chunk gRPC took is
+        delivered (the window counts it no more); the rest, if the writing stops (the
+        consumer went away, the server stops), go back to their key's head, in order."""
+        try:
+            messages_out = series_wire.encode_series(batch, self._chunk_bytes)
+        except RendezvousError as e:  # not sendable: dropped, never requeued
+            for received in batch:
+                self._source.done_with(step_id, pk, received.value.nbytes)
+            await _abort(context, e)
+        sent = 0
+        try:
+            for message, completed in messages_out:
+                yield message  # returns once gRPC has taken it (flow control)
+                if completed:
+                    nbytes = sum(r.value.nbytes for r in batch[sent : sent + completed])
+                    self._source.done_with(step_id, pk, nbytes)  # once per message
+                    self._stats["series_values"] += completed
+                    self._stats["series_bytes"] += nbytes
+                sent += completed
+        finally:
+            for received in reversed(batch[sent:]):
+                self._source.done_with(step_id, pk, received.value.nbytes)
+                self._requeue(step_id, pk, received)
+
+    def _requeue(self, step_id: int, pk: ParsedKey, received: Received) -> None:
+        try:
+            self._source.requeue(step_id, pk, received)
+        except Exception:
+            _log.exception("TensorSource.requeue failed for key %r", pk.full_key)
+
+    async def _take(self, step_id: int, pk: ParsedKey) -> Received | None:
+        """The next value of ``pk``: at once when it is there, else when it is sent;
+        None after ``idle`` seconds without one. Raises the source's error."""
+        if self._stopping:
+            raise UnavailableError(f"shmrdv RPC server {self._address} {SERVER_STOPPING}")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[_Outcome] = loop.create_future()
+        loop_thread = self._loop_thread
+
+        def done(error: BaseException | None, received: Received | None) -> None:
+            # In the loop when the value is already there; else the producer's thread.
+            if threading.get_ident() == loop_thread:
+                self._settle(fut, step_id, pk, error, received)
+                return
+            try:
+                loop.call_soon_threadsafe(self._settle, fut, step_id, pk, error, received)
+            except RuntimeError:  # the loop is gone: the server stopped
+                if received is not None:
+                    self._source.done_with(step_id, pk, received.value.nbytes)
+
+        try:
+            cancel = self._source.serve_recv(step_id, pk, done)
+        except RendezvousError:
+            raise
+        except Exception as e:  # a bug in the source must still end the call
+            _log.exception("TensorSource.serve_recv failed for key %r", pk.full_key)
+            raise InternalError(f"TensorSource of {self._source.task} failed: {e!r}") from e
+        if not fut.done():
+            self._waiting[fut] = cancel
+            try:
+                while not fut.done():
+                    await asyncio.wait((fut,), timeout=self._idle)
+                    if not fut.done() and cancel():
+                        return None
+                    # cancel() False: the value is on its way; wait for it.
+            except asyncio.CancelledError:
+                # The consumer went away: a value taken for it goes back to its key.
+                cancel()
+                if not fut.done():
+                    fut.cancel()  # one still on its way goes back in _settle
+                else:
+                    self._settle(fut, step_id, pk, *fut.result())
+                raise
+            finally:
+                self._waiting.pop(fut, None)
+        error, received = fut.result()
+        if error is not None:
+            if isinstance(error, RendezvousError):
+                raise error
+            raise InternalError(f"TensorSource.serve_recv failed: {error!r}")
+        if received is None:
+            raise InternalError("TensorSource called done(None, None)")
+        return received
+
+    def _settle(
+        self,
+        fut: asyncio.Future[_Outcome],
+        step_id: int,
+        pk: ParsedKey,
+        error: BaseException | None,
+        received: Received | None,
+    ) -> None:
+        if not fut.done():
+            fut.set_result((error, received))
+        elif received is not None:
+            # Nobody takes it any more (the consumer went away, the server stopped).
+            self._source.done_with(step_id, pk, received.value.nbytes)
+            self._requeue(step_id, pk, received)
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: RendezvousError) -> NoReturn:
+    await context.abort(code_for_error(error), str(error))
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
