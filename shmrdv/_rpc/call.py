@@ -48,8 +48,11 @@ _RETRY_MAX = 1.0
 # (bench, pinned, same run): the own call cut a 64 KiB round trip from 1.8-2.2 ms to
 # 1.1 ms, but made 1 MiB slower (4-5.5 ms against 3.1-3.6 ms).
 _OWN_CALL_MAX = 256 << 10
-# How often a receive looks again for the address of a producer that has not started.
+# How often a receive looks again for the address of a producer that has not started:
+# at first every 50 ms, then less often (doubling, up to 0.4 s), so a receive that waits
+# long for a producer to start costs a few timers a second, not twenty.
 _RESOLVE_PERIOD = 0.05
+_RESOLVE_MAX = 0.4
 
 # PENDING: no data yet (cancellable); ARRIVED: an answer is being decoded; RECEIVING: a
 # stream is flowing; DONE: delivered or failed; CANCELLED.
@@ -92,6 +95,7 @@ class Recv:
         self._stream_call: Any = None  # the stream call in flight
         self._timer: threading.Timer | None = None
         self._backoff = _RETRY_INITIAL
+        self._resolve_pause = _RESOLVE_PERIOD
         self._last_unavailable: grpc.RpcError | None = None
         self._peer = PeerWatch()  # whether the producer went away
         self._wake: threading.Event | None = None  # ends a stream's backoff pause early
@@ -236,7 +240,9 @@ class Recv:
             try:
                 self._address = resolve()
             except UnavailableError as e:
-                self._retry_later(_RESOLVE_PERIOD, self.start, str(e))
+                pause = self._resolve_pause
+                self._resolve_pause = min(2 * pause, _RESOLVE_MAX)
+                self._retry_later(pause, self.start, str(e))
                 return
             except RendezvousError as e:
                 self.deliver(e, None)
