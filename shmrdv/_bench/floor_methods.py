@@ -16,8 +16,6 @@ from .contract import (
     Ack,
     Handler,
     MethodSpec,
-    Pinger,
-    Ponger,
     RoleContext,
     module_missing,
     pack_ack,
@@ -50,10 +48,6 @@ class _MemcpyPinger:
 
     def close(self) -> None:
         self._dst = None
-
-
-def memcpy_pinger(ctx: RoleContext) -> Pinger:
-    return _MemcpyPinger(ctx)
 
 
 # -- sem_pingpong: bare posix_ipc semaphore pair, 64-byte payload in a reused segment ----
@@ -144,20 +138,12 @@ class _SemPonger:
         self._pong.close()
 
 
-def sem_pinger(ctx: RoleContext) -> Pinger:
-    return _SemPinger(ctx)
-
-
-def sem_ponger(ctx: RoleContext) -> Ponger:
-    return _SemPonger(ctx)
-
-
 # -- the specs -----------------------------------------------------------------------------
 
 MEMCPY = MethodSpec(
     "memcpy",
     "np.copyto into a warm preallocated array, one process (copy floor)",
-    memcpy_pinger,
+    _MemcpyPinger,
     group="floor",
     idle_cpu=False,
     receiver_array="writable, private",
@@ -166,8 +152,8 @@ MEMCPY = MethodSpec(
 SEM_PINGPONG = MethodSpec(
     "sem_pingpong",
     "bare posix_ipc semaphore pair, 64 B in a reused segment (notification floor)",
-    sem_pinger,
-    sem_ponger,
+    _SemPinger,
+    _SemPonger,
     available=module_missing("posix_ipc", "posix_ipc"),
     fixed_nbytes=SEM_PAYLOAD,
     group="floor",

@@ -17,8 +17,6 @@ from .contract import (
     Ack,
     Handler,
     MethodSpec,
-    Pinger,
-    Ponger,
     PullPonger,
     RoleContext,
     module_missing,
@@ -78,14 +76,6 @@ class _TorchPonger(PullPonger):
         self._conn.send_bytes(data)
 
 
-def torch_pinger(ctx: RoleContext) -> Pinger:
-    return _TorchPinger(ctx)
-
-
-def torch_ponger(ctx: RoleContext) -> Ponger:
-    return _TorchPonger(ctx)
-
-
 # -- ray: ray.put in the driver, an actor method gets the (zero-copy, read-only) array ----
 # Single process from the runner's view: the pinger is the Ray driver and Ray starts
 # the actor's worker. The local cluster gets num_cpus=2, no dashboard, an object store
@@ -134,17 +124,13 @@ class _RayPinger:
         self._ray.shutdown()
 
 
-def ray_pinger(ctx: RoleContext) -> Pinger:
-    return _RayPinger(ctx)
-
-
 # -- the specs -----------------------------------------------------------------------------
 
 TORCH_MP = MethodSpec(
     "torch_mp",
     "torch.multiprocessing Queue, from_numpy().share_memory_(), .numpy() (ack on a Pipe)",
-    torch_pinger,
-    torch_ponger,
+    _TorchPinger,
+    _TorchPonger,
     available=module_missing("torch", "torch"),
     make_shared=_torch_shared,
     receiver_array="writable (shared storage)",
@@ -153,7 +139,7 @@ TORCH_MP = MethodSpec(
 RAY = MethodSpec(
     "ray",
     "Ray: ray.put in the driver, an actor method gets it (zero-copy view)",
-    ray_pinger,
+    _RayPinger,
     available=module_missing("ray", "ray"),
     idle_cpu=False,
     receiver_array="read-only (object store)",

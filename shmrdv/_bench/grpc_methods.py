@@ -18,8 +18,6 @@ from .contract import (
     Ack,
     Handler,
     MethodSpec,
-    Pinger,
-    Ponger,
     RoleContext,
     module_missing,
     pack_ack,
@@ -112,14 +110,6 @@ class _GrpcPonger:
             self._server = None
 
 
-def grpc_pinger(ctx: RoleContext) -> Pinger:
-    return _GrpcPinger(ctx)
-
-
-def grpc_ponger(ctx: RoleContext) -> Ponger:
-    return _GrpcPonger(ctx)
-
-
 def _grpc_available() -> str | None:
     return module_missing("grpc", "grpcio")()
 
@@ -189,22 +179,14 @@ class _GrpcPullPonger:
         self._channel.close()
 
 
-def grpc_pull_pinger(ctx: RoleContext) -> Pinger:
-    return _GrpcPullPinger(ctx)
-
-
-def grpc_pull_ponger(ctx: RoleContext) -> Ponger:
-    return _GrpcPullPonger(ctx)
-
-
 # -- the specs -----------------------------------------------------------------------------
 
 GRPC_PULL = MethodSpec(
     "grpc_pull",
     "grpcio unary call on 127.0.0.1, the tensor in the response (a pull, like "
     "RecvTensor), ack in the next request; identity serializers",
-    grpc_pull_pinger,
-    grpc_pull_ponger,
+    _GrpcPullPinger,
+    _GrpcPullPonger,
     available=_grpc_available,
     receiver_array="read-only (backed by bytes)",
 )
@@ -213,8 +195,8 @@ GRPC_PUSH = MethodSpec(
     "grpc_push",
     "grpcio unary call on 127.0.0.1, the tensor in the request (an upload), ack in the "
     "response; identity serializers",
-    grpc_pinger,
-    grpc_ponger,
+    _GrpcPinger,
+    _GrpcPonger,
     available=_grpc_available,
     baseline="grpc_pull",
     receiver_array="read-only (backed by bytes)",

@@ -21,8 +21,6 @@ from .contract import (
     NBYTES,
     Ack,
     MethodSpec,
-    Pinger,
-    Ponger,
     PullPonger,
     RoleContext,
     role_link,
@@ -80,14 +78,6 @@ class _PipeOobPonger(PullPonger):
         self._conn.send_bytes(data)
 
 
-def pipe_oob_pinger(ctx: RoleContext) -> Pinger:
-    return _PipeOobPinger(ctx)
-
-
-def pipe_oob_ponger(ctx: RoleContext) -> Ponger:
-    return _PipeOobPonger(ctx)
-
-
 # -- mp_queue: multiprocessing.Queue put/get; acks on the link Pipe ---------------------
 
 
@@ -121,14 +111,6 @@ class _QueuePonger(PullPonger):
 
     def send_ack(self, data: bytes) -> None:
         self._conn.send_bytes(data)
-
-
-def queue_pinger(ctx: RoleContext) -> Pinger:
-    return _QueuePinger(ctx)
-
-
-def queue_ponger(ctx: RoleContext) -> Ponger:
-    return _QueuePonger(ctx)
 
 
 # -- shm_per_msg: a new multiprocessing.shared_memory segment per message ----------------
@@ -213,29 +195,21 @@ def _shm_per_msg_sweep(prefix: str, shared: Mapping[str, Any]) -> None:
             resource_tracker.unregister("/" + entry, "shared_memory")
 
 
-def shm_per_msg_pinger(ctx: RoleContext) -> Pinger:
-    return _ShmPerMsgPinger(ctx)
-
-
-def shm_per_msg_ponger(ctx: RoleContext) -> Ponger:
-    return _ShmPerMsgPonger(ctx)
-
-
 # -- the specs -----------------------------------------------------------------------------
 
 MP_PIPE_OOB = MethodSpec(
     "mp_pipe_oob",
     "multiprocessing.Pipe, pickle protocol 5 with out-of-band buffers",
-    pipe_oob_pinger,
-    pipe_oob_ponger,
+    _PipeOobPinger,
+    _PipeOobPonger,
     receiver_array="read-only (backed by bytes)",
 )
 
 MP_QUEUE = MethodSpec(
     "mp_queue",
     "multiprocessing.Queue put/get (ack on a Pipe)",
-    queue_pinger,
-    queue_ponger,
+    _QueuePinger,
+    _QueuePonger,
     make_shared=_queue_shared,
     receiver_array="writable",
 )
@@ -243,8 +217,8 @@ MP_QUEUE = MethodSpec(
 SHM_PER_MSG = MethodSpec(
     "shm_per_msg",
     "new multiprocessing.shared_memory segment per message, name over a Pipe, view",
-    shm_per_msg_pinger,
-    shm_per_msg_ponger,
+    _ShmPerMsgPinger,
+    _ShmPerMsgPonger,
     sweep=_shm_per_msg_sweep,
     receiver_array="writable view (segment unlinked after use)",
 )

@@ -16,8 +16,6 @@ from .contract import (
     NBYTES,
     Ack,
     MethodSpec,
-    Pinger,
-    Ponger,
     PullPonger,
     RoleContext,
     module_missing,
@@ -80,19 +78,11 @@ class _ZmqPonger(PullPonger):
         self._zctx.term()
 
 
-def zmq_pinger(ctx: RoleContext) -> Pinger:
-    return _ZmqPinger(ctx)
-
-
-def zmq_ponger(ctx: RoleContext) -> Ponger:
-    return _ZmqPonger(ctx)
-
-
 ZMQ_IPC = MethodSpec(
     "zmq_ipc",
     "pyzmq PAIR on ipc://, send_multipart(copy=False), np.frombuffer(frame)",
-    zmq_pinger,
-    zmq_ponger,
+    _ZmqPinger,
+    _ZmqPonger,
     available=module_missing("zmq", "pyzmq"),
     receiver_array="read-only (zmq frame)",
 )
