@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import InternalError, RendezvousError
-from .._received import Received
+from .._received import Received, received
 from .._transport import TransportContext
 from . import layout
 from .book import Book, Channel, InRing, Notice, Source, Stash
@@ -253,9 +253,9 @@ class Inbox:
                     # One copy out of the ring (the record's bytes are overwritten later).
                     arr: Any = np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset)
                     arr = arr.copy() if len(shape) == 1 else arr.reshape(shape).copy()
-                    value = Received(arr, bool(flags & 1))
+                    value = received(arr, bool(flags & 1))
                 else:
-                    value = Received(np.empty(shape, dtype), bool(flags & 1))
+                    value = received(np.empty(shape, dtype), bool(flags & 1))
             if step != last_step:
                 last_step, stash = step, None
                 dropped = self._cleaned_up(step)

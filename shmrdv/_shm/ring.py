@@ -139,10 +139,11 @@ class Ring:
         self._next_head = head + size
         return at + 4
 
-    def commit(self) -> None:
+    def commit(self) -> int:
         """Publish the record ``reserve`` made room for: one 8-byte store of ``head``, after
-        every byte of the record (see the module docstring)."""
-        self._words[_H] = self._next_head
+        every byte of the record (see the module docstring). Returns the new ``head``."""
+        head = self._words[_H] = self._next_head
+        return head
 
     def try_put(self, parts: Sequence[bytes | memoryview]) -> bool:
         """Append one record made of ``parts``; False (nothing written) if it does not fit now."""
