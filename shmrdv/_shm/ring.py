@@ -80,7 +80,7 @@ class Ring:
                 f"not a shmrdv ring: magic {magic!r}, capacity {capacity} in {len(buf)} bytes"
             )
         self.capacity: int = capacity
-        self._max_record = capacity // 4 - 8
+        self._max_record: int = capacity // 4 - 8
         self._next_head = 0
 
     @classmethod
