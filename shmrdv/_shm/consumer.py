@@ -71,6 +71,8 @@ class Consumer:
         self._orphans = Orphans(ctx, names, self._recovery.listing, self._live.producer_alive)
         #: A lock-free look at the rings' heads (what the dispatcher's spin calls).
         self.arrived = self._inbox.arrived
+        #: A lock-free size check of the rings (before a spin reads their heads).
+        self.rings_intact = self._inbox.intact
         #: Number of queued callback (non-blocking) waiters: the dispatcher runs while > 0.
         self.callback_waiters = 0
         self._tick_at = 0.0

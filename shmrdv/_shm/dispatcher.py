@@ -182,12 +182,15 @@ class Dispatcher:
         budget = self._spin_budget(start) if spin else 0
         found = False
         if budget:
-            # First a scan, which checks the rings' sizes (issue 20 §3: a truncated ring
-            # read is a SIGBUS); the spin then reads only their heads, for a moment.
-            items = self._consumer.scan()
-            if items:
-                deliver(items)
-                return
+            # First the rings' sizes (issue 20 §3: a truncated ring read is a SIGBUS); the
+            # spin then reads only their heads, for a moment. A ring that fails the check
+            # is failed by a scan, under the lock. (What came since the receive looked is
+            # found by the spin at once: no scan needed for it.)
+            if not self._consumer.rings_intact():
+                items = self._consumer.scan()
+                if items:
+                    deliver(items)
+                    return
             found = self._spin(start + budget)
             now = time.perf_counter_ns()
             self._spun_ns += now - start
@@ -196,11 +199,13 @@ class Dispatcher:
             self._spin_hits += 1
             self._last_msg_ns = now = time.perf_counter_ns()
             self._adapt_spin(now - start)
-            bell.drain()  # the posts of what the spin found: no wasted wake-up for them
+            if bell.pending:  # (a read of the semaphore: no system call, no exception)
+                bell.drain()  # the posts of what the spin found: no wasted wake-up for them
         elif bell.wait(max(wait, 0.0)):
             self._last_msg_ns = now = time.perf_counter_ns()
             self._adapt_spin(now - start)
-            bell.drain()
+            if bell.pending:
+                bell.drain()
         else:
             self._spin_ns = 0  # unanswered: no spin until posts come again
         items = self._consumer.scan(check=not found)
@@ -237,7 +242,7 @@ class Dispatcher:
             turns += 1
             if turns == _BELL_EVERY:
                 turns = 0
-                if bell.wait(0):
+                if bell.pending and bell.wait(0):  # a read first: ``wait(0)`` costs µs
                     return True
             if clock() >= end_ns:
                 return False

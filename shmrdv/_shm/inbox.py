@@ -164,6 +164,19 @@ class Inbox:
             return True
         return False
 
+    def intact(self) -> bool:
+        """Whether every attached ring's file still holds it (one ``fstat`` each): lock-free
+        like ``arrived``, which a spinning poller may then call (reading a truncated ring's
+        words would be a SIGBUS). False also for a ring released meanwhile: the caller
+        scans, which fails what is wrong under the lock."""
+        try:
+            for _, r in self.rings:
+                seg = r.segment
+                seg.check_size(seg.size)
+        except (InternalError, ValueError):
+            return False
+        return True
+
     def drain_all(self, check: bool = True) -> None:
         for src, r in list(self.rings):
             self.drain(src, r, check)
