@@ -186,8 +186,12 @@ class Dispatcher:
             # spin then reads only their heads, for a moment. A ring that fails the check
             # is failed by a scan, under the lock. (What came since the receive looked is
             # found by the spin at once: no scan needed for it.)
-            if not self._consumer.rings_intact():
-                items = self._consumer.scan()
+            consumer = self._consumer
+            intact = consumer.rings_intact()
+            if not intact or consumer.arrived():  # (heads read only once the sizes are)
+                # A ring failed (the scan fails it), or the message is there already: taken
+                # at once, and not counted as a wait the spin adapts to.
+                items = consumer.scan(check=not intact)
                 if items:
                     deliver(items)
                     return
