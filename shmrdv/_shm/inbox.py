@@ -39,8 +39,6 @@ _log = logging.getLogger("shmrdv.shm")
 
 # How often a consumer looks for a producer's ring that is not there yet.
 _RING_LOOK_S = 0.02
-# A notice record's data is in a segment: its header is checked against no file size.
-_NO_FILE = 1 << 63
 _FLAG_NOTICE = layout.FLAG_NOTICE
 
 #: ``(producer task, step, key, incarnation, seq, slot)``: free a late notice's segment.
@@ -237,7 +235,7 @@ class Inbox:
         cleaned up) is looked up once per run of records of one step; per record there is
         the header check, one array copied out of the ring and its ``Received``.
         """
-        unpack = self._headers.unpack
+        header = self._headers.record
         book = self._book
         channels, stashes, touched = book.channels, book.stash, book.touched
         last_step = -1
@@ -246,13 +244,9 @@ class Inbox:
         stash: Stash | None = None
         value: Received | Notice | BaseException
         for payload in records:
-            size = len(payload)
-            notice = size > 11 and bool(payload[10] & _FLAG_NOTICE)
             try:
                 # ``unpack_fields`` (or the cache of its verdicts) applies ``shape_problem``.
-                (flags, dtype, shape, offset, nbytes, step, seq, _inc, _pid, slot, _t, key) = (
-                    unpack(payload, _NO_FILE if notice else size)
-                )
+                flags, dtype, shape, count, offset, step, seq, slot, key = header(payload)
             except RendezvousError as e:
                 refused = self._refused(src, payload, e)
                 if refused is None:
@@ -260,11 +254,12 @@ class Inbox:
                 step, seq, key, value = refused
                 notice = False
             else:
+                notice = bool(flags & _FLAG_NOTICE)
                 if notice:
                     value = Notice(slot)
-                elif nbytes:
+                elif count:
                     # One copy out of the ring (the record's bytes are overwritten later).
-                    arr: Any = np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset)
+                    arr: Any = np.frombuffer(payload, dtype, count, offset)
                     arr = arr.copy() if len(shape) == 1 else arr.reshape(shape).copy()
                     value = received(arr, bool(flags & 1))
                 else:
