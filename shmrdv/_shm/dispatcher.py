@@ -42,12 +42,8 @@ _log = logging.getLogger("shmrdv.shm")
 # starve the one doing the work.)
 _SPIN_MIN_NS = 20_000
 _SPIN_MAX_NS = 100_000
-# A spin looks at the doorbell itself (for producers without a ring), and at the rings'
-# sizes, every this many turns (about 10 µs).
+# A spin looks at the doorbell itself (for producers without a ring) every this many turns.
 _BELL_EVERY = 32
-# What a spin found: nothing; records in a ring (sizes checked a moment ago); something
-# to look at with a scan that checks the sizes (a doorbell post, a ring that failed).
-_NOTHING, _RECORDS, _LOOK = 0, 1, 2
 # The dispatcher thread takes the poller role only once no blocked receiver has held it
 # for this long: a receiver in a loop comes back sooner, and polls itself. It bounds the
 # extra delay of a callback receive whose value comes while no receiver blocks (then the
@@ -184,7 +180,7 @@ class Dispatcher:
         bell = self._bell
         start = time.perf_counter_ns()
         budget = self._spin_budget(start) if spin else 0
-        found = _NOTHING
+        found = False
         if budget:
             # First the rings' sizes (issue 20 §3: a truncated ring read is a SIGBUS); the
             # spin then reads only their heads, for a moment. A ring that fails the check
@@ -216,8 +212,7 @@ class Dispatcher:
                 bell.drain()
         else:
             self._spin_ns = 0  # unanswered: no spin until posts come again
-        # Sizes checked by the spin a few turns ago: not again (one fstat per ring less).
-        items = self._consumer.scan(check=found != _RECORDS)
+        items = self._consumer.scan(check=not found)
         if items:
             deliver(items)
         # Drop the batch before waiting again: a received array kept alive here would
@@ -238,29 +233,23 @@ class Dispatcher:
             self._multi_cpu = _usable_cpus() > 1
         return self._spin_ns if self._multi_cpu else 0
 
-    def _spin(self, end_ns: int) -> int:
-        """Poll the rings' heads (shared memory) until one has records (``_RECORDS``) or
-        ``end_ns`` (``_NOTHING``). Every ``_BELL_EVERY`` turns, take a doorbell post if
-        there is one, and check the rings' sizes again (issue 20 §3: a busy poll lasts as
-        long as ``busy_poll`` says, and a ring truncated meanwhile would make the next look
-        at its head a SIGBUS): ``_LOOK``, the caller scans with the size check."""
-        consumer = self._consumer
-        arrived, intact = consumer.arrived, consumer.rings_intact
+    def _spin(self, end_ns: int) -> bool:
+        """Poll the rings' heads (shared memory) until one has records or ``end_ns``;
+        every ``_BELL_EVERY`` turns take a doorbell post instead, if there is one."""
+        arrived = self._consumer.arrived
         clock = time.perf_counter_ns
         bell = self._bell
         turns = 0
         while True:
             if arrived():
-                return _RECORDS
+                return True
             turns += 1
             if turns == _BELL_EVERY:
                 turns = 0
                 if bell.pending and bell.wait(0):  # a read first: ``wait(0)`` costs µs
-                    return _LOOK
-                if not intact():
-                    return _LOOK
+                    return True
             if clock() >= end_ns:
-                return _NOTHING
+                return False
 
     def _adapt_spin(self, waited_ns: int) -> None:
         """Spin about twice as long as doorbells have lately taken to ring, within bounds.
