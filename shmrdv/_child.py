@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._closing import Closing
 from ._errors import UnavailableError
 from ._procs import Child, ChildFailed, ChildTimeout
 from ._received import Received
@@ -114,7 +115,7 @@ class _ChildProducer:
             self._child.send(key, value, is_dead=is_dead, step=self._step)
 
 
-class ChildWorker:
+class ChildWorker(Closing):
     """A ``shmrdv.Worker`` for ``task`` in a child process (spawn by default).
 
     Each method sends one command and blocks until the child answers (at most
@@ -147,12 +148,6 @@ class ChildWorker:
 
     def __repr__(self) -> str:
         return f"<ChildWorker {self.task} pid={self.pid} alive={self.process.is_alive()}>"
-
-    def __enter__(self) -> ChildWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _reply(self, what: str, timeout: float | None = None) -> Any:
         t = self._reply_timeout if timeout is None else timeout

@@ -1,5 +1,5 @@
 """The dtype descriptor: one byte format naming a numpy dtype, shared by the segment
-header (``_shm/layout.py``) and the gRPC tensor coding (``_rpc/tensors.py``).
+header (``_shm/layout.py``) and the gRPC tensor coding (``_rpc/tf_dtypes.py``).
 
 A descriptor is one of:
 

@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._callbacks import DoneCallback, invoke_done
+from ._closing import Closing
 from ._errors import CancelledError, InvalidArgumentError, RendezvousError
 from ._keys import ParsedKey
 from ._received import Received
@@ -56,7 +57,7 @@ def _deliverable(value: npt.NDArray[Any], is_dead: bool, copy: bool) -> Received
     return Received(np.array(value, copy=True) if copy else value, is_dead)
 
 
-class LocalRendezvous(Rendezvous):
+class LocalRendezvous(Rendezvous, Closing):
     """A rendezvous inside one process: ``send`` and ``recv`` meet in a locked table.
 
     No copy is made: the receiver gets the very array object that was sent (as TensorFlow
@@ -213,17 +214,6 @@ class LocalRendezvous(Rendezvous):
         Idempotent. Pending receives fail with that error; queued values are dropped.
         """
         self.start_abort(CancelledError("LocalRendezvous closed"))
-
-    def __enter__(self) -> LocalRendezvous:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- introspection -----------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ._closing import Closing
 from ._cluster import ClusterSpec
 from ._devices import DeviceName
 from ._errors import AbortedError, InvalidArgumentError, closed_error
@@ -81,7 +82,7 @@ def _check_busy_poll(seconds: Any) -> float:
     return float(seconds)
 
 
-class Worker:
+class Worker(Closing):
     """One task of a job: hands out step-scoped rendezvous and owns their transports.
 
     Args:
@@ -110,8 +111,10 @@ class Worker:
         busy_poll: low latency for a stage that has a core of its own. A receive blocked
             on another process of this host polls shared memory instead of sleeping on
             the doorbell until this many seconds have passed since the last message
-            arrived (0, the default: a short adaptive spin that stays off on one CPU). The time spent polling is in ``stats()``
-            (``spin_us``, with ``spin_hits``).
+            arrived (0, the default: a short adaptive spin, off where the job has one
+            CPU, by the machine or its cgroup quota, and after a wait that went
+            unanswered). The time spent polling is in ``stats()`` (``spin_us``, with
+            ``spins`` started and ``spin_hits``, those that found a message).
         max_connections, max_concurrent_rpcs, first_message_timeout: bounds of this
             worker's gRPC server against clients that never finish a call, with or
             without the token. Connections beyond ``max_connections`` are refused
@@ -306,12 +309,6 @@ class Worker:
             f"incarnation={self.incarnation:016x} "
             f"transports={self.transports}{window} steps={len(self._steps)} {state}>"
         )
-
-    def __enter__(self) -> Worker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def rendezvous(self, step_id: int) -> StepRendezvous:
         """The rendezvous of step ``step_id`` (created on first use, then the same object).

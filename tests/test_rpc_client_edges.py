@@ -16,7 +16,7 @@ from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import DeadlineExceededError, InvalidArgumentError
 from shmrdv._received import Received
-from shmrdv._rpc import call as call_mod
+from shmrdv._rpc import recv_unary
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.limits import ServerLimits
 from shmrdv._rpc.server import RpcServer
@@ -95,7 +95,7 @@ def test_cancel_racing_a_failed_call_never_strands_the_receiver(
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there
-    original = call_mod.Recv._on_callback
+    original = recv_unary.UnaryCalls._on_callback
     failed = threading.Event()
 
     def slow_on_callback(self: Any, call: Any) -> None:
@@ -103,7 +103,7 @@ def test_cancel_racing_a_failed_call_never_strands_the_receiver(
         time.sleep(0.3)
         original(self, call)
 
-    monkeypatch.setattr(call_mod.Recv, "_on_callback", slow_on_callback)
+    monkeypatch.setattr(recv_unary.UnaryCalls, "_on_callback", slow_on_callback)
     with RpcClient() as cli:
         called = threading.Event()
         cancel = cli.start_recv(f"127.0.0.1:{port}", 1, make_key("race"), lambda e, r: called.set())

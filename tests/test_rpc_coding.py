@@ -1,4 +1,4 @@
-"""shmrdv/_rpc/{wire,tensors,messages,assembly}.py against the generated protobuf classes.
+"""shmrdv/_rpc/{wire,tensors,tf_dtypes,messages,assembly}.py against the generated protobuf classes.
 
 Byte-for-byte: our RecvTensorResponse is TensorFlow's order (fields 2, 3, 5, then the
 tensor), which equals the concatenation of two canonical serialisations, and parses to
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from shmrdv._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
-from shmrdv._rpc import assembly, messages, tensors, wire
+from shmrdv._rpc import assembly, messages, tf_dtypes, wire
 from shmrdv._rpc.proto import (
     device_attributes_pb2,
     rendezvous_pb2,
@@ -31,7 +31,7 @@ from shmrdv._rpc.proto import (
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 # TensorFlow's codes (tensorflow/core/framework/types.proto), written out again here
-# so that the table in tensors.py is checked against an independent copy.
+# so that the table in tf_dtypes.py is checked against an independent copy.
 TF_CODES: dict[str, int] = {
     "float32": 1,
     "float64": 2,
@@ -95,7 +95,7 @@ def _expected_tensor(arr: npt.NDArray[Any]) -> tensor_pb2.TensorProto:
             wire_arr = wire_arr.astype(_le(dt))
         t.tensor_content = wire_arr.tobytes()
         if code == 0 or dt != _le(dt):
-            t.shmrdv_dtype = tensors.dtype_descriptor(dt)
+            t.shmrdv_dtype = tf_dtypes.dtype_descriptor(dt)
     for size in arr.shape:
         t.tensor_shape.dim.add(size=size)
     return t
@@ -169,22 +169,24 @@ IDS = [f"{a.dtype}-{a.shape}" for a in SAMPLES]
 @pytest.mark.parametrize("name,code", sorted({**TF_CODES, **ML_CODES}.items()))
 def test_dtype_to_tf_uses_tensorflow_codes(name: str, code: int) -> None:
     dtype = np.dtype(getattr(ml_dtypes, name)) if name in ML_CODES else np.dtype(name)
-    assert tensors.dtype_to_tf(dtype) == code
-    assert tensors.tf_to_dtype(code) == dtype
-    assert tensors.dtype_to_tf(dtype.newbyteorder(">") if dtype.byteorder != "|" else dtype) == code
+    assert tf_dtypes.dtype_to_tf(dtype) == code
+    assert tf_dtypes.tf_to_dtype(code) == dtype
+    assert (
+        tf_dtypes.dtype_to_tf(dtype.newbyteorder(">") if dtype.byteorder != "|" else dtype) == code
+    )
 
 
 def test_dtype_to_tf_enum_matches_generated_enum() -> None:
     from shmrdv._rpc.proto import types_pb2
 
-    for member in tensors.DataType:
+    for member in tf_dtypes.DataType:
         assert types_pb2.DataType.Value(member.name) == member.value
 
 
 @pytest.mark.parametrize("dtype", ["U3", "M8[ns]", "m8", "V4", "i4,f8", "S0"])
 def test_dtype_to_tf_types_tensorflow_lacks_are_invalid_or_string(dtype: str) -> None:
     expected = 7 if dtype.startswith("S") else 0
-    assert tensors.dtype_to_tf(np.dtype(dtype)) == expected
+    assert tf_dtypes.dtype_to_tf(np.dtype(dtype)) == expected
 
 
 def test_dtype_descriptor_structured_with_ml_dtypes_field_refused() -> None:
@@ -195,26 +197,26 @@ def test_dtype_descriptor_structured_with_ml_dtypes_field_refused() -> None:
 
 def test_dtype_to_tf_object_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="Python objects"):
-        tensors.dtype_to_tf(np.dtype(object))
+        tf_dtypes.dtype_to_tf(np.dtype(object))
     with pytest.raises(InvalidArgumentError, match="Python objects"):
-        tensors.dtype_to_tf(np.dtype([("a", "i4"), ("b", "O")]))
+        tf_dtypes.dtype_to_tf(np.dtype([("a", "i4"), ("b", "O")]))
 
 
 @pytest.mark.parametrize("code", [0, 20, 21, 27, 29, 101, 1000, -1])
 def test_tf_to_dtype_codes_without_numpy_kind_refused(code: int) -> None:
     with pytest.raises(InvalidArgumentError, match="no numpy dtype"):
-        tensors.tf_to_dtype(code)
+        tf_dtypes.tf_to_dtype(code)
 
 
 def test_tf_to_dtype_quantized_gives_storage_integer() -> None:
-    assert tensors.tf_to_dtype(11) == np.int8
-    assert tensors.tf_to_dtype(13) == np.int32
+    assert tf_dtypes.tf_to_dtype(11) == np.int8
+    assert tf_dtypes.tf_to_dtype(13) == np.int32
 
 
 @pytest.mark.parametrize("arr", SAMPLES, ids=IDS)
 def test_dtype_descriptor_round_trips(arr: npt.NDArray[Any]) -> None:
-    text = tensors.dtype_descriptor(arr.dtype)
-    assert tensors.dtype_from_descriptor(text) == arr.dtype
+    text = tf_dtypes.dtype_descriptor(arr.dtype)
+    assert tf_dtypes.dtype_from_descriptor(text) == arr.dtype
 
 
 @pytest.mark.parametrize(
@@ -234,7 +236,7 @@ def test_dtype_descriptor_round_trips(arr: npt.NDArray[Any]) -> None:
 )
 def test_dtype_from_descriptor_garbage_refused(text: str) -> None:
     with pytest.raises(InvalidArgumentError):
-        tensors.dtype_from_descriptor(text)
+        tf_dtypes.dtype_from_descriptor(text)
 
 
 # ---------------------------------------------------------------- encode_response
@@ -691,7 +693,7 @@ def test_round_trip_response_and_stream_property(
     assert _same(got.value, arr) and got.is_dead == is_dead and got.send_start_micros == ssm
     ref = worker_pb2.RecvTensorResponse.FromString(data)
     assert [d.size for d in ref.tensor.tensor_shape.dim] == list(arr.shape)
-    assert ref.tensor.dtype == tensors.dtype_to_tf(arr.dtype)
+    assert ref.tensor.dtype == tf_dtypes.dtype_to_tf(arr.dtype)
     asm = _assemble(
         list(assembly.encode_stream(arr, is_dead=is_dead, chunk_bytes=chunk, send_start_micros=ssm))
     )

@@ -22,7 +22,7 @@ from flood_helpers import ServerChild, SilentFlood
 from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import InternalError
-from shmrdv._rpc import messages, tensors
+from shmrdv._rpc import messages, tf_dtypes
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.methods import GET_STATUS_METHOD, RECV_TENSOR_METHOD
 from shmrdv._rpc.server import RpcServer
@@ -170,9 +170,9 @@ def _zero_item_response(count: int) -> bytes:
     """A RecvTensorResponse of dtype |V0 and shape (count,): no bytes, every length fits."""
     dtype = np.dtype("V0")
     tensor = (
-        _varint(1 << 3) + _varint(tensors.dtype_to_tf(dtype))
+        _varint(1 << 3) + _varint(tf_dtypes.dtype_to_tf(dtype))
         + _len_field(2, _len_field(2, _varint(1 << 3) + _varint(count)))
-        + _len_field(1001, tensors.dtype_descriptor(dtype).encode())
+        + _len_field(1001, tf_dtypes.dtype_descriptor(dtype).encode())
     )  # fmt: skip
     return _len_field(1, tensor)
 

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .._closing import Closing
 from .common import GRPC_OPTIONS
 
 __all__ = [
@@ -78,7 +79,7 @@ def echo_keys(echo_task: str, peer_task: str) -> tuple[str, str]:
     )
 
 
-class EchoLoop:
+class EchoLoop(Closing):
     """Threads that echo what each peer task sends ``worker`` (see the module docstring).
 
     Each thread blocks in ``recv`` (no polling); ``close()`` aborts the worker's step
@@ -119,12 +120,6 @@ class EchoLoop:
             with self._lock:
                 self.echoed += 1
                 self.last_echo = time.monotonic()
-
-    def __enter__(self) -> EchoLoop:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         """Stop echoing (idempotent): abort the loop's step, join the threads."""
@@ -177,7 +172,7 @@ class _Session:
         self.worker.close()
 
 
-class EchoService:
+class EchoService(Closing):
     """``shmrdv serve --listen HOST:PORT``: the echo peer (see the module docstring).
 
     Starts listening at once (``address`` is where, with the real port if ``:0`` was
@@ -243,12 +238,6 @@ class EchoService:
         with self._lock:
             session = "no session" if self._session is None else f"session of {self._session.bench}"
         return f"<EchoService on {self.address}, {session}, {self.sessions} so far>"
-
-    def __enter__(self) -> EchoService:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _check(self, context: Any) -> None:
         import grpc

@@ -39,8 +39,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._procs import ChildFailed, ChildGroup
+from .._procs import ChildFailed
 from .._sizes import format_size
+from . import children
+from .children import Teardown
 from .report import TIMES
 
 __all__ = ["FanInConfig", "FanInResult", "format_fanin", "run_cli", "run_fanin"]
@@ -84,17 +86,15 @@ class FanInConfig:
 
 
 @dataclass
-class FanInResult:
+class FanInResult(Teardown):
     config: dict[str, Any]
     gbps: dict[str, float] = field(default_factory=dict)  # path -> median over rounds
     round_gbps: dict[str, list[float]] = field(default_factory=dict)
     memcpy_gbps: float | None = None
-    failure: str | None = None
-    elapsed_s: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.failure is None and set(self.gbps) == set(PATHS)
+        return self.clean and set(self.gbps) == set(PATHS)
 
     def ratio(self, path: str) -> float | None:
         if path not in self.gbps or not self.memcpy_gbps:
@@ -231,20 +231,13 @@ def _consumer(conn: Connection, cfg: FanInConfig, namespace: str, windows: list[
 
 def run_fanin(cfg: FanInConfig, say: Callable[[str], None] = lambda _: None) -> FanInResult:
     """Run the measurement; a failure is in ``result.failure``, never raised."""
-    import shmrdv
-
-    from .._shm.registry import collect
-
     result = FanInResult(config=asdict(cfg))
-    namespace = shmrdv.new_namespace()
-    group = ChildGroup()
     mpctx = multiprocessing.get_context("spawn")
     windows = [mpctx.Semaphore(cfg.window) for _ in range(cfg.producers)]
     producers = [f"producer{p}" for p in range(cfg.producers)]
-    started = time.monotonic()
-    ok = False
     t = cfg.timeout_s
-    try:
+    with children.run(result) as run:
+        group, namespace = run.group, run.namespace
         group.start("consumer", _consumer, cfg, namespace, windows)
         for p, name in enumerate(producers):
             group.start(name, _producer, p, cfg, namespace, windows[p])
@@ -274,16 +267,7 @@ def run_fanin(cfg: FanInConfig, say: Callable[[str], None] = lambda _: None) -> 
         group["consumer"].send(("memcpy",))
         memcpy.append(group["consumer"].expect("memcpy", t)[1])
         result.memcpy_gbps = float(statistics.median(memcpy))
-        for name in ("consumer", *producers):
-            group[name].send(("close",))
-            group[name].expect("bye", 60.0)
-        ok = True
-    except ChildFailed as e:
-        result.failure = str(e)
-    finally:
-        group.reap(30.0 if ok else 0.0)
-        collect(namespace)
-        result.elapsed_s = time.monotonic() - started
+        run.close(("consumer", *producers))
     return result
 
 
@@ -296,7 +280,7 @@ def format_fanin(r: FanInResult) -> str:
         f"{cfg['producers']} producer processes -> 1 consumer, {format_size(cfg['nbytes'])} "
         f"float32 arrays, {cfg['count']:,} per producer per round, at most {cfg['window']} "
         f"unconsumed per producer, {cfg['rounds']} timed round(s) per path after a warm-up; "
-        f"processes not pinned; {r.elapsed_s:.1f} s.",
+        f"processes not pinned; {r.wall_s:.1f} s.",
         "",
         f"## Aggregate bandwidth into one consumer: GB/s (median of rounds) · {TIMES}memcpy",
         "",

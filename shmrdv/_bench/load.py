@@ -50,9 +50,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._procs import ChildFailed, ChildGroup, ChildTimeout, wait_for_close
+from .._procs import ChildFailed, ChildTimeout, wait_for_close
 from .._sizes import format_size
-from . import options
+from . import children, options
+from .children import Teardown
 from .common import parse_array_size
 
 __all__ = [
@@ -416,7 +417,7 @@ def _percentiles(ns: npt.NDArray[Any]) -> dict[str, float]:
 
 
 @dataclass
-class LoadResult:
+class LoadResult(Teardown):
     """Everything a load run measured and checked; ``ok`` says whether it all held."""
 
     config: dict[str, Any]
@@ -438,17 +439,11 @@ class LoadResult:
     gb_per_s: float = 0.0
     producers: list[dict[str, Any]] = field(default_factory=list)
     consumer_stats: dict[str, Any] = field(default_factory=dict)
-    leftover_objects: list[str] = field(default_factory=list)
-    collected: int = 0
-    processes_stopped: int = 0
-    processes_left: int = 0
-    failure: str | None = None
-    wall_s: float = 0.0
 
     @property
     def ok(self) -> bool:
         return (
-            self.failure is None
+            self.clean
             and self.delivered == self.planned_messages
             and self.unique == self.planned_messages
             and self.missing == 0
@@ -458,9 +453,6 @@ class LoadResult:
             and self.bad_header == 0
             and self.size_mismatch == 0
             and not self.errors
-            and not self.leftover_objects
-            and self.processes_stopped == 0
-            and self.processes_left == 0
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -476,10 +468,6 @@ def run_load(cfg: LoadConfig, progress: Callable[[str], None] | None = None) -> 
     A child that fails, dies or hangs is reported in ``failure``, never raised; ``ValueError``
     for a bad ``cfg``.
     """
-    import shmrdv
-
-    from .._shm.registry import collect, list_objects
-
     say = progress or (lambda text: None)
     plan = make_plan(cfg)
     result = LoadResult(
@@ -487,13 +475,9 @@ def run_load(cfg: LoadConfig, progress: Callable[[str], None] | None = None) -> 
         planned_messages=cfg.messages,
         planned_bytes=plan.total_bytes,
     )
-    namespace = shmrdv.new_namespace()
-    group = ChildGroup()
     mpctx = multiprocessing.get_context("spawn")
     go = mpctx.Event()
     consumed = mpctx.RawArray(ctypes.c_int64, cfg.producers)
-    t_wall = time.monotonic()
-    ok = False
 
     sent: dict[str, dict[str, Any]] = {}
 
@@ -504,7 +488,8 @@ def run_load(cfg: LoadConfig, progress: Callable[[str], None] | None = None) -> 
         return False
 
     producers = [f"producer{p}" for p in range(cfg.producers)]
-    try:
+    with children.run(result) as run:
+        group, namespace = run.group, run.namespace
         say(
             f"load: {cfg.messages:,} messages ({format_size(plan.total_bytes)}) from "
             f"{cfg.producers} producers over {cfg.keys:,} keys"
@@ -532,11 +517,7 @@ def run_load(cfg: LoadConfig, progress: Callable[[str], None] | None = None) -> 
             if name not in sent:
                 sent[name] = group[name].expect("sent", 60.0)[1]
         result.elapsed_s = time.monotonic() - t0
-        for name in (*producers, "consumer"):
-            group[name].send(("close",))
-        for name in (*producers, "consumer"):
-            group[name].expect("bye", 60.0)
-        ok = True
+        run.close((*producers, "consumer"))
         result.producers = [sent[name] for name in producers]
         for f in (
             "delivered",
@@ -558,17 +539,6 @@ def run_load(cfg: LoadConfig, progress: Callable[[str], None] | None = None) -> 
             result.elapsed_s = span_ns / 1e9
             result.messages_per_s = result.delivered / result.elapsed_s
             result.gb_per_s = result.bytes / span_ns
-    except ChildFailed as e:
-        result.failure = str(e)
-    except KeyboardInterrupt:
-        result.failure = "interrupted"
-        raise
-    finally:
-        result.processes_stopped = group.reap(30.0 if ok else 0.0)
-        result.processes_left = group.alive()
-        result.leftover_objects = sorted(o.name for o in list_objects(namespace))
-        result.collected = len(collect(namespace))
-        result.wall_s = time.monotonic() - t_wall
     return result
 
 

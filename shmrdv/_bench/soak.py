@@ -50,9 +50,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._procs import ChildFailed, ChildGroup, ChildTimeout, wait_for_close
+from .._procs import ChildFailed, ChildTimeout, wait_for_close
 from .._sizes import format_size
-from . import options
+from . import children, options
+from .children import Teardown
 from .common import parse_array_size
 
 __all__ = [
@@ -403,7 +404,7 @@ def analyse(
 
 
 @dataclass
-class SoakResult:
+class SoakResult(Teardown):
     """A soak run: per process its series, plus the checks of the handoffs themselves."""
 
     config: dict[str, Any]
@@ -414,12 +415,6 @@ class SoakResult:
     bad: list[str] = field(default_factory=list)
     series: dict[str, dict[str, SeriesReport]] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
-    leftover_objects: list[str] = field(default_factory=list)
-    collected: int = 0
-    processes_stopped: int = 0
-    processes_left: int = 0
-    failure: str | None = None
-    wall_s: float = 0.0
 
     @property
     def flagged(self) -> list[str]:
@@ -433,13 +428,10 @@ class SoakResult:
     @property
     def ok(self) -> bool:
         return (
-            self.failure is None
+            self.clean
             and self.handoffs == self.config["handoffs"]
             and not self.bad
             and not self.flagged
-            and not self.leftover_objects
-            and self.processes_stopped == 0
-            and self.processes_left == 0
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -456,18 +448,10 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
     children are gone. A child that fails, dies or hangs is reported in ``failure``, never
     raised; ``ValueError`` for a bad ``cfg``.
     """
-    import shmrdv
-
-    from .._shm.registry import collect, list_objects
-
     cfg.check()
     say = progress or (lambda text: None)
     result = SoakResult(config=dataclasses.asdict(cfg))
-    namespace = shmrdv.new_namespace()
-    group = ChildGroup()
     go = multiprocessing.get_context("spawn").Event()
-    t_wall = time.monotonic()
-    ok = False
 
     finished: dict[str, dict[str, Any]] = {}
 
@@ -477,7 +461,9 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
             return True
         return False
 
-    try:
+    t_wall = time.monotonic()
+    with children.run(result) as run:
+        group, namespace = run.group, run.namespace
         say(f"soak: {cfg.handoffs:,} handoffs, sizes up to {format_size(cfg.max_size)}")
         group.start("consumer", _consumer, cfg, namespace, go)
         group.start("producer", _producer, cfg, namespace, go)
@@ -494,11 +480,7 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
             if len(finished) < 2 and time.monotonic() > deadline:
                 raise ChildTimeout(f"the soak did not finish within {deadline - t_wall:.0f} s")
         prod, cons = finished["producer"], finished["consumer"]
-        for name in ("producer", "consumer"):
-            group[name].send(("close",))
-        for name in ("producer", "consumer"):
-            group[name].expect("bye", 60.0)
-        ok = True
+        run.close(("producer", "consumer"))
         result.handoffs = cons["samples"][-1]["handoffs"]
         result.elapsed_s = cons["elapsed_s"]
         result.handoffs_per_s = result.handoffs / result.elapsed_s if result.elapsed_s else 0.0
@@ -509,17 +491,6 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
                 got["samples"], cfg.handoffs, cfg.warmup_fraction, cfg.growth_fraction
             )
             result.stats[proc] = got["stats"]
-    except ChildFailed as e:
-        result.failure = str(e)
-    except KeyboardInterrupt:
-        result.failure = "interrupted"
-        raise
-    finally:
-        result.processes_stopped = group.reap(30.0 if ok else 0.0)
-        result.processes_left = group.alive()
-        result.leftover_objects = sorted(o.name for o in list_objects(namespace))
-        result.collected = len(collect(namespace))
-        result.wall_s = time.monotonic() - t_wall
     return result
 
 

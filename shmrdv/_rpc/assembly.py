@@ -28,16 +28,13 @@ from .tensors import (
     as_array,
     check_shape,
     contiguous_wire,
-    dtype_descriptor,
-    dtype_to_tf,
     element_count,
     empty_array,
     raw_bytes,
-    resolve_dtype,
     shape_bytes,
     to_dtype,
-    wire_dtype,
 )
+from .tf_dtypes import dtype_descriptor, dtype_to_tf, resolve_dtype, wire_dtype
 from .wire import (
     LEN,
     VARINT,

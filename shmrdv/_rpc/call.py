@@ -1,129 +1,63 @@
-"""One receive's RPCs: a unary ``RecvTensor``, then for a large value ``RecvTensorStream``.
+"""One receive over gRPC: the state its phases share, ended exactly once.
 
-``Recv`` is one ``RpcClient.start_recv`` (TensorFlow's ``RpcRecvTensorCall``). It asks
-``RecvTensor`` with a fresh request_id and shmrdv's ``inline_max``: a tensor up to that
-size comes back in the one response; a larger one stays in the server's response cache
-and the answer is empty bytes, and the receive then streams it with
-``RecvTensorStream`` under the same request_id (a cache hit) on a thread of its own,
-assembled into one array. Either way the consumer makes one copy of the bytes: the
-response into the writable array it delivers. Retries, deadlines, cancels and the
-errors a receive can end with are described on ``RpcClient``.
+``Recv`` is one ``RpcClient.start_recv`` (TensorFlow's ``RpcRecvTensorCall``), under a
+fresh request_id. Its unary phase (``recv_unary.UnaryCalls``) asks ``RecvTensor`` with
+shmrdv's ``inline_max``: a tensor up to that size comes back in the one response; a
+larger one stays in the server's response cache and the answer is empty bytes, and the
+receive then streams it (``recv_stream``) under the same request_id (a cache hit) on a
+thread of its own, assembled into one array. Either way the consumer makes one copy of
+the bytes: the response into the writable array it delivers. ``Recv`` holds what the
+phases share (the state, the producer's address and channel, the deadline, retries
+after a transient ``UNAVAILABLE``) and ends the receive exactly once. Retries, deadlines,
+cancels and the errors a receive can end with are described on ``RpcClient``; the errors
+themselves, and when a producer counts as gone, are ``recv_errors``'. What it uses of its
+client is ``recv_context.CallContext``.
 
-Its errors, and when a producer counts as gone, are ``recv_errors``'. What a receive
-uses of its client is declared in ``CallContext``: the channels
-(``channels.ChannelCache``), the acks (``acks.AckQueue``), the callback threads
-(``runner.Runner``), the call metadata and inline limit, and ``forget``.
-
-Thread model (docs/threads.md): a *blocking* receive's call is made by the receiving
-thread in ``wait``: a plain blocking unary call, which grpcio answers in the calling
-thread (no channel thread, no future: measured ~250 µs less per call than waiting on a
-future), with a deadline of at most the wait's period (0.2 s), made again under the same
-request_id until the value comes; the thread decodes the answer and fills its slot
-itself: no other thread of ours runs. (An abort or close then ends it within that
-period; the server's response cache makes the repeats safe.) Any other unary call is a gRPC future whose outcome arrives
-in gRPC's channel thread, which never blocks here (a large answer is decoded, and a
-``done`` that is not ``direct`` runs, on a ``Runner`` thread). A streamed (large) value
-has a thread of its own ("shmrdv-rpc-recv"); a retry or a wait for the producer's
-address runs on a timer thread. One lock guards the state; ``done`` never runs under it,
-and runs exactly once unless ``cancel`` returned ``True``.
+Thread model (docs/threads.md): a blocked receiver's own calls are made in its thread
+(``wait``, ``recv_unary``); other unary outcomes arrive in gRPC's channel thread; a
+streamed value has a thread of its own ("shmrdv-rpc-recv"); a retry or a wait for the
+producer's address runs on a timer thread. One lock guards the state; ``done`` never
+runs under it, and runs exactly once unless ``cancel`` returned ``True``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import os
-import random
-import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import grpc
-import numpy as np
 
 from .._callbacks import DoneCallback, invoke_done
-from .._errors import (
-    CancelledError,
-    InternalError,
-    RendezvousError,
-    ResourceExhaustedError,
-    UnavailableError,
-)
+from .._errors import RendezvousError, ResourceExhaustedError, UnavailableError
 from .._keys import ParsedKey
 from .._received import Received
-from . import assembly, messages
-from .acks import AckQueue, notify
-from .channels import ChannelCache
-from .methods import RECV_TENSOR_METHOD, RECV_TENSOR_STREAM_METHOD
+from . import messages, recv_stream
+from .acks import notify
+from .recv_context import Address, CallContext, new_request_id
 from .recv_errors import PeerWatch, call_error, out_of_files, timeout_error
-from .rpc_errors import error_code, error_details
-from .runner import Runner
+from .recv_unary import UnaryCalls
 
-__all__ = ["Address", "CallContext", "Recv"]
-
-_log = logging.getLogger("shmrdv.rpc.client")
+__all__ = ["Recv"]
 
 _RETRY_INITIAL = 0.05
 _RETRY_MAX = 1.0
-_MID_STREAM_RETRIES = 2
 # A blocked receiver makes its own blocking call while its key's values are at most this
 # large; larger ones go through a future, answered in gRPC's channel thread. Measured
 # (bench, pinned, same run): the own call cut a 64 KiB round trip from 1.8-2.2 ms to
 # 1.1 ms, but made 1 MiB slower (4-5.5 ms against 3.1-3.6 ms).
 _OWN_CALL_MAX = 256 << 10
-# After this many own calls (about a second of the wait's 0.2 s turns) without a value,
-# a blocked receiver waits on one long call instead: an idle receiver's repeats cost
-# 0.8-1 % of a core (bench idle probe), one long call about 0.5 %.
-_OWN_CALLS_IDLE = 5
-# A blocked receiver's own call in flight (``Recv._call``): no future to cancel.
-_OWN: Any = object()
 # How often a receive looks again for the address of a producer that has not started.
 _RESOLVE_PERIOD = 0.05
-# An answer larger than this is decoded and copied on a callback thread, not in gRPC's
-# channel thread (a copy of a few hundred KiB costs less than the thread switch).
-_COPY_IN_CHANNEL_THREAD = 1 << 20
 
 # PENDING: no data yet (cancellable); ARRIVED: an answer is being decoded; RECEIVING: a
 # stream is flowing; DONE: delivered or failed; CANCELLED.
 _PENDING, _ARRIVED, _RECEIVING, _DONE, _CANCELLED = range(5)
 
-#: The producer's ``host:port``, or a function that returns it and raises
-#: ``UnavailableError`` while it is not known yet (a producer that has not started).
-Address = str | Callable[[], str]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CallContext:
-    """What a receive uses of the client that started it."""
-
-    channels: ChannelCache
-    acks: AckQueue
-    runner: Runner
-    metadata: Sequence[tuple[str, str]]
-    inline_max: int
-    forget: Callable[[Recv], None]  # the receive has ended (delivered, failed, cancelled)
-    count: Callable[[ParsedKey, int], None]  # a value of this many bytes was received
-    last_size: Callable[[ParsedKey], int]  # bytes of the key's last value (0: none yet)
-
-
-# Request ids need to be unique, not secret: a generator seeded from the OS (again in a
-# forked child) costs no syscall per receive, as secrets.randbits would.
-_ids = random.Random(secrets.randbits(128))
-os.register_at_fork(after_in_child=lambda: _ids.seed(secrets.randbits(128)))
-
-
-def _new_request_id() -> int:
-    # TensorFlow: GetUniqueRequestId, a random non-zero int64.
-    while True:
-        rid = _ids.getrandbits(63)
-        if rid:
-            return rid
-
 
 class Recv:
-    """One ``start_recv``: its calls, its state and its canceller.
+    """One ``start_recv``: its state, its phases and its canceller.
 
     ``blocking``: ``done`` is a blocked receiver's slot (quick, never blocks) and the
     receiver calls ``wait`` until it is filled: the call it makes itself is waited on and
@@ -149,36 +83,47 @@ class Recv:
         self.key = key
         self.done = done
         self._blocking = blocking
-        # The receiving thread makes its calls itself (``wait``) for small values.
-        self._own_calls = blocking and ctx.last_size(key) <= _OWN_CALL_MAX
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._timeout = timeout
-        self._request_id = _new_request_id()
+        self._request_id = new_request_id()
         self._lock = threading.Lock()
         self._state = _PENDING
         self._streaming = False  # the RecvTensorStream phase (in self.thread)
-        self._issued = False  # some call went out: the server may hold a value for it
-        self._call: Any = None  # the call in flight (a unary future or a stream)
-        self._owner = threading.get_ident()  # the receiving thread
-        # A blocked receiver's next call is its own to make (in ``wait``), set once the
-        # address is known; ``_go`` wakes it when another thread made it so.
-        self._own_turn = False
-        self._own_made = 0  # own calls made (each ends at its short deadline, or answered)
-        self._go = threading.Event()
-        self._peer = PeerWatch()  # whether the producer went away
-        self._acks: list[int] = []  # the acks the unary call in flight carries
+        self._stream_call: Any = None  # the stream call in flight
         self._timer: threading.Timer | None = None
         self._backoff = _RETRY_INITIAL
         self._last_unavailable: grpc.RpcError | None = None
-        self._wake = threading.Event()
+        self._peer = PeerWatch()  # whether the producer went away
+        self._wake: threading.Event | None = None  # ends a stream's backoff pause early
         self.thread: threading.Thread | None = None
+        # The receiving thread makes its calls itself (``wait``) for small values.
+        own_calls = blocking and ctx.last_size(key) <= _OWN_CALL_MAX
+        self._unary = UnaryCalls(
+            self, self._lock, ctx, (step_id, key.full_key, self._request_id), own_calls
+        )
 
     @property
     def receiving(self) -> bool:
         """Data is flowing: the receive can no longer be cancelled."""
         return self._state == _RECEIVING
 
-    def _where(self) -> str:
+    @property
+    def ended(self) -> bool:
+        """Delivered, failed or cancelled."""
+        return self._state in (_DONE, _CANCELLED)
+
+    @property
+    def address(self) -> str:
+        """The producer's ``host:port`` (a placeholder until it is known)."""
+        return self._address
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel to the producer (known once ``start`` found it)."""
+        assert self._channel is not None
+        return self._channel
+
+    def where(self) -> str:
         return f"key {self.key.full_key!r} (step {self.step_id}) from {self._address}"
 
     # -- called by other threads -------------------------------------------------------
@@ -196,30 +141,22 @@ class Recv:
         with self._lock:
             if self._state not in (_PENDING, _RECEIVING):
                 return False
-            call = self._call
-            # A completed call whose answer is the value: its callback is delivering it.
-            # An error or an empty answer ("stream it") would start more work, which this
-            # cancel stops instead.
-            if (
-                not self._streaming
-                and call is not None
-                and call is not _OWN
-                and not call.cancel()
-                and call.exception() is None
-                and call.result()
-            ):
+            if not self._streaming and self._unary.answering_locked():
                 return False
             self._state = _CANCELLED
             timer, self._timer = self._timer, None
-            issued = self._issued and call is not _OWN
-        self._wake.set()
-        self._go.set()
+            issued = self._unary.issued and not self._unary.own_call_out_locked()
+            call = self._stream_call if self._streaming else None
+            wake = self._wake
+        if wake is not None:
+            wake.set()
+        self._unary.stop()
         if timer is not None:
             timer.cancel()
-        if call is not None and self._streaming:
+        if call is not None:
             call.cancel()
         if issued:
-            self._give_up()
+            self.give_up()
         self._ctx.forget(self)
         return True
 
@@ -231,93 +168,30 @@ class Recv:
             if self._state in (_DONE, _CANCELLED):
                 return
             self._state = _DONE
-            call = self._call
             timer, self._timer = self._timer, None
-        self._wake.set()
-        self._go.set()
+            call = self._stream_call
+            wake = self._wake
+        if wake is not None:
+            wake.set()
+        self._unary.stop()
         if timer is not None:
             timer.cancel()
-        if call is not None and call is not _OWN:
+        if call is not None:
             call.cancel()
         self._ctx.forget(self)
         invoke_done(self.done, error, None)
 
     def wait(self, timeout: float) -> bool:
-        """A blocked receiver makes its own call here: a plain blocking unary call, the
-        one grpcio answers in the calling thread (no channel thread, no future), with a
-        deadline of at most ``timeout``; an answer is decoded and its slot filled here.
-        A call that ends at that deadline is made again under the same request_id at
-        the next ``wait`` (the server's response cache makes that safe). While its turn
-        has not come (queued behind another receive of the key, its producer's address
-        not known yet, a retry's pause) it waits up to ``timeout`` for it. False: nothing
-        to do here (not the receiving thread, or streaming): wait on the slot instead."""
-        if not self._own_calls or threading.get_ident() != self._owner or self._streaming:
+        """A blocked receiver makes its own call here (``UnaryCalls.wait``), up to
+        ``timeout``. False: nothing to do here (not the receiving thread, or streaming):
+        wait on the slot instead."""
+        if self._streaming:
             return False
-        end = time.monotonic() + timeout
-        if not self._own_turn:
-            self._go.wait(timeout)
-        failure: RendezvousError | None = None
-        with self._lock:
-            if self._state != _PENDING or not self._own_turn:
-                return not self._streaming
-            self._own_turn = False
-            self._go.clear()
-            left = end - time.monotonic()
-            remaining = self._remaining()
-            if remaining is not None and remaining <= 0:
-                expired = True
-            else:
-                expired = False
-                t = max(left, 0.001) if remaining is None else min(max(left, 0.001), remaining)
-                acks = self._ctx.acks.take(self._address)
-                try:
-                    request = self._request(acks)
-                except RendezvousError as e:
-                    failure = e
-                else:
-                    self._call = _OWN
-                    self._issued = True
-                    self._own_made += 1
-        if expired:
-            self._timed_out()
-            return True
-        if failure is not None:
-            self._ctx.acks.give_back(self._address, acks)
-            self._deliver(failure, None, here=True)
-            return True
-        assert self._channel is not None
-        data = b""
-        error: grpc.RpcError | None = None
-        try:
-            data = self._channel.unary_unary(RECV_TENSOR_METHOD)(
-                request, timeout=t, metadata=self._ctx.metadata
-            )
-        except grpc.RpcError as e:
-            error = e
-        except ValueError as e:  # the channel was closed under us
-            self._deliver(CancelledError(f"receiving {self._where()}: {e}"), None, here=True)
-            return True
-        finally:
-            with self._lock:
-                if self._call is _OWN:
-                    self._call = None
-                mine = self._state == _PENDING
-                if mine and error is None and data:
-                    self._state = _ARRIVED
-        if not mine:
-            # Cancelled or closed while the call was out: a value the server took for it
-            # goes back to its key's head.
-            self._give_up()
-            return True
-        if error is None:
-            self._answered(data, here=True)
-        else:
-            self._failed(error, acks)
-        return True
+        return self._unary.wait(timeout)
 
-    # -- delivering --------------------------------------------------------------------
+    # -- ending ----------------------------------------------------------------------
 
-    def _deliver(
+    def deliver(
         self, error: BaseException | None, received: Received | None, *, here: bool = False
     ) -> None:
         """Answer ``done`` once: in this thread when ``here`` (a thread of ours), when the
@@ -334,24 +208,24 @@ class Recv:
         else:
             self._ctx.runner.submit(invoke_done, self.done, error, received)
 
-    def _remaining(self) -> float | None:
+    def remaining(self) -> float | None:
+        """Seconds to the receive's deadline (None: none)."""
         return None if self._deadline is None else self._deadline - time.monotonic()
 
-    def _timed_out(self, why: str = "") -> None:
-        self._deliver(
-            timeout_error(self._timeout, self._where(), self._last_unavailable, why), None
-        )
+    def timed_out(self, why: str = "") -> None:
+        """The deadline passed: fail with ``DeadlineExceededError``."""
+        self.deliver(timeout_error(self._timeout, self.where(), self._last_unavailable, why), None)
 
     def out_of_files(self, e: grpc.RpcError) -> bool:
         """Out of descriptors (``recv_errors.out_of_files``): fail, and drop the channel."""
-        error = out_of_files(e, self._where())
+        error = out_of_files(e, self.where())
         if error is None:
             return False
         self._ctx.channels.drop_channel(self._address, self._channel)
-        self._deliver(error, None)
+        self.deliver(error, None)
         return True
 
-    # -- starting: the producer's address and channel -----------------------------------
+    # -- starting: the producer's address and channel ---------------------------------
 
     def start(self) -> None:
         """Find the producer's address and channel, then make the first call (a blocked
@@ -365,130 +239,15 @@ class Recv:
                 self._retry_later(_RESOLVE_PERIOD, self.start, str(e))
                 return
             except RendezvousError as e:
-                self._deliver(e, None)
+                self.deliver(e, None)
                 return
             self._resolve = self._address
         try:
             self._channel = self._ctx.channels.channel(self._address)
         except RendezvousError as e:  # a bad address
-            self._deliver(e, None)
+            self.deliver(e, None)
             return
-        self._attempt()
-
-    # -- the unary phase ----------------------------------------------------------------
-
-    def _request(self, acks: list[int]) -> bytes:
-        return messages.encode_request(
-            self.step_id,
-            self.key.full_key,
-            self._request_id,
-            finished=acks,
-            inline_max=self._ctx.inline_max,
-        )
-
-    def _attempt(self) -> None:
-        """Make the next call: a future (its outcome in gRPC's channel thread), or for a
-        blocked receiver, its turn to make it itself (``wait``)."""
-        if self._own_calls and self._own_made < _OWN_CALLS_IDLE:
-            with self._lock:
-                self._timer = None
-                if self._state != _PENDING:
-                    return
-                self._own_turn = True
-            self._go.set()
-            return
-        # A receiver that waited that long for nothing waits on one long call (a future)
-        # from now on: its repeats would cost CPU for a latency nobody waits for.
-        self._own_calls = False
-        acks: list[int] = []
-        with self._lock:
-            self._timer = None
-            if self._state != _PENDING:
-                return
-            remaining = self._remaining()
-            if remaining is not None and remaining <= 0:
-                expired = True
-            else:
-                expired = False
-                acks = self._ctx.acks.take(self._address)
-                failure: RendezvousError | None = None
-                try:
-                    request = self._request(acks)
-                    assert self._channel is not None
-                    call = self._channel.unary_unary(RECV_TENSOR_METHOD).future(
-                        request, timeout=remaining, metadata=self._ctx.metadata
-                    )
-                    self._issued = True
-                except RendezvousError as e:  # a step id or key the wire cannot carry
-                    call = None
-                    failure = e
-                except ValueError as e:  # the channel was closed under us
-                    call = None
-                    failure = CancelledError(f"receiving {self._where()}: {e}")
-                self._call = call
-                self._acks = acks
-        if expired:
-            self._timed_out()
-            return
-        if call is None:
-            self._ctx.acks.give_back(self._address, acks)
-            assert failure is not None
-            self._deliver(failure, None)
-            return
-        call.add_done_callback(self._on_callback)
-
-    def _on_callback(self, call: Any) -> None:
-        """The unary call's outcome, in gRPC's channel thread (never block here).
-
-        Whatever goes wrong here fails this receive: its caller must not wait forever.
-        """
-        try:
-            self._outcome(call, here=False)
-        except Exception as e:
-            _log.exception("RecvTensor callback for %s failed", self._where())
-            self._deliver(InternalError(f"receiving {self._where()}: {e!r}"), None)
-
-    def _outcome(self, call: Any, *, here: bool) -> None:
-        acks = self._acks
-        with self._lock:
-            if self._state != _PENDING or self._call is not call or call.cancelled():
-                if not call.cancelled() and call.exception() is not None:
-                    # Cancelled or closed meanwhile: a failed request may not have
-                    # reached the server, so its acks go out again with the next one.
-                    self._ctx.acks.give_back(self._address, acks)
-                return  # answered there
-            error = call.exception()
-            self._call = None
-            if error is None and call.result():
-                self._state = _ARRIVED
-        if error is None:
-            self._answered(call.result(), here)
-        else:
-            self._failed(error, acks)
-
-    def _failed(self, error: grpc.RpcError, acks: list[int]) -> None:
-        """A unary call failed: try again (same request_id) or fail the receive."""
-        self._ctx.acks.give_back(self._address, acks)
-        code = error_code(error)
-        if self.out_of_files(error):
-            return
-        if code == grpc.StatusCode.UNAVAILABLE:
-            gone = self._peer.gone(error, str(self.key.src), self._where())
-            if gone is not None:
-                self._deliver(gone, None)
-                return
-            self._last_unavailable = error
-            pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
-            self._retry_later(self._peer.pause(pause), self._again)
-            return
-        remaining = self._remaining()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED and (remaining is None or remaining > 0):
-            # The call's own short deadline (a blocked receiver's), or the server's longest
-            # wait (max_wait), not the receive's: ask again, same request_id.
-            self._attempt()
-            return
-        self.release_if_late(code)
-        self._deliver(self.error(code, error), None)
+        self._unary.attempt()
 
     def _again(self) -> None:
         """A retry after UNAVAILABLE: look the producer's address up again first (it may
@@ -502,68 +261,20 @@ class Recv:
                 try:
                     channel = self._ctx.channels.channel(address)
                 except RendezvousError as e:
-                    self._deliver(e, None)
+                    self.deliver(e, None)
                     return
                 with self._lock:
                     self._address, self._channel = address, channel
                     self._peer.reset()
-        self._attempt()
-
-    def _answered(self, data: bytes, here: bool) -> None:
-        if not data:
-            self._start_stream()  # larger than inline_max: it waits in the server's cache
-        elif here or len(data) <= _COPY_IN_CHANNEL_THREAD:
-            self._take(data, here)
-        else:
-            # Copying a large tensor would stall gRPC's channel thread (every call on the
-            # channel): decode and copy it on a callback thread instead.
-            self._ctx.runner.submit(self._take_off_channel, data)
-
-    def _take_off_channel(self, data: bytes) -> None:
-        try:
-            self._take(data, True)
-        except Exception as e:  # the caller must not wait forever
-            _log.exception("decoding the RecvTensor answer for %s failed", self._where())
-            self._deliver(InternalError(f"receiving {self._where()}: {e!r}"), None, here=True)
-
-    def _take(self, data: bytes, here: bool) -> None:
-        try:
-            decoded = messages.decode_response(data)
-        except RendezvousError as e:
-            self._deliver(
-                InternalError(
-                    f"bad RecvTensor answer from {self._address} for {self._where()}: {e}"
-                ),
-                None,
-                here=here,
-            )
-            return
-        self._ctx.acks.ack(self._address, self._request_id)
-        # The one copy: a private, writable array (the response bytes are read-only).
-        value = np.array(decoded.value, copy=True)
-        self._deliver(None, Received(value, decoded.is_dead), here=here)
-
-    def _give_up(self) -> None:
-        """Tell the server we will not take this request_id's value (MarkRecvFinished with
-        shmrdv's "released" flag): a value it took goes back to its key's head now."""
-        if self._channel is not None:
-            notify(self._channel, self._request_id, self._ctx.metadata, released=True)
-
-    def release_if_late(self, code: grpc.StatusCode) -> None:
-        """The deadline passed with a call out: the server may have taken a value for it
-        (being streamed, or answered too late). Releasing gives it back to the head of its
-        key at once: the next receive gets it, in order, rather than a later value while
-        this one waits in the server's cache until it expires."""
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._issued:
-            self._give_up()
+        self._unary.attempt()
 
     def _retry_later(self, pause: float, then: Callable[[], None], why: str = "") -> None:
         """Run ``then`` after ``pause`` (a transient UNAVAILABLE: the same request_id
         again, so a response lost on the wire is not lost; or an address not known yet)."""
-        remaining = self._remaining()
+        remaining = self.remaining()
         if remaining is not None:
             if remaining <= 0:
-                self._timed_out(why)
+                self.timed_out(why)
                 return
             pause = max(0.0, min(pause, remaining))
         timer = threading.Timer(pause, then)
@@ -576,111 +287,99 @@ class Recv:
         try:
             timer.start()
         except RuntimeError as e:  # "can't start new thread"
-            self._deliver(
-                ResourceExhaustedError(f"cannot retry receiving {self._where()}: {e}"), None
+            self.deliver(
+                ResourceExhaustedError(f"cannot retry receiving {self.where()}: {e}"), None
             )
 
-    # -- the stream phase (a thread of its own: large values) ----------------------------
+    def give_up(self) -> None:
+        """Tell the server we will not take this request_id's value (MarkRecvFinished with
+        shmrdv's "released" flag): a value it took goes back to its key's head now."""
+        if self._channel is not None:
+            notify(self._channel, self._request_id, self._ctx.metadata, released=True)
 
-    def _start_stream(self) -> None:
-        thread = threading.Thread(target=self._run, name="shmrdv-rpc-recv", daemon=True)
+    def release_if_late(self, code: grpc.StatusCode) -> None:
+        """The deadline passed with a call out: the server may have taken a value for it
+        (being streamed, or answered too late). Releasing gives it back to the head of its
+        key at once: the next receive gets it, in order, rather than a later value while
+        this one waits in the server's cache until it expires."""
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._unary.issued:
+            self.give_up()
+
+    # -- for the unary phase (``recv_unary.UnaryOwner``) -------------------------------
+
+    def pending_locked(self) -> bool:
+        """No answer yet and not ended (the lock is held)."""
+        return self._state == _PENDING
+
+    def arrived_locked(self) -> None:
+        """An answer with the value came (the lock is held)."""
+        self._state = _ARRIVED
+
+    def retry_unavailable(self, error: grpc.RpcError) -> None:
+        """A transient UNAVAILABLE: fail if the producer is gone, else call again (same
+        request_id) after a backoff pause."""
+        gone = self._peer.gone(error, str(self.key.src), self.where())
+        if gone is not None:
+            self.deliver(gone, None)
+            return
+        self._last_unavailable = error
+        pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
+        self._retry_later(self._peer.pause(pause), self._again)
+
+    # -- the stream phase (a thread of its own: large values, ``recv_stream``) ----------
+
+    def start_stream(self) -> None:
+        assert self._channel is not None
+        request = messages.encode_request(self.step_id, self.key.full_key, self._request_id)
+        owner: recv_stream.StreamOwner = self
+        thread = threading.Thread(
+            target=recv_stream.run,
+            args=(owner, self._channel, request, self._request_id, self._ctx.metadata),
+            name="shmrdv-rpc-recv",
+            daemon=True,
+        )
         with self._lock:
             if self._state not in (_PENDING, _ARRIVED):
                 return
             self._state = _PENDING
             self._streaming = True
-            self._call = None
+            self._wake = threading.Event()
             self.thread = thread
         try:
             thread.start()
         except RuntimeError as e:  # "can't start new thread"
-            self._deliver(
-                ResourceExhaustedError(f"cannot start a receive thread for {self._where()}: {e}"),
+            self.deliver(
+                ResourceExhaustedError(f"cannot start a receive thread for {self.where()}: {e}"),
                 None,
             )
 
-    def _run(self) -> None:
-        try:
-            self._stream_attempts()
-        except BaseException as e:  # a bug here must not leave the caller waiting forever
-            _log.exception("RecvTensorStream of %s failed unexpectedly", self._where())
-            self._deliver(UnavailableError(f"receiving {self._where()} failed: {e!r}"), None)
+    def open_stream(self, start: Callable[[float | None], Any]) -> Any | None:
+        """Start the next stream call as the call in flight (``recv_stream.StreamOwner``)."""
+        with self._lock:
+            if self._state in (_DONE, _CANCELLED):
+                return None
+            remaining = self.remaining()
+            if remaining is None or remaining > 0:
+                self._stream_call = start(remaining)
+                return self._stream_call
+        self.timed_out()
+        return None
 
-    def _stream_attempts(self) -> None:
-        request = messages.encode_request(self.step_id, self.key.full_key, self._request_id)
-        assert self._channel is not None
-        method = self._channel.unary_stream(RECV_TENSOR_STREAM_METHOD)
-        mid_stream_failures = 0
-        while True:
-            with self._lock:
-                if self._state in (_DONE, _CANCELLED):
-                    return
-                remaining = self._remaining()
-                if remaining is not None and remaining <= 0:
-                    break
-                call = method(request, timeout=remaining, metadata=self._ctx.metadata)
-                self._call = call
-            assembler = assembly.StreamAssembler()
-            delivered = False
-            try:
-                for message in call:
-                    if self._state == _PENDING:
-                        with self._lock:
-                            if self._state == _CANCELLED:
-                                call.cancel()
-                                return
-                            self._state = _RECEIVING
-                    assembler.feed(message)
-                    if assembler.complete and not delivered:
-                        # Every byte is here: hand it over now rather than after the
-                        # call's closing status (one more loopback round); the stream is
-                        # then drained, never cancelled (the server would take a cancel
-                        # after its last chunk for a value not delivered).
-                        delivered = True
-                        self._deliver(None, Received(assembler.result(), assembler.is_dead))
-                received = Received(assembler.result(), assembler.is_dead)
-            except grpc.RpcError as e:
-                if delivered or self._state in (_DONE, _CANCELLED) or self.out_of_files(e):
-                    return
-                code = error_code(e)
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    if self._state == _RECEIVING:
-                        mid_stream_failures += 1
-                        if mid_stream_failures > _MID_STREAM_RETRIES:
-                            self._deliver(
-                                UnavailableError(
-                                    f"lost the connection while receiving {self._where()}; "
-                                    f"retried {_MID_STREAM_RETRIES} times: {error_details(e)}"
-                                ),
-                                None,
-                            )
-                            return
-                    self._last_unavailable = e
-                    pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
-                    remaining = self._remaining()
-                    self._wake.wait(pause if remaining is None else max(0.0, min(pause, remaining)))
-                    continue
-                self.release_if_late(code)
-                self._deliver(self.error(code, e), None)
-                return
-            except RendezvousError as e:  # the assembler refused what arrived
-                call.cancel()
-                self._deliver(
-                    InternalError(
-                        f"bad RecvTensorStream from {self._address} for {self._where()}: {e}"
-                    ),
-                    None,
-                )
-                return
-            if not delivered:
-                self._deliver(None, received)
-            # A large value: release the server's cached copy now, not at the next request.
-            notify(self._channel, self._request_id, self._ctx.metadata)
-            return
-        self._timed_out()
+    def begin_receiving(self) -> bool:
+        """Data is flowing: no cancel from now on; False if cancelled or closed already."""
+        with self._lock:
+            if self._state == _PENDING:
+                self._state = _RECEIVING
+            return self._state == _RECEIVING
+
+    def pause_unavailable(self, error: grpc.RpcError) -> None:
+        """A backoff pause after a transient UNAVAILABLE mid-stream (a cancel ends it)."""
+        self._last_unavailable = error
+        pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
+        remaining = self.remaining()
+        assert self._wake is not None  # made when the stream phase started
+        self._wake.wait(pause if remaining is None else max(0.0, min(pause, remaining)))
 
     def error(self, code: grpc.StatusCode, e: grpc.RpcError) -> RendezvousError:
         """The receive's error for a call that failed with ``code``."""
-        return call_error(
-            code, e, self._where(), self._timeout, receiving=self._state == _RECEIVING
-        )
+        return call_error(code, e, self.where(), self._timeout, receiving=self._state == _RECEIVING)

@@ -31,8 +31,9 @@ with these additions:
   rule of ``_values.shape_problem``), fail the receive with ``InternalError`` naming the
   peer, before anything is allocated.
 
-Modules: ``call`` (one receive's RPCs), ``recv_errors`` (its errors), ``channels`` (the channel per peer, with fork
-handling), ``acks`` (acks piggybacked or sent late), ``runner`` (the callback threads).
+Modules: ``call`` (one receive; its phases ``recv_unary`` and ``recv_stream``),
+``recv_errors`` (its errors), ``channels`` (the channel per peer, with fork handling),
+``acks`` (acks piggybacked or sent late), ``runner`` (the callback threads).
 This module is the client's face: it orders receives, opens them and closes it all.
 
 Thread model (docs/threads.md): the sync gRPC API; thread-safe. A blocking receive
@@ -65,9 +66,10 @@ from .._status import error_for_code
 from .._waiters import WaiterTable
 from . import messages
 from .acks import AckQueue
-from .call import Address, CallContext, Recv
+from .call import Recv
 from .channels import ChannelCache
 from .methods import DEFAULT_INLINE_MAX, GET_STATUS_METHOD
+from .recv_context import Address, CallContext
 from .rpc_errors import error_code, error_details
 from .runner import Runner
 from .security import TLSConfig, bearer_metadata, check_token

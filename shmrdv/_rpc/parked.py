@@ -1,6 +1,6 @@
 """ParkedCalls: the counts of calls waiting for a value, and their bounds.
 
-A call whose value is not there yet parks at the server (``service``); hostile or broken
+A call whose value is not there yet parks at the server (``waits``); hostile or broken
 clients must not park without bound (issues 12 §4, 19 §4). Calls are counted in all, per
 peer host (one host opening many connections is one peer) and per connection; beyond a
 bound, ``refusal`` says why the call is refused (``RESOURCE_EXHAUSTED``). A call whose

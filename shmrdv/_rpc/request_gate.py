@@ -84,6 +84,7 @@ class RequestGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._where = "(starting)"
         self._waiting: OrderedDict[_Waiting, None] = OrderedDict()  # oldest first
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._gated: dict[Any, grpc.RpcMethodHandler] = {}
         self._silent = 0  # calls dropped at their deadline
         self._crowded = 0  # calls dropped as the oldest of too many waiting over a second
@@ -104,8 +105,9 @@ class RequestGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return gated
 
     def started(self, address: str) -> None:
-        """The server listens on ``address`` (named in the refusals)."""
+        """The server listens on ``address`` (named in the refusals); called in the loop."""
         self._where = address
+        self._loop = asyncio.get_running_loop()
 
     def stats(self) -> dict[str, int]:
         """``awaiting_request`` (calls waiting for their first message now), and the calls
@@ -176,9 +178,11 @@ class RequestGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> Any:
         """The call's first request message (``EOF`` only when ``eof_ok``), read under the
         gate's deadline; a dropped call is answered ``UNAVAILABLE`` here (abort raises)."""
-        task = asyncio.current_task()
+        # The loop is the one ``started`` ran in: asking asyncio for it costs a getpid.
+        loop = self._loop
+        assert loop is not None
+        task = asyncio.current_task(loop)
         assert task is not None  # a handler always runs in its call's task
-        loop = asyncio.get_running_loop()
         entry = _Waiting(task, loop.time(), self._timeout)
         self._waiting[entry] = None
         if self._timer is None:

@@ -12,7 +12,7 @@ entries oldest first and stops at the first that is not due.
 
 Thread model (docs/threads.md): none of its own. It belongs to the server's event loop and is touched only
 from there, so it needs no lock. An entry it drops is handed to ``give_back`` (the
-service's: a value no call delivered goes back to its key), called synchronously.
+``Waits``': a value no call delivered goes back to its key), called synchronously.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Waiter:
     # client's RecvTensorStream: never evicted for room (only expiry or a release give
     # it back).
     deferred: bool = False
-    # The calls waiting for the value, each on a future of its own (service._woken).
+    # The calls waiting for the value, each on a future of its own (``waits``).
     calls: set[asyncio.Future[bool]] = dataclasses.field(default_factory=set)
 
 

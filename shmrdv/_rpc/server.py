@@ -3,10 +3,10 @@
 It owns the ``grpc.aio`` server, its event-loop thread and the encoding pool: the
 options (message limits, keepalive, connection shedding), the bounds it validates, and
 ``start``/``stop``. What the calls do is ``service.RecvService`` (the handlers, with
-``response_cache.ResponseCache``); ``methods`` names the methods.
+``waits.Waits``: calls matched with values, and ``response_cache.ResponseCache``); ``methods`` names the methods.
 
 Hostile or broken clients cannot exhaust it (issues 12 and 19 §4), with or without the
-token: the service bounds waiting calls; ``limits.ServerLimits`` caps connections well
+token: ``waits`` bounds waiting calls; ``limits.ServerLimits`` caps connections well
 below the descriptor limit and calls in flight; ``request_gate.RequestGate`` drops a call
 that sends no request message soon after opening; gRPC sheds connections that never
 finish their handshake, idle ones and half-open ones.
@@ -40,7 +40,8 @@ from .limits import ServerLimits
 from .methods import DEFAULT_CHUNK_BYTES, SERVER_STOPPING
 from .request_gate import RequestGate
 from .security import TLSConfig, TokenInterceptor, check_token
-from .service import RecvService, TensorSource
+from .service import RecvService
+from .tensor_source import TensorSource
 
 __all__ = ["RpcServer", "TensorSource"]
 

@@ -1,36 +1,20 @@
-"""The service handlers: RecvTensor and its stream, answered from a ``TensorSource``.
+"""The gRPC methods' handlers: each answers a call from the values ``waits`` gives it.
 
 A consumer on another host pulls a value: it calls ``RecvTensor`` (TensorFlow's unary
-method, TF-compatible bytes) with a step id and a rendezvous key; the handler validates
-the key, asks its ``TensorSource`` (the producer's outbox) for the next value of that
-key, waits for it up to the call's deadline and answers it (research/tf_rendezvous.md
-§3.2). A shmrdv client also says ``inline_max`` (extension field 1002): a larger tensor
-is answered with empty bytes and kept cached under the request_id, and the client then
-streams it with ``RecvTensorStream`` (shmrdv's chunked stream, no 2 GiB ceiling).
-Duplicates, retries and acks go through the ``ResponseCache``; acks ride on requests
-(extension field 1001) or come as ``MarkRecvFinished`` (which, with shmrdv's "released"
-flag, also says the client gave a request_id up).
-
-Hostile or broken clients cannot exhaust it (issues 12 §4, 19 §4): waiting calls are
-bounded in all, per peer host and per connection (``RESOURCE_EXHAUSTED``), a call
-without a deadline waits at most ``max_wait``, and a request whose value is already
-there is never refused. A value taken counts in the producer's ``max_inflight_bytes``
-until the call that carries it has ended (``TensorSource.done_with``), not when it is
-taken: a client that asks and never reads holds the window, not the producer's memory.
-
-A value is not lost to calls that go away before it is sent: one that arrives after
-every call for it left, or whose every call went away before it was fully sent and that
-no retry can claim (a release from a client that gave it up, or cache expiry), goes back
-to the head of its key (``TensorSource.requeue``).
+method, TF-compatible bytes) with a step id and a rendezvous key; the handler decodes the
+request, takes the next value of that key from ``waits.Waits`` (which waits for it up to
+the call's deadline, within the bounds on waiting calls) and answers it
+(research/tf_rendezvous.md §3.2). A shmrdv client also says ``inline_max`` (extension
+field 1002): a larger tensor is answered with empty bytes and kept cached under the
+request_id, and the client then streams it with ``RecvTensorStream`` (shmrdv's chunked
+stream, no 2 GiB ceiling). Acks ride on requests (extension field 1001) or come as
+``MarkRecvFinished`` (which, with shmrdv's "released" flag, also says the client gave a
+request_id up). ``GetStatus`` names the worker's device and incarnation.
 
 Thread model (docs/threads.md): every handler runs on the server's event loop
-(``server``), and all the state here (waiters, counters, the cache) is touched only from
-there: no lock. A value already there is answered in the loop without a thread hop (the
-source calls ``done`` in the loop's own thread). A call waiting for a value is an
-``await`` on an asyncio future, which the source's ``done`` (called in the producer's
-thread) settles with ``loop.call_soon_threadsafe``. A large unary response is encoded in
-the thread pool given to ``started`` (a small one in the loop, cheaper than two thread
-switches); stream chunks are cut in the loop.
+(``server``): no lock. A large unary response is encoded in the thread pool given to
+``started`` (a small one in the loop, cheaper than two thread switches); stream chunks
+are cut in the loop.
 """
 
 from __future__ import annotations
@@ -38,106 +22,29 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import logging
-import threading
-import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn, Protocol
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
 
 import grpc
 import grpc.aio
 
-from .._callbacks import DoneCallback
 from .._devices import DeviceName
-from .._errors import (
-    AbortedError,
-    DeadlineExceededError,
-    InternalError,
-    InvalidArgumentError,
-    RendezvousError,
-    ResourceExhaustedError,
-    UnavailableError,
-)
-from .._keys import ParsedKey, parse_key
+from .._errors import RendezvousError
 from .._received import Received
 from .._status import code_for_error
 from . import assembly, messages, tensors
-from .methods import SERVER_STOPPING, SHMRDV_SERVICE, TF_SERVICE
-from .parked import ParkedCalls
-from .response_cache import ResponseCache, Waiter
+from .methods import SHMRDV_SERVICE, TF_SERVICE
+from .response_cache import Waiter
+from .tensor_source import TensorSource
+from .waits import Waits
 
-__all__ = ["RecvService", "TensorSource"]
-
-_log = logging.getLogger("shmrdv.rpc.server")
+__all__ = ["RecvService"]
 
 # A unary response of a tensor up to this size is encoded in the event loop: handing so
 # small a copy to the encoding pool costs more (two thread switches) than the copy. Up
 # to inline_max (1 MiB): measured, bench 1 MiB round trip 3.8-4.2 ms with the loop
 # against 4.7-5.5 ms through the pool (issue 19, same session).
 _ENCODE_IN_LOOP_BYTES = 1 << 20
-
-
-class TensorSource(Protocol):
-    """What the server pulls values from (the producer's outbox).
-
-    ``task`` is the canonical task name (``/job:w/replica:0/task:0``), ``incarnation`` the
-    worker's incarnation. ``serve_recv`` raises ``AbortedError`` at once for a step that
-    was cleaned up; otherwise it calls ``done(error, Received)`` exactly once, in any
-    thread (in the caller's when the value is already there), unless the canceller it
-    returned answered ``True``.
-
-    A value it gave is the service's until the service calls ``done_with`` for it, exactly
-    once: the call that carried it has ended, or the service dropped it, or is about to
-    hand it back with ``requeue`` (to the head of its key: it was taken for a call that
-    went away before it was delivered, and no retry can claim it).
-    """
-
-    task: str
-    incarnation: int
-
-    def serve_recv(
-        self, step_id: int, key: ParsedKey, done: DoneCallback
-    ) -> Callable[[], bool]: ...
-
-    def done_with(self, step_id: int, key: ParsedKey, nbytes: int) -> None: ...
-
-    def requeue(self, step_id: int, key: ParsedKey, received: Received) -> None: ...
-
-
-def _retrieve(fut: asyncio.Future[Received]) -> None:
-    # Mark an exception as retrieved so asyncio does not log "never retrieved" when every
-    # call that waited for this value has gone.
-    if not fut.cancelled():
-        fut.exception()
-
-
-async def _woken(waiter: Waiter, timeout: float) -> bool:
-    """Wait until ``waiter`` is settled (True) or ``timeout`` passes (False).
-
-    Each call waiting on a waiter has a future of its own, which ``_settle`` completes
-    directly (``_wake``): a call that leaves never cancels the shared one, and the wake-up
-    takes one turn of the loop (``wait_for(shield(...))`` took four).
-    """
-    loop = asyncio.get_running_loop()
-    call: asyncio.Future[bool] = loop.create_future()
-    waiter.calls.add(call)
-    timer = loop.call_later(timeout, _resolve, call, False)
-    try:
-        return await call
-    finally:
-        timer.cancel()
-        waiter.calls.discard(call)
-
-
-def _resolve(call: asyncio.Future[bool], settled: bool) -> None:
-    if not call.done():
-        call.set_result(settled)
-
-
-def _wake(waiter: Waiter) -> None:
-    """``waiter`` is settled: wake every call waiting on it."""
-    for call in waiter.calls:
-        _resolve(call, True)
 
 
 class RecvService:
@@ -166,28 +73,19 @@ class RecvService:
         self._source = source
         self._task = task
         self._chunk_bytes = chunk_bytes
-        self._max_wait = float(max_wait)
-        self._cache = ResponseCache(
-            ttl=cache_ttl,
-            entries=cache_entries,
-            max_bytes=cache_bytes,
-            give_back=self._maybe_give_back,
-            where=source.task,
+        self._waits = Waits(
+            source,
+            task,
+            cache_ttl=cache_ttl,
+            cache_entries=cache_entries,
+            cache_bytes=cache_bytes,
+            max_waiting=max_waiting,
+            max_waiting_per_peer=max_waiting_per_peer,
+            max_waiting_per_connection=max_waiting_per_connection,
+            max_wait=max_wait,
         )
         self._pool: concurrent.futures.Executor | None = None
-        self._address = "(not started)"
-        self._loop_thread = -1
-        self._stopping = False
-        self._waiters: set[Waiter] = set()  # not yet settled
-        self._parked = ParkedCalls(max_waiting, max_waiting_per_peer, max_waiting_per_connection)
-        self._stats = {
-            "calls": 0,
-            "values_served": 0,
-            "bytes_served": 0,
-            "cache_hits": 0,
-            "errors": 0,
-            "requeued": 0,
-        }
+        self._stats = {"calls": 0, "values_served": 0, "bytes_served": 0, "errors": 0}
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         """The generic handlers of TensorFlow's WorkerService and shmrdv's Rendezvous."""
@@ -207,30 +105,20 @@ class RecvService:
     def started(self, address: str, pool: concurrent.futures.Executor) -> None:
         """The server listens on ``address`` (called in the loop); large responses are
         encoded in ``pool``."""
-        self._address, self._pool = address, pool
-        self._loop_thread = threading.get_ident()
+        self._pool = pool
+        self._waits.started(address)
 
     def stop_serving(self, error: RendezvousError) -> None:
         """Fail every waiting call with ``error`` and forget the cache (the server stops)."""
-        self._stopping = True
-        for waiter in list(self._waiters):
-            if waiter.canceller is not None:
-                waiter.canceller()
-            self._settle(waiter, error, None)
-        self._cache.clear()
+        self._waits.stop(error)
 
     def drop_step(self, step_id: int) -> None:
         """Forget cached responses of ``step_id`` (TensorFlow: on CleanupGraph)."""
-        self._cache.drop_step(step_id)
+        self._waits.drop_step(step_id)
 
     def stats(self) -> dict[str, int]:
-        """Counters: calls, values and bytes served, cache hits, errors, waiting, cached."""
-        out = dict(self._stats)
-        out["waiting"] = len(self._waiters)
-        out["cached"] = len(self._cache)
-        out["cached_bytes"] = self._cache.cached_bytes
-        out["parked"] = self._parked.total
-        return out
+        """Counters: calls, values and bytes served, errors, and ``Waits.stats``'."""
+        return {**self._stats, **self._waits.stats()}
 
     # -- the handlers (event loop) ---------------------------------------------------------
 
@@ -249,15 +137,15 @@ class RecvService:
         try:
             req = messages.decode_request(request)
             for rid in req.finished:
-                self._cache.finished(rid)
-            waiter, received = await self._wait_value(req, context.time_remaining(), context)
+                self._waits.finished(rid)
+            waiter, received = await self._waits.take(req, context.time_remaining(), context.peer)
         except RendezvousError as e:
             await self._abort(context, e)
         if req.inline_max >= 0 and waiter.cache_key is not None:
             limit = min(req.inline_max, tensors.MAX_INLINE_BYTES)
             if received.value.nbytes > limit:
                 waiter.deferred = True
-                self._done_serving(waiter)
+                self._waits.done_serving(waiter)
                 return b""  # still cached and not sent: the stream call takes it from there
         try:
             data = await self._encode(waiter, received)
@@ -267,33 +155,13 @@ class RecvService:
         except RendezvousError as e:
             await self._abort(context, e)
         finally:
-            self._done_serving(waiter)
+            self._waits.done_serving(waiter)
         self._count_served(received)
         return data
 
     def _call_ended(self, waiter: Waiter, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        """The unary call that sent ``waiter``'s value has ended: written to the client
-        (delivered: the window counts it no more), or cancelled before (the value stays
-        cached for a retry, or leaves: ``_maybe_give_back``).
-
-        A call can end well here and still have been cancelled by its client: the answer
-        was written before the client's cancel arrived. A client that then released the
-        request_id (it cancelled before any data reached its caller) did not take the
-        value, so it goes back to its key (bug 3c of issue 19: it was dropped, and the
-        next receive waited for nothing)."""
-        waiter.writing -= 1
-        if context.cancelled() or waiter.released:
-            self._maybe_give_back(waiter)
-        else:
-            self._report_done(waiter)
-
-    def _report_done(self, waiter: Waiter) -> None:
-        """Tell the source, once per value, that the service is done with it."""
-        fut = waiter.future
-        if waiter.reported or not fut.done() or fut.cancelled() or fut.exception() is not None:
-            return
-        waiter.reported = True
-        self._source.done_with(waiter.step_id, waiter.key, fut.result().value.nbytes)
+        # The unary call that sent the value has ended (``Waits.call_ended``).
+        self._waits.call_ended(waiter, context.cancelled())
 
     async def _encode(self, waiter: Waiter, received: Received) -> bytes:
         """The RecvTensorResponse bytes of ``received``: small ones here, large in the pool."""
@@ -316,7 +184,7 @@ class RecvService:
         self._stats["calls"] += 1
         try:
             req = messages.decode_request(request)
-            waiter, received = await self._wait_value(req, context.time_remaining(), context)
+            waiter, received = await self._waits.take(req, context.time_remaining(), context.peer)
         except RendezvousError as e:
             await self._abort(context, e)
         waiter.deferred = False
@@ -335,13 +203,9 @@ class RecvService:
             waiter.sent = True
         finally:
             # Also when the client went away mid-stream (asyncio.CancelledError here).
-            self._done_serving(waiter)
+            self._waits.done_serving(waiter)
         self._count_served(received)
-        self._report_done(waiter)
-
-    def _done_serving(self, waiter: Waiter) -> None:
-        waiter.serving -= 1
-        self._maybe_give_back(waiter)
+        self._waits.report_done(waiter)
 
     async def _get_status(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
@@ -369,9 +233,9 @@ class RecvService:
         except RendezvousError as e:
             await self._abort(context, e)
         if released:
-            self._cache.release(rid)
+            self._waits.release(rid)
         else:
-            self._cache.finished(rid)
+            self._waits.finished(rid)
         return b""
 
     async def _abort(
@@ -384,210 +248,3 @@ class RecvService:
     def _count_served(self, received: Received) -> None:
         self._stats["values_served"] += 1
         self._stats["bytes_served"] += received.value.nbytes
-
-    # -- waiting for a value (event loop) ------------------------------------------------
-
-    def _validate(self, req: messages.RecvRequest) -> ParsedKey:
-        """Parse and check the key as TensorFlow's GrpcWorker does; raise the TF error."""
-        pk = parse_key(req.rendezvous_key)
-        if not pk.src.same_task(self._task):
-            # TensorFlow (BaseRendezvousMgr::RecvLocalAsync / ValidateDevices):
-            raise InvalidArgumentError(
-                f"Invalid rendezvous key (src): {pk.full_key} @ {self._source.task}"
-            )
-        incarnation = self._source.incarnation
-        if pk.src_incarnation != 0 and pk.src_incarnation != incarnation:
-            # TensorFlow: GrpcWorker::PrepareRecvTensor, word for word.
-            raise AbortedError(
-                f"RecvTensor expects a different device incarnation: {pk.src_incarnation:016x} "
-                f'vs. {incarnation:016x}. Your worker job ("{self._source.task}") was probably '
-                "restarted. Check your worker job for the reason why it was restarted."
-            )
-        return pk
-
-    async def _wait_value(
-        self,
-        req: messages.RecvRequest,
-        timeout: float | None,
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> tuple[Waiter, Received]:
-        """The value for ``req``: from the cache, by joining a waiter, or a new waiter.
-
-        A value already there is taken at once, whatever the bounds. Otherwise the call
-        waits, if the bounds on waiting calls let it, up to its deadline
-        (``DeadlineExceededError``); a call cancelled by its client
-        (``asyncio.CancelledError``) leaves, and the last call to leave an unsettled
-        waiter removes it from the source.
-        """
-        if self._stopping:
-            raise UnavailableError(f"shmrdv RPC server {self._address} {SERVER_STOPPING}")
-        pk = self._validate(req)
-        waiter = self._find_or_start(req, pk)  # joined: waiter.joiners counts this call
-        taken = False
-        peer = ""
-        try:
-            if not waiter.future.done():
-                peer = context.peer()
-                why = self._parked.refusal(peer)
-                if why is not None:
-                    peer = ""
-                    raise ResourceExhaustedError(
-                        f"RecvTensor on {self._source.task}: {why}; key {pk.full_key!r} refused"
-                    )
-                self._parked.add(peer, 1)
-                # A client that never sets a deadline (or a far one) must not park forever.
-                timeout = self._max_wait if timeout is None else min(timeout, self._max_wait)
-                if not await _woken(waiter, timeout):
-                    raise DeadlineExceededError(
-                        f"RecvTensor on {self._source.task}: no value for key {pk.full_key!r} "
-                        f"(step {req.step_id}) before the call's deadline; the waiter was removed"
-                    ) from None
-            received = waiter.future.result()
-            # The caller sends the value now and calls _done_serving when it is through.
-            waiter.serving += 1
-            taken = True
-        finally:
-            if peer:
-                self._parked.add(peer, -1)
-            waiter.joiners -= 1
-            if waiter.joiners == 0 and not waiter.future.done():
-                self._abandon(waiter)
-            elif not taken:
-                # Cancelled just as the value came: it stays cached for a retry under its
-                # request_id, or (released, uncached) goes back to its key now.
-                self._maybe_give_back(waiter)
-        return waiter, received
-
-    def _find_or_start(self, req: messages.RecvRequest, pk: ParsedKey) -> Waiter:
-        """The waiter this call joins (counted in its ``joiners``): a cached one, or a new
-        one whose value, if already there, it holds at once."""
-        found = self._cache.find(req.request_id, req.step_id, pk)
-        if isinstance(found, Waiter):
-            if found.future.done():
-                self._stats["cache_hits"] += 1
-            found.joiners += 1
-            return found
-        cache_key = found
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Received] = loop.create_future()
-        fut.add_done_callback(_retrieve)
-        waiter = Waiter(cache_key, fut, req.step_id, pk)
-        # A request_id its client already gave up (the release overtook the call): the
-        # client will not take this value, so one sent to it goes back (bug 3c of i19).
-        waiter.released = cache_key is None and req.request_id != 0
-        at_once: list[tuple[BaseException | None, Received | None]] = []
-        starting = True
-
-        def done(error: BaseException | None, received: Received | None) -> None:
-            # Any thread (the producer's send, an abort); in this one, while serve_recv
-            # runs, when the value is already there: settled below, with no hop.
-            if starting and threading.get_ident() == self._loop_thread:
-                at_once.append((error, received))
-                return
-            # The loop may be gone if the server stopped meanwhile; the value then has no
-            # one left to go to.
-            try:
-                loop.call_soon_threadsafe(self._settle, waiter, error, received)
-            except RuntimeError:
-                _log.warning(
-                    "value for key %r (step %d) arrived after the RPC server stopped; dropped",
-                    pk.full_key,
-                    req.step_id,
-                )
-
-        # serve_recv raises AbortedError for a cleaned-up step: the call fails at once.
-        try:
-            waiter.canceller = self._source.serve_recv(req.step_id, pk, done)
-        except RendezvousError:
-            raise
-        except Exception as e:  # a bug in the source must still answer the call
-            _log.exception("TensorSource.serve_recv failed for key %r", pk.full_key)
-            raise InternalError(
-                f"TensorSource of {self._source.task} failed on key {pk.full_key!r}: {e!r}"
-            ) from e
-        finally:
-            starting = False
-        self._waiters.add(waiter)
-        if cache_key is not None:
-            self._cache.add(waiter)
-        waiter.joiners = 1  # before settling: a joined value is neither evicted nor given back
-        if at_once:
-            self._settle(waiter, *at_once[0])
-        return waiter
-
-    def _settle(
-        self, waiter: Waiter, error: BaseException | None, received: Received | None
-    ) -> None:
-        """The source's answer, now in the loop: wake the calls, keep a value for retries."""
-        self._waiters.discard(waiter)
-        if waiter.future.done():
-            return  # failed by stop(); a value arriving now has no one to go to
-        if error is not None:
-            if not isinstance(error, RendezvousError):
-                error = InternalError(f"TensorSource.serve_recv failed: {error!r}")
-            waiter.future.set_exception(error)
-            _wake(waiter)
-            if waiter.cache_key is not None:
-                self._cache.uncache(waiter.cache_key)
-            return
-        if received is None:
-            waiter.future.set_exception(InternalError("TensorSource called done(None, None)"))
-            _wake(waiter)
-            return
-        waiter.send_start_micros = time.time_ns() // 1000
-        waiter.future.set_result(received)
-        _wake(waiter)
-        if waiter.joiners == 0:
-            # Every call left while the value was on its way (cancelled, or the connection
-            # broke). Give it back to the head of its key rather than park it in the
-            # cache: a retry with the same request_id starts a new waiter and gets it
-            # first, and a client that cancelled never comes back for it.
-            if waiter.cache_key is not None:
-                self._cache.pop(waiter.cache_key)
-            self._maybe_give_back(waiter)
-            return
-        if self._cache.delivered(waiter, received.value.nbytes, time.monotonic()):
-            # Expiry also runs on every lookup; this timer covers a server that gets none.
-            asyncio.get_running_loop().call_later(self._cache.ttl + 0.01, self._cache.expire)
-
-    def _abandon(self, waiter: Waiter) -> None:
-        """The last call waiting on ``waiter`` left before the value came: remove the waiter."""
-        canceller = waiter.canceller
-        if canceller is not None and canceller():
-            self._waiters.discard(waiter)
-            waiter.future.cancel()
-            if waiter.cache_key is not None:
-                self._cache.uncache(waiter.cache_key)
-        # Otherwise the value is already on its way (a race with the cancel): _settle
-        # keeps it for a retry (request_id) or gives it back to the source.
-
-    def _maybe_give_back(self, waiter: Waiter) -> None:
-        """A value no call uses and no retry can claim leaves the service: given back if
-        no call delivered it, else (delivered, or sent to a call that went away) dropped."""
-        if (
-            waiter.given_back
-            or waiter.joiners
-            or waiter.serving
-            or waiter.writing
-            or not waiter.future.done()
-            or (waiter.cache_key is not None and waiter.cache_key in self._cache)
-        ):
-            return
-        if waiter.sent and not waiter.released:
-            self._report_done(waiter)
-            return
-        self._give_back(waiter)
-
-    def _give_back(self, waiter: Waiter) -> None:
-        """A value taken from the source that no call delivered goes back to its key's head."""
-        fut = waiter.future
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        waiter.given_back = True
-        self._report_done(waiter)
-        try:
-            self._source.requeue(waiter.step_id, waiter.key, fut.result())
-        except Exception:
-            _log.exception("TensorSource.requeue failed for key %r", waiter.key.full_key)
-        else:
-            self._stats["requeued"] += 1

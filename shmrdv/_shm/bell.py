@@ -25,11 +25,11 @@ import os
 import threading
 import time
 import weakref
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 import posix_ipc
 
+from .._closing import Closing
 from .._errors import InternalError, ResourceExhaustedError
 from .ownership import open_checked
 
@@ -58,7 +58,7 @@ def _check_ours(path: str, what: str) -> os.stat_result | None:
     return st
 
 
-class Bell:
+class Bell(Closing):
     """A handle on one worker's doorbell semaphore.
 
     ``Bell.create`` (the consumer, once per worker) or ``Bell.open`` (a producer). ``close()``
@@ -294,17 +294,6 @@ class Bell:
             pass
         except (posix_ipc.Error, OSError) as e:
             raise InternalError(f"cannot unlink doorbell {self._path} of {self._task}: {e}") from e
-
-    def __enter__(self) -> Bell:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<Bell {self._task} {self._name} {'closed' if self._closed else 'open'}>"

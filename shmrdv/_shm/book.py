@@ -17,26 +17,40 @@ Thread model (docs/threads.md): none of its own; every call is made under
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from .._callbacks import DoneCallback
 from .._devices import DeviceName
 from .._errors import InternalError
 from .._keys import ParsedKey
 from .._received import Received
 from .._waiters import WaiterTable
+from .pool import RunWatch
 from .producer import task_name
 from .ring import Ring
 from .segment import Segment
 
-__all__ = ["Book", "Channel", "InRing", "Notice", "Source", "Stash", "Waiter"]
+__all__ = ["Book", "Channel", "InRing", "Notice", "NoticeArray", "Source", "Stash", "Waiter"]
+
+
+#: What a ring notice says of its array: dtype, shape, data offset, nbytes, is_dead.
+NoticeArray = tuple[np.dtype[Any], tuple[int, ...], int, int, bool]
 
 
 class Notice:
-    """A stashed notice: the message is the segment of its name (``slot``: pool slot or -1)."""
+    """A stashed notice: the message is the segment of its name (``slot``: pool slot or -1).
 
-    __slots__ = ("slot",)
+    ``array``: what the producer's ring record said of the array (its header, checked by
+    the inbox), or None for a notice found by listing names.
+    """
 
-    def __init__(self, slot: int) -> None:
+    __slots__ = ("array", "slot")
+
+    def __init__(self, slot: int, array: NoticeArray | None = None) -> None:
         self.slot = slot
+        self.array = array
 
 
 #: What the stash holds for one message.
@@ -79,12 +93,16 @@ class Waiter:
 
 
 class InRing:
-    """A producer's ring for this consumer, attached (its name already unlinked)."""
+    """A producer's ring for this consumer, attached (its name already unlinked).
 
-    __slots__ = ("inc", "lost", "lost_seen", "ring", "segment")
+    ``watch`` is live while the ring is attached: this consumer will then collect what the
+    producer run leaves when it is over (``pool.RunWatch``)."""
+
+    __slots__ = ("inc", "lost", "lost_seen", "ring", "segment", "watch")
 
     def __init__(self, segment: Segment, ring: Ring, inc: int) -> None:
         self.segment, self.ring, self.inc = segment, ring, inc
+        self.watch = RunWatch()
         self.lost_seen = 0
         self.lost = 0  # the ring's lost count at the last (size-checked) drain
 

@@ -65,7 +65,7 @@ class Consumer:
         self._book = book = Book()
         self._waiters = book.waiters
         self._live = Liveness(ctx, TICK)
-        self._named = NamedMessages(names, book, self._live.producer_alive)
+        self._named = NamedMessages(names, book, self._live.producer_alive, ctx.incarnation)
         self._inbox = Inbox(ctx, names, book, self._free_named, TICK)
         self._recovery = Recovery(ctx, names, book, self._inbox, TICK)
         self._orphans = Orphans(ctx, names, self._recovery.listing, self._live.producer_alive)
@@ -291,7 +291,7 @@ class Consumer:
 
     def _taken(self, ch: Channel, got: Stashed) -> Received | BaseException:
         if isinstance(got, Notice):
-            named = self._named.take(ch)
+            named = self._named.take(ch, got)
             if named is not None:
                 return named
             ch.seq += 1
@@ -454,12 +454,21 @@ class Consumer:
             return self._fail_all(None, closed_error(self._task))
 
     def release(self) -> None:
-        """Unlink the held names, unmap the rings (after ``close``)."""
+        """Unlink the held names, unmap the rings (after ``close``); collect what producer
+        runs that are over left (slots given back to them after their close, which a live
+        ``pool.RunWatch`` let go unchecked: nobody else would free those)."""
         self._named.unlink_held()
+        over: list[tuple[str, int]] = []
         with self.lock:
+            for src, r in self._inbox.rings:
+                src.alive_at = -1.0  # a fresh look, not the tick's
+                if self._live.run_over(src, r.inc):
+                    over.append((src.task, r.inc))
             self._inbox.release()
             self._named.maps.close()
             self._book.stash.clear()
+        for task, inc in over:
+            self._collect(task, inc)
 
     @property
     def pending(self) -> int:

@@ -19,10 +19,10 @@ Thread model (docs/threads.md): ``wait`` from any receiving thread; ``kick`` / `
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
+from .._cpus import usable_cpus
 from .._rendezvous import RecvSlot
 from .bell import Bell
 from .consumer import TICK, Consumer
@@ -38,10 +38,14 @@ _log = logging.getLogger("shmrdv.shm")
 # within the spin is taken at once. The spin adapts (``_adapt_spin``) between these bounds,
 # is off while only one CPU is usable (the sender could not run meanwhile) and after a
 # wait that went unanswered, until a post comes again; ``busy_poll`` replaces it by a
-# fixed budget. (500 µs measured no better here: two spinning processes on two vCPUs
-# starve the one doing the work.)
+# fixed budget. The bound is 250 µs: a zero-copy pool-slot message takes its peer
+# 60-100 µs of work per side here, so with 100 µs a blocked wait (that work plus the
+# wake-up) averaged above the bound, the spin fell to its minimum and both sides blocked
+# on every message (16 MiB allocate round trip 183-268 µs, 0-22 spins of 1,000 found the
+# message; 92-160 µs and 1,000-1,560 with 250 µs; issue 18 §2). (500 µs measured no
+# better for 64 B: two spinning processes on two vCPUs starve the one doing the work.)
 _SPIN_MIN_NS = 20_000
-_SPIN_MAX_NS = 100_000
+_SPIN_MAX_NS = 250_000
 # A spin looks at the doorbell itself (for producers without a ring) every this many turns.
 _BELL_EVERY = 32
 # The dispatcher thread takes the poller role only once no blocked receiver has held it
@@ -51,21 +55,6 @@ _BELL_EVERY = 32
 _HANDOFF_NS = 2_000_000
 # How often the usable CPUs are counted again (a quota may change; a file read).
 _CPUS_EVERY_NS = 10_000_000_000
-
-
-def _usable_cpus() -> int:
-    """CPUs this job's processes can run on at once: the machine's, or fewer under a cgroup
-    v2 CPU quota. Not this process's own affinity: a stage pinned to one CPU, its peer to
-    another, is exactly where a spin pays (the peer runs meanwhile)."""
-    cpus = os.cpu_count() or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return cpus
 
 
 class Dispatcher:
@@ -83,10 +72,11 @@ class Dispatcher:
         self._spin_ns = _SPIN_MIN_NS
         self._wait_avg_ns = _SPIN_MAX_NS
         self._busy_ns = int(busy_poll * 1e9)
-        self._multi_cpu = _usable_cpus() > 1
+        self._multi_cpu = usable_cpus() > 1
         self._cpus_at = time.monotonic_ns() + _CPUS_EVERY_NS
         self._spun_ns = 0  # wall time spent spinning (a spinning thread is on a CPU)
         self._last_msg_ns = 0  # perf_counter_ns of the last poll that found a message
+        self._spins = 0  # spins started
         self._spin_hits = 0  # spins that found a message
         self._thread_poll_count = 0  # polls made by the dispatcher thread
         self._thread = threading.Thread(
@@ -195,6 +185,7 @@ class Dispatcher:
                 if items:
                     deliver(items)
                     return
+            self._spins += 1
             found = self._spin(start + budget)
             now = time.perf_counter_ns()
             self._spun_ns += now - start
@@ -230,7 +221,7 @@ class Dispatcher:
             return max(self._last_msg_ns + self._busy_ns - now_ns, 0)
         if now_ns >= self._cpus_at:
             self._cpus_at = now_ns + _CPUS_EVERY_NS
-            self._multi_cpu = _usable_cpus() > 1
+            self._multi_cpu = usable_cpus() > 1
         return self._spin_ns if self._multi_cpu else 0
 
     def _spin(self, end_ns: int) -> bool:
@@ -264,10 +255,11 @@ class Dispatcher:
         )
 
     def stats(self) -> dict[str, int]:
-        """Time spent spinning (µs; the CPU time of a spinning poller), spins that paid and
-        polls made by the dispatcher thread (not by a blocked receiver)."""
+        """Time spent spinning (µs; the CPU time of a spinning poller), spins started,
+        spins that paid and polls made by the dispatcher thread (not by a blocked receiver)."""
         return {
             "spin_us": self._spun_ns // 1000,
+            "spins": self._spins,
             "spin_hits": self._spin_hits,
             "dispatcher_polls": self._thread_poll_count,
         }

@@ -216,6 +216,7 @@ class Inbox:
         src.rings.remove(r)
         src.ring_incs.discard(r.inc)
         src.look_at = float("inf")  # its name is gone; a restarted producer makes a new one
+        r.watch.live = False
         r.ring.release()
         r.segment.close()
         # A producer that saw the truncation itself went on by name: the waiting receives
@@ -260,7 +261,9 @@ class Inbox:
             else:
                 notice = bool(flags & _FLAG_NOTICE)
                 if notice:
-                    value = Notice(slot)
+                    # (``count * itemsize`` is the checked nbytes, 0 for a 0-byte item)
+                    nbytes = count * dtype.itemsize
+                    value = Notice(slot, (dtype, shape, offset, nbytes, bool(flags & 1)))
                 elif count:
                     # One copy out of the ring (the record's bytes are overwritten later).
                     arr: Any = np.frombuffer(payload, dtype, count, offset)
@@ -321,6 +324,7 @@ class Inbox:
         src.tried.add(r.inc)
         if src.inc == r.inc:
             src.look_at = float("inf")  # a restarted producer is looked for again (liveness)
+        r.watch.live = False  # before what the run left is collected (``pool.RunWatch``)
         r.ring.release()
         r.segment.close()
 
@@ -329,6 +333,7 @@ class Inbox:
     def release(self) -> None:
         """Unmap every ring (after the consumer is closed)."""
         for src, r in self.rings:
+            r.watch.live = False
             r.ring.release()
             r.segment.close()
             src.rings.clear()

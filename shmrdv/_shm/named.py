@@ -3,8 +3,12 @@
 The array handed out for a segment is a view over the mapped segment (zero copy),
 writable and the consumer's alone; the segment's name is unlinked (or, for a pool slot,
 renamed to ``held``) at once, so the memory goes back when the array is garbage-collected
-— or when the consumer dies, since nothing names it any more (a held slot: by ``gc``).
-A pool slot's mapping is kept from one message to the next (``SlotMaps``).
+— or when the consumer dies, since nothing names it any more (a held slot: its producer
+takes it back once it sees that consumer run gone, ``pool.py``; else ``gc``).
+A pool slot's mapping is kept from one message to the next (``SlotMaps``); a slot that the
+producer's ring announced and that is mapped already is taken without opening its name
+(one rename to ``held`` and one ``fstat``), and its array gives it back through the slot's
+control block (``pool.return_slot``).
 
 Thread model (docs/threads.md): ``take`` runs under ``Consumer.lock``; ``unlink_held``
 after the consumer is closed; the ``held`` set is also changed by the finalizers of lent
@@ -14,20 +18,31 @@ arrays (``pool.return_slot``), in whichever thread collects them.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+from typing import Any
+
+import numpy.typing as npt
 
 from .._errors import InternalError, RendezvousError
 from .._received import Received
 from .._values import shape_problem
 from . import layout
-from .book import Book, Channel
+from .book import Book, Channel, Notice, NoticeArray
 from .inbox import unlink_quietly
 from .naming import Names
-from .pool import ProducerAlive, return_slot
-from .segment import move_noreplace
-from .slotmaps import SlotMaps
+from .pool import CONTROL, ProducerAlive, RunWatch, hold, return_slot
+from .segment import Segment, move_noreplace
+from .slotmaps import SlotIdent, SlotMaps
 
 __all__ = ["NamedMessages"]
+
+
+class _Unsure:
+    """``_take_kept`` could not tell: take the message through the checked open instead."""
+
+
+_UNSURE = _Unsure()
 
 _log = logging.getLogger("shmrdv.shm")
 
@@ -35,8 +50,11 @@ _log = logging.getLogger("shmrdv.shm")
 class NamedMessages:
     """Opens a channel's next message by name (see the module docstring)."""
 
-    def __init__(self, names: Names, book: Book, producer_alive: ProducerAlive) -> None:
+    def __init__(
+        self, names: Names, book: Book, producer_alive: ProducerAlive, incarnation: int = 0
+    ) -> None:
         self._names = names
+        self._inc = incarnation  # this consumer's run: noted in the slots it holds
         self._book = book
         self._producer_alive = producer_alive
         self.maps = SlotMaps(names)
@@ -45,8 +63,11 @@ class NamedMessages:
         self.held: set[str] = set()
         self.probes = 0
 
-    def take(self, ch: Channel) -> Received | BaseException | None:
+    def take(self, ch: Channel, notice: Notice | None = None) -> Received | BaseException | None:
         """Open the channel's next message by its name, if it is published (under the lock).
+
+        ``notice``: what its producer's ring said of it, if anything; a pool slot mapped
+        already is then taken without an open (``_take_kept``).
 
         None: not published (yet). An exception: that message cannot be used (a file
         another user planted under its name, a corrupt header) and is skipped, or the
@@ -57,6 +78,12 @@ class NamedMessages:
         self.probes += 1
         name = self._names.message(ch.step, ch.key, ch.inc, ch.seq)
         maps = self.maps
+        if notice is not None and notice.slot >= 0 and notice.array is not None:
+            found = maps.find(ch.src.task, ch.inc, notice.slot)
+            if found is not None:
+                got = self._take_kept(ch, name, notice.slot, notice.array, found[0], found[1])
+                if not isinstance(got, _Unsure):
+                    return got
         try:
             seg, ident, kept = maps.open(name)
         except FileNotFoundError:
@@ -102,6 +129,14 @@ class NamedMessages:
             except OSError as e:
                 _log.warning("cannot mark %s as held (%s); it will not return to its pool", name, e)
                 held = None
+            else:
+                mem = seg.buf
+                if (
+                    self._inc
+                    and isinstance(mem, mmap.mmap)
+                    and header.data_offset + header.nbytes <= seg.size - CONTROL
+                ):
+                    hold(mem, self._inc)  # the checked open's fstat saw the file whole
         if held is None:
             unlink_quietly(seg)
             arr = seg.ndarray(header)
@@ -111,21 +146,114 @@ class NamedMessages:
                 seg.close()
         else:
             seg.name = held
-            self.held.add(held)
-            # An array of its own per message; the mapping is kept for the slot's next one.
-            arr = seg.lend(
-                header,
-                return_slot,
-                self._names,
-                self._producer_alive,
-                ch.src.task,
-                header.producer_incarnation,
+            inc = header.producer_incarnation
+            arr = self._lend(
+                ch,
+                seg,
+                inc,
                 header.slot,
-                self.held,
+                held,
+                header.dtype,
+                header.shape,
+                header.data_offset,
+                header.nbytes,
+                checked=False,
             )
-            maps.keep(seg, ident, ch.src.task, header.producer_incarnation, header.slot)
+            maps.keep(seg, ident, ch.src.task, inc, header.slot)
         self._book.count(header.nbytes)
         return Received(arr, header.is_dead)
+
+    def _take_kept(
+        self,
+        ch: Channel,
+        name: str,
+        ticket: int,
+        array: NoticeArray,
+        seg: Segment,
+        ident: SlotIdent,
+    ) -> Received | BaseException | _Unsure | None:
+        """Take the message ``name`` that the producer's ring announced in slot ``ticket``
+        (with ``array``, what the ring record said of its array), whose file ``seg`` maps
+        already (``SlotMaps.find``): rename it to ``held`` (the name says "a consumer holds
+        it" from here on) and check that the file still holds the data (one ``fstat``). The
+        header in the file is the record's twin, written by the same producer; the ring
+        record was checked when drained. ``_UNSURE`` when a name is in the way: the checked
+        open decides then."""
+        held = self._names.held(ch.src.task, ch.inc, ticket)
+        dtype, shape, offset, nbytes, dead = array
+        try:
+            # A shrunk file: reading (or noting ourselves in) it would be a SIGBUS.
+            seg.check_size(seg.size)
+        except RendezvousError:
+            return _UNSURE  # the checked open refuses it, and says why
+        try:
+            move_noreplace(Names.path(name), Names.path(held))
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return _UNSURE
+        mem = seg.buf
+        if self._inc and isinstance(mem, mmap.mmap) and offset + nbytes <= seg.size - CONTROL:
+            hold(mem, self._inc)  # after the rename: only the run that took it says so
+        self._book.drop_stashed(ch)
+        seg.name = held
+        ch.seq += 1
+        if offset + nbytes > seg.size:
+            e = InternalError(
+                f"pool slot {name} of {seg.size} bytes cannot hold {nbytes} bytes at {offset}"
+            )
+            unlink_quietly(seg)
+            self.maps.forget(ident)
+            return e
+        arr = self._lend(ch, seg, ch.inc, ticket, held, dtype, shape, offset, nbytes, checked=True)
+        self.maps.keep(seg, ident, ch.src.task, ch.inc, ticket)
+        self._book.count(nbytes)
+        return Received(arr, dead)
+
+    def _lend(
+        self,
+        ch: Channel,
+        seg: Segment,
+        inc: int,
+        ticket: int,
+        held: str,
+        dtype: Any,
+        shape: tuple[int, ...],
+        offset: int,
+        nbytes: int,
+        checked: bool,
+    ) -> npt.NDArray[Any]:
+        """The array of a message in pool slot ``ticket`` of producer run ``inc``, now named
+        ``held``: its own per message, over the mapping kept for the slot's next one; its
+        collection gives the slot back (through the slot's control block when the file has
+        one and the producer run is watched, ``pool.return_slot``)."""
+        self.held.add(held)
+        mem = seg.buf
+        ctl: mmap.mmap | None = None
+        watch: RunWatch | None = None
+        if isinstance(mem, mmap.mmap) and offset + nbytes <= seg.size - CONTROL:
+            ctl = mem
+            for r in ch.src.rings:
+                if r.inc == inc:
+                    watch = r.watch
+                    break
+        return seg.lend(
+            dtype,
+            shape,
+            offset,
+            nbytes,
+            return_slot,
+            self._names,
+            self._producer_alive,
+            ch.src.task,
+            inc,
+            ticket,
+            held,
+            self.held,
+            ctl,
+            watch,
+            checked=checked,
+        )
 
     def unlink_held(self) -> None:
         """Unlink the ``held`` names of arrays this consumer still has (their mappings stay).

@@ -16,6 +16,24 @@ two 256 MiB slots fit a 512 MiB pool: one lent while the next is written), and a
 ``max_slots`` of them: each slot keeps a mapping, and CPython's ``mmap`` keeps a file
 descriptor per mapping (many systems still default to 1024 descriptors per process).
 
+The way back is told through shared memory when it can be (issue 18 §2): the last
+``CONTROL`` bytes of a slot's file are its control block, outside every message's data. A
+consumer whose array over the slot is collected renames ``held`` to ``returned`` and then
+stores the ticket of the slot's next lend in the control block; the producer, at its next
+acquire, reads the word (after one ``fstat``: a file shrunk under it must not be read) and
+has the slot back with no system call on a name: the next send publishes it from its
+``returned`` name. The names stay the truth, whoever crashed when: a slot is under ``m``
+while published, ``h`` while held, ``r`` once given back, ``p`` when free and never lent
+(or taken back by name: a slot freed unreceived by ``cleanup``, or one whose word did not
+come, is renamed ``returned`` -> ``pool`` as before).
+
+The control block's second word names the consumer run that holds the slot: a consumer
+stores its incarnation there once its rename of a message to ``held`` succeeded (the
+producer zeroes it at each publish, so a word is only ever the current lend's holder; one
+that died between the two leaves 0, and its slot is never taken back). A slot whose ``held`` name stays while the presence record of its
+consumer task says that run is gone (killed: nothing unlinked the name) is taken back by
+the producer (``held`` -> ``returned`` -> free), at its lost check.
+
 A lent slot can be lost to the producer: its consumer freed the message unreceived
 (``cleanup``), or exited or died while holding it (its ``held`` name unlinked by its
 ``close`` or by ``gc``). A lent slot whose name is under none of ``m``/``h``/``r`` any
@@ -36,7 +54,9 @@ quietly (``pool_refused`` in ``stats()``, one warning per pool).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import struct
 import threading
 import time
 from collections import deque
@@ -47,7 +67,18 @@ from .._errors import InternalError, ResourceExhaustedError
 from .naming import MAX_SLOT, SLOT_BITS, Names
 from .segment import Segment, move_noreplace
 
-__all__ = ["ProducerAlive", "Slot", "SlotPool", "give_back", "return_slot"]
+__all__ = [
+    "CONTROL",
+    "ProducerAlive",
+    "RunWatch",
+    "Slot",
+    "SlotPool",
+    "clear_holder",
+    "give_back",
+    "hold",
+    "return_slot",
+    "size_class",
+]
 
 _log = logging.getLogger("shmrdv.shm.pool")
 
@@ -70,15 +101,40 @@ _LOST_CHECK_S = 1.0
 _HEADER_ROOM = 64 << 10
 
 
+#: Bytes at the end of every slot file kept for its control block (the return word), out of
+#: reach of any message's data: a class serves a segment of at most its size minus these.
+CONTROL = 64
+# The return word: the ticket of the slot's next lend, stored by the consumer that gave it
+# back (``return_slot``). Tickets only grow, so a word left from an earlier lend never
+# matches.
+_WORD = struct.Struct("<Q")
+# The holder word, right after the return word: the incarnation of the consumer run that
+# took the lend (0: not known).
+_HOLDER_AT = _WORD.size
+
+
+def hold(mem: mmap.mmap, incarnation: int) -> None:
+    """Consumer side: note in the slot mapped at ``mem`` that run ``incarnation`` holds it
+    (after its rename to ``held``). The caller checked that the file holds ``mem`` whole."""
+    _WORD.pack_into(mem, len(mem) - CONTROL + _HOLDER_AT, incarnation)
+
+
+def clear_holder(mem: mmap.mmap | bytearray) -> None:
+    """Producer side, before a publish: no consumer holds this lend yet."""
+    if len(mem) >= CONTROL:
+        _WORD.pack_into(mem, len(mem) - CONTROL + _HOLDER_AT, 0)
+
+
 def _counted(cls: int) -> int:
     """The bytes a slot of class ``cls`` counts against the pool's limit (its data part)."""
     return cls - _HEADER_ROOM if cls > 2 * _HEADER_ROOM else cls
 
 
 def size_class(nbytes: int) -> int:
-    """The slot size serving a segment of ``nbytes``: the next power of two (>= 4 KiB),
-    above 128 KiB the next power of two of the data plus 64 KiB of room for the header."""
-    n = max(nbytes, _MIN_CLASS)
+    """The slot size serving a segment of ``nbytes`` (and the ``CONTROL`` block): the next
+    power of two (>= 4 KiB), above 128 KiB the next power of two of the data plus 64 KiB of
+    room for the header."""
+    n = max(nbytes + CONTROL, _MIN_CLASS)
     if n <= 2 * _HEADER_ROOM:
         return 1 << (n - 1).bit_length()
     return (1 << (n - _HEADER_ROOM - 1).bit_length()) + _HEADER_ROOM
@@ -93,10 +149,12 @@ class Slot:
     segment: Segment
     ticket: int = -1  # the index and the lend generation (naming.SLOT_BITS); set at creation
     ino: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file: its identity across renames
-    state: str = "free"  # free | allocated | lent
+    state: str = "free"  # free | allocated | lent | lost
     lent_key: str = field(default="")
     lent_name: str = field(default="")  # the message name it was published under
+    lent_to: str = field(default="")  # the consumer task it was published for
     checked_at: float = 0.0  # time.monotonic() of the last lost check (or of the lend)
+    sized: int = -1  # the acquire in which its file's size was last checked
 
 
 class SlotPool:
@@ -109,8 +167,12 @@ class SlotPool:
         incarnation: int,
         limit_bytes: int,
         max_slots: int = DEFAULT_MAX_SLOTS,
+        holder_alive: ProducerAlive | None = None,
     ) -> None:
         self._names = names
+        # ``holder_alive(consumer task, incarnation)``: is that run alive (a lost check asks
+        # it of a slot whose held name stays)? None: never take a held slot back.
+        self._holder_alive = holder_alive
         self._task = task
         self._incarnation = incarnation
         self._limit = limit_bytes
@@ -122,11 +184,13 @@ class SlotPool:
         self._next_index = 0
         self._bytes = 0
         self._count = 0  # slots created or being created
+        self._acquires = 0  # acquires so far (``Slot.sized``)
         self._closed = False
         self.reused = 0
         self.created = 0
         self.lost = 0
         self.refused = 0  # files under a slot's names that were not that slot's
+        self.reclaimed = 0  # held slots taken back from a consumer run that is gone
 
     @property
     def bytes(self) -> int:
@@ -143,6 +207,7 @@ class SlotPool:
                 "pool_created": self.created,
                 "pool_lost": self.lost,
                 "pool_refused": self.refused,
+                "pool_reclaimed": self.reclaimed,
             }
 
     def acquire(self, nbytes: int) -> Slot | None:
@@ -157,6 +222,7 @@ class SlotPool:
         with self._lock:
             if self._closed:
                 return None
+            self._acquires += 1
             slot = self._take_free(cls)
             if slot is None:
                 self._reclaim()
@@ -218,8 +284,11 @@ class SlotPool:
         return slot
 
     def _intact(self, slot: Slot) -> bool:
-        """(Under the lock) whether the slot's file still holds the whole slot (one fstat):
-        writing to a page a truncation took would be a SIGBUS. A truncated slot is dropped."""
+        """(Under the lock) whether the slot's file still holds the whole slot (one fstat,
+        unless ``_came_back`` made it a moment ago): writing to a page a truncation took
+        would be a SIGBUS. A truncated slot is dropped."""
+        if slot.sized == self._acquires:
+            return True
         try:
             slot.segment.check_size(slot.capacity)
         except InternalError as e:
@@ -237,26 +306,30 @@ class SlotPool:
         return None
 
     def _reclaim(self) -> None:
-        """Take back slots their consumers have returned (``r`` name -> ``p`` name).
+        """Take back slots their consumers have given back: through the control block (no
+        name touched), or under their ``returned`` name (``r`` name -> ``p`` name).
 
         Forgets slots that are under none of their names any more (see the module docstring).
         """
         now = time.monotonic()
         for _ in range(min(len(self._lent), _RECLAIM_SCAN)):
             slot = self._lent.popleft()
-            if self._take_back(slot):
-                continue
+            if self._came_back(slot) or slot.state != "lent" or self._take_back(slot):
+                continue  # free again, or forgotten (its file was shrunk under it)
             if now - slot.checked_at < _LOST_CHECK_S:
                 self._lent.append(slot)
                 continue
             slot.checked_at = now
-            if self._exists(slot.lent_name) or self._exists(
-                self._names.held(self._task, self._incarnation, slot.ticket)
-            ):
-                self._lent.append(slot)  # still with its consumer
+            if self._exists(slot.lent_name):
+                self._lent.append(slot)  # not received yet: its consumer's
                 continue
-            if self._take_back(slot):  # returned while we looked
+            held = self._names.path(self._names.held(self._task, self._incarnation, slot.ticket))
+            if self._exists(held):
+                if not self._reclaim_held(slot, held):
+                    self._lent.append(slot)  # still with its consumer
                 continue
+            if self._came_back(slot) or slot.state != "lent" or self._take_back(slot):
+                continue  # given back while we looked, or forgotten
             _log.debug(
                 "pool slot %d (%s) was freed by its consumer; forgetting it",
                 slot.index,
@@ -264,6 +337,81 @@ class SlotPool:
             )
             self.lost += 1
             self._forget(slot)
+
+    def _reclaim_held(self, slot: Slot, held: str) -> bool:
+        """Take back a slot whose ``held`` name stays although the consumer run that holds
+        it is gone (killed: nothing renamed or unlinked it); whether it was. Only the file
+        we created, only when the holder word names a run and its presence record says that
+        run is over: a live consumer's slot is never touched."""
+        if self._holder_alive is None or not slot.lent_to:
+            return False
+        seg = slot.segment
+        try:
+            seg.check_size(slot.capacity)
+            holder = _WORD.unpack_from(seg.buf, slot.capacity - CONTROL + _HOLDER_AT)[0]
+            st = os.stat(held, follow_symlinks=False)
+        except (InternalError, OSError):
+            return False
+        if not holder or (st.st_dev, st.st_ino) != slot.ino:
+            return False
+        try:
+            if self._holder_alive(slot.lent_to, holder):
+                return False
+        except Exception:  # a corrupt or foreign record: cannot tell, so it is not over
+            return False
+        ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.ticket))
+        try:
+            move_noreplace(held, ret)
+        except OSError:
+            return False
+        if not self._take_back(slot):
+            return False
+        self.reclaimed += 1
+        _log.info(
+            "took back pool slot %d from %s (incarnation %016x), which is gone",
+            slot.index,
+            slot.lent_to,
+            holder,
+        )
+        return True
+
+    def _came_back(self, slot: Slot) -> bool:
+        """Whether the consumer gave ``slot`` back through its control block (it renamed the
+        file to its ``returned`` name first); if so it is free again, under that name. One
+        ``fstat``: reading a page a truncation took would be a SIGBUS. A shrunk slot is
+        forgotten."""
+        nxt = slot.ticket + (1 << SLOT_BITS)
+        seg = slot.segment
+        try:
+            seg.check_size(slot.capacity)
+            word = _WORD.unpack_from(seg.buf, slot.capacity - CONTROL)[0]
+        except InternalError as e:
+            _log.warning("dropping pool slot %d: %s", slot.index, e)
+            self.lost += 1
+            slot.state = "lost"
+            # Given back already? Then its returned name is ours to remove (a held one is
+            # still its consumer's).
+            ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.ticket))
+            try:
+                st = os.stat(ret, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) == slot.ino:
+                    os.unlink(ret)
+            except OSError:
+                pass
+            self._forget(slot)
+            return False
+        if word != nxt:
+            return False
+        self._freed_as(slot, nxt, self._names.returned(self._task, self._incarnation, slot.ticket))
+        slot.sized = self._acquires
+        return True
+
+    def _freed_as(self, slot: Slot, ticket: int, pool_name: str) -> None:
+        slot.segment.name = pool_name
+        slot.ticket = ticket
+        slot.state = "free"
+        slot.lent_key = slot.lent_name = slot.lent_to = ""
+        self._free.setdefault(slot.capacity, []).append(slot)
 
     def _take_back(self, slot: Slot) -> bool:
         """Rename the slot's ``returned`` name back to its ``pool`` name; whether it was there."""
@@ -283,17 +431,19 @@ class SlotPool:
         pool_name = self._names.pool(self._task, self._incarnation, ticket)
         try:
             # Only our own uid can rename our file in the sticky /dev/shm, so it is still ours.
-            os.rename(ret, self._names.path(pool_name))
+            # No replace: a file planted under the pool name (as root, rename would destroy
+            # it) is left alone, and the slot stays free under its returned name, which
+            # ``gc`` knows as well (its header names this lend).
+            move_noreplace(ret, self._names.path(pool_name))
+        except FileExistsError:
+            self._refuse(self._names.path(pool_name))
+            pool_name = self._names.returned(self._task, self._incarnation, slot.ticket)
         except FileNotFoundError:
             return False
         except OSError as e:
             _log.warning("cannot take back pool slot %s: %s", ret, e)
             return False
-        slot.segment.name = pool_name
-        slot.ticket = ticket
-        slot.state = "free"
-        slot.lent_key = slot.lent_name = ""
-        self._free.setdefault(slot.capacity, []).append(slot)
+        self._freed_as(slot, ticket, pool_name)
         return True
 
     def _refuse(self, path: str) -> None:
@@ -307,10 +457,11 @@ class SlotPool:
             )
 
     def _exists(self, name: str) -> bool:
+        """Whether there is a file under ``name`` (a bare name, or a path)."""
         if not name:
             return False
         try:
-            os.stat(self._names.path(name), follow_symlinks=False)
+            os.stat(self._names.path(name) if "/" not in name else name, follow_symlinks=False)
         except FileNotFoundError:
             return False
         except OSError:
@@ -350,12 +501,14 @@ class SlotPool:
             slot.state = "free"
             self._free.setdefault(slot.capacity, []).append(slot)
 
-    def lend(self, slot: Slot, key: str, name: str) -> None:
-        """Record that ``slot`` was published as message ``name``: the consumer has it now."""
+    def lend(self, slot: Slot, key: str, name: str, consumer: str = "") -> None:
+        """Record that ``slot`` was published as message ``name`` for the consumer task
+        ``consumer``: the consumer has it now."""
         with self._lock:
             slot.state = "lent"
             slot.lent_key = key
             slot.lent_name = name
+            slot.lent_to = consumer
             slot.checked_at = time.monotonic()
             self._lent.append(slot)
 
@@ -396,38 +549,80 @@ class SlotPool:
 ProducerAlive = Callable[[str, int], bool]
 
 
+class RunWatch:
+    """A consumer's word about one producer run, read by ``return_slot`` without a lock.
+
+    While ``live``, the consumer has that run's ring attached and will collect what the run
+    leaves once it is over (``reaper.collect_producer``, after the ring is retired), so a
+    slot given back meanwhile needs no look at the producer's liveness: if the producer
+    closed before taking it, that collection frees it. The consumer clears ``live`` (under
+    its lock) before the collection lists anything, and ``return_slot`` reads it after its
+    rename: a rename it does not see cleared came before the listing.
+    """
+
+    __slots__ = ("live",)
+
+    def __init__(self) -> None:
+        self.live = True
+
+
 def return_slot(
     names: Names,
     alive: ProducerAlive,
     producer_task: str,
     incarnation: int,
     slot: int,
+    held_name: str,
     held_names: set[str],
+    mem: mmap.mmap | None = None,
+    watch: RunWatch | None = None,
 ) -> None:
-    """Consumer side, when the last array over a pool slot is collected: give it back.
+    """Consumer side, when the last array over a pool slot is collected: give it back
+    (``held_name``: its ``held`` name, one of ``held_names``).
 
-    ``held`` -> ``returned``; if the producer is gone (closed, dead or restarted) nobody
-    will take it back, so unlink it instead. Runs in whatever thread collected the array
-    (possibly inside the garbage collector: it takes no lock).
+    ``held`` -> ``returned`` (``give_back``, with the slot's mapping ``mem`` and a ``watch``
+    of its producer run when there are: then the control block tells the producer, and no
+    look at its liveness is needed). Runs in whatever thread collected the array (possibly
+    inside the garbage collector: it takes no lock).
     """
-    held_name = names.held(producer_task, incarnation, slot)
     held_names.discard(held_name)
-    give_back(names, alive, producer_task, incarnation, slot, names.path(held_name))
+    give_back(names, alive, producer_task, incarnation, slot, names.path(held_name), mem, watch)
+
+
+def _taken_back(names: Names, alive: ProducerAlive, producer_task: str, incarnation: int) -> bool:
+    """Whether the producer run will still take back what is given back to it now (called
+    after the rename): its doorbell is there and its presence record is that run's, alive."""
+    try:
+        return os.path.lexists(names.bell_path(producer_task)) and alive(producer_task, incarnation)
+    except Exception:  # a corrupt or foreign record: treat as gone
+        return False
 
 
 def give_back(
-    names: Names, alive: ProducerAlive, producer_task: str, incarnation: int, slot: int, path: str
+    names: Names,
+    alive: ProducerAlive,
+    producer_task: str,
+    incarnation: int,
+    slot: int,
+    path: str,
+    mem: mmap.mmap | None = None,
+    watch: RunWatch | None = None,
 ) -> None:
-    """Rename the pool slot file at ``path`` to its ``returned`` name, for its producer.
+    """Rename the pool slot file at ``path`` to its ``returned`` name, for its producer; with
+    its mapping ``mem``, then store the slot's next ticket in its control block (one
+    ``fstat`` first: a store into a page a truncation took would be a SIGBUS).
 
     If the producer is no longer the live worker of that incarnation, nobody will take it
     back: unlink it instead. A missing ``path`` (removed by close or gc meanwhile) is fine.
+    That look (the doorbell, the presence record and its lock) is skipped while ``watch``
+    is live: its consumer will collect what the run leaves (``RunWatch``).
 
     No ``returned`` file outlives a closing producer: its ``close`` unlinks its doorbell
     first and then removes the ``returned`` names of its lent slots. We rename first, then
     look for the doorbell, then for its live presence record; if we see both, the doorbell
     we saw was that producer's (a successor's appears only after the record is gone), so
-    our rename came before its sweep, which will find the file.
+    our rename came before its sweep, which will find the file. (Under a live ``watch``, a
+    rename after that sweep leaves the file to the consumer's collection of the run.)
     """
     ret = names.path(names.returned(producer_task, incarnation, slot))
     try:
@@ -441,11 +636,16 @@ def give_back(
         except OSError:
             pass
         return
-    try:
-        ok = os.path.lexists(names.bell_path(producer_task)) and alive(producer_task, incarnation)
-    except Exception:  # a corrupt or foreign record: treat as gone
-        ok = False
-    if not ok:
+    if mem is not None:
+        try:
+            end = len(mem)
+            if end >= CONTROL and mem.size() >= end:
+                _WORD.pack_into(mem, end - CONTROL, slot + (1 << SLOT_BITS))
+        except (OSError, ValueError):
+            pass  # its producer finds it under its name (``SlotPool._take_back``)
+    if watch is not None and watch.live:
+        return
+    if not _taken_back(names, alive, producer_task, incarnation):
         try:
             os.unlink(ret)
         except OSError:

@@ -37,9 +37,9 @@ import os
 import threading
 import time
 import weakref
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
+from .._closing import Closing
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from .ownership import open_checked, refuse_foreign
 
@@ -277,7 +277,7 @@ def _close_fd(fd: int, path: str, ino: tuple[int, int]) -> None:
     os.close(fd)
 
 
-class Presence:
+class Presence(Closing):
     """The owner side: this process's presence record for one task, locked while open.
 
     Create with ``Presence.publish``. ``close()`` unlinks the record (if it is still ours)
@@ -419,17 +419,6 @@ class Presence:
         with contextlib.suppress(OSError):
             os.close(self._fd)
 
-    def __enter__(self) -> Presence:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return (
@@ -475,7 +464,7 @@ def record_state(fd: int, info: PresenceInfo | None) -> PeerState:
     return "alive" if _lock_held(fd) else "dead"
 
 
-class PeerWatch:
+class PeerWatch(Closing):
     """The observer side: is another worker's presence record there, and is it locked?
 
     ``state()`` costs one ``stat`` and one ``flock`` while the record is unchanged (one
@@ -599,17 +588,6 @@ class PeerWatch:
             self._closed = True
             self._ino = self._info = None
             self._finalizer()
-
-    def __enter__(self) -> PeerWatch:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<PeerWatch {self._task} {'closed' if self._closed else 'open'}>"

@@ -36,7 +36,7 @@ from .bell import Bell
 from .copier import copy_into
 from .inflight import Inflight, Ticket
 from .naming import Names
-from .pool import Slot, SlotPool
+from .pool import ProducerAlive, Slot, SlotPool, clear_holder
 from .ring import RINGS_SUPPORTED, Ring, ring_size
 from .segment import Segment, move_noreplace
 
@@ -128,6 +128,7 @@ class Producer:
         incarnation: int,
         pool_bytes: int,
         inflight: Inflight | None = None,
+        peer_alive: ProducerAlive | None = None,
     ) -> None:
         self._names = names
         self._inflight = inflight  # the max_inflight_bytes windows, if any
@@ -144,7 +145,9 @@ class Producer:
         self._allocations: dict[int, _Allocation] = {}
         self._routes: dict[str, _Route] = {}  # by the key's dst device, as written
         self._consumers: dict[str, _Route] = {}  # by consumer task
-        self._pool = SlotPool(names, task, incarnation, pool_bytes)
+        # ``peer_alive(task, incarnation)``: whether that worker run lives; a pool slot held
+        # by a consumer run that is gone is taken back (``SlotPool``).
+        self._pool = SlotPool(names, task, incarnation, pool_bytes, holder_alive=peer_alive)
         self.counters = {"sent": 0, "sent_bytes": 0, "sent_zero_copy": 0, "ring_full": 0}
 
     # -- what is derived once ---------------------------------------------------------
@@ -229,8 +232,10 @@ class Producer:
             arr: npt.NDArray[Any] = np.empty(shp, dt)
         else:
             slot, seg = self._segment_for(t.segment_size)
+            # A pool slot's size was checked by its acquire a moment ago (``SlotPool._intact``).
             arr = seg.ndarray(
-                t.to_header(key.full_key, step_id, self._inc, self._pid, _slot_index(slot))
+                t.to_header(key.full_key, step_id, self._inc, self._pid, _slot_index(slot)),
+                checked=slot is not None,
             )
         alloc = _Allocation(weakref.ref(arr), step_id, key.full_key, t, seg, slot)
         with self._lock:
@@ -430,7 +435,7 @@ class Producer:
                 seg.close()
             raise
         if slot is not None:
-            self._pool.lend(slot, key.full_key, name)
+            self._pool.lend(slot, key.full_key, name, route.task)
         else:
             seg.close()
         self._after_publish(route, t.nbytes)
@@ -486,7 +491,7 @@ class Producer:
         # The memory is the consumer's from here on: stop the producer writing into it.
         value.flags.writeable = False
         if alloc.slot is not None:
-            self._pool.lend(alloc.slot, key.full_key, name)
+            self._pool.lend(alloc.slot, key.full_key, name, route.task)
         else:
             alloc.segment.close()
         self.counters["sent_zero_copy"] += 1
@@ -517,7 +522,10 @@ class Producer:
         with self._publish_lock:
             seq = self._next_seq(step_id, fk)
             now = time.time_ns()
-            t.write(seg.buf, 0, raw, flags, step_id, seq, self._inc, self._pid, slot, now)
+            buf = seg.buf
+            t.write(buf, 0, raw, flags, step_id, seq, self._inc, self._pid, slot, now)
+            if slot >= 0:
+                clear_holder(buf)  # no consumer holds this lend yet (``pool.hold``)
             name = self._names.message(step_id, fk, self._inc, seq)
             try:
                 move_noreplace(seg.path, Names.path(name))

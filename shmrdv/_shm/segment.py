@@ -294,16 +294,21 @@ class Segment:
                     f"({min_size} needed): a buggy or hostile process of this user"
                 )
 
-    def ndarray(self, header: Header) -> npt.NDArray[Any]:
+    def ndarray(self, header: Header, *, checked: bool = False) -> npt.NDArray[Any]:
         """A writable array over the data ``header`` describes, without a copy.
 
         The array (and every view of it) keeps the mapping alive after ``close()``. Checks
-        the file's size first (``check_size``). Raises ``InternalError`` if the data lies
-        outside the segment or the segment is closed.
+        the file's size first (``check_size``), unless ``checked`` (the caller's check of a
+        moment ago covered the data). Raises ``InternalError`` if the data lies outside the
+        segment or the segment is closed.
         """
         mem = self._live_mem()
         end = header.data_offset + header.nbytes
-        self.check_size(end)
+        if checked:
+            if end > self._size:
+                raise InternalError(f"segment {self._name} maps {self._size} bytes, {end} needed")
+        else:
+            self.check_size(end)
         owner = self._owner[0]() if self._owner else None
         if owner is None:
             owner = _Owner((len(mem),), np.uint8, buffer=mem)
@@ -314,25 +319,35 @@ class Segment:
         return arr
 
     def lend(
-        self, header: Header, callback: Callable[..., object], *args: object
+        self,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+        data_offset: int,
+        nbytes: int,
+        callback: Callable[..., object],
+        *args: object,
+        checked: bool = False,
     ) -> npt.NDArray[Any]:
-        """A writable array over the data ``header`` describes, with an owner of its own.
+        """A writable array of ``dtype`` and ``shape`` over the ``nbytes`` of data at
+        ``data_offset``, with an owner of its own.
 
         ``callback(*args)`` runs once that array and every view of it are collected (in
         whichever thread drops the last one, possibly inside the garbage collector; its
         exceptions are logged), while the mapping stays with this segment: a kept
         mapping lends one array per message. The array keeps the mapping alive after
-        ``close()`` as ``ndarray()``'s do. Checks the file's size first.
+        ``close()`` as ``ndarray()``'s do. Checks the file's size first, unless ``checked``
+        (the caller's ``check_size`` of a moment ago covered the data).
         """
         mem = self._live_mem()
-        self.check_size(header.data_offset + header.nbytes)
+        if not checked:
+            self.check_size(data_offset + nbytes)
         owner = _Owner((len(mem),), np.uint8, buffer=mem)
         with _LENT_LOCK:
             self._lent[0] += 1
         fin = weakref.finalize(owner, _returned, self._lent, self._name, callback, args)
         fin.atexit = False
-        offset = header.data_offset if header.nbytes else 0
-        arr: npt.NDArray[Any] = np.ndarray(header.shape, header.dtype, buffer=owner, offset=offset)
+        offset = data_offset if nbytes else 0
+        arr: npt.NDArray[Any] = np.ndarray(shape, dtype, buffer=owner, offset=offset)
         return arr
 
     @property

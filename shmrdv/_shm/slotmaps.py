@@ -10,6 +10,12 @@ and only when that file is the very one already mapped, at the same size, is the
 descriptor closed and the kept mapping used. The inode number cannot be reused meanwhile:
 the kept mapping holds the file.
 
+A slot announced by its producer's ring (a notice naming the slot's ticket) is found by
+``find`` without opening its name at all: the ring is the producer's own (created ``0600``
+by this user and checked when attached, ``inbox.py``), and it names the run and the slot
+that this consumer mapped, checked, before. The caller still renames the message's name
+to ``held`` and checks the file's size (``fstat``) before it reads a byte.
+
 Each message still gets an array of its own (``Segment.lend``), whose collection gives the
 slot back; the mapping outlives it. A kept mapping is dropped when the cache is full (the
 least recently used one that lends nothing), and when it has lent nothing for a while and
@@ -30,7 +36,7 @@ from .naming import SLOT_BITS, Names
 from .ownership import open_checked
 from .segment import Segment
 
-__all__ = ["SlotMaps"]
+__all__ = ["SlotIdent", "SlotMaps"]
 
 #: At most this many kept mappings (file descriptors) per consumer: the pool's own default.
 KEEP_MAX = 256
@@ -39,7 +45,11 @@ _IDLE_S = 2.0
 # At most this many idle mappings are checked per sweep (a few stats each).
 _SWEEP_MAX = 8
 
-_Ident = tuple[int, int]
+#: A slot file's identity across renames: (st_dev, st_ino).
+SlotIdent = tuple[int, int]
+_Ident = SlotIdent
+# A ticket's slot index (naming.SLOT_BITS).
+_INDEX = (1 << SLOT_BITS) - 1
 
 
 @dataclass(eq=False)
@@ -59,6 +69,8 @@ class SlotMaps:
         self._names = names
         self._limit = limit
         self._kept: OrderedDict[_Ident, _Kept] = OrderedDict()  # least recently used first
+        # (producer task, incarnation, slot index) -> the kept mapping of that slot
+        self._by_slot: dict[tuple[str, int, int], _Ident] = {}
         self.hits = 0
         self.maps = 0
 
@@ -88,6 +100,20 @@ class SlotMaps:
         self.maps += 1
         return Segment.map_fd(self._names, name, fd, st), ident, False
 
+    def find(self, task: str, incarnation: int, ticket: int) -> tuple[Segment, _Ident] | None:
+        """The kept mapping of the slot of ``ticket`` (its index) of ``task``'s run
+        ``incarnation``, if there is one; the caller checks the file's size before use."""
+        ident = self._by_slot.get((task, incarnation, ticket & _INDEX))
+        if ident is None:
+            return None
+        kept = self._kept.get(ident)
+        if kept is None or kept.segment.closed:
+            return None
+        kept.used_at = time.monotonic()
+        self._kept.move_to_end(ident)
+        self.hits += 1
+        return kept.segment, ident
+
     def keep(self, seg: Segment, ident: _Ident, task: str, incarnation: int, slot: int) -> None:
         """Keep ``seg`` (a pool slot of ``task``'s ``incarnation`` lent under ticket ``slot``)
         mapped for its next message; for a kept one, note the ticket of this lend."""
@@ -101,6 +127,7 @@ class SlotMaps:
             seg.close()  # every kept mapping lends an array: this one is not kept
             return
         self._kept[ident] = _Kept(seg, seg.size, task, incarnation, slot, time.monotonic())
+        self._by_slot[(task, incarnation, slot & _INDEX)] = ident
 
     def forget(self, ident: _Ident) -> None:
         """Drop the kept mapping of ``ident`` (its file turned out unusable)."""
@@ -116,6 +143,9 @@ class SlotMaps:
 
     def _drop(self, ident: _Ident) -> None:
         kept = self._kept.pop(ident)
+        at = (kept.task, kept.incarnation, kept.slot & _INDEX)
+        if self._by_slot.get(at) == ident:
+            del self._by_slot[at]
         kept.segment.close()  # unmapped now, or when its last lent array is collected
 
     def sweep(self) -> None:

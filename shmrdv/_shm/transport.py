@@ -25,6 +25,7 @@ from typing import Any
 import numpy.typing as npt
 
 from .._callbacks import DoneCallback, invoke_done
+from .._devices import DeviceName
 from .._keys import ParsedKey
 from .._received import Received
 from .._rendezvous import Canceller, RecvSlot
@@ -67,6 +68,7 @@ class ShmTransport:
                 ctx.incarnation,
                 pool_bytes,
                 None if limit is None else Inflight(limit, ctx.peers),
+                self._peer_alive,
             )
             self._consumer = Consumer(ctx, names, self._kick)
             self._dispatcher = Dispatcher(self._bell, self._consumer, ctx.task_name, busy_poll)
@@ -74,6 +76,11 @@ class ShmTransport:
             self._bell.unlink()
             self._bell.close()
             raise
+
+    def _peer_alive(self, task: str, incarnation: int) -> bool:
+        """Whether ``task``'s live worker is run ``incarnation`` (one look at its record)."""
+        state, record = self._ctx.peers.liveness(DeviceName.parse(task))
+        return state == "alive" and (record is None or record.incarnation in (0, incarnation))
 
     def _kick(self) -> None:
         self._dispatcher.kick()
