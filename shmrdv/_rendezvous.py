@@ -101,31 +101,38 @@ def timeout_error(key: str | ParsedKey, timeout: float | None) -> DeadlineExceed
 class RecvSlot:
     """One blocking receiver's mailbox: filled exactly once by its ``done`` callback.
 
-    A plain lock, taken at creation and released by ``done``, is the wake-up: it costs a
-    fraction of a ``threading.Event`` (which builds a ``Condition``), and a receive whose
-    value is already there never waits on it at all.
+    A plain lock, made only when the receiver has to wait (a receive whose value is already
+    there never makes one) and released by ``done``, is the wake-up: it costs a fraction
+    of a ``threading.Event`` (which builds a ``Condition``). Only the receiving thread
+    calls ``wait``.
     """
 
     __slots__ = ("_lock", "error", "filled", "received")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
+        self._lock: threading.Lock | None = None
         self.filled = False
         self.error: BaseException | None = None
         self.received: Received | None = None
 
     def done(self, error: BaseException | None, received: Received | None) -> None:
         self.error, self.received = error, received
-        self.filled = True
-        self._lock.release()
+        self.filled = True  # before looking for the lock: ``wait`` makes it, then looks here
+        lock = self._lock
+        if lock is not None:
+            lock.release()
 
     def wait(self, timeout: float | None) -> bool:
         """Block until filled (True) or ``timeout`` seconds pass (False; None: forever)."""
-        if self.filled:
+        lock = self._lock
+        if lock is None:
+            lock = threading.Lock()
+            lock.acquire()
+            self._lock = lock
+        if self.filled:  # (also when ``done`` ran before it could see the lock)
             return True
-        if self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
-            self._lock.release()  # let a later wait() pass too
+        if lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
+            lock.release()  # let a later wait() pass too
             return True
         return self.filled
 

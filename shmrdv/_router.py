@@ -334,6 +334,7 @@ class StepRendezvous(Rendezvous):
     def __init__(self, router: Router, step_id: int) -> None:
         self._router = router
         self._check_usable = router.rc.check_usable
+        self._route = router.route
         self.step_id = step_id
         self._local = LocalRendezvous()
         self._lock = threading.Lock()
@@ -371,10 +372,18 @@ class StepRendezvous(Rendezvous):
         is_dead: bool = False,
         timeout: float | None = None,
     ) -> None:
-        r = self._send_route(key)
+        # ``_send_route`` and ``KeyRoute.checked`` written out: the hot path of every send.
+        self._check_usable()
+        r = self._route(key)
+        if not (r.src_own and r.inc_ok) or self._error is not None:
+            self._send_route(key)  # raises what is wrong
         if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
             timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
-        arr = r.checked(value)
+        dtype, shape = r.accepted
+        if type(value) is np.ndarray and value.dtype is dtype and value.shape == shape:
+            arr = value
+        else:
+            arr = r.checked(value)
         if r.local:
             self._local.put(r.pk, arr, bool(is_dead))
         else:
@@ -391,7 +400,10 @@ class StepRendezvous(Rendezvous):
         copy: bool = False,
         blocking: bool = False,
     ) -> Canceller:
-        r = self._recv_route(key)
+        self._check_usable()  # ``_recv_route`` written out: the hot path of every receive
+        r = self._route(key)
+        if not (r.dst_own and r.inc_ok) or self._error is not None:
+            self._recv_route(key)  # raises what is wrong
         if r.local:
             return self._local.start_recv(r.pk, done, copy=copy, blocking=blocking)
         t = r.transport or self._router.transport(r)

@@ -367,3 +367,40 @@ def test_rendezvous_abstract_methods_are_public_and_recv_is_written_once() -> No
     flavours = ("recv", "recv_async", "recv_future", "arecv")
     for cls in (LocalRendezvous, StepRendezvous):
         assert not [name for name in flavours if name in vars(cls)], cls
+
+
+def test_rendezvous_received_fast_constructor_builds_the_same_value() -> None:
+    import dataclasses
+
+    from shmrdv._received import received
+
+    a = np.arange(3)
+    r = received(a, True)
+    assert type(r) is Received and r == Received(a, True) and r.value is a and r.is_dead
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.is_dead = False  # type: ignore[misc]
+    value, dead = r
+    assert value is a and dead is True
+
+
+def test_rendezvous_recv_slot_wakes_a_waiter_whenever_done_runs() -> None:
+    """The slot's lock is made only by a receiver that waits: ``done`` before, while and
+    after it is made all wake it (or find it not waiting)."""
+    from shmrdv._rendezvous import RecvSlot
+
+    early = RecvSlot()
+    early.done(None, Received(np.zeros(1)))
+    assert early.wait(0) and early.wait(None) and early.result().value.shape == (1,)
+    for delay in (0.0, 0.001, 0.02):
+        slot = RecvSlot()
+        t = threading.Timer(delay, slot.done, (None, Received(np.ones(2))))
+        t.start()
+        assert slot.wait(10)
+        assert slot.result().value.shape == (2,)
+        t.join(10)
+    late = RecvSlot()
+    assert not late.wait(0.01)  # nothing: times out
+    late.done(KeyError("x"), None)
+    assert late.wait(0)
+    with pytest.raises(KeyError):
+        late.result()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 from shm_harness import Endpoint, key_between
@@ -65,3 +66,36 @@ def test_pending_large_messages_go_by_notice() -> None:
         stats = cons.transport.stats()
         assert stats["name_probes"] == 5  # one open per message, no failed attempt
         assert stats["listings"] == 0
+
+
+def test_pending_callback_receives_leave_a_blocked_receivers_loop_alone() -> None:
+    """Issue 18 (``--pending``): with callback receives pending, a receiver that blocks
+    message after message keeps the poller role; the dispatcher thread does not take it
+    back (a wake-up and two GIL handoffs) each time the receiver lets it go."""
+    ns = shmrdv.new_namespace()
+    n = 60
+    with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
+        prod.send(1, key_between(P, C, "warm"), np.zeros(1))
+        cons.recv(1, key_between(P, C, "warm"))
+        calls: list[object] = []
+        cancel = cons.transport.start_recv(
+            1, key_between(P, C, "never"), lambda e, r: calls.append(e)
+        )
+        asked = threading.Semaphore(0)
+
+        def produce() -> None:
+            for i in range(n):
+                assert asked.acquire(timeout=10)
+                time.sleep(0.001)  # the receiver blocks first
+                prod.send(1, key_between(P, C, f"loop{i}"), np.full(4, i, np.float32))
+
+        t = threading.Thread(target=produce)
+        t.start()
+        before = cons.transport.stats()["dispatcher_polls"]
+        for i in range(n):
+            asked.release()
+            assert cons.recv(1, key_between(P, C, f"loop{i}")).value[0] == i
+        polls = cons.transport.stats()["dispatcher_polls"] - before
+        t.join(10)
+        assert polls < n // 3, polls  # before: about one per message
+        assert cancel() and calls == []

@@ -101,3 +101,18 @@ def test_unpack_identity_names_a_refused_record() -> None:
     with pytest.raises(InternalError):
         layout.unpack_fields(rec, len(rec))
     assert layout.unpack_identity(rec) == (1, 5, KEY)
+
+
+def test_header_cache_record_checks_inline_data_but_not_a_notices() -> None:
+    """``record``: a ring record's header; an inline record's data must lie in it, a
+    notice's (``FLAG_NOTICE``) is in a segment, so only its header must."""
+    cache = layout.HeaderCache()
+    for _ in range(2):  # new, then from the cache
+        rec = _record(3)
+        f = layout.unpack_fields(rec, len(rec))
+        assert cache.record(rec) == (f[0], f[1], f[2], 16, f[3], f[5], f[6], f[9], f[11])
+        notice = _record(4, flags=layout.FLAG_NOTICE)[: f[3]]  # the header only
+        got = cache.record(notice)
+        assert got[0] == layout.FLAG_NOTICE and got[3] == 16 and got[6] == 4
+        with pytest.raises(InternalError, match="past the end"):
+            cache.record(_record(5)[: f[3]])  # inline, but its data is cut off

@@ -240,14 +240,18 @@ class Bell(Closing):
         """Take every pending post without blocking; return how many were taken."""
         self._check_open("drain")
         count = 0
-        while True:
+        sem = self._sem
+        # The value is read first (no system call): the usual last ``acquire(0)`` that
+        # fails costs an exception, a few µs per drain on a poller's hot path.
+        while sem.value > 0:
             try:
-                self._sem.acquire(0)
+                sem.acquire(0)
             except posix_ipc.BusyError:
-                return count
+                return count  # taken meanwhile by another handle
             except posix_ipc.SignalError:
                 continue
             count += 1
+        return count
 
     def close(self, timeout: float = 5.0) -> None:
         """Close this handle (the name stays: see ``unlink``). Idempotent.

@@ -71,6 +71,8 @@ class Consumer:
         self._orphans = Orphans(ctx, names, self._recovery.listing, self._live.producer_alive)
         #: A lock-free look at the rings' heads (what the dispatcher's spin calls).
         self.arrived = self._inbox.arrived
+        #: A lock-free size check of the rings (before a spin reads their heads).
+        self.rings_intact = self._inbox.intact
         #: Number of queued callback (non-blocking) waiters: the dispatcher runs while > 0.
         self.callback_waiters = 0
         self._tick_at = 0.0
@@ -100,26 +102,39 @@ class Consumer:
         """Take the next value now (returned: the caller delivers it) or queue a waiter
         (returned: ``cancel`` removes it)."""
         book = self._book
-        with self.lock:
+        lock = self.lock
+        lock.acquire()
+        try:
             if self._closed or self._aborted:
                 self.check_open(step_id)
             chans = book.channels.get(step_id)
             ch = chans.get(key.full_key) if chans is not None else None
             if ch is None:
                 ch = book.channel(step_id, key.full_key, book.source(key), key.src_incarnation)
-            src = ch.src
-            # ``src.waiting`` holds exactly the channels with waiters (a dict: no call).
-            waiting = ch in src.waiting
-            if ch.nready and not waiting and src.broken is None:
-                # The fast path: a ring brought this very message already (no ring to
-                # look for, nothing to drain first: what follows it stays in its ring).
-                got = self._stashed(ch, key)
-                if got is not None:
-                    return got
             if ch.pk is None:
                 ch.pk = key
                 if key.src_incarnation:
                     ch.inc = key.src_incarnation
+            src = ch.src
+            # ``src.waiting`` holds exactly the channels with waiters (a dict: no call).
+            waiting = ch in src.waiting
+            if ch.nready and not waiting and src.broken is None and ch.inc:
+                # The fast path: a ring brought this very message already (no ring to
+                # look for, nothing to drain first: what follows it stays in its ring).
+                # Written out here: the hot path of a receive whose value is there.
+                stash = book.stash.get(step_id)
+                at = (ch.key, ch.inc, ch.seq)
+                got = stash.get(at) if stash is not None else None
+                if got is not None and type(got) is not Notice:
+                    del stash[at]  # type: ignore[union-attr]  # got is not None: stash is not
+                    if not stash:
+                        del book.stash[step_id]
+                    ch.nready -= 1
+                    ch.seq += 1
+                    if type(got) is Received:
+                        book.received += 1
+                        book.received_bytes += got.value.nbytes
+                    return got  # type: ignore[return-value]  # not a Notice (checked above)
             if not waiting:
                 result = self._first_look(ch, src)
                 if result is not None:
@@ -135,6 +150,8 @@ class Consumer:
             if not blocking:
                 self.callback_waiters += 1
                 first = self.callback_waiters == 1
+        finally:
+            lock.release()
         if first:
             self._wake_dispatcher()  # it sleeps while no callback receive is pending
         return waiter
@@ -271,30 +288,6 @@ class Consumer:
         _log.debug("message %d of %r never came; skipping to %d", ch.seq, ch.key, nxt)
         ch.seq = nxt
         return self._take(ch, probe)
-
-    def _stashed(self, ch: Channel, key: ParsedKey) -> Received | BaseException | None:
-        """The channel's next message if a ring record of it is stashed (not a notice)."""
-        if ch.pk is None:
-            ch.pk = key
-            if key.src_incarnation:
-                ch.inc = key.src_incarnation
-        book = self._book
-        stash = book.stash.get(ch.step)
-        if stash is None or not ch.inc:
-            return None
-        at = (ch.key, ch.inc, ch.seq)
-        got = stash.get(at)
-        if got is None or type(got) is Notice:
-            return None
-        del stash[at]
-        if not stash:
-            del book.stash[ch.step]
-        ch.nready -= 1
-        ch.seq += 1
-        if type(got) is Received:
-            book.received += 1
-            book.received_bytes += got.value.nbytes
-        return got  # type: ignore[return-value]  # not a Notice (checked above)
 
     def _taken(self, ch: Channel, got: Stashed) -> Received | BaseException:
         if isinstance(got, Notice):

@@ -8,8 +8,9 @@ one wake-up, not two (doorbell -> dispatcher thread -> receiver). Other blocked
 receivers (followers) wait on a condition until delivered or the role is free.
 
 The dispatcher thread (one per transport, whatever the number of pending keys) takes the
-role only while callback receives are pending and no blocked receiver holds it; it runs
-their ``done`` callbacks outside every lock.
+role only while callback receives are pending and no blocked receiver has held it for a
+moment (``_HANDOFF_NS``: a receiver in a loop keeps it, and serves the callback receives
+with its own scans); it runs their ``done`` callbacks outside every lock.
 
 Thread model (docs/threads.md): ``wait`` from any receiving thread; ``kick`` / ``wake_all`` from any thread;
 ``_cond`` guards only the poller role and is never held while polling or delivering.
@@ -47,6 +48,11 @@ _SPIN_MIN_NS = 20_000
 _SPIN_MAX_NS = 250_000
 # A spin looks at the doorbell itself (for producers without a ring) every this many turns.
 _BELL_EVERY = 32
+# The dispatcher thread takes the poller role only once no blocked receiver has held it
+# for this long: a receiver in a loop comes back sooner, and polls itself. It bounds the
+# extra delay of a callback receive whose value comes while no receiver blocks (then the
+# thread polls, as before).
+_HANDOFF_NS = 2_000_000
 # How often the usable CPUs are counted again (a quota may change; a file read).
 _CPUS_EVERY_NS = 10_000_000_000
 
@@ -61,6 +67,7 @@ class Dispatcher:
         self._polling = False
         self._thread_polls = False  # the poller is the dispatcher thread
         self._blocked = 0  # blocked receivers waiting for the role
+        self._released_ns = 0  # perf_counter_ns when a blocked receiver last left the role
         self._closed = False
         self._spin_ns = _SPIN_MIN_NS
         self._wait_avg_ns = _SPIN_MAX_NS
@@ -71,6 +78,7 @@ class Dispatcher:
         self._last_msg_ns = 0  # perf_counter_ns of the last poll that found a message
         self._spins = 0  # spins started
         self._spin_hits = 0  # spins that found a message
+        self._thread_poll_count = 0  # polls made by the dispatcher thread
         self._thread = threading.Thread(
             target=self._run, name=f"shmrdv-shm-dispatch {label}", daemon=True
         )
@@ -114,10 +122,14 @@ class Dispatcher:
         finally:
             with self._cond:
                 self._polling = False
-                # Only a follower or the dispatcher thread (callback receives pending) needs
-                # to hear that the role is free: waking the parked thread for nothing costs
-                # it a wake-up and both threads a GIL handoff per message (issue 18 §1).
-                if self._blocked or self._consumer.callback_waiters > 0:
+                self._released_ns = time.perf_counter_ns()
+                # Only a follower needs to hear at once that the role is free. The
+                # dispatcher thread (callback receives pending) takes it only once no
+                # blocked receiver has held it for ``_HANDOFF_NS`` (``_run``): a receiver
+                # that comes back for its next message meanwhile polls again itself, where
+                # waking the thread would cost a wake-up and a GIL handoff per message, and
+                # the receiver another one to take the role back (issue 18: ``--pending``).
+                if self._blocked:
                     self._cond.notify_all()
 
     def _role_free(self, slot: RecvSlot) -> bool:
@@ -126,15 +138,23 @@ class Dispatcher:
 
     def _run(self) -> None:
         consumer = self._consumer
+        cond = self._cond
         while True:
-            with self._cond:
-                while not self._closed and (
-                    self._polling or self._blocked or consumer.callback_waiters <= 0
-                ):
-                    self._cond.wait()
-                if self._closed:
-                    return
+            with cond:
+                while True:
+                    if self._closed:
+                        return
+                    if consumer.callback_waiters <= 0:
+                        cond.wait()  # ``kick`` wakes it when a callback receive is queued
+                    elif self._polling or self._blocked:
+                        cond.wait(_HANDOFF_NS / 1e9)  # a blocked receiver polls meanwhile
+                    else:
+                        idle_ns = self._released_ns + _HANDOFF_NS - time.perf_counter_ns()
+                        if idle_ns <= 0:
+                            break
+                        cond.wait(idle_ns / 1e9)
                 self._polling = self._thread_polls = True
+                self._thread_poll_count += 1
             try:
                 self._poll(TICK, spin=False)
             finally:
@@ -152,12 +172,19 @@ class Dispatcher:
         budget = self._spin_budget(start) if spin else 0
         found = False
         if budget:
-            # First a scan, which checks the rings' sizes (issue 20 §3: a truncated ring
-            # read is a SIGBUS); the spin then reads only their heads, for a moment.
-            items = self._consumer.scan()
-            if items:
-                deliver(items)
-                return
+            # First the rings' sizes (issue 20 §3: a truncated ring read is a SIGBUS); the
+            # spin then reads only their heads, for a moment. A ring that fails the check
+            # is failed by a scan, under the lock. (What came since the receive looked is
+            # found by the spin at once: no scan needed for it.)
+            consumer = self._consumer
+            intact = consumer.rings_intact()
+            if not intact or consumer.arrived():  # (heads read only once the sizes are)
+                # A ring failed (the scan fails it), or the message is there already: taken
+                # at once, and not counted as a wait the spin adapts to.
+                items = consumer.scan(check=not intact)
+                if items:
+                    deliver(items)
+                    return
             self._spins += 1
             found = self._spin(start + budget)
             now = time.perf_counter_ns()
@@ -167,11 +194,13 @@ class Dispatcher:
             self._spin_hits += 1
             self._last_msg_ns = now = time.perf_counter_ns()
             self._adapt_spin(now - start)
-            bell.drain()  # the posts of what the spin found: no wasted wake-up for them
+            if bell.pending:  # (a read of the semaphore: no system call, no exception)
+                bell.drain()  # the posts of what the spin found: no wasted wake-up for them
         elif bell.wait(max(wait, 0.0)):
             self._last_msg_ns = now = time.perf_counter_ns()
             self._adapt_spin(now - start)
-            bell.drain()
+            if bell.pending:
+                bell.drain()
         else:
             self._spin_ns = 0  # unanswered: no spin until posts come again
         items = self._consumer.scan(check=not found)
@@ -208,7 +237,7 @@ class Dispatcher:
             turns += 1
             if turns == _BELL_EVERY:
                 turns = 0
-                if bell.wait(0):
+                if bell.pending and bell.wait(0):  # a read first: ``wait(0)`` costs µs
                     return True
             if clock() >= end_ns:
                 return False
@@ -226,12 +255,13 @@ class Dispatcher:
         )
 
     def stats(self) -> dict[str, int]:
-        """Time spent spinning (µs; the CPU time of a spinning poller), spins started and
-        spins that paid."""
+        """Time spent spinning (µs; the CPU time of a spinning poller), spins started,
+        spins that paid and polls made by the dispatcher thread (not by a blocked receiver)."""
         return {
             "spin_us": self._spun_ns // 1000,
             "spins": self._spins,
             "spin_hits": self._spin_hits,
+            "dispatcher_polls": self._thread_poll_count,
         }
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import InternalError, RendezvousError
-from .._received import Received
+from .._received import Received, received
 from .._transport import TransportContext
 from . import layout
 from .book import Book, Channel, InRing, Notice, Source, Stash
@@ -39,8 +39,6 @@ _log = logging.getLogger("shmrdv.shm")
 
 # How often a consumer looks for a producer's ring that is not there yet.
 _RING_LOOK_S = 0.02
-# A notice record's data is in a segment: its header is checked against no file size.
-_NO_FILE = 1 << 63
 _FLAG_NOTICE = layout.FLAG_NOTICE
 
 #: ``(producer task, step, key, incarnation, seq, slot)``: free a late notice's segment.
@@ -164,6 +162,19 @@ class Inbox:
             return True
         return False
 
+    def intact(self) -> bool:
+        """Whether every attached ring's file still holds it (one ``fstat`` each): lock-free
+        like ``arrived``, which a spinning poller may then call (reading a truncated ring's
+        words would be a SIGBUS). False also for a ring released meanwhile: the caller
+        scans, which fails what is wrong under the lock."""
+        try:
+            for _, r in self.rings:
+                seg = r.segment
+                seg.check_size(seg.size)
+        except (InternalError, ValueError):
+            return False
+        return True
+
     def drain_all(self, check: bool = True) -> None:
         for src, r in list(self.rings):
             self.drain(src, r, check)
@@ -192,7 +203,11 @@ class Inbox:
     def lost_records(src: Source) -> bool:
         """Whether a ring of ``src`` lost records not recovered yet (``recovery.py``), as of
         the last drain: the ring's words are read only right after a size check."""
-        return any(r.lost != r.lost_seen for r in src.rings)
+        # A loop, not ``any()`` over a generator: this runs once per waiting receive.
+        for r in src.rings:  # noqa: SIM110
+            if r.lost != r.lost_seen:
+                return True
+        return False
 
     def _fail_ring(self, src: Source, r: InRing, e: InternalError) -> None:
         error = InternalError(f"the ring from producer {src.task} is unusable: {e}")
@@ -225,7 +240,7 @@ class Inbox:
         cleaned up) is looked up once per run of records of one step; per record there is
         the header check, one array copied out of the ring and its ``Received``.
         """
-        unpack = self._headers.unpack
+        header = self._headers.record
         book = self._book
         channels, stashes, touched = book.channels, book.stash, book.touched
         last_step = -1
@@ -234,13 +249,9 @@ class Inbox:
         stash: Stash | None = None
         value: Received | Notice | BaseException
         for payload in records:
-            size = len(payload)
-            notice = size > 11 and bool(payload[10] & _FLAG_NOTICE)
             try:
                 # ``unpack_fields`` (or the cache of its verdicts) applies ``shape_problem``.
-                (flags, dtype, shape, offset, nbytes, step, seq, _inc, _pid, slot, _t, key) = (
-                    unpack(payload, _NO_FILE if notice else size)
-                )
+                flags, dtype, shape, count, offset, step, seq, slot, key = header(payload)
             except RendezvousError as e:
                 refused = self._refused(src, payload, e)
                 if refused is None:
@@ -248,15 +259,18 @@ class Inbox:
                 step, seq, key, value = refused
                 notice = False
             else:
+                notice = bool(flags & _FLAG_NOTICE)
                 if notice:
+                    # (``count * itemsize`` is the checked nbytes, 0 for a 0-byte item)
+                    nbytes = count * dtype.itemsize
                     value = Notice(slot, (dtype, shape, offset, nbytes, bool(flags & 1)))
-                elif nbytes:
+                elif count:
                     # One copy out of the ring (the record's bytes are overwritten later).
-                    arr: Any = np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset)
+                    arr: Any = np.frombuffer(payload, dtype, count, offset)
                     arr = arr.copy() if len(shape) == 1 else arr.reshape(shape).copy()
-                    value = Received(arr, bool(flags & 1))
+                    value = received(arr, bool(flags & 1))
                 else:
-                    value = Received(np.empty(shape, dtype), bool(flags & 1))
+                    value = received(np.empty(shape, dtype), bool(flags & 1))
             if step != last_step:
                 last_step, stash = step, None
                 dropped = self._cleaned_up(step)

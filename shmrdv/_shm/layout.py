@@ -53,6 +53,7 @@ __all__ = [
     "MAX_NDIM",
     "PREFIX",
     "VERSION",
+    "Record",
     "FLAG_NOTICE",
     "Header",
     "HeaderCache",
@@ -358,6 +359,49 @@ class Template:
                 f"slot {slot}): {e}"
             ) from e
 
+    def keyed(self, key: bytes) -> bytes:
+        """The header through ``data_offset`` with the UTF-8 ``key`` (``key_len`` bytes) in
+        place: what ``write_keyed`` copies, made once per key."""
+        if len(key) != self.key_len:
+            raise InternalError(f"a key of {len(key)} bytes for a template of {self.key_len}")
+        return self.header[: self._key_at] + key + self.header[self._key_at + self.key_len :]
+
+    def write_keyed(
+        self,
+        buf: bytearray | memoryview | mmap.mmap,
+        at: int,
+        header: bytes,
+        flags: int,
+        step_id: int,
+        seq: int,
+        incarnation: int,
+        pid: int,
+        slot: int,
+        created_ns: int,
+    ) -> None:
+        """``write`` with the key already in ``header`` (``keyed``): one copy and one pack."""
+        buf[at : at + self.data_offset] = header
+        try:
+            _VARYING.pack_into(
+                buf,
+                at + _VARYING_AT,
+                flags,
+                self._size,
+                self.data_offset,
+                self.nbytes,
+                step_id,
+                seq,
+                incarnation,
+                pid,
+                slot,
+                created_ns,
+            )
+        except struct.error as e:
+            raise InternalError(
+                f"cannot pack segment header: a field is out of range (step {step_id}, seq {seq}, "
+                f"slot {slot}): {e}"
+            ) from e
+
     def to_header(self, key: str, step_id: int, incarnation: int, pid: int, slot: int) -> Header:
         """The ``Header`` of one message (for ``Segment.ndarray``)."""
         return Header(
@@ -502,40 +546,75 @@ _STATIC_AT = _VARYING_AT + _VARYING.size  # where the per-message fields end: 76
 _LEAD = MAGIC + struct.pack("<H", VERSION)  # the first 10 bytes of every header
 _KEY_LEN = struct.Struct("<I")
 _KEY_LEN_AT = PREFIX.size - 4  # key_len, the last field of the fixed prefix
+_HOT = struct.Struct(PREFIX.format[:-3])  # the prefix up to ``created_ns``
+# A notice record's data is in a segment: its header is checked against no file size.
+_NO_FILE = 1 << 63
+
+#: What ``HeaderCache.record`` returns: flags, dtype, shape, element count, data_offset,
+#: step_id, seq, slot, key.
+Record = tuple[int, np.dtype[Any], tuple[int, ...], int, int, int, int, int, str]
 
 
 class HeaderCache:
     """``unpack_fields`` memoized over the header bytes that do not change per message.
 
-    A producer's messages of one (dtype, shape, key length) differ only in the fields from
-    ``flags`` to ``created_ns`` and in the key: the rest (ndim, lengths, shape, dtype) is
-    looked up by its bytes, and what ``unpack_fields`` concluded about exactly those bytes
-    is reused; the key is decoded (strict UTF-8) every time, so a step that uses new keys
-    hits the cache too. The changing fields are still checked every time (flags, header
-    length, data offset, nbytes, slot, the file size), so a hostile buffer gets the same
-    answer as from ``unpack_fields``, which is called whenever the bytes are new. Not
-    thread-safe.
+    A producer's messages of one key and one (dtype, shape) differ only in the fields from
+    ``flags`` to ``created_ns``: the rest of the header (ndim, lengths, shape, dtype, key)
+    is looked up by its bytes, and what ``unpack_fields`` concluded about exactly those
+    bytes (their dtype, shape, decoded key, header length, data offset and nbytes) is
+    reused. A key seen for the first time is still spared the dtype and shape checks when
+    another key of its (dtype, shape, key length) was seen (a second table, which decodes
+    the key, strict UTF-8). The changing fields are checked every time (magic, version,
+    flags, data offset, nbytes, slot, the file size), so a hostile buffer gets the same
+    answer as from ``unpack_fields``, which is called whenever the bytes are new. Both
+    tables are bounded (emptied when full). Not thread-safe.
     """
 
     def __init__(self, limit: int = 4096) -> None:
         self._limit = limit
+        # The header from ``_STATIC_AT`` through the key -> data offset, nbytes, dtype,
+        # shape, key (its length fixes the header's: both end at the key).
+        # (and the element count, for ``record``)
+        self._keyed: dict[bytes, tuple[int, int, np.dtype[Any], tuple[int, ...], str, int]] = {}
+        # The same without the key -> header length, data offset, nbytes, dtype, shape.
         self._known: dict[bytes, tuple[int, int, int, np.dtype[Any], tuple[int, ...]]] = {}
 
     def unpack(self, buf: BufferLike, file_size: int) -> Fields:
         """``unpack_fields(buf, file_size)``, cheaply when the header was seen before."""
         if len(buf) >= PREFIX.size:
-            flags, size, off, nbytes, step, seq, inc, pid, slot, created = _VARYING.unpack_from(
-                buf, _VARYING_AT
+            (magic, version, flags, size, off, nbytes, step, seq, inc, pid, slot, created) = (
+                _HOT.unpack_from(buf, 0)
             )
-            key_at = size - _KEY_LEN.unpack_from(buf, _KEY_LEN_AT)[0]
             if (
-                PREFIX.size <= key_at <= size <= len(buf)
+                size <= len(buf)
                 and not flags & ~_KNOWN_FLAGS
                 and slot >= -1
                 and off + nbytes <= file_size
-                and buf[:_VARYING_AT] == _LEAD
+                and magic == MAGIC
+                and version == VERSION
             ):
-                known = self._known.get(bytes(buf[_STATIC_AT:key_at]))
+                keyed = self._keyed.get(bytes(buf[_STATIC_AT:size]))
+                if keyed is not None and keyed[0] == off and keyed[1] == nbytes:
+                    return (
+                        flags,
+                        keyed[2],
+                        keyed[3],
+                        off,
+                        nbytes,
+                        step,
+                        seq,
+                        inc,
+                        pid,
+                        slot,
+                        created,
+                        keyed[4],
+                    )
+                key_at = size - _KEY_LEN.unpack_from(buf, _KEY_LEN_AT)[0]
+                known = (
+                    self._known.get(bytes(buf[_STATIC_AT:key_at]))
+                    if PREFIX.size <= key_at <= size
+                    else None
+                )
                 if (
                     known is not None
                     and known[0] == size
@@ -546,6 +625,7 @@ class HeaderCache:
                         key = str(buf[key_at:size], "utf-8")
                     except UnicodeDecodeError as e:
                         raise _corrupted(f"key is not UTF-8 ({e})") from e
+                    self._remember_key(bytes(buf[_STATIC_AT:size]), off, nbytes, known, key)
                     return (
                         flags,
                         known[3],
@@ -565,8 +645,49 @@ class HeaderCache:
         if len(self._known) >= self._limit:
             self._known.clear()
         key_at = size - _KEY_LEN.unpack_from(buf, _KEY_LEN_AT)[0]
-        self._known[bytes(buf[_STATIC_AT:key_at])] = (size, f[3], f[4], f[1], f[2])
+        known = self._known[bytes(buf[_STATIC_AT:key_at])] = (size, f[3], f[4], f[1], f[2])
+        self._remember_key(bytes(buf[_STATIC_AT:size]), f[3], f[4], known, f[11])
         return f
+
+    def _remember_key(
+        self,
+        keyed: bytes,
+        off: int,
+        nbytes: int,
+        known: tuple[int, int, int, np.dtype[Any], tuple[int, ...]],
+        key: str,
+    ) -> None:
+        if len(self._keyed) >= self._limit:
+            self._keyed.clear()
+        count = nbytes // known[3].itemsize if nbytes else 0
+        self._keyed[keyed] = (off, nbytes, known[3], known[4], key, count)
+
+    def record(self, buf: BufferLike) -> Record:
+        """The header of the ring record ``buf``, with ``unpack``'s checks: its data must lie
+        within the record, unless it is a notice (``FLAG_NOTICE``: the data is the segment
+        of its name, checked when that is opened). Returns ``Record``; raises like
+        ``unpack``. The receive side's hot path: one ``struct`` call and one lookup for a
+        key seen before."""
+        n = len(buf)
+        if n >= PREFIX.size:
+            (magic, version, flags, size, off, nbytes, step, seq, _inc, _pid, slot, _t) = (
+                _HOT.unpack_from(buf, 0)
+            )
+            if (
+                size <= n
+                and not flags & ~_KNOWN_FLAGS
+                and slot >= -1
+                and (flags & FLAG_NOTICE or off + nbytes <= n)
+                and magic == MAGIC
+                and version == VERSION
+            ):
+                keyed = self._keyed.get(bytes(buf[_STATIC_AT:size]))
+                if keyed is not None and keyed[0] == off and keyed[1] == nbytes:
+                    return flags, keyed[2], keyed[3], keyed[5], off, step, seq, slot, keyed[4]
+        notice = n > _VARYING_AT and buf[_VARYING_AT] & FLAG_NOTICE
+        f = self.unpack(buf, _NO_FILE if notice else n)
+        count = f[4] // f[1].itemsize if f[4] else 0
+        return f[0], f[1], f[2], count, f[3], f[5], f[6], f[9], f[11]
 
 
 def unpack_identity(buf: BufferLike) -> tuple[int, int, str] | None:

@@ -83,7 +83,7 @@ class _Allocation:
 class _Route:
     """What this producer keeps per consumer worker: its ring and its doorbell."""
 
-    __slots__ = ("bell", "bell_look_at", "ring", "ring_mem", "ring_segment", "task")
+    __slots__ = ("bell", "bell_look_at", "ring", "ring_mem", "ring_segment", "ring_size", "task")
 
     def __init__(self, task: str, ring: tuple[Segment, Ring] | None) -> None:
         self.task = task
@@ -91,8 +91,25 @@ class _Route:
         self.ring: Ring | None = None if ring is None else ring[1]
         # The ring's mapping (``mmap.size()`` is one fstat): checked before every write.
         self.ring_mem: Any = None if ring is None else ring[0].buf
+        self.ring_size = 0 if ring is None else ring[0].size
         self.bell: Bell | None = None
         self.bell_look_at = 0.0
+
+
+class _KeyOut:
+    """What a send of one key needs that does not change from one message to the next:
+    the key's UTF-8 bytes, its route, the header template of the (dtype, shape) last sent
+    under it and that header with the key in place (``Template.keyed``)."""
+
+    __slots__ = ("dtype", "header", "raw", "route", "shape", "template")
+
+    def __init__(self, raw: bytes, route: _Route, t: layout.Template) -> None:
+        self.raw = raw
+        self.route = route
+        self.template = t
+        self.dtype = t.dtype
+        self.shape = t.shape
+        self.header = t.keyed(raw)
 
 
 # How often a producer looks again for the doorbell of a consumer that has not started.
@@ -124,6 +141,7 @@ class Producer:
         # step -> key -> next sequence number: a step's table goes in one piece at cleanup.
         self._seqs: dict[int, dict[str, int]] = {}
         self._templates: dict[tuple[np.dtype[Any], tuple[int, ...], int], layout.Template] = {}
+        self._outs: dict[str, _KeyOut] = {}  # by full key: what its sends reuse
         self._allocations: dict[int, _Allocation] = {}
         self._routes: dict[str, _Route] = {}  # by the key's dst device, as written
         self._consumers: dict[str, _Route] = {}  # by consumer task
@@ -277,17 +295,28 @@ class Producer:
             if alloc is not None and alloc.ref() is value:
                 self._send_allocated(step_id, key, value, is_dead, alloc, ticket)
                 return
-        raw = key.full_key.encode()
-        t = self._templates.get((value.dtype, value.shape, len(raw)))
-        if t is None:
-            t = self._template(value.dtype, value.shape, len(raw))
-        route = self._routes.get(key.dst_device) or self._route(key)
+        out = self._outs.get(key.full_key)
+        if out is None or out.dtype is not value.dtype or out.shape != value.shape:
+            out = self._key_out(key, value)
+        t = out.template
         flags = 1 if is_dead else 0
         if t.nbytes <= self._inline_max and self._send_inline(
-            step_id, key, raw, value, t, route, flags, ticket
+            step_id, key, out.raw, value, t, out.route, flags, ticket, out.header
         ):
             return
-        self._send_copy(step_id, key, raw, value, t, route, flags, ticket)
+        self._send_copy(step_id, key, out.raw, value, t, out.route, flags, ticket)
+
+    def _key_out(self, key: ParsedKey, value: npt.NDArray[Any]) -> _KeyOut:
+        """The ``_KeyOut`` of ``key`` for arrays like ``value`` (made, or remade for a new
+        dtype or shape)."""
+        raw = key.full_key.encode()
+        t = self._template(value.dtype, value.shape, len(raw))
+        route = self._routes.get(key.dst_device) or self._route(key)
+        out = _KeyOut(raw, route, t)
+        if len(self._outs) >= _TEMPLATES_MAX:
+            self._outs.clear()
+        self._outs[key.full_key] = out
+        return out
 
     def _send_inline(
         self,
@@ -299,33 +328,59 @@ class Producer:
         route: _Route,
         flags: int,
         ticket: Ticket | None,
+        header: bytes | None = None,
     ) -> bool:
-        """Append the message to the consumer's ring; False if it has no ring or no room."""
-        ring = route.ring
-        if ring is None:
-            return False
+        """Append the message to the consumer's ring; False if it has no ring or no room.
+
+        ``header``: ``t.keyed(raw)``, if the caller keeps it. The hot path of a small send,
+        hence written out: one lock, one ``fstat`` (``_ring_intact``), one header copy and
+        pack, one data copy, one store of ``head``.
+        """
         n = t.nbytes
         data = value.tobytes() if n else b""
+        if header is None:
+            header = t.keyed(raw)
         fk = key.full_key
-        with self._publish_lock:
-            if not self._ring_intact(route):
+        lock = self._publish_lock
+        lock.acquire()
+        try:
+            ring = route.ring
+            if ring is None:
                 return False  # the ring was failed: segments from now on
-            seq = self._next_seq(step_id, fk)
+            # The SIGBUS guard (``_ring_intact``): one ``fstat`` through the mapping.
+            try:
+                intact = route.ring_mem.size() >= route.ring_size
+            except (OSError, ValueError):
+                intact = False
+            if not intact and not self._ring_intact(route):
+                return False
+            seqs = self._seqs.get(step_id)
+            if seqs is None:
+                seqs = self._seqs[step_id] = {}
+            seq = seqs.get(fk, 0)
             at = ring.reserve(t.data_offset + n)
             if at < 0:
                 self.counters["ring_full"] += 1
                 return False  # full: this one goes through a segment, in sequence
             buf = ring.buf
-            t.write(buf, at, raw, flags, step_id, seq, self._inc, self._pid, -1, time.time_ns())
+            t.write_keyed(
+                buf, at, header, flags, step_id, seq, self._inc, self._pid, -1, time.time_ns()
+            )
             if n:
                 at += t.data_offset
                 buf[at : at + n] = data
-            ring.commit()
-            end = ring.head
-            self._seqs[step_id][fk] = seq + 1
+            end = ring.commit()
+            seqs[fk] = seq + 1
+        finally:
+            lock.release()
         if ticket is not None:
             ticket.record(ring, end)
-        self._after_publish(route, n)
+        counters = self.counters
+        counters["sent"] += 1
+        counters["sent_bytes"] += n
+        bell = route.bell
+        if bell is not None or (bell := self._peer_bell(route)) is not None:
+            bell.ring()
         return True
 
     def _ring_intact(self, route: _Route) -> bool:

@@ -56,10 +56,6 @@ def ring_size(capacity: int) -> int:
     return DATA_OFFSET + capacity
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) & ~(_ALIGN - 1)
-
-
 class Ring:
     """A ring over ``buf`` (a writable buffer of ``ring_size(capacity)`` bytes)."""
 
@@ -68,6 +64,9 @@ class Ring:
             raise InternalError(f"not a shmrdv ring: {len(buf)} bytes")
         self._buf = buf
         self._words = buf[:DATA_OFFSET].cast("Q")
+        # The records' u32 lengths, each at an 8-aligned offset: one store or load through
+        # this view (a quarter of a ``struct`` call).
+        self._u32 = buf[: len(buf) & ~3].cast("I")
         magic, capacity = _META.unpack_from(buf, 0)
         if (
             magic != MAGIC
@@ -76,10 +75,12 @@ class Ring:
             or DATA_OFFSET + capacity > len(buf)
         ):
             self._words.release()
+            self._u32.release()
             raise InternalError(
                 f"not a shmrdv ring: magic {magic!r}, capacity {capacity} in {len(buf)} bytes"
             )
         self.capacity: int = capacity
+        self._max_record: int = capacity // 4 - 8
         self._next_head = 0
 
     @classmethod
@@ -108,7 +109,7 @@ class Ring:
 
     def max_record(self) -> int:
         """The largest payload a record may carry (a quarter of the ring)."""
-        return self.capacity // 4 - 8
+        return self._max_record
 
     # -- producer -----------------------------------------------------------------
 
@@ -121,28 +122,31 @@ class Ring:
         """Make room for a record of ``payload`` bytes; return where its payload goes in
         ``buf``, or -1 (nothing written) if it does not fit now. The record becomes visible
         at ``commit()``; until then the producer may write ``buf[at : at + payload]``."""
-        size = _aligned(4 + payload)
-        if payload > self.max_record():
+        if payload > self._max_record:
             return -1
-        buf, words, cap = self._buf, self._words, self.capacity
-        head, tail = words[_H], words[_T]
+        size = (payload + 4 + _ALIGN - 1) & ~(_ALIGN - 1)  # the length word, 8-aligned
+        words, cap = self._words, self.capacity
+        head = words[_H]
         pos = head % cap
-        pad = cap - pos if pos + size > cap else 0
-        if head + pad + size - tail > cap:
-            return -1
-        if pad:
-            _U32.pack_into(buf, DATA_OFFSET + pos, _WRAP)
+        if pos + size > cap:  # it would cross the end: a wrap mark, then from the start
+            pad = cap - pos
+            if head + pad + size - words[_T] > cap:
+                return -1
+            self._u32[(DATA_OFFSET + pos) >> 2] = _WRAP
             head += pad
             pos = 0
+        elif head + size - words[_T] > cap:
+            return -1
         at = DATA_OFFSET + pos
-        _U32.pack_into(buf, at, size)
+        self._u32[at >> 2] = size
         self._next_head = head + size
         return at + 4
 
-    def commit(self) -> None:
+    def commit(self) -> int:
         """Publish the record ``reserve`` made room for: one 8-byte store of ``head``, after
-        every byte of the record (see the module docstring)."""
-        self._words[_H] = self._next_head
+        every byte of the record (see the module docstring). Returns the new ``head``."""
+        head = self._words[_H] = self._next_head
+        return head
 
     def try_put(self, parts: Sequence[bytes | memoryview]) -> bool:
         """Append one record made of ``parts``; False (nothing written) if it does not fit now."""
@@ -185,6 +189,7 @@ class Ring:
     def release(self) -> None:
         """Let go of the buffer (so that its mapping can be closed)."""
         self._words.release()
+        self._u32.release()
         self._buf.release()
 
     def take(self) -> Iterator[memoryview]:
@@ -194,13 +199,14 @@ class Ring:
         a record is never overwritten while it is being read. Raises ``InternalError`` on a
         corrupted ring (a length past the data written).
         """
-        buf, words, cap = self._buf, self._words, self.capacity
+        buf, words, u32, cap = self._buf, self._words, self._u32, self.capacity
         head, tail = words[_H], words[_T]
-        if not tail <= head <= tail + cap:
+        if not tail <= head <= tail + cap or tail % _ALIGN:
             raise InternalError(f"shmrdv ring corrupted: head {head}, tail {tail}, capacity {cap}")
         while tail < head:
             pos = tail % cap
-            size = _U32.unpack_from(buf, DATA_OFFSET + pos)[0] if pos + 4 <= cap else _WRAP
+            # (``pos`` is 8-aligned: ``tail`` only ever advances by aligned sizes.)
+            size = u32[(DATA_OFFSET + pos) >> 2] if pos + 4 <= cap else _WRAP
             if size == _WRAP:
                 tail += cap - pos
                 words[_T] = tail

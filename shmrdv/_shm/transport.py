@@ -130,7 +130,12 @@ class ShmTransport:
         consumer = self._consumer
         got = consumer.start(step_id, key, done, copy, blocking)
         if type(got) is Received and not copy:
-            invoke_done(done, None, got)  # the value was there: no item, no list
+            # The value was there: no item, no list. A blocking receive's ``done`` is its
+            # slot's, which never raises (``Rendezvous.start_recv``): called directly.
+            if blocking:
+                done(None, got)
+            else:
+                invoke_done(done, None, got)
         elif type(got) is Waiter:
             return lambda: consumer.cancel(got)
         else:
