@@ -191,7 +191,8 @@ for _spec in (
     ),
     MethodSpec(
         "shmrdv_grpc",
-        "shmrdv Worker rendezvous forced over gRPC on loopback (RecvTensor; streamed > 1 MiB)",
+        "shmrdv Worker rendezvous forced over gRPC on loopback (RecvTensor, then the "
+        "key's values pushed over RecvTensorSeries)",
         shmrdv_pinger,
         shmrdv_ponger,
         make_shared=_shared,
