@@ -335,29 +335,9 @@ class Template:
         """Write the header of one message, whose UTF-8 key is ``key`` (``key_len`` bytes),
         at ``buf[at:]`` (``data_offset`` bytes). Raises ``InternalError`` if a field is out
         of its range."""
-        buf[at : at + self.data_offset] = self.header
-        k = at + self._key_at
-        buf[k : k + self.key_len] = key
-        try:
-            _VARYING.pack_into(
-                buf,
-                at + _VARYING_AT,
-                flags,
-                self._size,
-                self.data_offset,
-                self.nbytes,
-                step_id,
-                seq,
-                incarnation,
-                pid,
-                slot,
-                created_ns,
-            )
-        except struct.error as e:
-            raise InternalError(
-                f"cannot pack segment header: a field is out of range (step {step_id}, seq {seq}, "
-                f"slot {slot}): {e}"
-            ) from e
+        self.write_keyed(
+            buf, at, self.keyed(key), flags, step_id, seq, incarnation, pid, slot, created_ns
+        )
 
     def keyed(self, key: bytes) -> bytes:
         """The header through ``data_offset`` with the UTF-8 ``key`` (``key_len`` bytes) in
