@@ -43,6 +43,7 @@ from .security import TLSConfig, TokenInterceptor, check_token
 from .series_service import SeriesLimits, SeriesService
 from .service import RecvService
 from .tensor_source import TensorSource
+from .waits import WaitLimits
 
 __all__ = ["RpcServer", "TensorSource"]
 
@@ -176,18 +177,16 @@ class RpcServer:
         self._pid = os.getpid()
 
         # The handlers and their state: touched only from the server's event loop.
-        self._service = RecvService(
-            source,
-            task,
-            chunk_bytes=chunk_bytes,
-            cache_ttl=cache_ttl,
-            cache_entries=cache_entries,
-            cache_bytes=cache_bytes,
-            max_waiting=max_waiting,
-            max_waiting_per_peer=max_waiting_per_peer,
-            max_waiting_per_connection=max_waiting_per_connection,
-            max_wait=max_wait,
+        waits = WaitLimits(
+            cache_ttl,
+            cache_entries,
+            cache_bytes,
+            max_waiting,
+            max_waiting_per_peer,
+            max_waiting_per_connection,
+            max_wait,
         )
+        self._service = RecvService(source, task, chunk_bytes=chunk_bytes, limits=waits)
         if series is not None and not isinstance(series, SeriesLimits):
             raise InvalidArgumentError(f"series must be a SeriesLimits, not {series!r}")
         self._series = SeriesService(

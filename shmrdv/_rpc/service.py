@@ -36,7 +36,7 @@ from . import assembly, messages, tensors
 from .methods import SHMRDV_SERVICE, TF_SERVICE
 from .response_cache import Waiter
 from .tensor_source import TensorSource
-from .waits import Waits
+from .waits import WaitLimits, Waits
 
 __all__ = ["RecvService"]
 
@@ -62,28 +62,12 @@ class RecvService:
         task: DeviceName,
         *,
         chunk_bytes: int,
-        cache_ttl: float,
-        cache_entries: int,
-        cache_bytes: int,
-        max_waiting: int,
-        max_waiting_per_peer: int,
-        max_waiting_per_connection: int,
-        max_wait: float,
+        limits: WaitLimits,
     ) -> None:
         self._source = source
         self._task = task
         self._chunk_bytes = chunk_bytes
-        self._waits = Waits(
-            source,
-            task,
-            cache_ttl=cache_ttl,
-            cache_entries=cache_entries,
-            cache_bytes=cache_bytes,
-            max_waiting=max_waiting,
-            max_waiting_per_peer=max_waiting_per_peer,
-            max_waiting_per_connection=max_waiting_per_connection,
-            max_wait=max_wait,
-        )
+        self._waits = Waits(source, task, limits)
         self._pool: concurrent.futures.Executor | None = None
         self._stats = {"calls": 0, "values_served": 0, "bytes_served": 0, "errors": 0}
 

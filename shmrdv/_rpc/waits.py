@@ -26,6 +26,7 @@ of its own, which the source's ``done`` (called in the producer's thread) settle
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -48,7 +49,7 @@ from .parked import ParkedCalls
 from .response_cache import ResponseCache, Waiter
 from .tensor_source import TensorSource
 
-__all__ = ["Waits"]
+__all__ = ["WaitLimits", "Waits"]
 
 _log = logging.getLogger("shmrdv.rpc.server")
 
@@ -89,6 +90,22 @@ def _wake(waiter: Waiter) -> None:
         _resolve(call, True)
 
 
+@dataclasses.dataclass(frozen=True)
+class WaitLimits:
+    """What a server's calls may wait for and keep (``RpcServer``'s arguments of the same
+    names say each one's meaning and default): the response cache's time, entries and
+    bytes; calls waiting for a value in all, per peer host and per connection; and how
+    long one may wait."""
+
+    cache_ttl: float
+    cache_entries: int
+    cache_bytes: int
+    max_waiting: int
+    max_waiting_per_peer: int
+    max_waiting_per_connection: int
+    max_wait: float
+
+
 class Waits:
     """The waiters of one server: calls matched with values of one ``TensorSource``.
 
@@ -96,26 +113,14 @@ class Waits:
     say what became of it. All but the constructor run on the server's event loop.
     """
 
-    def __init__(
-        self,
-        source: TensorSource,
-        task: DeviceName,
-        *,
-        cache_ttl: float,
-        cache_entries: int,
-        cache_bytes: int,
-        max_waiting: int,
-        max_waiting_per_peer: int,
-        max_waiting_per_connection: int,
-        max_wait: float,
-    ) -> None:
+    def __init__(self, source: TensorSource, task: DeviceName, limits: WaitLimits) -> None:
         self._source = source
         self._task = task
-        self._max_wait = float(max_wait)
+        self._max_wait = float(limits.max_wait)
         self._cache = ResponseCache(
-            ttl=cache_ttl,
-            entries=cache_entries,
-            max_bytes=cache_bytes,
+            ttl=limits.cache_ttl,
+            entries=limits.cache_entries,
+            max_bytes=limits.cache_bytes,
             give_back=self._maybe_give_back,
             where=source.task,
         )
@@ -124,7 +129,9 @@ class Waits:
         self._loop_thread = -1
         self._stopping = False
         self._waiters: set[Waiter] = set()  # not yet settled
-        self._parked = ParkedCalls(max_waiting, max_waiting_per_peer, max_waiting_per_connection)
+        self._parked = ParkedCalls(
+            limits.max_waiting, limits.max_waiting_per_peer, limits.max_waiting_per_connection
+        )
         self._stats = {"cache_hits": 0, "requeued": 0}
 
     def started(self, address: str) -> None:
