@@ -851,3 +851,30 @@ def test_truncated_packed_acks_are_refused() -> None:
     bad = base + wire.encode_tag(1001, 2) + wire.encode_varint(2) + b"\xff\xff"  # varint never ends
     with pytest.raises(InvalidArgumentError):
         messages.decode_request(bad)
+
+
+_FRESH = """
+import sys
+import numpy as np
+import shmrdv._rpc.transport
+from shmrdv._rpc import tf_dtypes
+assert "ml_dtypes" not in sys.modules, "ml_dtypes imported with the gRPC transport"
+assert tf_dtypes.dtype_to_tf(np.float32) == tf_dtypes.DataType.DT_FLOAT
+assert "ml_dtypes" not in sys.modules, "ml_dtypes imported by a float32 encode"
+dt = tf_dtypes.tf_to_dtype(tf_dtypes.DataType.DT_BFLOAT16)
+assert dt.type.__module__.startswith("ml_dtypes") and dt.name == "bfloat16", dt
+assert tf_dtypes.dtype_to_tf(dt) == tf_dtypes.DataType.DT_BFLOAT16
+print("ok")
+"""
+
+
+def test_ml_dtypes_are_imported_only_when_a_tensor_needs_them() -> None:
+    """ml_dtypes costs ~0.6 s to import: the gRPC transport imports it only for a tensor
+    of one of its kinds (a TensorFlow bfloat16 arriving first included)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FRESH], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

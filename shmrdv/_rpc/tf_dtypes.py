@@ -28,6 +28,7 @@ that names none.
 
 from __future__ import annotations
 
+import threading
 from enum import IntEnum
 from typing import Any, Final
 
@@ -36,11 +37,6 @@ import numpy.typing as npt
 
 from .._dtypes import decode_dtype, encode_dtype
 from .._errors import InternalError, InvalidArgumentError
-
-try:  # optional: bfloat16 and float8 kinds
-    import ml_dtypes
-except ImportError:  # pragma: no cover - exercised only without ml_dtypes
-    ml_dtypes = None  # type: ignore[assignment]
 
 __all__ = [
     "DataType",
@@ -123,24 +119,8 @@ _ML_TF_CODES: Final = {
 }
 
 
+_ML_CODES: Final = frozenset(int(code) for code in _ML_TF_CODES.values())
 _ML_NAME_OF: dict[np.dtype[Any], str] = {}
-
-
-_ML_DTYPE_OF: dict[str, np.dtype[Any]] = {}
-
-
-if ml_dtypes is not None:
-    for _name in dir(ml_dtypes):
-        if _name.startswith("_") or _name in ("finfo", "iinfo"):
-            continue
-        try:
-            _dt = np.dtype(getattr(ml_dtypes, _name))
-        except TypeError:
-            continue
-        _ML_NAME_OF[_dt] = _name
-        _ML_DTYPE_OF[_name] = _dt
-        if _name in _ML_TF_CODES:
-            _TF_OF_NUMPY[_dt] = _ML_TF_CODES[_name]
 
 
 _NUMPY_OF_TF: dict[int, np.dtype[Any]] = {int(v): k for k, v in _TF_OF_NUMPY.items()}
@@ -159,9 +139,49 @@ _NUMPY_OF_TF.update(
 )
 
 
+# ml_dtypes (optional: bfloat16, float8, int4) costs about 0.6 s to import, so its kinds
+# join the tables only when one is met: an array of one (whose owner imported it
+# already) or a TensorFlow code that needs one.
+_ml_lock = threading.Lock()
+_ml_state = [False]  # whether the ml_dtypes kinds were looked for
+
+
+def _with_ml_dtypes() -> None:
+    """Add ml_dtypes' kinds to the tables, once, if it is installed."""
+    with _ml_lock:
+        if _ml_state[0]:
+            return
+        try:
+            import ml_dtypes
+        except ImportError:
+            _ml_state[0] = True
+            return
+        for name in dir(ml_dtypes):
+            if name.startswith("_") or name in ("finfo", "iinfo"):
+                continue
+            try:
+                dt = np.dtype(getattr(ml_dtypes, name))
+            except TypeError:
+                continue
+            _ML_NAME_OF[dt] = name
+            if name in _ML_TF_CODES:
+                _TF_OF_NUMPY[dt] = _ML_TF_CODES[name]
+                _NUMPY_OF_TF[int(_ML_TF_CODES[name])] = dt
+        _ml_state[0] = True
+
+
+def _is_ml(dtype: np.dtype[Any]) -> bool:
+    """Whether ``dtype`` is one of ml_dtypes' kinds (void kind, from its module)."""
+    if dtype.kind != "V" or dtype.fields is not None:
+        return False
+    if not _ml_state[0] and dtype.type.__module__.startswith("ml_dtypes"):
+        _with_ml_dtypes()
+    return dtype in _ML_NAME_OF
+
+
 def wire_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     """``dtype`` in little-endian byte order (recursively for structured dtypes)."""
-    if dtype in _ML_NAME_OF:
+    if _is_ml(dtype):
         return dtype
     wire: np.dtype[Any] = dtype.newbyteorder(_LE_BYTE_ORDER)
     return wire
@@ -203,12 +223,17 @@ def tf_to_dtype(code: int) -> np.dtype[Any]:
     dt = _NUMPY_OF_TF.get(int(code))
     if dt is not None:
         return dt
+    if int(code) in _ML_CODES and not _ml_state[0]:
+        _with_ml_dtypes()
+        dt = _NUMPY_OF_TF.get(int(code))
+        if dt is not None:
+            return dt
     try:
         name = DataType(code).name
     except ValueError:
         name = f"unknown DataType {code}"
     hint = ""
-    if int(code) in _ML_TF_CODES.values():
+    if int(code) in _ML_CODES:
         hint = " (install ml_dtypes to receive it)"
     raise InvalidArgumentError(f"no numpy dtype for TensorFlow {name}{hint}")
 
@@ -231,7 +256,7 @@ def _has_ml_field(dtype: np.dtype[Any]) -> bool:
     if dtype.subdtype is not None:
         return _has_ml_field(dtype.subdtype[0])
     if dtype.fields is None:
-        return dtype in _ML_NAME_OF
+        return _is_ml(dtype)
     return any(_has_ml_field(spec[0]) for spec in dtype.fields.values())
 
 
