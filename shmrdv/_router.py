@@ -42,7 +42,6 @@ from ._diagnose import explain_absent_producer
 from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError, RendezvousError
 from ._keys import ParsedKey, parse_key
 from ._local import LocalRendezvous
-from ._race import RaceRecv
 from ._received import Received
 from ._rendezvous import (
     Canceller,
@@ -210,23 +209,6 @@ class Router:
         r.wait = t.wait
         r.transport = t
         return t
-
-    def recv_candidates(self, r: KeyRoute) -> list[Transport]:
-        """The transports a receive of ``r``'s key listens on while ``transport(r)`` is
-        provisional (the producer has not started, so its order, which decides, is not
-        known): every one of this worker's that the peer may take and that reaches it.
-        Once the record is final, ``transport(r)`` alone."""
-        peer = r.peer
-        assert peer is not None
-        record = self.rc.ctx.peers.lookup(peer)
-        if record.final:
-            return [self.transport(r)]
-        found = [
-            t
-            for t in (self.rc.transport(n) for n in self.rc.order if n in record.transports)
-            if t.can_reach(record)
-        ]
-        return found or [self.transport(r)]
 
     def _choose(self, record: PeerRecord, pk: ParsedKey, *, producer: bool) -> Transport:
         """The transport of a key between this worker and ``record``'s: the first of the
@@ -407,15 +389,6 @@ class StepRendezvous(Rendezvous):
         if r.local:
             return self._local.start_recv(r.pk, done, copy=copy, blocking=blocking)
         t = r.transport or self._router.transport(r)
-        if r.transport is None:  # the producer's record is provisional
-            legs = self._router.recv_candidates(r)
-            if len(legs) > 1:
-                step, pk = self.step_id, r.pk
-                return RaceRecv(
-                    done,
-                    [functools.partial(_start_leg, leg, step, pk, copy) for leg in legs],
-                    f"key {pk.full_key!r}",
-                )
         return t.start_recv(self.step_id, r.pk, done, copy=copy, blocking=blocking)
 
     start_recv.__doc__ = Rendezvous.start_recv.__doc__
@@ -428,8 +401,6 @@ class StepRendezvous(Rendezvous):
         r = self._router.route(key)
         if r.local:
             return wait_received(slot, cancel, r.pk, timeout)
-        if isinstance(cancel, RaceRecv):  # its legs are callback receives: nothing to help
-            return wait_received(slot, cancel, r.pk, timeout, observer=self)
         # The route's transport, as start_recv chose it (asked again only while the
         # peer's record is provisional, i.e. before the peer has started).
         helper = r.wait or self._router.transport(r).wait
@@ -490,13 +461,6 @@ class StepRendezvous(Rendezvous):
 
     def stats(self) -> dict[str, int]:
         return self._local.stats()
-
-
-def _start_leg(
-    t: Transport, step_id: int, pk: ParsedKey, copy: bool, done: DoneCallback
-) -> Canceller:
-    """One leg of a ``RaceRecv``: a callback receive on ``t``."""
-    return t.start_recv(step_id, pk, done, copy=copy, blocking=False)
 
 
 def _not_this_task(pk: ParsedKey, side: str, task_name: str) -> InvalidArgumentError:
