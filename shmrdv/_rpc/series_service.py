@@ -305,21 +305,31 @@ class SeriesService:
             raise InternalError(f"TensorSource of {self._source.task} failed: {e!r}") from e
         if not fut.done():
             self._waiting[fut] = cancel
+            idle = [False]
+
+            def expire() -> None:
+                # cancel() False: the value is on its way, and settles ``fut``.
+                if not fut.done() and cancel():
+                    idle[0] = True
+                    fut.set_result((None, None))
+
+            # One timer and the future itself: ``asyncio.wait`` made a waiter future, a
+            # set, a timer and callbacks per value.
+            timer = loop.call_later(self._idle, expire)
             try:
-                while not fut.done():
-                    await asyncio.wait((fut,), timeout=self._idle)
-                    if not fut.done() and cancel():
-                        return None
-                    # cancel() False: the value is on its way; wait for it.
+                await fut
+                if idle[0]:
+                    return None
             except asyncio.CancelledError:
                 # The consumer went away: a value taken for it goes back to its key.
                 cancel()
                 if not fut.done():
                     fut.cancel()  # one still on its way goes back in _settle
-                else:
+                elif not fut.cancelled():  # (the task's cancel cancels what it awaits)
                     self._settle(fut, step_id, pk, *fut.result())
                 raise
             finally:
+                timer.cancel()
                 self._waiting.pop(fut, None)
         error, received = fut.result()
         if error is not None:
