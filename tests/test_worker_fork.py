@@ -8,6 +8,7 @@ parent's objects alone, also when the child exits.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 from collections.abc import Callable
@@ -128,3 +129,48 @@ def test_worker_inherited_across_fork_is_refused(ns: str) -> None:
                 proc.join(10)
         parent.cleanup(1)
         parent.cleanup(7)
+
+
+def _child_collects_then_echoes(ns: str, results: Any) -> None:
+    gc.collect()  # what the parent left uncollected is collected here first
+    _child_echo(ns, results)
+
+
+@pytest.mark.timeout(90)
+def test_worker_in_a_fork_child_after_a_grpc_worker_closed(ns: str) -> None:
+    """grpcio's objects stay in reference cycles: collected in a fork child, the aio
+    server's finalizer joined a poller thread the child has not got, and the child's
+    Worker spun there for good. A closed gRPC Worker leaves none of them behind."""
+    gc.disable()  # nothing collected behind the test's back: only what close() does
+    try:
+        with (
+            shmrdv.Worker(PARENT, namespace=ns, transports=("grpc", "shm")) as producer,
+            shmrdv.Worker(CHILD, namespace=ns, transports=("grpc", "shm")) as consumer,
+        ):
+            key = make_key("over-grpc", src=PARENT, dst=CHILD)
+            producer.rendezvous(1).send(key, np.arange(3))
+            assert consumer.rendezvous(1).recv(key, timeout=20).value.tolist() == [0, 1, 2]
+            assert consumer.stats()["grpc"]["received"] == 1
+        ctx: Any = mp.get_context("fork")
+        with shmrdv.Worker(PARENT, namespace=ns) as parent:
+            results = ctx.Queue()
+            proc = ctx.Process(target=_child_collects_then_echoes, args=(ns, results))
+            proc.start()
+            try:
+                rdv = parent.rendezvous(1)
+                assert rdv.recv(make_key("hello", src=CHILD, dst=PARENT), timeout=30).value[4] == 4
+                rdv.send(make_key("ping", src=PARENT, dst=CHILD), np.zeros(1))
+                assert rdv.recv(make_key("pong", src=CHILD, dst=PARENT), timeout=30).value[0] == 1
+                status, detail = results.get(timeout=30)
+                assert status == "ok", detail
+            finally:
+                proc.join(30)
+                if proc.exitcode is None:
+                    proc.kill()
+                    proc.join(10)
+                results.close()
+                results.join_thread()
+            assert proc.exitcode == 0
+            parent.cleanup(1)
+    finally:
+        gc.enable()

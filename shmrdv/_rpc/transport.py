@@ -19,6 +19,7 @@ callbacks never run under a lock of ours.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -208,6 +209,12 @@ class GrpcTransport:
         self._outbox.close()
         self._series.close(closed_error(self.task))
         self._client.close(closed_error(self.task))
+        # grpcio's objects stay in reference cycles of their own (the aio server with its
+        # handlers' call states). Collected later in a child forked meanwhile, the aio
+        # server's finalizer joins grpcio's poller thread, which the child has not got, and
+        # spins there for good (a fork child's Worker hung in its first allocation that
+        # ran the collector). So they go now, in this process.
+        gc.collect()
 
     def stats(self) -> dict[str, int]:
         out = self._outbox.stats()
