@@ -13,11 +13,14 @@ the own-task and incarnation checks, the peer and the chosen transport — is de
 per key string and kept in a bounded LRU (TensorFlow reuses a key in every step, each with
 a new step id, so the cache is keyed by the key alone). A peer's transport is cached once
 its record is final (its own presence record); a provisional answer (from the cluster
-spec) is asked again next time.
+spec) is asked again next time. A receive started while its producer's record is
+provisional, where another transport may reach the producer, also listens on the
+producer's pick once that is known (``_race.py``).
 
 The router is given a ``RouterContext``, never the Worker.
 
-Thread model (``docs/threads.md``): thread-safe, no thread of its own. ``Router._lock``
+Thread model (``docs/threads.md``): thread-safe; no thread of its own but ``_race.py``'s
+(while a receive waits for its producer's pick). ``Router._lock``
 guards the final per-peer routes and the long-wait records, a step's lock its abort
 error; neither is held across a transport call. Receives complete in the threads the
 transports say; a blocked ``recv`` waits in its caller's thread, helping its transport.
@@ -42,6 +45,7 @@ from ._diagnose import explain_absent_producer
 from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError, RendezvousError
 from ._keys import ParsedKey, parse_key
 from ._local import LocalRendezvous
+from ._race import LegStarter, PickWatch, RaceRecv
 from ._received import Received
 from ._rendezvous import (
     Canceller,
@@ -145,6 +149,7 @@ class Router:
         # Blocked receives that have waited long (WaitObserver), by id of their slot:
         # (step, key, since when). Only long waits get here, never every message.
         self._long_waits: dict[int, tuple[int, ParsedKey, float]] = {}
+        self._picks = PickWatch()
 
     def _derive(self, full_key: str) -> KeyRoute:
         return KeyRoute(parse_key(full_key), self.rc.ctx.task, self.rc.ctx.incarnation)
@@ -209,6 +214,36 @@ class Router:
         r.wait = t.wait
         r.transport = t
         return t
+
+    def others_reaching(self, r: KeyRoute, first: Transport) -> bool:
+        """Whether ``r``'s peer, by its provisional record, takes a transport of this
+        worker's but ``first`` (a receive started now may have to listen there too; which
+        one reaches is asked once the record is final, so that no transport is made
+        before it is needed)."""
+        peer = r.peer
+        assert peer is not None
+        record = self.rc.ctx.peers.lookup(peer)
+        return not record.final and any(
+            n != first.name and n in record.transports for n in self.rc.order
+        )
+
+    def watch_pick(
+        self,
+        r: KeyRoute,
+        race: RaceRecv,
+        first: Transport,
+        leg: Callable[[Transport, DoneCallback], Canceller],
+    ) -> None:
+        """Start ``leg``'s receive on the producer's pick once ``r``'s record is final and
+        the pick is not ``first`` (``_race.PickWatch``)."""
+
+        def pick() -> tuple[LegStarter | None] | None:
+            t = r.transport or self.transport(r)
+            if r.transport is None:
+                return None  # still provisional
+            return (None if t is first else functools.partial(leg, t),)
+
+        self._picks.watch(race, pick)
 
     def _choose(self, record: PeerRecord, pk: ParsedKey, *, producer: bool) -> Transport:
         """The transport of a key between this worker and ``record``'s: the first of the
@@ -388,10 +423,24 @@ class StepRendezvous(Rendezvous):
             self._recv_route(key)  # raises what is wrong
         if r.local:
             return self._local.start_recv(r.pk, done, copy=copy, blocking=blocking)
-        t = r.transport or self._router.transport(r)
+        t = r.transport
+        if t is None:
+            t = self._router.transport(r)
+            if r.transport is None and self._router.others_reaching(r, t):
+                return self._early_recv(r, t, done, copy)
         return t.start_recv(self.step_id, r.pk, done, copy=copy, blocking=blocking)
 
     start_recv.__doc__ = Rendezvous.start_recv.__doc__
+
+    def _early_recv(
+        self, r: KeyRoute, first: Transport, done: DoneCallback, copy: bool
+    ) -> RaceRecv:
+        """A receive started before its producer's pick is known: on ``first`` (this
+        worker's own pick) now, and on the producer's once its record says (``_race.py``)."""
+        leg = functools.partial(_start_leg, step_id=self.step_id, pk=r.pk, copy=copy)
+        race = RaceRecv(done, [functools.partial(leg, first)], f"key {r.pk.full_key!r}")
+        self._router.watch_pick(r, race, first, leg)
+        return race
 
     def _wait_blocked(
         self, slot: RecvSlot, cancel: Canceller, key: str | ParsedKey, timeout: float | None
@@ -401,6 +450,8 @@ class StepRendezvous(Rendezvous):
         r = self._router.route(key)
         if r.local:
             return wait_received(slot, cancel, r.pk, timeout)
+        if isinstance(cancel, RaceRecv):  # its legs are callback receives: nothing to help
+            return wait_received(slot, cancel, r.pk, timeout, observer=self)
         # The route's transport, as start_recv chose it (asked again only while the
         # peer's record is provisional, i.e. before the peer has started).
         helper = r.wait or self._router.transport(r).wait
@@ -461,6 +512,13 @@ class StepRendezvous(Rendezvous):
 
     def stats(self) -> dict[str, int]:
         return self._local.stats()
+
+
+def _start_leg(
+    t: Transport, done: DoneCallback, *, step_id: int, pk: ParsedKey, copy: bool
+) -> Canceller:
+    """One leg of a ``RaceRecv``: a callback receive on ``t``."""
+    return t.start_recv(step_id, pk, done, copy=copy, blocking=False)
 
 
 def _not_this_task(pk: ParsedKey, side: str, task_name: str) -> InvalidArgumentError:

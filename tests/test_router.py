@@ -144,3 +144,59 @@ def test_router_checks_every_value_whatever_came_before(shmrdv_namespace: str) -
         rdv.send(key, np.float64(3.0))  # a numpy scalar: a 0-d array
         assert rdv.recv(key, timeout=5).value.tolist() == [0.0, 0.0]
         assert rdv.recv(key, timeout=5).value.tolist() == 3.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("blocking", [True, False], ids=["recv", "recv_future"])
+@pytest.mark.parametrize(
+    ("consumer_order", "producer_order", "used"),
+    [
+        (("grpc", "shm"), ("shm", "grpc"), "shm"),
+        (("shm", "grpc"), ("grpc", "shm"), "grpc"),
+        (("shm", "grpc"), ("shm", "grpc"), "shm"),
+    ],
+)
+def test_router_a_receive_started_before_its_producer_meets_its_pick(
+    shmrdv_namespace: str,
+    consumer_order: tuple[str, ...],
+    producer_order: tuple[str, ...],
+    used: str,
+    blocking: bool,
+) -> None:
+    """Before the producer starts, its record is provisional and its order unknown: the
+    receive listens on the consumer's own pick, and on the producer's once it is known,
+    which delivers (it waited on the consumer's own first choice, and the value never
+    came). A producer that picks the consumer's own first choice makes no other transport:
+    no gRPC client where shared memory carries the key."""
+    with shmrdv.Worker(B, namespace=shmrdv_namespace, transports=consumer_order) as consumer:
+        rdv = consumer.rendezvous(1)
+        key = make_key("early", src=A, dst=B)
+        got: list[object] = []
+        if blocking:
+            t = threading.Thread(target=lambda: got.append(rdv.recv(key, timeout=20)))
+            t.start()
+        else:
+            fut = rdv.recv_future(key)
+        try:
+            with shmrdv.Worker(
+                A, namespace=shmrdv_namespace, transports=producer_order
+            ) as producer:
+                producer.rendezvous(1).send(key, np.arange(3.0))
+                if blocking:
+                    t.join(20)
+                    received = got[0]
+                else:
+                    received = fut.result(20)
+                assert isinstance(received, shmrdv.Received)
+                assert received.value.tolist() == [0.0, 1.0, 2.0]
+                assert producer.stats()[used]["sent"] == 1
+                if used == consumer_order[0]:
+                    assert set(consumer.stats()) & {"shm", "grpc"} == {used}
+                # Once the producer is known, a receive listens on its pick alone.
+                producer.rendezvous(1).send(key, np.arange(2.0))
+                assert rdv.recv(key, timeout=10).value.tolist() == [0.0, 1.0]
+                producer.cleanup(1)
+        finally:
+            consumer.cleanup(1)
+            if blocking:
+                t.join(20)
