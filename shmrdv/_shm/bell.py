@@ -192,7 +192,8 @@ class Bell(Closing):
 
         Raises ``InternalError`` if this handle is closed.
         """
-        self._check_open("ring")
+        if self._closed:
+            self._check_open("ring")
         try:
             self._sem.release()
         except posix_ipc.Error as e:  # closed by another thread meanwhile

@@ -24,10 +24,12 @@ import threading
 import time
 from collections.abc import Callable
 
+from numpy import ndarray
+
 from .._callbacks import DoneCallback
 from .._errors import InternalError, closed_error
 from .._keys import ParsedKey
-from .._received import Received
+from .._received import Received, received
 from .._transport import TransportContext
 from . import reaper
 from .book import Book, Channel, Notice, Source, Stashed, Waiter
@@ -62,6 +64,9 @@ class Consumer:
         self.lock = threading.Lock()
         self._closed = False
         self._aborted: dict[int, BaseException] = {}
+        #: Whether ``check_open`` may raise (closed, or a step aborted): a look at this
+        #: flag spares the call on the hot path.
+        self.refusing = False
         self._book = book = Book()
         self._waiters = book.waiters
         self._live = Liveness(ctx, TICK)
@@ -131,6 +136,10 @@ class Consumer:
                         del book.stash[step_id]
                     ch.nready -= 1
                     ch.seq += 1
+                    if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
+                        book.received += 1
+                        book.received_bytes += got.nbytes
+                        return received(got, False)
                     if type(got) is Received:
                         book.received += 1
                         book.received_bytes += got.value.nbytes
@@ -300,9 +309,12 @@ class Consumer:
                 "its segment is gone"
             )
         ch.seq += 1
+        if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
+            self._book.count(got.nbytes)
+            return received(got, False)
         if isinstance(got, Received):
             self._book.count(got.value.nbytes)
-        return got
+        return got  # type: ignore[return-value]  # an error to deliver
 
     # -- the scan (run by whoever polls the doorbell) ---------------------------------
 
@@ -431,6 +443,7 @@ class Consumer:
     def abort_step(self, step_id: int, error: BaseException) -> list[Item]:
         with self.lock:
             self._aborted.setdefault(step_id, error)
+            self.refusing = True
             error = self._aborted[step_id]
             return self._fail_all(lambda ch: ch.step == step_id, error)
 
@@ -441,6 +454,7 @@ class Consumer:
             self._inbox.drain_all()
             book.channels.pop(step_id, None)
             self._aborted.pop(step_id, None)
+            self.refusing = self._closed or bool(self._aborted)
             stash = book.stash.pop(step_id, None)
         self._orphans.free_unreceived(step_id)
         del stash
@@ -450,7 +464,7 @@ class Consumer:
         with self.lock:
             if self._closed:
                 return []
-            self._closed = True
+            self._closed = self.refusing = True
             return self._fail_all(None, closed_error(self._task))
 
     def release(self) -> None:

@@ -98,18 +98,23 @@ class _Route:
 
 class _KeyOut:
     """What a send of one key needs that does not change from one message to the next:
-    the key's UTF-8 bytes, its route, the header template of the (dtype, shape) last sent
-    under it and that header with the key in place (``Template.keyed``)."""
+    the key (its string and UTF-8 bytes), its route, the header template of the (dtype,
+    shape) last sent under it, that header with the key in place (``Template.keyed``) and
+    whether such a message goes inline (``inline``: through the ring)."""
 
-    __slots__ = ("dtype", "header", "raw", "route", "shape", "template")
+    __slots__ = ("dtype", "fk", "header", "inline", "raw", "route", "shape", "template")
 
-    def __init__(self, raw: bytes, route: _Route, t: layout.Template) -> None:
+    def __init__(
+        self, fk: str, raw: bytes, route: _Route, t: layout.Template, inline: bool
+    ) -> None:
+        self.fk = fk
         self.raw = raw
         self.route = route
         self.template = t
         self.dtype = t.dtype
         self.shape = t.shape
         self.header = t.keyed(raw)
+        self.inline = inline
 
 
 # How often a producer looks again for the doorbell of a consumer that has not started.
@@ -272,6 +277,29 @@ class Producer:
         is_dead: bool,
         timeout: float | None = None,
     ) -> None:
+        if self._inflight is not None or self._allocations:
+            self._send_checked(step_id, key, value, is_dead, timeout)
+            return
+        # The hot path of a send (no window, no array from ``allocate``): what the key's
+        # messages share is cached (``_KeyOut``), and a small one goes straight to the ring.
+        out = self._outs.get(key.full_key)
+        if out is None or out.dtype is not value.dtype or out.shape != value.shape:
+            out = self._key_out(key, value)
+        if out.inline and self._send_inline(step_id, out, value, 1 if is_dead else 0, None):
+            return
+        t = out.template
+        self._send_copy(step_id, key, out.raw, value, t, out.route, 1 if is_dead else 0, None)
+
+    def _send_checked(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        value: npt.NDArray[Any],
+        is_dead: bool,
+        timeout: float | None,
+    ) -> None:
+        """``send`` with a ``max_inflight_bytes`` window, or while arrays from ``allocate``
+        are out (``value`` may be one of them)."""
         if self._inflight is None:
             self._send(step_id, key, value, is_dead, None)
             return
@@ -298,13 +326,10 @@ class Producer:
         out = self._outs.get(key.full_key)
         if out is None or out.dtype is not value.dtype or out.shape != value.shape:
             out = self._key_out(key, value)
-        t = out.template
         flags = 1 if is_dead else 0
-        if t.nbytes <= self._inline_max and self._send_inline(
-            step_id, key, out.raw, value, t, out.route, flags, ticket, out.header
-        ):
+        if out.inline and self._send_inline(step_id, out, value, flags, ticket):
             return
-        self._send_copy(step_id, key, out.raw, value, t, out.route, flags, ticket)
+        self._send_copy(step_id, key, out.raw, value, out.template, out.route, flags, ticket)
 
     def _key_out(self, key: ParsedKey, value: npt.NDArray[Any]) -> _KeyOut:
         """The ``_KeyOut`` of ``key`` for arrays like ``value`` (made, or remade for a new
@@ -312,7 +337,7 @@ class Producer:
         raw = key.full_key.encode()
         t = self._template(value.dtype, value.shape, len(raw))
         route = self._routes.get(key.dst_device) or self._route(key)
-        out = _KeyOut(raw, route, t)
+        out = _KeyOut(key.full_key, raw, route, t, t.nbytes <= self._inline_max)
         if len(self._outs) >= _TEMPLATES_MAX:
             self._outs.clear()
         self._outs[key.full_key] = out
@@ -321,26 +346,21 @@ class Producer:
     def _send_inline(
         self,
         step_id: int,
-        key: ParsedKey,
-        raw: bytes,
+        out: _KeyOut,
         value: npt.NDArray[Any],
-        t: layout.Template,
-        route: _Route,
         flags: int,
         ticket: Ticket | None,
-        header: bytes | None = None,
     ) -> bool:
         """Append the message to the consumer's ring; False if it has no ring or no room.
 
-        ``header``: ``t.keyed(raw)``, if the caller keeps it. The hot path of a small send,
-        hence written out: one lock, one ``fstat`` (``_ring_intact``), one header copy and
-        pack, one data copy, one store of ``head``.
+        The hot path of a small send, hence written out: one lock, one ``fstat``
+        (``_ring_intact``), one header copy and pack, one data copy, one store of ``head``.
         """
+        t = out.template
         n = t.nbytes
         data = value.tobytes() if n else b""
-        if header is None:
-            header = t.keyed(raw)
-        fk = key.full_key
+        route = out.route
+        fk = out.fk
         lock = self._publish_lock
         lock.acquire()
         try:
@@ -364,7 +384,7 @@ class Producer:
                 return False  # full: this one goes through a segment, in sequence
             buf = ring.buf
             t.write_keyed(
-                buf, at, header, flags, step_id, seq, self._inc, self._pid, -1, time.time_ns()
+                buf, at, out.header, flags, step_id, seq, self._inc, self._pid, -1, time.time_ns()
             )
             if n:
                 at += t.data_offset
@@ -472,7 +492,8 @@ class Producer:
         if alloc.segment is None:
             # A small one: inline through the ring, else (ring full) a segment of its own.
             try:
-                if not self._send_inline(step_id, key, raw, value, t, route, flags, ticket):
+                out = _KeyOut(key.full_key, raw, route, t, True)
+                if not self._send_inline(step_id, out, value, flags, ticket):
                     self._send_copy(step_id, key, raw, value, t, route, flags, ticket)
             except BaseException:
                 alloc.sent = False
