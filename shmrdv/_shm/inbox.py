@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from .._errors import InternalError, RendezvousError
-from .._received import Received, received
+from .._received import received
 from .._transport import TransportContext
 from . import layout
-from .book import Book, Channel, InRing, Notice, Source, Stash
+from .book import Book, Channel, InRing, Notice, Source, Stash, Stashed
 from .naming import Names
 from .ring import RINGS_SUPPORTED, Ring
 from .segment import Segment
@@ -247,7 +247,7 @@ class Inbox:
         dropped = False
         chans: dict[str, Channel] = {}
         stash: Stash | None = None
-        value: Received | Notice | BaseException
+        value: Stashed
         for payload in records:
             try:
                 # ``unpack_fields`` (or the cache of its verdicts) applies ``shape_problem``.
@@ -265,10 +265,11 @@ class Inbox:
                     nbytes = count * dtype.itemsize
                     value = Notice(slot, (dtype, shape, offset, nbytes, bool(flags & 1)))
                 elif count:
-                    # One copy out of the ring (the record's bytes are overwritten later).
+                    # One copy out of the ring (the record's bytes are overwritten later),
+                    # stashed bare: its ``Received`` is made when it is taken (``Stashed``).
                     arr: Any = np.frombuffer(payload, dtype, count, offset)
                     arr = arr.copy() if len(shape) == 1 else arr.reshape(shape).copy()
-                    value = received(arr, bool(flags & 1))
+                    value = received(arr, True) if flags & 1 else arr
                 else:
                     value = received(np.empty(shape, dtype), bool(flags & 1))
             if step != last_step:
@@ -282,18 +283,20 @@ class Inbox:
                     self._free_named(src.task, step, key, inc, seq, slot)
                 continue
             ch = chans.get(key)
-            if ch is None:
-                ch = chans[key] = Channel(step, key, src, inc)
-            elif ch.inc == inc and seq < ch.seq:
+            if ch is not None and ch.inc == inc and seq < ch.seq:
                 continue  # already taken by its name
             if stash is None:
                 stash = stashes.get(step)
                 if stash is None:
                     stash = stashes[step] = {}
             stash[(key, inc, seq)] = value
-            ch.nready += 1
-            if ch in ch.src.waiting:  # it has waiters
-                touched.append(ch)
+            if ch is None:  # a new channel: nobody waits on it yet
+                ch = chans[key] = Channel(step, key, src, inc)
+                ch.nready = 1
+            else:
+                ch.nready += 1
+                if ch in ch.src.waiting:  # it has waiters
+                    touched.append(ch)
 
     def _refused(
         self, src: Source, payload: memoryview, e: RendezvousError
