@@ -449,7 +449,7 @@ class StepRendezvous(Rendezvous):
     ) -> Received:
         """A blocked receiver helps its transport while it waits (``Transport.wait``: the
         shared-memory one polls the doorbell as leader) and reports a wait that lasts."""
-        r = self._router.route(key)
+        r = self._route_str(key) if type(key) is str else self._route(key)
         if r.local:
             return wait_received(slot, cancel, r.pk, timeout)
         if isinstance(cancel, RaceRecv):  # its legs are callback receives: nothing to help

@@ -102,10 +102,15 @@ class InRing:
     ``watch`` is live while the ring is attached: this consumer will then collect what the
     producer run leaves when it is over (``pool.RunWatch``)."""
 
-    __slots__ = ("inc", "lost", "lost_seen", "ring", "segment", "watch")
+    __slots__ = ("inc", "lost", "lost_seen", "mem", "ring", "segment", "size", "watch")
 
     def __init__(self, segment: Segment, ring: Ring, inc: int) -> None:
         self.segment, self.ring, self.inc = segment, ring, inc
+        # The mapping and its size, for the size check before each look at the ring
+        # (``mem.size()`` is one ``fstat``: what ``Segment.check_size`` does, without its
+        # three Python calls on a spinning poller's path).
+        self.mem: Any = segment.buf
+        self.size = segment.size
         self.watch = RunWatch()
         self.lost_seen = 0
         self.lost = 0  # the ring's lost count at the last (size-checked) drain

@@ -211,8 +211,9 @@ class Consumer:
 
     def _serve(self, ch: Channel, out: list[Item], probe: bool) -> None:
         """Hand the channel's waiters what is there for them."""
+        has = self._waiters.has
         waiters = self._waiters
-        while ch in waiters:
+        while has(ch):
             result = self._take(ch, probe)
             if result is None:
                 return
@@ -353,12 +354,12 @@ class Consumer:
         self._inbox.drain_all(check)
         self._serve_touched(out)
         self._serve_failed(out)
-        waiting = bool(self._waiters)
+        waiting = self._waiters.size() > 0
         if waiting:
             self._probe_ringless(out)
         now = time.monotonic()
         maps = self._named.maps
-        if maps and now >= self._sweep_at:
+        if now >= self._sweep_at and maps:
             self._sweep_at = now + TICK
             maps.sweep()
         if now >= self._tick_at:
@@ -387,10 +388,11 @@ class Consumer:
 
     def _serve_touched(self, out: list[Item]) -> None:
         book = self._book
+        has = self._waiters.has
         while book.touched:
             touched, book.touched = book.touched, []
             for ch in touched:
-                if ch in self._waiters:
+                if has(ch):
                     self._serve(ch, out, probe=self._probe(ch))
 
     def _serve_failed(self, out: list[Item]) -> None:

@@ -169,9 +169,9 @@ class Inbox:
         scans, which fails what is wrong under the lock."""
         try:
             for _, r in self.rings:
-                seg = r.segment
-                seg.check_size(seg.size)
-        except (InternalError, ValueError):
+                if r.mem.size() < r.size:  # one ``fstat`` (``Segment.check_size``'s)
+                    return False
+        except (OSError, ValueError):
             return False
         return True
 
@@ -189,10 +189,18 @@ class Inbox:
         """
         if check:
             try:
-                r.segment.check_size(r.segment.size)
-            except InternalError as e:
-                self._fail_ring(src, r, e)
-                return
+                intact = r.mem.size() >= r.size  # one ``fstat``, as ``check_size`` makes
+            except (OSError, ValueError):
+                intact = False
+            if not intact:
+                try:
+                    r.segment.check_size(r.size)  # says what is wrong
+                except InternalError as e:
+                    self._fail_ring(src, r, e)
+                    return
+                except ValueError as e:  # the mapping was closed
+                    self._fail_ring(src, r, InternalError(f"ring unmapped: {e}"))
+                    return
         r.lost = r.ring.lost()
         try:
             self._take_records(src, r.inc, r.ring.take())

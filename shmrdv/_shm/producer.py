@@ -83,7 +83,16 @@ class _Allocation:
 class _Route:
     """What this producer keeps per consumer worker: its ring and its doorbell."""
 
-    __slots__ = ("bell", "bell_look_at", "ring", "ring_mem", "ring_segment", "ring_size", "task")
+    __slots__ = (
+        "bell",
+        "bell_look_at",
+        "ring",
+        "ring_buf",
+        "ring_mem",
+        "ring_segment",
+        "ring_size",
+        "task",
+    )
 
     def __init__(self, task: str, ring: tuple[Segment, Ring] | None) -> None:
         self.task = task
@@ -92,6 +101,7 @@ class _Route:
         # The ring's mapping (``mmap.size()`` is one fstat): checked before every write.
         self.ring_mem: Any = None if ring is None else ring[0].buf
         self.ring_size = 0 if ring is None else ring[0].size
+        self.ring_buf: memoryview = memoryview(b"") if ring is None else ring[1].buf
         self.bell: Bell | None = None
         self.bell_look_at = 0.0
 
@@ -382,7 +392,7 @@ class Producer:
             if at < 0:
                 self.counters["ring_full"] += 1
                 return False  # full: this one goes through a segment, in sequence
-            buf = ring.buf
+            buf = route.ring_buf
             t.write_keyed(
                 buf, at, out.header, flags, step_id, seq, self._inc, self._pid, -1, time.time_ns()
             )
