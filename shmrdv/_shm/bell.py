@@ -180,7 +180,8 @@ class Bell(Closing):
     @property
     def pending(self) -> int:
         """How many posts are waiting to be taken (the semaphore's value)."""
-        self._check_open("read")
+        if self._closed:
+            self._check_open("read")
         return int(self._sem.value)
 
     def _check_open(self, action: str) -> None:

@@ -219,9 +219,10 @@ class Consumer:
                 return
             waiter = waiters.put(ch, result)  # the oldest waiter (there is one)
             assert waiter is not None
-            self._unqueued(waiter)
+            if not waiter.blocking:  # ``_unqueued`` written out (once per delivery)
+                self.callback_waiters -= 1
             out.append((waiter.done, waiter.copy, result))
-        self._unwait(ch)
+        ch.src.waiting.pop(ch, None)  # ``_unwait``
 
     def _fail(self, ch: Channel, out: list[Item], failure: BaseException) -> None:
         waiters = self._waiters
@@ -353,15 +354,17 @@ class Consumer:
         out: list[Item] = []
         self._inbox.drain_all(check)
         self._serve_touched(out)
-        self._serve_failed(out)
+        if self._inbox.failed:
+            self._serve_failed(out)
         waiting = self._waiters.size() > 0
         if waiting:
             self._probe_ringless(out)
         now = time.monotonic()
-        maps = self._named.maps
-        if now >= self._sweep_at and maps:
+        if now >= self._sweep_at:  # (the time first: counting the maps is a Python call)
             self._sweep_at = now + TICK
-            maps.sweep()
+            maps = self._named.maps
+            if maps:
+                maps.sweep()
         if now >= self._tick_at:
             self._tick_at = now + TICK
             if waiting:
@@ -392,8 +395,9 @@ class Consumer:
         while book.touched:
             touched, book.touched = book.touched, []
             for ch in touched:
-                if has(ch):
-                    self._serve(ch, out, probe=self._probe(ch))
+                if has(ch):  # (``_probe(ch)`` written out)
+                    src = ch.src
+                    self._serve(ch, out, (ch.inc or src.inc) not in src.ring_incs)
 
     def _serve_failed(self, out: list[Item]) -> None:
         """Serve by name the channels of producers whose ring failed, else fail them."""
