@@ -213,6 +213,9 @@ def wait_received(
     finally:
         if reported and observer is not None:
             observer.stopped_waiting(slot)
+    got = slot.received  # ``slot.result()`` written out, as in ``recv``
+    if got is not None:
+        return got
     return slot.result()
 
 

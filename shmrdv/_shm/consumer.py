@@ -51,6 +51,7 @@ TICK = 0.2
 # Above this many waiting channels of a ringless producer, one listdir of /dev/shm is
 # cheaper than one open() attempt per channel.
 _LISTDIR_ABOVE = 64
+_INF = float("inf")
 
 
 class Consumer:
@@ -168,14 +169,15 @@ class Consumer:
     def _first_look(self, ch: Channel, src: Source) -> Received | BaseException | None:
         """What a receive that would be its channel's first waiter finds before it waits."""
         inbox = self._inbox
-        if src.look_at <= time.monotonic():
+        look_at = src.look_at  # (infinite once its ring is attached: no clock read then)
+        if look_at != _INF and look_at <= time.monotonic():
             inbox.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
             inbox.look_for_old_ring(src, ch.inc)
         # Rings are drained by whoever polls (``scan``), right after checking their size
         # (reading a truncated ring's words would be a SIGBUS); a take that would skip a
         # sequence number drains them first (``_take``).
-        result = self._take(ch, self._probe(ch))
+        result = self._take(ch, (ch.inc or src.inc) not in src.ring_incs)  # (``_probe``)
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None
         if result is None and not ch.seen_alive:
@@ -301,7 +303,7 @@ class Consumer:
         return self._take(ch, probe)
 
     def _taken(self, ch: Channel, got: Stashed) -> Received | BaseException:
-        if isinstance(got, Notice):
+        if type(got) is Notice:
             named = self._named.take(ch, got)
             if named is not None:
                 return named
