@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,7 @@ class _Route:
     __slots__ = (
         "bell",
         "bell_look_at",
+        "post",
         "ring",
         "ring_buf",
         "ring_mem",
@@ -103,6 +105,7 @@ class _Route:
         self.ring_size = 0 if ring is None else ring[0].size
         self.ring_buf: memoryview = memoryview(b"") if ring is None else ring[1].buf
         self.bell: Bell | None = None
+        self.post: Callable[[], None] | None = None  # ``bell.post``, while ``bell`` is set
         self.bell_look_at = 0.0
 
 
@@ -408,8 +411,16 @@ class Producer:
         counters = self.counters
         counters["sent"] += 1
         counters["sent_bytes"] += n
-        bell = route.bell
-        if bell is not None or (bell := self._peer_bell(route)) is not None:
+        bell = route.bell  # (read before ``post``: set before it, cleared after it)
+        post = route.post
+        if post is not None:
+            try:
+                post()  # ``Bell.post``: the semaphore's own, without a Python call around it
+            except Exception:
+                bell = bell or route.bell
+                if bell is not None:
+                    bell.ring()  # says what is wrong (closed), or drops a saturating post
+        elif (bell := bell or self._peer_bell(route)) is not None:
             bell.ring()
         return True
 
@@ -622,6 +633,7 @@ class Producer:
         with self._lock:
             if route.bell is None:
                 route.bell = bell
+                route.post = bell.post
             else:
                 bell.close()
             return route.bell
@@ -656,6 +668,7 @@ class Producer:
         with self._lock:
             bells = [r.bell for r in routes if r.bell is not None]
             for r in routes:
+                r.post = None
                 r.bell = None
         for b in bells:
             b.close()
