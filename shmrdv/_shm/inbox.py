@@ -246,7 +246,9 @@ class Inbox:
         The hot loop of the receive side, hence one function: what does not change from
         one record to the next (the step's channels and stash, whether the step was
         cleaned up) is looked up once per run of records of one step; per record there is
-        the header check, one array copied out of the ring and its ``Received``.
+        the header check and one array copied out of the ring, stashed bare (``Stashed``:
+        nothing the garbage collector tracks is kept per pending record but its stash key,
+        and its channel when the key is new).
         """
         header = self._headers.record
         book = self._book
@@ -267,7 +269,7 @@ class Inbox:
                 step, seq, key, value = refused
                 notice = False
             else:
-                notice = bool(flags & _FLAG_NOTICE)
+                notice = flags & _FLAG_NOTICE != 0
                 if notice:
                     # (``count * itemsize`` is the checked nbytes, 0 for a 0-byte item)
                     nbytes = count * dtype.itemsize
