@@ -104,16 +104,14 @@ class RecvSlot:
     A plain lock, made only when the receiver has to wait (a receive whose value is already
     there never makes one) and released by ``done``, is the wake-up: it costs a fraction
     of a ``threading.Event`` (which builds a ``Condition``). Only the receiving thread
-    calls ``wait``.
+    calls ``wait``. One is made per blocking receive, so its fields start as class
+    defaults (no ``__init__``, no ``__slots__``): ``done`` sets what it is given.
     """
 
-    __slots__ = ("_lock", "error", "filled", "received")
-
-    def __init__(self) -> None:
-        self._lock: threading.Lock | None = None
-        self.filled = False
-        self.error: BaseException | None = None
-        self.received: Received | None = None
+    _lock: threading.Lock | None = None
+    filled = False
+    error: BaseException | None = None
+    received: Received | None = None
 
     def done(self, error: BaseException | None, received: Received | None) -> None:
         self.error, self.received = error, received
@@ -215,6 +213,9 @@ def wait_received(
     finally:
         if reported and observer is not None:
             observer.stopped_waiting(slot)
+    got = slot.received  # ``slot.result()`` written out, as in ``recv``
+    if got is not None:
+        return got
     return slot.result()
 
 
@@ -347,6 +348,9 @@ class Rendezvous(abc.ABC):
         slot = RecvSlot()
         cancel = self.start_recv(key, slot.done, copy=copy, blocking=True)
         if slot.filled:
+            got = slot.received  # ``slot.result()`` written out: the value was there
+            if got is not None:
+                return got
             return slot.result()
         return self._wait_blocked(slot, cancel, key, timeout)
 

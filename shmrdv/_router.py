@@ -352,6 +352,8 @@ class StepRendezvous(Rendezvous):
         self._router = router
         self._check_usable = router.rc.check_usable
         self._route = router.route
+        # The route cache itself, for a key given as a string (the hot path's one lookup).
+        self._route_str = router._by_key
         self.step_id = step_id
         self._local = LocalRendezvous()
         self._lock = threading.Lock()
@@ -391,7 +393,7 @@ class StepRendezvous(Rendezvous):
     ) -> None:
         # ``_send_route`` and ``KeyRoute.checked`` written out: the hot path of every send.
         self._check_usable()
-        r = self._route(key)
+        r = self._route_str(key) if type(key) is str else self._route(key)
         if not (r.src_own and r.inc_ok) or self._error is not None:
             self._send_route(key)  # raises what is wrong
         if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
@@ -418,7 +420,7 @@ class StepRendezvous(Rendezvous):
         blocking: bool = False,
     ) -> Canceller:
         self._check_usable()  # ``_recv_route`` written out: the hot path of every receive
-        r = self._route(key)
+        r = self._route_str(key) if type(key) is str else self._route(key)
         if not (r.dst_own and r.inc_ok) or self._error is not None:
             self._recv_route(key)  # raises what is wrong
         if r.local:
@@ -447,7 +449,7 @@ class StepRendezvous(Rendezvous):
     ) -> Received:
         """A blocked receiver helps its transport while it waits (``Transport.wait``: the
         shared-memory one polls the doorbell as leader) and reports a wait that lasts."""
-        r = self._router.route(key)
+        r = self._route_str(key) if type(key) is str else self._route(key)
         if r.local:
             return wait_received(slot, cancel, r.pk, timeout)
         if isinstance(cancel, RaceRecv):  # its legs are callback receives: nothing to help

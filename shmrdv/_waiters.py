@@ -78,12 +78,16 @@ class WaiterTable(Generic[K, V, W]):
     ``pending_waiters``) are kept as it goes, so reading them is O(1) too.
     """
 
-    __slots__ = ("_nvalues", "_nwaiters", "_table")
+    __slots__ = ("_nvalues", "_nwaiters", "_table", "has", "size")
 
     def __init__(self) -> None:
         # One dict for both kinds keeps the keys in arrival order (``keys``). A key maps
         # to a deque of values or to an OrderedDict of waiters, never an empty one.
         self._table: dict[K, deque[V] | OrderedDict[W, None]] = {}
+        #: ``key in table`` and ``len(table)`` as bound methods of the dict itself: the same
+        #: answers without a Python call, for an owner's hot loop.
+        self.has: Callable[[object], bool] = self._table.__contains__
+        self.size: Callable[[], int] = self._table.__len__
         self._nvalues = 0
         self._nwaiters = 0
 

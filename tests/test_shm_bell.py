@@ -205,6 +205,35 @@ def test_bell_saturated_ring_is_swallowed(names: Names) -> None:
         sem.close()
 
 
+def test_bell_post_raises_where_ring_copes(names: Names) -> None:
+    """``post`` is the bare semaphore post a sender calls first: it raises on a saturated
+    counter and on a closed handle, where ``ring`` (the sender's fallback) drops the post
+    or says the handle is closed."""
+    sem = posix_ipc.Semaphore(
+        names.bell(TASK),
+        posix_ipc.O_CREX,
+        mode=0o600,
+        initial_value=posix_ipc.SEMAPHORE_VALUE_MAX - 1,
+    )
+    try:
+        b = Bell.open(names, TASK)
+        assert b is not None
+        post = b.post
+        post()
+        assert b.pending == posix_ipc.SEMAPHORE_VALUE_MAX
+        with pytest.raises(OSError):
+            post()
+        b.ring()  # swallowed
+        b.close()
+        with pytest.raises(posix_ipc.ExistentialError):
+            post()
+        with pytest.raises(InternalError, match="closed"):
+            b.ring()
+    finally:
+        sem.unlink()
+        sem.close()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
 def test_bell_of_other_uid_refused(names: Names) -> None:
     sem = posix_ipc.Semaphore(names.bell(TASK), posix_ipc.O_CREX, mode=0o600)

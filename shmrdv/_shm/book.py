@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .._callbacks import DoneCallback
 from .._devices import DeviceName
@@ -53,8 +54,10 @@ class Notice:
         self.array = array
 
 
-#: What the stash holds for one message.
-Stashed = Received | Notice | BaseException
+#: What the stash holds for one message. A plain ndarray is a live value (``is_dead``
+#: false) that came inline: its ``Received`` is made when it is taken, so that a pending
+#: record keeps no object the garbage collector must look at (an ndarray is not tracked).
+Stashed = npt.NDArray[Any] | Received | Notice | BaseException
 #: One step's stash: ``(key, incarnation, seq) -> what came``.
 Stash = dict[tuple[str, int, int], Stashed]
 
@@ -62,20 +65,21 @@ Stash = dict[tuple[str, int, int], Stashed]
 class Channel:
     """One (step, key): the next sequence number and how many of its messages are stashed.
 
-    Hashes by identity: it is its own key in the waiter table.
+    Hashes by identity: it is its own key in the waiter table. One is made per (step, key)
+    as its first record is drained, so the fields every new channel starts with are class
+    defaults (no ``__slots__``): ``__init__`` sets only what differs.
     """
 
-    __slots__ = ("inc", "key", "nready", "pk", "seen_alive", "seq", "src", "step")
+    pk: ParsedKey | None = None  # set by the first receive
+    seq = 0
+    nready = 0  # stashed messages (any sequence number)
+    seen_alive = False
 
     def __init__(self, step: int, key: str, src: Source, inc: int) -> None:
         self.step = step
         self.key = key
         self.src = src
-        self.pk: ParsedKey | None = None  # set by the first receive
         self.inc = inc  # producer incarnation (0 = not known yet)
-        self.seq = 0
-        self.nready = 0  # stashed messages (any sequence number)
-        self.seen_alive = False
 
 
 class Waiter:
@@ -98,10 +102,15 @@ class InRing:
     ``watch`` is live while the ring is attached: this consumer will then collect what the
     producer run leaves when it is over (``pool.RunWatch``)."""
 
-    __slots__ = ("inc", "lost", "lost_seen", "ring", "segment", "watch")
+    __slots__ = ("inc", "lost", "lost_seen", "mem", "ring", "segment", "size", "watch")
 
     def __init__(self, segment: Segment, ring: Ring, inc: int) -> None:
         self.segment, self.ring, self.inc = segment, ring, inc
+        # The mapping and its size, for the size check before each look at the ring
+        # (``mem.size()`` is one ``fstat``: what ``Segment.check_size`` does, without its
+        # three Python calls on a spinning poller's path).
+        self.mem: Any = segment.buf
+        self.size = segment.size
         self.watch = RunWatch()
         self.lost_seen = 0
         self.lost = 0  # the ring's lost count at the last (size-checked) drain

@@ -24,10 +24,12 @@ import threading
 import time
 from collections.abc import Callable
 
+from numpy import ndarray
+
 from .._callbacks import DoneCallback
 from .._errors import InternalError, closed_error
 from .._keys import ParsedKey
-from .._received import Received
+from .._received import Received, received
 from .._transport import TransportContext
 from . import reaper
 from .book import Book, Channel, Notice, Source, Stashed, Waiter
@@ -49,6 +51,7 @@ TICK = 0.2
 # Above this many waiting channels of a ringless producer, one listdir of /dev/shm is
 # cheaper than one open() attempt per channel.
 _LISTDIR_ABOVE = 64
+_INF = float("inf")
 
 
 class Consumer:
@@ -62,6 +65,9 @@ class Consumer:
         self.lock = threading.Lock()
         self._closed = False
         self._aborted: dict[int, BaseException] = {}
+        #: Whether ``check_open`` may raise (closed, or a step aborted): a look at this
+        #: flag spares the call on the hot path.
+        self.refusing = False
         self._book = book = Book()
         self._waiters = book.waiters
         self._live = Liveness(ctx, TICK)
@@ -131,6 +137,10 @@ class Consumer:
                         del book.stash[step_id]
                     ch.nready -= 1
                     ch.seq += 1
+                    if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
+                        book.received += 1
+                        book.received_bytes += got.nbytes
+                        return received(got, False)
                     if type(got) is Received:
                         book.received += 1
                         book.received_bytes += got.value.nbytes
@@ -159,14 +169,15 @@ class Consumer:
     def _first_look(self, ch: Channel, src: Source) -> Received | BaseException | None:
         """What a receive that would be its channel's first waiter finds before it waits."""
         inbox = self._inbox
-        if src.look_at <= time.monotonic():
+        look_at = src.look_at  # (infinite once its ring is attached: no clock read then)
+        if look_at != _INF and look_at <= time.monotonic():
             inbox.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
             inbox.look_for_old_ring(src, ch.inc)
         # Rings are drained by whoever polls (``scan``), right after checking their size
         # (reading a truncated ring's words would be a SIGBUS); a take that would skip a
         # sequence number drains them first (``_take``).
-        result = self._take(ch, self._probe(ch))
+        result = self._take(ch, (ch.inc or src.inc) not in src.ring_incs)  # (``_probe``)
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None
         if result is None and not ch.seen_alive:
@@ -202,16 +213,18 @@ class Consumer:
 
     def _serve(self, ch: Channel, out: list[Item], probe: bool) -> None:
         """Hand the channel's waiters what is there for them."""
+        has = self._waiters.has
         waiters = self._waiters
-        while ch in waiters:
+        while has(ch):
             result = self._take(ch, probe)
             if result is None:
                 return
             waiter = waiters.put(ch, result)  # the oldest waiter (there is one)
             assert waiter is not None
-            self._unqueued(waiter)
+            if not waiter.blocking:  # ``_unqueued`` written out (once per delivery)
+                self.callback_waiters -= 1
             out.append((waiter.done, waiter.copy, result))
-        self._unwait(ch)
+        ch.src.waiting.pop(ch, None)  # ``_unwait``
 
     def _fail(self, ch: Channel, out: list[Item], failure: BaseException) -> None:
         waiters = self._waiters
@@ -290,7 +303,7 @@ class Consumer:
         return self._take(ch, probe)
 
     def _taken(self, ch: Channel, got: Stashed) -> Received | BaseException:
-        if isinstance(got, Notice):
+        if type(got) is Notice:
             named = self._named.take(ch, got)
             if named is not None:
                 return named
@@ -300,9 +313,12 @@ class Consumer:
                 "its segment is gone"
             )
         ch.seq += 1
+        if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
+            self._book.count(got.nbytes)
+            return received(got, False)
         if isinstance(got, Received):
             self._book.count(got.value.nbytes)
-        return got
+        return got  # type: ignore[return-value]  # an error to deliver
 
     # -- the scan (run by whoever polls the doorbell) ---------------------------------
 
@@ -340,15 +356,17 @@ class Consumer:
         out: list[Item] = []
         self._inbox.drain_all(check)
         self._serve_touched(out)
-        self._serve_failed(out)
-        waiting = bool(self._waiters)
+        if self._inbox.failed:
+            self._serve_failed(out)
+        waiting = self._waiters.size() > 0
         if waiting:
             self._probe_ringless(out)
         now = time.monotonic()
-        maps = self._named.maps
-        if maps and now >= self._sweep_at:
+        if now >= self._sweep_at:  # (the time first: counting the maps is a Python call)
             self._sweep_at = now + TICK
-            maps.sweep()
+            maps = self._named.maps
+            if maps:
+                maps.sweep()
         if now >= self._tick_at:
             self._tick_at = now + TICK
             if waiting:
@@ -375,11 +393,13 @@ class Consumer:
 
     def _serve_touched(self, out: list[Item]) -> None:
         book = self._book
+        has = self._waiters.has
         while book.touched:
             touched, book.touched = book.touched, []
             for ch in touched:
-                if ch in self._waiters:
-                    self._serve(ch, out, probe=self._probe(ch))
+                if has(ch):  # (``_probe(ch)`` written out)
+                    src = ch.src
+                    self._serve(ch, out, (ch.inc or src.inc) not in src.ring_incs)
 
     def _serve_failed(self, out: list[Item]) -> None:
         """Serve by name the channels of producers whose ring failed, else fail them."""
@@ -431,6 +451,7 @@ class Consumer:
     def abort_step(self, step_id: int, error: BaseException) -> list[Item]:
         with self.lock:
             self._aborted.setdefault(step_id, error)
+            self.refusing = True
             error = self._aborted[step_id]
             return self._fail_all(lambda ch: ch.step == step_id, error)
 
@@ -441,6 +462,7 @@ class Consumer:
             self._inbox.drain_all()
             book.channels.pop(step_id, None)
             self._aborted.pop(step_id, None)
+            self.refusing = self._closed or bool(self._aborted)
             stash = book.stash.pop(step_id, None)
         self._orphans.free_unreceived(step_id)
         del stash
@@ -450,7 +472,7 @@ class Consumer:
         with self.lock:
             if self._closed:
                 return []
-            self._closed = True
+            self._closed = self.refusing = True
             return self._fail_all(None, closed_error(self._task))
 
     def release(self) -> None:

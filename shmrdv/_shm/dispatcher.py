@@ -63,7 +63,11 @@ class Dispatcher:
     def __init__(self, bell: Bell, consumer: Consumer, label: str, busy_poll: float = 0.0) -> None:
         self._bell = bell
         self._consumer = consumer
-        self._cond = threading.Condition(threading.Lock())
+        # ``_cond``'s lock. The two ``with`` blocks of every blocked receive (``wait``)
+        # take it directly: a ``Condition``'s ``__enter__`` is a Python call around the
+        # same lock, and ``_cond.wait`` / ``notify_all`` work the same under it.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._polling = False
         self._thread_polls = False  # the poller is the dispatcher thread
         self._blocked = 0  # blocked receivers waiting for the role
@@ -103,7 +107,7 @@ class Dispatcher:
         takes it (one wake-up per message for it, not two, however many callback receives
         are pending besides).
         """
-        with self._cond:
+        with self._lock:  # (``_cond``'s lock: its ``wait`` below works under it)
             if slot.filled or self._closed:
                 return
             if self._polling:
@@ -120,7 +124,7 @@ class Dispatcher:
         try:
             self._poll(timeout)
         finally:
-            with self._cond:
+            with self._lock:
                 self._polling = False
                 self._released_ns = time.perf_counter_ns()
                 # Only a follower needs to hear at once that the role is free. The

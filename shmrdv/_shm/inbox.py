@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from .._errors import InternalError, RendezvousError
-from .._received import Received, received
+from .._received import received
 from .._transport import TransportContext
 from . import layout
-from .book import Book, Channel, InRing, Notice, Source, Stash
+from .book import Book, Channel, InRing, Notice, Source, Stash, Stashed
 from .naming import Names
 from .ring import RINGS_SUPPORTED, Ring
 from .segment import Segment
@@ -169,9 +169,9 @@ class Inbox:
         scans, which fails what is wrong under the lock."""
         try:
             for _, r in self.rings:
-                seg = r.segment
-                seg.check_size(seg.size)
-        except (InternalError, ValueError):
+                if r.mem.size() < r.size:  # one ``fstat`` (``Segment.check_size``'s)
+                    return False
+        except (OSError, ValueError):
             return False
         return True
 
@@ -189,10 +189,18 @@ class Inbox:
         """
         if check:
             try:
-                r.segment.check_size(r.segment.size)
-            except InternalError as e:
-                self._fail_ring(src, r, e)
-                return
+                intact = r.mem.size() >= r.size  # one ``fstat``, as ``check_size`` makes
+            except (OSError, ValueError):
+                intact = False
+            if not intact:
+                try:
+                    r.segment.check_size(r.size)  # says what is wrong
+                except InternalError as e:
+                    self._fail_ring(src, r, e)
+                    return
+                except ValueError as e:  # the mapping was closed
+                    self._fail_ring(src, r, InternalError(f"ring unmapped: {e}"))
+                    return
         r.lost = r.ring.lost()
         try:
             self._take_records(src, r.inc, r.ring.take())
@@ -238,7 +246,9 @@ class Inbox:
         The hot loop of the receive side, hence one function: what does not change from
         one record to the next (the step's channels and stash, whether the step was
         cleaned up) is looked up once per run of records of one step; per record there is
-        the header check, one array copied out of the ring and its ``Received``.
+        the header check and one array copied out of the ring, stashed bare (``Stashed``:
+        nothing the garbage collector tracks is kept per pending record but its stash key,
+        and its channel when the key is new).
         """
         header = self._headers.record
         book = self._book
@@ -247,7 +257,7 @@ class Inbox:
         dropped = False
         chans: dict[str, Channel] = {}
         stash: Stash | None = None
-        value: Received | Notice | BaseException
+        value: Stashed
         for payload in records:
             try:
                 # ``unpack_fields`` (or the cache of its verdicts) applies ``shape_problem``.
@@ -259,16 +269,17 @@ class Inbox:
                 step, seq, key, value = refused
                 notice = False
             else:
-                notice = bool(flags & _FLAG_NOTICE)
+                notice = flags & _FLAG_NOTICE != 0
                 if notice:
                     # (``count * itemsize`` is the checked nbytes, 0 for a 0-byte item)
                     nbytes = count * dtype.itemsize
                     value = Notice(slot, (dtype, shape, offset, nbytes, bool(flags & 1)))
                 elif count:
-                    # One copy out of the ring (the record's bytes are overwritten later).
+                    # One copy out of the ring (the record's bytes are overwritten later),
+                    # stashed bare: its ``Received`` is made when it is taken (``Stashed``).
                     arr: Any = np.frombuffer(payload, dtype, count, offset)
                     arr = arr.copy() if len(shape) == 1 else arr.reshape(shape).copy()
-                    value = received(arr, bool(flags & 1))
+                    value = received(arr, True) if flags & 1 else arr
                 else:
                     value = received(np.empty(shape, dtype), bool(flags & 1))
             if step != last_step:
@@ -282,18 +293,20 @@ class Inbox:
                     self._free_named(src.task, step, key, inc, seq, slot)
                 continue
             ch = chans.get(key)
-            if ch is None:
-                ch = chans[key] = Channel(step, key, src, inc)
-            elif ch.inc == inc and seq < ch.seq:
+            if ch is not None and ch.inc == inc and seq < ch.seq:
                 continue  # already taken by its name
             if stash is None:
                 stash = stashes.get(step)
                 if stash is None:
                     stash = stashes[step] = {}
             stash[(key, inc, seq)] = value
-            ch.nready += 1
-            if ch in ch.src.waiting:  # it has waiters
-                touched.append(ch)
+            if ch is None:  # a new channel: nobody waits on it yet
+                ch = chans[key] = Channel(step, key, src, inc)
+                ch.nready = 1
+            else:
+                ch.nready += 1
+                if ch in ch.src.waiting:  # it has waiters
+                    touched.append(ch)
 
     def _refused(
         self, src: Source, payload: memoryview, e: RendezvousError

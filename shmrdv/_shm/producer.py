@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +84,17 @@ class _Allocation:
 class _Route:
     """What this producer keeps per consumer worker: its ring and its doorbell."""
 
-    __slots__ = ("bell", "bell_look_at", "ring", "ring_mem", "ring_segment", "ring_size", "task")
+    __slots__ = (
+        "bell",
+        "bell_look_at",
+        "post",
+        "ring",
+        "ring_buf",
+        "ring_mem",
+        "ring_segment",
+        "ring_size",
+        "task",
+    )
 
     def __init__(self, task: str, ring: tuple[Segment, Ring] | None) -> None:
         self.task = task
@@ -92,24 +103,31 @@ class _Route:
         # The ring's mapping (``mmap.size()`` is one fstat): checked before every write.
         self.ring_mem: Any = None if ring is None else ring[0].buf
         self.ring_size = 0 if ring is None else ring[0].size
+        self.ring_buf: memoryview = memoryview(b"") if ring is None else ring[1].buf
         self.bell: Bell | None = None
+        self.post: Callable[[], None] | None = None  # ``bell.post``, while ``bell`` is set
         self.bell_look_at = 0.0
 
 
 class _KeyOut:
     """What a send of one key needs that does not change from one message to the next:
-    the key's UTF-8 bytes, its route, the header template of the (dtype, shape) last sent
-    under it and that header with the key in place (``Template.keyed``)."""
+    the key (its string and UTF-8 bytes), its route, the header template of the (dtype,
+    shape) last sent under it, that header with the key in place (``Template.keyed``) and
+    whether such a message goes inline (``inline``: through the ring)."""
 
-    __slots__ = ("dtype", "header", "raw", "route", "shape", "template")
+    __slots__ = ("dtype", "fk", "header", "inline", "raw", "route", "shape", "template")
 
-    def __init__(self, raw: bytes, route: _Route, t: layout.Template) -> None:
+    def __init__(
+        self, fk: str, raw: bytes, route: _Route, t: layout.Template, inline: bool
+    ) -> None:
+        self.fk = fk
         self.raw = raw
         self.route = route
         self.template = t
         self.dtype = t.dtype
         self.shape = t.shape
         self.header = t.keyed(raw)
+        self.inline = inline
 
 
 # How often a producer looks again for the doorbell of a consumer that has not started.
@@ -272,6 +290,29 @@ class Producer:
         is_dead: bool,
         timeout: float | None = None,
     ) -> None:
+        if self._inflight is not None or self._allocations:
+            self._send_checked(step_id, key, value, is_dead, timeout)
+            return
+        # The hot path of a send (no window, no array from ``allocate``): what the key's
+        # messages share is cached (``_KeyOut``), and a small one goes straight to the ring.
+        out = self._outs.get(key.full_key)
+        if out is None or out.dtype is not value.dtype or out.shape != value.shape:
+            out = self._key_out(key, value)
+        if out.inline and self._send_inline(step_id, out, value, 1 if is_dead else 0, None):
+            return
+        t = out.template
+        self._send_copy(step_id, key, out.raw, value, t, out.route, 1 if is_dead else 0, None)
+
+    def _send_checked(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        value: npt.NDArray[Any],
+        is_dead: bool,
+        timeout: float | None,
+    ) -> None:
+        """``send`` with a ``max_inflight_bytes`` window, or while arrays from ``allocate``
+        are out (``value`` may be one of them)."""
         if self._inflight is None:
             self._send(step_id, key, value, is_dead, None)
             return
@@ -298,13 +339,10 @@ class Producer:
         out = self._outs.get(key.full_key)
         if out is None or out.dtype is not value.dtype or out.shape != value.shape:
             out = self._key_out(key, value)
-        t = out.template
         flags = 1 if is_dead else 0
-        if t.nbytes <= self._inline_max and self._send_inline(
-            step_id, key, out.raw, value, t, out.route, flags, ticket, out.header
-        ):
+        if out.inline and self._send_inline(step_id, out, value, flags, ticket):
             return
-        self._send_copy(step_id, key, out.raw, value, t, out.route, flags, ticket)
+        self._send_copy(step_id, key, out.raw, value, out.template, out.route, flags, ticket)
 
     def _key_out(self, key: ParsedKey, value: npt.NDArray[Any]) -> _KeyOut:
         """The ``_KeyOut`` of ``key`` for arrays like ``value`` (made, or remade for a new
@@ -312,7 +350,7 @@ class Producer:
         raw = key.full_key.encode()
         t = self._template(value.dtype, value.shape, len(raw))
         route = self._routes.get(key.dst_device) or self._route(key)
-        out = _KeyOut(raw, route, t)
+        out = _KeyOut(key.full_key, raw, route, t, t.nbytes <= self._inline_max)
         if len(self._outs) >= _TEMPLATES_MAX:
             self._outs.clear()
         self._outs[key.full_key] = out
@@ -321,26 +359,21 @@ class Producer:
     def _send_inline(
         self,
         step_id: int,
-        key: ParsedKey,
-        raw: bytes,
+        out: _KeyOut,
         value: npt.NDArray[Any],
-        t: layout.Template,
-        route: _Route,
         flags: int,
         ticket: Ticket | None,
-        header: bytes | None = None,
     ) -> bool:
         """Append the message to the consumer's ring; False if it has no ring or no room.
 
-        ``header``: ``t.keyed(raw)``, if the caller keeps it. The hot path of a small send,
-        hence written out: one lock, one ``fstat`` (``_ring_intact``), one header copy and
-        pack, one data copy, one store of ``head``.
+        The hot path of a small send, hence written out: one lock, one ``fstat``
+        (``_ring_intact``), one header copy and pack, one data copy, one store of ``head``.
         """
+        t = out.template
         n = t.nbytes
         data = value.tobytes() if n else b""
-        if header is None:
-            header = t.keyed(raw)
-        fk = key.full_key
+        route = out.route
+        fk = out.fk
         lock = self._publish_lock
         lock.acquire()
         try:
@@ -362,9 +395,9 @@ class Producer:
             if at < 0:
                 self.counters["ring_full"] += 1
                 return False  # full: this one goes through a segment, in sequence
-            buf = ring.buf
+            buf = route.ring_buf
             t.write_keyed(
-                buf, at, header, flags, step_id, seq, self._inc, self._pid, -1, time.time_ns()
+                buf, at, out.header, flags, step_id, seq, self._inc, self._pid, -1, time.time_ns()
             )
             if n:
                 at += t.data_offset
@@ -378,8 +411,16 @@ class Producer:
         counters = self.counters
         counters["sent"] += 1
         counters["sent_bytes"] += n
-        bell = route.bell
-        if bell is not None or (bell := self._peer_bell(route)) is not None:
+        bell = route.bell  # (read before ``post``: set before it, cleared after it)
+        post = route.post
+        if post is not None:
+            try:
+                post()  # ``Bell.post``: the semaphore's own, without a Python call around it
+            except Exception:
+                bell = bell or route.bell
+                if bell is not None:
+                    bell.ring()  # says what is wrong (closed), or drops a saturating post
+        elif (bell := bell or self._peer_bell(route)) is not None:
             bell.ring()
         return True
 
@@ -472,7 +513,8 @@ class Producer:
         if alloc.segment is None:
             # A small one: inline through the ring, else (ring full) a segment of its own.
             try:
-                if not self._send_inline(step_id, key, raw, value, t, route, flags, ticket):
+                out = _KeyOut(key.full_key, raw, route, t, True)
+                if not self._send_inline(step_id, out, value, flags, ticket):
                     self._send_copy(step_id, key, raw, value, t, route, flags, ticket)
             except BaseException:
                 alloc.sent = False
@@ -591,6 +633,7 @@ class Producer:
         with self._lock:
             if route.bell is None:
                 route.bell = bell
+                route.post = bell.post
             else:
                 bell.close()
             return route.bell
@@ -625,6 +668,7 @@ class Producer:
         with self._lock:
             bells = [r.bell for r in routes if r.bell is not None]
             for r in routes:
+                r.post = None
                 r.bell = None
         for b in bells:
             b.close()

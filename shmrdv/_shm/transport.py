@@ -113,7 +113,8 @@ class ShmTransport:
         is_dead: bool,
         timeout: float | None = None,
     ) -> None:
-        self._consumer.check_open(step_id)
+        if self._consumer.refusing:
+            self._consumer.check_open(step_id)
         self._producer.send(step_id, key, value, is_dead, timeout)
 
     # -- consumer side ----------------------------------------------------------------
