@@ -196,18 +196,19 @@ class PickWatch:
                     self._running = False
                     return
 
-    def _look(self, race: RaceRecv, pick: Pick) -> bool:
-        """Whether ``race`` needs no more looking (ended, or its pick's leg added)."""
+    @staticmethod
+    def _look(race: RaceRecv, pick: Pick) -> bool:
+        """Whether ``race`` needs no more looking (ended, or its pick's leg added). An
+        error of the pick or of the leg's start is the receive's: it ends with it."""
         if race.ended:
             return True
         try:
             found = pick()
-        except Exception as e:  # no transport reaches the producer: the receive fails
+            if found is None:
+                return False
+            (leg,) = found
+            if leg is not None:
+                race.add(leg)
+        except Exception as e:
             race.fail(e)
-            return True
-        if found is None:
-            return False
-        (leg,) = found
-        if leg is not None:
-            race.add(leg)
         return True

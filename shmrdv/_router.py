@@ -216,15 +216,21 @@ class Router:
         return t
 
     def others_reaching(self, r: KeyRoute, first: Transport) -> bool:
-        """Whether ``r``'s peer, by its provisional record, takes a transport of this
-        worker's but ``first`` (a receive started now may have to listen there too; which
-        one reaches is asked once the record is final, so that no transport is made
-        before it is needed)."""
+        """Whether a receive of ``r``'s key, started on ``first`` by a provisional record
+        (the producer's order not known), may have to listen elsewhere too: whether its
+        peer may take another transport of this worker's that may reach it. A transport
+        not made yet is not made for this (gRPC's client: asked once the record is final)."""
         peer = r.peer
         assert peer is not None
         record = self.rc.ctx.peers.lookup(peer)
-        return not record.final and any(
-            n != first.name and n in record.transports for n in self.rc.order
+        if record.final:
+            return True  # final since ``transport(r)`` looked: the watch settles it at once
+        made = {t.name: t for t in self.rc.active()}
+        return any(
+            n != first.name
+            and n in record.transports
+            and (n not in made or made[n].can_reach(record))
+            for n in self.rc.order
         )
 
     def watch_pick(
