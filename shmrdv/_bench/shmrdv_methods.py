@@ -157,12 +157,13 @@ class _Ponger:
             if self._per_step:  # TensorFlow's pattern: the data key once per step
                 step += 1
                 a = self._w.rendezvous(step).recv(self._data, timeout=None).value
-                self._w.cleanup(step)
             else:
                 a = self._rdv.recv(self._data, timeout=None).value
             ack = handler(a)
             del a  # the slot goes back to the producer's pool
             self._rdv.send(self._ack, np.array(ack, dtype=np.int64))
+            if step:
+                self._w.cleanup(step)  # the step's end, as TensorFlow's worker ends it
 
     def close(self) -> None:
         # Over gRPC the pinger pulls the last ack from this worker's outbox: stay until it
