@@ -100,6 +100,10 @@ class RecvService:
         """Forget cached responses of ``step_id`` (TensorFlow: on CleanupGraph)."""
         self._waits.drop_step(step_id)
 
+    def caches_any(self) -> bool:
+        """Whether any response is cached (any thread: a snapshot)."""
+        return self._waits.caches_any()
+
     def stats(self) -> dict[str, int]:
         """Counters: calls, values and bytes served, errors, and ``Waits.stats``'."""
         return {**self._stats, **self._waits.stats()}
