@@ -25,11 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 
 from .._errors import InvalidArgumentError, ResourceExhaustedError
+from .._received import Received, received
 from .tensors import (
     MAX_MESSAGE_BYTES,
     DecodedTensor,
@@ -38,6 +41,7 @@ from .tensors import (
     tensor_parts,
     tensor_value,
 )
+from .tf_dtypes import PLAIN_OF_TF
 from .wire import (
     I64,
     LEN,
@@ -64,6 +68,7 @@ __all__ = [
     "MAX_ACKS",
     "RecvRequest",
     "decode_mark_recv_finished",
+    "decode_received",
     "decode_request",
     "decode_response",
     "decode_status_response",
@@ -153,6 +158,82 @@ def decode_response(data: Buffer) -> DecodedTensor:
     except (Malformed, InvalidArgumentError) as e:
         raise InvalidArgumentError(f"Cannot parse tensor from response: {e}") from e
     return DecodedTensor(value, is_dead, send_start_micros, require_ack)
+
+
+def decode_received(data: bytes) -> Received:
+    """What a receive returns for ``RecvTensorResponse`` bytes: the value as a private,
+    writable array (the one copy of its bytes) and its ``is_dead`` flag.
+
+    A response laid out as shmrdv's and TensorFlow's servers write it (the small fields,
+    then the tensor: a plain dtype, a shape of sizes >= 1, its ``tensor_content`` last)
+    is read in one pass here; any other goes through ``decode_response`` (and its
+    errors).
+    """
+    plain = _plain_response(data)
+    if plain is not None:
+        return plain
+    decoded = decode_response(data)
+    return received(np.array(decoded.value, copy=True), decoded.is_dead)
+
+
+def _plain_response(b: bytes) -> Received | None:
+    """``decode_received`` of the usual layout, or None (anything else). What it accepts
+    the element-count rule accepts too: every size >= 1 and ``count * itemsize`` equal to
+    a content under 2 GiB keep the count far below ``_values.MAX_ELEMENTS``."""
+    try:
+        n = len(b)
+        pos = 0
+        is_dead = False
+        while b[pos] != 0x0A:  # fields 2, 3, 5 (varints) come before the tensor
+            tag = b[pos]
+            if tag not in (0x10, 0x18, 0x28):
+                return None
+            v = b[pos + 1]
+            pos += 2
+            if v >= 0x80:
+                v, pos = read_varint(b, pos - 1, n)
+            if tag == 0x10:
+                is_dead = v != 0
+        size = b[pos + 1]
+        pos += 2
+        if size >= 0x80:
+            size, pos = read_varint(b, pos - 1, n)
+        if pos + size != n or b[pos] != 0x08 or b[pos + 1] >= 0x80:  # the tensor ends it
+            return None
+        dtype = PLAIN_OF_TF.get(b[pos + 1])
+        pos += 2
+        if dtype is None:
+            return None
+        shape: list[int] = []
+        if b[pos] == 0x12:  # tensor_shape: dims of one size field each
+            if b[pos + 1] >= 0x80:
+                return None
+            end = pos + 2 + b[pos + 1]
+            pos += 2
+            while pos < end:
+                if b[pos] != 0x12 or b[pos + 1] >= 0x80 or b[pos + 2] != 0x08:
+                    return None
+                dim_end = pos + 2 + b[pos + 1]
+                dim, pos = read_varint(b, pos + 3, dim_end)
+                if pos != dim_end or not 1 <= dim <= _I64_MAX:
+                    return None
+                shape.append(dim)
+            if pos != end or len(shape) > _MAX_PLAIN_DIMS:
+                return None
+        if b[pos] != 0x22:
+            return None
+        size, pos = read_varint(b, pos + 1, n)
+        count = prod(shape)
+        if pos + size != n or count * dtype.itemsize != size:
+            return None
+    except (IndexError, Malformed):
+        return None
+    # The one copy: the response bytes into a private, writable array.
+    return received(np.frombuffer(b, dtype, count, pos).reshape(shape).copy(), is_dead)
+
+
+_I64_MAX = (1 << 63) - 1
+_MAX_PLAIN_DIMS = 32  # numpy allows 64; more go through decode_response
 
 
 @dataclass(frozen=True, slots=True)
