@@ -30,18 +30,18 @@ from .._keys import ParsedKey
 from . import messages
 from .acks import notify
 from .call import Recv
-from .methods import DEFAULT_INLINE_MAX
 from .recv_context import Address, CallContext
 from .recv_errors import timeout_error
 from .rpc_errors import error_code
 
 __all__ = ["OWN_CALL_MAX", "OwnCall"]
 
-#: A blocked receiver makes its own call while its key's values are at most this large:
-#: RecvTensor's inline limit (a larger one is streamed, on a thread of its own). Measured
-#: (a per-step producer/consumer pair, loopback, 1 MiB): 3.4-4.2 ms a round trip with the
-#: own call, 4.5-5.9 ms with a future answered in gRPC's channel thread.
-OWN_CALL_MAX = DEFAULT_INLINE_MAX
+#: A blocked receiver makes its own call while its key's values are at most this large;
+#: larger ones go through a future, answered in gRPC's channel thread. Measured (bench,
+#: pinned, same run): the own call cut a 64 KiB round trip from 1.8-2.2 ms to 1.1 ms, but
+#: made 1 MiB slower (4-5.5 ms against 3.1-3.6 ms; again with this module: shmrdv_grpc_step
+#: at 1 MiB x3.9-8.0 the pull with a 1 MiB limit, x0.7-2.6 with this one).
+OWN_CALL_MAX = 256 << 10
 # After this many own calls (about a second of the wait's 0.2 s turns) without a value,
 # a blocked receiver waits on one long call instead: an idle receiver's repeats cost
 # 0.8-1 % of a core (bench idle probe), one long call about 0.5 %.
