@@ -23,10 +23,9 @@ Thread model (docs/threads.md): the sync gRPC API; thread-safe. A blocking recei
 (``blocking=True``, then ``wait``) makes its call from the receiving thread and waits on
 it there (``own_call``): no thread of ours in between. Otherwise a unary call's outcome
 arrives in gRPC's channel thread and ``done`` runs on a reused callback thread (``runner``); a
-streamed (large) value has a thread of its own. (An asyncio channel would need none of
-this, but grpc.aio does not survive ``fork`` — measured: a forked child's aio calls time
-out — while a fresh sync channel in the child works; research/pitfalls.md §6.) ``done``
-never runs under a lock, and exactly once unless the canceller returned ``True``.
+streamed (large) value has a thread of its own (grpc.aio would need none of this, but it
+does not survive ``fork``: research/pitfalls.md §6). ``done`` never runs under a lock,
+and exactly once unless the canceller returned ``True``.
 
 Fork: channels are per process. A client used in a parent and then in a forked child
 notices the new pid and opens fresh ones in the child; the parent's are left alone
@@ -48,18 +47,16 @@ from .._callbacks import DoneCallback, invoke_done
 from .._errors import CancelledError, InvalidArgumentError, RendezvousError
 from .._keys import ParsedKey
 from .._rendezvous import Canceller, as_parsed_key, check_timeout
-from .._status import error_for_code
 from .._waiters import WaiterTable
-from . import messages
 from .acks import AckQueue
 from .call import Recv
 from .channels import ChannelCache
-from .methods import DEFAULT_INLINE_MAX, GET_STATUS_METHOD
+from .methods import DEFAULT_INLINE_MAX
 from .own_call import OWN_CALL_MAX, OwnCall
 from .recv_context import Address, CallContext
-from .rpc_errors import error_code, error_details
 from .runner import Runner
 from .security import TLSConfig, bearer_metadata, check_token
+from .status import DeviceAttributes, get_status
 
 __all__ = ["RpcClient"]
 
@@ -346,9 +343,7 @@ class RpcClient:
         with self._lock:
             self._aborted.pop(step_id, None)
 
-    def get_status(
-        self, address: str, *, timeout: float = 5.0
-    ) -> tuple[messages.DeviceAttributes, ...]:
+    def get_status(self, address: str, *, timeout: float = 5.0) -> tuple[DeviceAttributes, ...]:
         """TensorFlow's ``GetStatus`` of the worker at ``address`` (its devices); blocks.
 
         Public for tools (``shmrdv serve`` checks, probes): a cheap "is this peer up and
@@ -357,17 +352,7 @@ class RpcClient:
         """
         t = check_timeout(timeout)
         self._check_fork()
-        channel = self._channels.channel(address)
-        try:
-            data = channel.unary_unary(GET_STATUS_METHOD)(b"", timeout=t, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise error_for_code(error_code(e))(
-                f"GetStatus of {address} failed: {error_details(e)}"
-            ) from e
-        try:
-            return messages.decode_status_response(data)
-        except RendezvousError as e:
-            raise type(e)(f"bad GetStatusResponse from {address}: {e}") from e
+        return get_status(self._channels.channel(address), address, self._metadata, t)
 
     # -- lifetime ----------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from .._devices import DeviceName
 from .._errors import RendezvousError
 from .._received import Received
 from .._status import code_for_error
-from . import assembly, messages, tensors
+from . import assembly, messages, status, tensors
 from .methods import SHMRDV_SERVICE, TF_SERVICE
 from .response_cache import Waiter
 from .tensor_source import TensorSource
@@ -200,12 +200,12 @@ class RecvService:
     ) -> bytes:
         """TensorFlow's GetStatus: the worker's one CPU device and its incarnation."""
         del request, context  # GetStatusRequest has no fields
-        device = messages.DeviceAttributes(
+        device = status.DeviceAttributes(
             name=f"{self._task.task_part}/device:CPU:0",
             device_type="CPU",
             incarnation=self._source.incarnation,
         )
-        return messages.encode_status_response([device])
+        return status.encode_status_response([device])
 
     async def _mark_recv_finished(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
