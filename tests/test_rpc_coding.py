@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from shmrdv._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
-from shmrdv._rpc import assembly, messages, tf_dtypes, wire
+from shmrdv._rpc import assembly, messages, status, tf_dtypes, wire
 from shmrdv._rpc.proto import (
     device_attributes_pb2,
     rendezvous_pb2,
@@ -514,10 +514,10 @@ def test_decode_mark_recv_finished_fuzz_raises_only_shmrdv_errors(data: bytes) -
 
 def test_encode_status_response_bytes_equal_generated() -> None:
     devices = [
-        messages.DeviceAttributes(
+        status.DeviceAttributes(
             "/job:w/replica:0/task:0/device:CPU:0", "CPU", 1 << 30, 2**64 - 1, "host", -1
         ),
-        messages.DeviceAttributes(
+        status.DeviceAttributes(
             "/job:w/replica:0/task:0/device:CPU:1", "CPU", incarnation=5, xla_global_id=3
         ),
     ]
@@ -534,9 +534,9 @@ def test_encode_status_response_bytes_equal_generated() -> None:
             for d in devices
         ]
     )
-    ours = messages.encode_status_response(devices)
+    ours = status.encode_status_response(devices)
     assert ours == ref.SerializeToString()
-    assert messages.decode_status_response(ours) == tuple(devices)
+    assert status.decode_status_response(ours) == tuple(devices)
 
 
 # ---------------------------------------------------------------------- streaming
@@ -824,7 +824,7 @@ def test_stream_assembler_fuzz_raises_only_shmrdv_errors(
 @given(data=st.binary(max_size=200))
 def test_decode_status_response_fuzz_raises_only_shmrdv_errors(data: bytes) -> None:
     try:
-        messages.decode_status_response(data)
+        status.decode_status_response(data)
     except WIRE_ERRORS:
         pass
 

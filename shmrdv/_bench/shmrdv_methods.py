@@ -6,6 +6,10 @@
   ``prepare``, as a real producer makes its data in place) and ``send`` only publishes
   it: the handoff costs no copy at all.
 * ``shmrdv_grpc``: the same keys forced over gRPC on loopback (``transports=("grpc",)``).
+* ``shmrdv_grpc_step``: ``shmrdv_grpc`` in TensorFlow's pattern: every round trip's
+  data is received in a step of its own (``rendezvous(step)``, ``recv``,
+  ``cleanup(step)``), so each receive is one ``RecvTensor`` call; the ack comes back as
+  in ``shmrdv_grpc`` (step 0, one key).
 * ``shmrdv_busy`` / ``shmrdv_busy_allocate``: ``shmrdv_send`` / ``shmrdv_allocate`` with
   ``Worker(busy_poll=BUSY_POLL_S)`` on both sides: a blocked receive polls shared memory
   that long before it blocks (issue 18 §1, the low-latency option), against iceoryx2's
@@ -96,6 +100,8 @@ class _Pinger:
         self._data, self._ack = _keys()
         self._allocate = ctx.method.endswith("allocate")
         self._buf: npt.NDArray[Any] | None = None
+        self._per_step = ctx.method.endswith("_step")
+        self._step = 0  # the last data step (shmrdv_grpc_step; the ack stays in step 0)
 
     def prepare(self, src: npt.NDArray[np.float32]) -> None:
         if self._allocate:
@@ -109,9 +115,14 @@ class _Pinger:
             assert buf is not None
             self._rdv.send(self._data, buf)
             del buf
+        elif self._per_step:
+            self._step += 1
+            self._w.rendezvous(self._step).send(self._data, src)
         else:
             self._rdv.send(self._data, src)
         a = self._rdv.recv(self._ack, timeout=_TIMEOUT).value
+        if self._per_step:
+            self._w.cleanup(self._step)  # the ack says the data was taken
         return Ack(int(a[0]), int(a[1]), int(a[2]), int(a[3]))
 
     def close(self) -> None:
@@ -132,6 +143,7 @@ class _Ponger:
         )
         self._rdv = self._w.rendezvous(0)
         self._data, self._ack = _keys()
+        self._per_step = ctx.method.endswith("_step")
         if ctx.method.endswith("_pending"):
             # Issue 15 §1: a consumer with many receives posted on keys not sent yet
             # (a step with many edges); each handoff must not cost more for them.
@@ -140,11 +152,18 @@ class _Ponger:
                 self._rdv.recv_future(shmrdv.create_key(a, 0, b, f"bench_pending_{i}"))
 
     def serve(self, handler: Handler) -> None:
+        step = 0
         while not handler.done:
-            a = self._rdv.recv(self._data, timeout=None).value
+            if self._per_step:  # TensorFlow's pattern: the data key once per step
+                step += 1
+                a = self._w.rendezvous(step).recv(self._data, timeout=None).value
+            else:
+                a = self._rdv.recv(self._data, timeout=None).value
             ack = handler(a)
             del a  # the slot goes back to the producer's pool
             self._rdv.send(self._ack, np.array(ack, dtype=np.int64))
+            if step:
+                self._w.cleanup(step)  # the step's end, as TensorFlow's worker ends it
 
     def close(self) -> None:
         # Over gRPC the pinger pulls the last ack from this worker's outbox: stay until it
@@ -199,6 +218,18 @@ for _spec in (
         sweep=_sweep,
         group="shmrdv",
         baseline="grpc_pull",  # RecvTensor is a pull: compared with a raw pull (issue 12)
+        receiver_array="writable, the consumer's own",
+    ),
+    MethodSpec(
+        "shmrdv_grpc_step",
+        "shmrdv_grpc in TensorFlow's pattern: each round trip's data key received in a "
+        "new step, one RecvTensor call per receive",
+        shmrdv_pinger,
+        shmrdv_ponger,
+        make_shared=_shared,
+        sweep=_sweep,
+        group="shmrdv",
+        baseline="grpc_pull",
         receiver_array="writable, the consumer's own",
     ),
     MethodSpec(

@@ -1,21 +1,46 @@
 """One receive over gRPC: the state its phases share, ended exactly once.
 
-``Recv`` is one ``RpcClient.start_recv`` (TensorFlow's ``RpcRecvTensorCall``), under a
-fresh request_id. Its unary phase (``recv_unary.UnaryCalls``) asks ``RecvTensor`` with
-shmrdv's ``inline_max``: a tensor up to that size comes back in the one response; a
+``Recv`` is one ``RpcClient.start_recv`` (TensorFlow's ``RpcRecvTensorCall``), under the
+request_id the client drew for it. Its unary phase (``recv_unary.UnaryCalls``) asks
+``RecvTensor`` with shmrdv's ``inline_max``: a tensor up to that size comes back in the one response; a
 larger one stays in the server's response cache and the answer is empty bytes, and the
 receive then streams it (``recv_stream``) under the same request_id (a cache hit) on a
 thread of its own, assembled into one array. Either way the consumer makes one copy of
 the bytes: the response into the writable array it delivers. ``Recv`` holds what the
 phases share (the state, the producer's address and channel, the deadline, retries
-after a transient ``UNAVAILABLE``) and ends the receive exactly once. Retries, deadlines,
-cancels and the errors a receive can end with are described on ``RpcClient``; the errors
-themselves, and when a producer counts as gone, are ``recv_errors``'. What it uses of its
-client is ``recv_context.CallContext``.
+after a transient ``UNAVAILABLE``) and ends the receive exactly once. The errors
+themselves, and when a producer counts as gone, are ``recv_errors``'.
 
-Thread model (docs/threads.md): a blocked receiver's own calls are made in its thread
-(``wait``, ``recv_unary``); other unary outcomes arrive in gRPC's channel thread; a
-streamed value has a thread of its own ("shmrdv-rpc-recv"); a retry or a wait for the
+A receive is TensorFlow's ``RecvFromRemoteAsync`` (research/tf_rendezvous.md §3.1) with
+these additions:
+
+* a transient ``UNAVAILABLE`` (peer not up yet, connection refused or reset before any
+  data came) is retried with backoff (50 ms doubling to 1 s) and the *same*
+  ``request_id``, until the caller cancels or its ``timeout`` expires. The server's
+  response cache makes that safe: a retry joins the first attempt's waiter or gets its
+  delivered value, so a response lost on the wire is not a lost tensor;
+* a producer that was reached and then went away (its server stopping, the connection
+  lost) fails the receive with ``UnavailableError`` naming it, its address and the gRPC
+  status: at once when its server said it is stopping, else after 1 s of not coming
+  back (``recv_errors.PeerWatch``), as shared memory notices a dead producer;
+* a server's longest wait (``RpcServer(max_wait=)``) ending a receive without a timeout
+  of its own is asked again, transparently;
+* once data is flowing the call can no longer be cancelled (the producer has given the
+  value away); a connection lost mid-stream is retried twice (the server still caches
+  the value), then fails with ``UnavailableError``. No partial array is ever delivered;
+* a cancelled call tells the server (``MarkRecvFinished`` with shmrdv's "released"
+  flag): a value the server took for it goes back to its key's head;
+* acks (TensorFlow's ``MarkRecvFinished``) ride on the next request to the same peer;
+  one that none takes within 50 ms goes on its own (``acks``);
+* a peer's bytes that do not parse, or describe an impossible tensor (the element-count
+  rule of ``_values.shape_problem``), fail the receive with ``InternalError`` naming the
+  peer, before anything is allocated.
+
+What it uses of its client is ``recv_context.CallContext``.
+
+Thread model (docs/threads.md): unary outcomes arrive in gRPC's channel thread (a blocked
+receiver's own calls are ``own_call.OwnCall``'s, which hands a receive it cannot finish
+to a ``Recv``); a streamed value has a thread of its own ("shmrdv-rpc-recv"); a retry or a wait for the
 producer's address runs on a timer thread. One lock guards the state; ``done`` never
 runs under it, and runs exactly once unless ``cancel`` returned ``True``.
 """
@@ -35,7 +60,7 @@ from .._keys import ParsedKey
 from .._received import Received
 from . import messages, recv_stream
 from .acks import notify
-from .recv_context import Address, CallContext, new_request_id
+from .recv_context import Address, CallContext
 from .recv_errors import PeerWatch, call_error, out_of_files, timeout_error
 from .recv_unary import UnaryCalls
 
@@ -43,11 +68,6 @@ __all__ = ["Recv"]
 
 _RETRY_INITIAL = 0.05
 _RETRY_MAX = 1.0
-# A blocked receiver makes its own blocking call while its key's values are at most this
-# large; larger ones go through a future, answered in gRPC's channel thread. Measured
-# (bench, pinned, same run): the own call cut a 64 KiB round trip from 1.8-2.2 ms to
-# 1.1 ms, but made 1 MiB slower (4-5.5 ms against 3.1-3.6 ms).
-_OWN_CALL_MAX = 256 << 10
 # How often a receive looks again for the address of a producer that has not started:
 # at first every 50 ms, then less often (doubling, up to 0.4 s), so a receive that waits
 # long for a producer to start costs a few timers a second, not twenty.
@@ -62,9 +82,8 @@ _PENDING, _ARRIVED, _RECEIVING, _DONE, _CANCELLED = range(5)
 class Recv:
     """One ``start_recv``: its state, its phases and its canceller.
 
-    ``blocking``: ``done`` is a blocked receiver's slot (quick, never blocks) and the
-    receiver calls ``wait`` until it is filled: the call it makes itself is waited on and
-    decoded in its own thread.
+    ``blocking``: ``done`` is a blocked receiver's slot (quick, never blocks): it is
+    filled in whatever thread the outcome arrives.
     """
 
     def __init__(
@@ -76,6 +95,7 @@ class Recv:
         done: DoneCallback,
         timeout: float | None,
         blocking: bool,
+        request_id: int,
     ) -> None:
         self._ctx = ctx
         self._resolve = address
@@ -88,7 +108,7 @@ class Recv:
         self._blocking = blocking
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._timeout = timeout
-        self._request_id = new_request_id()
+        self._request_id = request_id
         self._lock = threading.Lock()
         self._state = _PENDING
         self._streaming = False  # the RecvTensorStream phase (in self.thread)
@@ -100,11 +120,8 @@ class Recv:
         self._peer = PeerWatch()  # whether the producer went away
         self._wake: threading.Event | None = None  # ends a stream's backoff pause early
         self.thread: threading.Thread | None = None
-        # The receiving thread makes its calls itself (``wait``) for small values.
-        own_calls = blocking and ctx.last_size(key) <= _OWN_CALL_MAX
-        self._unary = UnaryCalls(
-            self, self._lock, ctx, (step_id, key.full_key, self._request_id), own_calls
-        )
+        self._unary = UnaryCalls(self, self._lock, ctx, (step_id, key.full_key, request_id))
+        self._resumed: tuple[grpc.RpcError | None] | None = None  # ``resume``
 
     @property
     def receiving(self) -> bool:
@@ -149,7 +166,7 @@ class Recv:
                 return False
             self._state = _CANCELLED
             timer, self._timer = self._timer, None
-            issued = self._unary.issued and not self._unary.own_call_out_locked()
+            issued = self._unary.issued
             call = self._stream_call if self._streaming else None
             wake = self._wake
         if wake is not None:
@@ -166,8 +183,7 @@ class Recv:
 
     def close(self, error: BaseException) -> None:
         """Fail this receive with ``error`` unless it already finished (client closed,
-        step aborted): the call in flight is stopped (a blocked receiver's own call ends
-        at its short deadline, and then gives back what it got)."""
+        step aborted): the call in flight is stopped."""
         with self._lock:
             if self._state in (_DONE, _CANCELLED):
                 return
@@ -184,14 +200,6 @@ class Recv:
             call.cancel()
         self._ctx.forget(self)
         invoke_done(self.done, error, None)
-
-    def wait(self, timeout: float) -> bool:
-        """A blocked receiver makes its own call here (``UnaryCalls.wait``), up to
-        ``timeout``. False: nothing to do here (not the receiving thread, or streaming):
-        wait on the slot instead."""
-        if self._streaming:
-            return False
-        return self._unary.wait(timeout)
 
     # -- ending ----------------------------------------------------------------------
 
@@ -232,8 +240,7 @@ class Recv:
     # -- starting: the producer's address and channel ---------------------------------
 
     def start(self) -> None:
-        """Find the producer's address and channel, then make the first call (a blocked
-        receiver's own: its turn, taken in ``wait``). A step id or key the wire cannot
+        """Find the producer's address and channel, then make the first call. A step id or key the wire cannot
         carry fails when the request is encoded."""
         resolve = self._resolve
         if not isinstance(resolve, str):
@@ -253,7 +260,21 @@ class Recv:
         except RendezvousError as e:  # a bad address
             self.deliver(e, None)
             return
-        self._unary.attempt()
+        resumed, self._resumed = self._resumed, None
+        if resumed is None:
+            self._unary.attempt()
+        elif resumed[0] is None:
+            self.start_stream()
+        else:
+            self._unary.failed(resumed[0], [])
+
+    def resume(self, address: str, failure: grpc.RpcError | None) -> None:
+        """Before ``start``: a call under this request_id to ``address`` (an own call,
+        ``own_call``) answered "stream it" (``failure`` None) or failed so; ``start``
+        goes on from there (streams, or retries or names the failure)."""
+        self._address = self._resolve = address
+        self._resumed = (failure,)
+        self._unary.issued = True
 
     def _again(self) -> None:
         """A retry after UNAVAILABLE: look the producer's address up again first (it may

@@ -1,7 +1,9 @@
-"""ChannelCache: one gRPC channel per peer.
+"""ChannelCache: one gRPC channel per peer, and each channel's ``RecvTensor`` callable.
 
 It owns the channel options (TensorFlow's message limits and reconnect backoff,
-keepalive) and opens a peer's channel on first use.
+keepalive) and opens a peer's channel on first use. ``calls`` maps each open channel's
+address to it and its ``RecvTensor`` callable, for a receive's hot path to read without
+a lock or a call.
 
 Fork: channels are per process. A cache used in a parent and then in a forked child
 (``forked()``) keeps the parent's channels referenced, never closed (closing would act on
@@ -18,15 +20,17 @@ import errno
 import logging
 import os
 import threading
+import weakref
 from typing import Any
 
 import grpc
 
 from .._errors import CancelledError, ResourceExhaustedError, UnavailableError
 from .._hostaddr import split_host_port
+from .methods import RECV_TENSOR_METHOD
 from .security import TLSConfig
 
-__all__ = ["ChannelCache"]
+__all__ = ["ChannelCache", "recv_tensor"]
 
 _log = logging.getLogger("shmrdv.rpc.client")
 
@@ -50,6 +54,21 @@ _BASE_OPTIONS: list[tuple[str, Any]] = [
 # max_frame_size 16 MiB or write_buffer_size 8 MiB on both ends.
 
 
+# Each channel's RecvTensor callable, made once: ``Channel.unary_unary`` costs a few
+# microseconds per call (grpcio builds a closure and evaluates its type annotations).
+_RECV_TENSOR: weakref.WeakKeyDictionary[grpc.Channel, grpc.UnaryUnaryMultiCallable] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def recv_tensor(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
+    """``channel``'s RecvTensor callable (identity serializers: bytes in, bytes out)."""
+    method = _RECV_TENSOR.get(channel)
+    if method is None:
+        method = _RECV_TENSOR[channel] = channel.unary_unary(RECV_TENSOR_METHOD)
+    return method
+
+
 class ChannelCache:
     """The channels of one client in one process (``tls``: open TLS channels)."""
 
@@ -59,6 +78,9 @@ class ChannelCache:
         self._lock = threading.Lock()
         self._closed = False
         self._channels: dict[str, grpc.Channel] = {}
+        # address -> (its open channel, that channel's RecvTensor callable); written
+        # under the lock with ``_channels``, read without it.
+        self.calls: dict[str, tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable]] = {}
 
     def forked(self) -> bool:
         """True in a forked child: this cache is the parent's, and is left alone for good."""
@@ -101,6 +123,7 @@ class ChannelCache:
                         ) from e
                     raise UnavailableError(f"cannot open a gRPC channel to {address}: {e}") from e
                 self._channels[address] = channel
+                self.calls[address] = (channel, recv_tensor(channel))
             return channel
 
     def drop_channel(self, address: str, channel: Any) -> None:
@@ -110,6 +133,7 @@ class ChannelCache:
             if current is None or current is not channel:
                 return
             del self._channels[address]
+            self.calls.pop(address, None)
         try:
             current.close()
         except Exception:  # pragma: no cover - closing a broken channel
@@ -125,6 +149,7 @@ class ChannelCache:
         with self._lock:
             self._closed = True
             channels, self._channels = dict(self._channels), {}
+            self.calls = {}
         return channels
 
     def stats(self) -> dict[str, int]:

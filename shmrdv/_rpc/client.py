@@ -7,43 +7,25 @@ is then streamed in chunks with ``RecvTensorStream`` (``call.Recv``). Receives o
 go out one at a time, in order: concurrent calls for one key would reach the producer in
 any order and break the channel's FIFO promise (the oldest receive gets the oldest
 value). The call is TensorFlow's ``RecvFromRemoteAsync`` (research/tf_rendezvous.md §3.1)
-with these additions:
+with additions (retries, a producer gone, cancels, acks, bad bytes) that ``call``
+describes.
 
-* a transient ``UNAVAILABLE`` (peer not up yet, connection refused or reset before any
-  data came) is retried with backoff (50 ms doubling to 1 s) and the *same*
-  ``request_id``, until the caller cancels or its ``timeout`` expires. The server's
-  response cache makes that safe: a retry joins the first attempt's waiter or gets its
-  delivered value, so a response lost on the wire is not a lost tensor;
-* a producer that was reached and then went away (its server stopping, the connection
-  lost) fails the receive with ``UnavailableError`` naming it, its address and the gRPC
-  status: at once when its server said it is stopping, else after 1 s of not coming
-  back (``recv_errors.PeerWatch``), as shared memory notices a dead producer;
-* a server's longest wait (``RpcServer(max_wait=)``) ending a receive without a timeout
-  of its own is asked again, transparently;
-* once data is flowing the call can no longer be cancelled (the producer has given the
-  value away); a connection lost mid-stream is retried twice (the server still caches
-  the value), then fails with ``UnavailableError``. No partial array is ever delivered;
-* a cancelled call tells the server (``MarkRecvFinished`` with shmrdv's "released"
-  flag): a value the server took for it goes back to its key's head;
-* acks (TensorFlow's ``MarkRecvFinished``) ride on the next request to the same peer;
-  one that none takes within 50 ms goes on its own (``acks``);
-* a peer's bytes that do not parse, or describe an impossible tensor (the element-count
-  rule of ``_values.shape_problem``), fail the receive with ``InternalError`` naming the
-  peer, before anything is allocated.
+A blocked receiver of small values makes its call itself, in its own thread
+(``own_call``); anything else is a ``call.Recv``.
 
-Modules: ``call`` (one receive; its phases ``recv_unary`` and ``recv_stream``),
-``recv_errors`` (its errors), ``channels`` (the channel per peer, with fork handling),
-``acks`` (acks piggybacked or sent late), ``runner`` (the callback threads).
+Modules: ``own_call`` (a blocked receiver's own call), ``call`` (one receive; its phases
+``recv_unary`` and ``recv_stream``), ``recv_errors`` (its errors), ``channels`` (the
+channel per peer, with fork handling), ``acks`` (acks piggybacked or sent late),
+``runner`` (the callback threads).
 This module is the client's face: it orders receives, opens them and closes it all.
 
 Thread model (docs/threads.md): the sync gRPC API; thread-safe. A blocking receive
 (``blocking=True``, then ``wait``) makes its call from the receiving thread and waits on
-it there: no thread of ours in between. Otherwise a unary call's outcome arrives in
-gRPC's channel thread and ``done`` runs on a reused callback thread (``runner``); a
-streamed (large) value has a thread of its own. (An asyncio channel would need none of
-this, but grpc.aio does not survive ``fork`` — measured: a forked child's aio calls time
-out — while a fresh sync channel in the child works; research/pitfalls.md §6.) ``done``
-never runs under a lock, and exactly once unless the canceller returned ``True``.
+it there (``own_call``): no thread of ours in between. Otherwise a unary call's outcome
+arrives in gRPC's channel thread and ``done`` runs on a reused callback thread (``runner``); a
+streamed (large) value has a thread of its own (grpc.aio would need none of this, but it
+does not survive ``fork``: research/pitfalls.md §6). ``done`` never runs under a lock,
+and exactly once unless the canceller returned ``True``.
 
 Fork: channels are per process. A client used in a parent and then in a forked child
 notices the new pid and opens fresh ones in the child; the parent's are left alone
@@ -52,6 +34,9 @@ notices the new pid and opens fresh ones in the child; the parent's are left alo
 
 from __future__ import annotations
 
+import os
+import random
+import secrets
 import threading
 from collections.abc import Sequence
 from types import TracebackType
@@ -62,23 +47,28 @@ from .._callbacks import DoneCallback, invoke_done
 from .._errors import CancelledError, InvalidArgumentError, RendezvousError
 from .._keys import ParsedKey
 from .._rendezvous import Canceller, as_parsed_key, check_timeout
-from .._status import error_for_code
 from .._waiters import WaiterTable
-from . import messages
 from .acks import AckQueue
 from .call import Recv
 from .channels import ChannelCache
-from .methods import DEFAULT_INLINE_MAX, GET_STATUS_METHOD
+from .methods import DEFAULT_INLINE_MAX
+from .own_call import OWN_CALL_MAX, OwnCall
 from .recv_context import Address, CallContext
-from .rpc_errors import error_code, error_details
 from .runner import Runner
 from .security import TLSConfig, bearer_metadata, check_token
+from .status import DeviceAttributes, get_status
 
 __all__ = ["RpcClient"]
 
 _JOIN_TIMEOUT = 5.0
-# Keys whose last value size is remembered (``_last_size``).
+# Keys whose last value size is remembered (``_sizes``).
 _SIZES_KEPT = 4096
+# Request ids need to be unique, not secret: a generator seeded from the OS (again in a
+# forked child) costs no syscall per receive, as secrets.randbits would. An odd id is
+# never 0 (TensorFlow: GetUniqueRequestId, a random non-zero int64).
+_ids = random.Random(secrets.randbits(128))
+os.register_at_fork(after_in_child=lambda: _ids.seed(secrets.randbits(128)))
+_new_request_id = _ids.getrandbits
 
 
 class RpcClient:
@@ -117,7 +107,13 @@ class RpcClient:
         # Per (step, key): its receives in order, as waiters (they never queue values:
         # the producer holds those); the head's call is in flight.
         self._queues: WaiterTable[tuple[int, str], None, Recv] = WaiterTable()
-        self._blocked: dict[DoneCallback, Recv] = {}  # blocking receives, by their slot
+        # Own calls (``OwnCall``) by their slot's ``done`` and by (step, key): a key with
+        # one has no ``Recv`` in ``_queues``; receives that come meanwhile wait in
+        # ``_behind`` and go to ``_queues`` when it ends.
+        self._own: dict[DoneCallback, OwnCall] = {}
+        self._own_keys: dict[tuple[int, str], OwnCall] = {}
+        self._behind: dict[tuple[int, str], list[Recv]] = {}
+        self._pid = os.getpid()
         self._aborted: dict[int, BaseException] = {}
         self._closed = False
         self._counters = {"received": 0, "received_bytes": 0}
@@ -133,11 +129,10 @@ class RpcClient:
             inline_max=self._inline_max,
             forget=self._forget,
             count=self._count,
-            last_size=self._last_size,
         )
 
     def _check_fork(self) -> None:
-        if self._channels.forked():
+        if self._pid != os.getpid() and self._channels.forked():
             # A forked child: the parent's channels, threads and locks are not ours.
             self._reset()
 
@@ -152,35 +147,39 @@ class RpcClient:
         *,
         timeout: float | None = None,
         blocking: bool = False,
+        known: str | None = None,
     ) -> Canceller:
         """Start pulling the next value of ``key`` from the worker at ``address``.
 
         ``address``: ``host:port``, or a function returning it that raises
         ``UnavailableError`` while the producer's address is not known (asked again every
-        50 ms). Returns at once. ``done(error, Received)`` is called exactly once unless
-        the returned canceller answers ``True`` (it does while no data has arrived; the
-        call is then stopped and its server-side waiter removed). The value is a private,
+        50 ms); ``known``: its answer of a moment ago, if any. Returns at once.
+        ``done(error, Received)`` is called exactly once unless the returned canceller
+        answers ``True`` (it does while no data has arrived). The value is a private,
         writable array. ``timeout`` bounds the whole receive, retries included
-        (``DeadlineExceededError``); without it an unreachable peer is retried until the
-        caller cancels. Errors name the key and the peer: the server's error class
-        (``AbortedError``, ``InvalidArgumentError``, ...), ``UnavailableError`` for a
-        connection lost mid-stream, ``UnauthenticatedError`` for a refused token.
+        (``DeadlineExceededError``). Errors name the key and the peer (``call``).
 
-        ``blocking``: ``done`` is quick and never blocks (a blocked receiver's slot), and
-        the caller calls ``wait(done, ...)`` until it has run: the call is made, waited on
-        and decoded in the caller's thread. Otherwise ``done`` runs on a callback thread.
+        ``blocking``: ``done`` is quick and never blocks or raises (a blocked receiver's
+        slot), and the caller calls ``wait(done, ...)`` until it has run: for small
+        values the call is made, waited on and decoded in the caller's thread
+        (``own_call``). Otherwise ``done`` runs on a callback thread.
 
-        Raises ``AbortedError`` (the step was aborted: ``abort_step``) at once; ``done``
-        is then never called.
+        Raises ``AbortedError`` (the step was aborted: ``abort_step``) at once.
         """
-        self._check_fork()
-        t = check_timeout(timeout)
+        if self._pid != os.getpid():
+            self._check_fork()
+        t = None if timeout is None else check_timeout(timeout)
+        request_id = _new_request_id(63) | 1  # odd: never 0
+        if blocking and type(key) is ParsedKey:
+            own = self._start_own(address, known, int(step_id), key, done, t, request_id)
+            if own is not None:
+                return own.cancel
         try:
             pk = as_parsed_key(key)
         except RendezvousError as e:
             invoke_done(done, e, None)
             return _too_late
-        recv = Recv(self._context, address, int(step_id), pk, done, t, blocking)
+        recv = Recv(self._context, address, int(step_id), pk, done, t, blocking, request_id)
         k = (recv.step_id, pk.full_key)
         with self._lock:
             err = self._aborted.get(recv.step_id)
@@ -189,11 +188,12 @@ class RpcClient:
             if self._closed:
                 closed = True
             else:
-                closed = False
-                first = self._queues.wait(k, recv)
+                closed = first = False
+                if k in self._own_keys:
+                    self._behind.setdefault(k, []).append(recv)
+                else:
+                    first = self._queues.wait(k, recv)
                 self._inflight.add(recv)
-                if blocking:
-                    self._blocked[done] = recv
         if closed:
             invoke_done(done, CancelledError("RpcClient is closed"), None)
             return _too_late
@@ -201,17 +201,64 @@ class RpcClient:
             recv.start()
         return recv.cancel
 
+    def _start_own(
+        self,
+        address: Address,
+        known: str | None,
+        step_id: int,
+        key: ParsedKey,
+        done: DoneCallback,
+        timeout: float | None,
+        request_id: int,
+    ) -> OwnCall | None:
+        """An own call for this blocked receive, registered; None: a ``Recv`` instead
+        (values too large, another receive of the key in flight, no address yet)."""
+        if self._sizes.get(key.full_key, 0) > OWN_CALL_MAX:
+            return None
+        if known is None:
+            try:
+                known = address if isinstance(address, str) else address()
+            except RendezvousError:
+                return None  # the Recv waits for it, or names the problem
+        if known not in self._channels.calls:
+            try:
+                self._channels.channel(known)
+            except RendezvousError:
+                return None
+        entry = self._channels.calls.get(known)
+        if entry is None:
+            return None
+        k = (step_id, key.full_key)
+        own = OwnCall(
+            self._context, self._end_own, address, known, entry, k, key, done, timeout, request_id
+        )
+        with self._lock:
+            if (
+                self._closed
+                or step_id in self._aborted
+                or k in self._own_keys
+                or (self._inflight and self._queues.head(k) is not None)
+            ):
+                return None
+            self._own[done] = own
+            self._own_keys[k] = own
+        return own
+
     def wait(self, done: DoneCallback, timeout: float) -> bool:
-        """Help the blocking receive whose ``done`` this is: wait up to ``timeout`` on the
-        call it made, and decode its answer here. False: nothing to help with now (wait
+        """Help the blocking receive whose ``done`` this is: make its own call, up to
+        ``timeout``, and decode its answer here. False: nothing to help with now (wait
         on ``done``'s slot instead)."""
-        recv = self._blocked.get(done)
-        return recv is not None and recv.wait(timeout)
+        own = self._own.get(done)
+        if own is None:
+            return False
+        own.wait(timeout)
+        return True
 
     def busy(self, step_id: int, full_key: str) -> bool:
         """Whether a receive of (``step_id``, ``full_key``) is in flight or queued here."""
+        k = (step_id, full_key)
         with self._lock:
-            return self._queues.head((step_id, full_key)) is not None
+            return k in self._own_keys or self._queues.head(k) is not None
 
     def channel(self, address: str) -> grpc.Channel:
         """This process's channel to ``address`` (opened on first use; the client's TLS);
@@ -230,13 +277,44 @@ class RpcClient:
         nxt = None
         with self._lock:
             self._inflight.discard(recv)
-            if self._blocked.get(recv.done) is recv:
-                del self._blocked[recv.done]
+            behind = self._behind.get(k)
+            if behind is not None and recv in behind:
+                behind.remove(recv)
+                if not behind:
+                    del self._behind[k]
+                return
             was_head = self._queues.head(k) is recv
             if self._queues.cancel(k, recv) and was_head:
                 nxt = self._queues.head(k)
         if nxt is not None:
             nxt.start()
+
+    def _end_own(self, own: OwnCall, then: Recv | None = None) -> None:
+        """``own`` has ended, or goes on as ``then`` (its ``Recv``, started here): the
+        receives of its key that came meanwhile follow."""
+        k = own.k
+        failed: BaseException | None = None
+        with self._lock:
+            if self._own.get(own.done) is own:
+                del self._own[own.done]
+            if self._own_keys.get(k) is own:
+                del self._own_keys[k]
+            behind = self._behind.pop(k, None)
+            if then is None and behind is None:
+                return
+            head = None
+            if then is not None and (self._closed or k[0] in self._aborted):
+                failed = self._aborted.get(k[0]) or CancelledError("RpcClient is closed")
+            elif then is not None:
+                behind = [then, *(behind or [])]
+                self._inflight.add(then)
+            for recv in behind or ():
+                if self._queues.wait(k, recv) and head is None:
+                    head = recv
+        if then is not None and failed is not None:
+            then.close(failed)
+        if head is not None:
+            head.start()
 
     def _count(self, key: ParsedKey, nbytes: int) -> None:
         self._counters["received"] += 1
@@ -245,18 +323,18 @@ class RpcClient:
             self._sizes.clear()  # a bound, not an LRU: a hint is cheap to learn again
         self._sizes[key.full_key] = nbytes
 
-    def _last_size(self, key: ParsedKey) -> int:
-        """Bytes of the last value of ``key`` received (0: none yet): how a blocked
-        receiver of it will wait (``call``)."""
-        return self._sizes.get(key.full_key, 0)
-
     def abort_step(self, step_id: int, error: BaseException) -> None:
         """Fail every receive of ``step_id`` with ``error``; later ones raise it at once."""
         with self._lock:
             self._aborted.setdefault(step_id, error)
             error = self._aborted[step_id]
-            # Out of the table first: closing one then starts no later one.
+            # Out of the tables first: closing one then starts no later one.
             recvs = self._queues.abort(lambda k: k[0] == step_id)
+            for k in [k for k in self._behind if k[0] == step_id]:
+                recvs += self._behind.pop(k)
+            owns = [own for k, own in self._own_keys.items() if k[0] == step_id]
+        for own in owns:
+            own.close(error)
         for recv in recvs:
             recv.close(error)
 
@@ -265,9 +343,7 @@ class RpcClient:
         with self._lock:
             self._aborted.pop(step_id, None)
 
-    def get_status(
-        self, address: str, *, timeout: float = 5.0
-    ) -> tuple[messages.DeviceAttributes, ...]:
+    def get_status(self, address: str, *, timeout: float = 5.0) -> tuple[DeviceAttributes, ...]:
         """TensorFlow's ``GetStatus`` of the worker at ``address`` (its devices); blocks.
 
         Public for tools (``shmrdv serve`` checks, probes): a cheap "is this peer up and
@@ -276,17 +352,7 @@ class RpcClient:
         """
         t = check_timeout(timeout)
         self._check_fork()
-        channel = self._channels.channel(address)
-        try:
-            data = channel.unary_unary(GET_STATUS_METHOD)(b"", timeout=t, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise error_for_code(error_code(e))(
-                f"GetStatus of {address} failed: {error_details(e)}"
-            ) from e
-        try:
-            return messages.decode_status_response(data)
-        except RendezvousError as e:
-            raise type(e)(f"bad GetStatusResponse from {address}: {e}") from e
+        return get_status(self._channels.channel(address), address, self._metadata, t)
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -301,6 +367,10 @@ class RpcClient:
             self._closed = True
             inflight = self._queues.abort()
             inflight += [r for r in self._inflight if r not in inflight]
+            self._behind.clear()
+            owns = list(self._own_keys.values())
+        for own in owns:
+            own.close(error if error is not None else CancelledError("RpcClient closed"))
         by_address = self._channels.close()
         unsent = self._acks.close(_JOIN_TIMEOUT)
         for recv in inflight:
@@ -330,7 +400,7 @@ class RpcClient:
         out = self._channels.stats()
         out.update(self._counters)
         with self._lock:
-            out["inflight"] = len(self._inflight)
+            out["inflight"] = len(self._inflight) + len(self._own_keys)
             out["receiving"] = sum(1 for r in self._inflight if r.receiving)
         return out
 

@@ -6,8 +6,8 @@ the reference the tests compare these bytes against:
 
 * ``RecvTensorRequest`` (with shmrdv's extension fields 1001-1002: acks, inline limit)
   and ``RecvTensorResponse`` (the tensor from ``tensors``);
-* ``MarkRecvFinishedRequest`` (with shmrdv's extension field 1001: "released") and
-  ``GetStatusResponse`` (``DeviceAttributes``).
+* ``MarkRecvFinishedRequest`` (with shmrdv's extension field 1001: "released");
+  ``GetStatusResponse`` is ``status``'.
 
 A response is written as TensorFlow's worker writes it (the small fields first, then
 the tensor, whose content is the array's own buffer appended with one copy), so the
@@ -25,11 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 
 from .._errors import InvalidArgumentError, ResourceExhaustedError
+from .._received import Received, received
+from .status import DEVICE_LOCALITY
 from .tensors import (
     MAX_MESSAGE_BYTES,
     DecodedTensor,
@@ -38,10 +42,9 @@ from .tensors import (
     tensor_parts,
     tensor_value,
 )
+from .tf_dtypes import PLAIN_OF_TF
 from .wire import (
-    I64,
     LEN,
-    U64,
     VARINT,
     Buffer,
     Malformed,
@@ -60,27 +63,16 @@ from .wire import (
 )
 
 __all__ = [
-    "DeviceAttributes",
     "MAX_ACKS",
     "RecvRequest",
     "decode_mark_recv_finished",
+    "decode_received",
     "decode_request",
     "decode_response",
-    "decode_status_response",
     "encode_mark_recv_finished",
     "encode_request",
     "encode_response",
-    "encode_status_response",
 ]
-
-
-_INTERCONNECT_LINK: Schema = {1: (VARINT, None), 2: (LEN, "str"), 3: (VARINT, None)}
-
-
-_LOCAL_LINKS: Schema = {1: (LEN, _INTERCONNECT_LINK)}
-
-
-_DEVICE_LOCALITY: Schema = {1: (VARINT, None), 2: (VARINT, None), 3: (LEN, _LOCAL_LINKS)}
 
 
 _ANY: Schema = {1: (LEN, "str"), 2: (LEN, None)}
@@ -153,6 +145,82 @@ def decode_response(data: Buffer) -> DecodedTensor:
     except (Malformed, InvalidArgumentError) as e:
         raise InvalidArgumentError(f"Cannot parse tensor from response: {e}") from e
     return DecodedTensor(value, is_dead, send_start_micros, require_ack)
+
+
+def decode_received(data: bytes) -> Received:
+    """What a receive returns for ``RecvTensorResponse`` bytes: the value as a private,
+    writable array (the one copy of its bytes) and its ``is_dead`` flag.
+
+    A response laid out as shmrdv's and TensorFlow's servers write it (the small fields,
+    then the tensor: a plain dtype, a shape of sizes >= 1, its ``tensor_content`` last)
+    is read in one pass here; any other goes through ``decode_response`` (and its
+    errors).
+    """
+    plain = _plain_response(data)
+    if plain is not None:
+        return plain
+    decoded = decode_response(data)
+    return received(np.array(decoded.value, copy=True), decoded.is_dead)
+
+
+def _plain_response(b: bytes) -> Received | None:
+    """``decode_received`` of the usual layout, or None (anything else). What it accepts
+    the element-count rule accepts too: every size >= 1 and ``count * itemsize`` equal to
+    a content under 2 GiB keep the count far below ``_values.MAX_ELEMENTS``."""
+    try:
+        n = len(b)
+        pos = 0
+        is_dead = False
+        while b[pos] != 0x0A:  # fields 2, 3, 5 (varints) come before the tensor
+            tag = b[pos]
+            if tag not in (0x10, 0x18, 0x28):
+                return None
+            v = b[pos + 1]
+            pos += 2
+            if v >= 0x80:
+                v, pos = read_varint(b, pos - 1, n)
+            if tag == 0x10:
+                is_dead = v != 0
+        size = b[pos + 1]
+        pos += 2
+        if size >= 0x80:
+            size, pos = read_varint(b, pos - 1, n)
+        if pos + size != n or b[pos] != 0x08 or b[pos + 1] >= 0x80:  # the tensor ends it
+            return None
+        dtype = PLAIN_OF_TF.get(b[pos + 1])
+        pos += 2
+        if dtype is None:
+            return None
+        shape: list[int] = []
+        if b[pos] == 0x12:  # tensor_shape: dims of one size field each
+            if b[pos + 1] >= 0x80:
+                return None
+            end = pos + 2 + b[pos + 1]
+            pos += 2
+            while pos < end:
+                if b[pos] != 0x12 or b[pos + 1] >= 0x80 or b[pos + 2] != 0x08:
+                    return None
+                dim_end = pos + 2 + b[pos + 1]
+                dim, pos = read_varint(b, pos + 3, dim_end)
+                if pos != dim_end or not 1 <= dim <= _I64_MAX:
+                    return None
+                shape.append(dim)
+            if pos != end or len(shape) > _MAX_PLAIN_DIMS:
+                return None
+        if b[pos] != 0x22:
+            return None
+        size, pos = read_varint(b, pos + 1, n)
+        count = prod(shape)
+        if pos + size != n or count * dtype.itemsize != size:
+            return None
+    except (IndexError, Malformed):
+        return None
+    # The one copy: the response bytes into a private, writable array.
+    return received(np.frombuffer(b, dtype, count, pos).reshape(shape).copy(), is_dead)
+
+
+_I64_MAX = (1 << 63) - 1
+_MAX_PLAIN_DIMS = 32  # numpy allows 64; more go through decode_response
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +299,7 @@ def decode_request(data: Buffer) -> RecvRequest:
             elif f.number == 3 and f.wire_type == VARINT:
                 dma_ok = bool(f.value)
             elif f.number in (4, 5) and f.wire_type == LEN:
-                validate(buf, f.value, f.end, _DEVICE_LOCALITY)
+                validate(buf, f.value, f.end, DEVICE_LOCALITY)
             elif f.number == 6 and f.wire_type == LEN:
                 validate(buf, f.value, f.end, _ANY)
             elif f.number == 7 and f.wire_type == VARINT:
@@ -289,62 +357,3 @@ def decode_mark_recv_finished(data: Buffer) -> tuple[int, bool]:
     except Malformed as e:
         raise InvalidArgumentError(f"Cannot parse MarkRecvFinishedRequest: {e}") from e
     return request_id, released
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceAttributes:
-    """TensorFlow's ``DeviceAttributes`` (the fields shmrdv fills; no locality)."""
-
-    name: str
-    device_type: str
-    memory_limit: int = 0
-    incarnation: int = 0  # fixed64 on the wire; TensorFlow: "should never be 0"
-    physical_device_desc: str = ""
-    xla_global_id: int = -1  # TensorFlow: -1 if unavailable
-
-
-def _device_bytes(d: DeviceAttributes) -> bytes:
-    if not 0 <= d.incarnation <= U64:
-        raise InvalidArgumentError(f"incarnation {d.incarnation} is not a uint64")
-    check_int64("memory_limit", d.memory_limit)
-    check_int64("xla_global_id", d.xla_global_id)
-    return b"".join(
-        [
-            len_field(1, d.name.encode()) if d.name else b"",
-            len_field(2, d.device_type.encode()) if d.device_type else b"",
-            int_field(4, d.memory_limit),
-            encode_tag(6, I64) + d.incarnation.to_bytes(8, "little") if d.incarnation else b"",
-            len_field(7, d.physical_device_desc.encode()) if d.physical_device_desc else b"",
-            int_field(8, d.xla_global_id),
-        ]
-    )
-
-
-def encode_status_response(devices: Sequence[DeviceAttributes]) -> bytes:
-    """``GetStatusResponse`` bytes listing ``devices``."""
-    return b"".join(len_field(1, _device_bytes(d)) for d in devices)
-
-
-def decode_status_response(data: Buffer) -> tuple[DeviceAttributes, ...]:
-    """Parse ``GetStatusResponse`` bytes; ``InvalidArgumentError`` if they do not parse."""
-    buf = as_buffer(data)
-    out = []
-    try:
-        for f in iter_fields(buf, 0, len(buf)):
-            if f.number != 1 or f.wire_type != LEN:
-                continue
-            v: dict[str, Any] = {"name": "", "device_type": "", "xla_global_id": 0}
-            for g in iter_fields(buf, f.value, f.end):
-                if g.wire_type == LEN and g.number in (1, 2, 7):
-                    name = {1: "name", 2: "device_type", 7: "physical_device_desc"}[g.number]
-                    v[name] = read_utf8(buf, g.value, g.end, f"DeviceAttributes.{name}")
-                elif g.wire_type == VARINT and g.number in (4, 8):
-                    v["memory_limit" if g.number == 4 else "xla_global_id"] = signed64(g.value)
-                elif g.wire_type == I64 and g.number == 6:
-                    v["incarnation"] = g.value
-                elif g.wire_type == LEN and g.number == 5:
-                    validate(buf, g.value, g.end, _DEVICE_LOCALITY)
-            out.append(DeviceAttributes(**v))
-    except Malformed as e:
-        raise InvalidArgumentError(f"Cannot parse GetStatusResponse: {e}") from e
-    return tuple(out)

@@ -3,19 +3,14 @@
 ``call.Recv`` and its phases (``recv_unary``, ``recv_stream``) use the client only
 through ``CallContext``: the channels (``channels.ChannelCache``), the acks
 (``acks.AckQueue``), the callback threads (``runner.Runner``), the call metadata and
-inline limit, and the client's books (``forget``, ``count``, ``last_size``).
-``new_request_id`` draws a receive's request_id.
+inline limit, and the client's books (``forget``, ``count``).
 
-Thread model: none of its own; the context is immutable, the id generator is
-thread-safe (``random.Random`` under the GIL) and reseeded in a forked child.
+Thread model: none of its own; the context is immutable.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import random
-import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +19,7 @@ from .acks import AckQueue
 from .channels import ChannelCache
 from .runner import Runner
 
-__all__ = ["Address", "CallContext", "new_request_id"]
+__all__ = ["Address", "CallContext"]
 
 #: The producer's ``host:port``, or a function that returns it and raises
 #: ``UnavailableError`` while it is not known yet (a producer that has not started).
@@ -42,18 +37,3 @@ class CallContext:
     inline_max: int
     forget: Callable[[Any], None]  # this ``call.Recv`` has ended (delivered, failed, cancelled)
     count: Callable[[ParsedKey, int], None]  # a value of this many bytes was received
-    last_size: Callable[[ParsedKey], int]  # bytes of the key's last value (0: none yet)
-
-
-# Request ids need to be unique, not secret: a generator seeded from the OS (again in a
-# forked child) costs no syscall per receive, as secrets.randbits would.
-_ids = random.Random(secrets.randbits(128))
-os.register_at_fork(after_in_child=lambda: _ids.seed(secrets.randbits(128)))
-
-
-def new_request_id() -> int:
-    """A fresh request_id (TensorFlow: GetUniqueRequestId, a random non-zero int64)."""
-    while True:
-        rid = _ids.getrandbits(63)
-        if rid:
-            return rid

@@ -1,14 +1,11 @@
 """A receive's unary phase: its ``RecvTensor`` calls, made again until one answers.
 
 ``UnaryCalls`` makes the calls of one ``call.Recv`` (its ``UnaryOwner``), all under the
-receive's request_id, with shmrdv's ``inline_max`` and the acks that ride on them. A
-blocked receiver of small values makes its own call in ``wait``: a plain blocking unary
-call, which grpcio answers in the calling thread (no channel thread, no future: measured
-~250 µs less per call than waiting on a future), with a deadline of at most the wait's
-period (0.2 s), made again until the value comes (the server's response cache makes the
-repeats safe). Any other call is a gRPC future whose outcome arrives in gRPC's channel
-thread. An answer with the value is decoded and copied once into the writable array
-delivered; an empty answer (the value is larger than ``inline_max``) hands the receive
+receive's request_id, with shmrdv's ``inline_max`` and the acks that ride on them: gRPC
+futures, whose outcomes arrive in gRPC's channel thread. (A blocked receiver's own calls,
+made in its thread, are the client's: ``client.OwnCall``.) An answer with the value is
+decoded and copied once into the writable array delivered (``messages.decode_received``);
+an empty answer (the value is larger than ``inline_max``) hands the receive
 to its stream phase (``UnaryOwner.start_stream``); a failure is retried or ends the
 receive (``UnaryOwner``).
 
@@ -21,17 +18,14 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-import weakref
 from typing import Any, Protocol
 
 import grpc
-import numpy as np
 
 from .._errors import CancelledError, InternalError, RendezvousError
 from .._received import Received
 from . import messages
-from .methods import RECV_TENSOR_METHOD
+from .channels import recv_tensor
 from .recv_context import CallContext
 from .rpc_errors import error_code
 
@@ -39,28 +33,9 @@ __all__ = ["UnaryCalls", "UnaryOwner"]
 
 _log = logging.getLogger("shmrdv.rpc.client")
 
-# After this many own calls (about a second of the wait's 0.2 s turns) without a value,
-# a blocked receiver waits on one long call instead: an idle receiver's repeats cost
-# 0.8-1 % of a core (bench idle probe), one long call about 0.5 %.
-_OWN_CALLS_IDLE = 5
-# A blocked receiver's own call in flight (``UnaryCalls._call``): no future to cancel.
-_OWN: Any = object()
 # An answer larger than this is decoded and copied on a callback thread, not in gRPC's
 # channel thread (a copy of a few hundred KiB costs less than the thread switch).
 _COPY_IN_CHANNEL_THREAD = 1 << 20
-# Each channel's RecvTensor callable, made once: ``Channel.unary_unary`` costs a few
-# microseconds per call (grpcio builds a closure and evaluates its type annotations).
-_RECV_TENSOR: weakref.WeakKeyDictionary[grpc.Channel, grpc.UnaryUnaryMultiCallable] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _recv_tensor(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
-    """``channel``'s RecvTensor callable (identity serializers: bytes in, bytes out)."""
-    method = _RECV_TENSOR.get(channel)
-    if method is None:
-        method = _RECV_TENSOR[channel] = channel.unary_unary(RECV_TENSOR_METHOD)
-    return method
 
 
 class UnaryOwner(Protocol):
@@ -104,11 +79,7 @@ class UnaryOwner(Protocol):
 
 
 class UnaryCalls:
-    """The ``RecvTensor`` calls of one receive (see the module's docstring).
-
-    ``own_calls``: the receiving thread (the one constructing this) makes them itself in
-    ``wait``, while its key's values are small.
-    """
+    """The ``RecvTensor`` calls of one receive (see the module's docstring)."""
 
     def __init__(
         self,
@@ -116,20 +87,12 @@ class UnaryCalls:
         lock: threading.Lock,
         ctx: CallContext,
         request: tuple[int, str, int],  # step_id, full key, request_id
-        own_calls: bool,
     ) -> None:
         self._owner = owner
         self._lock = lock
         self._ctx = ctx
         self._step_id, self._full_key, self._request_id = request
-        self._own_calls = own_calls
-        self._thread = threading.get_ident()  # the receiving thread
-        # A blocked receiver's next call is its own to make (in ``wait``), set once the
-        # address is known; ``_go`` wakes it when another thread made it so.
-        self._own_turn = False
-        self._own_made = 0  # own calls made (each ends at its short deadline, or answered)
-        self._go = threading.Event()
-        self._call: Any = None  # the call in flight: a future, or _OWN
+        self._call: Any = None  # the future in flight
         self._acks: list[int] = []  # the acks the future in flight carries
         self.issued = False  # some call went out: the server may hold a value for it
 
@@ -141,23 +104,17 @@ class UnaryCalls:
         call = self._call
         return (
             call is not None
-            and call is not _OWN
             and not call.cancel()
             and call.exception() is None
             and bool(call.result())
         )
 
-    def own_call_out_locked(self) -> bool:
-        """The receiving thread's own call is in progress (it gives up when it returns)."""
-        return self._call is _OWN
-
     def stop(self) -> None:
-        """Cancel the future in flight and wake a receiving thread waiting for its turn."""
+        """Cancel the future in flight."""
         with self._lock:
             call = self._call
-        if call is not None and call is not _OWN:
+        if call is not None:
             call.cancel()
-        self._go.set()
 
     # -- making the calls ----------------------------------------------------------------
 
@@ -171,19 +128,8 @@ class UnaryCalls:
         )
 
     def attempt(self) -> None:
-        """Make the next call: a future (its outcome in gRPC's channel thread), or for a
-        blocked receiver, its turn to make it itself (``wait``)."""
+        """Make the next call: a future, its outcome in gRPC's channel thread."""
         owner = self._owner
-        if self._own_calls and self._own_made < _OWN_CALLS_IDLE:
-            with self._lock:
-                if not owner.pending_locked():
-                    return
-                self._own_turn = True
-            self._go.set()
-            return
-        # A receiver that waited that long for nothing waits on one long call (a future)
-        # from now on: its repeats would cost CPU for a latency nobody waits for.
-        self._own_calls = False
         acks: list[int] = []
         with self._lock:
             if not owner.pending_locked():
@@ -197,7 +143,7 @@ class UnaryCalls:
                 failure: RendezvousError | None = None
                 try:
                     request = self._request(acks)
-                    call = _recv_tensor(owner.channel).future(
+                    call = recv_tensor(owner.channel).future(
                         request, timeout=remaining, metadata=self._ctx.metadata
                     )
                     self.issued = True
@@ -218,77 +164,6 @@ class UnaryCalls:
             owner.deliver(failure, None)
             return
         call.add_done_callback(self._on_callback)
-
-    def wait(self, timeout: float) -> bool:
-        """A blocked receiver makes its own call here: a plain blocking unary call, the
-        one grpcio answers in the calling thread (no channel thread, no future), with a
-        deadline of at most ``timeout``; an answer is decoded and its slot filled here.
-        A call that ends at that deadline is made again under the same request_id at
-        the next ``wait`` (the server's response cache makes that safe). While its turn
-        has not come (queued behind another receive of the key, its producer's address
-        not known yet, a retry's pause) it waits up to ``timeout`` for it. False: nothing
-        to do here (not the receiving thread): wait on the slot instead."""
-        if not self._own_calls or threading.get_ident() != self._thread:
-            return False
-        owner = self._owner
-        end = time.monotonic() + timeout
-        if not self._own_turn:
-            self._go.wait(timeout)
-        failure: RendezvousError | None = None
-        with self._lock:
-            if not owner.pending_locked() or not self._own_turn:
-                return True
-            self._own_turn = False
-            self._go.clear()
-            left = end - time.monotonic()
-            remaining = owner.remaining()
-            if remaining is not None and remaining <= 0:
-                expired = True
-            else:
-                expired = False
-                t = max(left, 0.001) if remaining is None else min(max(left, 0.001), remaining)
-                acks = self._ctx.acks.take(owner.address)
-                try:
-                    request = self._request(acks)
-                except RendezvousError as e:
-                    failure = e
-                else:
-                    self._call = _OWN
-                    self.issued = True
-                    self._own_made += 1
-        if expired:
-            owner.timed_out()
-            return True
-        if failure is not None:
-            self._ctx.acks.give_back(owner.address, acks)
-            owner.deliver(failure, None, here=True)
-            return True
-        data = b""
-        error: grpc.RpcError | None = None
-        try:
-            data = _recv_tensor(owner.channel)(request, timeout=t, metadata=self._ctx.metadata)
-        except grpc.RpcError as e:
-            error = e
-        except ValueError as e:  # the channel was closed under us
-            owner.deliver(CancelledError(f"receiving {owner.where()}: {e}"), None, here=True)
-            return True
-        finally:
-            with self._lock:
-                if self._call is _OWN:
-                    self._call = None
-                mine = owner.pending_locked()
-                if mine and error is None and data:
-                    owner.arrived_locked()
-        if not mine:
-            # Cancelled or closed while the call was out: a value the server took for it
-            # goes back to its key's head.
-            owner.give_up()
-            return True
-        if error is None:
-            self._answered(data, here=True)
-        else:
-            self._failed(error, acks)
-        return True
 
     # -- outcomes ------------------------------------------------------------------------
 
@@ -319,9 +194,9 @@ class UnaryCalls:
         if error is None:
             self._answered(call.result(), here=False)
         else:
-            self._failed(error, acks)
+            self.failed(error, acks)
 
-    def _failed(self, error: grpc.RpcError, acks: list[int]) -> None:
+    def failed(self, error: grpc.RpcError, acks: list[int]) -> None:
         """A call failed: try again (same request_id) or fail the receive."""
         owner = self._owner
         self._ctx.acks.give_back(owner.address, acks)
@@ -361,7 +236,7 @@ class UnaryCalls:
     def _take(self, data: bytes, here: bool) -> None:
         owner = self._owner
         try:
-            decoded = messages.decode_response(data)
+            received = messages.decode_received(data)
         except RendezvousError as e:
             owner.deliver(
                 InternalError(
@@ -372,6 +247,4 @@ class UnaryCalls:
             )
             return
         self._ctx.acks.ack(owner.address, self._request_id)
-        # The one copy: a private, writable array (the response bytes are read-only).
-        value = np.array(decoded.value, copy=True)
-        owner.deliver(None, Received(value, decoded.is_dead), here=here)
+        owner.deliver(None, received, here=here)

@@ -68,8 +68,8 @@ __all__ = ["SeriesClient"]
 
 _PREFETCH_BYTES = 32 << 20
 _MAX_SERIES = 64
-# Receives counted per (step, key) to find the keys that carry a series.
-_COUNTS_KEPT = 4096
+# Keys that had a series, remembered (a bound: those of open series are kept).
+_KEYS_KEPT = 4096
 # After a producer refused a series (its bounds), how long its keys use RecvTensor.
 _REFUSED_PAUSE = 5.0
 _JOIN_TIMEOUT = 5.0
@@ -109,8 +109,9 @@ class SeriesClient:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._series: dict[tuple[int, str], SeriesReader] = {}
-        self._counts: dict[tuple[int, str], int] = {}
-        self._channel_keys: dict[str, None] = {}  # keys that had a series, in any step
+        # The full keys that had a series, in any step: always those of the open series
+        # (read without the lock by the transport, to pick RecvTensor or a series).
+        self.keys: dict[str, None] = {}
         self._aborted: set[int] = set()
         self._unsupported: dict[str, float] = {}  # address -> until (monotonic)
         self._closed = False
@@ -125,8 +126,9 @@ class SeriesClient:
         *,
         blocking: bool = False,
     ) -> Canceller | None:
-        """Receive through the key's series (opened now if the key qualifies); None: use
-        ``RecvTensor`` for this receive. ``address()`` gives the producer's address or
+        """Receive through the key's series (opened now unless too many are open); None:
+        use ``RecvTensor`` for this receive. The transport asks only for a (step, key)
+        received before, or a key in ``keys``. ``address()`` gives the producer's address or
         raises ``RendezvousError``. ``blocking``: ``done`` only fills a blocked
         receiver's slot (the reader runs it); other ``done``s run on a callback thread
         when the value arrives later."""
@@ -135,16 +137,10 @@ class SeriesClient:
         k = (step_id, key.full_key)
         with self._lock:
             series = self._series.get(k)
-            if series is None:
-                if len(self._counts) >= _COUNTS_KEPT and k not in self._counts:
-                    self._counts.clear()  # a bound, not an LRU
-                n = self._counts[k] = self._counts.get(k, 0) + 1
-                if n < 2 and key.full_key not in self._channel_keys:
-                    return None
-                if self._closed or step_id in self._aborted:
-                    return None
-                if len(self._series) >= self._max_series:
-                    return None
+            if series is None and (
+                self._closed or step_id in self._aborted or len(self._series) >= self._max_series
+            ):
+                return None
         if series is not None:
             canceller = series.start_recv(done, blocking)
             if canceller is None:  # over and drained: a new one opens at the next receive
@@ -176,9 +172,9 @@ class SeriesClient:
             if self._closed or k in self._series or k[0] in self._aborted:
                 return None
             series = self._series[k] = SeriesReader(self, channel, where, k[0], key)
-            if len(self._channel_keys) >= _COUNTS_KEPT and k[1] not in self._channel_keys:
-                self._channel_keys.clear()
-            self._channel_keys[k[1]] = None
+            if len(self.keys) >= _KEYS_KEPT and k[1] not in self.keys:
+                self.keys = dict.fromkeys(key for _, key in self._series)
+            self.keys[k[1]] = None
             self._stats["series_opened"] += 1
         canceller = series.start_recv(done, blocking)
         try:
@@ -218,14 +214,12 @@ class SeriesClient:
             s.close(error)
 
     def cleanup_step(self, step_id: int) -> None:
-        """Forget the step: its series (stopped), counts and abort."""
+        """Forget the step: its series (stopped) and abort."""
         with self._lock:
             self._aborted.discard(step_id)
             gone = [s for k, s in self._series.items() if k[0] == step_id]
             for s in gone:
                 del self._series[(s.step_id, s.key.full_key)]
-            for k in [k for k in self._counts if k[0] == step_id]:
-                del self._counts[k]
         for s in gone:
             s.close(CancelledError(f"step {step_id} was cleaned up"))
 

@@ -391,8 +391,13 @@ class RpcServer:
     # -- cache control (called by the Worker, any thread) --------------------------------
 
     def drop_step(self, step_id: int) -> None:
-        """Forget cached responses of ``step_id`` (TensorFlow: on CleanupGraph). Never blocks."""
-        self._call_in_loop(self._service.drop_step, step_id)
+        """Forget cached responses of ``step_id`` (TensorFlow: on CleanupGraph). Never blocks.
+
+        With nothing cached (a consumer's cleanup, say) the loop is not woken: a wake-up
+        costs the cleaning thread a GIL hand-off. A response cached meanwhile goes with
+        its ack or its ttl."""
+        if self._service.caches_any():
+            self._call_in_loop(self._service.drop_step, step_id)
 
     def _call_in_loop(self, fn: Any, *args: Any) -> None:
         loop = self._loop

@@ -32,7 +32,7 @@ from .._devices import DeviceName
 from .._errors import RendezvousError
 from .._received import Received
 from .._status import code_for_error
-from . import assembly, messages, tensors
+from . import assembly, messages, status, tensors
 from .methods import SHMRDV_SERVICE, TF_SERVICE
 from .response_cache import Waiter
 from .tensor_source import TensorSource
@@ -99,6 +99,10 @@ class RecvService:
     def drop_step(self, step_id: int) -> None:
         """Forget cached responses of ``step_id`` (TensorFlow: on CleanupGraph)."""
         self._waits.drop_step(step_id)
+
+    def caches_any(self) -> bool:
+        """Whether any response is cached (any thread: a snapshot)."""
+        return self._waits.caches_any()
 
     def stats(self) -> dict[str, int]:
         """Counters: calls, values and bytes served, errors, and ``Waits.stats``'."""
@@ -196,12 +200,12 @@ class RecvService:
     ) -> bytes:
         """TensorFlow's GetStatus: the worker's one CPU device and its incarnation."""
         del request, context  # GetStatusRequest has no fields
-        device = messages.DeviceAttributes(
+        device = status.DeviceAttributes(
             name=f"{self._task.task_part}/device:CPU:0",
             device_type="CPU",
             incarnation=self._source.incarnation,
         )
-        return messages.encode_status_response([device])
+        return status.encode_status_response([device])
 
     async def _mark_recv_finished(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]

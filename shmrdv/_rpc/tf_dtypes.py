@@ -29,7 +29,9 @@ that names none.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from enum import IntEnum
+from types import MappingProxyType
 from typing import Any, Final
 
 import numpy as np
@@ -39,6 +41,7 @@ from .._dtypes import decode_dtype, encode_dtype
 from .._errors import InternalError, InvalidArgumentError
 
 __all__ = [
+    "PLAIN_OF_TF",
     "DataType",
     "dtype_descriptor",
     "dtype_from_descriptor",
@@ -106,6 +109,13 @@ _TF_OF_NUMPY: dict[np.dtype[Any], DataType] = {
     np.dtype("<u4"): DataType.DT_UINT32,
     np.dtype("<u8"): DataType.DT_UINT64,
 }
+
+
+#: The plain number and bool dtypes by TensorFlow code: their values are ``tensor_content``
+#: as it is (no descriptor, no conversion), what a receive may read without more checks.
+PLAIN_OF_TF: Final[Mapping[int, np.dtype[Any]]] = MappingProxyType(
+    {int(v): k for k, v in _TF_OF_NUMPY.items()}
+)
 
 
 # ml_dtypes kinds by attribute name; those TensorFlow names get its code. int4/uint4

@@ -52,6 +52,9 @@ _CLOSE_GRACE = 1.0
 # answers at once (connection refused, or the channel's last failure); only a host that
 # drops packets makes the probe wait this long, on a receive that already timed out.
 _PROBE_TIMEOUT = 0.25
+# Receives counted per (step, key) to find the keys that carry a series, and producers'
+# addresses kept.
+_COUNTS_KEPT = 4096
 
 
 class GrpcTransport:
@@ -86,7 +89,9 @@ class GrpcTransport:
         self._server: RpcServer | None = None
         self.address: str | None = None
         self._closed = False
-        self._addresses: dict[str, tuple[str, float]] = {}  # task -> (address, looked up)
+        # The producer's address by the key's source device: (address, good until).
+        self._addresses: dict[str, tuple[str, float]] = {}
+        self._counts: dict[tuple[int, str], int] = {}  # receives per (step, full key)
         if bind is not None:
             self._server = RpcServer(
                 bind, self._outbox, tls=tls, token=token, limits=limits
@@ -143,16 +148,33 @@ class GrpcTransport:
         blocking: bool = False,
     ) -> Canceller:
         """Pull the next value of ``key`` (always a private, writable array: ``copy`` is
-        moot). ``blocking``: the caller then calls ``wait`` until ``done`` has run."""
+        moot). ``blocking``: the caller then calls ``wait`` until ``done`` has run.
+
+        A (step, key) received a second time, or a key that had a series, goes to its
+        series (``SeriesClient``); every other receive is one ``RecvTensor`` call
+        (``RpcClient``), made by a blocked receiver's own thread."""
         if self._closed:
             raise closed_error(self.task)
-        canceller = self._series.start_recv(
-            step_id, key, done, lambda: self._address(key), blocking=blocking
-        )
-        if canceller is not None:
-            return canceller
+        k = (step_id, key.full_key)
+        counts = self._counts
+        n = counts.get(k, 0) + 1
+        if n == 1 and len(counts) >= _COUNTS_KEPT:
+            counts.clear()  # a bound, not an LRU: the counts only pick the method
+        counts[k] = n
+        if n > 1 or key.full_key in self._series.keys:
+            canceller = self._series.start_recv(
+                step_id, key, done, lambda: self._address(key), blocking=blocking
+            )
+            if canceller is not None:
+                return canceller
+        known = self._addresses.get(key.src_device)
         return self._client.start_recv(
-            lambda: self._address(key), step_id, key, done, blocking=blocking
+            lambda: self._address(key),
+            step_id,
+            key,
+            done,
+            blocking=blocking,
+            known=known[0] if known is not None and time.monotonic() < known[1] else None,
         )
 
     def _fallback(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
@@ -168,19 +190,19 @@ class GrpcTransport:
     def _address(self, key: ParsedKey) -> str:
         """The producer's gRPC address: the cluster's, else its presence record's (looked
         up again after ``_ADDRESS_TTL``)."""
-        task = key.src.task_part
         now = time.monotonic()
-        known = self._addresses.get(task)
-        if known is not None and now - known[1] < _ADDRESS_TTL:
+        known = self._addresses.get(key.src_device)
+        if known is not None and now < known[1]:
             return known[0]
         address = self._ctx.peers.lookup(key.src).address
-        if address is not None:
-            self._addresses[task] = (address, now)
         if address is None:
             raise UnavailableError(
                 f"no address known for task {key.src} for key {key.full_key!r}: not in the "
                 "cluster spec and not running here"
             )
+        if len(self._addresses) >= _COUNTS_KEPT:
+            self._addresses.clear()
+        self._addresses[key.src_device] = (address, now + _ADDRESS_TTL)
         return address
 
     # -- steps and lifetime -----------------------------------------------------------
@@ -191,6 +213,8 @@ class GrpcTransport:
         self._client.abort_step(step_id, error)
 
     def cleanup_step(self, step_id: int) -> None:
+        for k in [k for k in list(self._counts) if k[0] == step_id]:
+            self._counts.pop(k, None)
         self._outbox.cleanup_step(step_id)
         self._series.cleanup_step(step_id)
         self._client.cleanup_step(step_id)

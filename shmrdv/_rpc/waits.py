@@ -153,6 +153,10 @@ class Waits:
         """Forget cached responses of ``step_id`` (TensorFlow: on CleanupGraph)."""
         self._cache.drop_step(step_id)
 
+    def caches_any(self) -> bool:
+        """Whether any response is cached (any thread: a snapshot)."""
+        return len(self._cache) > 0
+
     def finished(self, request_id: int) -> None:
         """The client has the response of ``request_id`` (an ack): drop it from the cache."""
         self._cache.finished(request_id)
