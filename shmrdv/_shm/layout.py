@@ -383,7 +383,6 @@ class Template:
             ) from e
 
 
-
 def pack(h: Header) -> bytes:
     """``h`` as bytes (the header only, without the padding up to ``data_offset``)."""
     buf = bytearray(header_size(h))

@@ -424,9 +424,7 @@ class Producer:
                 )
                 copy_into(dst, value)
                 del dst
-            name = self._publish(
-                step_id, key, raw, t, seg, _slot_index(slot), route, flags, header
-            )
+            name = self._publish(step_id, key, raw, t, seg, _slot_index(slot), route, flags, header)
             if ticket is not None:
                 ticket.segment(name)
         except BaseException:
@@ -480,9 +478,7 @@ class Producer:
         if alloc.segment is None:
             # A small one: inline through the ring, else (ring full) a segment of its own.
             try:
-                if not self._send_inline(
-                    step_id, key, raw, value, t, route, flags, ticket, header
-                ):
+                if not self._send_inline(step_id, key, raw, value, t, route, flags, ticket, header):
                     self._send_copy(step_id, key, raw, value, t, route, flags, ticket, header)
             except BaseException:
                 alloc.sent = False
