@@ -113,6 +113,15 @@ def check_namespace(namespace: object) -> str:
     return namespace
 
 
+@functools.lru_cache(maxsize=64)
+def _keyed_state(key: bytes, person: bytes) -> Any:
+    """A blake2b state with the key block of ``key`` already absorbed, for ``person``: the
+    names of a pool slot or a message are computed on every handoff, and a copy of this
+    state costs less than keying afresh (the same digest). Kept here, not on ``Names``,
+    which stays plain data (it pickles)."""
+    return hashlib.blake2b(digest_size=DIGEST_BYTES, key=key, person=person)
+
+
 @functools.lru_cache(maxsize=1024)
 def _encoded_task(task: str) -> bytes:
     """The length-prefixed UTF-8 of ``task`` (cached: a worker names few tasks, per message)."""
@@ -178,16 +187,12 @@ class Names:
     namespace_id: str = field(init=False)
     _key: bytes = field(init=False, repr=False, compare=False)
     _prefix: str = field(init=False, repr=False, compare=False)
-    # person -> blake2b state with the key block already absorbed (copied per name: a name
-    # of a pool slot or a message is computed on every handoff).
-    _keyed: dict[bytes, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
         object.__setattr__(self, "namespace_id", namespace_id(self.namespace))
         object.__setattr__(self, "_key", self.namespace.encode("ascii"))
         object.__setattr__(self, "_prefix", f"{PREFIX}{self.namespace_id}_")
-        object.__setattr__(self, "_keyed", {})
 
     @property
     def prefix(self) -> str:
@@ -201,11 +206,7 @@ class Names:
         """blake2b keyed by the token: unpredictable without it (a token is <= 64 bytes, the
         most blake2b takes as a key). The keyed state of ``person`` is made once and copied:
         the same digest as hashing key block and data afresh."""
-        keyed = self._keyed.get(person)
-        if keyed is None:
-            keyed = hashlib.blake2b(digest_size=DIGEST_BYTES, key=self._key, person=person)
-            self._keyed[person] = keyed  # (a race makes two equal states: harmless)
-        h = keyed.copy()
+        h = _keyed_state(self._key, person).copy()
         h.update(data)
         return str(h.hexdigest())
 
