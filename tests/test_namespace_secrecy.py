@@ -44,7 +44,9 @@ class _Texts(logging.Handler):
         self.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
         self.texts: list[str] = []
         self.errors = 0
-        self._lock = threading.Lock()
+        # Re-entrant: a garbage collection inside ``add`` or ``fails`` may run a Worker's
+        # finalizer, which logs ("worker ... collected") back into ``emit`` on this thread.
+        self._lock = threading.RLock()
 
     def emit(self, record: logging.LogRecord) -> None:
         text = self.format(record)

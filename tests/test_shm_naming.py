@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import pickle
 import re
 import struct
 
@@ -230,3 +231,20 @@ def test_names_slot_states_are_unlinkable() -> None:
 
 def test_names_repr_hides_the_token() -> None:
     assert NS not in repr(_names()) and NSID in repr(_names())
+
+
+def test_names_pickle_and_interleaved_tokens_keep_their_digests() -> None:
+    """The keyed digest states are cached per (token, person) outside ``Names``: a
+    ``Names`` stays plain data (it pickles, for a spawned child), and names of two tokens
+    computed in turn still match the ones computed alone (``test_names_are_keyed_...``)."""
+    a, b = _names(), Names("b" * 26)
+    alone = [a.held(TASK, 7, 3), b.held(TASK, 7, 3), a.message(1, KEY, 2, 3)]
+    for _ in range(3):
+        assert [a.held(TASK, 7, 3), b.held(TASK, 7, 3), a.message(1, KEY, 2, 3)] == alone
+    again = pickle.loads(pickle.dumps(a))
+    assert again == a and hash(again) == hash(a) and again.prefix == a.prefix
+    assert again.held(TASK, 7, 3) == alone[0] and again.message(1, KEY, 2, 3) == alone[2]
+    slot = struct.pack("<Q", len(TASK.encode())) + TASK.encode() + struct.pack("<QQ", 7, 3)
+    assert b.held(TASK, 7, 3) == f"shmrdv_{b.namespace_id}_h" + _keyed(
+        "b" * 26, b"shmrdv.held", slot
+    )

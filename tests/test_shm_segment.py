@@ -171,6 +171,31 @@ def test_segment_check_size_detects_truncation(names: Names) -> None:
         prod.unlink()
 
 
+def test_segment_view_is_ndarray_without_a_header_and_checks_the_same(names: Names) -> None:
+    # ``allocate`` views its slot straight from the template (no Header built): the same
+    # bytes as ``ndarray(header)``, kept alive after close the same way, and the same
+    # checks before a byte is touched.
+    h = _header((4, 8), "<f4")
+    with Segment.create(names, h.segment_size) as prod:
+        layout.pack_into(prod.buf, h)
+        arr = prod.view(h.dtype, h.shape, h.data_offset, h.nbytes, checked=True)
+        arr[...] = np.arange(32, dtype="<f4").reshape(4, 8)
+        np.testing.assert_array_equal(prod.ndarray(h), arr)
+        assert arr.flags.writeable and arr.ctypes.data % 64 == 0
+        with pytest.raises(InternalError, match="maps"):
+            prod.view(h.dtype, h.shape, h.segment_size, h.nbytes, checked=True)
+        with Segment.attach(names, prod.name) as cons:
+            os.truncate(prod.path, 100)  # a peer shrinks the file under the reader
+            with pytest.raises(InternalError, match="truncated"):
+                cons.view(h.dtype, h.shape, h.data_offset, h.nbytes)  # no SIGBUS
+        prod.unlink()
+        path = prod.path
+    assert _mapped(path)  # kept by the array after close...
+    del arr
+    gc.collect()
+    assert not _mapped(path)  # ...and unmapped with it
+
+
 def test_segment_rename_and_unlink(names: Names) -> None:
     seg = Segment.create(names, 4096)
     old = seg.path

@@ -382,23 +382,6 @@ class Template:
                 f"slot {slot}): {e}"
             ) from e
 
-    def to_header(self, key: str, step_id: int, incarnation: int, pid: int, slot: int) -> Header:
-        """The ``Header`` of one message (for ``Segment.ndarray``)."""
-        return Header(
-            dtype=self.dtype,
-            shape=self.shape,
-            is_dead=False,
-            data_offset=self.data_offset,
-            nbytes=self.nbytes,
-            step_id=step_id,
-            seq=0,
-            producer_incarnation=incarnation,
-            producer_pid=pid,
-            slot=slot,
-            created_ns=0,
-            key=key,
-        )
-
 
 def pack(h: Header) -> bytes:
     """``h`` as bytes (the header only, without the padding up to ``data_offset``)."""

@@ -31,11 +31,13 @@ and namespace id only: the rest cannot be read back without the token.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import secrets
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 from .._errors import InvalidArgumentError
 from .._namespace import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
@@ -111,7 +113,18 @@ def check_namespace(namespace: object) -> str:
     return namespace
 
 
+@functools.lru_cache(maxsize=64)
+def _keyed_state(key: bytes, person: bytes) -> Any:
+    """A blake2b state with the key block of ``key`` already absorbed, for ``person``: the
+    names of a pool slot or a message are computed on every handoff, and a copy of this
+    state costs less than keying afresh (the same digest). Kept here, not on ``Names``,
+    which stays plain data (it pickles)."""
+    return hashlib.blake2b(digest_size=DIGEST_BYTES, key=key, person=person)
+
+
+@functools.lru_cache(maxsize=1024)
 def _encoded_task(task: str) -> bytes:
+    """The length-prefixed UTF-8 of ``task`` (cached: a worker names few tasks, per message)."""
     if not isinstance(task, str) or not task:
         raise InvalidArgumentError(f"invalid task name {task!r}: expected a non-empty string")
     raw = task.encode("utf-8")
@@ -173,26 +186,29 @@ class Names:
     namespace: str = field(repr=False)  # the secret: kept out of logs
     namespace_id: str = field(init=False)
     _key: bytes = field(init=False, repr=False, compare=False)
+    _prefix: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
         object.__setattr__(self, "namespace_id", namespace_id(self.namespace))
         object.__setattr__(self, "_key", self.namespace.encode("ascii"))
+        object.__setattr__(self, "_prefix", f"{PREFIX}{self.namespace_id}_")
 
     @property
     def prefix(self) -> str:
         """``shmrdv_<namespace id>_``: every segment and record of this namespace starts so."""
-        return f"{PREFIX}{self.namespace_id}_"
+        return self._prefix
 
     def _name(self, kind: str, rest: str) -> str:
-        return f"{self.prefix}{_CODES[kind]}{rest}"
+        return f"{self._prefix}{_CODES[kind]}{rest}"
 
     def _digest(self, person: bytes, data: bytes) -> str:
         """blake2b keyed by the token: unpredictable without it (a token is <= 64 bytes, the
-        most blake2b takes as a key)."""
-        return hashlib.blake2b(
-            data, digest_size=DIGEST_BYTES, key=self._key, person=person
-        ).hexdigest()
+        most blake2b takes as a key). The keyed state of ``person`` is made once and copied:
+        the same digest as hashing key block and data afresh."""
+        h = _keyed_state(self._key, person).copy()
+        h.update(data)
+        return str(h.hexdigest())
 
     def _task_hash(self, task: str) -> str:
         return self._digest(b"shmrdv.task", _encoded_task(task))

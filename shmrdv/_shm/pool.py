@@ -43,6 +43,16 @@ meanwhile is always found under one of them.
 
 The consumer's half of the protocol is ``return_slot`` / ``give_back`` below.
 
+What one handoff of a kept slot costs, both sides (``strace -f -c``, 16 MiB ``allocate``
+ping-pong): three renames (``r`` -> ``m`` to publish, ``m`` -> ``h`` to take, ``h`` ->
+``r`` to give back: each name is a state that ``gc``, ``cleanup``, the send window and a
+dead consumer's take-back read) and three ``fstat`` of the slot (before the producer reads
+the return word, before the consumer reads the data and notes itself as holder, before
+it stores the return word: a file shrunk under a mapping is a SIGBUS otherwise), on top of
+what a small message through the ring costs. The way back posts no doorbell: the producer
+reads the word at its next acquire, and nothing is woken for it. Names are over keyed
+digests, computed five times per handoff (``naming.Names``).
+
 Only files this producer created are taken back: a ``returned`` name must still be the
 slot's own inode (another user could plant a file under it, research/pitfalls.md §7).
 The names are over the slot's *ticket* (``naming.SLOT_BITS``), whose generation the

@@ -251,10 +251,8 @@ class Producer:
         else:
             slot, seg = self._segment_for(t.segment_size)
             # A pool slot's size was checked by its acquire a moment ago (``SlotPool._intact``).
-            arr = seg.ndarray(
-                t.to_header(key.full_key, step_id, self._inc, self._pid, _slot_index(slot)),
-                checked=slot is not None,
-            )
+            # (The header is written when it is sent: ``_publish``.)
+            arr = seg.view(t.dtype, t.shape, t.data_offset, t.nbytes, checked=slot is not None)
         alloc = _Allocation(weakref.ref(arr), step_id, key.full_key, t, seg, slot)
         with self._lock:
             self._allocations[id(arr)] = alloc
@@ -342,7 +340,9 @@ class Producer:
         flags = 1 if is_dead else 0
         if out.inline and self._send_inline(step_id, out, value, flags, ticket):
             return
-        self._send_copy(step_id, key, out.raw, value, out.template, out.route, flags, ticket)
+        self._send_copy(
+            step_id, key, out.raw, value, out.template, out.route, flags, ticket, out.header
+        )
 
     def _key_out(self, key: ParsedKey, value: npt.NDArray[Any]) -> _KeyOut:
         """The ``_KeyOut`` of ``key`` for arrays like ``value`` (made, or remade for a new
@@ -455,8 +455,10 @@ class Producer:
         route: _Route,
         flags: int,
         ticket: Ticket | None,
+        header: bytes | None = None,
     ) -> None:
-        """Copy ``value`` into a pool slot (or a one-off segment) and publish it."""
+        """Copy ``value`` into a pool slot (or a one-off segment) and publish it (``header``:
+        ``t.keyed(raw)``, if the caller keeps it)."""
         slot, seg = self._segment_for(t.segment_size)
         try:
             if t.nbytes:
@@ -465,7 +467,7 @@ class Producer:
                 )
                 copy_into(dst, value)
                 del dst
-            name = self._publish(step_id, key, raw, t, seg, _slot_index(slot), route, flags)
+            name = self._publish(step_id, key, raw, t, seg, _slot_index(slot), route, flags, header)
             if ticket is not None:
                 ticket.segment(name)
         except BaseException:
@@ -507,15 +509,21 @@ class Producer:
                 )
             alloc.sent = True
         t = alloc.template
-        raw = key.full_key.encode()
-        route = self._routes.get(key.dst_device) or self._route(key)
+        # What the key's sends reuse (its template is ``t`` while the key's dtype and shape
+        # are the allocation's: ``_template`` caches).
+        out = self._outs.get(key.full_key)
+        if out is None or out.template is not t:
+            out = self._key_out(key, value)
+        raw, route, header = out.raw, out.route, out.header
+        if out.template is not t:
+            header = t.keyed(raw)  # the template cache was cleared meanwhile
         flags = 1 if is_dead else 0
         if alloc.segment is None:
             # A small one: inline through the ring, else (ring full) a segment of its own.
             try:
-                out = _KeyOut(key.full_key, raw, route, t, True)
-                if not self._send_inline(step_id, out, value, flags, ticket):
-                    self._send_copy(step_id, key, raw, value, t, route, flags, ticket)
+                small = out if out.template is t else _KeyOut(key.full_key, raw, route, t, True)
+                if not self._send_inline(step_id, small, value, flags, ticket):
+                    self._send_copy(step_id, key, raw, value, t, route, flags, ticket, header)
             except BaseException:
                 alloc.sent = False
                 raise
@@ -523,7 +531,7 @@ class Producer:
             return
         try:
             name = self._publish(
-                step_id, key, raw, t, alloc.segment, _slot_index(alloc.slot), route, flags
+                step_id, key, raw, t, alloc.segment, _slot_index(alloc.slot), route, flags, header
             )
             if ticket is not None:
                 ticket.segment(name)
@@ -549,8 +557,10 @@ class Producer:
         slot: int,
         route: _Route,
         flags: int,
+        header: bytes | None = None,
     ) -> str:
         """Give the message its sequence number and its name, atomically; return the name.
+        (``header``: ``t.keyed(raw)``, if the caller keeps it.)
 
         Then append a notice of it to the consumer's ring, so that the consumer goes
         straight to that name (with no ring, or a full one, it finds it by name).
@@ -561,11 +571,13 @@ class Producer:
         refuses the file, or reads the earlier run's message).
         """
         fk = key.full_key
+        if header is None:
+            header = t.keyed(raw)
         with self._publish_lock:
             seq = self._next_seq(step_id, fk)
             now = time.time_ns()
             buf = seg.buf
-            t.write(buf, 0, raw, flags, step_id, seq, self._inc, self._pid, slot, now)
+            t.write_keyed(buf, 0, header, flags, step_id, seq, self._inc, self._pid, slot, now)
             if slot >= 0:
                 clear_holder(buf)  # no consumer holds this lend yet (``pool.hold``)
             name = self._names.message(step_id, fk, self._inc, seq)
@@ -589,10 +601,10 @@ class Producer:
                     self.counters["ring_full"] += 1
                     ring.count_lost()
                 else:
-                    t.write(
+                    t.write_keyed(
                         ring.buf,
                         at,
-                        raw,
+                        header,
                         flags | layout.FLAG_NOTICE,
                         step_id,
                         seq,

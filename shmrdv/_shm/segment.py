@@ -30,6 +30,7 @@ import errno
 import logging
 import mmap
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -302,8 +303,23 @@ class Segment:
         moment ago covered the data). Raises ``InternalError`` if the data lies outside the
         segment or the segment is closed.
         """
+        return self.view(
+            header.dtype, header.shape, header.data_offset, header.nbytes, checked=checked
+        )
+
+    def view(
+        self,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+        data_offset: int,
+        nbytes: int,
+        *,
+        checked: bool = False,
+    ) -> npt.NDArray[Any]:
+        """``ndarray()`` of the ``nbytes`` of data at ``data_offset`` (what a header says of
+        them), with no ``Header`` to build: an ``allocate``'s array."""
         mem = self._live_mem()
-        end = header.data_offset + header.nbytes
+        end = data_offset + nbytes
         if checked:
             if end > self._size:
                 raise InternalError(f"segment {self._name} maps {self._size} bytes, {end} needed")
@@ -314,8 +330,9 @@ class Segment:
             owner = _Owner((len(mem),), np.uint8, buffer=mem)
             self._owner[:] = [weakref.ref(owner)]
         # An empty array needs no bytes; offset 0 keeps numpy happy whatever the segment size.
-        offset = header.data_offset if header.nbytes else 0
-        arr: npt.NDArray[Any] = np.ndarray(header.shape, header.dtype, buffer=owner, offset=offset)
+        arr: npt.NDArray[Any] = np.ndarray(
+            shape, dtype, buffer=owner, offset=data_offset if nbytes else 0
+        )
         return arr
 
     def lend(
@@ -468,6 +485,10 @@ try:
     _renameat2.restype = ctypes.c_int
 except (AttributeError, OSError):  # pragma: no cover - an old libc
     _renameat2 = None
+# What ``os.fsencode`` does to a ``str``, without its Python frame (three moves per
+# pool-slot handoff).
+_FS_ENCODING = sys.getfilesystemencoding()
+_FS_ERRORS = sys.getfilesystemencodeerrors()
 
 
 def move_noreplace(old: str, new: str) -> None:
@@ -477,7 +498,13 @@ def move_noreplace(old: str, new: str) -> None:
     """
     if _renameat2 is not None:
         if (
-            _renameat2(_AT_FDCWD, os.fsencode(old), _AT_FDCWD, os.fsencode(new), _RENAME_NOREPLACE)
+            _renameat2(
+                _AT_FDCWD,
+                old.encode(_FS_ENCODING, _FS_ERRORS),
+                _AT_FDCWD,
+                new.encode(_FS_ENCODING, _FS_ERRORS),
+                _RENAME_NOREPLACE,
+            )
             == 0
         ):
             return
