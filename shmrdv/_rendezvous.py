@@ -181,29 +181,31 @@ def wait_received(
     """
     if slot.filled:
         return slot.result()
-    start = time.monotonic()
+    now = start = time.monotonic()
     deadline = None if timeout is None else start + timeout
     report_at = start + _LONG_WAIT if observer is not None else float("inf")
     reported = False
     try:
-        while not slot.filled:
-            now = time.monotonic()
+        while True:
             if now >= report_at and observer is not None:
                 reported = True
                 observer.waiting_long(slot, as_parsed_key(key), now - start)
                 report_at = now + (now - start)
             if deadline is None:
                 helper(slot, _HELP_PERIOD)
-                continue
-            left = deadline - now
-            if left <= 0:
-                if cancel():
-                    if observer is not None:
-                        raise observer.timeout_error(as_parsed_key(key), timeout)
-                    raise timeout_error(key, timeout)
-                slot.wait(None)  # lost the race to a delivery: it is on its way
+            else:
+                left = deadline - now
+                if left <= 0:
+                    if cancel():
+                        if observer is not None:
+                            raise observer.timeout_error(as_parsed_key(key), timeout)
+                        raise timeout_error(key, timeout)
+                    slot.wait(None)  # lost the race to a delivery: it is on its way
+                    break
+                helper(slot, left if left < _HELP_PERIOD else _HELP_PERIOD)
+            if slot.filled:  # (before the clock: one read of it per wait that is answered)
                 break
-            helper(slot, min(left, _HELP_PERIOD))
+            now = time.monotonic()
     except BaseException as e:
         if isinstance(e, DeadlineExceededError) or slot.filled or cancel():
             raise

@@ -207,7 +207,7 @@ class Dispatcher:
             wait -= (now - start) / 1e9
         if found:
             self._spin_hits += 1
-            self._last_msg_ns = now = time.perf_counter_ns()
+            self._last_msg_ns = now  # (the spin's end: when the message was seen)
             if not busy:
                 self._adapt_spin(now - start)
             if bell.pending:  # (a read of the semaphore: no system call, no exception)
