@@ -181,12 +181,17 @@ def wait_received(
     """
     if slot.filled:
         return slot.result()
-    now = start = time.monotonic()
+    start = time.monotonic()
     deadline = None if timeout is None else start + timeout
     report_at = start + _LONG_WAIT if observer is not None else float("inf")
     reported = False
+    # The clock is read again only for a slot still empty after a wait: one read for a
+    # wait that is answered at once (the first pass uses ``start``).
+    now: float | None = start
     try:
-        while True:
+        while not slot.filled:
+            if now is None:
+                now = time.monotonic()
             if now >= report_at and observer is not None:
                 reported = True
                 observer.waiting_long(slot, as_parsed_key(key), now - start)
@@ -203,9 +208,7 @@ def wait_received(
                     slot.wait(None)  # lost the race to a delivery: it is on its way
                     break
                 helper(slot, left if left < _HELP_PERIOD else _HELP_PERIOD)
-            if slot.filled:  # (before the clock: one read of it per wait that is answered)
-                break
-            now = time.monotonic()
+            now = None
     except BaseException as e:
         if isinstance(e, DeadlineExceededError) or slot.filled or cancel():
             raise
