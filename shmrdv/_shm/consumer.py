@@ -314,7 +314,9 @@ class Consumer:
             )
         ch.seq += 1
         if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
-            self._book.count(got.nbytes)
+            book = self._book  # ``book.count`` written out, as in ``start``: every message
+            book.received += 1
+            book.received_bytes += got.nbytes
             return received(got, False)
         if isinstance(got, Received):
             self._book.count(got.value.nbytes)
