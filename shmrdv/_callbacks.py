@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TypeAlias
 if TYPE_CHECKING:
     from ._received import Received
 
-__all__ = ["DoneCallback", "invoke_done"]
+__all__ = ["DoneCallback", "done_failed", "invoke_done"]
 
 _log = logging.getLogger("shmrdv.callbacks")
 
@@ -30,4 +30,10 @@ def invoke_done(done: DoneCallback, error: BaseException | None, received: Recei
     try:
         done(error, received)
     except Exception:
-        _log.exception("exception in a recv_async done callback %r", done)
+        done_failed(done)
+
+
+def done_failed(done: DoneCallback) -> None:
+    """Log the exception ``done`` just raised (in an ``except`` block): what ``invoke_done``
+    does with it, for a hot loop that calls ``done`` in its own ``try``."""
+    _log.exception("exception in a recv_async done callback %r", done)

@@ -185,25 +185,30 @@ def wait_received(
     deadline = None if timeout is None else start + timeout
     report_at = start + _LONG_WAIT if observer is not None else float("inf")
     reported = False
+    # The clock is read again only for a slot still empty after a wait: one read for a
+    # wait that is answered at once (the first pass uses ``start``).
+    now: float | None = start
     try:
         while not slot.filled:
-            now = time.monotonic()
+            if now is None:
+                now = time.monotonic()
             if now >= report_at and observer is not None:
                 reported = True
                 observer.waiting_long(slot, as_parsed_key(key), now - start)
                 report_at = now + (now - start)
             if deadline is None:
                 helper(slot, _HELP_PERIOD)
-                continue
-            left = deadline - now
-            if left <= 0:
-                if cancel():
-                    if observer is not None:
-                        raise observer.timeout_error(as_parsed_key(key), timeout)
-                    raise timeout_error(key, timeout)
-                slot.wait(None)  # lost the race to a delivery: it is on its way
-                break
-            helper(slot, min(left, _HELP_PERIOD))
+            else:
+                left = deadline - now
+                if left <= 0:
+                    if cancel():
+                        if observer is not None:
+                            raise observer.timeout_error(as_parsed_key(key), timeout)
+                        raise timeout_error(key, timeout)
+                    slot.wait(None)  # lost the race to a delivery: it is on its way
+                    break
+                helper(slot, left if left < _HELP_PERIOD else _HELP_PERIOD)
+            now = None
     except BaseException as e:
         if isinstance(e, DeadlineExceededError) or slot.filled or cancel():
             raise

@@ -32,12 +32,16 @@ Differences from TensorFlow, both deliberate:
   (research/tf_rendezvous.md §2.2). The waiters of a key live in an ``OrderedDict`` used
   as an ordered set: the oldest is popped in O(1) like a deque's, a cancelled one is
   removed in O(1) too, instead of ``deque.remove``'s scan or a "cancelled" mark that a
-  later ``put`` would have to skip (and that would make the counts lie);
+  later ``put`` would have to skip (and that would make the counts lie). A key's only
+  waiter, the common case (one receive per key at a time), is kept bare: no
+  ``OrderedDict`` is made for it (a fraction of a microsecond per receive that waits);
 * the key is whatever the owner passes (a full key string, a ``(step_id, key)`` pair),
   not ``Hash64(FullKey())``, so two keys can never share a queue.
 
 Waiters are found again by hash and equality: use objects that hash by identity (a plain
-class, a ``dataclass(eq=False)``), never ``None``, and queue one at most once at a time.
+class, a ``dataclass(eq=False)``), never ``None`` and never a ``deque`` or an
+``OrderedDict`` (a lone waiter is told apart by its type), and queue one at most once at
+a time.
 
 Thread model: none of its own and no lock: every call is made under its owner's lock
 (``docs/threads.md``). Nothing here blocks or calls back.
@@ -82,8 +86,9 @@ class WaiterTable(Generic[K, V, W]):
 
     def __init__(self) -> None:
         # One dict for both kinds keeps the keys in arrival order (``keys``). A key maps
-        # to a deque of values or to an OrderedDict of waiters, never an empty one.
-        self._table: dict[K, deque[V] | OrderedDict[W, None]] = {}
+        # to a deque of values, to its only waiter (bare), or to an OrderedDict of
+        # waiters; never to an empty container.
+        self._table: dict[K, deque[V] | OrderedDict[W, None] | W] = {}
         #: ``key in table`` and ``len(table)`` as bound methods of the dict itself: the same
         #: answers without a Python call, for an owner's hot loop.
         self.has: Callable[[object], bool] = self._table.__contains__
@@ -109,12 +114,16 @@ class WaiterTable(Generic[K, V, W]):
                 queue.appendleft(value)
             else:
                 queue.append(value)
-        else:
+        elif isinstance(queue, OrderedDict):
             waiter, _ = queue.popitem(last=False)
             if not queue:
                 del self._table[key]
             self._nwaiters -= 1
             return waiter
+        else:  # the key's only waiter
+            del self._table[key]
+            self._nwaiters -= 1
+            return queue
         self._nvalues += 1
         return None
 
@@ -137,14 +146,19 @@ class WaiterTable(Generic[K, V, W]):
         """
         queue = self._table.get(key)
         if queue is None:
-            self._table[key] = OrderedDict(((waiter, None),))
+            self._table[key] = waiter  # the only waiter: bare
             self._nwaiters += 1
             return True
         if isinstance(queue, deque):
             raise ValueError(f"wait({key!r}): values are queued; take one instead")
-        if waiter in queue:
-            raise ValueError(f"wait({key!r}): {waiter!r} is already queued")
-        queue[waiter] = None
+        if isinstance(queue, OrderedDict):
+            if waiter in queue:
+                raise ValueError(f"wait({key!r}): {waiter!r} is already queued")
+            queue[waiter] = None
+        else:  # a second waiter: both in an OrderedDict, the first one first
+            if queue == waiter:
+                raise ValueError(f"wait({key!r}): {waiter!r} is already queued")
+            self._table[key] = OrderedDict(((queue, None), (waiter, None)))
         self._nwaiters += 1
         return False
 
@@ -152,10 +166,15 @@ class WaiterTable(Generic[K, V, W]):
         """Remove ``waiter`` from ``key``: True if it was queued (it will get nothing),
         False if it was not (already handed a value by ``put``, or by ``abort``)."""
         queue = self._table.get(key)
-        if not isinstance(queue, OrderedDict) or waiter not in queue:
+        if isinstance(queue, OrderedDict):
+            if waiter not in queue:
+                return False
+            del queue[waiter]
+            if not queue:
+                del self._table[key]
+        elif queue is None or isinstance(queue, deque) or queue != waiter:
             return False
-        del queue[waiter]
-        if not queue:
+        else:  # the key's only waiter
             del self._table[key]
         self._nwaiters -= 1
         return True
@@ -164,9 +183,11 @@ class WaiterTable(Generic[K, V, W]):
         """The oldest waiter of ``key``, left in place, or ``None`` (for an owner that
         serves one waiter per key at a time, such as one RPC in flight per key)."""
         queue = self._table.get(key)
-        if not isinstance(queue, OrderedDict):
+        if queue is None or isinstance(queue, deque):
             return None
-        return next(iter(queue))
+        if isinstance(queue, OrderedDict):
+            return next(iter(queue))
+        return queue
 
     def abort(self, where: Callable[[K], bool] | None = None) -> list[W]:
         """Empty the table, or the keys for which ``where(key)`` is true.
@@ -181,9 +202,12 @@ class WaiterTable(Generic[K, V, W]):
             queue = self._table.pop(key)
             if isinstance(queue, deque):
                 self._nvalues -= len(queue)
-            else:
+            elif isinstance(queue, OrderedDict):
                 waiters.extend(queue)
                 self._nwaiters -= len(queue)
+            else:
+                waiters.append(queue)
+                self._nwaiters -= 1
         return waiters
 
     # -- keys and counts ----------------------------------------------------------------------
@@ -210,7 +234,9 @@ class WaiterTable(Generic[K, V, W]):
     def waiters_of(self, key: K) -> int:
         """How many waiters ``key`` has queued."""
         queue = self._table.get(key)
-        return len(queue) if isinstance(queue, OrderedDict) else 0
+        if queue is None or isinstance(queue, deque):
+            return 0
+        return len(queue) if isinstance(queue, OrderedDict) else 1
 
     @property
     def pending_values(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import itertools
+import logging
 import os
 import shutil
 import stat
@@ -391,6 +392,33 @@ def test_zero_copy_allocate_send_publishes_without_copy() -> None:
 
 
 @pytest.mark.slow
+def test_notify_raising_callback_is_logged_and_the_next_receive_gets_its_value(
+    pair: tuple[ChildWorker, shmrdv.Worker], step: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``recv_async`` callback that raises, run by the poller (``deliver``) for a value
+    that arrives later: the exception is logged (``shmrdv.callbacks``), never propagated,
+    and the poller goes on to deliver the next message."""
+    producer, consumer = pair
+    rdv = consumer.rendezvous(step)
+    called = threading.Event()
+
+    def done(error: BaseException | None, received: shmrdv.Received | None) -> None:
+        called.set()
+        raise RuntimeError("boom in done")
+
+    with caplog.at_level(logging.ERROR, logger="shmrdv.callbacks"):
+        rdv.recv_async(make_key("raises"), done)
+        producer.send(make_key("raises"), np.array([1]), step=step)
+        assert called.wait(10)
+        wait_for(
+            lambda: any("boom in done" in (r.exc_text or "") for r in caplog.records),
+            5.0,
+            "the callback's exception logged",
+        )
+    producer.send(make_key("after"), np.array([2]), step=step)
+    assert rdv.recv(make_key("after"), timeout=10).value[0] == 2
+
+
 def test_notify_blocked_recv_does_not_spin() -> None:
     ns = shmrdv.new_namespace()
     with ChildWorker(CONSUMER, namespace=ns) as consumer:

@@ -109,6 +109,35 @@ def test_waiters_wait_refuses_a_key_with_values_or_a_queued_waiter() -> None:
     assert counts(t) == (2, 1, 1)
 
 
+def test_waiters_a_lone_waiter_and_the_second_one_keep_their_order() -> None:
+    """A key's only waiter (kept bare), then a second one (both queued in order): served,
+    cancelled, looked at and aborted like any others."""
+    t: WaiterTable[str, int, W] = WaiterTable()
+    a, b, c = W("a"), W("b"), W("c")
+    assert t.wait("k", a) is True
+    assert t.head("k") is a and t.waiters_of("k") == 1 and t.values_of("k") == 0
+    assert t.take("k") is MISSING
+    assert t.cancel("k", b) is False  # not queued: the lone waiter stays
+    assert t.head("k") is a and counts(t) == (1, 0, 1)
+    assert t.wait("k", b) is False
+    assert t.head("k") is a and t.waiters_of("k") == 2
+    assert t.put("k", 1) is a
+    assert t.put("k", 2) is b
+    assert "k" not in t and counts(t) == (0, 0, 0)
+    t.wait("k", a)
+    assert t.cancel("k", a) is True and t.cancel("k", a) is False
+    assert "k" not in t and counts(t) == (0, 0, 0)
+    t.wait("k", a)
+    t.wait("k", b)
+    assert t.cancel("k", a) is True
+    assert t.head("k") is b and t.put("k", 3) is b and "k" not in t
+    t.wait("k", c)
+    t.wait("j", a)
+    t.wait("j", b)
+    assert t.abort(lambda key: key == "k") == [c] and counts(t) == (1, 0, 2)
+    assert t.abort() == [a, b] and counts(t) == (0, 0, 0)
+
+
 def test_waiters_match_a_reference_model() -> None:
     """Random operations against a list-based model: same answers, same counts."""
     rng = random.Random(18)
@@ -151,6 +180,7 @@ def test_waiters_match_a_reference_model() -> None:
         for k, (kv, kw) in model.items():
             assert not (kv and kw)
             assert t.values_of(k) == len(kv) and t.waiters_of(k) == len(kw)
+            assert t.head(k) is (kw[0] if kw else None)
             assert (k in t) == bool(kv or kw)
         assert t.pending_values == sum(len(v) for v, _ in model.values())
         assert t.pending_waiters == sum(len(w) for _, w in model.values())

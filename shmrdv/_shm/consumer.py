@@ -314,7 +314,9 @@ class Consumer:
             )
         ch.seq += 1
         if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
-            self._book.count(got.nbytes)
+            book = self._book  # ``book.count`` written out, as in ``start``: every message
+            book.received += 1
+            book.received_bytes += got.nbytes
             return received(got, False)
         if isinstance(got, Received):
             self._book.count(got.value.nbytes)
@@ -329,17 +331,45 @@ class Consumer:
         ``check=False``: the rings' sizes were checked by a scan a moment ago (before a
         spin on their heads); they are not checked again.
         """
+        out: list[Item] = []
         with self.lock:
             if self._closed:
-                return []
+                return out
+            self._scans += 1
             try:
-                out = self._scan(check)
+                # One function with its lock: the poll of every blocked receive runs it.
+                self._inbox.drain_all(check)
+                self._serve_touched(out)
+                if self._inbox.failed:
+                    self._serve_failed(out)
+                waiting = self._waiters.size() > 0
+                if waiting:
+                    self._probe_ringless(out)
+                now = time.monotonic()
+                if now >= self._sweep_at:  # (the time first: counting the maps is a call)
+                    self._sweep_at = now + TICK
+                    maps = self._named.maps
+                    if maps:
+                        maps.sweep()
+                if now >= self._tick_at:
+                    self._tick_at = now + TICK
+                    if waiting:
+                        for src in list(self._book.srcs.values()):
+                            if src.waiting:
+                                self._tick(src, out)
+                        self._serve_touched(out)
+                        self._serve_failed(out)
+                    self._retire_over()
+                    self._serve_touched(out)  # what the last drains of those rings brought
             except Exception:  # pragma: no cover - keep polling whatever happens
                 _log.exception("shm dispatcher of %s: scan failed", self._task)
                 return []
-            over, self._over = self._over, []
-        for task, inc in over:
-            self._collect(task, inc)
+            over = None
+            if self._over:  # (a new list only when there is something to collect)
+                over, self._over = self._over, []
+        if over is not None:
+            for task, inc in over:
+                self._collect(task, inc)
         return out
 
     def _collect(self, task: str, inc: int) -> None:
@@ -350,34 +380,6 @@ class Consumer:
             reaper.collect_producer(self._names, task, inc, self._task)
         except Exception:  # pragma: no cover - it never raises for what it finds
             _log.exception("collecting what producer %s (%016x) left", task, inc)
-
-    def _scan(self, check: bool) -> list[Item]:
-        self._scans += 1
-        out: list[Item] = []
-        self._inbox.drain_all(check)
-        self._serve_touched(out)
-        if self._inbox.failed:
-            self._serve_failed(out)
-        waiting = self._waiters.size() > 0
-        if waiting:
-            self._probe_ringless(out)
-        now = time.monotonic()
-        if now >= self._sweep_at:  # (the time first: counting the maps is a Python call)
-            self._sweep_at = now + TICK
-            maps = self._named.maps
-            if maps:
-                maps.sweep()
-        if now >= self._tick_at:
-            self._tick_at = now + TICK
-            if waiting:
-                for src in list(self._book.srcs.values()):
-                    if src.waiting:
-                        self._tick(src, out)
-                self._serve_touched(out)
-                self._serve_failed(out)
-            self._retire_over()
-            self._serve_touched(out)  # what the last drains of those rings brought
-        return out
 
     def _retire_over(self) -> None:
         """Once per tick: the rings of producer runs that are over are drained a last time

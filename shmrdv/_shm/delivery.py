@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._callbacks import DoneCallback, invoke_done
+from .._callbacks import DoneCallback, done_failed, invoke_done
 from .._received import Received
 
 __all__ = ["Item", "deliver", "deliver_one"]
@@ -33,7 +33,9 @@ def deliver_one(done: DoneCallback, copy: bool, result: Received | BaseException
 
 
 def deliver(items: list[Item]) -> None:
-    """Call each ``done`` through ``invoke_done`` (outside every lock), emptying ``items``.
+    """Call each ``done`` as ``invoke_done`` does (outside every lock; what it raises is
+    logged), emptying ``items``. The per-message loop of every poll, hence ``invoke_done``
+    written out for a value (its ``try`` here, its logging in ``done_failed``).
 
     Holds no reference to a delivered value afterwards: a mapped array the receiver
     drops (or that ``copy`` replaced) releases its segment at once.
@@ -47,5 +49,8 @@ def deliver(items: list[Item]) -> None:
         if copy:
             # Rebinding drops the mapped original before the receiver wakes up.
             result = Received(np.array(result.value, copy=True), result.is_dead)
-        invoke_done(done, None, result)
+        try:
+            done(None, result)
+        except Exception:
+            done_failed(done)
         del result

@@ -173,7 +173,18 @@ class Dispatcher:
         wait for it up to the interpreter's switch interval (5 ms)."""
         bell = self._bell
         start = time.perf_counter_ns()
-        budget = self._spin_budget(start) if spin else 0
+        busy = self._busy_ns
+        if not spin:
+            budget = 0
+        elif busy:
+            # ``busy_poll``: until that long after the last message (traffic keeps the
+            # receiver polling; an idle one sleeps once the budget is spent, and the next
+            # post starts it again). The adaptive spin (``_adapt_spin``) is not used then.
+            budget = self._last_msg_ns + busy - start
+            if budget < 0:
+                budget = 0
+        else:
+            budget = self._spin_budget(start)
         found = False
         if budget:
             # First the rings' sizes (issue 20 §3: a truncated ring read is a SIGBUS); the
@@ -196,13 +207,15 @@ class Dispatcher:
             wait -= (now - start) / 1e9
         if found:
             self._spin_hits += 1
-            self._last_msg_ns = now = time.perf_counter_ns()
-            self._adapt_spin(now - start)
+            self._last_msg_ns = now  # (the spin's end: when the message was seen)
+            if not busy:
+                self._adapt_spin(now - start)
             if bell.pending:  # (a read of the semaphore: no system call, no exception)
                 bell.drain()  # the posts of what the spin found: no wasted wake-up for them
         elif bell.wait(max(wait, 0.0)):
             self._last_msg_ns = now = time.perf_counter_ns()
-            self._adapt_spin(now - start)
+            if not busy:
+                self._adapt_spin(now - start)
             if bell.pending:
                 bell.drain()
         else:
@@ -215,14 +228,8 @@ class Dispatcher:
         del items
 
     def _spin_budget(self, now_ns: int) -> int:
-        """How long this poll may spin before it blocks on the doorbell, in ns.
-
-        With ``busy_poll``: until that long after the last message (traffic keeps the
-        receiver polling; an idle one sleeps once the budget is spent, and the next post
-        starts it again).
-        """
-        if self._busy_ns:
-            return max(self._last_msg_ns + self._busy_ns - now_ns, 0)
+        """How long this poll may spin before it blocks on the doorbell, in ns, without
+        ``busy_poll`` (``_poll`` has its budget): the adaptive spin, none on one CPU."""
         if now_ns >= self._cpus_at:
             self._cpus_at = now_ns + _CPUS_EVERY_NS
             self._multi_cpu = usable_cpus() > 1

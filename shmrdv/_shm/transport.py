@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy.typing as npt
@@ -72,6 +73,9 @@ class ShmTransport:
             )
             self._consumer = Consumer(ctx, names, self._kick)
             self._dispatcher = Dispatcher(self._bell, self._consumer, ctx.task_name, busy_poll)
+            #: ``Transport.wait``: the dispatcher's own (a blocked receiver polls the
+            #: doorbell as leader, or follows), bound once: no forwarding call per wait.
+            self.wait: Callable[[RecvSlot, float], None] = self._dispatcher.wait
         except BaseException:
             self._bell.unlink()
             self._bell.close()
@@ -142,9 +146,6 @@ class ShmTransport:
         else:
             deliver_one(done, copy, got)  # type: ignore[arg-type]  # not a Waiter
         return _already_done
-
-    def wait(self, slot: RecvSlot, timeout: float) -> None:
-        self._dispatcher.wait(slot, timeout)
 
     # -- steps and lifetime -----------------------------------------------------------
 
