@@ -78,7 +78,6 @@ class RouterContext:
     order: tuple[str, ...]  # the worker's transport priority list
     transport: Callable[[str], Transport]  # the named transport (created on first use)
     active: Callable[[], tuple[Transport, ...]]  # the transports created so far
-    check_usable: Callable[[], None]  # raises if the Worker is closed (or inherited by fork)
 
 
 # Matches no array: a dtype object of our own (never handed out) and an impossible shape.
@@ -150,6 +149,13 @@ class Router:
         # (step, key, since when). Only long waits get here, never every message.
         self._long_waits: dict[int, tuple[int, ParsedKey, float]] = {}
         self._picks = PickWatch()
+        # What every call of this worker's steps raises once the Worker may not be used
+        # (closed, or inherited across fork): ``refuse``. One attribute read per call.
+        self.refused: Callable[[], BaseException] | None = None
+
+    def refuse(self, error: Callable[[], BaseException]) -> None:
+        """From now on every call of a step of this worker raises ``error()``."""
+        self.refused = error
 
     def _derive(self, full_key: str) -> KeyRoute:
         return KeyRoute(parse_key(full_key), self.rc.ctx.task, self.rc.ctx.incarnation)
@@ -356,7 +362,6 @@ class StepRendezvous(Rendezvous):
 
     def __init__(self, router: Router, step_id: int) -> None:
         self._router = router
-        self._check_usable = router.rc.check_usable
         self._route = router.route
         # The route cache itself, for a key given as a string (the hot path's one lookup).
         self._route_str = router._by_key
@@ -368,6 +373,11 @@ class StepRendezvous(Rendezvous):
     def __repr__(self) -> str:
         state = f"aborted: {self._error!r}" if self._error is not None else "open"
         return f"<StepRendezvous step={self.step_id} of {self._router.task_name} ({state})>"
+
+    def _check_usable(self) -> None:
+        refused = self._router.refused
+        if refused is not None:
+            raise refused()
 
     def _send_route(self, key: str | ParsedKey) -> KeyRoute:
         self._check_usable()
@@ -398,7 +408,8 @@ class StepRendezvous(Rendezvous):
         timeout: float | None = None,
     ) -> None:
         # ``_send_route`` and ``KeyRoute.checked`` written out: the hot path of every send.
-        self._check_usable()
+        if self._router.refused is not None:
+            raise self._router.refused()
         r = self._route_str(key) if type(key) is str else self._route(key)
         if not (r.src_own and r.inc_ok) or self._error is not None:
             self._send_route(key)  # raises what is wrong
@@ -425,7 +436,8 @@ class StepRendezvous(Rendezvous):
         copy: bool = False,
         blocking: bool = False,
     ) -> Canceller:
-        self._check_usable()  # ``_recv_route`` written out: the hot path of every receive
+        if self._router.refused is not None:  # ``_recv_route`` written out: the hot path
+            raise self._router.refused()
         r = self._route_str(key) if type(key) is str else self._route(key)
         if not (r.dst_own and r.inc_ok) or self._error is not None:
             self._recv_route(key)  # raises what is wrong

@@ -22,7 +22,7 @@ import secrets
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._closing import Closing
@@ -59,9 +59,14 @@ _live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
 def _mark_forked() -> None:
     for w in list(_live_workers):
         w._forked = True
+        w._refuse(w._unusable)
 
 
 os.register_at_fork(after_in_child=_mark_forked)
+
+
+def _nobody(error: Callable[[], BaseException]) -> None:
+    """``Worker._refuse`` before the worker has a router: no step to refuse."""
 
 
 def _task_of(task: str | DeviceName) -> DeviceName:
@@ -208,6 +213,8 @@ class Worker(Closing):
         self._shm: Transport | None = None
         self._grpc: Transport | None = None
         self._peers: Peers | None = None
+        # Tells the router to refuse every step's calls (set once the router exists).
+        self._refuse: Callable[[Callable[[], BaseException]], None] = _nobody
         self.address: str | None = None
 
         try:
@@ -252,9 +259,9 @@ class Worker(Closing):
                 order=self.transports,
                 transport=self._transport,
                 active=self._active_transports,
-                check_usable=self._check_usable,
             )
         )
+        self._refuse = self._router.refuse
         start_server = (
             "grpc" in self.transports
             and (
@@ -365,6 +372,7 @@ class Worker(Closing):
             return
         self._closed = True
         _live_workers.discard(self)
+        self._refuse(self._unusable)
         if self._forked:
             return  # the parent owns every OS object; touch nothing
         with self._lock:
@@ -424,13 +432,18 @@ class Worker(Closing):
         return step_id
 
     def _check_usable(self) -> None:
+        if self._forked or self._closed:
+            raise self._unusable()
+
+    def _unusable(self) -> InvalidArgumentError | AbortedError:
+        """What a call of a worker that is closed, or inherited across fork, raises (its
+        router raises it too: ``Router.refuse``)."""
         if self._forked:
-            raise InvalidArgumentError(
+            return InvalidArgumentError(
                 f"this Worker ({self.task}) was created in pid {self._pid} and inherited across "
                 f"fork by pid {os.getpid()}; a Worker cannot be shared: create a new Worker in the child"
             )
-        if self._closed:
-            raise closed_error(self.task)
+        return closed_error(self.task)
 
     def _active_transports(self) -> tuple[Transport, ...]:
         return tuple(t for t in (self._shm, self._grpc) if t is not None)

@@ -25,9 +25,9 @@ import shmrdv
 
 pytestmark = pytest.mark.timeout(60)
 
-#: The receive's modules at steady state (rendezvous, router, worker, transport, client,
-#: own_call, acks, messages, wire, received).
-MAX_MODULES = 10
+#: The receive's modules at steady state (rendezvous, router, transport, client, own_call,
+#: acks, messages, wire, received).
+MAX_MODULES = 9
 
 
 def _walk(rdv: shmrdv.Rendezvous, key: str) -> list[str]:
