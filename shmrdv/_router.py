@@ -1,4 +1,5 @@
-"""Routing: which rendezvous carries a key, and the step-scoped rendezvous a Worker hands out.
+"""Routing: which rendezvous carries a key, asked by the step-scoped rendezvous a Worker
+hands out (``_step.py``).
 
 Both ends in this worker: the step's in-process ``LocalRendezvous`` (no copy). The other
 end in another worker: the first transport of the worker's priority list that the peer
@@ -20,10 +21,8 @@ producer's pick once that is known (``_race.py``).
 The router is given a ``RouterContext``, never the Worker.
 
 Thread model (``docs/threads.md``): thread-safe; no thread of its own but ``_race.py``'s
-(while a receive waits for its producer's pick). ``Router._lock``
-guards the final per-peer routes and the long-wait records, a step's lock its abort
-error; neither is held across a transport call. Receives complete in the threads the
-transports say; a blocked ``recv`` waits in its caller's thread, helping its transport.
+(while a receive waits for its producer's pick). ``Router._lock`` guards the final
+per-peer routes and the long-wait records, and is never held across a transport call.
 """
 
 from __future__ import annotations
@@ -42,27 +41,20 @@ import numpy.typing as npt
 from ._callbacks import DoneCallback
 from ._devices import DeviceName
 from ._diagnose import explain_absent_producer
-from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError, RendezvousError
+from ._errors import AbortedError, InvalidArgumentError, RendezvousError
 from ._keys import ParsedKey, parse_key
-from ._local import LocalRendezvous
 from ._race import LegStarter, PickWatch, RaceRecv
-from ._received import Received
 from ._rendezvous import (
     Canceller,
     RecvSlot,
-    Rendezvous,
-    check_timeout,
-    timeout_error,
-    wait_received,
 )
 from ._transport import PeerRecord, Transport, TransportContext
 from ._values import check_value
 
-__all__ = ["KeyRoute", "Router", "RouterContext", "StepRendezvous"]
+__all__ = ["KeyRoute", "Router", "RouterContext"]
 
 _log = logging.getLogger("shmrdv.router")
 
-_INF = float("inf")
 
 # How many key strings' routes a worker remembers: far more than the distinct keys of any
 # graph (TensorFlow reuses each key in every step), small enough to bound a job that
@@ -142,7 +134,8 @@ class Router:
         self._lock = threading.Lock()
         # (peer task, this worker produces) -> transport: each direction its producer's pick.
         self._peer_routes: dict[tuple[tuple[str, int, int], bool], Transport] = {}
-        self._by_key: Callable[[str], KeyRoute] = functools.lru_cache(maxsize=_KEY_ROUTES)(
+        # The route of a key string: the LRU itself (a step's hot path's one lookup).
+        self.route_str: Callable[[str], KeyRoute] = functools.lru_cache(maxsize=_KEY_ROUTES)(
             self._derive
         )
         # Blocked receives that have waited long (WaitObserver), by id of their slot:
@@ -163,16 +156,16 @@ class Router:
     def route(self, key: str | ParsedKey) -> KeyRoute:
         """The route of ``key``; ``InvalidArgumentError`` for a key that does not parse."""
         if type(key) is str:
-            return self._by_key(key)
+            return self.route_str(key)
         if isinstance(key, ParsedKey):
-            return self._by_key(key.full_key)
+            return self.route_str(key.full_key)
         raise InvalidArgumentError(
             f"a rendezvous key must be a str (see shmrdv.create_key), not {type(key).__name__}"
         )
 
     def cached_routes(self) -> int:
         """How many key strings' routes are remembered (bounded by ``_KEY_ROUTES``)."""
-        info = self._by_key.cache_info()  # type: ignore[attr-defined]
+        info = self.route_str.cache_info()  # type: ignore[attr-defined]
         return int(info.currsize)
 
     # -- the checks, their errors built only when they fail ---------------------------
@@ -347,198 +340,6 @@ class Router:
             }
             for step, pk, since in waits
         ]
-
-
-class StepRendezvous(Rendezvous):
-    """The rendezvous of one step of one Worker (``Worker.rendezvous(step_id)``).
-
-    ``send`` never blocks on the consumer; it copies the array once into shared memory
-    for a consumer on this host (none for an array from ``allocate``, none for a
-    consumer in this worker) and buffers it for a consumer on another host, which
-    pulls it. Receives block, call back, or complete a Future / awaitable as described
-    on ``Rendezvous``. ``start_abort`` (or ``Worker.cleanup``) fails everything pending
-    in this step and every later call; the step's abort error lives here only.
-    """
-
-    def __init__(self, router: Router, step_id: int) -> None:
-        self._router = router
-        self._route = router.route
-        # The route cache itself, for a key given as a string (the hot path's one lookup).
-        self._route_str = router._by_key
-        self.step_id = step_id
-        self._local = LocalRendezvous()
-        self._lock = threading.Lock()
-        self._error: BaseException | None = None
-
-    def __repr__(self) -> str:
-        state = f"aborted: {self._error!r}" if self._error is not None else "open"
-        return f"<StepRendezvous step={self.step_id} of {self._router.task_name} ({state})>"
-
-    def _check_usable(self) -> None:
-        refused = self._router.refused
-        if refused is not None:
-            raise refused()
-
-    def _send_route(self, key: str | ParsedKey) -> KeyRoute:
-        self._check_usable()
-        r = self._router.route(key)
-        if not (r.src_own and r.inc_ok):
-            raise self._router.send_error(r)
-        if self._error is not None:
-            raise self._error
-        return r
-
-    def _recv_route(self, key: str | ParsedKey) -> KeyRoute:
-        self._check_usable()
-        r = self._router.route(key)
-        if not r.dst_own or not r.inc_ok:
-            raise self._router.recv_error(r)
-        if self._error is not None:
-            raise self._error
-        return r
-
-    # -- Rendezvous --------------------------------------------------------------------
-
-    def send(
-        self,
-        key: str | ParsedKey,
-        value: Any,
-        *,
-        is_dead: bool = False,
-        timeout: float | None = None,
-    ) -> None:
-        # ``_send_route`` and ``KeyRoute.checked`` written out: the hot path of every send.
-        if self._router.refused is not None:
-            raise self._router.refused()
-        r = self._route_str(key) if type(key) is str else self._route(key)
-        if not (r.src_own and r.inc_ok) or self._error is not None:
-            self._send_route(key)  # raises what is wrong
-        if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
-            timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
-        dtype, shape = r.accepted
-        if type(value) is np.ndarray and value.dtype is dtype and value.shape == shape:
-            arr = value
-        else:
-            arr = r.checked(value)
-        if r.local:
-            self._local.put(r.pk, arr, bool(is_dead))
-        else:
-            t = r.transport or self._router.transport(r)
-            t.send(self.step_id, r.pk, arr, bool(is_dead), timeout)
-
-    send.__doc__ = Rendezvous.send.__doc__
-
-    def start_recv(
-        self,
-        key: str | ParsedKey,
-        done: DoneCallback,
-        *,
-        copy: bool = False,
-        blocking: bool = False,
-    ) -> Canceller:
-        if self._router.refused is not None:  # ``_recv_route`` written out: the hot path
-            raise self._router.refused()
-        r = self._route_str(key) if type(key) is str else self._route(key)
-        if not (r.dst_own and r.inc_ok) or self._error is not None:
-            self._recv_route(key)  # raises what is wrong
-        if r.local:
-            return self._local.start_recv(r.pk, done, copy=copy, blocking=blocking)
-        t = r.transport
-        if t is None:
-            t = self._router.transport(r)
-            if r.transport is None and self._router.others_reaching(r, t):
-                return self._early_recv(r, t, done, copy)
-        return t.start_recv(self.step_id, r.pk, done, copy=copy, blocking=blocking)
-
-    start_recv.__doc__ = Rendezvous.start_recv.__doc__
-
-    def _early_recv(
-        self, r: KeyRoute, first: Transport, done: DoneCallback, copy: bool
-    ) -> RaceRecv:
-        """A receive started before its producer's pick is known: on ``first`` (this
-        worker's own pick) now, and on the producer's once its record says (``_race.py``)."""
-        leg = functools.partial(_start_leg, step_id=self.step_id, pk=r.pk, copy=copy)
-        race = RaceRecv(done, [functools.partial(leg, first)], f"key {r.pk.full_key!r}")
-        self._router.watch_pick(r, race, first, leg)
-        return race
-
-    def _wait_blocked(
-        self, slot: RecvSlot, cancel: Canceller, key: str | ParsedKey, timeout: float | None
-    ) -> Received:
-        """A blocked receiver helps its transport while it waits (``Transport.wait``: the
-        shared-memory one polls the doorbell as leader) and reports a wait that lasts."""
-        r = self._route_str(key) if type(key) is str else self._route(key)
-        if r.local:
-            return wait_received(slot, cancel, r.pk, timeout)
-        if isinstance(cancel, RaceRecv):  # its legs are callback receives: nothing to help
-            return wait_received(slot, cancel, r.pk, timeout, observer=self)
-        # The route's transport, as start_recv chose it (asked again only while the
-        # peer's record is provisional, i.e. before the peer has started).
-        helper = r.wait or self._router.transport(r).wait
-        return wait_received(slot, cancel, r.pk, timeout, helper, self)
-
-    def allocate(self, key: str | ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
-        """An array to fill and then ``send(key, array)``.
-
-        For a consumer on this host it lies in a shared-memory segment, so ``send`` only
-        publishes it: no copy at all. It may be sent once, under this key only.
-        """
-        r = self._send_route(key)
-        if r.local:
-            return super().allocate(r.pk, shape, dtype)
-        t = r.transport or self._router.transport(r)
-        return t.allocate(self.step_id, r.pk, shape, dtype)
-
-    def start_abort(self, error: BaseException) -> None:
-        if not isinstance(error, BaseException):
-            raise InvalidArgumentError(f"start_abort needs an exception, not {error!r}")
-        with self._lock:
-            if self._error is not None:
-                return
-            self._error = error
-        self._local.start_abort(error)
-        self._router.abort_step(self.step_id, error)
-
-    @property
-    def aborted(self) -> BaseException | None:
-        """The abort error, or ``None`` while the step is open."""
-        return self._error
-
-    # -- WaitObserver: what a cross-process receive that waits says ---------------------
-
-    def _timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
-        error = timeout_error(key, timeout)
-        if self._router.route(key).local:
-            return error
-        hint = self._router.diagnose(key, probe=True)
-        return error if hint is None else DeadlineExceededError(f"{error}; {hint}")
-
-    def timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
-        return self._timeout_error(key, timeout)
-
-    def waiting_long(self, slot: RecvSlot, key: ParsedKey, waited: float) -> None:
-        self._router.long_wait_started(slot, self.step_id, key, time.monotonic() - waited)
-        if _log.isEnabledFor(logging.DEBUG):
-            _log.debug(
-                "recv of %r in step %d has waited %.0fs: %s",
-                key.full_key,
-                self.step_id,
-                waited,
-                self._router.diagnose(key) or f"its producer {key.src} is alive in this namespace",
-            )
-
-    def stopped_waiting(self, slot: RecvSlot) -> None:
-        self._router.long_wait_ended(slot)
-
-    def stats(self) -> dict[str, int]:
-        return self._local.stats()
-
-
-def _start_leg(
-    t: Transport, done: DoneCallback, *, step_id: int, pk: ParsedKey, copy: bool
-) -> Canceller:
-    """One leg of a ``RaceRecv``: a callback receive on ``t``."""
-    return t.start_recv(step_id, pk, done, copy=copy, blocking=False)
 
 
 def _not_this_task(pk: ParsedKey, side: str, task_name: str) -> InvalidArgumentError:

@@ -32,12 +32,13 @@ from ._errors import AbortedError, InvalidArgumentError, closed_error
 from ._hostaddr import is_local_host, split_host_port
 from ._namespace import namespace_id, resolve_namespace
 from ._peers import ALL_TRANSPORTS, NoPresence, Peers, canonical_task
-from ._router import Router, RouterContext, StepRendezvous
+from ._router import Router, RouterContext
 from ._rpc.limits import (
     DEFAULT_FIRST_MESSAGE_TIMEOUT,
     DEFAULT_MAX_CONCURRENT_RPCS,
     ServerLimits,
 )
+from ._step import StepRendezvous
 from ._transport import PresenceBoard, Transport, TransportContext
 from ._window import check_window
 

@@ -25,7 +25,7 @@ from shmrdv._keys import ParsedKey, create_key, parse_key
 from shmrdv._local import LocalRendezvous
 from shmrdv._received import Received
 from shmrdv._rendezvous import Canceller, Rendezvous, check_timeout
-from shmrdv._router import StepRendezvous
+from shmrdv._step import StepRendezvous
 
 DEV = "/job:w/replica:0/task:0/device:CPU:0"
 KEY = create_key(DEV, 1, DEV, "edge")
