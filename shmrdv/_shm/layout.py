@@ -636,28 +636,28 @@ class HeaderCache:
         size = _STATIC_AT + len(keyed)
         self._keyed[keyed] = (off, nbytes, known[3], known[4], key, count, size, off + nbytes)
 
-    def record(self, buf: memoryview) -> Record:
-        """The header of the ring record ``buf``, with ``unpack``'s checks: its data must lie
-        within the record, unless it is a notice (``FLAG_NOTICE``: the data is the segment
-        of its name, checked when that is opened). Returns ``Record``; raises like
-        ``unpack``. The receive side's hot path: one ``struct`` call and one lookup for a
-        key seen before.
+    def record(self, buf: memoryview, at: int, end: int) -> Record:
+        """The header of the ring record ``buf[at:end]``, with ``unpack``'s checks: its data
+        must lie within the record, unless it is a notice (``FLAG_NOTICE``: the data is the
+        segment of its name, checked when that is opened); offsets in the record (the data
+        offset) are from ``at``. Returns ``Record``; raises like ``unpack``. The receive
+        side's hot path: one ``struct`` call and one lookup for a key seen before, without
+        a view of the record.
 
         For such a key the bytes that do not change per message (from ``_STATIC_AT``
         through the key) are the lookup's key; the header length, data offset and nbytes
-        are compared with what they were (an equal header length also says the header lies
-        within ``buf``: a longer one would have been cut short by the slice, and no entry is
-        shorter than the fixed prefix), and the changing fields are checked as ``unpack``
-        checks them."""
-        n = len(buf)
-        if n >= PREFIX.size:
-            magic, version, flags, size, off, nbytes, step, seq, slot = _RECORD.unpack_from(buf, 0)
-            keyed = self._keyed.get(buf[_STATIC_AT:size].tobytes())
+        are compared with what they were, and the changing fields are checked as
+        ``unpack`` checks them."""
+        n = end - at
+        if n >= PREFIX.size and end <= len(buf):
+            magic, version, flags, size, off, nbytes, step, seq, slot = _RECORD.unpack_from(buf, at)
+            keyed = self._keyed.get(buf[at + _STATIC_AT : at + size].tobytes())
             if (
                 keyed is not None
                 and keyed[0] == off
                 and keyed[1] == nbytes
                 and keyed[6] == size
+                and size <= n
                 and magic == _MAGIC_U64
                 and version == VERSION
                 and not flags & ~_KNOWN_FLAGS
@@ -665,8 +665,9 @@ class HeaderCache:
                 and (flags & FLAG_NOTICE or keyed[7] <= n)
             ):
                 return flags, keyed[2], keyed[3], keyed[5], off, step, seq, slot, keyed[4]
-        notice = n > _VARYING_AT and buf[_VARYING_AT] & FLAG_NOTICE
-        f = self.unpack(buf, _NO_FILE if notice else n)
+        payload = buf[at:end]
+        notice = len(payload) > _VARYING_AT and payload[_VARYING_AT] & FLAG_NOTICE
+        f = self.unpack(payload, _NO_FILE if notice else len(payload))
         count = f[4] // f[1].itemsize if f[4] else 0
         return f[0], f[1], f[2], count, f[3], f[5], f[6], f[9], f[11]
 
