@@ -110,9 +110,52 @@ def test_header_cache_record_checks_inline_data_but_not_a_notices() -> None:
     for _ in range(2):  # new, then from the cache
         rec = _record(3)
         f = layout.unpack_fields(rec, len(rec))
-        assert cache.record(rec) == (f[0], f[1], f[2], 16, f[3], f[5], f[6], f[9], f[11])
+        got = _span(cache, rec)
+        assert got == (f[0], f[1], f[2], 16, f[3], f[5], f[6], f[9], f[11])
         notice = _record(4, flags=layout.FLAG_NOTICE)[: f[3]]  # the header only
-        got = cache.record(notice)
+        got = _span(cache, notice)
         assert got[0] == layout.FLAG_NOTICE and got[3] == 16 and got[6] == 4
         with pytest.raises(InternalError, match="past the end"):
-            cache.record(_record(5)[: f[3]])  # inline, but its data is cut off
+            _span(cache, _record(5)[: f[3]])  # inline, but its data is cut off
+        # A span ending inside the header: the bytes after it (here the rest of the very
+        # same header) are not read as the record's.
+        size = int.from_bytes(notice[12:16], "little")
+        with pytest.raises(InternalError, match="past the end"):
+            cache.record(memoryview(notice), 0, size - 8)
+
+
+def _span(cache: layout.HeaderCache, rec: bytearray) -> layout.Record:
+    """``cache.record`` of ``rec`` placed, as in a ring, after 64 bytes and before others."""
+    ring = bytearray(64) + rec + b"\xff" * 64
+    return cache.record(memoryview(ring), 64, 64 + len(rec))
+
+
+@pytest.mark.parametrize(
+    ("at", "raw", "match"),
+    [
+        (0, b"\x88", "magic"),
+        (8, (2).to_bytes(2, "little"), "version"),
+        (10, (0x80).to_bytes(2, "little"), "flags"),
+        (12, (400).to_bytes(4, "little"), "header length"),  # past the record
+        (12, (100).to_bytes(4, "little"), "header length"),  # shorter: another tail
+        (16, (64).to_bytes(8, "little"), "data offset"),  # inside the header
+        (16, (1024).to_bytes(8, "little"), "past the end"),  # data past the record
+        (24, (128).to_bytes(8, "little"), "nbytes"),  # fits the record, not the shape
+        (60, (-2).to_bytes(8, "little", signed=True), "slot"),
+    ],
+)
+def test_header_cache_record_checks_every_field_of_a_known_key(
+    at: int, raw: bytes, match: str
+) -> None:
+    """A corrupted record of a key the cache knows gets ``unpack_fields``' refusal."""
+    cache = layout.HeaderCache()
+    rec = _record(0)
+    rec.extend(bytes(256))  # room for a moved data offset, so only the named check fails
+    _span(cache, rec)  # now known
+    bad = bytearray(rec)
+    bad[at : at + len(raw)] = raw
+    with pytest.raises(InternalError, match=match):
+        _span(cache, bad)
+    with pytest.raises(InternalError, match=match):
+        layout.unpack_fields(bad, len(bad))
+    assert _span(cache, rec)[6] == 0  # the intact one is still answered

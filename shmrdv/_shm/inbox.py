@@ -203,7 +203,7 @@ class Inbox:
                     return
         r.lost = r.ring.lost()
         try:
-            self._take_records(src, r.inc, r.ring.take())
+            self._take_records(src, r.inc, r.ring.buf, r.ring.take_spans())
         except RendezvousError as e:
             _log.warning("ring from %s: %s", src.task, e)
 
@@ -235,7 +235,9 @@ class Inbox:
         else:
             src.broken = error
 
-    def _take_records(self, src: Source, inc: int, records: Iterator[memoryview]) -> None:
+    def _take_records(
+        self, src: Source, inc: int, buf: memoryview, records: Iterator[tuple[int, int]]
+    ) -> None:
         """Each ring record to its channel's stash, its channel touched if it has waiters.
 
         A ring record is the producer's bytes: its header gets ``unpack``'s checks (through
@@ -258,12 +260,12 @@ class Inbox:
         chans: dict[str, Channel] = {}
         stash: Stash | None = None
         value: Stashed
-        for payload in records:
+        for at, end in records:  # each record is ``buf[at:end]``
             try:
                 # ``unpack_fields`` (or the cache of its verdicts) applies ``shape_problem``.
-                flags, dtype, shape, count, offset, step, seq, slot, key = header(payload)
+                flags, dtype, shape, count, offset, step, seq, slot, key = header(buf, at, end)
             except RendezvousError as e:
-                refused = self._refused(src, payload, e)
+                refused = self._refused(src, buf[at:end], e)
                 if refused is None:
                     continue
                 step, seq, key, value = refused
@@ -277,7 +279,7 @@ class Inbox:
                 elif count:
                     # One copy out of the ring (the record's bytes are overwritten later),
                     # stashed bare: its ``Received`` is made when it is taken (``Stashed``).
-                    arr: Any = np.frombuffer(payload, dtype, count, offset)
+                    arr: Any = np.frombuffer(buf, dtype, count, at + offset)
                     arr = arr.copy() if len(shape) == 1 else arr.reshape(shape).copy()
                     value = received(arr, True) if flags & 1 else arr
                 else:

@@ -511,11 +511,17 @@ _KEY_LEN = struct.Struct("<I")
 _KEY_LEN_AT = PREFIX.size - 4  # key_len, the last field of the fixed prefix
 _HOT = struct.Struct(PREFIX.format[:-3])  # the prefix up to ``created_ns``
 # The same bytes, only the fields a ring record's check needs (incarnation, pid and
-# created_ns skipped: two fewer large ints made per record drained).
-_RECORD = struct.Struct("<8sHHIQQqQ12xq8x")
+# created_ns skipped: two fewer large ints made per record drained; the magic read as an
+# integer, compared with ``_MAGIC_U64``, which is cheaper than a bytes object).
+_RECORD = struct.Struct("<QHHIQQqQ12xq8x")
+_MAGIC_U64 = int.from_bytes(MAGIC, "little")
 assert _RECORD.size == _HOT.size
 # A notice record's data is in a segment: its header is checked against no file size.
 _NO_FILE = 1 << 63
+
+#: A ``HeaderCache`` entry: data offset, nbytes, dtype, shape, key, element count,
+#: header length, end of the data.
+_Keyed = tuple[int, int, np.dtype[Any], tuple[int, ...], str, int, int, int]
 
 #: What ``HeaderCache.record`` returns: flags, dtype, shape, element count, data_offset,
 #: step_id, seq, slot, key.
@@ -540,9 +546,9 @@ class HeaderCache:
     def __init__(self, limit: int = 4096) -> None:
         self._limit = limit
         # The header from ``_STATIC_AT`` through the key -> data offset, nbytes, dtype,
-        # shape, key (its length fixes the header's: both end at the key).
-        # (and the element count, for ``record``)
-        self._keyed: dict[bytes, tuple[int, int, np.dtype[Any], tuple[int, ...], str, int]] = {}
+        # shape, key (its length fixes the header's: both end at the key), and for
+        # ``record``: the element count, the header length and where the data ends.
+        self._keyed: dict[bytes, _Keyed] = {}
         # The same without the key -> header length, data offset, nbytes, dtype, shape.
         self._known: dict[bytes, tuple[int, int, int, np.dtype[Any], tuple[int, ...]]] = {}
 
@@ -627,30 +633,41 @@ class HeaderCache:
         if len(self._keyed) >= self._limit:
             self._keyed.clear()
         count = nbytes // known[3].itemsize if nbytes else 0
-        self._keyed[keyed] = (off, nbytes, known[3], known[4], key, count)
+        size = _STATIC_AT + len(keyed)
+        self._keyed[keyed] = (off, nbytes, known[3], known[4], key, count, size, off + nbytes)
 
-    def record(self, buf: BufferLike) -> Record:
-        """The header of the ring record ``buf``, with ``unpack``'s checks: its data must lie
-        within the record, unless it is a notice (``FLAG_NOTICE``: the data is the segment
-        of its name, checked when that is opened). Returns ``Record``; raises like
-        ``unpack``. The receive side's hot path: one ``struct`` call and one lookup for a
-        key seen before."""
-        n = len(buf)
-        if n >= PREFIX.size:
-            magic, version, flags, size, off, nbytes, step, seq, slot = _RECORD.unpack_from(buf, 0)
+    def record(self, buf: memoryview, at: int, end: int) -> Record:
+        """The header of the ring record ``buf[at:end]``, with ``unpack``'s checks: its data
+        must lie within the record, unless it is a notice (``FLAG_NOTICE``: the data is the
+        segment of its name, checked when that is opened); offsets in the record (the data
+        offset) are from ``at``. Returns ``Record``; raises like ``unpack``. The receive
+        side's hot path: one ``struct`` call and one lookup for a key seen before, without
+        a view of the record.
+
+        For such a key the bytes that do not change per message (from ``_STATIC_AT``
+        through the key) are the lookup's key; the header length, data offset and nbytes
+        are compared with what they were, and the changing fields are checked as
+        ``unpack`` checks them."""
+        n = end - at
+        if n >= PREFIX.size and end <= len(buf):
+            magic, version, flags, size, off, nbytes, step, seq, slot = _RECORD.unpack_from(buf, at)
+            keyed = self._keyed.get(buf[at + _STATIC_AT : at + size].tobytes())
             if (
-                size <= n
+                keyed is not None
+                and keyed[0] == off
+                and keyed[1] == nbytes
+                and keyed[6] == size
+                and size <= n
+                and magic == _MAGIC_U64
+                and version == VERSION
                 and not flags & ~_KNOWN_FLAGS
                 and slot >= -1
-                and (flags & FLAG_NOTICE or off + nbytes <= n)
-                and magic == MAGIC
-                and version == VERSION
+                and (flags & FLAG_NOTICE or keyed[7] <= n)
             ):
-                keyed = self._keyed.get(bytes(buf[_STATIC_AT:size]))
-                if keyed is not None and keyed[0] == off and keyed[1] == nbytes:
-                    return flags, keyed[2], keyed[3], keyed[5], off, step, seq, slot, keyed[4]
-        notice = n > _VARYING_AT and buf[_VARYING_AT] & FLAG_NOTICE
-        f = self.unpack(buf, _NO_FILE if notice else n)
+                return flags, keyed[2], keyed[3], keyed[5], off, step, seq, slot, keyed[4]
+        payload = buf[at:end]
+        notice = len(payload) > _VARYING_AT and payload[_VARYING_AT] & FLAG_NOTICE
+        f = self.unpack(payload, _NO_FILE if notice else len(payload))
         count = f[4] // f[1].itemsize if f[4] else 0
         return f[0], f[1], f[2], count, f[3], f[5], f[6], f[9], f[11]
 

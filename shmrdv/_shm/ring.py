@@ -193,13 +193,21 @@ class Ring:
         self._buf.release()
 
     def take(self) -> Iterator[memoryview]:
-        """Yield every complete record's payload (a view valid until the next iteration).
+        """Yield every complete record's payload (a view valid until the next iteration):
+        ``take_spans`` as views of ``buf``."""
+        buf = self._buf
+        for at, end in self.take_spans():
+            yield buf[at:end]
+
+    def take_spans(self) -> Iterator[tuple[int, int]]:
+        """Yield where every complete record's payload is in ``buf``, ``(start, end)``
+        (valid until the next iteration): the consumer's hot loop, spared a view per record.
 
         ``tail`` advances past each record once the caller comes back for the next one, so
         a record is never overwritten while it is being read. Raises ``InternalError`` on a
         corrupted ring (a length past the data written).
         """
-        buf, words, u32, cap = self._buf, self._words, self._u32, self.capacity
+        words, u32, cap = self._words, self._u32, self.capacity
         head, tail = words[_H], words[_T]
         if not tail <= head <= tail + cap or tail % _ALIGN:
             raise InternalError(f"shmrdv ring corrupted: head {head}, tail {tail}, capacity {cap}")
@@ -215,6 +223,7 @@ class Ring:
                 raise InternalError(
                     f"shmrdv ring corrupted: record of {size} bytes at {tail} (head {head})"
                 )
-            yield buf[DATA_OFFSET + pos + 4 : DATA_OFFSET + pos + size]
+            at = DATA_OFFSET + pos
+            yield at + 4, at + size
             tail += size
             words[_T] = tail
