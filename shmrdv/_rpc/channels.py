@@ -52,6 +52,12 @@ _BASE_OPTIONS: list[tuple[str, Any]] = [
 # loopback in 4 MiB chunks ran at 0.6-1.0 GB/s (best of 6, 2 busy cores) with the defaults
 # and within that noise with grpc.http2.lookahead_bytes 16/32/64 MiB, bdp_probe off,
 # max_frame_size 16 MiB or write_buffer_size 8 MiB on both ends.
+# Also measured and left out (shmrdv bench shmrdv_grpc vs grpc_pull, 64 KiB and 1 MiB,
+# 3 interleaved runs, 2026-12-04): grpc.experimental.single_threaded_unary_stream (the
+# series reader waits on its call itself, no channel-thread hop) made 1 MiB slower
+# (1.84/1.71/1.64 ms against 1.30/1.24/1.44 ms) and 64 KiB no faster; lookahead_bytes
+# 8 MiB on the channel moved the 1 MiB ratio within the noise (1.26-1.69 against
+# 1.36-1.75 times the pull) and 64 KiB the other way (1.24-1.42 against 1.13-1.37).
 
 
 # Each channel's RecvTensor callable, made once: ``Channel.unary_unary`` costs a few

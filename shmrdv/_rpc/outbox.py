@@ -47,6 +47,7 @@ from .._received import Received
 from .._rendezvous import Canceller
 from .._transport import TransportContext
 from .._window import ConsumerWatch, InflightWindow, Windows
+from . import series_wire
 from .methods import SERVER_STOPPING
 
 __all__ = ["Outbox"]
@@ -162,8 +163,10 @@ class Outbox:
             value.flags.writeable = False
         else:
             # The caller keeps its array and may reuse it at once: buffer a copy (the
-            # same one copy the shared-memory path makes).
-            value = np.array(value, copy=True, order="C")
+            # same one copy the shared-memory path makes), made as the series message
+            # that carries it, so that sending it copies it no more.
+            packed = None if is_dead else series_wire.packed_copy(value)
+            value = np.array(value, copy=True, order="C") if packed is None else packed
         box.send(key, value, is_dead=is_dead)
         self._counters["sent"] += 1
         self._counters["sent_bytes"] += value.nbytes

@@ -6,19 +6,25 @@ the chunks of ``RecvTensorStream`` (``assembly``) in order, each value's chunks 
 back. The producer packs what it already has into one message up to about
 ``budget`` bytes, so a queue of small values costs one gRPC write, not one each; a value
 larger than ``budget`` is cut into chunks of at most ``budget`` bytes of data, one
-message each. One copy of the data: the buffer into the message.
+message each. One copy of the data: the buffer into the message; none for a value
+``packed_copy`` made (the producer's copy at ``send`` is then the message itself).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
-from .._errors import InvalidArgumentError
+import numpy as np
+import numpy.typing as npt
+
+from .._errors import InvalidArgumentError, RendezvousError
 from .._received import Received
 from .assembly import chunk_pieces
+from .tf_dtypes import wire_dtype
 from .wire import LEN, Buffer, Malformed, as_buffer, encode_tag, encode_varint, iter_fields
 
-__all__ = ["encode_series", "series_chunks"]
+__all__ = ["encode_series", "packed_copy", "series_chunks"]
 
 _CHUNKS = encode_tag(1, LEN)
 
@@ -30,11 +36,56 @@ def encode_series(values: Sequence[Received], budget: int) -> Iterator[tuple[byt
     ahead of its writing). Raises ``InvalidArgumentError`` for a value that cannot be
     sent, at the call, before any message.
     """
+    if len(values) == 1:
+        whole = _packed_message(values[0], budget)
+        if whole is not None:
+            return iter([(whole, 1)])
     pieces = [
         chunk_pieces(received.value, is_dead=received.is_dead, chunk_bytes=budget)
         for received in values
     ]
     return _messages(pieces, budget)
+
+
+def packed_copy(value: npt.NDArray[Any]) -> npt.NDArray[Any] | None:
+    """A read-only copy of ``value`` (a live one) made as the series message that carries
+    it alone: its buffer is the tail of that message's ``bytes``, which ``encode_series``
+    then sends as they are. One copy, as ``np.array(value)``, and none when it is sent.
+    None where the array's memory is not its wire form (a dtype converted on the wire)
+    or it is empty: copy it as usual."""
+    dtype = value.dtype
+    if value.nbytes == 0 or dtype.kind not in "biufc" or dtype != wire_dtype(dtype):
+        return None
+    try:
+        ((prefix, data),) = chunk_pieces(value, is_dead=False, chunk_bytes=value.nbytes)
+    except (RendezvousError, ValueError):
+        return None
+    head = _head(prefix, len(data))
+    message = b"".join([head, data])
+    flat = np.frombuffer(message, dtype, value.size, len(head))
+    out: npt.NDArray[Any] = flat.reshape(value.shape)
+    return out
+
+
+def _head(prefix: bytes, data_bytes: int) -> bytes:
+    """What comes before a lone chunk's data in its series message."""
+    return b"".join([_CHUNKS, encode_varint(len(prefix) + data_bytes), prefix])
+
+
+def _packed_message(received: Received, budget: int) -> bytes | None:
+    """The message ``packed_copy`` made for ``received``'s value, if it is one and the
+    value fits one message of ``budget``; else None."""
+    value = received.value
+    base: Any = value.base  # numpy types it as an array; here it may be the bytes
+    owner: Any = base.base if isinstance(base, np.ndarray) else base
+    if received.is_dead or not isinstance(owner, bytes) or not 0 < value.nbytes <= budget:
+        return None
+    ((prefix, data),) = chunk_pieces(value, is_dead=False, chunk_bytes=budget)
+    head = _head(prefix, len(data))
+    if len(owner) != len(head) + value.nbytes or owner[: len(head)] != head:
+        return None
+    start = np.frombuffer(owner, np.uint8, 1).ctypes.data + len(head)
+    return owner if value.ctypes.data == start and value.flags.c_contiguous else None
 
 
 def _messages(

@@ -1,0 +1,60 @@
+"""A value the outbox copies as its own series message is sent without a second copy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from shmrdv._received import Received
+from shmrdv._rpc import series_wire
+
+CASES: list[npt.NDArray[Any]] = [
+    np.arange(10, dtype=np.float32).reshape(2, 5),
+    np.ones(1 << 18, np.float32),
+    np.array(3.0),
+    np.arange(6, dtype=np.int64)[::2],
+    np.array([True, False]),
+]
+
+
+def _messages(value: npt.NDArray[Any], budget: int) -> list[tuple[bytes, int]]:
+    return list(series_wire.encode_series([Received(value, False)], budget))
+
+
+@pytest.mark.parametrize("value", CASES, ids=lambda a: f"{a.dtype}{a.shape}")
+def test_packed_copy_is_sent_as_is(value: npt.NDArray[Any]) -> None:
+    packed = series_wire.packed_copy(value)
+    assert packed is not None
+    np.testing.assert_array_equal(packed, value)
+    assert packed.dtype == value.dtype and packed.shape == value.shape
+    assert not packed.flags.writeable
+    plain = _messages(np.array(value, copy=True), 4 << 20)
+    sent = _messages(packed, 4 << 20)
+    assert sent == plain  # the same bytes on the wire
+    owner = packed.base.base if isinstance(packed.base, np.ndarray) else packed.base
+    assert sent[0][0] is owner  # ... and no copy made to send them
+
+
+def test_packed_value_larger_than_a_message_is_chunked_as_before() -> None:
+    value = np.arange(1000, dtype=np.float32)
+    packed = series_wire.packed_copy(value)
+    assert packed is not None
+    assert _messages(packed, 512) == _messages(value.copy(), 512)
+    assert len(_messages(packed, 512)) > 1
+
+
+def test_packed_copy_declines_what_is_not_its_wire_form() -> None:
+    assert series_wire.packed_copy(np.array(["a", "bc"])) is None
+    assert series_wire.packed_copy(np.zeros(0, np.float32)) is None
+    assert series_wire.packed_copy(np.ones(3, ">f4")) is None
+
+
+def test_a_look_alike_buffer_is_copied_as_usual() -> None:
+    value = np.arange(4, dtype=np.float32)
+    # Backed by bytes, but not a series message: encoded by the usual path.
+    other = np.frombuffer(b"\x00" * 8 + value.tobytes(), np.float32, 4, 8)
+    assert _messages(other, 4 << 20) == _messages(value, 4 << 20)
+    assert _messages(other, 4 << 20)[0][0] is not other.base
