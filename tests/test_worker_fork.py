@@ -39,32 +39,43 @@ def _child_echo(ns: str, results: Any) -> None:
         results.put(("error", f"{type(e).__name__}: {e}"))
 
 
+def _exchange_with_child(
+    ctx: Any, parent: shmrdv.Worker, ns: str, target: Callable[[str, Any], None], ping: Any
+) -> tuple[Any, Any]:
+    """Run ``target`` (``_child_echo``'s protocol) in a child made by ``ctx``: receive its
+    hello, send ``ping``, receive its pong; the child reports ok and exits 0. Returns
+    copies of hello's and pong's values."""
+    results = ctx.Queue()
+    proc = ctx.Process(target=target, args=(ns, results))
+    proc.start()
+    try:
+        rdv = parent.rendezvous(1)
+        hello = rdv.recv(make_key("hello", src=CHILD, dst=PARENT), timeout=30).value.copy()
+        rdv.send(make_key("ping", src=PARENT, dst=CHILD), ping)
+        pong = rdv.recv(make_key("pong", src=CHILD, dst=PARENT), timeout=30).value.copy()
+        status, detail = results.get(timeout=30)
+        assert status == "ok", detail
+    finally:
+        proc.join(30)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(10)
+        results.close()
+        results.join_thread()
+    assert proc.exitcode == 0
+    return hello, pong
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_worker_in_child_of_each_start_method(method: str, ns: str) -> None:
     ctx: Any = mp.get_context(method)
     with shmrdv.Worker(PARENT, namespace=ns) as parent:
-        results = ctx.Queue()
-        proc = ctx.Process(target=_child_echo, args=(ns, results))
-        proc.start()
-        try:
-            rdv = parent.rendezvous(1)
-            hello = rdv.recv(make_key("hello", src=CHILD, dst=PARENT), timeout=30)
-            np.testing.assert_array_equal(hello.value, np.arange(5))
-            rdv.send(make_key("ping", src=PARENT, dst=CHILD), np.full(3, 41, dtype=np.int32))
-            pong = rdv.recv(make_key("pong", src=CHILD, dst=PARENT), timeout=30)
-            assert list(pong.value) == [42, 42, 42]
-            status, detail = results.get(timeout=30)
-            assert status == "ok", detail
-            assert parent.stats()["shm"]["received"] == 2
-            del hello, pong
-        finally:
-            proc.join(30)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join(10)
-            results.close()
-            results.join_thread()
-        assert proc.exitcode == 0
+        hello, pong = _exchange_with_child(
+            ctx, parent, ns, _child_echo, np.full(3, 41, dtype=np.int32)
+        )
+        np.testing.assert_array_equal(hello, np.arange(5))
+        assert list(pong) == [42, 42, 42]
+        assert parent.stats()["shm"]["received"] == 2
         parent.cleanup(1)
 
 
@@ -111,22 +122,9 @@ def test_worker_inherited_across_fork_is_refused(ns: str) -> None:
             assert str(os.getpid()) in message  # names the process that created it
         # The child's exit and its close() left the parent's objects in place and working.
         assert sorted(e for e in os.listdir(SHM_DIR) if ns in e) == objects_before
-        child_results: Any = ctx.Queue()
-        proc = ctx.Process(target=_child_echo, args=(ns, child_results))
-        proc.start()
-        try:
-            rdv = parent.rendezvous(1)
-            assert rdv.recv(make_key("hello", src=CHILD, dst=PARENT), timeout=30).value[4] == 4
-            rdv.send(make_key("ping", src=PARENT, dst=CHILD), np.zeros(1))
-            assert rdv.recv(make_key("pong", src=CHILD, dst=PARENT), timeout=30).value[0] == 1
-            assert child_results.get(timeout=30)[0] == "ok"
-        finally:
-            proc.join(30)
-            child_results.close()
-            child_results.join_thread()
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join(10)
+        hello, pong = _exchange_with_child(ctx, parent, ns, _child_echo, np.zeros(1))
+        assert hello[4] == 4
+        assert pong[0] == 1
         parent.cleanup(1)
         parent.cleanup(7)
 
@@ -153,24 +151,11 @@ def test_worker_in_a_fork_child_after_a_grpc_worker_closed(ns: str) -> None:
             assert consumer.stats()["grpc"]["received"] == 1
         ctx: Any = mp.get_context("fork")
         with shmrdv.Worker(PARENT, namespace=ns) as parent:
-            results = ctx.Queue()
-            proc = ctx.Process(target=_child_collects_then_echoes, args=(ns, results))
-            proc.start()
-            try:
-                rdv = parent.rendezvous(1)
-                assert rdv.recv(make_key("hello", src=CHILD, dst=PARENT), timeout=30).value[4] == 4
-                rdv.send(make_key("ping", src=PARENT, dst=CHILD), np.zeros(1))
-                assert rdv.recv(make_key("pong", src=CHILD, dst=PARENT), timeout=30).value[0] == 1
-                status, detail = results.get(timeout=30)
-                assert status == "ok", detail
-            finally:
-                proc.join(30)
-                if proc.exitcode is None:
-                    proc.kill()
-                    proc.join(10)
-                results.close()
-                results.join_thread()
-            assert proc.exitcode == 0
+            hello, pong = _exchange_with_child(
+                ctx, parent, ns, _child_collects_then_echoes, np.zeros(1)
+            )
+            assert hello[4] == 4
+            assert pong[0] == 1
             parent.cleanup(1)
     finally:
         gc.enable()
