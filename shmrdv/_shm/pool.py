@@ -63,6 +63,7 @@ quietly (``pool_refused`` in ``stats()``, one warning per pool).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -401,13 +402,8 @@ class SlotPool:
             slot.state = "lost"
             # Given back already? Then its returned name is ours to remove (a held one is
             # still its consumer's).
-            ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.ticket))
-            try:
-                st = os.stat(ret, follow_symlinks=False)
-                if (st.st_dev, st.st_ino) == slot.ino:
-                    os.unlink(ret)
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                self._remove_returned(slot)
             self._forget(slot)
             return False
         if word != nxt:
@@ -542,16 +538,23 @@ class SlotPool:
             slot.segment.unlink()
             slot.segment.close()
         for slot in lent:
-            ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.ticket))
             try:
-                st = os.stat(ret, follow_symlinks=False)
-                if (st.st_dev, st.st_ino) == slot.ino:
-                    os.unlink(ret)
-            except FileNotFoundError:
-                pass
+                self._remove_returned(slot)
             except OSError as e:
-                _log.warning("cannot remove returned pool slot %s: %s", ret, e)
+                _log.warning("cannot remove returned pool slot %d: %s", slot.index, e)
             slot.segment.close()
+
+    def _remove_returned(self, slot: Slot) -> None:
+        """Unlink ``slot``'s ``returned`` name if it is there and still the slot's own
+        inode (another user may have planted a file under it). Raises ``OSError`` but for
+        a name that is not there."""
+        ret = self._names.path(self._names.returned(self._task, self._incarnation, slot.ticket))
+        try:
+            st = os.stat(ret, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) == slot.ino:
+                os.unlink(ret)
+        except FileNotFoundError:
+            pass
 
 
 #: ``alive(producer_task, incarnation)``: is that task's live worker of that incarnation? Must
