@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,6 +41,9 @@ _log = logging.getLogger("shmrdv.shm")
 # How often a consumer looks for a producer's ring that is not there yet.
 _RING_LOOK_S = 0.02
 _FLAG_NOTICE = layout.FLAG_NOTICE
+# A file's size: ``_file_size(fd, 0, _SEEK_END)`` (a ring's, before it is read: SIGBUS).
+_file_size = os.lseek
+_SEEK_END = os.SEEK_END
 
 #: ``(producer task, step, key, incarnation, seq, slot)``: free a late notice's segment.
 FreeNamed = Callable[[str, int, str, int, int, int], None]
@@ -123,7 +127,7 @@ class Inbox:
         for this consumer (or not from ``expect``, (producer task, incarnation)).
         """
         try:
-            seg = Segment.attach(self._names, name)
+            seg = Segment.attach(self._names, name, keep_fd=True)
         except FileNotFoundError:
             return False
         try:
@@ -169,9 +173,9 @@ class Inbox:
         scans, which fails what is wrong under the lock."""
         try:
             for _, r in self.rings:
-                if r.mem.size() < r.size:  # one ``fstat`` (``Segment.check_size``'s)
+                if _file_size(r.fd, 0, _SEEK_END) < r.size:  # one ``lseek`` (``InRing.fd``)
                     return False
-        except (OSError, ValueError):
+        except OSError:
             return False
         return True
 
@@ -189,8 +193,8 @@ class Inbox:
         """
         if check:
             try:
-                intact = r.mem.size() >= r.size  # one ``fstat``, as ``check_size`` makes
-            except (OSError, ValueError):
+                intact = _file_size(r.fd, 0, _SEEK_END) >= r.size  # one ``lseek``
+            except OSError:
                 intact = False
             if not intact:
                 try:
@@ -225,6 +229,7 @@ class Inbox:
         src.ring_incs.discard(r.inc)
         src.look_at = float("inf")  # its name is gone; a restarted producer makes a new one
         r.watch.live = False
+        r.fd = -1
         r.ring.release()
         r.segment.close()
         # A producer that saw the truncation itself went on by name: the waiting receives
@@ -340,6 +345,7 @@ class Inbox:
         if src.inc == r.inc:
             src.look_at = float("inf")  # a restarted producer is looked for again (liveness)
         r.watch.live = False  # before what the run left is collected (``pool.RunWatch``)
+        r.fd = -1
         r.ring.release()
         r.segment.close()
 
@@ -349,6 +355,7 @@ class Inbox:
         """Unmap every ring (after the consumer is closed)."""
         for src, r in self.rings:
             r.watch.live = False
+            r.fd = -1
             r.ring.release()
             r.segment.close()
             src.rings.clear()

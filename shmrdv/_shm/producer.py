@@ -90,7 +90,7 @@ class _Route:
         "post",
         "ring",
         "ring_buf",
-        "ring_mem",
+        "ring_fd",
         "ring_segment",
         "ring_size",
         "task",
@@ -100,8 +100,9 @@ class _Route:
         self.task = task
         self.ring_segment: Segment | None = None if ring is None else ring[0]
         self.ring: Ring | None = None if ring is None else ring[1]
-        # The ring's mapping (``mmap.size()`` is one fstat): checked before every write.
-        self.ring_mem: Any = None if ring is None else ring[0].buf
+        # The ring file's descriptor: its size (``os.lseek(fd, 0, SEEK_END)``, a system call
+        # lighter than ``fstat``) is checked before every write.
+        self.ring_fd = -1 if ring is None else ring[0].fd
         self.ring_size = 0 if ring is None else ring[0].size
         self.ring_buf: memoryview = memoryview(b"") if ring is None else ring[1].buf
         self.bell: Bell | None = None
@@ -130,6 +131,9 @@ class _KeyOut:
         self.inline = inline
 
 
+# A file's size: ``_file_size(fd, 0, _SEEK_END)`` (its end, for the ring's size check).
+_file_size = os.lseek
+_SEEK_END = os.SEEK_END
 # How often a producer looks again for the doorbell of a consumer that has not started.
 _BELL_LOOK_S = 0.02
 # Header templates kept (per key; a key's dtype or shape change replaces its entry).
@@ -202,7 +206,7 @@ class Producer:
         seg: Segment | None = None
         name = self._names.ring(self._task, self._inc, task)
         try:
-            seg = Segment.create(self._names, ring_size(RING_CAPACITY))
+            seg = Segment.create(self._names, ring_size(RING_CAPACITY), keep_fd=True)
             meta = json.dumps({"producer": self._task, "incarnation": self._inc, "consumer": task})
             ring = Ring.format(memoryview(seg.buf), RING_CAPACITY, meta.encode())
             move_noreplace(seg.path, Names.path(name))  # published only once formatted
@@ -380,10 +384,10 @@ class Producer:
             ring = route.ring
             if ring is None:
                 return False  # the ring was failed: segments from now on
-            # The SIGBUS guard (``_ring_intact``): one ``fstat`` through the mapping.
+            # The SIGBUS guard (``_ring_intact``): the file's size, one ``lseek``.
             try:
-                intact = route.ring_mem.size() >= route.ring_size
-            except (OSError, ValueError):
+                intact = _file_size(route.ring_fd, 0, _SEEK_END) >= route.ring_size
+            except OSError:
                 intact = False
             if not intact and not self._ring_intact(route):
                 return False
@@ -433,7 +437,7 @@ class Producer:
         if seg is None or route.ring is None:
             return False
         try:
-            if route.ring_mem.size() >= seg.size:  # fstat of the descriptor mmap keeps
+            if _file_size(route.ring_fd, 0, _SEEK_END) >= seg.size:  # (one ``lseek``)
                 return True
             seg.check_size(seg.size)  # says what is wrong
         except (InternalError, OSError, ValueError) as e:
@@ -441,6 +445,7 @@ class Producer:
             route.ring.release()
             route.ring = None
             route.ring_segment = None
+            route.ring_fd = -1
             seg.close()
             return False
         return True
@@ -669,6 +674,7 @@ class Producer:
             for route in routes:
                 ring, seg = route.ring, route.ring_segment
                 route.ring = route.ring_segment = None
+                route.ring_fd = -1
                 if ring is not None and seg is not None:
                     # A ring its consumer never attached keeps its name while it holds
                     # messages (they are the consumer's); an empty one goes. (Checked first:
