@@ -102,10 +102,11 @@ class InRing:
     ``watch`` is live while the ring is attached: this consumer will then collect what the
     producer run leaves when it is over (``pool.RunWatch``)."""
 
-    __slots__ = ("fd", "inc", "lost", "lost_seen", "ring", "segment", "size", "watch")
+    __slots__ = ("buf", "fd", "inc", "lost", "lost_seen", "ring", "segment", "size", "watch")
 
     def __init__(self, segment: Segment, ring: Ring, inc: int) -> None:
         self.segment, self.ring, self.inc = segment, ring, inc
+        self.buf = ring.buf  # (``Ring.buf``, without its property call per drain)
         # The ring file's descriptor (``Segment.fd``) and size, for the size check before
         # each look at the ring: ``os.lseek(fd, 0, SEEK_END)``, one system call lighter than
         # ``Segment.check_size``'s ``fstat``, without its Python calls on a spinning
