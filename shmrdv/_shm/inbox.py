@@ -41,6 +41,8 @@ _log = logging.getLogger("shmrdv.shm")
 # How often a consumer looks for a producer's ring that is not there yet.
 _RING_LOOK_S = 0.02
 _FLAG_NOTICE = layout.FLAG_NOTICE
+# ``np.frombuffer``, without a module attribute lookup per record drained.
+_frombuffer = np.frombuffer
 # A file's size: ``_file_size(fd, 0, _SEEK_END)`` (a ring's, before it is read: SIGBUS).
 _file_size = os.lseek
 _SEEK_END = os.SEEK_END
@@ -296,7 +298,7 @@ class Inbox:
                 elif count:
                     # One copy out of the ring (the record's bytes are overwritten later),
                     # stashed bare: its ``Received`` is made when it is taken (``Stashed``).
-                    arr: Any = np.frombuffer(buf, dtype, count, at + offset)
+                    arr: Any = _frombuffer(buf, dtype, count, at + offset)
                     arr = arr.copy() if len(shape) == 1 else arr.reshape(shape).copy()
                     value = received(arr, True) if flags & 1 else arr
                 else:
