@@ -148,10 +148,11 @@ class Consumer:
                 # look for, nothing to drain first: what follows it stays in its ring).
                 # Written out here: the hot path of a receive whose value is there.
                 stash = book.stash.get(step_id)
-                at = (ch.key, ch.inc, ch.seq)
-                got = stash.get(at) if stash is not None else None
-                if got is not None and type(got) is not Notice:
-                    del stash[at]  # type: ignore[union-attr]  # got is not None: stash is not
+                got = stash.pop((ch.key, ch.inc, ch.seq), None) if stash is not None else None
+                if type(got) is Notice:  # opened by its name, with a lookup (``_first_look``)
+                    stash[(ch.key, ch.inc, ch.seq)] = got  # type: ignore[index]  # not None
+                    got = None
+                if got is not None:
                     if not stash:
                         del book.stash[step_id]
                     ch.nready -= 1
