@@ -169,7 +169,7 @@ class Inbox:
         return False
 
     def intact(self) -> bool:
-        """Whether every attached ring's file still holds it (one ``fstat`` each): lock-free
+        """Whether every attached ring's file still holds it (one ``lseek`` each): lock-free
         like ``arrived``, which a spinning poller may then call (reading a truncated ring's
         words would be a SIGBUS). False also for a ring released meanwhile: the caller
         scans, which fails what is wrong under the lock."""
@@ -199,10 +199,11 @@ class Inbox:
     def drain(self, src: Source, r: InRing, check: bool = True) -> None:
         """Take every record waiting in one ring to its channel's stash.
 
-        First one ``fstat`` (unless ``check`` is False: the caller checked it a moment ago):
-        a process that kept a descriptor of the ring may have truncated it, and reading a
-        lost page would kill this process (SIGBUS). Such a ring is failed: unmapped, and the
-        receives waiting on its producer get the ``InternalError`` (``failed``).
+        First its size, one ``lseek`` (unless ``check`` is False: the caller checked it a
+        moment ago): a process that kept a descriptor of the ring may have truncated it, and
+        reading a lost page would kill this process (SIGBUS). Such a ring is failed:
+        unmapped, and the receives waiting on its producer get the ``InternalError``
+        (``failed``).
         """
         if check:
             try:
