@@ -171,6 +171,37 @@ def test_segment_check_size_detects_truncation(names: Names) -> None:
         prod.unlink()
 
 
+def test_segment_kept_fd_tells_the_file_size_and_closes_with_it(names: Names) -> None:
+    # A ring's size check before every access is an ``lseek`` of a kept descriptor: it
+    # must see a truncation as ``check_size`` does, and go with the segment's ``close``.
+    gc.collect()  # (what earlier tests left goes first: the count below is this test's)
+    before = _fds()
+    h = _header()
+    with Segment.create(names, h.segment_size, keep_fd=True) as prod:
+        assert os.lseek(prod.fd, 0, os.SEEK_END) == h.segment_size
+        with Segment.attach(names, prod.name, keep_fd=True) as cons:
+            assert cons.fd >= 0 and cons.fd != prod.fd
+            os.truncate(prod.path, 100)  # a peer shrinks the file under the reader
+            assert os.lseek(cons.fd, 0, os.SEEK_END) == 100
+            assert os.lseek(prod.fd, 0, os.SEEK_END) == 100
+        assert cons.fd == -1
+        prod.unlink()
+    assert prod.fd == -1
+    with Segment.create(names, 4096) as plain:
+        assert plain.fd == -1  # not kept unless asked
+        plain.unlink()
+    assert _fds() == before
+    # A forgotten segment's kept descriptor goes with it.
+    seg = Segment.create(names, 4096, keep_fd=True)
+    seg.unlink()
+    fd = seg.fd
+    os.fstat(fd)
+    del seg
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
 def test_segment_view_is_ndarray_without_a_header_and_checks_the_same(names: Names) -> None:
     # ``allocate`` views its slot straight from the template (no Header built): the same
     # bytes as ``ndarray(header)``, kept alive after close the same way, and the same

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -44,6 +46,35 @@ def test_template_field_out_of_range_refused() -> None:
         t.write(buf, 0, KEY.encode(), 0, 2**63, 0, 1, 1, -1, 0)
     with pytest.raises(InternalError, match="out of range"):
         t.write(buf, 0, KEY.encode(), 0, 1, -1, 1, 1, -1, 0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [(np.dtype("<f4"), (16,)), (np.dtype("|S3"), (2, 0, 5)), (np.dtype([("a", "<i2")]), ())],
+)
+def test_template_stamped_header_equals_write(dtype: np.dtype, shape: tuple[int, ...]) -> None:
+    # A small live send stamps the key's own header copy: the same bytes as ``write``, for
+    # every message of the key (each stamp replaces every per-message field).
+    t = layout.Template(dtype, shape, len(KEY.encode()))
+    header, stamp = t.stamped(KEY.encode())
+    assert len(header) == t.data_offset
+    for step, seq, inc, pid, slot, created in [(-7, 3, 2**64 - 1, 42, 5, 123), (9, 0, 1, 7, -1, 0)]:
+        stamp(step, seq, inc, pid, slot, created)
+        want = bytearray(t.data_offset)
+        t.write(want, 0, KEY.encode(), 0, step, seq, inc, pid, slot, created)
+        assert header == want
+        h = layout.unpack(header, t.segment_size)
+        assert (h.step_id, h.seq, h.producer_incarnation, h.slot, h.is_dead) == (
+            step,
+            seq,
+            inc,
+            slot,
+            False,
+        )
+    with pytest.raises(struct.error) as e:
+        stamp(2**63, 0, 1, 1, -1, 0)
+    err = layout.stamp_error(e.value, 2**63, 0, -1)
+    assert isinstance(err, InternalError) and "out of range (step 9223372036854775808" in str(err)
 
 
 def _record(seq: int, flags: int = 0, key: bytes = KEY.encode()) -> bytearray:

@@ -102,14 +102,16 @@ class InRing:
     ``watch`` is live while the ring is attached: this consumer will then collect what the
     producer run leaves when it is over (``pool.RunWatch``)."""
 
-    __slots__ = ("inc", "lost", "lost_seen", "mem", "ring", "segment", "size", "watch")
+    __slots__ = ("buf", "fd", "inc", "lost", "lost_seen", "ring", "segment", "size", "watch")
 
     def __init__(self, segment: Segment, ring: Ring, inc: int) -> None:
         self.segment, self.ring, self.inc = segment, ring, inc
-        # The mapping and its size, for the size check before each look at the ring
-        # (``mem.size()`` is one ``fstat``: what ``Segment.check_size`` does, without its
-        # three Python calls on a spinning poller's path).
-        self.mem: Any = segment.buf
+        self.buf = ring.buf  # (``Ring.buf``, without its property call per drain)
+        # The ring file's descriptor (``Segment.fd``) and size, for the size check before
+        # each look at the ring: ``os.lseek(fd, 0, SEEK_END)``, one system call lighter than
+        # ``Segment.check_size``'s ``fstat``, without its Python calls on a spinning
+        # poller's path. -1 once the ring is let go (an ``lseek`` of it fails).
+        self.fd = segment.fd
         self.size = segment.size
         self.watch = RunWatch()
         self.lost_seen = 0

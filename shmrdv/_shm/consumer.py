@@ -13,8 +13,9 @@ of a producer run that is over is drained a last time and unmapped, and what tha
 left goes (``reaper.collect_producer``, after the lock).
 
 Thread model (docs/threads.md): every public method takes ``lock`` itself (callers never
-hold it); none blocks on a peer or calls a ``done`` callback: they return what to deliver
-(``delivery.py``), which the caller delivers outside the lock.
+hold it); none blocks on a peer or calls a ``done`` callback under it: they return what to
+deliver (``delivery.py``), which the caller delivers outside the lock, except
+``start_recv``, which delivers a value that is there itself, once the lock is released.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from collections.abc import Callable
 
 from numpy import ndarray
 
-from .._callbacks import DoneCallback
+from .._callbacks import DoneCallback, invoke_done
 from .._errors import InternalError, closed_error
 from .._keys import ParsedKey
 from .._received import Received, received
+from .._rendezvous import Canceller
 from .._transport import TransportContext
 from . import reaper
 from .book import Book, Channel, Notice, Source, Stashed, Waiter
-from .delivery import Item
+from .delivery import Item, deliver_one
 from .inbox import Inbox
 from .liveness import Liveness
 from .named import NamedMessages
@@ -52,6 +54,11 @@ TICK = 0.2
 # cheaper than one open() attempt per channel.
 _LISTDIR_ABOVE = 64
 _INF = float("inf")
+
+
+def _already_done() -> bool:
+    """The canceller of a receive delivered at once: nothing left to cancel."""
+    return False
 
 
 class Consumer:
@@ -102,12 +109,24 @@ class Consumer:
             if err is not None:
                 raise err
 
-    def start(
-        self, step_id: int, key: ParsedKey, done: DoneCallback, copy: bool, blocking: bool
-    ) -> Received | BaseException | Waiter:
-        """Take the next value now (returned: the caller delivers it) or queue a waiter
-        (returned: ``cancel`` removes it)."""
+    def start_recv(
+        self,
+        step_id: int,
+        key: ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
+        """``Transport.start_recv``: take the next value now, or queue a waiter (the
+        canceller removes it). A value that is there is delivered here, after the lock
+        (``deliver_one``; a blocking receive's ``done`` is its slot's, which never raises,
+        and is called directly)."""
         book = self._book
+        got: Stashed | None = None
+        result: Received | BaseException | None = None
+        waiter = None
+        first = False
         lock = self.lock
         lock.acquire()
         try:
@@ -129,10 +148,11 @@ class Consumer:
                 # look for, nothing to drain first: what follows it stays in its ring).
                 # Written out here: the hot path of a receive whose value is there.
                 stash = book.stash.get(step_id)
-                at = (ch.key, ch.inc, ch.seq)
-                got = stash.get(at) if stash is not None else None
-                if got is not None and type(got) is not Notice:
-                    del stash[at]  # type: ignore[union-attr]  # got is not None: stash is not
+                got = stash.pop((ch.key, ch.inc, ch.seq), None) if stash is not None else None
+                if type(got) is Notice:  # opened by its name, with a lookup (``_first_look``)
+                    stash[(ch.key, ch.inc, ch.seq)] = got  # type: ignore[index]  # not None
+                    got = None
+                if got is not None:
                     if not stash:
                         del book.stash[step_id]
                     ch.nready -= 1
@@ -140,31 +160,57 @@ class Consumer:
                     if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
                         book.received += 1
                         book.received_bytes += got.nbytes
-                        return received(got, False)
-                    if type(got) is Received:
-                        book.received += 1
-                        book.received_bytes += got.value.nbytes
-                    return got  # type: ignore[return-value]  # not a Notice (checked above)
-            if not waiting:
-                result = self._first_look(ch, src)
-                if result is not None:
-                    return result
-            waiter = Waiter(done, copy, ch, blocking)
-            if self._waiters.wait(ch, waiter):
-                src.waiting[ch] = None
-            if ch.seen_alive:
-                src.was_alive = True
-            else:
-                src.unseen.append(ch)
-            first = False
-            if not blocking:
-                self.callback_waiters += 1
-                first = self.callback_waiters == 1
+                        result = received(got, False)
+                    else:
+                        if type(got) is Received:
+                            book.received += 1
+                            book.received_bytes += got.value.nbytes
+                        result = got  # type: ignore[assignment]  # not a Notice (checked)
+            if result is None:
+                if not waiting:
+                    # Whether ``_first_look`` would find nothing: no ring to look for,
+                    # this producer's ring attached and nothing lost (``lost_records``
+                    # written out), nothing stashed, the producer seen alive.
+                    quiet = (
+                        ch.seen_alive
+                        and not ch.nready
+                        and src.look_at == _INF
+                        and src.broken is None
+                        and (ch.inc or src.inc) in src.ring_incs
+                    )
+                    if quiet:
+                        for r in src.rings:
+                            if r.lost != r.lost_seen:
+                                quiet = False
+                                break
+                    if not quiet:
+                        result = self._first_look(ch, src)
+                if result is None:
+                    waiter = Waiter(done, copy, ch, blocking)
+                    if self._waiters.wait(ch, waiter):
+                        src.waiting[ch] = None
+                    if ch.seen_alive:
+                        src.was_alive = True
+                    else:
+                        src.unseen.append(ch)
+                    if not blocking:
+                        self.callback_waiters += 1
+                        first = self.callback_waiters == 1
         finally:
             lock.release()
-        if first:
-            self._wake_dispatcher()  # it sleeps while no callback receive is pending
-        return waiter
+        if waiter is not None:
+            if first:
+                self._wake_dispatcher()  # it sleeps while no callback receive is pending
+            return lambda: self.cancel(waiter)
+        del got
+        if type(result) is Received and not copy:
+            if blocking:
+                done(None, result)
+            else:
+                invoke_done(done, None, result)
+        else:
+            deliver_one(done, copy, result)  # type: ignore[arg-type]  # not None here
+        return _already_done
 
     def _first_look(self, ch: Channel, src: Source) -> Received | BaseException | None:
         """What a receive that would be its channel's first waiter finds before it waits."""
@@ -260,6 +306,22 @@ class Consumer:
         there yet.
         """
         book = self._book
+        if ch.nready and ch.inc:
+            # The common case written out (a ring brought it; ``_taken`` of a live value):
+            # the poll of every waiting receive takes its value here.
+            stash = book.stash.get(ch.step)
+            if stash is not None:
+                got = stash.pop((ch.key, ch.inc, ch.seq), None)
+                if got is not None:
+                    ch.nready -= 1
+                    if not stash:
+                        del book.stash[ch.step]
+                    if type(got) is not ndarray:
+                        return self._taken(ch, got)
+                    ch.seq += 1
+                    book.received += 1
+                    book.received_bytes += got.nbytes
+                    return received(got, False)
         if not ch.nready:
             lost = self._inbox.lost_records(ch.src)
             if not (probe or lost):

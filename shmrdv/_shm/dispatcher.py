@@ -210,14 +210,12 @@ class Dispatcher:
             self._last_msg_ns = now  # (the spin's end: when the message was seen)
             if not busy:
                 self._adapt_spin(now - start)
-            if bell.pending:  # (a read of the semaphore: no system call, no exception)
-                bell.drain()  # the posts of what the spin found: no wasted wake-up for them
+            bell.drain()  # the posts of what the spin found: no wasted wake-up for them
         elif bell.wait(max(wait, 0.0)):
             self._last_msg_ns = now = time.perf_counter_ns()
             if not busy:
                 self._adapt_spin(now - start)
-            if bell.pending:
-                bell.drain()
+            bell.drain()
         else:
             self._spin_ns = 0  # unanswered: no spin until posts come again
         items = self._consumer.scan(check=not found)

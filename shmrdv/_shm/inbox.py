@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,6 +41,11 @@ _log = logging.getLogger("shmrdv.shm")
 # How often a consumer looks for a producer's ring that is not there yet.
 _RING_LOOK_S = 0.02
 _FLAG_NOTICE = layout.FLAG_NOTICE
+# ``np.frombuffer``, without a module attribute lookup per record drained.
+_frombuffer = np.frombuffer
+# A file's size: ``_file_size(fd, 0, _SEEK_END)`` (a ring's, before it is read: SIGBUS).
+_file_size = os.lseek
+_SEEK_END = os.SEEK_END
 
 #: ``(producer task, step, key, incarnation, seq, slot)``: free a late notice's segment.
 FreeNamed = Callable[[str, int, str, int, int, int], None]
@@ -123,7 +129,7 @@ class Inbox:
         for this consumer (or not from ``expect``, (producer task, incarnation)).
         """
         try:
-            seg = Segment.attach(self._names, name)
+            seg = Segment.attach(self._names, name, keep_fd=True)
         except FileNotFoundError:
             return False
         try:
@@ -163,34 +169,46 @@ class Inbox:
         return False
 
     def intact(self) -> bool:
-        """Whether every attached ring's file still holds it (one ``fstat`` each): lock-free
+        """Whether every attached ring's file still holds it (one ``lseek`` each): lock-free
         like ``arrived``, which a spinning poller may then call (reading a truncated ring's
         words would be a SIGBUS). False also for a ring released meanwhile: the caller
         scans, which fails what is wrong under the lock."""
         try:
             for _, r in self.rings:
-                if r.mem.size() < r.size:  # one ``fstat`` (``Segment.check_size``'s)
+                if _file_size(r.fd, 0, _SEEK_END) < r.size:  # one ``lseek`` (``InRing.fd``)
                     return False
-        except (OSError, ValueError):
+        except OSError:
             return False
         return True
 
     def drain_all(self, check: bool = True) -> None:
+        if check:
+            for src, r in list(self.rings):
+                self.drain(src, r)
+            return
+        # ``drain`` without its size check written out: every poll of a spinning receiver
+        # that found a record comes here (the check was made a moment before the spin).
         for src, r in list(self.rings):
-            self.drain(src, r, check)
+            ring = r.ring
+            r.lost = ring.lost()
+            try:
+                self._take_records(src, r.inc, r.buf, ring.take_spans())
+            except RendezvousError as e:
+                _log.warning("ring from %s: %s", src.task, e)
 
     def drain(self, src: Source, r: InRing, check: bool = True) -> None:
         """Take every record waiting in one ring to its channel's stash.
 
-        First one ``fstat`` (unless ``check`` is False: the caller checked it a moment ago):
-        a process that kept a descriptor of the ring may have truncated it, and reading a
-        lost page would kill this process (SIGBUS). Such a ring is failed: unmapped, and the
-        receives waiting on its producer get the ``InternalError`` (``failed``).
+        First its size, one ``lseek`` (unless ``check`` is False: the caller checked it a
+        moment ago): a process that kept a descriptor of the ring may have truncated it, and
+        reading a lost page would kill this process (SIGBUS). Such a ring is failed:
+        unmapped, and the receives waiting on its producer get the ``InternalError``
+        (``failed``).
         """
         if check:
             try:
-                intact = r.mem.size() >= r.size  # one ``fstat``, as ``check_size`` makes
-            except (OSError, ValueError):
+                intact = _file_size(r.fd, 0, _SEEK_END) >= r.size  # one ``lseek``
+            except OSError:
                 intact = False
             if not intact:
                 try:
@@ -201,9 +219,10 @@ class Inbox:
                 except ValueError as e:  # the mapping was closed
                     self._fail_ring(src, r, InternalError(f"ring unmapped: {e}"))
                     return
-        r.lost = r.ring.lost()
+        ring = r.ring
+        r.lost = ring.lost()
         try:
-            self._take_records(src, r.inc, r.ring.buf, r.ring.take_spans())
+            self._take_records(src, r.inc, r.buf, ring.take_spans())
         except RendezvousError as e:
             _log.warning("ring from %s: %s", src.task, e)
 
@@ -225,6 +244,7 @@ class Inbox:
         src.ring_incs.discard(r.inc)
         src.look_at = float("inf")  # its name is gone; a restarted producer makes a new one
         r.watch.live = False
+        r.fd = -1
         r.ring.release()
         r.segment.close()
         # A producer that saw the truncation itself went on by name: the waiting receives
@@ -279,7 +299,7 @@ class Inbox:
                 elif count:
                     # One copy out of the ring (the record's bytes are overwritten later),
                     # stashed bare: its ``Received`` is made when it is taken (``Stashed``).
-                    arr: Any = np.frombuffer(buf, dtype, count, at + offset)
+                    arr: Any = _frombuffer(buf, dtype, count, at + offset)
                     arr = arr.copy() if len(shape) == 1 else arr.reshape(shape).copy()
                     value = received(arr, True) if flags & 1 else arr
                 else:
@@ -340,6 +360,7 @@ class Inbox:
         if src.inc == r.inc:
             src.look_at = float("inf")  # a restarted producer is looked for again (liveness)
         r.watch.live = False  # before what the run left is collected (``pool.RunWatch``)
+        r.fd = -1
         r.ring.release()
         r.segment.close()
 
@@ -349,6 +370,7 @@ class Inbox:
         """Unmap every ring (after the consumer is closed)."""
         for src, r in self.rings:
             r.watch.live = False
+            r.fd = -1
             r.ring.release()
             r.segment.close()
             src.rings.clear()

@@ -31,9 +31,11 @@ large allocation.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +57,7 @@ __all__ = [
     "VERSION",
     "Record",
     "FLAG_NOTICE",
+    "Stamp",
     "Header",
     "HeaderCache",
     "Template",
@@ -62,6 +65,7 @@ __all__ = [
     "header_size",
     "pack",
     "pack_into",
+    "stamp_error",
     "unpack",
     "unpack_fields",
     "unpack_identity",
@@ -90,6 +94,13 @@ _KNOWN_FLAGS = _FLAG_DEAD | FLAG_NOTICE
 # a ``Template`` writes them with one pack_into.
 _VARYING = struct.Struct("<HIQQqQQIqQ")
 _VARYING_AT = 10
+# The fields from ``step_id`` to ``created_ns``: what a live message of a known key changes
+# in its header (``Template.stamped``); flags, lengths and offsets stay the template's.
+_PER_MESSAGE = struct.Struct("<qQQIqQ")
+_PER_MESSAGE_AT = 32
+assert _PER_MESSAGE_AT + _PER_MESSAGE.size == _VARYING_AT + _VARYING.size
+#: ``Template.stamped``'s packer: (step_id, seq, incarnation, pid, slot, created_ns).
+Stamp = Callable[[int, int, int, int, int, int], None]
 _SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
@@ -346,6 +357,15 @@ class Template:
             raise InternalError(f"a key of {len(key)} bytes for a template of {self.key_len}")
         return self.header[: self._key_at] + key + self.header[self._key_at + self.key_len :]
 
+    def stamped(self, key: bytes) -> tuple[bytearray, Stamp]:
+        """A live message's header through ``data_offset`` with the UTF-8 ``key`` in place,
+        as a ``bytearray`` to keep per key, and ``stamp``: ``stamp(step_id, seq,
+        incarnation, pid, slot, created_ns)`` packs the fields that change per message
+        into it, one C call. It raises ``struct.error`` for a field out of its range
+        (``stamp_error`` makes the ``InternalError`` that ``write_keyed`` raises)."""
+        header = bytearray(self.keyed(key))
+        return header, functools.partial(_PER_MESSAGE.pack_into, header, _PER_MESSAGE_AT)
+
     def write_keyed(
         self,
         buf: bytearray | memoryview | mmap.mmap,
@@ -377,10 +397,15 @@ class Template:
                 created_ns,
             )
         except struct.error as e:
-            raise InternalError(
-                f"cannot pack segment header: a field is out of range (step {step_id}, seq {seq}, "
-                f"slot {slot}): {e}"
-            ) from e
+            raise stamp_error(e, step_id, seq, slot) from e
+
+
+def stamp_error(e: struct.error, step_id: int, seq: int, slot: int) -> InternalError:
+    """The error of a header field out of its range (``struct.error`` ``e``)."""
+    return InternalError(
+        f"cannot pack segment header: a field is out of range (step {step_id}, seq {seq}, "
+        f"slot {slot}): {e}"
+    )
 
 
 def pack(h: Header) -> bytes:

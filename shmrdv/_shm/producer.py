@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 import threading
 import time
 import weakref
@@ -90,7 +91,7 @@ class _Route:
         "post",
         "ring",
         "ring_buf",
-        "ring_mem",
+        "ring_fd",
         "ring_segment",
         "ring_size",
         "task",
@@ -100,8 +101,9 @@ class _Route:
         self.task = task
         self.ring_segment: Segment | None = None if ring is None else ring[0]
         self.ring: Ring | None = None if ring is None else ring[1]
-        # The ring's mapping (``mmap.size()`` is one fstat): checked before every write.
-        self.ring_mem: Any = None if ring is None else ring[0].buf
+        # The ring file's descriptor: its size (``os.lseek(fd, 0, SEEK_END)``, a system call
+        # lighter than ``fstat``) is checked before every write.
+        self.ring_fd = -1 if ring is None else ring[0].fd
         self.ring_size = 0 if ring is None else ring[0].size
         self.ring_buf: memoryview = memoryview(b"") if ring is None else ring[1].buf
         self.bell: Bell | None = None
@@ -112,10 +114,23 @@ class _Route:
 class _KeyOut:
     """What a send of one key needs that does not change from one message to the next:
     the key (its string and UTF-8 bytes), its route, the header template of the (dtype,
-    shape) last sent under it, that header with the key in place (``Template.keyed``) and
-    whether such a message goes inline (``inline``: through the ring)."""
+    shape) last sent under it, that header with the key in place (``Template.keyed``),
+    whether such a message goes inline (``inline``: through the ring) and, for a live one,
+    its ring record's header with its packer (``record``, ``stamp``: ``Template.stamped``;
+    used under the publish lock)."""
 
-    __slots__ = ("dtype", "fk", "header", "inline", "raw", "route", "shape", "template")
+    __slots__ = (
+        "dtype",
+        "fk",
+        "header",
+        "inline",
+        "raw",
+        "record",
+        "route",
+        "shape",
+        "stamp",
+        "template",
+    )
 
     def __init__(
         self, fk: str, raw: bytes, route: _Route, t: layout.Template, inline: bool
@@ -128,8 +143,12 @@ class _KeyOut:
         self.shape = t.shape
         self.header = t.keyed(raw)
         self.inline = inline
+        self.record, self.stamp = t.stamped(raw)
 
 
+# A file's size: ``_file_size(fd, 0, _SEEK_END)`` (its end, for the ring's size check).
+_file_size = os.lseek
+_SEEK_END = os.SEEK_END
 # How often a producer looks again for the doorbell of a consumer that has not started.
 _BELL_LOOK_S = 0.02
 # Header templates kept (per key; a key's dtype or shape change replaces its entry).
@@ -202,7 +221,7 @@ class Producer:
         seg: Segment | None = None
         name = self._names.ring(self._task, self._inc, task)
         try:
-            seg = Segment.create(self._names, ring_size(RING_CAPACITY))
+            seg = Segment.create(self._names, ring_size(RING_CAPACITY), keep_fd=True)
             meta = json.dumps({"producer": self._task, "incarnation": self._inc, "consumer": task})
             ring = Ring.format(memoryview(seg.buf), RING_CAPACITY, meta.encode())
             move_noreplace(seg.path, Names.path(name))  # published only once formatted
@@ -288,18 +307,60 @@ class Producer:
         is_dead: bool,
         timeout: float | None = None,
     ) -> None:
-        if self._inflight is not None or self._allocations:
+        if self._inflight is not None or self._allocations or is_dead:
             self._send_checked(step_id, key, value, is_dead, timeout)
             return
-        # The hot path of a send (no window, no array from ``allocate``): what the key's
-        # messages share is cached (``_KeyOut``), and a small one goes straight to the ring.
+        # The hot path of a send (a live value, no window, no array from ``allocate``):
+        # what the key's messages share is cached (``_KeyOut``), and a small one goes
+        # straight to the ring (``_send_inline`` written out, with the key's own record
+        # header: one lock, one ``lseek``, one pack, one ``Ring.append``).
         out = self._outs.get(key.full_key)
         if out is None or out.dtype is not value.dtype or out.shape != value.shape:
             out = self._key_out(key, value)
-        if out.inline and self._send_inline(step_id, out, value, 1 if is_dead else 0, None):
-            return
-        t = out.template
-        self._send_copy(step_id, key, out.raw, value, t, out.route, 1 if is_dead else 0, None)
+        route = out.route
+        if out.inline:
+            data = value.tobytes()
+            fk = out.fk
+            end = -1
+            lock = self._publish_lock
+            lock.acquire()
+            try:
+                ring = route.ring
+                if ring is not None:
+                    try:  # the SIGBUS guard (``_ring_intact``): the file's size, one ``lseek``
+                        intact = _file_size(route.ring_fd, 0, _SEEK_END) >= route.ring_size
+                    except OSError:
+                        intact = False
+                    if intact or self._ring_intact(route):
+                        seqs = self._seqs.get(step_id)
+                        if seqs is None:
+                            seqs = self._seqs[step_id] = {}
+                        seq = seqs.get(fk, 0)
+                        try:
+                            out.stamp(step_id, seq, self._inc, self._pid, -1, time.time_ns())
+                        except struct.error as e:
+                            raise layout.stamp_error(e, step_id, seq, -1) from e
+                        end = ring.append(out.record, data)
+                        if end >= 0:
+                            seqs[fk] = seq + 1
+                        else:
+                            self.counters["ring_full"] += 1
+            finally:
+                lock.release()
+            if end >= 0:
+                counters = self.counters  # ``_rang`` written out
+                counters["sent"] += 1
+                counters["sent_bytes"] += len(data)
+                post = route.post
+                if post is None:
+                    self._rang(route, -1)  # (no doorbell yet: looks for it)
+                else:
+                    try:
+                        post()  # ``Bell.post``: the semaphore's own, no Python call around it
+                    except Exception:
+                        self._rang(route, -1)  # says what is wrong (closed), or drops it
+                return
+        self._send_copy(step_id, key, out.raw, value, out.template, route, 0, None, out.header)
 
     def _send_checked(
         self,
@@ -380,10 +441,10 @@ class Producer:
             ring = route.ring
             if ring is None:
                 return False  # the ring was failed: segments from now on
-            # The SIGBUS guard (``_ring_intact``): one ``fstat`` through the mapping.
+            # The SIGBUS guard (``_ring_intact``): the file's size, one ``lseek``.
             try:
-                intact = route.ring_mem.size() >= route.ring_size
-            except (OSError, ValueError):
+                intact = _file_size(route.ring_fd, 0, _SEEK_END) >= route.ring_size
+            except OSError:
                 intact = False
             if not intact and not self._ring_intact(route):
                 return False
@@ -408,9 +469,16 @@ class Producer:
             lock.release()
         if ticket is not None:
             ticket.record(ring, end)
-        counters = self.counters
-        counters["sent"] += 1
-        counters["sent_bytes"] += n
+        self._rang(route, n)
+        return True
+
+    def _rang(self, route: _Route, nbytes: int) -> None:
+        """A message of ``nbytes`` went into ``route``'s ring: count it (unless ``nbytes``
+        is -1: counted already), post the doorbell."""
+        if nbytes >= 0:
+            counters = self.counters
+            counters["sent"] += 1
+            counters["sent_bytes"] += nbytes
         bell = route.bell  # (read before ``post``: set before it, cleared after it)
         post = route.post
         if post is not None:
@@ -422,7 +490,6 @@ class Producer:
                     bell.ring()  # says what is wrong (closed), or drops a saturating post
         elif (bell := bell or self._peer_bell(route)) is not None:
             bell.ring()
-        return True
 
     def _ring_intact(self, route: _Route) -> bool:
         """Whether ``route``'s ring file still holds the whole ring (one ``fstat``; under the
@@ -433,7 +500,7 @@ class Producer:
         if seg is None or route.ring is None:
             return False
         try:
-            if route.ring_mem.size() >= seg.size:  # fstat of the descriptor mmap keeps
+            if _file_size(route.ring_fd, 0, _SEEK_END) >= seg.size:  # (one ``lseek``)
                 return True
             seg.check_size(seg.size)  # says what is wrong
         except (InternalError, OSError, ValueError) as e:
@@ -441,6 +508,7 @@ class Producer:
             route.ring.release()
             route.ring = None
             route.ring_segment = None
+            route.ring_fd = -1
             seg.close()
             return False
         return True
@@ -669,6 +737,7 @@ class Producer:
             for route in routes:
                 ring, seg = route.ring, route.ring_segment
                 route.ring = route.ring_segment = None
+                route.ring_fd = -1
                 if ring is not None and seg is not None:
                     # A ring its consumer never attached keeps its name while it holds
                     # messages (they are the consumer's); an empty one goes. (Checked first:

@@ -140,9 +140,22 @@ class Segment:
     ``weakref.finalize`` closes a forgotten segment; it never unlinks.
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "_lent", "_mem", "_name", "_owner", "_size", "names")
+    __slots__ = (
+        "__weakref__",
+        "_fd",
+        "_fd_finalizer",
+        "_finalizer",
+        "_lent",
+        "_mem",
+        "_name",
+        "_owner",
+        "_size",
+        "names",
+    )
 
-    def __init__(self, names: Names, name: str, mem: mmap.mmap | _EmptyBuffer, size: int) -> None:
+    def __init__(
+        self, names: Names, name: str, mem: mmap.mmap | _EmptyBuffer, size: int, fd: int = -1
+    ) -> None:
         self.names = names
         self._name = name
         self._size = size
@@ -150,12 +163,17 @@ class Segment:
         self._owner: list[weakref.ref[_Owner]] = []
         self._lent = [0]  # arrays from lend() still alive (a cell their finalizers share)
         self._finalizer = weakref.finalize(self, _release_mem, mem, self._owner, self._lent)
+        self._fd = fd  # kept for ``fd`` (``keep_fd``), else -1
+        self._fd_finalizer = None if fd < 0 else weakref.finalize(self, os.close, fd)
 
     # --- opening --------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, names: Names, size: int, name: str | None = None) -> Segment:
+    def create(
+        cls, names: Names, size: int, name: str | None = None, *, keep_fd: bool = False
+    ) -> Segment:
         """Create, reserve and map a new segment of ``size`` bytes (default name: a temp name).
+        ``keep_fd``: keep its descriptor open as ``fd`` (until ``close``).
 
         Raises ``ResourceExhaustedError`` when ``/dev/shm`` has no room for ``size`` bytes
         (nothing is left behind) or the process is out of file descriptors, and
@@ -201,12 +219,15 @@ class Segment:
             if isinstance(e, OSError):
                 raise _open_error(e, f"create segment {name} ({size} bytes)") from e
             raise
-        os.close(fd)
-        return cls(names, name, mem, size)
+        if not keep_fd:
+            os.close(fd)
+            fd = -1
+        return cls(names, name, mem, size, fd)
 
     @classmethod
-    def attach(cls, names: Names, name: str) -> Segment:
-        """Open and map the existing segment ``name`` at its current size.
+    def attach(cls, names: Names, name: str, *, keep_fd: bool = False) -> Segment:
+        """Open and map the existing segment ``name`` at its current size (``keep_fd``: see
+        ``create``).
 
         Raises ``FileNotFoundError`` unchanged when it does not exist (callers read that as
         "not published yet" or "taken"), ``InternalError`` when it is not a regular file of
@@ -215,20 +236,28 @@ class Segment:
         Never blocks: the open goes through ``ownership.open_checked``.
         """
         fd, st = open_checked(names.path(name), os.O_RDWR, "segment")
-        return cls.map_fd(names, name, fd, st)
+        return cls.map_fd(names, name, fd, st, keep_fd=keep_fd)
 
     @classmethod
-    def map_fd(cls, names: Names, name: str, fd: int, st: os.stat_result) -> Segment:
+    def map_fd(
+        cls, names: Names, name: str, fd: int, st: os.stat_result, *, keep_fd: bool = False
+    ) -> Segment:
         """Map the file of ``fd`` (checked by ``open_checked``, which gave ``st``) at its size,
-        then close ``fd``. Raises ``ResourceExhaustedError`` when out of descriptors."""
+        then close ``fd`` (``keep_fd``: it is the segment's ``fd``, closed by ``close``).
+        Raises ``ResourceExhaustedError`` when out of descriptors."""
         try:
             size = st.st_size
             mem: mmap.mmap | _EmptyBuffer = mmap.mmap(fd, size) if size > 0 else _EmptyBuffer()
         except OSError as e:
-            raise _open_error(e, f"map segment {name}") from e
-        finally:
             os.close(fd)
-        return cls(names, name, mem, size)
+            raise _open_error(e, f"map segment {name}") from e
+        except BaseException:
+            os.close(fd)
+            raise
+        if not keep_fd:
+            os.close(fd)
+            fd = -1
+        return cls(names, name, mem, size, fd)
 
     # --- properties -----------------------------------------------------------------------
 
@@ -255,6 +284,13 @@ class Segment:
     @property
     def closed(self) -> bool:
         return self._mem is None
+
+    @property
+    def fd(self) -> int:
+        """The descriptor kept open (``keep_fd``), or -1: ``os.lseek(fd, 0, os.SEEK_END)`` is
+        the file's size, a system call lighter than ``check_size``'s ``fstat`` (for a check
+        before every access of a ring). Closed by ``close``."""
+        return self._fd
 
     @property
     def buf(self) -> mmap.mmap | bytearray:
@@ -423,6 +459,9 @@ class Segment:
         self._finalizer.detach()
         mem, self._mem = self._mem, None
         _release_mem(mem, self._owner, self._lent)
+        if self._fd_finalizer is not None:
+            self._fd = -1
+            self._fd_finalizer()  # closes the kept descriptor (once)
 
     def __enter__(self) -> Segment:
         return self

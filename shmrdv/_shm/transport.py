@@ -25,16 +25,13 @@ from typing import Any
 
 import numpy.typing as npt
 
-from .._callbacks import DoneCallback, invoke_done
 from .._devices import DeviceName
 from .._keys import ParsedKey
-from .._received import Received
-from .._rendezvous import Canceller, RecvSlot
+from .._rendezvous import RecvSlot
 from .._transport import PeerRecord, TransportContext
 from .bell import Bell
-from .book import Waiter
 from .consumer import Consumer
-from .delivery import deliver, deliver_one
+from .delivery import deliver
 from .dispatcher import Dispatcher
 from .inflight import Inflight
 from .naming import Names
@@ -43,10 +40,6 @@ from .producer import Producer
 __all__ = ["ShmTransport"]
 
 _log = logging.getLogger("shmrdv.shm")
-
-
-def _already_done() -> bool:
-    return False
 
 
 class ShmTransport:
@@ -58,6 +51,7 @@ class ShmTransport:
         self._ctx = ctx
         self._task = ctx.task_name
         self._close_lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._closed = False
         names = Names(ctx.namespace)
         self._bell = Bell.create(names, ctx.task_name, replace_stale=True)
@@ -76,6 +70,11 @@ class ShmTransport:
             #: ``Transport.wait``: the dispatcher's own (a blocked receiver polls the
             #: doorbell as leader, or follows), bound once: no forwarding call per wait.
             self.wait: Callable[[RecvSlot, float], None] = self._dispatcher.wait
+            #: ``Transport.start_recv``: the consumer's own (a value that is there is
+            #: delivered in the calling thread), bound once as ``wait`` is.
+            self.start_recv = self._consumer.start_recv
+            #: ``Transport.send``: the producer's own, or ``_send_checked`` (``_choose_send``).
+            self.send = self._producer.send
         except BaseException:
             self._bell.unlink()
             self._bell.close()
@@ -109,7 +108,7 @@ class ShmTransport:
         self._consumer.check_open(step_id)
         return self._producer.allocate(step_id, key, shape, dtype)
 
-    def send(
+    def _send_checked(
         self,
         step_id: int,
         key: ParsedKey,
@@ -117,40 +116,24 @@ class ShmTransport:
         is_dead: bool,
         timeout: float | None = None,
     ) -> None:
+        """``send`` while the consumer refuses some calls (closed, or a step aborted)."""
         if self._consumer.refusing:
             self._consumer.check_open(step_id)
         self._producer.send(step_id, key, value, is_dead, timeout)
 
-    # -- consumer side ----------------------------------------------------------------
+    def _choose_send(self) -> None:
+        """``send``: the producer's own while the consumer refuses nothing (no forwarding
+        call per message), else ``_send_checked``. After each change of ``refusing``."""
+        with self._send_lock:
+            self.send = self._send_checked if self._consumer.refusing else self._producer.send
 
-    def start_recv(
-        self,
-        step_id: int,
-        key: ParsedKey,
-        done: DoneCallback,
-        *,
-        copy: bool = False,
-        blocking: bool = False,
-    ) -> Canceller:
-        consumer = self._consumer
-        got = consumer.start(step_id, key, done, copy, blocking)
-        if type(got) is Received and not copy:
-            # The value was there: no item, no list. A blocking receive's ``done`` is its
-            # slot's, which never raises (``Rendezvous.start_recv``): called directly.
-            if blocking:
-                done(None, got)
-            else:
-                invoke_done(done, None, got)
-        elif type(got) is Waiter:
-            return lambda: consumer.cancel(got)
-        else:
-            deliver_one(done, copy, got)  # type: ignore[arg-type]  # not a Waiter
-        return _already_done
+    # -- consumer side ----------------------------------------------------------------
 
     # -- steps and lifetime -----------------------------------------------------------
 
     def abort_step(self, step_id: int, error: BaseException) -> None:
         items = self._consumer.abort_step(step_id, error)
+        self._choose_send()
         deliver(items)
         self._dispatcher.wake_all()  # blocked receivers waiting for the poller role
 
@@ -158,6 +141,7 @@ class ShmTransport:
         """Forget the step; free the unreceived messages addressed to this worker in it."""
         self._producer.cleanup_step(step_id)
         self._consumer.cleanup_step(step_id)
+        self._choose_send()
 
     def close(self) -> None:
         with self._close_lock:
@@ -165,6 +149,7 @@ class ShmTransport:
                 return
             self._closed = True
         items = self._consumer.close()
+        self._choose_send()
         self._dispatcher.close()
         deliver(items)
         # The doorbell goes before the pool's last sweep: consumers giving a slot back look
