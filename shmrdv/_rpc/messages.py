@@ -9,6 +9,12 @@ the reference the tests compare these bytes against:
 * ``MarkRecvFinishedRequest`` (with shmrdv's extension field 1001: "released");
   ``GetStatusResponse`` is ``status``'.
 
+A receive's two messages (its request out, a response of the usual layout in) are
+written and read here without a call into ``wire`` (issue 19 §2: a receive crosses one
+module for its bytes): ``_put_varint`` and ``_varint_at`` are ``wire``'s varint encoder
+and reader, inlined for that path (``tests/test_rpc_coding.py`` holds them equal);
+everything else builds on ``wire``.
+
 A response is written as TensorFlow's worker writes it (the small fields first, then
 the tensor, whose content is the array's own buffer appended with one copy), so the
 bytes equal the generated classes' ``SerializeToString`` up to the position of field 1;
@@ -45,6 +51,7 @@ from .tensors import (
 from .tf_dtypes import PLAIN_OF_TF
 from .wire import (
     LEN,
+    U64,
     VARINT,
     Buffer,
     Malformed,
@@ -55,7 +62,6 @@ from .wire import (
     encode_varint,
     int_field,
     iter_fields,
-    len_field,
     read_utf8,
     read_varint,
     signed64,
@@ -178,13 +184,13 @@ def _plain_response(b: bytes) -> Received | None:
             v = b[pos + 1]
             pos += 2
             if v >= 0x80:
-                v, pos = read_varint(b, pos - 1, n)
+                v, pos = _varint_at(b, pos - 1, n)
             if tag == 0x10:
                 is_dead = v != 0
         size = b[pos + 1]
         pos += 2
         if size >= 0x80:
-            size, pos = read_varint(b, pos - 1, n)
+            size, pos = _varint_at(b, pos - 1, n)
         if pos + size != n or b[pos] != 0x08 or b[pos + 1] >= 0x80:  # the tensor ends it
             return None
         dtype = PLAIN_OF_TF.get(b[pos + 1])
@@ -201,7 +207,7 @@ def _plain_response(b: bytes) -> Received | None:
                 if b[pos] != 0x12 or b[pos + 1] >= 0x80 or b[pos + 2] != 0x08:
                     return None
                 dim_end = pos + 2 + b[pos + 1]
-                dim, pos = read_varint(b, pos + 3, dim_end)
+                dim, pos = _varint_at(b, pos + 3, dim_end)
                 if pos != dim_end or not 1 <= dim <= _I64_MAX:
                     return None
                 shape.append(dim)
@@ -209,18 +215,50 @@ def _plain_response(b: bytes) -> Received | None:
                 return None
         if b[pos] != 0x22:
             return None
-        size, pos = read_varint(b, pos + 1, n)
+        size, pos = _varint_at(b, pos + 1, n)
         count = prod(shape)
         if pos + size != n or count * dtype.itemsize != size:
             return None
-    except (IndexError, Malformed):
+    except IndexError:
         return None
     # The one copy: the response bytes into a private, writable array.
     return received(np.frombuffer(b, dtype, count, pos).reshape(shape).copy(), is_dead)
 
 
+_I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
 _MAX_PLAIN_DIMS = 32  # numpy allows 64; more go through decode_response
+
+
+def _varint_at(b: bytes, pos: int, end: int) -> tuple[int, int]:
+    """``wire.read_varint`` for the receive's path; ``IndexError`` for bytes that are
+    not one (the caller then reads them the general way, which names the problem)."""
+    result = shift = 0
+    while True:
+        if pos >= end or shift >= 70:
+            raise IndexError
+        byte = b[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result & U64, pos
+        shift += 7
+
+
+def _put_varint(out: bytearray, value: int) -> None:
+    """``wire.encode_varint``, written into ``out`` (the receive's request)."""
+    value &= U64
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+
+
+def _int64(name: str, value: int) -> int:
+    """``value`` if it is an int64 (``wire.check_int64`` names what is wrong if not)."""
+    if type(value) is int and _I64_MIN <= value <= _I64_MAX:
+        return value
+    return check_int64(name, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +280,8 @@ _FINISHED_FIELD = 1001
 
 
 _INLINE_MAX_FIELD = 1002
+_FINISHED_TAG = encode_tag(_FINISHED_FIELD, VARINT)
+_INLINE_MAX_TAG = encode_tag(_INLINE_MAX_FIELD, VARINT)
 
 
 def encode_request(
@@ -260,26 +300,34 @@ def encode_request(
     unary response; a larger one is answered with empty bytes: "stream it") are shmrdv
     extension fields 1001 and 1002.
     """
-    check_int64("step_id", step_id)
-    check_int64("request_id", request_id)
-    ext = b"".join(int_field(_FINISHED_FIELD, check_int64("finished", f)) for f in finished)
-    if inline_max >= 0:
-        ext += encode_tag(_INLINE_MAX_FIELD, VARINT) + encode_varint(
-            check_int64("inline_max", inline_max)
-        )
+    step_id = _int64("step_id", step_id)
+    request_id = _int64("request_id", request_id)
     if not isinstance(rendezvous_key, str):
         raise InvalidArgumentError(f"rendezvous_key must be a str, got {rendezvous_key!r}")
     try:
         key = rendezvous_key.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidArgumentError(f"rendezvous_key {rendezvous_key!r} is not UTF-8") from e
-    return (
-        int_field(1, step_id)
-        + (len_field(2, key) if key else b"")
-        + int_field(3, int(bool(dma_ok)))
-        + int_field(7, request_id)
-        + ext
-    )
+    out = bytearray()
+    if step_id:
+        out.append(0x08)  # field 1, varint
+        _put_varint(out, step_id)
+    if key:
+        out.append(0x12)  # field 2, length-delimited
+        _put_varint(out, len(key))
+        out += key
+    if dma_ok:
+        out += b"\x18\x01"  # field 3: true
+    if request_id:
+        out.append(0x38)  # field 7, varint
+        _put_varint(out, request_id)
+    for f in finished:
+        out += _FINISHED_TAG
+        _put_varint(out, _int64("finished", f))
+    if inline_max >= 0:
+        out += _INLINE_MAX_TAG
+        _put_varint(out, _int64("inline_max", inline_max))
+    return bytes(out)
 
 
 def decode_request(data: Buffer) -> RecvRequest:
