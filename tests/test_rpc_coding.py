@@ -468,6 +468,59 @@ def test_encode_request_bytes_equal_generated(
     assert messages.decode_request(ours) == messages.RecvRequest(step_id, key, request_id, dma_ok)
 
 
+_INT64 = st.integers(-(2**63), 2**63 - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    step_id=_INT64,
+    key=st.text(max_size=300),
+    request_id=_INT64,
+    acks=st.lists(_INT64, max_size=5),
+    inline_max=st.integers(-1, 2**63 - 1),
+)
+def test_encode_request_varints_agree_with_wire(
+    step_id: int, key: str, request_id: int, acks: list[int], inline_max: int
+) -> None:
+    # The request is written without wire's encoder (issue 19 §2): its bytes must be
+    # what wire's fields make, for any int64 (1- to 10-byte varints) and key length.
+    ours = messages.encode_request(step_id, key, request_id, finished=acks, inline_max=inline_max)
+    encoded = key.encode("utf-8")
+    expected = (
+        wire.int_field(1, step_id)
+        + (wire.len_field(2, encoded) if encoded else b"")
+        + wire.int_field(7, request_id)
+        + b"".join(wire.encode_tag(1001, wire.VARINT) + wire.encode_varint(a) for a in acks)
+        + (
+            wire.encode_tag(1002, wire.VARINT) + wire.encode_varint(inline_max)
+            if inline_max >= 0
+            else b""
+        )
+    )
+    assert ours == expected
+    got = messages.decode_request(ours)
+    assert (got.step_id, got.rendezvous_key, got.request_id) == (step_id, key, request_id)
+    assert got.finished == tuple(acks) and got.inline_max == inline_max
+
+
+@pytest.mark.parametrize(
+    "shape", [(1,), (127,), (128,), (16384,), (3, 70000), (2**21 + 1,), (1, 1, 300)]
+)
+def test_decode_received_reads_long_varints_as_the_general_decoder(
+    shape: tuple[int, ...],
+) -> None:
+    # The usual layout is read without wire's reader: sizes and dims of 1 to 4 varint
+    # bytes give what decode_response gives, and a truncated response is refused.
+    value = np.arange(int(np.prod(shape)), dtype=np.uint8).reshape(shape)
+    data = messages.encode_response(value, is_dead=False)
+    got = messages.decode_received(data)
+    ref = messages.decode_response(data)
+    assert got.value.shape == ref.value.shape and got.value.dtype == ref.value.dtype
+    assert np.array_equal(got.value, ref.value) and got.value.flags.writeable
+    with pytest.raises(InvalidArgumentError):
+        messages.decode_received(data[:-1])
+
+
 def test_decode_request_skips_localities_and_transport_options() -> None:
     ref = worker_pb2.RecvTensorRequest(step_id=3, rendezvous_key="k", request_id=9)
     ref.client_locality.bus_id = 1

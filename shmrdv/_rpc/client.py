@@ -119,8 +119,6 @@ class RpcClient:
         #: join ``_queues`` when it ends (``_follow``).
         self.own_calls = OwnCalls(
             self._context,
-            self._channels,
-            self._acks,
             lock=self._lock,
             aborted=self._aborted,
             inflight=self._inflight,
@@ -343,7 +341,7 @@ class RpcClient:
         out["received"] = self._counters["received"] + own.received
         out["received_bytes"] = self._counters["received_bytes"] + own.received_bytes
         with self._lock:
-            out["inflight"] = len(self._inflight) + len(own)
+            out["inflight"] = len(self._inflight) + len(own.by_key)
             out["receiving"] = sum(1 for r in self._inflight if r.receiving)
         return out
 

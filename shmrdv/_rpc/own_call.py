@@ -12,9 +12,8 @@ Anything else (a value to stream, a failure to retry or name, about a second of 
 after which one long future costs less than repeats) goes on as a ``call.Recv`` under the
 same request_id, which finds the value the server may hold for it.
 
-``OwnCalls`` keeps a client's own calls (by their slot's ``done`` and by key) with the
-receives of a key that come while its own call is out; ``GrpcTransport`` starts and
-waits on them directly, the client (``client.RpcClient``) orders everything else.
+``OwnCalls`` keeps a client's own calls, and the receives of a key that come while its
+own call is out; ``GrpcTransport`` starts and waits on them directly.
 
 Thread model (docs/threads.md): only the receiving thread calls ``wait``; ``cancel`` and
 ``close`` may come from any thread. One lock guards an own call's state; ``OwnCalls``'
@@ -37,9 +36,8 @@ from .._errors import CancelledError, InternalError, RendezvousError
 from .._keys import ParsedKey
 from .._rendezvous import Canceller
 from . import messages
-from .acks import AckQueue, notify
+from .acks import notify
 from .call import Recv
-from .channels import ChannelCache
 from .recv_context import Address, CallContext, new_request_id
 from .recv_errors import timeout_error
 from .rpc_errors import error_code
@@ -84,8 +82,6 @@ class OwnCalls:
     def __init__(
         self,
         ctx: CallContext,
-        channels: ChannelCache,
-        acks: AckQueue,
         *,
         lock: threading.Lock,
         aborted: Mapping[int, BaseException],
@@ -94,8 +90,6 @@ class OwnCalls:
         follow: Follow,
     ) -> None:
         self._ctx = ctx
-        self._channels = channels
-        self._acks = acks
         self._lock = lock
         self._aborted = aborted
         self._inflight = inflight
@@ -103,15 +97,15 @@ class OwnCalls:
         self._follow = follow
         self._pid = os.getpid()
         self.closed = False  # set by the client (under the lock) when it closes
+        #: The own calls out, by their slot's ``done`` (a blocked receiver's wait finds
+        #: its own there) and by (step, full key); read only, the latter under the lock.
         self.by_done: dict[DoneCallback, OwnCall] = {}
-        #: The own calls out by (step, full key) (read only, under the lock).
         self.by_key: dict[tuple[int, str], OwnCall] = {}
         self._behind: dict[tuple[int, str], list[Recv]] = {}  # receives that came meanwhile
         # Per producer address: its RecvTensor callable, its queue of acks, its channel.
         self._peers: dict[str, _Peer] = {}
         self._sizes: dict[str, int] = {}  # full key -> bytes of its last value
-        self.received = 0  # values and bytes the own calls delivered
-        self.received_bytes = 0
+        self.received = self.received_bytes = 0  # what the own calls delivered
 
     def start(
         self,
@@ -135,7 +129,8 @@ class OwnCalls:
             except RendezvousError:
                 return None  # the Recv waits for it, or names the problem
         peer = self._peers.get(known)
-        if peer is None or self._channels.calls.get(known, (None,))[0] is not peer[2]:
+        entry = self._ctx.channels.calls.get(known)
+        if peer is None or entry is None or entry[0] is not peer[2]:  # new, or reopened
             peer = self._peer(known)
             if peer is None:
                 return None
@@ -156,24 +151,23 @@ class OwnCalls:
     def _peer(self, address: str) -> _Peer | None:
         """``address``'s channel (opened now if need be), its callable and its acks."""
         try:
-            self._channels.channel(address)
+            channel = self._ctx.channels.channel(address)
         except RendezvousError:
             return None
-        entry = self._channels.calls.get(address)
-        if entry is None:
+        entry = self._ctx.channels.calls.get(address)
+        if entry is None or entry[0] is not channel:
             return None
-        peer = self._peers[address] = (entry[1], self._acks.pending(address), entry[0])
+        peer = self._peers[address] = (entry[1], self._ctx.acks.pending(address), channel)
         return peer
 
-    # -- the client's side (under its lock where it says so) -------------------------------
+    # -- the client's side: under its lock, but ``learn`` ---------------------------------
 
     def queue_behind(self, k: tuple[int, str], recv: Recv) -> None:
-        """``recv`` waits for ``k``'s own call to end (the client holds the lock)."""
+        """``recv`` waits for ``k``'s own call to end."""
         self._behind.setdefault(k, []).append(recv)
 
     def drop_behind(self, k: tuple[int, str], recv: Recv) -> bool:
-        """Take ``recv`` out of those waiting behind ``k``'s own call, if it is there
-        (the client holds the lock)."""
+        """Take ``recv`` out of those waiting behind ``k``'s own call, if it is there."""
         behind = self._behind.get(k)
         if behind is None or recv not in behind:
             return False
@@ -183,16 +177,14 @@ class OwnCalls:
         return True
 
     def take_step(self, step_id: int) -> tuple[list[OwnCall], list[Recv]]:
-        """The own calls of ``step_id`` and the receives behind them, the latter out of
-        the tables (the client holds the lock)."""
+        """The own calls of ``step_id``, and the receives behind them (out of the table)."""
         recvs: list[Recv] = []
         for k in [k for k in self._behind if k[0] == step_id]:
             recvs += self._behind.pop(k)
         return [own for k, own in self.by_key.items() if k[0] == step_id], recvs
 
     def take_all(self) -> list[OwnCall]:
-        """Closing: every own call; the receives behind them are the client's to fail
-        (it holds the lock)."""
+        """Closing: every own call (the receives behind them are the client's to fail)."""
         self.closed = True
         self._behind.clear()
         return list(self.by_key.values())
@@ -203,9 +195,6 @@ class OwnCalls:
         if len(sizes) >= _SIZES_KEPT and key.full_key not in sizes:
             sizes.clear()  # a bound, not an LRU: a hint is cheap to learn again
         sizes[key.full_key] = nbytes
-
-    def __len__(self) -> int:
-        return len(self.by_key)
 
     # -- an own call's end ----------------------------------------------------------------
 
@@ -239,17 +228,12 @@ class OwnCalls:
 
 
 class OwnCall:
-    """A blocked receiver's receive made by its own thread (the module's docstring).
+    """A blocked receiver's receive made by its own thread (the module's docstring):
+    ``wait`` makes one call and decodes its answer into the slot, or hands the receive
+    to a ``call.Recv`` under the same request_id (``OwnCalls.ended``).
 
     ``peer``: the producer's RecvTensor callable, its queue of acks and its channel;
-    ``k``: (step, full key); ``lookup``: the producer's address as ``call.Recv`` takes
-    it.
-
-    ``wait`` makes one blocking ``RecvTensor`` call (deadline: the wait's period) and
-    decodes its answer into the slot; a call ended by that deadline is made again at the
-    next ``wait`` under the same request_id. A stream, a failure, or about a second of
-    nothing hands the receive to a ``call.Recv`` under the same request_id
-    (``OwnCalls.ended``), which retries, streams or names the error.
+    ``k``: (step, full key); ``lookup``: the producer's address as ``call.Recv`` takes it.
     """
 
     __slots__ = (
