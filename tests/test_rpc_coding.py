@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from shmrdv._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
-from shmrdv._rpc import assembly, messages, status, tf_dtypes, wire
+from shmrdv._rpc import assembly, mark_finished, messages, status, tf_dtypes, wire
 from shmrdv._rpc.proto import (
     device_attributes_pb2,
     rendezvous_pb2,
@@ -501,6 +501,29 @@ def test_encode_request_varints_agree_with_wire(
     got = messages.decode_request(ours)
     assert (got.step_id, got.rendezvous_key, got.request_id) == (step_id, key, request_id)
     assert got.finished == tuple(acks) and got.inline_max == inline_max
+    assert messages.decode_request(memoryview(ours)) == got  # the general reader agrees
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arr=hnp.arrays(
+        st.sampled_from([np.float32, np.float64, np.int64, np.uint8, np.bool_, np.complex64]),
+        hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=1100).filter(
+            lambda shape: int(np.prod(shape)) <= 50_000
+        ),
+    ),
+    transpose=st.booleans(),
+)
+def test_encode_response_plain_arrays_equal_generated(
+    arr: npt.NDArray[Any], transpose: bool
+) -> None:
+    # Plain arrays take the short way through tensor_parts (sizes 0 and over 1024 too;
+    # a transposed one is not C-contiguous and goes the general way): TensorFlow's bytes.
+    arr = arr.T if transpose else arr
+    ours = messages.encode_response(arr, is_dead=False, send_start_micros=7, require_ack=True)
+    tf_order, canonical = _expected_response(arr, False, 7, True)
+    assert ours == tf_order
+    assert worker_pb2.RecvTensorResponse.FromString(ours).SerializeToString() == canonical
 
 
 @pytest.mark.parametrize(
@@ -545,18 +568,18 @@ def test_decode_request_invalid_utf8_key_refused() -> None:
 
 @pytest.mark.parametrize("request_id", [0, 1, -5, 2**63 - 1])
 def test_encode_mark_recv_finished_bytes_equal_generated(request_id: int) -> None:
-    ours = messages.encode_mark_recv_finished(request_id)
+    ours = mark_finished.encode_mark_recv_finished(request_id)
     assert ours == worker_pb2.MarkRecvFinishedRequest(request_id=request_id).SerializeToString()
-    assert messages.decode_mark_recv_finished(ours) == (request_id, False)
-    released = messages.encode_mark_recv_finished(request_id, released=True)
-    assert messages.decode_mark_recv_finished(released) == (request_id, True)
+    assert mark_finished.decode_mark_recv_finished(ours) == (request_id, False)
+    released = mark_finished.encode_mark_recv_finished(request_id, released=True)
+    assert mark_finished.decode_mark_recv_finished(released) == (request_id, True)
 
 
 @FUZZ
 @given(data=st.binary(max_size=40))
 def test_decode_mark_recv_finished_fuzz_raises_only_shmrdv_errors(data: bytes) -> None:
     try:
-        got = messages.decode_mark_recv_finished(data)
+        got = mark_finished.decode_mark_recv_finished(data)
     except WIRE_ERRORS:
         return
     assert worker_pb2.MarkRecvFinishedRequest.FromString(data).request_id == got[0]

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from . import messages
+from .mark_finished import encode_mark_recv_finished
 from .methods import MARK_RECV_FINISHED_METHOD
 
 __all__ = ["AckQueue", "notify"]
@@ -60,7 +61,7 @@ def notify(
     ``MarkRecvFinished`` (TensorFlow): the value arrived, drop the cached response; with
     ``released`` (shmrdv's flag): the call was cancelled, give back a value taken for it.
     """
-    request = messages.encode_mark_recv_finished(request_id, released=released)
+    request = encode_mark_recv_finished(request_id, released=released)
     try:
         fut = channel.unary_unary(MARK_RECV_FINISHED_METHOD).future(
             request, timeout=_ACK_TIMEOUT, metadata=metadata

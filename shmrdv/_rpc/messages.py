@@ -1,19 +1,15 @@
-"""The RPC messages, built and parsed by hand: TensorFlow's and shmrdv's own.
-
-Pure: no gRPC, no protobuf runtime, no I/O; thread model: none needed. The messages are
-those of ``protos/shmrdv/*.proto``; the generated modules in ``shmrdv/_rpc/proto`` are
-the reference the tests compare these bytes against:
-
-* ``RecvTensorRequest`` (with shmrdv's extension fields 1001-1002: acks, inline limit)
-  and ``RecvTensorResponse`` (the tensor from ``tensors``);
-* ``MarkRecvFinishedRequest`` (with shmrdv's extension field 1001: "released");
-  ``GetStatusResponse`` is ``status``'.
+"""RecvTensor's messages, built and parsed by hand: ``RecvTensorRequest`` (with shmrdv's
+extension fields 1001-1002: acks, inline limit) and ``RecvTensorResponse`` (the tensor
+from ``tensors``); ``MarkRecvFinishedRequest`` is ``mark_finished``', ``GetStatusResponse``
+``status``'. Pure: no gRPC, no protobuf runtime, no I/O; thread model: none needed. The
+generated modules of ``protos/shmrdv/*.proto`` in ``shmrdv/_rpc/proto`` are the reference
+the tests compare these bytes against.
 
 A receive's two messages (its request out, a response of the usual layout in) are
 written and read here without a call into ``wire`` (issue 19 §2: a receive crosses one
 module for its bytes): ``_put_varint`` and ``_varint_at`` are ``wire``'s varint encoder
-and reader, inlined for that path (``tests/test_rpc_coding.py`` holds them equal);
-everything else builds on ``wire``.
+and reader, inlined for that path (``tests/test_rpc_coding.py`` holds them equal), and a
+server reads the usual request in one pass too; everything else builds on ``wire``.
 
 A response is written as TensorFlow's worker writes it (the small fields first, then
 the tensor, whose content is the array's own buffer appended with one copy), so the
@@ -71,11 +67,9 @@ from .wire import (
 __all__ = [
     "MAX_ACKS",
     "RecvRequest",
-    "decode_mark_recv_finished",
     "decode_received",
     "decode_request",
     "decode_response",
-    "encode_mark_recv_finished",
     "encode_request",
     "encode_response",
 ]
@@ -274,11 +268,8 @@ class RecvRequest:
     inline_max: int = -1  # 1002: largest tensor to answer inline; -1: not given
 
 
-# Extension fields of RecvTensorRequest, read by shmrdv's RecvTensor (TensorFlow's skips
-# them as unknown fields).
+# Extension fields of RecvTensorRequest (TensorFlow skips them as unknown fields).
 _FINISHED_FIELD = 1001
-
-
 _INLINE_MAX_FIELD = 1002
 _FINISHED_TAG = encode_tag(_FINISHED_FIELD, VARINT)
 _INLINE_MAX_TAG = encode_tag(_INLINE_MAX_FIELD, VARINT)
@@ -332,6 +323,10 @@ def encode_request(
 
 def decode_request(data: Buffer) -> RecvRequest:
     """Parse ``RecvTensorRequest`` bytes; ``InvalidArgumentError`` if they do not parse."""
+    if type(data) is bytes:
+        plain = _plain_request(data)
+        if plain is not None:
+            return plain
     buf = as_buffer(data)
     step_id = request_id = 0
     key = ""
@@ -369,39 +364,50 @@ def decode_request(data: Buffer) -> RecvRequest:
     return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max)
 
 
+def _plain_request(b: bytes) -> RecvRequest | None:
+    """``decode_request`` of a request of the key (field 2) and varint fields 1, 3, 7,
+    1001 and 1002 only, in any order (as ``encode_request`` and TensorFlow write them),
+    in one pass; None: anything else, read the general way (which names a problem)."""
+    n = len(b)
+    pos = step_id = request_id = 0
+    key = ""
+    dma_ok = False
+    finished: list[int] = []
+    inline_max = -1
+    try:
+        while pos < n:
+            tag = b[pos]
+            if tag == 0x12:  # the key
+                size, pos = _varint_at(b, pos + 1, n)
+                if pos + size > n:
+                    return None
+                key = b[pos : pos + size].decode("utf-8")
+                pos += size
+                continue
+            if tag in (0xC8, 0xD0) and b[pos + 1] == 0x3E:  # 1001, 1002 (two-byte tags)
+                pos += 2
+            elif tag in (0x08, 0x18, 0x38):
+                pos += 1
+            else:
+                return None
+            v, pos = _varint_at(b, pos, n)
+            if v > _I64_MAX:
+                v -= 1 << 64
+            if tag == 0x08:
+                step_id = v
+            elif tag == 0x38:
+                request_id = v
+            elif tag == 0x18:
+                dma_ok = v != 0
+            elif tag == 0xD0:
+                inline_max = v
+            elif len(finished) < MAX_ACKS:
+                finished.append(v)
+    except (IndexError, UnicodeDecodeError):
+        return None
+    return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max)
+
+
 #: A request carries at most this many acks; more are ignored (they expire on their own),
 #: so a client puts no more on one request.
 MAX_ACKS = 1024
-
-
-# Extension field of MarkRecvFinishedRequest (TensorFlow skips it and just drops the
-# cached response): the client gave the request_id up without taking its value, so a
-# value taken for it goes back to the head of its key (shmrdv's cancel).
-_RELEASED_FIELD = 1001
-
-
-def encode_mark_recv_finished(request_id: int, *, released: bool = False) -> bytes:
-    """``MarkRecvFinishedRequest`` bytes: the client has the response of ``request_id``,
-    or (``released``, shmrdv's extension field 1001) gave it up without taking it."""
-    return int_field(1, check_int64("request_id", request_id)) + int_field(
-        _RELEASED_FIELD, int(released)
-    )
-
-
-def decode_mark_recv_finished(data: Buffer) -> tuple[int, bool]:
-    """``(request_id, released)`` of ``MarkRecvFinishedRequest`` bytes.
-
-    Raises ``InvalidArgumentError`` if they do not parse.
-    """
-    buf = as_buffer(data)
-    request_id = 0
-    released = False
-    try:
-        for f in iter_fields(buf, 0, len(buf)):
-            if f.number == 1 and f.wire_type == VARINT:
-                request_id = signed64(f.value)
-            elif f.number == _RELEASED_FIELD and f.wire_type == VARINT:
-                released = bool(f.value)
-    except Malformed as e:
-        raise InvalidArgumentError(f"Cannot parse MarkRecvFinishedRequest: {e}") from e
-    return request_id, released
