@@ -55,8 +55,6 @@ from .wire import (
     as_buffer,
     check_int64,
     encode_tag,
-    encode_varint,
-    int_field,
     iter_fields,
     read_utf8,
     read_varint,
@@ -99,15 +97,17 @@ def encode_response(
     parts = tensor_parts(arr)
     # TensorFlow writes fields 2, 3, 5 first ("A" in EncodeTensorToByteBuffer), then
     # field 1, so that the tensor bytes end the message.
-    prefix = (
-        extra
-        + int_field(2, int(bool(is_dead)))
-        + int_field(3, send_start_micros)
-        + int_field(5, int(bool(require_ack)))
-        + encode_tag(1, LEN)
-        + encode_varint(parts.size)
-        + parts.head
-    )
+    prefix = bytearray(extra)
+    if is_dead:
+        prefix += b"\x10\x01"  # field 2: true
+    if send_start_micros:
+        prefix.append(0x18)  # field 3, varint
+        _put_varint(prefix, send_start_micros)
+    if require_ack:
+        prefix += b"\x28\x01"  # field 5: true
+    prefix.append(0x0A)  # field 1, length-delimited: the tensor
+    _put_varint(prefix, parts.size)
+    prefix += parts.head
     total = len(prefix) + len(parts.content) + len(parts.tail)
     if total > MAX_MESSAGE_BYTES:
         raise ResourceExhaustedError(

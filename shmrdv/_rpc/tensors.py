@@ -164,9 +164,11 @@ class TensorParts:
         return len(self.head) + len(self.content) + len(self.tail)
 
 
-# The plain dtypes (in their wire byte order) by TensorFlow code; their arrays are sent
-# as they are, with no descriptor (``tf_dtypes.PLAIN_OF_TF`` turned around).
-_TF_OF_PLAIN: Final[dict[np.dtype[Any], int]] = {d: code for code, d in PLAIN_OF_TF.items()}
+# The plain dtypes (in their wire byte order) with their ``dtype`` field; their arrays are
+# sent as they are, with no descriptor (``tf_dtypes.PLAIN_OF_TF`` turned around).
+_PLAIN_HEADS: Final[dict[np.dtype[Any], bytes]] = {
+    d: int_field(1, code) for code, d in PLAIN_OF_TF.items()
+}
 _CONTENT_TAG: Final = encode_tag(4, LEN)
 
 
@@ -180,9 +182,8 @@ _DIMS: Final = {n: _dim(n) for n in range(1025)}  # the sizes most shapes are ma
 
 def tensor_parts(arr: npt.NDArray[Any]) -> TensorParts:
     dtype = arr.dtype
-    code = _TF_OF_PLAIN.get(dtype) if arr.flags.c_contiguous else None
-    if code is not None:  # a plain number or bool array as it is: the usual case, cheaper
-        head = int_field(1, code)
+    head = _PLAIN_HEADS.get(dtype) if arr.flags.c_contiguous else None
+    if head is not None:  # a plain number or bool array as it is: the usual case, cheaper
         if arr.shape:
             head += len_field(2, shape_bytes(arr.shape))
         nbytes = arr.nbytes
