@@ -57,10 +57,9 @@ _OWN_CALLS_IDLE = 5
 # Keys whose last value size is remembered (``OwnCalls``: too large for an own call?).
 _SIZES_KEPT = 4096
 
-#: What the client does, under its lock, with the receives of a key whose own call ended
-#: or goes on as a ``Recv`` (``then``): queue them in order (``then`` first) and return
-#: the one to start now, if any, and the error to fail ``then`` with (the client closed,
-#: or the step aborted), if any.
+#: The client's side, under its lock, of an own call that ended or goes on as a ``Recv``
+#: (``then``): queue it and the receives behind it; return the one to start now and the
+#: error to fail ``then`` with (closed, aborted), each or None.
 Follow = Callable[
     [tuple[int, str], "Recv | None", list[Recv]], tuple["Recv | None", "BaseException | None"]
 ]
@@ -71,13 +70,10 @@ _Peer = tuple[grpc.UnaryUnaryMultiCallable, "deque[tuple[int, float]]", grpc.Cha
 
 
 class OwnCalls:
-    """The own calls of one client's blocked receivers (the module docstring).
-
-    ``lock`` is the client's: it guards the tables here with the client's own. The
-    client's ``aborted`` steps (with their errors) and its ``Recv``s in flight
-    (``inflight``; ``queued(k)`` says whether one is for key ``k``) are read under it;
-    ``follow`` is the client's side of an own call's end (``Follow``).
-    """
+    """The own calls of one client's blocked receivers (the module docstring). ``lock``
+    is the client's and guards the tables here too; under it are read the client's
+    ``aborted`` steps and its ``Recv``s in flight (``inflight``; ``queued(k)``: one of key
+    ``k``); ``follow`` is the client's side of an own call's end."""
 
     def __init__(
         self,
