@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from shmrdv._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
-from shmrdv._rpc import assembly, messages, status, tf_dtypes, wire
+from shmrdv._rpc import assembly, mark_finished, messages, status, tf_dtypes, wire
 from shmrdv._rpc.proto import (
     device_attributes_pb2,
     rendezvous_pb2,
@@ -468,6 +468,82 @@ def test_encode_request_bytes_equal_generated(
     assert messages.decode_request(ours) == messages.RecvRequest(step_id, key, request_id, dma_ok)
 
 
+_INT64 = st.integers(-(2**63), 2**63 - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    step_id=_INT64,
+    key=st.text(max_size=300),
+    request_id=_INT64,
+    acks=st.lists(_INT64, max_size=5),
+    inline_max=st.integers(-1, 2**63 - 1),
+)
+def test_encode_request_varints_agree_with_wire(
+    step_id: int, key: str, request_id: int, acks: list[int], inline_max: int
+) -> None:
+    # The request is written without wire's encoder (issue 19 §2): its bytes must be
+    # what wire's fields make, for any int64 (1- to 10-byte varints) and key length.
+    ours = messages.encode_request(step_id, key, request_id, finished=acks, inline_max=inline_max)
+    encoded = key.encode("utf-8")
+    expected = (
+        wire.int_field(1, step_id)
+        + (wire.len_field(2, encoded) if encoded else b"")
+        + wire.int_field(7, request_id)
+        + b"".join(wire.encode_tag(1001, wire.VARINT) + wire.encode_varint(a) for a in acks)
+        + (
+            wire.encode_tag(1002, wire.VARINT) + wire.encode_varint(inline_max)
+            if inline_max >= 0
+            else b""
+        )
+    )
+    assert ours == expected
+    got = messages.decode_request(ours)
+    assert (got.step_id, got.rendezvous_key, got.request_id) == (step_id, key, request_id)
+    assert got.finished == tuple(acks) and got.inline_max == inline_max
+    assert messages.decode_request(memoryview(ours)) == got  # the general reader agrees
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arr=hnp.arrays(
+        st.sampled_from([np.float32, np.float64, np.int64, np.uint8, np.bool_, np.complex64]),
+        hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=1100).filter(
+            lambda shape: int(np.prod(shape)) <= 50_000
+        ),
+    ),
+    transpose=st.booleans(),
+)
+def test_encode_response_plain_arrays_equal_generated(
+    arr: npt.NDArray[Any], transpose: bool
+) -> None:
+    # Plain arrays take the short way through tensor_parts (sizes 0 and over 1024 too;
+    # a transposed one is not C-contiguous and goes the general way): TensorFlow's bytes.
+    arr = arr.T if transpose else arr
+    ours = messages.encode_response(arr, is_dead=False, send_start_micros=7, require_ack=True)
+    tf_order, canonical = _expected_response(arr, False, 7, True)
+    assert ours == tf_order
+    assert worker_pb2.RecvTensorResponse.FromString(ours).SerializeToString() == canonical
+
+
+@pytest.mark.parametrize(
+    "shape", [(1,), (127,), (128,), (16384,), (3, 70000), (2**21 + 1,), (1, 1, 300)]
+)
+def test_decode_received_reads_long_varints_as_the_general_decoder(
+    shape: tuple[int, ...],
+) -> None:
+    # The usual layout is read without wire's reader: sizes and dims of 1 to 4 varint
+    # bytes give what decode_response gives, and a truncated response is refused.
+    value = np.arange(int(np.prod(shape)), dtype=np.uint8).reshape(shape)
+    data = messages.encode_response(value, is_dead=False)
+    got = messages.decode_received(data)
+    ref = messages.decode_response(data)
+    assert got.value.shape == ref.value.shape and got.value.dtype == ref.value.dtype
+    assert np.array_equal(got.value, ref.value) and got.value.flags.writeable
+    with pytest.raises(InvalidArgumentError):
+        messages.decode_received(data[:-1])
+
+
 def test_decode_request_skips_localities_and_transport_options() -> None:
     ref = worker_pb2.RecvTensorRequest(step_id=3, rendezvous_key="k", request_id=9)
     ref.client_locality.bus_id = 1
@@ -492,18 +568,18 @@ def test_decode_request_invalid_utf8_key_refused() -> None:
 
 @pytest.mark.parametrize("request_id", [0, 1, -5, 2**63 - 1])
 def test_encode_mark_recv_finished_bytes_equal_generated(request_id: int) -> None:
-    ours = messages.encode_mark_recv_finished(request_id)
+    ours = mark_finished.encode_mark_recv_finished(request_id)
     assert ours == worker_pb2.MarkRecvFinishedRequest(request_id=request_id).SerializeToString()
-    assert messages.decode_mark_recv_finished(ours) == (request_id, False)
-    released = messages.encode_mark_recv_finished(request_id, released=True)
-    assert messages.decode_mark_recv_finished(released) == (request_id, True)
+    assert mark_finished.decode_mark_recv_finished(ours) == (request_id, False)
+    released = mark_finished.encode_mark_recv_finished(request_id, released=True)
+    assert mark_finished.decode_mark_recv_finished(released) == (request_id, True)
 
 
 @FUZZ
 @given(data=st.binary(max_size=40))
 def test_decode_mark_recv_finished_fuzz_raises_only_shmrdv_errors(data: bytes) -> None:
     try:
-        got = messages.decode_mark_recv_finished(data)
+        got = mark_finished.decode_mark_recv_finished(data)
     except WIRE_ERRORS:
         return
     assert worker_pb2.MarkRecvFinishedRequest.FromString(data).request_id == got[0]

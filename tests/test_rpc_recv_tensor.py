@@ -18,6 +18,7 @@ from shmrdv._errors import DeadlineExceededError
 from shmrdv._received import Received
 from shmrdv._rpc import assembly, messages
 from shmrdv._rpc.client import RpcClient
+from shmrdv._rpc.mark_finished import encode_mark_recv_finished
 from shmrdv._rpc.methods import (
     MARK_RECV_FINISHED_METHOD,
     RECV_TENSOR_METHOD,
@@ -75,7 +76,7 @@ def test_recv_tensor_left_value_goes_back_when_released(
     key = make_key("released")
     source.send(1, key, np.arange(1000, dtype=np.int64))
     assert _inline(channel, messages.encode_request(1, key.full_key, 11, inline_max=0)) == b""
-    release = messages.encode_mark_recv_finished(11, released=True)
+    release = encode_mark_recv_finished(11, released=True)
     channel.unary_unary(MARK_RECV_FINISHED_METHOD)(release, timeout=5)
     again = _inline(channel, messages.encode_request(1, key.full_key, 12))
     assert messages.decode_response(again).value.tolist() == list(range(1000))

@@ -21,6 +21,7 @@ from rpc_helpers import INCARNATION, TASK, StepSource, make_key
 from shmrdv._errors import InvalidArgumentError, UnavailableError
 from shmrdv._keys import ParsedKey
 from shmrdv._rpc import assembly, messages
+from shmrdv._rpc.mark_finished import encode_mark_recv_finished
 from shmrdv._rpc.methods import (
     GET_STATUS_METHOD,
     MARK_RECV_FINISHED_METHOD,
@@ -452,7 +453,7 @@ def test_released_request_id_gives_a_parked_value_back(
     next(call)
     call.cancel()  # parked in the cache for a retry...
     wait_for(lambda: server.stats()["waiting"] == 0)
-    release = messages.encode_mark_recv_finished(8, released=True)
+    release = encode_mark_recv_finished(8, released=True)
     channel.unary_unary(MARK_RECV_FINISHED_METHOD)(release, timeout=5)  # ...until released
     assert server.stats()["requeued"] == 1
     np.testing.assert_array_equal(
@@ -470,7 +471,7 @@ def test_released_request_id_answered_anyway_gives_the_value_back(
     key = make_key("released_answered")
     parked = _unary(channel).future(_request(1, key, request_id=9), timeout=10)
     wait_for(lambda: server.stats()["parked"] == 1)
-    release = messages.encode_mark_recv_finished(9, released=True)
+    release = encode_mark_recv_finished(9, released=True)
     channel.unary_unary(MARK_RECV_FINISHED_METHOD)(release, timeout=5)
     value = np.arange(5.0)
     source.send(1, key, value)
@@ -488,7 +489,7 @@ def test_call_after_its_release_gives_the_value_back(
     # the call arrives for a request_id its client already gave up; what it is answered
     # goes back too.
     key = make_key("release_first")
-    release = messages.encode_mark_recv_finished(10, released=True)
+    release = encode_mark_recv_finished(10, released=True)
     channel.unary_unary(MARK_RECV_FINISHED_METHOD)(release, timeout=5)
     parked = _unary(channel).future(_request(1, key, request_id=10), timeout=10)
     wait_for(lambda: server.stats()["parked"] == 1)

@@ -106,6 +106,9 @@ class ChannelCache:
         Raises ``InvalidArgumentError`` naming a bad address, ``CancelledError`` once
         closed, ``ResourceExhaustedError`` without descriptors, else ``UnavailableError``.
         """
+        channel = self._channels.get(address)
+        if channel is not None:  # open already (its address was checked then)
+            return channel
         split_host_port(address)  # InvalidArgumentError naming a bad address
         with self._lock:
             if self._closed:

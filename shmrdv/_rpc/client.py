@@ -11,7 +11,8 @@ with additions (retries, a producer gone, cancels, acks, bad bytes) that ``call`
 describes.
 
 A blocked receiver of small values makes its call itself, in its own thread
-(``own_call``); anything else is a ``call.Recv``.
+(``own_call.OwnCalls``, which ``own_calls`` exposes so that ``GrpcTransport`` starts and
+waits on them without a call through here); anything else is a ``call.Recv``.
 
 Modules: ``own_call`` (a blocked receiver's own call), ``call`` (one receive; its phases
 ``recv_unary`` and ``recv_stream``), ``recv_errors`` (its errors), ``channels`` (the
@@ -35,8 +36,6 @@ notices the new pid and opens fresh ones in the child; the parent's are left alo
 from __future__ import annotations
 
 import os
-import random
-import secrets
 import threading
 from collections.abc import Sequence
 from types import TracebackType
@@ -52,8 +51,8 @@ from .acks import AckQueue
 from .call import Recv
 from .channels import ChannelCache
 from .methods import DEFAULT_INLINE_MAX
-from .own_call import OWN_CALL_MAX, OwnCall
-from .recv_context import Address, CallContext
+from .own_call import OwnCalls
+from .recv_context import Address, CallContext, new_request_id
 from .runner import Runner
 from .security import TLSConfig, bearer_metadata, check_token
 from .status import DeviceAttributes, get_status
@@ -61,14 +60,6 @@ from .status import DeviceAttributes, get_status
 __all__ = ["RpcClient"]
 
 _JOIN_TIMEOUT = 5.0
-# Keys whose last value size is remembered (``_sizes``).
-_SIZES_KEPT = 4096
-# Request ids need to be unique, not secret: a generator seeded from the OS (again in a
-# forked child) costs no syscall per receive, as secrets.randbits would. An odd id is
-# never 0 (TensorFlow: GetUniqueRequestId, a random non-zero int64).
-_ids = random.Random(secrets.randbits(128))
-os.register_at_fork(after_in_child=lambda: _ids.seed(secrets.randbits(128)))
-_new_request_id = _ids.getrandbits
 
 
 class RpcClient:
@@ -107,17 +98,10 @@ class RpcClient:
         # Per (step, key): its receives in order, as waiters (they never queue values:
         # the producer holds those); the head's call is in flight.
         self._queues: WaiterTable[tuple[int, str], None, Recv] = WaiterTable()
-        # Own calls (``OwnCall``) by their slot's ``done`` and by (step, key): a key with
-        # one has no ``Recv`` in ``_queues``; receives that come meanwhile wait in
-        # ``_behind`` and go to ``_queues`` when it ends.
-        self._own: dict[DoneCallback, OwnCall] = {}
-        self._own_keys: dict[tuple[int, str], OwnCall] = {}
-        self._behind: dict[tuple[int, str], list[Recv]] = {}
         self._pid = os.getpid()
         self._aborted: dict[int, BaseException] = {}
         self._closed = False
         self._counters = {"received": 0, "received_bytes": 0}
-        self._sizes: dict[str, int] = {}  # full key -> bytes of its last value
         self._channels = ChannelCache(self._tls)
         self._acks = AckQueue(self._metadata, self._channels.route)
         self._runner = Runner()
@@ -129,6 +113,17 @@ class RpcClient:
             inline_max=self._inline_max,
             forget=self._forget,
             count=self._count,
+        )
+        #: The blocked receivers' own calls, under this client's lock: a key with one has
+        #: no ``Recv`` in ``_queues``; receives that come meanwhile wait behind it and
+        #: join ``_queues`` when it ends (``_follow``).
+        self.own_calls = OwnCalls(
+            self._context,
+            lock=self._lock,
+            aborted=self._aborted,
+            inflight=self._inflight,
+            queued=self._queued,
+            follow=self._follow,
         )
 
     def _check_fork(self) -> None:
@@ -169,16 +164,16 @@ class RpcClient:
         if self._pid != os.getpid():
             self._check_fork()
         t = None if timeout is None else check_timeout(timeout)
-        request_id = _new_request_id(63) | 1  # odd: never 0
         if blocking and type(key) is ParsedKey:
-            own = self._start_own(address, known, int(step_id), key, done, t, request_id)
+            own = self.own_calls.start(address, known, int(step_id), key, done, t)
             if own is not None:
-                return own.cancel
+                return own
         try:
             pk = as_parsed_key(key)
         except RendezvousError as e:
             invoke_done(done, e, None)
             return _too_late
+        request_id = new_request_id(63) | 1  # odd: never 0
         recv = Recv(self._context, address, int(step_id), pk, done, t, blocking, request_id)
         k = (recv.step_id, pk.full_key)
         with self._lock:
@@ -189,8 +184,8 @@ class RpcClient:
                 closed = True
             else:
                 closed = first = False
-                if k in self._own_keys:
-                    self._behind.setdefault(k, []).append(recv)
+                if k in self.own_calls.by_key:
+                    self.own_calls.queue_behind(k, recv)
                 else:
                     first = self._queues.wait(k, recv)
                 self._inflight.add(recv)
@@ -201,54 +196,11 @@ class RpcClient:
             recv.start()
         return recv.cancel
 
-    def _start_own(
-        self,
-        address: Address,
-        known: str | None,
-        step_id: int,
-        key: ParsedKey,
-        done: DoneCallback,
-        timeout: float | None,
-        request_id: int,
-    ) -> OwnCall | None:
-        """An own call for this blocked receive, registered; None: a ``Recv`` instead
-        (values too large, another receive of the key in flight, no address yet)."""
-        if self._sizes.get(key.full_key, 0) > OWN_CALL_MAX:
-            return None
-        if known is None:
-            try:
-                known = address if isinstance(address, str) else address()
-            except RendezvousError:
-                return None  # the Recv waits for it, or names the problem
-        if known not in self._channels.calls:
-            try:
-                self._channels.channel(known)
-            except RendezvousError:
-                return None
-        entry = self._channels.calls.get(known)
-        if entry is None:
-            return None
-        k = (step_id, key.full_key)
-        own = OwnCall(
-            self._context, self._end_own, address, known, entry, k, key, done, timeout, request_id
-        )
-        with self._lock:
-            if (
-                self._closed
-                or step_id in self._aborted
-                or k in self._own_keys
-                or (self._inflight and self._queues.head(k) is not None)
-            ):
-                return None
-            self._own[done] = own
-            self._own_keys[k] = own
-        return own
-
     def wait(self, done: DoneCallback, timeout: float) -> bool:
         """Help the blocking receive whose ``done`` this is: make its own call, up to
         ``timeout``, and decode its answer here. False: nothing to help with now (wait
         on ``done``'s slot instead)."""
-        own = self._own.get(done)
+        own = self.own_calls.by_done.get(done)
         if own is None:
             return False
         own.wait(timeout)
@@ -258,7 +210,9 @@ class RpcClient:
         """Whether a receive of (``step_id``, ``full_key``) is in flight or queued here."""
         k = (step_id, full_key)
         with self._lock:
-            return k in self._own_keys or self._queues.head(k) is not None
+            return k in self.own_calls.by_key or (
+                bool(self._inflight) and self._queues.head(k) is not None
+            )
 
     def channel(self, address: str) -> grpc.Channel:
         """This process's channel to ``address`` (opened on first use; the client's TLS);
@@ -277,11 +231,7 @@ class RpcClient:
         nxt = None
         with self._lock:
             self._inflight.discard(recv)
-            behind = self._behind.get(k)
-            if behind is not None and recv in behind:
-                behind.remove(recv)
-                if not behind:
-                    del self._behind[k]
+            if self.own_calls.drop_behind(k, recv):
                 return
             was_head = self._queues.head(k) is recv
             if self._queues.cancel(k, recv) and was_head:
@@ -289,39 +239,30 @@ class RpcClient:
         if nxt is not None:
             nxt.start()
 
-    def _end_own(self, own: OwnCall, then: Recv | None = None) -> None:
-        """``own`` has ended, or goes on as ``then`` (its ``Recv``, started here): the
-        receives of its key that came meanwhile follow."""
-        k = own.k
-        failed: BaseException | None = None
-        with self._lock:
-            if self._own.get(own.done) is own:
-                del self._own[own.done]
-            if self._own_keys.get(k) is own:
-                del self._own_keys[k]
-            behind = self._behind.pop(k, None)
-            if then is None and behind is None:
-                return
-            head = None
-            if then is not None and (self._closed or k[0] in self._aborted):
-                failed = self._aborted.get(k[0]) or CancelledError("RpcClient is closed")
-            elif then is not None:
-                behind = [then, *(behind or [])]
-                self._inflight.add(then)
-            for recv in behind or ():
-                if self._queues.wait(k, recv) and head is None:
-                    head = recv
-        if then is not None and failed is not None:
-            then.close(failed)
-        if head is not None:
-            head.start()
+    def _queued(self, k: tuple[int, str]) -> bool:
+        """Whether a ``Recv`` of ``k`` is in flight or queued (the lock held)."""
+        return self._queues.head(k) is not None
+
+    def _follow(
+        self, k: tuple[int, str], then: Recv | None, behind: list[Recv]
+    ) -> tuple[Recv | None, BaseException | None]:
+        """``own_call.Follow``, under the lock: ``then`` (an own call gone on as a
+        ``Recv``) and the receives behind the own call join ``_queues`` in order."""
+        if then is not None and (self._closed or k[0] in self._aborted):
+            return None, self._aborted.get(k[0]) or CancelledError("RpcClient is closed")
+        if then is not None:
+            behind = [then, *behind]
+            self._inflight.add(then)
+        head = None
+        for recv in behind:
+            if self._queues.wait(k, recv) and head is None:
+                head = recv
+        return head, None
 
     def _count(self, key: ParsedKey, nbytes: int) -> None:
         self._counters["received"] += 1
         self._counters["received_bytes"] += nbytes
-        if len(self._sizes) >= _SIZES_KEPT and key.full_key not in self._sizes:
-            self._sizes.clear()  # a bound, not an LRU: a hint is cheap to learn again
-        self._sizes[key.full_key] = nbytes
+        self.own_calls.learn(key, nbytes)
 
     def abort_step(self, step_id: int, error: BaseException) -> None:
         """Fail every receive of ``step_id`` with ``error``; later ones raise it at once."""
@@ -330,9 +271,8 @@ class RpcClient:
             error = self._aborted[step_id]
             # Out of the tables first: closing one then starts no later one.
             recvs = self._queues.abort(lambda k: k[0] == step_id)
-            for k in [k for k in self._behind if k[0] == step_id]:
-                recvs += self._behind.pop(k)
-            owns = [own for k, own in self._own_keys.items() if k[0] == step_id]
+            owns, behind = self.own_calls.take_step(step_id)
+            recvs += behind
         for own in owns:
             own.close(error)
         for recv in recvs:
@@ -367,8 +307,7 @@ class RpcClient:
             self._closed = True
             inflight = self._queues.abort()
             inflight += [r for r in self._inflight if r not in inflight]
-            self._behind.clear()
-            owns = list(self._own_keys.values())
+            owns = self.own_calls.take_all()
         for own in owns:
             own.close(error if error is not None else CancelledError("RpcClient closed"))
         by_address = self._channels.close()
@@ -398,9 +337,11 @@ class RpcClient:
         """Counters: channels open, receives in flight (and of those the ones receiving
         data), values and bytes received."""
         out = self._channels.stats()
-        out.update(self._counters)
+        own = self.own_calls
+        out["received"] = self._counters["received"] + own.received
+        out["received_bytes"] = self._counters["received_bytes"] + own.received_bytes
         with self._lock:
-            out["inflight"] = len(self._inflight) + len(self._own_keys)
+            out["inflight"] = len(self._inflight) + len(own.by_key)
             out["receiving"] = sum(1 for r in self._inflight if r.receiving)
         return out
 

@@ -1,13 +1,15 @@
-"""The RPC messages, built and parsed by hand: TensorFlow's and shmrdv's own.
+"""RecvTensor's messages, built and parsed by hand: ``RecvTensorRequest`` (with shmrdv's
+extension fields 1001-1002: acks, inline limit) and ``RecvTensorResponse`` (the tensor
+from ``tensors``); ``MarkRecvFinishedRequest`` is ``mark_finished``', ``GetStatusResponse``
+``status``'. Pure: no gRPC, no protobuf runtime, no I/O; thread model: none needed. The
+generated modules of ``protos/shmrdv/*.proto`` in ``shmrdv/_rpc/proto`` are the reference
+the tests compare these bytes against.
 
-Pure: no gRPC, no protobuf runtime, no I/O; thread model: none needed. The messages are
-those of ``protos/shmrdv/*.proto``; the generated modules in ``shmrdv/_rpc/proto`` are
-the reference the tests compare these bytes against:
-
-* ``RecvTensorRequest`` (with shmrdv's extension fields 1001-1002: acks, inline limit)
-  and ``RecvTensorResponse`` (the tensor from ``tensors``);
-* ``MarkRecvFinishedRequest`` (with shmrdv's extension field 1001: "released");
-  ``GetStatusResponse`` is ``status``'.
+A receive's two messages (its request out, a response of the usual layout in) are
+written and read here without a call into ``wire`` (issue 19 §2: a receive crosses one
+module for its bytes): ``_put_varint`` and ``_varint_at`` are ``wire``'s varint encoder
+and reader, inlined for that path (``tests/test_rpc_coding.py`` holds them equal), and a
+server reads the usual request in one pass too; everything else builds on ``wire``.
 
 A response is written as TensorFlow's worker writes it (the small fields first, then
 the tensor, whose content is the array's own buffer appended with one copy), so the
@@ -45,6 +47,7 @@ from .tensors import (
 from .tf_dtypes import PLAIN_OF_TF
 from .wire import (
     LEN,
+    U64,
     VARINT,
     Buffer,
     Malformed,
@@ -52,10 +55,7 @@ from .wire import (
     as_buffer,
     check_int64,
     encode_tag,
-    encode_varint,
-    int_field,
     iter_fields,
-    len_field,
     read_utf8,
     read_varint,
     signed64,
@@ -65,11 +65,9 @@ from .wire import (
 __all__ = [
     "MAX_ACKS",
     "RecvRequest",
-    "decode_mark_recv_finished",
     "decode_received",
     "decode_request",
     "decode_response",
-    "encode_mark_recv_finished",
     "encode_request",
     "encode_response",
 ]
@@ -99,15 +97,17 @@ def encode_response(
     parts = tensor_parts(arr)
     # TensorFlow writes fields 2, 3, 5 first ("A" in EncodeTensorToByteBuffer), then
     # field 1, so that the tensor bytes end the message.
-    prefix = (
-        extra
-        + int_field(2, int(bool(is_dead)))
-        + int_field(3, send_start_micros)
-        + int_field(5, int(bool(require_ack)))
-        + encode_tag(1, LEN)
-        + encode_varint(parts.size)
-        + parts.head
-    )
+    prefix = bytearray(extra)
+    if is_dead:
+        prefix += b"\x10\x01"  # field 2: true
+    if send_start_micros:
+        prefix.append(0x18)  # field 3, varint
+        _put_varint(prefix, send_start_micros)
+    if require_ack:
+        prefix += b"\x28\x01"  # field 5: true
+    prefix.append(0x0A)  # field 1, length-delimited: the tensor
+    _put_varint(prefix, parts.size)
+    prefix += parts.head
     total = len(prefix) + len(parts.content) + len(parts.tail)
     if total > MAX_MESSAGE_BYTES:
         raise ResourceExhaustedError(
@@ -178,13 +178,13 @@ def _plain_response(b: bytes) -> Received | None:
             v = b[pos + 1]
             pos += 2
             if v >= 0x80:
-                v, pos = read_varint(b, pos - 1, n)
+                v, pos = _varint_at(b, pos - 1, n)
             if tag == 0x10:
                 is_dead = v != 0
         size = b[pos + 1]
         pos += 2
         if size >= 0x80:
-            size, pos = read_varint(b, pos - 1, n)
+            size, pos = _varint_at(b, pos - 1, n)
         if pos + size != n or b[pos] != 0x08 or b[pos + 1] >= 0x80:  # the tensor ends it
             return None
         dtype = PLAIN_OF_TF.get(b[pos + 1])
@@ -201,7 +201,7 @@ def _plain_response(b: bytes) -> Received | None:
                 if b[pos] != 0x12 or b[pos + 1] >= 0x80 or b[pos + 2] != 0x08:
                     return None
                 dim_end = pos + 2 + b[pos + 1]
-                dim, pos = read_varint(b, pos + 3, dim_end)
+                dim, pos = _varint_at(b, pos + 3, dim_end)
                 if pos != dim_end or not 1 <= dim <= _I64_MAX:
                     return None
                 shape.append(dim)
@@ -209,18 +209,50 @@ def _plain_response(b: bytes) -> Received | None:
                 return None
         if b[pos] != 0x22:
             return None
-        size, pos = read_varint(b, pos + 1, n)
+        size, pos = _varint_at(b, pos + 1, n)
         count = prod(shape)
         if pos + size != n or count * dtype.itemsize != size:
             return None
-    except (IndexError, Malformed):
+    except IndexError:
         return None
     # The one copy: the response bytes into a private, writable array.
     return received(np.frombuffer(b, dtype, count, pos).reshape(shape).copy(), is_dead)
 
 
+_I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
 _MAX_PLAIN_DIMS = 32  # numpy allows 64; more go through decode_response
+
+
+def _varint_at(b: bytes, pos: int, end: int) -> tuple[int, int]:
+    """``wire.read_varint`` for the receive's path; ``IndexError`` for bytes that are
+    not one (the caller then reads them the general way, which names the problem)."""
+    result = shift = 0
+    while True:
+        if pos >= end or shift >= 70:
+            raise IndexError
+        byte = b[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result & U64, pos
+        shift += 7
+
+
+def _put_varint(out: bytearray, value: int) -> None:
+    """``wire.encode_varint``, written into ``out`` (the receive's request)."""
+    value &= U64
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+
+
+def _int64(name: str, value: int) -> int:
+    """``value`` if it is an int64 (``wire.check_int64`` names what is wrong if not)."""
+    if type(value) is int and _I64_MIN <= value <= _I64_MAX:
+        return value
+    return check_int64(name, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,12 +268,11 @@ class RecvRequest:
     inline_max: int = -1  # 1002: largest tensor to answer inline; -1: not given
 
 
-# Extension fields of RecvTensorRequest, read by shmrdv's RecvTensor (TensorFlow's skips
-# them as unknown fields).
+# Extension fields of RecvTensorRequest (TensorFlow skips them as unknown fields).
 _FINISHED_FIELD = 1001
-
-
 _INLINE_MAX_FIELD = 1002
+_FINISHED_TAG = encode_tag(_FINISHED_FIELD, VARINT)
+_INLINE_MAX_TAG = encode_tag(_INLINE_MAX_FIELD, VARINT)
 
 
 def encode_request(
@@ -260,30 +291,42 @@ def encode_request(
     unary response; a larger one is answered with empty bytes: "stream it") are shmrdv
     extension fields 1001 and 1002.
     """
-    check_int64("step_id", step_id)
-    check_int64("request_id", request_id)
-    ext = b"".join(int_field(_FINISHED_FIELD, check_int64("finished", f)) for f in finished)
-    if inline_max >= 0:
-        ext += encode_tag(_INLINE_MAX_FIELD, VARINT) + encode_varint(
-            check_int64("inline_max", inline_max)
-        )
+    step_id = _int64("step_id", step_id)
+    request_id = _int64("request_id", request_id)
     if not isinstance(rendezvous_key, str):
         raise InvalidArgumentError(f"rendezvous_key must be a str, got {rendezvous_key!r}")
     try:
         key = rendezvous_key.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidArgumentError(f"rendezvous_key {rendezvous_key!r} is not UTF-8") from e
-    return (
-        int_field(1, step_id)
-        + (len_field(2, key) if key else b"")
-        + int_field(3, int(bool(dma_ok)))
-        + int_field(7, request_id)
-        + ext
-    )
+    out = bytearray()
+    if step_id:
+        out.append(0x08)  # field 1, varint
+        _put_varint(out, step_id)
+    if key:
+        out.append(0x12)  # field 2, length-delimited
+        _put_varint(out, len(key))
+        out += key
+    if dma_ok:
+        out += b"\x18\x01"  # field 3: true
+    if request_id:
+        out.append(0x38)  # field 7, varint
+        _put_varint(out, request_id)
+    for f in finished:
+        out += _FINISHED_TAG
+        _put_varint(out, _int64("finished", f))
+    if inline_max >= 0:
+        out += _INLINE_MAX_TAG
+        _put_varint(out, _int64("inline_max", inline_max))
+    return bytes(out)
 
 
 def decode_request(data: Buffer) -> RecvRequest:
     """Parse ``RecvTensorRequest`` bytes; ``InvalidArgumentError`` if they do not parse."""
+    if type(data) is bytes:
+        plain = _plain_request(data)
+        if plain is not None:
+            return plain
     buf = as_buffer(data)
     step_id = request_id = 0
     key = ""
@@ -321,39 +364,50 @@ def decode_request(data: Buffer) -> RecvRequest:
     return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max)
 
 
+def _plain_request(b: bytes) -> RecvRequest | None:
+    """``decode_request`` of a request of the key (field 2) and varint fields 1, 3, 7,
+    1001 and 1002 only, in any order (as ``encode_request`` and TensorFlow write them),
+    in one pass; None: anything else, read the general way (which names a problem)."""
+    n = len(b)
+    pos = step_id = request_id = 0
+    key = ""
+    dma_ok = False
+    finished: list[int] = []
+    inline_max = -1
+    try:
+        while pos < n:
+            tag = b[pos]
+            if tag == 0x12:  # the key
+                size, pos = _varint_at(b, pos + 1, n)
+                if pos + size > n:
+                    return None
+                key = b[pos : pos + size].decode("utf-8")
+                pos += size
+                continue
+            if tag in (0xC8, 0xD0) and b[pos + 1] == 0x3E:  # 1001, 1002 (two-byte tags)
+                pos += 2
+            elif tag in (0x08, 0x18, 0x38):
+                pos += 1
+            else:
+                return None
+            v, pos = _varint_at(b, pos, n)
+            if v > _I64_MAX:
+                v -= 1 << 64
+            if tag == 0x08:
+                step_id = v
+            elif tag == 0x38:
+                request_id = v
+            elif tag == 0x18:
+                dma_ok = v != 0
+            elif tag == 0xD0:
+                inline_max = v
+            elif len(finished) < MAX_ACKS:
+                finished.append(v)
+    except (IndexError, UnicodeDecodeError):
+        return None
+    return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max)
+
+
 #: A request carries at most this many acks; more are ignored (they expire on their own),
 #: so a client puts no more on one request.
 MAX_ACKS = 1024
-
-
-# Extension field of MarkRecvFinishedRequest (TensorFlow skips it and just drops the
-# cached response): the client gave the request_id up without taking its value, so a
-# value taken for it goes back to the head of its key (shmrdv's cancel).
-_RELEASED_FIELD = 1001
-
-
-def encode_mark_recv_finished(request_id: int, *, released: bool = False) -> bytes:
-    """``MarkRecvFinishedRequest`` bytes: the client has the response of ``request_id``,
-    or (``released``, shmrdv's extension field 1001) gave it up without taking it."""
-    return int_field(1, check_int64("request_id", request_id)) + int_field(
-        _RELEASED_FIELD, int(released)
-    )
-
-
-def decode_mark_recv_finished(data: Buffer) -> tuple[int, bool]:
-    """``(request_id, released)`` of ``MarkRecvFinishedRequest`` bytes.
-
-    Raises ``InvalidArgumentError`` if they do not parse.
-    """
-    buf = as_buffer(data)
-    request_id = 0
-    released = False
-    try:
-        for f in iter_fields(buf, 0, len(buf)):
-            if f.number == 1 and f.wire_type == VARINT:
-                request_id = signed64(f.value)
-            elif f.number == _RELEASED_FIELD and f.wire_type == VARINT:
-                released = bool(f.value)
-    except Malformed as e:
-        raise InvalidArgumentError(f"Cannot parse MarkRecvFinishedRequest: {e}") from e
-    return request_id, released

@@ -3,7 +3,8 @@
 ``call.Recv`` and its phases (``recv_unary``, ``recv_stream``) use the client only
 through ``CallContext``: the channels (``channels.ChannelCache``), the acks
 (``acks.AckQueue``), the callback threads (``runner.Runner``), the call metadata and
-inline limit, and the client's books (``forget``, ``count``).
+inline limit, and the client's books (``forget``, ``count``). ``new_request_id`` draws
+the request ids of the client's receives.
 
 Thread model: none of its own; the context is immutable.
 """
@@ -11,6 +12,9 @@ Thread model: none of its own; the context is immutable.
 from __future__ import annotations
 
 import dataclasses
+import os
+import random
+import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +23,15 @@ from .acks import AckQueue
 from .channels import ChannelCache
 from .runner import Runner
 
-__all__ = ["Address", "CallContext"]
+__all__ = ["Address", "CallContext", "new_request_id"]
+
+# Request ids need to be unique, not secret: a generator seeded from the OS (again in a
+# forked child) costs no syscall per receive, as secrets.randbits would. Callers make
+# them odd, so never 0 (TensorFlow: GetUniqueRequestId, a random non-zero int64).
+_ids = random.Random(secrets.randbits(128))
+os.register_at_fork(after_in_child=lambda: _ids.seed(secrets.randbits(128)))
+#: ``new_request_id(63) | 1``: a fresh request id (the generator's own method: no frame).
+new_request_id = _ids.getrandbits
 
 #: The producer's ``host:port``, or a function that returns it and raises
 #: ``UnavailableError`` while it is not known yet (a producer that has not started).

@@ -33,6 +33,7 @@ from .._errors import RendezvousError
 from .._received import Received
 from .._status import code_for_error
 from . import assembly, messages, status, tensors
+from .mark_finished import decode_mark_recv_finished
 from .methods import SHMRDV_SERVICE, TF_SERVICE
 from .response_cache import Waiter
 from .tensor_source import TensorSource
@@ -217,7 +218,7 @@ class RecvService:
         waiting in the cache until it expires.
         """
         try:
-            rid, released = messages.decode_mark_recv_finished(request)
+            rid, released = decode_mark_recv_finished(request)
         except RendezvousError as e:
             await self._abort(context, e)
         if released:

@@ -40,6 +40,7 @@ import numpy.typing as npt
 from .._errors import ResourceExhaustedError
 from .._values import as_ndarray, shape_problem
 from .tf_dtypes import (
+    PLAIN_OF_TF,
     DataType,
     dtype_descriptor,
     dtype_to_tf,
@@ -141,7 +142,7 @@ def raw_bytes(arr: npt.NDArray[Any]) -> memoryview | bytes:
 
 def shape_bytes(shape: Sequence[int]) -> bytes:
     """``TensorShapeProto`` for ``shape``; empty (field left out) for a scalar."""
-    return b"".join(len_field(2, int_field(1, size)) for size in shape)
+    return b"".join([_DIMS.get(size) or _dim(size) for size in shape])
 
 
 def _string_list(arr: npt.NDArray[Any]) -> bytes:
@@ -163,8 +164,34 @@ class TensorParts:
         return len(self.head) + len(self.content) + len(self.tail)
 
 
+# The plain dtypes (in their wire byte order) with their ``dtype`` field; their arrays are
+# sent as they are, with no descriptor (``tf_dtypes.PLAIN_OF_TF`` turned around).
+_PLAIN_HEADS: Final[dict[np.dtype[Any], bytes]] = {
+    d: int_field(1, code) for code, d in PLAIN_OF_TF.items()
+}
+_CONTENT_TAG: Final = encode_tag(4, LEN)
+
+
+def _dim(size: int) -> bytes:
+    """One dimension of a ``TensorShapeProto`` (field 2: a message of its size)."""
+    return len_field(2, int_field(1, size))
+
+
+_DIMS: Final = {n: _dim(n) for n in range(1025)}  # the sizes most shapes are made of
+
+
 def tensor_parts(arr: npt.NDArray[Any]) -> TensorParts:
     dtype = arr.dtype
+    head = _PLAIN_HEADS.get(dtype) if arr.flags.c_contiguous else None
+    if head is not None:  # a plain number or bool array as it is: the usual case, cheaper
+        if arr.shape:
+            head += len_field(2, shape_bytes(arr.shape))
+        nbytes = arr.nbytes
+        if not nbytes:
+            return TensorParts(head, b"", b"")
+        head += _CONTENT_TAG + encode_varint(nbytes)
+        flat: Any = arr.reshape(-1).view(np.uint8)
+        return TensorParts(head, memoryview(flat), b"")
     code = dtype_to_tf(dtype)
     ext = ""
     content: memoryview | bytes

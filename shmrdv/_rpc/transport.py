@@ -151,8 +151,8 @@ class GrpcTransport:
         moot). ``blocking``: the caller then calls ``wait`` until ``done`` has run.
 
         A (step, key) received a second time, or a key that had a series, goes to its
-        series (``SeriesClient``); every other receive is one ``RecvTensor`` call
-        (``RpcClient``), made by a blocked receiver's own thread."""
+        series (``SeriesClient``); every other receive is one ``RecvTensor`` call: a
+        blocked receiver's own (``OwnCalls``, started here), else ``RpcClient``'s."""
         if self._closed:
             raise closed_error(self.task)
         k = (step_id, key.full_key)
@@ -168,13 +168,15 @@ class GrpcTransport:
             if canceller is not None:
                 return canceller
         known = self._addresses.get(key.src_device)
+        address = known[0] if known is not None and time.monotonic() < known[1] else None
+        if blocking:  # the receiving thread's own call, started here directly
+            own = self._client.own_calls.start(
+                lambda: self._address(key), address, step_id, key, done
+            )
+            if own is not None:
+                return own
         return self._client.start_recv(
-            lambda: self._address(key),
-            step_id,
-            key,
-            done,
-            blocking=blocking,
-            known=known[0] if known is not None and time.monotonic() < known[1] else None,
+            lambda: self._address(key), step_id, key, done, blocking=blocking, known=address
         )
 
     def _fallback(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
@@ -184,8 +186,11 @@ class GrpcTransport:
     def wait(self, slot: RecvSlot, timeout: float) -> None:
         """Wait on the blocked receiver's own call (decoding its answer here), else on
         its slot."""
-        if not self._client.wait(slot.done, timeout):
+        own = self._client.own_calls.by_done.get(slot.done)
+        if own is None:
             slot.wait(timeout)
+        else:
+            own.wait(timeout)
 
     def _address(self, key: ParsedKey) -> str:
         """The producer's gRPC address: the cluster's, else its presence record's (looked
