@@ -482,8 +482,8 @@ _INT64 = st.integers(-(2**63), 2**63 - 1)
 def test_encode_request_varints_agree_with_wire(
     step_id: int, key: str, request_id: int, acks: list[int], inline_max: int
 ) -> None:
-    # The request is written without wire's encoder (issue 19 §2): its bytes must be
-    # what wire's fields make, for any int64 (1- to 10-byte varints) and key length.
+    # The request is written in one pass (issue 19 §2): its bytes must be what wire's
+    # fields make, for any int64 (1- to 10-byte varints) and key length.
     ours = messages.encode_request(step_id, key, request_id, finished=acks, inline_max=inline_max)
     encoded = key.encode("utf-8")
     expected = (
@@ -532,8 +532,8 @@ def test_encode_response_plain_arrays_equal_generated(
 def test_decode_received_reads_long_varints_as_the_general_decoder(
     shape: tuple[int, ...],
 ) -> None:
-    # The usual layout is read without wire's reader: sizes and dims of 1 to 4 varint
-    # bytes give what decode_response gives, and a truncated response is refused.
+    # The usual layout is read in one pass: sizes and dims of 1 to 4 varint bytes give
+    # what decode_response gives, and a truncated response is refused.
     value = np.arange(int(np.prod(shape)), dtype=np.uint8).reshape(shape)
     data = messages.encode_response(value, is_dead=False)
     got = messages.decode_received(data)

@@ -6,10 +6,8 @@ generated modules of ``protos/shmrdv/*.proto`` in ``shmrdv/_rpc/proto`` are the 
 the tests compare these bytes against.
 
 A receive's two messages (its request out, a response of the usual layout in) are
-written and read here without a call into ``wire`` (issue 19 §2: a receive crosses one
-module for its bytes): ``_put_varint`` and ``_varint_at`` are ``wire``'s varint encoder
-and reader, inlined for that path (``tests/test_rpc_coding.py`` holds them equal), and a
-server reads the usual request in one pass too; everything else builds on ``wire``.
+written and read in one pass each, with ``wire``'s varint primitives only; a server reads
+the usual request in one pass too; everything else builds on ``wire``'s fields.
 
 A response is written as TensorFlow's worker writes it (the small fields first, then
 the tensor, whose content is the array's own buffer appended with one copy), so the
@@ -47,7 +45,6 @@ from .tensors import (
 from .tf_dtypes import PLAIN_OF_TF
 from .wire import (
     LEN,
-    U64,
     VARINT,
     Buffer,
     Malformed,
@@ -56,6 +53,7 @@ from .wire import (
     check_int64,
     encode_tag,
     iter_fields,
+    put_varint,
     read_utf8,
     read_varint,
     signed64,
@@ -102,11 +100,11 @@ def encode_response(
         prefix += b"\x10\x01"  # field 2: true
     if send_start_micros:
         prefix.append(0x18)  # field 3, varint
-        _put_varint(prefix, send_start_micros)
+        put_varint(prefix, send_start_micros)
     if require_ack:
         prefix += b"\x28\x01"  # field 5: true
     prefix.append(0x0A)  # field 1, length-delimited: the tensor
-    _put_varint(prefix, parts.size)
+    put_varint(prefix, parts.size)
     prefix += parts.head
     total = len(prefix) + len(parts.content) + len(parts.tail)
     if total > MAX_MESSAGE_BYTES:
@@ -178,13 +176,13 @@ def _plain_response(b: bytes) -> Received | None:
             v = b[pos + 1]
             pos += 2
             if v >= 0x80:
-                v, pos = _varint_at(b, pos - 1, n)
+                v, pos = read_varint(b, pos - 1, n)
             if tag == 0x10:
                 is_dead = v != 0
         size = b[pos + 1]
         pos += 2
         if size >= 0x80:
-            size, pos = _varint_at(b, pos - 1, n)
+            size, pos = read_varint(b, pos - 1, n)
         if pos + size != n or b[pos] != 0x08 or b[pos + 1] >= 0x80:  # the tensor ends it
             return None
         dtype = PLAIN_OF_TF.get(b[pos + 1])
@@ -201,7 +199,7 @@ def _plain_response(b: bytes) -> Received | None:
                 if b[pos] != 0x12 or b[pos + 1] >= 0x80 or b[pos + 2] != 0x08:
                     return None
                 dim_end = pos + 2 + b[pos + 1]
-                dim, pos = _varint_at(b, pos + 3, dim_end)
+                dim, pos = read_varint(b, pos + 3, dim_end)
                 if pos != dim_end or not 1 <= dim <= _I64_MAX:
                     return None
                 shape.append(dim)
@@ -209,11 +207,11 @@ def _plain_response(b: bytes) -> Received | None:
                 return None
         if b[pos] != 0x22:
             return None
-        size, pos = _varint_at(b, pos + 1, n)
+        size, pos = read_varint(b, pos + 1, n)
         count = prod(shape)
         if pos + size != n or count * dtype.itemsize != size:
             return None
-    except IndexError:
+    except (IndexError, Malformed):
         return None
     # The one copy: the response bytes into a private, writable array.
     return received(np.frombuffer(b, dtype, count, pos).reshape(shape).copy(), is_dead)
@@ -222,37 +220,6 @@ def _plain_response(b: bytes) -> Received | None:
 _I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
 _MAX_PLAIN_DIMS = 32  # numpy allows 64; more go through decode_response
-
-
-def _varint_at(b: bytes, pos: int, end: int) -> tuple[int, int]:
-    """``wire.read_varint`` for the receive's path; ``IndexError`` for bytes that are
-    not one (the caller then reads them the general way, which names the problem)."""
-    result = shift = 0
-    while True:
-        if pos >= end or shift >= 70:
-            raise IndexError
-        byte = b[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result & U64, pos
-        shift += 7
-
-
-def _put_varint(out: bytearray, value: int) -> None:
-    """``wire.encode_varint``, written into ``out`` (the receive's request)."""
-    value &= U64
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-
-
-def _int64(name: str, value: int) -> int:
-    """``value`` if it is an int64 (``wire.check_int64`` names what is wrong if not)."""
-    if type(value) is int and _I64_MIN <= value <= _I64_MAX:
-        return value
-    return check_int64(name, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,8 +258,8 @@ def encode_request(
     unary response; a larger one is answered with empty bytes: "stream it") are shmrdv
     extension fields 1001 and 1002.
     """
-    step_id = _int64("step_id", step_id)
-    request_id = _int64("request_id", request_id)
+    step_id = check_int64("step_id", step_id)
+    request_id = check_int64("request_id", request_id)
     if not isinstance(rendezvous_key, str):
         raise InvalidArgumentError(f"rendezvous_key must be a str, got {rendezvous_key!r}")
     try:
@@ -302,22 +269,22 @@ def encode_request(
     out = bytearray()
     if step_id:
         out.append(0x08)  # field 1, varint
-        _put_varint(out, step_id)
+        put_varint(out, step_id)
     if key:
         out.append(0x12)  # field 2, length-delimited
-        _put_varint(out, len(key))
+        put_varint(out, len(key))
         out += key
     if dma_ok:
         out += b"\x18\x01"  # field 3: true
     if request_id:
         out.append(0x38)  # field 7, varint
-        _put_varint(out, request_id)
+        put_varint(out, request_id)
     for f in finished:
         out += _FINISHED_TAG
-        _put_varint(out, _int64("finished", f))
+        put_varint(out, check_int64("finished", f))
     if inline_max >= 0:
         out += _INLINE_MAX_TAG
-        _put_varint(out, _int64("inline_max", inline_max))
+        put_varint(out, check_int64("inline_max", inline_max))
     return bytes(out)
 
 
@@ -378,7 +345,7 @@ def _plain_request(b: bytes) -> RecvRequest | None:
         while pos < n:
             tag = b[pos]
             if tag == 0x12:  # the key
-                size, pos = _varint_at(b, pos + 1, n)
+                size, pos = read_varint(b, pos + 1, n)
                 if pos + size > n:
                     return None
                 key = b[pos : pos + size].decode("utf-8")
@@ -390,7 +357,7 @@ def _plain_request(b: bytes) -> RecvRequest | None:
                 pos += 1
             else:
                 return None
-            v, pos = _varint_at(b, pos, n)
+            v, pos = read_varint(b, pos, n)
             if v > _I64_MAX:
                 v -= 1 << 64
             if tag == 0x08:
@@ -403,7 +370,7 @@ def _plain_request(b: bytes) -> RecvRequest | None:
                 inline_max = v
             elif len(finished) < MAX_ACKS:
                 finished.append(v)
-    except (IndexError, UnicodeDecodeError):
+    except (IndexError, Malformed, UnicodeDecodeError):
         return None
     return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max)
 

@@ -35,6 +35,7 @@ __all__ = [
     "check_int64",
     "encode_tag",
     "encode_varint",
+    "put_varint",
     "int_field",
     "iter_fields",
     "len_field",
@@ -84,14 +85,20 @@ class Malformed(Exception):
     """Internal: the bytes do not parse; turned into InvalidArgumentError at the API edge."""
 
 
-def encode_varint(value: int) -> bytes:
-    """Unsigned varint of ``value`` (negative int64 as its 10-byte two's complement)."""
+def put_varint(out: bytearray, value: int) -> None:
+    """Append the unsigned varint of ``value`` to ``out`` (negative int64 as its 10-byte
+    two's complement)."""
     value &= U64
-    out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
         value >>= 7
     out.append(value)
+
+
+def encode_varint(value: int) -> bytes:
+    """Unsigned varint of ``value`` (``put_varint``'s bytes)."""
+    out = bytearray()
+    put_varint(out, value)
     return bytes(out)
 
 
@@ -109,6 +116,9 @@ def int_field(field: int, value: int) -> bytes:
 
 
 def check_int64(name: str, value: int) -> int:
+    """``value`` if it is an int64; ``InvalidArgumentError`` naming ``name`` if not."""
+    if type(value) is int and _I64_MIN <= value <= _I64_MAX:
+        return value
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__}")
     if not _I64_MIN <= value <= _I64_MAX:
