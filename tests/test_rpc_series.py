@@ -75,6 +75,54 @@ def test_series_messages_are_tensor_chunks_that_reassemble() -> None:
         np.testing.assert_array_equal(have.value, want.value)
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(10, dtype=np.float32).reshape(2, 5),
+        np.array(7.5),
+        np.array([True, False, True]),
+        np.arange(12, dtype=np.complex64).reshape(3, 1, 4),
+        np.arange(5, dtype=np.uint16),
+    ],
+    ids=lambda a: f"{a.dtype}{a.shape}",
+)
+@pytest.mark.parametrize("is_dead", [False, True])
+def test_a_whole_value_chunk_is_read_in_one_pass_as_the_assembler_reads_it(
+    value: np.ndarray, is_dead: bool
+) -> None:
+    ((message, _),) = series_wire.encode_series([Received(value, is_dead)], 1 << 20)
+    (chunk,) = series_wire.series_chunks(message)
+    whole = assembly.whole_tensor(chunk)
+    assert whole is not None
+    assembler = assembly.StreamAssembler()
+    assembler.feed(chunk)
+    got, dead = whole
+    want = assembler.result()
+    assert dead == is_dead == assembler.is_dead
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    assert got.flags.writeable and got.flags.owndata  # the one copy, the receiver's own
+
+
+def test_whole_tensor_leaves_every_other_chunk_to_the_assembler() -> None:
+    big = [m for m, _ in series_wire.encode_series([Received(np.arange(5000))], 4096)]
+    first = next(series_wire.series_chunks(big[0]))
+    later = next(series_wire.series_chunks(big[1]))
+    strings = series_wire.encode_series([Received(np.array(["a", "bc"]))], 1 << 20)
+    ((swapped, _),) = series_wire.encode_series([Received(np.ones(3, ">f4"))], 1 << 20)
+    empty = series_wire.encode_series([Received(np.zeros((0, 3)))], 1 << 20)
+    for chunk in (
+        first,  # a header with part of the data
+        later,  # data without a header
+        next(series_wire.series_chunks(next(iter(strings))[0])),
+        next(series_wire.series_chunks(swapped)),  # converted on arrival (not big-endian here)
+        next(series_wire.series_chunks(next(iter(empty))[0])),
+        memoryview(b"\x0a\x02\x08\x01\x1a\x04abc"),  # data shorter than it says
+        memoryview(b"\x0a\xff\x01"),
+    ):
+        assert assembly.whole_tensor(chunk) is None
+
+
 def test_series_limits_refuse_bad_values() -> None:
     with pytest.raises(InvalidArgumentError, match="max_series_per_peer"):
         SeriesLimits(max_series_per_peer=0)
