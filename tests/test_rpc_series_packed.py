@@ -58,3 +58,24 @@ def test_a_look_alike_buffer_is_copied_as_usual() -> None:
     other = np.frombuffer(b"\x00" * 8 + value.tobytes(), np.float32, 4, 8)
     assert _messages(other, 4 << 20) == _messages(value, 4 << 20)
     assert _messages(other, 4 << 20)[0][0] is not other.base
+
+
+def test_only_the_packed_array_itself_is_sent_as_its_message() -> None:
+    """A packed copy is known by its identity: a view of it (another array on the same
+    bytes, perhaps a part of them) is encoded by the usual path."""
+    packed = series_wire.packed_copy(np.arange(8, dtype=np.int32))
+    assert packed is not None
+    owner = packed.base.base if isinstance(packed.base, np.ndarray) else packed.base
+    assert _messages(packed, 4 << 20)[0][0] is owner
+    for view in (packed[:], packed[2:], packed.reshape(2, 4)):
+        sent = _messages(view, 4 << 20)
+        assert sent[0][0] is not owner
+        assert sent == _messages(np.array(view, copy=True), 4 << 20)
+
+
+def test_packed_copies_are_forgotten_with_their_arrays() -> None:
+    before = len(series_wire._PACKED)
+    copies = [series_wire.packed_copy(np.full(4, i, np.float64)) for i in range(100)]
+    assert len(series_wire._PACKED) == before + 100
+    del copies
+    assert len(series_wire._PACKED) == before

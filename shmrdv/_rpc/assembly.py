@@ -58,6 +58,7 @@ __all__ = [
     "StreamAssembler",
     "chunk_pieces",
     "encode_stream",
+    "whole_prefix",
     "whole_tensor",
 ]
 
@@ -103,6 +104,13 @@ def chunk_pieces(
         (prefix, raw[offset : offset + chunk_bytes])
         for prefix, offset in zip(prefixes, range(0, max(len(raw), 1), chunk_bytes))
     ]
+
+
+def whole_prefix(dtype: np.dtype[Any], shape: tuple[int, ...], nbytes: int) -> bytes:
+    """The fields before the data of a live tensor of ``dtype`` and ``shape`` (``nbytes``
+    of data in its wire form) sent in one chunk: ``chunk_pieces``' prefix when the chunk
+    holds it all. Raises ``InvalidArgumentError`` for what cannot be sent."""
+    return _prefixes(dtype, shape, False, nbytes, max(nbytes, 1), 0)[0]
 
 
 @functools.lru_cache(maxsize=256)
