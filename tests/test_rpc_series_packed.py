@@ -79,3 +79,26 @@ def test_packed_copies_are_forgotten_with_their_arrays() -> None:
     assert len(series_wire._PACKED) == before + 100
     del copies
     assert len(series_wire._PACKED) == before
+
+
+def test_packed_values_in_one_message_are_the_bytes_of_the_usual_path() -> None:
+    values = [np.arange(i + 1, dtype=np.float32) for i in range(50)] + [np.array(["s"])]
+    packed = [series_wire.packed_copy(v) for v in values[:-1]]
+    assert all(p is not None for p in packed)
+    mixed = [Received(p) for p in packed if p is not None] + [Received(values[-1])]
+    plain = [Received(np.array(v, copy=True)) for v in values]
+    for budget in (64, 1000, 4 << 20):
+        assert _messages_of(mixed, budget) == _messages_of(plain, budget)
+    assert len(list(series_wire.encode_series(mixed, 4 << 20))) == 1  # all in one
+
+
+def _messages_of(values: list[Received], budget: int) -> tuple[list[bytes], int]:
+    """The chunks the messages carry, in order, and the values they complete: where
+    messages are cut may differ a little (a packed value counts its framing), what they
+    carry may not."""
+    chunks: list[bytes] = []
+    completed = 0
+    for message, done in series_wire.encode_series(values, budget):
+        chunks += [bytes(c) for c in series_wire.series_chunks(message)]
+        completed += done
+    return chunks, completed

@@ -42,10 +42,15 @@ def encode_series(values: Sequence[Received], budget: int) -> Iterator[tuple[byt
         whole = _packed_message(values[0], budget)
         if whole is not None:
             return iter([(whole, 1)])
-    pieces = [
-        chunk_pieces(received.value, is_dead=received.is_dead, chunk_bytes=budget)
-        for received in values
-    ]
+    # A packed value's message is already its chunk, framed: it is joined as it is.
+    pieces: list[bytes | list[tuple[bytes, memoryview | bytes]]] = []
+    for received in values:
+        whole = _packed_message(received, budget)
+        pieces.append(
+            whole
+            if whole is not None
+            else chunk_pieces(received.value, is_dead=received.is_dead, chunk_bytes=budget)
+        )
     return _messages(pieces, budget)
 
 
@@ -97,12 +102,20 @@ def _packed_message(received: Received, budget: int) -> bytes | None:
 
 
 def _messages(
-    pieces: list[list[tuple[bytes, memoryview | bytes]]], budget: int
+    pieces: list[bytes | list[tuple[bytes, memoryview | bytes]]], budget: int
 ) -> Iterator[tuple[bytes, int]]:
     parts: list[bytes | memoryview] = []
     size = 0
     completed = 0
     for chunks in pieces:
+        if isinstance(chunks, bytes):  # a packed value's whole message
+            if parts and size + len(chunks) > budget:
+                yield b"".join(parts), completed
+                parts, size, completed = [], 0, 0
+            parts.append(chunks)
+            size += len(chunks)
+            completed += 1
+            continue
         for i, (prefix, data) in enumerate(chunks):
             n = len(prefix) + len(data)
             if parts and size + n > budget:
