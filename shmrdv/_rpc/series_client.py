@@ -9,9 +9,11 @@ had a series in an earlier step) and no ``RecvTensor`` of it is in flight,
 assembled as it comes (one copy: the chunks into the writable array a receive returns)
 and goes to the oldest waiting receive, or waits in the series' table, in order.
 
-* **Bounded**: a series keeps at most ``prefetch_bytes`` of values nobody took yet (one
-  value whatever its size); then its reader stops reading and HTTP/2 flow control stops
-  the producer. At most ``max_series`` series are open; other keys use ``RecvTensor``.
+* **Bounded**: a series keeps at most ``prefetch_bytes`` of values nobody took yet, plus
+  what one message carries (it is taken apart whole: one value, or values packed up to
+  the producer's ``chunk_bytes``, 4 MiB by default); then its reader stops reading and
+  HTTP/2 flow control stops the producer. At most ``max_series`` series are open; other
+  keys use ``RecvTensor``.
 * **Order**: while a series of a (step, key) exists every receive of it goes there; a
   series is opened only when no ``RecvTensor`` of the key is in flight (``busy``), so
   values are never served to two methods at once.
