@@ -75,6 +75,54 @@ def test_series_messages_are_tensor_chunks_that_reassemble() -> None:
         np.testing.assert_array_equal(have.value, want.value)
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(10, dtype=np.float32).reshape(2, 5),
+        np.array(7.5),
+        np.array([True, False, True]),
+        np.arange(12, dtype=np.complex64).reshape(3, 1, 4),
+        np.arange(5, dtype=np.uint16),
+    ],
+    ids=lambda a: f"{a.dtype}{a.shape}",
+)
+@pytest.mark.parametrize("is_dead", [False, True])
+def test_a_whole_value_chunk_is_read_in_one_pass_as_the_assembler_reads_it(
+    value: np.ndarray, is_dead: bool
+) -> None:
+    ((message, _),) = series_wire.encode_series([Received(value, is_dead)], 1 << 20)
+    (chunk,) = series_wire.series_chunks(message)
+    whole = assembly.whole_tensor(chunk)
+    assert whole is not None
+    assembler = assembly.StreamAssembler()
+    assembler.feed(chunk)
+    got, dead = whole
+    want = assembler.result()
+    assert dead == is_dead == assembler.is_dead
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    assert got.flags.writeable and got.flags.owndata  # the one copy, the receiver's own
+
+
+def test_whole_tensor_leaves_every_other_chunk_to_the_assembler() -> None:
+    big = [m for m, _ in series_wire.encode_series([Received(np.arange(5000))], 4096)]
+    first = next(series_wire.series_chunks(big[0]))
+    later = next(series_wire.series_chunks(big[1]))
+    strings = series_wire.encode_series([Received(np.array(["a", "bc"]))], 1 << 20)
+    ((swapped, _),) = series_wire.encode_series([Received(np.ones(3, ">f4"))], 1 << 20)
+    empty = series_wire.encode_series([Received(np.zeros((0, 3)))], 1 << 20)
+    for chunk in (
+        first,  # a header with part of the data
+        later,  # data without a header
+        next(series_wire.series_chunks(next(iter(strings))[0])),
+        next(series_wire.series_chunks(swapped)),  # converted on arrival (not big-endian here)
+        next(series_wire.series_chunks(next(iter(empty))[0])),
+        memoryview(b"\x0a\x02\x08\x01\x1a\x04abc"),  # data shorter than it says
+        memoryview(b"\x0a\xff\x01"),
+    ):
+        assert assembly.whole_tensor(chunk) is None
+
+
 def test_series_limits_refuse_bad_values() -> None:
     with pytest.raises(InvalidArgumentError, match="max_series_per_peer"):
         SeriesLimits(max_series_per_peer=0)
@@ -400,3 +448,123 @@ def test_a_series_needs_the_token(source: StepSource) -> None:
                 assert _recv(sc, client, server.address, key).value.tolist() == [i]
             wait_for(lambda: server.stats()["series_values"] >= 1, timeout=10)
             sc.close(AbortedError("end"))
+
+
+def test_blocking_and_callback_receives_mixed_on_a_series_keep_order(
+    pair: tuple[shmrdv.Worker, shmrdv.Worker],
+) -> None:
+    """Values already sent go to the receives in the order they were made, whichever
+    flavour each is (a blocked ``recv``, a future, a callback) and whichever thread
+    delivers them: none lost, none out of order."""
+    producer, consumer = pair
+    p, c = producer.rendezvous(1), consumer.rendezvous(1)
+    for i in range(2):  # the second opens the series
+        p.send(_key(), np.array([i]))
+        assert c.recv(_key(), timeout=10).value.tolist() == [i]
+    n = 60  # steps; every fourth makes two receives (a future, then a recv)
+    total = n + n // 4
+    got: list[tuple[int, int]] = []  # (receive's index, value)
+    lock = threading.Lock()
+    callbacks = threading.Semaphore(0)
+
+    def later() -> None:
+        time.sleep(0.05)
+        for i in range(2, 2 + total):
+            p.send(_key(), np.full(256 if i % 3 else 20000, i, np.int32))
+
+    def note(index: int) -> shmrdv.DoneCallback:
+        def done(error: BaseException | None, received: Received | None) -> None:
+            assert error is None and received is not None
+            with lock:
+                got.append((index, int(received.value[0])))
+            callbacks.release()
+
+        return done
+
+    sender = threading.Thread(target=later)
+    sender.start()
+    futures = []
+    asyncs = 0
+    for index in range(n):
+        kind = index % 4
+        if kind == 0:
+            value = int(c.recv(_key(), timeout=20).value[0])
+            with lock:
+                got.append((index, value))
+        elif kind == 1:
+            futures.append((index, c.recv_future(_key())))
+        elif kind == 2:
+            c.recv_async(_key(), note(index))
+            asyncs += 1
+        else:
+            futures.append((index, c.recv_future(_key())))
+            value = int(c.recv(_key(), timeout=20).value[0])
+            with lock:
+                got.append((index + 1000, value))
+    sender.join(20)
+    for index, fut in futures:
+        got.append((index, int(fut.result(timeout=20).value[0])))
+    for _ in range(asyncs):
+        assert callbacks.acquire(timeout=20)
+    assert sorted(value for _, value in got) == list(range(2, 2 + total))
+    # Each receive got the value of its place in line: receives made in the order of
+    # their indices (a kind-3 step makes the future, then the recv).
+    order: list[int] = []
+    for index in range(n):
+        order.append(index)
+        if index % 4 == 3:
+            order.append(index + 1000)
+    by_index = dict(got)
+    assert [by_index[i] for i in order] == list(range(2, 2 + total))
+
+
+def _fake_series_server(messages_out: list[bytes]) -> tuple[grpc.Server, str]:
+    """A server whose RecvTensorSeries yields ``messages_out`` and ends."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def series(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from messages_out
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    service, method = RECV_TENSOR_SERIES_METHOD.strip("/").split("/")
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                service, {method: grpc.unary_stream_rpc_method_handler(series)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize(
+    ("what", "error"),
+    [("garbage", "bad RecvTensorSeries"), ("cut", "ended inside a value")],
+)
+def test_a_producer_sending_a_bad_series_fails_the_waiting_receives(what: str, error: str) -> None:
+    """A value that does not parse, or a series that ends inside one: the receives
+    waiting on it fail with an ``InternalError`` naming the key, the producer and what
+    was wrong, and the value received before is still there (taken first)."""
+    key = make_key("bad")
+    good = next(iter(series_wire.encode_series([Received(np.arange(3))], 1 << 20)))[0]
+    if what == "garbage":
+        bad = [b"\x0a\xff\x01"]
+    else:
+        bad = [m for m, _ in series_wire.encode_series([Received(np.arange(5000))], 4096)][:1]
+    server, address = _fake_series_server([good, *bad])
+    try:
+        with RpcClient() as client:
+            sc = _series_client(client, address)
+            first, second = RecvSlot(), RecvSlot()
+            assert sc.start_recv(1, key, first.done, lambda: address) is not None
+            assert sc.start_recv(1, key, second.done, lambda: address) is not None
+            assert first.wait(20) and second.wait(20)
+            assert first.result().value.tolist() == [0, 1, 2]
+            with pytest.raises(shmrdv.InternalError, match=error) as info:
+                second.result()
+            assert address in str(info.value) and key.full_key in str(info.value)
+            sc.close(AbortedError("end"))
+    finally:
+        server.stop(0).wait(5)

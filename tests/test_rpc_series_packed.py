@@ -58,3 +58,47 @@ def test_a_look_alike_buffer_is_copied_as_usual() -> None:
     other = np.frombuffer(b"\x00" * 8 + value.tobytes(), np.float32, 4, 8)
     assert _messages(other, 4 << 20) == _messages(value, 4 << 20)
     assert _messages(other, 4 << 20)[0][0] is not other.base
+
+
+def test_only_the_packed_array_itself_is_sent_as_its_message() -> None:
+    """A packed copy is known by its identity: a view of it (another array on the same
+    bytes, perhaps a part of them) is encoded by the usual path."""
+    packed = series_wire.packed_copy(np.arange(8, dtype=np.int32))
+    assert packed is not None
+    owner = packed.base.base if isinstance(packed.base, np.ndarray) else packed.base
+    assert _messages(packed, 4 << 20)[0][0] is owner
+    for view in (packed[:], packed[2:], packed.reshape(2, 4)):
+        sent = _messages(view, 4 << 20)
+        assert sent[0][0] is not owner
+        assert sent == _messages(np.array(view, copy=True), 4 << 20)
+
+
+def test_packed_copies_are_forgotten_with_their_arrays() -> None:
+    before = len(series_wire._PACKED)
+    copies = [series_wire.packed_copy(np.full(4, i, np.float64)) for i in range(100)]
+    assert len(series_wire._PACKED) == before + 100
+    del copies
+    assert len(series_wire._PACKED) == before
+
+
+def test_packed_values_in_one_message_are_the_bytes_of_the_usual_path() -> None:
+    values = [np.arange(i + 1, dtype=np.float32) for i in range(50)] + [np.array(["s"])]
+    packed = [series_wire.packed_copy(v) for v in values[:-1]]
+    assert all(p is not None for p in packed)
+    mixed = [Received(p) for p in packed if p is not None] + [Received(values[-1])]
+    plain = [Received(np.array(v, copy=True)) for v in values]
+    for budget in (64, 1000, 4 << 20):
+        assert _messages_of(mixed, budget) == _messages_of(plain, budget)
+    assert len(list(series_wire.encode_series(mixed, 4 << 20))) == 1  # all in one
+
+
+def _messages_of(values: list[Received], budget: int) -> tuple[list[bytes], int]:
+    """The chunks the messages carry, in order, and the values they complete: where
+    messages are cut may differ a little (a packed value counts its framing), what they
+    carry may not."""
+    chunks: list[bytes] = []
+    completed = 0
+    for message, done in series_wire.encode_series(values, budget):
+        chunks += [bytes(c) for c in series_wire.series_chunks(message)]
+        completed += done
+    return chunks, completed

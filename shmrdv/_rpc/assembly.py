@@ -50,6 +50,7 @@ from .wire import (
     iter_fields,
     len_field,
     read_utf8,
+    read_varint,
     signed64,
 )
 
@@ -57,6 +58,8 @@ __all__ = [
     "StreamAssembler",
     "chunk_pieces",
     "encode_stream",
+    "whole_prefix",
+    "whole_tensor",
 ]
 
 
@@ -101,6 +104,13 @@ def chunk_pieces(
         (prefix, raw[offset : offset + chunk_bytes])
         for prefix, offset in zip(prefixes, range(0, max(len(raw), 1), chunk_bytes))
     ]
+
+
+def whole_prefix(dtype: np.dtype[Any], shape: tuple[int, ...], nbytes: int) -> bytes:
+    """The fields before the data of a live tensor of ``dtype`` and ``shape`` (``nbytes``
+    of data in its wire form) sent in one chunk: ``chunk_pieces``' prefix when the chunk
+    holds it all. Raises ``InvalidArgumentError`` for what cannot be sent."""
+    return _prefixes(dtype, shape, False, nbytes, max(nbytes, 1), 0)[0]
 
 
 @functools.lru_cache(maxsize=256)
@@ -276,6 +286,33 @@ class StreamAssembler:
         except Malformed as e:
             raise InvalidArgumentError(f"Cannot parse tensor stream: {e}") from e
         return self._result
+
+
+def whole_tensor(chunk: Buffer) -> tuple[npt.NDArray[Any], bool] | None:
+    """The tensor of a ``TensorChunk`` that carries all of it as ``encode_stream`` lays
+    one out (its header, then all its data; a series' usual value) and needs no
+    conversion (a plain number dtype): (the value, writable and owned: the one copy;
+    is_dead). Read in one pass, without a ``StreamAssembler``. None for any other
+    chunk: a ``StreamAssembler`` takes it (and refuses what is wrong)."""
+    try:
+        n = len(chunk)
+        if n < 2 or chunk[0] != 0x0A:  # field 1, the header, first
+            return None
+        size, pos = read_varint(chunk, 1, n)
+        end = pos + size
+        if end >= n or chunk[end] != 0x1A:  # then field 3, the data, to the end
+            return None
+        header = _parse_header(bytes(chunk[pos:end]))
+        size, pos = read_varint(chunk, end + 1, n)
+    except (Malformed, IndexError):
+        return None
+    dtype = header.dtype
+    if pos + size != n or size != header.total or size == 0 or dtype.kind not in "biufc":
+        return None
+    if wire_dtype(dtype) != dtype:
+        return None
+    flat = np.frombuffer(chunk, dtype, size // dtype.itemsize, pos)
+    return flat.reshape(header.shape).copy(), header.is_dead
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -5,13 +5,15 @@ takes a key's values one after another (a pipeline) gets at most one value per r
 trip. When a (step, key) is received a second time (or the first time, for a key that
 had a series in an earlier step) and no ``RecvTensor`` of it is in flight,
 ``SeriesClient`` opens one ``RecvTensorSeries`` call for it to its producer
-(``series_service``): the producer pushes the key's values as they are sent, a reader
-thread assembles each (one copy: the chunks into the writable array a receive returns)
-and keeps it in the series' table until a receive takes it, in order.
+(``series_service``): the producer pushes the key's values as they are sent; each is
+assembled as it comes (one copy: the chunks into the writable array a receive returns)
+and goes to the oldest waiting receive, or waits in the series' table, in order.
 
-* **Bounded**: a series keeps at most ``prefetch_bytes`` of values nobody took yet (one
-  value whatever its size); then its reader stops reading and HTTP/2 flow control stops
-  the producer. At most ``max_series`` series are open; other keys use ``RecvTensor``.
+* **Bounded**: a series keeps at most ``prefetch_bytes`` of values nobody took yet, plus
+  what one message carries (it is taken apart whole: one value, or values packed up to
+  the producer's ``chunk_bytes``, 4 MiB by default); then its reader stops reading and
+  HTTP/2 flow control stops the producer. At most ``max_series`` series are open; other
+  keys use ``RecvTensor``.
 * **Order**: while a series of a (step, key) exists every receive of it goes there; a
   series is opened only when no ``RecvTensor`` of the key is in flight (``busy``), so
   values are never served to two methods at once.
@@ -41,9 +43,10 @@ Modules: ``series_reader`` (one series: its call, reader thread and table),
 them.
 
 Thread model (docs/threads.md): one reader thread per series ("shmrdv-rpc-series",
-``series_reader``); it fills the slot of a blocked receiver that waited, and hands any
-other waiting receive's ``done`` to a callback thread (``runner``). A receive whose value
-is there is answered in its own thread. One lock guards ``SeriesClient``'s tables;
+``series_reader``) drives its call; each message is assembled in gRPC's channel thread,
+which fills the slot of a blocked receiver that waited, and hands any other waiting
+receive's ``done`` to a callback thread (``runner``). A receive whose value is there is
+answered in its own thread. One lock guards ``SeriesClient``'s tables;
 ``done`` never runs under a lock of ours.
 """
 

@@ -12,6 +12,8 @@ message each. One copy of the data: the buffer into the message; none for a valu
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -20,7 +22,7 @@ import numpy.typing as npt
 
 from .._errors import InvalidArgumentError, RendezvousError
 from .._received import Received
-from .assembly import chunk_pieces
+from .assembly import chunk_pieces, whole_prefix
 from .tf_dtypes import wire_dtype
 from .wire import LEN, Buffer, Malformed, as_buffer, encode_tag, encode_varint, iter_fields
 
@@ -40,10 +42,15 @@ def encode_series(values: Sequence[Received], budget: int) -> Iterator[tuple[byt
         whole = _packed_message(values[0], budget)
         if whole is not None:
             return iter([(whole, 1)])
-    pieces = [
-        chunk_pieces(received.value, is_dead=received.is_dead, chunk_bytes=budget)
-        for received in values
-    ]
+    # A packed value's message is already its chunk, framed: it is joined as it is.
+    pieces: list[bytes | list[tuple[bytes, memoryview | bytes]]] = []
+    for received in values:
+        whole = _packed_message(received, budget)
+        pieces.append(
+            whole
+            if whole is not None
+            else chunk_pieces(received.value, is_dead=received.is_dead, chunk_bytes=budget)
+        )
     return _messages(pieces, budget)
 
 
@@ -54,47 +61,61 @@ def packed_copy(value: npt.NDArray[Any]) -> npt.NDArray[Any] | None:
     None where the array's memory is not its wire form (a dtype converted on the wire)
     or it is empty: copy it as usual."""
     dtype = value.dtype
-    if value.nbytes == 0 or dtype.kind not in "biufc" or dtype != wire_dtype(dtype):
+    nbytes = value.nbytes
+    if nbytes == 0 or dtype.kind not in "biufc" or dtype != wire_dtype(dtype):
         return None
     try:
-        ((prefix, data),) = chunk_pieces(value, is_dead=False, chunk_bytes=value.nbytes)
+        head = _lone_head(dtype, value.shape, nbytes)
     except (RendezvousError, ValueError):
         return None
-    head = _head(prefix, len(data))
-    message = b"".join([head, data])
+    data: Any = value if value.flags.c_contiguous else np.ascontiguousarray(value)
+    message = b"".join([head, memoryview(data)])  # (numpy's stubs declare no buffer)
     flat = np.frombuffer(message, dtype, value.size, len(head))
     out: npt.NDArray[Any] = flat.reshape(value.shape)
+    key = id(out)
+    # Known by the array's identity while it lives: no pointer or byte compared to send it.
+    _PACKED[key] = (weakref.ref(out, lambda _: _PACKED.pop(key, None)), message)
     return out
 
 
-def _head(prefix: bytes, data_bytes: int) -> bytes:
-    """What comes before a lone chunk's data in its series message."""
-    return b"".join([_CHUNKS, encode_varint(len(prefix) + data_bytes), prefix])
+# The messages ``packed_copy`` made, by the id of the array it returned; an entry goes
+# when its array does (its weakref's callback runs before the id can be reused).
+_PACKED: dict[int, tuple[weakref.ref[npt.NDArray[Any]], bytes]] = {}
+
+
+@functools.lru_cache(maxsize=256)
+def _lone_head(dtype: np.dtype[Any], shape: tuple[int, ...], nbytes: int) -> bytes:
+    """What comes before the data of a value of ``dtype`` and ``shape`` (``nbytes`` of
+    data) in the series message that carries it alone, in one chunk."""
+    prefix = whole_prefix(dtype, shape, nbytes)
+    return b"".join([_CHUNKS, encode_varint(len(prefix) + nbytes), prefix])
 
 
 def _packed_message(received: Received, budget: int) -> bytes | None:
     """The message ``packed_copy`` made for ``received``'s value, if it is one and the
     value fits one message of ``budget``; else None."""
     value = received.value
-    base: Any = value.base  # numpy types it as an array; here it may be the bytes
-    owner: Any = base.base if isinstance(base, np.ndarray) else base
-    if received.is_dead or not isinstance(owner, bytes) or not 0 < value.nbytes <= budget:
+    entry = _PACKED.get(id(value))
+    if entry is None or entry[0]() is not value or received.is_dead:
         return None
-    ((prefix, data),) = chunk_pieces(value, is_dead=False, chunk_bytes=budget)
-    head = _head(prefix, len(data))
-    if len(owner) != len(head) + value.nbytes or owner[: len(head)] != head:
-        return None
-    start = np.frombuffer(owner, np.uint8, 1).ctypes.data + len(head)
-    return owner if value.ctypes.data == start and value.flags.c_contiguous else None
+    return entry[1] if value.nbytes <= budget else None
 
 
 def _messages(
-    pieces: list[list[tuple[bytes, memoryview | bytes]]], budget: int
+    pieces: list[bytes | list[tuple[bytes, memoryview | bytes]]], budget: int
 ) -> Iterator[tuple[bytes, int]]:
     parts: list[bytes | memoryview] = []
     size = 0
     completed = 0
     for chunks in pieces:
+        if isinstance(chunks, bytes):  # a packed value's whole message
+            if parts and size + len(chunks) > budget:
+                yield b"".join(parts), completed
+                parts, size, completed = [], 0, 0
+            parts.append(chunks)
+            size += len(chunks)
+            completed += 1
+            continue
         for i, (prefix, data) in enumerate(chunks):
             n = len(prefix) + len(data)
             if parts and size + n > budget:
