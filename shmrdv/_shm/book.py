@@ -7,6 +7,15 @@ not taken yet waits in the stash, ``(key, incarnation, seq) -> value`` per step:
 deliver like a message. The channels with waiters are the keys of one ``WaiterTable``
 (``shmrdv/_waiters.py``), each channel's waiters oldest first.
 
+An idle channel, one that a ring brought message 0 for and that nobody waits on, is no
+``Channel`` yet: ``idle`` names the ring its message came through (its producer and
+incarnation) and ``first`` holds that message until it is taken; the name stays in
+``idle`` once it is (the channel then expects message 1). So draining a record of a new
+key makes no object but its value. Anything else that needs the channel (a receive that
+cannot simply take message 0, a second record of its key, a listing) gets a ``Channel``
+in the same state (``channel``, ``find``: ``_promote``), and from then on the key has no
+idle entry.
+
 The book holds no lock and does no I/O: the parts of the consumer (``inbox``,
 ``liveness``, ``recovery``, ``named``, ``orphans``) read and change it under the
 coordinator's lock (``consumer.py``).
@@ -99,13 +108,25 @@ class Waiter:
 class InRing:
     """A producer's ring for this consumer, attached (its name already unlinked).
 
-    ``watch`` is live while the ring is attached: this consumer will then collect what the
-    producer run leaves when it is over (``pool.RunWatch``)."""
+    ``src`` and ``inc``: its producer and that producer's incarnation. ``watch`` is live
+    while the ring is attached: this consumer will then collect what the producer run
+    leaves when it is over (``pool.RunWatch``)."""
 
-    __slots__ = ("buf", "fd", "inc", "lost", "lost_seen", "ring", "segment", "size", "watch")
+    __slots__ = (
+        "buf",
+        "fd",
+        "inc",
+        "lost",
+        "lost_seen",
+        "ring",
+        "segment",
+        "size",
+        "src",
+        "watch",
+    )
 
-    def __init__(self, segment: Segment, ring: Ring, inc: int) -> None:
-        self.segment, self.ring, self.inc = segment, ring, inc
+    def __init__(self, segment: Segment, ring: Ring, src: Source, inc: int) -> None:
+        self.segment, self.ring, self.src, self.inc = segment, ring, src, inc
         self.buf = ring.buf  # (``Ring.buf``, without its property call per drain)
         # The ring file's descriptor (``Segment.fd``) and size, for the size check before
         # each look at the ring: ``os.lseek(fd, 0, SEEK_END)``, one system call lighter than
@@ -158,6 +179,8 @@ class Book:
 
     __slots__ = (
         "channels",
+        "first",
+        "idle",
         "received",
         "received_bytes",
         "src_by_device",
@@ -172,6 +195,10 @@ class Book:
         self.channels: dict[int, dict[str, Channel]] = {}
         # step -> (key, incarnation, seq) -> what came for it.
         self.stash: dict[int, Stash] = {}
+        # step -> key -> the ring that brought message 0 of an idle channel (no
+        # ``Channel``); step -> key -> that message, until it is taken.
+        self.idle: dict[int, dict[str, InRing]] = {}
+        self.first: dict[int, dict[str, Stashed]] = {}
         self.srcs: dict[str, Source] = {}  # by task name
         self.src_by_device: dict[str, Source] = {}  # by the key's src device, as written
         self.touched: list[Channel] = []  # channels with waiters and new stash entries
@@ -201,8 +228,48 @@ class Book:
             chans = self.channels[step] = {}
         ch = chans.get(key)
         if ch is None:
-            ch = chans[key] = Channel(step, key, src, inc)
+            ch = self._promote(step, key)
+            if ch is None:
+                ch = chans[key] = Channel(step, key, src, inc)
         return ch
+
+    def find(self, step: int, key: str) -> Channel | None:
+        """The channel of (step, key) if it is known (made from its idle entry if need be)."""
+        chans = self.channels.get(step)
+        ch = chans.get(key) if chans is not None else None
+        return ch if ch is not None else self._promote(step, key)
+
+    def _promote(self, step: int, key: str) -> Channel | None:
+        """The ``Channel`` of an idle (step, key), in the state its idle entry stands for
+        (message 0 stashed, or taken), or None if it has none."""
+        idle = self.idle.get(step)
+        r = idle.pop(key, None) if idle is not None else None
+        if r is None:
+            return None
+        ch = Channel(step, key, r.src, r.inc)
+        self.channels.setdefault(step, {})[key] = ch
+        first = self.first.get(step)
+        got = first.pop(key, None) if first is not None else None
+        if got is None:
+            ch.seq = 1  # message 0 was taken
+        else:
+            stash = self.stash.get(step)
+            if stash is None:
+                stash = self.stash[step] = {}
+            stash[(key, r.inc, 0)] = got
+            ch.nready = 1
+        return ch
+
+    def forget_step(self, step: int) -> tuple[Stash | None, dict[str, Stashed] | None]:
+        """Drop the step's channels; returns what nobody received (to let go of after the
+        lock: the stash and the idle channels' messages)."""
+        self.channels.pop(step, None)
+        self.idle.pop(step, None)
+        return self.stash.pop(step, None), self.first.pop(step, None)
+
+    def channel_count(self) -> int:
+        """How many channels are known (idle ones included)."""
+        return sum(len(c) for c in self.channels.values()) + sum(len(c) for c in self.idle.values())
 
     def put(self, ch: Channel, inc: int, seq: int, value: Stashed) -> bool:
         """Stash ``value`` as message (``inc``, ``seq``) of ``ch`` unless one is there already."""

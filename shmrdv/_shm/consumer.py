@@ -132,70 +132,97 @@ class Consumer:
         try:
             if self._closed or self._aborted:
                 self.check_open(step_id)
+            full = key.full_key
             chans = book.channels.get(step_id)
-            ch = chans.get(key.full_key) if chans is not None else None
+            ch = chans.get(full) if chans is not None else None
             if ch is None:
-                ch = book.channel(step_id, key.full_key, book.source(key), key.src_incarnation)
-            if ch.pk is None:
-                ch.pk = key
-                if key.src_incarnation:
-                    ch.inc = key.src_incarnation
-            src = ch.src
-            # ``src.waiting`` holds exactly the channels with waiters (a dict: no call).
-            waiting = ch in src.waiting
-            if ch.nready and not waiting and src.broken is None and ch.inc:
-                # The fast path: a ring brought this very message already (no ring to
-                # look for, nothing to drain first: what follows it stays in its ring).
-                # Written out here: the hot path of a receive whose value is there.
-                stash = book.stash.get(step_id)
-                got = stash.pop((ch.key, ch.inc, ch.seq), None) if stash is not None else None
-                if type(got) is Notice:  # opened by its name, with a lookup (``_first_look``)
-                    stash[(ch.key, ch.inc, ch.seq)] = got  # type: ignore[index]  # not None
-                    got = None
-                if got is not None:
-                    if not stash:
-                        del book.stash[step_id]
-                    ch.nready -= 1
-                    ch.seq += 1
-                    if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
-                        book.received += 1
-                        book.received_bytes += got.nbytes
-                        result = received(got, False)
-                    else:
-                        if type(got) is Received:
+                idle = book.idle.get(step_id)
+                r = idle.get(full) if idle is not None else None
+                if r is not None:
+                    # An idle channel (``book.py``): its message 0 is taken here when it
+                    # is a value for this receive, with no ``Channel`` made (the name
+                    # stays in ``idle``: the channel now expects message 1).
+                    firsts = book.first[step_id]
+                    got = firsts.get(full)
+                    if (
+                        got is not None
+                        and type(got) is not Notice
+                        and r.src.broken is None
+                        and key.src_incarnation in (0, r.inc)
+                    ):
+                        del firsts[full]
+                        if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
                             book.received += 1
-                            book.received_bytes += got.value.nbytes
-                        result = got  # type: ignore[assignment]  # not a Notice (checked)
-            if result is None:
-                if not waiting:
-                    # Whether ``_first_look`` would find nothing: no ring to look for,
-                    # this producer's ring attached and nothing lost (``lost_records``
-                    # written out), nothing stashed, the producer seen alive.
-                    quiet = (
-                        ch.seen_alive
-                        and not ch.nready
-                        and src.look_at == _INF
-                        and src.broken is None
-                        and (ch.inc or src.inc) in src.ring_incs
-                    )
-                    if quiet:
-                        for r in src.rings:
-                            if r.lost != r.lost_seen:
-                                quiet = False
-                                break
-                    if not quiet:
-                        result = self._first_look(ch, src)
+                            book.received_bytes += got.nbytes
+                            result = received(got, False)
+                        else:
+                            if type(got) is Received:
+                                book.received += 1
+                                book.received_bytes += got.value.nbytes
+                            result = got  # type: ignore[assignment]  # not a Notice
                 if result is None:
-                    waiter = Waiter(done, copy, ch, blocking)
-                    if self._waiters.wait(ch, waiter):
-                        src.waiting[ch] = None
-                    if ch.seen_alive:
-                        src.was_alive = True
-                    else:
-                        src.unseen.append(ch)
-                    if not blocking:
-                        self.callback_waiters += 1
-                        first = self.callback_waiters == 1
+                    ch = book.channel(step_id, full, book.source(key), key.src_incarnation)
+            if ch is not None:
+                if ch.pk is None:
+                    ch.pk = key
+                    if key.src_incarnation:
+                        ch.inc = key.src_incarnation
+                src = ch.src
+                # ``src.waiting`` holds exactly the channels with waiters (a dict: no call).
+                waiting = ch in src.waiting
+                if ch.nready and not waiting and src.broken is None and ch.inc:
+                    # The fast path: a ring brought this very message already (no ring to
+                    # look for, nothing to drain first: what follows it stays in its ring).
+                    # Written out here: the hot path of a receive whose value is there.
+                    stash = book.stash.get(step_id)
+                    got = stash.pop((ch.key, ch.inc, ch.seq), None) if stash is not None else None
+                    if type(got) is Notice:  # opened by its name, with a lookup (``_first_look``)
+                        stash[(ch.key, ch.inc, ch.seq)] = got  # type: ignore[index]  # not None
+                        got = None
+                    if got is not None:
+                        if not stash:
+                            del book.stash[step_id]
+                        ch.nready -= 1
+                        ch.seq += 1
+                        if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
+                            book.received += 1
+                            book.received_bytes += got.nbytes
+                            result = received(got, False)
+                        else:
+                            if type(got) is Received:
+                                book.received += 1
+                                book.received_bytes += got.value.nbytes
+                            result = got  # type: ignore[assignment]  # not a Notice (checked)
+                if result is None:
+                    if not waiting:
+                        # Whether ``_first_look`` would find nothing: no ring to look for,
+                        # this producer's ring attached and nothing lost (``lost_records``
+                        # written out), nothing stashed, the producer seen alive.
+                        quiet = (
+                            ch.seen_alive
+                            and not ch.nready
+                            and src.look_at == _INF
+                            and src.broken is None
+                            and (ch.inc or src.inc) in src.ring_incs
+                        )
+                        if quiet:
+                            for r in src.rings:
+                                if r.lost != r.lost_seen:
+                                    quiet = False
+                                    break
+                        if not quiet:
+                            result = self._first_look(ch, src)
+                    if result is None:
+                        waiter = Waiter(done, copy, ch, blocking)
+                        if self._waiters.wait(ch, waiter):
+                            src.waiting[ch] = None
+                        if ch.seen_alive:
+                            src.was_alive = True
+                        else:
+                            src.unseen.append(ch)
+                        if not blocking:
+                            self.callback_waiters += 1
+                            first = self.callback_waiters == 1
         finally:
             lock.release()
         if waiter is not None:
@@ -524,12 +551,11 @@ class Consumer:
         book = self._book
         with self.lock:
             self._inbox.drain_all()
-            book.channels.pop(step_id, None)
+            unreceived = book.forget_step(step_id)
             self._aborted.pop(step_id, None)
             self.refusing = self._closed or bool(self._aborted)
-            stash = book.stash.pop(step_id, None)
         self._orphans.free_unreceived(step_id)
-        del stash
+        del unreceived
 
     def close(self) -> list[Item]:
         """Fail every waiter (returned, to deliver); the caller then calls ``release``."""
@@ -553,6 +579,7 @@ class Consumer:
             self._inbox.release()
             self._named.maps.close()
             self._book.stash.clear()
+            self._book.first.clear()
         for task, inc in over:
             self._collect(task, inc)
 
@@ -571,7 +598,7 @@ class Consumer:
                 "refused_records": self._inbox.refused_records,
                 "pending_keys": len(self._waiters),
                 "pending_receives": self._waiters.pending_waiters,
-                "channels": sum(len(c) for c in book.channels.values()),
+                "channels": book.channel_count(),
                 "rings_in": len(self._inbox.rings),
                 "held": len(named.held),
                 "slots_mapped": len(named.maps),

@@ -79,7 +79,7 @@ class Recovery:
         for step, key, seq, inc, _created, slot in list(self._listed.values()):
             if inc not in incs or self._ctx.cleaned_up(step):
                 continue
-            ch = book.channels.get(step, {}).get(key)
+            ch = book.find(step, key)
             if ch is not None and (ch.inc not in (0, inc) or seq < ch.seq):
                 continue
             if (key, inc, seq) in book.stash.get(step, {}):
