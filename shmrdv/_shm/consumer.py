@@ -133,24 +133,20 @@ class Consumer:
             if self._closed or self._aborted:
                 self.check_open(step_id)
             full = key.full_key
-            chans = book.channels.get(step_id)
-            ch = chans.get(full) if chans is not None else None
-            if ch is None:
-                idle = book.idle.get(step_id)
-                r = idle.get(full) if idle is not None else None
-                if r is not None:
-                    # An idle channel (``book.py``): its message 0 is taken here when it
-                    # is a value for this receive, with no ``Channel`` made (the name
-                    # stays in ``idle``: the channel now expects message 1).
+            idle = book.idle.get(step_id)
+            r = idle.get(full) if idle is not None else None
+            if r is not None:
+                # An idle channel (``book.py``): its message 0 is taken here if it is a
+                # value for this receive, with no ``Channel`` made (the name stays in
+                # ``idle``: the channel now expects message 1); else it gets its channel.
+                pinned = key.src_incarnation
+                if r.src.broken is None and (not pinned or pinned == r.inc):
                     firsts = book.first[step_id]
-                    got = firsts.get(full)
-                    if (
-                        got is not None
-                        and type(got) is not Notice
-                        and r.src.broken is None
-                        and key.src_incarnation in (0, r.inc)
-                    ):
-                        del firsts[full]
+                    got = firsts.pop(full, None)
+                    if type(got) is Notice:  # opened by its name (``_first_look``)
+                        firsts[full] = got
+                        got = None
+                    if got is not None:
                         if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
                             book.received += 1
                             book.received_bytes += got.nbytes
@@ -160,7 +156,13 @@ class Consumer:
                                 book.received += 1
                                 book.received_bytes += got.value.nbytes
                             result = got  # type: ignore[assignment]  # not a Notice
+                ch = None
                 if result is None:
+                    ch = book.channel(step_id, full, book.source(key), pinned)
+            else:
+                chans = book.channels.get(step_id)
+                ch = chans.get(full) if chans is not None else None
+                if ch is None:
                     ch = book.channel(step_id, full, book.source(key), key.src_incarnation)
             if ch is not None:
                 if ch.pk is None:
