@@ -8,13 +8,13 @@ deliver like a message. The channels with waiters are the keys of one ``WaiterTa
 (``shmrdv/_waiters.py``), each channel's waiters oldest first.
 
 An idle channel, one that a ring brought message 0 for and that nobody waits on, is no
-``Channel`` yet: ``idle`` names the ring its message came through (its producer and
-incarnation) and ``first`` holds that message until it is taken; the name stays in
-``idle`` once it is (the channel then expects message 1). So draining a record of a new
-key makes no object but its value. Anything else that needs the channel (a receive that
-cannot simply take message 0, a second record of its key, a listing) gets a ``Channel``
-in the same state (``channel``, ``find``: ``_promote``), and from then on the key has no
-idle entry.
+``Channel`` yet: its place in the step's table of channels holds the ``InRing`` that
+message came through (its producer and incarnation), and ``first`` holds the message
+until it is taken; the ring stays in the table once it is (the channel then expects
+message 1). So draining a record of a new key makes no object but its value. Anything
+else that needs the channel (a receive that cannot simply take message 0, a second
+record of its key, a listing) gets a ``Channel`` in the state the idle entry stands for
+(``channel``, ``find``: ``promote``).
 
 The book holds no lock and does no I/O: the parts of the consumer (``inbox``,
 ``liveness``, ``recovery``, ``named``, ``orphans``) read and change it under the
@@ -180,7 +180,6 @@ class Book:
     __slots__ = (
         "channels",
         "first",
-        "idle",
         "received",
         "received_bytes",
         "src_by_device",
@@ -191,13 +190,12 @@ class Book:
     )
 
     def __init__(self) -> None:
-        # step -> key -> channel; a step's table goes in one piece at cleanup.
-        self.channels: dict[int, dict[str, Channel]] = {}
+        # step -> key -> channel, or the ring of an idle channel's message 0; a step's
+        # table goes in one piece at cleanup.
+        self.channels: dict[int, dict[str, Channel | InRing]] = {}
         # step -> (key, incarnation, seq) -> what came for it.
         self.stash: dict[int, Stash] = {}
-        # step -> key -> the ring that brought message 0 of an idle channel (no
-        # ``Channel``); step -> key -> that message, until it is taken.
-        self.idle: dict[int, dict[str, InRing]] = {}
+        # step -> key -> message 0 of an idle channel, until it is taken.
         self.first: dict[int, dict[str, Stashed]] = {}
         self.srcs: dict[str, Source] = {}  # by task name
         self.src_by_device: dict[str, Source] = {}  # by the key's src device, as written
@@ -228,26 +226,24 @@ class Book:
             chans = self.channels[step] = {}
         ch = chans.get(key)
         if ch is None:
-            ch = self._promote(step, key)
-            if ch is None:
-                ch = chans[key] = Channel(step, key, src, inc)
-        return ch
+            ch = chans[key] = Channel(step, key, src, inc)
+            return ch
+        if type(ch) is InRing:
+            return self.promote(step, key, ch)
+        return ch  # type: ignore[return-value]  # not an InRing: a Channel
 
     def find(self, step: int, key: str) -> Channel | None:
         """The channel of (step, key) if it is known (made from its idle entry if need be)."""
         chans = self.channels.get(step)
         ch = chans.get(key) if chans is not None else None
-        return ch if ch is not None else self._promote(step, key)
+        if type(ch) is InRing:
+            return self.promote(step, key, ch)
+        return ch  # type: ignore[return-value]  # not an InRing: a Channel or None
 
-    def _promote(self, step: int, key: str) -> Channel | None:
-        """The ``Channel`` of an idle (step, key), in the state its idle entry stands for
-        (message 0 stashed, or taken), or None if it has none."""
-        idle = self.idle.get(step)
-        r = idle.pop(key, None) if idle is not None else None
-        if r is None:
-            return None
-        ch = Channel(step, key, r.src, r.inc)
-        self.channels.setdefault(step, {})[key] = ch
+    def promote(self, step: int, key: str, r: InRing) -> Channel:
+        """The ``Channel`` of the idle (step, key) whose message 0 came through ``r``, in the
+        state its idle entry stands for: that message stashed, or taken."""
+        ch = self.channels[step][key] = Channel(step, key, r.src, r.inc)
         first = self.first.get(step)
         got = first.pop(key, None) if first is not None else None
         if got is None:
@@ -264,12 +260,7 @@ class Book:
         """Drop the step's channels; returns what nobody received (to let go of after the
         lock: the stash and the idle channels' messages)."""
         self.channels.pop(step, None)
-        self.idle.pop(step, None)
         return self.stash.pop(step, None), self.first.pop(step, None)
-
-    def channel_count(self) -> int:
-        """How many channels are known (idle ones included)."""
-        return sum(len(c) for c in self.channels.values()) + sum(len(c) for c in self.idle.values())
 
     def put(self, ch: Channel, inc: int, seq: int, value: Stashed) -> bool:
         """Stash ``value`` as message (``inc``, ``seq``) of ``ch`` unless one is there already."""

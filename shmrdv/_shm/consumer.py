@@ -34,7 +34,7 @@ from .._received import Received, received
 from .._rendezvous import Canceller
 from .._transport import TransportContext
 from . import reaper
-from .book import Book, Channel, Notice, Source, Stashed, Waiter
+from .book import Book, Channel, InRing, Notice, Source, Stashed, Waiter
 from .delivery import Item, deliver_one
 from .inbox import Inbox
 from .liveness import Liveness
@@ -136,14 +136,16 @@ class Consumer:
             if self._closed or self._aborted:
                 self.check_open(step_id)
             full = key.full_key
-            idle = book.idle.get(step_id)
-            r = idle.get(full) if idle is not None else None
-            if r is not None:
+            chans = book.channels.get(step_id)
+            known = chans.get(full) if chans is not None else None
+            if known is None:
+                ch = book.channel(step_id, full, book.source(key), key.src_incarnation)
+            elif type(known) is InRing:
                 # An idle channel (``book.py``): its message 0 is taken here if it is a
-                # value for this receive, with no ``Channel`` made (the name stays in
-                # ``idle``: the channel now expects message 1); else it gets its channel.
+                # value for this receive, with no ``Channel`` made (the ring stays in its
+                # place: the channel now expects message 1); else it gets its channel.
                 pinned = key.src_incarnation
-                if r.src.broken is None and (not pinned or pinned == r.inc):
+                if known.src.broken is None and (not pinned or pinned == known.inc):
                     firsts = book.first[step_id]
                     got = firsts.pop(full, None)
                     if type(got) is Notice:  # opened by its name (``_first_look``)
@@ -161,12 +163,9 @@ class Consumer:
                             result = got  # type: ignore[assignment]  # not a Notice
                 ch = None
                 if result is None:
-                    ch = book.channel(step_id, full, book.source(key), pinned)
+                    ch = book.promote(step_id, full, known)
             else:
-                chans = book.channels.get(step_id)
-                ch = chans.get(full) if chans is not None else None
-                if ch is None:
-                    ch = book.channel(step_id, full, book.source(key), key.src_incarnation)
+                ch = known  # type: ignore[assignment]  # not an InRing: a Channel
             if ch is not None:
                 if ch.pk is None:
                     ch.pk = key
@@ -494,7 +493,6 @@ class Consumer:
             self._named.maps.close()
             self._book.stash.clear()
             self._book.first.clear()
-            self._book.idle.clear()
         for task, inc in over:
             self._collect(task, inc)
 
@@ -513,7 +511,7 @@ class Consumer:
                 "refused_records": self._inbox.refused_records,
                 "pending_keys": len(self._waiters),
                 "pending_receives": self._waiters.pending_waiters,
-                "channels": book.channel_count(),
+                "channels": sum(len(c) for c in book.channels.values()),
                 "rings_in": len(self._inbox.rings),
                 "held": len(named.held),
                 "slots_mapped": len(named.maps),

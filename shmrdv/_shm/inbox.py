@@ -270,20 +270,20 @@ class Inbox:
         the header check and one array copied out of the ring, stashed bare (``Stashed``:
         nothing the garbage collector tracks is kept per pending record). Message 0 of a
         key new to the step makes no ``Channel``: it waits in ``Book.first``, its channel
-        idle (``Book.idle``), until something needs the channel (``book.py``).
+        idle (the ring in its place), until something needs the channel (``book.py``).
         """
         header = self._headers.record
         book = self._book
         src, inc, buf = r.src, r.inc, r.buf
         channels, stashes, touched = book.channels, book.stash, book.touched
-        idles, firsts = book.idle, book.first
+        firsts = book.first
         last_step = -1
         dropped = False
-        chans: dict[str, Channel] = {}
-        idle: dict[str, InRing] = {}
-        first: dict[str, Stashed] = {}
+        chans: dict[str, Channel | InRing] = {}
+        first: dict[str, Stashed] | None = None
         stash: Stash | None = None
         value: Stashed
+        ch: Channel
         for at, end in records:  # each record is ``buf[at:end]``
             try:
                 # ``unpack_fields`` (or the cache of its verdicts) applies ``shape_problem``.
@@ -309,30 +309,30 @@ class Inbox:
                 else:
                     value = received(np.empty(shape, dtype), bool(flags & 1))
             if step != last_step:
-                last_step, stash = step, None
+                last_step, stash, first = step, None, None
                 dropped = self._cleaned_up(step)
                 if not dropped:
                     got = channels.get(step)
                     chans = channels[step] = {} if got is None else got
-                    got_idle = idles.get(step)
-                    idle = idles[step] = {} if got_idle is None else got_idle
-                    got_first = firsts.get(step)
-                    first = firsts[step] = {} if got_first is None else got_first
             if dropped:
                 if notice:  # a late send of a step this worker already cleaned up: free it
                     self._free_named(src.task, step, key, inc, seq, slot)
                 continue
-            ch = chans.get(key)
-            if ch is None:
-                if key not in idle:
-                    if not seq:  # message 0 of a new key: its channel stays idle
-                        idle[key] = r
-                        first[key] = value
-                        continue
-                    ch = chans[key] = Channel(step, key, src, inc)
-                else:  # another record of an idle channel's key: it needs its ``Channel``
-                    ch = book.find(step, key)
-                    assert ch is not None
+            known = chans.get(key)
+            if known is None:
+                if not seq:  # message 0 of a new key: its channel stays idle
+                    chans[key] = r
+                    if first is None:
+                        first = firsts.get(step)
+                        if first is None:
+                            first = firsts[step] = {}
+                    first[key] = value
+                    continue
+                ch = chans[key] = Channel(step, key, src, inc)
+            elif type(known) is InRing:  # another record of an idle channel's key
+                ch = book.promote(step, key, known)
+            else:
+                ch = known  # type: ignore[assignment]  # not an InRing: a Channel
             if ch.inc == inc and seq < ch.seq:
                 continue  # already taken by its name
             if stash is None:

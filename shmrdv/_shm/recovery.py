@@ -106,7 +106,9 @@ class Recovery:
         for step, key, seq, inc, _created, _slot in list(self._listed.values()):
             chans = book.channels.get(step)
             ch = chans.get(key) if chans is not None else None
-            if ch is None or ch.src is not src or ch not in book.waiters or ch.seq != seq:
+            if type(ch) is not Channel:  # none, or idle (no waiters)
+                continue
+            if ch.src is not src or ch not in book.waiters or ch.seq != seq:
                 continue
             if ch.inc not in (0, inc):
                 continue
