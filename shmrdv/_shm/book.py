@@ -7,6 +7,15 @@ not taken yet waits in the stash, ``(key, incarnation, seq) -> value`` per step:
 deliver like a message. The channels with waiters are the keys of one ``WaiterTable``
 (``shmrdv/_waiters.py``), each channel's waiters oldest first.
 
+An idle channel, one that a ring brought message 0 for and that nobody waits on, is no
+``Channel`` yet: its place in the step's table of channels holds the ``InRing`` that
+message came through (its producer and incarnation), and ``first`` holds the message
+until it is taken; the ring stays in the table once it is (the channel then expects
+message 1). So draining a record of a new key makes no object but its value. Anything
+else that needs the channel (a receive that cannot simply take message 0, a second
+record of its key, a listing) gets a ``Channel`` in the state the idle entry stands for
+(``channel``, ``find``: ``promote``).
+
 The book holds no lock and does no I/O: the parts of the consumer (``inbox``,
 ``liveness``, ``recovery``, ``named``, ``orphans``) read and change it under the
 coordinator's lock (``consumer.py``).
@@ -99,13 +108,25 @@ class Waiter:
 class InRing:
     """A producer's ring for this consumer, attached (its name already unlinked).
 
-    ``watch`` is live while the ring is attached: this consumer will then collect what the
-    producer run leaves when it is over (``pool.RunWatch``)."""
+    ``src`` and ``inc``: its producer and that producer's incarnation. ``watch`` is live
+    while the ring is attached: this consumer will then collect what the producer run
+    leaves when it is over (``pool.RunWatch``)."""
 
-    __slots__ = ("buf", "fd", "inc", "lost", "lost_seen", "ring", "segment", "size", "watch")
+    __slots__ = (
+        "buf",
+        "fd",
+        "inc",
+        "lost",
+        "lost_seen",
+        "ring",
+        "segment",
+        "size",
+        "src",
+        "watch",
+    )
 
-    def __init__(self, segment: Segment, ring: Ring, inc: int) -> None:
-        self.segment, self.ring, self.inc = segment, ring, inc
+    def __init__(self, segment: Segment, ring: Ring, src: Source, inc: int) -> None:
+        self.segment, self.ring, self.src, self.inc = segment, ring, src, inc
         self.buf = ring.buf  # (``Ring.buf``, without its property call per drain)
         # The ring file's descriptor (``Segment.fd``) and size, for the size check before
         # each look at the ring: ``os.lseek(fd, 0, SEEK_END)``, one system call lighter than
@@ -158,6 +179,7 @@ class Book:
 
     __slots__ = (
         "channels",
+        "first",
         "received",
         "received_bytes",
         "src_by_device",
@@ -168,10 +190,13 @@ class Book:
     )
 
     def __init__(self) -> None:
-        # step -> key -> channel; a step's table goes in one piece at cleanup.
-        self.channels: dict[int, dict[str, Channel]] = {}
+        # step -> key -> channel, or the ring of an idle channel's message 0; a step's
+        # table goes in one piece at cleanup.
+        self.channels: dict[int, dict[str, Channel | InRing]] = {}
         # step -> (key, incarnation, seq) -> what came for it.
         self.stash: dict[int, Stash] = {}
+        # step -> key -> message 0 of an idle channel, until it is taken.
+        self.first: dict[int, dict[str, Stashed]] = {}
         self.srcs: dict[str, Source] = {}  # by task name
         self.src_by_device: dict[str, Source] = {}  # by the key's src device, as written
         self.touched: list[Channel] = []  # channels with waiters and new stash entries
@@ -202,7 +227,40 @@ class Book:
         ch = chans.get(key)
         if ch is None:
             ch = chans[key] = Channel(step, key, src, inc)
+            return ch
+        if type(ch) is InRing:
+            return self.promote(step, key, ch)
+        return ch  # type: ignore[return-value]  # not an InRing: a Channel
+
+    def find(self, step: int, key: str) -> Channel | None:
+        """The channel of (step, key) if it is known (made from its idle entry if need be)."""
+        chans = self.channels.get(step)
+        ch = chans.get(key) if chans is not None else None
+        if type(ch) is InRing:
+            return self.promote(step, key, ch)
+        return ch  # type: ignore[return-value]  # not an InRing: a Channel or None
+
+    def promote(self, step: int, key: str, r: InRing) -> Channel:
+        """The ``Channel`` of the idle (step, key) whose message 0 came through ``r``, in the
+        state its idle entry stands for: that message stashed, or taken."""
+        ch = self.channels[step][key] = Channel(step, key, r.src, r.inc)
+        first = self.first.get(step)
+        got = first.pop(key, None) if first is not None else None
+        if got is None:
+            ch.seq = 1  # message 0 was taken
+        else:
+            stash = self.stash.get(step)
+            if stash is None:
+                stash = self.stash[step] = {}
+            stash[(key, r.inc, 0)] = got
+            ch.nready = 1
         return ch
+
+    def forget_step(self, step: int) -> tuple[Stash | None, dict[str, Stashed] | None]:
+        """Drop the step's channels; returns what nobody received (to let go of after the
+        lock: the stash and the idle channels' messages)."""
+        self.channels.pop(step, None)
+        return self.stash.pop(step, None), self.first.pop(step, None)
 
     def put(self, ch: Channel, inc: int, seq: int, value: Stashed) -> bool:
         """Stash ``value`` as message (``inc``, ``seq``) of ``ch`` unless one is there already."""

@@ -1,9 +1,9 @@
 """The receiving half of the same-host transport: the coordinator of its parts.
 
 Each (step, key) is a channel with the next sequence number it expects (``book.py``). A
-receive takes that message from the channel's stash, where the rings put what arrived
-(``inbox.py``), or opens it by its name (``named.py``) when its producer has no ring (not
-x86-64, or it could not make one); else it queues a waiter. The scan, run by whoever
+receive takes that message (``take.py``) from the channel's stash, where the rings put what
+arrived (``inbox.py``), or opens it by its name (``named.py``) when its producer has no
+ring (not x86-64, or it could not make one); else it queues a waiter. The scan, run by whoever
 polls the doorbell (``dispatcher.py``), drains the rings and serves the channels they
 brought something for; once per tick it also checks the producers that have waiters
 (``liveness.py``) and looks for messages a ring cannot show (``recovery.py``: a full ring
@@ -28,13 +28,13 @@ from collections.abc import Callable
 from numpy import ndarray
 
 from .._callbacks import DoneCallback, invoke_done
-from .._errors import InternalError, closed_error
+from .._errors import closed_error
 from .._keys import ParsedKey
 from .._received import Received, received
 from .._rendezvous import Canceller
 from .._transport import TransportContext
 from . import reaper
-from .book import Book, Channel, Notice, Source, Stashed, Waiter
+from .book import Book, Channel, InRing, Notice, Source, Stashed, Waiter
 from .delivery import Item, deliver_one
 from .inbox import Inbox
 from .liveness import Liveness
@@ -42,6 +42,7 @@ from .named import NamedMessages
 from .naming import Names
 from .orphans import Orphans
 from .recovery import Recovery
+from .take import Taker
 
 __all__ = ["TICK", "Consumer"]
 
@@ -82,6 +83,8 @@ class Consumer:
         self._inbox = Inbox(ctx, names, book, self._free_named, TICK)
         self._recovery = Recovery(ctx, names, book, self._inbox, TICK)
         self._orphans = Orphans(ctx, names, self._recovery.listing, self._live.producer_alive)
+        #: ``Taker.take``: the channel's next message, if it is there.
+        self._take = Taker(book, self._inbox, self._recovery, self._named).take
         #: A lock-free look at the rings' heads (what the dispatcher's spin calls).
         self.arrived = self._inbox.arrived
         #: A lock-free size check of the rings (before a spin reads their heads).
@@ -132,70 +135,98 @@ class Consumer:
         try:
             if self._closed or self._aborted:
                 self.check_open(step_id)
+            full = key.full_key
             chans = book.channels.get(step_id)
-            ch = chans.get(key.full_key) if chans is not None else None
-            if ch is None:
-                ch = book.channel(step_id, key.full_key, book.source(key), key.src_incarnation)
-            if ch.pk is None:
-                ch.pk = key
-                if key.src_incarnation:
-                    ch.inc = key.src_incarnation
-            src = ch.src
-            # ``src.waiting`` holds exactly the channels with waiters (a dict: no call).
-            waiting = ch in src.waiting
-            if ch.nready and not waiting and src.broken is None and ch.inc:
-                # The fast path: a ring brought this very message already (no ring to
-                # look for, nothing to drain first: what follows it stays in its ring).
-                # Written out here: the hot path of a receive whose value is there.
-                stash = book.stash.get(step_id)
-                got = stash.pop((ch.key, ch.inc, ch.seq), None) if stash is not None else None
-                if type(got) is Notice:  # opened by its name, with a lookup (``_first_look``)
-                    stash[(ch.key, ch.inc, ch.seq)] = got  # type: ignore[index]  # not None
-                    got = None
-                if got is not None:
-                    if not stash:
-                        del book.stash[step_id]
-                    ch.nready -= 1
-                    ch.seq += 1
-                    if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
-                        book.received += 1
-                        book.received_bytes += got.nbytes
-                        result = received(got, False)
-                    else:
-                        if type(got) is Received:
+            known = chans.get(full) if chans is not None else None
+            if known is None:
+                ch = book.channel(step_id, full, book.source(key), key.src_incarnation)
+            elif type(known) is InRing:
+                # An idle channel (``book.py``): its message 0 is taken here if it is a
+                # value for this receive, with no ``Channel`` made (the ring stays in its
+                # place: the channel now expects message 1); else it gets its channel.
+                pinned = key.src_incarnation
+                if known.src.broken is None and (not pinned or pinned == known.inc):
+                    firsts = book.first[step_id]
+                    got = firsts.pop(full, None)
+                    if type(got) is Notice:  # opened by its name (``_first_look``)
+                        firsts[full] = got
+                        got = None
+                    if got is not None:
+                        if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
                             book.received += 1
-                            book.received_bytes += got.value.nbytes
-                        result = got  # type: ignore[assignment]  # not a Notice (checked)
-            if result is None:
-                if not waiting:
-                    # Whether ``_first_look`` would find nothing: no ring to look for,
-                    # this producer's ring attached and nothing lost (``lost_records``
-                    # written out), nothing stashed, the producer seen alive.
-                    quiet = (
-                        ch.seen_alive
-                        and not ch.nready
-                        and src.look_at == _INF
-                        and src.broken is None
-                        and (ch.inc or src.inc) in src.ring_incs
-                    )
-                    if quiet:
-                        for r in src.rings:
-                            if r.lost != r.lost_seen:
-                                quiet = False
-                                break
-                    if not quiet:
-                        result = self._first_look(ch, src)
+                            book.received_bytes += got.nbytes
+                            result = received(got, False)
+                        else:
+                            if type(got) is Received:
+                                book.received += 1
+                                book.received_bytes += got.value.nbytes
+                            result = got  # type: ignore[assignment]  # not a Notice
+                ch = None
                 if result is None:
-                    waiter = Waiter(done, copy, ch, blocking)
-                    if self._waiters.wait(ch, waiter):
-                        src.waiting[ch] = None
-                    if ch.seen_alive:
-                        src.was_alive = True
-                    else:
-                        src.unseen.append(ch)
-                    if not blocking:
-                        self.callback_waiters += 1
-                        first = self.callback_waiters == 1
+                    ch = book.promote(step_id, full, known)
+            else:
+                ch = known  # type: ignore[assignment]  # not an InRing: a Channel
+            if ch is not None:
+                if ch.pk is None:
+                    ch.pk = key
+                    if key.src_incarnation:
+                        ch.inc = key.src_incarnation
+                src = ch.src
+                # ``src.waiting`` holds exactly the channels with waiters (a dict: no call).
+                waiting = ch in src.waiting
+                if ch.nready and not waiting and src.broken is None and ch.inc:
+                    # The fast path: a ring brought this very message already (no ring to
+                    # look for, nothing to drain first: what follows it stays in its ring).
+                    # Written out here: the hot path of a receive whose value is there.
+                    stash = book.stash.get(step_id)
+                    got = stash.pop((ch.key, ch.inc, ch.seq), None) if stash is not None else None
+                    if type(got) is Notice:  # opened by its name, with a lookup (``_first_look``)
+                        stash[(ch.key, ch.inc, ch.seq)] = got  # type: ignore[index]  # not None
+                        got = None
+                    if got is not None:
+                        if not stash:
+                            del book.stash[step_id]
+                        ch.nready -= 1
+                        ch.seq += 1
+                        if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
+                            book.received += 1
+                            book.received_bytes += got.nbytes
+                            result = received(got, False)
+                        else:
+                            if type(got) is Received:
+                                book.received += 1
+                                book.received_bytes += got.value.nbytes
+                            result = got  # type: ignore[assignment]  # not a Notice (checked)
+                if result is None:
+                    if not waiting:
+                        # Whether ``_first_look`` would find nothing: no ring to look for,
+                        # this producer's ring attached and nothing lost (``lost_records``
+                        # written out), nothing stashed, the producer seen alive.
+                        quiet = (
+                            ch.seen_alive
+                            and not ch.nready
+                            and src.look_at == _INF
+                            and src.broken is None
+                            and (ch.inc or src.inc) in src.ring_incs
+                        )
+                        if quiet:
+                            for r in src.rings:
+                                if r.lost != r.lost_seen:
+                                    quiet = False
+                                    break
+                        if not quiet:
+                            result = self._first_look(ch, src)
+                    if result is None:
+                        waiter = Waiter(done, copy, ch, blocking)
+                        if self._waiters.wait(ch, waiter):
+                            src.waiting[ch] = None
+                        if ch.seen_alive:
+                            src.was_alive = True
+                        else:
+                            src.unseen.append(ch)
+                        if not blocking:
+                            self.callback_waiters += 1
+                            first = self.callback_waiters == 1
         finally:
             lock.release()
         if waiter is not None:
@@ -222,7 +253,7 @@ class Consumer:
             inbox.look_for_old_ring(src, ch.inc)
         # Rings are drained by whoever polls (``scan``), right after checking their size
         # (reading a truncated ring's words would be a SIGBUS); a take that would skip a
-        # sequence number drains them first (``_take``).
+        # sequence number drains them first (``Taker.take``).
         result = self._take(ch, (ch.inc or src.inc) not in src.ring_incs)  # (``_probe``)
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None
@@ -292,97 +323,6 @@ class Consumer:
         for ch in chans:
             self._unwait(ch)
         return items
-
-    # -- taking a message ---------------------------------------------------------------
-
-    def _take(
-        self, ch: Channel, probe: bool, drained: bool = False
-    ) -> Received | BaseException | None:
-        """The channel's next message, if it is there (under the lock).
-
-        From the stash when a ring brought it; by its name when ``probe`` (a producer
-        without a ring), when its ring lost records, or when the stash holds later
-        messages but not this one (a sequence number the producer skipped). None: not
-        there yet.
-        """
-        book = self._book
-        if ch.nready and ch.inc:
-            # The common case written out (a ring brought it; ``_taken`` of a live value):
-            # the poll of every waiting receive takes its value here.
-            stash = book.stash.get(ch.step)
-            if stash is not None:
-                got = stash.pop((ch.key, ch.inc, ch.seq), None)
-                if got is not None:
-                    ch.nready -= 1
-                    if not stash:
-                        del book.stash[ch.step]
-                    if type(got) is not ndarray:
-                        return self._taken(ch, got)
-                    ch.seq += 1
-                    book.received += 1
-                    book.received_bytes += got.nbytes
-                    return received(got, False)
-        if not ch.nready:
-            lost = self._inbox.lost_records(ch.src)
-            if not (probe or lost):
-                return None
-            if lost:
-                self._recovery.recover(ch.src)
-            if not ch.nready and not ch.inc:
-                self._recovery.resolve_incarnation(ch)  # may attach a gone producer's ring
-            if not ch.nready:
-                return self._named.take(ch) if ch.inc else None
-        stash = book.stash.get(ch.step)
-        got = None
-        if stash is not None:
-            if not ch.inc:
-                book.adopt_incarnation(ch)
-            got = stash.pop((ch.key, ch.inc, ch.seq), None)
-        if got is not None:
-            ch.nready -= 1
-            if not stash:
-                del book.stash[ch.step]
-            return self._taken(ch, got)
-        # Later messages are here but not this one. Its record may still be in the ring: a
-        # listing (recovery) stashed the notice of a later message published by name while
-        # this one went inline. Records are appended in sequence, so draining now brings it
-        # (checked first: SIGBUS); skipping before that lost messages.
-        if not drained:
-            self._inbox.drain_all()
-            return self._take(ch, probe, drained=True)
-        # Was it published without a record?
-        found = self._named.take(ch)
-        if found is not None:
-            return found
-        if self._recovery.recover(ch.src):
-            return self._take(ch, probe)
-        nxt = book.next_stashed(ch)
-        if nxt is None:
-            ch.nready = 0  # what was counted is gone (another incarnation's, or stale)
-            return None
-        _log.debug("message %d of %r never came; skipping to %d", ch.seq, ch.key, nxt)
-        ch.seq = nxt
-        return self._take(ch, probe)
-
-    def _taken(self, ch: Channel, got: Stashed) -> Received | BaseException:
-        if type(got) is Notice:
-            named = self._named.take(ch, got)
-            if named is not None:
-                return named
-            ch.seq += 1
-            return InternalError(
-                f"message {ch.seq - 1} of key {ch.key!r} from {ch.src.task} was announced but "
-                "its segment is gone"
-            )
-        ch.seq += 1
-        if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
-            book = self._book  # ``book.count`` written out, as in ``start``: every message
-            book.received += 1
-            book.received_bytes += got.nbytes
-            return received(got, False)
-        if isinstance(got, Received):
-            self._book.count(got.value.nbytes)
-        return got  # type: ignore[return-value]  # an error to deliver
 
     # -- the scan (run by whoever polls the doorbell) ---------------------------------
 
@@ -524,12 +464,11 @@ class Consumer:
         book = self._book
         with self.lock:
             self._inbox.drain_all()
-            book.channels.pop(step_id, None)
+            unreceived = book.forget_step(step_id)
             self._aborted.pop(step_id, None)
             self.refusing = self._closed or bool(self._aborted)
-            stash = book.stash.pop(step_id, None)
         self._orphans.free_unreceived(step_id)
-        del stash
+        del unreceived
 
     def close(self) -> list[Item]:
         """Fail every waiter (returned, to deliver); the caller then calls ``release``."""
@@ -553,6 +492,7 @@ class Consumer:
             self._inbox.release()
             self._named.maps.close()
             self._book.stash.clear()
+            self._book.first.clear()
         for task, inc in over:
             self._collect(task, inc)
 

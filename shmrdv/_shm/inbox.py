@@ -147,7 +147,7 @@ class Inbox:
         src = self._book.source_named(owner[0])
         if not src.inc:
             src.inc = owner[1]
-        r = InRing(seg, ring, owner[1])
+        r = InRing(seg, ring, src, owner[1])
         src.rings.append(r)
         src.ring_incs.add(owner[1])
         self.rings.append((src, r))
@@ -192,7 +192,7 @@ class Inbox:
             ring = r.ring
             r.lost = ring.lost()
             try:
-                self._take_records(src, r.inc, r.buf, ring.take_spans())
+                self._take_records(r, ring.take_spans())
             except RendezvousError as e:
                 _log.warning("ring from %s: %s", src.task, e)
 
@@ -222,7 +222,7 @@ class Inbox:
         ring = r.ring
         r.lost = ring.lost()
         try:
-            self._take_records(src, r.inc, r.buf, ring.take_spans())
+            self._take_records(r, ring.take_spans())
         except RendezvousError as e:
             _log.warning("ring from %s: %s", src.task, e)
 
@@ -255,10 +255,9 @@ class Inbox:
         else:
             src.broken = error
 
-    def _take_records(
-        self, src: Source, inc: int, buf: memoryview, records: Iterator[tuple[int, int]]
-    ) -> None:
-        """Each ring record to its channel's stash, its channel touched if it has waiters.
+    def _take_records(self, r: InRing, records: Iterator[tuple[int, int]]) -> None:
+        """Each record of ring ``r`` to its channel's stash, its channel touched if it has
+        waiters.
 
         A ring record is the producer's bytes: its header gets ``unpack``'s checks (through
         ``HeaderCache``) and the shared element-count rule (``shape_problem``). A record
@@ -269,17 +268,22 @@ class Inbox:
         one record to the next (the step's channels and stash, whether the step was
         cleaned up) is looked up once per run of records of one step; per record there is
         the header check and one array copied out of the ring, stashed bare (``Stashed``:
-        nothing the garbage collector tracks is kept per pending record but its stash key,
-        and its channel when the key is new).
+        nothing the garbage collector tracks is kept per pending record). Message 0 of a
+        key new to the step makes no ``Channel``: it waits in ``Book.first``, its channel
+        idle (the ring in its place), until something needs the channel (``book.py``).
         """
         header = self._headers.record
         book = self._book
+        src, inc, buf = r.src, r.inc, r.buf
         channels, stashes, touched = book.channels, book.stash, book.touched
+        firsts = book.first
         last_step = -1
         dropped = False
-        chans: dict[str, Channel] = {}
+        chans: dict[str, Channel | InRing] = {}
+        first: dict[str, Stashed] | None = None
         stash: Stash | None = None
         value: Stashed
+        ch: Channel
         for at, end in records:  # each record is ``buf[at:end]``
             try:
                 # ``unpack_fields`` (or the cache of its verdicts) applies ``shape_problem``.
@@ -305,7 +309,7 @@ class Inbox:
                 else:
                     value = received(np.empty(shape, dtype), bool(flags & 1))
             if step != last_step:
-                last_step, stash = step, None
+                last_step, stash, first = step, None, None
                 dropped = self._cleaned_up(step)
                 if not dropped:
                     got = channels.get(step)
@@ -314,21 +318,31 @@ class Inbox:
                 if notice:  # a late send of a step this worker already cleaned up: free it
                     self._free_named(src.task, step, key, inc, seq, slot)
                 continue
-            ch = chans.get(key)
-            if ch is not None and ch.inc == inc and seq < ch.seq:
+            known = chans.get(key)
+            if known is None:
+                if not seq:  # message 0 of a new key: its channel stays idle
+                    chans[key] = r
+                    if first is None:
+                        first = firsts.get(step)
+                        if first is None:
+                            first = firsts[step] = {}
+                    first[key] = value
+                    continue
+                ch = chans[key] = Channel(step, key, src, inc)
+            elif type(known) is InRing:  # another record of an idle channel's key
+                ch = book.promote(step, key, known)
+            else:
+                ch = known  # type: ignore[assignment]  # not an InRing: a Channel
+            if ch.inc == inc and seq < ch.seq:
                 continue  # already taken by its name
             if stash is None:
                 stash = stashes.get(step)
                 if stash is None:
                     stash = stashes[step] = {}
             stash[(key, inc, seq)] = value
-            if ch is None:  # a new channel: nobody waits on it yet
-                ch = chans[key] = Channel(step, key, src, inc)
-                ch.nready = 1
-            else:
-                ch.nready += 1
-                if ch in ch.src.waiting:  # it has waiters
-                    touched.append(ch)
+            ch.nready += 1
+            if ch in ch.src.waiting:  # it has waiters
+                touched.append(ch)
 
     def _refused(
         self, src: Source, payload: memoryview, e: RendezvousError

@@ -79,7 +79,7 @@ class Recovery:
         for step, key, seq, inc, _created, slot in list(self._listed.values()):
             if inc not in incs or self._ctx.cleaned_up(step):
                 continue
-            ch = book.channels.get(step, {}).get(key)
+            ch = book.find(step, key)
             if ch is not None and (ch.inc not in (0, inc) or seq < ch.seq):
                 continue
             if (key, inc, seq) in book.stash.get(step, {}):
@@ -106,7 +106,9 @@ class Recovery:
         for step, key, seq, inc, _created, _slot in list(self._listed.values()):
             chans = book.channels.get(step)
             ch = chans.get(key) if chans is not None else None
-            if ch is None or ch.src is not src or ch not in book.waiters or ch.seq != seq:
+            if type(ch) is not Channel:  # none, or idle (no waiters)
+                continue
+            if ch.src is not src or ch not in book.waiters or ch.seq != seq:
                 continue
             if ch.inc not in (0, inc):
                 continue
