@@ -35,7 +35,7 @@ from .._callbacks import DoneCallback
 from .._devices import DeviceName
 from .._errors import InternalError
 from .._keys import ParsedKey
-from .._received import Received
+from .._received import Received, received
 from .._waiters import WaiterTable
 from .pool import RunWatch
 from .producer import task_name
@@ -298,3 +298,15 @@ class Book:
     def count(self, nbytes: int) -> None:
         self.received += 1
         self.received_bytes += nbytes
+
+    def taken(self, got: Stashed) -> Received | BaseException:
+        """What a receive gets for the stashed ``got`` (not a ``Notice``), counted: a bare
+        live array gets its ``Received`` now (``Stashed``); an error is delivered as is."""
+        if type(got) is np.ndarray:
+            self.received += 1
+            self.received_bytes += got.nbytes
+            return received(got, False)
+        if type(got) is Received:
+            self.received += 1
+            self.received_bytes += got.value.nbytes
+        return got  # type: ignore[return-value]  # not a Notice (the callers' check)

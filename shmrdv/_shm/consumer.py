@@ -25,12 +25,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from numpy import ndarray
-
 from .._callbacks import DoneCallback, invoke_done
 from .._errors import closed_error
 from .._keys import ParsedKey
-from .._received import Received, received
+from .._received import Received
 from .._rendezvous import Canceller
 from .._transport import TransportContext
 from . import reaper
@@ -152,15 +150,7 @@ class Consumer:
                         firsts[full] = got
                         got = None
                     if got is not None:
-                        if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
-                            book.received += 1
-                            book.received_bytes += got.nbytes
-                            result = received(got, False)
-                        else:
-                            if type(got) is Received:
-                                book.received += 1
-                                book.received_bytes += got.value.nbytes
-                            result = got  # type: ignore[assignment]  # not a Notice
+                        result = book.taken(got)
                 ch = None
                 if result is None:
                     ch = book.promote(step_id, full, known)
@@ -188,15 +178,7 @@ class Consumer:
                             del book.stash[step_id]
                         ch.nready -= 1
                         ch.seq += 1
-                        if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
-                            book.received += 1
-                            book.received_bytes += got.nbytes
-                            result = received(got, False)
-                        else:
-                            if type(got) is Received:
-                                book.received += 1
-                                book.received_bytes += got.value.nbytes
-                            result = got  # type: ignore[assignment]  # not a Notice (checked)
+                        result = book.taken(got)
                 if result is None:
                     if not waiting:
                         # Whether ``_first_look`` would find nothing: no ring to look for,

@@ -15,7 +15,7 @@ import logging
 from numpy import ndarray
 
 from .._errors import InternalError
-from .._received import Received, received
+from .._received import Received
 from .book import Book, Channel, Notice, Stashed
 from .inbox import Inbox
 from .named import NamedMessages
@@ -59,9 +59,7 @@ class Taker:
                     if type(got) is not ndarray:
                         return self.taken(ch, got)
                     ch.seq += 1
-                    book.received += 1
-                    book.received_bytes += got.nbytes
-                    return received(got, False)
+                    return book.taken(got)
         if not ch.nready:
             lost = self._inbox.lost_records(ch.src)
             if not (probe or lost):
@@ -115,13 +113,4 @@ class Taker:
                 "its segment is gone"
             )
         ch.seq += 1
-        if type(got) is ndarray:  # a live value stashed bare (``Stashed``)
-            book = (
-                self._book
-            )  # ``book.count`` written out, as in ``Consumer.start_recv``: every message
-            book.received += 1
-            book.received_bytes += got.nbytes
-            return received(got, False)
-        if isinstance(got, Received):
-            self._book.count(got.value.nbytes)
-        return got  # type: ignore[return-value]  # an error to deliver
+        return self._book.taken(got)
