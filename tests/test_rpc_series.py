@@ -409,6 +409,26 @@ def test_an_idle_series_ends_and_a_waiting_receive_opens_another(source: StepSou
         sc.close(AbortedError("end"))
 
 
+def test_a_series_whose_values_come_within_idle_lives_on_past_idle(source: StepSource) -> None:
+    """One idle timer per series: the one set for an earlier wait, when it fires, sets
+    itself again for the wait then in progress, which it does not end early."""
+    with (
+        RpcServer("127.0.0.1:0", source, series=SeriesLimits(idle=1.0)) as server,
+        RpcClient() as client,
+    ):
+        sc = _series_client(client, server.address)
+        key = make_key("lives")
+        started = time.monotonic()
+        for i in range(6):
+            if i:
+                time.sleep(0.4)  # each wait 0.4 s, all of them 2 s: more than idle
+            source.send(1, key, np.array([i]))
+            assert _recv(sc, client, server.address, key).value.tolist() == [i]
+        assert time.monotonic() - started > 1.5
+        assert server.stats()["series"] == 1
+        sc.close(AbortedError("end"))
+
+
 def test_a_series_to_a_producer_not_listening_hands_its_receive_to_recv_tensor(
     source: StepSource,
 ) -> None:

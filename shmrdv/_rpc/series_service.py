@@ -175,15 +175,19 @@ class SeriesService:
         except RendezvousError as e:
             await _abort(context, e)
         self._open.add(peer, 1)
+        clock = _IdleClock(asyncio.get_running_loop(), self._idle)
         try:
             while True:
                 try:
-                    received = await self._take(req.step_id, pk)
+                    received, waited = await self._take(req.step_id, pk, clock)
                 except RendezvousError as e:
                     await _abort(context, e)
                 if received is None:
                     return  # idle: the consumer opens another series when it waits again
-                batch = self._more(req.step_id, pk, received)
+                # A value waited for came to an empty key: it goes at once, alone (no look
+                # for a second one, which would find none but what was sent meanwhile,
+                # and that goes in the next message).
+                batch = [received] if waited else self._more(req.step_id, pk, received)
                 # Closed here, not when collected: what it did not write goes back now.
                 async with contextlib.aclosing(
                     self._write(context, req.step_id, pk, batch)
@@ -191,6 +195,7 @@ class SeriesService:
                     async for chunk in chunks:
                         yield chunk
         finally:
+            clock.close()
             self._open.add(peer, -1)
 
     def _more(self, step_id: int, pk: ParsedKey, first: Received) -> list[Received]:
@@ -276,9 +281,12 @@ class SeriesService:
         except Exception:
             _log.exception("TensorSource.requeue failed for key %r", pk.full_key)
 
-    async def _take(self, step_id: int, pk: ParsedKey) -> Received | None:
+    async def _take(
+        self, step_id: int, pk: ParsedKey, clock: _IdleClock
+    ) -> tuple[Received | None, bool]:
         """The next value of ``pk``: at once when it is there, else when it is sent;
-        None after ``idle`` seconds without one. Raises the source's error."""
+        None after ``idle`` seconds without one (``clock``, the series'). Also whether
+        it was waited for. Raises the source's error."""
         if self._stopping:
             raise UnavailableError(f"shmrdv RPC server {self._address} {SERVER_STOPPING}")
         loop = asyncio.get_running_loop()
@@ -303,7 +311,8 @@ class SeriesService:
         except Exception as e:  # a bug in the source must still end the call
             _log.exception("TensorSource.serve_recv failed for key %r", pk.full_key)
             raise InternalError(f"TensorSource of {self._source.task} failed: {e!r}") from e
-        if not fut.done():
+        waited = not fut.done()
+        if waited:
             self._waiting[fut] = cancel
             idle = [False]
 
@@ -313,13 +322,13 @@ class SeriesService:
                     idle[0] = True
                     fut.set_result((None, None))
 
-            # One timer and the future itself: ``asyncio.wait`` made a waiter future, a
-            # set, a timer and callbacks per value.
-            timer = loop.call_later(self._idle, expire)
+            # The future itself and the series' one timer: no timer made and cancelled
+            # per value (nor ``asyncio.wait``'s waiter future, set and callbacks).
+            clock.start(expire)
             try:
                 await fut
                 if idle[0]:
-                    return None
+                    return None, True
             except asyncio.CancelledError:
                 # The consumer went away: a value taken for it goes back to its key.
                 cancel()
@@ -329,7 +338,7 @@ class SeriesService:
                     self._settle(fut, step_id, pk, *fut.result())
                 raise
             finally:
-                timer.cancel()
+                clock.stop()
                 self._waiting.pop(fut, None)
         error, received = fut.result()
         if error is not None:
@@ -338,7 +347,7 @@ class SeriesService:
             raise InternalError(f"TensorSource.serve_recv failed: {error!r}")
         if received is None:
             raise InternalError("TensorSource called done(None, None)")
-        return received
+        return received, waited
 
     def _settle(
         self,
@@ -354,6 +363,51 @@ class SeriesService:
             # Nobody takes it any more (the consumer went away, the server stopped).
             self._source.done_with(step_id, pk, received.value.nbytes)
             self._requeue(step_id, pk, received)
+
+
+class _IdleClock:
+    """The idle end of one series: one timer for all its takes, not one per take.
+
+    A take that waits calls ``start`` with its ``expire``, and ``stop`` when it has
+    its value (or ends); ``expire`` runs once the take has waited ``idle`` seconds. The
+    timer set for an earlier wait, when it fires, sets itself again for the wait then in
+    progress, if any; with none, the next ``start`` sets one. Loop thread only."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle: float) -> None:
+        self._loop = loop
+        self._idle = idle
+        self._timer: asyncio.TimerHandle | None = None
+        self._since = 0.0
+        self._expire: Callable[[], None] | None = None
+
+    def start(self, expire: Callable[[], None]) -> None:
+        self._since = self._loop.time()
+        self._expire = expire
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._since + self._idle, self._fire)
+
+    def stop(self) -> None:
+        self._expire = None
+
+    def close(self) -> None:
+        """The series ended: no timer left behind (it would hold the series for
+        ``idle`` seconds)."""
+        self._expire = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self) -> None:
+        self._timer = None
+        expire = self._expire
+        if expire is None:
+            return
+        due = self._since + self._idle
+        if self._loop.time() >= due:
+            self._expire = None
+            expire()
+        else:
+            self._timer = self._loop.call_at(due, self._fire)
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: RendezvousError) -> NoReturn:
