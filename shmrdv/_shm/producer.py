@@ -465,9 +465,14 @@ class Producer:
                 dst: npt.NDArray[Any] = np.ndarray(
                     value.shape, dtype=value.dtype, buffer=seg.buf, offset=t.data_offset
                 )
-                copy_into(dst, value)
+                early = _EarlyPost(route.post)
+                copy_into(dst, value, early)  # (posts the doorbell as the copy ends)
                 del dst
-            name = self._publish(step_id, key, raw, t, seg, _slot_index(slot), route, flags, header)
+            else:
+                early = _EarlyPost(None)
+            name, posted = self._publish(
+                step_id, key, raw, t, seg, _slot_index(slot), route, flags, header, early.posted
+            )
             if ticket is not None:
                 ticket.segment(name)
         except BaseException:
@@ -481,7 +486,7 @@ class Producer:
             self._pool.lend(slot, key.full_key, name, route.task)
         else:
             seg.close()
-        self._after_publish(route, t.nbytes)
+        self._after_publish(route, t.nbytes, posted)
 
     def _send_allocated(
         self,
@@ -530,7 +535,7 @@ class Producer:
             value.flags.writeable = False
             return
         try:
-            name = self._publish(
+            name, posted = self._publish(
                 step_id, key, raw, t, alloc.segment, _slot_index(alloc.slot), route, flags, header
             )
             if ticket is not None:
@@ -545,7 +550,7 @@ class Producer:
         else:
             alloc.segment.close()
         self.counters["sent_zero_copy"] += 1
-        self._after_publish(route, t.nbytes)
+        self._after_publish(route, t.nbytes, posted)
 
     def _publish(
         self,
@@ -558,12 +563,22 @@ class Producer:
         route: _Route,
         flags: int,
         header: bytes | None = None,
-    ) -> str:
-        """Give the message its sequence number and its name, atomically; return the name.
-        (``header``: ``t.keyed(raw)``, if the caller keeps it.)
+        posted: bool = False,
+    ) -> tuple[str, bool]:
+        """Give the message its sequence number and its name, atomically; return the name
+        and whether the consumer's doorbell was posted. (``header``: ``t.keyed(raw)``, if
+        the caller keeps it.)
 
         Then append a notice of it to the consumer's ring, so that the consumer goes
         straight to that name (with no ring, or a full one, it finds it by name).
+
+        The doorbell is posted just before the rename, once the bytes and the header are
+        complete (unless ``posted``: the copy posted it as it ended, ``copier.TAIL``): a
+        consumer asleep on another CPU takes tens of µs to run again, more after a large
+        copy has left the caches cold, and the rename and the notice are done meanwhile
+        instead of before. A consumer that wakes before the notice is there finds it by
+        its spin; one that took the post and slept again gets a second one
+        (``_after_publish``).
 
         Raises ``InternalError`` if a file has that name already (planted by another user,
         or left by an earlier run with the same incarnation): it is neither replaced nor
@@ -581,6 +596,13 @@ class Producer:
             if slot >= 0:
                 clear_holder(buf)  # no consumer holds this lend yet (``pool.hold``)
             name = self._names.message(step_id, fk, self._inc, seq)
+            post = None if posted else route.post
+            if post is not None:
+                try:
+                    post()  # ``Bell.post`` (see the docstring)
+                    posted = True
+                except Exception:  # closed or saturated: ``_after_publish`` rings, and says
+                    pass
             try:
                 move_noreplace(seg.path, Names.path(name))
             except FileExistsError as e:
@@ -614,13 +636,20 @@ class Producer:
                         now,
                     )
                     ring.commit()
-        return name
+        return name, posted
 
-    def _after_publish(self, route: _Route, nbytes: int) -> None:
+    def _after_publish(self, route: _Route, nbytes: int, posted: bool) -> None:
         counters = self.counters
         counters["sent"] += 1
         counters["sent_bytes"] += nbytes
         bell = route.bell
+        if posted:
+            # ``_publish`` posted the doorbell before the rename. If that post was taken
+            # already, its consumer may have looked before the message was there and gone
+            # back to sleep: post again (a read of the semaphore, no system call, says).
+            if bell is not None and not bell.pending:
+                bell.ring()
+            return
         if bell is None:
             bell = self._peer_bell(route)
             if bell is None:
@@ -695,6 +724,25 @@ class Producer:
             out["inflight_bytes"] = self._inflight.used()
             out["window_waits"] = self._inflight.waits()
         return out
+
+
+class _EarlyPost:
+    """``copy_into``'s ``almost`` for a large send: posts the consumer's doorbell (``post``,
+    ``Bell.post``) as the copy ends, and says whether it did (``_publish`` then does not)."""
+
+    __slots__ = ("post", "posted")
+
+    def __init__(self, post: Callable[[], None] | None) -> None:
+        self.post = post
+        self.posted = False
+
+    def __call__(self) -> None:
+        if self.post is not None:
+            try:
+                self.post()
+                self.posted = True
+            except Exception:  # closed or saturated: ``_publish`` posts, ``ring`` says why
+                pass
 
 
 def _intact(seg: Segment) -> bool:
