@@ -572,11 +572,10 @@ class Producer:
         Then append a notice of it to the consumer's ring, so that the consumer goes
         straight to that name (with no ring, or a full one, it finds it by name).
 
-        The doorbell is posted just before the rename, once the bytes and the header are
-        complete (unless ``posted``: the copy posted it as it ended, ``copier.TAIL``): a
-        consumer asleep on another CPU takes tens of µs to run again, more after a large
-        copy has left the caches cold, and the rename and the notice are done meanwhile
-        instead of before. A consumer that wakes before the notice is there finds it by
+        The doorbell is posted first, the bytes being complete (unless ``posted``: the
+        copy posted it as it ended, ``copier.TAIL``): a consumer asleep on another CPU
+        takes tens of µs to run again, more after a large copy has left the caches cold,
+        and the header, the rename and the notice are done meanwhile instead of before. A consumer that wakes before the notice is there finds it by
         its spin; one that took the post and slept again gets a second one
         (``_after_publish``).
 
@@ -588,6 +587,13 @@ class Producer:
         fk = key.full_key
         if header is None:
             header = t.keyed(raw)
+        post = None if posted else route.post
+        if post is not None:
+            try:
+                post()  # ``Bell.post`` (see the docstring)
+                posted = True
+            except Exception:  # closed or saturated: ``_after_publish`` rings, and says why
+                pass
         with self._publish_lock:
             seq = self._next_seq(step_id, fk)
             now = time.time_ns()
@@ -596,13 +602,6 @@ class Producer:
             if slot >= 0:
                 clear_holder(buf)  # no consumer holds this lend yet (``pool.hold``)
             name = self._names.message(step_id, fk, self._inc, seq)
-            post = None if posted else route.post
-            if post is not None:
-                try:
-                    post()  # ``Bell.post`` (see the docstring)
-                    posted = True
-                except Exception:  # closed or saturated: ``_after_publish`` rings, and says
-                    pass
             try:
                 move_noreplace(seg.path, Names.path(name))
             except FileExistsError as e:
