@@ -644,9 +644,10 @@ class Producer:
         bell = route.bell
         if posted:
             # ``_publish`` posted the doorbell before the rename. If that post was taken
-            # already, its consumer may have looked before the message was there and gone
-            # back to sleep: post again (a read of the semaphore, no system call, says).
-            if bell is not None and not bell.pending:
+            # but the ring notice was not, its consumer may have looked before the message
+            # was there and gone back to sleep: post again (reads of the semaphore and of
+            # the ring's words, no system call, say; ``_publish`` checked the ring's size).
+            if bell is not None and not bell.pending and _unread(route.ring):
                 bell.ring()
             return
         if bell is None:
@@ -742,6 +743,17 @@ class _EarlyPost:
                 self.posted = True
             except Exception:  # closed or saturated: ``_publish`` posts, ``ring`` says why
                 pass
+
+
+def _unread(ring: Ring | None) -> bool:
+    """Whether ``ring`` (a producer's ring to its consumer) holds records its consumer has
+    not taken; True when there is no ring (its consumer looks by name) or it cannot tell."""
+    if ring is None:
+        return True
+    try:
+        return ring.pending()
+    except (ValueError, TypeError):  # released by a thread that found the ring truncated
+        return True
 
 
 def _intact(seg: Segment) -> bool:
