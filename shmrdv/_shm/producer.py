@@ -7,7 +7,10 @@ sequence number). The consumer can never see a half-written tensor: the name app
 only once the bytes are complete, also if the producer dies mid-write (then only a
 ``t``/``p`` name is left, for ``gc``). Small tensors instead travel inline in the ring
 this producer keeps for their consumer (``ring.py``). Then the consumer's doorbell is
-posted.
+posted; for a segment, as soon as its bytes are complete (before its header, its rename
+and its ring notice, and for a large copy before its last ``copier.TAIL`` bytes): its
+consumer's wake-up then runs while they are done, and it finds the message by its spin,
+or by a second post if it slept again (``_publish``).
 
 Thread model: any thread may call ``send`` / ``allocate``. ``_publish_lock`` serialises
 the sequence numbers and the rings (single producer per ring); ``_lock`` guards the
@@ -575,9 +578,9 @@ class Producer:
         The doorbell is posted first, the bytes being complete (unless ``posted``: the
         copy posted it as it ended, ``copier.TAIL``): a consumer asleep on another CPU
         takes tens of µs to run again, more after a large copy has left the caches cold,
-        and the header, the rename and the notice are done meanwhile instead of before. A consumer that wakes before the notice is there finds it by
-        its spin; one that took the post and slept again gets a second one
-        (``_after_publish``).
+        and the header, the rename and the notice are done meanwhile instead of before.
+        A consumer that wakes before the notice is there finds it by its spin; one that
+        took the post and slept again gets a second one (``_after_publish``).
 
         Raises ``InternalError`` if a file has that name already (planted by another user,
         or left by an earlier run with the same incarnation): it is neither replaced nor
@@ -643,7 +646,7 @@ class Producer:
         counters["sent_bytes"] += nbytes
         bell = route.bell
         if posted:
-            # ``_publish`` posted the doorbell before the rename. If that post was taken
+            # ``_publish`` posted the doorbell before the notice. If that post was taken
             # but the ring notice was not, its consumer may have looked before the message
             # was there and gone back to sleep: post again (reads of the semaphore and of
             # the ring's words, no system call, say; ``_publish`` checked the ring's size).
