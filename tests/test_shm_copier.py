@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from shmrdv._shm import copier
-from shmrdv._shm.copier import PARALLEL_MIN, copy_into
+from shmrdv._shm.copier import PARALLEL_MIN, TAIL, copy_into
 
 
 def _copy_threads() -> list[threading.Thread]:
@@ -53,6 +53,38 @@ def test_non_contiguous_source_is_copied_plainly(monkeypatch: pytest.MonkeyPatch
     dst = np.empty(src.shape, src.dtype)
     copy_into(dst, src)
     assert np.array_equal(dst, src)
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_almost_runs_once_with_only_the_tail_left(
+    threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A large send wakes its consumer from here (producer.py): every byte but the last
+    # TAIL is in place then, the tail is not yet, and the copy is whole afterwards.
+    monkeypatch.setenv("SHMRDV_COPY_THREADS", threads)
+    src = np.arange(3 * PARALLEL_MIN // 8 + 5, dtype=np.float64).reshape(-1, 1)
+    dst = np.zeros_like(src)
+    seen: list[tuple[bool, bool]] = []
+
+    def almost() -> None:
+        d, s = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
+        cut = src.nbytes - TAIL
+        seen.append((bool(np.array_equal(d[:cut], s[:cut])), not d[cut + 8 :].any()))
+
+    copy_into(dst, src, almost)
+    assert seen == [(True, True)]
+    assert np.array_equal(dst, src)
+
+
+def test_almost_is_not_called_for_small_or_strided_copies() -> None:
+    calls: list[int] = []
+    small = np.ones(PARALLEL_MIN // 8 - 1, np.float64)
+    copy_into(np.zeros_like(small), small, lambda: calls.append(1))
+    strided = np.ones((2 * PARALLEL_MIN // 8, 2), np.float64)[:, 0]
+    out = np.zeros_like(strided)
+    copy_into(out, strided, lambda: calls.append(2))
+    assert calls == []
+    assert out.all()
 
 
 def test_helper_threads_are_few_and_reused(monkeypatch: pytest.MonkeyPatch) -> None:

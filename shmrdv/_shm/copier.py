@@ -43,6 +43,7 @@ import os
 import queue
 import stat
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,12 +51,16 @@ import numpy.typing as npt
 
 from .ownership import OPEN_FLAGS, is_ours
 
-__all__ = ["PARALLEL_MIN", "budget_path", "copy_into", "helpers", "machine_budget"]
+__all__ = ["PARALLEL_MIN", "TAIL", "budget_path", "copy_into", "helpers", "machine_budget"]
 
 _log = logging.getLogger("shmrdv.shm.copier")
 
 #: Below this many bytes a thread handoff costs more than it saves.
 PARALLEL_MIN = 4 << 20
+#: ``copy_into``'s ``almost`` runs with this much left to copy: about 15-30 µs of copy here,
+#: which with the sender's rename and ring notice after it is about what a consumer asleep
+#: on another CPU takes to run again (research/peer_numbers.md: 30-70 µs).
+TAIL = 256 << 10
 _CHUNK = 1 << 20  # a chunk: page-aligned, small enough that a late helper costs little
 _MAX_HELPERS = 3
 
@@ -296,12 +301,31 @@ class _Helpers:
 _helpers = _Helpers()
 
 
-def copy_into(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+def copy_into(
+    dst: npt.NDArray[Any], src: npt.NDArray[Any], almost: Callable[[], object] | None = None
+) -> None:
     """``np.copyto(dst, src, casting="no")``, split across threads when it is large.
 
     ``dst`` and ``src`` have the same shape and dtype; ``dst`` is C-contiguous. Returns
     once every byte is copied (also when interrupted: no helper writes ``dst`` after).
+
+    ``almost``: called once when only the last ``TAIL`` bytes are left to copy, for a
+    contiguous copy of ``PARALLEL_MIN`` bytes or more (the sender wakes its consumer then,
+    so that the wake-up, tens of µs, runs while the copy ends; not called otherwise).
     """
+    if almost is not None and src.nbytes >= PARALLEL_MIN and src.flags.c_contiguous:
+        d = dst.reshape(-1).view(np.uint8)
+        s = src.reshape(-1).view(np.uint8)
+        cut = src.nbytes - TAIL
+        _copy(d[:cut], s[:cut])
+        almost()
+        np.copyto(d[cut:], s[cut:], casting="no")
+        return
+    _copy(dst, src)
+
+
+def _copy(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+    """``copy_into`` without ``almost``."""
     nbytes = src.nbytes
     # Size first: every send comes here, and helpers() costs a system call.
     n = 0 if nbytes < PARALLEL_MIN or not src.flags.c_contiguous else helpers()

@@ -7,7 +7,10 @@ sequence number). The consumer can never see a half-written tensor: the name app
 only once the bytes are complete, also if the producer dies mid-write (then only a
 ``t``/``p`` name is left, for ``gc``). Small tensors instead travel inline in the ring
 this producer keeps for their consumer (``ring.py``). Then the consumer's doorbell is
-posted.
+posted; for a segment, as soon as its bytes are complete (before its header, its rename
+and its ring notice, and for a large copy before its last ``copier.TAIL`` bytes): its
+consumer's wake-up then runs while they are done, and it finds the message by its spin,
+or by a second post if it slept again (``_publish``).
 
 Thread model: any thread may call ``send`` / ``allocate``. ``_publish_lock`` serialises
 the sequence numbers and the rings (single producer per ring); ``_lock`` guards the
@@ -533,9 +536,14 @@ class Producer:
                 dst: npt.NDArray[Any] = np.ndarray(
                     value.shape, dtype=value.dtype, buffer=seg.buf, offset=t.data_offset
                 )
-                copy_into(dst, value)
+                early = _EarlyPost(route.post)
+                copy_into(dst, value, early)  # (posts the doorbell as the copy ends)
                 del dst
-            name = self._publish(step_id, key, raw, t, seg, _slot_index(slot), route, flags, header)
+            else:
+                early = _EarlyPost(None)
+            name, posted = self._publish(
+                step_id, key, raw, t, seg, _slot_index(slot), route, flags, header, early.posted
+            )
             if ticket is not None:
                 ticket.segment(name)
         except BaseException:
@@ -549,7 +557,7 @@ class Producer:
             self._pool.lend(slot, key.full_key, name, route.task)
         else:
             seg.close()
-        self._after_publish(route, t.nbytes)
+        self._after_publish(route, t.nbytes, posted)
 
     def _send_allocated(
         self,
@@ -598,7 +606,7 @@ class Producer:
             value.flags.writeable = False
             return
         try:
-            name = self._publish(
+            name, posted = self._publish(
                 step_id, key, raw, t, alloc.segment, _slot_index(alloc.slot), route, flags, header
             )
             if ticket is not None:
@@ -613,7 +621,7 @@ class Producer:
         else:
             alloc.segment.close()
         self.counters["sent_zero_copy"] += 1
-        self._after_publish(route, t.nbytes)
+        self._after_publish(route, t.nbytes, posted)
 
     def _publish(
         self,
@@ -626,12 +634,21 @@ class Producer:
         route: _Route,
         flags: int,
         header: bytes | None = None,
-    ) -> str:
-        """Give the message its sequence number and its name, atomically; return the name.
-        (``header``: ``t.keyed(raw)``, if the caller keeps it.)
+        posted: bool = False,
+    ) -> tuple[str, bool]:
+        """Give the message its sequence number and its name, atomically; return the name
+        and whether the consumer's doorbell was posted. (``header``: ``t.keyed(raw)``, if
+        the caller keeps it.)
 
         Then append a notice of it to the consumer's ring, so that the consumer goes
         straight to that name (with no ring, or a full one, it finds it by name).
+
+        The doorbell is posted first, the bytes being complete (unless ``posted``: the
+        copy posted it as it ended, ``copier.TAIL``): a consumer asleep on another CPU
+        takes tens of µs to run again, more after a large copy has left the caches cold,
+        and the header, the rename and the notice are done meanwhile instead of before.
+        A consumer that wakes before the notice is there finds it by its spin; one that
+        took the post and slept again gets a second one (``_after_publish``).
 
         Raises ``InternalError`` if a file has that name already (planted by another user,
         or left by an earlier run with the same incarnation): it is neither replaced nor
@@ -641,6 +658,13 @@ class Producer:
         fk = key.full_key
         if header is None:
             header = t.keyed(raw)
+        post = None if posted else route.post
+        if post is not None:
+            try:
+                post()  # ``Bell.post`` (see the docstring)
+                posted = True
+            except Exception:  # closed or saturated: ``_after_publish`` rings, and says why
+                pass
         with self._publish_lock:
             seq = self._next_seq(step_id, fk)
             now = time.time_ns()
@@ -682,13 +706,21 @@ class Producer:
                         now,
                     )
                     ring.commit()
-        return name
+        return name, posted
 
-    def _after_publish(self, route: _Route, nbytes: int) -> None:
+    def _after_publish(self, route: _Route, nbytes: int, posted: bool) -> None:
         counters = self.counters
         counters["sent"] += 1
         counters["sent_bytes"] += nbytes
         bell = route.bell
+        if posted:
+            # ``_publish`` posted the doorbell before the notice. If that post was taken
+            # but the ring notice was not, its consumer may have looked before the message
+            # was there and gone back to sleep: post again (reads of the semaphore and of
+            # the ring's words, no system call, say; ``_publish`` checked the ring's size).
+            if bell is not None and not bell.pending and _unread(route.ring):
+                bell.ring()
+            return
         if bell is None:
             bell = self._peer_bell(route)
             if bell is None:
@@ -764,6 +796,36 @@ class Producer:
             out["inflight_bytes"] = self._inflight.used()
             out["window_waits"] = self._inflight.waits()
         return out
+
+
+class _EarlyPost:
+    """``copy_into``'s ``almost`` for a large send: posts the consumer's doorbell (``post``,
+    ``Bell.post``) as the copy ends, and says whether it did (``_publish`` then does not)."""
+
+    __slots__ = ("post", "posted")
+
+    def __init__(self, post: Callable[[], None] | None) -> None:
+        self.post = post
+        self.posted = False
+
+    def __call__(self) -> None:
+        if self.post is not None:
+            try:
+                self.post()
+                self.posted = True
+            except Exception:  # closed or saturated: ``_publish`` posts, ``ring`` says why
+                pass
+
+
+def _unread(ring: Ring | None) -> bool:
+    """Whether ``ring`` (a producer's ring to its consumer) holds records its consumer has
+    not taken; True when there is no ring (its consumer looks by name) or it cannot tell."""
+    if ring is None:
+        return True
+    try:
+        return ring.pending()
+    except (ValueError, TypeError):  # released by a thread that found the ring truncated
+        return True
 
 
 def _intact(seg: Segment) -> bool:
