@@ -82,8 +82,10 @@ class RaceRecv:
             self._open.add(i)
         cancel = start(functools.partial(self._leg_done, i))
         with self._lock:
-            self._cancels[i] = cancel
-            withdraw = self._over() and i in self._open
+            ended = self._over()
+            if not ended:  # (an ended race has let go of its legs: ``_let_go``)
+                self._cancels[i] = cancel
+            withdraw = ended and i in self._open
         if withdraw:  # the receive ended while the leg started
             cancel()
         return True
@@ -102,7 +104,8 @@ class RaceRecv:
             if self._over():
                 return
             self._ended = True
-        self._done(error, None)
+            done = self._let_go()
+        done(error, None)
 
     def _over(self) -> bool:
         """``_ended``, read again (a leg may have ended the receive meanwhile)."""
@@ -125,9 +128,10 @@ class RaceRecv:
             if error is not None and self._error is not None and not self._cancelling:
                 error = self._error
             others = [c for j, c in enumerate(self._cancels) if j in self._open and c is not None]
+            done = self._let_go()
         for cancel in others:
             cancel()
-        self._done(error, received)
+        done(error, received)
 
     def __call__(self) -> bool:
         """Cancel: withdraw every open leg (``True``), or ``False`` if a value won."""
@@ -143,7 +147,21 @@ class RaceRecv:
             if self._ended or not all(removed):
                 return False  # a leg's outcome is on its way (or came): it ends the race
             self._ended = True
+            self._let_go()
             return True
+
+    def _let_go(self) -> DoneCallback:
+        """The race has ended (under the lock): drop the legs' cancellers and ``done``, and
+        return ``done`` to call. The legs' callbacks point back here, and ``done`` is
+        usually a slot that keeps this race to cancel it: kept, these cycles would hold the
+        value, and with it a pool slot of its producer, until a full collection."""
+        done, self._done = self._done, _ignore
+        self._cancels = []
+        return done
+
+
+def _ignore(error: BaseException | None, received: Received | None) -> None:
+    """An ended race's ``done``: nothing more is delivered."""
 
 
 #: What ``PickWatch`` asks of a watched receive: ``None`` while the producer's record is

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -203,3 +205,34 @@ def test_pick_watch_drops_a_receive_that_ended() -> None:
     assert _pick_thread_ends()
     assert watch.watching() == 0
     assert rec.calls == []
+
+
+class _SlotWithRace:
+    """A receive's slot as the router makes one: it keeps its race (to cancel it) and the
+    race calls its ``done``: a reference cycle while the race runs."""
+
+    def __init__(self) -> None:
+        self.race: RaceRecv | None = None
+        self.got: shmrdv.Received | None = None
+
+    def done(self, error: BaseException | None, received: shmrdv.Received | None) -> None:
+        self.got = received
+
+
+def test_race_ended_holds_no_cycle_that_keeps_its_value() -> None:
+    # A value holds its producer's pool slot until it is dropped: once the race has ended,
+    # dropping the slot must free the value at once, not at the next full collection.
+    gc.disable()
+    try:
+        tables = [LocalRendezvous() for _ in range(2)]
+        slot = _SlotWithRace()
+        slot.race = RaceRecv(slot.done, [functools.partial(leg, t) for t in tables], "k")
+        tables[1].send(KEY, np.arange(3.0))
+        assert slot.got is not None
+        value = weakref.ref(slot.got.value)
+        del slot
+        assert value() is None, "the ended race keeps its value in a reference cycle"
+        for t in tables:
+            t.close()
+    finally:
+        gc.enable()
