@@ -46,6 +46,10 @@ _log = logging.getLogger("shmrdv.shm")
 # better for 64 B: two spinning processes on two vCPUs starve the one doing the work.)
 _SPIN_MIN_NS = 20_000
 _SPIN_MAX_NS = 250_000
+# After a doorbell post that brought nothing, a message is on its way (a large message's
+# producer posts as its bytes are complete, then names and announces it: ``producer.py``):
+# the next wait spins at least this long, and so takes it without a second wake-up.
+_ON_ITS_WAY_NS = 100_000
 # A spin looks at the doorbell itself (for producers without a ring) every this many turns.
 _BELL_EVERY = 32
 # The dispatcher thread takes the poller role only once no blocked receiver has held it
@@ -185,7 +189,7 @@ class Dispatcher:
                 budget = 0
         else:
             budget = self._spin_budget(start)
-        found = False
+        found = woken = False
         if budget:
             # First the rings' sizes (issue 20 §3: a truncated ring read is a SIGBUS); the
             # spin then reads only their heads, for a moment. A ring that fails the check
@@ -212,6 +216,7 @@ class Dispatcher:
                 self._adapt_spin(now - start)
             bell.drain()  # the posts of what the spin found: no wasted wake-up for them
         elif bell.wait(max(wait, 0.0)):
+            woken = True
             self._last_msg_ns = now = time.perf_counter_ns()
             if not busy:
                 self._adapt_spin(now - start)
@@ -221,6 +226,8 @@ class Dispatcher:
         items = self._consumer.scan(check=not found)
         if items:
             deliver(items)
+        elif woken and not busy and self._spin_ns < _ON_ITS_WAY_NS:
+            self._spin_ns = _ON_ITS_WAY_NS  # a post with nothing yet: see _ON_ITS_WAY_NS
         # Drop the batch before waiting again: a received array kept alive here would
         # hold its pool slot (and its ``held`` name) until the next wake-up.
         del items
