@@ -150,7 +150,7 @@ def test_handler_echoes_stamps_and_crc() -> None:
 
 def test_registry_has_the_peers() -> None:
     names = ("memcpy", "mp_pipe_oob", "mp_queue", "shm_per_msg", "grpc_push", "grpc_pull")
-    for name in (*names, "sem_pingpong"):
+    for name in (*names, "sem_pingpong", "memcpy_shm"):
         assert METHODS[name].available() is None, name
     for name in ("zmq_ipc", "torch_mp", "ray"):
         assert name in METHODS
@@ -165,7 +165,7 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         str(REPO / "tools" / "bench.py"),
-        "--methods=memcpy,mp_pipe_oob,sem_pingpong",
+        "--methods=memcpy,memcpy_shm,mp_pipe_oob,sem_pingpong",
         "--sizes=1k,64k",
         "--reps=2",
         "--budget=0.05",
@@ -186,9 +186,9 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     assert machine["versions"]["numpy"] and machine["load_average_end"] is not None
     methods = {m["name"]: m for m in data["methods"]}
     assert {n: m["status"] for n, m in methods.items()} == dict.fromkeys(
-        ("memcpy", "mp_pipe_oob", "sem_pingpong"), "ok"
+        ("memcpy", "memcpy_shm", "mp_pipe_oob", "sem_pingpong"), "ok"
     )
-    for name in ("memcpy", "mp_pipe_oob"):
+    for name in ("memcpy", "memcpy_shm", "mp_pipe_oob"):
         assert sorted(methods[name]["cells"]) == ["1024", "65536"]
     for size in ("1024", "65536"):
         copy = methods["memcpy"]["cells"][size]

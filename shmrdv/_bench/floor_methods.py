@@ -1,4 +1,5 @@
-"""The floors of ``shmrdv bench``: ``memcpy`` (the copy, in one process) and
+"""The floors of ``shmrdv bench``: ``memcpy`` (the copy, in one process), ``memcpy_shm``
+(the same copy into /dev/shm pages, where a shared-memory ``send`` copies) and
 ``sem_pingpong`` (the notification: two semaphore wake-ups, no copy to speak of).
 
 Every other method is read against them (``contract.py`` is the contract they follow).
@@ -24,7 +25,7 @@ from .contract import (
     unpack_ack,
 )
 
-__all__ = ["MEMCPY", "SEM_PAYLOAD", "SEM_PINGPONG"]
+__all__ = ["MEMCPY", "MEMCPY_SHM", "SEM_PAYLOAD", "SEM_PINGPONG"]
 
 
 # -- memcpy: the copy floor, in one process ---------------------------------------------
@@ -48,6 +49,49 @@ class _MemcpyPinger:
 
     def close(self) -> None:
         self._dst = None
+
+
+# -- memcpy_shm: the copy floor of a shared-memory send ------------------------------------
+# The same copy into a warm mapping of a /dev/shm segment. numpy advises its own large
+# arrays into transparent huge pages, which tmpfs pages need a mount option or
+# ``shmem_enabled`` for; so on many machines a copy into shared memory is slower than
+# ``memcpy``, whatever the library. The segment is unlinked as soon as it is mapped.
+
+
+class _MemcpyShmPinger:
+    def __init__(self, ctx: RoleContext) -> None:
+        if ctx.handler is None:
+            raise RuntimeError("memcpy_shm runs in one process and needs the handler")
+        self._handler = ctx.handler
+        self._name = f"/{ctx.prefix}memcpy_shm"
+        self._mm: mmap.mmap | None = None
+        self._dst: F32 | None = None
+
+    def handoff(self, src: F32) -> Ack:
+        dst = self._dst
+        if dst is None or dst.shape != src.shape:
+            dst = self._dst = self._map(src)
+        np.copyto(dst, src)
+        return self._handler(dst)
+
+    def _map(self, src: F32) -> F32:
+        import posix_ipc
+
+        # The last size's mapping goes with its last view (an array may still hold it).
+        self._dst = self._mm = None
+        size = max(src.nbytes, 1)
+        shm = posix_ipc.SharedMemory(self._name, posix_ipc.O_CREX, mode=0o600, size=size)
+        try:
+            self._mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+            shm.unlink()
+        dst: F32 = np.frombuffer(self._mm, np.float32, src.size).reshape(src.shape)
+        dst.fill(0)  # fault the pages in: the destination is warm, as for memcpy
+        return dst
+
+    def close(self) -> None:
+        self._dst = self._mm = None  # unmapped with its last view
 
 
 # -- sem_pingpong: bare posix_ipc semaphore pair, 64-byte payload in a reused segment ----
@@ -147,6 +191,16 @@ MEMCPY = MethodSpec(
     group="floor",
     idle_cpu=False,
     receiver_array="writable, private",
+)
+
+MEMCPY_SHM = MethodSpec(
+    "memcpy_shm",
+    "np.copyto into a warm mapping of a /dev/shm segment, one process (a shm send's copy floor)",
+    _MemcpyShmPinger,
+    available=module_missing("posix_ipc", "posix_ipc"),
+    group="floor",
+    idle_cpu=False,
+    receiver_array="writable, shared memory",
 )
 
 SEM_PINGPONG = MethodSpec(

@@ -26,6 +26,7 @@ def register_method(spec: MethodSpec) -> None:
 
 for _spec in (
     floor_methods.MEMCPY,
+    floor_methods.MEMCPY_SHM,
     floor_methods.SEM_PINGPONG,
     mp_methods.MP_PIPE_OOB,
     mp_methods.MP_QUEUE,
