@@ -11,10 +11,12 @@ and goes to the oldest waiting receive, or waits in the series' table, in order.
 
 * **Bounded**: a series keeps at most ``prefetch_bytes`` of values nobody took yet, plus
   what one message carries (it is taken apart whole: one value, or values packed up to
-  the producer's ``chunk_bytes``, 4 MiB by default); then its reader stops reading and
-  HTTP/2 flow control stops the producer. ``stats()`` shows what the open series hold
-  (``series_held_bytes``, ``series_held_peak``). At most ``max_series`` series are
-  open; other keys use ``RecvTensor``.
+  the producer's ``chunk_bytes``, 4 MiB by default); what came of a value cut into
+  several messages counts as it comes, so a large value passes the bound by one message,
+  not by itself (a value larger than the bound comes whole into an empty table). Then
+  its reader stops reading and HTTP/2 flow control stops the producer. ``stats()`` shows
+  what the open series hold (``series_held_bytes``, ``series_held_peak``). At most
+  ``max_series`` series are open; other keys use ``RecvTensor``.
 * **Order**: while a series of a (step, key) exists every receive of it goes there; a
   series is opened only when no ``RecvTensor`` of the key is in flight (``busy``), so
   values are never served to two methods at once.

@@ -3,11 +3,11 @@
 A ``SeriesReader`` is opened by ``series_client.SeriesClient`` for one (step, key) and
 reads the call: each value is assembled (``assembly.StreamAssembler``: one copy, the
 chunks into the writable array a receive returns) and handed to the oldest waiting
-receive, or kept (in order, at most ``prefetch_bytes``; then the reader stops reading and
-HTTP/2 flow control holds the producer; ``held`` says how much). The producer ending an
-idle series makes the reader open another if a receive waits. What the series does on
-errors and ends is described on ``series_client``; what it uses of its owner is
-``SeriesOwner``.
+receive, or kept (in order, at most ``prefetch_bytes`` with what came of a value being
+assembled, plus one message; then the reader stops reading and HTTP/2 flow control holds
+the producer; ``held`` says how much). The producer ending an idle series makes the
+reader open another if a receive waits. What the series does on errors and ends is
+described on ``series_client``; what it uses of its owner is ``SeriesOwner``.
 
 Thread model (docs/threads.md): each message is taken apart where gRPC hands it over,
 in the channel's own thread, as the call's response deserializer (``_Feed``): its values
@@ -195,7 +195,7 @@ class SeriesReader:
                     with self._lock:  # the next message is asked for once there is room
                         self._partial = feed.partial
                         self._peak = max(self._peak, self._held + self._partial)
-                        while self._held >= self._owner.prefetch_bytes and not self._closed:
+                        while self._full() and not self._closed:
                             self._room.wait()
                         if self._closed:
                             return
@@ -229,6 +229,13 @@ class SeriesReader:
                     self.ended = True
                     return
             # A receive waits: open another.
+
+    def _full(self) -> bool:
+        """No room for the next message (lock held): the table and what came of a value
+        being assembled reach ``prefetch_bytes``. An empty table always has room: a value
+        larger than the bound comes whole, and a receive can only take a whole value."""
+        held = self._held
+        return held > 0 and held + self._partial >= self._owner.prefetch_bytes
 
     def _arrived(self, received: Received) -> None:
         """A value came (the channel's thread, ``_Feed``): to the oldest waiting receive,
