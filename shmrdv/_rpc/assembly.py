@@ -198,6 +198,11 @@ class StreamAssembler:
         return self._is_dead
 
     @property
+    def received_bytes(self) -> int:
+        """Data bytes copied in so far."""
+        return self._received
+
+    @property
     def send_start_micros(self) -> int:
         return self._send_start_micros
 

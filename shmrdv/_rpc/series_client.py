@@ -11,9 +11,12 @@ and goes to the oldest waiting receive, or waits in the series' table, in order.
 
 * **Bounded**: a series keeps at most ``prefetch_bytes`` of values nobody took yet, plus
   what one message carries (it is taken apart whole: one value, or values packed up to
-  the producer's ``chunk_bytes``, 4 MiB by default); then its reader stops reading and
-  HTTP/2 flow control stops the producer. At most ``max_series`` series are open; other
-  keys use ``RecvTensor``.
+  the producer's ``chunk_bytes``, 4 MiB by default); what came of a value cut into
+  several messages counts as it comes, so a large value passes the bound by one message,
+  not by itself (a value larger than the bound comes whole into an empty table). Then
+  its reader stops reading and HTTP/2 flow control stops the producer. ``stats()`` shows
+  what the open series hold (``series_held_bytes``, ``series_held_peak``). At most
+  ``max_series`` series are open; other keys use ``RecvTensor``.
 * **Order**: while a series of a (step, key) exists every receive of it goes there; a
   series is opened only when no ``RecvTensor`` of the key is in flight (``busy``), so
   values are never served to two methods at once.
@@ -67,9 +70,10 @@ from .._rendezvous import Canceller
 from .runner import Runner
 from .series_reader import SeriesReader, Waiter
 
-__all__ = ["SeriesClient"]
+__all__ = ["PREFETCH_BYTES", "SeriesClient"]
 
-_PREFETCH_BYTES = 32 << 20
+#: What one series keeps of values nobody took yet, by default (plus one message).
+PREFETCH_BYTES = 32 << 20
 _MAX_SERIES = 64
 # Keys that had a series, remembered (a bound: those of open series are kept).
 _KEYS_KEPT = 4096
@@ -96,7 +100,7 @@ class SeriesClient:
         metadata: Sequence[tuple[str, str]],
         busy: Callable[[int, str], bool],
         fallback: Fallback,
-        prefetch_bytes: int = _PREFETCH_BYTES,
+        prefetch_bytes: int = PREFETCH_BYTES,
         max_series: int = _MAX_SERIES,
     ) -> None:
         self._channel = channel
@@ -242,9 +246,15 @@ class SeriesClient:
         self._runner.shutdown(_JOIN_TIMEOUT)
 
     def stats(self) -> dict[str, int]:
+        """Counters; ``series_held_bytes``: what the open series hold that no receive
+        took yet, ``series_held_peak``: the most one of them held at once."""
         out = dict(self._stats)
         with self._lock:
             out["series"] = len(self._series)
+            open_now = list(self._series.values())
+        held = [s.held() for s in open_now]
+        out["series_held_bytes"] = sum(now for now, _ in held)
+        out["series_held_peak"] = max((peak for _, peak in held), default=0)
         return out
 
 

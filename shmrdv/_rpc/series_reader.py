@@ -3,8 +3,9 @@
 A ``SeriesReader`` is opened by ``series_client.SeriesClient`` for one (step, key) and
 reads the call: each value is assembled (``assembly.StreamAssembler``: one copy, the
 chunks into the writable array a receive returns) and handed to the oldest waiting
-receive, or kept (in order, at most ``prefetch_bytes``; then the reader stops reading and
-HTTP/2 flow control holds the producer). The producer ending an idle series makes the
+receive, or kept (in order, at most ``prefetch_bytes`` with what came of a value being
+assembled, plus one message; then the reader stops reading and HTTP/2 flow control holds
+the producer; ``held`` says how much). The producer ending an idle series makes the
 reader open another if a receive waits. What the series does on errors and ends is
 described on ``series_client``; what it uses of its owner is ``SeriesOwner``.
 
@@ -95,7 +96,9 @@ class SeriesReader:
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
         self._values: collections.deque[Received] = collections.deque()
-        self._held = 0
+        self._held = 0  # bytes of the values in the table
+        self._partial = 0  # bytes of the value being assembled, as of the last message
+        self._peak = 0  # the most ``_held + _partial`` was
         self._waiters: collections.OrderedDict[Waiter, None] = collections.OrderedDict()
         self.ended = False  # no value will come any more
         self._closed = False
@@ -105,6 +108,12 @@ class SeriesReader:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def held(self) -> tuple[int, int]:
+        """Bytes this series holds that no receive took (its table, and what came of a
+        value still being assembled), and the most it held at once."""
+        with self._lock:
+            return self._held + self._partial, self._peak
 
     def _where(self) -> str:
         return f"key {self.key.full_key!r} (step {self.step_id}) from {self.address}"
@@ -147,7 +156,7 @@ class SeriesReader:
             waiters = list(self._waiters)
             self._waiters.clear()
             self._values.clear()
-            self._held = 0
+            self._held = self._partial = 0
             self._room.notify_all()
         if call is not None:
             call.cancel()
@@ -175,6 +184,7 @@ class SeriesReader:
             with self._lock:
                 closed = self._closed
                 self._call = call
+                self._partial = 0
             if closed:
                 call.cancel()
                 return
@@ -183,7 +193,9 @@ class SeriesReader:
                     if feed.error is not None:
                         break
                     with self._lock:  # the next message is asked for once there is room
-                        while self._held >= self._owner.prefetch_bytes and not self._closed:
+                        self._partial = feed.partial
+                        self._peak = max(self._peak, self._held + self._partial)
+                        while self._full() and not self._closed:
                             self._room.wait()
                         if self._closed:
                             return
@@ -218,6 +230,13 @@ class SeriesReader:
                     return
             # A receive waits: open another.
 
+    def _full(self) -> bool:
+        """No room for the next message (lock held): the table and what came of a value
+        being assembled reach ``prefetch_bytes``. An empty table always has room: a value
+        larger than the bound comes whole, and a receive can only take a whole value."""
+        held = self._held
+        return held > 0 and held + self._partial >= self._owner.prefetch_bytes
+
     def _arrived(self, received: Received) -> None:
         """A value came (the channel's thread, ``_Feed``): to the oldest waiting receive,
         else into the table. Never blocks: the reader waits for room."""
@@ -229,6 +248,7 @@ class SeriesReader:
             else:
                 self._values.append(received)
                 self._held += received.value.nbytes
+                self._peak = max(self._peak, self._held)
                 return
         self._owner.count(received)
         self._owner.deliver(waiter, None, received)
@@ -276,6 +296,12 @@ class _Feed:
     def inside_value(self) -> bool:
         """A value begun and not finished."""
         return self._assembler is not None
+
+    @property
+    def partial(self) -> int:
+        """Bytes that came of the value begun and not finished."""
+        assembler = self._assembler
+        return 0 if assembler is None else assembler.received_bytes
 
     def __call__(self, message: bytes) -> object:
         if self.error is not None:

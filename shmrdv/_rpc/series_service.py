@@ -266,9 +266,11 @@ class SeriesService:
                 yield message  # returns once gRPC has taken it (flow control)
                 if completed:
                     nbytes = sum(r.value.nbytes for r in batch[sent : sent + completed])
-                    self._source.done_with(step_id, pk, nbytes)  # once per message
+                    # Counted before the window lets another send in: sent minus written
+                    # never reads more than the window holds (what tests measure).
                     self._stats["series_values"] += completed
                     self._stats["series_bytes"] += nbytes
+                    self._source.done_with(step_id, pk, nbytes)  # once per message
                 sent += completed
         finally:
             for received in reversed(batch[sent:]):

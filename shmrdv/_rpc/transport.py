@@ -253,6 +253,8 @@ class GrpcTransport:
         out["received_bytes"] = client["received_bytes"] + series["received_bytes"]
         out["receives_pending"] = client["inflight"]
         out["series"] = series["series"]
+        out["series_held_bytes"] = series["series_held_bytes"]
+        out["series_held_peak"] = series["series_held_peak"]
         if self._server is not None:
             out.update({f"server_{k}": v for k, v in self._server.stats().items()})
         return out
