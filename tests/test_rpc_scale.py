@@ -63,5 +63,9 @@ def test_ten_thousand_pending_receives_do_not_slow_a_handoff(source: StepSource)
             time.sleep(0.05)
         with_pending = _handoffs(client, source, server.address, 60)
         assert all(cancel() for cancel in cancels)
-        # Issue 15's target is 1.2x; a shared 2-CPU machine needs slack for its noise.
-        assert with_pending <= 2.0 * before + 0.0005, (before, with_pending)
+        after = _handoffs(client, source, server.address, 60)
+        # Issue 15's target is 1.2x; a shared 2-CPU machine needs slack for its noise, and
+        # a burst of load during one of the three measurements must not fail the test: the
+        # pending run is compared with the slower of the runs around it.
+        baseline = max(before, after)
+        assert with_pending <= 2.0 * baseline + 0.0005, (before, with_pending, after)
