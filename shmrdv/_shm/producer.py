@@ -315,55 +315,14 @@ class Producer:
             return
         # The hot path of a send (a live value, no window, no array from ``allocate``):
         # what the key's messages share is cached (``_KeyOut``), and a small one goes
-        # straight to the ring (``_send_inline`` written out, with the key's own record
-        # header: one lock, one ``lseek``, one pack, one ``Ring.append``).
+        # straight to the ring (``_send_inline``: one lock, one ``lseek``, one pack, one
+        # ``Ring.append``).
         out = self._outs.get(key.full_key)
         if out is None or out.dtype is not value.dtype or out.shape != value.shape:
             out = self._key_out(key, value)
-        route = out.route
-        if out.inline:
-            data = value.tobytes()
-            fk = out.fk
-            end = -1
-            lock = self._publish_lock
-            lock.acquire()
-            try:
-                ring = route.ring
-                if ring is not None:
-                    try:  # the SIGBUS guard (``_ring_intact``): the file's size, one ``lseek``
-                        intact = _file_size(route.ring_fd, 0, _SEEK_END) >= route.ring_size
-                    except OSError:
-                        intact = False
-                    if intact or self._ring_intact(route):
-                        seqs = self._seqs.get(step_id)
-                        if seqs is None:
-                            seqs = self._seqs[step_id] = {}
-                        seq = seqs.get(fk, 0)
-                        try:
-                            out.stamp(step_id, seq, self._inc, self._pid, -1, time.time_ns())
-                        except struct.error as e:
-                            raise layout.stamp_error(e, step_id, seq, -1) from e
-                        end = ring.append(out.record, data)
-                        if end >= 0:
-                            seqs[fk] = seq + 1
-                        else:
-                            self.counters["ring_full"] += 1
-            finally:
-                lock.release()
-            if end >= 0:
-                counters = self.counters  # ``_rang`` written out
-                counters["sent"] += 1
-                counters["sent_bytes"] += len(data)
-                post = route.post
-                if post is None:
-                    self._rang(route, -1)  # (no doorbell yet: looks for it)
-                else:
-                    try:
-                        post()  # ``Bell.post``: the semaphore's own, no Python call around it
-                    except Exception:
-                        self._rang(route, -1)  # says what is wrong (closed), or drops it
-                return
-        self._send_copy(step_id, key, out.raw, value, out.template, route, 0, None, out.header)
+        if out.inline and self._send_inline(step_id, out, value, 0, None):
+            return
+        self._send_copy(step_id, key, out.raw, value, out.template, out.route, 0, None, out.header)
 
     def _send_checked(
         self,
@@ -430,8 +389,9 @@ class Producer:
     ) -> bool:
         """Append the message to the consumer's ring; False if it has no ring or no room.
 
-        The hot path of a small send, hence written out: one lock, one ``fstat``
-        (``_ring_intact``), one header copy and pack, one data copy, one store of ``head``.
+        The hot path of a small send, hence written out: one lock, one ``lseek``
+        (``_ring_intact``), one header pack (a live value's: the key's own record header,
+        stamped in place, then ``Ring.append``), one data copy, one store of ``head``.
         """
         t = out.template
         n = t.nbytes
@@ -455,33 +415,45 @@ class Producer:
             if seqs is None:
                 seqs = self._seqs[step_id] = {}
             seq = seqs.get(fk, 0)
-            at = ring.reserve(t.data_offset + n)
-            if at < 0:
+            if flags == 0:
+                try:
+                    out.stamp(step_id, seq, self._inc, self._pid, -1, time.time_ns())
+                except struct.error as e:
+                    raise layout.stamp_error(e, step_id, seq, -1) from e
+                end = ring.append(out.record, data)
+            else:
+                at = ring.reserve(t.data_offset + n)
+                if at >= 0:
+                    buf = route.ring_buf
+                    t.write_keyed(
+                        buf,
+                        at,
+                        out.header,
+                        flags,
+                        step_id,
+                        seq,
+                        self._inc,
+                        self._pid,
+                        -1,
+                        time.time_ns(),
+                    )
+                    if n:
+                        at += t.data_offset
+                        buf[at : at + n] = data
+                    end = ring.commit()
+                else:
+                    end = -1
+            if end < 0:
                 self.counters["ring_full"] += 1
                 return False  # full: this one goes through a segment, in sequence
-            buf = route.ring_buf
-            t.write_keyed(
-                buf, at, out.header, flags, step_id, seq, self._inc, self._pid, -1, time.time_ns()
-            )
-            if n:
-                at += t.data_offset
-                buf[at : at + n] = data
-            end = ring.commit()
             seqs[fk] = seq + 1
         finally:
             lock.release()
         if ticket is not None:
             ticket.record(ring, end)
-        self._rang(route, n)
-        return True
-
-    def _rang(self, route: _Route, nbytes: int) -> None:
-        """A message of ``nbytes`` went into ``route``'s ring: count it (unless ``nbytes``
-        is -1: counted already), post the doorbell."""
-        if nbytes >= 0:
-            counters = self.counters
-            counters["sent"] += 1
-            counters["sent_bytes"] += nbytes
+        counters = self.counters
+        counters["sent"] += 1
+        counters["sent_bytes"] += n
         bell = route.bell  # (read before ``post``: set before it, cleared after it)
         post = route.post
         if post is not None:
@@ -493,6 +465,7 @@ class Producer:
                     bell.ring()  # says what is wrong (closed), or drops a saturating post
         elif (bell := bell or self._peer_bell(route)) is not None:
             bell.ring()
+        return True
 
     def _ring_intact(self, route: _Route) -> bool:
         """Whether ``route``'s ring file still holds the whole ring (one ``fstat``; under the
