@@ -26,7 +26,7 @@ from ._keys import parse_key as parse_key
 from ._local import LocalRendezvous as LocalRendezvous
 from ._namespace import namespace_id as namespace_id
 from ._namespace import new_namespace as new_namespace
-from ._received import Received as Received
+from ._rendezvous import Received as Received
 from ._rendezvous import Rendezvous as Rendezvous
 from ._rpc.security import TLSConfig as TLSConfig
 from ._version import __version__ as __version__

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:
-    from ._received import Received
+    from ._rendezvous import Received
 
 __all__ = ["DoneCallback", "done_failed", "invoke_done"]
 

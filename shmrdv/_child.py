@@ -22,7 +22,7 @@ import numpy.typing as npt
 from ._closing import Closing
 from ._errors import UnavailableError
 from ._procs import Child, ChildFailed, ChildTimeout
-from ._received import Received
+from ._rendezvous import Received
 
 __all__ = ["ChildError", "ChildWorker"]
 

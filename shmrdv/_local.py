@@ -26,8 +26,7 @@ from ._callbacks import DoneCallback, invoke_done
 from ._closing import Closing
 from ._errors import CancelledError, InvalidArgumentError, RendezvousError
 from ._keys import ParsedKey
-from ._received import Received
-from ._rendezvous import Canceller, Rendezvous, as_parsed_key, check_timeout
+from ._rendezvous import Canceller, Received, Rendezvous, as_parsed_key, check_timeout
 from ._values import check_value
 from ._waiters import MISSING, WaiterTable
 

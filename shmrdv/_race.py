@@ -32,8 +32,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from ._callbacks import DoneCallback
-from ._received import Received
-from ._rendezvous import Canceller
+from ._rendezvous import Canceller, Received
 
 __all__ = ["LegStarter", "PickWatch", "RaceRecv"]
 

@@ -1,5 +1,9 @@
 """The Rendezvous interface every transport implements, and the receive flavours built on it.
 
+Every receive ends in a ``Received`` (the value and TensorFlow's ``is_dead``), defined
+here with the interface that returns it, so that a transport's receive path reads this
+module and its own.
+
 A rendezvous implements four things: ``send``, ``start_recv`` (the one asynchronous
 receive primitive, with a canceller: TensorFlow's ``RecvAsync``), ``start_abort`` and,
 where it can do better than a plain ``numpy.empty``, ``allocate``. Everything else a user
@@ -29,6 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,20 +42,69 @@ import numpy.typing as npt
 from ._callbacks import DoneCallback, invoke_done
 from ._errors import DeadlineExceededError, InvalidArgumentError, RendezvousError
 from ._keys import ParsedKey, parse_key
-from ._received import Received
 
 __all__ = [
     "Canceller",
+    "Received",
     "RecvSlot",
     "Rendezvous",
     "WaitObserver",
     "as_parsed_key",
     "check_timeout",
+    "received",
+    "same_value",
     "timeout_error",
     "wait_received",
 ]
 
 _log = logging.getLogger("shmrdv.rendezvous")
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A received tensor: ``value`` and TensorFlow's ``is_dead`` flag.
+
+    ``is_dead`` is set for values of untaken control-flow branches; the value still has
+    the sender's dtype and shape. Unpacks as ``value, is_dead = rdv.recv(key)``.
+    """
+
+    value: npt.NDArray[Any]
+    is_dead: bool = False
+
+    def __iter__(self) -> Any:
+        return iter((self.value, self.is_dead))
+
+    def __repr__(self) -> str:
+        v = self.value
+        return f"Received(value=<ndarray {v.dtype} {v.shape}>, is_dead={self.is_dead})"
+
+
+# ``Received``'s slots, set directly: a frozen dataclass's ``__init__`` goes through
+# ``object.__setattr__`` per field, which doubles the cost of building one.
+_slots: Any = Received
+_new = object.__new__
+_set_value = _slots.value.__set__
+_set_is_dead = _slots.is_dead.__set__
+
+
+def received(value: npt.NDArray[Any], is_dead: bool) -> Received:
+    """``Received(value, is_dead)``, built at half the cost: for the receive side's hot
+    loop (one per message arriving). ``is_dead`` must be a ``bool``."""
+    r: Received = _new(Received)
+    _set_value(r, value)
+    _set_is_dead(r, is_dead)
+    return r
+
+
+def same_value(a: Received, b: Received) -> bool:
+    """Equal dtype, shape, bytes and ``is_dead`` (for tests and checks; NaN-safe)."""
+    return (
+        a.is_dead == b.is_dead
+        and a.value.dtype == b.value.dtype
+        and a.value.shape == b.value.shape
+        and np.ascontiguousarray(a.value).tobytes() == np.ascontiguousarray(b.value).tobytes()
+    )
+
 
 Canceller = Callable[[], bool]
 

@@ -27,9 +27,9 @@ from ._errors import DeadlineExceededError, InvalidArgumentError
 from ._keys import ParsedKey
 from ._local import LocalRendezvous
 from ._race import RaceRecv
-from ._received import Received
 from ._rendezvous import (
     Canceller,
+    Received,
     RecvSlot,
     Rendezvous,
     check_timeout,

@@ -28,8 +28,7 @@ from shmrdv._callbacks import DoneCallback
 from shmrdv._errors import AbortedError
 from shmrdv._keys import ParsedKey, parse_key
 from shmrdv._local import LocalRendezvous
-from shmrdv._received import Received
-from shmrdv._rendezvous import Canceller, RecvSlot
+from shmrdv._rendezvous import Canceller, Received, RecvSlot
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.server import RpcServer
 

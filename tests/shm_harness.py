@@ -20,8 +20,7 @@ import numpy.typing as npt
 from shmrdv._devices import DeviceName
 from shmrdv._keys import ParsedKey, create_key, parse_key
 from shmrdv._peers import Peers, canonical_task
-from shmrdv._received import Received
-from shmrdv._rendezvous import RecvSlot, wait_received
+from shmrdv._rendezvous import Received, RecvSlot, wait_received
 from shmrdv._shm.board import ShmBoard
 from shmrdv._shm.naming import Names
 from shmrdv._shm.presence import Presence, PresenceInfo, boot_id

@@ -23,8 +23,7 @@ from shmrdv._callbacks import DoneCallback
 from shmrdv._errors import AbortedError, DeadlineExceededError, InvalidArgumentError
 from shmrdv._keys import ParsedKey, create_key, parse_key
 from shmrdv._local import LocalRendezvous
-from shmrdv._received import Received
-from shmrdv._rendezvous import Canceller, Rendezvous, check_timeout
+from shmrdv._rendezvous import Canceller, Received, Rendezvous, check_timeout
 from shmrdv._step import StepRendezvous
 
 DEV = "/job:w/replica:0/task:0/device:CPU:0"
@@ -372,7 +371,7 @@ def test_rendezvous_abstract_methods_are_public_and_recv_is_written_once() -> No
 def test_rendezvous_received_fast_constructor_builds_the_same_value() -> None:
     import dataclasses
 
-    from shmrdv._received import received
+    from shmrdv._rendezvous import received
 
     a = np.arange(3)
     r = received(a, True)

@@ -25,7 +25,7 @@ from shmrdv._errors import (
     InvalidArgumentError,
     UnavailableError,
 )
-from shmrdv._received import Received
+from shmrdv._rendezvous import Received
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.server import RpcServer
 

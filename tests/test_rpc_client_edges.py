@@ -15,7 +15,7 @@ import rpc_helpers
 from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import DeadlineExceededError, InvalidArgumentError
-from shmrdv._received import Received
+from shmrdv._rendezvous import Received
 from shmrdv._rpc import recv_unary
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.limits import ServerLimits

@@ -13,7 +13,7 @@ from shmrdv._devices import DeviceName
 from shmrdv._errors import AbortedError, ResourceExhaustedError
 from shmrdv._keys import parse_key
 from shmrdv._peers import Peers
-from shmrdv._received import Received
+from shmrdv._rendezvous import Received
 from shmrdv._rpc.outbox import Outbox
 from shmrdv._shm.board import ShmBoard
 from shmrdv._transport import TransportContext

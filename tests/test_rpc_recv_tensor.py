@@ -15,7 +15,7 @@ from helpers import wait_for
 from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import DeadlineExceededError
-from shmrdv._received import Received
+from shmrdv._rendezvous import Received
 from shmrdv._rpc import assembly, messages
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.mark_finished import encode_mark_recv_finished

@@ -12,7 +12,7 @@ import pytest
 import rpc_helpers
 from rpc_helpers import StepSource, make_key
 
-from shmrdv._received import Received
+from shmrdv._rendezvous import Received
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.server import RpcServer
 

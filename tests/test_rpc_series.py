@@ -26,8 +26,7 @@ from shmrdv._errors import (
     UnavailableError,
 )
 from shmrdv._keys import ParsedKey
-from shmrdv._received import Received
-from shmrdv._rendezvous import RecvSlot
+from shmrdv._rendezvous import Received, RecvSlot
 from shmrdv._rpc import assembly, messages, series_wire
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.methods import RECV_TENSOR_SERIES_METHOD

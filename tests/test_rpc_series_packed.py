@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from shmrdv._received import Received
+from shmrdv._rendezvous import Received
 from shmrdv._rpc import series_wire
 
 CASES: list[npt.NDArray[Any]] = [

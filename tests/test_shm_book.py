@@ -8,7 +8,7 @@ import pytest
 
 import shmrdv
 from shmrdv._keys import parse_key
-from shmrdv._received import Received
+from shmrdv._rendezvous import Received
 from shmrdv._shm.book import Book, Notice, Waiter
 
 _SRC = "/job:a/replica:0/task:0/device:CPU:0"

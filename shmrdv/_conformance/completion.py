@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 
 from .._errors import AbortedError, InvalidArgumentError
-from .._received import Received
+from .._rendezvous import Received
 from .pair import EXPIRE_S, PROMPT_S, SETTLE_S, WAIT_S, RendezvousPair
 from .tools import (
     ListHandler,

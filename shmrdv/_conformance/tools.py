@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .._errors import DeadlineExceededError
-from .._received import Received
+from .._rendezvous import Received
 from .pair import EXPIRE_S, PROMPT_S, SETTLE_S, WAIT_S, RendezvousPair
 from .values import expect
 

@@ -57,7 +57,7 @@ import grpc
 from .._callbacks import DoneCallback, invoke_done
 from .._errors import RendezvousError, ResourceExhaustedError, UnavailableError
 from .._keys import ParsedKey
-from .._received import Received
+from .._rendezvous import Received
 from . import messages, recv_stream
 from .acks import notify
 from .recv_context import Address, CallContext

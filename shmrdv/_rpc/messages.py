@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import InvalidArgumentError, ResourceExhaustedError
-from .._received import Received, received
+from .._rendezvous import Received, received
 from .status import DEVICE_LOCALITY
 from .tensors import (
     MAX_MESSAGE_BYTES,

@@ -43,8 +43,7 @@ from .._errors import (
 )
 from .._keys import ParsedKey
 from .._local import LocalRendezvous
-from .._received import Received
-from .._rendezvous import Canceller
+from .._rendezvous import Canceller, Received
 from .._transport import TransportContext
 from .._window import ConsumerWatch, InflightWindow, Windows
 from . import series_wire

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import grpc
 
 from .._errors import InternalError, RendezvousError, UnavailableError
-from .._received import Received
+from .._rendezvous import Received
 from . import assembly
 from .acks import notify
 from .methods import RECV_TENSOR_STREAM_METHOD

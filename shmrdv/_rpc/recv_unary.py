@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import grpc
 
 from .._errors import CancelledError, InternalError, RendezvousError
-from .._received import Received
+from .._rendezvous import Received
 from . import messages
 from .channels import recv_tensor
 from .recv_context import CallContext

@@ -25,8 +25,7 @@ from collections.abc import Callable
 
 from .._errors import AbortedError
 from .._keys import ParsedKey
-from .._received import Received
-from .._rendezvous import Canceller
+from .._rendezvous import Canceller, Received
 
 __all__ = ["CacheKey", "ResponseCache", "Waiter"]
 

@@ -65,8 +65,7 @@ import grpc
 from .._callbacks import DoneCallback, invoke_done
 from .._errors import CancelledError, InternalError, RendezvousError
 from .._keys import ParsedKey
-from .._received import Received
-from .._rendezvous import Canceller
+from .._rendezvous import Canceller, Received
 from .runner import Runner
 from .series_reader import SeriesReader, Waiter
 

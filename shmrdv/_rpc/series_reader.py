@@ -33,8 +33,7 @@ import grpc
 from .._callbacks import DoneCallback, invoke_done
 from .._errors import InternalError, RendezvousError
 from .._keys import ParsedKey
-from .._received import Received
-from .._rendezvous import Canceller
+from .._rendezvous import Canceller, Received
 from . import assembly, messages, series_wire
 from .methods import RECV_TENSOR_SERIES_METHOD
 from .recv_errors import call_error

@@ -59,7 +59,7 @@ from .._errors import (
     UnavailableError,
 )
 from .._keys import ParsedKey
-from .._received import Received
+from .._rendezvous import Received
 from .._status import code_for_error
 from . import messages, series_wire
 from .keycheck import check_served_key

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import InvalidArgumentError, RendezvousError
-from .._received import Received
+from .._rendezvous import Received
 from .assembly import chunk_pieces, whole_prefix
 from .tf_dtypes import wire_dtype
 from .wire import LEN, Buffer, Malformed, as_buffer, encode_tag, encode_varint, iter_fields

@@ -30,7 +30,7 @@ import grpc.aio
 
 from .._devices import DeviceName
 from .._errors import RendezvousError
-from .._received import Received
+from .._rendezvous import Received
 from .._status import code_for_error
 from . import assembly, messages, status, tensors
 from .mark_finished import decode_mark_recv_finished

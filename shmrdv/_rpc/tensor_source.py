@@ -11,7 +11,7 @@ from typing import Protocol
 
 from .._callbacks import DoneCallback
 from .._keys import ParsedKey
-from .._received import Received
+from .._rendezvous import Received
 
 __all__ = ["TensorSource"]
 

@@ -41,7 +41,7 @@ from .._errors import (
     UnavailableError,
 )
 from .._keys import ParsedKey
-from .._received import Received
+from .._rendezvous import Received
 from . import messages
 from .keycheck import check_served_key
 from .methods import SERVER_STOPPING

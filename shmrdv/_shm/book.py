@@ -35,7 +35,7 @@ from .._callbacks import DoneCallback
 from .._devices import DeviceName
 from .._errors import InternalError
 from .._keys import ParsedKey
-from .._received import Received, received
+from .._rendezvous import Received, received
 from .._waiters import WaiterTable
 from .pool import RunWatch
 from .producer import task_name

@@ -28,8 +28,7 @@ from collections.abc import Callable
 from .._callbacks import DoneCallback, invoke_done
 from .._errors import closed_error
 from .._keys import ParsedKey
-from .._received import Received
-from .._rendezvous import Canceller
+from .._rendezvous import Canceller, Received
 from .._transport import TransportContext
 from . import reaper
 from .book import Book, Channel, InRing, Notice, Source, Stashed, Waiter

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._callbacks import DoneCallback, done_failed, invoke_done
-from .._received import Received
+from .._rendezvous import Received
 
 __all__ = ["Item", "deliver", "deliver_one"]
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import InternalError, RendezvousError
-from .._received import received
+from .._rendezvous import received
 from .._transport import TransportContext
 from . import layout
 from .book import Book, Channel, InRing, Notice, Source, Stash, Stashed

@@ -25,7 +25,7 @@ from typing import Any
 import numpy.typing as npt
 
 from .._errors import InternalError, RendezvousError
-from .._received import Received
+from .._rendezvous import Received
 from .._values import shape_problem
 from . import layout
 from .book import Book, Channel, Notice, NoticeArray

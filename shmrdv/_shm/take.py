@@ -15,7 +15,7 @@ import logging
 from numpy import ndarray
 
 from .._errors import InternalError
-from .._received import Received
+from .._rendezvous import Received
 from .book import Book, Channel, Notice, Stashed
 from .inbox import Inbox
 from .named import NamedMessages
