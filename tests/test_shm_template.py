@@ -52,18 +52,23 @@ def test_template_field_out_of_range_refused() -> None:
     ("dtype", "shape"),
     [(np.dtype("<f4"), (16,)), (np.dtype("|S3"), (2, 0, 5)), (np.dtype([("a", "<i2")]), ())],
 )
-def test_template_stamped_header_equals_write(dtype: np.dtype, shape: tuple[int, ...]) -> None:
-    # A small live send stamps the key's own header copy: the same bytes as ``write``, for
-    # every message of the key (each stamp replaces every per-message field).
+def test_template_keyed_header_stamped_equals_write(
+    dtype: np.dtype, shape: tuple[int, ...]
+) -> None:
+    # A small live send copies the key's header (``keyed``) and stamps the per-message
+    # fields over it (``stamp_into``): the same bytes as ``write``, for every message of
+    # the key (each stamp replaces every per-message field).
     t = layout.Template(dtype, shape, len(KEY.encode()))
-    header, stamp = t.stamped(KEY.encode())
-    assert len(header) == t.data_offset
+    keyed = t.keyed(KEY.encode())
+    assert len(keyed) == t.data_offset
+    header = bytearray(8 + t.data_offset)  # written at 8, as in a ring record
     for step, seq, inc, pid, slot, created in [(-7, 3, 2**64 - 1, 42, 5, 123), (9, 0, 1, 7, -1, 0)]:
-        stamp(step, seq, inc, pid, slot, created)
+        header[8:] = keyed
+        layout.stamp_into(header, 8 + layout.STAMP_AT, step, seq, inc, pid, slot, created)
         want = bytearray(t.data_offset)
         t.write(want, 0, KEY.encode(), 0, step, seq, inc, pid, slot, created)
-        assert header == want
-        h = layout.unpack(header, t.segment_size)
+        assert header[8:] == want
+        h = layout.unpack(header[8:], t.segment_size)
         assert (h.step_id, h.seq, h.producer_incarnation, h.slot, h.is_dead) == (
             step,
             seq,
@@ -72,7 +77,7 @@ def test_template_stamped_header_equals_write(dtype: np.dtype, shape: tuple[int,
             False,
         )
     with pytest.raises(struct.error) as e:
-        stamp(2**63, 0, 1, 1, -1, 0)
+        layout.stamp_into(header, 8 + layout.STAMP_AT, 2**63, 0, 1, 1, -1, 0)
     err = layout.stamp_error(e.value, 2**63, 0, -1)
     assert isinstance(err, InternalError) and "out of range (step 9223372036854775808" in str(err)
 

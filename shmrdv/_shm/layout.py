@@ -31,11 +31,9 @@ large allocation.
 
 from __future__ import annotations
 
-import functools
 import mmap
 import struct
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +55,7 @@ __all__ = [
     "VERSION",
     "Record",
     "FLAG_NOTICE",
-    "Stamp",
+    "STAMP_AT",
     "Header",
     "HeaderCache",
     "Template",
@@ -66,6 +64,7 @@ __all__ = [
     "pack",
     "pack_into",
     "stamp_error",
+    "stamp_into",
     "unpack",
     "unpack_fields",
     "unpack_identity",
@@ -95,12 +94,17 @@ _KNOWN_FLAGS = _FLAG_DEAD | FLAG_NOTICE
 _VARYING = struct.Struct("<HIQQqQQIqQ")
 _VARYING_AT = 10
 # The fields from ``step_id`` to ``created_ns``: what a live message of a known key changes
-# in its header (``Template.stamped``); flags, lengths and offsets stay the template's.
+# in its header (``stamp_into``); flags, lengths and offsets stay the template's.
 _PER_MESSAGE = struct.Struct("<qQQIqQ")
 _PER_MESSAGE_AT = 32
 assert _PER_MESSAGE_AT + _PER_MESSAGE.size == _VARYING_AT + _VARYING.size
-#: ``Template.stamped``'s packer: (step_id, seq, incarnation, pid, slot, created_ns).
-Stamp = Callable[[int, int, int, int, int, int], None]
+#: A live message's per-message fields into its header, copied from ``Template.keyed`` to
+#: ``buf[at:]``: ``stamp_into(buf, at + STAMP_AT, step_id, seq, incarnation, pid, slot,
+#: created_ns)``, one C call (flags, lengths and offsets stay the template's). It raises
+#: ``struct.error`` for a field out of its range (``stamp_error`` makes the
+#: ``InternalError`` that ``write_keyed`` raises).
+stamp_into = _PER_MESSAGE.pack_into
+STAMP_AT = _PER_MESSAGE_AT
 _SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
@@ -356,15 +360,6 @@ class Template:
         if len(key) != self.key_len:
             raise InternalError(f"a key of {len(key)} bytes for a template of {self.key_len}")
         return self.header[: self._key_at] + key + self.header[self._key_at + self.key_len :]
-
-    def stamped(self, key: bytes) -> tuple[bytearray, Stamp]:
-        """A live message's header through ``data_offset`` with the UTF-8 ``key`` in place,
-        as a ``bytearray`` to keep per key, and ``stamp``: ``stamp(step_id, seq,
-        incarnation, pid, slot, created_ns)`` packs the fields that change per message
-        into it, one C call. It raises ``struct.error`` for a field out of its range
-        (``stamp_error`` makes the ``InternalError`` that ``write_keyed`` raises)."""
-        header = bytearray(self.keyed(key))
-        return header, functools.partial(_PER_MESSAGE.pack_into, header, _PER_MESSAGE_AT)
 
     def write_keyed(
         self,
