@@ -340,10 +340,9 @@ class Producer:
             lock = self._publish_lock
             lock.acquire()
             try:
-                ring = route.ring
-                if ring is None:
-                    at = -1  # the ring was failed: segments from now on
-                else:
+                ring = route.ring  # (None: the ring was failed, segments from now on)
+                at = -1
+                if ring is not None:
                     # The SIGBUS guard (``_ring_intact``): the file's size, one ``lseek``.
                     try:
                         intact = _file_size(route.ring_fd, 0, _SEEK_END) >= route.ring_size
@@ -351,28 +350,33 @@ class Producer:
                         intact = False
                     if intact or self._ring_intact(route):
                         at = ring.reserve(payload)
-                        if at < 0:
-                            self.counters["ring_full"] += 1  # full: a segment, in sequence
-                    else:
-                        at = -1
-                if at >= 0:
-                    seqs = self._seqs.get(step_id)
-                    if seqs is None:
-                        seqs = self._seqs[step_id] = {}
-                    seq = seqs.get(fk, 0)
-                    buf = route.ring_buf
-                    buf[at : at + n] = header
-                    try:
-                        _stamp_into(
-                            buf, at + _STAMP_AT, step_id, seq, self._inc, self._pid, -1, _time_ns()
-                        )
-                    except struct.error as e:
-                        raise layout.stamp_error(e, step_id, seq, -1) from e
-                    buf[at + n : at + payload] = data
-                    ring.commit()
-                    seqs[fk] = seq + 1
-                    route.sent += 1
-                    route.sent_bytes += payload - n
+                    if at >= 0:
+                        seqs = self._seqs.get(step_id)
+                        if seqs is None:
+                            seqs = self._seqs[step_id] = {}
+                        seq = seqs.get(fk, 0)
+                        buf = route.ring_buf
+                        buf[at : at + n] = header
+                        try:
+                            _stamp_into(
+                                buf,
+                                at + _STAMP_AT,
+                                step_id,
+                                seq,
+                                self._inc,
+                                self._pid,
+                                -1,
+                                _time_ns(),
+                            )
+                        except struct.error as e:
+                            raise layout.stamp_error(e, step_id, seq, -1) from e
+                        buf[at + n : at + payload] = data
+                        ring.commit()
+                        seqs[fk] = seq + 1
+                        route.sent += 1
+                        route.sent_bytes += payload - n
+                    elif route.ring is not None:
+                        self.counters["ring_full"] += 1  # full: a segment, in sequence
             finally:
                 lock.release()
             if at >= 0:
