@@ -123,18 +123,24 @@ class _Route:
 class _KeyOut:
     """What a send of one key needs that does not change from one message to the next:
     the key (its string and UTF-8 bytes), its route, the header template of the (dtype,
-    shape) last sent under it, that header with the key in place (``Template.keyed``: a
-    live message copies it and stamps its own fields, ``layout.stamp_into``) and whether
-    such a message goes inline (``inline``: through the ring)."""
+    shape) last sent under it, that header with the key in place (``Template.keyed``),
+    whether such a message goes inline (``inline``: through the ring) and, for a live one,
+    what its ring record needs: the header around the per-message fields (``head``,
+    ``tail``: ``Template.live_parts``), its packer (``pack``: ``Template.pack_live``, header
+    and data in one call) and its payload's size."""
 
     __slots__ = (
         "dtype",
         "fk",
+        "head",
         "header",
         "inline",
+        "pack",
+        "payload",
         "raw",
         "route",
         "shape",
+        "tail",
         "template",
     )
 
@@ -149,14 +155,14 @@ class _KeyOut:
         self.shape = t.shape
         self.header = t.keyed(raw)
         self.inline = inline
+        self.head, self.tail = t.live_parts(raw)
+        self.pack = t.pack_live
+        self.payload = t.data_offset + t.nbytes
 
 
 # A file's size: ``_file_size(fd, 0, _SEEK_END)`` (its end, for the ring's size check).
 _file_size = os.lseek
 _SEEK_END = os.SEEK_END
-# A live message's own fields into its header (``layout.stamp_into``), and where they go.
-_stamp_into = layout.stamp_into
-_STAMP_AT = layout.STAMP_AT
 _time_ns = time.time_ns
 # How often a producer looks again for the doorbell of a consumer that has not started.
 _BELL_LOOK_S = 0.02
@@ -325,17 +331,14 @@ class Producer:
         # The hot path of a send (a live value, no window, no array from ``allocate``):
         # what the key's messages share is cached (``_KeyOut``), and a small one goes
         # straight to the ring: ``_send_inline`` written out for a live message (one lock,
-        # one ``lseek``, the key's header copied and stamped in the ring, the data copied,
-        # one store of ``head``, the doorbell posted).
+        # one ``lseek``, the header and the data packed into the ring in one call, one
+        # store of ``head``, the doorbell posted).
         out = self._outs.get(key.full_key)
         if out is None or out.dtype is not value.dtype or out.shape != value.shape:
             out = self._key_out(key, value)
         if out.inline:
             route = out.route
-            data = value.tobytes()
-            header = out.header
-            n = len(header)
-            payload = n + len(data)
+            data = value.tobytes()  # (``nbytes`` bytes: the template's dtype and shape)
             fk = out.fk
             lock = self._publish_lock
             lock.acquire()
@@ -349,32 +352,32 @@ class Producer:
                     except OSError:
                         intact = False
                     if intact or self._ring_intact(route):
-                        at = ring.reserve(payload)
+                        at = ring.reserve(out.payload)
                     if at >= 0:
                         seqs = self._seqs.get(step_id)
                         if seqs is None:
                             seqs = self._seqs[step_id] = {}
                         seq = seqs.get(fk, 0)
-                        buf = route.ring_buf
-                        buf[at : at + n] = header
                         try:
-                            _stamp_into(
-                                buf,
-                                at + _STAMP_AT,
+                            out.pack(
+                                route.ring_buf,
+                                at,
+                                out.head,
                                 step_id,
                                 seq,
                                 self._inc,
                                 self._pid,
                                 -1,
                                 _time_ns(),
+                                out.tail,
+                                data,
                             )
                         except struct.error as e:
                             raise layout.stamp_error(e, step_id, seq, -1) from e
-                        buf[at + n : at + payload] = data
                         ring.commit()
                         seqs[fk] = seq + 1
                         route.sent += 1
-                        route.sent_bytes += payload - n
+                        route.sent_bytes += len(data)
                     elif route.ring is not None:
                         self.counters["ring_full"] += 1  # full: a segment, in sequence
             finally:
