@@ -28,7 +28,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +44,9 @@ from .naming import Names
 from .pool import ProducerAlive, Slot, SlotPool, clear_holder
 from .ring import RINGS_SUPPORTED, Ring, ring_size
 from .segment import Segment, move_noreplace
+
+if TYPE_CHECKING:
+    import posix_ipc
 
 __all__ = ["RING_CAPACITY", "RING_LIMIT", "Producer", "inline_max", "task_name"]
 
@@ -99,6 +102,7 @@ class _Route:
         "ring_fd",
         "ring_segment",
         "ring_size",
+        "sem",
         "sent",
         "sent_bytes",
         "task",
@@ -115,6 +119,7 @@ class _Route:
         self.ring_buf: memoryview = memoryview(b"") if ring is None else ring[1].buf
         self.bell: Bell | None = None
         self.post: Callable[[], None] | None = None  # ``bell.post``, while ``bell`` is set
+        self.sem: posix_ipc.Semaphore | None = None  # ``bell.semaphore``, likewise
         self.bell_look_at = 0.0
         self.sent = 0
         self.sent_bytes = 0
@@ -383,11 +388,17 @@ class Producer:
             finally:
                 lock.release()
             if at >= 0:
-                bell = route.bell  # (read before ``post``: set before it, cleared after it)
-                post = route.post
-                if post is not None:
+                bell = route.bell  # (read before ``sem``: set before it, cleared after it)
+                sem = route.sem
+                if sem is not None:
+                    # The doorbell is posted unless a post is waiting already: whoever
+                    # takes that one drains every ring after it, so also this record (the
+                    # ``head`` store came first). A burst of sends then leaves one post,
+                    # not one per message for the consumer to take (a read of the
+                    # semaphore's value, no system call).
                     try:
-                        post()  # ``Bell.post``: the semaphore's own (see ``_send_inline``)
+                        if sem.value <= 0:
+                            sem.release()  # ``Bell.post``
                     except Exception:
                         bell = bell or route.bell
                         if bell is not None:
@@ -770,6 +781,7 @@ class Producer:
         with self._lock:
             if route.bell is None:
                 route.bell = bell
+                route.sem = bell.semaphore
                 route.post = bell.post
             else:
                 bell.close()
@@ -807,6 +819,7 @@ class Producer:
             bells = [r.bell for r in routes if r.bell is not None]
             for r in routes:
                 r.post = None
+                r.sem = None
                 r.bell = None
         for b in bells:
             b.close()
