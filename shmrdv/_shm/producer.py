@@ -7,10 +7,11 @@ sequence number). The consumer can never see a half-written tensor: the name app
 only once the bytes are complete, also if the producer dies mid-write (then only a
 ``t``/``p`` name is left, for ``gc``). Small tensors instead travel inline in the ring
 this producer keeps for their consumer (``ring.py``). Then the consumer's doorbell is
-posted; for a segment, as soon as its bytes are complete (before its header, its rename
-and its ring notice, and for a large copy before its last ``copier.TAIL`` bytes): its
-consumer's wake-up then runs while they are done, and it finds the message by its spin,
-or by a second post if it slept again (``_publish``).
+posted: for an inline message unless a post is waiting already (whoever takes that one
+drains every ring after it); for a segment, as soon as its bytes are complete (before
+its header, its rename and its ring notice, and for a large copy before its last
+``copier.TAIL`` bytes): its consumer's wake-up then runs while they are done, and it
+finds the message by its spin, or by a second post if it slept again (``_publish``).
 
 Thread model: any thread may call ``send`` / ``allocate``. ``_publish_lock`` serialises
 the sequence numbers and the rings (single producer per ring); ``_lock`` guards the
@@ -518,11 +519,12 @@ class Producer:
             lock.release()
         if ticket is not None:
             ticket.record(ring, end)
-        bell = route.bell  # (read before ``post``: set before it, cleared after it)
-        post = route.post
-        if post is not None:
+        bell = route.bell  # (read before ``sem``: set before it, cleared after it)
+        sem = route.sem
+        if sem is not None:
             try:
-                post()  # ``Bell.post``: the semaphore's own, without a Python call around it
+                if sem.value <= 0:  # (no post waiting: see ``send``)
+                    sem.release()  # ``Bell.post``
             except Exception:
                 bell = bell or route.bell
                 if bell is not None:
