@@ -45,23 +45,6 @@ def test_ring_full_refuses_without_writing_and_wraps() -> None:
         assert [bytes(p)[:1] for p in ring.take()] == [b"a", b"b"]
 
 
-def test_ring_append_writes_a_record_of_two_parts_and_refuses_what_does_not_fit() -> None:
-    # ``append`` (a small send's one call) makes the same records as ``try_put``: in order,
-    # across the end, and nothing written when the ring has no room.
-    ring = make_ring(1024)
-    n = 0
-    while (end := ring.append(bytearray(b"h" * 64), b"d" * 136)) >= 0:
-        n += 1
-        assert end == ring.head == n * 208
-    assert n == 4 and ring.head == 4 * 208
-    assert [bytes(p)[:200] for p in ring.take()] == [b"h" * 64 + b"d" * 136] * 4
-    for i in range(10):  # wraps around the end many times, always in order
-        assert ring.append(b"a" * 64, bytes([i]) * 136) >= 0 and ring.append(b"b" * 8, b"") >= 0
-        assert [bytes(p)[:1] for p in ring.take()] == [b"a", b"b"]
-    assert ring.append(b"x" * 1000, b"y" * 24) == -1  # above the largest record
-    assert not ring.pending()
-
-
 def test_ring_record_too_big_is_refused() -> None:
     ring = make_ring(1024)
     assert not ring.try_put([b"x" * 1024])

@@ -52,18 +52,20 @@ def test_template_field_out_of_range_refused() -> None:
     ("dtype", "shape"),
     [(np.dtype("<f4"), (16,)), (np.dtype("|S3"), (2, 0, 5)), (np.dtype([("a", "<i2")]), ())],
 )
-def test_template_stamped_header_equals_write(dtype: np.dtype, shape: tuple[int, ...]) -> None:
-    # A small live send stamps the key's own header copy: the same bytes as ``write``, for
-    # every message of the key (each stamp replaces every per-message field).
+def test_template_pack_live_equals_write_then_data(dtype: np.dtype, shape: tuple[int, ...]) -> None:
+    # A small live send packs the key's header around its per-message fields, then the
+    # data, in one call (``pack_live``): the same bytes as ``write`` followed by the data,
+    # for every message of the key (each pack replaces every per-message field).
     t = layout.Template(dtype, shape, len(KEY.encode()))
-    header, stamp = t.stamped(KEY.encode())
-    assert len(header) == t.data_offset
+    head, tail = t.live_parts(KEY.encode())
+    data = bytes(range(256)) * (t.nbytes // 256) + bytes(range(t.nbytes % 256))
+    record = bytearray(8 + t.data_offset + t.nbytes)  # written at 8, as in a ring record
     for step, seq, inc, pid, slot, created in [(-7, 3, 2**64 - 1, 42, 5, 123), (9, 0, 1, 7, -1, 0)]:
-        stamp(step, seq, inc, pid, slot, created)
+        t.pack_live(record, 8, head, step, seq, inc, pid, slot, created, tail, data)
         want = bytearray(t.data_offset)
         t.write(want, 0, KEY.encode(), 0, step, seq, inc, pid, slot, created)
-        assert header == want
-        h = layout.unpack(header, t.segment_size)
+        assert record[8:] == want + data
+        h = layout.unpack(record[8:], t.segment_size)
         assert (h.step_id, h.seq, h.producer_incarnation, h.slot, h.is_dead) == (
             step,
             seq,
@@ -72,7 +74,7 @@ def test_template_stamped_header_equals_write(dtype: np.dtype, shape: tuple[int,
             False,
         )
     with pytest.raises(struct.error) as e:
-        stamp(2**63, 0, 1, 1, -1, 0)
+        t.pack_live(record, 8, head, 2**63, 0, 1, 1, -1, 0, tail, data)
     err = layout.stamp_error(e.value, 2**63, 0, -1)
     assert isinstance(err, InternalError) and "out of range (step 9223372036854775808" in str(err)
 

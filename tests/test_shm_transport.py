@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import posix_ipc
 import pytest
 from helpers import CONSUMER, PRODUCER, make_key, wait_for
 from small_shm import run_with_small_dev_shm
@@ -479,6 +480,29 @@ def test_stream_overflowing_the_ring_arrives_whole_and_in_order() -> None:
             del got
         t.join(30)
         assert result == [n]
+        consumer.cleanup(1)
+        producer.cleanup(1)
+
+
+def test_notify_a_burst_of_small_sends_leaves_one_doorbell_post() -> None:
+    """200 small sends while nobody receives: the consumer's doorbell holds one post (the
+    first: whoever takes it drains the ring), not one per message; all 200 arrive."""
+    ns = shmrdv.new_namespace()
+    keys = [make_key(f"burst{i}") for i in range(200)]
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        ChildWorker(PRODUCER, namespace=ns) as producer,
+    ):
+        assert producer.call(child_send_many, 1, keys, timeout=60) == len(keys)
+        sem = posix_ipc.Semaphore(Names(ns).bell(CONSUMER))
+        try:
+            posts = sem.value
+        finally:
+            sem.close()
+        assert posts == 1, f"{posts} doorbell posts waiting after {len(keys)} sends"
+        rdv = consumer.rendezvous(1)
+        for i, key in enumerate(keys):
+            assert int(rdv.recv(key, timeout=10).value[0]) == i
         consumer.cleanup(1)
         producer.cleanup(1)
 

@@ -197,6 +197,13 @@ class Bell(Closing):
         release: Callable[[], None] = self._sem.release
         return release
 
+    @property
+    def semaphore(self) -> posix_ipc.Semaphore:
+        """The semaphore itself, for a sender's hot path: its ``value`` (posts not taken
+        yet) and its ``release`` (``post``) without a Python call around them. Both raise
+        on a closed handle; the caller then calls ``ring``, which says what is wrong."""
+        return self._sem
+
     def ring(self) -> None:
         """Post one hint. Never blocks. A saturated counter (SEM_VALUE_MAX) is left as it is.
 

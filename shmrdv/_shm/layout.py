@@ -31,7 +31,6 @@ large allocation.
 
 from __future__ import annotations
 
-import functools
 import mmap
 import struct
 import time
@@ -57,7 +56,7 @@ __all__ = [
     "VERSION",
     "Record",
     "FLAG_NOTICE",
-    "Stamp",
+    "LiveParts",
     "Header",
     "HeaderCache",
     "Template",
@@ -95,12 +94,13 @@ _KNOWN_FLAGS = _FLAG_DEAD | FLAG_NOTICE
 _VARYING = struct.Struct("<HIQQqQQIqQ")
 _VARYING_AT = 10
 # The fields from ``step_id`` to ``created_ns``: what a live message of a known key changes
-# in its header (``Template.stamped``); flags, lengths and offsets stay the template's.
+# in its header (``Template.pack_live``); flags, lengths and offsets stay the template's.
 _PER_MESSAGE = struct.Struct("<qQQIqQ")
 _PER_MESSAGE_AT = 32
 assert _PER_MESSAGE_AT + _PER_MESSAGE.size == _VARYING_AT + _VARYING.size
-#: ``Template.stamped``'s packer: (step_id, seq, incarnation, pid, slot, created_ns).
-Stamp = Callable[[int, int, int, int, int, int], None]
+#: ``Template.pack_live``: the parts of a live message's header a key keeps
+#: (``Template.live_parts``: what comes before the per-message fields, what follows them).
+LiveParts = tuple[bytes, bytes]
 _SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
@@ -303,6 +303,7 @@ class Template:
         "header",
         "key_len",
         "nbytes",
+        "pack_live",
         "segment_size",
         "shape",
     )
@@ -329,6 +330,23 @@ class Template:
         self.data_offset = h.data_offset
         self.nbytes = h.nbytes
         self.segment_size = h.segment_size
+        #: A live message, header and data, in one C call: ``pack_live(buf, at, head,
+        #: step_id, seq, incarnation, pid, slot, created_ns, tail, data)``, where ``head,
+        #: tail = live_parts(key)`` and ``data`` holds ``nbytes`` bytes. The same bytes as
+        #: ``write_keyed`` (flags 0) followed by the data. Raises ``struct.error`` for a
+        #: field out of its range (``stamp_error`` makes the ``InternalError`` that
+        #: ``write_keyed`` raises).
+        self.pack_live: Callable[..., None] = struct.Struct(
+            f"<{_PER_MESSAGE_AT}s{_PER_MESSAGE.format[1:]}"
+            f"{self.data_offset - _STATIC_AT}s{self.nbytes}s"
+        ).pack_into
+
+    def live_parts(self, key: bytes) -> LiveParts:
+        """The header with the UTF-8 ``key`` in place (``keyed``) around the per-message
+        fields: what ``pack_live`` writes before them, and after them through
+        ``data_offset``; made once per key."""
+        keyed = self.keyed(key)
+        return keyed[:_PER_MESSAGE_AT], keyed[_STATIC_AT:]
 
     def write(
         self,
@@ -356,15 +374,6 @@ class Template:
         if len(key) != self.key_len:
             raise InternalError(f"a key of {len(key)} bytes for a template of {self.key_len}")
         return self.header[: self._key_at] + key + self.header[self._key_at + self.key_len :]
-
-    def stamped(self, key: bytes) -> tuple[bytearray, Stamp]:
-        """A live message's header through ``data_offset`` with the UTF-8 ``key`` in place,
-        as a ``bytearray`` to keep per key, and ``stamp``: ``stamp(step_id, seq,
-        incarnation, pid, slot, created_ns)`` packs the fields that change per message
-        into it, one C call. It raises ``struct.error`` for a field out of its range
-        (``stamp_error`` makes the ``InternalError`` that ``write_keyed`` raises)."""
-        header = bytearray(self.keyed(key))
-        return header, functools.partial(_PER_MESSAGE.pack_into, header, _PER_MESSAGE_AT)
 
     def write_keyed(
         self,

@@ -7,10 +7,11 @@ sequence number). The consumer can never see a half-written tensor: the name app
 only once the bytes are complete, also if the producer dies mid-write (then only a
 ``t``/``p`` name is left, for ``gc``). Small tensors instead travel inline in the ring
 this producer keeps for their consumer (``ring.py``). Then the consumer's doorbell is
-posted; for a segment, as soon as its bytes are complete (before its header, its rename
-and its ring notice, and for a large copy before its last ``copier.TAIL`` bytes): its
-consumer's wake-up then runs while they are done, and it finds the message by its spin,
-or by a second post if it slept again (``_publish``).
+posted: for an inline message unless a post is waiting already (whoever takes that one
+drains every ring after it); for a segment, as soon as its bytes are complete (before
+its header, its rename and its ring notice, and for a large copy before its last
+``copier.TAIL`` bytes): its consumer's wake-up then runs while they are done, and it
+finds the message by its spin, or by a second post if it slept again (``_publish``).
 
 Thread model: any thread may call ``send`` / ``allocate``. ``_publish_lock`` serialises
 the sequence numbers and the rings (single producer per ring); ``_lock`` guards the
@@ -28,7 +29,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +45,9 @@ from .naming import Names
 from .pool import ProducerAlive, Slot, SlotPool, clear_holder
 from .ring import RINGS_SUPPORTED, Ring, ring_size
 from .segment import Segment, move_noreplace
+
+if TYPE_CHECKING:
+    import posix_ipc
 
 __all__ = ["RING_CAPACITY", "RING_LIMIT", "Producer", "inline_max", "task_name"]
 
@@ -86,7 +90,9 @@ class _Allocation:
 
 
 class _Route:
-    """What this producer keeps per consumer worker: its ring and its doorbell."""
+    """What this producer keeps per consumer worker: its ring and its doorbell, and what
+    it sent there (``sent``, ``sent_bytes``: ``stats``, two attributes a send adds to
+    where a dict of counters would cost two lookups each)."""
 
     __slots__ = (
         "bell",
@@ -97,6 +103,9 @@ class _Route:
         "ring_fd",
         "ring_segment",
         "ring_size",
+        "sem",
+        "sent",
+        "sent_bytes",
         "task",
     )
 
@@ -111,7 +120,10 @@ class _Route:
         self.ring_buf: memoryview = memoryview(b"") if ring is None else ring[1].buf
         self.bell: Bell | None = None
         self.post: Callable[[], None] | None = None  # ``bell.post``, while ``bell`` is set
+        self.sem: posix_ipc.Semaphore | None = None  # ``bell.semaphore``, likewise
         self.bell_look_at = 0.0
+        self.sent = 0
+        self.sent_bytes = 0
 
 
 class _KeyOut:
@@ -119,19 +131,22 @@ class _KeyOut:
     the key (its string and UTF-8 bytes), its route, the header template of the (dtype,
     shape) last sent under it, that header with the key in place (``Template.keyed``),
     whether such a message goes inline (``inline``: through the ring) and, for a live one,
-    its ring record's header with its packer (``record``, ``stamp``: ``Template.stamped``;
-    used under the publish lock)."""
+    what its ring record needs: the header around the per-message fields (``head``,
+    ``tail``: ``Template.live_parts``), its packer (``pack``: ``Template.pack_live``, header
+    and data in one call) and its payload's size."""
 
     __slots__ = (
         "dtype",
         "fk",
+        "head",
         "header",
         "inline",
+        "pack",
+        "payload",
         "raw",
-        "record",
         "route",
         "shape",
-        "stamp",
+        "tail",
         "template",
     )
 
@@ -146,12 +161,15 @@ class _KeyOut:
         self.shape = t.shape
         self.header = t.keyed(raw)
         self.inline = inline
-        self.record, self.stamp = t.stamped(raw)
+        self.head, self.tail = t.live_parts(raw)
+        self.pack = t.pack_live
+        self.payload = t.data_offset + t.nbytes
 
 
 # A file's size: ``_file_size(fd, 0, _SEEK_END)`` (its end, for the ring's size check).
 _file_size = os.lseek
 _SEEK_END = os.SEEK_END
+_time_ns = time.time_ns
 # How often a producer looks again for the doorbell of a consumer that has not started.
 _BELL_LOOK_S = 0.02
 # Header templates kept (per key; a key's dtype or shape change replaces its entry).
@@ -185,10 +203,12 @@ class Producer:
         self._allocations: dict[int, _Allocation] = {}
         self._routes: dict[str, _Route] = {}  # by the key's dst device, as written
         self._consumers: dict[str, _Route] = {}  # by consumer task
+        # Every route made, also after ``close``: ``stats`` adds up what they sent.
+        self._routes_made: list[_Route] = []
         # ``peer_alive(task, incarnation)``: whether that worker run lives; a pool slot held
         # by a consumer run that is gone is taken back (``SlotPool``).
         self._pool = SlotPool(names, task, incarnation, pool_bytes, holder_alive=peer_alive)
-        self.counters = {"sent": 0, "sent_bytes": 0, "sent_zero_copy": 0, "ring_full": 0}
+        self.counters = {"sent_zero_copy": 0, "ring_full": 0}  # (sent: per route)
 
     # -- what is derived once ---------------------------------------------------------
 
@@ -216,6 +236,7 @@ class Producer:
             if route is None:
                 route = _Route(task, self._make_ring(task) if RINGS_SUPPORTED else None)
                 self._consumers[task] = route
+                self._routes_made.append(route)
             self._routes[key.dst_device] = route
             return route
 
@@ -315,13 +336,77 @@ class Producer:
             return
         # The hot path of a send (a live value, no window, no array from ``allocate``):
         # what the key's messages share is cached (``_KeyOut``), and a small one goes
-        # straight to the ring (``_send_inline``: one lock, one ``lseek``, one pack, one
-        # ``Ring.append``).
+        # straight to the ring: ``_send_inline`` written out for a live message (one lock,
+        # one ``lseek``, the header and the data packed into the ring in one call, one
+        # store of ``head``, the doorbell posted).
         out = self._outs.get(key.full_key)
         if out is None or out.dtype is not value.dtype or out.shape != value.shape:
             out = self._key_out(key, value)
-        if out.inline and self._send_inline(step_id, out, value, 0, None):
-            return
+        if out.inline:
+            route = out.route
+            data = value.tobytes()  # (``nbytes`` bytes: the template's dtype and shape)
+            fk = out.fk
+            lock = self._publish_lock
+            lock.acquire()
+            try:
+                ring = route.ring  # (None: the ring was failed, segments from now on)
+                at = -1
+                if ring is not None:
+                    # The SIGBUS guard (``_ring_intact``): the file's size, one ``lseek``.
+                    try:
+                        intact = _file_size(route.ring_fd, 0, _SEEK_END) >= route.ring_size
+                    except OSError:
+                        intact = False
+                    if intact or self._ring_intact(route):
+                        at = ring.reserve(out.payload)
+                    if at >= 0:
+                        seqs = self._seqs.get(step_id)
+                        if seqs is None:
+                            seqs = self._seqs[step_id] = {}
+                        seq = seqs.get(fk, 0)
+                        try:
+                            out.pack(
+                                route.ring_buf,
+                                at,
+                                out.head,
+                                step_id,
+                                seq,
+                                self._inc,
+                                self._pid,
+                                -1,
+                                _time_ns(),
+                                out.tail,
+                                data,
+                            )
+                        except struct.error as e:
+                            raise layout.stamp_error(e, step_id, seq, -1) from e
+                        ring.commit()
+                        seqs[fk] = seq + 1
+                        route.sent += 1
+                        route.sent_bytes += len(data)
+                    elif route.ring is not None:
+                        self.counters["ring_full"] += 1  # full: a segment, in sequence
+            finally:
+                lock.release()
+            if at >= 0:
+                bell = route.bell  # (read before ``sem``: set before it, cleared after it)
+                sem = route.sem
+                if sem is not None:
+                    # The doorbell is posted unless a post is waiting already: whoever
+                    # takes that one drains every ring after it, so also this record (the
+                    # ``head`` store came first). A burst of sends then leaves one post,
+                    # not one per message for the consumer to take (a read of the
+                    # semaphore's value, no system call).
+                    try:
+                        if sem.value <= 0:
+                            sem.release()  # ``Bell.post``
+                    except Exception:
+                        bell = bell or route.bell
+                        if bell is not None:
+                            bell.ring()  # says what is wrong (closed), or drops a saturating post
+                elif (bell := bell or self._peer_bell(route)) is not None:
+                    bell.ring()
+                return
         self._send_copy(step_id, key, out.raw, value, out.template, out.route, 0, None, out.header)
 
     def _send_checked(
@@ -389,9 +474,9 @@ class Producer:
     ) -> bool:
         """Append the message to the consumer's ring; False if it has no ring or no room.
 
-        The hot path of a small send, hence written out: one lock, one ``lseek``
-        (``_ring_intact``), one header pack (a live value's: the key's own record header,
-        stamped in place, then ``Ring.append``), one data copy, one store of ``head``.
+        One lock, one ``lseek`` (``_ring_intact``), the key's header copied and its fields
+        packed in the ring, one data copy, one store of ``head``. (``send`` writes this out
+        for a live message with no window: the hot path.)
         """
         t = out.template
         n = t.nbytes
@@ -415,50 +500,31 @@ class Producer:
             if seqs is None:
                 seqs = self._seqs[step_id] = {}
             seq = seqs.get(fk, 0)
-            if flags == 0:
-                try:
-                    out.stamp(step_id, seq, self._inc, self._pid, -1, time.time_ns())
-                except struct.error as e:
-                    raise layout.stamp_error(e, step_id, seq, -1) from e
-                end = ring.append(out.record, data)
-            else:
-                at = ring.reserve(t.data_offset + n)
-                if at >= 0:
-                    buf = route.ring_buf
-                    t.write_keyed(
-                        buf,
-                        at,
-                        out.header,
-                        flags,
-                        step_id,
-                        seq,
-                        self._inc,
-                        self._pid,
-                        -1,
-                        time.time_ns(),
-                    )
-                    if n:
-                        at += t.data_offset
-                        buf[at : at + n] = data
-                    end = ring.commit()
-                else:
-                    end = -1
-            if end < 0:
+            at = ring.reserve(t.data_offset + n)
+            if at < 0:
                 self.counters["ring_full"] += 1
                 return False  # full: this one goes through a segment, in sequence
+            buf = route.ring_buf
+            t.write_keyed(
+                buf, at, out.header, flags, step_id, seq, self._inc, self._pid, -1, _time_ns()
+            )
+            if n:
+                at += t.data_offset
+                buf[at : at + n] = data
+            end = ring.commit()
             seqs[fk] = seq + 1
+            route.sent += 1
+            route.sent_bytes += n
         finally:
             lock.release()
         if ticket is not None:
             ticket.record(ring, end)
-        counters = self.counters
-        counters["sent"] += 1
-        counters["sent_bytes"] += n
-        bell = route.bell  # (read before ``post``: set before it, cleared after it)
-        post = route.post
-        if post is not None:
+        bell = route.bell  # (read before ``sem``: set before it, cleared after it)
+        sem = route.sem
+        if sem is not None:
             try:
-                post()  # ``Bell.post``: the semaphore's own, without a Python call around it
+                if sem.value <= 0:  # (no post waiting: see ``send``)
+                    sem.release()  # ``Bell.post``
             except Exception:
                 bell = bell or route.bell
                 if bell is not None:
@@ -682,9 +748,8 @@ class Producer:
         return name, posted
 
     def _after_publish(self, route: _Route, nbytes: int, posted: bool) -> None:
-        counters = self.counters
-        counters["sent"] += 1
-        counters["sent_bytes"] += nbytes
+        route.sent += 1
+        route.sent_bytes += nbytes
         bell = route.bell
         if posted:
             # ``_publish`` posted the doorbell before the notice. If that post was taken
@@ -718,6 +783,7 @@ class Producer:
         with self._lock:
             if route.bell is None:
                 route.bell = bell
+                route.sem = bell.semaphore
                 route.post = bell.post
             else:
                 bell.close()
@@ -755,12 +821,18 @@ class Producer:
             bells = [r.bell for r in routes if r.bell is not None]
             for r in routes:
                 r.post = None
+                r.sem = None
                 r.bell = None
         for b in bells:
             b.close()
 
     def stats(self) -> dict[str, int]:
-        out = dict(self.counters)
+        routes = list(self._routes_made)
+        out = {
+            "sent": sum(r.sent for r in routes),
+            "sent_bytes": sum(r.sent_bytes for r in routes),
+            **self.counters,
+        }
         with self._lock:
             out["allocations"] = len(self._allocations)
         out["rings_out"] = sum(1 for r in list(self._consumers.values()) if r.ring is not None)

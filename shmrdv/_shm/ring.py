@@ -142,38 +142,6 @@ class Ring:
         self._next_head = head + size
         return at + 4
 
-    def append(self, header: bytes | bytearray, data: bytes) -> int:
-        """Append one record, ``header`` then ``data``, and publish it: ``reserve``, the two
-        copies and ``commit`` in one call (a small send's hot path, hence ``reserve``'s
-        room check written out). Returns the new ``head``, or -1 (nothing written) if the
-        record does not fit now."""
-        n = len(header)
-        payload = n + len(data)
-        if payload > self._max_record:
-            return -1
-        size = (payload + 4 + _ALIGN - 1) & ~(_ALIGN - 1)  # the length word, 8-aligned
-        words, cap = self._words, self.capacity
-        head = words[_H]
-        pos = head % cap
-        if pos + size > cap:  # it would cross the end: a wrap mark, then from the start
-            pad = cap - pos
-            if head + pad + size - words[_T] > cap:
-                return -1
-            self._u32[(DATA_OFFSET + pos) >> 2] = _WRAP
-            head += pad
-            pos = 0
-        elif head + size - words[_T] > cap:
-            return -1
-        at = DATA_OFFSET + pos
-        self._u32[at >> 2] = size
-        at += 4
-        buf = self._buf
-        buf[at : at + n] = header
-        if payload > n:
-            buf[at + n : at + payload] = data
-        head = words[_H] = head + size  # (after every byte of the record: see ``commit``)
-        return head
-
     def commit(self) -> int:
         """Publish the record ``reserve`` made room for: one 8-byte store of ``head``, after
         every byte of the record (see the module docstring). Returns the new ``head``."""
