@@ -36,8 +36,9 @@ def _address(a: npt.NDArray[Any]) -> int:
         np.arange(KIB64, dtype=np.int64)[::2],  # not contiguous
         np.arange(KIB64 // 8, dtype=">f8"),  # not native
         np.ones((3, 5000, 3), np.complex64),  # not a multiple of a page
+        np.ones(5000, [("x", "<f8"), ("y", "<i4")]),  # a dtype the interface cannot name
     ],
-    ids=["f32", "strided", "big-endian", "complex"],
+    ids=["f32", "strided", "big-endian", "complex", "structured"],
 )
 def test_send_pool_copy_is_a_read_only_equal_copy(value: npt.NDArray[Any]) -> None:
     pool = SendPool(1 << 20)
@@ -55,6 +56,9 @@ def test_send_pool_reuses_a_block_only_once_the_copy_and_its_views_are_gone() ->
     first = pool.copy(value)
     assert first is not None
     where = _address(first)
+    again = pool.copy(value)  # the first lives: a new block
+    assert again is not None and _address(again) != where
+    del again
     view = first[10:20]
     del first
     second = pool.copy(value)  # a view of the first lives: a new block
@@ -64,7 +68,7 @@ def test_send_pool_reuses_a_block_only_once_the_copy_and_its_views_are_gone() ->
     third = pool.copy(np.full(KIB64, 7, np.uint8))  # now the first's block comes back
     assert third is not None and _address(third) == where
     np.testing.assert_array_equal(third, 7)
-    assert pool.stats()["send_pool_reused"] == 1
+    assert pool.stats()["send_pool_reused"] == 2
     assert pool.stats()["send_pool_made"] == 2
 
 

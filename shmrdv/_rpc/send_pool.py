@@ -51,7 +51,7 @@ class SendPool:
         self._lock = threading.RLock()
         # size class -> its free blocks; the dict's order: the class given a block back
         # least recently first (the one pushed out when the pool is full).
-        self._free: dict[int, list[npt.NDArray[np.uint8]]] = {}
+        self._free: dict[int, list[_Block]] = {}
         self._free_bytes = 0
         self._closed = False
         self._stats = {"send_pool_reused": 0, "send_pool_made": 0}
@@ -64,50 +64,52 @@ class SendPool:
         the pool does not take (under ``MIN_BYTES``, over the bound, of objects, or the
         pool closed): copy it as usual."""
         nbytes = value.nbytes
-        if nbytes < MIN_BYTES or nbytes > self._max or value.dtype.hasobject or self._closed:
+        dtype = value.dtype
+        if nbytes < MIN_BYTES or nbytes > self._max or dtype.hasobject or self._closed:
             return None
         size = -(-nbytes // _PAGE) * _PAGE
-        block = None
         with self._lock:
             free = self._free.get(size)
-            if free:
-                block = free.pop()
+            block = free.pop() if free else None
+            if block is not None:
                 self._free_bytes -= size
                 self._stats["send_pool_reused"] += 1
             else:
                 self._stats["send_pool_made"] += 1
         if block is None:
-            block = np.empty(size, np.uint8)
+            block = _Block(size)
+        shape = value.shape
+        np.copyto(block.typed(dtype, shape, nbytes), value, casting="no")
         lease = _Lease()
         lease.pool = self
         lease.block = block
-        lease.__array_interface__ = {
-            "data": (block.ctypes.data, False),
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "version": 3,
-        }
-        out: npt.NDArray[Any] = np.asarray(lease).view(value.dtype).reshape(value.shape)
-        np.copyto(out, value, casting="no")
-        out.flags.writeable = False
+        lease.__array_interface__ = block.interface
+        out: npt.NDArray[Any] = np.asarray(lease)
+        if out.dtype != dtype or out.shape != shape:  # a dtype the interface cannot name
+            out = out.view(dtype).reshape(shape)
         return out
 
-    def give_back(self, block: npt.NDArray[np.uint8]) -> None:
+    def give_back(self, block: _Block) -> None:
         """``block``'s last copy is gone (its lease): keep it for the next, if it fits."""
-        size = block.nbytes
+        size = block.size
         with self._lock:
             if self._closed or size > self._max:
                 return
             while self._free_bytes + size > self._max:  # push out the stalest class
                 oldest = next(iter(self._free))
-                blocks = self._free[oldest]
-                blocks.pop()
+                stale = self._free[oldest]
+                stale.pop()
                 self._free_bytes -= oldest
-                if not blocks:
+                if not stale:
                     del self._free[oldest]
-            blocks = self._free.pop(size, [])
-            blocks.append(block)
-            self._free[size] = blocks  # now the class given a block back most recently
+            blocks = self._free.get(size)
+            if blocks is None:
+                self._free[size] = [block]
+            else:
+                if next(reversed(self._free)) != size:
+                    del self._free[size]  # now the class given a block back most recently
+                    self._free[size] = blocks
+                blocks.append(block)
             self._free_bytes += size
 
     def close(self) -> None:
@@ -125,6 +127,38 @@ class SendPool:
         return out
 
 
+class _Block:
+    """One block of pooled memory: ``size`` bytes, the writable view of it a copy of a
+    dtype and shape is made through, and the read-only array interface of that copy
+    (both kept for the next copy of the same dtype and shape)."""
+
+    __slots__ = ("_key", "_typed", "interface", "memory", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.memory = np.empty(size, np.uint8)
+        self._key: tuple[np.dtype[Any], tuple[int, ...]] | None = None
+        self._typed: npt.NDArray[Any] = self.memory
+        self.interface: dict[str, Any] = {}
+
+    def typed(self, dtype: np.dtype[Any], shape: tuple[int, ...], nbytes: int) -> npt.NDArray[Any]:
+        """The block's first ``nbytes`` as a writable array of ``dtype`` and ``shape``,
+        and ``interface`` set to describe them read-only."""
+        key = (dtype, shape)
+        if key != self._key:
+            self._typed = self.memory[:nbytes].view(dtype).reshape(shape)
+            plain = dtype.names is None and dtype.subdtype is None
+            address = self.memory.__array_interface__["data"][0]
+            self.interface = {
+                "data": (address, True),  # read-only
+                "shape": shape if plain else (nbytes,),
+                "typestr": dtype.str if plain else "|u1",
+                "version": 3,
+            }
+            self._key = key
+        return self._typed
+
+
 class _Lease:
     """One copy's hold on its block: the numpy base of the copy and of its views; when
     it is collected (they are all gone), the block goes back to its pool."""
@@ -132,7 +166,7 @@ class _Lease:
     __slots__ = ("__array_interface__", "block", "pool")
 
     pool: SendPool
-    block: npt.NDArray[np.uint8]
+    block: _Block
     __array_interface__: dict[str, Any]
 
     def __del__(self) -> None:
