@@ -119,6 +119,8 @@ def test_a_batch_of_plain_values_is_framed_as_chunk_pieces_frames_it() -> None:
     values = [
         Received(np.arange(10, dtype=np.float32).reshape(2, 5), False),
         Received(np.arange(5000, dtype=np.int16), False),
+        Received(np.array(3.0), False),  # 0-d
+        Received(np.array([True, False, True]), False),
         Received(series_wire.packed_copy(np.ones(7, np.float64)), False),  # type: ignore[arg-type]
         Received(np.arange(3, dtype=np.int32), True),  # dead
         Received(np.ones(6, ">f4"), False),  # converted on the wire
