@@ -102,3 +102,34 @@ def _messages_of(values: list[Received], budget: int) -> tuple[list[bytes], int]
         chunks += [bytes(c) for c in series_wire.series_chunks(message)]
         completed += done
     return chunks, completed
+
+
+def _strided(value: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """The same values in a non-contiguous array: encoded by ``chunk_pieces``."""
+    wide = np.empty((*value.shape, 2), value.dtype)
+    wide[..., 0] = value
+    strided: npt.NDArray[Any] = wide[..., 0]
+    assert not strided.flags.c_contiguous or value.size <= 1
+    return strided
+
+
+def test_a_batch_of_plain_values_is_framed_as_chunk_pieces_frames_it() -> None:
+    """Plain contiguous values that fit a message go framed once (``_lone``): the same
+    bytes as the non-contiguous path, mixed with packed, dead and large values."""
+    values = [
+        Received(np.arange(10, dtype=np.float32).reshape(2, 5), False),
+        Received(np.arange(5000, dtype=np.int16), False),
+        Received(np.array(3.0), False),  # 0-d
+        Received(np.array([True, False, True]), False),
+        Received(series_wire.packed_copy(np.ones(7, np.float64)), False),  # type: ignore[arg-type]
+        Received(np.arange(3, dtype=np.int32), True),  # dead
+        Received(np.ones(6, ">f4"), False),  # converted on the wire
+        Received(np.arange(40_000, dtype=np.uint8), False),  # cut into chunks
+    ]
+    reference = [
+        r if r.is_dead or not r.value.flags.writeable else Received(_strided(r.value), False)
+        for r in values
+    ]
+    for budget in (4 << 20, 20_000, 64):
+        sent = list(series_wire.encode_series(values, budget))
+        assert sent == list(series_wire.encode_series(reference, budget))

@@ -48,8 +48,12 @@ from .._transport import TransportContext
 from .._window import ConsumerWatch, InflightWindow, Windows
 from . import series_wire
 from .methods import SERVER_STOPPING
+from .send_pool import SendPool
 
 __all__ = ["Outbox"]
+
+# What the pool of sent copies keeps at most without a window (max_inflight_bytes).
+_POOL_BYTES = 64 << 20
 
 
 class Outbox:
@@ -71,6 +75,9 @@ class Outbox:
         # Per step, per consumer's window: bytes its box (or the server) holds.
         self._held: dict[int, dict[InflightWindow, int]] = {}
         self._watches: dict[InflightWindow, ConsumerWatch] = {}
+        # The memory of the copies sent, kept for the next ones: as much as the window
+        # lets a consumer hold (what a pipeline runs ahead), else _POOL_BYTES.
+        self._pool = SendPool(_POOL_BYTES if limit is None else limit)
 
     def __repr__(self) -> str:
         return f"<Outbox {self.task} steps={len(self._boxes)} closed={self._closed}>"
@@ -162,10 +169,13 @@ class Outbox:
             value.flags.writeable = False
         else:
             # The caller keeps its array and may reuse it at once: buffer a copy (the
-            # same one copy the shared-memory path makes), made as the series message
-            # that carries it, so that sending it copies it no more.
-            packed = None if is_dead else series_wire.packed_copy(value)
-            value = np.array(value, copy=True, order="C") if packed is None else packed
+            # same one copy the shared-memory path makes). From 32 KiB, in memory an
+            # earlier copy used (``SendPool``: no page faults); a smaller one is made as
+            # the series message that carries it, so that sending it copies it no more.
+            copy = self._pool.copy(value)
+            if copy is None and not is_dead:
+                copy = series_wire.packed_copy(value)
+            value = np.array(value, copy=True, order="C") if copy is None else copy
         box.send(key, value, is_dead=is_dead)
         self._counters["sent"] += 1
         self._counters["sent_bytes"] += value.nbytes
@@ -302,6 +312,7 @@ class Outbox:
         error = closed_error(self.task)
         for box in boxes:
             box.start_abort(error)
+        self._pool.close()
         if self._windows is not None:
             with self._lock:
                 self._held.clear()
@@ -310,6 +321,7 @@ class Outbox:
     def stats(self) -> dict[str, int]:
         """Counters: sent, sent bytes, steps and values held, and the window's."""
         out = dict(self._counters)
+        out.update(self._pool.stats())
         with self._lock:
             out["outbox_steps"] = len(self._boxes)
             out["outbox_values"] = sum(b.stats()["pending_values"] for b in self._boxes.values())

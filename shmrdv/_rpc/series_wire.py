@@ -7,7 +7,9 @@ back. The producer packs what it already has into one message up to about
 ``budget`` bytes, so a queue of small values costs one gRPC write, not one each; a value
 larger than ``budget`` is cut into chunks of at most ``budget`` bytes of data, one
 message each. One copy of the data: the buffer into the message; none for a value
-``packed_copy`` made (the producer's copy at ``send`` is then the message itself).
+``packed_copy`` made (the producer's copy at ``send`` is then the message itself). A
+value that fits one message is framed once per dtype and shape (``_lone``), not cut by
+``chunk_pieces``.
 """
 
 from __future__ import annotations
@@ -42,15 +44,20 @@ def encode_series(values: Sequence[Received], budget: int) -> Iterator[tuple[byt
         whole = _packed_message(values[0], budget)
         if whole is not None:
             return iter([(whole, 1)])
-    # A packed value's message is already its chunk, framed: it is joined as it is.
-    pieces: list[bytes | list[tuple[bytes, memoryview | bytes]]] = []
+    # A packed value's message is already its chunk, framed: it is joined as it is; a
+    # plain value that fits one chunk is its framing and its buffer (``_lone``).
+    pieces: list[_Piece] = []
     for received in values:
         whole = _packed_message(received, budget)
-        pieces.append(
-            whole
-            if whole is not None
-            else chunk_pieces(received.value, is_dead=received.is_dead, chunk_bytes=budget)
-        )
+        if whole is None:
+            lone = _lone(received, budget)
+            pieces.append(
+                lone
+                if lone is not None
+                else chunk_pieces(received.value, is_dead=received.is_dead, chunk_bytes=budget)
+            )
+        else:
+            pieces.append(whole)
     return _messages(pieces, budget)
 
 
@@ -101,9 +108,35 @@ def _packed_message(received: Received, budget: int) -> bytes | None:
     return entry[1] if value.nbytes <= budget else None
 
 
-def _messages(
-    pieces: list[bytes | list[tuple[bytes, memoryview | bytes]]], budget: int
-) -> Iterator[tuple[bytes, int]]:
+def _lone(received: Received, budget: int) -> tuple[bytes, memoryview] | None:
+    """A live, C-contiguous value of a plain number dtype that fits one message of
+    ``budget``, as the framing of its one chunk and a view of its buffer: the bytes
+    ``chunk_pieces`` would give, without its checks and slices per value. Else None."""
+    value = received.value
+    nbytes = value.nbytes
+    dtype = value.dtype
+    if (
+        received.is_dead
+        or not 0 < nbytes <= budget
+        or dtype.kind not in "biufc"
+        or not value.flags.c_contiguous
+        or dtype != wire_dtype(dtype)
+    ):
+        return None
+    try:
+        head = _lone_head(dtype, value.shape, nbytes)
+    except (RendezvousError, ValueError):
+        return None
+    data: Any = value
+    return head, memoryview(data)  # (numpy's stubs declare no buffer)
+
+
+# How ``encode_series`` holds a value until its message is made: a packed value's
+# message, a lone value's framing and buffer, or ``chunk_pieces``.
+_Piece = bytes | tuple[bytes, memoryview] | list[tuple[bytes, memoryview | bytes]]
+
+
+def _messages(pieces: list[_Piece], budget: int) -> Iterator[tuple[bytes, int]]:
     parts: list[bytes | memoryview] = []
     size = 0
     completed = 0
@@ -114,6 +147,16 @@ def _messages(
                 parts, size, completed = [], 0, 0
             parts.append(chunks)
             size += len(chunks)
+            completed += 1
+            continue
+        if isinstance(chunks, tuple):  # a lone value: its framing, its buffer
+            head, buffer = chunks
+            n = len(head) + buffer.nbytes
+            if parts and size + n > budget:
+                yield b"".join(parts), completed
+                parts, size, completed = [], 0, 0
+            parts += chunks
+            size += n
             completed += 1
             continue
         for i, (prefix, data) in enumerate(chunks):
