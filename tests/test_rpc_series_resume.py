@@ -1,0 +1,207 @@
+"""A series (RecvTensorSeries) survives its connection dropping: nothing sent is lost.
+
+Two real Workers over gRPC on loopback; the consumer reaches the producer through a small
+TCP proxy in this process (its cluster spec gives the proxy's address for the producer),
+which can hold what the producer writes (the bytes stay in the proxy: the producer's
+gRPC has taken them, the consumer has not got them) and cut every connection (both
+sockets closed, what it held dropped). Values in flight at the cut must still reach the
+consumer, in order, each once, once the proxy accepts again: the producer keeps what it
+handed to a series until the consumer acknowledges it, and a consumer that re-opens its
+series after a drop says how many values it holds.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from helpers import wait_for
+
+import shmrdv
+from shmrdv._errors import DeadlineExceededError
+
+pytestmark = pytest.mark.timeout(60)
+
+_P = "/job:resume/replica:0/task:0"
+_C = "/job:resume/replica:0/task:1"
+_JOIN = 5.0
+
+
+def _key() -> str:
+    return shmrdv.create_key(_P + "/device:CPU:0", 0, _C + "/device:CPU:0", "channel")
+
+
+class CutProxy:
+    """A TCP proxy on loopback to ``upstream`` (``host:port``) that can hold what comes
+    from upstream and cut every connection it carries; it accepts again after a cut."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._holding = False
+        self.held = 0  # bytes from upstream held back since hold()
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, name="proxy-accept")]
+        self._threads[0].start()
+
+    def hold(self) -> None:
+        """Keep what upstream sends from now on (read, not forwarded) until the cut."""
+        with self._lock:
+            self._holding = True
+
+    def cut(self) -> None:
+        """Close both sockets of every connection; what was held is dropped."""
+        with self._lock:
+            socks, self._socks = self._socks, []
+            self._holding = False
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes the pump blocked on it
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.cut()
+        for t in list(self._threads):
+            t.join(_JOIN)
+        self._listener.close()
+        assert not any(t.is_alive() for t in self._threads)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                down, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                up = socket.create_connection(self._upstream, timeout=_JOIN)
+            except OSError:
+                down.close()
+                continue
+            up.settimeout(None)
+            down.settimeout(None)
+            with self._lock:
+                self._socks += [down, up]
+                self.accepted += 1
+            for src, dst, downstream in ((down, up, False), (up, down, True)):
+                t = threading.Thread(target=self._pump, args=(src, dst, downstream))
+                t.name = "proxy-pump"
+                self._threads.append(t)
+                t.start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                with self._lock:
+                    if downstream and self._holding:
+                        self.held += len(data)
+                        continue
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def proxied(ns: str) -> Iterator[tuple[shmrdv.Worker, shmrdv.Worker, CutProxy]]:
+    with shmrdv.Worker(_P, namespace=ns, transports=("grpc",)) as producer:
+        assert producer.address is not None
+        proxy = CutProxy(producer.address)
+        try:
+            cluster = {"resume": {0: proxy.address}}  # the consumer's way to the producer
+            with shmrdv.Worker(
+                _C, cluster=cluster, namespace=ns, transports=("grpc",)
+            ) as consumer:
+                yield producer, consumer, proxy
+        finally:
+            proxy.close()
+
+
+def _value(i: int, size: int) -> npt.NDArray[Any]:
+    return np.full(size // 4, i, np.int32)
+
+
+def _check(got: npt.NDArray[Any], i: int, size: int) -> None:
+    assert got.shape == (size // 4,)
+    assert got[0] == got[-1] == i, f"value {i} came as {got[0]}"
+
+
+@pytest.mark.parametrize(
+    ("size", "n"),
+    [(1024, 20), (6 << 20, 3)],
+    ids=["small-written-whole", "6m-cut-inside-a-value"],
+)
+def test_values_in_flight_when_the_connection_drops_come_once_in_order(
+    proxied: tuple[shmrdv.Worker, shmrdv.Worker, CutProxy], size: int, n: int
+) -> None:
+    """Before: the series failed the waiting receive (``UnavailableError``) and the values
+    its producer had written were gone: the next receives timed out."""
+    producer, consumer, proxy = proxied
+    p, c = producer.rendezvous(1), consumer.rendezvous(1)
+    for i in range(2):  # the second opens the key's series
+        p.send(_key(), _value(i, size), timeout=10)
+        _check(c.recv(_key(), timeout=10).value, i, size)
+    assert consumer.stats()["grpc"]["series"] == 1
+    waiting = c.recv_future(_key())  # a receive waiting on the series at the cut
+    proxy.hold()
+    for i in range(2, 2 + n):
+        p.send(_key(), _value(i, size), timeout=10)
+    if size <= 1024:  # the producer wrote them all to the stream
+        wait_for(
+            lambda: producer.stats()["grpc"]["server_series_values"] == 1 + n,
+            timeout=10,
+            what="every value written",
+        )
+    wait_for(lambda: proxy.held >= min(n * size, 1 << 20), timeout=10, what="bytes held")
+    proxy.cut()
+    _check(waiting.result(timeout=20).value, 2, size)
+    for i in range(3, 2 + n):
+        _check(c.recv(_key(), timeout=20).value, i, size)
+    for i in range(2 + n, 4 + n):  # the series goes on
+        p.send(_key(), _value(i, size), timeout=10)
+        _check(c.recv(_key(), timeout=20).value, i, size)
+    with pytest.raises(DeadlineExceededError):
+        c.recv(_key(), timeout=0.5)  # nothing twice
+    assert proxy.accepted >= 2
+    stats = consumer.stats()["grpc"]
+    assert stats["received"] == 4 + n
+
+
+def test_a_drop_with_nothing_in_flight_loses_and_repeats_nothing(
+    proxied: tuple[shmrdv.Worker, shmrdv.Worker, CutProxy],
+) -> None:
+    """Every value written was received (and acknowledged) before the cut: after it the
+    series goes on from the next one, none repeated."""
+    producer, consumer, proxy = proxied
+    p, c = producer.rendezvous(1), consumer.rendezvous(1)
+    for i in range(10):
+        p.send(_key(), _value(i, 1024), timeout=10)
+        _check(c.recv(_key(), timeout=10).value, i, 1024)
+    proxy.cut()
+    for i in range(10, 20):
+        p.send(_key(), _value(i, 1024), timeout=10)
+        _check(c.recv(_key(), timeout=20).value, i, 1024)
+    with pytest.raises(DeadlineExceededError):
+        c.recv(_key(), timeout=0.5)
