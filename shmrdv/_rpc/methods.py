@@ -14,6 +14,7 @@ __all__ = [
     "GET_STATUS_METHOD",
     "MARK_RECV_FINISHED_METHOD",
     "RECV_TENSOR_METHOD",
+    "RECV_TENSOR_SERIES_ACK_METHOD",
     "RECV_TENSOR_SERIES_METHOD",
     "RECV_TENSOR_STREAM_METHOD",
     "SERVER_STOPPING",
@@ -40,6 +41,11 @@ RECV_TENSOR_STREAM_METHOD: Final = f"/{SHMRDV_SERVICE}/RecvTensorStream"
 # pipeline of 1,000 64 KiB tensors x0.11 -> x0.98-1.14 of raw grpcio streaming, 100 of
 # 16 MiB x0.52-0.74 -> x0.94-1.03 (bench --pipeline, same session; series_client.py).
 RECV_TENSOR_SERIES_METHOD: Final = f"/{SHMRDV_SERVICE}/RecvTensorSeries"
+# shmrdv's own, with RecvTensorSeries: a RecvTensorRequest naming a series (its
+# request_id, step and key) and how many of its values the consumer holds (``held``):
+# the producer keeps them no longer (a series re-opened after a dropped connection says
+# the same in its request, and gets again what it lacks). Empty bytes out.
+RECV_TENSOR_SERIES_ACK_METHOD: Final = f"/{SHMRDV_SERVICE}/RecvTensorSeriesAck"
 
 # research/pitfalls.md §6: stream in chunks of at most 4 MiB (gRPC's default receive limit).
 DEFAULT_CHUNK_BYTES: Final = 4 << 20

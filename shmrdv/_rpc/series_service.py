@@ -14,10 +14,17 @@ with the first data, then chunks of at most ``chunk_bytes``), back to back.
 * **The window** (``max_inflight_bytes``): a value counts until its last chunk is
   written (``TensorSource.done_with``), not when it is taken: a consumer that opens a
   series and never reads holds the window, not this process's memory (issue 19 §4).
-* A value whose writing did not finish (the consumer went away, the server stops) goes
-  back to the head of its key (``TensorSource.requeue``): a receive that comes later, by
-  either method, gets it. Values written and not yet read by the consumer are the
-  consumer's (its series holds them; they go with its step).
+  A value whose writing did not finish (the consumer went away, the server stops) goes
+  back to the head of its key (``TensorSource.requeue``): a receive that comes later,
+  by either method, gets it.
+* **Resumable** (a request with a ``request_id``, as shmrdv's consumers send): each
+  value counts until the consumer acknowledges it (``RecvTensorSeriesAck``, which the
+  series asks for with ``series_wire.ASK`` every ``_ASK_BYTES`` and after
+  ``_ASK_DELAY`` of waiting for a value), and the series takes no more while it keeps
+  ``_RETAIN_BYTES``; when its call ends, every value not acknowledged goes back to the
+  head of its key, and a re-open of the series (after a dropped connection) skips those
+  its consumer says it holds (``series_retained``). Nothing sent is lost with a
+  connection; ``series_values`` counts what was acknowledged.
 * **Ends**: with ``OK`` once the key had no value for ``idle`` seconds (the consumer
   opens a new series when it waits again); with the source's error (an aborted or
   cleaned-up step: ``ABORTED``, a closed worker: ``UNAVAILABLE``); with ``UNAVAILABLE``
@@ -65,7 +72,8 @@ from . import messages, series_wire
 from .keycheck import check_served_key
 from .methods import SERVER_STOPPING, SHMRDV_SERVICE
 from .parked import ParkedCalls
-from .tensor_source import TensorSource
+from .series_retained import Retained, RetainedTable
+from .tensor_source import TensorSource, counted_bytes
 
 __all__ = ["SeriesLimits", "SeriesService"]
 
@@ -73,6 +81,16 @@ _log = logging.getLogger("shmrdv.rpc.server")
 
 # What a take settles with: (error, value).
 _Outcome = tuple[BaseException | None, Received | None]
+# A resumable series asks its consumer for an ack once it handed out this many bytes
+# since the last ask, and when it has waited this long for a value with some not
+# acknowledged (a producer held by its window waits for the ack), and it takes no more
+# while it keeps this many bytes (without a window, the bound of what it keeps).
+_ASK_BYTES = 4 << 20
+_ASK_DELAY = 0.005
+_RETAIN_BYTES = 64 << 20
+# How long a re-opened series waits for its previous call to end (the producer may see a
+# dropped connection later than its consumer): then UNAVAILABLE, and the consumer retries.
+_TAKEOVER_WAIT = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +145,23 @@ class SeriesService:
         self._stopping = False
         # Takes waiting for a value, with their cancellers (stop_serving fails them).
         self._waiting: dict[asyncio.Future[_Outcome], Callable[[], bool]] = {}
-        self._stats = {"series": 0, "series_values": 0, "series_bytes": 0, "series_refused": 0}
+        self._retained = RetainedTable()
+        self._stats = {
+            "series": 0,
+            "series_values": 0,
+            "series_bytes": 0,
+            "series_refused": 0,
+            "series_resumed": 0,
+            "series_acks": 0,
+        }
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
             SHMRDV_SERVICE,
-            {"RecvTensorSeries": grpc.unary_stream_rpc_method_handler(self._series)},
+            {
+                "RecvTensorSeries": grpc.unary_stream_rpc_method_handler(self._series),
+                "RecvTensorSeriesAck": grpc.unary_unary_rpc_method_handler(self._ack),
+            },
         )
 
     def started(self, address: str) -> None:
@@ -150,6 +179,7 @@ class SeriesService:
     def stats(self) -> dict[str, int]:
         out = dict(self._stats)
         out["series_open"] = self._open.total
+        out["series_retained"] = len(self._retained)
         return out
 
     # -- the handler (event loop) ----------------------------------------------------------
@@ -176,27 +206,121 @@ class SeriesService:
             await _abort(context, e)
         self._open.add(peer, 1)
         clock = _IdleClock(asyncio.get_running_loop(), self._idle)
+        kept: Retained | None = None
         try:
-            while True:
+            if req.request_id:
                 try:
-                    received, waited = await self._take(req.step_id, pk, clock)
+                    kept = await self._reopen(req, pk)
+                except RendezvousError as e:
+                    await _abort(context, e)
+            while True:
+                if kept is not None:
+                    # Kept to the bound: more only once the consumer acknowledged some.
+                    while kept.nbytes >= _RETAIN_BYTES:
+                        if kept.asked < kept.sent:
+                            kept.asking()
+                            yield series_wire.ASK
+                        kept.room.clear()
+                        await kept.room.wait()
+                ask = kept is not None and kept.asked < kept.sent
+                try:
+                    received, waited = await self._take(req.step_id, pk, clock, ask)
                 except RendezvousError as e:
                     await _abort(context, e)
                 if received is None:
+                    if kept is not None and (not waited or kept.values):
+                        # Waited _ASK_DELAY, or idle with values not acknowledged: ask
+                        # (the series ends idle only once the consumer has them all).
+                        if kept.values:
+                            kept.asking()
+                            yield series_wire.ASK
+                        continue
                     return  # idle: the consumer opens another series when it waits again
                 # A value waited for came to an empty key: it goes at once, alone (no look
                 # for a second one, which would find none but what was sent meanwhile,
                 # and that goes in the next message).
                 batch = [received] if waited else self._more(req.step_id, pk, received)
+                if kept is not None:
+                    kept.add(batch)
                 # Closed here, not when collected: what it did not write goes back now.
                 async with contextlib.aclosing(
-                    self._write(context, req.step_id, pk, batch)
+                    self._write(context, req.step_id, pk, batch, kept)
                 ) as chunks:
                     async for chunk in chunks:
                         yield chunk
+                if kept is not None and kept.unasked >= _ASK_BYTES:
+                    kept.asking()
+                    yield series_wire.ASK
         finally:
             clock.close()
             self._open.add(peer, -1)
+            if kept is not None:
+                self._end_call(kept)
+
+    async def _reopen(self, req: messages.RecvRequest, pk: ParsedKey) -> Retained:
+        """The entry of the resumable series ``req`` names, its call now this one: what
+        went back to the key that the consumer holds (``req.held``) taken off it again."""
+        kept = self._retained.entry(req.request_id, req.step_id, pk)
+        if kept.call is not None:  # its previous call has not seen its connection drop
+            try:
+                await asyncio.wait_for(asyncio.shield(kept.call), _TAKEOVER_WAIT)
+            except TimeoutError:
+                raise UnavailableError(
+                    f"RecvTensorSeries of key {pk.full_key!r} is still open on another connection"
+                ) from None
+            kept = self._retained.entry(req.request_id, req.step_id, pk)
+            if kept.call is not None:
+                raise UnavailableError(
+                    f"RecvTensorSeries of key {pk.full_key!r} is open on another connection"
+                )
+        skip = self._retained.reopen(kept, req.held)
+        if kept.sent:
+            self._stats["series_resumed"] += 1
+        kept.call = asyncio.get_running_loop().create_future()
+        for _ in range(skip):  # the consumer has them: delivered
+            received = self._take_now(req.step_id, pk)
+            if received is None:
+                self._end_call(kept)
+                raise InternalError(
+                    f"RecvTensorSeries of key {pk.full_key!r}: a value the consumer holds "
+                    "is no longer at the head of its key"
+                )
+            self._delivered(req.step_id, pk, [received])
+        return kept
+
+    def _end_call(self, kept: Retained) -> None:
+        """The call of ``kept`` ended: what it kept goes back to its key, in order."""
+        for received in reversed(self._retained.ended(kept)):
+            self._source.done_with(kept.step_id, kept.pk, counted_bytes(received.value))
+            self._requeue(kept.step_id, kept.pk, received)
+        call, kept.call = kept.call, None
+        if call is not None and not call.done():
+            call.set_result(None)
+
+    async def _ack(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        """``RecvTensorSeriesAck``: the consumer holds ``held`` values of its series."""
+        try:
+            req = messages.decode_request(request)
+            pk = check_served_key(
+                req.rendezvous_key, self._task, self._source.task, self._source.incarnation
+            )
+            kept = self._retained.get(req.request_id, req.step_id, pk.full_key)
+            if kept is None or kept.call is None:
+                return b""  # its call ended: a re-open says what it holds
+            self._stats["series_acks"] += 1
+            delivered = kept.ack(req.held)
+        except RendezvousError as e:
+            await _abort(context, e)
+        self._delivered(req.step_id, pk, delivered)
+        return b""
+
+    def _delivered(self, step_id: int, pk: ParsedKey, values: list[Received]) -> None:
+        """A resumable series' consumer holds ``values``: counted, and out of the window
+        (counted first: sent minus delivered never reads more than the window holds)."""
+        if values:
+            self._stats["series_values"] += len(values)
+            self._stats["series_bytes"] += sum(r.value.nbytes for r in values)
+            self._source.done_with(step_id, pk, sum(counted_bytes(r.value) for r in values))
 
     def _more(self, step_id: int, pk: ParsedKey, first: Received) -> list[Received]:
         """``first`` and the values of ``pk`` already there, up to about one message."""
@@ -241,7 +365,7 @@ class SeriesService:
 
     def _late(self, step_id: int, pk: ParsedKey, received: Received | None) -> None:
         if received is not None:
-            self._source.done_with(step_id, pk, received.value.nbytes)
+            self._source.done_with(step_id, pk, counted_bytes(received.value))
             self._requeue(step_id, pk, received)
 
     async def _write(
@@ -250,31 +374,40 @@ class SeriesService:
         step_id: int,
         pk: ParsedKey,
         batch: list[Received],
+        kept: Retained | None,
     ) -> AsyncGenerator[bytes, None]:
         """``batch`` as series messages. A value whose last chunk gRPC took is
         delivered (the window counts it no more); the rest, if the writing stops (the
-        consumer went away, the server stops), go back to their key's head, in order."""
+        consumer went away, the server stops), go back to their key's head, in order.
+        A resumable series' values are ``kept``'s instead, until acknowledged."""
         try:
             messages_out = series_wire.encode_series(batch, self._chunk_bytes)
         except RendezvousError as e:  # not sendable: dropped, never requeued
+            if kept is not None:
+                kept.drop_last(len(batch))
             for received in batch:
-                self._source.done_with(step_id, pk, received.value.nbytes)
+                self._source.done_with(step_id, pk, counted_bytes(received.value))
             await _abort(context, e)
+        if kept is not None:  # counted when acknowledged
+            for message, _ in messages_out:
+                yield message
+            return
         sent = 0
         try:
             for message, completed in messages_out:
                 yield message  # returns once gRPC has taken it (flow control)
                 if completed:
-                    nbytes = sum(r.value.nbytes for r in batch[sent : sent + completed])
+                    done = batch[sent : sent + completed]
                     # Counted before the window lets another send in: sent minus written
                     # never reads more than the window holds (what tests measure).
                     self._stats["series_values"] += completed
-                    self._stats["series_bytes"] += nbytes
-                    self._source.done_with(step_id, pk, nbytes)  # once per message
+                    self._stats["series_bytes"] += sum(r.value.nbytes for r in done)
+                    # Once per message.
+                    self._source.done_with(step_id, pk, sum(counted_bytes(r.value) for r in done))
                 sent += completed
         finally:
             for received in reversed(batch[sent:]):
-                self._source.done_with(step_id, pk, received.value.nbytes)
+                self._source.done_with(step_id, pk, counted_bytes(received.value))
                 self._requeue(step_id, pk, received)
 
     def _requeue(self, step_id: int, pk: ParsedKey, received: Received) -> None:
@@ -284,11 +417,12 @@ class SeriesService:
             _log.exception("TensorSource.requeue failed for key %r", pk.full_key)
 
     async def _take(
-        self, step_id: int, pk: ParsedKey, clock: _IdleClock
+        self, step_id: int, pk: ParsedKey, clock: _IdleClock, ask: bool = False
     ) -> tuple[Received | None, bool]:
         """The next value of ``pk``: at once when it is there, else when it is sent;
         None after ``idle`` seconds without one (``clock``, the series'). Also whether
-        it was waited for. Raises the source's error."""
+        it was waited for. With ``ask``: (None, False) after ``_ASK_DELAY`` without one.
+        Raises the source's error."""
         if self._stopping:
             raise UnavailableError(f"shmrdv RPC server {self._address} {SERVER_STOPPING}")
         loop = asyncio.get_running_loop()
@@ -304,7 +438,7 @@ class SeriesService:
                 loop.call_soon_threadsafe(self._settle, fut, step_id, pk, error, received)
             except RuntimeError:  # the loop is gone: the server stopped
                 if received is not None:
-                    self._source.done_with(step_id, pk, received.value.nbytes)
+                    self._source.done_with(step_id, pk, counted_bytes(received.value))
 
         try:
             cancel = self._source.serve_recv(step_id, pk, done)
@@ -317,6 +451,7 @@ class SeriesService:
         if waited:
             self._waiting[fut] = cancel
             idle = [False]
+            asked = [False]
 
             def expire() -> None:
                 # cancel() False: the value is on its way, and settles ``fut``.
@@ -324,13 +459,22 @@ class SeriesService:
                     idle[0] = True
                     fut.set_result((None, None))
 
+            def ask_now() -> None:
+                if not fut.done() and cancel():
+                    asked[0] = True
+                    fut.set_result((None, None))
+
             # The future itself and the series' one timer: no timer made and cancelled
-            # per value (nor ``asyncio.wait``'s waiter future, set and callbacks).
+            # per value (nor ``asyncio.wait``'s waiter future, set and callbacks); one
+            # more only to ask for an ack.
             clock.start(expire)
+            asking = loop.call_later(_ASK_DELAY, ask_now) if ask else None
             try:
                 await fut
                 if idle[0]:
                     return None, True
+                if asked[0]:
+                    return None, False
             except asyncio.CancelledError:
                 # The consumer went away: a value taken for it goes back to its key.
                 cancel()
@@ -341,6 +485,8 @@ class SeriesService:
                 raise
             finally:
                 clock.stop()
+                if asking is not None:
+                    asking.cancel()
                 self._waiting.pop(fut, None)
         error, received = fut.result()
         if error is not None:
@@ -363,7 +509,7 @@ class SeriesService:
             fut.set_result((error, received))
         elif received is not None:
             # Nobody takes it any more (the consumer went away, the server stopped).
-            self._source.done_with(step_id, pk, received.value.nbytes)
+            self._source.done_with(step_id, pk, counted_bytes(received.value))
             self._requeue(step_id, pk, received)
 
 

@@ -7,13 +7,20 @@ producer's side (``outbox.Outbox``, and the tests' own source), declared once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
+
+import numpy.typing as npt
 
 from .._callbacks import DoneCallback
 from .._keys import ParsedKey
 from .._received import Received
 
-__all__ = ["TensorSource"]
+__all__ = ["TensorSource", "counted_bytes"]
+
+
+def counted_bytes(value: npt.NDArray[Any]) -> int:
+    """What one value counts for in the producer's window (``done_with``'s bytes)."""
+    return int(value.nbytes)
 
 
 class TensorSource(Protocol):
@@ -25,8 +32,8 @@ class TensorSource(Protocol):
     thread (in the caller's when the value is already there), unless the canceller it
     returned answered ``True``.
 
-    A value it gave is the service's until the service calls ``done_with`` for it, exactly
-    once: the call that carried it has ended, or the service dropped it, or is about to
+    A value it gave is the service's until the service calls ``done_with`` for it (with
+    its ``counted_bytes``, or a sum of them), exactly once: the call that carried it has ended, or the service dropped it, or is about to
     hand it back with ``requeue`` (to the head of its key: it was taken for a call that
     went away before it was delivered, and no retry can claim it).
     """

@@ -1,0 +1,168 @@
+"""What a resumable RecvTensorSeries handed out and its consumer has not acknowledged.
+
+A consumer that gives its series a ``request_id`` (its own id for the series, the same on
+every call of it) makes the series resumable: the producer (``series_service``) keeps
+each value it takes for the series in its ``Retained`` entry, in order, until the
+consumer acknowledges it with ``RecvTensorSeriesAck``, whose ``held`` says how many of
+the series' values it holds (every value it assembled counts, taken by a receive or
+not). Until then the value counts in the producer's window (``TensorSource.done_with``
+comes at the ack), so a connection that drops loses nothing the producer sent.
+
+When a call of the series ends (the connection dropped, the consumer went away, the key
+was idle), what the entry kept goes back to the head of its key, in order (``requeue``:
+a receive that comes later, by either method, gets it), and the entry remembers how many
+values were acknowledged and how many went back. The call that re-opens the series says
+in its request how many it holds: ``reopen`` tells how many of those that went back it
+already has (the service takes them off the key again and drops them), and the series
+goes on from the next. An entry with nothing gone back is forgotten when its call ends (a
+re-open then holds exactly what was acknowledged); at most ``_KEPT`` entries stay,
+the oldest dropped first.
+
+Thread model: the server's event loop only, no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterable
+
+from .._errors import InvalidArgumentError
+from .._keys import ParsedKey
+from .._received import Received
+from .tensor_source import counted_bytes
+
+__all__ = ["Retained", "RetainedTable"]
+
+# Entries kept (those with values gone back to their key); each is a few hundred bytes.
+_KEPT = 4096
+
+_Id = tuple[int, int, str]  # (request_id, step_id, full key)
+
+
+class Retained:
+    """One resumable series: the values it handed out and the consumer did not
+    acknowledge yet (``values``, oldest first), and its counts."""
+
+    __slots__ = (
+        "acked",
+        "asked",
+        "call",
+        "gone_back",
+        "ident",
+        "nbytes",
+        "pk",
+        "room",
+        "sent",
+        "step_id",
+        "unasked",
+        "values",
+    )
+
+    def __init__(self, ident: _Id, pk: ParsedKey) -> None:
+        self.ident = ident
+        self.step_id = ident[1]
+        self.pk = pk
+        self.values: collections.deque[Received] = collections.deque()
+        self.nbytes = 0  # what ``values`` count in the window
+        self.sent = 0  # values handed out on the series, all calls
+        self.acked = 0  # of them, acknowledged (the first ``acked``)
+        self.asked = 0  # ``sent`` when the producer last asked for an ack
+        self.unasked = 0  # bytes handed out since then
+        self.gone_back = 0  # values after ``acked`` that went back to the key
+        self.call: asyncio.Future[None] | None = None  # the running call's end
+        self.room = asyncio.Event()  # set by an ack
+
+    def add(self, batch: Iterable[Received]) -> None:
+        """``batch`` was taken for the series (before it is written)."""
+        for received in batch:
+            n = counted_bytes(received.value)
+            self.values.append(received)
+            self.nbytes += n
+            self.unasked += n
+            self.sent += 1
+
+    def drop_last(self, count: int) -> list[Received]:
+        """The last ``count`` values taken, which cannot be sent: kept no more."""
+        out = [self.values.pop() for _ in range(count)][::-1]
+        self.nbytes -= sum(counted_bytes(r.value) for r in out)
+        self.sent -= count
+        return out
+
+    def ack(self, held: int) -> list[Received]:
+        """The consumer holds ``held`` values of the series: those kept no more (none:
+        nothing new). ``InvalidArgumentError`` for more than were handed out."""
+        if held > self.sent:
+            raise InvalidArgumentError(
+                f"RecvTensorSeriesAck of key {self.pk.full_key!r} says {held} values are "
+                f"held; the series handed out {self.sent}"
+            )
+        out = [self.values.popleft() for _ in range(held - self.acked)]
+        if out:
+            self.acked = held
+            self.nbytes -= sum(counted_bytes(r.value) for r in out)
+            self.room.set()
+        return out
+
+    def asking(self) -> None:
+        """An ask goes to the consumer for everything handed out so far."""
+        self.asked = self.sent
+        self.unasked = 0
+
+
+class RetainedTable:
+    """The entries of the resumable series of one server (module docstring)."""
+
+    def __init__(self, kept: int = _KEPT) -> None:
+        self._kept = kept
+        self._entries: collections.OrderedDict[_Id, Retained] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, request_id: int, step_id: int, full_key: str) -> Retained | None:
+        return self._entries.get((request_id, step_id, full_key))
+
+    def entry(self, request_id: int, step_id: int, pk: ParsedKey) -> Retained:
+        """The series' entry, made if there is none."""
+        ident = (request_id, step_id, pk.full_key)
+        entry = self._entries.get(ident)
+        if entry is None:
+            entry = self._entries[ident] = Retained(ident, pk)
+            while len(self._entries) > self._kept:
+                _, old = self._entries.popitem(last=False)
+                if old.call is not None:  # running: it stays
+                    self._entries[old.ident] = old
+                    break
+        return entry
+
+    @staticmethod
+    def reopen(entry: Retained, held: int) -> int:
+        """A call (re-)opens ``entry``'s series holding ``held`` of its values: how many of
+        those that went back to the key it has (to take off the key and drop). The entry
+        then counts from ``held``. ``InvalidArgumentError`` for a count the producer
+        cannot have given (an entry forgotten holds what was acknowledged)."""
+        if not entry.acked <= held <= entry.acked + entry.gone_back and entry.sent:
+            raise InvalidArgumentError(
+                f"RecvTensorSeries of key {entry.pk.full_key!r} re-opened holding {held} "
+                f"values; the producer handed out {entry.acked} acknowledged and "
+                f"{entry.gone_back} more"
+            )
+        skip = held - entry.acked if entry.sent else 0
+        entry.sent = entry.acked = entry.asked = held
+        entry.gone_back = entry.unasked = 0
+        return skip
+
+    def ended(self, entry: Retained) -> list[Received]:
+        """The call of ``entry`` ended: the values it kept, oldest first, to go back to
+        their key (the entry is forgotten if there are none)."""
+        values = list(entry.values)
+        entry.values.clear()
+        entry.nbytes = 0
+        entry.gone_back = len(values)
+        entry.sent = entry.acked + entry.gone_back
+        entry.asked = entry.sent
+        entry.unasked = 0
+        if not values and self._entries.get(entry.ident) is entry:
+            del self._entries[entry.ident]
+        return values
