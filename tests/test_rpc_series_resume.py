@@ -17,15 +17,24 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 import pytest
+import rpc_helpers
 from helpers import wait_for
+from rpc_helpers import CHANNEL_OPTIONS, StepSource, make_key
 
 import shmrdv
 from shmrdv._errors import DeadlineExceededError
+from shmrdv._rpc import assembly, messages, series_wire
+from shmrdv._rpc.methods import RECV_TENSOR_SERIES_ACK_METHOD, RECV_TENSOR_SERIES_METHOD
+from shmrdv._rpc.proto import worker_pb2
+from shmrdv._rpc.server import RpcServer
 
 pytestmark = pytest.mark.timeout(60)
+
+source = rpc_helpers.source
 
 _P = "/job:resume/replica:0/task:0"
 _C = "/job:resume/replica:0/task:1"
@@ -201,3 +210,78 @@ def test_a_drop_with_nothing_in_flight_loses_and_repeats_nothing(
         _check(c.recv(_key(), timeout=20).value, i, 1024)
     with pytest.raises(DeadlineExceededError):
         c.recv(_key(), timeout=0.5)
+
+
+# -- the wire: the count a series holds, the ack ---------------------------------------------
+
+
+def test_held_rides_on_the_request_and_both_parsers_read_it() -> None:
+    key = make_key("held").full_key
+    data = messages.encode_request(3, key, 77, held=12)
+    assert messages.decode_request(data).held == 12  # the one-pass reader
+    assert messages.decode_request(memoryview(data)).held == 12  # the general one
+    assert messages.decode_request(messages.encode_request(3, key, 77)).held == 0
+    parsed = worker_pb2.RecvTensorRequest.FromString(data)  # protobuf skips it
+    assert (parsed.step_id, parsed.rendezvous_key, parsed.request_id) == (3, key, 77)
+
+
+def test_an_ack_for_more_than_was_sent_is_refused_and_one_in_range_frees_the_window(
+    source: StepSource,
+) -> None:
+    """A resumable series (a request_id) keeps what it sent until acknowledged; an ack
+    naming more values than it handed out is ``INVALID_ARGUMENT``, naming the key."""
+    key = make_key("acked")
+    with (
+        RpcServer("127.0.0.1:0", source) as server,
+        grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch,
+    ):
+        series = ch.unary_stream(RECV_TENSOR_SERIES_METHOD)
+        ack = ch.unary_unary(RECV_TENSOR_SERIES_ACK_METHOD)
+        call = series(messages.encode_request(1, key.full_key, 5), timeout=30)
+        source.send(1, key, np.arange(4))
+        first = next(call)
+        assert list(series_wire.series_chunks(first))  # the value
+        assert next(call) == series_wire.ASK  # then, nothing more to send: an ask
+        assert server.stats()["series_values"] == 0  # not acknowledged yet
+        with pytest.raises(grpc.RpcError) as info:
+            ack(messages.encode_request(1, key.full_key, 5, held=2), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert key.full_key in (info.value.details() or "")
+        assert ack(messages.encode_request(1, key.full_key, 5, held=1), timeout=10) == b""
+        assert server.stats()["series_values"] == 1
+        call.cancel()
+        wait_for(lambda: server.stats()["series_open"] == 0, timeout=20)
+        assert server.stats()["series_retained"] == 0  # nothing went back: forgotten
+
+
+def test_a_series_cancelled_with_values_not_acknowledged_gives_them_back_in_order(
+    source: StepSource,
+) -> None:
+    """Its call ended (the consumer went away): what it sent and nobody acknowledged
+    goes back to the key's head, in order, for a receive by either method; a re-open
+    that says it holds the first gets the second."""
+    key = make_key("back")
+    with (
+        RpcServer("127.0.0.1:0", source) as server,
+        grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch,
+    ):
+        series = ch.unary_stream(RECV_TENSOR_SERIES_METHOD)
+        call = series(messages.encode_request(1, key.full_key, 9), timeout=30)
+        for i in range(3):
+            source.send(1, key, np.array([i]))
+        got = [m for m in (next(call), next(call)) if m != series_wire.ASK]
+        assert got
+        call.cancel()
+        wait_for(lambda: server.stats()["series_open"] == 0, timeout=20)
+        assert server.stats()["series_retained"] == 1
+        again = series(messages.encode_request(1, key.full_key, 9, held=1), timeout=30)
+        values: list[int] = []
+        while len(values) < 2:
+            message = next(again)
+            for chunk in series_wire.series_chunks(message):
+                assembler = assembly.StreamAssembler()
+                assembler.feed(chunk)
+                values.append(int(assembler.result()[0]))
+        assert values == [1, 2]
+        assert server.stats()["series_resumed"] == 1
+        again.cancel()
