@@ -252,14 +252,16 @@ class SeriesClient:
 
     def stats(self) -> dict[str, int]:
         """Counters; ``series_held_bytes``: what the open series hold that no receive
-        took yet, ``series_held_peak``: the most one of them held at once."""
+        took yet (``series_held_values``: the values), ``series_held_peak``: the most one
+        of them held at once."""
         out = dict(self._stats)
         with self._lock:
             out["series"] = len(self._series)
             open_now = list(self._series.values())
         held = [s.held() for s in open_now]
-        out["series_held_bytes"] = sum(now for now, _ in held)
-        out["series_held_peak"] = max((peak for _, peak in held), default=0)
+        out["series_held_bytes"] = sum(now for now, _, _ in held)
+        out["series_held_peak"] = max((peak for _, peak, _ in held), default=0)
+        out["series_held_values"] = sum(values for _, _, values in held)
         return out
 
 

@@ -41,7 +41,11 @@ from .._keys import ParsedKey
 from .._received import Received
 from .._rendezvous import Canceller
 from . import assembly, messages, series_wire
-from .methods import RECV_TENSOR_SERIES_ACK_METHOD, RECV_TENSOR_SERIES_METHOD
+from .methods import (
+    RECV_TENSOR_SERIES_ACK_METHOD,
+    RECV_TENSOR_SERIES_METHOD,
+    counted_bytes,
+)
 from .recv_context import new_request_id
 from .recv_errors import PeerWatch, call_error
 from .rpc_errors import error_code
@@ -130,11 +134,12 @@ class SeriesReader:
     def closed(self) -> bool:
         return self._closed
 
-    def held(self) -> tuple[int, int]:
+    def held(self) -> tuple[int, int, int]:
         """Bytes this series holds that no receive took (its table, and what came of a
-        value still being assembled), and the most it held at once."""
+        value still being assembled), the most it held at once, and the values in its
+        table."""
         with self._lock:
-            return self._held + self._partial, self._peak
+            return self._held + self._partial, self._peak, len(self._values)
 
     def _where(self) -> str:
         return f"key {self.key.full_key!r} (step {self.step_id}) from {self.address}"
@@ -147,7 +152,7 @@ class SeriesReader:
         with self._lock:
             if self._values:
                 received = self._values.popleft()
-                self._held -= received.value.nbytes
+                self._held -= counted_bytes(received.value.nbytes)
                 self._room.notify()
             elif self.ended:
                 return None
@@ -357,7 +362,7 @@ class SeriesReader:
                 waiter, _ = self._waiters.popitem(last=False)
             else:
                 self._values.append(received)
-                self._held += received.value.nbytes
+                self._held += counted_bytes(received.value.nbytes)
                 self._peak = max(self._peak, self._held)
                 return
         self._owner.count(received)

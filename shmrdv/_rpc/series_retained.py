@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from .._errors import InvalidArgumentError
 from .._keys import ParsedKey
 from .._received import Received
-from .tensor_source import counted_bytes
+from .methods import counted_bytes
 
 __all__ = ["Retained", "RetainedTable"]
 
@@ -76,7 +76,7 @@ class Retained:
     def add(self, batch: Iterable[Received]) -> None:
         """``batch`` was taken for the series (before it is written)."""
         for received in batch:
-            n = counted_bytes(received.value)
+            n = counted_bytes(received.value.nbytes)
             self.values.append(received)
             self.nbytes += n
             self.unasked += n
@@ -85,7 +85,7 @@ class Retained:
     def drop_last(self, count: int) -> list[Received]:
         """The last ``count`` values taken, which cannot be sent: kept no more."""
         out = [self.values.pop() for _ in range(count)][::-1]
-        self.nbytes -= sum(counted_bytes(r.value) for r in out)
+        self.nbytes -= sum(counted_bytes(r.value.nbytes) for r in out)
         self.sent -= count
         return out
 
@@ -100,7 +100,7 @@ class Retained:
         out = [self.values.popleft() for _ in range(held - self.acked)]
         if out:
             self.acked = held
-            self.nbytes -= sum(counted_bytes(r.value) for r in out)
+            self.nbytes -= sum(counted_bytes(r.value.nbytes) for r in out)
             self.room.set()
         return out
 

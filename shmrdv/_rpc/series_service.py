@@ -70,10 +70,10 @@ from .._received import Received
 from .._status import code_for_error
 from . import messages, series_wire
 from .keycheck import check_served_key
-from .methods import SERVER_STOPPING, SHMRDV_SERVICE
+from .methods import SERVER_STOPPING, SHMRDV_SERVICE, counted_bytes
 from .parked import ParkedCalls
 from .series_retained import Retained, RetainedTable
-from .tensor_source import TensorSource, counted_bytes
+from .tensor_source import TensorSource
 
 __all__ = ["SeriesLimits", "SeriesService"]
 
@@ -291,7 +291,7 @@ class SeriesService:
     def _end_call(self, kept: Retained) -> None:
         """The call of ``kept`` ended: what it kept goes back to its key, in order."""
         for received in reversed(self._retained.ended(kept)):
-            self._source.done_with(kept.step_id, kept.pk, counted_bytes(received.value))
+            self._source.done_with(kept.step_id, kept.pk, counted_bytes(received.value.nbytes))
             self._requeue(kept.step_id, kept.pk, received)
         call, kept.call = kept.call, None
         if call is not None and not call.done():
@@ -320,18 +320,18 @@ class SeriesService:
         if values:
             self._stats["series_values"] += len(values)
             self._stats["series_bytes"] += sum(r.value.nbytes for r in values)
-            self._source.done_with(step_id, pk, sum(counted_bytes(r.value) for r in values))
+            self._source.done_with(step_id, pk, sum(counted_bytes(r.value.nbytes) for r in values))
 
     def _more(self, step_id: int, pk: ParsedKey, first: Received) -> list[Received]:
         """``first`` and the values of ``pk`` already there, up to about one message."""
         batch = [first]
-        size = first.value.nbytes
+        size = counted_bytes(first.value.nbytes)
         while size < self._chunk_bytes:
             received = self._take_now(step_id, pk)
             if received is None:
                 break
             batch.append(received)
-            size += received.value.nbytes
+            size += counted_bytes(received.value.nbytes)
         return batch
 
     def _take_now(self, step_id: int, pk: ParsedKey) -> Received | None:
@@ -365,7 +365,7 @@ class SeriesService:
 
     def _late(self, step_id: int, pk: ParsedKey, received: Received | None) -> None:
         if received is not None:
-            self._source.done_with(step_id, pk, counted_bytes(received.value))
+            self._source.done_with(step_id, pk, counted_bytes(received.value.nbytes))
             self._requeue(step_id, pk, received)
 
     async def _write(
@@ -386,7 +386,7 @@ class SeriesService:
             if kept is not None:
                 kept.drop_last(len(batch))
             for received in batch:
-                self._source.done_with(step_id, pk, counted_bytes(received.value))
+                self._source.done_with(step_id, pk, counted_bytes(received.value.nbytes))
             await _abort(context, e)
         if kept is not None:  # counted when acknowledged
             for message, _ in messages_out:
@@ -403,11 +403,13 @@ class SeriesService:
                     self._stats["series_values"] += completed
                     self._stats["series_bytes"] += sum(r.value.nbytes for r in done)
                     # Once per message.
-                    self._source.done_with(step_id, pk, sum(counted_bytes(r.value) for r in done))
+                    self._source.done_with(
+                        step_id, pk, sum(counted_bytes(r.value.nbytes) for r in done)
+                    )
                 sent += completed
         finally:
             for received in reversed(batch[sent:]):
-                self._source.done_with(step_id, pk, counted_bytes(received.value))
+                self._source.done_with(step_id, pk, counted_bytes(received.value.nbytes))
                 self._requeue(step_id, pk, received)
 
     def _requeue(self, step_id: int, pk: ParsedKey, received: Received) -> None:
@@ -438,7 +440,7 @@ class SeriesService:
                 loop.call_soon_threadsafe(self._settle, fut, step_id, pk, error, received)
             except RuntimeError:  # the loop is gone: the server stopped
                 if received is not None:
-                    self._source.done_with(step_id, pk, counted_bytes(received.value))
+                    self._source.done_with(step_id, pk, counted_bytes(received.value.nbytes))
 
         try:
             cancel = self._source.serve_recv(step_id, pk, done)
@@ -509,7 +511,7 @@ class SeriesService:
             fut.set_result((error, received))
         elif received is not None:
             # Nobody takes it any more (the consumer went away, the server stopped).
-            self._source.done_with(step_id, pk, counted_bytes(received.value))
+            self._source.done_with(step_id, pk, counted_bytes(received.value.nbytes))
             self._requeue(step_id, pk, received)
 
 

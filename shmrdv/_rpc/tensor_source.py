@@ -7,20 +7,13 @@ producer's side (``outbox.Outbox``, and the tests' own source), declared once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
-
-import numpy.typing as npt
+from typing import Protocol
 
 from .._callbacks import DoneCallback
 from .._keys import ParsedKey
 from .._received import Received
 
-__all__ = ["TensorSource", "counted_bytes"]
-
-
-def counted_bytes(value: npt.NDArray[Any]) -> int:
-    """What one value counts for in the producer's window (``done_with``'s bytes)."""
-    return int(value.nbytes)
+__all__ = ["TensorSource"]
 
 
 class TensorSource(Protocol):
@@ -33,7 +26,7 @@ class TensorSource(Protocol):
     returned answered ``True``.
 
     A value it gave is the service's until the service calls ``done_with`` for it (with
-    its ``counted_bytes``, or a sum of them), exactly once: the call that carried it has ended, or the service dropped it, or is about to
+    its ``methods.counted_bytes``, or a sum of them), exactly once: the call that carried it has ended, or the service dropped it, or is about to
     hand it back with ``requeue`` (to the head of its key: it was taken for a call that
     went away before it was delivered, and no retry can claim it).
     """
