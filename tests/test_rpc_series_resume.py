@@ -30,6 +30,7 @@ from shmrdv._errors import DeadlineExceededError
 from shmrdv._rpc import assembly, messages, series_wire
 from shmrdv._rpc.methods import RECV_TENSOR_SERIES_ACK_METHOD, RECV_TENSOR_SERIES_METHOD
 from shmrdv._rpc.proto import worker_pb2
+from shmrdv._rpc.series_service import SeriesLimits
 from shmrdv._rpc.server import RpcServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -284,4 +285,51 @@ def test_a_series_cancelled_with_values_not_acknowledged_gives_them_back_in_orde
                 values.append(int(assembler.result()[0]))
         assert values == [1, 2]
         assert server.stats()["series_resumed"] == 1
+        again.cancel()
+
+
+def test_a_series_whose_consumer_never_acknowledges_stops_at_its_retained_bound(
+    source: StepSource,
+) -> None:
+    """A resumable series keeps at most ``max_retained_bytes`` of values not
+    acknowledged (then it asks, and takes no more); an ack lets the next ones go."""
+    key = make_key("never-acks")
+    size = 16 << 10
+    with (
+        RpcServer(
+            "127.0.0.1:0", source, series=SeriesLimits(max_retained_bytes=4 * size)
+        ) as server,
+        grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch,
+    ):
+        for i in range(20):
+            source.send(1, key, np.full(size // 8, i, np.int64))
+        series = ch.unary_stream(RECV_TENSOR_SERIES_METHOD)
+        call = series(messages.encode_request(1, key.full_key, 3), timeout=1.5)
+        got: list[int] = []
+        asks = 0
+        with pytest.raises(grpc.RpcError) as info:
+            for message in call:
+                asks += message == series_wire.ASK
+                for chunk in series_wire.series_chunks(message):
+                    assembler = assembly.StreamAssembler()
+                    assembler.feed(chunk)
+                    got.append(int(assembler.result()[0]))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert got == list(range(4)) and asks == 1  # before: all 20
+        wait_for(lambda: server.stats()["series_open"] == 0, timeout=20)
+        # It went away unacknowledged: all 20 are at the key again, in order.
+        again = series(messages.encode_request(1, key.full_key, 3, held=4), timeout=10)
+        ack = ch.unary_unary(RECV_TENSOR_SERIES_ACK_METHOD)
+        got = []
+        for message in again:
+            if message == series_wire.ASK:
+                ack(messages.encode_request(1, key.full_key, 3, held=4 + len(got)), timeout=10)
+                continue
+            for chunk in series_wire.series_chunks(message):
+                assembler = assembly.StreamAssembler()
+                assembler.feed(chunk)
+                got.append(int(assembler.result()[0]))
+            if len(got) == 16:
+                break
+        assert got == list(range(4, 20))
         again.cancel()

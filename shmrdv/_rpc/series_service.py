@@ -21,7 +21,7 @@ with the first data, then chunks of at most ``chunk_bytes``), back to back.
   value counts until the consumer acknowledges it (``RecvTensorSeriesAck``, which the
   series asks for with ``series_wire.ASK`` every ``_ASK_BYTES`` and after
   ``_ASK_DELAY`` of waiting for a value), and the series takes no more while it keeps
-  ``_RETAIN_BYTES``; when its call ends, every value not acknowledged goes back to the
+  ``max_retained_bytes`` (``SeriesLimits``); when its call ends, every value not acknowledged goes back to the
   head of its key, and a re-open of the series (after a dropped connection) skips those
   its consumer says it holds (``series_retained``). Nothing sent is lost with a
   connection; ``series_values`` counts what was acknowledged.
@@ -83,11 +83,9 @@ _log = logging.getLogger("shmrdv.rpc.server")
 _Outcome = tuple[BaseException | None, Received | None]
 # A resumable series asks its consumer for an ack once it handed out this many bytes
 # since the last ask, and when it has waited this long for a value with some not
-# acknowledged (a producer held by its window waits for the ack), and it takes no more
-# while it keeps this many bytes (without a window, the bound of what it keeps).
+# acknowledged (a producer held by its window waits for the ack).
 _ASK_BYTES = 4 << 20
 _ASK_DELAY = 0.005
-_RETAIN_BYTES = 64 << 20
 # How long a re-opened series waits for its previous call to end (the producer may see a
 # dropped connection later than its consumer): then UNAVAILABLE, and the consumer retries.
 _TAKEOVER_WAIT = 5.0
@@ -97,18 +95,26 @@ _TAKEOVER_WAIT = 5.0
 class SeriesLimits:
     """How long an idle series lives, and how many may be open: in all, from one peer
     host and on one connection (beyond: ``RESOURCE_EXHAUSTED``, and the client uses
-    ``RecvTensor``). Bad values raise ``InvalidArgumentError`` naming them."""
+    ``RecvTensor``); how many bytes of values not acknowledged a resumable series keeps
+    before it takes no more (without a window, the bound of what it keeps; a value
+    larger goes alone). Bad values raise ``InvalidArgumentError`` naming them."""
 
     idle: float = 10.0
     max_series: int = 4096
     max_series_per_peer: int = 1024
     max_series_per_connection: int = 256
+    max_retained_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         idle = self.idle
         if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not 0 < idle < 1e6:
             raise InvalidArgumentError(f"series idle must be seconds > 0, not {idle!r}")
-        for name in ("max_series", "max_series_per_peer", "max_series_per_connection"):
+        for name in (
+            "max_series",
+            "max_series_per_peer",
+            "max_series_per_connection",
+            "max_retained_bytes",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
@@ -133,6 +139,7 @@ class SeriesService:
         self._task = task
         self._chunk_bytes = chunk_bytes
         self._idle = float(limits.idle)
+        self._retain = limits.max_retained_bytes
         self._open = ParkedCalls(
             limits.max_series,
             limits.max_series_per_peer,
@@ -216,11 +223,12 @@ class SeriesService:
             while True:
                 if kept is not None:
                     # Kept to the bound: more only once the consumer acknowledged some.
-                    while kept.nbytes >= _RETAIN_BYTES:
+                    while kept.nbytes >= self._retain:
+                        kept.room.clear()  # before the yield: an ack may come meanwhile
                         if kept.asked < kept.sent:
                             kept.asking()
                             yield series_wire.ASK
-                        kept.room.clear()
+                            continue
                         await kept.room.wait()
                 ask = kept is not None and kept.asked < kept.sent
                 try:
@@ -239,7 +247,13 @@ class SeriesService:
                 # A value waited for came to an empty key: it goes at once, alone (no look
                 # for a second one, which would find none but what was sent meanwhile,
                 # and that goes in the next message).
-                batch = [received] if waited else self._more(req.step_id, pk, received)
+                if waited:
+                    batch = [received]
+                else:  # at most a message's worth, and what the series may keep
+                    room = self._chunk_bytes
+                    if kept is not None:
+                        room = min(room, self._retain - kept.nbytes)
+                    batch = self._more(req.step_id, pk, received, room)
                 if kept is not None:
                     kept.add(batch)
                 # Closed here, not when collected: what it did not write goes back now.
@@ -322,11 +336,11 @@ class SeriesService:
             self._stats["series_bytes"] += sum(r.value.nbytes for r in values)
             self._source.done_with(step_id, pk, sum(counted_bytes(r.value.nbytes) for r in values))
 
-    def _more(self, step_id: int, pk: ParsedKey, first: Received) -> list[Received]:
-        """``first`` and the values of ``pk`` already there, up to about one message."""
+    def _more(self, step_id: int, pk: ParsedKey, first: Received, room: int) -> list[Received]:
+        """``first`` and the values of ``pk`` already there, up to about ``room`` bytes."""
         batch = [first]
         size = counted_bytes(first.value.nbytes)
-        while size < self._chunk_bytes:
+        while size < room:
             received = self._take_now(step_id, pk)
             if received is None:
                 break
