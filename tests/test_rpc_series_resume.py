@@ -59,6 +59,7 @@ class CutProxy:
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self._holding = False
+        self.refusing = False  # close each connection at once (the producer unreachable)
         self.held = 0  # bytes from upstream held back since hold()
         self.accepted = 0
         self._stop = threading.Event()
@@ -98,6 +99,9 @@ class CutProxy:
                 continue
             except OSError:
                 return
+            if self.refusing:
+                down.close()
+                continue
             try:
                 up = socket.create_connection(self._upstream, timeout=_JOIN)
             except OSError:
@@ -208,6 +212,35 @@ def test_a_drop_with_nothing_in_flight_loses_and_repeats_nothing(
     proxy.cut()
     for i in range(10, 20):
         p.send(_key(), _value(i, 1024), timeout=10)
+        _check(c.recv(_key(), timeout=20).value, i, 1024)
+    with pytest.raises(DeadlineExceededError):
+        c.recv(_key(), timeout=0.5)
+
+
+def test_a_producer_unreachable_past_the_grace_fails_the_waiting_receive_and_loses_nothing(
+    proxied: tuple[shmrdv.Worker, shmrdv.Worker, CutProxy],
+) -> None:
+    """The connection drops and the producer cannot be reached for longer than
+    ``GONE_GRACE``: the receive waiting fails (``UnavailableError`` naming the producer),
+    as a receive from a producer gone does; once it can be reached again, the next
+    receives get every value sent, in order, once."""
+    producer, consumer, proxy = proxied
+    p, c = producer.rendezvous(1), consumer.rendezvous(1)
+    for i in range(2):
+        p.send(_key(), _value(i, 1024), timeout=10)
+        _check(c.recv(_key(), timeout=10).value, i, 1024)
+    waiting = c.recv_future(_key())
+    proxy.hold()
+    for i in range(2, 6):
+        p.send(_key(), _value(i, 1024), timeout=10)
+    wait_for(lambda: proxy.held >= 4 * 1024, timeout=10, what="every value written")
+    proxy.refusing = True
+    proxy.cut()
+    with pytest.raises(shmrdv.UnavailableError, match=_P) as info:
+        waiting.result(timeout=20)
+    assert "went away" in str(info.value)
+    proxy.refusing = False
+    for i in range(2, 6):
         _check(c.recv(_key(), timeout=20).value, i, 1024)
     with pytest.raises(DeadlineExceededError):
         c.recv(_key(), timeout=0.5)
