@@ -61,6 +61,7 @@ class Outbox:
         self._ctx = ctx
         self.task: str = ctx.task_name
         self.incarnation: int = ctx.incarnation
+        self.max_inflight_bytes: int | None = ctx.max_inflight_bytes
         self._lock = threading.Lock()
         self._boxes: dict[int, LocalRendezvous] = {}
         self._aborted: dict[int, BaseException] = {}

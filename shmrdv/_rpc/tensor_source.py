@@ -20,7 +20,8 @@ class TensorSource(Protocol):
     """What the server pulls values from (the producer's outbox).
 
     ``task`` is the canonical task name (``/job:w/replica:0/task:0``), ``incarnation`` the
-    worker's incarnation. ``serve_recv`` raises ``AbortedError`` at once for a step that
+    worker's incarnation, ``max_inflight_bytes`` each consumer's window (None: none),
+    which a series' acks keep ahead of. ``serve_recv`` raises ``AbortedError`` at once for a step that
     was cleaned up; otherwise it calls ``done(error, Received)`` exactly once, in any
     thread (in the caller's when the value is already there), unless the canceller it
     returned answered ``True``.
@@ -33,6 +34,7 @@ class TensorSource(Protocol):
 
     task: str
     incarnation: int
+    max_inflight_bytes: int | None
 
     def serve_recv(
         self, step_id: int, key: ParsedKey, done: DoneCallback
