@@ -273,6 +273,11 @@ class SeriesReader:
                 self._owner.refused(self.address, code)
             self._end(call_error(code, e, self._where(), None, receiving=False), True)
             return False
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # A re-open refused (the producer's series bounds): again after a pause; a
+            # new series instead would get again what this one holds.
+            pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
+            return self._pause(pause)
         if code != grpc.StatusCode.UNAVAILABLE:
             self._end(call_error(code, e, self._where(), None, receiving=False), False)
             return False
