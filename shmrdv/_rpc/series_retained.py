@@ -12,9 +12,10 @@ When a call of the series ends (the connection dropped, the consumer went away, 
 was idle), what the entry kept goes back to the head of its key, in order (``requeue``:
 a receive that comes later, by either method, gets it), and the entry remembers how many
 values were acknowledged and how many went back. The call that re-opens the series says
-in its request how many it holds: ``reopen`` tells how many of those that went back it
-already has (the service takes them off the key again and drops them), and the series
-goes on from the next. An entry with nothing gone back is forgotten when its call ends (a
+in its request how many it holds: ``open`` takes off the key again those of the values
+that went back that it already has (delivered), and the series goes on from the next.
+A re-open that comes before the producer saw the previous call end waits for it
+(``_TAKEOVER_WAIT``). An entry with nothing gone back is forgotten when its call ends (a
 re-open then holds exactly what was acknowledged); at most ``_KEPT`` entries stay,
 the oldest dropped first.
 
@@ -25,17 +26,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from .._errors import InvalidArgumentError
+from .._errors import InternalError, InvalidArgumentError, UnavailableError
 from .._keys import ParsedKey
 from .._received import Received
 from .methods import counted_bytes
+from .tensor_source import TensorSource
 
 __all__ = ["Retained", "RetainedTable"]
 
 # Entries kept (those with values gone back to their key); each is a few hundred bytes.
 _KEPT = 4096
+# How long a re-opened series waits for its previous call to end (the producer may see a
+# dropped connection later than its consumer): then UNAVAILABLE, and the consumer retries.
+_TAKEOVER_WAIT = 5.0
 
 _Id = tuple[int, int, str]  # (request_id, step_id, full key)
 
@@ -111,19 +116,98 @@ class Retained:
 
 
 class RetainedTable:
-    """The entries of the resumable series of one server (module docstring)."""
+    """The entries of the resumable series of one server (module docstring): values of
+    ``source``; ``requeue`` gives one back to its key's head."""
 
-    def __init__(self, kept: int = _KEPT) -> None:
+    def __init__(
+        self,
+        source: TensorSource,
+        requeue: Callable[[int, ParsedKey, Received], None],
+        kept: int = _KEPT,
+    ) -> None:
+        self._source = source
+        self._requeue = requeue
         self._kept = kept
         self._entries: collections.OrderedDict[_Id, Retained] = collections.OrderedDict()
+        self.resumed = 0  # re-opens of a series that had handed out values
+        self.acks = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, request_id: int, step_id: int, full_key: str) -> Retained | None:
-        return self._entries.get((request_id, step_id, full_key))
+    async def open(
+        self, request_id: int, step_id: int, pk: ParsedKey, held: int, take_now: TakeNow
+    ) -> tuple[Retained, list[Received]]:
+        """The entry of the series ``request_id`` names, its call now the caller's (it
+        waits for a previous one to end); and the values that went back to the key that
+        the consumer holds (``held``), taken off it again with ``take_now``: delivered.
+        Raises ``UnavailableError`` (the previous call lives on), ``InvalidArgumentError``
+        (a count the producer cannot have given) or ``InternalError``."""
+        entry = self._entry(request_id, step_id, pk)
+        if entry.call is not None:  # its previous call has not seen its connection drop
+            try:
+                await asyncio.wait_for(asyncio.shield(entry.call), _TAKEOVER_WAIT)
+            except TimeoutError:
+                raise UnavailableError(
+                    f"RecvTensorSeries of key {pk.full_key!r} is still open on another connection"
+                ) from None
+            entry = self._entry(request_id, step_id, pk)
+            if entry.call is not None:
+                raise UnavailableError(
+                    f"RecvTensorSeries of key {pk.full_key!r} is open on another connection"
+                )
+        if not entry.acked <= held <= entry.acked + entry.gone_back and entry.sent:
+            raise InvalidArgumentError(
+                f"RecvTensorSeries of key {pk.full_key!r} re-opened holding {held} values; "
+                f"the producer handed out {entry.acked} acknowledged and {entry.gone_back} more"
+            )
+        # An entry forgotten (or new) holds what was acknowledged: nothing to skip.
+        skip = held - entry.acked if entry.sent else 0
+        if entry.sent:
+            self.resumed += 1
+        entry.sent = entry.acked = entry.asked = held
+        entry.gone_back = entry.unasked = 0
+        entry.call = asyncio.get_running_loop().create_future()
+        delivered: list[Received] = []
+        for _ in range(skip):
+            received = take_now()
+            if received is None:
+                self.end(entry)
+                raise InternalError(
+                    f"RecvTensorSeries of key {pk.full_key!r}: a value the consumer holds "
+                    "is no longer at the head of its key"
+                )
+            delivered.append(received)
+        return entry, delivered
 
-    def entry(self, request_id: int, step_id: int, pk: ParsedKey) -> Retained:
+    def ack(self, request_id: int, step_id: int, pk: ParsedKey, held: int) -> list[Received]:
+        """``RecvTensorSeriesAck``: the values its consumer holds now (none: its call
+        ended, and a re-open says what it holds)."""
+        entry = self._entries.get((request_id, step_id, pk.full_key))
+        if entry is None or entry.call is None:
+            return []
+        self.acks += 1
+        return entry.ack(held)
+
+    def end(self, entry: Retained) -> None:
+        """The call of ``entry`` ended: what it kept goes back to its key, in order (the
+        entry is forgotten if there was none)."""
+        values = list(entry.values)
+        entry.values.clear()
+        entry.nbytes = 0
+        entry.gone_back = len(values)
+        entry.sent = entry.asked = entry.acked + entry.gone_back
+        entry.unasked = 0
+        if not values and self._entries.get(entry.ident) is entry:
+            del self._entries[entry.ident]
+        for received in reversed(values):
+            self._source.done_with(entry.step_id, entry.pk, counted_bytes(received.value.nbytes))
+            self._requeue(entry.step_id, entry.pk, received)
+        call, entry.call = entry.call, None
+        if call is not None and not call.done():
+            call.set_result(None)
+
+    def _entry(self, request_id: int, step_id: int, pk: ParsedKey) -> Retained:
         """The series' entry, made if there is none."""
         ident = (request_id, step_id, pk.full_key)
         entry = self._entries.get(ident)
@@ -136,33 +220,6 @@ class RetainedTable:
                     break
         return entry
 
-    @staticmethod
-    def reopen(entry: Retained, held: int) -> int:
-        """A call (re-)opens ``entry``'s series holding ``held`` of its values: how many of
-        those that went back to the key it has (to take off the key and drop). The entry
-        then counts from ``held``. ``InvalidArgumentError`` for a count the producer
-        cannot have given (an entry forgotten holds what was acknowledged)."""
-        if not entry.acked <= held <= entry.acked + entry.gone_back and entry.sent:
-            raise InvalidArgumentError(
-                f"RecvTensorSeries of key {entry.pk.full_key!r} re-opened holding {held} "
-                f"values; the producer handed out {entry.acked} acknowledged and "
-                f"{entry.gone_back} more"
-            )
-        skip = held - entry.acked if entry.sent else 0
-        entry.sent = entry.acked = entry.asked = held
-        entry.gone_back = entry.unasked = 0
-        return skip
 
-    def ended(self, entry: Retained) -> list[Received]:
-        """The call of ``entry`` ended: the values it kept, oldest first, to go back to
-        their key (the entry is forgotten if there are none)."""
-        values = list(entry.values)
-        entry.values.clear()
-        entry.nbytes = 0
-        entry.gone_back = len(values)
-        entry.sent = entry.acked + entry.gone_back
-        entry.asked = entry.sent
-        entry.unasked = 0
-        if not values and self._entries.get(entry.ident) is entry:
-            del self._entries[entry.ident]
-        return values
+#: Takes the next value of the series' key if it is there now.
+TakeNow = Callable[[], "Received | None"]

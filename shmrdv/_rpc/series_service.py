@@ -89,9 +89,6 @@ _Outcome = tuple[BaseException | None, Received | None]
 # every 4 MiB, a 64 KiB pipeline spent ~10 us more per value; every 16 MiB, ~2 us.
 _ASK_BYTES = 16 << 20
 _ASK_DELAY = 0.005
-# How long a re-opened series waits for its previous call to end (the producer may see a
-# dropped connection later than its consumer): then UNAVAILABLE, and the consumer retries.
-_TAKEOVER_WAIT = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,15 +154,13 @@ class SeriesService:
         self._stopping = False
         # Takes waiting for a value, with their cancellers (stop_serving fails them).
         self._waiting: dict[asyncio.Future[_Outcome], Callable[[], bool]] = {}
-        self._retained = RetainedTable()
+        self._retained = RetainedTable(source, self._requeue)
         self._stats = {
             "series": 0,
             "series_values": 0,
             "series_bytes": 0,
             "series_refused": 0,
-            "series_resumed": 0,
             "series_asks": 0,
-            "series_acks": 0,
         }
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -193,6 +188,8 @@ class SeriesService:
         out = dict(self._stats)
         out["series_open"] = self._open.total
         out["series_retained"] = len(self._retained)
+        out["series_resumed"] = self._retained.resumed
+        out["series_acks"] = self._retained.acks
         return out
 
     # -- the handler (event loop) ----------------------------------------------------------
@@ -222,10 +219,14 @@ class SeriesService:
         kept: Retained | None = None
         try:
             if req.request_id:
+                step_id = req.step_id
                 try:
-                    kept = await self._reopen(req, pk)
+                    kept, delivered = await self._retained.open(
+                        req.request_id, step_id, pk, req.held, lambda: self._take_now(step_id, pk)
+                    )
                 except RendezvousError as e:
                     await _abort(context, e)
+                self._delivered(step_id, pk, delivered)
             while True:
                 if kept is not None:
                     # Kept to the bound: more only once the consumer acknowledged some.
@@ -272,53 +273,13 @@ class SeriesService:
             clock.close()
             self._open.add(peer, -1)
             if kept is not None:
-                self._end_call(kept)
+                self._retained.end(kept)
 
     def _ask(self, kept: Retained) -> bytes:
         """The message that asks ``kept``'s consumer to acknowledge what it holds."""
         kept.asking()
         self._stats["series_asks"] += 1
         return series_wire.ASK
-
-    async def _reopen(self, req: messages.RecvRequest, pk: ParsedKey) -> Retained:
-        """The entry of the resumable series ``req`` names, its call now this one: what
-        went back to the key that the consumer holds (``req.held``) taken off it again."""
-        kept = self._retained.entry(req.request_id, req.step_id, pk)
-        if kept.call is not None:  # its previous call has not seen its connection drop
-            try:
-                await asyncio.wait_for(asyncio.shield(kept.call), _TAKEOVER_WAIT)
-            except TimeoutError:
-                raise UnavailableError(
-                    f"RecvTensorSeries of key {pk.full_key!r} is still open on another connection"
-                ) from None
-            kept = self._retained.entry(req.request_id, req.step_id, pk)
-            if kept.call is not None:
-                raise UnavailableError(
-                    f"RecvTensorSeries of key {pk.full_key!r} is open on another connection"
-                )
-        skip = self._retained.reopen(kept, req.held)
-        if kept.sent:
-            self._stats["series_resumed"] += 1
-        kept.call = asyncio.get_running_loop().create_future()
-        for _ in range(skip):  # the consumer has them: delivered
-            received = self._take_now(req.step_id, pk)
-            if received is None:
-                self._end_call(kept)
-                raise InternalError(
-                    f"RecvTensorSeries of key {pk.full_key!r}: a value the consumer holds "
-                    "is no longer at the head of its key"
-                )
-            self._delivered(req.step_id, pk, [received])
-        return kept
-
-    def _end_call(self, kept: Retained) -> None:
-        """The call of ``kept`` ended: what it kept goes back to its key, in order."""
-        for received in reversed(self._retained.ended(kept)):
-            self._source.done_with(kept.step_id, kept.pk, counted_bytes(received.value.nbytes))
-            self._requeue(kept.step_id, kept.pk, received)
-        call, kept.call = kept.call, None
-        if call is not None and not call.done():
-            call.set_result(None)
 
     async def _ack(self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         """``RecvTensorSeriesAck``: the consumer holds ``held`` values of its series."""
@@ -327,11 +288,7 @@ class SeriesService:
             pk = check_served_key(
                 req.rendezvous_key, self._task, self._source.task, self._source.incarnation
             )
-            kept = self._retained.get(req.request_id, req.step_id, pk.full_key)
-            if kept is None or kept.call is None:
-                return b""  # its call ended: a re-open says what it holds
-            self._stats["series_acks"] += 1
-            delivered = kept.ack(req.held)
+            delivered = self._retained.ack(req.request_id, req.step_id, pk, req.held)
         except RendezvousError as e:
             await _abort(context, e)
         self._delivered(req.step_id, pk, delivered)
