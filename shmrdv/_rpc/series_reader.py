@@ -8,8 +8,8 @@ assembled, plus one message; then the reader stops reading and HTTP/2 flow contr
 the producer; ``held`` says how much). The producer ending an idle series makes the
 reader open another if a receive waits. Every call of the series carries its own
 request_id and how many values came on it (``held``): the producer keeps what it sent
-until acknowledged (``RecvTensorSeriesAck``, sent when a message asks, one call at a
-time), and a call that drops is opened again and gets what it lacks. What the series
+until acknowledged (``series_ack``: when a message asks, one call at a time), and a
+call that drops is opened again and gets what it lacks. What the series
 does on errors and ends is described on ``series_client``; what it uses of its owner is
 ``SeriesOwner``.
 
@@ -41,20 +41,16 @@ from .._keys import ParsedKey
 from .._received import Received
 from .._rendezvous import Canceller
 from . import assembly, messages, series_wire
-from .methods import (
-    RECV_TENSOR_SERIES_ACK_METHOD,
-    RECV_TENSOR_SERIES_METHOD,
-    counted_bytes,
-)
+from .methods import RECV_TENSOR_SERIES_METHOD, counted_bytes
 from .recv_context import new_request_id
 from .recv_errors import PeerWatch, call_error
 from .rpc_errors import error_code
+from .series_ack import SeriesAcks
 
 __all__ = ["SeriesOwner", "SeriesReader", "Waiter"]
 
 _log = logging.getLogger("shmrdv.rpc.client")
 
-_ACK_TIMEOUT = 5.0
 # Re-opening a series after its connection dropped: pauses from 50 ms doubling to 1 s.
 _RETRY_INITIAL = 0.05
 _RETRY_MAX = 1.0
@@ -123,9 +119,7 @@ class SeriesReader:
         # how many values came on it (all calls), which a re-open and an ack say.
         self._id = new_request_id(63) | 1
         self._count = 0
-        self._acking = False  # an ack call in flight
-        self._ack_again = False  # asked for another meanwhile
-        self._ack_method = channel.unary_unary(RECV_TENSOR_SERIES_ACK_METHOD)
+        self._acks = SeriesAcks(channel, owner.metadata, self._held_request)
         self._watch = PeerWatch()
         self._backoff = _RETRY_INITIAL
         self.thread = threading.Thread(target=self._run, name="shmrdv-rpc-series", daemon=True)
@@ -186,6 +180,7 @@ class SeriesReader:
             self._values.clear()
             self._held = self._partial = 0
             self._room.notify_all()
+        self._acks.close()
         if call is not None:
             call.cancel()
         for waiter in waiters:
@@ -207,10 +202,7 @@ class SeriesReader:
             method = self._channel.unary_stream(
                 RECV_TENSOR_SERIES_METHOD, response_deserializer=feed
             )
-            request = messages.encode_request(
-                self.step_id, self.key.full_key, self._id, held=self._count
-            )
-            call = method(request, metadata=self._owner.metadata)
+            call = method(self._held_request(), metadata=self._owner.metadata)
             with self._lock:
                 closed = self._closed
                 self._call = call
@@ -224,7 +216,7 @@ class SeriesReader:
                         break
                     if feed.asked:
                         feed.asked = False
-                        self._ack()
+                        self._acks.ask()
                     with self._lock:  # the next message is asked for once there is room
                         self._partial = feed.partial
                         self._peak = max(self._peak, self._held + self._partial)
@@ -314,40 +306,9 @@ class SeriesReader:
                 self._room.wait(left)
             return not self._closed
 
-    def _ack(self) -> None:
-        """The producer asked: tell it how many values came (one ack call at a time; one
-        asked for meanwhile goes when it returns)."""
-        with self._lock:
-            if self._closed:
-                return
-            if self._acking:
-                self._ack_again = True
-                return
-            self._acking = True
-        self._send_ack()
-
-    def _send_ack(self) -> None:
-        request = messages.encode_request(
-            self.step_id, self.key.full_key, self._id, held=self._count
-        )
-        try:
-            fut = self._ack_method.future(
-                request, timeout=_ACK_TIMEOUT, metadata=self._owner.metadata
-            )
-        except (ValueError, grpc.RpcError):  # the channel was closed meanwhile
-            with self._lock:
-                self._acking = False
-            return
-        fut.add_done_callback(self._acked)
-
-    def _acked(self, fut: Any) -> None:
-        # Failed (a dropped connection): the re-open says it instead.
-        with self._lock:
-            again = self._ack_again and not self._closed
-            self._ack_again = False
-            self._acking = again
-        if again:
-            self._send_ack()
+    def _held_request(self) -> bytes:
+        """The request of the series' next call or ack: how many values came on it."""
+        return messages.encode_request(self.step_id, self.key.full_key, self._id, held=self._count)
 
     def _full(self) -> bool:
         """No room for the next message (lock held): the table and what came of a value
