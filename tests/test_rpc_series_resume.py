@@ -85,6 +85,7 @@ class CutProxy:
 
     def close(self) -> None:
         self._stop.set()
+        self._threads[0].join(_JOIN)  # no connection accepted after this
         self.cut()
         for t in list(self._threads):
             t.join(_JOIN)
