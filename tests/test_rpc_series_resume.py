@@ -247,6 +247,41 @@ def test_a_producer_unreachable_past_the_grace_fails_the_waiting_receive_and_los
         c.recv(_key(), timeout=0.5)
 
 
+def test_the_window_counts_what_a_series_sent_until_it_is_acknowledged(ns: str) -> None:
+    """``max_inflight_bytes`` holds everything sent and not yet known to have arrived:
+    with the connection holding what the producer writes, the producer stops at its
+    window (before: what its server had written counted no more, and four windows' worth
+    of sends went through), and after a cut every value it sent arrives, once."""
+    window, size = 256 << 10, 16 << 10
+    with shmrdv.Worker(
+        _P, namespace=ns, transports=("grpc",), max_inflight_bytes=window
+    ) as producer:
+        assert producer.address is not None
+        proxy = CutProxy(producer.address)
+        try:
+            cluster = {"resume": {0: proxy.address}}
+            with shmrdv.Worker(_C, cluster=cluster, namespace=ns, transports=("grpc",)) as consumer:
+                p, c = producer.rendezvous(1), consumer.rendezvous(1)
+                for i in range(2):
+                    p.send(_key(), _value(i, size), timeout=10)
+                    _check(c.recv(_key(), timeout=10).value, i, size)
+                proxy.hold()
+                sent = 2
+                with pytest.raises(shmrdv.ResourceExhaustedError, match="max_inflight_bytes"):
+                    while sent < 2 + 4 * window // size:
+                        p.send(_key(), _value(sent, size), timeout=0.5)
+                        sent += 1
+                assert sent - 2 <= window // size
+                assert producer.stats()["grpc"]["inflight_bytes"] <= window
+                proxy.cut()
+                for i in range(2, sent):
+                    _check(c.recv(_key(), timeout=20).value, i, size)
+                with pytest.raises(DeadlineExceededError):
+                    c.recv(_key(), timeout=0.5)
+        finally:
+            proxy.close()
+
+
 # -- the wire: the count a series holds, the ack ---------------------------------------------
 
 
