@@ -269,14 +269,14 @@ class SeriesReader:
             # A re-open refused (the producer's series bounds): again after a pause; a
             # new series instead would get again what this one holds.
             pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
-            return self._pause(pause)
+            return self._pause(pause) and self._park()
         if code != grpc.StatusCode.UNAVAILABLE:
             self._end(call_error(code, e, self._where(), None, receiving=False), False)
             return False
         gone = self._watch.gone(e, str(self.key.src), self._where())
-        if gone is None:  # dropped: again after a pause
+        if gone is None:  # dropped: again after a pause, or when a receive comes
             pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
-            return self._pause(self._watch.pause(pause))
+            return self._pause(self._watch.pause(pause)) and self._park()
         # The producer went away: the receives waiting fail; the series stays, to be
         # re-opened (with what it holds) by the next receive.
         with self._lock:
@@ -284,16 +284,21 @@ class SeriesReader:
             self._waiters.clear()
         for waiter in waiters:
             self._owner.deliver(waiter, gone, None)
+        if not self._park():
+            return False
+        self._watch.reset()
+        self._backoff = _RETRY_INITIAL
+        return True
+
+    def _park(self) -> bool:
+        """Wait until a receive waits on the series (it re-opens the call; the producer
+        keeps what it sent meanwhile); whether the series is still open."""
         with self._lock:
             self._parked = True
             while not self._closed and not self._waiters:
                 self._room.wait()
             self._parked = False
-            if self._closed:
-                return False
-        self._watch.reset()
-        self._backoff = _RETRY_INITIAL
-        return True
+            return not self._closed
 
     def _pause(self, pause: float) -> bool:
         """Wait ``pause`` seconds (``close`` ends it); whether the series is still open."""
@@ -365,12 +370,11 @@ class _Feed:
     It never raises (gRPC would drop the cause): an error is kept for the reader, which
     then cancels the call; what it returns is only a token for the iteration."""
 
-    __slots__ = ("_assembler", "_reader", "asked", "error", "messages", "values")
+    __slots__ = ("_assembler", "_reader", "asked", "error", "messages")
 
     def __init__(self, reader: SeriesReader) -> None:
         self._reader = reader
         self._assembler: assembly.StreamAssembler | None = None
-        self.values = 0  # values completed on this call
         self.messages = 0  # messages that came on this call
         self.asked = False  # the producer asked for an ack
         self.error: BaseException | None = None
@@ -400,7 +404,6 @@ class _Feed:
                 if assembler is None:
                     whole = assembly.whole_tensor(chunk)
                     if whole is not None:  # the usual value: one chunk, read in one pass
-                        self.values += 1
                         reader._arrived(Received(*whole))
                         continue
                     assembler = self._assembler = assembly.StreamAssembler()
@@ -408,7 +411,6 @@ class _Feed:
                 if assembler.complete:
                     received = Received(assembler.result(), assembler.is_dead)
                     self._assembler = None
-                    self.values += 1
                     reader._arrived(received)
         except RendezvousError as e:  # the assembler refused what arrived
             self.error = InternalError(

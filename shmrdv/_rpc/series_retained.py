@@ -53,8 +53,10 @@ class Retained:
         "acked",
         "asked",
         "call",
+        "ending",
         "gone_back",
         "ident",
+        "late",
         "nbytes",
         "pk",
         "room",
@@ -76,6 +78,10 @@ class Retained:
         self.unasked = 0  # bytes handed out since then
         self.gone_back = 0  # values after ``acked`` that went back to the key
         self.call: asyncio.Future[None] | None = None  # the running call's end
+        # Values taken for the call, on their way when it ended: ``end`` waits for them
+        # to go back to the key first (they came after every value kept).
+        self.late = 0
+        self.ending = False  # the call ended; ``end`` comes once ``late`` is 0
         self.room = asyncio.Event()  # set by an ack
 
     def add(self, batch: Iterable[Received]) -> None:

@@ -238,7 +238,7 @@ class SeriesService:
                         await kept.room.wait()
                 ask = kept is not None and kept.asked < kept.sent
                 try:
-                    received, waited = await self._take(req.step_id, pk, clock, ask)
+                    received, waited = await self._take(req.step_id, pk, clock, ask, kept)
                 except RendezvousError as e:
                     await _abort(context, e)
                 if received is None:
@@ -272,7 +272,9 @@ class SeriesService:
         finally:
             clock.close()
             self._open.add(peer, -1)
-            if kept is not None:
+            if kept is not None and kept.late:
+                kept.ending = True  # a value on its way goes back first (_settle)
+            elif kept is not None:
                 self._retained.end(kept)
 
     def _ask(self, kept: Retained) -> bytes:
@@ -399,7 +401,12 @@ class SeriesService:
             _log.exception("TensorSource.requeue failed for key %r", pk.full_key)
 
     async def _take(
-        self, step_id: int, pk: ParsedKey, clock: _IdleClock, ask: bool = False
+        self,
+        step_id: int,
+        pk: ParsedKey,
+        clock: _IdleClock,
+        ask: bool = False,
+        kept: Retained | None = None,
     ) -> tuple[Received | None, bool]:
         """The next value of ``pk``: at once when it is there, else when it is sent;
         None after ``idle`` seconds without one (``clock``, the series'). Also whether
@@ -410,14 +417,17 @@ class SeriesService:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_Outcome] = loop.create_future()
         loop_thread = self._loop_thread
+        landed = [False]  # _settle ran for the value (or error) this take got
 
         def done(error: BaseException | None, received: Received | None) -> None:
             # In the loop when the value is already there; else the producer's thread.
             if threading.get_ident() == loop_thread:
-                self._settle(fut, step_id, pk, error, received)
+                self._settle(fut, step_id, pk, error, received, kept, landed)
                 return
             try:
-                loop.call_soon_threadsafe(self._settle, fut, step_id, pk, error, received)
+                loop.call_soon_threadsafe(
+                    self._settle, fut, step_id, pk, error, received, kept, landed
+                )
             except RuntimeError:  # the loop is gone: the server stopped
                 if received is not None:
                     self._source.done_with(step_id, pk, counted_bytes(received.value.nbytes))
@@ -459,7 +469,11 @@ class SeriesService:
                     return None, False
             except asyncio.CancelledError:
                 # The consumer went away: a value taken for it goes back to its key.
-                cancel()
+                removed = cancel()
+                if not removed and not landed[0] and kept is not None:
+                    # On its way from the sender's thread: it goes back to the key in
+                    # _settle, before what the series kept (taken earlier) goes.
+                    kept.late += 1
                 if not fut.done():
                     fut.cancel()  # one still on its way goes back in _settle
                 elif not fut.cancelled():  # (the task's cancel cancels what it awaits)
@@ -486,13 +500,24 @@ class SeriesService:
         pk: ParsedKey,
         error: BaseException | None,
         received: Received | None,
+        kept: Retained | None = None,
+        landed: list[bool] | None = None,
     ) -> None:
+        if landed is not None:
+            landed[0] = True
         if not fut.done():
             fut.set_result((error, received))
-        elif received is not None:
+            return
+        if received is not None:
             # Nobody takes it any more (the consumer went away, the server stopped).
             self._source.done_with(step_id, pk, counted_bytes(received.value.nbytes))
             self._requeue(step_id, pk, received)
+        if kept is not None and fut.cancelled() and kept.late:
+            # Back at the key's head: now what the series kept goes before it.
+            kept.late -= 1
+            if not kept.late and kept.ending:
+                kept.ending = False
+                self._retained.end(kept)
 
 
 class _IdleClock:
