@@ -56,6 +56,7 @@ class StepSource:
     def __init__(self, task: str = TASK, incarnation: int = INCARNATION) -> None:
         self.task = task
         self.incarnation = incarnation
+        self.max_inflight_bytes: int | None = None  # no window here
         self._lock = threading.Lock()
         self._steps: dict[int, LocalRendezvous] = {}
         self._tombstones: set[int] = set()

@@ -233,13 +233,16 @@ class RecvRequest:
     # shmrdv's extension fields (TensorFlow skips them as unknown fields):
     finished: tuple[int, ...] = ()  # 1001: request_ids whose responses arrived (acks)
     inline_max: int = -1  # 1002: largest tensor to answer inline; -1: not given
+    held: int = 0  # 1003: RecvTensorSeries: values of the series the consumer holds
 
 
 # Extension fields of RecvTensorRequest (TensorFlow skips them as unknown fields).
 _FINISHED_FIELD = 1001
 _INLINE_MAX_FIELD = 1002
+_HELD_FIELD = 1003
 _FINISHED_TAG = encode_tag(_FINISHED_FIELD, VARINT)
 _INLINE_MAX_TAG = encode_tag(_INLINE_MAX_FIELD, VARINT)
+_HELD_TAG = encode_tag(_HELD_FIELD, VARINT)
 
 
 def encode_request(
@@ -250,13 +253,16 @@ def encode_request(
     *,
     finished: Sequence[int] = (),
     inline_max: int = -1,
+    held: int = 0,
 ) -> bytes:
     """``RecvTensorRequest`` bytes; ``InvalidArgumentError`` for out-of-range ints.
 
     ``finished`` (request_ids whose responses arrived: piggybacked acks, as many
     ``MarkRecvFinished``) and ``inline_max`` (answer tensors up to this many bytes in the
     unary response; a larger one is answered with empty bytes: "stream it") are shmrdv
-    extension fields 1001 and 1002.
+    extension fields 1001 and 1002; ``held`` (a ``RecvTensorSeries`` re-opened or
+    acknowledged under its ``request_id``: how many of its values the consumer holds)
+    is field 1003.
     """
     step_id = check_int64("step_id", step_id)
     request_id = check_int64("request_id", request_id)
@@ -285,6 +291,9 @@ def encode_request(
     if inline_max >= 0:
         out += _INLINE_MAX_TAG
         put_varint(out, check_int64("inline_max", inline_max))
+    if held:
+        out += _HELD_TAG
+        put_varint(out, check_int64("held", held))
     return bytes(out)
 
 
@@ -300,6 +309,7 @@ def decode_request(data: Buffer) -> RecvRequest:
     dma_ok = False
     finished: list[int] = []
     inline_max = -1
+    held = 0
     try:
         for f in iter_fields(buf, 0, len(buf)):
             if f.number == 1 and f.wire_type == VARINT:
@@ -326,14 +336,16 @@ def decode_request(data: Buffer) -> RecvRequest:
                         finished.append(signed64(v))
             elif f.number == _INLINE_MAX_FIELD and f.wire_type == VARINT:
                 inline_max = signed64(f.value)
+            elif f.number == _HELD_FIELD and f.wire_type == VARINT:
+                held = signed64(f.value)
     except Malformed as e:
         raise InvalidArgumentError(f"Cannot parse RecvTensorRequest: {e}") from e
-    return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max)
+    return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max, held)
 
 
 def _plain_request(b: bytes) -> RecvRequest | None:
     """``decode_request`` of a request of the key (field 2) and varint fields 1, 3, 7,
-    1001 and 1002 only, in any order (as ``encode_request`` and TensorFlow write them),
+    1001, 1002 and 1003 only, in any order (as ``encode_request`` and TensorFlow write them),
     in one pass; None: anything else, read the general way (which names a problem)."""
     n = len(b)
     pos = step_id = request_id = 0
@@ -341,6 +353,7 @@ def _plain_request(b: bytes) -> RecvRequest | None:
     dma_ok = False
     finished: list[int] = []
     inline_max = -1
+    held = 0
     try:
         while pos < n:
             tag = b[pos]
@@ -351,7 +364,7 @@ def _plain_request(b: bytes) -> RecvRequest | None:
                 key = b[pos : pos + size].decode("utf-8")
                 pos += size
                 continue
-            if tag in (0xC8, 0xD0) and b[pos + 1] == 0x3E:  # 1001, 1002 (two-byte tags)
+            if tag in (0xC8, 0xD0, 0xD8) and b[pos + 1] == 0x3E:  # 1001-1003 (two-byte tags)
                 pos += 2
             elif tag in (0x08, 0x18, 0x38):
                 pos += 1
@@ -368,11 +381,13 @@ def _plain_request(b: bytes) -> RecvRequest | None:
                 dma_ok = v != 0
             elif tag == 0xD0:
                 inline_max = v
+            elif tag == 0xD8:
+                held = v
             elif len(finished) < MAX_ACKS:
                 finished.append(v)
     except (IndexError, Malformed, UnicodeDecodeError):
         return None
-    return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max)
+    return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max, held)
 
 
 #: A request carries at most this many acks; more are ignored (they expire on their own),

@@ -14,9 +14,12 @@ __all__ = [
     "GET_STATUS_METHOD",
     "MARK_RECV_FINISHED_METHOD",
     "RECV_TENSOR_METHOD",
+    "RECV_TENSOR_SERIES_ACK_METHOD",
     "RECV_TENSOR_SERIES_METHOD",
     "RECV_TENSOR_STREAM_METHOD",
     "SERVER_STOPPING",
+    "VALUE_FLOOR",
+    "counted_bytes",
 ]
 
 # TensorFlow registers these by hand (grpc_worker_service_impl.cc, GrpcWorkerMethodName);
@@ -40,6 +43,11 @@ RECV_TENSOR_STREAM_METHOD: Final = f"/{SHMRDV_SERVICE}/RecvTensorStream"
 # pipeline of 1,000 64 KiB tensors x0.11 -> x0.98-1.14 of raw grpcio streaming, 100 of
 # 16 MiB x0.52-0.74 -> x0.94-1.03 (bench --pipeline, same session; series_client.py).
 RECV_TENSOR_SERIES_METHOD: Final = f"/{SHMRDV_SERVICE}/RecvTensorSeries"
+# shmrdv's own, with RecvTensorSeries: a RecvTensorRequest naming a series (its
+# request_id, step and key) and how many of its values the consumer holds (``held``):
+# the producer keeps them no longer (a series re-opened after a dropped connection says
+# the same in its request, and gets again what it lacks). Empty bytes out.
+RECV_TENSOR_SERIES_ACK_METHOD: Final = f"/{SHMRDV_SERVICE}/RecvTensorSeriesAck"
 
 # research/pitfalls.md §6: stream in chunks of at most 4 MiB (gRPC's default receive limit).
 DEFAULT_CHUNK_BYTES: Final = 4 << 20
@@ -53,3 +61,14 @@ DEFAULT_INLINE_MAX: Final = 1 << 20
 # producer is gone for good (a restarted one has a new address and incarnation), so a
 # client fails its receive at once instead of retrying (issue 19, bug 3a).
 SERVER_STOPPING: Final = "is stopping"
+
+# What one value counts for at least in the bounds kept in bytes (the producer's
+# ``max_inflight_bytes`` window, what a series takes in a message, keeps, and prefetches):
+# a value of no bytes (a 0 dimension, a dtype of size 0) still costs its header and the
+# objects that hold it, so a flood of them stops at the bound as full ones do.
+VALUE_FLOOR: Final = 256
+
+
+def counted_bytes(nbytes: int) -> int:
+    """What a value of ``nbytes`` bytes counts for in those bounds."""
+    return nbytes if nbytes > VALUE_FLOOR else VALUE_FLOOR

@@ -8,8 +8,9 @@ deadline. A step's box is created on the first send or request and dropped by
 (TensorFlow's FindOrCreate would wait forever).
 
 Backpressure (``TransportContext.max_inflight_bytes``): one ``InflightWindow`` per
-consumer task. ``send`` reserves the value's bytes before copying it in (waiting up to
-the send's timeout). They count until the server is done with the value
+consumer task. ``send`` reserves the value's bytes (``methods.counted_bytes``: at least
+``VALUE_FLOOR``, so that empty values are bounded too) before copying it in (waiting up
+to the send's timeout). They count until the server is done with the value
 (``done_with``: the call that carried it has ended, or the value was dropped), not when
 a call takes it: a consumer that asks and never reads holds the window, not this
 process's memory (issue 19 §4). A ``requeue`` counts them again, ``cleanup_step`` gives
@@ -47,7 +48,7 @@ from .._rendezvous import Canceller, Received
 from .._transport import TransportContext
 from .._window import ConsumerWatch, InflightWindow, Windows
 from . import series_wire
-from .methods import SERVER_STOPPING
+from .methods import SERVER_STOPPING, counted_bytes
 from .send_pool import SendPool
 
 __all__ = ["Outbox"]
@@ -63,6 +64,7 @@ class Outbox:
         self._ctx = ctx
         self.task: str = ctx.task_name
         self.incarnation: int = ctx.incarnation
+        self.max_inflight_bytes: int | None = ctx.max_inflight_bytes
         self._lock = threading.Lock()
         self._boxes: dict[int, LocalRendezvous] = {}
         self._aborted: dict[int, BaseException] = {}
@@ -138,7 +140,7 @@ class Outbox:
         if self._windows is None:
             self._put(box, key, value, is_dead)
             return
-        nbytes = value.nbytes
+        nbytes = counted_bytes(value.nbytes)
         window = self._windows.for_key(key)
         watch = self._watches.get(window)
         if watch is None:
@@ -264,7 +266,7 @@ class Outbox:
         if self._windows is None:
             box.requeue(key, received)
             return
-        nbytes = received.value.nbytes
+        nbytes = counted_bytes(received.value.nbytes)
         window = self._windows.for_key(key)
         try:
             self._hold(step_id, window, nbytes)

@@ -22,19 +22,24 @@ and goes to the oldest waiting receive, or waits in the series' table, in order.
   values are never served to two methods at once.
 * **Ends**: the producer ends an idle series; the reader opens another at once if a
   receive waits, else the series goes once its table is empty (the next receive opens a
-  new one). An error (the producer's step aborted or cleaned up, its worker closing,
-  the connection lost) fails the receives waiting on it, with the error mapped as for
-  ``RecvTensor``; values already there are still taken. A call that fails before any
-  value came hands its waiting receives to ``RecvTensor`` (``fallback``), in order: a
-  producer that does not know the method (``UNIMPLEMENTED``: TensorFlow, an older
-  shmrdv; no series to that address again), refuses one more series
-  (``RESOURCE_EXHAUSTED``; none for ``_REFUSED_PAUSE``), or cannot be reached
-  (``UNAVAILABLE``: ``RecvTensor`` retries it, or names it gone).
+  new one). An error (the producer's step aborted or cleaned up, its worker closing)
+  fails the receives waiting on it, with the error mapped as for ``RecvTensor``; values
+  already there are still taken. A call that fails before any value came on the series
+  hands its waiting receives to ``RecvTensor`` (``fallback``), in order: a producer that
+  does not know the method (``UNIMPLEMENTED``: TensorFlow, an older shmrdv; no series to
+  that address again), refuses one more series (``RESOURCE_EXHAUSTED``; none for
+  ``_REFUSED_PAUSE``), or cannot be reached (``UNAVAILABLE``: ``RecvTensor`` retries
+  it, or names it gone).
+* **A dropped connection loses nothing**: a series has a request_id of its own
+  (``series_reader``), on every call of it. The producer keeps each value it hands to
+  the series until the consumer acknowledges it (``RecvTensorSeriesAck``, when the
+  producer asks: ``series_retained``); a call that fails with ``UNAVAILABLE`` after
+  values came is opened again (50 ms doubling to 1 s) saying how many values the series
+  holds, and the producer sends again, in order, what it lacks: every value once. A
+  producer gone (its server stopping, or unreachable for ``GONE_GRACE``) fails the
+  receives waiting; the next receive opens the series again.
 * ``abort_step``, ``cleanup_step`` and ``close`` cancel the step's (every) series and
   fail their waiting receives; values a series held go with its step.
-* No request_id: a series is never retried. A connection lost after values came fails
-  the receives waiting on it (``UnavailableError``): values in flight on it are lost
-  with it, and the receive says so rather than skip them.
 
 Measured (``bench --pipeline --pipeline-cases 64k:1000,16m:100``, pinned, loopback, one
 session, three runs each, against raw grpcio server-streaming): one ``RecvTensor`` per
@@ -246,14 +251,16 @@ class SeriesClient:
 
     def stats(self) -> dict[str, int]:
         """Counters; ``series_held_bytes``: what the open series hold that no receive
-        took yet, ``series_held_peak``: the most one of them held at once."""
+        took yet (``series_held_values``: the values), ``series_held_peak``: the most one
+        of them held at once."""
         out = dict(self._stats)
         with self._lock:
             out["series"] = len(self._series)
             open_now = list(self._series.values())
         held = [s.held() for s in open_now]
-        out["series_held_bytes"] = sum(now for now, _ in held)
-        out["series_held_peak"] = max((peak for _, peak in held), default=0)
+        out["series_held_bytes"] = sum(now for now, _, _ in held)
+        out["series_held_peak"] = max((peak for _, peak, _ in held), default=0)
+        out["series_held_values"] = sum(values for _, _, values in held)
         return out
 
 

@@ -6,8 +6,12 @@ chunks into the writable array a receive returns) and handed to the oldest waiti
 receive, or kept (in order, at most ``prefetch_bytes`` with what came of a value being
 assembled, plus one message; then the reader stops reading and HTTP/2 flow control holds
 the producer; ``held`` says how much). The producer ending an idle series makes the
-reader open another if a receive waits. What the series does on errors and ends is
-described on ``series_client``; what it uses of its owner is ``SeriesOwner``.
+reader open another if a receive waits. Every call of the series carries its own
+request_id and how many values came on it (``held``): the producer keeps what it sent
+until acknowledged (``series_ack``: when a message asks, one call at a time), and a
+call that drops is opened again and gets what it lacks. What the series
+does on errors and ends is described on ``series_client``; what it uses of its owner is
+``SeriesOwner``.
 
 Thread model (docs/threads.md): each message is taken apart where gRPC hands it over,
 in the channel's own thread, as the call's response deserializer (``_Feed``): its values
@@ -25,6 +29,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Final, Protocol
 
@@ -35,13 +40,19 @@ from .._errors import InternalError, RendezvousError
 from .._keys import ParsedKey
 from .._rendezvous import Canceller, Received
 from . import assembly, messages, series_wire
-from .methods import RECV_TENSOR_SERIES_METHOD
-from .recv_errors import call_error
+from .methods import RECV_TENSOR_SERIES_METHOD, counted_bytes
+from .recv_context import new_request_id
+from .recv_errors import PeerWatch, call_error
 from .rpc_errors import error_code
+from .series_ack import SeriesAcks
 
 __all__ = ["SeriesOwner", "SeriesReader", "Waiter"]
 
 _log = logging.getLogger("shmrdv.rpc.client")
+
+# Re-opening a series after its connection dropped: pauses from 50 ms doubling to 1 s.
+_RETRY_INITIAL = 0.05
+_RETRY_MAX = 1.0
 
 
 class SeriesOwner(Protocol):
@@ -101,18 +112,27 @@ class SeriesReader:
         self._waiters: collections.OrderedDict[Waiter, None] = collections.OrderedDict()
         self.ended = False  # no value will come any more
         self._closed = False
+        self._parked = False  # the reader waits for a receive to re-open the series
         self._call: Any = None
+        # Resumable: the series' own request_id, on every call of it and its acks, and
+        # how many values came on it (all calls), which a re-open and an ack say.
+        self._id = new_request_id(63) | 1
+        self._count = 0
+        self._acks = SeriesAcks(channel, owner.metadata, self._held_request)
+        self._watch = PeerWatch()
+        self._backoff = _RETRY_INITIAL
         self.thread = threading.Thread(target=self._run, name="shmrdv-rpc-series", daemon=True)
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def held(self) -> tuple[int, int]:
+    def held(self) -> tuple[int, int, int]:
         """Bytes this series holds that no receive took (its table, and what came of a
-        value still being assembled), and the most it held at once."""
+        value still being assembled), the most it held at once, and the values in its
+        table."""
         with self._lock:
-            return self._held + self._partial, self._peak
+            return self._held + self._partial, self._peak, len(self._values)
 
     def _where(self) -> str:
         return f"key {self.key.full_key!r} (step {self.step_id}) from {self.address}"
@@ -125,13 +145,15 @@ class SeriesReader:
         with self._lock:
             if self._values:
                 received = self._values.popleft()
-                self._held -= received.value.nbytes
+                self._held -= counted_bytes(received.value.nbytes)
                 self._room.notify()
             elif self.ended:
                 return None
             else:
                 waiter = Waiter(done, blocking)
                 self._waiters[waiter] = None
+                if self._parked:
+                    self._room.notify()  # a reader waiting for a receive to resume
                 return lambda: self._cancel(waiter)
         self._owner.count(received)
         invoke_done(done, None, received)
@@ -157,6 +179,7 @@ class SeriesReader:
             self._values.clear()
             self._held = self._partial = 0
             self._room.notify_all()
+        self._acks.close()
         if call is not None:
             call.cancel()
         for waiter in waiters:
@@ -172,14 +195,13 @@ class SeriesReader:
             self._end(InternalError(f"receiving {self._where()} failed: {e!r}"), fallback=False)
 
     def _read(self) -> None:
-        request = messages.encode_request(self.step_id, self.key.full_key, 0)
         while True:
             feed = _Feed(self)
             # One callable per call: its deserializer is the call's own ``_Feed``.
             method = self._channel.unary_stream(
                 RECV_TENSOR_SERIES_METHOD, response_deserializer=feed
             )
-            call = method(request, metadata=self._owner.metadata)
+            call = method(self._held_request(), metadata=self._owner.metadata)
             with self._lock:
                 closed = self._closed
                 self._call = call
@@ -191,6 +213,9 @@ class SeriesReader:
                 for _ in call:  # each message was delivered by ``feed`` as it came
                     if feed.error is not None:
                         break
+                    if feed.asked:
+                        feed.asked = False
+                        self._acks.ask()
                     with self._lock:  # the next message is asked for once there is room
                         self._partial = feed.partial
                         self._peak = max(self._peak, self._held + self._partial)
@@ -201,18 +226,12 @@ class SeriesReader:
             except grpc.RpcError as e:
                 if self.closed:
                     return
-                code = error_code(e)
-                # Nothing came on this call, so nothing was lost: RecvTensor takes over
-                # (it retries a peer not up yet, and knows one that is gone).
-                fallback = feed.values == 0 and code in (
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    grpc.StatusCode.UNAVAILABLE,
-                )
-                if fallback and code != grpc.StatusCode.UNAVAILABLE:
-                    self._owner.refused(self.address, code)
-                self._end(call_error(code, e, self._where(), None, receiving=False), fallback)
-                return
+                if feed.messages:  # it was reached: a drop now is a new one
+                    self._watch.reset()
+                    self._backoff = _RETRY_INITIAL
+                if not self._failed(e):
+                    return
+                continue
             if feed.error is not None:
                 call.cancel()
                 self._end(feed.error, fallback=False)
@@ -229,6 +248,72 @@ class SeriesReader:
                     return
             # A receive waits: open another.
 
+    def _failed(self, e: grpc.RpcError) -> bool:
+        """A call of the series failed: whether to open it again (the connection
+        dropped: the producer keeps what it sent until acknowledged, and the re-open
+        says what came), else the series is over."""
+        code = error_code(e)
+        if self._count == 0 and code in (
+            grpc.StatusCode.UNIMPLEMENTED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.UNAVAILABLE,
+        ):
+            # Nothing came on the series, so the consumer holds none of it: RecvTensor
+            # takes over (it retries a peer not up yet, and knows one that is gone).
+            if code != grpc.StatusCode.UNAVAILABLE:
+                self._owner.refused(self.address, code)
+            self._end(call_error(code, e, self._where(), None, receiving=False), True)
+            return False
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # A re-open refused (the producer's series bounds): again after a pause; a
+            # new series instead would get again what this one holds.
+            pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
+            return self._pause(pause) and self._park()
+        if code != grpc.StatusCode.UNAVAILABLE:
+            self._end(call_error(code, e, self._where(), None, receiving=False), False)
+            return False
+        gone = self._watch.gone(e, str(self.key.src), self._where())
+        if gone is None:  # dropped: again after a pause, or when a receive comes
+            pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
+            return self._pause(self._watch.pause(pause)) and self._park()
+        # The producer went away: the receives waiting fail; the series stays, to be
+        # re-opened (with what it holds) by the next receive.
+        with self._lock:
+            waiters = list(self._waiters)
+            self._waiters.clear()
+        for waiter in waiters:
+            self._owner.deliver(waiter, gone, None)
+        if not self._park():
+            return False
+        self._watch.reset()
+        self._backoff = _RETRY_INITIAL
+        return True
+
+    def _park(self) -> bool:
+        """Wait until a receive waits on the series (it re-opens the call; the producer
+        keeps what it sent meanwhile); whether the series is still open."""
+        with self._lock:
+            self._parked = True
+            while not self._closed and not self._waiters:
+                self._room.wait()
+            self._parked = False
+            return not self._closed
+
+    def _pause(self, pause: float) -> bool:
+        """Wait ``pause`` seconds (``close`` ends it); whether the series is still open."""
+        deadline = time.monotonic() + pause
+        with self._lock:
+            while not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._room.wait(left)
+            return not self._closed
+
+    def _held_request(self) -> bytes:
+        """The request of the series' next call or ack: how many values came on it."""
+        return messages.encode_request(self.step_id, self.key.full_key, self._id, held=self._count)
+
     def _full(self) -> bool:
         """No room for the next message (lock held): the table and what came of a value
         being assembled reach ``prefetch_bytes``. An empty table always has room: a value
@@ -240,13 +325,14 @@ class SeriesReader:
         """A value came (the channel's thread, ``_Feed``): to the oldest waiting receive,
         else into the table. Never blocks: the reader waits for room."""
         with self._lock:
+            self._count += 1
             if self._closed:
                 return
             if self._waiters:
                 waiter, _ = self._waiters.popitem(last=False)
             else:
                 self._values.append(received)
-                self._held += received.value.nbytes
+                self._held += counted_bytes(received.value.nbytes)
                 self._peak = max(self._peak, self._held)
                 return
         self._owner.count(received)
@@ -283,12 +369,13 @@ class _Feed:
     It never raises (gRPC would drop the cause): an error is kept for the reader, which
     then cancels the call; what it returns is only a token for the iteration."""
 
-    __slots__ = ("_assembler", "_reader", "error", "values")
+    __slots__ = ("_assembler", "_reader", "asked", "error", "messages")
 
     def __init__(self, reader: SeriesReader) -> None:
         self._reader = reader
         self._assembler: assembly.StreamAssembler | None = None
-        self.values = 0  # values completed on this call
+        self.messages = 0  # messages that came on this call
+        self.asked = False  # the producer asked for an ack
         self.error: BaseException | None = None
 
     @property
@@ -303,7 +390,11 @@ class _Feed:
         return 0 if assembler is None else assembler.received_bytes
 
     def __call__(self, message: bytes) -> object:
+        self.messages += 1
         if self.error is not None:
+            return _TOKEN
+        if message == series_wire.ASK:
+            self.asked = True
             return _TOKEN
         reader = self._reader
         try:
@@ -312,7 +403,6 @@ class _Feed:
                 if assembler is None:
                     whole = assembly.whole_tensor(chunk)
                     if whole is not None:  # the usual value: one chunk, read in one pass
-                        self.values += 1
                         reader._arrived(Received(*whole))
                         continue
                     assembler = self._assembler = assembly.StreamAssembler()
@@ -320,7 +410,6 @@ class _Feed:
                 if assembler.complete:
                     received = Received(assembler.result(), assembler.is_dead)
                     self._assembler = None
-                    self.values += 1
                     reader._arrived(received)
         except RendezvousError as e:  # the assembler refused what arrived
             self.error = InternalError(

@@ -10,6 +10,10 @@ message each. One copy of the data: the buffer into the message; none for a valu
 ``packed_copy`` made (the producer's copy at ``send`` is then the message itself). A
 value that fits one message is framed once per dtype and shape (``_lone``), not cut by
 ``chunk_pieces``.
+
+``ASK``: a message of no chunks and shmrdv's extension field 1001 (true), by which the
+producer of a series asks its consumer to acknowledge the values it holds
+(``RecvTensorSeriesAck``); protobuf reads it as an empty ``TensorChunks``.
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ from .._errors import InvalidArgumentError, RendezvousError
 from .._rendezvous import Received
 from .assembly import chunk_pieces, whole_prefix
 from .tf_dtypes import wire_dtype
-from .wire import LEN, Buffer, Malformed, as_buffer, encode_tag, encode_varint, iter_fields
+from .wire import LEN, VARINT, Buffer, Malformed, as_buffer, encode_tag, encode_varint, iter_fields
 
-__all__ = ["encode_series", "packed_copy", "series_chunks"]
+__all__ = ["ASK", "encode_series", "packed_copy", "series_chunks"]
 
 _CHUNKS = encode_tag(1, LEN)
+#: The message that asks the consumer for an ack (module docstring); no series message
+#: that carries a chunk equals it (those begin with field 1).
+ASK = encode_tag(1001, VARINT) + b"\x01"
 
 
 def encode_series(values: Sequence[Received], budget: int) -> Iterator[tuple[bytes, int]]:

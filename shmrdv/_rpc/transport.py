@@ -255,6 +255,7 @@ class GrpcTransport:
         out["series"] = series["series"]
         out["series_held_bytes"] = series["series_held_bytes"]
         out["series_held_peak"] = series["series_held_peak"]
+        out["series_held_values"] = series["series_held_values"]
         if self._server is not None:
             out.update({f"server_{k}": v for k, v in self._server.stats().items()})
         return out

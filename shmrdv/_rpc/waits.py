@@ -44,7 +44,7 @@ from .._keys import ParsedKey
 from .._rendezvous import Received
 from . import messages
 from .keycheck import check_served_key
-from .methods import SERVER_STOPPING
+from .methods import SERVER_STOPPING, counted_bytes
 from .parked import ParkedCalls
 from .response_cache import ResponseCache, Waiter
 from .tensor_source import TensorSource
@@ -204,7 +204,7 @@ class Waits:
         if waiter.reported or not fut.done() or fut.cancelled() or fut.exception() is not None:
             return
         waiter.reported = True
-        self._source.done_with(waiter.step_id, waiter.key, fut.result().value.nbytes)
+        self._source.done_with(waiter.step_id, waiter.key, counted_bytes(fut.result().value.nbytes))
 
     # -- waiting for a value --------------------------------------------------------
 
