@@ -273,7 +273,10 @@ class Dispatcher:
         del items
 
     def _count_tick_finds(self, items: list[Item]) -> None:
-        """Count the values a scan found after a wait on the doorbell timed out."""
+        """Count the values a scan found after a wait on the doorbell timed out, unless
+        a post came meanwhile (late, not lost)."""
+        if self._bell.pending:
+            return
         for _, _, result in items:
             if type(result) is Received:
                 self._tick_finds += 1
@@ -320,6 +323,7 @@ class Dispatcher:
         arrived = self._consumer.arrived
         clock = time.perf_counter_ns
         bell = self._bell
+        held = self._held  # the poller's own post (``_hold``)
         turns = 0
         while True:
             if arrived():
@@ -327,7 +331,7 @@ class Dispatcher:
             turns += 1
             if turns == _BELL_EVERY:
                 turns = 0
-                if bell.pending > 1:  # (the poller's own post is one: ``_hold``)
+                if bell.pending > held:
                     return _POSTED
             if clock() >= end_ns:
                 return _NOTHING
