@@ -307,12 +307,14 @@ class Consumer:
 
     # -- the scan (run by whoever polls the doorbell) ---------------------------------
 
-    def scan(self, check: bool = True) -> list[Item]:
-        """Drain the rings, serve the channels they brought something for; once per tick,
+    def scan(self, check: bool = True, posted: bool = True) -> list[Item]:
+        """Drain the rings, serve the channels they brought something for; per doorbell
+        post, look for the messages of producers without a ring (by name); once per tick,
         check the producers that have waiters (liveness, ringless ones by name).
 
-        ``check=False``: the rings' sizes were checked by a scan a moment ago (before a
-        spin on their heads); they are not checked again.
+        ``check=False``: the rings' sizes were checked a moment ago (before a spin on
+        their heads); they are not checked again. ``posted=False``: no post was taken (a
+        spin saw a ring's head move), so no look by name.
         """
         out: list[Item] = []
         with self.lock:
@@ -326,7 +328,7 @@ class Consumer:
                 if self._inbox.failed:
                     self._serve_failed(out)
                 waiting = self._waiters.size() > 0
-                if waiting:
+                if waiting and posted:
                     self._probe_ringless(out)
                 now = time.monotonic()
                 if now >= self._sweep_at:  # (the time first: counting the maps is a call)

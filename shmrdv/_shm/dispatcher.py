@@ -12,6 +12,20 @@ role only while callback receives are pending and no blocked receiver has held i
 moment (``_HANDOFF_NS``: a receiver in a loop keeps it, and serves the callback receives
 with its own scans); it runs their ``done`` callbacks outside every lock.
 
+The poller's own post: a thread about to spin posts this worker's doorbell itself
+(``_hold``), and leaves that post pending while it polls and between its polls. A
+producer that finds a post pending after appending a ring record does not post
+(``producer.py``): whoever takes a pending post looks at the rings' heads after it, and
+its ``head`` store came before its look at the semaphore (an atomic read-modify-write,
+the publish lock's release, lies between them: a full barrier on x86-64, the only
+machine with rings). A spinning receiver thus costs its producers no post and itself no
+post to take per message. Before any poller blocks on the doorbell it takes that post
+back (an atomic read-modify-write too) and looks at the heads once more
+(``_came_meanwhile``): either that look sees a record that came meanwhile, or its
+producer saw no post pending and posted; no wake-up is lost. A message that has no ring
+record (a producer without a ring, or a segment's first post, made before its notice) is
+always posted, and a spin looks for a post besides its own every ``_BELL_EVERY`` turns.
+
 Thread model (docs/threads.md): ``wait`` from any receiving thread; ``kick`` / ``wake_all`` from any thread;
 ``_cond`` guards only the poller role and is never held while polling or delivering.
 """
@@ -23,10 +37,10 @@ import threading
 import time
 
 from .._cpus import usable_cpus
-from .._rendezvous import RecvSlot
+from .._rendezvous import Received, RecvSlot
 from .bell import Bell
 from .consumer import TICK, Consumer
-from .delivery import deliver
+from .delivery import Item, deliver
 
 __all__ = ["Dispatcher"]
 
@@ -52,6 +66,8 @@ _SPIN_MAX_NS = 250_000
 _ON_ITS_WAY_NS = 100_000
 # A spin looks at the doorbell itself (for producers without a ring) every this many turns.
 _BELL_EVERY = 32
+# What a spin saw (``_spin``): nothing, a ring's head move, a doorbell post.
+_NOTHING, _HEADS, _POSTED = 0, 1, 2
 # The dispatcher thread takes the poller role only once no blocked receiver has held it
 # for this long: a receiver in a loop comes back sooner, and polls itself. It bounds the
 # extra delay of a callback receive whose value comes while no receiver blocks (then the
@@ -87,6 +103,9 @@ class Dispatcher:
         self._spins = 0  # spins started
         self._spin_hits = 0  # spins that found a message
         self._thread_poll_count = 0  # polls made by the dispatcher thread
+        self._held = False  # the poller's own post is pending (``_hold``)
+        self._posts = 0  # doorbell posts taken, the poller's own not counted
+        self._tick_finds = 0  # values found after a doorbell wait timed out
         self._thread = threading.Thread(
             target=self._run, name=f"shmrdv-shm-dispatch {label}", daemon=True
         )
@@ -176,6 +195,7 @@ class Dispatcher:
         the blocked receiver that wants the poller role (and the user's threads) would
         wait for it up to the interpreter's switch interval (5 ms)."""
         bell = self._bell
+        consumer = self._consumer
         start = time.perf_counter_ns()
         busy = self._busy_ns
         if not spin:
@@ -189,48 +209,104 @@ class Dispatcher:
                 budget = 0
         else:
             budget = self._spin_budget(start)
-        found = woken = False
+        found = woken = unanswered = False
+        seen = _NOTHING
         if budget:
             # First the rings' sizes (issue 20 §3: a truncated ring read is a SIGBUS); the
             # spin then reads only their heads, for a moment. A ring that fails the check
             # is failed by a scan, under the lock. (What came since the receive looked is
             # found by the spin at once: no scan needed for it.)
-            consumer = self._consumer
             intact = consumer.rings_intact()
-            if not intact or consumer.arrived():  # (heads read only once the sizes are)
-                # A ring failed (the scan fails it), or the message is there already: taken
-                # at once, and not counted as a wait the spin adapts to.
-                items = consumer.scan(check=not intact)
+            posted = bell.pending > self._held
+            if posted or not intact or consumer.arrived():  # (heads read once sizes are)
+                # A post came (a message without a ring record, an abort), a ring failed
+                # (the scan fails it), or the message is there already: taken at once,
+                # and not counted as a wait the spin adapts to.
+                if posted:
+                    self._take_posts()
+                items = consumer.scan(check=not intact, posted=posted)
                 if items:
                     deliver(items)
                     return
+            if not self._held:
+                self._hold()
             self._spins += 1
-            found = self._spin(start + budget)
+            seen = self._spin(start + budget)
             now = time.perf_counter_ns()
             self._spun_ns += now - start
             wait -= (now - start) / 1e9
-        if found:
+        if seen:
+            found = True
             self._spin_hits += 1
             self._last_msg_ns = now  # (the spin's end: when the message was seen)
             if not busy:
                 self._adapt_spin(now - start)
-            bell.drain()  # the posts of what the spin found: no wasted wake-up for them
+            if seen == _POSTED:
+                self._take_posts()
+        elif self._held and (self._take_posts() or self._came_meanwhile()):
+            # The poller stops polling: its post taken back, the heads are looked at once
+            # more (``_came_meanwhile``) before it sleeps. A post of a producer that came
+            # meanwhile is taken with it, and scanned for like a wake-up.
+            seen = _POSTED
+            self._last_msg_ns = time.perf_counter_ns()
         elif bell.wait(max(wait, 0.0)):
             woken = True
             self._last_msg_ns = now = time.perf_counter_ns()
             if not busy:
                 self._adapt_spin(now - start)
-            bell.drain()
+            self._posts += 1 + bell.drain()
         else:
             self._spin_ns = 0  # unanswered: no spin until posts come again
-        items = self._consumer.scan(check=not found)
+            unanswered = True
+        # A spin that saw a ring's head move needs no look made per post (producers
+        # without a ring post, and a post besides the poller's own is seen by the next
+        # poll). The rings' sizes were checked right before the spin.
+        items = consumer.scan(check=not found, posted=seen != _HEADS)
         if items:
+            if unanswered:
+                self._count_tick_finds(items)
             deliver(items)
         elif woken and not busy and self._spin_ns < _ON_ITS_WAY_NS:
             self._spin_ns = _ON_ITS_WAY_NS  # a post with nothing yet: see _ON_ITS_WAY_NS
         # Drop the batch before waiting again: a received array kept alive here would
         # hold its pool slot (and its ``held`` name) until the next wake-up.
         del items
+
+    def _count_tick_finds(self, items: list[Item]) -> None:
+        """Count the values a scan found after a wait on the doorbell timed out, unless
+        a post came meanwhile (late, not lost)."""
+        if self._bell.pending:
+            return
+        for _, _, result in items:
+            if type(result) is Received:
+                self._tick_finds += 1
+
+    def _hold(self) -> None:
+        """Post this worker's own doorbell before a spin (see "The poller's own post")."""
+        try:
+            self._bell.ring()
+        except Exception:  # pragma: no cover - closed meanwhile: the poll ends with it
+            return
+        self._held = True
+
+    def _take_posts(self) -> bool:
+        """Take every pending post, the poller's own (``_held``) included; whether a post
+        besides it was there. (Taking a post is an atomic read-modify-write of the
+        semaphore: on x86-64 a full barrier, so the heads read after it are current.)"""
+        taken = self._bell.drain()
+        held = self._held
+        self._held = False
+        if taken > held:
+            self._posts += taken - held
+            return True
+        return False
+
+    def _came_meanwhile(self) -> bool:
+        """After the poller's own post was taken back: whether a ring holds records (its
+        size checked first). A producer that saw that post pending did not post (its
+        ``head`` store came before that look), so this look is what finds its record."""
+        consumer = self._consumer
+        return not consumer.rings_intact() or consumer.arrived()
 
     def _spin_budget(self, now_ns: int) -> int:
         """How long this poll may spin before it blocks on the doorbell, in ns, without
@@ -240,23 +316,25 @@ class Dispatcher:
             self._multi_cpu = usable_cpus() > 1
         return self._spin_ns if self._multi_cpu else 0
 
-    def _spin(self, end_ns: int) -> bool:
-        """Poll the rings' heads (shared memory) until one has records or ``end_ns``;
-        every ``_BELL_EVERY`` turns take a doorbell post instead, if there is one."""
+    def _spin(self, end_ns: int) -> int:
+        """Poll the rings' heads (shared memory) until one has records (``_HEADS``) or
+        ``end_ns`` (``_NOTHING``); every ``_BELL_EVERY`` turns look for a doorbell post
+        besides the poller's own (``_POSTED``), left pending for ``_poll`` to take."""
         arrived = self._consumer.arrived
         clock = time.perf_counter_ns
         bell = self._bell
+        held = self._held  # the poller's own post (``_hold``)
         turns = 0
         while True:
             if arrived():
-                return True
+                return _HEADS
             turns += 1
             if turns == _BELL_EVERY:
                 turns = 0
-                if bell.pending and bell.wait(0):  # a read first: ``wait(0)`` costs µs
-                    return True
+                if bell.pending > held:
+                    return _POSTED
             if clock() >= end_ns:
-                return False
+                return _NOTHING
 
     def _adapt_spin(self, waited_ns: int) -> None:
         """Spin about twice as long as doorbells have lately taken to ring, within bounds.
@@ -272,12 +350,17 @@ class Dispatcher:
 
     def stats(self) -> dict[str, int]:
         """Time spent spinning (µs; the CPU time of a spinning poller), spins started,
-        spins that paid and polls made by the dispatcher thread (not by a blocked receiver)."""
+        spins that paid, polls made by the dispatcher thread (not by a blocked receiver),
+        doorbell posts taken (the poller's own not counted: none while it spins on a
+        ring) and values found only once a wait on the doorbell timed out (a post that
+        never came: 0 unless a producer could not post)."""
         return {
             "spin_us": self._spun_ns // 1000,
             "spins": self._spins,
             "spin_hits": self._spin_hits,
             "dispatcher_polls": self._thread_poll_count,
+            "doorbell_posts": self._posts,
+            "tick_finds": self._tick_finds,
         }
 
     def close(self) -> None:
