@@ -29,7 +29,7 @@ come, is renamed ``returned`` -> ``pool`` as before).
 
 The control block's second word names the consumer run that holds the slot: a consumer
 stores its incarnation there once its rename of a message to ``held`` succeeded (the
-producer zeroes it at each publish, so a word is only ever the current lend's holder; one
+producer zeroes it when it takes the slot for a lend, ``acquire``, so a word is only ever the current lend's holder; one
 that died between the two leaves 0, and its slot is never taken back). A slot whose ``held`` name stays while the presence record of its
 consumer task says that run is gone (killed: nothing unlinked the name) is taken back by
 the producer (``held`` -> ``returned`` -> free), at its lost check.
@@ -131,7 +131,7 @@ def hold(mem: mmap.mmap, incarnation: int) -> None:
 
 
 def clear_holder(mem: mmap.mmap | bytearray) -> None:
-    """Producer side, before a publish: no consumer holds this lend yet."""
+    """Producer side, when a slot is taken for its next lend: no consumer holds it yet."""
     if len(mem) >= CONTROL:
         _WORD.pack_into(mem, len(mem) - CONTROL + _HOLDER_AT, 0)
 
@@ -239,6 +239,9 @@ class SlotPool:
                 self._reclaim()
                 slot = self._take_free(cls)
             if slot is not None and self._intact(slot):
+                # No consumer holds its next lend yet (``hold``): cleared now, where its
+                # control block was just read, not in the publish after the caller's write.
+                clear_holder(slot.segment.buf)
                 self.reused += 1
                 return slot
             while (

@@ -42,7 +42,7 @@ from .bell import Bell
 from .copier import copy_into
 from .inflight import Inflight, Ticket
 from .naming import Names
-from .pool import ProducerAlive, Slot, SlotPool, clear_holder
+from .pool import ProducerAlive, Slot, SlotPool
 from .ring import RINGS_SUPPORTED, Ring, ring_size
 from .segment import Segment, move_noreplace
 
@@ -707,10 +707,7 @@ class Producer:
         with self._publish_lock:
             seq = self._next_seq(step_id, fk)
             now = time.time_ns()
-            buf = seg.buf
-            t.write_keyed(buf, 0, header, flags, step_id, seq, self._inc, self._pid, slot, now)
-            if slot >= 0:
-                clear_holder(buf)  # no consumer holds this lend yet (``pool.hold``)
+            t.write_keyed(seg.buf, 0, header, flags, step_id, seq, self._inc, self._pid, slot, now)
             name = self._names.message(step_id, fk, self._inc, seq)
             try:
                 move_noreplace(seg.path, Names.path(name))
