@@ -133,3 +133,19 @@ def test_a_batch_of_plain_values_is_framed_as_chunk_pieces_frames_it() -> None:
     for budget in (4 << 20, 20_000, 64):
         sent = list(series_wire.encode_series(values, budget))
         assert sent == list(series_wire.encode_series(reference, budget))
+
+
+def test_the_ask_message_and_the_ack_method_are_the_protos() -> None:
+    from shmrdv._rpc.methods import RECV_TENSOR_SERIES_ACK_METHOD
+    from shmrdv._rpc.proto import rendezvous_pb2
+
+    asked = rendezvous_pb2.TensorChunks.FromString(series_wire.ASK)
+    assert asked.ask and not asked.chunks
+    # A message that carries chunks is never read as an ask.
+    values = [Received(np.arange(3.0))]
+    (message, _), *_ = series_wire.encode_series(values, 1 << 20)
+    assert not rendezvous_pb2.TensorChunks.FromString(message).ask
+    service = rendezvous_pb2.DESCRIPTOR.services_by_name["Rendezvous"]
+    ack = service.methods_by_name["RecvTensorSeriesAck"]
+    assert RECV_TENSOR_SERIES_ACK_METHOD == f"/{service.full_name}/{ack.name}"
+    assert not ack.server_streaming and not ack.client_streaming

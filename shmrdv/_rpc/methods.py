@@ -29,7 +29,7 @@ SHMRDV_SERVICE: Final = "shmrdv.Rendezvous"
 RECV_TENSOR_METHOD: Final = f"/{TF_SERVICE}/RecvTensor"
 GET_STATUS_METHOD: Final = f"/{TF_SERVICE}/GetStatus"
 MARK_RECV_FINISHED_METHOD: Final = f"/{TF_SERVICE}/MarkRecvFinished"
-# shmrdv's own, hand-registered (not in the .proto), kept because it measures faster
+# shmrdv's own, hand-registered (protos/shmrdv/rendezvous.proto describes it), kept because it measures faster
 # than RecvTensor for large tensors and has no 2 GiB ceiling: a RecvTensorRequest in; a
 # chunked stream out (a header, then raw chunks). A shmrdv client asks RecvTensor with
 # ``inline_max`` (extension field 1002); the server answers a larger tensor with empty

@@ -27,19 +27,21 @@ from . import types_pb2 as shmrdv_dot_types__pb2
 from . import worker_pb2 as shmrdv_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17shmrdv/rendezvous.proto\x12\x06shmrdv\x1a\x19shmrdv/tensor_shape.proto\x1a\x12shmrdv/types.proto\x1a\x13shmrdv/worker.proto\"\xbc\x01\n\x0cTensorHeader\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.shmrdv.tf.DataType\x12\x31\n\x0ctensor_shape\x18\x02 \x01(\x0b\x32\x1b.shmrdv.tf.TensorShapeProto\x12\x0f\n\x07is_dead\x18\x03 \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cshmrdv_dtype\x18\x05 \x01(\t\x12\x19\n\x11send_start_micros\x18\x06 \x01(\x03\"Q\n\x0bTensorChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.shmrdv.TensorHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"3\n\x0cTensorChunks\x12#\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x13.shmrdv.TensorChunk2\x9f\x01\n\nRendezvous\x12G\n\x10RecvTensorStream\x12\x1c.shmrdv.tf.RecvTensorRequest\x1a\x13.shmrdv.TensorChunk0\x01\x12H\n\x10RecvTensorSeries\x12\x1c.shmrdv.tf.RecvTensorRequest\x1a\x14.shmrdv.TensorChunks0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17shmrdv/rendezvous.proto\x12\x06shmrdv\x1a\x19shmrdv/tensor_shape.proto\x1a\x12shmrdv/types.proto\x1a\x13shmrdv/worker.proto\"\x13\n\x11SeriesAckResponse\"\xbc\x01\n\x0cTensorHeader\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.shmrdv.tf.DataType\x12\x31\n\x0ctensor_shape\x18\x02 \x01(\x0b\x32\x1b.shmrdv.tf.TensorShapeProto\x12\x0f\n\x07is_dead\x18\x03 \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cshmrdv_dtype\x18\x05 \x01(\t\x12\x19\n\x11send_start_micros\x18\x06 \x01(\x03\"Q\n\x0bTensorChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.shmrdv.TensorHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"A\n\x0cTensorChunks\x12#\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x13.shmrdv.TensorChunk\x12\x0c\n\x03\x61sk\x18\xe9\x07 \x01(\x08\x32\xef\x01\n\nRendezvous\x12G\n\x10RecvTensorStream\x12\x1c.shmrdv.tf.RecvTensorRequest\x1a\x13.shmrdv.TensorChunk0\x01\x12H\n\x10RecvTensorSeries\x12\x1c.shmrdv.tf.RecvTensorRequest\x1a\x14.shmrdv.TensorChunks0\x01\x12N\n\x13RecvTensorSeriesAck\x12\x1c.shmrdv.tf.RecvTensorRequest\x1a\x19.shmrdv.SeriesAckResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shmrdv._rpc.proto.rendezvous_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TENSORHEADER']._serialized_start=104
-  _globals['_TENSORHEADER']._serialized_end=292
-  _globals['_TENSORCHUNK']._serialized_start=294
-  _globals['_TENSORCHUNK']._serialized_end=375
-  _globals['_TENSORCHUNKS']._serialized_start=377
-  _globals['_TENSORCHUNKS']._serialized_end=428
-  _globals['_RENDEZVOUS']._serialized_start=431
-  _globals['_RENDEZVOUS']._serialized_end=590
+  _globals['_SERIESACKRESPONSE']._serialized_start=103
+  _globals['_SERIESACKRESPONSE']._serialized_end=122
+  _globals['_TENSORHEADER']._serialized_start=125
+  _globals['_TENSORHEADER']._serialized_end=313
+  _globals['_TENSORCHUNK']._serialized_start=315
+  _globals['_TENSORCHUNK']._serialized_end=396
+  _globals['_TENSORCHUNKS']._serialized_start=398
+  _globals['_TENSORCHUNKS']._serialized_end=463
+  _globals['_RENDEZVOUS']._serialized_start=466
+  _globals['_RENDEZVOUS']._serialized_end=705
 # @@protoc_insertion_point(module_scope)

@@ -9,6 +9,10 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SeriesAckResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class TensorHeader(_message.Message):
     __slots__ = ("dtype", "tensor_shape", "is_dead", "total_bytes", "shmrdv_dtype", "send_start_micros")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -36,7 +40,9 @@ class TensorChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TensorChunks(_message.Message):
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "ask")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ASK_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+    ask: bool
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., ask: _Optional[bool] = ...) -> None: ...
