@@ -147,5 +147,5 @@ def test_the_ask_message_and_the_ack_method_are_the_protos() -> None:
     assert not rendezvous_pb2.TensorChunks.FromString(message).ask
     service = rendezvous_pb2.DESCRIPTOR.services_by_name["Rendezvous"]
     ack = service.methods_by_name["RecvTensorSeriesAck"]
-    assert RECV_TENSOR_SERIES_ACK_METHOD == f"/{service.full_name}/{ack.name}"
+    assert f"/{service.full_name}/{ack.name}" == RECV_TENSOR_SERIES_ACK_METHOD
     assert not ack.server_streaming and not ack.client_streaming
