@@ -1,9 +1,10 @@
 """RecvTensor's messages, built and parsed by hand: ``RecvTensorRequest`` (with shmrdv's
 extension fields 1001-1003: acks, inline limit, a series' held count) and
 ``RecvTensorResponse`` (the tensor from ``tensors``); ``MarkRecvFinishedRequest`` is
-``mark_finished``', ``GetStatusResponse`` ``status``'. Pure: no gRPC, no protobuf runtime, no I/O; thread model: none needed. The
-generated modules of ``protos/shmrdv/*.proto`` in ``shmrdv/_rpc/proto`` are the reference
-the tests compare these bytes against.
+``mark_finished``', ``GetStatusResponse`` ``status``'. Pure: no gRPC, no protobuf
+runtime, no I/O; thread model: none needed. The generated modules of
+``protos/shmrdv/*.proto`` in ``shmrdv/_rpc/proto`` are the reference the tests compare
+these bytes against.
 
 A receive's two messages (its request out, a response of the usual layout in) are
 written and read in one pass each, with ``wire``'s varint primitives only; a server reads
