@@ -37,12 +37,32 @@ if TYPE_CHECKING:
     from ._keys import ParsedKey
     from ._transport import PeerDirectory
 
-__all__ = ["LIVENESS_S", "REFRESH_S", "ConsumerWatch", "InflightWindow", "Windows", "check_window"]
+__all__ = [
+    "LIVENESS_S",
+    "REFRESH_S",
+    "VALUE_FLOOR",
+    "ConsumerWatch",
+    "InflightWindow",
+    "Windows",
+    "check_window",
+    "counted_bytes",
+]
 
 #: How often a waiting reservation asks the transport what the consumer has taken.
 REFRESH_S = 0.002
 #: How often a waiting reservation looks whether its consumer died.
 LIVENESS_S = 0.05
+#: What one value counts for at least in the bounds kept in bytes (this window, and what
+#: a gRPC series takes in a message, keeps and prefetches): a value of no bytes (a 0
+#: dimension, a dtype of size 0) still costs its header, its ring record or segment and
+#: the objects that hold it, so a flood of them stops at the bound as full ones do.
+VALUE_FLOOR = 256
+
+
+def counted_bytes(nbytes: int) -> int:
+    """What a value of ``nbytes`` bytes counts for in those bounds (``VALUE_FLOOR`` at
+    least); the transports reserve and release each value's count, never a sum's."""
+    return nbytes if nbytes > VALUE_FLOOR else VALUE_FLOOR
 
 
 def check_window(limit: object) -> int | None:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import shmrdv
+from shmrdv._window import VALUE_FLOOR
 from shmrdv.testing import ChildWorker
 from tests.helpers import CONSUMER, PRODUCER, make_key, wait_for
 
@@ -72,6 +73,35 @@ def test_backpressure_full_window_times_out_and_sends_nothing(
         assert consumer.rendezvous(0).recv(key, timeout=10).value[0] == i
     with pytest.raises(shmrdv.DeadlineExceededError):
         consumer.rendezvous(0).recv(key, timeout=0.5)  # the refused one never went out
+
+
+def test_backpressure_empty_values_fill_the_window_and_all_arrive(
+    ns: str, transport: tuple[str, ...]
+) -> None:
+    """A value of no bytes counts ``VALUE_FLOOR`` bytes: a flood of them stops at the
+    window (before, shared memory let 200,000 through, one /dev/shm file each once the
+    ring was full), and every one sent arrives, in order."""
+    window = 64 << 10
+    key = make_key("empty")
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns, transports=transport) as consumer,
+        shmrdv.Worker(
+            PRODUCER, namespace=ns, transports=transport, max_inflight_bytes=window
+        ) as producer,
+    ):
+        rdv = producer.rendezvous(0)
+        sent = 0
+        with pytest.raises(shmrdv.ResourceExhaustedError, match="max_inflight_bytes"):
+            while sent < 5_000:
+                rdv.send(key, np.zeros((sent % 7, 0), np.float32), timeout=0.2)
+                sent += 1
+        assert sent == window // VALUE_FLOOR
+        for i in range(sent):
+            assert consumer.rendezvous(0).recv(key, timeout=10).value.shape == (i % 7, 0)
+        # Room again once they are taken (shared memory looks when a send waits; a gRPC
+        # series' values count until its consumer acknowledges them).
+        rdv.send(key, np.zeros((0,), np.float32), timeout=5)
+        wait_for(lambda: _inflight(producer, transport) <= VALUE_FLOOR, timeout=10)
 
 
 def test_backpressure_slow_consumer_bounds_and_keeps_order(

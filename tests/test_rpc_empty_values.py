@@ -22,9 +22,9 @@ from shmrdv._errors import AbortedError, ResourceExhaustedError
 from shmrdv._keys import ParsedKey
 from shmrdv._rendezvous import RecvSlot
 from shmrdv._rpc.client import RpcClient
-from shmrdv._rpc.methods import VALUE_FLOOR
 from shmrdv._rpc.series_client import SeriesClient
 from shmrdv._rpc.server import RpcServer
+from shmrdv._window import VALUE_FLOOR
 
 pytestmark = pytest.mark.timeout(60)
 

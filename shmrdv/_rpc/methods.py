@@ -18,8 +18,6 @@ __all__ = [
     "RECV_TENSOR_SERIES_METHOD",
     "RECV_TENSOR_STREAM_METHOD",
     "SERVER_STOPPING",
-    "VALUE_FLOOR",
-    "counted_bytes",
 ]
 
 # TensorFlow registers these by hand (grpc_worker_service_impl.cc, GrpcWorkerMethodName);
@@ -61,14 +59,3 @@ DEFAULT_INLINE_MAX: Final = 1 << 20
 # producer is gone for good (a restarted one has a new address and incarnation), so a
 # client fails its receive at once instead of retrying (issue 19, bug 3a).
 SERVER_STOPPING: Final = "is stopping"
-
-# What one value counts for at least in the bounds kept in bytes (the producer's
-# ``max_inflight_bytes`` window, what a series takes in a message, keeps, and prefetches):
-# a value of no bytes (a 0 dimension, a dtype of size 0) still costs its header and the
-# objects that hold it, so a flood of them stops at the bound as full ones do.
-VALUE_FLOOR: Final = 256
-
-
-def counted_bytes(nbytes: int) -> int:
-    """What a value of ``nbytes`` bytes counts for in those bounds."""
-    return nbytes if nbytes > VALUE_FLOOR else VALUE_FLOOR

@@ -46,9 +46,9 @@ from .._keys import ParsedKey
 from .._local import LocalRendezvous
 from .._rendezvous import Canceller, Received
 from .._transport import TransportContext
-from .._window import ConsumerWatch, InflightWindow, Windows
+from .._window import ConsumerWatch, InflightWindow, Windows, counted_bytes
 from . import series_wire
-from .methods import SERVER_STOPPING, counted_bytes
+from .methods import SERVER_STOPPING
 from .send_pool import SendPool
 
 __all__ = ["Outbox"]

@@ -39,8 +39,9 @@ from .._callbacks import DoneCallback, invoke_done
 from .._errors import InternalError, RendezvousError
 from .._keys import ParsedKey
 from .._rendezvous import Canceller, Received
+from .._window import counted_bytes
 from . import assembly, messages, series_wire
-from .methods import RECV_TENSOR_SERIES_METHOD, counted_bytes
+from .methods import RECV_TENSOR_SERIES_METHOD
 from .recv_context import new_request_id
 from .recv_errors import PeerWatch, call_error
 from .rpc_errors import error_code

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from .._errors import InternalError, InvalidArgumentError, UnavailableError
 from .._keys import ParsedKey
 from .._rendezvous import Received
-from .methods import counted_bytes
+from .._window import counted_bytes
 from .tensor_source import TensorSource
 
 __all__ = ["Retained", "RetainedTable"]

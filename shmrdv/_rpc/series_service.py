@@ -69,9 +69,10 @@ from .._errors import (
 from .._keys import ParsedKey
 from .._rendezvous import Received
 from .._status import code_for_error
+from .._window import counted_bytes
 from . import messages, series_wire
 from .keycheck import check_served_key
-from .methods import SERVER_STOPPING, SHMRDV_SERVICE, counted_bytes
+from .methods import SERVER_STOPPING, SHMRDV_SERVICE
 from .parked import ParkedCalls
 from .series_retained import Retained, RetainedTable
 from .tensor_source import TensorSource

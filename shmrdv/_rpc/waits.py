@@ -42,9 +42,10 @@ from .._errors import (
 )
 from .._keys import ParsedKey
 from .._rendezvous import Received
+from .._window import counted_bytes
 from . import messages
 from .keycheck import check_served_key
-from .methods import SERVER_STOPPING, counted_bytes
+from .methods import SERVER_STOPPING
 from .parked import ParkedCalls
 from .response_cache import ResponseCache, Waiter
 from .tensor_source import TensorSource
