@@ -14,9 +14,9 @@ does on errors and ends is described on ``series_client``; what it uses of its o
 ``SeriesOwner``.
 
 Thread model (docs/threads.md): each message is taken apart where gRPC hands it over,
-in the channel's own thread, as the call's response deserializer (``_Feed``): its values
-are assembled and delivered there, so a blocked receiver is woken by that thread, with
-no thread of ours in between (measured: ``_Feed``). The reader thread
+in the channel's own thread, as the call's response deserializer (``series_feed``): its
+values are assembled and delivered there, so a blocked receiver is woken by that thread,
+with no thread of ours in between (measured: ``series_feed``). The reader thread
 ("shmrdv-rpc-series") only drives the call: it asks for the next message once the
 table has room, opens the next call, and ends the series. Receives, cancels and
 ``close`` come from any thread. One lock guards the table and waiters; the ``room``
@@ -31,21 +31,22 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 import grpc
 
 from .._callbacks import DoneCallback, invoke_done
-from .._errors import InternalError, RendezvousError
+from .._errors import InternalError
 from .._keys import ParsedKey
 from .._rendezvous import Canceller, Received
 from .._window import counted_bytes
-from . import assembly, messages, series_wire
+from . import messages
 from .methods import RECV_TENSOR_SERIES_METHOD
 from .recv_context import new_request_id
 from .recv_errors import PeerWatch, call_error
 from .rpc_errors import error_code
 from .series_ack import SeriesAcks
+from .series_feed import SeriesFeed
 
 __all__ = ["SeriesOwner", "SeriesReader", "Waiter"]
 
@@ -135,7 +136,8 @@ class SeriesReader:
         with self._lock:
             return self._held + self._partial, self._peak, len(self._values)
 
-    def _where(self) -> str:
+    def where(self) -> str:
+        """The series' key, step and producer, for messages."""
         return f"key {self.key.full_key!r} (step {self.step_id}) from {self.address}"
 
     # -- receives (any thread) ------------------------------------------------------------
@@ -192,13 +194,13 @@ class SeriesReader:
         try:
             self._read()
         except BaseException as e:  # a bug here must not leave a receiver waiting forever
-            _log.exception("RecvTensorSeries of %s failed unexpectedly", self._where())
-            self._end(InternalError(f"receiving {self._where()} failed: {e!r}"), fallback=False)
+            _log.exception("RecvTensorSeries of %s failed unexpectedly", self.where())
+            self._end(InternalError(f"receiving {self.where()} failed: {e!r}"), fallback=False)
 
     def _read(self) -> None:
         while True:
-            feed = _Feed(self)
-            # One callable per call: its deserializer is the call's own ``_Feed``.
+            feed = SeriesFeed(self)
+            # One callable per call: its deserializer is the call's own ``SeriesFeed``.
             method = self._channel.unary_stream(
                 RECV_TENSOR_SERIES_METHOD, response_deserializer=feed
             )
@@ -239,7 +241,7 @@ class SeriesReader:
                 return
             if feed.inside_value:
                 self._end(
-                    InternalError(f"RecvTensorSeries of {self._where()} ended inside a value"),
+                    InternalError(f"RecvTensorSeries of {self.where()} ended inside a value"),
                     fallback=False,
                 )
                 return
@@ -263,7 +265,7 @@ class SeriesReader:
             # takes over (it retries a peer not up yet, and knows one that is gone).
             if code != grpc.StatusCode.UNAVAILABLE:
                 self._owner.refused(self.address, code)
-            self._end(call_error(code, e, self._where(), None, receiving=False), True)
+            self._end(call_error(code, e, self.where(), None, receiving=False), True)
             return False
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             # A re-open refused (the producer's series bounds): again after a pause; a
@@ -271,9 +273,9 @@ class SeriesReader:
             pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
             return self._pause(pause) and self._park()
         if code != grpc.StatusCode.UNAVAILABLE:
-            self._end(call_error(code, e, self._where(), None, receiving=False), False)
+            self._end(call_error(code, e, self.where(), None, receiving=False), False)
             return False
-        gone = self._watch.gone(e, str(self.key.src), self._where())
+        gone = self._watch.gone(e, str(self.key.src), self.where())
         if gone is None:  # dropped: again after a pause, or when a receive comes
             pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
             return self._pause(self._watch.pause(pause)) and self._park()
@@ -322,8 +324,8 @@ class SeriesReader:
         held = self._held
         return held > 0 and held + self._partial >= self._owner.prefetch_bytes
 
-    def _arrived(self, received: Received) -> None:
-        """A value came (the channel's thread, ``_Feed``): to the oldest waiting receive,
+    def arrived(self, received: Received) -> None:
+        """A value came (the channel's thread, ``SeriesFeed``): to the oldest waiting receive,
         else into the table. Never blocks: the reader waits for room."""
         with self._lock:
             self._count += 1
@@ -353,76 +355,6 @@ class SeriesReader:
                     waiter.redirect = canceller
             else:
                 self._owner.deliver(waiter, error, None)
-
-
-class _Feed:
-    """The response deserializer of one ``RecvTensorSeries`` call: takes each message
-    apart in the thread gRPC receives it on (its channel's), and delivers the values it
-    completes (``SeriesReader._arrived``), in order: gRPC asks for one message at a time
-    (the reader's iteration), so one ``_Feed`` never runs twice at once.
-
-    Measured (two Workers over loopback, pinned, alternated with the reader-thread
-    version): a blocked receiver is woken by gRPC's channel thread, not by a reader
-    woken by it; a 64 KiB pipeline consumer's reader switches 0.08 times per value (was
-    0.93-1.25) and its process spends 69-75 us of CPU per value (was 76-79); the round
-    trip is the same within the noise.
-
-    It never raises (gRPC would drop the cause): an error is kept for the reader, which
-    then cancels the call; what it returns is only a token for the iteration."""
-
-    __slots__ = ("_assembler", "_reader", "asked", "error", "messages")
-
-    def __init__(self, reader: SeriesReader) -> None:
-        self._reader = reader
-        self._assembler: assembly.StreamAssembler | None = None
-        self.messages = 0  # messages that came on this call
-        self.asked = False  # the producer asked for an ack
-        self.error: BaseException | None = None
-
-    @property
-    def inside_value(self) -> bool:
-        """A value begun and not finished."""
-        return self._assembler is not None
-
-    @property
-    def partial(self) -> int:
-        """Bytes that came of the value begun and not finished."""
-        assembler = self._assembler
-        return 0 if assembler is None else assembler.received_bytes
-
-    def __call__(self, message: bytes) -> object:
-        self.messages += 1
-        if self.error is not None:
-            return _TOKEN
-        if message == series_wire.ASK:
-            self.asked = True
-            return _TOKEN
-        reader = self._reader
-        try:
-            for chunk in series_wire.series_chunks(message):
-                assembler = self._assembler
-                if assembler is None:
-                    whole = assembly.whole_tensor(chunk)
-                    if whole is not None:  # the usual value: one chunk, read in one pass
-                        reader._arrived(Received(*whole))
-                        continue
-                    assembler = self._assembler = assembly.StreamAssembler()
-                assembler.feed(chunk)
-                if assembler.complete:
-                    received = Received(assembler.result(), assembler.is_dead)
-                    self._assembler = None
-                    reader._arrived(received)
-        except RendezvousError as e:  # the assembler refused what arrived
-            self.error = InternalError(
-                f"bad RecvTensorSeries from {reader.address} for {reader._where()}: {e}"
-            )
-        except Exception as e:  # a bug here must not leave a receiver waiting forever
-            _log.exception("RecvTensorSeries of %s failed unexpectedly", reader._where())
-            self.error = InternalError(f"receiving {reader._where()} failed: {e!r}")
-        return _TOKEN
-
-
-_TOKEN: Final = True  # what a ``_Feed`` gives gRPC for a message (None would fail the call)
 
 
 def _too_late() -> bool:

@@ -39,10 +39,12 @@ with the first data, then chunks of at most ``chunk_bytes``), back to back.
 The figures that keep this method (faster than ``RecvTensor`` per value, in the same
 run) are in ``series_client``'s docstring.
 
+The values come from ``series_take`` (``SeriesTakes``): one at a time, or as many as
+are there; those not written go back to their key through it.
+
 Thread model (docs/threads.md): the handler runs on the server's event loop, and all
-the state here lives there (no lock). A value already there is taken in the loop with
-no hop; one sent later is handed over by the producer's ``send`` thread with
-``loop.call_soon_threadsafe``.
+the state here lives there (no lock); how a value sent later reaches the loop is
+``series_take``'s.
 """
 
 from __future__ import annotations
@@ -50,46 +52,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
-import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+import functools
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, NoReturn
 
 import grpc
 import grpc.aio
 
 from .._devices import DeviceName
-from .._errors import (
-    InternalError,
-    InvalidArgumentError,
-    RendezvousError,
-    ResourceExhaustedError,
-    UnavailableError,
-)
+from .._errors import InvalidArgumentError, RendezvousError, ResourceExhaustedError
 from .._keys import ParsedKey
 from .._rendezvous import Received
 from .._status import code_for_error
 from .._window import counted_bytes
 from . import messages, series_wire
 from .keycheck import check_served_key
-from .methods import SERVER_STOPPING, SHMRDV_SERVICE
+from .methods import SHMRDV_SERVICE
 from .parked import ParkedCalls
 from .series_retained import Retained, RetainedTable
+from .series_take import IdleClock, SeriesTakes, requeue
 from .tensor_source import TensorSource
 
 __all__ = ["SeriesLimits", "SeriesService"]
 
-_log = logging.getLogger("shmrdv.rpc.server")
-
-# What a take settles with: (error, value).
-_Outcome = tuple[BaseException | None, Received | None]
 # A resumable series asks its consumer for an ack once it handed out this many bytes
 # since the last ask (half the producer's window if that is less), and when it has
-# waited this long for a value with some not acknowledged (a producer held by its window
-# waits for the ack). An ack costs a unary call, ~0.6 ms of CPU on loopback (both ends):
-# every 4 MiB, a 64 KiB pipeline spent ~10 us more per value; every 16 MiB, ~2 us.
+# waited ``series_take``'s ask delay for a value with some not acknowledged. An ack
+# costs a unary call, ~0.6 ms of CPU on loopback (both ends): every 4 MiB, a 64 KiB
+# pipeline spent ~10 us more per value; every 16 MiB, ~2 us.
 _ASK_BYTES = 16 << 20
-_ASK_DELAY = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,12 +141,8 @@ class SeriesService:
             what="series open",
             option="max_series",
         )
-        self._address = "(not started)"
-        self._loop_thread = -1
-        self._stopping = False
-        # Takes waiting for a value, with their cancellers (stop_serving fails them).
-        self._waiting: dict[asyncio.Future[_Outcome], Callable[[], bool]] = {}
-        self._retained = RetainedTable(source, self._requeue)
+        self._retained = RetainedTable(source, functools.partial(requeue, source))
+        self._takes = SeriesTakes(source, self._retained)
         self._stats = {
             "series": 0,
             "series_values": 0,
@@ -175,15 +162,11 @@ class SeriesService:
 
     def started(self, address: str) -> None:
         """The server listens on ``address`` (called in the loop)."""
-        self._address = address
-        self._loop_thread = threading.get_ident()
+        self._takes.started(address)
 
     def stop_serving(self, error: RendezvousError) -> None:
         """End every series: a take waiting for a value fails with ``error``."""
-        self._stopping = True
-        for fut, cancel in list(self._waiting.items()):
-            if cancel() and not fut.done():
-                fut.set_result((error, None))
+        self._takes.stop(error)
 
     def stats(self) -> dict[str, int]:
         out = dict(self._stats)
@@ -200,8 +183,7 @@ class SeriesService:
     ) -> AsyncIterator[bytes]:
         self._stats["series"] += 1
         try:
-            if self._stopping:
-                raise UnavailableError(f"shmrdv RPC server {self._address} {SERVER_STOPPING}")
+            self._takes.check_serving()
             req = messages.decode_request(request)
             pk = check_served_key(
                 req.rendezvous_key, self._task, self._source.task, self._source.incarnation
@@ -216,14 +198,18 @@ class SeriesService:
         except RendezvousError as e:
             await _abort(context, e)
         self._open.add(peer, 1)
-        clock = _IdleClock(asyncio.get_running_loop(), self._idle)
+        clock = IdleClock(asyncio.get_running_loop(), self._idle)
         kept: Retained | None = None
         try:
             if req.request_id:
                 step_id = req.step_id
                 try:
                     kept, delivered = await self._retained.open(
-                        req.request_id, step_id, pk, req.held, lambda: self._take_now(step_id, pk)
+                        req.request_id,
+                        step_id,
+                        pk,
+                        req.held,
+                        lambda: self._takes.take_now(step_id, pk),
                     )
                 except RendezvousError as e:
                     await _abort(context, e)
@@ -239,7 +225,7 @@ class SeriesService:
                         await kept.room.wait()
                 ask = kept is not None and kept.asked < kept.sent
                 try:
-                    received, waited = await self._take(req.step_id, pk, clock, ask, kept)
+                    received, waited = await self._takes.take(req.step_id, pk, clock, ask, kept)
                 except RendezvousError as e:
                     await _abort(context, e)
                 if received is None:
@@ -259,7 +245,7 @@ class SeriesService:
                     room = self._chunk_bytes
                     if kept is not None:
                         room = min(room, self._retain - kept.nbytes)
-                    batch = self._more(req.step_id, pk, received, room)
+                    batch = self._takes.more(req.step_id, pk, received, room)
                 if kept is not None:
                     kept.add(batch)
                 # Closed here, not when collected: what it did not write goes back now.
@@ -273,10 +259,8 @@ class SeriesService:
         finally:
             clock.close()
             self._open.add(peer, -1)
-            if kept is not None and kept.late:
-                kept.ending = True  # a value on its way goes back first (_settle)
-            elif kept is not None:
-                self._retained.end(kept)
+            if kept is not None:
+                self._takes.end(kept)  # after a value on its way went back
 
     def _ask(self, kept: Retained) -> bytes:
         """The message that asks ``kept``'s consumer to acknowledge what it holds."""
@@ -304,52 +288,6 @@ class SeriesService:
             self._stats["series_values"] += len(values)
             self._stats["series_bytes"] += sum(r.value.nbytes for r in values)
             self._source.done_with(step_id, pk, sum(counted_bytes(r.value.nbytes) for r in values))
-
-    def _more(self, step_id: int, pk: ParsedKey, first: Received, room: int) -> list[Received]:
-        """``first`` and the values of ``pk`` already there, up to about ``room`` bytes."""
-        batch = [first]
-        size = counted_bytes(first.value.nbytes)
-        while size < room:
-            received = self._take_now(step_id, pk)
-            if received is None:
-                break
-            batch.append(received)
-            size += counted_bytes(received.value.nbytes)
-        return batch
-
-    def _take_now(self, step_id: int, pk: ParsedKey) -> Received | None:
-        """The next value of ``pk`` if it is there now; else (or on an error, which the
-        next ``_take`` raises) None, and nothing waits for one."""
-        got: list[_Outcome] = []
-        taking = [True]
-        loop = asyncio.get_running_loop()
-
-        def done(error: BaseException | None, received: Received | None) -> None:
-            if taking[0]:
-                got.append((error, received))
-                return
-            # Sent just as the take gave up (another thread): back to the key's head.
-            try:
-                loop.call_soon_threadsafe(self._late, step_id, pk, received)
-            except RuntimeError:
-                pass
-
-        try:
-            cancel = self._source.serve_recv(step_id, pk, done)
-        except RendezvousError:
-            return None
-        finally:
-            taking[0] = False
-        if not got:
-            cancel()
-            return None
-        error, received = got[0]
-        return None if error is not None else received
-
-    def _late(self, step_id: int, pk: ParsedKey, received: Received | None) -> None:
-        if received is not None:
-            self._source.done_with(step_id, pk, counted_bytes(received.value.nbytes))
-            self._requeue(step_id, pk, received)
 
     async def _write(
         self,
@@ -393,177 +331,7 @@ class SeriesService:
         finally:
             for received in reversed(batch[sent:]):
                 self._source.done_with(step_id, pk, counted_bytes(received.value.nbytes))
-                self._requeue(step_id, pk, received)
-
-    def _requeue(self, step_id: int, pk: ParsedKey, received: Received) -> None:
-        try:
-            self._source.requeue(step_id, pk, received)
-        except Exception:
-            _log.exception("TensorSource.requeue failed for key %r", pk.full_key)
-
-    async def _take(
-        self,
-        step_id: int,
-        pk: ParsedKey,
-        clock: _IdleClock,
-        ask: bool = False,
-        kept: Retained | None = None,
-    ) -> tuple[Received | None, bool]:
-        """The next value of ``pk``: at once when it is there, else when it is sent;
-        None after ``idle`` seconds without one (``clock``, the series'). Also whether
-        it was waited for. With ``ask``: (None, False) after ``_ASK_DELAY`` without one.
-        Raises the source's error."""
-        if self._stopping:
-            raise UnavailableError(f"shmrdv RPC server {self._address} {SERVER_STOPPING}")
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[_Outcome] = loop.create_future()
-        loop_thread = self._loop_thread
-        landed = [False]  # _settle ran for the value (or error) this take got
-
-        def done(error: BaseException | None, received: Received | None) -> None:
-            # In the loop when the value is already there; else the producer's thread.
-            if threading.get_ident() == loop_thread:
-                self._settle(fut, step_id, pk, error, received, kept, landed)
-                return
-            try:
-                loop.call_soon_threadsafe(
-                    self._settle, fut, step_id, pk, error, received, kept, landed
-                )
-            except RuntimeError:  # the loop is gone: the server stopped
-                if received is not None:
-                    self._source.done_with(step_id, pk, counted_bytes(received.value.nbytes))
-
-        try:
-            cancel = self._source.serve_recv(step_id, pk, done)
-        except RendezvousError:
-            raise
-        except Exception as e:  # a bug in the source must still end the call
-            _log.exception("TensorSource.serve_recv failed for key %r", pk.full_key)
-            raise InternalError(f"TensorSource of {self._source.task} failed: {e!r}") from e
-        waited = not fut.done()
-        if waited:
-            self._waiting[fut] = cancel
-            idle = [False]
-            asked = [False]
-
-            def expire() -> None:
-                # cancel() False: the value is on its way, and settles ``fut``.
-                if not fut.done() and cancel():
-                    idle[0] = True
-                    fut.set_result((None, None))
-
-            def ask_now() -> None:
-                if not fut.done() and cancel():
-                    asked[0] = True
-                    fut.set_result((None, None))
-
-            # The future itself and the series' one timer: no timer made and cancelled
-            # per value (nor ``asyncio.wait``'s waiter future, set and callbacks); one
-            # more only to ask for an ack.
-            clock.start(expire)
-            asking = loop.call_later(_ASK_DELAY, ask_now) if ask else None
-            try:
-                await fut
-                if idle[0]:
-                    return None, True
-                if asked[0]:
-                    return None, False
-            except asyncio.CancelledError:
-                # The consumer went away: a value taken for it goes back to its key.
-                removed = cancel()
-                if not removed and not landed[0] and kept is not None:
-                    # On its way from the sender's thread: it goes back to the key in
-                    # _settle, before what the series kept (taken earlier) goes.
-                    kept.late += 1
-                if not fut.done():
-                    fut.cancel()  # one still on its way goes back in _settle
-                elif not fut.cancelled():  # (the task's cancel cancels what it awaits)
-                    self._settle(fut, step_id, pk, *fut.result())
-                raise
-            finally:
-                clock.stop()
-                if asking is not None:
-                    asking.cancel()
-                self._waiting.pop(fut, None)
-        error, received = fut.result()
-        if error is not None:
-            if isinstance(error, RendezvousError):
-                raise error
-            raise InternalError(f"TensorSource.serve_recv failed: {error!r}")
-        if received is None:
-            raise InternalError("TensorSource called done(None, None)")
-        return received, waited
-
-    def _settle(
-        self,
-        fut: asyncio.Future[_Outcome],
-        step_id: int,
-        pk: ParsedKey,
-        error: BaseException | None,
-        received: Received | None,
-        kept: Retained | None = None,
-        landed: list[bool] | None = None,
-    ) -> None:
-        if landed is not None:
-            landed[0] = True
-        if not fut.done():
-            fut.set_result((error, received))
-            return
-        if received is not None:
-            # Nobody takes it any more (the consumer went away, the server stopped).
-            self._source.done_with(step_id, pk, counted_bytes(received.value.nbytes))
-            self._requeue(step_id, pk, received)
-        if kept is not None and fut.cancelled() and kept.late:
-            # Back at the key's head: now what the series kept goes before it.
-            kept.late -= 1
-            if not kept.late and kept.ending:
-                kept.ending = False
-                self._retained.end(kept)
-
-
-class _IdleClock:
-    """The idle end of one series: one timer for all its takes, not one per take.
-
-    A take that waits calls ``start`` with its ``expire``, and ``stop`` when it has
-    its value (or ends); ``expire`` runs once the take has waited ``idle`` seconds. The
-    timer set for an earlier wait, when it fires, sets itself again for the wait then in
-    progress, if any; with none, the next ``start`` sets one. Loop thread only."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, idle: float) -> None:
-        self._loop = loop
-        self._idle = idle
-        self._timer: asyncio.TimerHandle | None = None
-        self._since = 0.0
-        self._expire: Callable[[], None] | None = None
-
-    def start(self, expire: Callable[[], None]) -> None:
-        self._since = self._loop.time()
-        self._expire = expire
-        if self._timer is None:
-            self._timer = self._loop.call_at(self._since + self._idle, self._fire)
-
-    def stop(self) -> None:
-        self._expire = None
-
-    def close(self) -> None:
-        """The series ended: no timer left behind (it would hold the series for
-        ``idle`` seconds)."""
-        self._expire = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _fire(self) -> None:
-        self._timer = None
-        expire = self._expire
-        if expire is None:
-            return
-        due = self._since + self._idle
-        if self._loop.time() >= due:
-            self._expire = None
-            expire()
-        else:
-            self._timer = self._loop.call_at(due, self._fire)
+                requeue(self._source, step_id, pk, received)
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: RendezvousError) -> NoReturn:
