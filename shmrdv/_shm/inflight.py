@@ -34,7 +34,7 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .._window import ConsumerWatch, InflightWindow, Windows, counted_bytes
+from .._window import ConsumerWatch, InflightWindow, Windows
 from .naming import Names
 from .ownership import is_ours
 
@@ -75,13 +75,10 @@ class Flight:
         self._closed: BaseException | None = None
 
     def reserve(self, nbytes: int, timeout: float | None, what: str) -> Ticket:
-        """Reserve a value of ``nbytes`` before sending it (see ``InflightWindow.reserve``):
-        it counts ``counted_bytes(nbytes)``, so empty values fill the window too (each
-        is a ring record or a segment file).
+        """Reserve ``nbytes`` before sending them (see ``InflightWindow.reserve``).
 
         Raises the closing error if the producer closed meanwhile (closing frees the window,
         which wakes every reservation waiting for room: none may publish any more)."""
-        nbytes = counted_bytes(nbytes)
         self.window.reserve(nbytes, timeout, self.refresh, what)
         if self._closed is not None:
             self.window.release(nbytes)
@@ -89,6 +86,8 @@ class Flight:
         return Ticket(self, nbytes)
 
     def _segment(self, name: str, nbytes: int) -> None:
+        if not nbytes:
+            return  # frees nothing when taken: not worth a look
         ino = _our_file(Names.path(name))
         if ino is None:  # taken already (or never ours): nothing in flight
             self.window.release(nbytes)
@@ -97,6 +96,8 @@ class Flight:
             self._segments.append((name, ino, nbytes))
 
     def _record(self, ring: Ring, end: int, nbytes: int) -> None:
+        if not nbytes:
+            return
         with self._lock:
             self._ring = ring
             self._records.append((end, nbytes))

@@ -37,6 +37,7 @@ import numpy.typing as npt
 from .._devices import DeviceName
 from .._errors import InternalError, InvalidArgumentError, RendezvousError, closed_error
 from .._keys import ParsedKey
+from .._window import counted_bytes
 from . import layout
 from .bell import Bell
 from .copier import copy_into
@@ -422,8 +423,10 @@ class Producer:
         if self._inflight is None:
             self._send(step_id, key, value, is_dead, None)
             return
-        # Backpressure: room in the consumer's window before anything is copied or published.
-        ticket = self._inflight.for_key(key).reserve(value.nbytes, timeout, key.full_key)
+        # Backpressure: room in the consumer's window before anything is copied or published
+        # (an empty value counts too: it is a ring record or a segment file).
+        nbytes = counted_bytes(value.nbytes)
+        ticket = self._inflight.for_key(key).reserve(nbytes, timeout, key.full_key)
         try:
             self._send(step_id, key, value, is_dead, ticket)
         finally:
