@@ -49,6 +49,9 @@ _META_MAX = 3800
 DATA_OFFSET = 4096
 _WRAP = 0xFFFFFFFF
 _ALIGN = 8
+# A consumer's batch (``spans``) ends after about this many bytes of records: the producer
+# gets the room back as the consumer goes, not only once a full ring is drained.
+_BATCH_BYTES = 1 << 16
 
 
 def ring_size(capacity: int) -> int:
@@ -82,6 +85,10 @@ class Ring:
         self.capacity: int = capacity
         self._max_record: int = capacity // 4 - 8
         self._next_head = 0
+        # The consumer's last batch (``spans``): the tail it started at, the tail past it,
+        # and whether records may follow it.
+        self._from = self._to = 0
+        self.more = False
 
     @classmethod
     def format(cls, buf: memoryview, capacity: int, meta: bytes = b"") -> Ring:
@@ -194,36 +201,86 @@ class Ring:
 
     def take(self) -> Iterator[memoryview]:
         """Yield every complete record's payload (a view valid until the next iteration):
-        ``take_spans`` as views of ``buf``."""
+        ``spans`` as views of ``buf``, each batch taken once the caller comes back past
+        its last record."""
         buf = self._buf
-        for at, end in self.take_spans():
-            yield buf[at:end]
+        while True:
+            spans = self.spans()
+            if not spans:
+                return
+            it = iter(spans)
+            for at, end in zip(it, it):
+                yield buf[at:end]
+            self.consume()
+            if not self.more:
+                return
 
-    def take_spans(self) -> Iterator[tuple[int, int]]:
-        """Yield where every complete record's payload is in ``buf``, ``(start, end)``
-        (valid until the next iteration): the consumer's hot loop, spared a view per record.
+    def spans(self) -> list[int]:
+        """Where the next complete records' payloads are in ``buf``, flat: ``[start, end,
+        start, end, ...]``: the consumer's hot loop, one call and no object per record.
 
-        ``tail`` advances past each record once the caller comes back for the next one, so
-        a record is never overwritten while it is being read. Raises ``InternalError`` on a
-        corrupted ring (a length past the data written).
+        None is taken until ``consume`` (a record is never overwritten while it is read).
+        A batch ends at ``head``, or after about ``_BATCH_BYTES`` of records (then ``more``
+        is True: the producer gets room back batch by batch), or before a length that is
+        no record's: ``more`` is True, and the next call raises ``InternalError`` (a
+        corrupted ring: a length past the data written), the records before it returned
+        first.
         """
         words, u32, cap = self._words, self._u32, self.capacity
-        head, tail = words[_H], words[_T]
+        head = words[_H]
+        tail = self._from = words[_T]
         if not tail <= head <= tail + cap or tail % _ALIGN:
             raise InternalError(f"shmrdv ring corrupted: head {head}, tail {tail}, capacity {cap}")
+        out: list[int] = []
+        add = out.append
+        budget = _BATCH_BYTES
+        more = False
         while tail < head:
+            if budget <= 0:
+                more = True
+                break
             pos = tail % cap
-            # (``pos`` is 8-aligned: ``tail`` only ever advances by aligned sizes.)
-            size = u32[(DATA_OFFSET + pos) >> 2] if pos + 4 <= cap else _WRAP
-            if size == _WRAP:
-                tail += cap - pos
-                words[_T] = tail
-                continue
-            if size < 4 or size % _ALIGN or pos + size > cap or tail + size > head:
+            at = start = DATA_OFFSET + pos
+            # The records of this run end at the ring's end or at ``head`` (a record never
+            # crosses the end: a wrap mark precedes it); none starts past the budget.
+            run = DATA_OFFSET + min(cap, pos + head - tail)
+            stop = min(run, at + budget)
+            # (``pos`` is 8-aligned: ``tail`` only ever advances by aligned sizes; a wrap
+            # mark, 0xFFFFFFFF, is odd: one test tells it and a bad length from a record.)
+            size = end = 0
+            while at < stop:
+                size = u32[at >> 2]
+                end = at + size
+                if size & 7 or not size or end > run:
+                    break
+                add(at + 4)
+                add(end)
+                at = end
+            tail += at - start
+            budget -= at - start
+            if at < stop:  # a length that is no record's
+                if size == _WRAP:
+                    tail += DATA_OFFSET + cap - at
+                    continue
+                if out:  # the records before it first; the next call raises
+                    more = True
+                    break
                 raise InternalError(
                     f"shmrdv ring corrupted: record of {size} bytes at {tail} (head {head})"
                 )
-            at = DATA_OFFSET + pos
-            yield at + 4, at + size
-            tail += size
-            words[_T] = tail
+        self._to = tail
+        self.more = more
+        return out
+
+    def consume(self, before: int = -1) -> None:
+        """Take the records the last ``spans`` found (the producer may write over them from
+        now on); with ``before``, only those before the record whose payload starts at
+        ``before`` (a consumer that failed on that record: it is found again next time)."""
+        tail = self._to
+        if before >= 0:
+            # Positions grow within a run; the run after a wrap starts at DATA_OFFSET and
+            # ends before the first run's start (``head`` is at most ``tail + capacity``).
+            cap, tail = self.capacity, self._from
+            pos, at = tail % cap, before - 4 - DATA_OFFSET
+            tail += at - pos if at >= pos else cap - pos + at
+        self._words[_T] = tail
