@@ -88,7 +88,10 @@ class Ring:
         # The consumer's last batch (``spans``): the tail it started at, the tail past it,
         # and whether records may follow it.
         self._from = self._to = 0
-        self.more = False
+        self._more = False
+        #: How many records the producer could not append, as of the last ``spans``.
+        self.lost = 0
+        self._end = DATA_OFFSET + capacity  # where the data ends in ``buf``
 
     @classmethod
     def format(cls, buf: memoryview, capacity: int, meta: bytes = b"") -> Ring:
@@ -172,10 +175,6 @@ class Ring:
         """Producer: a record could not be appended (the consumer looks by name then)."""
         self._words[_L] += 1
 
-    def lost(self) -> int:
-        """How many records the producer could not append so far."""
-        return int(self._words[_L])
-
     # -- consumer -----------------------------------------------------------------
 
     def pending(self) -> bool:
@@ -201,81 +200,87 @@ class Ring:
 
     def take(self) -> Iterator[memoryview]:
         """Yield every complete record's payload (a view valid until the next iteration):
-        ``spans`` as views of ``buf``, each batch taken once the caller comes back past
-        its last record."""
+        ``spans`` as views of ``buf``, each record taken once the caller comes back for the
+        next one."""
         buf = self._buf
         while True:
             spans = self.spans()
             if not spans:
                 return
-            it = iter(spans)
-            for at, end in zip(it, it):
+            first = True
+            for at, end in spans:
+                if not first:
+                    self.consume(at)  # the records before this one are passed
+                first = False
                 yield buf[at:end]
-            self.consume()
-            if not self.more:
+            if not self.consume():
                 return
 
-    def spans(self) -> list[int]:
-        """Where the next complete records' payloads are in ``buf``, flat: ``[start, end,
-        start, end, ...]``: the consumer's hot loop, one call and no object per record.
+    def spans(self) -> list[tuple[int, int]]:
+        """Where the next complete records' payloads are in ``buf``, ``(start, end)`` each:
+        the consumer's hot loop, one call for a batch of records.
 
         None is taken until ``consume`` (a record is never overwritten while it is read).
-        A batch ends at ``head``, or after about ``_BATCH_BYTES`` of records (then ``more``
-        is True: the producer gets room back batch by batch), or before a length that is
-        no record's: ``more`` is True, and the next call raises ``InternalError`` (a
-        corrupted ring: a length past the data written), the records before it returned
-        first.
+        A batch ends at ``head``, or after about ``_BATCH_BYTES`` of records in a run (the
+        producer gets room back batch by batch), or before a length that is no record's:
+        the next call then raises ``InternalError`` (a corrupted ring: a length past the
+        data written), the records before it returned first. Also reads ``lost``.
         """
-        words, u32, cap = self._words, self._u32, self.capacity
+        words = self._words
+        self.lost = words[_L]
         head = words[_H]
         tail = self._from = words[_T]
+        cap = self.capacity
         if not tail <= head <= tail + cap or tail % _ALIGN:
             raise InternalError(f"shmrdv ring corrupted: head {head}, tail {tail}, capacity {cap}")
-        out: list[int] = []
+        out: list[tuple[int, int]] = []
         add = out.append
-        budget = _BATCH_BYTES
+        u32 = self._u32
         more = False
         while tail < head:
-            if budget <= 0:
-                more = True
-                break
-            pos = tail % cap
-            at = start = DATA_OFFSET + pos
-            # The records of this run end at the ring's end or at ``head`` (a record never
-            # crosses the end: a wrap mark precedes it); none starts past the budget.
-            run = DATA_OFFSET + min(cap, pos + head - tail)
-            stop = min(run, at + budget)
-            # (``pos`` is 8-aligned: ``tail`` only ever advances by aligned sizes; a wrap
-            # mark, 0xFFFFFFFF, is odd: one test tells it and a bad length from a record.)
-            size = end = 0
+            at = start = DATA_OFFSET + tail % cap
+            # The records of this run end at ``head`` or at the ring's end (a record never
+            # crosses it: a wrap mark precedes it); none starts past the batch's bytes.
+            # (Conditionals: ``min`` is a call.)
+            run = at + head - tail
+            if run > self._end:
+                run = self._end
+            stop = at + _BATCH_BYTES
+            if stop > run:
+                stop = run
+            # (``at`` is 8-aligned: ``tail`` only ever advances by aligned sizes; a wrap
+            # mark, 0xFFFFFFFF, is odd: one test tells it and a bad length from a record.
+            # ``at < stop`` here: the loop runs at least once.)
             while at < stop:
                 size = u32[at >> 2]
                 end = at + size
                 if size & 7 or not size or end > run:
                     break
-                add(at + 4)
-                add(end)
+                add((at + 4, end))
                 at = end
             tail += at - start
-            budget -= at - start
-            if at < stop:  # a length that is no record's
-                if size == _WRAP:
-                    tail += DATA_OFFSET + cap - at
+            if at < run:
+                if at >= stop:  # the batch is full
+                    more = True
+                    break
+                if size == _WRAP:  # the next record is at the start
+                    tail += self._end - at
                     continue
-                if out:  # the records before it first; the next call raises
+                if out:  # a length that is no record's: the records before it first
                     more = True
                     break
                 raise InternalError(
                     f"shmrdv ring corrupted: record of {size} bytes at {tail} (head {head})"
                 )
         self._to = tail
-        self.more = more
+        self._more = more
         return out
 
-    def consume(self, before: int = -1) -> None:
+    def consume(self, before: int = -1) -> bool:
         """Take the records the last ``spans`` found (the producer may write over them from
         now on); with ``before``, only those before the record whose payload starts at
-        ``before`` (a consumer that failed on that record: it is found again next time)."""
+        ``before`` (a consumer that failed on that record: it is found again next time).
+        Returns whether more records may follow that batch (then ``spans`` again)."""
         tail = self._to
         if before >= 0:
             # Positions grow within a run; the run after a wrap starts at DATA_OFFSET and
@@ -284,3 +289,4 @@ class Ring:
             pos, at = tail % cap, before - 4 - DATA_OFFSET
             tail += at - pos if at >= pos else cap - pos + at
         self._words[_T] = tail
+        return self._more
