@@ -76,6 +76,14 @@ class Inbox:
         self._free_named = free_named
         self._retry_s = retry_s
         self._headers = layout.HeaderCache()
+        # What every drain uses, looked up once (the book's tables are never rebound).
+        self._drain_state = (
+            self._headers.record,
+            book,
+            book.channels,
+            book.stash,
+            book.first,
+        )
         self._cleaned_up = ctx.cleaned_up
         #: Every attached ring, with its producer.
         self.rings: list[tuple[Source, InRing]] = []
@@ -276,14 +284,12 @@ class Inbox:
             r.lost = ring.lost  # (``spans`` reads it first)
         if not spans:
             return
-        header = self._headers.record
-        book = self._book
+        header, book, channels, stashes, firsts = self._drain_state
         src, inc, buf = r.src, r.inc, r.buf
-        channels, stashes, touched = book.channels, book.stash, book.touched
-        firsts = book.first
-        last_step = -1
+        touched = book.touched  # (rebound as it is served)
+        last_step: int | None = None
         dropped = False
-        chans: dict[str, Channel | InRing] = {}
+        chans: dict[str, Channel | InRing]
         first: dict[str, Stashed] | None = None
         stash: Stash | None = None
         value: Stashed
