@@ -66,6 +66,38 @@ def test_ring_interleaved_put_take_keeps_fifo(sizes: list[int], batch: int) -> N
     assert taken == sent
 
 
+def test_ring_spans_come_in_batches_taken_only_at_consume() -> None:
+    ring = make_ring(1 << 20)
+    sent = [i.to_bytes(4, "little") * 50 for i in range(1000)]  # 208 KB of 208 B records
+    for rec in sent:
+        assert ring.try_put([rec])
+    buf, taken, batches = ring.buf, [], 0
+    while True:
+        tail = ring.tail
+        spans = ring.spans()
+        assert spans and ring.tail == tail  # nothing taken before ``consume``
+        assert sum(end - at + 4 for at, end in spans) <= (64 << 10) + 208
+        taken += [bytes(buf[at:end])[:200] for at, end in spans]
+        batches += 1
+        if not ring.consume():
+            break
+    assert taken == sent and batches == 4 and not ring.pending() and ring.spans() == []
+
+
+@pytest.mark.parametrize("before", [0, 1, 3])
+def test_ring_consume_before_a_record_leaves_it_and_what_follows(before: int) -> None:
+    ring = make_ring(1024)
+    for _ in range(3):  # the records below wrap around the end
+        assert ring.try_put([b"w" * 200])
+    assert len(list(ring.take())) == 3
+    for i in range(4):
+        assert ring.try_put([bytes([i]) * 200])
+    spans = ring.spans()
+    assert len(spans) == 4
+    assert not ring.consume(spans[before][0])
+    assert [bytes(p)[:1] for p in ring.take()] == [bytes([i]) for i in range(before, 4)]
+
+
 def test_ring_corruption_is_an_error_not_a_crash() -> None:
     buf = memoryview(bytearray(ring_size(1024)))
     ring = Ring.format(buf, 1024)

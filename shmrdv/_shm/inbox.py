@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -76,6 +76,14 @@ class Inbox:
         self._free_named = free_named
         self._retry_s = retry_s
         self._headers = layout.HeaderCache()
+        # What every drain uses, looked up once (the book's tables are never rebound).
+        self._drain_state = (
+            self._headers.record,
+            book,
+            book.channels,
+            book.stash,
+            book.first,
+        )
         self._cleaned_up = ctx.cleaned_up
         #: Every attached ring, with its producer.
         self.rings: list[tuple[Source, InRing]] = []
@@ -188,11 +196,9 @@ class Inbox:
             return
         # ``drain`` without its size check written out: every poll of a spinning receiver
         # that found a record comes here (the check was made a moment before the spin).
-        for src, r in list(self.rings):
-            ring = r.ring
-            r.lost = ring.lost()
+        for src, r in self.rings:  # (rebound, never changed, by a ring's release)
             try:
-                self._take_records(r, ring.take_spans())
+                self._take_records(r)
             except RendezvousError as e:
                 _log.warning("ring from %s: %s", src.task, e)
 
@@ -219,10 +225,8 @@ class Inbox:
                 except ValueError as e:  # the mapping was closed
                     self._fail_ring(src, r, InternalError(f"ring unmapped: {e}"))
                     return
-        ring = r.ring
-        r.lost = ring.lost()
         try:
-            self._take_records(r, ring.take_spans())
+            self._take_records(r)
         except RendezvousError as e:
             _log.warning("ring from %s: %s", src.task, e)
 
@@ -255,9 +259,10 @@ class Inbox:
         else:
             src.broken = error
 
-    def _take_records(self, r: InRing, records: Iterator[tuple[int, int]]) -> None:
+    def _take_records(self, r: InRing) -> None:
         """Each record of ring ``r`` to its channel's stash, its channel touched if it has
-        waiters.
+        waiters. Raises ``InternalError`` for a corrupted ring, once the records before
+        the fault are taken.
 
         A ring record is the producer's bytes: its header gets ``unpack``'s checks (through
         ``HeaderCache``) and the shared element-count rule (``shape_problem``). A record
@@ -272,77 +277,92 @@ class Inbox:
         key new to the step makes no ``Channel``: it waits in ``Book.first``, its channel
         idle (the ring in its place), until something needs the channel (``book.py``).
         """
-        header = self._headers.record
-        book = self._book
+        ring = r.ring
+        try:
+            spans: list[tuple[int, int]] | None = ring.spans()
+        finally:
+            r.lost = ring.lost  # (``spans`` reads it first)
+        if not spans:
+            return
+        header, book, channels, stashes, firsts = self._drain_state
         src, inc, buf = r.src, r.inc, r.buf
-        channels, stashes, touched = book.channels, book.stash, book.touched
-        firsts = book.first
-        last_step = -1
+        touched = book.touched  # (rebound as it is served)
+        last_step: int | None = None
         dropped = False
-        chans: dict[str, Channel | InRing] = {}
+        chans: dict[str, Channel | InRing]
         first: dict[str, Stashed] | None = None
         stash: Stash | None = None
         value: Stashed
         ch: Channel
-        for at, end in records:  # each record is ``buf[at:end]``
+        while spans:  # batch by batch (``Ring.spans``)
+            at = -1
             try:
-                # ``unpack_fields`` (or the cache of its verdicts) applies ``shape_problem``.
-                flags, dtype, shape, count, offset, step, seq, slot, key = header(buf, at, end)
-            except RendezvousError as e:
-                refused = self._refused(src, buf[at:end], e)
-                if refused is None:
-                    continue
-                step, seq, key, value = refused
-                notice = False
-            else:
-                notice = flags & _FLAG_NOTICE != 0
-                if notice:
-                    # (``count * itemsize`` is the checked nbytes, 0 for a 0-byte item)
-                    nbytes = count * dtype.itemsize
-                    value = Notice(slot, (dtype, shape, offset, nbytes, bool(flags & 1)))
-                elif count:
-                    # One copy out of the ring (the record's bytes are overwritten later),
-                    # stashed bare: its ``Received`` is made when it is taken (``Stashed``).
-                    arr: Any = _frombuffer(buf, dtype, count, at + offset)
-                    arr = arr.copy() if len(shape) == 1 else arr.reshape(shape).copy()
-                    value = received(arr, True) if flags & 1 else arr
-                else:
-                    value = received(np.empty(shape, dtype), bool(flags & 1))
-            if step != last_step:
-                last_step, stash, first = step, None, None
-                dropped = self._cleaned_up(step)
-                if not dropped:
-                    got = channels.get(step)
-                    chans = channels[step] = {} if got is None else got
-            if dropped:
-                if notice:  # a late send of a step this worker already cleaned up: free it
-                    self._free_named(src.task, step, key, inc, seq, slot)
-                continue
-            known = chans.get(key)
-            if known is None:
-                if not seq:  # message 0 of a new key: its channel stays idle
-                    chans[key] = r
-                    if first is None:
-                        first = firsts.get(step)
-                        if first is None:
-                            first = firsts[step] = {}
-                    first[key] = value
-                    continue
-                ch = chans[key] = Channel(step, key, src, inc)
-            elif type(known) is InRing:  # another record of an idle channel's key
-                ch = book.promote(step, key, known)
-            else:
-                ch = known  # type: ignore[assignment]  # not an InRing: a Channel
-            if ch.inc == inc and seq < ch.seq:
-                continue  # already taken by its name
-            if stash is None:
-                stash = stashes.get(step)
-                if stash is None:
-                    stash = stashes[step] = {}
-            stash[(key, inc, seq)] = value
-            ch.nready += 1
-            if ch in ch.src.waiting:  # it has waiters
-                touched.append(ch)
+                for at, end in spans:  # each record is ``buf[at:end]``
+                    try:
+                        # ``unpack_fields`` (or the cache of its verdicts) applies
+                        # ``shape_problem``.
+                        flags, dtype, shape, count, offset, step, seq, slot, key = header(
+                            buf, at, end
+                        )
+                    except RendezvousError as e:
+                        refused = self._refused(src, buf[at:end], e)
+                        if refused is None:
+                            continue
+                        step, seq, key, value = refused
+                        notice = False
+                    else:
+                        notice = flags & _FLAG_NOTICE != 0
+                        if notice:
+                            # (``count * itemsize`` is the checked nbytes, 0 for a 0-byte item)
+                            nbytes = count * dtype.itemsize
+                            value = Notice(slot, (dtype, shape, offset, nbytes, bool(flags & 1)))
+                        elif count:
+                            # One copy out of the ring (the record's bytes are overwritten later),
+                            # stashed bare: its ``Received`` is made when it is taken (``Stashed``).
+                            arr: Any = _frombuffer(buf, dtype, count, at + offset)
+                            arr = arr.copy() if len(shape) == 1 else arr.reshape(shape).copy()
+                            value = received(arr, True) if flags & 1 else arr
+                        else:
+                            value = received(np.empty(shape, dtype), bool(flags & 1))
+                    if step != last_step:
+                        last_step, stash, first = step, None, None
+                        dropped = self._cleaned_up(step)
+                        if not dropped:
+                            got = channels.get(step)
+                            chans = channels[step] = {} if got is None else got
+                    if dropped:
+                        if notice:  # a late send of a step this worker already cleaned up: free it
+                            self._free_named(src.task, step, key, inc, seq, slot)
+                        continue
+                    known = chans.get(key)
+                    if known is None:
+                        if not seq:  # message 0 of a new key: its channel stays idle
+                            chans[key] = r
+                            if first is None:
+                                first = firsts.get(step)
+                                if first is None:
+                                    first = firsts[step] = {}
+                            first[key] = value
+                            continue
+                        ch = chans[key] = Channel(step, key, src, inc)
+                    elif type(known) is InRing:  # another record of an idle channel's key
+                        ch = book.promote(step, key, known)
+                    else:
+                        ch = known  # type: ignore[assignment]  # not an InRing: a Channel
+                    if ch.inc == inc and seq < ch.seq:
+                        continue  # already taken by its name
+                    if stash is None:
+                        stash = stashes.get(step)
+                        if stash is None:
+                            stash = stashes[step] = {}
+                    stash[(key, inc, seq)] = value
+                    ch.nready += 1
+                    if ch in ch.src.waiting:  # it has waiters
+                        touched.append(ch)
+            except BaseException:
+                ring.consume(at)  # what came before it is taken; it is found again
+                raise
+            spans = ring.spans() if ring.consume() else None
 
     def _refused(
         self, src: Source, payload: memoryview, e: RendezvousError

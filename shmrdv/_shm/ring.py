@@ -49,6 +49,9 @@ _META_MAX = 3800
 DATA_OFFSET = 4096
 _WRAP = 0xFFFFFFFF
 _ALIGN = 8
+# A consumer's batch (``spans``) ends after about this many bytes of records: the producer
+# gets the room back as the consumer goes, not only once a full ring is drained.
+_BATCH_BYTES = 1 << 16
 
 
 def ring_size(capacity: int) -> int:
@@ -82,6 +85,13 @@ class Ring:
         self.capacity: int = capacity
         self._max_record: int = capacity // 4 - 8
         self._next_head = 0
+        # The consumer's last batch (``spans``): the tail it started at, the tail past it,
+        # and whether records may follow it.
+        self._from = self._to = 0
+        self._more = False
+        #: How many records the producer could not append, as of the last ``spans``.
+        self.lost = 0
+        self._end = DATA_OFFSET + capacity  # where the data ends in ``buf``
 
     @classmethod
     def format(cls, buf: memoryview, capacity: int, meta: bytes = b"") -> Ring:
@@ -165,10 +175,6 @@ class Ring:
         """Producer: a record could not be appended (the consumer looks by name then)."""
         self._words[_L] += 1
 
-    def lost(self) -> int:
-        """How many records the producer could not append so far."""
-        return int(self._words[_L])
-
     # -- consumer -----------------------------------------------------------------
 
     def pending(self) -> bool:
@@ -194,36 +200,93 @@ class Ring:
 
     def take(self) -> Iterator[memoryview]:
         """Yield every complete record's payload (a view valid until the next iteration):
-        ``take_spans`` as views of ``buf``."""
+        ``spans`` as views of ``buf``, each record taken once the caller comes back for the
+        next one."""
         buf = self._buf
-        for at, end in self.take_spans():
-            yield buf[at:end]
+        while True:
+            spans = self.spans()
+            if not spans:
+                return
+            first = True
+            for at, end in spans:
+                if not first:
+                    self.consume(at)  # the records before this one are passed
+                first = False
+                yield buf[at:end]
+            if not self.consume():
+                return
 
-    def take_spans(self) -> Iterator[tuple[int, int]]:
-        """Yield where every complete record's payload is in ``buf``, ``(start, end)``
-        (valid until the next iteration): the consumer's hot loop, spared a view per record.
+    def spans(self) -> list[tuple[int, int]]:
+        """Where the next complete records' payloads are in ``buf``, ``(start, end)`` each:
+        the consumer's hot loop, one call for a batch of records.
 
-        ``tail`` advances past each record once the caller comes back for the next one, so
-        a record is never overwritten while it is being read. Raises ``InternalError`` on a
-        corrupted ring (a length past the data written).
+        None is taken until ``consume`` (a record is never overwritten while it is read).
+        A batch ends at ``head``, or after about ``_BATCH_BYTES`` of records in a run (the
+        producer gets room back batch by batch), or before a length that is no record's:
+        the next call then raises ``InternalError`` (a corrupted ring: a length past the
+        data written), the records before it returned first. Also reads ``lost``.
         """
-        words, u32, cap = self._words, self._u32, self.capacity
-        head, tail = words[_H], words[_T]
+        words = self._words
+        self.lost = words[_L]
+        head = words[_H]
+        tail = self._from = words[_T]
+        cap = self.capacity
         if not tail <= head <= tail + cap or tail % _ALIGN:
             raise InternalError(f"shmrdv ring corrupted: head {head}, tail {tail}, capacity {cap}")
+        out: list[tuple[int, int]] = []
+        add = out.append
+        u32 = self._u32
+        more = False
         while tail < head:
-            pos = tail % cap
-            # (``pos`` is 8-aligned: ``tail`` only ever advances by aligned sizes.)
-            size = u32[(DATA_OFFSET + pos) >> 2] if pos + 4 <= cap else _WRAP
-            if size == _WRAP:
-                tail += cap - pos
-                words[_T] = tail
-                continue
-            if size < 4 or size % _ALIGN or pos + size > cap or tail + size > head:
+            at = start = DATA_OFFSET + tail % cap
+            # The records of this run end at ``head`` or at the ring's end (a record never
+            # crosses it: a wrap mark precedes it); none starts past the batch's bytes.
+            # (Conditionals: ``min`` is a call.)
+            run = at + head - tail
+            if run > self._end:
+                run = self._end
+            stop = at + _BATCH_BYTES
+            if stop > run:
+                stop = run
+            # (``at`` is 8-aligned: ``tail`` only ever advances by aligned sizes; a wrap
+            # mark, 0xFFFFFFFF, is odd: one test tells it and a bad length from a record.
+            # ``at < stop`` here: the loop runs at least once.)
+            while at < stop:
+                size = u32[at >> 2]
+                end = at + size
+                if size & 7 or not size or end > run:
+                    break
+                add((at + 4, end))
+                at = end
+            tail += at - start
+            if at < run:
+                if at >= stop:  # the batch is full
+                    more = True
+                    break
+                if size == _WRAP:  # the next record is at the start
+                    tail += self._end - at
+                    continue
+                if out:  # a length that is no record's: the records before it first
+                    more = True
+                    break
                 raise InternalError(
                     f"shmrdv ring corrupted: record of {size} bytes at {tail} (head {head})"
                 )
-            at = DATA_OFFSET + pos
-            yield at + 4, at + size
-            tail += size
-            words[_T] = tail
+        self._to = tail
+        self._more = more
+        return out
+
+    def consume(self, before: int = -1) -> bool:
+        """Take the records the last ``spans`` found (the producer may write over them from
+        now on); with ``before``, only those before the record whose payload starts at
+        ``before`` (a consumer that failed on that record: it is found again next time).
+        Returns whether more records may follow that batch (then ``spans`` again)."""
+        tail = self._to
+        if before >= 0:
+            # Positions grow within a run; the run after a wrap starts at DATA_OFFSET and
+            # ends before the first run's start (``head`` is at most ``tail + capacity``).
+            cap, tail = self.capacity, self._from
+            pos, at = tail % cap, before - 4 - DATA_OFFSET
+            tail += at - pos if at >= pos else cap - pos + at
+        self._words[_T] = tail
+        return self._more
