@@ -390,23 +390,7 @@ class Producer:
             finally:
                 lock.release()
             if at >= 0:
-                bell = route.bell  # (read before ``sem``: set before it, cleared after it)
-                sem = route.sem
-                if sem is not None:
-                    # The doorbell is posted unless a post is waiting already: whoever
-                    # takes that one drains every ring after it, so also this record (the
-                    # ``head`` store came first). A burst of sends then leaves one post,
-                    # not one per message for the consumer to take (a read of the
-                    # semaphore's value, no system call).
-                    try:
-                        if sem.value <= 0:
-                            sem.release()  # ``Bell.post``
-                    except Exception:
-                        bell = bell or route.bell
-                        if bell is not None:
-                            bell.ring()  # says what is wrong (closed), or drops a saturating post
-                elif (bell := bell or self._peer_bell(route)) is not None:
-                    bell.ring()
+                self._post(route)
                 return
         self._send_copy(step_id, key, out.raw, value, out.template, out.route, 0, None, out.header)
 
@@ -522,11 +506,20 @@ class Producer:
             lock.release()
         if ticket is not None:
             ticket.record(ring, end)
+        self._post(route)
+        return True
+
+    def _post(self, route: _Route) -> None:
+        """Post ``route``'s doorbell for a ring record just committed, unless a post is
+        waiting already: whoever takes that one drains every ring after it, so also this
+        record (the ``head`` store came first). A burst of sends then leaves one post, not
+        one per message for the consumer to take (a read of the semaphore's value, no
+        system call)."""
         bell = route.bell  # (read before ``sem``: set before it, cleared after it)
         sem = route.sem
         if sem is not None:
             try:
-                if sem.value <= 0:  # (no post waiting: see ``send``)
+                if sem.value <= 0:
                     sem.release()  # ``Bell.post``
             except Exception:
                 bell = bell or route.bell
@@ -534,7 +527,6 @@ class Producer:
                     bell.ring()  # says what is wrong (closed), or drops a saturating post
         elif (bell := bell or self._peer_bell(route)) is not None:
             bell.ring()
-        return True
 
     def _ring_intact(self, route: _Route) -> bool:
         """Whether ``route``'s ring file still holds the whole ring (one ``fstat``; under the
