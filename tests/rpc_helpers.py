@@ -30,6 +30,7 @@ from shmrdv._keys import ParsedKey, parse_key
 from shmrdv._local import LocalRendezvous
 from shmrdv._rendezvous import Canceller, Received, RecvSlot
 from shmrdv._rpc.client import RpcClient
+from shmrdv._rpc.series_client import PREFETCH_BYTES, SeriesClient
 from shmrdv._rpc.server import RpcServer
 
 TASK = PRODUCER
@@ -338,3 +339,20 @@ def server(source: StepSource) -> Iterator[RpcServer]:
 def channel(server: RpcServer) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch:
         yield ch
+
+
+def series_client(
+    client: RpcClient, address: str, prefetch_bytes: int = PREFETCH_BYTES
+) -> SeriesClient:
+    """A ``SeriesClient`` over ``client``'s channels whose fallback pulls from ``address``."""
+
+    def fallback(step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
+        return client.start_recv(address, step_id, key, done)
+
+    return SeriesClient(
+        channel=client.channel,
+        metadata=client.metadata,
+        busy=client.busy,
+        fallback=fallback,
+        prefetch_bytes=prefetch_bytes,
+    )

@@ -15,14 +15,12 @@ import numpy as np
 import pytest
 import rpc_helpers
 from helpers import wait_for
-from rpc_helpers import StepSource, make_key
+from rpc_helpers import StepSource, make_key, series_client
 
 import shmrdv
 from shmrdv._errors import AbortedError, ResourceExhaustedError
-from shmrdv._keys import ParsedKey
 from shmrdv._rendezvous import RecvSlot
 from shmrdv._rpc.client import RpcClient
-from shmrdv._rpc.series_client import SeriesClient
 from shmrdv._rpc.server import RpcServer
 from shmrdv._window import VALUE_FLOOR
 
@@ -61,17 +59,7 @@ def test_empty_values_fill_a_series_to_its_bound(source: StepSource) -> None:
         RpcServer("127.0.0.1:0", source, chunk_bytes=chunk) as server,
         RpcClient() as client,
     ):
-
-        def fallback(step_id: int, k: ParsedKey, done: shmrdv.DoneCallback) -> shmrdv.Canceller:
-            return client.start_recv(server.address, step_id, k, done)
-
-        series = SeriesClient(
-            channel=client.channel,
-            metadata=client.metadata,
-            busy=client.busy,
-            fallback=fallback,
-            prefetch_bytes=bound,
-        )
+        series = series_client(client, server.address, prefetch_bytes=bound)
         try:
             for _ in range(3000):
                 source.send(1, key, np.zeros((0, 2), np.float32))

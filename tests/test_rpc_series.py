@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import rpc_helpers
 from helpers import wait_for
-from rpc_helpers import CHANNEL_OPTIONS, StepSource, make_key
+from rpc_helpers import CHANNEL_OPTIONS, StepSource, make_key, series_client
 from test_rpc_hostile_clients import _NeverReads, windowed  # noqa: F401 (a fixture)
 
 import shmrdv
@@ -330,17 +330,6 @@ def test_series_are_bounded_per_connection(source: StepSource) -> None:
 # -- the consumer's side: fallback and idle ends -------------------------------------------
 
 
-def _series_client(client: RpcClient, address: str) -> SeriesClient:
-    """A ``SeriesClient`` whose fallback pulls from ``address`` with ``client``."""
-
-    def fallback(step_id: int, key: ParsedKey, done: shmrdv.DoneCallback) -> shmrdv.Canceller:
-        return client.start_recv(address, step_id, key, done)
-
-    return SeriesClient(
-        channel=client.channel, metadata=client.metadata, busy=client.busy, fallback=fallback
-    )
-
-
 def _recv(sc: SeriesClient, client: RpcClient, address: str, key: ParsedKey) -> Received:
     slot = RecvSlot()
     if sc.start_recv(1, key, slot.done, lambda: address) is None:
@@ -377,7 +366,7 @@ def test_a_producer_without_series_is_pulled_with_recv_tensor(source: StepSource
     key = make_key("tf")
     try:
         with RpcClient() as client:
-            sc = _series_client(client, address)
+            sc = series_client(client, address)
             for i in range(4):
                 source.send(1, key, np.array([i]))
             got = [_recv(sc, client, address, key).value.tolist() for _ in range(4)]
@@ -393,7 +382,7 @@ def test_an_idle_series_ends_and_a_waiting_receive_opens_another(source: StepSou
         RpcServer("127.0.0.1:0", source, series=SeriesLimits(idle=0.2)) as server,
         RpcClient() as client,
     ):
-        sc = _series_client(client, server.address)
+        sc = series_client(client, server.address)
         key = make_key("idle")
         for i in range(2):
             source.send(1, key, np.array([i]))
@@ -415,7 +404,7 @@ def test_a_series_whose_values_come_within_idle_lives_on_past_idle(source: StepS
         RpcServer("127.0.0.1:0", source, series=SeriesLimits(idle=1.0)) as server,
         RpcClient() as client,
     ):
-        sc = _series_client(client, server.address)
+        sc = series_client(client, server.address)
         key = make_key("lives")
         started = time.monotonic()
         for i in range(6):
@@ -436,7 +425,7 @@ def test_a_series_to_a_producer_not_listening_hands_its_receive_to_recv_tensor(
     with RpcServer("127.0.0.1:0", source) as server:
         address = server.address  # then nothing listens there
     client = RpcClient()
-    sc = _series_client(client, address)
+    sc = series_client(client, address)
     key = make_key("nobody")
     slot = RecvSlot()
     assert sc.start_recv(1, key, slot.done, lambda: address) is not None
@@ -461,7 +450,7 @@ def test_a_series_needs_the_token(source: StepSource) -> None:
                 next(call)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with RpcClient(token=token) as client:
-            sc = _series_client(client, server.address)
+            sc = series_client(client, server.address)
             for i in range(3):
                 source.send(1, key, np.array([i]))
                 assert _recv(sc, client, server.address, key).value.tolist() == [i]
@@ -575,7 +564,7 @@ def test_a_producer_sending_a_bad_series_fails_the_waiting_receives(what: str, e
     server, address = _fake_series_server([good, *bad])
     try:
         with RpcClient() as client:
-            sc = _series_client(client, address)
+            sc = series_client(client, address)
             first, second = RecvSlot(), RecvSlot()
             assert sc.start_recv(1, key, first.done, lambda: address) is not None
             assert sc.start_recv(1, key, second.done, lambda: address) is not None

@@ -22,15 +22,14 @@ import numpy.typing as npt
 import pytest
 import rpc_helpers
 from helpers import wait_for
-from rpc_helpers import StepSource, make_key
+from rpc_helpers import StepSource, make_key, series_client
 
 import shmrdv
 from shmrdv._errors import AbortedError, DeadlineExceededError, ResourceExhaustedError
-from shmrdv._keys import ParsedKey
 from shmrdv._rendezvous import RecvSlot
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.methods import DEFAULT_CHUNK_BYTES
-from shmrdv._rpc.series_client import PREFETCH_BYTES, SeriesClient
+from shmrdv._rpc.series_client import PREFETCH_BYTES
 from shmrdv._rpc.server import RpcServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -183,17 +182,7 @@ def test_a_value_larger_than_the_bound_comes_whole_into_an_empty_series(
         RpcServer("127.0.0.1:0", source, chunk_bytes=64 << 10) as server,
         RpcClient() as client,
     ):
-
-        def fallback(step_id: int, key: ParsedKey, done: shmrdv.DoneCallback) -> shmrdv.Canceller:
-            return client.start_recv(server.address, step_id, key, done)
-
-        series = SeriesClient(
-            channel=client.channel,
-            metadata=client.metadata,
-            busy=client.busy,
-            fallback=fallback,
-            prefetch_bytes=bound,
-        )
+        series = series_client(client, server.address, prefetch_bytes=bound)
         key = make_key("larger")
         try:
             for i in range(4):
