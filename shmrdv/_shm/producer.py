@@ -337,61 +337,12 @@ class Producer:
             return
         # The hot path of a send (a live value, no window, no array from ``allocate``):
         # what the key's messages share is cached (``_KeyOut``), and a small one goes
-        # straight to the ring: ``_send_inline`` written out for a live message (one lock,
-        # one ``lseek``, the header and the data packed into the ring in one call, one
-        # store of ``head``, the doorbell posted).
+        # straight to the ring (``_send_inline``).
         out = self._outs.get(key.full_key)
         if out is None or out.dtype is not value.dtype or out.shape != value.shape:
             out = self._key_out(key, value)
-        if out.inline:
-            route = out.route
-            data = value.tobytes()  # (``nbytes`` bytes: the template's dtype and shape)
-            fk = out.fk
-            lock = self._publish_lock
-            lock.acquire()
-            try:
-                ring = route.ring  # (None: the ring was failed, segments from now on)
-                at = -1
-                if ring is not None:
-                    # The SIGBUS guard (``_ring_intact``): the file's size, one ``lseek``.
-                    try:
-                        intact = _file_size(route.ring_fd, 0, _SEEK_END) >= route.ring_size
-                    except OSError:
-                        intact = False
-                    if intact or self._ring_intact(route):
-                        at = ring.reserve(out.payload)
-                    if at >= 0:
-                        seqs = self._seqs.get(step_id)
-                        if seqs is None:
-                            seqs = self._seqs[step_id] = {}
-                        seq = seqs.get(fk, 0)
-                        try:
-                            out.pack(
-                                route.ring_buf,
-                                at,
-                                out.head,
-                                step_id,
-                                seq,
-                                self._inc,
-                                self._pid,
-                                -1,
-                                _time_ns(),
-                                out.tail,
-                                data,
-                            )
-                        except struct.error as e:
-                            raise layout.stamp_error(e, step_id, seq, -1) from e
-                        ring.commit()
-                        seqs[fk] = seq + 1
-                        route.sent += 1
-                        route.sent_bytes += len(data)
-                    elif route.ring is not None:
-                        self.counters["ring_full"] += 1  # full: a segment, in sequence
-            finally:
-                lock.release()
-            if at >= 0:
-                self._post(route)
-                return
+        if out.inline and self._send_inline(step_id, out, value, 0, None):
+            return
         self._send_copy(step_id, key, out.raw, value, out.template, out.route, 0, None, out.header)
 
     def _send_checked(
@@ -461,15 +412,13 @@ class Producer:
     ) -> bool:
         """Append the message to the consumer's ring; False if it has no ring or no room.
 
-        One lock, one ``lseek`` (``_ring_intact``), the key's header copied and its fields
-        packed in the ring, one data copy, one store of ``head``. (``send`` writes this out
-        for a live message with no window: the hot path.)
+        One lock, one ``lseek`` (``_ring_intact``), the header and the data in the ring
+        (a live message's in one C call, ``Template.pack_live``; a dead one's header
+        stamped with its flags, then the data), one store of ``head``, and the doorbell
+        (``_post``). Every small message goes this way, ``send``'s hot path first.
         """
-        t = out.template
-        n = t.nbytes
-        data = value.tobytes() if n else b""
+        data = value.tobytes()  # (``nbytes`` bytes: the template's dtype and shape)
         route = out.route
-        fk = out.fk
         lock = self._publish_lock
         lock.acquire()
         try:
@@ -483,25 +432,44 @@ class Producer:
                 intact = False
             if not intact and not self._ring_intact(route):
                 return False
-            seqs = self._seqs.get(step_id)
-            if seqs is None:
-                seqs = self._seqs[step_id] = {}
-            seq = seqs.get(fk, 0)
-            at = ring.reserve(t.data_offset + n)
+            at = ring.reserve(out.payload)
             if at < 0:
                 self.counters["ring_full"] += 1
                 return False  # full: this one goes through a segment, in sequence
-            buf = route.ring_buf
-            t.write_keyed(
-                buf, at, out.header, flags, step_id, seq, self._inc, self._pid, -1, _time_ns()
-            )
-            if n:
+            seqs = self._seqs.get(step_id)
+            if seqs is None:
+                seqs = self._seqs[step_id] = {}
+            fk = out.fk
+            seq = seqs.get(fk, 0)
+            if flags:
+                t = out.template
+                buf = route.ring_buf
+                t.write_keyed(
+                    buf, at, out.header, flags, step_id, seq, self._inc, self._pid, -1, _time_ns()
+                )
                 at += t.data_offset
-                buf[at : at + n] = data
+                buf[at : at + len(data)] = data
+            else:
+                try:
+                    out.pack(
+                        route.ring_buf,
+                        at,
+                        out.head,
+                        step_id,
+                        seq,
+                        self._inc,
+                        self._pid,
+                        -1,
+                        _time_ns(),
+                        out.tail,
+                        data,
+                    )
+                except struct.error as e:
+                    raise layout.stamp_error(e, step_id, seq, -1) from e
             end = ring.commit()
             seqs[fk] = seq + 1
             route.sent += 1
-            route.sent_bytes += n
+            route.sent_bytes += len(data)
         finally:
             lock.release()
         if ticket is not None:
