@@ -352,7 +352,7 @@ def series_client(
     return SeriesClient(
         channel=client.channel,
         metadata=client.metadata,
-        busy=client.busy,
+        busy=client.own_calls.busy,
         fallback=fallback,
         prefetch_bytes=prefetch_bytes,
     )

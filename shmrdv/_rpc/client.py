@@ -122,7 +122,7 @@ class RpcClient:
             lock=self._lock,
             aborted=self._aborted,
             inflight=self._inflight,
-            queued=self._queued,
+            queued=self._queues.has,  # it never holds values: a key there has a Recv
             follow=self._follow,
         )
 
@@ -206,14 +206,6 @@ class RpcClient:
         own.wait(timeout)
         return True
 
-    def busy(self, step_id: int, full_key: str) -> bool:
-        """Whether a receive of (``step_id``, ``full_key``) is in flight or queued here."""
-        k = (step_id, full_key)
-        with self._lock:
-            return k in self.own_calls.by_key or (
-                bool(self._inflight) and self._queues.head(k) is not None
-            )
-
     def channel(self, address: str) -> grpc.Channel:
         """This process's channel to ``address`` (opened on first use; the client's TLS);
         ``InvalidArgumentError`` for a bad address."""
@@ -238,10 +230,6 @@ class RpcClient:
                 nxt = self._queues.head(k)
         if nxt is not None:
             nxt.start()
-
-    def _queued(self, k: tuple[int, str]) -> bool:
-        """Whether a ``Recv`` of ``k`` is in flight or queued (the lock held)."""
-        return self._queues.head(k) is not None
 
     def _follow(
         self, k: tuple[int, str], then: Recv | None, behind: list[Recv]

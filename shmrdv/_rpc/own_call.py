@@ -133,16 +133,22 @@ class OwnCalls:
         k = (step_id, key.full_key)
         own = OwnCall(self, self._ctx, address, known, peer, k, key, done, timeout)
         with self._lock:
-            if (
-                self.closed
-                or step_id in self._aborted
-                or k in self.by_key
-                or (self._inflight and self._queued(k))
-            ):
+            if self.closed or step_id in self._aborted or self._out(k):
                 return None
             self.by_done[done] = own
             self.by_key[k] = own
         return own.cancel
+
+    def busy(self, k: tuple[int, str]) -> bool:
+        """Whether a ``RecvTensor`` of (step, full key) ``k`` is out or queued here (an
+        own call, or a ``Recv``): a receive of ``k`` that went elsewhere would break its
+        order."""
+        with self._lock:
+            return self._out(k)
+
+    def _out(self, k: tuple[int, str]) -> bool:
+        """``busy``, the lock held."""
+        return k in self.by_key or (bool(self._inflight) and self._queued(k))
 
     def _peer(self, address: str) -> _Peer | None:
         """``address``'s channel (opened now if need be), its callable and its acks."""

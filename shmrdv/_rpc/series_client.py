@@ -93,7 +93,7 @@ class SeriesClient:
     """The series of one client (module docstring).
 
     ``channel(address)`` gives the channel to a producer, ``metadata`` goes with every
-    call, ``busy(step_id, full_key)`` says whether a ``RecvTensor`` of that key is in
+    call, ``busy((step_id, full_key))`` says whether a ``RecvTensor`` of that key is in
     flight, and ``fallback`` starts one.
     """
 
@@ -102,7 +102,7 @@ class SeriesClient:
         *,
         channel: Callable[[str], grpc.Channel],
         metadata: Sequence[tuple[str, str]],
-        busy: Callable[[int, str], bool],
+        busy: Callable[[tuple[int, str]], bool],
         fallback: Fallback,
         prefetch_bytes: int = PREFETCH_BYTES,
         max_series: int = _MAX_SERIES,
@@ -169,11 +169,10 @@ class SeriesClient:
         address: Callable[[], str],
         blocking: bool,
     ) -> Canceller | None:
-        if self._busy(*k):
+        if self._busy(k):
             return None
         try:
             where = address()
-            channel = self._channel(where)
         except RendezvousError:
             return None  # RecvTensor retries and explains
         with self._lock:
@@ -182,7 +181,7 @@ class SeriesClient:
                 return None
             if self._closed or k in self._series or k[0] in self._aborted:
                 return None
-            series = self._series[k] = SeriesReader(self, channel, where, k[0], key)
+            series = self._series[k] = SeriesReader(self, where, k[0], key)
             if len(self.keys) >= _KEYS_KEPT and k[1] not in self.keys:
                 self.keys = dict.fromkeys(key for _, key in self._series)
             self.keys[k[1]] = None
@@ -193,6 +192,10 @@ class SeriesClient:
         except RuntimeError as e:  # "can't start new thread"
             series.close(InternalError(f"cannot start a series reader: {e}"))
         return canceller
+
+    def channel(self, address: str) -> grpc.Channel:
+        """The channel to a producer (a series' reader thread asks)."""
+        return self._channel(address)
 
     def deliver(
         self, waiter: Waiter, error: BaseException | None, received: Received | None

@@ -17,8 +17,9 @@ Thread model (docs/threads.md): each message is taken apart where gRPC hands it 
 in the channel's own thread, as the call's response deserializer (``series_feed``): its
 values are assembled and delivered there, so a blocked receiver is woken by that thread,
 with no thread of ours in between (measured: ``series_feed``). The reader thread
-("shmrdv-rpc-series") only drives the call: it asks for the next message once the
-table has room, opens the next call, and ends the series. Receives, cancels and
+("shmrdv-rpc-series") only drives the call: it looks up the channel and makes the
+acks (the receive that opened the series only registers it), asks for the next message
+once the table has room, opens the next call, and ends the series. Receives, cancels and
 ``close`` come from any thread. One lock guards the table and waiters; the ``room``
 condition on it holds the reader while the table is full. ``done`` never runs under it,
 and nothing under it calls into gRPC.
@@ -36,7 +37,7 @@ from typing import Any, Protocol
 import grpc
 
 from .._callbacks import DoneCallback, invoke_done
-from .._errors import InternalError
+from .._errors import InternalError, RendezvousError
 from .._keys import ParsedKey
 from .._rendezvous import Canceller, Received
 from .._window import counted_bytes
@@ -62,6 +63,9 @@ class SeriesOwner(Protocol):
 
     metadata: Sequence[tuple[str, str]]
     prefetch_bytes: int
+
+    def channel(self, address: str) -> grpc.Channel:
+        """The channel to ``address``; ``RendezvousError`` if there can be none."""
 
     def count(self, received: Received) -> None:
         """A value was received."""
@@ -92,16 +96,8 @@ class Waiter:
 class SeriesReader:
     """One ``RecvTensorSeries`` call for (step, key), its reader thread and its table."""
 
-    def __init__(
-        self,
-        owner: SeriesOwner,
-        channel: grpc.Channel,
-        address: str,
-        step_id: int,
-        key: ParsedKey,
-    ) -> None:
+    def __init__(self, owner: SeriesOwner, address: str, step_id: int, key: ParsedKey) -> None:
         self._owner = owner
-        self._channel = channel
         self.address = address
         self.step_id = step_id
         self.key = key
@@ -120,8 +116,7 @@ class SeriesReader:
         # how many values came on it (all calls), which a re-open and an ack say.
         self._id = new_request_id(63) | 1
         self._count = 0
-        self._acks = SeriesAcks(channel, owner.metadata, self._held_request)
-        self._watch = PeerWatch()
+        self._acks: SeriesAcks | None = None  # made by the reader thread (``_connect``)
         self._backoff = _RETRY_INITIAL
         self.thread = threading.Thread(target=self._run, name="shmrdv-rpc-series", daemon=True)
 
@@ -182,7 +177,9 @@ class SeriesReader:
             self._values.clear()
             self._held = self._partial = 0
             self._room.notify_all()
-        self._acks.close()
+            acks = self._acks
+        if acks is not None:
+            acks.close()
         if call is not None:
             call.cancel()
         for waiter in waiters:
@@ -192,18 +189,36 @@ class SeriesReader:
 
     def _run(self) -> None:
         try:
-            self._read()
+            connected = self._connect()
+            if connected is not None:
+                self._read(*connected)
         except BaseException as e:  # a bug here must not leave a receiver waiting forever
             _log.exception("RecvTensorSeries of %s failed unexpectedly", self.where())
             self._end(InternalError(f"receiving {self.where()} failed: {e!r}"), fallback=False)
 
-    def _read(self) -> None:
+    def _connect(self) -> tuple[grpc.Channel, SeriesAcks] | None:
+        """The series' channel and acks, made here: the receive that opened the series
+        does not wait for them. None: the series is over (closed, or no channel: its
+        receives go to ``RecvTensor``, which explains)."""
+        try:
+            channel = self._owner.channel(self.address)
+        except RendezvousError as e:
+            self._end(e, fallback=True)
+            return None
+        acks = SeriesAcks(channel, self._owner.metadata, self._held_request)
+        with self._lock:
+            if not self._closed:
+                self._acks = acks
+                return channel, acks
+        acks.close()
+        return None
+
+    def _read(self, channel: grpc.Channel, acks: SeriesAcks) -> None:
+        watch = PeerWatch()
         while True:
             feed = SeriesFeed(self)
             # One callable per call: its deserializer is the call's own ``SeriesFeed``.
-            method = self._channel.unary_stream(
-                RECV_TENSOR_SERIES_METHOD, response_deserializer=feed
-            )
+            method = channel.unary_stream(RECV_TENSOR_SERIES_METHOD, response_deserializer=feed)
             call = method(self._held_request(), metadata=self._owner.metadata)
             with self._lock:
                 closed = self._closed
@@ -218,7 +233,7 @@ class SeriesReader:
                         break
                     if feed.asked:
                         feed.asked = False
-                        self._acks.ask()
+                        acks.ask()
                     with self._lock:  # the next message is asked for once there is room
                         self._partial = feed.partial
                         self._peak = max(self._peak, self._held + self._partial)
@@ -230,9 +245,9 @@ class SeriesReader:
                 if self.closed:
                     return
                 if feed.messages:  # it was reached: a drop now is a new one
-                    self._watch.reset()
+                    watch.reset()
                     self._backoff = _RETRY_INITIAL
-                if not self._failed(e):
+                if not self._failed(e, watch):
                     return
                 continue
             if feed.error is not None:
@@ -251,7 +266,7 @@ class SeriesReader:
                     return
             # A receive waits: open another.
 
-    def _failed(self, e: grpc.RpcError) -> bool:
+    def _failed(self, e: grpc.RpcError, watch: PeerWatch) -> bool:
         """A call of the series failed: whether to open it again (the connection
         dropped: the producer keeps what it sent until acknowledged, and the re-open
         says what came), else the series is over."""
@@ -275,10 +290,10 @@ class SeriesReader:
         if code != grpc.StatusCode.UNAVAILABLE:
             self._end(call_error(code, e, self.where(), None, receiving=False), False)
             return False
-        gone = self._watch.gone(e, str(self.key.src), self.where())
+        gone = watch.gone(e, str(self.key.src), self.where())
         if gone is None:  # dropped: again after a pause, or when a receive comes
             pause, self._backoff = self._backoff, min(self._backoff * 2, _RETRY_MAX)
-            return self._pause(self._watch.pause(pause)) and self._park()
+            return self._pause(watch.pause(pause)) and self._park()
         # The producer went away: the receives waiting fail; the series stays, to be
         # re-opened (with what it holds) by the next receive.
         with self._lock:
@@ -288,7 +303,7 @@ class SeriesReader:
             self._owner.deliver(waiter, gone, None)
         if not self._park():
             return False
-        self._watch.reset()
+        watch.reset()
         self._backoff = _RETRY_INITIAL
         return True
 

@@ -83,7 +83,7 @@ class GrpcTransport:
         self._series = SeriesClient(
             channel=self._client.channel,
             metadata=self._client.metadata,
-            busy=self._client.busy,
+            busy=self._client.own_calls.busy,
             fallback=self._fallback,
         )
         self._server: RpcServer | None = None
