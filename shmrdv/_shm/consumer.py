@@ -323,7 +323,13 @@ class Consumer:
             self._scans += 1
             try:
                 # One function with its lock: the poll of every blocked receive runs it.
-                self._inbox.drain_all(check)
+                # A value that is the next message of a channel with waiters goes to its
+                # oldest waiter as it is drained (``out``), not through the stash.
+                inbox = self._inbox
+                inbox.drain_all(check, out)
+                if inbox.handed_callbacks:
+                    self.callback_waiters -= inbox.handed_callbacks
+                    inbox.handed_callbacks = 0
                 self._serve_touched(out)
                 if self._inbox.failed:
                     self._serve_failed(out)
