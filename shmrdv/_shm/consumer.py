@@ -330,7 +330,8 @@ class Consumer:
                 if inbox.handed_callbacks:
                     self.callback_waiters -= inbox.handed_callbacks
                     inbox.handed_callbacks = 0
-                self._serve_touched(out)
+                if self._book.touched:  # (``_serve_touched`` looks too: a call spared)
+                    self._serve_touched(out)
                 if self._inbox.failed:
                     self._serve_failed(out)
                 waiting = self._waiters.size() > 0

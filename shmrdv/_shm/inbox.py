@@ -27,7 +27,7 @@ import numpy as np
 from numpy import ndarray
 
 from .._errors import InternalError, RendezvousError
-from .._rendezvous import received
+from .._rendezvous import Received, received
 from .._transport import TransportContext
 from . import layout
 from .book import Book, Channel, InRing, Notice, Source, Stash, Stashed
@@ -370,17 +370,16 @@ class Inbox:
                         if (
                             hand is not None
                             and not ch.nready
-                            and not notice
                             and ch in ch.src.waiting  # it has waiters
-                            and type(value) is not InternalError
+                            and (type(value) is ndarray or type(value) is Received)
                         ):
-                            # Its next message, nothing of it stashed: to its oldest waiter.
+                            # Its next message, nothing of it stashed, a value (not a
+                            # notice, not an error): to its oldest waiter.
+                            book.received += 1
                             if type(value) is ndarray:
-                                book.received += 1
                                 book.received_bytes += value.nbytes
                                 value = received(value, False)
-                            else:  # a ``Received`` (a dead value, or an empty one)
-                                book.received += 1
+                            else:  # a dead value, or an empty one
                                 book.received_bytes += value.value.nbytes  # type: ignore[union-attr]
                             ch.seq += 1
                             waiter = waiters.put(ch, value)
