@@ -355,7 +355,9 @@ class Consumer:
                     self._serve_touched(out)  # what the last drains of those rings brought
             except Exception:  # pragma: no cover - keep polling whatever happens
                 _log.exception("shm dispatcher of %s: scan failed", self._task)
-                return []
+                # What was handed or served before the fault is delivered: those waiters
+                # are out of the table already (a blocked receive would wait for ever).
+                return out
             over = None
             if self._over:  # (a new list only when there is something to collect)
                 over, self._over = self._over, []
