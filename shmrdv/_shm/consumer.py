@@ -332,10 +332,9 @@ class Consumer:
                     inbox.handed_callbacks = 0
                 if self._book.touched:  # (``_serve_touched`` looks too: a call spared)
                     self._serve_touched(out)
-                if self._inbox.failed:
+                if inbox.failed:
                     self._serve_failed(out)
-                waiting = self._waiters.size() > 0
-                if waiting and posted:
+                if posted and self._waiters.size():
                     self._probe_ringless(out)
                 now = time.monotonic()
                 if now >= self._sweep_at:  # (the time first: counting the maps is a call)
@@ -345,7 +344,7 @@ class Consumer:
                         maps.sweep()
                 if now >= self._tick_at:
                     self._tick_at = now + TICK
-                    if waiting:
+                    if self._waiters.size():
                         for src in list(self._book.srcs.values()):
                             if src.waiting:
                                 self._tick(src, out)

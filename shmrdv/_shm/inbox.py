@@ -301,6 +301,7 @@ class Inbox:
         header, book, channels, stashes, firsts = self._drain_state
         src, inc, buf = r.src, r.inc, r.buf
         waiters = book.waiters
+        has_waiters = waiters.has  # (``ch in waiters`` without a Python call)
         touched = book.touched  # (rebound as it is served)
         last_step: int | None = None
         dropped = False
@@ -386,7 +387,7 @@ class Inbox:
                             assert waiter is not None  # (it has waiters)
                             if not waiter.blocking:
                                 self.handed_callbacks += 1
-                            if ch not in waiters:
+                            if not has_waiters(ch):
                                 ch.src.waiting.pop(ch, None)
                             hand.append((waiter.done, waiter.copy, value))  # type: ignore[arg-type]
                             continue
