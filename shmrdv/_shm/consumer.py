@@ -4,8 +4,9 @@ Each (step, key) is a channel with the next sequence number it expects (``book.p
 receive takes that message (``take.py``) from the channel's stash, where the rings put what
 arrived (``inbox.py``), or opens it by its name (``named.py``) when its producer has no
 ring (not x86-64, or it could not make one); else it queues a waiter. The scan, run by whoever
-polls the doorbell (``dispatcher.py``), drains the rings and serves the channels they
-brought something for; once per tick it also checks the producers that have waiters
+polls the doorbell (``dispatcher.py``), drains the rings (a value for a channel's oldest
+waiter goes to it as it is drained) and serves the channels they brought something else
+for; once per tick it also checks the producers that have waiters
 (``liveness.py``) and looks for messages a ring cannot show (``recovery.py``: a full ring
 lost records, a producer gone). A lost doorbell post costs at most one tick (``TICK``),
 never a message. ``cleanup_step`` frees what nobody received (``orphans.py``); the ring

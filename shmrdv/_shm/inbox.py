@@ -4,7 +4,9 @@ Every message a producer sends leaves a record in the ring that producer keeps f
 consumer: the tensor itself when small (inline), else a notice "message (step, key, seq)
 is published as a segment". Draining a ring therefore leads each arrival straight to its
 own channel's stash (``book.py``): no name is opened or probed per channel, nothing is
-listed, however many receives are pending (issue 15 §1).
+listed, however many receives are pending (issue 15 §1). A drain made by the scan
+(``Consumer.scan``) hands a value that is the very next message of a channel with waiters
+to the oldest of them at once, with no stash entry made and taken (``_take_records``).
 
 A ring is attached once (its name unlinked at once: the memory goes when both sides have
 unmapped it, whoever dies first) and checked for truncation before each drain; a ring
