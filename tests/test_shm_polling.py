@@ -48,6 +48,15 @@ def child_ping(worker: shmrdv.Worker, step: int, n: int) -> int:
     return n
 
 
+def child_send_values(worker: shmrdv.Worker, step: int, key: str, n: int, delay: float) -> int:
+    """Send ``0 .. n-1`` under ``key``, each ``delay`` s after the last."""
+    rdv = worker.rendezvous(step)
+    for i in range(n):
+        time.sleep(delay)
+        rdv.send(make_key(key), np.array([i], dtype=np.int64))
+    return n
+
+
 def shm_stats(worker: shmrdv.Worker) -> dict[str, Any]:
     st: dict[str, Any] = worker.stats()["shm"]
     return st
@@ -196,5 +205,41 @@ def test_polling_receiver_takes_no_post_per_message() -> None:
         posts = after["doorbell_posts"] - before["doorbell_posts"]
         assert posts < n // 4, (before, after)
         assert after["tick_finds"] == before["tick_finds"], (before, after)
+        consumer.cleanup(1)
+        producer.cleanup(1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0.0, 0.002], ids=["burst", "spaced"])
+def test_values_drained_for_waiting_receives_keep_their_order(delay: float) -> None:
+    """A value drained while receives of its key wait goes to the oldest of them at once
+    (not through the stash): futures and blocked receives queued on one key get the values
+    in sending order, a value nobody waits for yet is kept for the next receive, and the
+    futures so served count as served: the dispatcher thread stops polling afterwards."""
+    ns = shmrdv.new_namespace()
+    n = 8
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns, busy_poll=0.005) as consumer,
+        ChildWorker(PRODUCER, namespace=ns) as producer,
+    ):
+        _warm(consumer, producer, 1)
+        rdv = consumer.rendezvous(1)
+        key = make_key("k")
+        futs = [rdv.recv_future(key) for _ in range(3)]
+        out: list[Any] = []
+        sender = threading.Thread(
+            target=lambda: out.append(producer.call(child_send_values, 1, "k", n, delay)),
+            daemon=True,
+        )
+        sender.start()
+        got = [f.result(timeout=30) for f in futs]
+        got += [rdv.recv(key, timeout=30) for _ in range(n - 3)]
+        sender.join(60)
+        assert out == [n]
+        assert [int(g.value[0]) for g in got] == list(range(n))
+        assert shm_stats(consumer)["pending_receives"] == 0
+        polls = shm_stats(consumer)["dispatcher_polls"]
+        time.sleep(0.7)  # a callback receive counted as pending would poll every 0.2 s
+        assert shm_stats(consumer)["dispatcher_polls"] == polls
         consumer.cleanup(1)
         producer.cleanup(1)

@@ -4,8 +4,9 @@ Each (step, key) is a channel with the next sequence number it expects (``book.p
 receive takes that message (``take.py``) from the channel's stash, where the rings put what
 arrived (``inbox.py``), or opens it by its name (``named.py``) when its producer has no
 ring (not x86-64, or it could not make one); else it queues a waiter. The scan, run by whoever
-polls the doorbell (``dispatcher.py``), drains the rings and serves the channels they
-brought something for; once per tick it also checks the producers that have waiters
+polls the doorbell (``dispatcher.py``), drains the rings (a value for a channel's oldest
+waiter goes to it as it is drained) and serves the channels they brought something else
+for; once per tick it also checks the producers that have waiters
 (``liveness.py``) and looks for messages a ring cannot show (``recovery.py``: a full ring
 lost records, a producer gone). A lost doorbell post costs at most one tick (``TICK``),
 never a message. ``cleanup_step`` frees what nobody received (``orphans.py``); the ring
@@ -323,12 +324,18 @@ class Consumer:
             self._scans += 1
             try:
                 # One function with its lock: the poll of every blocked receive runs it.
-                self._inbox.drain_all(check)
-                self._serve_touched(out)
-                if self._inbox.failed:
+                # A value that is the next message of a channel with waiters goes to its
+                # oldest waiter as it is drained (``out``), not through the stash.
+                inbox = self._inbox
+                inbox.drain_all(check, out)
+                if inbox.handed_callbacks:
+                    self.callback_waiters -= inbox.handed_callbacks
+                    inbox.handed_callbacks = 0
+                if self._book.touched:  # (``_serve_touched`` looks too: a call spared)
+                    self._serve_touched(out)
+                if inbox.failed:
                     self._serve_failed(out)
-                waiting = self._waiters.size() > 0
-                if waiting and posted:
+                if posted and self._waiters.size():
                     self._probe_ringless(out)
                 now = time.monotonic()
                 if now >= self._sweep_at:  # (the time first: counting the maps is a call)
@@ -338,7 +345,7 @@ class Consumer:
                         maps.sweep()
                 if now >= self._tick_at:
                     self._tick_at = now + TICK
-                    if waiting:
+                    if self._waiters.size():
                         for src in list(self._book.srcs.values()):
                             if src.waiting:
                                 self._tick(src, out)
@@ -348,7 +355,9 @@ class Consumer:
                     self._serve_touched(out)  # what the last drains of those rings brought
             except Exception:  # pragma: no cover - keep polling whatever happens
                 _log.exception("shm dispatcher of %s: scan failed", self._task)
-                return []
+                # What was handed or served before the fault is delivered: those waiters
+                # are out of the table already (a blocked receive would wait for ever).
+                return out
             over = None
             if self._over:  # (a new list only when there is something to collect)
                 over, self._over = self._over, []

@@ -4,7 +4,9 @@ Every message a producer sends leaves a record in the ring that producer keeps f
 consumer: the tensor itself when small (inline), else a notice "message (step, key, seq)
 is published as a segment". Draining a ring therefore leads each arrival straight to its
 own channel's stash (``book.py``): no name is opened or probed per channel, nothing is
-listed, however many receives are pending (issue 15 §1).
+listed, however many receives are pending (issue 15 §1). A drain made by the scan
+(``Consumer.scan``) hands a value that is the very next message of a channel with waiters
+to the oldest of them at once, with no stash entry made and taken (``_take_records``).
 
 A ring is attached once (its name unlinked at once: the memory goes when both sides have
 unmapped it, whoever dies first) and checked for truncation before each drain; a ring
@@ -24,12 +26,14 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from numpy import ndarray
 
 from .._errors import InternalError, RendezvousError
-from .._rendezvous import received
+from .._rendezvous import Received, received
 from .._transport import TransportContext
 from . import layout
 from .book import Book, Channel, InRing, Notice, Source, Stash, Stashed
+from .delivery import Item
 from .naming import Names
 from .ring import RINGS_SUPPORTED, Ring
 from .segment import Segment
@@ -90,6 +94,9 @@ class Inbox:
         #: Producers whose ring failed while they had waiters, with the error.
         self.failed: list[tuple[Source, InternalError]] = []
         self.refused_records = 0
+        #: Callback (not blocking) waiters handed a value by a drain (``_take_records``),
+        #: not yet subtracted from ``Consumer.callback_waiters`` (its caller's job).
+        self.handed_callbacks = 0
 
     # -- attaching ------------------------------------------------------------------
 
@@ -189,20 +196,25 @@ class Inbox:
             return False
         return True
 
-    def drain_all(self, check: bool = True) -> None:
+    def drain_all(self, check: bool = True, hand: list[Item] | None = None) -> None:
+        """``drain`` every ring. With ``hand``, a live value that is the very next message
+        of a channel with waiters goes to the oldest waiter at once (appended to ``hand``,
+        to deliver after the lock), not through the stash (``_take_records``)."""
         if check:
             for src, r in list(self.rings):
-                self.drain(src, r)
+                self.drain(src, r, hand=hand)
             return
         # ``drain`` without its size check written out: every poll of a spinning receiver
         # that found a record comes here (the check was made a moment before the spin).
         for src, r in self.rings:  # (rebound, never changed, by a ring's release)
             try:
-                self._take_records(r)
+                self._take_records(r, hand)
             except RendezvousError as e:
                 _log.warning("ring from %s: %s", src.task, e)
 
-    def drain(self, src: Source, r: InRing, check: bool = True) -> None:
+    def drain(
+        self, src: Source, r: InRing, check: bool = True, hand: list[Item] | None = None
+    ) -> None:
         """Take every record waiting in one ring to its channel's stash.
 
         First its size, one ``lseek`` (unless ``check`` is False: the caller checked it a
@@ -226,7 +238,7 @@ class Inbox:
                     self._fail_ring(src, r, InternalError(f"ring unmapped: {e}"))
                     return
         try:
-            self._take_records(r)
+            self._take_records(r, hand)
         except RendezvousError as e:
             _log.warning("ring from %s: %s", src.task, e)
 
@@ -259,9 +271,13 @@ class Inbox:
         else:
             src.broken = error
 
-    def _take_records(self, r: InRing) -> None:
+    def _take_records(self, r: InRing, hand: list[Item] | None = None) -> None:
         """Each record of ring ``r`` to its channel's stash, its channel touched if it has
-        waiters. Raises ``InternalError`` for a corrupted ring, once the records before
+        waiters; with ``hand``, a live value that is its channel's very next message while
+        nothing of that channel is stashed goes to the channel's oldest waiter at once
+        (``hand``, and ``handed_callbacks`` counts those that were callback waiters): the
+        same waiter, value and order as the stash and ``Consumer._serve`` would give, with
+        no stash entry made and taken (the receive of a polling receiver). Raises ``InternalError`` for a corrupted ring, once the records before
         the fault are taken.
 
         A ring record is the producer's bytes: its header gets ``unpack``'s checks (through
@@ -286,6 +302,8 @@ class Inbox:
             return
         header, book, channels, stashes, firsts = self._drain_state
         src, inc, buf = r.src, r.inc, r.buf
+        waiters = book.waiters
+        has_waiters = waiters.has  # (``ch in waiters`` without a Python call)
         touched = book.touched  # (rebound as it is served)
         last_step: int | None = None
         dropped = False
@@ -349,8 +367,32 @@ class Inbox:
                         ch = book.promote(step, key, known)
                     else:
                         ch = known  # type: ignore[assignment]  # not an InRing: a Channel
-                    if ch.inc == inc and seq < ch.seq:
-                        continue  # already taken by its name
+                    if ch.inc == inc and seq <= ch.seq:
+                        if seq < ch.seq:
+                            continue  # already taken by its name
+                        if (
+                            hand is not None
+                            and not ch.nready
+                            and ch in ch.src.waiting  # it has waiters
+                            and (type(value) is ndarray or type(value) is Received)
+                        ):
+                            # Its next message, nothing of it stashed, a value (not a
+                            # notice, not an error): to its oldest waiter.
+                            book.received += 1
+                            if type(value) is ndarray:
+                                book.received_bytes += value.nbytes
+                                value = received(value, False)
+                            else:  # a dead value, or an empty one
+                                book.received_bytes += value.value.nbytes  # type: ignore[union-attr]
+                            ch.seq += 1
+                            waiter = waiters.put(ch, value)
+                            assert waiter is not None  # (it has waiters)
+                            if not waiter.blocking:
+                                self.handed_callbacks += 1
+                            if not has_waiters(ch):
+                                ch.src.waiting.pop(ch, None)
+                            hand.append((waiter.done, waiter.copy, value))  # type: ignore[arg-type]
+                            continue
                     if stash is None:
                         stash = stashes.get(step)
                         if stash is None:
