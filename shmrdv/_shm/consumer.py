@@ -213,6 +213,7 @@ class Consumer:
         if waiter is not None:
             if first:
                 self._wake_dispatcher()  # it sleeps while no callback receive is pending
+            self._named.ahead(waiter.channel)  # idle time: the next message's names
             return lambda: self.cancel(waiter)
         del got
         if type(result) is Received and not copy:
