@@ -208,12 +208,12 @@ class Consumer:
                         if not blocking:
                             self.callback_waiters += 1
                             first = self.callback_waiters == 1
+                        self._named.ahead(ch)  # idle time: what its next message needs
         finally:
             lock.release()
         if waiter is not None:
             if first:
                 self._wake_dispatcher()  # it sleeps while no callback receive is pending
-            self._named.ahead(waiter.channel)  # idle time: the next message's names
             return lambda: self.cancel(waiter)
         del got
         if type(result) is Received and not copy:

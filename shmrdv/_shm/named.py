@@ -57,6 +57,9 @@ _AHEAD_MAX = 64
 _KEYS_MAX = 1024
 # (producer task, its incarnation, ticket): a lend of one slot of one producer run.
 _Lend = tuple[str, int, int]
+# A key's last lend, and what its array was: (task, incarnation, ticket, dtype, shape,
+# data offset, bytes).
+_LastLend = tuple[str, int, int, Any, tuple[int, ...], int, int]
 
 _log = logging.getLogger("shmrdv.shm")
 
@@ -80,20 +83,18 @@ class NamedMessages:
         # ``held`` name and ``returned`` path by ``_Lend``; a key's last lend.
         self._ahead: dict[tuple[int, str, int, int], str] = {}
         self._slot_names: dict[_Lend, tuple[str, str]] = {}
-        self._last_lend: dict[str, _Lend] = {}
+        self._last_lend: dict[str, _LastLend] = {}
 
     def ahead(self, ch: Channel) -> None:
         """While a receive of ``ch`` waits: compute the names its next message will need if,
         like the last one of its key, it comes in a kept pool slot (the same slot, lent
-        again under its next ticket). Idle time; a no-op for keys that came inline.
-
-        May run outside ``Consumer.lock`` (each dict operation here and in ``take`` is
-        atomic; a race only drops a prediction). Never raises.
+        again under its next ticket), and make its array (``Segment.prepare_lend``). Idle
+        time (under ``Consumer.lock``); a no-op for keys that came inline. Never raises.
         """
         last = self._last_lend.get(ch.key)
         if last is None:
             return
-        task, inc, ticket = last
+        task, inc, ticket, dtype, shape, offset, nbytes = last
         seq = ch.seq
         if inc != ch.inc or task != ch.src.task:
             return
@@ -109,17 +110,16 @@ class NamedMessages:
                 ahead[at] = names.message(*at)
             if nxt[2] <= MAX_TICKET and nxt not in slots:
                 slots[nxt] = (names.held(*nxt), Names.path(names.returned(*nxt)))
-        except RendezvousError:  # out of range: computed when needed (and refused there)
-            pass
+            seg = self.maps.peek(task, inc, nxt[2])
+            if seg is not None:
+                seg.prepare_lend(dtype, shape, offset, nbytes)
+        except (RendezvousError, ValueError, TypeError):
+            pass  # out of range, or closed: done when needed (and refused there if so)
 
     def _held_names(self, ch: Channel, task: str, inc: int, ticket: int) -> tuple[str, str | None]:
         """The ``held`` name of lend ``ticket`` of ``task``'s run ``inc``, and its ``returned``
         path if ``ahead`` computed it (else None: ``give_back`` computes it)."""
         lend = (task, inc, ticket)
-        last = self._last_lend
-        if len(last) >= _KEYS_MAX and ch.key not in last:
-            last.clear()
-        last[ch.key] = lend
         if self._slot_names:
             found = self._slot_names.pop(lend, None)
             if found is not None:
@@ -296,6 +296,10 @@ class NamedMessages:
         mapping kept for the slot's next one; its collection gives the slot back (through the slot's control block when the file has
         one and the producer run is watched, ``pool.return_slot``)."""
         self.held.add(held)
+        last = self._last_lend
+        if len(last) >= _KEYS_MAX and ch.key not in last:
+            last.clear()
+        last[ch.key] = (ch.src.task, inc, ticket, dtype, shape, offset, nbytes)
         mem = seg.buf
         ctl: mmap.mmap | None = None
         watch: RunWatch | None = None
