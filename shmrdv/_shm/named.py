@@ -100,6 +100,12 @@ class NamedMessages:
             return
         names = self._names
         ahead, slots = self._ahead, self._slot_names
+        if ahead and ahead.pop((ch.step, ch.key, inc, seq - 1), None) is not None:
+            # The last message's name, computed ahead, was not used: it did not come by
+            # name (inline, in its producer's ring). Stop looking ahead for this key until
+            # one does again.
+            del self._last_lend[ch.key]
+            return
         if len(ahead) >= _AHEAD_MAX or len(slots) >= _AHEAD_MAX:
             ahead.clear()
             slots.clear()
