@@ -432,3 +432,51 @@ _ENOSPC_CHILD = textwrap.dedent(
 @pytest.mark.timeout(60)
 def test_segment_enospc_is_resource_exhausted_not_sigbus() -> None:
     run_with_small_dev_shm(_ENOSPC_CHILD)
+
+
+def test_segment_lend_hands_out_a_prepared_array_only_for_the_same_data(names: Names) -> None:
+    """``prepare_lend`` makes the next ``lend``'s array ahead of it; the lend hands it out
+    only for the same dtype, shape and offset, and either array gives the memory back
+    (its callback) once it and its views are collected."""
+    seg = Segment.create(names, 1 << 20)
+    try:
+        back: list[int] = []
+        f4 = np.dtype(np.float32)
+        seg.prepare_lend(f4, (1024,), 4096, 4096)
+        a = seg.lend(f4, (1024,), 4096, 4096, back.append, 1, checked=True)
+        assert a.shape == (1024,) and a.dtype == f4 and seg.lent == 1
+        a[:] = 7.0
+        assert np.frombuffer(seg.buf, np.float32, 1024, 4096)[0] == 7.0  # its own bytes
+        view = a[10:]
+        del a
+        gc.collect()
+        assert back == [] and seg.lent == 1  # a view keeps it lent
+        del view
+        gc.collect()
+        assert back == [1] and seg.lent == 0
+        seg.prepare_lend(f4, (1024,), 4096, 4096)
+        b = seg.lend(f4, (512,), 8192, 2048, back.append, 2, checked=True)  # not the same
+        assert b.shape == (512,)
+        b[0] = 3.0
+        assert np.frombuffer(seg.buf, np.float32, 1, 8192)[0] == 3.0
+        del b
+        gc.collect()
+        assert back == [1, 2] and seg.lent == 0
+        seg.prepare_lend(f4, (1 << 20,), 4096, 4 << 20)  # beyond the mapping: not made
+        c = seg.lend(f4, (16,), 0, 64, back.append, 3, checked=True)
+        assert c.shape == (16,)
+        del c
+        gc.collect()
+        assert back == [1, 2, 3]
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+def test_segment_close_unmaps_with_an_unused_prepared_array(names: Names) -> None:
+    seg = Segment.create(names, 1 << 16)
+    mem = seg.buf
+    seg.prepare_lend(np.dtype(np.uint8), (64,), 0, 64)
+    seg.unlink()
+    seg.close()
+    assert mem.closed  # the prepared array went with the segment, and so the mapping

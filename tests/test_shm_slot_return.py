@@ -11,6 +11,7 @@ process: both workers run in it).
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import stat
@@ -78,6 +79,43 @@ def test_slot_returned_through_its_control_block_is_reused(
     st = pool_stats(producer)
     assert st["pool_created"] == 1 and st["pool_reused"] == 4, st
     assert st["pool_lost"] == 0 and st["pool_refused"] == 0, st
+
+
+def test_receive_waiting_before_its_message_takes_whichever_slot_comes(
+    ns: str, pair: tuple[shmrdv.Worker, shmrdv.Worker]
+) -> None:
+    """A receive that waits before its message is sent has that message's names computed
+    meanwhile, for the slot the key's last message came in (``NamedMessages.ahead``). The
+    message is taken, and its slot given back under its own names, whether it comes in
+    that slot (under its next ticket) or in another one (the first slot still held)."""
+    producer, consumer = pair
+    names = Names(ns)
+    key = make_key("ahead")
+    prdv, crdv = producer.rendezvous(1), consumer.rendezvous(1)
+    kept = None
+    # Message: the slot's ticket. Slot 0 serves 0-2; 2 stays held, so 3 comes in slot 1
+    # (slot 0's next ticket was predicted), and 4 and 5 in slot 1 again.
+    tickets = [0, NEXT, 2 * NEXT, 1, 1 + NEXT, 1 + 2 * NEXT]
+    for i, ticket in enumerate(tickets):
+        fut = crdv.recv_future(key)  # waits: the next message's names are computed now
+        prdv.send(key, np.full(N, i, dtype=np.float64))
+        got = fut.result(timeout=5).value
+        assert got[0] == i and got[-1] == i
+        assert os.path.exists(names.path(names.held(PRODUCER, INCARNATION, ticket)))
+        if i == 2:
+            kept = got
+        del got, fut
+        gc.collect()  # (a future that completed is in a reference cycle until collected)
+        if i != 2:
+            back = names.path(names.returned(PRODUCER, INCARNATION, ticket))
+            assert os.path.exists(back), i
+    assert kept is not None and kept[0] == 2
+    del kept
+    gc.collect()
+    assert os.path.exists(names.path(names.returned(PRODUCER, INCARNATION, 2 * NEXT)))
+    assert "h" not in kinds(ns)
+    st = pool_stats(producer)
+    assert st["pool_created"] == 2 and st["pool_lost"] == 0 and st["pool_refused"] == 0, st
 
 
 def test_slot_shrunk_before_its_take_is_refused_and_both_sides_go_on(

@@ -209,6 +209,7 @@ class Consumer:
                         if not blocking:
                             self.callback_waiters += 1
                             first = self.callback_waiters == 1
+                        self._named.ahead(ch)  # idle time: what its next message needs
         finally:
             lock.release()
         if waiter is not None:

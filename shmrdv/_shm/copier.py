@@ -43,6 +43,7 @@ import os
 import queue
 import stat
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -65,13 +66,37 @@ _CHUNK = 1 << 20  # a chunk: page-aligned, small enough that a late helper costs
 _MAX_HELPERS = 3
 
 
-def helpers() -> int:
-    """Helper threads a large copy uses (besides the caller): one less than the CPUs this
-    process may run on, at most 3; ``SHMRDV_COPY_THREADS=1`` turns them off."""
+# The CPUs each thread may run on (``sched_getaffinity``: a system call), by thread id:
+# (count, ``time.monotonic()`` when counted), counted again after ``_AFFINITY_S``.
+_AFFINITY_S = 1.0
+_AFFINITY_MAX = 256  # threads remembered
+_affinity: dict[int, tuple[int, float]] = {}
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_affinity.clear)  # a child counts its own
+
+
+def _usable_cpus() -> int:
+    """The CPUs the calling thread may run on, counted at most once a second."""
+    me = threading.get_ident()
+    now = time.monotonic()
+    known = _affinity.get(me)
+    if known is not None and now - known[1] < _AFFINITY_S:
+        return known[0]
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         cpus = os.cpu_count() or 1
+    if len(_affinity) >= _AFFINITY_MAX:
+        _affinity.clear()
+    _affinity[me] = (cpus, now)
+    return cpus
+
+
+def helpers() -> int:
+    """Helper threads a large copy uses (besides the caller): one less than the CPUs this
+    thread may run on (counted at most once a second), at most 3;
+    ``SHMRDV_COPY_THREADS=1`` turns them off."""
+    cpus = _usable_cpus()
     wanted = os.environ.get("SHMRDV_COPY_THREADS", "")
     if wanted:
         try:
@@ -327,7 +352,7 @@ def copy_into(
 def _copy(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
     """``copy_into`` without ``almost``."""
     nbytes = src.nbytes
-    # Size first: every send comes here, and helpers() costs a system call.
+    # Size first: every send comes here, and helpers() reads the clock and the environment.
     n = 0 if nbytes < PARALLEL_MIN or not src.flags.c_contiguous else helpers()
     if n == 0:
         np.copyto(dst, src, casting="no")

@@ -10,6 +10,13 @@ producer's ring announced and that is mapped already is taken without opening it
 (one rename to ``held`` and one ``fstat``), and its array gives it back through the slot's
 control block (``pool.return_slot``).
 
+The names a kept slot's next message needs (its message name, and the slot's ``held`` and
+``returned`` names for its next lend: the producer bumps a slot's ticket by one generation
+per lend, ``naming.SLOT_BITS``) are keyed digests, a few µs each and more once the caches
+are cold: a 16 MiB message leaves them so. ``ahead`` computes them while a receive of the
+channel waits (idle time), so that the take and the give-back of the message that wakes
+it only look them up; a prediction that does not come true is dropped.
+
 Thread model (docs/threads.md): ``take`` runs under ``Consumer.lock``; ``unlink_held``
 after the consumer is closed; the ``held`` set is also changed by the finalizers of lent
 arrays (``pool.return_slot``), in whichever thread collects them.
@@ -30,7 +37,7 @@ from .._values import shape_problem
 from . import layout
 from .book import Book, Channel, Notice, NoticeArray
 from .inbox import unlink_quietly
-from .naming import Names
+from .naming import MAX_TICKET, SLOT_BITS, Names
 from .pool import CONTROL, ProducerAlive, RunWatch, hold, return_slot
 from .segment import Segment, move_noreplace
 from .slotmaps import SlotIdent, SlotMaps
@@ -43,6 +50,16 @@ class _Unsure:
 
 
 _UNSURE = _Unsure()
+
+# ``ahead``: at most this many names computed ahead (past it, they are dropped), and of
+# keys whose last lend is remembered.
+_AHEAD_MAX = 64
+_KEYS_MAX = 1024
+# (producer task, its incarnation, ticket): a lend of one slot of one producer run.
+_Lend = tuple[str, int, int]
+# A key's last lend, and what its array was: (task, incarnation, ticket, dtype, shape,
+# data offset, bytes).
+_LastLend = tuple[str, int, int, Any, tuple[int, ...], int, int]
 
 _log = logging.getLogger("shmrdv.shm")
 
@@ -62,6 +79,58 @@ class NamedMessages:
         # run at exit, so close() unlinks what is left (the mappings stay valid).
         self.held: set[str] = set()
         self.probes = 0
+        # ``ahead``: message names by (step, key, producer incarnation, seq); a lend's
+        # ``held`` name and ``returned`` path by ``_Lend``; a key's last lend.
+        self._ahead: dict[tuple[int, str, int, int], str] = {}
+        self._slot_names: dict[_Lend, tuple[str, str]] = {}
+        self._last_lend: dict[str, _LastLend] = {}
+
+    def ahead(self, ch: Channel) -> None:
+        """While a receive of ``ch`` waits: compute the names its next message will need if,
+        like the last one of its key, it comes in a kept pool slot (the same slot, lent
+        again under its next ticket), and make its array (``Segment.prepare_lend``). Idle
+        time (under ``Consumer.lock``); a no-op for keys that came inline. Never raises.
+        """
+        last = self._last_lend.get(ch.key)
+        if last is None:
+            return
+        task, inc, ticket, dtype, shape, offset, nbytes = last
+        seq = ch.seq
+        if inc != ch.inc or task != ch.src.task:
+            return
+        names = self._names
+        ahead, slots = self._ahead, self._slot_names
+        if ahead and ahead.pop((ch.step, ch.key, inc, seq - 1), None) is not None:
+            # The last message's name, computed ahead, was not used: it did not come by
+            # name (inline, in its producer's ring). Stop looking ahead for this key until
+            # one does again.
+            del self._last_lend[ch.key]
+            return
+        if len(ahead) >= _AHEAD_MAX or len(slots) >= _AHEAD_MAX:
+            ahead.clear()
+            slots.clear()
+        nxt = (task, inc, ticket + (1 << SLOT_BITS))
+        try:
+            at = (ch.step, ch.key, inc, seq)
+            if at not in ahead:
+                ahead[at] = names.message(*at)
+            if nxt[2] <= MAX_TICKET and nxt not in slots:
+                slots[nxt] = (names.held(*nxt), Names.path(names.returned(*nxt)))
+            seg = self.maps.peek(task, inc, nxt[2])
+            if seg is not None:
+                seg.prepare_lend(dtype, shape, offset, nbytes)
+        except (RendezvousError, ValueError, TypeError):
+            pass  # out of range, or closed: done when needed (and refused there if so)
+
+    def _held_names(self, ch: Channel, task: str, inc: int, ticket: int) -> tuple[str, str | None]:
+        """The ``held`` name of lend ``ticket`` of ``task``'s run ``inc``, and its ``returned``
+        path if ``ahead`` computed it (else None: ``give_back`` computes it)."""
+        lend = (task, inc, ticket)
+        if self._slot_names:
+            found = self._slot_names.pop(lend, None)
+            if found is not None:
+                return found
+        return self._names.held(task, inc, ticket), None
 
     def take(self, ch: Channel, notice: Notice | None = None) -> Received | BaseException | None:
         """Open the channel's next message by its name, if it is published (under the lock).
@@ -76,7 +145,9 @@ class NamedMessages:
         if not ch.inc:
             return None  # the name cannot be computed yet
         self.probes += 1
-        name = self._names.message(ch.step, ch.key, ch.inc, ch.seq)
+        name = self._ahead.pop((ch.step, ch.key, ch.inc, ch.seq), None) if self._ahead else None
+        if name is None:
+            name = self._names.message(ch.step, ch.key, ch.inc, ch.seq)
         maps = self.maps
         if notice is not None and notice.slot >= 0 and notice.array is not None:
             found = maps.find(ch.src.task, ch.inc, notice.slot)
@@ -116,11 +187,10 @@ class NamedMessages:
             ch.seq += 1
             return e
         ch.seq += 1
-        held = (
-            self._names.held(ch.src.task, header.producer_incarnation, header.slot)
-            if header.slot >= 0
-            else None
-        )
+        held: str | None = None
+        ret: str | None = None
+        if header.slot >= 0:
+            held, ret = self._held_names(ch, ch.src.task, header.producer_incarnation, header.slot)
         if held is not None:
             try:
                 # From here on the name says "a consumer holds it"; the memory goes back when
@@ -153,6 +223,7 @@ class NamedMessages:
                 inc,
                 header.slot,
                 held,
+                ret,
                 header.dtype,
                 header.shape,
                 header.data_offset,
@@ -179,7 +250,7 @@ class NamedMessages:
         header in the file is the record's twin, written by the same producer; the ring
         record was checked when drained. ``_UNSURE`` when a name is in the way: the checked
         open decides then."""
-        held = self._names.held(ch.src.task, ch.inc, ticket)
+        held, ret = self._held_names(ch, ch.src.task, ch.inc, ticket)
         dtype, shape, offset, nbytes, dead = array
         try:
             # A shrunk file: reading (or noting ourselves in) it would be a SIGBUS.
@@ -205,7 +276,9 @@ class NamedMessages:
             unlink_quietly(seg)
             self.maps.forget(ident)
             return e
-        arr = self._lend(ch, seg, ch.inc, ticket, held, dtype, shape, offset, nbytes, checked=True)
+        arr = self._lend(
+            ch, seg, ch.inc, ticket, held, ret, dtype, shape, offset, nbytes, checked=True
+        )
         self.maps.keep(seg, ident, ch.src.task, ch.inc, ticket)
         self._book.count(nbytes)
         return Received(arr, dead)
@@ -217,6 +290,7 @@ class NamedMessages:
         inc: int,
         ticket: int,
         held: str,
+        ret: str | None,
         dtype: Any,
         shape: tuple[int, ...],
         offset: int,
@@ -224,10 +298,14 @@ class NamedMessages:
         checked: bool,
     ) -> npt.NDArray[Any]:
         """The array of a message in pool slot ``ticket`` of producer run ``inc``, now named
-        ``held``: its own per message, over the mapping kept for the slot's next one; its
-        collection gives the slot back (through the slot's control block when the file has
+        ``held`` (``ret``: its ``returned`` path, if known): its own per message, over the
+        mapping kept for the slot's next one; its collection gives the slot back (through the slot's control block when the file has
         one and the producer run is watched, ``pool.return_slot``)."""
         self.held.add(held)
+        last = self._last_lend
+        if len(last) >= _KEYS_MAX and ch.key not in last:
+            last.clear()
+        last[ch.key] = (ch.src.task, inc, ticket, dtype, shape, offset, nbytes)
         mem = seg.buf
         ctl: mmap.mmap | None = None
         watch: RunWatch | None = None
@@ -252,6 +330,7 @@ class NamedMessages:
             self.held,
             ctl,
             watch,
+            ret,
             checked=checked,
         )
 

@@ -592,9 +592,11 @@ def return_slot(
     held_names: set[str],
     mem: mmap.mmap | None = None,
     watch: RunWatch | None = None,
+    returned_path: str | None = None,
 ) -> None:
     """Consumer side, when the last array over a pool slot is collected: give it back
-    (``held_name``: its ``held`` name, one of ``held_names``).
+    (``held_name``: its ``held`` name, one of ``held_names``; ``returned_path``: its
+    ``returned`` name's path, if computed ahead).
 
     ``held`` -> ``returned`` (``give_back``, with the slot's mapping ``mem`` and a ``watch``
     of its producer run when there are: then the control block tells the producer, and no
@@ -602,7 +604,17 @@ def return_slot(
     inside the garbage collector: it takes no lock).
     """
     held_names.discard(held_name)
-    give_back(names, alive, producer_task, incarnation, slot, names.path(held_name), mem, watch)
+    give_back(
+        names,
+        alive,
+        producer_task,
+        incarnation,
+        slot,
+        names.path(held_name),
+        mem,
+        watch,
+        returned_path,
+    )
 
 
 def _taken_back(names: Names, alive: ProducerAlive, producer_task: str, incarnation: int) -> bool:
@@ -623,8 +635,10 @@ def give_back(
     path: str,
     mem: mmap.mmap | None = None,
     watch: RunWatch | None = None,
+    returned_path: str | None = None,
 ) -> None:
-    """Rename the pool slot file at ``path`` to its ``returned`` name, for its producer; with
+    """Rename the pool slot file at ``path`` to its ``returned`` name (``returned_path``, if
+    the caller has it), for its producer; with
     its mapping ``mem``, then store the slot's next ticket in its control block (one
     ``fstat`` first: a store into a page a truncation took would be a SIGBUS).
 
@@ -640,7 +654,7 @@ def give_back(
     our rename came before its sweep, which will find the file. (Under a live ``watch``, a
     rename after that sweep leaves the file to the consumer's collection of the run.)
     """
-    ret = names.path(names.returned(producer_task, incarnation, slot))
+    ret = returned_path or names.path(names.returned(producer_task, incarnation, slot))
     try:
         move_noreplace(path, ret)
     except FileNotFoundError:

@@ -201,6 +201,9 @@ class Producer:
         self._seqs: dict[int, dict[str, int]] = {}
         self._templates: dict[tuple[np.dtype[Any], tuple[int, ...], int], layout.Template] = {}
         self._outs: dict[str, _KeyOut] = {}  # by full key: what its sends reuse
+        # By full key: (step, seq, name) of the key's next segment message, computed after
+        # its last one was announced (``_publish``), when its consumer has the message.
+        self._names_ahead: dict[str, tuple[int, int, str]] = {}
         self._allocations: dict[int, _Allocation] = {}
         self._routes: dict[str, _Route] = {}  # by the key's dst device, as written
         self._consumers: dict[str, _Route] = {}  # by consumer task
@@ -671,7 +674,11 @@ class Producer:
             seq = self._next_seq(step_id, fk)
             now = time.time_ns()
             t.write_keyed(seg.buf, 0, header, flags, step_id, seq, self._inc, self._pid, slot, now)
-            name = self._names.message(step_id, fk, self._inc, seq)
+            ahead = self._names_ahead.get(fk)
+            if ahead is not None and ahead[0] == step_id and ahead[1] == seq:
+                name = ahead[2]
+            else:
+                name = self._names.message(step_id, fk, self._inc, seq)
             try:
                 move_noreplace(seg.path, Names.path(name))
             except FileExistsError as e:
@@ -705,7 +712,21 @@ class Producer:
                         now,
                     )
                     ring.commit()
+        self._name_ahead(step_id, fk, seq + 1)
         return name, posted
+
+    def _name_ahead(self, step_id: int, fk: str, seq: int) -> None:
+        """Compute the name of message ``seq`` of ``fk`` in ``step_id`` now, for its
+        ``_publish``: a keyed digest, a few µs once a large message has left the caches
+        cold, which then is not done between the doorbell post and the ring notice that
+        its consumer waits for. Called once the last one is announced."""
+        ahead = self._names_ahead
+        if len(ahead) >= _TEMPLATES_MAX and fk not in ahead:
+            ahead.clear()
+        try:
+            ahead[fk] = (step_id, seq, self._names.message(step_id, fk, self._inc, seq))
+        except InvalidArgumentError:  # past the last sequence number: refused when used
+            ahead.pop(fk, None)
 
     def _after_publish(self, route: _Route, nbytes: int, posted: bool) -> None:
         route.sent += 1

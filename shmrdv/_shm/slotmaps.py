@@ -114,6 +114,14 @@ class SlotMaps:
         self.hits += 1
         return kept.segment, ident
 
+    def peek(self, task: str, incarnation: int, ticket: int) -> Segment | None:
+        """``find``'s mapping, without counting a use (for a look ahead at the next one)."""
+        ident = self._by_slot.get((task, incarnation, ticket & _INDEX))
+        kept = self._kept.get(ident) if ident is not None else None
+        if kept is None or kept.segment.closed:
+            return None
+        return kept.segment
+
     def keep(self, seg: Segment, ident: _Ident, task: str, incarnation: int, slot: int) -> None:
         """Keep ``seg`` (a pool slot of ``task``'s ``incarnation`` lent under ticket ``slot``)
         mapped for its next message; for a kept one, note the ticket of this lend."""
