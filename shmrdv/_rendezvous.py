@@ -438,11 +438,16 @@ class Rendezvous(abc.ABC):
                 fut.set_exception(error)
             else:
                 fut.set_result(received)  # type: ignore[arg-type]
+            fut._canceller = None  # it holds ``done``, which holds the future: no cycle
 
         try:
-            fut._canceller = self.start_recv(key, done, copy=copy)
+            canceller = self.start_recv(key, done, copy=copy)
         except RendezvousError as e:
             fut.set_exception(e)
+            return fut
+        fut._canceller = canceller
+        if fut.done():  # completed already (``done`` may have run before the line above)
+            fut._canceller = None
         return fut
 
     async def arecv(

@@ -40,6 +40,7 @@ from ._conformance.completion import (
     check_done_exception_is_logged,
     check_recv_async_done_once,
     check_recv_future_cancel,
+    check_recv_future_lets_go,
     check_recv_future_result,
 )
 from ._conformance.delivery import (
@@ -90,6 +91,7 @@ CHECKS: list[Callable[[RendezvousPair], None]] = [
     check_done_exception_is_logged,
     check_recv_future_result,
     check_recv_future_cancel,
+    check_recv_future_lets_go,
     check_arecv,
     check_arecv_timeout_removes_waiter,
     check_arecv_cancel_removes_waiter,

@@ -86,6 +86,25 @@ class _KeepsTimedOutWaiters(LocalRendezvous):
         return lambda: True
 
 
+class _KeepsDone(LocalRendezvous):
+    """Keeps every ``done`` it was given (and so each future with its value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[DoneCallback] = []
+
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
+        self.kept.append(done)
+        return super().start_recv(key, done, copy=copy, blocking=blocking)
+
+
 class _IgnoresCopy(LocalRendezvous):
     def start_recv(
         self,
@@ -164,6 +183,7 @@ def _check(name: str) -> Callable[[RendezvousPair], None]:
         (_KeepsTimedOutWaiters, "check_recv_timeout_removes_waiter"),
         (_KeepsTimedOutWaiters, "check_recv_future_cancel"),
         (_KeepsTimedOutWaiters, "check_arecv_cancel_removes_waiter"),
+        (_KeepsDone, "check_recv_future_lets_go"),
         (_IgnoresCopy, "check_copy_true"),
         (_AcceptsObjects, "check_object_array_refused"),
         (_AcceptsMasked, "check_state_losing_subclass_refused"),

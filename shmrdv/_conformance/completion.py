@@ -5,10 +5,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
 import uuid
+import weakref
 
 import numpy as np
 
@@ -36,6 +38,7 @@ __all__ = [
     "check_done_exception_is_logged",
     "check_recv_async_done_once",
     "check_recv_future_cancel",
+    "check_recv_future_lets_go",
     "check_recv_future_result",
 ]
 
@@ -110,6 +113,42 @@ def check_recv_future_result(pair: RendezvousPair) -> None:
     fut = pair.consumer.recv_future(key)
     pair.producer.send(key, sent * 2)
     assert_same(fut.result(WAIT_S).value, sent * 2, "future of a later value")
+
+
+def check_recv_future_lets_go(pair: RendezvousPair) -> None:
+    """A future's value is freed once the caller drops it and the future, without the
+    garbage collector: nothing of the receive keeps it (a shared-memory value holds its
+    producer's pool slot until then)."""
+    sent = np.arange(6, dtype=np.int32)
+    for order in ("queued", "later"):
+        key = new_key(pair, f"future_lets_go_{order}")
+        enabled = gc.isenabled()
+        gc.disable()  # a reference cycle would keep the value until a collection
+        try:
+            # A copy that only the send holds: an in-process send may hand over the array.
+            if order == "queued":
+                pair.producer.send(key, sent.copy())
+                pair.settle()
+                fut = pair.consumer.recv_future(key)
+            else:
+                fut = pair.consumer.recv_future(key)
+                pair.producer.send(key, sent.copy())
+            got = fut.result(WAIT_S)
+            assert_same(got.value, sent, f"future of a {order} value")
+            value = weakref.ref(got.value)
+            del fut, got
+            # The thread that completed the future may still be returning from it.
+            deadline = time.monotonic() + PROMPT_S
+            while value() is not None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            expect(
+                value() is None,
+                f"the value of a {order} recv_future is still referenced after the future "
+                "and its result were dropped (a reference cycle, or a thread keeps it)",
+            )
+        finally:
+            if enabled:
+                gc.enable()
 
 
 def check_recv_future_cancel(pair: RendezvousPair) -> None:

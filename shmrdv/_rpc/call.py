@@ -199,7 +199,7 @@ class Recv:
         if call is not None:
             call.cancel()
         self._ctx.forget(self)
-        invoke_done(self.done, error, None)
+        invoke_done(self._spend(), error, None)
 
     # -- ending ----------------------------------------------------------------------
 
@@ -215,10 +215,18 @@ class Recv:
         self._ctx.forget(self)
         if received is not None:
             self._ctx.count(self.key, received.value.nbytes)
+        done = self._spend()
         if here or self._blocking or threading.current_thread() is self.thread:
-            invoke_done(self.done, error, received)
+            invoke_done(done, error, received)
         else:
-            self._ctx.runner.submit(invoke_done, self.done, error, received)
+            self._ctx.runner.submit(invoke_done, done, error, received)
+
+    def _spend(self) -> DoneCallback:
+        """``done``, once it is due (the state says so): the receive keeps no reference to
+        it. Its objects refer to one another (its unary phase, gRPC's future), so a ``done``
+        kept here would keep its caller's future, and the value, until a GC pass."""
+        done, self.done = self.done, _spent
+        return done
 
     def remaining(self) -> float | None:
         """Seconds to the receive's deadline (None: none)."""
@@ -410,3 +418,7 @@ class Recv:
     def error(self, code: grpc.StatusCode, e: grpc.RpcError) -> RendezvousError:
         """The receive's error for a call that failed with ``code``."""
         return call_error(code, e, self.where(), self._timeout, receiving=self._state == _RECEIVING)
+
+
+def _spent(error: BaseException | None, received: Received | None) -> None:
+    """A receive's ``done`` once it has been called (``Recv._spend``)."""

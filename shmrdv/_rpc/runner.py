@@ -75,6 +75,9 @@ class Runner:
                     return
                 fn, args = self._tasks.popleft()
             fn(*args)
+            # Not kept while this thread idles: a receive's value (a pool slot) and its
+            # future would stay alive until the next task.
+            del fn, args
 
     def shutdown(self, timeout: float) -> None:
         """Let the threads finish what they run and end; join them (not the caller's)."""
