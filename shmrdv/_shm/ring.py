@@ -49,6 +49,9 @@ _META_MAX = 3800
 DATA_OFFSET = 4096
 _WRAP = 0xFFFFFFFF
 _ALIGN = 8
+# A record's size from its payload's: ``(payload + _PAD) & _ROUND`` (the u32 length word,
+# rounded up to ``_ALIGN``), two operations where the expression written out is six.
+_PAD, _ROUND = 4 + _ALIGN - 1, -_ALIGN
 # A consumer's batch (``spans``) ends after about this many bytes of records: the producer
 # gets the room back as the consumer goes, not only once a full ring is drained.
 _BATCH_BYTES = 1 << 16
@@ -134,7 +137,7 @@ class Ring:
         at ``commit()``; until then the producer may write ``buf[at : at + payload]``."""
         if payload > self._max_record:
             return -1
-        size = (payload + 4 + _ALIGN - 1) & ~(_ALIGN - 1)  # the length word, 8-aligned
+        size = (payload + _PAD) & _ROUND  # the length word, 8-aligned
         words, cap = self._words, self.capacity
         head = words[_H]
         pos = head % cap
