@@ -118,13 +118,12 @@ class StepRendezvous(Rendezvous):
             arr = value
         else:
             arr = r.checked(value)
-        if type(is_dead) is not bool:
-            is_dead = bool(is_dead)
+        dead = is_dead if type(is_dead) is bool else bool(is_dead)  # (no call for a bool)
         if r.local:
-            self._local.put(r.pk, arr, is_dead)
+            self._local.put(r.pk, arr, dead)
         else:
             t = r.transport or self._router.transport(r)
-            t.send(self.step_id, r.pk, arr, is_dead, timeout)
+            t.send(self.step_id, r.pk, arr, dead, timeout)
 
     send.__doc__ = Rendezvous.send.__doc__
 
