@@ -11,8 +11,9 @@ dst task is its worker; tasks are compared as parsed names (``task:1`` is not
 
 Per-message work is only what the message needs. What a key string implies — its parse,
 the own-task and incarnation checks, the peer and the chosen transport — is derived once
-per key string and kept in a bounded LRU (TensorFlow reuses a key in every step, each with
-a new step id, so the cache is keyed by the key alone). A peer's transport is cached once
+per key string and kept in a bounded table, the oldest entry going first (TensorFlow
+reuses a key in every step, each with a new step id, so the table is keyed by the key
+alone; a hit is one C-level dict lookup). A peer's transport is cached once
 its record is final (its own presence record); a provisional answer (from the cluster
 spec) is asked again next time. A receive started while its producer's record is
 provisional, where another transport may reach the producer, also listens on the
@@ -76,6 +77,25 @@ class RouterContext:
 _NOTHING_ACCEPTED: tuple[np.dtype[Any], tuple[int, ...]] = (np.dtype([("never", "u1")]), (-1,))
 
 
+class _RouteTable(dict[str, "KeyRoute"]):
+    """Key string -> its ``KeyRoute``, derived on a miss (``__missing__``), so that a hit
+    is ``table[key]`` alone (half the cost of an ``lru_cache`` hit, which also moves the
+    entry in its list). At most ``limit`` entries: the oldest goes first."""
+
+    def __init__(self, derive: Callable[[str], KeyRoute], limit: int) -> None:
+        super().__init__()
+        self._derive = derive
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def __missing__(self, key: str) -> KeyRoute:
+        r = self._derive(key)  # (raises for a key that does not parse: nothing is kept)
+        with self._lock:
+            if len(self) >= self._limit:
+                self.pop(next(iter(self)), None)
+            return self.setdefault(key, r)  # (another thread's, if it came first)
+
+
 class KeyRoute:
     """What one key string means to this worker, derived once (see the module docstring).
 
@@ -134,10 +154,9 @@ class Router:
         self._lock = threading.Lock()
         # (peer task, this worker produces) -> transport: each direction its producer's pick.
         self._peer_routes: dict[tuple[tuple[str, int, int], bool], Transport] = {}
-        # The route of a key string: the LRU itself (a step's hot path's one lookup).
-        self.route_str: Callable[[str], KeyRoute] = functools.lru_cache(maxsize=_KEY_ROUTES)(
-            self._derive
-        )
+        # The route of a key string: the table's own lookup (a step's hot path's one).
+        self._routes = _RouteTable(self._derive, _KEY_ROUTES)
+        self.route_str: Callable[[str], KeyRoute] = self._routes.__getitem__
         # Blocked receives that have waited long (WaitObserver), by id of their slot:
         # (step, key, since when). Only long waits get here, never every message.
         self._long_waits: dict[int, tuple[int, ParsedKey, float]] = {}
@@ -165,8 +184,7 @@ class Router:
 
     def cached_routes(self) -> int:
         """How many key strings' routes are remembered (bounded by ``_KEY_ROUTES``)."""
-        info = self.route_str.cache_info()  # type: ignore[attr-defined]
-        return int(info.currsize)
+        return len(self._routes)
 
     # -- the checks, their errors built only when they fail ---------------------------
 

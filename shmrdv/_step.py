@@ -44,6 +44,7 @@ __all__ = ["StepRendezvous"]
 _log = logging.getLogger("shmrdv.router")
 
 _INF = float("inf")
+_ndarray = np.ndarray  # (one global lookup on ``send``'s hot path, not two)
 
 
 class StepRendezvous(Rendezvous):
@@ -113,15 +114,16 @@ class StepRendezvous(Rendezvous):
         if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
             timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
         dtype, shape = r.accepted
-        if type(value) is np.ndarray and value.dtype is dtype and value.shape == shape:
+        if type(value) is _ndarray and value.dtype is dtype and value.shape == shape:
             arr = value
         else:
             arr = r.checked(value)
+        dead = is_dead if type(is_dead) is bool else bool(is_dead)  # (no call for a bool)
         if r.local:
-            self._local.put(r.pk, arr, bool(is_dead))
+            self._local.put(r.pk, arr, dead)
         else:
             t = r.transport or self._router.transport(r)
-            t.send(self.step_id, r.pk, arr, bool(is_dead), timeout)
+            t.send(self.step_id, r.pk, arr, dead, timeout)
 
     send.__doc__ = Rendezvous.send.__doc__
 

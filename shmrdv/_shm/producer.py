@@ -418,7 +418,7 @@ class Producer:
         One lock, one ``lseek`` (``_ring_intact``), the header and the data in the ring
         (a live message's in one C call, ``Template.pack_live``; a dead one's header
         stamped with its flags, then the data), one store of ``head``, and the doorbell
-        (``_post``). Every small message goes this way, ``send``'s hot path first.
+        unless a post is waiting (``_post``). Every small message goes this way, ``send``'s hot path first.
         """
         data = value.tobytes()  # (``nbytes`` bytes: the template's dtype and shape)
         route = out.route
@@ -477,21 +477,26 @@ class Producer:
             lock.release()
         if ticket is not None:
             ticket.record(ring, end)
+        # The doorbell, unless a post is waiting already: whoever takes that one drains
+        # every ring after it, so also this record (the ``head`` store came first). A burst
+        # of sends then leaves one post, not one per message for the consumer to take, and
+        # costs a read of the semaphore's value per message (no system call, no call).
+        sem = route.sem
+        try:
+            if sem is not None and sem.value > 0:
+                return True
+        except Exception:
+            pass  # closed: ``_post`` says what is wrong
         self._post(route)
         return True
 
     def _post(self, route: _Route) -> None:
-        """Post ``route``'s doorbell for a ring record just committed, unless a post is
-        waiting already: whoever takes that one drains every ring after it, so also this
-        record (the ``head`` store came first). A burst of sends then leaves one post, not
-        one per message for the consumer to take (a read of the semaphore's value, no
-        system call)."""
+        """Post ``route``'s doorbell for a ring record just committed (no post waiting)."""
         bell = route.bell  # (read before ``sem``: set before it, cleared after it)
         sem = route.sem
         if sem is not None:
             try:
-                if sem.value <= 0:
-                    sem.release()  # ``Bell.post``
+                sem.release()  # ``Bell.post``
             except Exception:
                 bell = bell or route.bell
                 if bell is not None:

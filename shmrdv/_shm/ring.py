@@ -49,6 +49,9 @@ _META_MAX = 3800
 DATA_OFFSET = 4096
 _WRAP = 0xFFFFFFFF
 _ALIGN = 8
+# A record's size from its payload's: ``(payload + _PAD) & _ROUND`` (the u32 length word,
+# rounded up to ``_ALIGN``), two operations where the expression written out is six.
+_PAD, _ROUND = 4 + _ALIGN - 1, -_ALIGN
 # A consumer's batch (``spans``) ends after about this many bytes of records: the producer
 # gets the room back as the consumer goes, not only once a full ring is drained.
 _BATCH_BYTES = 1 << 16
@@ -85,6 +88,7 @@ class Ring:
         self.capacity: int = capacity
         self._max_record: int = capacity // 4 - 8
         self._next_head = 0
+        self._tail_seen = 0  # the producer's last read of ``tail`` (``_room``)
         # The consumer's last batch (``spans``): the tail it started at, the tail past it,
         # and whether records may follow it.
         self._from = self._to = 0
@@ -134,23 +138,30 @@ class Ring:
         at ``commit()``; until then the producer may write ``buf[at : at + payload]``."""
         if payload > self._max_record:
             return -1
-        size = (payload + 4 + _ALIGN - 1) & ~(_ALIGN - 1)  # the length word, 8-aligned
+        size = (payload + _PAD) & _ROUND  # the length word, 8-aligned
         words, cap = self._words, self.capacity
         head = words[_H]
         pos = head % cap
         if pos + size > cap:  # it would cross the end: a wrap mark, then from the start
             pad = cap - pos
-            if head + pad + size - words[_T] > cap:
+            if not self._room(head + pad + size):
                 return -1
             self._u32[(DATA_OFFSET + pos) >> 2] = _WRAP
             head += pad
             pos = 0
-        elif head + size - words[_T] > cap:
+        elif head + size - self._tail_seen > cap and not self._room(head + size):
             return -1
         at = DATA_OFFSET + pos
         self._u32[at >> 2] = size
         self._next_head = head + size
         return at + 4
+
+    def _room(self, end: int) -> bool:
+        """Whether the ring has room for records up to the running count ``end``: one
+        read of ``tail``. ``reserve`` asks only when the last ``tail`` read leaves no room:
+        ``tail`` (the consumer's) only grows, so that one bounds it from below."""
+        tail = self._tail_seen = self._words[_T]
+        return end - tail <= self.capacity
 
     def commit(self) -> int:
         """Publish the record ``reserve`` made room for: one 8-byte store of ``head``, after
