@@ -51,8 +51,6 @@ _ndarray = np.ndarray
 # A live record of a known key (``layout.HeaderCache.live``), checked in the drain's loop.
 _MIN_HEADER = layout.MIN_HEADER
 _HEADER_LEN_AT = layout.HEADER_LEN_AT
-_STATIC_AT = layout.STATIC_AT
-_live_fields = layout.LIVE_FIELDS.unpack_from
 # A file's size: ``_file_size(fd, 0, _SEEK_END)`` (a ring's, before it is read: SIGBUS).
 _file_size = os.lseek
 _SEEK_END = os.SEEK_END
@@ -90,6 +88,7 @@ class Inbox:
         self._drain_state = (
             self._headers.record,
             self._headers.live.get,
+            self._headers.live_readers.get,
             book,
             book.channels,
             book.stash,
@@ -307,7 +306,7 @@ class Inbox:
             r.lost = ring.lost  # (``spans`` reads it first)
         if not spans:
             return
-        header, live, book, channels, stashes, firsts = self._drain_state
+        header, live, live_reader, book, channels, stashes, firsts = self._drain_state
         src, inc, buf, words = r.src, r.inc, r.buf, r.words
         waiters = book.waiters
         has_waiters = waiters.has  # (``ch in waiters`` without a Python call)
@@ -324,20 +323,22 @@ class Inbox:
             try:
                 for at, end in spans:  # each record is ``buf[at:end]``
                     # A live record of a key seen before: checked here, as ``record`` would
-                    # (``HeaderCache.live``: the bytes that do not change, one lookup and
-                    # one compare; the slot and the record's length), then one copy out of
-                    # the ring (its bytes are overwritten later), stashed bare: its
-                    # ``Received`` is made when it is taken (``Stashed``).
+                    # (``HeaderCache.live``: one read of the header, one lookup of the bytes
+                    # that do not change, one compare; the slot and the record's length),
+                    # then one copy out of the ring (its bytes are overwritten later),
+                    # stashed bare: its ``Received`` is made when it is taken (``Stashed``).
                     n = end - at
                     known_live = None
                     if n >= _MIN_HEADER:
                         size = words[(at + _HEADER_LEN_AT) >> 2]
-                        if size <= n:
-                            known_live = live(buf[at + _STATIC_AT : at + size].tobytes())
-                            if known_live is not None:
-                                head, step, seq, slot = _live_fields(buf, at)
-                                if head != known_live[0] or slot < -1 or known_live[1] > n:
-                                    known_live = None
+                        read = live_reader(size) if size <= n else None
+                        if read is not None:
+                            head, step, seq, slot, rest = read(buf, at)
+                            known_live = live(rest)
+                            if known_live is not None and (
+                                head != known_live[0] or slot < -1 or known_live[1] > n
+                            ):
+                                known_live = None
                     if known_live is not None:
                         view = _ndarray(known_live[2], known_live[3], buf, at + known_live[4])
                         value = view.copy()
