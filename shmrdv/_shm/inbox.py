@@ -328,21 +328,18 @@ class Inbox:
                     # then one copy out of the ring (its bytes are overwritten later),
                     # stashed bare: its ``Received`` is made when it is taken (``Stashed``).
                     n = end - at
-                    known_live = None
+                    fast = False
                     if n >= _MIN_HEADER:
                         size = words[(at + _HEADER_LEN_AT) >> 2]
                         read = live_reader(size) if size <= n else None
                         if read is not None:
                             head, step, seq, slot, rest = read(buf, at)
                             known_live = live(rest)
-                            if known_live is not None and (
-                                head != known_live[0] or slot < -1 or known_live[1] > n
-                            ):
-                                known_live = None
-                    if known_live is not None:
-                        view = _ndarray(known_live[2], known_live[3], buf, at + known_live[4])
-                        value = view.copy()
-                        key = known_live[5]
+                            if known_live is not None:
+                                want, data_end, shape, dtype, offset, key = known_live
+                                fast = want == head and slot >= -1 and data_end <= n
+                    if fast:
+                        value = _ndarray(shape, dtype, buf, at + offset).copy()
                         notice = False
                     else:
                         try:
