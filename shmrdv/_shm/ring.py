@@ -130,10 +130,10 @@ class Ring:
 
     @property
     def words(self) -> memoryview:
-        """The ring as u32 words (what a consumer reads a record's length fields with): ``words[i]`` is
-        ``buf[4 * i : 4 * i + 4]``. A payload starts 4 bytes past an 8-aligned offset, so
-        its fields at offsets that are multiples of 4 are one index away. Released with
-        the ring."""
+        """The ring as u32 words: ``words[i]`` is ``buf[4 * i : 4 * i + 4]`` (a consumer
+        reads a record's u32 fields through it: a payload starts 4 bytes past an 8-aligned
+        offset, so a field at a multiple of 4 in it is one index away). Released with the
+        ring."""
         return self._u32
 
     def reserve(self, payload: int) -> int:
