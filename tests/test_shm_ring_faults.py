@@ -146,3 +146,53 @@ def test_pool_slot_truncated_while_returned_is_dropped_not_written(size: int) ->
         os.truncate(os.path.join("/dev/shm", returned[0]), size)  # a buggy process of ours
         prod.send(1, key_between(P, C, "b"), big)  # writing the lost pages would be a SIGBUS
         assert np.array_equal(cons.recv(1, key_between(P, C, "b"), timeout=5).value, big)
+
+
+@pytest.mark.parametrize(
+    ("at", "raw", "match"),
+    [
+        (0, b"\x88", None),  # magic: the record does not even say whose it is
+        (8, (2).to_bytes(2, "little"), None),  # version: likewise
+        (10, (0x80).to_bytes(2, "little"), "flags"),
+        (12, (400).to_bytes(4, "little"), "header length"),  # past the record
+        (12, (100).to_bytes(4, "little"), "header length"),  # shorter: another tail
+        (16, (64).to_bytes(8, "little"), "data offset"),  # inside the header
+        (16, (1024).to_bytes(8, "little"), "past the end"),  # data past the record
+        (24, (128).to_bytes(8, "little"), "nbytes"),  # fits the record, not the shape
+        (60, (-2).to_bytes(8, "little", signed=True), "slot"),
+    ],
+)
+def test_ring_record_of_a_known_key_corrupted_is_refused(
+    at: int, raw: bytes, match: str | None
+) -> None:
+    """A live record of a key whose header the consumer knows (checked in the drain's own
+    loop, ``HeaderCache.live``) gets the same refusal as a new one; what follows arrives."""
+    ns = shmrdv.new_namespace()
+    k = key_between(P, C, "known")
+    a = np.arange(16, dtype=np.float32)
+    with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
+        from shmrdv._shm.segment import Segment
+
+        prod.send(1, k, a)  # message 0: the consumer knows its header from now on
+        # (the ring by its name before the consumer attaches it, which unlinks the name)
+        seg = Segment.attach(prod.names, prod.names.ring(prod.task, prod.incarnation, C))
+        try:
+            assert cons.recv(1, k).value.tolist() == a.tolist()
+            ring = Ring(memoryview(seg.buf))
+            key = k.full_key.encode()
+            t = layout.Template(a.dtype, a.shape, len(key))
+            pos = ring.reserve(t.data_offset + t.nbytes + 256)  # room for a moved data offset
+            assert pos >= 0
+            t.write(ring.buf, pos, key, 0, 1, 1, prod.incarnation, os.getpid(), -1, 1)
+            ring.buf[pos + t.data_offset : pos + t.data_offset + t.nbytes] = a.tobytes()
+            ring.buf[pos + at : pos + at + len(raw)] = raw
+            ring.commit()
+            ring.release()
+        finally:
+            seg.close()
+        prod.send(1, key_between(P, C, "after"), np.arange(5))
+        if match is not None:
+            with pytest.raises(shmrdv.InternalError, match=match):
+                cons.recv(1, k, timeout=5)
+        assert cons.recv(1, key_between(P, C, "after"), timeout=5).value.tolist() == list(range(5))
+        assert cons.transport.stats()["refused_records"] == 1

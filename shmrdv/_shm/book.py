@@ -123,11 +123,13 @@ class InRing:
         "size",
         "src",
         "watch",
+        "words",
     )
 
     def __init__(self, segment: Segment, ring: Ring, src: Source, inc: int) -> None:
         self.segment, self.ring, self.src, self.inc = segment, ring, src, inc
         self.buf = ring.buf  # (``Ring.buf``, without its property call per drain)
+        self.words = ring.words  # (likewise ``Ring.words``)
         # The ring file's descriptor (``Segment.fd``) and size, for the size check before
         # each look at the ring: ``os.lseek(fd, 0, SEEK_END)``, one system call lighter than
         # ``Segment.check_size``'s ``fstat``, without its Python calls on a spinning

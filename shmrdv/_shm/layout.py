@@ -561,6 +561,26 @@ _Keyed = tuple[int, int, np.dtype[Any], tuple[int, ...], str, int, int, int]
 #: step_id, seq, slot, key.
 Record = tuple[int, np.dtype[Any], tuple[int, ...], int, int, int, int, int, str]
 
+# -- a live record of a known key, checked by the drain itself (``HeaderCache.live``) --
+#: Where ``header_len`` (u32) is: 4-aligned in a ring record's payload.
+HEADER_LEN_AT = 12
+#: Where a header's bytes that do not change per message resume, through the key.
+STATIC_AT = _STATIC_AT
+#: Below this many bytes a record is no header (the fixed prefix).
+MIN_HEADER = PREFIX.size
+# A live record's first 32 bytes (magic through nbytes: its flags are 0), step_id, seq,
+# slot; then (``HeaderCache.live_readers``) the bytes from ``STATIC_AT`` through the key.
+_LIVE_FIELDS = "<32sqQ12xq8x"
+_LIVE_HEAD = struct.Struct("<8sHHIQQ")
+assert _LIVE_HEAD.size == 32 and PREFIX.format.startswith(_LIVE_HEAD.format)
+assert struct.calcsize(_LIVE_FIELDS) == _STATIC_AT
+#: A ``HeaderCache.live`` entry: the header's first 32 bytes, where its data ends, the
+#: shape, dtype, data offset and key.
+LiveEntry = tuple[bytes, int, tuple[int, ...], np.dtype[Any], int, str]
+#: A ``HeaderCache.live_readers`` entry: ``read(buf, at)`` gives a header's first 32
+#: bytes, step_id, seq, slot, and its bytes from ``STATIC_AT`` through the key.
+LiveReader = Callable[[BufferLike, int], tuple[bytes, int, int, int, bytes]]
+
 
 class HeaderCache:
     """``unpack_fields`` memoized over the header bytes that do not change per message.
@@ -575,10 +595,25 @@ class HeaderCache:
     flags, data offset, nbytes, slot, the file size), so a hostile buffer gets the same
     answer as from ``unpack_fields``, which is called whenever the bytes are new. Both
     tables are bounded (emptied when full). Not thread-safe.
+
+    ``live`` and ``live_readers`` are the ring drain's own tables, for a live record
+    (flags 0) of a non-empty array whose header was seen: ``live`` maps the header's bytes
+    from ``STATIC_AT`` through the key to a ``LiveEntry``, and ``live_readers`` a header
+    length to the ``LiveReader`` of a header that long. A record ``buf[at:end]`` of
+    ``n = end - at >= MIN_HEADER`` bytes whose ``header_len`` (the u32 at
+    ``HEADER_LEN_AT``) is at most ``n`` and has a reader, whose bytes so read are a key of
+    ``live``, with the entry's first 32 bytes, a ``slot >= -1`` and a data end at most
+    ``n``, is what ``record`` would answer, without its call: flags 0, the entry's dtype
+    and shape, its data at ``at`` + data offset, the step, seq and slot read. Any other
+    record goes to ``record``. (The 32 bytes, magic, version, flags, header length, data
+    offset and nbytes, are packed from the values checked when the entry was made; the
+    rest of what ``unpack_fields`` checks is the slot and the record's length.)
     """
 
     def __init__(self, limit: int = 4096) -> None:
         self._limit = limit
+        self.live: dict[bytes, LiveEntry] = {}
+        self.live_readers: dict[int, LiveReader] = {}
         # The header from ``_STATIC_AT`` through the key -> data offset, nbytes, dtype,
         # shape, key (its length fixes the header's: both end at the key), and for
         # ``record``: the element count, the header length and where the data ends.
@@ -666,9 +701,17 @@ class HeaderCache:
     ) -> None:
         if len(self._keyed) >= self._limit:
             self._keyed.clear()
+            self.live.clear()
+            self.live_readers.clear()
         count = nbytes // known[3].itemsize if nbytes else 0
         size = _STATIC_AT + len(keyed)
         self._keyed[keyed] = (off, nbytes, known[3], known[4], key, count, size, off + nbytes)
+        if count:  # (from the checked values, not from the buffer: a peer may change it)
+            head = _LIVE_HEAD.pack(MAGIC, VERSION, 0, size, off, nbytes)
+            self.live[keyed] = (head, off + nbytes, known[4], known[3], off, key)
+            if size not in self.live_readers:
+                fmt = f"{_LIVE_FIELDS}{size - _STATIC_AT}s"
+                self.live_readers[size] = struct.Struct(fmt).unpack_from
 
     def record(self, buf: memoryview, at: int, end: int) -> Record:
         """The header of the ring record ``buf[at:end]``, with ``unpack``'s checks: its data

@@ -132,6 +132,14 @@ class Ring:
         """The whole ring (records are written into it between ``reserve`` and ``commit``)."""
         return self._buf
 
+    @property
+    def words(self) -> memoryview:
+        """The ring as u32 words: ``words[i]`` is ``buf[4 * i : 4 * i + 4]`` (a consumer
+        reads a record's u32 fields through it: a payload starts 4 bytes past an 8-aligned
+        offset, so a field at a multiple of 4 in it is one index away). Released with the
+        ring."""
+        return self._u32
+
     def reserve(self, payload: int) -> int:
         """Make room for a record of ``payload`` bytes; return where its payload goes in
         ``buf``, or -1 (nothing written) if it does not fit now. The record becomes visible
