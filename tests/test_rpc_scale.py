@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 
@@ -21,9 +20,13 @@ source = rpc_helpers.source
 
 
 def _handoffs(client: RpcClient, source: StepSource, address: str, n: int) -> float:
-    """Median seconds from a send to the parked receive's delivery, over ``n`` handoffs."""
+    """CPU seconds of this process (client and server, all threads) per handoff, over
+    ``n`` handoffs of a value to a parked receive.
+
+    CPU time, not wall time: work that grows with the pending receives shows in it, and
+    other processes' load on a shared machine does not."""
     key = make_key("ping")
-    times = []
+    cpu = 0.0
     for i in range(n):
         arrived = threading.Event()
         got: list[Received | None] = []
@@ -39,13 +42,13 @@ def _handoffs(client: RpcClient, source: StepSource, address: str, n: int) -> fl
 
         client.start_recv(address, 1, key, done)
         time.sleep(0.002)  # parked on the server first: the handoff is the send
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         source.send(1, key, np.array([i]))
         assert arrived.wait(10)
-        times.append(time.perf_counter() - t0)
+        cpu += time.process_time() - t0
         received = got[0]
         assert received is not None and int(received.value[0]) == i
-    return statistics.median(times)
+    return cpu / n
 
 
 @pytest.mark.timeout(180)
@@ -57,15 +60,16 @@ def test_ten_thousand_pending_receives_do_not_slow_a_handoff(source: StepSource)
             client.start_recv(server.address, 1, make_key(f"pending{i}"), lambda e, r: None)
             for i in range(10_000)
         ]
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # a loaded machine parks them slowly
         while server.stats()["parked"] < 10_000:
             assert time.monotonic() < deadline, f"{server.stats()['parked']} parked"
             time.sleep(0.05)
         with_pending = _handoffs(client, source, server.address, 60)
         assert all(cancel() for cancel in cancels)
         after = _handoffs(client, source, server.address, 60)
-        # Issue 15's target is 1.2x; a shared 2-CPU machine needs slack for its noise, and
-        # a burst of load during one of the three measurements must not fail the test: the
-        # pending run is compared with the slower of the runs around it.
+        # Issue 15's target is 1.2x; CPU time moves less than wall time on a shared
+        # machine, but caches and frequency still do: the pending run is compared with the
+        # costlier of the runs around it, with slack. Work per pending receive (a scan of
+        # 10,000) would cost several times a handoff.
         baseline = max(before, after)
-        assert with_pending <= 2.0 * baseline + 0.0005, (before, with_pending, after)
+        assert with_pending <= 2.0 * baseline + 0.0002, (before, with_pending, after)
