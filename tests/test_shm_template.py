@@ -6,6 +6,7 @@ import struct
 
 import numpy as np
 import pytest
+from header_corruptions import HEADER_CORRUPTIONS
 
 from shmrdv._errors import InternalError
 from shmrdv._shm import layout
@@ -163,20 +164,7 @@ def _span(cache: layout.HeaderCache, rec: bytearray) -> layout.Record:
     return cache.record(memoryview(ring), 64, 64 + len(rec))
 
 
-@pytest.mark.parametrize(
-    ("at", "raw", "match"),
-    [
-        (0, b"\x88", "magic"),
-        (8, (2).to_bytes(2, "little"), "version"),
-        (10, (0x80).to_bytes(2, "little"), "flags"),
-        (12, (400).to_bytes(4, "little"), "header length"),  # past the record
-        (12, (100).to_bytes(4, "little"), "header length"),  # shorter: another tail
-        (16, (64).to_bytes(8, "little"), "data offset"),  # inside the header
-        (16, (1024).to_bytes(8, "little"), "past the end"),  # data past the record
-        (24, (128).to_bytes(8, "little"), "nbytes"),  # fits the record, not the shape
-        (60, (-2).to_bytes(8, "little", signed=True), "slot"),
-    ],
-)
+@pytest.mark.parametrize(("at", "raw", "match"), HEADER_CORRUPTIONS)
 def test_header_cache_record_checks_every_field_of_a_known_key(
     at: int, raw: bytes, match: str
 ) -> None:
