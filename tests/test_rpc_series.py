@@ -439,6 +439,31 @@ def test_a_series_to_a_producer_not_listening_hands_its_receive_to_recv_tensor(
         slot.result()
 
 
+def test_a_series_without_a_channel_hands_its_receives_to_recv_tensor(
+    source: StepSource,
+) -> None:
+    """The series' reader thread looks up its channel (the receive that opens it does not
+    wait for that): an address no channel can be made for (here one with no port) ends
+    the series before any call, and its receives go to RecvTensor, in order."""
+    with RpcServer("127.0.0.1:0", source) as server, RpcClient() as client:
+        sc = series_client(client, server.address)  # RecvTensor pulls from the server
+        key = make_key("no-channel")
+        slots = [RecvSlot(), RecvSlot()]
+        # The first opens the series (its reader ends it at once); the second waits on it,
+        # or, once it has ended, goes to RecvTensor as the transport sends it (None).
+        assert sc.start_recv(1, key, slots[0].done, lambda: "no-port-here") is not None
+        if sc.start_recv(1, key, slots[1].done, lambda: "no-port-here") is None:
+            client.start_recv(server.address, 1, key, slots[1].done)
+        for i in range(2):
+            source.send(1, key, np.array([i]))
+        for i, slot in enumerate(slots):
+            slot.wait(20)
+            assert slot.filled
+            assert slot.result().value.tolist() == [i]
+        assert server.stats()["series"] == 0  # no series call was made
+        sc.close(AbortedError("end"))
+
+
 def test_a_series_needs_the_token(source: StepSource) -> None:
     token = "series-" + "t" * 24
     key = make_key("secret")
