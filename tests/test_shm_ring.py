@@ -266,3 +266,33 @@ def shmrdv_gc(ns: str) -> None:
     from shmrdv._shm.registry import collect
 
     collect(ns)
+
+
+def test_ring_records_are_counted_across_dtype_changes_and_table_resets() -> None:
+    """``stats()`` ``sent`` and ``sent_bytes`` count every message: ring records are counted
+    per key (by its ``_KeyOut``), and the counts stay when a key's dtype changes or the
+    table of keys is reset (4,096 keys)."""
+    from shm_harness import Endpoint, key_between
+
+    ns = shmrdv.new_namespace()
+    with Endpoint(ns, PRODUCER) as prod, Endpoint(ns, CONSUMER) as cons:
+        k = key_between(PRODUCER, CONSUMER, "counted")
+        values = [
+            np.arange(4, dtype=np.float32),
+            np.arange(4, dtype=np.float32),
+            np.arange(3, dtype=np.int64),  # another dtype: another template
+            np.zeros((2, 2), np.uint8),
+            np.arange(4, dtype=np.float32),  # the first again
+        ]
+        for v in values:
+            prod.send(1, k, v)
+        for v in values:
+            assert cons.recv(1, k).value.tolist() == v.tolist()
+        many = [key_between(PRODUCER, CONSUMER, f"many{i}") for i in range(4100)]
+        for i, key in enumerate(many):  # past the table's 4,096 keys: it is reset once
+            prod.send(1, key, np.array([i], dtype=np.int16))
+            assert cons.recv(1, key).value.tolist() == [i]
+        stats = prod.transport.stats()
+        assert stats["sent"] == len(values) + len(many)
+        assert stats["sent_bytes"] == sum(v.nbytes for v in values) + 2 * len(many)
+        assert cons.transport.stats()["received"] == stats["sent"]

@@ -27,7 +27,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -92,8 +92,9 @@ class _Allocation:
 
 class _Route:
     """What this producer keeps per consumer worker: its ring and its doorbell, and what
-    it sent there (``sent``, ``sent_bytes``: ``stats``, two attributes a send adds to
-    where a dict of counters would cost two lookups each)."""
+    it sent there in segments (``sent``, ``sent_bytes``: ``stats``, two attributes a send
+    adds to where a dict of counters would cost two lookups each; a ring record is counted
+    by its key's ``_KeyOut``)."""
 
     __slots__ = (
         "bell",
@@ -134,7 +135,9 @@ class _KeyOut:
     whether such a message goes inline (``inline``: through the ring) and, for a live one,
     what its ring record needs: the header around the per-message fields (``head``,
     ``tail``: ``Template.live_parts``), its packer (``pack``: ``Template.pack_live``, header
-    and data in one call) and its payload's size."""
+    and data in one call) and its payload's size; and how many ring records it sent
+    (``sent``, under the publish lock: each has the template's ``nbytes`` of data, so one
+    attribute counts messages and bytes; ``Producer._fold`` keeps them when it goes)."""
 
     __slots__ = (
         "dtype",
@@ -146,6 +149,7 @@ class _KeyOut:
         "payload",
         "raw",
         "route",
+        "sent",
         "shape",
         "tail",
         "template",
@@ -165,6 +169,7 @@ class _KeyOut:
         self.head, self.tail = t.live_parts(raw)
         self.pack = t.pack_live
         self.payload = t.data_offset + t.nbytes
+        self.sent = 0
 
 
 # A file's size: ``_file_size(fd, 0, _SEEK_END)`` (its end, for the ring's size check).
@@ -201,6 +206,8 @@ class Producer:
         self._seqs: dict[int, dict[str, int]] = {}
         self._templates: dict[tuple[np.dtype[Any], tuple[int, ...], int], layout.Template] = {}
         self._outs: dict[str, _KeyOut] = {}  # by full key: what its sends reuse
+        # The ring records of ``_KeyOut``s no longer in ``_outs``: messages, data bytes.
+        self._folded = [0, 0]
         # By full key: (step, seq, name) of the key's next segment message, computed after
         # its last one was announced (``_publish``), when its consumer has the message.
         self._names_ahead: dict[str, tuple[int, int, str]] = {}
@@ -400,10 +407,25 @@ class Producer:
         t = self._template(value.dtype, value.shape, len(raw))
         route = self._routes.get(key.dst_device) or self._route(key)
         out = _KeyOut(key.full_key, raw, route, t, t.nbytes <= self._inline_max)
-        if len(self._outs) >= _TEMPLATES_MAX:
-            self._outs.clear()
-        self._outs[key.full_key] = out
+        with self._publish_lock:  # no ring record is counted meanwhile (``_fold``)
+            outs = self._outs
+            if len(outs) >= _TEMPLATES_MAX:
+                self._fold(outs.values())
+                outs.clear()
+            else:
+                old = outs.get(key.full_key)
+                if old is not None:
+                    self._fold((old,))
+            outs[key.full_key] = out
         return out
+
+    def _fold(self, outs: Iterable[_KeyOut]) -> None:
+        """Keep the counts of ``outs``' ring records, which leave ``_outs`` (publish lock
+        held)."""
+        folded = self._folded
+        for out in outs:
+            folded[0] += out.sent
+            folded[1] += out.sent * out.template.nbytes
 
     def _send_inline(
         self,
@@ -471,8 +493,7 @@ class Producer:
                     raise layout.stamp_error(e, step_id, seq, -1) from e
             end = ring.commit()
             seqs[fk] = seq + 1
-            route.sent += 1
-            route.sent_bytes += len(data)
+            out.sent += 1
         finally:
             lock.release()
         if ticket is not None:
@@ -610,6 +631,9 @@ class Producer:
                 small = out if out.template is t else _KeyOut(key.full_key, raw, route, t, True)
                 if not self._send_inline(step_id, small, value, flags, ticket):
                     self._send_copy(step_id, key, raw, value, t, route, flags, ticket, header)
+                elif small is not out:  # counted by a ``_KeyOut`` no table keeps
+                    with self._publish_lock:
+                        self._fold((small,))
             except BaseException:
                 alloc.sent = False
                 raise
@@ -814,9 +838,14 @@ class Producer:
 
     def stats(self) -> dict[str, int]:
         routes = list(self._routes_made)
+        with self._publish_lock:
+            records = [(o.sent, o.template.nbytes) for o in self._outs.values()]
+            folded = list(self._folded)
         out = {
-            "sent": sum(r.sent for r in routes),
-            "sent_bytes": sum(r.sent_bytes for r in routes),
+            "sent": sum(r.sent for r in routes) + folded[0] + sum(n for n, _ in records),
+            "sent_bytes": (
+                sum(r.sent_bytes for r in routes) + folded[1] + sum(n * b for n, b in records)
+            ),
             **self.counters,
         }
         with self._lock:
