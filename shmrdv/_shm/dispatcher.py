@@ -234,29 +234,18 @@ class Dispatcher:
             seen = self._spin(start + budget)
             now = time.perf_counter_ns()
             self._spun_ns += now - start
-            if seen == _HEADS:
-                # A ring's head moved, the polling receiver's common case, written out:
-                # the rings' sizes were checked right before the spin, and no look is
-                # made per post (producers without a ring post; a post besides the
-                # poller's own is seen by the next poll).
+            if seen:
+                found = True
                 self._spin_hits += 1
                 self._last_msg_ns = now  # (the spin's end: when the message was seen)
                 if not busy:
                     self._adapt_spin(now - start)
-                items = consumer.scan(False, False)
-                if items:
-                    deliver(items)
-                del items  # (see the end of this method)
-                return
-            wait -= (now - start) / 1e9
-        if seen:
-            found = True
-            self._spin_hits += 1
-            self._last_msg_ns = now  # (the spin's end: when the message was seen)
-            if not busy:
-                self._adapt_spin(now - start)
-            if seen == _POSTED:
-                self._take_posts()
+                if seen == _POSTED:
+                    self._take_posts()
+            else:
+                wait -= (now - start) / 1e9
+        if found:
+            pass  # scanned below
         elif self._held and (self._take_posts() or self._came_meanwhile()):
             # The poller stops polling: its post taken back, the heads are looked at once
             # more (``_came_meanwhile``) before it sleeps. A post of a producer that came
@@ -275,7 +264,7 @@ class Dispatcher:
         # A spin that saw a ring's head move needs no look made per post (producers
         # without a ring post, and a post besides the poller's own is seen by the next
         # poll). The rings' sizes were checked right before the spin.
-        items = consumer.scan(check=not found, posted=seen != _HEADS)
+        items = consumer.scan(not found, seen != _HEADS)  # (check, posted)
         if items:
             if unanswered:
                 self._count_tick_finds(items)

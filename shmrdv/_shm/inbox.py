@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numpy import ndarray
 
 from .._errors import InternalError, RendezvousError
 from .._rendezvous import Received, received
@@ -283,8 +282,8 @@ class Inbox:
         nothing of that channel is stashed goes to the channel's oldest waiter at once
         (``hand``, and ``handed_callbacks`` counts those that were callback waiters): the
         same waiter, value and order as the stash and ``Consumer._serve`` would give, with
-        no stash entry made and taken (the receive of a polling receiver). Raises ``InternalError`` for a corrupted ring, once the records before
-        the fault are taken.
+        no stash entry made and taken (the receive of a polling receiver). Raises
+        ``InternalError`` for a corrupted ring, once the records before the fault are taken.
 
         A ring record is the producer's bytes: its header gets ``unpack``'s checks (through
         ``HeaderCache``) and the shared element-count rule (``shape_problem``); a live
@@ -401,16 +400,12 @@ class Inbox:
                             hand is not None
                             and not ch.nready
                             and ch in ch.src.waiting  # it has waiters
-                            and (type(value) is ndarray or type(value) is Received)
+                            and (type(value) is _ndarray or type(value) is Received)
                         ):
                             # Its next message, nothing of it stashed, a value (not a
-                            # notice, not an error): to its oldest waiter.
-                            book.received += 1
-                            if type(value) is ndarray:
-                                book.received_bytes += value.nbytes
-                                value = received(value, False)
-                            else:  # a dead value, or an empty one
-                                book.received_bytes += value.value.nbytes  # type: ignore[union-attr]
+                            # notice, not an error): to its oldest waiter, counted as a
+                            # take from the stash counts it (``Book.taken``).
+                            value = book.taken(value)
                             ch.seq += 1
                             waiter = waiters.put(ch, value)
                             assert waiter is not None  # (it has waiters)
@@ -418,7 +413,7 @@ class Inbox:
                                 self.handed_callbacks += 1
                             if not has_waiters(ch):
                                 ch.src.waiting.pop(ch, None)
-                            hand.append((waiter.done, waiter.copy, value))  # type: ignore[arg-type]
+                            hand.append((waiter.done, waiter.copy, value))
                             continue
                     if stash is None:
                         stash = stashes.get(step)

@@ -440,7 +440,8 @@ class Producer:
         One lock, one ``lseek`` (``_ring_intact``), the header and the data in the ring
         (a live message's in one C call, ``Template.pack_live``; a dead one's header
         stamped with its flags, then the data), one store of ``head``, and the doorbell
-        unless a post is waiting (``_post``). Every small message goes this way, ``send``'s hot path first.
+        unless a post is waiting (``_post``). Every small message goes this way,
+        ``send``'s hot path first.
         """
         data = value.tobytes()  # (``nbytes`` bytes: the template's dtype and shape)
         route = out.route
