@@ -122,7 +122,7 @@ class NamedMessages:
         except (RendezvousError, ValueError, TypeError):
             pass  # out of range, or closed: done when needed (and refused there if so)
 
-    def _held_names(self, ch: Channel, task: str, inc: int, ticket: int) -> tuple[str, str | None]:
+    def _held_names(self, task: str, inc: int, ticket: int) -> tuple[str, str | None]:
         """The ``held`` name of lend ``ticket`` of ``task``'s run ``inc``, and its ``returned``
         path if ``ahead`` computed it (else None: ``give_back`` computes it)."""
         lend = (task, inc, ticket)
@@ -190,7 +190,7 @@ class NamedMessages:
         held: str | None = None
         ret: str | None = None
         if header.slot >= 0:
-            held, ret = self._held_names(ch, ch.src.task, header.producer_incarnation, header.slot)
+            held, ret = self._held_names(ch.src.task, header.producer_incarnation, header.slot)
         if held is not None:
             try:
                 # From here on the name says "a consumer holds it"; the memory goes back when
@@ -250,7 +250,7 @@ class NamedMessages:
         header in the file is the record's twin, written by the same producer; the ring
         record was checked when drained. ``_UNSURE`` when a name is in the way: the checked
         open decides then."""
-        held, ret = self._held_names(ch, ch.src.task, ch.inc, ticket)
+        held, ret = self._held_names(ch.src.task, ch.inc, ticket)
         dtype, shape, offset, nbytes, dead = array
         try:
             # A shrunk file: reading (or noting ourselves in) it would be a SIGBUS.
@@ -299,8 +299,9 @@ class NamedMessages:
     ) -> npt.NDArray[Any]:
         """The array of a message in pool slot ``ticket`` of producer run ``inc``, now named
         ``held`` (``ret``: its ``returned`` path, if known): its own per message, over the
-        mapping kept for the slot's next one; its collection gives the slot back (through the slot's control block when the file has
-        one and the producer run is watched, ``pool.return_slot``)."""
+        mapping kept for the slot's next one; its collection gives the slot back (through
+        the slot's control block when the file has one and the producer run is watched,
+        ``pool.return_slot``)."""
         self.held.add(held)
         last = self._last_lend
         if len(last) >= _KEYS_MAX and ch.key not in last:
