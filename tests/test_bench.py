@@ -496,6 +496,47 @@ def test_iceoryx2_runs_beside_its_shmrdv_twins(tmp_path: Path) -> None:
     assert "swept" not in proc.stderr  # iceoryx2's own leftover is its method's to remove
 
 
+_HANDOFF_FLOORS = ("sem_copy", "sem_fill", "spin_copy", "spin_fill")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.slow
+def test_handoff_floors_move_every_size_beside_the_shmrdv_method_they_floor(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "f.json"
+    proc = run_bench(
+        f"--methods={','.join(_HANDOFF_FLOORS)}",
+        "--sizes=64,1m",
+        "--reps=1",
+        "--budget=0.02",
+        "--idle-seconds=0.1",
+        f"--json={out}",
+        timeout=80,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    methods = {m["name"]: m for m in data["methods"]}
+    twins = {
+        "sem_copy": "shmrdv_send",
+        "sem_fill": "shmrdv_allocate",
+        "spin_copy": "shmrdv_busy",
+        "spin_fill": "shmrdv_busy_allocate",
+    }
+    for floor, twin in twins.items():
+        assert methods[floor]["status"] == "ok", methods[floor]
+        assert methods[twin]["status"] == "ok", methods[twin]  # added as its baseline
+        assert f"## Round trip \u00d7{twin}" in proc.stdout
+        for size in ("64", "1048576"):
+            cell = methods[floor]["cells"][size]
+            # The CRC check handoffs compared the ponger's view with what was sent.
+            assert cell["checks"] == 2 and cell["rtt_median_ns"] > 0
+    assert methods["sem_copy"]["idle_cpu_percent"] is not None
+    assert methods["spin_copy"]["idle_cpu_percent"] is None  # it spins: not probed
+    assert not [e for e in os.listdir("/dev/shm") if data["config"]["prefix"] in e]
+    assert "swept" not in proc.stderr  # each floor removed its own segment and semaphores
+
+
 def test_touch_reads_every_byte_and_faults_are_counted() -> None:
     import mmap
 

@@ -58,7 +58,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -84,6 +84,7 @@ __all__ = [
     "make_stamp",
     "module_missing",
     "pack_ack",
+    "poll_for",
     "recv_link",
     "role_link",
     "unpack_ack",
@@ -253,6 +254,33 @@ def recv_link(conn: Connection, what: str, timeout: float = 60.0) -> Any:
     if not conn.poll(timeout):
         raise TimeoutError(f"no {what} from the other role within {timeout:g} s")
     return conn.recv()
+
+
+# A polling role spins for this long, then sleeps 1 ms between looks: between cells (no
+# handoff for seconds) it does not hold a CPU; in a cell the gap between handoffs is
+# microseconds, so every handoff is found by the spin.
+POLL_SPIN_S = 0.5
+_POLL_IDLE_SLEEP_S = 0.001
+_POLL_TIMEOUT_S = 600.0  # a polling role gives up after this long without a message
+
+_T = TypeVar("_T")
+
+
+def poll_for(look: Callable[[], _T | None], what: str) -> _T:
+    """Busy-poll ``look()`` until it returns something (see ``POLL_SPIN_S``): what a
+    polling method's receive does. ``TimeoutError`` naming ``what`` after 10 minutes."""
+    got = look()
+    if got is not None:
+        return got
+    spin_until = time.perf_counter() + POLL_SPIN_S
+    deadline = time.monotonic() + _POLL_TIMEOUT_S
+    while got is None:
+        got = look()
+        if got is None and time.perf_counter() > spin_until:
+            time.sleep(_POLL_IDLE_SLEEP_S)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: nothing received in {_POLL_TIMEOUT_S:g} s")
+    return got
 
 
 def _always() -> str | None:

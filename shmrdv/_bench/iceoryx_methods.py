@@ -44,7 +44,6 @@ import importlib
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +58,7 @@ from .contract import (
     Ponger,
     PullPonger,
     RoleContext,
+    poll_for,
     recv_link,
     role_link,
     unpack_ack,
@@ -66,7 +66,6 @@ from .contract import (
 from .methods import register_method
 
 __all__ = [
-    "POLL_SPIN_S",
     "iceoryx_available",
     "iceoryx_pinger",
     "iceoryx_ponger",
@@ -76,12 +75,6 @@ __all__ = [
 
 F32 = npt.NDArray[np.float32]
 
-# A polling receiver spins on receive() for this long, then sleeps 1 ms between polls:
-# between cells (no handoff for seconds) it does not hold a CPU; in a cell the gap
-# between handoffs is microseconds, so every handoff is found by the spin.
-POLL_SPIN_S = 0.5
-_POLL_IDLE_SLEEP_S = 0.001
-_TIMEOUT_S = 600.0  # a polling receiver gives up after this long without a sample
 # A listener's unix socket is <root_path><prefix><a 30-digit id>.event, and a socket path
 # holds at most 107 bytes (sun_path).
 _SOCKET_PATH_MAX = 107
@@ -227,15 +220,7 @@ class _End:
                 self.listener.blocking_wait()
                 sample = sub.receive()
             return sample
-        deadline = time.monotonic() + _TIMEOUT_S
-        spin_until = time.perf_counter() + POLL_SPIN_S
-        while sample is None:
-            sample = sub.receive()
-            if sample is None and time.perf_counter() > spin_until:
-                time.sleep(_POLL_IDLE_SLEEP_S)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"iceoryx2: nothing received in {_TIMEOUT_S:g} s")
-        return sample
+        return poll_for(sub.receive, "iceoryx2")
 
     def close(self) -> None:
         for port in (self.listener, self.notifier, self.subscriber, self.publisher):
