@@ -9,6 +9,7 @@ Every other method is read against them (``contract.py`` is the contract they fo
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from typing import Any
 
@@ -117,6 +118,17 @@ SEM_PAYLOAD = 64
 _SEM_SEGMENT = SEM_PAYLOAD + ACK_BYTES
 
 
+def _unlink(segment: str, *semaphores: str) -> None:
+    """Remove a floor's segment and semaphores by name (each may be gone already)."""
+    import posix_ipc
+
+    unlinks = [(posix_ipc.unlink_shared_memory, segment)]
+    unlinks += [(posix_ipc.unlink_semaphore, name) for name in semaphores]
+    for unlink, name in unlinks:
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            unlink(name)
+
+
 def _sem_names(prefix: str) -> tuple[str, str, str]:
     return f"/{prefix}pp_shm", f"/{prefix}pp_ping", f"/{prefix}pp_pong"
 
@@ -146,24 +158,11 @@ class _SemPinger:
         return unpack_ack(self._mm[SEM_PAYLOAD:_SEM_SEGMENT])
 
     def close(self) -> None:
-        import posix_ipc
-
         del self._payload
         self._mm.close()
         for sem in (self._ping, self._pong):
             sem.close()
-        for unlink, name in zip(
-            (
-                posix_ipc.unlink_shared_memory,
-                posix_ipc.unlink_semaphore,
-                posix_ipc.unlink_semaphore,
-            ),
-            self._names,
-        ):
-            try:
-                unlink(name)
-            except posix_ipc.ExistentialError:
-                pass
+        _unlink(*self._names)
 
 
 class _SemPonger:
@@ -308,19 +307,10 @@ class _HandoffPinger:
         return unpack_ack(end.mm[_ACK_AT : _ACK_AT + ACK_BYTES])
 
     def close(self) -> None:
-        import posix_ipc
-
         self._view = None
         end = self._end
         end.close()
-        unlinks = [posix_ipc.unlink_shared_memory]
-        if not end.spin:
-            unlinks += [posix_ipc.unlink_semaphore] * 2
-        for unlink, name in zip(unlinks, end.names):
-            try:
-                unlink(name)
-            except posix_ipc.ExistentialError:
-                pass
+        _unlink(*end.names[: 1 if end.spin else 3])
 
 
 class _HandoffPonger:
