@@ -1,4 +1,4 @@
-"""The producer side of the same-host transport: sequence numbers, publish, rings, doorbells.
+"""The producer side of the same-host transport: sending a message (its number, bytes, name).
 
 ``send`` writes the array into a segment — a warm pool slot when one fits, else a fresh
 fallocated segment — writes the header, then publishes it with one rename (no replace)
@@ -6,60 +6,54 @@ to the message's name, derived from (namespace, step, key, producer incarnation,
 sequence number). The consumer can never see a half-written tensor: the name appears
 only once the bytes are complete, also if the producer dies mid-write (then only a
 ``t``/``p`` name is left, for ``gc``). Small tensors instead travel inline in the ring
-this producer keeps for their consumer (``ring.py``). Then the consumer's doorbell is
-posted: for an inline message unless a post is waiting already (whoever takes that one
-drains every ring after it); for a segment, as soon as its bytes are complete (before
-its header, its rename and its ring notice, and for a large copy before its last
-``copier.TAIL`` bytes): its consumer's wake-up then runs while they are done, and it
-finds the message by its spin, or by a second post if it slept again (``_publish``).
+this producer keeps for their consumer (``ring.py``), on its route to that consumer
+(``route.py``: the ring, the doorbell). Then the consumer's doorbell is posted: for an
+inline message unless a post is waiting already (whoever takes that one drains every
+ring after it); for a segment, as soon as its bytes are complete (before its header, its
+rename and its ring notice, and for a large copy before its last ``copier.TAIL`` bytes):
+its consumer's wake-up then runs while they are done, and it finds the message by its
+spin, or by a second post if it slept again (``_publish``).
 
 Thread model: any thread may call ``send`` / ``allocate``. ``_publish_lock`` serialises
 the sequence numbers and the rings (single producer per ring); ``_lock`` guards the
-allocation table and the doorbell cache. Neither is held across a call that can block.
+allocation table and the routes' doorbell caches (``Route.lock``). Neither is held
+across a call that can block.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .._devices import DeviceName
-from .._errors import InternalError, InvalidArgumentError, RendezvousError, closed_error
+from .._errors import InternalError, InvalidArgumentError, closed_error
 from .._keys import ParsedKey
 from .._window import counted_bytes
 from . import layout
-from .bell import Bell
 from .copier import copy_into
 from .inflight import Inflight, Ticket
 from .naming import Names
 from .pool import ProducerAlive, Slot, SlotPool
-from .ring import RINGS_SUPPORTED, Ring, ring_size
+from .ring import RINGS_SUPPORTED
+from .route import SEEK_END, EarlyPost, Route, file_size
 from .segment import Segment, move_noreplace
 
-if TYPE_CHECKING:
-    import posix_ipc
-
-__all__ = ["RING_CAPACITY", "RING_LIMIT", "Producer", "inline_max", "task_name"]
-
-_log = logging.getLogger("shmrdv.shm")
+__all__ = ["RING_LIMIT", "Producer", "inline_max", "task_name"]
 
 # Tensors of at most this many bytes (SHMRDV_INLINE_MAX, default and maximum 64 KiB; 0
 # turns it off) travel inline in the producer's ring for their consumer (``ring.py``)
 # instead of a segment of their own: for them the dozen system calls of a segment cost
 # far more than copying the bytes (a 64 B round trip drops from ~750 µs to ~150 µs here).
 RING_LIMIT = 64 << 10
-RING_CAPACITY = 1 << 20
 
 
 def inline_max() -> int:
@@ -90,44 +84,6 @@ class _Allocation:
     sent: bool = False
 
 
-class _Route:
-    """What this producer keeps per consumer worker: its ring and its doorbell, and what
-    it sent there in segments (``sent``, ``sent_bytes``: ``stats``, two attributes a send
-    adds to where a dict of counters would cost two lookups each; a ring record is counted
-    by its key's ``_KeyOut``)."""
-
-    __slots__ = (
-        "bell",
-        "bell_look_at",
-        "post",
-        "ring",
-        "ring_buf",
-        "ring_fd",
-        "ring_segment",
-        "ring_size",
-        "sem",
-        "sent",
-        "sent_bytes",
-        "task",
-    )
-
-    def __init__(self, task: str, ring: tuple[Segment, Ring] | None) -> None:
-        self.task = task
-        self.ring_segment: Segment | None = None if ring is None else ring[0]
-        self.ring: Ring | None = None if ring is None else ring[1]
-        # The ring file's descriptor: its size (``os.lseek(fd, 0, SEEK_END)``, a system call
-        # lighter than ``fstat``) is checked before every write.
-        self.ring_fd = -1 if ring is None else ring[0].fd
-        self.ring_size = 0 if ring is None else ring[0].size
-        self.ring_buf: memoryview = memoryview(b"") if ring is None else ring[1].buf
-        self.bell: Bell | None = None
-        self.post: Callable[[], None] | None = None  # ``bell.post``, while ``bell`` is set
-        self.sem: posix_ipc.Semaphore | None = None  # ``bell.semaphore``, likewise
-        self.bell_look_at = 0.0
-        self.sent = 0
-        self.sent_bytes = 0
-
-
 class _KeyOut:
     """What a send of one key needs that does not change from one message to the next:
     the key (its string and UTF-8 bytes), its route, the header template of the (dtype,
@@ -155,9 +111,7 @@ class _KeyOut:
         "template",
     )
 
-    def __init__(
-        self, fk: str, raw: bytes, route: _Route, t: layout.Template, inline: bool
-    ) -> None:
+    def __init__(self, fk: str, raw: bytes, route: Route, t: layout.Template, inline: bool) -> None:
         self.fk = fk
         self.raw = raw
         self.route = route
@@ -172,12 +126,7 @@ class _KeyOut:
         self.sent = 0
 
 
-# A file's size: ``_file_size(fd, 0, _SEEK_END)`` (its end, for the ring's size check).
-_file_size = os.lseek
-_SEEK_END = os.SEEK_END
 _time_ns = time.time_ns
-# How often a producer looks again for the doorbell of a consumer that has not started.
-_BELL_LOOK_S = 0.02
 # Header templates kept (per key; a key's dtype or shape change replaces its entry).
 _TEMPLATES_MAX = 4096
 
@@ -212,10 +161,10 @@ class Producer:
         # its last one was announced (``_publish``), when its consumer has the message.
         self._names_ahead: dict[str, tuple[int, int, str]] = {}
         self._allocations: dict[int, _Allocation] = {}
-        self._routes: dict[str, _Route] = {}  # by the key's dst device, as written
-        self._consumers: dict[str, _Route] = {}  # by consumer task
+        self._routes: dict[str, Route] = {}  # by the key's dst device, as written
+        self._consumers: dict[str, Route] = {}  # by consumer task
         # Every route made, also after ``close``: ``stats`` adds up what they sent.
-        self._routes_made: list[_Route] = []
+        self._routes_made: list[Route] = []
         # ``peer_alive(task, incarnation)``: whether that worker run lives; a pool slot held
         # by a consumer run that is gone is taken back (``SlotPool``).
         self._pool = SlotPool(names, task, incarnation, pool_bytes, holder_alive=peer_alive)
@@ -236,7 +185,7 @@ class Producer:
             self._templates[k] = t
         return t
 
-    def _route(self, key: ParsedKey) -> _Route:
+    def _route(self, key: ParsedKey) -> Route:
         """The route to the consumer of ``key`` (its ring made on first use)."""
         with self._publish_lock:
             route = self._routes.get(key.dst_device)
@@ -245,29 +194,11 @@ class Producer:
             task = task_name(key.dst)
             route = self._consumers.get(task)
             if route is None:
-                route = _Route(task, self._make_ring(task) if RINGS_SUPPORTED else None)
+                route = Route.open(self._names, self._task, self._inc, task, self._lock)
                 self._consumers[task] = route
                 self._routes_made.append(route)
             self._routes[key.dst_device] = route
             return route
-
-    def _make_ring(self, task: str) -> tuple[Segment, Ring] | None:
-        """This producer's ring for the consumer ``task``, or None where one cannot be made."""
-        seg: Segment | None = None
-        name = self._names.ring(self._task, self._inc, task)
-        try:
-            seg = Segment.create(self._names, ring_size(RING_CAPACITY), keep_fd=True)
-            meta = json.dumps({"producer": self._task, "incarnation": self._inc, "consumer": task})
-            ring = Ring.format(memoryview(seg.buf), RING_CAPACITY, meta.encode())
-            move_noreplace(seg.path, Names.path(name))  # published only once formatted
-            seg.name = name
-        except (OSError, RendezvousError) as e:
-            _log.warning("no ring to %s (%s); segments only, found by name", task, e)
-            if seg is not None:
-                _unlink_quietly(seg)
-                seg.close()
-            return None
-        return seg, ring
 
     def _next_seq(self, step_id: int, key: str) -> int:
         """The sequence number of the next message of (step, key) (under the publish lock)."""
@@ -437,10 +368,10 @@ class Producer:
     ) -> bool:
         """Append the message to the consumer's ring; False if it has no ring or no room.
 
-        One lock, one ``lseek`` (``_ring_intact``), the header and the data in the ring
+        One lock, one ``lseek`` (``Route.ring_intact``), the header and the data in the ring
         (a live message's in one C call, ``Template.pack_live``; a dead one's header
         stamped with its flags, then the data), one store of ``head``, and the doorbell
-        unless a post is waiting (``_post``). Every small message goes this way,
+        unless a post is waiting (``Route.post_record``). Every small message goes this way,
         ``send``'s hot path first.
         """
         data = value.tobytes()  # (``nbytes`` bytes: the template's dtype and shape)
@@ -451,12 +382,12 @@ class Producer:
             ring = route.ring
             if ring is None:
                 return False  # the ring was failed: segments from now on
-            # The SIGBUS guard (``_ring_intact``): the file's size, one ``lseek``.
+            # The SIGBUS guard (``Route.ring_intact``): the file's size, one ``lseek``.
             try:
-                intact = _file_size(route.ring_fd, 0, _SEEK_END) >= route.ring_size
+                intact = file_size(route.ring_fd, 0, SEEK_END) >= route.ring_size
             except OSError:
                 intact = False
-            if not intact and not self._ring_intact(route):
+            if not intact and not route.ring_intact():
                 return False
             at = ring.reserve(out.payload)
             if at < 0:
@@ -508,44 +439,8 @@ class Producer:
             if sem is not None and sem.value > 0:
                 return True
         except Exception:
-            pass  # closed: ``_post`` says what is wrong
-        self._post(route)
-        return True
-
-    def _post(self, route: _Route) -> None:
-        """Post ``route``'s doorbell for a ring record just committed (no post waiting)."""
-        bell = route.bell  # (read before ``sem``: set before it, cleared after it)
-        sem = route.sem
-        if sem is not None:
-            try:
-                sem.release()  # ``Bell.post``
-            except Exception:
-                bell = bell or route.bell
-                if bell is not None:
-                    bell.ring()  # says what is wrong (closed), or drops a saturating post
-        elif (bell := bell or self._peer_bell(route)) is not None:
-            bell.ring()
-
-    def _ring_intact(self, route: _Route) -> bool:
-        """Whether ``route``'s ring file still holds the whole ring (one ``fstat``; under the
-        publish lock). A process of this user that kept a descriptor may have truncated it,
-        and writing to a lost page would kill this process with SIGBUS (issue 20 §3): such
-        a ring is given up, and this consumer is sent segments, found by name."""
-        seg = route.ring_segment
-        if seg is None or route.ring is None:
-            return False
-        try:
-            if _file_size(route.ring_fd, 0, _SEEK_END) >= seg.size:  # (one ``lseek``)
-                return True
-            seg.check_size(seg.size)  # says what is wrong
-        except (InternalError, OSError, ValueError) as e:
-            _log.warning("the ring to %s is unusable (%s); segments from now on", route.task, e)
-            route.ring.release()
-            route.ring = None
-            route.ring_segment = None
-            route.ring_fd = -1
-            seg.close()
-            return False
+            pass  # closed: ``post_record`` says what is wrong
+        route.post_record()
         return True
 
     def _send_copy(
@@ -555,7 +450,7 @@ class Producer:
         raw: bytes,
         value: npt.NDArray[Any],
         t: layout.Template,
-        route: _Route,
+        route: Route,
         flags: int,
         ticket: Ticket | None,
         header: bytes | None = None,
@@ -568,11 +463,11 @@ class Producer:
                 dst: npt.NDArray[Any] = np.ndarray(
                     value.shape, dtype=value.dtype, buffer=seg.buf, offset=t.data_offset
                 )
-                early = _EarlyPost(route.post)
+                early = EarlyPost(route.post)
                 copy_into(dst, value, early)  # (posts the doorbell as the copy ends)
                 del dst
             else:
-                early = _EarlyPost(None)
+                early = EarlyPost(None)
             name, posted = self._publish(
                 step_id, key, raw, t, seg, _slot_index(slot), route, flags, header, early.posted
             )
@@ -589,7 +484,7 @@ class Producer:
             self._pool.lend(slot, key.full_key, name, route.task)
         else:
             seg.close()
-        self._after_publish(route, t.nbytes, posted)
+        route.after_publish(t.nbytes, posted)
 
     def _send_allocated(
         self,
@@ -656,7 +551,7 @@ class Producer:
         else:
             alloc.segment.close()
         self.counters["sent_zero_copy"] += 1
-        self._after_publish(route, t.nbytes, posted)
+        route.after_publish(t.nbytes, posted)
 
     def _publish(
         self,
@@ -666,7 +561,7 @@ class Producer:
         t: layout.Template,
         seg: Segment,
         slot: int,
-        route: _Route,
+        route: Route,
         flags: int,
         header: bytes | None = None,
         posted: bool = False,
@@ -683,7 +578,7 @@ class Producer:
         takes tens of µs to run again, more after a large copy has left the caches cold,
         and the header, the rename and the notice are done meanwhile instead of before.
         A consumer that wakes before the notice is there finds it by its spin; one that
-        took the post and slept again gets a second one (``_after_publish``).
+        took the post and slept again gets a second one (``Route.after_publish``).
 
         Raises ``InternalError`` if a file has that name already (planted by another user,
         or left by an earlier run with the same incarnation): it is neither replaced nor
@@ -698,7 +593,7 @@ class Producer:
             try:
                 post()  # ``Bell.post`` (see the docstring)
                 posted = True
-            except Exception:  # closed or saturated: ``_after_publish`` rings, and says why
+            except Exception:  # closed or saturated: ``after_publish`` rings, and says why
                 pass
         with self._publish_lock:
             seq = self._next_seq(step_id, fk)
@@ -722,7 +617,7 @@ class Producer:
                 raise InternalError(f"cannot publish key {fk!r} as {name}: {e}") from e
             seg.name = name
             self._seqs[step_id][fk] = seq + 1
-            ring = route.ring if self._ring_intact(route) else None
+            ring = route.ring if route.ring_intact() else None
             if ring is not None:
                 at = ring.reserve(t.data_offset)
                 if at < 0:
@@ -758,48 +653,6 @@ class Producer:
         except InvalidArgumentError:  # past the last sequence number: refused when used
             ahead.pop(fk, None)
 
-    def _after_publish(self, route: _Route, nbytes: int, posted: bool) -> None:
-        route.sent += 1
-        route.sent_bytes += nbytes
-        bell = route.bell
-        if posted:
-            # ``_publish`` posted the doorbell before the notice. If that post was taken
-            # but the ring notice was not, its consumer may have looked before the message
-            # was there and gone back to sleep: post again (reads of the semaphore and of
-            # the ring's words, no system call, say; ``_publish`` checked the ring's size).
-            if bell is not None and not bell.pending and _unread(route.ring):
-                bell.ring()
-            return
-        if bell is None:
-            bell = self._peer_bell(route)
-            if bell is None:
-                return
-        bell.ring()
-
-    def _peer_bell(self, route: _Route) -> Bell | None:
-        now = time.monotonic()
-        if now < route.bell_look_at:
-            return None
-        route.bell_look_at = now + _BELL_LOOK_S
-        try:
-            bell = Bell.open(self._names, route.task)
-        except RendezvousError:
-            _log.warning(
-                "doorbell of %s refused (not ours); relying on the dispatcher tick", route.task
-            )
-            route.bell_look_at = now + 3600.0
-            return None
-        if bell is None:
-            return None  # consumer not started: it scans when it starts
-        with self._lock:
-            if route.bell is None:
-                route.bell = bell
-                route.sem = bell.semaphore
-                route.post = bell.post
-            else:
-                bell.close()
-            return route.bell
-
     # -- steps and lifetime -----------------------------------------------------------
 
     def cleanup_step(self, step_id: int) -> None:
@@ -817,23 +670,8 @@ class Producer:
             self._consumers.clear()
             self._routes.clear()
             for route in routes:
-                ring, seg = route.ring, route.ring_segment
-                route.ring = route.ring_segment = None
-                route.ring_fd = -1
-                if ring is not None and seg is not None:
-                    # A ring its consumer never attached keeps its name while it holds
-                    # messages (they are the consumer's); an empty one goes. (Checked first:
-                    # a truncated ring's words may be gone.)
-                    if _intact(seg) and not ring.pending():
-                        _unlink_quietly(seg)
-                    ring.release()
-                    seg.close()
-        with self._lock:
-            bells = [r.bell for r in routes if r.bell is not None]
-            for r in routes:
-                r.post = None
-                r.sem = None
-                r.bell = None
+                route.close_ring()
+        bells = [b for b in (r.drop_bell() for r in routes) if b is not None]
         for b in bells:
             b.close()
 
@@ -859,52 +697,6 @@ class Producer:
         return out
 
 
-class _EarlyPost:
-    """``copy_into``'s ``almost`` for a large send: posts the consumer's doorbell (``post``,
-    ``Bell.post``) as the copy ends, and says whether it did (``_publish`` then does not)."""
-
-    __slots__ = ("post", "posted")
-
-    def __init__(self, post: Callable[[], None] | None) -> None:
-        self.post = post
-        self.posted = False
-
-    def __call__(self) -> None:
-        if self.post is not None:
-            try:
-                self.post()
-                self.posted = True
-            except Exception:  # closed or saturated: ``_publish`` posts, ``ring`` says why
-                pass
-
-
-def _unread(ring: Ring | None) -> bool:
-    """Whether ``ring`` (a producer's ring to its consumer) holds records its consumer has
-    not taken; True when there is no ring (its consumer looks by name) or it cannot tell."""
-    if ring is None:
-        return True
-    try:
-        return ring.pending()
-    except (ValueError, TypeError):  # released by a thread that found the ring truncated
-        return True
-
-
-def _intact(seg: Segment) -> bool:
-    """Whether the file still holds all ``seg`` maps (one ``fstat``)."""
-    try:
-        seg.check_size(seg.size)
-    except InternalError:
-        return False
-    return True
-
-
 def _slot_index(slot: Slot | None) -> int:
     """What a header says of the slot: its ticket (the names of this lend), or -1."""
     return -1 if slot is None else slot.ticket
-
-
-def _unlink_quietly(seg: Segment) -> None:
-    try:
-        seg.unlink()
-    except RendezvousError as e:
-        _log.warning("%s", e)

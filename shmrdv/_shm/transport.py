@@ -2,7 +2,8 @@
 
 A thin façade implementing ``shmrdv._transport.Transport`` over three parts:
 
-* ``producer.py`` — sequence numbers, publish, pool lending, outgoing rings, doorbells;
+* ``producer.py`` — sequence numbers, publish, pool lending, over ``route.py`` (per
+  consumer worker: the outgoing ring, the doorbell);
 * ``consumer.py`` — the receiving half, a coordinator of ``book.py`` (channels, stash,
   waiters), ``inbox.py`` (incoming rings), ``named.py`` (messages taken by name),
   ``liveness.py`` (producer presence), ``recovery.py`` (listings) and ``orphans.py``
