@@ -13,9 +13,6 @@ _PACKAGE = Path(shmrdv.__file__).resolve().parent
 _DOC = (_PACKAGE.parent / "docs" / "threads.md").read_text(encoding="utf-8")
 # Not library threads: the benchmark tool and the conformance helpers of testing.py.
 _TOOLS = ("_bench/", "testing.py")
-# Being rewritten for issue 18 by other hands: their new docstrings point to the doc.
-# (The rpc package's docstrings are the rpc rewrite's to point.)
-_PENDING = {"_shm/producer.py"}
 
 
 def _modules() -> list[tuple[str, ast.Module]]:
@@ -62,7 +59,7 @@ def test_threads_doc_is_where_each_thread_model_points() -> None:
     stray = []
     for rel, tree in _modules():
         doc = ast.get_docstring(tree) or ""
-        if "Thread model" not in doc or rel.startswith("_rpc/") or rel in _PENDING:
+        if "Thread model" not in doc:
             continue
         paragraph = doc[doc.index("Thread model") :].split("\n\n")[0]
         if "docs/threads.md" not in paragraph:

@@ -6,7 +6,7 @@ through ``CallContext``: the channels (``channels.ChannelCache``), the acks
 inline limit, and the client's books (``forget``, ``count``). ``new_request_id`` draws
 the request ids of the client's receives.
 
-Thread model: none of its own; the context is immutable.
+Thread model (``docs/threads.md``): none of its own; the context is immutable.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Then the original handler runs with that message, as gRPC would have run it. Onl
 coroutine and async-generator handlers can be gated (every handler of
 ``service.RecvService`` is one); any other handler is passed through unchanged.
 
-Thread model: everything here runs on the server's event loop; one timer, at the oldest
+Thread model (``docs/threads.md``): everything here runs on the server's event loop; one timer, at the oldest
 waiting call's next limit, is all the gate schedules.
 """
 

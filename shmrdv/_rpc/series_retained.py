@@ -19,7 +19,7 @@ A re-open that comes before the producer saw the previous call end waits for it
 re-open then holds exactly what was acknowledged); at most ``_KEPT`` entries stay,
 the oldest dropped first.
 
-Thread model: the server's event loop only, no lock.
+Thread model (``docs/threads.md``): the server's event loop only, no lock.
 """
 
 from __future__ import annotations
