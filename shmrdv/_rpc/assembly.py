@@ -5,7 +5,8 @@ Pure: no gRPC, no I/O. ``encode_stream`` yields the messages of
 (and the first data if it fits), then raw chunks; the data is always the raw
 little-endian numpy buffer of ``header.shmrdv_dtype`` (also for ``'S'``).
 ``StreamAssembler`` preallocates the result once and copies each chunk into place.
-Thread model (``docs/threads.md``): an assembler belongs to one stream and is fed by one thread.
+Thread model (``docs/threads.md``): an assembler belongs to one stream and is fed by one
+thread.
 
 Errors: chunks that do not fit the stream raise ``InvalidArgumentError``; a buffer that
 cannot be allocated raises ``ResourceExhaustedError``; misuse of a ``StreamAssembler``

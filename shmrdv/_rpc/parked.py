@@ -6,7 +6,8 @@ peer host (one host opening many connections is one peer) and per connection; be
 bound, ``refusal`` says why the call is refused (``RESOURCE_EXHAUSTED``). A call whose
 value is already there never parks, so it is never refused.
 
-Thread model (``docs/threads.md``): none of its own; it belongs to the server's event loop (no lock).
+Thread model (``docs/threads.md``): none of its own; it belongs to the server's event loop
+(no lock).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ out of descriptors, and ``PeerWatch`` tells a producer still starting (wait for 
 one that was reached and went away (fail soon, issue 19 bug 3a). Every message names the
 key, the step and the producer's address (``where``).
 
-Thread model (``docs/threads.md``): none of its own; ``PeerWatch`` belongs to one receive, used under its lock
-or by the one thread that handles its failed call.
+Thread model (``docs/threads.md``): none of its own; ``PeerWatch`` belongs to one receive,
+used under its lock or by the one thread that handles its failed call.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ Then the original handler runs with that message, as gRPC would have run it. Onl
 coroutine and async-generator handlers can be gated (every handler of
 ``service.RecvService`` is one); any other handler is passed through unchanged.
 
-Thread model (``docs/threads.md``): everything here runs on the server's event loop; one timer, at the oldest
-waiting call's next limit, is all the gate schedules.
+Thread model (``docs/threads.md``): everything here runs on the server's event loop; one
+timer, at the oldest waiting call's next limit, is all the gate schedules.
 """
 
 from __future__ import annotations

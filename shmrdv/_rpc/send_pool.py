@@ -22,10 +22,10 @@ size class (its size rounded up to a page) used, when one is free:
   ``malloc``'s bins).
 * ``close`` frees the free blocks; copies still alive are freed as usual when they go.
 
-Thread model (``docs/threads.md``): ``copy`` runs in sending threads; a block comes back in the thread that
-drops the last reference (the server's event loop, mostly). One re-entrant lock: a
-collection that frees a copy while ``copy`` holds the lock in the same thread gives its
-block back there.
+Thread model (``docs/threads.md``): ``copy`` runs in sending threads; a block comes back
+in the thread that drops the last reference (the server's event loop, mostly). One
+re-entrant lock: a collection that frees a copy while ``copy`` holds the lock in the same
+thread gives its block back there.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Pure functions over buffers, no I/O, no state: the byte formats of
 https://protobuf.dev/programming-guides/encoding/ that ``tensors``, ``messages`` and
 ``stream`` build their messages from (h11's readers/writers split: the formats here, the
-meaning of each field there). Thread model (``docs/threads.md``): none needed; everything is re-entrant.
+meaning of each field there). Thread model (``docs/threads.md``): none needed; everything
+is re-entrant.
 
 Encoders return ``bytes`` and raise ``InvalidArgumentError`` for values out of range;
 readers raise ``Malformed`` (internal), which the message decoders turn into

@@ -14,10 +14,10 @@ rename and its ring notice, and for a large copy before its last ``copier.TAIL``
 its consumer's wake-up then runs while they are done, and it finds the message by its
 spin, or by a second post if it slept again (``_publish``).
 
-Thread model (``docs/threads.md``): any thread may call ``send`` / ``allocate``. ``_publish_lock`` serialises
-the sequence numbers and the rings (single producer per ring); ``_lock`` guards the
-allocation table and the routes' doorbell caches (``Route.lock``). Neither is held
-across a call that can block.
+Thread model (``docs/threads.md``): any thread may call ``send`` / ``allocate``.
+``_publish_lock`` serialises the sequence numbers and the rings (single producer per
+ring); ``_lock`` guards the allocation table and the routes' doorbell caches
+(``Route.lock``). Neither is held across a call that can block.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class Route:
     # -- the ring ---------------------------------------------------------------------
 
     def ring_intact(self) -> bool:
-        """Whether the ring file still holds the whole ring (one ``fstat``; under the
+        """Whether the ring file still holds the whole ring (one ``lseek``; under the
         publish lock). A process of this user that kept a descriptor may have truncated it,
         and writing to a lost page would kill this process with SIGBUS (issue 20 §3): such
         a ring is given up, and this consumer is sent segments, found by name."""
