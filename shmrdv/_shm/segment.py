@@ -593,16 +593,13 @@ def peek_header(path: str) -> Header | None:
 # unreceived message of an earlier run, would be silently destroyed.
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
+# No ``argtypes``: every argument is already what C takes (Python ints and ``bytes``
+# become ``int`` and ``char *``, and ``int`` is the default ``restype``), and declaring
+# them makes ctypes convert each one through its type on every call: 5.0 against 4.6 µs a
+# move warm, 15 against 13 µs on caches that a 16 MiB copy emptied, which is where a
+# pool-slot handoff makes its three moves.
 try:
     _renameat2: Any = ctypes.CDLL(None, use_errno=True).renameat2
-    _renameat2.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
-    _renameat2.restype = ctypes.c_int
 except (AttributeError, OSError):  # pragma: no cover - an old libc
     _renameat2 = None
 # What ``os.fsencode`` does to a ``str``, without its Python frame (three moves per
