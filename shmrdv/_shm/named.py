@@ -56,7 +56,7 @@ _UNSURE = _Unsure()
 _AHEAD_MAX = 64
 _KEYS_MAX = 1024
 # (producer task, its incarnation, ticket): a lend of one slot of one producer run.
-_Lend = tuple[str, int, int]
+_LendId = tuple[str, int, int]
 # A key's last lend, and what its array was: (task, incarnation, ticket, dtype, shape,
 # data offset, bytes).
 _LastLend = tuple[str, int, int, Any, tuple[int, ...], int, int]
@@ -80,9 +80,9 @@ class NamedMessages:
         self.held: set[str] = set()
         self.probes = 0
         # ``ahead``: message names by (step, key, producer incarnation, seq); a lend's
-        # ``held`` name and ``returned`` path by ``_Lend``; a key's last lend.
+        # ``held`` name and ``returned`` path by ``_LendId``; a key's last lend.
         self._ahead: dict[tuple[int, str, int, int], str] = {}
-        self._slot_names: dict[_Lend, tuple[str, str]] = {}
+        self._slot_names: dict[_LendId, tuple[str, str]] = {}
         self._last_lend: dict[str, _LastLend] = {}
 
     def ahead(self, ch: Channel) -> None:
