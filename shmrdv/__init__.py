@@ -10,7 +10,8 @@ choose the transport. See README.md.
 from __future__ import annotations
 
 from ._cluster import ClusterSpec as ClusterSpec
-from ._devices import DeviceName as DeviceName
+from ._cluster import namespace_id as namespace_id
+from ._cluster import new_namespace as new_namespace
 from ._errors import AbortedError as AbortedError
 from ._errors import CancelledError as CancelledError
 from ._errors import DeadlineExceededError as DeadlineExceededError
@@ -20,12 +21,11 @@ from ._errors import RendezvousError as RendezvousError
 from ._errors import ResourceExhaustedError as ResourceExhaustedError
 from ._errors import UnauthenticatedError as UnauthenticatedError
 from ._errors import UnavailableError as UnavailableError
+from ._keys import DeviceName as DeviceName
 from ._keys import ParsedKey as ParsedKey
 from ._keys import create_key as create_key
 from ._keys import parse_key as parse_key
 from ._local import LocalRendezvous as LocalRendezvous
-from ._namespace import namespace_id as namespace_id
-from ._namespace import new_namespace as new_namespace
 from ._rendezvous import Received as Received
 from ._rendezvous import Rendezvous as Rendezvous
 from ._rpc.security import TLSConfig as TLSConfig

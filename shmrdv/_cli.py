@@ -15,14 +15,14 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from ._sizes import format_size
+from ._values import format_size
 from ._version import __version__
 
 __all__ = ["main"]
 
 
 def _cmd_namespace(args: argparse.Namespace) -> int:
-    from ._namespace import new_namespace
+    from ._cluster import new_namespace
 
     print(new_namespace())
     return 0
@@ -117,8 +117,7 @@ def _cmd_serve_echo(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from . import DeviceName, Worker
     from ._bench.echo import EchoLoop
-    from ._cluster import ClusterSpec
-    from ._namespace import ENV_VAR
+    from ._cluster import ENV_VAR, ClusterSpec
 
     if args.listen:
         return _cmd_serve_echo(args)

@@ -9,16 +9,198 @@ reading the environment mapping it is given.
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
 import ipaddress
 import json
 import os
 import re
+import secrets
+import socket
 from collections.abc import Mapping, Sequence
 
-from ._devices import DeviceName, _quote
 from ._errors import InvalidArgumentError
+from ._keys import DeviceName, _quote
 
-__all__ = ["ClusterSpec"]
+__all__ = [
+    "ClusterSpec",
+    "ENV_VAR",
+    "NAMESPACE_ID_HEX",
+    "describe_bad_token",
+    "is_local_host",
+    "namespace_id",
+    "new_namespace",
+    "resolve_namespace",
+    "split_host_port",
+]
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` / ``"[v6]:port"`` -> (host without brackets, port).
+
+    The one host:port parser: raises ``InvalidArgumentError`` (also a ``ValueError``)
+    naming the address for anything else (no port, a port that is not 0-65535).
+    """
+    if not isinstance(address, str):
+        raise InvalidArgumentError(
+            f"an address must be a 'host:port' str, not {type(address).__name__}"
+        )
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise InvalidArgumentError(
+            f"address {address!r} is not 'host:port' (e.g. '127.0.0.1:2222', '[::1]:2222')"
+        )
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+@functools.lru_cache(maxsize=1)
+def _own_addresses() -> frozenset[str]:
+    names = {"localhost", socket.gethostname(), socket.getfqdn()}
+    addrs: set[str] = set()
+    for name in names:
+        try:
+            for info in socket.getaddrinfo(name, None):
+                addrs.add(str(info[4][0]))
+        except OSError:
+            continue
+    # Every interface address (Linux): the kernel's local routes and the IPv6 list.
+    try:
+        with open("/proc/net/fib_trie", encoding="ascii") as f:
+            lines = f.read().splitlines()
+        for i, line in enumerate(lines):
+            if "/32 host LOCAL" in line and i > 0:
+                addrs.add(lines[i - 1].split()[-1])
+    except OSError:
+        pass
+    try:
+        with open("/proc/net/if_inet6", encoding="ascii") as f:
+            for line in f:
+                hexaddr = line.split()[0]
+                addrs.add(str(ipaddress.IPv6Address(int(hexaddr, 16))))
+    except (OSError, ValueError):
+        pass
+    return frozenset(a.lower() for a in names | addrs)
+
+
+def is_local_host(host: str) -> bool:
+    """True if ``host`` (a name or an IP) is this machine."""
+    h = host.strip("[]").lower()
+    if h in ("", "localhost", "0.0.0.0", "::"):
+        return True
+    try:
+        ip = ipaddress.ip_address(h)
+        if ip.is_loopback:
+            return True
+        return str(ip) in _own_addresses()
+    except ValueError:
+        pass
+    if h in _own_addresses():
+        return True
+    try:
+        resolved = {str(info[4][0]) for info in socket.getaddrinfo(h, None)}
+    except OSError:
+        return False
+    return any(ipaddress.ip_address(a).is_loopback or a in _own_addresses() for a in resolved)
+
+
+ENV_VAR = "SHMRDV_NAMESPACE"
+
+# 128 bits cannot be enumerated; base32 (lowercased, unpadded) spells them in 26
+# characters of [a-z2-7], safe in any file or semaphore name.
+_TOKEN_BYTES = 16
+# Tokens go into /dev/shm and semaphore names (NAME_MAX 255 bytes, shared with the
+# prefix and the key digest), so keep them short and to one safe alphabet.
+_VALID = re.compile(r"[a-z0-9]{8,64}")
+
+#: A namespace id is 8 bytes of blake2b (16 hex characters): enough to tell a host's jobs
+#: apart, short enough to leave room in a name; it is public, so its size is no secret.
+NAMESPACE_ID_HEX = 16
+_ID_PERSON = b"shmrdv.nsid"
+
+_HOW_TO_GET_ONE = (
+    "call shmrdv.new_namespace() once per job and pass it to every Worker, "
+    f"or export {ENV_VAR}=$(python -m shmrdv namespace)"
+)
+
+
+def new_namespace() -> str:
+    """A fresh token of 128 random bits from ``secrets``: 26 lowercase letters and digits.
+
+    Create it once per job and give the same token to every worker of the job.
+    """
+    raw = base64.b32encode(secrets.token_bytes(_TOKEN_BYTES)).decode("ascii")
+    return raw.rstrip("=").lower()
+
+
+def namespace_id(token: str) -> str:
+    """The public id of the namespace ``token``: 16 lowercase hex characters.
+
+    It prefixes every object of the job in /dev/shm (``shmrdv_<id>_...``) and is what
+    ``shmrdv ls`` shows and ``shmrdv gc --namespace`` accepts; it reveals nothing that
+    helps find the token (a one-way digest of 128 random bits). Raises
+    ``InvalidArgumentError`` if ``token`` is not a valid token.
+    """
+    if token is None:
+        raise InvalidArgumentError("namespace_id() needs a namespace token, not None")
+    token = resolve_namespace(token)
+    digest = hashlib.blake2b(
+        token.encode("ascii"), digest_size=NAMESPACE_ID_HEX // 2, person=_ID_PERSON
+    )
+    return digest.hexdigest()
+
+
+def resolve_namespace(namespace: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The namespace to use: ``namespace`` if given, else env ``SHMRDV_NAMESPACE``.
+
+    ``environ`` defaults to ``os.environ``; an empty variable counts as unset. Raises
+    ``InvalidArgumentError`` if neither is set (saying how to get a token) or if the
+    token is not 8 to 64 characters of ``[a-z0-9]``.
+    """
+    source = "namespace"
+    if namespace is None:
+        env = os.environ if environ is None else environ
+        namespace = env.get(ENV_VAR) or None
+        source = f"environment variable {ENV_VAR}"
+        if namespace is None:
+            raise InvalidArgumentError(
+                f"no shmrdv namespace given and {ENV_VAR} is not set: {_HOW_TO_GET_ONE}"
+            )
+    if not isinstance(namespace, str):
+        raise InvalidArgumentError(
+            f"namespace must be a str or None, not {type(namespace).__name__}"
+        )
+    if _VALID.fullmatch(namespace) is None:
+        raise InvalidArgumentError(
+            f"{source} is not a valid namespace token ({describe_bad_token(namespace)}): it "
+            f"must be 8 to 64 lowercase letters or digits ([a-z0-9]); {_HOW_TO_GET_ONE}"
+        )
+    return namespace
+
+
+# At most this many of a bad token's characters are named in a message.
+_MAX_NAMED_CHARS = 5
+
+
+def describe_bad_token(value: object) -> str:
+    """``value``, refused as a namespace token, described without echoing it.
+
+    A near miss (a token read with its trailing newline, or in upper case) is as secret as
+    the token itself, and messages reach logs: say its type or length and which characters
+    are not allowed, never the value.
+    """
+    if not isinstance(value, str):
+        return f"a {type(value).__name__}, not a str"
+    bad = sorted({c for c in value if not ("a" <= c <= "z" or "0" <= c <= "9")})
+    text = f"a string of {len(value)} characters"
+    if bad:
+        named = ", ".join(repr(c) for c in bad[:_MAX_NAMED_CHARS])
+        more = ", ..." if len(bad) > _MAX_NAMED_CHARS else ""
+        text += f", with {named}{more} among them"
+    return text
+
 
 # Same grammar as job names in device names (TensorFlow IsJobName).
 _JOB_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ._procs import ChildFailed, ChildGroup, ChildTimeout, reap, wait_for_close
-from ._sizes import EXAMPLE, parse_size
+from ._values import EXAMPLE, parse_size
 
 __all__ = ["build_parser", "run"]
 

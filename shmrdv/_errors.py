@@ -3,11 +3,13 @@
 Builtins are reused where they fit, so ``except TimeoutError`` or ``except ValueError``
 keeps working for users who do not know shmrdv's names. Errors are translated only at
 the edge where they arise (an ``OSError`` in the segment code, a ``grpc.RpcError`` in the
-RPC client) and chained with ``raise ... from``; ``_status.py`` maps them to and from
-``grpc.StatusCode``.
+RPC client) and chained with ``raise ... from``; ``code_for_error`` / ``error_for_code``
+map them to and from ``grpc.StatusCode``.
 """
 
 from __future__ import annotations
+
+import grpc
 
 __all__ = [
     "AbortedError",
@@ -20,6 +22,8 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "closed_error",
+    "code_for_error",
+    "error_for_code",
     "is_closed_error",
 ]
 
@@ -84,3 +88,49 @@ def is_closed_error(error: BaseException, task: str) -> bool:
     """Whether ``error`` is ``closed_error(task)``: the worker is closing, not a step
     failing (a transport tells its remote peers that the producer went away)."""
     return isinstance(error, AbortedError) and str(error) == str(closed_error(task))
+
+
+# Error class -> status code; the inverse map below is derived from it, so the two
+# directions cannot drift apart.
+_CODE_OF: dict[type[RendezvousError], grpc.StatusCode] = {
+    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
+    AbortedError: grpc.StatusCode.ABORTED,
+    CancelledError: grpc.StatusCode.CANCELLED,
+    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    UnavailableError: grpc.StatusCode.UNAVAILABLE,
+    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    InternalError: grpc.StatusCode.INTERNAL,
+}
+_ERROR_OF: dict[grpc.StatusCode, type[RendezvousError]] = {v: k for k, v in _CODE_OF.items()}
+# Codes with no class of their own, folded into the nearest one.
+_ERROR_OF.update(
+    {
+        grpc.StatusCode.PERMISSION_DENIED: UnauthenticatedError,
+        grpc.StatusCode.NOT_FOUND: InvalidArgumentError,
+        grpc.StatusCode.FAILED_PRECONDITION: AbortedError,
+        grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
+        grpc.StatusCode.ALREADY_EXISTS: AbortedError,
+        grpc.StatusCode.UNIMPLEMENTED: UnavailableError,
+        grpc.StatusCode.DATA_LOSS: InternalError,
+        grpc.StatusCode.UNKNOWN: InternalError,
+    }
+)
+
+
+def code_for_error(error: BaseException) -> grpc.StatusCode:
+    """The status code a server answers for ``error``; unknown exceptions are ``INTERNAL``."""
+    for cls in type(error).__mro__:
+        code = _CODE_OF.get(cls)
+        if code is not None:
+            return code
+    if isinstance(error, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.INTERNAL
+
+
+def error_for_code(code: grpc.StatusCode) -> type[RendezvousError]:
+    """The error class a client raises for ``code`` (``OK`` is not an error: ``ValueError``)."""
+    if code == grpc.StatusCode.OK:
+        raise ValueError("grpc.StatusCode.OK is not an error")
+    return _ERROR_OF.get(code, InternalError)

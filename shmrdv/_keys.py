@@ -11,6 +11,15 @@ for example (one line)::
 
 (tensorflow/core/framework/rendezvous.cc; research/tf_rendezvous.md §1). Pure functions,
 no I/O.
+
+Device names follow TensorFlow's ``/job:<job>/replica:<r>/task:<t>/device:<TYPE>:<id>``
+grammar: a ``DeviceName`` is the parsed form; its *task* part (``/job:w/replica:0/task:1``)
+names one process, a worker. Names are always compared as parsed fields, never as string
+prefixes: TensorFlow's ``IsLocalDevice`` is a prefix test, under which
+``/job:w/replica:0/task:1`` wrongly owns ``/job:w/replica:0/task:10/...``
+(research/tf_rendezvous.md §2.3). The grammar follows ``DeviceNameUtils::ParseFullName``
+(``DeviceName.parse``) and, kept apart as in TensorFlow, ``ParseLocalName``
+(``DeviceName.parse_local``, the bare ``CPU:0`` form), tensorflow/core/util/device_name_utils.cc.
 """
 
 from __future__ import annotations
@@ -21,10 +30,313 @@ import hashlib
 import operator
 import re
 
-from ._devices import DeviceName, _quote, parse_full_name
 from ._errors import InvalidArgumentError
 
-__all__ = ["ParsedKey", "create_key", "key_digest", "parse_key"]
+__all__ = ["DeviceName", "ParsedKey", "create_key", "key_digest", "parse_full_name", "parse_key"]
+
+
+# TensorFlow: IsJobName / ConsumeJobName / ConsumeDeviceType accept [A-Za-z][A-Za-z0-9_]*.
+# ASCII-only on purpose: ``[A-Za-z]`` is a literal range, unlike ``\w``.
+_IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+_DIGITS = re.compile(r"[0-9]+")
+_LOCAL = re.compile(r"[A-Za-z][A-Za-z0-9_]*:[0-9]+")
+
+# TensorFlow keeps these fields in an ``int``; we cap at int64 so that every parsed number
+# fits TensorFlow's wire types and ``int()`` never sees a string long enough to hit
+# CPython's int_max_str_digits limit (which would raise ValueError, not our error).
+_MAX_NUMBER = 2**63 - 1
+_MAX_NUMBER_DIGITS = len(str(_MAX_NUMBER))
+
+# The prefixes ParseFullName's loop tries, in its order. Legacy forms ``/cpu:N`` and
+# ``/gpu:N`` (either case) mean ``/device:CPU:N`` / ``/device:GPU:N``.
+_PREFIXES = ("/job:", "/replica:", "/task:", "/device:", "/cpu:", "/CPU:", "/gpu:", "/GPU:")
+_LEGACY_TYPES = {"/cpu:": "CPU", "/CPU:": "CPU", "/gpu:": "GPU", "/GPU:": "GPU"}
+
+# Hot-path cache sizes: a worker sees few distinct device names.
+_DEVICE_CACHE_SIZE = 4096
+
+_QUOTE_LIMIT = 160
+
+
+def _quote(text: str) -> str:
+    """``repr`` of ``text`` for error messages, shortened so a huge input makes a short message."""
+    if len(text) > _QUOTE_LIMIT:
+        return repr(text[:_QUOTE_LIMIT]) + f"... ({len(text)} characters)"
+    return repr(text)
+
+
+def _check_number(value: object, field: str) -> None:
+    if value is None:
+        return
+    if type(value) is not int:  # bool is an int subclass and is never meant here
+        raise InvalidArgumentError(
+            f"device name field {field} must be an int or None, not {type(value).__name__}"
+        )
+    if not 0 <= value <= _MAX_NUMBER:
+        raise InvalidArgumentError(
+            f"device name field {field} must be in 0..{_MAX_NUMBER}, got {value}"
+        )
+
+
+def _check_ident(value: object, field: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or _IDENT.fullmatch(value) is None:
+        raise InvalidArgumentError(
+            f"device name field {field} must match [A-Za-z][A-Za-z0-9_]* or be None, got {value!r}"
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceName:
+    """A parsed device name; ``None`` in a field means unset (absent or ``*``).
+
+    Equality and hashing are on the parsed fields, so ``/cpu:0`` equals
+    ``/device:CPU:0`` and ``/task:1`` never equals ``/task:10``. The constructor
+    validates its fields and raises ``InvalidArgumentError`` for values that no
+    device name could spell.
+    """
+
+    job: str | None
+    replica: int | None
+    task: int | None
+    type: str | None
+    id: int | None
+
+    def __post_init__(self) -> None:
+        _check_ident(self.job, "job")
+        _check_number(self.replica, "replica")
+        _check_number(self.task, "task")
+        _check_ident(self.type, "type")
+        _check_number(self.id, "id")
+
+    @classmethod
+    def parse(cls, name: str) -> DeviceName:
+        """Parse a full, partial or legacy device name; raise ``InvalidArgumentError``.
+
+        Accepts exactly what TensorFlow's ``DeviceNameUtils::ParseFullName`` accepts:
+
+        * ``/job:<job>``, ``/replica:<n>``, ``/task:<n>``, ``/device:<TYPE>`` with an
+          optional ``:<n>``, in any order (TensorFlow loops while a part matches); a
+          repeated part overrides the earlier one, as in TensorFlow;
+        * legacy ``/cpu:<n>``, ``/CPU:<n>``, ``/gpu:<n>``, ``/GPU:<n>`` (type ``CPU``/``GPU``;
+          only these four: ``/device:gpu:0`` keeps its lower-case type ``gpu``, as there);
+        * ``*`` for any value, meaning unset; ``""`` and ``"/"`` (everything unset).
+
+        Every part starts with ``/``: ``gpu:3`` or ``CPU:0`` is refused here (it is a
+        local name, read by ``parse_local``). Job and type names match
+        ``[A-Za-z][A-Za-z0-9_]*``; numbers are ASCII decimal digits up to 2**63-1
+        (TensorFlow reads them into an ``int``). Results are cached (this is on the
+        send/recv hot path). Any other input, including a non-``str``, raises
+        ``InvalidArgumentError`` whose message quotes the name and says which part is wrong.
+        """
+        if type(name) is not str:
+            raise InvalidArgumentError(f"a device name must be a str, not {type(name).__name__}")
+        return _parse_cached(name)
+
+    @classmethod
+    def parse_local(cls, name: str) -> DeviceName:
+        """Parse a bare local device name ``<TYPE>:<n>`` such as ``CPU:0``.
+
+        TensorFlow's ``DeviceNameUtils::ParseLocalName``: a type, ``:`` and a number, no
+        wildcard, nothing else; job, replica and task stay unset. Raises
+        ``InvalidArgumentError`` otherwise (a name starting with ``/`` is ``parse``'s).
+        """
+        if type(name) is not str:
+            raise InvalidArgumentError(f"a device name must be a str, not {type(name).__name__}")
+        return _parse_local(name)
+
+    def __str__(self) -> str:
+        """Canonical form, as TensorFlow's ``ParsedNameToString``: set parts only.
+
+        ``/job:x/replica:r/task:t/device:TYPE:id``, with ``/device:TYPE:*`` when the id
+        is unset. TensorFlow drops an id whose type is unset; we write ``/device:*:id``
+        so that parsing the string always gives back an equal ``DeviceName``.
+        """
+        parts = [self.task_part]
+        if self.type is not None or self.id is not None:
+            type_ = "*" if self.type is None else self.type
+            id_ = "*" if self.id is None else str(self.id)
+            parts.append(f"/device:{type_}:{id_}")
+        return "".join(parts)
+
+    @property
+    def task_part(self) -> str:
+        """The task part, ``/job:x/replica:r/task:t``, with only the parts that are set.
+
+        TensorFlow: the first half of ``SplitDeviceName``.
+        """
+        out = ""
+        if self.job is not None:
+            out += f"/job:{self.job}"
+        if self.replica is not None:
+            out += f"/replica:{self.replica}"
+        if self.task is not None:
+            out += f"/task:{self.task}"
+        return out
+
+    @property
+    def has_task(self) -> bool:
+        """True when job and task are both set, so the name points at one worker process."""
+        return self.job is not None and self.task is not None
+
+    def same_task(self, other: DeviceName) -> bool:
+        """True when both names are in the same worker process.
+
+        Job and task must be set on both and equal; replicas must be equal, where an
+        unset replica counts as 0 (``/job:w/task:1`` is the worker
+        ``/job:w/replica:0/task:1``). TensorFlow's ``IsSameAddressSpace`` requires the
+        replica on both sides; we relax that because partial names are common in
+        user code and there is one replica per job in practice.
+        """
+        if not (self.has_task and other.has_task):
+            return False
+        return (
+            self.job == other.job
+            and self.task == other.task
+            and (self.replica or 0) == (other.replica or 0)
+        )
+
+    def task_key(self) -> tuple[str, int, int]:
+        """``(job, replica or 0, task)``, a hashable worker id; raise if job or task is unset."""
+        if self.job is None or self.task is None:
+            raise InvalidArgumentError(
+                f"device name {_quote(str(self))} does not name a task: "
+                "it needs both /job:<name> and /task:<n>"
+            )
+        return (self.job, self.replica or 0, self.task)
+
+    def with_device(self, type: str | None, id: int | None) -> DeviceName:
+        """This name with its device part replaced (``None`` unsets); raise on bad values."""
+        return DeviceName(self.job, self.replica, self.task, type, id)
+
+
+_UNSET = DeviceName(None, None, None, None, None)
+
+
+def parse_full_name(name: str) -> DeviceName:
+    """``DeviceName.parse``: the device parts of rendezvous keys, which TensorFlow's
+    ``Rendezvous::ParseKey`` reads with ``ParseFullName``."""
+    return DeviceName.parse(name)
+
+
+def _error(name: str, what: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"Invalid device name {_quote(name)}: {what}")
+
+
+def _parse_number(name: str, token: str, field: str) -> int | None:
+    """The value of a ``<n>`` or ``*`` token; raise naming ``field`` otherwise."""
+    if token == "*":
+        return None
+    if _DIGITS.fullmatch(token) is None:
+        if not token:
+            raise _error(name, f"{field} is empty; expected a decimal number or '*'")
+        raise _error(name, f"{field} {_quote(token)} is not a decimal number or '*'")
+    # Strip leading zeros and check the length first: int() of a very long digit string
+    # raises ValueError in CPython >= 3.11 (int_max_str_digits).
+    digits = token.lstrip("0") or "0"
+    if len(digits) > _MAX_NUMBER_DIGITS or int(digits) > _MAX_NUMBER:
+        raise _error(name, f"{field} {_quote(token)} is larger than {_MAX_NUMBER}")
+    return int(digits)
+
+
+def _parse_ident(name: str, token: str, field: str) -> str | None:
+    if token == "*":
+        return None
+    if _IDENT.fullmatch(token) is None:
+        if not token:
+            raise _error(name, f"{field} is empty; expected [A-Za-z][A-Za-z0-9_]* or '*'")
+        raise _error(name, f"{field} {_quote(token)} does not match [A-Za-z][A-Za-z0-9_]* or '*'")
+    return token
+
+
+def _token(name: str, pos: int, stops: str) -> tuple[str, int]:
+    """The text from ``pos`` up to (not including) the first character in ``stops``."""
+    end = len(name)
+    for stop in stops:
+        found = name.find(stop, pos, end)
+        if found != -1:
+            end = found
+    return name[pos:end], end
+
+
+def _parse_local(name: str) -> DeviceName:
+    """TensorFlow ``ParseLocalName``: exactly ``<TYPE>:<n>``, no wildcard."""
+    if name.startswith("/"):
+        raise _error(
+            name, "a local name is <TYPE>:<n> (like CPU:0), without a leading '/' (that is parse's)"
+        )
+    type_token, pos = _token(name, 0, "/:")
+    if _IDENT.fullmatch(type_token) is None:
+        raise _error(
+            name, "expected a local name <TYPE>:<n> (like CPU:0), TYPE [A-Za-z][A-Za-z0-9_]*"
+        )
+    if not name.startswith(":", pos):
+        raise _error(name, f"local name {_quote(type_token)} lacks ':<n>' (like CPU:0)")
+    id_token = name[pos + 1 :]
+    if id_token == "*":
+        raise _error(name, "a local name <TYPE>:<n> takes no '*' id")
+    return DeviceName(None, None, None, type_token, _parse_number(name, id_token, "device id"))
+
+
+def _parse_uncached(name: str) -> DeviceName:
+    # TensorFlow: ``"/"`` alone is "no details"; the empty string falls out of the loop.
+    if name in ("", "/"):
+        return _UNSET
+    if not name.startswith("/"):
+        hint = ""
+        if _LOCAL.fullmatch(name):
+            hint = f"; {_quote(name)} is a local name: DeviceName.parse_local reads it"
+        raise _error(
+            name,
+            "a device name starts with '/' (like /job:w/replica:0/task:0/device:CPU:0 "
+            f"or /device:GPU:3){hint}",
+        )
+    job: str | None = None
+    replica: int | None = None
+    task: int | None = None
+    type_: str | None = None
+    id_: int | None = None
+    pos = 0
+    end = len(name)
+    # TensorFlow's loop tries every prefix each round and stops when none matches; every
+    # prefix starts with '/', so a value runs up to the next '/' (numbers and job names
+    # cannot contain one), which is how we cut tokens here. Same accepted language.
+    while pos < end:
+        prefix = next((p for p in _PREFIXES if name.startswith(p, pos)), None)
+        if prefix is None:
+            raise _error(
+                name,
+                f"unexpected {_quote(name[pos:])} at offset {pos}; expected one of "
+                "/job:, /replica:, /task:, /device:, /cpu:, /gpu:",
+            )
+        pos += len(prefix)
+        if prefix == "/job:":
+            token, pos = _token(name, pos, "/")
+            job = _parse_ident(name, token, "job name")
+        elif prefix == "/replica:":
+            token, pos = _token(name, pos, "/")
+            replica = _parse_number(name, token, "replica")
+        elif prefix == "/task:":
+            token, pos = _token(name, pos, "/")
+            task = _parse_number(name, token, "task")
+        elif prefix == "/device:":
+            # TensorFlow ConsumeDeviceType stops at '/' or ':'; an absent ':<n>' leaves id unset.
+            token, pos = _token(name, pos, "/:")
+            type_ = _parse_ident(name, token, "device type")
+            id_ = None
+            if name.startswith(":", pos):
+                token, pos = _token(name, pos + 1, "/")
+                id_ = _parse_number(name, token, "device id")
+        else:
+            type_ = _LEGACY_TYPES[prefix]
+            token, pos = _token(name, pos, "/")
+            id_ = _parse_number(name, token, "device id")
+    return DeviceName(job, replica, task, type_, id_)
+
+
+_parse_cached = functools.lru_cache(maxsize=_DEVICE_CACHE_SIZE)(_parse_uncached)
+
 
 _UINT64_LIMIT = 2**64
 _INT64_MIN = -(2**63)

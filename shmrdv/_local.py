@@ -22,11 +22,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._callbacks import DoneCallback, invoke_done
-from ._closing import Closing
 from ._errors import CancelledError, InvalidArgumentError, RendezvousError
 from ._keys import ParsedKey
-from ._rendezvous import Canceller, Received, Rendezvous, as_parsed_key, check_timeout
+from ._rendezvous import (
+    Canceller,
+    Closing,
+    DoneCallback,
+    Received,
+    Rendezvous,
+    as_parsed_key,
+    check_timeout,
+    invoke_done,
+)
 from ._values import check_value
 from ._waiters import MISSING, WaiterTable
 

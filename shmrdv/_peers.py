@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._cluster import ClusterSpec
-from ._devices import DeviceName
+from ._cluster import ClusterSpec, is_local_host, split_host_port
 from ._errors import InvalidArgumentError
-from ._hostaddr import is_local_host, split_host_port
+from ._keys import DeviceName
 from ._transport import PeerRecord, PeerState, PresenceBoard, Sighting
 
 __all__ = ["ALL_TRANSPORTS", "NoPresence", "Peers", "canonical_task"]

@@ -31,8 +31,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from ._callbacks import DoneCallback
-from ._rendezvous import Canceller, Received
+from ._rendezvous import Canceller, DoneCallback, Received
 
 __all__ = ["LegStarter", "PickWatch", "RaceRecv"]
 

@@ -34,28 +34,71 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from ._callbacks import DoneCallback, invoke_done
 from ._errors import DeadlineExceededError, InvalidArgumentError, RendezvousError
 from ._keys import ParsedKey, parse_key
 
 __all__ = [
     "Canceller",
+    "Closing",
+    "DoneCallback",
     "Received",
     "RecvSlot",
     "Rendezvous",
     "WaitObserver",
     "as_parsed_key",
     "check_timeout",
+    "done_failed",
+    "invoke_done",
     "received",
     "same_value",
     "timeout_error",
     "wait_received",
 ]
+
+
+_callback_log = logging.getLogger("shmrdv.callbacks")
+
+DoneCallback: TypeAlias = "Callable[[BaseException | None, Received | None], None]"
+
+
+def invoke_done(done: DoneCallback, error: BaseException | None, received: Received | None) -> None:
+    """Call ``done(error, received)``; log, never raise, what it raises.
+
+    Callers must not hold any lock of theirs: the callback may call back into shmrdv.
+    """
+    try:
+        done(error, received)
+    except Exception:
+        done_failed(done)
+
+
+def done_failed(done: DoneCallback) -> None:
+    """Log the exception ``done`` just raised (in an ``except`` block): what ``invoke_done``
+    does with it, for a hot loop that calls ``done`` in its own ``try``."""
+    _callback_log.exception("exception in a recv_async done callback %r", done)
+
+
+_C = TypeVar("_C", bound="Closing")
+
+
+class Closing:
+    """Mixin for a class that defines ``close``: entering gives the object itself, leaving
+    (normally or by an exception, which propagates) calls ``close``."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 _log = logging.getLogger("shmrdv.rendezvous")
 

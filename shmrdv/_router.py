@@ -39,14 +39,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._callbacks import DoneCallback
-from ._devices import DeviceName
 from ._diagnose import explain_absent_producer
 from ._errors import AbortedError, InvalidArgumentError, RendezvousError
-from ._keys import ParsedKey, parse_key
+from ._keys import DeviceName, ParsedKey, parse_key
 from ._race import LegStarter, PickWatch, RaceRecv
 from ._rendezvous import (
     Canceller,
+    DoneCallback,
     RecvSlot,
 )
 from ._transport import PeerRecord, Transport, TransportContext

@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._callbacks import DoneCallback
 from ._errors import DeadlineExceededError, InvalidArgumentError
 from ._keys import ParsedKey
 from ._local import LocalRendezvous
 from ._race import RaceRecv
 from ._rendezvous import (
     Canceller,
+    DoneCallback,
     Received,
     RecvSlot,
     Rendezvous,

@@ -35,9 +35,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy.typing as npt
 
-from ._callbacks import DoneCallback
-from ._devices import DeviceName
-from ._keys import ParsedKey
+from ._keys import DeviceName, ParsedKey
+from ._rendezvous import DoneCallback
 
 if TYPE_CHECKING:
     from ._rendezvous import Canceller, RecvSlot

@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from ._devices import DeviceName
 from ._errors import InvalidArgumentError, RendezvousError, ResourceExhaustedError
+from ._keys import DeviceName
 
 if TYPE_CHECKING:
     from ._keys import ParsedKey

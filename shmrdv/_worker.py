@@ -25,13 +25,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._closing import Closing
-from ._cluster import ClusterSpec
-from ._devices import DeviceName
+from ._cluster import ClusterSpec, is_local_host, namespace_id, resolve_namespace, split_host_port
 from ._errors import AbortedError, InvalidArgumentError, closed_error
-from ._hostaddr import is_local_host, split_host_port
-from ._namespace import namespace_id, resolve_namespace
+from ._keys import DeviceName
 from ._peers import ALL_TRANSPORTS, NoPresence, Peers, canonical_task
+from ._rendezvous import Closing
 from ._router import Router, RouterContext
 from ._rpc.limits import (
     DEFAULT_FIRST_MESSAGE_TIMEOUT,

@@ -333,7 +333,7 @@ def _wait_leftovers(
 @pytest.fixture
 def shmrdv_namespace() -> str:
     """A fresh namespace token (``shmrdv.new_namespace()``)."""
-    from ._namespace import new_namespace
+    from ._cluster import new_namespace
 
     return new_namespace()
 
@@ -344,7 +344,7 @@ def shmrdv_child_worker(shmrdv_namespace: str) -> Iterator[Callable[..., Any]]:
     holding a ``Worker`` for ``task`` in the test's namespace and returns its
     ``shmrdv.testing.ChildWorker`` handle (send, recv, call, kill, ...). Every child is
     closed at teardown."""
-    from ._child import ChildWorker
+    from ._procs import ChildWorker
 
     children: list[ChildWorker] = []
 

@@ -29,7 +29,6 @@ import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from ._child import ChildError, ChildWorker
 from ._conformance.completion import (
     check_abort_fails_pending,
     check_abort_first_error_wins,
@@ -60,6 +59,7 @@ from ._conformance.delivery import (
 )
 from ._conformance.pair import EXPIRE_S, PROMPT_S, WAIT_S, Producer, RendezvousPair
 from ._conformance.values import assert_same, sample_values
+from ._procs import ChildError, ChildWorker
 
 __all__ = [
     "CHECKS",

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 
 import shmrdv
-from shmrdv._child import ChildWorker
+from shmrdv._procs import ChildWorker
 from shmrdv.testing import CHECKS, RendezvousPair, run_conformance
 
 PRODUCER = "/job:worker/replica:0/task:0"

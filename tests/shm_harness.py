@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shmrdv._devices import DeviceName
-from shmrdv._keys import ParsedKey, create_key, parse_key
+from shmrdv._keys import DeviceName, ParsedKey, create_key, parse_key
 from shmrdv._peers import Peers, canonical_task
 from shmrdv._rendezvous import Received, RecvSlot, wait_received
 from shmrdv._shm.board import ShmBoard

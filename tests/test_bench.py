@@ -27,7 +27,7 @@ from shmrdv._bench.contract import (
 from shmrdv._bench.methods import METHODS, register_method
 from shmrdv._bench.options import build_parser
 from shmrdv._bench.textfit import WIDTH
-from shmrdv._sizes import format_size
+from shmrdv._values import format_size
 
 
 def _tagged_pids(tag: str) -> list[int]:

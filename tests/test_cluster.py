@@ -7,8 +7,8 @@ import json
 import pytest
 
 from shmrdv._cluster import ClusterSpec
-from shmrdv._devices import DeviceName
 from shmrdv._errors import InvalidArgumentError
+from shmrdv._keys import DeviceName
 
 SPEC: dict[str, list[str] | dict[int, str]] = {
     "worker": ["hostA:2222", "hostB:2222"],

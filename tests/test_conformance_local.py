@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 from helpers import PRODUCER, make_key
 
-from shmrdv._callbacks import DoneCallback
 from shmrdv._keys import ParsedKey
 from shmrdv._local import LocalRendezvous
-from shmrdv._rendezvous import Canceller
+from shmrdv._rendezvous import Canceller, DoneCallback
 from shmrdv._waiters import MISSING
 from shmrdv.testing import CHECKS, RendezvousPair, run_conformance
 

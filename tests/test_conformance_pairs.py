@@ -17,7 +17,7 @@ import pytest
 from helpers import CONSUMER, PRODUCER, make_key
 
 import shmrdv
-from shmrdv._child import ChildWorker
+from shmrdv._procs import ChildWorker
 from shmrdv.testing import CHECKS, RendezvousPair
 
 _steps = itertools.count(1)

@@ -16,8 +16,8 @@ import pytest
 from helpers import wait_for
 
 import shmrdv
-from shmrdv._child import ChildWorker
 from shmrdv._diagnose import explain_absent_producer
+from shmrdv._procs import ChildWorker
 from shmrdv._shm.naming import PREFIX, Names
 from shmrdv._shm.sightings import _MAX_RECORDS, sightings
 from shmrdv._transport import Sighting

@@ -7,9 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shmrdv._devices import DeviceName
 from shmrdv._errors import InvalidArgumentError
-from shmrdv._keys import ParsedKey, create_key, key_digest, parse_key
+from shmrdv._keys import DeviceName, ParsedKey, create_key, key_digest, parse_key
 
 # Seen in a pytorch/xla issue, produced by TensorFlow (research/tf_rendezvous.md §1.1).
 TF_KEY = (

@@ -8,8 +8,8 @@ import re
 import pytest
 
 import shmrdv
+from shmrdv._cluster import ENV_VAR, new_namespace, resolve_namespace
 from shmrdv._errors import InvalidArgumentError
-from shmrdv._namespace import ENV_VAR, new_namespace, resolve_namespace
 
 
 def test_new_namespace_is_26_lowercase_letters_and_digits() -> None:

@@ -24,7 +24,7 @@ import pytest
 from helpers import make_key
 
 import shmrdv
-from shmrdv._child import ChildWorker
+from shmrdv._procs import ChildWorker
 from shmrdv._shm.naming import Names
 from shmrdv._shm.registry import collect, list_objects
 
@@ -93,7 +93,7 @@ def _key(edge: str, src: str, dst: str, incarnation: int = 0) -> str:
 
 def _bad_tokens(t: _Texts, ns: str) -> None:
     """Near misses of the real token, refused without being echoed."""
-    from shmrdv._namespace import resolve_namespace
+    from shmrdv._cluster import resolve_namespace
 
     for bad in (ns + "\n", ns.upper(), " " + ns, ns + "-x"):
         t.fails(lambda bad=bad: shmrdv.Worker(A, namespace=bad))

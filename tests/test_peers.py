@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import shmrdv
-from shmrdv._devices import DeviceName
+from shmrdv._keys import DeviceName
 from shmrdv._peers import ALL_TRANSPORTS, NoPresence, Peers
 from shmrdv._shm.board import ShmBoard
 

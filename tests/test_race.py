@@ -13,11 +13,10 @@ import pytest
 from helpers import make_key
 
 import shmrdv
-from shmrdv._callbacks import DoneCallback
 from shmrdv._keys import parse_key
 from shmrdv._local import LocalRendezvous
 from shmrdv._race import LegStarter, PickWatch, RaceRecv
-from shmrdv._rendezvous import Canceller
+from shmrdv._rendezvous import Canceller, DoneCallback
 
 KEY = make_key("raced")
 

@@ -16,7 +16,7 @@ import pytest
 from helpers import CONSUMER, PRODUCER, make_key
 
 import shmrdv
-from shmrdv._child import ChildWorker
+from shmrdv._procs import ChildWorker
 
 pytestmark = pytest.mark.timeout(60)
 

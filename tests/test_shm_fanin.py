@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import shmrdv
-from shmrdv._child import ChildWorker
+from shmrdv._procs import ChildWorker
 
 CONSUMER = "/job:worker/replica:0/task:9"
 

@@ -15,7 +15,7 @@ import pytest
 from helpers import CONSUMER, PRODUCER, make_key
 
 import shmrdv
-from shmrdv._child import ChildWorker
+from shmrdv._procs import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.registry import collect
 

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from shmrdv._child import ChildWorker
-from shmrdv._devices import DeviceName
 from shmrdv._errors import ResourceExhaustedError
+from shmrdv._keys import DeviceName
 from shmrdv._peers import Peers
+from shmrdv._procs import ChildWorker
 from shmrdv._shm.board import ShmBoard
 from shmrdv._shm.inflight import LSTATS_PER_REFRESH, Inflight
 from shmrdv._shm.naming import Names

@@ -22,7 +22,7 @@ import pytest
 from helpers import CONSUMER, PRODUCER, make_key
 
 import shmrdv
-from shmrdv._child import ChildWorker
+from shmrdv._procs import ChildWorker
 
 # -- functions the child runs (ChildWorker.call: fn(worker, *args)) -------------------------
 

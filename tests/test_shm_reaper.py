@@ -23,7 +23,7 @@ import pytest
 from helpers import CONSUMER, PRODUCER, SHMRDV_PATH, make_key, run_as_nobody
 
 import shmrdv
-from shmrdv._child import ChildWorker
+from shmrdv._procs import ChildWorker
 from shmrdv._shm import reaper
 from shmrdv._shm.naming import SHM_DIR, Names
 

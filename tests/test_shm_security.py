@@ -378,7 +378,7 @@ def test_security_files_planted_under_vacated_slot_names_do_not_defeat_the_pool(
     """Issue 20 §3: another user re-creates every name it saw vanish (a pool slot's ``p``,
     ``h``, ``r`` names); each lend of a slot has names of its own, so the pool keeps
     reusing its slots and nothing planted is ever touched."""
-    from shmrdv._child import ChildWorker
+    from shmrdv._procs import ChildWorker
 
     pid = fork_as_nobody(_squat_vacated, Names(ns).prefix)
     n = 60

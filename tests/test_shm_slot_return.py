@@ -25,7 +25,7 @@ import pytest
 from helpers import CONSUMER, PRODUCER, make_key, remove_planted, run_as_nobody, wait_for
 
 import shmrdv
-from shmrdv._child import ChildWorker
+from shmrdv._procs import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, SLOT_BITS, Names
 from shmrdv._shm.pool import CONTROL
 

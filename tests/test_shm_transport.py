@@ -30,7 +30,7 @@ from helpers import CONSUMER, PRODUCER, make_key, wait_for
 from small_shm import run_with_small_dev_shm
 
 import shmrdv
-from shmrdv._child import ChildWorker
+from shmrdv._procs import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, Names
 
 _steps = itertools.count(1)

@@ -86,7 +86,7 @@ def test_window_charge_counts_without_waiting() -> None:
 
 
 def test_windows_one_per_consumer_task_not_per_device() -> None:
-    from shmrdv._devices import DeviceName
+    from shmrdv._keys import DeviceName
     from shmrdv._window import Windows
 
     ws = Windows(100)
@@ -105,8 +105,7 @@ def test_windows_one_per_consumer_task_not_per_device() -> None:
 
 
 def test_windows_for_key_is_the_dst_tasks_window() -> None:
-    from shmrdv._devices import DeviceName
-    from shmrdv._keys import create_key, parse_key
+    from shmrdv._keys import DeviceName, create_key, parse_key
     from shmrdv._window import Windows
 
     ws = Windows(10)

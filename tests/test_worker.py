@@ -266,7 +266,7 @@ def test_worker_key_of_another_task_says_which_tasks_and_what_to_do(
 def test_worker_sends_memmap_refuses_masked_array(
     tmp_path: Any, transports: tuple[str, ...] | None
 ) -> None:
-    from shmrdv._child import ChildWorker
+    from shmrdv._procs import ChildWorker
 
     ns = shmrdv.new_namespace()
     peer = "/job:worker/replica:0/task:1"

@@ -1,7 +1,7 @@
 """What every ``shmrdv bench`` mode shares: sizes of float32 arrays as text, CPU pinning, and
 the environment its child processes start with.
 
-Sizes are ``shmrdv._sizes`` sizes (one parser and one printer for the whole project),
+Sizes are ``shmrdv._values`` sizes (one parser and one printer for the whole project),
 narrowed to what a float32 array can be. ``runner``, ``load``, ``soak`` and the other modes
 import it; it imports none of them.
 """
@@ -12,7 +12,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from .._sizes import parse_size
+from .._values import parse_size
 
 __all__ = [
     "GRPC_OPTIONS",

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .._closing import Closing
+from .._rendezvous import Closing
 from .common import GRPC_OPTIONS
 
 __all__ = [
@@ -183,8 +183,8 @@ class EchoService(Closing):
     def __init__(self, listen: str, *, token: str | None = None, idle_s: float = IDLE_S) -> None:
         import grpc
 
+        from .._cluster import split_host_port
         from .._errors import UnavailableError
-        from .._hostaddr import split_host_port
         from .._rpc.security import check_token
 
         split_host_port(listen)  # InvalidArgumentError naming it if it is no host:port

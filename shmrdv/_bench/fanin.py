@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._procs import ChildFailed
-from .._sizes import format_size
+from .._values import format_size
 from . import children
 from .children import Teardown
 from .report import TIMES

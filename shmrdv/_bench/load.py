@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._procs import ChildTimeout
-from .._sizes import format_size
+from .._values import format_size
 from . import children, options
 from .children import Teardown
 from .load_plan import LoadConfig, make_plan

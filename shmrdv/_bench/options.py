@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from .._sizes import format_size
+from .._values import format_size
 from .common import parse_array_size, parse_sizes
 
 __all__ = [

@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._procs import ChildFailed, ChildGroup
-from .._sizes import format_size
+from .._values import format_size
 from .common import GRPC_OPTIONS, parse_array_size, pin_cpus
 from .options import PIPELINE_CASES
 from .report import DASH, TIMES, format_sig

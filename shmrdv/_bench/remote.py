@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._procs import Child, ChildFailed
-from .._sizes import format_size
+from .._values import format_size
 from .common import GRPC_OPTIONS, parse_sizes
 from .echo import (
     BENCH_TASK,
@@ -88,7 +88,7 @@ class RemoteConfig:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first option that makes no sense."""
-        from .._hostaddr import split_host_port
+        from .._cluster import split_host_port
 
         split_host_port(self.peer)  # InvalidArgumentError (a ValueError) naming it
         too_big = [n for n in self.sizes if n > MAX_MESSAGE - (64 << 10)]
@@ -217,7 +217,7 @@ def _client(conn: Connection, cfg: RemoteConfig) -> None:
 
     import shmrdv
 
-    from .._hostaddr import split_host_port
+    from .._cluster import split_host_port
     from .._rpc.security import bearer_metadata
 
     token = os.environ.get("SHMRDV_TOKEN") or None

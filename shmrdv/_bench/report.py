@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from .._sizes import format_size
+from .._values import format_size
 from .machine import describe_machine
 from .results import BASELINE_COPY, BASELINE_PEER, BenchRun, MethodResult
 from .textfit import fit_markdown

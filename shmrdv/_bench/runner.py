@@ -28,7 +28,7 @@ from multiprocessing.context import SpawnContext
 from typing import Any, TextIO
 
 from .._procs import ChildFailed
-from .._sizes import format_size
+from .._values import format_size
 from . import methods, options
 from .common import grpc_quiet_children, parse_sizes, pin_cpus
 from .contract import MethodSpec

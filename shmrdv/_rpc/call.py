@@ -54,10 +54,9 @@ from typing import Any
 
 import grpc
 
-from .._callbacks import DoneCallback, invoke_done
 from .._errors import RendezvousError, ResourceExhaustedError, UnavailableError
 from .._keys import ParsedKey
-from .._rendezvous import Received
+from .._rendezvous import DoneCallback, Received, invoke_done
 from . import messages, recv_stream
 from .acks import notify
 from .recv_context import Address, CallContext

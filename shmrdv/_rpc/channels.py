@@ -25,8 +25,8 @@ from typing import Any
 
 import grpc
 
+from .._cluster import split_host_port
 from .._errors import CancelledError, ResourceExhaustedError, UnavailableError
-from .._hostaddr import split_host_port
 from .methods import RECV_TENSOR_METHOD
 from .security import TLSConfig
 

@@ -42,10 +42,9 @@ from types import TracebackType
 
 import grpc
 
-from .._callbacks import DoneCallback, invoke_done
 from .._errors import CancelledError, InvalidArgumentError, RendezvousError
 from .._keys import ParsedKey
-from .._rendezvous import Canceller, as_parsed_key, check_timeout
+from .._rendezvous import Canceller, DoneCallback, as_parsed_key, check_timeout, invoke_done
 from .._waiters import WaiterTable
 from .acks import AckQueue
 from .call import Recv

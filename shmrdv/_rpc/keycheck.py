@@ -10,9 +10,8 @@ Pure: no gRPC, no I/O; thread model: none needed.
 
 from __future__ import annotations
 
-from .._devices import DeviceName
 from .._errors import AbortedError, InvalidArgumentError
-from .._keys import ParsedKey, parse_key
+from .._keys import DeviceName, ParsedKey, parse_key
 
 __all__ = ["check_served_key"]
 

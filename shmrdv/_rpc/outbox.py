@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._callbacks import DoneCallback
 from .._errors import (
     AbortedError,
     InvalidArgumentError,
@@ -44,7 +43,7 @@ from .._errors import (
 )
 from .._keys import ParsedKey
 from .._local import LocalRendezvous
-from .._rendezvous import Canceller, Received
+from .._rendezvous import Canceller, DoneCallback, Received
 from .._transport import TransportContext
 from .._window import ConsumerWatch, InflightWindow, Windows, counted_bytes
 from . import series_wire

@@ -31,10 +31,9 @@ from collections.abc import Callable, Collection, Mapping
 
 import grpc
 
-from .._callbacks import DoneCallback
 from .._errors import CancelledError, InternalError, RendezvousError
 from .._keys import ParsedKey
-from .._rendezvous import Canceller
+from .._rendezvous import Canceller, DoneCallback
 from . import messages
 from .acks import notify
 from .call import Recv

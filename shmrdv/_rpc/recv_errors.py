@@ -22,8 +22,8 @@ from .._errors import (
     RendezvousError,
     ResourceExhaustedError,
     UnavailableError,
+    error_for_code,
 )
-from .._status import error_for_code
 from .methods import SERVER_STOPPING
 from .rpc_errors import error_code, error_details
 

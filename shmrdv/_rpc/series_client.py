@@ -67,10 +67,9 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from .._callbacks import DoneCallback, invoke_done
 from .._errors import CancelledError, InternalError, RendezvousError
 from .._keys import ParsedKey
-from .._rendezvous import Canceller, Received
+from .._rendezvous import Canceller, DoneCallback, Received, invoke_done
 from .runner import Runner
 from .series_reader import SeriesReader, Waiter
 

@@ -36,10 +36,9 @@ from typing import Any, Protocol
 
 import grpc
 
-from .._callbacks import DoneCallback, invoke_done
 from .._errors import InternalError, RendezvousError
 from .._keys import ParsedKey
-from .._rendezvous import Canceller, Received
+from .._rendezvous import Canceller, DoneCallback, Received, invoke_done
 from .._window import counted_bytes
 from . import messages
 from .methods import RECV_TENSOR_SERIES_METHOD

@@ -59,11 +59,9 @@ from typing import Any, NoReturn
 import grpc
 import grpc.aio
 
-from .._devices import DeviceName
-from .._errors import InvalidArgumentError, RendezvousError, ResourceExhaustedError
-from .._keys import ParsedKey
+from .._errors import InvalidArgumentError, RendezvousError, ResourceExhaustedError, code_for_error
+from .._keys import DeviceName, ParsedKey
 from .._rendezvous import Received
-from .._status import code_for_error
 from .._window import counted_bytes
 from . import messages, series_wire
 from .keycheck import check_served_key

@@ -33,9 +33,9 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from .._devices import DeviceName
+from .._cluster import split_host_port
 from .._errors import InvalidArgumentError, UnavailableError
-from .._hostaddr import split_host_port
+from .._keys import DeviceName
 from .limits import ServerLimits
 from .methods import DEFAULT_CHUNK_BYTES, SERVER_STOPPING
 from .request_gate import RequestGate

@@ -28,10 +28,9 @@ from typing import Any, NoReturn
 import grpc
 import grpc.aio
 
-from .._devices import DeviceName
-from .._errors import RendezvousError
+from .._errors import RendezvousError, code_for_error
+from .._keys import DeviceName
 from .._rendezvous import Received
-from .._status import code_for_error
 from . import assembly, messages, status, tensors
 from .mark_finished import decode_mark_recv_finished
 from .methods import SHMRDV_SERVICE, TF_SERVICE

@@ -16,8 +16,7 @@ from typing import Any
 
 import grpc
 
-from .._errors import InvalidArgumentError, RendezvousError
-from .._status import error_for_code
+from .._errors import InvalidArgumentError, RendezvousError, error_for_code
 from .methods import GET_STATUS_METHOD
 from .rpc_errors import error_code, error_details
 from .wire import (

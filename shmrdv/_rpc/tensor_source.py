@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from .._callbacks import DoneCallback
 from .._keys import ParsedKey
-from .._rendezvous import Received
+from .._rendezvous import DoneCallback, Received
 
 __all__ = ["TensorSource"]
 

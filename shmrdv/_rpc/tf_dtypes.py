@@ -19,7 +19,7 @@ read). ``tensors`` codes a TensorProto with these codes; the stream header
   wire is; the extension names the original byte order.
 
 ``shmrdv_dtype`` format: the dtype descriptor the segment header also uses
-(``shmrdv/_dtypes.py``): ``dtype.str`` for simple dtypes, ``json:`` + the ``.npy``
+(``shmrdv/_values.py``): ``dtype.str`` for simple dtypes, ``json:`` + the ``.npy``
 description for structured ones, ``ml_dtypes:<name>`` for ml_dtypes kinds.
 
 Errors: ``InvalidArgumentError`` for a dtype that cannot be sent or a descriptor or code
@@ -37,8 +37,8 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from .._dtypes import decode_dtype, encode_dtype
 from .._errors import InternalError, InvalidArgumentError
+from .._values import decode_dtype, encode_dtype
 
 __all__ = [
     "PLAIN_OF_TF",

@@ -25,11 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
-from .._callbacks import DoneCallback
-from .._errors import RendezvousError, UnavailableError, closed_error
+from .._errors import RendezvousError, UnavailableError, closed_error, code_for_error
 from .._keys import ParsedKey
-from .._rendezvous import Canceller, RecvSlot
-from .._status import code_for_error
+from .._rendezvous import Canceller, DoneCallback, RecvSlot
 from .._transport import PeerRecord, TransportContext
 from .client import RpcClient
 from .limits import ServerLimits

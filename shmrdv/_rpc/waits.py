@@ -32,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from .._devices import DeviceName
 from .._errors import (
     DeadlineExceededError,
     InternalError,
@@ -40,7 +39,7 @@ from .._errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from .._keys import ParsedKey
+from .._keys import DeviceName, ParsedKey
 from .._rendezvous import Received
 from .._window import counted_bytes
 from . import messages

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 import posix_ipc
 
-from .._closing import Closing
 from .._errors import InternalError, ResourceExhaustedError
+from .._rendezvous import Closing
 from .ownership import open_checked
 
 if TYPE_CHECKING:

@@ -31,11 +31,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._callbacks import DoneCallback
-from .._devices import DeviceName
 from .._errors import InternalError
-from .._keys import ParsedKey
-from .._rendezvous import Received, received
+from .._keys import DeviceName, ParsedKey
+from .._rendezvous import DoneCallback, Received, received
 from .._waiters import WaiterTable
 from .pool import RunWatch
 from .producer import task_name

@@ -26,10 +26,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from .._callbacks import DoneCallback, invoke_done
 from .._errors import closed_error
 from .._keys import ParsedKey
-from .._rendezvous import Canceller, Received
+from .._rendezvous import Canceller, DoneCallback, Received, invoke_done
 from .._transport import TransportContext
 from . import reaper
 from .book import Book, Channel, InRing, Notice, Source, Stashed, Waiter

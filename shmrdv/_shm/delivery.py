@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._callbacks import DoneCallback, done_failed, invoke_done
-from .._rendezvous import Received
+from .._rendezvous import DoneCallback, Received, done_failed, invoke_done
 
 __all__ = ["Item", "deliver", "deliver_one"]
 

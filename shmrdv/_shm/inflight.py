@@ -39,8 +39,7 @@ from .naming import Names
 from .ownership import is_ours
 
 if TYPE_CHECKING:
-    from .._devices import DeviceName
-    from .._keys import ParsedKey
+    from .._keys import DeviceName, ParsedKey
     from .._transport import PeerDirectory
     from .ring import Ring
 

@@ -40,11 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import MAX_DTYPE_BYTES
-from .._dtypes import decode_dtype as _decode_dtype
-from .._dtypes import encode_dtype as _encode_dtype
 from .._errors import InternalError, InvalidArgumentError
-from .._values import shape_problem
+from .._values import MAX_DTYPE_BYTES, shape_problem
+from .._values import decode_dtype as _decode_dtype
+from .._values import encode_dtype as _encode_dtype
 
 __all__ = [
     "ALIGNMENT",

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .._devices import DeviceName
 from .._errors import AbortedError, RendezvousError, UnavailableError
+from .._keys import DeviceName
 from .._transport import TransportContext
 from .book import Channel, Source
 

@@ -39,8 +39,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._cluster import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
 from .._errors import InvalidArgumentError
-from .._namespace import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
 
 __all__ = [
     "DIGEST_BYTES",

@@ -41,8 +41,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from .._closing import Closing
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
+from .._rendezvous import Closing
 from .presence_record import (
     PeerState,
     PresenceInfo,

@@ -15,8 +15,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from .._closing import Closing
 from .._errors import InternalError
+from .._rendezvous import Closing
 from .presence_record import (
     PeerState,
     PresenceInfo,

@@ -34,9 +34,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._devices import DeviceName
 from .._errors import InternalError, InvalidArgumentError, closed_error
-from .._keys import ParsedKey
+from .._keys import DeviceName, ParsedKey
 from .._window import counted_bytes
 from . import layout
 from .copier import copy_into

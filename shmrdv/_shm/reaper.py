@@ -40,10 +40,9 @@ import struct
 import time
 from collections import defaultdict
 
-from .._devices import DeviceName
+from .._cluster import NAMESPACE_ID_HEX
 from .._errors import InternalError, InvalidArgumentError, RendezvousError
-from .._keys import parse_key
-from .._namespace import NAMESPACE_ID_HEX
+from .._keys import DeviceName, parse_key
 from .naming import PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
 from .ownership import is_ours, open_checked
 from .presence import probe, read_record

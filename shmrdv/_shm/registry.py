@@ -26,8 +26,8 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 
+from .._cluster import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
-from .._namespace import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
 from .naming import KINDS, PREFIX, SHM_DIR, ObjectName, check_namespace, parse_name
 from .ownership import is_ours, open_checked
 from .presence import probe

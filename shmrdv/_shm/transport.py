@@ -26,8 +26,7 @@ from typing import Any
 
 import numpy.typing as npt
 
-from .._devices import DeviceName
-from .._keys import ParsedKey
+from .._keys import DeviceName, ParsedKey
 from .._rendezvous import RecvSlot
 from .._transport import PeerRecord, TransportContext
 from .bell import Bell

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shmrdv._devices import DeviceName, parse_full_name
 from shmrdv._errors import InvalidArgumentError
+from shmrdv._keys import DeviceName, parse_full_name
 
 D = DeviceName
 

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 import shmrdv
-from shmrdv._status import code_for_error, error_for_code
+from shmrdv._errors import code_for_error, error_for_code
 
 PAIRS = [
     (shmrdv.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
