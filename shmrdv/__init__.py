@@ -25,7 +25,7 @@ from ._keys import DeviceName as DeviceName
 from ._keys import ParsedKey as ParsedKey
 from ._keys import create_key as create_key
 from ._keys import parse_key as parse_key
-from ._local import LocalRendezvous as LocalRendezvous
+from ._rendezvous import LocalRendezvous as LocalRendezvous
 from ._rendezvous import Received as Received
 from ._rendezvous import Rendezvous as Rendezvous
 from ._rpc.security import TLSConfig as TLSConfig

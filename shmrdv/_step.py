@@ -24,11 +24,11 @@ import numpy.typing as npt
 
 from ._errors import DeadlineExceededError, InvalidArgumentError
 from ._keys import ParsedKey
-from ._local import LocalRendezvous
 from ._race import RaceRecv
 from ._rendezvous import (
     Canceller,
     DoneCallback,
+    LocalRendezvous,
     Received,
     RecvSlot,
     Rendezvous,

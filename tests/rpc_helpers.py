@@ -26,8 +26,7 @@ from helpers import CONSUMER, PRODUCER
 
 from shmrdv._errors import AbortedError
 from shmrdv._keys import ParsedKey, parse_key
-from shmrdv._local import LocalRendezvous
-from shmrdv._rendezvous import Canceller, DoneCallback, Received, RecvSlot
+from shmrdv._rendezvous import Canceller, DoneCallback, LocalRendezvous, Received, RecvSlot
 from shmrdv._rpc.client import RpcClient
 from shmrdv._rpc.series_client import PREFETCH_BYTES, SeriesClient
 from shmrdv._rpc.server import RpcServer

@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 from helpers import PRODUCER, make_key
 
+from shmrdv._channels import MISSING
 from shmrdv._keys import ParsedKey
-from shmrdv._local import LocalRendezvous
-from shmrdv._rendezvous import Canceller, DoneCallback
-from shmrdv._waiters import MISSING
+from shmrdv._rendezvous import Canceller, DoneCallback, LocalRendezvous
 from shmrdv.testing import CHECKS, RendezvousPair, run_conformance
 
 

@@ -14,9 +14,8 @@ from helpers import make_key
 
 import shmrdv
 from shmrdv._keys import parse_key
-from shmrdv._local import LocalRendezvous
 from shmrdv._race import LegStarter, PickWatch, RaceRecv
-from shmrdv._rendezvous import Canceller, DoneCallback
+from shmrdv._rendezvous import Canceller, DoneCallback, LocalRendezvous
 
 KEY = make_key("raced")
 

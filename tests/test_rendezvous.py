@@ -21,8 +21,14 @@ import pytest
 
 from shmrdv._errors import AbortedError, DeadlineExceededError, InvalidArgumentError
 from shmrdv._keys import ParsedKey, create_key, parse_key
-from shmrdv._local import LocalRendezvous
-from shmrdv._rendezvous import Canceller, DoneCallback, Received, Rendezvous, check_timeout
+from shmrdv._rendezvous import (
+    Canceller,
+    DoneCallback,
+    LocalRendezvous,
+    Received,
+    Rendezvous,
+    check_timeout,
+)
 from shmrdv._step import StepRendezvous
 
 DEV = "/job:w/replica:0/task:0/device:CPU:0"

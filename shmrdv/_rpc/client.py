@@ -42,10 +42,10 @@ from types import TracebackType
 
 import grpc
 
+from .._channels import WaiterTable
 from .._errors import CancelledError, InvalidArgumentError, RendezvousError
 from .._keys import ParsedKey
 from .._rendezvous import Canceller, DoneCallback, as_parsed_key, check_timeout, invoke_done
-from .._waiters import WaiterTable
 from .acks import AckQueue
 from .call import Recv
 from .channels import ChannelCache

@@ -42,8 +42,7 @@ from .._errors import (
     is_closed_error,
 )
 from .._keys import ParsedKey
-from .._local import LocalRendezvous
-from .._rendezvous import Canceller, DoneCallback, Received
+from .._rendezvous import Canceller, DoneCallback, LocalRendezvous, Received
 from .._transport import TransportContext
 from .._window import ConsumerWatch, InflightWindow, Windows, counted_bytes
 from . import series_wire

@@ -5,7 +5,7 @@ task is a ``Source``; each attached ring a ``InRing``. What arrived for a channe
 not taken yet waits in the stash, ``(key, incarnation, seq) -> value`` per step: a
 ``Received``, a ``Notice`` (the message is the segment of its name) or an error to
 deliver like a message. The channels with waiters are the keys of one ``WaiterTable``
-(``shmrdv/_waiters.py``), each channel's waiters oldest first.
+(``shmrdv/_channels.py``), each channel's waiters oldest first.
 
 An idle channel, one that a ring brought message 0 for and that nobody waits on, is no
 ``Channel`` yet: its place in the step's table of channels holds the ``InRing`` that
@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._channels import WaiterTable
 from .._errors import InternalError
 from .._keys import DeviceName, ParsedKey
 from .._rendezvous import DoneCallback, Received, received
-from .._waiters import WaiterTable
 from .pool import RunWatch
 from .producer import task_name
 from .ring import Ring

@@ -1,4 +1,4 @@
-"""WaiterTable: per key a FIFO of values or of waiters, never both (shmrdv/_waiters.py)."""
+"""WaiterTable: per key a FIFO of values or of waiters, never both (shmrdv/_channels.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from shmrdv._waiters import MISSING, WaiterTable
+from shmrdv._channels import MISSING, WaiterTable
 
 
 class W:

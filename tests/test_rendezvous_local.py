@@ -24,8 +24,7 @@ from shmrdv._errors import (
     InvalidArgumentError,
 )
 from shmrdv._keys import create_key, parse_key
-from shmrdv._local import LocalRendezvous
-from shmrdv._rendezvous import Received
+from shmrdv._rendezvous import LocalRendezvous, Received
 
 DEV = "/job:w/replica:0/task:0/device:CPU:0"
 OTHER = "/job:w/replica:0/task:1/device:CPU:0"
