@@ -381,11 +381,18 @@ class ParsedKey:
         return self.full_key
 
 
+# Every bad-key message ends with how to make a good one.
+_USE_CREATE_KEY = (
+    "; build keys with shmrdv.create_key(src_device, src_incarnation, dst_device, edge_name)"
+)
+
+
 def _bad_key(key: str, part: int, what: str) -> InvalidArgumentError:
     # TensorFlow says "Invalid  rendezvous key: <key>"; we keep that prefix and add which
     # part is wrong and why.
     return InvalidArgumentError(
         f"Invalid rendezvous key {_quote(key)}: part {part} ({_PART_NAMES[part - 1]}) {what}"
+        + _USE_CREATE_KEY
     )
 
 
@@ -499,7 +506,9 @@ def parse_key(key: str) -> ParsedKey:
     part that is wrong. Results are cached: this is on the send/recv hot path.
     """
     if type(key) is not str:
-        raise InvalidArgumentError(f"a rendezvous key must be a str, not {type(key).__name__}")
+        raise InvalidArgumentError(
+            f"a rendezvous key must be a str, not {type(key).__name__}" + _USE_CREATE_KEY
+        )
     return _parse_key_cached(key)
 
 
@@ -509,11 +518,12 @@ def _parse_key_uncached(key: str) -> ParsedKey:
         raise InvalidArgumentError(
             f"Invalid rendezvous key {_quote(key)}: it has {len(parts)} ';'-separated parts, "
             "expected 5: src_device;src_incarnation;dst_device;edge_name;frame_id:iter_id"
+            + _USE_CREATE_KEY
         )
     if len(parts) > 5:
         raise InvalidArgumentError(
             f"Invalid rendezvous key {_quote(key)}: it has {len(parts)} ';'-separated parts, "
-            "expected 5 (the edge name may not contain ';')"
+            "expected 5 (the edge name may not contain ';')" + _USE_CREATE_KEY
         )
     src_text, inc_text, dst_text, edge_name, fi_text = parts
     try:

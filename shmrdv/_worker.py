@@ -343,7 +343,11 @@ class Worker(Closing):
         step and not received are freed. Later calls on the step fail at once.
         """
         step = self._check_step(step_id)
-        error = AbortedError(f"Cleanup {step}")
+        error = AbortedError(
+            f"Cleanup {step}: step {step} of {self.task} was cleaned up "
+            "(Worker.cleanup); a step id is not reused after its cleanup: give the next step "
+            "a new step id"
+        )
         with self._lock:
             rdv = self._steps.pop(step, None)
             self._tombstones[step] = error

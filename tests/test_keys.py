@@ -236,3 +236,9 @@ def test_key_digest_is_16_stable_bytes() -> None:
     assert digest == key_digest(TF_KEY)
     assert digest != key_digest(TF_KEY.replace("task:7", "task:8"))
     assert len(key_digest("a\ud800")) == 16  # never raises, even on text parse_key refuses
+
+
+@pytest.mark.parametrize("bad", ["bad", "a;b;c;d;e;f", "/job:w/task:0;zz;/job:w/task:1;e;0:0"])
+def test_parse_key_error_points_to_create_key(bad: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"shmrdv\.create_key\("):
+        parse_key(bad)

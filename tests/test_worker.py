@@ -196,7 +196,9 @@ def test_worker_cleanup_aborts_pending_and_later_calls(worker: shmrdv.Worker) ->
     worker.cleanup(7)
     t.join(5)
     assert time.monotonic() - start < 1
-    assert isinstance(box[0], shmrdv.AbortedError) and str(box[0]) == "Cleanup 7"
+    assert isinstance(box[0], shmrdv.AbortedError) and str(box[0]).startswith("Cleanup 7: ")
+    # The message says what happened and what to do (a step id is not reused).
+    assert "was cleaned up" in str(box[0]) and "new step id" in str(box[0])
     with pytest.raises(shmrdv.AbortedError, match="Cleanup 7"):
         rdv.send(key("y"), np.zeros(1))
     later = worker.rendezvous(7)
