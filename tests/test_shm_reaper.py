@@ -160,6 +160,38 @@ def test_reaper_values_wait_for_a_consumer_that_starts_later(ns: str) -> None:
     assert left(ns) == []
 
 
+def set_grace(worker: shmrdv.Worker, seconds: float) -> None:
+    """In a child: its sweeps keep what is waiting for a consumer ``seconds`` (not 30 s)."""
+    reaper.GRACE_S = seconds
+
+
+@pytest.mark.parametrize("nbytes", [64, 1 << 20], ids=["ring", "segment"])
+def test_reaper_values_sent_before_a_clean_close_wait_after_the_last_send(
+    ns: str, nbytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The issue's sequence, with the wait scaled from 30 s to GRACE: a producer sends at t0
+    # and again at t0 + 1.5 GRACE, then closes (its own close sweeps its namespace, dead
+    # now); a consumer that starts a moment later gets both values. tmpfs does not update
+    # a file's mtime for writes through a mapping: taken as the last write, the ring's
+    # looked older than GRACE, and the close deleted the producer's own values.
+    grace = 2.0
+    monkeypatch.setattr(reaper, "GRACE_S", grace)  # the consumer's start sweep, here
+    with ChildWorker(PRODUCER, namespace=ns) as producer:
+        producer.call(set_grace, grace)
+        producer.send(make_key("t0"), np.full(nbytes, 1, np.uint8), step=1)
+        time.sleep(1.5 * grace)
+        producer.send(make_key("t1"), np.full(nbytes, 2, np.uint8), step=1)
+    time.sleep(grace / 4)
+    with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
+        inbox = consumer.rendezvous(1)
+        first = inbox.recv(make_key("t0"), timeout=10).value
+        assert first.shape == (nbytes,) and first[0] == 1 and first[-1] == 1
+        second = inbox.recv(make_key("t1"), timeout=10).value
+        assert second.shape == (nbytes,) and second[0] == 2 and second[-1] == 2
+        del first, second
+    assert left(ns) == []
+
+
 def test_reaper_mismatched_namespaces_leave_nothing(
     ns: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -59,6 +59,7 @@ __all__ = [
     "Header",
     "HeaderCache",
     "Template",
+    "created_ns",
     "data_offset_for",
     "header_size",
     "pack",
@@ -746,6 +747,19 @@ class HeaderCache:
         f = self.unpack(payload, _NO_FILE if notice else len(payload))
         count = f[4] // f[1].itemsize if f[4] else 0
         return f[0], f[1], f[2], count, f[3], f[5], f[6], f[9], f[11]
+
+
+_CREATED = struct.Struct("<Q")
+_CREATED_AT = struct.calcsize(PREFIX.format[:-4])  # the prefix before ``created_ns``
+
+
+def created_ns(buf: BufferLike) -> int | None:
+    """The ``created_ns`` of the header at the start of ``buf`` (when its producer sent
+    it, ``time.time_ns()``), or None when ``buf`` starts with no header of ours. Reads the
+    magic and that field only: for a sweep judging a message's age, never for data."""
+    if len(buf) < PREFIX.size or bytes(buf[: len(MAGIC)]) != MAGIC:
+        return None
+    return int(_CREATED.unpack_from(buf, _CREATED_AT)[0])
 
 
 def unpack_identity(buf: BufferLike) -> tuple[int, int, str] | None:

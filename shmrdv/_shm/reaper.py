@@ -13,9 +13,10 @@ up after dead processes; so does shmrdv, in two places:
   only if still the file listed, and only if no process has it open or mapped
   (``registry.unlink_if_unused``). Records, doorbells, pool slots and half-written
   segments go at once. Messages and rings may be for a consumer that has not started yet
-  (a producer may send and close first): they wait ``GRACE_S`` after their last write or
-  rename, unless they are addressed to the worker whose close runs the sweep (its own,
-  which it will never take). A sweep is bounded in time, objects and namespaces: what it
+  (a producer may send and close first): they wait until ``GRACE_S`` after the newest value
+  still waiting in the namespace was sent (the time its producer wrote in its header, not
+  a file time: tmpfs does not update mtime for writes through a mapping), unless they are
+  addressed to the worker whose close runs the sweep (its own, which it will never take). A sweep is bounded in time, objects and namespaces: what it
   leaves, the next one takes. ``SHMRDV_AUTO_GC=0`` turns sweeps off (to look at what a
   crashed job left, with ``shmrdv ls``).
 * ``collect_producer()`` is for a consumer that has taken everything a dead producer run
@@ -43,6 +44,7 @@ from collections import defaultdict
 from .._cluster import NAMESPACE_ID_HEX
 from .._errors import InternalError, InvalidArgumentError, RendezvousError
 from .._keys import DeviceName, parse_key
+from . import layout
 from .naming import PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
 from .ownership import is_ours, open_checked
 from .presence import probe, read_record
@@ -75,9 +77,9 @@ MAX_OBJECTS = 4096
 MAX_SECONDS = 0.25
 #: ...and looks at most at this many dead namespaces (each costs one more listing).
 MAX_NAMESPACES = 16
-#: Messages and rings of a dead namespace wait this long (seconds since they were last
-#: written or renamed) for a consumer that has not started yet: a producer may send and
-#: close before its consumer starts (tests/test_shm_ring.py).
+#: Messages and rings of a dead namespace wait this long (seconds since the newest value
+#: still waiting in it was sent) for a consumer that has not started yet: a producer may
+#: send and close before its consumer starts (tests/test_shm_ring.py). Read at each sweep.
 GRACE_S = 30.0
 # A ring is ~1 MiB (``ring.ring_size``); anything much larger is not read whole.
 _RING_MAX_BYTES = 16 << 20
@@ -175,9 +177,9 @@ def sweep(
     bounds; ``closing`` is ``(names, task)`` of the worker whose close runs it.
 
     In a namespace where no worker is alive, everything goes at once but messages and rings:
-    those wait for a consumer that has not started yet, up to ``GRACE_S`` after they were
-    last written or renamed, unless they are addressed to the closing worker (it will never
-    take them: they were its own). Never raises for what it finds (an object it cannot
+    those wait for a consumer that has not started yet, up to ``GRACE_S`` after the newest
+    value still waiting in the namespace was sent, unless they are addressed to the closing
+    worker (it will never take them: they were its own). Never raises for what it finds (an object it cannot
     remove is left and logged); never blocks.
     """
     start = time.monotonic()
@@ -220,16 +222,21 @@ def sweep(
         # everything it makes from now on is not in the list.
         if namespace_alive(ns, shm_dir):
             continue
-        mine = closing if closing is not None and closing[0].namespace_id == ns else None
-        theirs = set() if mine is None else _addressed_to(mine[1], listed)
-        waiting = time.time() - GRACE_S
+        me = None
+        if closing is not None and closing[0].namespace_id == ns:
+            me = _task_key(closing[1])
+        theirs, newest = _waiting(listed, me)
+        # Values still waiting in a dead namespace wait for their consumers until GRACE_S
+        # after the newest of them was sent: a time their producer wrote in them (tmpfs
+        # does not update a file's mtime for writes through a mapping).
+        keep = newest is not None and newest > time.time_ns() - int(GRACE_S * 1e9)
         listed.sort(key=lambda e: e.kind == "presence")  # records last: `ls` shows whose
         count = tried = 0
         for e in listed:
             if tried >= _AT_LEAST and time.monotonic() > deadline:
                 complete = False
                 break
-            if e.kind in _FOR_A_CONSUMER and e.path not in theirs and e.changed > waiting:
+            if keep and e.kind in _FOR_A_CONSUMER and e.path not in theirs:
                 complete = False  # may be for a consumer about to start: a later sweep
                 continue
             tried += 1
@@ -249,7 +256,6 @@ class _Listed:
     kind: str
     path: str
     ino: tuple[int, int]
-    changed: float  # last write or rename (max of mtime and ctime)
 
 
 def _stat_listed(parsed: ObjectName, path: str) -> _Listed | None:
@@ -259,28 +265,40 @@ def _stat_listed(parsed: ObjectName, path: str) -> _Listed | None:
         return None
     if not is_ours(st):
         return None
-    return _Listed(parsed.kind, path, (st.st_dev, st.st_ino), max(st.st_mtime, st.st_ctime))
+    return _Listed(parsed.kind, path, (st.st_dev, st.st_ino))
 
 
-def _addressed_to(task: str, listed: list[_Listed]) -> set[str]:
-    """The paths among ``listed`` of messages and rings addressed to ``task``: a message by
-    the key in its header, a ring by the description its producer wrote into it."""
+def _task_key(task: str) -> tuple[str, int, int] | None:
     try:
-        me = DeviceName.parse(task).task_key()
+        return DeviceName.parse(task).task_key()
     except InvalidArgumentError:
-        return set()
-    out: set[str] = set()
+        return None
+
+
+def _waiting(listed: list[_Listed], me: tuple[str, int, int] | None) -> tuple[set[str], int | None]:
+    """What the messages and rings among ``listed`` hold for their consumers: the paths of
+    those addressed to the task ``me`` (a message by the key in its header, a ring by the
+    consumer its producer wrote into it), and when the newest value of the others still
+    waiting was sent (``time.time_ns()`` as its producer wrote it in the value's header),
+    None when none waits."""
+    theirs: set[str] = set()
+    newest: int | None = None
+    sent: int | None
     for e in listed:
         if e.kind == "message":
             header = peek_header(e.path)
-            dst = None if header is None else _task_of_key(header.key)
+            if header is None:
+                continue  # no valid header: nothing a consumer could take
+            dst, sent = _task_of_key(header.key), header.created_ns
         elif e.kind == "ring":
-            dst = _ring_consumer(e.path)
+            dst, sent = _read_ring(e.path)
         else:
             continue
-        if dst is not None and dst == me:
-            out.add(e.path)
-    return out
+        if me is not None and dst == me:
+            theirs.add(e.path)
+        elif sent is not None and (newest is None or sent > newest):
+            newest = sent
+    return theirs, newest
 
 
 def _task_of_key(key: str) -> tuple[str, int, int] | None:
@@ -290,29 +308,42 @@ def _task_of_key(key: str) -> tuple[str, int, int] | None:
         return None
 
 
-def _ring_consumer(path: str) -> tuple[str, int, int] | None:
-    """The consumer task a ring was made for (its description, ``Ring.meta``), or None.
-    The ring is read with ``pread`` into a private buffer, never mapped: a truncation by
-    another process costs nothing, and no mapping of ours keeps the file in use."""
+def _read_ring(path: str) -> tuple[tuple[str, int, int] | None, int | None]:
+    """The consumer task a ring was made for (its description, ``Ring.meta``) and when the
+    newest record its consumer has not taken was sent (None each when unknown). The ring is
+    read with ``pread`` into a private buffer, never mapped: a truncation by another
+    process costs nothing, and no mapping of ours keeps the file in use."""
     try:
         fd, st = open_checked(path, os.O_RDONLY, "ring", max_size=_RING_MAX_BYTES)
     except (OSError, RendezvousError):
-        return None
+        return None, None
     try:
         data = bytearray(os.pread(fd, st.st_size, 0))
     except OSError:
-        return None
+        return None, None
     finally:
         os.close(fd)
     try:
         ring = Ring(memoryview(data))
+    except RendezvousError:
+        return None, None  # not a ring of ours (a corrupt or truncated file)
+    consumer: tuple[str, int, int] | None = None
+    newest: int | None = None
+    try:
         try:
-            meta = json.loads(ring.meta())
-        finally:
-            ring.release()
-        return DeviceName.parse(str(meta["consumer"])).task_key()
-    except (RendezvousError, ValueError, KeyError, TypeError, IndexError, struct.error):
-        return None  # not a ring of ours (a corrupt or truncated file): not addressed to us
+            consumer = DeviceName.parse(str(json.loads(ring.meta())["consumer"])).task_key()
+        except (RendezvousError, ValueError, KeyError, TypeError):
+            pass
+        try:
+            for record in ring.take():  # (a private copy: taking changes nothing)
+                sent = layout.created_ns(record)
+                if sent is not None and (newest is None or sent > newest):
+                    newest = sent
+        except (RendezvousError, IndexError, struct.error):
+            pass  # a corrupt ring: what was read before the fault
+    finally:
+        ring.release()
+    return consumer, newest
 
 
 def collect_producer(
