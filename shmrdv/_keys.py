@@ -29,6 +29,7 @@ import functools
 import hashlib
 import operator
 import re
+from typing import NamedTuple
 
 from ._errors import InvalidArgumentError
 
@@ -352,20 +353,25 @@ _HEX = re.compile(r"[0-9a-fA-F]{1,16}")
 # and a malformed one is a caller's bug worth reporting.
 _FRAME_ITER = re.compile(r"([0-9]{1,20}):(-?[0-9]{1,19})")
 
-# Distinct keys a process uses at once; parse_key is on the send/recv hot path.
-_PARSE_CACHE_SIZE = 8192
+# What a key's first three parts (src device, incarnation, dst device) and its fifth
+# (frame:iter) parse to, derived once: a job has few distinct devices and frames, so a key
+# parses with one split and two lookups, whether it is used once or a million times.
+# Cleared when full (a job with this many is not using keys as TensorFlow does).
+_ENDS_MAX = 4096
+_ends: dict[tuple[str, str, str], tuple[DeviceName, int, DeviceName]] = {}
+_frames: dict[str, tuple[int, int]] = {}
+_new_parsed = tuple.__new__
 _DIGEST_SIZE = 16
 
 _PART_NAMES = ("src_device", "src_incarnation", "dst_device", "edge_name", "frame_iter")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ParsedKey:
+class ParsedKey(NamedTuple):
     """A parsed rendezvous key. ``str(pk)`` is the key text, ``pk.full_key``.
 
     ``src_device`` and ``dst_device`` are the device parts exactly as written in the key
     (possibly empty: TensorFlow's "implicit local device"); ``src`` and ``dst`` are the
-    same parts parsed.
+    same parts parsed. Immutable (a named tuple: made per message at the cost of a tuple).
     """
 
     src_device: str
@@ -503,17 +509,29 @@ def parse_key(key: str) -> ParsedKey:
        ASCII decimal).
 
     Raises ``InvalidArgumentError`` (a ``ValueError``) quoting the key and naming the
-    part that is wrong. Results are cached: this is on the send/recv hot path.
+    part that is wrong. A key costs one split and two lookups: what its devices and frame
+    parse to is derived once (this is on the send/recv hot path).
     """
     if type(key) is not str:
         raise InvalidArgumentError(
             f"a rendezvous key must be a str, not {type(key).__name__}" + _USE_CREATE_KEY
         )
-    return _parse_key_cached(key)
-
-
-def _parse_key_uncached(key: str) -> ParsedKey:
     parts = key.split(";")
+    if len(parts) == 5:
+        src_text, inc_text, dst_text, edge_name, fi_text = parts
+        ends = _ends.get((src_text, inc_text, dst_text))
+        frame_iter = _frames.get(fi_text)
+        if ends is not None and frame_iter is not None and edge_name and edge_name.isascii():
+            src, incarnation, dst = ends
+            return _new_parsed(
+                ParsedKey,
+                (src_text, incarnation, dst_text, edge_name, frame_iter, src, dst, key),
+            )
+    return _parse_key_checked(key, parts)
+
+
+def _parse_key_checked(key: str, parts: list[str]) -> ParsedKey:
+    """``parse_key`` with every check, remembering what the key's ends and frame parse to."""
     if len(parts) < 5:
         raise InvalidArgumentError(
             f"Invalid rendezvous key {_quote(key)}: it has {len(parts)} ';'-separated parts, "
@@ -555,19 +573,14 @@ def _parse_key_uncached(key: str) -> ParsedKey:
         raise _bad_key(
             key, 5, f"{_quote(fi_text)} is out of range (frame_id uint64, iter_id int64)"
         )
-    return ParsedKey(
-        src_device=src_text,
-        src_incarnation=int(inc_text, 16),
-        dst_device=dst_text,
-        edge_name=edge_name,
-        frame_iter=(frame_id, iter_id),
-        src=src,
-        dst=dst,
-        full_key=key,
-    )
-
-
-_parse_key_cached = functools.lru_cache(maxsize=_PARSE_CACHE_SIZE)(_parse_key_uncached)
+    incarnation = int(inc_text, 16)
+    if len(_ends) >= _ENDS_MAX:
+        _ends.clear()
+    if len(_frames) >= _ENDS_MAX:
+        _frames.clear()
+    _ends[(src_text, inc_text, dst_text)] = (src, incarnation, dst)
+    _frames[fi_text] = (frame_id, iter_id)
+    return ParsedKey(src_text, incarnation, dst_text, edge_name, (frame_id, iter_id), src, dst, key)
 
 
 def key_digest(full_key: str) -> bytes:

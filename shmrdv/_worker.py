@@ -1,56 +1,93 @@
-"""Worker: one task of a job, the owner of its steps, their tombstones and its lifetime.
+"""Worker: one task of a job, its steps, and the route of every key it sends or receives.
 
-A Worker is TensorFlow's worker process reduced to its rendezvous part: it has a task
-name (``/job:w/replica:0/task:1``), an incarnation (a random uint64 drawn at start), a
-namespace shared by the job's workers, and the transports that reach other workers —
-shared memory on this host, gRPC across hosts. It builds them (with the
-``TransportContext``, the peer directory and the ``Router``) and closes them; routing
-itself lives in ``_router.py``. ``rendezvous(step_id)`` hands out the step's rendezvous;
-``cleanup(step_id)`` aborts and frees it (TensorFlow's ``RendezvousMgr::Cleanup``),
-leaving a tombstone so a late call fails at once instead of waiting forever.
+A Worker is TensorFlow's worker process reduced to its rendezvous part: a task name
+(``/job:w/replica:0/task:1``), an incarnation (a random uint64 drawn at start), a
+namespace shared by the job's workers, and the transports that reach other workers:
+shared memory on this host, gRPC across hosts. ``rendezvous(step_id)`` hands out the
+step's ``StepRendezvous``; ``cleanup(step_id)`` aborts and frees it (TensorFlow's
+``RendezvousMgr::Cleanup``), leaving a tombstone so a late call fails at once.
 
-Thread model (``docs/threads.md``): thread-safe, no thread of its own (its transports
-have theirs). ``_lock`` guards the steps, the tombstones and the lazy creation of the gRPC
-client transport. A Worker inherited across ``fork`` refuses every call.
+Routing. Like TensorFlow's ``BaseRemoteRendezvous``, a step only sends keys whose src task
+is its worker and only receives keys whose dst task is its worker; tasks are compared as
+parsed names (``task:1`` is not ``task:10``). Both ends in this worker: the step's
+in-process ``LocalRendezvous`` (no copy). The other end in another worker: the first
+transport of the *producer's* priority list that the peer takes and that ``can_reach`` it
+(TensorPipe's ``canCommunicateWithRemote``). All of this depends only on a key's two ends
+(src device, src incarnation, dst device), never on its edge name: it is derived once per
+pair of ends (``_Ends``), so a key used once costs its parse and nothing else. A peer's
+transport is kept once its record is final (its own presence record); a receive started
+while the record is provisional also listens on the producer's pick once known
+(``_race.py``).
+
+Thread model (``docs/threads.md``): thread-safe. ``Worker._lock`` guards the steps, the
+tombstones and the lazy gRPC client; ``_Routes._lock`` the final routes and long waits; a
+step's lock its abort error. None is held across a transport call.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._cluster import ClusterSpec, is_local_host, namespace_id, resolve_namespace, split_host_port
-from ._errors import AbortedError, InvalidArgumentError, closed_error
-from ._keys import DeviceName
-from ._peers import ALL_TRANSPORTS, NoPresence, Peers, canonical_task
-from ._rendezvous import Closing
-from ._router import Router, RouterContext
+import numpy.typing as npt
+
+from ._cluster import (
+    ALL_TRANSPORTS,
+    ClusterSpec,
+    NoPresence,
+    Peers,
+    canonical_task,
+    is_local_host,
+    namespace_id,
+    resolve_namespace,
+    split_host_port,
+)
+from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError, closed_error
+from ._keys import DeviceName, ParsedKey, parse_key
+from ._race import LegStarter, PickWatch, RaceRecv
+from ._rendezvous import (
+    Canceller,
+    Closing,
+    DoneCallback,
+    LocalRendezvous,
+    Received,
+    RecvSlot,
+    Rendezvous,
+    as_parsed_key,
+    check_timeout,
+    timeout_error,
+    wait_received,
+)
 from ._rpc.limits import (
     DEFAULT_FIRST_MESSAGE_TIMEOUT,
     DEFAULT_MAX_CONCURRENT_RPCS,
     ServerLimits,
 )
-from ._step import StepRendezvous
-from ._transport import PresenceBoard, Transport, TransportContext
+from ._transport import PeerRecord, PresenceBoard, Sighting, Transport, TransportContext
+from ._values import check_value
 from ._window import check_window
 
 if TYPE_CHECKING:
     from ._rpc.security import TLSConfig
 
-__all__ = ["Worker"]
+__all__ = ["StepRendezvous", "Worker", "explain_absent_producer"]
 
 _log = logging.getLogger("shmrdv.worker")
 
-_TRANSPORTS = ALL_TRANSPORTS
 # How many cleaned-up step ids a worker remembers (TensorFlow keeps none and lets a late
 # RecvTensor wait forever; an unbounded set would leak in a long job).
 _TOMBSTONES = 65536
+# How many pairs of key ends a worker remembers (a job has few devices; cleared when full).
+_ENDS_MAX = 4096
+_INF = float("inf")
 
 _live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
 
@@ -58,14 +95,468 @@ _live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
 def _mark_forked() -> None:
     for w in list(_live_workers):
         w._forked = True
-        w._refuse(w._unusable)
+        w._routes.refused = w._unusable
 
 
 os.register_at_fork(after_in_child=_mark_forked)
 
 
-def _nobody(error: Callable[[], BaseException]) -> None:
-    """``Worker._refuse`` before the worker has a router: no step to refuse."""
+class _Ends:
+    """What a key's two ends mean to this worker (see the module docstring).
+
+    ``sends`` / ``receives``: whether a step of this worker may send / receive keys
+    between these ends (its own task at that end, and for a send the right incarnation).
+    ``peer`` is the other end's task (None when both ends, or neither, are this worker);
+    ``transport`` and ``wait`` are filled in once the peer's record is final.
+    """
+
+    __slots__ = (
+        "dst_own",
+        "inc_ok",
+        "local",
+        "peer",
+        "receives",
+        "sends",
+        "src_own",
+        "transport",
+        "wait",
+    )
+
+    def __init__(self, pk: ParsedKey, task: DeviceName, incarnation: int) -> None:
+        self.src_own = task.same_task(pk.src)
+        self.dst_own = task.same_task(pk.dst)
+        self.inc_ok = not self.src_own or pk.src_incarnation in (0, incarnation)
+        self.sends = self.src_own and self.inc_ok
+        self.receives = self.dst_own and self.inc_ok
+        self.local = self.src_own and self.dst_own
+        self.peer: DeviceName | None = (
+            pk.dst
+            if self.src_own and not self.dst_own
+            else pk.src
+            if self.dst_own and not self.src_own
+            else None
+        )
+        self.transport: Transport | None = None
+        self.wait: Callable[[RecvSlot, float], None] | None = None
+
+
+class _Routes:
+    """The routing of one Worker, shared by its steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: TransportContext,
+        order: tuple[str, ...],
+        transport: Callable[[str], Transport],
+        active: Callable[[], tuple[Transport, ...]],
+    ) -> None:
+        self.ctx = ctx
+        self.order = order  # the worker's transport priority list
+        self._transport = transport  # the named transport (created on first use)
+        self._active = active  # the transports created so far
+        self._lock = threading.Lock()
+        # (src device, src incarnation, dst device) -> what they mean here.
+        self.ends: dict[tuple[str, int, str], _Ends] = {}
+        # (peer task, this worker produces) -> transport: each direction its producer's pick.
+        self._peer_routes: dict[tuple[tuple[str, int, int], bool], Transport] = {}
+        # Blocked receives that have waited long, by id of their slot: (step, key, since).
+        self._long_waits: dict[int, tuple[int, ParsedKey, float]] = {}
+        self._picks = PickWatch()
+        # What every call of this worker's steps raises once it may not be used (closed,
+        # or inherited across fork). One attribute read per call.
+        self.refused: Callable[[], BaseException] | None = None
+
+    def of(self, pk: ParsedKey) -> _Ends:
+        """The route of ``pk``'s ends, derived on first sight."""
+        ends = self.ends.get((pk.src_device, pk.src_incarnation, pk.dst_device))
+        if ends is None:
+            ends = _Ends(pk, self.ctx.task, self.ctx.incarnation)
+            with self._lock:
+                if len(self.ends) >= _ENDS_MAX:
+                    self.ends.clear()
+                ends = self.ends.setdefault(
+                    (pk.src_device, pk.src_incarnation, pk.dst_device), ends
+                )
+        return ends
+
+    # -- the checks, their errors built only when they fail ---------------------------
+
+    def send_error(self, pk: ParsedKey, ends: _Ends) -> Exception:
+        if not ends.src_own:
+            return _not_this_task(pk, "src", self.ctx.task_name)
+        return AbortedError(
+            f"key {pk.full_key!r} names incarnation {pk.src_incarnation:016x} of "
+            f"{self.ctx.task_name}, but this worker is incarnation {self.ctx.incarnation:016x}: "
+            "the key is from a previous run of this worker"
+        )
+
+    def recv_error(self, pk: ParsedKey, ends: _Ends) -> Exception:
+        if not ends.dst_own:
+            return _not_this_task(pk, "dst", self.ctx.task_name)
+        return AbortedError(
+            f"RecvTensor expects a different device incarnation: {pk.src_incarnation:016x} "
+            f'vs. {self.ctx.incarnation:016x}. Your worker job ("{self.ctx.task_name}") was '
+            f"probably restarted; key {pk.full_key!r}"
+        )
+
+    # -- choosing a transport ---------------------------------------------------------
+
+    def transport(self, ends: _Ends, pk: ParsedKey) -> Transport:
+        """The transport between this worker and ``ends.peer`` (which must be set)."""
+        t = ends.transport
+        if t is not None:
+            return t
+        peer = ends.peer
+        assert peer is not None
+        tk = (peer.task_key(), ends.src_own)
+        t = self._peer_routes.get(tk)
+        if t is None:
+            record = self.ctx.peers.lookup(peer)
+            t = self._choose(record, pk, producer=ends.src_own)
+            if not record.final:
+                return t  # provisional: ask again next time
+            with self._lock:
+                t = self._peer_routes.setdefault(tk, t)
+        ends.wait = t.wait
+        ends.transport = t
+        return t
+
+    def others_reaching(self, ends: _Ends, first: Transport) -> bool:
+        """Whether a receive started on ``first`` by a provisional record (the producer's
+        order not known) may have to listen elsewhere too: whether the peer may take
+        another transport of this worker's that may reach it. A transport not made yet is
+        not made for this (gRPC's client: asked once the record is final)."""
+        assert ends.peer is not None
+        record = self.ctx.peers.lookup(ends.peer)
+        if record.final:
+            return True  # final since ``transport`` looked: the watch settles it at once
+        made = {t.name: t for t in self._active()}
+        return any(
+            n != first.name
+            and n in record.transports
+            and (n not in made or made[n].can_reach(record))
+            for n in self.order
+        )
+
+    def watch_pick(
+        self,
+        ends: _Ends,
+        pk: ParsedKey,
+        race: RaceRecv,
+        first: Transport,
+        leg: Callable[[Transport, DoneCallback], Canceller],
+    ) -> None:
+        """Start ``leg``'s receive on the producer's pick once its record is final and the
+        pick is not ``first`` (``_race.PickWatch``)."""
+
+        def pick() -> tuple[LegStarter | None] | None:
+            t = ends.transport or self.transport(ends, pk)
+            if ends.transport is None:
+                return None  # still provisional
+            return (None if t is first else functools.partial(leg, t),)
+
+        self._picks.watch(race, pick)
+
+    def _choose(self, record: PeerRecord, pk: ParsedKey, *, producer: bool) -> Transport:
+        """The first of the *producer's* priority list that both take and that reaches the
+        peer, so that both ends pick the same one whatever order each lists them in."""
+        if producer or not record.final:
+            # A provisional record (the cluster spec's, before the producer has started)
+            # does not know the producer's order: this worker's own is the best guess.
+            order = [n for n in self.order if n in record.transports]
+        else:
+            order = [n for n in record.transports if n in self.order]
+        for name in order:
+            t = self._transport(name)
+            if t.can_reach(record):
+                return t
+        where = "this host" if record.same_host else "another host"
+        raise InvalidArgumentError(
+            f"key {pk.full_key!r}: task {record.task} is on {where} and takes transports "
+            f"{record.transports}; none of this worker's transports={self.order} reaches it"
+        )
+
+    def abort_step(self, step_id: int, error: BaseException) -> None:
+        """Abort ``step_id`` in every transport created so far."""
+        for t in self._active():
+            t.abort_step(step_id, error)
+
+    # -- why a receive waits (never per message) --------------------------------------
+
+    def diagnose(self, pk: ParsedKey, *, probe: bool = False) -> str | None:
+        """Why a receive of ``pk`` may be waiting: where its producer is alive, if not in
+        this worker's namespace; with ``probe``, also what the key's transport finds
+        (``Transport.explain_wait``). None when there is nothing to tell. Lists presence
+        records and may probe: only for a timeout, a long wait or ``stats()``."""
+        peers = self.ctx.peers
+        try:
+            record = peers.lookup(pk.src)
+        except Exception as e:  # a diagnosis never replaces the error it explains
+            return f"the presence record of {pk.src} cannot be read: {e}"
+        hints = []
+        ends = self.of(pk)
+        if probe and ends.peer is not None:
+            try:
+                hint = self.transport(ends, pk).explain_wait(record)
+            except Exception:
+                _log.debug("explaining the wait for %r failed", pk.full_key, exc_info=True)
+                hint = None
+            if hint is not None:
+                hints.append(hint)
+        if record.same_host:
+            absent = explain_absent_producer(record.task, peers.sightings(pk.src))
+            if absent is not None:
+                hints.append(absent)
+        return "; ".join(hints) or None
+
+    def long_wait(self, slot: RecvSlot, entry: tuple[int, ParsedKey, float] | None) -> None:
+        """Record (``entry``: step, key, since) or forget (None) a long wait of ``slot``."""
+        with self._lock:
+            if entry is None:
+                self._long_waits.pop(id(slot), None)
+            else:
+                self._long_waits[id(slot)] = entry
+
+    def waiting(self) -> list[dict[str, Any]]:
+        """The blocked receives waiting for over a second: step, key, seconds, diagnosis."""
+        with self._lock:
+            waits = list(self._long_waits.values())
+        now = time.monotonic()
+        hints: dict[str, str | None] = {}  # one look (and probe) per producer task
+        for _, pk, _ in waits:
+            if str(pk.src) not in hints:
+                hints[str(pk.src)] = self.diagnose(pk, probe=True)
+        return [
+            {
+                "step": step,
+                "key": pk.full_key,
+                "waited_s": round(now - since, 3),
+                "diagnosis": hints[str(pk.src)],
+            }
+            for step, pk, since in waits
+        ]
+
+
+def explain_absent_producer(task: str, found: list[Sighting] | None) -> str | None:
+    """A sentence saying where ``task`` lives if not in this worker's namespace, or None.
+
+    None also when it is alive in this worker's namespace, or when ``found`` is None (this
+    host keeps no presence records). Otherwise "task … is alive in namespace id …, not in
+    this worker's: producer and consumer must share the namespace", or "task … is not
+    alive anywhere on this host".
+    """
+    if found is None or any(s.alive and s.ours for s in found):
+        return None
+    elsewhere = sorted({s.namespace for s in found if s.alive and not s.ours})
+    if elsewhere:
+        pids = sorted({s.pid for s in found if s.alive and not s.ours})
+        return (
+            f"task {task} is alive in namespace id {', '.join(elsewhere)} "
+            f"(pid {', '.join(map(str, pids))}), not in this worker's: producer and consumer "
+            "must share the namespace"
+        )
+    return (
+        f"task {task} is not alive anywhere on this host (no live presence record of this "
+        "user in any namespace): it has not started, it exited, or it runs on another host"
+    )
+
+
+def _not_this_task(pk: ParsedKey, side: str, task_name: str) -> InvalidArgumentError:
+    """TensorFlow's "Invalid rendezvous key (src|dst)", saying which task the key names,
+    which task this worker is, and what to do instead."""
+    device = pk.src if side == "src" else pk.dst
+    role, verb = ("producer", "sends") if side == "src" else ("consumer", "receives")
+    call = "send" if side == "src" else "recv"
+    named = (
+        f"task {device.task_part}"
+        if device.has_task
+        else f"device {str(device) or '(empty)'}, which names no task (it needs /job: and /task:)"
+    )
+    return InvalidArgumentError(
+        f"Invalid rendezvous key ({side}): {pk.full_key} @ {task_name}: the key's {role} "
+        f"({side}) is {named}, but this worker is {task_name}, and a worker {verb} only keys "
+        f"whose {side} device is on its own task; call {call} on the Worker of the task the "
+        f"key names, or build the key with a {side} device of this task (e.g. "
+        f"{task_name}/device:CPU:0)"
+    )
+
+
+class StepRendezvous(Rendezvous):
+    """The rendezvous of one step of one Worker (``Worker.rendezvous(step_id)``).
+
+    ``send`` never blocks on the consumer; it copies the array once into shared memory
+    for a consumer on this host (none for an array from ``allocate``, none for a consumer
+    in this worker) and buffers it for a consumer on another host, which pulls it.
+    Receives block, call back, or complete a Future / awaitable as described on
+    ``Rendezvous``. ``start_abort`` (or ``Worker.cleanup``) fails everything pending in this
+    step and every later call.
+    """
+
+    def __init__(self, routes: _Routes, step_id: int) -> None:
+        self._routes = routes
+        self.step_id = step_id
+        self._local = LocalRendezvous()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        state = f"aborted: {self._error!r}" if self._error is not None else "open"
+        return f"<StepRendezvous step={self.step_id} of {self._routes.ctx.task_name} ({state})>"
+
+    def send(
+        self,
+        key: str | ParsedKey,
+        value: Any,
+        *,
+        is_dead: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        routes = self._routes
+        if routes.refused is not None:
+            raise routes.refused()
+        pk = parse_key(key) if type(key) is str else as_parsed_key(key)
+        ends = routes.ends.get((pk.src_device, pk.src_incarnation, pk.dst_device))
+        if ends is None:
+            ends = routes.of(pk)
+        if not ends.sends:
+            raise routes.send_error(pk, ends)
+        if self._error is not None:
+            raise self._error
+        if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
+            timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
+        arr = check_value(value, pk.full_key)
+        dead = is_dead if type(is_dead) is bool else bool(is_dead)
+        if ends.local:
+            self._local.put(pk, arr, dead)
+        else:
+            t = ends.transport or routes.transport(ends, pk)
+            t.send(self.step_id, pk, arr, dead, timeout)
+
+    send.__doc__ = Rendezvous.send.__doc__
+
+    def _receiving(self, key: str | ParsedKey) -> tuple[ParsedKey, _Ends]:
+        """The parsed key and its route for a receive; raises what makes it impossible."""
+        routes = self._routes
+        if routes.refused is not None:
+            raise routes.refused()
+        pk = parse_key(key) if type(key) is str else as_parsed_key(key)
+        ends = routes.ends.get((pk.src_device, pk.src_incarnation, pk.dst_device))
+        if ends is None:
+            ends = routes.of(pk)
+        if not ends.receives:
+            raise routes.recv_error(pk, ends)
+        if self._error is not None:
+            raise self._error
+        return pk, ends
+
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
+        pk, ends = self._receiving(key)
+        if ends.local:
+            return self._local.start_recv(pk, done, copy=copy, blocking=blocking)
+        t = ends.transport
+        if t is None:
+            t = self._routes.transport(ends, pk)
+            if ends.transport is None and self._routes.others_reaching(ends, t):
+                leg = functools.partial(_start_leg, step_id=self.step_id, pk=pk, copy=copy)
+                race = RaceRecv(done, [functools.partial(leg, t)], f"key {pk.full_key!r}")
+                self._routes.watch_pick(ends, pk, race, t, leg)
+                return race
+        return t.start_recv(self.step_id, pk, done, copy=copy, blocking=blocking)
+
+    start_recv.__doc__ = Rendezvous.start_recv.__doc__
+
+    def _wait_blocked(
+        self, slot: RecvSlot, cancel: Canceller, key: str | ParsedKey, timeout: float | None
+    ) -> Received:
+        """A blocked receiver helps its transport while it waits (``Transport.wait``: the
+        shared-memory one polls the doorbell as leader) and reports a wait that lasts."""
+        pk = as_parsed_key(key)
+        ends = self._routes.of(pk)
+        if ends.local:
+            return wait_received(slot, cancel, pk, timeout)
+        if isinstance(cancel, RaceRecv):  # its legs are callback receives: nothing to help
+            return wait_received(slot, cancel, pk, timeout, observer=self)
+        # The transport start_recv chose (asked again only while the peer's record is
+        # provisional, i.e. before the peer has started).
+        helper = ends.wait or self._routes.transport(ends, pk).wait
+        return wait_received(slot, cancel, pk, timeout, helper, self)
+
+    def allocate(self, key: str | ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
+        """An array to fill and then ``send(key, array)``.
+
+        For a consumer on this host it lies in a shared-memory segment, so ``send`` only
+        publishes it: no copy at all. It may be sent once, under this key only.
+        """
+        routes = self._routes
+        if routes.refused is not None:
+            raise routes.refused()
+        pk = as_parsed_key(key)
+        ends = routes.of(pk)
+        if not ends.sends:
+            raise routes.send_error(pk, ends)
+        if self._error is not None:
+            raise self._error
+        if ends.local:
+            return super().allocate(pk, shape, dtype)
+        t = ends.transport or routes.transport(ends, pk)
+        return t.allocate(self.step_id, pk, shape, dtype)
+
+    def start_abort(self, error: BaseException) -> None:
+        if not isinstance(error, BaseException):
+            raise InvalidArgumentError(f"start_abort needs an exception, not {error!r}")
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = error
+        self._local.start_abort(error)
+        self._routes.abort_step(self.step_id, error)
+
+    @property
+    def aborted(self) -> BaseException | None:
+        """The abort error, or ``None`` while the step is open."""
+        return self._error
+
+    # -- WaitObserver: what a cross-process receive that waits says ---------------------
+
+    def timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
+        error = timeout_error(key, timeout)
+        if self._routes.of(key).local:
+            return error
+        hint = self._routes.diagnose(key, probe=True)
+        return error if hint is None else DeadlineExceededError(f"{error}; {hint}")
+
+    _timeout_error = timeout_error
+
+    def waiting_long(self, slot: RecvSlot, key: ParsedKey, waited: float) -> None:
+        self._routes.long_wait(slot, (self.step_id, key, time.monotonic() - waited))
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug(
+                "recv of %r in step %d has waited %.0fs: %s",
+                key.full_key,
+                self.step_id,
+                waited,
+                self._routes.diagnose(key) or f"its producer {key.src} is alive in this namespace",
+            )
+
+    def stopped_waiting(self, slot: RecvSlot) -> None:
+        self._routes.long_wait(slot, None)
+
+    def stats(self) -> dict[str, int]:
+        return self._local.stats()
+
+
+def _start_leg(
+    t: Transport, done: DoneCallback, *, step_id: int, pk: ParsedKey, copy: bool
+) -> Canceller:
+    """One leg of a ``RaceRecv``: a callback receive on ``t``."""
+    return t.start_recv(step_id, pk, done, copy=copy, blocking=False)
 
 
 def _task_of(task: str | DeviceName) -> DeviceName:
@@ -167,15 +658,15 @@ class Worker(Closing):
         self.namespace: str = resolve_namespace(namespace)
         self.namespace_id: str = namespace_id(self.namespace)  # what messages name; public
         explicit = transports is not None
-        names = tuple(transports) if transports is not None else _TRANSPORTS
+        names = tuple(transports) if transports is not None else ALL_TRANSPORTS
         if isinstance(transports, str):
             raise InvalidArgumentError(
                 f"transports must be a list like ('shm', 'grpc'), not the string {transports!r}"
             )
-        bad = [t for t in names if t not in _TRANSPORTS]
+        bad = [t for t in names if t not in ALL_TRANSPORTS]
         if bad or len(set(names)) != len(names):
             raise InvalidArgumentError(
-                f"transports must be distinct names among {_TRANSPORTS}, not {names!r}"
+                f"transports must be distinct names among {ALL_TRANSPORTS}, not {names!r}"
             )
         self.transports: tuple[str, ...] = names
         if incarnation is None:
@@ -211,9 +702,18 @@ class Worker(Closing):
         self._tombstones: OrderedDict[int, AbortedError] = OrderedDict()
         self._shm: Transport | None = None
         self._grpc: Transport | None = None
-        self._peers: Peers | None = None
-        # Tells the router to refuse every step's calls (set once the router exists).
-        self._refuse: Callable[[Callable[[], BaseException]], None] = _nobody
+        self._board = board = self._presence_board()
+        self._peers = Peers(board, self.cluster)
+        self._ctx = TransportContext(
+            task=self._task,
+            task_name=self.task,
+            incarnation=self.incarnation,
+            namespace=self.namespace,
+            peers=self._peers,
+            cleaned_up=self._tombstones.__contains__,
+            max_inflight_bytes=self.max_inflight_bytes,
+        )
+        self._routes = _Routes(self._ctx, self.transports, self._transport, self._active_transports)
         self.address: str | None = None
 
         try:
@@ -241,26 +741,7 @@ class Worker(Closing):
         return ShmBoard(self.namespace)
 
     def _start(self, explicit_transports: bool) -> None:
-        board = self._presence_board()
-        self._peers = Peers(board, self.cluster)
-        self._ctx = TransportContext(
-            task=self._task,
-            task_name=self.task,
-            incarnation=self.incarnation,
-            namespace=self.namespace,
-            peers=self._peers,
-            cleaned_up=self._tombstones.__contains__,
-            max_inflight_bytes=self.max_inflight_bytes,
-        )
-        self._router = Router(
-            RouterContext(
-                ctx=self._ctx,
-                order=self.transports,
-                transport=self._transport,
-                active=self._active_transports,
-            )
-        )
-        self._refuse = self._router.refuse
+        board = self._board
         start_server = (
             "grpc" in self.transports
             and (
@@ -328,7 +809,7 @@ class Worker(Closing):
             rdv = self._steps.get(step)
             if rdv is not None:
                 return rdv
-            rdv = StepRendezvous(self._router, step)
+            rdv = StepRendezvous(self._routes, step)
             tomb = self._tombstones.get(step)
             if tomb is None:
                 self._steps[step] = rdv
@@ -357,7 +838,7 @@ class Worker(Closing):
         if rdv is not None:
             rdv.start_abort(error)  # aborts the transports too (unless aborted before)
         else:
-            self._router.abort_step(step, error)
+            self._routes.abort_step(step, error)
         for t in self._active_transports():
             t.cleanup_step(step)
 
@@ -375,7 +856,7 @@ class Worker(Closing):
             return
         self._closed = True
         _live_workers.discard(self)
-        self._refuse(self._unusable)
+        self._routes.refused = self._unusable
         if self._forked:
             return  # the parent owns every OS object; touch nothing
         with self._lock:
@@ -389,8 +870,7 @@ class Worker(Closing):
                 t.close()
             except Exception:  # pragma: no cover - keep closing the rest
                 _log.exception("closing transport %s of %s", t.name, self.task)
-        if self._peers is not None:
-            self._peers.close()  # and its presence board: this worker's record goes
+        self._peers.close()  # and its presence board: this worker's record goes
 
     @property
     def closed(self) -> bool:
@@ -400,7 +880,7 @@ class Worker(Closing):
         """Counters per transport (bytes, messages, pending, live segments), steps,
         tombstones, ``max_inflight_bytes`` (the backpressure window, None if unset; each
         transport reports ``inflight_bytes`` and ``window_waits`` when set), ``routes``
-        (key strings whose route is remembered) and ``waiting``:
+        (pairs of key ends whose route is remembered) and ``waiting``:
         the blocked receives waiting for over a second, each with step, key, seconds
         waited and a diagnosis (None, or where its producer's task is alive if not in this
         worker's namespace, or that it is alive nowhere on this host)."""
@@ -410,8 +890,8 @@ class Worker(Closing):
             "steps": len(self._steps),
             "tombstones": len(self._tombstones),
             "max_inflight_bytes": self.max_inflight_bytes,
-            "routes": self._router.cached_routes(),
-            "waiting": self._router.waiting(),
+            "routes": len(self._routes.ends),
+            "waiting": self._routes.waiting(),
         }
         local: dict[str, int] = {}
         for rdv in list(self._steps.values()):
@@ -440,7 +920,7 @@ class Worker(Closing):
 
     def _unusable(self) -> InvalidArgumentError | AbortedError:
         """What a call of a worker that is closed, or inherited across fork, raises (its
-        router raises it too: ``Router.refuse``)."""
+        steps raise it too: ``_Routes.refused``)."""
         if self._forked:
             return InvalidArgumentError(
                 f"this Worker ({self.task}) was created in pid {self._pid} and inherited across "

@@ -163,9 +163,18 @@ def test_parse_key_non_str_raises_invalid_argument(bad: object) -> None:
         parse_key(bad)  # type: ignore[arg-type]
 
 
-def test_parse_key_is_cached() -> None:
-    key = create_key(CPU0, 99, CPU1, "cached_edge")
-    assert parse_key(key) is parse_key(key)
+def test_parse_key_remembers_the_ends_not_the_keys() -> None:
+    # A key per item (a scatter/gather) parses by one split and two lookups: what its
+    # devices and frame parse to is kept once, and no key string is kept at all.
+    from shmrdv import _keys
+
+    first = parse_key(create_key(CPU0, 99, CPU1, "item_0"))
+    ends, frames = len(_keys._ends), len(_keys._frames)
+    for i in range(1, 2000):
+        pk = parse_key(create_key(CPU0, 99, CPU1, f"item_{i}"))
+        assert pk.src is first.src and pk.dst is first.dst and pk.edge_name == f"item_{i}"
+    assert (len(_keys._ends), len(_keys._frames)) == (ends, frames)
+    assert parse_key(first.full_key) == first
 
 
 @given(st.text())

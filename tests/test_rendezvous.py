@@ -29,7 +29,7 @@ from shmrdv._rendezvous import (
     Rendezvous,
     check_timeout,
 )
-from shmrdv._step import StepRendezvous
+from shmrdv._worker import StepRendezvous
 
 DEV = "/job:w/replica:0/task:0/device:CPU:0"
 KEY = create_key(DEV, 1, DEV, "edge")
