@@ -358,7 +358,7 @@ _FRAME_ITER = re.compile(r"([0-9]{1,20}):(-?[0-9]{1,19})")
 # parses with one split and two lookups, whether it is used once or a million times.
 # Cleared when full (a job with this many is not using keys as TensorFlow does).
 _ENDS_MAX = 4096
-_ends: dict[tuple[str, str, str], tuple[DeviceName, int, DeviceName]] = {}
+_ends: dict[str, tuple[str, int, str, DeviceName, DeviceName]] = {}
 _frames: dict[str, tuple[int, int]] = {}
 _new_parsed = tuple.__new__
 _DIGEST_SIZE = 16
@@ -516,22 +516,25 @@ def parse_key(key: str) -> ParsedKey:
         raise InvalidArgumentError(
             f"a rendezvous key must be a str, not {type(key).__name__}" + _USE_CREATE_KEY
         )
-    parts = key.split(";")
-    if len(parts) == 5:
-        src_text, inc_text, dst_text, edge_name, fi_text = parts
-        ends = _ends.get((src_text, inc_text, dst_text))
+    # The ends ("<src_device>;<src_incarnation>;<dst_device>") and the frame seen before:
+    # the edge name is all that is left to check (non-empty, no ';', ASCII).
+    parts = key.rsplit(";", 2)
+    if len(parts) == 3:
+        head, edge_name, fi_text = parts
+        ends = _ends.get(head)
         frame_iter = _frames.get(fi_text)
         if ends is not None and frame_iter is not None and edge_name and edge_name.isascii():
-            src, incarnation, dst = ends
+            src_text, incarnation, dst_text, src, dst = ends
             return _new_parsed(
                 ParsedKey,
                 (src_text, incarnation, dst_text, edge_name, frame_iter, src, dst, key),
             )
-    return _parse_key_checked(key, parts)
+    return _parse_key_checked(key)
 
 
-def _parse_key_checked(key: str, parts: list[str]) -> ParsedKey:
+def _parse_key_checked(key: str) -> ParsedKey:
     """``parse_key`` with every check, remembering what the key's ends and frame parse to."""
+    parts = key.split(";")
     if len(parts) < 5:
         raise InvalidArgumentError(
             f"Invalid rendezvous key {_quote(key)}: it has {len(parts)} ';'-separated parts, "
@@ -578,7 +581,7 @@ def _parse_key_checked(key: str, parts: list[str]) -> ParsedKey:
         _ends.clear()
     if len(_frames) >= _ENDS_MAX:
         _frames.clear()
-    _ends[(src_text, inc_text, dst_text)] = (src, incarnation, dst)
+    _ends[f"{src_text};{inc_text};{dst_text}"] = (src_text, incarnation, dst_text, src, dst)
     _frames[fi_text] = (frame_id, iter_id)
     return ParsedKey(src_text, incarnation, dst_text, edge_name, (frame_id, iter_id), src, dst, key)
 

@@ -395,7 +395,8 @@ class StepRendezvous(Rendezvous):
     def __init__(self, routes: _Routes, step_id: int) -> None:
         self._routes = routes
         self.step_id = step_id
-        self._local = LocalRendezvous()
+        # Keys with both ends in this worker: made on first use (most steps have none).
+        self._local: LocalRendezvous | None = None
         self._lock = threading.Lock()
         self._error: BaseException | None = None
 
@@ -427,12 +428,23 @@ class StepRendezvous(Rendezvous):
         arr = check_value(value, pk.full_key)
         dead = is_dead if type(is_dead) is bool else bool(is_dead)
         if ends.local:
-            self._local.put(pk, arr, dead)
+            (self._local or self._make_local()).put(pk, arr, dead)
         else:
             t = ends.transport or routes.transport(ends, pk)
             t.send(self.step_id, pk, arr, dead, timeout)
 
     send.__doc__ = Rendezvous.send.__doc__
+
+    def _make_local(self) -> LocalRendezvous:
+        """The step's in-process table, made once (aborted at once if the step is)."""
+        with self._lock:
+            local = self._local
+            if local is None:
+                local = self._local = LocalRendezvous()
+            error = self._error
+        if error is not None:
+            local.start_abort(error)
+        return local
 
     def _receiving(self, key: str | ParsedKey) -> tuple[ParsedKey, _Ends]:
         """The parsed key and its route for a receive; raises what makes it impossible."""
@@ -459,7 +471,8 @@ class StepRendezvous(Rendezvous):
     ) -> Canceller:
         pk, ends = self._receiving(key)
         if ends.local:
-            return self._local.start_recv(pk, done, copy=copy, blocking=blocking)
+            local = self._local or self._make_local()
+            return local.start_recv(pk, done, copy=copy, blocking=blocking)
         t = ends.transport
         if t is None:
             t = self._routes.transport(ends, pk)
@@ -515,7 +528,9 @@ class StepRendezvous(Rendezvous):
             if self._error is not None:
                 return
             self._error = error
-        self._local.start_abort(error)
+            local = self._local
+        if local is not None:
+            local.start_abort(error)
         self._routes.abort_step(self.step_id, error)
 
     @property
@@ -549,7 +564,7 @@ class StepRendezvous(Rendezvous):
         self._routes.long_wait(slot, None)
 
     def stats(self) -> dict[str, int]:
-        return self._local.stats()
+        return {} if self._local is None else self._local.stats()
 
 
 def _start_leg(
