@@ -1,4 +1,4 @@
-"""Worker: one task of a job, its steps, and the route of every key it sends or receives.
+"""Worker: one task of a job, its transports and its steps (``StepRendezvous``).
 
 A Worker is TensorFlow's worker process reduced to its rendezvous part: a task name
 (``/job:w/replica:0/task:1``), an incarnation (a random uint64 drawn at start), a
@@ -7,21 +7,12 @@ shared memory on this host, gRPC across hosts. ``rendezvous(step_id)`` hands out
 step's ``StepRendezvous``; ``cleanup(step_id)`` aborts and frees it (TensorFlow's
 ``RendezvousMgr::Cleanup``), leaving a tombstone so a late call fails at once.
 
-Routing. Like TensorFlow's ``BaseRemoteRendezvous``, a step only sends keys whose src task
-is its worker and only receives keys whose dst task is its worker; tasks are compared as
-parsed names (``task:1`` is not ``task:10``). Both ends in this worker: the step's
-in-process ``LocalRendezvous`` (no copy). The other end in another worker: the first
-transport of the *producer's* priority list that the peer takes and that ``can_reach`` it
-(TensorPipe's ``canCommunicateWithRemote``). All of this depends only on a key's two ends
-(src device, src incarnation, dst device), never on its edge name: it is derived once per
-pair of ends (``_Ends``), so a key used once costs its parse and nothing else. A peer's
-transport is kept once its record is final (its own presence record); a receive started
-while the record is provisional also listens on the producer's pick once known
-(``_race.py``).
+Routing (which rendezvous carries a key, derived once per pair of key ends) is
+``_routes.py``'s.
 
 Thread model (``docs/threads.md``): thread-safe. ``Worker._lock`` guards the steps, the
-tombstones and the lazy gRPC client; ``_Routes._lock`` the final routes and long waits; a
-step's lock its abort error. None is held across a transport call.
+tombstones and the lazy gRPC client; a step's lock its abort error and the making of its
+in-process table. None is held across a transport call.
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
@@ -52,7 +43,6 @@ from ._cluster import (
 )
 from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError, closed_error
 from ._keys import DeviceName, ParsedKey, parse_key
-from ._race import LegStarter, PickWatch, RaceRecv
 from ._rendezvous import (
     Canceller,
     Closing,
@@ -66,27 +56,26 @@ from ._rendezvous import (
     timeout_error,
     wait_received,
 )
+from ._routes import Ends, RaceRecv, Routes, start_leg
 from ._rpc.limits import (
     DEFAULT_FIRST_MESSAGE_TIMEOUT,
     DEFAULT_MAX_CONCURRENT_RPCS,
     ServerLimits,
 )
-from ._transport import PeerRecord, PresenceBoard, Sighting, Transport, TransportContext
+from ._transport import PresenceBoard, Transport, TransportContext
 from ._values import check_value
 from ._window import check_window
 
 if TYPE_CHECKING:
     from ._rpc.security import TLSConfig
 
-__all__ = ["StepRendezvous", "Worker", "explain_absent_producer"]
+__all__ = ["StepRendezvous", "Worker"]
 
 _log = logging.getLogger("shmrdv.worker")
 
 # How many cleaned-up step ids a worker remembers (TensorFlow keeps none and lets a late
 # RecvTensor wait forever; an unbounded set would leak in a long job).
 _TOMBSTONES = 65536
-# How many pairs of key ends a worker remembers (a job has few devices; cleared when full).
-_ENDS_MAX = 4096
 _INF = float("inf")
 
 _live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
@@ -101,286 +90,6 @@ def _mark_forked() -> None:
 os.register_at_fork(after_in_child=_mark_forked)
 
 
-class _Ends:
-    """What a key's two ends mean to this worker (see the module docstring).
-
-    ``sends`` / ``receives``: whether a step of this worker may send / receive keys
-    between these ends (its own task at that end, and for a send the right incarnation).
-    ``peer`` is the other end's task (None when both ends, or neither, are this worker);
-    ``transport`` and ``wait`` are filled in once the peer's record is final.
-    """
-
-    __slots__ = (
-        "dst_own",
-        "inc_ok",
-        "local",
-        "peer",
-        "receives",
-        "sends",
-        "src_own",
-        "transport",
-        "wait",
-    )
-
-    def __init__(self, pk: ParsedKey, task: DeviceName, incarnation: int) -> None:
-        self.src_own = task.same_task(pk.src)
-        self.dst_own = task.same_task(pk.dst)
-        self.inc_ok = not self.src_own or pk.src_incarnation in (0, incarnation)
-        self.sends = self.src_own and self.inc_ok
-        self.receives = self.dst_own and self.inc_ok
-        self.local = self.src_own and self.dst_own
-        self.peer: DeviceName | None = (
-            pk.dst
-            if self.src_own and not self.dst_own
-            else pk.src
-            if self.dst_own and not self.src_own
-            else None
-        )
-        self.transport: Transport | None = None
-        self.wait: Callable[[RecvSlot, float], None] | None = None
-
-
-class _Routes:
-    """The routing of one Worker, shared by its steps (see the module docstring)."""
-
-    def __init__(
-        self,
-        ctx: TransportContext,
-        order: tuple[str, ...],
-        transport: Callable[[str], Transport],
-        active: Callable[[], tuple[Transport, ...]],
-    ) -> None:
-        self.ctx = ctx
-        self.order = order  # the worker's transport priority list
-        self._transport = transport  # the named transport (created on first use)
-        self._active = active  # the transports created so far
-        self._lock = threading.Lock()
-        # (src device, src incarnation, dst device) -> what they mean here.
-        self.ends: dict[tuple[str, int, str], _Ends] = {}
-        # (peer task, this worker produces) -> transport: each direction its producer's pick.
-        self._peer_routes: dict[tuple[tuple[str, int, int], bool], Transport] = {}
-        # Blocked receives that have waited long, by id of their slot: (step, key, since).
-        self._long_waits: dict[int, tuple[int, ParsedKey, float]] = {}
-        self._picks = PickWatch()
-        # What every call of this worker's steps raises once it may not be used (closed,
-        # or inherited across fork). One attribute read per call.
-        self.refused: Callable[[], BaseException] | None = None
-
-    def of(self, pk: ParsedKey) -> _Ends:
-        """The route of ``pk``'s ends, derived on first sight."""
-        ends = self.ends.get((pk.src_device, pk.src_incarnation, pk.dst_device))
-        if ends is None:
-            ends = _Ends(pk, self.ctx.task, self.ctx.incarnation)
-            with self._lock:
-                if len(self.ends) >= _ENDS_MAX:
-                    self.ends.clear()
-                ends = self.ends.setdefault(
-                    (pk.src_device, pk.src_incarnation, pk.dst_device), ends
-                )
-        return ends
-
-    # -- the checks, their errors built only when they fail ---------------------------
-
-    def send_error(self, pk: ParsedKey, ends: _Ends) -> Exception:
-        if not ends.src_own:
-            return _not_this_task(pk, "src", self.ctx.task_name)
-        return AbortedError(
-            f"key {pk.full_key!r} names incarnation {pk.src_incarnation:016x} of "
-            f"{self.ctx.task_name}, but this worker is incarnation {self.ctx.incarnation:016x}: "
-            "the key is from a previous run of this worker"
-        )
-
-    def recv_error(self, pk: ParsedKey, ends: _Ends) -> Exception:
-        if not ends.dst_own:
-            return _not_this_task(pk, "dst", self.ctx.task_name)
-        return AbortedError(
-            f"RecvTensor expects a different device incarnation: {pk.src_incarnation:016x} "
-            f'vs. {self.ctx.incarnation:016x}. Your worker job ("{self.ctx.task_name}") was '
-            f"probably restarted; key {pk.full_key!r}"
-        )
-
-    # -- choosing a transport ---------------------------------------------------------
-
-    def transport(self, ends: _Ends, pk: ParsedKey) -> Transport:
-        """The transport between this worker and ``ends.peer`` (which must be set)."""
-        t = ends.transport
-        if t is not None:
-            return t
-        peer = ends.peer
-        assert peer is not None
-        tk = (peer.task_key(), ends.src_own)
-        t = self._peer_routes.get(tk)
-        if t is None:
-            record = self.ctx.peers.lookup(peer)
-            t = self._choose(record, pk, producer=ends.src_own)
-            if not record.final:
-                return t  # provisional: ask again next time
-            with self._lock:
-                t = self._peer_routes.setdefault(tk, t)
-        ends.wait = t.wait
-        ends.transport = t
-        return t
-
-    def others_reaching(self, ends: _Ends, first: Transport) -> bool:
-        """Whether a receive started on ``first`` by a provisional record (the producer's
-        order not known) may have to listen elsewhere too: whether the peer may take
-        another transport of this worker's that may reach it. A transport not made yet is
-        not made for this (gRPC's client: asked once the record is final)."""
-        assert ends.peer is not None
-        record = self.ctx.peers.lookup(ends.peer)
-        if record.final:
-            return True  # final since ``transport`` looked: the watch settles it at once
-        made = {t.name: t for t in self._active()}
-        return any(
-            n != first.name
-            and n in record.transports
-            and (n not in made or made[n].can_reach(record))
-            for n in self.order
-        )
-
-    def watch_pick(
-        self,
-        ends: _Ends,
-        pk: ParsedKey,
-        race: RaceRecv,
-        first: Transport,
-        leg: Callable[[Transport, DoneCallback], Canceller],
-    ) -> None:
-        """Start ``leg``'s receive on the producer's pick once its record is final and the
-        pick is not ``first`` (``_race.PickWatch``)."""
-
-        def pick() -> tuple[LegStarter | None] | None:
-            t = ends.transport or self.transport(ends, pk)
-            if ends.transport is None:
-                return None  # still provisional
-            return (None if t is first else functools.partial(leg, t),)
-
-        self._picks.watch(race, pick)
-
-    def _choose(self, record: PeerRecord, pk: ParsedKey, *, producer: bool) -> Transport:
-        """The first of the *producer's* priority list that both take and that reaches the
-        peer, so that both ends pick the same one whatever order each lists them in."""
-        if producer or not record.final:
-            # A provisional record (the cluster spec's, before the producer has started)
-            # does not know the producer's order: this worker's own is the best guess.
-            order = [n for n in self.order if n in record.transports]
-        else:
-            order = [n for n in record.transports if n in self.order]
-        for name in order:
-            t = self._transport(name)
-            if t.can_reach(record):
-                return t
-        where = "this host" if record.same_host else "another host"
-        raise InvalidArgumentError(
-            f"key {pk.full_key!r}: task {record.task} is on {where} and takes transports "
-            f"{record.transports}; none of this worker's transports={self.order} reaches it"
-        )
-
-    def abort_step(self, step_id: int, error: BaseException) -> None:
-        """Abort ``step_id`` in every transport created so far."""
-        for t in self._active():
-            t.abort_step(step_id, error)
-
-    # -- why a receive waits (never per message) --------------------------------------
-
-    def diagnose(self, pk: ParsedKey, *, probe: bool = False) -> str | None:
-        """Why a receive of ``pk`` may be waiting: where its producer is alive, if not in
-        this worker's namespace; with ``probe``, also what the key's transport finds
-        (``Transport.explain_wait``). None when there is nothing to tell. Lists presence
-        records and may probe: only for a timeout, a long wait or ``stats()``."""
-        peers = self.ctx.peers
-        try:
-            record = peers.lookup(pk.src)
-        except Exception as e:  # a diagnosis never replaces the error it explains
-            return f"the presence record of {pk.src} cannot be read: {e}"
-        hints = []
-        ends = self.of(pk)
-        if probe and ends.peer is not None:
-            try:
-                hint = self.transport(ends, pk).explain_wait(record)
-            except Exception:
-                _log.debug("explaining the wait for %r failed", pk.full_key, exc_info=True)
-                hint = None
-            if hint is not None:
-                hints.append(hint)
-        if record.same_host:
-            absent = explain_absent_producer(record.task, peers.sightings(pk.src))
-            if absent is not None:
-                hints.append(absent)
-        return "; ".join(hints) or None
-
-    def long_wait(self, slot: RecvSlot, entry: tuple[int, ParsedKey, float] | None) -> None:
-        """Record (``entry``: step, key, since) or forget (None) a long wait of ``slot``."""
-        with self._lock:
-            if entry is None:
-                self._long_waits.pop(id(slot), None)
-            else:
-                self._long_waits[id(slot)] = entry
-
-    def waiting(self) -> list[dict[str, Any]]:
-        """The blocked receives waiting for over a second: step, key, seconds, diagnosis."""
-        with self._lock:
-            waits = list(self._long_waits.values())
-        now = time.monotonic()
-        hints: dict[str, str | None] = {}  # one look (and probe) per producer task
-        for _, pk, _ in waits:
-            if str(pk.src) not in hints:
-                hints[str(pk.src)] = self.diagnose(pk, probe=True)
-        return [
-            {
-                "step": step,
-                "key": pk.full_key,
-                "waited_s": round(now - since, 3),
-                "diagnosis": hints[str(pk.src)],
-            }
-            for step, pk, since in waits
-        ]
-
-
-def explain_absent_producer(task: str, found: list[Sighting] | None) -> str | None:
-    """A sentence saying where ``task`` lives if not in this worker's namespace, or None.
-
-    None also when it is alive in this worker's namespace, or when ``found`` is None (this
-    host keeps no presence records). Otherwise "task … is alive in namespace id …, not in
-    this worker's: producer and consumer must share the namespace", or "task … is not
-    alive anywhere on this host".
-    """
-    if found is None or any(s.alive and s.ours for s in found):
-        return None
-    elsewhere = sorted({s.namespace for s in found if s.alive and not s.ours})
-    if elsewhere:
-        pids = sorted({s.pid for s in found if s.alive and not s.ours})
-        return (
-            f"task {task} is alive in namespace id {', '.join(elsewhere)} "
-            f"(pid {', '.join(map(str, pids))}), not in this worker's: producer and consumer "
-            "must share the namespace"
-        )
-    return (
-        f"task {task} is not alive anywhere on this host (no live presence record of this "
-        "user in any namespace): it has not started, it exited, or it runs on another host"
-    )
-
-
-def _not_this_task(pk: ParsedKey, side: str, task_name: str) -> InvalidArgumentError:
-    """TensorFlow's "Invalid rendezvous key (src|dst)", saying which task the key names,
-    which task this worker is, and what to do instead."""
-    device = pk.src if side == "src" else pk.dst
-    role, verb = ("producer", "sends") if side == "src" else ("consumer", "receives")
-    call = "send" if side == "src" else "recv"
-    named = (
-        f"task {device.task_part}"
-        if device.has_task
-        else f"device {str(device) or '(empty)'}, which names no task (it needs /job: and /task:)"
-    )
-    return InvalidArgumentError(
-        f"Invalid rendezvous key ({side}): {pk.full_key} @ {task_name}: the key's {role} "
-        f"({side}) is {named}, but this worker is {task_name}, and a worker {verb} only keys "
-        f"whose {side} device is on its own task; call {call} on the Worker of the task the "
-        f"key names, or build the key with a {side} device of this task (e.g. "
-        f"{task_name}/device:CPU:0)"
-    )
-
-
 class StepRendezvous(Rendezvous):
     """The rendezvous of one step of one Worker (``Worker.rendezvous(step_id)``).
 
@@ -392,7 +101,7 @@ class StepRendezvous(Rendezvous):
     step and every later call.
     """
 
-    def __init__(self, routes: _Routes, step_id: int) -> None:
+    def __init__(self, routes: Routes, step_id: int) -> None:
         self._routes = routes
         self.step_id = step_id
         # Keys with both ends in this worker: made on first use (most steps have none).
@@ -446,7 +155,7 @@ class StepRendezvous(Rendezvous):
             local.start_abort(error)
         return local
 
-    def _receiving(self, key: str | ParsedKey) -> tuple[ParsedKey, _Ends]:
+    def _receiving(self, key: str | ParsedKey) -> tuple[ParsedKey, Ends]:
         """The parsed key and its route for a receive; raises what makes it impossible."""
         routes = self._routes
         if routes.refused is not None:
@@ -477,7 +186,7 @@ class StepRendezvous(Rendezvous):
         if t is None:
             t = self._routes.transport(ends, pk)
             if ends.transport is None and self._routes.others_reaching(ends, t):
-                leg = functools.partial(_start_leg, step_id=self.step_id, pk=pk, copy=copy)
+                leg = functools.partial(start_leg, step_id=self.step_id, pk=pk, copy=copy)
                 race = RaceRecv(done, [functools.partial(leg, t)], f"key {pk.full_key!r}")
                 self._routes.watch_pick(ends, pk, race, t, leg)
                 return race
@@ -565,13 +274,6 @@ class StepRendezvous(Rendezvous):
 
     def stats(self) -> dict[str, int]:
         return {} if self._local is None else self._local.stats()
-
-
-def _start_leg(
-    t: Transport, done: DoneCallback, *, step_id: int, pk: ParsedKey, copy: bool
-) -> Canceller:
-    """One leg of a ``RaceRecv``: a callback receive on ``t``."""
-    return t.start_recv(step_id, pk, done, copy=copy, blocking=False)
 
 
 def _task_of(task: str | DeviceName) -> DeviceName:
@@ -728,7 +430,7 @@ class Worker(Closing):
             cleaned_up=self._tombstones.__contains__,
             max_inflight_bytes=self.max_inflight_bytes,
         )
-        self._routes = _Routes(self._ctx, self.transports, self._transport, self._active_transports)
+        self._routes = Routes(self._ctx, self.transports, self._transport, self._active_transports)
         self.address: str | None = None
 
         try:
@@ -935,7 +637,7 @@ class Worker(Closing):
 
     def _unusable(self) -> InvalidArgumentError | AbortedError:
         """What a call of a worker that is closed, or inherited across fork, raises (its
-        steps raise it too: ``_Routes.refused``)."""
+        steps raise it too: ``Routes.refused``)."""
         if self._forked:
             return InvalidArgumentError(
                 f"this Worker ({self.task}) was created in pid {self._pid} and inherited across "

@@ -31,7 +31,7 @@ def test_router_one_route_per_pair_of_ends_whatever_the_keys_and_steps(
 
 
 def test_router_routes_are_bounded(shmrdv_namespace: str) -> None:
-    from shmrdv._worker import _ENDS_MAX
+    from shmrdv._routes import ENDS_MAX as _ENDS_MAX
 
     with shmrdv.Worker(A, namespace=shmrdv_namespace) as w:
         rdv = w.rendezvous(1)

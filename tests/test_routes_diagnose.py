@@ -17,10 +17,10 @@ from helpers import wait_for
 
 import shmrdv
 from shmrdv._procs import ChildWorker
+from shmrdv._routes import explain_absent_producer
 from shmrdv._shm.naming import PREFIX, Names
 from shmrdv._shm.sightings import _MAX_RECORDS, sightings
 from shmrdv._transport import Sighting
-from shmrdv._worker import explain_absent_producer
 
 # A job name of this run's own: other test runs on the host use /job:worker tasks too.
 _JOB = f"diag{os.getpid()}x{secrets.token_hex(4)}"
