@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable
 
 from .._sizes import format_size
-from .common import parse_array_size, parse_sizes
+from .common import KEY_PATTERNS, parse_array_size, parse_key_patterns, parse_sizes
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -131,6 +131,14 @@ def sizes_option(text: str) -> list[int]:
     return sizes
 
 
+def keys_option(text: str) -> list[str]:
+    """An argparse ``type``: comma-separated key patterns (``common.KEY_PATTERNS``)."""
+    try:
+        return parse_key_patterns(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of the default run: methods, sizes, repetitions, pinning, output."""
     parser.add_argument(
@@ -146,6 +154,14 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
         "--sizes",
         type=sizes_option,
         help=f"comma-separated sizes with k/m/g suffixes, 8 B to 16 GiB (default {DEFAULT_SIZES})",
+    )
+    parser.add_argument(
+        "--keys",
+        type=keys_option,
+        default=["same"],
+        metavar="PATTERN[,...]",
+        help="the key patterns of shmrdv's methods, each measured on its own (default same): "
+        + "; ".join(f"{name}: {text}" for name, text in KEY_PATTERNS.items()),
     )
     parser.add_argument(
         "--quick",

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .._sizes import format_size
+from .common import KEY_PATTERNS
 from .machine import describe_machine
 from .results import BASELINE_COPY, BASELINE_PEER, BenchRun, MethodResult
 from .textfit import fit_markdown
@@ -110,6 +111,23 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+def _keyed(run: BenchRun) -> bool:
+    return any(m.keys is not None for m in run.methods)
+
+
+def _keys_legend(run: BenchRun) -> list[str]:
+    """What each key pattern of the run's rows means (``common.KEY_PATTERNS``)."""
+    used = list(dict.fromkeys(m.keys for m in run.methods if m.keys is not None))
+    if not used:
+        return []
+    return [
+        "Key patterns (a row's `· pattern`; rows without one name nothing by key): "
+        + "; ".join(f"`{k}`: {KEY_PATTERNS[k]}" for k in used)
+        + ".",
+        "",
+    ]
+
+
 def format_markdown(run: BenchRun) -> str:
     """The run as markdown: machine, round trips, one-way times, p99, ratios, floors.
 
@@ -133,12 +151,13 @@ def format_markdown(run: BenchRun) -> str:
         "",
         f"Settings: {run.config.get('summary', '')}",
         "",
+        *_keys_legend(run),
     ]
 
     def cell_rows(render: Any, methods: list[MethodResult] | None = None) -> list[list[str]]:
         rows = []
         for m in sized if methods is None else methods:
-            row = [m.name]
+            row = [m.row]
             for n in sizes:
                 c = m.cells.get(n)
                 row.append(
@@ -147,7 +166,7 @@ def format_markdown(run: BenchRun) -> str:
             rows.append(row)
         return rows
 
-    header = ["method", *(format_size(n) for n in sizes)]
+    header = ["method · keys" if _keyed(run) else "method", *(format_size(n) for n in sizes)]
 
     def section(title: str, render: Any, methods: list[MethodResult] | None = None) -> list[str]:
         return [f"## {title}", "", *_table(header, cell_rows(render, methods)), ""]
@@ -170,16 +189,16 @@ def format_markdown(run: BenchRun) -> str:
         )
         lines += section(
             f"Round trip {TIMES}{BASELINE_COPY}",
-            lambda m, n, c: _times(run.ratio(m.name, n, BASELINE_COPY, "rtt")),
+            lambda m, n, c: _times(run.ratio(m, n, BASELINE_COPY, "rtt")),
         )
         copying = [m for m in sized if m.name != BASELINE_COPY]
         lines += section(
             f"Fixed cost: round trip {DASH} one {BASELINE_COPY} of the same size (same run)",
-            lambda m, n, c: _fixed(run.fixed_cost_ns(m.name, n)),
+            lambda m, n, c: _fixed(run.fixed_cost_ns(m, n)),
             copying,
         )
         if any(
-            (cost := run.fixed_cost_ns(m.name, n)) is not None and cost < 0
+            (cost := run.fixed_cost_ns(m, n)) is not None and cost < 0
             for m in copying
             for n in sizes
         ):
@@ -195,6 +214,15 @@ def format_markdown(run: BenchRun) -> str:
             "Spread of the round trip's repetition medians (max/min)",
             lambda m, n, c: f"{c.rtt_spread:.2f}",
         )
+        keyed = [m for m in sized if m.keys not in (None, "same")]
+        if keyed and any(
+            run.ratio_same_keys(m, n, "rtt") is not None for m in keyed for n in sizes
+        ):
+            lines += section(
+                f"Round trip {TIMES}the same method with one key reused (· same)",
+                lambda m, n, c: _times(run.ratio_same_keys(m, n, "rtt")),
+                keyed,
+            )
         for base, compared in [(BASELINE_PEER, sized)] + [
             (b, [m for m in sized if m.name == b or m.baseline == b]) for b in _baselines(run)
         ]:
@@ -203,7 +231,7 @@ def format_markdown(run: BenchRun) -> str:
             for what, title in (("rtt", "Round trip"), ("oneway", "One-way")):
                 lines += section(
                     f"{title} {TIMES}{base}",
-                    lambda m, n, c, base=base, what=what: _times(run.ratio(m.name, n, base, what)),
+                    lambda m, n, c, base=base, what=what: _times(run.ratio(m, n, base, what)),
                     compared,
                 )
     if fixed:
@@ -237,7 +265,7 @@ def format_markdown(run: BenchRun) -> str:
             why = m.reason.strip().splitlines()
             status += f": {why[0][:120]}" + (f" {why[-1][:120]}" if len(why) > 1 else "")
         array = f" Receiver's array: {m.receiver_array}." if m.receiver_array else ""
-        lines.append(f"* `{m.name}` ({status}): {m.label}.{array}{idle}")
+        lines.append(f"* `{m.row}` ({status}): {m.label}.{array}{idle}")
     lines += [
         "",
         "Cells: medians of the per-repetition medians; p99 = the 99th percentile of "
@@ -265,10 +293,11 @@ def to_json(run: BenchRun) -> dict[str, Any]:
             cd["rtt_spread"] = c.rtt_spread
             cd["gbps_oneway"] = n / c.oneway_median_ns if c.oneway_median_ns > 0 else None
             cd["gbps_rtt"] = n / c.rtt_median_ns if c.rtt_median_ns > 0 else None
-            cd["rtt_fixed_cost_ns"] = run.fixed_cost_ns(m.name, n)
+            cd["rtt_fixed_cost_ns"] = run.fixed_cost_ns(m, n)
             for base in (BASELINE_COPY, BASELINE_PEER, *([m.baseline] if m.baseline else [])):
                 for what in ("rtt", "oneway"):
-                    cd[f"{what}_x_{base}"] = run.ratio(m.name, n, base, what)
+                    cd[f"{what}_x_{base}"] = run.ratio(m, n, base, what)
+                cd[f"{what}_x_keys_same"] = run.ratio_same_keys(m, n, what)
             cells[str(n)] = cd
         d["cells"] = cells
         methods.append(d)

@@ -201,6 +201,7 @@ def role_main(
         max_nbytes=env["max_nbytes"],
         handler=handler,
         pending=env["pending"],
+        keys=env.get("keys"),
     )
     obj = factory(ctx)
     try:

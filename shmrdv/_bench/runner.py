@@ -97,11 +97,12 @@ def _run_method(
     result: MethodResult,
 ) -> None:
     sizes = [spec.fixed_nbytes] if spec.fixed_nbytes is not None else opts.sizes
-    progress.update(f"{spec.name}: starting")
+    row = result.row
+    progress.update(f"{row}: starting")
     roles = RolePair(
         spec,
         mpctx,
-        {**env, "method": spec.name},
+        {**env, "method": spec.name, "keys": result.keys},
         [None, None] if opts.pin is None else list(opts.pin),
     )
     ok = False
@@ -109,18 +110,18 @@ def _run_method(
         _, result.startup_s, pinger_cpus = roles.expect("ready", 180.0)
         result.cpus = {"pinger": pinger_cpus, "ponger": roles.ponger_cpus}
         if opts.idle_s > 0 and spec.idle_cpu and spec.ponger is not None:
-            progress.update(f"{spec.name}: idle CPU of a blocked receiver ({opts.idle_s:g} s)")
+            progress.update(f"{row}: idle CPU of a blocked receiver ({opts.idle_s:g} s)")
             roles.send(("idle", opts.idle_s))
             result.idle_cpu_percent = roles.expect("idle", opts.idle_s + 60)[1]
         for nbytes in sizes:
-            progress.update(f"{spec.name} · {format_size(nbytes)}: warming up")
+            progress.update(f"{row} · {format_size(nbytes)}: warming up")
             roles.send(("cell", _plan(nbytes, opts)))
             while True:
                 msg = roles.next(stall_timeout(nbytes))
                 if msg[0] == "progress":
                     _, _, rep, reps, med = msg
                     progress.update(
-                        f"{spec.name} · {format_size(nbytes)}: repetition {rep}/{reps}, "
+                        f"{row} · {format_size(nbytes)}: repetition {rep}/{reps}, "
                         f"median round trip {med / 1000:,.1f} µs"
                     )
                     continue
@@ -129,7 +130,7 @@ def _run_method(
                 cell = CellResult(**msg[1])
                 result.cells[nbytes] = cell
                 progress.line(
-                    f"{spec.name:>19} {format_size(nbytes):>8}: round trip "
+                    f"{row:>19} {format_size(nbytes):>8}: round trip "
                     f"{format_time(cell.rtt_median_ns)} (p99 {format_time(cell.rtt_p99_ns)}), "
                     f"one-way {format_time(cell.oneway_median_ns)} "
                     f"[{cell.reps} x {cell.per_rep}, {cell.elapsed_s:.1f} s]"
@@ -147,7 +148,7 @@ def _run_method(
         result.status = "failed"
         result.reason = str(e)
         lines = str(e).strip().splitlines()
-        progress.lines(f"{spec.name}: FAILED: {lines[0]} {lines[-1] if len(lines) > 1 else ''}")
+        progress.lines(f"{row}: FAILED: {lines[0]} {lines[-1] if len(lines) > 1 else ''}")
     finally:
         roles.reap(30.0 if ok else 0.0)
 
@@ -254,6 +255,7 @@ def _run_mode(args: argparse.Namespace) -> int:
         "quick": opts.quick,
         "pending": args.pending or 0,
         "touch": args.touch,
+        "keys": args.keys,
         "prefix": prefix,
         "summary": (
             f"sizes {', '.join(format_size(n) for n in sizes)}; repetitions {reps_text}; "
@@ -261,6 +263,7 @@ def _run_mode(args: argparse.Namespace) -> int:
             f"{_pin_text(opts.pin)}; idle probe {opts.idle_s:g} s"
             + (f"; {args.pending:,} receives pending in *_pending" if args.pending else "")
             + ("; the consumer reads every byte (--touch)" if args.touch else "")
+            + f"; key pattern{'s' if len(args.keys) > 1 else ''} {', '.join(args.keys)}"
         ),
     }
     bench = BenchRun(
@@ -285,7 +288,7 @@ def _run_mode(args: argparse.Namespace) -> int:
     if in_main:
         signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     try:
-        for spec in specs:
+        for spec, keys in _runs(specs, args.keys):
             result = MethodResult(
                 name=spec.name,
                 label=spec.label,
@@ -294,12 +297,13 @@ def _run_mode(args: argparse.Namespace) -> int:
                 receiver_array=spec.receiver_array,
                 fixed_nbytes=spec.fixed_nbytes,
                 baseline=spec.baseline,
+                keys=keys,
             )
             bench.methods.append(result)
             why = spec.available()
             if why is not None:
                 result.reason = why
-                progress.lines(f"{spec.name}: skipped ({why})")
+                progress.lines(f"{result.row}: skipped ({why})")
                 continue
             _run_method(spec, opts, mpctx, env, progress, result)
             if result.status == "failed":
@@ -328,6 +332,17 @@ def _run_mode(args: argparse.Namespace) -> int:
         plot_run(bench, args.plot)
         progress.line(f"wrote {args.plot}")
     return status
+
+
+def _runs(specs: list[MethodSpec], keys: list[str]) -> list[tuple[MethodSpec, str | None]]:
+    """Each method once per key pattern asked for that it can run (``MethodSpec.key_patterns``),
+    or once without keys if it names nothing by key."""
+    runs: list[tuple[MethodSpec, str | None]] = []
+    for spec in specs:
+        if not spec.key_patterns:
+            runs.append((spec, None))
+        runs += [(spec, k) for k in keys if k in spec.key_patterns]
+    return runs
 
 
 def _pin_text(pin: tuple[int, int] | None) -> str:
