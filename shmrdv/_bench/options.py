@@ -198,6 +198,15 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: on where two CPUs or more are usable; --no-pin: let the kernel place them)",
     )
     parser.add_argument(
+        "--oversubscribe",
+        type=int_range(0, 256),
+        default=0,
+        metavar="N",
+        help="run N CPU-bound busy processes (pure Python loops) beside the measured pair for "
+        "the whole run, pinned across the pair's CPUs where it is pinned, stopped after; the "
+        "report says quiet (0, the default) or oversubscribed",
+    )
+    parser.add_argument(
         "--touch",
         action="store_true",
         help="the consumer reads every byte of every array it receives (timed, in the round "

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .._sizes import format_size
+from .busy import host_text
 from .common import KEY_PATTERNS
 from .machine import describe_machine
 from .results import BASELINE_COPY, BASELINE_PEER, BenchRun, MethodResult
@@ -148,6 +149,8 @@ def format_markdown(run: BenchRun) -> str:
         f"({mach.get('cpu_affinity')} usable) · {mach.get('kernel')} · {mach.get('python')}",
         f"{present} · load {mach.get('load_average_start')} → {mach.get('load_average_end')} · "
         f"{run.elapsed_s:.1f} s" + (" · INTERRUPTED" if run.interrupted else ""),
+        "",
+        f"Host: {host_text(run.config.get('host'))}",
         "",
         f"Settings: {run.config.get('summary', '')}",
         "",

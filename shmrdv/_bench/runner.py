@@ -12,6 +12,7 @@ The other modes (``--load``, ``--soak``, ...) are dispatched to their modules.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import multiprocessing
 import os
@@ -30,6 +31,7 @@ from typing import Any, TextIO
 from .._procs import ChildFailed
 from .._sizes import format_size
 from . import methods, options
+from .busy import busy_processes
 from .common import grpc_quiet_children, parse_sizes, pin_cpus
 from .contract import MethodSpec
 from .machine import describe_machine, load_average
@@ -182,6 +184,12 @@ def _run_mode(args: argparse.Namespace) -> int:
     if len(modes) > 1:
         print(f"shmrdv bench: {' and '.join(modes)} are separate runs; give one", file=sys.stderr)
         return 2
+    if args.oversubscribe and modes not in ([], ["--pending"]):
+        print(
+            f"shmrdv bench: --oversubscribe applies to the round-trip run, not to {modes[0]}",
+            file=sys.stderr,
+        )
+        return 2
     if modes == ["--load"]:
         from .load import run_cli as run_load
 
@@ -287,7 +295,11 @@ def _run_mode(args: argparse.Namespace) -> int:
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
         signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    busy = contextlib.ExitStack()
     try:
+        if args.oversubscribe:
+            progress.update(f"starting {args.oversubscribe} busy process(es)")
+        config["host"] = busy.enter_context(busy_processes(args.oversubscribe, opts.pin))
         for spec, keys in _runs(specs, args.keys):
             result = MethodResult(
                 name=spec.name,
@@ -313,6 +325,7 @@ def _run_mode(args: argparse.Namespace) -> int:
         status = 130
         progress.line("interrupted: stopping the children")
     finally:
+        busy.close()
         if in_main:
             signal.signal(signal.SIGTERM, previous)
         swept = sweep(prefix)
