@@ -171,6 +171,7 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         "--reps=2",
         "--budget=0.05",
         "--idle-seconds=0.2",
+        "--details",
         f"--json={out}",
     ]
     if plot:
@@ -254,6 +255,7 @@ def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
     out = tmp_path / "g.json"
     # grpc_unary is the push's old name; the pull is added as its baseline.
     proc = run_bench(
+        "--details",
         "--methods=grpc_unary",
         "--sizes=1k,64k",
         "--reps=1",
@@ -297,7 +299,7 @@ def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
 def test_pending_compares_with_no_pending_in_the_same_run(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     args = ("--sizes=64", "--reps=1", "--budget=0.02", "--idle-seconds=0", "--no-baselines")
-    proc = run_bench("--pending=20", *args, f"--json={out}")
+    proc = run_bench("--pending=20", "--details", *args, f"--json={out}")
     assert proc.returncode == 0, proc.stderr
     assert "## Round trip \u00d7shmrdv_send" in proc.stdout
     data = json.loads(out.read_text())
@@ -493,6 +495,7 @@ def test_iceoryx2_runs_beside_its_shmrdv_twins(tmp_path: Path) -> None:
         "--budget=0.02",
         "--idle-seconds=0.1",
         "--touch",
+        "--details",
         f"--json={out}",
     )
     assert proc.returncode == 0, proc.stderr
@@ -521,6 +524,7 @@ def test_handoff_floors_move_every_size_beside_the_shmrdv_method_they_floor(
     out = tmp_path / "f.json"
     proc = run_bench(
         f"--methods={','.join(_HANDOFF_FLOORS)}",
+        "--details",
         "--sizes=64,1m",
         "--reps=1",
         "--budget=0.02",

@@ -98,6 +98,7 @@ def test_bench_runs_every_key_pattern_and_names_it_in_the_tables_and_json(
         "--reps=1",
         "--budget=0.02",
         "--idle-seconds=0",
+        "--details",
         f"--json={out}",
         timeout=110,
     )

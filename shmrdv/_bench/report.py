@@ -52,14 +52,14 @@ FASTER_THAN_COPY_NOTE = (
 
 
 def _sig(x: float) -> str:
-    """Three significant digits, thousands separated: 0.273, 12.3, 1,179."""
+    """Three significant digits, thousands separated: 0.270, 12.3, 1,179."""
     if x >= 100:
         return f"{x:,.0f}"
     if x >= 10:
         return f"{x:.1f}"
     if x >= 1:
         return f"{x:.2f}"
-    return f"{x:.3g}"
+    return f"{x:#.3g}"
 
 
 def format_sig(x: float) -> str:
@@ -112,6 +112,16 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+def _host(run: BenchRun) -> str:
+    """The host's state (``busy.host_text``) and the 1-minute load average before and after:
+    a quiet run on a machine others load says so."""
+    loads = [run.machine.get(f"load_average_{when}") for when in ("start", "end")]
+    if not all(loads):
+        return host_text(run.config.get("host"))
+    start, end = (load[0] for load in loads if load)
+    return f"{host_text(run.config.get('host'))}; load average {start:g} → {end:g}"
+
+
 def _keyed(run: BenchRun) -> bool:
     return any(m.keys is not None for m in run.methods)
 
@@ -129,8 +139,155 @@ def _keys_legend(run: BenchRun) -> list[str]:
     ]
 
 
-def format_markdown(run: BenchRun) -> str:
-    """The run as markdown: machine, round trips, one-way times, p99, ratios, floors.
+# The peers the summary compares shmrdv with, by the name it gives them: a gRPC method
+# (grpc_pull itself, or one whose baseline it is) with the raw gRPC job, any other with both
+# of the standard library's ways between processes.
+SUMMARY_PEERS = {"mp_pipe_oob": "Pipe", "mp_queue": "Queue", "grpc_pull": "raw gRPC"}
+_GRPC_PEER = "grpc_pull"
+
+
+def format_range(median_ns: float, reps_ns: list[float]) -> str:
+    """A median and the range of the repetition medians, in the median's unit (48.1 µs and
+    45.2 to 52.3 with an en dash between); the median alone if the range is one figure."""
+    for scale, unit in ((1e9, "s"), (1e6, "ms"), (1e3, "µs")):
+        if median_ns >= scale or unit == "µs":
+            break
+    lo, hi = min(reps_ns, default=median_ns), max(reps_ns, default=median_ns)
+    text = f"{_sig(median_ns / scale)} {unit}"
+    if _sig(lo / scale) == _sig(hi / scale):
+        return text
+    return f"{text} ({_sig(lo / scale)}{DASH}{_sig(hi / scale)})"
+
+
+def _summary_peers(m: MethodResult) -> list[str]:
+    if m.name == _GRPC_PEER or m.baseline == _GRPC_PEER:
+        return [_GRPC_PEER]
+    return [p for p in SUMMARY_PEERS if p != _GRPC_PEER]
+
+
+def _summary(run: BenchRun, sized: list[MethodResult]) -> list[str]:
+    """The verdict: shmrdv's round trips against a Pipe, a Queue and raw gRPC, per size, with
+    the key pattern and the host's state; times as the median and the range of the
+    repetitions' medians."""
+    sizes = _sizes(run)
+    ours = [m for m in sized if m.group == "shmrdv"]
+    peers = [m for m in sized if m.name in SUMMARY_PEERS]
+    rows_of = ours + peers if ours else [m for m in sized if m.group != "floor"] or sized
+    present = [p for p in SUMMARY_PEERS if any(m.name == p for m in sized)]
+    reps = sorted({c.reps for m in rows_of for c in m.cells.values()})
+    keys = list(dict.fromkeys(m.keys for m in rows_of if m.keys is not None))
+    by_same = any(run.ratio_same_keys(m, n, "rtt") is not None for m in rows_of for n in sizes)
+    spread = f" (min{DASH}max of {'/'.join(map(str, reps))} repetitions)" if reps else ""
+    lines = [
+        f"## Summary: round trip, median{spread}",
+        "",
+        f"Host: {_host(run)}."
+        + (f" Keys: {', '.join(keys)}." if keys else "")
+        + " Round trip: the array there, an ack back. Ratios: the row's median over the"
+        " peer's at the same size, in this run (below 1: faster)"
+        + (f"; {TIMES}same key: over the same method's with one key reused" if by_same else "")
+        + ".",
+        "",
+    ]
+    header = ["size", "method · keys" if keys else "method", "round trip", "p99"]
+    header += [f"{TIMES}{SUMMARY_PEERS[p]}" for p in present]
+    if by_same:
+        header.append(f"{TIMES}same key")
+    rows = []
+    for n in sizes:
+        for m in rows_of:
+            c = m.cells.get(n)
+            if c is None:
+                if m.status != "ok":
+                    rows.append([format_size(n), m.row, m.status, *[""] * (len(header) - 3)])
+                continue
+            ratios = [
+                _times(run.ratio(m, n, p, "rtt")) if p in _summary_peers(m) and p != m.name else ""
+                for p in present
+            ]
+            rows.append(
+                [
+                    format_size(n),
+                    m.row,
+                    format_range(c.rtt_median_ns, c.rtt_rep_medians_ns),
+                    format_time(c.rtt_p99_ns),
+                    *ratios,
+                    *([_times(run.ratio_same_keys(m, n, "rtt"))] if by_same else []),
+                ]
+            )
+    lines += [*_table(header, rows), ""]
+    verdicts = [v for m in ours if (v := _verdict(run, m, sizes)) is not None]
+    if verdicts:
+        lines += [*verdicts, ""]
+    return lines
+
+
+def _verdict(run: BenchRun, m: MethodResult, sizes: list[int]) -> str | None:
+    """One line: ``m``'s round trip over its first summary peer's, across the sizes."""
+    peer = next((p for p in _summary_peers(m) if run.method(p) is not None), None)
+    if peer is None:
+        return None
+    got = [(n, r) for n in sizes if (r := run.ratio(m, n, peer, "rtt")) is not None]
+    if not got:
+        return None
+    lo, hi = min(r for _, r in got), max(r for _, r in got)
+    faster = sum(1 for _, r in got if r < 1)
+    span = format_size(got[0][0]) + ("" if len(got) == 1 else f"{DASH}{format_size(got[-1][0])}")
+    verdict = (
+        "faster at every size"
+        if faster == len(got)
+        else "slower at every size"
+        if faster == 0
+        else f"faster at {faster} of {len(got)} sizes"
+    )
+    ratio = f"{TIMES}{_sig(lo)}" + ("" if _sig(lo) == _sig(hi) else f"{DASH}{_sig(hi)}")
+    return f"* `{m.row}`: {ratio} a {SUMMARY_PEERS[peer]}'s round trip over {span}: {verdict}."
+
+
+def _methods_list(ordered: list[MethodResult]) -> list[str]:
+    """One line per method: its key patterns and their status, its label, its receiver's
+    array, and the idle CPU share of a blocked receive."""
+    lines = ["## Methods", ""]
+    by_name: dict[str, list[MethodResult]] = {}
+    for m in ordered:
+        by_name.setdefault(m.name, []).append(m)
+    for name, runs in by_name.items():
+        first = runs[0]
+
+        def status(m: MethodResult) -> str:
+            text = m.status
+            if m.reason:
+                why = m.reason.strip().splitlines()
+                text += f": {why[0][:120]}" + (f" {why[-1][:120]}" if len(why) > 1 else "")
+            return text
+
+        keys = [m.keys for m in runs if m.keys is not None]
+        statuses = {status(m) for m in runs}
+        if len(statuses) == 1:
+            state = statuses.pop()
+        else:
+            state = "; ".join(f"{m.keys}: {status(m)}" for m in runs)
+        idles = [(m.keys, m.idle_cpu_percent) for m in runs if m.idle_cpu_percent is not None]
+        idle = ""
+        if idles:
+            idle = (
+                " Idle CPU of a blocked receive: "
+                + ", ".join(
+                    f"{v:.2f}\u00a0%" + (f" ({k})" if k is not None and len(idles) > 1 else "")
+                    for k, v in idles
+                )
+                + "."
+            )
+        array = f" Receiver's array: {first.receiver_array}." if first.receiver_array else ""
+        patterns = f" · {', '.join(keys)}" if keys else ""
+        lines.append(f"* `{name}`{patterns} ({state}): {first.label}.{array}{idle}")
+    return lines
+
+
+def format_markdown(run: BenchRun, details: bool = True) -> str:
+    """The run as markdown: the machine and the host's state, the summary (``_summary``),
+    with ``details`` every table per size (round trips, one-way times, p99, ratios,
+    floors), and the methods.
 
     One figure per cell, so that a table of seven sizes fits 100 columns; ``textfit``
     wraps and splits whatever is still wider (``fit_markdown``)."""
@@ -139,7 +296,7 @@ def format_markdown(run: BenchRun) -> str:
     ordered = _ordered(run)
     # Skipped methods show only in the "Methods" list; failed ones keep their row.
     sized = [m for m in ordered if m.fixed_nbytes is None and m.status != "skipped"]
-    fixed = [m for m in ordered if m.fixed_nbytes is not None]
+    fixed = [m for m in ordered if m.fixed_nbytes is not None and m.cells]
     v = mach.get("versions", {})
     present = ", ".join(f"{k} {val}" for k, val in v.items() if val)
     lines = [
@@ -147,15 +304,43 @@ def format_markdown(run: BenchRun) -> str:
         "",
         f"{run.started} · {mach.get('cpu_model')} · {mach.get('cpu_count')} CPUs "
         f"({mach.get('cpu_affinity')} usable) · {mach.get('kernel')} · {mach.get('python')}",
-        f"{present} · load {mach.get('load_average_start')} → {mach.get('load_average_end')} · "
-        f"{run.elapsed_s:.1f} s" + (" · INTERRUPTED" if run.interrupted else ""),
+        f"{present} · {run.elapsed_s:.1f} s" + (" · INTERRUPTED" if run.interrupted else ""),
         "",
-        f"Host: {host_text(run.config.get('host'))}",
+        f"Host: {_host(run)}",
         "",
         f"Settings: {run.config.get('summary', '')}",
         "",
         *_keys_legend(run),
     ]
+    if sized and sizes:
+        lines += _summary(run, sized)
+    if details:
+        lines += _details(run, sized, fixed)
+    lines += _methods_list(ordered)
+    lines += [
+        "",
+        "Cells: medians of the per-repetition medians; p99 = the 99th percentile of "
+        "every timed handoff. Round trip = the pinger's "
+        "perf_counter_ns around one handoff (the array there, the ponger frees it, a 32-byte "
+        "ack back by the method's own path). One-way = the ponger's arrival time minus the "
+        "pinger's start (CLOCK_MONOTONIC is system-wide). GB/s = bytes / that median. "
+        "memcpy has no second process: its round trip is the copy.",
+        "",
+    ]
+    if not details:
+        lines += [
+            "More: every table per size (one-way times, p99, throughput, fixed cost, page "
+            "faults, spread, every ratio) and the floors with --details; every figure with "
+            "--json FILE.",
+            "",
+        ]
+    return fit_markdown("\n".join(lines))
+
+
+def _details(run: BenchRun, sized: list[MethodResult], fixed: list[MethodResult]) -> list[str]:
+    """Every table per size, one figure per cell, and the floors at a fixed size."""
+    sizes = _sizes(run) if sized else []  # only fixed-size floors ran: no per-size tables
+    lines: list[str] = []
 
     def cell_rows(render: Any, methods: list[MethodResult] | None = None) -> list[list[str]]:
         rows = []
@@ -172,10 +357,11 @@ def format_markdown(run: BenchRun) -> str:
     header = ["method · keys" if _keyed(run) else "method", *(format_size(n) for n in sizes)]
 
     def section(title: str, render: Any, methods: list[MethodResult] | None = None) -> list[str]:
-        return [f"## {title}", "", *_table(header, cell_rows(render, methods)), ""]
+        rows = cell_rows(render, methods)
+        if not any(cell not in ("", DASH) for row in rows for cell in row[1:]):
+            return []  # nothing to compare with in this run (memcpy not run, say)
+        return [f"## {title}", "", *_table(header, rows), ""]
 
-    if not sized:
-        sizes = []  # only fixed-size floors ran: no per-size tables
     if sizes:
         lines += section(
             "Round trip (the array there, the ack back): median",
@@ -256,30 +442,7 @@ def format_markdown(run: BenchRun) -> str:
             ["method", "size", "RTT median", "RTT p99", "one-way median", "one-way p99"], rows
         )
         lines.append("")
-    lines += ["## Methods", ""]
-    for m in ordered:
-        idle = (
-            ""
-            if m.idle_cpu_percent is None
-            else f" Idle CPU of a blocked receive: {m.idle_cpu_percent:.2f}\u00a0%."
-        )
-        status = m.status
-        if m.reason:
-            why = m.reason.strip().splitlines()
-            status += f": {why[0][:120]}" + (f" {why[-1][:120]}" if len(why) > 1 else "")
-        array = f" Receiver's array: {m.receiver_array}." if m.receiver_array else ""
-        lines.append(f"* `{m.row}` ({status}): {m.label}.{array}{idle}")
-    lines += [
-        "",
-        "Cells: medians of the per-repetition medians; p99 = the 99th percentile of "
-        "every timed handoff. Round trip = the pinger's "
-        "perf_counter_ns around one handoff (the array there, the ponger frees it, a 32-byte "
-        "ack back by the method's own path). One-way = the ponger's arrival time minus the "
-        "pinger's start (CLOCK_MONOTONIC is system-wide). GB/s = bytes / that median. "
-        "memcpy has no second process: its round trip is the copy.",
-        "",
-    ]
-    return fit_markdown("\n".join(lines))
+    return lines
 
 
 # -- JSON ---------------------------------------------------------------------------------------
@@ -297,9 +460,11 @@ def to_json(run: BenchRun) -> dict[str, Any]:
             cd["gbps_oneway"] = n / c.oneway_median_ns if c.oneway_median_ns > 0 else None
             cd["gbps_rtt"] = n / c.rtt_median_ns if c.rtt_median_ns > 0 else None
             cd["rtt_fixed_cost_ns"] = run.fixed_cost_ns(m, n)
-            for base in (BASELINE_COPY, BASELINE_PEER, *([m.baseline] if m.baseline else [])):
+            bases = (BASELINE_COPY, BASELINE_PEER, *_summary_peers(m), m.baseline)
+            for base in dict.fromkeys(b for b in bases if b is not None):
                 for what in ("rtt", "oneway"):
                     cd[f"{what}_x_{base}"] = run.ratio(m, n, base, what)
+            for what in ("rtt", "oneway"):
                 cd[f"{what}_x_keys_same"] = run.ratio_same_keys(m, n, what)
             cells[str(n)] = cd
         d["cells"] = cells

@@ -35,7 +35,7 @@ from .busy import busy_processes
 from .common import grpc_quiet_children, parse_sizes, pin_cpus
 from .contract import MethodSpec
 from .machine import describe_machine, load_average
-from .options import DEFAULT_SIZES, QUICK_SIZES
+from .options import DEFAULT_SIZES, QUICK_METHODS, QUICK_SIZES
 from .pair import RolePair, stall_timeout, sweep
 from .report import format_markdown, format_time, plot_run, write_json
 from .results import BenchRun, CellResult, MethodResult
@@ -228,7 +228,10 @@ def _run_mode(args: argparse.Namespace) -> int:
     try:
         default_sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
         sizes = args.sizes or parse_sizes("64" if args.pending else default_sizes)
-        specs = select(args.methods, not args.no_baselines, "pending" if args.pending else None)
+        if args.methods is None and args.quick and not args.pending:
+            specs = select(QUICK_METHODS, False)
+        else:
+            specs = select(args.methods, not args.no_baselines, "pending" if args.pending else None)
         pin = pin_cpus(args.pin)
     except ValueError as e:
         print(f"shmrdv bench: {e}", file=sys.stderr)
@@ -242,9 +245,9 @@ def _run_mode(args: argparse.Namespace) -> int:
     opts = _Options(
         sizes=sizes,
         reps=args.reps,
-        budget_s=args.budget if args.budget is not None else (0.25 if args.quick else 2.0),
+        budget_s=args.budget if args.budget is not None else (0.5 if args.quick else 2.0),
         gap_ns=int(args.gap_us * 1000),
-        idle_s=args.idle_seconds if args.idle_seconds is not None else (1.0 if args.quick else 2.0),
+        idle_s=args.idle_seconds if args.idle_seconds is not None else (0.0 if args.quick else 2.0),
         pin=pin,
         quick=args.quick,
     )
@@ -336,7 +339,7 @@ def _run_mode(args: argparse.Namespace) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     bench.elapsed_s = time.monotonic() - t_start
     bench.machine["load_average_end"] = load_average()
-    sys.stdout.write(format_markdown(bench))
+    sys.stdout.write(format_markdown(bench, details=args.details))
     sys.stdout.flush()
     if args.json:
         write_json(bench, args.json)
