@@ -28,7 +28,7 @@ __all__ = [
 # gRPC core logs at INFO when a channel's server goes away with calls open ("chttp2_transport.cc
 # ... Got goaway [2] ... Cancelling all calls"): a bench role's Worker stops its server while
 # the other role's stream to it is still parked. That is no error of the run, so the bench's
-# children log gRPC errors only (issue 20 §4); a GRPC_VERBOSITY the user set is kept.
+# children log gRPC errors only; a GRPC_VERBOSITY the user set is kept.
 GRPC_VERBOSITY = "ERROR"
 
 # The channel and server options of every raw grpcio peer: no message size limit (the
@@ -84,7 +84,7 @@ def pin_cpus(pin: bool | None) -> tuple[int, int] | None:
 
     ``pin`` None (the default): pin where this process may use two CPUs or more
     (``os.sched_getaffinity``), so that every method pays the same cross-CPU wake-up
-    (issue 11). True: pin, and raise ``ValueError`` if fewer than two CPUs are usable.
+    True: pin, and raise ``ValueError`` if fewer than two CPUs are usable.
     """
     if pin is False:
         return None

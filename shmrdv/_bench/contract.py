@@ -159,7 +159,7 @@ class Handler:
         kind = head % _KIND_BITS
         extra = 0
         if self.touch:
-            # The fastest full read numpy has (~60 GB/s when cached): what is timed is
+            # The fastest full read numpy has (far above memcpy when cached): what is timed is
             # reaching the bytes (mapping, faults, cache misses), not arithmetic.
             extra = int(a.reshape(-1).view(np.uint8).max())
         if kind == KIND_CHECK:

@@ -37,7 +37,7 @@ TIMES = "\u00d7"  # the multiplication sign of the ratio cells
 DASH = "\u2013"  # an en dash: a cell with no figure
 # A round trip shorter than one single-threaded memcpy of the same size has no fixed cost
 # to show: the difference is not a cost but a copy the method did not make (allocate fills
-# the buffer untimed; send splits large copies over helper threads) (issue 20 §4).
+# the buffer untimed; send splits large copies over helper threads).
 FASTER_THAN_COPY = "< memcpy"
 FASTER_THAN_COPY_NOTE = (
     f"{FASTER_THAN_COPY}: the round trip took less than one single-threaded memcpy of the "
