@@ -351,8 +351,8 @@ def add_fan_in_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_syscall_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--syscalls`` option (syscalls.py); ``--methods``, ``--sizes``, ``--pin``,
-    ``--gap-us``, ``--touch`` and ``--json`` apply."""
+    """The ``--syscalls`` option (syscalls.py); ``--methods``, ``--keys``, ``--sizes``,
+    ``--pin``, ``--gap-us``, ``--touch`` and ``--json`` apply."""
     parser.add_argument(
         "--syscalls",
         type=int_range(8, 10_000_000),
