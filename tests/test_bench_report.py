@@ -221,7 +221,10 @@ def test_summary_comes_first_with_ranges_keys_and_the_host() -> None:
     assert send[5:8] == ["\u00d70.400", "\u00d70.333", ""]  # x Pipe, x Queue, not x raw gRPC
     grpc = rows[("64 B", "shmrdv_grpc · same")]
     assert grpc[5:8] == ["", "", "\u00d71.20"]  # the gRPC path against the raw gRPC job
-    assert "* `shmrdv_send · fresh`: \u00d70.0845\u20130.799 a Pipe's" in " ".join(text.split())
+    assert (
+        "* `shmrdv_send · fresh`: \u00d70.0845\u20130.799 a Pipe's round trip at 64 B\u20131 MiB"
+        in (" ".join(text.split()))
+    )
     fresh = rows[("64 B", "shmrdv_send · fresh")]
     assert fresh[8] == "\u00d72.00"  # x the same key: the same method with one key reused
     assert "faster at every size" in summary

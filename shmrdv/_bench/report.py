@@ -119,7 +119,11 @@ def _host(run: BenchRun) -> str:
     if not all(loads):
         return host_text(run.config.get("host"))
     start, end = (load[0] for load in loads if load)
-    return f"{host_text(run.config.get('host'))}; load average {start:g} → {end:g}"
+    state = host_text(run.config.get("host"))
+    cpus = run.machine.get("cpu_affinity") or run.machine.get("cpu_count") or 1
+    if state == "quiet" and max(start, end) >= cpus / 2:
+        state += " (no busy processes of the bench, but other work loaded the host)"
+    return f"{state}; load average {start:g} → {end:g}"
 
 
 def _keyed(run: BenchRun) -> bool:
@@ -143,6 +147,11 @@ def _keys_legend(run: BenchRun) -> list[str]:
 # (grpc_pull itself, or one whose baseline it is) with the raw gRPC job, any other with both
 # of the standard library's ways between processes.
 SUMMARY_PEERS = {"mp_pipe_oob": "Pipe", "mp_queue": "Queue", "grpc_pull": "raw gRPC"}
+_VERDICT_PEERS = {
+    "mp_pipe_oob": "a Pipe's",
+    "mp_queue": "a Queue's",
+    "grpc_pull": "raw grpcio's (a pull, then an ack call)",
+}
 _GRPC_PEER = "grpc_pull"
 
 
@@ -215,7 +224,8 @@ def _summary(run: BenchRun, sized: list[MethodResult]) -> list[str]:
                     *([_times(run.ratio_same_keys(m, n, "rtt"))] if by_same else []),
                 ]
             )
-    lines += [*_table(header, rows), ""]
+    keep = [i for i in range(len(header)) if i < 4 or any(r[i] for r in rows)]  # no empty column
+    lines += [*_table([header[i] for i in keep], [[r[i] for i in keep] for r in rows]), ""]
     verdicts = [v for m in ours if (v := _verdict(run, m, sizes)) is not None]
     if verdicts:
         lines += [*verdicts, ""]
@@ -233,15 +243,16 @@ def _verdict(run: BenchRun, m: MethodResult, sizes: list[int]) -> str | None:
     lo, hi = min(r for _, r in got), max(r for _, r in got)
     faster = sum(1 for _, r in got if r < 1)
     span = format_size(got[0][0]) + ("" if len(got) == 1 else f"{DASH}{format_size(got[-1][0])}")
+    every = " at every size" if len(got) > 1 else ""
     verdict = (
-        "faster at every size"
+        f"faster{every}"
         if faster == len(got)
-        else "slower at every size"
+        else f"slower{every}"
         if faster == 0
         else f"faster at {faster} of {len(got)} sizes"
     )
     ratio = f"{TIMES}{_sig(lo)}" + ("" if _sig(lo) == _sig(hi) else f"{DASH}{_sig(hi)}")
-    return f"* `{m.row}`: {ratio} a {SUMMARY_PEERS[peer]}'s round trip over {span}: {verdict}."
+    return f"* `{m.row}`: {ratio} {_VERDICT_PEERS[peer]} round trip at {span}: {verdict}."
 
 
 def _methods_list(ordered: list[MethodResult]) -> list[str]:
