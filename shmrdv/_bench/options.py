@@ -151,7 +151,7 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-baselines",
         action="store_true",
         help="with --methods: do not add the ratios' baselines (memcpy, mp_pipe_oob, and "
-        "grpc_pull for the gRPC methods)",
+        "grpc_pull and grpc_pull_piggyback for the gRPC methods)",
     )
     parser.add_argument(
         "--sizes",
@@ -169,7 +169,8 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="under a minute (36-48 s measured on 2 CPUs): the summary of shmrdv against a "
+        help="under a minute (35-50 s measured on a busy 2-CPU machine, about 70 s with "
+        "--oversubscribe 2): the summary of shmrdv against a "
         f"Pipe, a Queue and raw gRPC; methods {QUICK_METHODS} (unless --methods), sizes "
         f"{QUICK_SIZES}, 3 repetitions, short budgets, no idle probe",
     )
@@ -396,7 +397,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
     parser.description = (
         "Measure handing numpy arrays between two processes: shmrdv and its peers, "
-        "round trip and one-way, per size. Tables go to stdout, progress to stderr."
+        "round trip and one-way, per size. A summary (and with --details every table) goes "
+        "to stdout, progress to stderr."
     )
     add_pingpong_arguments(parser)
     add_load_arguments(parser)

@@ -242,7 +242,8 @@ def _verdict(run: BenchRun, m: MethodResult, sizes: list[int]) -> str | None:
         return None
     lo, hi = min(r for _, r in got), max(r for _, r in got)
     faster = sum(1 for _, r in got if r < 1)
-    span = format_size(got[0][0]) + ("" if len(got) == 1 else f"{DASH}{format_size(got[-1][0])}")
+    first, last = (format_size(got[i][0]).replace(" ", "\u00a0") for i in (0, -1))
+    span = first if len(got) == 1 else f"{first}{DASH}{last}"
     every = " at every size" if len(got) > 1 else ""
     verdict = (
         f"faster{every}"
