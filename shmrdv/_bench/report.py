@@ -531,7 +531,7 @@ def plot_run(run: BenchRun, path: str) -> None:
             color=colors[i % len(colors)],
             marker=markers[i % len(markers)],
             linewidth=2.4 if m.name.startswith("shmrdv") else 1.2,
-            label=m.name,
+            label=m.row,
         )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
