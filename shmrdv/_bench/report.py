@@ -256,6 +256,15 @@ def _verdict(run: BenchRun, m: MethodResult, sizes: list[int]) -> str | None:
     return f"* `{m.row}`: {ratio} {_VERDICT_PEERS[peer]} round trip at {span}: {verdict}."
 
 
+def _status(m: MethodResult) -> str:
+    """ "ok", "skipped: why" or "failed: the first and last line of the error"."""
+    text = m.status
+    if m.reason:
+        why = m.reason.strip().splitlines()
+        text += f": {why[0][:120]}" + (f" {why[-1][:120]}" if len(why) > 1 else "")
+    return text
+
+
 def _methods_list(ordered: list[MethodResult]) -> list[str]:
     """One line per method: its key patterns and their status, its label, its receiver's
     array, and the idle CPU share of a blocked receive."""
@@ -265,20 +274,12 @@ def _methods_list(ordered: list[MethodResult]) -> list[str]:
         by_name.setdefault(m.name, []).append(m)
     for name, runs in by_name.items():
         first = runs[0]
-
-        def status(m: MethodResult) -> str:
-            text = m.status
-            if m.reason:
-                why = m.reason.strip().splitlines()
-                text += f": {why[0][:120]}" + (f" {why[-1][:120]}" if len(why) > 1 else "")
-            return text
-
         keys = [m.keys for m in runs if m.keys is not None]
-        statuses = {status(m) for m in runs}
+        statuses = {_status(m) for m in runs}
         if len(statuses) == 1:
             state = statuses.pop()
         else:
-            state = "; ".join(f"{m.keys}: {status(m)}" for m in runs)
+            state = "; ".join(f"{m.keys}: {_status(m)}" for m in runs)
         idles = [(m.keys, m.idle_cpu_percent) for m in runs if m.idle_cpu_percent is not None]
         idle = ""
         if idles:
@@ -318,14 +319,14 @@ def format_markdown(run: BenchRun, details: bool = True) -> str:
         f"({mach.get('cpu_affinity')} usable) · {mach.get('kernel')} · {mach.get('python')}",
         f"{present} · {run.elapsed_s:.1f} s" + (" · INTERRUPTED" if run.interrupted else ""),
         "",
-        f"Host: {_host(run)}",
-        "",
         f"Settings: {run.config.get('summary', '')}",
         "",
         *_keys_legend(run),
     ]
     if sized and sizes:
-        lines += _summary(run, sized)
+        lines += _summary(run, sized)  # it says the host's state
+    else:
+        lines += [f"Host: {_host(run)}", ""]
     if details:
         lines += _details(run, sized, fixed)
     lines += _methods_list(ordered)
