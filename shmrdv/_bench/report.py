@@ -483,7 +483,7 @@ def to_json(run: BenchRun) -> dict[str, Any]:
         d["cells"] = cells
         methods.append(d)
     return {
-        "format": "shmrdv-bench/1",
+        "format": "shmrdv-bench/2",  # 2: a method once per key pattern, with "keys"
         "started": run.started,
         "elapsed_s": run.elapsed_s,
         "interrupted": run.interrupted,
