@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -131,6 +132,25 @@ def _stage(
         wait_for_close(conn)  # the sink may still be taking our last frames
 
 
+def _count(conn: Connection, frames: int, take: Callable[[int], bool]) -> None:
+    """A sink's loop: ``take(i)`` receives frame ``i`` and says whether it is right. Reports
+    progress, then ``("done", frames, seconds, bad)``, timed from the first frame received
+    to the last: start-up (spawn, imports, the first frame through the pipeline) excluded."""
+    bad = 0
+    first = last = 0.0
+    for i in range(frames):
+        if not take(i):
+            bad += 1
+        now = time.perf_counter()
+        if i == 0:
+            first = last = now
+        elif now - last > 0.25 or i == frames - 1:
+            conn.send(("progress", i + 1, now - first))
+            last = now
+    conn.send(("done", frames, last - first, bad))
+    wait_for_close(conn)
+
+
 def _sink(conn: Connection, ns: str, frames: int, stages: int, go: Any) -> None:
     import shmrdv
 
@@ -138,22 +158,16 @@ def _sink(conn: Connection, ns: str, frames: int, stages: int, go: Any) -> None:
     with shmrdv.Worker(_dev(me), namespace=ns) as w:
         rdv = w.rendezvous(0)
         keys = [shmrdv.create_key(_dev(1 + s), 0, _dev(me), "out") for s in range(stages)]
-        go.wait(60)
-        t0 = time.perf_counter()
-        last = t0
-        bad = 0
-        for i in range(frames):
+
+        def take(i: int) -> bool:
             v = rdv.recv(keys[i % stages], timeout=60).value
             e = _expected(i)
-            if not (v[0, 0] == e and v[-1, -1] == e and v[v.shape[0] // 2].sum() == e * v.shape[1]):
-                bad += 1
-            del v
-            now = time.perf_counter()
-            if now - last > 0.25 or i == frames - 1:
-                conn.send(("progress", i + 1, now - t0))
-                last = now
-        conn.send(("done", frames, time.perf_counter() - t0, bad))
-        wait_for_close(conn)
+            return bool(
+                v[0, 0] == e and v[-1, -1] == e and v[v.shape[0] // 2].sum() == e * v.shape[1]
+            )
+
+        go.wait(60)
+        _count(conn, frames, take)
 
 
 # -- the same pipeline over multiprocessing.Queue ---------------------------------------
@@ -183,16 +197,13 @@ def _q_stage(
 
 
 def _q_sink(conn: Connection, frames: int, stages: int, qs: list[Any], go: Any) -> None:
-    go.wait(60)
-    t0 = time.perf_counter()
-    bad = 0
-    for i in range(frames):
+    def take(i: int) -> bool:
         v = qs[i % stages].get(timeout=60)
         e = _expected(i)
-        if not (v[0, 0] == e and v[-1, -1] == e):
-            bad += 1
-    conn.send(("done", frames, time.perf_counter() - t0, bad))
-    wait_for_close(conn)
+        return bool(v[0, 0] == e and v[-1, -1] == e and v[v.shape[0] // 2].sum() == e * v.shape[1])
+
+    go.wait(60)
+    _count(conn, frames, take)
 
 
 # -- the driver ----------------------------------------------------------------------------
@@ -202,10 +213,9 @@ _RUN_S = 300.0
 _CLOSE_S = 60.0
 
 
-def _run_group(
-    group: ChildGroup, frames: int, nbytes: int, label: str, live: bool
-) -> tuple[float, int]:
-    """Follow the sink's reports until its "done"; then close consumers before producers."""
+def _run_group(group: ChildGroup, frames: int, nbytes: int, label: str) -> tuple[float, int]:
+    """Follow the sink's reports until its "done" (seconds from its first frame to its last,
+    bad frames); then close consumers before producers."""
     sink = group["sink"]
     others = [c.name for c in group if c is not sink]
     tty = sys.stderr.isatty()
@@ -220,9 +230,9 @@ def _run_group(
             except ChildTimeout:
                 group.check_alive(others)
                 continue
-            if msg[0] == "progress" and live:
+            if msg[0] == "progress":
                 _, n, dt = msg
-                rate = n / dt if dt > 0 else 0.0
+                rate = (n - 1) / dt if dt > 0 else 0.0
                 line = f"  {label}: {n}/{frames} frames  {rate:7.1f} frames/s  {rate * nbytes / 1e9:6.2f} GB/s"
                 # A terminal gets one updating line; a log gets a line per report.
                 sys.stderr.write(f"\r{line} " if tty else f"{line}\n")
@@ -233,7 +243,7 @@ def _run_group(
     except ChildFailed as e:
         raise RuntimeError(f"{label}: {e}") from None
     finally:
-        if live and tty:
+        if tty:
             sys.stderr.write("\n")
     # Consumers close first (their gRPC channels, their Workers), then the producer.
     for wave in ([c for c in group if c.name != "producer"], [group["producer"]]):
@@ -276,6 +286,21 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--no-baseline", action="store_true", help="skip the multiprocessing.Queue comparison"
+    )
+
+
+def _rate(frames: int, seconds: float) -> float | None:
+    """Frames per second from the first frame received to the last (None: fewer than two)."""
+    return (frames - 1) / seconds if frames > 1 and seconds > 0 else None
+
+
+def _result_line(label: str, frames: int, seconds: float, bad: int, nbytes: int) -> str:
+    rate = _rate(frames, seconds)
+    if rate is None:
+        return f"{label + ':':23} {frames} frame(s), {bad} bad (a rate takes two frames)"
+    return (
+        f"{label + ':':23} {frames} frames, the last {frames - 1} in {seconds:6.2f} s = "
+        f"{rate:8.1f} frames/s, {rate * nbytes / 1e9:6.2f} GB/s, {bad} bad"
     )
 
 
@@ -323,6 +348,11 @@ def run(args: argparse.Namespace) -> int:
         else "backpressure: none (--window 0): a sender never waits for its consumers",
         flush=True,
     )
+    print(
+        "frames/s: from the first frame the sink receives to the last, so start-up (processes, "
+        "imports, the first frame through the pipeline) is not counted",
+        flush=True,
+    )
     status = 0
     try:
         with ChildGroup() as group:
@@ -331,11 +361,8 @@ def run(args: argparse.Namespace) -> int:
             for s in range(stages):
                 group.start(f"stage{s}", _stage, ns, frames, shape, stages, s, window, go)
             group.start("sink", _sink, ns, frames, stages, go)
-            dt, bad = _run_group(group, frames, nbytes, "shmrdv", True)
-        rate = frames / dt
-        print(
-            f"shmrdv:                 {frames} frames in {dt:6.2f} s = {rate:8.1f} frames/s, {rate * nbytes / 1e9:6.2f} GB/s, {bad} bad"
-        )
+            dt, bad = _run_group(group, frames, nbytes, "shmrdv")
+        print(_result_line("shmrdv", frames, dt, bad, nbytes), flush=True)
         if bad:
             status = 1
         if not args.no_baseline:
@@ -347,15 +374,14 @@ def run(args: argparse.Namespace) -> int:
                 for s in range(stages):
                     group.start(f"stage{s}", _q_stage, frames, s, stages, qs_in[s], qs_out[s], go)
                 group.start("sink", _q_sink, frames, stages, qs_out, go)
-                qdt, qbad = _run_group(group, frames, nbytes, "multiprocessing.Queue", False)
+                qdt, qbad = _run_group(group, frames, nbytes, "multiprocessing.Queue")
             for q in qs_in + qs_out:
                 q.close()
                 q.join_thread()
-            qrate = frames / qdt
-            print(
-                f"multiprocessing.Queue:  {frames} frames in {qdt:6.2f} s = {qrate:8.1f} frames/s, {qrate * nbytes / 1e9:6.2f} GB/s, {qbad} bad"
-            )
-            print(_comparison(qdt / dt, args.hosts))
+            print(_result_line("multiprocessing.Queue", frames, qdt, qbad, nbytes))
+            rate, qrate = _rate(frames, dt), _rate(frames, qdt)
+            if rate is not None and qrate is not None:
+                print(_comparison(rate / qrate, args.hosts))
             if qbad:
                 status = 1
     finally:
