@@ -4,7 +4,7 @@ The worker's own record is a ``Presence`` (``presence.py``: a JSON file locked w
 ``flock`` for as long as the worker lives); a peer's is read through one ``PeerWatch`` per
 peer task (one cached descriptor each) and answered as a final same-host ``PeerRecord``
 when it is from this boot. ``sightings`` lists the records of a task in every namespace
-(``sightings.py``), for a diagnosis only.
+(``presence.sightings``), for a diagnosis only.
 
 Publishing and closing also collect what dead workers of this user left in /dev/shm
 (``reaper.at_start`` / ``reaper.at_close``: bounded, never a live worker's objects).
@@ -26,8 +26,7 @@ import time
 from .._transport import PeerRecord, PeerState, Sighting
 from . import reaper
 from .naming import SHM_DIR, Names
-from .presence import PeerWatch, Presence, PresenceInfo, boot_id
-from .sightings import sightings
+from .presence import PeerWatch, Presence, PresenceInfo, boot_id, sightings
 
 __all__ = ["ShmBoard", "usable"]
 
