@@ -12,7 +12,7 @@ _TRANSPORTS = ("_shm", "_rpc")
 # Who may import a transport package: the Worker builds the transports and the presence
 # board; the command line and the pytest plugin list and collect /dev/shm objects; the
 # package exports TLSConfig.
-_BUILDERS = {"__init__.py", "_worker.py", "_cli.py", "_demo.py", "pytest_plugin.py"}
+_BUILDERS = {"__init__.py", "_worker.py", "_cli.py", "pytest_plugin.py"}
 
 
 def _imported(path: Path) -> set[str]:
