@@ -24,7 +24,7 @@ import re
 from ._devices import DeviceName, _quote, parse_full_name
 from ._errors import InvalidArgumentError
 
-__all__ = ["ParsedKey", "create_key", "key_digest", "parse_key"]
+__all__ = ["MAX_KEY_BYTES", "ParsedKey", "create_key", "key_digest", "parse_key"]
 
 _UINT64_LIMIT = 2**64
 _INT64_MIN = -(2**63)
@@ -43,6 +43,12 @@ _FRAME_ITER = re.compile(r"([0-9]{1,20}):(-?[0-9]{1,19})")
 # Distinct keys a process uses at once; parse_key is on the send/recv hot path.
 _PARSE_CACHE_SIZE = 8192
 _DIGEST_SIZE = 16
+
+#: The longest key (UTF-8 bytes) any transport carries: checked here, where every path
+#: parses its keys, so that no transport takes a key another one refuses (a gRPC request,
+#: a segment header and a ring record each hold the key whole). TensorFlow's keys are a
+#: few hundred bytes.
+MAX_KEY_BYTES = 64 << 10
 
 _PART_NAMES = ("src_device", "src_incarnation", "dst_device", "edge_name", "frame_iter")
 
@@ -84,6 +90,18 @@ def _device_problem(text: str, error: InvalidArgumentError) -> str:
     if reason.startswith(prefix):
         reason = reason[len(prefix) :]
     return f"{_quote(text)} is not a device name: {reason}"
+
+
+def _check_length(key: str) -> None:
+    """Raise ``InvalidArgumentError`` if ``key`` is longer than ``MAX_KEY_BYTES``."""
+    if len(key) <= MAX_KEY_BYTES // 4:  # (at most 4 bytes a character: no encoding)
+        return
+    n = len(key.encode("utf-8", "surrogatepass"))
+    if n > MAX_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"Invalid rendezvous key {_quote(key)}: {n} bytes (UTF-8) is too long: at most "
+            f"{MAX_KEY_BYTES} bytes"
+        )
 
 
 def _check_edge_name(edge_name: str) -> str | None:
@@ -139,7 +157,9 @@ def create_key(
     if not _INT64_MIN <= iter_id <= _INT64_MAX:
         raise InvalidArgumentError(f"iter_id must be an int64, got {iter_id}")
     # TensorFlow: Uint64ToHexString (formerly FpToString, "%016llx") -- same text.
-    return f"{src};{incarnation:016x};{dst};{name};{frame_id}:{iter_id}"
+    key = f"{src};{incarnation:016x};{dst};{name};{frame_id}:{iter_id}"
+    _check_length(key)
+    return key
 
 
 def _device_text(device: str | DeviceName, what: str) -> str:
@@ -181,7 +201,8 @@ def parse_key(key: str) -> ParsedKey:
        overflows silently);
     4. part 4, the edge name, is not empty (*ours*: and is valid UTF-8);
     5. part 5 is not empty (*ours*: it is ``<frame_id>:<iter_id>``, uint64 and int64 in
-       ASCII decimal).
+       ASCII decimal);
+    6. *ours*: at most ``MAX_KEY_BYTES`` bytes of UTF-8.
 
     Raises ``InvalidArgumentError`` (a ``ValueError``) quoting the key and naming the
     part that is wrong. Results are cached: this is on the send/recv hot path.
@@ -192,6 +213,7 @@ def parse_key(key: str) -> ParsedKey:
 
 
 def _parse_key_uncached(key: str) -> ParsedKey:
+    _check_length(key)
     parts = key.split(";")
     if len(parts) < 5:
         raise InvalidArgumentError(
