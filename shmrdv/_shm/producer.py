@@ -249,6 +249,10 @@ class Producer:
             if self._allocations.get(ident) is alloc:
                 del self._allocations[ident]
         if alloc.sent:
+            if alloc.slot is not None:
+                # Nothing of the producer's reads the slot any more: it may carry the next
+                # message once its consumer gives it back (``SlotPool.unpin``).
+                self._pool.unpin(alloc.slot)
             return
         # Allocated and never sent: the memory is still the producer's.
         if alloc.slot is not None:
@@ -544,10 +548,12 @@ class Producer:
         except BaseException:
             alloc.sent = False
             raise
-        # The memory is the consumer's from here on: stop the producer writing into it.
+        # The memory is the consumer's from here on: stop the producer writing into it,
+        # and keep the slot from carrying another message while this array (or a view of
+        # it: views keep it alive) can still be read here.
         value.flags.writeable = False
         if alloc.slot is not None:
-            self._pool.lend(alloc.slot, key.full_key, name, route.task)
+            self._pool.lend(alloc.slot, key.full_key, name, route.task, pinned=True)
         else:
             alloc.segment.close()
         self.counters["sent_zero_copy"] += 1
