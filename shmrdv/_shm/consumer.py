@@ -11,7 +11,7 @@ for; once per tick it also checks the producers that have waiters
 lost records, a producer gone). A lost doorbell post costs at most one tick (``TICK``),
 never a message. ``cleanup_step`` frees what nobody received (``orphans.py``); the ring
 of a producer run that is over is drained a last time and unmapped, and what that run
-left goes (``reaper.collect_producer``, after the lock).
+left goes (``reaper.after_producer``, after the lock).
 
 Thread model (docs/threads.md): every public method takes ``lock`` itself (callers never
 hold it); none blocks on a peer or calls a ``done`` callback under it: they return what to
@@ -368,13 +368,10 @@ class Consumer:
         return out
 
     def _collect(self, task: str, inc: int) -> None:
-        """Free what a producer run that is over left (``reaper.collect_producer``): this
-        consumer took every record of its ring and unmapped it (a filesystem listing and
-        unlinks: never under the lock)."""
-        try:
-            reaper.collect_producer(self._names, task, inc, self._task)
-        except Exception:  # pragma: no cover - it never raises for what it finds
-            _log.exception("collecting what producer %s (%016x) left", task, inc)
+        """Free what a producer run that is over left (``reaper.after_producer``): this
+        consumer took every record of its ring and unmapped it (a bounded listing and
+        unlinks, the rest in the background: never under the lock)."""
+        reaper.after_producer(self._names, task, inc, self._task)
 
     def _retire_over(self) -> None:
         """Once per tick: the rings of producer runs that are over are drained a last time
