@@ -151,6 +151,8 @@ class Consumer:
                         got = None
                     if got is not None:
                         result = book.taken(got)
+                        if known.where or known.spilled:
+                            known.done(step_id, full, 0)
                 ch = None
                 if result is None:
                     ch = book.promote(step_id, full, known)
@@ -177,6 +179,7 @@ class Consumer:
                         if not stash:
                             del book.stash[step_id]
                         ch.nready -= 1
+                        book.done(ch, ch.seq)
                         ch.seq += 1
                         result = book.taken(got)
                 if result is None:
@@ -471,13 +474,15 @@ class Consumer:
     def release(self) -> None:
         """Unlink the held names, unmap the rings (after ``close``); collect what producer
         runs that are over left (slots given back to them after their close, which a live
-        ``pool.RunWatch`` let go unchecked: nobody else would free those)."""
+        ``pool.RunWatch`` let go unchecked: nobody else would free those), unless their
+        ring holds records not taken: those stay for this task's next process, and the run's
+        leftovers with them."""
         self._named.unlink_held()
         over: list[tuple[str, int]] = []
         with self.lock:
             for src, r in self._inbox.rings:
                 src.alive_at = -1.0  # a fresh look, not the tick's
-                if self._live.run_over(src, r.inc):
+                if self._live.run_over(src, r.inc) and self._inbox.all_taken(r):
                     over.append((src.task, r.inc))
             self._inbox.release()
             self._named.maps.close()

@@ -440,6 +440,9 @@ class Producer:
         # costs a read of the semaphore's value per message (no system call, no call).
         sem = route.sem
         try:
+            if route.reader_word[0] != route.reader:  # its consumer task restarted
+                route.follow_reader()
+                sem = route.sem
             if sem is not None and sem.value > 0:
                 return True
         except Exception:
@@ -624,6 +627,8 @@ class Producer:
             seg.name = name
             self._seqs[step_id][fk] = seq + 1
             ring = route.ring if route.ring_intact() else None
+            # Another reader (its consumer task restarted): followed after the lock.
+            follow = ring is not None and route.reader_word[0] != route.reader
             if ring is not None:
                 at = ring.reserve(t.data_offset)
                 if at < 0:
@@ -643,6 +648,8 @@ class Producer:
                         now,
                     )
                     ring.commit()
+        if follow and route.follow_reader():
+            posted = False  # that post went to a dead run's doorbell
         self._name_ahead(step_id, fk, seq + 1)
         return name, posted
 

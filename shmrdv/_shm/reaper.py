@@ -418,10 +418,10 @@ def collect_producer(
     """Free what is left of the dead run ``incarnation`` of ``producer_task``; return how
     many objects went.
 
-    For a consumer (``consumer_task``) that has taken everything that run sent it, once it
-    has unmapped that run's ring: removes the run's free and ``returned`` pool slots and its
-    half-written segments (told by the incarnation in their header, and for slots by their
-    name), its ring to ``consumer_task``, and, if its presence record is still that run's and
+    For a consumer (``consumer_task``) that has taken everything that run sent it: removes
+    the run's free and ``returned`` pool slots and its half-written segments (told by the
+    incarnation in their header, and for slots by their name), its ring to
+    ``consumer_task`` if every record in it is taken, and, if its presence record is still that run's and
     dead, its doorbell and then the record (under the record's lock, so a successor that
     publishes meanwhile waits a moment and its doorbell is never taken). Messages not
     received and ``held`` slots belong to their consumers and stay. Does nothing while the
@@ -575,8 +575,9 @@ class _Producer(_Slots):
         dead, info = self._state[0] == "dead", self._state[1]
         ring = os.path.join(self._dir, names.ring(task, inc, self._consumer))
         ino = _stat_ours(ring)
-        if ino is not None:
-            self.removed += _unlink(ring, ino)
+        if ino is not None and _read_ring(ring)[1] is None:
+            # Every record taken: the ring goes, also while its consumer still maps it.
+            self.removed += _unlink(ring, ino, mapped_ok=True)
         if dead and info is not None and info.incarnation == inc:
             self.removed += _remove_dead_worker(names, task, inc, record, self._dir)
         if self.removed > before:
