@@ -170,11 +170,11 @@ def set_grace(worker: shmrdv.Worker, seconds: float) -> None:
 def test_reaper_values_sent_before_a_clean_close_wait_after_the_last_send(
     ns: str, nbytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The sequence, with the wait scaled from 30 s to GRACE: a producer sends at t0
-    # and again at t0 + 1.5 GRACE, then closes (its own close sweeps its namespace, dead
-    # now); a consumer that starts a moment later gets both values. tmpfs does not update
-    # a file's mtime for writes through a mapping: taken as the last write, the ring's
-    # looked older than GRACE, and the close deleted the producer's own values.
+    # The sequence that lost values, the wait scaled from 30 s to GRACE: a producer sends
+    # at t0 and again at t0 + 1.5 GRACE, then closes (its own close sweeps its namespace,
+    # dead now); a consumer that starts a moment later gets both values. tmpfs does not
+    # update a file's mtime for writes through a mapping: taken as the last write, the
+    # ring's looked older than GRACE, and the close deleted the producer's own values.
     grace = 2.0
     monkeypatch.setattr(reaper, "GRACE_S", grace)  # the consumer's start sweep, here
     with ChildWorker(PRODUCER, namespace=ns) as producer:
@@ -468,8 +468,8 @@ print("child ok")
 def test_reaper_a_flooded_dev_shm_costs_start_and_close_a_bounded_listing() -> None:
     # 100,000 junk names (any local user can make them) in a /dev/shm of its own (a
     # private tmpfs, gone with the test): a Worker's start and close each read at most
-    # SYNC_ENTRIES directory entries; they listed the whole directory, twice or more,
-    # and took 0.3-2.9 s among 300,000. The sweep's other work goes on in a thread of
+    # SYNC_ENTRIES directory entries (they listed the whole directory, twice or more).
+    # The sweep's other work goes on in a thread of
     # the process, which collects what a dead job left behind the flood and stops with
     # the last Worker's close.
     out = run_with_small_dev_shm(_FLOODED.replace("JUNK", "100_000"), size="64m")

@@ -210,7 +210,10 @@ class _Sweep:
         self._max_objects = max_objects
         self._max_namespaces = max_namespaces
         self._looked: set[str] = set()  # namespaces done with
-        self._left: dict[str, list[_Listed]] = {}  # what a bound stopped, by namespace
+        # By namespace: how far its names were looked at, and its files found so far (a
+        # bound stopped the look); what a bound left to remove.
+        self._looking: dict[str, tuple[int, list[_Listed]]] = {}
+        self._left: dict[str, list[_Listed]] = {}
         self.removed = 0
         self.collected: list[str] = []
         self.waiting = False  # values were kept for a consumer
@@ -233,12 +236,17 @@ class _Sweep:
                 return False
             listed = self._left.pop(ns, None)
             if listed is None:
-                if records_alive(ns, group, self._dir):
-                    self._looked.add(ns)
-                    continue
-                listed = self._list(group, looking_until)
-                if listed is None:
-                    return False  # out of time while looking: the rest next time
+                looking = self._looking.pop(ns, None)
+                if looking is None:
+                    if records_alive(ns, group, self._dir):
+                        self._looked.add(ns)
+                        continue
+                    looking = (0, [])
+                looking = self._list(group, looking, looking_until)
+                if looking[0] < len(group):
+                    self._looking[ns] = looking
+                    return False  # out of time while looking: on from there next run
+                listed = looking[1]
                 if not listed:
                     self._looked.add(ns)
                     continue  # nothing of ours (another user's names): costs no namespace
@@ -257,20 +265,24 @@ class _Sweep:
             self._looked.add(ns)
         return True
 
-    def _list(self, group: list[str], until: float) -> list[_Listed] | None:
+    def _list(
+        self, group: list[str], looking: tuple[int, list[_Listed]], until: float
+    ) -> tuple[int, list[_Listed]]:
         """Our files among ``group`` (one ``lstat`` each: another user's name is never
-        opened), None if ``until`` passed first."""
-        listed: list[_Listed] = []
-        for i, entry in enumerate(group):
-            if i % _CLOCK_EVERY == 0 and i and time.monotonic() > until:
-                return None
+        opened), from where ``looking`` stopped (an index into ``group``, the files found
+        before it) until ``until`` passes: the same, further on (at least a few names)."""
+        start, listed = looking
+        for i in range(start, len(group)):
+            if i - start >= _CLOCK_EVERY and i % _CLOCK_EVERY == 0 and time.monotonic() > until:
+                return i, listed
+            entry = group[i]
             parsed = parse_name(entry)
             if parsed is None:
                 continue
             seen = _stat_listed(parsed, os.path.join(self._dir, entry))
             if seen is not None:
                 listed.append(seen)
-        return listed
+        return len(group), listed
 
     def _collect(
         self, ns: str, listed: list[_Listed], deadline: float, room: int
