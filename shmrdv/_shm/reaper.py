@@ -54,7 +54,7 @@ from .naming import SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_nam
 from .ownership import is_ours, open_checked
 from .presence import PresenceInfo, probe, read_record
 from .registry import records_alive, unlink_if_same, unlink_if_unused
-from .ring import Ring
+from .ring import DATA_OFFSET, Ring, describe
 from .segment import peek_header
 
 __all__ = [
@@ -106,28 +106,32 @@ def enabled() -> bool:
     return os.environ.get(ENV_VAR, "1").strip() != "0"
 
 
-def at_start(names: Names, task: str, incarnation: int) -> None:
+def at_start(names: Names, task: str, incarnation: int) -> bool:
     """What a worker's start collects, once its presence record is published: what dead
     namespaces left (``sweep``), then what earlier runs of its task left
     (``collect_earlier_runs``); bounded here, the rest in the background (``sweeper``).
+    Returns whether sweeps run for this worker (``enabled``: pass it to ``at_close``).
     Logs a failure, never raises it (a worker starts whatever was left behind)."""
     if not enabled():
-        return
+        return False
+    sweeper.use()
     try:
-        sweeper.use()
         sweeper.run([_Sweep(SHM_DIR), _EarlierRuns(names, task, incarnation, SHM_DIR)])
     except Exception:  # pragma: no cover - nothing it expects is raised
         _log.exception("sweep of /dev/shm at the start of %s", task)
+    return True
 
 
-def at_close(names: Names, task: str) -> None:
+def at_close(names: Names, task: str, sweeping: bool) -> None:
     """What a worker's close collects, once its presence record is gone: ``sweep()`` with
     what was sent to it, if its job ends with it; bounded here, the rest in the background
-    while another Worker of this process lives. Logs a failure, never raises it."""
-    if not enabled():
+    while another Worker of this process lives. ``sweeping``: what ``at_start`` returned.
+    Logs a failure, never raises it."""
+    if not sweeping:
         return
     try:
-        sweeper.run([_Sweep(SHM_DIR, closing=(names, task))])
+        if enabled():
+            sweeper.run([_Sweep(SHM_DIR, closing=(names, task))])
     except Exception:  # pragma: no cover - nothing it expects is raised
         _log.exception("sweep of /dev/shm at the close of %s", task)
     finally:
@@ -293,11 +297,10 @@ class _Sweep:
         closing = self._closing
         if closing is not None and closing[0].namespace_id == ns:
             me = _task_key(closing[1])
-        theirs, newest = _waiting(listed, me)
         # Values still waiting in a dead namespace wait for their consumers until GRACE_S
         # after the newest of them was sent: a time their producer wrote in them (tmpfs
         # does not update a file's mtime for writes through a mapping).
-        keep = newest is not None and newest > time.time_ns() - int(GRACE_S * 1e9)
+        theirs, keep = _waiting(listed, me, time.time_ns() - int(GRACE_S * 1e9))
         listed.sort(key=lambda e: e.kind == "presence")  # records last: `ls` shows whose
         count = tried = 0
         for i, e in enumerate(listed):
@@ -347,14 +350,16 @@ def _task_key(task: str) -> tuple[str, int, int] | None:
         return None
 
 
-def _waiting(listed: list[_Listed], me: tuple[str, int, int] | None) -> tuple[set[str], int | None]:
+def _waiting(
+    listed: list[_Listed], me: tuple[str, int, int] | None, since: int
+) -> tuple[set[str], bool]:
     """What the messages and rings among ``listed`` hold for their consumers: the paths of
     those addressed to the task ``me`` (a message by the key in its header, a ring by the
-    consumer its producer wrote into it), and when the newest value of the others still
-    waiting was sent (``time.time_ns()`` as its producer wrote it in the value's header),
-    None when none waits."""
+    consumer its producer wrote into it), and whether a value of the others still waiting
+    was sent after ``since`` (``time.time_ns()`` as its producer wrote it in the value's
+    header). Without ``me``, it stops at the first such value."""
     theirs: set[str] = set()
-    newest: int | None = None
+    keep = False
     sent: int | None
     for e in listed:
         if e.kind == "message":
@@ -368,9 +373,11 @@ def _waiting(listed: list[_Listed], me: tuple[str, int, int] | None) -> tuple[se
             continue
         if me is not None and dst == me:
             theirs.add(e.path)
-        elif sent is not None and (newest is None or sent > newest):
-            newest = sent
-    return theirs, newest
+        elif sent is not None and sent > since:
+            keep = True
+            if me is None:
+                break
+    return theirs, keep
 
 
 def _task_of_key(key: str) -> tuple[str, int, int] | None:
@@ -384,35 +391,38 @@ def _read_ring(path: str) -> tuple[tuple[str, int, int] | None, int | None]:
     """The consumer task a ring was made for (its description, ``Ring.meta``) and when the
     newest record its consumer has not taken was sent (None each when unknown). The ring is
     read with ``pread`` into a private buffer, never mapped: a truncation by another
-    process costs nothing, and no mapping of ours keeps the file in use."""
+    process costs nothing, and no mapping of ours keeps the file in use. Its records are
+    read only if some are not taken."""
     try:
         fd, st = open_checked(path, os.O_RDONLY, "ring", max_size=_RING_MAX_BYTES)
     except (OSError, RendezvousError):
         return None, None
     try:
-        data = bytearray(os.pread(fd, st.st_size, 0))
-    except OSError:
-        return None, None
+        meta, pending = describe(os.pread(fd, DATA_OFFSET, 0))
+        data = bytearray(os.pread(fd, st.st_size, 0)) if pending else None
+    except (OSError, RendezvousError):
+        return None, None  # not a ring of ours (a corrupt or truncated file)
     finally:
         os.close(fd)
+    consumer: tuple[str, int, int] | None = None
+    try:
+        consumer = DeviceName.parse(str(json.loads(meta)["consumer"])).task_key()
+    except (RendezvousError, ValueError, KeyError, TypeError):
+        pass
+    if data is None:
+        return consumer, None
+    newest: int | None = None
     try:
         ring = Ring(memoryview(data))
     except RendezvousError:
-        return None, None  # not a ring of ours (a corrupt or truncated file)
-    consumer: tuple[str, int, int] | None = None
-    newest: int | None = None
+        return consumer, None
     try:
-        try:
-            consumer = DeviceName.parse(str(json.loads(ring.meta())["consumer"])).task_key()
-        except (RendezvousError, ValueError, KeyError, TypeError):
-            pass
-        try:
-            for record in ring.take():  # (a private copy: taking changes nothing)
-                sent = layout.created_ns(record)
-                if sent is not None and (newest is None or sent > newest):
-                    newest = sent
-        except (RendezvousError, IndexError, struct.error):
-            pass  # a corrupt ring: what was read before the fault
+        for record in ring.take():  # (a private copy: taking changes nothing)
+            sent = layout.created_ns(record)
+            if sent is not None and (newest is None or sent > newest):
+                newest = sent
+    except (RendezvousError, IndexError, struct.error):
+        pass  # a corrupt ring: what was read before the fault
     finally:
         ring.release()
     return consumer, newest

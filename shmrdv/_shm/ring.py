@@ -49,7 +49,7 @@ from collections.abc import Iterator, Sequence
 
 from .._errors import InternalError
 
-__all__ = ["RINGS_SUPPORTED", "Ring", "ring_size"]
+__all__ = ["DATA_OFFSET", "RINGS_SUPPORTED", "Ring", "describe", "ring_size"]
 
 RINGS_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -78,6 +78,22 @@ _BATCH_BYTES = 1 << 16
 def ring_size(capacity: int) -> int:
     """Bytes of segment a ring of ``capacity`` data bytes needs."""
     return DATA_OFFSET + capacity
+
+
+def describe(first: bytes | bytearray | memoryview) -> tuple[bytes, bool]:
+    """From a ring's first ``DATA_OFFSET`` bytes (its words, no records): its owner's
+    description (``Ring.meta``) and whether it holds records its consumer has not taken.
+    Raises ``InternalError`` for bytes that are no ring's."""
+    if len(first) < DATA_OFFSET or bytes(first[:8]) != MAGIC:
+        raise InternalError("not a shmrdv ring")
+    n = _U32.unpack_from(first, _META_AT)[0]
+    if n > _META_MAX:
+        raise InternalError(f"shmrdv ring corrupted: description of {n} bytes")
+    head, tail = (
+        struct.unpack_from("<Q", first, _HEAD)[0],
+        struct.unpack_from("<Q", first, _TAIL)[0],
+    )
+    return bytes(first[_META_AT + 4 : _META_AT + 4 + n]), head != tail
 
 
 class Ring:

@@ -57,8 +57,9 @@ SYNC_ENTRIES = 16384
 #: ...and spends at most about this long on the reaper's jobs (listing, then removing).
 SYNC_SECONDS = 0.02
 # The background thread starts this long after it is asked to (the Worker that asked is
-# still starting), then reads this many entries at a time and pauses this long between
-# two slices (the process's other threads run meanwhile).
+# still starting), then reads this many entries at a time and pauses between two slices
+# at least this long, and as long as the slice took (the process's other threads run
+# meanwhile).
 _FIRST_PAUSE = 0.05
 _SLICE_ENTRIES = 4096
 _SLICE_PAUSE = 0.005
@@ -190,15 +191,22 @@ class _Background:
             while not scan.done:
                 if self.stopping:
                     return
-                n = scan.read(_SLICE_ENTRIES, time.monotonic() + _RUN_SECONDS)
+                t0 = time.monotonic()
+                n = scan.read(_SLICE_ENTRIES, t0 + _RUN_SECONDS)
                 self.count("background", n)
-                self.stop_now.wait(_SLICE_PAUSE)
+                self._pause(t0)
         finally:
             scan.close()
         while jobs and not self.stopping:
-            jobs = [job for job in jobs if not job(scan.groups, time.monotonic() + _RUN_SECONDS)]
+            t0 = time.monotonic()
+            jobs = [job for job in jobs if not job(scan.groups, t0 + _RUN_SECONDS)]
             if jobs:
-                self.stop_now.wait(_SLICE_PAUSE)
+                self._pause(t0)
+
+    def _pause(self, since: float) -> None:
+        """Pause at least as long as the slice that began at ``since`` took: the sweeps
+        take at most half of what the process could run meanwhile."""
+        self.stop_now.wait(max(_SLICE_PAUSE, time.monotonic() - since))
 
     def count(self, where: str, n: int) -> None:
         with self.lock:
