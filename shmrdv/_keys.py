@@ -33,7 +33,15 @@ from typing import NamedTuple
 
 from ._errors import InvalidArgumentError
 
-__all__ = ["DeviceName", "ParsedKey", "create_key", "key_digest", "parse_full_name", "parse_key"]
+__all__ = [
+    "MAX_KEY_BYTES",
+    "DeviceName",
+    "ParsedKey",
+    "create_key",
+    "key_digest",
+    "parse_full_name",
+    "parse_key",
+]
 
 
 # TensorFlow: IsJobName / ConsumeJobName / ConsumeDeviceType accept [A-Za-z][A-Za-z0-9_]*.
@@ -363,6 +371,14 @@ _frames: dict[str, tuple[int, int]] = {}
 _new_parsed = tuple.__new__
 _DIGEST_SIZE = 16
 
+#: The longest key (UTF-8 bytes) any transport carries: checked here, where every path
+#: parses its keys, so that no transport takes a key another one refuses (a gRPC request,
+#: a segment header and a ring record each hold the key whole). TensorFlow's keys are a
+#: few hundred bytes.
+MAX_KEY_BYTES = 64 << 10
+# Keys of at most this many characters fit whatever their encoding (4 bytes a character).
+_SHORT_KEY = MAX_KEY_BYTES // 4
+
 _PART_NAMES = ("src_device", "src_incarnation", "dst_device", "edge_name", "frame_iter")
 
 
@@ -409,6 +425,18 @@ def _device_problem(text: str, error: InvalidArgumentError) -> str:
     if reason.startswith(prefix):
         reason = reason[len(prefix) :]
     return f"{_quote(text)} is not a device name: {reason}"
+
+
+def _check_length(key: str) -> None:
+    """Raise ``InvalidArgumentError`` if ``key`` is longer than ``MAX_KEY_BYTES``."""
+    if len(key) <= _SHORT_KEY:
+        return
+    n = len(key.encode("utf-8", "surrogatepass"))
+    if n > MAX_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"Invalid rendezvous key {_quote(key)}: {n} bytes (UTF-8) is too long: at most "
+            f"{MAX_KEY_BYTES} bytes"
+        )
 
 
 def _check_edge_name(edge_name: str) -> str | None:
@@ -464,7 +492,9 @@ def create_key(
     if not _INT64_MIN <= iter_id <= _INT64_MAX:
         raise InvalidArgumentError(f"iter_id must be an int64, got {iter_id}")
     # TensorFlow: Uint64ToHexString (formerly FpToString, "%016llx") -- same text.
-    return f"{src};{incarnation:016x};{dst};{name};{frame_id}:{iter_id}"
+    key = f"{src};{incarnation:016x};{dst};{name};{frame_id}:{iter_id}"
+    _check_length(key)
+    return key
 
 
 def _device_text(device: str | DeviceName, what: str) -> str:
@@ -506,7 +536,8 @@ def parse_key(key: str) -> ParsedKey:
        overflows silently);
     4. part 4, the edge name, is not empty (*ours*: and is valid UTF-8);
     5. part 5 is not empty (*ours*: it is ``<frame_id>:<iter_id>``, uint64 and int64 in
-       ASCII decimal).
+       ASCII decimal);
+    6. *ours*: at most ``MAX_KEY_BYTES`` bytes of UTF-8.
 
     Raises ``InvalidArgumentError`` (a ``ValueError``) quoting the key and naming the
     part that is wrong. A key costs one split and two lookups: what its devices and frame
@@ -519,7 +550,7 @@ def parse_key(key: str) -> ParsedKey:
     # The ends ("<src_device>;<src_incarnation>;<dst_device>") and the frame seen before:
     # the edge name is all that is left to check (non-empty, no ';', ASCII).
     parts = key.rsplit(";", 2)
-    if len(parts) == 3:
+    if len(parts) == 3 and len(key) <= _SHORT_KEY:
         head, edge_name, fi_text = parts
         ends = _ends.get(head)
         frame_iter = _frames.get(fi_text)
@@ -534,6 +565,7 @@ def parse_key(key: str) -> ParsedKey:
 
 def _parse_key_checked(key: str) -> ParsedKey:
     """``parse_key`` with every check, remembering what the key's ends and frame parse to."""
+    _check_length(key)
     parts = key.split(";")
     if len(parts) < 5:
         raise InvalidArgumentError(

@@ -200,7 +200,8 @@ class StepRendezvous(Rendezvous):
         """A blocked receiver helps its transport while it waits (``Transport.wait``: the
         shared-memory one polls the doorbell as leader) and reports a wait that lasts."""
         pk = as_parsed_key(key)
-        ends = self._routes.of(pk)
+        routes = self._routes
+        ends = routes.ends.get((pk.src_device, pk.src_incarnation, pk.dst_device)) or routes.of(pk)
         if ends.local:
             return wait_received(slot, cancel, pk, timeout)
         if isinstance(cancel, RaceRecv):  # its legs are callback receives: nothing to help

@@ -251,3 +251,17 @@ def test_key_digest_is_16_stable_bytes() -> None:
 def test_parse_key_error_points_to_create_key(bad: str) -> None:
     with pytest.raises(InvalidArgumentError, match=r"shmrdv\.create_key\("):
         parse_key(bad)
+
+
+def test_keys_longer_than_every_transport_carries_are_refused_where_made_and_parsed() -> None:
+    from shmrdv._keys import MAX_KEY_BYTES
+
+    head = "/job:a/replica:0/task:0/device:CPU:0"
+    fits = "x" * (MAX_KEY_BYTES - len(create_key(head, 0, head, "x")) + 1)
+    assert len(create_key(head, 0, head, fits).encode()) == MAX_KEY_BYTES
+    assert parse_key(create_key(head, 0, head, fits)).edge_name == fits
+    for edge in (fits + "x", fits[:-1] + "\u00e9"):  # one byte over, in ASCII or not
+        with pytest.raises(InvalidArgumentError, match=f"too long: at most {MAX_KEY_BYTES}"):
+            create_key(head, 0, head, edge)
+        with pytest.raises(InvalidArgumentError, match=f"too long: at most {MAX_KEY_BYTES}"):
+            parse_key(f"{head};0000000000000000;{head};{edge};0:0")

@@ -48,6 +48,7 @@ class ShmBoard:
         self._watches: dict[str, PeerWatch] = {}
         self._presence: Presence | None = None
         self._task = ""  # the published worker's task
+        self._sweeping = False  # ``reaper.at_start`` ran the sweeps (``at_close`` then too)
         self._shown = names.namespace_id  # as it appears in object names (and Sightings)
 
     def __repr__(self) -> str:
@@ -71,7 +72,8 @@ class ShmBoard:
                 transports=transports,
             ),
         )
-        reaper.at_start(self._names, task, incarnation)  # what dead workers left (issue 20 §1)
+        # What dead workers left (issue 20 §1).
+        self._sweeping = reaper.at_start(self._names, task, incarnation)
 
     def _watch(self, task: str) -> PeerWatch:
         """The cached presence watcher of ``task`` (one descriptor per peer task)."""
@@ -111,4 +113,4 @@ class ShmBoard:
         presence, self._presence = self._presence, None
         if presence is not None:
             presence.close()
-            reaper.at_close(self._names, self._task)
+            reaper.at_close(self._names, self._task, self._sweeping)

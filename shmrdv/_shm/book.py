@@ -16,7 +16,8 @@ else that needs the channel (a receive that cannot simply take message 0, a seco
 record of its key, a listing) gets a ``Channel`` in the state the idle entry stands for
 (``channel``, ``find``: ``promote``).
 
-The book holds no lock and does no I/O: the parts of the consumer (``inbox``,
+The book holds no lock and does no I/O but on its rings (``InRing``: their ``tail`` and
+marks, a spilled record's segment unlinked): the parts of the consumer (``inbox``,
 ``liveness``, ``recovery``, ``named``, ``orphans``) read and change it under the
 coordinator's lock (``consumer.py``).
 
@@ -26,6 +27,9 @@ Thread model (docs/threads.md): none of its own; every call is made under
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -41,6 +45,17 @@ from .ring import Ring
 from .segment import Segment
 
 __all__ = ["Book", "Channel", "InRing", "Notice", "NoticeArray", "Source", "Stash", "Waiter"]
+
+# A file's size: ``_file_size(fd, 0, _SEEK_END)`` (a ring's, before a store into it).
+_file_size = os.lseek
+_SEEK_END = os.SEEK_END
+
+
+def _unlink(path: str) -> None:
+    """Remove a spilled record's segment (taken or freed: it is nobody's any more)."""
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 #: What a ring notice says of its array: dtype, shape, data offset, nbytes, is_dead.
@@ -104,23 +119,36 @@ class Waiter:
 
 
 class InRing:
-    """A producer's ring for this consumer, attached (its name already unlinked).
+    """A producer's ring for this consumer, attached.
 
     ``src`` and ``inc``: its producer and that producer's incarnation. ``watch`` is live
     while the ring is attached: this consumer will then collect what the producer run
-    leaves when it is over (``pool.RunWatch``)."""
+    leaves when it is over (``pool.RunWatch``).
+
+    The records read but not taken yet (stashed: the ring is their durable copy, which
+    this consumer's next process reads again if this one dies) are ``held``: their
+    positions, oldest first, ``where`` each one's by (step, key, seq) and ``ident`` the
+    reverse. ``done`` says one was taken: the ring's ``tail`` moves past the oldest ones,
+    and one taken before an older one is marked taken in the ring (``Ring.mark_taken``).
+    A record moved out of the ring (``spilled``, ``inbox.py``) has a segment of its own
+    instead, by (step, key, seq), which ``done`` unlinks."""
 
     __slots__ = (
         "buf",
         "fd",
+        "held",
+        "ident",
         "inc",
         "lost",
         "lost_seen",
         "ring",
         "segment",
         "size",
+        "spilled",
         "src",
+        "taken",
         "watch",
+        "where",
         "words",
     )
 
@@ -137,6 +165,71 @@ class InRing:
         self.watch = RunWatch()
         self.lost_seen = 0
         self.lost = 0  # the ring's lost count at the last (size-checked) drain
+        self.held: deque[int] = deque()
+        self.taken: set[int] = set()  # among ``held``, those taken (out of order)
+        self.where: dict[tuple[int, str, int], int] = {}
+        self.ident: dict[int, tuple[int, str, int]] = {}
+        self.spilled: dict[tuple[int, str, int], str] = {}  # -> its segment's path
+
+    def hold(self, step: int, key: str, seq: int, position: int) -> None:
+        """The record at ``position`` (``Ring.position``) of message (step, key, seq) was
+        read and stashed, not taken: the ring keeps it until ``done``."""
+        self.held.append(position)
+        ident = (step, key, seq)
+        self.where[ident] = position
+        self.ident[position] = ident
+
+    def done(self, step: int, key: str, seq: int) -> None:
+        """Message (step, key, seq) is taken (or freed), if its record is held here: the
+        ring's ``tail`` moves past the oldest records taken, or the record is marked taken
+        (its segment unlinked if it was spilled). One ``lseek`` first: a store into a page a
+        truncation took would be a SIGBUS (a truncated ring is failed by its next drain)."""
+        ident = (step, key, seq)
+        pos = self.where.pop(ident, None)
+        if pos is None:
+            if self.spilled:
+                _unlink(self.spilled.pop(ident, ""))
+            return
+        del self.ident[pos]
+        if self.fd < 0 or _file_size(self.fd, 0, _SEEK_END) < self.size:
+            return
+        self._taken(pos)
+
+    def done_step(self, step: int) -> None:
+        """``done`` for every held or spilled record of ``step`` (the step was cleaned up)."""
+        for k in [k for k in self.spilled if k[0] == step]:
+            _unlink(self.spilled.pop(k))
+        where = self.where
+        gone = [k for k in where if k[0] == step]
+        if not gone or self.fd < 0 or _file_size(self.fd, 0, _SEEK_END) < self.size:
+            return
+        for k in gone:
+            pos = where.pop(k)
+            del self.ident[pos]
+            self._taken(pos)
+
+    def spill_oldest(self, path: str) -> None:
+        """The oldest held record was moved out of the ring, to the segment at ``path`` (or
+        nowhere: a notice, whose message is a segment already): ``tail`` passes it. The
+        ring's size was checked (the caller drains it)."""
+        pos = self.held[0]
+        ident = self.ident.pop(pos)
+        del self.where[ident]
+        if path:
+            self.spilled[ident] = path
+        self._taken(pos)
+
+    def _taken(self, pos: int) -> None:
+        held, ring = self.held, self.ring
+        if held[0] != pos:
+            self.taken.add(pos)
+            ring.mark_taken(pos)
+            return
+        held.popleft()
+        taken = self.taken
+        while held and held[0] in taken:
+            taken.discard(held.popleft())
+        ring.free(held[0] if held else ring.read)
 
 
 class Source:
@@ -149,6 +242,7 @@ class Source:
         "inc",
         "look_at",
         "restarted",
+        "retired",
         "ring_incs",
         "rings",
         "task",
@@ -165,6 +259,7 @@ class Source:
         self.rings: list[InRing] = []
         self.ring_incs: set[int] = set()  # incarnations whose ring is attached
         self.tried: set[int] = set()  # earlier incarnations whose ring was looked for
+        self.retired: set[int] = set()  # incarnations whose ring was drained and let go
         self.look_at = 0.0  # when to look for its ring again
         self.alive_at = -1.0  # when it was last seen alive (with incarnation ``inc``)
         self.waiting: dict[Channel, None] = {}  # its channels with waiters (ordered set)
@@ -258,9 +353,25 @@ class Book:
 
     def forget_step(self, step: int) -> tuple[Stash | None, dict[str, Stashed] | None]:
         """Drop the step's channels; returns what nobody received (to let go of after the
-        lock: the stash and the idle channels' messages)."""
+        lock: the stash and the idle channels' messages). Their records are freed in the
+        rings (``InRing.done_step``)."""
         self.channels.pop(step, None)
-        return self.stash.pop(step, None), self.first.pop(step, None)
+        stash, first = self.stash.pop(step, None), self.first.pop(step, None)
+        if stash or first:
+            for src in self.srcs.values():
+                for r in src.rings:
+                    if r.where or r.spilled:
+                        r.done_step(step)
+        return stash, first
+
+    @staticmethod
+    def done(ch: Channel, seq: int) -> None:
+        """Message ``seq`` of ``ch``, stashed, is taken: its ring record too (``InRing.done``)."""
+        for r in ch.src.rings:
+            if r.inc == ch.inc:
+                if r.where or r.spilled:
+                    r.done(ch.step, ch.key, seq)
+                return
 
     def put(self, ch: Channel, inc: int, seq: int, value: Stashed) -> bool:
         """Stash ``value`` as message (``inc``, ``seq``) of ``ch`` unless one is there already."""
@@ -294,6 +405,7 @@ class Book:
         stash = self.stash.get(ch.step)
         if stash is not None and stash.pop((ch.key, ch.inc, ch.seq), None) is not None:
             ch.nready -= 1
+            self.done(ch, ch.seq)
 
     def count(self, nbytes: int) -> None:
         self.received += 1

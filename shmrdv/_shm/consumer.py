@@ -11,7 +11,7 @@ for; once per tick it also checks the producers that have waiters
 lost records, a producer gone). A lost doorbell post costs at most one tick (``TICK``),
 never a message. ``cleanup_step`` frees what nobody received (``orphans.py``); the ring
 of a producer run that is over is drained a last time and unmapped, and what that run
-left goes (``reaper.collect_producer``, after the lock).
+left goes (``reaper.after_producer``, after the lock).
 
 Thread model (docs/threads.md): every public method takes ``lock`` itself (callers never
 hold it); none blocks on a peer or calls a ``done`` callback under it: they return what to
@@ -150,6 +150,8 @@ class Consumer:
                         got = None
                     if got is not None:
                         result = book.taken(got)
+                        if known.where or known.spilled:
+                            known.done(step_id, full, 0)
                 ch = None
                 if result is None:
                     ch = book.promote(step_id, full, known)
@@ -176,6 +178,7 @@ class Consumer:
                         if not stash:
                             del book.stash[step_id]
                         ch.nready -= 1
+                        book.done(ch, ch.seq)
                         ch.seq += 1
                         result = book.taken(got)
                 if result is None:
@@ -367,13 +370,10 @@ class Consumer:
         return out
 
     def _collect(self, task: str, inc: int) -> None:
-        """Free what a producer run that is over left (``reaper.collect_producer``): this
-        consumer took every record of its ring and unmapped it (a filesystem listing and
-        unlinks: never under the lock)."""
-        try:
-            reaper.collect_producer(self._names, task, inc, self._task)
-        except Exception:  # pragma: no cover - it never raises for what it finds
-            _log.exception("collecting what producer %s (%016x) left", task, inc)
+        """Free what a producer run that is over left (``reaper.after_producer``): this
+        consumer took every record of its ring and unmapped it (a bounded listing and
+        unlinks, the rest in the background: never under the lock)."""
+        reaper.after_producer(self._names, task, inc, self._task)
 
     def _retire_over(self) -> None:
         """Once per tick: the rings of producer runs that are over are drained a last time
@@ -473,13 +473,15 @@ class Consumer:
     def release(self) -> None:
         """Unlink the held names, unmap the rings (after ``close``); collect what producer
         runs that are over left (slots given back to them after their close, which a live
-        ``pool.RunWatch`` let go unchecked: nobody else would free those)."""
+        ``pool.RunWatch`` let go unchecked: nobody else would free those), unless their
+        ring holds records not taken: those stay for this task's next process, and the run's
+        leftovers with them."""
         self._named.unlink_held()
         over: list[tuple[str, int]] = []
         with self.lock:
             for src, r in self._inbox.rings:
                 src.alive_at = -1.0  # a fresh look, not the tick's
-                if self._live.run_over(src, r.inc):
+                if self._live.run_over(src, r.inc) and self._inbox.all_taken(r):
                     over.append((src.task, r.inc))
             self._inbox.release()
             self._named.maps.close()

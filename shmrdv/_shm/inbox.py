@@ -8,9 +8,13 @@ listed, however many receives are pending (issue 15 §1). A drain made by the sc
 (``Consumer.scan``) hands a value that is the very next message of a channel with waiters
 to the oldest of them at once, with no stash entry made and taken (``_take_records``).
 
-A ring is attached once (its name unlinked at once: the memory goes when both sides have
-unmapped it, whoever dies first) and checked for truncation before each drain; a ring
-that fails is released and the receives waiting on its producer get the error.
+A ring is attached once per run of this consumer and checked for truncation before each
+drain; a ring that fails is released and the receives waiting on its producer get the
+error. Its name stays while it holds records not taken: it is their durable copy, read
+again by this consumer task's next process if this one dies (``InRing``: ``tail`` is the
+oldest record not taken). Its producer removes it at its close once every record is taken,
+else this consumer once the producer run is over and every record taken
+(``reaper.after_producer``), else the sweeps once the namespace is dead.
 
 Thread model (docs/threads.md): every method runs under ``Consumer.lock`` except
 ``arrived``, a lock-free look at the rings' heads for a spinning poller.
@@ -35,7 +39,7 @@ from .book import Book, Channel, InRing, Notice, Source, Stash, Stashed
 from .delivery import Item
 from .naming import Names
 from .ring import RINGS_SUPPORTED, Ring
-from .segment import Segment
+from .segment import Segment, move_noreplace
 
 __all__ = ["Inbox", "unlink_quietly"]
 
@@ -142,8 +146,10 @@ class Inbox:
             _log.warning("%s", e)
 
     def attach(self, name: str, expect: tuple[str, int] | None) -> bool:
-        """Map a producer's ring for this consumer and unlink its name (the mapping stays:
-        the memory goes when both sides have unmapped it, whoever dies first).
+        """Map a producer's ring for this consumer and read it from its oldest record not
+        taken (an earlier run of this consumer task may have taken some and died); its name
+        stays (see the module docstring). Once per producer run: a ring attached or let go
+        already is left alone.
 
         False: no such name. Raises ``InternalError`` for a ring that is not ours or not
         for this consumer (or not from ``expect``, (producer task, incarnation)).
@@ -152,6 +158,7 @@ class Inbox:
             seg = Segment.attach(self._names, name, keep_fd=True)
         except FileNotFoundError:
             return False
+        ring: Ring | None = None
         try:
             ring = Ring(memoryview(seg.buf))
             meta = json.loads(ring.meta())
@@ -161,12 +168,18 @@ class Inbox:
             if not owner[1]:
                 raise InternalError(f"ring {name} names incarnation 0")
         except (RendezvousError, ValueError, KeyError, TypeError) as e:
+            if ring is not None:
+                ring.release()
             seg.close()
             raise InternalError(f"refusing ring {name}: {e}") from e
-        unlink_quietly(seg)
         src = self._book.source_named(owner[0])
+        if owner[1] in src.ring_incs or owner[1] in src.retired:
+            ring.release()
+            seg.close()
+            return True
         if not src.inc:
             src.inc = owner[1]
+        ring.attach(self._ctx.incarnation)
         r = InRing(seg, ring, src, owner[1])
         src.rings.append(r)
         src.ring_incs.add(owner[1])
@@ -182,7 +195,7 @@ class Inbox:
         right after a ``scan`` checked the rings' sizes)."""
         try:
             for _, r in self.rings:
-                if r.ring.pending():
+                if r.ring.unread():
                     return True
         except ValueError:  # a ring failed and released meanwhile: let the scan see to it
             return True
@@ -248,6 +261,17 @@ class Inbox:
             _log.warning("ring from %s: %s", src.task, e)
 
     @staticmethod
+    def all_taken(r: InRing) -> bool:
+        """Whether every record of ring ``r`` is taken (read and handed to a receive, or
+        freed); False when it cannot tell (a truncated ring). One ``lseek`` first."""
+        try:
+            if r.fd < 0 or _file_size(r.fd, 0, _SEEK_END) < r.size:
+                return False
+        except OSError:
+            return False
+        return not r.ring.pending()
+
+    @staticmethod
     def lost_records(src: Source) -> bool:
         """Whether a ring of ``src`` lost records not recovered yet (``recovery.py``), as of
         the last drain: the ring's words are read only right after a size check."""
@@ -263,10 +287,12 @@ class Inbox:
         self.rings = [(s, x) for s, x in self.rings if x is not r]
         src.rings.remove(r)
         src.ring_incs.discard(r.inc)
-        src.look_at = float("inf")  # its name is gone; a restarted producer makes a new one
+        src.retired.add(r.inc)
+        src.look_at = float("inf")  # a restarted producer makes a new one
         r.watch.live = False
         r.fd = -1
         r.ring.release()
+        unlink_quietly(r.segment)  # nothing in it can be read any more
         r.segment.close()
         # A producer that saw the truncation itself went on by name: the waiting receives
         # look for their message by name first (``Consumer``), and fail only if it is not
@@ -301,11 +327,14 @@ class Inbox:
         idle (the ring in its place), until something needs the channel (``book.py``).
         """
         ring = r.ring
+        held = r.held
         try:
             spans: list[tuple[int, int]] | None = ring.spans()
         finally:
             r.lost = ring.lost  # (``spans`` reads it first)
         if not spans:
+            if ring.passed:  # records taken by an earlier run of this consumer, skipped
+                ring.consume(keep=held[0] if held else -1)
             return
         header, live, live_reader, book, channels, stashes, firsts = self._drain_state
         src, inc, buf, words = r.src, r.inc, r.buf, r.words
@@ -352,6 +381,8 @@ class Inbox:
                         except RendezvousError as e:
                             refused = self._refused(src, buf[at:end], e)
                             if refused is None:
+                                if held:  # (nobody will take it: as good as taken)
+                                    ring.mark_taken(ring.position(at))
                                 continue
                             step, seq, key, value = refused
                             notice = False
@@ -377,6 +408,8 @@ class Inbox:
                     if dropped:
                         if notice:  # a late send of a step this worker already cleaned up: free it
                             self._free_named(src.task, step, key, inc, seq, slot)
+                        if held:
+                            ring.mark_taken(ring.position(at))
                         continue
                     known = chans.get(key)
                     if known is None:
@@ -387,6 +420,7 @@ class Inbox:
                                 if first is None:
                                     first = firsts[step] = {}
                             first[key] = value
+                            r.hold(step, key, 0, ring.position(at))
                             continue
                         ch = chans[key] = Channel(step, key, src, inc)
                     elif type(known) is InRing:  # another record of an idle channel's key
@@ -395,7 +429,9 @@ class Inbox:
                         ch = known  # type: ignore[assignment]  # not an InRing: a Channel
                     if ch.inc == inc and seq <= ch.seq:
                         if seq < ch.seq:
-                            continue  # already taken by its name
+                            if held:  # already taken by its name
+                                ring.mark_taken(ring.position(at))
+                            continue
                         if (
                             hand is not None
                             and not ch.nready
@@ -414,19 +450,76 @@ class Inbox:
                             if not has_waiters(ch):
                                 ch.src.waiting.pop(ch, None)
                             hand.append((waiter.done, waiter.copy, value))
+                            if held:  # taken while an older record is not
+                                ring.mark_taken(ring.position(at))
                             continue
                     if stash is None:
                         stash = stashes.get(step)
                         if stash is None:
                             stash = stashes[step] = {}
                     stash[(key, inc, seq)] = value
+                    r.hold(step, key, seq, ring.position(at))
                     ch.nready += 1
                     if ch in ch.src.waiting:  # it has waiters
                         touched.append(ch)
             except BaseException:
-                ring.consume(at)  # what came before it is taken; it is found again
+                # What came before it is read (and taken, but what is held); it is found again.
+                ring.consume(at, keep=held[0] if held else -1)
                 raise
-            spans = ring.spans() if ring.consume() else None
+            spans = ring.spans() if ring.consume(keep=held[0] if held else -1) else None
+        if held and ring.read - held[0] > ring.capacity >> 1:
+            self._spill(r)
+
+    def _spill(self, r: InRing) -> None:
+        """Move the oldest records of ring ``r`` that are read and not taken out of it
+        until those left take at most a quarter of it: a key nobody receives for a while
+        must not leave its producer without room (every small send would then go by name).
+        Each becomes a message of its own, published under its name (a notice's message is
+        one already), and the ring counts it (``Ring.add_spilled``): this consumer's next
+        process looks for them by name. The stash keeps their values. Under the lock, right
+        after a drain checked the ring's size; what cannot be written (/dev/shm full) stays
+        in the ring."""
+        ring = r.ring
+        count = 0
+        while r.held and ring.read - r.held[0] > ring.capacity >> 2:
+            step, key, seq = r.ident[r.held[0]]
+            payload = ring.record(r.held[0])
+            try:
+                path = (
+                    ""
+                    if layout.is_notice(payload)
+                    else self._publish(step, key, r.inc, seq, payload)
+                )
+            except RendezvousError as e:
+                _log.warning(
+                    "cannot move a record of the ring from %s out of it: %s", r.src.task, e
+                )
+                break
+            finally:
+                payload.release()
+            r.spill_oldest(path)
+            count += 1
+        if count:
+            ring.add_spilled(count)
+            r.lost_seen += count  # (in the stash: not to be looked for by name here)
+
+    def _publish(self, step: int, key: str, inc: int, seq: int, payload: memoryview) -> str:
+        """Publish ``payload`` (a ring record: a header and its data) as message (step,
+        key, seq) of producer run ``inc``; return its path. Raises ``RendezvousError``."""
+        names = self._names
+        path = Names.path(names.message(step, key, inc, seq))
+        seg = Segment.create(names, len(payload))
+        try:
+            seg.buf[: len(payload)] = payload
+            move_noreplace(seg.path, path)
+        except BaseException as e:
+            unlink_quietly(seg)
+            seg.close()
+            if isinstance(e, OSError):
+                raise InternalError(f"cannot publish {path}: {e}") from e
+            raise
+        seg.close()
+        return path
 
     def _refused(
         self, src: Source, payload: memoryview, e: RendezvousError
@@ -449,12 +542,14 @@ class Inbox:
         )
 
     def retire(self, src: Source, r: InRing) -> None:
-        """Unmap the ring of a producer run that is over, once drained (nothing more can
-        come through it); that run is then looked for by name only, its ring never again."""
+        """Unmap the ring of a producer run that is over, once every record is taken
+        (nothing more can come through it); that run is then looked for by name only, its
+        ring never again."""
         self.rings = [(s, x) for s, x in self.rings if x is not r]
         src.rings.remove(r)
         src.ring_incs.discard(r.inc)
         src.tried.add(r.inc)
+        src.retired.add(r.inc)
         if src.inc == r.inc:
             src.look_at = float("inf")  # a restarted producer is looked for again (liveness)
         r.watch.live = False  # before what the run left is collected (``pool.RunWatch``)

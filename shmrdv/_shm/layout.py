@@ -61,6 +61,7 @@ __all__ = [
     "Template",
     "created_ns",
     "data_offset_for",
+    "is_notice",
     "header_size",
     "pack",
     "pack_into",
@@ -751,6 +752,12 @@ class HeaderCache:
 
 _CREATED = struct.Struct("<Q")
 _CREATED_AT = struct.calcsize(PREFIX.format[:-4])  # the prefix before ``created_ns``
+
+
+def is_notice(buf: BufferLike) -> bool:
+    """Whether the header at the start of ``buf`` is a ring notice (``FLAG_NOTICE``: its
+    data is the segment published under the message's name)."""
+    return len(buf) > _VARYING_AT and bool(buf[_VARYING_AT] & FLAG_NOTICE)
 
 
 def created_ns(buf: BufferLike) -> int | None:

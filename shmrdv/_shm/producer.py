@@ -248,6 +248,10 @@ class Producer:
             if self._allocations.get(ident) is alloc:
                 del self._allocations[ident]
         if alloc.sent:
+            if alloc.slot is not None:
+                # Nothing of the producer's reads the slot any more: it may carry the next
+                # message once its consumer gives it back (``SlotPool.unpin``).
+                self._pool.unpin(alloc.slot)
             return
         # Allocated and never sent: the memory is still the producer's.
         if alloc.slot is not None:
@@ -435,6 +439,9 @@ class Producer:
         # costs a read of the semaphore's value per message (no system call, no call).
         sem = route.sem
         try:
+            if route.reader_word[0] != route.reader:  # its consumer task restarted
+                route.follow_reader()
+                sem = route.sem
             if sem is not None and sem.value > 0:
                 return True
         except Exception:
@@ -543,10 +550,12 @@ class Producer:
         except BaseException:
             alloc.sent = False
             raise
-        # The memory is the consumer's from here on: stop the producer writing into it.
+        # The memory is the consumer's from here on: stop the producer writing into it,
+        # and keep the slot from carrying another message while this array (or a view of
+        # it: views keep it alive) can still be read here.
         value.flags.writeable = False
         if alloc.slot is not None:
-            self._pool.lend(alloc.slot, key.full_key, name, route.task)
+            self._pool.lend(alloc.slot, key.full_key, name, route.task, pinned=True)
         else:
             alloc.segment.close()
         self.counters["sent_zero_copy"] += 1
@@ -617,6 +626,8 @@ class Producer:
             seg.name = name
             self._seqs[step_id][fk] = seq + 1
             ring = route.ring if route.ring_intact() else None
+            # Another reader (its consumer task restarted): followed after the lock.
+            follow = ring is not None and route.reader_word[0] != route.reader
             if ring is not None:
                 at = ring.reserve(t.data_offset)
                 if at < 0:
@@ -636,6 +647,8 @@ class Producer:
                         now,
                     )
                     ring.commit()
+        if follow and route.follow_reader():
+            posted = False  # that post went to a dead run's doorbell
         self._name_ahead(step_id, fk, seq + 1)
         return name, posted
 

@@ -175,7 +175,8 @@ class Recovery:
             except OSError:
                 continue
             try:
-                self._inbox.attach(name, None)
+                if self._inbox.attach(name, None):
+                    listing.refuse(name)  # attached (once per run of its producer): done with
             except InternalError as e:  # not ours, or not for this consumer: never again
                 listing.refuse(name)
                 _log.debug("%s", e)

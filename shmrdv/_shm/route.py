@@ -16,6 +16,7 @@ both: it never blocks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -44,6 +45,8 @@ file_size = os.lseek
 SEEK_END = os.SEEK_END
 # How often a producer looks again for the doorbell of a consumer that has not started.
 _BELL_LOOK_S = 0.02
+# ``Route.reader_word`` of a route without a ring: the reader never changes.
+_NO_READER = memoryview(bytes(8)).cast("Q")
 
 
 class Route:
@@ -59,6 +62,8 @@ class Route:
         "lock",
         "names",
         "post",
+        "reader",
+        "reader_word",
         "ring",
         "ring_buf",
         "ring_fd",
@@ -83,6 +88,11 @@ class Route:
         self.ring_fd = -1 if ring is None else ring[0].fd
         self.ring_size = 0 if ring is None else ring[0].size
         self.ring_buf: memoryview = memoryview(b"") if ring is None else ring[1].buf
+        # The consumer run that reads the ring (``Ring.reader``; ``reader_word[0]``: one
+        # look per message) and the one whose doorbell ``bell`` is: a consumer task that
+        # restarted has a doorbell of its own (``follow_reader``).
+        self.reader_word: memoryview = _NO_READER if ring is None else ring[1].reader_word()
+        self.reader = 0
         self.bell: Bell | None = None
         self.post: Callable[[], None] | None = None  # ``bell.post``, while ``bell`` is set
         self.sem: posix_ipc.Semaphore | None = None  # ``bell.semaphore``, likewise
@@ -115,20 +125,24 @@ class Route:
             seg.check_size(seg.size)  # says what is wrong
         except (InternalError, OSError, ValueError) as e:
             _log.warning("the ring to %s is unusable (%s); segments from now on", self.task, e)
+            self._let_go_reader()
             self.ring.release()
             self.ring = None
             self.ring_segment = None
             self.ring_fd = -1
+            _unlink_quietly(seg)  # nothing in it can be read any more
             seg.close()
             return False
         return True
 
     def close_ring(self) -> None:
-        """Unmap the ring (under the publish lock). A ring its consumer never attached keeps
-        its name while it holds messages (they are the consumer's); an empty one goes."""
+        """Unmap the ring (under the publish lock). A ring keeps its name while it holds
+        records its consumer has not taken (they are the consumer task's: this run's, or its
+        next one's after a crash); one whose records are all taken goes."""
         ring, seg = self.ring, self.ring_segment
         self.ring = self.ring_segment = None
         self.ring_fd = -1
+        self._let_go_reader()
         if ring is not None and seg is not None:
             # (Checked first: a truncated ring's words may be gone.)
             if _intact(seg) and not ring.pending():
@@ -136,7 +150,29 @@ class Route:
             ring.release()
             seg.close()
 
+    def _let_go_reader(self) -> None:
+        word, self.reader_word = self.reader_word, _NO_READER
+        if word is not _NO_READER:
+            word.release()
+
     # -- the doorbell -----------------------------------------------------------------
+
+    def follow_reader(self) -> bool:
+        """The ring has another reader than the doorbell's (``reader_word[0] != reader``):
+        its consumer task restarted, or attached the ring after the doorbell was opened.
+        The doorbell is looked up again now; returns whether it is another semaphore than
+        the one posted so far (a restarted consumer's). Never blocks."""
+        try:
+            reader = int(self.reader_word[0])
+        except (ValueError, IndexError):  # the ring was let go meanwhile
+            return False
+        old = self.drop_bell()
+        self.reader = reader
+        self.bell_look_at = 0.0
+        new = self.peer_bell()
+        if old is not None:
+            old.close()
+        return new is None or old is None or new.ino != old.ino
 
     def post_record(self) -> None:
         """Post the doorbell for a ring record just committed (no post waiting)."""
@@ -192,6 +228,8 @@ class Route:
             return None  # consumer not started: it scans when it starts
         with self.lock:
             if self.bell is None:
+                with contextlib.suppress(ValueError, IndexError):  # (a ring let go)
+                    self.reader = int(self.reader_word[0])
                 self.bell = bell
                 self.sem = bell.semaphore
                 self.post = bell.post
@@ -252,11 +290,11 @@ def _make_ring(
 
 def _unread(ring: Ring | None) -> bool:
     """Whether ``ring`` (a producer's ring to its consumer) holds records its consumer has
-    not taken; True when there is no ring (its consumer looks by name) or it cannot tell."""
+    not read; True when there is no ring (its consumer looks by name) or it cannot tell."""
     if ring is None:
         return True
     try:
-        return ring.pending()
+        return ring.unread()
     except (ValueError, TypeError):  # released by a thread that found the ring truncated
         return True
 

@@ -56,6 +56,7 @@ class Taker:
                     ch.nready -= 1
                     if not stash:
                         del book.stash[ch.step]
+                    book.done(ch, ch.seq)
                     if type(got) is not ndarray:
                         return self.taken(ch, got)
                     ch.seq += 1
@@ -80,6 +81,7 @@ class Taker:
             ch.nready -= 1
             if not stash:
                 del book.stash[ch.step]
+            book.done(ch, ch.seq)
             return self.taken(ch, got)
         # Later messages are here but not this one. Its record may still be in the ring: a
         # listing (recovery) stashed the notice of a later message published by name while
