@@ -121,17 +121,9 @@ class StepRendezvous(Rendezvous):
         is_dead: bool = False,
         timeout: float | None = None,
     ) -> None:
-        routes = self._routes
-        if routes.refused is not None:
-            raise routes.refused()
-        pk = parse_key(key) if type(key) is str else as_parsed_key(key)
-        ends = routes.ends.get((pk.src_device, pk.src_incarnation, pk.dst_device))
-        if ends is None:
-            ends = routes.of(pk)
-        if not ends.sends:
-            raise routes.send_error(pk, ends)
-        if self._error is not None:
-            raise self._error
+        pk, ends = self._route(key)
+        if not ends.sends or self._error is not None:
+            raise self._refusal(pk, ends, sending=True)
         if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
             timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
         arr = check_value(value, pk.full_key)
@@ -139,7 +131,7 @@ class StepRendezvous(Rendezvous):
         if ends.local:
             (self._local or self._make_local()).put(pk, arr, dead)
         else:
-            t = ends.transport or routes.transport(ends, pk)
+            t = ends.transport or self._routes.transport(ends, pk)
             t.send(self.step_id, pk, arr, dead, timeout)
 
     send.__doc__ = Rendezvous.send.__doc__
@@ -155,20 +147,23 @@ class StepRendezvous(Rendezvous):
             local.start_abort(error)
         return local
 
-    def _receiving(self, key: str | ParsedKey) -> tuple[ParsedKey, Ends]:
-        """The parsed key and its route for a receive; raises what makes it impossible."""
+    def _route(self, key: str | ParsedKey) -> tuple[ParsedKey, Ends]:
+        """The parsed key and the route of its ends (one split and two lookups)."""
         routes = self._routes
         if routes.refused is not None:
             raise routes.refused()
         pk = parse_key(key) if type(key) is str else as_parsed_key(key)
         ends = routes.ends.get((pk.src_device, pk.src_incarnation, pk.dst_device))
-        if ends is None:
-            ends = routes.of(pk)
-        if not ends.receives:
-            raise routes.recv_error(pk, ends)
-        if self._error is not None:
-            raise self._error
-        return pk, ends
+        return pk, routes.of(pk) if ends is None else ends
+
+    def _refusal(self, pk: ParsedKey, ends: Ends, *, sending: bool) -> BaseException:
+        """Why this step may not send (receive) ``pk``: the key's, else the step's abort."""
+        if sending and not ends.sends:
+            return self._routes.send_error(pk, ends)
+        if not sending and not ends.receives:
+            return self._routes.recv_error(pk, ends)
+        assert self._error is not None
+        return self._error
 
     def start_recv(
         self,
@@ -178,7 +173,9 @@ class StepRendezvous(Rendezvous):
         copy: bool = False,
         blocking: bool = False,
     ) -> Canceller:
-        pk, ends = self._receiving(key)
+        pk, ends = self._route(key)
+        if not ends.receives or self._error is not None:
+            raise self._refusal(pk, ends, sending=False)
         if ends.local:
             local = self._local or self._make_local()
             return local.start_recv(pk, done, copy=copy, blocking=blocking)
@@ -199,9 +196,7 @@ class StepRendezvous(Rendezvous):
     ) -> Received:
         """A blocked receiver helps its transport while it waits (``Transport.wait``: the
         shared-memory one polls the doorbell as leader) and reports a wait that lasts."""
-        pk = as_parsed_key(key)
-        routes = self._routes
-        ends = routes.ends.get((pk.src_device, pk.src_incarnation, pk.dst_device)) or routes.of(pk)
+        pk, ends = self._route(key)
         if ends.local:
             return wait_received(slot, cancel, pk, timeout)
         if isinstance(cancel, RaceRecv):  # its legs are callback receives: nothing to help
@@ -217,18 +212,12 @@ class StepRendezvous(Rendezvous):
         For a consumer on this host it lies in a shared-memory segment, so ``send`` only
         publishes it: no copy at all. It may be sent once, under this key only.
         """
-        routes = self._routes
-        if routes.refused is not None:
-            raise routes.refused()
-        pk = as_parsed_key(key)
-        ends = routes.of(pk)
-        if not ends.sends:
-            raise routes.send_error(pk, ends)
-        if self._error is not None:
-            raise self._error
+        pk, ends = self._route(key)
+        if not ends.sends or self._error is not None:
+            raise self._refusal(pk, ends, sending=True)
         if ends.local:
             return super().allocate(pk, shape, dtype)
-        t = ends.transport or routes.transport(ends, pk)
+        t = ends.transport or self._routes.transport(ends, pk)
         return t.allocate(self.step_id, pk, shape, dtype)
 
     def start_abort(self, error: BaseException) -> None:
