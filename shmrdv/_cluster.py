@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 from ._errors import InvalidArgumentError
 from ._keys import DeviceName, _quote
-from ._transport import PeerRecord, PeerState, PresenceBoard, Sighting
+from ._transport import PeerRecord, PeerState, PresenceBoard, Sighting, TaskState
 
 __all__ = [
     "ALL_TRANSPORTS",
@@ -537,8 +537,8 @@ class NoPresence:
     ) -> None:
         pass
 
-    def look(self, task: str) -> tuple[PeerState, PeerRecord | None]:
-        return "absent", None
+    def state(self, task: str) -> TaskState:
+        return TaskState("absent")
 
     def sightings(self, task: str) -> list[Sighting] | None:
         return None
@@ -578,15 +578,20 @@ class Peers:
 
     def lookup(self, task: DeviceName) -> PeerRecord:
         name = str(canonical_task(task))
-        _, record = self._board.look(name)
+        record = self._board.state(name).record
         return self._provisional(name) if record is None else self._final(record)
 
-    def liveness(self, task: DeviceName) -> tuple[PeerState, PeerRecord | None]:
+    def state(self, task: DeviceName) -> TaskState:
         name = str(canonical_task(task))
-        state, record = self._board.look(name)
-        if state == "absent":
-            return state, None
-        return state, self._provisional(name) if record is None else self._final(record)
+        seen = self._board.state(name)
+        if seen.state == "absent":
+            return seen
+        record = self._provisional(name) if seen.record is None else self._final(seen.record)
+        return TaskState(seen.state, record)
+
+    def liveness(self, task: DeviceName) -> tuple[PeerState, PeerRecord | None]:
+        # ``state`` as a pair, for _shm/transport.py and _shm/liveness.py until they ask it.
+        return (seen := self.state(task)).state, seen.record
 
     def sightings(self, task: DeviceName) -> list[Sighting] | None:
         return self._board.sightings(str(canonical_task(task)))

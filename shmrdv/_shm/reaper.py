@@ -37,9 +37,7 @@ alive), and it has its own files open or mapped (so none of them is unused).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import json
 import logging
 import os
@@ -51,7 +49,7 @@ from .._keys import DeviceName, parse_key
 from . import layout, sweeper
 from .naming import SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
 from .ownership import is_ours, open_checked
-from .presence import PresenceInfo, probe, read_record
+from .presence import PresenceInfo, claim, look
 from .registry import records_alive, unlink_if_same, unlink_if_unused
 from .ring import DATA_OFFSET, Ring, describe
 from .segment import peek_header
@@ -583,7 +581,7 @@ class _Producer(_Slots):
         record = os.path.join(self._dir, names.presence(task))
         if self._state is None:
             try:
-                state, info = probe(record)
+                state, info = look(record)
             except InternalError as e:
                 _log.debug("not collecting %s: %s", task, e)
                 return True
@@ -634,35 +632,20 @@ def _unlink(path: str, ino: tuple[int, int], *, mapped_ok: bool = False) -> int:
 def _remove_dead_worker(
     names: Names, task: str, incarnation: int, record: str, shm_dir: str
 ) -> int:
-    """The doorbell and presence record of ``task``, if the record is still dead: under the
-    record's exclusive lock, which a live owner holds and a successor's publish takes."""
+    """The doorbell and presence record of ``task``, if the record is still that run's and
+    dead: under its claim (``presence.claim``), which a live owner's lock refuses and a
+    successor's publish waits for."""
     try:
-        fd, st = open_checked(record, os.O_RDONLY, "presence record")
-    except (OSError, InternalError):
+        with claim(record) as dead:
+            # Still the run we were asked about? (A successor may have replaced the record
+            # since, and died too.)
+            if dead.state != "dead" or dead.info is None or dead.info.incarnation != incarnation:
+                return 0
+            removed = 0
+            bell = os.path.join(shm_dir, SEM_PREFIX + names.bell(task)[1:])
+            ino = _stat_ours(bell)
+            if ino is not None:
+                removed += _unlink(bell, ino)
+            return removed + dead.remove()
+    except (OSError, RendezvousError):
         return 0
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return 0  # alive again, or being replaced
-        # Still the run we were asked about? (A successor may have replaced the record since
-        # and died too.) Holding the lock, nobody else holds one: that run is dead.
-        try:
-            info = read_record(fd, record)
-        except (OSError, InternalError):
-            return 0
-        if info.incarnation != incarnation:
-            return 0
-        removed = 0
-        bell = os.path.join(shm_dir, SEM_PREFIX + names.bell(task)[1:])
-        ino = _stat_ours(bell)
-        if ino is not None:
-            removed += _unlink(bell, ino)
-        with contextlib.suppress(OSError):
-            now = os.stat(record, follow_symlinks=False)
-            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                os.unlink(record)
-                removed += 1
-        return removed
-    finally:
-        os.close(fd)

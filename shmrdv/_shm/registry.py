@@ -30,7 +30,7 @@ from .._cluster import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from .naming import KINDS, PREFIX, SHM_DIR, ObjectName, check_namespace, parse_name
 from .ownership import is_ours, open_checked
-from .presence import probe
+from .presence import look
 from .segment import peek_header
 
 __all__ = [
@@ -154,7 +154,7 @@ def _scan(shm_dir: str, namespace: str | None, kinds: Iterable[str] | None = Non
 
 def _read_presence(entry: _Entry) -> None:
     try:
-        state, info = probe(entry.path)
+        state, info = look(entry.path)
     except InternalError as e:  # changed owner or mode since the scan
         _log.debug("skipping %s: %s", entry.path, e)
         return
@@ -261,7 +261,7 @@ def records_alive(namespace_id: str, entries: Iterable[str], shm_dir: str = SHM_
         try:
             if not is_ours(os.stat(path, follow_symlinks=False)):
                 continue
-            state, _ = probe(path)
+            state, _ = look(path)
         except (FileNotFoundError, InternalError):
             continue
         if state == "alive":
