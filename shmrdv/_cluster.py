@@ -41,6 +41,7 @@ __all__ = [
     "describe_bad_token",
     "is_local_host",
     "namespace_id",
+    "namespace_ids",
     "new_namespace",
     "resolve_namespace",
     "split_host_port",
@@ -189,6 +190,23 @@ def resolve_namespace(namespace: str | None, environ: Mapping[str, str] | None =
             f"must be 8 to 64 lowercase letters or digits ([a-z0-9]); {_HOW_TO_GET_ONE}"
         )
     return namespace
+
+
+def namespace_ids(namespace: str) -> frozenset[str]:
+    """The namespace ids ``namespace`` (a ``--namespace`` of ``shmrdv ls`` / ``gc``) may mean:
+    an id (16 hex characters), a token, or both. Raises ``InvalidArgumentError`` when it is
+    neither."""
+    ids: set[str] = set()
+    if len(namespace) == NAMESPACE_ID_HEX and all(c in "0123456789abcdef" for c in namespace):
+        ids.add(namespace)
+    if _VALID.fullmatch(namespace) is not None:
+        ids.add(namespace_id(namespace))
+    elif not ids:
+        raise InvalidArgumentError(
+            f"namespace ({describe_bad_token(namespace)}) is neither a namespace id "
+            f"({NAMESPACE_ID_HEX} hex characters, as `shmrdv ls` shows) nor a namespace token"
+        )
+    return frozenset(ids)
 
 
 # At most this many of a bad token's characters are named in a message.

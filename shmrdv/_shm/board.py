@@ -2,7 +2,7 @@
 
 It publishes the worker's record (``presence.Presence``), answers its peers' states from
 one ``presence.Monitor`` and where a task is seen in other namespaces
-(``presence.sightings``, for a diagnosis only); publishing and closing also collect what
+(``reaper.sightings``, for a diagnosis only); publishing and closing also collect what
 dead workers of this user left in /dev/shm (``reaper.at_start`` / ``reaper.at_close``:
 bounded, never a live worker's objects). ``usable()`` says whether /dev/shm can hold
 records at all: where it cannot, a worker that takes no shared-memory transport runs
@@ -20,7 +20,7 @@ import time
 from .._transport import Sighting, TaskState
 from . import reaper
 from .naming import SHM_DIR, Names
-from .presence import Monitor, Presence, PresenceInfo, boot_id, sightings
+from .presence import Monitor, Presence, PresenceInfo, boot_id
 
 __all__ = ["ShmBoard", "usable"]
 
@@ -61,7 +61,7 @@ class ShmBoard:
         return self._monitor.state(task)
 
     def sightings(self, task: str) -> list[Sighting] | None:
-        return sightings(task, self._names.namespace_id)
+        return reaper.sightings(task, self._names.namespace_id)
 
     def close(self) -> None:
         self._monitor.close()

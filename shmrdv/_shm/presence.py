@@ -46,9 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from .._rendezvous import Closing
-from .._transport import PeerRecord, PeerState, Sighting, TaskState
-from .naming import SHM_DIR, parse_name
-from .ownership import is_ours, open_checked
+from .._transport import PeerRecord, PeerState, TaskState
+from .ownership import open_checked
 
 if TYPE_CHECKING:
     from .naming import Names
@@ -62,7 +61,6 @@ __all__ = [
     "boot_id",
     "claim",
     "look",
-    "sightings",
 ]
 
 _log = logging.getLogger("shmrdv.shm.presence")
@@ -579,54 +577,3 @@ def _publish_error(e: OSError, path: str) -> Exception:
             "dead processes left behind with `python -m shmrdv gc`"
         )
     return InternalError(f"cannot create presence record {path}: {e}")
-
-
-# Bounds of one look: a presence record is a few hundred bytes; a user rarely runs more
-# than a few dozen workers, so 256 records cover every sane case at a bounded cost.
-_MAX_RECORDS = 256
-_MAX_BYTES = 4096
-
-
-def sightings(task: str, namespace: str, *, shm_dir: str = SHM_DIR) -> list[Sighting]:
-    """Every presence record of this user naming ``task`` (canonical), in any namespace.
-
-    ``namespace``: the caller's, as it appears in object names (``Sighting.ours``).
-
-    Bounded (``_MAX_RECORDS`` records, ``_MAX_BYTES`` each); skips other users' files,
-    symlinks, anything not shmrdv's and records that vanish or change meanwhile. Never
-    raises for what it finds; never blocks.
-    """
-    out: list[Sighting] = []
-    looked = 0
-    try:
-        it = os.scandir(shm_dir)
-    except OSError:
-        return out
-    with it:
-        for dirent in it:
-            if "_w" not in dirent.name:
-                continue
-            parsed = parse_name(dirent.name)
-            if parsed is None or parsed.kind != "presence":
-                continue
-            try:
-                st = dirent.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if not is_ours(st) or st.st_size > _MAX_BYTES:
-                continue
-            looked += 1
-            if looked > _MAX_RECORDS:
-                break
-            try:
-                state, info = look(os.path.join(shm_dir, dirent.name))
-            except (InternalError, ResourceExhaustedError, OSError):
-                continue
-            if info is None or info.task != task:
-                continue
-            out.append(
-                Sighting(
-                    parsed.namespace, info.pid, state == "alive", parsed.namespace == namespace
-                )
-            )
-    return out
