@@ -595,9 +595,7 @@ class Peers:
         return record
 
     def lookup(self, task: DeviceName) -> PeerRecord:
-        name = str(canonical_task(task))
-        record = self._board.state(name).record
-        return self._provisional(name) if record is None else self._final(record)
+        return self.state(task).record or self._provisional(str(canonical_task(task)))
 
     def state(self, task: DeviceName) -> TaskState:
         name = str(canonical_task(task))
