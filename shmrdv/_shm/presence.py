@@ -323,7 +323,7 @@ def _close_all(fds: list[int]) -> None:
             os.close(fd)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Claim:
     """What ``claim`` found at its path: ``state`` "absent", "alive" (someone holds a lock
     on the record) or "dead" (the exclusive lock is now the claimer's, until the ``with``
