@@ -8,6 +8,7 @@ import os
 import shmrdv
 from shmrdv._cluster import ALL_TRANSPORTS, NoPresence, Peers
 from shmrdv._keys import DeviceName
+from shmrdv._procs import ChildWorker
 from shmrdv._shm.board import ShmBoard
 from shmrdv._transport import TaskState
 
@@ -54,6 +55,24 @@ def test_peers_live_record_is_final(shmrdv_namespace: str) -> None:
             assert peers.state(DeviceName.parse(B)) == TaskState("alive", rec)
             assert peers.liveness(DeviceName.parse(B)) == ("alive", rec)  # the pair, as before
         assert peers.state(DeviceName.parse(B)) == TaskState("absent")
+    finally:
+        peers.close()
+
+
+def test_peers_killed_peer_is_dead_with_its_last_record(ns: str) -> None:
+    peers = Peers(ShmBoard(ns), None)
+    try:
+        child = ChildWorker(B, namespace=ns)
+        try:
+            alive = peers.state(DeviceName.parse(B))
+            assert alive.state == "alive" and alive.record is not None
+            assert (alive.record.pid, alive.record.incarnation) == (child.pid, child.incarnation)
+            child.kill()
+            child.process.join(10)
+            assert peers.state(DeviceName.parse(B)) == TaskState("dead", alive.record)
+            assert peers.lookup(DeviceName.parse(B)) == alive.record  # still where it was
+        finally:
+            child.close()
     finally:
         peers.close()
 
