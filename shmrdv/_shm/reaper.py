@@ -75,8 +75,7 @@ MAX_OBJECTS, MAX_SECONDS, MAX_NAMESPACES = 4096, 0.25, 16
 #: Seconds a dead namespace's values wait for a consumer after the newest was sent (a
 #: producer may send and close before its consumer starts). Read per sweep.
 GRACE_S = 30.0
-#: A Worker's start or close reads at most this many directory entries and spends about
-#: this long on the jobs itself.
+#: A Worker's start or close reads this many directory entries, works this long, at most.
 SYNC_ENTRIES, SYNC_SECONDS = 16384, 0.02
 # The background thread starts this long after it is asked, reads this many entries or runs
 # the jobs this long at a time, each followed by a pause at least this long and as long.
@@ -90,23 +89,21 @@ _FOR_A_CONSUMER = frozenset({"message", "ring"})
 _PRODUCER_KINDS = frozenset({"pool", "returned", "temp"})
 _SLOT_KINDS = frozenset({"pool", "returned"})
 _SEGMENT_KINDS = frozenset({"temp", "message", "pool", "held", "returned"})
-# Where a name's kind letter is (``shmrdv_<id>_<kind>``), and each kind's letter.
-_KIND_AT = len(PREFIX) + NAMESPACE_ID_HEX + 1
+_KIND_AT = len(PREFIX) + NAMESPACE_ID_HEX + 1  # ``shmrdv_<id>_<kind letter>``
 _CODES = {kind: code for code, kind in KINDS.items()}
+_SEM_NAMES = SEM_PREFIX + PREFIX
 # ``sightings`` looks at this many records at most, of this size at most.
 _MAX_RECORDS, _MAX_RECORD_BYTES = 256, 4096
 _ORDER = operator.attrgetter("namespace", "kind", "name")  # of what ls and gc show
 
-#: A listing: namespace id -> the shmrdv-looking names of that namespace.
-Groups = dict[str, list[str]]
+Groups = dict[str, list[str]]  # a listing: namespace id -> the names of that namespace
 #: ``job(groups, deadline)``: work until ``deadline`` (``time.monotonic``); True once done;
 #: called again with the same groups, it goes on where it stopped.
 Job = Callable[[Groups, float], bool]
 
 
 class DirScan:
-    """The shmrdv-looking names of ``shm_dir`` by namespace id (string slicing only), read
-    a bounded number of entries at a time. One reader at a time."""
+    """The shmrdv-looking names of ``shm_dir`` by namespace id, a bounded share at a time."""
 
     def __init__(self, shm_dir: str = SHM_DIR) -> None:
         self.shm_dir, self.done = shm_dir, False
@@ -121,15 +118,21 @@ class DirScan:
         try:
             if self._it is None and not self.done:
                 self._it = os.scandir(self.shm_dir)
-            for entry in self._it or ():
-                name = entry.name
-                if name.startswith(PREFIX):
-                    groups[name[plain : plain + NAMESPACE_ID_HEX]].append(name)
-                elif name.startswith(SEM_PREFIX + PREFIX):
-                    groups[name[sem : sem + NAMESPACE_ID_HEX]].append(name)
-                n += 1
-                if n >= max_entries or (n % _CLOCK_EVERY == 0 and time.monotonic() > deadline):
+            while n < max_entries:  # a slice at a time, then a look at the clock
+                size = int(min(_CLOCK_EVERY, max_entries - n))
+                names = [entry.name for entry in itertools.islice(self._it or (), size)]
+                if not names:
+                    break
+                n += len(names)
+                for name in names:
+                    if name.startswith(PREFIX):
+                        groups[name[plain : plain + NAMESPACE_ID_HEX]].append(name)
+                    elif name.startswith(_SEM_NAMES):
+                        groups[name[sem : sem + NAMESPACE_ID_HEX]].append(name)
+                if time.monotonic() > deadline:
                     return n
+            else:
+                return n
         except OSError as e:  # no directory (any more): what was read stands
             _log.debug("listing %s: %s", self.shm_dir, e)
         self.done = True
@@ -334,8 +337,7 @@ def sightings(task: str, namespace: str, *, shm_dir: str = SHM_DIR) -> list[Sigh
 
 @dataclasses.dataclass(frozen=True)
 class Swept:
-    """What one ``sweep`` did: objects removed, the dead namespaces it collected from, and
-    whether it got through (not when a bound stopped it or values wait for a consumer)."""
+    """What ``sweep`` did: objects removed, dead namespaces collected from, whether complete."""
 
     removed: int
     namespaces: tuple[str, ...]
@@ -675,8 +677,7 @@ class _Background:
             self.stop = threading.Event()
 
     def use(self, n: int) -> None:
-        """A Worker starts (1) or ends (-1) using sweeps: the last one stops the thread (its
-        pauses end at once) and waits for it; what it had not done is left to later sweeps."""
+        """A Worker starts (1) or ends (-1) using sweeps: the last one stops the thread."""
         with self.lock:
             self._after_fork()
             self.users += n
@@ -688,8 +689,7 @@ class _Background:
             self.stop.clear()
 
     def submit(self, scan: DirScan | None, jobs: list[Job]) -> None:
-        """Leave ``jobs`` to the thread (nothing while no Worker of this process uses sweeps).
-        Work not started yet takes them too: it lists the directory after this request."""
+        """Leave ``jobs`` to the thread (to work not started yet, which lists after this)."""
         with self.lock:
             self._after_fork()
             if self.users > 0 and not self.stop.is_set():
