@@ -49,7 +49,7 @@ _EXIT_PIPE_CLOSED = 141
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from ._shm.registry import list_objects
+    from ._shm.reaper import list_objects
 
     objs = list_objects(args.namespace)
     if args.json:
@@ -75,7 +75,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from ._shm.registry import collect
+    from ._shm.reaper import collect
 
     removed = collect(args.namespace, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
@@ -578,7 +578,7 @@ def _comparison(ratio: float, hosts: int) -> str:
 def _run_demo(args: argparse.Namespace) -> int:
     import shmrdv
 
-    from ._shm.registry import collect
+    from ._shm.reaper import collect
 
     if args.frames < 1 or args.stages < 1:
         print("shmrdv demo: --frames and --stages must be >= 1", file=sys.stderr)

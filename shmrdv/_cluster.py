@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 from ._errors import InvalidArgumentError
 from ._keys import DeviceName, _quote
-from ._transport import PeerRecord, PeerState, PresenceBoard, Sighting
+from ._transport import PeerRecord, PeerState, PresenceBoard, Sighting, TaskState
 
 __all__ = [
     "ALL_TRANSPORTS",
@@ -41,6 +41,7 @@ __all__ = [
     "describe_bad_token",
     "is_local_host",
     "namespace_id",
+    "namespace_ids",
     "new_namespace",
     "resolve_namespace",
     "split_host_port",
@@ -189,6 +190,23 @@ def resolve_namespace(namespace: str | None, environ: Mapping[str, str] | None =
             f"must be 8 to 64 lowercase letters or digits ([a-z0-9]); {_HOW_TO_GET_ONE}"
         )
     return namespace
+
+
+def namespace_ids(namespace: str) -> frozenset[str]:
+    """The namespace ids ``namespace`` (a ``--namespace`` of ``shmrdv ls`` / ``gc``) may mean:
+    an id (16 hex characters), a token, or both. Raises ``InvalidArgumentError`` when it is
+    neither."""
+    ids: set[str] = set()
+    if len(namespace) == NAMESPACE_ID_HEX and all(c in "0123456789abcdef" for c in namespace):
+        ids.add(namespace)
+    if _VALID.fullmatch(namespace) is not None:
+        ids.add(namespace_id(namespace))
+    elif not ids:
+        raise InvalidArgumentError(
+            f"namespace ({describe_bad_token(namespace)}) is neither a namespace id "
+            f"({NAMESPACE_ID_HEX} hex characters, as `shmrdv ls` shows) nor a namespace token"
+        )
+    return frozenset(ids)
 
 
 # At most this many of a bad token's characters are named in a message.
@@ -537,8 +555,8 @@ class NoPresence:
     ) -> None:
         pass
 
-    def look(self, task: str) -> tuple[PeerState, PeerRecord | None]:
-        return "absent", None
+    def state(self, task: str) -> TaskState:
+        return TaskState("absent")
 
     def sightings(self, task: str) -> list[Sighting] | None:
         return None
@@ -577,16 +595,19 @@ class Peers:
         return record
 
     def lookup(self, task: DeviceName) -> PeerRecord:
+        return self.state(task).record or self._provisional(str(canonical_task(task)))
+
+    def state(self, task: DeviceName) -> TaskState:
         name = str(canonical_task(task))
-        _, record = self._board.look(name)
-        return self._provisional(name) if record is None else self._final(record)
+        seen = self._board.state(name)
+        if seen.state == "absent":
+            return seen
+        record = self._provisional(name) if seen.record is None else self._final(seen.record)
+        return TaskState(seen.state, record)
 
     def liveness(self, task: DeviceName) -> tuple[PeerState, PeerRecord | None]:
-        name = str(canonical_task(task))
-        state, record = self._board.look(name)
-        if state == "absent":
-            return state, None
-        return state, self._provisional(name) if record is None else self._final(record)
+        # ``state`` as a pair, for _shm/transport.py and _shm/liveness.py until they ask it.
+        return (seen := self.state(task)).state, seen.record
 
     def sightings(self, task: DeviceName) -> list[Sighting] | None:
         return self._board.sightings(str(canonical_task(task)))

@@ -7,11 +7,13 @@ else passes between them (TensorPipe's ``Transport`` / ``Context`` split):
   namespace token, the peer directory and a "step cleaned up?" query. Frozen; a
   transport never sees the ``Worker``.
 * ``PeerRecord`` / ``PeerDirectory`` — where another worker is (same host or not),
-  which transports it takes, its gRPC address, whether the answer is final, a fresh
-  liveness check, and where else on this host its task was seen (``Sighting``).
+  which transports it takes, its gRPC address, whether the answer is final, its state
+  (``TaskState``: alive, dead or absent, from the one liveness monitor of its host), and
+  where else on this host its task was seen (``Sighting``).
 * ``PresenceBoard`` — this host's presence records, from which the peer directory
-  (``_peers.py``) learns what it answers: the shared-memory one (``_shm/board.py``), or
-  none where /dev/shm cannot be used (``_peers.NoPresence``: a gRPC-only worker).
+  (``_cluster.Peers``) learns what it answers: the shared-memory one (``_shm/board.py``,
+  over ``_shm/presence.Monitor``), or none where /dev/shm cannot be used
+  (``_cluster.NoPresence``: a gRPC-only worker).
 * ``Transport`` — send, allocate, start a receive, help a blocked receiver wait, abort
   and clean up a step, close, stats, and whether it can reach a peer
   (TensorPipe's ``canCommunicateWithRemote``).
@@ -47,6 +49,7 @@ __all__ = [
     "PeerState",
     "PresenceBoard",
     "Sighting",
+    "TaskState",
     "Transport",
     "TransportContext",
 ]
@@ -76,6 +79,18 @@ class PeerRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class TaskState:
+    """A task's state, as its presence record on this host tells (iceoryx2's monitoring
+    ``State``): ``"alive"`` while its owner holds the record's lock (``record`` says which
+    run, its pid, address and transports), ``"dead"`` for a record nobody holds or one
+    from another boot, ``"absent"`` for no record (not started, closed, or not known here).
+    ``record`` is what the record says (None when absent or from another boot)."""
+
+    state: PeerState
+    record: PeerRecord | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Sighting:
     """A presence record of a task found on this host, in some namespace of this user."""
 
@@ -95,13 +110,17 @@ class PeerDirectory(Protocol):
         """
         ...
 
-    def liveness(self, task: DeviceName) -> tuple[PeerState, PeerRecord | None]:
-        """A fresh look: the state of ``task``'s presence record and what it says.
-
-        The record is None when absent. Cheap (one ``stat`` and one ``flock`` test while the
-        record is unchanged), lock-free for the caller, and bounded in descriptors. Raises
-        ``InternalError`` if the record is not ours or is corrupt. Never blocks.
+    def state(self, task: DeviceName) -> TaskState:
+        """A fresh look at ``task``: alive, dead or absent, and what its record says (with
+        the cluster's address for it). Cheap (one ``stat`` and one ``flock`` test while the
+        record is unchanged), lock-free for the caller (it may run inside the garbage
+        collector), bounded in descriptors. Raises ``InternalError`` if the record is not
+        ours or is corrupt. Never blocks.
         """
+        ...
+
+    def liveness(self, task: DeviceName) -> tuple[PeerState, PeerRecord | None]:
+        """``state`` as a pair, for the transport modules that still ask so."""
         ...
 
     def sightings(self, task: DeviceName) -> list[Sighting] | None:
@@ -126,13 +145,9 @@ class PresenceBoard(Protocol):
         """Publish this worker's record (held until ``close``). Raises if it cannot."""
         ...
 
-    def look(self, task: str) -> tuple[PeerState, PeerRecord | None]:
-        """A fresh look at ``task``'s record (canonical name): its state, and what it says
-        as a final same-host ``PeerRecord`` (None when absent or from another boot).
-
-        Cheap and lock-free for the caller (it may run inside the garbage collector).
-        Raises ``InternalError`` if the record is not ours or is corrupt. Never blocks.
-        """
+    def state(self, task: str) -> TaskState:
+        """``task``'s state (canonical name), its record as a final same-host
+        ``PeerRecord``: the host's liveness monitor (``PeerDirectory.state``)."""
         ...
 
     def sightings(self, task: str) -> list[Sighting] | None:

@@ -217,10 +217,11 @@ class Windows:
 class ConsumerWatch:
     """Whether a consumer task died since it was seen alive: then its window is freed.
 
-    Looks (``PeerDirectory.liveness``: a ``stat`` and a ``flock`` test) when made and then
-    at most every ``LIVENESS_S`` seconds, only when asked (by a waiting reservation's
-    refresh). A consumer seen alive and then "dead", "absent" or alive with another
-    incarnation died: ``died()`` is True once for it, and the watch waits for the next life.
+    Asks the liveness monitor (``PeerDirectory.state``: a ``stat`` and a ``flock`` test)
+    when made and then at most every ``LIVENESS_S`` seconds, only when asked (by a waiting
+    reservation's refresh). A consumer seen alive and then dead, absent or alive with
+    another incarnation died: ``died()`` is True once for it, and the watch waits for its
+    next life.
     """
 
     __slots__ = ("_alive", "_next", "_peers", "_task")
@@ -228,7 +229,7 @@ class ConsumerWatch:
     def __init__(self, peers: PeerDirectory, task: DeviceName) -> None:
         self._peers = peers
         self._task = task
-        self._alive: int | None = None  # the incarnation seen alive (0: unknown)
+        self._alive: int | None = None  # the incarnation seen alive
         self._next = 0.0
         self.died()
 
@@ -238,9 +239,9 @@ class ConsumerWatch:
             return False
         self._next = now + LIVENESS_S
         try:
-            state, record = self._peers.liveness(self._task)
+            seen = self._peers.state(self._task)
         except RendezvousError:  # a record that is not ours: not a death we can vouch for
             return False
-        incarnation = record.incarnation if state == "alive" and record is not None else None
-        before, self._alive = self._alive, incarnation
-        return before is not None and incarnation != before
+        alive = seen.record.incarnation if seen.state == "alive" and seen.record else None
+        before, self._alive = self._alive, alive
+        return before is not None and alive != before

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from ._shm.registry import ObjectInfo
+    from ._shm.reaper import ObjectInfo
 
 __all__ = ["child_pids", "describe_objects", "end_children", "how_to_fix", "leftover_objects"]
 
@@ -38,28 +38,15 @@ _KILL_WAIT_S = 2.0
 def leftover_objects(prefix: str = "shmrdv_") -> set[str]:
     """Names in /dev/shm (segments, records, ``sem.`` semaphores) that start with ``prefix``.
 
-    Only names shmrdv makes (``parse_name``) and files of this user count: /dev/shm is
-    world-writable, and another user's junk ``shmrdv_...`` files are neither this test's
-    leak nor for it to remove. One string parse per entry, one ``lstat`` per shmrdv name.
+    Only names shmrdv makes and regular files of this user count (``reaper.object_names``: one
+    ``lstat`` per shmrdv name, nothing opened): /dev/shm is world-writable, and another
+    user's junk ``shmrdv_...`` files are neither this test's leak nor for it to remove.
     """
-    from ._shm.naming import parse_name
+    from ._shm.reaper import object_names
 
-    try:
-        entries = os.listdir(SHM_DIR)
-    except OSError:
-        return set()
-    uid = os.geteuid()
-    out = set()
-    for e in entries:
-        if not (e.startswith(prefix) or e.startswith("sem." + prefix)) or parse_name(e) is None:
-            continue
-        try:
-            if os.stat(os.path.join(SHM_DIR, e), follow_symlinks=False).st_uid != uid:
-                continue
-        except FileNotFoundError:
-            continue
-        out.add(e)
-    return out
+    return {
+        n for n in object_names(SHM_DIR) if n.startswith(prefix) or n.startswith("sem." + prefix)
+    }
 
 
 def _helper_pids() -> set[int]:
@@ -179,7 +166,7 @@ def describe_objects(names: set[str], listing: list[ObjectInfo] | None = None) -
     from ._shm.naming import parse_name
 
     if listing is None:
-        from ._shm.registry import list_objects
+        from ._shm.reaper import list_objects
 
         listing = list_objects()
     known = {o.name: o for o in listing}
@@ -255,7 +242,7 @@ def _dead_leftovers(names: set[str]) -> tuple[set[str], list[ObjectInfo]]:
     objects), and the listing that judged them."""
     if not names:
         return set(), []
-    from ._shm.registry import list_objects
+    from ._shm.reaper import list_objects
 
     # Judged by namespace, never by name: a live job's pool slot is renamed p -> m -> h -> r
     # and may be missing from any one listing. A name that vanished was cleaned up by its
@@ -276,11 +263,15 @@ def _namespace_of(name: str) -> str:
 
 
 def _remove(names: set[str]) -> None:
-    for name in names:  # so that one leak does not fail every later test
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except OSError:
-            pass
+    """Remove the leaked ``names``, so that one leak does not fail every later test: by the
+    reaper's rule (a regular file of ours, still the one looked at), also while mapped."""
+    from ._shm.reaper import unlink_if_unused
+
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        with contextlib.suppress(OSError):
+            st = os.stat(path, follow_symlinks=False)
+            unlink_if_unused(path, (st.st_dev, st.st_ino), mapped_ok=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

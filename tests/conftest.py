@@ -45,7 +45,7 @@ def _resource_tracker() -> None:
 def ns(shmrdv_namespace: str) -> Iterator[str]:
     """The plugin's fresh ``shmrdv_namespace``; what dead workers left in it is collected
     afterwards (a test that kills a producer leaves its tensors for ``gc``)."""
-    from shmrdv._shm.registry import collect
+    from shmrdv._shm.reaper import collect
 
     yield shmrdv_namespace
     collect(shmrdv_namespace)

@@ -127,7 +127,7 @@ def reap_popen(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
 _PRESENCE_CHILD = r"""
 import os, sys, time
 from shmrdv._shm.naming import Names
-from shmrdv._shm.presence import Presence, PresenceInfo, PeerWatch, boot_id
+from shmrdv._shm.presence import Monitor, Presence, PresenceInfo, boot_id
 ns, task, inc, mode = sys.argv[1:5]
 names = Names(ns)
 info = PresenceInfo(task, os.getpid(), boot_id(), int(inc), time.time(), ns, None)
@@ -144,8 +144,8 @@ elif mode == "forkexit":
     if pid == 0:
         sys.exit(0)
     os.waitpid(pid, 0)
-    with PeerWatch(names, task) as w:
-        extra = w.state()
+    with Monitor(names) as m:
+        extra = m.state(task).state
 print("ready", extra, flush=True)
 sys.stdin.read()
 p.close()

@@ -15,7 +15,7 @@ import shmrdv
 from shmrdv._bench import children
 from shmrdv._bench.children import Teardown
 from shmrdv._procs import wait_for_close
-from shmrdv._shm.registry import list_objects
+from shmrdv._shm.reaper import list_objects
 
 
 def hold_a_value_then_close(conn: Connection, namespace: str) -> None:

@@ -8,7 +8,9 @@ import os
 import shmrdv
 from shmrdv._cluster import ALL_TRANSPORTS, NoPresence, Peers
 from shmrdv._keys import DeviceName
+from shmrdv._procs import ChildWorker
 from shmrdv._shm.board import ShmBoard
+from shmrdv._transport import TaskState
 
 A = "/job:a/replica:0/task:0"
 B = "/job:b/replica:0/task:0"
@@ -25,7 +27,7 @@ def test_peers_unknown_task_is_provisional_and_local(shmrdv_namespace: str) -> N
             None,
             False,
         )
-        assert peers.liveness(DeviceName.parse(B)) == ("absent", None)
+        assert peers.state(DeviceName.parse(B)) == TaskState("absent")
     finally:
         peers.close()
 
@@ -50,9 +52,27 @@ def test_peers_live_record_is_final(shmrdv_namespace: str) -> None:
             assert rec.transports == ("grpc",)
             assert rec.address == w.address and rec.pid == os.getpid()
             assert rec.incarnation == w.incarnation
-            state, live = peers.liveness(DeviceName.parse(B))
-            assert state == "alive" and live == rec
-        assert peers.liveness(DeviceName.parse(B)) == ("absent", None)
+            assert peers.state(DeviceName.parse(B)) == TaskState("alive", rec)
+            assert peers.liveness(DeviceName.parse(B)) == ("alive", rec)  # the pair, as before
+        assert peers.state(DeviceName.parse(B)) == TaskState("absent")
+    finally:
+        peers.close()
+
+
+def test_peers_killed_peer_is_dead_with_its_last_record(ns: str) -> None:
+    peers = Peers(ShmBoard(ns), None)
+    try:
+        child = ChildWorker(B, namespace=ns)
+        try:
+            alive = peers.state(DeviceName.parse(B))
+            assert alive.state == "alive" and alive.record is not None
+            assert (alive.record.pid, alive.record.incarnation) == (child.pid, child.incarnation)
+            child.kill()
+            child.process.join(10)
+            assert peers.state(DeviceName.parse(B)) == TaskState("dead", alive.record)
+            assert peers.lookup(DeviceName.parse(B)) == alive.record  # still where it was
+        finally:
+            child.close()
     finally:
         peers.close()
 
@@ -64,7 +84,7 @@ def test_peers_without_presence_records_answer_from_the_cluster() -> None:
     try:
         rec = peers.lookup(DeviceName.parse(A))
         assert rec.same_host and rec.address == "127.0.0.1:1" and not rec.final
-        assert peers.liveness(DeviceName.parse(A)) == ("absent", None)
+        assert peers.state(DeviceName.parse(A)) == TaskState("absent")
         assert peers.sightings(DeviceName.parse(A)) is None
     finally:
         peers.close()

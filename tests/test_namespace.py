@@ -8,7 +8,7 @@ import re
 import pytest
 
 import shmrdv
-from shmrdv._cluster import ENV_VAR, new_namespace, resolve_namespace
+from shmrdv._cluster import ENV_VAR, namespace_ids, new_namespace, resolve_namespace
 from shmrdv._errors import InvalidArgumentError
 
 
@@ -93,3 +93,14 @@ def test_namespace_id_is_a_public_digest_of_the_token() -> None:
 def test_namespace_id_rejects_what_is_not_a_token(token: object) -> None:
     with pytest.raises(shmrdv.InvalidArgumentError, match="namespace"):
         shmrdv.namespace_id(token)  # type: ignore[arg-type]
+
+
+def test_namespace_ids_may_be_a_token_or_an_id() -> None:
+    token = shmrdv.new_namespace()
+    nsid = shmrdv.namespace_id(token)
+    assert namespace_ids(token) == {nsid}
+    # 16 hex characters are also a valid token: both readings are kept.
+    assert namespace_ids(nsid) == {nsid, shmrdv.namespace_id(nsid)}
+    for bad in ("", "NOT-A-NAMESPACE", "short", "0123456789abcdeF"):
+        with pytest.raises(shmrdv.InvalidArgumentError, match="namespace"):
+            namespace_ids(bad)

@@ -26,7 +26,7 @@ from helpers import make_key
 import shmrdv
 from shmrdv._procs import ChildWorker
 from shmrdv._shm.naming import Names
-from shmrdv._shm.registry import collect, list_objects
+from shmrdv._shm.reaper import collect, list_objects
 
 A = "/job:sec/replica:0/task:0"
 B = "/job:sec/replica:0/task:1"

@@ -19,7 +19,7 @@ import shmrdv
 from shmrdv._procs import ChildWorker
 from shmrdv._routes import explain_absent_producer
 from shmrdv._shm.naming import PREFIX, Names
-from shmrdv._shm.presence import _MAX_RECORDS, sightings
+from shmrdv._shm.reaper import _MAX_RECORDS, sightings
 from shmrdv._transport import Sighting
 
 # A job name of this run's own: other test runs on the host use /job:worker tasks too.

@@ -17,7 +17,7 @@ from helpers import CONSUMER, PRODUCER, make_key
 import shmrdv
 from shmrdv._procs import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, Names
-from shmrdv._shm.registry import collect
+from shmrdv._shm.reaper import collect
 
 N = 32 << 20  # 32 MiB: a send takes milliseconds, so a kill lands inside one
 

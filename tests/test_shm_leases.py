@@ -26,7 +26,7 @@ from helpers import CONSUMER, NOBODY, PRODUCER, make_key, remove_planted
 
 import shmrdv
 from shmrdv._shm.naming import Names
-from shmrdv._shm.registry import list_objects
+from shmrdv._shm.reaper import list_objects
 
 ABSENT = "/job:worker/replica:0/task:2"  # only its presence record is planted
 BELLLESS = "/job:worker/replica:0/task:3"  # only its doorbell is planted

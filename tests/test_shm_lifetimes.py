@@ -23,7 +23,7 @@ from helpers import CONSUMER, PRODUCER, REPO, make_key
 import shmrdv
 from shmrdv._procs import ChildWorker
 from shmrdv._shm.naming import SHM_DIR, Names
-from shmrdv._shm.registry import collect, list_objects
+from shmrdv._shm.reaper import collect, list_objects
 
 
 def kinds(ns: str) -> list[str]:

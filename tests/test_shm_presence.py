@@ -1,7 +1,8 @@
-"""Presence records: publish, read, liveness by flock, across real child processes."""
+"""Presence records: publish, read, the liveness monitor by flock, across real child processes."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -15,13 +16,8 @@ from helpers import PresenceChild, wait_for
 
 from shmrdv._errors import InternalError, InvalidArgumentError
 from shmrdv._shm.naming import SHM_DIR, Names
-from shmrdv._shm.presence import (
-    PeerWatch,
-    Presence,
-    PresenceInfo,
-    boot_id,
-    read_presence,
-)
+from shmrdv._shm.presence import Monitor, Presence, PresenceInfo, boot_id, claim, look
+from shmrdv._transport import TaskState
 
 TASK = "/job:worker/replica:0/task:1"
 OTHER = "/job:worker/replica:0/task:2"
@@ -29,6 +25,11 @@ OTHER = "/job:worker/replica:0/task:2"
 
 def _info(names: Names, task: str = TASK, incarnation: int = 7) -> PresenceInfo:
     return PresenceInfo(task, os.getpid(), boot_id(), incarnation, time.time(), names.namespace_id)
+
+
+def read_presence(names: Names, task: str) -> PresenceInfo | None:
+    """What ``task``'s record says, read strictly (a corrupt one raises)."""
+    return look(names.path(names.presence(task)), strict=True)[1]
 
 
 def _gone(pid: int) -> bool:
@@ -87,78 +88,79 @@ def test_presence_second_publish_refused_across_processes(names: Names) -> None:
     assert read_presence(names, TASK) is None
 
 
-def test_peerwatch_sees_alive_then_absent_after_clean_exit(names: Names) -> None:
-    with PeerWatch(names, TASK) as w:
-        assert w.state() == "absent"
-        assert w.info() is None
+def test_monitor_sees_alive_then_absent_after_clean_exit(names: Names) -> None:
+    with Monitor(names) as m:
+        assert m.state(TASK) == TaskState("absent")
         child = PresenceChild(names, TASK, incarnation=3)
         try:
-            assert w.state() == "alive"
-            info = w.info()
+            assert m.state(TASK).state == "alive"
+            info = m.state(TASK).record
             assert info is not None and info.pid == child.proc.pid and info.incarnation == 3
         finally:
             child.stop()
-        assert w.state() == "absent"
+        assert m.state(TASK).state == "absent"
 
 
-def test_peerwatch_sigkilled_child_is_dead_and_replaced(names: Names) -> None:
+def test_monitor_sigkilled_child_is_dead_and_replaced(names: Names) -> None:
     child = PresenceChild(names, TASK, incarnation=1)
-    with PeerWatch(names, TASK) as w:
-        assert w.state() == "alive"
+    with Monitor(names) as m:
+        assert m.state(TASK).state == "alive"
         child.kill()
-        wait_for(lambda: w.state() == "dead", 1.0, "the watch seeing the peer dead")
+        wait_for(lambda: m.state(TASK).state == "dead", 1.0, "the monitor seeing the peer dead")
         stale = read_presence(names, TASK)
         assert stale is not None and stale.incarnation == 1
-        # A new publish replaces the stale record; the watch notices the new inode.
+        # A new publish replaces the stale record; the monitor notices the new inode.
         with Presence.publish(names, _info(names, incarnation=2)):
-            assert w.state() == "alive"
-            info = w.info()
+            assert m.state(TASK).state == "alive"
+            info = m.state(TASK).record
             assert info is not None and info.incarnation == 2 and info.pid == os.getpid()
-        assert w.state() == "absent"
+        assert m.state(TASK).state == "absent"
     child.stop()
 
 
-def test_peerwatch_restarted_peer_shows_new_incarnation(names: Names) -> None:
+def test_monitor_restarted_peer_shows_new_incarnation(names: Names) -> None:
     first = PresenceChild(names, TASK, incarnation=1)
-    with PeerWatch(names, TASK) as w:
-        info = w.info()
+    with Monitor(names) as m:
+        info = m.state(TASK).record
         assert info is not None and info.incarnation == 1
         first.kill()
         second = PresenceChild(names, TASK, incarnation=2)
         try:
-            assert w.state() == "alive"
-            info = w.info()
+            assert m.state(TASK).state == "alive"
+            info = m.state(TASK).record
             assert info is not None and info.incarnation == 2 and info.pid == second.proc.pid
         finally:
             second.stop()
     first.stop()
 
 
-def test_peerwatch_sigstopped_child_stays_alive(names: Names) -> None:
+def test_monitor_sigstopped_child_stays_alive(names: Names) -> None:
     child = PresenceChild(names, TASK)
     try:
-        with PeerWatch(names, TASK) as w:
+        with Monitor(names) as m:
             os.kill(child.proc.pid, signal.SIGSTOP)
             try:
                 for _ in range(5):
-                    assert w.state() == "alive"
+                    assert m.state(TASK).state == "alive"
                     time.sleep(0.05)
             finally:
                 os.kill(child.proc.pid, signal.SIGCONT)
-            assert w.state() == "alive"
+            assert m.state(TASK).state == "alive"
     finally:
         assert child.stop() == 0
 
 
-def test_peerwatch_forked_grandchild_does_not_keep_dead_parent_alive(names: Names) -> None:
+def test_monitor_forked_grandchild_does_not_keep_dead_parent_alive(names: Names) -> None:
     child = PresenceChild(names, TASK, mode="fork")
     grandchild = int(child.extra)
     try:
-        with PeerWatch(names, TASK) as w:
-            assert w.state() == "alive"
+        with Monitor(names) as m:
+            assert m.state(TASK).state == "alive"
             child.kill()
             os.kill(grandchild, 0)  # still running
-            wait_for(lambda: w.state() == "dead", 1.0, "the watch seeing the parent dead")
+            wait_for(
+                lambda: m.state(TASK).state == "dead", 1.0, "the monitor seeing the parent dead"
+            )
     finally:
         child.stop()  # closes the stdin pipe: the grandchild exits too
         try:
@@ -166,7 +168,9 @@ def test_peerwatch_forked_grandchild_does_not_keep_dead_parent_alive(names: Name
         except ProcessLookupError:
             pass
         wait_for(lambda: _gone(grandchild), 5.0, f"pid {grandchild} exiting")
-    os.unlink(names.path(names.presence(TASK)))  # the killed child's stale record
+    # The killed child's stale record (unless a sweep of another process took it first).
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(names.path(names.presence(TASK)))
 
 
 def test_presence_forked_child_exit_leaves_parent_record(names: Names) -> None:
@@ -178,23 +182,22 @@ def test_presence_forked_child_exit_leaves_parent_record(names: Names) -> None:
         assert child.stop() == 0
 
 
-def test_peerwatch_same_process_presences_see_each_other(names: Names) -> None:
+def test_monitor_same_process_presences_see_each_other(names: Names) -> None:
     with (
         Presence.publish(names, _info(names, TASK)),
         Presence.publish(names, _info(names, OTHER)),
-        PeerWatch(names, TASK) as a,
-        PeerWatch(names, OTHER) as b,
+        Monitor(names) as m,
     ):
-        assert a.state() == "alive"
-        assert b.state() == "alive"
+        assert m.state(TASK).state == "alive"
+        assert m.state(OTHER).state == "alive"
 
 
-def test_peerwatch_closed_presence_in_process_is_absent(names: Names) -> None:
+def test_monitor_closed_presence_in_process_is_absent(names: Names) -> None:
     p = Presence.publish(names, _info(names))
-    with PeerWatch(names, TASK) as w:
-        assert w.state() == "alive"
+    with Monitor(names) as m:
+        assert m.state(TASK).state == "alive"
         p.close()
-        assert w.state() == "absent"
+        assert m.state(TASK).state == "absent"
 
 
 def test_presence_dropped_unclosed_is_finalized(names: Names) -> None:
@@ -205,10 +208,10 @@ def test_presence_dropped_unclosed_is_finalized(names: Names) -> None:
     assert not os.path.exists(path)
 
 
-def test_peerwatch_record_from_other_boot_is_dead(names: Names) -> None:
+def test_monitor_record_from_other_boot_is_dead(names: Names) -> None:
     info = PresenceInfo(TASK, os.getpid(), "another-boot", 1, time.time(), names.namespace)
-    with Presence.publish(names, info), PeerWatch(names, TASK) as w:
-        assert w.state() == "dead"
+    with Presence.publish(names, info), Monitor(names) as m:
+        assert m.state(TASK) == TaskState("dead")  # and what it says is not trusted
 
 
 def _plant(names: Names, task: str = TASK, mode: int = 0o600, uid: int | None = None) -> str:
@@ -228,8 +231,8 @@ def test_presence_record_of_other_uid_refused(names: Names) -> None:
     try:
         with pytest.raises(InternalError, match="not ours"):
             read_presence(names, TASK)
-        with PeerWatch(names, TASK) as w, pytest.raises(InternalError, match="not ours"):
-            w.state()
+        with Monitor(names) as m, pytest.raises(InternalError, match="not ours"):
+            m.state(TASK)
         with pytest.raises(InternalError, match="not ours"):
             Presence.publish(names, _info(names))
     finally:
@@ -254,8 +257,8 @@ def test_presence_symlink_refused(names: Names, tmp_path: Path) -> None:
     try:
         with pytest.raises(InternalError, match="symlink"):
             read_presence(names, TASK)
-        with PeerWatch(names, TASK) as w, pytest.raises(InternalError):
-            w.state()
+        with Monitor(names) as m, pytest.raises(InternalError):
+            m.state(TASK)
     finally:
         os.unlink(path)
 
@@ -283,18 +286,17 @@ def test_presence_publish_failure_leaves_no_temp(names: Names) -> None:
         assert [e for e in os.listdir(SHM_DIR) if names.prefix in e] == [names.presence(TASK)]
 
 
-def test_peerwatch_shared_between_threads(names: Names) -> None:
+def test_monitor_shared_between_threads(names: Names) -> None:
     errors: list[BaseException] = []
     seen: set[str] = set()
     stop = threading.Event()
 
-    with PeerWatch(names, TASK) as w:
+    with Monitor(names) as m:
 
         def poll() -> None:
             try:
                 while not stop.is_set():
-                    seen.add(w.state())
-                    w.info()
+                    seen.add(m.state(TASK).state)
             except BaseException as e:
                 errors.append(e)
 
@@ -352,14 +354,50 @@ def test_liveness_fds_flat_over_many_jobs_in_one_process() -> None:
     assert _open_fds() <= before
 
 
-def test_peerwatch_bounded_descriptors_over_restarts(names: Names) -> None:
-    """A watched task restarted many times: the watch keeps a handful of descriptors."""
-    with PeerWatch(names, TASK) as w:
+def test_monitor_bounded_descriptors_over_restarts(names: Names) -> None:
+    """A watched task restarted many times: the monitor keeps one descriptor for it."""
+    with Monitor(names) as m:
         for inc in range(1, 30):
             info = PresenceInfo(TASK, os.getpid(), boot_id(), inc, time.time(), names.namespace)
             with Presence.publish(names, info):
-                state, seen = w.look()
-                assert state == "alive" and seen is not None and seen.incarnation == inc
-            assert w.state() == "absent"
-            assert w.open_fds() <= 1
-    assert w.open_fds() == 0
+                state = m.state(TASK)
+                assert state.state == "alive" and state.record is not None
+                assert state.record.incarnation == inc
+            assert m.state(TASK).state == "absent"
+            assert m.open_fds() <= 1
+    assert m.open_fds() == 0
+
+
+def test_monitor_closed_still_answers_and_keeps_no_descriptor(names: Names) -> None:
+    # A pool slot given back after its Worker closed (in the garbage collector) still asks.
+    m = Monitor(names)
+    with Presence.publish(names, _info(names)):
+        assert m.state(TASK).state == "alive"
+        assert m.open_fds() == 1
+        m.close()
+        assert m.open_fds() == 0
+        assert m.state(TASK).state == "alive" and m.state(OTHER).state == "absent"
+        assert m.open_fds() == 0
+    m.close()  # idempotent
+
+
+def test_claim_takes_a_dead_record_only(names: Names) -> None:
+    path = names.path(names.presence(TASK))
+    with claim(path) as none:
+        assert none.state == "absent" and not none.remove()
+    child = PresenceChild(names, TASK, incarnation=4)
+    try:
+        with claim(path) as live:
+            assert live.state == "alive" and live.info is not None and live.info.incarnation == 4
+            assert not live.remove()
+        child.kill()
+        with claim(path) as dead, claim(path) as second:
+            assert dead.state == "dead" and dead.info is not None
+            assert second.state == "alive"  # one claimer at a time
+            # A publisher of the task meanwhile is refused, as by a live owner.
+            with pytest.raises(InvalidArgumentError, match="already running"):
+                Presence.publish(names, _info(names))
+            assert dead.remove()
+        assert not os.path.exists(path)
+    finally:
+        child.stop()

@@ -1,32 +1,41 @@
-"""A job cleans up after its dead without anyone running ``gc`` (issue 20 §1).
+"""What dead workers left is collected: by the job itself, and by ``ls`` / ``gc`` by hand.
 
 Real child workers are SIGKILLed, SIGTERMed, run in mismatched namespaces or out of file
 descriptors; then the job's other workers close, or the next Worker starts on the host,
-and nothing of the dead is left in /dev/shm. No test here calls ``gc``/``collect`` before
+and nothing of the dead is left in /dev/shm. No sweep test calls ``gc``/``collect`` before
 it looks. A live worker's objects are never touched, also while sweeps race its start.
+The last section lists and collects planted objects by hand (``list_objects``,
+``collect``): live namespaces are untouched, dead ones go whole.
 """
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import resource
+import secrets
 import select
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import CONSUMER, PRODUCER, SHMRDV_PATH, make_key, run_as_nobody
+from helpers import CONSUMER, PRODUCER, SHMRDV_PATH, PresenceChild, make_key, run_as_nobody
 from small_shm import run_with_small_dev_shm
 
 import shmrdv
 from shmrdv._procs import ChildWorker
-from shmrdv._shm import reaper
+from shmrdv._shm import layout, reaper
+from shmrdv._shm.bell import Bell
 from shmrdv._shm.naming import SHM_DIR, Names
+from shmrdv._shm.presence import Presence, PresenceInfo, boot_id
+from shmrdv._shm.reaper import ObjectInfo, collect, list_objects, unlink_if_unused
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -427,11 +436,11 @@ def test_reaper_sweep_is_bounded(tmp_path: Any) -> None:
 _FLOODED = """
 import os, threading, time
 import shmrdv
-from shmrdv._shm import sweeper
+from shmrdv._shm import reaper
 from shmrdv._shm.naming import Names
 
 def entries():
-    return sweeper.entries_read()["sync"]
+    return reaper.entries_read()["sync"]
 
 # What a dead job left, made first: tmpfs lists the newest names first, so a sweep meets
 # the flood before it.
@@ -447,20 +456,20 @@ for round in range(2):
     w = shmrdv.Worker("/job:w/replica:0/task:0", namespace=shmrdv.new_namespace())
     started = time.monotonic() - t0
     at_start = entries() - before
-    assert at_start <= sweeper.SYNC_ENTRIES, at_start
+    assert at_start <= reaper.SYNC_ENTRIES, at_start
     # The rest of the sweep goes on in the background while the Worker lives.
-    assert sweeper.idle(60), "the background sweep did not finish"
+    assert reaper.idle(60), "the background sweep did not finish"
     assert not any(os.path.exists("/dev/shm/" + name) for name in left), os.listdir("/dev/shm")[:5]
     before = entries()
     t0 = time.monotonic()
     w.close()
     closed = time.monotonic() - t0
     at_close = entries() - before
-    assert at_close <= sweeper.SYNC_ENTRIES, at_close
+    assert at_close <= reaper.SYNC_ENTRIES, at_close
     assert not [t for t in threading.enumerate() if t.name == "shmrdv-sweeper"]
     print(f"round {round}: start {started * 1000:.1f} ms, {at_start} entries; "
           f"close {closed * 1000:.1f} ms, {at_close} entries")
-assert sweeper.entries_read()["background"] >= JUNK - sweeper.SYNC_ENTRIES
+assert reaper.entries_read()["background"] >= JUNK - reaper.SYNC_ENTRIES
 print("child ok")
 """
 
@@ -531,8 +540,6 @@ def _sweep_among_junk(directory: str) -> None:
 def test_reaper_collect_producer_leaves_a_successors_record(names: Names) -> None:
     # A dead run's record is replaced by its successor's: collecting the first run never
     # takes the successor's record, alive or dead.
-    from helpers import PresenceChild
-
     record = names.path(names.presence(PRODUCER))
     first = PresenceChild(names, PRODUCER, incarnation=5)
     first.kill()
@@ -572,3 +579,215 @@ def test_reaper_restarted_producer_frees_its_predecessors_pool(ns: str) -> None:
             for run in range(2):
                 for i in (1, 2):
                     assert inbox.recv(make_key(f"r{run}-{i}"), timeout=10).value[0] == i
+
+
+# -- ls and gc: what a dead namespace left, listed and collected by hand --------------------
+
+KEY = (
+    "/job:worker/replica:0/task:0/device:CPU:0;0000000000000001;"
+    "/job:worker/replica:0/task:1/device:CPU:0;x;0:0"
+)
+
+
+def _fresh() -> Names:
+    return Names(secrets.token_hex(13))
+
+
+def _ours(names: Names, directory: str = SHM_DIR) -> set[str]:
+    return {e for e in os.listdir(directory) if names.prefix in e}
+
+
+@pytest.fixture
+def other() -> Iterator[Names]:
+    n = _fresh()
+    yield n
+    for entry in _ours(n):
+        os.unlink(os.path.join(SHM_DIR, entry))
+
+
+def _write(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _segments(names: Names, directory: str = SHM_DIR, step_id: int = 3) -> None:
+    """A published message with a real header, and an unwritten temp segment."""
+    header = layout.Header.build(
+        key=KEY,
+        dtype=np.dtype("<f4"),
+        shape=(4,),
+        step_id=step_id,
+        seq=0,
+        producer_incarnation=1,
+        producer_pid=4242,
+    )
+    buf = bytearray(header.segment_size)
+    layout.pack_into(buf, header)
+    _write(os.path.join(directory, names.message(step_id, KEY, 1, 0)), bytes(buf))
+    _write(os.path.join(directory, names.temp()), bytes(256))
+
+
+def _by_kind(infos: list[ObjectInfo]) -> dict[str, ObjectInfo]:
+    out = {i.kind: i for i in infos}
+    assert len(out) == len(infos)
+    return out
+
+
+def test_reaper_ls_shows_a_live_namespace_gc_keeps_it(names: Names) -> None:
+    worker = PresenceChild(names, CONSUMER, incarnation=5)
+    bell = Bell.create(names, CONSUMER)
+    try:
+        _segments(names)
+        infos = list_objects(names.namespace)
+        kinds = _by_kind(infos)
+        assert set(kinds) == {"presence", "bell", "message", "temp"}
+        assert all(i.namespace == names.namespace_id and i.alive for i in infos)
+        presence = kinds["presence"]
+        assert presence.owner_pid == worker.proc.pid and presence.task == CONSUMER
+        assert presence.path == names.path(names.presence(CONSUMER))
+        assert kinds["bell"].task == CONSUMER and kinds["bell"].owner_pid == worker.proc.pid
+        assert kinds["bell"].name == "sem." + names.bell(CONSUMER)[1:]
+        message = kinds["message"]
+        assert (message.step_id, message.key, message.owner_pid) == (3, KEY, 4242)
+        assert message.size >= 64 and 0 <= message.age_s < 60
+        temp = kinds["temp"]
+        assert (temp.step_id, temp.key, temp.owner_pid) == (None, None, None)
+
+        assert collect(names.namespace) == []
+        assert collect(names.namespace, dry_run=True) == []
+        assert len(list_objects(names.namespace)) == 4
+    finally:
+        bell.close()
+        bell.unlink()
+        worker.stop()
+    # The worker's clean exit removed its record; what is left is a dead namespace's.
+    removed = collect(names.namespace)
+    assert {i.kind for i in removed} == {"message", "temp"}
+    assert not _ours(names)
+
+
+def test_reaper_gc_collects_a_dead_namespace_whole(names: Names, other: Names) -> None:
+    worker = PresenceChild(names, CONSUMER, incarnation=5)
+    bell = Bell.create(names, CONSUMER)
+    bell.close()
+    _segments(names)
+    worker.kill()  # leaves its presence record, unlocked
+    # Another namespace, alive (in this process) and one dead but not asked for.
+    live = Presence.publish(
+        other, PresenceInfo(CONSUMER, os.getpid(), boot_id(), 1, time.time(), other.namespace)
+    )
+    third = _fresh()
+    _segments(third)
+    try:
+        _segments(other)
+        infos = list_objects(names.namespace)
+        assert {i.kind for i in infos} == {"presence", "bell", "message", "temp"}
+        assert not any(i.alive for i in infos)
+        assert _by_kind(infos)["presence"].owner_pid == worker.proc.pid
+
+        would = collect(names.namespace, dry_run=True)
+        assert [i.name for i in would] == [i.name for i in infos]
+        assert len(_ours(names)) == 4
+
+        removed = collect(names.namespace)
+        assert [i.name for i in removed] == [i.name for i in infos]
+        assert not _ours(names)
+        assert len(_ours(other)) == 3
+        assert len(_ours(third)) == 2
+        assert collect(other.namespace) == []
+    finally:
+        live.close()
+        for entry in _ours(third):
+            os.unlink(os.path.join(SHM_DIR, entry))
+
+
+def test_reaper_gc_collects_every_dead_namespace(tmp_path: Path) -> None:
+    # A private directory: collect() over every namespace of the real /dev/shm would take
+    # other tests' objects.
+    directory = str(tmp_path)
+    dead, live = _fresh(), _fresh()
+    for n in (dead, live):
+        _segments(n, directory)
+        record = os.path.join(directory, n.presence(CONSUMER))
+        _write(record, PresenceInfo(CONSUMER, 1, boot_id(), 1, 0.0, n.namespace).to_json())
+    (tmp_path / "unrelated").write_bytes(b"x")
+    (tmp_path / "shmrdv_notanamespace").write_bytes(b"x")
+    fd = os.open(os.path.join(directory, live.presence(CONSUMER)), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert len(list_objects(shm_dir=directory)) == 6
+        removed = collect(shm_dir=directory)
+        assert {i.namespace for i in removed} == {dead.namespace_id}
+        assert len(removed) == 3
+        assert _ours(dead, directory) == set()
+        assert len(_ours(live, directory)) == 3
+        assert {"unrelated", "shmrdv_notanamespace"} <= set(os.listdir(directory))
+    finally:
+        os.close(fd)
+    assert len(collect(shm_dir=directory)) == 3
+
+
+def test_reaper_corrupt_record_still_counts_by_lock(tmp_path: Path) -> None:
+    directory = str(tmp_path)
+    n = _fresh()
+    record = os.path.join(directory, n.presence(CONSUMER))
+    _write(record, b"not json")
+    fd = os.open(record, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        [info] = list_objects(shm_dir=directory)
+        assert info.alive is True and info.owner_pid is None and info.task is None
+        assert collect(shm_dir=directory) == []
+    finally:
+        os.close(fd)
+    [gone] = collect(shm_dir=directory)
+    assert gone.kind == "presence" and gone.alive is False
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
+def test_reaper_other_users_objects_untouched(names: Names) -> None:
+    _segments(names)
+    foreign = names.path(names.message(9, KEY, 1, 1))
+    _write(foreign, bytes(64))
+    os.chown(foreign, 65534, 65534)
+    try:
+        assert foreign not in {i.path for i in list_objects(names.namespace)}
+        assert {i.kind for i in collect(names.namespace)} == {"message", "temp"}
+        assert os.path.exists(foreign)
+    finally:
+        os.unlink(foreign)
+
+
+def test_reaper_symlinks_ignored(names: Names, tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_bytes(b"x")
+    link = names.path(names.temp())
+    os.symlink(target, link)
+    try:
+        assert list_objects(names.namespace) == []
+        assert collect(names.namespace) == []
+        assert os.path.islink(link) and target.exists()
+    finally:
+        os.unlink(link)
+
+
+def test_reaper_collect_skips_replaced_file(tmp_path: Path) -> None:
+    # A file replaced between the listing and its removal (a worker restarting meanwhile)
+    # is not taken: removal compares the inode with the listed one.
+    directory = str(tmp_path)
+    n = _fresh()
+    _segments(n, directory)
+    paths = [o.path for o in list_objects(n.namespace, shm_dir=directory)]
+    assert len(paths) == 2
+    listed = []
+    for path in paths:
+        st = os.stat(path)
+        listed.append((path, (st.st_dev, st.st_ino)))
+        _write(path + ".new", b"new")  # a new inode while the old one still exists
+        os.rename(path + ".new", path)
+    assert not any(unlink_if_unused(path, ino) for path, ino in listed)
+    assert len(_ours(n, directory)) == 2
+    assert len(collect(shm_dir=directory)) == 2

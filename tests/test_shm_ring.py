@@ -263,7 +263,7 @@ def test_ring_meta_names_its_ends(ns: str) -> None:
 
 
 def shmrdv_gc(ns: str) -> None:
-    from shmrdv._shm.registry import collect
+    from shmrdv._shm.reaper import collect
 
     collect(ns)
 

@@ -32,7 +32,7 @@ from helpers import (
 
 import shmrdv
 from shmrdv._shm.naming import SHM_DIR, Names
-from shmrdv._shm.registry import list_objects
+from shmrdv._shm.reaper import list_objects
 
 INCARNATION = 0x5EC0_0000_0000_0001
 PLANTED = b"planted by uid 65534; must never change".ljust(4096, b".")

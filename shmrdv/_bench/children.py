@@ -71,7 +71,7 @@ def run(outcome: Teardown) -> Iterator[Children]:
     as the failure and raised on after the teardown."""
     import shmrdv
 
-    from .._shm.registry import collect, list_objects
+    from .._shm.reaper import collect, list_objects
 
     started = time.monotonic()
     children = Children(shmrdv.new_namespace())

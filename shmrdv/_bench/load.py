@@ -12,8 +12,8 @@ check that every message arrived, once, in FIFO order per key, with the right by
 this module runs them and reports.
 
 Afterwards no process of the run may be alive and nothing of its namespace may be left in
-``/dev/shm``: the run lists the namespace (``registry.list_objects``), reports what it finds,
-and collects it (``registry.collect``).
+``/dev/shm``: the run lists the namespace (``reaper.list_objects``), reports what it finds,
+and collects it (``reaper.collect``).
 """
 
 from __future__ import annotations

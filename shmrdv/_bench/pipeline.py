@@ -418,7 +418,7 @@ def _run_method(
 ) -> None:
     import shmrdv
 
-    from .._shm.registry import collect
+    from .._shm.reaper import collect
 
     producer_role, consumer_role = _ROLES[method]
     namespace = shmrdv.new_namespace()

@@ -273,7 +273,7 @@ def run_pycost(cfg: PyCostConfig, say: Callable[[str], None] = lambda _: None) -
     """Run the measurement; a failure is in ``result.failure``, never raised."""
     import shmrdv
 
-    from .._shm.registry import collect
+    from .._shm.reaper import collect
 
     result = PyCostResult(config=asdict(cfg), cpus=pin_cpus(cfg.pin))
     namespace = shmrdv.new_namespace()

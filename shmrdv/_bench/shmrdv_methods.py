@@ -54,7 +54,7 @@ def _shared(ctx: BaseContext) -> dict[str, Any]:
 
 
 def _sweep(prefix: str, shared: Mapping[str, Any]) -> None:
-    from .._shm.registry import collect
+    from .._shm.reaper import collect
 
     collect(shared["namespace"])
 

@@ -3,7 +3,7 @@ samples after warm-up, judged by its kind.
 
 Each process samples: RSS (``/proc/self/statm``), open descriptors (``/proc/self/fd``),
 threads (``threading.active_count`` and ``Threads:`` of ``/proc/self/status``), and the
-namespace's objects in ``/dev/shm`` (``registry.list_objects``: how many, bytes held). The
+namespace's objects in ``/dev/shm`` (``reaper.list_objects``: how many, bytes held). The
 runner fits a least-squares line to each series over the samples after warm-up (the first
 ``warmup_fraction`` of the handoffs) and reports its slope per 10,000 handoffs. A series is
 flagged as growing when, after warm-up, a count (descriptors, threads, objects) rises above

@@ -33,7 +33,7 @@ def process_sample(namespace: str, handoffs: int, worker: Any = None) -> dict[st
     (``pool.DEFAULT_MAX_SLOTS`` slots, ``shm_pool_bytes`` of the Worker) while it learns how
     many slots of each size class are out at once.
     """
-    from .._shm.registry import list_objects
+    from .._shm.reaper import list_objects
 
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * _PAGE

@@ -2,6 +2,7 @@
 
 Modules, one job each: ``naming`` (every OS object's name), ``layout`` (the segment
 header byte format, pure), ``segment`` (creating, opening, mapping and unlinking segment
-files: handle tracking lives there), ``presence`` / ``bell`` / ``registry`` (liveness
-records, doorbell semaphores, listing and collecting), ``transport`` (the rendezvous).
+files: handle tracking lives there), ``presence`` (whether a worker lives: its record and
+the one liveness monitor), ``bell`` (doorbell semaphores), ``reaper`` (listing /dev/shm and
+collecting what dead workers left), ``transport`` (the rendezvous).
 """

@@ -1,21 +1,15 @@
-"""ShmBoard: the ``PresenceBoard`` (``_transport.py``) over presence records in /dev/shm.
+"""ShmBoard: a worker's presence on this host, the ``PresenceBoard`` of ``_transport.py``.
 
-The worker's own record is a ``Presence`` (``presence.py``: a JSON file locked with
-``flock`` for as long as the worker lives); a peer's is read through one ``PeerWatch`` per
-peer task (one cached descriptor each) and answered as a final same-host ``PeerRecord``
-when it is from this boot. ``sightings`` lists the records of a task in every namespace
-(``presence.sightings``), for a diagnosis only.
+It publishes the worker's record (``presence.Presence``), answers its peers' states from
+one ``presence.Monitor`` and where a task is seen in other namespaces
+(``reaper.sightings``, for a diagnosis only); publishing and closing also collect what
+dead workers of this user left in /dev/shm (``reaper.at_start`` / ``reaper.at_close``:
+bounded, never a live worker's objects). ``usable()`` says whether /dev/shm can hold
+records at all: where it cannot, a worker that takes no shared-memory transport runs
+without a board (``_cluster.NoPresence``).
 
-Publishing and closing also collect what dead workers of this user left in /dev/shm
-(``reaper.at_start`` / ``reaper.at_close``: bounded, never a live worker's objects).
-
-``usable()`` says whether /dev/shm can hold records at all: where it cannot (absent,
-read-only), a worker that takes no shared-memory transport runs without a board
-(``_peers.NoPresence``) instead of failing.
-
-Thread model (``docs/threads.md``): thread-safe, no thread of its own. ``look`` takes no
-lock that another thread may hold (``PeerWatch.look`` falls back to a descriptor of its
-own when contended): a pool slot given back inside the garbage collector asks it too.
+Thread model (``docs/threads.md``): thread-safe, no thread of its own; ``state`` may run
+inside the garbage collector (``presence.Monitor``).
 """
 
 from __future__ import annotations
@@ -23,10 +17,10 @@ from __future__ import annotations
 import os
 import time
 
-from .._transport import PeerRecord, PeerState, Sighting
+from .._transport import Sighting, TaskState
 from . import reaper
 from .naming import SHM_DIR, Names
-from .presence import PeerWatch, Presence, PresenceInfo, boot_id, sightings
+from .presence import Monitor, Presence, PresenceInfo, boot_id
 
 __all__ = ["ShmBoard", "usable"]
 
@@ -43,73 +37,34 @@ class ShmBoard:
     """
 
     def __init__(self, namespace: str) -> None:
-        names = Names(namespace)
-        self._names = names
-        self._watches: dict[str, PeerWatch] = {}
+        self._names = Names(namespace)
+        self._monitor = Monitor(self._names)
         self._presence: Presence | None = None
         self._task = ""  # the published worker's task
         self._sweeping = False  # ``reaper.at_start`` ran the sweeps (``at_close`` then too)
-        self._shown = names.namespace_id  # as it appears in object names (and Sightings)
 
     def __repr__(self) -> str:
-        return f"<ShmBoard {self._shown} watches={len(self._watches)}>"
+        return f"<ShmBoard {self._names.namespace_id} {self._monitor!r}>"
 
     def publish(
         self, task: str, incarnation: int, address: str | None, transports: tuple[str, ...]
     ) -> None:
         assert self._presence is None, "a board publishes one worker's record"
         self._task = task
-        self._presence = Presence.publish(
-            self._names,
-            PresenceInfo(
-                task=task,
-                pid=os.getpid(),
-                boot_id=boot_id(),
-                incarnation=incarnation,
-                started=time.time(),
-                namespace=self._names.namespace_id,
-                address=address,
-                transports=transports,
-            ),
+        info = PresenceInfo(
+            task, os.getpid(), boot_id(), incarnation, time.time(), "", address, transports
         )
-        # What dead workers left (issue 20 §1).
+        self._presence = Presence.publish(self._names, info)
         self._sweeping = reaper.at_start(self._names, task, incarnation)
 
-    def _watch(self, task: str) -> PeerWatch:
-        """The cached presence watcher of ``task`` (one descriptor per peer task)."""
-        w = self._watches.get(task)
-        if w is None:
-            # No lock: this runs inside the garbage collector too (a pool slot given back
-            # asks whether its producer lives), where waiting on a lock the interrupted
-            # thread holds would deadlock. The atomic setdefault picks one watch.
-            fresh = PeerWatch(self._names, task)
-            w = self._watches.setdefault(task, fresh)
-            if w is not fresh:
-                fresh.close()
-        return w
-
-    def look(self, task: str) -> tuple[PeerState, PeerRecord | None]:
-        state, info = self._watch(task).look()
-        if info is None or info.boot_id != boot_id():
-            return state, None
-        return state, PeerRecord(
-            task=task,
-            same_host=True,
-            transports=info.transports,
-            address=info.address,
-            final=True,
-            incarnation=info.incarnation,
-            pid=info.pid,
-        )
+    def state(self, task: str) -> TaskState:
+        return self._monitor.state(task)
 
     def sightings(self, task: str) -> list[Sighting] | None:
-        return sightings(task, self._shown)
+        return reaper.sightings(task, self._names.namespace_id)
 
     def close(self) -> None:
-        watches = list(self._watches.values())
-        self._watches.clear()
-        for w in watches:
-            w.close()
+        self._monitor.close()
         presence, self._presence = self._presence, None
         if presence is not None:
             presence.close()

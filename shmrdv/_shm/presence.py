@@ -1,32 +1,31 @@
-"""Presence records: a worker's liveness, as a JSON file in /dev/shm locked with ``flock``.
+"""Presence records: whether a worker lives, as a JSON file in /dev/shm locked with ``flock``.
 
 A worker publishes ``shmrdv_<ns>_w<taskhash>`` (its task, pid, boot id, incarnation, start
-time, address) and holds ``fcntl.flock(LOCK_EX)`` on it for as long as it lives. A peer is
-alive exactly when that lock is held: the kernel drops it when the last descriptor of the
-open file description goes away, that is when the owner dies, however it dies (SIGKILL
-included). A SIGSTOPped or busy process keeps its lock, so it is not declared dead, which
-no heartbeat with a deadline can promise (research/pitfalls.md §1: the only cleanup after a
-SIGKILL is what the kernel does).
+time, address, transports) and holds ``fcntl.flock(LOCK_EX)`` on it for as long as it
+lives. Its owner is alive exactly while that lock is held: the kernel drops it when the
+last descriptor of the open file description goes, that is when the owner dies, however
+it dies (SIGKILL included); a stopped or busy process keeps it, which no heartbeat with a
+deadline can promise (research/pitfalls.md §1). This is the one liveness concept, cut as
+iceoryx2 cuts its ``monitoring``:
 
-``flock`` locks belong to the open file description, so:
+* ``Presence`` (iceoryx2's token): a worker's own record, written whole under a temporary
+  name, locked, and only then linked to its name; unlinked and unlocked at close;
+* ``Monitor.state(task)`` (its monitor): a task's ``TaskState``, "alive" while its
+  record's lock is held and the record is from this boot, "dead" when not, "absent" when
+  there is none; ``look(path)`` is the same rule for a record a tool found by listing;
+* ``claim(path)`` (its cleaner): a dead record under its exclusive lock, the one way a
+  record is replaced (a restarted task) or removed (the reaper).
 
-* a second ``open`` of the same file, even in the same process, gets its own description and
-  its own lock: ``PeerWatch`` can observe a ``Presence`` owned by its own process;
-* a ``fork`` shares the description with the child, which would keep a dead parent's lock
-  alive. An ``os.register_at_fork`` hook closes the inherited descriptors in every forked
-  child (``subprocess`` children never see them: ``os.open`` descriptors are close-on-exec).
+``flock`` locks belong to the open file description: a second ``open`` in the same
+process gets a lock of its own (a ``Monitor`` sees a ``Presence`` of its own process), and
+a ``fork`` shares it, which would keep a dead parent alive: an ``os.register_at_fork``
+hook closes the inherited descriptors in every forked child (``subprocess`` children never
+see them: descriptors are close-on-exec). Every open is ``ownership.open_checked``: a
+symlink, a file another user planted or leased is an ``InternalError``, never waited for.
 
-The record is written completely into a temporary name and only then linked (or renamed)
-onto its final name, so a reader never sees a half-written record.
-
-This module owns what a record says (``PresenceInfo``), a worker's own record
-(``Presence``), whether a record's owner lives (``probe`` for tools, ``PeerWatch`` for
-peers, with a cached descriptor) and where a task has records in any namespace of this
-user (``sightings``, for a diagnosis only).
-
-Thread model (``docs/threads.md``): no thread of its own. A ``PeerWatch`` only *tries*
-its lock (it may be asked inside the garbage collector); ``Presence`` is owned by its
-Worker's board.
+Thread model (``docs/threads.md``): no thread of its own. A ``Monitor`` may be asked
+inside the garbage collector (a pool slot given back asks whether its producer lives),
+so it only *tries* locks and never waits for one.
 """
 
 from __future__ import annotations
@@ -35,63 +34,41 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
+import json
 import logging
 import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from .._rendezvous import Closing
+from .._transport import PeerRecord, PeerState, TaskState
+from .ownership import open_checked
 
 if TYPE_CHECKING:
     from .naming import Names
-import functools
-import json
-from typing import TYPE_CHECKING, Any, Literal
-
-from .ownership import open_checked, refuse_foreign
-
-if TYPE_CHECKING:
-    from .naming import Names
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .naming import Names
-import stat
-
-from .._errors import RendezvousError
-from .._transport import Sighting
-from .naming import SHM_DIR, parse_name
-from .ownership import is_ours
 
 __all__ = [
     "MAX_RECORD_BYTES",
-    "PeerState",
-    "PeerWatch",
+    "Claim",
+    "Monitor",
     "Presence",
     "PresenceInfo",
     "boot_id",
-    "check_ours",
-    "describe_owner",
-    "lock_held",
-    "open_record",
-    "probe",
-    "read_bytes",
-    "read_presence",
-    "read_record",
-    "read_record_stat",
-    "record_state",
-    "sightings",
+    "claim",
+    "look",
 ]
 
-
-PeerState = Literal["absent", "alive", "dead"]
+_log = logging.getLogger("shmrdv.shm.presence")
 
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+_WHAT = "presence record"
 
-# A record is a few hundred bytes; anything much larger was not written by us.
+#: A record is a few hundred bytes; anything much larger was not written by us.
 MAX_RECORD_BYTES = 64 * 1024
 
 
@@ -164,251 +141,175 @@ class PresenceInfo:
         return cls(**values)
 
 
-def check_ours(st: os.stat_result, where: str, what: str = "presence record") -> None:
-    """Refuse a file another user planted under our name (pitfalls.md §7: fstat on attach)."""
-    refuse_foreign(st, where, what)
-
-
-def read_bytes(fd: int, where: str) -> bytes:
-    chunks: list[bytes] = []
-    offset = 0
-    while True:
-        chunk = os.pread(fd, MAX_RECORD_BYTES + 1 - offset, offset)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        offset += len(chunk)
-        if offset > MAX_RECORD_BYTES:
-            raise InternalError(f"presence record {where} is larger than {MAX_RECORD_BYTES} bytes")
-    return b"".join(chunks)
-
-
-def read_record_stat(fd: int, where: str) -> tuple[PresenceInfo, os.stat_result]:
-    st = os.fstat(fd)
-    check_ours(st, where)
-    return PresenceInfo.from_json(read_bytes(fd, where), where), st
-
-
-def open_record(path: str) -> int | None:
-    """Open a record for reading; None if it does not exist (``ownership.open_checked``:
-    never blocks; a symlink, a foreign or leased file is an ``InternalError``)."""
+def _open(path: str) -> tuple[int, os.stat_result] | None:
+    """The record at ``path`` opened for reading, and its ``fstat``; None if there is none.
+    A symlink, a file not ours or under a lease is an ``InternalError``. Never blocks."""
     try:
-        fd, _ = open_checked(path, os.O_RDONLY, "presence record", max_size=MAX_RECORD_BYTES)
+        return open_checked(path, os.O_RDONLY, _WHAT, max_size=MAX_RECORD_BYTES)
     except FileNotFoundError:
         return None
-    return fd
 
 
-def read_record(fd: int, where: str) -> PresenceInfo:
-    """What the record open at ``fd`` says (for one who holds its lock, ``reaper``). Raises
-    ``InternalError`` naming ``where`` if it is not ours or is corrupt. Does not block."""
-    return read_record_stat(fd, where)[0]
-
-
-def read_presence(names: Names, task: str) -> PresenceInfo | None:
-    """Read ``task``'s presence record, whether its owner is alive or not.
-
-    Returns None if there is none. Raises ``InternalError`` if the record is not ours (another
-    owner uid, group/other permission bits, not a regular file, a symlink) or is corrupt.
-    Does not block.
-    """
-    path = names.path(names.presence(task))
-    fd = open_record(path)
-    if fd is None:
+def _read(fd: int, path: str, strict: bool) -> PresenceInfo | None:
+    """What the record open at ``fd`` says; a corrupt one is an ``InternalError`` if
+    ``strict``, else None (its lock still tells whether its owner lives)."""
+    try:
+        data = os.pread(fd, MAX_RECORD_BYTES + 1, 0)
+        if len(data) > MAX_RECORD_BYTES:
+            raise InternalError(f"presence record {path} is larger than {MAX_RECORD_BYTES} bytes")
+        return PresenceInfo.from_json(data, path)
+    except InternalError as e:
+        if strict:
+            raise
+        _log.debug("%s", e)
         return None
-    try:
-        info, _ = read_record_stat(fd, path)
-        return info
-    finally:
-        os.close(fd)
 
 
-def describe_owner(fd: int, where: str) -> str:
-    try:
-        info = PresenceInfo.from_json(read_bytes(fd, where), where)
-    except (InternalError, OSError):
-        return "an unknown process"
-    if info.pid == os.getpid() and info.boot_id == boot_id():
-        return f"this process itself (pid {info.pid}, incarnation {info.incarnation:#x})"
-    return f"pid {info.pid} (incarnation {info.incarnation:#x})"
-
-
-_log = logging.getLogger("shmrdv.shm.presence")
-
-
-def lock_held(fd: int) -> bool:
-    """Whether some other open file description holds a lock on ``fd``'s file.
-
-    Takes and at once drops a shared lock: it fails only while an exclusive lock is held.
-    """
+def _state(fd: int, info: PresenceInfo | None) -> PeerState:
+    """The liveness rule: a record's owner is alive exactly while it holds the lock (a
+    shared lock, taken and dropped at once, fails only then); a record from another boot
+    is dead whatever its lock says."""
+    if info is not None and info.boot_id != boot_id():
+        return "dead"
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
+        return "alive"
     fcntl.flock(fd, fcntl.LOCK_UN)
-    return False
+    return "dead"
 
 
-def probe(path: str) -> tuple[PeerState, PresenceInfo | None]:
-    """The state of the record file at ``path`` and what it says, for tools (``registry``).
+def look(path: str, *, strict: bool = False) -> tuple[PeerState, PresenceInfo | None]:
+    """The state of the record file at ``path`` and what it says, through a descriptor of
+    its own (for records found by listing, and a contended ``Monitor``).
 
-    ``("absent", None)`` if there is no file. The state comes from the lock alone (plus the
-    boot id when the content is readable), so a corrupt record still reads ``"alive"`` or
-    ``"dead"``, with ``None`` for its content. Raises ``InternalError`` if the file is not
-    ours (owner, mode, symlink). Does not block.
+    ``("absent", None)`` if there is no file. A corrupt record still reads ``"alive"`` or
+    ``"dead"`` by its lock, with None for its content, unless ``strict`` (then it is an
+    ``InternalError``). Raises ``InternalError`` if the file is not ours (owner, mode,
+    type, symlink). Does not block.
     """
-    fd = open_record(path)
-    if fd is None:
+    opened = _open(path)
+    if opened is None:
         return "absent", None
+    fd = opened[0]
     try:
-        check_ours(os.fstat(fd), path)
-        try:
-            info: PresenceInfo | None = PresenceInfo.from_json(read_bytes(fd, path), path)
-        except InternalError as e:
-            _log.debug("%s", e)
-            info = None
-        return record_state(fd, info), info
+        info = _read(fd, path, strict)
+        return _state(fd, info), info
     finally:
         os.close(fd)
 
 
-def record_state(fd: int, info: PresenceInfo | None) -> PeerState:
-    """The liveness check proper: a record's owner is alive exactly while it holds the lock.
-
-    A record from another boot is ``"dead"`` whatever its lock says. One ``flock`` test.
-    """
-    if info is not None and info.boot_id != boot_id():
-        return "dead"
-    return "alive" if lock_held(fd) else "dead"
+def _task_state(task: str, state: PeerState, info: PresenceInfo | None) -> TaskState:
+    """``state`` with the record as a final same-host ``PeerRecord`` (from this boot only)."""
+    if info is None or info.boot_id != boot_id():
+        return TaskState(state)
+    record = PeerRecord(task, True, info.transports, info.address, True, info.incarnation, info.pid)
+    return TaskState(state, record)
 
 
-class PeerWatch(Closing):
-    """The observer side: is another worker's presence record there, and is it locked?
+class _Watch:
+    """One task's record through a cached descriptor, re-opened when its inode changes
+    (``Monitor.state``). ``lock`` is only ever tried."""
 
-    ``state()`` costs one ``stat`` and one ``flock`` while the record is unchanged (one
-    descriptor is cached per inode), so it may be called several times a second.
+    __slots__ = ("closed", "fds", "info", "ino", "lock", "path")
 
-    Never blocks and never waits for a lock, so that it may run anywhere, a
-    garbage-collector finalizer included (a lock waited for there could be held by the
-    interrupted thread itself): the cached descriptor is used under a lock taken only if
-    it is free; a caller that finds it taken looks through a descriptor of its own, opened
-    and closed within the call. A watch thus holds at most one descriptor of its own.
-    """
-
-    def __init__(self, names: Names, task: str) -> None:
-        self._task = task
-        self._path = names.path(names.presence(task))
-        self._lock = threading.Lock()
-        self._ino: tuple[int, int] | None = None
-        self._info: PresenceInfo | None = None
-        self._closed = False
-        # The finalizer closes the cached descriptor when the watch is dropped unclosed.
-        self._fd_box: list[int] = []
-        self._finalizer = weakref.finalize(self, _close_all, self._fd_box)
-
-    @property
-    def task(self) -> str:
-        return self._task
-
-    @property
-    def path(self) -> str:
-        return self._path
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _cached(self) -> tuple[int, PresenceInfo] | None:
-        """The record at the path now through the cached descriptor (re-opened when its
-        inode changed), or None. Under ``_lock``.
-
-        Raises ``InternalError`` if the record is not ours or is corrupt.
-        """
-        try:
-            st = os.stat(self._path, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        box = self._fd_box
-        if box and self._ino == (st.st_dev, st.st_ino):
-            assert self._info is not None
-            return box[0], self._info
-        _close_all(box)
-        self._ino = self._info = None
-        fd = open_record(self._path)
-        if fd is None:
-            return None
-        try:
-            info, fst = read_record_stat(fd, self._path)
-        except BaseException:
-            os.close(fd)
-            raise
-        box.append(fd)
-        # The inode actually opened: the name may have moved on since the stat above, in which
-        # case the next call sees a mismatch and reopens.
-        self._ino = (fst.st_dev, fst.st_ino)
-        self._info = info
-        return fd, info
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.fds: list[int] = []  # the cached descriptor (at most one)
+        self.ino: tuple[int, int] | None = None
+        self.info: PresenceInfo | None = None
+        self.closed = False
 
     def look(self) -> tuple[PeerState, PresenceInfo | None]:
-        """``state()`` and ``info()`` of one and the same record, in one look.
-
-        Raises ``InternalError`` if the record is not ours or is corrupt, or the watch is
-        closed. Does not block.
-        """
-        if self._closed:
-            raise InternalError(f"PeerWatch for {self._task} is closed")
-        if self._lock.acquire(blocking=False):
-            try:
-                if self._closed:
-                    raise InternalError(f"PeerWatch for {self._task} is closed")
-                seen = self._cached()
-                if seen is None:
-                    return "absent", None
-                return record_state(seen[0], seen[1]), seen[1]
-            finally:
-                self._lock.release()
-        # Contended (another thread, or the garbage collector inside this one): look
-        # through a descriptor of our own.
-        fd = open_record(self._path)
-        if fd is None:
-            return "absent", None
+        if not self.lock.acquire(blocking=False):
+            # Contended (another thread, or the garbage collector inside this one).
+            return look(self.path, strict=True)
         try:
-            info, _ = read_record_stat(fd, self._path)
-            return record_state(fd, info), info
+            if self.closed:
+                return look(self.path, strict=True)
+            try:
+                st = os.stat(self.path, follow_symlinks=False)
+            except FileNotFoundError:
+                return "absent", None
+            if not self.fds or self.ino != (st.st_dev, st.st_ino):
+                _close_all(self.fds)
+                self.ino = self.info = None
+                opened = _open(self.path)
+                if opened is None:
+                    return "absent", None
+                fd, fst = opened
+                try:
+                    info = _read(fd, self.path, True)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self.fds.append(fd)
+                # The inode actually opened: the name may have moved on since the stat, in
+                # which case the next look sees a mismatch and re-opens.
+                self.ino, self.info = (fst.st_dev, fst.st_ino), info
+            return _state(self.fds[0], self.info), self.info
         finally:
-            os.close(fd)
+            self.lock.release()
 
-    def info(self) -> PresenceInfo | None:
-        """The current record (re-read when it was replaced, e.g. by a restarted peer), or None.
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            _close_all(self.fds)
+
+
+class Monitor(Closing):
+    """The liveness of the tasks of one namespace on this host (iceoryx2's monitor).
+
+    ``state(task)`` costs one ``stat`` and one ``flock`` test while the task's record is
+    unchanged: one descriptor is kept per task asked about, re-opened when the record is
+    replaced (a restarted task). Never blocks and never waits for a lock, so it may run
+    anywhere, a garbage-collector finalizer included: a look that finds the task's
+    descriptor in use (another thread, or the thread it interrupted) looks through a
+    descriptor of its own, opened and closed within the call. Once closed, every look is
+    such a one.
+    """
+
+    def __init__(self, names: Names) -> None:
+        self._names = names
+        self._watches: dict[str, _Watch] = {}
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_watches, self._watches)
+
+    def state(self, task: str) -> TaskState:
+        """``task``'s state (canonical name) and what its record says (see ``TaskState``).
 
         Raises ``InternalError`` if the record is not ours or is corrupt. Does not block.
         """
-        return self.look()[1]
-
-    def state(self) -> PeerState:
-        """``"absent"`` (no record), ``"alive"`` (its lock is held) or ``"dead"`` (lock free).
-
-        A record from another boot is ``"dead"``. Raises ``InternalError`` if the record is not
-        ours or is corrupt. Does not block.
-        """
-        return self.look()[0]
+        w = self._watches.get(task)
+        if w is None:
+            path = self._names.path(self._names.presence(task))
+            if self._closed:
+                return _task_state(task, *look(path, strict=True))
+            # No lock: the atomic setdefault picks one watch (this may run inside the
+            # garbage collector, where a lock the interrupted thread holds would deadlock).
+            w = self._watches.setdefault(task, _Watch(path))
+        return _task_state(task, *w.look())
 
     def open_fds(self) -> int:
-        """How many descriptors the watch holds (at most one)."""
-        return len(self._fd_box)
+        """How many descriptors the monitor holds (at most one per task asked about)."""
+        return sum(len(w.fds) for w in list(self._watches.values()))
 
     def close(self) -> None:
-        """Close the cached descriptor. Idempotent. (A look running meanwhile in another
+        """Close every cached descriptor. Idempotent. (A look running meanwhile in another
         thread finishes first: close waits for it, which takes microseconds.)"""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._ino = self._info = None
-            self._finalizer()
+        self._closed = True
+        for w in list(self._watches.values()):
+            w.close()
 
     def __repr__(self) -> str:
-        return f"<PeerWatch {self._task} {'closed' if self._closed else 'open'}>"
+        state = "closed" if self._closed else f"watching {len(self._watches)}"
+        return f"<Monitor {self._names.namespace_id} {state}>"
+
+
+def _close_watches(watches: dict[str, _Watch]) -> None:
+    for w in list(watches.values()):
+        _close_all(w.fds)
 
 
 def _close_all(fds: list[int]) -> None:
@@ -422,11 +323,65 @@ def _close_all(fds: list[int]) -> None:
             os.close(fd)
 
 
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What ``claim`` found at its path: ``state`` "absent", "alive" (someone holds a lock
+    on the record) or "dead" (the exclusive lock is now the claimer's, until the ``with``
+    ends); ``info`` what the record says (None if absent or corrupt)."""
+
+    path: str
+    state: PeerState
+    info: PresenceInfo | None = None
+    ino: tuple[int, int] | None = None  # the inode claimed (dead only)
+
+    def still_there(self) -> bool:
+        """Whether the claimed record is still at its name (not replaced meanwhile)."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return self.ino is not None and (st.st_dev, st.st_ino) == self.ino
+
+    def remove(self) -> bool:
+        """Unlink the claimed record if it is still at its name; whether it went."""
+        if not self.still_there():
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+            return True
+        return False
+
+
+@contextlib.contextmanager
+def claim(path: str) -> Iterator[Claim]:
+    """The record at ``path``, under its exclusive lock if nobody holds one (iceoryx2's
+    cleaner): only the holder of a dead record's claim replaces or removes it, so two
+    claimers never both do, and a live owner's lock makes the claim "alive" at once.
+
+    Only tries the lock. Raises ``InternalError`` if the record is not ours (owner, mode,
+    type, symlink). Does not block.
+    """
+    opened = _open(path)
+    if opened is None:
+        yield Claim(path, "absent")
+        return
+    fd, st = opened
+    try:
+        info = _read(fd, path, False)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield Claim(path, "alive", info)
+            return
+        yield Claim(path, "dead", info, (st.st_dev, st.st_ino))
+    finally:
+        os.close(fd)
+
+
 # How often publish() looks again when it finds a record whose lock is held: another
 # publisher may hold it for a few microseconds while it replaces a stale record.
 _PUBLISH_ATTEMPTS = 5
 _PUBLISH_RETRY_S = 0.01
-
 
 # Every open Presence of this process, so a forked child can drop the inherited locks.
 _live: weakref.WeakSet[Presence] = weakref.WeakSet()
@@ -468,6 +423,14 @@ def _close_fd(fd: int, path: str, ino: tuple[int, int]) -> None:
     os.close(fd)
 
 
+def _owner(info: PresenceInfo | None) -> str:
+    if info is None:
+        return "an unknown process"
+    if info.pid == os.getpid() and info.boot_id == boot_id():
+        return f"this process itself (pid {info.pid}, incarnation {info.incarnation:#x})"
+    return f"pid {info.pid} (incarnation {info.incarnation:#x})"
+
+
 class Presence(Closing):
     """The owner side: this process's presence record for one task, locked while open.
 
@@ -476,16 +439,14 @@ class Presence(Closing):
     object is dropped unclosed. The kernel drops the lock if the process dies.
     """
 
-    def __init__(self, names: Names, info: PresenceInfo, fd: int, path: str) -> None:
+    def __init__(self, info: PresenceInfo, fd: int, path: str) -> None:
         """Internal: use ``Presence.publish``."""
-        self._names = names
         self._info = info
         self._fd = fd
         self._path = path
         st = os.fstat(fd)
-        self._ino = (st.st_dev, st.st_ino)
         self._closed = False
-        self._finalizer = weakref.finalize(self, _close_fd, fd, path, self._ino)
+        self._finalizer = weakref.finalize(self, _close_fd, fd, path, (st.st_dev, st.st_ino))
         with _live_lock:
             _live.add(self)
 
@@ -498,7 +459,7 @@ class Presence(Closing):
         if the record there is not ours or a file cannot be written. Does not block (beyond a
         few 10 ms retries while another publisher replaces a stale record).
         """
-        # The record names its namespace by the public id, never the token (issue 20 §2).
+        # The record names its namespace by the public id, never the token.
         info = dataclasses.replace(info, namespace=names.namespace_id)
         final = names.path(names.presence(info.task))
         data = info.to_json()
@@ -527,11 +488,11 @@ class Presence(Closing):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         _log.debug("published presence %s for %s (pid %d)", final, info.task, info.pid)
-        return cls(names, info, fd, final)
+        return cls(info, fd, final)
 
     @staticmethod
     def _install(temp: str, final: str, info: PresenceInfo) -> None:
-        """Give the locked ``temp`` the name ``final``, replacing a stale record only."""
+        """Give the locked ``temp`` the name ``final``, replacing a dead record only."""
         for attempt in range(_PUBLISH_ATTEMPTS):
             try:
                 # link, not rename: it refuses an existing name, so two publishers racing
@@ -542,38 +503,21 @@ class Presence(Closing):
                 pass
             except OSError as e:
                 raise InternalError(f"cannot publish presence record {final}: {e}") from e
-            old = open_record(final)
-            if old is None:
-                continue  # vanished meanwhile: try the link again
-            try:
-                st = os.fstat(old)
-                check_ours(st, final)
-                try:
-                    # Exclusive: every replacer takes it, so replacements of one stale record
-                    # are serialised, and a live owner's lock makes it fail.
-                    fcntl.flock(old, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+            with claim(final) as old:
+                if old.state == "alive":
                     if attempt + 1 < _PUBLISH_ATTEMPTS:
                         time.sleep(_PUBLISH_RETRY_S)
                         continue
                     raise InvalidArgumentError(
-                        f"task {info.task} is already running in {describe_owner(old, final)} "
+                        f"task {info.task} is already running in {_owner(old.info)} "
                         f"(namespace id {info.namespace}, record {final}): one Worker per task "
                         "and namespace; close that one first, or start this one for another task"
-                    ) from None
-                try:
-                    now = os.stat(final, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-                    continue  # someone replaced it first: look at the new one
-                _log.info(
-                    "replacing stale presence record %s (%s)", final, describe_owner(old, final)
-                )
-                os.rename(temp, final)
-                return
-            finally:
-                os.close(old)
+                    )
+                if old.state == "dead" and old.still_there():
+                    _log.info("replacing stale presence record %s (%s)", final, _owner(old.info))
+                    os.rename(temp, final)
+                    return
+                # Gone or replaced meanwhile: look at the name again.
         raise InternalError(f"cannot publish presence record {final}: it keeps changing")
 
     @property
@@ -619,8 +563,8 @@ class Presence(Closing):
 
 
 def _publish_error(e: OSError, path: str) -> Exception:
-    """A full /dev/shm (no room, no inodes, the memory cgroup) is ``ResourceExhaustedError``
-    (issue 13 §5), anything else ``InternalError``."""
+    """A full /dev/shm (no room, no inodes, the memory cgroup) is ``ResourceExhaustedError``,
+    anything else ``InternalError``."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG):
         try:
             st = os.statvfs(os.path.dirname(path))
@@ -633,57 +577,3 @@ def _publish_error(e: OSError, path: str) -> Exception:
             "dead processes left behind with `python -m shmrdv gc`"
         )
     return InternalError(f"cannot create presence record {path}: {e}")
-
-
-# Bounds of one look: a presence record is a few hundred bytes; a user rarely runs more
-# than a few dozen workers, so 256 records cover every sane case at a bounded cost.
-_MAX_RECORDS = 256
-_MAX_BYTES = 4096
-
-
-def sightings(task: str, namespace: str, *, shm_dir: str = SHM_DIR) -> list[Sighting]:
-    """Every presence record of this user naming ``task`` (canonical), in any namespace.
-
-    ``namespace``: the caller's, as it appears in object names (``Sighting.ours``).
-
-    Bounded (``_MAX_RECORDS`` records, ``_MAX_BYTES`` each); skips other users' files,
-    symlinks, anything not shmrdv's and records that vanish or change meanwhile. Never
-    raises for what it finds; never blocks.
-    """
-    out: list[Sighting] = []
-    looked = 0
-    try:
-        it = os.scandir(shm_dir)
-    except OSError:
-        return out
-    with it:
-        for dirent in it:
-            # A cheap look before parse_name: only a presence record has "_w" (its kind
-            # letter after the namespace id; ids and hashes are hex), and a flood of other
-            # names must cost a timed-out receive next to nothing.
-            if "_w" not in dirent.name:
-                continue
-            parsed = parse_name(dirent.name)
-            if parsed is None or parsed.kind != "presence":
-                continue
-            try:
-                st = dirent.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode) or not is_ours(st) or st.st_size > _MAX_BYTES:
-                continue
-            looked += 1
-            if looked > _MAX_RECORDS:
-                break
-            try:
-                state, info = probe(os.path.join(shm_dir, dirent.name))
-            except (RendezvousError, OSError):
-                continue  # changed owner or mode since the lstat, or out of descriptors
-            if info is None or info.task != task:
-                continue
-            out.append(
-                Sighting(
-                    parsed.namespace, info.pid, state == "alive", parsed.namespace == namespace
-                )
-            )
-    return out

@@ -1,305 +1,433 @@
-"""What dead workers left in /dev/shm, collected without anyone running ``gc`` (issue 20 §1).
+"""What dead workers left in /dev/shm, and who collects it: the one stale-resource cleaner.
 
-A worker killed by SIGKILL, SIGTERM or the OOM killer runs no cleanup: its presence
-record, doorbell, pool slots, rings and unreceived messages stay in /dev/shm, and a
-service that restarts workers fills it. Python's ``resource_tracker`` and iceoryx2 clean
-up after dead processes; so does shmrdv, in two places:
+A worker killed by SIGKILL, SIGTERM or the OOM killer leaves its record, doorbell, pool
+slots, rings and unreceived messages in /dev/shm. Names say their namespace id
+(``naming``), so the directory is the registry: read one way (``DirScan``, a bounded
+number of entries at a time), collected by one set of rules. Only a regular file of ours
+is opened (``_ours``: one ``lstat``); a namespace is alive while one of its presence records
+is locked (``namespace_alive``, asked again just before its files go); a file goes only if
+it is still the one listed and unused (``unlink_if_unused``). They serve ``shmrdv ls`` /
+``gc`` and ``pytest_plugin``'s leak check, a Worker's start and close (``at_start``,
+``at_close``) and a consumer done with a dead producer run (``after_producer``).
 
-* ``sweep()`` runs when a Worker starts (after its presence record is published) and when
-  it closes (after its record is gone). It collects from the namespaces of this user in
-  which no worker is alive, by ``gc``'s rule and with its checks (``registry``): a
-  namespace is dead only while none of its presence records is locked, checked again just
-  before its objects go; only regular files of ours are removed, never through a symlink,
-  only if still the file listed, and only if no process has it open or mapped
-  (``registry.unlink_if_unused``). Records, doorbells, pool slots and half-written
-  segments go at once. Messages and rings may be for a consumer that has not started yet
-  (a producer may send and close first): they wait until ``GRACE_S`` after the newest value
-  still waiting in the namespace was sent (the time its producer wrote in its header, not
-  a file time: tmpfs does not update mtime for writes through a mapping), unless they are
-  addressed to the worker whose close runs the sweep (its own, which it will never take).
-  ``SHMRDV_AUTO_GC=0`` turns sweeps off (to look at what a crashed job left, with
-  ``shmrdv ls``).
-* ``collect_producer()`` is for a consumer that has taken everything a dead producer run
-  sent it: it frees what is left of that run and that nobody will take any more (its free
-  and returned pool slots, half-written segments, its ring to that consumer, and, while
-  its record stays dead, its doorbell and record). Unreceived messages to other consumers
-  are theirs and stay.
+Messages and rings of a dead namespace wait for a late consumer until ``GRACE_S`` after the
+newest value in them was sent (as its producer wrote: tmpfs keeps no mtime for writes
+through a mapping), unless they were the closing worker's. A start, close or collection
+reads at most ``SYNC_ENTRIES`` entries and works about ``SYNC_SECONDS`` itself; the rest is
+left to one background thread per process. ``SHMRDV_AUTO_GC=0`` turns the sweeps off.
 
-A Worker's start and close and a consumer's collection never wait for a flooded
-directory: ``at_start``, ``at_close`` and ``after_producer`` read a bounded number of
-entries and work a bounded time, and leave the rest to the process's background sweeps
-(``sweeper.py``). ``sweep``, ``collect_producer`` and ``collect_earlier_runs`` called
-directly do their whole work (within their own bounds) in the caller.
-
-A live worker's objects are never touched: it holds its presence lock (so its namespace is
-alive), and it has its own files open or mapped (so none of them is unused).
+Thread model (docs/threads.md): any thread may call in; one lock guards the background
+thread's work, counters and handle; no job or directory read runs under it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import errno
 import fcntl
+import itertools
 import json
 import logging
+import math
+import operator
 import os
 import struct
+import threading
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 
+from .._cluster import NAMESPACE_ID_HEX, namespace_ids
 from .._errors import InternalError, InvalidArgumentError, RendezvousError
 from .._keys import DeviceName, parse_key
-from . import layout, sweeper
-from .naming import SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
+from .._transport import Sighting
+from . import layout
+from .naming import KINDS, PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
 from .ownership import is_ours, open_checked
-from .presence import PresenceInfo, probe, read_record
-from .registry import records_alive, unlink_if_same, unlink_if_unused
+from .presence import claim, look
 from .ring import DATA_OFFSET, Ring, describe
 from .segment import peek_header
 
 __all__ = [
     "ENV_VAR",
     "GRACE_S",
-    "MAX_NAMESPACES",
-    "MAX_OBJECTS",
-    "MAX_SECONDS",
-    "Swept",
+    "ObjectInfo",
     "after_producer",
     "at_close",
     "at_start",
-    "collect_earlier_runs",
+    "collect",
     "collect_producer",
-    "enabled",
+    "entries_read",
+    "idle",
+    "list_objects",
+    "object_names",
+    "sightings",
     "sweep",
+    "unlink_if_unused",
 ]
 
 _log = logging.getLogger("shmrdv.shm.reaper")
 
-#: ``SHMRDV_AUTO_GC=0`` turns the sweeps at Worker start and close off.
 ENV_VAR = "SHMRDV_AUTO_GC"
-#: One sweep removes at most this many objects...
-MAX_OBJECTS = 4096
-#: ...spends at most about this long (a Worker's start and close wait for it)...
-MAX_SECONDS = 0.25
-#: ...and looks at most at this many dead namespaces (each costs one more listing).
-MAX_NAMESPACES = 16
-#: Messages and rings of a dead namespace wait this long (seconds since the newest value
-#: still waiting in it was sent) for a consumer that has not started yet: a producer may
-#: send and close before its consumer starts (tests/test_shm_ring.py). Read at each sweep.
+#: A sweep removes at most this many objects, spends about this long when called directly,
+#: and looks at this many dead namespaces at most (another user's names cost none).
+MAX_OBJECTS, MAX_SECONDS, MAX_NAMESPACES = 4096, 0.25, 16
+#: Seconds a dead namespace's values wait for a consumer after the newest was sent (a
+#: producer may send and close before its consumer starts). Read per sweep.
 GRACE_S = 30.0
-# A ring is ~1 MiB (``ring.ring_size``); anything much larger is not read whole.
-_RING_MAX_BYTES = 16 << 20
-# What a consumer that starts later may still take.
+#: A Worker's start or close reads this many directory entries, works this long, at most.
+SYNC_ENTRIES, SYNC_SECONDS = 16384, 0.02
+# The background thread starts this long after it is asked, reads this many entries or runs
+# the jobs this long at a time, each followed by a pause at least this long and as long.
+_FIRST_PAUSE, _SLICE_ENTRIES, _RUN_SECONDS, _SLICE_PAUSE = 0.05, 4096, 0.02, 0.005
+# Names between two looks at the clock; objects a sweep of a dead namespace tries to remove
+# even when out of time; the most of a ring read (one is ~1 MiB).
+_CLOCK_EVERY, _AT_LEAST, _RING_MAX_BYTES = 256, 64, 16 << 20
+# What a late consumer may still take; what a dead producer run leaves that is nobody
+# else's, and its pool slots; what has a segment header.
 _FOR_A_CONSUMER = frozenset({"message", "ring"})
-# Objects a sweep of a dead namespace tries to remove even when out of time.
-_AT_LEAST = 64
-# Names looked at between two looks at the clock.
-_CLOCK_EVERY = 256
-# Kinds a dead producer run may leave that belong to nobody else (messages and held slots
-# are their consumers').
 _PRODUCER_KINDS = frozenset({"pool", "returned", "temp"})
 _SLOT_KINDS = frozenset({"pool", "returned"})
+_SEGMENT_KINDS = frozenset({"temp", "message", "pool", "held", "returned"})
+_KIND_AT = len(PREFIX) + NAMESPACE_ID_HEX + 1  # ``shmrdv_<id>_<kind letter>``
+_CODES = {kind: code for code, kind in KINDS.items()}
+_SEM_NAMES = SEM_PREFIX + PREFIX
+# ``sightings`` looks at this many records at most, of this size at most.
+_MAX_RECORDS, _MAX_RECORD_BYTES = 256, 4096
+_ORDER = operator.attrgetter("namespace", "kind", "name")  # of what ls and gc show
+
+Groups = dict[str, list[str]]  # a listing: namespace id -> the names of that namespace
+#: ``job(groups, deadline)``: work until ``deadline`` (``time.monotonic``); True once done;
+#: called again with the same groups, it goes on where it stopped.
+Job = Callable[[Groups, float], bool]
 
 
-def enabled() -> bool:
-    """Whether sweeps run (``SHMRDV_AUTO_GC`` is not ``0``)."""
-    return os.environ.get(ENV_VAR, "1").strip() != "0"
+class DirScan:
+    """The shmrdv-looking names of ``shm_dir`` by namespace id, a bounded share at a time."""
+
+    def __init__(self, shm_dir: str = SHM_DIR) -> None:
+        self.shm_dir, self.done = shm_dir, False
+        self.groups: Groups = defaultdict(list)
+        self._it: Iterator[os.DirEntry[str]] | None = None
+
+    def read(self, max_entries: float = math.inf, deadline: float = math.inf) -> int:
+        """Read up to ``max_entries`` more entries, fewer if ``deadline`` passes first; how
+        many were read (``done`` tells whether that was the last)."""
+        groups, plain, sem = self.groups, len(PREFIX), len(SEM_PREFIX) + len(PREFIX)
+        n = 0
+        try:
+            if self._it is None and not self.done:
+                self._it = os.scandir(self.shm_dir)
+            while n < max_entries:  # a slice at a time, then a look at the clock
+                size = int(min(_CLOCK_EVERY, max_entries - n))
+                names = [entry.name for entry in itertools.islice(self._it or (), size)]
+                if not names:
+                    break
+                n += len(names)
+                for name in names:
+                    if name.startswith(PREFIX):
+                        groups[name[plain : plain + NAMESPACE_ID_HEX]].append(name)
+                    elif name.startswith(_SEM_NAMES):
+                        groups[name[sem : sem + NAMESPACE_ID_HEX]].append(name)
+                if time.monotonic() > deadline:
+                    return n
+            else:
+                return n
+        except OSError as e:  # no directory (any more): what was read stands
+            _log.debug("listing %s: %s", self.shm_dir, e)
+        self.done = True
+        self.close()
+        return n
+
+    def close(self) -> None:
+        it, self._it = self._it, None
+        if it is not None:
+            it.close()  # type: ignore[attr-defined]  # os.scandir's iterator
 
 
-def at_start(names: Names, task: str, incarnation: int) -> bool:
-    """What a worker's start collects, once its presence record is published: what dead
-    namespaces left (``sweep``), then what earlier runs of its task left
-    (``collect_earlier_runs``); bounded here, the rest in the background (``sweeper``).
-    Returns whether sweeps run for this worker (``enabled``: pass it to ``at_close``).
-    Logs a failure, never raises it (a worker starts whatever was left behind)."""
-    if not enabled():
+def _listing(shm_dir: str) -> Groups:
+    (scan := DirScan(shm_dir)).read()
+    return scan.groups
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry(ObjectName):
+    """A file of ours as listed: its name (a record and its doorbell share ``rest``) and stat."""
+
+    path: str
+    st: os.stat_result
+
+    @property
+    def ino(self) -> tuple[int, int]:
+        return self.st.st_dev, self.st.st_ino
+
+
+def _ours(shm_dir: str, name: str) -> _Entry | None:
+    """``name`` if shmrdv made it and it is a regular file of ours (``is_ours``, by one
+    ``lstat``: another user's file, a symlink, a FIFO is never opened)."""
+    parsed = parse_name(name)
+    if parsed is None:
+        return None
+    path = os.path.join(shm_dir, name)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    if not is_ours(st):
+        return None
+    return _Entry(name, parsed.kind, parsed.namespace, parsed.rest, path, st)
+
+
+def _records(shm_dir: str, group: Iterable[str]) -> Iterator[_Entry]:
+    """The presence records of ours among ``group`` (another name costs a string test)."""
+    for name in group:
+        if name.startswith(_CODES["presence"], _KIND_AT) and (e := _ours(shm_dir, name)):
+            yield e
+
+
+def namespace_alive(group: Iterable[str], shm_dir: str) -> bool:
+    """Whether a worker of the namespace whose names are ``group`` lives: one of its presence
+    records of ours is locked (``presence.look``; one we cannot look at for want of
+    descriptors counts: nothing is collected on a guess)."""
+    for e in _records(shm_dir, group):
+        try:
+            if look(e.path)[0] == "alive":
+                return True
+        except InternalError:  # changed owner or mode since: not ours
+            continue
+        except RendezvousError:  # out of descriptors
+            return True
+    return False
+
+
+def unlink_if_unused(path: str, ino: tuple[int, int], *, mapped_ok: bool = False) -> bool:
+    """Unlink ``path`` if it is still the file ``ino`` (as listed), ours, and no process has it
+    open or mapped (a write lease, ``F_SETLEASE``, is granted only then; dropped at once): a
+    file a live process uses, or a starting worker's record, never goes. ``mapped_ok`` (a
+    dead run's slots and ring, which a consumer may keep mapped) skips that. Whether it
+    went; ``OSError`` when the unlink fails. Never blocks."""
+    try:
+        fd, st = open_checked(path, os.O_RDONLY, "shmrdv object")
+    except FileNotFoundError:
         return False
-    sweeper.use()
+    except RendezvousError as e:  # not ours, leased, no descriptors: leave it
+        _log.debug("leaving %s: %s", path, e)
+        return False
     try:
-        sweeper.run([_Sweep(SHM_DIR), _EarlierRuns(names, task, incarnation, SHM_DIR)])
-    except Exception:  # pragma: no cover - nothing it expects is raised
-        _log.exception("sweep of /dev/shm at the start of %s", task)
-    return True
-
-
-def at_close(names: Names, task: str, sweeping: bool) -> None:
-    """What a worker's close collects, once its presence record is gone: ``sweep()`` with
-    what was sent to it, if its job ends with it; bounded here, the rest in the background
-    while another Worker of this process lives. ``sweeping``: what ``at_start`` returned.
-    Logs a failure, never raises it."""
-    if not sweeping:
-        return
-    try:
-        if enabled():
-            sweeper.run([_Sweep(SHM_DIR, closing=(names, task))])
-    except Exception:  # pragma: no cover - nothing it expects is raised
-        _log.exception("sweep of /dev/shm at the close of %s", task)
+        if (st.st_dev, st.st_ino) != ino:
+            return False  # replaced since the listing (a new worker's file): not ours to take
+        if not mapped_ok:
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: leases are off here
+                    _log.debug("leaving %s: in use, or cannot tell (%s)", path, e)
+                    return False
+            else:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        now = os.stat(path, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) != ino:
+            return False
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
     finally:
-        sweeper.done_using()
+        os.close(fd)
 
 
-def after_producer(names: Names, producer_task: str, incarnation: int, consumer_task: str) -> None:
-    """``collect_producer`` for a consumer done with a producer run that is over: bounded
-    here (a receiving thread may run it), the rest in the background. Never raises."""
+def _unlink(e: _Entry, *, mapped_ok: bool = False) -> int:
     try:
-        sweeper.run([_Producer(names, producer_task, incarnation, consumer_task, SHM_DIR)])
-    except Exception:  # pragma: no cover - nothing it expects is raised
-        _log.exception("collecting what producer %s (%016x) left", producer_task, incarnation)
+        return int(unlink_if_unused(e.path, e.ino, mapped_ok=mapped_ok))
+    except OSError as err:
+        _log.warning("cannot remove %s: %s", e.path, err)
+        return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """One shmrdv object, as ``list_objects`` saw it: ``size`` the memory it holds; ``owner_pid``
+    the worker's (record, doorbell) or producer's (segment header); ``alive`` whether that
+    record's lock is held (records) or a worker of the namespace lives; ``step_id``, ``key``
+    and ``task`` from a header or record. None when unknown (unwritten, corrupt)."""
+
+    kind: str
+    namespace: str  # the namespace id (public), never the token
+    name: str
+    path: str
+    size: int
+    owner_pid: int | None
+    alive: bool | None
+    age_s: float
+    step_id: int | None = None
+    key: str | None = None
+    task: str | None = None
+
+
+def _describe(entries: list[_Entry], alive: bool) -> dict[str, ObjectInfo]:
+    """What ``ls`` shows of one namespace's ``entries``, by path; ``alive``: the namespace's."""
+    now, out, workers = time.time(), {}, {}
+    for e in sorted(entries, key=lambda e: e.kind != "presence"):  # records before doorbells
+        size, age = e.st.st_blocks * 512, max(now - e.st.st_mtime, 0.0)
+        info = ObjectInfo(e.kind, e.namespace, e.entry, e.path, size, None, alive, age)
+        if e.kind == "presence":
+            try:
+                state, said = look(e.path)
+            except RendezvousError as err:  # changed owner or mode since the listing
+                _log.debug("%s", err)
+                state, said = "absent", None
+            live = None if state == "absent" else state == "alive"
+            pid, task = (said.pid, said.task) if said is not None else (None, None)
+            info = workers[e.rest] = dataclasses.replace(info, owner_pid=pid, alive=live, task=task)
+        elif e.kind == "bell" and (worker := workers.get(e.rest)) is not None:
+            info = dataclasses.replace(info, owner_pid=worker.owner_pid, task=worker.task)
+        elif e.kind in _SEGMENT_KINDS and (h := peek_header(e.path)) is not None:
+            info = dataclasses.replace(info, owner_pid=h.producer_pid, step_id=h.step_id, key=h.key)
+        out[e.path] = info
+    return out
+
+
+def _of(namespace: str | None, shm_dir: str) -> Groups:
+    """The listing, of ``namespace`` only if given (a token or an id, ``namespace_ids``)."""
+    ids = None if namespace is None else namespace_ids(namespace)
+    return {ns: names for ns, names in _listing(shm_dir).items() if ids is None or ns in ids}
+
+
+def list_objects(namespace: str | None = None, shm_dir: str = SHM_DIR) -> list[ObjectInfo]:
+    """Every shmrdv object of ours (of ``namespace`` only, if given), sorted by namespace,
+    kind and name. Never blocks."""
+    out: list[ObjectInfo] = []
+    for group in _of(namespace, shm_dir).values():
+        entries = [e for name in group if (e := _ours(shm_dir, name)) is not None]
+        out += _describe(entries, namespace_alive(group, shm_dir)).values()
+    return sorted(out, key=_ORDER)
+
+
+def object_names(shm_dir: str = SHM_DIR) -> set[str]:
+    """The names of the shmrdv objects of ours (one ``lstat`` each): what the leak check
+    compares before and after a test."""
+    return {name for group in _listing(shm_dir).values() for name in group if _ours(shm_dir, name)}
+
+
+def collect(
+    namespace: str | None = None, dry_run: bool = False, shm_dir: str = SHM_DIR
+) -> list[ObjectInfo]:
+    """Remove what the namespaces where no worker is alive left (of ``namespace`` only, if
+    given); what went (``dry_run``: would go). The sweeps' rules without their bounds or
+    a wait for consumers; ``InternalError`` if an object cannot be removed. Never blocks."""
+    (job := _Sweep(shm_dir, by_hand=True, dry_run=dry_run))(_of(namespace, shm_dir), math.inf)
+    return sorted(job.gone, key=_ORDER)
+
+
+def sightings(task: str, namespace: str, *, shm_dir: str = SHM_DIR) -> list[Sighting]:
+    """The presence records of ours naming ``task``, in any namespace (for a diagnosis;
+    ``namespace``: the caller's id). Bounded; never raises for what it finds; never blocks."""
+    out: list[Sighting] = []
+    records = (e for g in _listing(shm_dir).values() for e in _records(shm_dir, g))
+    small = (e for e in records if e.st.st_size <= _MAX_RECORD_BYTES)
+    for e in itertools.islice(small, _MAX_RECORDS):
+        try:
+            state, info = look(e.path)
+        except RendezvousError:
+            continue  # changed owner or mode since the listing, or out of descriptors
+        if info is not None and info.task == task:
+            out.append(Sighting(e.namespace, info.pid, state == "alive", e.namespace == namespace))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Swept:
-    """What one ``sweep`` did: objects removed, the dead namespaces (ids) it collected from,
-    and whether it got through everything (False: a bound stopped it, or values wait for a
-    consumer: a later sweep goes on)."""
+    """What ``sweep`` did: objects removed, dead namespaces collected from, whether complete."""
 
     removed: int
     namespaces: tuple[str, ...]
     complete: bool
 
 
-def _stat_ours(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino) if is_ours(st) else None
-
-
-def sweep(
-    shm_dir: str = SHM_DIR,
-    *,
-    closing: tuple[Names, str] | None = None,
-    max_objects: int = MAX_OBJECTS,
-    max_seconds: float = MAX_SECONDS,
-    max_namespaces: int = MAX_NAMESPACES,
-) -> Swept:
-    """Collect what this user's dead namespaces left (see the module docstring), within the
-    bounds; ``closing`` is ``(names, task)`` of the worker whose close runs it.
-
-    In a namespace where no worker is alive, everything goes at once but messages and rings:
-    those wait for a consumer that has not started yet, up to ``GRACE_S`` after the newest
-    value still waiting in the namespace was sent, unless they are addressed to the closing
-    worker (it will never take them: they were its own). Listing may take half of
-    ``max_seconds``. Never raises for what it finds (an object it cannot remove is left and
-    logged); never blocks.
-    """
-    start = time.monotonic()
-    scan = sweeper.DirScan(shm_dir)
-    scan.read(float("inf"), start + max_seconds / 2)
-    if not scan.done:
-        scan.close()
-        _log.debug("sweep of %s stopped: listing it took more than %.2f s", shm_dir, max_seconds)
-        return Swept(0, (), False)
-    job = _Sweep(shm_dir, closing, max_objects=max_objects, max_namespaces=max_namespaces)
-    done = job(scan.groups, start + max_seconds)
-    return Swept(job.removed, tuple(job.collected), done and not job.waiting)
-
-
 class _Sweep:
-    """``sweep``'s work over one listing (a ``sweeper.Job``): each call goes on where the
-    last one stopped, and is done once every namespace of the listing was looked at (what
-    waits for a consumer, or is in use, is left for a later sweep)."""
+    """What the dead namespaces of a listing left (a ``Job``); ``collect``'s ``by_hand``: no
+    bounds, no value waits for a consumer, what went is kept (``gone``), failures raise."""
 
     def __init__(
         self,
         shm_dir: str,
         closing: tuple[Names, str] | None = None,
         *,
-        max_objects: int = MAX_OBJECTS,
-        max_namespaces: int = MAX_NAMESPACES,
+        bounds: tuple[float, float] = (MAX_OBJECTS, MAX_NAMESPACES),
+        by_hand: bool = False,
+        dry_run: bool = False,
     ) -> None:
-        self._dir = shm_dir
-        self._closing = closing
-        self._max_objects = max_objects
-        self._max_namespaces = max_namespaces
-        self._looked: set[str] = set()  # namespaces done with
-        # By namespace: how far its names were looked at, and its files found so far (a
-        # bound stopped the look); what a bound left to remove.
-        self._looking: dict[str, tuple[int, list[_Listed]]] = {}
-        self._left: dict[str, list[_Listed]] = {}
-        self.removed = 0
+        self._dir, self._closing, self._by_hand, self._dry_run = shm_dir, closing, by_hand, dry_run
+        self._max = (math.inf, math.inf) if by_hand else bounds
+        self._done: set[str] = set()  # namespaces done with
+        # Where a bound stopped: how far a namespace's names were listed, its files not removed.
+        self._stopped: dict[str, tuple[int, list[_Entry]]] = {}
+        self.removed, self.waiting = 0, False  # values were kept for a consumer
         self.collected: list[str] = []
-        self.waiting = False  # values were kept for a consumer
+        self.gone: list[ObjectInfo] = []  # by hand: what went (or would go)
 
-    def __call__(self, groups: sweeper.Groups, deadline: float) -> bool:
-        """One bounded run (``deadline``: ``time.monotonic``); True once done."""
+    def __call__(self, groups: Groups, deadline: float) -> bool:
         start = time.monotonic()
-        # Looking may take half the time; removing gets the rest, and always a few objects:
-        # a sweep of a crowded directory still makes progress.
-        looking_until = start + max(deadline - start, 0.0) / 2
+        # Listing may take half the time; removing gets the rest, and always a few objects.
+        listing_until = start + max(deadline - start, 0.0) / 2
         removed = looked = 0
         for ns, group in groups.items():
-            if ns in self._looked:
+            if ns in self._done:
                 continue
-            if (
-                removed >= self._max_objects
-                or looked >= self._max_namespaces
-                or time.monotonic() > deadline
-            ):
+            if removed >= self._max[0] or looked >= self._max[1] or time.monotonic() > deadline:
                 return False
-            listed = self._left.pop(ns, None)
-            if listed is None:
-                looking = self._looking.pop(ns, None)
-                if looking is None:
-                    if records_alive(ns, group, self._dir):
-                        self._looked.add(ns)
-                        continue
-                    looking = (0, [])
-                looking = self._list(group, looking, looking_until)
-                if looking[0] < len(group):
-                    self._looking[ns] = looking
-                    return False  # out of time while looking: on from there next run
-                listed = looking[1]
+            at, listed = self._stopped.pop(ns, (0, []))
+            if at == 0 and namespace_alive(group, self._dir):
+                self._done.add(ns)
+                continue
+            if at < len(group):
+                at, listed = self._list(group, at, listed, listing_until)
+                if at < len(group):
+                    self._stopped[ns] = (at, listed)
+                    return False  # out of time while listing: on from there next run
                 if not listed:
-                    self._looked.add(ns)
+                    self._done.add(ns)
                     continue  # nothing of ours (another user's names): costs no namespace
-            # Again, now that the files are listed: a worker that published since under a
-            # listed record's name (a task restarted) is seen; a new task's worker has its
-            # files open or mapped, which ``unlink_if_unused`` leaves.
-            if records_alive(ns, group, self._dir):
-                self._looked.add(ns)
+            # Again, now that the files are listed: a restarted task's record is seen; a new
+            # task's worker has its files open or mapped, which ``unlink_if_unused`` leaves.
+            if namespace_alive(group, self._dir):
+                self._done.add(ns)
                 continue
             looked += 1
-            count, left = self._collect(ns, listed, deadline, self._max_objects - removed)
+            count, left = self._collect(ns, listed, deadline, self._max[0] - removed)
             removed += count
             if left:
-                self._left[ns] = left  # a bound stopped it: the rest next run
+                self._stopped[ns] = (len(group), left)  # the rest next run
                 return False
-            self._looked.add(ns)
+            self._done.add(ns)
         return True
 
     def _list(
-        self, group: list[str], looking: tuple[int, list[_Listed]], until: float
-    ) -> tuple[int, list[_Listed]]:
-        """Our files among ``group`` (one ``lstat`` each: another user's name is never
-        opened), from where ``looking`` stopped (an index into ``group``, the files found
-        before it) until ``until`` passes: the same, further on (at least a few names)."""
-        start, listed = looking
-        for i in range(start, len(group)):
-            if i - start >= _CLOCK_EVERY and i % _CLOCK_EVERY == 0 and time.monotonic() > until:
+        self, group: list[str], at: int, listed: list[_Entry], until: float
+    ) -> tuple[int, list[_Entry]]:
+        """Our files among ``group`` from ``at`` on (into ``listed``), until ``until``."""
+        for i in range(at, len(group)):
+            if i - at >= _CLOCK_EVERY and i % _CLOCK_EVERY == 0 and time.monotonic() > until:
                 return i, listed
-            entry = group[i]
-            parsed = parse_name(entry)
-            if parsed is None:
-                continue
-            seen = _stat_listed(parsed, os.path.join(self._dir, entry))
-            if seen is not None:
-                listed.append(seen)
+            if (e := _ours(self._dir, group[i])) is not None:
+                listed.append(e)
         return len(group), listed
 
     def _collect(
-        self, ns: str, listed: list[_Listed], deadline: float, room: int
-    ) -> tuple[int, list[_Listed]]:
-        """Remove what may go of the dead namespace ``ns``'s ``listed`` files, up to
-        ``room`` of them; how many went, and what a bound left (to try next run)."""
-        me = None
-        closing = self._closing
-        if closing is not None and closing[0].namespace_id == ns:
-            me = _task_key(closing[1])
-        # Values still waiting in a dead namespace wait for their consumers until GRACE_S
-        # after the newest of them was sent: a time their producer wrote in them (tmpfs
-        # does not update a file's mtime for writes through a mapping).
-        theirs, keep = _waiting(listed, me, time.time_ns() - int(GRACE_S * 1e9))
+        self, ns: str, listed: list[_Entry], deadline: float, room: float
+    ) -> tuple[int, list[_Entry]]:
+        """Remove what may go of ``listed``, up to ``room``: how many went, what was left."""
+        theirs: set[str] = set()
+        keep, said = False, {}
+        if self._by_hand:
+            said = _describe(listed, False)
+            if self._dry_run:
+                self.gone += said.values()
+                return 0, []
+        else:
+            closing = self._closing
+            me = _task(closing[1]) if closing and closing[0].namespace_id == ns else None
+            theirs, keep = _waiting(listed, me, time.time_ns() - int(GRACE_S * 1e9))
         listed.sort(key=lambda e: e.kind == "presence")  # records last: `ls` shows whose
         count = tried = 0
         for i, e in enumerate(listed):
@@ -311,8 +439,12 @@ class _Sweep:
                 continue
             tried += 1
             try:
-                count += unlink_if_unused(e.path, e.ino)
+                if unlink_if_unused(e.path, e.ino):
+                    count += 1
+                    self.gone += [said[e.path]] if said else []
             except OSError as err:
+                if self._by_hand:
+                    raise InternalError(f"cannot remove {e.path}: {err}") from err
                 _log.warning("cannot remove %s of dead namespace %s: %s", e.path, ns, err)
         self._add(ns, count)
         return count, []
@@ -325,47 +457,31 @@ class _Sweep:
             _log.info("collected %d object(s) left by the dead workers of namespace %s", count, ns)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Listed:
-    kind: str
-    path: str
-    ino: tuple[int, int]
-
-
-def _stat_listed(parsed: ObjectName, path: str) -> _Listed | None:
+def _task(device: object) -> tuple[str, int, int] | None:
     try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return None
-    if not is_ours(st):
-        return None
-    return _Listed(parsed.kind, path, (st.st_dev, st.st_ino))
-
-
-def _task_key(task: str) -> tuple[str, int, int] | None:
-    try:
-        return DeviceName.parse(task).task_key()
+        return DeviceName.parse(str(device)).task_key()
     except InvalidArgumentError:
         return None
 
 
 def _waiting(
-    listed: list[_Listed], me: tuple[str, int, int] | None, since: int
+    listed: list[_Entry], me: tuple[str, int, int] | None, since: int
 ) -> tuple[set[str], bool]:
-    """What the messages and rings among ``listed`` hold for their consumers: the paths of
-    those addressed to the task ``me`` (a message by the key in its header, a ring by the
-    consumer its producer wrote into it), and whether a value of the others still waiting
-    was sent after ``since`` (``time.time_ns()`` as its producer wrote it in the value's
-    header). Without ``me``, it stops at the first such value."""
+    """The messages and rings among ``listed`` addressed to the task ``me`` (by the key in a
+    header, the consumer a ring names), and whether another holds a value sent after
+    ``since`` (``time.time_ns()``, as its producer wrote it). Without ``me``, stops at one."""
     theirs: set[str] = set()
     keep = False
-    sent: int | None
     for e in listed:
         if e.kind == "message":
             header = peek_header(e.path)
             if header is None:
                 continue  # no valid header: nothing a consumer could take
-            dst, sent = _task_of_key(header.key), header.created_ns
+            try:
+                dst = parse_key(header.key).dst.task_key()
+            except InvalidArgumentError:
+                dst = None
+            sent: int | None = header.created_ns
         elif e.kind == "ring":
             dst, sent = _read_ring(e.path)
         else:
@@ -379,19 +495,10 @@ def _waiting(
     return theirs, keep
 
 
-def _task_of_key(key: str) -> tuple[str, int, int] | None:
-    try:
-        return parse_key(key).dst.task_key()
-    except InvalidArgumentError:
-        return None
-
-
 def _read_ring(path: str) -> tuple[tuple[str, int, int] | None, int | None]:
-    """The consumer task a ring was made for (its description, ``Ring.meta``) and when the
-    newest record its consumer has not taken was sent (None each when unknown). The ring is
-    read with ``pread`` into a private buffer, never mapped: a truncation by another
-    process costs nothing, and no mapping of ours keeps the file in use. Its records are
-    read only if some are not taken."""
+    """The consumer task a ring was made for and when the newest record it has not taken was
+    sent (None when unknown). Read with ``pread``, never mapped (a truncation costs nothing,
+    no mapping keeps the file in use), its records only if some are not taken."""
     try:
         fd, st = open_checked(path, os.O_RDONLY, "ring", max_size=_RING_MAX_BYTES)
     except (OSError, RendezvousError):
@@ -403,266 +510,291 @@ def _read_ring(path: str) -> tuple[tuple[str, int, int] | None, int | None]:
         return None, None  # not a ring of ours (a corrupt or truncated file)
     finally:
         os.close(fd)
-    consumer: tuple[str, int, int] | None = None
     try:
-        consumer = DeviceName.parse(str(json.loads(meta)["consumer"])).task_key()
-    except (RendezvousError, ValueError, KeyError, TypeError):
-        pass
-    if data is None:
-        return consumer, None
+        consumer = _task(json.loads(meta)["consumer"])
+    except (ValueError, KeyError, TypeError):
+        consumer = None
     newest: int | None = None
+    if data is None:
+        return consumer, newest
     try:
         ring = Ring(memoryview(data))
-    except RendezvousError:
-        return consumer, None
-    try:
-        for record in ring.take():  # (a private copy: taking changes nothing)
-            sent = layout.created_ns(record)
-            if sent is not None and (newest is None or sent > newest):
-                newest = sent
+        try:
+            for record in ring.take():  # (a private copy: taking changes nothing)
+                sent = layout.created_ns(record)
+                if sent is not None and (newest is None or sent > newest):
+                    newest = sent
+        finally:
+            ring.release()
     except (RendezvousError, IndexError, struct.error):
         pass  # a corrupt ring: what was read before the fault
-    finally:
-        ring.release()
     return consumer, newest
 
 
-def collect_producer(
-    names: Names,
-    producer_task: str,
-    incarnation: int,
-    consumer_task: str,
-    shm_dir: str = SHM_DIR,
-    *,
-    max_objects: int = MAX_OBJECTS,
-) -> int:
-    """Free what is left of the dead run ``incarnation`` of ``producer_task``; return how
-    many objects went.
-
-    For a consumer (``consumer_task``) that has taken everything that run sent it: removes
-    the run's free and ``returned`` pool slots and its half-written segments (told by the
-    incarnation in their header, and for slots by their name), its ring to
-    ``consumer_task`` if every record in it is taken, and, if its presence record is still that run's and
-    dead, its doorbell and then the record (under the record's lock, so a successor that
-    publishes meanwhile waits a moment and its doorbell is never taken). Messages not
-    received and ``held`` slots belong to their consumers and stay. Does nothing while the
-    run is alive. Every removal is ``registry.unlink_if_unused``: nothing open or mapped by
-    any process goes. Lists ``shm_dir`` whole, here. Never blocks; never raises for what it
-    finds.
-    """
-    job = _Producer(names, producer_task, incarnation, consumer_task, shm_dir, max_objects)
-    _run_here(job, shm_dir)
-    return job.removed
-
-
-def collect_earlier_runs(
-    names: Names,
-    task: str,
-    incarnation: int,
-    shm_dir: str = SHM_DIR,
-    *,
-    max_objects: int = MAX_OBJECTS,
-) -> int:
-    """At the start of run ``incarnation`` of ``task`` (its presence record published and
-    locked: no other run of the task lives), free the pool slots that earlier runs of the
-    task left (free or ``returned``; told by their name, which only that task and run
-    make). A restarted producer thus takes back what its killed predecessor held, while its
-    job goes on; messages, held slots and rings stay for their consumers. Returns how many
-    went. Lists ``shm_dir`` whole, here. Never blocks; never raises for what it finds."""
-    job = _EarlierRuns(names, task, incarnation, shm_dir, max_objects)
-    _run_here(job, shm_dir)
-    return job.removed
-
-
-def _run_here(job: sweeper.Job, shm_dir: str) -> None:
-    """``job`` over a whole listing of ``shm_dir``, in the caller, within its own bound."""
-    scan = sweeper.DirScan(shm_dir)
-    scan.read(float("inf"), float("inf"))
-    job(scan.groups, time.monotonic() + MAX_SECONDS)
-
-
 class _Slots:
-    """Unused pool slots (free, ``returned``) of ``task``'s run ``run`` (or of every run but
-    ``but``), and, for ``run``, its half-written segments: told by the producer incarnation
-    in their header, and a slot by its name too (only that task and run make it). A
-    ``sweeper.Job``: each call goes on where the last one stopped."""
+    """A ``Job``: the unused pool slots (free, ``returned``) and half-written segments of
+    ``task``'s run ``run``, or the slots of its runs but ``but`` (a restarted producer takes
+    back what its killed runs held); by the run in their header, a slot by its name too."""
 
-    def __init__(
-        self,
-        names: Names,
-        task: str,
-        shm_dir: str,
-        max_objects: int,
-        *,
-        run: int | None = None,
-        but: int | None = None,
-    ) -> None:
-        self._names, self._task, self._dir = names, task, shm_dir
-        self._max_objects = max_objects
-        self._run, self._but = run, but
-        self._next = 0  # where in the namespace's names the last call stopped
-        self.removed = 0
+    def __init__(self, names: Names, task: str, run: int | None, but: int | None = None) -> None:
+        self._names, self._task, self._run, self._but = names, task, run, but
+        self._dir, self._next, self.removed = SHM_DIR, 0, 0  # _next: where the last call stopped
 
-    def __call__(self, groups: sweeper.Groups, deadline: float) -> bool:
-        names = self._names
+    def __call__(self, groups: Groups, deadline: float) -> bool:
+        names, run, but = self._names, self._run, self._but
         entries = groups.get(names.namespace_id, [])
-        kinds = _PRODUCER_KINDS if self._run is not None else _SLOT_KINDS
-        run, but = self._run, self._but
-        while self._next < len(entries):
-            if self.removed >= self._max_objects:
-                return True  # the bound of this collection: the rest is for later ones
+        codes = {_CODES[kind] for kind in (_PRODUCER_KINDS if run is not None else _SLOT_KINDS)}
+        before = self.removed
+        while self._next < len(entries) and self.removed < MAX_OBJECTS:
             if time.monotonic() > deadline:
                 return False
-            entry = entries[self._next]
+            name = entries[self._next]
             self._next += 1
-            parsed = parse_name(entry)
-            if parsed is None or parsed.kind not in kinds:
+            if name[_KIND_AT : _KIND_AT + 1] not in codes or (e := _ours(self._dir, name)) is None:
                 continue
-            path = os.path.join(self._dir, entry)
-            header = peek_header(path)
-            if header is None:
+            if (header := peek_header(e.path)) is None:
                 continue
             inc = header.producer_incarnation
             if (run is not None and inc != run) or (but is not None and inc == but) or not inc:
                 continue
-            if parsed.kind in _SLOT_KINDS and not _is_slot_of(
-                names, parsed.kind, self._task, inc, header.slot, entry
-            ):
+            if e.kind in _SLOT_KINDS and not _is_slot_of(names, e, self._task, inc, header.slot):
                 continue  # another producer's slot, or a name that is no slot of that run
-            ino = _stat_ours(path)
-            if ino is not None:
-                # A slot of a dead run may still be kept mapped by a consumer for reuse: its
-                # names go anyway (the mapping follows, slotmaps.py). A temp must be unused.
-                self.removed += _unlink(path, ino, mapped_ok=parsed.kind in _SLOT_KINDS)
+            # A slot of a dead run may still be kept mapped by a consumer for reuse: its
+            # names go anyway (the mapping follows, slotmaps.py). A temp must be unused.
+            self.removed += _unlink(e, mapped_ok=e.kind in _SLOT_KINDS)
+        if but is not None and self.removed > before:
+            _log.info("collected %d pool slot(s) of earlier runs", self.removed - before)
         return True
 
 
-class _EarlierRuns(_Slots):
-    """``collect_earlier_runs`` as a ``sweeper.Job``."""
-
-    def __init__(
-        self,
-        names: Names,
-        task: str,
-        incarnation: int,
-        shm_dir: str,
-        max_objects: int = MAX_OBJECTS,
-    ) -> None:
-        super().__init__(names, task, shm_dir, max_objects, but=incarnation)
-
-    def __call__(self, groups: sweeper.Groups, deadline: float) -> bool:
-        before = self.removed
-        done = super().__call__(groups, deadline)
-        if self.removed > before:
-            _log.info(
-                "collected %d pool slot(s) of earlier runs of %s", self.removed - before, self._task
-            )
-        return done
+def _is_slot_of(names: Names, e: _Entry, task: str, inc: int, ticket: int) -> bool:
+    """Whether ``e`` is a name of ``task``'s run ``inc`` for the slot whose header says
+    ``ticket`` (its last lend): ``returned`` under it, ``pool`` under it or the next one."""
+    if ticket < 0:
+        return False
+    if e.kind == "returned":
+        return names.returned(task, inc, ticket) == e.entry
+    nxt = ticket + (1 << SLOT_BITS)
+    return e.entry in (names.pool(task, inc, ticket), names.pool(task, inc, nxt))
 
 
 class _Producer(_Slots):
-    """``collect_producer`` as a ``sweeper.Job``: the run's slots and half-written
-    segments from the listing, then (once) its ring, doorbell and record by their names."""
+    """``collect_producer`` as a ``Job``: the run's slots and segments, then its ring, record."""
 
-    def __init__(
-        self,
-        names: Names,
-        producer_task: str,
-        incarnation: int,
-        consumer_task: str,
-        shm_dir: str,
-        max_objects: int = MAX_OBJECTS,
-    ) -> None:
-        super().__init__(names, producer_task, shm_dir, max_objects, run=incarnation)
-        self._inc = incarnation
-        self._consumer = consumer_task
-        self._state: tuple[str, PresenceInfo | None] | None = None  # its record's, at first
+    def __init__(self, names: Names, task: str, run: int, consumer: str, shm_dir: str) -> None:
+        super().__init__(names, task, run)
+        self._inc, self._consumer, self._dir = run, consumer, shm_dir
+        self._record = os.path.join(shm_dir, names.presence(task))
+        self._dead: bool | None = None  # its record's state at first: that run's and dead
 
-    def __call__(self, groups: sweeper.Groups, deadline: float) -> bool:
+    def __call__(self, groups: Groups, deadline: float) -> bool:
         names, task, inc = self._names, self._task, self._inc
-        record = os.path.join(self._dir, names.presence(task))
-        if self._state is None:
+        if self._dead is None:
             try:
-                state, info = probe(record)
-            except InternalError as e:
+                state, info = look(self._record)
+            except RendezvousError as e:
                 _log.debug("not collecting %s: %s", task, e)
                 return True
-            self._state = (state, info)
             if state == "alive" and (info is None or info.incarnation == inc):
                 return True  # that run lives (or a corrupt record hides which): nothing left
+            self._dead = state == "dead" and info is not None and info.incarnation == inc
         before = self.removed
         if not super().__call__(groups, deadline):
             return False
-        dead, info = self._state[0] == "dead", self._state[1]
-        ring = os.path.join(self._dir, names.ring(task, inc, self._consumer))
-        ino = _stat_ours(ring)
-        if ino is not None and _read_ring(ring)[1] is None:
+        ring = _ours(self._dir, names.ring(task, inc, self._consumer))
+        if ring is not None and _read_ring(ring.path)[1] is None:
             # Every record taken: the ring goes, also while its consumer still maps it.
-            self.removed += _unlink(ring, ino, mapped_ok=True)
-        if dead and info is not None and info.incarnation == inc:
-            self.removed += _remove_dead_worker(names, task, inc, record, self._dir)
+            self.removed += _unlink(ring, mapped_ok=True)
+        if self._dead:
+            self.removed += self._remove_record()
         if self.removed > before:
-            _log.info(
-                "collected %d object(s) left by dead producer %s (incarnation %016x)",
-                self.removed - before,
-                task,
-                inc,
-            )
+            _log.info("collected %d object(s) of dead producer %s", self.removed - before, task)
         return True
 
-
-def _is_slot_of(names: Names, kind: str, task: str, inc: int, ticket: int, entry: str) -> bool:
-    """Whether ``entry`` is a ``pool``/``returned`` name of ``task``'s run ``inc`` for the
-    slot whose header says ``ticket`` (its last lend, ``naming.SLOT_BITS``): ``returned``
-    under that ticket; ``pool`` under it (never lent) or under the next one (taken back)."""
-    if ticket < 0:
-        return False
-    if kind == "returned":
-        return names.returned(task, inc, ticket) == entry
-    nxt = ticket + (1 << SLOT_BITS)
-    return entry in (names.pool(task, inc, ticket), names.pool(task, inc, nxt))
-
-
-def _unlink(path: str, ino: tuple[int, int], *, mapped_ok: bool = False) -> int:
-    try:
-        return int(unlink_if_same(path, ino) if mapped_ok else unlink_if_unused(path, ino))
-    except OSError as e:
-        _log.warning("cannot remove %s: %s", path, e)
-        return 0
+    def _remove_record(self) -> int:
+        """The doorbell and record, under the record's claim (``presence.claim``: a live
+        owner's lock refuses it, a successor's publish waits for it) if still that run's."""
+        try:
+            with claim(self._record) as dead:
+                if dead.state != "dead" or dead.info is None or dead.info.incarnation != self._inc:
+                    return 0  # a successor replaced it since (and may have died too)
+                bell = _ours(self._dir, SEM_PREFIX + self._names.bell(self._task)[1:])
+                return (0 if bell is None else _unlink(bell)) + dead.remove()
+        except (OSError, RendezvousError):
+            return 0
 
 
-def _remove_dead_worker(
-    names: Names, task: str, incarnation: int, record: str, shm_dir: str
+def sweep(
+    shm_dir: str = SHM_DIR,
+    *,
+    closing: tuple[Names, str] | None = None,
+    max_objects: int = MAX_OBJECTS,
+    max_seconds: float = MAX_SECONDS,
+    max_namespaces: int = MAX_NAMESPACES,
+) -> Swept:
+    """Collect what this user's dead namespaces left, here, within the bounds (listing may
+    take half of ``max_seconds``); ``closing`` is ``(names, task)`` of the worker whose close
+    runs it. Never raises for what it finds (what cannot go is logged); never blocks."""
+    start = time.monotonic()
+    scan = DirScan(shm_dir)
+    scan.read(math.inf, start + max_seconds / 2)
+    if not scan.done:
+        scan.close()
+        return Swept(0, (), False)
+    job = _Sweep(shm_dir, closing, bounds=(max_objects, max_namespaces))
+    done = job(scan.groups, start + max_seconds)
+    return Swept(job.removed, tuple(job.collected), done and not job.waiting)
+
+
+def collect_producer(
+    names: Names, producer: str, incarnation: int, consumer: str, shm_dir: str = SHM_DIR
 ) -> int:
-    """The doorbell and presence record of ``task``, if the record is still dead: under the
-    record's exclusive lock, which a live owner holds and a successor's publish takes."""
-    try:
-        fd, st = open_checked(record, os.O_RDONLY, "presence record")
-    except (OSError, InternalError):
-        return 0
-    try:
+    """Free what the dead run ``incarnation`` of ``producer`` left, for a ``consumer`` that
+    took all it sent: its unused slots, half-written segments, its ring to ``consumer`` if
+    all taken, and its doorbell and record if still that run's and dead (messages and held
+    slots are their consumers'). Nothing while it lives. How many went. Never blocks."""
+    job = _Producer(names, producer, incarnation, consumer, shm_dir)
+    job(_listing(shm_dir), time.monotonic() + MAX_SECONDS)
+    return job.removed
+
+
+class _Background:
+    """The process's background sweeps: the work left (jobs, with the listing begun if
+    any) and the thread that does it, while a Worker of the process uses sweeps (``use``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.read = {"sync": 0, "background": 0}
+        self.pid, self.users = os.getpid(), 0
+        self.thread: threading.Thread | None = None
+        self.work: tuple[DirScan | None, list[Job]] | None = None
+        self.stop = threading.Event()  # set while the last Worker stops the thread
+
+    def _after_fork(self) -> None:
+        """(Under the lock) a fork child has no thread of its parent's, nor its users."""
+        if self.pid != os.getpid():
+            self.pid, self.users, self.thread, self.work = os.getpid(), 0, None, None
+            self.stop = threading.Event()
+
+    def use(self, n: int) -> None:
+        """A Worker starts (1) or ends (-1) using sweeps: the last one stops the thread."""
+        with self.lock:
+            self._after_fork()
+            self.users += n
+            thread = self.thread if self.users <= 0 else None
+            if thread is not None:
+                self.stop.set()
+        if thread is not None:
+            thread.join()
+            self.stop.clear()
+
+    def submit(self, scan: DirScan | None, jobs: list[Job]) -> None:
+        """Leave ``jobs`` to the thread (to work not started yet, which lists after this)."""
+        with self.lock:
+            self._after_fork()
+            if self.users > 0 and not self.stop.is_set():
+                if self.work is not None:
+                    self.work[1].extend(jobs)
+                else:
+                    self.work, scan = (scan, jobs), None
+                    if self.thread is None:
+                        self.thread = threading.Thread(
+                            target=self._loop, name="shmrdv-sweeper", daemon=True
+                        )
+                        self.thread.start()
+        if scan is not None:
+            scan.close()
+
+    def _loop(self) -> None:
+        self.stop.wait(_FIRST_PAUSE)
+        while True:
+            with self.lock:
+                work, self.work = self.work, None
+                if work is None or self.stop.is_set():
+                    self.thread = None
+                    if work is not None and work[0] is not None:
+                        work[0].close()
+                    return
+            try:
+                self._do(work[0] or DirScan(), work[1])
+            except Exception:  # pragma: no cover - jobs never raise for what they find
+                _log.exception("background sweep of /dev/shm")
+
+    def _do(self, scan: DirScan, jobs: list[Job]) -> None:
+        """Read the listing, then run the jobs, a slice at a time, each followed by a pause
+        at least as long: sweeps take at most half of what the process could run."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return 0  # alive again, or being replaced
-        # Still the run we were asked about? (A successor may have replaced the record since
-        # and died too.) Holding the lock, nobody else holds one: that run is dead.
-        try:
-            info = read_record(fd, record)
-        except (OSError, InternalError):
-            return 0
-        if info.incarnation != incarnation:
-            return 0
-        removed = 0
-        bell = os.path.join(shm_dir, SEM_PREFIX + names.bell(task)[1:])
-        ino = _stat_ours(bell)
-        if ino is not None:
-            removed += _unlink(bell, ino)
-        with contextlib.suppress(OSError):
-            now = os.stat(record, follow_symlinks=False)
-            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                os.unlink(record)
-                removed += 1
-        return removed
-    finally:
-        os.close(fd)
+            while not scan.done and not self.stop.is_set():
+                t0 = time.monotonic()
+                self.count("background", scan.read(_SLICE_ENTRIES, t0 + _RUN_SECONDS))
+                self.stop.wait(max(_SLICE_PAUSE, time.monotonic() - t0))
+        finally:
+            scan.close()
+        while jobs and scan.done and not self.stop.is_set():
+            t0 = time.monotonic()
+            jobs = [job for job in jobs if not job(scan.groups, t0 + _RUN_SECONDS)]
+            if jobs:
+                self.stop.wait(max(_SLICE_PAUSE, time.monotonic() - t0))
+
+    def count(self, where: str, n: int) -> None:
+        with self.lock:
+            self.read[where] += n
+
+
+_BACKGROUND = _Background()
+
+
+def _run(what: str, jobs: list[Job]) -> None:
+    """Run ``jobs`` over a listing of /dev/shm within ``SYNC_ENTRIES`` entries read and about
+    ``SYNC_SECONDS`` spent here, the rest in the background. Logs a failure, never raises."""
+    try:
+        start = time.monotonic()
+        scan = DirScan(SHM_DIR)
+        _BACKGROUND.count("sync", scan.read(SYNC_ENTRIES, start + SYNC_SECONDS))
+        if not scan.done:
+            _BACKGROUND.submit(scan, jobs)
+            return
+        deadline = max(time.monotonic(), start + SYNC_SECONDS / 2) + SYNC_SECONDS / 2
+        left = [job for job in jobs if not job(scan.groups, deadline)]
+        if left:  # a bound stopped them: the background lists again (the directory changes)
+            _BACKGROUND.submit(None, left)
+    except Exception:  # pragma: no cover - nothing it expects is raised
+        _log.exception("sweep of /dev/shm %s", what)
+
+
+def at_start(names: Names, task: str, incarnation: int) -> bool:
+    """A worker's start, once its record is published: what dead namespaces and earlier runs
+    of its task left. Whether sweeps run for this worker (``SHMRDV_AUTO_GC``; for ``at_close``)."""
+    if os.environ.get(ENV_VAR, "1").strip() == "0":
+        return False
+    _BACKGROUND.use(1)
+    _run(f"at the start of {task}", [_Sweep(SHM_DIR), _Slots(names, task, None, incarnation)])
+    return True
+
+
+def at_close(names: Names, task: str, sweeping: bool) -> None:
+    """A worker's close, once its record is gone (``sweeping``: what ``at_start`` returned):
+    ``sweep``, with what was sent to it; the last Worker stops the background thread."""
+    if sweeping:
+        if os.environ.get(ENV_VAR, "1").strip() != "0":
+            _run(f"at the close of {task}", [_Sweep(SHM_DIR, closing=(names, task))])
+        _BACKGROUND.use(-1)
+
+
+def after_producer(names: Names, producer: str, incarnation: int, consumer: str) -> None:
+    """``collect_producer``, bounded here, for a consumer done with a producer run."""
+    _run(f"after {producer}", [_Producer(names, producer, incarnation, consumer, SHM_DIR)])
+
+
+def entries_read() -> dict[str, int]:
+    """Directory entries this process's sweeps read: ``sync`` itself, ``background``."""
+    with _BACKGROUND.lock:
+        return dict(_BACKGROUND.read)
+
+
+def idle(timeout: float) -> bool:
+    """Wait up to ``timeout`` s for the background thread to be done; whether it is (tests)."""
+    deadline = time.monotonic() + timeout
+    while (thread := _BACKGROUND.thread) is not None and time.monotonic() < deadline:
+        thread.join(max(0.0, min(deadline - time.monotonic(), 0.05)))
+    return _BACKGROUND.thread is None
