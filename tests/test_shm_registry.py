@@ -14,7 +14,8 @@ import pytest
 from helpers import PresenceChild
 
 import shmrdv
-from shmrdv._shm import layout, registry
+from shmrdv._shm import header as layout
+from shmrdv._shm import registry
 from shmrdv._shm.bell import Bell
 from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.presence import Presence, PresenceInfo, boot_id

@@ -244,8 +244,8 @@ def test_ring_meta_names_its_ends(ns: str) -> None:
         (ring_name,) = [
             e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{shmrdv.namespace_id(ns)}_q")
         ]
+        from shmrdv._shm.files import Segment
         from shmrdv._shm.naming import Names
-        from shmrdv._shm.segment import Segment
 
         seg = Segment.attach(Names(ns), ring_name)
         ring = Ring(memoryview(seg.buf))

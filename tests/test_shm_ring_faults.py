@@ -14,7 +14,7 @@ from shm_harness import Endpoint, key_between
 from small_shm import run_with_small_dev_shm
 
 import shmrdv
-from shmrdv._shm import layout
+from shmrdv._shm import header as layout
 from shmrdv._shm.naming import Names
 from shmrdv._shm.ring import RINGS_SUPPORTED, Ring
 
@@ -58,7 +58,7 @@ def _write_record(
     prod: Endpoint, step: int, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]
 ) -> None:
     """Append a record by hand into the producer's ring (as a buggy producer would)."""
-    from shmrdv._shm.segment import Segment
+    from shmrdv._shm.files import Segment
 
     seg = Segment.attach(prod.names, prod.names.ring(prod.task, prod.incarnation, C))
     try:
@@ -162,7 +162,7 @@ def test_ring_record_of_a_known_key_corrupted_is_refused(at: int, raw: bytes, ma
     k = key_between(P, C, "known")
     a = np.arange(16, dtype=np.float32)
     with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
-        from shmrdv._shm.segment import Segment
+        from shmrdv._shm.files import Segment
 
         prod.send(1, k, a)  # message 0: the consumer knows its header from now on
         # (the ring by its name before the consumer attaches it, which unlinks the name)

@@ -7,7 +7,7 @@ after publishing a message. A post is a hint, never a lock and never the data: t
 Semaphores are only ever created with ``O_CREX``: ``O_CREAT`` silently opens an existing
 semaphore, another user's included, whose owner could then swallow our wake-ups
 (research/pitfalls.md §4, §7). Before trusting a bell it did not create, a producer checks
-the owner, mode and type of its file ``/dev/shm/sem.<name>`` (``ownership.open_checked``:
+the owner, mode and type of its file ``/dev/shm/sem.<name>`` (``files.open_checked``:
 never blocks, even on a planted file under a lease), because glibc's ``sem_open`` itself
 opens without ``O_NONBLOCK``.
 
@@ -32,7 +32,7 @@ import posix_ipc
 
 from .._errors import InternalError, ResourceExhaustedError
 from .._rendezvous import Closing
-from .ownership import open_checked
+from .files import open_checked
 
 if TYPE_CHECKING:
     from .naming import Names

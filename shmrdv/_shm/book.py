@@ -35,10 +35,10 @@ from .._channels import WaiterTable
 from .._errors import InternalError
 from .._keys import DeviceName, ParsedKey
 from .._rendezvous import DoneCallback, Received, received
+from .files import Segment
 from .pool import RunWatch
 from .producer import task_name
 from .ring import Ring
-from .segment import Segment
 
 __all__ = ["Book", "Channel", "InRing", "Notice", "NoticeArray", "Source", "Stash", "Waiter"]
 

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .ownership import OPEN_FLAGS, is_ours
+from .files import OPEN_FLAGS, is_ours
 
 __all__ = ["PARALLEL_MIN", "TAIL", "budget_path", "copy_into", "helpers", "machine_budget"]
 

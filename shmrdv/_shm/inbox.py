@@ -30,39 +30,29 @@ import numpy as np
 from .._errors import InternalError, RendezvousError
 from .._rendezvous import Received, received
 from .._transport import TransportContext
-from . import layout
+from . import header
 from .book import Book, Channel, InRing, Notice, Source, Stash, Stashed
 from .delivery import Item
+from .files import Segment
 from .naming import Names
 from .ring import RINGS_SUPPORTED, Ring
-from .segment import Segment
 
-__all__ = ["Inbox", "unlink_quietly"]
+__all__ = ["Inbox"]
 
 _log = logging.getLogger("shmrdv.shm")
 
 # How often a consumer looks for a producer's ring that is not there yet.
 _RING_LOOK_S = 0.02
-_FLAG_NOTICE = layout.FLAG_NOTICE
+_FLAG_NOTICE = header.FLAG_NOTICE
 # ``np.ndarray``, without a module attribute lookup per record drained: a view of a
 # record's data (then copied).
 _ndarray = np.ndarray
-# A live record of a known key (``layout.HeaderCache.live``), checked in the drain's loop.
-_MIN_HEADER = layout.MIN_HEADER
-_HEADER_LEN_AT = layout.HEADER_LEN_AT
 # A file's size: ``_file_size(fd, 0, _SEEK_END)`` (a ring's, before it is read: SIGBUS).
 _file_size = os.lseek
 _SEEK_END = os.SEEK_END
 
 #: ``(producer task, step, key, incarnation, seq, slot)``: free a late notice's segment.
 FreeNamed = Callable[[str, int, str, int, int, int], None]
-
-
-def unlink_quietly(seg: Segment) -> None:
-    try:
-        seg.unlink()
-    except RendezvousError as e:
-        _log.warning("%s", e)
 
 
 class Inbox:
@@ -82,12 +72,10 @@ class Inbox:
         self._book = book
         self._free_named = free_named
         self._retry_s = retry_s
-        self._headers = layout.HeaderCache()
+        self._headers = header.Reader()
         # What every drain uses, looked up once (the book's tables are never rebound).
         self._drain_state = (
-            self._headers.record,
-            self._headers.live.get,
-            self._headers.live_readers.get,
+            self._headers.read,
             book,
             book.channels,
             book.stash,
@@ -163,7 +151,7 @@ class Inbox:
         except (RendezvousError, ValueError, KeyError, TypeError) as e:
             seg.close()
             raise InternalError(f"refusing ring {name}: {e}") from e
-        unlink_quietly(seg)
+        seg.unlink_quietly()
         src = self._book.source_named(owner[0])
         if not src.inc:
             src.inc = owner[1]
@@ -307,8 +295,8 @@ class Inbox:
             r.lost = ring.lost  # (``spans`` reads it first)
         if not spans:
             return
-        header, live, live_reader, book, channels, stashes, firsts = self._drain_state
-        src, inc, buf, words = r.src, r.inc, r.buf, r.words
+        read, book, channels, stashes, firsts = self._drain_state
+        src, inc, buf = r.src, r.inc, r.buf
         waiters = book.waiters
         has_waiters = waiters.has  # (``ch in waiters`` without a Python call)
         touched = book.touched  # (rebound as it is served)
@@ -323,51 +311,25 @@ class Inbox:
             at = -1
             try:
                 for at, end in spans:  # each record is ``buf[at:end]``
-                    # A live record of a key seen before: checked here, as ``record`` would
-                    # (``HeaderCache.live``: one read of the header, one lookup of the bytes
-                    # that do not change, one compare; the slot and the record's length),
-                    # then one copy out of the ring (its bytes are overwritten later),
-                    # stashed bare: its ``Received`` is made when it is taken (``Stashed``).
-                    n = end - at
-                    fast = False
-                    if n >= _MIN_HEADER:
-                        size = words[(at + _HEADER_LEN_AT) >> 2]
-                        read = live_reader(size) if size <= n else None
-                        if read is not None:
-                            head, step, seq, slot, rest = read(buf, at)
-                            known_live = live(rest)
-                            if known_live is not None:
-                                want, data_end, shape, dtype, offset, key = known_live
-                                fast = want == head and slot >= -1 and data_end <= n
-                    if fast:
-                        value = _ndarray(shape, dtype, buf, at + offset).copy()
+                    try:
+                        flags, dtype, shape, offset, nbytes, step, seq, _, _, slot, _, key = read(
+                            buf, at, end
+                        )
+                    except RendezvousError as e:
+                        refused = self._refused(src, buf[at:end], e)
+                        if refused is None:
+                            continue
+                        step, seq, key, value = refused
                         notice = False
                     else:
-                        try:
-                            # ``unpack_fields`` (or the cache of its verdicts) applies
-                            # ``shape_problem``.
-                            flags, dtype, shape, count, offset, step, seq, slot, key = header(
-                                buf, at, end
-                            )
-                        except RendezvousError as e:
-                            refused = self._refused(src, buf[at:end], e)
-                            if refused is None:
-                                continue
-                            step, seq, key, value = refused
-                            notice = False
+                        notice = flags & _FLAG_NOTICE != 0
+                        if notice:
+                            value = Notice(slot, (dtype, shape, offset, nbytes, bool(flags & 1)))
+                        elif nbytes:
+                            arr: Any = _ndarray(shape, dtype, buf, at + offset).copy()
+                            value = received(arr, True) if flags & 1 else arr
                         else:
-                            notice = flags & _FLAG_NOTICE != 0
-                            if notice:
-                                # (``count * itemsize``: the checked nbytes, 0 for 0-byte items)
-                                nbytes = count * dtype.itemsize
-                                value = Notice(
-                                    slot, (dtype, shape, offset, nbytes, bool(flags & 1))
-                                )
-                            elif count:  # a dead value, or one of a header new to the cache
-                                arr: Any = _ndarray(shape, dtype, buf, at + offset).copy()
-                                value = received(arr, True) if flags & 1 else arr
-                            else:
-                                value = received(np.empty(shape, dtype), bool(flags & 1))
+                            value = received(np.empty(shape, dtype), bool(flags & 1))
                     if step != last_step:
                         last_step, stash, first = step, None, None
                         dropped = self._cleaned_up(step)
@@ -434,7 +396,7 @@ class Inbox:
         """(step, seq, key, the error for its receiver) of a record refused with ``e``, or
         None when the record does not even say whose it is."""
         self.refused_records += 1
-        who = layout.unpack_identity(payload)
+        who = header.unpack_identity(payload)
         _log.warning("refusing a record of the ring from %s: %s", src.task, e)
         if who is None:
             return None

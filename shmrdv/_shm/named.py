@@ -34,12 +34,11 @@ import numpy.typing as npt
 from .._errors import InternalError, RendezvousError
 from .._rendezvous import Received
 from .._values import shape_problem
-from . import layout
+from . import header as layout_header
 from .book import Book, Channel, Notice, NoticeArray
-from .inbox import unlink_quietly
+from .files import Segment, move_noreplace
 from .naming import MAX_TICKET, SLOT_BITS, Names
 from .pool import CONTROL, ProducerAlive, RunWatch, hold, return_slot
-from .segment import Segment, move_noreplace
 from .slotmaps import SlotIdent, SlotMaps
 
 __all__ = ["NamedMessages"]
@@ -94,7 +93,7 @@ class NamedMessages:
         last = self._last_lend.get(ch.key)
         if last is None:
             return
-        task, inc, ticket, dtype, shape, offset, nbytes = last
+        task, inc, ticket, *_ = last
         seq = ch.seq
         if inc != ch.inc or task != ch.src.task:
             return
@@ -116,9 +115,6 @@ class NamedMessages:
                 ahead[at] = names.message(*at)
             if nxt[2] <= MAX_TICKET and nxt not in slots:
                 slots[nxt] = (names.held(*nxt), Names.path(names.returned(*nxt)))
-            seg = self.maps.peek(task, inc, nxt[2])
-            if seg is not None:
-                seg.prepare_lend(dtype, shape, offset, nbytes)
         except (RendezvousError, ValueError, TypeError):
             pass  # out of range, or closed: done when needed (and refused there if so)
 
@@ -167,7 +163,7 @@ class NamedMessages:
         # Taken now: a stashed notice of it is stale.
         self._book.drop_stashed(ch)
         try:
-            header = layout.unpack(seg.buf, seg.size)
+            header = layout_header.unpack(seg.buf, seg.size)
             if header.key != ch.key or header.seq != ch.seq or header.step_id != ch.step:
                 raise InternalError(
                     f"segment {name} holds key {header.key!r} step {header.step_id} "
@@ -179,7 +175,7 @@ class NamedMessages:
             # The data's end within the file's size (its fstat of a moment ago, in the
             # checked open) is ``unpack``'s check; ``lend`` / ``ndarray`` check it again.
         except RendezvousError as e:
-            unlink_quietly(seg)
+            seg.unlink_quietly()
             if kept:
                 maps.forget(ident)
             else:
@@ -208,8 +204,8 @@ class NamedMessages:
                 ):
                     hold(mem, self._inc)  # the checked open's fstat saw the file whole
         if held is None:
-            unlink_quietly(seg)
-            arr = seg.ndarray(header)
+            seg.unlink_quietly()
+            arr = seg.view(header.dtype, header.shape, header.data_offset, header.nbytes)
             if kept:
                 maps.forget(ident)
             else:
@@ -273,7 +269,7 @@ class NamedMessages:
             e = InternalError(
                 f"pool slot {name} of {seg.size} bytes cannot hold {nbytes} bytes at {offset}"
             )
-            unlink_quietly(seg)
+            seg.unlink_quietly()
             self.maps.forget(ident)
             return e
         arr = self._lend(

@@ -19,11 +19,11 @@ import os
 from .._errors import RendezvousError
 from .._keys import parse_key
 from .._transport import TransportContext
+from .files import peek_header
 from .listing import Listing
 from .naming import Names, parse_name
 from .pool import ProducerAlive, give_back
 from .producer import task_name
-from .segment import peek_header
 
 __all__ = ["Orphans"]
 

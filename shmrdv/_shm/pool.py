@@ -75,8 +75,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .._errors import InternalError, ResourceExhaustedError
+from .files import Segment, move_noreplace
 from .naming import MAX_SLOT, SLOT_BITS, Names
-from .segment import Segment, move_noreplace
 
 __all__ = [
     "CONTROL",

@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import InternalError
-from .ownership import open_checked, refuse_foreign
+from .files import open_checked, refuse_foreign
 
 if TYPE_CHECKING:
     from .naming import Names

@@ -23,7 +23,6 @@ ring); ``_lock`` guards the allocation table and the routes' doorbell caches
 from __future__ import annotations
 
 import os
-import struct
 import threading
 import time
 import weakref
@@ -37,14 +36,14 @@ import numpy.typing as npt
 from .._errors import InternalError, InvalidArgumentError, closed_error
 from .._keys import DeviceName, ParsedKey
 from .._window import counted_bytes
-from . import layout
+from . import header as layout
 from .copier import copy_into
+from .files import Segment, move_noreplace
 from .inflight import Inflight, Ticket
 from .naming import Names
 from .pool import ProducerAlive, Slot, SlotPool
 from .ring import RINGS_SUPPORTED
 from .route import SEEK_END, EarlyPost, Route, file_size
-from .segment import Segment, move_noreplace
 
 __all__ = ["RING_LIMIT", "Producer", "inline_max", "task_name"]
 
@@ -97,16 +96,12 @@ class _KeyOut:
     __slots__ = (
         "dtype",
         "fk",
-        "head",
-        "header",
         "inline",
-        "pack",
         "payload",
         "raw",
         "route",
         "sent",
         "shape",
-        "tail",
         "template",
     )
 
@@ -117,10 +112,7 @@ class _KeyOut:
         self.template = t
         self.dtype = t.dtype
         self.shape = t.shape
-        self.header = t.keyed(raw)
         self.inline = inline
-        self.head, self.tail = t.live_parts(raw)
-        self.pack = t.pack_live
         self.payload = t.data_offset + t.nbytes
         self.sent = 0
 
@@ -283,7 +275,7 @@ class Producer:
             out = self._key_out(key, value)
         if out.inline and self._send_inline(step_id, out, value, 0, None):
             return
-        self._send_copy(step_id, key, out.raw, value, out.template, out.route, 0, None, out.header)
+        self._send_copy(step_id, key, out.raw, value, out.template, out.route, 0, None)
 
     def _send_checked(
         self,
@@ -326,9 +318,7 @@ class Producer:
         flags = 1 if is_dead else 0
         if out.inline and self._send_inline(step_id, out, value, flags, ticket):
             return
-        self._send_copy(
-            step_id, key, out.raw, value, out.template, out.route, flags, ticket, out.header
-        )
+        self._send_copy(step_id, key, out.raw, value, out.template, out.route, flags, ticket)
 
     def _key_out(self, key: ParsedKey, value: npt.NDArray[Any]) -> _KeyOut:
         """The ``_KeyOut`` of ``key`` for arrays like ``value`` (made, or remade for a new
@@ -397,31 +387,10 @@ class Producer:
                 seqs = self._seqs[step_id] = {}
             fk = out.fk
             seq = seqs.get(fk, 0)
-            if flags:
-                t = out.template
-                buf = route.ring_buf
-                t.write_keyed(
-                    buf, at, out.header, flags, step_id, seq, self._inc, self._pid, -1, _time_ns()
-                )
-                at += t.data_offset
-                buf[at : at + len(data)] = data
-            else:
-                try:
-                    out.pack(
-                        route.ring_buf,
-                        at,
-                        out.head,
-                        step_id,
-                        seq,
-                        self._inc,
-                        self._pid,
-                        -1,
-                        _time_ns(),
-                        out.tail,
-                        data,
-                    )
-                except struct.error as e:
-                    raise layout.stamp_error(e, step_id, seq, -1) from e
+            out.template.write(
+                route.ring_buf, at, out.raw, flags, step_id, seq, self._inc, self._pid, -1,
+                _time_ns(), data,
+            )  # fmt: skip
             end = ring.commit()
             seqs[fk] = seq + 1
             out.sent += 1
@@ -452,10 +421,8 @@ class Producer:
         route: Route,
         flags: int,
         ticket: Ticket | None,
-        header: bytes | None = None,
     ) -> None:
-        """Copy ``value`` into a pool slot (or a one-off segment) and publish it (``header``:
-        ``t.keyed(raw)``, if the caller keeps it)."""
+        """Copy ``value`` into a pool slot (or a one-off segment) and publish it."""
         slot, seg = self._segment_for(t.segment_size)
         try:
             if t.nbytes:
@@ -468,7 +435,7 @@ class Producer:
             else:
                 early = EarlyPost(None)
             name, posted = self._publish(
-                step_id, key, raw, t, seg, _slot_index(slot), route, flags, header, early.posted
+                step_id, key, raw, t, seg, _slot_index(slot), route, flags, early.posted
             )
             if ticket is not None:
                 ticket.segment(name)
@@ -516,16 +483,14 @@ class Producer:
         out = self._outs.get(key.full_key)
         if out is None or out.template is not t:
             out = self._key_out(key, value)
-        raw, route, header = out.raw, out.route, out.header
-        if out.template is not t:
-            header = t.keyed(raw)  # the template cache was cleared meanwhile
+        raw, route = out.raw, out.route
         flags = 1 if is_dead else 0
         if alloc.segment is None:
             # A small one: inline through the ring, else (ring full) a segment of its own.
             try:
                 small = out if out.template is t else _KeyOut(key.full_key, raw, route, t, True)
                 if not self._send_inline(step_id, small, value, flags, ticket):
-                    self._send_copy(step_id, key, raw, value, t, route, flags, ticket, header)
+                    self._send_copy(step_id, key, raw, value, t, route, flags, ticket)
                 elif small is not out:  # counted by a ``_KeyOut`` no table keeps
                     with self._publish_lock:
                         self._fold((small,))
@@ -536,7 +501,7 @@ class Producer:
             return
         try:
             name, posted = self._publish(
-                step_id, key, raw, t, alloc.segment, _slot_index(alloc.slot), route, flags, header
+                step_id, key, raw, t, alloc.segment, _slot_index(alloc.slot), route, flags
             )
             if ticket is not None:
                 ticket.segment(name)
@@ -562,7 +527,6 @@ class Producer:
         slot: int,
         route: Route,
         flags: int,
-        header: bytes | None = None,
         posted: bool = False,
     ) -> tuple[str, bool]:
         """Give the message its sequence number and its name, atomically; return the name
@@ -585,8 +549,6 @@ class Producer:
         refuses the file, or reads the earlier run's message).
         """
         fk = key.full_key
-        if header is None:
-            header = t.keyed(raw)
         post = None if posted else route.post
         if post is not None:
             try:
@@ -597,7 +559,7 @@ class Producer:
         with self._publish_lock:
             seq = self._next_seq(step_id, fk)
             now = time.time_ns()
-            t.write_keyed(seg.buf, 0, header, flags, step_id, seq, self._inc, self._pid, slot, now)
+            t.write(seg.buf, 0, raw, flags, step_id, seq, self._inc, self._pid, slot, now)
             ahead = self._names_ahead.get(fk)
             if ahead is not None and ahead[0] == step_id and ahead[1] == seq:
                 name = ahead[2]
@@ -623,18 +585,10 @@ class Producer:
                     self.counters["ring_full"] += 1
                     ring.count_lost()
                 else:
-                    t.write_keyed(
-                        ring.buf,
-                        at,
-                        header,
-                        flags | layout.FLAG_NOTICE,
-                        step_id,
-                        seq,
-                        self._inc,
-                        self._pid,
-                        slot,
-                        now,
-                    )
+                    t.write(
+                        ring.buf, at, raw, flags | layout.FLAG_NOTICE, step_id, seq,
+                        self._inc, self._pid, slot, now,
+                    )  # fmt: skip
                     ring.commit()
         self._name_ahead(step_id, fk, seq + 1)
         return name, posted

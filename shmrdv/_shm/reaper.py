@@ -43,12 +43,11 @@ from collections import defaultdict
 from .._cluster import NAMESPACE_ID_HEX
 from .._errors import InternalError, InvalidArgumentError, RendezvousError
 from .._keys import DeviceName, parse_key
+from .files import is_ours, open_checked, peek_header
 from .naming import PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
-from .ownership import is_ours, open_checked
 from .presence import probe, read_record
 from .registry import namespace_alive, records_alive, unlink_if_same, unlink_if_unused
 from .ring import Ring
-from .segment import peek_header
 
 __all__ = [
     "ENV_VAR",

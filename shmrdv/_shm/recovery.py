@@ -21,13 +21,12 @@ from .._errors import InternalError, RendezvousError
 from .._keys import parse_key
 from .._transport import TransportContext
 from .book import Book, Channel, Notice, Source
+from .files import is_ours, peek_header
 from .inbox import Inbox
 from .listing import Listing
 from .naming import Names
-from .ownership import is_ours
 from .producer import task_name
 from .ring import RINGS_SUPPORTED
-from .segment import peek_header
 
 __all__ = ["Recovery"]
 

@@ -28,10 +28,9 @@ from collections.abc import Iterable
 
 from .._cluster import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
+from .files import is_ours, open_checked, peek_header
 from .naming import KINDS, PREFIX, SHM_DIR, ObjectName, check_namespace, parse_name
-from .ownership import is_ours, open_checked
 from .presence import probe
-from .segment import peek_header
 
 __all__ = [
     "ObjectInfo",

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 
 from .._errors import InternalError, RendezvousError
 from .bell import Bell
+from .files import Segment, move_noreplace
 from .naming import Names
 from .ring import RINGS_SUPPORTED, Ring, ring_size
-from .segment import Segment, move_noreplace
 
 if TYPE_CHECKING:
     import posix_ipc
@@ -132,7 +132,7 @@ class Route:
         if ring is not None and seg is not None:
             # (Checked first: a truncated ring's words may be gone.)
             if _intact(seg) and not ring.pending():
-                _unlink_quietly(seg)
+                seg.unlink_quietly()
             ring.release()
             seg.close()
 
@@ -244,7 +244,7 @@ def _make_ring(
     except (OSError, RendezvousError) as e:
         _log.warning("no ring to %s (%s); segments only, found by name", task, e)
         if seg is not None:
-            _unlink_quietly(seg)
+            seg.unlink_quietly()
             seg.close()
         return None
     return seg, ring
@@ -268,10 +268,3 @@ def _intact(seg: Segment) -> bool:
     except InternalError:
         return False
     return True
-
-
-def _unlink_quietly(seg: Segment) -> None:
-    try:
-        seg.unlink()
-    except RendezvousError as e:
-        _log.warning("%s", e)

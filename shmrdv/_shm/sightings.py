@@ -21,8 +21,8 @@ import stat
 
 from .._errors import RendezvousError
 from .._transport import Sighting
+from .files import is_ours
 from .naming import SHM_DIR, parse_name
-from .ownership import is_ours
 from .presence import probe
 
 __all__ = ["sightings"]

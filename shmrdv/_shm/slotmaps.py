@@ -32,9 +32,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from .files import Segment, open_checked
 from .naming import SLOT_BITS, Names
-from .ownership import open_checked
-from .segment import Segment
 
 __all__ = ["SlotIdent", "SlotMaps"]
 
