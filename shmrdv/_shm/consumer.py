@@ -1,57 +1,195 @@
-"""The receiving half of the same-host transport: the coordinator of its parts.
+"""The receiving half of the same-host transport: one channel table, fed by the rings.
 
-Each (step, key) is a channel with the next sequence number it expects (``book.py``). A
-receive takes that message (``take.py``) from the channel's stash, where the rings put what
-arrived (``inbox.py``), or opens it by its name (``named.py``) when its producer has no
-ring (not x86-64, or it could not make one); else it queues a waiter. The scan, run by whoever
-polls the doorbell (``dispatcher.py``), drains the rings (a value for a channel's oldest
-waiter goes to it as it is drained) and serves the channels they brought something else
-for; once per tick it also checks the producers that have waiters
-(``liveness.py``) and looks for messages a ring cannot show (``recovery.py``: a full ring
-lost records, a producer gone). A lost doorbell post costs at most one tick (``TICK``),
-never a message. ``cleanup_step`` frees what nobody received (``orphans.py``); the ring
-of a producer run that is over is drained a last time and unmapped, and what that run
-left goes (``reaper.collect_producer``, after the lock).
+Each (step, key) is a ``Channel``, the key of one ``WaiterTable`` (``_channels.py``): its
+values not taken yet, or its waiting receives, oldest first. Every message a producer sends
+leaves a record in the ring that producer keeps for this consumer (``ring.py``): the value
+itself when small, else a notice "message (step, key, seq) is the segment of its name".
+Draining a ring hands each record to its channel's oldest waiter, or queues it; a receive
+takes the oldest value, or waits. A message in a segment is taken by ``_open``, the one way
+there is, whether a notice announced it or its name is all there is.
 
-Thread model (docs/threads.md): every public method takes ``lock`` itself (callers never
-hold it); none blocks on a peer or calls a ``done`` callback under it: they return what to
-deliver (``delivery.py``), which the caller delivers outside the lock, except
-``start_recv``, which delivers a value that is there itself, once the lock is released.
+Names are the truth; rings are how the consumer hears of them. What no ring record shows is
+found by name (``recovery.py``): a gap in a channel's sequence numbers (its producer's ring
+was full) by the names of the missing messages, at once; the waiting channels of a producer
+without a ring by the name of their next message, per doorbell post; the rest by a listing.
+A lost doorbell post costs at most one tick (``TICK``), never a message.
+
+Thread model (docs/threads.md): every method takes ``lock`` itself (callers never hold it),
+and none blocks on a peer or calls back under it: they return the deliveries to make after
+it (``deliver``), except ``start_recv``, which delivers a value already there itself once
+the lock is released. File operations under the lock never block (``files.open_checked``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from .._errors import closed_error
-from .._keys import ParsedKey
-from .._rendezvous import Canceller, DoneCallback, Received, invoke_done
+import numpy as np
+
+from .._channels import MISSING, WaiterTable
+from .._errors import InternalError, RendezvousError, closed_error
+from .._keys import DeviceName, ParsedKey
+from .._peers import canonical_task
+from .._rendezvous import Canceller, DoneCallback, Received, invoke_done, received
 from .._transport import TransportContext
+from .._values import shape_problem
 from . import reaper
-from .book import Book, Channel, InRing, Notice, Source, Stashed, Waiter
-from .delivery import Item, deliver_one
-from .inbox import Inbox
-from .liveness import Liveness
-from .named import NamedMessages
+from .files import Segment, move_noreplace
+from .header import FLAG_DEAD, FLAG_NOTICE, Reader, unpack_identity
 from .naming import Names
-from .orphans import Orphans
+from .pool import CONTROL, RunWatch, give_back, hold, return_slot
 from .recovery import Recovery
-from .take import Taker
+from .ring import RINGS_SUPPORTED, Ring
+from .slotmaps import SlotMaps
 
-__all__ = ["TICK", "Consumer"]
+if TYPE_CHECKING:
+    from .liveness import Liveness
+
+__all__ = ["TICK", "Channel", "Consumer", "InRing", "Item", "Notice", "Source", "deliver"]
 
 _log = logging.getLogger("shmrdv.shm")
 
-# Liveness and fallback period while receives are pending: bounds the cost of a lost
-# doorbell post and the time to notice a dead producer (the issue asks for < 1 s).
+#: Liveness and fallback period while receives wait: bounds what a lost doorbell post costs
+#: and the time to notice a dead producer (< 1 s).
 TICK = 0.2
-# Above this many waiting channels of a ringless producer, one listdir of /dev/shm is
-# cheaper than one open() attempt per channel.
+# How often a consumer looks for a producer's ring that is not there yet.
+_RING_LOOK_S = 0.02
+# Above this many waiting channels of a producer without a ring, one listing of /dev/shm
+# is cheaper than one open per channel.
 _LISTDIR_ABOVE = 64
 _INF = float("inf")
+_ndarray = np.ndarray
+
+#: A delivery to make outside the lock: ``done``, whether to copy, the value or the error.
+Item = tuple[DoneCallback, bool, Received | BaseException]
+
+
+class Notice:
+    """A queued message that is the segment of its name: message ``seq`` of producer run
+    ``inc``, in pool slot ``slot`` (or -1), its array as its ring record said (dtype, shape,
+    data offset, nbytes, is_dead), or None when found by listing."""
+
+    __slots__ = ("array", "inc", "seq", "slot")
+
+    def __init__(self, seq: int, inc: int, slot: int, array: tuple[Any, ...] | None = None) -> None:
+        self.seq, self.inc, self.slot, self.array = seq, inc, slot, array
+
+
+#: What a channel queues: a value that came inline, a notice, or an error to deliver as one.
+Queued = Received | Notice | BaseException
+#: A message to free: producer task, step, key, incarnation, seq, slot.
+Orphan = tuple[str, int, str, int, int, int]
+#: What is found under the lock to do after it: deliveries, producer runs over, orphans.
+_Work = tuple[list[Item], list[tuple[str, int]], list[Orphan]]
+
+
+class Channel:
+    """One (step, key): the key of its values and waiters in the table (hashes by identity)
+    and the sequence number of its next message not in the table yet, of producer run
+    ``inc`` (0: not known yet)."""
+
+    __slots__ = ("inc", "key", "pk", "seen_alive", "seq", "src", "step")
+
+    #: ``liveness.py`` asks it: a channel it looks at has waiters, hence nothing queued.
+    nready = 0
+
+    def __init__(self, step: int, key: str, src: Source, inc: int) -> None:
+        self.step, self.key, self.src, self.inc = step, key, src, inc
+        self.seq = 0
+        self.pk: ParsedKey | None = None  # set by its first receive
+        self.seen_alive = False
+
+
+class Waiter:
+    """One queued receive. A blocked receiver polls the doorbell itself (``Transport.wait``);
+    only callback waiters (``blocking`` False) need the dispatcher thread."""
+
+    __slots__ = ("blocking", "channel", "copy", "done")
+
+    def __init__(self, done: DoneCallback, copy: bool, channel: Channel, blocking: bool) -> None:
+        self.done, self.copy, self.channel, self.blocking = done, copy, channel, blocking
+
+
+class InRing:
+    """A producer run's ring for this consumer, attached (its name already unlinked).
+    ``watch`` is live while it is attached: this consumer will collect what the run leaves
+    once it is over (``pool.RunWatch``)."""
+
+    __slots__ = ("fd", "inc", "lost", "lost_seen", "ring", "segment", "size", "src", "watch")
+
+    def __init__(self, segment: Segment, ring: Ring, src: Source, inc: int) -> None:
+        self.segment, self.ring, self.src, self.inc = segment, ring, src, inc
+        # Its size is checked before each drain: one ``lseek`` of the kept descriptor.
+        self.fd, self.size = segment.fd, segment.size
+        self.watch = RunWatch()
+        self.lost = self.lost_seen = 0  # records its producer could not append, recovered
+
+    def release(self) -> None:
+        self.watch.live = False
+        self.fd = -1
+        self.ring.release()
+        self.segment.close()
+
+
+class Source:
+    """One producer task, as this consumer sees it (``liveness.py`` reads and sets the
+    liveness fields: ``alive_at``, ``inc``, ``restarted``, ``look_at``, ``was_alive``)."""
+
+    __slots__ = (
+        "alive_at",
+        "broken",
+        "dev",
+        "inc",
+        "look_at",
+        "restarted",
+        "ring_incs",
+        "rings",
+        "task",
+        "tried",
+        "unseen",
+        "waiting",
+        "was_alive",
+    )
+
+    def __init__(self, task: str, dev: DeviceName) -> None:
+        self.task, self.dev = task, dev
+        self.inc = 0  # of its live worker, or of the last one seen
+        self.rings: list[InRing] = []
+        self.ring_incs: set[int] = set()  # incarnations whose ring is attached
+        self.tried: set[int] = set()  # earlier incarnations whose ring was looked for
+        self.look_at = 0.0  # when to look for its ring again
+        self.alive_at = -1.0  # when it was last seen alive (with incarnation ``inc``)
+        self.waiting: dict[Channel, None] = {}  # its channels with waiters (ordered set)
+        self.unseen: list[Channel] = []  # waiting channels not yet marked seen_alive
+        self.was_alive = False
+        self.restarted = False
+        self.broken: InternalError | None = None  # why its ring was failed, told once
+
+    def ringless(self, inc: int) -> bool:
+        """Whether run ``inc``'s messages can only be found by name (no ring attached)."""
+        return (inc or self.inc) not in self.ring_incs
+
+    def lost(self) -> bool:
+        """Whether one of its rings lost records not recovered yet (as of the last drain)."""
+        return any(r.lost != r.lost_seen for r in self.rings)
+
+
+def deliver(done: DoneCallback, copy: bool, result: Received | BaseException) -> None:
+    """Call ``done`` with ``result`` (a private copy of the value if ``copy``) through
+    ``invoke_done``: outside every lock; what it raises is logged."""
+    if type(result) is Received:
+        if copy:
+            result = Received(np.array(result.value, copy=True), result.is_dead)
+        invoke_done(done, None, result)
+    else:
+        invoke_done(done, result, None)  # type: ignore[arg-type]  # an error
 
 
 def _already_done() -> bool:
@@ -65,49 +203,110 @@ class Consumer:
     def __init__(
         self, ctx: TransportContext, names: Names, on_callback_waiter: Callable[[], None]
     ) -> None:
+        self._ctx = ctx
         self._task = ctx.task_name
+        self._inc = ctx.incarnation  # noted in the slots this consumer holds
+        self._names = names
         self._wake_dispatcher = on_callback_waiter
         self.lock = threading.Lock()
         self._closed = False
         self._aborted: dict[int, BaseException] = {}
-        #: Whether ``check_open`` may raise (closed, or a step aborted): a look at this
-        #: flag spares the call on the hot path.
-        self.refusing = False
-        self._book = book = Book()
-        self._waiters = book.waiters
-        self._live = Liveness(ctx, TICK)
-        self._named = NamedMessages(names, book, self._live.producer_alive, ctx.incarnation)
-        self._inbox = Inbox(ctx, names, book, self._free_named, TICK)
-        self._recovery = Recovery(ctx, names, book, self._inbox, TICK)
-        self._orphans = Orphans(ctx, names, self._recovery.listing, self._live.producer_alive)
-        #: ``Taker.take``: the channel's next message, if it is there.
-        self._take = Taker(book, self._inbox, self._recovery, self._named).take
-        #: A lock-free look at the rings' heads (what the dispatcher's spin calls).
-        self.arrived = self._inbox.arrived
-        #: A lock-free size check of the rings (before a spin reads their heads).
-        self.rings_intact = self._inbox.intact
-        #: Number of queued callback (non-blocking) waiters: the dispatcher runs while > 0.
+        self._table: WaiterTable[Channel, Queued, Waiter] = WaiterTable()
+        self._steps: dict[int, dict[str, Channel]] = {}
+        self.srcs: dict[str, Source] = {}  # by task
+        self._src_by_device: dict[str, Source] = {}  # by a key's src device, as written
+        self._rings: list[InRing] = []
+        self._reader = Reader()
+        from .liveness import Liveness  # (which reads this module's Channel and Source)
+
+        self._live: Liveness = Liveness(ctx, TICK)
+        self._maps = SlotMaps(names)
+        self._recovery = Recovery(ctx, names, self)
+        #: ``held`` names of pool slots whose arrays this consumer still has (the arrays'
+        #: callbacks discard theirs): ``release`` unlinks what is left.
+        self.held: set[str] = set()
+        #: Queued callback (non-blocking) waiters: the dispatcher thread polls while > 0.
         self.callback_waiters = 0
         self._tick_at = 0.0
-        self._sweep_at = 0.0
-        self._scans = 0
-        self._names = names
-        # (producer task, incarnation) of runs that are over and whose ring this consumer
-        # drained and unmapped: what they left goes, outside the lock (``scan``).
+        # What is found under the lock to do after it: deliveries; producer runs that are
+        # over, to collect; messages of steps cleaned up already, to free.
+        self._out: list[Item] = []
         self._over: list[tuple[str, int]] = []
+        self._late: list[Orphan] = []
+        self.received = self.received_bytes = self.probes = self.refused = self.scans = 0
+        self._records = 0  # ring records drained
+        self._unexplained = False  # a post brought no record: a ring this consumer lacks
 
-    def _free_named(self, src: str, step: int, key: str, inc: int, seq: int, slot: int) -> None:
-        self._orphans.free_named(src, step, key, inc, seq, slot)
+    # -- what the parts share ---------------------------------------------------------
+
+    def source(self, task: str) -> Source:
+        """The producer ``task`` (canonical name), known from now on."""
+        src = self.srcs.get(task)
+        if src is None:
+            src = self.srcs[task] = Source(task, DeviceName.parse(task))
+        return src
+
+    def channel(self, step: int, key: str, src: Source, inc: int) -> Channel:
+        """The channel of (step, key), made if new (of ``src``'s run ``inc``)."""
+        chans = self._steps.get(step)
+        if chans is None:
+            chans = self._steps[step] = {}
+        ch = chans.get(key)
+        if ch is None:
+            ch = chans[key] = Channel(step, key, src, inc)
+        return ch
+
+    def find(self, step: int, key: str) -> Channel | None:
+        """The channel of (step, key) if there is one."""
+        chans = self._steps.get(step)
+        return chans.get(key) if chans is not None else None
+
+    def queued(self, ch: Channel) -> int:
+        """How many values ``ch`` has queued."""
+        return self._table.values_of(ch)
+
+    def queue(self, ch: Channel, value: Queued) -> None:
+        """Hand ``value`` (the channel's next message) to its oldest waiter, or queue it."""
+        if type(value) is Notice and ch in ch.src.waiting:
+            value = self._open_notice(ch, value)
+        waiter = self._table.put(ch, value)
+        if waiter is not None:
+            self._out.append(self._served(waiter, value))
+
+    def _work(self) -> _Work | None:
+        """(Under the lock) what was found to do after it, if anything, taken."""
+        if not (self._out or self._over or self._late):
+            return None
+        work = self._out, self._over, self._late
+        self._out, self._over, self._late = [], [], []
+        return work
+
+    def _after(self, work: _Work | None) -> None:
+        """Do what was found under the lock (released now): collect what producer runs
+        that are over left, free messages of steps cleaned up already, deliver."""
+        if work is None:
+            return
+        out, over, late = work
+        for task, inc in over:
+            try:
+                reaper.collect_producer(self._names, task, inc, self._task)
+            except Exception:  # pragma: no cover - it never raises for what it finds
+                _log.exception("collecting what producer %s (%016x) left", task, inc)
+        for args in late:
+            self.free(*args)
+        # One at a time, nothing kept: a mapped array the receiver drops goes back at once.
+        out.reverse()
+        while out:
+            deliver(*out.pop())
 
     # -- receives ---------------------------------------------------------------------
 
     def check_open(self, step: int) -> None:
         if self._closed:
             raise closed_error(self._task)
-        if self._aborted:
-            err = self._aborted.get(step)
-            if err is not None:
-                raise err
+        err = self._aborted.get(step)
+        if err is not None:
+            raise err
 
     def start_recv(
         self,
@@ -118,130 +317,64 @@ class Consumer:
         copy: bool = False,
         blocking: bool = False,
     ) -> Canceller:
-        """``Transport.start_recv``: take the next value now, or queue a waiter (the
-        canceller removes it). A value that is there is delivered here, after the lock
-        (``deliver_one``; a blocking receive's ``done`` is its slot's, which never raises,
-        and is called directly)."""
-        book = self._book
-        got: Stashed | None = None
+        """``Transport.start_recv``: take the next value now (delivered here, after the
+        lock), or queue a waiter (the canceller removes it)."""
         result: Received | BaseException | None = None
-        waiter = None
         first = False
-        lock = self.lock
-        lock.acquire()
-        try:
+        with self.lock:
             if self._closed or self._aborted:
                 self.check_open(step_id)
-            full = key.full_key
-            chans = book.channels.get(step_id)
-            known = chans.get(full) if chans is not None else None
-            if known is None:
-                ch = book.channel(step_id, full, book.source(key), key.src_incarnation)
-            elif type(known) is InRing:
-                # An idle channel (``book.py``): its message 0 is taken here if it is a
-                # value for this receive, with no ``Channel`` made (the ring stays in its
-                # place: the channel now expects message 1); else it gets its channel.
-                pinned = key.src_incarnation
-                if known.src.broken is None and (not pinned or pinned == known.inc):
-                    firsts = book.first[step_id]
-                    got = firsts.pop(full, None)
-                    if type(got) is Notice:  # opened by its name (``_first_look``)
-                        firsts[full] = got
-                        got = None
-                    if got is not None:
-                        result = book.taken(got)
-                ch = None
-                if result is None:
-                    ch = book.promote(step_id, full, known)
-            else:
-                ch = known  # type: ignore[assignment]  # not an InRing: a Channel
-            if ch is not None:
-                if ch.pk is None:
-                    ch.pk = key
-                    if key.src_incarnation:
-                        ch.inc = key.src_incarnation
-                src = ch.src
-                # ``src.waiting`` holds exactly the channels with waiters (a dict: no call).
-                waiting = ch in src.waiting
-                if ch.nready and not waiting and src.broken is None and ch.inc:
-                    # The fast path: a ring brought this very message already (no ring to
-                    # look for, nothing to drain first: what follows it stays in its ring).
-                    # Written out here: the hot path of a receive whose value is there.
-                    stash = book.stash.get(step_id)
-                    got = stash.pop((ch.key, ch.inc, ch.seq), None) if stash is not None else None
-                    if type(got) is Notice:  # opened by its name, with a lookup (``_first_look``)
-                        stash[(ch.key, ch.inc, ch.seq)] = got  # type: ignore[index]  # not None
-                        got = None
-                    if got is not None:
-                        if not stash:
-                            del book.stash[step_id]
-                        ch.nready -= 1
-                        ch.seq += 1
-                        result = book.taken(got)
-                if result is None:
-                    if not waiting:
-                        # Whether ``_first_look`` would find nothing: no ring to look for,
-                        # this producer's ring attached and nothing lost (``lost_records``
-                        # written out), nothing stashed, the producer seen alive.
-                        quiet = (
-                            ch.seen_alive
-                            and not ch.nready
-                            and src.look_at == _INF
-                            and src.broken is None
-                            and (ch.inc or src.inc) in src.ring_incs
-                        )
-                        if quiet:
-                            for r in src.rings:
-                                if r.lost != r.lost_seen:
-                                    quiet = False
-                                    break
-                        if not quiet:
-                            result = self._first_look(ch, src)
-                    if result is None:
-                        waiter = Waiter(done, copy, ch, blocking)
-                        if self._waiters.wait(ch, waiter):
-                            src.waiting[ch] = None
-                        if ch.seen_alive:
-                            src.was_alive = True
-                        else:
-                            src.unseen.append(ch)
-                        if not blocking:
-                            self.callback_waiters += 1
-                            first = self.callback_waiters == 1
-                        self._named.ahead(ch)  # idle time: what its next message needs
-        finally:
-            lock.release()
-        if waiter is not None:
-            if first:
-                self._wake_dispatcher()  # it sleeps while no callback receive is pending
-            return lambda: self.cancel(waiter)
-        del got
-        if type(result) is Received and not copy:
-            if blocking:
-                done(None, result)
-            else:
-                invoke_done(done, None, result)
-        else:
-            deliver_one(done, copy, result)  # type: ignore[arg-type]  # not None here
-        return _already_done
+            chans = self._steps.get(step_id)
+            ch = chans.get(key.full_key) if chans is not None else None
+            if ch is None:
+                src = self._src_by_device.get(key.src_device)
+                if src is None:
+                    src = self._src_by_device[key.src_device] = self.source(
+                        str(canonical_task(key.src))
+                    )
+                ch = self.channel(step_id, key.full_key, src, key.src_incarnation)
+            if ch.pk is None:
+                ch.pk = key
+                if key.src_incarnation:
+                    ch.inc = key.src_incarnation
+            src = ch.src
+            if ch not in src.waiting:
+                got = self._table.take(ch)
+                result = self._first_look(ch, src) if got is MISSING else self._taken(ch, got)
+            if result is None:
+                waiter = Waiter(done, copy, ch, blocking)
+                if self._table.wait(ch, waiter):
+                    src.waiting[ch] = None
+                if ch.seen_alive:
+                    src.was_alive = True
+                else:
+                    src.unseen.append(ch)
+                if not blocking:
+                    self.callback_waiters += 1
+                    first = self.callback_waiters == 1
+            work = self._work()
+        if work is not None:
+            self._after(work)
+        if result is not None:
+            deliver(done, copy, result)
+            return _already_done
+        if first:
+            self._wake_dispatcher()  # it sleeps while no callback receive is pending
+        return lambda: self.cancel(waiter)
 
     def _first_look(self, ch: Channel, src: Source) -> Received | BaseException | None:
-        """What a receive that would be its channel's first waiter finds before it waits."""
-        inbox = self._inbox
-        look_at = src.look_at  # (infinite once its ring is attached: no clock read then)
-        if look_at != _INF and look_at <= time.monotonic():
-            inbox.look_for_ring(src)
+        """What a receive that would be its channel's first waiter finds before it waits:
+        its producer's ring if it is due for a look (attached and drained), its message by
+        name where no ring shows it, the error of a failed ring, and whether its producer
+        lives (so that its death is noticed before the first tick) or was restarted."""
+        if src.look_at != _INF:
+            self._look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
-            inbox.look_for_old_ring(src, ch.inc)
-        # Rings are drained by whoever polls (``scan``), right after checking their size
-        # (reading a truncated ring's words would be a SIGBUS); a take that would skip a
-        # sequence number drains them first (``Taker.take``).
-        result = self._take(ch, (ch.inc or src.inc) not in src.ring_incs)  # (``_probe``)
+            self._look_for_old_ring(src, ch.inc)
+        result = self.take(ch, src.ringless(ch.inc) or src.lost())
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None
         if result is None and not ch.seen_alive:
-            # Note now whether the producer is alive (so that its death is noticed even
-            # before the first tick), or fail a stale incarnation.
             result = self._live.failure(ch, self._live.state(src))
         return result
 
@@ -249,264 +382,595 @@ class Consumer:
         """Remove a queued waiter: True if it was still queued (its ``done`` never runs)."""
         with self.lock:
             ch = waiter.channel
-            if not self._waiters.cancel(ch, waiter):
+            if not self._table.cancel(ch, waiter):
                 return False
-            self._unqueued(waiter)
-            if ch not in self._waiters:
-                self._unwait(ch)
+            if not waiter.blocking:
+                self.callback_waiters -= 1
+            if ch not in self._table:
+                ch.src.waiting.pop(ch, None)
             return True
 
-    @staticmethod
-    def _probe(ch: Channel) -> bool:
-        """Whether the channel's messages must be looked for by name: no ring of that
-        producer incarnation is attached (a ringless producer, or not known yet)."""
-        return (ch.inc or ch.src.inc) not in ch.src.ring_incs
+    def take(self, ch: Channel, by_name: bool) -> Received | BaseException | None:
+        """The channel's next value (under the lock), if it is there: queued, or (``by_name``:
+        no ring shows this producer's messages, or one lost records) by its name. What the
+        listing of lost records finds is queued first, so taken in order."""
+        got = self._table.take(ch)
+        if got is not MISSING:
+            return self._taken(ch, got)
+        if not by_name:
+            return None
+        if ch.src.lost():
+            self._recovery.recover(ch.src)
+        elif not ch.inc:
+            self._recovery.resolve_incarnation(ch)  # may attach a gone producer's ring
+        got = self._table.take(ch)
+        if got is not MISSING:
+            return self._taken(ch, got)
+        if not ch.inc:
+            return None  # its name cannot be computed yet
+        result = self._open(ch, ch.seq, ch.inc, None)
+        if result is not None:
+            ch.seq += 1
+            if type(result) is Received:
+                self.received += 1
+                self.received_bytes += result.value.nbytes
+        return result
 
-    def _unqueued(self, waiter: Waiter) -> None:
+    def _taken(self, ch: Channel, got: Queued) -> Received | BaseException:
+        """What a receive gets for the queued ``got`` (a notice is opened), counted."""
+        if type(got) is Notice:
+            got = self._open_notice(ch, got)
+        if type(got) is Received:
+            self.received += 1
+            self.received_bytes += got.value.nbytes
+        return got  # type: ignore[return-value]  # opened
+
+    def _served(self, waiter: Waiter, value: Queued) -> Item:
+        """The delivery of ``value``, which ``put`` handed to ``waiter``, counted."""
+        ch = waiter.channel
+        if ch not in self._table:
+            ch.src.waiting.pop(ch, None)
         if not waiter.blocking:
             self.callback_waiters -= 1
+        if type(value) is Received:
+            self.received += 1
+            self.received_bytes += value.value.nbytes
+        return waiter.done, waiter.copy, value  # type: ignore[return-value]  # opened
 
-    @staticmethod
-    def _unwait(ch: Channel) -> None:
-        ch.src.waiting.pop(ch, None)
-
-    def _serve(self, ch: Channel, out: list[Item], probe: bool) -> None:
-        """Hand the channel's waiters what is there for them."""
-        has = self._waiters.has
-        waiters = self._waiters
-        while has(ch):
-            result = self._take(ch, probe)
+    def serve(self, ch: Channel, by_name: bool) -> None:
+        """Hand the channel's waiters what is there for them (by name too if ``by_name``)."""
+        while ch in ch.src.waiting:
+            result = self.take(ch, by_name)
             if result is None:
                 return
-            waiter = waiters.put(ch, result)  # the oldest waiter (there is one)
+            waiter = self._table.put(ch, result)
+            assert waiter is not None  # it has waiters
+            self._out.append(self._served(waiter, result))
+
+    def _fail(self, ch: Channel, error: BaseException) -> None:
+        while ch in ch.src.waiting:
+            waiter = self._table.put(ch, error)
             assert waiter is not None
-            if not waiter.blocking:  # ``_unqueued`` written out (once per delivery)
-                self.callback_waiters -= 1
-            out.append((waiter.done, waiter.copy, result))
-        ch.src.waiting.pop(ch, None)  # ``_unwait``
+            self._out.append(self._served(waiter, error))
 
-    def _fail(self, ch: Channel, out: list[Item], failure: BaseException) -> None:
-        waiters = self._waiters
-        while ch in waiters:
-            waiter = waiters.put(ch, failure)
-            assert waiter is not None
-            self._unqueued(waiter)
-            out.append((waiter.done, waiter.copy, failure))
-        self._unwait(ch)
+    # -- messages in segments -----------------------------------------------------------
 
-    def _fail_all(
-        self, where: Callable[[Channel], bool] | None, error: BaseException
-    ) -> list[Item]:
-        items: list[Item] = []
-        chans = list(self._waiters) if where is None else [c for c in self._waiters if where(c)]
-        for waiter in self._waiters.abort(where):
-            self._unqueued(waiter)
-            items.append((waiter.done, waiter.copy, error))
-        for ch in chans:
-            self._unwait(ch)
-        return items
+    def _open_notice(self, ch: Channel, notice: Notice) -> Received | BaseException:
+        got = self._open(ch, notice.seq, notice.inc, notice)
+        if got is None:
+            return InternalError(
+                f"message {notice.seq} of key {ch.key!r} from {ch.src.task} was announced "
+                "but its segment is gone"
+            )
+        return got
 
-    # -- the scan (run by whoever polls the doorbell) ---------------------------------
+    def _open(
+        self, ch: Channel, seq: int, inc: int, notice: Notice | None
+    ) -> Received | BaseException | None:
+        """Take message ``seq`` of ``ch`` (producer run ``inc``) from the segment of its
+        name (under the lock): None if there is no such name (not published yet).
 
-    def scan(self, check: bool = True, posted: bool = True) -> list[Item]:
-        """Drain the rings, serve the channels they brought something for; per doorbell
-        post, look for the messages of producers without a ring (by name); once per tick,
-        check the producers that have waiters (liveness, ringless ones by name).
-
-        ``check=False``: the rings' sizes were checked a moment ago (before a spin on
-        their heads); they are not checked again. ``posted=False``: no post was taken (a
-        spin saw a ring's head move), so no look by name.
+        The array is a view over the mapped segment (zero copy), writable and the
+        consumer's alone: the name is unlinked at once, or, for a pool slot, renamed to
+        ``held`` (and this run noted in the slot's control block) while the array lives;
+        its collection gives the slot back (``pool.return_slot``). A slot's mapping is kept
+        from one message to the next (``SlotMaps``): one a notice names and that is mapped
+        already is taken without an open. A file that is not ours, or whose header does not
+        say this message, is refused: the error is delivered in its place.
         """
-        out: list[Item] = []
+        self.probes += 1
+        names, task = self._names, ch.src.task
+        name = names.message(ch.step, ch.key, inc, seq)
+        path = Names.path(name)
+        found = None
+        if notice is not None and notice.slot >= 0 and notice.array is not None:
+            found = self._maps.find(task, inc, notice.slot)
+        if found is not None:
+            seg, ident = found
+            slot = notice.slot  # type: ignore[union-attr]
+            dtype, shape, offset, nbytes, dead = notice.array  # type: ignore[union-attr,misc]
+            held = names.held(task, inc, slot)
+            try:
+                seg.check_size(seg.size)  # a shrunk file would be a SIGBUS
+                move_noreplace(path, Names.path(held))
+            except FileNotFoundError:
+                return None
+            except (RendezvousError, OSError):
+                found = None  # the checked open below decides, and says why
+        if found is None:
+            try:
+                seg, ident, kept = self._maps.open(name)
+            except FileNotFoundError:
+                return None
+            except RendezvousError as e:
+                return e  # not ours, unreadable, or out of descriptors: never read
+            try:
+                flags, dtype, shape, offset, nbytes, step, got_seq, _, _, slot, _, key = (
+                    self._reader.read(seg.buf, 0, seg.size, record=False)
+                )
+                if key != ch.key or got_seq != seq or step != ch.step:
+                    raise InternalError(
+                        f"segment {name} holds key {key!r} step {step} seq {got_seq}, "
+                        f"expected {ch.key!r} step {ch.step} seq {seq}"
+                    )
+                problem = shape_problem(shape, dtype.itemsize)
+                if problem is not None:
+                    raise InternalError(f"segment {name} from {task}: {problem}")
+            except RendezvousError as e:
+                seg.unlink_quietly()
+                self._drop(seg, ident, kept)
+                return e
+            dead = bool(flags & FLAG_DEAD)
+            held = names.held(task, inc, slot) if slot >= 0 else ""
+            if held:
+                try:
+                    move_noreplace(path, Names.path(held))
+                except OSError as e:
+                    _log.warning(
+                        "cannot mark %s held (%s); it will not return to its pool", name, e
+                    )
+                    held = ""
+            if not held:
+                seg.unlink_quietly()
+                arr = seg.view(dtype, shape, offset, nbytes)
+                self._drop(seg, ident, kept)
+                return received(arr, dead)
+        # A pool slot named ``held`` now, its size checked a moment ago: this run noted in
+        # its control block, then an array of its own over the kept mapping.
+        seg.name = held
+        if offset + nbytes > seg.size:
+            seg.unlink_quietly()
+            self._maps.forget(ident)
+            return InternalError(
+                f"pool slot {name} of {seg.size} bytes cannot hold {nbytes} bytes at {offset}"
+            )
+        mem = seg.buf
+        ctl = mem if isinstance(mem, mmap.mmap) and offset + nbytes <= seg.size - CONTROL else None
+        if ctl is not None and self._inc:
+            hold(ctl, self._inc)
+        watch = next((r.watch for r in ch.src.rings if r.inc == inc), None)
+        self.held.add(held)
+        arr = seg.lend(
+            dtype, shape, offset, nbytes, return_slot, names, self._live.producer_alive, task,
+            inc, slot, held, self.held, ctl, watch, checked=True,
+        )  # fmt: skip
+        self._maps.keep(seg, ident, task, inc, slot)
+        return received(arr, dead)
+
+    def _drop(self, seg: Segment, ident: tuple[int, int], kept: bool) -> None:
+        if kept:
+            self._maps.forget(ident)
+        else:
+            seg.close()
+
+    def free(self, task: str, step: int, key: str, inc: int, seq: int, slot: int) -> None:
+        """Free a message nobody will receive (never under the lock): its segment unlinked,
+        or its pool slot given back to its producer (``pool.give_back``)."""
+        path = Names.path(self._names.message(step, key, inc, seq))
+        if slot >= 0:
+            give_back(self._names, self._live.producer_alive, task, inc, slot, path)
+            return
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+    # -- rings ----------------------------------------------------------------------------
+
+    def _look_for_ring(self, src: Source, force: bool = False) -> None:
+        """Attach the ring of ``src``'s current run if it is there (at most every
+        ``_RING_LOOK_S`` unless ``force``)."""
+        if not RINGS_SUPPORTED:
+            src.look_at = _INF
+            return
+        now = time.monotonic()
+        if src.look_at > now and not force:
+            return
+        src.look_at = now + _RING_LOOK_S
+        if not src.inc:
+            try:
+                record = self._ctx.peers.lookup(src.dev)
+            except RendezvousError as e:  # a record that is not ours, or corrupt
+                _log.warning("presence record of %s: %s", src.task, e)
+                return
+            if not (record.final and record.incarnation):
+                return
+            src.inc = record.incarnation
+        if src.inc in src.ring_incs:
+            src.look_at = _INF  # until the producer restarts
+            return
+        try:
+            self.attach(self._names.ring(src.task, src.inc, self._task), (src.task, src.inc))
+        except RendezvousError as e:
+            _log.warning("%s", e)
+            src.look_at = now + TICK
+
+    def _look_for_old_ring(self, src: Source, inc: int) -> None:
+        """A key pinned to a run that is not the live one: attach that run's ring if it left
+        one (once per run)."""
+        src.tried.add(inc)
+        if RINGS_SUPPORTED:
+            try:
+                self.attach(self._names.ring(src.task, inc, self._task), (src.task, inc))
+            except RendezvousError as e:
+                _log.warning("%s", e)
+
+    def attach(self, name: str, expect: tuple[str, int] | None) -> bool:
+        """Map a producer's ring for this consumer, unlink its name (the memory goes when
+        both sides have unmapped it, whoever dies first) and drain it. False: no such name.
+        ``InternalError`` for a ring that is not ours, not for this consumer, or not from
+        ``expect`` (producer task, incarnation)."""
+        try:
+            seg = Segment.attach(self._names, name, keep_fd=True)
+        except FileNotFoundError:
+            return False
+        try:
+            ring = Ring(memoryview(seg.buf))
+            meta = json.loads(ring.meta())
+            owner = (str(meta["producer"]), int(meta["incarnation"]))
+            if meta["consumer"] != self._task or (expect is not None and owner != expect):
+                raise InternalError(f"ring {name} is {meta}, not for {self._task}")
+            if not owner[1]:
+                raise InternalError(f"ring {name} names incarnation 0")
+        except (RendezvousError, ValueError, KeyError, TypeError) as e:
+            seg.close()
+            raise InternalError(f"refusing ring {name}: {e}") from e
+        seg.unlink_quietly()
+        src = self.source(owner[0])
+        if not src.inc:
+            src.inc = owner[1]
+        r = InRing(seg, ring, src, owner[1])
+        src.rings.append(r)
+        src.ring_incs.add(owner[1])
+        self._rings.append(r)
+        self.drain(r)
+        return True
+
+    def drain(self, r: InRing) -> None:
+        """Every record of ring ``r`` to its channel: to its oldest waiter, or queued.
+
+        First the ring's size, one ``lseek``: a process that kept a descriptor of it may
+        have truncated it, and reading a lost page would be a SIGBUS; such a ring is failed
+        (unmapped; the receives waiting on its producer look by name, then get the error).
+        A record is the producer's bytes: its header gets the reader's checks, and one
+        refused still names its key: its receiver gets the error, what follows is delivered.
+        """
+        try:
+            intact = os.lseek(r.fd, 0, os.SEEK_END) >= r.size
+        except OSError:
+            intact = False
+        if not intact:
+            self._fail_ring(r)
+            return
+        ring, src, inc = r.ring, r.src, r.inc
+        buf, read, cleaned_up = ring.buf, self._reader.read, self._ctx.cleaned_up
+        last_step: int | None = None
+        late = False
+        chans: dict[str, Channel] = {}
+        try:
+            spans: list[tuple[int, int]] | None = ring.spans()
+        except InternalError as e:
+            _log.warning("ring from %s: %s", src.task, e)
+            return
+        finally:
+            r.lost = ring.lost  # (``spans`` reads it first)
+        while spans:
+            at = -1
+            try:
+                for at, end in spans:
+                    value: Queued
+                    try:
+                        flags, dtype, shape, offset, nbytes, step, seq, _, _, slot, _, key = read(
+                            buf, at, end
+                        )
+                    except RendezvousError as e:
+                        who = self._refused(src, buf[at:end], e)
+                        if who is None:
+                            continue
+                        step, seq, key, value = who
+                        slot = -1
+                    else:
+                        dead = bool(flags & FLAG_DEAD)
+                        if flags & FLAG_NOTICE:
+                            value = Notice(seq, inc, slot, (dtype, shape, offset, nbytes, dead))
+                        elif nbytes:
+                            value = received(_ndarray(shape, dtype, buf, at + offset).copy(), dead)
+                        else:
+                            value = received(np.empty(shape, dtype), dead)
+                    if step != last_step:
+                        last_step, late = step, cleaned_up(step)
+                        if not late:
+                            chans = self._steps.get(step) or self._steps.setdefault(step, {})
+                    if late:  # sent to a step this worker cleaned up already: freed
+                        if type(value) is Notice:
+                            self._late.append((src.task, step, key, inc, seq, slot))
+                        continue
+                    self._records += 1
+                    ch = chans.get(key)
+                    if ch is None:
+                        ch = chans[key] = Channel(step, key, src, inc)
+                    if ch.inc != inc:
+                        ch.inc = inc  # its producer's run: first heard of, or restarted
+                    elif seq != ch.seq:
+                        if seq < ch.seq:
+                            continue  # taken by its name already
+                        self._fill(ch, seq, r)
+                    ch.seq = seq + 1
+                    self.queue(ch, value)
+            except BaseException:
+                ring.consume(at)  # what came before it is taken; it is found again
+                raise
+            spans = ring.spans() if ring.consume() else None
+            r.lost = ring.lost
+
+    def _fill(self, ch: Channel, seq: int, r: InRing) -> None:
+        """Messages ``ch.seq`` to ``seq - 1`` of ``ch`` came with no record (its producer's
+        ring was full): queued from their names, in order; a number its producer skipped (a
+        publish that failed) is skipped. At most as many looks as records ``r`` lost."""
+        for s in range(ch.seq, min(seq, ch.seq + r.lost)):
+            got = self._open(ch, s, r.inc, None)
+            if got is not None:
+                ch.seq = s + 1
+                self.queue(ch, got)
+        ch.seq = seq
+
+    def _refused(
+        self, src: Source, payload: memoryview, e: RendezvousError
+    ) -> tuple[int, int, str, InternalError] | None:
+        """(step, seq, key, the error for its receiver) of a record refused with ``e``, or
+        None when the record does not even say whose it is."""
+        self.refused += 1
+        _log.warning("refusing a record of the ring from %s: %s", src.task, e)
+        who = unpack_identity(payload)
+        if who is None:
+            return None
+        step, seq, key = who
+        return (
+            step,
+            seq,
+            key,
+            InternalError(
+                f"refusing message {seq} of key {key!r} (step {step}) from producer {src.task}: {e}"
+            ),
+        )
+
+    def _fail_ring(self, r: InRing) -> None:
+        """Give up a ring whose file no longer holds it. Its producer, if it saw that too,
+        goes on by name: the waiting receives look by name first, and fail only if their
+        message is not there; the next receive of the producer hears of it once."""
+        src = r.src
+        try:
+            r.segment.check_size(r.size)
+            why = "its size cannot be read"
+        except (InternalError, ValueError) as e:
+            why = str(e)
+        error = InternalError(f"the ring from producer {src.task} is unusable: {why}")
+        _log.warning("%s", error)
+        self._forget_ring(r)
+        src.look_at = _INF  # its name is gone; a restarted producer makes a new one
+        if src.waiting:
+            for ch in list(src.waiting):
+                self.serve(ch, True)
+                self._fail(ch, error)
+        else:
+            src.broken = error
+
+    def _forget_ring(self, r: InRing) -> None:
+        self._rings.remove(r)
+        r.src.rings.remove(r)
+        r.src.ring_incs.discard(r.inc)
+        r.release()
+
+    # -- the scan (run by whoever polls the doorbell) -----------------------------------
+
+    def scan(self, posted: bool = True) -> int:
+        """Drain the rings into the table (delivering to waiters); per doorbell post, look
+        for the messages of producers without a ring by name; once per tick, check the
+        producers that have waiters (liveness, lost records, rings to attach) and let go
+        of the rings of producer runs that are over. Delivers after the lock; returns how
+        many values it delivered."""
         with self.lock:
             if self._closed:
-                return out
-            self._scans += 1
+                return 0
+            self.scans += 1
+            records = self._records
             try:
-                # One function with its lock: the poll of every blocked receive runs it.
-                # A value that is the next message of a channel with waiters goes to its
-                # oldest waiter as it is drained (``out``), not through the stash.
-                inbox = self._inbox
-                inbox.drain_all(check, out)
-                if inbox.handed_callbacks:
-                    self.callback_waiters -= inbox.handed_callbacks
-                    inbox.handed_callbacks = 0
-                if self._book.touched:  # (``_serve_touched`` looks too: a call spared)
-                    self._serve_touched(out)
-                if inbox.failed:
-                    self._serve_failed(out)
-                if posted and self._waiters.size():
-                    self._probe_ringless(out)
+                for r in list(self._rings):
+                    self.drain(r)
+                if posted and records == self._records:
+                    # A post no ring explains: a producer whose ring is not attached yet
+                    # (it sent its first message meanwhile), or one without a ring.
+                    self._unexplained = True
+                    for src in list(self.srcs.values()):
+                        if src.waiting and src.ringless(0):
+                            self._look_for_ring(src, force=True)
+                if posted and self._table.pending_waiters:
+                    self._probe_ringless()
                 now = time.monotonic()
-                if now >= self._sweep_at:  # (the time first: counting the maps is a call)
-                    self._sweep_at = now + TICK
-                    maps = self._named.maps
-                    if maps:
-                        maps.sweep()
                 if now >= self._tick_at:
                     self._tick_at = now + TICK
-                    if self._waiters.size():
-                        for src in list(self._book.srcs.values()):
-                            if src.waiting:
-                                self._tick(src, out)
-                        self._serve_touched(out)
-                        self._serve_failed(out)
+                    self._maps.sweep()
+                    for src in list(self.srcs.values()):
+                        if src.waiting:
+                            self._tick(src)
                     self._retire_over()
-                    self._serve_touched(out)  # what the last drains of those rings brought
             except Exception:  # pragma: no cover - keep polling whatever happens
-                _log.exception("shm dispatcher of %s: scan failed", self._task)
-                # What was handed or served before the fault is delivered: those waiters
-                # are out of the table already (a blocked receive would wait for ever).
-                return out
-            over = None
-            if self._over:  # (a new list only when there is something to collect)
-                over, self._over = self._over, []
-        if over is not None:
-            for task, inc in over:
-                self._collect(task, inc)
-        return out
+                _log.exception("shm consumer of %s: scan failed", self._task)
+            work = self._work()
+        if work is None:
+            return 0
+        found = sum(1 for _, _, v in work[0] if type(v) is Received)
+        self._after(work)
+        return found
 
-    def _collect(self, task: str, inc: int) -> None:
-        """Free what a producer run that is over left (``reaper.collect_producer``): this
-        consumer took every record of its ring and unmapped it (a filesystem listing and
-        unlinks: never under the lock)."""
-        try:
-            reaper.collect_producer(self._names, task, inc, self._task)
-        except Exception:  # pragma: no cover - it never raises for what it finds
-            _log.exception("collecting what producer %s (%016x) left", task, inc)
-
-    def _retire_over(self) -> None:
-        """Once per tick: the rings of producer runs that are over are drained a last time
-        and unmapped, and what those runs left is collected after the lock (``_over``)."""
-        inbox = self._inbox
-        for src, r in list(inbox.rings):
-            if r not in src.rings or not self._live.run_over(src, r.inc):
-                continue
-            inbox.drain(src, r)  # what it sent before it ended (its size checked first)
-            if r in src.rings and not r.ring.pending():
-                inbox.retire(src, r)
-                self._over.append((src.task, r.inc))
-
-    def _serve_touched(self, out: list[Item]) -> None:
-        book = self._book
-        has = self._waiters.has
-        while book.touched:
-            touched, book.touched = book.touched, []
-            for ch in touched:
-                if has(ch):  # (``_probe(ch)`` written out)
-                    src = ch.src
-                    self._serve(ch, out, (ch.inc or src.inc) not in src.ring_incs)
-
-    def _serve_failed(self, out: list[Item]) -> None:
-        """Serve by name the channels of producers whose ring failed, else fail them."""
-        failed = self._inbox.failed
-        while failed:
-            src, error = failed.pop()
-            for ch in list(src.waiting):
-                self._serve(ch, out, probe=True)
-                if ch in src.waiting:
-                    self._fail(ch, out, error)
-
-    def _tick(self, src: Source, out: list[Item]) -> None:
-        """Once per tick for a producer with waiters: its ring, its messages by name if it
-        has no ring (or lost records), its liveness."""
-        inbox = self._inbox
-        if not src.rings or src.look_at <= time.monotonic():
-            inbox.look_for_ring(src)
-        for r in list(src.rings):
-            inbox.drain(src, r)  # also checks its size once per tick
-        if inbox.lost_records(src):
+    def _tick(self, src: Source) -> None:
+        """Once per tick for a producer with waiters: its ring (attached if it is there),
+        what it lost or left by name, its liveness."""
+        self._look_for_ring(src, force=not src.rings)
+        if src.lost():
             self._recovery.recover(src)
         if not src.inc or src.tried:
             for ch in self._recovery.find_gone(src):
-                self._serve(ch, out, probe=True)
+                self.serve(ch, True)
+        for ch in list(src.waiting):
+            if src.ringless(ch.inc):
+                self.serve(ch, True)
         if not src.waiting:
             return
         dead, failures = self._live.verdicts(src)
         for ch, failure in failures:
-            if dead:
-                # What the producer published before it died is visible now: deliver it.
-                self._serve(ch, out, probe=True)
-            self._fail(ch, out, failure)
+            if dead:  # what it published before it died is there: delivered first
+                self.serve(ch, True)
+            self._fail(ch, failure)
 
-    def _probe_ringless(self, out: list[Item]) -> None:
-        """Per doorbell wake-up: the waiting channels of known producers without a ring
-        are looked for by name (the fallback path: O(their channels), or one listing when
-        they are many)."""
-        for src in self._book.srcs.values():
-            if not src.waiting or not src.inc or src.inc in src.ring_incs:
+    def _probe_ringless(self) -> None:
+        """Per doorbell post: the waiting channels of known producers without a ring, by
+        the name of their next message (one listing first when they are many)."""
+        for src in list(self.srcs.values()):
+            if not src.waiting or not src.inc or not src.ringless(0):
                 continue
-            chans = [c for c in src.waiting if self._probe(c)]
+            chans = [c for c in src.waiting if src.ringless(c.inc)]
             if len(chans) > _LISTDIR_ABOVE:
-                chans = self._recovery.published(chans)  # then open only the names there
+                chans = self._recovery.published(chans)
             for ch in chans:
-                self._serve(ch, out, probe=True)
+                self.serve(ch, True)
 
-    # -- steps and lifetime -----------------------------------------------------------
+    def _retire_over(self) -> None:
+        """The rings of producer runs that are over are drained a last time and let go;
+        what those runs left is collected after the lock (``reaper.collect_producer``)."""
+        for r in list(self._rings):
+            if not self._live.run_over(r.src, r.inc):
+                continue
+            self.drain(r)
+            if r in self._rings and not r.ring.pending():
+                r.src.tried.add(r.inc)
+                if r.src.inc == r.inc:
+                    r.src.look_at = _INF  # a restarted producer is looked for again
+                self._forget_ring(r)
+                self._over.append((r.src.task, r.inc))
 
-    def abort_step(self, step_id: int, error: BaseException) -> list[Item]:
+    # -- steps and lifetime ---------------------------------------------------------------
+
+    def abort_step(self, step_id: int, error: BaseException) -> bool:
+        """Fail the step's waiters (delivered after the lock), and its later receives;
+        whether any waiter was failed."""
         with self.lock:
-            self._aborted.setdefault(step_id, error)
-            self.refusing = True
-            error = self._aborted[step_id]
-            return self._fail_all(lambda ch: ch.step == step_id, error)
+            error = self._aborted.setdefault(step_id, error)
+            for ch in self._steps.get(step_id, {}).values():
+                self._fail(ch, error)
+            work = self._work()
+        self._after(work)
+        return work is not None
 
-    def cleanup_step(self, step_id: int) -> None:
-        """Forget the step; free the unreceived messages addressed to this worker in it."""
-        book = self._book
+    def cleanup_step(self, step_id: int, posted: bool) -> None:
+        """Forget the step; free what was sent to this worker in it and not received: what
+        its channels hold, and what a listing shows where messages may have come with no
+        ring record this consumer drained: a producer without a ring or with a full one
+        (``Recovery.needed``), or a doorbell post that no ring explained (``posted``: one
+        is pending; a producer this consumer never received from)."""
         with self.lock:
-            self._inbox.drain_all()
-            unreceived = book.forget_step(step_id)
             self._aborted.pop(step_id, None)
-            self.refusing = self._closed or bool(self._aborted)
-        self._orphans.free_unreceived(step_id)
-        del unreceived
+            chans = self._steps.pop(step_id, None)
+            for ch in (chans or {}).values():
+                while ch in self._table:
+                    got = self._table.take(ch)
+                    if got is MISSING:
+                        break  # waiters: a receive started after the abort
+                    if type(got) is Notice:
+                        self._late.append(
+                            (ch.src.task, ch.step, ch.key, got.inc, got.seq, got.slot)
+                        )
+            listing = posted or self._unexplained or self._recovery.needed()
+            self._unexplained = False
+            work = self._work()
+        self._after(work)
+        if listing:
+            self._recovery.free_unreceived(step_id)
 
-    def close(self) -> list[Item]:
-        """Fail every waiter (returned, to deliver); the caller then calls ``release``."""
+    def close(self) -> None:
+        """Fail every waiter with the closed error; the caller then calls ``release``."""
         with self.lock:
             if self._closed:
-                return []
-            self._closed = self.refusing = True
-            return self._fail_all(None, closed_error(self._task))
+                return
+            self._closed = True
+            error = closed_error(self._task)
+            for ch in list(self._table):
+                self._fail(ch, error)
+            work = self._work()
+        self._after(work)
+
+    @property
+    def refusing(self) -> bool:
+        """Whether ``check_open`` may raise (closed, or a step aborted)."""
+        return self._closed or bool(self._aborted)
 
     def release(self) -> None:
-        """Unlink the held names, unmap the rings (after ``close``); collect what producer
-        runs that are over left (slots given back to them after their close, which a live
-        ``pool.RunWatch`` let go unchecked: nobody else would free those)."""
-        self._named.unlink_held()
-        over: list[tuple[str, int]] = []
+        """After ``close``: unlink the held names of arrays still alive (their mappings
+        stay; the callbacks that give them back do not run at exit), unmap the rings,
+        collect what producer runs that are over left (slots given back after their close)."""
+        while True:
+            try:
+                held = list(self.held)  # a callback may discard meanwhile
+                break
+            except RuntimeError:  # pragma: no cover - changed size during the copy
+                continue
+        for name in held:
+            self.held.discard(name)
+            try:
+                os.unlink(Names.path(name))
+            except OSError:
+                pass
         with self.lock:
-            for src, r in self._inbox.rings:
-                src.alive_at = -1.0  # a fresh look, not the tick's
-                if self._live.run_over(src, r.inc):
-                    over.append((src.task, r.inc))
-            self._inbox.release()
-            self._named.maps.close()
-            self._book.stash.clear()
-            self._book.first.clear()
-        for task, inc in over:
-            self._collect(task, inc)
+            for r in list(self._rings):
+                r.src.alive_at = -1.0  # a fresh look, not the tick's
+                if self._live.run_over(r.src, r.inc):
+                    self._over.append((r.src.task, r.inc))
+                self._forget_ring(r)
+            self._maps.close()
+            self._table = WaiterTable()
+            self._steps.clear()
+            work = self._work()
+        self._after(work)
 
     @property
     def pending(self) -> int:
-        return len(self._waiters)
+        """Channels with waiters."""
+        return sum(len(src.waiting) for src in list(self.srcs.values()))
 
     def stats(self) -> dict[str, int]:
         with self.lock:
-            book, named = self._book, self._named
             return {
-                "received": book.received,
-                "received_bytes": book.received_bytes,
-                "dispatcher_scans": self._scans,
-                "name_probes": named.probes,
-                "refused_records": self._inbox.refused_records,
-                "pending_keys": len(self._waiters),
-                "pending_receives": self._waiters.pending_waiters,
-                "channels": sum(len(c) for c in book.channels.values()),
-                "rings_in": len(self._inbox.rings),
-                "held": len(named.held),
-                "slots_mapped": len(named.maps),
-                "slot_map_hits": named.maps.hits,
+                "received": self.received,
+                "received_bytes": self.received_bytes,
+                "dispatcher_scans": self.scans,
+                "name_probes": self.probes,
+                "refused_records": self.refused,
+                "pending_keys": self.pending,
+                "pending_receives": self._table.pending_waiters,
+                "channels": sum(len(c) for c in self._steps.values()),
+                "rings_in": len(self._rings),
+                "held": len(self.held),
+                "slots_mapped": len(self._maps),
+                "slot_map_hits": self._maps.hits,
                 "listings": self._recovery.listing.listings,
             }

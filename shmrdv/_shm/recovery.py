@@ -1,113 +1,121 @@
-"""Finding a consumer's messages by listing /dev/shm, where no ring record leads to them.
+"""What no ring record shows a consumer, found by listing /dev/shm: names are the truth.
 
-Names are the truth, rings are the fast path. A listing (``Listing``: rate-limited, none
-while the directory is unchanged) finds what a ring cannot show: the messages whose
-records a full ring lost (``recover``), the messages and rings of a producer that is gone
-or whose incarnation is unknown (``resolve_incarnation``, ``find_gone``, ``find_rings``),
-and which of many waiting channels of a ringless producer have a message at all
-(``published``). A name new to the consumer costs one ``lstat`` if it is another user's,
-at most ``_NEW_PER_LISTING`` of them per listing, and is never looked at again if refused
-(issue 13 §2).
+A producer's messages come with a ring record, except where it has no ring (not x86-64,
+or it could not make one), where its ring was full (``Ring.lost`` counts those), and where
+it is gone before this consumer knew its run. A listing (``Listing``: rate-limited, none
+while the directory is unchanged) finds them: the messages a full ring lost (``recover``),
+a gone producer's run, messages and rings (``resolve_incarnation``, ``find_gone``,
+``find_rings``), which of many waiting channels of a ringless producer have a message at
+all (``published``), and what was sent to a step this worker cleans up (``free_unreceived``).
+A name new to the consumer costs one ``lstat`` if it is another user's, at most
+``_NEW_PER_LISTING`` of them per listing, and is never looked at again if refused.
 
-Thread model (docs/threads.md): every method runs under ``Consumer.lock``.
+Thread model (docs/threads.md): every method runs under the consumer's lock, except
+``free_unreceived``, after it (the listing's refused names are a set).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from .._errors import InternalError, RendezvousError
 from .._keys import parse_key
+from .._peers import canonical_task
 from .._transport import TransportContext
-from .book import Book, Channel, Notice, Source
 from .files import is_ours, peek_header
-from .inbox import Inbox
 from .listing import Listing
-from .naming import Names
-from .producer import task_name
+from .naming import Names, parse_name
 from .ring import RINGS_SUPPORTED
+
+if TYPE_CHECKING:
+    from .consumer import Channel, Consumer, Source
 
 __all__ = ["Recovery"]
 
 _log = logging.getLogger("shmrdv.shm")
 
-# Names a listing found not ours (another user's, not a regular file, a ring for another
-# consumer, no valid header) are remembered, up to this many, and skipped without a system
-# call afterwards: a flood of planted names costs one ``lstat`` each, once (issue 13 §2).
+# Names a listing found not ours are remembered, up to this many, and skipped without a
+# system call afterwards: a flood of planted names costs one ``lstat`` each, once.
 _REFUSED_MAX = 1 << 17
-# At most this many names new to the consumer are looked at per listing (one ``lstat``,
-# then maybe one open each); the rest wait for the next listing. Bounds a listing's work
-# whatever another user plants.
+# At most this many names new to the consumer are looked at per listing.
 _NEW_PER_LISTING = 32768
+# A listing at most this often (seconds).
+_LIST_EVERY = 0.1
 
 #: What a listing tells of a published message: step, key, seq, incarnation, created, slot.
 Listed = tuple[int, str, int, int, int, int]
 
 
+def _task_of(key: str) -> str | None:
+    """The canonical producer task of ``key``, or None if it is no key."""
+    try:
+        return str(canonical_task(parse_key(key).src))
+    except RendezvousError:
+        return None
+
+
 class Recovery:
     """The listings of one consumer (see the module docstring)."""
 
-    def __init__(
-        self, ctx: TransportContext, names: Names, book: Book, inbox: Inbox, tick: float
-    ) -> None:
+    def __init__(self, ctx: TransportContext, names: Names, consumer: Consumer) -> None:
         self._ctx = ctx
         self._names = names
-        self._book = book
-        self._inbox = inbox
-        #: The namespace's names in /dev/shm (also used to skip refused names elsewhere).
-        self.listing = Listing(names.prefix, tick / 2, _REFUSED_MAX)
-        # Names of published messages already looked at by a listing.
-        self._listed: dict[str, Listed] = {}
-        self._listed_gen = -1  # the listing generation ``_listed`` reflects
-        self._rings_gen = -1  # the listing generation ``find_rings`` went through
+        self._consumer = consumer
+        self._own = ctx.task.task_key()
+        #: The namespace's names in /dev/shm (with the names refused, skipped elsewhere too).
+        self.listing = Listing(names.prefix, _LIST_EVERY, _REFUSED_MAX)
+        self._listed: dict[str, Listed] = {}  # published messages a listing looked at
+        self._listed_gen = self._rings_gen = -1  # the listing generations they reflect
 
-    def recover(self, src: Source) -> bool:
-        """Stash notices for ``src``'s messages whose records its full ring lost (one listing).
+    def needed(self) -> bool:
+        """Whether messages may have come to this consumer with no ring record: a producer
+        it heard of has no ring attached, or a ring lost records."""
+        if not RINGS_SUPPORTED:
+            return True
+        for src in self._consumer.srcs.values():
+            if not src.rings or any(r.lost for r in src.rings):
+                return True
+        return False
 
-        Returns whether it stashed anything. Rate-limited with the other listings.
-        """
+    def recover(self, src: Source) -> None:
+        """Queue the messages of ``src`` whose records its full rings lost (one listing),
+        after what its rings hold. Rate-limited with the other listings."""
+        from .consumer import Notice  # (the consumer imports this module)
+
+        consumer = self._consumer
         lost = [(r, r.lost) for r in src.rings if r.lost != r.lost_seen]
+        for r, _ in lost:
+            consumer.drain(r)  # first what the rings hold: records come in order
         if not lost or not self._list_messages():
-            return False
+            return
         for r, n in lost:
             r.lost_seen = n
         incs = {r.inc for r in src.rings}
-        book = self._book
-        found = False
-        for step, key, seq, inc, _created, slot in list(self._listed.values()):
+        for step, key, seq, inc, _created, slot in sorted(self._listed.values(), key=_by_seq):
             if inc not in incs or self._ctx.cleaned_up(step):
                 continue
-            ch = book.find(step, key)
+            ch = consumer.find(step, key)
             if ch is not None and (ch.inc not in (0, inc) or seq < ch.seq):
                 continue
-            if (key, inc, seq) in book.stash.get(step, {}):
+            if _task_of(key) != src.task:
                 continue
-            try:
-                if task_name(parse_key(key).src) != src.task:
-                    continue
-            except RendezvousError:
-                continue
-            ch = book.channel(step, key, src, inc)
-            book.put(ch, inc, seq, Notice(slot))
-            found = True
-        return found
+            ch = consumer.channel(step, key, src, inc)
+            ch.inc, ch.seq = inc, seq + 1
+            consumer.queue(ch, Notice(seq, inc, slot))
 
     def find_gone(self, src: Source) -> list[Channel]:
-        """The waiting channels of ``src`` that a listing shows a message for: ``src``'s
-        incarnation is unknown (it is gone, or has not started) or its keys are pinned to
-        an earlier run. Costs O(messages listed), not O(channels)."""
+        """The waiting channels of ``src`` whose next message a listing shows while its run
+        is unknown (it is gone, or has not started) or its keys are pinned to an earlier
+        run; their run set. O(messages listed), not O(channels)."""
         if RINGS_SUPPORTED:
             self.find_rings()
         self._list_messages()
-        book = self._book
         out = []
         for step, key, seq, inc, _created, _slot in list(self._listed.values()):
-            chans = book.channels.get(step)
-            ch = chans.get(key) if chans is not None else None
-            if type(ch) is not Channel:  # none, or idle (no waiters)
-                continue
-            if ch.src is not src or ch not in book.waiters or ch.seq != seq:
+            ch = self._consumer.find(step, key)
+            if ch is None or ch.src is not src or ch not in src.waiting or ch.seq != seq:
                 continue
             if ch.inc not in (0, inc):
                 continue
@@ -122,8 +130,8 @@ class Recovery:
         return [c for c in chans if (c.step, c.key, c.seq, c.inc) in there]
 
     def resolve_incarnation(self, ch: Channel) -> bool:
-        """Find the incarnation of the channel's producer: its presence record, else (it is
-        gone) the newest message a listing shows for the channel's next receive."""
+        """Find the run of the channel's producer: its presence record, else (it is gone)
+        its ring or the newest message a listing shows for the channel's next receive."""
         src = ch.src
         if not src.inc:
             try:
@@ -140,9 +148,8 @@ class Recovery:
         # messages are still there, under names computed with its incarnation.
         if RINGS_SUPPORTED:
             self.find_rings()
-            if ch.nready:
-                self._book.adopt_incarnation(ch)
-                return ch.inc != 0
+            if ch.inc:
+                return True  # a ring of it was attached and brought the channel's message
         self._list_messages()
         best, best_at = 0, -1
         for step, key, seq, inc, created, _slot in self._listed.values():
@@ -153,7 +160,7 @@ class Recovery:
 
     def find_rings(self) -> None:
         """Attach the rings addressed to this worker that a listing shows (a producer that
-        closed before we learned its incarnation); each name is tried once."""
+        closed before its run was known here); each name is tried once."""
         listing = self.listing
         if not listing.refresh() or self._rings_gen == listing.generation:
             return
@@ -174,7 +181,7 @@ class Recovery:
             except OSError:
                 continue
             try:
-                self._inbox.attach(name, None)
+                self._consumer.attach(name, None)
             except InternalError as e:  # not ours, or not for this consumer: never again
                 listing.refuse(name)
                 _log.debug("%s", e)
@@ -182,12 +189,8 @@ class Recovery:
                 _log.debug("%s", e)
 
     def _list_messages(self) -> bool:
-        """Bring ``_listed`` up to date with /dev/shm (``Listing``: a listdir at most once
-        per half tick, none while the directory is unchanged); False if it may be stale.
-
-        A name new to this consumer costs one ``lstat`` if it is another user's, at most
-        ``_NEW_PER_LISTING`` of them per listing, and is never looked at again if refused.
-        """
+        """Bring ``_listed`` up to date with /dev/shm (a listdir at most every
+        ``_LIST_EVERY``, none while the directory is unchanged); False if it may be stale."""
         listing = self.listing
         if not listing.refresh():
             return False
@@ -223,3 +226,37 @@ class Recovery:
                     h.slot,
                 )
         return True
+
+    def free_unreceived(self, step_id: int) -> None:
+        """Free the messages of ``step_id`` addressed to this worker that a listing shows
+        (after the lock: a listdir and a few opens)."""
+        try:
+            entries = os.listdir(Names.path(""))
+        except OSError:
+            return
+        marker = self._names.prefix + "m"
+        listing = self.listing
+        for entry in entries:
+            if not entry.startswith(marker) or listing.refused(entry) or parse_name(entry) is None:
+                continue
+            header = peek_header(Names.path(entry))  # one lstat for another user's name
+            if header is None:
+                listing.refuse(entry)
+                continue
+            if header.step_id != step_id:
+                continue
+            try:
+                pk = parse_key(header.key)
+            except RendezvousError:
+                continue
+            if pk.dst.task_key() != self._own:
+                continue
+            task = _task_of(header.key)
+            assert task is not None
+            self._consumer.free(
+                task, step_id, header.key, header.producer_incarnation, header.seq, header.slot
+            )
+
+
+def _by_seq(listed: Listed) -> int:
+    return listed[2]

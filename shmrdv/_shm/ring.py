@@ -243,11 +243,12 @@ class Ring:
         A batch ends at ``head``, or after about ``_BATCH_BYTES`` of records in a run (the
         producer gets room back batch by batch), or before a length that is no record's:
         the next call then raises ``InternalError`` (a corrupted ring: a length past the
-        data written), the records before it returned first. Also reads ``lost``.
+        data written), the records before it returned first. Also reads ``lost``, after
+        ``head``: a record lost before one of the batch is counted in it.
         """
         words = self._words
-        self.lost = words[_L]
         head = words[_H]
+        self.lost = words[_L]
         tail = self._from = words[_T]
         cap = self.capacity
         if not tail <= head <= tail + cap or tail % _ALIGN:
