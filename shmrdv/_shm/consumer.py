@@ -211,6 +211,9 @@ class Consumer:
         self.lock = threading.Lock()
         self._closed = False
         self._aborted: dict[int, BaseException] = {}
+        #: Whether ``check_open`` may raise (closed, or a step aborted): one attribute to
+        #: read per send.
+        self.refusing = False
         self._table: WaiterTable[Channel, Queued, Waiter] = WaiterTable()
         self._steps: dict[int, dict[str, Channel]] = {}
         self.srcs: dict[str, Source] = {}  # by task
@@ -876,6 +879,7 @@ class Consumer:
         whether any waiter was failed."""
         with self.lock:
             error = self._aborted.setdefault(step_id, error)
+            self.refusing = True
             for ch in self._steps.get(step_id, {}).values():
                 self._fail(ch, error)
             work = self._work()
@@ -890,6 +894,7 @@ class Consumer:
         is pending; a producer this consumer never received from)."""
         with self.lock:
             self._aborted.pop(step_id, None)
+            self.refusing = self._closed or bool(self._aborted)
             chans = self._steps.pop(step_id, None)
             for ch in (chans or {}).values():
                 while ch in self._table:
@@ -912,17 +917,12 @@ class Consumer:
         with self.lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = self.refusing = True
             error = closed_error(self._task)
             for ch in list(self._table):
                 self._fail(ch, error)
             work = self._work()
         self._after(work)
-
-    @property
-    def refusing(self) -> bool:
-        """Whether ``check_open`` may raise (closed, or a step aborted)."""
-        return self._closed or bool(self._aborted)
 
     def release(self) -> None:
         """After ``close``: unlink the held names of arrays still alive (their mappings

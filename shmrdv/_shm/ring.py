@@ -68,7 +68,8 @@ class Ring:
     def __init__(self, buf: memoryview) -> None:
         if len(buf) < DATA_OFFSET:
             raise InternalError(f"not a shmrdv ring: {len(buf)} bytes")
-        self._buf = buf
+        #: The whole ring: records are written into it between ``reserve`` and ``commit``.
+        self.buf = buf
         self._words = buf[:DATA_OFFSET].cast("Q")
         # The records' u32 lengths, each at an 8-aligned offset: one store or load through
         # this view (a quarter of a ``struct`` call).
@@ -116,29 +117,16 @@ class Ring:
 
     def meta(self) -> bytes:
         """The owner's description written by ``format``."""
-        n = _U32.unpack_from(self._buf, _META_AT)[0]
+        n = _U32.unpack_from(self.buf, _META_AT)[0]
         if n > _META_MAX:
             raise InternalError(f"shmrdv ring corrupted: description of {n} bytes")
-        return bytes(self._buf[_META_AT + 4 : _META_AT + 4 + n])
+        return bytes(self.buf[_META_AT + 4 : _META_AT + 4 + n])
 
     def max_record(self) -> int:
         """The largest payload a record may carry (a quarter of the ring)."""
         return self._max_record
 
     # -- producer -----------------------------------------------------------------
-
-    @property
-    def buf(self) -> memoryview:
-        """The whole ring (records are written into it between ``reserve`` and ``commit``)."""
-        return self._buf
-
-    @property
-    def words(self) -> memoryview:
-        """The ring as u32 words: ``words[i]`` is ``buf[4 * i : 4 * i + 4]`` (a consumer
-        reads a record's u32 fields through it: a payload starts 4 bytes past an 8-aligned
-        offset, so a field at a multiple of 4 in it is one index away). Released with the
-        ring."""
-        return self._u32
 
     def reserve(self, payload: int) -> int:
         """Make room for a record of ``payload`` bytes; return where its payload goes in
@@ -182,7 +170,7 @@ class Ring:
         at = self.reserve(sum(len(p) for p in parts))
         if at < 0:
             return False
-        buf = self._buf
+        buf = self.buf
         for p in parts:
             n = len(p)
             buf[at : at + n] = p
@@ -215,13 +203,13 @@ class Ring:
         """Let go of the buffer (so that its mapping can be closed)."""
         self._words.release()
         self._u32.release()
-        self._buf.release()
+        self.buf.release()
 
     def take(self) -> Iterator[memoryview]:
         """Yield every complete record's payload (a view valid until the next iteration):
         ``spans`` as views of ``buf``, each record taken once the caller comes back for the
         next one."""
-        buf = self._buf
+        buf = self.buf
         while True:
             spans = self.spans()
             if not spans:
