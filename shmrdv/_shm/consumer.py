@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import threading
 import time
@@ -39,15 +38,13 @@ from .._keys import DeviceName, ParsedKey
 from .._peers import canonical_task
 from .._rendezvous import Canceller, DoneCallback, Received, invoke_done, received
 from .._transport import TransportContext
-from .._values import shape_problem
 from . import reaper
-from .files import Segment, move_noreplace
+from .files import Segment
 from .header import FLAG_DEAD, FLAG_NOTICE, Reader, unpack_identity
 from .naming import Names
-from .pool import CONTROL, RunWatch, give_back, hold, return_slot
+from .pool import RunWatch, SlotMaps, give_back
 from .recovery import Recovery
 from .ring import RINGS_SUPPORTED, Ring
-from .slotmaps import SlotMaps
 
 if TYPE_CHECKING:
     from .liveness import Liveness
@@ -223,11 +220,8 @@ class Consumer:
         from .liveness import Liveness  # (which reads this module's Channel and Source)
 
         self._live: Liveness = Liveness(ctx, TICK)
-        self._maps = SlotMaps(names)
+        self._maps = SlotMaps(names, ctx.incarnation, self._live.producer_alive)
         self._recovery = Recovery(ctx, names, self)
-        #: ``held`` names of pool slots whose arrays this consumer still has (the arrays'
-        #: callbacks discard theirs): ``release`` unlinks what is left.
-        self.held: set[str] = set()
         #: Queued callback (non-blocking) waiters: the dispatcher thread polls while > 0.
         self.callback_waiters = 0
         self._tick_at = 0.0
@@ -236,7 +230,7 @@ class Consumer:
         self._out: list[Item] = []
         self._over: list[tuple[str, int]] = []
         self._late: list[Orphan] = []
-        self.received = self.received_bytes = self.probes = self.refused = self.scans = 0
+        self.received = self.received_bytes = self.refused = self.scans = 0
         self._records = 0  # ring records drained
         self._unexplained = False  # a post brought no record: a ring this consumer lacks
 
@@ -470,101 +464,14 @@ class Consumer:
     def _open(
         self, ch: Channel, seq: int, inc: int, notice: Notice | None
     ) -> Received | BaseException | None:
-        """Take message ``seq`` of ``ch`` (producer run ``inc``) from the segment of its
-        name (under the lock): None if there is no such name (not published yet).
-
-        The array is a view over the mapped segment (zero copy), writable and the
-        consumer's alone: the name is unlinked at once, or, for a pool slot, renamed to
-        ``held`` (and this run noted in the slot's control block) while the array lives;
-        its collection gives the slot back (``pool.return_slot``). A slot's mapping is kept
-        from one message to the next (``SlotMaps``): one a notice names and that is mapped
-        already is taken without an open. A file that is not ours, or whose header does not
-        say this message, is refused: the error is delivered in its place.
-        """
-        self.probes += 1
-        names, task = self._names, ch.src.task
-        name = names.message(ch.step, ch.key, inc, seq)
-        path = Names.path(name)
-        found = None
-        if notice is not None and notice.slot >= 0 and notice.array is not None:
-            found = self._maps.find(task, inc, notice.slot)
-        if found is not None:
-            seg, ident = found
-            slot = notice.slot  # type: ignore[union-attr]
-            dtype, shape, offset, nbytes, dead = notice.array  # type: ignore[union-attr,misc]
-            held = names.held(task, inc, slot)
-            try:
-                seg.check_size(seg.size)  # a shrunk file would be a SIGBUS
-                move_noreplace(path, Names.path(held))
-            except FileNotFoundError:
-                return None
-            except (RendezvousError, OSError):
-                found = None  # the checked open below decides, and says why
-        if found is None:
-            try:
-                seg, ident, kept = self._maps.open(name)
-            except FileNotFoundError:
-                return None
-            except RendezvousError as e:
-                return e  # not ours, unreadable, or out of descriptors: never read
-            try:
-                flags, dtype, shape, offset, nbytes, step, got_seq, _, _, slot, _, key = (
-                    self._reader.read(seg.buf, 0, seg.size, record=False)
-                )
-                if key != ch.key or got_seq != seq or step != ch.step:
-                    raise InternalError(
-                        f"segment {name} holds key {key!r} step {step} seq {got_seq}, "
-                        f"expected {ch.key!r} step {ch.step} seq {seq}"
-                    )
-                problem = shape_problem(shape, dtype.itemsize)
-                if problem is not None:
-                    raise InternalError(f"segment {name} from {task}: {problem}")
-            except RendezvousError as e:
-                seg.unlink_quietly()
-                self._drop(seg, ident, kept)
-                return e
-            dead = bool(flags & FLAG_DEAD)
-            held = names.held(task, inc, slot) if slot >= 0 else ""
-            if held:
-                try:
-                    move_noreplace(path, Names.path(held))
-                except OSError as e:
-                    _log.warning(
-                        "cannot mark %s held (%s); it will not return to its pool", name, e
-                    )
-                    held = ""
-            if not held:
-                seg.unlink_quietly()
-                arr = seg.view(dtype, shape, offset, nbytes)
-                self._drop(seg, ident, kept)
-                return received(arr, dead)
-        # A pool slot named ``held`` now, its size checked a moment ago: this run noted in
-        # its control block, then an array of its own over the kept mapping.
-        seg.name = held
-        if offset + nbytes > seg.size:
-            seg.unlink_quietly()
-            self._maps.forget(ident)
-            return InternalError(
-                f"pool slot {name} of {seg.size} bytes cannot hold {nbytes} bytes at {offset}"
-            )
-        mem = seg.buf
-        ctl = mem if isinstance(mem, mmap.mmap) and offset + nbytes <= seg.size - CONTROL else None
-        if ctl is not None and self._inc:
-            hold(ctl, self._inc)
+        """Message ``seq`` of ``ch`` (producer run ``inc``) from the segment of its name
+        (``SlotMaps.take``): None if it is not published (yet)."""
         watch = next((r.watch for r in ch.src.rings if r.inc == inc), None)
-        self.held.add(held)
-        arr = seg.lend(
-            dtype, shape, offset, nbytes, return_slot, names, self._live.producer_alive, task,
-            inc, slot, held, self.held, ctl, watch, checked=True,
-        )  # fmt: skip
-        self._maps.keep(seg, ident, task, inc, slot)
-        return received(arr, dead)
-
-    def _drop(self, seg: Segment, ident: tuple[int, int], kept: bool) -> None:
-        if kept:
-            self._maps.forget(ident)
-        else:
-            seg.close()
+        if notice is None:
+            return self._maps.take(ch.src.task, ch.step, ch.key, inc, seq, watch=watch)
+        return self._maps.take(
+            ch.src.task, ch.step, ch.key, inc, seq, notice.slot, notice.array, watch
+        )
 
     def free(self, task: str, step: int, key: str, inc: int, seq: int, slot: int) -> None:
         """Free a message nobody will receive (never under the lock): its segment unlinked,
@@ -928,18 +835,7 @@ class Consumer:
         """After ``close``: unlink the held names of arrays still alive (their mappings
         stay; the callbacks that give them back do not run at exit), unmap the rings,
         collect what producer runs that are over left (slots given back after their close)."""
-        while True:
-            try:
-                held = list(self.held)  # a callback may discard meanwhile
-                break
-            except RuntimeError:  # pragma: no cover - changed size during the copy
-                continue
-        for name in held:
-            self.held.discard(name)
-            try:
-                os.unlink(Names.path(name))
-            except OSError:
-                pass
+        self._maps.unlink_held()
         with self.lock:
             for r in list(self._rings):
                 r.src.alive_at = -1.0  # a fresh look, not the tick's
@@ -963,13 +859,13 @@ class Consumer:
                 "received": self.received,
                 "received_bytes": self.received_bytes,
                 "dispatcher_scans": self.scans,
-                "name_probes": self.probes,
+                "name_probes": self._maps.probes,
                 "refused_records": self.refused,
                 "pending_keys": self.pending,
                 "pending_receives": self._table.pending_waiters,
                 "channels": sum(len(c) for c in self._steps.values()),
                 "rings_in": len(self._rings),
-                "held": len(self.held),
+                "held": len(self._maps.held),
                 "slots_mapped": len(self._maps),
                 "slot_map_hits": self._maps.hits,
                 "listings": self._recovery.listing.listings,

@@ -1,64 +1,31 @@
-"""A producer's pool of reusable, pre-faulted shared-memory slots.
+"""Pool slots: a producer's reusable, pre-faulted segments, lent to its consumers and back.
 
-Fresh tmpfs pages cost a fault, an allocation and a zeroing each: writing a new
-segment runs at ~2 GB/s here against 7-14 GB/s for pages already faulted
-(research/pitfalls.md §5). So a producer writes into slots it keeps: a slot is a
-segment file the producer created, fallocated and keeps mapped. A send renames the
-slot to the message's name (it then belongs to the consumer); the consumer renames it
-to ``held`` while its array lives and to ``returned`` when the array is collected; the
-producer renames ``returned`` back to a free ``pool`` name and writes into the same,
-already faulted, pages again. Nothing but renames crosses the processes.
+Fresh tmpfs pages cost a fault, an allocation and a zeroing each: writing a new segment
+runs at a fraction of the speed of pages already faulted (research/pitfalls.md §5). So a
+producer writes large messages into slots it keeps mapped (``SlotPool``): a send renames
+the slot to the message's name (it belongs to the consumer then); the consumer renames it
+to ``held`` while its array lives (``SlotMaps.take``) and, once the array is collected,
+to ``returned`` (``give_back``), then stores the ticket of the slot's next lend in the
+slot's control block (its last ``CONTROL`` bytes, outside every message's data). The
+producer reads that word at its next acquire and publishes the slot again from its
+``returned`` name: nothing but renames and a word cross the processes. The names stay the
+truth whoever crashes: a slot is under ``m`` while published, ``h`` while held, ``r`` once
+given back, ``p`` when free. A consumer notes its incarnation in the block's second word
+once it holds a slot, so that a producer takes back a slot whose holder is gone.
 
-Size classes are powers of two from 4 KiB (above 128 KiB, a power of two plus 64 KiB of
-room for the header), so a slot serves messages between about half and all of its size;
-the pool holds at most ``limit_bytes`` of slots (their header room not counted, so that
-two 256 MiB slots fit a 512 MiB pool: one lent while the next is written), and at most
-``max_slots`` of them: each slot keeps a mapping, and CPython's ``mmap`` keeps a file
-descriptor per mapping (many systems still default to 1024 descriptors per process).
-
-The way back is told through shared memory when it can be (issue 18 §2): the last
-``CONTROL`` bytes of a slot's file are its control block, outside every message's data. A
-consumer whose array over the slot is collected renames ``held`` to ``returned`` and then
-stores the ticket of the slot's next lend in the control block; the producer, at its next
-acquire, reads the word (after one ``fstat``: a file shrunk under it must not be read) and
-has the slot back with no system call on a name: the next send publishes it from its
-``returned`` name. The names stay the truth, whoever crashed when: a slot is under ``m``
-while published, ``h`` while held, ``r`` once given back, ``p`` when free and never lent
-(or taken back by name: a slot freed unreceived by ``cleanup``, or one whose word did not
-come, is renamed ``returned`` -> ``pool`` as before).
-
-The control block's second word names the consumer run that holds the slot: a consumer
-stores its incarnation there once its rename of a message to ``held`` succeeded (the
-producer zeroes it when it takes the slot for a lend, ``acquire``, so a word is only ever the current lend's holder; one
-that died between the two leaves 0, and its slot is never taken back). A slot whose ``held`` name stays while the presence record of its
-consumer task says that run is gone (killed: nothing unlinked the name) is taken back by
-the producer (``held`` -> ``returned`` -> free), at its lost check.
-
-A lent slot can be lost to the producer: its consumer freed the message unreceived
-(``cleanup``), or exited or died while holding it (its ``held`` name unlinked by its
-``close`` or by ``gc``). A lent slot whose name is under none of ``m``/``h``/``r`` any
-more is forgotten: its bytes count no longer, and its mapping is dropped. The names are
-checked in the order the slot travels (``m`` -> ``h`` -> ``r``), so a slot moving on
-meanwhile is always found under one of them.
-
-The consumer's half of the protocol is ``return_slot`` / ``give_back`` below.
-
-What one handoff of a kept slot costs, both sides (``strace -f -c``, 16 MiB ``allocate``
-ping-pong): three renames (``r`` -> ``m`` to publish, ``m`` -> ``h`` to take, ``h`` ->
-``r`` to give back: each name is a state that ``gc``, ``cleanup``, the send window and a
-dead consumer's take-back read) and three ``fstat`` of the slot (before the producer reads
-the return word, before the consumer reads the data and notes itself as holder, before
-it stores the return word: a file shrunk under a mapping is a SIGBUS otherwise), on top of
-what a small message through the ring costs. The way back posts no doorbell: the producer
-reads the word at its next acquire, and nothing is woken for it. Names are over keyed
-digests, computed five times per handoff (``naming.Names``).
+A consumer keeps each slot's mapping from one message to the next (``SlotMaps``), found
+again by inode after the renames: no page faults per message after warm-up. Each mapping
+holds a descriptor, hence the caps (``DEFAULT_MAX_SLOTS``, ``KEEP_MAX``).
 
 Only files this producer created are taken back: a ``returned`` name must still be the
-slot's own inode (another user could plant a file under it, research/pitfalls.md §7).
-The names are over the slot's *ticket* (``naming.SLOT_BITS``), whose generation the
-producer bumps at each take-back: every lend has names of its own, so a file planted
-under a name seen vacated is never in the way. Such a file, if met anyway, is refused
-quietly (``pool_refused`` in ``stats()``, one warning per pool).
+slot's own inode (another user could plant a file under it, pitfalls.md §7). A slot's
+names are over its *ticket* (``naming.SLOT_BITS``), whose generation grows at each lend:
+a name seen vacated is never wanted again.
+
+Thread model (docs/threads.md): ``SlotPool`` is thread-safe (its lock is never held across
+a rename of a peer's file); ``SlotMaps`` runs under the consumer's lock; ``return_slot``
+runs in whichever thread collects an array, possibly inside the garbage collector: it
+takes no lock.
 """
 
 from __future__ import annotations
@@ -70,12 +37,16 @@ import os
 import struct
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from .._errors import InternalError, ResourceExhaustedError
-from .files import Segment, move_noreplace
+from .._errors import InternalError, RendezvousError, ResourceExhaustedError
+from .._rendezvous import Received, received
+from .._values import shape_problem
+from .files import Segment, move_noreplace, open_checked
+from .header import FLAG_DEAD, Reader
 from .naming import MAX_SLOT, SLOT_BITS, Names
 
 __all__ = [
@@ -83,11 +54,9 @@ __all__ = [
     "ProducerAlive",
     "RunWatch",
     "Slot",
+    "SlotMaps",
     "SlotPool",
-    "clear_holder",
     "give_back",
-    "hold",
-    "return_slot",
     "size_class",
 ]
 
@@ -104,11 +73,8 @@ _RECLAIM_SCAN = 8
 _LOST_CHECK_S = 1.0
 
 
-# Room for the header above a power-of-two tensor. A segment is header + data, so a
-# 16 MiB tensor needs a bit more than 16 MiB: with plain powers of two its slot was
-# 32 MiB, and a 256 MiB tensor's slot (512 MiB) filled the default pool alone, so a send
-# made while the consumer still held it wrote a fresh, unfaulted segment: 9.3x a memcpy
-# for one run in three (issue 11).
+# Room for the header above a power-of-two tensor: with plain powers of two a 256 MiB
+# tensor's slot (512 MiB) would fill the default pool alone.
 _HEADER_ROOM = 64 << 10
 
 
@@ -124,13 +90,7 @@ _WORD = struct.Struct("<Q")
 _HOLDER_AT = _WORD.size
 
 
-def hold(mem: mmap.mmap, incarnation: int) -> None:
-    """Consumer side: note in the slot mapped at ``mem`` that run ``incarnation`` holds it
-    (after its rename to ``held``). The caller checked that the file holds ``mem`` whole."""
-    _WORD.pack_into(mem, len(mem) - CONTROL + _HOLDER_AT, incarnation)
-
-
-def clear_holder(mem: mmap.mmap | bytearray) -> None:
+def _clear_holder(mem: mmap.mmap | bytearray) -> None:
     """Producer side, when a slot is taken for its next lend: no consumer holds it yet."""
     if len(mem) >= CONTROL:
         _WORD.pack_into(mem, len(mem) - CONTROL + _HOLDER_AT, 0)
@@ -241,7 +201,7 @@ class SlotPool:
             if slot is not None and self._intact(slot):
                 # No consumer holds its next lend yet (``hold``): cleared now, where its
                 # control block was just read, not in the publish after the caller's write.
-                clear_holder(slot.segment.buf)
+                _clear_holder(slot.segment.buf)
                 self.reused += 1
                 return slot
             while (
@@ -680,3 +640,280 @@ def give_back(
             os.unlink(ret)
         except OSError:
             pass
+
+
+# -- the consumer's side: kept mappings -------------------------------------------------
+
+#: At most this many kept mappings (file descriptors) per consumer: the pool's own default.
+KEEP_MAX = 256
+# A kept mapping that lent nothing for this long is checked for its slot's existence.
+_IDLE_S = 2.0
+# At most this many idle mappings are checked per sweep (a few stats each).
+_SWEEP_MAX = 8
+
+#: A slot file's identity across renames: (st_dev, st_ino).
+SlotIdent = tuple[int, int]
+_Ident = SlotIdent
+# A ticket's slot index (naming.SLOT_BITS).
+_INDEX = (1 << SLOT_BITS) - 1
+
+
+@dataclass(eq=False)
+class _Kept:
+    segment: Segment
+    size: int
+    task: str  # the producer's task, incarnation and slot index: the slot's names
+    incarnation: int
+    slot: int  # the ticket of its last lend
+    used_at: float
+
+
+class SlotMaps:
+    """The kept mappings of one consumer (see the module docstring)."""
+
+    def __init__(
+        self, names: Names, incarnation: int, alive: ProducerAlive, limit: int = KEEP_MAX
+    ) -> None:
+        self._names = names
+        self._inc = incarnation  # the consumer run: noted in the slots it holds
+        self._alive = alive
+        self._reader = Reader()
+        self._limit = limit
+        #: ``held`` names of slots whose arrays this consumer still has (their callbacks
+        #: discard theirs); whoever closes the consumer unlinks what is left.
+        self.held: set[str] = set()
+        self.probes = 0
+        self._kept: OrderedDict[_Ident, _Kept] = OrderedDict()  # least recently used first
+        # (producer task, incarnation, slot index) -> the kept mapping of that slot
+        self._by_slot: dict[tuple[str, int, int], _Ident] = {}
+        self.hits = 0
+        self.maps = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def open(self, name: str) -> tuple[Segment, SlotIdent, bool]:
+        """Open segment ``name``: (segment, its (device, inode), whether it is a kept mapping).
+
+        Raises what ``Segment.attach`` raises: ``FileNotFoundError`` unchanged when there is
+        no such name, ``InternalError`` for a file that is not ours, ``ResourceExhaustedError``
+        when out of descriptors. A segment that is not kept is the caller's to close, or to
+        ``keep``.
+        """
+        fd, st = open_checked(self._names.path(name), os.O_RDWR, "segment")
+        ident = (st.st_dev, st.st_ino)
+        kept = self._kept.get(ident)
+        if kept is not None:
+            if kept.size == st.st_size and not kept.segment.closed:
+                os.close(fd)
+                kept.used_at = time.monotonic()
+                self._kept.move_to_end(ident)
+                kept.segment.name = name
+                self.hits += 1
+                return kept.segment, ident, True
+            self._drop(ident)  # resized: not the mapping to use any more
+        self.maps += 1
+        return Segment.map_fd(self._names, name, fd, st), ident, False
+
+    def find(self, task: str, incarnation: int, ticket: int) -> tuple[Segment, _Ident] | None:
+        """The kept mapping of the slot of ``ticket`` (its index) of ``task``'s run
+        ``incarnation``, if there is one; the caller checks the file's size before use."""
+        ident = self._by_slot.get((task, incarnation, ticket & _INDEX))
+        if ident is None:
+            return None
+        kept = self._kept.get(ident)
+        if kept is None or kept.segment.closed:
+            return None
+        kept.used_at = time.monotonic()
+        self._kept.move_to_end(ident)
+        self.hits += 1
+        return kept.segment, ident
+
+    def take(
+        self,
+        task: str,
+        step: int,
+        key: str,
+        inc: int,
+        seq: int,
+        slot: int = -1,
+        array: tuple[Any, ...] | None = None,
+        watch: RunWatch | None = None,
+    ) -> Received | BaseException | None:
+        """Take message ``seq`` of (step, key) of producer ``task``'s run ``inc`` from the
+        segment of its name: None if there is no such name (not published yet).
+
+        The array is a view over the mapped segment (zero copy), writable and the
+        consumer's alone: the name is unlinked at once, or, for a pool slot, renamed to
+        ``held`` (and this run noted in the slot's control block) while the array lives;
+        its collection gives the slot back (``return_slot``). A slot its ring notice names
+        (``slot``, ``array``: what the notice said) that is mapped already is taken with no
+        open. A file that is not ours, or whose header does not say this message, is
+        refused: the error is returned in its place.
+        """
+        self.probes += 1
+        names = self._names
+        name = names.message(step, key, inc, seq)
+        path = Names.path(name)
+        found = self.find(task, inc, slot) if slot >= 0 and array is not None else None
+        held = ""
+        if found is not None and array is not None:
+            seg, ident = found
+            dtype, shape, offset, nbytes, dead = array
+            held = names.held(task, inc, slot)
+            try:
+                seg.check_size(seg.size)  # a shrunk file would be a SIGBUS
+                move_noreplace(path, Names.path(held))
+            except FileNotFoundError:
+                return None
+            except (RendezvousError, OSError):
+                found = None  # the checked open below decides, and says why
+        if found is None:
+            try:
+                seg, ident, kept = self.open(name)
+            except FileNotFoundError:
+                return None
+            except RendezvousError as e:
+                return e  # not ours, unreadable, or out of descriptors: never read
+            try:
+                flags, dtype, shape, offset, nbytes, got_step, got_seq, _, _, slot, _, got = (
+                    self._reader.read(seg.buf, 0, seg.size, record=False)
+                )
+                if got != key or got_seq != seq or got_step != step:
+                    raise InternalError(
+                        f"segment {name} holds key {got!r} step {got_step} seq {got_seq}, "
+                        f"expected {key!r} step {step} seq {seq}"
+                    )
+                problem = shape_problem(shape, dtype.itemsize)
+                if problem is not None:
+                    raise InternalError(f"segment {name} from {task}: {problem}")
+            except RendezvousError as e:
+                seg.unlink_quietly()
+                self._let_go(seg, ident, kept)
+                return e
+            dead = bool(flags & FLAG_DEAD)
+            held = names.held(task, inc, slot) if slot >= 0 else ""
+            if held:
+                try:
+                    move_noreplace(path, Names.path(held))
+                except OSError as e:
+                    _log.warning(
+                        "cannot mark %s held (%s); it will not return to its pool", name, e
+                    )
+                    held = ""
+            if not held:
+                seg.unlink_quietly()
+                arr = seg.view(dtype, shape, offset, nbytes)
+                self._let_go(seg, ident, kept)
+                return received(arr, dead)
+        # A pool slot named ``held`` now, its size checked a moment ago: this run noted in
+        # its control block, then an array of its own over the kept mapping.
+        seg.name = held
+        if offset + nbytes > seg.size:
+            seg.unlink_quietly()
+            self.forget(ident)
+            return InternalError(
+                f"pool slot {name} of {seg.size} bytes cannot hold {nbytes} bytes at {offset}"
+            )
+        mem = seg.buf
+        ctl = mem if isinstance(mem, mmap.mmap) and offset + nbytes <= seg.size - CONTROL else None
+        if ctl is not None and self._inc:
+            _WORD.pack_into(ctl, len(ctl) - CONTROL + _HOLDER_AT, self._inc)
+        self.held.add(held)
+        arr = seg.lend(
+            dtype, shape, offset, nbytes, return_slot, names, self._alive, task, inc, slot,
+            held, self.held, ctl, watch, checked=True,
+        )  # fmt: skip
+        self.keep(seg, ident, task, inc, slot)
+        return received(arr, dead)
+
+    def _let_go(self, seg: Segment, ident: SlotIdent, kept: bool) -> None:
+        if kept:
+            self.forget(ident)
+        else:
+            seg.close()
+
+    def unlink_held(self) -> None:
+        """Unlink the ``held`` names of arrays still alive (their mappings stay: the
+        callbacks that give them back do not run at exit)."""
+        while True:
+            try:
+                held = list(self.held)  # a callback may discard meanwhile
+                break
+            except RuntimeError:  # pragma: no cover - changed size during the copy
+                continue
+        for name in held:
+            self.held.discard(name)
+            try:
+                os.unlink(Names.path(name))
+            except OSError:
+                pass
+
+    def keep(self, seg: Segment, ident: _Ident, task: str, incarnation: int, slot: int) -> None:
+        """Keep ``seg`` (a pool slot of ``task``'s ``incarnation`` lent under ticket ``slot``)
+        mapped for its next message; for a kept one, note the ticket of this lend."""
+        kept = self._kept.get(ident)
+        if kept is not None:
+            kept.slot = slot
+            return
+        while len(self._kept) >= self._limit and self._evict_one():
+            pass
+        if len(self._kept) >= self._limit:
+            seg.close()  # every kept mapping lends an array: this one is not kept
+            return
+        self._kept[ident] = _Kept(seg, seg.size, task, incarnation, slot, time.monotonic())
+        self._by_slot[(task, incarnation, slot & _INDEX)] = ident
+
+    def forget(self, ident: _Ident) -> None:
+        """Drop the kept mapping of ``ident`` (its file turned out unusable)."""
+        if ident in self._kept:
+            self._drop(ident)
+
+    def _evict_one(self) -> bool:
+        for ident, kept in self._kept.items():
+            if not kept.segment.lent:
+                self._drop(ident)
+                return True
+        return False
+
+    def _drop(self, ident: _Ident) -> None:
+        kept = self._kept.pop(ident)
+        at = (kept.task, kept.incarnation, kept.slot & _INDEX)
+        if self._by_slot.get(at) == ident:
+            del self._by_slot[at]
+        kept.segment.close()  # unmapped now, or when its last lent array is collected
+
+    def sweep(self) -> None:
+        """Drop idle mappings whose slot is gone (a few ``stat`` calls; once per tick)."""
+        now = time.monotonic()
+        looked = 0
+        for ident, kept in list(self._kept.items()):
+            if looked >= _SWEEP_MAX:
+                return
+            if now - kept.used_at < _IDLE_S or kept.segment.lent:
+                continue
+            looked += 1
+            kept.used_at = now
+            if not self._slot_exists(ident, kept):
+                self._drop(ident)
+
+    def _slot_exists(self, ident: _Ident, kept: _Kept) -> bool:
+        names = self._names
+        for name in (
+            # Taken back, the slot is free under its next ticket (naming.SLOT_BITS).
+            names.pool(kept.task, kept.incarnation, kept.slot + (1 << SLOT_BITS)),
+            names.returned(kept.task, kept.incarnation, kept.slot),
+            names.held(kept.task, kept.incarnation, kept.slot),
+        ):
+            try:
+                st = os.stat(names.path(name), follow_symlinks=False)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == ident:
+                return True
+        return False
+
+    def close(self) -> None:
+        """Drop every kept mapping (arrays still lent keep theirs until collected)."""
+        while self._kept:
+            self._drop(next(iter(self._kept)))
