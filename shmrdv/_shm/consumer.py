@@ -1,23 +1,20 @@
 """The receiving half of the same-host transport: one channel table, fed by the rings.
 
 Each (step, key) is a ``Channel``, the key of one ``WaiterTable`` (``_channels.py``): its
-values not taken yet, or its waiting receives, oldest first. Every message a producer sends
-leaves a record in the ring that producer keeps for this consumer (``ring.py``): the value
-itself when small, else a notice "message (step, key, seq) is the segment of its name".
-Draining a ring hands each record to its channel's oldest waiter, or queues it; a receive
-takes the oldest value, or waits. A message in a segment is taken by ``_open``, the one way
-there is, whether a notice announced it or its name is all there is.
+values not taken yet, or its waiting receives, oldest first. A producer leaves a record of
+each message in the ring it keeps for this consumer (``ring.py``): the value itself when
+small, else a notice "message (step, key, seq) is the segment of its name". Draining a
+ring hands each record to its channel's oldest waiter, or queues it; a receive takes the
+oldest value, or waits. A segment is taken by ``_open`` (``pool.SlotMaps.take``).
 
-Names are the truth; rings are how the consumer hears of them. What no ring record shows is
-found by name (``recovery.py``): a gap in a channel's sequence numbers (its producer's ring
-was full) by the names of the missing messages, at once; the waiting channels of a producer
-without a ring by the name of their next message, per doorbell post; the rest by a listing.
-A lost doorbell post costs at most one tick (``TICK``), never a message.
+Names are the truth; rings are how the consumer hears of them. What no record shows is
+found by name: a gap in a channel's sequence numbers (a full ring) by the missing names,
+at once; the waiting channels of a producer without a ring per doorbell post; the rest by
+a listing (``recovery.py``). A lost doorbell post costs a tick (``TICK``), never a message.
 
-Thread model (docs/threads.md): every method takes ``lock`` itself (callers never hold it),
-and none blocks on a peer or calls back under it: they return the deliveries to make after
-it (``deliver``), except ``start_recv``, which delivers a value already there itself once
-the lock is released. File operations under the lock never block (``files.open_checked``).
+Thread model (docs/threads.md): every method takes ``lock`` itself; what it finds to do
+after it (deliveries, frees, collections) runs once it is released, in the same thread.
+File operations under the lock never block (``files.open_checked``).
 """
 
 from __future__ import annotations
@@ -41,10 +38,10 @@ from .._transport import TransportContext
 from . import reaper
 from .files import Segment
 from .header import FLAG_DEAD, FLAG_NOTICE, Reader, unpack_identity
+from .mappings import RunWatch, SlotMaps
 from .naming import Names
-from .pool import RunWatch, SlotMaps, give_back
 from .recovery import Recovery
-from .ring import RINGS_SUPPORTED, Ring
+from .ring import Ring
 
 if TYPE_CHECKING:
     from .liveness import Liveness
@@ -56,8 +53,6 @@ _log = logging.getLogger("shmrdv.shm")
 #: Liveness and fallback period while receives wait: bounds what a lost doorbell post costs
 #: and the time to notice a dead producer (< 1 s).
 TICK = 0.2
-# How often a consumer looks for a producer's ring that is not there yet.
-_RING_LOOK_S = 0.02
 # Above this many waiting channels of a producer without a ring, one listing of /dev/shm
 # is cheaper than one open per channel.
 _LISTDIR_ABOVE = 64
@@ -69,9 +64,8 @@ Item = tuple[DoneCallback, bool, Received | BaseException]
 
 
 class Notice:
-    """A queued message that is the segment of its name: message ``seq`` of producer run
-    ``inc``, in pool slot ``slot`` (or -1), its array as its ring record said (dtype, shape,
-    data offset, nbytes, is_dead), or None when found by listing."""
+    """A queued message that is the segment of its name: message ``seq`` of run ``inc``, in
+    pool slot ``slot`` or -1, its array as its record said (None when found by listing)."""
 
     __slots__ = ("array", "inc", "seq", "slot")
 
@@ -105,8 +99,7 @@ class Channel:
 
 
 class Waiter:
-    """One queued receive. A blocked receiver polls the doorbell itself (``Transport.wait``);
-    only callback waiters (``blocking`` False) need the dispatcher thread."""
+    """One queued receive (``blocking``: its receiver polls; else a callback waits)."""
 
     __slots__ = ("blocking", "channel", "copy", "done")
 
@@ -189,11 +182,6 @@ def deliver(done: DoneCallback, copy: bool, result: Received | BaseException) ->
         invoke_done(done, result, None)  # type: ignore[arg-type]  # an error
 
 
-def _already_done() -> bool:
-    """The canceller of a receive delivered at once: nothing left to cancel."""
-    return False
-
-
 class Consumer:
     """The receiving half of one worker's shared-memory transport (see the module docstring)."""
 
@@ -202,15 +190,12 @@ class Consumer:
     ) -> None:
         self._ctx = ctx
         self._task = ctx.task_name
-        self._inc = ctx.incarnation  # noted in the slots this consumer holds
         self._names = names
         self._wake_dispatcher = on_callback_waiter
         self.lock = threading.Lock()
         self._closed = False
         self._aborted: dict[int, BaseException] = {}
-        #: Whether ``check_open`` may raise (closed, or a step aborted): one attribute to
-        #: read per send.
-        self.refusing = False
+        self.refusing = False  #: whether ``check_open`` may raise (closed, a step aborted)
         self._table: WaiterTable[Channel, Queued, Waiter] = WaiterTable()
         self._steps: dict[int, dict[str, Channel]] = {}
         self.srcs: dict[str, Source] = {}  # by task
@@ -221,12 +206,11 @@ class Consumer:
 
         self._live: Liveness = Liveness(ctx, TICK)
         self._maps = SlotMaps(names, ctx.incarnation, self._live.producer_alive)
-        self._recovery = Recovery(ctx, names, self)
+        self._recovery = Recovery(ctx, names, self, self._live.producer_alive)
         #: Queued callback (non-blocking) waiters: the dispatcher thread polls while > 0.
         self.callback_waiters = 0
         self._tick_at = 0.0
-        # What is found under the lock to do after it: deliveries; producer runs that are
-        # over, to collect; messages of steps cleaned up already, to free.
+        # Found under the lock, done after it: deliveries, runs over, messages to free.
         self._out: list[Item] = []
         self._over: list[tuple[str, int]] = []
         self._late: list[Orphan] = []
@@ -254,18 +238,12 @@ class Consumer:
         return ch
 
     def find(self, step: int, key: str) -> Channel | None:
-        """The channel of (step, key) if there is one."""
-        chans = self._steps.get(step)
-        return chans.get(key) if chans is not None else None
-
-    def queued(self, ch: Channel) -> int:
-        """How many values ``ch`` has queued."""
-        return self._table.values_of(ch)
+        return self._steps.get(step, {}).get(key)
 
     def queue(self, ch: Channel, value: Queued) -> None:
         """Hand ``value`` (the channel's next message) to its oldest waiter, or queue it."""
         if type(value) is Notice and ch in ch.src.waiting:
-            value = self._open_notice(ch, value)
+            value = self._open(ch, value.seq, value.inc, value)  # type: ignore[assignment]
         waiter = self._table.put(ch, value)
         if waiter is not None:
             self._out.append(self._served(waiter, value))
@@ -290,7 +268,7 @@ class Consumer:
             except Exception:  # pragma: no cover - it never raises for what it finds
                 _log.exception("collecting what producer %s (%016x) left", task, inc)
         for args in late:
-            self.free(*args)
+            self._recovery.free(*args)
         # One at a time, nothing kept: a mapped array the receiver drops goes back at once.
         out.reverse()
         while out:
@@ -326,9 +304,8 @@ class Consumer:
             if ch is None:
                 src = self._src_by_device.get(key.src_device)
                 if src is None:
-                    src = self._src_by_device[key.src_device] = self.source(
-                        str(canonical_task(key.src))
-                    )
+                    src = self.source(str(canonical_task(key.src)))
+                    self._src_by_device[key.src_device] = src
                 ch = self.channel(step_id, key.full_key, src, key.src_incarnation)
             if ch.pk is None:
                 ch.pk = key
@@ -354,7 +331,7 @@ class Consumer:
             self._after(work)
         if result is not None:
             deliver(done, copy, result)
-            return _already_done
+            return bool  # a canceller that returns False: nothing left to cancel
         if first:
             self._wake_dispatcher()  # it sleeps while no callback receive is pending
         return lambda: self.cancel(waiter)
@@ -365,9 +342,9 @@ class Consumer:
         name where no ring shows it, the error of a failed ring, and whether its producer
         lives (so that its death is noticed before the first tick) or was restarted."""
         if src.look_at != _INF:
-            self._look_for_ring(src)
+            self._recovery.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
-            self._look_for_old_ring(src, ch.inc)
+            self._recovery.look_for_old_ring(src, ch.inc)
         result = self.take(ch, src.ringless(ch.inc) or src.lost())
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None
@@ -416,7 +393,7 @@ class Consumer:
     def _taken(self, ch: Channel, got: Queued) -> Received | BaseException:
         """What a receive gets for the queued ``got`` (a notice is opened), counted."""
         if type(got) is Notice:
-            got = self._open_notice(ch, got)
+            got = self._open(ch, got.seq, got.inc, got)  # type: ignore[assignment]
         if type(got) is Received:
             self.received += 1
             self.received_bytes += got.value.nbytes
@@ -452,78 +429,26 @@ class Consumer:
 
     # -- messages in segments -----------------------------------------------------------
 
-    def _open_notice(self, ch: Channel, notice: Notice) -> Received | BaseException:
-        got = self._open(ch, notice.seq, notice.inc, notice)
-        if got is None:
-            return InternalError(
-                f"message {notice.seq} of key {ch.key!r} from {ch.src.task} was announced "
-                "but its segment is gone"
-            )
-        return got
-
     def _open(
         self, ch: Channel, seq: int, inc: int, notice: Notice | None
     ) -> Received | BaseException | None:
         """Message ``seq`` of ``ch`` (producer run ``inc``) from the segment of its name
-        (``SlotMaps.take``): None if it is not published (yet)."""
+        (``SlotMaps.take``): None if it is not published (yet); an error for a notice whose
+        segment is gone."""
         watch = next((r.watch for r in ch.src.rings if r.inc == inc), None)
         if notice is None:
             return self._maps.take(ch.src.task, ch.step, ch.key, inc, seq, watch=watch)
-        return self._maps.take(
+        got = self._maps.take(
             ch.src.task, ch.step, ch.key, inc, seq, notice.slot, notice.array, watch
         )
-
-    def free(self, task: str, step: int, key: str, inc: int, seq: int, slot: int) -> None:
-        """Free a message nobody will receive (never under the lock): its segment unlinked,
-        or its pool slot given back to its producer (``pool.give_back``)."""
-        path = Names.path(self._names.message(step, key, inc, seq))
-        if slot >= 0:
-            give_back(self._names, self._live.producer_alive, task, inc, slot, path)
-            return
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        if got is None:
+            return InternalError(
+                f"message {seq} of key {ch.key!r} from {ch.src.task} was announced but its "
+                "segment is gone"
+            )
+        return got
 
     # -- rings ----------------------------------------------------------------------------
-
-    def _look_for_ring(self, src: Source, force: bool = False) -> None:
-        """Attach the ring of ``src``'s current run if it is there (at most every
-        ``_RING_LOOK_S`` unless ``force``)."""
-        if not RINGS_SUPPORTED:
-            src.look_at = _INF
-            return
-        now = time.monotonic()
-        if src.look_at > now and not force:
-            return
-        src.look_at = now + _RING_LOOK_S
-        if not src.inc:
-            try:
-                record = self._ctx.peers.lookup(src.dev)
-            except RendezvousError as e:  # a record that is not ours, or corrupt
-                _log.warning("presence record of %s: %s", src.task, e)
-                return
-            if not (record.final and record.incarnation):
-                return
-            src.inc = record.incarnation
-        if src.inc in src.ring_incs:
-            src.look_at = _INF  # until the producer restarts
-            return
-        try:
-            self.attach(self._names.ring(src.task, src.inc, self._task), (src.task, src.inc))
-        except RendezvousError as e:
-            _log.warning("%s", e)
-            src.look_at = now + TICK
-
-    def _look_for_old_ring(self, src: Source, inc: int) -> None:
-        """A key pinned to a run that is not the live one: attach that run's ring if it left
-        one (once per run)."""
-        src.tried.add(inc)
-        if RINGS_SUPPORTED:
-            try:
-                self.attach(self._names.ring(src.task, inc, self._task), (src.task, inc))
-            except RendezvousError as e:
-                _log.warning("%s", e)
 
     def attach(self, name: str, expect: tuple[str, int] | None) -> bool:
         """Map a producer's ring for this consumer, unlink its name (the memory goes when
@@ -713,7 +638,7 @@ class Consumer:
                     self._unexplained = True
                     for src in list(self.srcs.values()):
                         if src.waiting and src.ringless(0):
-                            self._look_for_ring(src, force=True)
+                            self._recovery.look_for_ring(src, force=True)
                 if posted and self._table.pending_waiters:
                     self._probe_ringless()
                 now = time.monotonic()
@@ -736,7 +661,7 @@ class Consumer:
     def _tick(self, src: Source) -> None:
         """Once per tick for a producer with waiters: its ring (attached if it is there),
         what it lost or left by name, its liveness."""
-        self._look_for_ring(src, force=not src.rings)
+        self._recovery.look_for_ring(src, force=not src.rings)
         if src.lost():
             self._recovery.recover(src)
         if not src.inc or src.tried:

@@ -408,7 +408,7 @@ class Producer:
         if ticket is not None:
             ticket.segment(name)
         if slot is not None:
-            self._pool.lend(slot, fk, name, route.task)
+            self._pool.lend(slot, name, route.task)
         else:
             seg.close()
         self._post(route)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING
 
 from .._errors import InternalError, RendezvousError
@@ -26,7 +27,9 @@ from .._peers import canonical_task
 from .._transport import TransportContext
 from .files import is_ours, peek_header
 from .listing import Listing
+from .mappings import give_back
 from .naming import Names, parse_name
+from .pool import ProducerAlive
 from .ring import RINGS_SUPPORTED
 
 if TYPE_CHECKING:
@@ -43,6 +46,9 @@ _REFUSED_MAX = 1 << 17
 _NEW_PER_LISTING = 32768
 # A listing at most this often (seconds).
 _LIST_EVERY = 0.1
+# How often a consumer looks for a producer's ring that is not there yet.
+_RING_LOOK_S = 0.02
+_INF = float("inf")
 
 #: What a listing tells of a published message: step, key, seq, incarnation, created, slot.
 Listed = tuple[int, str, int, int, int, int]
@@ -59,8 +65,11 @@ def _task_of(key: str) -> str | None:
 class Recovery:
     """The listings of one consumer (see the module docstring)."""
 
-    def __init__(self, ctx: TransportContext, names: Names, consumer: Consumer) -> None:
+    def __init__(
+        self, ctx: TransportContext, names: Names, consumer: Consumer, alive: ProducerAlive
+    ) -> None:
         self._ctx = ctx
+        self._alive = alive
         self._names = names
         self._consumer = consumer
         self._own = ctx.task.task_key()
@@ -68,6 +77,60 @@ class Recovery:
         self.listing = Listing(names.prefix, _LIST_EVERY, _REFUSED_MAX)
         self._listed: dict[str, Listed] = {}  # published messages a listing looked at
         self._listed_gen = self._rings_gen = -1  # the listing generations they reflect
+
+    def look_for_ring(self, src: Source, force: bool = False) -> None:
+        """Attach the ring of ``src``'s current run if it is there (at most every
+        ``_RING_LOOK_S`` unless ``force``)."""
+        if not RINGS_SUPPORTED:
+            src.look_at = _INF
+            return
+        now = time.monotonic()
+        if src.look_at > now and not force:
+            return
+        src.look_at = now + _RING_LOOK_S
+        if not src.inc:
+            try:
+                record = self._ctx.peers.lookup(src.dev)
+            except RendezvousError as e:  # a record that is not ours, or corrupt
+                _log.warning("presence record of %s: %s", src.task, e)
+                return
+            if not (record.final and record.incarnation):
+                return
+            src.inc = record.incarnation
+        if src.inc in src.ring_incs:
+            src.look_at = _INF  # until the producer restarts
+            return
+        try:
+            self._consumer.attach(
+                self._names.ring(src.task, src.inc, self._ctx.task_name), (src.task, src.inc)
+            )
+        except RendezvousError as e:
+            _log.warning("%s", e)
+            src.look_at = now + _LIST_EVERY * 2
+
+    def look_for_old_ring(self, src: Source, inc: int) -> None:
+        """A key pinned to a run that is not the live one: attach that run's ring if it left
+        one (once per run)."""
+        src.tried.add(inc)
+        if RINGS_SUPPORTED:
+            try:
+                self._consumer.attach(
+                    self._names.ring(src.task, inc, self._ctx.task_name), (src.task, inc)
+                )
+            except RendezvousError as e:
+                _log.warning("%s", e)
+
+    def free(self, task: str, step: int, key: str, inc: int, seq: int, slot: int) -> None:
+        """Free a message nobody will receive (never under the lock): its segment unlinked,
+        or its pool slot given back to its producer (``pool.give_back``)."""
+        path = Names.path(self._names.message(step, key, inc, seq))
+        if slot >= 0:
+            give_back(self._names, self._alive, task, inc, slot, path)
+            return
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
     def needed(self) -> bool:
         """Whether messages may have come to this consumer with no ring record: a producer
@@ -253,7 +316,7 @@ class Recovery:
                 continue
             task = _task_of(header.key)
             assert task is not None
-            self._consumer.free(
+            self.free(
                 task, step_id, header.key, header.producer_incarnation, header.seq, header.slot
             )
 
