@@ -25,7 +25,6 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import posix_ipc
@@ -165,11 +164,6 @@ class Bell(Closing):
         return bell
 
     @property
-    def name(self) -> str:
-        """The posix_ipc name (with its leading slash)."""
-        return self._name
-
-    @property
     def path(self) -> str:
         """The semaphore's file, ``/dev/shm/sem.<name>``."""
         return self._path
@@ -190,18 +184,10 @@ class Bell(Closing):
             raise InternalError(f"cannot {action} doorbell {self._path} of {self._task}: closed")
 
     @property
-    def post(self) -> Callable[[], None]:
-        """The semaphore's own post (``release``): ``ring`` without its checks, for a
-        sender's hot path. It raises on a closed handle or a saturated counter; the caller
-        then calls ``ring``, which says what is wrong or drops the post."""
-        release: Callable[[], None] = self._sem.release
-        return release
-
-    @property
     def semaphore(self) -> posix_ipc.Semaphore:
-        """The semaphore itself, for a sender's hot path: its ``value`` (posts not taken
-        yet) and its ``release`` (``post``) without a Python call around them. Both raise
-        on a closed handle; the caller then calls ``ring``, which says what is wrong."""
+        """The semaphore itself: its ``value`` (posts not taken yet) and its ``release``
+        with no Python call around them (a sender, a spinning poller). Both raise on a
+        closed handle."""
         return self._sem
 
     def ring(self) -> None:
@@ -262,7 +248,7 @@ class Bell(Closing):
         count = 0
         sem = self._sem
         # The value is read first (no system call): the usual last ``acquire(0)`` that
-        # fails costs an exception, a few µs per drain on a poller's hot path.
+        # fails costs an exception, on a poller's hot path.
         while sem.value > 0:
             try:
                 sem.acquire(0)

@@ -9,7 +9,7 @@ is free. The dispatcher thread (one per transport) takes the role only while cal
 receives wait and no blocked receiver has held it for ``_HANDOFF_NS`` (a receiver in a
 loop keeps it, and serves the callback receives with its own scans); it never spins.
 
-The spin: waking a process asleep on another CPU costs tens of µs (research/peer_numbers.md),
+The spin: waking a process asleep on another CPU takes a while (research/peer_numbers.md),
 so a reply that comes within ``SPIN_NS`` is taken with no sleep at all. A producer posts
 for every message (unless a post is pending already), so the spin reads only the
 semaphore's value (no system call). It is off where it cannot pay: one CPU, or a host whose

@@ -208,7 +208,7 @@ class SlotPool:
                 self._count -= 1
             if isinstance(e, ResourceExhaustedError):
                 # /dev/shm cannot hold the size class: the caller tries an exact-size
-                # segment, which may still fit (issue 13 §5).
+                # segment, which may still fit.
                 _log.info("no room for a %d-byte pool slot: %s", cls, e)
                 return None
             if isinstance(e, InternalError):

@@ -597,7 +597,7 @@ def helpers() -> int:
 
 class _Job:
     """Chunks handed out one at a time: whoever is free takes the next one, so a helper that
-    wakes late (a sleeping CPU can take 100 µs and more to run) only copies less."""
+    wakes late (a sleeping CPU takes a while to run) only copies less."""
 
     __slots__ = ("busy", "chunks", "dst", "error", "idle", "lock", "next", "src")
 

@@ -1,8 +1,7 @@
 """A single-producer, single-consumer byte ring in shared memory, for small messages.
 
 A segment per message costs a dozen system calls (create or reuse, rename, open, map,
-rename again, unmap) — about 100 µs of a small message's life on this kind of machine,
-far more than its bytes. Small tensors therefore travel inline in a ring that one
+rename again, unmap): far more than a small message's bytes. Small tensors therefore travel inline in a ring that one
 producer worker keeps for one consumer worker: the producer appends a record (the same
 header as a segment's, then the data) and advances ``head``; the consumer copies records
 out and advances ``tail``. No system call but the doorbell's post.
@@ -22,7 +21,7 @@ x86-64 keeps stores in order (TSO), so the consumer never reads a half-written r
 Weaker memory models need fences Python cannot issue: the transport uses rings only on
 x86-64 (``RINGS_SUPPORTED``) and segments everywhere else.
 
-Pure on a buffer: no files here (``transport.py`` creates, maps and names the segment).
+Pure on a buffer: no files here (the producer creates, maps and names the segment).
 A ring is not thread-safe on either side; each side's owner serialises its calls.
 """
 
@@ -50,7 +49,7 @@ DATA_OFFSET = 4096
 _WRAP = 0xFFFFFFFF
 _ALIGN = 8
 # A record's size from its payload's: ``(payload + _PAD) & _ROUND`` (the u32 length word,
-# rounded up to ``_ALIGN``), two operations where the expression written out is six.
+# rounded up to ``_ALIGN``), in two operations.
 _PAD, _ROUND = 4 + _ALIGN - 1, -_ALIGN
 # A consumer's batch (``spans``) ends after about this many bytes of records: the producer
 # gets the room back as the consumer goes, not only once a full ring is drained.
