@@ -23,7 +23,7 @@ from helpers import CONSUMER, PRODUCER, make_key
 
 import shmrdv
 from shmrdv._procs import ChildWorker
-from shmrdv._shm.poller import spin_pays
+from shmrdv._shm.poller import SPIN_WINDOW, spin_pays
 
 # -- functions the child runs (ChildWorker.call: fn(worker, *args)) -------------------------
 
@@ -293,3 +293,34 @@ def test_posts_turn_the_spin_on_again() -> None:
         producer.cleanup(1)
     assert got.get_nowait() == 3
     assert after > before
+
+
+@pytest.mark.timeout(60)
+def test_spins_that_do_not_pay_pause_the_spin() -> None:
+    """A producer that answers well after the spin's budget (2 ms): after a window of
+    spins that found nothing, the spin pauses (it would only burn the CPU); every message
+    still arrives on its post."""
+    ns = shmrdv.new_namespace()
+    n = 40
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        ChildWorker(PRODUCER, namespace=ns) as producer,
+    ):
+        _warm(consumer, producer, 1, spin=False)
+        before = shm_stats(consumer)
+        out: list[Any] = []
+        sender = threading.Thread(
+            target=lambda: out.append(producer.call(child_send_after, 1, [0.002] * n)),
+            daemon=True,
+        )
+        sender.start()
+        rdv = consumer.rendezvous(1)
+        got = [int(rdv.recv(make_key(f"x{i}"), timeout=30).value[0]) for i in range(1, n + 1)]
+        sender.join(30)
+        after = shm_stats(consumer)
+        assert out == [n] and got == list(range(1, n + 1))
+        spins = after["spins"] - before["spins"]
+        assert spins <= SPIN_WINDOW + 2, (before, after)
+        assert after["tick_finds"] == before["tick_finds"], (before, after)
+        consumer.cleanup(1)
+        producer.cleanup(1)

@@ -12,10 +12,11 @@ loop keeps it, and serves the callback receives with its own scans); it never sp
 The spin: waking a process asleep on another CPU takes a while (research/peer_numbers.md),
 so a reply that comes within ``SPIN_NS`` is taken with no sleep at all. A producer posts
 for every message (unless a post is pending already), so the spin reads only the
-semaphore's value (no system call). It is off where it cannot pay: one CPU, or a host whose
-load says its CPUs are taken (the producer could not run meanwhile), and after a wait that
-went unanswered, until a post comes again. ``Worker(busy_poll=s)`` replaces it: the leader
-polls for ``s`` seconds after the last message.
+semaphore's value (no system call). Its budget is fixed; it is off where it cannot pay: on
+one CPU; for a second after a quarter or fewer of its last ``SPIN_WINDOW`` spins found a post
+(the peer could not answer within it: its CPUs are taken, or the traffic is sparse); and
+after a wait that went unanswered, until a post comes again. ``Worker(busy_poll=s)``
+replaces it: the leader polls for ``s`` seconds after the last message.
 
 Thread model (docs/threads.md): ``wait`` from any receiving thread; ``kick`` and
 ``wake_all`` from any thread; ``_cond`` guards only the poller role and is never held while
@@ -32,7 +33,7 @@ from .._rendezvous import RecvSlot
 from .bell import Bell
 from .consumer import TICK, Consumer
 
-__all__ = ["SPIN_NS", "Poller"]
+__all__ = ["SPIN_NS", "SPIN_WINDOW", "Poller", "spin_pays"]
 
 #: How long a leader polls the doorbell's value before it blocks (ns): about a reply's
 #: worth of work on the other side of a ping-pong, a large message's included.
@@ -40,20 +41,15 @@ SPIN_NS = 250_000
 # The dispatcher thread takes the poller role only once no blocked receiver has held it
 # for this long: a receiver in a loop comes back sooner, and polls itself.
 _HANDOFF_NS = 2_000_000
-# How often the host's load is read again (ns).
-_LOAD_EVERY_NS = 1_000_000_000
+# The spin is judged by its last ``SPIN_WINDOW`` spins: if fewer than a quarter found a post,
+# the peer could not answer within the budget, and the spin stays off for ``_PAUSE_NS``.
+SPIN_WINDOW = 16
+_PAUSE_NS = 1_000_000_000
 
 
 def spin_pays() -> bool:
-    """Whether a spin can pay here: more than one CPU, and the host's load (its runnable
-    threads, averaged over a minute) at least one CPU short of them all."""
-    cpus = os.cpu_count() or 1
-    if cpus < 2:
-        return False
-    try:
-        return os.getloadavg()[0] < cpus + 1
-    except OSError:  # pragma: no cover - no load average here
-        return True
+    """Whether a spin can pay on this host at all: its peer can run meanwhile."""
+    return (os.cpu_count() or 1) > 1
 
 
 class Poller:
@@ -73,7 +69,8 @@ class Poller:
         self._busy_ns = int(busy_poll * 1e9)
         self._answered = True  # the last wait on the doorbell was answered
         self._spin_ok = spin_pays()
-        self._load_at = time.monotonic_ns() + _LOAD_EVERY_NS
+        self._window = self._window_hits = 0  # spins and hits since the last judgement
+        self._paused_until = 0  # perf_counter_ns until which the spin is off
         self._last_msg_ns = 0  # when the last poll found a message
         self._spun_ns = self._spins = self._spin_hits = 0
         self._thread_polls_count = self._posts = self._tick_finds = 0
@@ -153,13 +150,22 @@ class Poller:
                     cond.notify_all()
 
     def _budget(self, now: int) -> int:
-        """How long this poll may spin (ns): ``busy_poll``'s, else the spin's where it pays."""
+        """How long this poll may spin (ns): ``busy_poll``'s, else ``SPIN_NS`` where it
+        pays (the module docstring)."""
         if self._busy_ns:
             return max(self._last_msg_ns + self._busy_ns - now, 0)
-        if now >= self._load_at:
-            self._load_at = now + _LOAD_EVERY_NS
-            self._spin_ok = spin_pays()
-        return SPIN_NS if self._spin_ok and self._answered else 0
+        if self._spin_ok and self._answered and now >= self._paused_until:
+            return SPIN_NS
+        return 0
+
+    def _judge(self, hit: bool, now: int) -> None:
+        """Count a spin; after ``SPIN_WINDOW`` of them, pause the spin if few paid."""
+        self._window += 1
+        self._window_hits += hit
+        if self._window == SPIN_WINDOW:
+            if self._window_hits * 4 < SPIN_WINDOW and not self._busy_ns:
+                self._paused_until = now + _PAUSE_NS
+            self._window = self._window_hits = 0
 
     def _poll(self, wait: float, spin: bool) -> None:
         """Wait up to ``wait`` s for a doorbell post (spinning first if ``spin``), then
@@ -182,6 +188,7 @@ class Poller:
                 seen = True
             now = clock()
             self._spun_ns += now - start
+            self._judge(seen, now)
             if seen:
                 self._spin_hits += 1
             else:
