@@ -667,9 +667,10 @@ class Consumer:
         if not src.inc or src.tried:
             for ch in self._recovery.find_gone(src):
                 self.serve(ch, True)
-        for ch in list(src.waiting):
-            if src.ringless(ch.inc):
-                self.serve(ch, True)
+        if src.tried or src.ringless(0):  # (else every waiting channel's run has its ring)
+            for ch in list(src.waiting):
+                if src.ringless(ch.inc):
+                    self.serve(ch, True)
         if not src.waiting:
             return
         dead, failures = self._live.verdicts(src)
