@@ -57,6 +57,8 @@ TICK = 0.2
 # is cheaper than one open per channel.
 _LISTDIR_ABOVE = 64
 _INF = float("inf")
+# A gap in a channel's sequence numbers is filled by this many looks by name at most.
+_FILL_MAX = 1 << 16
 _ndarray = np.ndarray
 
 #: A delivery to make outside the lock: ``done``, whether to copy, the value or the error.
@@ -559,10 +561,10 @@ class Consumer:
             r.lost = ring.lost
 
     def _fill(self, ch: Channel, seq: int, r: InRing) -> None:
-        """Messages ``ch.seq`` to ``seq - 1`` of ``ch`` came with no record (its producer's
-        ring was full): queued from their names, in order; a number its producer skipped (a
-        publish that failed) is skipped. At most as many looks as records ``r`` lost."""
-        for s in range(ch.seq, min(seq, ch.seq + r.lost)):
+        """Messages ``ch.seq`` to ``seq - 1`` of ``ch`` came with no record (a full ring):
+        queued from their names, in order; a number its producer skipped (a failed publish)
+        is skipped. At most as many looks as records ``r`` lost, and ``_FILL_MAX``."""
+        for s in range(ch.seq, min(seq, ch.seq + min(r.lost, _FILL_MAX))):
             got = self._open(ch, s, r.inc, None)
             if got is not None:
                 ch.seq = s + 1
