@@ -9,6 +9,8 @@ choose the transport. See README.md.
 
 from __future__ import annotations
 
+__version__ = "0.1.0.dev0"
+
 from ._cluster import ClusterSpec as ClusterSpec
 from ._cluster import namespace_id as namespace_id
 from ._cluster import new_namespace as new_namespace
@@ -29,7 +31,6 @@ from ._rendezvous import LocalRendezvous as LocalRendezvous
 from ._rendezvous import Received as Received
 from ._rendezvous import Rendezvous as Rendezvous
 from ._rpc.security import TLSConfig as TLSConfig
-from ._version import __version__ as __version__
 from ._worker import Worker as Worker
 
 __all__ = [

@@ -1,15 +1,21 @@
-"""The cluster spec: which address serves each task (``job -> task index -> host:port``).
+"""Where a job's workers are: the cluster spec, host addresses, the namespace, the peers.
 
-Modelled on TensorFlow's ``tf.train.ClusterSpec`` (tensorflow/python/training/server_lib.py)
-and its ``TF_CONFIG`` environment variable (TFConfigClusterResolver). Tasks are named
-``/job:<job>/replica:0/task:<index>``: a cluster spec has no replicas, so an unset
-replica means 0 and any other replica is not in the cluster. Pure: no I/O besides
-reading the environment mapping it is given.
+* ``ClusterSpec``: which address serves each task (``job -> task index -> host:port``),
+  modelled on TensorFlow's ``tf.train.ClusterSpec`` and its ``TF_CONFIG`` environment
+  variable. Tasks are ``/job:<job>/replica:0/task:<index>``: a cluster spec has no
+  replicas, so an unset replica means 0 and any other replica is not in the cluster.
+* Host addresses: ``host:port`` splitting, and whether a host is this one.
+* The namespace: a job's secret token and its public id.
+* ``Peers``: the peer directory of a Worker, over this host's presence records (final
+  answers) and the cluster spec (provisional ones, before a peer has started).
+
+No thread of its own; ``Peers`` reads presence records through the board it is given.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import hashlib
 import ipaddress
@@ -22,11 +28,16 @@ from collections.abc import Mapping, Sequence
 
 from ._errors import InvalidArgumentError
 from ._keys import DeviceName, _quote
+from ._transport import PeerRecord, PeerState, PresenceBoard, Sighting
 
 __all__ = [
+    "ALL_TRANSPORTS",
     "ClusterSpec",
     "ENV_VAR",
     "NAMESPACE_ID_HEX",
+    "NoPresence",
+    "Peers",
+    "canonical_task",
     "describe_bad_token",
     "is_local_host",
     "namespace_id",
@@ -502,3 +513,84 @@ def _read_tf_config(environ: Mapping[str, str] | None) -> dict[str, object] | No
             f"not {type(config).__name__}"
         )
     return config
+
+
+#: Every transport name, in the default order of preference.
+ALL_TRANSPORTS = ("shm", "grpc")
+
+
+def canonical_task(dev: DeviceName) -> DeviceName:
+    """The task part of ``dev`` with the replica defaulted to 0; raise if it names no task."""
+    job, replica, task = dev.task_key()
+    return DeviceName(job=job, replica=replica, task=task, type=None, id=None)
+
+
+class NoPresence:
+    """The ``PresenceBoard`` of a host without presence records: nobody is seen here.
+
+    For a worker that takes no shared-memory transport where /dev/shm cannot be used: its
+    peers are found through the cluster spec alone, and nothing is published.
+    """
+
+    def publish(
+        self, task: str, incarnation: int, address: str | None, transports: tuple[str, ...]
+    ) -> None:
+        pass
+
+    def look(self, task: str) -> tuple[PeerState, PeerRecord | None]:
+        return "absent", None
+
+    def sightings(self, task: str) -> list[Sighting] | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "<NoPresence>"
+
+
+class Peers:
+    """The ``PeerDirectory`` of one Worker, over its ``PresenceBoard`` and cluster spec."""
+
+    def __init__(self, board: PresenceBoard, cluster: ClusterSpec | None) -> None:
+        self._board = board
+        self._cluster = cluster
+
+    def _provisional(self, name: str) -> PeerRecord:
+        """What the cluster spec says of task ``name`` (nothing final)."""
+        if self._cluster is None:
+            return PeerRecord(name, True, ALL_TRANSPORTS, None, False)
+        try:
+            address = self._cluster.task_address(name)
+        except InvalidArgumentError:
+            return PeerRecord(name, True, ALL_TRANSPORTS, None, False)  # only reachable here
+        host, _ = split_host_port(address)
+        return PeerRecord(name, is_local_host(host), ALL_TRANSPORTS, address, False)
+
+    def _final(self, record: PeerRecord) -> PeerRecord:
+        """A record from the board, with the cluster's address for the task if it has one."""
+        if self._cluster is not None and record.task in self._cluster:
+            address = self._cluster.task_address(record.task)
+            if address != record.address:
+                return dataclasses.replace(record, address=address)
+        return record
+
+    def lookup(self, task: DeviceName) -> PeerRecord:
+        name = str(canonical_task(task))
+        _, record = self._board.look(name)
+        return self._provisional(name) if record is None else self._final(record)
+
+    def liveness(self, task: DeviceName) -> tuple[PeerState, PeerRecord | None]:
+        name = str(canonical_task(task))
+        state, record = self._board.look(name)
+        if state == "absent":
+            return state, None
+        return state, self._provisional(name) if record is None else self._final(record)
+
+    def sightings(self, task: DeviceName) -> list[Sighting] | None:
+        return self._board.sightings(str(canonical_task(task)))
+
+    def close(self) -> None:
+        """Close the board's descriptors. Idempotent."""
+        self._board.close()

@@ -29,10 +29,19 @@ import functools
 import hashlib
 import operator
 import re
+from typing import NamedTuple
 
 from ._errors import InvalidArgumentError
 
-__all__ = ["DeviceName", "ParsedKey", "create_key", "key_digest", "parse_full_name", "parse_key"]
+__all__ = [
+    "MAX_KEY_BYTES",
+    "DeviceName",
+    "ParsedKey",
+    "create_key",
+    "key_digest",
+    "parse_full_name",
+    "parse_key",
+]
 
 
 # TensorFlow: IsJobName / ConsumeJobName / ConsumeDeviceType accept [A-Za-z][A-Za-z0-9_]*.
@@ -352,20 +361,33 @@ _HEX = re.compile(r"[0-9a-fA-F]{1,16}")
 # and a malformed one is a caller's bug worth reporting.
 _FRAME_ITER = re.compile(r"([0-9]{1,20}):(-?[0-9]{1,19})")
 
-# Distinct keys a process uses at once; parse_key is on the send/recv hot path.
-_PARSE_CACHE_SIZE = 8192
+# What a key's first three parts (src device, incarnation, dst device) and its fifth
+# (frame:iter) parse to, derived once: a job has few distinct devices and frames, so a key
+# parses with one split and two lookups, whether it is used once or a million times.
+# Cleared when full (a job with this many is not using keys as TensorFlow does).
+_ENDS_MAX = 4096
+_ends: dict[str, tuple[str, int, str, DeviceName, DeviceName]] = {}
+_frames: dict[str, tuple[int, int]] = {}
+_new_parsed = tuple.__new__
 _DIGEST_SIZE = 16
+
+#: The longest key (UTF-8 bytes) any transport carries: checked here, where every path
+#: parses its keys, so that no transport takes a key another one refuses (a gRPC request,
+#: a segment header and a ring record each hold the key whole). TensorFlow's keys are a
+#: few hundred bytes.
+MAX_KEY_BYTES = 64 << 10
+# Keys of at most this many characters fit whatever their encoding (4 bytes a character).
+_SHORT_KEY = MAX_KEY_BYTES // 4
 
 _PART_NAMES = ("src_device", "src_incarnation", "dst_device", "edge_name", "frame_iter")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ParsedKey:
+class ParsedKey(NamedTuple):
     """A parsed rendezvous key. ``str(pk)`` is the key text, ``pk.full_key``.
 
     ``src_device`` and ``dst_device`` are the device parts exactly as written in the key
     (possibly empty: TensorFlow's "implicit local device"); ``src`` and ``dst`` are the
-    same parts parsed.
+    same parts parsed. Immutable (a named tuple: made per message at the cost of a tuple).
     """
 
     src_device: str
@@ -381,11 +403,18 @@ class ParsedKey:
         return self.full_key
 
 
+# Every bad-key message ends with how to make a good one.
+_USE_CREATE_KEY = (
+    "; build keys with shmrdv.create_key(src_device, src_incarnation, dst_device, edge_name)"
+)
+
+
 def _bad_key(key: str, part: int, what: str) -> InvalidArgumentError:
     # TensorFlow says "Invalid  rendezvous key: <key>"; we keep that prefix and add which
     # part is wrong and why.
     return InvalidArgumentError(
         f"Invalid rendezvous key {_quote(key)}: part {part} ({_PART_NAMES[part - 1]}) {what}"
+        + _USE_CREATE_KEY
     )
 
 
@@ -396,6 +425,18 @@ def _device_problem(text: str, error: InvalidArgumentError) -> str:
     if reason.startswith(prefix):
         reason = reason[len(prefix) :]
     return f"{_quote(text)} is not a device name: {reason}"
+
+
+def _check_length(key: str) -> None:
+    """Raise ``InvalidArgumentError`` if ``key`` is longer than ``MAX_KEY_BYTES``."""
+    if len(key) <= _SHORT_KEY:
+        return
+    n = len(key.encode("utf-8", "surrogatepass"))
+    if n > MAX_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"Invalid rendezvous key {_quote(key)}: {n} bytes (UTF-8) is too long: at most "
+            f"{MAX_KEY_BYTES} bytes"
+        )
 
 
 def _check_edge_name(edge_name: str) -> str | None:
@@ -451,7 +492,9 @@ def create_key(
     if not _INT64_MIN <= iter_id <= _INT64_MAX:
         raise InvalidArgumentError(f"iter_id must be an int64, got {iter_id}")
     # TensorFlow: Uint64ToHexString (formerly FpToString, "%016llx") -- same text.
-    return f"{src};{incarnation:016x};{dst};{name};{frame_id}:{iter_id}"
+    key = f"{src};{incarnation:016x};{dst};{name};{frame_id}:{iter_id}"
+    _check_length(key)
+    return key
 
 
 def _device_text(device: str | DeviceName, what: str) -> str:
@@ -493,27 +536,47 @@ def parse_key(key: str) -> ParsedKey:
        overflows silently);
     4. part 4, the edge name, is not empty (*ours*: and is valid UTF-8);
     5. part 5 is not empty (*ours*: it is ``<frame_id>:<iter_id>``, uint64 and int64 in
-       ASCII decimal).
+       ASCII decimal);
+    6. *ours*: at most ``MAX_KEY_BYTES`` bytes of UTF-8.
 
     Raises ``InvalidArgumentError`` (a ``ValueError``) quoting the key and naming the
-    part that is wrong. Results are cached: this is on the send/recv hot path.
+    part that is wrong. A key costs one split and two lookups: what its devices and frame
+    parse to is derived once (this is on the send/recv hot path).
     """
     if type(key) is not str:
-        raise InvalidArgumentError(f"a rendezvous key must be a str, not {type(key).__name__}")
-    return _parse_key_cached(key)
+        raise InvalidArgumentError(
+            f"a rendezvous key must be a str, not {type(key).__name__}" + _USE_CREATE_KEY
+        )
+    # The ends ("<src_device>;<src_incarnation>;<dst_device>") and the frame seen before:
+    # the edge name is all that is left to check (non-empty, no ';', ASCII).
+    parts = key.rsplit(";", 2)
+    if len(parts) == 3 and len(key) <= _SHORT_KEY:
+        head, edge_name, fi_text = parts
+        ends = _ends.get(head)
+        frame_iter = _frames.get(fi_text)
+        if ends is not None and frame_iter is not None and edge_name and edge_name.isascii():
+            src_text, incarnation, dst_text, src, dst = ends
+            return _new_parsed(
+                ParsedKey,
+                (src_text, incarnation, dst_text, edge_name, frame_iter, src, dst, key),
+            )
+    return _parse_key_checked(key)
 
 
-def _parse_key_uncached(key: str) -> ParsedKey:
+def _parse_key_checked(key: str) -> ParsedKey:
+    """``parse_key`` with every check, remembering what the key's ends and frame parse to."""
+    _check_length(key)
     parts = key.split(";")
     if len(parts) < 5:
         raise InvalidArgumentError(
             f"Invalid rendezvous key {_quote(key)}: it has {len(parts)} ';'-separated parts, "
             "expected 5: src_device;src_incarnation;dst_device;edge_name;frame_id:iter_id"
+            + _USE_CREATE_KEY
         )
     if len(parts) > 5:
         raise InvalidArgumentError(
             f"Invalid rendezvous key {_quote(key)}: it has {len(parts)} ';'-separated parts, "
-            "expected 5 (the edge name may not contain ';')"
+            "expected 5 (the edge name may not contain ';')" + _USE_CREATE_KEY
         )
     src_text, inc_text, dst_text, edge_name, fi_text = parts
     try:
@@ -545,19 +608,14 @@ def _parse_key_uncached(key: str) -> ParsedKey:
         raise _bad_key(
             key, 5, f"{_quote(fi_text)} is out of range (frame_id uint64, iter_id int64)"
         )
-    return ParsedKey(
-        src_device=src_text,
-        src_incarnation=int(inc_text, 16),
-        dst_device=dst_text,
-        edge_name=edge_name,
-        frame_iter=(frame_id, iter_id),
-        src=src,
-        dst=dst,
-        full_key=key,
-    )
-
-
-_parse_key_cached = functools.lru_cache(maxsize=_PARSE_CACHE_SIZE)(_parse_key_uncached)
+    incarnation = int(inc_text, 16)
+    if len(_ends) >= _ENDS_MAX:
+        _ends.clear()
+    if len(_frames) >= _ENDS_MAX:
+        _frames.clear()
+    _ends[f"{src_text};{inc_text};{dst_text}"] = (src_text, incarnation, dst_text, src, dst)
+    _frames[fi_text] = (frame_id, iter_id)
+    return ParsedKey(src_text, incarnation, dst_text, edge_name, (frame_id, iter_id), src, dst, key)
 
 
 def key_digest(full_key: str) -> bytes:

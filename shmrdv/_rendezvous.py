@@ -30,6 +30,7 @@ import abc
 import asyncio
 import concurrent.futures
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -175,16 +176,15 @@ def as_parsed_key(key: str | ParsedKey) -> ParsedKey:
     return parse_key(key)
 
 
-def check_timeout(timeout: float | None) -> float | None:
-    """``None`` waits forever; a number must be finite and >= 0."""
+def check_timeout(timeout: object) -> float | None:
+    """``None`` waits forever; a number (an ``int`` or a ``float``, numpy's too) must be
+    finite and >= 0. The one check of every call's timeout, whatever its transport: a
+    string or a bool is refused, not converted (``"1"`` and ``True`` are no durations)."""
     if timeout is None:
         return None
-    try:
-        t = float(timeout)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(
-            f"timeout must be a number of seconds or None, not {timeout!r}"
-        ) from None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise InvalidArgumentError(f"timeout must be a number of seconds or None, not {timeout!r}")
+    t = float(timeout)
     if not t >= 0 or t == float("inf"):
         raise InvalidArgumentError(f"timeout must be finite and >= 0 seconds, not {timeout!r}")
     return t

@@ -248,6 +248,10 @@ def check_value(value: object, key: str) -> npt.NDArray[Any]:
     (as 0-d arrays). Refuses dtypes that hold Python objects, at any depth of a
     structured dtype: their bytes are pointers, meaningless in another process.
     """
+    # A non-empty plain array: its element count is the one rule's count (no zero dimension
+    # to take as 1), and its dtype's flag says if it holds objects.
+    if type(value) is np.ndarray and 0 < value.size <= MAX_ELEMENTS and not value.dtype.hasobject:
+        return value
     arr = as_ndarray(value, "send", f" under key {key!r}")
     problem = shape_problem(arr.shape, arr.dtype.itemsize)
     if problem is not None:

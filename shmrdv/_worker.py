@@ -1,56 +1,82 @@
-"""Worker: one task of a job, the owner of its steps, their tombstones and its lifetime.
+"""Worker: one task of a job, its transports and its steps (``StepRendezvous``).
 
-A Worker is TensorFlow's worker process reduced to its rendezvous part: it has a task
-name (``/job:w/replica:0/task:1``), an incarnation (a random uint64 drawn at start), a
-namespace shared by the job's workers, and the transports that reach other workers —
-shared memory on this host, gRPC across hosts. It builds them (with the
-``TransportContext``, the peer directory and the ``Router``) and closes them; routing
-itself lives in ``_router.py``. ``rendezvous(step_id)`` hands out the step's rendezvous;
-``cleanup(step_id)`` aborts and frees it (TensorFlow's ``RendezvousMgr::Cleanup``),
-leaving a tombstone so a late call fails at once instead of waiting forever.
+A Worker is TensorFlow's worker process reduced to its rendezvous part: a task name
+(``/job:w/replica:0/task:1``), an incarnation (a random uint64 drawn at start), a
+namespace shared by the job's workers, and the transports that reach other workers:
+shared memory on this host, gRPC across hosts. ``rendezvous(step_id)`` hands out the
+step's ``StepRendezvous``; ``cleanup(step_id)`` aborts and frees it (TensorFlow's
+``RendezvousMgr::Cleanup``), leaving a tombstone so a late call fails at once.
 
-Thread model (``docs/threads.md``): thread-safe, no thread of its own (its transports
-have theirs). ``_lock`` guards the steps, the tombstones and the lazy creation of the gRPC
-client transport. A Worker inherited across ``fork`` refuses every call.
+Routing (which rendezvous carries a key, derived once per pair of key ends) is
+``_routes.py``'s.
+
+Thread model (``docs/threads.md``): thread-safe. ``Worker._lock`` guards the steps, the
+tombstones and the lazy gRPC client; a step's lock its abort error and the making of its
+in-process table. None is held across a transport call.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
 import threading
+import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._cluster import ClusterSpec, is_local_host, namespace_id, resolve_namespace, split_host_port
-from ._errors import AbortedError, InvalidArgumentError, closed_error
-from ._keys import DeviceName
-from ._peers import ALL_TRANSPORTS, NoPresence, Peers, canonical_task
-from ._rendezvous import Closing
-from ._router import Router, RouterContext
+import numpy.typing as npt
+
+from ._cluster import (
+    ALL_TRANSPORTS,
+    ClusterSpec,
+    NoPresence,
+    Peers,
+    canonical_task,
+    is_local_host,
+    namespace_id,
+    resolve_namespace,
+    split_host_port,
+)
+from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError, closed_error
+from ._keys import DeviceName, ParsedKey, parse_key
+from ._rendezvous import (
+    Canceller,
+    Closing,
+    DoneCallback,
+    LocalRendezvous,
+    Received,
+    RecvSlot,
+    Rendezvous,
+    as_parsed_key,
+    check_timeout,
+    timeout_error,
+    wait_received,
+)
+from ._routes import Ends, RaceRecv, Routes, start_leg
 from ._rpc.limits import (
     DEFAULT_FIRST_MESSAGE_TIMEOUT,
     DEFAULT_MAX_CONCURRENT_RPCS,
     ServerLimits,
 )
-from ._step import StepRendezvous
 from ._transport import PresenceBoard, Transport, TransportContext
+from ._values import check_value
 from ._window import check_window
 
 if TYPE_CHECKING:
     from ._rpc.security import TLSConfig
 
-__all__ = ["Worker"]
+__all__ = ["StepRendezvous", "Worker"]
 
 _log = logging.getLogger("shmrdv.worker")
 
-_TRANSPORTS = ALL_TRANSPORTS
 # How many cleaned-up step ids a worker remembers (TensorFlow keeps none and lets a late
 # RecvTensor wait forever; an unbounded set would leak in a long job).
 _TOMBSTONES = 65536
+_INF = float("inf")
 
 _live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
 
@@ -58,14 +84,197 @@ _live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
 def _mark_forked() -> None:
     for w in list(_live_workers):
         w._forked = True
-        w._refuse(w._unusable)
+        w._routes.refused = w._unusable
 
 
 os.register_at_fork(after_in_child=_mark_forked)
 
 
-def _nobody(error: Callable[[], BaseException]) -> None:
-    """``Worker._refuse`` before the worker has a router: no step to refuse."""
+class StepRendezvous(Rendezvous):
+    """The rendezvous of one step of one Worker (``Worker.rendezvous(step_id)``).
+
+    ``send`` never blocks on the consumer; it copies the array once into shared memory
+    for a consumer on this host (none for an array from ``allocate``, none for a consumer
+    in this worker) and buffers it for a consumer on another host, which pulls it.
+    Receives block, call back, or complete a Future / awaitable as described on
+    ``Rendezvous``. ``start_abort`` (or ``Worker.cleanup``) fails everything pending in this
+    step and every later call.
+    """
+
+    def __init__(self, routes: Routes, step_id: int) -> None:
+        self._routes = routes
+        self.step_id = step_id
+        # Keys with both ends in this worker: made on first use (most steps have none).
+        self._local: LocalRendezvous | None = None
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        state = f"aborted: {self._error!r}" if self._error is not None else "open"
+        return f"<StepRendezvous step={self.step_id} of {self._routes.ctx.task_name} ({state})>"
+
+    def send(
+        self,
+        key: str | ParsedKey,
+        value: Any,
+        *,
+        is_dead: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        routes = self._routes
+        if routes.refused is not None:
+            raise routes.refused()
+        pk = parse_key(key) if type(key) is str else as_parsed_key(key)
+        ends = routes.ends.get((pk.src_device, pk.src_incarnation, pk.dst_device))
+        if ends is None:
+            ends = routes.of(pk)
+        if not ends.sends:
+            raise routes.send_error(pk, ends)
+        if self._error is not None:
+            raise self._error
+        if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
+            timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
+        arr = check_value(value, pk.full_key)
+        dead = is_dead if type(is_dead) is bool else bool(is_dead)
+        if ends.local:
+            (self._local or self._make_local()).put(pk, arr, dead)
+        else:
+            t = ends.transport or routes.transport(ends, pk)
+            t.send(self.step_id, pk, arr, dead, timeout)
+
+    send.__doc__ = Rendezvous.send.__doc__
+
+    def _make_local(self) -> LocalRendezvous:
+        """The step's in-process table, made once (aborted at once if the step is)."""
+        with self._lock:
+            local = self._local
+            if local is None:
+                local = self._local = LocalRendezvous()
+            error = self._error
+        if error is not None:
+            local.start_abort(error)
+        return local
+
+    def _receiving(self, key: str | ParsedKey) -> tuple[ParsedKey, Ends]:
+        """The parsed key and its route for a receive; raises what makes it impossible."""
+        routes = self._routes
+        if routes.refused is not None:
+            raise routes.refused()
+        pk = parse_key(key) if type(key) is str else as_parsed_key(key)
+        ends = routes.ends.get((pk.src_device, pk.src_incarnation, pk.dst_device))
+        if ends is None:
+            ends = routes.of(pk)
+        if not ends.receives:
+            raise routes.recv_error(pk, ends)
+        if self._error is not None:
+            raise self._error
+        return pk, ends
+
+    def start_recv(
+        self,
+        key: str | ParsedKey,
+        done: DoneCallback,
+        *,
+        copy: bool = False,
+        blocking: bool = False,
+    ) -> Canceller:
+        pk, ends = self._receiving(key)
+        if ends.local:
+            local = self._local or self._make_local()
+            return local.start_recv(pk, done, copy=copy, blocking=blocking)
+        t = ends.transport
+        if t is None:
+            t = self._routes.transport(ends, pk)
+            if ends.transport is None and self._routes.others_reaching(ends, t):
+                leg = functools.partial(start_leg, step_id=self.step_id, pk=pk, copy=copy)
+                race = RaceRecv(done, [functools.partial(leg, t)], f"key {pk.full_key!r}")
+                self._routes.watch_pick(ends, pk, race, t, leg)
+                return race
+        return t.start_recv(self.step_id, pk, done, copy=copy, blocking=blocking)
+
+    start_recv.__doc__ = Rendezvous.start_recv.__doc__
+
+    def _wait_blocked(
+        self, slot: RecvSlot, cancel: Canceller, key: str | ParsedKey, timeout: float | None
+    ) -> Received:
+        """A blocked receiver helps its transport while it waits (``Transport.wait``: the
+        shared-memory one polls the doorbell as leader) and reports a wait that lasts."""
+        pk = as_parsed_key(key)
+        routes = self._routes
+        ends = routes.ends.get((pk.src_device, pk.src_incarnation, pk.dst_device)) or routes.of(pk)
+        if ends.local:
+            return wait_received(slot, cancel, pk, timeout)
+        if isinstance(cancel, RaceRecv):  # its legs are callback receives: nothing to help
+            return wait_received(slot, cancel, pk, timeout, observer=self)
+        # The transport start_recv chose (asked again only while the peer's record is
+        # provisional, i.e. before the peer has started).
+        helper = ends.wait or self._routes.transport(ends, pk).wait
+        return wait_received(slot, cancel, pk, timeout, helper, self)
+
+    def allocate(self, key: str | ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
+        """An array to fill and then ``send(key, array)``.
+
+        For a consumer on this host it lies in a shared-memory segment, so ``send`` only
+        publishes it: no copy at all. It may be sent once, under this key only.
+        """
+        routes = self._routes
+        if routes.refused is not None:
+            raise routes.refused()
+        pk = as_parsed_key(key)
+        ends = routes.of(pk)
+        if not ends.sends:
+            raise routes.send_error(pk, ends)
+        if self._error is not None:
+            raise self._error
+        if ends.local:
+            return super().allocate(pk, shape, dtype)
+        t = ends.transport or routes.transport(ends, pk)
+        return t.allocate(self.step_id, pk, shape, dtype)
+
+    def start_abort(self, error: BaseException) -> None:
+        if not isinstance(error, BaseException):
+            raise InvalidArgumentError(f"start_abort needs an exception, not {error!r}")
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = error
+            local = self._local
+        if local is not None:
+            local.start_abort(error)
+        self._routes.abort_step(self.step_id, error)
+
+    @property
+    def aborted(self) -> BaseException | None:
+        """The abort error, or ``None`` while the step is open."""
+        return self._error
+
+    # -- WaitObserver: what a cross-process receive that waits says ---------------------
+
+    def timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
+        error = timeout_error(key, timeout)
+        if self._routes.of(key).local:
+            return error
+        hint = self._routes.diagnose(key, probe=True)
+        return error if hint is None else DeadlineExceededError(f"{error}; {hint}")
+
+    _timeout_error = timeout_error
+
+    def waiting_long(self, slot: RecvSlot, key: ParsedKey, waited: float) -> None:
+        self._routes.long_wait(slot, (self.step_id, key, time.monotonic() - waited))
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug(
+                "recv of %r in step %d has waited %.0fs: %s",
+                key.full_key,
+                self.step_id,
+                waited,
+                self._routes.diagnose(key) or f"its producer {key.src} is alive in this namespace",
+            )
+
+    def stopped_waiting(self, slot: RecvSlot) -> None:
+        self._routes.long_wait(slot, None)
+
+    def stats(self) -> dict[str, int]:
+        return {} if self._local is None else self._local.stats()
 
 
 def _task_of(task: str | DeviceName) -> DeviceName:
@@ -167,15 +376,15 @@ class Worker(Closing):
         self.namespace: str = resolve_namespace(namespace)
         self.namespace_id: str = namespace_id(self.namespace)  # what messages name; public
         explicit = transports is not None
-        names = tuple(transports) if transports is not None else _TRANSPORTS
+        names = tuple(transports) if transports is not None else ALL_TRANSPORTS
         if isinstance(transports, str):
             raise InvalidArgumentError(
                 f"transports must be a list like ('shm', 'grpc'), not the string {transports!r}"
             )
-        bad = [t for t in names if t not in _TRANSPORTS]
+        bad = [t for t in names if t not in ALL_TRANSPORTS]
         if bad or len(set(names)) != len(names):
             raise InvalidArgumentError(
-                f"transports must be distinct names among {_TRANSPORTS}, not {names!r}"
+                f"transports must be distinct names among {ALL_TRANSPORTS}, not {names!r}"
             )
         self.transports: tuple[str, ...] = names
         if incarnation is None:
@@ -211,9 +420,18 @@ class Worker(Closing):
         self._tombstones: OrderedDict[int, AbortedError] = OrderedDict()
         self._shm: Transport | None = None
         self._grpc: Transport | None = None
-        self._peers: Peers | None = None
-        # Tells the router to refuse every step's calls (set once the router exists).
-        self._refuse: Callable[[Callable[[], BaseException]], None] = _nobody
+        self._board = board = self._presence_board()
+        self._peers = Peers(board, self.cluster)
+        self._ctx = TransportContext(
+            task=self._task,
+            task_name=self.task,
+            incarnation=self.incarnation,
+            namespace=self.namespace,
+            peers=self._peers,
+            cleaned_up=self._tombstones.__contains__,
+            max_inflight_bytes=self.max_inflight_bytes,
+        )
+        self._routes = Routes(self._ctx, self.transports, self._transport, self._active_transports)
         self.address: str | None = None
 
         try:
@@ -241,26 +459,7 @@ class Worker(Closing):
         return ShmBoard(self.namespace)
 
     def _start(self, explicit_transports: bool) -> None:
-        board = self._presence_board()
-        self._peers = Peers(board, self.cluster)
-        self._ctx = TransportContext(
-            task=self._task,
-            task_name=self.task,
-            incarnation=self.incarnation,
-            namespace=self.namespace,
-            peers=self._peers,
-            cleaned_up=self._tombstones.__contains__,
-            max_inflight_bytes=self.max_inflight_bytes,
-        )
-        self._router = Router(
-            RouterContext(
-                ctx=self._ctx,
-                order=self.transports,
-                transport=self._transport,
-                active=self._active_transports,
-            )
-        )
-        self._refuse = self._router.refuse
+        board = self._board
         start_server = (
             "grpc" in self.transports
             and (
@@ -328,7 +527,7 @@ class Worker(Closing):
             rdv = self._steps.get(step)
             if rdv is not None:
                 return rdv
-            rdv = StepRendezvous(self._router, step)
+            rdv = StepRendezvous(self._routes, step)
             tomb = self._tombstones.get(step)
             if tomb is None:
                 self._steps[step] = rdv
@@ -343,7 +542,11 @@ class Worker(Closing):
         step and not received are freed. Later calls on the step fail at once.
         """
         step = self._check_step(step_id)
-        error = AbortedError(f"Cleanup {step}")
+        error = AbortedError(
+            f"Cleanup {step}: step {step} of {self.task} was cleaned up "
+            "(Worker.cleanup); a step id is not reused after its cleanup: give the next step "
+            "a new step id"
+        )
         with self._lock:
             rdv = self._steps.pop(step, None)
             self._tombstones[step] = error
@@ -353,7 +556,7 @@ class Worker(Closing):
         if rdv is not None:
             rdv.start_abort(error)  # aborts the transports too (unless aborted before)
         else:
-            self._router.abort_step(step, error)
+            self._routes.abort_step(step, error)
         for t in self._active_transports():
             t.cleanup_step(step)
 
@@ -371,7 +574,7 @@ class Worker(Closing):
             return
         self._closed = True
         _live_workers.discard(self)
-        self._refuse(self._unusable)
+        self._routes.refused = self._unusable
         if self._forked:
             return  # the parent owns every OS object; touch nothing
         with self._lock:
@@ -385,8 +588,7 @@ class Worker(Closing):
                 t.close()
             except Exception:  # pragma: no cover - keep closing the rest
                 _log.exception("closing transport %s of %s", t.name, self.task)
-        if self._peers is not None:
-            self._peers.close()  # and its presence board: this worker's record goes
+        self._peers.close()  # and its presence board: this worker's record goes
 
     @property
     def closed(self) -> bool:
@@ -396,7 +598,7 @@ class Worker(Closing):
         """Counters per transport (bytes, messages, pending, live segments), steps,
         tombstones, ``max_inflight_bytes`` (the backpressure window, None if unset; each
         transport reports ``inflight_bytes`` and ``window_waits`` when set), ``routes``
-        (key strings whose route is remembered) and ``waiting``:
+        (pairs of key ends whose route is remembered) and ``waiting``:
         the blocked receives waiting for over a second, each with step, key, seconds
         waited and a diagnosis (None, or where its producer's task is alive if not in this
         worker's namespace, or that it is alive nowhere on this host)."""
@@ -406,8 +608,8 @@ class Worker(Closing):
             "steps": len(self._steps),
             "tombstones": len(self._tombstones),
             "max_inflight_bytes": self.max_inflight_bytes,
-            "routes": self._router.cached_routes(),
-            "waiting": self._router.waiting(),
+            "routes": len(self._routes.ends),
+            "waiting": self._routes.waiting(),
         }
         local: dict[str, int] = {}
         for rdv in list(self._steps.values()):
@@ -436,7 +638,7 @@ class Worker(Closing):
 
     def _unusable(self) -> InvalidArgumentError | AbortedError:
         """What a call of a worker that is closed, or inherited across fork, raises (its
-        router raises it too: ``Router.refuse``)."""
+        steps raise it too: ``Routes.refused``)."""
         if self._forked:
             return InvalidArgumentError(
                 f"this Worker ({self.task}) was created in pid {self._pid} and inherited across "

@@ -27,7 +27,7 @@ import pytest
 if TYPE_CHECKING:
     from ._shm.registry import ObjectInfo
 
-__all__ = ["child_pids", "describe_objects", "end_children", "leftover_objects"]
+__all__ = ["child_pids", "describe_objects", "end_children", "how_to_fix", "leftover_objects"]
 
 SHM_DIR = "/dev/shm"
 # How long a leaked child has to exit after SIGTERM (a Worker in it closes), then SIGKILL.
@@ -151,6 +151,23 @@ def end_children(pids: Sequence[int] | set[int]) -> dict[int, str]:
         for fd in fds.values():
             os.close(fd)
     return how
+
+
+def how_to_fix(names: set[str], listing: list[ObjectInfo]) -> str:
+    """What to change in a test that left ``names`` behind, by the kinds among them."""
+    kinds = {o.kind for o in listing if o.name in names}
+    fixes = []
+    if "message" in kinds or "ring" in kinds:
+        fixes.append(
+            "values were sent and never received: receive them, or call "
+            "Worker.cleanup(step) on the consumer's Worker for the step they were sent in"
+        )
+    if kinds - {"message", "ring"} or not kinds:
+        fixes.append(
+            "a Worker was not closed: close every Worker the test makes "
+            "(use 'with shmrdv.Worker(...) as w:')"
+        )
+    return "To fix: " + "; ".join(fixes) + "."
 
 
 def describe_objects(names: set[str], listing: list[ObjectInfo] | None = None) -> list[str]:
@@ -281,7 +298,7 @@ def shmrdv_session_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     if dead:
         pytest.fail(
             f"shmrdv leak check: the session left in {SHM_DIR}: "
-            f"{'; '.join(describe_objects(dead, listing)[:20])}",
+            f"{'; '.join(describe_objects(dead, listing)[:20])}. {how_to_fix(dead, listing)}",
             pytrace=False,
         )
 
@@ -305,12 +322,15 @@ def shmrdv_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
         # (its atexit joins it), and any other outlives the session.
         how = end_children(kids)
         ended = ", ".join(f"{pid} ({how[pid]})" for pid in sorted(kids))
-        problems.append(f"child processes still running, ended by the leak check: {ended}")
+        problems.append(
+            f"child processes still running, ended by the leak check: {ended} (join or stop "
+            "every process the test starts, e.g. a ChildWorker in a with block)"
+        )
         # What an ended child left of a namespace nobody runs now is left over too.
         dead, listing, _ = _wait_leftovers(before_objects, child_pids(), grace=1.0)
     if dead:
         shown = describe_objects(dead, listing)
-        problems.append(f"left in {SHM_DIR}: {'; '.join(shown[:20])}")
+        problems.append(f"left in {SHM_DIR}: {'; '.join(shown[:20])}. {how_to_fix(dead, listing)}")
         _remove(dead)
     if problems:
         pytest.fail("shmrdv leak check: " + "; ".join(problems), pytrace=False)

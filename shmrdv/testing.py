@@ -17,7 +17,7 @@ one test per check with pytest::
     def test_conformance(check, my_pair):   # my_pair: a fixture yielding a RendezvousPair
         check(my_pair)
 
-The checks live in ``shmrdv._conformance`` (``delivery``: what arrives; ``completion``: how
+The checks live in ``shmrdv._conformance`` (delivery: what arrives; completion: how
 a receive completes); this module is their public face. The reference is
 ``shmrdv.LocalRendezvous`` (research/tf_rendezvous.md §2.2 for the
 TensorFlow behaviour each check pins down, and where shmrdv departs from it).
@@ -29,21 +29,21 @@ import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from ._conformance.completion import (
+from ._conformance import (
+    EXPIRE_S,
+    PROMPT_S,
+    WAIT_S,
+    Producer,
+    RendezvousPair,
+    assert_same,
     check_abort_fails_pending,
     check_abort_first_error_wins,
     check_arecv,
     check_arecv_cancel_removes_waiter,
     check_arecv_timeout_removes_waiter,
     check_bad_key_reported,
-    check_done_exception_is_logged,
-    check_recv_async_done_once,
-    check_recv_future_cancel,
-    check_recv_future_lets_go,
-    check_recv_future_result,
-)
-from ._conformance.delivery import (
     check_copy_true,
+    check_done_exception_is_logged,
     check_dtypes_round_trip,
     check_fifo_channel,
     check_is_dead_travels,
@@ -52,13 +52,16 @@ from ._conformance.delivery import (
     check_object_array_refused,
     check_plain_subclasses_arrive,
     check_recv_after_send,
+    check_recv_async_done_once,
     check_recv_before_send,
+    check_recv_future_cancel,
+    check_recv_future_lets_go,
+    check_recv_future_result,
     check_recv_timeout_removes_waiter,
     check_state_losing_subclass_refused,
     check_waiters_fifo,
+    sample_values,
 )
-from ._conformance.pair import EXPIRE_S, PROMPT_S, WAIT_S, Producer, RendezvousPair
-from ._conformance.values import assert_same, sample_values
 from ._procs import ChildError, ChildWorker
 
 __all__ = [

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from shmrdv._cluster import Peers, canonical_task
 from shmrdv._keys import DeviceName, ParsedKey, create_key, parse_key
-from shmrdv._peers import Peers, canonical_task
 from shmrdv._rendezvous import Received, RecvSlot, wait_received
 from shmrdv._shm.board import ShmBoard
 from shmrdv._shm.naming import Names

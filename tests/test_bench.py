@@ -150,6 +150,7 @@ def test_handler_echoes_stamps_and_crc() -> None:
 
 def test_registry_has_the_peers() -> None:
     names = ("memcpy", "mp_pipe_oob", "mp_queue", "shm_per_msg", "grpc_push", "grpc_pull")
+    names += ("grpc_pull_piggyback",)
     for name in (*names, "sem_pingpong", "memcpy_shm"):
         assert METHODS[name].available() is None, name
     for name in ("zmq_ipc", "torch_mp", "ray"):
@@ -170,6 +171,7 @@ def test_bench_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         "--reps=2",
         "--budget=0.05",
         "--idle-seconds=0.2",
+        "--details",
         f"--json={out}",
     ]
     if plot:
@@ -253,6 +255,7 @@ def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
     out = tmp_path / "g.json"
     # grpc_unary is the push's old name; the pull is added as its baseline.
     proc = run_bench(
+        "--details",
         "--methods=grpc_unary",
         "--sizes=1k,64k",
         "--reps=1",
@@ -266,16 +269,29 @@ def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
         and "## One-way \u00d7grpc_pull" in proc.stdout
     )
     methods = {m["name"]: m for m in json.loads(out.read_text())["methods"]}
-    assert set(methods) == {"memcpy", "mp_pipe_oob", "grpc_pull", "grpc_push"}
+    # The two-call pull is compared with the one-call pull in turn.
+    assert set(methods) == {
+        "memcpy",
+        "mp_pipe_oob",
+        "grpc_pull",
+        "grpc_pull_piggyback",
+        "grpc_push",
+    }
     assert all(m["status"] == "ok" for m in methods.values())
     assert methods["grpc_push"]["baseline"] == "grpc_pull"
+    assert methods["grpc_pull"]["baseline"] == "grpc_pull_piggyback"
     for size in ("1024", "65536"):
         push = methods["grpc_push"]["cells"][size]
         pull = methods["grpc_pull"]["cells"][size]
+        one_call = methods["grpc_pull_piggyback"]["cells"][size]
         assert push["rtt_x_grpc_pull"] == pytest.approx(
             push["rtt_median_ns"] / pull["rtt_median_ns"]
         )
-        assert pull["checks"] == 2 and pull["oneway_median_ns"] > 0
+        assert pull["rtt_x_grpc_pull_piggyback"] == pytest.approx(
+            pull["rtt_median_ns"] / one_call["rtt_median_ns"]
+        )
+        for cell in (pull, one_call):
+            assert cell["checks"] == 2 and cell["oneway_median_ns"] > 0
 
 
 @pytest.mark.timeout(60)
@@ -283,7 +299,7 @@ def test_grpc_methods_are_compared_with_the_pull(tmp_path: Path) -> None:
 def test_pending_compares_with_no_pending_in_the_same_run(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     args = ("--sizes=64", "--reps=1", "--budget=0.02", "--idle-seconds=0", "--no-baselines")
-    proc = run_bench("--pending=20", *args, f"--json={out}")
+    proc = run_bench("--pending=20", "--details", *args, f"--json={out}")
     assert proc.returncode == 0, proc.stderr
     assert "## Round trip \u00d7shmrdv_send" in proc.stdout
     data = json.loads(out.read_text())
@@ -479,6 +495,7 @@ def test_iceoryx2_runs_beside_its_shmrdv_twins(tmp_path: Path) -> None:
         "--budget=0.02",
         "--idle-seconds=0.1",
         "--touch",
+        "--details",
         f"--json={out}",
     )
     assert proc.returncode == 0, proc.stderr
@@ -507,6 +524,7 @@ def test_handoff_floors_move_every_size_beside_the_shmrdv_method_they_floor(
     out = tmp_path / "f.json"
     proc = run_bench(
         f"--methods={','.join(_HANDOFF_FLOORS)}",
+        "--details",
         "--sizes=64,1m",
         "--reps=1",
         "--budget=0.02",
@@ -712,10 +730,12 @@ def test_pipeline_bad_options_are_usage_errors(argv: list[str], message: str) ->
 
 
 @pytest.mark.timeout(60)
-def test_grpc_pull_serves_the_array_as_it_is_at_each_handoff() -> None:
-    # Issue 19 §3: the raw pull pays one tobytes() of the array per handoff, like a producer
-    # with a new tensor each time: change the array's contents, and the next handoff carries
-    # them (a prebuilt payload would not).
+@pytest.mark.parametrize("method", ["grpc_pull", "grpc_pull_piggyback"])
+def test_grpc_pull_serves_the_array_as_it_is_at_each_handoff(method: str) -> None:
+    # The raw pull pays one tobytes() of the array per handoff, like a producer with a new
+    # tensor each time: change the array's contents, and the next handoff carries them (a
+    # prebuilt payload would not). grpc_pull's ack comes back in a call of its own,
+    # grpc_pull_piggyback's in the next pull.
     import multiprocessing
     import threading
     import zlib
@@ -725,11 +745,11 @@ def test_grpc_pull_serves_the_array_as_it_is_at_each_handoff() -> None:
     from shmrdv._bench.contract import KIND_CHECK, KIND_STOP
 
     near, far = multiprocessing.Pipe()
-    spec = METHODS["grpc_pull"]
+    spec = METHODS[method]
     assert spec.ponger is not None
 
     def ctx(role: str, link: object) -> RoleContext:
-        return RoleContext(role, "grpc_pull", link, {}, "t_", "/tmp", 1 << 16)  # type: ignore[arg-type]
+        return RoleContext(role, method, link, {}, "t_", "/tmp", 1 << 16)  # type: ignore[arg-type]
 
     pinger = spec.pinger(ctx("pinger", near))
     handler = Handler()

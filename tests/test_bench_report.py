@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import re
 
-from shmrdv._bench.report import FASTER_THAN_COPY, format_markdown, format_time, to_json
+import pytest
+
+from shmrdv._bench.report import (
+    FASTER_THAN_COPY,
+    format_markdown,
+    format_range,
+    format_time,
+    to_json,
+)
 from shmrdv._bench.results import BenchRun, CellResult, MethodResult
 from shmrdv._bench.textfit import WIDTH, fit_markdown, split_table, wrap_line
 
@@ -100,7 +108,9 @@ def test_report_every_line_fits_the_width() -> None:
 
 def test_report_shows_no_negative_fixed_cost() -> None:
     run = _run()
-    assert run.fixed_cost_ns("shmrdv_allocate", 256 << 20) < 0  # the case: faster than a copy
+    allocate = run.method("shmrdv_allocate")
+    assert allocate is not None
+    assert run.fixed_cost_ns(allocate, 256 << 20) < 0  # the case: faster than a copy
     text = format_markdown(run)
     fixed = text.split("## Fixed cost")[1].split("\n## ")[0]
     assert not re.search(r"-\s*[\d,.]+ ?(µs|ms|s)\b", fixed), fixed  # before: "-11,964 µs"
@@ -163,3 +173,81 @@ def test_fit_markdown_leaves_headings_and_code_alone() -> None:
     out = fit_markdown(text, 80).splitlines()
     assert out[0] == f"# {long}" and out[2] == long
     assert all(len(x) <= 80 for x in out[4:])
+
+
+def _summary_run() -> BenchRun:
+    """A run with shmrdv's send under two key patterns, its gRPC path, and the summary's peers,
+    on a host with two busy processes."""
+    run = _run()
+    run.config["sizes"] = [64, 1 << 20]
+    run.config["host"] = {"state": "oversubscribed", "busy_processes": 2, "busy_cpus": None}
+    run.methods = [
+        _method("memcpy", "floor", 0.06, 2_000),
+        _method("shmrdv_send", "shmrdv", 0.05, 40_000, keys="same"),
+        _method("shmrdv_send", "shmrdv", 0.05, 80_000, keys="fresh"),
+        _method("shmrdv_grpc", "shmrdv", 1.0, 600_000, keys="same", baseline="grpc_pull"),
+        _method("mp_pipe_oob", "peer", 1.4, 100_000),
+        _method("mp_queue", "peer", 2.0, 120_000),
+        _method("grpc_pull", "peer", 1.0, 500_000, baseline="grpc_pull_piggyback"),
+        _method("grpc_pull_piggyback", "peer", 1.0, 400_000),
+    ]
+    return run
+
+
+def test_summary_comes_first_with_ranges_keys_and_the_host() -> None:
+    run = _summary_run()
+    text = format_markdown(run, details=False)
+    assert text.index("## Summary") < text.index("## Methods")
+    assert "## Round trip" not in text and "--details" in text  # the rest on request
+    summary = text.split("## Summary")[1].split("\n## ")[0]
+    assert "Host: oversubscribed (2 busy processes); load average 2.01 → 2.5." in summary
+    assert "Keys: same, fresh." in summary
+    rows = {
+        tuple(c.strip() for c in r.strip("|").split("|")[:2]): [c.strip() for c in r.split("|")]
+        for r in summary.splitlines()
+        if r.startswith("| 64 B")
+    }
+    assert set(rows) == {
+        ("64 B", "shmrdv_send · same"),
+        ("64 B", "shmrdv_send · fresh"),
+        ("64 B", "shmrdv_grpc · same"),
+        ("64 B", "mp_pipe_oob"),
+        ("64 B", "mp_queue"),
+        ("64 B", "grpc_pull"),
+    }
+    # shmrdv_send at 64 B: 40 µs + 3.2 ns; repetition medians x1, x1.1, x0.9: a range.
+    send = rows[("64 B", "shmrdv_send · same")]
+    assert send[3] == "40.0 µs (36.0\u201344.0)", send
+    assert send[5:8] == ["\u00d70.400", "\u00d70.333", ""]  # x Pipe, x Queue, not x raw gRPC
+    grpc = rows[("64 B", "shmrdv_grpc · same")]
+    assert grpc[5:8] == ["", "", "\u00d71.20"]  # the gRPC path against the raw gRPC job
+    assert (
+        "* `shmrdv_send · fresh`: \u00d70.0845\u20130.799 a Pipe's round trip at 64 B\u20131 MiB"
+        in (" ".join(text.split()))
+    )
+    fresh = rows[("64 B", "shmrdv_send · fresh")]
+    assert fresh[8] == "\u00d72.00"  # x the same key: the same method with one key reused
+    assert "faster at every size" in summary
+
+
+def test_details_follow_the_summary_and_name_the_key_pattern() -> None:
+    text = format_markdown(_summary_run(), details=True)
+    assert text.index("## Summary") < text.index("## Round trip (the array there")
+    assert "| shmrdv_send · fresh |" in text.split("## Round trip: p99")[1]
+    same_keys = text.split("## Round trip \u00d7the same method with one key reused")[1]
+    assert "| shmrdv_send · fresh | \u00d72.00 |" in same_keys.split("\n## ")[0]
+    assert "## Round trip \u00d7grpc_pull_piggyback" in text
+    methods = text.split("## Methods")[1]
+    assert "* `shmrdv_send` · same, fresh (ok)" in methods
+    data = to_json(_summary_run())
+    runs = {(m["name"], m["keys"]): m for m in data["methods"]}
+    fresh = runs[("shmrdv_send", "fresh")]["cells"]["64"]
+    assert fresh["rtt_x_keys_same"] == pytest.approx(2.0, rel=1e-3)
+    assert runs[("mp_pipe_oob", None)]["cells"]["64"]["rtt_x_keys_same"] is None
+    assert data["config"]["host"]["state"] == "oversubscribed"
+
+
+def test_format_range_shows_the_median_and_the_spread_in_one_unit() -> None:
+    assert format_range(48_100, [45_200, 48_100, 52_300]) == "48.1 µs (45.2\u201352.3)"
+    assert format_range(1_370_000, [975_000, 1_370_000, 1_400_000]) == "1.37 ms (0.975\u20131.40)"
+    assert format_range(812_000, [812_000]) == "812 µs"

@@ -56,6 +56,12 @@ def test_cli_demo_runs_checks_and_leaves_nothing() -> None:
     assert "multiprocessing.Queue" in proc.stdout
     assert "backpressure: at most 4 frames" in proc.stdout  # the demo says it uses a window
     assert "leftover" not in proc.stderr
+    # Rates are timed from the first frame received to the last, and the output says so.
+    assert "frames/s: from the first frame the sink receives to the last" in proc.stdout
+    assert "shmrdv:                 40 frames, the last 39 in" in proc.stdout
+    # Both halves report progress as they go (stderr is not a terminal: a line per report).
+    for label in ("shmrdv", "multiprocessing.Queue"):
+        assert f"  {label}: 40/40 frames" in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(180)
@@ -83,6 +89,17 @@ def test_cli_demo_two_hosts_over_grpc() -> None:
     # The ratio is explained: the network path against a same-host queue.
     last = proc.stdout.strip().splitlines()[-1]
     assert "network path" in last and "within one host" in last, last
+
+
+def test_cli_demo_rate_leaves_start_up_out() -> None:
+    from shmrdv._cli import _rate, _result_line
+
+    # 11 frames, the first received at t, the last at t + 2 s: 10 intervals in 2 s.
+    assert _rate(11, 2.0) == 5.0
+    assert _rate(1, 0.0) is None
+    assert "a rate takes two frames" in _result_line("shmrdv", 1, 0.0, 0, 64)
+    line = _result_line("shmrdv", 11, 2.0, 0, 1 << 20)
+    assert "11 frames, the last 10 in   2.00 s =      5.0 frames/s" in line and "0 bad" in line
 
 
 def test_cli_demo_bad_arguments_exit_2() -> None:

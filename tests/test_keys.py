@@ -163,9 +163,18 @@ def test_parse_key_non_str_raises_invalid_argument(bad: object) -> None:
         parse_key(bad)  # type: ignore[arg-type]
 
 
-def test_parse_key_is_cached() -> None:
-    key = create_key(CPU0, 99, CPU1, "cached_edge")
-    assert parse_key(key) is parse_key(key)
+def test_parse_key_remembers_the_ends_not_the_keys() -> None:
+    # A key per item (a scatter/gather) parses by one split and two lookups: what its
+    # devices and frame parse to is kept once, and no key string is kept at all.
+    from shmrdv import _keys
+
+    first = parse_key(create_key(CPU0, 99, CPU1, "item_0"))
+    ends, frames = len(_keys._ends), len(_keys._frames)
+    for i in range(1, 2000):
+        pk = parse_key(create_key(CPU0, 99, CPU1, f"item_{i}"))
+        assert pk.src is first.src and pk.dst is first.dst and pk.edge_name == f"item_{i}"
+    assert (len(_keys._ends), len(_keys._frames)) == (ends, frames)
+    assert parse_key(first.full_key) == first
 
 
 @given(st.text())
@@ -236,3 +245,23 @@ def test_key_digest_is_16_stable_bytes() -> None:
     assert digest == key_digest(TF_KEY)
     assert digest != key_digest(TF_KEY.replace("task:7", "task:8"))
     assert len(key_digest("a\ud800")) == 16  # never raises, even on text parse_key refuses
+
+
+@pytest.mark.parametrize("bad", ["bad", "a;b;c;d;e;f", "/job:w/task:0;zz;/job:w/task:1;e;0:0"])
+def test_parse_key_error_points_to_create_key(bad: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"shmrdv\.create_key\("):
+        parse_key(bad)
+
+
+def test_keys_longer_than_every_transport_carries_are_refused_where_made_and_parsed() -> None:
+    from shmrdv._keys import MAX_KEY_BYTES
+
+    head = "/job:a/replica:0/task:0/device:CPU:0"
+    fits = "x" * (MAX_KEY_BYTES - len(create_key(head, 0, head, "x")) + 1)
+    assert len(create_key(head, 0, head, fits).encode()) == MAX_KEY_BYTES
+    assert parse_key(create_key(head, 0, head, fits)).edge_name == fits
+    for edge in (fits + "x", fits[:-1] + "\u00e9"):  # one byte over, in ASCII or not
+        with pytest.raises(InvalidArgumentError, match=f"too long: at most {MAX_KEY_BYTES}"):
+            create_key(head, 0, head, edge)
+        with pytest.raises(InvalidArgumentError, match=f"too long: at most {MAX_KEY_BYTES}"):
+            parse_key(f"{head};0000000000000000;{head};{edge};0:0")

@@ -36,6 +36,7 @@ def test_editable_install_is_found_by_mypy_in_another_directory(tmp_path: Path) 
     # ("Cannot find implementation or library stub"); package_dir "" = "." makes it a path.
     if not _editable_install_of_this_checkout():
         pytest.skip("shmrdv is not installed editable from this checkout (pip install -e .)")
+    pytest.importorskip("mypy", reason="mypy comes with the 'ci' extra (.ci/run installs it)")
     user = tmp_path / "user_project.py"
     user.write_text("import shmrdv\n\nns: str = shmrdv.new_namespace()\n", encoding="utf-8")
     proc = subprocess.run(
@@ -54,6 +55,15 @@ def test_mypy_config_tolerates_a_missing_matplotlib() -> None:
     cfg.read(ROOT / "setup.cfg", encoding="utf-8")
     assert cfg.getboolean("mypy-matplotlib.*", "ignore_missing_imports")
     assert "matplotlib" not in cfg["options.extras_require"]["test"]
+
+
+def test_test_extra_holds_what_the_tests_need_only() -> None:
+    # The README's test command installs the "test" extra; CI's own tools are in "ci".
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg", encoding="utf-8")
+    test, ci = (cfg["options.extras_require"][name] for name in ("test", "ci"))
+    for tool in ("mypy", "ruff", "grpcio-tools", "types-protobuf"):
+        assert tool not in test and tool in ci
 
 
 # Blocks google.protobuf, then sends across processes over shared memory and over gRPC.

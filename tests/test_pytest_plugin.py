@@ -78,7 +78,32 @@ def test_plugin_leak_check_fails_the_leaking_test(pytester: pytest.Pytester) -> 
     pytester.makepyfile(USER_TESTS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--shmrdv")
     result.assert_outcomes(passed=2, errors=1)
-    result.stdout.fnmatch_lines(["*shmrdv leak check*tdeaddead*"])
+    result.stdout.fnmatch_lines(["*shmrdv leak check*tdeaddead*To fix: *"])
+
+
+UNRECEIVED_TESTS = """
+import numpy as np, shmrdv
+
+def test_sends_and_never_receives(shmrdv_namespace):
+    # A user's bug: a value for a consumer that never runs stays for it to take.
+    key = shmrdv.create_key("/job:u/task:0/cpu:0", 0, "/job:u/task:1/cpu:0", "lost")
+    cluster = shmrdv.ClusterSpec({"u": ["127.0.0.1:1", "127.0.0.1:2"]})
+    with shmrdv.Worker("/job:u/task:0", namespace=shmrdv_namespace, cluster=cluster) as w:
+        w.rendezvous(3).send(key, np.zeros(1 << 20))
+"""
+
+
+@pytest.mark.slow
+def test_plugin_leak_check_says_how_to_fix_an_unreceived_value(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(UNRECEIVED_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--shmrdv", timeout=120)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*shmrdv leak check*message of namespace id*To fix: values were sent and never "
+            "received: receive them, or call Worker.cleanup(step)*"
+        ]
+    )
 
 
 LEAKY_TESTS = """

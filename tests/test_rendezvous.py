@@ -29,7 +29,7 @@ from shmrdv._rendezvous import (
     Rendezvous,
     check_timeout,
 )
-from shmrdv._step import StepRendezvous
+from shmrdv._worker import StepRendezvous
 
 DEV = "/job:w/replica:0/task:0/device:CPU:0"
 KEY = create_key(DEV, 1, DEV, "edge")
@@ -78,7 +78,7 @@ def _send_in_thread(rdv: LocalRendezvous, value: Any) -> threading.Thread:
 
 
 @pytest.mark.parametrize(
-    "timeout", [-1, -0.001, math.nan, math.inf, "soon", object(), [1.0]], ids=repr
+    "timeout", [-1, -0.001, math.nan, math.inf, "soon", "1", True, b"1", object(), [1.0]], ids=repr
 )
 def test_rendezvous_recv_timeout_invalid(rdv: LocalRendezvous, timeout: Any) -> None:
     with pytest.raises(InvalidArgumentError, match="timeout"):
@@ -88,7 +88,7 @@ def test_rendezvous_recv_timeout_invalid(rdv: LocalRendezvous, timeout: Any) -> 
     assert rdv.stats()["pending_waiters"] == 0  # refused before any waiter was queued
 
 
-@pytest.mark.parametrize("timeout", [None, 0, 0.5, 3])
+@pytest.mark.parametrize("timeout", [None, 0, 0.5, 3, np.float32(0.5), np.int64(2)], ids=repr)
 def test_rendezvous_check_timeout_accepts(timeout: float | None) -> None:
     assert check_timeout(timeout) == timeout
 

@@ -18,9 +18,9 @@ import rpc_helpers
 from helpers import wait_for
 from rpc_helpers import StepSource, make_key
 
+from shmrdv._cluster import Peers
 from shmrdv._errors import ResourceExhaustedError
 from shmrdv._keys import DeviceName
-from shmrdv._peers import Peers
 from shmrdv._rpc import messages
 from shmrdv._rpc.methods import RECV_TENSOR_METHOD
 from shmrdv._rpc.server import RpcServer

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from shmrdv._cluster import Peers
 from shmrdv._errors import AbortedError, ResourceExhaustedError
 from shmrdv._keys import DeviceName, parse_key
-from shmrdv._peers import Peers
 from shmrdv._rendezvous import Received
 from shmrdv._rpc.outbox import Outbox
 from shmrdv._shm.board import ShmBoard

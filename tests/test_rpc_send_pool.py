@@ -11,8 +11,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from shmrdv._cluster import Peers
 from shmrdv._keys import DeviceName, parse_key
-from shmrdv._peers import Peers
 from shmrdv._rendezvous import Received
 from shmrdv._rpc import series_wire
 from shmrdv._rpc.outbox import Outbox

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from shmrdv._cluster import Peers
 from shmrdv._errors import ResourceExhaustedError
 from shmrdv._keys import DeviceName
-from shmrdv._peers import Peers
 from shmrdv._procs import ChildWorker
 from shmrdv._shm.board import ShmBoard
 from shmrdv._shm.files import Segment

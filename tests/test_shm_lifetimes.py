@@ -108,6 +108,162 @@ def test_lifetime_consumer_cleanup_frees_unreceived(ns: str) -> None:
         assert "m" not in kinds(ns)
 
 
+# -- a consumer killed and restarted takes what its task was sent and did not take -----------
+
+
+def child_take(
+    worker: shmrdv.Worker, edge: str, count: int, log: str = "", until: int = -1
+) -> list[int]:
+    """Receive ``count`` values of ``edge`` (step 1), or up to the one numbered ``until``;
+    return their numbers, each checked whole. With ``log``, each number is appended to that
+    file as soon as it is received, and a millisecond passes before the next receive."""
+    rdv = worker.rendezvous(1)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if log else -1
+    got: list[int] = []
+    try:
+        while len(got) < count:
+            value = rdv.recv(make_key(edge), timeout=30).value
+            n = int(value[0])
+            assert (value == n).all(), f"message {n} of {edge} arrived corrupt"
+            del value
+            got.append(n)
+            if fd >= 0:
+                os.write(fd, f"{n}\n".encode())
+                time.sleep(0.001)
+            if n == until:
+                break
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return got
+
+
+def child_nothing_more(worker: shmrdv.Worker, edge: str) -> bool:
+    """Whether a receive of ``edge`` finds nothing (its timeout expires)."""
+    try:
+        worker.rendezvous(1).recv(make_key(edge), timeout=0.3)
+    except shmrdv.DeadlineExceededError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("size", [16, 100_000], ids=["ring", "segment"])
+def test_lifetime_restarted_consumer_takes_what_its_killed_run_did_not(ns: str, size: int) -> None:
+    # Two keys, interleaved, 40 values each. The consumer takes 15 of "a" and is SIGKILLed:
+    # it had read every record into its process (the rest of "a", all of "b"). The task's
+    # next process gets every value its killed run did not take, once, in order, whole;
+    # it got none (each wait ended in UnavailableError once the producer closed).
+    n = 40
+    with shmrdv.Worker(PRODUCER, namespace=ns) as producer:
+        out = producer.rendezvous(1)
+        consumer = ChildWorker(CONSUMER, namespace=ns)
+        try:
+            for i in range(n):
+                out.send(make_key("a"), np.full(size, i, np.uint32))
+                out.send(make_key("b"), np.full(size, i, np.uint32))
+            assert consumer.call(child_take, "a", 15) == list(range(15))
+            consumer.kill(signal.SIGKILL)
+        finally:
+            consumer.close()
+        with ChildWorker(CONSUMER, namespace=ns) as again:
+            assert again.call(child_take, "a", n - 15) == list(range(15, n))
+            assert again.call(child_take, "b", n) == list(range(n))
+            assert again.call(child_nothing_more, "a") and again.call(child_nothing_more, "b")
+            # The producer follows the new run's doorbell: what it sends now arrives too.
+            out.send(make_key("a"), np.full(size, n, np.uint32))
+            assert again.call(child_take, "a", 1) == [n]
+
+
+@pytest.mark.parametrize("size", [16, 100_000], ids=["ring", "segment"])
+def test_lifetime_consumer_killed_mid_stream_loses_nothing_it_did_not_take(
+    ns: str, size: int, tmp_path: Any
+) -> None:
+    # A producer streams 600 values faster than the consumer takes them; the consumer
+    # writes each number down as it gets it, and is SIGKILLed mid-stream (after 200, then
+    # after 400: with values read into its process and not taken) and restarted. The
+    # values arrive in order, none twice, and none is missing but, at a kill, the one the
+    # killed run may have taken without writing it down yet.
+    n = 600
+    log = str(tmp_path / "taken")
+    with shmrdv.Worker(PRODUCER, namespace=ns) as producer:
+        out = producer.rendezvous(1)
+        sender = threading.Thread(
+            target=lambda: [out.send(make_key("s"), np.full(size, i, np.uint32)) for i in range(n)],
+            daemon=True,
+        )
+        sender.start()
+        for upto in (200, 400):
+            consumer = ChildWorker(CONSUMER, namespace=ns)
+            try:
+                runner = threading.Thread(
+                    target=_call_quietly, args=(consumer, child_take, "s", n, log), daemon=True
+                )
+                runner.start()
+                deadline = time.monotonic() + 60
+                while len(_taken(log)) < upto:
+                    assert time.monotonic() < deadline, f"{len(_taken(log))} taken, not {upto}"
+                    time.sleep(0.002)
+                consumer.kill(signal.SIGKILL)
+                runner.join(30)
+            finally:
+                consumer.close()
+        sender.join(60)
+        assert not sender.is_alive()
+        taken = _taken(log)
+        assert taken[-1] < n - 1, "the consumer was not killed mid-stream"
+        with ChildWorker(CONSUMER, namespace=ns) as last:
+            rest = last.call(child_take, "s", n, "", n - 1)
+            assert last.call(child_nothing_more, "s")
+    got = taken + rest
+    assert got == sorted(set(got)), "out of order, or twice"
+    missing = sorted(set(range(n)) - set(got))
+    assert len(missing) <= 2, missing  # one per kill at most
+    for m in missing:
+        assert m - 1 in taken and m + 1 in got, (m, missing)
+
+
+def test_lifetime_a_value_left_untaken_never_fills_the_ring(ns: str) -> None:
+    # One value nobody receives for a while, then 12,000 small ones (several times what a
+    # ring holds) that are received: the ring keeps the untaken record until it needs the
+    # room, then its consumer moves it out, to a message of its own. The producer never
+    # finds the ring full, and the value still reaches the task's next process after a
+    # SIGKILL, once, whole.
+    n = 12_000
+    with shmrdv.Worker(PRODUCER, namespace=ns) as producer:
+        out = producer.rendezvous(1)
+        consumer = ChildWorker(CONSUMER, namespace=ns)
+        try:
+            out.send(make_key("late"), np.full(16, 7, np.uint32))
+            for chunk in range(0, n, 1000):
+                for i in range(chunk, chunk + 1000):
+                    out.send(make_key("busy"), np.full(16, i, np.uint32))
+                assert consumer.call(child_take, "busy", 1000) == list(range(chunk, chunk + 1000))
+            assert producer.stats()["shm"]["ring_full"] == 0
+            assert "m" in kinds(ns)  # the late value, moved out of the ring
+            consumer.kill(signal.SIGKILL)
+        finally:
+            consumer.close()
+        with ChildWorker(CONSUMER, namespace=ns) as again:
+            assert again.call(child_take, "late", 1) == [7]
+            assert again.call(child_nothing_more, "late") and again.call(child_nothing_more, "busy")
+            assert "m" not in kinds(ns)
+
+
+def _taken(log: str) -> list[int]:
+    try:
+        with open(log) as f:
+            return [int(line) for line in f.read().split("\n") if line]
+    except FileNotFoundError:
+        return []
+
+
+def _call_quietly(child: ChildWorker, fn: Any, *args: Any) -> None:
+    try:
+        child.call(fn, *args)
+    except shmrdv.RendezvousError:
+        pass  # killed: the test reads what it wrote down
+
+
 @pytest.mark.slow
 def test_lifetime_consumer_exit_holding_array_leaves_nothing(ns: str) -> None:
     """A consumer process that ends while holding received arrays leaves no ``held`` name."""
@@ -132,8 +288,9 @@ def test_lifetime_consumer_exit_holding_array_leaves_nothing(ns: str) -> None:
         assert stats["pool_lost"] == 1, stats
         producer.cleanup(2)
     # Sent to a consumer that is gone: it waits for another run of that consumer (for
-    # reaper.GRACE_S), then the next Worker's sweep or gc takes it.
-    assert set(kinds(ns)) == {"m"}
+    # reaper.GRACE_S), then the next Worker's sweep or gc takes it, and the ring with its
+    # notices of it (records not taken).
+    assert set(kinds(ns)) == {"m", "q"}
     collect(ns)
     assert kinds(ns) == []
 

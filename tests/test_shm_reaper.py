@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import CONSUMER, PRODUCER, SHMRDV_PATH, make_key, run_as_nobody
+from small_shm import run_with_small_dev_shm
 
 import shmrdv
 from shmrdv._procs import ChildWorker
@@ -157,6 +158,38 @@ def test_reaper_values_wait_for_a_consumer_that_starts_later(ns: str) -> None:
         inbox = consumer.rendezvous(1)
         assert inbox.recv(make_key("small"), timeout=10).value[0] == 1.0
         assert inbox.recv(make_key("big"), timeout=10).value[0] == 2
+    assert left(ns) == []
+
+
+def set_grace(worker: shmrdv.Worker, seconds: float) -> None:
+    """In a child: its sweeps keep what is waiting for a consumer ``seconds`` (not 30 s)."""
+    reaper.GRACE_S = seconds
+
+
+@pytest.mark.parametrize("nbytes", [64, 1 << 20], ids=["ring", "segment"])
+def test_reaper_values_sent_before_a_clean_close_wait_after_the_last_send(
+    ns: str, nbytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sequence that lost values, the wait scaled from 30 s to GRACE: a producer sends
+    # at t0 and again at t0 + 1.5 GRACE, then closes (its own close sweeps its namespace,
+    # dead now); a consumer that starts a moment later gets both values. tmpfs does not
+    # update a file's mtime for writes through a mapping: taken as the last write, the
+    # ring's looked older than GRACE, and the close deleted the producer's own values.
+    grace = 2.0
+    monkeypatch.setattr(reaper, "GRACE_S", grace)  # the consumer's start sweep, here
+    with ChildWorker(PRODUCER, namespace=ns) as producer:
+        producer.call(set_grace, grace)
+        producer.send(make_key("t0"), np.full(nbytes, 1, np.uint8), step=1)
+        time.sleep(1.5 * grace)
+        producer.send(make_key("t1"), np.full(nbytes, 2, np.uint8), step=1)
+    time.sleep(grace / 4)
+    with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
+        inbox = consumer.rendezvous(1)
+        first = inbox.recv(make_key("t0"), timeout=10).value
+        assert first.shape == (nbytes,) and first[0] == 1 and first[-1] == 1
+        second = inbox.recv(make_key("t1"), timeout=10).value
+        assert second.shape == (nbytes,) and second[0] == 2 and second[-1] == 2
+        del first, second
     assert left(ns) == []
 
 
@@ -389,6 +422,58 @@ def test_reaper_sweep_is_bounded(tmp_path: Any) -> None:
     while not (out := reaper.sweep(directory)).complete:
         pass
     assert os.listdir(directory) == []
+
+
+_FLOODED = """
+import os, threading, time
+import shmrdv
+from shmrdv._shm import sweeper
+from shmrdv._shm.naming import Names
+
+def entries():
+    return sweeper.entries_read()["sync"]
+
+# What a dead job left, made first: tmpfs lists the newest names first, so a sweep meets
+# the flood before it.
+dead = Names(shmrdv.new_namespace())
+left = [dead.presence("/job:dead/replica:0/task:0"), dead.temp()]
+for name in left:
+    os.close(os.open("/dev/shm/" + name, os.O_CREAT | os.O_WRONLY, 0o600))
+for i in range(JUNK):
+    os.close(os.open(f"/dev/shm/junk{i}", os.O_CREAT | os.O_WRONLY, 0o600))
+for round in range(2):
+    before = entries()
+    t0 = time.monotonic()
+    w = shmrdv.Worker("/job:w/replica:0/task:0", namespace=shmrdv.new_namespace())
+    started = time.monotonic() - t0
+    at_start = entries() - before
+    assert at_start <= sweeper.SYNC_ENTRIES, at_start
+    # The rest of the sweep goes on in the background while the Worker lives.
+    assert sweeper.idle(60), "the background sweep did not finish"
+    assert not any(os.path.exists("/dev/shm/" + name) for name in left), os.listdir("/dev/shm")[:5]
+    before = entries()
+    t0 = time.monotonic()
+    w.close()
+    closed = time.monotonic() - t0
+    at_close = entries() - before
+    assert at_close <= sweeper.SYNC_ENTRIES, at_close
+    assert not [t for t in threading.enumerate() if t.name == "shmrdv-sweeper"]
+    print(f"round {round}: start {started * 1000:.1f} ms, {at_start} entries; "
+          f"close {closed * 1000:.1f} ms, {at_close} entries")
+assert sweeper.entries_read()["background"] >= JUNK - sweeper.SYNC_ENTRIES
+print("child ok")
+"""
+
+
+def test_reaper_a_flooded_dev_shm_costs_start_and_close_a_bounded_listing() -> None:
+    # 100,000 junk names (any local user can make them) in a /dev/shm of its own (a
+    # private tmpfs, gone with the test): a Worker's start and close each read at most
+    # SYNC_ENTRIES directory entries (they listed the whole directory, twice or more).
+    # The sweep's other work goes on in a thread of
+    # the process, which collects what a dead job left behind the flood and stops with
+    # the last Worker's close.
+    out = run_with_small_dev_shm(_FLOODED.replace("JUNK", "100_000"), size="64m")
+    assert out.count("round") == 2, out
 
 
 def test_reaper_can_be_turned_off(ns: str, monkeypatch: pytest.MonkeyPatch) -> None:

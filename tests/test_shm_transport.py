@@ -389,6 +389,50 @@ def test_zero_copy_allocate_send_publishes_without_copy() -> None:
         producer.cleanup(1)
 
 
+def test_zero_copy_sent_buffer_never_shows_a_later_message() -> None:
+    # An allocate()d buffer kept after its send, or a view of it, used to show the next
+    # message once the consumer gave the slot back and the producer wrote into it again.
+    # The slot now waits for the producer's array (and its views) to be collected.
+    ns = shmrdv.new_namespace()
+    n = 1 << 20
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        shmrdv.Worker(PRODUCER, namespace=ns) as producer,
+    ):
+        prdv, crdv = producer.rendezvous(1), consumer.rendezvous(1)
+        key = make_key("kept")
+        buf = prdv.allocate(key, (n,), np.uint8)
+        buf[:] = 1
+        view = buf[10:20]
+        prdv.send(key, buf)
+        got = crdv.recv(key, timeout=10).value
+        assert (got == 1).all()
+        del got  # given back: the consumer's array is collected
+        buf2 = prdv.allocate(key, (n,), np.uint8)
+        assert not np.shares_memory(buf, buf2)
+        buf2[:] = 2
+        prdv.send(key, buf2)
+        got = crdv.recv(key, timeout=10).value
+        assert (got == 2).all() and (buf == 1).all() and (view == 1).all()
+        del got, buf2
+        assert shm_stats(producer)["pool_created"] == 2
+        del buf  # the view still reads the slot: it stays out of the pool
+        buf3 = prdv.allocate(key, (n,), np.uint8)
+        assert not np.shares_memory(view, buf3)
+        del buf3, view  # now neither is read here: both slots serve again
+        for i in range(3, 6):
+            buf = prdv.allocate(key, (n,), np.uint8)
+            buf[:] = i
+            prdv.send(key, buf)
+            del buf
+            got = crdv.recv(key, timeout=10).value
+            assert (got == i).all()
+            del got
+        assert shm_stats(producer)["pool_created"] == 2
+        consumer.cleanup(1)
+        producer.cleanup(1)
+
+
 # -- §4 notification -----------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ _TRANSPORTS = ("_shm", "_rpc")
 # Who may import a transport package: the Worker builds the transports and the presence
 # board; the command line and the pytest plugin list and collect /dev/shm objects; the
 # package exports TLSConfig.
-_BUILDERS = {"__init__.py", "_worker.py", "_cli.py", "_demo.py", "pytest_plugin.py"}
+_BUILDERS = {"__init__.py", "_worker.py", "_cli.py", "pytest_plugin.py"}
 
 
 def _imported(path: Path) -> set[str]:
@@ -35,7 +35,12 @@ def _reaches_transport(module: str) -> bool:
 
 def test_transport_core_modules_import_no_transport_package() -> None:
     core = sorted(p for p in _PACKAGE.glob("*.py") if p.name not in _BUILDERS)
-    assert {p.name for p in core} >= {"_router.py", "_peers.py", "_diagnose.py", "_transport.py"}
+    assert {p.name for p in core} >= {
+        "_cluster.py",
+        "_rendezvous.py",
+        "_routes.py",
+        "_transport.py",
+    }
     offenders = {
         p.name: sorted(m for m in _imported(p) if _reaches_transport(m))
         for p in core

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -196,7 +197,9 @@ def test_worker_cleanup_aborts_pending_and_later_calls(worker: shmrdv.Worker) ->
     worker.cleanup(7)
     t.join(5)
     assert time.monotonic() - start < 1
-    assert isinstance(box[0], shmrdv.AbortedError) and str(box[0]) == "Cleanup 7"
+    assert isinstance(box[0], shmrdv.AbortedError) and str(box[0]).startswith("Cleanup 7: ")
+    # The message says what happened and what to do (a step id is not reused).
+    assert "was cleaned up" in str(box[0]) and "new step id" in str(box[0])
     with pytest.raises(shmrdv.AbortedError, match="Cleanup 7"):
         rdv.send(key("y"), np.zeros(1))
     later = worker.rendezvous(7)
@@ -260,6 +263,59 @@ def test_worker_key_of_another_task_says_which_tasks_and_what_to_do(
     # A device without a task (TensorFlow's legacy "/cpu:0") is said to name none.
     with pytest.raises(shmrdv.InvalidArgumentError, match="names no task"):
         rdv.recv(key("l", dst="/cpu:0"), timeout=1)
+
+
+@contextlib.contextmanager
+def _pair_on(path: str) -> Iterator[tuple[shmrdv.Rendezvous, shmrdv.Rendezvous, str]]:
+    """(producer's rendezvous, consumer's, the dst device) of step 0 over ``path``: both in
+    one worker (in-process), or two workers of this process on shared memory or gRPC."""
+    ns = shmrdv.new_namespace()
+    if path == "in-process":
+        with shmrdv.Worker(TASK, namespace=ns) as w:
+            yield w.rendezvous(0), w.rendezvous(0), DEV
+        return
+    transports = ("grpc",) if path == "grpc" else None
+    peer = "/job:worker/replica:0/task:1"
+    with (
+        shmrdv.Worker(TASK, namespace=ns, transports=transports) as producer,
+        shmrdv.Worker(peer, namespace=ns, transports=transports) as consumer,
+    ):
+        yield producer.rendezvous(0), consumer.rendezvous(0), peer + "/device:CPU:0"
+
+
+@pytest.mark.parametrize("path", ["in-process", "shm", "grpc"])
+def test_worker_refuses_long_keys_and_non_number_timeouts_on_every_path(path: str) -> None:
+    # One check, in the core, for every transport: a key the shared-memory path refused
+    # (over its header's bound) went out over gRPC and could never be received there;
+    # timeout="1" and timeout=True were taken as 1 s.
+    from shmrdv._keys import MAX_KEY_BYTES
+
+    with _pair_on(path) as (out, inbox, dst):
+        long_key = f"{DEV};0000000000000000;{dst};{'e' * MAX_KEY_BYTES};0:0"
+        good = key("good", dst=dst)
+        errors: list[str] = []
+        for call in (
+            lambda: out.send(long_key, np.ones(3)),
+            lambda: inbox.recv(long_key, timeout=1),
+            lambda: out.allocate(long_key, (3,), np.float64),
+        ):
+            with pytest.raises(shmrdv.InvalidArgumentError) as info:
+                call()
+            errors.append(str(info.value))
+        for text in errors:
+            assert f"is too long: at most {MAX_KEY_BYTES} bytes" in text, text
+            assert len(text) < 1000  # the key itself is shortened
+        for bad in ("1", True, b"1", -1.0, float("nan")):
+            with pytest.raises(shmrdv.InvalidArgumentError, match="timeout must be") as info:
+                out.send(good, np.ones(3), timeout=bad)  # type: ignore[arg-type]
+            assert repr(bad) in str(info.value)
+            with pytest.raises(shmrdv.InvalidArgumentError, match="timeout must be"):
+                inbox.recv(good, timeout=bad)  # type: ignore[arg-type]
+        # Nothing was sent or left waiting by the refused calls.
+        out.send(good, np.full(3, 7.0), timeout=1)
+        assert inbox.recv(good, timeout=10).value.tolist() == [7.0, 7.0, 7.0]
+        with pytest.raises(shmrdv.DeadlineExceededError):
+            inbox.recv(good, timeout=0.2)
 
 
 @pytest.mark.parametrize("transports", [None, ("grpc",)], ids=["shm", "grpc"])

@@ -1,5 +1,5 @@
-"""What every ``shmrdv bench`` mode shares: sizes of float32 arrays as text, CPU pinning, and
-the environment its child processes start with.
+"""What every ``shmrdv bench`` mode shares: sizes of float32 arrays as text, the key patterns,
+CPU pinning, and the environment its child processes start with.
 
 Sizes are ``shmrdv._values`` sizes (one parser and one printer for the whole project),
 narrowed to what a float32 array can be. ``runner``, ``load``, ``soak`` and the other modes
@@ -17,7 +17,9 @@ from .._values import parse_size
 __all__ = [
     "GRPC_OPTIONS",
     "GRPC_VERBOSITY",
+    "KEY_PATTERNS",
     "grpc_quiet_children",
+    "parse_key_patterns",
     "parse_array_size",
     "parse_sizes",
     "pin_cpus",
@@ -26,7 +28,7 @@ __all__ = [
 # gRPC core logs at INFO when a channel's server goes away with calls open ("chttp2_transport.cc
 # ... Got goaway [2] ... Cancelling all calls"): a bench role's Worker stops its server while
 # the other role's stream to it is still parked. That is no error of the run, so the bench's
-# children log gRPC errors only (issue 20 §4); a GRPC_VERBOSITY the user set is kept.
+# children log gRPC errors only; a GRPC_VERBOSITY the user set is kept.
 GRPC_VERBOSITY = "ERROR"
 
 # The channel and server options of every raw grpcio peer: no message size limit (the
@@ -36,6 +38,31 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.enable_http_proxy", 0),
 ]
+
+
+# The key patterns users write (DESIGN.md, "Names and keys"), each a first-class path that the
+# bench measures (``--keys``): what a method does per message under each.
+KEY_PATTERNS = {
+    "same": "one key reused (a channel)",
+    "fresh": "a new edge name per message in one step (a scatter/gather's per-item keys; "
+    "create_key per message, timed)",
+    "step": "the same edge names in a new step per message (TensorFlow's loop; "
+    "rendezvous(step) and cleanup of the last step, timed, on both sides)",
+}
+
+
+def parse_key_patterns(text: str) -> list[str]:
+    """A comma-separated list of ``KEY_PATTERNS`` names, in their order, without repeats;
+    ``ValueError`` naming an unknown one or an empty list."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [n for n in names if n not in KEY_PATTERNS]
+    if unknown:
+        raise ValueError(
+            f"unknown key pattern(s) {', '.join(unknown)}; give {'|'.join(KEY_PATTERNS)}"
+        )
+    if not names:
+        raise ValueError(f"no key pattern (give {'|'.join(KEY_PATTERNS)})")
+    return [n for n in KEY_PATTERNS if n in names]
 
 
 def parse_array_size(text: str) -> int:
@@ -57,7 +84,7 @@ def pin_cpus(pin: bool | None) -> tuple[int, int] | None:
 
     ``pin`` None (the default): pin where this process may use two CPUs or more
     (``os.sched_getaffinity``), so that every method pays the same cross-CPU wake-up
-    (issue 11). True: pin, and raise ``ValueError`` if fewer than two CPUs are usable.
+    True: pin, and raise ``ValueError`` if fewer than two CPUs are usable.
     """
     if pin is False:
         return None

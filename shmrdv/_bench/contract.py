@@ -32,8 +32,10 @@ a method only supplies two objects, each built in its process by a top-level fac
 or as the data channel); ``shared``, what ``spec.make_shared(mp_context)`` returned
 in the runner (queues, a namespace token, any small setup dict; passed at spawn);
 ``prefix``, which starts every ``/dev/shm`` name the method creates (the runner
-sweeps it afterwards); ``scratch_dir`` for sockets; ``max_nbytes``; ``pending`` (``--pending N``); and ``handler``
-for single-process methods (``ponger is None``), whose pinger plays both roles.
+sweeps it afterwards); ``scratch_dir`` for sockets; ``max_nbytes``; ``pending`` (``--pending N``); ``keys``, the
+key pattern of this run of a method that has keys (``MethodSpec.key_patterns``, one of
+``common.KEY_PATTERNS``; None for one that has none); and ``handler`` for single-process
+methods (``ponger is None``), whose pinger plays both roles.
 
 Acks are four int64s (``Ack``: head stamp, tail stamp, arrival time in
 ``perf_counter_ns``, an extra word); ``pack_ack`` / ``unpack_ack`` give 32 bytes.
@@ -55,7 +57,7 @@ import struct
 import time
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
@@ -157,7 +159,7 @@ class Handler:
         kind = head % _KIND_BITS
         extra = 0
         if self.touch:
-            # The fastest full read numpy has (~60 GB/s when cached): what is timed is
+            # The fastest full read numpy has (far above memcpy when cached): what is timed is
             # reaching the bytes (mapping, faults, cache misses), not arithmetic.
             extra = int(a.reshape(-1).view(np.uint8).max())
         if kind == KIND_CHECK:
@@ -194,6 +196,7 @@ class RoleContext:
     max_nbytes: int
     handler: Handler | None = None
     pending: int = 0  # --pending N: receives the ponger keeps waiting on unsent keys
+    keys: str | None = None  # the key pattern (common.KEY_PATTERNS) of a method with keys
 
 
 class Pinger(Protocol):
@@ -299,7 +302,9 @@ class MethodSpec:
     this one with (and that ``--methods`` adds), beside memcpy and mp_pipe_oob. ``mode``:
     the method belongs to that mode (``--pending``) and runs in it only. ``fixed_nbytes``: the method runs at that one size
     only, whatever the sizes asked (a floor reported on its own). ``idle_cpu``: the
-    ponger blocks in its receive, so its idle CPU share can be measured.
+    ponger blocks in its receive, so its idle CPU share can be measured. ``key_patterns``:
+    the key patterns (``common.KEY_PATTERNS``) the method can run, each a run of its own
+    when ``--keys`` asks for it; empty for a method that names nothing by key (the peers).
     """
 
     name: str
@@ -315,7 +320,7 @@ class MethodSpec:
     baseline: str | None = None  # the method this one is also compared with, e.g. grpc_pull
     mode: str | None = None  # runs only in that mode of the bench ("pending"), not by default
     receiver_array: str = ""
-    notes: str = field(default="")
+    key_patterns: tuple[str, ...] = ()
 
 
 def module_missing(module: str, dist: str) -> Callable[[], str | None]:

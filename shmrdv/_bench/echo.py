@@ -1,7 +1,7 @@
 """The echo peer of ``shmrdv serve``: every array another host sends it comes back.
 
 What ``shmrdv bench --peer HOST:PORT`` measures against from another machine, as iperf's
-client measures against ``iperf -s`` (issue 20 §4). Two parts:
+client measures against ``iperf -s``. Two parts:
 
 * ``EchoLoop(worker, peers)``: for each peer task, a thread that receives the arrays the
   peer sends on the key ``echo_keys(...)[0]`` (step ``STEP``, a FIFO channel) and sends

@@ -1,15 +1,15 @@
 """``shmrdv bench --fan-in N``: aggregate bandwidth of N producer processes into one consumer.
 
-The measurement of issue 15 §3. N spawned producer processes (tasks 0..N-1, each a
-``shmrdv.Worker`` with its own incarnation) and one consumer process (task N) share a
-namespace. In a round every producer hands over ``count`` float32 arrays of ``nbytes``
-(16 MiB by default) on keys of its own, three ways: with ``send`` (one copy into a pool
-slot, by shmrdv's copier); with ``allocate`` where the producer writes only the two stamps
-into the buffer it got before ``send`` publishes it (the handoff alone, no copy); and with
-``allocate`` filled by one ``np.copyto`` of the whole array (the producer making its data in
-place, single-threaded). The consumer posts a ``recv_future`` for every key of
-the round up front and takes the values in whatever order they come, checking each
-array's stamps and dropping it at once (its pool slot goes back to its producer).
+N spawned producer processes (tasks 0..N-1, each a ``shmrdv.Worker`` with its own
+incarnation) and one consumer process (task N) share a namespace. In a round every producer
+hands over ``count`` float32 arrays of ``nbytes`` (16 MiB by default) on keys of its own,
+three ways: with ``send`` (one copy into a pool slot, by shmrdv's copier); with ``allocate``
+where the producer writes only the two stamps into the buffer it got before ``send``
+publishes it (the handoff alone, no copy); and with ``allocate`` filled by one ``np.copyto``
+of the whole array (the producer making its data in place, single-threaded). The consumer
+posts a ``recv_future`` for every key of the round up front and takes the values in whatever
+order they come, checking each array's stamps and dropping it at once (its pool slot goes
+back to its producer).
 
 Flow control: a producer keeps at most ``window`` arrays unconsumed (a semaphore per
 producer that the consumer releases), so /dev/shm holds N x window arrays at most and

@@ -1,5 +1,7 @@
 """Raw grpcio on loopback as ``shmrdv bench`` methods: ``grpc_pull`` (the tensor in the
-response, the baseline of shmrdv's gRPC path) and ``grpc_push`` (the tensor in the request).
+response of one call, the ack in a second: the baseline of shmrdv's gRPC path),
+``grpc_pull_piggyback`` (the ack in the next pull's request: one call per round trip) and
+``grpc_push`` (the tensor in the request).
 
 ``contract.py`` is the contract they follow.
 """
@@ -26,10 +28,12 @@ from .contract import (
     unpack_ack,
 )
 
-__all__ = ["GRPC_PULL", "GRPC_PUSH"]
+__all__ = ["GRPC_PULL", "GRPC_PULL_PIGGYBACK", "GRPC_PUSH"]
 
 
-# -- both: a raw unary method with identity serializers, its client and its server ---------
+# -- all: raw unary methods with identity serializers, their client and their server -------
+
+_SERVICE = "shmrdv.bench.Bench"
 
 
 def _unary_client(ctx: RoleContext, path: str) -> tuple[Any, Any]:
@@ -43,17 +47,22 @@ def _unary_client(ctx: RoleContext, path: str) -> tuple[Any, Any]:
     return channel, call
 
 
-def _unary_server(path: str, handle: Callable[[bytes, Any], bytes]) -> tuple[Any, int]:
-    """A started loopback server of ``path`` answered by ``handle``, and its port."""
+def _unary_server(
+    service: str, handlers: dict[str, Callable[[bytes, Any], bytes]]
+) -> tuple[Any, int]:
+    """A started loopback server of ``service``'s unary methods, each answered by its
+    handler (by method name), and its port."""
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
 
-    rpc = grpc.unary_unary_rpc_method_handler(
-        handle, request_deserializer=None, response_serializer=None
-    )
-    service, method = path.strip("/").split("/")
-    generic = grpc.method_handlers_generic_handler(service, {method: rpc})
+    rpcs = {
+        name: grpc.unary_unary_rpc_method_handler(
+            handle, request_deserializer=None, response_serializer=None
+        )
+        for name, handle in handlers.items()
+    }
+    generic = grpc.method_handlers_generic_handler(service, rpcs)
     server = grpc.server(ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers((generic,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -63,18 +72,15 @@ def _unary_server(path: str, handle: Callable[[bytes, Any], bytes]) -> tuple[Any
 
 # -- grpc_push: raw grpcio unary call on 127.0.0.1, the tensor in the REQUEST -------------
 # Identity serializers: the request is a.tobytes() (made per handoff, timed, as in grpc_pull
-# below), the handler views it with
-# np.frombuffer, the response is the packed ack. Message limits are lifted on both
-# ends (the default receive limit is 4 MiB, pitfalls.md §6). The ponger is the server.
-# An upload: in grpcio's Python API 3-4x slower than a download (issue 12 §1), so it is
-# not the baseline of shmrdv's gRPC path, which pulls; grpc_pull below is.
-
-_GRPC_METHOD = "/shmrdv.bench.Bench/Handoff"
+# below), the handler views it with np.frombuffer, the response is the packed ack. Message
+# limits are lifted on both ends (the default receive limit is 4 MiB, pitfalls.md §6). The
+# ponger is the server. An upload, which grpcio's Python API makes far slower than a
+# download: not the baseline of shmrdv's gRPC path, which pulls; grpc_pull below is.
 
 
 class _GrpcPinger:
     def __init__(self, ctx: RoleContext) -> None:
-        self._channel, self._call = _unary_client(ctx, _GRPC_METHOD)
+        self._channel, self._call = _unary_client(ctx, f"/{_SERVICE}/Handoff")
 
     def handoff(self, src: F32) -> Ack:
         return unpack_ack(self._call(src.tobytes(), timeout=600))
@@ -99,7 +105,7 @@ class _GrpcPonger:
                 finished.set()
             return pack_ack(ack)
 
-        self._server, port = _unary_server(_GRPC_METHOD, handle)
+        self._server, port = _unary_server(_SERVICE, {"Handoff": handle})
         self._link.send(port)
         finished.wait()
 
@@ -114,20 +120,21 @@ def _grpc_available() -> str | None:
     return module_missing("grpc", "grpcio")()
 
 
-# -- grpc_pull: raw grpcio unary call, the tensor in the RESPONSE (a download) --------------
+# -- grpc_pull: raw grpcio, the tensor in a RESPONSE (a download), the ack in a second call -
 # The like-for-like baseline of shmrdv's gRPC path, where the consumer pulls (TensorFlow's
-# RecvTensor): the pinger (producer) is the server and holds the tensor, the ponger
-# (consumer) is the client and keeps one call parked, as a consumer posts its receive
-# before the value is sent. The handler answers the parked call with the next tensor
-# (tobytes(): grpcio's identity serializer takes bytes, so every handoff makes the bytes of
-# the array as it is then, inside the timed handoff: the one copy every real producer pays
-# for a new tensor, never a prebuilt payload; issue 19 §3); the ponger's next call carries
-# the 32-byte ack of the last one in its request. So one handoff is one unary call: the
-# best a user could write with the same library, not one call plus a second for the ack.
+# RecvTensor) and a round trip is an array there and an ack back: the pinger (producer) is
+# the server and holds the tensor, the ponger (consumer) is the client and keeps a Pull call
+# parked, as a consumer posts its receive before the value is sent. The handler answers the
+# parked call with the next tensor (tobytes(): grpcio's identity serializer takes bytes, so
+# every handoff makes the bytes of the array as it is then, inside the timed handoff: the one
+# copy every real producer pays for a new tensor, never a prebuilt payload). Then the
+# ponger's second unary call, Ack, carries the 32-byte ack back: two calls per round trip,
+# as shmrdv's round trip is two receives.
+# grpc_pull_piggyback is the same pull with the ack carried in the request of the next Pull
+# instead: one call per round trip, the least a user could write with the same library.
 # Identity serializers and lifted message limits as above.
 
-_GRPC_PULL_METHOD = "/shmrdv.bench.Bench/Pull"
-_PULL_DONE = b""  # the pinger's answer to the last parked call: nothing more comes
+_PULL_DONE = b""  # the pinger's answer to a Pull parked when it stops: nothing more comes
 
 
 class _GrpcPullPinger:
@@ -137,13 +144,17 @@ class _GrpcPullPinger:
         self._data: queue.Queue[bytes] = queue.Queue()
         self._acks: queue.Queue[bytes] = queue.Queue()
 
-        def handle(request: bytes, context: Any) -> bytes:
-            if request:  # the ack of the previous handoff
+        def pull(request: bytes, context: Any) -> bytes:
+            if request:  # grpc_pull_piggyback: the ack of the previous handoff
                 self._acks.put(request)
             return self._data.get()
 
+        def ack(request: bytes, context: Any) -> bytes:
+            self._acks.put(request)
+            return b""
+
         self._server: Any
-        self._server, port = _unary_server(_GRPC_PULL_METHOD, handle)
+        self._server, port = _unary_server(_SERVICE, {"Pull": pull, "Ack": ack})
         role_link(ctx).send(port)
 
     def handoff(self, src: F32) -> Ack:
@@ -157,23 +168,30 @@ class _GrpcPullPinger:
 
     def close(self) -> None:
         if self._server is not None:
-            self._data.put(_PULL_DONE)  # answers the ponger's last parked call
+            self._data.put(_PULL_DONE)  # answers a Pull still parked
             self._server.stop(grace=2.0).wait(5.0)
             self._server = None
 
 
 class _GrpcPullPonger:
     def __init__(self, ctx: RoleContext) -> None:
-        self._channel, self._call = _unary_client(ctx, _GRPC_PULL_METHOD)
+        self._channel, self._pull = _unary_client(ctx, f"/{_SERVICE}/Pull")
+        self._ack = self._channel.unary_unary(
+            f"/{_SERVICE}/Ack", request_serializer=None, response_deserializer=None
+        )
+        self._piggyback = ctx.method == "grpc_pull_piggyback"
 
     def serve(self, handler: Handler) -> None:
         ack = b""
         while not handler.done:
-            data = self._call(ack, timeout=600)
+            data = self._pull(ack if self._piggyback else b"", timeout=600)
             a: F32 = np.frombuffer(data, np.float32)
             ack = pack_ack(handler(a))
             del a, data
-        self._call(ack, timeout=60)  # delivers the stop's ack; the answer is _PULL_DONE
+            if not self._piggyback:
+                self._ack(ack, timeout=600)
+        if self._piggyback:
+            self._pull(ack, timeout=60)  # delivers the stop's ack; the answer is _PULL_DONE
 
     def close(self) -> None:
         self._channel.close()
@@ -183,8 +201,18 @@ class _GrpcPullPonger:
 
 GRPC_PULL = MethodSpec(
     "grpc_pull",
-    "grpcio unary call on 127.0.0.1, the tensor in the response (a pull, like "
-    "RecvTensor), ack in the next request; identity serializers",
+    "grpcio on 127.0.0.1: a unary call pulls the tensor (in the response, like RecvTensor), "
+    "a second unary call carries the ack back; identity serializers",
+    _GrpcPullPinger,
+    _GrpcPullPonger,
+    available=_grpc_available,
+    baseline="grpc_pull_piggyback",
+    receiver_array="read-only (backed by bytes)",
+)
+
+GRPC_PULL_PIGGYBACK = MethodSpec(
+    "grpc_pull_piggyback",
+    "grpc_pull with the ack in the request of the next pull: one unary call per round trip",
     _GrpcPullPinger,
     _GrpcPullPonger,
     available=_grpc_available,

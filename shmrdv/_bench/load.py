@@ -1,6 +1,6 @@
 """``shmrdv bench --load``: many producer processes, one consumer, every message checked.
 
-Shape (issue 6 §3): ``producers`` spawned processes, each a ``shmrdv.Worker`` task, send
+Shape: ``producers`` spawned processes, each a ``shmrdv.Worker`` task, send
 ``messages`` arrays of mixed sizes over ``keys`` rendezvous keys to one consumer process
 (a Worker too). Key ``k`` belongs to producer ``k % producers``; a producer interleaves
 its keys in a seeded random order. Every message is a ``uint8`` array that starts with a

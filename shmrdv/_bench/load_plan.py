@@ -1,7 +1,7 @@
 """What a ``shmrdv bench --load`` run sends: its configuration, and the plan every process
 derives from it (who sends which sizes on which key).
 
-Shape (issue 6 §3): ``producers`` spawned processes, each a ``shmrdv.Worker`` task, send
+Shape: ``producers`` spawned processes, each a ``shmrdv.Worker`` task, send
 ``messages`` arrays of mixed sizes over ``keys`` rendezvous keys to one consumer process
 (a Worker too). Key ``k`` belongs to producer ``k % producers``; a producer interleaves
 its keys in a seeded random order. Every message is a ``uint8`` array that starts with a

@@ -38,6 +38,7 @@ for _spec in (
     zmq_methods.ZMQ_IPC,
     framework_methods.TORCH_MP,
     grpc_methods.GRPC_PULL,
+    grpc_methods.GRPC_PULL_PIGGYBACK,
     grpc_methods.GRPC_PUSH,
     framework_methods.RAY,
 ):

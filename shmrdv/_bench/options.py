@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable
 
 from .._values import format_size
-from .common import parse_array_size, parse_sizes
+from .common import KEY_PATTERNS, parse_array_size, parse_key_patterns, parse_sizes
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -22,6 +22,7 @@ __all__ = [
     "LOAD_SEED",
     "LOAD_WINDOW",
     "PIPELINE_CASES",
+    "QUICK_METHODS",
     "QUICK_SIZES",
     "SOAK_HANDOFFS",
     "SOAK_MAX_SIZE",
@@ -38,7 +39,9 @@ __all__ = [
 ]
 
 DEFAULT_SIZES = "64,1k,64k,1m,16m,64m,256m"
-QUICK_SIZES = "1k,64k,1m,16m,64m"
+# --quick: shmrdv's paths and the peers of the summary, at the sizes users quote.
+QUICK_SIZES = "64,64k,1m,16m"
+QUICK_METHODS = "shmrdv_send,shmrdv_allocate,shmrdv_grpc,mp_pipe_oob,mp_queue,grpc_pull"
 
 MAX_SIZE = 16 << 30  # a size above this is a typo, not a benchmark on a 24 GiB machine
 
@@ -131,6 +134,14 @@ def sizes_option(text: str) -> list[int]:
     return sizes
 
 
+def keys_option(text: str) -> list[str]:
+    """An argparse ``type``: comma-separated key patterns (``common.KEY_PATTERNS``)."""
+    try:
+        return parse_key_patterns(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of the default run: methods, sizes, repetitions, pinning, output."""
     parser.add_argument(
@@ -140,7 +151,7 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-baselines",
         action="store_true",
         help="with --methods: do not add the ratios' baselines (memcpy, mp_pipe_oob, and "
-        "grpc_pull for the gRPC methods)",
+        "grpc_pull and grpc_pull_piggyback for the gRPC methods)",
     )
     parser.add_argument(
         "--sizes",
@@ -148,9 +159,26 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated sizes with k/m/g suffixes, 8 B to 16 GiB (default {DEFAULT_SIZES})",
     )
     parser.add_argument(
+        "--keys",
+        type=keys_option,
+        default=["same"],
+        metavar="PATTERN[,...]",
+        help="the key patterns of shmrdv's methods, each measured on its own (default same): "
+        + "; ".join(f"{name}: {text}" for name, text in KEY_PATTERNS.items()),
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"about a minute: sizes {QUICK_SIZES}, 3 repetitions, short budgets",
+        help="under a minute (35-50 s measured on a busy 2-CPU machine, about 70 s with "
+        "--oversubscribe 2): the summary of shmrdv against a "
+        f"Pipe, a Queue and raw gRPC; methods {QUICK_METHODS} (unless --methods), sizes "
+        f"{QUICK_SIZES}, 3 repetitions, short budgets, no idle probe",
+    )
+    parser.add_argument(
+        "--details",
+        action="store_true",
+        help="after the summary, every table per size (one-way, p99, throughput, fixed cost, "
+        "page faults, spread, every ratio) and the floors; --json has every figure either way",
     )
     parser.add_argument(
         "--reps",
@@ -161,7 +189,7 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget",
         type=float_range(0, 3600, lo_open=True),
         help="seconds of timed handoffs per (method, size), above 0 to 3600 "
-        "(default 2, --quick 0.25)",
+        "(default 2, --quick 0.5)",
     )
     parser.add_argument(
         "--gap-us",
@@ -172,7 +200,7 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--idle-seconds",
         type=float_range(0, 600),
-        help="idle-CPU probe of a blocked receiver, 0 (skip) to 600 (default 2, --quick 1)",
+        help="idle-CPU probe of a blocked receiver, 0 (skip) to 600 (default 2, --quick 0)",
     )
     parser.add_argument(
         "--pin",
@@ -180,6 +208,15 @@ def add_pingpong_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="pin the producer and the consumer of every method to two different CPUs "
         "(default: on where two CPUs or more are usable; --no-pin: let the kernel place them)",
+    )
+    parser.add_argument(
+        "--oversubscribe",
+        type=int_range(0, 256),
+        default=0,
+        metavar="N",
+        help="run N CPU-bound busy processes (pure Python loops) beside the measured pair for "
+        "the whole run, pinned across the pair's CPUs where it is pinned, stopped after; the "
+        "report says quiet (0, the default) or oversubscribed",
     )
     parser.add_argument(
         "--touch",
@@ -315,8 +352,8 @@ def add_fan_in_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_syscall_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--syscalls`` option (syscalls.py); ``--methods``, ``--sizes``, ``--pin``,
-    ``--gap-us``, ``--touch`` and ``--json`` apply."""
+    """The ``--syscalls`` option (syscalls.py); ``--methods``, ``--keys``, ``--sizes``,
+    ``--pin``, ``--gap-us``, ``--touch`` and ``--json`` apply."""
     parser.add_argument(
         "--syscalls",
         type=int_range(8, 10_000_000),
@@ -360,7 +397,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the bench options to ``parser`` (a fresh parser or a subcommand's) and return it."""
     parser.description = (
         "Measure handing numpy arrays between two processes: shmrdv and its peers, "
-        "round trip and one-way, per size. Tables go to stdout, progress to stderr."
+        "round trip and one-way, per size. A summary (and with --details every table) goes "
+        "to stdout, progress to stderr."
     )
     add_pingpong_arguments(parser)
     add_load_arguments(parser)

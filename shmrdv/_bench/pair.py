@@ -187,9 +187,11 @@ def run_handoffs(
     pin: tuple[int, int] | None,
     gap_us: float = 50.0,
     touch: bool = False,
+    keys: str | None = None,
 ) -> None:
     """Start method ``name``'s roles as a run does, make exactly ``count`` handoffs of
-    ``nbytes`` (at the method's fixed size if it has one), stop the roles, sweep.
+    ``nbytes`` (at the method's fixed size if it has one; ``keys``: its key pattern, for a
+    method that has keys), stop the roles, sweep.
 
     Nothing is timed: ``syscalls.py`` runs this under strace to count what a handoff costs.
     Raises ``KeyError`` for an unknown method and ``ChildFailed`` when a role fails.
@@ -206,6 +208,7 @@ def run_handoffs(
         "pending": 0,
         "touch": touch,
         "method": spec.name,
+        "keys": keys if spec.key_patterns else None,
     }
     try:
         cpus: list[int | None] = [None, None] if pin is None else list(pin)

@@ -1,8 +1,7 @@
 """``shmrdv bench --pipeline``: a stream of tensors from one producer to one consumer, in order.
 
-The measurement of issue 19 §3: by default 1,000 float32 tensors of 64 KiB, then 100 of
-16 MiB, from one producer process to one consumer process that receives them in order,
-three ways:
+By default 1,000 float32 tensors of 64 KiB, then 100 of 16 MiB, from one producer process to
+one consumer process that receives them in order, three ways:
 
 * ``grpc_stream``, the baseline: the best raw grpcio way to do the same job. The consumer
   makes one server-streaming call on a channel that reads it in the calling thread
@@ -74,8 +73,7 @@ WARMUP = 5  # tensors in the untimed round
 _STREAM_METHOD = "/shmrdv.bench.Pipeline/Stream"
 # The consumer's channel reads the stream in the iterating thread (grpcio's documented
 # grpc.experimental.ChannelOptions.SingleThreadedUnaryStream), as a user after throughput
-# would: measured (5,000 x 64 KiB, pinned, 4 runs each, same session) 11,508-14,002
-# tensors/s against 10,350-12,624 with the default channel thread; 16 MiB the same.
+# would: it measured faster than the default channel thread.
 _STREAM_OPTIONS = [*GRPC_OPTIONS, ("SingleThreadedUnaryStream", 1)]
 _REQUEST = struct.Struct("<QQ")  # nbytes, count
 _PRODUCER = "/job:pipeline/replica:0/task:0"

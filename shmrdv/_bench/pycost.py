@@ -1,11 +1,11 @@
 """``shmrdv bench --python-cost``: what one ``send`` and one ``recv`` cost in Python, no wake-up.
 
-The measurement of issue 11 §4. Two spawned processes, pinned to two CPUs like every
-method of the bench: a producer and a consumer, each a ``shmrdv.Worker`` of one namespace.
-One round: the producer ``send``s ``count`` 64 B float32 arrays on ``count`` keys of one step
-while the consumer is not waiting, and times each ``send``; after a short settle the
-consumer ``recv``s them all, already there, and times each ``recv``. No receiver ever
-blocks, so what is timed is the Python (and the syscalls) of the two calls, not a wake-up.
+Two spawned processes, pinned to two CPUs like every method of the bench: a producer and a
+consumer, each a ``shmrdv.Worker`` of one namespace. One round: the producer ``send``s
+``count`` 64 B float32 arrays on ``count`` keys of one step while the consumer is not
+waiting, and times each ``send``; after a short settle the consumer ``recv``s them all,
+already there, and times each ``recv``. No receiver ever blocks, so what is timed is the
+Python (and the syscalls) of the two calls, not a wake-up.
 
 The same run measures, in the producer's process, one pickle protocol 5 ``dumps`` +
 ``loads`` of the same array (the cost any Python handoff pays at least) and, through

@@ -1,6 +1,6 @@
 """``shmrdv bench --peer HOST:PORT``: the cross-host round trip against a ``shmrdv serve`` echo.
 
-As iperf's client measures against ``iperf -s`` (issue 20 §4): ``shmrdv serve --listen
+As iperf's client measures against ``iperf -s``: ``shmrdv serve --listen
 HOST:PORT`` runs on one machine (``echo.EchoService``), this on another. Two methods, per
 size, in the same run:
 

@@ -54,7 +54,13 @@ class MethodResult:
     startup_s: float | None = None
     cpus: dict[str, list[int] | None] = field(default_factory=dict)  # each role's affinity
     baseline: str | None = None  # compared with this method too (grpc_pull for gRPC paths)
+    keys: str | None = None  # the key pattern of this run (common.KEY_PATTERNS); None: no keys
     cells: dict[int, CellResult] = field(default_factory=dict)
+
+    @property
+    def row(self) -> str:
+        """The method and its key pattern, as every table's row names it."""
+        return self.name if self.keys is None else f"{self.name} · {self.keys}"
 
 
 @dataclass
@@ -68,24 +74,41 @@ class BenchRun:
     elapsed_s: float = 0.0
     interrupted: bool = False
 
-    def method(self, name: str) -> MethodResult | None:
-        for m in self.methods:
-            if m.name == name:
-                return m
-        return None
+    def method(self, name: str, keys: str | None = None) -> MethodResult | None:
+        """The result of method ``name`` to compare a run under key pattern ``keys`` with: the
+        one of that pattern; else the method's run without keys; else (for a caller without
+        keys, or a pattern the method did not run) its run with one key reused, or its first."""
+        found = [m for m in self.methods if m.name == name]
+        for wanted in (keys, None, "same"):
+            for m in found:
+                if m.keys == wanted:
+                    return m
+        return found[0] if found else None
 
-    def fixed_cost_ns(self, name: str, nbytes: int) -> float | None:
-        """Median round trip of ``name`` minus memcpy's at the same size (issue 11 §4): what
-        a handoff costs beyond the one copy it cannot avoid."""
-        m, b = self.method(name), self.method(BASELINE_COPY)
-        if m is None or b is None or nbytes not in m.cells or nbytes not in b.cells:
+    def fixed_cost_ns(self, m: MethodResult, nbytes: int) -> float | None:
+        """Median round trip of ``m`` minus memcpy's at the same size: what a handoff costs
+        beyond the one copy it cannot avoid."""
+        b = self.method(BASELINE_COPY)
+        if b is None or nbytes not in m.cells or nbytes not in b.cells:
             return None
         return float(m.cells[nbytes].rtt_median_ns - b.cells[nbytes].rtt_median_ns)
 
-    def ratio(self, name: str, nbytes: int, baseline: str, what: str) -> float | None:
-        """``what`` ("rtt" or "oneway") median of ``name`` over the same of ``baseline``."""
-        m, b = self.method(name), self.method(baseline)
-        if m is None or b is None or nbytes not in m.cells or nbytes not in b.cells:
+    def ratio(self, m: MethodResult, nbytes: int, baseline: str, what: str) -> float | None:
+        """``what`` ("rtt" or "oneway") median of ``m`` over the same of ``baseline`` (its run
+        under ``m``'s key pattern, where it has one: ``method``)."""
+        return self._ratio(m, self.method(baseline, m.keys), nbytes, what)
+
+    def ratio_same_keys(self, m: MethodResult, nbytes: int, what: str) -> float | None:
+        """``what`` median of ``m`` over the same method's with one key reused; None for a run
+        without keys or with one key reused."""
+        if m.keys in (None, "same"):
+            return None
+        same = next((o for o in self.methods if o.name == m.name and o.keys == "same"), None)
+        return self._ratio(m, same, nbytes, what)
+
+    @staticmethod
+    def _ratio(m: MethodResult, b: MethodResult | None, nbytes: int, what: str) -> float | None:
+        if b is None or nbytes not in m.cells or nbytes not in b.cells:
             return None
         num = getattr(m.cells[nbytes], f"{what}_median_ns")
         den = getattr(b.cells[nbytes], f"{what}_median_ns")

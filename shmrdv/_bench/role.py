@@ -111,7 +111,7 @@ def _run_cell(
     rep_oneway: list[float] = []
     checks = 0
     # The consumer's minor page faults over every handoff from here to the last probe
-    # (timed and checks alike), read by two untimed probes (issue 18 §2).
+    # (timed and checks alike), read by two untimed probes.
     _, _, faults_before = _handoff(pinger, src, seq, KIND_FAULTS, gap)
     for rep in range(reps):
         _handoff(pinger, src, seq, KIND_CHECK, gap)
@@ -201,6 +201,7 @@ def role_main(
         max_nbytes=env["max_nbytes"],
         handler=handler,
         pending=env["pending"],
+        keys=env.get("keys"),
     )
     obj = factory(ctx)
     try:

@@ -12,6 +12,7 @@ The other modes (``--load``, ``--soak``, ...) are dispatched to their modules.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import multiprocessing
 import os
@@ -30,10 +31,11 @@ from typing import Any, TextIO
 from .._procs import ChildFailed
 from .._values import format_size
 from . import methods, options
+from .busy import busy_processes
 from .common import grpc_quiet_children, parse_sizes, pin_cpus
 from .contract import MethodSpec
 from .machine import describe_machine, load_average
-from .options import DEFAULT_SIZES, QUICK_SIZES
+from .options import DEFAULT_SIZES, QUICK_METHODS, QUICK_SIZES
 from .pair import RolePair, stall_timeout, sweep
 from .report import format_markdown, format_time, plot_run, write_json
 from .results import BenchRun, CellResult, MethodResult
@@ -97,11 +99,12 @@ def _run_method(
     result: MethodResult,
 ) -> None:
     sizes = [spec.fixed_nbytes] if spec.fixed_nbytes is not None else opts.sizes
-    progress.update(f"{spec.name}: starting")
+    row = result.row
+    progress.update(f"{row}: starting")
     roles = RolePair(
         spec,
         mpctx,
-        {**env, "method": spec.name},
+        {**env, "method": spec.name, "keys": result.keys},
         [None, None] if opts.pin is None else list(opts.pin),
     )
     ok = False
@@ -109,18 +112,18 @@ def _run_method(
         _, result.startup_s, pinger_cpus = roles.expect("ready", 180.0)
         result.cpus = {"pinger": pinger_cpus, "ponger": roles.ponger_cpus}
         if opts.idle_s > 0 and spec.idle_cpu and spec.ponger is not None:
-            progress.update(f"{spec.name}: idle CPU of a blocked receiver ({opts.idle_s:g} s)")
+            progress.update(f"{row}: idle CPU of a blocked receiver ({opts.idle_s:g} s)")
             roles.send(("idle", opts.idle_s))
             result.idle_cpu_percent = roles.expect("idle", opts.idle_s + 60)[1]
         for nbytes in sizes:
-            progress.update(f"{spec.name} · {format_size(nbytes)}: warming up")
+            progress.update(f"{row} · {format_size(nbytes)}: warming up")
             roles.send(("cell", _plan(nbytes, opts)))
             while True:
                 msg = roles.next(stall_timeout(nbytes))
                 if msg[0] == "progress":
                     _, _, rep, reps, med = msg
                     progress.update(
-                        f"{spec.name} · {format_size(nbytes)}: repetition {rep}/{reps}, "
+                        f"{row} · {format_size(nbytes)}: repetition {rep}/{reps}, "
                         f"median round trip {med / 1000:,.1f} µs"
                     )
                     continue
@@ -129,7 +132,7 @@ def _run_method(
                 cell = CellResult(**msg[1])
                 result.cells[nbytes] = cell
                 progress.line(
-                    f"{spec.name:>19} {format_size(nbytes):>8}: round trip "
+                    f"{row:>19} {format_size(nbytes):>8}: round trip "
                     f"{format_time(cell.rtt_median_ns)} (p99 {format_time(cell.rtt_p99_ns)}), "
                     f"one-way {format_time(cell.oneway_median_ns)} "
                     f"[{cell.reps} x {cell.per_rep}, {cell.elapsed_s:.1f} s]"
@@ -147,7 +150,7 @@ def _run_method(
         result.status = "failed"
         result.reason = str(e)
         lines = str(e).strip().splitlines()
-        progress.lines(f"{spec.name}: FAILED: {lines[0]} {lines[-1] if len(lines) > 1 else ''}")
+        progress.lines(f"{row}: FAILED: {lines[0]} {lines[-1] if len(lines) > 1 else ''}")
     finally:
         roles.reap(30.0 if ok else 0.0)
 
@@ -180,6 +183,12 @@ def _run_mode(args: argparse.Namespace) -> int:
     ]
     if len(modes) > 1:
         print(f"shmrdv bench: {' and '.join(modes)} are separate runs; give one", file=sys.stderr)
+        return 2
+    if args.oversubscribe and modes not in ([], ["--pending"]):
+        print(
+            f"shmrdv bench: --oversubscribe applies to the round-trip run, not to {modes[0]}",
+            file=sys.stderr,
+        )
         return 2
     if modes == ["--load"]:
         from .load import run_cli as run_load
@@ -219,7 +228,10 @@ def _run_mode(args: argparse.Namespace) -> int:
     try:
         default_sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
         sizes = args.sizes or parse_sizes("64" if args.pending else default_sizes)
-        specs = select(args.methods, not args.no_baselines, "pending" if args.pending else None)
+        if args.methods is None and args.quick and not args.pending:
+            specs = select(QUICK_METHODS, False)
+        else:
+            specs = select(args.methods, not args.no_baselines, "pending" if args.pending else None)
         pin = pin_cpus(args.pin)
     except ValueError as e:
         print(f"shmrdv bench: {e}", file=sys.stderr)
@@ -233,9 +245,9 @@ def _run_mode(args: argparse.Namespace) -> int:
     opts = _Options(
         sizes=sizes,
         reps=args.reps,
-        budget_s=args.budget if args.budget is not None else (0.25 if args.quick else 2.0),
+        budget_s=args.budget if args.budget is not None else (0.5 if args.quick else 2.0),
         gap_ns=int(args.gap_us * 1000),
-        idle_s=args.idle_seconds if args.idle_seconds is not None else (1.0 if args.quick else 2.0),
+        idle_s=args.idle_seconds if args.idle_seconds is not None else (0.0 if args.quick else 2.0),
         pin=pin,
         quick=args.quick,
     )
@@ -254,6 +266,7 @@ def _run_mode(args: argparse.Namespace) -> int:
         "quick": opts.quick,
         "pending": args.pending or 0,
         "touch": args.touch,
+        "keys": args.keys,
         "prefix": prefix,
         "summary": (
             f"sizes {', '.join(format_size(n) for n in sizes)}; repetitions {reps_text}; "
@@ -261,6 +274,7 @@ def _run_mode(args: argparse.Namespace) -> int:
             f"{_pin_text(opts.pin)}; idle probe {opts.idle_s:g} s"
             + (f"; {args.pending:,} receives pending in *_pending" if args.pending else "")
             + ("; the consumer reads every byte (--touch)" if args.touch else "")
+            + f"; key pattern{'s' if len(args.keys) > 1 else ''} {', '.join(args.keys)}"
         ),
     }
     bench = BenchRun(
@@ -284,8 +298,12 @@ def _run_mode(args: argparse.Namespace) -> int:
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
         signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    busy = contextlib.ExitStack()
     try:
-        for spec in specs:
+        if args.oversubscribe:
+            progress.update(f"starting {args.oversubscribe} busy process(es)")
+        config["host"] = busy.enter_context(busy_processes(args.oversubscribe, opts.pin))
+        for spec, keys in _runs(specs, args.keys):
             result = MethodResult(
                 name=spec.name,
                 label=spec.label,
@@ -294,12 +312,13 @@ def _run_mode(args: argparse.Namespace) -> int:
                 receiver_array=spec.receiver_array,
                 fixed_nbytes=spec.fixed_nbytes,
                 baseline=spec.baseline,
+                keys=keys,
             )
             bench.methods.append(result)
             why = spec.available()
             if why is not None:
                 result.reason = why
-                progress.lines(f"{spec.name}: skipped ({why})")
+                progress.lines(f"{result.row}: skipped ({why})")
                 continue
             _run_method(spec, opts, mpctx, env, progress, result)
             if result.status == "failed":
@@ -309,6 +328,7 @@ def _run_mode(args: argparse.Namespace) -> int:
         status = 130
         progress.line("interrupted: stopping the children")
     finally:
+        busy.close()
         if in_main:
             signal.signal(signal.SIGTERM, previous)
         swept = sweep(prefix)
@@ -319,7 +339,7 @@ def _run_mode(args: argparse.Namespace) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     bench.elapsed_s = time.monotonic() - t_start
     bench.machine["load_average_end"] = load_average()
-    sys.stdout.write(format_markdown(bench))
+    sys.stdout.write(format_markdown(bench, details=args.details))
     sys.stdout.flush()
     if args.json:
         write_json(bench, args.json)
@@ -328,6 +348,17 @@ def _run_mode(args: argparse.Namespace) -> int:
         plot_run(bench, args.plot)
         progress.line(f"wrote {args.plot}")
     return status
+
+
+def _runs(specs: list[MethodSpec], keys: list[str]) -> list[tuple[MethodSpec, str | None]]:
+    """Each method once per key pattern asked for that it can run (``MethodSpec.key_patterns``),
+    or once without keys if it names nothing by key."""
+    runs: list[tuple[MethodSpec, str | None]] = []
+    for spec in specs:
+        if not spec.key_patterns:
+            runs.append((spec, None))
+        runs += [(spec, k) for k in keys if k in spec.key_patterns]
+    return runs
 
 
 def _pin_text(pin: tuple[int, int] | None) -> str:

@@ -37,7 +37,7 @@ PENDING_METHODS = ("shmrdv_send", "shmrdv_send_pending")
 
 def select(names: str | None, with_baselines: bool, mode: str | None = None) -> list[MethodSpec]:
     """The methods to run: ``names`` (comma-separated, aliases allowed) with their
-    baselines, or every method of ``mode`` (None: the default run)."""
+    baselines (and theirs), or every method of ``mode`` (None: the default run)."""
     if not names:
         if mode == "pending":
             names = ",".join(PENDING_METHODS)
@@ -55,8 +55,14 @@ def select(names: str | None, with_baselines: bool, mode: str | None = None) -> 
             f"method(s) {', '.join(wrong_mode)} need --{methods.METHODS[wrong_mode[0]].mode}"
         )
     if with_baselines:
-        extra = [methods.METHODS[n].baseline for n in wanted]
-        for base in ("mp_pipe_oob", "memcpy", *(b for b in extra if b is not None)):
+        # A baseline's own baseline too (shmrdv_grpc -> grpc_pull -> grpc_pull_piggyback).
+        todo = list(wanted)
+        while todo:
+            base = methods.METHODS[todo.pop()].baseline
+            if base is not None and base not in wanted:
+                wanted.insert(0, base)
+                todo.append(base)
+        for base in ("mp_pipe_oob", "memcpy"):
             if base not in wanted:
                 wanted.insert(0, base)
     return [methods.METHODS[n] for n in dict.fromkeys(wanted)]

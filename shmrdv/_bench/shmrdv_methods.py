@@ -6,17 +6,19 @@
   ``prepare``, as a real producer makes its data in place) and ``send`` only publishes
   it: the handoff costs no copy at all.
 * ``shmrdv_grpc``: the same keys forced over gRPC on loopback (``transports=("grpc",)``).
-* ``shmrdv_grpc_step``: ``shmrdv_grpc`` in TensorFlow's pattern: every round trip's
-  data is received in a step of its own (``rendezvous(step)``, ``recv``,
-  ``cleanup(step)``), so each receive is one ``RecvTensor`` call; the ack comes back as
-  in ``shmrdv_grpc`` (step 0, one key).
 * ``shmrdv_busy`` / ``shmrdv_busy_allocate``: ``shmrdv_send`` / ``shmrdv_allocate`` with
   ``Worker(busy_poll=BUSY_POLL_S)`` on both sides: a blocked receive polls shared memory
-  that long before it blocks (issue 18 §1, the low-latency option), against iceoryx2's
-  busy-polling (``iceoryx_methods``).
+  that long before it blocks (the low-latency option), against iceoryx2's busy-polling
+  (``iceoryx_methods``).
 
 The ack travels back through shmrdv too (a 4-int64 array on a reverse key), so a round
-trip is two shmrdv handoffs.
+trip is two shmrdv handoffs. Every method runs each key pattern (``common.KEY_PATTERNS``,
+``--keys``); ``_Keys`` is what a role does per message under its pattern, as a user's loop
+does it: ``same`` one data key and one ack key in step 0; ``fresh`` a data key and an ack
+key of new edge names per message (``create_key``), in step 0; ``step`` the same two edge
+names in step 1, 2, ... (``rendezvous(step)`` of the next, ``cleanup`` of the last). That
+work is timed: the pinger does it after the ack, for the next message (``prepare`` then
+allocates under the next key), the ponger before it sends the ack.
 """
 
 from __future__ import annotations
@@ -30,24 +32,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .common import KEY_PATTERNS
 from .contract import Ack, Handler, MethodSpec, RoleContext
 from .methods import register_method
 
 PINGER_TASK = "/job:bench/replica:0/task:0"
 PONGER_TASK = "/job:bench/replica:0/task:1"
-_DATA = None  # keys are built lazily (importing shmrdv in the runner is not needed)
+_PINGER_DEV = PINGER_TASK + "/device:CPU:0"
+_PONGER_DEV = PONGER_TASK + "/device:CPU:0"
 _TIMEOUT = 120.0
 # shmrdv_busy*: how long a blocked receive polls before it blocks. Far above the bench's
 # gap (50 µs) and a 16 MiB handoff, so every timed handoff is found by polling; the idle
 # probe (seconds) shows that the poll then stops.
 BUSY_POLL_S = 0.1
-
-
-def _keys() -> tuple[str, str]:
-    import shmrdv
-
-    a, b = PINGER_TASK + "/device:CPU:0", PONGER_TASK + "/device:CPU:0"
-    return shmrdv.create_key(a, 0, b, "bench_data"), shmrdv.create_key(b, 0, a, "bench_ack")
 
 
 def _shared(ctx: BaseContext) -> dict[str, Any]:
@@ -71,7 +68,7 @@ def _busy_poll_missing() -> str | None:
     import shmrdv
 
     if "busy_poll" not in inspect.signature(shmrdv.Worker).parameters:
-        return "this shmrdv's Worker has no busy_poll option (issue 18 §1)"
+        return "this shmrdv's Worker has no busy_poll option"
     return None
 
 
@@ -85,49 +82,90 @@ def _options(method: str) -> dict[str, Any]:
     return {"busy_poll": BUSY_POLL_S}
 
 
-class _Pinger:
-    def __init__(self, ctx: RoleContext) -> None:
+class _Keys:
+    """Where a role's current message goes under its key pattern: ``rdv``, ``data`` (the
+    pinger's key to the ponger) and ``ack`` (back); ``advance()`` moves on to the next
+    message as a user's loop does (see the module docstring).
+
+    ``step``: ``advance`` opens the next step and cleans up a step of the past: the pinger
+    the one it leaves (its data was received, its ack taken), the ponger the one before
+    (its last ack may still be in this worker, to be pulled over gRPC, until the pinger's
+    next data shows it was taken). Step 0 stays open: ``--pending`` receives wait there.
+    """
+
+    def __init__(self, w: Any, pattern: str | None, role: str) -> None:
         import shmrdv
 
-        self._w = shmrdv.Worker(
-            PINGER_TASK,
-            namespace=ctx.shared["namespace"],
-            transports=_transports(ctx.method),
-            shm_pool_bytes=max(512 << 20, 4 * ctx.max_nbytes),
-            **_options(ctx.method),
-        )
-        self._rdv = self._w.rendezvous(0)
-        self._data, self._ack = _keys()
+        self._w = w
+        self._create_key = shmrdv.create_key
+        self._pattern = pattern or "same"
+        self._lag = 0 if role == "pinger" else 1
+        self._n = 0  # the message: fresh, in its edge names; step, its step id
+        self.rdv = w.rendezvous(0)
+        self.data = self._create_key(_PINGER_DEV, 0, _PONGER_DEV, "bench_data")
+        self.ack = self._create_key(_PONGER_DEV, 0, _PINGER_DEV, "bench_ack")
+        if self._pattern != "same":
+            self.advance()
+
+    def advance(self) -> None:
+        if self._pattern == "fresh":
+            self._n += 1
+            self.data = self._create_key(_PINGER_DEV, 0, _PONGER_DEV, f"bench_data_{self._n}")
+            self.ack = self._create_key(_PONGER_DEV, 0, _PINGER_DEV, f"bench_ack_{self._n}")
+        elif self._pattern == "step":
+            self._n += 1
+            self.rdv = self._w.rendezvous(self._n)
+            last = self._n - 1 - self._lag
+            if last >= 1:
+                self._w.cleanup(last)
+
+    def close(self) -> None:
+        """Clean up every step still open (the worker is closed after)."""
+        for step in {0, *range(max(1, self._n - self._lag), self._n + 1)}:
+            self._w.cleanup(step)
+
+
+def _worker(ctx: RoleContext, task: str, **kw: Any) -> Any:
+    import shmrdv
+
+    return shmrdv.Worker(
+        task,
+        namespace=ctx.shared["namespace"],
+        transports=_transports(ctx.method),
+        **_options(ctx.method),
+        **kw,
+    )
+
+
+class _Pinger:
+    def __init__(self, ctx: RoleContext) -> None:
+        self._w = _worker(ctx, PINGER_TASK, shm_pool_bytes=max(512 << 20, 4 * ctx.max_nbytes))
+        self._keys = _Keys(self._w, ctx.keys, "pinger")
         self._allocate = ctx.method.endswith("allocate")
         self._buf: npt.NDArray[Any] | None = None
-        self._per_step = ctx.method.endswith("_step")
-        self._step = 0  # the last data step (shmrdv_grpc_step; the ack stays in step 0)
 
     def prepare(self, src: npt.NDArray[np.float32]) -> None:
         if self._allocate:
-            buf = self._rdv.allocate(self._data, src.shape, src.dtype)
+            buf = self._keys.rdv.allocate(self._keys.data, src.shape, src.dtype)
             np.copyto(buf, src)
             self._buf = buf
 
     def handoff(self, src: npt.NDArray[np.float32]) -> Ack:
+        k = self._keys
         if self._allocate:
             buf, self._buf = self._buf, None
             assert buf is not None
-            self._rdv.send(self._data, buf)
+            k.rdv.send(k.data, buf)
             del buf
-        elif self._per_step:
-            self._step += 1
-            self._w.rendezvous(self._step).send(self._data, src)
         else:
-            self._rdv.send(self._data, src)
-        a = self._rdv.recv(self._ack, timeout=_TIMEOUT).value
-        if self._per_step:
-            self._w.cleanup(self._step)  # the ack says the data was taken
+            k.rdv.send(k.data, src)
+        a = k.rdv.recv(k.ack, timeout=_TIMEOUT).value
+        k.advance()
         return Ack(int(a[0]), int(a[1]), int(a[2]), int(a[3]))
 
     def close(self) -> None:
         self._buf = None
-        self._w.cleanup(0)
+        self._keys.close()
         self._w.close()
 
 
@@ -135,35 +173,26 @@ class _Ponger:
     def __init__(self, ctx: RoleContext) -> None:
         import shmrdv
 
-        self._w = shmrdv.Worker(
-            PONGER_TASK,
-            namespace=ctx.shared["namespace"],
-            transports=_transports(ctx.method),
-            **_options(ctx.method),
-        )
-        self._rdv = self._w.rendezvous(0)
-        self._data, self._ack = _keys()
-        self._per_step = ctx.method.endswith("_step")
+        self._w = _worker(ctx, PONGER_TASK)
+        self._keys = _Keys(self._w, ctx.keys, "ponger")
         if ctx.method.endswith("_pending"):
-            # Issue 15 §1: a consumer with many receives posted on keys not sent yet
-            # (a step with many edges); each handoff must not cost more for them.
-            a, b = PINGER_TASK + "/device:CPU:0", PONGER_TASK + "/device:CPU:0"
+            # A consumer with many receives posted on keys not sent yet (a step with many
+            # edges): each handoff must not cost more for them.
+            rdv = self._w.rendezvous(0)
             for i in range(ctx.pending):
-                self._rdv.recv_future(shmrdv.create_key(a, 0, b, f"bench_pending_{i}"))
+                rdv.recv_future(
+                    shmrdv.create_key(_PINGER_DEV, 0, _PONGER_DEV, f"bench_pending_{i}")
+                )
 
     def serve(self, handler: Handler) -> None:
-        step = 0
+        k = self._keys
         while not handler.done:
-            if self._per_step:  # TensorFlow's pattern: the data key once per step
-                step += 1
-                a = self._w.rendezvous(step).recv(self._data, timeout=None).value
-            else:
-                a = self._rdv.recv(self._data, timeout=None).value
+            rdv, ack_key = k.rdv, k.ack
+            a = rdv.recv(k.data, timeout=None).value
             ack = handler(a)
             del a  # the slot goes back to the producer's pool
-            self._rdv.send(self._ack, np.array(ack, dtype=np.int64))
-            if step:
-                self._w.cleanup(step)  # the step's end, as TensorFlow's worker ends it
+            k.advance()
+            rdv.send(ack_key, np.array(ack, dtype=np.int64))
 
     def close(self) -> None:
         # Over gRPC the pinger pulls the last ack from this worker's outbox: stay until it
@@ -175,7 +204,7 @@ class _Ponger:
                 break
             time.sleep(0.01)
         time.sleep(0.05)  # the call's closing status
-        self._w.cleanup(0)
+        self._keys.close()
         self._w.close()
 
 
@@ -196,6 +225,7 @@ for _spec in (
         make_shared=_shared,
         sweep=_sweep,
         group="shmrdv",
+        key_patterns=tuple(KEY_PATTERNS),
         receiver_array="writable view, the consumer's own",
     ),
     MethodSpec(
@@ -206,30 +236,20 @@ for _spec in (
         make_shared=_shared,
         sweep=_sweep,
         group="shmrdv",
+        key_patterns=tuple(KEY_PATTERNS),
         receiver_array="writable view, the consumer's own",
     ),
     MethodSpec(
         "shmrdv_grpc",
-        "shmrdv Worker rendezvous forced over gRPC on loopback (RecvTensor, then the "
-        "key's values pushed over RecvTensorSeries)",
+        'shmrdv Worker rendezvous forced over gRPC on loopback (transports=("grpc",)): '
+        "the consumer pulls, as TensorFlow's RecvTensor",
         shmrdv_pinger,
         shmrdv_ponger,
         make_shared=_shared,
         sweep=_sweep,
         group="shmrdv",
-        baseline="grpc_pull",  # RecvTensor is a pull: compared with a raw pull (issue 12)
-        receiver_array="writable, the consumer's own",
-    ),
-    MethodSpec(
-        "shmrdv_grpc_step",
-        "shmrdv_grpc in TensorFlow's pattern: each round trip's data key received in a "
-        "new step, one RecvTensor call per receive",
-        shmrdv_pinger,
-        shmrdv_ponger,
-        make_shared=_shared,
-        sweep=_sweep,
-        group="shmrdv",
-        baseline="grpc_pull",
+        key_patterns=tuple(KEY_PATTERNS),
+        baseline="grpc_pull",  # RecvTensor is a pull: compared with a raw pull
         receiver_array="writable, the consumer's own",
     ),
     MethodSpec(
@@ -241,6 +261,7 @@ for _spec in (
         make_shared=_shared,
         sweep=_sweep,
         group="shmrdv",
+        key_patterns=tuple(KEY_PATTERNS),
         baseline="shmrdv_send",
         receiver_array="writable view, the consumer's own",
     ),
@@ -253,6 +274,7 @@ for _spec in (
         make_shared=_shared,
         sweep=_sweep,
         group="shmrdv",
+        key_patterns=tuple(KEY_PATTERNS),
         baseline="shmrdv_allocate",
         receiver_array="writable view, the consumer's own",
     ),
@@ -264,6 +286,7 @@ for _spec in (
         make_shared=_shared,
         sweep=_sweep,
         group="shmrdv",
+        key_patterns=tuple(KEY_PATTERNS),
         baseline="shmrdv_send",
         mode="pending",
         receiver_array="writable view, the consumer's own",
@@ -276,6 +299,7 @@ for _spec in (
         make_shared=_shared,
         sweep=_sweep,
         group="shmrdv",
+        key_patterns=tuple(KEY_PATTERNS),
         baseline="shmrdv_grpc",
         mode="pending",
         receiver_array="writable, the consumer's own",

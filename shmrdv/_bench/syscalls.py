@@ -49,12 +49,17 @@ class SyscallCount:
 
     method: str
     nbytes: int
+    keys: str | None = None  # the key pattern (--keys) of a method that has keys
     status: str = "ok"  # "ok", "skipped" or "failed"
     reason: str | None = None
     handoffs: tuple[int, int] = (0, 0)  # the two runs' handoff counts
     per_round_trip: float = 0.0
     futex_per_round_trip: float = 0.0
     by_name: dict[str, float] = field(default_factory=dict)  # per round trip, most first
+
+    @property
+    def row(self) -> str:
+        return self.method if self.keys is None else f"{self.method} · {self.keys}"
 
     @property
     def per_message(self) -> float:
@@ -113,10 +118,12 @@ def count_handoff_syscalls(
     pin: tuple[int, int] | None,
     gap_us: float = 50.0,
     touch: bool = False,
+    keys: str | None = None,
     strace: str | None = None,
 ) -> SyscallCount:
-    """Calls per round trip of ``method`` at ``nbytes``, from two strace runs (N/4 and N)."""
-    result = SyscallCount(method, nbytes)
+    """Calls per round trip of ``method`` at ``nbytes`` (under key pattern ``keys``), from two
+    strace runs (N/4 and N)."""
+    result = SyscallCount(method, nbytes, keys)
     strace = strace or shutil.which("strace")
     if strace is None:
         result.status = "skipped"
@@ -127,6 +134,7 @@ def count_handoff_syscalls(
         "-" if pin is None else f"{pin[0]},{pin[1]}",
         f"{gap_us:g}",
         "1" if touch else "0",
+        keys or "-",
     ]
     timeout = 300 + n2 * (0.02 + nbytes / 1e8)
     try:
@@ -147,11 +155,13 @@ def count_handoff_syscalls(
 
 
 def child_main(argv: Sequence[str] | None = None) -> None:
-    """The process strace watches: ``METHOD NBYTES N PIN GAP_US TOUCH`` (``PIN`` is ``-``
-    or ``a,b``); runs ``pair.run_handoffs`` and exits 0, or raises."""
+    """The process strace watches: ``METHOD NBYTES N PIN GAP_US TOUCH KEYS`` (``PIN`` is
+    ``-`` or ``a,b``, ``KEYS`` a key pattern or ``-``); runs ``pair.run_handoffs`` and exits
+    0, or raises."""
     from .pair import run_handoffs
 
-    method, nbytes, n, pin, gap_us, touch = (sys.argv[1:] if argv is None else list(argv))[:6]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    method, nbytes, n, pin, gap_us, touch, keys = argv[:7]
     cpus = None if pin == "-" else tuple(int(c) for c in pin.split(","))
     run_handoffs(
         method,
@@ -160,6 +170,7 @@ def child_main(argv: Sequence[str] | None = None) -> None:
         pin=None if cpus is None else (cpus[0], cpus[1]),
         gap_us=float(gap_us),
         touch=touch == "1",
+        keys=None if keys == "-" else keys,
     )
 
 
@@ -178,13 +189,13 @@ def format_markdown(counts: list[SyscallCount], summary: str) -> str:
         if c.status != "ok":
             why = (c.reason or "").strip().splitlines()
             lines.append(
-                f"| {c.method} | {format_size(c.nbytes)} | {c.status}: {why[0] if why else ''} "
+                f"| {c.row} | {format_size(c.nbytes)} | {c.status}: {why[0] if why else ''} "
                 "| | | | |"
             )
             continue
         top = ", ".join(f"{name} {v:.1f}" for name, v in c.by_name.items())
         lines.append(
-            f"| {c.method} | {format_size(c.nbytes)} | {c.per_round_trip:.1f} "
+            f"| {c.row} | {format_size(c.nbytes)} | {c.per_round_trip:.1f} "
             f"| {c.futex_per_round_trip:.1f} | {c.per_message:.1f} | {c.futex_per_message:.1f} "
             f"| {top} |"
         )
@@ -220,31 +231,41 @@ def run_cli(args: argparse.Namespace) -> int:
     sizes = args.sizes or parse_sizes("64")
     handoffs: int = args.syscalls
     counts: list[SyscallCount] = []
-    done: set[tuple[str, int]] = set()
+    done: set[tuple[str, int, str | None]] = set()
     for name in names:
         spec = methods[name]
-        for nbytes in [spec.fixed_nbytes] if spec.fixed_nbytes else sizes:
-            if (name, nbytes) in done:
-                continue
-            done.add((name, nbytes))
-            why = spec.available()
-            if why is not None:
-                counts.append(SyscallCount(name, nbytes, status="skipped", reason=why))
-            else:
-                print(f"{name} · {format_size(nbytes)}: counting under strace", file=sys.stderr)
-                counts.append(
-                    count_handoff_syscalls(
-                        name, nbytes, handoffs, pin=pin, gap_us=args.gap_us, touch=args.touch
+        patterns = [k for k in args.keys if k in spec.key_patterns] or [None]
+        for keys in patterns:
+            for nbytes in [spec.fixed_nbytes] if spec.fixed_nbytes else sizes:
+                if (name, nbytes, keys) in done:
+                    continue
+                done.add((name, nbytes, keys))
+                row = SyscallCount(name, nbytes, keys).row
+                why = spec.available()
+                if why is not None:
+                    counts.append(SyscallCount(name, nbytes, keys, status="skipped", reason=why))
+                else:
+                    print(f"{row} · {format_size(nbytes)}: counting under strace", file=sys.stderr)
+                    counts.append(
+                        count_handoff_syscalls(
+                            name,
+                            nbytes,
+                            handoffs,
+                            pin=pin,
+                            gap_us=args.gap_us,
+                            touch=args.touch,
+                            keys=keys,
+                        )
                     )
-                )
-            c = counts[-1]
-            if c.status != "ok":
-                print(f"{name} · {format_size(nbytes)}: {c.status}: {c.reason}", file=sys.stderr)
+                c = counts[-1]
+                if c.status != "ok":
+                    print(f"{row} · {format_size(nbytes)}: {c.status}: {c.reason}", file=sys.stderr)
     summary = (
         f"{max(1, handoffs // 4):,} and {handoffs:,} handoffs per method and size; "
         f"{args.gap_us:g} µs gap; "
         + ("not pinned" if pin is None else f"producer on CPU {pin[0]}, consumer on CPU {pin[1]}")
         + ("; the consumer reads every byte (--touch)" if args.touch else "")
+        + f"; key pattern(s) {', '.join(args.keys)}"
     )
     sys.stdout.write(format_markdown(counts, summary))
     sys.stdout.flush()

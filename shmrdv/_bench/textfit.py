@@ -1,4 +1,4 @@
-"""Fit ``shmrdv bench``'s markdown into a terminal's width (issue 20 §4: no line over ~100).
+"""Fit ``shmrdv bench``'s markdown into a terminal's width: no line over 100 columns.
 
 Every mode's report goes through ``fit_markdown`` on its way to stdout. A prose line
 longer than the width is wrapped (a list item's continuation is indented under its

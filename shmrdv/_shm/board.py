@@ -4,7 +4,7 @@ The worker's own record is a ``Presence`` (``presence.py``: a JSON file locked w
 ``flock`` for as long as the worker lives); a peer's is read through one ``PeerWatch`` per
 peer task (one cached descriptor each) and answered as a final same-host ``PeerRecord``
 when it is from this boot. ``sightings`` lists the records of a task in every namespace
-(``sightings.py``), for a diagnosis only.
+(``presence.sightings``), for a diagnosis only.
 
 Publishing and closing also collect what dead workers of this user left in /dev/shm
 (``reaper.at_start`` / ``reaper.at_close``: bounded, never a live worker's objects).
@@ -26,8 +26,7 @@ import time
 from .._transport import PeerRecord, PeerState, Sighting
 from . import reaper
 from .naming import SHM_DIR, Names
-from .presence import PeerWatch, Presence, PresenceInfo, boot_id
-from .sightings import sightings
+from .presence import PeerWatch, Presence, PresenceInfo, boot_id, sightings
 
 __all__ = ["ShmBoard", "usable"]
 
@@ -49,6 +48,7 @@ class ShmBoard:
         self._watches: dict[str, PeerWatch] = {}
         self._presence: Presence | None = None
         self._task = ""  # the published worker's task
+        self._sweeping = False  # ``reaper.at_start`` ran the sweeps (``at_close`` then too)
         self._shown = names.namespace_id  # as it appears in object names (and Sightings)
 
     def __repr__(self) -> str:
@@ -72,7 +72,8 @@ class ShmBoard:
                 transports=transports,
             ),
         )
-        reaper.at_start(self._names, task, incarnation)  # what dead workers left (issue 20 §1)
+        # What dead workers left (issue 20 §1).
+        self._sweeping = reaper.at_start(self._names, task, incarnation)
 
     def _watch(self, task: str) -> PeerWatch:
         """The cached presence watcher of ``task`` (one descriptor per peer task)."""
@@ -112,4 +113,4 @@ class ShmBoard:
         presence, self._presence = self._presence, None
         if presence is not None:
             presence.close()
-            reaper.at_close(self._names, self._task)
+            reaper.at_close(self._names, self._task, self._sweeping)

@@ -12,6 +12,13 @@ found by name: a gap in a channel's sequence numbers (a full ring) by the missin
 at once; the waiting channels of a producer without a ring per doorbell post; the rest by
 a listing (``recovery.py``). A lost doorbell post costs a tick (``TICK``), never a message.
 
+A ring is also the durable copy of what this consumer task has not taken: a queued value
+(``Held``) keeps its record in the ring until it is taken or freed (``Ring.taken``), so
+the task's next process, after a crash, reads exactly the records not taken (from
+``tail``; the ring keeps its name while it holds any). Records left untaken while the
+producer needs the room go out of the ring to segments under their messages' names
+(``Recovery.spill``).
+
 Thread model (docs/threads.md): every method takes ``lock`` itself; what it finds to do
 after it (deliveries, frees, collections) runs once it is released, in the same thread.
 File operations under the lock never block (``files.open_checked``).
@@ -19,6 +26,7 @@ File operations under the lock never block (``files.open_checked``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +40,7 @@ import numpy as np
 from .._channels import MISSING, WaiterTable
 from .._errors import InternalError, RendezvousError, closed_error
 from .._keys import DeviceName, ParsedKey
-from .._peers import canonical_task
+from .._cluster import canonical_task
 from .._rendezvous import Canceller, DoneCallback, Received, invoke_done, received
 from .._transport import TransportContext
 from . import reaper
@@ -75,8 +83,19 @@ class Notice:
         self.seq, self.inc, self.slot, self.array = seq, inc, slot, array
 
 
-#: What a channel queues: a value that came inline, a notice, or an error to deliver as one.
-Queued = Received | Notice | BaseException
+class Held:
+    """A queued value that a ring record brought: the record stays in ring ``r`` (the task's
+    durable copy) until the value is taken or freed (``InRing.taken``)."""
+
+    __slots__ = ("pos", "r", "value")
+
+    def __init__(self, value: Received | Notice | BaseException, r: InRing, pos: int) -> None:
+        self.value, self.r, self.pos = value, r, pos
+
+
+#: What a channel queues: a value that came inline, a notice, or an error to deliver as one;
+#: ``Held`` while its ring record stays.
+Queued = Received | Notice | BaseException | Held
 #: A message to free: producer task, step, key, incarnation, seq, slot.
 Orphan = tuple[str, int, str, int, int, int]
 #: What is found under the lock to do after it: deliveries, producer runs over, orphans.
@@ -110,18 +129,54 @@ class Waiter:
 
 
 class InRing:
-    """A producer run's ring for this consumer, attached (its name already unlinked).
-    ``watch`` is live while it is attached: this consumer will collect what the run leaves
-    once it is over (``pool.RunWatch``)."""
+    """A producer run's ring for this consumer, attached (its name stays while it holds
+    records not taken). ``watch`` is live while it is attached: this consumer will collect
+    what the run leaves once it is over (``pool.RunWatch``). ``spilled``: the segments
+    that records moved out of it went to (``Recovery.spill``; "" for a notice, whose
+    message is one already), by the record's position, until their values are taken."""
 
-    __slots__ = ("fd", "inc", "lost", "lost_seen", "ring", "segment", "size", "src", "watch")
+    __slots__ = (
+        "fd",
+        "inc",
+        "lost",
+        "lost_seen",
+        "ring",
+        "segment",
+        "size",
+        "spilled",
+        "src",
+        "watch",
+    )
 
     def __init__(self, segment: Segment, ring: Ring, src: Source, inc: int) -> None:
         self.segment, self.ring, self.src, self.inc = segment, ring, src, inc
-        # Its size is checked before each drain: one ``lseek`` of the kept descriptor.
         self.fd, self.size = segment.fd, segment.size
         self.watch = RunWatch()
         self.lost = self.lost_seen = 0  # records its producer could not append, recovered
+        self.spilled: dict[int, str] = {}
+
+    def intact(self) -> bool:
+        """Whether its file still holds it: one ``lseek`` of the kept descriptor. A process
+        that kept a descriptor may have truncated it, and touching a lost page would be a
+        SIGBUS."""
+        try:
+            return self.fd >= 0 and os.lseek(self.fd, 0, os.SEEK_END) >= self.size
+        except OSError:
+            return False
+
+    def taken(self, pos: int) -> None:
+        """The value of its record at ``pos`` (``Held``) is taken or freed: so marked in the
+        ring, if its file still holds it (a ring found truncated is failed by the next
+        drain), or the segment the record was moved out to is removed."""
+        if self.spilled:
+            path = self.spilled.pop(pos, None)
+            if path is not None:
+                if path:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                return
+        if self.intact():
+            self.ring.taken(pos)
 
     def release(self) -> None:
         self.watch.live = False
@@ -141,6 +196,7 @@ class Source:
         "inc",
         "look_at",
         "restarted",
+        "retired",
         "ring_incs",
         "rings",
         "task",
@@ -156,6 +212,7 @@ class Source:
         self.rings: list[InRing] = []
         self.ring_incs: set[int] = set()  # incarnations whose ring is attached
         self.tried: set[int] = set()  # earlier incarnations whose ring was looked for
+        self.retired: set[int] = set()  # incarnations whose ring was let go: never again
         self.look_at = 0.0  # when to look for its ring again
         self.alive_at = -1.0  # when it was last seen alive (with incarnation ``inc``)
         self.waiting: dict[Channel, None] = {}  # its channels with waiters (ordered set)
@@ -265,10 +322,7 @@ class Consumer:
             return
         out, over, late = work
         for task, inc in over:
-            try:
-                reaper.collect_producer(self._names, task, inc, self._task)
-            except Exception:  # pragma: no cover - it never raises for what it finds
-                _log.exception("collecting what producer %s (%016x) left", task, inc)
+            reaper.after_producer(self._names, task, inc, self._task)
         for args in late:
             self._recovery.free(*args)
         # One at a time, nothing kept: a mapped array the receiver drops goes back at once.
@@ -394,6 +448,9 @@ class Consumer:
 
     def _taken(self, ch: Channel, got: Queued) -> Received | BaseException:
         """What a receive gets for the queued ``got`` (a notice is opened), counted."""
+        if type(got) is Held:
+            got.r.taken(got.pos)
+            got = got.value
         if type(got) is Notice:
             got = self._open(ch, got.seq, got.inc, got)  # type: ignore[assignment]
         if type(got) is Received:
@@ -453,14 +510,16 @@ class Consumer:
     # -- rings ----------------------------------------------------------------------------
 
     def attach(self, name: str, expect: tuple[str, int] | None) -> bool:
-        """Map a producer's ring for this consumer, unlink its name (the memory goes when
-        both sides have unmapped it, whoever dies first) and drain it. False: no such name.
-        ``InternalError`` for a ring that is not ours, not for this consumer, or not from
-        ``expect`` (producer task, incarnation)."""
+        """Map a producer's ring for this consumer and drain it from its oldest record not
+        taken (an earlier process of this consumer task may have taken some, and died); its
+        name stays. Once per producer run: a ring attached or let go already is left alone.
+        False: no such name. ``InternalError`` for a ring that is not ours, not for this
+        consumer, or not from ``expect`` (producer task, incarnation)."""
         try:
             seg = Segment.attach(self._names, name, keep_fd=True)
         except FileNotFoundError:
             return False
+        ring: Ring | None = None
         try:
             ring = Ring(memoryview(seg.buf))
             meta = json.loads(ring.meta())
@@ -470,12 +529,18 @@ class Consumer:
             if not owner[1]:
                 raise InternalError(f"ring {name} names incarnation 0")
         except (RendezvousError, ValueError, KeyError, TypeError) as e:
+            if ring is not None:
+                ring.release()
             seg.close()
             raise InternalError(f"refusing ring {name}: {e}") from e
-        seg.unlink_quietly()
         src = self.source(owner[0])
+        if owner[1] in src.ring_incs or owner[1] in src.retired:
+            ring.release()
+            seg.close()
+            return True
         if not src.inc:
             src.inc = owner[1]
+        ring.attach(self._ctx.incarnation)
         r = InRing(seg, ring, src, owner[1])
         src.rings.append(r)
         src.ring_incs.add(owner[1])
@@ -484,7 +549,10 @@ class Consumer:
         return True
 
     def drain(self, r: InRing) -> None:
-        """Every record of ring ``r`` to its channel: to its oldest waiter, or queued.
+        """Every record of ring ``r`` to its channel: to its oldest waiter (taken at once), or
+        queued as ``Held`` (taken when a receive takes it). Records an earlier process of
+        this consumer task took are skipped (``Ring.spans``). Once more than half the ring
+        is held, the oldest held records move out of it (``Recovery.spill``).
 
         First the ring's size, one ``lseek``: a process that kept a descriptor of it may
         have truncated it, and reading a lost page would be a SIGBUS; such a ring is failed
@@ -492,30 +560,31 @@ class Consumer:
         A record is the producer's bytes: its header gets the reader's checks, and one
         refused still names its key: its receiver gets the error, what follows is delivered.
         """
-        try:
-            intact = os.lseek(r.fd, 0, os.SEEK_END) >= r.size
-        except OSError:
-            intact = False
-        if not intact:
+        if not r.intact():
             self._fail_ring(r)
             return
         ring, src, inc = r.ring, r.src, r.inc
         buf, read, cleaned_up = ring.buf, self._reader.read, self._ctx.cleaned_up
+        held, put = ring.held, self._table.put
         last_step: int | None = None
         late = False
         chans: dict[str, Channel] = {}
-        try:
-            spans: list[tuple[int, int]] | None = ring.spans()
-        except InternalError as e:
-            _log.warning("ring from %s: %s", src.task, e)
-            return
-        finally:
-            r.lost = ring.lost  # (``spans`` reads it first)
-        while spans:
+        while True:
+            try:
+                spans = ring.spans()
+            except InternalError as e:
+                _log.warning("ring from %s: %s", src.task, e)
+                return
+            finally:
+                r.lost = ring.lost  # (``spans`` reads it first)
+            if not spans:
+                if ring.passed:
+                    ring.consume()  # past records an earlier process took
+                break
             at = -1
             try:
                 for at, end in spans:
-                    value: Queued
+                    value: Received | Notice | BaseException
                     try:
                         flags, dtype, shape, offset, nbytes, step, seq, _, _, slot, _, key = read(
                             buf, at, end
@@ -523,6 +592,8 @@ class Consumer:
                     except RendezvousError as e:
                         who = self._refused(src, buf[at:end], e)
                         if who is None:
+                            if held:  # nobody will take it
+                                ring.mark_taken(ring.position(at))
                             continue
                         step, seq, key, value = who
                         slot = -1
@@ -541,30 +612,50 @@ class Consumer:
                     if late:  # sent to a step this worker cleaned up already: freed
                         if type(value) is Notice:
                             self._late.append((src.task, step, key, inc, seq, slot))
+                        if held:
+                            ring.mark_taken(ring.position(at))
                         continue
                     self._records += 1
                     ch = chans.get(key)
                     if ch is None:
                         ch = chans[key] = Channel(step, key, src, inc)
                     if ch.inc != inc:
-                        ch.inc = inc  # its producer's run: first heard of, or restarted
+                        # Its run first heard of (its earlier messages may be by name), or
+                        # its producer restarted.
+                        fill = not ch.inc and seq
+                        ch.inc = inc
+                        if fill:
+                            self._fill(ch, seq, r)
                     elif seq != ch.seq:
-                        if seq < ch.seq:
-                            continue  # taken by its name already
+                        if seq < ch.seq:  # taken by its name already
+                            if held:
+                                ring.mark_taken(ring.position(at))
+                            continue
                         self._fill(ch, seq, r)
                     ch.seq = seq + 1
-                    self.queue(ch, value)
+                    if ch in ch.src.waiting:
+                        if held:  # taken while an older record is not
+                            ring.mark_taken(ring.position(at))
+                        self.queue(ch, value)
+                    else:
+                        pos = ring.position(at)
+                        ring.hold(pos)
+                        put(ch, Held(value, r, pos))
             except BaseException:
-                ring.consume(at)  # what came before it is taken; it is found again
+                ring.consume(at)  # what came before it is passed; it is found again
                 raise
-            spans = ring.spans() if ring.consume() else None
-            r.lost = ring.lost
+            if not ring.consume():
+                break
+        if held and ring.read - held[0] > ring.capacity >> 1:
+            self._recovery.spill(r)
 
     def _fill(self, ch: Channel, seq: int, r: InRing) -> None:
-        """Messages ``ch.seq`` to ``seq - 1`` of ``ch`` came with no record (a full ring):
-        queued from their names, in order; a number its producer skipped (a failed publish)
-        is skipped. At most as many looks as records ``r`` lost, and ``_FILL_MAX``."""
-        for s in range(ch.seq, min(seq, ch.seq + min(r.lost, _FILL_MAX))):
+        """Messages ``ch.seq`` to ``seq - 1`` of ``ch`` came with no record: queued from
+        their names, in order. Only the last of them can be there: those ``r`` lost (a full
+        ring) or its consumer moved out (``Recovery.spill``), at most as many as it counts
+        and ``_FILL_MAX``; the numbers before were taken by an earlier process of this
+        consumer task, or skipped by the producer (a failed publish)."""
+        for s in range(max(ch.seq, seq - min(r.lost, _FILL_MAX)), seq):
             got = self._open(ch, s, r.inc, None)
             if got is not None:
                 ch.seq = s + 1
@@ -603,8 +694,10 @@ class Consumer:
             why = str(e)
         error = InternalError(f"the ring from producer {src.task} is unusable: {why}")
         _log.warning("%s", error)
+        r.segment.unlink_quietly()  # nothing in it can be read any more
+        src.retired.add(r.inc)
         self._forget_ring(r)
-        src.look_at = _INF  # its name is gone; a restarted producer makes a new one
+        src.look_at = _INF  # a restarted producer makes a new one
         if src.waiting:
             for ch in list(src.waiting):
                 self.serve(ch, True)
@@ -694,14 +787,16 @@ class Consumer:
                 self.serve(ch, True)
 
     def _retire_over(self) -> None:
-        """The rings of producer runs that are over are drained a last time and let go;
-        what those runs left is collected after the lock (``reaper.collect_producer``)."""
+        """The rings of producer runs that are over are drained and let go once every record
+        is taken; what those runs left is collected after the lock
+        (``reaper.after_producer``)."""
         for r in list(self._rings):
             if not self._live.run_over(r.src, r.inc):
                 continue
             self.drain(r)
             if r in self._rings and not r.ring.pending():
                 r.src.tried.add(r.inc)
+                r.src.retired.add(r.inc)
                 if r.src.inc == r.inc:
                     r.src.look_at = _INF  # a restarted producer is looked for again
                 self._forget_ring(r)
@@ -736,6 +831,9 @@ class Consumer:
                     got = self._table.take(ch)
                     if got is MISSING:
                         break  # waiters: a receive started after the abort
+                    if type(got) is Held:
+                        got.r.taken(got.pos)
+                        got = got.value
                     if type(got) is Notice:
                         self._late.append(
                             (ch.src.task, ch.step, ch.key, got.inc, got.seq, got.slot)
@@ -762,12 +860,14 @@ class Consumer:
     def release(self) -> None:
         """After ``close``: unlink the held names of arrays still alive (their mappings
         stay; the callbacks that give them back do not run at exit), unmap the rings,
-        collect what producer runs that are over left (slots given back after their close)."""
+        collect what producer runs that are over left (slots given back after their close),
+        unless their ring holds records not taken: those stay for this task's next process,
+        and what the run left with them."""
         self._maps.unlink_held()
         with self.lock:
             for r in list(self._rings):
                 r.src.alive_at = -1.0  # a fresh look, not the tick's
-                if self._live.run_over(r.src, r.inc):
+                if self._live.run_over(r.src, r.inc) and r.intact() and not r.ring.pending():
                     self._over.append((r.src.task, r.inc))
                 self._forget_ring(r)
             self._maps.close()

@@ -47,8 +47,10 @@ __all__ = [
     "Header",
     "Reader",
     "Template",
+    "created_ns",
     "data_offset_for",
     "header_size",
+    "is_notice",
     "pack",
     "pack_into",
     "unpack",
@@ -475,6 +477,25 @@ class Reader:
         key_at = size - PREFIX.unpack_from(head, 0)[14]
         self._known[head[_STATIC_AT:key_at]] = (size, f[3], f[4], f[1], f[2])
         return f
+
+
+_CREATED = struct.Struct("<Q")
+_CREATED_AT = struct.calcsize(PREFIX.format[:-4])  # the prefix before ``created_ns``
+
+
+def is_notice(buf: BufferLike) -> bool:
+    """Whether the header at the start of ``buf`` is a ring notice's (``FLAG_NOTICE``: its
+    data is the segment published under the message's name)."""
+    return len(buf) >= PREFIX.size and bool(PREFIX.unpack_from(buf, 0)[2] & FLAG_NOTICE)
+
+
+def created_ns(buf: BufferLike) -> int | None:
+    """The ``created_ns`` of the header at the start of ``buf`` (when its producer sent
+    it, ``time.time_ns()``), or None when ``buf`` starts with no header of ours. Reads the
+    magic and that field only: for a sweep judging a message's age, never for data."""
+    if len(buf) < PREFIX.size or bytes(buf[: len(MAGIC)]) != MAGIC:
+        return None
+    return int(_CREATED.unpack_from(buf, _CREATED_AT)[0])
 
 
 def unpack_identity(buf: BufferLike) -> tuple[int, int, str] | None:

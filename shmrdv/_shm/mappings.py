@@ -39,7 +39,7 @@ _log = logging.getLogger("shmrdv.shm.mappings")
 class RunWatch:
     """A consumer's word about one producer run, read by ``give_back`` without a lock: while
     ``live``, the consumer has that run's ring attached and will collect what the run leaves
-    once it is over (``reaper.collect_producer``), so a slot given back needs no look at the
+    once it is over (``reaper.after_producer``), so a slot given back needs no look at the
     producer's liveness. ``live`` is cleared before that collection lists anything, and read
     after the rename: a rename that does not see it cleared came before the listing."""
 

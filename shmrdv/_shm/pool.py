@@ -112,6 +112,9 @@ class Slot:
     lent_to: str = field(default="")  # the consumer task it was published for
     checked_at: float = 0.0  # time.monotonic() of the last lost check (or of the lend)
     sized: int = -1  # the acquire in which its file's size was last checked
+    # The producer still holds the array ``allocate`` made over it (or a view of it): once
+    # given back, the slot waits for that array's collection before it is written again.
+    pinned: bool = False
 
 
 class SlotPool:
@@ -137,6 +140,7 @@ class SlotPool:
         self._lock = threading.Lock()
         self._free: dict[int, list[Slot]] = {}  # size class -> free slots
         self._lent: deque[Slot] = deque()
+        self._pinned: list[Slot] = []  # given back, still pinned (``Slot.pinned``)
         self._slots: dict[int, Slot] = {}
         self._next_index = 0
         self._bytes = 0
@@ -267,6 +271,11 @@ class SlotPool:
 
         Forgets slots that are under none of their names any more (see the module docstring).
         """
+        if self._pinned:
+            pinned = self._pinned
+            self._pinned = []
+            for slot in pinned:
+                self._freed_as(slot, slot.ticket, slot.segment.name)
         now = time.monotonic()
         for _ in range(min(len(self._lent), _RECLAIM_SCAN)):
             slot = self._lent.popleft()
@@ -362,7 +371,10 @@ class SlotPool:
         slot.ticket = ticket
         slot.state = "free"
         slot.lent_name = slot.lent_to = ""
-        self._free.setdefault(slot.capacity, []).append(slot)
+        if slot.pinned:
+            self._pinned.append(slot)  # free, not to be written while the producer reads it
+        else:
+            self._free.setdefault(slot.capacity, []).append(slot)
 
     def _take_back(self, slot: Slot) -> bool:
         """Rename the slot's ``returned`` name back to its ``pool`` name; whether it was there."""
@@ -446,15 +458,25 @@ class SlotPool:
             slot.state = "free"
             self._free.setdefault(slot.capacity, []).append(slot)
 
-    def lend(self, slot: Slot, name: str, consumer: str = "") -> None:
+    def lend(self, slot: Slot, name: str, consumer: str = "", *, pinned: bool = False) -> None:
         """Record that ``slot`` was published as message ``name`` for the consumer task
-        ``consumer``: the consumer has it now."""
+        ``consumer``: the consumer has it now. ``pinned``: the producer still holds an
+        array over it (``allocate``'s), and the slot is not written again, once back, until
+        ``unpin``."""
         with self._lock:
+            slot.pinned = pinned
             slot.state = "lent"
             slot.lent_name = name
             slot.lent_to = consumer
             slot.checked_at = time.monotonic()
             self._lent.append(slot)
+
+    @staticmethod
+    def unpin(slot: Slot) -> None:
+        """The producer's array over a lent ``slot`` is collected: the slot may be written
+        again once back (the next ``acquire`` that looks takes it). Takes no lock: it runs
+        in whichever thread collects the array, possibly inside the garbage collector."""
+        slot.pinned = False
 
     def close(self) -> None:
         """Unlink free slots and those already returned; lent ones belong to their consumers.

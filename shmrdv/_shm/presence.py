@@ -19,9 +19,10 @@ SIGKILL is what the kernel does).
 The record is written completely into a temporary name and only then linked (or renamed)
 onto its final name, so a reader never sees a half-written record.
 
-This module owns a worker's own record (``Presence``) and is the one place the others
-import presence from: what a record says is ``presence_record.py``, whether its owner lives
-(``probe``, ``PeerWatch``) is ``presence_watch.py``.
+This module owns what a record says (``PresenceInfo``), a worker's own record
+(``Presence``), whether a record's owner lives (``probe`` for tools, ``PeerWatch`` for
+peers, with a cached descriptor) and where a task has records in any namespace of this
+user (``sightings``, for a diagnosis only).
 
 Thread model (``docs/threads.md``): no thread of its own. A ``PeerWatch`` only *tries*
 its lock (it may be asked inside the garbage collector); ``Presence`` is owned by its
@@ -43,34 +44,383 @@ from typing import TYPE_CHECKING
 
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from .._rendezvous import Closing
-from .presence_record import (
-    PeerState,
-    PresenceInfo,
-    boot_id,
-    check_ours,
-    describe_owner,
-    open_record,
-    read_presence,
-    read_record,
-)
-from .presence_watch import PeerWatch, probe, record_state
 
 if TYPE_CHECKING:
     from .naming import Names
+import functools
+import json
+from typing import TYPE_CHECKING, Any, Literal
+
+from .files import open_checked, refuse_foreign
+
+if TYPE_CHECKING:
+    from .naming import Names
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .naming import Names
+import stat
+
+from .._errors import RendezvousError
+from .._transport import Sighting
+from .naming import SHM_DIR, parse_name
+from .files import is_ours
 
 __all__ = [
+    "MAX_RECORD_BYTES",
     "PeerState",
     "PeerWatch",
     "Presence",
     "PresenceInfo",
     "boot_id",
+    "check_ours",
+    "describe_owner",
+    "lock_held",
+    "open_record",
     "probe",
+    "read_bytes",
     "read_presence",
     "read_record",
+    "read_record_stat",
     "record_state",
+    "sightings",
 ]
 
+
+PeerState = Literal["absent", "alive", "dead"]
+
+_BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+# A record is a few hundred bytes; anything much larger was not written by us.
+MAX_RECORD_BYTES = 64 * 1024
+
+
+@functools.lru_cache(maxsize=1)
+def boot_id() -> str:
+    """This kernel's boot id (``/proc/sys/kernel/random/boot_id``), read once and cached.
+
+    Raises ``InternalError`` if the file cannot be read (not Linux, or no /proc).
+    """
+    try:
+        with open(_BOOT_ID_PATH, encoding="ascii") as f:
+            return f.read().strip()
+    except OSError as e:
+        raise InternalError(f"cannot read the boot id from {_BOOT_ID_PATH}: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class PresenceInfo:
+    """What a presence record says about a worker."""
+
+    task: str  # canonical task name, e.g. /job:worker/replica:0/task:1
+    pid: int
+    boot_id: str
+    incarnation: int  # uint64
+    started: float  # time.time() at publish
+    namespace: str  # the namespace id (public); never the token
+    address: str | None = None  # the worker's gRPC address, if it serves one
+    # The transports the worker accepts, in its order of preference (TensorPipe's
+    # "brochure"): a peer that sees this record picks the first it has too.
+    transports: tuple[str, ...] = ("shm", "grpc")
+
+    def to_json(self) -> bytes:
+        """The record's bytes."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> PresenceInfo:
+        """Parse a record; ``InternalError`` naming ``where`` if it is not a valid one."""
+        try:
+            obj = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise InternalError(f"presence record {where} is corrupt: {e}") from e
+        if not isinstance(obj, dict):
+            raise InternalError(f"presence record {where} is corrupt: not a JSON object")
+        fields: dict[str, tuple[type, ...]] = {
+            "task": (str,),
+            "pid": (int,),
+            "boot_id": (str,),
+            "incarnation": (int,),
+            "started": (int, float),
+            "namespace": (str,),
+            "address": (str, type(None)),
+        }
+        values: dict[str, Any] = {}
+        for name, types in fields.items():
+            value = obj.get(name)
+            if name not in obj or isinstance(value, bool) or not isinstance(value, types):
+                raise InternalError(
+                    f"presence record {where} is corrupt: field {name!r} is missing or has the "
+                    f"wrong type ({value!r})"
+                )
+            values[name] = value
+        values["started"] = float(values["started"])
+        transports = obj.get("transports", ["shm", "grpc"])
+        if not isinstance(transports, list) or not all(isinstance(t, str) for t in transports):
+            raise InternalError(
+                f"presence record {where} is corrupt: field 'transports' is {transports!r}"
+            )
+        values["transports"] = tuple(transports)
+        return cls(**values)
+
+
+def check_ours(st: os.stat_result, where: str, what: str = "presence record") -> None:
+    """Refuse a file another user planted under our name (pitfalls.md §7: fstat on attach)."""
+    refuse_foreign(st, where, what)
+
+
+def read_bytes(fd: int, where: str) -> bytes:
+    chunks: list[bytes] = []
+    offset = 0
+    while True:
+        chunk = os.pread(fd, MAX_RECORD_BYTES + 1 - offset, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+        if offset > MAX_RECORD_BYTES:
+            raise InternalError(f"presence record {where} is larger than {MAX_RECORD_BYTES} bytes")
+    return b"".join(chunks)
+
+
+def read_record_stat(fd: int, where: str) -> tuple[PresenceInfo, os.stat_result]:
+    st = os.fstat(fd)
+    check_ours(st, where)
+    return PresenceInfo.from_json(read_bytes(fd, where), where), st
+
+
+def open_record(path: str) -> int | None:
+    """Open a record for reading; None if it does not exist (``files.open_checked``:
+    never blocks; a symlink, a foreign or leased file is an ``InternalError``)."""
+    try:
+        fd, _ = open_checked(path, os.O_RDONLY, "presence record", max_size=MAX_RECORD_BYTES)
+    except FileNotFoundError:
+        return None
+    return fd
+
+
+def read_record(fd: int, where: str) -> PresenceInfo:
+    """What the record open at ``fd`` says (for one who holds its lock, ``reaper``). Raises
+    ``InternalError`` naming ``where`` if it is not ours or is corrupt. Does not block."""
+    return read_record_stat(fd, where)[0]
+
+
+def read_presence(names: Names, task: str) -> PresenceInfo | None:
+    """Read ``task``'s presence record, whether its owner is alive or not.
+
+    Returns None if there is none. Raises ``InternalError`` if the record is not ours (another
+    owner uid, group/other permission bits, not a regular file, a symlink) or is corrupt.
+    Does not block.
+    """
+    path = names.path(names.presence(task))
+    fd = open_record(path)
+    if fd is None:
+        return None
+    try:
+        info, _ = read_record_stat(fd, path)
+        return info
+    finally:
+        os.close(fd)
+
+
+def describe_owner(fd: int, where: str) -> str:
+    try:
+        info = PresenceInfo.from_json(read_bytes(fd, where), where)
+    except (InternalError, OSError):
+        return "an unknown process"
+    if info.pid == os.getpid() and info.boot_id == boot_id():
+        return f"this process itself (pid {info.pid}, incarnation {info.incarnation:#x})"
+    return f"pid {info.pid} (incarnation {info.incarnation:#x})"
+
+
 _log = logging.getLogger("shmrdv.shm.presence")
+
+
+def lock_held(fd: int) -> bool:
+    """Whether some other open file description holds a lock on ``fd``'s file.
+
+    Takes and at once drops a shared lock: it fails only while an exclusive lock is held.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def probe(path: str) -> tuple[PeerState, PresenceInfo | None]:
+    """The state of the record file at ``path`` and what it says, for tools (``registry``).
+
+    ``("absent", None)`` if there is no file. The state comes from the lock alone (plus the
+    boot id when the content is readable), so a corrupt record still reads ``"alive"`` or
+    ``"dead"``, with ``None`` for its content. Raises ``InternalError`` if the file is not
+    ours (owner, mode, symlink). Does not block.
+    """
+    fd = open_record(path)
+    if fd is None:
+        return "absent", None
+    try:
+        check_ours(os.fstat(fd), path)
+        try:
+            info: PresenceInfo | None = PresenceInfo.from_json(read_bytes(fd, path), path)
+        except InternalError as e:
+            _log.debug("%s", e)
+            info = None
+        return record_state(fd, info), info
+    finally:
+        os.close(fd)
+
+
+def record_state(fd: int, info: PresenceInfo | None) -> PeerState:
+    """The liveness check proper: a record's owner is alive exactly while it holds the lock.
+
+    A record from another boot is ``"dead"`` whatever its lock says. One ``flock`` test.
+    """
+    if info is not None and info.boot_id != boot_id():
+        return "dead"
+    return "alive" if lock_held(fd) else "dead"
+
+
+class PeerWatch(Closing):
+    """The observer side: is another worker's presence record there, and is it locked?
+
+    ``state()`` costs one ``stat`` and one ``flock`` while the record is unchanged (one
+    descriptor is cached per inode), so it may be called several times a second.
+
+    Never blocks and never waits for a lock, so that it may run anywhere, a
+    garbage-collector finalizer included (a lock waited for there could be held by the
+    interrupted thread itself): the cached descriptor is used under a lock taken only if
+    it is free; a caller that finds it taken looks through a descriptor of its own, opened
+    and closed within the call. A watch thus holds at most one descriptor of its own.
+    """
+
+    def __init__(self, names: Names, task: str) -> None:
+        self._task = task
+        self._path = names.path(names.presence(task))
+        self._lock = threading.Lock()
+        self._ino: tuple[int, int] | None = None
+        self._info: PresenceInfo | None = None
+        self._closed = False
+        # The finalizer closes the cached descriptor when the watch is dropped unclosed.
+        self._fd_box: list[int] = []
+        self._finalizer = weakref.finalize(self, _close_all, self._fd_box)
+
+    @property
+    def task(self) -> str:
+        return self._task
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _cached(self) -> tuple[int, PresenceInfo] | None:
+        """The record at the path now through the cached descriptor (re-opened when its
+        inode changed), or None. Under ``_lock``.
+
+        Raises ``InternalError`` if the record is not ours or is corrupt.
+        """
+        try:
+            st = os.stat(self._path, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        box = self._fd_box
+        if box and self._ino == (st.st_dev, st.st_ino):
+            assert self._info is not None
+            return box[0], self._info
+        _close_all(box)
+        self._ino = self._info = None
+        fd = open_record(self._path)
+        if fd is None:
+            return None
+        try:
+            info, fst = read_record_stat(fd, self._path)
+        except BaseException:
+            os.close(fd)
+            raise
+        box.append(fd)
+        # The inode actually opened: the name may have moved on since the stat above, in which
+        # case the next call sees a mismatch and reopens.
+        self._ino = (fst.st_dev, fst.st_ino)
+        self._info = info
+        return fd, info
+
+    def look(self) -> tuple[PeerState, PresenceInfo | None]:
+        """``state()`` and ``info()`` of one and the same record, in one look.
+
+        Raises ``InternalError`` if the record is not ours or is corrupt, or the watch is
+        closed. Does not block.
+        """
+        if self._closed:
+            raise InternalError(f"PeerWatch for {self._task} is closed")
+        if self._lock.acquire(blocking=False):
+            try:
+                if self._closed:
+                    raise InternalError(f"PeerWatch for {self._task} is closed")
+                seen = self._cached()
+                if seen is None:
+                    return "absent", None
+                return record_state(seen[0], seen[1]), seen[1]
+            finally:
+                self._lock.release()
+        # Contended (another thread, or the garbage collector inside this one): look
+        # through a descriptor of our own.
+        fd = open_record(self._path)
+        if fd is None:
+            return "absent", None
+        try:
+            info, _ = read_record_stat(fd, self._path)
+            return record_state(fd, info), info
+        finally:
+            os.close(fd)
+
+    def info(self) -> PresenceInfo | None:
+        """The current record (re-read when it was replaced, e.g. by a restarted peer), or None.
+
+        Raises ``InternalError`` if the record is not ours or is corrupt. Does not block.
+        """
+        return self.look()[1]
+
+    def state(self) -> PeerState:
+        """``"absent"`` (no record), ``"alive"`` (its lock is held) or ``"dead"`` (lock free).
+
+        A record from another boot is ``"dead"``. Raises ``InternalError`` if the record is not
+        ours or is corrupt. Does not block.
+        """
+        return self.look()[0]
+
+    def open_fds(self) -> int:
+        """How many descriptors the watch holds (at most one)."""
+        return len(self._fd_box)
+
+    def close(self) -> None:
+        """Close the cached descriptor. Idempotent. (A look running meanwhile in another
+        thread finishes first: close waits for it, which takes microseconds.)"""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._ino = self._info = None
+            self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"<PeerWatch {self._task} {'closed' if self._closed else 'open'}>"
+
+
+def _close_all(fds: list[int]) -> None:
+    """Close every descriptor in ``fds`` (each popped first: closed exactly once)."""
+    while True:
+        try:
+            fd = fds.pop()
+        except IndexError:
+            return
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
 
 # How often publish() looks again when it finds a record whose lock is held: another
 # publisher may hold it for a few microseconds while it replaces a stale record.
@@ -283,3 +633,57 @@ def _publish_error(e: OSError, path: str) -> Exception:
             "dead processes left behind with `python -m shmrdv gc`"
         )
     return InternalError(f"cannot create presence record {path}: {e}")
+
+
+# Bounds of one look: a presence record is a few hundred bytes; a user rarely runs more
+# than a few dozen workers, so 256 records cover every sane case at a bounded cost.
+_MAX_RECORDS = 256
+_MAX_BYTES = 4096
+
+
+def sightings(task: str, namespace: str, *, shm_dir: str = SHM_DIR) -> list[Sighting]:
+    """Every presence record of this user naming ``task`` (canonical), in any namespace.
+
+    ``namespace``: the caller's, as it appears in object names (``Sighting.ours``).
+
+    Bounded (``_MAX_RECORDS`` records, ``_MAX_BYTES`` each); skips other users' files,
+    symlinks, anything not shmrdv's and records that vanish or change meanwhile. Never
+    raises for what it finds; never blocks.
+    """
+    out: list[Sighting] = []
+    looked = 0
+    try:
+        it = os.scandir(shm_dir)
+    except OSError:
+        return out
+    with it:
+        for dirent in it:
+            # A cheap look before parse_name: only a presence record has "_w" (its kind
+            # letter after the namespace id; ids and hashes are hex), and a flood of other
+            # names must cost a timed-out receive next to nothing.
+            if "_w" not in dirent.name:
+                continue
+            parsed = parse_name(dirent.name)
+            if parsed is None or parsed.kind != "presence":
+                continue
+            try:
+                st = dirent.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or not is_ours(st) or st.st_size > _MAX_BYTES:
+                continue
+            looked += 1
+            if looked > _MAX_RECORDS:
+                break
+            try:
+                state, info = probe(os.path.join(shm_dir, dirent.name))
+            except (RendezvousError, OSError):
+                continue  # changed owner or mode since the lstat, or out of descriptors
+            if info is None or info.task != task:
+                continue
+            out.append(
+                Sighting(
+                    parsed.namespace, info.pid, state == "alive", parsed.namespace == namespace
+                )
+            )
+    return out

@@ -39,7 +39,7 @@ import numpy.typing as npt
 
 from .._errors import InternalError, InvalidArgumentError, RendezvousError, closed_error
 from .._keys import ParsedKey
-from .._peers import canonical_task
+from .._cluster import canonical_task
 from .._window import counted_bytes
 from .bell import Bell
 from .files import Segment, move_noreplace
@@ -70,6 +70,8 @@ _MAX_HELPERS = 3
 _BELL_LOOK_S = 0.02
 # Header templates kept: one per (dtype, shape, key length); emptied when full.
 _TEMPLATES_MAX = 1024
+# ``Route.reader`` of a route without a ring: no reader ever changes it.
+_NO_READER = memoryview(bytes(8)).cast("Q")
 
 
 def inline_max() -> int:
@@ -85,12 +87,19 @@ class Route:
     """What a producer keeps per consumer worker: its ring (given up, with segments from
     then on, if its file is found truncated) and its doorbell (opened on first use: the
     consumer may not have started yet), and what it sent there. Its fields change under
-    the producer's lock."""
+    the producer's lock.
+
+    ``reader`` is the ring's reader word (``Ring.reader_word``: the incarnation of the
+    consumer process that reads it) and ``bell_reader`` its value when the doorbell was
+    opened: a consumer task that restarted writes its own, and has a doorbell of its own,
+    which the next send opens (``follow``)."""
 
     __slots__ = (
         "bell",
         "bell_at",
+        "bell_reader",
         "fd",
+        "reader",
         "ring",
         "seg",
         "sem",
@@ -110,6 +119,8 @@ class Route:
         self.fd = -1  # the ring file's descriptor and size, for its check before each write
         self.size = 0
         self.sent = self.sent_bytes = 0
+        self.reader: memoryview = _NO_READER
+        self.bell_reader = 0
         if RINGS_SUPPORTED:
             self._make_ring(names, producer, incarnation)
 
@@ -130,6 +141,7 @@ class Route:
             return
         seg.name = names.ring(producer, incarnation, self.task)
         self.seg, self.ring, self.fd, self.size = seg, ring, seg.fd, seg.size
+        self.reader = ring.reader_word()
 
     def ring_intact(self) -> Ring | None:
         """The ring, if its file still holds it (one ``lseek``). A process of this user that
@@ -149,11 +161,29 @@ class Route:
         except (InternalError, ValueError) as e:
             why = str(e)
         _log.warning("the ring to %s is unusable (%s); segments from now on", self.task, why)
+        self._let_go_reader()
         ring.release()
+        seg.unlink_quietly()  # nothing in it can be read any more
         seg.close()
         self.seg = self.ring = None
         self.fd = -1
         return None
+
+    def _let_go_reader(self) -> None:
+        word, self.reader = self.reader, _NO_READER
+        if word is not _NO_READER:
+            word.release()
+
+    def follow(self) -> None:
+        """The ring has another reader than the doorbell's (``reader[0] != bell_reader``):
+        its consumer task restarted, or attached the ring after the doorbell was opened.
+        The doorbell is let go, and looked up again at the next post."""
+        bell = self.bell
+        self.bell = self.sem = None
+        self.bell_at = 0.0
+        self.bell_reader = int(self.reader[0])
+        if bell is not None:
+            bell.close()
 
     def doorbell(self, names: Names) -> posix_ipc.Semaphore | None:
         """The consumer's doorbell semaphore, opened on first use (looked for again every
@@ -164,6 +194,7 @@ class Route:
         if now < self.bell_at:
             return None
         self.bell_at = now + _BELL_LOOK_S
+        self.bell_reader = int(self.reader[0])  # (read first: a later reader is followed)
         try:
             bell = Bell.open(names, self.task)
         except RendezvousError:
@@ -175,11 +206,13 @@ class Route:
         return self.sem
 
     def close(self) -> None:
-        """Unmap the ring and close the doorbell. A ring its consumer never attached keeps
-        its name while it holds records (they are the consumer's); an empty one goes."""
+        """Unmap the ring and close the doorbell. The ring keeps its name while it holds
+        records its consumer has not taken (they are the consumer task's: this process's,
+        or its next one's after a crash); one whose records are all taken goes."""
         seg, ring, bell = self.seg, self.ring, self.bell
         self.seg = self.ring = self.bell = self.sem = None
         self.fd = -1
+        self._let_go_reader()
         if seg is not None and ring is not None:
             try:
                 seg.check_size(seg.size)  # a truncated ring's words may be gone
@@ -294,6 +327,10 @@ class Producer:
             if self._allocations.get(ident) is alloc:
                 del self._allocations[ident]
         if alloc.sent:
+            if alloc.slot is not None:
+                # Nothing of the producer's reads the slot any more: it may carry the next
+                # message once its consumer gives it back (``SlotPool.unpin``).
+                self._pool.unpin(alloc.slot)
             return
         if alloc.slot is not None:  # allocated and never sent: the memory is still ours
             self._pool.release(alloc.slot)
@@ -408,7 +445,9 @@ class Producer:
         if ticket is not None:
             ticket.segment(name)
         if slot is not None:
-            self._pool.lend(slot, name, route.task)
+            # An allocation's slot is pinned: it carries no other message while the
+            # producer's array (or a view of it: views keep it alive) can still be read.
+            self._pool.lend(slot, name, route.task, pinned=alloc is not None)
         else:
             seg.close()
         self._post(route)
@@ -444,6 +483,8 @@ class Producer:
             seqs[fk] = seq + 1
             route.sent += 1
             route.sent_bytes += t.nbytes
+            if route.reader[0] != route.bell_reader:  # its consumer task restarted
+                route.follow()
         if ticket is not None:
             ticket.record(ring, end)
         self._post(route)
@@ -493,6 +534,8 @@ class Producer:
             route.sent_bytes += t.nbytes
             ring = route.ring_intact()
             if ring is not None:
+                if route.reader[0] != route.bell_reader:  # its consumer task restarted
+                    route.follow()
                 at = ring.reserve(t.data_offset)
                 if at < 0:
                     self.ring_full += 1

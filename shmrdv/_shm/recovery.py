@@ -10,6 +10,10 @@ all (``published``), and what was sent to a step this worker cleans up (``free_u
 A name new to the consumer costs one ``lstat`` if it is another user's, at most
 ``_NEW_PER_LISTING`` of them per listing, and is never looked at again if refused.
 
+The other way round, ``spill`` moves ring records that wait for a receive while the
+producer needs the room out to the names of their messages, where this consumer task's
+next process finds them as it finds what a full ring lost.
+
 Thread model (docs/threads.md): every method runs under the consumer's lock, except
 ``free_unreceived``, after it (the listing's refused names are a set).
 """
@@ -22,10 +26,11 @@ import time
 from typing import TYPE_CHECKING
 
 from .._errors import InternalError, RendezvousError
+from .._cluster import canonical_task
 from .._keys import parse_key
-from .._peers import canonical_task
 from .._transport import TransportContext
-from .files import is_ours, peek_header
+from .files import Segment, is_ours, move_noreplace, peek_header
+from .header import is_notice, unpack_identity
 from .listing import Listing
 from .mappings import give_back
 from .naming import Names, parse_name
@@ -33,7 +38,7 @@ from .pool import ProducerAlive
 from .ring import RINGS_SUPPORTED
 
 if TYPE_CHECKING:
-    from .consumer import Channel, Consumer, Source
+    from .consumer import Channel, Consumer, InRing, Source
 
 __all__ = ["Recovery"]
 
@@ -144,16 +149,19 @@ class Recovery:
 
     def recover(self, src: Source) -> None:
         """Queue the messages of ``src`` whose records its full rings lost (one listing),
-        after what its rings hold. Rate-limited with the other listings."""
+        after what its rings hold. Rate-limited with the other listings.
+
+        The rings are drained after the listing: a producer writes the records of a key's
+        earlier messages before it publishes a later one by name, so every record of a
+        message before a listed one is read first (and a gap before it filled by name)."""
         from .consumer import Notice  # (the consumer imports this module)
 
         consumer = self._consumer
         lost = [(r, r.lost) for r in src.rings if r.lost != r.lost_seen]
-        for r, _ in lost:
-            consumer.drain(r)  # first what the rings hold: records come in order
         if not lost or not self._list_messages():
             return
         for r, n in lost:
+            consumer.drain(r)
             r.lost_seen = n
         incs = {r.inc for r in src.rings}
         for step, key, seq, inc, _created, slot in sorted(self._listed.values(), key=_by_seq):
@@ -244,12 +252,65 @@ class Recovery:
             except OSError:
                 continue
             try:
-                self._consumer.attach(name, None)
+                if self._consumer.attach(name, None):
+                    listing.refuse(name)  # attached (once per run of its producer): done with
             except InternalError as e:  # not ours, or not for this consumer: never again
                 listing.refuse(name)
                 _log.debug("%s", e)
             except RendezvousError as e:
                 _log.debug("%s", e)
+
+    def spill(self, r: InRing) -> None:
+        """Move the oldest records of ring ``r`` that are read and not taken out of it until
+        those left take at most a quarter of it: a key nobody receives for a while must not
+        leave its producer without room (every small send would then go by name). Each is
+        published under its message's name (a notice's message is one already) and counted
+        in the ring (``Ring.add_spilled``), so the task's next process looks for it by name;
+        the channel table keeps its value, and taking that removes the segment
+        (``InRing.taken``). What cannot be written (/dev/shm full) stays in the ring. Under
+        the lock, right after a drain checked the ring's size."""
+        ring = r.ring
+        held = ring.held
+        count = 0
+        while held and ring.read - held[0] > ring.capacity >> 2:
+            pos = held[0]
+            payload = ring.record(pos)
+            try:
+                path = "" if is_notice(payload) else self._publish(r.inc, payload)
+            except RendezvousError as e:
+                _log.warning("cannot move a record of the ring from %s out: %s", r.src.task, e)
+                break
+            finally:
+                payload.release()
+            r.spilled[pos] = path
+            ring.taken(pos)
+            count += 1
+        if count:
+            ring.add_spilled(count)
+            r.lost += count  # (as the next drain reads it; their values are queued here:
+            r.lost_seen += count  # not to be looked for by name)
+
+    def _publish(self, inc: int, payload: memoryview) -> str:
+        """Publish ``payload`` (a ring record of producer run ``inc``: a header and its data,
+        read and checked already) under its message's name; return its path. Raises
+        ``RendezvousError``."""
+        who = unpack_identity(payload)
+        if who is None:  # pragma: no cover - the drain read this header
+            raise InternalError("a ring record names no message")
+        step, seq, key = who
+        path = Names.path(self._names.message(step, key, inc, seq))
+        seg = Segment.create(self._names, len(payload))
+        try:
+            seg.buf[: len(payload)] = payload
+            move_noreplace(seg.path, path)
+        except BaseException as e:
+            seg.unlink_quietly()
+            seg.close()
+            if isinstance(e, OSError):
+                raise InternalError(f"cannot publish {path}: {e}") from e
+            raise
+        seg.close()
+        return path
 
     def _list_messages(self) -> bool:
         """Bring ``_listed`` up to date with /dev/shm (a listdir at most every

@@ -11,7 +11,7 @@ Only our own uid's files are listed or removed; symlinks are never followed; ent
 vanish while we look (a live worker consuming a message) are skipped. The directory is
 world-writable, so the scan is built to cost little per junk entry another user plants:
 a name is parsed first (pure), then ``lstat``-ed from the directory entry, and only a
-regular file of ours with mode 0600-or-less is ever opened (``ownership.open_checked``,
+regular file of ours with mode 0600-or-less is ever opened (``files.open_checked``,
 which never blocks); the listing holds no lock.
 """
 
@@ -286,7 +286,7 @@ def unlink_if_unused(path: str, ino: tuple[int, int], *, mapped_ok: bool = False
     record still under a temporary name, locked and open) is safe from a sweep that thought
     its namespace dead. The lease is dropped before the unlink: nobody ever waits on it.
     Where leases are off (``fs.leases-enable=0``), only the other checks are made, and so
-    with ``mapped_ok`` (``unlink_if_same``). Never follows a symlink, never blocks (``ownership.open_checked``). Raises ``OSError``
+    with ``mapped_ok`` (``unlink_if_same``). Never follows a symlink, never blocks (``files.open_checked``). Raises ``OSError``
     when the unlink itself fails (e.g. permissions).
     """
     try:

@@ -1,17 +1,32 @@
 """A single-producer, single-consumer byte ring in shared memory, for small messages.
 
 A segment per message costs a dozen system calls (create or reuse, rename, open, map,
-rename again, unmap): far more than a small message's bytes. Small tensors therefore travel inline in a ring that one
-producer worker keeps for one consumer worker: the producer appends a record (the same
-header as a segment's, then the data) and advances ``head``; the consumer copies records
-out and advances ``tail``. No system call but the doorbell's post.
+rename again, unmap): far more than a small message's bytes. Small tensors therefore
+travel inline in a ring that one producer worker keeps for one consumer worker: the
+producer appends a record (the same header as a segment's, then the data) and advances
+``head``; the consumer copies records out and advances ``tail``. No system call but the doorbell's post.
 
 Layout (little endian), at the start of the mapping: magic (8 bytes), capacity (u64);
 ``head`` at byte 64 and ``tail`` at byte 128 (separate cache lines), both running byte
 counts; ``lost`` at byte 160, how many records the producer could not append (ring full),
-so that the consumer knows when to look for messages by name; records from byte 4096, each ``u32 length`` (of the whole record, 8-aligned) then
-the payload. A record that would cross the end is preceded by a wrap mark (length
-``0xFFFFFFFF``) and starts again at the beginning.
+so that the consumer knows when to look for messages by name; ``read`` at byte 168, how
+far the consumer has read; ``reader`` at byte 176, the incarnation of the consumer run
+that reads the ring (its producer follows a restarted consumer's doorbell by it);
+``spilled`` at byte 184, how many records not taken the consumer moved out of the ring
+to messages of their own (``spill``: also to be looked for by name); records
+from byte 4096, each ``u32 length`` (of the whole record, 8-aligned) then the payload. A
+record that would cross the end is preceded by a wrap mark (length ``0xFFFFFFFF``) and
+starts again at the beginning.
+
+``tail`` is where the oldest record the consumer has not *taken* (handed to a receive,
+or freed) starts: the producer writes over nothing after it. Records are read (``read``)
+as they arrive and may be taken out of order (one key's before another's); one taken
+while an older one is not is marked so in its length word (``mark_taken``: bit 1, which
+no 8-aligned length has), and a later reader skips it. So the consumer's next process,
+after a crash, reads from ``tail`` exactly the records not taken yet. A record left
+untaken while the producer needs its room is moved out of the ring by its consumer
+(published under its message's name, like a message the producer sent by name) and
+counted in ``spilled``: ``tail`` then passes it.
 
 Ordering: the producer writes a record's bytes before it stores ``head``; the consumer
 loads ``head`` before it reads the bytes. Each is one aligned 8-byte store or load
@@ -29,11 +44,12 @@ from __future__ import annotations
 
 import platform
 import struct
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 from .._errors import InternalError
 
-__all__ = ["RINGS_SUPPORTED", "Ring", "ring_size"]
+__all__ = ["DATA_OFFSET", "RINGS_SUPPORTED", "Ring", "describe", "ring_size"]
 
 RINGS_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -41,8 +57,11 @@ MAGIC = b"SHMRDVQ1"
 _META = struct.Struct("<8sQ")
 _U32 = struct.Struct("<I")
 _HEAD, _TAIL = 64, 128
-_LOST = 160
-_H, _T, _L = _HEAD // 8, _TAIL // 8, _LOST // 8  # their indexes in the words view
+_LOST, _READ, _READER, _SPILLED = 160, 168, 176, 184
+# Their indexes in the words view.
+_H, _T, _L, _R, _C, _S = (w // 8 for w in (_HEAD, _TAIL, _LOST, _READ, _READER, _SPILLED))
+# In a record's length word: taken by the consumer while an older record was not.
+_TAKEN = 2
 _META_AT = 192  # u32 length, then the owner's description (who writes to whom), JSON
 _META_MAX = 3800
 DATA_OFFSET = 4096
@@ -59,6 +78,22 @@ _BATCH_BYTES = 1 << 16
 def ring_size(capacity: int) -> int:
     """Bytes of segment a ring of ``capacity`` data bytes needs."""
     return DATA_OFFSET + capacity
+
+
+def describe(first: bytes | bytearray | memoryview) -> tuple[bytes, bool]:
+    """From a ring's first ``DATA_OFFSET`` bytes (its words, no records): its owner's
+    description (``Ring.meta``) and whether it holds records its consumer has not taken.
+    Raises ``InternalError`` for bytes that are no ring's."""
+    if len(first) < DATA_OFFSET or bytes(first[:8]) != MAGIC:
+        raise InternalError("not a shmrdv ring")
+    n = _U32.unpack_from(first, _META_AT)[0]
+    if n > _META_MAX:
+        raise InternalError(f"shmrdv ring corrupted: description of {n} bytes")
+    head, tail = (
+        struct.unpack_from("<Q", first, _HEAD)[0],
+        struct.unpack_from("<Q", first, _TAIL)[0],
+    )
+    return bytes(first[_META_AT + 4 : _META_AT + 4 + n]), head != tail
 
 
 class Ring:
@@ -89,11 +124,18 @@ class Ring:
         self._max_record: int = capacity // 4 - 8
         self._next_head = 0
         self._tail_seen = 0  # the producer's last read of ``tail`` (``_room``)
-        # The consumer's last batch (``spans``): the tail it started at, the tail past it,
-        # and whether records may follow it.
+        # The consumer's last batch (``spans``): where it started, where it ends, and
+        # whether records may follow it; where the consumer reads next (``read``: from
+        # ``tail``, what a new reader has not taken).
         self._from = self._to = 0
         self._more = False
-        #: How many records the producer could not append, as of the last ``spans``.
+        self._cursor = self._words[_T]
+        #: The positions of the records read and not taken yet, oldest first (``hold``),
+        #: and those among them taken out of order.
+        self.held: deque[int] = deque()
+        self._early: set[int] = set()
+        #: How many records the producer could not append, and its consumer moved out, as
+        #: of the last ``spans``: messages to look for by name.
         self.lost = 0
         self._end = DATA_OFFSET + capacity  # where the data ends in ``buf``
 
@@ -109,7 +151,7 @@ class Ring:
         _META.pack_into(buf, 0, MAGIC, capacity)
         buf[_HEAD : _HEAD + 8] = bytes(8)
         buf[_TAIL : _TAIL + 8] = bytes(8)
-        buf[_LOST : _LOST + 8] = bytes(8)
+        buf[_LOST : _SPILLED + 8] = bytes(_SPILLED + 8 - _LOST)
         _U32.pack_into(buf, _META_AT, len(meta))
         buf[_META_AT + 4 : _META_AT + 4 + len(meta)] = meta
         return cls(buf)
@@ -181,12 +223,36 @@ class Ring:
         """Producer: a record could not be appended (the consumer looks by name then)."""
         self._words[_L] += 1
 
+    @property
+    def reader(self) -> int:
+        """The incarnation of the consumer run that reads the ring (0: none yet)."""
+        return int(self._words[_C])
+
+    def reader_word(self) -> memoryview:
+        """``reader`` as a view of one u64 (``view[0]``): a producer's look per message
+        without a call. The caller releases it before the ring (``release``)."""
+        return self._words[_C : _C + 1]
+
     # -- consumer -----------------------------------------------------------------
 
     def pending(self) -> bool:
-        """Records are waiting (``head`` is ahead of ``tail``)."""
+        """Records its consumer has not taken are in the ring (``head`` is ahead of
+        ``tail``)."""
         words = self._words
         return bool(words[_H] != words[_T])
+
+    def unread(self) -> bool:
+        """Records its consumer has not read are in the ring (``head`` is ahead of
+        ``read``)."""
+        words = self._words
+        return bool(words[_H] != words[_R])
+
+    def attach(self, reader: int) -> None:
+        """The consumer run ``reader`` (its incarnation) reads the ring from now on, from
+        the oldest record not taken (``tail``)."""
+        words = self._words
+        self._cursor = words[_R] = words[_T]
+        words[_C] = reader
 
     @property
     def head(self) -> int:
@@ -195,7 +261,8 @@ class Ring:
 
     @property
     def tail(self) -> int:
-        """Bytes the consumer has taken so far: every record ending at or before it is read."""
+        """Where the oldest record its consumer has not taken starts (a running count): the
+        producer may write over everything before it."""
         return int(self._words[_T])
 
     def release(self) -> None:
@@ -226,7 +293,8 @@ class Ring:
         """Where the next complete records' payloads are in ``buf``, ``(start, end)`` each:
         the consumer's hot loop, one call for a batch of records.
 
-        None is taken until ``consume`` (a record is never overwritten while it is read).
+        Records taken before (``mark_taken``) are skipped. None is taken until ``consume``
+        (a record is never overwritten while it is read).
         A batch ends at ``head``, or after about ``_BATCH_BYTES`` of records in a run (the
         producer gets room back batch by batch), or before a length that is no record's:
         the next call then raises ``InternalError`` (a corrupted ring: a length past the
@@ -235,10 +303,10 @@ class Ring:
         """
         words = self._words
         head = words[_H]
-        self.lost = words[_L]
-        tail = self._from = words[_T]
+        self.lost = words[_L] + words[_S]
+        tail = self._from = self._cursor
         cap = self.capacity
-        if not tail <= head <= tail + cap or tail % _ALIGN:
+        if not tail <= head <= words[_T] + cap or tail % _ALIGN:
             raise InternalError(f"shmrdv ring corrupted: head {head}, tail {tail}, capacity {cap}")
         out: list[tuple[int, int]] = []
         add = out.append
@@ -262,12 +330,17 @@ class Ring:
                 size = u32[at >> 2]
                 end = at + size
                 if size & 7 or not size or end > run:
+                    if size & 7 == _TAKEN and at < end - _TAKEN <= run:
+                        at = end - _TAKEN  # taken by an earlier run of the consumer
+                        continue
                     break
                 add((at + 4, end))
                 at = end
             tail += at - start
             if at < run:
                 if at >= stop:  # the batch is full
+                    if not out:
+                        continue  # of records taken before: read on
                     more = True
                     break
                 if size == _WRAP:  # the next record is at the start
@@ -283,17 +356,70 @@ class Ring:
         self._more = more
         return out
 
+    @property
+    def passed(self) -> bool:
+        """Whether the last ``spans`` read past records (some taken before, and skipped),
+        also when it found none to return: ``consume`` then records that."""
+        return bool(self._to != self._from)
+
     def consume(self, before: int = -1) -> bool:
-        """Take the records the last ``spans`` found (the producer may write over them from
-        now on); with ``before``, only those before the record whose payload starts at
-        ``before`` (a consumer that failed on that record: it is found again next time).
+        """Pass the records the last ``spans`` found; with ``before``, only those before the
+        record whose payload starts at ``before`` (a consumer that failed on that record: it
+        is found again next time). They are taken too (the producer may write over them
+        from now on), but those ``hold`` kept: ``tail`` stays at the oldest of them.
         Returns whether more records may follow that batch (then ``spans`` again)."""
-        tail = self._to
-        if before >= 0:
-            # Positions grow within a run; the run after a wrap starts at DATA_OFFSET and
-            # ends before the first run's start (``head`` is at most ``tail + capacity``).
-            cap, tail = self.capacity, self._from
-            pos, at = tail % cap, before - 4 - DATA_OFFSET
-            tail += at - pos if at >= pos else cap - pos + at
-        self._words[_T] = tail
+        tail = self._to if before < 0 else self.position(before)
+        words = self._words
+        self._cursor = words[_R] = tail
+        held = self.held
+        words[_T] = held[0] if held else tail
         return self._more
+
+    def position(self, at: int) -> int:
+        """The running byte count at which the record whose payload starts at ``at`` (one
+        of the last ``spans``) begins: what ``tail`` is set to for it to be the oldest one
+        not taken (``hold``, ``mark_taken``)."""
+        # Positions grow within a run; the run after a wrap starts at DATA_OFFSET and
+        # ends before the first run's start (``head`` is at most ``tail + capacity``).
+        cap, start = self.capacity, self._from
+        pos, at = start % cap, at - 4 - DATA_OFFSET
+        return start + (at - pos if at >= pos else cap - pos + at)
+
+    def hold(self, position: int) -> None:
+        """The record at ``position`` (``position``), read by the last ``spans``, is not
+        taken yet: ``tail`` stays before it until ``taken``."""
+        self.held.append(position)
+
+    def taken(self, position: int) -> None:
+        """The held record at ``position`` is taken: ``tail`` passes it and the taken ones
+        after it if it is the oldest held, else it is marked taken (``mark_taken``)."""
+        held = self.held
+        if held[0] != position:
+            self._early.add(position)
+            self.mark_taken(position)
+            return
+        held.popleft()
+        early = self._early
+        while held and held[0] in early:
+            early.discard(held.popleft())
+        self._words[_T] = held[0] if held else self._cursor
+
+    def record(self, position: int) -> memoryview:
+        """The payload of the record at ``position`` (read, not taken: its bytes stay)."""
+        at = DATA_OFFSET + position % self.capacity
+        return self.buf[at + 4 : at + (self._u32[at >> 2] & ~7)]
+
+    def add_spilled(self, count: int) -> None:
+        """The consumer moved ``count`` more records out of the ring (see the module
+        docstring): its next reader looks for messages by name too."""
+        self._words[_S] += count
+
+    def mark_taken(self, position: int) -> None:
+        """The record at ``position`` is taken while an older one is not (``tail`` stays
+        before it): a later reader of the ring skips it."""
+        self._u32[(DATA_OFFSET + position % self.capacity) >> 2] |= _TAKEN
+
+    @property
+    def read(self) -> int:
+        """Where the consumer reads next (a running byte count)."""
+        return int(self._cursor)

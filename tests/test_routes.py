@@ -1,5 +1,5 @@
-"""The router: per-key routes derived once, transports chosen from the priority list by
-what the peer takes, the closed-worker error."""
+"""A Worker's routes: derived once per pair of key ends (never per edge name), transports
+chosen from the priority list by what the peer takes, the closed-worker error."""
 
 from __future__ import annotations
 
@@ -15,12 +15,15 @@ A = "/job:a/replica:0/task:0"
 B = "/job:b/replica:0/task:0"
 
 
-def test_router_one_route_per_key_whatever_the_steps(shmrdv_namespace: str) -> None:
-    # TensorFlow reuses each key in every step: the key's route is derived once.
+def test_router_one_route_per_pair_of_ends_whatever_the_keys_and_steps(
+    shmrdv_namespace: str,
+) -> None:
+    # A key per item and TensorFlow's new step per run both reuse the same two ends: their
+    # route is derived once, and a key used once leaves nothing behind.
     with shmrdv.Worker(A, namespace=shmrdv_namespace) as w:
-        key = make_key("x", src=A, dst=A)
         for step in range(200):
             rdv = w.rendezvous(step)
+            key = make_key(f"x{step}", src=A, dst=A)
             rdv.send(key, np.arange(3))
             assert rdv.recv(key, timeout=5).value.tolist() == [0, 1, 2]
             w.cleanup(step)
@@ -28,15 +31,16 @@ def test_router_one_route_per_key_whatever_the_steps(shmrdv_namespace: str) -> N
 
 
 def test_router_routes_are_bounded(shmrdv_namespace: str) -> None:
-    from shmrdv._router import _KEY_ROUTES
+    from shmrdv._routes import ENDS_MAX as _ENDS_MAX
 
     with shmrdv.Worker(A, namespace=shmrdv_namespace) as w:
         rdv = w.rendezvous(1)
-        for i in range(_KEY_ROUTES + 50):
-            key = make_key(f"k{i}", src=A, dst=A)
+        for i in range(_ENDS_MAX + 50):
+            device = f"{A}/device:CPU:{i}"  # a new pair of ends each time
+            key = shmrdv.create_key(device, 0, device, "k")
             rdv.send(key, np.zeros(1))
             rdv.recv(key, timeout=5)
-        assert w.stats()["routes"] == _KEY_ROUTES
+        assert w.stats()["routes"] <= _ENDS_MAX
 
 
 def test_router_takes_only_a_transport_the_peer_takes(shmrdv_namespace: str) -> None:
@@ -131,7 +135,7 @@ def test_router_bad_send_timeout_refused(shmrdv_namespace: str) -> None:
 
 
 def test_router_checks_every_value_whatever_came_before(shmrdv_namespace: str) -> None:
-    # The per-key memo of the last accepted (dtype, shape) never lets a bad value through.
+    # Every value is checked, whatever the key sent before.
     with shmrdv.Worker(A, namespace=shmrdv_namespace) as w:
         rdv, key = w.rendezvous(1), make_key("x", src=A, dst=A)
         with pytest.raises(shmrdv.InvalidArgumentError, match="Python objects"):

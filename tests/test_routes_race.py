@@ -14,8 +14,8 @@ from helpers import make_key
 
 import shmrdv
 from shmrdv._keys import parse_key
-from shmrdv._race import LegStarter, PickWatch, RaceRecv
 from shmrdv._rendezvous import Canceller, DoneCallback, LocalRendezvous
+from shmrdv._routes import LegStarter, PickWatch, RaceRecv
 
 KEY = make_key("raced")
 

@@ -16,10 +16,10 @@ import pytest
 from helpers import wait_for
 
 import shmrdv
-from shmrdv._diagnose import explain_absent_producer
 from shmrdv._procs import ChildWorker
+from shmrdv._routes import explain_absent_producer
 from shmrdv._shm.naming import PREFIX, Names
-from shmrdv._shm.sightings import _MAX_RECORDS, sightings
+from shmrdv._shm.presence import _MAX_RECORDS, sightings
 from shmrdv._transport import Sighting
 
 # A job name of this run's own: other test runs on the host use /job:worker tasks too.
@@ -74,7 +74,7 @@ def test_diagnose_timeout_adds_nothing_when_producer_shares_the_namespace() -> N
 def test_diagnose_long_wait_shows_in_stats_and_goes_away(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="shmrdv.router")
+    caplog.set_level(logging.DEBUG, logger="shmrdv.worker")
     ours, theirs = shmrdv.new_namespace(), shmrdv.new_namespace()
     with (
         ChildWorker(PRODUCER, namespace=theirs),
@@ -103,7 +103,7 @@ def test_diagnose_long_wait_shows_in_stats_and_goes_away(
         assert not t.is_alive()
         assert isinstance(outcome[0], shmrdv.AbortedError)
         assert consumer.stats()["waiting"] == []
-    lines = [r.getMessage() for r in caplog.records if r.name == "shmrdv.router"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "shmrdv.worker"]
     assert any("has waited 1s" in m and f"id {_shown(theirs)}" in m for m in lines), lines
 
 

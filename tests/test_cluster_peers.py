@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 import shmrdv
+from shmrdv._cluster import ALL_TRANSPORTS, NoPresence, Peers
 from shmrdv._keys import DeviceName
-from shmrdv._peers import ALL_TRANSPORTS, NoPresence, Peers
 from shmrdv._shm.board import ShmBoard
 
 A = "/job:a/replica:0/task:0"

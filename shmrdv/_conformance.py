@@ -1,0 +1,711 @@
+"""The conformance battery behind ``shmrdv.testing`` (which is its public face).
+
+What a check runs on: a ``RendezvousPair`` (a producer, a consumer in this process), with
+the bounds every check's waits keep; the values every transport must carry, compared byte
+for byte; the bounded waits and recorders the checks share; then the checks themselves
+(delivery, then completion: callbacks, futures, timeouts, aborts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import logging
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError
+from ._rendezvous import Received, Rendezvous
+
+__all__ = [
+    "EXPIRE_S",
+    "ListHandler",
+    "PROMPT_S",
+    "Producer",
+    "Recorder",
+    "RendezvousPair",
+    "SETTLE_S",
+    "WAIT_S",
+    "assert_same",
+    "check_abort_fails_pending",
+    "check_abort_first_error_wins",
+    "check_arecv",
+    "check_arecv_cancel_removes_waiter",
+    "check_arecv_timeout_removes_waiter",
+    "check_bad_key_reported",
+    "check_copy_true",
+    "check_done_exception_is_logged",
+    "check_dtypes_round_trip",
+    "check_fifo_channel",
+    "check_is_dead_travels",
+    "check_large_value",
+    "check_many_keys_interleaved",
+    "check_object_array_refused",
+    "check_plain_subclasses_arrive",
+    "check_recv_after_send",
+    "check_recv_async_done_once",
+    "check_recv_before_send",
+    "check_recv_future_cancel",
+    "check_recv_future_lets_go",
+    "check_recv_future_result",
+    "check_recv_timeout_removes_waiter",
+    "check_state_losing_subclass_refused",
+    "check_waiters_fifo",
+    "expect",
+    "expect_nothing",
+    "expect_timeout",
+    "is_error",
+    "new_key",
+    "recv_now",
+    "sample_values",
+    "spawn",
+]
+
+#: Longest wait for something that must happen (a value arriving, a callback firing).
+WAIT_S = 5.0
+#: Timeout given to receives that are meant to expire.
+EXPIRE_S = 0.2
+#: How soon "at once" must be: an expired timeout raising, an abort reaching a waiter.
+PROMPT_S = 2.0
+#: Pause that lets a receive get queued before the send that completes it. Correctness
+#: never depends on it: a check passes either way round, it only makes "recv before send"
+#: the likely order.
+SETTLE_S = 0.05
+
+
+class Producer(Protocol):
+    """The sending side of a pair; may be a proxy for a rendezvous in another process."""
+
+    def send(self, key: str, value: npt.NDArray[Any], *, is_dead: bool = False) -> None: ...
+
+
+def _no_settle() -> None:
+    """Default ``settle``: in-process sends have landed when ``send`` returns."""
+
+
+@dataclass
+class RendezvousPair:
+    """A producer, a consumer in this process, and how to name keys between them.
+
+    ``make_key(edge_name)`` returns a full rendezvous key from the producer's device to
+    the consumer's device. ``settle()`` returns once every send made so far has been
+    delivered to the consumer's side (e.g. a proxy's flush); checks call it before
+    asserting that nothing (more) is pending.
+    """
+
+    producer: Producer
+    consumer: Rendezvous
+    make_key: Callable[[str], str]
+    settle: Callable[[], None] = field(default=_no_settle)
+
+
+def expect(condition: bool, message: str) -> None:
+    # Not ``assert``: this module is imported by users' code, which may run with -O.
+    if not condition:
+        raise AssertionError(message)
+
+
+def assert_same(actual: object, expected: npt.NDArray[Any], what: str = "value") -> None:
+    """Raise ``AssertionError`` unless ``actual`` is an ndarray of the same dtype, shape and bytes.
+
+    Bytes are compared in C order, so layout (strides, Fortran order) may differ, and
+    NaN payloads, signed zeros and padding-free structured records compare exactly.
+    """
+    expect(
+        isinstance(actual, np.ndarray),
+        f"{what}: expected a numpy.ndarray, got {type(actual).__name__}",
+    )
+    assert isinstance(actual, np.ndarray)  # for mypy; checked just above
+    expect(
+        actual.dtype == expected.dtype,
+        f"{what}: dtype {actual.dtype!r} != expected {expected.dtype!r}",
+    )
+    expect(
+        actual.shape == expected.shape,
+        f"{what}: shape {actual.shape} != expected {expected.shape}",
+    )
+    got = np.ascontiguousarray(actual).tobytes()
+    want = np.ascontiguousarray(expected).tobytes()
+    if got != want:
+        if len(got) == len(want):
+            diff = np.frombuffer(got, np.uint8) != np.frombuffer(want, np.uint8)
+            first = int(np.flatnonzero(diff)[0])
+        else:  # pragma: no cover - equal dtype and shape imply equal sizes
+            first = min(len(got), len(want))
+        raise AssertionError(
+            f"{what}: {expected.dtype} {expected.shape} contents differ "
+            f"(first differing byte at offset {first} of {len(want)})"
+        )
+
+
+def sample_values() -> dict[str, npt.NDArray[Any]]:
+    """One array per kind of value a transport must carry exactly (DESIGN.md "Values").
+
+    Includes NaN, infinities, signed zero, integer extremes, non-ASCII text, a
+    structured dtype, a strided view, Fortran order, 0-d and empty arrays, and bfloat16
+    when ``ml_dtypes`` is importable.
+    """
+    values: dict[str, npt.NDArray[Any]] = {}
+    for name in ("float16", "float32", "float64"):
+        values[name] = np.array([0.0, -0.0, 1.5, np.nan, np.inf, -np.inf, 1e-7], dtype=name)
+    for name in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"):
+        info = np.iinfo(name)
+        values[name] = np.array([info.min, 0, 1, info.max], dtype=name).reshape(2, 2)
+    values["bool"] = np.array([[True, False, True]])
+    for name in ("complex64", "complex128"):
+        values[name] = np.array([1 + 2j, complex(np.nan, -0.0), -3j], dtype=name)
+    values["bytes_S7"] = np.array([b"abc", b"\x00\xff\x01xyz7", b""], dtype="S7")
+    values["unicode_U5"] = np.array(["héllo", "", "\U0001f642ab"], dtype="U5")
+    values["structured"] = np.array(
+        [(1, (0.5, -2.0), b"ab"), (-7, (np.nan, 3.25), b"xyz")],
+        dtype=[("a", "<i4"), ("b", "<f8", (2,)), ("c", "S3")],
+    )
+    values["strided_view"] = np.arange(60, dtype=np.int32).reshape(6, 10)[::2, 1::3]
+    values["fortran_order"] = np.asfortranarray(np.arange(12, dtype=np.float64).reshape(3, 4))
+    values["zero_d"] = np.array(3.25, dtype=np.float32)
+    values["empty_0x3"] = np.zeros((0, 3), dtype=np.float32)
+    try:
+        import ml_dtypes
+    except ImportError:
+        pass
+    else:
+        values["bfloat16"] = np.array([1.0, -2.5, np.inf, 0.0], dtype=ml_dtypes.bfloat16)
+    return values
+
+
+_T = TypeVar("_T")
+
+
+def _edge(label: str) -> str:
+    """A fresh edge name, so no check ever sees another's leftovers."""
+    return f"conformance_{label}_{uuid.uuid4().hex[:12]}"
+
+
+def new_key(pair: RendezvousPair, label: str) -> str:
+    return pair.make_key(_edge(label))
+
+
+def recv_now(pair: RendezvousPair, key: str, *, copy: bool = False) -> Received:
+    """Receive a value that must arrive within ``WAIT_S``."""
+    try:
+        got = pair.consumer.recv(key, timeout=WAIT_S, copy=copy)
+    except DeadlineExceededError as e:
+        raise AssertionError(f"no value arrived for {key!r} within {WAIT_S}s") from e
+    expect(isinstance(got, Received), f"recv returned {type(got).__name__}, not Received")
+    return got
+
+
+def expect_nothing(pair: RendezvousPair, key: str, why: str) -> None:
+    """After ``settle()``, a receive of ``key`` must time out: nothing is queued."""
+    pair.settle()
+    try:
+        got = pair.consumer.recv(key, timeout=EXPIRE_S)
+    except DeadlineExceededError:
+        return
+    raise AssertionError(f"{why}: expected nothing queued for {key!r}, but received {got!r}")
+
+
+def expect_timeout(call: Callable[[], object], what: str) -> None:
+    """``call()`` must raise ``DeadlineExceededError`` (a ``TimeoutError``), promptly."""
+    t0 = time.monotonic()
+    try:
+        got = call()
+    except DeadlineExceededError as e:
+        elapsed = time.monotonic() - t0
+        expect(isinstance(e, TimeoutError), f"{what}: DeadlineExceededError is not a TimeoutError")
+        expect(
+            elapsed < EXPIRE_S + PROMPT_S,
+            f"{what}: a {EXPIRE_S}s timeout took {elapsed:.2f}s to expire",
+        )
+        return
+    raise AssertionError(f"{what}: expected DeadlineExceededError, got {got!r}")
+
+
+def spawn(fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
+    """Run ``fn`` in a daemon thread; its outcome in a Future (waits on it are bounded)."""
+    fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
+
+    def run() -> None:
+        fut.set_running_or_notify_cancel()
+        try:
+            fut.set_result(fn())
+        except BaseException as e:
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="shmrdv-conformance", daemon=True).start()
+    return fut
+
+
+class Recorder:
+    """A ``done`` callback that records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[BaseException | None, Received | None]] = []
+        self.event = threading.Event()
+        self._lock = threading.Lock()
+
+    def done(self, error: BaseException | None, received: Received | None) -> None:
+        with self._lock:
+            self.calls.append((error, received))
+        self.event.set()
+
+    def only_call(self, what: str) -> tuple[BaseException | None, Received | None]:
+        """Wait for the call, then make sure no second one follows shortly."""
+        expect(self.event.wait(WAIT_S), f"{what}: done was not called within {WAIT_S}s")
+        time.sleep(SETTLE_S)
+        with self._lock:
+            calls = list(self.calls)
+        expect(len(calls) == 1, f"{what}: done was called {len(calls)} times, not once")
+        return calls[0]
+
+
+class ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def is_error(error: BaseException | None, cls: type[BaseException], token: str) -> bool:
+    """``error`` is the one given to ``start_abort``: its class, its message."""
+    return isinstance(error, cls) and token in str(error)
+
+
+def check_recv_after_send(pair: RendezvousPair) -> None:
+    """A value sent before anyone waits is queued and handed to the next recv."""
+    key = new_key(pair, "after")
+    sent = np.arange(10, dtype=np.float32)
+    pair.producer.send(key, sent)
+    pair.settle()
+    got = recv_now(pair, key)
+    expect(got.is_dead is False, f"is_dead should be False, got {got.is_dead!r}")
+    assert_same(got.value, sent)
+    expect_nothing(pair, key, "one send, one recv")
+
+
+def check_recv_before_send(pair: RendezvousPair) -> None:
+    """A receive waiting before the send (blocked thread, or a future) gets the value."""
+    key = new_key(pair, "before_thread")
+    sent = np.arange(6, dtype=np.int64).reshape(2, 3)
+    blocked = spawn(lambda: pair.consumer.recv(key, timeout=WAIT_S))
+    time.sleep(SETTLE_S)
+    pair.producer.send(key, sent)
+    assert_same(blocked.result(WAIT_S + PROMPT_S).value, sent, "blocked recv")
+
+    key = new_key(pair, "before_future")
+    fut = pair.consumer.recv_future(key)
+    pair.producer.send(key, sent + 1)
+    assert_same(fut.result(WAIT_S).value, sent + 1, "recv_future")
+
+
+def check_fifo_channel(pair: RendezvousPair) -> None:
+    """Several sends of one key form a FIFO channel: each recv takes the oldest."""
+    key = new_key(pair, "fifo")
+    sent = [np.full(4, i, dtype=np.int32) for i in range(8)]
+    for value in sent:
+        pair.producer.send(key, value)
+    pair.settle()
+    for i, value in enumerate(sent):
+        assert_same(recv_now(pair, key).value, value, f"recv #{i} of one key")
+    expect_nothing(pair, key, "8 sends, 8 recvs")
+
+
+def check_waiters_fifo(pair: RendezvousPair) -> None:
+    """Several receivers waiting on one key are served in the order they started."""
+    key = new_key(pair, "waiters")
+    futures = [pair.consumer.recv_future(key) for _ in range(4)]
+    for i in range(4):
+        pair.producer.send(key, np.array([i], dtype=np.int16))
+    for i, fut in enumerate(futures):
+        assert_same(fut.result(WAIT_S).value, np.array([i], dtype=np.int16), f"waiter #{i}")
+
+
+def check_many_keys_interleaved(pair: RendezvousPair) -> None:
+    """Sends to many keys, interleaved, stay apart and in order per key."""
+    keys = [new_key(pair, f"many{k}") for k in range(16)]
+    for seq in range(3):
+        for k, key in enumerate(keys):
+            pair.producer.send(key, np.array([k, seq], dtype=np.int64))
+    pair.settle()
+    for k in reversed(range(len(keys))):  # another order than the sends'
+        for seq in range(3):
+            got = recv_now(pair, keys[k]).value
+            assert_same(got, np.array([k, seq], dtype=np.int64), f"key #{k} recv #{seq}")
+
+
+def check_is_dead_travels(pair: RendezvousPair) -> None:
+    """``is_dead`` reaches the receiver with the value, and does not stick to the key."""
+    key = new_key(pair, "dead")
+    sent = np.arange(5, dtype=np.float64)
+    pair.producer.send(key, sent, is_dead=True)
+    pair.producer.send(key, sent * 2)
+    pair.settle()
+    dead = recv_now(pair, key)
+    expect(dead.is_dead is True, f"first recv: is_dead should be True, got {dead.is_dead!r}")
+    assert_same(dead.value, sent, "dead value")
+    live = recv_now(pair, key)
+    expect(live.is_dead is False, f"second recv: is_dead should be False, got {live.is_dead!r}")
+    assert_same(live.value, sent * 2, "live value")
+
+
+def check_dtypes_round_trip(pair: RendezvousPair) -> None:
+    """Every supported kind of value comes out with the same dtype, shape and bytes."""
+    values = sample_values()
+    keys = {name: new_key(pair, f"dtype_{name}") for name in values}
+    for name, value in values.items():
+        pair.producer.send(keys[name], value)
+    pair.settle()
+    for name, value in values.items():
+        assert_same(recv_now(pair, keys[name]).value, value, name)
+
+
+def check_recv_timeout_removes_waiter(pair: RendezvousPair) -> None:
+    """An expired recv raises DeadlineExceededError and removes its waiter.
+
+    The next recv gets the next send. (TensorFlow leaves the timed-out waiter queued, and
+    it swallows the next send.)
+    """
+    key = new_key(pair, "timeout")
+    expect_timeout(lambda: pair.consumer.recv(key, timeout=EXPIRE_S), "recv(timeout)")
+    expect_timeout(lambda: pair.consumer.recv(key, timeout=0), "recv(timeout=0)")
+    sent = np.array([42], dtype=np.uint8)
+    pair.producer.send(key, sent)
+    pair.settle()
+    assert_same(recv_now(pair, key).value, sent, "send after a timed-out recv")
+
+
+def check_object_array_refused(pair: RendezvousPair) -> None:
+    """Arrays of Python objects are refused by send (InvalidArgumentError); nothing is queued."""
+    key = new_key(pair, "object")
+    refused = {
+        "object": np.array([1, "two", None], dtype=object),
+        "structured with an object field": np.array([(1, "x")], dtype=[("a", "<i4"), ("b", "O")]),
+    }
+    for what, value in refused.items():
+        try:
+            pair.producer.send(key, value)
+        except InvalidArgumentError as e:
+            expect(isinstance(e, ValueError), "InvalidArgumentError should be a ValueError")
+        else:
+            raise AssertionError(f"send of an {what} array was accepted")
+    expect_nothing(pair, key, "refused sends")
+
+
+def check_state_losing_subclass_refused(pair: RendezvousPair) -> None:
+    """A masked array is refused by send (InvalidArgumentError naming the mask); nothing is
+    queued: only its data would travel, and the receiver would lose the mask silently."""
+    key = new_key(pair, "masked")
+    masked = np.ma.masked_array(np.arange(4.0), mask=[False, True, False, True])
+    try:
+        pair.producer.send(key, masked)
+    except InvalidArgumentError as e:
+        expect("mask" in str(e), f"the refusal of a masked array does not name the mask: {e}")
+    else:
+        raise AssertionError("send of a numpy.ma.MaskedArray was accepted")
+    expect_nothing(pair, key, "a refused masked array")
+
+
+def check_plain_subclasses_arrive(pair: RendezvousPair) -> None:
+    """Memory-mapped arrays, matrices and record arrays hold all their values in their bytes:
+    each arrives as a plain ndarray of the same dtype, shape and values."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as f:
+        mapped = np.memmap(f, dtype=np.float32, mode="w+", shape=(3, 5))
+        mapped[:] = np.arange(15, dtype=np.float32).reshape(3, 5)
+        sent: dict[str, npt.NDArray[Any]] = {
+            "memmap": mapped,
+            "memmap slice": mapped[1:, ::2],
+            # A view: np.matrix() itself warns (PendingDeprecationWarning).
+            "matrix": np.arange(4, dtype=np.int16).reshape(2, 2).view(np.matrix),
+            "recarray": np.rec.array([(1, 2.5), (3, 4.5)], dtype=[("a", "<i4"), ("b", "<f8")]),
+        }
+        for what, value in sent.items():
+            key = new_key(pair, f"subclass-{what}")
+            pair.producer.send(key, value)
+            pair.settle()
+            got = recv_now(pair, key).value
+            expect(type(got) is np.ndarray, f"a {what} arrived as {type(got).__name__}")
+            assert_same(got, np.asarray(value), what)
+        del mapped
+
+
+def check_copy_true(pair: RendezvousPair) -> None:
+    """``copy=True`` gives a writable array of its own, equal to what was sent."""
+    key = new_key(pair, "copy")
+    sent = np.arange(16, dtype=np.int64)
+    for _ in range(3):
+        pair.producer.send(key, sent)
+    pair.settle()
+    a = recv_now(pair, key, copy=True).value
+    b = recv_now(pair, key, copy=True).value
+    c = pair.consumer.recv_future(key, copy=True).result(WAIT_S).value
+    for name, arr in (("recv", a), ("recv (2nd)", b), ("recv_future", c)):
+        assert_same(arr, sent, f"{name}(copy=True)")
+        expect(arr.flags.writeable, f"{name}(copy=True) returned a read-only array")
+        expect(not np.shares_memory(arr, sent), f"{name}(copy=True) shares the sent array")
+    expect(not np.shares_memory(a, b), "two copy=True receives share memory")
+    a[:] = -1
+    assert_same(b, sent, "a copy after writing to another")
+    assert_same(sent, np.arange(16, dtype=np.int64), "the sent array after writing to a copy")
+
+
+def check_large_value(pair: RendezvousPair) -> None:
+    """An 8 MiB value arrives bit-exact."""
+    key = new_key(pair, "large")
+    sent = np.random.default_rng(20240611).standard_normal((1024, 1024))  # 8 MiB of float64
+    pair.producer.send(key, sent)
+    pair.settle()
+    assert_same(recv_now(pair, key).value, sent, "8 MiB float64")
+
+
+def check_recv_async_done_once(pair: RendezvousPair) -> None:
+    """recv_async calls ``done(None, Received)`` exactly once, waiting or not."""
+    sent = np.arange(3, dtype=np.int8)
+    for order in ("recv_first", "send_first"):
+        key = new_key(pair, f"async_{order}")
+        rec = Recorder()
+        if order == "recv_first":
+            pair.consumer.recv_async(key, rec.done)
+            pair.producer.send(key, sent)
+        else:
+            pair.producer.send(key, sent)
+            pair.settle()
+            pair.consumer.recv_async(key, rec.done)
+        error, received = rec.only_call(f"recv_async ({order})")
+        expect(error is None, f"recv_async ({order}): done got error {error!r}")
+        expect(
+            isinstance(received, Received),
+            f"recv_async ({order}): done got {received!r}, not a Received",
+        )
+        assert received is not None
+        assert_same(received.value, sent, f"recv_async ({order})")
+
+
+def check_done_exception_is_logged(pair: RendezvousPair) -> None:
+    """An exception raised by ``done`` is logged under ``shmrdv``, not raised; traffic goes on."""
+    key = new_key(pair, "raising_done")
+    token = f"conformance-done-raised-{uuid.uuid4().hex[:8]}"
+    called = threading.Event()
+
+    def raising_done(error: BaseException | None, received: Received | None) -> None:
+        called.set()
+        raise RuntimeError(token)
+
+    handler = ListHandler()
+    logger = logging.getLogger("shmrdv")
+    logger.addHandler(handler)
+    try:
+        pair.consumer.recv_async(key, raising_done)
+        pair.producer.send(key, np.zeros(2))  # must not raise, whichever thread runs done
+        expect(called.wait(WAIT_S), f"done was not called within {WAIT_S}s")
+
+        def logged() -> bool:
+            return any(
+                r.exc_info is not None and token in str(r.exc_info[1]) for r in handler.records
+            )
+
+        deadline = time.monotonic() + WAIT_S
+        while not logged() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        expect(logged(), "the exception raised by done was not logged under 'shmrdv'")
+    finally:
+        logger.removeHandler(handler)
+    sent = np.ones(2)
+    pair.producer.send(key, sent)
+    pair.settle()
+    assert_same(recv_now(pair, key).value, sent, "recv after a raising done")
+
+
+def check_recv_future_result(pair: RendezvousPair) -> None:
+    """recv_future resolves to a Received, whether the value came before or after."""
+    key = new_key(pair, "future")
+    sent = np.arange(4, dtype=np.complex64)
+    pair.producer.send(key, sent)
+    pair.settle()
+    got = pair.consumer.recv_future(key).result(WAIT_S)
+    expect(isinstance(got, Received), f"future result is {type(got).__name__}, not Received")
+    assert_same(got.value, sent, "future of a queued value")
+    fut = pair.consumer.recv_future(key)
+    pair.producer.send(key, sent * 2)
+    assert_same(fut.result(WAIT_S).value, sent * 2, "future of a later value")
+
+
+def check_recv_future_lets_go(pair: RendezvousPair) -> None:
+    """A future's value is freed once the caller drops it and the future, without the
+    garbage collector: nothing of the receive keeps it (a shared-memory value holds its
+    producer's pool slot until then)."""
+    sent = np.arange(6, dtype=np.int32)
+    for order in ("queued", "later"):
+        key = new_key(pair, f"future_lets_go_{order}")
+        enabled = gc.isenabled()
+        gc.disable()  # a reference cycle would keep the value until a collection
+        try:
+            # A copy that only the send holds: an in-process send may hand over the array.
+            if order == "queued":
+                pair.producer.send(key, sent.copy())
+                pair.settle()
+                fut = pair.consumer.recv_future(key)
+            else:
+                fut = pair.consumer.recv_future(key)
+                pair.producer.send(key, sent.copy())
+            got = fut.result(WAIT_S)
+            assert_same(got.value, sent, f"future of a {order} value")
+            value = weakref.ref(got.value)
+            del fut, got
+            # The thread that completed the future may still be returning from it.
+            deadline = time.monotonic() + PROMPT_S
+            while value() is not None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            expect(
+                value() is None,
+                f"the value of a {order} recv_future is still referenced after the future "
+                "and its result were dropped (a reference cycle, or a thread keeps it)",
+            )
+        finally:
+            if enabled:
+                gc.enable()
+
+
+def check_recv_future_cancel(pair: RendezvousPair) -> None:
+    """Cancelling a waiting future removes its waiter: the next send goes to the next receiver."""
+    key = new_key(pair, "future_cancel")
+    fut = pair.consumer.recv_future(key)
+    expect(fut.cancel() is True, "cancel() of a waiting recv_future should return True")
+    expect(fut.cancelled(), "the future should report cancelled()")
+    sent = np.array([7.0])
+    pair.producer.send(key, sent)
+    pair.settle()
+    assert_same(recv_now(pair, key).value, sent, "recv after a cancelled future")
+
+
+def check_arecv(pair: RendezvousPair) -> None:
+    """arecv returns the value without a timeout and with one, queued or arriving later."""
+    key = new_key(pair, "arecv")
+    sent = np.arange(3, dtype=np.uint16)
+
+    async def main() -> tuple[Received, Received]:
+        pair.producer.send(key, sent)
+        pair.settle()
+        first = await asyncio.wait_for(pair.consumer.arecv(key), WAIT_S)
+        task = asyncio.ensure_future(pair.consumer.arecv(key, timeout=WAIT_S))
+        await asyncio.sleep(SETTLE_S)
+        pair.producer.send(key, sent + 1)
+        second = await asyncio.wait_for(task, WAIT_S + PROMPT_S)
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert_same(first.value, sent, "arecv of a queued value")
+    assert_same(second.value, sent + 1, "arecv(timeout) of a later value")
+
+
+def check_arecv_timeout_removes_waiter(pair: RendezvousPair) -> None:
+    """An expired arecv raises DeadlineExceededError and does not swallow the next send."""
+    key = new_key(pair, "arecv_timeout")
+
+    async def expire() -> object:
+        return await asyncio.wait_for(
+            pair.consumer.arecv(key, timeout=EXPIRE_S), EXPIRE_S + PROMPT_S
+        )
+
+    expect_timeout(lambda: asyncio.run(expire()), "arecv(timeout)")
+    sent = np.array([1, 2], dtype=np.int32)
+    pair.producer.send(key, sent)
+    pair.settle()
+    assert_same(recv_now(pair, key).value, sent, "send after a timed-out arecv")
+
+
+def check_arecv_cancel_removes_waiter(pair: RendezvousPair) -> None:
+    """Cancelling the task awaiting arecv removes its waiter."""
+    key = new_key(pair, "arecv_cancel")
+
+    async def main() -> bool:
+        task = asyncio.ensure_future(pair.consumer.arecv(key))
+        await asyncio.sleep(SETTLE_S)  # let it start waiting
+        task.cancel()
+        try:
+            await asyncio.wait_for(task, WAIT_S)
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    expect(asyncio.run(main()), "the cancelled arecv task did not end cancelled")
+    sent = np.array([9], dtype=np.int64)
+    pair.producer.send(key, sent)
+    pair.settle()
+    assert_same(recv_now(pair, key).value, sent, "recv after a cancelled arecv")
+
+
+def check_abort_fails_pending(pair: RendezvousPair) -> None:
+    """start_abort reaches a blocked recv, a pending recv_async and a future promptly."""
+    token = f"conformance-abort-{uuid.uuid4().hex[:8]}"
+    error = AbortedError(f"aborted by the conformance suite ({token})")
+    k1, k2, k3 = (new_key(pair, f"abort{i}") for i in range(3))
+    blocked = spawn(lambda: pair.consumer.recv(k1, timeout=WAIT_S))
+    rec = Recorder()
+    pair.consumer.recv_async(k2, rec.done)
+    fut = pair.consumer.recv_future(k3)
+    time.sleep(SETTLE_S)  # let the thread block
+    t0 = time.monotonic()
+    pair.consumer.start_abort(error)
+    got = blocked.exception(PROMPT_S)
+    expect(is_error(got, AbortedError, token), f"blocked recv: got {got!r}, not the abort error")
+    got, received = rec.only_call("recv_async")
+    expect(is_error(got, AbortedError, token), f"recv_async: got {got!r}, not the abort error")
+    expect(received is None, f"recv_async: an error came with a value {received!r}")
+    got = fut.exception(PROMPT_S)
+    expect(is_error(got, AbortedError, token), f"recv_future: got {got!r}, not the abort error")
+    elapsed = time.monotonic() - t0
+    expect(elapsed < PROMPT_S, f"the abort took {elapsed:.2f}s to reach the waiters")
+
+
+def check_abort_first_error_wins(pair: RendezvousPair) -> None:
+    """After start_abort, receives fail at once with the first error; a second abort is ignored."""
+    first = f"conformance-first-{uuid.uuid4().hex[:8]}"
+    second = f"conformance-second-{uuid.uuid4().hex[:8]}"
+    key = new_key(pair, "aborted")
+    pair.consumer.start_abort(AbortedError(f"first ({first})"))
+    pair.consumer.start_abort(AbortedError(f"second ({second})"))
+    t0 = time.monotonic()
+    try:
+        got: object = pair.consumer.recv(key, timeout=WAIT_S)
+    except AbortedError as e:
+        expect(first in str(e), f"recv after two aborts raised {e!r}, not the first error")
+    else:
+        raise AssertionError(f"recv after abort returned {got!r}")
+    expect(time.monotonic() - t0 < PROMPT_S, "recv after abort did not fail at once")
+    rec = Recorder()
+    pair.consumer.recv_async(key, rec.done)
+    err, _ = rec.only_call("recv_async after abort")
+    expect(is_error(err, AbortedError, first), f"recv_async after abort: got {err!r}")
+    err = pair.consumer.recv_future(key).exception(PROMPT_S)
+    expect(is_error(err, AbortedError, first), f"recv_future after abort: got {err!r}")
+
+
+def check_bad_key_reported(pair: RendezvousPair) -> None:
+    """A malformed key is InvalidArgumentError: raised by recv, given to done and to the future."""
+    bad = "not a rendezvous key"
+    try:
+        got: object = pair.consumer.recv(bad, timeout=EXPIRE_S)
+    except InvalidArgumentError:
+        pass
+    else:
+        raise AssertionError(f"recv of a malformed key returned {got!r}")
+    rec = Recorder()
+    pair.consumer.recv_async(bad, rec.done)
+    err, received = rec.only_call("recv_async(bad key)")
+    expect(isinstance(err, InvalidArgumentError), f"recv_async(bad key): done got {err!r}")
+    expect(received is None, "recv_async(bad key): done got a value")
+    err = pair.consumer.recv_future(bad).exception(PROMPT_S)
+    expect(isinstance(err, InvalidArgumentError), f"recv_future(bad key): got {err!r}")
