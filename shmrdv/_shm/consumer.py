@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._channels import MISSING, WaiterTable
+from .._cluster import canonical_task
 from .._errors import InternalError, RendezvousError, closed_error
 from .._keys import DeviceName, ParsedKey
-from .._cluster import canonical_task
 from .._rendezvous import Canceller, DoneCallback, Received, invoke_done, received
 from .._transport import TransportContext
 from . import reaper

@@ -63,8 +63,8 @@ import stat
 
 from .._errors import RendezvousError
 from .._transport import Sighting
-from .naming import SHM_DIR, parse_name
 from .files import is_ours
+from .naming import SHM_DIR, parse_name
 
 __all__ = [
     "MAX_RECORD_BYTES",

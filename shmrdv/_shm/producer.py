@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from .._cluster import canonical_task
 from .._errors import InternalError, InvalidArgumentError, RendezvousError, closed_error
 from .._keys import ParsedKey
-from .._cluster import canonical_task
 from .._window import counted_bytes
 from .bell import Bell
 from .files import Segment, move_noreplace

@@ -25,8 +25,8 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from .._errors import InternalError, RendezvousError
 from .._cluster import canonical_task
+from .._errors import InternalError, RendezvousError
 from .._keys import parse_key
 from .._transport import TransportContext
 from .files import Segment, is_ours, move_noreplace, peek_header
