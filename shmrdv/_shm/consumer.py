@@ -26,10 +26,7 @@ File operations under the lock never block (``files.open_checked``).
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -44,17 +41,15 @@ from .._keys import DeviceName, ParsedKey
 from .._rendezvous import Canceller, DoneCallback, Received, invoke_done, received
 from .._transport import TransportContext
 from . import reaper
-from .files import Segment
 from .header import FLAG_DEAD, FLAG_NOTICE, Reader, unpack_identity
-from .mappings import RunWatch, SlotMaps
+from .mappings import SlotMaps
 from .naming import Names
-from .recovery import Recovery
-from .ring import Ring
+from .recovery import Held, InRing, Recovery
 
 if TYPE_CHECKING:
     from .liveness import Liveness
 
-__all__ = ["TICK", "Channel", "Consumer", "InRing", "Item", "Notice", "Source", "deliver"]
+__all__ = ["TICK", "Channel", "Consumer", "Item", "Notice", "Source", "deliver"]
 
 _log = logging.getLogger("shmrdv.shm")
 
@@ -81,16 +76,6 @@ class Notice:
 
     def __init__(self, seq: int, inc: int, slot: int, array: tuple[Any, ...] | None = None) -> None:
         self.seq, self.inc, self.slot, self.array = seq, inc, slot, array
-
-
-class Held:
-    """A queued value that a ring record brought: the record stays in ring ``r`` (the task's
-    durable copy) until the value is taken or freed (``InRing.taken``)."""
-
-    __slots__ = ("pos", "r", "value")
-
-    def __init__(self, value: Received | Notice | BaseException, r: InRing, pos: int) -> None:
-        self.value, self.r, self.pos = value, r, pos
 
 
 #: What a channel queues: a value that came inline, a notice, or an error to deliver as one;
@@ -126,63 +111,6 @@ class Waiter:
 
     def __init__(self, done: DoneCallback, copy: bool, channel: Channel, blocking: bool) -> None:
         self.done, self.copy, self.channel, self.blocking = done, copy, channel, blocking
-
-
-class InRing:
-    """A producer run's ring for this consumer, attached (its name stays while it holds
-    records not taken). ``watch`` is live while it is attached: this consumer will collect
-    what the run leaves once it is over (``pool.RunWatch``). ``spilled``: the segments
-    that records moved out of it went to (``Recovery.spill``; "" for a notice, whose
-    message is one already), by the record's position, until their values are taken."""
-
-    __slots__ = (
-        "fd",
-        "inc",
-        "lost",
-        "lost_seen",
-        "ring",
-        "segment",
-        "size",
-        "spilled",
-        "src",
-        "watch",
-    )
-
-    def __init__(self, segment: Segment, ring: Ring, src: Source, inc: int) -> None:
-        self.segment, self.ring, self.src, self.inc = segment, ring, src, inc
-        self.fd, self.size = segment.fd, segment.size
-        self.watch = RunWatch()
-        self.lost = self.lost_seen = 0  # records its producer could not append, recovered
-        self.spilled: dict[int, str] = {}
-
-    def intact(self) -> bool:
-        """Whether its file still holds it: one ``lseek`` of the kept descriptor. A process
-        that kept a descriptor may have truncated it, and touching a lost page would be a
-        SIGBUS."""
-        try:
-            return self.fd >= 0 and os.lseek(self.fd, 0, os.SEEK_END) >= self.size
-        except OSError:
-            return False
-
-    def taken(self, pos: int) -> None:
-        """The value of its record at ``pos`` (``Held``) is taken or freed: so marked in the
-        ring, if its file still holds it (a ring found truncated is failed by the next
-        drain), or the segment the record was moved out to is removed."""
-        if self.spilled:
-            path = self.spilled.pop(pos, None)
-            if path is not None:
-                if path:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                return
-        if self.intact():
-            self.ring.taken(pos)
-
-    def release(self) -> None:
-        self.watch.live = False
-        self.fd = -1
-        self.ring.release()
-        self.segment.close()
 
 
 class Source:
@@ -509,44 +437,12 @@ class Consumer:
 
     # -- rings ----------------------------------------------------------------------------
 
-    def attach(self, name: str, expect: tuple[str, int] | None) -> bool:
-        """Map a producer's ring for this consumer and drain it from its oldest record not
-        taken (an earlier process of this consumer task may have taken some, and died); its
-        name stays. Once per producer run: a ring attached or let go already is left alone.
-        False: no such name. ``InternalError`` for a ring that is not ours, not for this
-        consumer, or not from ``expect`` (producer task, incarnation)."""
-        try:
-            seg = Segment.attach(self._names, name, keep_fd=True)
-        except FileNotFoundError:
-            return False
-        ring: Ring | None = None
-        try:
-            ring = Ring(memoryview(seg.buf))
-            meta = json.loads(ring.meta())
-            owner = (str(meta["producer"]), int(meta["incarnation"]))
-            if meta["consumer"] != self._task or (expect is not None and owner != expect):
-                raise InternalError(f"ring {name} is {meta}, not for {self._task}")
-            if not owner[1]:
-                raise InternalError(f"ring {name} names incarnation 0")
-        except (RendezvousError, ValueError, KeyError, TypeError) as e:
-            if ring is not None:
-                ring.release()
-            seg.close()
-            raise InternalError(f"refusing ring {name}: {e}") from e
-        src = self.source(owner[0])
-        if owner[1] in src.ring_incs or owner[1] in src.retired:
-            ring.release()
-            seg.close()
-            return True
-        if not src.inc:
-            src.inc = owner[1]
-        ring.attach(self._ctx.incarnation)
-        r = InRing(seg, ring, src, owner[1])
-        src.rings.append(r)
-        src.ring_incs.add(owner[1])
+    def adopt(self, r: InRing) -> None:
+        """A ring ``Recovery.attach`` mapped: known from now on, and drained."""
+        r.src.rings.append(r)
+        r.src.ring_incs.add(r.inc)
         self._rings.append(r)
         self.drain(r)
-        return True
 
     def drain(self, r: InRing) -> None:
         """Every record of ring ``r`` to its channel: to its oldest waiter (taken at once), or

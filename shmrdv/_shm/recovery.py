@@ -1,18 +1,23 @@
-"""What no ring record shows a consumer, found by listing /dev/shm: names are the truth.
+"""A consumer's rings and names: what the drain does not see, found; what a ring cannot
+keep, moved out. Names are the truth.
 
-A producer's messages come with a ring record, except where it has no ring (not x86-64,
-or it could not make one), where its ring was full (``Ring.lost`` counts those), and where
-it is gone before this consumer knew its run. A listing (``Listing``: rate-limited, none
-while the directory is unchanged) finds them: the messages a full ring lost (``recover``),
-a gone producer's run, messages and rings (``resolve_incarnation``, ``find_gone``,
-``find_rings``), which of many waiting channels of a ringless producer have a message at
-all (``published``), and what was sent to a step this worker cleans up (``free_unreceived``).
-A name new to the consumer costs one ``lstat`` if it is another user's, at most
-``_NEW_PER_LISTING`` of them per listing, and is never looked at again if refused.
+Rings: a producer run's ring for this consumer is attached once per run (``attach``) and
+read from its oldest record not taken (``InRing``: the ring is the durable copy of what
+the consumer task has not taken, ``Held`` each queued value of it). ``spill`` moves
+records that wait for a receive while the producer needs the room out to the names of
+their messages, where the task's next process finds them as it finds what a full ring
+lost.
 
-The other way round, ``spill`` moves ring records that wait for a receive while the
-producer needs the room out to the names of their messages, where this consumer task's
-next process finds them as it finds what a full ring lost.
+Names: a producer's messages come with a ring record, except where it has no ring (not
+x86-64, or it could not make one), where its ring was full (``Ring.lost`` counts those),
+and where it is gone before this consumer knew its run. A listing (``Listing``:
+rate-limited, none while the directory is unchanged) finds them: the messages a full ring
+lost (``recover``), a gone producer's run, messages and rings (``resolve_incarnation``,
+``find_gone``, ``find_rings``), which of many waiting channels of a ringless producer have
+a message at all (``published``), and what was sent to a step this worker cleans up
+(``free_unreceived``). A name new to the consumer costs one ``lstat`` if it is another
+user's, at most ``_NEW_PER_LISTING`` of them per listing, and is never looked at again if
+refused.
 
 Thread model (docs/threads.md): every method runs under the consumer's lock, except
 ``free_unreceived``, after it (the listing's refused names are a set).
@@ -20,6 +25,8 @@ Thread model (docs/threads.md): every method runs under the consumer's lock, exc
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import time
@@ -32,15 +39,16 @@ from .._transport import TransportContext
 from .files import Segment, is_ours, move_noreplace, peek_header
 from .header import is_notice, unpack_identity
 from .listing import Listing
-from .mappings import give_back
+from .mappings import RunWatch, give_back
 from .naming import Names, parse_name
 from .pool import ProducerAlive
-from .ring import RINGS_SUPPORTED
+from .ring import RINGS_SUPPORTED, Ring
 
 if TYPE_CHECKING:
-    from .consumer import Channel, Consumer, InRing, Source
+    from .._rendezvous import Received
+    from .consumer import Channel, Consumer, Notice, Source
 
-__all__ = ["Recovery"]
+__all__ = ["Held", "InRing", "Recovery"]
 
 _log = logging.getLogger("shmrdv.shm")
 
@@ -59,6 +67,73 @@ _INF = float("inf")
 Listed = tuple[int, str, int, int, int, int]
 
 
+class Held:
+    """A queued value that a ring record brought: the record stays in ring ``r`` (the task's
+    durable copy) until the value is taken or freed (``InRing.taken``)."""
+
+    __slots__ = ("pos", "r", "value")
+
+    def __init__(self, value: Received | Notice | BaseException, r: InRing, pos: int) -> None:
+        self.value, self.r, self.pos = value, r, pos
+
+
+class InRing:
+    """A producer run's ring for this consumer, attached (its name stays while it holds
+    records not taken). ``watch`` is live while it is attached: this consumer will collect
+    what the run leaves once it is over (``pool.RunWatch``). ``spilled``: the segments
+    that records moved out of it went to (``Recovery.spill``; "" for a notice, whose
+    message is one already), by the record's position, until their values are taken."""
+
+    __slots__ = (
+        "fd",
+        "inc",
+        "lost",
+        "lost_seen",
+        "ring",
+        "segment",
+        "size",
+        "spilled",
+        "src",
+        "watch",
+    )
+
+    def __init__(self, segment: Segment, ring: Ring, src: Source, inc: int) -> None:
+        self.segment, self.ring, self.src, self.inc = segment, ring, src, inc
+        self.fd, self.size = segment.fd, segment.size
+        self.watch = RunWatch()
+        self.lost = self.lost_seen = 0  # records its producer could not append, recovered
+        self.spilled: dict[int, str] = {}
+
+    def intact(self) -> bool:
+        """Whether its file still holds it: one ``lseek`` of the kept descriptor. A process
+        that kept a descriptor may have truncated it, and touching a lost page would be a
+        SIGBUS."""
+        try:
+            return self.fd >= 0 and os.lseek(self.fd, 0, os.SEEK_END) >= self.size
+        except OSError:
+            return False
+
+    def taken(self, pos: int) -> None:
+        """The value of its record at ``pos`` (``Held``) is taken or freed: so marked in the
+        ring, if its file still holds it (a ring found truncated is failed by the next
+        drain), or the segment the record was moved out to is removed."""
+        if self.spilled:
+            path = self.spilled.pop(pos, None)
+            if path is not None:
+                if path:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                return
+        if self.intact():
+            self.ring.taken(pos)
+
+    def release(self) -> None:
+        self.watch.live = False
+        self.fd = -1
+        self.ring.release()
+        self.segment.close()
+
+
 def _task_of(key: str) -> str | None:
     """The canonical producer task of ``key``, or None if it is no key."""
     try:
@@ -68,7 +143,7 @@ def _task_of(key: str) -> str | None:
 
 
 class Recovery:
-    """The listings of one consumer (see the module docstring)."""
+    """The rings and listings of one consumer (see the module docstring)."""
 
     def __init__(
         self, ctx: TransportContext, names: Names, consumer: Consumer, alive: ProducerAlive
@@ -106,12 +181,47 @@ class Recovery:
             src.look_at = _INF  # until the producer restarts
             return
         try:
-            self._consumer.attach(
+            self.attach(
                 self._names.ring(src.task, src.inc, self._ctx.task_name), (src.task, src.inc)
             )
         except RendezvousError as e:
             _log.warning("%s", e)
             src.look_at = now + _LIST_EVERY * 2
+
+    def attach(self, name: str, expect: tuple[str, int] | None) -> bool:
+        """Map a producer's ring for this consumer and have it drained (``Consumer.adopt``)
+        from its oldest record not taken (an earlier process of this consumer task may have
+        taken some, and died); its name stays. Once per producer run: a ring attached or let
+        go already is left alone. False: no such name. ``InternalError`` for a ring that is not ours, not for this
+        consumer, or not from ``expect`` (producer task, incarnation)."""
+        try:
+            seg = Segment.attach(self._names, name, keep_fd=True)
+        except FileNotFoundError:
+            return False
+        ring: Ring | None = None
+        try:
+            ring = Ring(memoryview(seg.buf))
+            meta = json.loads(ring.meta())
+            owner = (str(meta["producer"]), int(meta["incarnation"]))
+            if meta["consumer"] != self._ctx.task_name or (expect is not None and owner != expect):
+                raise InternalError(f"ring {name} is {meta}, not for {self._ctx.task_name}")
+            if not owner[1]:
+                raise InternalError(f"ring {name} names incarnation 0")
+        except (RendezvousError, ValueError, KeyError, TypeError) as e:
+            if ring is not None:
+                ring.release()
+            seg.close()
+            raise InternalError(f"refusing ring {name}: {e}") from e
+        src = self._consumer.source(owner[0])
+        if owner[1] in src.ring_incs or owner[1] in src.retired:
+            ring.release()
+            seg.close()
+            return True
+        if not src.inc:
+            src.inc = owner[1]
+        ring.attach(self._ctx.incarnation)
+        self._consumer.adopt(InRing(seg, ring, src, owner[1]))
+        return True
 
     def look_for_old_ring(self, src: Source, inc: int) -> None:
         """A key pinned to a run that is not the live one: attach that run's ring if it left
@@ -119,9 +229,7 @@ class Recovery:
         src.tried.add(inc)
         if RINGS_SUPPORTED:
             try:
-                self._consumer.attach(
-                    self._names.ring(src.task, inc, self._ctx.task_name), (src.task, inc)
-                )
+                self.attach(self._names.ring(src.task, inc, self._ctx.task_name), (src.task, inc))
             except RendezvousError as e:
                 _log.warning("%s", e)
 
@@ -252,7 +360,7 @@ class Recovery:
             except OSError:
                 continue
             try:
-                if self._consumer.attach(name, None):
+                if self.attach(name, None):
                     listing.refuse(name)  # attached (once per run of its producer): done with
             except InternalError as e:  # not ours, or not for this consumer: never again
                 listing.refuse(name)
