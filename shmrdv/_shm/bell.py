@@ -78,9 +78,6 @@ class Bell(Closing):
         self._waiters = 0
         self._closed = False
         self._finalizer = weakref.finalize(self, sem.close)
-        #: ``(st_dev, st_ino)`` of the semaphore's file, for a bell ``open`` found: who
-        #: opens it again can tell whether it is the same semaphore.
-        self.ino: tuple[int, int] | None = None
 
     @classmethod
     def create(cls, names: Names, task: str, *, replace_stale: bool = False) -> Bell:
@@ -164,7 +161,6 @@ class Bell(Closing):
         if after is None or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
             bell.close()
             return None  # replaced while we opened it: a restarted consumer; look again later
-        bell.ino = (after.st_dev, after.st_ino)
         return bell
 
     @property
