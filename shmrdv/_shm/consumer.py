@@ -534,9 +534,7 @@ class Consumer:
                             ring.mark_taken(ring.position(at))
                         self.queue(ch, value)
                     else:
-                        pos = ring.position(at)
-                        ring.hold(pos)
-                        put(ch, Held(value, r, pos))
+                        put(ch, Held(value, r, ring.hold(at)))
             except BaseException:
                 ring.consume(at)  # what came before it is passed; it is found again
                 raise

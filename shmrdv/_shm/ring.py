@@ -385,10 +385,12 @@ class Ring:
         pos, at = start % cap, at - 4 - DATA_OFFSET
         return start + (at - pos if at >= pos else cap - pos + at)
 
-    def hold(self, position: int) -> None:
-        """The record at ``position`` (``position``), read by the last ``spans``, is not
-        taken yet: ``tail`` stays before it until ``taken``."""
+    def hold(self, at: int) -> int:
+        """The record whose payload starts at ``at`` (one of the last ``spans``) is not
+        taken yet: ``tail`` stays before it until ``taken``. Returns its ``position``."""
+        position = self.position(at)
         self.held.append(position)
+        return position
 
     def taken(self, position: int) -> None:
         """The held record at ``position`` is taken: ``tail`` passes it and the taken ones
