@@ -89,6 +89,7 @@ class InRing:
         "inc",
         "lost",
         "lost_seen",
+        "moved",
         "ring",
         "segment",
         "size",
@@ -102,6 +103,7 @@ class InRing:
         self.fd, self.size = segment.fd, segment.size
         self.watch = RunWatch()
         self.lost = self.lost_seen = 0  # records its producer could not append, recovered
+        self.moved = 0  # records this process moved out of it (``Recovery.spill``)
         self.spilled: dict[int, str] = {}
 
     def intact(self) -> bool:
@@ -247,11 +249,13 @@ class Recovery:
 
     def needed(self) -> bool:
         """Whether messages may have come to this consumer with no ring record: a producer
-        it heard of has no ring attached, or a ring lost records."""
+        it heard of has no ring attached, or a ring lost records (its producer's, or an
+        earlier process's of this consumer task moved out: not those this one moved out,
+        whose values it holds)."""
         if not RINGS_SUPPORTED:
             return True
         for src in self._consumer.srcs.values():
-            if not src.rings or any(r.lost for r in src.rings):
+            if not src.rings or any(r.lost > r.moved for r in src.rings):
                 return True
         return False
 
@@ -395,6 +399,7 @@ class Recovery:
             count += 1
         if count:
             ring.add_spilled(count)
+            r.moved += count
             r.lost += count  # (as the next drain reads it; their values are queued here:
             r.lost_seen += count  # not to be looked for by name)
 
