@@ -13,7 +13,7 @@ so that the consumer knows when to look for messages by name; ``read`` at byte 1
 far the consumer has read; ``reader`` at byte 176, the incarnation of the consumer run
 that reads the ring (its producer follows a restarted consumer's doorbell by it);
 ``spilled`` at byte 184, how many records not taken the consumer moved out of the ring
-to messages of their own (``spill``: also to be looked for by name); records
+to messages of their own (``Recovery.spill``: also to be looked for by name); records
 from byte 4096, each ``u32 length`` (of the whole record, 8-aligned) then the payload. A
 record that would cross the end is preceded by a wrap mark (length ``0xFFFFFFFF``) and
 starts again at the beginning.
@@ -23,7 +23,8 @@ or freed) starts: the producer writes over nothing after it. Records are read (`
 as they arrive and may be taken out of order (one key's before another's); one taken
 while an older one is not is marked so in its length word (``mark_taken``: bit 1, which
 no 8-aligned length has), and a later reader skips it. So the consumer's next process,
-after a crash, reads from ``tail`` exactly the records not taken yet. A record left
+after a crash, reads from ``tail`` exactly the records not taken yet. The consumer keeps
+the positions of the records it read and has not taken (``hold``, ``taken``). A record left
 untaken while the producer needs its room is moved out of the ring by its consumer
 (published under its message's name, like a message the producer sent by name) and
 counted in ``spilled``: ``tail`` then passes it.
