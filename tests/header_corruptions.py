@@ -2,7 +2,7 @@
 record of a key the consumer already knows gets the same refusal as a new one.
 
 ``HEADER_CORRUPTIONS``: (byte offset in the header, the bytes written there, what the
-refusal names), with the fixed-prefix layout of ``shmrdv._shm.layout``.
+refusal names), with the fixed-prefix layout of ``shmrdv._shm.header``.
 """
 
 from __future__ import annotations

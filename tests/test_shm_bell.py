@@ -205,10 +205,10 @@ def test_bell_saturated_ring_is_swallowed(names: Names) -> None:
         sem.close()
 
 
-def test_bell_post_raises_where_ring_copes(names: Names) -> None:
-    """``post`` is the bare semaphore post a sender calls first: it raises on a saturated
-    counter and on a closed handle, where ``ring`` (the sender's fallback) drops the post
-    or says the handle is closed."""
+def test_bell_semaphore_raises_where_ring_copes(names: Names) -> None:
+    """``semaphore.release`` is the bare post a sender makes: it raises on a saturated
+    counter and on a closed handle, where ``ring`` drops the post or says the handle is
+    closed."""
     sem = posix_ipc.Semaphore(
         names.bell(TASK),
         posix_ipc.O_CREX,
@@ -218,7 +218,7 @@ def test_bell_post_raises_where_ring_copes(names: Names) -> None:
     try:
         b = Bell.open(names, TASK)
         assert b is not None
-        post = b.post
+        post = b.semaphore.release
         post()
         assert b.pending == posix_ipc.SEMAPHORE_VALUE_MAX
         with pytest.raises(OSError):

@@ -17,9 +17,9 @@ import pytest
 from helpers import CONSUMER, PRODUCER, make_key
 
 import shmrdv
-from shmrdv._shm import layout
+from shmrdv._shm import header as layout
+from shmrdv._shm.files import Segment
 from shmrdv._shm.naming import Names
-from shmrdv._shm.segment import Segment
 
 INCARNATION = 0xF0F0_0000_0000_0003
 STEP = 1

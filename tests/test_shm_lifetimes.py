@@ -249,6 +249,32 @@ def test_lifetime_a_value_left_untaken_never_fills_the_ring(ns: str) -> None:
             assert "m" not in kinds(ns)
 
 
+def test_lifetime_restarted_consumer_takes_what_was_moved_out_of_the_ring_first(ns: str) -> None:
+    # The consumer takes 500 of 1,000 values of one key (it read them all), 2,000 more come,
+    # and a look for another key reads them too: more than half the ring is held, so the
+    # oldest it holds move out to messages of their own. SIGKILLed, the task's next process
+    # gets the other 2,500 once, in order: those moved out (found by name, after the 500
+    # its predecessor took) before those still in the ring.
+    with shmrdv.Worker(PRODUCER, namespace=ns) as producer:
+        out = producer.rendezvous(1)
+        consumer = ChildWorker(CONSUMER, namespace=ns)
+        try:
+            for i in range(1000):
+                out.send(make_key("a"), np.full(16, i, np.uint32))
+            assert consumer.call(child_take, "a", 500) == list(range(500))
+            for i in range(1000, 3000):
+                out.send(make_key("a"), np.full(16, i, np.uint32))
+            assert consumer.call(child_nothing_more, "b")
+            assert "m" in kinds(ns)  # the values moved out of the ring
+            consumer.kill(signal.SIGKILL)
+        finally:
+            consumer.close()
+        with ChildWorker(CONSUMER, namespace=ns) as again:
+            assert again.call(child_take, "a", 2500) == list(range(500, 3000))
+            assert again.call(child_nothing_more, "a")
+            assert "m" not in kinds(ns)
+
+
 def _taken(log: str) -> list[int]:
     try:
         with open(log) as f:

@@ -31,7 +31,8 @@ from small_shm import run_with_small_dev_shm
 
 import shmrdv
 from shmrdv._procs import ChildWorker
-from shmrdv._shm import layout, reaper
+from shmrdv._shm import header as layout
+from shmrdv._shm import reaper
 from shmrdv._shm.bell import Bell
 from shmrdv._shm.naming import SHM_DIR, Names
 from shmrdv._shm.presence import Presence, PresenceInfo, boot_id

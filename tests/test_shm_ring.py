@@ -98,6 +98,34 @@ def test_ring_consume_before_a_record_leaves_it_and_what_follows(before: int) ->
     assert [bytes(p)[:1] for p in ring.take()] == [bytes([i]) for i in range(before, 4)]
 
 
+def test_ring_a_new_reader_reads_exactly_the_records_not_taken() -> None:
+    buf = memoryview(bytearray(ring_size(4096)))
+    producer = Ring.format(buf, 4096)
+    for name in b"abcd":
+        assert producer.try_put([bytes([name]) * 8])
+    ring = Ring(buf)
+    ring.attach(7)
+    assert producer.reader == 7 and producer.reader_word()[0] == 7
+    (a, _), (b, _), (c, _), (d, _) = ring.spans()
+    at_a = ring.hold(a)  # queued
+    ring.mark_taken(ring.position(b))  # handed to a receive at once, while "a" is held
+    at_c, at_d = ring.hold(c), ring.hold(d)
+    ring.consume()
+    assert ring.tail == at_a and not ring.unread()  # the producer keeps off "a" and after
+    ring.taken(at_c)  # taken before "a": marked
+    # The consumer dies here: its next process reads what it had not taken, once.
+    again = Ring(buf)
+    again.attach(8)
+    assert producer.reader == 8
+    assert [bytes(buf[s : s + 1]) for s, _ in again.spans()] == [b"a", b"d"]
+    again.release()
+    # Taken in any order, they let ``tail`` pass every record.
+    ring.taken(at_a)
+    assert ring.tail == at_d and ring.pending()
+    ring.taken(at_d)
+    assert not ring.pending()
+
+
 def test_ring_corruption_is_an_error_not_a_crash() -> None:
     buf = memoryview(bytearray(ring_size(1024)))
     ring = Ring.format(buf, 1024)
@@ -244,8 +272,8 @@ def test_ring_meta_names_its_ends(ns: str) -> None:
         (ring_name,) = [
             e for e in os.listdir("/dev/shm") if e.startswith(f"shmrdv_{shmrdv.namespace_id(ns)}_q")
         ]
+        from shmrdv._shm.files import Segment
         from shmrdv._shm.naming import Names
-        from shmrdv._shm.segment import Segment
 
         seg = Segment.attach(Names(ns), ring_name)
         ring = Ring(memoryview(seg.buf))

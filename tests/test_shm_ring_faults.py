@@ -14,7 +14,7 @@ from shm_harness import Endpoint, key_between
 from small_shm import run_with_small_dev_shm
 
 import shmrdv
-from shmrdv._shm import layout
+from shmrdv._shm import header as layout
 from shmrdv._shm.naming import Names
 from shmrdv._shm.ring import RINGS_SUPPORTED, Ring
 
@@ -36,7 +36,7 @@ def test_ring_truncated_fails_it_not_the_processes(size: int) -> None:
     ns = shmrdv.new_namespace()
     with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
         prod.send(1, key_between(P, C, "first"), np.arange(4))
-        fd = _ring_fd(prod)  # before the consumer attaches (and unlinks) it
+        fd = _ring_fd(prod)
         try:
             assert cons.recv(1, key_between(P, C, "first")).value.tolist() == [0, 1, 2, 3]
             os.ftruncate(fd, size)  # some or all of the ring's pages are gone
@@ -54,11 +54,31 @@ def test_ring_truncated_fails_it_not_the_processes(size: int) -> None:
         assert np.array_equal(cons.recv(1, key_between(P, C, "big"), timeout=5).value, big)
 
 
+@pytest.mark.parametrize("size", [0, 4096, 8192])
+def test_ring_truncated_with_values_read_not_taken_still_delivers_them(size: int) -> None:
+    # The first receive reads both records; "queued" stays in the ring (it is not taken)
+    # until a receive takes it, which marks it taken there: a store, after a look at the
+    # ring's size (into a page the truncation took, a SIGBUS).
+    ns = shmrdv.new_namespace()
+    with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
+        prod.send(1, key_between(P, C, "first"), np.arange(4))
+        prod.send(1, key_between(P, C, "queued"), np.arange(2))
+        fd = _ring_fd(prod)
+        try:
+            assert cons.recv(1, key_between(P, C, "first")).value.tolist() == [0, 1, 2, 3]
+            os.ftruncate(fd, size)  # the ring's pages go, its records read already
+        finally:
+            os.close(fd)
+        assert cons.recv(1, key_between(P, C, "queued"), timeout=5).value.tolist() == [0, 1]
+        prod.send(1, key_between(P, C, "after"), np.arange(3))
+        assert cons.recv(1, key_between(P, C, "after"), timeout=5).value.tolist() == [0, 1, 2]
+
+
 def _write_record(
     prod: Endpoint, step: int, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]
 ) -> None:
     """Append a record by hand into the producer's ring (as a buggy producer would)."""
-    from shmrdv._shm.segment import Segment
+    from shmrdv._shm.files import Segment
 
     seg = Segment.attach(prod.names, prod.names.ring(prod.task, prod.incarnation, C))
     try:
@@ -120,7 +140,7 @@ def test_ring_truncated_with_records_in_it_fails_their_receive(size: int) -> Non
     ns = shmrdv.new_namespace()
     with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
         prod.send(1, key_between(P, C, "first"), np.arange(4))
-        fd = _ring_fd(prod)  # before the consumer attaches (and unlinks) it
+        fd = _ring_fd(prod)
         try:
             assert cons.recv(1, key_between(P, C, "first")).value.tolist() == [0, 1, 2, 3]
             prod.send(1, key_between(P, C, "lost"), np.arange(2))  # in the ring, not read yet
@@ -162,10 +182,10 @@ def test_ring_record_of_a_known_key_corrupted_is_refused(at: int, raw: bytes, ma
     k = key_between(P, C, "known")
     a = np.arange(16, dtype=np.float32)
     with Endpoint(ns, P) as prod, Endpoint(ns, C) as cons:
-        from shmrdv._shm.segment import Segment
+        from shmrdv._shm.files import Segment
 
         prod.send(1, k, a)  # message 0: the consumer knows its header from now on
-        # (the ring by its name before the consumer attaches it, which unlinks the name)
+        # (the ring by its name, as a buggy process of this user opens it)
         seg = Segment.attach(prod.names, prod.names.ring(prod.task, prod.incarnation, C))
         try:
             assert cons.recv(1, k).value.tolist() == a.tolist()

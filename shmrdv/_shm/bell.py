@@ -7,7 +7,7 @@ after publishing a message. A post is a hint, never a lock and never the data: t
 Semaphores are only ever created with ``O_CREX``: ``O_CREAT`` silently opens an existing
 semaphore, another user's included, whose owner could then swallow our wake-ups
 (research/pitfalls.md §4, §7). Before trusting a bell it did not create, a producer checks
-the owner, mode and type of its file ``/dev/shm/sem.<name>`` (``ownership.open_checked``:
+the owner, mode and type of its file ``/dev/shm/sem.<name>`` (``files.open_checked``:
 never blocks, even on a planted file under a lease), because glibc's ``sem_open`` itself
 opens without ``O_NONBLOCK``.
 
@@ -25,14 +25,13 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import posix_ipc
 
 from .._errors import InternalError, ResourceExhaustedError
 from .._rendezvous import Closing
-from .ownership import open_checked
+from .files import open_checked
 
 if TYPE_CHECKING:
     from .naming import Names
@@ -79,9 +78,6 @@ class Bell(Closing):
         self._waiters = 0
         self._closed = False
         self._finalizer = weakref.finalize(self, sem.close)
-        #: ``(st_dev, st_ino)`` of the semaphore's file, for a bell ``open`` found: who
-        #: opens it again can tell whether it is the same semaphore.
-        self.ino: tuple[int, int] | None = None
 
     @classmethod
     def create(cls, names: Names, task: str, *, replace_stale: bool = False) -> Bell:
@@ -165,13 +161,7 @@ class Bell(Closing):
         if after is None or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
             bell.close()
             return None  # replaced while we opened it: a restarted consumer; look again later
-        bell.ino = (after.st_dev, after.st_ino)
         return bell
-
-    @property
-    def name(self) -> str:
-        """The posix_ipc name (with its leading slash)."""
-        return self._name
 
     @property
     def path(self) -> str:
@@ -194,18 +184,10 @@ class Bell(Closing):
             raise InternalError(f"cannot {action} doorbell {self._path} of {self._task}: closed")
 
     @property
-    def post(self) -> Callable[[], None]:
-        """The semaphore's own post (``release``): ``ring`` without its checks, for a
-        sender's hot path. It raises on a closed handle or a saturated counter; the caller
-        then calls ``ring``, which says what is wrong or drops the post."""
-        release: Callable[[], None] = self._sem.release
-        return release
-
-    @property
     def semaphore(self) -> posix_ipc.Semaphore:
-        """The semaphore itself, for a sender's hot path: its ``value`` (posts not taken
-        yet) and its ``release`` (``post``) without a Python call around them. Both raise
-        on a closed handle; the caller then calls ``ring``, which says what is wrong."""
+        """The semaphore itself: its ``value`` (posts not taken yet) and its ``release``
+        with no Python call around them (a sender, a spinning poller). Both raise on a
+        closed handle."""
         return self._sem
 
     def ring(self) -> None:
@@ -266,7 +248,7 @@ class Bell(Closing):
         count = 0
         sem = self._sem
         # The value is read first (no system call): the usual last ``acquire(0)`` that
-        # fails costs an exception, a few µs per drain on a poller's hot path.
+        # fails costs an exception, on a poller's hot path.
         while sem.value > 0:
             try:
                 sem.acquire(0)

@@ -1,22 +1,27 @@
-"""The receiving half of the same-host transport: the coordinator of its parts.
+"""The receiving half of the same-host transport: one channel table, fed by the rings.
 
-Each (step, key) is a channel with the next sequence number it expects (``book.py``). A
-receive takes that message (``take.py``) from the channel's stash, where the rings put what
-arrived (``inbox.py``), or opens it by its name (``named.py``) when its producer has no
-ring (not x86-64, or it could not make one); else it queues a waiter. The scan, run by whoever
-polls the doorbell (``dispatcher.py``), drains the rings (a value for a channel's oldest
-waiter goes to it as it is drained) and serves the channels they brought something else
-for; once per tick it also checks the producers that have waiters
-(``liveness.py``) and looks for messages a ring cannot show (``recovery.py``: a full ring
-lost records, a producer gone). A lost doorbell post costs at most one tick (``TICK``),
-never a message. ``cleanup_step`` frees what nobody received (``orphans.py``); the ring
-of a producer run that is over is drained a last time and unmapped, and what that run
-left goes (``reaper.after_producer``, after the lock).
+Each (step, key) is a ``Channel``, the key of one ``WaiterTable`` (``_channels.py``): its
+values not taken yet, or its waiting receives, oldest first. A producer leaves a record of
+each message in the ring it keeps for this consumer (``ring.py``): the value itself when
+small, else a notice "message (step, key, seq) is the segment of its name". Draining a
+ring hands each record to its channel's oldest waiter, or queues it; a receive takes the
+oldest value, or waits. A segment is taken by ``_open`` (``pool.SlotMaps.take``).
 
-Thread model (docs/threads.md): every public method takes ``lock`` itself (callers never
-hold it); none blocks on a peer or calls a ``done`` callback under it: they return what to
-deliver (``delivery.py``), which the caller delivers outside the lock, except
-``start_recv``, which delivers a value that is there itself, once the lock is released.
+Names are the truth; rings are how the consumer hears of them. What no record shows is
+found by name: a gap in a channel's sequence numbers (a full ring) by the missing names,
+at once; the waiting channels of a producer without a ring per doorbell post; the rest by
+a listing (``recovery.py``). A lost doorbell post costs a tick (``TICK``), never a message.
+
+A ring is also the durable copy of what this consumer task has not taken: a queued value
+(``Held``) keeps its record in the ring until it is taken or freed (``Ring.taken``), so
+the task's next process, after a crash, reads exactly the records not taken (from
+``tail``; the ring keeps its name while it holds any). Records left untaken while the
+producer needs the room go out of the ring to segments under their messages' names
+(``Recovery.spill``).
+
+Thread model (docs/threads.md): every method takes ``lock`` itself; what it finds to do
+after it (deliveries, frees, collections) runs once it is released, in the same thread.
+File operations under the lock never block (``files.open_checked``).
 """
 
 from __future__ import annotations
@@ -25,38 +30,143 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from .._errors import closed_error
-from .._keys import ParsedKey
-from .._rendezvous import Canceller, DoneCallback, Received, invoke_done
+import numpy as np
+
+from .._channels import MISSING, WaiterTable
+from .._cluster import canonical_task
+from .._errors import InternalError, RendezvousError, closed_error
+from .._keys import DeviceName, ParsedKey
+from .._rendezvous import Canceller, DoneCallback, Received, invoke_done, received
 from .._transport import TransportContext
 from . import reaper
-from .book import Book, Channel, InRing, Notice, Source, Stashed, Waiter
-from .delivery import Item, deliver_one
-from .inbox import Inbox
-from .liveness import Liveness
-from .named import NamedMessages
+from .header import FLAG_DEAD, FLAG_NOTICE, Reader, unpack_identity
+from .mappings import SlotMaps
 from .naming import Names
-from .orphans import Orphans
-from .recovery import Recovery
-from .take import Taker
+from .recovery import Held, InRing, Recovery
 
-__all__ = ["TICK", "Consumer"]
+if TYPE_CHECKING:
+    from .liveness import Liveness
+
+__all__ = ["TICK", "Channel", "Consumer", "Item", "Notice", "Source", "deliver"]
 
 _log = logging.getLogger("shmrdv.shm")
 
-# Liveness and fallback period while receives are pending: bounds the cost of a lost
-# doorbell post and the time to notice a dead producer (the issue asks for < 1 s).
+#: Liveness and fallback period while receives wait: bounds what a lost doorbell post costs
+#: and the time to notice a dead producer (< 1 s).
 TICK = 0.2
-# Above this many waiting channels of a ringless producer, one listdir of /dev/shm is
-# cheaper than one open() attempt per channel.
+# Above this many waiting channels of a producer without a ring, one listing of /dev/shm
+# is cheaper than one open per channel.
 _LISTDIR_ABOVE = 64
 _INF = float("inf")
+# A gap in a channel's sequence numbers is filled by this many looks by name at most.
+_FILL_MAX = 1 << 16
+_ndarray = np.ndarray
+
+#: A delivery to make outside the lock: ``done``, whether to copy, the value or the error.
+Item = tuple[DoneCallback, bool, Received | BaseException]
 
 
-def _already_done() -> bool:
-    """The canceller of a receive delivered at once: nothing left to cancel."""
-    return False
+class Notice:
+    """A queued message that is the segment of its name: message ``seq`` of run ``inc``, in
+    pool slot ``slot`` or -1, its array as its record said (None when found by listing)."""
+
+    __slots__ = ("array", "inc", "seq", "slot")
+
+    def __init__(self, seq: int, inc: int, slot: int, array: tuple[Any, ...] | None = None) -> None:
+        self.seq, self.inc, self.slot, self.array = seq, inc, slot, array
+
+
+#: What a channel queues: a value that came inline, a notice, or an error to deliver as one;
+#: ``Held`` while its ring record stays.
+Queued = Received | Notice | BaseException | Held
+#: A message to free: producer task, step, key, incarnation, seq, slot.
+Orphan = tuple[str, int, str, int, int, int]
+#: What is found under the lock to do after it: deliveries, producer runs over, orphans.
+_Work = tuple[list[Item], list[tuple[str, int]], list[Orphan]]
+
+
+class Channel:
+    """One (step, key): the key of its values and waiters in the table (hashes by identity)
+    and the sequence number of its next message not in the table yet, of producer run
+    ``inc`` (0: not known yet)."""
+
+    __slots__ = ("inc", "key", "pk", "seen_alive", "seq", "src", "step")
+
+    #: ``liveness.py`` asks it: a channel it looks at has waiters, hence nothing queued.
+    nready = 0
+
+    def __init__(self, step: int, key: str, src: Source, inc: int) -> None:
+        self.step, self.key, self.src, self.inc = step, key, src, inc
+        self.seq = 0
+        self.pk: ParsedKey | None = None  # set by its first receive
+        self.seen_alive = False
+
+
+class Waiter:
+    """One queued receive (``blocking``: its receiver polls; else a callback waits)."""
+
+    __slots__ = ("blocking", "channel", "copy", "done")
+
+    def __init__(self, done: DoneCallback, copy: bool, channel: Channel, blocking: bool) -> None:
+        self.done, self.copy, self.channel, self.blocking = done, copy, channel, blocking
+
+
+class Source:
+    """One producer task, as this consumer sees it (``liveness.py`` reads and sets the
+    liveness fields: ``alive_at``, ``inc``, ``restarted``, ``look_at``, ``was_alive``)."""
+
+    __slots__ = (
+        "alive_at",
+        "broken",
+        "dev",
+        "inc",
+        "look_at",
+        "restarted",
+        "retired",
+        "ring_incs",
+        "rings",
+        "task",
+        "tried",
+        "unseen",
+        "waiting",
+        "was_alive",
+    )
+
+    def __init__(self, task: str, dev: DeviceName) -> None:
+        self.task, self.dev = task, dev
+        self.inc = 0  # of its live worker, or of the last one seen
+        self.rings: list[InRing] = []
+        self.ring_incs: set[int] = set()  # incarnations whose ring is attached
+        self.tried: set[int] = set()  # earlier incarnations whose ring was looked for
+        self.retired: set[int] = set()  # incarnations whose ring was let go: never again
+        self.look_at = 0.0  # when to look for its ring again
+        self.alive_at = -1.0  # when it was last seen alive (with incarnation ``inc``)
+        self.waiting: dict[Channel, None] = {}  # its channels with waiters (ordered set)
+        self.unseen: list[Channel] = []  # waiting channels not yet marked seen_alive
+        self.was_alive = False
+        self.restarted = False
+        self.broken: InternalError | None = None  # why its ring was failed, told once
+
+    def ringless(self, inc: int) -> bool:
+        """Whether run ``inc``'s messages can only be found by name (no ring attached)."""
+        return (inc or self.inc) not in self.ring_incs
+
+    def lost(self) -> bool:
+        """Whether one of its rings lost records not recovered yet (as of the last drain)."""
+        return any(r.lost != r.lost_seen for r in self.rings)
+
+
+def deliver(done: DoneCallback, copy: bool, result: Received | BaseException) -> None:
+    """Call ``done`` with ``result`` (a private copy of the value if ``copy``) through
+    ``invoke_done``: outside every lock; what it raises is logged."""
+    if type(result) is Received:
+        if copy:
+            result = Received(np.array(result.value, copy=True), result.is_dead)
+        invoke_done(done, None, result)
+    else:
+        invoke_done(done, result, None)  # type: ignore[arg-type]  # an error
 
 
 class Consumer:
@@ -65,49 +175,97 @@ class Consumer:
     def __init__(
         self, ctx: TransportContext, names: Names, on_callback_waiter: Callable[[], None]
     ) -> None:
+        self._ctx = ctx
         self._task = ctx.task_name
+        self._names = names
         self._wake_dispatcher = on_callback_waiter
         self.lock = threading.Lock()
         self._closed = False
         self._aborted: dict[int, BaseException] = {}
-        #: Whether ``check_open`` may raise (closed, or a step aborted): a look at this
-        #: flag spares the call on the hot path.
-        self.refusing = False
-        self._book = book = Book()
-        self._waiters = book.waiters
-        self._live = Liveness(ctx, TICK)
-        self._named = NamedMessages(names, book, self._live.producer_alive, ctx.incarnation)
-        self._inbox = Inbox(ctx, names, book, self._free_named, TICK)
-        self._recovery = Recovery(ctx, names, book, self._inbox, TICK)
-        self._orphans = Orphans(ctx, names, self._recovery.listing, self._live.producer_alive)
-        #: ``Taker.take``: the channel's next message, if it is there.
-        self._take = Taker(book, self._inbox, self._recovery, self._named).take
-        #: A lock-free look at the rings' heads (what the dispatcher's spin calls).
-        self.arrived = self._inbox.arrived
-        #: A lock-free size check of the rings (before a spin reads their heads).
-        self.rings_intact = self._inbox.intact
-        #: Number of queued callback (non-blocking) waiters: the dispatcher runs while > 0.
+        self.refusing = False  #: whether ``check_open`` may raise (closed, a step aborted)
+        self._table: WaiterTable[Channel, Queued, Waiter] = WaiterTable()
+        self._steps: dict[int, dict[str, Channel]] = {}
+        self.srcs: dict[str, Source] = {}  # by task
+        self._src_by_device: dict[str, Source] = {}  # by a key's src device, as written
+        self._rings: list[InRing] = []
+        self._reader = Reader()
+        from .liveness import Liveness  # (which reads this module's Channel and Source)
+
+        self._live: Liveness = Liveness(ctx, TICK)
+        self._maps = SlotMaps(names, ctx.incarnation, self._live.producer_alive)
+        self._recovery = Recovery(ctx, names, self, self._live.producer_alive)
+        #: Queued callback (non-blocking) waiters: the dispatcher thread polls while > 0.
         self.callback_waiters = 0
         self._tick_at = 0.0
-        self._sweep_at = 0.0
-        self._scans = 0
-        self._names = names
-        # (producer task, incarnation) of runs that are over and whose ring this consumer
-        # drained and unmapped: what they left goes, outside the lock (``scan``).
+        # Found under the lock, done after it: deliveries, runs over, messages to free.
+        self._out: list[Item] = []
         self._over: list[tuple[str, int]] = []
+        self._late: list[Orphan] = []
+        self.received = self.received_bytes = self.refused = self.scans = 0
+        self._records = 0  # ring records drained
+        self._unexplained = False  # a post brought no record: a ring this consumer lacks
 
-    def _free_named(self, src: str, step: int, key: str, inc: int, seq: int, slot: int) -> None:
-        self._orphans.free_named(src, step, key, inc, seq, slot)
+    # -- what the parts share ---------------------------------------------------------
+
+    def source(self, task: str) -> Source:
+        """The producer ``task`` (canonical name), known from now on."""
+        src = self.srcs.get(task)
+        if src is None:
+            src = self.srcs[task] = Source(task, DeviceName.parse(task))
+        return src
+
+    def channel(self, step: int, key: str, src: Source, inc: int) -> Channel:
+        """The channel of (step, key), made if new (of ``src``'s run ``inc``)."""
+        chans = self._steps.get(step)
+        if chans is None:
+            chans = self._steps[step] = {}
+        ch = chans.get(key)
+        if ch is None:
+            ch = chans[key] = Channel(step, key, src, inc)
+        return ch
+
+    def find(self, step: int, key: str) -> Channel | None:
+        return self._steps.get(step, {}).get(key)
+
+    def queue(self, ch: Channel, value: Queued) -> None:
+        """Hand ``value`` (the channel's next message) to its oldest waiter, or queue it."""
+        if type(value) is Notice and ch in ch.src.waiting:
+            value = self._open(ch, value.seq, value.inc, value)  # type: ignore[assignment]
+        waiter = self._table.put(ch, value)
+        if waiter is not None:
+            self._out.append(self._served(waiter, value))
+
+    def _work(self) -> _Work | None:
+        """(Under the lock) what was found to do after it, if anything, taken."""
+        if not (self._out or self._over or self._late):
+            return None
+        work = self._out, self._over, self._late
+        self._out, self._over, self._late = [], [], []
+        return work
+
+    def _after(self, work: _Work | None) -> None:
+        """Do what was found under the lock (released now): collect what producer runs
+        that are over left, free messages of steps cleaned up already, deliver."""
+        if work is None:
+            return
+        out, over, late = work
+        for task, inc in over:
+            reaper.after_producer(self._names, task, inc, self._task)
+        for args in late:
+            self._recovery.free(*args)
+        # One at a time, nothing kept: a mapped array the receiver drops goes back at once.
+        out.reverse()
+        while out:
+            deliver(*out.pop())
 
     # -- receives ---------------------------------------------------------------------
 
     def check_open(self, step: int) -> None:
         if self._closed:
             raise closed_error(self._task)
-        if self._aborted:
-            err = self._aborted.get(step)
-            if err is not None:
-                raise err
+        err = self._aborted.get(step)
+        if err is not None:
+            raise err
 
     def start_recv(
         self,
@@ -118,133 +276,63 @@ class Consumer:
         copy: bool = False,
         blocking: bool = False,
     ) -> Canceller:
-        """``Transport.start_recv``: take the next value now, or queue a waiter (the
-        canceller removes it). A value that is there is delivered here, after the lock
-        (``deliver_one``; a blocking receive's ``done`` is its slot's, which never raises,
-        and is called directly)."""
-        book = self._book
-        got: Stashed | None = None
+        """``Transport.start_recv``: take the next value now (delivered here, after the
+        lock), or queue a waiter (the canceller removes it)."""
         result: Received | BaseException | None = None
-        waiter = None
         first = False
-        lock = self.lock
-        lock.acquire()
-        try:
+        with self.lock:
             if self._closed or self._aborted:
                 self.check_open(step_id)
-            full = key.full_key
-            chans = book.channels.get(step_id)
-            known = chans.get(full) if chans is not None else None
-            if known is None:
-                ch = book.channel(step_id, full, book.source(key), key.src_incarnation)
-            elif type(known) is InRing:
-                # An idle channel (``book.py``): its message 0 is taken here if it is a
-                # value for this receive, with no ``Channel`` made (the ring stays in its
-                # place: the channel now expects message 1); else it gets its channel.
-                pinned = key.src_incarnation
-                if known.src.broken is None and (not pinned or pinned == known.inc):
-                    firsts = book.first[step_id]
-                    got = firsts.pop(full, None)
-                    if type(got) is Notice:  # opened by its name (``_first_look``)
-                        firsts[full] = got
-                        got = None
-                    if got is not None:
-                        result = book.taken(got)
-                        if known.where or known.spilled:
-                            known.done(step_id, full, 0)
-                ch = None
-                if result is None:
-                    ch = book.promote(step_id, full, known)
-            else:
-                ch = known  # type: ignore[assignment]  # not an InRing: a Channel
-            if ch is not None:
-                if ch.pk is None:
-                    ch.pk = key
-                    if key.src_incarnation:
-                        ch.inc = key.src_incarnation
-                src = ch.src
-                # ``src.waiting`` holds exactly the channels with waiters (a dict: no call).
-                waiting = ch in src.waiting
-                if ch.nready and not waiting and src.broken is None and ch.inc:
-                    # The fast path: a ring brought this very message already (no ring to
-                    # look for, nothing to drain first: what follows it stays in its ring).
-                    # Written out here: the hot path of a receive whose value is there.
-                    stash = book.stash.get(step_id)
-                    got = stash.pop((ch.key, ch.inc, ch.seq), None) if stash is not None else None
-                    if type(got) is Notice:  # opened by its name, with a lookup (``_first_look``)
-                        stash[(ch.key, ch.inc, ch.seq)] = got  # type: ignore[index]  # not None
-                        got = None
-                    if got is not None:
-                        if not stash:
-                            del book.stash[step_id]
-                        ch.nready -= 1
-                        book.done(ch, ch.seq)
-                        ch.seq += 1
-                        result = book.taken(got)
-                if result is None:
-                    if not waiting:
-                        # Whether ``_first_look`` would find nothing: no ring to look for,
-                        # this producer's ring attached and nothing lost (``lost_records``
-                        # written out), nothing stashed, the producer seen alive.
-                        quiet = (
-                            ch.seen_alive
-                            and not ch.nready
-                            and src.look_at == _INF
-                            and src.broken is None
-                            and (ch.inc or src.inc) in src.ring_incs
-                        )
-                        if quiet:
-                            for r in src.rings:
-                                if r.lost != r.lost_seen:
-                                    quiet = False
-                                    break
-                        if not quiet:
-                            result = self._first_look(ch, src)
-                    if result is None:
-                        waiter = Waiter(done, copy, ch, blocking)
-                        if self._waiters.wait(ch, waiter):
-                            src.waiting[ch] = None
-                        if ch.seen_alive:
-                            src.was_alive = True
-                        else:
-                            src.unseen.append(ch)
-                        if not blocking:
-                            self.callback_waiters += 1
-                            first = self.callback_waiters == 1
-                        self._named.ahead(ch)  # idle time: what its next message needs
-        finally:
-            lock.release()
-        if waiter is not None:
-            if first:
-                self._wake_dispatcher()  # it sleeps while no callback receive is pending
-            return lambda: self.cancel(waiter)
-        del got
-        if type(result) is Received and not copy:
-            if blocking:
-                done(None, result)
-            else:
-                invoke_done(done, None, result)
-        else:
-            deliver_one(done, copy, result)  # type: ignore[arg-type]  # not None here
-        return _already_done
+            chans = self._steps.get(step_id)
+            ch = chans.get(key.full_key) if chans is not None else None
+            if ch is None:
+                src = self._src_by_device.get(key.src_device)
+                if src is None:
+                    src = self.source(str(canonical_task(key.src)))
+                    self._src_by_device[key.src_device] = src
+                ch = self.channel(step_id, key.full_key, src, key.src_incarnation)
+            if ch.pk is None:
+                ch.pk = key
+                if key.src_incarnation:
+                    ch.inc = key.src_incarnation
+            src = ch.src
+            if ch not in src.waiting:
+                got = self._table.take(ch)
+                result = self._first_look(ch, src) if got is MISSING else self._taken(ch, got)
+            if result is None:
+                waiter = Waiter(done, copy, ch, blocking)
+                if self._table.wait(ch, waiter):
+                    src.waiting[ch] = None
+                if ch.seen_alive:
+                    src.was_alive = True
+                else:
+                    src.unseen.append(ch)
+                if not blocking:
+                    self.callback_waiters += 1
+                    first = self.callback_waiters == 1
+            work = self._work()
+        if work is not None:
+            self._after(work)
+        if result is not None:
+            deliver(done, copy, result)
+            return bool  # a canceller that returns False: nothing left to cancel
+        if first:
+            self._wake_dispatcher()  # it sleeps while no callback receive is pending
+        return lambda: self.cancel(waiter)
 
     def _first_look(self, ch: Channel, src: Source) -> Received | BaseException | None:
-        """What a receive that would be its channel's first waiter finds before it waits."""
-        inbox = self._inbox
-        look_at = src.look_at  # (infinite once its ring is attached: no clock read then)
-        if look_at != _INF and look_at <= time.monotonic():
-            inbox.look_for_ring(src)
+        """What a receive that would be its channel's first waiter finds before it waits:
+        its producer's ring if it is due for a look (attached and drained), its message by
+        name where no ring shows it, the error of a failed ring, and whether its producer
+        lives (so that its death is noticed before the first tick) or was restarted."""
+        if src.look_at != _INF:
+            self._recovery.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
-            inbox.look_for_old_ring(src, ch.inc)
-        # Rings are drained by whoever polls (``scan``), right after checking their size
-        # (reading a truncated ring's words would be a SIGBUS); a take that would skip a
-        # sequence number drains them first (``Taker.take``).
-        result = self._take(ch, (ch.inc or src.inc) not in src.ring_incs)  # (``_probe``)
+            self._recovery.look_for_old_ring(src, ch.inc)
+        result = self.take(ch, src.ringless(ch.inc) or src.lost())
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None
         if result is None and not ch.seen_alive:
-            # Note now whether the producer is alive (so that its death is noticed even
-            # before the first tick), or fail a stale incarnation.
             result = self._live.failure(ch, self._live.state(src))
         return result
 
@@ -252,263 +340,455 @@ class Consumer:
         """Remove a queued waiter: True if it was still queued (its ``done`` never runs)."""
         with self.lock:
             ch = waiter.channel
-            if not self._waiters.cancel(ch, waiter):
+            if not self._table.cancel(ch, waiter):
                 return False
-            self._unqueued(waiter)
-            if ch not in self._waiters:
-                self._unwait(ch)
+            if not waiter.blocking:
+                self.callback_waiters -= 1
+            if ch not in self._table:
+                ch.src.waiting.pop(ch, None)
             return True
 
-    @staticmethod
-    def _probe(ch: Channel) -> bool:
-        """Whether the channel's messages must be looked for by name: no ring of that
-        producer incarnation is attached (a ringless producer, or not known yet)."""
-        return (ch.inc or ch.src.inc) not in ch.src.ring_incs
+    def take(self, ch: Channel, by_name: bool) -> Received | BaseException | None:
+        """The channel's next value (under the lock), if it is there: queued, or (``by_name``:
+        no ring shows this producer's messages, or one lost records) by its name. What the
+        listing of lost records finds is queued first, so taken in order."""
+        got = self._table.take(ch)
+        if got is not MISSING:
+            return self._taken(ch, got)
+        if not by_name:
+            return None
+        if ch.src.lost():
+            self._recovery.recover(ch.src)
+        elif not ch.inc:
+            self._recovery.resolve_incarnation(ch)  # may attach a gone producer's ring
+        got = self._table.take(ch)
+        if got is not MISSING:
+            return self._taken(ch, got)
+        if not ch.inc:
+            return None  # its name cannot be computed yet
+        result = self._open(ch, ch.seq, ch.inc, None)
+        if result is not None:
+            ch.seq += 1
+            if type(result) is Received:
+                self.received += 1
+                self.received_bytes += result.value.nbytes
+        return result
 
-    def _unqueued(self, waiter: Waiter) -> None:
+    def _taken(self, ch: Channel, got: Queued) -> Received | BaseException:
+        """What a receive gets for the queued ``got`` (a notice is opened), counted."""
+        if type(got) is Held:
+            got.r.taken(got.pos)
+            got = got.value
+        if type(got) is Notice:
+            got = self._open(ch, got.seq, got.inc, got)  # type: ignore[assignment]
+        if type(got) is Received:
+            self.received += 1
+            self.received_bytes += got.value.nbytes
+        return got  # type: ignore[return-value]  # opened
+
+    def _served(self, waiter: Waiter, value: Queued) -> Item:
+        """The delivery of ``value``, which ``put`` handed to ``waiter``, counted."""
+        ch = waiter.channel
+        if ch not in self._table:
+            ch.src.waiting.pop(ch, None)
         if not waiter.blocking:
             self.callback_waiters -= 1
+        if type(value) is Received:
+            self.received += 1
+            self.received_bytes += value.value.nbytes
+        return waiter.done, waiter.copy, value  # type: ignore[return-value]  # opened
 
-    @staticmethod
-    def _unwait(ch: Channel) -> None:
-        ch.src.waiting.pop(ch, None)
-
-    def _serve(self, ch: Channel, out: list[Item], probe: bool) -> None:
-        """Hand the channel's waiters what is there for them."""
-        has = self._waiters.has
-        waiters = self._waiters
-        while has(ch):
-            result = self._take(ch, probe)
+    def serve(self, ch: Channel, by_name: bool) -> None:
+        """Hand the channel's waiters what is there for them (by name too if ``by_name``)."""
+        while ch in ch.src.waiting:
+            result = self.take(ch, by_name)
             if result is None:
                 return
-            waiter = waiters.put(ch, result)  # the oldest waiter (there is one)
+            waiter = self._table.put(ch, result)
+            assert waiter is not None  # it has waiters
+            self._out.append(self._served(waiter, result))
+
+    def _fail(self, ch: Channel, error: BaseException) -> None:
+        while ch in ch.src.waiting:
+            waiter = self._table.put(ch, error)
             assert waiter is not None
-            if not waiter.blocking:  # ``_unqueued`` written out (once per delivery)
-                self.callback_waiters -= 1
-            out.append((waiter.done, waiter.copy, result))
-        ch.src.waiting.pop(ch, None)  # ``_unwait``
+            self._out.append(self._served(waiter, error))
 
-    def _fail(self, ch: Channel, out: list[Item], failure: BaseException) -> None:
-        waiters = self._waiters
-        while ch in waiters:
-            waiter = waiters.put(ch, failure)
-            assert waiter is not None
-            self._unqueued(waiter)
-            out.append((waiter.done, waiter.copy, failure))
-        self._unwait(ch)
+    # -- messages in segments -----------------------------------------------------------
 
-    def _fail_all(
-        self, where: Callable[[Channel], bool] | None, error: BaseException
-    ) -> list[Item]:
-        items: list[Item] = []
-        chans = list(self._waiters) if where is None else [c for c in self._waiters if where(c)]
-        for waiter in self._waiters.abort(where):
-            self._unqueued(waiter)
-            items.append((waiter.done, waiter.copy, error))
-        for ch in chans:
-            self._unwait(ch)
-        return items
+    def _open(
+        self, ch: Channel, seq: int, inc: int, notice: Notice | None
+    ) -> Received | BaseException | None:
+        """Message ``seq`` of ``ch`` (producer run ``inc``) from the segment of its name
+        (``SlotMaps.take``): None if it is not published (yet); an error for a notice whose
+        segment is gone."""
+        watch = next((r.watch for r in ch.src.rings if r.inc == inc), None)
+        if notice is None:
+            return self._maps.take(ch.src.task, ch.step, ch.key, inc, seq, watch=watch)
+        got = self._maps.take(
+            ch.src.task, ch.step, ch.key, inc, seq, notice.slot, notice.array, watch
+        )
+        if got is None:
+            return InternalError(
+                f"message {seq} of key {ch.key!r} from {ch.src.task} was announced but its "
+                "segment is gone"
+            )
+        return got
 
-    # -- the scan (run by whoever polls the doorbell) ---------------------------------
+    # -- rings ----------------------------------------------------------------------------
 
-    def scan(self, check: bool = True, posted: bool = True) -> list[Item]:
-        """Drain the rings, serve the channels they brought something for; per doorbell
-        post, look for the messages of producers without a ring (by name); once per tick,
-        check the producers that have waiters (liveness, ringless ones by name).
+    def adopt(self, r: InRing) -> None:
+        """A ring ``Recovery.attach`` mapped: known from now on, and drained."""
+        r.src.rings.append(r)
+        r.src.ring_incs.add(r.inc)
+        self._rings.append(r)
+        self.drain(r)
 
-        ``check=False``: the rings' sizes were checked a moment ago (before a spin on
-        their heads); they are not checked again. ``posted=False``: no post was taken (a
-        spin saw a ring's head move), so no look by name.
+    def drain(self, r: InRing) -> None:
+        """Every record of ring ``r`` to its channel: to its oldest waiter (taken at once), or
+        queued as ``Held`` (taken when a receive takes it). Records an earlier process of
+        this consumer task took are skipped (``Ring.spans``). Once more than half the ring
+        is held, the oldest held records move out of it (``Recovery.spill``).
+
+        First the ring's size, one ``lseek``: a process that kept a descriptor of it may
+        have truncated it, and reading a lost page would be a SIGBUS; such a ring is failed
+        (unmapped; the receives waiting on its producer look by name, then get the error).
+        A record is the producer's bytes: its header gets the reader's checks, and one
+        refused still names its key: its receiver gets the error, what follows is delivered.
         """
-        out: list[Item] = []
+        if not r.intact():
+            self._fail_ring(r)
+            return
+        ring, src, inc = r.ring, r.src, r.inc
+        buf, read, cleaned_up = ring.buf, self._reader.read, self._ctx.cleaned_up
+        held, put = ring.held, self._table.put
+        last_step: int | None = None
+        late = False
+        chans: dict[str, Channel] = {}
+        while True:
+            try:
+                spans = ring.spans()
+            except InternalError as e:
+                _log.warning("ring from %s: %s", src.task, e)
+                return
+            finally:
+                r.lost = ring.lost  # (``spans`` reads it first)
+            if not spans:
+                if ring.passed:
+                    ring.consume()  # past records an earlier process took
+                break
+            at = -1
+            try:
+                for at, end in spans:
+                    value: Received | Notice | BaseException
+                    try:
+                        flags, dtype, shape, offset, nbytes, step, seq, _, _, slot, _, key = read(
+                            buf, at, end
+                        )
+                    except RendezvousError as e:
+                        who = self._refused(src, buf[at:end], e)
+                        if who is None:
+                            if held:  # nobody will take it
+                                ring.mark_taken(ring.position(at))
+                            continue
+                        step, seq, key, value = who
+                        slot = -1
+                    else:
+                        dead = bool(flags & FLAG_DEAD)
+                        if flags & FLAG_NOTICE:
+                            value = Notice(seq, inc, slot, (dtype, shape, offset, nbytes, dead))
+                        elif nbytes:
+                            value = received(_ndarray(shape, dtype, buf, at + offset).copy(), dead)
+                        else:
+                            value = received(np.empty(shape, dtype), dead)
+                    if step != last_step:
+                        last_step, late = step, cleaned_up(step)
+                        if not late:
+                            chans = self._steps.get(step) or self._steps.setdefault(step, {})
+                    if late:  # sent to a step this worker cleaned up already: freed
+                        if type(value) is Notice:
+                            self._late.append((src.task, step, key, inc, seq, slot))
+                        if held:
+                            ring.mark_taken(ring.position(at))
+                        continue
+                    self._records += 1
+                    ch = chans.get(key)
+                    if ch is None:
+                        ch = chans[key] = Channel(step, key, src, inc)
+                    if ch.inc != inc:
+                        # Its run first heard of (its earlier messages may be by name), or
+                        # its producer restarted.
+                        fill = not ch.inc and seq
+                        ch.inc = inc
+                        if fill:
+                            self._fill(ch, seq, r)
+                    elif seq != ch.seq:
+                        if seq < ch.seq:  # taken by its name already
+                            if held:
+                                ring.mark_taken(ring.position(at))
+                            continue
+                        self._fill(ch, seq, r)
+                    ch.seq = seq + 1
+                    if ch in ch.src.waiting:
+                        if held:  # taken while an older record is not
+                            ring.mark_taken(ring.position(at))
+                        self.queue(ch, value)
+                    else:
+                        put(ch, Held(value, r, ring.hold(at)))
+            except BaseException:
+                ring.consume(at)  # what came before it is passed; it is found again
+                raise
+            if not ring.consume():
+                break
+        if held and ring.read - held[0] > ring.capacity >> 1:
+            self._recovery.spill(r)
+
+    def _fill(self, ch: Channel, seq: int, r: InRing) -> None:
+        """Messages ``ch.seq`` to ``seq - 1`` of ``ch`` came with no record: queued from
+        their names, in order. Only the last of them can be there: those ``r`` lost (a full
+        ring) or its consumer moved out (``Recovery.spill``), at most as many as it counts
+        and ``_FILL_MAX``; the numbers before were taken by an earlier process of this
+        consumer task, or skipped by the producer (a failed publish)."""
+        for s in range(max(ch.seq, seq - min(r.lost, _FILL_MAX)), seq):
+            got = self._open(ch, s, r.inc, None)
+            if got is not None:
+                ch.seq = s + 1
+                self.queue(ch, got)
+        ch.seq = seq
+
+    def _refused(
+        self, src: Source, payload: memoryview, e: RendezvousError
+    ) -> tuple[int, int, str, InternalError] | None:
+        """(step, seq, key, the error for its receiver) of a record refused with ``e``, or
+        None when the record does not even say whose it is."""
+        self.refused += 1
+        _log.warning("refusing a record of the ring from %s: %s", src.task, e)
+        who = unpack_identity(payload)
+        if who is None:
+            return None
+        step, seq, key = who
+        return (
+            step,
+            seq,
+            key,
+            InternalError(
+                f"refusing message {seq} of key {key!r} (step {step}) from producer {src.task}: {e}"
+            ),
+        )
+
+    def _fail_ring(self, r: InRing) -> None:
+        """Give up a ring whose file no longer holds it. Its producer, if it saw that too,
+        goes on by name: the waiting receives look by name first, and fail only if their
+        message is not there; the next receive of the producer hears of it once."""
+        src = r.src
+        try:
+            r.segment.check_size(r.size)
+            why = "its size cannot be read"
+        except (InternalError, ValueError) as e:
+            why = str(e)
+        error = InternalError(f"the ring from producer {src.task} is unusable: {why}")
+        _log.warning("%s", error)
+        r.segment.unlink_quietly()  # nothing in it can be read any more
+        src.retired.add(r.inc)
+        self._forget_ring(r)
+        src.look_at = _INF  # a restarted producer makes a new one
+        if src.waiting:
+            for ch in list(src.waiting):
+                self.serve(ch, True)
+                self._fail(ch, error)
+        else:
+            src.broken = error
+
+    def _forget_ring(self, r: InRing) -> None:
+        self._rings.remove(r)
+        r.src.rings.remove(r)
+        r.src.ring_incs.discard(r.inc)
+        r.release()
+
+    # -- the scan (run by whoever polls the doorbell) -----------------------------------
+
+    def scan(self, posted: bool = True) -> int:
+        """Drain the rings into the table (delivering to waiters); per doorbell post, look
+        for the messages of producers without a ring by name; once per tick, check the
+        producers that have waiters (liveness, lost records, rings to attach) and let go
+        of the rings of producer runs that are over. Delivers after the lock; returns how
+        many values it delivered."""
         with self.lock:
             if self._closed:
-                return out
-            self._scans += 1
+                return 0
+            self.scans += 1
+            records = self._records
             try:
-                # One function with its lock: the poll of every blocked receive runs it.
-                # A value that is the next message of a channel with waiters goes to its
-                # oldest waiter as it is drained (``out``), not through the stash.
-                inbox = self._inbox
-                inbox.drain_all(check, out)
-                if inbox.handed_callbacks:
-                    self.callback_waiters -= inbox.handed_callbacks
-                    inbox.handed_callbacks = 0
-                if self._book.touched:  # (``_serve_touched`` looks too: a call spared)
-                    self._serve_touched(out)
-                if inbox.failed:
-                    self._serve_failed(out)
-                if posted and self._waiters.size():
-                    self._probe_ringless(out)
+                for r in list(self._rings):
+                    self.drain(r)
+                if posted and records == self._records:
+                    # A post no ring explains: a producer whose ring is not attached yet
+                    # (it sent its first message meanwhile), or one without a ring.
+                    self._unexplained = True
+                    for src in list(self.srcs.values()):
+                        if src.waiting and src.ringless(0):
+                            self._recovery.look_for_ring(src, force=True)
+                if posted and self._table.pending_waiters:
+                    self._probe_ringless()
                 now = time.monotonic()
-                if now >= self._sweep_at:  # (the time first: counting the maps is a call)
-                    self._sweep_at = now + TICK
-                    maps = self._named.maps
-                    if maps:
-                        maps.sweep()
                 if now >= self._tick_at:
                     self._tick_at = now + TICK
-                    if self._waiters.size():
-                        for src in list(self._book.srcs.values()):
-                            if src.waiting:
-                                self._tick(src, out)
-                        self._serve_touched(out)
-                        self._serve_failed(out)
+                    self._maps.sweep()
+                    for src in list(self.srcs.values()):
+                        if src.waiting:
+                            self._tick(src)
                     self._retire_over()
-                    self._serve_touched(out)  # what the last drains of those rings brought
             except Exception:  # pragma: no cover - keep polling whatever happens
-                _log.exception("shm dispatcher of %s: scan failed", self._task)
-                # What was handed or served before the fault is delivered: those waiters
-                # are out of the table already (a blocked receive would wait for ever).
-                return out
-            over = None
-            if self._over:  # (a new list only when there is something to collect)
-                over, self._over = self._over, []
-        if over is not None:
-            for task, inc in over:
-                self._collect(task, inc)
-        return out
+                _log.exception("shm consumer of %s: scan failed", self._task)
+            work = self._work()
+        if work is None:
+            return 0
+        found = sum(1 for _, _, v in work[0] if type(v) is Received)
+        self._after(work)
+        return found
 
-    def _collect(self, task: str, inc: int) -> None:
-        """Free what a producer run that is over left (``reaper.after_producer``): this
-        consumer took every record of its ring and unmapped it (a bounded listing and
-        unlinks, the rest in the background: never under the lock)."""
-        reaper.after_producer(self._names, task, inc, self._task)
-
-    def _retire_over(self) -> None:
-        """Once per tick: the rings of producer runs that are over are drained a last time
-        and unmapped, and what those runs left is collected after the lock (``_over``)."""
-        inbox = self._inbox
-        for src, r in list(inbox.rings):
-            if r not in src.rings or not self._live.run_over(src, r.inc):
-                continue
-            inbox.drain(src, r)  # what it sent before it ended (its size checked first)
-            if r in src.rings and not r.ring.pending():
-                inbox.retire(src, r)
-                self._over.append((src.task, r.inc))
-
-    def _serve_touched(self, out: list[Item]) -> None:
-        book = self._book
-        has = self._waiters.has
-        while book.touched:
-            touched, book.touched = book.touched, []
-            for ch in touched:
-                if has(ch):  # (``_probe(ch)`` written out)
-                    src = ch.src
-                    self._serve(ch, out, (ch.inc or src.inc) not in src.ring_incs)
-
-    def _serve_failed(self, out: list[Item]) -> None:
-        """Serve by name the channels of producers whose ring failed, else fail them."""
-        failed = self._inbox.failed
-        while failed:
-            src, error = failed.pop()
-            for ch in list(src.waiting):
-                self._serve(ch, out, probe=True)
-                if ch in src.waiting:
-                    self._fail(ch, out, error)
-
-    def _tick(self, src: Source, out: list[Item]) -> None:
-        """Once per tick for a producer with waiters: its ring, its messages by name if it
-        has no ring (or lost records), its liveness."""
-        inbox = self._inbox
-        if not src.rings or src.look_at <= time.monotonic():
-            inbox.look_for_ring(src)
-        for r in list(src.rings):
-            inbox.drain(src, r)  # also checks its size once per tick
-        if inbox.lost_records(src):
+    def _tick(self, src: Source) -> None:
+        """Once per tick for a producer with waiters: its ring (attached if it is there),
+        what it lost or left by name, its liveness."""
+        self._recovery.look_for_ring(src, force=not src.rings)
+        if src.lost():
             self._recovery.recover(src)
         if not src.inc or src.tried:
             for ch in self._recovery.find_gone(src):
-                self._serve(ch, out, probe=True)
+                self.serve(ch, True)
+        if src.tried or src.ringless(0):  # (else every waiting channel's run has its ring)
+            for ch in list(src.waiting):
+                if src.ringless(ch.inc):
+                    self.serve(ch, True)
         if not src.waiting:
             return
         dead, failures = self._live.verdicts(src)
         for ch, failure in failures:
-            if dead:
-                # What the producer published before it died is visible now: deliver it.
-                self._serve(ch, out, probe=True)
-            self._fail(ch, out, failure)
+            if dead:  # what it published before it died is there: delivered first
+                self.serve(ch, True)
+            self._fail(ch, failure)
 
-    def _probe_ringless(self, out: list[Item]) -> None:
-        """Per doorbell wake-up: the waiting channels of known producers without a ring
-        are looked for by name (the fallback path: O(their channels), or one listing when
-        they are many)."""
-        for src in self._book.srcs.values():
-            if not src.waiting or not src.inc or src.inc in src.ring_incs:
+    def _probe_ringless(self) -> None:
+        """Per doorbell post: the waiting channels of known producers without a ring, by
+        the name of their next message (one listing first when they are many)."""
+        for src in list(self.srcs.values()):
+            if not src.waiting or not src.inc or not src.ringless(0):
                 continue
-            chans = [c for c in src.waiting if self._probe(c)]
+            chans = [c for c in src.waiting if src.ringless(c.inc)]
             if len(chans) > _LISTDIR_ABOVE:
-                chans = self._recovery.published(chans)  # then open only the names there
+                chans = self._recovery.published(chans)
             for ch in chans:
-                self._serve(ch, out, probe=True)
+                self.serve(ch, True)
 
-    # -- steps and lifetime -----------------------------------------------------------
+    def _retire_over(self) -> None:
+        """The rings of producer runs that are over are drained and let go once every record
+        is taken; what those runs left is collected after the lock
+        (``reaper.after_producer``)."""
+        for r in list(self._rings):
+            if not self._live.run_over(r.src, r.inc):
+                continue
+            self.drain(r)
+            if r in self._rings and not r.ring.pending():
+                r.src.tried.add(r.inc)
+                r.src.retired.add(r.inc)
+                if r.src.inc == r.inc:
+                    r.src.look_at = _INF  # a restarted producer is looked for again
+                self._forget_ring(r)
+                self._over.append((r.src.task, r.inc))
 
-    def abort_step(self, step_id: int, error: BaseException) -> list[Item]:
+    # -- steps and lifetime ---------------------------------------------------------------
+
+    def abort_step(self, step_id: int, error: BaseException) -> bool:
+        """Fail the step's waiters (delivered after the lock), and its later receives;
+        whether any waiter was failed."""
         with self.lock:
-            self._aborted.setdefault(step_id, error)
+            error = self._aborted.setdefault(step_id, error)
             self.refusing = True
-            error = self._aborted[step_id]
-            return self._fail_all(lambda ch: ch.step == step_id, error)
+            for ch in self._steps.get(step_id, {}).values():
+                self._fail(ch, error)
+            work = self._work()
+        self._after(work)
+        return work is not None
 
-    def cleanup_step(self, step_id: int) -> None:
-        """Forget the step; free the unreceived messages addressed to this worker in it."""
-        book = self._book
+    def cleanup_step(self, step_id: int, posted: bool) -> None:
+        """Forget the step; free what was sent to this worker in it and not received: what
+        its channels hold, and what a listing shows where messages may have come with no
+        ring record this consumer drained: a producer without a ring or with a full one
+        (``Recovery.needed``), or a doorbell post that no ring explained (``posted``: one
+        is pending; a producer this consumer never received from)."""
         with self.lock:
-            self._inbox.drain_all()
-            unreceived = book.forget_step(step_id)
             self._aborted.pop(step_id, None)
             self.refusing = self._closed or bool(self._aborted)
-        self._orphans.free_unreceived(step_id)
-        del unreceived
+            chans = self._steps.pop(step_id, None)
+            for ch in (chans or {}).values():
+                while ch in self._table:
+                    got = self._table.take(ch)
+                    if got is MISSING:
+                        break  # waiters: a receive started after the abort
+                    if type(got) is Held:
+                        got.r.taken(got.pos)
+                        got = got.value
+                    if type(got) is Notice:
+                        self._late.append(
+                            (ch.src.task, ch.step, ch.key, got.inc, got.seq, got.slot)
+                        )
+            listing = posted or self._unexplained or self._recovery.needed()
+            self._unexplained = False
+            work = self._work()
+        self._after(work)
+        if listing:
+            self._recovery.free_unreceived(step_id)
 
-    def close(self) -> list[Item]:
-        """Fail every waiter (returned, to deliver); the caller then calls ``release``."""
+    def close(self) -> None:
+        """Fail every waiter with the closed error; the caller then calls ``release``."""
         with self.lock:
             if self._closed:
-                return []
+                return
             self._closed = self.refusing = True
-            return self._fail_all(None, closed_error(self._task))
+            error = closed_error(self._task)
+            for ch in list(self._table):
+                self._fail(ch, error)
+            work = self._work()
+        self._after(work)
 
     def release(self) -> None:
-        """Unlink the held names, unmap the rings (after ``close``); collect what producer
-        runs that are over left (slots given back to them after their close, which a live
-        ``pool.RunWatch`` let go unchecked: nobody else would free those), unless their
-        ring holds records not taken: those stay for this task's next process, and the run's
-        leftovers with them."""
-        self._named.unlink_held()
-        over: list[tuple[str, int]] = []
+        """After ``close``: unlink the held names of arrays still alive (their mappings
+        stay; the callbacks that give them back do not run at exit), unmap the rings,
+        collect what producer runs that are over left (slots given back after their close),
+        unless their ring holds records not taken: those stay for this task's next process,
+        and what the run left with them."""
+        self._maps.unlink_held()
         with self.lock:
-            for src, r in self._inbox.rings:
-                src.alive_at = -1.0  # a fresh look, not the tick's
-                if self._live.run_over(src, r.inc) and self._inbox.all_taken(r):
-                    over.append((src.task, r.inc))
-            self._inbox.release()
-            self._named.maps.close()
-            self._book.stash.clear()
-            self._book.first.clear()
-        for task, inc in over:
-            self._collect(task, inc)
+            for r in list(self._rings):
+                r.src.alive_at = -1.0  # a fresh look, not the tick's
+                if self._live.run_over(r.src, r.inc) and r.intact() and not r.ring.pending():
+                    self._over.append((r.src.task, r.inc))
+                self._forget_ring(r)
+            self._maps.close()
+            self._table = WaiterTable()
+            self._steps.clear()
+            work = self._work()
+        self._after(work)
 
     @property
     def pending(self) -> int:
-        return len(self._waiters)
+        """Channels with waiters."""
+        return sum(len(src.waiting) for src in list(self.srcs.values()))
 
     def stats(self) -> dict[str, int]:
         with self.lock:
-            book, named = self._book, self._named
             return {
-                "received": book.received,
-                "received_bytes": book.received_bytes,
-                "dispatcher_scans": self._scans,
-                "name_probes": named.probes,
-                "refused_records": self._inbox.refused_records,
-                "pending_keys": len(self._waiters),
-                "pending_receives": self._waiters.pending_waiters,
-                "channels": sum(len(c) for c in book.channels.values()),
-                "rings_in": len(self._inbox.rings),
-                "held": len(named.held),
-                "slots_mapped": len(named.maps),
-                "slot_map_hits": named.maps.hits,
+                "received": self.received,
+                "received_bytes": self.received_bytes,
+                "dispatcher_scans": self.scans,
+                "name_probes": self._maps.probes,
+                "refused_records": self.refused,
+                "pending_keys": self.pending,
+                "pending_receives": self._table.pending_waiters,
+                "channels": sum(len(c) for c in self._steps.values()),
+                "rings_in": len(self._rings),
+                "held": len(self._maps.held),
+                "slots_mapped": len(self._maps),
+                "slot_map_hits": self._maps.hits,
                 "listings": self._recovery.listing.listings,
             }

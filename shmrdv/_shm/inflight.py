@@ -35,8 +35,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from .._window import ConsumerWatch, InflightWindow, Windows
+from .files import is_ours
 from .naming import Names
-from .ownership import is_ours
 
 if TYPE_CHECKING:
     from .._keys import DeviceName, ParsedKey

@@ -19,7 +19,7 @@ from typing import Any
 from .._errors import AbortedError, RendezvousError, UnavailableError
 from .._keys import DeviceName
 from .._transport import TransportContext
-from .book import Channel, Source
+from .consumer import Channel, Source
 
 __all__ = ["Liveness", "Live"]
 

@@ -1,64 +1,27 @@
-"""A producer's pool of reusable, pre-faulted shared-memory slots.
+"""Pool slots: a producer's reusable, pre-faulted segments, lent to its consumers and back.
 
-Fresh tmpfs pages cost a fault, an allocation and a zeroing each: writing a new
-segment runs at ~2 GB/s here against 7-14 GB/s for pages already faulted
-(research/pitfalls.md §5). So a producer writes into slots it keeps: a slot is a
-segment file the producer created, fallocated and keeps mapped. A send renames the
-slot to the message's name (it then belongs to the consumer); the consumer renames it
-to ``held`` while its array lives and to ``returned`` when the array is collected; the
-producer renames ``returned`` back to a free ``pool`` name and writes into the same,
-already faulted, pages again. Nothing but renames crosses the processes.
+Fresh tmpfs pages cost a fault, an allocation and a zeroing each: writing a new segment
+runs at a fraction of the speed of pages already faulted (research/pitfalls.md §5). So a
+producer writes large messages into slots it keeps mapped (``SlotPool``): a send renames
+the slot to the message's name (it belongs to the consumer then); the consumer renames it
+to ``held`` while its array lives and, once the array is collected, to ``returned``, then
+stores the ticket of the slot's next lend in the
+slot's control block (its last ``CONTROL`` bytes, outside every message's data). The
+producer reads that word at its next acquire and publishes the slot again from its
+``returned`` name: nothing but renames and a word cross the processes. The names stay the
+truth whoever crashes: a slot is under ``m`` while published, ``h`` while held, ``r`` once
+given back, ``p`` when free. A consumer notes its incarnation in the block's second word
+once it holds a slot, so that a producer takes back a slot whose holder is gone.
 
-Size classes are powers of two from 4 KiB (above 128 KiB, a power of two plus 64 KiB of
-room for the header), so a slot serves messages between about half and all of its size;
-the pool holds at most ``limit_bytes`` of slots (their header room not counted, so that
-two 256 MiB slots fit a 512 MiB pool: one lent while the next is written), and at most
-``max_slots`` of them: each slot keeps a mapping, and CPython's ``mmap`` keeps a file
-descriptor per mapping (many systems still default to 1024 descriptors per process).
-
-The way back is told through shared memory when it can be (issue 18 §2): the last
-``CONTROL`` bytes of a slot's file are its control block, outside every message's data. A
-consumer whose array over the slot is collected renames ``held`` to ``returned`` and then
-stores the ticket of the slot's next lend in the control block; the producer, at its next
-acquire, reads the word (after one ``fstat``: a file shrunk under it must not be read) and
-has the slot back with no system call on a name: the next send publishes it from its
-``returned`` name. The names stay the truth, whoever crashed when: a slot is under ``m``
-while published, ``h`` while held, ``r`` once given back, ``p`` when free and never lent
-(or taken back by name: a slot freed unreceived by ``cleanup``, or one whose word did not
-come, is renamed ``returned`` -> ``pool`` as before).
-
-The control block's second word names the consumer run that holds the slot: a consumer
-stores its incarnation there once its rename of a message to ``held`` succeeded (the
-producer zeroes it when it takes the slot for a lend, ``acquire``, so a word is only ever the current lend's holder; one
-that died between the two leaves 0, and its slot is never taken back). A slot whose ``held`` name stays while the presence record of its
-consumer task says that run is gone (killed: nothing unlinked the name) is taken back by
-the producer (``held`` -> ``returned`` -> free), at its lost check.
-
-A lent slot can be lost to the producer: its consumer freed the message unreceived
-(``cleanup``), or exited or died while holding it (its ``held`` name unlinked by its
-``close`` or by ``gc``). A lent slot whose name is under none of ``m``/``h``/``r`` any
-more is forgotten: its bytes count no longer, and its mapping is dropped. The names are
-checked in the order the slot travels (``m`` -> ``h`` -> ``r``), so a slot moving on
-meanwhile is always found under one of them.
-
-The consumer's half of the protocol is ``return_slot`` / ``give_back`` below.
-
-What one handoff of a kept slot costs, both sides (``strace -f -c``, 16 MiB ``allocate``
-ping-pong): three renames (``r`` -> ``m`` to publish, ``m`` -> ``h`` to take, ``h`` ->
-``r`` to give back: each name is a state that ``gc``, ``cleanup``, the send window and a
-dead consumer's take-back read) and three ``fstat`` of the slot (before the producer reads
-the return word, before the consumer reads the data and notes itself as holder, before
-it stores the return word: a file shrunk under a mapping is a SIGBUS otherwise), on top of
-what a small message through the ring costs. The way back posts no doorbell: the producer
-reads the word at its next acquire, and nothing is woken for it. Names are over keyed
-digests, computed five times per handoff (``naming.Names``).
+The consumer's half (taking, holding, giving back, kept mappings) is ``mappings.py``.
 
 Only files this producer created are taken back: a ``returned`` name must still be the
-slot's own inode (another user could plant a file under it, research/pitfalls.md §7).
-The names are over the slot's *ticket* (``naming.SLOT_BITS``), whose generation the
-producer bumps at each take-back: every lend has names of its own, so a file planted
-under a name seen vacated is never in the way. Such a file, if met anyway, is refused
-quietly (``pool_refused`` in ``stats()``, one warning per pool).
+slot's own inode (another user could plant a file under it, pitfalls.md §7). A slot's
+names are over its *ticket* (``naming.SLOT_BITS``), whose generation grows at each lend:
+a name seen vacated is never wanted again.
+
+Thread model (docs/threads.md): ``SlotPool`` is thread-safe; its lock is never held
+across a call that can block.
 """
 
 from __future__ import annotations
@@ -75,23 +38,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .._errors import InternalError, ResourceExhaustedError
+from .files import Segment, move_noreplace
 from .naming import MAX_SLOT, SLOT_BITS, Names
-from .segment import Segment, move_noreplace
 
-__all__ = [
-    "CONTROL",
-    "ProducerAlive",
-    "RunWatch",
-    "Slot",
-    "SlotPool",
-    "clear_holder",
-    "give_back",
-    "hold",
-    "return_slot",
-    "size_class",
-]
+__all__ = ["CONTROL", "HOLDER_AT", "WORD", "ProducerAlive", "Slot", "SlotPool", "size_class"]
 
 _log = logging.getLogger("shmrdv.shm.pool")
+
+#: ``alive(task, incarnation)``: is that task's live worker of that incarnation? Lock-free
+#: (it runs inside the garbage collector) and never blocks.
+ProducerAlive = Callable[[str, int], bool]
 
 _MIN_CLASS = 4096
 #: Default cap on the number of slots (each holds one mapping and one file descriptor).
@@ -104,11 +60,8 @@ _RECLAIM_SCAN = 8
 _LOST_CHECK_S = 1.0
 
 
-# Room for the header above a power-of-two tensor. A segment is header + data, so a
-# 16 MiB tensor needs a bit more than 16 MiB: with plain powers of two its slot was
-# 32 MiB, and a 256 MiB tensor's slot (512 MiB) filled the default pool alone, so a send
-# made while the consumer still held it wrote a fresh, unfaulted segment: 9.3x a memcpy
-# for one run in three (issue 11).
+# Room for the header above a power-of-two tensor: with plain powers of two a 256 MiB
+# tensor's slot (512 MiB) would fill the default pool alone.
 _HEADER_ROOM = 64 << 10
 
 
@@ -118,22 +71,16 @@ CONTROL = 64
 # The return word: the ticket of the slot's next lend, stored by the consumer that gave it
 # back (``return_slot``). Tickets only grow, so a word left from an earlier lend never
 # matches.
-_WORD = struct.Struct("<Q")
+WORD = struct.Struct("<Q")
 # The holder word, right after the return word: the incarnation of the consumer run that
 # took the lend (0: not known).
-_HOLDER_AT = _WORD.size
+HOLDER_AT = WORD.size
 
 
-def hold(mem: mmap.mmap, incarnation: int) -> None:
-    """Consumer side: note in the slot mapped at ``mem`` that run ``incarnation`` holds it
-    (after its rename to ``held``). The caller checked that the file holds ``mem`` whole."""
-    _WORD.pack_into(mem, len(mem) - CONTROL + _HOLDER_AT, incarnation)
-
-
-def clear_holder(mem: mmap.mmap | bytearray) -> None:
+def _clear_holder(mem: mmap.mmap | bytearray) -> None:
     """Producer side, when a slot is taken for its next lend: no consumer holds it yet."""
     if len(mem) >= CONTROL:
-        _WORD.pack_into(mem, len(mem) - CONTROL + _HOLDER_AT, 0)
+        WORD.pack_into(mem, len(mem) - CONTROL + HOLDER_AT, 0)
 
 
 def _counted(cls: int) -> int:
@@ -161,7 +108,6 @@ class Slot:
     ticket: int = -1  # the index and the lend generation (naming.SLOT_BITS); set at creation
     ino: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file: its identity across renames
     state: str = "free"  # free | allocated | lent | lost
-    lent_key: str = field(default="")
     lent_name: str = field(default="")  # the message name it was published under
     lent_to: str = field(default="")  # the consumer task it was published for
     checked_at: float = 0.0  # time.monotonic() of the last lost check (or of the lend)
@@ -207,10 +153,6 @@ class SlotPool:
         self.refused = 0  # files under a slot's names that were not that slot's
         self.reclaimed = 0  # held slots taken back from a consumer run that is gone
 
-    @property
-    def bytes(self) -> int:
-        return self._bytes
-
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
@@ -245,7 +187,7 @@ class SlotPool:
             if slot is not None and self._intact(slot):
                 # No consumer holds its next lend yet (``hold``): cleared now, where its
                 # control block was just read, not in the publish after the caller's write.
-                clear_holder(slot.segment.buf)
+                _clear_holder(slot.segment.buf)
                 self.reused += 1
                 return slot
             while (
@@ -270,7 +212,7 @@ class SlotPool:
                 self._count -= 1
             if isinstance(e, ResourceExhaustedError):
                 # /dev/shm cannot hold the size class: the caller tries an exact-size
-                # segment, which may still fit (issue 13 §5).
+                # segment, which may still fit.
                 _log.info("no room for a %d-byte pool slot: %s", cls, e)
                 return None
             if isinstance(e, InternalError):
@@ -311,7 +253,7 @@ class SlotPool:
             slot.segment.check_size(slot.capacity)
         except InternalError as e:
             _log.warning("dropping pool slot %d: %s", slot.index, e)
-            self._drop(slot)
+            self._forget(slot, unlink=True)
             return False
         return True
 
@@ -356,7 +298,7 @@ class SlotPool:
             _log.debug(
                 "pool slot %d (%s) was freed by its consumer; forgetting it",
                 slot.index,
-                slot.lent_key,
+                slot.lent_name,
             )
             self.lost += 1
             self._forget(slot)
@@ -371,7 +313,7 @@ class SlotPool:
         seg = slot.segment
         try:
             seg.check_size(slot.capacity)
-            holder = _WORD.unpack_from(seg.buf, slot.capacity - CONTROL + _HOLDER_AT)[0]
+            holder = WORD.unpack_from(seg.buf, slot.capacity - CONTROL + HOLDER_AT)[0]
             st = os.stat(held, follow_symlinks=False)
         except (InternalError, OSError):
             return False
@@ -407,7 +349,7 @@ class SlotPool:
         seg = slot.segment
         try:
             seg.check_size(slot.capacity)
-            word = _WORD.unpack_from(seg.buf, slot.capacity - CONTROL)[0]
+            word = WORD.unpack_from(seg.buf, slot.capacity - CONTROL)[0]
         except InternalError as e:
             _log.warning("dropping pool slot %d: %s", slot.index, e)
             self.lost += 1
@@ -428,7 +370,7 @@ class SlotPool:
         slot.segment.name = pool_name
         slot.ticket = ticket
         slot.state = "free"
-        slot.lent_key = slot.lent_name = slot.lent_to = ""
+        slot.lent_name = slot.lent_to = ""
         if slot.pinned:
             self._pinned.append(slot)  # free, not to be written while the producer reads it
         else:
@@ -489,28 +431,22 @@ class SlotPool:
             return True  # cannot tell: assume it is still out there
         return True
 
-    def _forget(self, slot: Slot) -> None:
-        """Drop a slot whose file is gone (no name to unlink): its mapping and its bytes."""
+    def _forget(self, slot: Slot, unlink: bool = False) -> None:
+        """Drop a slot: its mapping, its bytes, and (``unlink``) its name."""
         self._slots.pop(slot.index, None)
         self._bytes -= _counted(slot.capacity)
         self._count -= 1
+        if unlink:
+            slot.segment.unlink()
         slot.segment.close()
 
     def _evict_one(self, wanted: int) -> bool:
         """Drop one free slot of another size class to make room; False if there is none."""
         for cls, free in self._free.items():
             if cls != wanted and free:
-                slot = free.pop()
-                self._drop(slot)
+                self._forget(free.pop(), unlink=True)
                 return True
         return False
-
-    def _drop(self, slot: Slot) -> None:
-        self._slots.pop(slot.index, None)
-        self._bytes -= _counted(slot.capacity)
-        self._count -= 1
-        slot.segment.unlink()
-        slot.segment.close()
 
     def release(self, slot: Slot) -> None:
         """Give back an allocated slot that was not published (e.g. allocate() never sent)."""
@@ -522,9 +458,7 @@ class SlotPool:
             slot.state = "free"
             self._free.setdefault(slot.capacity, []).append(slot)
 
-    def lend(
-        self, slot: Slot, key: str, name: str, consumer: str = "", *, pinned: bool = False
-    ) -> None:
+    def lend(self, slot: Slot, name: str, consumer: str = "", *, pinned: bool = False) -> None:
         """Record that ``slot`` was published as message ``name`` for the consumer task
         ``consumer``: the consumer has it now. ``pinned``: the producer still holds an
         array over it (``allocate``'s), and the slot is not written again, once back, until
@@ -532,7 +466,6 @@ class SlotPool:
         with self._lock:
             slot.pinned = pinned
             slot.state = "lent"
-            slot.lent_key = key
             slot.lent_name = name
             slot.lent_to = consumer
             slot.checked_at = time.monotonic()
@@ -581,126 +514,4 @@ class SlotPool:
             if (st.st_dev, st.st_ino) == slot.ino:
                 os.unlink(ret)
         except FileNotFoundError:
-            pass
-
-
-#: ``alive(producer_task, incarnation)``: is that task's live worker of that incarnation? Must
-#: be lock-free (it runs inside the garbage collector) and must not block.
-ProducerAlive = Callable[[str, int], bool]
-
-
-class RunWatch:
-    """A consumer's word about one producer run, read by ``return_slot`` without a lock.
-
-    While ``live``, the consumer has that run's ring attached and will collect what the run
-    leaves once it is over (``reaper.collect_producer``, after the ring is retired), so a
-    slot given back meanwhile needs no look at the producer's liveness: if the producer
-    closed before taking it, that collection frees it. The consumer clears ``live`` (under
-    its lock) before the collection lists anything, and ``return_slot`` reads it after its
-    rename: a rename it does not see cleared came before the listing.
-    """
-
-    __slots__ = ("live",)
-
-    def __init__(self) -> None:
-        self.live = True
-
-
-def return_slot(
-    names: Names,
-    alive: ProducerAlive,
-    producer_task: str,
-    incarnation: int,
-    slot: int,
-    held_name: str,
-    held_names: set[str],
-    mem: mmap.mmap | None = None,
-    watch: RunWatch | None = None,
-    returned_path: str | None = None,
-) -> None:
-    """Consumer side, when the last array over a pool slot is collected: give it back
-    (``held_name``: its ``held`` name, one of ``held_names``; ``returned_path``: its
-    ``returned`` name's path, if computed ahead).
-
-    ``held`` -> ``returned`` (``give_back``, with the slot's mapping ``mem`` and a ``watch``
-    of its producer run when there are: then the control block tells the producer, and no
-    look at its liveness is needed). Runs in whatever thread collected the array (possibly
-    inside the garbage collector: it takes no lock).
-    """
-    held_names.discard(held_name)
-    give_back(
-        names,
-        alive,
-        producer_task,
-        incarnation,
-        slot,
-        names.path(held_name),
-        mem,
-        watch,
-        returned_path,
-    )
-
-
-def _taken_back(names: Names, alive: ProducerAlive, producer_task: str, incarnation: int) -> bool:
-    """Whether the producer run will still take back what is given back to it now (called
-    after the rename): its doorbell is there and its presence record is that run's, alive."""
-    try:
-        return os.path.lexists(names.bell_path(producer_task)) and alive(producer_task, incarnation)
-    except Exception:  # a corrupt or foreign record: treat as gone
-        return False
-
-
-def give_back(
-    names: Names,
-    alive: ProducerAlive,
-    producer_task: str,
-    incarnation: int,
-    slot: int,
-    path: str,
-    mem: mmap.mmap | None = None,
-    watch: RunWatch | None = None,
-    returned_path: str | None = None,
-) -> None:
-    """Rename the pool slot file at ``path`` to its ``returned`` name (``returned_path``, if
-    the caller has it), for its producer; with
-    its mapping ``mem``, then store the slot's next ticket in its control block (one
-    ``fstat`` first: a store into a page a truncation took would be a SIGBUS).
-
-    If the producer is no longer the live worker of that incarnation, nobody will take it
-    back: unlink it instead. A missing ``path`` (removed by close or gc meanwhile) is fine.
-    That look (the doorbell, the presence record and its lock) is skipped while ``watch``
-    is live: its consumer will collect what the run leaves (``RunWatch``).
-
-    No ``returned`` file outlives a closing producer: its ``close`` unlinks its doorbell
-    first and then removes the ``returned`` names of its lent slots. We rename first, then
-    look for the doorbell, then for its live presence record; if we see both, the doorbell
-    we saw was that producer's (a successor's appears only after the record is gone), so
-    our rename came before its sweep, which will find the file. (Under a live ``watch``, a
-    rename after that sweep leaves the file to the consumer's collection of the run.)
-    """
-    ret = returned_path or names.path(names.returned(producer_task, incarnation, slot))
-    try:
-        move_noreplace(path, ret)
-    except FileNotFoundError:
-        return  # removed by close or gc meanwhile
-    except OSError as e:
-        _log.warning("cannot give pool slot %s back (%s); unlinking it", path, e)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        return
-    if mem is not None:
-        try:
-            end = len(mem)
-            if end >= CONTROL and mem.size() >= end:
-                _WORD.pack_into(mem, end - CONTROL, slot + (1 << SLOT_BITS))
-        except (OSError, ValueError):
-            pass  # its producer finds it under its name (``SlotPool._take_back``)
-    if watch is not None and watch.live:
-        return
-    if not _taken_back(names, alive, producer_task, incarnation):
-        try:
-            os.unlink(ret)
-        except OSError:
             pass

@@ -20,7 +20,7 @@ iceoryx2 cuts its ``monitoring``:
 process gets a lock of its own (a ``Monitor`` sees a ``Presence`` of its own process), and
 a ``fork`` shares it, which would keep a dead parent alive: an ``os.register_at_fork``
 hook closes the inherited descriptors in every forked child (``subprocess`` children never
-see them: descriptors are close-on-exec). Every open is ``ownership.open_checked``: a
+see them: descriptors are close-on-exec). Every open is ``files.open_checked``: a
 symlink, a file another user planted or leased is an ``InternalError``, never waited for.
 
 Thread model (``docs/threads.md``): no thread of its own. A ``Monitor`` may be asked
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from .._rendezvous import Closing
 from .._transport import PeerRecord, PeerState, TaskState
-from .ownership import open_checked
+from .files import open_checked
 
 if TYPE_CHECKING:
     from .naming import Names

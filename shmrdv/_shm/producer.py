@@ -1,58 +1,77 @@
-"""The producer side of the same-host transport: sending a message (its number, bytes, name).
+"""The sending half of the same-host transport: a message's number, bytes and name.
 
-``send`` writes the array into a segment — a warm pool slot when one fits, else a fresh
-fallocated segment — writes the header, then publishes it with one rename (no replace)
-to the message's name, derived from (namespace, step, key, producer incarnation,
-sequence number). The consumer can never see a half-written tensor: the name appears
-only once the bytes are complete, also if the producer dies mid-write (then only a
-``t``/``p`` name is left, for ``gc``). Small tensors instead travel inline in the ring
-this producer keeps for their consumer (``ring.py``), on its route to that consumer
-(``route.py``: the ring, the doorbell). Then the consumer's doorbell is posted: for an
-inline message unless a post is waiting already (whoever takes that one drains every
-ring after it); for a segment, as soon as its bytes are complete (before its header, its
-rename and its ring notice, and for a large copy before its last ``copier.TAIL`` bytes):
-its consumer's wake-up then runs while they are done, and it finds the message by its
-spin, or by a second post if it slept again (``_publish``).
+Per consumer worker the producer keeps a ``Route`` (derived once per pair of tasks): the
+ring it appends that consumer's records to (``ring.py``) and the consumer's doorbell. A
+small value travels inline, as a ring record; a larger one is copied into a warm pool slot
+(``pool.py``; else a fresh fallocated segment) or was written there by its producer
+(``allocate``), given its header, and published with one rename (no replace) to the
+message's name, derived from (namespace, step, key, producer incarnation, sequence number):
+the consumer never sees a half-written tensor, also if the producer dies mid-write (only a
+``t`` name is left, for ``gc``). A notice of it goes in the ring, so the consumer goes
+straight to that name. Then the consumer's doorbell is posted, unless a post is pending
+already: whoever takes that one drains every ring after it.
 
-Thread model (``docs/threads.md``): any thread may call ``send`` / ``allocate``.
-``_publish_lock`` serialises the sequence numbers and the rings (single producer per
-ring); ``_lock`` guards the allocation table and the routes' doorbell caches
-(``Route.lock``). Neither is held across a call that can block.
+A large copy is split into chunks that the sending thread and a few helper threads take
+one at a time (numpy releases the GIL while it copies): one thread leaves memory bandwidth
+unused. Helpers run only where CPUs are free: at most one less than the CPUs this thread
+may use (3 at most), none while the host's load says they are taken.
+
+Thread model (``docs/threads.md``): any thread may call ``send`` / ``allocate``. ``_lock``
+serialises the sequence numbers and the rings (one writer per ring) and guards the
+allocations and the routes' doorbells; it is never held across a call that can block.
+Helpers ("shmrdv-copy-<n>") wait on a queue; no lock is held while copying.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
-import struct
+import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import InternalError, InvalidArgumentError, closed_error
-from .._keys import DeviceName, ParsedKey
+from .._cluster import canonical_task
+from .._errors import InternalError, InvalidArgumentError, RendezvousError, closed_error
+from .._keys import ParsedKey
 from .._window import counted_bytes
-from . import layout
-from .copier import copy_into
+from .bell import Bell
+from .files import Segment, move_noreplace
+from .header import FLAG_DEAD, FLAG_NOTICE, Template
 from .inflight import Inflight, Ticket
 from .naming import Names
 from .pool import ProducerAlive, Slot, SlotPool
-from .ring import RINGS_SUPPORTED
-from .route import SEEK_END, EarlyPost, Route, file_size
-from .segment import Segment, move_noreplace
+from .ring import RINGS_SUPPORTED, Ring, ring_size
 
-__all__ = ["RING_LIMIT", "Producer", "inline_max", "task_name"]
+if TYPE_CHECKING:
+    import posix_ipc
 
-# Tensors of at most this many bytes (SHMRDV_INLINE_MAX, default and maximum 64 KiB; 0
-# turns it off) travel inline in the producer's ring for their consumer (``ring.py``)
-# instead of a segment of their own: for them the dozen system calls of a segment cost
-# far more than copying the bytes (a 64 B round trip drops from ~750 µs to ~150 µs here).
+__all__ = ["PARALLEL_MIN", "RING_LIMIT", "Producer", "copy_into", "helpers", "inline_max"]
+
+_log = logging.getLogger("shmrdv.shm")
+
+#: Values of at most this many bytes (``SHMRDV_INLINE_MAX``, default and maximum 64 KiB; 0
+#: turns it off) travel inline in the ring: for them the dozen system calls of a segment
+#: cost far more than copying the bytes.
 RING_LIMIT = 64 << 10
+#: The bytes of records a ring holds (``ring_size`` adds its words).
+RING_CAPACITY = 1 << 20
+#: Below this many bytes a copy is one ``np.copyto``: a thread handoff costs more.
+PARALLEL_MIN = 4 << 20
+_CHUNK = 1 << 20  # a copy's chunk: page-aligned, small enough that a late helper costs little
+_MAX_HELPERS = 3
+# How often a producer looks again for the doorbell of a consumer that has not started.
+_BELL_LOOK_S = 0.02
+# Header templates kept: one per (dtype, shape, key length); emptied when full.
+_TEMPLATES_MAX = 1024
+# ``Route.reader`` of a route without a ring: no reader ever changes it.
+_NO_READER = memoryview(bytes(8)).cast("Q")
 
 
 def inline_max() -> int:
@@ -64,70 +83,159 @@ def inline_max() -> int:
     return max(0, min(wanted, RING_LIMIT))
 
 
-def task_name(dev: DeviceName) -> str:
-    """The canonical task part of ``dev``: ``/job:<j>/replica:<r>/task:<t>``."""
-    job, replica, task = dev.task_key()
-    return f"/job:{job}/replica:{replica}/task:{task}"
+class Route:
+    """What a producer keeps per consumer worker: its ring (given up, with segments from
+    then on, if its file is found truncated) and its doorbell (opened on first use: the
+    consumer may not have started yet), and what it sent there. Its fields change under
+    the producer's lock.
+
+    ``reader`` is the ring's reader word (``Ring.reader_word``: the incarnation of the
+    consumer process that reads it) and ``bell_reader`` its value when the doorbell was
+    opened: a consumer task that restarted writes its own, and has a doorbell of its own,
+    which the next send opens (``follow``)."""
+
+    __slots__ = (
+        "bell",
+        "bell_at",
+        "bell_reader",
+        "fd",
+        "reader",
+        "ring",
+        "seg",
+        "sem",
+        "sent",
+        "sent_bytes",
+        "size",
+        "task",
+    )
+
+    def __init__(self, names: Names, producer: str, incarnation: int, task: str) -> None:
+        self.task = task
+        self.seg: Segment | None = None
+        self.ring: Ring | None = None
+        self.bell: Bell | None = None
+        self.sem: posix_ipc.Semaphore | None = None  # ``bell.semaphore`` while it is set
+        self.bell_at = 0.0  # when to look for the doorbell again
+        self.fd = -1  # the ring file's descriptor and size, for its check before each write
+        self.size = 0
+        self.sent = self.sent_bytes = 0
+        self.reader: memoryview = _NO_READER
+        self.bell_reader = 0
+        if RINGS_SUPPORTED:
+            self._make_ring(names, producer, incarnation)
+
+    def _make_ring(self, names: Names, producer: str, incarnation: int) -> None:
+        """Make the ring of this producer run for the consumer, published under its name
+        only once formatted; none where one cannot be made (segments only, found by name)."""
+        seg = None
+        try:
+            seg = Segment.create(names, ring_size(RING_CAPACITY), keep_fd=True)
+            meta = {"producer": producer, "incarnation": incarnation, "consumer": self.task}
+            ring = Ring.format(memoryview(seg.buf), RING_CAPACITY, json.dumps(meta).encode())
+            move_noreplace(seg.path, Names.path(names.ring(producer, incarnation, self.task)))
+        except (OSError, RendezvousError) as e:
+            _log.warning("no ring to %s (%s); segments only, found by name", self.task, e)
+            if seg is not None:
+                seg.unlink_quietly()
+                seg.close()
+            return
+        seg.name = names.ring(producer, incarnation, self.task)
+        self.seg, self.ring, self.fd, self.size = seg, ring, seg.fd, seg.size
+        self.reader = ring.reader_word()
+
+    def ring_intact(self) -> Ring | None:
+        """The ring, if its file still holds it (one ``lseek``). A process of this user that
+        kept a descriptor may have truncated it, and writing to a lost page would be a
+        SIGBUS: such a ring is given up, and the consumer is sent segments, found by name."""
+        try:
+            if os.lseek(self.fd, 0, os.SEEK_END) >= self.size:
+                return self.ring
+        except OSError:
+            pass
+        seg, ring = self.seg, self.ring
+        if seg is None or ring is None:
+            return None
+        try:
+            seg.check_size(seg.size)  # says what is wrong
+            why = "its descriptor failed"
+        except (InternalError, ValueError) as e:
+            why = str(e)
+        _log.warning("the ring to %s is unusable (%s); segments from now on", self.task, why)
+        self._let_go_reader()
+        ring.release()
+        seg.unlink_quietly()  # nothing in it can be read any more
+        seg.close()
+        self.seg = self.ring = None
+        self.fd = -1
+        return None
+
+    def _let_go_reader(self) -> None:
+        word, self.reader = self.reader, _NO_READER
+        if word is not _NO_READER:
+            word.release()
+
+    def follow(self) -> None:
+        """The ring has another reader than the doorbell's (``reader[0] != bell_reader``):
+        its consumer task restarted, or attached the ring after the doorbell was opened.
+        The doorbell is let go, and looked up again at the next post."""
+        bell = self.bell
+        self.bell = self.sem = None
+        self.bell_at = 0.0
+        self.bell_reader = int(self.reader[0])
+        if bell is not None:
+            bell.close()
+
+    def doorbell(self, names: Names) -> posix_ipc.Semaphore | None:
+        """The consumer's doorbell semaphore, opened on first use (looked for again every
+        ``_BELL_LOOK_S`` while the consumer has not started); None while there is none."""
+        if self.sem is not None:
+            return self.sem
+        now = time.monotonic()
+        if now < self.bell_at:
+            return None
+        self.bell_at = now + _BELL_LOOK_S
+        self.bell_reader = int(self.reader[0])  # (read first: a later reader is followed)
+        try:
+            bell = Bell.open(names, self.task)
+        except RendezvousError:
+            _log.warning("doorbell of %s refused (not ours); relying on its tick", self.task)
+            self.bell_at = now + 3600.0
+            return None
+        if bell is not None:
+            self.bell, self.sem = bell, bell.semaphore
+        return self.sem
+
+    def close(self) -> None:
+        """Unmap the ring and close the doorbell. The ring keeps its name while it holds
+        records its consumer has not taken (they are the consumer task's: this process's,
+        or its next one's after a crash); one whose records are all taken goes."""
+        seg, ring, bell = self.seg, self.ring, self.bell
+        self.seg = self.ring = self.bell = self.sem = None
+        self.fd = -1
+        self._let_go_reader()
+        if seg is not None and ring is not None:
+            try:
+                seg.check_size(seg.size)  # a truncated ring's words may be gone
+                if not ring.pending():
+                    seg.unlink_quietly()
+            except InternalError:
+                pass
+            ring.release()
+            seg.close()
+        if bell is not None:
+            bell.close()
 
 
 @dataclass(eq=False)
 class _Allocation:
-    """An array handed out by ``allocate``: where it lives and what it may be sent as."""
+    """An array ``allocate`` handed out: where it lives and what it may be sent as."""
 
     ref: weakref.ref[npt.NDArray[Any]]
     step: int
     key: str
-    template: layout.Template
-    segment: Segment | None  # None: a small array, sent inline through the ring
+    segment: Segment | None  # None: a small array, sent inline
     slot: Slot | None
     sent: bool = False
-
-
-class _KeyOut:
-    """What a send of one key needs that does not change from one message to the next:
-    the key (its string and UTF-8 bytes), its route, the header template of the (dtype,
-    shape) last sent under it, that header with the key in place (``Template.keyed``),
-    whether such a message goes inline (``inline``: through the ring) and, for a live one,
-    what its ring record needs: the header around the per-message fields (``head``,
-    ``tail``: ``Template.live_parts``), its packer (``pack``: ``Template.pack_live``, header
-    and data in one call) and its payload's size; and how many ring records it sent
-    (``sent``, under the publish lock: each has the template's ``nbytes`` of data, so one
-    attribute counts messages and bytes; ``Producer._fold`` keeps them when it goes)."""
-
-    __slots__ = (
-        "dtype",
-        "fk",
-        "head",
-        "header",
-        "inline",
-        "pack",
-        "payload",
-        "raw",
-        "route",
-        "sent",
-        "shape",
-        "tail",
-        "template",
-    )
-
-    def __init__(self, fk: str, raw: bytes, route: Route, t: layout.Template, inline: bool) -> None:
-        self.fk = fk
-        self.raw = raw
-        self.route = route
-        self.template = t
-        self.dtype = t.dtype
-        self.shape = t.shape
-        self.header = t.keyed(raw)
-        self.inline = inline
-        self.head, self.tail = t.live_parts(raw)
-        self.pack = t.pack_live
-        self.payload = t.data_offset + t.nbytes
-        self.sent = 0
-
-
-_time_ns = time.time_ns
-# Header templates kept (per key; a key's dtype or shape change replaces its entry).
-_TEMPLATES_MAX = 4096
 
 
 class Producer:
@@ -140,71 +248,47 @@ class Producer:
         incarnation: int,
         pool_bytes: int,
         inflight: Inflight | None = None,
-        peer_alive: ProducerAlive | None = None,
+        holder_alive: ProducerAlive | None = None,
     ) -> None:
         self._names = names
-        self._inflight = inflight  # the max_inflight_bytes windows, if any
         self._task = task
         self._inc = incarnation
         self._pid = os.getpid()
+        self._inflight = inflight  # the max_inflight_bytes windows, if any
         self._inline_max = inline_max() if RINGS_SUPPORTED else -1
         self._lock = threading.Lock()
-        self._publish_lock = threading.Lock()
-        # step -> key -> next sequence number: a step's table goes in one piece at cleanup.
-        self._seqs: dict[int, dict[str, int]] = {}
-        self._templates: dict[tuple[np.dtype[Any], tuple[int, ...], int], layout.Template] = {}
-        self._outs: dict[str, _KeyOut] = {}  # by full key: what its sends reuse
-        # The ring records of ``_KeyOut``s no longer in ``_outs``: messages, data bytes.
-        self._folded = [0, 0]
-        # By full key: (step, seq, name) of the key's next segment message, computed after
-        # its last one was announced (``_publish``), when its consumer has the message.
-        self._names_ahead: dict[str, tuple[int, int, str]] = {}
+        self._seqs: dict[int, dict[str, int]] = {}  # step -> key -> next sequence number
+        self._templates: dict[tuple[Any, tuple[int, ...], int], Template] = {}
+        self._routes: dict[str, Route] = {}  # by a key's dst device, as written
+        self._by_task: dict[str, Route] = {}  # the same routes, by consumer task
         self._allocations: dict[int, _Allocation] = {}
-        self._routes: dict[str, Route] = {}  # by the key's dst device, as written
-        self._consumers: dict[str, Route] = {}  # by consumer task
-        # Every route made, also after ``close``: ``stats`` adds up what they sent.
-        self._routes_made: list[Route] = []
-        # ``peer_alive(task, incarnation)``: whether that worker run lives; a pool slot held
-        # by a consumer run that is gone is taken back (``SlotPool``).
-        self._pool = SlotPool(names, task, incarnation, pool_bytes, holder_alive=peer_alive)
-        self.counters = {"sent_zero_copy": 0, "ring_full": 0}  # (sent: per route)
+        # A consumer run that holds a slot and is gone gives it back (``SlotPool``).
+        self._pool = SlotPool(names, task, incarnation, pool_bytes, holder_alive=holder_alive)
+        self._closed = False
+        self.zero_copy = self.ring_full = 0
 
-    # -- what is derived once ---------------------------------------------------------
+    def _route(self, key: ParsedKey) -> Route:
+        """The route to the consumer of ``key``: one per consumer task, made on first use."""
+        route = self._routes.get(key.dst_device)
+        if route is None:
+            task = str(canonical_task(key.dst))
+            with self._lock:
+                route = self._by_task.get(task)
+                if route is None:
+                    route = self._by_task[task] = Route(self._names, self._task, self._inc, task)
+                self._routes[key.dst_device] = route
+        return route
 
-    def _template(
-        self, dtype: np.dtype[Any], shape: tuple[int, ...], key_len: int
-    ) -> layout.Template:
-        """The header template of (dtype, shape, key length), cached."""
+    def _template(self, dtype: Any, shape: tuple[int, ...], key_len: int) -> Template:
+        """The header template of (dtype, shape, key length), made once."""
         k = (dtype, shape, key_len)
         t = self._templates.get(k)
         if t is None:
-            t = layout.Template(dtype, shape, key_len)
+            t = Template(dtype, shape, key_len)
             if len(self._templates) >= _TEMPLATES_MAX:
                 self._templates.clear()
             self._templates[k] = t
         return t
-
-    def _route(self, key: ParsedKey) -> Route:
-        """The route to the consumer of ``key`` (its ring made on first use)."""
-        with self._publish_lock:
-            route = self._routes.get(key.dst_device)
-            if route is not None:
-                return route
-            task = task_name(key.dst)
-            route = self._consumers.get(task)
-            if route is None:
-                route = Route.open(self._names, self._task, self._inc, task, self._lock)
-                self._consumers[task] = route
-                self._routes_made.append(route)
-            self._routes[key.dst_device] = route
-            return route
-
-    def _next_seq(self, step_id: int, key: str) -> int:
-        """The sequence number of the next message of (step, key) (under the publish lock)."""
-        seqs = self._seqs.get(step_id)
-        if seqs is None:
-            seqs = self._seqs[step_id] = {}
-        return seqs.get(key, 0)
 
     # -- allocate ---------------------------------------------------------------------
 
@@ -217,27 +301,22 @@ class Producer:
                 f"allocate({key.full_key!r}): bad shape {shape!r} or dtype {dtype!r}: {e}"
             ) from e
         if any(d < 0 for d in shp):
-            raise InvalidArgumentError(
-                f"allocate({key.full_key!r}): negative dimension in shape {shp}"
-            )
+            raise InvalidArgumentError(f"allocate({key.full_key!r}): negative dimension in {shp}")
         if dt.hasobject:
             raise InvalidArgumentError(
-                f"allocate({key.full_key!r}): dtype {dt} holds Python objects, "
-                "which cannot be shared"
+                f"allocate({key.full_key!r}): dtype {dt} holds Python objects, which cannot be "
+                "shared"
             )
         t = self._template(dt, shp, len(key.full_key.encode()))
         seg: Segment | None = None
         slot: Slot | None = None
         if 0 < t.nbytes <= self._inline_max:
-            # Small: it will travel inline through the ring (copying a few KiB costs less
-            # than publishing a segment), so plain memory serves.
-            arr: npt.NDArray[Any] = np.empty(shp, dt)
+            arr: npt.NDArray[Any] = np.empty(shp, dt)  # inline when sent: plain memory serves
         else:
-            slot, seg = self._segment_for(t.segment_size)
-            # A pool slot's size was checked by its acquire a moment ago (``SlotPool._intact``).
-            # (The header is written when it is sent: ``_publish``.)
-            arr = seg.view(t.dtype, t.shape, t.data_offset, t.nbytes, checked=slot is not None)
-        alloc = _Allocation(weakref.ref(arr), step_id, key.full_key, t, seg, slot)
+            slot, seg = self._segment(t.segment_size)
+            # (A pool slot's size was checked by its acquire a moment ago.)
+            arr = seg.view(dt, t.shape, t.data_offset, t.nbytes, checked=slot is not None)
+        alloc = _Allocation(weakref.ref(arr), step_id, key.full_key, seg, slot)
         with self._lock:
             self._allocations[id(arr)] = alloc
         weakref.finalize(arr, self._allocation_dropped, id(arr), alloc)
@@ -253,18 +332,39 @@ class Producer:
                 # message once its consumer gives it back (``SlotPool.unpin``).
                 self._pool.unpin(alloc.slot)
             return
-        # Allocated and never sent: the memory is still the producer's.
-        if alloc.slot is not None:
+        if alloc.slot is not None:  # allocated and never sent: the memory is still ours
             self._pool.release(alloc.slot)
         elif alloc.segment is not None:
             alloc.segment.unlink()
             alloc.segment.close()
 
-    def _segment_for(self, size: int) -> tuple[Slot | None, Segment]:
+    def _segment(self, size: int) -> tuple[Slot | None, Segment]:
         slot = self._pool.acquire(size)
         if slot is not None:
             return slot, slot.segment
         return None, Segment.create(self._names, size)
+
+    def _allocated(
+        self, step_id: int, key: ParsedKey, value: npt.NDArray[Any]
+    ) -> _Allocation | None:
+        """The allocation ``value`` is, if any, now marked sent (``InvalidArgumentError`` if
+        it was sent already, or is sent under another key or step)."""
+        alloc = self._allocations.get(id(value))
+        if alloc is None or alloc.ref() is not value:
+            return None
+        with self._lock:
+            if alloc.sent:
+                raise InvalidArgumentError(
+                    f"this array from allocate() was already sent (under key {alloc.key!r}); "
+                    "its memory belongs to the consumer now: allocate a new one"
+                )
+            if alloc.key != key.full_key or alloc.step != step_id:
+                raise InvalidArgumentError(
+                    f"this array was allocated for key {alloc.key!r} in step {alloc.step} and "
+                    f"cannot be sent under key {key.full_key!r} in step {step_id}"
+                )
+            alloc.sent = True
+        return alloc
 
     # -- send -------------------------------------------------------------------------
 
@@ -276,432 +376,231 @@ class Producer:
         is_dead: bool,
         timeout: float | None = None,
     ) -> None:
-        if self._inflight is not None or self._allocations or is_dead:
-            self._send_checked(step_id, key, value, is_dead, timeout)
-            return
-        # The hot path of a send (a live value, no window, no array from ``allocate``):
-        # what the key's messages share is cached (``_KeyOut``), and a small one goes
-        # straight to the ring (``_send_inline``).
-        out = self._outs.get(key.full_key)
-        if out is None or out.dtype is not value.dtype or out.shape != value.shape:
-            out = self._key_out(key, value)
-        if out.inline and self._send_inline(step_id, out, value, 0, None):
-            return
-        self._send_copy(step_id, key, out.raw, value, out.template, out.route, 0, None, out.header)
-
-    def _send_checked(
-        self,
-        step_id: int,
-        key: ParsedKey,
-        value: npt.NDArray[Any],
-        is_dead: bool,
-        timeout: float | None,
-    ) -> None:
-        """``send`` with a ``max_inflight_bytes`` window, or while arrays from ``allocate``
-        are out (``value`` may be one of them)."""
-        if self._inflight is None:
-            self._send(step_id, key, value, is_dead, None)
-            return
-        # Backpressure: room in the consumer's window before anything is copied or published
-        # (an empty value counts too: it is a ring record or a segment file).
-        nbytes = counted_bytes(value.nbytes)
-        ticket = self._inflight.for_key(key).reserve(nbytes, timeout, key.full_key)
+        """Publish ``value`` as the next message of (step, key): inline in the consumer's
+        ring when it is small and fits, else in a segment (an array from ``allocate``: its
+        own, with no copy). With a ``max_inflight_bytes`` window, room in it first (the
+        bytes of an empty value count too: it is a record or a file)."""
+        if self._closed:
+            raise closed_error(self._task)
+        ticket = None
+        if self._inflight is not None:
+            flight = self._inflight.for_key(key)
+            ticket = flight.reserve(counted_bytes(value.nbytes), timeout, key.full_key)
+        alloc = None
         try:
-            self._send(step_id, key, value, is_dead, ticket)
+            if self._allocations:
+                alloc = self._allocated(step_id, key, value)
+            route = self._routes.get(key.dst_device) or self._route(key)
+            fk = key.full_key
+            raw = fk.encode()
+            t = self._templates.get((value.dtype, value.shape, len(raw)))
+            if t is None:
+                t = self._template(value.dtype, value.shape, len(raw))
+            flags = FLAG_DEAD if is_dead else 0
+            seg = alloc.segment if alloc is not None else None
+            if not (
+                seg is None
+                and t.nbytes <= self._inline_max
+                and self._append(step_id, fk, raw, t, value.tobytes(), flags, route, ticket)
+            ):
+                self._send_segment(step_id, fk, raw, t, value, seg, alloc, flags, route, ticket)
+        except BaseException:
+            if alloc is not None:
+                alloc.sent = False
+            raise
         finally:
-            ticket.cancel()  # a no-op once published
+            if ticket is not None:
+                ticket.cancel()  # a no-op once published
+        if alloc is not None:
+            value.flags.writeable = False  # the consumer's memory from now on
 
-    def _send(
+    def _send_segment(
         self,
         step_id: int,
-        key: ParsedKey,
+        fk: str,
+        raw: bytes,
+        t: Template,
         value: npt.NDArray[Any],
-        is_dead: bool,
+        seg: Segment | None,
+        alloc: _Allocation | None,
+        flags: int,
+        route: Route,
         ticket: Ticket | None,
     ) -> None:
-        if self._allocations:
-            alloc = self._allocations.get(id(value))
-            if alloc is not None and alloc.ref() is value:
-                self._send_allocated(step_id, key, value, is_dead, alloc, ticket)
-                return
-        out = self._outs.get(key.full_key)
-        if out is None or out.dtype is not value.dtype or out.shape != value.shape:
-            out = self._key_out(key, value)
-        flags = 1 if is_dead else 0
-        if out.inline and self._send_inline(step_id, out, value, flags, ticket):
-            return
-        self._send_copy(
-            step_id, key, out.raw, value, out.template, out.route, flags, ticket, out.header
-        )
+        """Publish the message in a segment: ``seg``, an allocation's (no copy), else a pool
+        slot (or a fresh segment) the value is copied into."""
+        slot = alloc.slot if alloc is not None else None
+        if seg is None:
+            slot, seg = self._segment(t.segment_size)
+            try:
+                if t.nbytes:
+                    copy_into(np.ndarray(value.shape, value.dtype, seg.buf, t.data_offset), value)
+                name = self._publish(step_id, fk, raw, t, seg, slot, flags, route)
+            except BaseException:
+                self._discard(slot, seg)
+                raise
+        else:
+            name = self._publish(step_id, fk, raw, t, seg, slot, flags, route)
+            self.zero_copy += 1
+        if ticket is not None:
+            ticket.segment(name)
+        if slot is not None:
+            # An allocation's slot is pinned: it carries no other message while the
+            # producer's array (or a view of it: views keep it alive) can still be read.
+            self._pool.lend(slot, name, route.task, pinned=alloc is not None)
+        else:
+            seg.close()
+        self._post(route)
 
-    def _key_out(self, key: ParsedKey, value: npt.NDArray[Any]) -> _KeyOut:
-        """The ``_KeyOut`` of ``key`` for arrays like ``value`` (made, or remade for a new
-        dtype or shape)."""
-        raw = key.full_key.encode()
-        t = self._template(value.dtype, value.shape, len(raw))
-        route = self._routes.get(key.dst_device) or self._route(key)
-        out = _KeyOut(key.full_key, raw, route, t, t.nbytes <= self._inline_max)
-        with self._publish_lock:  # no ring record is counted meanwhile (``_fold``)
-            outs = self._outs
-            if len(outs) >= _TEMPLATES_MAX:
-                self._fold(outs.values())
-                outs.clear()
-            else:
-                old = outs.get(key.full_key)
-                if old is not None:
-                    self._fold((old,))
-            outs[key.full_key] = out
-        return out
-
-    def _fold(self, outs: Iterable[_KeyOut]) -> None:
-        """Keep the counts of ``outs``' ring records, which leave ``_outs`` (publish lock
-        held)."""
-        folded = self._folded
-        for out in outs:
-            folded[0] += out.sent
-            folded[1] += out.sent * out.template.nbytes
-
-    def _send_inline(
+    def _append(
         self,
         step_id: int,
-        out: _KeyOut,
-        value: npt.NDArray[Any],
+        fk: str,
+        raw: bytes,
+        t: Template,
+        data: bytes,
         flags: int,
+        route: Route,
         ticket: Ticket | None,
     ) -> bool:
-        """Append the message to the consumer's ring; False if it has no ring or no room.
-
-        One lock, one ``lseek`` (``Route.ring_intact``), the header and the data in the ring
-        (a live message's in one C call, ``Template.pack_live``; a dead one's header
-        stamped with its flags, then the data), one store of ``head``, and the doorbell
-        unless a post is waiting (``Route.post_record``). Every small message goes this way,
-        ``send``'s hot path first.
-        """
-        data = value.tobytes()  # (``nbytes`` bytes: the template's dtype and shape)
-        route = out.route
-        lock = self._publish_lock
-        lock.acquire()
-        try:
-            ring = route.ring
+        """Append the message to the consumer's ring, header and data in one call, and post
+        its doorbell; False (nothing written) if it has no ring or no room."""
+        with self._lock:
+            ring = route.ring_intact()
             if ring is None:
-                return False  # the ring was failed: segments from now on
-            # The SIGBUS guard (``Route.ring_intact``): the file's size, one ``lseek``.
-            try:
-                intact = file_size(route.ring_fd, 0, SEEK_END) >= route.ring_size
-            except OSError:
-                intact = False
-            if not intact and not route.ring_intact():
                 return False
-            at = ring.reserve(out.payload)
+            at = ring.reserve(t.data_offset + t.nbytes)
             if at < 0:
-                self.counters["ring_full"] += 1
+                self.ring_full += 1
                 return False  # full: this one goes through a segment, in sequence
             seqs = self._seqs.get(step_id)
             if seqs is None:
                 seqs = self._seqs[step_id] = {}
-            fk = out.fk
             seq = seqs.get(fk, 0)
-            if flags:
-                t = out.template
-                buf = route.ring_buf
-                t.write_keyed(
-                    buf, at, out.header, flags, step_id, seq, self._inc, self._pid, -1, _time_ns()
-                )
-                at += t.data_offset
-                buf[at : at + len(data)] = data
-            else:
-                try:
-                    out.pack(
-                        route.ring_buf,
-                        at,
-                        out.head,
-                        step_id,
-                        seq,
-                        self._inc,
-                        self._pid,
-                        -1,
-                        _time_ns(),
-                        out.tail,
-                        data,
-                    )
-                except struct.error as e:
-                    raise layout.stamp_error(e, step_id, seq, -1) from e
+            t.write(ring.buf, at, raw, flags, step_id, seq, self._inc, self._pid, -1,
+                    time.time_ns(), data)  # fmt: skip
             end = ring.commit()
             seqs[fk] = seq + 1
-            out.sent += 1
-        finally:
-            lock.release()
+            route.sent += 1
+            route.sent_bytes += t.nbytes
+            if route.reader[0] != route.bell_reader:  # its consumer task restarted
+                route.follow()
         if ticket is not None:
             ticket.record(ring, end)
-        # The doorbell, unless a post is waiting already: whoever takes that one drains
-        # every ring after it, so also this record (the ``head`` store came first). A burst
-        # of sends then leaves one post, not one per message for the consumer to take, and
-        # costs a read of the semaphore's value per message (no system call, no call).
-        sem = route.sem
-        try:
-            if route.reader_word[0] != route.reader:  # its consumer task restarted
-                route.follow_reader()
-                sem = route.sem
-            if sem is not None and sem.value > 0:
-                return True
-        except Exception:
-            pass  # closed: ``post_record`` says what is wrong
-        route.post_record()
+        self._post(route)
         return True
-
-    def _send_copy(
-        self,
-        step_id: int,
-        key: ParsedKey,
-        raw: bytes,
-        value: npt.NDArray[Any],
-        t: layout.Template,
-        route: Route,
-        flags: int,
-        ticket: Ticket | None,
-        header: bytes | None = None,
-    ) -> None:
-        """Copy ``value`` into a pool slot (or a one-off segment) and publish it (``header``:
-        ``t.keyed(raw)``, if the caller keeps it)."""
-        slot, seg = self._segment_for(t.segment_size)
-        try:
-            if t.nbytes:
-                dst: npt.NDArray[Any] = np.ndarray(
-                    value.shape, dtype=value.dtype, buffer=seg.buf, offset=t.data_offset
-                )
-                early = EarlyPost(route.post)
-                copy_into(dst, value, early)  # (posts the doorbell as the copy ends)
-                del dst
-            else:
-                early = EarlyPost(None)
-            name, posted = self._publish(
-                step_id, key, raw, t, seg, _slot_index(slot), route, flags, header, early.posted
-            )
-            if ticket is not None:
-                ticket.segment(name)
-        except BaseException:
-            if slot is not None:
-                self._pool.release(slot)
-            else:
-                seg.unlink()
-                seg.close()
-            raise
-        if slot is not None:
-            self._pool.lend(slot, key.full_key, name, route.task)
-        else:
-            seg.close()
-        route.after_publish(t.nbytes, posted)
-
-    def _send_allocated(
-        self,
-        step_id: int,
-        key: ParsedKey,
-        value: npt.NDArray[Any],
-        is_dead: bool,
-        alloc: _Allocation,
-        ticket: Ticket | None,
-    ) -> None:
-        if alloc.sent:
-            raise InvalidArgumentError(
-                f"this array from allocate() was already sent (under key {alloc.key!r}); "
-                "its memory belongs to the consumer now: allocate a new one"
-            )
-        if alloc.key != key.full_key or alloc.step != step_id:
-            raise InvalidArgumentError(
-                f"this array was allocated for key {alloc.key!r} in step {alloc.step} and "
-                f"cannot be sent under key {key.full_key!r} in step {step_id}"
-            )
-        with self._lock:
-            if alloc.sent:
-                raise InvalidArgumentError(
-                    f"this array from allocate() was already sent (key {alloc.key!r})"
-                )
-            alloc.sent = True
-        t = alloc.template
-        # What the key's sends reuse (its template is ``t`` while the key's dtype and shape
-        # are the allocation's: ``_template`` caches).
-        out = self._outs.get(key.full_key)
-        if out is None or out.template is not t:
-            out = self._key_out(key, value)
-        raw, route, header = out.raw, out.route, out.header
-        if out.template is not t:
-            header = t.keyed(raw)  # the template cache was cleared meanwhile
-        flags = 1 if is_dead else 0
-        if alloc.segment is None:
-            # A small one: inline through the ring, else (ring full) a segment of its own.
-            try:
-                small = out if out.template is t else _KeyOut(key.full_key, raw, route, t, True)
-                if not self._send_inline(step_id, small, value, flags, ticket):
-                    self._send_copy(step_id, key, raw, value, t, route, flags, ticket, header)
-                elif small is not out:  # counted by a ``_KeyOut`` no table keeps
-                    with self._publish_lock:
-                        self._fold((small,))
-            except BaseException:
-                alloc.sent = False
-                raise
-            value.flags.writeable = False
-            return
-        try:
-            name, posted = self._publish(
-                step_id, key, raw, t, alloc.segment, _slot_index(alloc.slot), route, flags, header
-            )
-            if ticket is not None:
-                ticket.segment(name)
-        except BaseException:
-            alloc.sent = False
-            raise
-        # The memory is the consumer's from here on: stop the producer writing into it,
-        # and keep the slot from carrying another message while this array (or a view of
-        # it: views keep it alive) can still be read here.
-        value.flags.writeable = False
-        if alloc.slot is not None:
-            self._pool.lend(alloc.slot, key.full_key, name, route.task, pinned=True)
-        else:
-            alloc.segment.close()
-        self.counters["sent_zero_copy"] += 1
-        route.after_publish(t.nbytes, posted)
 
     def _publish(
         self,
         step_id: int,
-        key: ParsedKey,
+        fk: str,
         raw: bytes,
-        t: layout.Template,
+        t: Template,
         seg: Segment,
-        slot: int,
-        route: Route,
+        slot: Slot | None,
         flags: int,
-        header: bytes | None = None,
-        posted: bool = False,
-    ) -> tuple[str, bool]:
-        """Give the message its sequence number and its name, atomically; return the name
-        and whether the consumer's doorbell was posted. (``header``: ``t.keyed(raw)``, if
-        the caller keeps it.)
-
-        Then append a notice of it to the consumer's ring, so that the consumer goes
-        straight to that name (with no ring, or a full one, it finds it by name).
-
-        The doorbell is posted first, the bytes being complete (unless ``posted``: the
-        copy posted it as it ended, ``copier.TAIL``): a consumer asleep on another CPU
-        takes tens of µs to run again, more after a large copy has left the caches cold,
-        and the header, the rename and the notice are done meanwhile instead of before.
-        A consumer that wakes before the notice is there finds it by its spin; one that
-        took the post and slept again gets a second one (``Route.after_publish``).
+        route: Route,
+    ) -> str:
+        """Give the message its sequence number, header and name, atomically, and put a
+        notice of it in the consumer's ring (with no ring, or a full one, the consumer finds
+        it by name: ``Ring.lost`` tells it to look). Returns the name.
 
         Raises ``InternalError`` if a file has that name already (planted by another user,
-        or left by an earlier run with the same incarnation): it is neither replaced nor
-        written into. That sequence number is skipped (the consumer skips it too: it
-        refuses the file, or reads the earlier run's message).
+        or an earlier run's unreceived message): it is neither replaced nor written into.
+        That sequence number is skipped (the consumer skips it too).
         """
-        fk = key.full_key
-        if header is None:
-            header = t.keyed(raw)
-        post = None if posted else route.post
-        if post is not None:
-            try:
-                post()  # ``Bell.post`` (see the docstring)
-                posted = True
-            except Exception:  # closed or saturated: ``after_publish`` rings, and says why
-                pass
-        with self._publish_lock:
-            seq = self._next_seq(step_id, fk)
+        ticket = -1 if slot is None else slot.ticket
+        with self._lock:
+            seqs = self._seqs.get(step_id)
+            if seqs is None:
+                seqs = self._seqs[step_id] = {}
+            seq = seqs.get(fk, 0)
             now = time.time_ns()
-            t.write_keyed(seg.buf, 0, header, flags, step_id, seq, self._inc, self._pid, slot, now)
-            ahead = self._names_ahead.get(fk)
-            if ahead is not None and ahead[0] == step_id and ahead[1] == seq:
-                name = ahead[2]
-            else:
-                name = self._names.message(step_id, fk, self._inc, seq)
+            t.write(seg.buf, 0, raw, flags, step_id, seq, self._inc, self._pid, ticket, now)
+            name = self._names.message(step_id, fk, self._inc, seq)
+            seqs[fk] = seq + 1
             try:
                 move_noreplace(seg.path, Names.path(name))
             except FileExistsError as e:
-                self._seqs[step_id][fk] = seq + 1
                 raise InternalError(
-                    f"cannot publish key {fk!r} (step {step_id}, message {seq}): {name} "
-                    "exists already — planted by another process, or an unreceived message of an "
-                    "earlier run with this incarnation; it was left untouched"
+                    f"cannot publish key {fk!r} (step {step_id}, message {seq}): "
+                    f"{name} exists already: planted by another process, or an unreceived "
+                    "message of an earlier run with this incarnation; it was left untouched"
                 ) from e
             except OSError as e:
                 raise InternalError(f"cannot publish key {fk!r} as {name}: {e}") from e
             seg.name = name
-            self._seqs[step_id][fk] = seq + 1
-            ring = route.ring if route.ring_intact() else None
-            # Another reader (its consumer task restarted): followed after the lock.
-            follow = ring is not None and route.reader_word[0] != route.reader
+            route.sent += 1
+            route.sent_bytes += t.nbytes
+            ring = route.ring_intact()
             if ring is not None:
+                if route.reader[0] != route.bell_reader:  # its consumer task restarted
+                    route.follow()
                 at = ring.reserve(t.data_offset)
                 if at < 0:
-                    self.counters["ring_full"] += 1
+                    self.ring_full += 1
                     ring.count_lost()
                 else:
-                    t.write_keyed(
-                        ring.buf,
-                        at,
-                        header,
-                        flags | layout.FLAG_NOTICE,
-                        step_id,
-                        seq,
-                        self._inc,
-                        self._pid,
-                        slot,
-                        now,
-                    )
+                    t.write(ring.buf, at, raw, flags | FLAG_NOTICE, step_id, seq, self._inc,
+                            self._pid, ticket, now)  # fmt: skip
                     ring.commit()
-        if follow and route.follow_reader():
-            posted = False  # that post went to a dead run's doorbell
-        self._name_ahead(step_id, fk, seq + 1)
-        return name, posted
+        return name
 
-    def _name_ahead(self, step_id: int, fk: str, seq: int) -> None:
-        """Compute the name of message ``seq`` of ``fk`` in ``step_id`` now, for its
-        ``_publish``: a keyed digest, a few µs once a large message has left the caches
-        cold, which then is not done between the doorbell post and the ring notice that
-        its consumer waits for. Called once the last one is announced."""
-        ahead = self._names_ahead
-        if len(ahead) >= _TEMPLATES_MAX and fk not in ahead:
-            ahead.clear()
+    def _post(self, route: Route) -> None:
+        """Post the consumer's doorbell unless a post is pending: whoever takes that one
+        drains every ring after it, so also this record (its ``head`` store came first, and
+        the lock's release, an atomic read-modify-write, lies between). A saturated or
+        closed semaphore is left as it is: the consumer's tick finds the message."""
+        sem = route.sem
+        if sem is None:
+            with self._lock:
+                sem = route.doorbell(self._names)
+            if sem is None:
+                return
         try:
-            ahead[fk] = (step_id, seq, self._names.message(step_id, fk, self._inc, seq))
-        except InvalidArgumentError:  # past the last sequence number: refused when used
-            ahead.pop(fk, None)
+            if not sem.value:
+                sem.release()
+        except Exception as e:  # closed by another thread, or saturated
+            _log.debug("doorbell of %s not posted: %s", route.task, e)
+
+    def _discard(self, slot: Slot | None, seg: Segment) -> None:
+        if slot is not None:
+            self._pool.release(slot)
+        else:
+            seg.unlink_quietly()
+            seg.close()
 
     # -- steps and lifetime -----------------------------------------------------------
 
     def cleanup_step(self, step_id: int) -> None:
-        with self._publish_lock:
-            self._seqs.pop(step_id, None)
+        if self._seqs:
+            with self._lock:
+                self._seqs.pop(step_id, None)
 
     def close(self) -> None:
         """Sweep the pool, unmap the rings, close the doorbells. The caller has already
         unlinked this worker's own doorbell (``pool.give_back`` relies on that order)."""
+        self._closed = True
         if self._inflight is not None:
             self._inflight.close(closed_error(self._task))  # before the rings are unmapped
         self._pool.close()
-        with self._publish_lock:
-            routes = list(self._consumers.values())
-            self._consumers.clear()
+        with self._lock:
+            routes = list(self._by_task.values())
             self._routes.clear()
-            for route in routes:
-                route.close_ring()
-        bells = [b for b in (r.drop_bell() for r in routes) if b is not None]
-        for b in bells:
-            b.close()
+        for route in routes:
+            route.close()
 
     def stats(self) -> dict[str, int]:
-        routes = list(self._routes_made)
-        with self._publish_lock:
-            records = [(o.sent, o.template.nbytes) for o in self._outs.values()]
-            folded = list(self._folded)
-        out = {
-            "sent": sum(r.sent for r in routes) + folded[0] + sum(n for n, _ in records),
-            "sent_bytes": (
-                sum(r.sent_bytes for r in routes) + folded[1] + sum(n * b for n, b in records)
-            ),
-            **self.counters,
-        }
         with self._lock:
-            out["allocations"] = len(self._allocations)
-        out["rings_out"] = sum(1 for r in list(self._consumers.values()) if r.ring is not None)
+            routes = list(self._by_task.values())
+            out = {
+                "sent": sum(r.sent for r in routes),
+                "sent_bytes": sum(r.sent_bytes for r in routes),
+                "sent_zero_copy": self.zero_copy,
+                "ring_full": self.ring_full,
+                "allocations": len(self._allocations),
+                "rings_out": sum(1 for r in routes if r.ring is not None),
+            }
         out.update(self._pool.stats())
         if self._inflight is not None:
             out["inflight_bytes"] = self._inflight.used()
@@ -709,6 +608,132 @@ class Producer:
         return out
 
 
-def _slot_index(slot: Slot | None) -> int:
-    """What a header says of the slot: its ticket (the names of this lend), or -1."""
-    return -1 if slot is None else slot.ticket
+# -- the copy ---------------------------------------------------------------------------------
+
+_EMPTY: npt.NDArray[Any] = np.empty(0, np.uint8)
+# The CPUs this thread may run on and the host's load, and when they were read (a system
+# call and a file read: at most once a second).
+_cpus: list[float] = [0.0, 0.0]
+
+
+def helpers() -> int:
+    """Helper threads a large copy uses besides the caller: one less than the CPUs this
+    thread may run on (read at most once a second), at most 3, none while the host's load
+    says those CPUs are taken; ``SHMRDV_COPY_THREADS=n`` asks for ``n - 1`` whatever the
+    load (1: none)."""
+    now = time.monotonic()
+    if now - _cpus[1] >= 1.0:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+            busy = os.getloadavg()[0] >= cpus
+        except (AttributeError, OSError):  # pragma: no cover - not Linux
+            cpus, busy = os.cpu_count() or 1, False
+        _cpus[:] = [0.0 if busy else float(cpus), now]
+    wanted = os.environ.get("SHMRDV_COPY_THREADS", "")
+    if wanted:
+        try:
+            return max(0, min(int(wanted) - 1, _MAX_HELPERS))
+        except ValueError:
+            pass
+    return max(0, min(int(_cpus[0]) - 1, _MAX_HELPERS))
+
+
+class _Job:
+    """Chunks handed out one at a time: whoever is free takes the next one, so a helper that
+    wakes late (a sleeping CPU takes a while to run) only copies less."""
+
+    __slots__ = ("busy", "chunks", "dst", "error", "idle", "lock", "next", "src")
+
+    def __init__(self, dst: npt.NDArray[Any], src: npt.NDArray[Any], chunks: list[slice]) -> None:
+        self.dst, self.src, self.chunks = dst, src, chunks
+        self.next = self.busy = 0
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+
+    def work(self) -> None:
+        """Copy chunks until none is left."""
+        while True:
+            with self.lock:
+                if self.next >= len(self.chunks) or self.error is not None:
+                    return
+                part = self.chunks[self.next]
+                self.next += 1
+                self.busy += 1
+            try:
+                np.copyto(self.dst[part], self.src[part], casting="no")
+            except BaseException as e:  # pragma: no cover - same dtype, contiguous
+                with self.lock:
+                    self.error = e
+            finally:
+                with self.lock:
+                    self.busy -= 1
+                    if self.busy == 0:
+                        self.idle.notify_all()
+
+    def finish(self) -> None:
+        """Stop handing out chunks; wait until no helper is still copying one (none may keep
+        the buffers exported: a segment's mapping cannot close under a view)."""
+        with self.lock:
+            self.next = len(self.chunks)
+            while self.busy:
+                self.idle.wait()
+            self.dst = self.src = _EMPTY
+
+
+class _Helpers:
+    """The helper threads of this process, shared by every Worker (a forked child starts
+    its own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._pid = os.getpid()
+
+    def offer(self, job: _Job, n: int) -> None:
+        """Let ``n`` helpers join ``job`` (starting them the first time)."""
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the threads stayed with the parent
+                self._queue, self._threads, self._pid = queue.SimpleQueue(), [], os.getpid()
+            while len(self._threads) < n:
+                t = threading.Thread(
+                    target=self._run,
+                    args=(self._queue,),
+                    name=f"shmrdv-copy-{len(self._threads)}",
+                    daemon=True,
+                )
+                t.start()
+                self._threads.append(t)
+            q = self._queue
+        for _ in range(n):
+            q.put(job)
+
+    @staticmethod
+    def _run(q: queue.SimpleQueue[_Job]) -> None:
+        while True:
+            q.get().work()  # a finished job hands out nothing: returns at once
+
+
+_helpers = _Helpers()
+
+
+def copy_into(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+    """``np.copyto(dst, src, casting="no")``, split across threads when it is large (same
+    shape and dtype; ``dst`` C-contiguous). Returns once every byte is copied, also when
+    interrupted (no helper writes ``dst`` after)."""
+    nbytes = src.nbytes
+    n = helpers() if nbytes >= PARALLEL_MIN and src.flags.c_contiguous else 0
+    if n == 0:
+        np.copyto(dst, src, casting="no")
+        return
+    d = dst.reshape(-1).view(np.uint8)
+    s = src.reshape(-1).view(np.uint8)
+    job = _Job(d, s, [slice(i, min(i + _CHUNK, nbytes)) for i in range(0, nbytes, _CHUNK)])
+    _helpers.offer(job, n)
+    try:
+        job.work()
+    finally:
+        job.finish()
+    if job.error is not None:  # pragma: no cover - see _Job.work
+        raise job.error

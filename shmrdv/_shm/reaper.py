@@ -41,12 +41,11 @@ from .._cluster import NAMESPACE_ID_HEX, namespace_ids
 from .._errors import InternalError, InvalidArgumentError, RendezvousError
 from .._keys import DeviceName, parse_key
 from .._transport import Sighting
-from . import layout
+from .files import is_ours, open_checked, peek_header
+from .header import created_ns
 from .naming import KINDS, PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
-from .ownership import is_ours, open_checked
 from .presence import claim, look
 from .ring import DATA_OFFSET, Ring, describe
-from .segment import peek_header
 
 __all__ = [
     "ENV_VAR",
@@ -521,7 +520,7 @@ def _read_ring(path: str) -> tuple[tuple[str, int, int] | None, int | None]:
         ring = Ring(memoryview(data))
         try:
             for record in ring.take():  # (a private copy: taking changes nothing)
-                sent = layout.created_ns(record)
+                sent = created_ns(record)
                 if sent is not None and (newest is None or sent > newest):
                     newest = sent
         finally:

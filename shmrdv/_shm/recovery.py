@@ -1,114 +1,304 @@
-"""Finding a consumer's messages by listing /dev/shm, where no ring record leads to them.
+"""A consumer's rings and names: what the drain does not see, found; what a ring cannot
+keep, moved out. Names are the truth.
 
-Names are the truth, rings are the fast path. A listing (``Listing``: rate-limited, none
-while the directory is unchanged) finds what a ring cannot show: the messages whose
-records a full ring lost (``recover``), the messages and rings of a producer that is gone
-or whose incarnation is unknown (``resolve_incarnation``, ``find_gone``, ``find_rings``),
-and which of many waiting channels of a ringless producer have a message at all
-(``published``). A name new to the consumer costs one ``lstat`` if it is another user's,
-at most ``_NEW_PER_LISTING`` of them per listing, and is never looked at again if refused
-(issue 13 §2).
+Rings: a producer run's ring for this consumer is attached once per run (``attach``) and
+read from its oldest record not taken (``InRing``: the ring is the durable copy of what
+the consumer task has not taken, ``Held`` each queued value of it). ``spill`` moves
+records that wait for a receive while the producer needs the room out to the names of
+their messages, where the task's next process finds them as it finds what a full ring
+lost.
 
-Thread model (docs/threads.md): every method runs under ``Consumer.lock``.
+Names: a producer's messages come with a ring record, except where it has no ring (not
+x86-64, or it could not make one), where its ring was full (``Ring.lost`` counts those),
+and where it is gone before this consumer knew its run. A listing (``Listing``:
+rate-limited, none while the directory is unchanged) finds them: the messages a full ring
+lost (``recover``), a gone producer's run, messages and rings (``resolve_incarnation``,
+``find_gone``, ``find_rings``), which of many waiting channels of a ringless producer have
+a message at all (``published``), and what was sent to a step this worker cleans up
+(``free_unreceived``). A name new to the consumer costs one ``lstat`` if it is another
+user's, at most ``_NEW_PER_LISTING`` of them per listing, and is never looked at again if
+refused.
+
+Thread model (docs/threads.md): every method runs under the consumer's lock, except
+``free_unreceived``, after it (the listing's refused names are a set).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import time
+from typing import TYPE_CHECKING
 
+from .._cluster import canonical_task
 from .._errors import InternalError, RendezvousError
 from .._keys import parse_key
 from .._transport import TransportContext
-from .book import Book, Channel, Notice, Source
-from .inbox import Inbox
+from .files import Segment, is_ours, move_noreplace, peek_header
+from .header import is_notice, unpack_identity
 from .listing import Listing
-from .naming import Names
-from .ownership import is_ours
-from .producer import task_name
-from .ring import RINGS_SUPPORTED
-from .segment import peek_header
+from .mappings import RunWatch, give_back
+from .naming import Names, parse_name
+from .pool import ProducerAlive
+from .ring import RINGS_SUPPORTED, Ring
 
-__all__ = ["Recovery"]
+if TYPE_CHECKING:
+    from .._rendezvous import Received
+    from .consumer import Channel, Consumer, Notice, Source
+
+__all__ = ["Held", "InRing", "Recovery"]
 
 _log = logging.getLogger("shmrdv.shm")
 
-# Names a listing found not ours (another user's, not a regular file, a ring for another
-# consumer, no valid header) are remembered, up to this many, and skipped without a system
-# call afterwards: a flood of planted names costs one ``lstat`` each, once (issue 13 §2).
+# Names a listing found not ours are remembered, up to this many, and skipped without a
+# system call afterwards: a flood of planted names costs one ``lstat`` each, once.
 _REFUSED_MAX = 1 << 17
-# At most this many names new to the consumer are looked at per listing (one ``lstat``,
-# then maybe one open each); the rest wait for the next listing. Bounds a listing's work
-# whatever another user plants.
+# At most this many names new to the consumer are looked at per listing.
 _NEW_PER_LISTING = 32768
+# A listing at most this often (seconds).
+_LIST_EVERY = 0.1
+# How often a consumer looks for a producer's ring that is not there yet.
+_RING_LOOK_S = 0.02
+_INF = float("inf")
 
 #: What a listing tells of a published message: step, key, seq, incarnation, created, slot.
 Listed = tuple[int, str, int, int, int, int]
 
 
+class Held:
+    """A queued value that a ring record brought: the record stays in ring ``r`` (the task's
+    durable copy) until the value is taken or freed (``InRing.taken``)."""
+
+    __slots__ = ("pos", "r", "value")
+
+    def __init__(self, value: Received | Notice | BaseException, r: InRing, pos: int) -> None:
+        self.value, self.r, self.pos = value, r, pos
+
+
+class InRing:
+    """A producer run's ring for this consumer, attached (its name stays while it holds
+    records not taken). ``watch`` is live while it is attached: this consumer will collect
+    what the run leaves once it is over (``pool.RunWatch``). ``spilled``: the segments
+    that records moved out of it went to (``Recovery.spill``; "" for a notice, whose
+    message is one already), by the record's position, until their values are taken."""
+
+    __slots__ = (
+        "fd",
+        "inc",
+        "lost",
+        "lost_seen",
+        "moved",
+        "ring",
+        "segment",
+        "size",
+        "spilled",
+        "src",
+        "watch",
+    )
+
+    def __init__(self, segment: Segment, ring: Ring, src: Source, inc: int) -> None:
+        self.segment, self.ring, self.src, self.inc = segment, ring, src, inc
+        self.fd, self.size = segment.fd, segment.size
+        self.watch = RunWatch()
+        self.lost = self.lost_seen = 0  # records its producer could not append, recovered
+        self.moved = 0  # records this process moved out of it (``Recovery.spill``)
+        self.spilled: dict[int, str] = {}
+
+    def intact(self) -> bool:
+        """Whether its file still holds it: one ``lseek`` of the kept descriptor. A process
+        that kept a descriptor may have truncated it, and touching a lost page would be a
+        SIGBUS."""
+        try:
+            return self.fd >= 0 and os.lseek(self.fd, 0, os.SEEK_END) >= self.size
+        except OSError:
+            return False
+
+    def taken(self, pos: int) -> None:
+        """The value of its record at ``pos`` (``Held``) is taken or freed: so marked in the
+        ring, if its file still holds it (a ring found truncated is failed by the next
+        drain), or the segment the record was moved out to is removed."""
+        if self.spilled:
+            path = self.spilled.pop(pos, None)
+            if path is not None:
+                if path:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                return
+        if self.intact():
+            self.ring.taken(pos)
+
+    def release(self) -> None:
+        self.watch.live = False
+        self.fd = -1
+        self.ring.release()
+        self.segment.close()
+
+
+def _task_of(key: str) -> str | None:
+    """The canonical producer task of ``key``, or None if it is no key."""
+    try:
+        return str(canonical_task(parse_key(key).src))
+    except RendezvousError:
+        return None
+
+
 class Recovery:
-    """The listings of one consumer (see the module docstring)."""
+    """The rings and listings of one consumer (see the module docstring)."""
 
     def __init__(
-        self, ctx: TransportContext, names: Names, book: Book, inbox: Inbox, tick: float
+        self, ctx: TransportContext, names: Names, consumer: Consumer, alive: ProducerAlive
     ) -> None:
         self._ctx = ctx
+        self._alive = alive
         self._names = names
-        self._book = book
-        self._inbox = inbox
-        #: The namespace's names in /dev/shm (also used to skip refused names elsewhere).
-        self.listing = Listing(names.prefix, tick / 2, _REFUSED_MAX)
-        # Names of published messages already looked at by a listing.
-        self._listed: dict[str, Listed] = {}
-        self._listed_gen = -1  # the listing generation ``_listed`` reflects
-        self._rings_gen = -1  # the listing generation ``find_rings`` went through
+        self._consumer = consumer
+        self._own = ctx.task.task_key()
+        #: The namespace's names in /dev/shm (with the names refused, skipped elsewhere too).
+        self.listing = Listing(names.prefix, _LIST_EVERY, _REFUSED_MAX)
+        self._listed: dict[str, Listed] = {}  # published messages a listing looked at
+        self._listed_gen = self._rings_gen = -1  # the listing generations they reflect
 
-    def recover(self, src: Source) -> bool:
-        """Stash notices for ``src``'s messages whose records its full ring lost (one listing).
+    def look_for_ring(self, src: Source, force: bool = False) -> None:
+        """Attach the ring of ``src``'s current run if it is there (at most every
+        ``_RING_LOOK_S`` unless ``force``)."""
+        if not RINGS_SUPPORTED:
+            src.look_at = _INF
+            return
+        now = time.monotonic()
+        if src.look_at > now and not force:
+            return
+        src.look_at = now + _RING_LOOK_S
+        if not src.inc:
+            try:
+                record = self._ctx.peers.lookup(src.dev)
+            except RendezvousError as e:  # a record that is not ours, or corrupt
+                _log.warning("presence record of %s: %s", src.task, e)
+                return
+            if not (record.final and record.incarnation):
+                return
+            src.inc = record.incarnation
+        if src.inc in src.ring_incs:
+            src.look_at = _INF  # until the producer restarts
+            return
+        try:
+            self.attach(
+                self._names.ring(src.task, src.inc, self._ctx.task_name), (src.task, src.inc)
+            )
+        except RendezvousError as e:
+            _log.warning("%s", e)
+            src.look_at = now + _LIST_EVERY * 2
 
-        Returns whether it stashed anything. Rate-limited with the other listings.
-        """
+    def attach(self, name: str, expect: tuple[str, int] | None) -> bool:
+        """Map a producer's ring for this consumer and have it drained (``Consumer.adopt``)
+        from its oldest record not taken (an earlier process of this consumer task may have
+        taken some, and died); its name stays. Once per producer run: a ring attached or let
+        go already is left alone. False: no such name. ``InternalError`` for a ring that is not ours, not for this
+        consumer, or not from ``expect`` (producer task, incarnation)."""
+        try:
+            seg = Segment.attach(self._names, name, keep_fd=True)
+        except FileNotFoundError:
+            return False
+        ring: Ring | None = None
+        try:
+            ring = Ring(memoryview(seg.buf))
+            meta = json.loads(ring.meta())
+            owner = (str(meta["producer"]), int(meta["incarnation"]))
+            if meta["consumer"] != self._ctx.task_name or (expect is not None and owner != expect):
+                raise InternalError(f"ring {name} is {meta}, not for {self._ctx.task_name}")
+            if not owner[1]:
+                raise InternalError(f"ring {name} names incarnation 0")
+        except (RendezvousError, ValueError, KeyError, TypeError) as e:
+            if ring is not None:
+                ring.release()
+            seg.close()
+            raise InternalError(f"refusing ring {name}: {e}") from e
+        src = self._consumer.source(owner[0])
+        if owner[1] in src.ring_incs or owner[1] in src.retired:
+            ring.release()
+            seg.close()
+            return True
+        if not src.inc:
+            src.inc = owner[1]
+        ring.attach(self._ctx.incarnation)
+        self._consumer.adopt(InRing(seg, ring, src, owner[1]))
+        return True
+
+    def look_for_old_ring(self, src: Source, inc: int) -> None:
+        """A key pinned to a run that is not the live one: attach that run's ring if it left
+        one (once per run)."""
+        src.tried.add(inc)
+        if RINGS_SUPPORTED:
+            try:
+                self.attach(self._names.ring(src.task, inc, self._ctx.task_name), (src.task, inc))
+            except RendezvousError as e:
+                _log.warning("%s", e)
+
+    def free(self, task: str, step: int, key: str, inc: int, seq: int, slot: int) -> None:
+        """Free a message nobody will receive (never under the lock): its segment unlinked,
+        or its pool slot given back to its producer (``pool.give_back``)."""
+        path = Names.path(self._names.message(step, key, inc, seq))
+        if slot >= 0:
+            give_back(self._names, self._alive, task, inc, slot, path)
+            return
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+    def needed(self) -> bool:
+        """Whether messages may have come to this consumer with no ring record: a producer
+        it heard of has no ring attached, or a ring lost records (its producer's, or an
+        earlier process's of this consumer task moved out: not those this one moved out,
+        whose values it holds)."""
+        if not RINGS_SUPPORTED:
+            return True
+        for src in self._consumer.srcs.values():
+            if not src.rings or any(r.lost > r.moved for r in src.rings):
+                return True
+        return False
+
+    def recover(self, src: Source) -> None:
+        """Queue the messages of ``src`` whose records its full rings lost (one listing),
+        after what its rings hold. Rate-limited with the other listings.
+
+        The rings are drained after the listing: a producer writes the records of a key's
+        earlier messages before it publishes a later one by name, so every record of a
+        message before a listed one is read first (and a gap before it filled by name)."""
+        from .consumer import Notice  # (the consumer imports this module)
+
+        consumer = self._consumer
         lost = [(r, r.lost) for r in src.rings if r.lost != r.lost_seen]
         if not lost or not self._list_messages():
-            return False
+            return
         for r, n in lost:
+            consumer.drain(r)
             r.lost_seen = n
         incs = {r.inc for r in src.rings}
-        book = self._book
-        found = False
-        for step, key, seq, inc, _created, slot in list(self._listed.values()):
+        for step, key, seq, inc, _created, slot in sorted(self._listed.values(), key=_by_seq):
             if inc not in incs or self._ctx.cleaned_up(step):
                 continue
-            ch = book.find(step, key)
+            ch = consumer.find(step, key)
             if ch is not None and (ch.inc not in (0, inc) or seq < ch.seq):
                 continue
-            if (key, inc, seq) in book.stash.get(step, {}):
+            if _task_of(key) != src.task:
                 continue
-            try:
-                if task_name(parse_key(key).src) != src.task:
-                    continue
-            except RendezvousError:
-                continue
-            ch = book.channel(step, key, src, inc)
-            book.put(ch, inc, seq, Notice(slot))
-            found = True
-        return found
+            ch = consumer.channel(step, key, src, inc)
+            ch.inc, ch.seq = inc, seq + 1
+            consumer.queue(ch, Notice(seq, inc, slot))
 
     def find_gone(self, src: Source) -> list[Channel]:
-        """The waiting channels of ``src`` that a listing shows a message for: ``src``'s
-        incarnation is unknown (it is gone, or has not started) or its keys are pinned to
-        an earlier run. Costs O(messages listed), not O(channels)."""
+        """The waiting channels of ``src`` whose next message a listing shows while its run
+        is unknown (it is gone, or has not started) or its keys are pinned to an earlier
+        run; their run set. O(messages listed), not O(channels)."""
         if RINGS_SUPPORTED:
             self.find_rings()
         self._list_messages()
-        book = self._book
         out = []
         for step, key, seq, inc, _created, _slot in list(self._listed.values()):
-            chans = book.channels.get(step)
-            ch = chans.get(key) if chans is not None else None
-            if type(ch) is not Channel:  # none, or idle (no waiters)
-                continue
-            if ch.src is not src or ch not in book.waiters or ch.seq != seq:
+            ch = self._consumer.find(step, key)
+            if ch is None or ch.src is not src or ch not in src.waiting or ch.seq != seq:
                 continue
             if ch.inc not in (0, inc):
                 continue
@@ -123,8 +313,8 @@ class Recovery:
         return [c for c in chans if (c.step, c.key, c.seq, c.inc) in there]
 
     def resolve_incarnation(self, ch: Channel) -> bool:
-        """Find the incarnation of the channel's producer: its presence record, else (it is
-        gone) the newest message a listing shows for the channel's next receive."""
+        """Find the run of the channel's producer: its presence record, else (it is gone)
+        its ring or the newest message a listing shows for the channel's next receive."""
         src = ch.src
         if not src.inc:
             try:
@@ -141,9 +331,8 @@ class Recovery:
         # messages are still there, under names computed with its incarnation.
         if RINGS_SUPPORTED:
             self.find_rings()
-            if ch.nready:
-                self._book.adopt_incarnation(ch)
-                return ch.inc != 0
+            if ch.inc:
+                return True  # a ring of it was attached and brought the channel's message
         self._list_messages()
         best, best_at = 0, -1
         for step, key, seq, inc, created, _slot in self._listed.values():
@@ -154,7 +343,7 @@ class Recovery:
 
     def find_rings(self) -> None:
         """Attach the rings addressed to this worker that a listing shows (a producer that
-        closed before we learned its incarnation); each name is tried once."""
+        closed before its run was known here); each name is tried once."""
         listing = self.listing
         if not listing.refresh() or self._rings_gen == listing.generation:
             return
@@ -175,7 +364,7 @@ class Recovery:
             except OSError:
                 continue
             try:
-                if self._inbox.attach(name, None):
+                if self.attach(name, None):
                     listing.refuse(name)  # attached (once per run of its producer): done with
             except InternalError as e:  # not ours, or not for this consumer: never again
                 listing.refuse(name)
@@ -183,13 +372,62 @@ class Recovery:
             except RendezvousError as e:
                 _log.debug("%s", e)
 
-    def _list_messages(self) -> bool:
-        """Bring ``_listed`` up to date with /dev/shm (``Listing``: a listdir at most once
-        per half tick, none while the directory is unchanged); False if it may be stale.
+    def spill(self, r: InRing) -> None:
+        """Move the oldest records of ring ``r`` that are read and not taken out of it until
+        those left take at most a quarter of it: a key nobody receives for a while must not
+        leave its producer without room (every small send would then go by name). Each is
+        published under its message's name (a notice's message is one already) and counted
+        in the ring (``Ring.add_spilled``), so the task's next process looks for it by name;
+        the channel table keeps its value, and taking that removes the segment
+        (``InRing.taken``). What cannot be written (/dev/shm full) stays in the ring. Under
+        the lock, right after a drain checked the ring's size."""
+        ring = r.ring
+        held = ring.held
+        count = 0
+        while held and ring.read - held[0] > ring.capacity >> 2:
+            pos = held[0]
+            payload = ring.record(pos)
+            try:
+                path = "" if is_notice(payload) else self._publish(r.inc, payload)
+            except RendezvousError as e:
+                _log.warning("cannot move a record of the ring from %s out: %s", r.src.task, e)
+                break
+            finally:
+                payload.release()
+            r.spilled[pos] = path
+            ring.taken(pos)
+            count += 1
+        if count:
+            ring.add_spilled(count)
+            r.moved += count
+            r.lost += count  # (as the next drain reads it; their values are queued here:
+            r.lost_seen += count  # not to be looked for by name)
 
-        A name new to this consumer costs one ``lstat`` if it is another user's, at most
-        ``_NEW_PER_LISTING`` of them per listing, and is never looked at again if refused.
-        """
+    def _publish(self, inc: int, payload: memoryview) -> str:
+        """Publish ``payload`` (a ring record of producer run ``inc``: a header and its data,
+        read and checked already) under its message's name; return its path. Raises
+        ``RendezvousError``."""
+        who = unpack_identity(payload)
+        if who is None:  # pragma: no cover - the drain read this header
+            raise InternalError("a ring record names no message")
+        step, seq, key = who
+        path = Names.path(self._names.message(step, key, inc, seq))
+        seg = Segment.create(self._names, len(payload))
+        try:
+            seg.buf[: len(payload)] = payload
+            move_noreplace(seg.path, path)
+        except BaseException as e:
+            seg.unlink_quietly()
+            seg.close()
+            if isinstance(e, OSError):
+                raise InternalError(f"cannot publish {path}: {e}") from e
+            raise
+        seg.close()
+        return path
+
+    def _list_messages(self) -> bool:
+        """Bring ``_listed`` up to date with /dev/shm (a listdir at most every
+        ``_LIST_EVERY``, none while the directory is unchanged); False if it may be stale."""
         listing = self.listing
         if not listing.refresh():
             return False
@@ -225,3 +463,37 @@ class Recovery:
                     h.slot,
                 )
         return True
+
+    def free_unreceived(self, step_id: int) -> None:
+        """Free the messages of ``step_id`` addressed to this worker that a listing shows
+        (after the lock: a listdir and a few opens)."""
+        try:
+            entries = os.listdir(Names.path(""))
+        except OSError:
+            return
+        marker = self._names.prefix + "m"
+        listing = self.listing
+        for entry in entries:
+            if not entry.startswith(marker) or listing.refused(entry) or parse_name(entry) is None:
+                continue
+            header = peek_header(Names.path(entry))  # one lstat for another user's name
+            if header is None:
+                listing.refuse(entry)
+                continue
+            if header.step_id != step_id:
+                continue
+            try:
+                pk = parse_key(header.key)
+            except RendezvousError:
+                continue
+            if pk.dst.task_key() != self._own:
+                continue
+            task = _task_of(header.key)
+            assert task is not None
+            self.free(
+                task, step_id, header.key, header.producer_incarnation, header.seq, header.slot
+            )
+
+
+def _by_seq(listed: Listed) -> int:
+    return listed[2]

@@ -1,11 +1,10 @@
 """A single-producer, single-consumer byte ring in shared memory, for small messages.
 
 A segment per message costs a dozen system calls (create or reuse, rename, open, map,
-rename again, unmap) — about 100 µs of a small message's life on this kind of machine,
-far more than its bytes. Small tensors therefore travel inline in a ring that one
-producer worker keeps for one consumer worker: the producer appends a record (the same
-header as a segment's, then the data) and advances ``head``; the consumer copies records
-out and advances ``tail``. No system call but the doorbell's post.
+rename again, unmap): far more than a small message's bytes. Small tensors therefore
+travel inline in a ring that one producer worker keeps for one consumer worker: the
+producer appends a record (the same header as a segment's, then the data) and advances
+``head``; the consumer copies records out and advances ``tail``. No system call but the doorbell's post.
 
 Layout (little endian), at the start of the mapping: magic (8 bytes), capacity (u64);
 ``head`` at byte 64 and ``tail`` at byte 128 (separate cache lines), both running byte
@@ -14,7 +13,7 @@ so that the consumer knows when to look for messages by name; ``read`` at byte 1
 far the consumer has read; ``reader`` at byte 176, the incarnation of the consumer run
 that reads the ring (its producer follows a restarted consumer's doorbell by it);
 ``spilled`` at byte 184, how many records not taken the consumer moved out of the ring
-to messages of their own (``spill``: also to be looked for by name); records
+to messages of their own (``Recovery.spill``: also to be looked for by name); records
 from byte 4096, each ``u32 length`` (of the whole record, 8-aligned) then the payload. A
 record that would cross the end is preceded by a wrap mark (length ``0xFFFFFFFF``) and
 starts again at the beginning.
@@ -24,7 +23,8 @@ or freed) starts: the producer writes over nothing after it. Records are read (`
 as they arrive and may be taken out of order (one key's before another's); one taken
 while an older one is not is marked so in its length word (``mark_taken``: bit 1, which
 no 8-aligned length has), and a later reader skips it. So the consumer's next process,
-after a crash, reads from ``tail`` exactly the records not taken yet. A record left
+after a crash, reads from ``tail`` exactly the records not taken yet. The consumer keeps
+the positions of the records it read and has not taken (``hold``, ``taken``). A record left
 untaken while the producer needs its room is moved out of the ring by its consumer
 (published under its message's name, like a message the producer sent by name) and
 counted in ``spilled``: ``tail`` then passes it.
@@ -37,7 +37,7 @@ x86-64 keeps stores in order (TSO), so the consumer never reads a half-written r
 Weaker memory models need fences Python cannot issue: the transport uses rings only on
 x86-64 (``RINGS_SUPPORTED``) and segments everywhere else.
 
-Pure on a buffer: no files here (``transport.py`` creates, maps and names the segment).
+Pure on a buffer: no files here (the producer creates, maps and names the segment).
 A ring is not thread-safe on either side; each side's owner serialises its calls.
 """
 
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import platform
 import struct
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 from .._errors import InternalError
@@ -68,7 +69,7 @@ DATA_OFFSET = 4096
 _WRAP = 0xFFFFFFFF
 _ALIGN = 8
 # A record's size from its payload's: ``(payload + _PAD) & _ROUND`` (the u32 length word,
-# rounded up to ``_ALIGN``), two operations where the expression written out is six.
+# rounded up to ``_ALIGN``), in two operations.
 _PAD, _ROUND = 4 + _ALIGN - 1, -_ALIGN
 # A consumer's batch (``spans``) ends after about this many bytes of records: the producer
 # gets the room back as the consumer goes, not only once a full ring is drained.
@@ -102,7 +103,8 @@ class Ring:
     def __init__(self, buf: memoryview) -> None:
         if len(buf) < DATA_OFFSET:
             raise InternalError(f"not a shmrdv ring: {len(buf)} bytes")
-        self._buf = buf
+        #: The whole ring: records are written into it between ``reserve`` and ``commit``.
+        self.buf = buf
         self._words = buf[:DATA_OFFSET].cast("Q")
         # The records' u32 lengths, each at an 8-aligned offset: one store or load through
         # this view (a quarter of a ``struct`` call).
@@ -129,6 +131,10 @@ class Ring:
         self._from = self._to = 0
         self._more = False
         self._cursor = self._words[_T]
+        #: The positions of the records read and not taken yet, oldest first (``hold``),
+        #: and those among them taken out of order.
+        self.held: deque[int] = deque()
+        self._early: set[int] = set()
         #: How many records the producer could not append, and its consumer moved out, as
         #: of the last ``spans``: messages to look for by name.
         self.lost = 0
@@ -153,29 +159,16 @@ class Ring:
 
     def meta(self) -> bytes:
         """The owner's description written by ``format``."""
-        n = _U32.unpack_from(self._buf, _META_AT)[0]
+        n = _U32.unpack_from(self.buf, _META_AT)[0]
         if n > _META_MAX:
             raise InternalError(f"shmrdv ring corrupted: description of {n} bytes")
-        return bytes(self._buf[_META_AT + 4 : _META_AT + 4 + n])
+        return bytes(self.buf[_META_AT + 4 : _META_AT + 4 + n])
 
     def max_record(self) -> int:
         """The largest payload a record may carry (a quarter of the ring)."""
         return self._max_record
 
     # -- producer -----------------------------------------------------------------
-
-    @property
-    def buf(self) -> memoryview:
-        """The whole ring (records are written into it between ``reserve`` and ``commit``)."""
-        return self._buf
-
-    @property
-    def words(self) -> memoryview:
-        """The ring as u32 words: ``words[i]`` is ``buf[4 * i : 4 * i + 4]`` (a consumer
-        reads a record's u32 fields through it: a payload starts 4 bytes past an 8-aligned
-        offset, so a field at a multiple of 4 in it is one index away). Released with the
-        ring."""
-        return self._u32
 
     def reserve(self, payload: int) -> int:
         """Make room for a record of ``payload`` bytes; return where its payload goes in
@@ -219,7 +212,7 @@ class Ring:
         at = self.reserve(sum(len(p) for p in parts))
         if at < 0:
             return False
-        buf = self._buf
+        buf = self.buf
         for p in parts:
             n = len(p)
             buf[at : at + n] = p
@@ -277,13 +270,13 @@ class Ring:
         """Let go of the buffer (so that its mapping can be closed)."""
         self._words.release()
         self._u32.release()
-        self._buf.release()
+        self.buf.release()
 
     def take(self) -> Iterator[memoryview]:
         """Yield every complete record's payload (a view valid until the next iteration):
         ``spans`` as views of ``buf``, each record taken once the caller comes back for the
         next one."""
-        buf = self._buf
+        buf = self.buf
         while True:
             spans = self.spans()
             if not spans:
@@ -306,11 +299,12 @@ class Ring:
         A batch ends at ``head``, or after about ``_BATCH_BYTES`` of records in a run (the
         producer gets room back batch by batch), or before a length that is no record's:
         the next call then raises ``InternalError`` (a corrupted ring: a length past the
-        data written), the records before it returned first. Also reads ``lost``.
+        data written), the records before it returned first. Also reads ``lost``, after
+        ``head``: a record lost before one of the batch is counted in it.
         """
         words = self._words
-        self.lost = words[_L] + words[_S]
         head = words[_H]
+        self.lost = words[_L] + words[_S]
         tail = self._from = self._cursor
         cap = self.capacity
         if not tail <= head <= words[_T] + cap or tail % _ALIGN:
@@ -369,38 +363,54 @@ class Ring:
         also when it found none to return: ``consume`` then records that."""
         return bool(self._to != self._from)
 
-    def consume(self, before: int = -1, *, keep: int = -1) -> bool:
+    def consume(self, before: int = -1) -> bool:
         """Pass the records the last ``spans`` found; with ``before``, only those before the
         record whose payload starts at ``before`` (a consumer that failed on that record: it
         is found again next time). They are taken too (the producer may write over them
-        from now on), unless ``keep`` is a record's ``position``: then ``tail`` goes there,
-        and that record and what follows stay. Returns whether more records may follow that
-        batch (then ``spans`` again)."""
+        from now on), but those ``hold`` kept: ``tail`` stays at the oldest of them.
+        Returns whether more records may follow that batch (then ``spans`` again)."""
         tail = self._to if before < 0 else self.position(before)
         words = self._words
         self._cursor = words[_R] = tail
-        words[_T] = tail if keep < 0 else keep
+        held = self.held
+        words[_T] = held[0] if held else tail
         return self._more
 
     def position(self, at: int) -> int:
         """The running byte count at which the record whose payload starts at ``at`` (one
         of the last ``spans``) begins: what ``tail`` is set to for it to be the oldest one
-        not taken (``consume(keep=)``, ``free``)."""
+        not taken (``hold``, ``mark_taken``)."""
         # Positions grow within a run; the run after a wrap starts at DATA_OFFSET and
         # ends before the first run's start (``head`` is at most ``tail + capacity``).
         cap, start = self.capacity, self._from
         pos, at = start % cap, at - 4 - DATA_OFFSET
         return start + (at - pos if at >= pos else cap - pos + at)
 
-    def free(self, position: int) -> None:
-        """Every record before ``position`` (a record's, or the end of what was read) is
-        taken: the producer may write over them."""
-        self._words[_T] = position
+    def hold(self, at: int) -> int:
+        """The record whose payload starts at ``at`` (one of the last ``spans``) is not
+        taken yet: ``tail`` stays before it until ``taken``. Returns its ``position``."""
+        position = self.position(at)
+        self.held.append(position)
+        return position
+
+    def taken(self, position: int) -> None:
+        """The held record at ``position`` is taken: ``tail`` passes it and the taken ones
+        after it if it is the oldest held, else it is marked taken (``mark_taken``)."""
+        held = self.held
+        if held[0] != position:
+            self._early.add(position)
+            self.mark_taken(position)
+            return
+        held.popleft()
+        early = self._early
+        while held and held[0] in early:
+            early.discard(held.popleft())
+        self._words[_T] = held[0] if held else self._cursor
 
     def record(self, position: int) -> memoryview:
         """The payload of the record at ``position`` (read, not taken: its bytes stay)."""
         at = DATA_OFFSET + position % self.capacity
-        return self._buf[at + 4 : at + (self._u32[at >> 2] & ~7)]
+        return self.buf[at + 4 : at + (self._u32[at >> 2] & ~7)]
 
     def add_spilled(self, count: int) -> None:
         """The consumer moved ``count`` more records out of the ring (see the module

@@ -1,4 +1,4 @@
-"""Tests of shmrdv._shm.segment on the real /dev/shm (a fresh namespace per test)."""
+"""Tests of shmrdv._shm.files (segments) on the real /dev/shm (a fresh namespace per test)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 from small_shm import run_with_small_dev_shm
 
 from shmrdv._errors import InternalError
-from shmrdv._shm import layout
+from shmrdv._shm import header as layout
+from shmrdv._shm.files import Segment
 from shmrdv._shm.naming import SHM_DIR, Names
-from shmrdv._shm.segment import Segment
 
 KEY = (
     "/job:w/replica:0/task:0/device:CPU:0;0000000000000001;"
@@ -37,6 +37,10 @@ def _header(shape: tuple[int, ...] = (4, 8), dtype: str = "<f4") -> layout.Heade
     )
 
 
+def _array(seg: Segment, h: layout.Header) -> np.ndarray:
+    return seg.view(h.dtype, h.shape, h.data_offset, h.nbytes)
+
+
 def _mapped(path: str) -> bool:
     with open("/proc/self/maps") as f:
         return any(path in line for line in f)
@@ -52,12 +56,12 @@ def test_segment_create_attach_zero_copy(names: Names) -> None:
         assert prod.name.startswith(names.prefix + "t")
         assert prod.path == f"{SHM_DIR}/{prod.name}" and prod.size == h.segment_size
         layout.pack_into(prod.buf, h)
-        src = prod.ndarray(h)
+        src = _array(prod, h)
         src[...] = np.arange(32, dtype="<f4").reshape(4, 8)
         with Segment.attach(names, prod.name) as cons:
             got = layout.unpack(cons.buf, cons.size)
             assert got == h
-            dst = cons.ndarray(got)
+            dst = _array(cons, got)
             assert dst.flags.writeable and dst.flags.aligned
             np.testing.assert_array_equal(dst, np.arange(32, dtype="<f4").reshape(4, 8))
             src[2, 3] = -1.0  # the producer's write is seen without a copy...
@@ -165,7 +169,7 @@ def test_segment_check_size_detects_truncation(names: Names) -> None:
             with pytest.raises(InternalError, match="truncated to 100 bytes"):
                 cons.check_size(h.segment_size)
             with pytest.raises(InternalError, match="truncated"):
-                cons.ndarray(h)  # checks before touching the data: no SIGBUS
+                _array(cons, h)  # checks before touching the data: no SIGBUS
             with pytest.raises(InternalError, match="maps"):
                 cons.check_size(h.segment_size + 1)
         prod.unlink()
@@ -211,7 +215,7 @@ def test_segment_view_is_ndarray_without_a_header_and_checks_the_same(names: Nam
         layout.pack_into(prod.buf, h)
         arr = prod.view(h.dtype, h.shape, h.data_offset, h.nbytes, checked=True)
         arr[...] = np.arange(32, dtype="<f4").reshape(4, 8)
-        np.testing.assert_array_equal(prod.ndarray(h), arr)
+        np.testing.assert_array_equal(_array(prod, h), arr)
         assert arr.flags.writeable and arr.ctypes.data % 64 == 0
         with pytest.raises(InternalError, match="maps"):
             prod.view(h.dtype, h.shape, h.segment_size, h.nbytes, checked=True)
@@ -252,7 +256,7 @@ def test_segment_close_idempotent_repr_and_closed_errors(names: Names) -> None:
     seg.close()
     assert seg.closed and repr(seg).endswith("closed>")
     assert not _mapped(seg.path)
-    for call in (lambda: seg.buf, lambda: seg.check_size(1), lambda: seg.ndarray(_header())):
+    for call in (lambda: seg.buf, lambda: seg.check_size(1), lambda: _array(seg, _header())):
         with pytest.raises(InternalError, match="closed"):
             call()
 
@@ -272,7 +276,7 @@ def test_segment_arrays_outlive_close(names: Names) -> None:
     h = _header((1024,), "<f8")
     seg = Segment.create(names, h.segment_size)
     path = seg.path
-    arr = seg.ndarray(h)
+    arr = _array(seg, h)
     view = arr[10:20]
     seg.unlink()
     seg.close()
@@ -289,10 +293,9 @@ def test_segment_arrays_outlive_close(names: Names) -> None:
 def test_segment_arrays_outlive_forgotten_segment(names: Names) -> None:
     h = _header((1024,), "<f8")
     seg = Segment.create(names, h.segment_size)
-    seg.ndarray(h)  # an owner that died: the next array gets a new one
-    arr = seg.ndarray(h)
+    _array(seg, h)  # an owner that died: the next array gets a new one
     calls: list[int] = []
-    seg.on_release(calls.append, 1)
+    arr = seg.lend(h.dtype, h.shape, h.data_offset, h.nbytes, calls.append, 1)
     seg.unlink()
     del seg
     gc.collect()  # the finalize backstop runs, and must not unmap under arr
@@ -302,58 +305,39 @@ def test_segment_arrays_outlive_forgotten_segment(names: Names) -> None:
     assert calls == [1]
 
 
-def test_segment_on_release_fires_after_last_view(names: Names) -> None:
+def test_segment_lend_callback_fires_after_last_view(names: Names) -> None:
     h = _header()
     seg = Segment.create(names, h.segment_size)
     calls: list[tuple[str, int]] = []
-    arr = seg.ndarray(h)
+    arr = seg.lend(
+        h.dtype, h.shape, h.data_offset, h.nbytes, lambda t, n: calls.append((t, n)), "gone", 1
+    )
     view = arr.T[1:]
-    again = seg.ndarray(h)
-    seg.on_release(lambda tag, n: calls.append((tag, n)), "gone", 1)
+    again = _array(seg, h)
+    assert seg.lent == 1
     seg.unlink()
     seg.close()
     del arr
     del again
     assert calls == []
     del view
-    assert calls == [("gone", 1)]
-
-
-def test_segment_on_release_fires_at_close_without_arrays(names: Names) -> None:
-    seg = Segment.create(names, 4096)
-    calls: list[int] = []
-    seg.on_release(calls.append, 1)
-    seg.unlink()
-    assert calls == []
-    seg.close()
-    assert calls == [1]
-    seg.close()
-    assert calls == [1]
-
-
-def test_segment_on_release_fires_when_segment_collected(names: Names) -> None:
-    seg = Segment.create(names, 4096)
-    calls: list[int] = []
-    seg.on_release(calls.append, 7)
-    seg.unlink()
-    path = seg.path
-    del seg
     gc.collect()
-    assert calls == [7]
-    assert not _mapped(path)
+    assert calls == [("gone", 1)] and seg.lent == 0
 
 
-def test_segment_on_release_exception_is_logged(
+def test_segment_lend_callback_exception_is_logged(
     names: Names, caplog: pytest.LogCaptureFixture
 ) -> None:
     def boom() -> None:
         raise RuntimeError("boom")
 
     seg = Segment.create(names, 4096)
-    seg.on_release(boom)
+    arr = seg.lend(np.dtype(np.uint8), (8,), 0, 8, boom)
     seg.unlink()
-    with caplog.at_level(logging.ERROR, logger="shmrdv.shm.segment"):
-        seg.close()
+    seg.close()
+    with caplog.at_level(logging.ERROR, logger="shmrdv.shm.files"):
+        del arr
+        gc.collect()
     assert "release callback of segment" in caplog.text and "boom" in caplog.text
 
 
@@ -361,26 +345,23 @@ def test_segment_empty_array_and_zero_size(names: Names) -> None:
     h = _header((0, 3))
     with Segment.create(names, h.segment_size) as seg:
         layout.pack_into(seg.buf, h)
-        arr = seg.ndarray(h)
+        arr = _array(seg, h)
         assert arr.shape == (0, 3) and arr.dtype == np.float32 and arr.flags.writeable
         seg.unlink()
     del arr
-    calls: list[int] = []
     with Segment.create(names, 0) as zero:
         assert zero.size == 0 and len(zero.buf) == 0
         with Segment.attach(names, zero.name) as other:
             assert other.size == 0
             other.check_size(0)
-        zero.on_release(calls.append, 0)
         zero.unlink()
-    assert calls == [0]
 
 
 def test_segment_ndarray_outside_segment_raises(names: Names) -> None:
     h = _header((64, 64))
     with Segment.create(names, 4096) as seg:
         with pytest.raises(InternalError, match="needed"):
-            seg.ndarray(h)
+            _array(seg, h)
         seg.unlink()
 
 
@@ -405,7 +386,7 @@ _ENOSPC_CHILD = textwrap.dedent(
     import os, re, sys
     from shmrdv._errors import ResourceExhaustedError
     from shmrdv._shm.naming import Names
-    from shmrdv._shm.segment import Segment
+    from shmrdv._shm.files import Segment
 
     names = Names("enospc" + "0" * 20)
     try:
@@ -434,49 +415,31 @@ def test_segment_enospc_is_resource_exhausted_not_sigbus() -> None:
     run_with_small_dev_shm(_ENOSPC_CHILD)
 
 
-def test_segment_lend_hands_out_a_prepared_array_only_for_the_same_data(names: Names) -> None:
-    """``prepare_lend`` makes the next ``lend``'s array ahead of it; the lend hands it out
-    only for the same dtype, shape and offset, and either array gives the memory back
-    (its callback) once it and its views are collected."""
+def test_segment_lend_gives_each_array_its_own_owner(names: Names) -> None:
+    """Each ``lend`` is an array of its own over the kept mapping; each gives the memory
+    back (its callback) once it and its views are collected."""
     seg = Segment.create(names, 1 << 20)
     try:
         back: list[int] = []
         f4 = np.dtype(np.float32)
-        seg.prepare_lend(f4, (1024,), 4096, 4096)
         a = seg.lend(f4, (1024,), 4096, 4096, back.append, 1, checked=True)
         assert a.shape == (1024,) and a.dtype == f4 and seg.lent == 1
         a[:] = 7.0
         assert np.frombuffer(seg.buf, np.float32, 1024, 4096)[0] == 7.0  # its own bytes
         view = a[10:]
+        b = seg.lend(f4, (512,), 8192, 2048, back.append, 2, checked=True)
+        assert seg.lent == 2
         del a
         gc.collect()
-        assert back == [] and seg.lent == 1  # a view keeps it lent
+        assert back == [] and seg.lent == 2  # a view keeps it lent
         del view
         gc.collect()
-        assert back == [1] and seg.lent == 0
-        seg.prepare_lend(f4, (1024,), 4096, 4096)
-        b = seg.lend(f4, (512,), 8192, 2048, back.append, 2, checked=True)  # not the same
-        assert b.shape == (512,)
-        b[0] = 3.0
-        assert np.frombuffer(seg.buf, np.float32, 1, 8192)[0] == 3.0
+        assert back == [1] and seg.lent == 1
         del b
         gc.collect()
         assert back == [1, 2] and seg.lent == 0
-        seg.prepare_lend(f4, (1 << 20,), 4096, 4 << 20)  # beyond the mapping: not made
-        c = seg.lend(f4, (16,), 0, 64, back.append, 3, checked=True)
-        assert c.shape == (16,)
-        del c
-        gc.collect()
-        assert back == [1, 2, 3]
+        with pytest.raises(InternalError, match="needed"):
+            seg.lend(f4, (1 << 20,), 4096, 4 << 20, back.append, 3, checked=True)
     finally:
         seg.unlink()
         seg.close()
-
-
-def test_segment_close_unmaps_with_an_unused_prepared_array(names: Names) -> None:
-    seg = Segment.create(names, 1 << 16)
-    mem = seg.buf
-    seg.prepare_lend(np.dtype(np.uint8), (64,), 0, 64)
-    seg.unlink()
-    seg.close()
-    assert mem.closed  # the prepared array went with the segment, and so the mapping

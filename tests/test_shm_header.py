@@ -1,4 +1,4 @@
-"""Tests of shmrdv._shm.layout: the segment header byte format, without shared memory."""
+"""Tests of shmrdv._shm.header: the one writer and the one checked reader, on plain buffers."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from header_corruptions import HEADER_CORRUPTIONS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from shmrdv._errors import InternalError, InvalidArgumentError
-from shmrdv._shm import layout
-from shmrdv._shm.layout import ALIGNMENT, MAGIC, PREFIX, VERSION, Header
+from shmrdv._shm import header as layout
+from shmrdv._shm.header import ALIGNMENT, MAGIC, PREFIX, VERSION, Header
 
 KEY = (
     "/job:w/replica:0/task:0/device:CPU:0;00000000000000ff;"
@@ -330,13 +331,13 @@ def test_unpack_ml_dtypes_missing_raises_internal(monkeypatch: pytest.MonkeyPatc
     h = _header("<f4", (2,))
     buf = _replace_dtype(_segment(h), h, b"ml_dtypes:bfloat16")
     buf = _with(buf, nbytes=4)
-    layout._decode_dtype.cache_clear()
+    layout.decode_dtype.cache_clear()
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # makes `import ml_dtypes` fail
     try:
         with pytest.raises(InternalError, match="ml_dtypes is not installed"):
             layout.unpack(buf, len(buf))
     finally:
-        layout._decode_dtype.cache_clear()
+        layout.decode_dtype.cache_clear()
 
 
 # --- property tests ---------------------------------------------------------------------
@@ -418,3 +419,171 @@ def test_unpack_fuzz_mutated_header_only_internal(
         if at < len(buf):
             buf[at] = value
     _check_garbage(bytes(buf), max(0, len(buf) + size_delta))
+
+
+# --- Template: the one writer -------------------------------------------------------------
+
+TKEY = "/job:w/replica:0/task:0/device:CPU:0;0000000000000001;/job:w/replica:0/task:1/device:CPU:0;e;0:0"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [(np.dtype("<f4"), (16,)), (np.dtype("|S3"), (2, 0, 5)), (np.dtype([("a", "<i2")]), ())],
+)
+def test_template_write_equals_pack_into(dtype: np.dtype[Any], shape: tuple[int, ...]) -> None:
+    t = layout.Template(dtype, shape, len(TKEY.encode()))
+    got = bytearray(t.data_offset)
+    t.write(got, 0, TKEY.encode(), 1, -7, 3, 2**64 - 1, 42, 5, 123)
+    h = Header.build(
+        key=TKEY,
+        dtype=dtype,
+        shape=shape,
+        step_id=-7,
+        seq=3,
+        producer_incarnation=2**64 - 1,
+        producer_pid=42,
+        is_dead=True,
+        slot=5,
+        created_ns=123,
+    )
+    want = bytearray(h.data_offset)
+    layout.pack_into(want, h)
+    assert got == want
+    assert layout.unpack(got, h.segment_size) == h
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [(np.dtype("<f4"), (16,)), (np.dtype("|S3"), (2, 0, 5)), (np.dtype([("a", "<i2")]), ())],
+)
+def test_template_record_is_the_header_then_the_data(
+    dtype: np.dtype[Any], shape: tuple[int, ...]
+) -> None:
+    t = layout.Template(dtype, shape, len(TKEY.encode()))
+    data = bytes(range(256)) * (t.nbytes // 256) + bytes(range(t.nbytes % 256))
+    record = bytearray(8 + t.data_offset + t.nbytes)  # written at 8, as in a ring record
+    for step, seq, inc, pid, slot, created in [(-7, 3, 2**64 - 1, 42, 5, 123), (9, 0, 1, 7, -1, 0)]:
+        t.write(record, 8, TKEY.encode(), 0, step, seq, inc, pid, slot, created, data)
+        want = bytearray(t.data_offset)
+        t.write(want, 0, TKEY.encode(), 0, step, seq, inc, pid, slot, created)
+        assert record[8:] == want + data
+        h = layout.unpack(record[8:], t.segment_size)
+        assert (h.step_id, h.seq, h.producer_incarnation, h.slot, h.is_dead) == (
+            step,
+            seq,
+            inc,
+            slot,
+            False,
+        )
+
+
+def test_template_field_out_of_range_refused() -> None:
+    t = layout.Template(np.dtype("<f8"), (2,), len(TKEY))
+    buf = bytearray(t.data_offset + t.nbytes)
+    with pytest.raises(InternalError, match="out of range"):
+        t.write(buf, 0, TKEY.encode(), 0, 2**63, 0, 1, 1, -1, 0)
+    with pytest.raises(InternalError, match="out of range"):
+        t.write(buf, 0, TKEY.encode(), 0, 1, -1, 1, 1, -1, 0, bytes(t.nbytes))
+
+
+# --- Reader: the one checked reader, with its one cache ------------------------------------
+
+
+def _record(seq: int, flags: int = 0, key: bytes = TKEY.encode()) -> bytearray:
+    t = layout.Template(np.dtype("<f4"), (16,), len(key))
+    buf = bytearray(t.data_offset + 64)
+    t.write(buf, 0, key, flags, 1, seq, 9, 9, -1, 0)
+    return buf
+
+
+def _span(reader: layout.Reader, rec: bytearray) -> layout.Fields:
+    """``reader.read`` of ``rec`` placed, as in a ring, after 64 bytes and before others."""
+    ring = bytearray(64) + rec + b"\xff" * 64
+    return reader.read(memoryview(ring), 64, 64 + len(rec))
+
+
+def test_reader_answers_as_unpack_fields() -> None:
+    reader = layout.Reader()
+    for seq in range(3):
+        rec = _record(seq)
+        assert _span(reader, rec) == layout.unpack_fields(rec, len(rec))
+        assert reader.read(rec, 0, len(rec), record=False) == layout.unpack_fields(rec, len(rec))
+
+
+def test_reader_decodes_each_key_and_refuses_a_bad_one() -> None:
+    """New keys of a known (dtype, shape, key length) are answered from the cache (one
+    entry for them all); each key is decoded."""
+    reader = layout.Reader()
+    for name in ("a", "b", "c"):
+        key = TKEY.replace(";e;", f";{name};").encode()
+        rec = _record(0, key=key)
+        got = _span(reader, rec)
+        assert got == layout.unpack_fields(rec, len(rec))
+        assert got[11] == key.decode()
+    assert len(reader._known) == 1
+    bad = _record(1, key=TKEY.replace(";e;", ";\xff;").encode("latin-1"))
+    with pytest.raises(InternalError, match="UTF-8"):
+        _span(reader, bad)
+
+
+def test_reader_still_checks_the_changing_fields() -> None:
+    reader = layout.Reader()
+    _span(reader, _record(0))  # now known
+    with pytest.raises(InternalError, match="flags"):
+        _span(reader, _record(1, flags=0x80))
+    short = _record(2)
+    with pytest.raises(InternalError, match="past the end"):
+        _span(reader, short[:-8])  # the data would run past the record
+    moved = _record(3)
+    moved[16:24] = (64).to_bytes(8, "little")  # data_offset 256 -> 64: inside the header
+    with pytest.raises(InternalError, match="data offset"):
+        _span(reader, moved)
+
+
+def test_reader_checks_inline_data_but_not_a_notices() -> None:
+    """A ring record's data must lie in it, a notice's (``FLAG_NOTICE``) is in a segment,
+    so only its header must."""
+    reader = layout.Reader()
+    for _ in range(2):  # new, then from the cache
+        rec = _record(3)
+        f = layout.unpack_fields(rec, len(rec))
+        assert _span(reader, rec) == f
+        notice = _record(4, flags=layout.FLAG_NOTICE)[: f[3]]  # the header only
+        got = _span(reader, notice)
+        assert got[0] == layout.FLAG_NOTICE and got[4] == 64 and got[6] == 4
+        with pytest.raises(InternalError, match="past the end"):
+            _span(reader, _record(5)[: f[3]])  # inline, but its data is cut off
+        # A span ending inside the header: the bytes after it are not read as the record's.
+        size = int.from_bytes(notice[12:16], "little")
+        with pytest.raises(InternalError, match="past the end"):
+            reader.read(memoryview(notice), 0, size - 8)
+
+
+def test_unpack_identity_names_a_refused_record() -> None:
+    rec = _record(4)
+    rec[76:80] = (65).to_bytes(4, "little")  # ndim 65: unpack refuses it
+    with pytest.raises(InternalError):
+        layout.unpack_fields(rec, len(rec))
+    assert layout.unpack_identity(rec) is None  # the key cannot be located past a bad ndim
+    rec = _record(5)
+    rec[24:32] = (1).to_bytes(8, "little")  # nbytes 1: inconsistent with the shape
+    with pytest.raises(InternalError):
+        layout.unpack_fields(rec, len(rec))
+    assert layout.unpack_identity(rec) == (1, 5, TKEY)
+
+
+@pytest.mark.parametrize(("at", "raw", "match"), HEADER_CORRUPTIONS)
+def test_reader_checks_every_field_of_a_known_key(at: int, raw: bytes, match: str) -> None:
+    """A corrupted record of a (dtype, shape) the reader knows gets ``unpack_fields``'
+    refusal."""
+    reader = layout.Reader()
+    rec = _record(0)
+    rec.extend(bytes(256))  # room for a moved data offset, so only the named check fails
+    _span(reader, rec)  # now known
+    bad = bytearray(rec)
+    bad[at : at + len(raw)] = raw
+    with pytest.raises(InternalError, match=match):
+        _span(reader, bad)
+    with pytest.raises(InternalError, match=match):
+        layout.unpack_fields(bad, len(bad))
+    assert _span(reader, rec)[6] == 0  # the intact one is still answered
