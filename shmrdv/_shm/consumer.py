@@ -36,7 +36,7 @@ import numpy as np
 
 from .._channels import MISSING, WaiterTable
 from .._cluster import canonical_task
-from .._errors import InternalError, RendezvousError, closed_error
+from .._errors import InternalError, RendezvousError, ResourceExhaustedError, closed_error
 from .._keys import DeviceName, ParsedKey
 from .._rendezvous import Canceller, DoneCallback, Received, invoke_done, received
 from .._transport import TransportContext
@@ -367,8 +367,8 @@ class Consumer:
         if not ch.inc:
             return None  # its name cannot be computed yet
         result = self._open(ch, ch.seq, ch.inc, None)
-        if result is not None:
-            ch.seq += 1
+        if result is not None and type(result) is not ResourceExhaustedError:
+            ch.seq += 1  # (out of descriptors: not read, taken by a later receive)
             if type(result) is Received:
                 self.received += 1
                 self.received_bytes += result.value.nbytes
@@ -380,7 +380,10 @@ class Consumer:
             got.r.taken(got.pos)
             got = got.value
         if type(got) is Notice:
-            got = self._open(ch, got.seq, got.inc, got)  # type: ignore[assignment]
+            opened = self._open(ch, got.seq, got.inc, got)
+            if type(opened) is ResourceExhaustedError:
+                self._table.put(ch, got, front=True)  # not read: still the next one
+            got = opened  # type: ignore[assignment]
         if type(got) is Received:
             self.received += 1
             self.received_bytes += got.value.nbytes
