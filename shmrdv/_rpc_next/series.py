@@ -1,0 +1,429 @@
+"""RecvTensorSeries, shmrdv's one streaming method: a key received again is pushed.
+
+One ``RecvTensor`` per value waits a round trip for each, so a consumer taking a key's
+values one after another (a pipeline) gets one per round trip. Between shmrdv workers
+such a key's values are pushed instead, as they are sent, over one server-streaming call
+of the (step, key): each value as its ``RecvTensorResponse`` messages (``messages``),
+whole or in chunks, back to back.
+
+* **Exactly once, across dropped connections**: a series has a request_id of its own.
+  The producer keeps every value it pushed until the consumer says it holds it (a
+  ``MarkRecvFinished`` of the series with ``held``, the count of values it has read,
+  sent when the series asks: a message with field 1003). A series opened again under
+  its request_id (after a dropped connection) says how many it holds and gets again, in
+  order, what it lacks. A consumer that leaves the series ("released", with ``held``)
+  has what it did not hold go back to its key's head, in order, for ``RecvTensor``; so
+  does a series whose consumer neither comes back nor releases it within ``cache_ttl``.
+* **Bounds** (``guard.Limits``): series open at once (in all, per peer host, per
+  connection: ``RESOURCE_EXHAUSTED``, and the consumer uses ``RecvTensor``), and the
+  bytes one may push ahead of its consumer's acknowledgement (``max_pushed_bytes``;
+  HTTP/2 flow control stops a consumer that does not read). A value counts in the
+  producer's window until it is acknowledged.
+* **Ends**: with ``OK`` after ``series_idle`` without a value and nothing unacknowledged;
+  with the step's error (aborted, cleaned up); ``UNAVAILABLE`` when the server stops.
+  While idle the series sends an empty message every ``TICK`` seconds, so that a
+  consumer blocked reading it sees its deadline.
+
+``SeriesService`` is the producer's end (the handler, on the serving loop: no lock);
+``SeriesCall`` the consumer's end of one series (read by a blocked receiver, in its
+own thread: no thread of ours).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from .._errors import (
+    InvalidArgumentError,
+    RendezvousError,
+    ResourceExhaustedError,
+    UnavailableError,
+    code_for_error,
+)
+from .._keys import ParsedKey
+from .._rendezvous import Received
+from .guard import Limits, Parked
+from .messages import ASK, Assembly, decode_request, encode_finished, encode_request
+from .outbox import Outbox, Sent, Taker
+
+__all__ = ["TICK", "SeriesCall", "SeriesService"]
+
+#: How often an idle series tells its reader it is still there.
+TICK = 0.1
+# A series waiting for a value with values not acknowledged asks for an ack after this
+# long (a producer blocked on its window gets room back), and every _ASK_BYTES pushed.
+_ASK_DELAY = 0.01
+_ASK_BYTES = 16 << 20
+_ACK_TIMEOUT = 5.0
+
+
+class _Pushed(Taker):
+    """What one series (by its request_id) pushed and its consumer has not acknowledged."""
+
+    def __init__(self, outbox: Outbox, rid: int, k: tuple[int, str], key: ParsedKey) -> None:
+        self.outbox = outbox
+        self.rid = rid
+        self.k = k
+        self.key = key
+        self.kept: deque[Sent] = deque()  # pushed, not acknowledged, oldest first
+        self.base = 0  # values acknowledged so far
+        self.kept_bytes = 0
+        self.unasked = 0  # bytes pushed since the last ask
+        self.running = False
+        self.released = False
+        self.got: tuple[Sent | None, BaseException | None] | None = None
+        self.woken: asyncio.Future[bool] | None = None
+        self.room: asyncio.Event | None = None
+        self.expiry: asyncio.TimerHandle | None = None
+
+    def settle(self, sent: Sent | None, error: BaseException | None) -> None:
+        if not self.running:  # taken for a call that ended: not pushed, so back it goes
+            if sent is not None:
+                self.outbox.requeue(sent)
+            return
+        self.got = (sent, error)
+        if self.woken is not None and not self.woken.done():
+            self.woken.set_result(True)
+
+    def ack(self, held: int, outbox: Outbox) -> None:
+        """The consumer holds the series' first ``held`` values: they are delivered."""
+        if held > self.base + len(self.kept):
+            raise InvalidArgumentError(
+                f"RecvTensorSeries {self.rid}: {held} values held, {self.base + len(self.kept)} sent"
+            )
+        while self.base < held:
+            sent = self.kept.popleft()
+            self.kept_bytes -= sent.encoded.nbytes
+            self.base += 1
+            outbox.release(sent)
+        if self.room is not None:
+            self.room.set()
+
+    def give_back(self, outbox: Outbox) -> None:
+        """What the consumer does not hold goes back to its key's head, in order."""
+        while self.kept:
+            outbox.requeue(self.kept.pop())
+        self.kept_bytes = 0
+
+
+class SeriesService:
+    """The producer's end of every series of one server (module docstring)."""
+
+    def __init__(self, outbox: Outbox, key_of: Callable[[str], ParsedKey], limits: Limits) -> None:
+        self._outbox = outbox
+        self._key_of = key_of
+        self._limits = limits
+        window = outbox.max_inflight_bytes
+        self._ask_bytes = min(_ASK_BYTES, limits.max_pushed_bytes // 2 or 1)
+        if window is not None:
+            self._ask_bytes = min(self._ask_bytes, window // 2 or 1)
+        self._open = Parked(
+            (limits.max_series, limits.max_series_per_peer, limits.max_series_per_connection),
+            "series open",
+            "max_series",
+        )
+        self._pushed: dict[int, _Pushed] = {}
+        self._stopping: BaseException | None = None
+        self._stats = dict.fromkeys(("series", "series_values", "series_refused", "series_asks"), 0)
+
+    @property
+    def open(self) -> int:
+        return len(self._pushed)
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self._stats)
+        out["series_open"] = self._open.total
+        out["series_kept"] = len(self._pushed)
+        return out
+
+    async def serve(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        """The handler: push (step, key)'s values (the module docstring)."""
+        self._stats["series"] += 1
+        try:
+            if self._stopping is not None:
+                raise self._stopping
+            req = decode_request(request)
+            pk = self._key_of(req.rendezvous_key)
+            if not req.request_id:
+                raise InvalidArgumentError("RecvTensorSeries needs a request_id")
+            k = (req.step_id, pk.full_key)
+            state = self._pushed.get(req.request_id)
+            if state is None:
+                state = _Pushed(self._outbox, req.request_id, k, pk)
+                state.base = max(req.held, 0)  # a series that ended idle goes on from there
+            elif state.running or state.k != k:
+                raise InvalidArgumentError(f"RecvTensorSeries {req.request_id} is open already")
+            state.ack(req.held, self._outbox)
+            peer = context.peer()
+            why = self._open.refusal(peer)
+            if why is not None:
+                self._stats["series_refused"] += 1
+                raise ResourceExhaustedError(f"RecvTensorSeries on {self._outbox.task}: {why}")
+        except RendezvousError as e:
+            await _abort(context, e)
+        self._pushed[state.rid] = state
+        if state.expiry is not None:
+            state.expiry.cancel()
+        state.running, state.room = True, asyncio.Event()
+        self._open.add(peer, 1)
+        try:
+            for sent in list(state.kept):  # what a consumer that re-opened lacks
+                for chunk in sent.encoded.chunks:
+                    yield chunk
+            async for message in self._push(state, context):
+                yield message
+        finally:
+            state.running = False
+            self._open.add(peer, -1)
+            self._outbox.cancel(state.k[0], state.key, state)  # a value on its way goes back
+            if state.got is not None:
+                sent, _ = state.got
+                state.got = None
+                if sent is not None:
+                    self._outbox.requeue(sent)
+            self._ended(state)
+
+    async def _push(
+        self, state: _Pushed, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        idle = 0.0
+        while not state.released:
+            assert state.room is not None
+            if state.kept and state.kept_bytes >= self._limits.max_pushed_bytes:
+                state.room.clear()  # kept to the bound: more once the consumer holds some
+                if state.unasked:
+                    yield self._ask(state)
+                await state.room.wait()
+                continue
+            try:
+                sent = self._take(state)
+                if sent is None:
+                    asking = bool(state.unasked and state.kept)
+                    if not await self._wait(state, loop, _ASK_DELAY if asking else TICK):
+                        if state.released:
+                            return
+                        if asking:
+                            yield self._ask(state)
+                            continue
+                        idle += TICK
+                        if idle >= self._limits.series_idle and not state.kept:
+                            return  # idle: the consumer opens another series when it waits
+                        yield b""  # a tick
+                        continue
+                    sent = self._settled(state)
+            except RendezvousError as e:
+                await _abort(context, e)
+                return
+            idle = 0.0
+            state.kept.append(sent)
+            state.kept_bytes += sent.encoded.nbytes
+            state.unasked += sent.encoded.nbytes
+            self._stats["series_values"] += 1
+            for chunk in sent.encoded.chunks:
+                yield chunk
+            if state.unasked >= self._ask_bytes:
+                yield self._ask(state)
+
+    def _take(self, state: _Pushed) -> Sent | None:
+        if state.got is not None:
+            return self._settled(state)
+        return self._outbox.take(state.k[0], state.key, state)
+
+    def _settled(self, state: _Pushed) -> Sent:
+        assert state.got is not None
+        (sent, error), state.got = state.got, None
+        if error is not None:
+            raise error if isinstance(error, RendezvousError) else UnavailableError(repr(error))
+        assert sent is not None
+        return sent
+
+    async def _wait(self, state: _Pushed, loop: asyncio.AbstractEventLoop, timeout: float) -> bool:
+        """Wait for the value ``take`` parked for: True once it (or the error) is there;
+        False after ``timeout`` (unparked) or once the series was released."""
+        timer = None
+        while state.got is None and not state.released:
+            woken = state.woken = loop.create_future()
+            if timer is None:
+                timer = loop.call_later(timeout, _resolve, woken)
+            try:
+                settled = await woken
+            finally:
+                state.woken = None
+            if settled or state.got is not None or state.released:
+                break
+            if self._outbox.cancel(state.k[0], state.key, state):
+                timer.cancel()
+                return False
+            # Too late to unpark: the value is on its way; settle() comes next.
+        if timer is not None:
+            timer.cancel()
+        return state.got is not None
+
+    def _ask(self, state: _Pushed) -> bytes:
+        state.unasked = 0
+        self._stats["series_asks"] += 1
+        return ASK
+
+    def _ended(self, state: _Pushed) -> None:
+        """A series' call ended: its state waits for the consumer to come back, release or
+        acknowledge it, or for ``cache_ttl``."""
+        if state.released:
+            return
+        if not state.kept and state.got is None:
+            self._pushed.pop(state.rid, None)
+            return
+        loop = asyncio.get_running_loop()
+        state.expiry = loop.call_later(self._limits.cache_ttl, self._expire, state)
+
+    def _expire(self, state: _Pushed) -> None:
+        if not state.running and self._pushed.get(state.rid) is state:
+            self._drop(state, give_back=True)
+
+    def _drop(self, state: _Pushed, *, give_back: bool) -> None:
+        self._pushed.pop(state.rid, None)
+        state.released = True
+        if state.got is not None:
+            sent, _ = state.got
+            state.got = None
+            if sent is not None:
+                state.kept.append(sent)
+        if give_back:
+            state.give_back(self._outbox)
+        else:
+            for sent in state.kept:
+                self._outbox.release(sent)
+            state.kept.clear()
+        if state.woken is not None and not state.woken.done():
+            state.woken.set_result(False)
+        if state.room is not None:
+            state.room.set()
+
+    def finished(self, rid: int, released: bool, held: int) -> bool:
+        """``MarkRecvFinished`` of series ``rid`` (False: ``rid`` names no series): its
+        consumer holds ``held`` values; ``released``: it left the series."""
+        state = self._pushed.get(rid)
+        if state is None:
+            return False
+        state.ack(held, self._outbox)
+        if released:
+            if state.running:
+                self._outbox.cancel(state.k[0], state.key, state)
+            self._drop(state, give_back=True)
+        return True
+
+    def drop_step(self, step_id: int) -> None:
+        """The step is gone: its series' values with it."""
+        for state in [s for s in self._pushed.values() if s.k[0] == step_id]:
+            self._drop(state, give_back=False)
+
+    def stop(self, error: BaseException) -> None:
+        """The server stops: every series ends with ``error``."""
+        self._stopping = error
+        for state in list(self._pushed.values()):
+            if state.running and self._outbox.cancel(state.k[0], state.key, state):
+                state.settle(None, error)
+
+
+def _resolve(woken: asyncio.Future[bool]) -> None:
+    if not woken.done():
+        woken.set_result(False)
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: BaseException) -> None:
+    await context.abort(code_for_error(error), str(error))
+
+
+# -- the consumer's end ---------------------------------------------------------------------
+
+
+class SeriesCall:
+    """The consumer's end of one series of (step, key): its call, opened again as needed
+    under the series' request_id, and the count of values it has read (``held``).
+
+    ``read`` runs in one blocked receiver's thread at a time (the caller sees to it);
+    ``cancel`` and ``release`` may come from any thread.
+    """
+
+    def __init__(
+        self,
+        series: grpc.UnaryStreamMultiCallable,
+        mark: grpc.UnaryUnaryMultiCallable,
+        metadata: Sequence[tuple[str, str]],
+        step_id: int,
+        key: str,
+        rid: int,
+    ) -> None:
+        self._series = series
+        self._mark = mark
+        self._metadata = metadata
+        self._step_id = step_id
+        self._key = key
+        self.rid = rid
+        self.held = 0
+        self.values = 0  # read into the current call (0: nothing came on it yet)
+        self._call: Any = None
+        self._assembly = Assembly()
+
+    def read(self) -> Received | None:
+        """The next value, reading the series (blocks up to ``TICK`` while it is idle);
+        None after a tick or when the call ended well (it is opened again next time).
+        Raises ``grpc.RpcError`` when the call fails (it is opened again next time) and
+        ``InvalidArgumentError`` for bytes that do not parse."""
+        call = self._call
+        if call is None:
+            request = encode_request(self._step_id, self._key, self.rid, held=self.held)
+            call = self._call = self._series(request, metadata=self._metadata)
+            self.values = 0
+        while True:
+            try:
+                message = next(call)
+            except StopIteration:
+                self._call = None
+                return None
+            except grpc.RpcError:
+                self._call = None
+                self._assembly = Assembly()
+                raise
+            if not message:
+                return None
+            got = self._assembly.feed(message)
+            if got is not None:
+                self.held += 1
+                self.values += 1
+                self._assembly = Assembly()
+                return got
+            if self._assembly.ask:
+                self._send(encode_finished(self.rid, held=self.held))
+
+    def cancel(self) -> None:
+        """End the call (a reader blocked on it returns with ``CANCELLED``)."""
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def release(self) -> None:
+        """Leave the series: the producer gives back what was not read, in order."""
+        self.cancel()
+        self._send(encode_finished(self.rid, released=True, held=self.held))
+
+    def release_future(self) -> Any:
+        """``release``, with the call's future (the caller goes on once it is done)."""
+        self.cancel()
+        request = encode_finished(self.rid, released=True, held=self.held)
+        return self._mark.future(request, timeout=_ACK_TIMEOUT, metadata=self._metadata)
+
+    def _send(self, request: bytes) -> None:
+        try:
+            fut = self._mark.future(request, timeout=_ACK_TIMEOUT, metadata=self._metadata)
+        except (ValueError, grpc.RpcError):  # the channel is closed
+            return
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
