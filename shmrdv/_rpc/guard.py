@@ -2,14 +2,13 @@
 
 * ``TLSConfig``: TLS credentials (mutual TLS with a client CA). Without it the server
   listens in plaintext, which is why it binds loopback unless told otherwise.
-* The token: every call carries ``authorization: Bearer <token>``; ``TokenInterceptor``
-  refuses any other call with ``UNAUTHENTICATED`` as soon as its headers arrive, before a
-  handler runs (constant-time comparison). Over plaintext it keeps out only those who do
-  not know it: use it with TLS across hosts.
-* ``RequestGate``: a call must send its request message soon after it opens, or it is
-  dropped (``UNAVAILABLE``). grpc.aio reads a unary request before anything of ours
-  runs, with no deadline: a client opening calls that never send one would hold them
-  for as long as its connection lives, token or not.
+* ``Gate``, which every call passes first: it must carry ``authorization: Bearer
+  <token>`` (refused with ``UNAUTHENTICATED`` as soon as its headers arrive; a
+  constant-time comparison; over plaintext it keeps out only those who do not know it,
+  so use it with TLS across hosts), and send its request message soon after it opens,
+  or it is dropped (``UNAVAILABLE``). grpc.aio reads a unary request before anything of
+  ours runs, with no deadline: a client opening calls that never send one would hold
+  them for as long as its connection lives, token or not.
 * ``Limits``: every bound of a server in one place, the hostile-client ones too:
   connections (a quarter of the descriptor limit by default) and calls in flight; calls
   parked waiting for a value (in all, per peer host, per connection: ``Parked``) and how
@@ -18,8 +17,8 @@
   its consumer's acknowledgement. The byte window a producer keeps towards one consumer
   (``max_inflight_bytes``) is the core's ``_window``, shared with shared memory.
 
-Thread model (``docs/threads.md``): the interceptors and ``Parked`` run on the server's
-event loop; ``TLSConfig`` and ``Limits`` are frozen values.
+Thread model (``docs/threads.md``): ``Gate`` and ``Parked`` run on the server's event
+loop; ``TLSConfig`` and ``Limits`` are frozen values.
 """
 
 from __future__ import annotations
@@ -27,11 +26,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import inspect
 import os
 import resource
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -43,11 +41,10 @@ __all__ = [
     "DEFAULT_FIRST_MESSAGE_TIMEOUT",
     "DEFAULT_MAX_CONCURRENT_RPCS",
     "UNAUTHENTICATED_MESSAGE",
+    "Gate",
     "Limits",
     "Parked",
-    "RequestGate",
     "TLSConfig",
-    "TokenInterceptor",
     "bearer_metadata",
     "check_token",
     "descriptor_limit",
@@ -197,42 +194,7 @@ def token_matches(metadata: Sequence[tuple[str, Any]] | None, token: str) -> boo
     return found
 
 
-# The refusals take a request *stream* and never read it: gRPC runs them as soon as the
-# call's headers arrive, so a call that never sends its message is refused too.
-async def _refuse_unary(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-async def _refuse_stream(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-    yield b""  # pragma: no cover - makes this an async generator
-
-
-_REFUSE_UNARY = grpc.stream_unary_rpc_method_handler(_refuse_unary)
-_REFUSE_STREAM = grpc.stream_stream_rpc_method_handler(_refuse_stream)
-
-_Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
-
-
-class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuse every call without ``authorization: Bearer <token>`` (``UNAUTHENTICATED``)."""
-
-    def __init__(self, token: str) -> None:
-        checked = check_token(token)
-        assert checked is not None
-        self._token = checked
-
-    async def intercept_service(
-        self, continuation: _Continuation, details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(details)
-        if handler is None or token_matches(details.invocation_metadata, self._token):
-            return handler
-        return _REFUSE_STREAM if handler.response_streaming else _REFUSE_UNARY
-
-
-# -- the request gate -----------------------------------------------------------------------
+# -- the gate -------------------------------------------------------------------------------
 
 # How long a call may wait for its request message before it counts as silent when too
 # many wait: a burst of calls is started one by one by the loop before their (arrived)
@@ -250,39 +212,23 @@ class _Waiting:
         self.why: str | None = None
 
 
-async def _then(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    yield first
-    async for message in rest:
-        yield message
+class Gate:
+    """What every call passes first (``admit``): the token, then its request message
+    within ``timeout`` seconds of its headers (at most ``max_waiting`` calls may wait
+    over a second; the oldest beyond are dropped). The server's handlers all take a
+    request *stream*, so that gRPC runs them as soon as a call's headers arrive: a call
+    without the token is refused before it sends anything, a silent one is dropped
+    (``UNAVAILABLE``: a client that was merely slow may call again), with one timer."""
 
-
-class RequestGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Drop calls that send no request message within ``timeout`` seconds, and the
-    oldest of those waiting over a second beyond ``max_waiting``: every (async) handler
-    gets the request-streaming shape, so it runs when the headers arrive and reads the
-    first message itself under the gate's one timer; then the handler runs as gRPC would
-    have run it."""
-
-    def __init__(self, timeout: float, max_waiting: int) -> None:
+    def __init__(self, token: str | None, timeout: float, max_waiting: int) -> None:
+        self._token = check_token(token)
         self._timeout = timeout
         self._max_waiting = max_waiting
         self._where = "(starting)"
         self._waiting: OrderedDict[_Waiting, None] = OrderedDict()  # oldest first
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._gated: dict[Any, grpc.RpcMethodHandler] = {}
         self._silent = self._crowded = 0
-
-    async def intercept_service(
-        self, continuation: _Continuation, details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        gated = self._gated.get(handler)
-        if gated is None:
-            gated = self._gated[handler] = self._gate(handler)  # a handful of methods
-        return gated
 
     def started(self, address: str) -> None:
         """The server listens on ``address``; called in the loop."""
@@ -301,44 +247,12 @@ class RequestGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             self._timer.cancel()
             self._timer = None
 
-    def _gate(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        streams_in, streams_out = handler.request_streaming, handler.response_streaming
-        if streams_in:
-            behavior = handler.stream_stream if streams_out else handler.stream_unary
-        else:
-            behavior = handler.unary_stream if streams_out else handler.unary_unary
-        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
-            return handler
-        first = self._first_message
-        args = (handler.request_deserializer, handler.response_serializer)
-
-        def request_of(message: Any, requests: AsyncIterator[Any]) -> Any:
-            if not streams_in:
-                return message
-            return requests if message is grpc.aio.EOF else _then(message, requests)
-
-        if not streams_out:
-
-            async def unary_out(requests: AsyncIterator[Any], context: Any) -> Any:
-                message = await first(context, streams_in)
-                return await behavior(request_of(message, requests), context)
-
-            return grpc.stream_unary_rpc_method_handler(unary_out, *args)
-
-        async def stream_out(requests: AsyncIterator[Any], context: Any) -> Any:
-            message = await first(context, streams_in)
-            responses = behavior(request_of(message, requests), context)
-            try:
-                async for response in responses:
-                    yield response
-            finally:
-                await responses.aclose()
-
-        return grpc.stream_stream_rpc_method_handler(stream_out, *args)
-
-    async def _first_message(
-        self, context: grpc.aio.ServicerContext[Any, Any], eof_ok: bool
-    ) -> Any:
+    async def admit(self, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        """The call's request message, once its token is checked; else the call is
+        refused here (``context.abort`` raises)."""
+        token = self._token
+        if token is not None and not token_matches(context.invocation_metadata(), token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
         loop = self._loop
         assert loop is not None
         task = asyncio.current_task(loop)
@@ -354,17 +268,19 @@ class RequestGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         except asyncio.CancelledError:
             if entry.why is None:
                 raise  # the client went away, or the server stops
-            task.uncancel()
+            uncancel = getattr(task, "uncancel", None)  # Python >= 3.11 counts them
+            if uncancel is not None:
+                uncancel()
             await context.abort(grpc.StatusCode.UNAVAILABLE, entry.why)
             raise  # pragma: no cover - abort raises
         finally:
             self._waiting.pop(entry, None)
-        if message is grpc.aio.EOF and not eof_ok:
+        if message is grpc.aio.EOF:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"shmrdv RPC server {self._where}: the call ended without a request message",
             )
-        return message
+        return message  # type: ignore[no-any-return]
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         """The one timer, at the oldest waiting call's next limit."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import grpc.aio
@@ -185,10 +185,10 @@ class SeriesService:
             self._open.add(peer, -1)
             self._outbox.cancel(state.k[0], state.key, state)  # a value on its way goes back
             if state.got is not None:
-                sent, _ = state.got
+                taken, _ = state.got
                 state.got = None
-                if sent is not None:
-                    self._outbox.requeue(sent)
+                if taken is not None:
+                    self._outbox.requeue(taken)
             self._ended(state)
 
     async def _push(
@@ -209,7 +209,7 @@ class SeriesService:
                 if sent is None:
                     asking = bool(state.unasked and state.kept)
                     if not await self._wait(state, loop, _ASK_DELAY if asking else TICK):
-                        if state.released:
+                        if _released(state):
                             return
                         if asking:
                             yield self._ask(state)
@@ -222,7 +222,6 @@ class SeriesService:
                     sent = self._settled(state)
             except RendezvousError as e:
                 await _abort(context, e)
-                return
             idle = 0.0
             state.kept.append(sent)
             state.kept_bytes += sent.encoded.nbytes
@@ -333,13 +332,18 @@ class SeriesService:
                 state.settle(None, error)
 
 
+def _released(state: _Pushed) -> bool:
+    return state.released  # read again after an await (a release may have come)
+
+
 def _resolve(woken: asyncio.Future[bool]) -> None:
     if not woken.done():
         woken.set_result(False)
 
 
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: BaseException) -> None:
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: BaseException) -> NoReturn:
     await context.abort(code_for_error(error), str(error))
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
 # -- the consumer's end ---------------------------------------------------------------------
@@ -369,6 +373,7 @@ class SeriesCall:
         self._key = key
         self.rid = rid
         self.held = 0
+        self.acked = 0  # of ``held``, what the producer was told
         self.values = 0  # read into the current call (0: nothing came on it yet)
         self._call: Any = None
         self._assembly = Assembly()
@@ -402,7 +407,13 @@ class SeriesCall:
                 self._assembly = Assembly()
                 return got
             if self._assembly.ask:
-                self._send(encode_finished(self.rid, held=self.held))
+                self.ack()
+
+    def ack(self) -> None:
+        """Tell the producer what this consumer holds (it counts no more in its window)."""
+        if self.held > self.acked:
+            self.acked = self.held
+            self._send(encode_finished(self.rid, held=self.held))
 
     def cancel(self) -> None:
         """End the call (a reader blocked on it returns with ``CANCELLED``)."""
@@ -413,11 +424,13 @@ class SeriesCall:
     def release(self) -> None:
         """Leave the series: the producer gives back what was not read, in order."""
         self.cancel()
+        self.acked = self.held
         self._send(encode_finished(self.rid, released=True, held=self.held))
 
     def release_future(self) -> Any:
         """``release``, with the call's future (the caller goes on once it is done)."""
         self.cancel()
+        self.acked = self.held
         request = encode_finished(self.rid, released=True, held=self.held)
         return self._mark.future(request, timeout=_ACK_TIMEOUT, metadata=self._metadata)
 
