@@ -157,7 +157,7 @@ class Recv:
     __slots__ = (
         "address", "assembly", "backoff", "blocking", "calls", "chunks", "client", "deadline",
         "done", "future", "gone_since", "k", "key", "peer", "retries", "rid", "started", "state",
-        "timeout", "timer",
+        "timeout", "timer", "why",
     )  # fmt: skip
 
     def __init__(
@@ -184,6 +184,7 @@ class Recv:
         self.timer: threading.Timer | None = None
         self.backoff = _RETRY_FIRST
         self.gone_since: float | None = None
+        self.why = ""  # what the last failed call said (for a timeout's error)
 
     def cancel(self) -> bool:
         return self.client._cancel(self)
@@ -570,6 +571,7 @@ class RpcClient:
 
     def _pause(self, recv: Recv, why: str) -> None:
         """Call again after a pause (in a blocked receiver's thread, or a timer's)."""
+        recv.why = why
         pause, recv.backoff = recv.backoff, min(recv.backoff * 2, _RETRY_MAX)
         if recv.gone_since is not None:
             pause = min(pause, max(0.0, recv.gone_since + GONE_GRACE - time.monotonic()))
@@ -592,9 +594,11 @@ class RpcClient:
 
     def _timed_out(self, recv: Recv, why: str = "") -> None:
         after = "" if recv.timeout is None else f" after {recv.timeout:g}s"
-        self._finish(recv, DeadlineExceededError(
-            f"Timed out{after} receiving {recv.where()}" + (f": {why}" if why else "")
-        ), None)  # fmt: skip
+        why = why or recv.why
+        because = f"; the peer was unavailable: {why}" if why else ""
+        self._finish(
+            recv, DeadlineExceededError(f"Timed out{after} receiving {recv.where()}{because}"), None
+        )
 
     def _finish(self, recv: Recv, error: BaseException | None, got: Received | None) -> bool:
         """End ``recv`` with its value or error, once (False: it had ended already)."""

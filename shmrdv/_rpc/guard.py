@@ -383,7 +383,7 @@ class Limits:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is not None:
+            if value is not None or f.name != "max_connections":
                 _positive(f.name, value, float if f.type == "float" else int)
         if self.first_message_timeout > 3600:
             raise InvalidArgumentError(

@@ -247,16 +247,24 @@ class Encoded:
 
 
 def encode_value(
-    value: npt.NDArray[Any], is_dead: bool, *, chunk_bytes: int = CHUNK_BYTES
+    value: npt.NDArray[Any],
+    is_dead: bool,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    send_start_micros: int | None = None,
 ) -> Encoded:
     """``value`` as its ``RecvTensorResponse`` bytes (the one copy of its buffer): whole up
-    to ``chunk_bytes`` of content, else chunks of that many. ``InvalidArgumentError`` for
-    a value that cannot be sent."""
+    to ``chunk_bytes`` of content, else chunks of that many; ``send_start_micros`` (for
+    TensorFlow's timelines only) is now unless given. ``InvalidArgumentError`` for a value
+    that cannot be sent."""
     arr = as_array(value)
+    if send_start_micros is None:
+        send_start_micros = time.time_ns() // 1000
     head, content, tail = tensor_parts(arr)
     prefix = bytearray(b"\x10\x01" if is_dead else b"")
-    prefix.append(0x18)  # send_start_micros (TensorFlow: for timelines only)
-    put_varint(prefix, time.time_ns() // 1000)
+    if send_start_micros:
+        prefix.append(0x18)
+        put_varint(prefix, check_int64("send_start_micros", send_start_micros))
     prefix += b"\x28\x01"  # require_ack: the response is cached until MarkRecvFinished
     total = len(content)
     if total <= chunk_bytes:
@@ -284,15 +292,15 @@ def whole_message(encoded: Encoded) -> bytes:
     TensorFlow's); ``ResourceExhaustedError`` beyond protobuf's 2 GiB ceiling."""
     if len(encoded.chunks) == 1:
         return encoded.chunks[0]
-    assembly = Assembly()
-    for chunk in encoded.chunks:
-        got = assembly.feed(chunk)
-    assert got is not None
     if encoded.nbytes + (1 << 20) > _MAX_MESSAGE_BYTES:
         raise ResourceExhaustedError(
             f"cannot send a tensor of {encoded.nbytes} bytes in one RecvTensor response: "
             "beyond the 2 GiB protobuf limit (TensorFlow: kProtoBufLimitBytes)"
         )
+    assembly = Assembly()
+    for chunk in encoded.chunks:
+        got = assembly.feed(chunk)
+    assert got is not None
     return encode_value(got.value, got.is_dead, chunk_bytes=_MAX_MESSAGE_BYTES).chunks[0]
 
 

@@ -323,7 +323,7 @@ class Outbox:
         out = {"sent": self.sent, "sent_bytes": self.sent_bytes}
         with self._lock:
             out["outbox_values"] = self._table.pending_values
-            out["outbox_keys"] = len(self._table)
+            out["outbox_parked"] = self._table.pending_waiters
         if self._windows is not None:
             out["inflight_bytes"] = self._windows.used()
             out["window_waits"] = self._windows.waits()
