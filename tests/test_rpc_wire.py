@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
-from rpc_coding import ML_CODES, SAMPLES, TF_CODES, IDS, expected_tensor
+from rpc_coding import IDS, ML_CODES, SAMPLES, TF_CODES, expected_tensor
 
 from shmrdv._errors import InvalidArgumentError
 from shmrdv._rpc import wire

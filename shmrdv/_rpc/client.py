@@ -98,6 +98,8 @@ TURN = 0.2
 GONE_GRACE = 1.0
 _RETRY_FIRST, _RETRY_MAX = 0.05, 1.0
 _CHUNKS_IN_FLIGHT = 4
+# A blocked receiver whose turns brought nothing for about a second waits on one long call.
+_IDLE_TURNS = 5
 _CHUNK_RETRIES = 2
 _ACK_TIMEOUT = 5.0
 _ACK_DELAY = 0.05  # a series' values read and not acknowledged are, after this long
@@ -130,7 +132,7 @@ _QUEUED, _ACTIVE, _DONE = range(3)
 class _Peer:
     """One producer address: its channel, its methods and the acks for its next request."""
 
-    __slots__ = ("acks", "address", "channel", "mark", "no_series", "recv", "series")
+    __slots__ = ("acks", "address", "channel", "mark", "no_series", "reached", "recv", "series")
 
     def __init__(self, address: str, channel: grpc.Channel) -> None:
         self.address = address
@@ -140,6 +142,7 @@ class _Peer:
         self.series = channel.unary_stream(RECV_TENSOR_SERIES)
         self.acks: deque[int] = deque()
         self.no_series = 0.0  # no series until then (monotonic)
+        self.reached = False  # it answered once: failing to connect now means it went away
 
     def take_acks(self) -> list[int]:
         acks: list[int] = []
@@ -157,7 +160,7 @@ class Recv:
     __slots__ = (
         "address", "assembly", "backoff", "blocking", "calls", "chunks", "client", "deadline",
         "done", "future", "gone_since", "k", "key", "peer", "retries", "rid", "started", "state",
-        "timeout", "timer", "why",
+        "timeout", "timer", "turns", "why",
     )  # fmt: skip
 
     def __init__(
@@ -174,7 +177,8 @@ class Recv:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.rid = _ids.getrandbits(63) | 1  # odd: never 0 (TensorFlow: GetUniqueRequestId)
         self.state = _QUEUED
-        self.started = False  # a callback receive's first call was made (by _drive)
+        self.started = False  # driven by futures: a callback receive, or a blocked one idle
+        self.turns = 0  # a blocked receiver's calls that ended with nothing
         self.peer: _Peer | None = None
         self.assembly: Assembly | None = None
         self.calls = 0  # calls made under rid (the producer may hold a value for it)
@@ -241,6 +245,7 @@ class RpcClient:
         self._aborted: dict[int, BaseException] = {}
         self._closed = False
         self._sending: set[Any] = set()  # MarkRecvFinished calls in flight
+        self._fetching: set[Recv] = set()  # receives fetching the chunks of a value
         self.received = self.received_bytes = 0
 
     def __repr__(self) -> str:
@@ -309,7 +314,13 @@ class RpcClient:
                 return True
             if series is not None and series.reader is None and k not in self._releasing:
                 series.reader = recv
-            elif series is not None or recv.state != _ACTIVE or recv.chunks or k in self._releasing:
+            elif (
+                series is not None
+                or recv.state != _ACTIVE
+                or recv.started
+                or recv.chunks
+                or k in self._releasing
+            ):
                 self._cond.wait(timeout)
                 return True
         if series is not None:
@@ -459,6 +470,7 @@ class RpcClient:
 
     def _answered(self, recv: Recv, peer: _Peer, data: bytes) -> None:
         """An answer: the value, or its first chunk (then fetch the rest)."""
+        peer.reached = True
         assembly = recv.assembly = Assembly()
         try:
             got = assembly.feed(data)
@@ -475,6 +487,7 @@ class RpcClient:
         with self._lock:
             if recv.state != _ACTIVE:
                 return
+            self._fetching.add(recv)
             for offset in assembly.missing[:_CHUNKS_IN_FLIGHT]:
                 recv.chunks[offset] = None
         for offset in list(recv.chunks):
@@ -532,8 +545,12 @@ class RpcClient:
             return
         remaining = recv.remaining()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and (remaining is None or remaining > 0):
-            if not recv.blocking:  # the server's max_wait: ask again
-                self._issue(recv)
+            if recv.blocking and not recv.started:  # a turn: again, from the receiver
+                recv.turns += 1
+                if recv.turns < _IDLE_TURNS:
+                    return
+                recv.started = True  # idle: one long call, which abort and close can stop
+            self._issue(recv)  # (a long call's end: the server's max_wait)
             return
         if code == grpc.StatusCode.UNAVAILABLE:
             if "Too many open files" in details:
@@ -559,7 +576,8 @@ class RpcClient:
         """Whether the producer went away (the receive's error) or may come back (None)."""
         now = time.monotonic()
         if recv.gone_since is None:
-            if _NEVER_CONNECTED in details.lower():
+            peer = recv.peer
+            if _NEVER_CONNECTED in details.lower() and not (peer is not None and peer.reached):
                 return None  # not listening yet: waited for until the deadline
             recv.gone_since = now
         if now - recv.gone_since < GONE_GRACE and SERVER_STOPPING not in details:
@@ -609,6 +627,12 @@ class RpcClient:
             self._end(recv)
             if got is not None:
                 self._count(got)
+            calls = [recv.future, *recv.chunks.values()] if error is not None else []
+        for call in calls:
+            if call is not None:
+                call.cancel()
+        if error is not None and recv.calls and recv.peer is not None:
+            self._release(recv.peer, recv.rid)  # what the producer took for it goes back
         invoke_done(recv.done, error, got)
         self._drive(k)
         return True
@@ -617,6 +641,7 @@ class RpcClient:
         """``recv`` leaves the tables (the lock is held)."""
         k = recv.k
         recv.state = _DONE
+        self._fetching.discard(recv)
         self._table.cancel(k, recv)
         if recv.blocking and self._blocked.pop(recv.done, None) is recv:
             left = self._blocking.get(k, 0) - 1
@@ -860,6 +885,7 @@ class RpcClient:
                 "received": self.received,
                 "received_bytes": self.received_bytes,
                 "receives_pending": self._table.pending_waiters,
+                "fetching": len(self._fetching),
                 "series": len(self._series),
             }
 
