@@ -132,7 +132,10 @@ _QUEUED, _ACTIVE, _DONE = range(3)
 class _Peer:
     """One producer address: its channel, its methods and the acks for its next request."""
 
-    __slots__ = ("acks", "address", "channel", "mark", "no_series", "reached", "recv", "series")
+    __slots__ = (
+        "acks", "address", "channel", "mark", "no_series", "reached", "recv", "releases",
+        "series",
+    )  # fmt: skip
 
     def __init__(self, address: str, channel: grpc.Channel) -> None:
         self.address = address
@@ -141,14 +144,16 @@ class _Peer:
         self.mark = channel.unary_unary(MARK_RECV_FINISHED)
         self.series = channel.unary_stream(RECV_TENSOR_SERIES)
         self.acks: deque[int] = deque()
+        self.releases: deque[int] = deque()  # given up: sent with the next request
         self.no_series = 0.0  # no series until then (monotonic)
         self.reached = False  # it answered once: failing to connect now means it went away
 
-    def take_acks(self) -> list[int]:
+    def take_acks(self, queue: deque[int] | None = None) -> list[int]:
+        queue = self.acks if queue is None else queue
         acks: list[int] = []
         try:
-            while self.acks and len(acks) < MAX_ACKS:
-                acks.append(self.acks.popleft())
+            while queue and len(acks) < MAX_ACKS:
+                acks.append(queue.popleft())
         except IndexError:  # taken by another request meanwhile
             pass
         return acks
@@ -403,8 +408,12 @@ class RpcClient:
         return peer
 
     def _request(self, recv: Recv, peer: _Peer, offset: int = 0) -> tuple[bytes, list[int]]:
-        acks = [] if offset else peer.take_acks()
-        return encode_request(recv.k[0], recv.k[1], recv.rid, finished=acks, offset=offset), acks
+        if offset:
+            return encode_request(recv.k[0], recv.k[1], recv.rid, offset=offset), []
+        acks = peer.take_acks()
+        released = peer.take_acks(peer.releases)  # gone for good: never given back
+        request = encode_request(recv.k[0], recv.k[1], recv.rid, finished=acks, released=released)
+        return request, acks
 
     def _call(self, recv: Recv, timeout: float) -> None:
         """A blocked receiver's call, in its thread: at most ``TURN`` seconds."""
@@ -682,7 +691,9 @@ class RpcClient:
         return True
 
     def _release(self, peer: _Peer, rid: int) -> None:
-        self._send(peer, encode_finished(rid, released=True))
+        """Give ``rid`` up: what the producer took for it goes back to its key, once the
+        next request to it (which the server reads before it takes) carries the news."""
+        peer.releases.append(rid)
 
     def _send(self, peer: _Peer, request: bytes) -> None:
         """A ``MarkRecvFinished`` that nobody waits for (but ``close``)."""
@@ -787,21 +798,25 @@ class RpcClient:
             gone = self._gone(recv, details, code)
             if gone is None:
                 self._pause(recv, details)
-                return
-            self._fail_key(recv.k, series, gone)
+            else:  # the series stays: a receive that comes later opens it again
+                self._fail_key(recv.k, series, gone, keep=True)
             return
         err = error_for_code(code)(f"RecvTensorSeries of {recv.where()} failed: {details}")
         self._fail_key(recv.k, series, err)
 
-    def _fail_key(self, k: tuple[int, str], series: _Series, error: BaseException) -> None:
-        """The series of ``k`` failed: every receive waiting on ``k`` fails with ``error``."""
+    def _fail_key(
+        self, k: tuple[int, str], series: _Series, error: BaseException, *, keep: bool = False
+    ) -> None:
+        """The series of ``k`` failed: every receive waiting on ``k`` fails with ``error``
+        (``keep``: the series stays, for receives to come)."""
         with self._lock:
-            if self._series.get(k) is series:
+            if not keep and self._series.get(k) is series:
                 del self._series[k]
             waiters = self._table.abort(lambda key: key == k)
             for waiter in waiters:
                 self._end(waiter)
-        series.call.release()
+        if not keep:
+            series.call.release()
         for waiter in waiters:
             invoke_done(waiter.done, error, None)
 
@@ -860,9 +875,11 @@ class RpcClient:
             self._series.clear()
             peers = list(self._peers.values())
         self._fail(recvs, series, error or CancelledError("RpcClient closed"))
-        for peer in peers:  # the acks no request took: the servers drop the cached values now
+        for peer in peers:  # what no request took: the servers hear of it now
             for rid in peer.take_acks():
                 self._send(peer, encode_finished(rid))
+            for rid in peer.take_acks(peer.releases):
+                self._send(peer, encode_finished(rid, released=True))
         deadline = time.monotonic() + _CLOSE_WAIT
         for fut in list(self._sending):
             try:

@@ -4,7 +4,8 @@ decoder each, on ``wire``'s TensorProto coding.
 * ``RecvTensorRequest`` (``encode_request`` / ``decode_request``) with shmrdv's
   extension fields, which TensorFlow skips as unknown: 1001 request_ids whose responses
   arrived (acks), 1002 "send large tensors in chunks" (a shmrdv client), 1003 the values
-  of a series the consumer holds, 1004 the byte offset of the chunk wanted.
+  of a series the consumer holds, 1004 the byte offset of the chunk wanted, 1005
+  request_ids given up (what was taken for them goes back to its key first).
 * ``RecvTensorResponse`` (``encode_value`` / ``Assembly``), as TensorFlow's worker
   writes it: fields 2, 3, 5, then the tensor, whose content is the array's own buffer
   joined once. A tensor larger than ``CHUNK_BYTES`` goes as chunks: responses whose
@@ -116,6 +117,7 @@ class RecvRequest:
     chunks: bool = False  # 1002: a shmrdv client, which takes large tensors in chunks
     held: int = 0  # 1003: RecvTensorSeries: values of the series the consumer holds
     offset: int = 0  # 1004: the chunk at this byte offset of the value of request_id
+    released: tuple[int, ...] = ()  # 1005: request_ids given up (their values go back)
 
 
 def encode_request(
@@ -127,6 +129,7 @@ def encode_request(
     chunks: bool = True,
     held: int = 0,
     offset: int = 0,
+    released: Sequence[int] = (),
 ) -> bytes:
     """``RecvTensorRequest`` bytes; ``InvalidArgumentError`` for what the wire cannot carry."""
     step_id = check_int64("step_id", step_id)
@@ -159,6 +162,9 @@ def encode_request(
     if offset:
         out += b"\xe0\x3e"
         put_varint(out, check_int64("offset", offset))
+    for rid in released[:MAX_ACKS]:
+        out += b"\xe8\x3e"  # 1005, varint
+        put_varint(out, check_int64("released", rid))
     return bytes(out)
 
 
@@ -188,6 +194,7 @@ def decode_request(data: Buffer) -> RecvRequest:
     key = ""
     dma_ok = chunks = False
     finished: list[int] = []
+    released: list[int] = []
     try:
         for number, wire_type, value, stop in fields(buf, 0, len(buf)):
             if wire_type == VARINT:
@@ -206,21 +213,33 @@ def decode_request(data: Buffer) -> RecvRequest:
                     held = signed64(value)
                 elif number == 1004:
                     offset = signed64(value)
+                elif number == 1005:
+                    if len(released) < MAX_ACKS:
+                        released.append(signed64(value))
             elif wire_type == LEN:
                 if number == 2:
                     key = read_utf8(buf, value, stop, "rendezvous_key")
-                elif number == 1001:  # packed, as a protobuf encoder writes repeated int64
+                elif number in (1001, 1005):  # packed, as protobuf writes repeated int64
+                    ids = finished if number == 1001 else released
                     pos = value
                     while pos < stop:
                         rid, pos = read_varint(buf, pos, stop)
-                        if len(finished) < MAX_ACKS:
-                            finished.append(signed64(rid))
+                        if len(ids) < MAX_ACKS:
+                            ids.append(signed64(rid))
                 elif number in _UTF8_FIELDS:
                     _validate(buf, value, stop, _UTF8_FIELDS[number])
     except Malformed as e:
         raise InvalidArgumentError(f"Cannot parse RecvTensorRequest: {e}") from e
     return RecvRequest(
-        step_id, key, request_id, dma_ok, tuple(finished), chunks, held, max(offset, 0)
+        step_id,
+        key,
+        request_id,
+        dma_ok,
+        tuple(finished),
+        chunks,
+        held,
+        max(offset, 0),
+        tuple(released),
     )
 
 

@@ -48,6 +48,7 @@ from .._errors import (
 )
 from .._keys import ParsedKey
 from .._rendezvous import Received
+from .._window import counted_bytes
 from .guard import Limits, Parked
 from .messages import ASK, Assembly, decode_request, encode_finished, encode_request
 from .outbox import Outbox, Sent, Taker
@@ -99,7 +100,7 @@ class _Pushed(Taker):
             )
         while self.base < held:
             sent = self.kept.popleft()
-            self.kept_bytes -= sent.encoded.nbytes
+            self.kept_bytes -= counted_bytes(sent.encoded.nbytes)
             self.base += 1
             outbox.release(sent)
         if self.room is not None:
@@ -224,8 +225,9 @@ class SeriesService:
                 await _abort(context, e)
             idle = 0.0
             state.kept.append(sent)
-            state.kept_bytes += sent.encoded.nbytes
-            state.unasked += sent.encoded.nbytes
+            counted = counted_bytes(sent.encoded.nbytes)  # an empty value costs too
+            state.kept_bytes += counted
+            state.unasked += counted
             self._stats["series_values"] += 1
             for chunk in sent.encoded.chunks:
                 yield chunk

@@ -157,7 +157,8 @@ class RpcServer:
             "calls waiting for values",
             "max_waiting",
         )
-        self._cache: OrderedDict[int, _Entry] = OrderedDict()  # by request_id, oldest first
+        self._cache: dict[int, _Entry] = {}  # by request_id
+        self._kept: OrderedDict[int, None] = OrderedDict()  # those with a value, oldest first
         self._cached_bytes = 0
         self._answered: OrderedDict[int, None] = OrderedDict()
         self._released: OrderedDict[int, None] = OrderedDict()
@@ -214,6 +215,10 @@ class RpcServer:
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.max_allowed_incoming_connections", limits.connections()),
+            # gRPC sheds calls that arrive faster than the loop starts them (1,000 by
+            # default): a burst of parked receives is within max_concurrent_rpcs.
+            ("grpc.server.max_pending_requests", limits.max_concurrent_rpcs),
+            ("grpc.server.max_pending_requests_hard_limit", 2 * limits.max_concurrent_rpcs),
         ]
         server = grpc.aio.server(
             options=options, maximum_concurrent_rpcs=limits.max_concurrent_rpcs
@@ -317,7 +322,7 @@ class RpcServer:
         """Counters (a snapshot, from any thread)."""
         out = dict(self._stats)
         out["parked"] = self._parked.total
-        out["cached"] = len(self._cache)
+        out["cached"] = len(self._kept)
         out["cached_bytes"] = self._cached_bytes
         out.update(self._series.stats())
         out.update(self._gate.stats())
@@ -351,6 +356,8 @@ class RpcServer:
             req = decode_request(request)
             for rid in req.finished:
                 self.finished(rid)
+            for rid in req.released:
+                self._release(rid)
             if self._stopping is not None:
                 raise self._stopping
             entry = self._entry(req.request_id, req.step_id, req.rendezvous_key)
@@ -364,6 +371,7 @@ class RpcServer:
             if isinstance(error, RendezvousError):
                 await self._abort(context, error)
             await self._abort(context, ResourceExhaustedError(f"RecvTensor: {error!r}"))
+        self._keep(entry)
         chunks = sent.encoded.chunks
         try:
             if req.offset:
@@ -406,8 +414,17 @@ class RpcServer:
             entry.settle(sent, None)
         if rid:
             self._cache[rid] = entry
-            self._expire_later()
         return entry
+
+    def _keep(self, entry: _Entry) -> None:
+        """``entry`` has (or is about to get) its value: kept for retries until acknowledged,
+        released, evicted (the cache's bounds) or ``cache_ttl`` passes."""
+        rid = entry.rid
+        if rid and rid not in self._kept and self._cache.get(rid) is entry:
+            self._kept[rid] = None
+            entry.expires = time.monotonic() + self._limits.cache_ttl
+            self._expire_later()
+            self._evict()
 
     async def _park(self, entry: _Entry, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Wait for ``entry``'s value within the bounds on parked calls, up to the call's
@@ -456,6 +473,8 @@ class RpcServer:
             self._cache.pop(entry.rid, None)
         elif not entry.rid:
             entry.orphan = True
+        else:
+            self._keep(entry)  # the value on its way is kept for a retry, or expires
 
     def _call_ended(self, entry: _Entry, context: Any, whole: bool) -> None:
         """A call that answered with ``entry``'s value ended: delivered if it ended well
@@ -510,6 +529,7 @@ class RpcServer:
         """Drop ``rid``'s entry: a value it holds that no call delivered (or that its
         client released) goes back to its key, unless its step is gone (``give_back``)."""
         entry = self._cache.pop(rid, None)
+        self._kept.pop(rid, None)
         if entry is None:
             return
         if entry.state == _DELIVERED:
@@ -529,14 +549,14 @@ class RpcServer:
             entry.state = _GONE
 
     def _evict(self) -> None:
-        """The oldest entries with a value and no call beyond the cache's bounds go."""
+        """The oldest kept values no call is answering go, beyond the cache's bounds."""
         limits = self._limits
-        for rid, entry in list(self._cache.items()):
-            if (
-                len(self._cache) <= limits.cache_entries
-                and self._cached_bytes <= limits.cache_bytes
-            ):
+        if len(self._kept) <= limits.cache_entries and self._cached_bytes <= limits.cache_bytes:
+            return
+        for rid in list(self._kept):
+            if len(self._kept) <= limits.cache_entries and self._cached_bytes <= limits.cache_bytes:
                 return
+            entry = self._cache[rid]
             if entry.state != _WAITING and not entry.serving and not entry.calls:
                 self._uncache(rid)
 
@@ -546,16 +566,17 @@ class RpcServer:
             self._expiry = loop.call_later(self._limits.cache_ttl / 2, self._expire)
 
     def _expire(self) -> None:
-        """Entries older than ``cache_ttl`` go (oldest first, a value never delivered back
-        to its key); then again while any is left."""
+        """Kept values older than ``cache_ttl`` go, oldest first (one never delivered back
+        to its key); then again while any is kept."""
         self._expiry = None
         now = time.monotonic()
-        for rid, entry in list(self._cache.items()):
-            if not entry.expires:
-                entry.expires = now + self._limits.cache_ttl
-            elif entry.expires <= now and entry.state != _WAITING and not entry.serving:
+        for rid in list(self._kept):
+            entry = self._cache[rid]
+            if entry.expires > now:
+                break
+            if entry.state != _WAITING and not entry.serving:
                 self._uncache(rid)
-        if self._cache:
+        if self._kept:
             self._expire_later()
 
     # -- the other methods -----------------------------------------------------------------
