@@ -31,15 +31,17 @@ source = rpc_helpers.source
 def test_a_server_with_a_call_limit_serves_every_receive(source: StepSource, limit: int) -> None:
     """A client's calls (a series among them) fit a server that takes one or two at once."""
     key = make_key("limited")
-    with RpcServer("127.0.0.1:0", source, limits=Limits(max_concurrent_rpcs=limit)) as srv:
-        with RpcClient() as client:
-            for i in range(4):
-                source.send(1, key, np.array([i]))
-            got = []
-            for _ in range(4):
-                got.append(int(pull(client, srv.address, 1, key, timeout=10).value[0]))
-                time.sleep(0.2)  # the series' late ack goes meanwhile
-            assert got == [0, 1, 2, 3]
+    with (
+        RpcServer("127.0.0.1:0", source, limits=Limits(max_concurrent_rpcs=limit)) as srv,
+        RpcClient() as client,
+    ):
+        for i in range(4):
+            source.send(1, key, np.array([i]))
+        got = []
+        for _ in range(4):
+            got.append(int(pull(client, srv.address, 1, key, timeout=10).value[0]))
+            time.sleep(0.2)  # the series' late ack goes meanwhile
+        assert got == [0, 1, 2, 3]
 
 
 @pytest.mark.timeout(60)

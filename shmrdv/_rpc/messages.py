@@ -213,9 +213,8 @@ def decode_request(data: Buffer) -> RecvRequest:
                     held = signed64(value)
                 elif number == 1004:
                     offset = signed64(value)
-                elif number == 1005:
-                    if len(released) < MAX_ACKS:
-                        released.append(signed64(value))
+                elif number == 1005 and len(released) < MAX_ACKS:
+                    released.append(signed64(value))
             elif wire_type == LEN:
                 if number == 2:
                     key = read_utf8(buf, value, stop, "rendezvous_key")
