@@ -483,6 +483,8 @@ class RpcClient:
         assembly = recv.assembly = Assembly()
         try:
             got = assembly.feed(data)
+            if got is None and not assembly.missing:  # an ask, or no tensor at all
+                raise InvalidArgumentError("neither a tensor nor the first of its chunks")
         except RendezvousError as e:
             self._finish(
                 recv, InternalError(f"bad RecvTensor answer for {recv.where()}: {e}"), None
@@ -728,7 +730,15 @@ class RpcClient:
     def _open_series(self, head: Recv) -> _Series:
         peer = head.peer or self._key_peer[head.k[1]]
         rid = _ids.getrandbits(63) | 1
-        call = SeriesCall(peer.series, peer.mark, self.metadata, head.k[0], head.k[1], rid)
+        call = SeriesCall(
+            peer.series,
+            peer.mark,
+            self.metadata,
+            head.k[0],
+            head.k[1],
+            rid,
+            lambda: peer.take_acks(peer.releases),
+        )
         series = self._series[head.k] = _Series(call, peer)
         if len(self._had_series) >= _SEEN_KEPT:
             self._had_series.clear()

@@ -116,9 +116,16 @@ class _Pushed(Taker):
 class SeriesService:
     """The producer's end of every series of one server (module docstring)."""
 
-    def __init__(self, outbox: Outbox, key_of: Callable[[str], ParsedKey], limits: Limits) -> None:
+    def __init__(
+        self,
+        outbox: Outbox,
+        key_of: Callable[[str], ParsedKey],
+        release: Callable[[int], None],
+        limits: Limits,
+    ) -> None:
         self._outbox = outbox
         self._key_of = key_of
+        self._release = release
         self._limits = limits
         window = outbox.max_inflight_bytes
         self._ask_bytes = min(_ASK_BYTES, limits.max_pushed_bytes // 2 or 1)
@@ -152,6 +159,8 @@ class SeriesService:
             if self._stopping is not None:
                 raise self._stopping
             req = decode_request(request)
+            for rid in req.released:  # given up before this series: back to their keys first
+                self._release(rid)
             pk = self._key_of(req.rendezvous_key)
             if not req.request_id:
                 raise InvalidArgumentError("RecvTensorSeries needs a request_id")
@@ -367,8 +376,10 @@ class SeriesCall:
         step_id: int,
         key: str,
         rid: int,
+        released: Callable[[], list[int]],
     ) -> None:
         self._series = series
+        self._released = released  # request_ids given up, to ride on the series' request
         self._mark = mark
         self._metadata = metadata
         self._step_id = step_id
@@ -387,7 +398,9 @@ class SeriesCall:
         ``InvalidArgumentError`` for bytes that do not parse."""
         call = self._call
         if call is None:
-            request = encode_request(self._step_id, self._key, self.rid, held=self.held)
+            request = encode_request(
+                self._step_id, self._key, self.rid, held=self.held, released=self._released()
+            )
             call = self._call = self._series(request, metadata=self._metadata)
             self.values = 0
         while True:

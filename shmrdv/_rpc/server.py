@@ -167,7 +167,7 @@ class RpcServer:
         self._stats = dict.fromkeys(
             ("calls", "values_served", "bytes_served", "errors", "cache_hits", "requeued"), 0
         )
-        self._series = SeriesService(self.outbox, self.key_of, limits)
+        self._series = SeriesService(self.outbox, self.key_of, self._release, limits)
 
     # -- lifecycle -----------------------------------------------------------------------
 
