@@ -406,20 +406,6 @@ def test_server_many_waiting_calls_need_no_threads(
     assert [_decoded(f.result(timeout=10)).value[0] for f in futs] == list(range(64))
 
 
-def test_drop_step_forgets_cached_responses(
-    source: StepSource, channel: grpc.Channel, server: RpcServer
-) -> None:
-    key = make_key("drop")
-    source.send(6, key, np.array([1]))
-    _unary(channel)(_request(6, key, request_id=11), timeout=5)
-    assert server.stats()["cached"] == 1
-    server.drop_step(5)  # another step: kept
-    time.sleep(0.05)
-    assert server.stats()["cached"] == 1
-    server.drop_step(6)
-    wait_for(lambda: server.stats()["cached"] == 0)
-
-
 def test_a_chunked_value_not_acknowledged_is_kept_for_a_retry(
     source: StepSource, channel: grpc.Channel, server: RpcServer
 ) -> None:

@@ -296,9 +296,10 @@ class SeriesService:
 
     def _expire(self, state: _Pushed) -> None:
         if not state.running and self._pushed.get(state.rid) is state:
-            self._drop(state, give_back=True)
+            self._drop(state)
 
-    def _drop(self, state: _Pushed, *, give_back: bool) -> None:
+    def _drop(self, state: _Pushed) -> None:
+        """The series is over: what its consumer does not hold goes back to its key."""
         self._pushed.pop(state.rid, None)
         state.released = True
         if state.got is not None:
@@ -306,12 +307,7 @@ class SeriesService:
             state.got = None
             if sent is not None:
                 state.kept.append(sent)
-        if give_back:
-            state.give_back(self._outbox)
-        else:
-            for sent in state.kept:
-                self._outbox.release(sent)
-            state.kept.clear()
+        state.give_back(self._outbox)
         if state.woken is not None and not state.woken.done():
             state.woken.set_result(False)
         if state.room is not None:
@@ -327,13 +323,8 @@ class SeriesService:
         if released:
             if state.running:
                 self._outbox.cancel(state.k[0], state.key, state)
-            self._drop(state, give_back=True)
+            self._drop(state)
         return True
-
-    def drop_step(self, step_id: int) -> None:
-        """The step is gone: its series' values with it."""
-        for state in [s for s in self._pushed.values() if s.k[0] == step_id]:
-            self._drop(state, give_back=False)
 
     def stop(self, error: BaseException) -> None:
         """The server stops: every series ends with ``error``."""

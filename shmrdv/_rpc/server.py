@@ -17,9 +17,12 @@ A grpc.aio server on its own event loop thread, answering from an ``outbox.Outbo
   value is delivered, for the window, when the call that carried it whole ended well or
   its client acknowledged its chunks.
 
+A step cleaned up is the outbox's to forget (its calls fail at once); what the cache
+keeps of it goes with its ack or ``cache_ttl``, and the server's loop is not woken for it.
+
 Thread model (docs/threads.md): the handlers, the cache and the series live on the loop
-("shmrdv-rpc-server"; no lock); ``start``, ``stop``, ``drop_step`` and ``stats`` may be
-called from any thread.
+("shmrdv-rpc-server"; no lock); ``start``, ``stop`` and ``stats`` may be called from any
+thread.
 """
 
 from __future__ import annotations
@@ -327,21 +330,6 @@ class RpcServer:
         out.update(self._series.stats())
         out.update(self._gate.stats())
         return out
-
-    def drop_step(self, step_id: int) -> None:
-        """The step was cleaned up (TensorFlow: CleanupGraph): forget its cache entries and
-        end its series. Never blocks."""
-        loop = self._loop
-        if loop is not None and (self._cache or self._series.open):
-            try:
-                loop.call_soon_threadsafe(self._drop_step, step_id)
-            except RuntimeError:
-                pass
-
-    def _drop_step(self, step_id: int) -> None:
-        for rid in [rid for rid, e in self._cache.items() if e.k[0] == step_id]:
-            self._uncache(rid, give_back=False)
-        self._series.drop_step(step_id)
 
     # -- RecvTensor (the loop) -------------------------------------------------------------
 

@@ -151,8 +151,6 @@ class GrpcTransport:
     def cleanup_step(self, step_id: int) -> None:
         self._outbox.cleanup_step(step_id)
         self._client.cleanup_step(step_id)
-        if self._server is not None:
-            self._server.drop_step(step_id)
 
     def close(self) -> None:
         if self._closed:
