@@ -136,8 +136,8 @@ class GrpcTransport:
         address = self._ctx.peers.lookup(key.src).address
         if address is None:
             raise UnavailableError(
-                f"no address known for task {key.src} for key {key.full_key!r}: not in the "
-                "cluster spec and not running here"
+                f"no address known yet for task {key.src} (key {key.full_key!r}): not in the "
+                "cluster spec, or given port 0 there, and not running on this host"
             )
         if len(self._addresses) >= _ADDRESSES_KEPT:
             self._addresses.clear()
