@@ -46,14 +46,12 @@ import random
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
 from .._channels import MISSING, WaiterTable
-from .._cluster import split_host_port
 from .._errors import (
     CancelledError,
     DeadlineExceededError,
@@ -73,19 +71,9 @@ from .._rendezvous import (
     check_timeout,
     invoke_done,
 )
+from .channels import Channels, Peer, status
 from .guard import TLSConfig, bearer_metadata, check_token
-from .messages import (
-    GET_STATUS,
-    MARK_RECV_FINISHED,
-    MAX_ACKS,
-    RECV_TENSOR,
-    RECV_TENSOR_SERIES,
-    Assembly,
-    DeviceAttributes,
-    decode_status,
-    encode_finished,
-    encode_request,
-)
+from .messages import Assembly, DeviceAttributes, encode_request, take_ids
 from .outbox import SERVER_STOPPING
 from .series import SeriesCall
 
@@ -101,21 +89,9 @@ _CHUNKS_IN_FLIGHT = 4
 # A blocked receiver whose turns brought nothing for about a second waits on one long call.
 _IDLE_TURNS = 5
 _CHUNK_RETRIES = 2
-_ACK_TIMEOUT = 5.0
 _ACK_DELAY = 0.05  # a series' values read and not acknowledged are, after this long
-_CLOSE_WAIT = 1.0
 _SEEN_KEPT = 4096  # receives counted per (step, key), to find the keys received again
 _NO_SERIES_PAUSE = 5.0  # after a producer refused a series (its bounds)
-# TensorFlow's channel: GRPC_ARG_MAX_MESSAGE_LENGTH = INT32_MAX, reconnect backoff <= 1 s.
-_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_receive_message_length", 2**31 - 1),
-    ("grpc.max_send_message_length", 1 << 20),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.keepalive_time_ms", 20_000),  # notice a peer gone without closing (server: 5 s)
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("SingleThreadedUnaryStream", 1),  # a series is read in its reader's thread
-]
 _NEVER_CONNECTED = "failed to connect"  # grpcio's words for a peer not listening (yet)
 
 #: The producer's ``host:port``, or a function giving it that raises ``UnavailableError``
@@ -127,36 +103,6 @@ _ids = random.Random(secrets.randbits(128))
 os.register_at_fork(after_in_child=lambda: _ids.seed(secrets.randbits(128)))
 
 _QUEUED, _ACTIVE, _DONE = range(3)
-
-
-class _Peer:
-    """One producer address: its channel, its methods and the acks for its next request."""
-
-    __slots__ = (
-        "acks", "address", "channel", "mark", "no_series", "reached", "recv", "releases",
-        "series",
-    )  # fmt: skip
-
-    def __init__(self, address: str, channel: grpc.Channel) -> None:
-        self.address = address
-        self.channel = channel
-        self.recv = channel.unary_unary(RECV_TENSOR)
-        self.mark = channel.unary_unary(MARK_RECV_FINISHED)
-        self.series = channel.unary_stream(RECV_TENSOR_SERIES)
-        self.acks: deque[int] = deque()
-        self.releases: deque[int] = deque()  # given up: sent with the next request
-        self.no_series = 0.0  # no series until then (monotonic)
-        self.reached = False  # it answered once: failing to connect now means it went away
-
-    def take_acks(self, queue: deque[int] | None = None) -> list[int]:
-        queue = self.acks if queue is None else queue
-        acks: list[int] = []
-        try:
-            while queue and len(acks) < MAX_ACKS:
-                acks.append(queue.popleft())
-        except IndexError:  # taken by another request meanwhile
-            pass
-        return acks
 
 
 class Recv:
@@ -184,7 +130,7 @@ class Recv:
         self.state = _QUEUED
         self.started = False  # driven by futures: a callback receive, or a blocked one idle
         self.turns = 0  # a blocked receiver's calls that ended with nothing
-        self.peer: _Peer | None = None
+        self.peer: Peer | None = None
         self.assembly: Assembly | None = None
         self.calls = 0  # calls made under rid (the producer may hold a value for it)
         self.future: Any = None  # the callback receive's call in flight
@@ -211,7 +157,7 @@ class _Series:
 
     __slots__ = ("call", "flush", "peer", "reader")
 
-    def __init__(self, call: SeriesCall, peer: _Peer) -> None:
+    def __init__(self, call: SeriesCall, peer: Peer) -> None:
         self.call = call
         self.peer = peer
         self.reader: Recv | None = None
@@ -237,7 +183,7 @@ class RpcClient:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._peers: dict[str, _Peer] = {}
+        self._channels = Channels(self._tls, self.metadata)
         # Per (step, key): values read ahead by a series, or the receives in order.
         self._table: WaiterTable[tuple[int, str], Received, Recv] = WaiterTable()
         self._blocked: dict[DoneCallback, Recv] = {}  # blocking receives by their done
@@ -245,16 +191,15 @@ class RpcClient:
         self._series: dict[tuple[int, str], _Series] = {}
         self._releasing: set[tuple[int, str]] = set()  # keys whose series goes back
         self._seen: dict[tuple[int, str], int] = {}
-        self._key_peer: dict[str, _Peer] = {}  # the producer each key was received from
+        self._key_peer: dict[str, Peer] = {}  # the producer each key was received from
         self._had_series: dict[str, None] = {}
         self._aborted: dict[int, BaseException] = {}
         self._closed = False
-        self._sending: set[Any] = set()  # MarkRecvFinished calls in flight
         self._fetching: set[Recv] = set()  # receives fetching the chunks of a value
         self.received = self.received_bytes = 0
 
     def __repr__(self) -> str:
-        return f"<shmrdv RpcClient channels={len(self._peers)} closed={self._closed}>"
+        return f"<shmrdv RpcClient channels={len(self._channels)} closed={self._closed}>"
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -361,7 +306,7 @@ class RpcClient:
 
     # -- one call: the state machine ----------------------------------------------------------
 
-    def _peer_of(self, recv: Recv) -> _Peer | None:
+    def _peer_of(self, recv: Recv) -> Peer | None:
         """The producer's channel; None (and a retry pause) while its address is unknown."""
         address = recv.address
         try:
@@ -372,69 +317,55 @@ class RpcClient:
         except RendezvousError as e:
             self._finish(recv, e, None)
             return None
-        peer = self._peers.get(where)
-        if peer is None:
-            try:
-                peer = self._peer(where)
-            except RendezvousError as e:
-                self._finish(recv, e, None)
-                return None
+        try:
+            peer = self._channels[where]
+        except RendezvousError as e:
+            self._finish(recv, e, None)
+            return None
         recv.peer = peer
         if len(self._key_peer) >= _SEEN_KEPT:
             self._key_peer.clear()
         self._key_peer[recv.k[1]] = peer
         return peer
 
-    def _peer(self, address: str) -> _Peer:
-        split_host_port(address)  # InvalidArgumentError naming a bad address
-        with self._lock:
-            if self._closed:
-                raise CancelledError("RpcClient is closed")
-            peer = self._peers.get(address)
-            if peer is None:
-                options = list(_CHANNEL_OPTIONS)
-                try:
-                    if self._tls is None:
-                        channel = grpc.insecure_channel(address, options)
-                    else:
-                        options += self._tls.channel_options()
-                        creds = self._tls.channel_credentials()
-                        channel = grpc.secure_channel(address, creds, options)
-                except OSError as e:
-                    raise ResourceExhaustedError(
-                        f"cannot open a gRPC channel to {address}: {e}"
-                    ) from e
-                peer = self._peers[address] = _Peer(address, channel)
-        return peer
-
-    def _request(self, recv: Recv, peer: _Peer, offset: int = 0) -> tuple[bytes, list[int]]:
+    def _request(self, recv: Recv, peer: Peer, offset: int = 0) -> tuple[bytes, list[int]]:
         if offset:
             return encode_request(recv.k[0], recv.k[1], recv.rid, offset=offset), []
-        acks = peer.take_acks()
-        released = peer.take_acks(peer.releases)  # gone for good: never given back
+        acks = take_ids(peer.acks)
+        released = take_ids(peer.releases)  # gone for good: never given back
         request = encode_request(recv.k[0], recv.k[1], recv.rid, finished=acks, released=released)
         return request, acks
 
-    def _call(self, recv: Recv, timeout: float) -> None:
-        """A blocked receiver's call, in its thread: at most ``TURN`` seconds."""
+    def _prepare(self, recv: Recv) -> tuple[Peer, bytes, list[int]] | None:
+        """The producer and the request of ``recv``'s next call, counted as made (the
+        producer may take a value for it); None when the receive ended or waits."""
         peer = self._peer_of(recv)
         if peer is None:
-            return
+            return None
         remaining = recv.remaining()
-        t = min(timeout, TURN) if remaining is None else min(timeout, TURN, remaining)
         if remaining is not None and remaining <= 0:
             self._timed_out(recv)
-            return
+            return None
         try:
             request, acks = self._request(recv, peer)
         except RendezvousError as e:
             self._finish(recv, e, None)
-            return
+            return None
         with self._lock:
-            if recv.state != _ACTIVE:
-                peer.acks.extendleft(reversed(acks))
-                return
-            recv.calls += 1
+            if recv.state == _ACTIVE:
+                recv.calls += 1
+                return peer, request, acks
+        peer.acks.extendleft(reversed(acks))
+        return None
+
+    def _call(self, recv: Recv, timeout: float) -> None:
+        """A blocked receiver's call, in its thread: at most ``TURN`` seconds."""
+        prepared = self._prepare(recv)
+        if prepared is None:
+            return
+        peer, request, acks = prepared
+        remaining = recv.remaining()
+        t = min(timeout, TURN) if remaining is None else min(timeout, TURN, remaining)
         try:
             data = peer.recv(request, timeout=max(t, 0.001), metadata=self.metadata)
         except grpc.RpcError as e:
@@ -446,27 +377,15 @@ class RpcClient:
     def _issue(self, recv: Recv) -> None:
         """A callback receive's call, as a future."""
         recv.timer = None
-        peer = self._peer_of(recv)
-        if peer is None:
+        prepared = self._prepare(recv)
+        if prepared is None:
             return
-        remaining = recv.remaining()
-        if remaining is not None and remaining <= 0:
-            self._timed_out(recv)
-            return
-        try:
-            request, acks = self._request(recv, peer)
-        except RendezvousError as e:
-            self._finish(recv, e, None)
-            return
-        with self._lock:
-            if recv.state != _ACTIVE:
-                peer.acks.extendleft(reversed(acks))
-                return
-            recv.calls += 1
-            fut = recv.future = peer.recv.future(request, timeout=remaining, metadata=self.metadata)
+        peer, request, acks = prepared
+        fut = peer.recv.future(request, timeout=recv.remaining(), metadata=self.metadata)
+        recv.future = fut
         fut.add_done_callback(lambda f: self._on_future(recv, peer, f, acks))
 
-    def _on_future(self, recv: Recv, peer: _Peer, fut: Any, acks: list[int]) -> None:
+    def _on_future(self, recv: Recv, peer: Peer, fut: Any, acks: list[int]) -> None:
         recv.future = None
         if fut.cancelled():
             return
@@ -477,7 +396,7 @@ class RpcClient:
         else:
             self._answered(recv, peer, fut.result())
 
-    def _answered(self, recv: Recv, peer: _Peer, data: bytes) -> None:
+    def _answered(self, recv: Recv, peer: Peer, data: bytes) -> None:
         """An answer: the value, or its first chunk (then fetch the rest)."""
         peer.reached = True
         assembly = recv.assembly = Assembly()
@@ -504,7 +423,7 @@ class RpcClient:
         for offset in list(recv.chunks):
             self._fetch(recv, peer, offset)
 
-    def _fetch(self, recv: Recv, peer: _Peer, offset: int) -> None:
+    def _fetch(self, recv: Recv, peer: Peer, offset: int) -> None:
         request, _ = self._request(recv, peer, offset)
         with self._lock:
             if recv.state != _ACTIVE:
@@ -514,15 +433,14 @@ class RpcClient:
             )
         fut.add_done_callback(lambda f: self._chunk(recv, peer, offset, f))
 
-    def _chunk(self, recv: Recv, peer: _Peer, offset: int, fut: Any) -> None:
+    def _chunk(self, recv: Recv, peer: Peer, offset: int, fut: Any) -> None:
         """A chunk came (gRPC's thread): into place; the next one, or the value."""
         if fut.cancelled() or recv.state != _ACTIVE:
             return
         error = fut.exception()
         if error is not None:
-            code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
             tries = recv.retries[offset] = recv.retries.get(offset, 0) + 1
-            if code == grpc.StatusCode.UNAVAILABLE and tries <= _CHUNK_RETRIES:
+            if status(error)[0] == grpc.StatusCode.UNAVAILABLE and tries <= _CHUNK_RETRIES:
                 self._fetch(recv, peer, offset)
                 return
             self._failed(recv, peer, error)
@@ -541,17 +459,16 @@ class RpcClient:
             self._finish(recv, InternalError(f"bad RecvTensor chunk for {recv.where()}: {e}"), None)
             return
         if got is not None:
-            self._send(peer, encode_finished(recv.rid))  # its bytes count until acknowledged
+            peer.finished(recv.rid)  # its bytes count in the window until acknowledged
             if not self._finish(recv, None, got):
                 self._release(peer, recv.rid)
             return
         for o in following:
             self._fetch(recv, peer, o)
 
-    def _failed(self, recv: Recv, peer: _Peer, error: Any) -> None:
+    def _failed(self, recv: Recv, peer: Peer, error: Any) -> None:
         """A call failed: again (same request_id), after a pause, or the receive fails."""
-        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-        details = (error.details() if hasattr(error, "details") else None) or str(error)
+        code, details = status(error)
         if recv.state != _ACTIVE:
             return
         remaining = recv.remaining()
@@ -565,7 +482,7 @@ class RpcClient:
             return
         if code == grpc.StatusCode.UNAVAILABLE:
             if "Too many open files" in details:
-                self._drop_peer(peer)
+                self._channels.drop(peer)
                 self._finish(recv, ResourceExhaustedError(
                     f"cannot connect for {recv.where()}: too many open files (ulimit -n): {details}"
                 ), None)  # fmt: skip
@@ -630,22 +547,19 @@ class RpcClient:
         )
 
     def _finish(self, recv: Recv, error: BaseException | None, got: Received | None) -> bool:
-        """End ``recv`` with its value or error, once (False: it had ended already)."""
-        k = recv.k
-        with self._lock:
-            if recv.state == _DONE:
+        """End ``recv`` with its value or error, once (False: it had ended already); after
+        an error, what the producer took for it goes back."""
+        if got is None:
+            if not self._stop(recv):
                 return False
-            self._end(recv)
-            if got is not None:
+        else:
+            with self._lock:
+                if recv.state == _DONE:
+                    return False
+                self._end(recv)
                 self._count(got)
-            calls = [recv.future, *recv.chunks.values()] if error is not None else []
-        for call in calls:
-            if call is not None:
-                call.cancel()
-        if error is not None and recv.calls and recv.peer is not None:
-            self._release(recv.peer, recv.rid)  # what the producer took for it goes back
         invoke_done(recv.done, error, got)
-        self._drive(k)
+        self._drive(recv.k)
         return True
 
     def _end(self, recv: Recv) -> None:
@@ -675,7 +589,8 @@ class RpcClient:
         return True
 
     def _stop(self, recv: Recv) -> bool:
-        """End ``recv`` without a value, stopping its calls (False: it had ended)."""
+        """End ``recv`` without a value, stopping its calls and releasing its request_id
+        (False: it had ended)."""
         with self._lock:
             if recv.state == _DONE:
                 return False
@@ -692,31 +607,10 @@ class RpcClient:
             self._release(recv.peer, recv.rid)
         return True
 
-    def _release(self, peer: _Peer, rid: int) -> None:
+    def _release(self, peer: Peer, rid: int) -> None:
         """Give ``rid`` up: what the producer took for it goes back to its key, once the
         next request to it (which the server reads before it takes) carries the news."""
         peer.releases.append(rid)
-
-    def _send(self, peer: _Peer, request: bytes) -> None:
-        """A ``MarkRecvFinished`` that nobody waits for (but ``close``)."""
-        try:
-            fut = peer.mark.future(request, timeout=_ACK_TIMEOUT, metadata=self.metadata)
-        except (ValueError, grpc.RpcError):  # the channel is closed
-            return
-        self._sending.add(fut)
-        fut.add_done_callback(self._sent)
-
-    def _sent(self, fut: Any) -> None:
-        self._sending.discard(fut)
-        if not fut.cancelled():
-            fut.exception()
-
-    def _drop_peer(self, peer: _Peer) -> None:
-        """Forget a channel that failed for lack of descriptors: the next one connects anew."""
-        with self._lock:
-            if self._peers.get(peer.address) is peer:
-                del self._peers[peer.address]
-        peer.channel.close()
 
     # -- series -------------------------------------------------------------------------------
 
@@ -730,15 +624,7 @@ class RpcClient:
     def _open_series(self, head: Recv) -> _Series:
         peer = head.peer or self._key_peer[head.k[1]]
         rid = _ids.getrandbits(63) | 1
-        call = SeriesCall(
-            peer.series,
-            peer.mark,
-            self.metadata,
-            head.k[0],
-            head.k[1],
-            rid,
-            lambda: peer.take_acks(peer.releases),
-        )
+        call = SeriesCall(peer, head.k[0], head.k[1], rid)
         series = self._series[head.k] = _Series(call, peer)
         if len(self._had_series) >= _SEEN_KEPT:
             self._had_series.clear()
@@ -791,8 +677,7 @@ class RpcClient:
             series.call.ack()
 
     def _series_failed(self, recv: Recv, series: _Series, error: grpc.RpcError) -> None:
-        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-        details = (error.details() if hasattr(error, "details") else None) or str(error)
+        code, details = status(error)
         if code == grpc.StatusCode.CANCELLED:
             return  # released, aborted or closed: whoever cancelled it goes on
         fresh = series.call.held == 0 and series.call.values == 0
@@ -883,21 +768,8 @@ class RpcClient:
             recvs = self._table.abort()
             series = list(self._series.values())
             self._series.clear()
-            peers = list(self._peers.values())
         self._fail(recvs, series, error or CancelledError("RpcClient closed"))
-        for peer in peers:  # what no request took: the servers hear of it now
-            for rid in peer.take_acks():
-                self._send(peer, encode_finished(rid))
-            for rid in peer.take_acks(peer.releases):
-                self._send(peer, encode_finished(rid, released=True))
-        deadline = time.monotonic() + _CLOSE_WAIT
-        for fut in list(self._sending):
-            try:
-                fut.exception(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # timed out or cancelled: the server's cache expires it
-                fut.cancel()
-        for peer in peers:
-            peer.channel.close()
+        self._channels.close()
 
     def __enter__(self) -> RpcClient:
         return self
@@ -905,34 +777,23 @@ class RpcClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def get_status(self, address: str, *, timeout: float = 5.0) -> tuple[DeviceAttributes, ...]:
+        """TensorFlow's ``GetStatus`` of the worker at ``address`` (its devices); blocks.
+        Raises the mapped error (``UnavailableError`` when it cannot be reached)."""
+        if self._pid != os.getpid():
+            self._reset()
+        return self._channels.get_status(address, check_timeout(timeout))
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
-                "channels": len(self._peers),
+                "channels": len(self._channels),
                 "received": self.received,
                 "received_bytes": self.received_bytes,
                 "receives_pending": self._table.pending_waiters,
                 "fetching": len(self._fetching),
                 "series": len(self._series),
             }
-
-    def get_status(self, address: str, *, timeout: float = 5.0) -> tuple[DeviceAttributes, ...]:
-        """TensorFlow's ``GetStatus`` of the worker at ``address`` (its devices); blocks.
-        Raises the mapped error (``UnavailableError`` when it cannot be reached)."""
-        t = check_timeout(timeout)
-        if self._pid != os.getpid():
-            self._reset()
-        peer = self._peers.get(address) or self._peer(address)
-        try:
-            data = peer.channel.unary_unary(GET_STATUS)(b"", timeout=t, metadata=self.metadata)
-        except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-            details = (e.details() if hasattr(e, "details") else None) or str(e)
-            raise error_for_code(code)(f"GetStatus of {address} failed: {details}") from e
-        try:
-            return decode_status(data)
-        except RendezvousError as e:
-            raise type(e)(f"bad GetStatusResponse from {address}: {e}") from e
 
 
 def _too_late() -> bool:

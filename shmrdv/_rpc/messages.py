@@ -26,6 +26,7 @@ that cannot be sent raises ``InvalidArgumentError``; a whole response beyond pro
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -83,6 +84,7 @@ __all__ = [
     "encode_request",
     "encode_status",
     "encode_value",
+    "take_ids",
     "whole_message",
 ]
 
@@ -118,6 +120,18 @@ class RecvRequest:
     held: int = 0  # 1003: RecvTensorSeries: values of the series the consumer holds
     offset: int = 0  # 1004: the chunk at this byte offset of the value of request_id
     released: tuple[int, ...] = ()  # 1005: request_ids given up (their values go back)
+
+
+def take_ids(queue: deque[int]) -> list[int]:
+    """At most ``MAX_ACKS`` request_ids off ``queue`` (appended to by other threads), for
+    one request."""
+    out: list[int] = []
+    try:
+        while queue and len(out) < MAX_ACKS:
+            out.append(queue.popleft())
+    except IndexError:  # taken by another request meanwhile
+        pass
+    return out
 
 
 def encode_request(

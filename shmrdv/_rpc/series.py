@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -49,8 +49,9 @@ from .._errors import (
 from .._keys import ParsedKey
 from .._rendezvous import Received
 from .._window import counted_bytes
+from .channels import Peer
 from .guard import Limits, Parked
-from .messages import ASK, Assembly, decode_request, encode_finished, encode_request
+from .messages import ASK, Assembly, decode_request, encode_request, take_ids
 from .outbox import Outbox, Sent, Taker
 
 __all__ = ["TICK", "SeriesCall", "SeriesService"]
@@ -61,7 +62,6 @@ TICK = 0.1
 # long (a producer blocked on its window gets room back), and every _ASK_BYTES pushed.
 _ASK_DELAY = 0.01
 _ASK_BYTES = 16 << 20
-_ACK_TIMEOUT = 5.0
 
 
 class _Pushed(Taker):
@@ -359,20 +359,8 @@ class SeriesCall:
     ``cancel`` and ``release`` may come from any thread.
     """
 
-    def __init__(
-        self,
-        series: grpc.UnaryStreamMultiCallable,
-        mark: grpc.UnaryUnaryMultiCallable,
-        metadata: Sequence[tuple[str, str]],
-        step_id: int,
-        key: str,
-        rid: int,
-        released: Callable[[], list[int]],
-    ) -> None:
-        self._series = series
-        self._released = released  # request_ids given up, to ride on the series' request
-        self._mark = mark
-        self._metadata = metadata
+    def __init__(self, peer: Peer, step_id: int, key: str, rid: int) -> None:
+        self._peer = peer
         self._step_id = step_id
         self._key = key
         self.rid = rid
@@ -389,10 +377,11 @@ class SeriesCall:
         ``InvalidArgumentError`` for bytes that do not parse."""
         call = self._call
         if call is None:
+            released = take_ids(self._peer.releases)  # given up before: back to their keys
             request = encode_request(
-                self._step_id, self._key, self.rid, held=self.held, released=self._released()
+                self._step_id, self._key, self.rid, held=self.held, released=released
             )
-            call = self._call = self._series(request, metadata=self._metadata)
+            call = self._call = self._peer.series(request, metadata=self._peer.metadata)
             self.values = 0
         while True:
             try:
@@ -419,7 +408,7 @@ class SeriesCall:
         """Tell the producer what this consumer holds (it counts no more in its window)."""
         if self.held > self.acked:
             self.acked = self.held
-            self._send(encode_finished(self.rid, held=self.held))
+            self._peer.finished(self.rid, held=self.held)
 
     def cancel(self) -> None:
         """End the call (a reader blocked on it returns with ``CANCELLED``)."""
@@ -431,18 +420,10 @@ class SeriesCall:
         """Leave the series: the producer gives back what was not read, in order."""
         self.cancel()
         self.acked = self.held
-        self._send(encode_finished(self.rid, released=True, held=self.held))
+        self._peer.finished(self.rid, released=True, held=self.held)
 
     def release_future(self) -> Any:
         """``release``, with the call's future (the caller goes on once it is done)."""
         self.cancel()
         self.acked = self.held
-        request = encode_finished(self.rid, released=True, held=self.held)
-        return self._mark.future(request, timeout=_ACK_TIMEOUT, metadata=self._metadata)
-
-    def _send(self, request: bytes) -> None:
-        try:
-            fut = self._mark.future(request, timeout=_ACK_TIMEOUT, metadata=self._metadata)
-        except (ValueError, grpc.RpcError):  # the channel is closed
-            return
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return self._peer.finished(self.rid, released=True, held=self.held)
