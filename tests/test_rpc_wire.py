@@ -120,6 +120,12 @@ def test_fields_refuse_lengths_past_the_end() -> None:
         list(wire.fields(b"\x08\xff", 0, 2))
 
 
+def test_fields_refuse_groups() -> None:
+    """proto2's groups are in no message here (TensorFlow's are proto3): refused."""
+    with pytest.raises(wire.Malformed, match="wire type 3"):
+        list(wire.fields(b"\x0b\x08\x01\x0c", 0, 4))  # group 1 { 1: 1 }
+
+
 _FRESH = """
 import sys
 import numpy as np

@@ -1,42 +1,25 @@
 """RpcClient: the consumer's one receive state machine over gRPC.
 
 A receive (``Recv``, TensorFlow's ``RpcRecvTensorCall``) pulls the next value of a
-(step, key) from its producer with ``RecvTensor`` under a random non-zero request_id,
-and goes through one state machine whoever drives it:
+(step, key) with ``RecvTensor`` under a random request_id. A blocked receiver makes the
+call from its own thread (turns of at most ``TURN``, again under the same request_id:
+the server's response cache makes that safe); a callback receive makes it as a grpcio
+future (``done`` runs in gRPC's channel thread). The rest of a chunked value is fetched
+by offset, a few chunks at a time. Receives of one (step, key) go one at a time, in
+order (the core's ``WaiterTable``). Acks and releases (a value that came too late goes
+back to its key's head) ride on the next request to the producer.
 
-* a **blocked receiver** (``blocking=True``, then ``wait``) makes the call itself, from
-  its own thread, with a deadline of at most ``TURN`` made again under the same
-  request_id while nothing comes (the server's response cache makes that safe), and
-  decodes the answer there: no other thread in between;
-* a **callback receive** makes it as a grpcio future; ``done`` runs in gRPC's channel
-  thread (keep it short, as every ``done``).
+A key received again by a blocked receiver switches to ``RecvTensorSeries``
+(``series``): read in the blocked receiver's thread, values read ahead wait in the
+table; a callback receive with no reader releases the series and goes on unary.
 
-A large value comes in chunks: the first answers the call, the rest are fetched by
-offset under the same request_id, a few at a time, as futures. Acks (request_ids whose
-answers arrived) ride on the next request to the same producer; a chunked value is
-acknowledged at once (its bytes count in the producer's window until then). Receives of
-one (step, key) go one at a time, in order (the core's ``WaiterTable``): the head is
-active, the rest wait behind it. A value that arrives for a receive that was cancelled,
-or a call made for one, is released (``MarkRecvFinished`` "released"): the producer
-puts the value back at its key's head.
-
-**A key received again** by a blocked receiver switches to ``RecvTensorSeries``
-(``series``): the producer pushes the key's values as they are sent, a blocked receiver
-reads them from its own thread (one at a time; the others wait for the reader role),
-and values read ahead wait in the table for the next receives. A callback receive that
-finds no blocked receiver to read for it releases the series (the producer takes back
-what was not read, in order) and goes on with ``RecvTensor``.
-
-Failures: ``UNAVAILABLE`` from a producer not listening yet is retried (50 ms doubling
-to 1 s) until the receive's deadline; one reached and then gone gets ``GONE_GRACE`` to
-come back, then fails naming it (at once if its server said it is stopping); any other
-status fails the receive with the mapped error (``_errors.error_for_code``). Errors name
-the key, the step and the producer's address.
+Failures: a producer not listening yet is retried (50 ms doubling to 1 s) until the
+deadline; one reached and then gone gets ``GONE_GRACE``, then fails naming it; other
+statuses map to the error tree (``_errors.error_for_code``).
 
 Thread model (docs/threads.md): thread-safe; one lock (and its condition, on which
-blocked receivers wait for their turn) guards the tables and every receive's state, and
-no call is made under it. A callback receive's retry pause is a ``threading.Timer``.
-Channels are per process: a client used in a forked child opens new ones.
+blocked receivers wait their turn), no call made under it; a callback receive's retry
+pause is a ``threading.Timer``. A client used in a forked child opens new channels.
 """
 
 from __future__ import annotations
@@ -412,7 +395,7 @@ class RpcClient:
         if got is not None:
             peer.acks.append(recv.rid)
             if not self._finish(recv, None, got):
-                self._release(peer, recv.rid)  # too late: cancelled meanwhile
+                peer.releases.append(recv.rid)  # too late: cancelled meanwhile
             return
         with self._lock:
             if recv.state != _ACTIVE:
@@ -461,7 +444,7 @@ class RpcClient:
         if got is not None:
             peer.finished(recv.rid)  # its bytes count in the window until acknowledged
             if not self._finish(recv, None, got):
-                self._release(peer, recv.rid)
+                peer.releases.append(recv.rid)
             return
         for o in following:
             self._fetch(recv, peer, o)
@@ -604,13 +587,8 @@ class RpcClient:
         if timer is not None:
             timer.cancel()
         if issued and recv.peer is not None:
-            self._release(recv.peer, recv.rid)
+            recv.peer.releases.append(recv.rid)
         return True
-
-    def _release(self, peer: Peer, rid: int) -> None:
-        """Give ``rid`` up: what the producer took for it goes back to its key, once the
-        next request to it (which the server reads before it takes) carries the news."""
-        peer.releases.append(rid)
 
     # -- series -------------------------------------------------------------------------------
 
@@ -724,7 +702,7 @@ class RpcClient:
                 self._releasing.discard(k)
             self._drive(k)
 
-        fut = series.call.release_future() if not self._closed else None
+        fut = series.call.release() if not self._closed else None
         if fut is None:
             released(None)
         else:

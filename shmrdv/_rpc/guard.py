@@ -1,24 +1,17 @@
 """Who may talk to a gRPC server, and how much anyone may make it hold.
 
-* ``TLSConfig``: TLS credentials (mutual TLS with a client CA). Without it the server
-  listens in plaintext, which is why it binds loopback unless told otherwise.
-* ``Gate``, which every call passes first: it must carry ``authorization: Bearer
-  <token>`` (refused with ``UNAUTHENTICATED`` as soon as its headers arrive; a
-  constant-time comparison; over plaintext it keeps out only those who do not know it,
-  so use it with TLS across hosts), and send its request message soon after it opens,
-  or it is dropped (``UNAVAILABLE``). grpc.aio reads a unary request before anything of
-  ours runs, with no deadline: a client opening calls that never send one would hold
-  them for as long as its connection lives, token or not.
-* ``Limits``: every bound of a server in one place, the hostile-client ones too:
-  connections (a quarter of the descriptor limit by default) and calls in flight; calls
-  parked waiting for a value (in all, per peer host, per connection: ``Parked``) and how
-  long one may park; the response cache's time, entries and bytes; series open (in all,
-  per peer host, per connection), their idle end and the bytes one may push ahead of
-  its consumer's acknowledgement. The byte window a producer keeps towards one consumer
-  (``max_inflight_bytes``) is the core's ``_window``, shared with shared memory.
+* ``TLSConfig``: TLS credentials (mutual TLS with a client CA).
+* ``Gate``, which every call passes first: the bearer token (``UNAUTHENTICATED`` as
+  soon as the headers arrive; constant-time compare), then its request message soon
+  after it opens, or it is dropped (``UNAVAILABLE``): grpc.aio would otherwise wait for
+  a unary request without a deadline, token or not.
+* ``Limits``: every bound of a server, the hostile-client ones too: connections, calls
+  in flight, calls parked (in all, per peer host, per connection: ``Parked``) and for
+  how long, the response cache, series open and what one may push ahead of its acks.
+  The byte window towards one consumer is the core's ``_window``.
 
-Thread model (``docs/threads.md``): ``Gate`` and ``Parked`` run on the server's event
-loop; ``TLSConfig`` and ``Limits`` are frozen values.
+Thread model (docs/threads.md): ``Gate`` and ``Parked`` run on the server's loop;
+``TLSConfig`` and ``Limits`` are frozen values.
 """
 
 from __future__ import annotations
@@ -38,18 +31,10 @@ import grpc.aio
 from .._errors import InvalidArgumentError
 
 __all__ = [
-    "DEFAULT_FIRST_MESSAGE_TIMEOUT",
-    "DEFAULT_MAX_CONCURRENT_RPCS",
-    "UNAUTHENTICATED_MESSAGE",
-    "Gate",
-    "Limits",
-    "Parked",
-    "TLSConfig",
-    "bearer_metadata",
-    "check_token",
-    "descriptor_limit",
-    "token_matches",
-]
+    "DEFAULT_FIRST_MESSAGE_TIMEOUT", "DEFAULT_MAX_CONCURRENT_RPCS", "UNAUTHENTICATED_MESSAGE",
+    "Gate", "Limits", "Parked", "TLSConfig", "bearer_metadata", "check_token",
+    "descriptor_limit", "token_matches",
+]  # fmt: skip
 
 UNAUTHENTICATED_MESSAGE = "missing or wrong shmrdv token"
 _AUTH_HEADER = "authorization"

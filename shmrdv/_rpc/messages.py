@@ -1,26 +1,19 @@
 """The messages of the gRPC methods, built and parsed by hand: one encoder and one
 decoder each, on ``wire``'s TensorProto coding.
 
-* ``RecvTensorRequest`` (``encode_request`` / ``decode_request``) with shmrdv's
-  extension fields, which TensorFlow skips as unknown: 1001 request_ids whose responses
-  arrived (acks), 1002 "send large tensors in chunks" (a shmrdv client), 1003 the values
-  of a series the consumer holds, 1004 the byte offset of the chunk wanted, 1005
-  request_ids given up (what was taken for them goes back to its key first).
-* ``RecvTensorResponse`` (``encode_value`` / ``Assembly``), as TensorFlow's worker
-  writes it: fields 2, 3, 5, then the tensor, whose content is the array's own buffer
-  joined once. A tensor larger than ``CHUNK_BYTES`` goes as chunks: responses whose
-  ``tensor_content`` is a slice of the whole, at the offset of extension field 1001,
-  of a whole of field 1002 bytes. A series (``RecvTensorSeries``, shmrdv's one streaming
-  method) is a stream of such responses; one with field 1003 and no tensor asks the
-  consumer to acknowledge what it holds.
-* ``MarkRecvFinishedRequest`` (extension fields: 1001 "released": the consumer gave the
-  request_id up without taking its value; 1002 the values of a series it holds),
+* ``RecvTensorRequest`` (``encode_request`` / ``decode_request``) with extension
+  fields TensorFlow skips: 1001 acks, 1002 "chunks welcome", 1003 a series' values held,
+  1004 the offset of the chunk wanted, 1005 request_ids given up.
+* ``RecvTensorResponse`` (``encode_value`` / ``Assembly``), as TensorFlow writes it,
+  the content being the array's buffer joined once. Beyond ``CHUNK_BYTES`` a value goes
+  as chunks: responses whose ``tensor_content`` is the slice at offset 1001 of a whole
+  of 1002 bytes. In a series, a response with field 1003 and no tensor asks for an ack.
+* ``MarkRecvFinishedRequest`` (1001 "released", 1002 a series' values held) and
   ``GetStatusResponse``.
 
-Errors: bytes that do not parse, or describe an impossible tensor, raise
-``InvalidArgumentError`` (TensorFlow: "Cannot parse tensor from response"); a value
-that cannot be sent raises ``InvalidArgumentError``; a whole response beyond protobuf's
-2 GiB ceiling raises ``ResourceExhaustedError``. Pure; thread model: none needed.
+Bytes that do not parse or describe an impossible tensor, and values that cannot be
+sent, raise ``InvalidArgumentError``; a whole response beyond 2 GiB
+``ResourceExhaustedError``. Pure functions; no thread model needed.
 """
 
 from __future__ import annotations
@@ -64,29 +57,12 @@ from .wire import (
 )
 
 __all__ = [
-    "ASK",
-    "CHUNK_BYTES",
-    "GET_STATUS",
-    "MARK_RECV_FINISHED",
-    "MAX_ACKS",
-    "RECV_TENSOR",
-    "RECV_TENSOR_SERIES",
-    "SHMRDV_SERVICE",
-    "TF_SERVICE",
-    "Assembly",
-    "DeviceAttributes",
-    "Encoded",
-    "RecvRequest",
-    "decode_finished",
-    "decode_request",
-    "decode_status",
-    "encode_finished",
-    "encode_request",
-    "encode_status",
-    "encode_value",
-    "take_ids",
+    "ASK", "CHUNK_BYTES", "GET_STATUS", "MARK_RECV_FINISHED", "MAX_ACKS", "RECV_TENSOR",
+    "RECV_TENSOR_SERIES", "SHMRDV_SERVICE", "TF_SERVICE", "Assembly", "DeviceAttributes",
+    "Encoded", "RecvRequest", "decode_finished", "decode_request", "decode_status",
+    "encode_finished", "encode_request", "encode_status", "encode_value", "take_ids",
     "whole_message",
-]
+]  # fmt: skip
 
 # TensorFlow registers its methods by hand (GrpcWorkerMethodName); generated stubs would
 # say /tensorflow.grpc.WorkerService/... (research/tf_rendezvous.md §3.4).
@@ -243,17 +219,8 @@ def decode_request(data: Buffer) -> RecvRequest:
                     _validate(buf, value, stop, _UTF8_FIELDS[number])
     except Malformed as e:
         raise InvalidArgumentError(f"Cannot parse RecvTensorRequest: {e}") from e
-    return RecvRequest(
-        step_id,
-        key,
-        request_id,
-        dma_ok,
-        tuple(finished),
-        chunks,
-        held,
-        max(offset, 0),
-        tuple(released),
-    )
+    acks, gone = tuple(finished), tuple(released)
+    return RecvRequest(step_id, key, request_id, dma_ok, acks, chunks, held, max(offset, 0), gone)
 
 
 # -- RecvTensorResponse -------------------------------------------------------------------

@@ -1,21 +1,17 @@
 """Outbox: the values a worker sent to consumers on other hosts, until a call takes them.
 
-``send`` encodes the value at once as the ``RecvTensorResponse`` messages that will carry
-it (``messages.encode_value``: the one copy a send makes, as the shared-memory path
-makes one) and puts it in the core's per-key table (``WaiterTable``, keyed by (step,
-key)). The server's calls and series (``Taker``s, on the serving loop) take values from
-it, or park in it until a ``send`` comes: that ``send`` hands the value to the loop with
-one wake-up, shared by every answer that is ready meanwhile (no hop through another
-thread). A value taken and not delivered comes back to its key's head (``requeue``).
+``send`` encodes the value at once (``messages.encode_value``: the one copy a send
+makes) into the core's per-key table (``WaiterTable``, by (step, key)). The server's
+calls and series (``Taker``s, on the serving loop) take values or park until a send
+comes, which hands them over with one wake-up of the loop, shared by every answer ready
+meanwhile. A value taken and not delivered goes back to its key's head (``requeue``).
 
-**The window** (``max_inflight_bytes``, the core's ``_window``): a value counts from its
-``send`` (which waits for room, up to its timeout) until the server says it was
-delivered or dropped (``release``), its step is aborted or cleaned up, or its consumer
-died (seen from its presence record on this host). A request for a step that was cleaned
-up fails at once (``ABORTED``); a request for a step nobody sent in leaves nothing behind.
+The window (``max_inflight_bytes``, the core's ``_window``) counts a value from its
+``send`` until it is delivered or dropped (``release``), its step ends, or its consumer
+died. A request for a step cleaned up fails at once (``ABORTED``).
 
-Thread model (docs/threads.md): any thread; one lock guards the table, and what is handed
-to a ``Taker`` is handed after it is released, on the serving loop.
+Thread model (docs/threads.md): any thread; one lock guards the table; takers are
+settled after it is released, on the serving loop.
 """
 
 from __future__ import annotations

@@ -1,32 +1,23 @@
 """RecvTensorSeries, shmrdv's one streaming method: a key received again is pushed.
 
-One ``RecvTensor`` per value waits a round trip for each, so a consumer taking a key's
-values one after another (a pipeline) gets one per round trip. Between shmrdv workers
-such a key's values are pushed instead, as they are sent, over one server-streaming call
-of the (step, key): each value as its ``RecvTensorResponse`` messages (``messages``),
-whole or in chunks, back to back.
+Between shmrdv workers, a key whose values a consumer takes one after another gets
+them pushed as they are sent, over one server-streaming call of the (step, key), each
+as its ``RecvTensorResponse`` messages, instead of a round trip per value.
 
-* **Exactly once, across dropped connections**: a series has a request_id of its own.
-  The producer keeps every value it pushed until the consumer says it holds it (a
-  ``MarkRecvFinished`` of the series with ``held``, the count of values it has read,
-  sent when the series asks: a message with field 1003). A series opened again under
-  its request_id (after a dropped connection) says how many it holds and gets again, in
-  order, what it lacks. A consumer that leaves the series ("released", with ``held``)
-  has what it did not hold go back to its key's head, in order, for ``RecvTensor``; so
-  does a series whose consumer neither comes back nor releases it within ``cache_ttl``.
-* **Bounds** (``guard.Limits``): series open at once (in all, per peer host, per
-  connection: ``RESOURCE_EXHAUSTED``, and the consumer uses ``RecvTensor``), and the
-  bytes one may push ahead of its consumer's acknowledgement (``max_pushed_bytes``;
-  HTTP/2 flow control stops a consumer that does not read). A value counts in the
-  producer's window until it is acknowledged.
-* **Ends**: with ``OK`` after ``series_idle`` without a value and nothing unacknowledged;
-  with the step's error (aborted, cleaned up); ``UNAVAILABLE`` when the server stops.
-  While idle the series sends an empty message every ``TICK`` seconds, so that a
-  consumer blocked reading it sees its deadline.
+* Exactly once across dropped connections: a series has its own request_id; the
+  producer keeps what it pushed until the consumer says how many values it holds
+  (``MarkRecvFinished`` with ``held``, when the series asks with field 1003). Opened
+  again, a series gets what it lacks; released or expired (``cache_ttl``), what its
+  consumer did not hold goes back to its key's head, in order.
+* Bounds (``guard.Limits``): series open (``RESOURCE_EXHAUSTED``: the consumer goes on
+  with ``RecvTensor``) and ``max_pushed_bytes`` ahead of the consumer's acks; a value
+  counts in the producer's window until acknowledged.
+* Ends: ``OK`` after ``series_idle`` idle, the step's error, ``UNAVAILABLE`` when the
+  server stops; an idle series ticks (an empty message every ``TICK``) so that its
+  blocked reader sees its deadline.
 
-``SeriesService`` is the producer's end (the handler, on the serving loop: no lock);
-``SeriesCall`` the consumer's end of one series (read by a blocked receiver, in its
-own thread: no thread of ours).
+``SeriesService``: the producer's end, on the serving loop (no lock). ``SeriesCall``:
+the consumer's end, read by one blocked receiver at a time in its own thread.
 """
 
 from __future__ import annotations
@@ -416,14 +407,9 @@ class SeriesCall:
         if call is not None:
             call.cancel()
 
-    def release(self) -> None:
-        """Leave the series: the producer gives back what was not read, in order."""
-        self.cancel()
-        self.acked = self.held
-        self._peer.finished(self.rid, released=True, held=self.held)
-
-    def release_future(self) -> Any:
-        """``release``, with the call's future (the caller goes on once it is done)."""
+    def release(self) -> Any:
+        """Leave the series: the producer gives back what was not read, in order. The
+        ``MarkRecvFinished`` call's future (None: the channel is closed)."""
         self.cancel()
         self.acked = self.held
         return self._peer.finished(self.rid, released=True, held=self.held)

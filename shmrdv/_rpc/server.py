@@ -1,28 +1,20 @@
 """RpcServer: the server consumers on other hosts pull a worker's values from.
 
-A grpc.aio server on its own event loop thread, answering from an ``outbox.Outbox``:
+A grpc.aio server on its own loop thread, answering from an ``outbox.Outbox``:
+``RecvTensor`` (TensorFlow's: the key's next value, or the call parks within
+``guard.Limits`` up to its deadline; a large value's first chunk, the rest fetched by
+offset under the same request_id), ``GetStatus``, ``MarkRecvFinished`` and
+``RecvTensorSeries`` (``series``).
 
-* ``RecvTensor`` (TensorFlow's, research/tf_rendezvous.md §3.2): the key's next value,
-  or the call parks in the outbox up to its deadline (within ``guard.Limits``). A large
-  value goes as chunks: the first in the answer, the rest fetched by offset under the
-  same request_id. ``GetStatus``; ``MarkRecvFinished`` (acks, releases, a series' held
-  count).
-* ``RecvTensorSeries`` (``series``): a key received again is pushed to shmrdv consumers.
-* **The response cache** (TensorFlow's ``GrpcResponseCache``): a call with a request_id
-  leaves its value cached; a retry under it joins the parked call or gets the value
-  again, until the client acknowledges it (an ack riding on a later request, or
-  ``MarkRecvFinished``), releases it ("released": the value goes back to its key's head)
-  or ``cache_ttl`` passes (a value never delivered goes back too). A request_id answered
-  and no longer cached is ``ABORTED``, as TensorFlow's ``RecentRequestIds`` answers. A
-  value is delivered, for the window, when the call that carried it whole ended well or
-  its client acknowledged its chunks.
+The response cache (TensorFlow's ``GrpcResponseCache``): a value answered under a
+request_id stays for a retry until the client acknowledges it (on a later request or
+``MarkRecvFinished``), releases it (it goes back to its key's head), or ``cache_ttl``
+passes (a value never delivered goes back too). A request_id answered and no longer
+cached is ``ABORTED`` (TensorFlow's ``RecentRequestIds``). A value is delivered, for the
+window, when the call that carried it whole ended well or its chunks were acknowledged.
 
-A step cleaned up is the outbox's to forget (its calls fail at once); what the cache
-keeps of it goes with its ack or ``cache_ttl``, and the server's loop is not woken for it.
-
-Thread model (docs/threads.md): the handlers, the cache and the series live on the loop
-("shmrdv-rpc-server"; no lock); ``start``, ``stop`` and ``stats`` may be called from any
-thread.
+Thread model (docs/threads.md): handlers, cache and series live on the loop
+("shmrdv-rpc-server"; no lock); ``start``, ``stop`` and ``stats`` from any thread.
 """
 
 from __future__ import annotations

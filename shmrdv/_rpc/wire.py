@@ -1,29 +1,23 @@
 """Protocol-buffer primitives, TensorFlow's dtype codes and the TensorProto coding.
 
-Pure functions over buffers, no I/O (h11's readers/writers split: the byte formats here,
-the messages that use them in ``messages``); no thread model needed.
+Pure functions over buffers (the messages that use them are in ``messages``):
 
-* Primitives: varints, tags, length-delimited fields (https://protobuf.dev/programming-
-  guides/encoding/). Readers raise ``Malformed``, which the message decoders turn into
-  ``InvalidArgumentError`` at their edge; no declared length is trusted before it is
-  checked against the bytes present.
-* Dtypes: numbers and bool go as TensorFlow sends them; numpy bytes arrays are
-  ``DT_STRING``; dtypes TensorFlow lacks (unicode, structured, datetime, other ml_dtypes
-  kinds) are ``DT_INVALID`` with the numpy dtype in the ``shmrdv_dtype`` extension
-  (TensorProto field 1001, the descriptor of ``_values.encode_dtype``), which a TensorFlow
-  peer cannot read. Big-endian values travel little-endian (TensorFlow's wire is).
-* TensorProto: ``tensor_parts`` writes it around the array's own buffer, as TensorFlow's
-  ``EncodeTensorToByteBuffer`` does (``tensor_content``, never the ``*_val`` fields; a
-  scalar has no ``tensor_shape``); ``read_tensor`` and ``tensor_value`` read it back,
-  checking every element count (``_values.shape_problem``) before anything is allocated.
+* Primitives: varints and fields; readers raise ``Malformed`` (``InvalidArgumentError``
+  at the decoders' edge) and trust no length before checking it.
+* Dtypes: numbers and bool as TensorFlow sends them, bytes arrays as ``DT_STRING``;
+  dtypes TensorFlow lacks are ``DT_INVALID`` with the numpy dtype in TensorProto field
+  1001 (``_values.encode_dtype``). Values travel little-endian.
+* TensorProto: ``tensor_parts`` writes it around the array's own buffer (TensorFlow's
+  ``EncodeTensorToByteBuffer``: ``tensor_content``, no shape for a scalar);
+  ``read_tensor`` and ``tensor_value`` read it back, every element count checked
+  (``_values.shape_problem``) before anything is allocated.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Mapping
-from types import MappingProxyType
+from collections.abc import Iterator
 from typing import Any, Final
 
 import numpy as np
@@ -33,44 +27,18 @@ from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedErro
 from .._values import as_ndarray, decode_dtype, encode_dtype, shape_problem
 
 __all__ = [
-    "DT_INVALID",
-    "DT_STRING",
-    "I64",
-    "LEN",
-    "MAX_DECODED_BYTES",
-    "PLAIN_OF_TF",
-    "U64",
-    "VARINT",
-    "Buffer",
-    "Malformed",
-    "TensorHeader",
-    "as_array",
-    "as_buffer",
-    "check_int64",
-    "dtype_descriptor",
-    "dtype_to_tf",
-    "fields",
-    "int_field",
-    "len_field",
-    "put_varint",
-    "read_tensor",
-    "read_utf8",
-    "read_varint",
-    "resolve_dtype",
-    "signed64",
-    "tensor_parts",
-    "tensor_value",
-    "tf_to_dtype",
-    "varint",
-    "wire_dtype",
-]
+    "DT_INVALID", "DT_STRING", "I64", "LEN", "MAX_DECODED_BYTES", "VARINT", "Buffer",
+    "Malformed", "TensorHeader", "as_array", "as_buffer", "check_int64", "dtype_descriptor",
+    "dtype_to_tf", "fields", "int_field", "len_field", "put_varint", "read_tensor", "read_utf8",
+    "read_varint", "resolve_dtype", "signed64", "tensor_parts", "tensor_value", "tf_to_dtype",
+    "varint", "wire_dtype",
+]  # fmt: skip
 
 Buffer = bytes | bytearray | memoryview
 
-U64: Final = (1 << 64) - 1
+_U64: Final = (1 << 64) - 1
 _I64_MAX: Final = (1 << 63) - 1
-VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
-_MAX_DEPTH: Final = 64  # nested groups skipped; protobuf's recursion limit is 100
+VARINT, I64, LEN, I32 = 0, 1, 2, 5
 _MAX_DIMS: Final = 64  # numpy's NPY_MAXDIMS
 _MAX_DESCRIPTOR_CHARS: Final = 1 << 16
 
@@ -84,7 +52,7 @@ class Malformed(Exception):
 
 def put_varint(out: bytearray, value: int) -> None:
     """Append the varint of ``value`` (a negative int64 as its 10-byte two's complement)."""
-    value &= U64
+    value &= _U64
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
         value >>= 7
@@ -131,7 +99,7 @@ def read_varint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
         pos += 1
         result |= (byte & 0x7F) << shift
         if byte < 0x80:
-            return result & U64, pos
+            return result & _U64, pos
         shift += 7
         if shift >= 70:
             raise Malformed("varint longer than 10 bytes")
@@ -140,7 +108,7 @@ def read_varint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
 def fields(buf: Buffer, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
     """The fields of the message in ``buf[pos:end]`` as (number, wire type, value, end):
     a varint's or fixed field's value (``end`` past it), or a LEN field's payload start
-    and end. Groups are skipped as unknown fields."""
+    and end."""
     while pos < end:
         tag, pos = read_varint(buf, pos, end)
         number, wire_type = tag >> 3, tag & 7
@@ -162,38 +130,8 @@ def fields(buf: Buffer, pos: int, end: int) -> Iterator[tuple[int, int, int, int
             value = int.from_bytes(buf[pos : pos + size], "little")
             pos += size
             yield number, wire_type, value, pos
-        elif wire_type == SGROUP:
-            pos = skip_group(buf, pos, end, number, 1)
-        else:
+        else:  # groups too: proto2's, in no message here (and TensorFlow's are proto3)
             raise Malformed(f"invalid wire type {wire_type} (field {number})")
-
-
-def skip_group(buf: Buffer, pos: int, end: int, number: int, depth: int) -> int:
-    """The position after the group ``number`` that starts at ``pos``."""
-    if depth > _MAX_DEPTH:
-        raise Malformed("groups nested too deeply")
-    while True:
-        tag, pos = read_varint(buf, pos, end)
-        inner, wire_type = tag >> 3, tag & 7
-        if inner == 0 or tag > 0xFFFFFFFF:
-            raise Malformed(f"invalid tag {tag}")
-        if wire_type == EGROUP:
-            if inner != number:
-                raise Malformed("mismatched end-group tag")
-            return pos
-        if wire_type == VARINT:
-            pos = read_varint(buf, pos, end)[1]
-        elif wire_type == LEN:
-            length, pos = read_varint(buf, pos, end)
-            pos += length
-        elif wire_type in (I64, I32):
-            pos += 8 if wire_type == I64 else 4
-        elif wire_type == SGROUP:
-            pos = skip_group(buf, pos, end, inner, depth + 1)
-        else:
-            raise Malformed(f"invalid wire type {wire_type}")
-        if pos > end:
-            raise Malformed("field runs past the end of its message")
 
 
 def read_utf8(buf: Buffer, start: int, end: int, what: str) -> str:
@@ -226,10 +164,6 @@ _TF_OF_NUMPY: dict[np.dtype[Any], int] = {
         ("<i8", 9), ("?", 10), ("<u2", 17), ("<c16", 18), ("<f2", 19), ("<u4", 22), ("<u8", 23),
     )
 }  # fmt: skip
-#: The plain number and bool dtypes by TensorFlow code: ``tensor_content`` as it is.
-PLAIN_OF_TF: Final[Mapping[int, np.dtype[Any]]] = MappingProxyType(
-    {v: k for k, v in _TF_OF_NUMPY.items()}
-)
 _NUMPY_OF_TF: dict[int, np.dtype[Any]] = {v: k for k, v in _TF_OF_NUMPY.items()}
 # Quantized types have no numpy kind: their storage integer (QINT8, QUINT8, QINT16,
 # QUINT16, QINT32); DT_STRING's width comes from the data.
@@ -389,7 +323,8 @@ def _dim(size: int) -> bytes:
 
 
 _DIMS: Final = {n: _dim(n) for n in range(1025)}
-_PLAIN_HEADS: Final = {d: int_field(1, code) for code, d in PLAIN_OF_TF.items()}
+# The plain number and bool dtypes (no ml_dtypes yet): ``tensor_content`` as it is.
+_PLAIN_HEADS: Final = {d: int_field(1, code) for d, code in _TF_OF_NUMPY.items()}
 _CONTENT_TAG: Final = b"\x22"  # field 4, LEN
 
 
