@@ -64,9 +64,11 @@ def test_empty_values_fill_a_series_to_its_bound(source: StepSource) -> None:
         got = 0
         with pytest.raises(grpc.RpcError) as info:  # read all it pushes, acknowledging none
             for message in call:
-                value = messages.Assembly().feed(message) if message else None
-                if value is not None:
-                    assert value.value.shape == (0, 2)
-                    got += 1
+                assembly = messages.Assembly()
+                value = assembly.feed(message) if message else None
+                for v in [value, *(messages.Assembly().feed(p) for p in assembly.packed)]:
+                    if v is not None:
+                        assert v.value.shape == (0, 2)
+                        got += 1
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert got == bound // VALUE_FLOOR == server.stats()["series_values"]

@@ -52,10 +52,13 @@ _CLOSE_WAIT = 1.0
 
 
 def status(error: Any) -> tuple[grpc.StatusCode, str]:
-    """A failed call's code and details (a bare ``RpcError`` has neither)."""
+    """A failed call's code and details (a bare ``RpcError`` has neither). A connection
+    that broke mid-frame ("Stream removed", ``INTERNAL``) is ``UNAVAILABLE``: dropped."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-    details = error.details() if hasattr(error, "details") else None
-    return code, details or str(error)
+    details = (error.details() if hasattr(error, "details") else None) or str(error)
+    if code == grpc.StatusCode.INTERNAL and details.startswith("Stream removed"):
+        code = grpc.StatusCode.UNAVAILABLE
+    return code, details
 
 
 class Peer:

@@ -204,8 +204,7 @@ class RpcClient:
         except RendezvousError as e:
             invoke_done(done, e, None)
             return _too_late
-        recv = Recv(self, address, int(step_id), pk, done, blocking, t)
-        k = recv.k
+        k = (int(step_id), pk.full_key)
         got: Received | None = None
         error: BaseException | None = None
         with self._lock:
@@ -220,6 +219,7 @@ class RpcClient:
                     got = value
                     self._count(value)
                 else:
+                    recv = Recv(self, address, k[0], pk, done, blocking, t)
                     self._table.wait(k, recv)
                     if blocking:
                         self._blocked[done] = recv
@@ -613,18 +613,22 @@ class RpcClient:
         """A blocked receiver reads its key's series until its own value comes (the reader
         role is its until it returns: after a value, a tick, or a failure)."""
         k = recv.k
+        recv.peer = series.peer  # (for its errors)
         try:
             while recv.state != _DONE:
-                got = series.call.read()
-                if got is None:
+                values = series.call.read()
+                if not values:
                     return  # a tick: back to the receiver's loop (deadline, abort)
                 recv.gone_since = None
+                done = []
                 with self._lock:
-                    waiter = self._table.put(k, got)
-                    if waiter is not None:
-                        self._end(waiter)
-                        self._count(got)
-                if waiter is not None:
+                    for got in values:
+                        waiter = self._table.put(k, got)
+                        if waiter is not None:
+                            self._end(waiter)
+                            self._count(got)
+                            done.append((waiter, got))
+                for waiter, got in done:
                     invoke_done(waiter.done, None, got)
         except grpc.RpcError as e:
             self._series_failed(recv, series, e)

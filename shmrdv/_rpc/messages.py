@@ -7,7 +7,8 @@ decoder each, on ``wire``'s TensorProto coding.
 * ``RecvTensorResponse`` (``encode_value`` / ``Assembly``), as TensorFlow writes it,
   the content being the array's buffer joined once. Beyond ``CHUNK_BYTES`` a value goes
   as chunks: responses whose ``tensor_content`` is the slice at offset 1001 of a whole
-  of 1002 bytes. In a series, a response with field 1003 and no tensor asks for an ack.
+  of 1002 bytes. In a series, a response with field 1003 and no tensor asks for an ack,
+  and one with field 1004 and no tensor packs the whole responses of several values.
 * ``MarkRecvFinishedRequest`` (1001 "released", 1002 a series' values held) and
   ``GetStatusResponse``.
 
@@ -60,7 +61,7 @@ __all__ = [
     "ASK", "CHUNK_BYTES", "GET_STATUS", "MARK_RECV_FINISHED", "MAX_ACKS", "RECV_TENSOR",
     "RECV_TENSOR_SERIES", "SHMRDV_SERVICE", "TF_SERVICE", "Assembly", "DeviceAttributes",
     "Encoded", "RecvRequest", "decode_finished", "decode_request", "decode_status",
-    "encode_finished", "encode_request", "encode_status", "encode_value", "take_ids",
+    "encode_finished", "encode_request", "encode_status", "encode_value", "pack", "take_ids",
     "whole_message",
 ]  # fmt: skip
 
@@ -286,6 +287,14 @@ def encode_value(
 ASK: Final = b"\xd8\x3e\x01"
 
 
+def pack(responses: Sequence[bytes]) -> bytes:
+    """A series' one message for several values: their whole responses in field 1004."""
+    parts: list[bytes] = []
+    for r in responses:
+        parts += (b"\xe2\x3e", varint(len(r)), r)
+    return b"".join(parts)
+
+
 def whole_message(encoded: Encoded) -> bytes:
     """One ``RecvTensorResponse`` of an encoded value (for a client that takes no chunks,
     TensorFlow's); ``ResourceExhaustedError`` beyond protobuf's 2 GiB ceiling."""
@@ -310,10 +319,13 @@ class Assembly:
     it returns the value once complete (a private, writable array: the one copy), else
     None. A chunked value's buffer is allocated once, when its first chunk comes, after
     its size is checked against its dtype and shape and this host's memory. ``ask``:
-    the last message was an ask (no tensor). Not thread-safe: one value, one feeder.
+    the last message was an ask (no tensor); ``packed``: the whole responses it packed
+    (a series' pack, no tensor). Not thread-safe: one value, one feeder.
     """
 
-    __slots__ = ("_buffer", "_got", "_have", "_head", "_is_dead", "_step", "_total", "ask")
+    __slots__ = (
+        "_buffer", "_got", "_have", "_head", "_is_dead", "_step", "_total", "ask", "packed",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self._buffer: npt.NDArray[np.uint8] | None = None
@@ -322,6 +334,7 @@ class Assembly:
         self._total = self._step = self._have = 0
         self._got: set[int] = set()
         self.ask = False
+        self.packed: list[memoryview] = []
 
     @property
     def missing(self) -> list[int]:
@@ -341,6 +354,7 @@ class Assembly:
         head = TensorHeader()
         is_dead = ask = False
         offset, total, tensor = 0, -1, False
+        packed = []
         for number, wire_type, value, stop in fields(buf, 0, len(buf)):
             if wire_type == LEN and number == 1:
                 read_tensor(buf, value, stop, head)
@@ -354,10 +368,15 @@ class Assembly:
                     total = value
                 elif number == 1003:
                     ask = bool(value)
+            elif wire_type == LEN and number == 1004:
+                packed.append((value, stop))
             elif wire_type == LEN and number == 4:
                 _validate(buf, value, stop, {1: None})  # transport_options: an Any
         self.ask = ask and not tensor
         if self.ask:
+            return None
+        if packed and not tensor:
+            self.packed = [memoryview(buf)[start:end] for start, end in packed]
             return None
         start, end = head.content
         if total < 0 and self._buffer is None:  # a whole value: the usual case

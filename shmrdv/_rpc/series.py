@@ -42,7 +42,7 @@ from .._rendezvous import Received
 from .._window import counted_bytes
 from .channels import Peer
 from .guard import Limits, Parked
-from .messages import ASK, Assembly, decode_request, encode_request, take_ids
+from .messages import ASK, Assembly, decode_request, encode_request, pack, take_ids
 from .outbox import Outbox, Sent, Taker
 
 __all__ = ["TICK", "SeriesCall", "SeriesService"]
@@ -53,6 +53,8 @@ TICK = 0.1
 # long (a producer blocked on its window gets room back), and every _ASK_BYTES pushed.
 _ASK_DELAY = 0.01
 _ASK_BYTES = 16 << 20
+# Values sent faster than they are pushed go several to a message, up to this many bytes.
+_PACK_BYTES = 1 << 20
 
 
 class _Pushed(Taker):
@@ -224,15 +226,41 @@ class SeriesService:
             except RendezvousError as e:
                 await _abort(context, e)
             idle = 0.0
-            state.kept.append(sent)
-            counted = counted_bytes(sent.encoded.nbytes)  # an empty value costs too
-            state.kept_bytes += counted
-            state.unasked += counted
-            self._stats["series_values"] += 1
-            for chunk in sent.encoded.chunks:
-                yield chunk
+            batch = self._batch(state, sent)
+            for value in batch:
+                state.kept.append(value)
+                counted = counted_bytes(value.encoded.nbytes)  # an empty value costs too
+                state.kept_bytes += counted
+                state.unasked += counted
+            self._stats["series_values"] += len(batch)
+            if len(batch) > 1:
+                yield pack([value.encoded.chunks[0] for value in batch])
+            else:
+                for chunk in sent.encoded.chunks:
+                    yield chunk
             if state.unasked >= self._ask_bytes:
                 yield self._ask(state)
+
+    def _batch(self, state: _Pushed, sent: Sent) -> list[Sent]:
+        """``sent``, and the whole values queued behind it that one message can carry."""
+        batch = [sent]
+        if len(sent.encoded.chunks) > 1:
+            return batch
+        size, counted = len(sent.encoded.chunks[0]), counted_bytes(sent.encoded.nbytes)
+        while size < _PACK_BYTES and state.kept_bytes + counted < self._limits.max_pushed_bytes:
+            try:
+                following = self._outbox.take(state.k[0], state.key, None)
+            except RendezvousError:
+                break  # the next take fails the series
+            if following is None:
+                break
+            if len(following.encoded.chunks) > 1:
+                state.got = (following, None)  # a large value goes next, in its chunks
+                break
+            batch.append(following)
+            size += len(following.encoded.chunks[0])
+            counted += counted_bytes(following.encoded.nbytes)
+        return batch
 
     def _take(self, state: _Pushed) -> Sent | None:
         if state.got is not None:
@@ -361,11 +389,11 @@ class SeriesCall:
         self._call: Any = None
         self._assembly = Assembly()
 
-    def read(self) -> Received | None:
-        """The next value, reading the series (blocks up to ``TICK`` while it is idle);
-        None after a tick or when the call ended well (it is opened again next time).
-        Raises ``grpc.RpcError`` when the call fails (it is opened again next time) and
-        ``InvalidArgumentError`` for bytes that do not parse."""
+    def read(self) -> list[Received]:
+        """The next values, reading the series (one, or those a message packed; blocks up
+        to ``TICK`` while it is idle); none after a tick or when the call ended well (it
+        is opened again next time). Raises ``grpc.RpcError`` when the call fails (it is
+        opened again next time) and ``InvalidArgumentError`` for bytes that do not parse."""
         call = self._call
         if call is None:
             released = take_ids(self._peer.releases)  # given up before: back to their keys
@@ -379,21 +407,32 @@ class SeriesCall:
                 message = next(call)
             except StopIteration:
                 self._call = None
-                return None
+                return []
             except grpc.RpcError:
                 self._call = None
                 self._assembly = Assembly()
                 raise
             if not message:
-                return None
+                return []
             got = self._assembly.feed(message)
-            if got is not None:
-                self.held += 1
-                self.values += 1
+            if got is not None or self._assembly.packed:
+                values = [got] if got is not None else self._unpack(self._assembly.packed)
+                self.held += len(values)
+                self.values += len(values)
                 self._assembly = Assembly()
-                return got
+                return values
             if self._assembly.ask:
                 self.ack()
+
+    @staticmethod
+    def _unpack(parts: list[memoryview]) -> list[Received]:
+        values = []
+        for part in parts:
+            got = Assembly().feed(part)
+            if got is None:
+                raise InvalidArgumentError("a packed response is not a whole value")
+            values.append(got)
+        return values
 
     def ack(self) -> None:
         """Tell the producer what this consumer holds (it counts no more in its window)."""

@@ -59,7 +59,12 @@ def put_varint(out: bytearray, value: int) -> None:
     out.append(value)
 
 
+_ONE_BYTE: Final = [bytes((i,)) for i in range(0x80)]
+
+
 def varint(value: int) -> bytes:
+    if 0 <= value < 0x80:
+        return _ONE_BYTE[value]
     out = bytearray()
     put_varint(out, value)
     return bytes(out)
@@ -110,15 +115,25 @@ def fields(buf: Buffer, pos: int, end: int) -> Iterator[tuple[int, int, int, int
     a varint's or fixed field's value (``end`` past it), or a LEN field's payload start
     and end."""
     while pos < end:
-        tag, pos = read_varint(buf, pos, end)
+        tag = buf[pos]  # one-byte varints (most tags, flags and lengths) read inline
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = read_varint(buf, pos, end)
         number, wire_type = tag >> 3, tag & 7
         if number == 0 or tag > 0xFFFFFFFF:
             raise Malformed(f"invalid tag {tag}")
         if wire_type == VARINT:
-            value, pos = read_varint(buf, pos, end)
+            if pos < end and buf[pos] < 0x80:
+                value, pos = buf[pos], pos + 1
+            else:
+                value, pos = read_varint(buf, pos, end)
             yield number, VARINT, value, pos
         elif wire_type == LEN:
-            length, pos = read_varint(buf, pos, end)
+            if pos < end and buf[pos] < 0x80:
+                length, pos = buf[pos], pos + 1
+            else:
+                length, pos = read_varint(buf, pos, end)
             if length > end - pos:
                 raise Malformed(f"field {number} declares {length} bytes, {end - pos} remain")
             yield number, LEN, pos, pos + length
@@ -322,7 +337,8 @@ def _dim(size: int) -> bytes:
     return len_field(2, int_field(1, size))  # TensorShapeProto.dim: a Dim of one size
 
 
-_DIMS: Final = {n: _dim(n) for n in range(1025)}
+_SHAPES: dict[tuple[int, ...], bytes] = {}  # shape fields made so far (a bounded cache)
+_SHAPES_KEPT: Final = 4096
 # The plain number and bool dtypes (no ml_dtypes yet): ``tensor_content`` as it is.
 _PLAIN_HEADS: Final = {d: int_field(1, code) for d, code in _TF_OF_NUMPY.items()}
 _CONTENT_TAG: Final = b"\x22"  # field 4, LEN
@@ -332,7 +348,12 @@ def _shape_field(shape: tuple[int, ...]) -> bytes:
     """TensorProto's ``tensor_shape`` field; nothing for a scalar (TensorFlow's way)."""
     if not shape:
         return b""
-    return len_field(2, b"".join([_DIMS.get(n) or _dim(n) for n in shape]))
+    field = _SHAPES.get(shape)
+    if field is None:
+        if len(_SHAPES) >= _SHAPES_KEPT:
+            _SHAPES.clear()
+        field = _SHAPES[shape] = len_field(2, b"".join([_dim(n) for n in shape]))
+    return field
 
 
 def _string_list(arr: npt.NDArray[Any]) -> bytes:

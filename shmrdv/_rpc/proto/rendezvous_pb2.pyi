@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RecvTensorRequestExt(_message.Message):
-    __slots__ = ("step_id", "rendezvous_key", "dma_ok", "client_locality", "server_locality", "transport_options", "request_id", "finished", "chunks", "held", "offset")
+    __slots__ = ("step_id", "rendezvous_key", "dma_ok", "client_locality", "server_locality", "transport_options", "request_id", "finished", "chunks", "held", "offset", "released")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
     DMA_OK_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class RecvTensorRequestExt(_message.Message):
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rendezvous_key: str
     dma_ok: bool
@@ -33,10 +34,11 @@ class RecvTensorRequestExt(_message.Message):
     chunks: bool
     held: int
     offset: int
-    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., dma_ok: _Optional[bool] = ..., client_locality: _Optional[_Union[_device_attributes_pb2.DeviceLocality, _Mapping]] = ..., server_locality: _Optional[_Union[_device_attributes_pb2.DeviceLocality, _Mapping]] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., request_id: _Optional[int] = ..., finished: _Optional[_Iterable[int]] = ..., chunks: _Optional[bool] = ..., held: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    released: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., dma_ok: _Optional[bool] = ..., client_locality: _Optional[_Union[_device_attributes_pb2.DeviceLocality, _Mapping]] = ..., server_locality: _Optional[_Union[_device_attributes_pb2.DeviceLocality, _Mapping]] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., request_id: _Optional[int] = ..., finished: _Optional[_Iterable[int]] = ..., chunks: _Optional[bool] = ..., held: _Optional[int] = ..., offset: _Optional[int] = ..., released: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RecvTensorResponseExt(_message.Message):
-    __slots__ = ("tensor", "is_dead", "send_start_micros", "transport_options", "require_ack", "offset", "content_bytes", "ask")
+    __slots__ = ("tensor", "is_dead", "send_start_micros", "transport_options", "require_ack", "offset", "content_bytes", "ask", "packed")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     IS_DEAD_FIELD_NUMBER: _ClassVar[int]
     SEND_START_MICROS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +47,7 @@ class RecvTensorResponseExt(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     CONTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     ASK_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     tensor: _tensor_pb2.TensorProto
     is_dead: bool
     send_start_micros: int
@@ -53,7 +56,8 @@ class RecvTensorResponseExt(_message.Message):
     offset: int
     content_bytes: int
     ask: bool
-    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., send_start_micros: _Optional[int] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., require_ack: _Optional[bool] = ..., offset: _Optional[int] = ..., content_bytes: _Optional[int] = ..., ask: _Optional[bool] = ...) -> None: ...
+    packed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., send_start_micros: _Optional[int] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., require_ack: _Optional[bool] = ..., offset: _Optional[int] = ..., content_bytes: _Optional[int] = ..., ask: _Optional[bool] = ..., packed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class MarkRecvFinishedRequestExt(_message.Message):
     __slots__ = ("request_id", "released", "held")
