@@ -360,9 +360,7 @@ def test_request_ext_fields_are_the_generated_ones(
     assert (ref.step_id, ref.rendezvous_key, ref.request_id) == (step_id, key, request_id)
     assert (list(ref.finished), ref.chunks, ref.held, ref.offset) == (acks, True, held, offset)
     got = messages.decode_request(ours)
-    assert got == messages.RecvRequest(
-        step_id, key, request_id, False, tuple(acks), True, held, offset
-    )
+    assert got == messages.RecvRequest(step_id, key, request_id, tuple(acks), True, held, offset)
     # TensorFlow reads its own fields and skips ours.
     tf = worker_pb2.RecvTensorRequest.FromString(ours)
     assert (tf.step_id, tf.rendezvous_key, tf.request_id) == (step_id, key, request_id)
@@ -545,11 +543,10 @@ def test_decode_request_fuzz_raises_only_shmrdv_errors(data: bytes) -> None:
     except WIRE_ERRORS:
         return
     ref = worker_pb2.RecvTensorRequest.FromString(data)
-    assert (ref.step_id, ref.rendezvous_key, ref.request_id, ref.dma_ok) == (
+    assert (ref.step_id, ref.rendezvous_key, ref.request_id) == (
         got.step_id,
         got.rendezvous_key,
         got.request_id,
-        got.dma_ok,
     )
 
 

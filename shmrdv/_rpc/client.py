@@ -1,17 +1,14 @@
 """RpcClient: the consumer's one receive state machine over gRPC.
 
 A receive (``Recv``, TensorFlow's ``RpcRecvTensorCall``) pulls the next value of a
-(step, key) with ``RecvTensor`` under a random request_id. A blocked receiver makes the
-call from its own thread (turns of at most ``TURN``, again under the same request_id:
-the server's response cache makes that safe); a callback receive makes it as a grpcio
-future (``done`` runs in gRPC's channel thread). The rest of a chunked value is fetched
-by offset, a few chunks at a time. Receives of one (step, key) go one at a time, in
-order (the core's ``WaiterTable``). Acks and releases (a value that came too late goes
-back to its key's head) ride on the next request to the producer.
-
-A key received again by a blocked receiver switches to ``RecvTensorSeries``
-(``series``): read in the blocked receiver's thread, values read ahead wait in the
-table; a callback receive with no reader releases the series and goes on unary.
+(step, key) with ``RecvTensor`` under a random request_id: from the blocked receiver's
+own thread (turns of at most ``TURN``, again under the same request_id: the server's
+response cache makes that safe), or as a grpcio future for a callback receive (``done``
+runs in gRPC's channel thread). A chunked value's other chunks are fetched by offset,
+a few at a time. Receives of one (step, key) go one at a time, in order (the core's
+``WaiterTable``); acks and releases ride on the next request to the producer. A key
+received again by a blocked receiver switches to ``RecvTensorSeries`` (``series``),
+read in that receiver's thread; values read ahead wait in the table.
 
 Failures: a producer not listening yet is retried (50 ms doubling to 1 s) until the
 deadline; one reached and then gone gets ``GONE_GRACE``, then fails naming it; other
@@ -135,18 +132,6 @@ class Recv:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
 
-class _Series:
-    """A (step, key) in series mode: its call and who reads it now."""
-
-    __slots__ = ("call", "flush", "peer", "reader")
-
-    def __init__(self, call: SeriesCall, peer: Peer) -> None:
-        self.call = call
-        self.peer = peer
-        self.reader: Recv | None = None
-        self.flush: threading.Timer | None = None  # the late ack of what was read
-
-
 class RpcClient:
     """Pulls values from shmrdv (and TensorFlow) workers over gRPC (module docstring).
 
@@ -171,7 +156,7 @@ class RpcClient:
         self._table: WaiterTable[tuple[int, str], Received, Recv] = WaiterTable()
         self._blocked: dict[DoneCallback, Recv] = {}  # blocking receives by their done
         self._blocking: dict[tuple[int, str], int] = {}  # blocking receives waiting per key
-        self._series: dict[tuple[int, str], _Series] = {}
+        self._series: dict[tuple[int, str], SeriesCall] = {}
         self._releasing: set[tuple[int, str]] = set()  # keys whose series goes back
         self._seen: dict[tuple[int, str], int] = {}
         self._key_peer: dict[str, Peer] = {}  # the producer each key was received from
@@ -599,24 +584,23 @@ class RpcClient:
         peer = head.peer or self._key_peer.get(head.k[1])
         return peer is not None and time.monotonic() >= peer.no_series and not head.calls
 
-    def _open_series(self, head: Recv) -> _Series:
+    def _open_series(self, head: Recv) -> SeriesCall:
         peer = head.peer or self._key_peer[head.k[1]]
         rid = _ids.getrandbits(63) | 1
-        call = SeriesCall(peer, head.k[0], head.k[1], rid)
-        series = self._series[head.k] = _Series(call, peer)
+        series = self._series[head.k] = SeriesCall(peer, head.k[0], head.k[1], rid)
         if len(self._had_series) >= _SEEN_KEPT:
             self._had_series.clear()
         self._had_series[head.k[1]] = None
         return series
 
-    def _read(self, recv: Recv, series: _Series) -> None:
+    def _read(self, recv: Recv, series: SeriesCall) -> None:
         """A blocked receiver reads its key's series until its own value comes (the reader
         role is its until it returns: after a value, a tick, or a failure)."""
         k = recv.k
         recv.peer = series.peer  # (for its errors)
         try:
             while recv.state != _DONE:
-                values = series.call.read()
+                values = series.read()
                 if not values:
                     return  # a tick: back to the receiver's loop (deadline, abort)
                 recv.gone_since = None
@@ -642,27 +626,27 @@ class RpcClient:
                     series.reader = None
                 self._cond.notify_all()
                 flush = None
-                if series.call.held > series.call.acked and series.flush is None:
+                if series.held > series.acked and series.flush is None:
                     flush = series.flush = threading.Timer(_ACK_DELAY, self._flush, (series,))
                     flush.daemon = True
             if flush is not None:
                 flush.start()
             self._drive(k)
 
-    def _flush(self, series: _Series) -> None:
+    def _flush(self, series: SeriesCall) -> None:
         """What a series' reader read and left unacknowledged (no reader saw the series
         ask since) is acknowledged: the producer's window counts it no more."""
         with self._lock:
             series.flush = None
             reading = series.reader is not None
         if not reading:
-            series.call.ack()
+            series.ack()
 
-    def _series_failed(self, recv: Recv, series: _Series, error: grpc.RpcError) -> None:
+    def _series_failed(self, recv: Recv, series: SeriesCall, error: grpc.RpcError) -> None:
         code, details = status(error)
         if code == grpc.StatusCode.CANCELLED:
             return  # released, aborted or closed: whoever cancelled it goes on
-        fresh = series.call.held == 0 and series.call.values == 0
+        fresh = series.held == 0 and series.values == 0
         if fresh and code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED):
             # A producer that takes no series (TensorFlow, an older shmrdv), or no more now.
             forever = code == grpc.StatusCode.UNIMPLEMENTED
@@ -682,7 +666,7 @@ class RpcClient:
         self._fail_key(recv.k, series, err)
 
     def _fail_key(
-        self, k: tuple[int, str], series: _Series, error: BaseException, *, keep: bool = False
+        self, k: tuple[int, str], series: SeriesCall, error: BaseException, *, keep: bool = False
     ) -> None:
         """The series of ``k`` failed: every receive waiting on ``k`` fails with ``error``
         (``keep``: the series stays, for receives to come)."""
@@ -693,11 +677,11 @@ class RpcClient:
             for waiter in waiters:
                 self._end(waiter)
         if not keep:
-            series.call.release()
+            series.release()
         for waiter in waiters:
             invoke_done(waiter.done, error, None)
 
-    def _release_series(self, k: tuple[int, str], series: _Series) -> None:
+    def _release_series(self, k: tuple[int, str], series: SeriesCall) -> None:
         """No blocked receiver reads ``k``'s series for its callback receives: the
         producer takes back what was not read, then they go on with ``RecvTensor``."""
 
@@ -706,7 +690,7 @@ class RpcClient:
                 self._releasing.discard(k)
             self._drive(k)
 
-        fut = series.call.release() if not self._closed else None
+        fut = series.release() if not self._closed else None
         if fut is None:
             released(None)
         else:
@@ -724,9 +708,9 @@ class RpcClient:
                 del self._series[k]
         self._fail(recvs, series, error)
 
-    def _fail(self, recvs: list[Recv], series: list[_Series], error: BaseException) -> None:
+    def _fail(self, recvs: list[Recv], series: list[SeriesCall], error: BaseException) -> None:
         for s in series:
-            s.call.release()
+            s.release()
         for recv in recvs:
             if self._stop(recv):
                 invoke_done(recv.done, error, None)

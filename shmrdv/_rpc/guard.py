@@ -23,17 +23,17 @@ import os
 import resource
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import grpc.aio
 
-from .._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError, code_for_error
 
 __all__ = [
     "DEFAULT_FIRST_MESSAGE_TIMEOUT", "DEFAULT_MAX_CONCURRENT_RPCS", "UNAUTHENTICATED_MESSAGE",
     "Gate", "Limits", "Parked", "TLSConfig", "bearer_metadata", "check_token",
-    "descriptor_limit", "token_matches",
+    "descriptor_limit", "out_of_time", "refuse", "token_matches",
 ]  # fmt: skip
 
 UNAUTHENTICATED_MESSAGE = "missing or wrong shmrdv token"
@@ -433,3 +433,15 @@ class Parked:
                 self._by[unit] = left
             else:
                 del self._by[unit]
+
+
+def out_of_time(parked: asyncio.Future[bool]) -> None:
+    """A parked call's timer: it waited its time (False), unless settled meanwhile."""
+    if not parked.done():
+        parked.set_result(False)
+
+
+async def refuse(context: grpc.aio.ServicerContext[Any, Any], error: BaseException) -> NoReturn:
+    """End a call with ``error``'s status (``_errors.code_for_error``) and message."""
+    await context.abort(code_for_error(error), str(error))
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover

@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from .._errors import InvalidArgumentError, ResourceExhaustedError
 from .._rendezvous import Received, received
+from .._values import as_ndarray
 from .wire import (
     DT_STRING,
     I64,
@@ -39,7 +40,6 @@ from .wire import (
     Buffer,
     Malformed,
     TensorHeader,
-    as_array,
     as_buffer,
     check_int64,
     check_shape,
@@ -86,12 +86,11 @@ MAX_ACKS: Final = 1024
 
 @dataclass(frozen=True, slots=True)
 class RecvRequest:
-    """A decoded ``RecvTensorRequest`` (localities and transport options are dropped)."""
+    """A decoded ``RecvTensorRequest`` (dma_ok, localities and transport options are dropped)."""
 
     step_id: int
     rendezvous_key: str
     request_id: int
-    dma_ok: bool = False
     finished: tuple[int, ...] = ()  # 1001: acks
     chunks: bool = False  # 1002: a shmrdv client, which takes large tensors in chunks
     held: int = 0  # 1003: RecvTensorSeries: values of the series the consumer holds
@@ -112,16 +111,9 @@ def take_ids(queue: deque[int]) -> list[int]:
 
 
 def encode_request(
-    step_id: int,
-    rendezvous_key: str,
-    request_id: int,
-    *,
-    finished: Sequence[int] = (),
-    chunks: bool = True,
-    held: int = 0,
-    offset: int = 0,
-    released: Sequence[int] = (),
-) -> bytes:
+    step_id: int, rendezvous_key: str, request_id: int, *, finished: Sequence[int] = (),
+    chunks: bool = True, held: int = 0, offset: int = 0, released: Sequence[int] = (),
+) -> bytes:  # fmt: skip
     """``RecvTensorRequest`` bytes; ``InvalidArgumentError`` for what the wire cannot carry."""
     step_id = check_int64("step_id", step_id)
     request_id = check_int64("request_id", request_id)
@@ -183,7 +175,7 @@ def decode_request(data: Buffer) -> RecvRequest:
     buf = as_buffer(data)
     step_id = request_id = held = offset = 0
     key = ""
-    dma_ok = chunks = False
+    chunks = False
     finished: list[int] = []
     released: list[int] = []
     try:
@@ -193,8 +185,6 @@ def decode_request(data: Buffer) -> RecvRequest:
                     step_id = signed64(value)
                 elif number == 7:
                     request_id = signed64(value)
-                elif number == 3:
-                    dma_ok = bool(value)
                 elif number == 1001:
                     if len(finished) < MAX_ACKS:
                         finished.append(signed64(value))
@@ -221,7 +211,7 @@ def decode_request(data: Buffer) -> RecvRequest:
     except Malformed as e:
         raise InvalidArgumentError(f"Cannot parse RecvTensorRequest: {e}") from e
     acks, gone = tuple(finished), tuple(released)
-    return RecvRequest(step_id, key, request_id, dma_ok, acks, chunks, held, max(offset, 0), gone)
+    return RecvRequest(step_id, key, request_id, acks, chunks, held, max(offset, 0), gone)
 
 
 # -- RecvTensorResponse -------------------------------------------------------------------
@@ -247,17 +237,14 @@ class Encoded:
 
 
 def encode_value(
-    value: npt.NDArray[Any],
-    is_dead: bool,
-    *,
-    chunk_bytes: int = CHUNK_BYTES,
+    value: npt.NDArray[Any], is_dead: bool, *, chunk_bytes: int = CHUNK_BYTES,
     send_start_micros: int | None = None,
-) -> Encoded:
+) -> Encoded:  # fmt: skip
     """``value`` as its ``RecvTensorResponse`` bytes (the one copy of its buffer): whole up
     to ``chunk_bytes`` of content, else chunks of that many; ``send_start_micros`` (for
     TensorFlow's timelines only) is now unless given. ``InvalidArgumentError`` for a value
     that cannot be sent."""
-    arr = as_array(value)
+    arr = as_ndarray(value, "encode")
     if send_start_micros is None:
         send_start_micros = time.time_ns() // 1000
     head, content, tail = tensor_parts(arr)

@@ -89,15 +89,11 @@ class Outbox:
     """
 
     def __init__(
-        self,
-        task: str,
-        incarnation: int,
-        *,
+        self, task: str, incarnation: int, *,
         cleaned_up: Callable[[int], bool] = lambda step_id: False,
-        peers: PeerDirectory | None = None,
-        max_inflight_bytes: int | None = None,
+        peers: PeerDirectory | None = None, max_inflight_bytes: int | None = None,
         chunk_bytes: int = CHUNK_BYTES,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.task = task
         self.incarnation = incarnation
         self.max_inflight_bytes = max_inflight_bytes
@@ -131,7 +127,10 @@ class Outbox:
     ) -> None:  # fmt: skip
         """Buffer ``value`` for its consumer (``Transport.send``); waits only for room in a
         full window, up to ``timeout`` (``ResourceExhaustedError``, nothing sent)."""
-        self._check(step_id)
+        with self._lock:
+            error = self._error(step_id)
+        if error is not None:
+            raise error
         window = None
         counted = counted_bytes(value.nbytes)
         if self._windows is not None:
@@ -194,12 +193,6 @@ class Outbox:
                 for sent in [s for s in live if s.window is window]:
                     live.discard(sent)
         window.reset()
-
-    def _check(self, step_id: int) -> None:
-        with self._lock:
-            error = self._error(step_id)
-        if error is not None:
-            raise error
 
     def _error(self, step_id: int) -> BaseException | None:
         if self._closed:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -35,13 +35,12 @@ from .._errors import (
     RendezvousError,
     ResourceExhaustedError,
     UnavailableError,
-    code_for_error,
 )
 from .._keys import ParsedKey
 from .._rendezvous import Received
 from .._window import counted_bytes
 from .channels import Peer
-from .guard import Limits, Parked
+from .guard import Limits, Parked, out_of_time, refuse
 from .messages import ASK, Assembly, decode_request, encode_request, pack, take_ids
 from .outbox import Outbox, Sent, Taker
 
@@ -110,12 +109,9 @@ class SeriesService:
     """The producer's end of every series of one server (module docstring)."""
 
     def __init__(
-        self,
-        outbox: Outbox,
-        key_of: Callable[[str], ParsedKey],
-        release: Callable[[int], None],
-        limits: Limits,
-    ) -> None:
+        self, outbox: Outbox, key_of: Callable[[str], ParsedKey],
+        release: Callable[[int], None], limits: Limits,
+    ) -> None:  # fmt: skip
         self._outbox = outbox
         self._key_of = key_of
         self._release = release
@@ -132,10 +128,6 @@ class SeriesService:
         self._pushed: dict[int, _Pushed] = {}
         self._stopping: BaseException | None = None
         self._stats = dict.fromkeys(("series", "series_values", "series_refused", "series_asks"), 0)
-
-    @property
-    def open(self) -> int:
-        return len(self._pushed)
 
     def stats(self) -> dict[str, int]:
         out = dict(self._stats)
@@ -171,7 +163,7 @@ class SeriesService:
                 self._stats["series_refused"] += 1
                 raise ResourceExhaustedError(f"RecvTensorSeries on {self._outbox.task}: {why}")
         except RendezvousError as e:
-            await _abort(context, e)
+            await refuse(context, e)
         self._pushed[state.rid] = state
         if state.expiry is not None:
             state.expiry.cancel()
@@ -224,7 +216,7 @@ class SeriesService:
                         continue
                     sent = self._settled(state)
             except RendezvousError as e:
-                await _abort(context, e)
+                await refuse(context, e)
             idle = 0.0
             batch = self._batch(state, sent)
             for value in batch:
@@ -282,7 +274,7 @@ class SeriesService:
         while state.got is None and not state.released:
             woken = state.woken = loop.create_future()
             if timer is None:
-                timer = loop.call_later(timeout, _resolve, woken)
+                timer = loop.call_later(timeout, out_of_time, woken)
             try:
                 settled = await woken
             finally:
@@ -357,16 +349,6 @@ def _released(state: _Pushed) -> bool:
     return state.released  # read again after an await (a release may have come)
 
 
-def _resolve(woken: asyncio.Future[bool]) -> None:
-    if not woken.done():
-        woken.set_result(False)
-
-
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: BaseException) -> NoReturn:
-    await context.abort(code_for_error(error), str(error))
-    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
-
-
 # -- the consumer's end ---------------------------------------------------------------------
 
 
@@ -374,12 +356,15 @@ class SeriesCall:
     """The consumer's end of one series of (step, key): its call, opened again as needed
     under the series' request_id, and the count of values it has read (``held``).
 
-    ``read`` runs in one blocked receiver's thread at a time (the caller sees to it);
-    ``cancel`` and ``release`` may come from any thread.
+    ``read`` runs in one blocked receiver's thread at a time: the ``reader`` (the
+    caller's, under its lock, as is ``flush``, its timer of a late ack); ``cancel`` and
+    ``release`` may come from any thread.
     """
 
     def __init__(self, peer: Peer, step_id: int, key: str, rid: int) -> None:
-        self._peer = peer
+        self.peer = peer
+        self.reader: Any = None
+        self.flush: Any = None
         self._step_id = step_id
         self._key = key
         self.rid = rid
@@ -396,11 +381,11 @@ class SeriesCall:
         opened again next time) and ``InvalidArgumentError`` for bytes that do not parse."""
         call = self._call
         if call is None:
-            released = take_ids(self._peer.releases)  # given up before: back to their keys
+            released = take_ids(self.peer.releases)  # given up before: back to their keys
             request = encode_request(
                 self._step_id, self._key, self.rid, held=self.held, released=released
             )
-            call = self._call = self._peer.series(request, metadata=self._peer.metadata)
+            call = self._call = self.peer.series(request, metadata=self.peer.metadata)
             self.values = 0
         while True:
             try:
@@ -438,7 +423,7 @@ class SeriesCall:
         """Tell the producer what this consumer holds (it counts no more in its window)."""
         if self.held > self.acked:
             self.acked = self.held
-            self._peer.finished(self.rid, held=self.held)
+            self.peer.finished(self.rid, held=self.held)
 
     def cancel(self) -> None:
         """End the call (a reader blocked on it returns with ``CANCELLED``)."""
@@ -451,4 +436,4 @@ class SeriesCall:
         ``MarkRecvFinished`` call's future (None: the channel is closed)."""
         self.cancel()
         self.acked = self.held
-        return self._peer.finished(self.rid, released=True, held=self.held)
+        return self.peer.finished(self.rid, released=True, held=self.held)

@@ -41,11 +41,10 @@ from .._errors import (
     RendezvousError,
     ResourceExhaustedError,
     UnavailableError,
-    code_for_error,
 )
 from .._keys import DeviceName, ParsedKey
 from . import messages
-from .guard import Gate, Limits, Parked, TLSConfig
+from .guard import Gate, Limits, Parked, TLSConfig, out_of_time, refuse
 from .messages import decode_request, whole_message
 from .outbox import SERVER_STOPPING, Outbox, Sent, Taker, served_key
 from .series import SeriesService
@@ -113,14 +112,9 @@ class RpcServer:
     """
 
     def __init__(
-        self,
-        bind: str,
-        outbox: Outbox,
-        *,
-        tls: TLSConfig | None = None,
-        token: str | None = None,
-        limits: Limits | None = None,
-    ) -> None:
+        self, bind: str, outbox: Outbox, *, tls: TLSConfig | None = None,
+        token: str | None = None, limits: Limits | None = None,
+    ) -> None:  # fmt: skip
         try:
             split_host_port(bind)
         except InvalidArgumentError as e:
@@ -426,7 +420,7 @@ class RpcServer:
         loop = asyncio.get_running_loop()
         call: asyncio.Future[bool] = loop.create_future()
         entry.calls.append(call)
-        timer = loop.call_later(timeout, _resolve, call)
+        timer = loop.call_later(timeout, out_of_time, call)
         self._parked.add(peer, 1)
         try:
             settled = await call
@@ -597,13 +591,7 @@ class RpcServer:
         self, context: grpc.aio.ServicerContext[Any, Any], error: BaseException
     ) -> NoReturn:
         self._stats["errors"] += 1
-        await context.abort(code_for_error(error), str(error))
-        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
-
-
-def _resolve(call: asyncio.Future[bool]) -> None:
-    if not call.done():
-        call.set_result(False)
+        await refuse(context, error)
 
 
 # Servers running at interpreter exit are stopped first, so that gRPC's threads do not die

@@ -52,14 +52,9 @@ class GrpcTransport:
     name = "grpc"
 
     def __init__(
-        self,
-        ctx: TransportContext,
-        bind: str | None,
-        *,
-        tls: TLSConfig | None,
-        token: str | None,
-        limits: Limits | None = None,
-    ) -> None:
+        self, ctx: TransportContext, bind: str | None, *, tls: TLSConfig | None,
+        token: str | None, limits: Limits | None = None,
+    ) -> None:  # fmt: skip
         self._ctx = ctx
         self.task: str = ctx.task_name
         self._outbox = Outbox(

@@ -24,11 +24,11 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
-from .._values import as_ndarray, decode_dtype, encode_dtype, shape_problem
+from .._values import decode_dtype, encode_dtype, shape_problem
 
 __all__ = [
     "DT_INVALID", "DT_STRING", "I64", "LEN", "MAX_DECODED_BYTES", "VARINT", "Buffer",
-    "Malformed", "TensorHeader", "as_array", "as_buffer", "check_int64", "dtype_descriptor",
+    "Malformed", "TensorHeader", "as_buffer", "check_int64", "dtype_descriptor",
     "dtype_to_tf", "fields", "int_field", "len_field", "put_varint", "read_tensor", "read_utf8",
     "read_varint", "resolve_dtype", "signed64", "tensor_parts", "tensor_value", "tf_to_dtype",
     "varint", "wire_dtype",
@@ -324,13 +324,6 @@ def _default_max_bytes() -> int:
 
 #: No decoded tensor may be larger than this host's memory, whatever a peer declares.
 MAX_DECODED_BYTES: Final = _default_max_bytes()
-
-
-def as_array(value: object) -> npt.NDArray[Any]:
-    """``value`` as an array the wire can carry (no Python objects), else raise."""
-    arr = as_ndarray(value, "encode")
-    _refuse_object(arr.dtype)
-    return arr
 
 
 def _dim(size: int) -> bytes:
