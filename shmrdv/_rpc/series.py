@@ -46,8 +46,8 @@ from .outbox import Outbox, Sent, Taker
 
 __all__ = ["TICK", "SeriesCall", "SeriesService"]
 
-#: How often an idle series tells its reader it is still there.
-TICK = 0.1
+#: How often an idle series tells its reader it is still there (the core's wait turn).
+TICK = 0.2
 # A series waiting for a value with values not acknowledged asks for an ack after this
 # long (a producer blocked on its window gets room back), and every _ASK_BYTES pushed.
 _ASK_DELAY = 0.01
