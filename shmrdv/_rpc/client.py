@@ -73,10 +73,11 @@ _ACK_DELAY = 0.05  # a series' values read and not acknowledged are, after this 
 _SEEN_KEPT = 4096  # receives counted per (step, key), to find the keys received again
 _NO_SERIES_PAUSE = 5.0  # after a producer refused a series (its bounds)
 _NEVER_CONNECTED = "failed to connect"  # grpcio's words for a peer not listening (yet)
+_SHED = "CANCELLED"  # all a server's gRPC says of a call it had no room to start
 
-#: The producer's ``host:port``, or a function giving it that raises ``UnavailableError``
-#: while it is not known yet.
-Address = str | Callable[[], str]
+#: The producer's ``host:port``, or a function giving it (told the address that refused a
+#: connection, to look it up anew) that raises ``UnavailableError`` while it is not known.
+Address = str | Callable[[str | None], str]
 
 # Request ids need to be unique, not secret: seeded from the OS (again in a forked child).
 _ids = random.Random(secrets.randbits(128))
@@ -90,7 +91,8 @@ class Recv:
 
     __slots__ = (
         "address", "assembly", "backoff", "blocking", "calls", "chunks", "client", "deadline",
-        "done", "future", "gone_since", "k", "key", "peer", "retries", "rid", "started", "state",
+        "done", "future", "gone_since", "k", "key", "peer", "refused", "retries", "rid", "started",
+        "state",
         "timeout", "timer", "turns", "why",
     )  # fmt: skip
 
@@ -119,6 +121,7 @@ class Recv:
         self.timer: threading.Timer | None = None
         self.backoff = _RETRY_FIRST
         self.gone_since: float | None = None
+        self.refused: str | None = None  # the address that refused the last connection
         self.why = ""  # what the last failed call said (for a timeout's error)
 
     def cancel(self) -> bool:
@@ -276,9 +279,10 @@ class RpcClient:
 
     def _peer_of(self, recv: Recv) -> Peer | None:
         """The producer's channel; None (and a retry pause) while its address is unknown."""
-        address = recv.address
+        address, refused = recv.address, recv.refused
+        recv.refused = None
         try:
-            where = address if isinstance(address, str) else address()
+            where = address if isinstance(address, str) else address(refused)
         except UnavailableError as e:
             self._pause(recv, str(e))
             return None
@@ -290,6 +294,8 @@ class RpcClient:
         except RendezvousError as e:
             self._finish(recv, e, None)
             return None
+        if refused is not None and where != refused:
+            recv.gone_since = None  # it came back elsewhere (restarted)
         recv.peer = peer
         if len(self._key_peer) >= _SEEN_KEPT:
             self._key_peer.clear()
@@ -394,27 +400,38 @@ class RpcClient:
     def _fetch(self, recv: Recv, peer: Peer, offset: int) -> None:
         request, _ = self._request(recv, peer, offset)
         with self._lock:
-            if recv.state != _ACTIVE:
+            assembly = recv.assembly
+            if recv.state != _ACTIVE or assembly is None:
                 return
             fut = recv.chunks[offset] = peer.recv.future(
                 request, timeout=recv.remaining(), metadata=self.metadata
             )
-        fut.add_done_callback(lambda f: self._chunk(recv, peer, offset, f))
+        fut.add_done_callback(lambda f: self._chunk(recv, peer, offset, f, assembly))
 
-    def _chunk(self, recv: Recv, peer: Peer, offset: int, fut: Any) -> None:
+    def _chunk(self, recv: Recv, peer: Peer, offset: int, fut: Any, assembly: Assembly) -> None:
         """A chunk came (gRPC's thread): into place; the next one, or the value."""
-        if fut.cancelled() or recv.state != _ACTIVE:
+        if fut.cancelled() or recv.state != _ACTIVE or recv.assembly is not assembly:
             return
         error = fut.exception()
         if error is not None:
             tries = recv.retries[offset] = recv.retries.get(offset, 0) + 1
-            if status(error)[0] == grpc.StatusCode.UNAVAILABLE and tries <= _CHUNK_RETRIES:
+            code, details = status(error)
+            if code == grpc.StatusCode.UNAVAILABLE and tries <= _CHUNK_RETRIES:
                 self._fetch(recv, peer, offset)
+                return
+            with self._lock:  # the value is asked for again, whole (same request_id)
+                calls = [c for c in recv.chunks.values() if c is not None]
+                recv.chunks.clear()
+                recv.assembly = None
+                self._fetching.discard(recv)
+                self._cond.notify_all()
+            for call in calls:
+                call.cancel()
+            if recv.blocking and not recv.started and code == grpc.StatusCode.UNAVAILABLE:
+                recv.why = details  # its receiver calls again (and pauses) in its own thread
                 return
             self._failed(recv, peer, error)
             return
-        assembly = recv.assembly
-        assert assembly is not None
         try:
             with self._lock:
                 recv.chunks.pop(offset, None)
@@ -455,6 +472,8 @@ class RpcClient:
                     f"cannot connect for {recv.where()}: too many open files (ulimit -n): {details}"
                 ), None)  # fmt: skip
                 return
+            if _NEVER_CONNECTED in details.lower():
+                recv.refused = peer.address
             gone = self._gone(recv, details, code)
             if gone is not None:
                 self._finish(recv, gone, None)
@@ -463,6 +482,9 @@ class RpcClient:
             return
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             self._timed_out(recv, details)
+            return
+        if code == grpc.StatusCode.CANCELLED and details.upper() == _SHED:
+            self._pause(recv, "the server's gRPC had too many calls waiting to start")
             return
         err = error_for_code(code)(f"RecvTensor of {recv.where()} failed: {details}")
         err.__cause__ = error
@@ -495,7 +517,7 @@ class RpcClient:
                 self._timed_out(recv, why)
                 return
             pause = min(pause, remaining)
-        if recv.blocking:
+        if recv.blocking and not recv.started:  # in the receiver's own thread
             time.sleep(min(pause, TURN))
             return
         timer = threading.Timer(pause, self._issue, (recv,))
@@ -656,6 +678,14 @@ class RpcClient:
                     del self._series[recv.k]
             return
         if code == grpc.StatusCode.UNAVAILABLE:
+            if self._moved(recv, series, details):  # restarted elsewhere: its series is gone
+                with self._lock:
+                    if self._series.get(recv.k) is series:
+                        del self._series[recv.k]
+                    if self._key_peer.get(recv.k[1]) is series.peer:
+                        del self._key_peer[recv.k[1]]
+                recv.peer = recv.gone_since = None  # the receive goes on with RecvTensor
+                return
             gone = self._gone(recv, details, code)
             if gone is None:
                 self._pause(recv, details)
@@ -664,6 +694,17 @@ class RpcClient:
             return
         err = error_for_code(code)(f"RecvTensorSeries of {recv.where()} failed: {details}")
         self._fail_key(recv.k, series, err)
+
+    @staticmethod
+    def _moved(recv: Recv, series: SeriesCall, details: str) -> bool:
+        """Whether the producer of ``series``, not listening where it was, now has
+        another address (looked up anew)."""
+        if _NEVER_CONNECTED not in details.lower() or isinstance(recv.address, str):
+            return False
+        try:
+            return recv.address(series.peer.address) != series.peer.address
+        except RendezvousError:
+            return False
 
     def _fail_key(
         self, k: tuple[int, str], series: SeriesCall, error: BaseException, *, keep: bool = False

@@ -204,10 +204,11 @@ class RpcServer:
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.max_allowed_incoming_connections", limits.connections()),
-            # gRPC sheds calls that arrive faster than the loop starts them (1,000 by
-            # default): a burst of parked receives is within max_concurrent_rpcs.
-            ("grpc.server.max_pending_requests", limits.max_concurrent_rpcs),
-            ("grpc.server.max_pending_requests_hard_limit", 2 * limits.max_concurrent_rpcs),
+            # Calls that arrived and the loop has not started yet: gRPC cancels those beyond
+            # (the client calls again). Each costs memory, a flood too: 4,096 (gRPC's
+            # 1,000 makes a burst of 10,000 parked receives retry a third of its calls).
+            ("grpc.server.max_pending_requests", 4096),
+            ("grpc.server.max_pending_requests_hard_limit", 8192),
         ]
         server = grpc.aio.server(
             options=options, maximum_concurrent_rpcs=limits.max_concurrent_rpcs

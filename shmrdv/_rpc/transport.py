@@ -116,17 +116,17 @@ class GrpcTransport:
         if self._closed:
             raise closed_error(self.task)
         return self._client.start_recv(
-            lambda: self._address(key), step_id, key, done, blocking=blocking
+            lambda refused: self._address(key, refused), step_id, key, done, blocking=blocking
         )
 
     def wait(self, slot: RecvSlot, timeout: float) -> None:
         if not self._client.wait(slot.done, timeout):
             slot.wait(timeout)
 
-    def _address(self, key: ParsedKey) -> str:
+    def _address(self, key: ParsedKey, refused: str | None) -> str:
         now = time.monotonic()
         known = self._addresses.get(key.src_device)
-        if known is not None and now < known[1]:
+        if known is not None and now < known[1] and known[0] != refused:
             return known[0]
         address = self._ctx.peers.lookup(key.src).address
         if address is None:
