@@ -1,11 +1,9 @@
 """The consumer's channels: one per producer address, in one process.
 
-A ``Peer`` is a producer's address with its channel (TensorFlow's message limits and
-reconnect backoff, keepalive), its methods, and what rides on its next request: the acks
-(request_ids whose answers arrived) and the releases (request_ids given up: what the
-producer took for them goes back to its key). ``MarkRecvFinished`` calls that nobody
-waits for are tracked, so that ``Channels.close`` sends what is left and waits for them
-a moment.
+A ``Peer`` is a producer's address with its channel, its methods, and what rides on its
+next request: acks (request_ids whose answers arrived) and releases (request_ids given
+up: what the producer took for them goes back to its key). ``Channels.close`` sends
+what no request took and waits for it a moment.
 
 Thread model (docs/threads.md): thread-safe: one lock guards the table; the queues are
 deques (atomic appends and pops); nothing blocks under the lock.

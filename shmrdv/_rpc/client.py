@@ -2,21 +2,17 @@
 
 A receive (``Recv``, TensorFlow's ``RpcRecvTensorCall``) pulls the next value of a
 (step, key) with ``RecvTensor`` under a random request_id: from the blocked receiver's
-own thread (turns of at most ``TURN``, again under the same request_id: the server's
-response cache makes that safe), or as a grpcio future for a callback receive (``done``
-runs in gRPC's channel thread). A chunked value's other chunks are fetched by offset,
-a few at a time. Receives of one (step, key) go one at a time, in order (the core's
-``WaiterTable``); acks and releases ride on the next request to the producer. A key
-received again by a blocked receiver switches to ``RecvTensorSeries`` (``series``),
-read in that receiver's thread; values read ahead wait in the table.
-
-Failures: a producer not listening yet is retried (50 ms doubling to 1 s) until the
-deadline; one reached and then gone gets ``GONE_GRACE``, then fails naming it; other
-statuses map to the error tree (``_errors.error_for_code``).
+own thread (turns of at most ``TURN``, again under the same request_id: the response
+cache makes that safe), or as a grpcio future for a callback receive. A chunked value's
+other chunks are fetched by offset. Receives of one (step, key) go one at a time, in
+order (the core's ``WaiterTable``). A key received again by a blocked receiver switches
+to ``RecvTensorSeries`` (``series``), read in that receiver's thread. Failures: a
+producer not listening yet is retried until the deadline; one reached and then gone
+gets ``GONE_GRACE``; other statuses map to the error tree (``error_for_code``).
 
 Thread model (docs/threads.md): thread-safe; one lock (and its condition, on which
-blocked receivers wait their turn), no call made under it; a callback receive's retry
-pause is a ``threading.Timer``. A client used in a forked child opens new channels.
+blocked receivers wait their turn), no call made under it; ``done`` of a callback
+receive runs in gRPC's channel thread; its retry pause is a ``threading.Timer``.
 """
 
 from __future__ import annotations
@@ -91,9 +87,8 @@ class Recv:
 
     __slots__ = (
         "address", "assembly", "backoff", "blocking", "calls", "chunks", "client", "deadline",
-        "done", "future", "gone_since", "k", "key", "peer", "refused", "retries", "rid", "started",
-        "state",
-        "timeout", "timer", "turns", "why",
+        "done", "future", "gone_since", "k", "key", "peer", "refused", "retries", "rid",
+        "started", "state", "timeout", "timer", "turns", "why",
     )  # fmt: skip
 
     def __init__(
@@ -532,9 +527,8 @@ class RpcClient:
         after = "" if recv.timeout is None else f" after {recv.timeout:g}s"
         why = why or recv.why
         because = f"; the peer was unavailable: {why}" if why else ""
-        self._finish(
-            recv, DeadlineExceededError(f"Timed out{after} receiving {recv.where()}{because}"), None
-        )
+        error = DeadlineExceededError(f"Timed out{after} receiving {recv.where()}{because}")
+        self._finish(recv, error, None)
 
     def _finish(self, recv: Recv, error: BaseException | None, got: Received | None) -> bool:
         """End ``recv`` with its value or error, once (False: it had ended already); after
@@ -559,11 +553,9 @@ class RpcClient:
         self._fetching.discard(recv)
         self._table.cancel(k, recv)
         if recv.blocking and self._blocked.pop(recv.done, None) is recv:
-            left = self._blocking.get(k, 0) - 1
-            if left > 0:
-                self._blocking[k] = left
-            else:
-                self._blocking.pop(k, None)
+            self._blocking[k] -= 1
+            if not self._blocking[k]:
+                del self._blocking[k]
         self._cond.notify_all()
 
     def _count(self, got: Received) -> None:

@@ -335,35 +335,24 @@ def _positive(name: str, value: object, kind: type = int) -> None:
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """Every bound of one gRPC server (module docstring); bad values raise
-    ``InvalidArgumentError`` naming them.
+    ``InvalidArgumentError`` naming them."""
 
-    ``max_connections`` (None: a quarter of the descriptor limit, at most 1,024; at most
-    half of it may be asked for), ``max_concurrent_rpcs`` (beyond: ``RESOURCE_EXHAUSTED``),
-    ``first_message_timeout`` (seconds a call may take to send its request; at most a
-    quarter of ``max_concurrent_rpcs``, at most 1,024, may wait over a second),
-    ``handshake_timeout``; ``max_waiting*``: calls parked for a value (a value already
-    there is never refused); ``max_wait``: the longest park of a call without a (nearer)
-    deadline; ``cache_*``: the request_id response cache (TensorFlow's
-    ``GrpcResponseCache``); ``series_*``: ``RecvTensorSeries`` calls open and their idle
-    end; ``max_pushed_bytes``: what one series may push before its consumer acknowledges.
-    """
-
-    max_connections: int | None = None
-    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS
-    first_message_timeout: float = DEFAULT_FIRST_MESSAGE_TIMEOUT
+    max_connections: int | None = None  # None: 1/4 of the descriptor limit (<= 1,024)
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS  # beyond: RESOURCE_EXHAUSTED
+    first_message_timeout: float = DEFAULT_FIRST_MESSAGE_TIMEOUT  # to send its request
     handshake_timeout: float = 10.0
-    max_waiting: int = 65_536
+    max_waiting: int = 65_536  # calls parked for a value (one there is never refused)
     max_waiting_per_peer: int = 32_768
     max_waiting_per_connection: int = 16_384
-    max_wait: float = 300.0
-    cache_ttl: float = 30.0
+    max_wait: float = 300.0  # the longest park of a call without a nearer deadline
+    cache_ttl: float = 30.0  # the response cache (TensorFlow's GrpcResponseCache)
     cache_entries: int = 1024
     cache_bytes: int = 256 << 20
-    max_series: int = 4096
+    max_series: int = 4096  # RecvTensorSeries calls open
     max_series_per_peer: int = 1024
     max_series_per_connection: int = 256
-    series_idle: float = 10.0
-    max_pushed_bytes: int = 64 << 20
+    series_idle: float = 10.0  # a series without a value ends after this long
+    max_pushed_bytes: int = 64 << 20  # pushed by a series ahead of its consumer's acks
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -1,20 +1,16 @@
 """RecvTensorSeries, shmrdv's one streaming method: a key received again is pushed.
 
-Between shmrdv workers, a key whose values a consumer takes one after another gets
-them pushed as they are sent, over one server-streaming call of the (step, key), each
-as its ``RecvTensorResponse`` messages, instead of a round trip per value.
+Between shmrdv workers, a key a consumer takes one value after another has its values
+pushed as they are sent, over one server-streaming call of the (step, key), instead of a
+round trip per value.
 
 * Exactly once across dropped connections: a series has its own request_id; the
   producer keeps what it pushed until the consumer says how many values it holds
-  (``MarkRecvFinished`` with ``held``, when the series asks with field 1003). Opened
-  again, a series gets what it lacks; released or expired (``cache_ttl``), what its
-  consumer did not hold goes back to its key's head, in order.
-* Bounds (``guard.Limits``): series open (``RESOURCE_EXHAUSTED``: the consumer goes on
-  with ``RecvTensor``) and ``max_pushed_bytes`` ahead of the consumer's acks; a value
-  counts in the producer's window until acknowledged.
-* Ends: ``OK`` after ``series_idle`` idle, the step's error, ``UNAVAILABLE`` when the
-  server stops; an idle series ticks (an empty message every ``TICK``) so that its
-  blocked reader sees its deadline.
+  (``MarkRecvFinished`` with ``held``, asked for by field 1003). Opened again, a series
+  gets what it lacks; released or expired, what it did not hold goes back, in order.
+* Bounds (``guard.Limits``): series open, and ``max_pushed_bytes`` ahead of the acks.
+* Ends: ``OK`` when idle, the step's error, ``UNAVAILABLE`` when the server stops; an
+  idle series ticks every ``TICK`` so that its blocked reader sees its deadline.
 
 ``SeriesService``: the producer's end, on the serving loop (no lock). ``SeriesCall``:
 the consumer's end, read by one blocked receiver at a time in its own thread.
@@ -130,10 +126,7 @@ class SeriesService:
         self._stats = dict.fromkeys(("series", "series_values", "series_refused", "series_asks"), 0)
 
     def stats(self) -> dict[str, int]:
-        out = dict(self._stats)
-        out["series_open"] = self._open.total
-        out["series_kept"] = len(self._pushed)
-        return out
+        return {**self._stats, "series_open": self._open.total, "series_kept": len(self._pushed)}
 
     async def serve(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]

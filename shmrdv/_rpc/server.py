@@ -2,16 +2,11 @@
 
 A grpc.aio server on its own loop thread, answering from an ``outbox.Outbox``:
 ``RecvTensor`` (TensorFlow's: the key's next value, or the call parks within
-``guard.Limits`` up to its deadline; a large value's first chunk, the rest fetched by
-offset under the same request_id), ``GetStatus``, ``MarkRecvFinished`` and
-``RecvTensorSeries`` (``series``).
-
-The response cache (TensorFlow's ``GrpcResponseCache``): a value answered under a
-request_id stays for a retry until the client acknowledges it (on a later request or
-``MarkRecvFinished``), releases it (it goes back to its key's head), or ``cache_ttl``
-passes (a value never delivered goes back too). A request_id answered and no longer
-cached is ``ABORTED`` (TensorFlow's ``RecentRequestIds``). A value is delivered, for the
-window, when the call that carried it whole ended well or its chunks were acknowledged.
+``guard.Limits``; a large value's first chunk, the rest fetched by offset),
+``GetStatus``, ``MarkRecvFinished`` and ``RecvTensorSeries`` (``series``). The response
+cache (TensorFlow's ``GrpcResponseCache``) keeps a value answered under a request_id for
+a retry until its client acknowledges or releases it, or ``cache_ttl`` passes (a value
+never delivered goes back to its key); one no longer cached is ``ABORTED``.
 
 Thread model (docs/threads.md): handlers, cache and series live on the loop
 ("shmrdv-rpc-server"; no lock); ``start``, ``stop`` and ``stats`` from any thread.
@@ -310,9 +305,7 @@ class RpcServer:
 
     def stats(self) -> dict[str, int]:
         """Counters (a snapshot, from any thread)."""
-        out = dict(self._stats)
-        out["parked"] = self._parked.total
-        out["cached"] = len(self._kept)
+        out = {**self._stats, "parked": self._parked.total, "cached": len(self._kept)}
         out["cached_bytes"] = self._cached_bytes
         out.update(self._series.stats())
         out.update(self._gate.stats())

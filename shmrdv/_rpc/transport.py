@@ -1,13 +1,11 @@
 """GrpcTransport: a Worker's cross-host transport, TensorFlow's pull model over gRPC.
 
-It composes the producer's ``outbox.Outbox`` and ``server.RpcServer`` (when the worker
-serves) with the consumer's ``client.RpcClient``, and implements ``Transport``
-(``_transport.py``) and nothing else: it is given a ``TransportContext``, never the
-Worker. A producer's address comes from the peer directory (the cluster spec, else its
-presence record on this host), looked up again after ``_ADDRESS_TTL``.
+It composes the producer's ``Outbox`` and ``RpcServer`` (when the worker serves) with
+the consumer's ``RpcClient``, and implements ``Transport`` (``_transport.py``), given a
+``TransportContext``. A producer's address comes from the peer directory (the cluster
+spec, else its presence record on this host), cached for ``_ADDRESS_TTL``.
 
-Thread model (docs/threads.md): every method may be called from any thread; a blocked
-receiver makes its calls in ``wait``.
+Thread model (docs/threads.md): any thread; a blocked receiver makes its calls in ``wait``.
 """
 
 from __future__ import annotations

@@ -183,17 +183,14 @@ _NUMPY_OF_TF: dict[int, np.dtype[Any]] = {v: k for k, v in _TF_OF_NUMPY.items()}
 # Quantized types have no numpy kind: their storage integer (QINT8, QUINT8, QINT16,
 # QUINT16, QINT32); DT_STRING's width comes from the data.
 _NUMPY_OF_TF.update(
-    {11: np.dtype("i1"), 12: np.dtype("u1"), 15: np.dtype("<i2"), 16: np.dtype("<u2")}
-)
-_NUMPY_OF_TF.update({13: np.dtype("<i4"), DT_STRING: np.dtype("S")})
+    {11: np.dtype("i1"), 12: np.dtype("u1"), 15: np.dtype("<i2"), 16: np.dtype("<u2"),
+     13: np.dtype("<i4"), DT_STRING: np.dtype("S")}
+)  # fmt: skip
 # ml_dtypes kinds TensorFlow names (int4/uint4 left out: TensorFlow may pack them).
 _ML_TF_CODES: Final = {
-    "bfloat16": 14,
-    "float8_e5m2": 24,
-    "float8_e4m3fn": 25,
-    "float8_e4m3fnuz": 26,
+    "bfloat16": 14, "float8_e5m2": 24, "float8_e4m3fn": 25, "float8_e4m3fnuz": 26,
     "float8_e5m2fnuz": 28,
-}
+}  # fmt: skip
 _ML_CODES: Final = frozenset(_ML_TF_CODES.values())
 _ML_NAME_OF: dict[np.dtype[Any], str] = {}
 # ml_dtypes costs ~0.6 s to import: its kinds join the tables when one is first met.
