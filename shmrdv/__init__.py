@@ -30,7 +30,7 @@ from ._keys import parse_key as parse_key
 from ._rendezvous import LocalRendezvous as LocalRendezvous
 from ._rendezvous import Received as Received
 from ._rendezvous import Rendezvous as Rendezvous
-from ._rpc.security import TLSConfig as TLSConfig
+from ._rpc.guard import TLSConfig as TLSConfig
 from ._worker import Worker as Worker
 
 __all__ = [

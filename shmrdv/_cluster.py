@@ -569,28 +569,47 @@ class NoPresence:
 
 
 class Peers:
-    """The ``PeerDirectory`` of one Worker, over its ``PresenceBoard`` and cluster spec."""
+    """The ``PeerDirectory`` of one Worker, over its ``PresenceBoard`` and cluster spec.
+
+    Port 0 in the cluster spec picks a free port when that task's server starts: a peer on
+    this host learns the port from the task's presence record (until then its address is
+    not known, and a receive waits for it); a task on another host given port 0 could
+    never be reached, so the cluster spec is refused, saying why."""
 
     def __init__(self, board: PresenceBoard, cluster: ClusterSpec | None) -> None:
         self._board = board
         self._cluster = cluster
+        for task in [] if cluster is None else cluster.tasks():
+            address = cluster.task_address(task)  # type: ignore[union-attr]
+            host, port = split_host_port(address)
+            if port == 0 and not is_local_host(host):
+                raise InvalidArgumentError(
+                    f"the cluster spec gives {task} the address {address}: port 0 picks a "
+                    "free port when that task's server starts, which only a worker on the "
+                    "same host can learn (from the task's presence record); give a task on "
+                    "another host a fixed port"
+                )
 
     def _provisional(self, name: str) -> PeerRecord:
-        """What the cluster spec says of task ``name`` (nothing final)."""
+        """What the cluster spec says of task ``name`` (nothing final): no address while
+        its port is 0 (its presence record will say)."""
         if self._cluster is None:
             return PeerRecord(name, True, ALL_TRANSPORTS, None, False)
         try:
             address = self._cluster.task_address(name)
         except InvalidArgumentError:
             return PeerRecord(name, True, ALL_TRANSPORTS, None, False)  # only reachable here
-        host, _ = split_host_port(address)
-        return PeerRecord(name, is_local_host(host), ALL_TRANSPORTS, address, False)
+        host, port = split_host_port(address)
+        return PeerRecord(
+            name, is_local_host(host), ALL_TRANSPORTS, address if port else None, False
+        )
 
     def _final(self, record: PeerRecord) -> PeerRecord:
-        """A record from the board, with the cluster's address for the task if it has one."""
+        """A record from the board, with the cluster's address for the task if it has one
+        (not port 0: the record has the port the task's server was given)."""
         if self._cluster is not None and record.task in self._cluster:
             address = self._cluster.task_address(record.task)
-            if address != record.address:
+            if address != record.address and split_host_port(address)[1]:
                 return dataclasses.replace(record, address=address)
         return record
 

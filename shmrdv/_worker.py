@@ -57,17 +57,13 @@ from ._rendezvous import (
     wait_received,
 )
 from ._routes import Ends, RaceRecv, Routes, start_leg
-from ._rpc.limits import (
-    DEFAULT_FIRST_MESSAGE_TIMEOUT,
-    DEFAULT_MAX_CONCURRENT_RPCS,
-    ServerLimits,
-)
+from ._rpc.guard import DEFAULT_FIRST_MESSAGE_TIMEOUT, DEFAULT_MAX_CONCURRENT_RPCS, Limits
 from ._transport import PresenceBoard, Transport, TransportContext
 from ._values import check_value
 from ._window import check_window
 
 if TYPE_CHECKING:
-    from ._rpc.security import TLSConfig
+    from ._rpc.guard import TLSConfig
 
 __all__ = ["StepRendezvous", "Worker"]
 
@@ -394,7 +390,7 @@ class Worker(Closing):
                 f"shm_pool_bytes must be an int >= 0, not {shm_pool_bytes!r}"
             )
         self.max_inflight_bytes: int | None = check_window(max_inflight_bytes)
-        self._server_limits = ServerLimits(
+        self._server_limits = Limits(
             max_connections=max_connections,
             max_concurrent_rpcs=max_concurrent_rpcs,
             first_message_timeout=first_message_timeout,

@@ -1,19 +1,15 @@
 """A real producer side for the RPC tests, and their shared fixtures.
 
-``StepSource`` keeps one ``LocalRendezvous`` per step (the values a remote consumer will
-pull) and a tombstone set of cleaned-up steps, and implements the server's
-``TensorSource`` protocol on top of them. It is not a mock: the server pulls real values
-out of real rendezvous tables, exactly as it will from a Worker.
-
-Fixtures (import them into a test module to use them): ``source`` (a ``StepSource``),
-``server`` (a real ``RpcServer`` on loopback serving it, 64 KiB stream chunks) and
-``channel`` (a plain gRPC channel to it, receive limit lifted). ``pull`` is one blocking
-receive through ``RpcClient.start_recv``.
+``StepSource`` is the real ``Outbox`` of a producer without its Worker: what a test sends
+goes where a Worker's send puts it, and a tombstone set plays the Worker's cleaned-up
+steps. Fixtures (import them into a test module to use them): ``source`` (a
+``StepSource`` that sends values over 64 KiB in chunks), ``server`` (a real ``RpcServer``
+on loopback serving it) and ``channel`` (a plain gRPC channel to it, receive limit
+lifted). ``pull`` is one blocking receive through ``RpcClient.start_recv``.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,9 +22,9 @@ from helpers import CONSUMER, PRODUCER
 
 from shmrdv._errors import AbortedError
 from shmrdv._keys import ParsedKey, parse_key
-from shmrdv._rendezvous import Canceller, DoneCallback, LocalRendezvous, Received, RecvSlot
+from shmrdv._rendezvous import Received, RecvSlot
 from shmrdv._rpc.client import RpcClient
-from shmrdv._rpc.series_client import PREFETCH_BYTES, SeriesClient
+from shmrdv._rpc.outbox import Outbox
 from shmrdv._rpc.server import RpcServer
 
 TASK = PRODUCER
@@ -49,64 +45,45 @@ def make_key(
     return parse_key(helpers.make_key(name, src=src_task, dst=dst_task, incarnation=incarnation))
 
 
-class StepSource:
-    """A ``TensorSource``: per-step ``LocalRendezvous`` tables plus tombstones."""
+class StepSource(Outbox):
+    """A producer's ``Outbox`` with a tombstone set of cleaned-up steps."""
 
-    def __init__(self, task: str = TASK, incarnation: int = INCARNATION) -> None:
-        self.task = task
-        self.incarnation = incarnation
-        self.max_inflight_bytes: int | None = None  # no window here
-        self._lock = threading.Lock()
-        self._steps: dict[int, LocalRendezvous] = {}
-        self._tombstones: set[int] = set()
-
-    def rendezvous(self, step_id: int) -> LocalRendezvous:
-        """The step's table, created on first use; ``AbortedError`` once cleaned up."""
-        with self._lock:
-            if step_id in self._tombstones:
-                raise AbortedError(f"Step {step_id} was cleaned up on {self.task}")
-            rdv = self._steps.get(step_id)
-            if rdv is None:
-                rdv = self._steps[step_id] = LocalRendezvous()
-            return rdv
+    def __init__(
+        self,
+        task: str = TASK,
+        incarnation: int = INCARNATION,
+        *,
+        max_inflight_bytes: int | None = None,
+        chunk_bytes: int = 64 << 10,
+    ) -> None:
+        self.tombstones: set[int] = set()
+        super().__init__(
+            task,
+            incarnation,
+            cleaned_up=self.tombstones.__contains__,
+            max_inflight_bytes=max_inflight_bytes,
+            chunk_bytes=chunk_bytes,
+        )
 
     def send(
-        self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool = False
+        self,
+        step_id: int,
+        key: ParsedKey,
+        value: npt.NDArray[Any],
+        is_dead: bool = False,
+        timeout: float | None = None,
     ) -> None:
-        self.rendezvous(step_id).send(key, value, is_dead=is_dead)
+        super().send(step_id, key, value, is_dead, timeout)
 
     def cleanup(self, step_id: int) -> None:
-        """Abort the step's pending receives and refuse it from now on (TF: CleanupGraph)."""
-        with self._lock:
-            self._tombstones.add(step_id)
-            rdv = self._steps.pop(step_id, None)
-        if rdv is not None:
-            rdv.start_abort(AbortedError(f"Cleanup {step_id}"))
+        """Abort the step's parked calls and refuse it from now on (TF: CleanupGraph)."""
+        self.tombstones.add(step_id)
+        self.abort_step(step_id, AbortedError(f"Cleanup {step_id}"))
+        self.cleanup_step(step_id)
 
-    def pending_waiters(self, step_id: int) -> int:
-        with self._lock:
-            rdv = self._steps.get(step_id)
-        return 0 if rdv is None else rdv.stats()["pending_waiters"]
-
-    def serve_recv(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
-        """The TensorSource primitive: raise ``AbortedError`` for a cleaned-up step."""
-        return self.rendezvous(step_id).start_recv(key, done)
-
-    def done_with(self, step_id: int, key: ParsedKey, nbytes: int) -> None:
-        """TensorSource: the server is done with a value (no window here to give back to)."""
-
-    def requeue(self, step_id: int, key: ParsedKey, received: Received) -> None:
-        """TensorSource: a value no call delivered goes back to its key's head."""
-        with self._lock:
-            rdv = self._steps.get(step_id)
-        if rdv is not None:
-            rdv.requeue(key, received)
-
-    def close(self) -> None:
-        with self._lock:
-            steps, self._steps = self._steps, {}
-        for rdv in steps.values():
-            rdv.close()
+    def pending_waiters(self, step_id: int | None = None) -> int:
+        """Calls (or series) parked for a value."""
+        return self.stats()["outbox_parked"]
 
 
 # -- TLS material made at test time -------------------------------------------------------
@@ -329,7 +306,7 @@ def source() -> Iterator[StepSource]:
 
 @pytest.fixture
 def server(source: StepSource) -> Iterator[RpcServer]:
-    with RpcServer("127.0.0.1:0", source, chunk_bytes=64 << 10) as srv:
+    with RpcServer("127.0.0.1:0", source) as srv:
         yield srv
 
 
@@ -337,20 +314,3 @@ def server(source: StepSource) -> Iterator[RpcServer]:
 def channel(server: RpcServer) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch:
         yield ch
-
-
-def series_client(
-    client: RpcClient, address: str, prefetch_bytes: int = PREFETCH_BYTES
-) -> SeriesClient:
-    """A ``SeriesClient`` over ``client``'s channels whose fallback pulls from ``address``."""
-
-    def fallback(step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
-        return client.start_recv(address, step_id, key, done)
-
-    return SeriesClient(
-        channel=client.channel,
-        metadata=client.metadata,
-        busy=client.own_calls.busy,
-        fallback=fallback,
-        prefetch_bytes=prefetch_bytes,
-    )

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from helpers import CONSUMER, PRODUCER, make_key, wait_for
 
 import shmrdv
 from shmrdv._window import VALUE_FLOOR
 from shmrdv.testing import ChildWorker
-from tests.helpers import CONSUMER, PRODUCER, make_key, wait_for
 
 MIB = 1 << 20
 TRANSPORTS = [("shm",), ("grpc",)]

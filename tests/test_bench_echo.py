@@ -31,7 +31,7 @@ from shmrdv._bench.echo import (
     echo_keys,
     peer_host,
 )
-from shmrdv._rpc.security import bearer_metadata
+from shmrdv._rpc.guard import bearer_metadata
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+import pytest
+
 import shmrdv
 from shmrdv._cluster import ALL_TRANSPORTS, NoPresence, Peers
 from shmrdv._keys import DeviceName
@@ -88,3 +91,35 @@ def test_peers_without_presence_records_answer_from_the_cluster() -> None:
         assert peers.sightings(DeviceName.parse(A)) is None
     finally:
         peers.close()
+
+
+# -- port 0 in the cluster spec (issue 29 §2) ------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_port_0_is_the_bound_port_of_a_producer_on_this_host(ns: str) -> None:
+    """The README's cluster gives every task 127.0.0.1:0: each worker's server binds a
+    free port, and a consumer in another process finds it in the producer's presence
+    record (before: it dialled port 0 and timed out)."""
+    cluster = {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}
+    kw = {"cluster": cluster, "namespace": ns, "transports": ("grpc",)}
+    key = shmrdv.create_key(
+        "/job:worker/replica:0/task:0/device:CPU:0",
+        0,
+        "/job:worker/replica:0/task:1/device:CPU:0",
+        "p0",
+    )
+    with (
+        ChildWorker("/job:worker/task:0", **kw) as producer,
+        ChildWorker("/job:worker/task:1", **kw) as consumer,
+    ):
+        assert producer.address and not producer.address.endswith(":0")
+        producer.send(key, np.arange(5), step=1)
+        got = consumer.recv(key, timeout=20, step=1)
+        assert got.value.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_port_0_of_a_task_on_another_host_is_refused_saying_why(ns: str) -> None:
+    cluster = {"worker": ["127.0.0.1:0", "192.0.2.7:0"]}  # TEST-NET-1: never this host
+    with pytest.raises(shmrdv.InvalidArgumentError, match=r"192\.0\.2\.7:0: port 0 picks"):
+        shmrdv.Worker("/job:worker/task:0", cluster=cluster, namespace=ns, transports=("grpc",))

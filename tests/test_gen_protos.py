@@ -61,7 +61,8 @@ def test_gen_protos_generated_modules_import_under_installed_protobuf() -> None:
     assert tensor_pb2.TensorProto.DESCRIPTOR.fields_by_name["shmrdv_dtype"].number == 1001
     service = rendezvous_pb2.DESCRIPTOR.services_by_name["Rendezvous"]
     assert service.full_name == "shmrdv.Rendezvous"
-    assert service.methods_by_name["RecvTensorStream"].server_streaming
+    assert list(service.methods_by_name) == ["RecvTensorSeries"]
+    assert service.methods_by_name["RecvTensorSeries"].server_streaming
 
 
 def test_gen_protos_check_fails_on_drift(tmp_path: Path) -> None:

@@ -189,7 +189,7 @@ def test_client_cancel_while_waiting_removes_waiter(
     assert cancel() is True
     assert cancel() is False
     wait_for(lambda: source.pending_waiters(1) == 0)
-    wait_for(lambda: client.stats()["inflight"] == 0)
+    wait_for(lambda: client.stats()["receives_pending"] == 0)
     source.send(1, key, np.array([5]))
     assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [5]
     assert done.calls == []  # never called after a successful cancel
@@ -236,7 +236,9 @@ def test_client_acks_release_the_server_cache(
     key = make_key("ack")
     source.send(1, key, np.arange(100))
     pull(client, server.address, 1, key, timeout=5)
-    wait_for(lambda: server.stats()["cached"] == 0)
+    source.send(2, key, np.arange(100))
+    pull(client, server.address, 2, key, timeout=5)  # carries the first one's ack
+    assert server.stats()["cached"] == 1
 
 
 # -- unreachable peers, retries ------------------------------------------------------------
@@ -261,7 +263,7 @@ def test_client_unreachable_peer_retries_until_cancelled(client: RpcClient) -> N
     time.sleep(0.4)
     assert not done.calls
     assert cancel() is True
-    wait_for(lambda: client.stats()["inflight"] == 0)
+    wait_for(lambda: client.stats()["receives_pending"] == 0)
     assert done.calls == []
 
 
@@ -349,8 +351,8 @@ sys.path[:0] = [{repo!r}, {tests!r}]
 import numpy as np
 from rpc_helpers import StepSource, make_key
 from shmrdv._rpc.server import RpcServer
-source = StepSource()
-server = RpcServer("127.0.0.1:0", source, chunk_bytes=16 << 10).start()
+source = StepSource(chunk_bytes=16 << 10)
+server = RpcServer("127.0.0.1:0", source).start()
 source.send(1, make_key("huge"), np.ones((64 << 20) // 8))
 print(server.address, flush=True)
 sys.stdin.read()
@@ -360,8 +362,8 @@ sys.stdin.read()
 @pytest.mark.timeout(30)
 @pytest.mark.slow
 def test_client_server_killed_mid_stream_is_unavailable() -> None:
-    # inline_max=0: streamed in chunks (a 64 MiB tensor would otherwise come in one message).
-    client = RpcClient(inline_max=0)
+    # 16 KiB chunks: 4,096 of them, fetched a few at a time.
+    client = RpcClient()
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD_SERVER.format(repo=_REPO, tests=_TESTS)],
         stdin=subprocess.PIPE,
@@ -373,7 +375,7 @@ def test_client_server_killed_mid_stream_is_unavailable() -> None:
         assert address, "the child server did not start"
         done = _Done()
         client.start_recv(address, 1, make_key("huge"), done)
-        wait_for(lambda: client.stats()["receiving"] == 1 or bool(done.calls), timeout=10)
+        wait_for(lambda: client.stats()["fetching"] == 1 or bool(done.calls), timeout=10)
         assert not done.calls, "the stream finished before the kill; make it slower"
         os.kill(child.pid, signal.SIGKILL)
         error, got = done.wait(timeout=10)
@@ -409,3 +411,104 @@ def test_client_cancel_racing_the_value_gives_it_back(
     while len(got) < 20:
         got.append(int(pull(client, server.address, 1, key, timeout=5).value[0]))
     assert got == list(range(20))
+
+
+# -- calls and threads ----------------------------------------------------------------------
+
+
+def test_client_small_value_costs_one_call_each(source: StepSource, server: RpcServer) -> None:
+    with RpcClient() as client:
+        key = make_key("one-call")
+        before = server.stats()["calls"]
+        for step in range(1, 5):  # TensorFlow's pattern: the key once per step
+            source.send(step, key, np.array([step]))
+            got = pull(client, server.address, step, key, timeout=5)
+            assert got.value.tolist() == [step] and got.value.flags.writeable
+        assert server.stats()["calls"] - before == 4  # one RecvTensor per receive
+
+
+def test_client_large_value_comes_in_chunks_after_the_unary_call(
+    source: StepSource, server: RpcServer
+) -> None:
+    with RpcClient() as client:
+        key = make_key("chunked")
+        big = np.arange(100_000, dtype=np.float64)  # 800,000 bytes: 13 chunks of 64 KiB
+        source.send(1, key, big)
+        source.send(2, key, np.array([7.0]))
+        before = server.stats()["calls"]
+        got = pull(client, server.address, 1, key, timeout=10)
+        np.testing.assert_array_equal(got.value, big)
+        assert server.stats()["calls"] - before == 13  # the call, then the other chunks
+        wait_for(lambda: server.stats()["cached"] == 0)  # acknowledged at once
+        assert pull(client, server.address, 2, key, timeout=5).value.tolist() == [7.0]
+
+
+def test_client_acks_ride_on_the_next_request(source: StepSource, server: RpcServer) -> None:
+    client = RpcClient()
+    key = make_key("piggyback")
+    for step in range(1, 21):
+        source.send(step, key, np.array([step]))
+        assert pull(client, server.address, step, key, timeout=5).value.tolist() == [step]
+        # Each request carried the previous one's ack: at most the last one is cached.
+        assert server.stats()["cached"] <= 1
+    client.close()  # the last goes with the client's close
+    wait_for(lambda: server.stats()["cached"] == 0)
+
+
+def test_client_pending_receives_need_no_thread_each(source: StepSource, server: RpcServer) -> None:
+    with RpcClient() as client:
+        warm = make_key("warm")
+        source.send(1, warm, np.array([0]))
+        pull(client, server.address, 1, warm, timeout=5)
+        before = threading.active_count()
+        results: list[tuple[BaseException | None, Received | None]] = []
+        all_done = threading.Event()
+        lock = threading.Lock()
+
+        def done(error: BaseException | None, received: Received | None) -> None:
+            with lock:
+                results.append((error, received))
+                if len(results) == 32:
+                    all_done.set()
+
+        keys = [make_key(f"pending{i}") for i in range(32)]
+        for key in keys:
+            client.start_recv(server.address, 1, key, done, timeout=20)
+        wait_for(lambda: source.pending_waiters() == 32)
+        assert threading.active_count() <= before + 2
+        for i, key in enumerate(keys):
+            source.send(1, key, np.array([i]))
+        assert all_done.wait(10)
+        assert sorted(int(r.value[0]) for e, r in results if r is not None) == list(range(32))
+        assert all(e is None for e, _ in results)
+
+
+def test_client_done_may_block_without_stalling_other_receives(
+    source: StepSource, server: RpcServer
+) -> None:
+    # A done that waits for another receive of the same client must not deadlock it.
+    with RpcClient() as client:
+        first, second = make_key("first"), make_key("second")
+        inner: list[Received] = []
+        finished = threading.Event()
+
+        def done(error: BaseException | None, received: Received | None) -> None:
+            inner.append(pull(client, server.address, 1, second, timeout=5))
+            finished.set()
+
+        client.start_recv(server.address, 1, first, done, timeout=10)
+        source.send(1, first, np.array([1]))
+        time.sleep(0.1)
+        source.send(1, second, np.array([2]))
+        assert finished.wait(10)
+        assert inner[0].value.tolist() == [2]
+
+
+def test_client_timeout_removes_the_waiter(source: StepSource, server: RpcServer) -> None:
+    with RpcClient() as client:
+        key = make_key("late")
+        with pytest.raises(DeadlineExceededError, match="late"):
+            pull(client, server.address, 1, key, timeout=0.3)
+        wait_for(lambda: source.pending_waiters(1) == 0)
+        source.send(1, key, np.array([5]))
+        assert pull(client, server.address, 1, key, timeout=5).value.tolist() == [5]

@@ -17,9 +17,9 @@ from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import DeadlineExceededError, InvalidArgumentError
 from shmrdv._rendezvous import Received
-from shmrdv._rpc import recv_unary
+from shmrdv._rpc import messages
 from shmrdv._rpc.client import RpcClient
-from shmrdv._rpc.limits import ServerLimits
+from shmrdv._rpc.guard import Limits
 from shmrdv._rpc.server import RpcServer
 
 # Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
@@ -29,21 +29,19 @@ source = rpc_helpers.source
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("limit", [1, 2])
 def test_a_server_with_a_call_limit_serves_every_receive(source: StepSource, limit: int) -> None:
-    """A client's idle Hold call must not take the only slots of a limited server."""
+    """A client's calls (a series among them) fit a server that takes one or two at once."""
     key = make_key("limited")
-    with RpcServer("127.0.0.1:0", source, limits=ServerLimits(max_concurrent_rpcs=limit)) as srv:
-        clients = [RpcClient() for _ in range(limit)]
-        try:
-            for i in range(4):
-                source.send(1, key, np.array([i]))
-            got = []
-            for i in range(4):
-                got.append(int(pull(clients[i % limit], srv.address, 1, key, timeout=10).value[0]))
-                time.sleep(0.2)  # a Hold call starts, the late ack goes: both have ended
-            assert got == [0, 1, 2, 3]
-        finally:
-            for c in clients:
-                c.close()
+    with (
+        RpcServer("127.0.0.1:0", source, limits=Limits(max_concurrent_rpcs=limit)) as srv,
+        RpcClient() as client,
+    ):
+        for i in range(4):
+            source.send(1, key, np.array([i]))
+        got = []
+        for _ in range(4):
+            got.append(int(pull(client, srv.address, 1, key, timeout=10).value[0]))
+            time.sleep(0.2)  # the series' late ack goes meanwhile
+        assert got == [0, 1, 2, 3]
 
 
 @pytest.mark.timeout(60)
@@ -79,7 +77,7 @@ def test_a_request_the_wire_cannot_carry_fails_through_done(source: StepSource) 
         cli.start_recv(srv.address, 2**63, make_key("huge-step"), done)
         assert ev.wait(10)
         assert isinstance(box[0], InvalidArgumentError)
-        assert cli.stats()["inflight"] == 0
+        assert cli.stats()["receives_pending"] == 0
 
 
 @pytest.mark.timeout(30)
@@ -96,15 +94,15 @@ def test_cancel_racing_a_failed_call_never_strands_the_receiver(
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there
-    original = recv_unary.UnaryCalls._on_callback
+    original = RpcClient._on_future
     failed = threading.Event()
 
-    def slow_on_callback(self: Any, call: Any) -> None:
+    def slow_on_future(self: Any, *args: Any) -> None:
         failed.set()
         time.sleep(0.3)
-        original(self, call)
+        original(self, *args)
 
-    monkeypatch.setattr(recv_unary.UnaryCalls, "_on_callback", slow_on_callback)
+    monkeypatch.setattr(RpcClient, "_on_future", slow_on_future)
     with RpcClient() as cli:
         called = threading.Event()
         cancel = cli.start_recv(f"127.0.0.1:{port}", 1, make_key("race"), lambda e, r: called.set())
@@ -116,25 +114,16 @@ def test_cancel_racing_a_failed_call_never_strands_the_receiver(
         else:
             assert called.wait(5), "cancel() said a result was coming; none came"
         deadline = time.monotonic() + 5
-        while cli.stats()["inflight"] and time.monotonic() < deadline:
+        while cli.stats()["receives_pending"] and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert cli.stats()["inflight"] == 0
+        assert cli.stats()["receives_pending"] == 0
 
 
 def test_acks_go_at_most_max_acks_per_request() -> None:
     """A server reads at most MAX_ACKS acks from one request: the client puts no more on it."""
-    from shmrdv._rpc import messages
-    from shmrdv._rpc.acks import AckQueue
-
-    queue = AckQueue((), lambda address: None)
     ids = list(range(1, messages.MAX_ACKS + 477))
-    queue.give_back("127.0.0.1:1", ids)
-    first = queue.take("127.0.0.1:1")
-    second = queue.take("127.0.0.1:1")
-    assert first == ids[: messages.MAX_ACKS]
-    assert second == ids[messages.MAX_ACKS :]
-    assert queue.take("127.0.0.1:1") == []
-    assert queue.close(5.0) == []
+    request = messages.decode_request(messages.encode_request(1, "k", 1, finished=ids))
+    assert list(request.finished) == ids[: messages.MAX_ACKS]
 
 
 @pytest.mark.timeout(60)

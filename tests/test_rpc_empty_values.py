@@ -9,18 +9,16 @@ a series took every value into its table.
 
 from __future__ import annotations
 
-import time
-
+import grpc
 import numpy as np
 import pytest
 import rpc_helpers
-from helpers import wait_for
-from rpc_helpers import StepSource, make_key, series_client
+from rpc_helpers import CHANNEL_OPTIONS, StepSource, make_key
 
 import shmrdv
-from shmrdv._errors import AbortedError, ResourceExhaustedError
-from shmrdv._rendezvous import RecvSlot
-from shmrdv._rpc.client import RpcClient
+from shmrdv._errors import ResourceExhaustedError
+from shmrdv._rpc import messages
+from shmrdv._rpc.guard import Limits
 from shmrdv._rpc.server import RpcServer
 from shmrdv._window import VALUE_FLOOR
 
@@ -51,27 +49,26 @@ def test_empty_values_fill_the_producers_window(ns: str, value: np.ndarray) -> N
 
 
 def test_empty_values_fill_a_series_to_its_bound(source: StepSource) -> None:
-    """A series that nobody receives from keeps at most its bound of empty values (plus
-    one message of the producer's, here ``chunk_bytes`` 4 KiB); then it stops reading."""
-    bound, chunk = 4096, 4096
+    """A series pushes at most its bound of empty values ahead of its consumer's
+    acknowledgement, each counted ``VALUE_FLOOR`` bytes (before: 2,999 pushed, counted 0)."""
+    bound = 4096
     key = make_key("empties")
     with (
-        RpcServer("127.0.0.1:0", source, chunk_bytes=chunk) as server,
-        RpcClient() as client,
+        RpcServer("127.0.0.1:0", source, limits=Limits(max_pushed_bytes=bound)) as server,
+        grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch,
     ):
-        series = series_client(client, server.address, prefetch_bytes=bound)
-        try:
-            for _ in range(3000):
-                source.send(1, key, np.zeros((0, 2), np.float32))
-            slot = RecvSlot()
-            assert series.start_recv(1, key, slot.done, lambda: server.address) is not None
-            assert slot.wait(10)
-            assert slot.result().value.shape == (0, 2)
-            wait_for(lambda: series.stats()["series_held_values"] > 0, timeout=10)
-            time.sleep(0.5)  # anything more that came would show now
-            stats = series.stats()
-            # Before: 2,999 values in the table, counted 0 bytes.
-            assert stats["series_held_values"] * VALUE_FLOOR <= bound + chunk
-            assert stats["series_held_peak"] <= bound + chunk
-        finally:
-            series.close(AbortedError("end"))
+        for _ in range(3000):
+            source.send(1, key, np.zeros((0, 2), np.float32))
+        request = messages.encode_request(1, key.full_key, 7)
+        call = ch.unary_stream(messages.RECV_TENSOR_SERIES)(request, timeout=2.0)
+        got = 0
+        with pytest.raises(grpc.RpcError) as info:  # read all it pushes, acknowledging none
+            for message in call:
+                assembly = messages.Assembly()
+                value = assembly.feed(message) if message else None
+                for v in [value, *(messages.Assembly().feed(p) for p in assembly.packed)]:
+                    if v is not None:
+                        assert v.value.shape == (0, 2)
+                        got += 1
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert got == bound // VALUE_FLOOR == server.stats()["series_values"]

@@ -127,9 +127,8 @@ def test_peer_killed_mid_stream_is_unavailable_without_partial_array(ns: str) ->
             producer.call(child_send_filled, 1, key, BIG, 7)
             rdv = consumer.rendezvous(1)
             recv = Receiver(rdv, key, timeout=30.0)
-            client = consumer._grpc._client  # type: ignore[union-attr]
             deadline = time.monotonic() + 10
-            while not client.stats()["receiving"] and recv.elapsed < 0:
+            while not consumer.stats()["grpc"].get("fetching") and recv.elapsed < 0:
                 assert time.monotonic() < deadline, "the stream never started"
                 time.sleep(0.001)
             time.sleep(0.2)

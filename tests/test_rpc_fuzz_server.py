@@ -1,7 +1,7 @@
 """A running Worker's gRPC server handed garbage (issue 6 §1): the right status code at
 once, never a crash or a hang, and it keeps serving valid calls afterwards.
 
-The pure decoders are fuzzed on their own in tests/test_rpc_coding.py; here the bytes go
+The pure decoders are fuzzed on their own in tests/test_rpc_messages.py; here the bytes go
 through a real gRPC server in a real Worker (``transports=("grpc",)``), called over a raw
 channel with identity serializers, so what is tested is the whole path a hostile or
 broken peer reaches: gRPC's framing and limits, the handlers, the key checks, the
@@ -24,9 +24,9 @@ What each kind of bad input gets:
   the bearer token, not the namespace, is what keeps other jobs out (test_rpc_security);
 * an unknown method or service → ``UNIMPLEMENTED`` (gRPC).
 
-The other direction too: a consumer Worker pulling from a peer whose RecvTensorStream
-answers garbage gets ``InvalidArgumentError`` or ``InternalError`` before its deadline,
-never a partial array, and receives normally once the peer answers well.
+The other direction too: a consumer Worker pulling from a peer whose RecvTensor answers
+garbage (whole or in chunks) gets ``InvalidArgumentError`` or ``InternalError`` before its
+deadline, never a partial array, and receives normally once the peer answers well.
 """
 
 from __future__ import annotations
@@ -48,13 +48,11 @@ from hypothesis import strategies as st
 
 import shmrdv
 from shmrdv._keys import parse_key
-from shmrdv._rpc import assembly, messages
-from shmrdv._rpc.methods import (
-    GET_STATUS_METHOD,
-    MARK_RECV_FINISHED_METHOD,
-    RECV_TENSOR_METHOD,
-    RECV_TENSOR_STREAM_METHOD,
-)
+from shmrdv._rpc import messages
+from shmrdv._rpc.messages import GET_STATUS as GET_STATUS_METHOD
+from shmrdv._rpc.messages import MARK_RECV_FINISHED as MARK_RECV_FINISHED_METHOD
+from shmrdv._rpc.messages import RECV_TENSOR as RECV_TENSOR_METHOD
+from shmrdv._rpc.messages import RECV_TENSOR_SERIES as RECV_TENSOR_SERIES_METHOD
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -126,9 +124,9 @@ class Pair:
         got = self.consumer.rendezvous(7).recv(key, timeout=10)
         np.testing.assert_array_equal(got.value, value)
         deadline = time.monotonic() + 5
-        while self.server_stats()["server_waiting"] and time.monotonic() < deadline:
+        while self.server_stats()["server_parked"] and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert self.server_stats()["server_waiting"] == 0
+        assert self.server_stats()["server_parked"] == 0
 
     def server_stats(self) -> dict[str, int]:
         stats: dict[str, int] = self.producer.stats()["grpc"]
@@ -155,21 +153,23 @@ def _varint(n: int) -> bytes:
 
 
 def _valid_request(name: str = "fuzz", step: int = 3, request_id: int = 0) -> bytes:
-    return messages.encode_request(step, make_key(name), request_id)
+    return messages.encode_request(step, make_key(name), request_id, chunks=False)
 
 
 # -- random bytes and mutations through every method -------------------------------------
 
 _METHODS: list[tuple[str, bool]] = [
     (RECV_TENSOR_METHOD, False),
-    (RECV_TENSOR_STREAM_METHOD, True),
+    (RECV_TENSOR_SERIES_METHOD, True),
     (MARK_RECV_FINISHED_METHOD, False),
     (GET_STATUS_METHOD, False),
 ]
 
 
 def _expected(method: str, code: grpc.StatusCode) -> bool:
-    if method in (RECV_TENSOR_METHOD, RECV_TENSOR_STREAM_METHOD):
+    if method == RECV_TENSOR_METHOD:
+        return code in BAD_REQUEST_CODES
+    if method == RECV_TENSOR_SERIES_METHOD:  # a well-formed key's series waits, ticking
         return code in BAD_REQUEST_CODES
     if method == GET_STATUS_METHOD:
         return bool(code == grpc.StatusCode.OK)  # GetStatusRequest has no fields: anything goes
@@ -219,7 +219,7 @@ def test_server_fuzz_keeps_serving_after_garbage(pair: Pair) -> None:
     # and no call it refused left a waiter or a value in the producer.
     pair.still_serves()
     stats = pair.server_stats()
-    assert stats["server_waiting"] == 0
+    assert stats["server_parked"] == 0 and stats["outbox_parked"] == 0
     assert stats["outbox_values"] == 0
 
 
@@ -230,14 +230,20 @@ def test_server_every_truncation_is_invalid_argument(pair: Pair) -> None:
     request = _valid_request(request_id=99)
     for cut in range(len(request)):
         # Cut right after the key field, what is left is a complete request (no
-        # request_id) for a key nobody sends: it waits. Every other cut is malformed.
+        # request_id) for a key nobody sends: it waits (a series needs a request_id).
+        # Every other cut is malformed.
         try:
             parse_key(messages.decode_request(request[:cut]).rendezvous_key)
-            expected = grpc.StatusCode.DEADLINE_EXCEEDED
+            waits = True
         except shmrdv.InvalidArgumentError:
-            expected = grpc.StatusCode.INVALID_ARGUMENT
+            waits = False
         for method, stream in _METHODS[:2]:
             code = pair.call(method, request[:cut], stream=stream)
+            expected = (
+                grpc.StatusCode.DEADLINE_EXCEEDED
+                if waits and not stream
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
             assert code == expected, (cut, method, code)
     pair.still_serves()
 
@@ -367,7 +373,7 @@ def test_server_garbage_in_parallel_does_not_starve_valid_calls(pair: Pair) -> N
     bad: list[tuple[str, bytes, bool]] = []
     for i in range(100):
         bad.append((RECV_TENSOR_METHOD, bytes([i]) * (i + 1), False))
-        bad.append((RECV_TENSOR_STREAM_METHOD, _valid_request(f"nobody{i}", step=9), True))
+        bad.append((RECV_TENSOR_SERIES_METHOD, _valid_request(f"nobody{i}", step=9), True))
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(pair.call, m, r, stream=s) for m, r, s in bad]
         # Valid transfers meanwhile, while up to 16 garbage calls are in flight.
@@ -380,7 +386,7 @@ def test_server_garbage_in_parallel_does_not_starve_valid_calls(pair: Pair) -> N
 
 @pytest.mark.slow
 def test_server_requests_for_unused_steps_leave_no_state(pair: Pair) -> None:
-    before = pair.server_stats()["outbox_steps"]
+    before = pair.server_stats()["outbox_parked"]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         codes = list(
             pool.map(
@@ -392,27 +398,24 @@ def test_server_requests_for_unused_steps_leave_no_state(pair: Pair) -> None:
         )
     assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}
     pair.still_serves()
-    assert pair.server_stats()["outbox_steps"] <= before + 1
+    assert pair.server_stats()["outbox_parked"] == before == 0
+    assert pair.server_stats()["outbox_values"] == 0
 
 
 # -- the other direction: a consumer Worker pulling from a peer that answers garbage ---------
 
 
 class GarbagePeer:
-    """A raw gRPC server on the producer's address whose RecvTensor says "stream it"
-    (empty bytes) and whose RecvTensorStream answers whatever messages the test sets (a
-    broken or hostile peer, not shmrdv's server)."""
+    """A raw gRPC server on the producer's address whose RecvTensor answers whatever
+    messages the test sets: the first to the call, the others to the calls for the
+    chunks at 1 KiB, 2 KiB, ... (a broken or hostile peer, not shmrdv's server)."""
 
     def __init__(self) -> None:
         self.messages: list[bytes] = []
         handlers = [
             grpc.method_handlers_generic_handler(
-                "shmrdv.Rendezvous",
-                {"RecvTensorStream": grpc.unary_stream_rpc_method_handler(self._stream)},
-            ),
-            grpc.method_handlers_generic_handler(
                 "tensorflow.WorkerService",
-                {"RecvTensor": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"")},
+                {"RecvTensor": grpc.unary_unary_rpc_method_handler(self._recv)},
             ),
         ]
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
@@ -420,8 +423,10 @@ class GarbagePeer:
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
 
-    def _stream(self, request: bytes, context: Any) -> Iterator[bytes]:
-        yield from list(self.messages)
+    def _recv(self, request: bytes, context: Any) -> bytes:
+        index = messages.decode_request(request).offset // 1024
+        answers = list(self.messages)
+        return answers[index] if index < len(answers) else b""
 
     def close(self) -> None:
         self.server.stop(0).wait(5)
@@ -445,7 +450,7 @@ def garbage_peer() -> Iterator[tuple[GarbagePeer, shmrdv.Worker]]:
 
 
 _GOOD_STREAM = list(
-    assembly.encode_stream(np.arange(600, dtype=np.int32), is_dead=False, chunk_bytes=1024)
+    messages.encode_value(np.arange(600, dtype=np.int32), False, chunk_bytes=1024).chunks
 )
 
 
@@ -468,26 +473,26 @@ def _stream_mutations() -> st.SearchStrategy[list[bytes]]:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(messages=_stream_mutations())
-def test_consumer_fuzz_garbage_stream_is_refused_never_partial(
+def test_consumer_fuzz_garbage_answers_are_refused_never_partial(
     garbage_peer: tuple[GarbagePeer, shmrdv.Worker], messages: list[bytes]
 ) -> None:
     peer, consumer = garbage_peer
     peer.messages = messages
     start = time.monotonic()
-    # Only shmrdv's errors come out, in time; a mutation may still be a well-formed stream
-    # (a flipped data byte), and the assembler refuses any stream shorter than its header
-    # declares (test_rpc_coding), so what is accepted is a whole tensor.
+    # Only shmrdv's errors come out, in time; a mutation may still be a well-formed answer
+    # (a flipped data byte), and an assembly refuses chunks that do not make up the
+    # tensor their first declares (test_rpc_messages), so what is accepted is a whole one.
     with contextlib.suppress(shmrdv.InvalidArgumentError, shmrdv.InternalError):
         consumer.rendezvous(1).recv(make_key("g"), timeout=2.0)
     assert time.monotonic() - start < 2.0 + ANSWER_SLACK
 
 
-def test_consumer_garbage_peer_then_good_stream_is_received(
+def test_consumer_garbage_peer_then_good_answers_are_received(
     garbage_peer: tuple[GarbagePeer, shmrdv.Worker],
 ) -> None:
     peer, consumer = garbage_peer
     peer.messages = [b"\xff\xff"]
-    with pytest.raises(shmrdv.InternalError, match="bad RecvTensorStream from"):
+    with pytest.raises(shmrdv.InternalError, match="bad RecvTensor answer for"):
         consumer.rendezvous(1).recv(make_key("g"), timeout=2.0)
     peer.messages = _GOOD_STREAM
     got = consumer.rendezvous(1).recv(make_key("g"), timeout=5.0).value

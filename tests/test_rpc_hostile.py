@@ -22,9 +22,11 @@ from flood_helpers import ServerChild, SilentFlood
 from rpc_helpers import StepSource, make_key, pull
 
 from shmrdv._errors import InternalError
-from shmrdv._rpc import messages, tf_dtypes
+from shmrdv._rpc import messages, wire
 from shmrdv._rpc.client import RpcClient
-from shmrdv._rpc.methods import GET_STATUS_METHOD, RECV_TENSOR_METHOD
+from shmrdv._rpc.guard import Limits
+from shmrdv._rpc.messages import GET_STATUS as GET_STATUS_METHOD
+from shmrdv._rpc.messages import RECV_TENSOR as RECV_TENSOR_METHOD
 from shmrdv._rpc.server import RpcServer
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +62,7 @@ def _cancel(calls: list[grpc.Future]) -> None:
 
 def test_waiting_calls_are_bounded_per_peer(source: StepSource) -> None:
     with (
-        RpcServer("127.0.0.1:0", source, max_waiting_per_peer=3) as server,
+        RpcServer("127.0.0.1:0", source, limits=Limits(max_waiting_per_peer=3)) as server,
         grpc.insecure_channel(server.address) as ch,
     ):
         parked = _park(ch, "p", 3)
@@ -74,7 +76,7 @@ def test_waiting_calls_are_bounded_per_peer(source: StepSource) -> None:
 
 def test_waiting_calls_are_bounded_in_total(source: StepSource) -> None:
     with (
-        RpcServer("127.0.0.1:0", source, max_waiting=2) as server,
+        RpcServer("127.0.0.1:0", source, limits=Limits(max_waiting=2)) as server,
         grpc.insecure_channel(server.address) as ch,
     ):
         parked = _park(ch, "p", 2)
@@ -97,7 +99,7 @@ def test_waiting_calls_are_bounded_in_total(source: StepSource) -> None:
 @pytest.mark.slow
 def test_a_call_without_deadline_waits_at_most_max_wait(source: StepSource) -> None:
     with (
-        RpcServer("127.0.0.1:0", source, max_wait=0.5) as server,
+        RpcServer("127.0.0.1:0", source, limits=Limits(max_wait=0.5)) as server,
         grpc.insecure_channel(server.address) as ch,
     ):
         t0 = time.monotonic()
@@ -184,9 +186,9 @@ def _zero_item_response(count: int) -> bytes:
     """A RecvTensorResponse of dtype |V0 and shape (count,): no bytes, every length fits."""
     dtype = np.dtype("V0")
     tensor = (
-        _varint(1 << 3) + _varint(tf_dtypes.dtype_to_tf(dtype))
+        _varint(1 << 3) + _varint(wire.dtype_to_tf(dtype))
         + _len_field(2, _len_field(2, _varint(1 << 3) + _varint(count)))
-        + _len_field(1001, tf_dtypes.dtype_descriptor(dtype).encode())
+        + _len_field(1001, wire.dtype_descriptor(dtype).encode())
     )  # fmt: skip
     return _len_field(1, tensor)
 
@@ -224,7 +226,8 @@ sys.path[:0] = [{repo!r}, {tests!r}]
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 from rpc_helpers import StepSource
 from shmrdv._rpc.server import RpcServer
-server = RpcServer("127.0.0.1:0", StepSource(), handshake_timeout=1.0).start()
+from shmrdv._rpc.guard import Limits
+server = RpcServer("127.0.0.1:0", StepSource(), limits=Limits(handshake_timeout=1.0)).start()
 print(server.address, flush=True)
 for line in sys.stdin:
     try:

@@ -22,7 +22,8 @@ from shmrdv._cluster import Peers
 from shmrdv._errors import ResourceExhaustedError
 from shmrdv._keys import DeviceName
 from shmrdv._rpc import messages
-from shmrdv._rpc.methods import RECV_TENSOR_METHOD
+from shmrdv._rpc.guard import Limits
+from shmrdv._rpc.messages import RECV_TENSOR as RECV_TENSOR_METHOD
 from shmrdv._rpc.server import RpcServer
 from shmrdv._rpc.transport import GrpcTransport
 from shmrdv._shm.board import ShmBoard
@@ -137,8 +138,8 @@ def test_a_client_that_asks_and_never_reads_holds_the_window(windowed: GrpcTrans
         assert windowed.stats()["inflight_bytes"] == 256 << 10
     finally:
         hostile.close()
-    # The connection is gone: its calls ended undelivered (request_id 0: nothing to keep
-    # for a retry), so the window is free again.
+    # The connection is gone and its calls with it (request_id 0: nothing to keep for a
+    # retry), so the window is free again.
     wait_for(lambda: windowed.stats()["inflight_bytes"] == 0, timeout=20)
     windowed.send(1, make_key("after", incarnation=1), np.zeros(256 << 10, np.uint8), False, 5.0)
 
@@ -166,7 +167,9 @@ def test_one_connection_cannot_use_up_its_hosts_bound(source: StepSource) -> Non
     other consumer on its host get RESOURCE_EXHAUSTED."""
     with (
         RpcServer(
-            "127.0.0.1:0", source, max_waiting_per_peer=4, max_waiting_per_connection=2
+            "127.0.0.1:0",
+            source,
+            limits=Limits(max_waiting_per_peer=4, max_waiting_per_connection=2),
         ) as server,
         grpc.insecure_channel(server.address, _OWN_CONNECTION) as greedy,
         grpc.insecure_channel(server.address, _OWN_CONNECTION) as other,
@@ -181,7 +184,8 @@ def test_one_connection_cannot_use_up_its_hosts_bound(source: StepSource) -> Non
         _wait_parked(server, 4)
         for i, call in enumerate(theirs):
             source.send(1, make_key(f"other{i}"), np.array([i]))
-            assert messages.decode_response(call.result(timeout=10)).value.tolist() == [i]
+            got = messages.Assembly().feed(call.result(timeout=10))
+            assert got is not None and got.value.tolist() == [i]
         for call in parked:
             call.cancel()
 
@@ -190,7 +194,9 @@ def test_a_value_already_there_is_never_refused(source: StepSource) -> None:
     """Before: with the bound full, a request for a value already waiting got
     RESOURCE_EXHAUSTED too."""
     with (
-        RpcServer("127.0.0.1:0", source, max_waiting=3, max_waiting_per_peer=3) as server,
+        RpcServer(
+            "127.0.0.1:0", source, limits=Limits(max_waiting=3, max_waiting_per_peer=3)
+        ) as server,
         grpc.insecure_channel(server.address, _OWN_CONNECTION) as greedy,
         grpc.insecure_channel(server.address, _OWN_CONNECTION) as other,
     ):
@@ -202,7 +208,8 @@ def test_a_value_already_there_is_never_refused(source: StepSource) -> None:
             data = channel.unary_unary(RECV_TENSOR_METHOD)(
                 messages.encode_request(1, key.full_key, secrets.randbits(62) + 1), timeout=10
             )
-            assert messages.decode_response(data).value.tolist() == [42]
+            got = messages.Assembly().feed(data)
+            assert got is not None and got.value.tolist() == [42]
         for call in parked:
             call.cancel()
 
@@ -236,4 +243,4 @@ def test_exchange_is_gone_and_failing_calls_leave_nothing_queued(source: StepSou
                 assert call.code() == grpc.StatusCode.ABORTED
         assert time.monotonic() - t0 < 30
         stats = server.stats()
-        assert stats["parked"] == 0 and stats["waiting"] == 0 and stats["cached"] == 0
+        assert stats["parked"] == 0 and stats["cached"] == 0

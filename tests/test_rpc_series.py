@@ -1,38 +1,35 @@
-"""RecvTensorSeries (issue 19 §3, the pipeline): a key received again and again gets its
-values pushed by its producer before they are asked for, over one server-streaming call,
-against a real server on loopback. Order, deadlines, aborts, closing, the producer's
-window, the server's bounds and the fallback to RecvTensor hold as for RecvTensor."""
+"""RecvTensorSeries (shmrdv's one streaming method): a key received again is pushed to
+its consumer, against real servers on loopback. Order, deadlines, aborts, closing, the
+producer's window, the server's bounds, the fallback to RecvTensor (a producer without
+series, a callback receive with no blocked receiver to read for it) and a connection
+that drops (a small TCP proxy that can hold what the producer writes and cut every
+connection: ``CutProxy``): every value comes once, in order."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 import pytest
 import rpc_helpers
 from helpers import wait_for
-from rpc_helpers import CHANNEL_OPTIONS, StepSource, make_key, series_client
+from rpc_helpers import CHANNEL_OPTIONS, StepSource, make_key, pull
 from test_rpc_hostile_clients import _NeverReads, windowed  # noqa: F401 (a fixture)
 
 import shmrdv
-from shmrdv._errors import (
-    AbortedError,
-    DeadlineExceededError,
-    InvalidArgumentError,
-    ResourceExhaustedError,
-    UnavailableError,
-)
-from shmrdv._keys import ParsedKey
-from shmrdv._rendezvous import Received, RecvSlot
-from shmrdv._rpc import assembly, messages, series_wire
+from shmrdv._errors import DeadlineExceededError, ResourceExhaustedError
+from shmrdv._rendezvous import Received
+from shmrdv._rpc import messages
 from shmrdv._rpc.client import RpcClient
-from shmrdv._rpc.methods import RECV_TENSOR_SERIES_METHOD
-from shmrdv._rpc.proto import rendezvous_pb2
-from shmrdv._rpc.series_client import SeriesClient
-from shmrdv._rpc.series_service import SeriesLimits
+from shmrdv._rpc.guard import Limits
+from shmrdv._rpc.messages import MARK_RECV_FINISHED, RECV_TENSOR_SERIES
 from shmrdv._rpc.server import RpcServer
 from shmrdv._rpc.transport import GrpcTransport
 
@@ -42,103 +39,56 @@ source = rpc_helpers.source
 
 _P = "/job:series/replica:0/task:0"
 _C = "/job:series/replica:0/task:1"
-
-
-# -- the messages ----------------------------------------------------------------------------
-
-
-def test_series_messages_are_tensor_chunks_that_reassemble() -> None:
-    values = [
-        Received(np.arange(10, dtype=np.float32)),
-        Received(np.zeros((0, 3), np.int64)),
-        Received(np.arange(3000, dtype=">i4").reshape(30, 100), is_dead=True),
-        Received(np.array(7.5)),
-    ]
-    out = list(series_wire.encode_series(values, 4096))  # the 12 KB one in chunks
-    assert sum(done for _, done in out) == len(values)
-    assert len(out) >= 3
-    got: list[Received] = []
-    assembler = None
-    for message, _ in out:
-        parsed = rendezvous_pb2.TensorChunks.FromString(message)  # protobuf agrees
-        chunks = list(series_wire.series_chunks(message))
-        assert [bytes(c) for c in chunks] == [c.SerializeToString() for c in parsed.chunks]
-        for chunk in chunks:
-            assembler = assembler or assembly.StreamAssembler()
-            assembler.feed(chunk)
-            if assembler.complete:
-                got.append(Received(assembler.result(), assembler.is_dead))
-                assembler = None
-    for want, have in zip(values, got, strict=True):
-        assert have.value.dtype == want.value.dtype and have.is_dead == want.is_dead
-        np.testing.assert_array_equal(have.value, want.value)
-
-
-@pytest.mark.parametrize(
-    "value",
-    [
-        np.arange(10, dtype=np.float32).reshape(2, 5),
-        np.array(7.5),
-        np.array([True, False, True]),
-        np.arange(12, dtype=np.complex64).reshape(3, 1, 4),
-        np.arange(5, dtype=np.uint16),
-    ],
-    ids=lambda a: f"{a.dtype}{a.shape}",
-)
-@pytest.mark.parametrize("is_dead", [False, True])
-def test_a_whole_value_chunk_is_read_in_one_pass_as_the_assembler_reads_it(
-    value: np.ndarray, is_dead: bool
-) -> None:
-    ((message, _),) = series_wire.encode_series([Received(value, is_dead)], 1 << 20)
-    (chunk,) = series_wire.series_chunks(message)
-    whole = assembly.whole_tensor(chunk)
-    assert whole is not None
-    assembler = assembly.StreamAssembler()
-    assembler.feed(chunk)
-    got, dead = whole
-    want = assembler.result()
-    assert dead == is_dead == assembler.is_dead
-    assert got.dtype == want.dtype and got.shape == want.shape
-    np.testing.assert_array_equal(got, want)
-    assert got.flags.writeable and got.flags.owndata  # the one copy, the receiver's own
-
-
-def test_whole_tensor_leaves_every_other_chunk_to_the_assembler() -> None:
-    big = [m for m, _ in series_wire.encode_series([Received(np.arange(5000))], 4096)]
-    first = next(series_wire.series_chunks(big[0]))
-    later = next(series_wire.series_chunks(big[1]))
-    strings = series_wire.encode_series([Received(np.array(["a", "bc"]))], 1 << 20)
-    ((swapped, _),) = series_wire.encode_series([Received(np.ones(3, ">f4"))], 1 << 20)
-    empty = series_wire.encode_series([Received(np.zeros((0, 3)))], 1 << 20)
-    for chunk in (
-        first,  # a header with part of the data
-        later,  # data without a header
-        next(series_wire.series_chunks(next(iter(strings))[0])),
-        next(series_wire.series_chunks(swapped)),  # converted on arrival (not big-endian here)
-        next(series_wire.series_chunks(next(iter(empty))[0])),
-        memoryview(b"\x0a\x02\x08\x01\x1a\x04abc"),  # data shorter than it says
-        memoryview(b"\x0a\xff\x01"),
-    ):
-        assert assembly.whole_tensor(chunk) is None
-
-
-def test_series_limits_refuse_bad_values() -> None:
-    with pytest.raises(InvalidArgumentError, match="max_series_per_peer"):
-        SeriesLimits(max_series_per_peer=0)
-    with pytest.raises(InvalidArgumentError, match="idle"):
-        SeriesLimits(idle=-1)
-
-
-def test_series_chunks_refuse_bytes_that_do_not_parse() -> None:
-    with pytest.raises(InvalidArgumentError, match="RecvTensorSeries"):
-        list(series_wire.series_chunks(b"\x0a\xff\x01"))
-
-
-# -- two Workers: a channel key ------------------------------------------------------------
+_JOIN = 5.0
 
 
 def _key() -> str:
     return shmrdv.create_key(_P + "/device:CPU:0", 0, _C + "/device:CPU:0", "channel")
+
+
+def _value(i: int, size: int) -> npt.NDArray[Any]:
+    return np.full(size // 4, i, np.int32)
+
+
+def _check(got: npt.NDArray[Any], i: int, size: int) -> None:
+    assert got.shape == (size // 4,)
+    assert got[0] == got[-1] == i, f"value {i} came as {got[0]}"
+
+
+def _read(call: Any, n: int, asks: list[int] | None = None) -> list[Received]:
+    """``n`` values of a raw series call (ticks skipped, asks counted)."""
+    out: list[Received] = []
+    assembly = messages.Assembly()
+    while len(out) < n:
+        message = next(call)
+        if not message:
+            continue
+        got = assembly.feed(message)
+        if assembly.ask:
+            if asks is not None:
+                asks.append(len(out))
+            continue
+        if got is not None:
+            out.append(got)
+            assembly = messages.Assembly()
+        for part in assembly.packed:
+            whole = messages.Assembly().feed(part)
+            assert whole is not None
+            out.append(whole)
+        if assembly.packed:
+            assembly = messages.Assembly()
+    return out
+
+
+def _series(ch: grpc.Channel, key: Any, rid: int, held: int = 0, timeout: float = 30) -> Any:
+    request = messages.encode_request(1, key.full_key, rid, held=held)
+    return ch.unary_stream(RECV_TENSOR_SERIES)(request, timeout=timeout)
+
+
+def _mark(ch: grpc.Channel, rid: int, *, released: bool = False, held: int = 0) -> bytes:
+    request = messages.encode_finished(rid, released=released, held=held)
+    data: bytes = ch.unary_unary(MARK_RECV_FINISHED)(request, timeout=10)
+    return data
 
 
 @pytest.fixture
@@ -150,138 +100,193 @@ def pair(ns: str) -> Iterator[tuple[shmrdv.Worker, shmrdv.Worker]]:
         yield producer, consumer
 
 
-def test_a_channel_key_is_pushed_in_order_over_one_series(
+def _opened(pair: tuple[shmrdv.Worker, shmrdv.Worker], size: int = 64) -> None:
+    """The key's series is open: received twice, the second time through it."""
+    producer, consumer = pair
+    for i in range(2):
+        producer.rendezvous(1).send(_key(), _value(i, size))
+        _check(consumer.rendezvous(1).recv(_key(), timeout=10).value, i, size)
+    assert consumer.stats()["grpc"]["series"] == 1
+
+
+# -- a key received again, between two Workers --------------------------------------------
+
+
+def test_a_key_received_again_is_pushed_in_order_over_one_series(
     pair: tuple[shmrdv.Worker, shmrdv.Worker],
 ) -> None:
-    """Before: one RecvTensor per value (a round trip each, ~1,200 values/s)."""
     producer, consumer = pair
-    p, c = producer.rendezvous(1), consumer.rendezvous(1)
-    n = 300
+    _opened(pair)
+    for i in range(2, 200):
+        producer.rendezvous(1).send(_key(), _value(i, 64))
+    for i in range(2, 200):
+        _check(consumer.rendezvous(1).recv(_key(), timeout=10).value, i, 64)
+    stats = producer.stats()["grpc"]
+    assert stats["server_series"] == 1 and stats["server_calls"] == 1  # one RecvTensor
+    assert stats["server_series_values"] == 199
 
-    def send() -> None:
-        for i in range(n):
-            p.send(_key(), np.full(1000, i, np.int32))
 
-    t = threading.Thread(target=send)
-    t.start()
-    got = [int(c.recv(_key(), timeout=20).value[0]) for _ in range(n)]
-    t.join(10)
-    assert got == list(range(n))
-    server = producer.stats()["grpc"]
-    assert server["server_series"] == 1
-    wait_for(lambda: producer.stats()["grpc"]["server_series_values"] == n - 1, timeout=10)
-    assert server["server_values_served"] == 1  # the first, by RecvTensor
-    assert consumer.stats()["grpc"]["received"] == n
+def test_a_large_value_is_pushed_in_chunks(pair: tuple[shmrdv.Worker, shmrdv.Worker]) -> None:
+    producer, consumer = pair
+    _opened(pair)
+    for i in range(2, 5):
+        producer.rendezvous(1).send(_key(), _value(i, 9 << 20))  # three 4 MiB chunks
+    for i in range(2, 5):
+        _check(consumer.rendezvous(1).recv(_key(), timeout=20).value, i, 9 << 20)
 
 
 def test_a_receive_that_times_out_on_a_series_loses_nothing(
     pair: tuple[shmrdv.Worker, shmrdv.Worker],
 ) -> None:
     producer, consumer = pair
-    p, c = producer.rendezvous(1), consumer.rendezvous(1)
-    for i in range(2):
-        p.send(_key(), np.array([i]))
-        assert c.recv(_key(), timeout=10).value.tolist() == [i]
-    assert consumer.stats()["grpc"]["series"] == 1
+    _opened(pair)
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceededError):
-        c.recv(_key(), timeout=0.3)
-    assert time.monotonic() - t0 < 5
-    p.send(_key(), np.array([2]))
-    p.send(_key(), np.array([3]))
-    assert [c.recv(_key(), timeout=10).value.tolist() for _ in range(2)] == [[2], [3]]
+        consumer.rendezvous(1).recv(_key(), timeout=0.3)
+    assert time.monotonic() - t0 < 1.0  # the series' ticks let the reader see its deadline
+    producer.rendezvous(1).send(_key(), _value(7, 64))
+    _check(consumer.rendezvous(1).recv(_key(), timeout=10).value, 7, 64)
 
 
-def test_a_callback_receive_on_a_series_runs_off_its_reader(
+def test_blocking_and_callback_receives_mixed_on_a_series_keep_order(
     pair: tuple[shmrdv.Worker, shmrdv.Worker],
 ) -> None:
-    """A callback that blocks (here: receives the key's next value) must not hold up the
-    series' reader, which is the thread that brings that value."""
+    """A callback receive with no blocked receiver to read the series for it releases
+    the series (what was not read goes back to the key, in order) and goes on with
+    RecvTensor; a later blocked receive opens the series again."""
     producer, consumer = pair
     p, c = producer.rendezvous(1), consumer.rendezvous(1)
-    for i in range(2):
-        p.send(_key(), np.array([i]))
-        c.recv(_key(), timeout=10)
-    seen: list[object] = []
-    finished = threading.Event()
-
-    def done(error: BaseException | None, received: Received | None) -> None:
-        assert received is not None
-        seen.append((threading.current_thread().name, int(received.value[0])))
-        seen.append(int(c.recv(_key(), timeout=10).value[0]))
-        finished.set()
-
-    c.recv_async(_key(), done)
-    p.send(_key(), np.array([2]))
-    p.send(_key(), np.array([3]))
-    assert finished.wait(20)
-    assert seen == [("shmrdv-rpc-done", 2), 3]
+    _opened(pair)
+    for i in range(2, 40):
+        p.send(_key(), _value(i, 64))
+    got = []
+    for i in range(2, 40):
+        if i % 3:
+            got.append(int(c.recv(_key(), timeout=10).value[0]))
+        else:
+            got.append(int(c.recv_future(_key()).result(timeout=10).value[0]))
+    assert got == list(range(2, 40))
+    with pytest.raises(DeadlineExceededError):
+        c.recv(_key(), timeout=0.3)  # nothing twice
 
 
 def test_producer_cleanup_fails_a_receive_waiting_on_a_series(
     pair: tuple[shmrdv.Worker, shmrdv.Worker],
 ) -> None:
     producer, consumer = pair
-    p, c = producer.rendezvous(1), consumer.rendezvous(1)
-    for i in range(2):
-        p.send(_key(), np.array([i]))
-        c.recv(_key(), timeout=10)
-    threading.Timer(0.3, producer.cleanup, (1,)).start()
-    t0 = time.monotonic()
-    with pytest.raises(AbortedError):
-        c.recv(_key(), timeout=20)
-    assert time.monotonic() - t0 < 10
+    _opened(pair)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(consumer.rendezvous(1).recv, _key(), timeout=20)
+        time.sleep(0.3)
+        producer.cleanup(1)
+        with pytest.raises(shmrdv.AbortedError, match="Cleanup 1"):
+            waiting.result(timeout=10)
 
 
+@pytest.mark.parametrize("how", ["abort", "close"])
 def test_consumer_abort_and_close_end_a_receive_waiting_on_a_series(
+    pair: tuple[shmrdv.Worker, shmrdv.Worker], how: str
+) -> None:
+    _, consumer = pair
+    _opened(pair)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(consumer.rendezvous(1).recv, _key(), timeout=20)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        if how == "abort":
+            consumer.rendezvous(1).start_abort(shmrdv.AbortedError("stop"))
+        else:
+            consumer.close()
+        with pytest.raises(shmrdv.AbortedError):
+            waiting.result(timeout=10)
+        assert time.monotonic() - t0 < 2
+
+
+def test_a_closing_producer_fails_a_receive_waiting_on_a_series(
     pair: tuple[shmrdv.Worker, shmrdv.Worker],
 ) -> None:
     producer, consumer = pair
-    for step in (1, 2):
-        p, c = producer.rendezvous(step), consumer.rendezvous(step)
+    _opened(pair)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(consumer.rendezvous(1).recv, _key(), timeout=20)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        producer.close()
+        with pytest.raises(shmrdv.UnavailableError, match=_P):
+            waiting.result(timeout=10)
+        assert time.monotonic() - t0 < 3
+
+
+# -- against a server -------------------------------------------------------------------------
+
+
+def test_an_idle_series_ends_and_the_next_receive_opens_another(source: StepSource) -> None:
+    key = make_key("idle")
+    with (
+        RpcServer("127.0.0.1:0", source, limits=Limits(series_idle=0.3)) as server,
+        RpcClient() as client,
+    ):
         for i in range(2):
-            p.send(_key(), np.array([i]))
-            c.recv(_key(), timeout=10)
-    threading.Timer(0.3, consumer.rendezvous(1).start_abort, (AbortedError("stop"),)).start()
-    with pytest.raises(AbortedError, match="stop"):
-        consumer.rendezvous(1).recv(_key(), timeout=20)
-    threading.Timer(0.3, consumer.close).start()
-    t0 = time.monotonic()
-    with pytest.raises(shmrdv.RendezvousError):
-        consumer.rendezvous(2).recv(_key(), timeout=20)
-    assert time.monotonic() - t0 < 10
+            source.send(1, key, np.array([i]))
+            assert pull(client, server.address, 1, key, timeout=10).value.tolist() == [i]
+        wait_for(lambda: server.stats()["series_open"] == 0, timeout=10)  # ended idle
+        source.send(1, key, np.array([2]))
+        assert pull(client, server.address, 1, key, timeout=10).value.tolist() == [2]
+        assert server.stats()["series"] == 2
 
 
-def test_a_closing_producer_fails_a_receive_waiting_on_a_series(ns: str) -> None:
-    with shmrdv.Worker(_C, namespace=ns, transports=("grpc",)) as consumer:
-        producer = shmrdv.Worker(_P, namespace=ns, transports=("grpc",))
-        try:
-            p, c = producer.rendezvous(1), consumer.rendezvous(1)
-            for i in range(2):
-                p.send(_key(), np.array([i]))
-                c.recv(_key(), timeout=10)
-            threading.Timer(0.3, producer.close).start()
-            t0 = time.monotonic()
-            with pytest.raises(UnavailableError):
-                c.recv(_key(), timeout=20)
-            assert time.monotonic() - t0 < 10
-        finally:
-            producer.close()
+def test_a_producer_without_series_is_pulled_with_recv_tensor() -> None:
+    """TensorFlow's worker (here: a raw server of RecvTensor alone) has no series: the
+    key received again goes on with RecvTensor, every time."""
+    values = iter(range(10))
+
+    def recv(request: bytes, context: Any) -> bytes:
+        return messages.encode_value(np.array([next(values)]), False).chunks[0]
+
+    handler = grpc.method_handlers_generic_handler(
+        "tensorflow.WorkerService", {"RecvTensor": grpc.unary_unary_rpc_method_handler(recv)}
+    )
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with RpcClient() as client:
+            key = make_key("tf")
+            got = [
+                int(pull(client, f"127.0.0.1:{port}", 1, key, timeout=10).value[0])
+                for _ in range(5)
+            ]
+            assert got == list(range(5))
+            assert client.stats()["series"] == 0
+    finally:
+        server.stop(0).wait(5)
 
 
-# -- the producer's side against hostile or broken clients ----------------------------------
+def test_series_are_bounded_per_connection(source: StepSource) -> None:
+    with (
+        RpcServer("127.0.0.1:0", source, limits=Limits(max_series_per_connection=1)) as server,
+        RpcClient() as client,
+    ):
+        keys = [make_key("s0"), make_key("s1")]
+        for i in range(4):
+            for key in keys:
+                source.send(1, key, np.array([i]))
+                assert pull(client, server.address, 1, key, timeout=10).value.tolist() == [i]
+        stats = server.stats()
+        assert stats["series_refused"] >= 1 and stats["series_open"] == 1
 
 
 def test_a_series_that_is_never_read_holds_the_window(
     windowed: GrpcTransport,  # noqa: F811 (the fixture)
 ) -> None:
-    """A value pushed into a series counts until gRPC has taken all of it: a client that
-    opens a series and never reads holds the producer's window, not its memory."""
+    """A value pushed into a series counts until its consumer acknowledges it: a client
+    that opens a series and never reads holds the producer's window, not its memory."""
     assert windowed.address is not None
     key = make_key("series-never-read", incarnation=1)
     hostile = _NeverReads(windowed.address)
     try:
-        hostile.call(RECV_TENSOR_SERIES_METHOD, messages.encode_request(1, key.full_key, 0))
+        hostile.call(RECV_TENSOR_SERIES, messages.encode_request(1, key.full_key, 3))
         wait_for(lambda: windowed.stats()["server_series_open"] == 1, timeout=20)
         value = np.zeros(64 << 10, np.uint8)
         for i in range(4):
@@ -291,313 +296,331 @@ def test_a_series_that_is_never_read_holds_the_window(
         assert windowed.stats()["inflight_bytes"] == 256 << 10
     finally:
         hostile.close()
-    # Its connection gone, what it took went back to the key: a real receive gets them.
+    # Its connection gone, its consumer may still come back for what it was pushed; at
+    # its release (or expiry) that goes back to the key, in order.
     wait_for(lambda: windowed.stats()["server_series_open"] == 0, timeout=20)
+    with grpc.insecure_channel(windowed.address, CHANNEL_OPTIONS) as ch:
+        _mark(ch, 3, released=True)
     with RpcClient() as client:
         for i in range(4):
-            got = rpc_helpers.pull(client, windowed.address, 1, key, timeout=10)
+            got = pull(client, windowed.address, 1, key, timeout=10)
             assert got.value[0] == i
 
 
-def test_series_are_bounded_per_connection(source: StepSource) -> None:
+def test_a_series_whose_consumer_never_acknowledges_stops_at_its_bound(
+    source: StepSource,
+) -> None:
+    """A series pushes at most ``max_pushed_bytes`` ahead of its consumer's
+    acknowledgement (then it asks, and takes no more); an ack lets the next ones go."""
+    key = make_key("never-acks")
+    size = 16 << 10
     with (
-        RpcServer(
-            "127.0.0.1:0", source, series=SeriesLimits(max_series_per_connection=2)
-        ) as server,
+        RpcServer("127.0.0.1:0", source, limits=Limits(max_pushed_bytes=4 * size)) as server,
         grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch,
     ):
-        series = ch.unary_stream(RECV_TENSOR_SERIES_METHOD)
-        calls = []
-        for i in range(3):  # one at a time: the server may start calls in any order
-            calls.append(
-                series(messages.encode_request(1, make_key(f"s{i}").full_key, 0), timeout=30)
-            )
-            wait_for(lambda: server.stats()["series"] == len(calls), timeout=20)
-        with pytest.raises(grpc.RpcError) as info:
-            next(calls[2])
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "max_series_per_connection=2" in (info.value.details() or "")
-        source.send(1, make_key("s0"), np.array([5]))
-        chunk = next(series_wire.series_chunks(next(calls[0])))
-        assembler = assembly.StreamAssembler()
-        assembler.feed(chunk)
-        assert assembler.result().tolist() == [5]
-        for call in calls[:2]:
-            call.cancel()
-        wait_for(lambda: server.stats()["series_open"] == 0, timeout=20)
+        for i in range(20):
+            source.send(1, key, np.full(size // 8, i, np.int64))
+        call = _series(ch, key, 3, timeout=30)
+        asks: list[int] = []
+        got = [int(r.value[0]) for r in _read(call, 4, asks)]
+        assert got == list(range(4))
+        time.sleep(0.3)
+        assert server.stats()["series_values"] == 4  # the bound: no more taken
+        _mark(ch, 3, held=4)
+        got = [int(r.value[0]) for r in _read(call, 4, asks)]
+        assert got == list(range(4, 8))
+        call.cancel()
 
 
-# -- the consumer's side: fallback and idle ends -------------------------------------------
-
-
-def _recv(sc: SeriesClient, client: RpcClient, address: str, key: ParsedKey) -> Received:
-    slot = RecvSlot()
-    if sc.start_recv(1, key, slot.done, lambda: address) is None:
-        client.start_recv(address, 1, key, slot.done)
-    slot.wait(20)
-    assert slot.filled
-    return slot.result()
-
-
-def test_a_producer_without_series_is_pulled_with_recv_tensor(source: StepSource) -> None:
-    """A TensorFlow worker (or an older shmrdv) has no RecvTensorSeries: UNIMPLEMENTED,
-    and the receives waiting on the series go by RecvTensor, in order."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def recv_tensor(request: bytes, context: grpc.ServicerContext) -> bytes:
-        req = messages.decode_request(request)
-        slot = RecvSlot()
-        source.serve_recv(req.step_id, make_key("tf"), slot.done)
-        slot.wait(20)
-        return messages.encode_response(slot.result().value, is_dead=False)
-
-    tf = grpc.server(ThreadPoolExecutor(4))
-    tf.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                "tensorflow.WorkerService",
-                {"RecvTensor": grpc.unary_unary_rpc_method_handler(recv_tensor)},
-            ),
-        )
-    )
-    port = tf.add_insecure_port("127.0.0.1:0")
-    tf.start()
-    address = f"127.0.0.1:{port}"
-    key = make_key("tf")
-    try:
+def test_a_released_series_gives_back_what_was_not_read_in_order(source: StepSource) -> None:
+    key = make_key("back")
+    with (
+        RpcServer("127.0.0.1:0", source) as server,
+        grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch,
+    ):
+        call = _series(ch, key, 9)
+        for i in range(5):
+            source.send(1, key, np.array([i]))
+        assert [int(r.value[0]) for r in _read(call, 2)][:2] == [0, 1]  # (a pack may hold more)
+        wait_for(lambda: server.stats()["series_values"] == 5)
+        _mark(ch, 9, released=True, held=2)  # it holds two: the other three go back
         with RpcClient() as client:
-            sc = series_client(client, address)
-            for i in range(4):
-                source.send(1, key, np.array([i]))
-            got = [_recv(sc, client, address, key).value.tolist() for _ in range(4)]
-            assert got == [[0], [1], [2], [3]]
-            assert sc.stats()["series"] == 0  # the address is known to have none
-            sc.close(AbortedError("end"))
-    finally:
-        tf.stop(0).wait(5)
+            got = [int(pull(client, server.address, 1, key, timeout=10).value[0]) for _ in range(3)]
+        assert got == [2, 3, 4]
+        call.cancel()
 
 
-def test_an_idle_series_ends_and_a_waiting_receive_opens_another(source: StepSource) -> None:
+def test_a_series_opened_again_gets_what_its_consumer_lacks(source: StepSource) -> None:
+    key = make_key("again")
     with (
-        RpcServer("127.0.0.1:0", source, series=SeriesLimits(idle=0.2)) as server,
-        RpcClient() as client,
+        RpcServer("127.0.0.1:0", source) as server,
+        grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch,
     ):
-        sc = series_client(client, server.address)
-        key = make_key("idle")
-        for i in range(2):
+        call = _series(ch, key, 11)
+        for i in range(3):
             source.send(1, key, np.array([i]))
-            assert _recv(sc, client, server.address, key).value.tolist() == [i]
-        slot = RecvSlot()
-        assert sc.start_recv(1, key, slot.done, lambda: server.address) is not None
-        time.sleep(1.0)  # several idle ends meanwhile
-        assert server.stats()["series"] >= 3
-        source.send(1, key, np.array([9]))
-        slot.wait(20)
-        assert slot.result().value.tolist() == [9]
-        sc.close(AbortedError("end"))
+        assert [int(r.value[0]) for r in _read(call, 1)][:1] == [0]  # (a pack may hold more)
+        wait_for(lambda: server.stats()["series_values"] == 3)
+        call.cancel()  # a dropped connection
+        wait_for(lambda: server.stats()["series_open"] == 0)
+        again = _series(ch, key, 11, held=1)
+        assert [int(r.value[0]) for r in _read(again, 2)] == [1, 2]
+        again.cancel()
 
 
-def test_a_series_whose_values_come_within_idle_lives_on_past_idle(source: StepSource) -> None:
-    """One idle timer per series: the one set for an earlier wait, when it fires, sets
-    itself again for the wait then in progress, which it does not end early."""
+def test_values_sent_faster_than_pushed_go_several_to_a_message(source: StepSource) -> None:
+    key = make_key("packed")
     with (
-        RpcServer("127.0.0.1:0", source, series=SeriesLimits(idle=1.0)) as server,
-        RpcClient() as client,
+        RpcServer("127.0.0.1:0", source) as server,
+        grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch,
     ):
-        sc = series_client(client, server.address)
-        key = make_key("lives")
-        started = time.monotonic()
-        for i in range(6):
-            if i:
-                time.sleep(0.4)  # each wait 0.4 s, all of them 2 s: more than idle
+        for i in range(10):
             source.send(1, key, np.array([i]))
-            assert _recv(sc, client, server.address, key).value.tolist() == [i]
-        assert time.monotonic() - started > 1.5
-        assert server.stats()["series"] == 1
-        sc.close(AbortedError("end"))
+        call = _series(ch, key, 21)
+        message = next(call)
+        assembly = messages.Assembly()
+        assert assembly.feed(message) is None
+        values = [messages.Assembly().feed(part) for part in assembly.packed]
+        assert [int(v.value[0]) for v in values if v is not None] == list(range(10))
+        assert server.stats()["series_values"] == 10
+        call.cancel()
 
 
-def test_a_series_to_a_producer_not_listening_hands_its_receive_to_recv_tensor(
-    source: StepSource,
-) -> None:
-    """Nothing listening (a producer not up yet, or restarting): the series fails before
-    any value, so its receive goes to RecvTensor, which retries (it did fail at once)."""
-    with RpcServer("127.0.0.1:0", source) as server:
-        address = server.address  # then nothing listens there
-    client = RpcClient()
-    sc = series_client(client, address)
-    key = make_key("nobody")
-    slot = RecvSlot()
-    assert sc.start_recv(1, key, slot.done, lambda: address) is not None
-    wait_for(lambda: client.stats()["inflight"] == 1, timeout=20)  # RecvTensor retries
-    time.sleep(0.5)
-    assert not slot.filled
-    sc.close(AbortedError("end"))
-    client.close()
-    assert slot.filled
-    with pytest.raises(shmrdv.CancelledError):
-        slot.result()
+def test_an_ack_for_more_than_was_sent_is_refused(source: StepSource) -> None:
+    key = make_key("acked")
+    with (
+        RpcServer("127.0.0.1:0", source) as server,
+        grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch,
+    ):
+        call = _series(ch, key, 5)
+        source.send(1, key, np.arange(4))
+        _read(call, 1)
+        with pytest.raises(grpc.RpcError) as info:
+            _mark(ch, 5, held=2)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _mark(ch, 5, held=1) == b""
+        call.cancel()
+        assert server.stats()["series_values"] == 1
 
 
-def test_a_series_without_a_channel_hands_its_receives_to_recv_tensor(
-    source: StepSource,
-) -> None:
-    """The series' reader thread looks up its channel (the receive that opens it does not
-    wait for that): an address no channel can be made for (here one with no port) ends
-    the series before any call, and its receives go to RecvTensor, in order."""
-    with RpcServer("127.0.0.1:0", source) as server, RpcClient() as client:
-        sc = series_client(client, server.address)  # RecvTensor pulls from the server
-        key = make_key("no-channel")
-        slots = [RecvSlot(), RecvSlot()]
-        # The first opens the series (its reader ends it at once); the second waits on it,
-        # or, once it has ended, goes to RecvTensor as the transport sends it (None).
-        assert sc.start_recv(1, key, slots[0].done, lambda: "no-port-here") is not None
-        if sc.start_recv(1, key, slots[1].done, lambda: "no-port-here") is None:
-            client.start_recv(server.address, 1, key, slots[1].done)
-        for i in range(2):
-            source.send(1, key, np.array([i]))
-        for i, slot in enumerate(slots):
-            slot.wait(20)
-            assert slot.filled
-            assert slot.result().value.tolist() == [i]
-        assert server.stats()["series"] == 0  # no series call was made
-        sc.close(AbortedError("end"))
+# -- a dropped connection loses nothing ------------------------------------------------------
 
 
-def test_a_series_needs_the_token(source: StepSource) -> None:
-    token = "series-" + "t" * 24
-    key = make_key("secret")
-    with RpcServer("127.0.0.1:0", source, token=token) as server:
-        with grpc.insecure_channel(server.address, CHANNEL_OPTIONS) as ch:
-            series = ch.unary_stream(RECV_TENSOR_SERIES_METHOD)
-            call = series(messages.encode_request(1, key.full_key, 0), timeout=10)
-            with pytest.raises(grpc.RpcError) as info:
-                next(call)
-            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        with RpcClient(token=token) as client:
-            sc = series_client(client, server.address)
-            for i in range(3):
-                source.send(1, key, np.array([i]))
-                assert _recv(sc, client, server.address, key).value.tolist() == [i]
-            wait_for(lambda: server.stats()["series_values"] >= 1, timeout=10)
-            sc.close(AbortedError("end"))
+class CutProxy:
+    """A TCP proxy on loopback to ``upstream`` (``host:port``) that can hold what comes
+    from upstream and cut every connection it carries; it accepts again after a cut."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._holding = False
+        self.refusing = False  # close each connection at once (the producer unreachable)
+        self.held = 0  # bytes from upstream held back since hold()
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, name="proxy-accept")]
+        self._threads[0].start()
+
+    def hold(self) -> None:
+        """Keep what upstream sends from now on (read, not forwarded) until the cut."""
+        with self._lock:
+            self._holding = True
+
+    def cut(self) -> None:
+        """Close both sockets of every connection; what was held is dropped."""
+        with self._lock:
+            socks, self._socks = self._socks, []
+            self._holding = False
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes the pump blocked on it
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._threads[0].join(_JOIN)  # no connection accepted after this
+        self.cut()
+        for t in list(self._threads):
+            t.join(_JOIN)
+        self._listener.close()
+        assert not any(t.is_alive() for t in self._threads)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                down, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if self.refusing:
+                down.close()
+                continue
+            try:
+                up = socket.create_connection(self._upstream, timeout=_JOIN)
+            except OSError:
+                down.close()
+                continue
+            up.settimeout(None)
+            down.settimeout(None)
+            with self._lock:
+                self._socks += [down, up]
+                self.accepted += 1
+            for src, dst, downstream in ((down, up, False), (up, down, True)):
+                t = threading.Thread(target=self._pump, args=(src, dst, downstream))
+                t.name = "proxy-pump"
+                self._threads.append(t)
+                t.start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                with self._lock:
+                    if downstream and self._holding:
+                        self.held += len(data)
+                        continue
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
-def test_blocking_and_callback_receives_mixed_on_a_series_keep_order(
-    pair: tuple[shmrdv.Worker, shmrdv.Worker],
-) -> None:
-    """Values already sent go to the receives in the order they were made, whichever
-    flavour each is (a blocked ``recv``, a future, a callback) and whichever thread
-    delivers them: none lost, none out of order."""
-    producer, consumer = pair
-    p, c = producer.rendezvous(1), consumer.rendezvous(1)
-    for i in range(2):  # the second opens the series
-        p.send(_key(), np.array([i]))
-        assert c.recv(_key(), timeout=10).value.tolist() == [i]
-    n = 60  # steps; every fourth makes two receives (a future, then a recv)
-    total = n + n // 4
-    got: list[tuple[int, int]] = []  # (receive's index, value)
-    lock = threading.Lock()
-    callbacks = threading.Semaphore(0)
-
-    def later() -> None:
-        time.sleep(0.05)
-        for i in range(2, 2 + total):
-            p.send(_key(), np.full(256 if i % 3 else 20000, i, np.int32))
-
-    def note(index: int) -> shmrdv.DoneCallback:
-        def done(error: BaseException | None, received: Received | None) -> None:
-            assert error is None and received is not None
-            with lock:
-                got.append((index, int(received.value[0])))
-            callbacks.release()
-
-        return done
-
-    sender = threading.Thread(target=later)
-    sender.start()
-    futures = []
-    asyncs = 0
-    for index in range(n):
-        kind = index % 4
-        if kind == 0:
-            value = int(c.recv(_key(), timeout=20).value[0])
-            with lock:
-                got.append((index, value))
-        elif kind == 1:
-            futures.append((index, c.recv_future(_key())))
-        elif kind == 2:
-            c.recv_async(_key(), note(index))
-            asyncs += 1
-        else:
-            futures.append((index, c.recv_future(_key())))
-            value = int(c.recv(_key(), timeout=20).value[0])
-            with lock:
-                got.append((index + 1000, value))
-    sender.join(20)
-    for index, fut in futures:
-        got.append((index, int(fut.result(timeout=20).value[0])))
-    for _ in range(asyncs):
-        assert callbacks.acquire(timeout=20)
-    assert sorted(value for _, value in got) == list(range(2, 2 + total))
-    # Each receive got the value of its place in line: receives made in the order of
-    # their indices (a kind-3 step makes the future, then the recv).
-    order: list[int] = []
-    for index in range(n):
-        order.append(index)
-        if index % 4 == 3:
-            order.append(index + 1000)
-    by_index = dict(got)
-    assert [by_index[i] for i in order] == list(range(2, 2 + total))
-
-
-def _fake_series_server(messages_out: list[bytes]) -> tuple[grpc.Server, str]:
-    """A server whose RecvTensorSeries yields ``messages_out`` and ends."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def series(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        yield from messages_out
-
-    server = grpc.server(ThreadPoolExecutor(2))
-    service, method = RECV_TENSOR_SERIES_METHOD.strip("/").split("/")
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                service, {method: grpc.unary_stream_rpc_method_handler(series)}
-            ),
-        )
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, f"127.0.0.1:{port}"
+@pytest.fixture
+def proxied(ns: str) -> Iterator[tuple[shmrdv.Worker, shmrdv.Worker, CutProxy]]:
+    with shmrdv.Worker(_P, namespace=ns, transports=("grpc",)) as producer:
+        assert producer.address is not None
+        proxy = CutProxy(producer.address)
+        try:
+            cluster = {"series": {0: proxy.address}}  # the consumer's way to the producer
+            with shmrdv.Worker(_C, cluster=cluster, namespace=ns, transports=("grpc",)) as consumer:
+                yield producer, consumer, proxy
+        finally:
+            proxy.close()
 
 
 @pytest.mark.parametrize(
-    ("what", "error"),
-    [("garbage", "bad RecvTensorSeries"), ("cut", "ended inside a value")],
+    ("size", "n"),
+    [(1024, 20), (6 << 20, 3)],
+    ids=["small-written-whole", "6m-cut-inside-a-value"],
 )
-def test_a_producer_sending_a_bad_series_fails_the_waiting_receives(what: str, error: str) -> None:
-    """A value that does not parse, or a series that ends inside one: the receives
-    waiting on it fail with an ``InternalError`` naming the key, the producer and what
-    was wrong, and the value received before is still there (taken first)."""
-    key = make_key("bad")
-    good = next(iter(series_wire.encode_series([Received(np.arange(3))], 1 << 20)))[0]
-    if what == "garbage":
-        bad = [b"\x0a\xff\x01"]
-    else:
-        bad = [m for m, _ in series_wire.encode_series([Received(np.arange(5000))], 4096)][:1]
-    server, address = _fake_series_server([good, *bad])
-    try:
-        with RpcClient() as client:
-            sc = series_client(client, address)
-            first, second = RecvSlot(), RecvSlot()
-            assert sc.start_recv(1, key, first.done, lambda: address) is not None
-            assert sc.start_recv(1, key, second.done, lambda: address) is not None
-            assert first.wait(20) and second.wait(20)
-            assert first.result().value.tolist() == [0, 1, 2]
-            with pytest.raises(shmrdv.InternalError, match=error) as info:
-                second.result()
-            assert address in str(info.value) and key.full_key in str(info.value)
-            sc.close(AbortedError("end"))
-    finally:
-        server.stop(0).wait(5)
+def test_values_in_flight_when_the_connection_drops_come_once_in_order(
+    proxied: tuple[shmrdv.Worker, shmrdv.Worker, CutProxy], size: int, n: int
+) -> None:
+    producer, consumer, proxy = proxied
+    p, c = producer.rendezvous(1), consumer.rendezvous(1)
+    for i in range(2):  # the second opens the key's series
+        p.send(_key(), _value(i, size), timeout=10)
+        _check(c.recv(_key(), timeout=10).value, i, size)
+    assert consumer.stats()["grpc"]["series"] == 1
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(c.recv, _key(), timeout=20)  # reading the series at the cut
+        time.sleep(0.2)
+        proxy.hold()
+        for i in range(2, 2 + n):
+            p.send(_key(), _value(i, size), timeout=10)
+        if size <= 1024:  # all taken off the producer's outbox and written to the stream
+            wait_for(lambda: proxy.held >= n * size, timeout=10, what="every value written")
+            assert producer.stats()["grpc"]["outbox_values"] == 0
+        else:  # the first value partly written
+            wait_for(lambda: proxy.held >= 1 << 20, timeout=10, what="bytes held")
+        proxy.cut()
+        _check(waiting.result(timeout=20).value, 2, size)
+    for i in range(3, 2 + n):
+        _check(c.recv(_key(), timeout=20).value, i, size)
+    for i in range(2 + n, 4 + n):  # the series goes on
+        p.send(_key(), _value(i, size), timeout=10)
+        _check(c.recv(_key(), timeout=20).value, i, size)
+    with pytest.raises(DeadlineExceededError):
+        c.recv(_key(), timeout=0.5)  # nothing twice
+    assert proxy.accepted >= 2
+    assert consumer.stats()["grpc"]["received"] == 4 + n
+
+
+def test_a_drop_with_nothing_in_flight_loses_and_repeats_nothing(
+    proxied: tuple[shmrdv.Worker, shmrdv.Worker, CutProxy],
+) -> None:
+    producer, consumer, proxy = proxied
+    p, c = producer.rendezvous(1), consumer.rendezvous(1)
+    for i in range(10):
+        p.send(_key(), _value(i, 1024), timeout=10)
+        _check(c.recv(_key(), timeout=10).value, i, 1024)
+    proxy.cut()
+    for i in range(10, 20):
+        p.send(_key(), _value(i, 1024), timeout=10)
+        _check(c.recv(_key(), timeout=20).value, i, 1024)
+    with pytest.raises(DeadlineExceededError):
+        c.recv(_key(), timeout=0.5)
+
+
+def test_a_producer_unreachable_past_the_grace_fails_the_waiting_receive_and_loses_nothing(
+    proxied: tuple[shmrdv.Worker, shmrdv.Worker, CutProxy],
+) -> None:
+    producer, consumer, proxy = proxied
+    p, c = producer.rendezvous(1), consumer.rendezvous(1)
+    for i in range(2):
+        p.send(_key(), _value(i, 1024), timeout=10)
+        _check(c.recv(_key(), timeout=10).value, i, 1024)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(c.recv, _key(), timeout=20)
+        time.sleep(0.2)
+        proxy.hold()
+        for i in range(2, 6):
+            p.send(_key(), _value(i, 1024), timeout=10)
+        wait_for(lambda: proxy.held >= 4 * 1024, timeout=10, what="every value written")
+        proxy.refusing = True
+        proxy.cut()
+        with pytest.raises(shmrdv.UnavailableError, match=_P) as info:
+            waiting.result(timeout=20)
+    assert "went away" in str(info.value)
+    proxy.refusing = False
+    for i in range(2, 6):
+        _check(c.recv(_key(), timeout=20).value, i, 1024)
+    with pytest.raises(DeadlineExceededError):
+        c.recv(_key(), timeout=0.5)
+
+
+def test_the_window_counts_what_a_series_pushed_until_it_is_acknowledged(ns: str) -> None:
+    """With the connection holding what the producer writes, the producer stops at its
+    window; after a cut every value it sent arrives, once."""
+    window, size = 256 << 10, 16 << 10
+    with shmrdv.Worker(
+        _P, namespace=ns, transports=("grpc",), max_inflight_bytes=window
+    ) as producer:
+        assert producer.address is not None
+        proxy = CutProxy(producer.address)
+        try:
+            cluster = {"series": {0: proxy.address}}
+            with shmrdv.Worker(_C, cluster=cluster, namespace=ns, transports=("grpc",)) as consumer:
+                p, c = producer.rendezvous(1), consumer.rendezvous(1)
+                for i in range(2):
+                    p.send(_key(), _value(i, size), timeout=10)
+                    _check(c.recv(_key(), timeout=10).value, i, size)
+                proxy.hold()
+                sent = 2
+                with pytest.raises(shmrdv.ResourceExhaustedError, match="max_inflight_bytes"):
+                    while sent < 2 + 4 * window // size:
+                        p.send(_key(), _value(sent, size), timeout=0.5)
+                        sent += 1
+                assert sent - 2 <= window // size
+                assert producer.stats()["grpc"]["inflight_bytes"] <= window
+                proxy.cut()
+                for i in range(2, sent):
+                    _check(c.recv(_key(), timeout=20).value, i, size)
+                with pytest.raises(DeadlineExceededError):
+                    c.recv(_key(), timeout=0.5)
+        finally:
+            proxy.close()

@@ -20,15 +20,13 @@ from rpc_helpers import INCARNATION, TASK, StepSource, make_key
 
 from shmrdv._errors import InvalidArgumentError, UnavailableError
 from shmrdv._keys import ParsedKey
-from shmrdv._rpc import assembly, messages
-from shmrdv._rpc.mark_finished import encode_mark_recv_finished
-from shmrdv._rpc.methods import (
-    GET_STATUS_METHOD,
-    MARK_RECV_FINISHED_METHOD,
-    RECV_TENSOR_METHOD,
-    RECV_TENSOR_STREAM_METHOD,
-)
-from shmrdv._rpc.proto import types_pb2, worker_pb2
+from shmrdv._rpc import messages
+from shmrdv._rpc.guard import Limits
+from shmrdv._rpc.messages import GET_STATUS as GET_STATUS_METHOD
+from shmrdv._rpc.messages import MARK_RECV_FINISHED as MARK_RECV_FINISHED_METHOD
+from shmrdv._rpc.messages import RECV_TENSOR as RECV_TENSOR_METHOD
+from shmrdv._rpc.messages import encode_finished
+from shmrdv._rpc.proto import rendezvous_pb2, types_pb2, worker_pb2
 from shmrdv._rpc.server import RpcServer
 
 # Shared fixtures (tests/rpc_helpers.py): a StepSource, a server on loopback, a channel.
@@ -39,17 +37,30 @@ channel = rpc_helpers.channel
 _OPTIONS = [("grpc.max_receive_message_length", 2**31 - 1)]
 
 
-def _request(step_id: int, key: ParsedKey | str, request_id: int = 0) -> bytes:
+def _request(
+    step_id: int,
+    key: ParsedKey | str,
+    request_id: int = 0,
+    *,
+    chunks: bool = False,
+    offset: int = 0,
+) -> bytes:
     text = key if isinstance(key, str) else key.full_key
-    return messages.encode_request(step_id, text, request_id)
+    return messages.encode_request(step_id, text, request_id, chunks=chunks, offset=offset)
 
 
 def _unary(channel: grpc.Channel) -> Any:
     return channel.unary_unary(RECV_TENSOR_METHOD)
 
 
+def _decoded(data: bytes) -> Any:
+    got = messages.Assembly().feed(data)
+    assert got is not None
+    return got
+
+
 def _value(data: bytes) -> list[Any]:
-    return list(messages.decode_response(data).value.tolist())
+    return list(_decoded(data).value.tolist())
 
 
 # -- lifecycle -----------------------------------------------------------------------------------
@@ -165,7 +176,7 @@ def test_recv_tensor_round_trips_values(
 ) -> None:
     key = make_key("v")
     source.send(2, key, value)
-    decoded = messages.decode_response(_unary(channel)(_request(2, key), timeout=5))
+    decoded = _decoded(_unary(channel)(_request(2, key), timeout=5))
     assert decoded.value.dtype == value.dtype and decoded.value.shape == value.shape
     np.testing.assert_array_equal(decoded.value, value)
 
@@ -193,7 +204,7 @@ def test_recv_tensor_waits_for_send(source: StepSource, channel: grpc.Channel) -
     wait_for(lambda: source.pending_waiters(1) == 1)
     assert not fut.done()
     source.send(1, key, np.array([42]))
-    assert messages.decode_response(fut.result(timeout=5)).value.tolist() == [42]
+    assert _decoded(fut.result(timeout=5)).value.tolist() == [42]
 
 
 def test_recv_tensor_deadline_removes_waiter(source: StepSource, channel: grpc.Channel) -> None:
@@ -284,12 +295,12 @@ def test_recv_tensor_retry_is_served_from_cache(source: StepSource, channel: grp
     source.send(1, key, np.array([4, 5, 6]))
     first = _unary(channel)(_request(1, key, request_id=77), timeout=5)
     second = _unary(channel)(_request(1, key, request_id=77), timeout=5)
-    assert messages.decode_response(first).value.tolist() == [1, 2, 3]
-    assert messages.decode_response(second).value.tolist() == [1, 2, 3]
+    assert _decoded(first).value.tolist() == [1, 2, 3]
+    assert _decoded(second).value.tolist() == [1, 2, 3]
     assert worker_pb2.RecvTensorResponse.FromString(first).require_ack
     # A new request_id takes the next value.
     third = _unary(channel)(_request(1, key, request_id=78), timeout=5)
-    assert messages.decode_response(third).value.tolist() == [4, 5, 6]
+    assert _decoded(third).value.tolist() == [4, 5, 6]
 
 
 def test_recv_tensor_duplicate_while_waiting_joins(
@@ -302,8 +313,8 @@ def test_recv_tensor_duplicate_while_waiting_joins(
     time.sleep(0.1)
     assert source.pending_waiters(1) == 1  # joined, not a second waiter
     source.send(1, key, np.array([9]))
-    assert messages.decode_response(a.result(timeout=5)).value.tolist() == [9]
-    assert messages.decode_response(b.result(timeout=5)).value.tolist() == [9]
+    assert _decoded(a.result(timeout=5)).value.tolist() == [9]
+    assert _decoded(b.result(timeout=5)).value.tolist() == [9]
 
 
 def test_mark_recv_finished_releases_the_cached_response(
@@ -327,7 +338,7 @@ def test_mark_recv_finished_releases_the_cached_response(
 def test_recv_tensor_cache_expires(source: StepSource) -> None:
     key = make_key("ttl")
     with (
-        RpcServer("127.0.0.1:0", source, cache_ttl=0.05) as srv,
+        RpcServer("127.0.0.1:0", source, limits=Limits(cache_ttl=0.05)) as srv,
         grpc.insecure_channel(srv.address, _OPTIONS) as ch,
     ):
         source.send(1, key, np.array([1]))
@@ -338,28 +349,48 @@ def test_recv_tensor_cache_expires(source: StepSource) -> None:
         assert srv.stats()["cached"] == 1
 
 
-# -- the shmrdv stream ----------------------------------------------------------------------
+# -- large values, in chunks ----------------------------------------------------------------
 
 
-def test_stream_sends_bounded_chunks(source: StepSource, channel: grpc.Channel) -> None:
+def _chunked(
+    channel: grpc.Channel, step_id: int, key: ParsedKey, rid: int
+) -> tuple[Any, list[int]]:
+    """A large value fetched as a shmrdv client does: the first chunk answers the call,
+    the others are asked for by offset under the same request_id."""
+    first = _unary(channel)(_request(step_id, key, rid, chunks=True), timeout=10)
+    assembly = messages.Assembly()
+    got = assembly.feed(first)
+    sizes = [len(first)]
+    for offset in assembly.missing:
+        chunk = _unary(channel)(_request(step_id, key, rid, chunks=True, offset=offset), timeout=10)
+        sizes.append(len(chunk))
+        got = assembly.feed(chunk)
+    return got, sizes
+
+
+def test_a_large_value_comes_in_bounded_chunks(source: StepSource, channel: grpc.Channel) -> None:
     key = make_key("big")
     value = np.random.default_rng(0).random((1000, 300))  # 2.4 MB in 64 KiB chunks
     source.send(1, key, value)
-    assembler = assembly.StreamAssembler()
-    sizes = []
-    for message in channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(_request(1, key), timeout=10):
-        sizes.append(len(message))
-        assembler.feed(message)
+    got, sizes = _chunked(channel, 1, key, 77)
     assert max(sizes) <= (64 << 10) + 256
     assert len(sizes) == -(-value.nbytes // (64 << 10))
-    np.testing.assert_array_equal(assembler.result(), value)
+    np.testing.assert_array_equal(got.value, value)
+    ext = rendezvous_pb2.RecvTensorResponseExt.FromString(
+        _unary(channel)(_request(1, key, 77, chunks=True, offset=64 << 10), timeout=10)
+    )
+    assert ext.offset == 64 << 10 and ext.content_bytes == value.nbytes  # a retry: cached
 
 
-def test_stream_errors_carry_status(source: StepSource, channel: grpc.Channel) -> None:
-    source.cleanup(3)
-    with pytest.raises(grpc.RpcError) as info:
-        list(channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(_request(3, make_key("x")), timeout=5))
-    assert info.value.code() == grpc.StatusCode.ABORTED
+def test_a_large_value_goes_whole_to_a_client_that_takes_no_chunks(
+    source: StepSource, channel: grpc.Channel
+) -> None:
+    key = make_key("tf")
+    value = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: TensorFlow's client
+    source.send(1, key, value)
+    data = _unary(channel)(_request(1, key, 5), timeout=10)
+    ref = worker_pb2.RecvTensorResponse.FromString(data)
+    assert ref.tensor.tensor_content == value.tobytes()
 
 
 def test_server_many_waiting_calls_need_no_threads(
@@ -372,131 +403,94 @@ def test_server_many_waiting_calls_need_no_threads(
     assert threading.active_count() <= before + 2  # gRPC's own channel thread at most
     for i, k in enumerate(keys):
         source.send(1, k, np.array([i]))
-    assert [messages.decode_response(f.result(timeout=10)).value[0] for f in futs] == list(
-        range(64)
-    )
+    assert [_decoded(f.result(timeout=10)).value[0] for f in futs] == list(range(64))
 
 
-def test_drop_step_forgets_cached_responses(
+def test_a_chunked_value_not_acknowledged_is_kept_for_a_retry(
     source: StepSource, channel: grpc.Channel, server: RpcServer
 ) -> None:
-    key = make_key("drop")
-    source.send(6, key, np.array([1]))
-    _unary(channel)(_request(6, key, request_id=11), timeout=5)
-    assert server.stats()["cached"] == 1
-    server.drop_step(5)  # another step: kept
-    time.sleep(0.05)
-    assert server.stats()["cached"] == 1
-    server.drop_step(6)
-    wait_for(lambda: server.stats()["cached"] == 0)
-
-
-def test_stream_cancelled_mid_way_gives_the_value_back(
-    source: StepSource, channel: grpc.Channel, server: RpcServer
-) -> None:
-    key = make_key("half")
-    value = np.arange(1 << 20, dtype=np.float64)  # 8 MiB in 64 KiB chunks
+    key = make_key("retry-chunks")
+    value = np.arange(1 << 17, dtype=np.float64)
     source.send(1, key, value)
-    call = channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(_request(1, key), timeout=10)
-    next(call)  # the header: the value was taken
-    call.cancel()
-    wait_for(lambda: server.stats()["requeued"] == 1)
-    data = _unary(channel)(_request(1, key), timeout=10)  # no request_id: a fresh call
-    np.testing.assert_array_equal(messages.decode_response(data).value, value)
-
-
-def test_stream_cancelled_mid_way_is_kept_for_a_retry(
-    source: StepSource, channel: grpc.Channel, server: RpcServer
-) -> None:
-    key = make_key("retry-stream")
-    value = np.arange(1 << 20, dtype=np.float64)
-    source.send(1, key, value)
-    stream = channel.unary_stream(RECV_TENSOR_STREAM_METHOD)
-    call = stream(_request(1, key, request_id=99), timeout=10)
-    next(call)
-    call.cancel()
-    assembler = assembly.StreamAssembler()
-    for message in stream(_request(1, key, request_id=99), timeout=10):
-        assembler.feed(message)
-    np.testing.assert_array_equal(assembler.result(), value)
+    _unary(channel)(_request(1, key, 99, chunks=True), timeout=10)  # the first chunk
+    got, _ = _chunked(channel, 1, key, 99)  # all over again, under the same request_id
+    np.testing.assert_array_equal(got.value, value)
     assert server.stats()["requeued"] == 0
 
 
 def test_expired_undelivered_value_goes_back(source: StepSource) -> None:
     key = make_key("expire")
-    value = np.arange(1 << 20, dtype=np.float64)
+    value = np.arange(1 << 17, dtype=np.float64)
     with (
-        RpcServer("127.0.0.1:0", source, chunk_bytes=64 << 10, cache_ttl=0.05) as srv,
+        RpcServer("127.0.0.1:0", source, limits=Limits(cache_ttl=0.05)) as srv,
         grpc.insecure_channel(srv.address, _OPTIONS) as ch,
     ):
         source.send(1, key, value)
-        call = ch.unary_stream(RECV_TENSOR_STREAM_METHOD)(
-            _request(1, key, request_id=4), timeout=10
-        )
-        next(call)
-        call.cancel()
+        _unary(ch)(_request(1, key, 4, chunks=True), timeout=10)  # the first chunk, no ack
         wait_for(lambda: srv.stats()["requeued"] == 1)  # no other call needed
         np.testing.assert_array_equal(
-            messages.decode_response(_unary(ch)(_request(1, key), timeout=10)).value, value
+            _decoded(_unary(ch)(_request(1, key), timeout=10)).value, value
         )
 
 
-def test_released_request_id_gives_a_parked_value_back(
+def test_released_request_id_gives_a_taken_value_back(
     source: StepSource, channel: grpc.Channel, server: RpcServer
 ) -> None:
     key = make_key("release")
-    value = np.arange(1 << 20, dtype=np.float64)
+    value = np.arange(1 << 17, dtype=np.float64)
     source.send(1, key, value)
-    call = channel.unary_stream(RECV_TENSOR_STREAM_METHOD)(
-        _request(1, key, request_id=8), timeout=10
-    )
-    next(call)
-    call.cancel()  # parked in the cache for a retry...
-    wait_for(lambda: server.stats()["waiting"] == 0)
-    release = encode_mark_recv_finished(8, released=True)
-    channel.unary_unary(MARK_RECV_FINISHED_METHOD)(release, timeout=5)  # ...until released
-    assert server.stats()["requeued"] == 1
+    _unary(channel)(_request(1, key, 8, chunks=True), timeout=10)  # cached for a retry...
+    channel.unary_unary(MARK_RECV_FINISHED_METHOD)(encode_finished(8, released=True), timeout=5)
+    assert server.stats()["requeued"] == 1  # ...until released
     np.testing.assert_array_equal(
-        messages.decode_response(_unary(channel)(_request(1, key), timeout=10)).value, value
+        _decoded(_unary(channel)(_request(1, key), timeout=10)).value, value
     )
 
 
-def test_released_request_id_answered_anyway_gives_the_value_back(
+def test_acked_value_is_not_given_back(
     source: StepSource, channel: grpc.Channel, server: RpcServer
 ) -> None:
-    # Bug 3c of issue 19: a client cancels a parked call and releases its request_id, but
-    # the cancel has not reached the server when the value comes: the server answers the
-    # call and, from its side, the call ends well. The client took nothing (it released
-    # the id), so the value must go back to its key, not be counted as delivered.
-    key = make_key("released_answered")
+    key = make_key("acked")
+    source.send(1, key, np.arange(1 << 17, dtype=np.float64))
+    _chunked(channel, 1, key, 12)
+    channel.unary_unary(MARK_RECV_FINISHED_METHOD)(encode_finished(12), timeout=5)
+    assert server.stats()["cached"] == 0 and server.stats()["requeued"] == 0
+    with pytest.raises(grpc.RpcError) as info:  # TensorFlow: a request_id answered before
+        _unary(channel)(_request(1, key, 12), timeout=5)
+    assert info.value.code() == grpc.StatusCode.ABORTED
+
+
+def test_released_request_id_of_a_parked_call_leaves_the_value_in_its_key(
+    source: StepSource, channel: grpc.Channel, server: RpcServer
+) -> None:
+    # A client cancels a parked call and releases its request_id: the call is unparked
+    # (ABORTED) and takes nothing, so the value sent next goes to the next call.
+    key = make_key("released_parked")
     parked = _unary(channel).future(_request(1, key, request_id=9), timeout=10)
     wait_for(lambda: server.stats()["parked"] == 1)
-    release = encode_mark_recv_finished(9, released=True)
-    channel.unary_unary(MARK_RECV_FINISHED_METHOD)(release, timeout=5)
+    channel.unary_unary(MARK_RECV_FINISHED_METHOD)(encode_finished(9, released=True), timeout=5)
+    with pytest.raises(grpc.RpcError) as info:
+        parked.result(timeout=10)
+    assert info.value.code() == grpc.StatusCode.ABORTED
     value = np.arange(5.0)
     source.send(1, key, value)
-    assert parked.result(timeout=10)  # answered: the cancel never came
-    wait_for(lambda: server.stats()["requeued"] == 1)
     np.testing.assert_array_equal(
-        messages.decode_response(_unary(channel)(_request(1, key), timeout=10)).value, value
+        _decoded(_unary(channel)(_request(1, key), timeout=10)).value, value
     )
 
 
-def test_call_after_its_release_gives_the_value_back(
+def test_call_after_its_release_takes_nothing(
     source: StepSource, channel: grpc.Channel, server: RpcServer
 ) -> None:
     # The release of a cancelled call overtook the call itself (another HTTP/2 stream):
-    # the call arrives for a request_id its client already gave up; what it is answered
-    # goes back too.
+    # the call arrives for a request_id its client already gave up, and takes nothing.
     key = make_key("release_first")
-    release = encode_mark_recv_finished(10, released=True)
-    channel.unary_unary(MARK_RECV_FINISHED_METHOD)(release, timeout=5)
-    parked = _unary(channel).future(_request(1, key, request_id=10), timeout=10)
-    wait_for(lambda: server.stats()["parked"] == 1)
+    channel.unary_unary(MARK_RECV_FINISHED_METHOD)(encode_finished(10, released=True), timeout=5)
+    with pytest.raises(grpc.RpcError) as info:
+        _unary(channel)(_request(1, key, request_id=10), timeout=10)
+    assert info.value.code() == grpc.StatusCode.ABORTED and "released" in info.value.details()
     value = np.arange(3.0)
     source.send(1, key, value)
-    assert parked.result(timeout=10)
-    wait_for(lambda: server.stats()["requeued"] == 1)
     np.testing.assert_array_equal(
-        messages.decode_response(_unary(channel)(_request(1, key), timeout=10)).value, value
+        _decoded(_unary(channel)(_request(1, key), timeout=10)).value, value
     )

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from helpers import CONSUMER
 
 from shmrdv._cluster import Peers
 from shmrdv._errors import ResourceExhaustedError
@@ -19,7 +20,6 @@ from shmrdv._shm.files import Segment
 from shmrdv._shm.inflight import LSTATS_PER_REFRESH, Inflight
 from shmrdv._shm.naming import Names
 from shmrdv._shm.ring import Ring, ring_size
-from tests.helpers import CONSUMER
 
 DST = DeviceName.parse(CONSUMER + "/device:CPU:0")
 

@@ -18,7 +18,8 @@ from helpers import wait_for
 import shmrdv
 from shmrdv import testing
 from shmrdv._rpc import messages
-from shmrdv._rpc.methods import GET_STATUS_METHOD, RECV_TENSOR_METHOD
+from shmrdv._rpc.messages import GET_STATUS as GET_STATUS_METHOD
+from shmrdv._rpc.messages import RECV_TENSOR as RECV_TENSOR_METHOD
 from shmrdv._worker import _TOMBSTONES
 
 TASK = "/job:worker/replica:0/task:0"

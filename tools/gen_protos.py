@@ -47,7 +47,7 @@ DOC_ONLY = frozenset({"worker_service.proto"})
 INIT_TEXT = '''"""Generated protobuf modules for protos/shmrdv/*.proto. Do not edit.
 
 Regenerate with ``python3 tools/gen_protos.py``; ``--check`` fails when they drift.
-shmrdv's wire coding (shmrdv/_rpc/tensors.py) does not import these modules: they are
+shmrdv's wire coding (shmrdv/_rpc/wire.py) does not import these modules: they are
 the reference its tests compare against and the schema other tools can use.
 """
 '''

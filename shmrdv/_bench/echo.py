@@ -185,7 +185,7 @@ class EchoService(Closing):
 
         from .._cluster import split_host_port
         from .._errors import UnavailableError
-        from .._rpc.security import check_token
+        from .._rpc.guard import check_token
 
         split_host_port(listen)  # InvalidArgumentError naming it if it is no host:port
         self._bind_host = listen.rpartition(":")[0]
@@ -242,7 +242,7 @@ class EchoService(Closing):
     def _check(self, context: Any) -> None:
         import grpc
 
-        from .._rpc.security import UNAUTHENTICATED_MESSAGE, token_matches
+        from .._rpc.guard import UNAUTHENTICATED_MESSAGE, token_matches
 
         if self._token is not None and not token_matches(
             context.invocation_metadata(), self._token

@@ -218,7 +218,7 @@ def _client(conn: Connection, cfg: RemoteConfig) -> None:
     import shmrdv
 
     from .._cluster import split_host_port
-    from .._rpc.security import bearer_metadata
+    from .._rpc.guard import bearer_metadata
 
     token = os.environ.get("SHMRDV_TOKEN") or None
     metadata = bearer_metadata(token)

@@ -1,171 +1,179 @@
-"""ChannelCache: one gRPC channel per peer, and each channel's ``RecvTensor`` callable.
+"""The consumer's channels: one per producer address, in one process.
 
-It owns the channel options (TensorFlow's message limits and reconnect backoff,
-keepalive) and opens a peer's channel on first use. ``calls`` maps each open channel's
-address to it and its ``RecvTensor`` callable, for a receive's hot path to read without
-a lock or a call.
+A ``Peer`` is a producer's address with its channel, its methods, and what rides on its
+next request: acks (request_ids whose answers arrived) and releases (request_ids given
+up: what the producer took for them goes back to its key). ``Channels.close`` sends
+what no request took and waits for it a moment.
 
-Fork: channels are per process. A cache used in a parent and then in a forked child
-(``forked()``) keeps the parent's channels referenced, never closed (closing would act on
-the parent's connections, and their finalizers must not run in the child); its owner
-then opens a fresh cache.
-
-Thread model (docs/threads.md): thread-safe; one lock guards the table, and nothing
-blocks under it (channels are created, not connected, under it).
+Thread model (docs/threads.md): thread-safe: one lock guards the table; the queues are
+deques (atomic appends and pops); nothing blocks under the lock.
 """
 
 from __future__ import annotations
 
-import errno
-import logging
-import os
 import threading
-import weakref
+import time
+from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
 from .._cluster import split_host_port
-from .._errors import CancelledError, ResourceExhaustedError, UnavailableError
-from .methods import RECV_TENSOR_METHOD
-from .security import TLSConfig
-
-__all__ = ["ChannelCache", "recv_tensor"]
-
-_log = logging.getLogger("shmrdv.rpc.client")
-
-# TensorFlow's channel: GRPC_ARG_MAX_MESSAGE_LENGTH = INT32_MAX and
-# GRPC_ARG_MAX_RECONNECT_BACKOFF_MS = 1000 (research §3.4).
-_MAX_RECEIVE_BYTES = 2**31 - 1
-_MAX_SEND_BYTES = 1 << 20  # requests are tiny
-_BASE_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES),
-    ("grpc.max_send_message_length", _MAX_SEND_BYTES),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    # Notice a peer that vanished without closing the connection (host down, partition)
-    # while a call waits; the server permits pings every 5 s (server.py).
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-]
-# HTTP/2 window options were measured and left at gRPC's defaults: a 256 MiB stream over
-# loopback in 4 MiB chunks ran at 0.6-1.0 GB/s (best of 6, 2 busy cores) with the defaults
-# and within that noise with grpc.http2.lookahead_bytes 16/32/64 MiB, bdp_probe off,
-# max_frame_size 16 MiB or write_buffer_size 8 MiB on both ends.
-# Also measured and left out (shmrdv bench shmrdv_grpc vs grpc_pull, 64 KiB and 1 MiB,
-# 3 interleaved runs, 2026-12-04): grpc.experimental.single_threaded_unary_stream (the
-# series reader waits on its call itself, no channel-thread hop) made 1 MiB slower
-# (1.84/1.71/1.64 ms against 1.30/1.24/1.44 ms) and 64 KiB no faster; lookahead_bytes
-# 8 MiB on the channel moved the 1 MiB ratio within the noise (1.26-1.69 against
-# 1.36-1.75 times the pull) and 64 KiB the other way (1.24-1.42 against 1.13-1.37).
-
-
-# Each channel's RecvTensor callable, made once: ``Channel.unary_unary`` costs a few
-# microseconds per call (grpcio builds a closure and evaluates its type annotations).
-_RECV_TENSOR: weakref.WeakKeyDictionary[grpc.Channel, grpc.UnaryUnaryMultiCallable] = (
-    weakref.WeakKeyDictionary()
+from .._errors import CancelledError, RendezvousError, ResourceExhaustedError, error_for_code
+from .guard import TLSConfig
+from .messages import (
+    GET_STATUS,
+    MARK_RECV_FINISHED,
+    RECV_TENSOR,
+    RECV_TENSOR_SERIES,
+    DeviceAttributes,
+    decode_status,
+    encode_finished,
+    take_ids,
 )
 
+__all__ = ["Channels", "Peer", "status"]
 
-def recv_tensor(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
-    """``channel``'s RecvTensor callable (identity serializers: bytes in, bytes out)."""
-    method = _RECV_TENSOR.get(channel)
-    if method is None:
-        method = _RECV_TENSOR[channel] = channel.unary_unary(RECV_TENSOR_METHOD)
-    return method
+# TensorFlow's channel: GRPC_ARG_MAX_MESSAGE_LENGTH = INT32_MAX, reconnect backoff <= 1 s.
+_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.max_send_message_length", 1 << 20),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.keepalive_time_ms", 20_000),  # notice a peer gone without closing (server: 5 s)
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("SingleThreadedUnaryStream", 1),  # a series is read in its reader's thread
+]
+_ACK_TIMEOUT = 5.0
+_CLOSE_WAIT = 1.0
 
 
-class ChannelCache:
-    """The channels of one client in one process (``tls``: open TLS channels)."""
+def status(error: Any) -> tuple[grpc.StatusCode, str]:
+    """A failed call's code and details (a bare ``RpcError`` has neither). A connection
+    that broke mid-frame ("Stream removed", ``INTERNAL``) is ``UNAVAILABLE``: dropped."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = (error.details() if hasattr(error, "details") else None) or str(error)
+    if code == grpc.StatusCode.INTERNAL and details.startswith("Stream removed"):
+        code = grpc.StatusCode.UNAVAILABLE
+    return code, details
 
-    def __init__(self, tls: TLSConfig | None) -> None:
+
+class Peer:
+    """One producer address: its channel, its methods, and its next request's news."""
+
+    __slots__ = (
+        "_sending", "acks", "address", "channel", "metadata", "no_series", "reached", "recv",
+        "releases", "series",
+    )  # fmt: skip
+
+    def __init__(
+        self, address: str, channel: grpc.Channel, metadata: Sequence[tuple[str, str]],
+        sending: set[Any],
+    ) -> None:  # fmt: skip
+        self.address = address
+        self.channel = channel
+        self.metadata = metadata
+        self.recv = channel.unary_unary(RECV_TENSOR)
+        self.series = channel.unary_stream(RECV_TENSOR_SERIES)
+        self.acks: deque[int] = deque()
+        self.releases: deque[int] = deque()
+        self.no_series = 0.0  # no series until then (monotonic)
+        self.reached = False  # it answered once: failing to connect now means it went away
+        self._sending = sending
+
+    def finished(self, request_id: int, *, released: bool = False, held: int = 0) -> Any:
+        """``MarkRecvFinished``, without waiting; its future (None: the channel is closed)."""
+        request = encode_finished(request_id, released=released, held=held)
+        try:
+            fut = self.channel.unary_unary(MARK_RECV_FINISHED).future(
+                request, timeout=_ACK_TIMEOUT, metadata=self.metadata
+            )
+        except (ValueError, grpc.RpcError):
+            return None
+        self._sending.add(fut)
+        fut.add_done_callback(self._sent)
+        return fut
+
+    def _sent(self, fut: Any) -> None:
+        self._sending.discard(fut)
+        if not fut.cancelled():
+            fut.exception()
+
+
+class Channels(dict[str, Peer]):
+    """This process's channels to producers, by address (``tls``: TLS channels): a
+    missing address opens its channel (``InvalidArgumentError`` naming a bad address,
+    ``ResourceExhaustedError`` without descriptors, ``CancelledError`` once closed)."""
+
+    def __init__(self, tls: TLSConfig | None, metadata: Sequence[tuple[str, str]]) -> None:
+        super().__init__()
         self._tls = tls
-        self._pid = os.getpid()
+        self._metadata = metadata
         self._lock = threading.Lock()
+        self._sending: set[Any] = set()
         self._closed = False
-        self._channels: dict[str, grpc.Channel] = {}
-        # address -> (its open channel, that channel's RecvTensor callable); written
-        # under the lock with ``_channels``, read without it.
-        self.calls: dict[str, tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable]] = {}
 
-    def forked(self) -> bool:
-        """True in a forked child: this cache is the parent's, and is left alone for good."""
-        if os.getpid() == self._pid:
-            return False
-        # The parent's channels and threads are not ours (gRPC's state in them is invalid
-        # here), and a lock held at fork time would never be released. Keep them without
-        # closing: closing would act on the parent's connections. (A child is
-        # single-threaded when it starts, so no race here.)
-        _log.debug("RpcClient: pid changed (fork); opening fresh channels")
-        _FORKED_LEFTOVERS.append(self._channels)
-        return True
-
-    def channel(self, address: str) -> grpc.Channel:
-        """The channel to ``address``, opened now if need be.
-
-        Raises ``InvalidArgumentError`` naming a bad address, ``CancelledError`` once
-        closed, ``ResourceExhaustedError`` without descriptors, else ``UnavailableError``.
-        """
-        channel = self._channels.get(address)
-        if channel is not None:  # open already (its address was checked then)
-            return channel
-        split_host_port(address)  # InvalidArgumentError naming a bad address
+    def __missing__(self, address: str) -> Peer:
+        split_host_port(address)
         with self._lock:
             if self._closed:
                 raise CancelledError("RpcClient is closed")
-            channel = self._channels.get(address)
-            if channel is None:
-                options = list(_BASE_OPTIONS)
+            peer = self.get(address)
+            if peer is None:
+                options = list(_OPTIONS)
                 try:
-                    if self._tls is not None:
-                        options += self._tls.channel_options()
-                        channel = grpc.secure_channel(
-                            address, self._tls.channel_credentials(), options
-                        )
-                    else:
+                    if self._tls is None:
                         channel = grpc.insecure_channel(address, options)
+                    else:
+                        options += self._tls.channel_options()
+                        creds = self._tls.channel_credentials()
+                        channel = grpc.secure_channel(address, creds, options)
                 except OSError as e:
-                    if e.errno in (errno.EMFILE, errno.ENFILE):
-                        raise ResourceExhaustedError(
-                            f"cannot open a gRPC channel to {address}: too many open files "
-                            f"({e.strerror}); raise the limit (ulimit -n)"
-                        ) from e
-                    raise UnavailableError(f"cannot open a gRPC channel to {address}: {e}") from e
-                self._channels[address] = channel
-                self.calls[address] = (channel, recv_tensor(channel))
-            return channel
+                    raise ResourceExhaustedError(
+                        f"cannot open a gRPC channel to {address}: {e}"
+                    ) from e
+                peer = self[address] = Peer(address, channel, self._metadata, self._sending)
+        return peer
 
-    def drop_channel(self, address: str, channel: Any) -> None:
-        """Close ``channel`` if it is still ``address``'s (the next use opens a fresh one)."""
+    def drop(self, peer: Peer) -> None:
+        """Forget a channel that failed for lack of descriptors: the next one connects anew."""
         with self._lock:
-            current = self._channels.get(address)
-            if current is None or current is not channel:
-                return
-            del self._channels[address]
-            self.calls.pop(address, None)
+            if self.get(peer.address) is peer:
+                del self[peer.address]
+        peer.channel.close()
+
+    def get_status(self, address: str, timeout: float | None) -> tuple[DeviceAttributes, ...]:
+        """TensorFlow's ``GetStatus`` of ``address``; blocks. The mapped error if it fails."""
+        channel = self[address].channel
         try:
-            current.close()
-        except Exception:  # pragma: no cover - closing a broken channel
-            _log.debug("closing the channel to %s failed", address, exc_info=True)
+            data = channel.unary_unary(GET_STATUS)(b"", timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            code, details = status(e)
+            raise error_for_code(code)(f"GetStatus of {address} failed: {details}") from e
+        try:
+            return decode_status(data)
+        except RendezvousError as e:
+            raise type(e)(f"bad GetStatusResponse from {address}: {e}") from e
 
-    def route(self, address: str) -> grpc.Channel | None:
-        """``address``'s open channel, or None."""
-        with self._lock:
-            return self._channels.get(address)
-
-    def close(self) -> dict[str, grpc.Channel]:
-        """Stop opening channels; the open ones, for the caller to close."""
+    def close(self) -> None:
+        """Send the acks and releases no request took (the servers drop or give back the
+        values now, not at their cache's expiry), wait for them up to a second, and close
+        the channels. Idempotent."""
         with self._lock:
             self._closed = True
-            channels, self._channels = dict(self._channels), {}
-            self.calls = {}
-        return channels
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {"channels": len(self._channels)}
-
-
-# Channels inherited by forked children, kept referenced so that their finalizers never
-# run in the child (they would act on the parent's gRPC state).
-_FORKED_LEFTOVERS: list[Any] = []
+            peers = list(self.values())
+            self.clear()
+        for peer in peers:
+            for rid in take_ids(peer.acks):
+                peer.finished(rid)
+            for rid in take_ids(peer.releases):
+                peer.finished(rid, released=True)
+        deadline = time.monotonic() + _CLOSE_WAIT
+        for fut in list(self._sending):
+            try:
+                fut.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # timed out or cancelled: the server's cache expires it
+                fut.cancel()
+        for peer in peers:
+            peer.channel.close()

@@ -1,270 +1,120 @@
-"""RecvTensor's messages, built and parsed by hand: ``RecvTensorRequest`` (with shmrdv's
-extension fields 1001-1003: acks, inline limit, a series' held count) and
-``RecvTensorResponse`` (the tensor from ``tensors``); ``MarkRecvFinishedRequest`` is
-``mark_finished``', ``GetStatusResponse`` ``status``'. Pure: no gRPC, no protobuf
-runtime, no I/O; thread model: none needed. The generated modules of
-``protos/shmrdv/*.proto`` in ``shmrdv/_rpc/proto`` are the reference the tests compare
-these bytes against.
+"""The messages of the gRPC methods, built and parsed by hand: one encoder and one
+decoder each, on ``wire``'s TensorProto coding.
 
-A receive's two messages (its request out, a response of the usual layout in) are
-written and read in one pass each, with ``wire``'s varint primitives only; a server reads
-the usual request in one pass too; everything else builds on ``wire``'s fields.
+* ``RecvTensorRequest`` (``encode_request`` / ``decode_request``) with extension
+  fields TensorFlow skips: 1001 acks, 1002 "chunks welcome", 1003 a series' values held,
+  1004 the offset of the chunk wanted, 1005 request_ids given up.
+* ``RecvTensorResponse`` (``encode_value`` / ``Assembly``), as TensorFlow writes it,
+  the content being the array's buffer joined once. Beyond ``CHUNK_BYTES`` a value goes
+  as chunks: responses whose ``tensor_content`` is the slice at offset 1001 of a whole
+  of 1002 bytes. In a series, a response with field 1003 and no tensor asks for an ack,
+  and one with field 1004 and no tensor packs the whole responses of several values.
+* ``MarkRecvFinishedRequest`` (1001 "released", 1002 a series' values held) and
+  ``GetStatusResponse``.
 
-A response is written as TensorFlow's worker writes it (the small fields first, then
-the tensor, whose content is the array's own buffer appended with one copy), so the
-bytes equal the generated classes' ``SerializeToString`` up to the position of field 1;
-both parse to the same message.
-
-Errors: bytes that do not parse, or that describe an impossible tensor, raise
-``InvalidArgumentError`` (TensorFlow: ``InvalidArgument("Cannot parse tensor from
-response")``); values that cannot be sent raise ``InvalidArgumentError``; a response
-beyond protobuf's 2 GiB ceiling raises ``ResourceExhaustedError``. Nothing else escapes
-the decoders, whatever the input.
+Bytes that do not parse or describe an impossible tensor, and values that cannot be
+sent, raise ``InvalidArgumentError``; a whole response beyond 2 GiB
+``ResourceExhaustedError``. Pure functions; no thread model needed.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from math import prod
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from .._errors import InvalidArgumentError, ResourceExhaustedError
 from .._rendezvous import Received, received
-from .status import DEVICE_LOCALITY
-from .tensors import (
-    MAX_MESSAGE_BYTES,
-    DecodedTensor,
-    TensorAcc,
-    as_array,
-    tensor_parts,
-    tensor_value,
-)
-from .tf_dtypes import PLAIN_OF_TF
+from .._values import as_ndarray
 from .wire import (
+    DT_STRING,
+    I64,
     LEN,
+    MAX_DECODED_BYTES,
     VARINT,
     Buffer,
     Malformed,
-    Schema,
+    TensorHeader,
     as_buffer,
     check_int64,
-    encode_tag,
-    iter_fields,
+    check_shape,
+    fields,
+    int_field,
+    len_field,
     put_varint,
+    read_tensor,
     read_utf8,
     read_varint,
     signed64,
-    validate,
+    tensor_parts,
+    tensor_value,
+    varint,
+    wire_dtype,
 )
 
 __all__ = [
-    "MAX_ACKS",
-    "RecvRequest",
-    "decode_received",
-    "decode_request",
-    "decode_response",
-    "encode_request",
-    "encode_response",
-]
+    "ASK", "CHUNK_BYTES", "GET_STATUS", "MARK_RECV_FINISHED", "MAX_ACKS", "RECV_TENSOR",
+    "RECV_TENSOR_SERIES", "SHMRDV_SERVICE", "TF_SERVICE", "Assembly", "DeviceAttributes",
+    "Encoded", "RecvRequest", "decode_finished", "decode_request", "decode_status",
+    "encode_finished", "encode_request", "encode_status", "encode_value", "pack", "take_ids",
+    "whole_message",
+]  # fmt: skip
 
+# TensorFlow registers its methods by hand (GrpcWorkerMethodName); generated stubs would
+# say /tensorflow.grpc.WorkerService/... (research/tf_rendezvous.md §3.4).
+TF_SERVICE: Final = "tensorflow.WorkerService"
+SHMRDV_SERVICE: Final = "shmrdv.Rendezvous"
+RECV_TENSOR: Final = f"/{TF_SERVICE}/RecvTensor"
+GET_STATUS: Final = f"/{TF_SERVICE}/GetStatus"
+MARK_RECV_FINISHED: Final = f"/{TF_SERVICE}/MarkRecvFinished"
+RECV_TENSOR_SERIES: Final = f"/{SHMRDV_SERVICE}/RecvTensorSeries"
 
-_ANY: Schema = {1: (LEN, "str"), 2: (LEN, None)}
+# research/pitfalls.md §6: move tensors in chunks of at most 4 MiB.
+CHUNK_BYTES: Final = 4 << 20
+# TensorFlow: kProtoBufLimitBytes; gRPC's largest message is INT32_MAX.
+_MAX_MESSAGE_BYTES: Final = (1 << 31) - 1
+#: A request carries at most this many acks; more are ignored (they expire).
+MAX_ACKS: Final = 1024
 
-
-def encode_response(
-    value: npt.NDArray[Any],
-    *,
-    is_dead: bool,
-    send_start_micros: int = 0,
-    require_ack: bool = False,
-    extra: bytes = b"",
-) -> bytes:
-    """``RecvTensorResponse`` bytes for ``value``, as TensorFlow's worker sends them.
-
-    ``extra``: encoded extension fields to put first (``encode_link_value``).
-
-    One copy of the tensor buffer (the final join). Raises ``InvalidArgumentError`` for
-    a value that cannot be sent and ``ResourceExhaustedError`` if the message would
-    exceed protobuf's 2 GiB limit (use ``encode_stream`` for that).
-    """
-    arr = as_array(value)
-    check_int64("send_start_micros", send_start_micros)
-    parts = tensor_parts(arr)
-    # TensorFlow writes fields 2, 3, 5 first ("A" in EncodeTensorToByteBuffer), then
-    # field 1, so that the tensor bytes end the message.
-    prefix = bytearray(extra)
-    if is_dead:
-        prefix += b"\x10\x01"  # field 2: true
-    if send_start_micros:
-        prefix.append(0x18)  # field 3, varint
-        put_varint(prefix, send_start_micros)
-    if require_ack:
-        prefix += b"\x28\x01"  # field 5: true
-    prefix.append(0x0A)  # field 1, length-delimited: the tensor
-    put_varint(prefix, parts.size)
-    prefix += parts.head
-    total = len(prefix) + len(parts.content) + len(parts.tail)
-    if total > MAX_MESSAGE_BYTES:
-        raise ResourceExhaustedError(
-            f"cannot encode a {arr.dtype} tensor of shape {arr.shape} in one RecvTensor "
-            f"response: {total} bytes exceed the 2 GiB protobuf limit (TensorFlow: "
-            "kProtoBufLimitBytes); use the streaming RecvTensorStream"
-        )
-    return b"".join([prefix, parts.content, parts.tail])
-
-
-def decode_response(data: Buffer) -> DecodedTensor:
-    """Parse ``RecvTensorResponse`` bytes (fields in any order, unknown fields skipped).
-
-    Raises ``InvalidArgumentError`` ("Cannot parse tensor from response: ...") for bytes
-    that do not parse or describe an impossible tensor, and for the typed ``*_val``
-    representations (TensorFlow's RecvTensor never sends them).
-    """
-    buf = as_buffer(data)
-    try:
-        acc = TensorAcc()
-        is_dead = require_ack = False
-        send_start_micros = 0
-        for f in iter_fields(buf, 0, len(buf)):
-            if f.number == 1 and f.wire_type == LEN:
-                acc.add_tensor(buf, f.value, f.end)
-            elif f.number == 2 and f.wire_type == VARINT:
-                is_dead = bool(f.value)
-            elif f.number == 3 and f.wire_type == VARINT:
-                send_start_micros = signed64(f.value)
-            elif f.number == 4 and f.wire_type == LEN:
-                validate(buf, f.value, f.end, _ANY)
-            elif f.number == 5 and f.wire_type == VARINT:
-                require_ack = bool(f.value)
-        value = tensor_value(buf, acc, is_dead)
-    except (Malformed, InvalidArgumentError) as e:
-        raise InvalidArgumentError(f"Cannot parse tensor from response: {e}") from e
-    return DecodedTensor(value, is_dead, send_start_micros, require_ack)
-
-
-def decode_received(data: bytes) -> Received:
-    """What a receive returns for ``RecvTensorResponse`` bytes: the value as a private,
-    writable array (the one copy of its bytes) and its ``is_dead`` flag.
-
-    A response laid out as shmrdv's and TensorFlow's servers write it (the small fields,
-    then the tensor: a plain dtype, a shape of sizes >= 1, its ``tensor_content`` last)
-    is read in one pass here; any other goes through ``decode_response`` (and its
-    errors).
-    """
-    plain = _plain_response(data)
-    if plain is not None:
-        return plain
-    decoded = decode_response(data)
-    return received(np.array(decoded.value, copy=True), decoded.is_dead)
-
-
-def _plain_response(b: bytes) -> Received | None:
-    """``decode_received`` of the usual layout, or None (anything else). What it accepts
-    the element-count rule accepts too: every size >= 1 and ``count * itemsize`` equal to
-    a content under 2 GiB keep the count far below ``_values.MAX_ELEMENTS``."""
-    try:
-        n = len(b)
-        pos = 0
-        is_dead = False
-        while b[pos] != 0x0A:  # fields 2, 3, 5 (varints) come before the tensor
-            tag = b[pos]
-            if tag not in (0x10, 0x18, 0x28):
-                return None
-            v = b[pos + 1]
-            pos += 2
-            if v >= 0x80:
-                v, pos = read_varint(b, pos - 1, n)
-            if tag == 0x10:
-                is_dead = v != 0
-        size = b[pos + 1]
-        pos += 2
-        if size >= 0x80:
-            size, pos = read_varint(b, pos - 1, n)
-        if pos + size != n or b[pos] != 0x08 or b[pos + 1] >= 0x80:  # the tensor ends it
-            return None
-        dtype = PLAIN_OF_TF.get(b[pos + 1])
-        pos += 2
-        if dtype is None:
-            return None
-        shape: list[int] = []
-        if b[pos] == 0x12:  # tensor_shape: dims of one size field each
-            if b[pos + 1] >= 0x80:
-                return None
-            end = pos + 2 + b[pos + 1]
-            pos += 2
-            while pos < end:
-                if b[pos] != 0x12 or b[pos + 1] >= 0x80 or b[pos + 2] != 0x08:
-                    return None
-                dim_end = pos + 2 + b[pos + 1]
-                dim, pos = read_varint(b, pos + 3, dim_end)
-                if pos != dim_end or not 1 <= dim <= _I64_MAX:
-                    return None
-                shape.append(dim)
-            if pos != end or len(shape) > _MAX_PLAIN_DIMS:
-                return None
-        if b[pos] != 0x22:
-            return None
-        size, pos = read_varint(b, pos + 1, n)
-        count = prod(shape)
-        if pos + size != n or count * dtype.itemsize != size:
-            return None
-    except (IndexError, Malformed):
-        return None
-    # The one copy: the response bytes into a private, writable array.
-    return received(np.frombuffer(b, dtype, count, pos).reshape(shape).copy(), is_dead)
-
-
-_I64_MIN = -(1 << 63)
-_I64_MAX = (1 << 63) - 1
-_MAX_PLAIN_DIMS = 32  # numpy allows 64; more go through decode_response
+# -- RecvTensorRequest --------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class RecvRequest:
-    """A decoded ``RecvTensorRequest`` (localities and transport options are dropped)."""
+    """A decoded ``RecvTensorRequest`` (dma_ok, localities and transport options are dropped)."""
 
     step_id: int
     rendezvous_key: str
     request_id: int
-    dma_ok: bool = False
-    # shmrdv's extension fields (TensorFlow skips them as unknown fields):
-    finished: tuple[int, ...] = ()  # 1001: request_ids whose responses arrived (acks)
-    inline_max: int = -1  # 1002: largest tensor to answer inline; -1: not given
+    finished: tuple[int, ...] = ()  # 1001: acks
+    chunks: bool = False  # 1002: a shmrdv client, which takes large tensors in chunks
     held: int = 0  # 1003: RecvTensorSeries: values of the series the consumer holds
+    offset: int = 0  # 1004: the chunk at this byte offset of the value of request_id
+    released: tuple[int, ...] = ()  # 1005: request_ids given up (their values go back)
 
 
-# Extension fields of RecvTensorRequest (TensorFlow skips them as unknown fields).
-_FINISHED_FIELD = 1001
-_INLINE_MAX_FIELD = 1002
-_HELD_FIELD = 1003
-_FINISHED_TAG = encode_tag(_FINISHED_FIELD, VARINT)
-_INLINE_MAX_TAG = encode_tag(_INLINE_MAX_FIELD, VARINT)
-_HELD_TAG = encode_tag(_HELD_FIELD, VARINT)
+def take_ids(queue: deque[int]) -> list[int]:
+    """At most ``MAX_ACKS`` request_ids off ``queue`` (appended to by other threads), for
+    one request."""
+    out: list[int] = []
+    try:
+        while queue and len(out) < MAX_ACKS:
+            out.append(queue.popleft())
+    except IndexError:  # taken by another request meanwhile
+        pass
+    return out
 
 
 def encode_request(
-    step_id: int,
-    rendezvous_key: str,
-    request_id: int,
-    dma_ok: bool = False,
-    *,
-    finished: Sequence[int] = (),
-    inline_max: int = -1,
-    held: int = 0,
-) -> bytes:
-    """``RecvTensorRequest`` bytes; ``InvalidArgumentError`` for out-of-range ints.
-
-    ``finished`` (request_ids whose responses arrived: piggybacked acks, as many
-    ``MarkRecvFinished``) and ``inline_max`` (answer tensors up to this many bytes in the
-    unary response; a larger one is answered with empty bytes: "stream it") are shmrdv
-    extension fields 1001 and 1002; ``held`` (a ``RecvTensorSeries`` re-opened or
-    acknowledged under its ``request_id``: how many of its values the consumer holds)
-    is field 1003.
-    """
+    step_id: int, rendezvous_key: str, request_id: int, *, finished: Sequence[int] = (),
+    chunks: bool = True, held: int = 0, offset: int = 0, released: Sequence[int] = (),
+) -> bytes:  # fmt: skip
+    """``RecvTensorRequest`` bytes; ``InvalidArgumentError`` for what the wire cannot carry."""
     step_id = check_int64("step_id", step_id)
     request_id = check_int64("request_id", request_id)
     if not isinstance(rendezvous_key, str):
@@ -275,122 +125,391 @@ def encode_request(
         raise InvalidArgumentError(f"rendezvous_key {rendezvous_key!r} is not UTF-8") from e
     out = bytearray()
     if step_id:
-        out.append(0x08)  # field 1, varint
+        out.append(0x08)
         put_varint(out, step_id)
     if key:
-        out.append(0x12)  # field 2, length-delimited
+        out.append(0x12)
         put_varint(out, len(key))
         out += key
-    if dma_ok:
-        out += b"\x18\x01"  # field 3: true
     if request_id:
-        out.append(0x38)  # field 7, varint
+        out.append(0x38)
         put_varint(out, request_id)
-    for f in finished:
-        out += _FINISHED_TAG
-        put_varint(out, check_int64("finished", f))
-    if inline_max >= 0:
-        out += _INLINE_MAX_TAG
-        put_varint(out, check_int64("inline_max", inline_max))
+    for rid in finished[:MAX_ACKS]:
+        out += b"\xc8\x3e"  # 1001, varint
+        put_varint(out, check_int64("finished", rid))
+    if chunks:
+        out += b"\xd0\x3e\x01"  # 1002: true
     if held:
-        out += _HELD_TAG
+        out += b"\xd8\x3e"
         put_varint(out, check_int64("held", held))
+    if offset:
+        out += b"\xe0\x3e"
+        put_varint(out, check_int64("offset", offset))
+    for rid in released[:MAX_ACKS]:
+        out += b"\xe8\x3e"  # 1005, varint
+        put_varint(out, check_int64("released", rid))
     return bytes(out)
+
+
+# What protobuf itself would reject in the fields a request only carries through: strings
+# must be UTF-8 (DeviceLocality's links, Any's type_url).
+_UTF8_FIELDS: Final[dict[int, dict[int, Any]]] = {
+    4: {3: {1: {2: None}}},
+    5: {3: {1: {2: None}}},
+    6: {1: None},
+}
+
+
+def _validate(buf: Buffer, start: int, end: int, strings: dict[int, Any]) -> None:
+    for number, wire_type, value, stop in fields(buf, start, end):
+        if wire_type == LEN and number in strings:
+            inner = strings[number]
+            if inner is None:
+                read_utf8(buf, value, stop, f"string field {number}")
+            else:
+                _validate(buf, value, stop, inner)
 
 
 def decode_request(data: Buffer) -> RecvRequest:
     """Parse ``RecvTensorRequest`` bytes; ``InvalidArgumentError`` if they do not parse."""
-    if type(data) is bytes:
-        plain = _plain_request(data)
-        if plain is not None:
-            return plain
     buf = as_buffer(data)
-    step_id = request_id = 0
+    step_id = request_id = held = offset = 0
     key = ""
-    dma_ok = False
+    chunks = False
     finished: list[int] = []
-    inline_max = -1
-    held = 0
+    released: list[int] = []
     try:
-        for f in iter_fields(buf, 0, len(buf)):
-            if f.number == 1 and f.wire_type == VARINT:
-                step_id = signed64(f.value)
-            elif f.number == 2 and f.wire_type == LEN:
-                key = read_utf8(buf, f.value, f.end, "rendezvous_key")
-            elif f.number == 3 and f.wire_type == VARINT:
-                dma_ok = bool(f.value)
-            elif f.number in (4, 5) and f.wire_type == LEN:
-                validate(buf, f.value, f.end, DEVICE_LOCALITY)
-            elif f.number == 6 and f.wire_type == LEN:
-                validate(buf, f.value, f.end, _ANY)
-            elif f.number == 7 and f.wire_type == VARINT:
-                request_id = signed64(f.value)
-            elif f.number == _FINISHED_FIELD and f.wire_type == VARINT:
-                if len(finished) < MAX_ACKS:
-                    finished.append(signed64(f.value))
-            elif f.number == _FINISHED_FIELD and f.wire_type == LEN:
-                # Packed, as a standard protobuf encoder writes a repeated int64.
-                pos = f.value
-                while pos < f.end:
-                    v, pos = read_varint(buf, pos, f.end)
+        for number, wire_type, value, stop in fields(buf, 0, len(buf)):
+            if wire_type == VARINT:
+                if number == 1:
+                    step_id = signed64(value)
+                elif number == 7:
+                    request_id = signed64(value)
+                elif number == 1001:
                     if len(finished) < MAX_ACKS:
-                        finished.append(signed64(v))
-            elif f.number == _INLINE_MAX_FIELD and f.wire_type == VARINT:
-                inline_max = signed64(f.value)
-            elif f.number == _HELD_FIELD and f.wire_type == VARINT:
-                held = signed64(f.value)
+                        finished.append(signed64(value))
+                elif number == 1002:
+                    chunks = bool(value)
+                elif number == 1003:
+                    held = signed64(value)
+                elif number == 1004:
+                    offset = signed64(value)
+                elif number == 1005 and len(released) < MAX_ACKS:
+                    released.append(signed64(value))
+            elif wire_type == LEN:
+                if number == 2:
+                    key = read_utf8(buf, value, stop, "rendezvous_key")
+                elif number in (1001, 1005):  # packed, as protobuf writes repeated int64
+                    ids = finished if number == 1001 else released
+                    pos = value
+                    while pos < stop:
+                        rid, pos = read_varint(buf, pos, stop)
+                        if len(ids) < MAX_ACKS:
+                            ids.append(signed64(rid))
+                elif number in _UTF8_FIELDS:
+                    _validate(buf, value, stop, _UTF8_FIELDS[number])
     except Malformed as e:
         raise InvalidArgumentError(f"Cannot parse RecvTensorRequest: {e}") from e
-    return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max, held)
+    acks, gone = tuple(finished), tuple(released)
+    return RecvRequest(step_id, key, request_id, acks, chunks, held, max(offset, 0), gone)
 
 
-def _plain_request(b: bytes) -> RecvRequest | None:
-    """``decode_request`` of a request of the key (field 2) and varint fields 1, 3, 7,
-    1001, 1002 and 1003 only, in any order (as ``encode_request`` and TensorFlow write them),
-    in one pass; None: anything else, read the general way (which names a problem)."""
-    n = len(b)
-    pos = step_id = request_id = 0
-    key = ""
-    dma_ok = False
-    finished: list[int] = []
-    inline_max = -1
-    held = 0
+# -- RecvTensorResponse -------------------------------------------------------------------
+
+
+class Encoded:
+    """A value as the responses that carry it (encoded once, at ``send``): one whole
+    ``RecvTensorResponse``, or its chunks. ``nbytes`` is the value's size."""
+
+    __slots__ = ("chunks", "nbytes", "step")
+
+    def __init__(self, chunks: tuple[bytes, ...], nbytes: int, step: int) -> None:
+        self.chunks = chunks
+        self.nbytes = nbytes
+        self.step = step  # the content bytes of a chunk
+
+    def chunk_at(self, offset: int) -> bytes | None:
+        """The chunk whose content starts at ``offset`` (None: there is none)."""
+        index, rest = divmod(offset, self.step)
+        if rest or not 0 <= index < len(self.chunks):
+            return None
+        return self.chunks[index]
+
+
+def encode_value(
+    value: npt.NDArray[Any], is_dead: bool, *, chunk_bytes: int = CHUNK_BYTES,
+    send_start_micros: int | None = None,
+) -> Encoded:  # fmt: skip
+    """``value`` as its ``RecvTensorResponse`` bytes (the one copy of its buffer): whole up
+    to ``chunk_bytes`` of content, else chunks of that many; ``send_start_micros`` (for
+    TensorFlow's timelines only) is now unless given. ``InvalidArgumentError`` for a value
+    that cannot be sent."""
+    arr = as_ndarray(value, "encode")
+    if send_start_micros is None:
+        send_start_micros = time.time_ns() // 1000
+    head, content, tail = tensor_parts(arr)
+    prefix = bytearray(b"\x10\x01" if is_dead else b"")
+    if send_start_micros:
+        prefix.append(0x18)
+        put_varint(prefix, check_int64("send_start_micros", send_start_micros))
+    prefix += b"\x28\x01"  # require_ack: the response is cached until MarkRecvFinished
+    total = len(content)
+    if total <= chunk_bytes:
+        size = len(head) + total + len(tail)
+        whole = b"".join([prefix, b"\x0a", varint(size), head, content, tail])
+        return Encoded((whole,), arr.nbytes, chunk_bytes)
+    cut = head.rindex(b"\x22" + varint(total))  # the content's tag and length end the head
+    fixed = head[:cut]
+    chunks = []
+    for offset in range(0, total, chunk_bytes):
+        piece = content[offset : offset + chunk_bytes]
+        tensor = fixed + b"\x22" + varint(len(piece))
+        ext = (b"\xc8\x3e" + varint(offset) if offset else b"") + b"\xd0\x3e" + varint(total)
+        size = len(tensor) + len(piece) + len(tail)
+        chunks.append(b"".join([prefix, ext, b"\x0a", varint(size), tensor, piece, tail]))
+    return Encoded(tuple(chunks), arr.nbytes, chunk_bytes)
+
+
+#: A series' message that asks the consumer to acknowledge what it holds (1003: true).
+ASK: Final = b"\xd8\x3e\x01"
+
+
+def pack(responses: Sequence[bytes]) -> bytes:
+    """A series' one message for several values: their whole responses in field 1004."""
+    parts: list[bytes] = []
+    for r in responses:
+        parts += (b"\xe2\x3e", varint(len(r)), r)
+    return b"".join(parts)
+
+
+def whole_message(encoded: Encoded) -> bytes:
+    """One ``RecvTensorResponse`` of an encoded value (for a client that takes no chunks,
+    TensorFlow's); ``ResourceExhaustedError`` beyond protobuf's 2 GiB ceiling."""
+    if len(encoded.chunks) == 1:
+        return encoded.chunks[0]
+    if encoded.nbytes + (1 << 20) > _MAX_MESSAGE_BYTES:
+        raise ResourceExhaustedError(
+            f"cannot send a tensor of {encoded.nbytes} bytes in one RecvTensor response: "
+            "beyond the 2 GiB protobuf limit (TensorFlow: kProtoBufLimitBytes)"
+        )
+    assembly = Assembly()
+    for chunk in encoded.chunks:
+        got = assembly.feed(chunk)
+    assert got is not None
+    return encode_value(got.value, got.is_dead, chunk_bytes=_MAX_MESSAGE_BYTES).chunks[0]
+
+
+class Assembly:
+    """Reads the ``RecvTensorResponse`` messages of one value into a ``Received``.
+
+    ``feed`` each message (a series' in order, chunks fetched by offset in any order):
+    it returns the value once complete (a private, writable array: the one copy), else
+    None. A chunked value's buffer is allocated once, when its first chunk comes, after
+    its size is checked against its dtype and shape and this host's memory. ``ask``:
+    the last message was an ask (no tensor); ``packed``: the whole responses it packed
+    (a series' pack, no tensor). Not thread-safe: one value, one feeder.
+    """
+
+    __slots__ = (
+        "_buffer", "_got", "_have", "_head", "_is_dead", "_step", "_total", "ask", "packed",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self._buffer: npt.NDArray[np.uint8] | None = None
+        self._head = TensorHeader()
+        self._is_dead = False
+        self._total = self._step = self._have = 0
+        self._got: set[int] = set()
+        self.ask = False
+        self.packed: list[memoryview] = []
+
+    @property
+    def missing(self) -> list[int]:
+        """Offsets of the chunks not fed yet (after the first)."""
+        if self._buffer is None:
+            return []
+        return [o for o in range(0, self._total, self._step) if o not in self._got]
+
+    def feed(self, data: Buffer) -> Received | None:
+        buf = as_buffer(data)
+        try:
+            return self._feed(buf)
+        except Malformed as e:
+            raise InvalidArgumentError(f"Cannot parse tensor from response: {e}") from e
+
+    def _feed(self, buf: Buffer) -> Received | None:
+        head = TensorHeader()
+        is_dead = ask = False
+        offset, total, tensor = 0, -1, False
+        packed = []
+        for number, wire_type, value, stop in fields(buf, 0, len(buf)):
+            if wire_type == LEN and number == 1:
+                read_tensor(buf, value, stop, head)
+                tensor = True
+            elif wire_type == VARINT:
+                if number == 2:
+                    is_dead = bool(value)
+                elif number == 1001:
+                    offset = value
+                elif number == 1002:
+                    total = value
+                elif number == 1003:
+                    ask = bool(value)
+            elif wire_type == LEN and number == 1004:
+                packed.append((value, stop))
+            elif wire_type == LEN and number == 4:
+                _validate(buf, value, stop, {1: None})  # transport_options: an Any
+        self.ask = ask and not tensor
+        if self.ask:
+            return None
+        if packed and not tensor:
+            self.packed = [memoryview(buf)[start:end] for start, end in packed]
+            return None
+        start, end = head.content
+        if total < 0 and self._buffer is None:  # a whole value: the usual case
+            array = tensor_value(head, memoryview(buf)[start:end], is_dead, copy=True)
+            return received(array, is_dead)
+        return self._chunk(head, is_dead, offset, total, buf, start, end)
+
+    def _chunk(
+        self, head: TensorHeader, is_dead: bool, offset: int, total: int, buf: Buffer,
+        start: int, end: int,
+    ) -> Received | None:  # fmt: skip
+        size = end - start
+        if self._buffer is None:
+            if offset or not 0 < size < total:
+                raise Malformed(f"the first chunk is {size} of {total} bytes at {offset}")
+            if total > MAX_DECODED_BYTES:
+                raise Malformed(f"a tensor of {total} bytes exceeds this host's memory")
+            self._check_size(head, total)
+            try:
+                self._buffer = np.empty(total, np.uint8)
+            except MemoryError as e:
+                raise ResourceExhaustedError(f"cannot allocate {total} bytes for a tensor") from e
+            self._head, self._is_dead, self._total, self._step = head, is_dead, total, size
+        elif (
+            total != self._total
+            or head.code != self._head.code
+            or head.dims != self._head.dims
+            or head.ext != self._head.ext
+            or offset in self._got
+            or offset % self._step
+            or size != min(self._step, total - offset)
+        ):
+            raise Malformed(f"a chunk of {size} bytes at {offset} does not fit the tensor")
+        self._buffer[offset : offset + size] = np.frombuffer(buf, np.uint8, size, start)
+        self._got.add(offset)
+        self._have += size
+        if self._have < self._total:
+            return None
+        array = tensor_value(self._head, self._buffer.data, self._is_dead, copy=False)
+        return received(array, self._is_dead)
+
+    @staticmethod
+    def _check_size(head: TensorHeader, total: int) -> None:
+        """A chunked tensor's declared whole must be what its dtype and shape need."""
+        dtype = head.dtype()
+        shape = head.shape()
+        check_shape(shape, dtype)
+        if head.code != DT_STRING:
+            count = 1
+            for d in shape:
+                count *= d
+            if count * wire_dtype(dtype).itemsize != total:
+                raise Malformed(f"a {dtype} tensor of shape {shape} is not {total} bytes")
+
+
+# -- MarkRecvFinishedRequest --------------------------------------------------------------
+
+
+def encode_finished(request_id: int, *, released: bool = False, held: int = 0) -> bytes:
+    """``MarkRecvFinishedRequest`` bytes: ``request_id``'s response arrived; ``released``:
+    it was given up without its value; ``held``: of series ``request_id``, the consumer
+    holds this many values."""
+    out = int_field(1, check_int64("request_id", request_id)) + int_field(1001, int(released))
+    return out + int_field(1002, check_int64("held", held))
+
+
+def decode_finished(data: Buffer) -> tuple[int, bool, int]:
+    """(request_id, released, held) of ``MarkRecvFinishedRequest`` bytes."""
+    buf = as_buffer(data)
+    request_id = held = 0
+    released = False
     try:
-        while pos < n:
-            tag = b[pos]
-            if tag == 0x12:  # the key
-                size, pos = read_varint(b, pos + 1, n)
-                if pos + size > n:
-                    return None
-                key = b[pos : pos + size].decode("utf-8")
-                pos += size
+        for number, wire_type, value, _ in fields(buf, 0, len(buf)):
+            if wire_type == VARINT:
+                if number == 1:
+                    request_id = signed64(value)
+                elif number == 1001:
+                    released = bool(value)
+                elif number == 1002:
+                    held = signed64(value)
+    except Malformed as e:
+        raise InvalidArgumentError(f"Cannot parse MarkRecvFinishedRequest: {e}") from e
+    return request_id, released, held
+
+
+# -- GetStatusResponse --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceAttributes:
+    """TensorFlow's ``DeviceAttributes`` (the fields shmrdv fills; no locality)."""
+
+    name: str
+    device_type: str
+    memory_limit: int = 0
+    incarnation: int = 0  # fixed64; TensorFlow: "should never be 0"
+    physical_device_desc: str = ""
+    xla_global_id: int = -1  # TensorFlow: -1 if unavailable
+
+
+def encode_status(devices: Sequence[DeviceAttributes]) -> bytes:
+    """``GetStatusResponse`` bytes listing ``devices``."""
+    out = []
+    for d in devices:
+        if not 0 <= d.incarnation < 1 << 64:
+            raise InvalidArgumentError(f"incarnation {d.incarnation} is not a uint64")
+        inc = b"\x31" + d.incarnation.to_bytes(8, "little") if d.incarnation else b""
+        body = b"".join(
+            [
+                len_field(1, d.name.encode()) if d.name else b"",
+                len_field(2, d.device_type.encode()) if d.device_type else b"",
+                int_field(4, check_int64("memory_limit", d.memory_limit)),
+                inc,
+                len_field(7, d.physical_device_desc.encode()) if d.physical_device_desc else b"",
+                int_field(8, check_int64("xla_global_id", d.xla_global_id)),
+            ]
+        )
+        out.append(len_field(1, body))
+    return b"".join(out)
+
+
+_DEVICE_STRINGS: Final = {1: "name", 2: "device_type", 7: "physical_device_desc"}
+# DeviceLocality: its links' type names are strings.
+_LOCALITY: Final = {3: {1: {2: None}}}
+
+
+def decode_status(data: Buffer) -> tuple[DeviceAttributes, ...]:
+    """Parse ``GetStatusResponse`` bytes; ``InvalidArgumentError`` if they do not parse."""
+    buf = as_buffer(data)
+    out = []
+    try:
+        for number, wire_type, start, end in fields(buf, 0, len(buf)):
+            if number != 1 or wire_type != LEN:
                 continue
-            if tag in (0xC8, 0xD0, 0xD8) and b[pos + 1] == 0x3E:  # 1001-1003 (two-byte tags)
-                pos += 2
-            elif tag in (0x08, 0x18, 0x38):
-                pos += 1
-            else:
-                return None
-            v, pos = read_varint(b, pos, n)
-            if v > _I64_MAX:
-                v -= 1 << 64
-            if tag == 0x08:
-                step_id = v
-            elif tag == 0x38:
-                request_id = v
-            elif tag == 0x18:
-                dma_ok = v != 0
-            elif tag == 0xD0:
-                inline_max = v
-            elif tag == 0xD8:
-                held = v
-            elif len(finished) < MAX_ACKS:
-                finished.append(v)
-    except (IndexError, Malformed, UnicodeDecodeError):
-        return None
-    return RecvRequest(step_id, key, request_id, dma_ok, tuple(finished), inline_max, held)
-
-
-#: A request carries at most this many acks; more are ignored (they expire on their own),
-#: so a client puts no more on one request.
-MAX_ACKS = 1024
+            v: dict[str, Any] = {"name": "", "device_type": "", "xla_global_id": 0}
+            for n, w, value, stop in fields(buf, start, end):
+                if w == LEN and n in _DEVICE_STRINGS:
+                    name = _DEVICE_STRINGS[n]
+                    v[name] = read_utf8(buf, value, stop, f"DeviceAttributes.{name}")
+                elif w == VARINT and n in (4, 8):
+                    v["memory_limit" if n == 4 else "xla_global_id"] = signed64(value)
+                elif w == I64 and n == 6:
+                    v["incarnation"] = value
+                elif w == LEN and n == 5:
+                    _validate(buf, value, stop, _LOCALITY)
+            out.append(DeviceAttributes(**v))
+    except Malformed as e:
+        raise InvalidArgumentError(f"Cannot parse GetStatusResponse: {e}") from e
+    return tuple(out)

@@ -1,330 +1,315 @@
-"""Outbox: the producer's values for consumers on other hosts, until their RecvTensor.
+"""Outbox: the values a worker sent to consumers on other hosts, until a call takes them.
 
-``send`` to a consumer on another host buffers the value here, per step (an in-process
-``LocalRendezvous``); the consumer's RecvTensor call, served by ``RpcServer``, takes it
-through ``serve_recv`` (the server's ``TensorSource``), waiting up to the call's
-deadline. A step's box is created on the first send or request and dropped by
-``cleanup_step``; a request for a step already cleaned up fails at once with ``ABORTED``
-(TensorFlow's FindOrCreate would wait forever).
+``send`` encodes the value at once (the one copy a send makes) into the core's per-key
+table (``WaiterTable``). The server's calls and series (``Taker``s, on the serving
+loop) take values or park until a send comes, which hands them over with one wake-up of
+the loop, shared by every answer ready meanwhile. A value not delivered goes back to its
+key's head (``requeue``). The window (``max_inflight_bytes``, the core's ``_window``)
+counts a value until it is delivered, dropped, its step ends or its consumer died.
 
-Backpressure (``TransportContext.max_inflight_bytes``): one ``InflightWindow`` per
-consumer task. ``send`` reserves the value's bytes (``methods.counted_bytes``: at least
-``VALUE_FLOOR``, so that empty values are bounded too) before copying it in (waiting up
-to the send's timeout). They count until the server is done with the value
-(``done_with``: the call that carried it has ended, or the value was dropped), not when
-a call takes it: a consumer that asks and never reads holds the window, not this
-process's memory (issue 19 §4). A ``requeue`` counts them again, ``cleanup_step`` gives
-back what the step still holds and ``close`` everything; a consumer that died (its
-presence record on this host, looked at while a reservation waits) frees its window. The
-bytes a step holds per consumer are counted here (``_held``), so the window and the
-boxes cannot drift apart.
-
-Thread model (docs/threads.md): every method may be called from any thread; one lock
-guards the tables. ``serve_recv``'s ``done`` runs in the caller's thread when the value
-is already there (the server's event loop: no hop), else in the sending thread.
+Thread model (docs/threads.md): any thread; one lock guards the table; takers are
+settled after it is released, on the serving loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
-import weakref
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
+from .._channels import MISSING, WaiterTable
 from .._errors import (
     AbortedError,
     InvalidArgumentError,
-    RendezvousError,
     UnavailableError,
     closed_error,
     is_closed_error,
 )
-from .._keys import ParsedKey
-from .._rendezvous import Canceller, DoneCallback, LocalRendezvous, Received
-from .._transport import TransportContext
+from .._keys import DeviceName, ParsedKey, parse_key
+from .._transport import PeerDirectory
 from .._window import ConsumerWatch, InflightWindow, Windows, counted_bytes
-from . import series_wire
-from .methods import SERVER_STOPPING
-from .send_pool import SendPool
+from .messages import CHUNK_BYTES, Encoded, encode_value
 
-__all__ = ["Outbox"]
+__all__ = ["SERVER_STOPPING", "Outbox", "Sent", "Taker", "served_key"]
 
-# What the pool of sent copies keeps at most without a window (max_inflight_bytes).
-_POOL_BYTES = 64 << 20
+#: What an UNAVAILABLE from a server shutting down says: its producer is gone for good.
+SERVER_STOPPING = "is stopping"
+
+
+def served_key(key: str, task: DeviceName, task_name: str, incarnation: int) -> ParsedKey:
+    """``key`` parsed, if this worker is its source; else TensorFlow's errors, word for word
+    (``InvalidArgumentError`` "Invalid rendezvous key (src)", ``AbortedError`` for another
+    incarnation)."""
+    pk = parse_key(key)
+    if not pk.src.same_task(task):
+        raise InvalidArgumentError(f"Invalid rendezvous key (src): {pk.full_key} @ {task_name}")
+    if pk.src_incarnation not in (0, incarnation):
+        raise AbortedError(
+            f"RecvTensor expects a different device incarnation: {pk.src_incarnation:016x} "
+            f'vs. {incarnation:016x}. Your worker job ("{task_name}") was probably '
+            "restarted. Check your worker job for the reason why it was restarted."
+        )
+    return pk
+
+
+class Sent:
+    """One value sent and not delivered yet: its responses and what it holds of a window."""
+
+    __slots__ = ("counted", "encoded", "k", "key", "window")
+
+    def __init__(self, encoded: Encoded, k: tuple[int, str], key: ParsedKey) -> None:
+        self.encoded = encoded
+        self.k = k
+        self.key = key
+        self.window: InflightWindow | None = None
+        self.counted = 0
+
+
+class Taker:
+    """A call (or series) waiting on the serving loop for the next value of one key;
+    ``settle`` runs on the loop with the value or the error."""
+
+    __slots__ = ()
+
+    def settle(self, sent: Sent | None, error: BaseException | None) -> None:
+        raise NotImplementedError
 
 
 class Outbox:
-    """The values one worker has sent to consumers on other hosts (a ``TensorSource``)."""
+    """The values one worker sent to consumers on other hosts (module docstring).
 
-    def __init__(self, ctx: TransportContext) -> None:
-        self._ctx = ctx
-        self.task: str = ctx.task_name
-        self.incarnation: int = ctx.incarnation
-        self.max_inflight_bytes: int | None = ctx.max_inflight_bytes
+    ``cleaned_up(step)``: whether the worker cleaned the step up (its requests fail at
+    once); ``peers``: to see a consumer die (its window is then freed).
+    """
+
+    def __init__(
+        self, task: str, incarnation: int, *,
+        cleaned_up: Callable[[int], bool] = lambda step_id: False,
+        peers: PeerDirectory | None = None, max_inflight_bytes: int | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:  # fmt: skip
+        self.task = task
+        self.incarnation = incarnation
+        self.max_inflight_bytes = max_inflight_bytes
+        self._cleaned_up = cleaned_up
+        self._peers = peers
+        self._chunk_bytes = chunk_bytes
         self._lock = threading.Lock()
-        self._boxes: dict[int, LocalRendezvous] = {}
+        self._table: WaiterTable[tuple[int, str], Sent, Taker] = WaiterTable()
         self._aborted: dict[int, BaseException] = {}
-        self._sent_steps: set[int] = set()
-        self._owned: dict[int, weakref.ref[npt.NDArray[Any]]] = {}
         self._closed = False
-        self._counters = {"sent": 0, "sent_bytes": 0}
-        limit = ctx.max_inflight_bytes
-        self._windows: Windows | None = None if limit is None else Windows(limit)
-        # Per step, per consumer's window: bytes its box (or the server) holds.
-        self._held: dict[int, dict[InflightWindow, int]] = {}
+        self._windows = None if max_inflight_bytes is None else Windows(max_inflight_bytes)
         self._watches: dict[InflightWindow, ConsumerWatch] = {}
-        # The memory of the copies sent, kept for the next ones: as much as the window
-        # lets a consumer hold (what a pipeline runs ahead), else _POOL_BYTES.
-        self._pool = SendPool(_POOL_BYTES if limit is None else limit)
+        self._live: dict[int, set[Sent]] = {}  # per step, what holds window bytes
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = -1
+        self._ready: list[tuple[Taker, Sent | None, BaseException | None]] = []
+        self.sent = self.sent_bytes = 0
 
     def __repr__(self) -> str:
-        return f"<Outbox {self.task} steps={len(self._boxes)} closed={self._closed}>"
+        return f"<Outbox {self.task} values={self._table.pending_values} closed={self._closed}>"
 
-    def _box(self, step_id: int, *, for_send: bool) -> LocalRendezvous:
-        with self._lock:
-            if self._closed:
-                raise closed_error(self.task)
-            err = self._aborted.get(step_id)
-            if err is not None:
-                raise err
-            box = self._boxes.get(step_id)
-            if box is None:
-                box = self._boxes[step_id] = LocalRendezvous()
-            if for_send:
-                self._sent_steps.add(step_id)
-            return box
+    def serve_from(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Parked calls live on ``loop`` (called in it, by the server that starts)."""
+        self._loop, self._loop_thread = loop, threading.get_ident()
 
-    def _drop_if_unused(self, step_id: int) -> None:
-        """Forget a box a request created for a step this worker never sent in.
-
-        A peer naming arbitrary step ids must not grow the producer's memory: such a box
-        goes as soon as nothing waits in it. (One a send touched stays until
-        ``cleanup_step``; checking under the lock means a send never lands in a dropped box.)
-        """
-        with self._lock:
-            box = self._boxes.get(step_id)
-            if box is None or step_id in self._sent_steps:
-                return
-            st = box.stats()
-            if st["pending_waiters"] == 0 and st["pending_values"] == 0:
-                del self._boxes[step_id]
-
-    def allocate(self, key: ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
-        """An array that ``send`` hands over as is (no copy); the producer must not write
-        into it after sending."""
-        try:
-            arr: npt.NDArray[Any] = np.empty(shape, dtype=dtype)
-        except (TypeError, ValueError) as e:
-            raise InvalidArgumentError(
-                f"allocate({key.full_key!r}): bad shape {shape!r} or dtype {dtype!r}: {e}"
-            ) from e
-        with self._lock:
-            self._owned[id(arr)] = weakref.ref(arr)
-        weakref.finalize(arr, self._owned.pop, id(arr), None)
-        return arr
+    # -- the producer's side -------------------------------------------------------------
 
     def send(
-        self,
-        step_id: int,
-        key: ParsedKey,
-        value: npt.NDArray[Any],
-        is_dead: bool,
+        self, step_id: int, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool,
         timeout: float | None,
-    ) -> None:
-        """Buffer ``value`` for its consumer (``Transport.send``)."""
-        box = self._box(step_id, for_send=True)
-        if self._windows is None:
-            self._put(box, key, value, is_dead)
-            return
-        nbytes = counted_bytes(value.nbytes)
+    ) -> None:  # fmt: skip
+        """Buffer ``value`` for its consumer (``Transport.send``); waits only for room in a
+        full window, up to ``timeout`` (``ResourceExhaustedError``, nothing sent)."""
+        with self._lock:
+            error = self._error(step_id)
+        if error is not None:
+            raise error
+        window = None
+        counted = counted_bytes(value.nbytes)
+        if self._windows is not None:
+            window = self._reserve(key, counted, timeout)
+        try:
+            encoded = encode_value(value, is_dead, chunk_bytes=self._chunk_bytes)
+        except BaseException:
+            if window is not None:
+                window.release(counted)
+            raise
+        sent = Sent(encoded, (step_id, key.full_key), key)
+        with self._lock:
+            error = self._error(step_id)
+            if error is None:
+                if window is not None:
+                    sent.window, sent.counted = window, counted
+                    self._live.setdefault(step_id, set()).add(sent)
+                taker = self._table.put(sent.k, sent)
+                self.sent += 1
+                self.sent_bytes += encoded.nbytes
+        if error is not None:
+            if window is not None:
+                window.release(counted)
+            raise error
+        if taker is not None:
+            self._hand(taker, sent, None)
+
+    def _reserve(self, key: ParsedKey, counted: int, timeout: float | None) -> InflightWindow:
+        assert self._windows is not None
         window = self._windows.for_key(key)
         watch = self._watches.get(window)
-        if watch is None:
-            watch = self._watches.setdefault(window, ConsumerWatch(self._ctx.peers, key.dst))
+        if watch is None and self._peers is not None:
+            watch = self._watches.setdefault(window, ConsumerWatch(self._peers, key.dst))
 
         def refresh() -> None:
-            if watch.died():
+            if watch is not None and watch.died():
                 self._forget(window)
 
-        window.reserve(nbytes, timeout, refresh, key.full_key)
-        try:
-            self._hold(step_id, window, nbytes)
-        except BaseException:
-            window.release(nbytes)
-            raise
-        try:
-            self._put(box, key, value, is_dead)
-        except BaseException:
-            self._unhold(step_id, window, nbytes)
-            raise
+        window.reserve(counted, timeout, refresh, key.full_key)
+        return window
 
-    def _put(
-        self, box: LocalRendezvous, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool
-    ) -> None:
-        ref = self._owned.pop(id(value), None)
-        if ref is not None and ref() is value:
-            # From allocate(): hand it over as is, and stop the producer writing into it.
-            value.flags.writeable = False
-        else:
-            # The caller keeps its array and may reuse it at once: buffer a copy (the
-            # same one copy the shared-memory path makes). From 32 KiB, in memory an
-            # earlier copy used (``SendPool``: no page faults); a smaller one is made as
-            # the series message that carries it, so that sending it copies it no more.
-            copy = self._pool.copy(value)
-            if copy is None and not is_dead:
-                copy = series_wire.packed_copy(value)
-            value = np.array(value, copy=True, order="C") if copy is None else copy
-        box.send(key, value, is_dead=is_dead)
-        self._counters["sent"] += 1
-        self._counters["sent_bytes"] += value.nbytes
-
-    # -- the window's accounting (only with max_inflight_bytes) -------------------------
-
-    def _hold(self, step_id: int, window: InflightWindow, nbytes: int) -> None:
-        """``nbytes`` counted in ``window`` are now held by the step."""
-        with self._lock:
-            if self._closed:
-                raise closed_error(self.task)
-            err = self._aborted.get(step_id)
-            if err is not None:
-                raise err
-            per = self._held.setdefault(step_id, {})
-            per[window] = per.get(window, 0) + nbytes
-
-    def _unhold(self, step_id: int, window: InflightWindow, nbytes: int) -> None:
-        """``nbytes`` left the step (delivered, dropped, or never put): give them back.
-
-        At most what the step still holds: after ``cleanup_step`` gave it all back, a
-        late one gives back nothing twice."""
-        with self._lock:
-            per = self._held.get(step_id)
-            have = 0 if per is None else per.get(window, 0)
-            gone = min(have, nbytes)
-            if per is not None and gone:
-                per[window] = have - gone
-        if gone:
-            window.release(gone)
-
-    def _forget(self, window: InflightWindow) -> None:
-        """Its consumer died: what it did not take no longer counts (it stays in the
-        boxes until their steps are cleaned up, for a consumer that comes back)."""
-        with self._lock:
-            for per in self._held.values():
-                per.pop(window, None)
-        window.reset()
-
-    def _release_held(self, step_id: int) -> None:
-        """Give back the bytes the step still holds (it dropped them)."""
-        if self._windows is None:
+    def release(self, sent: Sent) -> None:
+        """``sent`` was delivered, dropped or is its dead consumer's: the window counts it
+        no more (once)."""
+        window = sent.window
+        if window is None:
             return
         with self._lock:
-            per = self._held.pop(step_id, None)
-        for window, nbytes in (per or {}).items():
-            if nbytes:
-                window.release(nbytes)
+            live = self._live.get(sent.k[0])
+            if live is None or sent not in live:
+                return
+            live.discard(sent)
+        window.release(sent.counted)
 
-    # -- the TensorSource of the server ------------------------------------------------
+    def _forget(self, window: InflightWindow) -> None:
+        """Its consumer died: what it did not take counts no more (it stays queued for a
+        consumer that comes back, until its step is cleaned up)."""
+        with self._lock:
+            for live in self._live.values():
+                for sent in [s for s in live if s.window is window]:
+                    live.discard(sent)
+        window.reset()
 
-    def serve_recv(self, step_id: int, key: ParsedKey, done: DoneCallback) -> Canceller:
-        """Take the next value of ``key`` for a RecvTensor call (``TensorSource``)."""
-        if self._ctx.cleaned_up(step_id):
+    def _error(self, step_id: int) -> BaseException | None:
+        if self._closed:
+            return closed_error(self.task)
+        return self._aborted.get(step_id)
+
+    # -- the server's side (the serving loop) -------------------------------------------
+
+    def take(self, step_id: int, key: ParsedKey, taker: Taker | None) -> Sent | None:
+        """The next value of ``key`` now, or None: ``taker`` parked (``settle`` comes on
+        the loop), or nothing there and no ``taker``. Raises ``AbortedError`` at once for
+        a step cleaned up, and the step's abort error."""
+        if self._cleaned_up(step_id):
             raise AbortedError(
                 f"Cleanup {step_id}: step {step_id} of {self.task} was already cleaned up"
             )
-        box = self._box(step_id, for_send=False)
-
-        def finished(error: BaseException | None, received: Received | None) -> None:
-            done(error, received)
-            self._drop_if_unused(step_id)
-
-        cancel = box.start_recv(key, finished)
-
-        def canceller() -> bool:
-            removed = cancel()
-            if removed:
-                self._drop_if_unused(step_id)
-            return removed
-
-        return canceller
-
-    def done_with(self, step_id: int, key: ParsedKey, nbytes: int) -> None:
-        """The server is done with a value it took: the window counts it no more."""
-        if self._windows is not None:
-            self._unhold(step_id, self._windows.for_key(key), nbytes)
-
-    def requeue(self, step_id: int, key: ParsedKey, received: Received) -> None:
-        """A value taken for a call that then failed goes back to the head of its key,
-        and counts in the window again (without waiting)."""
+        k = (step_id, key.full_key)
         with self._lock:
-            box = self._boxes.get(step_id)
-        if box is None:
-            return
-        if self._windows is None:
-            box.requeue(key, received)
-            return
-        nbytes = counted_bytes(received.value.nbytes)
-        window = self._windows.for_key(key)
-        try:
-            self._hold(step_id, window, nbytes)
-        except RendezvousError:
-            return  # aborted or closed meanwhile: the value is dropped, like the box's
-        window.charge(nbytes)  # in flight again, without waiting
-        box.requeue(key, received)
-        if box.aborted is not None:
-            self._unhold(step_id, window, nbytes)  # dropped by an abort that came in between
+            error = self._error(step_id)
+            if error is None:
+                got = self._table.take(k)
+                if got is not MISSING:
+                    return got
+                if taker is not None:
+                    self._table.wait(k, taker)
+                return None
+        raise error
 
-    # -- steps and lifetime -----------------------------------------------------------
+    def cancel(self, step_id: int, key: ParsedKey, taker: Taker) -> bool:
+        """Unpark ``taker``: True if it was still waiting (it gets nothing)."""
+        with self._lock:
+            return self._table.cancel((step_id, key.full_key), taker)
+
+    def requeue(self, sent: Sent) -> None:
+        """A value taken but not delivered goes back to the head of its key (or to the
+        taker parked there); dropped if its step was aborted meanwhile."""
+        gone = self._cleaned_up(sent.k[0])
+        with self._lock:
+            error = self._error(sent.k[0]) or (closed_error(self.task) if gone else None)
+            taker = None if error is not None else self._table.put(sent.k, sent, front=True)
+            live = self._live.setdefault(sent.k[0], set())
+            charge = error is None and sent.window is not None and sent not in live
+            if charge:
+                live.add(sent)  # delivered, and now in flight again
+        if charge:
+            assert sent.window is not None
+            sent.window.charge(sent.counted)
+        if error is not None:
+            self.release(sent)
+        elif taker is not None:
+            self._hand(taker, sent, None)
+
+    def _hand(self, taker: Taker, sent: Sent | None, error: BaseException | None) -> None:
+        """Complete ``taker`` on the loop: at once in the loop's thread, else with one
+        wake-up for every answer that is ready meanwhile."""
+        loop = self._loop
+        if loop is None or threading.get_ident() == self._loop_thread:
+            taker.settle(sent, error)
+            return
+        with self._lock:
+            self._ready.append((taker, sent, error))
+            first = len(self._ready) == 1
+        if first:
+            try:
+                loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop is gone: the server stopped
+                self._drain()
+
+    def _drain(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for taker, sent, error in ready:
+            taker.settle(sent, error)
+
+    # -- steps and lifetime ----------------------------------------------------------------
 
     def abort_step(self, step_id: int, error: BaseException) -> None:
-        """Drop the step's values; later sends and requests fail with ``error``.
-
-        The worker closing is, to a consumer on another host, its producer going away:
-        its waiting calls fail with ``UNAVAILABLE`` saying the server is stopping, and
-        the consumer fails its receive at once (issue 19, bug 3a)."""
+        """Drop the step's values and fail its parked calls; later sends and requests fail
+        with ``error``. The worker closing is, to consumers on other hosts, their producer
+        going away: ``UNAVAILABLE``, "is stopping"."""
         if is_closed_error(error, self.task):
             error = UnavailableError(f"Worker {self.task} is closed: its server {SERVER_STOPPING}")
         with self._lock:
-            self._aborted.setdefault(step_id, error)
-            error = self._aborted[step_id]
-            box = self._boxes.get(step_id)
-        if box is not None:
-            box.start_abort(error)  # drops the values it holds
-        self._release_held(step_id)
+            error = self._aborted.setdefault(step_id, error)
+            takers = self._table.abort(lambda k: k[0] == step_id)
+            live = self._live.pop(step_id, set())
+        for sent in live:
+            if sent.window is not None:
+                sent.window.release(sent.counted)
+        for taker in takers:
+            self._hand(taker, None, error)
 
     def cleanup_step(self, step_id: int) -> None:
-        """Forget the step (its box, its abort) and give back what it holds."""
+        """Forget the step; what it still holds of the window is given back."""
         with self._lock:
-            self._boxes.pop(step_id, None)
-            self._sent_steps.discard(step_id)
             self._aborted.pop(step_id, None)
-        self._release_held(step_id)
+            live = self._live.pop(step_id, set())
+        for sent in live:
+            if sent.window is not None:
+                sent.window.release(sent.counted)
 
     def close(self) -> None:
-        """Drop every value; later calls fail with the closed error. Idempotent."""
+        """Drop every value; parked calls and later calls fail. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            boxes = list(self._boxes.values())
-            self._boxes.clear()
-        error = closed_error(self.task)
-        for box in boxes:
-            box.start_abort(error)
-        self._pool.close()
+            takers = self._table.abort()
+            self._live.clear()
+        error = UnavailableError(f"Worker {self.task} is closed: its server {SERVER_STOPPING}")
+        for taker in takers:
+            self._hand(taker, None, error)
         if self._windows is not None:
-            with self._lock:
-                self._held.clear()
             self._windows.reset()
 
     def stats(self) -> dict[str, int]:
-        """Counters: sent, sent bytes, steps and values held, and the window's."""
-        out = dict(self._counters)
-        out.update(self._pool.stats())
+        out = {"sent": self.sent, "sent_bytes": self.sent_bytes}
         with self._lock:
-            out["outbox_steps"] = len(self._boxes)
-            out["outbox_values"] = sum(b.stats()["pending_values"] for b in self._boxes.values())
+            out["outbox_values"] = self._table.pending_values
+            out["outbox_parked"] = self._table.pending_waiters
         if self._windows is not None:
             out["inflight_bytes"] = self._windows.used()
             out["window_waits"] = self._windows.waits()

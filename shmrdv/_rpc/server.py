@@ -1,213 +1,163 @@
-"""RpcServer: the server lifecycle of the gRPC transport (TensorFlow's worker service).
+"""RpcServer: the server consumers on other hosts pull a worker's values from.
 
-It owns the ``grpc.aio`` server, its event-loop thread and the encoding pool: the
-options (message limits, keepalive, connection shedding), the bounds it validates, and
-``start``/``stop``. What the calls do is ``service.RecvService`` (the handlers, with
-``waits.Waits``: calls matched with values, and ``response_cache.ResponseCache``); ``methods`` names the methods.
+A grpc.aio server on its own loop thread, answering from an ``outbox.Outbox``:
+``RecvTensor`` (TensorFlow's: the key's next value, or the call parks within
+``guard.Limits``; a large value's first chunk, the rest fetched by offset),
+``GetStatus``, ``MarkRecvFinished`` and ``RecvTensorSeries`` (``series``). The response
+cache (TensorFlow's ``GrpcResponseCache``) keeps a value answered under a request_id for
+a retry until its client acknowledges or releases it, or ``cache_ttl`` passes (a value
+never delivered goes back to its key); one no longer cached is ``ABORTED``.
 
-Hostile or broken clients cannot exhaust it (issues 12 and 19 §4), with or without the
-token: ``waits`` bounds waiting calls; ``limits.ServerLimits`` caps connections well
-below the descriptor limit and calls in flight; ``request_gate.RequestGate`` drops a call
-that sends no request message soon after opening; gRPC sheds connections that never
-finish their handshake, idle ones and half-open ones.
-
-Thread model (docs/threads.md): a ``grpc.aio`` server runs on its own event loop in one thread
-("shmrdv-rpc-server"); every handler and all of the service's bookkeeping live in that
-loop. ``start``, ``stop``, ``drop_step`` and ``stats`` may be called from any thread;
-the lifecycle fields are guarded by a lock, and ``drop_step`` is handed to the loop.
-Large unary responses are encoded in a bounded thread pool (``max_workers``).
+Thread model (docs/threads.md): handlers, cache and series live on the loop
+("shmrdv-rpc-server"; no lock); ``start``, ``stop`` and ``stats`` from any thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import logging
 import os
 import threading
+import time
 import weakref
-from types import TracebackType
-from typing import Any
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
 
 import grpc
 import grpc.aio
 
 from .._cluster import split_host_port
-from .._errors import InvalidArgumentError, UnavailableError
-from .._keys import DeviceName
-from .limits import ServerLimits
-from .methods import DEFAULT_CHUNK_BYTES, SERVER_STOPPING
-from .request_gate import RequestGate
-from .security import TLSConfig, TokenInterceptor, check_token
-from .series_service import SeriesLimits, SeriesService
-from .service import RecvService
-from .tensor_source import TensorSource
-from .waits import WaitLimits
+from .._errors import (
+    AbortedError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    RendezvousError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from .._keys import DeviceName, ParsedKey
+from . import messages
+from .guard import Gate, Limits, Parked, TLSConfig, out_of_time, refuse
+from .messages import decode_request, whole_message
+from .outbox import SERVER_STOPPING, Outbox, Sent, Taker, served_key
+from .series import SeriesService
 
-__all__ = ["RpcServer", "TensorSource"]
+__all__ = ["RpcServer"]
 
 _log = logging.getLogger("shmrdv.rpc.server")
-
-# TensorFlow: the server calls SetMaxMessageSize(INT32_MAX) (research §3.4). Requests are
-# tiny, so the receive limit stays small: a peer must not make us allocate 2 GiB.
+# TensorFlow: SetMaxMessageSize(INT32_MAX) for what it sends; requests are tiny.
 _MAX_SEND_BYTES = 2**31 - 1
 _MAX_RECEIVE_BYTES = 1 << 20
-
 _STARTUP_TIMEOUT = 30.0
+# TensorFlow: RecentRequestIds remembers the last 100,000 request ids.
+_ANSWERED_IDS = 100_000
 
 
-# Servers still running at interpreter exit are stopped first, so that gRPC's threads do
-# not die under a running event loop (their daemon thread would be killed mid-call).
-_RUNNING: weakref.WeakSet[RpcServer] = weakref.WeakSet()
+# -- the calls ------------------------------------------------------------------------------
+
+_WAITING, _HELD, _DELIVERED, _GONE = range(4)
 
 
-@atexit.register
-def _stop_running_servers() -> None:
-    for server in list(_RUNNING):
-        server.stop(0.0)
+class _Entry(Taker):
+    """One request (its request_id's cache entry when not 0): parked, holding its value,
+    or delivered (kept for a retry until acknowledged or expired)."""
 
+    __slots__ = (
+        "calls", "error", "expires", "k", "key", "orphan", "outbox", "released", "rid", "sent",
+        "serving", "state",
+    )  # fmt: skip
 
-def _split_bind(bind: str) -> tuple[str, int]:
-    """(host as given, brackets kept for the reported address; port) of ``bind``."""
-    try:
-        _, port = split_host_port(bind)
-    except InvalidArgumentError as e:
-        raise InvalidArgumentError(
-            f"bind must be 'host:port' (e.g. '127.0.0.1:0', '[::]:2222'): {e}"
-        ) from e
-    return bind.rpartition(":")[0], port
+    def __init__(self, outbox: Outbox, rid: int, k: tuple[int, str], key: ParsedKey) -> None:
+        self.outbox = outbox
+        self.orphan = False  # unparked too late: a value coming now goes back
+        self.released = False  # its client gave it up: what it was sent goes back
+        self.rid = rid
+        self.k = k
+        self.key = key
+        self.sent: Sent | None = None
+        self.error: BaseException | None = None
+        self.state = _WAITING
+        self.calls: list[asyncio.Future[bool]] = []  # the calls parked on it
+        self.serving = 0  # calls answering with its value now
+        self.expires = 0.0
+
+    def settle(self, sent: Sent | None, error: BaseException | None) -> None:
+        if self.orphan:
+            self.state = _GONE
+            if sent is not None:
+                self.outbox.requeue(sent)
+            return
+        self.sent, self.error = sent, error
+        self.state = _HELD if sent is not None else _GONE
+        for call in self.calls:
+            if not call.done():
+                call.set_result(True)
 
 
 class RpcServer:
-    """A gRPC server that answers RecvTensor for one ``TensorSource``.
+    """A grpc.aio server on its own loop thread answering consumers from an ``Outbox``.
 
-    Args:
-        bind: ``host:port`` to listen on, exactly as given: ``127.0.0.1:0`` or
-            ``localhost:0`` for loopback only, ``[::]:port`` for every interface (only
-            when asked). Port 0 picks a free port; ``address`` reports it.
-        source: where the values come from (``TensorSource``).
-        tls: serve TLS (``TLSConfig`` with the server's certificate and key).
-        token: refuse calls without ``authorization: Bearer <token>`` (``UNAUTHENTICATED``).
-        max_workers: threads that encode unary responses (waiting calls need none).
-        chunk_bytes: largest data chunk of a ``RecvTensorStream`` message.
-        cache_ttl, cache_entries, cache_bytes: bounds of the request_id response cache.
-        limits: connections and calls in flight (beyond: refused), and how long a call
-            may take to send its request message (``ServerLimits``).
-        max_waiting, max_waiting_per_peer, max_waiting_per_connection: most calls waiting
-            for a value, in all, from one peer host and on one connection; beyond:
-            ``RESOURCE_EXHAUSTED`` (never for a value that is already there).
-        max_wait: longest wait for a value of a call without a deadline (or a later one);
-            then ``DEADLINE_EXCEEDED`` (shmrdv clients ask again).
-        series: ``RecvTensorSeries``' idle end and bounds (``SeriesLimits``).
-        handshake_timeout: a connection that has not finished its HTTP/2 (and TLS)
-            handshake within this many seconds is closed.
-
-    ``start()`` blocks until the server listens; ``stop()`` fails waiting calls with
-    ``UNAVAILABLE``, stops the server and joins its threads. Use as a context manager.
+    ``bind`` is used as given: ``127.0.0.1:0`` or ``localhost:0`` for loopback,
+    ``[::]:port`` for every interface; port 0 picks a free port (``address``). ``tls``,
+    ``token`` and ``limits`` (``guard``) say who may call and how much they may hold.
+    ``start()`` blocks until it listens; ``stop()`` fails parked calls with
+    ``UNAVAILABLE`` and joins the thread. A context manager.
     """
 
     def __init__(
-        self,
-        bind: str,
-        source: TensorSource,
-        *,
-        tls: TLSConfig | None = None,
-        token: str | None = None,
-        max_workers: int = 16,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        cache_ttl: float = 30.0,
-        cache_entries: int = 1024,
-        cache_bytes: int = 256 << 20,
-        limits: ServerLimits | None = None,
-        max_waiting: int = 65_536,
-        max_waiting_per_peer: int = 32_768,
-        max_waiting_per_connection: int = 16_384,
-        max_wait: float = 300.0,
-        handshake_timeout: float = 10.0,
-        series: SeriesLimits | None = None,
-    ) -> None:
-        self._host, self._port = _split_bind(bind)
-        self._bind = bind
-        self._source = source
+        self, bind: str, outbox: Outbox, *, tls: TLSConfig | None = None,
+        token: str | None = None, limits: Limits | None = None,
+    ) -> None:  # fmt: skip
         try:
-            task = DeviceName.parse(source.task)
+            split_host_port(bind)
         except InvalidArgumentError as e:
             raise InvalidArgumentError(
-                f"TensorSource.task {source.task!r} is not a task name: {e}"
+                f"bind must be 'host:port' (e.g. '127.0.0.1:0', '[::]:2222'): {e}"
             ) from e
-        if not task.has_task:
-            raise InvalidArgumentError(f"TensorSource.task {source.task!r} names no job and task")
         if tls is not None and not isinstance(tls, TLSConfig):
             raise InvalidArgumentError(f"tls must be a TLSConfig or None, not {type(tls).__name__}")
+        if limits is not None and not isinstance(limits, Limits):
+            raise InvalidArgumentError(
+                f"limits must be a Limits or None, not {type(limits).__name__}"
+            )
+        self._bind = bind
+        self.outbox = outbox
+        self._task = DeviceName.parse(outbox.task)
         self._tls = tls
-        self._token = check_token(token)
-        if not isinstance(max_workers, int) or max_workers < 1:
-            raise InvalidArgumentError(f"max_workers must be a positive int, not {max_workers!r}")
-        if not isinstance(chunk_bytes, int) or not 1024 <= chunk_bytes <= 64 << 20:
-            raise InvalidArgumentError(
-                f"chunk_bytes must be an int in [1 KiB, 64 MiB], not {chunk_bytes!r}"
-            )
-        self._max_workers = max_workers
-        if limits is not None and not isinstance(limits, ServerLimits):
-            raise InvalidArgumentError(
-                f"limits must be a ServerLimits or None, not {type(limits).__name__}"
-            )
-        self._limits = ServerLimits() if limits is None else limits
-        for name, value in (
-            ("max_waiting", max_waiting),
-            ("max_waiting_per_peer", max_waiting_per_peer),
-            ("max_waiting_per_connection", max_waiting_per_connection),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
-        for name, seconds in (("max_wait", max_wait), ("handshake_timeout", handshake_timeout)):
-            if not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
-                raise InvalidArgumentError(f"{name} must be seconds > 0, not {seconds!r}")
-        self._handshake_timeout = float(handshake_timeout)
-        self._gate: RequestGate | None = None
-
-        self._lock = threading.Lock()  # guards the lifecycle fields below (not the loop state)
-        self._state = "new"  # new -> running -> stopped
+        self._limits = limits = limits or Limits()
+        self._gate = Gate(token, limits.first_message_timeout, limits.max_awaiting_request)
+        self._lock = threading.Lock()  # the lifecycle fields
+        self._state = "new"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._server: grpc.aio.Server | None = None
-        self._address: str | None = None
         self._pid = os.getpid()
-
-        # The handlers and their state: touched only from the server's event loop.
-        waits = WaitLimits(
-            cache_ttl,
-            cache_entries,
-            cache_bytes,
-            max_waiting,
-            max_waiting_per_peer,
-            max_waiting_per_connection,
-            max_wait,
+        self.address: str | None = None
+        # The loop's state.
+        self._parked = Parked(
+            (limits.max_waiting, limits.max_waiting_per_peer, limits.max_waiting_per_connection),
+            "calls waiting for values",
+            "max_waiting",
         )
-        self._service = RecvService(source, task, chunk_bytes=chunk_bytes, limits=waits)
-        if series is not None and not isinstance(series, SeriesLimits):
-            raise InvalidArgumentError(f"series must be a SeriesLimits, not {series!r}")
-        self._series = SeriesService(
-            source, task, chunk_bytes=chunk_bytes, limits=series or SeriesLimits()
+        self._cache: dict[int, _Entry] = {}  # by request_id
+        self._kept: OrderedDict[int, None] = OrderedDict()  # those with a value, oldest first
+        self._cached_bytes = 0
+        self._answered: OrderedDict[int, None] = OrderedDict()
+        self._released: OrderedDict[int, None] = OrderedDict()
+        self._expiry: asyncio.TimerHandle | None = None
+        self._stopping: UnavailableError | None = None
+        self._stats = dict.fromkeys(
+            ("calls", "values_served", "bytes_served", "errors", "cache_hits", "requeued"), 0
         )
+        self._series = SeriesService(self.outbox, self.key_of, self._release, limits)
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    @property
-    def address(self) -> str:
-        """The bound ``host:port`` (the real port when bound to port 0); raise before start."""
-        if self._address is None:
-            raise InvalidArgumentError("RpcServer.address is known only after start()")
-        return self._address
-
     def start(self) -> RpcServer:
-        """Bind and start serving; block until listening (or raise). Idempotent while running.
-
-        Raises ``UnavailableError`` when the address cannot be bound (in use, not local),
-        ``InvalidArgumentError`` after ``stop()``.
-        """
+        """Bind and serve; block until listening. ``UnavailableError`` when the address
+        cannot be bound, ``InvalidArgumentError`` after ``stop()``."""
         with self._lock:
             if self._state == "running":
                 return self
@@ -215,80 +165,68 @@ class RpcServer:
                 raise InvalidArgumentError(
                     "RpcServer cannot be restarted after stop(); make a new one"
                 )
-            loop = asyncio.new_event_loop()
-            thread = threading.Thread(
-                target=self._run_loop,
-                args=(loop,),
-                name=f"shmrdv-rpc-server {self._bind}",
-                daemon=True,
+            loop = self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(
+                target=loop.run_forever, name=f"shmrdv-rpc-server {self._bind}", daemon=True
             )
-            self._loop, self._thread = loop, thread
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                self._max_workers, thread_name_prefix="shmrdv-rpc-encode"
-            )
-            thread.start()
+            self._thread.start()
             try:
                 port = asyncio.run_coroutine_threadsafe(self._astart(), loop).result(
                     _STARTUP_TIMEOUT
                 )
             except BaseException:
                 self._state = "stopped"
-                self._shutdown_threads()
+                self._join()
                 raise
-            self._address = f"{self._host}:{port}"
+            self.address = f"{self._bind.rpartition(':')[0]}:{port}"
             self._state = "running"
-            self._pid = os.getpid()
             _RUNNING.add(self)
-        _log.info("shmrdv RPC server for %s listening on %s", self._source.task, self._address)
+        _log.info("shmrdv RPC server for %s listening on %s", self.outbox.task, self.address)
         return self
 
-    @staticmethod
-    def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_forever()
-        finally:
-            try:
-                loop.run_until_complete(loop.shutdown_asyncgens())
-            finally:
-                loop.close()
-
     async def _astart(self) -> int:
+        limits = self._limits
         options: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", _MAX_SEND_BYTES),
             ("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES),
-            # gRPC sets SO_REUSEPORT by default: a second server on a taken port would
-            # "bind" and silently share it. Binding must fail instead.
-            ("grpc.so_reuseport", 0),
-            # Let clients keep idle-call connections alive with pings (client.py).
+            ("grpc.so_reuseport", 0),  # a second server on a taken port must fail to bind
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
             ("grpc.keepalive_permit_without_calls", 1),
-            # Shed what hostile or broken clients leave open (issue 12 §4): connections
-            # stuck before the handshake, idle ones (no call for a minute), half-open ones
-            # (a keepalive ping unanswered for 20 s), and any beyond the cap.
-            ("grpc.server_handshake_timeout_ms", int(self._handshake_timeout * 1000)),
+            # Shed what hostile or broken clients leave open: connections stuck before the
+            # handshake, idle ones, half-open ones, and any beyond the cap.
+            ("grpc.server_handshake_timeout_ms", int(limits.handshake_timeout * 1000)),
             ("grpc.max_connection_idle_ms", 60_000),
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_timeout_ms", 20_000),
-            # Connections beyond the cap are closed at accept: they can never take the
-            # descriptors the rest of the process needs (issue 19 §4).
-            ("grpc.max_allowed_incoming_connections", self._limits.connections()),
+            ("grpc.max_allowed_incoming_connections", limits.connections()),
+            # Calls that arrived and the loop has not started yet: gRPC cancels those beyond
+            # (the client calls again). Each costs memory, a flood too: 4,096 (gRPC's
+            # 1,000 makes a burst of 10,000 parked receives retry a third of its calls).
+            ("grpc.server.max_pending_requests", 4096),
+            ("grpc.server.max_pending_requests_hard_limit", 8192),
         ]
-        # The token is checked first, as soon as a call's headers arrive; the gate then
-        # reads the request message under its deadline.
-        self._gate = RequestGate(
-            self._limits.first_message_timeout, self._limits.max_awaiting_request
-        )
-        interceptors: list[grpc.aio.ServerInterceptor] = []
-        if self._token is not None:
-            interceptors.append(TokenInterceptor(self._token))
-        interceptors.append(self._gate)
         server = grpc.aio.server(
-            options=options,
-            interceptors=interceptors,
-            maximum_concurrent_rpcs=self._limits.max_concurrent_rpcs,
+            options=options, maximum_concurrent_rpcs=limits.max_concurrent_rpcs
         )
-        server.add_generic_rpc_handlers([*self._service.handlers(), self._series.handler()])
+        # Every handler takes a request stream: it runs when the call's headers arrive,
+        # and the gate reads the request (``guard.Gate``).
+        unary = grpc.stream_unary_rpc_method_handler
+        server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    messages.TF_SERVICE,
+                    {
+                        "RecvTensor": unary(self._recv_tensor),
+                        "GetStatus": unary(self._get_status),
+                        "MarkRecvFinished": unary(self._mark_recv_finished),
+                    },
+                ),
+                grpc.method_handlers_generic_handler(
+                    messages.SHMRDV_SERVICE,
+                    {"RecvTensorSeries": grpc.stream_stream_rpc_method_handler(self._serve_series)},
+                ),
+            ]
+        )
         try:
             if self._tls is not None:
                 port = server.add_secure_port(self._bind, self._tls.server_credentials())
@@ -298,112 +236,364 @@ class RpcServer:
             raise UnavailableError(f"shmrdv RPC server cannot listen on {self._bind}: {e}") from e
         if not port:
             raise UnavailableError(f"shmrdv RPC server cannot listen on {self._bind}")
-        assert self._pool is not None
-        self._service.started(f"{self._host}:{port}", self._pool)
-        self._series.started(f"{self._host}:{port}")
-        self._gate.started(f"{self._host}:{port}")
+        where = f"{self._bind.rpartition(':')[0]}:{port}"
+        self.outbox.serve_from(asyncio.get_running_loop())
+        self._gate.started(where)
         await server.start()
         self._server = server
         return int(port)
 
     def stop(self, grace: float | None = 0.0) -> None:
-        """Stop serving; block until the server's threads have ended. Idempotent.
-
-        Calls waiting for a value fail at once with ``UNAVAILABLE`` (their waiters are
-        removed from the source); calls already streaming a value get ``grace`` seconds
-        to finish before they are cancelled.
-        """
+        """Stop serving and join the thread (idempotent): parked calls fail at once with
+        ``UNAVAILABLE``; calls sending a value get ``grace`` seconds."""
         with self._lock:
             if self._state != "running":
                 self._state = "stopped"
                 return
             self._state = "stopped"
             _RUNNING.discard(self)
-            if os.getpid() != self._pid:
-                # A forked child: the server's thread and gRPC state stayed in the parent.
-                # Touching them here would hang; the parent's server is the parent's.
-                self._loop = self._thread = self._pool = None
-                self._server = None
+            if os.getpid() != self._pid:  # a forked child: the server is the parent's
+                self._loop = self._thread = self._server = None
                 return
-            loop = self._loop
-            assert loop is not None
+            assert self._loop is not None
             try:
-                asyncio.run_coroutine_threadsafe(self._astop(grace), loop).result(
+                asyncio.run_coroutine_threadsafe(self._astop(grace), self._loop).result(
                     (grace or 0.0) + _STARTUP_TIMEOUT
                 )
             except Exception:
-                _log.exception("stopping the shmrdv RPC server on %s", self._address)
-            self._shutdown_threads()
-        _log.info("shmrdv RPC server on %s stopped", self._address)
+                _log.exception("stopping the shmrdv RPC server on %s", self.address)
+            self._join()
+        _log.info("shmrdv RPC server on %s stopped", self.address)
 
     async def _astop(self, grace: float | None) -> None:
-        stopping = UnavailableError(
-            f"shmrdv RPC server {self._address} ({self._source.task}) {SERVER_STOPPING}"
+        self._stopping = UnavailableError(
+            f"shmrdv RPC server {self.address} ({self.outbox.task}) {SERVER_STOPPING}"
         )
-        self._service.stop_serving(stopping)
-        self._series.stop_serving(stopping)
+        for entry in list(self._cache.values()):
+            if entry.state == _WAITING:
+                self.outbox.cancel(entry.k[0], entry.key, entry)
+                entry.settle(None, self._stopping)
+        self._series.stop(self._stopping)
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace)
-        if self._gate is not None:
-            self._gate.close()
+        self._gate.close()
 
-    def _shutdown_threads(self) -> None:
-        loop, thread, pool = self._loop, self._thread, self._pool
+    def _join(self) -> None:
+        loop, thread = self._loop, self._thread
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(loop.stop)
         if thread is not None:
             thread.join()
-        if pool is not None:
-            pool.shutdown(wait=True)
-        self._loop = self._thread = self._pool = None
+        if loop is not None and not loop.is_closed():
+            loop.close()
+        self._loop = self._thread = None
 
     def close(self) -> None:
-        """``stop(grace=0)``; idempotent."""
         self.stop(0.0)
 
     def __enter__(self) -> RpcServer:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __repr__(self) -> str:
+        return (
+            f"<shmrdv RpcServer {self._state} {self.address or self._bind} task={self.outbox.task}>"
+        )
+
     def stats(self) -> dict[str, int]:
-        """Counters: calls, values and bytes served, cache hits, errors, waiting, cached;
-        calls awaiting their request message and those dropped for keeping silent
-        (``RequestGate.stats``). Read from any thread: a snapshot, not a transaction."""
-        out = self._service.stats()
+        """Counters (a snapshot, from any thread)."""
+        out = {**self._stats, "parked": self._parked.total, "cached": len(self._kept)}
+        out["cached_bytes"] = self._cached_bytes
         out.update(self._series.stats())
-        gate = self._gate
-        if gate is not None:
-            out.update(gate.stats())
+        out.update(self._gate.stats())
         return out
 
-    def __repr__(self) -> str:
-        where = self._address or self._bind
-        return f"<shmrdv RpcServer {self._state} {where} task={self._source.task}>"
+    # -- RecvTensor (the loop) -------------------------------------------------------------
 
-    # -- cache control (called by the Worker, any thread) --------------------------------
+    def key_of(self, key: str) -> ParsedKey:
+        return served_key(key, self._task, self.outbox.task, self.outbox.incarnation)
 
-    def drop_step(self, step_id: int) -> None:
-        """Forget cached responses of ``step_id`` (TensorFlow: on CleanupGraph). Never blocks.
-
-        With nothing cached (a consumer's cleanup, say) the loop is not woken: a wake-up
-        costs the cleaning thread a GIL hand-off. A response cached meanwhile goes with
-        its ack or its ttl."""
-        if self._service.caches_any():
-            self._call_in_loop(self._service.drop_step, step_id)
-
-    def _call_in_loop(self, fn: Any, *args: Any) -> None:
-        loop = self._loop
-        if loop is None:
-            return
+    async def _recv_tensor(self, _: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        """TensorFlow's unary RecvTensor (the module docstring)."""
+        request = await self._gate.admit(context)
+        self._stats["calls"] += 1
         try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop closed under us: nothing left to drop
-            pass
+            req = decode_request(request)
+            for rid in req.finished:
+                self.finished(rid)
+            for rid in req.released:
+                self._release(rid)
+            if self._stopping is not None:
+                raise self._stopping
+            entry = self._entry(req.request_id, req.step_id, req.rendezvous_key)
+        except RendezvousError as e:
+            await self._abort(context, e)
+        if entry.state == _WAITING:
+            await self._park(entry, context)
+        sent = entry.sent
+        if sent is None:
+            error = entry.error
+            if isinstance(error, RendezvousError):
+                await self._abort(context, error)
+            await self._abort(context, ResourceExhaustedError(f"RecvTensor: {error!r}"))
+        self._keep(entry)
+        chunks = sent.encoded.chunks
+        try:
+            if req.offset:
+                answer = sent.encoded.chunk_at(req.offset)
+                if answer is None:
+                    raise InvalidArgumentError(
+                        f"no chunk at offset {req.offset} of {entry.key.full_key!r}"
+                    )
+            else:
+                answer = chunks[0] if req.chunks and entry.rid else whole_message(sent.encoded)
+        except RendezvousError as e:
+            await self._abort(context, e)
+        whole = not req.offset and (len(chunks) == 1 or not (req.chunks and entry.rid))
+        entry.serving += 1
+        context.add_done_callback(lambda ctx: self._call_ended(entry, ctx, whole))
+        self._stats["values_served"] += not req.offset
+        self._stats["bytes_served"] += len(answer)
+        return answer
+
+    def _entry(self, rid: int, step_id: int, key: str) -> _Entry:
+        """The request's entry: its cached one, or a new one holding the key's next value
+        if it is there, else parked in the outbox."""
+        if rid:
+            entry = self._cache.get(rid)
+            if entry is not None:
+                self._stats["cache_hits"] += entry.state != _WAITING
+                return entry
+            if rid in self._released:
+                raise AbortedError(f"RecvTensor request_id {rid} was released by its client")
+            if rid in self._answered:
+                raise AbortedError(
+                    f"RecvTensor request_id {rid} for key {key!r} (step {step_id}) was already "
+                    f"answered on {self.outbox.task} and its response is no longer cached; the "
+                    "value cannot be sent again"
+                )
+        pk = self.key_of(key)
+        entry = _Entry(self.outbox, rid, (step_id, pk.full_key), pk)
+        sent = self.outbox.take(step_id, pk, entry)
+        if sent is not None:
+            entry.settle(sent, None)
+        if rid:
+            self._cache[rid] = entry
+        return entry
+
+    def _keep(self, entry: _Entry) -> None:
+        """``entry`` has (or is about to get) its value: kept for retries until acknowledged,
+        released, evicted (the cache's bounds) or ``cache_ttl`` passes."""
+        rid = entry.rid
+        if rid and rid not in self._kept and self._cache.get(rid) is entry:
+            self._kept[rid] = None
+            entry.expires = time.monotonic() + self._limits.cache_ttl
+            self._expire_later()
+            self._evict()
+
+    async def _park(self, entry: _Entry, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Wait for ``entry``'s value within the bounds on parked calls, up to the call's
+        deadline or ``max_wait``; a call leaving last unparks the entry."""
+        peer = context.peer()
+        why = self._parked.refusal(peer)
+        if why is not None:
+            self._leave(entry)
+            await self._abort(
+                context,
+                ResourceExhaustedError(
+                    f"RecvTensor on {self.outbox.task}: {why}; key {entry.key.full_key!r} refused"
+                ),
+            )
+        remaining = context.time_remaining()
+        timeout = (
+            self._limits.max_wait if remaining is None else min(remaining, self._limits.max_wait)
+        )
+        loop = asyncio.get_running_loop()
+        call: asyncio.Future[bool] = loop.create_future()
+        entry.calls.append(call)
+        timer = loop.call_later(timeout, out_of_time, call)
+        self._parked.add(peer, 1)
+        try:
+            settled = await call
+        finally:
+            timer.cancel()
+            self._parked.add(peer, -1)
+            entry.calls.remove(call)
+            if entry.state == _WAITING and not entry.calls:
+                self._leave(entry)
+        if not settled:
+            await self._abort(
+                context,
+                DeadlineExceededError(
+                    f"RecvTensor on {self.outbox.task}: no value for key {entry.key.full_key!r} "
+                    f"(step {entry.k[0]}) before the call's deadline; the waiter was removed"
+                ),
+            )
+
+    def _leave(self, entry: _Entry) -> None:
+        """The last call parked on ``entry`` left: unpark it (a value on its way stays
+        cached for a retry, or goes back at once without a request_id)."""
+        if self.outbox.cancel(entry.k[0], entry.key, entry):
+            entry.state = _GONE
+            self._cache.pop(entry.rid, None)
+        elif not entry.rid:
+            entry.orphan = True
+        else:
+            self._keep(entry)  # the value on its way is kept for a retry, or expires
+
+    def _call_ended(self, entry: _Entry, context: Any, whole: bool) -> None:
+        """A call that answered with ``entry``'s value ended: delivered if it ended well
+        (a chunked value: once acknowledged), else kept for a retry (or back to its key)."""
+        entry.serving -= 1
+        if not context.cancelled() and not entry.released:
+            if whole:
+                self._delivered(entry)
+        elif not entry.rid or entry.rid not in self._cache:  # no retry can claim it
+            self._give_back(entry)
+
+    def _delivered(self, entry: _Entry) -> None:
+        if entry.state != _HELD:
+            return
+        entry.state = _DELIVERED
+        assert entry.sent is not None
+        self.outbox.release(entry.sent)
+        if entry.rid:
+            self._answered[entry.rid] = None
+            if len(self._answered) > _ANSWERED_IDS:
+                self._answered.popitem(last=False)
+            if entry.rid in self._cache:
+                self._cached_bytes += entry.sent.encoded.nbytes
+                self._evict()
+
+    def _give_back(self, entry: _Entry) -> None:
+        """A value no call delivered goes back to its key's head."""
+        if entry.state in (_HELD, _DELIVERED) and not entry.serving:
+            entry.state = _GONE
+            assert entry.sent is not None
+            self.outbox.requeue(entry.sent)
+            self._stats["requeued"] += 1
+
+    def finished(self, rid: int) -> None:
+        """An ack: the client has ``rid``'s value (TensorFlow's MarkRecvFinished)."""
+        entry = self._cache.get(rid)
+        if entry is not None:
+            self._delivered(entry)
+            self._uncache(rid)
+
+    def _release(self, rid: int) -> None:
+        """The client gave ``rid`` up: a value taken for it goes back now."""
+        self._released[rid] = None
+        if len(self._released) > _ANSWERED_IDS:
+            self._released.popitem(last=False)
+        entry = self._cache.get(rid)
+        if entry is not None:
+            entry.released = True
+            self._uncache(rid)
+
+    def _uncache(self, rid: int, *, give_back: bool = True) -> None:
+        """Drop ``rid``'s entry: a value it holds that no call delivered (or that its
+        client released) goes back to its key, unless its step is gone (``give_back``)."""
+        entry = self._cache.pop(rid, None)
+        self._kept.pop(rid, None)
+        if entry is None:
+            return
+        if entry.state == _DELIVERED:
+            assert entry.sent is not None
+            self._cached_bytes -= entry.sent.encoded.nbytes
+            if not (entry.released and give_back):
+                entry.state = _GONE
+                return
+        if entry.state == _WAITING:
+            if self.outbox.cancel(entry.k[0], entry.key, entry):
+                entry.settle(None, AbortedError(f"request_id {rid} was released"))
+            else:
+                entry.orphan = give_back
+        elif give_back:
+            self._give_back(entry)
+        else:
+            entry.state = _GONE
+
+    def _evict(self) -> None:
+        """The oldest kept values no call is answering go, beyond the cache's bounds."""
+        limits = self._limits
+        if len(self._kept) <= limits.cache_entries and self._cached_bytes <= limits.cache_bytes:
+            return
+        for rid in list(self._kept):
+            if len(self._kept) <= limits.cache_entries and self._cached_bytes <= limits.cache_bytes:
+                return
+            entry = self._cache[rid]
+            if entry.state != _WAITING and not entry.serving and not entry.calls:
+                self._uncache(rid)
+
+    def _expire_later(self) -> None:
+        loop = self._loop
+        if self._expiry is None and loop is not None:
+            self._expiry = loop.call_later(self._limits.cache_ttl / 2, self._expire)
+
+    def _expire(self) -> None:
+        """Kept values older than ``cache_ttl`` go, oldest first (one never delivered back
+        to its key); then again while any is kept."""
+        self._expiry = None
+        now = time.monotonic()
+        for rid in list(self._kept):
+            entry = self._cache[rid]
+            if entry.expires > now:
+                break
+            if entry.state != _WAITING and not entry.serving:
+                self._uncache(rid)
+        if self._kept:
+            self._expire_later()
+
+    # -- the other methods -----------------------------------------------------------------
+
+    async def _get_status(self, _: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        """TensorFlow's GetStatus: the worker's one CPU device and its incarnation."""
+        await self._gate.admit(context)
+        device = messages.DeviceAttributes(
+            f"{self._task.task_part}/device:CPU:0", "CPU", incarnation=self.outbox.incarnation
+        )
+        return messages.encode_status([device])
+
+    async def _mark_recv_finished(
+        self, _: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        """TensorFlow's MarkRecvFinished: the client has the response (drop it), or, with
+        shmrdv's fields, gave it up, or holds a series' first ``held`` values."""
+        request = await self._gate.admit(context)
+        try:
+            rid, released, held = messages.decode_finished(request)
+            if not self._series.finished(rid, released, held):
+                if released:
+                    self._release(rid)
+                else:
+                    self.finished(rid)
+        except RendezvousError as e:
+            await self._abort(context, e)
+        return b""
+
+    async def _serve_series(
+        self, _: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        request = await self._gate.admit(context)
+        async for message in self._series.serve(request, context):
+            yield message
+
+    async def _abort(
+        self, context: grpc.aio.ServicerContext[Any, Any], error: BaseException
+    ) -> NoReturn:
+        self._stats["errors"] += 1
+        await refuse(context, error)
+
+
+# Servers running at interpreter exit are stopped first, so that gRPC's threads do not die
+# under a running loop.
+_RUNNING: weakref.WeakSet[RpcServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_servers() -> None:
+    for server in list(_RUNNING):
+        server.stop(0.0)

@@ -22,26 +22,24 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from . import tensor_shape_pb2 as shmrdv_dot_tensor__shape__pb2
-from . import types_pb2 as shmrdv_dot_types__pb2
-from . import worker_pb2 as shmrdv_dot_worker__pb2
+from google.protobuf import any_pb2 as google_dot_protobuf_dot_any__pb2
+from . import device_attributes_pb2 as shmrdv_dot_device__attributes__pb2
+from . import tensor_pb2 as shmrdv_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17shmrdv/rendezvous.proto\x12\x06shmrdv\x1a\x19shmrdv/tensor_shape.proto\x1a\x12shmrdv/types.proto\x1a\x13shmrdv/worker.proto\"\x13\n\x11SeriesAckResponse\"\xbc\x01\n\x0cTensorHeader\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.shmrdv.tf.DataType\x12\x31\n\x0ctensor_shape\x18\x02 \x01(\x0b\x32\x1b.shmrdv.tf.TensorShapeProto\x12\x0f\n\x07is_dead\x18\x03 \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cshmrdv_dtype\x18\x05 \x01(\t\x12\x19\n\x11send_start_micros\x18\x06 \x01(\x03\"Q\n\x0bTensorChunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.shmrdv.TensorHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"A\n\x0cTensorChunks\x12#\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x13.shmrdv.TensorChunk\x12\x0c\n\x03\x61sk\x18\xe9\x07 \x01(\x08\x32\xef\x01\n\nRendezvous\x12G\n\x10RecvTensorStream\x12\x1c.shmrdv.tf.RecvTensorRequest\x1a\x13.shmrdv.TensorChunk0\x01\x12H\n\x10RecvTensorSeries\x12\x1c.shmrdv.tf.RecvTensorRequest\x1a\x14.shmrdv.TensorChunks0\x01\x12N\n\x13RecvTensorSeriesAck\x12\x1c.shmrdv.tf.RecvTensorRequest\x1a\x19.shmrdv.SeriesAckResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17shmrdv/rendezvous.proto\x12\x06shmrdv\x1a\x19google/protobuf/any.proto\x1a\x1eshmrdv/device_attributes.proto\x1a\x13shmrdv/tensor.proto\"\xd3\x02\n\x14RecvTensorRequestExt\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x16\n\x0erendezvous_key\x18\x02 \x01(\t\x12\x0e\n\x06\x64ma_ok\x18\x03 \x01(\x08\x12\x32\n\x0f\x63lient_locality\x18\x04 \x01(\x0b\x32\x19.shmrdv.tf.DeviceLocality\x12\x32\n\x0fserver_locality\x18\x05 \x01(\x0b\x32\x19.shmrdv.tf.DeviceLocality\x12/\n\x11transport_options\x18\x06 \x01(\x0b\x32\x14.google.protobuf.Any\x12\x12\n\nrequest_id\x18\x07 \x01(\x03\x12\x11\n\x08\x66inished\x18\xe9\x07 \x03(\x03\x12\x0f\n\x06\x63hunks\x18\xea\x07 \x01(\x08\x12\r\n\x04held\x18\xeb\x07 \x01(\x03\x12\x0f\n\x06offset\x18\xec\x07 \x01(\x03\x12\x11\n\x08released\x18\xed\x07 \x03(\x03\"\xf9\x01\n\x15RecvTensorResponseExt\x12&\n\x06tensor\x18\x01 \x01(\x0b\x32\x16.shmrdv.tf.TensorProto\x12\x0f\n\x07is_dead\x18\x02 \x01(\x08\x12\x19\n\x11send_start_micros\x18\x03 \x01(\x03\x12/\n\x11transport_options\x18\x04 \x01(\x0b\x32\x14.google.protobuf.Any\x12\x13\n\x0brequire_ack\x18\x05 \x01(\x08\x12\x0f\n\x06offset\x18\xe9\x07 \x01(\x04\x12\x16\n\rcontent_bytes\x18\xea\x07 \x01(\x04\x12\x0c\n\x03\x61sk\x18\xeb\x07 \x01(\x08\x12\x0f\n\x06packed\x18\xec\x07 \x03(\x0c\"R\n\x1aMarkRecvFinishedRequestExt\x12\x12\n\nrequest_id\x18\x01 \x01(\x03\x12\x11\n\x08released\x18\xe9\x07 \x01(\x08\x12\r\n\x04held\x18\xea\x07 \x01(\x03\x32_\n\nRendezvous\x12Q\n\x10RecvTensorSeries\x12\x1c.shmrdv.RecvTensorRequestExt\x1a\x1d.shmrdv.RecvTensorResponseExt0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shmrdv._rpc.proto.rendezvous_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SERIESACKRESPONSE']._serialized_start=103
-  _globals['_SERIESACKRESPONSE']._serialized_end=122
-  _globals['_TENSORHEADER']._serialized_start=125
-  _globals['_TENSORHEADER']._serialized_end=313
-  _globals['_TENSORCHUNK']._serialized_start=315
-  _globals['_TENSORCHUNK']._serialized_end=396
-  _globals['_TENSORCHUNKS']._serialized_start=398
-  _globals['_TENSORCHUNKS']._serialized_end=463
-  _globals['_RENDEZVOUS']._serialized_start=466
-  _globals['_RENDEZVOUS']._serialized_end=705
+  _globals['_RECVTENSORREQUESTEXT']._serialized_start=116
+  _globals['_RECVTENSORREQUESTEXT']._serialized_end=455
+  _globals['_RECVTENSORRESPONSEEXT']._serialized_start=458
+  _globals['_RECVTENSORRESPONSEEXT']._serialized_end=707
+  _globals['_MARKRECVFINISHEDREQUESTEXT']._serialized_start=709
+  _globals['_MARKRECVFINISHEDREQUESTEXT']._serialized_end=791
+  _globals['_RENDEZVOUS']._serialized_start=793
+  _globals['_RENDEZVOUS']._serialized_end=888
 # @@protoc_insertion_point(module_scope)
