@@ -22,6 +22,13 @@ producer needs the room go out of the ring to segments under their messages' nam
 Thread model (docs/threads.md): every method takes ``lock`` itself; what it finds to do
 after it (deliveries, frees, collections) runs once it is released, in the same thread.
 File operations under the lock never block (``files.open_checked``).
+
+Liveness: once per tick, per producer task with waiters, the one liveness monitor is asked
+(``PeerDirectory.state``, ``presence.Monitor.state``: a lock-free look at the record and
+its flock). A receive whose producer was seen alive and then died fails with
+``UnavailableError`` within a second; a producer seen with a new incarnation fails the
+receives of keys pinned to the old one (``AbortedError``, as TensorFlow words it) and moves
+the others to the new run.
 """
 
 from __future__ import annotations
@@ -30,26 +37,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .._channels import MISSING, WaiterTable
 from .._cluster import canonical_task
-from .._errors import InternalError, RendezvousError, closed_error
+from .._errors import AbortedError, InternalError, RendezvousError, UnavailableError, closed_error
 from .._keys import DeviceName, ParsedKey
 from .._rendezvous import Canceller, DoneCallback, Received, invoke_done, received
-from .._transport import TransportContext
+from .._transport import PeerDirectory, TaskState, TransportContext
 from . import reaper
 from .header import FLAG_DEAD, FLAG_NOTICE, Reader, unpack_identity
 from .mappings import SlotMaps
 from .naming import Names
+from .pool import ProducerAlive
 from .recovery import Held, InRing, Recovery
 
-if TYPE_CHECKING:
-    from .liveness import Liveness
-
-__all__ = ["TICK", "Channel", "Consumer", "Item", "Notice", "Source", "deliver"]
+__all__ = ["TICK", "Channel", "Consumer", "Notice", "Source", "run_alive"]
 
 _log = logging.getLogger("shmrdv.shm")
 
@@ -63,6 +68,8 @@ _INF = float("inf")
 # A gap in a channel's sequence numbers is filled by this many looks by name at most.
 _FILL_MAX = 1 << 16
 _ndarray = np.ndarray
+# What a producer seen alive less than a tick ago is taken to be, without a look.
+_ALIVE = TaskState("alive")
 
 #: A delivery to make outside the lock: ``done``, whether to copy, the value or the error.
 Item = tuple[DoneCallback, bool, Received | BaseException]
@@ -94,9 +101,6 @@ class Channel:
 
     __slots__ = ("inc", "key", "pk", "seen_alive", "seq", "src", "step")
 
-    #: ``liveness.py`` asks it: a channel it looks at has waiters, hence nothing queued.
-    nready = 0
-
     def __init__(self, step: int, key: str, src: Source, inc: int) -> None:
         self.step, self.key, self.src, self.inc = step, key, src, inc
         self.seq = 0
@@ -114,8 +118,7 @@ class Waiter:
 
 
 class Source:
-    """One producer task, as this consumer sees it (``liveness.py`` reads and sets the
-    liveness fields: ``alive_at``, ``inc``, ``restarted``, ``look_at``, ``was_alive``)."""
+    """One producer task, as this consumer sees it."""
 
     __slots__ = (
         "alive_at",
@@ -158,6 +161,19 @@ class Source:
         return any(r.lost != r.lost_seen for r in self.rings)
 
 
+def run_alive(peers: PeerDirectory) -> ProducerAlive:
+    """``pool.ProducerAlive`` over the liveness monitor: whether ``task``'s live worker is
+    run ``incarnation``. Lock-free and never blocking (it runs inside the garbage collector,
+    giving a slot back); raises what ``PeerDirectory.state`` raises."""
+
+    def alive(task: str, incarnation: int) -> bool:
+        seen = peers.state(DeviceName.parse(task))
+        record = seen.record if seen.state == "alive" else None
+        return record is not None and record.incarnation == incarnation
+
+    return alive
+
+
 def deliver(done: DoneCallback, copy: bool, result: Received | BaseException) -> None:
     """Call ``done`` with ``result`` (a private copy of the value if ``copy``) through
     ``invoke_done``: outside every lock; what it raises is logged."""
@@ -189,11 +205,9 @@ class Consumer:
         self._src_by_device: dict[str, Source] = {}  # by a key's src device, as written
         self._rings: list[InRing] = []
         self._reader = Reader()
-        from .liveness import Liveness  # (which reads this module's Channel and Source)
-
-        self._live: Liveness = Liveness(ctx, TICK)
-        self._maps = SlotMaps(names, ctx.incarnation, self._live.producer_alive)
-        self._recovery = Recovery(ctx, names, self, self._live.producer_alive)
+        alive = run_alive(ctx.peers)
+        self._maps = SlotMaps(names, ctx.incarnation, alive)
+        self._recovery = Recovery(ctx, names, self, alive)
         #: Queued callback (non-blocking) waiters: the dispatcher thread polls while > 0.
         self.callback_waiters = 0
         self._tick_at = 0.0
@@ -333,7 +347,7 @@ class Consumer:
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None
         if result is None and not ch.seen_alive:
-            result = self._live.failure(ch, self._live.state(src))
+            result = self._failure(ch, self._look(src))
         return result
 
     def cancel(self, waiter: Waiter) -> bool:
@@ -662,11 +676,88 @@ class Consumer:
                     self.serve(ch, True)
         if not src.waiting:
             return
-        dead, failures = self._live.verdicts(src)
-        for ch, failure in failures:
-            if dead:  # what it published before it died is there: delivered first
-                self.serve(ch, True)
-            self._fail(ch, failure)
+        seen = self._look(src)
+        if isinstance(seen, TaskState) and seen.state == "alive":
+            if src.restarted:
+                src.restarted = False
+                for ch in list(src.waiting):
+                    failure = self._failure(ch, seen)  # follows it, or fails
+                    if failure is not None:
+                        self._fail(ch, failure)
+            for ch in src.unseen:
+                ch.seen_alive = True
+            src.was_alive = src.was_alive or bool(src.unseen)
+            src.unseen.clear()
+            return
+        if isinstance(seen, TaskState) and not src.was_alive:
+            return  # not started yet (or gone before anyone here saw it): wait
+        src.was_alive = False
+        for ch in list(src.waiting):
+            failure = self._failure(ch, seen)
+            if failure is not None:
+                self.serve(ch, True)  # what it published before it died is delivered first
+                self._fail(ch, failure)
+
+    def _look(self, src: Source) -> TaskState | RendezvousError:
+        """The producer's state (a look at most once per tick while it lives; a new run
+        noted), or the error of a record that cannot be trusted."""
+        now = time.monotonic()
+        if src.alive_at >= 0 and now - src.alive_at <= TICK:
+            return _ALIVE
+        try:
+            seen = self._ctx.peers.state(src.dev)
+        except RendezvousError as e:
+            return e
+        if seen.state == "alive" and seen.record is not None:
+            if seen.record.incarnation != src.inc:
+                src.restarted = bool(src.inc)
+                src.inc = seen.record.incarnation
+                src.look_at = 0.0  # a restarted producer: look for its new ring
+            src.alive_at = now
+        else:
+            src.alive_at = -1.0
+        return seen
+
+    def _failure(self, ch: Channel, seen: TaskState | RendezvousError) -> BaseException | None:
+        """Why the channel's producer can no longer send, or None while it may."""
+        key = ch.pk.full_key if ch.pk is not None else ch.key
+        src = ch.src.task
+        if isinstance(seen, RendezvousError):
+            return UnavailableError(f"producer {src} of key {key!r} cannot be trusted: {seen}")
+        if seen.state == "alive":
+            inc = ch.src.inc
+            pinned = ch.pk.src_incarnation if ch.pk is not None else 0
+            if pinned and inc != pinned:
+                return AbortedError(
+                    "RecvTensor expects a different device incarnation: "
+                    f"{pinned:016x} vs. {inc:016x}. "
+                    f'Your worker job ("{src}") was probably restarted; key {key!r}'
+                )
+            if not pinned and ch.inc and inc != ch.inc:
+                # Restarted producer and a key that does not pin an incarnation: follow the
+                # new run from its first message (a channel with waiters has nothing queued).
+                ch.inc, ch.seq = inc, 0
+                return None
+            ch.seen_alive = True
+            return None
+        if ch.seen_alive:
+            how = "exited" if seen.state == "absent" else "died"
+            pid = f" (pid {seen.record.pid})" if seen.record is not None and seen.record.pid else ""
+            return UnavailableError(
+                f"producer {src}{pid} {how} while key {key!r} was awaited in step {ch.step}"
+            )
+        return None
+
+    def _run_over(self, src: Source, inc: int) -> bool:
+        """Whether run ``inc`` of the producer can send nothing more: its record is gone or
+        dead, or names another run."""
+        seen = self._look(src)
+        if isinstance(seen, RendezvousError):
+            return False
+        if seen.state == "alive":
+            live = seen.record.incarnation if seen.record is not None else src.inc
+            return bool(live) and live != inc
+        return True
 
     def _probe_ringless(self) -> None:
         """Per doorbell post: the waiting channels of known producers without a ring, by
@@ -685,7 +776,7 @@ class Consumer:
         is taken; what those runs left is collected after the lock
         (``reaper.after_producer``)."""
         for r in list(self._rings):
-            if not self._live.run_over(r.src, r.inc):
+            if not self._run_over(r.src, r.inc):
                 continue
             self.drain(r)
             if r in self._rings and not r.ring.pending():
@@ -761,7 +852,7 @@ class Consumer:
         with self.lock:
             for r in list(self._rings):
                 r.src.alive_at = -1.0  # a fresh look, not the tick's
-                if self._live.run_over(r.src, r.inc) and r.intact() and not r.ring.pending():
+                if self._run_over(r.src, r.inc) and r.intact() and not r.ring.pending():
                     self._over.append((r.src.task, r.inc))
                 self._forget_ring(r)
             self._maps.close()

@@ -21,9 +21,8 @@ import numpy.typing as npt
 from .._keys import ParsedKey
 from .._transport import PeerRecord, TransportContext
 from .bell import Bell
-from .consumer import TICK, Consumer
+from .consumer import Consumer, run_alive
 from .inflight import Inflight
-from .liveness import Liveness
 from .naming import Names
 from .poller import Poller
 from .producer import Producer
@@ -51,7 +50,7 @@ class ShmTransport:
                 ctx.incarnation,
                 pool_bytes,
                 None if limit is None else Inflight(limit, ctx.peers),
-                Liveness(ctx, TICK).producer_alive,  # whether a consumer run holding a slot lives
+                run_alive(ctx.peers),  # whether a consumer run holding a slot lives
             )
             self._consumer = consumer = Consumer(ctx, names, self._kick)
             self._poller = Poller(self._bell, consumer, ctx.task_name, busy_poll)
