@@ -342,7 +342,8 @@ class Consumer:
         if src.look_at != _INF:
             self._recovery.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
-            self._recovery.look_for_old_ring(src, ch.inc)
+            src.tried.add(ch.inc)  # a key pinned to a run that is not the live one
+            self._recovery.attach_run(src, ch.inc)
         result = self.take(ch, src.ringless(ch.inc) or src.lost())
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None

@@ -1,5 +1,5 @@
-"""``Listing``: a directory listed again only when it changed, refused names skipped (issue
-13 §2). In a private directory (``tmp_path``): other processes' work in /dev/shm would
+"""``recovery.Listing``: a directory listed again only when it changed, refused names skipped
+(issue 13 §2). In a private directory (``tmp_path``): other processes' work in /dev/shm would
 change its mtime under the test."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from shmrdv._shm.listing import Listing
+from shmrdv._shm.recovery import Listing
 
 PREFIX = "shmrdv_test_"
 
