@@ -3,7 +3,7 @@
 ``ShmTransport`` implements ``shmrdv._transport.Transport`` over its three parts: the
 ``Producer`` (``producer.py``: send, allocate, rings and doorbells of the consumers it sends
 to), the ``Consumer`` (``consumer.py``: the channel table the rings feed) and the
-``Poller`` (``poller.py``: who polls this worker's doorbell), and owns the doorbell.
+``Poller`` (``bell.py``: who polls this worker's doorbell), and owns the doorbell.
 
 Thread model (``docs/threads.md``): every method may be called from any thread. ``done``
 callbacks run through ``invoke_done``, outside every lock: in the calling thread when the
@@ -20,11 +20,10 @@ import numpy.typing as npt
 
 from .._keys import ParsedKey
 from .._transport import PeerRecord, TransportContext
-from .bell import Bell
+from .bell import Bell, Poller
 from .consumer import Consumer, run_alive
 from .inflight import Inflight
 from .naming import Names
-from .poller import Poller
 from .producer import Producer
 
 __all__ = ["ShmTransport"]
