@@ -304,7 +304,8 @@ class Poller:
         self._bell = bell
         self._sem = bell.semaphore  # its ``value``: one C call, no system call
         self._consumer = consumer
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # (``with`` on the bare lock: no Python call)
+        self._cond = threading.Condition(self._lock)
         self._polling = False
         self._thread_polls = False  # the poller is the dispatcher thread
         self._blocked = 0  # blocked receivers waiting for the role
@@ -339,7 +340,7 @@ class Poller:
         """Block up to ``timeout`` s as leader (polling) or follower; early once filled. A
         blocked receiver has priority: finding the dispatcher thread polling, it rings the
         doorbell so that the thread hands the role over."""
-        with self._cond:
+        with self._lock:
             if slot.filled or self._closed:
                 return
             if self._polling:
@@ -356,7 +357,7 @@ class Poller:
         try:
             self._poll(timeout, True)
         finally:
-            with self._cond:
+            with self._lock:
                 self._polling = False
                 self._released_ns = time.perf_counter_ns()
                 if self._blocked:  # the dispatcher thread waits ``_HANDOFF_NS`` (``_run``)
