@@ -3,32 +3,26 @@
 Each (step, key) is a ``Channel``, the key of one ``WaiterTable`` (``_channels.py``): its
 values not taken yet, or its waiting receives, oldest first. A producer leaves a record of
 each message in the ring it keeps for this consumer (``ring.py``): the value itself when
-small, else a notice "message (step, key, seq) is the segment of its name". Draining a
-ring hands each record to its channel's oldest waiter, or queues it; a receive takes the
-oldest value, or waits. A segment is taken by ``_open`` (``pool.SlotMaps.take``).
+small, else a notice "message (step, key, seq) is the segment of its name"
+(``SlotMaps.take``). Draining a ring hands each record to its channel's oldest waiter, or
+queues it; a receive takes the oldest value, or waits.
 
 Names are the truth; rings are how the consumer hears of them. What no record shows is
-found by name: a gap in a channel's sequence numbers (a full ring) by the missing names,
-at once; the waiting channels of a producer without a ring per doorbell post; the rest by
-a listing (``recovery.py``). A lost doorbell post costs a tick (``TICK``), never a message.
+found by name: a gap in a channel's sequence numbers (a full ring) at once, the waiting
+channels of a producer without a ring per doorbell post, the rest by a listing
+(``recovery.py``). A lost doorbell post costs a tick (``TICK``), never a message. A ring is
+also the durable copy of what this consumer task has not taken: a queued value (``Held``)
+keeps its record until it is taken or freed, so the task's next process, after a crash,
+reads exactly the records not taken.
 
-A ring is also the durable copy of what this consumer task has not taken: a queued value
-(``Held``) keeps its record in the ring until it is taken or freed (``Ring.taken``), so
-the task's next process, after a crash, reads exactly the records not taken (from
-``tail``; the ring keeps its name while it holds any). Records left untaken while the
-producer needs the room go out of the ring to segments under their messages' names
-(``Recovery.spill``).
+Once per tick, per producer task with waiters, the liveness monitor is asked
+(``PeerDirectory.state``): a receive whose producer was seen alive and then died fails with
+``UnavailableError``; a producer seen with a new incarnation fails the receives of keys
+pinned to the old one (``AbortedError``, as TensorFlow words it) and moves the others on.
 
 Thread model (docs/threads.md): every method takes ``lock`` itself; what it finds to do
 after it (deliveries, frees, collections) runs once it is released, in the same thread.
 File operations under the lock never block (``files.open_checked``).
-
-Liveness: once per tick, per producer task with waiters, the one liveness monitor is asked
-(``PeerDirectory.state``, ``presence.Monitor.state``: a lock-free look at the record and
-its flock). A receive whose producer was seen alive and then died fails with
-``UnavailableError`` within a second; a producer seen with a new incarnation fails the
-receives of keys pinned to the old one (``AbortedError``, as TensorFlow words it) and moves
-the others to the new run.
 """
 
 from __future__ import annotations
@@ -37,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -117,40 +112,24 @@ class Waiter:
         self.done, self.copy, self.channel, self.blocking = done, copy, channel, blocking
 
 
+@dataclass(eq=False, slots=True)
 class Source:
     """One producer task, as this consumer sees it."""
 
-    __slots__ = (
-        "alive_at",
-        "broken",
-        "dev",
-        "inc",
-        "look_at",
-        "restarted",
-        "retired",
-        "ring_incs",
-        "rings",
-        "task",
-        "tried",
-        "unseen",
-        "waiting",
-        "was_alive",
-    )
-
-    def __init__(self, task: str, dev: DeviceName) -> None:
-        self.task, self.dev = task, dev
-        self.inc = 0  # of its live worker, or of the last one seen
-        self.rings: list[InRing] = []
-        self.ring_incs: set[int] = set()  # incarnations whose ring is attached
-        self.tried: set[int] = set()  # earlier incarnations whose ring was looked for
-        self.retired: set[int] = set()  # incarnations whose ring was let go: never again
-        self.look_at = 0.0  # when to look for its ring again
-        self.alive_at = -1.0  # when it was last seen alive (with incarnation ``inc``)
-        self.waiting: dict[Channel, None] = {}  # its channels with waiters (ordered set)
-        self.unseen: list[Channel] = []  # waiting channels not yet marked seen_alive
-        self.was_alive = False
-        self.restarted = False
-        self.broken: InternalError | None = None  # why its ring was failed, told once
+    task: str
+    dev: DeviceName
+    inc: int = 0  # of its live worker, or of the last one seen
+    rings: list[InRing] = field(default_factory=list)
+    ring_incs: set[int] = field(default_factory=set)  # runs whose ring is attached
+    tried: set[int] = field(default_factory=set)  # earlier runs whose ring was looked for
+    retired: set[int] = field(default_factory=set)  # runs whose ring was let go: never again
+    look_at: float = 0.0  # when to look for its ring again
+    alive_at: float = -1.0  # when it was last seen alive (with incarnation ``inc``)
+    waiting: dict[Channel, None] = field(default_factory=dict)  # channels with waiters
+    unseen: list[Channel] = field(default_factory=list)  # waiting, not marked seen_alive
+    was_alive: bool = False
+    restarted: bool = False
+    broken: InternalError | None = None  # why its ring was failed, told once
 
     def ringless(self, inc: int) -> bool:
         """Whether run ``inc``'s messages can only be found by name (no ring attached)."""
@@ -324,6 +303,9 @@ class Consumer:
                 if not blocking:
                     self.callback_waiters += 1
                     first = self.callback_waiters == 1
+            elif type(result) is Received:
+                self.received += 1
+                self.received_bytes += result.value.nbytes
             work = self._work()
         if work is not None:
             self._after(work)
@@ -335,10 +317,10 @@ class Consumer:
         return lambda: self.cancel(waiter)
 
     def _first_look(self, ch: Channel, src: Source) -> Received | BaseException | None:
-        """What a receive that would be its channel's first waiter finds before it waits:
-        its producer's ring if it is due for a look (attached and drained), its message by
-        name where no ring shows it, the error of a failed ring, and whether its producer
-        lives (so that its death is noticed before the first tick) or was restarted."""
+        """What a receive finds before it becomes its channel's first waiter: its producer's
+        ring if due for a look, its message by name where no ring shows it, a failed ring's
+        error, and whether its producer died before this receive (not only at a tick) or
+        was restarted."""
         if src.look_at != _INF:
             self._recovery.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
@@ -364,9 +346,8 @@ class Consumer:
             return True
 
     def take(self, ch: Channel, by_name: bool) -> Received | BaseException | None:
-        """The channel's next value (under the lock), if it is there: queued, or (``by_name``:
-        no ring shows this producer's messages, or one lost records) by its name. What the
-        listing of lost records finds is queued first, so taken in order."""
+        """The channel's next value if it is there: queued, or (``by_name``: no ring shows
+        this producer's messages, or one lost records) by its name."""
         got = self._table.take(ch)
         if got is not MISSING:
             return self._taken(ch, got)
@@ -384,21 +365,15 @@ class Consumer:
         result = self._open(ch, ch.seq, ch.inc, None)
         if result is not None:
             ch.seq += 1
-            if type(result) is Received:
-                self.received += 1
-                self.received_bytes += result.value.nbytes
         return result
 
     def _taken(self, ch: Channel, got: Queued) -> Received | BaseException:
-        """What a receive gets for the queued ``got`` (a notice is opened), counted."""
+        """What a receive gets for the queued ``got`` (a notice is opened)."""
         if type(got) is Held:
             got.r.taken(got.pos)
             got = got.value
         if type(got) is Notice:
             got = self._open(ch, got.seq, got.inc, got)  # type: ignore[assignment]
-        if type(got) is Received:
-            self.received += 1
-            self.received_bytes += got.value.nbytes
         return got  # type: ignore[return-value]  # opened
 
     def _served(self, waiter: Waiter, value: Queued) -> Item:
@@ -434,9 +409,8 @@ class Consumer:
     def _open(
         self, ch: Channel, seq: int, inc: int, notice: Notice | None
     ) -> Received | BaseException | None:
-        """Message ``seq`` of ``ch`` (producer run ``inc``) from the segment of its name
-        (``SlotMaps.take``): None if it is not published (yet); an error for a notice whose
-        segment is gone."""
+        """Message ``seq`` of ``ch`` (producer run ``inc``) from the segment of its name: None
+        if it is not published (yet); an error for a notice whose segment is gone."""
         watch = next((r.watch for r in ch.src.rings if r.inc == inc), None)
         if notice is None:
             return self._maps.take(ch.src.task, ch.step, ch.key, inc, seq, watch=watch)
@@ -460,17 +434,12 @@ class Consumer:
         self.drain(r)
 
     def drain(self, r: InRing) -> None:
-        """Every record of ring ``r`` to its channel: to its oldest waiter (taken at once), or
-        queued as ``Held`` (taken when a receive takes it). Records an earlier process of
-        this consumer task took are skipped (``Ring.spans``). Once more than half the ring
-        is held, the oldest held records move out of it (``Recovery.spill``).
-
-        First the ring's size, one ``lseek``: a process that kept a descriptor of it may
-        have truncated it, and reading a lost page would be a SIGBUS; such a ring is failed
-        (unmapped; the receives waiting on its producer look by name, then get the error).
+        """Every record of ring ``r`` to its channel: to its oldest waiter, or queued as
+        ``Held``. Records an earlier process of this consumer task took are skipped. Once
+        more than half the ring is held, the oldest held records move out of it
+        (``Recovery.spill``). A ring its file no longer holds (a SIGBUS to read) is failed.
         A record is the producer's bytes: its header gets the reader's checks, and one
-        refused still names its key: its receiver gets the error, what follows is delivered.
-        """
+        refused still names its key: its receiver gets the error."""
         if not r.intact():
             self._fail_ring(r)
             return
@@ -560,10 +529,9 @@ class Consumer:
 
     def _fill(self, ch: Channel, seq: int, r: InRing) -> None:
         """Messages ``ch.seq`` to ``seq - 1`` of ``ch`` came with no record: queued from
-        their names, in order. Only the last of them can be there: those ``r`` lost (a full
-        ring) or its consumer moved out (``Recovery.spill``), at most as many as it counts
-        and ``_FILL_MAX``; the numbers before were taken by an earlier process of this
-        consumer task, or skipped by the producer (a failed publish)."""
+        their names, in order. Only the last ``r.lost`` (at most ``_FILL_MAX``) can be
+        there; the numbers before were taken by an earlier process of this consumer task,
+        or skipped by the producer (a failed publish)."""
         for s in range(max(ch.seq, seq - min(r.lost, _FILL_MAX)), seq):
             got = self._open(ch, s, r.inc, None)
             if got is not None:
@@ -582,26 +550,18 @@ class Consumer:
         if who is None:
             return None
         step, seq, key = who
-        return (
-            step,
-            seq,
-            key,
-            InternalError(
-                f"refusing message {seq} of key {key!r} (step {step}) from producer {src.task}: {e}"
-            ),
-        )
+        why = f"refusing message {seq} of key {key!r} (step {step}) from producer {src.task}: {e}"
+        return step, seq, key, InternalError(why)
 
     def _fail_ring(self, r: InRing) -> None:
         """Give up a ring whose file no longer holds it. Its producer, if it saw that too,
         goes on by name: the waiting receives look by name first, and fail only if their
-        message is not there; the next receive of the producer hears of it once."""
+        message is not there; else the next receive hears of it once."""
         src = r.src
-        try:
-            r.segment.check_size(r.size)
-            why = "its size cannot be read"
-        except (InternalError, ValueError) as e:
-            why = str(e)
-        error = InternalError(f"the ring from producer {src.task} is unusable: {why}")
+        error = InternalError(
+            f"the ring from producer {src.task} is unusable: its file was truncated below "
+            f"its {r.size} bytes"
+        )
         _log.warning("%s", error)
         r.segment.unlink_quietly()  # nothing in it can be read any more
         src.retired.add(r.inc)
@@ -623,10 +583,9 @@ class Consumer:
     # -- the scan (run by whoever polls the doorbell) -----------------------------------
 
     def scan(self, posted: bool = True) -> int:
-        """Drain the rings into the table (delivering to waiters); per doorbell post, look
-        for the messages of producers without a ring by name; once per tick, check the
-        producers that have waiters (liveness, lost records, rings to attach) and let go
-        of the rings of producer runs that are over. Delivers after the lock; returns how
+        """Drain the rings; per doorbell post (``posted``), look by name for the messages of
+        producers without a ring; once per tick, check the producers that have waiters and
+        let go of the rings of runs that are over. Delivers after the lock; returns how
         many values it delivered."""
         with self.lock:
             if self._closed:
@@ -663,8 +622,8 @@ class Consumer:
         return found
 
     def _tick(self, src: Source) -> None:
-        """Once per tick for a producer with waiters: its ring (attached if it is there),
-        what it lost or left by name, its liveness."""
+        """Once per tick for a producer with waiters: its ring, what it lost or left by
+        name, its liveness."""
         self._recovery.look_for_ring(src, force=not src.rings)
         if src.lost():
             self._recovery.recover(src)
@@ -773,9 +732,8 @@ class Consumer:
                 self.serve(ch, True)
 
     def _retire_over(self) -> None:
-        """The rings of producer runs that are over are drained and let go once every record
-        is taken; what those runs left is collected after the lock
-        (``reaper.after_producer``)."""
+        """Let go of the rings of producer runs that are over once every record is taken;
+        what those runs left is collected after the lock (``reaper.after_producer``)."""
         for r in list(self._rings):
             if not self._run_over(r.src, r.inc):
                 continue
@@ -805,9 +763,7 @@ class Consumer:
     def cleanup_step(self, step_id: int, posted: bool) -> None:
         """Forget the step; free what was sent to this worker in it and not received: what
         its channels hold, and what a listing shows where messages may have come with no
-        ring record this consumer drained: a producer without a ring or with a full one
-        (``Recovery.needed``), or a doorbell post that no ring explained (``posted``: one
-        is pending; a producer this consumer never received from)."""
+        ring record (``Recovery.needed``, or ``posted``: a doorbell post is pending)."""
         with self.lock:
             self._aborted.pop(step_id, None)
             self.refusing = self._closed or bool(self._aborted)
@@ -844,11 +800,9 @@ class Consumer:
         self._after(work)
 
     def release(self) -> None:
-        """After ``close``: unlink the held names of arrays still alive (their mappings
-        stay; the callbacks that give them back do not run at exit), unmap the rings,
-        collect what producer runs that are over left (slots given back after their close),
-        unless their ring holds records not taken: those stay for this task's next process,
-        and what the run left with them."""
+        """After ``close``: unlink the held names of arrays still alive, unmap the rings,
+        collect what producer runs that are over left, unless their ring holds records not
+        taken: those stay for this task's next process, with what the run left."""
         self._maps.unlink_held()
         with self.lock:
             for r in list(self._rings):
