@@ -1,17 +1,17 @@
 """A consumer's rings and names: what the drain does not see, found; what a ring cannot
 keep, moved out. Names are the truth.
 
-Rings: a producer run's ring for this consumer is attached once per run (``attach``) and
-read from its oldest record not taken (``InRing``, the durable copy of what the consumer
-task has not taken; ``Held``, each queued value of it). ``spill`` moves records that wait
-for a receive while the producer needs the room out to their messages' names, where the
-task's next process finds them as it finds what a full ring lost.
+A producer run's ring for this consumer is attached once per run and read from its oldest
+record not taken (``InRing``: the durable copy of what the consumer task has not taken).
+``spill`` moves records that wait for a receive while the producer needs the room out to
+their messages' names, where the task's next process finds them as it finds what a full
+ring lost.
 
-Names: a producer's messages come with a ring record, except where it has no ring (not
-x86-64, or it could not make one), where its ring was full (``Ring.lost``) and where it is
-gone before this consumer knew its run. A ``Listing`` finds those. Other local users can
-plant any number of names under the job's public prefix, so a listing is rate-limited,
-skipped while the directory is unchanged, and a name new to it costs one ``lstat`` if it is
+A producer's messages come with a ring record, except where it has no ring (not x86-64,
+or it could not make one), where its ring was full (``Ring.lost``) and where it was gone
+before this consumer knew its run: a ``Listing`` finds those. Other local users can plant
+any number of names under the job's public prefix, so a listing is rate-limited, skipped
+while the directory is unchanged, and a name new to it costs one ``lstat`` if it is
 another user's, at most ``_NEW_PER_LISTING`` per listing, and is never looked at again.
 
 Thread model (docs/threads.md): every method runs under the consumer's lock, except
@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .._cluster import canonical_task
@@ -134,33 +135,27 @@ class Held:
         self.value, self.r, self.pos = value, r, pos
 
 
+@dataclass(eq=False, slots=True)
 class InRing:
-    """A producer run's ring for this consumer, attached. ``watch`` is live while it is:
-    this consumer will collect what the run leaves once it is over (``RunWatch``).
-    ``spilled``: the segments records moved out of it went to (``Recovery.spill``; "" for
-    a notice, whose message is one already), by the record's position, until taken."""
+    """A producer run's ring for this consumer, attached (its name stays while it holds
+    records not taken)."""
 
-    __slots__ = (
-        "fd",
-        "inc",
-        "lost",
-        "lost_seen",
-        "moved",
-        "ring",
-        "segment",
-        "size",
-        "spilled",
-        "src",
-        "watch",
-    )
+    segment: Segment
+    ring: Ring
+    src: Source
+    inc: int
+    fd: int = field(init=False)  # the segment's, kept for ``intact``
+    size: int = field(init=False)
+    watch: RunWatch = field(default_factory=RunWatch)  # live while attached
+    lost: int = 0  # records its producer could not append
+    lost_seen: int = 0  # of those, recovered
+    moved: int = 0  # records this process moved out of it (``Recovery.spill``)
+    # The segments records moved out to, by the record's position, until taken ("" for a
+    # notice: its message is one already).
+    spilled: dict[int, str] = field(default_factory=dict)
 
-    def __init__(self, segment: Segment, ring: Ring, src: Source, inc: int) -> None:
-        self.segment, self.ring, self.src, self.inc = segment, ring, src, inc
-        self.fd, self.size = segment.fd, segment.size
-        self.watch = RunWatch()
-        self.lost = self.lost_seen = 0  # records its producer could not append, recovered
-        self.moved = 0  # records this process moved out of it (``Recovery.spill``)
-        self.spilled: dict[int, str] = {}
+    def __post_init__(self) -> None:
+        self.fd, self.size = self.segment.fd, self.segment.size
 
     def intact(self) -> bool:
         """Whether its file still holds it (one ``lseek`` of the kept descriptor): a process
@@ -189,14 +184,6 @@ class InRing:
         self.fd = -1
         self.ring.release()
         self.segment.close()
-
-
-def _task_of(key: str) -> str | None:
-    """The canonical producer task of ``key``, or None if it is no key."""
-    try:
-        return str(canonical_task(parse_key(key).src))
-    except RendezvousError:
-        return None
 
 
 class Recovery:
@@ -255,12 +242,10 @@ class Recovery:
         return True
 
     def attach(self, name: str, expect: tuple[str, int] | None) -> bool:
-        """Map a producer's ring for this consumer and have it drained (``Consumer.adopt``)
-        from its oldest record not taken (an earlier process of this consumer task may have
-        taken some, and died); its name stays. Once per producer run: a ring attached or let
-        go already is left alone. False: no such name. ``InternalError`` for a ring that is
-        not ours, not for this consumer, or not from ``expect`` (producer task, incarnation).
-        """
+        """Map a producer's ring for this consumer, once per producer run, and have it
+        drained (``Consumer.adopt``) from its oldest record not taken. False: no such name.
+        ``InternalError`` for a ring that is not ours, not for this consumer, or not from
+        ``expect`` (producer task, incarnation)."""
         try:
             seg = Segment.attach(self._names, name, keep_fd=True)
         except FileNotFoundError:
@@ -302,9 +287,8 @@ class Recovery:
 
     def needed(self) -> bool:
         """Whether messages may have come to this consumer with no ring record: a producer
-        it heard of has no ring attached, or a ring lost records (its producer's, or an
-        earlier process's of this consumer task moved out: not those this one moved out,
-        whose values it holds)."""
+        it heard of has no ring attached, or a ring lost records (not counting those this
+        process moved out: it holds their values)."""
         if not RINGS_SUPPORTED:
             return True
         return any(
@@ -334,16 +318,18 @@ class Recovery:
             ch = consumer.find(step, key)
             if ch is not None and (ch.inc not in (0, inc) or seq < ch.seq):
                 continue
-            if _task_of(key) != src.task:
+            try:
+                if str(canonical_task(parse_key(key).src)) != src.task:
+                    continue
+            except RendezvousError:
                 continue
             ch = consumer.channel(step, key, src, inc)
             ch.inc, ch.seq = inc, seq + 1
             consumer.queue(ch, Notice(seq, inc, h.slot))
 
     def find_gone(self, src: Source) -> list[Channel]:
-        """The waiting channels of ``src`` whose next message a listing shows while its run
-        is unknown (it is gone, or has not started) or its keys are pinned to an earlier
-        run; their run set. O(messages listed), not O(channels)."""
+        """The waiting channels of ``src`` whose next message a listing shows (their run is
+        unknown, or pinned to an earlier one), their run set. O(messages listed)."""
         if RINGS_SUPPORTED:
             self.find_rings()
         self._list_messages()
@@ -416,14 +402,12 @@ class Recovery:
                 _log.debug("%s", e)
 
     def spill(self, r: InRing) -> None:
-        """Move the oldest records of ring ``r`` that are read and not taken out of it until
-        those left take at most a quarter of it: a key nobody receives for a while must not
-        leave its producer without room (every small send would then go by name). Each is
-        published under its message's name (a notice's message is one already) and counted
-        in the ring (``Ring.add_spilled``), so the task's next process looks for it by name;
-        the channel table keeps its value, and taking that removes the segment
-        (``InRing.taken``). What cannot be written (/dev/shm full) stays in the ring. Under
-        the lock, right after a drain checked the ring's size."""
+        """Move the oldest records of ring ``r`` that are read and not taken out to their
+        messages' names until those left take at most a quarter of it: a key nobody
+        receives for a while must not leave its producer without room. Counted in the ring
+        (``Ring.add_spilled``), so the task's next process looks for them by name; taking a
+        value removes its segment. What cannot be written (/dev/shm full) stays. Right
+        after a drain checked the ring's size."""
         ring = r.ring
         held = ring.held
         count = 0
@@ -483,12 +467,17 @@ class Recovery:
             del new[_NEW_PER_LISTING:]
             listing.incomplete()
         for name in new:
-            h = peek_header(Names.path(name))  # one lstat for another user's name
-            if h is None:
-                listing.refuse(name)
-            else:
+            h = self._peek(name)
+            if h is not None:
                 listed[name] = h
         return True
+
+    def _peek(self, name: str) -> Header | None:
+        """The header of message ``name`` (one lstat for another user's), or None: refused."""
+        h = peek_header(Names.path(name))
+        if h is None:
+            self.listing.refuse(name)
+        return h
 
     def free_unreceived(self, step_id: int) -> None:
         """Free the messages of ``step_id`` addressed to this worker that a listing shows
@@ -501,11 +490,8 @@ class Recovery:
         for entry in entries:
             if not entry.startswith(marker) or listing.refused(entry) or parse_name(entry) is None:
                 continue
-            h = peek_header(Names.path(entry))  # one lstat for another user's name
-            if h is None:
-                listing.refuse(entry)
-                continue
-            if h.step_id != step_id:
+            h = self._peek(entry)
+            if h is None or h.step_id != step_id:
                 continue
             try:
                 pk = parse_key(h.key)
