@@ -8,6 +8,11 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
+from helpers import CONSUMER, PRODUCER, make_key
+
+import shmrdv
+from shmrdv._procs import ChildWorker
 from shmrdv._shm.recovery import Listing
 
 PREFIX = "shmrdv_test_"
@@ -46,3 +51,40 @@ def test_listing_is_rate_limited_while_the_directory_churns(tmp_path: Path) -> N
     _touch(str(tmp_path / f"{PREFIX}m0001"))
     assert not listing.refresh()  # changed, but the next listing is 10 s away
     assert listing.listings == 1 and listing.names == []
+
+
+# -- messages a full ring lost, found by listing ----------------------------------------------
+
+OTHER = "/job:worker/replica:0/task:2"
+
+
+def child_take_all(worker: shmrdv.Worker, edge: str, count: int) -> list[int]:
+    """Receive ``count`` values of ``edge`` (step 1), then clean the step up."""
+    rdv = worker.rendezvous(1)
+    got = [int(rdv.recv(make_key(edge), timeout=30).value[0]) for _ in range(count)]
+    worker.cleanup(1)
+    return got
+
+
+def child_take_other(worker: shmrdv.Worker) -> int:
+    key = make_key("big", dst=OTHER)
+    return int(worker.rendezvous(1).recv(key, timeout=30).value[0])
+
+
+def test_recovery_of_lost_records_leaves_another_consumers_messages_alone(ns: str) -> None:
+    """A consumer whose ring was full finds what it lost by listing the producer's messages.
+    Those the same producer run sent to another consumer are not its own: its cleanup does
+    not free them, and the other consumer receives its value."""
+    n = 12_000  # several times what a ring holds: most of them go by name
+    with shmrdv.Worker(PRODUCER, namespace=ns) as producer:
+        out = producer.rendezvous(1)
+        with (
+            ChildWorker(CONSUMER, namespace=ns) as first,
+            ChildWorker(OTHER, namespace=ns) as other,
+        ):
+            out.send(make_key("big", dst=OTHER), np.full(100_000, 5, np.uint32))
+            for i in range(n):
+                out.send(make_key("small"), np.full(4, i, np.uint32))
+            assert producer.stats()["shm"]["ring_full"] > 0
+            assert first.call(child_take_all, "small", n) == list(range(n))
+            assert other.call(child_take_other) == 5

@@ -318,8 +318,9 @@ class Recovery:
             ch = consumer.find(step, key)
             if ch is not None and (ch.inc not in (0, inc) or seq < ch.seq):
                 continue
-            try:
-                if str(canonical_task(parse_key(key).src)) != src.task:
+            try:  # a message of the producer's, and to this consumer
+                pk = parse_key(key)
+                if str(canonical_task(pk.src)) != src.task or pk.dst.task_key() != self._own:
                     continue
             except RendezvousError:
                 continue
