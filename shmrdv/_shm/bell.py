@@ -1,30 +1,24 @@
 """A worker's doorbell, and who polls it.
 
 The doorbell is a named POSIX semaphore counting "look again" hints: the consumer worker
-creates ``/shmrdv_<ns>_b<taskhash>`` and polls it, producers post it after publishing. A
-post is a hint, never a lock and never the data: the names in /dev/shm are the truth, so a
-lost, extra or saturated post costs a wasted look at most.
-
-Semaphores are only ever created with ``O_CREX``: ``O_CREAT`` silently opens an existing
-semaphore, another user's included, whose owner could then swallow our wake-ups
-(research/pitfalls.md §4, §7). Before trusting a bell it did not create, a producer checks
-the owner, mode and type of its file ``/dev/shm/sem.<name>`` (``files.open_checked``: never
-blocks, even on a planted file under a lease), because glibc's ``sem_open`` opens without
-``O_NONBLOCK``. ``posix_ipc`` releases the GIL while blocked, turns EINTR into
-``SignalError`` without retrying (Linux never restarts ``sem_timedwait``, signal(7)) and
-takes absolute ``CLOCK_REALTIME`` deadlines: ``wait`` retries with the time left.
+creates it and polls it, producers post it after publishing. A post is a hint, never the
+data: the names in /dev/shm are the truth, so a lost, extra or saturated post costs a
+wasted look at most. It is only ever created with ``O_CREX`` (``O_CREAT`` silently opens
+another user's, who could swallow our wake-ups: research/pitfalls.md §4, §7), and a
+producer checks its file (``files.open_checked``) before ``sem_open``, which opens without
+``O_NONBLOCK``. ``posix_ipc`` turns EINTR into ``SignalError`` without retrying (Linux
+never restarts ``sem_timedwait``) and takes absolute ``CLOCK_REALTIME`` deadlines.
 
 One thread at a time polls the doorbell and runs ``Consumer.scan`` (``Poller``). A blocked
 receiver that finds no one polling becomes the leader: it spins on the semaphore's value
-for ``SPIN_NS`` (waking a process asleep on another CPU takes a while, so a reply that
-comes within it is taken with no sleep at all), then blocks on it, scans, delivers to every
-waiter and hands the role on; a lone receiver is woken by its producer's post alone. Other
-blocked receivers wait on a condition until delivered or the role is free. The dispatcher
-thread takes the role only while callback receives wait and no blocked receiver has held
-it for ``_HANDOFF_NS``; it never spins. The spin is off where it cannot pay: on one CPU;
-for a second after a quarter or fewer of its last ``SPIN_WINDOW`` spins found a post; after
-a wait that went unanswered, until a post comes again. ``Worker(busy_poll=s)`` replaces it:
-the leader polls for ``s`` seconds after the last message.
+for ``SPIN_NS`` (waking a process asleep on another CPU takes a while), then blocks on it,
+scans, delivers to every waiter and hands the role on. Other blocked receivers wait on a
+condition until delivered or the role is free. The dispatcher thread takes the role only
+while callback receives wait and no blocked receiver has held it for ``_HANDOFF_NS``; it
+never spins. The spin is off on one CPU, for a second after a quarter or fewer of its last
+``SPIN_WINDOW`` spins found a post, and after a wait that went unanswered until a post
+comes again. ``Worker(busy_poll=s)`` replaces it: the leader polls for ``s`` seconds after
+the last message.
 
 Thread model (docs/threads.md): any thread; ``Poller._cond`` guards only the poller role
 and is never held while polling or delivering.
@@ -32,6 +26,7 @@ and is never held while polling or delivering.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -102,46 +97,41 @@ class Bell(Closing):
         otherwise (another live owner, or another user's), ``ResourceExhaustedError`` when
         /dev/shm is full. Does not block."""
         name, path = names.bell(task), names.bell_path(task)
+        what = f"doorbell semaphore {path} of {task}"
         for attempt in (1, 2):
             try:
                 sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+                break
             except posix_ipc.ExistentialError as e:
                 st = _check_ours(path, f"doorbell semaphore of {task}")
                 if st is None:
                     continue  # vanished meanwhile: create again
                 if not replace_stale or attempt == 2:
                     raise InternalError(
-                        f"doorbell semaphore {path} of {task} already exists "
-                        f"(created {time.time() - st.st_mtime:.0f} s ago); is {task} running "
-                        "twice in one namespace?"
+                        f"{what} already exists (created {time.time() - st.st_mtime:.0f} s "
+                        f"ago); is {task} running twice in one namespace?"
                     ) from e
-                _log.info("replacing stale doorbell semaphore %s of %s", path, task)
-                try:
+                _log.info("replacing stale %s", what)
+                with contextlib.suppress(posix_ipc.ExistentialError):
                     posix_ipc.unlink_semaphore(name)
-                except posix_ipc.ExistentialError:
-                    pass
-                continue
             except (posix_ipc.Error, OSError, ValueError) as e:
                 if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
                     raise ResourceExhaustedError(
-                        f"cannot create doorbell semaphore {path} of {task}: {e.strerror}; "
-                        "/dev/shm is full (remove what dead processes left behind with "
-                        "`python -m shmrdv gc`)"
+                        f"cannot create {what}: {e.strerror}; /dev/shm is full (remove what "
+                        "dead processes left behind with `python -m shmrdv gc`)"
                     ) from e
-                raise InternalError(
-                    f"cannot create doorbell semaphore {path} of {task}: {e}"
-                ) from e
-            bell = cls(sem, name, path, task)
-            try:
-                # posix_ipc applies the umask; the research found 0666 under umask 0 (§7).
-                os.chmod(path, 0o600)
-            except OSError as e:
-                bell.close()
-                bell.unlink()
-                raise InternalError(f"cannot chmod doorbell semaphore {path}: {e}") from e
-            _log.debug("created doorbell semaphore %s of %s", path, task)
-            return bell
-        raise InternalError(f"cannot create doorbell semaphore {path} of {task}: it keeps changing")
+                raise InternalError(f"cannot create {what}: {e}") from e
+        else:
+            raise InternalError(f"cannot create {what}: it keeps changing")
+        bell = cls(sem, name, path, task)
+        try:
+            # posix_ipc applies the umask; the research found 0666 under umask 0 (§7).
+            os.chmod(path, 0o600)
+        except OSError as e:
+            bell.close()
+            bell.unlink()
+            raise InternalError(f"cannot chmod {what}: {e}") from e
+        return bell
 
     @classmethod
     def open(cls, names: Names, task: str) -> Bell | None:
@@ -388,30 +378,19 @@ class Poller:
                     self._polling = self._thread_polls = False
                     cond.notify_all()
 
-    def _budget(self, now: int) -> int:
-        """How long this poll may spin (ns)."""
-        if self._busy_ns:
-            return max(self._last_msg_ns + self._busy_ns - now, 0)
-        if self._spin_ok and self._answered and now >= self._paused_until:
-            return SPIN_NS
-        return 0
-
-    def _judge(self, hit: bool, now: int) -> None:
-        """Count a spin; after ``SPIN_WINDOW`` of them, pause the spin if few paid."""
-        self._window += 1
-        self._window_hits += hit
-        if self._window == SPIN_WINDOW:
-            if self._window_hits * 4 < SPIN_WINDOW and not self._busy_ns:
-                self._paused_until = now + _PAUSE_NS
-            self._window = self._window_hits = 0
-
     def _poll(self, wait: float, spin: bool) -> None:
         """Wait up to ``wait`` s for a doorbell post (spinning first if ``spin``), then
         scan and deliver. The dispatcher thread never spins: a spinning thread keeps the
         GIL from the receiver that wants the role (and from the user's threads)."""
         bell = self._bell
         start = time.perf_counter_ns()
-        budget = self._budget(start) if spin else 0
+        if not spin:
+            budget = 0
+        elif self._busy_ns:
+            budget = max(self._last_msg_ns + self._busy_ns - start, 0)
+        else:
+            ok = self._spin_ok and self._answered and start >= self._paused_until
+            budget = SPIN_NS if ok else 0
         seen = False
         if budget:
             self._spins += 1
@@ -426,10 +405,14 @@ class Poller:
                 seen = True
             now = clock()
             self._spun_ns += now - start
-            self._judge(seen, now)
-            if seen:
-                self._spin_hits += 1
-            else:
+            self._spin_hits += seen
+            self._window += 1
+            self._window_hits += seen
+            if self._window == SPIN_WINDOW:  # pause the spin if few of the window's paid
+                if self._window_hits * 4 < SPIN_WINDOW and not self._busy_ns:
+                    self._paused_until = now + _PAUSE_NS
+                self._window = self._window_hits = 0
+            if not seen:
                 wait -= (now - start) / 1e9
         if seen or bell.wait(max(wait, 0.0)):
             self._posts += (not seen) + bell.drain()
