@@ -52,9 +52,8 @@ _Ident = tuple[int, int]
 class RunWatch:
     """A consumer's word about one producer run, read by ``give_back`` without a lock: while
     ``live``, the consumer has that run's ring attached and will collect what the run leaves
-    once it is over (``reaper.after_producer``), so a slot given back needs no look at the
-    producer's liveness. ``live`` is cleared before that collection lists anything, and read
-    after the rename: a rename that does not see it cleared came before the listing."""
+    (``reaper.after_producer``). It is cleared before that collection lists anything and
+    read after the rename: a rename that does not see it cleared came before the listing."""
 
     __slots__ = ("live",)
 
@@ -73,22 +72,16 @@ def give_back(
     watch: RunWatch | None = None,
     held: set[str] | None = None,
 ) -> None:
-    """Rename the pool slot file at ``path`` to its ``returned`` name, for its producer;
-    with its mapping ``mem``, then store the slot's next ticket in its control block (one
-    ``fstat`` first: a store into a page a truncation took would be a SIGBUS). Its name
-    leaves ``held``, the consumer's set of held names. Takes no lock: it runs where an
-    array is collected, possibly inside the garbage collector.
+    """Rename the pool slot file at ``path`` to its ``returned`` name (leaving ``held``,
+    the consumer's held names), then, with its mapping ``mem``, store the slot's next ticket
+    in its control block (after an ``fstat``: a truncated page would be a SIGBUS). Takes no
+    lock: it runs where an array is collected, possibly inside the garbage collector.
 
-    If the producer is no longer the live worker of that incarnation, nobody will take it
-    back: it is unlinked instead. A missing ``path`` (removed by close or gc) is fine.
-
-    No ``returned`` file outlives a closing producer: its ``close`` unlinks its doorbell,
-    then removes the ``returned`` names of its lent slots. We rename first, then look for
-    the doorbell, then for its live presence record; if we see both, the doorbell was that
-    producer's (a successor's appears only after the record is gone), so our rename came
-    before its sweep, which will find the file. That look is skipped while ``watch`` is
-    live: a rename after that sweep leaves the file to the consumer's collection of the run.
-    """
+    A producer that is no longer the live worker of that run takes nothing back: the file
+    is unlinked instead. Its ``close`` unlinks its doorbell, then removes the ``returned``
+    names of its lent slots; we rename first, then look for the doorbell, then for its live
+    record: seeing both, our rename came before that sweep. The look is skipped while
+    ``watch`` is live: the consumer collects what the run leaves (``RunWatch``)."""
     if held is not None:
         held.discard(os.path.basename(path))
     ret = names.path(names.returned(producer_task, incarnation, slot))
@@ -167,9 +160,8 @@ class SlotMaps:
         return self._used(ident, kept), ident
 
     def _open(self, name: str) -> tuple[Segment, _Ident, bool]:
-        """Open segment ``name`` (``open_checked``): the segment, its identity, whether it
-        is a kept mapping (else the caller's to close, or to ``_keep``). Raises what
-        ``Segment.attach`` raises."""
+        """Open segment ``name`` (``open_checked``): the segment, its identity, whether it is
+        a kept mapping. Raises what ``Segment.attach`` raises."""
         fd, st = open_checked(self._names.path(name), os.O_RDWR, "segment")
         ident = (st.st_dev, st.st_ino)
         kept = self._kept.get(ident)
@@ -192,16 +184,12 @@ class SlotMaps:
         array: tuple[Any, ...] | None = None,
         watch: RunWatch | None = None,
     ) -> Received | BaseException | None:
-        """Take message ``seq`` of (step, key) of producer ``task``'s run ``inc`` from the
-        segment of its name: None if there is no such name (not published yet), the error
-        for a file that is not ours or whose header does not say this message.
-
-        The array is a view over the mapped segment (zero copy), writable and the
-        consumer's alone: the name is unlinked at once, or, for a pool slot, renamed to
-        ``held`` while the array lives; its collection gives the slot back. A slot its ring
-        notice names (``slot``, ``array``: what the notice said) that is mapped already is
-        taken with no open.
-        """
+        """Message ``seq`` of (step, key) of producer ``task``'s run ``inc``, from the
+        segment of its name: None if there is no such name (yet), the error for a file that
+        is not ours or whose header does not say this message. The array is a writable view
+        of the segment, the consumer's alone: its name is unlinked, or a pool slot's renamed
+        to ``held`` until the array is collected. A slot a ring notice names (``slot``,
+        ``array``) that is mapped already is taken with no open."""
         self.probes += 1
         names = self._names
         name = names.message(step, key, inc, seq)
