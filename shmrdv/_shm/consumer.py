@@ -585,8 +585,8 @@ class Consumer:
     def scan(self, posted: bool = True) -> int:
         """Drain the rings; per doorbell post (``posted``), look by name for the messages of
         producers without a ring; once per tick, check the producers that have waiters and
-        let go of the rings of runs that are over. Delivers after the lock; returns how
-        many values it delivered."""
+        let go of the rings of runs that are over. Delivers after the lock. Returns how
+        many values a scan no post asked for delivered (what a lost post cost), else 0."""
         with self.lock:
             if self._closed:
                 return 0
@@ -617,7 +617,7 @@ class Consumer:
             work = self._work()
         if work is None:
             return 0
-        found = sum(1 for _, _, v in work[0] if type(v) is Received)
+        found = 0 if posted else sum(1 for _, _, v in work[0] if type(v) is Received)
         self._after(work)
         return found
 
@@ -711,13 +711,10 @@ class Consumer:
     def _run_over(self, src: Source, inc: int) -> bool:
         """Whether run ``inc`` of the producer can send nothing more: its record is gone or
         dead, or names another run."""
-        seen = self._look(src)
+        seen = self._look(src)  # (which notes the live run in ``src.inc``)
         if isinstance(seen, RendezvousError):
             return False
-        if seen.state == "alive":
-            live = seen.record.incarnation if seen.record is not None else src.inc
-            return bool(live) and live != inc
-        return True
+        return seen.state != "alive" or src.inc not in (0, inc)
 
     def _probe_ringless(self) -> None:
         """Per doorbell post: the waiting channels of known producers without a ring, by
