@@ -1,4 +1,4 @@
-"""Polling the doorbell, between real processes (``poller.py``).
+"""Polling the doorbell, between real processes (``bell.Poller``).
 
 A receiver spins on its doorbell's value before it blocks (or polls for ``busy_poll``), and
 a producer posts for every message unless a post is pending already. These tests check that
@@ -23,7 +23,7 @@ from helpers import CONSUMER, PRODUCER, make_key
 
 import shmrdv
 from shmrdv._procs import ChildWorker
-from shmrdv._shm.poller import SPIN_WINDOW, spin_pays
+from shmrdv._shm.bell import SPIN_WINDOW, spin_pays
 
 # -- functions the child runs (ChildWorker.call: fn(worker, *args)) -------------------------
 

@@ -1,24 +1,32 @@
-"""A worker's doorbell: a named POSIX semaphore used as a counter of "look again" hints.
+"""A worker's doorbell, and who polls it.
 
-The consumer worker creates ``/shmrdv_<ns>_b<taskhash>`` and waits on it; producers post it
-after publishing a message. A post is a hint, never a lock and never the data: the names in
-/dev/shm are the truth, so a lost, extra or saturated post costs a wasted look at most.
+The doorbell is a named POSIX semaphore counting "look again" hints: the consumer worker
+creates it and polls it, producers post it after publishing. A post is a hint, never the
+data: the names in /dev/shm are the truth, so a lost, extra or saturated post costs a
+wasted look at most. It is only ever created with ``O_CREX`` (``O_CREAT`` silently opens
+another user's, who could swallow our wake-ups: research/pitfalls.md §4, §7), and a
+producer checks its file (``files.open_checked``) before ``sem_open``, which opens without
+``O_NONBLOCK``. ``posix_ipc`` turns EINTR into ``SignalError`` without retrying (Linux
+never restarts ``sem_timedwait``) and takes absolute ``CLOCK_REALTIME`` deadlines.
 
-Semaphores are only ever created with ``O_CREX``: ``O_CREAT`` silently opens an existing
-semaphore, another user's included, whose owner could then swallow our wake-ups
-(research/pitfalls.md §4, §7). Before trusting a bell it did not create, a producer checks
-the owner, mode and type of its file ``/dev/shm/sem.<name>`` (``files.open_checked``:
-never blocks, even on a planted file under a lease), because glibc's ``sem_open`` itself
-opens without ``O_NONBLOCK``.
+One thread at a time polls the doorbell and runs ``Consumer.scan`` (``Poller``). A blocked
+receiver that finds no one polling becomes the leader: it spins on the semaphore's value
+for ``SPIN_NS`` (waking a process asleep on another CPU takes a while), then blocks on it,
+scans, delivers to every waiter and hands the role on. Other blocked receivers wait on a
+condition until delivered or the role is free. The dispatcher thread takes the role only
+while callback receives wait and no blocked receiver has held it for ``_HANDOFF_NS``; it
+never spins. The spin is off on one CPU, for a second after a quarter or fewer of its last
+``SPIN_WINDOW`` spins found a post, and after a wait that went unanswered until a post
+comes again. ``Worker(busy_poll=s)`` replaces it: the leader polls for ``s`` seconds after
+the last message.
 
-``posix_ipc`` releases the GIL while blocked, turns EINTR into ``SignalError`` without
-retrying (Linux never restarts ``sem_timedwait``, signal(7)) and lets a ``KeyboardInterrupt``
-raised by the SIGINT handler through. Its timeouts are absolute ``CLOCK_REALTIME``
-deadlines, so ``wait`` recomputes the remaining time from ``time.monotonic`` on each retry.
+Thread model (docs/threads.md): any thread; ``Poller._cond`` guards only the poller role
+and is never held while polling or delivering.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -30,20 +38,30 @@ from typing import TYPE_CHECKING
 import posix_ipc
 
 from .._errors import InternalError, ResourceExhaustedError
-from .._rendezvous import Closing
+from .._rendezvous import Closing, RecvSlot
+from .consumer import TICK, Consumer
 from .files import open_checked
 
 if TYPE_CHECKING:
     from .naming import Names
 
-__all__ = ["Bell"]
+__all__ = ["SPIN_NS", "SPIN_WINDOW", "Bell", "Poller", "spin_pays"]
 
 _log = logging.getLogger("shmrdv.shm.bell")
-
 
 #: glibc's semaphore file holds one ``sem_t`` (32 bytes on x86-64); anything much larger
 #: under a bell's name is not a semaphore of ours.
 _MAX_SEM_FILE = 4096
+#: How long a leader polls the doorbell's value before it blocks (ns): about a reply's
+#: worth of work on the other side of a ping-pong, a large message's included.
+SPIN_NS = 250_000
+# The dispatcher thread takes the poller role only once no blocked receiver has held it
+# for this long: a receiver in a loop comes back sooner, and polls itself.
+_HANDOFF_NS = 2_000_000
+# The spin is judged by its last ``SPIN_WINDOW`` spins: if fewer than a quarter found a post,
+# the peer could not answer within the budget, and the spin stays off for ``_PAUSE_NS``.
+SPIN_WINDOW = 16
+_PAUSE_NS = 1_000_000_000
 
 
 def _check_ours(path: str, what: str) -> os.stat_result | None:
@@ -59,20 +77,12 @@ def _check_ours(path: str, what: str) -> os.stat_result | None:
 
 
 class Bell(Closing):
-    """A handle on one worker's doorbell semaphore.
-
-    ``Bell.create`` (the consumer, once per worker) or ``Bell.open`` (a producer). ``close()``
-    closes this handle only; ``unlink()`` removes the name (the consumer does both at exit).
-    Thread-safe. ``close()`` wakes the waiters of this handle first, so it never unmaps the
-    semaphore under a thread blocked in ``wait``.
-    """
+    """A handle on one worker's doorbell semaphore: ``Bell.create`` (the consumer, once per
+    worker) or ``Bell.open`` (a producer). ``close()`` closes this handle only, ``unlink()``
+    removes the name. Thread-safe."""
 
     def __init__(self, sem: posix_ipc.Semaphore, name: str, path: str, task: str) -> None:
-        """Internal: use ``Bell.create`` or ``Bell.open``."""
-        self._sem = sem
-        self._name = name
-        self._path = path
-        self._task = task
+        self._sem, self._name, self._path, self._task = sem, name, path, task
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._waiters = 0
@@ -81,64 +91,53 @@ class Bell(Closing):
 
     @classmethod
     def create(cls, names: Names, task: str, *, replace_stale: bool = False) -> Bell:
-        """Create ``task``'s bell, empty, mode 0600, with ``O_CREX``.
-
-        If the name exists and is ours (our uid, no group/other bits), it is unlinked and
-        created afresh when ``replace_stale`` is true (the caller knows the previous owner is
-        dead: it holds the task's presence record). Raises ``InternalError`` naming the
-        semaphore when it exists otherwise (another live owner, or squatted by another user),
-        ``ResourceExhaustedError`` when /dev/shm is full. Does not block.
-        """
+        """Create ``task``'s bell, empty, mode 0600, with ``O_CREX``; an existing one of ours
+        is replaced if ``replace_stale`` (the caller holds the task's presence record: its
+        previous owner is dead). Raises ``InternalError`` naming the semaphore when it exists
+        otherwise (another live owner, or another user's), ``ResourceExhaustedError`` when
+        /dev/shm is full. Does not block."""
         name, path = names.bell(task), names.bell_path(task)
+        what = f"doorbell semaphore {path} of {task}"
         for attempt in (1, 2):
             try:
                 sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+                break
             except posix_ipc.ExistentialError as e:
                 st = _check_ours(path, f"doorbell semaphore of {task}")
                 if st is None:
                     continue  # vanished meanwhile: create again
                 if not replace_stale or attempt == 2:
                     raise InternalError(
-                        f"doorbell semaphore {path} of {task} already exists "
-                        f"(created {time.time() - st.st_mtime:.0f} s ago); is {task} running "
-                        "twice in one namespace?"
+                        f"{what} already exists (created {time.time() - st.st_mtime:.0f} s "
+                        f"ago); is {task} running twice in one namespace?"
                     ) from e
-                _log.info("replacing stale doorbell semaphore %s of %s", path, task)
-                try:
+                _log.info("replacing stale %s", what)
+                with contextlib.suppress(posix_ipc.ExistentialError):
                     posix_ipc.unlink_semaphore(name)
-                except posix_ipc.ExistentialError:
-                    pass
-                continue
             except (posix_ipc.Error, OSError, ValueError) as e:
                 if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
                     raise ResourceExhaustedError(
-                        f"cannot create doorbell semaphore {path} of {task}: {e.strerror}; "
-                        "/dev/shm is full (remove what dead processes left behind with "
-                        "`python -m shmrdv gc`)"
+                        f"cannot create {what}: {e.strerror}; /dev/shm is full (remove what "
+                        "dead processes left behind with `python -m shmrdv gc`)"
                     ) from e
-                raise InternalError(
-                    f"cannot create doorbell semaphore {path} of {task}: {e}"
-                ) from e
-            bell = cls(sem, name, path, task)
-            try:
-                # posix_ipc applies the umask; the research found 0666 under umask 0 (§7).
-                os.chmod(path, 0o600)
-            except OSError as e:
-                bell.close()
-                bell.unlink()
-                raise InternalError(f"cannot chmod doorbell semaphore {path}: {e}") from e
-            _log.debug("created doorbell semaphore %s of %s", path, task)
-            return bell
-        raise InternalError(f"cannot create doorbell semaphore {path} of {task}: it keeps changing")
+                raise InternalError(f"cannot create {what}: {e}") from e
+        else:
+            raise InternalError(f"cannot create {what}: it keeps changing")
+        bell = cls(sem, name, path, task)
+        try:
+            # posix_ipc applies the umask; the research found 0666 under umask 0 (§7).
+            os.chmod(path, 0o600)
+        except OSError as e:
+            bell.close()
+            bell.unlink()
+            raise InternalError(f"cannot chmod {what}: {e}") from e
+        return bell
 
     @classmethod
     def open(cls, names: Names, task: str) -> Bell | None:
         """Open ``task``'s existing bell (the producer side); None if it does not exist.
-
-        Raises ``InternalError`` if the semaphore's file is not ours (another owner uid, group
-        or other permission bits, not a regular file): a semaphore planted by another user is
-        never posted or waited on. Does not block.
-        """
+        Raises ``InternalError`` if its file is not ours (owner, mode, type): a semaphore
+        planted by another user is never posted or waited on. Does not block."""
         name, path = names.bell(task), names.bell_path(task)
         what = f"doorbell semaphore of {task}"
         # Checked before opening and compared after: once a file of ours is under the name, only
@@ -164,11 +163,6 @@ class Bell(Closing):
         return bell
 
     @property
-    def path(self) -> str:
-        """The semaphore's file, ``/dev/shm/sem.<name>``."""
-        return self._path
-
-    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -185,39 +179,30 @@ class Bell(Closing):
 
     @property
     def semaphore(self) -> posix_ipc.Semaphore:
-        """The semaphore itself: its ``value`` (posts not taken yet) and its ``release``
-        with no Python call around them (a sender, a spinning poller). Both raise on a
-        closed handle."""
+        """The semaphore itself, for its ``value`` and ``release`` with no Python call around
+        them (a sender, a spinning poller); both raise on a closed handle."""
         return self._sem
 
     def ring(self) -> None:
-        """Post one hint. Never blocks. A saturated counter (SEM_VALUE_MAX) is left as it is.
-
-        Raises ``InternalError`` if this handle is closed.
-        """
+        """Post one hint; a saturated counter is left as it is. Never blocks. Raises
+        ``InternalError`` if this handle is closed."""
         if self._closed:
             self._check_open("ring")
         try:
             self._sem.release()
-        except posix_ipc.Error as e:  # closed by another thread meanwhile
-            raise InternalError(f"cannot post doorbell {self._path} of {self._task}: {e}") from e
-        except OSError as e:
+        except (posix_ipc.Error, OSError) as e:  # (closed by another thread meanwhile)
             # posix_ipc: release() at SEM_VALUE_MAX raises EOVERFLOW (pitfalls.md §4). The
             # waiter has more hints than it will ever need.
-            if e.errno != errno.EOVERFLOW:
+            if getattr(e, "errno", None) != errno.EOVERFLOW:
                 raise InternalError(
                     f"cannot post doorbell {self._path} of {self._task}: {e}"
                 ) from e
-            _log.debug("doorbell %s is saturated; post dropped", self._path)
 
     def wait(self, timeout: float | None) -> bool:
-        """Block until a post arrives (True, one post taken) or ``timeout`` seconds pass (False).
-
-        ``None`` waits forever (until a post, or ``close()`` which returns False). Retries
-        signal interruptions with the remaining time; a ``KeyboardInterrupt`` from the SIGINT
-        handler propagates. The GIL is released while blocked. Raises ``InternalError`` if
-        the handle was closed before the call.
-        """
+        """Block until a post arrives (True, one post taken) or ``timeout`` seconds pass
+        (False; ``None``: until a post or ``close``, which returns False). A signal is
+        retried with the time left; a ``KeyboardInterrupt`` propagates. Raises
+        ``InternalError`` if the handle was closed before the call."""
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         with self._lock:
             self._check_open("wait on")
@@ -241,14 +226,12 @@ class Bell(Closing):
                 self._idle.notify_all()
 
     def drain(self) -> int:
-        """Take every pending post without blocking; return how many were taken (a read of
-        the semaphore's value when there is none: no system call, no exception)."""
+        """Take every pending post without blocking; return how many were taken."""
         if self._closed:
             self._check_open("drain")
         count = 0
         sem = self._sem
-        # The value is read first (no system call): the usual last ``acquire(0)`` that
-        # fails costs an exception, on a poller's hot path.
+        # The value first: a last ``acquire(0)`` that fails costs an exception.
         while sem.value > 0:
             try:
                 sem.acquire(0)
@@ -260,13 +243,10 @@ class Bell(Closing):
         return count
 
     def close(self, timeout: float = 5.0) -> None:
-        """Close this handle (the name stays: see ``unlink``). Idempotent.
-
-        Threads blocked in ``wait`` on this handle are woken first (by posts, which they take
-        back) and return False; ``close`` blocks until they have left, at most ``timeout``
-        seconds, after which it logs and leaves the handle open rather than unmap a semaphore
-        under a waiter.
-        """
+        """Close this handle (the name stays). Idempotent. Threads blocked in ``wait`` are
+        woken first (by posts) and return False; blocks until they have left, at most
+        ``timeout`` s, then logs and leaves the handle open rather than unmap a semaphore
+        under a waiter."""
         with self._lock:
             if self._closed:
                 return
@@ -274,7 +254,10 @@ class Bell(Closing):
             deadline = time.monotonic() + timeout
             while self._waiters:
                 for _ in range(self._waiters):
-                    self._release_quietly()
+                    try:
+                        self._sem.release()
+                    except OSError:
+                        pass  # saturated: the waiters will wake anyway
                 woke = self._idle.wait(max(deadline - time.monotonic(), 0.0))
                 if not woke and self._waiters:
                     _log.warning(
@@ -285,12 +268,6 @@ class Bell(Closing):
                     self._finalizer.detach()
                     return
         self._finalizer()
-
-    def _release_quietly(self) -> None:
-        try:
-            self._sem.release()
-        except OSError:
-            pass  # saturated: the waiters will wake anyway
 
     def unlink(self) -> None:
         """Remove the bell's name (existing handles keep working). A missing name is fine."""
@@ -303,3 +280,169 @@ class Bell(Closing):
 
     def __repr__(self) -> str:
         return f"<Bell {self._task} {self._name} {'closed' if self._closed else 'open'}>"
+
+
+def spin_pays() -> bool:
+    """Whether a spin can pay on this host at all: its peer can run meanwhile."""
+    return (os.cpu_count() or 1) > 1
+
+
+class Poller:
+    """Who polls one transport's doorbell (see the module docstring)."""
+
+    def __init__(self, bell: Bell, consumer: Consumer, label: str, busy_poll: float = 0.0) -> None:
+        self._bell = bell
+        self._sem = bell.semaphore  # its ``value``: one C call, no system call
+        self._consumer = consumer
+        self._lock = threading.Lock()  # (``with`` on the bare lock: no Python call)
+        self._cond = threading.Condition(self._lock)
+        self._polling = False
+        self._thread_polls = False  # the poller is the dispatcher thread
+        self._blocked = 0  # blocked receivers waiting for the role
+        self._released_ns = 0  # perf_counter_ns when a blocked receiver last left the role
+        self._closed = False
+        self._busy_ns = int(busy_poll * 1e9)
+        self._answered = True  # the last wait on the doorbell was answered
+        self._spin_ok = spin_pays()
+        self._window = self._window_hits = 0  # spins and hits since the last judgement
+        self._paused_until = 0  # perf_counter_ns until which the spin is off
+        self._last_msg_ns = 0  # when the last poll found a message
+        self._spun_ns = self._spins = self._spin_hits = 0
+        self._thread_polls_count = self._posts = self._tick_finds = 0
+        self._thread = threading.Thread(
+            target=self._run, name=f"shmrdv-shm-dispatch {label}", daemon=True
+        )
+        self._thread.start()
+
+    def kick(self) -> None:
+        """A callback receive was queued: make sure someone polls."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def wake_all(self) -> None:
+        """Let followers look at their slots again (an abort filled some), and the leader
+        stop waiting on the doorbell."""
+        with self._cond:
+            self._cond.notify_all()
+        self._bell.ring()
+
+    def wait(self, slot: RecvSlot, timeout: float) -> None:
+        """Block up to ``timeout`` s as leader (polling) or follower; early once filled. A
+        blocked receiver has priority: finding the dispatcher thread polling, it rings the
+        doorbell so that the thread hands the role over."""
+        with self._lock:
+            if slot.filled or self._closed:
+                return
+            if self._polling:
+                self._blocked += 1
+                try:
+                    if self._thread_polls:
+                        self._bell.ring()
+                    self._cond.wait(timeout)
+                finally:
+                    self._blocked -= 1
+                if slot.filled or self._closed or self._polling:
+                    return
+            self._polling = True
+        try:
+            self._poll(timeout, True)
+        finally:
+            with self._lock:
+                self._polling = False
+                self._released_ns = time.perf_counter_ns()
+                if self._blocked:  # the dispatcher thread waits ``_HANDOFF_NS`` (``_run``)
+                    self._cond.notify_all()
+
+    def _run(self) -> None:
+        consumer, cond = self._consumer, self._cond
+        while True:
+            with cond:
+                while True:
+                    if self._closed:
+                        return
+                    if consumer.callback_waiters <= 0:
+                        cond.wait()  # ``kick`` wakes it when a callback receive is queued
+                    elif self._polling or self._blocked:
+                        cond.wait(_HANDOFF_NS / 1e9)  # a blocked receiver polls meanwhile
+                    else:
+                        idle_ns = self._released_ns + _HANDOFF_NS - time.perf_counter_ns()
+                        if idle_ns <= 0:
+                            break
+                        cond.wait(idle_ns / 1e9)
+                self._polling = self._thread_polls = True
+                self._thread_polls_count += 1
+            try:
+                self._poll(TICK, False)
+            finally:
+                with cond:
+                    self._polling = self._thread_polls = False
+                    cond.notify_all()
+
+    def _poll(self, wait: float, spin: bool) -> None:
+        """Wait up to ``wait`` s for a doorbell post (spinning first if ``spin``), then
+        scan and deliver. The dispatcher thread never spins: a spinning thread keeps the
+        GIL from the receiver that wants the role (and from the user's threads)."""
+        bell = self._bell
+        start = time.perf_counter_ns()
+        if not spin:
+            budget = 0
+        elif self._busy_ns:
+            budget = max(self._last_msg_ns + self._busy_ns - start, 0)
+        else:
+            ok = self._spin_ok and self._answered and start >= self._paused_until
+            budget = SPIN_NS if ok else 0
+        seen = False
+        if budget:
+            self._spins += 1
+            sem, clock, end = self._sem, time.perf_counter_ns, start + budget
+            try:
+                while not sem.value:
+                    if clock() >= end:
+                        break
+                else:
+                    seen = True
+            except Exception:  # closed meanwhile: the scan finds the consumer closed
+                seen = True
+            now = clock()
+            self._spun_ns += now - start
+            self._spin_hits += seen
+            self._window += 1
+            self._window_hits += seen
+            if self._window == SPIN_WINDOW:  # pause the spin if few of the window's paid
+                if self._window_hits * 4 < SPIN_WINDOW and not self._busy_ns:
+                    self._paused_until = now + _PAUSE_NS
+                self._window = self._window_hits = 0
+            if not seen:
+                wait -= (now - start) / 1e9
+        if seen or bell.wait(max(wait, 0.0)):
+            self._posts += (not seen) + bell.drain()
+            self._last_msg_ns = time.perf_counter_ns()
+            self._answered = True
+            self._consumer.scan()
+            return
+        self._answered = False  # no spin until posts come again
+        found = self._consumer.scan(posted=False)
+        if found and not bell.pending:  # a post that never came (late ones are not lost)
+            self._tick_finds += found
+
+    def stats(self) -> dict[str, int]:
+        """Time spent spinning (its CPU time), spins and those that found a post, polls by
+        the dispatcher thread, posts taken, and values found only once a wait on the
+        doorbell timed out (0 unless a producer could not post)."""
+        return {
+            "spin_us": self._spun_ns // 1000,
+            "spins": self._spins,
+            "spin_hits": self._spin_hits,
+            "dispatcher_polls": self._thread_polls_count,
+            "doorbell_posts": self._posts,
+            "tick_finds": self._tick_finds,
+        }
+
+    def close(self) -> None:
+        """Stop the thread (after the consumer is closed). Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._bell.ring()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)

@@ -3,21 +3,22 @@
 Each (step, key) is a ``Channel``, the key of one ``WaiterTable`` (``_channels.py``): its
 values not taken yet, or its waiting receives, oldest first. A producer leaves a record of
 each message in the ring it keeps for this consumer (``ring.py``): the value itself when
-small, else a notice "message (step, key, seq) is the segment of its name". Draining a
-ring hands each record to its channel's oldest waiter, or queues it; a receive takes the
-oldest value, or waits. A segment is taken by ``_open`` (``pool.SlotMaps.take``).
+small, else a notice "message (step, key, seq) is the segment of its name"
+(``SlotMaps.take``). Draining a ring hands each record to its channel's oldest waiter, or
+queues it; a receive takes the oldest value, or waits.
 
 Names are the truth; rings are how the consumer hears of them. What no record shows is
-found by name: a gap in a channel's sequence numbers (a full ring) by the missing names,
-at once; the waiting channels of a producer without a ring per doorbell post; the rest by
-a listing (``recovery.py``). A lost doorbell post costs a tick (``TICK``), never a message.
+found by name: a gap in a channel's sequence numbers (a full ring) at once, the waiting
+channels of a producer without a ring per doorbell post, the rest by a listing
+(``recovery.py``). A lost doorbell post costs a tick (``TICK``), never a message. A ring is
+also the durable copy of what this consumer task has not taken: a queued value (``Held``)
+keeps its record until it is taken or freed, so the task's next process, after a crash,
+reads exactly the records not taken.
 
-A ring is also the durable copy of what this consumer task has not taken: a queued value
-(``Held``) keeps its record in the ring until it is taken or freed (``Ring.taken``), so
-the task's next process, after a crash, reads exactly the records not taken (from
-``tail``; the ring keeps its name while it holds any). Records left untaken while the
-producer needs the room go out of the ring to segments under their messages' names
-(``Recovery.spill``).
+Once per tick, per producer task with waiters, the liveness monitor is asked
+(``PeerDirectory.state``): a receive whose producer was seen alive and then died fails with
+``UnavailableError``; a producer seen with a new incarnation fails the receives of keys
+pinned to the old one (``AbortedError``, as TensorFlow words it) and moves the others on.
 
 Thread model (docs/threads.md): every method takes ``lock`` itself; what it finds to do
 after it (deliveries, frees, collections) runs once it is released, in the same thread.
@@ -30,26 +31,32 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from .._channels import MISSING, WaiterTable
 from .._cluster import canonical_task
-from .._errors import InternalError, RendezvousError, ResourceExhaustedError, closed_error
+from .._errors import (
+    AbortedError,
+    InternalError,
+    RendezvousError,
+    ResourceExhaustedError,
+    UnavailableError,
+    closed_error,
+)
 from .._keys import DeviceName, ParsedKey
 from .._rendezvous import Canceller, DoneCallback, Received, invoke_done, received
-from .._transport import TransportContext
+from .._transport import PeerDirectory, TaskState, TransportContext
 from . import reaper
 from .header import FLAG_DEAD, FLAG_NOTICE, Reader, unpack_identity
 from .mappings import SlotMaps
 from .naming import Names
+from .pool import ProducerAlive
 from .recovery import Held, InRing, Recovery
 
-if TYPE_CHECKING:
-    from .liveness import Liveness
-
-__all__ = ["TICK", "Channel", "Consumer", "Item", "Notice", "Source", "deliver"]
+__all__ = ["TICK", "Channel", "Consumer", "Notice", "Source", "run_alive"]
 
 _log = logging.getLogger("shmrdv.shm")
 
@@ -63,6 +70,8 @@ _INF = float("inf")
 # A gap in a channel's sequence numbers is filled by this many looks by name at most.
 _FILL_MAX = 1 << 16
 _ndarray = np.ndarray
+# What a producer seen alive less than a tick ago is taken to be, without a look.
+_ALIVE = TaskState("alive")
 
 #: A delivery to make outside the lock: ``done``, whether to copy, the value or the error.
 Item = tuple[DoneCallback, bool, Received | BaseException]
@@ -94,9 +103,6 @@ class Channel:
 
     __slots__ = ("inc", "key", "pk", "seen_alive", "seq", "src", "step")
 
-    #: ``liveness.py`` asks it: a channel it looks at has waiters, hence nothing queued.
-    nready = 0
-
     def __init__(self, step: int, key: str, src: Source, inc: int) -> None:
         self.step, self.key, self.src, self.inc = step, key, src, inc
         self.seq = 0
@@ -113,41 +119,24 @@ class Waiter:
         self.done, self.copy, self.channel, self.blocking = done, copy, channel, blocking
 
 
+@dataclass(eq=False, slots=True)
 class Source:
-    """One producer task, as this consumer sees it (``liveness.py`` reads and sets the
-    liveness fields: ``alive_at``, ``inc``, ``restarted``, ``look_at``, ``was_alive``)."""
+    """One producer task, as this consumer sees it."""
 
-    __slots__ = (
-        "alive_at",
-        "broken",
-        "dev",
-        "inc",
-        "look_at",
-        "restarted",
-        "retired",
-        "ring_incs",
-        "rings",
-        "task",
-        "tried",
-        "unseen",
-        "waiting",
-        "was_alive",
-    )
-
-    def __init__(self, task: str, dev: DeviceName) -> None:
-        self.task, self.dev = task, dev
-        self.inc = 0  # of its live worker, or of the last one seen
-        self.rings: list[InRing] = []
-        self.ring_incs: set[int] = set()  # incarnations whose ring is attached
-        self.tried: set[int] = set()  # earlier incarnations whose ring was looked for
-        self.retired: set[int] = set()  # incarnations whose ring was let go: never again
-        self.look_at = 0.0  # when to look for its ring again
-        self.alive_at = -1.0  # when it was last seen alive (with incarnation ``inc``)
-        self.waiting: dict[Channel, None] = {}  # its channels with waiters (ordered set)
-        self.unseen: list[Channel] = []  # waiting channels not yet marked seen_alive
-        self.was_alive = False
-        self.restarted = False
-        self.broken: InternalError | None = None  # why its ring was failed, told once
+    task: str
+    dev: DeviceName
+    inc: int = 0  # of its live worker, or of the last one seen
+    rings: list[InRing] = field(default_factory=list)
+    ring_incs: set[int] = field(default_factory=set)  # runs whose ring is attached
+    tried: set[int] = field(default_factory=set)  # earlier runs whose ring was looked for
+    retired: set[int] = field(default_factory=set)  # runs whose ring was let go: never again
+    look_at: float = 0.0  # when to look for its ring again
+    alive_at: float = -1.0  # when it was last seen alive (with incarnation ``inc``)
+    waiting: dict[Channel, None] = field(default_factory=dict)  # channels with waiters
+    unseen: list[Channel] = field(default_factory=list)  # waiting, not marked seen_alive
+    was_alive: bool = False
+    restarted: bool = False
+    broken: InternalError | None = None  # why its ring was failed, told once
 
     def ringless(self, inc: int) -> bool:
         """Whether run ``inc``'s messages can only be found by name (no ring attached)."""
@@ -156,6 +145,19 @@ class Source:
     def lost(self) -> bool:
         """Whether one of its rings lost records not recovered yet (as of the last drain)."""
         return any(r.lost != r.lost_seen for r in self.rings)
+
+
+def run_alive(peers: PeerDirectory) -> ProducerAlive:
+    """``pool.ProducerAlive`` over the liveness monitor: whether ``task``'s live worker is
+    run ``incarnation``. Lock-free and never blocking (it runs inside the garbage collector,
+    giving a slot back); raises what ``PeerDirectory.state`` raises."""
+
+    def alive(task: str, incarnation: int) -> bool:
+        seen = peers.state(DeviceName.parse(task))
+        record = seen.record if seen.state == "alive" else None
+        return record is not None and record.incarnation == incarnation
+
+    return alive
 
 
 def deliver(done: DoneCallback, copy: bool, result: Received | BaseException) -> None:
@@ -189,11 +191,9 @@ class Consumer:
         self._src_by_device: dict[str, Source] = {}  # by a key's src device, as written
         self._rings: list[InRing] = []
         self._reader = Reader()
-        from .liveness import Liveness  # (which reads this module's Channel and Source)
-
-        self._live: Liveness = Liveness(ctx, TICK)
-        self._maps = SlotMaps(names, ctx.incarnation, self._live.producer_alive)
-        self._recovery = Recovery(ctx, names, self, self._live.producer_alive)
+        alive = run_alive(ctx.peers)
+        self._maps = SlotMaps(names, ctx.incarnation, alive)
+        self._recovery = Recovery(ctx, names, self, alive)
         #: Queued callback (non-blocking) waiters: the dispatcher thread polls while > 0.
         self.callback_waiters = 0
         self._tick_at = 0.0
@@ -310,6 +310,9 @@ class Consumer:
                 if not blocking:
                     self.callback_waiters += 1
                     first = self.callback_waiters == 1
+            elif type(result) is Received:
+                self.received += 1
+                self.received_bytes += result.value.nbytes
             work = self._work()
         if work is not None:
             self._after(work)
@@ -321,19 +324,20 @@ class Consumer:
         return lambda: self.cancel(waiter)
 
     def _first_look(self, ch: Channel, src: Source) -> Received | BaseException | None:
-        """What a receive that would be its channel's first waiter finds before it waits:
-        its producer's ring if it is due for a look (attached and drained), its message by
-        name where no ring shows it, the error of a failed ring, and whether its producer
-        lives (so that its death is noticed before the first tick) or was restarted."""
+        """What a receive finds before it becomes its channel's first waiter: its producer's
+        ring if due for a look, its message by name where no ring shows it, a failed ring's
+        error, and whether its producer died before this receive (not only at a tick) or
+        was restarted."""
         if src.look_at != _INF:
             self._recovery.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
-            self._recovery.look_for_old_ring(src, ch.inc)
+            src.tried.add(ch.inc)  # a key pinned to a run that is not the live one
+            self._recovery.attach_run(src, ch.inc)
         result = self.take(ch, src.ringless(ch.inc) or src.lost())
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None
         if result is None and not ch.seen_alive:
-            result = self._live.failure(ch, self._live.state(src))
+            result = self._failure(ch, self._look(src))
         return result
 
     def cancel(self, waiter: Waiter) -> bool:
@@ -349,9 +353,8 @@ class Consumer:
             return True
 
     def take(self, ch: Channel, by_name: bool) -> Received | BaseException | None:
-        """The channel's next value (under the lock), if it is there: queued, or (``by_name``:
-        no ring shows this producer's messages, or one lost records) by its name. What the
-        listing of lost records finds is queued first, so taken in order."""
+        """The channel's next value if it is there: queued, or (``by_name``: no ring shows
+        this producer's messages, or one lost records) by its name."""
         got = self._table.take(ch)
         if got is not MISSING:
             return self._taken(ch, got)
@@ -369,13 +372,10 @@ class Consumer:
         result = self._open(ch, ch.seq, ch.inc, None)
         if result is not None and type(result) is not ResourceExhaustedError:
             ch.seq += 1  # (out of descriptors: not read, taken by a later receive)
-            if type(result) is Received:
-                self.received += 1
-                self.received_bytes += result.value.nbytes
         return result
 
     def _taken(self, ch: Channel, got: Queued) -> Received | BaseException:
-        """What a receive gets for the queued ``got`` (a notice is opened), counted."""
+        """What a receive gets for the queued ``got`` (a notice is opened)."""
         if type(got) is Held:
             got.r.taken(got.pos)
             got = got.value
@@ -384,9 +384,6 @@ class Consumer:
             if type(opened) is ResourceExhaustedError:
                 self._table.put(ch, got, front=True)  # not read: still the next one
             got = opened  # type: ignore[assignment]
-        if type(got) is Received:
-            self.received += 1
-            self.received_bytes += got.value.nbytes
         return got  # type: ignore[return-value]  # opened
 
     def _served(self, waiter: Waiter, value: Queued) -> Item:
@@ -422,9 +419,8 @@ class Consumer:
     def _open(
         self, ch: Channel, seq: int, inc: int, notice: Notice | None
     ) -> Received | BaseException | None:
-        """Message ``seq`` of ``ch`` (producer run ``inc``) from the segment of its name
-        (``SlotMaps.take``): None if it is not published (yet); an error for a notice whose
-        segment is gone."""
+        """Message ``seq`` of ``ch`` (producer run ``inc``) from the segment of its name: None
+        if it is not published (yet); an error for a notice whose segment is gone."""
         watch = next((r.watch for r in ch.src.rings if r.inc == inc), None)
         if notice is None:
             return self._maps.take(ch.src.task, ch.step, ch.key, inc, seq, watch=watch)
@@ -448,17 +444,12 @@ class Consumer:
         self.drain(r)
 
     def drain(self, r: InRing) -> None:
-        """Every record of ring ``r`` to its channel: to its oldest waiter (taken at once), or
-        queued as ``Held`` (taken when a receive takes it). Records an earlier process of
-        this consumer task took are skipped (``Ring.spans``). Once more than half the ring
-        is held, the oldest held records move out of it (``Recovery.spill``).
-
-        First the ring's size, one ``lseek``: a process that kept a descriptor of it may
-        have truncated it, and reading a lost page would be a SIGBUS; such a ring is failed
-        (unmapped; the receives waiting on its producer look by name, then get the error).
+        """Every record of ring ``r`` to its channel: to its oldest waiter, or queued as
+        ``Held``. Records an earlier process of this consumer task took are skipped. Once
+        more than half the ring is held, the oldest held records move out of it
+        (``Recovery.spill``). A ring its file no longer holds (a SIGBUS to read) is failed.
         A record is the producer's bytes: its header gets the reader's checks, and one
-        refused still names its key: its receiver gets the error, what follows is delivered.
-        """
+        refused still names its key: its receiver gets the error."""
         if not r.intact():
             self._fail_ring(r)
             return
@@ -548,10 +539,9 @@ class Consumer:
 
     def _fill(self, ch: Channel, seq: int, r: InRing) -> None:
         """Messages ``ch.seq`` to ``seq - 1`` of ``ch`` came with no record: queued from
-        their names, in order. Only the last of them can be there: those ``r`` lost (a full
-        ring) or its consumer moved out (``Recovery.spill``), at most as many as it counts
-        and ``_FILL_MAX``; the numbers before were taken by an earlier process of this
-        consumer task, or skipped by the producer (a failed publish)."""
+        their names, in order. Only the last ``r.lost`` (at most ``_FILL_MAX``) can be
+        there; the numbers before were taken by an earlier process of this consumer task,
+        or skipped by the producer (a failed publish)."""
         for s in range(max(ch.seq, seq - min(r.lost, _FILL_MAX)), seq):
             got = self._open(ch, s, r.inc, None)
             if got is not None:
@@ -570,26 +560,18 @@ class Consumer:
         if who is None:
             return None
         step, seq, key = who
-        return (
-            step,
-            seq,
-            key,
-            InternalError(
-                f"refusing message {seq} of key {key!r} (step {step}) from producer {src.task}: {e}"
-            ),
-        )
+        why = f"refusing message {seq} of key {key!r} (step {step}) from producer {src.task}: {e}"
+        return step, seq, key, InternalError(why)
 
     def _fail_ring(self, r: InRing) -> None:
         """Give up a ring whose file no longer holds it. Its producer, if it saw that too,
         goes on by name: the waiting receives look by name first, and fail only if their
-        message is not there; the next receive of the producer hears of it once."""
+        message is not there; else the next receive hears of it once."""
         src = r.src
-        try:
-            r.segment.check_size(r.size)
-            why = "its size cannot be read"
-        except (InternalError, ValueError) as e:
-            why = str(e)
-        error = InternalError(f"the ring from producer {src.task} is unusable: {why}")
+        error = InternalError(
+            f"the ring from producer {src.task} is unusable: its file was truncated below "
+            f"its {r.size} bytes"
+        )
         _log.warning("%s", error)
         r.segment.unlink_quietly()  # nothing in it can be read any more
         src.retired.add(r.inc)
@@ -611,11 +593,10 @@ class Consumer:
     # -- the scan (run by whoever polls the doorbell) -----------------------------------
 
     def scan(self, posted: bool = True) -> int:
-        """Drain the rings into the table (delivering to waiters); per doorbell post, look
-        for the messages of producers without a ring by name; once per tick, check the
-        producers that have waiters (liveness, lost records, rings to attach) and let go
-        of the rings of producer runs that are over. Delivers after the lock; returns how
-        many values it delivered."""
+        """Drain the rings; per doorbell post (``posted``), look by name for the messages of
+        producers without a ring; once per tick, check the producers that have waiters and
+        let go of the rings of runs that are over. Delivers after the lock. Returns how
+        many values a scan no post asked for delivered (what a lost post cost), else 0."""
         with self.lock:
             if self._closed:
                 return 0
@@ -646,13 +627,13 @@ class Consumer:
             work = self._work()
         if work is None:
             return 0
-        found = sum(1 for _, _, v in work[0] if type(v) is Received)
+        found = 0 if posted else sum(1 for _, _, v in work[0] if type(v) is Received)
         self._after(work)
         return found
 
     def _tick(self, src: Source) -> None:
-        """Once per tick for a producer with waiters: its ring (attached if it is there),
-        what it lost or left by name, its liveness."""
+        """Once per tick for a producer with waiters: its ring, what it lost or left by
+        name, its liveness."""
         self._recovery.look_for_ring(src, force=not src.rings)
         if src.lost():
             self._recovery.recover(src)
@@ -665,11 +646,85 @@ class Consumer:
                     self.serve(ch, True)
         if not src.waiting:
             return
-        dead, failures = self._live.verdicts(src)
-        for ch, failure in failures:
-            if dead:  # what it published before it died is there: delivered first
-                self.serve(ch, True)
-            self._fail(ch, failure)
+        seen = self._look(src)
+        if isinstance(seen, TaskState) and seen.state == "alive":
+            if src.restarted:
+                src.restarted = False
+                for ch in list(src.waiting):
+                    failure = self._failure(ch, seen)  # follows it, or fails
+                    if failure is not None:
+                        self._fail(ch, failure)
+            for ch in src.unseen:
+                ch.seen_alive = True
+            src.was_alive = src.was_alive or bool(src.unseen)
+            src.unseen.clear()
+            return
+        if isinstance(seen, TaskState) and not src.was_alive:
+            return  # not started yet (or gone before anyone here saw it): wait
+        src.was_alive = False
+        for ch in list(src.waiting):
+            failure = self._failure(ch, seen)
+            if failure is not None:
+                self.serve(ch, True)  # what it published before it died is delivered first
+                self._fail(ch, failure)
+
+    def _look(self, src: Source) -> TaskState | RendezvousError:
+        """The producer's state (a look at most once per tick while it lives; a new run
+        noted), or the error of a record that cannot be trusted."""
+        now = time.monotonic()
+        if src.alive_at >= 0 and now - src.alive_at <= TICK:
+            return _ALIVE
+        try:
+            seen = self._ctx.peers.state(src.dev)
+        except RendezvousError as e:
+            return e
+        if seen.state == "alive" and seen.record is not None:
+            if seen.record.incarnation != src.inc:
+                src.restarted = bool(src.inc)
+                src.inc = seen.record.incarnation
+                src.look_at = 0.0  # a restarted producer: look for its new ring
+            src.alive_at = now
+        else:
+            src.alive_at = -1.0
+        return seen
+
+    def _failure(self, ch: Channel, seen: TaskState | RendezvousError) -> BaseException | None:
+        """Why the channel's producer can no longer send, or None while it may."""
+        key = ch.pk.full_key if ch.pk is not None else ch.key
+        src = ch.src.task
+        if isinstance(seen, RendezvousError):
+            return UnavailableError(f"producer {src} of key {key!r} cannot be trusted: {seen}")
+        if seen.state == "alive":
+            inc = ch.src.inc
+            pinned = ch.pk.src_incarnation if ch.pk is not None else 0
+            if pinned and inc != pinned:
+                return AbortedError(
+                    "RecvTensor expects a different device incarnation: "
+                    f"{pinned:016x} vs. {inc:016x}. "
+                    f'Your worker job ("{src}") was probably restarted; key {key!r}'
+                )
+            if not pinned and ch.inc and inc != ch.inc:
+                # Restarted producer and a key that does not pin an incarnation: follow the
+                # new run from its first message (a channel with waiters has nothing queued).
+                ch.inc, ch.seq = inc, 0
+                return None
+            ch.seen_alive = True
+            return None
+        if ch.seen_alive:
+            how = "exited" if seen.state == "absent" else "died"
+            pid = f" (pid {seen.record.pid})" if seen.record is not None and seen.record.pid else ""
+            return UnavailableError(
+                f"producer {src}{pid} {how} while key {key!r} was awaited in step {ch.step}"
+            )
+        return None
+
+    def _run_over(self, src: Source, inc: int) -> bool:
+        """Whether run ``inc`` of the producer can send nothing more: its record is gone or
+        dead, or names another run."""
+        seen = self._look(src)  # (which notes the live run in ``src.inc``)
+        if isinstance(seen, RendezvousError):
+            return False
+        return seen.state != "alive" or src.inc not in (0, inc)
 
     def _probe_ringless(self) -> None:
         """Per doorbell post: the waiting channels of known producers without a ring, by
@@ -684,11 +739,10 @@ class Consumer:
                 self.serve(ch, True)
 
     def _retire_over(self) -> None:
-        """The rings of producer runs that are over are drained and let go once every record
-        is taken; what those runs left is collected after the lock
-        (``reaper.after_producer``)."""
+        """Let go of the rings of producer runs that are over once every record is taken;
+        what those runs left is collected after the lock (``reaper.after_producer``)."""
         for r in list(self._rings):
-            if not self._live.run_over(r.src, r.inc):
+            if not self._run_over(r.src, r.inc):
                 continue
             self.drain(r)
             if r in self._rings and not r.ring.pending():
@@ -716,9 +770,7 @@ class Consumer:
     def cleanup_step(self, step_id: int, posted: bool) -> None:
         """Forget the step; free what was sent to this worker in it and not received: what
         its channels hold, and what a listing shows where messages may have come with no
-        ring record this consumer drained: a producer without a ring or with a full one
-        (``Recovery.needed``), or a doorbell post that no ring explained (``posted``: one
-        is pending; a producer this consumer never received from)."""
+        ring record (``Recovery.needed``, or ``posted``: a doorbell post is pending)."""
         with self.lock:
             self._aborted.pop(step_id, None)
             self.refusing = self._closed or bool(self._aborted)
@@ -755,16 +807,14 @@ class Consumer:
         self._after(work)
 
     def release(self) -> None:
-        """After ``close``: unlink the held names of arrays still alive (their mappings
-        stay; the callbacks that give them back do not run at exit), unmap the rings,
-        collect what producer runs that are over left (slots given back after their close),
-        unless their ring holds records not taken: those stay for this task's next process,
-        and what the run left with them."""
+        """After ``close``: unlink the held names of arrays still alive, unmap the rings,
+        collect what producer runs that are over left, unless their ring holds records not
+        taken: those stay for this task's next process, with what the run left."""
         self._maps.unlink_held()
         with self.lock:
             for r in list(self._rings):
                 r.src.alive_at = -1.0  # a fresh look, not the tick's
-                if self._live.run_over(r.src, r.inc) and r.intact() and not r.ring.pending():
+                if self._run_over(r.src, r.inc) and r.intact() and not r.ring.pending():
                     self._over.append((r.src.task, r.inc))
                 self._forget_ring(r)
             self._maps.close()

@@ -2,9 +2,9 @@
 mapped and given back (the consumer's half of the slot protocol of ``pool.py``).
 
 A one-off segment is mapped, its name unlinked, its array handed out. A pool slot is
-renamed to ``held`` while its array lives (this run noted in its control block), and
-once the array is collected, to ``returned`` for its producer, with the ticket of its next
-lend stored in the block (``give_back``). Its mapping is kept from one message to the next
+renamed to ``held`` while its array lives (this run noted in its control block), and once
+the array is collected, to ``returned`` for its producer, with the ticket of its next lend
+stored in the block (``give_back``). Its mapping is kept from one message to the next
 (``SlotMaps``), found again by inode after the renames: no page faults per message after
 warm-up. Each kept mapping holds a descriptor, hence ``KEEP_MAX``.
 
@@ -15,6 +15,7 @@ collector: it takes no lock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -31,48 +32,33 @@ from .header import FLAG_DEAD, Reader
 from .naming import SLOT_BITS, Names
 from .pool import CONTROL, HOLDER_AT, WORD, ProducerAlive
 
-__all__ = ["KEEP_MAX", "RunWatch", "SlotIdent", "SlotMaps", "give_back", "return_slot"]
+__all__ = ["RunWatch", "SlotMaps", "give_back"]
 
 _log = logging.getLogger("shmrdv.shm.mappings")
+
+#: At most this many kept mappings (file descriptors) per consumer: the pool's own default.
+KEEP_MAX = 256
+# A kept mapping that lent nothing for this long is checked for its slot's existence, at
+# most ``_SWEEP_MAX`` of them per sweep (a few stats each).
+_IDLE_S = 2.0
+_SWEEP_MAX = 8
+# A ticket's slot index (naming.SLOT_BITS).
+_INDEX = (1 << SLOT_BITS) - 1
+
+#: A slot file's identity across renames: (st_dev, st_ino).
+_Ident = tuple[int, int]
 
 
 class RunWatch:
     """A consumer's word about one producer run, read by ``give_back`` without a lock: while
     ``live``, the consumer has that run's ring attached and will collect what the run leaves
-    once it is over (``reaper.after_producer``), so a slot given back needs no look at the
-    producer's liveness. ``live`` is cleared before that collection lists anything, and read
-    after the rename: a rename that does not see it cleared came before the listing."""
+    (``reaper.after_producer``). It is cleared before that collection lists anything and
+    read after the rename: a rename that does not see it cleared came before the listing."""
 
     __slots__ = ("live",)
 
     def __init__(self) -> None:
         self.live = True
-
-
-def return_slot(
-    names: Names,
-    alive: ProducerAlive,
-    producer_task: str,
-    incarnation: int,
-    slot: int,
-    held_name: str,
-    held_names: set[str],
-    mem: mmap.mmap | None = None,
-    watch: RunWatch | None = None,
-) -> None:
-    """When the last array over a held slot is collected (in that thread, possibly inside
-    the garbage collector: no lock): ``give_back`` from its ``held`` name."""
-    held_names.discard(held_name)
-    give_back(names, alive, producer_task, incarnation, slot, names.path(held_name), mem, watch)
-
-
-def _taken_back(names: Names, alive: ProducerAlive, producer_task: str, incarnation: int) -> bool:
-    """Whether the producer run will still take back what is given back to it now (called
-    after the rename): its doorbell is there and its presence record is that run's, alive."""
-    try:
-        return os.path.lexists(names.bell_path(producer_task)) and alive(producer_task, incarnation)
-    except Exception:  # a corrupt or foreign record: treat as gone
-        return False
 
 
 def give_back(
@@ -84,34 +70,29 @@ def give_back(
     path: str,
     mem: mmap.mmap | None = None,
     watch: RunWatch | None = None,
+    held: set[str] | None = None,
 ) -> None:
-    """Rename the pool slot file at ``path`` to its ``returned`` name, for its producer;
-    with its mapping ``mem``, then store the slot's next ticket in its control block (one
-    ``fstat`` first: a store into a page a truncation took would be a SIGBUS).
+    """Rename the pool slot file at ``path`` to its ``returned`` name (leaving ``held``,
+    the consumer's held names), then, with its mapping ``mem``, store the slot's next ticket
+    in its control block (after an ``fstat``: a truncated page would be a SIGBUS). Takes no
+    lock: it runs where an array is collected, possibly inside the garbage collector.
 
-    If the producer is no longer the live worker of that incarnation, nobody will take it
-    back: unlink it instead. A missing ``path`` (removed by close or gc meanwhile) is fine.
-    That look (the doorbell, the presence record and its lock) is skipped while ``watch``
-    is live: its consumer will collect what the run leaves (``RunWatch``).
-
-    No ``returned`` file outlives a closing producer: its ``close`` unlinks its doorbell
-    first and then removes the ``returned`` names of its lent slots. We rename first, then
-    look for the doorbell, then for its live presence record; if we see both, the doorbell
-    we saw was that producer's (a successor's appears only after the record is gone), so
-    our rename came before its sweep, which will find the file. (Under a live ``watch``, a
-    rename after that sweep leaves the file to the consumer's collection of the run.)
-    """
+    A producer that is no longer the live worker of that run takes nothing back: the file
+    is unlinked instead. Its ``close`` unlinks its doorbell, then removes the ``returned``
+    names of its lent slots; we rename first, then look for the doorbell, then for its live
+    record: seeing both, our rename came before that sweep. The look is skipped while
+    ``watch`` is live: the consumer collects what the run leaves (``RunWatch``)."""
+    if held is not None:
+        held.discard(os.path.basename(path))
     ret = names.path(names.returned(producer_task, incarnation, slot))
     try:
         move_noreplace(path, ret)
     except FileNotFoundError:
-        return  # removed by close or gc meanwhile
+        return
     except OSError as e:
         _log.warning("cannot give pool slot %s back (%s); unlinking it", path, e)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
         return
     if mem is not None:
         try:
@@ -122,25 +103,15 @@ def give_back(
             pass  # its producer finds it under its name (``SlotPool._take_back``)
     if watch is not None and watch.live:
         return
-    if not _taken_back(names, alive, producer_task, incarnation):
-        try:
+    try:
+        taken_back = os.path.lexists(names.bell_path(producer_task)) and alive(
+            producer_task, incarnation
+        )
+    except Exception:  # a corrupt or foreign record: treat as gone
+        taken_back = False
+    if not taken_back:
+        with contextlib.suppress(OSError):
             os.unlink(ret)
-        except OSError:
-            pass
-
-
-#: At most this many kept mappings (file descriptors) per consumer: the pool's own default.
-KEEP_MAX = 256
-# A kept mapping that lent nothing for this long is checked for its slot's existence.
-_IDLE_S = 2.0
-# At most this many idle mappings are checked per sweep (a few stats each).
-_SWEEP_MAX = 8
-
-#: A slot file's identity across renames: (st_dev, st_ino).
-SlotIdent = tuple[int, int]
-_Ident = SlotIdent
-# A ticket's slot index (naming.SLOT_BITS).
-_INDEX = (1 << SLOT_BITS) - 1
 
 
 @dataclass(eq=False)
@@ -156,63 +127,51 @@ class _Kept:
 class SlotMaps:
     """The kept mappings of one consumer (see the module docstring)."""
 
-    def __init__(
-        self, names: Names, incarnation: int, alive: ProducerAlive, limit: int = KEEP_MAX
-    ) -> None:
+    def __init__(self, names: Names, incarnation: int, alive: ProducerAlive) -> None:
         self._names = names
         self._inc = incarnation  # the consumer run: noted in the slots it holds
         self._alive = alive
         self._reader = Reader()
-        self._limit = limit
         #: ``held`` names of slots whose arrays this consumer still has (their callbacks
         #: discard theirs); whoever closes the consumer unlinks what is left.
         self.held: set[str] = set()
-        self.probes = 0
         self._kept: OrderedDict[_Ident, _Kept] = OrderedDict()  # least recently used first
         # (producer task, incarnation, slot index) -> the kept mapping of that slot
         self._by_slot: dict[tuple[str, int, int], _Ident] = {}
-        self.hits = 0
-        self.maps = 0
+        self.probes = self.hits = 0
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def open(self, name: str) -> tuple[Segment, SlotIdent, bool]:
-        """Open segment ``name``: (segment, its (device, inode), whether it is a kept mapping).
+    def _used(self, ident: _Ident, kept: _Kept) -> Segment:
+        kept.used_at = time.monotonic()
+        self._kept.move_to_end(ident)
+        self.hits += 1
+        return kept.segment
 
-        Raises what ``Segment.attach`` raises: ``FileNotFoundError`` unchanged when there is
-        no such name, ``InternalError`` for a file that is not ours, ``ResourceExhaustedError``
-        when out of descriptors. A segment that is not kept is the caller's to close, or to
-        ``keep``.
-        """
-        fd, st = open_checked(self._names.path(name), os.O_RDWR, "segment")
-        ident = (st.st_dev, st.st_ino)
-        kept = self._kept.get(ident)
-        if kept is not None:
-            if kept.size == st.st_size and not kept.segment.closed:
-                os.close(fd)
-                kept.used_at = time.monotonic()
-                self._kept.move_to_end(ident)
-                kept.segment.name = name
-                self.hits += 1
-                return kept.segment, ident, True
-            self._drop(ident)  # resized: not the mapping to use any more
-        self.maps += 1
-        return Segment.map_fd(self._names, name, fd, st), ident, False
-
-    def find(self, task: str, incarnation: int, ticket: int) -> tuple[Segment, _Ident] | None:
-        """The kept mapping of the slot of ``ticket`` (its index) of ``task``'s run
-        ``incarnation``, if there is one; the caller checks the file's size before use."""
+    def _find(self, task: str, incarnation: int, ticket: int) -> tuple[Segment, _Ident] | None:
+        """The kept mapping of the slot of ``ticket`` of ``task``'s run ``incarnation``."""
         ident = self._by_slot.get((task, incarnation, ticket & _INDEX))
         if ident is None:
             return None
         kept = self._kept.get(ident)
         if kept is None or kept.segment.closed:
             return None
-        kept.used_at = time.monotonic()
-        self._kept.move_to_end(ident)
-        self.hits += 1
-        return kept.segment, ident
+        return self._used(ident, kept), ident
+
+    def _open(self, name: str) -> tuple[Segment, _Ident, bool]:
+        """Open segment ``name`` (``open_checked``): the segment, its identity, whether it is
+        a kept mapping. Raises what ``Segment.attach`` raises."""
+        fd, st = open_checked(self._names.path(name), os.O_RDWR, "segment")
+        ident = (st.st_dev, st.st_ino)
+        kept = self._kept.get(ident)
+        if kept is not None:
+            if kept.size == st.st_size and not kept.segment.closed:
+                os.close(fd)
+                kept.segment.name = name
+                return self._used(ident, kept), ident, True
+            self._drop(ident)  # resized: not the mapping to use any more
+        return Segment.map_fd(self._names, name, fd, st), ident, False
 
     def take(
         self,
@@ -225,22 +184,17 @@ class SlotMaps:
         array: tuple[Any, ...] | None = None,
         watch: RunWatch | None = None,
     ) -> Received | BaseException | None:
-        """Take message ``seq`` of (step, key) of producer ``task``'s run ``inc`` from the
-        segment of its name: None if there is no such name (not published yet).
-
-        The array is a view over the mapped segment (zero copy), writable and the
-        consumer's alone: the name is unlinked at once, or, for a pool slot, renamed to
-        ``held`` (and this run noted in the slot's control block) while the array lives;
-        its collection gives the slot back (``return_slot``). A slot its ring notice names
-        (``slot``, ``array``: what the notice said) that is mapped already is taken with no
-        open. A file that is not ours, or whose header does not say this message, is
-        refused: the error is returned in its place.
-        """
+        """Message ``seq`` of (step, key) of producer ``task``'s run ``inc``, from the
+        segment of its name: None if there is no such name (yet), the error for a file that
+        is not ours or whose header does not say this message. The array is a writable view
+        of the segment, the consumer's alone: its name is unlinked, or a pool slot's renamed
+        to ``held`` until the array is collected. A slot a ring notice names (``slot``,
+        ``array``) that is mapped already is taken with no open."""
         self.probes += 1
         names = self._names
         name = names.message(step, key, inc, seq)
         path = Names.path(name)
-        found = self.find(task, inc, slot) if slot >= 0 and array is not None else None
+        found = self._find(task, inc, slot) if slot >= 0 and array is not None else None
         held = ""
         if found is not None and array is not None:
             seg, ident = found
@@ -255,7 +209,7 @@ class SlotMaps:
                 found = None  # the checked open below decides, and says why
         if found is None:
             try:
-                seg, ident, kept = self.open(name)
+                seg, ident, is_kept = self._open(name)
             except FileNotFoundError:
                 return None
             except RendezvousError as e:
@@ -274,7 +228,7 @@ class SlotMaps:
                     raise InternalError(f"segment {name} from {task}: {problem}")
             except RendezvousError as e:
                 seg.unlink_quietly()
-                self._let_go(seg, ident, kept)
+                self._let_go(seg, ident, is_kept)
                 return e
             dead = bool(flags & FLAG_DEAD)
             held = names.held(task, inc, slot) if slot >= 0 else ""
@@ -289,14 +243,14 @@ class SlotMaps:
             if not held:
                 seg.unlink_quietly()
                 arr = seg.view(dtype, shape, offset, nbytes)
-                self._let_go(seg, ident, kept)
+                self._let_go(seg, ident, is_kept)
                 return received(arr, dead)
         # A pool slot named ``held`` now, its size checked a moment ago: this run noted in
         # its control block, then an array of its own over the kept mapping.
         seg.name = held
         if offset + nbytes > seg.size:
             seg.unlink_quietly()
-            self.forget(ident)
+            self._drop(ident)
             return InternalError(
                 f"pool slot {name} of {seg.size} bytes cannot hold {nbytes} bytes at {offset}"
             )
@@ -306,63 +260,46 @@ class SlotMaps:
             WORD.pack_into(ctl, len(ctl) - CONTROL + HOLDER_AT, self._inc)
         self.held.add(held)
         arr = seg.lend(
-            dtype, shape, offset, nbytes, return_slot, names, self._alive, task, inc, slot,
-            held, self.held, ctl, watch, checked=True,
+            dtype, shape, offset, nbytes, give_back, names, self._alive, task, inc, slot,
+            Names.path(held), ctl, watch, self.held, checked=True,
         )  # fmt: skip
-        self.keep(seg, ident, task, inc, slot)
+        self._keep(seg, ident, task, inc, slot)
         return received(arr, dead)
 
-    def _let_go(self, seg: Segment, ident: SlotIdent, kept: bool) -> None:
+    def _let_go(self, seg: Segment, ident: _Ident, kept: bool) -> None:
         if kept:
-            self.forget(ident)
+            self._drop(ident)
         else:
             seg.close()
 
     def unlink_held(self) -> None:
         """Unlink the ``held`` names of arrays still alive (their mappings stay: the
         callbacks that give them back do not run at exit)."""
-        while True:
-            try:
-                held = list(self.held)  # a callback may discard meanwhile
-                break
-            except RuntimeError:  # pragma: no cover - changed size during the copy
-                continue
-        for name in held:
-            self.held.discard(name)
-            try:
-                os.unlink(Names.path(name))
-            except OSError:
-                pass
+        held = self.held
+        while held:
+            with contextlib.suppress(KeyError, OSError):  # (a callback may discard meanwhile)
+                os.unlink(Names.path(held.pop()))
 
-    def keep(self, seg: Segment, ident: _Ident, task: str, incarnation: int, slot: int) -> None:
+    def _keep(self, seg: Segment, ident: _Ident, task: str, incarnation: int, slot: int) -> None:
         """Keep ``seg`` (a pool slot of ``task``'s ``incarnation`` lent under ticket ``slot``)
         mapped for its next message; for a kept one, note the ticket of this lend."""
         kept = self._kept.get(ident)
         if kept is not None:
             kept.slot = slot
             return
-        while len(self._kept) >= self._limit and self._evict_one():
-            pass
-        if len(self._kept) >= self._limit:
-            seg.close()  # every kept mapping lends an array: this one is not kept
-            return
+        if len(self._kept) >= KEEP_MAX:
+            idle = next((i for i, k in self._kept.items() if not k.segment.lent), None)
+            if idle is None:
+                seg.close()  # every kept mapping lends an array: this one is not kept
+                return
+            self._drop(idle)
         self._kept[ident] = _Kept(seg, seg.size, task, incarnation, slot, time.monotonic())
         self._by_slot[(task, incarnation, slot & _INDEX)] = ident
 
-    def forget(self, ident: _Ident) -> None:
-        """Drop the kept mapping of ``ident`` (its file turned out unusable)."""
-        if ident in self._kept:
-            self._drop(ident)
-
-    def _evict_one(self) -> bool:
-        for ident, kept in self._kept.items():
-            if not kept.segment.lent:
-                self._drop(ident)
-                return True
-        return False
-
     def _drop(self, ident: _Ident) -> None:
-        kept = self._kept.pop(ident)
+        kept = self._kept.pop(ident, None)
+        if kept is None:
+            return
         at = (kept.task, kept.incarnation, kept.slot & _INDEX)
         if self._by_slot.get(at) == ident:
             del self._by_slot[at]
@@ -371,7 +308,7 @@ class SlotMaps:
     def sweep(self) -> None:
         """Drop idle mappings whose slot is gone (a few ``stat`` calls; once per tick)."""
         now = time.monotonic()
-        looked = 0
+        names, looked = self._names, 0
         for ident, kept in list(self._kept.items()):
             if looked >= _SWEEP_MAX:
                 return
@@ -379,24 +316,19 @@ class SlotMaps:
                 continue
             looked += 1
             kept.used_at = now
-            if not self._slot_exists(ident, kept):
+            task, inc, ticket = kept.task, kept.incarnation, kept.slot
+            for name in (  # is one of the slot's names still this file?
+                # Taken back, the slot is free under its next ticket (naming.SLOT_BITS).
+                names.pool(task, inc, ticket + (1 << SLOT_BITS)),
+                names.returned(task, inc, ticket),
+                names.held(task, inc, ticket),
+            ):
+                with contextlib.suppress(OSError):
+                    st = os.stat(names.path(name), follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) == ident:
+                        break
+            else:
                 self._drop(ident)
-
-    def _slot_exists(self, ident: _Ident, kept: _Kept) -> bool:
-        names = self._names
-        for name in (
-            # Taken back, the slot is free under its next ticket (naming.SLOT_BITS).
-            names.pool(kept.task, kept.incarnation, kept.slot + (1 << SLOT_BITS)),
-            names.returned(kept.task, kept.incarnation, kept.slot),
-            names.held(kept.task, kept.incarnation, kept.slot),
-        ):
-            try:
-                st = os.stat(names.path(name), follow_symlinks=False)
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) == ident:
-                return True
-        return False
 
     def close(self) -> None:
         """Drop every kept mapping (arrays still lent keep theirs until collected)."""

@@ -1,23 +1,18 @@
 """A consumer's rings and names: what the drain does not see, found; what a ring cannot
 keep, moved out. Names are the truth.
 
-Rings: a producer run's ring for this consumer is attached once per run (``attach``) and
-read from its oldest record not taken (``InRing``: the ring is the durable copy of what
-the consumer task has not taken, ``Held`` each queued value of it). ``spill`` moves
-records that wait for a receive while the producer needs the room out to the names of
-their messages, where the task's next process finds them as it finds what a full ring
-lost.
+A producer run's ring for this consumer is attached once per run and read from its oldest
+record not taken (``InRing``: the durable copy of what the consumer task has not taken).
+``spill`` moves records that wait for a receive while the producer needs the room out to
+their messages' names, where the task's next process finds them as it finds what a full
+ring lost.
 
-Names: a producer's messages come with a ring record, except where it has no ring (not
-x86-64, or it could not make one), where its ring was full (``Ring.lost`` counts those),
-and where it is gone before this consumer knew its run. A listing (``Listing``:
-rate-limited, none while the directory is unchanged) finds them: the messages a full ring
-lost (``recover``), a gone producer's run, messages and rings (``resolve_incarnation``,
-``find_gone``, ``find_rings``), which of many waiting channels of a ringless producer have
-a message at all (``published``), and what was sent to a step this worker cleans up
-(``free_unreceived``). A name new to the consumer costs one ``lstat`` if it is another
-user's, at most ``_NEW_PER_LISTING`` of them per listing, and is never looked at again if
-refused.
+A producer's messages come with a ring record, except where it has no ring (not x86-64,
+or it could not make one), where its ring was full (``Ring.lost``) and where it was gone
+before this consumer knew its run: a ``Listing`` finds those. Other local users can plant
+any number of names under the job's public prefix, so a listing is rate-limited, skipped
+while the directory is unchanged, and a name new to it costs one ``lstat`` if it is
+another user's, at most ``_NEW_PER_LISTING`` per listing, and is never looked at again.
 
 Thread model (docs/threads.md): every method runs under the consumer's lock, except
 ``free_unreceived``, after it (the listing's refused names are a set).
@@ -30,6 +25,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .._cluster import canonical_task
@@ -37,10 +33,9 @@ from .._errors import InternalError, RendezvousError
 from .._keys import parse_key
 from .._transport import TransportContext
 from .files import Segment, is_ours, move_noreplace, peek_header
-from .header import is_notice, unpack_identity
-from .listing import Listing
+from .header import Header, is_notice, unpack_identity
 from .mappings import RunWatch, give_back
-from .naming import Names, parse_name
+from .naming import SHM_DIR, Names, parse_name
 from .pool import ProducerAlive
 from .ring import RINGS_SUPPORTED, Ring
 
@@ -48,11 +43,11 @@ if TYPE_CHECKING:
     from .._rendezvous import Received
     from .consumer import Channel, Consumer, Notice, Source
 
-__all__ = ["Held", "InRing", "Recovery"]
+__all__ = ["Held", "InRing", "Listing", "Recovery"]
 
 _log = logging.getLogger("shmrdv.shm")
 
-# Names a listing found not ours are remembered, up to this many, and skipped without a
+# Names a listing found unusable are remembered, up to this many, and skipped without a
 # system call afterwards: a flood of planted names costs one ``lstat`` each, once.
 _REFUSED_MAX = 1 << 17
 # At most this many names new to the consumer are looked at per listing.
@@ -61,10 +56,73 @@ _NEW_PER_LISTING = 32768
 _LIST_EVERY = 0.1
 # How often a consumer looks for a producer's ring that is not there yet.
 _RING_LOOK_S = 0.02
+# A listing is trusted to be complete only if the directory's mtime was at least this
+# old when it was taken: the kernel stamps changes with a coarse clock.
+_TRUST_NS = 20_000_000
 _INF = float("inf")
 
-#: What a listing tells of a published message: step, key, seq, incarnation, created, slot.
-Listed = tuple[int, str, int, int, int, int]
+
+class Listing:
+    """The names under ``prefix`` in ``directory``, listed again only when it changed (its
+    mtime: one ``stat``), at most every ``min_interval`` s, and down to a quarter of that
+    rate while listings find nothing new. ``refuse``d names are left out of every later
+    listing without a system call. Not thread-safe (its owner's lock)."""
+
+    def __init__(self, prefix: str, min_interval: float, directory: str = SHM_DIR) -> None:
+        self._prefix, self._dir, self._interval = prefix, directory, min_interval
+        self._gap = min_interval  # the current least time between two listdirs
+        self._at = -4 * min_interval  # monotonic time of the last listdir
+        self._mtime = -1  # the directory's mtime at that listing, if trusted, else -1
+        #: The names of the last listing (prefix matched, refused ones left out), and its
+        #: number: a user compares it to skip names it has seen.
+        self.names: list[str] = []
+        self.generation = self.listings = 0
+        self._refused: set[str] = set()
+
+    def refresh(self) -> bool:
+        """Make ``names`` current if allowed; True if they are (listed now, or the directory
+        has not changed since), False if a listing is due but rate-limited or failed."""
+        try:
+            mtime = os.stat(self._dir).st_mtime_ns
+        except OSError:
+            return False
+        if mtime == self._mtime:
+            return True
+        now = time.monotonic()
+        if now - self._at < self._gap:
+            return False
+        self._at = now
+        try:
+            entries = os.listdir(self._dir)
+        except OSError:
+            return False
+        self.listings += 1
+        self._mtime = mtime if time.time_ns() - mtime >= _TRUST_NS else -1
+        refused = self._refused
+        if len(refused) > _REFUSED_MAX // 2:
+            refused.intersection_update(entries)  # forget the names that are gone
+        fresh = set(entries)
+        fresh -= refused  # in C: a flood of refused names costs no Python per name
+        names = [e for e in fresh if e.startswith(self._prefix)]
+        if set(names) <= set(self.names):  # nothing new: the directory churns for nothing
+            self._gap = min(2 * self._gap, 4 * self._interval)
+        else:
+            self._gap = self._interval
+        self.names = names
+        self.generation += 1
+        return True
+
+    def refuse(self, name: str) -> None:
+        """``name`` is unusable: leave it out of every later listing (up to a bound)."""
+        if len(self._refused) < _REFUSED_MAX:
+            self._refused.add(name)
+
+    def refused(self, name: str) -> bool:
+        return name in self._refused
+
+    def incomplete(self) -> None:
+        """Names of this listing were left unexamined: list again when next allowed."""
+        self._mtime = -1
 
 
 class Held:
@@ -77,39 +135,31 @@ class Held:
         self.value, self.r, self.pos = value, r, pos
 
 
+@dataclass(eq=False, slots=True)
 class InRing:
     """A producer run's ring for this consumer, attached (its name stays while it holds
-    records not taken). ``watch`` is live while it is attached: this consumer will collect
-    what the run leaves once it is over (``pool.RunWatch``). ``spilled``: the segments
-    that records moved out of it went to (``Recovery.spill``; "" for a notice, whose
-    message is one already), by the record's position, until their values are taken."""
+    records not taken)."""
 
-    __slots__ = (
-        "fd",
-        "inc",
-        "lost",
-        "lost_seen",
-        "moved",
-        "ring",
-        "segment",
-        "size",
-        "spilled",
-        "src",
-        "watch",
-    )
+    segment: Segment
+    ring: Ring
+    src: Source
+    inc: int
+    fd: int = field(init=False)  # the segment's, kept for ``intact``
+    size: int = field(init=False)
+    watch: RunWatch = field(default_factory=RunWatch)  # live while attached
+    lost: int = 0  # records its producer could not append
+    lost_seen: int = 0  # of those, recovered
+    moved: int = 0  # records this process moved out of it (``Recovery.spill``)
+    # The segments records moved out to, by the record's position, until taken ("" for a
+    # notice: its message is one already).
+    spilled: dict[int, str] = field(default_factory=dict)
 
-    def __init__(self, segment: Segment, ring: Ring, src: Source, inc: int) -> None:
-        self.segment, self.ring, self.src, self.inc = segment, ring, src, inc
-        self.fd, self.size = segment.fd, segment.size
-        self.watch = RunWatch()
-        self.lost = self.lost_seen = 0  # records its producer could not append, recovered
-        self.moved = 0  # records this process moved out of it (``Recovery.spill``)
-        self.spilled: dict[int, str] = {}
+    def __post_init__(self) -> None:
+        self.fd, self.size = self.segment.fd, self.segment.size
 
     def intact(self) -> bool:
-        """Whether its file still holds it: one ``lseek`` of the kept descriptor. A process
-        that kept a descriptor may have truncated it, and touching a lost page would be a
-        SIGBUS."""
+        """Whether its file still holds it (one ``lseek`` of the kept descriptor): a process
+        that kept a descriptor may have truncated it, and a lost page is a SIGBUS."""
         try:
             return self.fd >= 0 and os.lseek(self.fd, 0, os.SEEK_END) >= self.size
         except OSError:
@@ -117,8 +167,8 @@ class InRing:
 
     def taken(self, pos: int) -> None:
         """The value of its record at ``pos`` (``Held``) is taken or freed: so marked in the
-        ring, if its file still holds it (a ring found truncated is failed by the next
-        drain), or the segment the record was moved out to is removed."""
+        ring if its file still holds it (else the next drain fails the ring), or the
+        segment the record moved out to is removed."""
         if self.spilled:
             path = self.spilled.pop(pos, None)
             if path is not None:
@@ -136,14 +186,6 @@ class InRing:
         self.segment.close()
 
 
-def _task_of(key: str) -> str | None:
-    """The canonical producer task of ``key``, or None if it is no key."""
-    try:
-        return str(canonical_task(parse_key(key).src))
-    except RendezvousError:
-        return None
-
-
 class Recovery:
     """The rings and listings of one consumer (see the module docstring)."""
 
@@ -155,10 +197,21 @@ class Recovery:
         self._names = names
         self._consumer = consumer
         self._own = ctx.task.task_key()
-        #: The namespace's names in /dev/shm (with the names refused, skipped elsewhere too).
-        self.listing = Listing(names.prefix, _LIST_EVERY, _REFUSED_MAX)
-        self._listed: dict[str, Listed] = {}  # published messages a listing looked at
+        self.listing = Listing(names.prefix, _LIST_EVERY)
+        self._listed: dict[str, Header] = {}  # published messages a listing looked at
         self._listed_gen = self._rings_gen = -1  # the listing generations they reflect
+
+    def _learn_run(self, src: Source) -> bool:
+        """Note ``src``'s live run from its presence record if it is there; False if the
+        record cannot be trusted."""
+        try:
+            record = self._ctx.peers.lookup(src.dev)
+        except RendezvousError as e:  # a record that is not ours, or corrupt
+            _log.warning("presence record of %s: %s", src.task, e)
+            return False
+        if record.final and record.incarnation:
+            src.inc = record.incarnation
+        return True
 
     def look_for_ring(self, src: Source, force: bool = False) -> None:
         """Attach the ring of ``src``'s current run if it is there (at most every
@@ -171,31 +224,28 @@ class Recovery:
             return
         src.look_at = now + _RING_LOOK_S
         if not src.inc:
-            try:
-                record = self._ctx.peers.lookup(src.dev)
-            except RendezvousError as e:  # a record that is not ours, or corrupt
-                _log.warning("presence record of %s: %s", src.task, e)
+            self._learn_run(src)
+            if not src.inc:
                 return
-            if not (record.final and record.incarnation):
-                return
-            src.inc = record.incarnation
         if src.inc in src.ring_incs:
             src.look_at = _INF  # until the producer restarts
-            return
-        try:
-            self.attach(
-                self._names.ring(src.task, src.inc, self._ctx.task_name), (src.task, src.inc)
-            )
-        except RendezvousError as e:
-            _log.warning("%s", e)
+        elif not self.attach_run(src, src.inc):
             src.look_at = now + _LIST_EVERY * 2
 
+    def attach_run(self, src: Source, inc: int) -> bool:
+        """Attach the ring of ``src``'s run ``inc`` if it is there; False if it is refused."""
+        try:
+            self.attach(self._names.ring(src.task, inc, self._ctx.task_name), (src.task, inc))
+        except RendezvousError as e:
+            _log.warning("%s", e)
+            return False
+        return True
+
     def attach(self, name: str, expect: tuple[str, int] | None) -> bool:
-        """Map a producer's ring for this consumer and have it drained (``Consumer.adopt``)
-        from its oldest record not taken (an earlier process of this consumer task may have
-        taken some, and died); its name stays. Once per producer run: a ring attached or let
-        go already is left alone. False: no such name. ``InternalError`` for a ring that is not ours, not for this
-        consumer, or not from ``expect`` (producer task, incarnation)."""
+        """Map a producer's ring for this consumer, once per producer run, and have it
+        drained (``Consumer.adopt``) from its oldest record not taken. False: no such name.
+        ``InternalError`` for a ring that is not ours, not for this consumer, or not from
+        ``expect`` (producer task, incarnation)."""
         try:
             seg = Segment.attach(self._names, name, keep_fd=True)
         except FileNotFoundError:
@@ -225,47 +275,32 @@ class Recovery:
         self._consumer.adopt(InRing(seg, ring, src, owner[1]))
         return True
 
-    def look_for_old_ring(self, src: Source, inc: int) -> None:
-        """A key pinned to a run that is not the live one: attach that run's ring if it left
-        one (once per run)."""
-        src.tried.add(inc)
-        if RINGS_SUPPORTED:
-            try:
-                self.attach(self._names.ring(src.task, inc, self._ctx.task_name), (src.task, inc))
-            except RendezvousError as e:
-                _log.warning("%s", e)
-
     def free(self, task: str, step: int, key: str, inc: int, seq: int, slot: int) -> None:
         """Free a message nobody will receive (never under the lock): its segment unlinked,
-        or its pool slot given back to its producer (``pool.give_back``)."""
+        or its pool slot given back to its producer (``give_back``)."""
         path = Names.path(self._names.message(step, key, inc, seq))
         if slot >= 0:
             give_back(self._names, self._alive, task, inc, slot, path)
-            return
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def needed(self) -> bool:
         """Whether messages may have come to this consumer with no ring record: a producer
-        it heard of has no ring attached, or a ring lost records (its producer's, or an
-        earlier process's of this consumer task moved out: not those this one moved out,
-        whose values it holds)."""
+        it heard of has no ring attached, or a ring lost records (not counting those this
+        process moved out: it holds their values)."""
         if not RINGS_SUPPORTED:
             return True
-        for src in self._consumer.srcs.values():
-            if not src.rings or any(r.lost > r.moved for r in src.rings):
-                return True
-        return False
+        return any(
+            not s.rings or any(r.lost > r.moved for r in s.rings)
+            for s in self._consumer.srcs.values()
+        )
 
     def recover(self, src: Source) -> None:
-        """Queue the messages of ``src`` whose records its full rings lost (one listing),
-        after what its rings hold. Rate-limited with the other listings.
-
-        The rings are drained after the listing: a producer writes the records of a key's
-        earlier messages before it publishes a later one by name, so every record of a
-        message before a listed one is read first (and a gap before it filled by name)."""
+        """Queue the messages of ``src`` whose records its full rings lost (one listing,
+        rate-limited), after what its rings hold: the rings are drained after the listing,
+        and a producer writes the records of a key's earlier messages before it publishes a
+        later one by name, so every record before a listed message is read first."""
         from .consumer import Notice  # (the consumer imports this module)
 
         consumer = self._consumer
@@ -276,70 +311,65 @@ class Recovery:
             consumer.drain(r)
             r.lost_seen = n
         incs = {r.inc for r in src.rings}
-        for step, key, seq, inc, _created, slot in sorted(self._listed.values(), key=_by_seq):
+        for h in sorted(self._listed.values(), key=lambda h: h.seq):
+            step, key, seq, inc = h.step_id, h.key, h.seq, h.producer_incarnation
             if inc not in incs or self._ctx.cleaned_up(step):
                 continue
             ch = consumer.find(step, key)
             if ch is not None and (ch.inc not in (0, inc) or seq < ch.seq):
                 continue
-            if _task_of(key) != src.task:
+            try:  # a message of the producer's, and to this consumer
+                pk = parse_key(key)
+                if str(canonical_task(pk.src)) != src.task or pk.dst.task_key() != self._own:
+                    continue
+            except RendezvousError:
                 continue
             ch = consumer.channel(step, key, src, inc)
             ch.inc, ch.seq = inc, seq + 1
-            consumer.queue(ch, Notice(seq, inc, slot))
+            consumer.queue(ch, Notice(seq, inc, h.slot))
 
     def find_gone(self, src: Source) -> list[Channel]:
-        """The waiting channels of ``src`` whose next message a listing shows while its run
-        is unknown (it is gone, or has not started) or its keys are pinned to an earlier
-        run; their run set. O(messages listed), not O(channels)."""
+        """The waiting channels of ``src`` whose next message a listing shows (their run is
+        unknown, or pinned to an earlier one), their run set. O(messages listed)."""
         if RINGS_SUPPORTED:
             self.find_rings()
         self._list_messages()
         out = []
-        for step, key, seq, inc, _created, _slot in list(self._listed.values()):
-            ch = self._consumer.find(step, key)
-            if ch is None or ch.src is not src or ch not in src.waiting or ch.seq != seq:
+        for h in self._listed.values():
+            ch = self._consumer.find(h.step_id, h.key)
+            if ch is None or ch.src is not src or ch not in src.waiting or ch.seq != h.seq:
                 continue
-            if ch.inc not in (0, inc):
-                continue
-            ch.inc = inc
-            out.append(ch)
+            if ch.inc in (0, h.producer_incarnation):
+                ch.inc = h.producer_incarnation
+                out.append(ch)
         return out
 
     def published(self, chans: list[Channel]) -> list[Channel]:
         """Those of ``chans`` whose next message a listing shows (one listing for many)."""
         self._list_messages()
-        there = {(s, k, q, i) for s, k, q, i, _c, _sl in self._listed.values()}
+        there = {(h.step_id, h.key, h.seq, h.producer_incarnation) for h in self._listed.values()}
         return [c for c in chans if (c.step, c.key, c.seq, c.inc) in there]
 
-    def resolve_incarnation(self, ch: Channel) -> bool:
-        """Find the run of the channel's producer: its presence record, else (it is gone)
-        its ring or the newest message a listing shows for the channel's next receive."""
+    def resolve_incarnation(self, ch: Channel) -> None:
+        """Find the run of the channel's producer: its presence record, else (it is gone,
+        or has not started: its messages are still there, under names computed with its
+        incarnation) its ring, or the newest message a listing shows for the channel's next
+        receive."""
         src = ch.src
-        if not src.inc:
-            try:
-                record = self._ctx.peers.lookup(src.dev)
-            except RendezvousError as e:  # a record that is not ours, or corrupt
-                _log.warning("presence record of %s: %s", src.task, e)
-                return False
-            if record.final and record.incarnation:
-                src.inc = record.incarnation
+        if not src.inc and not self._learn_run(src):
+            return
         if src.inc:
             ch.inc = src.inc
-            return True
-        # No record: the producer has not started, or it closed after sending. Its
-        # messages are still there, under names computed with its incarnation.
+            return
         if RINGS_SUPPORTED:
             self.find_rings()
             if ch.inc:
-                return True  # a ring of it was attached and brought the channel's message
+                return  # a ring of it was attached and brought the channel's message
         self._list_messages()
-        best, best_at = 0, -1
-        for step, key, seq, inc, created, _slot in self._listed.values():
-            if step == ch.step and seq == ch.seq and key == ch.key and created > best_at:
-                best, best_at = inc, created
-        ch.inc = best
-        return best != 0
+        newest = -1
+        for h in self._listed.values():
+            if (h.step_id, h.seq, h.key) == (ch.step, ch.seq, ch.key) and h.created_ns > newest:
+                ch.inc, newest = h.producer_incarnation, h.created_ns
 
     def find_rings(self) -> None:
         """Attach the rings addressed to this worker that a listing shows (a producer that
@@ -373,14 +403,12 @@ class Recovery:
                 _log.debug("%s", e)
 
     def spill(self, r: InRing) -> None:
-        """Move the oldest records of ring ``r`` that are read and not taken out of it until
-        those left take at most a quarter of it: a key nobody receives for a while must not
-        leave its producer without room (every small send would then go by name). Each is
-        published under its message's name (a notice's message is one already) and counted
-        in the ring (``Ring.add_spilled``), so the task's next process looks for it by name;
-        the channel table keeps its value, and taking that removes the segment
-        (``InRing.taken``). What cannot be written (/dev/shm full) stays in the ring. Under
-        the lock, right after a drain checked the ring's size."""
+        """Move the oldest records of ring ``r`` that are read and not taken out to their
+        messages' names until those left take at most a quarter of it: a key nobody
+        receives for a while must not leave its producer without room. Counted in the ring
+        (``Ring.add_spilled``), so the task's next process looks for them by name; taking a
+        value removes its segment. What cannot be written (/dev/shm full) stays. Right
+        after a drain checked the ring's size."""
         ring = r.ring
         held = ring.held
         count = 0
@@ -404,9 +432,8 @@ class Recovery:
             r.lost_seen += count  # not to be looked for by name)
 
     def _publish(self, inc: int, payload: memoryview) -> str:
-        """Publish ``payload`` (a ring record of producer run ``inc``: a header and its data,
-        read and checked already) under its message's name; return its path. Raises
-        ``RendezvousError``."""
+        """Publish ``payload`` (a ring record of producer run ``inc``, read and checked
+        already) under its message's name; return its path. Raises ``RendezvousError``."""
         who = unpack_identity(payload)
         if who is None:  # pragma: no cover - the drain read this header
             raise InternalError("a ring record names no message")
@@ -426,8 +453,7 @@ class Recovery:
         return path
 
     def _list_messages(self) -> bool:
-        """Bring ``_listed`` up to date with /dev/shm (a listdir at most every
-        ``_LIST_EVERY``, none while the directory is unchanged); False if it may be stale."""
+        """Bring ``_listed`` up to date with the listing; False if it may be stale."""
         listing = self.listing
         if not listing.refresh():
             return False
@@ -435,65 +461,44 @@ class Recovery:
             return True
         self._listed_gen = listing.generation
         marker = self._names.prefix + "m"
-        listed = self._listed
-        present = set()
-        new: list[str] = []
-        for e in listing.names:
-            if e.startswith(marker):
-                present.add(e)
-                if e not in listed:
-                    new.append(e)
-        for name in list(listed):
-            if name not in present:
-                del listed[name]
+        present = {e for e in listing.names if e.startswith(marker)}
+        self._listed = listed = {n: h for n, h in self._listed.items() if n in present}
+        new = [e for e in present if e not in listed]
         if len(new) > _NEW_PER_LISTING:
             del new[_NEW_PER_LISTING:]
             listing.incomplete()
         for name in new:
-            h = peek_header(Names.path(name))  # one lstat for another user's name
-            if h is None:
-                listing.refuse(name)
-            else:
-                listed[name] = (
-                    h.step_id,
-                    h.key,
-                    h.seq,
-                    h.producer_incarnation,
-                    h.created_ns,
-                    h.slot,
-                )
+            h = self._peek(name)
+            if h is not None:
+                listed[name] = h
         return True
+
+    def _peek(self, name: str) -> Header | None:
+        """The header of message ``name`` (one lstat for another user's), or None: refused."""
+        h = peek_header(Names.path(name))
+        if h is None:
+            self.listing.refuse(name)
+        return h
 
     def free_unreceived(self, step_id: int) -> None:
         """Free the messages of ``step_id`` addressed to this worker that a listing shows
         (after the lock: a listdir and a few opens)."""
         try:
-            entries = os.listdir(Names.path(""))
+            entries = os.listdir(SHM_DIR)
         except OSError:
             return
-        marker = self._names.prefix + "m"
-        listing = self.listing
+        marker, listing = self._names.prefix + "m", self.listing
         for entry in entries:
             if not entry.startswith(marker) or listing.refused(entry) or parse_name(entry) is None:
                 continue
-            header = peek_header(Names.path(entry))  # one lstat for another user's name
-            if header is None:
-                listing.refuse(entry)
-                continue
-            if header.step_id != step_id:
+            h = self._peek(entry)
+            if h is None or h.step_id != step_id:
                 continue
             try:
-                pk = parse_key(header.key)
+                pk = parse_key(h.key)
+                mine = pk.dst.task_key() == self._own
+                task = str(canonical_task(pk.src))
             except RendezvousError:
                 continue
-            if pk.dst.task_key() != self._own:
-                continue
-            task = _task_of(header.key)
-            assert task is not None
-            self.free(
-                task, step_id, header.key, header.producer_incarnation, header.seq, header.slot
-            )
-
-
-def _by_seq(listed: Listed) -> int:
-    return listed[2]
+            if mine:
+                self.free(task, step_id, h.key, h.producer_incarnation, h.seq, h.slot)

@@ -3,7 +3,7 @@
 ``ShmTransport`` implements ``shmrdv._transport.Transport`` over its three parts: the
 ``Producer`` (``producer.py``: send, allocate, rings and doorbells of the consumers it sends
 to), the ``Consumer`` (``consumer.py``: the channel table the rings feed) and the
-``Poller`` (``poller.py``: who polls this worker's doorbell), and owns the doorbell.
+``Poller`` (``bell.py``: who polls this worker's doorbell), and owns the doorbell.
 
 Thread model (``docs/threads.md``): every method may be called from any thread. ``done``
 callbacks run through ``invoke_done``, outside every lock: in the calling thread when the
@@ -20,12 +20,10 @@ import numpy.typing as npt
 
 from .._keys import ParsedKey
 from .._transport import PeerRecord, TransportContext
-from .bell import Bell
-from .consumer import TICK, Consumer
+from .bell import Bell, Poller
+from .consumer import Consumer, run_alive
 from .inflight import Inflight
-from .liveness import Liveness
 from .naming import Names
-from .poller import Poller
 from .producer import Producer
 
 __all__ = ["ShmTransport"]
@@ -51,7 +49,7 @@ class ShmTransport:
                 ctx.incarnation,
                 pool_bytes,
                 None if limit is None else Inflight(limit, ctx.peers),
-                Liveness(ctx, TICK).producer_alive,  # whether a consumer run holding a slot lives
+                run_alive(ctx.peers),  # whether a consumer run holding a slot lives
             )
             self._consumer = consumer = Consumer(ctx, names, self._kick)
             self._poller = Poller(self._bell, consumer, ctx.task_name, busy_poll)
