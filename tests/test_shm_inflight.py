@@ -98,7 +98,9 @@ def test_inflight_ring_record_counts_until_the_consumer_passes_it(
         flight = Inflight(300, peers).of(DST)
         for i in range(3):
             ticket = flight.reserve(100, None, "m")
-            assert producer.try_put([bytes([i]) * 100])
+            at = producer.reserve(100)
+            producer.buf[at : at + 100] = bytes([i]) * 100
+            producer.commit()
             ticket.record(producer, producer.head)
         with pytest.raises(ResourceExhaustedError):
             flight.reserve(100, 0.05, "m")
