@@ -57,8 +57,9 @@ def test_inflight_segment_counts_until_its_name_is_gone(names: Names, peers: Pee
 
     def consume() -> None:
         time.sleep(0.1)
-        segs[1].rename(names.temp())  # a consumer takes a message by renaming it away
-        segs[1].unlink()
+        taken = names.path(names.temp())
+        os.rename(segs[1].path, taken)  # a consumer takes a message by renaming it away
+        os.unlink(taken)
 
     t = threading.Thread(target=consume)
     t.start()
