@@ -22,11 +22,10 @@ from .._keys import ParsedKey
 from .._transport import PeerRecord, TransportContext
 from .bell import Bell
 from .consumer import TICK, Consumer
-from .inflight import Inflight
 from .liveness import Liveness
 from .naming import Names
 from .poller import Poller
-from .producer import Producer
+from .producer import Inflight, Producer
 
 __all__ = ["ShmTransport"]
 
