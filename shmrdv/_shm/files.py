@@ -1,18 +1,13 @@
 """Files in /dev/shm: the one "is this file ours" check, and ``Segment``, a file mapped.
 
-Another user can plant any name in the world-writable /dev/shm before its creator comes
-(research/pitfalls.md §7). ``open_checked`` is the only way shmrdv opens a name it did not
-just create: ``O_NOFOLLOW`` (no symlink), ``O_NONBLOCK`` (a planted FIFO, or a file under a
-lease, fails at once instead of blocking), then ``fstat`` for type, owner, mode and size.
-
-``Segment`` alone creates, maps and unlinks segment files, never through
-``multiprocessing.shared_memory``, whose resource tracker unlinks segments it merely attached
-on Python 3.11 (cpython#82300). Files are created ``O_EXCL``, mode 0600, and reserved with
-``os.posix_fallocate`` before they are mapped, so a full /dev/shm is a
-``ResourceExhaustedError``, never a SIGBUS; ``check_size`` looks again before data is
-touched (a peer may truncate a file under a mapping). ``close()`` is not ``unlink()``:
-arrays made by ``view`` and ``lend`` keep the mapping alive until they are collected. A
-``Segment`` is not thread-safe: its owner serialises calls.
+Another user can plant any name in the world-writable /dev/shm (research/pitfalls.md §7):
+``open_checked`` is the only way shmrdv opens a name it did not just create. ``Segment``
+alone creates, maps and unlinks segment files, never through
+``multiprocessing.shared_memory``, whose resource tracker unlinks segments it merely
+attached on Python 3.11 (cpython#82300). Files are created ``O_EXCL``, mode 0600, and
+reserved with ``os.posix_fallocate`` before they are mapped, so a full /dev/shm is a
+``ResourceExhaustedError``, never a SIGBUS. A ``Segment`` is not thread-safe: its owner
+serialises calls.
 """
 
 from __future__ import annotations
@@ -68,13 +63,14 @@ def _owner_hint(path: str) -> str:
 def open_checked(
     path: str, flags: int, what: str, *, max_size: int | None = None
 ) -> tuple[int, os.stat_result]:
-    """Open ``path`` (``flags``: ``O_RDONLY`` or ``O_RDWR``) and check that it is ours.
+    """Open ``path`` (``flags``: ``O_RDONLY`` or ``O_RDWR``) with ``O_NOFOLLOW`` and
+    ``O_NONBLOCK`` (a planted FIFO, or a file under a lease, fails at once), and check it.
 
     Never creates, never blocks. Returns the descriptor (the caller closes it) and its
     ``fstat``. Raises ``FileNotFoundError`` unchanged when there is no such name;
-    ``InternalError`` naming ``what`` and ``path`` for a symlink, a file under another
-    process's lease, anything but ``is_ours``, or a file over ``max_size`` bytes (nothing
-    is read from it); ``ResourceExhaustedError`` when out of descriptors.
+    ``InternalError`` naming ``what`` and ``path`` for a symlink, a file under a lease,
+    anything but ``is_ours``, or a file over ``max_size`` bytes (nothing is read from it);
+    ``ResourceExhaustedError`` when out of descriptors.
     """
     try:
         fd = os.open(path, flags | _OPEN_FLAGS)
@@ -229,21 +225,15 @@ class _Lend(weakref.ref):  # type: ignore[type-arg]
 
 
 _LENDS: dict[int, _Lend] = {}  # pending ones by id: keeps each alive until it fires
-_EXITING = [False]
-
-
-def _exiting(flag: list[bool] = _EXITING) -> None:
-    flag[0] = True
-
-
-atexit.register(_exiting)
+_EXITING: list[bool] = []  # not empty once the interpreter exits
+atexit.register(_EXITING.append, True)
 
 
 def _given_back(
     ref: _Lend, lends: dict[int, _Lend] = _LENDS, exiting: list[bool] = _EXITING
 ) -> None:
     # Globals bound as defaults: it may run while the interpreter tears modules down.
-    if lends.pop(id(ref), None) is None or exiting[0]:
+    if lends.pop(id(ref), None) is None or exiting:
         return
     with _LENT_LOCK:
         ref.lent[0] -= 1
@@ -256,11 +246,11 @@ def _given_back(
 class Segment(Closing):
     """One open shared-memory segment file; made by ``create`` or ``attach``.
 
-    ``close()`` drops this handle's mapping (idempotent); ``unlink()`` removes the name. A
-    ``weakref.finalize`` closes a forgotten segment; it never unlinks. ``name`` is the bare
-    name (its owner sets it after a rename), ``size`` the bytes mapped, ``fd`` the
-    descriptor kept open (``keep_fd``: ``os.lseek(fd, 0, SEEK_END)`` is a lighter size check
-    than ``check_size``'s ``fstat``), else -1.
+    ``close()`` drops this handle's mapping (idempotent; a ``weakref.finalize`` closes a
+    forgotten one), never the name: arrays made by ``view`` and ``lend`` keep the mapping
+    until they are collected. ``name`` is the bare name (its owner sets it after a rename),
+    ``size`` the bytes mapped, ``fd`` the descriptor kept (``keep_fd``: an ``lseek`` to its
+    end is a lighter size check than ``check_size``), else -1.
     """
 
     def __init__(

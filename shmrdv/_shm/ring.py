@@ -1,31 +1,18 @@
 """A single-producer, single-consumer byte ring in shared memory, for small messages.
 
-A segment costs a dozen system calls; a small tensor's bytes cost far less. So one producer
-worker keeps a ring for each consumer worker and appends records to it (the segment header,
-then the data), advancing ``head``; the consumer reads them and advances ``tail``.
+A segment costs a dozen system calls, far more than a small tensor's bytes: so a producer
+worker appends records (the segment header, then the data) to a ring per consumer worker,
+advancing ``head``; the consumer reads them and advances ``tail``, the start of the oldest
+record not *taken* (handed to a receive, or freed): the producer writes over nothing after
+it. A record taken while an older one is not is marked in its length word, and a later
+reader skips it, so the consumer's next process, after a crash, reads exactly the records
+not taken. One left untaken while the producer needs room is moved out by the consumer
+(``Recovery.spill``).
 
-Layout (little endian): magic (8 bytes) and capacity (u64); running byte counts ``head`` at
-byte 64 and ``tail`` at 128 (separate cache lines); at 160 ``lost``, the records the producer
-could not append (ring full: the consumer looks for them by name); at 168 ``read``, how far
-the consumer has read; at 176 ``reader``, the incarnation of the consumer run reading it
-(the producer follows a restarted consumer's doorbell by it); at 184 ``spilled``, the records
-the consumer moved out to messages of their own (also looked for by name); at 192 the
-owner's description (u32 length, JSON); records from byte 4096, each a u32 length (of the
-whole record, 8-aligned), then the payload. A record that would cross the end is preceded by
-a wrap mark (length ``0xFFFFFFFF``) and starts at the beginning.
-
-``tail`` is where the oldest record not *taken* (handed to a receive, or freed) starts: the
-producer writes over nothing after it. Records may be taken out of order; one taken while an
-older one is not gets bit 1 set in its length word (``mark_taken``), and a later reader skips
-it, so the consumer's next process, after a crash, reads exactly the records not taken. A
-record left untaken while the producer needs its room is moved out of the ring by the
-consumer (``Recovery.spill``) and counted in ``spilled``.
-
-Ordering: the producer writes a record before it stores ``head``; the consumer loads
-``head`` before it reads the record. Each is one aligned 8-byte store or load through a
-``memoryview`` cast to ``Q`` (``struct.pack_into`` zeroes its target first, so the other
-side could read 0 in between), and x86-64 keeps stores in order (TSO). Weaker memory models
-need fences Python cannot issue: rings are used only on x86-64 (``RINGS_SUPPORTED``).
+Ordering: the producer writes a record, then stores ``head``; the consumer loads ``head``,
+then reads. Each is one aligned 8-byte store or load through a ``memoryview`` cast to ``Q``
+(``struct.pack_into`` zeroes its target first), and x86-64 keeps stores in order (TSO);
+weaker memory models need fences Python cannot issue, so rings are used on x86-64 only.
 
 Pure on a buffer: the producer creates, maps and names the file. Not thread-safe: each
 side's owner serialises its calls.
@@ -44,19 +31,24 @@ __all__ = ["DATA_OFFSET", "RINGS_SUPPORTED", "Ring", "describe", "ring_size"]
 
 RINGS_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
 
+# The layout, little endian: the magic and the capacity (u64), then words of 8 bytes:
 MAGIC = b"SHMRDVQ1"
 _META = struct.Struct("<8sQ")
 _U32 = struct.Struct("<I")
-_HEAD, _TAIL = 64, 128
-_LOST, _READ, _READER, _SPILLED = 160, 168, 176, 184
-# Their indexes in the words view.
-_H, _T, _L, _R, _C, _S = (w // 8 for w in (_HEAD, _TAIL, _LOST, _READ, _READER, _SPILLED))
-# In a record's length word: taken by the consumer while an older record was not.
-_TAKEN = 2
+_HEAD, _TAIL = 64, 128  # running byte counts, on cache lines of their own
+_LOST = 160  # records the producer could not append (full): to look for by name
+_READ = 168  # how far the consumer has read
+_READER = 176  # the incarnation of the consumer run reading it (its producer follows it)
+_SPILLED = 184  # records not taken the consumer moved out: to look for by name too
 _META_AT = 192  # u32 length, then the owner's description (who writes to whom), JSON
 _META_MAX = 3800
+# Records from here: a u32 length (of the whole record, 8-aligned), then the payload. One
+# that would cross the end starts at the beginning, after a wrap mark (that length).
 DATA_OFFSET = 4096
 _WRAP = 0xFFFFFFFF
+_TAKEN = 2  # in a length word: taken while an older record was not
+# Their indexes in the words view.
+_H, _T, _L, _R, _C, _S = (w // 8 for w in (_HEAD, _TAIL, _LOST, _READ, _READER, _SPILLED))
 _ALIGN = 8
 # A record's size from its payload's: ``(payload + _PAD) & _ROUND`` (with the length word).
 _PAD, _ROUND = 4 + _ALIGN - 1, -_ALIGN
