@@ -178,7 +178,11 @@ def _open_error(e: OSError, what: str) -> Exception:
             "segment holds a file descriptor, raise the limit (ulimit -n)"
         )
     if e.errno in _NO_SPACE:
-        return ResourceExhaustedError(f"cannot {what}: {e.strerror}; {SHM_DIR} has {_free_bytes()}")
+        return ResourceExhaustedError(
+            f"cannot {what}: {e.strerror}; {SHM_DIR} has {_free_bytes()}. In a container, "
+            "give it more (docker run --shm-size=...); remove what dead processes left "
+            "behind with `python -m shmrdv gc`"
+        )
     return InternalError(f"cannot {what}: {e}")
 
 
@@ -290,17 +294,7 @@ class Segment(Closing):
         try:
             os.fchmod(fd, _MODE)  # whatever the umask
             if size > 0:
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as e:
-                    if e.errno in _NO_SPACE:
-                        raise ResourceExhaustedError(
-                            f"cannot reserve {size} bytes of shared memory for segment {name}: "
-                            f"{e.strerror}; {SHM_DIR} has {_free_bytes()}. In a container, give "
-                            "it more (docker run --shm-size=...); remove what dead processes "
-                            "left behind with `python -m shmrdv gc`"
-                        ) from e
-                    raise
+                os.posix_fallocate(fd, 0, size)
                 mem: mmap.mmap | _EmptyBuffer = mmap.mmap(fd, size)
             else:
                 mem = _EmptyBuffer()
