@@ -1,9 +1,9 @@
 """The message header: a pure byte format at the start of every segment and ring record.
 
-No shared memory and no I/O (STYLE.md rule 3): one writer (``Template.write``) and one
-checked reader (``Reader.read``, with ``unpack_fields`` behind its cache), tested on plain
-buffers. A message is the header, padding up to ``data_offset`` (a multiple of 64: aligned
-for numpy and SIMD), then ``nbytes`` of array data in C order. Little endian, no padding::
+No I/O (STYLE.md rule 3): one writer, ``Template.write``, and one checked reader,
+``Reader.read`` (``unpack_fields`` behind its cache). A message is the header, padding up to
+``data_offset`` (a multiple of 64, for numpy and SIMD), then ``nbytes`` of array data in C
+order. Little endian, no padding::
 
     magic 8s | version u16 | flags u16 | header_len u32 | data_offset u64 | nbytes u64
     step_id i64 | seq u64 | producer_incarnation u64 | producer_pid u32 | slot i64
@@ -21,6 +21,7 @@ never another exception or a large allocation.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 import time
@@ -67,13 +68,6 @@ _MAX_INTP = 2**63 - 1  # numpy refuses arrays of more bytes
 Fields = tuple[int, np.dtype[Any], tuple[int, ...], int, int, int, int, int, int, int, int, str]
 
 
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _corrupted(what: str) -> InternalError:
     return InternalError(f"segment header corrupted: {what}")
 
@@ -98,7 +92,7 @@ class Template:
         self.dtype = dtype
         self.shape = shape
         self.data_offset = -(-end // ALIGNMENT) * ALIGNMENT
-        self.nbytes = _prod(shape) * dtype.itemsize
+        self.nbytes = math.prod(shape) * dtype.itemsize
         self.segment_size = self.data_offset + self.nbytes
         self._sizes = _SIZES.pack(end, self.data_offset, self.nbytes)
         self._static = (
@@ -258,7 +252,7 @@ def unpack_fields(buf: BufferLike, file_size: int) -> Fields:
         count *= d if d else 1
     if count * dtype.itemsize > _MAX_INTP:  # numpy multiplies every non-zero dimension
         raise _corrupted(f"shape {shape} of {dtype} is larger than numpy allows")
-    if nbytes != _prod(shape) * dtype.itemsize:
+    if nbytes != math.prod(shape) * dtype.itemsize:
         raise _corrupted(f"nbytes {nbytes} but shape {shape} of {dtype} needs other")
     try:
         key = bytes(buf[key_at:end]).decode("utf-8")
