@@ -1,20 +1,13 @@
 """Pool slots: a producer's reusable, pre-faulted segments, lent to its consumers and back.
 
 Fresh tmpfs pages cost a fault, an allocation and a zeroing each (research/pitfalls.md §5),
-so a producer writes large messages into slots it keeps mapped. Publishing renames a slot to
-the message's name: the consumer's then. The consumer renames it ``held`` while its array
-lives and ``returned`` once the array is collected, then stores the ticket of the slot's
-next lend in the slot's control block (its last ``CONTROL`` bytes, past any message's data),
-which the producer reads at its next acquire: only renames and a word cross the processes,
-and the names stay the truth whoever crashes (``m`` published, ``h`` held, ``r`` given back,
-``p`` free). A consumer notes its incarnation in the block's second word once it holds a
-slot, so that a producer takes back a slot whose holder is gone. The consumer's half is
-``mappings.py``.
-
-Only files this producer created are taken back: a ``returned`` name must still be the
-slot's own inode (another user could plant a file there). A slot's names are over its
-*ticket* (``naming.SLOT_BITS``), whose generation grows at each lend: a name seen vacated
-is never wanted again.
+so large messages go into slots the producer keeps mapped. Publishing renames a slot to the
+message's name; its consumer renames it ``held`` while its array lives and ``returned`` once
+it is collected, then stores the ticket of the slot's next lend in the slot's control block
+(its last ``CONTROL`` bytes), which the producer reads at its next acquire. The names stay
+the truth whoever crashes. A consumer notes its incarnation in the block once it holds a
+slot, so that a slot whose holder is gone is taken back. The consumer's half is
+``mappings.py``. Only the slot's own file (its inode) is ever taken back.
 
 Thread model (docs/threads.md): ``SlotPool`` is thread-safe; its lock is never held
 across a call that can block.
@@ -48,19 +41,18 @@ ProducerAlive = Callable[[str, int], bool]
 #: At most this many slots (each holds a mapping and a file descriptor).
 DEFAULT_MAX_SLOTS = 256
 _MIN_CLASS = 4096
-# Room for the header above a power-of-two tensor: with plain powers of two a 256 MiB
-# tensor's slot (512 MiB) would fill the default pool alone.
+# Room for the header above a power-of-two tensor (else a 256 MiB tensor's slot, 512 MiB,
+# would fill the default pool alone).
 _HEADER_ROOM = 64 << 10
 # An acquire looks at most at this many lent slots, oldest first (a stat each while not
 # given back: with a backlog each look is wasted), each for being lost at most this often.
 _RECLAIM_SCAN = 8
 _LOST_CHECK_S = 1.0
-#: Bytes at the end of every slot file for its control block, out of reach of the data.
-CONTROL = 64
-# The return word: the ticket of the slot's next lend, stored by the consumer that gave it
-# back. Tickets only grow, so a word left from an earlier lend never matches.
+CONTROL = 64  # bytes at the end of every slot file, out of reach of the data
+# The return word, the ticket of the slot's next lend (tickets only grow: a word left from
+# an earlier lend never matches), then the holder word, the incarnation of the consumer
+# run holding the lend (0: none).
 WORD = struct.Struct("<Q")
-# The holder word, after it: the incarnation of the consumer run holding the lend (0: none).
 HOLDER_AT = WORD.size
 
 
@@ -80,11 +72,9 @@ def size_class(nbytes: int) -> int:
 
 @dataclass(eq=False)
 class Slot:
-    """One pool slot: its index, its mapping in the producer, its state."""
-
     index: int
     capacity: int
-    segment: Segment
+    segment: Segment  # its mapping in the producer
     ticket: int  # the index and the lend generation (naming.SLOT_BITS)
     ino: tuple[int, int]  # (st_dev, st_ino) of the file: its identity across renames
     state: str = "allocated"  # free | allocated | lent | lost
@@ -92,8 +82,7 @@ class Slot:
     lent_to: str = ""  # the consumer task it was published for
     checked_at: float = 0.0  # time.monotonic() of the last lost check (or of the lend)
     sized: int = -1  # the acquire in which its file's size was last checked
-    # The producer still holds ``allocate``'s array over it (or a view): once given back,
-    # the slot waits for that array's collection before it is written again.
+    # The producer holds ``allocate``'s array over it: not written again before collected.
     pinned: bool = False
 
 
@@ -144,13 +133,12 @@ class SlotPool:
             }
 
     def _path(self, kind: Callable[[str, int, int], str], ticket: int) -> str:
-        """The file of one of a slot's names (``Names.pool``, ``held`` or ``returned``)."""
         return Names.path(kind(self._task, self._incarnation, ticket))
 
     def acquire(self, nbytes: int) -> Slot | None:
         """A free slot for a segment of ``nbytes`` (now ``allocated``), or None when the
         pool cannot serve it (too big, or full of lent slots): the caller writes a one-off
-        segment then. Raises what ``Segment.create`` raises but for no room or the name."""
+        segment then. Never blocks."""
         cls = size_class(nbytes)
         counted = _counted(cls)
         if counted > self._limit:
@@ -210,9 +198,8 @@ class SlotPool:
         return self._bytes + counted > self._limit or self._count >= DEFAULT_MAX_SLOTS
 
     def _intact(self, slot: Slot) -> bool:
-        """(Under the lock) whether the slot's file still holds the whole slot (one fstat,
-        unless ``_came_back`` made it a moment ago): writing to a page a truncation took
-        is a SIGBUS. A truncated slot is dropped."""
+        """Whether the slot's file still holds it all (one fstat, unless ``_came_back`` made
+        it a moment ago): writing to a page a truncation took is a SIGBUS."""
         if slot.sized == self._acquires:
             return True
         try:
@@ -263,9 +250,8 @@ class SlotPool:
             self._forget(slot)
 
     def _reclaim_held(self, slot: Slot, held: str) -> bool:
-        """Take back a slot whose ``held`` name stays although the consumer run holding it
-        is gone (killed: nothing renamed it); whether it was. Only our file, only when the
-        holder word names a run whose presence record says it is over."""
+        """Take back a slot still ``held`` by a consumer run that is gone (killed); whether
+        it was. Only our file, only when the holder word names a run known to be over."""
         if self._holder_alive is None or not slot.lent_to:
             return False
         seg = slot.segment
@@ -292,9 +278,8 @@ class SlotPool:
         return True
 
     def _came_back(self, slot: Slot) -> bool:
-        """Whether the consumer gave ``slot`` back through its control block (it renamed it
-        ``returned`` first); if so it is free again, under that name. One ``fstat``:
-        reading a page a truncation took is a SIGBUS. A shrunk slot is forgotten."""
+        """Whether the consumer gave ``slot`` back through its control block (renamed
+        ``returned`` first): if so it is free, under that name. A shrunk slot is forgotten."""
         nxt = slot.ticket + (1 << SLOT_BITS)
         seg = slot.segment
         try:
@@ -356,7 +341,6 @@ class SlotPool:
         return True
 
     def _refuse(self, path: str) -> None:
-        """A file under one of a slot's names that is not the slot: counted, warned of once."""
         self.refused += 1
         if self.refused == 1:
             _log.warning(
@@ -376,7 +360,6 @@ class SlotPool:
         return True
 
     def _forget(self, slot: Slot, unlink: bool = False) -> None:
-        """Drop a slot: its mapping, its bytes, and (``unlink``) its name."""
         self._slots.pop(slot.index, None)
         self._bytes -= _counted(slot.capacity)
         self._count -= 1
@@ -385,7 +368,7 @@ class SlotPool:
         slot.segment.close()
 
     def _evict_one(self, wanted: int) -> bool:
-        """Drop one free slot of another size class to make room; False if there is none."""
+        """Drop a free slot of another size class to make room; False if there is none."""
         for cls, free in self._free.items():
             if cls != wanted and free:
                 self._forget(free.pop(), unlink=True)
@@ -403,9 +386,8 @@ class SlotPool:
             self._free.setdefault(slot.capacity, []).append(slot)
 
     def lend(self, slot: Slot, name: str, consumer: str, *, pinned: bool = False) -> None:
-        """``slot`` was published as message ``name`` for the consumer task ``consumer``.
-        ``pinned``: the producer still holds an array over it (``allocate``'s), and it is not
-        written again, once back, until ``unpin``."""
+        """``slot`` was published as message ``name`` for the consumer task ``consumer``;
+        ``pinned``: not written again, once back, until ``unpin``."""
         with self._lock:
             slot.pinned = pinned
             slot.state = "lent"
@@ -416,8 +398,8 @@ class SlotPool:
 
     @staticmethod
     def unpin(slot: Slot) -> None:
-        """The producer's array over ``slot`` is collected: it may be written again once
-        back. Takes no lock: it runs wherever the array is collected, maybe inside the GC."""
+        """The producer's array over ``slot`` is collected. Takes no lock: it runs wherever
+        the array is collected, maybe inside the GC."""
         slot.pinned = False
 
     def close(self) -> None:
@@ -443,8 +425,7 @@ class SlotPool:
             slot.segment.close()
 
     def _remove_returned(self, slot: Slot) -> None:
-        """Unlink ``slot``'s ``returned`` name if it is still the slot's own inode. Raises
-        ``OSError`` but for a name that is not there."""
+        """Unlink ``slot``'s ``returned`` name if it is the slot's own inode."""
         ret = self._path(self._names.returned, slot.ticket)
         try:
             st = os.stat(ret, follow_symlinks=False)
