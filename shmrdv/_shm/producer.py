@@ -368,7 +368,6 @@ class Producer:
         self.zero_copy = self.ring_full = 0
 
     def _route(self, key: ParsedKey) -> Route:
-        """The route to the consumer of ``key``: one per consumer task, made on first use."""
         task = str(canonical_task(key.dst))
         with self._lock:
             route = self._by_task.get(task)
@@ -380,7 +379,6 @@ class Producer:
         return route
 
     def _template(self, dtype: Any, shape: tuple[int, ...], key_len: int) -> Template:
-        """The header template of (dtype, shape, key length), made once."""
         t = self._templates.get((dtype, shape, key_len))
         if t is None:
             if len(self._templates) >= _TEMPLATES_MAX:
@@ -690,8 +688,8 @@ _cpus: list[float] = [0.0, 0.0]
 
 def helpers() -> int:
     """Helper threads a large copy uses besides the caller: one less than the CPUs this
-    thread may use, at most 3, none while the load average says those are taken;
-    ``SHMRDV_COPY_THREADS=n`` asks for ``n - 1`` whatever the load (1: none)."""
+    thread may use, at most 3, none while the load average says those are taken
+    (``SHMRDV_COPY_THREADS=n``: ``n - 1``, whatever the load)."""
     now = time.monotonic()
     if now - _cpus[1] >= 1.0:
         try:
@@ -712,42 +710,37 @@ def helpers() -> int:
 class _Job:
     """Chunks handed out one at a time: a helper that wakes late only copies less."""
 
-    __slots__ = ("busy", "chunks", "dst", "error", "idle", "lock", "next", "src")
-
-    def __init__(self, dst: npt.NDArray[Any], src: npt.NDArray[Any], chunks: list[slice]) -> None:
-        self.dst, self.src, self.chunks = dst, src, chunks
-        self.next = self.busy = 0
+    def __init__(self, dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+        self.dst, self.src = dst, src
+        self.starts = iter(range(0, src.nbytes, _CHUNK))
+        self.busy = 0
         self.error: BaseException | None = None
-        self.lock = threading.Lock()
-        self.idle = threading.Condition(self.lock)
+        self.idle = threading.Condition()
 
     def work(self) -> None:
         """Copy chunks until none is left."""
-        while True:
-            with self.lock:
-                if self.next >= len(self.chunks) or self.error is not None:
+        while self.error is None:
+            with self.idle:
+                at = next(self.starts, None)
+                if at is None:
                     return
-                part = self.chunks[self.next]
-                self.next += 1
                 self.busy += 1
             try:
+                part = slice(at, at + _CHUNK)
                 np.copyto(self.dst[part], self.src[part], casting="no")
             except BaseException as e:  # pragma: no cover - same dtype, contiguous
-                with self.lock:
-                    self.error = e
+                self.error = e
             finally:
-                with self.lock:
+                with self.idle:
                     self.busy -= 1
-                    if self.busy == 0:
-                        self.idle.notify_all()
+                    self.idle.notify_all()
 
     def finish(self) -> None:
         """Hand out no more chunks; wait until no helper copies one (a segment's mapping
         cannot close under a view), then drop the buffers."""
-        with self.lock:
-            self.next = len(self.chunks)
-            while self.busy:
-                self.idle.wait()
+        with self.idle:
+            self.starts = iter(())
+            self.idle.wait_for(lambda: not self.busy)
             self.dst = self.src = _EMPTY
 
 
@@ -757,8 +750,7 @@ _started = [0]
 _start_lock = threading.Lock()
 
 
-def _forked() -> None:
-    """In a forked child: the threads stayed with the parent."""
+def _forked() -> None:  # the threads stayed with the parent
     global _jobs, _start_lock
     _jobs, _start_lock, _started[0] = queue.SimpleQueue(), threading.Lock(), 0
 
@@ -780,9 +772,7 @@ def copy_into(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
     if n == 0:
         np.copyto(dst, src, casting="no")
         return
-    d = dst.reshape(-1).view(np.uint8)
-    s = src.reshape(-1).view(np.uint8)
-    job = _Job(d, s, [slice(i, min(i + _CHUNK, nbytes)) for i in range(0, nbytes, _CHUNK)])
+    job = _Job(dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
     with _start_lock:
         while _started[0] < n:
             threading.Thread(
