@@ -159,25 +159,15 @@ class Header:
 
     @classmethod
     def build(
-        cls,
-        *,
-        key: str,
-        dtype: np.dtype[Any],
-        shape: tuple[int, ...],
-        step_id: int,
-        seq: int,
-        producer_incarnation: int,
-        producer_pid: int,
-        is_dead: bool = False,
-        slot: int = -1,
-        created_ns: int | None = None,
+        cls, *, key: str, dtype: np.dtype[Any], shape: tuple[int, ...], **fields: Any
     ) -> Header:
-        """A header with ``data_offset`` and ``nbytes`` worked out (``created_ns``: now).
-        Raises ``InvalidArgumentError`` as ``Template`` does."""
+        """A header of ``fields`` (step_id, seq, producer_incarnation, producer_pid; is_dead,
+        slot and created_ns if not False, -1 and now) with ``data_offset`` and ``nbytes``
+        worked out. Raises ``InvalidArgumentError`` as ``Template`` does."""
         t = Template(dtype, shape, len(key.encode("utf-8")))
-        created = time.time_ns() if created_ns is None else created_ns
-        return cls(dtype, t.shape, is_dead, t.data_offset, t.nbytes, step_id, seq,
-                   producer_incarnation, producer_pid, slot, created, key)  # fmt: skip
+        fields = {"is_dead": False, "slot": -1, "created_ns": time.time_ns(), **fields}
+        return cls(dtype=dtype, shape=t.shape, data_offset=t.data_offset, nbytes=t.nbytes,
+                   key=key, **fields)  # fmt: skip
 
     @property
     def segment_size(self) -> int:
