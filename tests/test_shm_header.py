@@ -158,34 +158,6 @@ def test_pack_key_too_long_refused() -> None:
         _header(key="k" * (layout.MAX_KEY_BYTES + 1))
 
 
-@pytest.mark.parametrize(
-    ("change", "match"),
-    [
-        ({"nbytes": 7}, "nbytes 7"),
-        ({"data_offset": 64}, "data_offset 64"),  # below the header
-        ({"data_offset": 1024 + 1}, "data_offset 1025"),  # unaligned
-        ({"step_id": 2**63}, "out of range"),
-        ({"seq": -1}, "out of range"),
-        ({"producer_incarnation": 2**64}, "out of range"),
-        ({"producer_pid": -1}, "out of range"),
-        ({"slot": -2}, "slot -2"),
-        ({"created_ns": -1}, "out of range"),
-    ],
-)
-def test_pack_inconsistent_header_refused(change: dict[str, Any], match: str) -> None:
-    h = _header()
-    fields = {f: getattr(h, f) for f in Header.__slots__}
-    fields.update(change)
-    with pytest.raises(InternalError, match=match):
-        layout.pack_into(bytearray(4096), Header(**fields))
-
-
-def test_pack_into_too_small_buffer_refused() -> None:
-    h = _header()
-    with pytest.raises(InternalError, match="buffer"):
-        layout.pack_into(bytearray(_header_len(h) - 1), h)
-
-
 # --- corruption: every branch of unpack -------------------------------------------------
 
 

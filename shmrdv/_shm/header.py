@@ -175,21 +175,10 @@ class Header:
 
 
 def pack_into(buf: bytearray | memoryview | mmap.mmap, h: Header) -> None:
-    """Write ``h`` at the start of ``buf`` (its header bytes, not the padding) with
-    ``Template``: how tests and tools write a whole header. Raises ``InvalidArgumentError``
-    as ``Template`` does, ``InternalError`` for a header ``unpack`` would refuse or a too
-    small buffer."""
+    """Write ``h``'s header bytes (not the padding) at the start of ``buf``: how tests and
+    tools write a header ``Header.build`` made. Raises as ``Template.write`` does."""
     key = h.key.encode("utf-8")
     t = Template(h.dtype, h.shape, len(key))
-    if (h.data_offset, h.nbytes) != (t.data_offset, t.nbytes) or h.slot < -1:
-        raise InternalError(
-            f"cannot pack segment header: data_offset {h.data_offset}, nbytes {h.nbytes}, "
-            f"slot {h.slot}, where {h.shape} of {h.dtype} takes {t.data_offset}, {t.nbytes}"
-        )
-    if len(buf) < t.header_len:
-        raise InternalError(
-            f"cannot pack segment header: {t.header_len} bytes into a {len(buf)}-byte buffer"
-        )
     out = bytearray(t.data_offset)
     t.write(out, 0, key, FLAG_DEAD if h.is_dead else 0, h.step_id, h.seq,
             h.producer_incarnation, h.producer_pid, h.slot, h.created_ns)  # fmt: skip
