@@ -87,23 +87,18 @@ class Slot:
 
 
 class SlotPool:
-    """The producer side of the slot protocol, up to ``limit_bytes`` of slots. Thread-safe.
+    """The producer side of the slot protocol, up to ``limit`` bytes of slots. Thread-safe.
     ``holder_alive(consumer task, incarnation)`` says whether the consumer run holding a
-    slot lives (None: never take a held slot back)."""
+    slot lives."""
 
     def __init__(
-        self,
-        names: Names,
-        task: str,
-        incarnation: int,
-        limit_bytes: int,
-        holder_alive: ProducerAlive | None = None,
+        self, names: Names, task: str, incarnation: int, limit: int, holder_alive: ProducerAlive
     ) -> None:
         self._names = names
         self._holder_alive = holder_alive
         self._task = task
         self._incarnation = incarnation
-        self._limit = limit_bytes
+        self._limit = limit
         self._lock = threading.Lock()
         self._free: dict[int, list[Slot]] = {}  # size class -> free slots
         self._lent: deque[Slot] = deque()
@@ -252,7 +247,7 @@ class SlotPool:
     def _reclaim_held(self, slot: Slot, held: str) -> bool:
         """Take back a slot still ``held`` by a consumer run that is gone (killed); whether
         it was. Only our file, only when the holder word names a run known to be over."""
-        if self._holder_alive is None or not slot.lent_to:
+        if not slot.lent_to:
             return False
         seg = slot.segment
         try:
@@ -270,10 +265,7 @@ class SlotPool:
             return False
         self.reclaimed += 1
         _log.info(
-            "took back pool slot %d from %s (incarnation %016x), which is gone",
-            slot.index,
-            slot.lent_to,
-            holder,
+            "took back pool slot %d from %s (run %016x, gone)", slot.index, slot.lent_to, holder
         )
         return True
 
@@ -343,11 +335,8 @@ class SlotPool:
     def _refuse(self, path: str) -> None:
         self.refused += 1
         if self.refused == 1:
-            _log.warning(
-                "refusing %s: not the pool slot this producer created (planted by another "
-                "process?); further ones are counted in stats() as pool_refused",
-                path,
-            )
+            msg = "refusing %s: not this producer's pool slot (planted?); more in pool_refused"
+            _log.warning(msg, path)
 
     @staticmethod
     def _exists(path: str) -> bool:

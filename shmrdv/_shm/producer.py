@@ -347,8 +347,8 @@ class Producer:
         task: str,
         incarnation: int,
         pool_bytes: int,
-        inflight: Inflight | None = None,
-        holder_alive: ProducerAlive | None = None,
+        inflight: Inflight | None,
+        holder_alive: ProducerAlive,
     ) -> None:
         self._names = names
         self._task = task
@@ -363,7 +363,7 @@ class Producer:
         self._routes: dict[str, Route] = {}  # by a key's dst device, as written
         self._by_task: dict[str, Route] = {}  # the same routes, by consumer task
         self._allocations: dict[int, _Allocation] = {}
-        self._pool = SlotPool(names, task, incarnation, pool_bytes, holder_alive=holder_alive)
+        self._pool = SlotPool(names, task, incarnation, pool_bytes, holder_alive)
         self._closed = False
         self.zero_copy = self.ring_full = 0
 
