@@ -52,14 +52,6 @@ def is_ours(st: os.stat_result) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
-def _owner_hint(path: str) -> str:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return ""
-    return f" (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):#o})"
-
-
 def open_checked(
     path: str, flags: int, what: str, *, max_size: int | None = None
 ) -> tuple[int, os.stat_result]:
@@ -81,8 +73,7 @@ def open_checked(
             raise InternalError(f"{what} {path} is a symlink; refusing it") from e
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             raise InternalError(
-                f"{what} {path} is held under a lease by another process{_owner_hint(path)}; "
-                "refusing to wait for it"
+                f"{what} {path} is held under a lease by another process; refusing to wait"
             ) from e
         if e.errno in _NO_FDS:
             raise ResourceExhaustedError(
@@ -282,16 +273,9 @@ class Segment(Closing):
         """
         name = names.temp() if name is None else name
         path = names.path(name)
+        fd = -1
         try:
             fd = os.open(path, _CREATE_FLAGS, _MODE)
-        except FileExistsError as e:
-            raise InternalError(
-                f"cannot create segment {name}: the name exists already (a name collision, "
-                "or squatted by another process)"
-            ) from e
-        except OSError as e:
-            raise _open_error(e, f"create segment {name} ({size} bytes)") from e
-        try:
             os.fchmod(fd, _MODE)  # whatever the umask
             if size > 0:
                 os.posix_fallocate(fd, 0, size)
@@ -299,9 +283,15 @@ class Segment(Closing):
             else:
                 mem = _EmptyBuffer()
         except BaseException as e:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            if fd >= 0:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            if isinstance(e, FileExistsError):
+                raise InternalError(
+                    f"cannot create segment {name}: the name exists already (a collision, or "
+                    "squatted by another process)"
+                ) from e
             if isinstance(e, OSError):
                 raise _open_error(e, f"create segment {name} ({size} bytes)") from e
             raise
