@@ -52,6 +52,29 @@ def is_ours(st: os.stat_result) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
+def _free_bytes() -> str:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError as e:  # pragma: no cover - /dev/shm vanished
+        return f"unknown ({e})"
+    return f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+
+
+def _open_error(e: OSError, what: str) -> Exception:
+    if e.errno in _NO_FDS:
+        return ResourceExhaustedError(
+            f"cannot {what}: too many open files ({e.strerror}); each shared-memory segment, "
+            "record and doorbell open holds one: raise the limit (ulimit -n) or close files"
+        )
+    if e.errno in _NO_SPACE:
+        return ResourceExhaustedError(
+            f"cannot {what}: {e.strerror}; {SHM_DIR} has {_free_bytes()}. In a container, "
+            "give it more (docker run --shm-size=...); remove what dead processes left "
+            "behind with `python -m shmrdv gc`"
+        )
+    return InternalError(f"cannot {what}: {e}")
+
+
 def open_checked(
     path: str, flags: int, what: str, *, max_size: int | None = None
 ) -> tuple[int, os.stat_result]:
@@ -75,12 +98,7 @@ def open_checked(
             raise InternalError(
                 f"{what} {path} is held under a lease by another process; refusing to wait"
             ) from e
-        if e.errno in _NO_FDS:
-            raise ResourceExhaustedError(
-                f"cannot open {what} {path}: too many open files ({e.strerror}); "
-                "raise the limit (ulimit -n) or close files"
-            ) from e
-        raise InternalError(f"cannot open {what} {path}: {e}") from e
+        raise _open_error(e, f"open {what} {path}") from e
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -152,29 +170,6 @@ def move_noreplace(old: str, new: str) -> None:
     os.link(old, new, follow_symlinks=False)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(old)
-
-
-def _free_bytes() -> str:
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError as e:  # pragma: no cover - /dev/shm vanished
-        return f"unknown ({e})"
-    return f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
-
-
-def _open_error(e: OSError, what: str) -> Exception:
-    if e.errno in _NO_FDS:
-        return ResourceExhaustedError(
-            f"cannot {what}: too many open files ({e.strerror}); each open shared-memory "
-            "segment holds a file descriptor, raise the limit (ulimit -n)"
-        )
-    if e.errno in _NO_SPACE:
-        return ResourceExhaustedError(
-            f"cannot {what}: {e.strerror}; {SHM_DIR} has {_free_bytes()}. In a container, "
-            "give it more (docker run --shm-size=...); remove what dead processes left "
-            "behind with `python -m shmrdv gc`"
-        )
-    return InternalError(f"cannot {what}: {e}")
 
 
 class _EmptyBuffer(bytearray):
