@@ -36,16 +36,9 @@ PREFIX = "shmrdv_"
 SEM_PREFIX = "sem."
 #: 80-bit digests: a collision among a job's live objects is negligible (birthday ~2**40).
 DIGEST_BYTES = 10
-KINDS = {
-    "w": "presence",
-    "b": "bell",
-    "t": "temp",
-    "m": "message",
-    "p": "pool",
-    "h": "held",
-    "r": "returned",
-    "q": "ring",
-}
+KINDS = dict(
+    w="presence", b="bell", t="temp", m="message", p="pool", h="held", r="returned", q="ring"
+)
 _CODES = {kind: code for code, kind in KINDS.items()}
 _NAMESPACE_RE = re.compile(r"[a-z0-9]{8,64}")
 _ID_RE = re.compile(rf"[0-9a-f]{{{NAMESPACE_ID_HEX}}}")
