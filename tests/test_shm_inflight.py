@@ -101,8 +101,7 @@ def test_inflight_ring_record_counts_until_the_consumer_passes_it(
             ticket = flight.reserve(100, None, "m")
             at = producer.reserve(100)
             producer.buf[at : at + 100] = bytes([i]) * 100
-            producer.commit()
-            ticket.record(producer, producer.head)
+            ticket.record(producer, producer.commit())
         with pytest.raises(ResourceExhaustedError):
             flight.reserve(100, 0.05, "m")
         other = Segment.attach(names, seg.name)  # the consumer's own mapping

@@ -10,12 +10,10 @@ order. Little endian, no padding::
     created_ns u64 | ndim u32 | dtype_len u32 | key_len u32          (the fixed prefix)
     shape: ndim x u64 | dtype descriptor: dtype_len bytes | key: key_len bytes (UTF-8)
 
-``flags`` bit 0 is ``is_dead``; bit 1 (``FLAG_NOTICE``, ring records only) says the data is
-in the segment published under the message's name. The dtype descriptor is
-``_values.encode_dtype``'s. ``slot`` is the producer's pool slot ticket, or -1.
-
-A header is hostile input: every length is checked against the buffer and the file before
-it is used, so garbage gives ``InternalError("segment header corrupted: <field> ...")``,
+``flags``: bit 0 ``is_dead``, bit 1 ``FLAG_NOTICE`` (a ring record whose data is in the
+segment published under the message's name). The dtype descriptor is
+``_values.encode_dtype``'s; ``slot`` the producer's pool slot ticket, or -1. A header is
+hostile input: garbage gives ``InternalError("segment header corrupted: <field> ...")``,
 never another exception or a large allocation.
 """
 
@@ -38,14 +36,13 @@ __all__ += ["Template", "created_ns", "is_notice", "pack_into", "unpack", "unpac
 
 BufferLike = bytes | bytearray | memoryview | mmap.mmap
 
-#: The non-ASCII first byte and the newline catch text mangling, as PNG's signature does;
-#: an all-zero (fresh, unwritten) file never matches.
+# The non-ASCII first byte and the newline catch text mangling, as PNG's signature does;
+# a fresh, all-zero file never matches.
 MAGIC = b"\x89SHMRDV\n"
 VERSION = 1
 ALIGNMENT = 64  # a cache line; AVX-512 loads
 MAX_NDIM = 64  # numpy's NPY_MAXDIMS since 2.0
-#: So that a corrupted header never makes us allocate much.
-MAX_KEY_BYTES = 1 << 20
+MAX_KEY_BYTES = 1 << 20  # so that a corrupted header never makes us allocate much
 
 PREFIX = struct.Struct("<8sHHIQQqQQIqQIII")
 FLAG_DEAD = 1
@@ -73,9 +70,9 @@ def _corrupted(what: str) -> InternalError:
 
 
 class Template:
-    """The header of every message of one (dtype, shape, key length), packed once, so that
-    ``write`` is one ``struct`` call. Raises ``InvalidArgumentError`` for the caller's
-    object dtype, too many dimensions or too long a key."""
+    """The header of every message of one (dtype, shape, key length), packed once: ``write``
+    is one ``struct`` call. Raises ``InvalidArgumentError`` for an object dtype, too many
+    dimensions or too long a key."""
 
     def __init__(self, dtype: np.dtype[Any], shape: tuple[int, ...], key_len: int) -> None:
         if dtype.hasobject:
@@ -89,7 +86,6 @@ class Template:
             raise InvalidArgumentError(f"an array of {len(shape)} dimensions: at most {MAX_NDIM}")
         raw_dtype = encode_dtype(dtype)
         end = self.header_len = PREFIX.size + 8 * len(shape) + len(raw_dtype) + key_len
-        self.dtype = dtype
         self.shape = shape
         self.data_offset = -(-end // ALIGNMENT) * ALIGNMENT
         self.nbytes = math.prod(shape) * dtype.itemsize
@@ -118,9 +114,9 @@ class Template:
         created_ns: int,
         data: bytes | None = None,
     ) -> None:
-        """Write one message's header (``data_offset`` bytes) at ``buf[at:]``, its UTF-8
-        key ``key``; with ``data`` (``nbytes``), the data after it (a ring record). Raises
-        ``InternalError`` if a field is out of its range."""
+        """Write a message's header (``data_offset`` bytes, UTF-8 ``key``) at ``buf[at:]``;
+        with ``data``, the data after it (a ring record). Raises ``InternalError`` if a field
+        is out of its range."""
         try:
             if data is None:
                 self._head(

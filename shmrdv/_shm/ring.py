@@ -188,11 +188,6 @@ class Ring:
         words[_C] = reader
 
     @property
-    def head(self) -> int:
-        """The end of the last record published (a running byte count)."""
-        return int(self._words[_H])
-
-    @property
     def tail(self) -> int:
         """The start of the oldest record not taken (a running byte count)."""
         return int(self._words[_T])
