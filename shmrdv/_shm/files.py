@@ -78,15 +78,12 @@ def _open_error(e: OSError, what: str) -> Exception:
 def open_checked(
     path: str, flags: int, what: str, *, max_size: int | None = None
 ) -> tuple[int, os.stat_result]:
-    """Open ``path`` (``flags``: ``O_RDONLY`` or ``O_RDWR``) with ``O_NOFOLLOW`` and
-    ``O_NONBLOCK`` (a planted FIFO, or a file under a lease, fails at once), and check it.
-
-    Never creates, never blocks. Returns the descriptor (the caller closes it) and its
-    ``fstat``. Raises ``FileNotFoundError`` unchanged when there is no such name;
-    ``InternalError`` naming ``what`` and ``path`` for a symlink, a file under a lease,
-    anything but ``is_ours``, or a file over ``max_size`` bytes (nothing is read from it);
-    ``ResourceExhaustedError`` when out of descriptors.
-    """
+    """Open ``path`` (``O_RDONLY`` or ``O_RDWR``) with ``O_NOFOLLOW`` and ``O_NONBLOCK`` (a
+    planted FIFO, or a file under a lease, fails at once; nothing is created) and check it.
+    Returns the descriptor (the caller closes it) and its ``fstat``. Raises
+    ``FileNotFoundError`` unchanged; ``InternalError`` naming ``what`` and ``path`` for a
+    symlink, a lease, anything but ``is_ours`` or over ``max_size`` bytes;
+    ``ResourceExhaustedError`` when out of descriptors."""
     try:
         fd = os.open(path, flags | _OPEN_FLAGS)
     except FileNotFoundError:
@@ -187,9 +184,8 @@ class _Owner(np.ndarray):  # type: ignore[type-arg,unused-ignore]
 def _release_mem(
     mem: mmap.mmap | _EmptyBuffer, owner: list[weakref.ref[_Owner]], lent: list[int]
 ) -> None:
-    """Unmap now unless arrays use the mapping (``owner``: the weak reference to ``view``'s
-    owner, if any; ``lent``: how many arrays ``lend`` made are alive): the last one unmaps
-    it when collected."""
+    """Unmap now unless arrays use the mapping (``view``'s ``owner``, or ``lent`` ones): the
+    last of them unmaps it when collected."""
     if isinstance(mem, mmap.mmap) and not (owner and owner[0]() is not None) and not lent[0]:
         try:
             mem.close()
@@ -261,11 +257,8 @@ class Segment(Closing):
         cls, names: Names, size: int, name: str | None = None, *, keep_fd: bool = False
     ) -> Segment:
         """Create, reserve and map a new segment of ``size`` bytes (default: a temp name).
-
-        Raises ``ResourceExhaustedError`` when /dev/shm has no room for it (nothing is left
-        behind) or the process is out of descriptors, ``InternalError`` when the name exists
-        already (squatted, or a collision).
-        """
+        Raises ``ResourceExhaustedError`` when /dev/shm has no room (nothing is left behind)
+        or descriptors ran out, ``InternalError`` when the name exists already."""
         name = names.temp() if name is None else name
         path = names.path(name)
         fd = -1

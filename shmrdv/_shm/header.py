@@ -244,12 +244,10 @@ def unpack(buf: BufferLike, file_size: int) -> Header:
 
 
 class Reader:
-    """``unpack_fields`` with one cache, keyed by the bytes that depend on neither the key
-    nor the message (ndim, lengths, shape, dtype descriptor): a header whose such bytes were
-    seen gets every other check and its key decoded, without the dtype and shape checks;
-    anything else goes to ``unpack_fields``, which says what is wrong. So a new key costs
-    what a known one does and adds no entry. Bounded (emptied when full); not thread-safe.
-    """
+    """``unpack_fields`` with one cache, by the bytes that depend on neither the key nor the
+    message (ndim, lengths, shape, dtype): a header whose such bytes were seen skips only the
+    dtype and shape checks, so a new key costs what a known one does and adds no entry.
+    Bounded (emptied when full); not thread-safe."""
 
     __slots__ = ("_known",)
 

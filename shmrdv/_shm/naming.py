@@ -1,16 +1,13 @@
 """Names of every OS object the shared-memory transport creates in ``/dev/shm``.
 
-Pure: no I/O. Every name is ``shmrdv_<namespace id>_<kind><hash>``, ``[a-z0-9_]`` only and
-short. The namespace id is the public digest of the secret token (tools list and collect a
-job's objects by it); the hash is a blake2b **keyed by the token** over the object's
-length-prefixed fields, with a ``person`` per kind, so that whoever lists /dev/shm can
-neither find the token nor predict, squat or plant a name of the job (DESIGN.md "Names and
-keys"). Keys reach names only through the hash: they are long and hold ``/`` and ``;``.
-
-Kinds: ``w`` presence record and ``b`` doorbell (``sem.`` on disk), both over the task;
-``t`` a segment being written (random); ``m`` a message, over (step, key, incarnation, seq);
-``q`` the ring from one producer run to one consumer; ``p`` / ``h`` / ``r`` a pool slot
-free, held and returned, over (producer task, incarnation, ticket), each keyed apart.
+Pure: no I/O. Every name is ``shmrdv_<namespace id>_<kind><hash>``: the public digest of
+the secret token (tools list and collect a job's objects by it), then a blake2b **keyed by
+the token** over the object's length-prefixed fields with a ``person`` per kind, so that
+whoever lists /dev/shm can neither find the token nor predict, squat or plant a name of the
+job (DESIGN.md "Names and keys"). Kinds: ``w`` presence record and ``b`` doorbell, over the
+task; ``t`` a segment being written (random); ``m`` a message, over (step, key, incarnation,
+seq); ``q`` a producer run's ring to a consumer; ``p`` / ``h`` / ``r`` a pool slot free,
+held and returned, over (producer task, incarnation, ticket), each keyed apart.
 """
 
 from __future__ import annotations
@@ -108,12 +105,9 @@ def parse_name(entry: str) -> ObjectName | None:
 
 @dataclass(frozen=True)
 class Names:
-    """The names of one namespace's objects: bare names (no directory, no leading slash).
-
-    ``namespace`` is the secret token, ``namespace_id`` its public digest. Raises
-    ``InvalidArgumentError`` for a token that is not ``[a-z0-9]{8,64}`` (without echoing it)
-    and for out-of-range fields.
-    """
+    """The bare names (no directory) of one namespace's objects: ``namespace`` is the secret
+    token, ``namespace_id`` its public digest. Raises ``InvalidArgumentError`` for a token
+    that is not ``[a-z0-9]{8,64}`` (without echoing it) and for out-of-range fields."""
 
     namespace: str = field(repr=False)  # the secret: kept out of logs
     namespace_id: str = field(init=False)

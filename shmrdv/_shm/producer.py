@@ -1,19 +1,16 @@
 """The sending half of the same-host transport: a message's number, bytes and name.
 
-Per consumer worker the producer keeps a ``Route``: its ring (``ring.py``) and doorbell. A
-small value travels inline, as a ring record. A larger one is copied into a warm pool slot
-(``pool.py``; else a fresh fallocated segment), or was written there through ``allocate``,
-and published with one rename (no replace) to the message's name: the consumer never sees a
-half-written tensor, also if the producer dies mid-write. A notice of it goes in the ring.
-Then the doorbell is posted, unless a post is pending: whoever takes that one drains every
-ring after it. A large copy is split into chunks that the sending thread and a few helper
-threads take in turn (numpy releases the GIL while it copies). With ``max_inflight_bytes``
-a send first reserves room in its consumer's window (``Flight``).
+A small value travels inline, a record in its consumer's ring (``Route``). A larger one is
+copied into a warm pool slot (``pool.py``; else a fresh fallocated segment) by the sending
+thread and a few helpers, or was written there through ``allocate``, and published with one
+rename (no replace) to the message's name, so that the consumer never sees a half-written
+tensor; a notice goes in the ring. The doorbell is posted unless a post is pending: whoever
+takes that one drains every ring after it. With ``max_inflight_bytes`` a send first reserves
+room in its consumer's window (``Flight``).
 
-Thread model (``docs/threads.md``): any thread may call ``send`` / ``allocate``. ``_lock``
-serialises the sequence numbers and the rings (one writer per ring) and guards the
-allocations and the routes' doorbells; it is never held across a call that can block.
-Helpers ("shmrdv-copy-<n>") wait on a queue; no lock is held while copying.
+Thread model (``docs/threads.md``): any thread may send or allocate. ``_lock`` (sequence
+numbers, rings, allocations, doorbells) is never held across a call that can block; the
+helpers ("shmrdv-copy-<n>") wait on a queue and copy under no lock.
 """
 
 from __future__ import annotations
@@ -589,10 +586,9 @@ class Producer:
         route: Route,
     ) -> str:
         """Give the message its sequence number, header and name, atomically, and a notice
-        in the ring (with none, ``Ring.lost`` tells the consumer to look by name). Returns
-        the name. Raises ``InternalError`` if a file has that name (planted, or an earlier
-        run's): it is left untouched, and the sequence number skipped (by the consumer too).
-        """
+        in the ring (else ``Ring.lost`` tells the consumer to look by name); returns the
+        name. ``InternalError`` if the name is taken: that file is left alone, and the
+        sequence number skipped (by the consumer too)."""
         ticket = -1 if slot is None else slot.ticket
         with self._lock:
             seqs = self._seqs[step_id]

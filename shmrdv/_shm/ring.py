@@ -1,21 +1,17 @@
 """A single-producer, single-consumer byte ring in shared memory, for small messages.
 
-A segment costs a dozen system calls, far more than a small tensor's bytes: so a producer
-worker appends records (the segment header, then the data) to a ring per consumer worker,
-advancing ``head``; the consumer reads them and advances ``tail``, the start of the oldest
-record not *taken* (handed to a receive, or freed): the producer writes over nothing after
-it. A record taken while an older one is not is marked in its length word, and a later
-reader skips it, so the consumer's next process, after a crash, reads exactly the records
-not taken. One left untaken while the producer needs room is moved out by the consumer
-(``Recovery.spill``).
+A segment costs a dozen system calls, far more than a small tensor's bytes: a producer
+worker appends records (the segment header, then the data) to a ring per consumer worker.
+``tail`` is the start of the oldest record not *taken* (handed to a receive, or freed): the
+producer writes over nothing after it. A record taken before an older one is marked, so
+the consumer's next process, after a crash, reads exactly the records not taken.
 
 Ordering: the producer writes a record, then stores ``head``; the consumer loads ``head``,
 then reads. Each is one aligned 8-byte store or load through a ``memoryview`` cast to ``Q``
 (``struct.pack_into`` zeroes its target first), and x86-64 keeps stores in order (TSO);
 weaker memory models need fences Python cannot issue, so rings are used on x86-64 only.
 
-Pure on a buffer: the producer creates, maps and names the file. Not thread-safe: each
-side's owner serialises its calls.
+Pure on a buffer. Not thread-safe: each side's owner serialises its calls.
 """
 
 from __future__ import annotations
@@ -216,12 +212,11 @@ class Ring:
                 return
 
     def spans(self) -> list[tuple[int, int]]:
-        """Where the next records' payloads are in ``buf``, ``(start, end)`` each: the
-        consumer's hot loop, a batch per call, none taken until ``consume``; records taken
-        before (``mark_taken``) are skipped. A batch ends at ``head``, after about
-        ``_BATCH_BYTES``, or before a length that is no record's: the next call raises
-        ``InternalError`` for it (a corrupted ring). Reads ``lost`` after ``head``, so a
-        record lost before one of the batch is counted."""
+        """Where the next records' payloads are in ``buf``, ``(start, end)`` each, a batch
+        per call (records taken before are skipped; none is taken until ``consume``). A batch
+        ends at ``head``, after about ``_BATCH_BYTES``, or before a length that is no
+        record's, which the next call raises ``InternalError`` for. Reads ``lost`` after
+        ``head``, so a record lost before one of the batch is counted."""
         words = self._words
         head = words[_H]
         self.lost = words[_L] + words[_S]
