@@ -2,12 +2,11 @@
 
 Fresh tmpfs pages cost a fault, an allocation and a zeroing each (research/pitfalls.md §5),
 so large messages go into slots the producer keeps mapped. Publishing renames a slot to the
-message's name; its consumer renames it ``held`` while its array lives and ``returned`` once
-it is collected, then stores the ticket of the slot's next lend in the slot's control block
-(its last ``CONTROL`` bytes), which the producer reads at its next acquire. The names stay
-the truth whoever crashes. A consumer notes its incarnation in the block once it holds a
-slot, so that a slot whose holder is gone is taken back. The consumer's half is
-``mappings.py``. Only the slot's own file (its inode) is ever taken back.
+message's name; its consumer (``mappings.py``) renames it ``held`` while its array lives,
+``returned`` once it is collected, and stores the ticket of the slot's next lend in the
+slot's control block, which the producer reads at its next acquire: the names stay the
+truth whoever crashes. A holder's incarnation in the block lets a slot whose holder is gone
+be taken back. Only the slot's own file (its inode) is ever taken back.
 
 Thread model (docs/threads.md): ``SlotPool`` is thread-safe; its lock is never held
 across a call that can block.
@@ -230,11 +229,11 @@ class SlotPool:
                 self._lent.append(slot)
                 continue
             slot.checked_at = now
-            if self._exists(Names.path(slot.lent_name)):
+            if os.path.lexists(Names.path(slot.lent_name)):
                 self._lent.append(slot)  # not received yet: its consumer's
                 continue
             held = self._path(self._names.held, slot.ticket)
-            if self._exists(held):
+            if os.path.lexists(held):
                 if not self._reclaim_held(slot, held):
                     self._lent.append(slot)  # still with its consumer
                 continue
@@ -306,11 +305,8 @@ class SlotPool:
         ret = self._path(self._names.returned, slot.ticket)
         try:
             st = os.stat(ret, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        except OSError as e:
-            _log.warning("cannot stat returned pool slot %s: %s", ret, e)
-            return False
+        except OSError:
+            return False  # not given back (yet)
         if (st.st_dev, st.st_ino) != slot.ino:
             self._refuse(ret)  # not the file we created: never take it as ours
             return False
@@ -324,11 +320,8 @@ class SlotPool:
         except FileExistsError:
             self._refuse(Names.path(pool_name))
             pool_name = self._names.returned(self._task, self._incarnation, slot.ticket)
-        except FileNotFoundError:
-            return False
-        except OSError as e:
-            _log.warning("cannot take back pool slot %s: %s", ret, e)
-            return False
+        except OSError:
+            return False  # gone meanwhile (close, gc)
         self._freed_as(slot, ticket, pool_name)
         return True
 
@@ -337,16 +330,6 @@ class SlotPool:
         if self.refused == 1:
             msg = "refusing %s: not this producer's pool slot (planted?); more in pool_refused"
             _log.warning(msg, path)
-
-    @staticmethod
-    def _exists(path: str) -> bool:
-        try:
-            os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        except OSError:
-            pass  # cannot tell: assume it is still out there
-        return True
 
     def _forget(self, slot: Slot, unlink: bool = False) -> None:
         self._slots.pop(slot.index, None)
@@ -368,8 +351,7 @@ class SlotPool:
         """Give back an allocated slot that was not published (an ``allocate`` never sent)."""
         with self._lock:
             if self._closed:
-                slot.segment.unlink()
-                slot.segment.close()
+                self._forget(slot, unlink=True)
                 return
             slot.state = "free"
             self._free.setdefault(slot.capacity, []).append(slot)
