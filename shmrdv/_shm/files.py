@@ -170,15 +170,14 @@ def move_noreplace(old: str, new: str) -> None:
 
 
 class _EmptyBuffer(bytearray):
-    """The mapping of a 0-byte segment (``mmap`` cannot map nothing)."""
+    """The mapping of a 0-byte file (``mmap`` cannot map nothing): a planted one, say."""
 
     __slots__ = ("__weakref__",)
 
 
 class _Owner(np.ndarray):  # type: ignore[type-arg,unused-ignore]
-    """The numpy ``base`` of every array a segment makes. numpy releases its buffer export
-    on the ``mmap`` right after building an array, so ``mmap.close()`` would unmap memory
-    under live arrays: the ``Segment`` closes the ``mmap`` only when no owner is alive."""
+    """The numpy ``base`` of every array a segment makes: numpy lets go of the ``mmap``
+    right after building an array, so the mapping is closed only once no owner is alive."""
 
 
 def _release_mem(
@@ -198,8 +197,7 @@ _LENT_LOCK = threading.Lock()
 
 
 class _Lend(weakref.ref):  # type: ignore[type-arg]
-    """The weak reference to the owner of one array ``lend`` made: when it is collected,
-    ``_given_back`` counts the array back and runs the callback. Lighter than a
+    """The weak reference to a ``lend`` array's owner, calling ``_given_back``: lighter than a
     ``weakref.finalize``; like one with ``atexit`` off, it does nothing at exit."""
 
     __slots__ = ("args", "callback", "lent", "name")
@@ -230,21 +228,22 @@ def _given_back(
 
 
 class Segment(Closing):
-    """One open shared-memory segment file; made by ``create`` or ``attach``.
-
-    ``close()`` drops this handle's mapping (idempotent; a ``weakref.finalize`` closes a
-    forgotten one), never the name: arrays made by ``view`` and ``lend`` keep the mapping
-    until they are collected. ``name`` is the bare name (its owner sets it after a rename),
-    ``size`` the bytes mapped, ``fd`` the descriptor kept (``keep_fd``: an ``lseek`` to its
-    end is a lighter size check than ``check_size``), else -1.
-    """
+    """One open shared-memory segment file, made by ``create`` or ``attach``. ``close()``
+    drops this handle's mapping (idempotent; a ``weakref.finalize`` closes a forgotten one),
+    never the name; arrays made by ``view`` and ``lend`` keep the mapping until collected.
+    ``name`` is the bare name (its owner sets it after a rename), ``size`` the bytes mapped,
+    ``fd`` the descriptor kept (``keep_fd``: an ``lseek`` to its end is a lighter size check
+    than ``check_size``), else -1."""
 
     def __init__(
-        self, names: Names, name: str, mem: mmap.mmap | _EmptyBuffer, size: int, fd: int = -1
+        self, names: Names, name: str, mem: mmap.mmap | _EmptyBuffer, fd: int, keep_fd: bool
     ) -> None:
+        if not keep_fd:
+            os.close(fd)
+            fd = -1
         self.names = names
         self.name = name
-        self.size = size
+        self.size = len(mem)
         self.fd = fd
         self._mem: mmap.mmap | _EmptyBuffer | None = mem
         self._owner: list[weakref.ref[_Owner]] = []
@@ -283,10 +282,7 @@ class Segment(Closing):
             if isinstance(e, OSError):
                 raise _open_error(e, f"create segment {name} ({size} bytes)") from e
             raise
-        if not keep_fd:
-            os.close(fd)
-            fd = -1
-        return cls(names, name, mem, size, fd)
+        return cls(names, name, mem, fd, keep_fd)
 
     @classmethod
     def attach(cls, names: Names, name: str, *, keep_fd: bool = False) -> Segment:
@@ -309,10 +305,7 @@ class Segment(Closing):
             if isinstance(e, OSError):
                 raise _open_error(e, f"map segment {name}") from e
             raise
-        if not keep_fd:
-            os.close(fd)
-            fd = -1
-        return cls(names, name, mem, size, fd)
+        return cls(names, name, mem, fd, keep_fd)
 
     @property
     def path(self) -> str:
