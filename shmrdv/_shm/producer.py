@@ -67,19 +67,17 @@ _NO_READER = memoryview(bytes(8)).cast("Q")  # the reader word of a route withou
 def inline_max() -> int:
     """The inline limit in bytes from ``SHMRDV_INLINE_MAX`` (default and maximum 64 KiB)."""
     try:
-        wanted = int(os.environ.get("SHMRDV_INLINE_MAX", str(RING_LIMIT)))
+        return max(0, min(int(os.environ.get("SHMRDV_INLINE_MAX", RING_LIMIT)), RING_LIMIT))
     except ValueError:
         return RING_LIMIT
-    return max(0, min(wanted, RING_LIMIT))
 
 
 @dataclass(eq=False, slots=True)
 class Route:
-    """What a producer keeps per consumer worker, under the producer's lock: its ring
-    (given up if its file is found truncated), its doorbell (opened on first use: the
-    consumer may not have started) and what was sent. ``reader`` is the ring's reader word,
-    ``bell_reader`` its value when the doorbell was opened: a restarted consumer task has a
-    doorbell of its own, which the next post opens (``follow``)."""
+    """What a producer keeps per consumer worker, under its lock: the ring (given up if its
+    file is found truncated), the doorbell (opened on first use: the consumer may not have
+    started) and what was sent. ``reader`` is the ring's reader word, ``bell_reader`` its
+    value when the doorbell was opened: a restarted consumer's is another (``follow``)."""
 
     task: str
     seg: Segment | None = None
@@ -179,11 +177,10 @@ class Route:
 
 
 class Flight:
-    """One consumer's messages in flight, for its window. Nothing comes back on shared
-    memory: a segment is in flight while its own file (by inode: another file re-created at
-    the name is not it) is at its name, an ``lstat``; a ring record until ``tail`` passes
-    it. A consumer that died (``ConsumerWatch``) frees it all. Only a reservation that does
-    not fit looks. The lock is never held across a filesystem call."""
+    """One consumer's messages in flight, for its window: a segment while its own file (by
+    inode: not another re-created at the name) is at its name, an ``lstat``; a ring record
+    until ``tail`` passes it; none once the consumer died (``ConsumerWatch``). Only a
+    reservation that does not fit looks. The lock is never held across a filesystem call."""
 
     __slots__ = ("_closed", "_lock", "_records", "_ring", "_segments", "_watch", "window")
 
@@ -674,8 +671,6 @@ class Producer:
         return out
 
 
-# -- the copy -------------------------------------------------------------------------------
-
 _EMPTY: npt.NDArray[Any] = np.empty(0, np.uint8)
 # The CPUs this thread may use (0 while the load average says they are taken), and when
 # they were read: at most once a second.
@@ -694,13 +689,11 @@ def helpers() -> int:
         except (AttributeError, OSError):  # pragma: no cover - not Linux
             cpus, busy = os.cpu_count() or 1, False
         _cpus[:] = [0.0 if busy else float(cpus), now]
-    wanted = os.environ.get("SHMRDV_COPY_THREADS", "")
-    if wanted:
-        try:
-            return max(0, min(int(wanted) - 1, _MAX_HELPERS))
-        except ValueError:
-            pass
-    return max(0, min(int(_cpus[0]) - 1, _MAX_HELPERS))
+    try:
+        wanted = int(os.environ.get("SHMRDV_COPY_THREADS", ""))
+    except ValueError:  # unset, or not a number: the CPUs decide
+        wanted = int(_cpus[0])
+    return max(0, min(wanted - 1, _MAX_HELPERS))
 
 
 class _Job:

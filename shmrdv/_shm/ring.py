@@ -59,9 +59,8 @@ def ring_size(capacity: int) -> int:
 
 
 def describe(first: bytes | bytearray | memoryview) -> tuple[bytes, bool]:
-    """From a ring's first ``DATA_OFFSET`` bytes (its words, no records): its owner's
-    description (``Ring.meta``) and whether it holds records its consumer has not taken.
-    Raises ``InternalError`` for bytes that are no ring's."""
+    """From a ring's first ``DATA_OFFSET`` bytes: its owner's description and whether it
+    holds records not taken. Raises ``InternalError`` for bytes that are no ring's."""
     if len(first) < DATA_OFFSET or bytes(first[:8]) != MAGIC:
         raise InternalError("not a shmrdv ring")
     n = _U32.unpack_from(first, _META_AT)[0]
@@ -100,10 +99,8 @@ class Ring:
         self._from = self._to = 0
         self._more = False
         self._cursor = self._words[_T]  # where the consumer reads next (``read``)
-        #: The positions of the records read and not taken, oldest first (``hold``), and
-        #: those among them taken out of order.
-        self.held: deque[int] = deque()
-        self._early: set[int] = set()
+        self.held: deque[int] = deque()  # records read, not taken, oldest first (``hold``)
+        self._early: set[int] = set()  # those of them taken out of order
         #: Records lost and spilled as of the last ``spans``: messages to look for by name.
         self.lost = 0
         self._end = DATA_OFFSET + capacity
@@ -123,8 +120,6 @@ class Ring:
     def meta(self) -> bytes:
         """The owner's description written by ``format``."""
         return describe(self.buf[:DATA_OFFSET])[0]
-
-    # -- producer -----------------------------------------------------------------
 
     def reserve(self, payload: int) -> int:
         """Where a record of ``payload`` bytes goes in ``buf`` (visible at ``commit``), or
@@ -169,8 +164,6 @@ class Ring:
         """The ``reader`` word as a one-u64 view (``view[0]``: a look without a call); the
         caller releases it before the ring."""
         return self._words[_C : _C + 1]
-
-    # -- consumer -----------------------------------------------------------------
 
     def pending(self) -> bool:
         """Whether records not taken are in the ring (``head`` is ahead of ``tail``)."""
