@@ -222,10 +222,7 @@ def unpack_fields(buf: BufferLike, file_size: int) -> Fields:
     problem = shape_problem(shape, dtype.itemsize)
     if problem is not None:
         raise _corrupted(f"{problem} ({dtype})")
-    count = 1
-    for d in shape:
-        count *= d if d else 1
-    if count * dtype.itemsize > _MAX_INTP:  # numpy multiplies every non-zero dimension
+    if math.prod(d or 1 for d in shape) * dtype.itemsize > _MAX_INTP:  # as numpy counts
         raise _corrupted(f"shape {shape} of {dtype} is larger than numpy allows")
     if nbytes != math.prod(shape) * dtype.itemsize:
         raise _corrupted(f"nbytes {nbytes} but shape {shape} of {dtype} needs other")

@@ -112,7 +112,8 @@ class Names:
     namespace: str = field(repr=False)  # the secret: kept out of logs
     namespace_id: str = field(init=False)
     _key: bytes = field(init=False, repr=False, compare=False)
-    _prefix: str = field(init=False, repr=False, compare=False)
+    #: ``shmrdv_<namespace id>_``, the start of every name of this namespace.
+    prefix: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not _NAMESPACE_RE.fullmatch(self.namespace):
@@ -122,17 +123,12 @@ class Names:
             )
         object.__setattr__(self, "namespace_id", namespace_id(self.namespace))
         object.__setattr__(self, "_key", self.namespace.encode("ascii"))
-        object.__setattr__(self, "_prefix", f"{PREFIX}{self.namespace_id}_")
-
-    @property
-    def prefix(self) -> str:
-        """``shmrdv_<namespace id>_``, the start of every name of this namespace."""
-        return self._prefix
+        object.__setattr__(self, "prefix", f"{PREFIX}{self.namespace_id}_")
 
     def _name(self, kind: str, person: bytes, data: bytes) -> str:
         h = _keyed_state(self._key, person).copy()  # a token (<= 64 bytes) is a blake2b key
         h.update(data)
-        return f"{self._prefix}{_CODES[kind]}{h.hexdigest()}"
+        return f"{self.prefix}{_CODES[kind]}{h.hexdigest()}"
 
     def _slot(self, kind: str, task: str, incarnation: int, ticket: int) -> str:
         data = _encoded_task(task) + _packed(_SLOT_FIELDS, "pool slot", incarnation, ticket)
@@ -164,7 +160,7 @@ class Names:
 
     def temp(self) -> str:
         """A fresh, unguessable name (80 random bits) for a segment being written."""
-        return f"{self._prefix}t{secrets.token_hex(DIGEST_BYTES)}"
+        return f"{self.prefix}t{secrets.token_hex(DIGEST_BYTES)}"
 
     def pool(self, task: str, incarnation: int, ticket: int) -> str:
         """The free pool slot ``ticket`` of the producer worker ``task`` of ``incarnation``."""
