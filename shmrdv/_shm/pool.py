@@ -301,28 +301,17 @@ class SlotPool:
             self._free.setdefault(slot.capacity, []).append(slot)
 
     def _take_back(self, slot: Slot) -> bool:
-        """Rename the slot's ``returned`` name back to its ``pool`` name; whether it was there."""
-        ret = self._path(self._names.returned, slot.ticket)
+        """Whether ``slot`` is under its ``returned`` name (given back without the word): if
+        so it is free again, under that name."""
+        ret = self._names.returned(self._task, self._incarnation, slot.ticket)
         try:
-            st = os.stat(ret, follow_symlinks=False)
+            st = os.stat(Names.path(ret), follow_symlinks=False)
         except OSError:
             return False  # not given back (yet)
         if (st.st_dev, st.st_ino) != slot.ino:
-            self._refuse(ret)  # not the file we created: never take it as ours
+            self._refuse(Names.path(ret))  # not the file we created: never take it as ours
             return False
-        ticket = slot.ticket + (1 << SLOT_BITS)  # the next lend gets names of its own
-        pool_name = self._names.pool(self._task, self._incarnation, ticket)
-        try:
-            # Only our uid can rename our file in the sticky /dev/shm: it is still ours.
-            # No replace: a file planted under the pool name is left alone, and the slot
-            # stays free under its returned name, which ``gc`` knows too.
-            move_noreplace(ret, Names.path(pool_name))
-        except FileExistsError:
-            self._refuse(Names.path(pool_name))
-            pool_name = self._names.returned(self._task, self._incarnation, slot.ticket)
-        except OSError:
-            return False  # gone meanwhile (close, gc)
-        self._freed_as(slot, ticket, pool_name)
+        self._freed_as(slot, slot.ticket + (1 << SLOT_BITS), ret)
         return True
 
     def _refuse(self, path: str) -> None:
