@@ -183,8 +183,7 @@ class _Owner(np.ndarray):  # type: ignore[type-arg,unused-ignore]
 def _release_mem(
     mem: mmap.mmap | _EmptyBuffer, owner: list[weakref.ref[_Owner]], lent: list[int]
 ) -> None:
-    """Unmap now unless arrays use the mapping (``view``'s ``owner``, or ``lent`` ones): the
-    last of them unmaps it when collected."""
+    """Unmap now unless arrays use the mapping: the last of them unmaps it when collected."""
     if isinstance(mem, mmap.mmap) and not (owner and owner[0]() is not None) and not lent[0]:
         try:
             mem.close()

@@ -176,6 +176,15 @@ class Route:
             bell.close()
 
 
+def _inode(name: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of our file at ``name`` (an ``lstat``, never an open), else None."""
+    try:
+        st = os.lstat(Names.path(name))
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if is_ours(st) else None
+
+
 class Flight:
     """One consumer's messages in flight, for its window: a segment while its own file (by
     inode: not another re-created at the name) is at its name, an ``lstat``; a ring record
@@ -217,19 +226,11 @@ class Flight:
             n = min(len(self._segments), LSTATS_PER_REFRESH)
             looking = [self._segments.popleft() for _ in range(n)]
         still = []
-        for name, ino, nbytes in looking:
-            try:
-                st = os.lstat(Names.path(name))
-            except FileNotFoundError:
-                freed += nbytes  # taken (renamed or unlinked) by the consumer
-                continue
-            except OSError:
-                pass  # cannot tell: in flight
+        for item in looking:
+            if _inode(item[0]) == item[1]:
+                still.append(item)
             else:
-                if (st.st_dev, st.st_ino) != ino or not is_ours(st):
-                    freed += nbytes  # taken; another file stands there now
-                    continue
-            still.append((name, ino, nbytes))
+                freed += item[2]  # taken (renamed or unlinked): maybe another file is there now
         with self._lock:
             self._segments.extend(still)  # to the back: the next refresh looks at others
         if freed:
@@ -259,16 +260,12 @@ class Ticket:
         if not self._open:
             return
         self._open = False
-        flight = self._flight
-        try:
-            st = os.lstat(Names.path(name))
-        except OSError:
-            st = None
-        if st is None or not is_ours(st):  # taken already (or never ours)
-            flight.window.release(self.nbytes)
+        ino = _inode(name)
+        if ino is None:  # taken already (or never ours)
+            self._flight.window.release(self.nbytes)
             return
-        with flight._lock:
-            flight._segments.append((name, (st.st_dev, st.st_ino), self.nbytes))
+        with self._flight._lock:
+            self._flight._segments.append((name, ino, self.nbytes))
 
     def record(self, ring: Ring, end: int) -> None:
         """Appended to ``ring``, ending at ``end``: in flight until ``tail`` passes it."""
@@ -351,8 +348,7 @@ class Producer:
         self._inflight = inflight
         self._inline_max = inline_max() if RINGS_SUPPORTED else -1
         self._lock = threading.Lock()
-        # step -> key -> next sequence number
-        self._seqs: defaultdict[int, dict[str, int]] = defaultdict(dict)
+        self._seqs: defaultdict[int, dict[str, int]] = defaultdict(dict)  # step, key: next seq
         self._templates: dict[tuple[Any, tuple[int, ...], int], Template] = {}
         self._routes: dict[str, Route] = {}  # by a key's dst device, as written
         self._by_task: dict[str, Route] = {}  # the same routes, by consumer task
