@@ -92,9 +92,7 @@ def open_checked(
         if e.errno == errno.ELOOP:
             raise InternalError(f"{what} {path} is a symlink; refusing it") from e
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise InternalError(
-                f"{what} {path} is held under a lease by another process; refusing to wait"
-            ) from e
+            raise InternalError(f"{what} {path} is leased by another process; not waiting") from e
         raise _open_error(e, f"open {what} {path}") from e
     try:
         st = os.fstat(fd)
@@ -106,9 +104,7 @@ def open_checked(
                 f"mode {stat.S_IMODE(st.st_mode):#o} (want no group/other bits); refusing it"
             )
         if max_size is not None and st.st_size > max_size:
-            raise InternalError(
-                f"{what} {path} is {st.st_size} bytes, more than {max_size}; refusing it"
-            )
+            raise InternalError(f"{what} {path} is {st.st_size} bytes (> {max_size}); refusing it")
     except BaseException as e:
         os.close(fd)
         if isinstance(e, OSError):

@@ -76,9 +76,7 @@ class Template:
 
     def __init__(self, dtype: np.dtype[Any], shape: tuple[int, ...], key_len: int) -> None:
         if dtype.hasobject:
-            raise InvalidArgumentError(
-                f"dtype {dtype} holds Python objects, which cannot be shared"
-            )
+            raise InvalidArgumentError(f"dtype {dtype} holds Python objects: they cannot be shared")
         if key_len > MAX_KEY_BYTES:
             raise InvalidArgumentError(f"rendezvous key of {key_len} bytes is too long")
         shape = tuple(int(d) for d in shape)

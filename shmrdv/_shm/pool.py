@@ -263,9 +263,7 @@ class SlotPool:
         if not self._take_back(slot):
             return False
         self.reclaimed += 1
-        _log.info(
-            "took back pool slot %d from %s (run %016x, gone)", slot.index, slot.lent_to, holder
-        )
+        _log.info("took back slot %d from %s (run %016x, gone)", slot.index, slot.lent_to, holder)
         return True
 
     def _came_back(self, slot: Slot) -> bool:

@@ -77,7 +77,7 @@ class Route:
     """What a producer keeps per consumer worker, under its lock: the ring (given up if its
     file is found truncated), the doorbell (opened on first use: the consumer may not have
     started) and what was sent. ``reader`` is the ring's reader word, ``bell_reader`` its
-    value when the doorbell was opened: a restarted consumer's is another (``follow``)."""
+    value when the doorbell was opened: a restarted consumer's is another."""
 
     task: str
     seg: Segment | None = None
@@ -117,8 +117,11 @@ class Route:
         have truncated it, and writing a lost page is a SIGBUS), a new reader followed."""
         try:
             if os.lseek(self.fd, 0, os.SEEK_END) >= self.size:
-                if self.reader[0] != self.bell_reader:  # its consumer task restarted
-                    self.follow()
+                if self.reader[0] != self.bell_reader:  # a restarted consumer: its own doorbell
+                    bell, self.bell, self.sem, self.bell_at = self.bell, None, None, 0.0
+                    self.bell_reader = int(self.reader[0])
+                    if bell is not None:
+                        bell.close()  # the next post looks the new one up
                 return self.ring
         except OSError:
             pass
@@ -126,13 +129,6 @@ class Route:
             _log.warning("the ring to %s was truncated; segments from now on", self.task)
             self.close_ring(lost=True)
         return None
-
-    def follow(self) -> None:
-        """Let the doorbell go, for the next post to look it up again."""
-        bell, self.bell, self.sem, self.bell_at = self.bell, None, None, 0.0
-        self.bell_reader = int(self.reader[0])
-        if bell is not None:
-            bell.close()
 
     def doorbell(self, names: Names) -> posix_ipc.Semaphore | None:
         """The consumer's doorbell semaphore, opened on first use; None while there is none."""
