@@ -16,7 +16,7 @@ from small_shm import run_with_small_dev_shm
 
 from shmrdv._errors import InternalError
 from shmrdv._shm import header as layout
-from shmrdv._shm.files import Segment
+from shmrdv._shm.files import Segment, move_noreplace
 from shmrdv._shm.naming import SHM_DIR, Names
 
 KEY = (
@@ -231,20 +231,25 @@ def test_segment_view_is_ndarray_without_a_header_and_checks_the_same(names: Nam
     assert not _mapped(path)  # ...and unmapped with it
 
 
-def test_segment_rename_and_unlink(names: Names) -> None:
+def test_segment_move_noreplace_and_unlink(names: Names) -> None:
     seg = Segment.create(names, 4096)
     old = seg.path
     new = names.message(1, KEY, 1, 0)
-    seg.rename(new)
-    assert seg.name == new and seg.path == names.path(new)
+    move_noreplace(seg.path, names.path(new))
+    seg.name = new
     assert not os.path.exists(old) and os.path.exists(seg.path)
+    other = Segment.create(names, 64)
+    with pytest.raises(FileExistsError):  # never replaces
+        move_noreplace(other.path, seg.path)
+    other.unlink()
+    other.close()
     seg.buf[0:5] = b"hello"
     seg.unlink()
     seg.unlink()  # a missing file is fine
     assert not os.path.exists(seg.path)
     assert seg.buf[0:5] == b"hello"  # the mapping outlives the name
     with pytest.raises(FileNotFoundError):
-        seg.rename(names.temp())
+        move_noreplace(seg.path, names.path(names.temp()))
     seg.close()
 
 

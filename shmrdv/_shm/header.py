@@ -1,28 +1,25 @@
 """The message header: a pure byte format at the start of every segment and ring record.
 
-No shared memory and no I/O here (h11-style, STYLE.md rule 3): the one writer
-(``Template.write``) and the one checked reader (``Reader.read``, with ``unpack_fields``
-behind its one cache) work on any buffer, and are tested on plain ``bytearray``\\ s. A
-message is the header, padding up to ``data_offset`` (a multiple of 64: the array data is
-aligned for numpy and SIMD), then ``nbytes`` of array data in C order. Layout, little
-endian, no padding::
+No I/O (STYLE.md rule 3): one writer, ``Template.write``, and one checked reader,
+``Reader.read`` (``unpack_fields`` behind its cache). A message is the header, padding up to
+``data_offset`` (a multiple of 64, for numpy and SIMD), then ``nbytes`` of array data in C
+order. Little endian, no padding::
 
     magic 8s | version u16 | flags u16 | header_len u32 | data_offset u64 | nbytes u64
     step_id i64 | seq u64 | producer_incarnation u64 | producer_pid u32 | slot i64
     created_ns u64 | ndim u32 | dtype_len u32 | key_len u32          (the fixed prefix)
     shape: ndim x u64 | dtype descriptor: dtype_len bytes | key: key_len bytes (UTF-8)
 
-``flags`` bit 0 is ``is_dead``; bit 1 (``FLAG_NOTICE``, ring records only) says the record
-carries no data: the array is in the segment published under the message's name. The
-dtype descriptor is ``_values.encode_dtype``'s (shared with the gRPC coding).
-
-A header is hostile input (a peer may be buggy or malicious): every length is checked
-against the buffer and the file before it is used, so garbage gives ``InternalError
-("segment header corrupted: <field> ...")``, never another exception or a large allocation.
+``flags``: bit 0 ``is_dead``, bit 1 ``FLAG_NOTICE`` (a ring record whose data is in the
+segment published under the message's name). The dtype descriptor is
+``_values.encode_dtype``'s; ``slot`` the producer's pool slot ticket, or -1. A header is
+hostile input: garbage gives ``InternalError("segment header corrupted: <field> ...")``,
+never another exception or a large allocation.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 import time
@@ -34,212 +31,63 @@ import numpy as np
 from .._errors import InternalError, InvalidArgumentError
 from .._values import MAX_DTYPE_BYTES, decode_dtype, encode_dtype, shape_problem
 
-__all__ = [
-    "ALIGNMENT",
-    "FLAG_DEAD",
-    "FLAG_NOTICE",
-    "MAGIC",
-    "MAX_KEY_BYTES",
-    "MAX_NDIM",
-    "PREFIX",
-    "VERSION",
-    "Fields",
-    "Header",
-    "Reader",
-    "Template",
-    "created_ns",
-    "data_offset_for",
-    "header_size",
-    "is_notice",
-    "pack",
-    "pack_into",
-    "unpack",
-    "unpack_fields",
-    "unpack_identity",
-]
+__all__ = ["FLAG_DEAD", "FLAG_NOTICE", "MAGIC", "MAX_KEY_BYTES", "PREFIX", "Header", "Reader"]
+__all__ += ["Template", "created_ns", "is_notice", "pack_into", "unpack", "unpack_identity"]
 
-#: Any buffer a header can be read from.
 BufferLike = bytes | bytearray | memoryview | mmap.mmap
 
-#: First bytes of every header. The non-ASCII first byte and the newline catch text
-#: mangling, as the PNG signature does; an all-zero (fresh, unwritten) file never matches.
+# The non-ASCII first byte and the newline catch text mangling, as PNG's signature does;
+# a fresh, all-zero file never matches.
 MAGIC = b"\x89SHMRDV\n"
 VERSION = 1
-#: Data starts on a 64-byte boundary (a cache line; AVX-512 loads).
-ALIGNMENT = 64
-#: numpy's NPY_MAXDIMS since numpy 2.0.
-MAX_NDIM = 64
-#: Bounds on the declared lengths, so a corrupted header never makes us allocate much.
-MAX_KEY_BYTES = 1 << 20
+ALIGNMENT = 64  # a cache line; AVX-512 loads
+MAX_NDIM = 64  # numpy's NPY_MAXDIMS since 2.0
+MAX_KEY_BYTES = 1 << 20  # so that a corrupted header never makes us allocate much
 
 PREFIX = struct.Struct("<8sHHIQQqQQIqQIII")
 FLAG_DEAD = 1
 FLAG_NOTICE = 2
 _KNOWN_FLAGS = FLAG_DEAD | FLAG_NOTICE
-# Where the fields that depend on neither the key nor the message start (ndim onwards).
+# Where the bytes that depend on neither the key nor the message start (ndim onwards).
 _STATIC_AT = 76
 _SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
-_LEAD = MAGIC + struct.pack("<H", VERSION)  # the first 10 bytes of every header
+_LEAD = MAGIC + struct.pack("<H", VERSION)
 _SIZES = struct.Struct("<IQQ")  # header_len, data_offset, nbytes
-# The fixed prefix with the magic read as an integer (cheaper to compare than bytes).
+# The fixed prefix with the magic as an integer (cheaper to compare than bytes).
 _FIXED = struct.Struct("<QHHIQQqQQIqQIII")
 _MAGIC_U64 = int.from_bytes(MAGIC, "little")
-# What a notice's data is checked against: it is in a segment, checked when that is opened.
-_NO_BOUND = 1 << 63
-# The longest header there can be.
+_NO_BOUND = 1 << 63  # a notice's data is in a segment, checked when that is opened
 _MAX_HEADER = PREFIX.size + 8 * MAX_NDIM + MAX_DTYPE_BYTES + MAX_KEY_BYTES
-_U32_MAX = 2**32 - 1
-_U64_MAX = 2**64 - 1
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
-#: numpy refuses arrays whose element count times itemsize exceeds NPY_MAX_INTP.
-_MAX_INTP = 2**63 - 1
+_MAX_INTP = 2**63 - 1  # numpy refuses arrays of more bytes
 
 #: What ``unpack_fields`` and ``Reader.read`` return: flags, dtype, shape, data_offset,
 #: nbytes, step_id, seq, producer_incarnation, producer_pid, slot, created_ns, key.
 Fields = tuple[int, np.dtype[Any], tuple[int, ...], int, int, int, int, int, int, int, int, str]
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
-    """What a segment holds: the array's dtype and shape, where its bytes are, whose it is.
-
-    ``slot`` is the producer's pool slot ticket, or -1. ``created_ns`` is ``time.time_ns()``
-    at the send. ``Header.build`` computes ``data_offset`` and ``nbytes``.
-    """
-
-    dtype: np.dtype[Any]
-    shape: tuple[int, ...]
-    is_dead: bool
-    data_offset: int
-    nbytes: int
-    step_id: int
-    seq: int
-    producer_incarnation: int
-    producer_pid: int
-    slot: int
-    created_ns: int
-    key: str
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        key: str,
-        dtype: np.dtype[Any],
-        shape: tuple[int, ...],
-        step_id: int,
-        seq: int,
-        producer_incarnation: int,
-        producer_pid: int,
-        is_dead: bool = False,
-        slot: int = -1,
-        created_ns: int | None = None,
-    ) -> Header:
-        """A header with ``data_offset`` and ``nbytes`` filled in (``created_ns``: now).
-
-        Raises ``InvalidArgumentError`` for an object dtype or one that cannot be described.
-        """
-        shape = tuple(int(d) for d in shape)
-        return cls(
-            dtype=dtype,
-            shape=shape,
-            is_dead=is_dead,
-            data_offset=data_offset_for(key, dtype, len(shape)),
-            nbytes=_prod(shape) * dtype.itemsize,
-            step_id=step_id,
-            seq=seq,
-            producer_incarnation=producer_incarnation,
-            producer_pid=producer_pid,
-            slot=slot,
-            created_ns=time.time_ns() if created_ns is None else created_ns,
-            key=key,
-        )
-
-    @property
-    def segment_size(self) -> int:
-        """Bytes the segment needs: ``data_offset + nbytes``."""
-        return self.data_offset + self.nbytes
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _corrupted(what: str) -> InternalError:
     return InternalError(f"segment header corrupted: {what}")
 
 
-def _key_bytes(key: str) -> bytes:
-    raw = key.encode("utf-8")
-    if len(raw) > MAX_KEY_BYTES:
-        raise InvalidArgumentError(f"rendezvous key of {len(raw)} bytes is too long: {key[:200]!r}")
-    return raw
-
-
-def _header_end(ndim: int, dtype: np.dtype[Any], key_len: int) -> int:
-    if not 0 <= ndim <= MAX_NDIM:
-        raise InvalidArgumentError(f"an array of {ndim} dimensions: at most {MAX_NDIM}")
-    return PREFIX.size + 8 * ndim + len(encode_dtype(dtype)) + key_len
-
-
-def data_offset_for(key: str, dtype: np.dtype[Any], ndim: int) -> int:
-    """Where the data starts: the header's size rounded up to a multiple of ``ALIGNMENT``.
-
-    Raises ``InvalidArgumentError`` for an object or undescribable dtype, a too long key
-    or too many dimensions.
-    """
-    return -(-_header_end(ndim, dtype, len(_key_bytes(key))) // ALIGNMENT) * ALIGNMENT
-
-
-def header_size(h: Header) -> int:
-    """Bytes of ``h``'s header itself (its ``data_offset`` is at least this)."""
-    return _header_end(len(h.shape), h.dtype, len(_key_bytes(h.key)))
-
-
-# --- the writer ----------------------------------------------------------------------------
-
-
 class Template:
-    """The header of every message of one (dtype, shape, key length), packed once.
-
-    ``write`` puts one message's header (and, for a ring record, its data) into a buffer
-    with one ``struct`` call: the template's fixed bytes, the message's own fields and its
-    key. Building one validates the dtype and shape (``InvalidArgumentError`` for the
-    caller's bad dtype or too long a key).
-    """
-
-    __slots__ = (
-        "_head",
-        "_record",
-        "_sizes",
-        "_static",
-        "data_offset",
-        "dtype",
-        "key_len",
-        "nbytes",
-        "segment_size",
-        "shape",
-    )
+    """The header of every message of one (dtype, shape, key length), packed once: ``write``
+    is one ``struct`` call. Raises ``InvalidArgumentError`` for an object dtype, too many
+    dimensions or too long a key."""
 
     def __init__(self, dtype: np.dtype[Any], shape: tuple[int, ...], key_len: int) -> None:
         if dtype.hasobject:
-            raise InvalidArgumentError(
-                f"dtype {dtype} holds Python objects, which cannot be shared"
-            )
+            raise InvalidArgumentError(f"dtype {dtype} holds Python objects: they cannot be shared")
         if key_len > MAX_KEY_BYTES:
             raise InvalidArgumentError(f"rendezvous key of {key_len} bytes is too long")
         shape = tuple(int(d) for d in shape)
-        end = _header_end(len(shape), dtype, key_len)
-        self.dtype = dtype
-        self.shape = shape
-        self.key_len = key_len
-        self.data_offset = -(-end // ALIGNMENT) * ALIGNMENT
-        self.nbytes = _prod(shape) * dtype.itemsize
-        self.segment_size = self.data_offset + self.nbytes
+        if len(shape) > MAX_NDIM:
+            raise InvalidArgumentError(f"an array of {len(shape)} dimensions: at most {MAX_NDIM}")
         raw_dtype = encode_dtype(dtype)
+        end = self.header_len = PREFIX.size + 8 * len(shape) + len(raw_dtype) + key_len
+        self.shape = shape
+        self.data_offset = -(-end // ALIGNMENT) * ALIGNMENT
+        self.nbytes = math.prod(shape) * dtype.itemsize
+        self.segment_size = self.data_offset + self.nbytes
         self._sizes = _SIZES.pack(end, self.data_offset, self.nbytes)
         self._static = (
             struct.pack("<III", len(shape), len(raw_dtype), key_len)
@@ -264,10 +112,9 @@ class Template:
         created_ns: int,
         data: bytes | None = None,
     ) -> None:
-        """Write one message's header at ``buf[at:]`` (``data_offset`` bytes), whose UTF-8
-        key is ``key`` (``key_len`` bytes); with ``data`` (``nbytes`` bytes), the data
-        right after it (a ring record). Raises ``InternalError`` if a field is out of its
-        range."""
+        """Write a message's header (``data_offset`` bytes, UTF-8 ``key``) at ``buf[at:]``;
+        with ``data``, the data after it (a ring record). Raises ``InternalError`` if a field
+        is out of its range."""
         try:
             if data is None:
                 self._head(
@@ -286,64 +133,57 @@ class Template:
             ) from e
 
 
-def _check_fields(h: Header, size: int) -> None:
-    for name, value, lo, hi in (
-        ("step_id", h.step_id, _I64_MIN, _I64_MAX),
-        ("seq", h.seq, 0, _U64_MAX),
-        ("producer_incarnation", h.producer_incarnation, 0, _U64_MAX),
-        ("producer_pid", h.producer_pid, 0, _U32_MAX),
-        ("slot", h.slot, -1, _I64_MAX),
-        ("created_ns", h.created_ns, 0, _U64_MAX),
-        ("data_offset", h.data_offset, size, _U64_MAX),
-        ("nbytes", h.nbytes, 0, _MAX_INTP),
-    ):
-        if not lo <= value <= hi:
-            raise InternalError(f"cannot pack segment header: {name}={value!r} not in [{lo}, {hi}]")
-    if h.data_offset % ALIGNMENT:
-        raise InternalError(f"cannot pack segment header: data_offset={h.data_offset} unaligned")
-    if h.nbytes != _prod(h.shape) * h.dtype.itemsize:
-        raise InternalError(
-            f"cannot pack segment header: nbytes={h.nbytes} but shape {h.shape} of {h.dtype} "
-            f"holds {_prod(h.shape) * h.dtype.itemsize}"
-        )
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A segment's header, unpacked (``unpack``): the array's dtype and shape, where its
+    bytes are, whose it is. ``created_ns`` is ``time.time_ns()`` at the send."""
+
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    is_dead: bool
+    data_offset: int
+    nbytes: int
+    step_id: int
+    seq: int
+    producer_incarnation: int
+    producer_pid: int
+    slot: int
+    created_ns: int
+    key: str
+
+    @classmethod
+    def build(
+        cls, *, key: str, dtype: np.dtype[Any], shape: tuple[int, ...], **fields: Any
+    ) -> Header:
+        """A header of ``fields`` (step_id, seq, producer_incarnation, producer_pid; is_dead,
+        slot and created_ns if not False, -1 and now) with ``data_offset`` and ``nbytes``
+        worked out. Raises ``InvalidArgumentError`` as ``Template`` does."""
+        t = Template(dtype, shape, len(key.encode("utf-8")))
+        fields = {"is_dead": False, "slot": -1, "created_ns": time.time_ns(), **fields}
+        return cls(dtype=dtype, shape=t.shape, data_offset=t.data_offset, nbytes=t.nbytes,
+                   key=key, **fields)  # fmt: skip
+
+    @property
+    def segment_size(self) -> int:
+        return self.data_offset + self.nbytes
 
 
 def pack_into(buf: bytearray | memoryview | mmap.mmap, h: Header) -> None:
-    """Write ``h`` at the start of ``buf`` (through its ``data_offset``), with ``Template``.
-
-    Raises ``InvalidArgumentError`` for an object dtype or a too long key (the caller's
-    value), ``InternalError`` for an inconsistent header or a too small buffer.
-    """
-    key = _key_bytes(h.key)
-    size = header_size(h)
-    _check_fields(h, size)
+    """Write ``h``'s header bytes (not the padding) at the start of ``buf``: how tests and
+    tools write a header ``Header.build`` made. Raises as ``Template.write`` does."""
+    key = h.key.encode("utf-8")
     t = Template(h.dtype, h.shape, len(key))
-    if len(buf) < size:
-        raise InternalError(
-            f"cannot pack segment header: {size} bytes into a {len(buf)}-byte buffer"
-        )
     out = bytearray(t.data_offset)
     t.write(out, 0, key, FLAG_DEAD if h.is_dead else 0, h.step_id, h.seq,
             h.producer_incarnation, h.producer_pid, h.slot, h.created_ns)  # fmt: skip
-    buf[:size] = out[:size]
-
-
-def pack(h: Header) -> bytes:
-    """``h``'s header as bytes (without the padding up to ``data_offset``)."""
-    buf = bytearray(header_size(h))
-    pack_into(buf, h)
-    return bytes(buf)
-
-
-# --- the reader ----------------------------------------------------------------------------
+    buf[: t.header_len] = out[: t.header_len]
 
 
 def unpack_fields(buf: BufferLike, file_size: int) -> Fields:
-    """The header at the start of ``buf``, a message whose data must end within
-    ``file_size`` bytes, every field checked. Reads each header byte once (a peer may be
-    changing it). Raises ``InternalError`` ("segment header corrupted: ...", naming the
-    field) for anything inconsistent, and nothing else; allocates at most the declared
-    header, itself bounded by ``buf``."""
+    """The header at the start of ``buf`` of a message whose data must end within
+    ``file_size`` bytes, every field checked, each byte read once (a peer may be changing
+    it). Raises ``InternalError`` naming the field, and nothing else; allocates at most the
+    declared header, itself bounded by ``buf``."""
     limit = min(len(buf), file_size)
     if limit < PREFIX.size:
         raise _corrupted(f"only {limit} bytes, the fixed header needs {PREFIX.size}")
@@ -376,17 +216,13 @@ def unpack_fields(buf: BufferLike, file_size: int) -> Fields:
         raise _corrupted(f"slot {slot}")
     shape = _SHAPES[ndim].unpack_from(buf, PREFIX.size)
     dtype = decode_dtype(bytes(buf[dtype_at:key_at]))
-    # The element count is bounded whatever the item size (a |V0 shape of 2**62 has nbytes
-    # 0 and passes every byte-length check): the rule shared with send and the gRPC coding.
+    # The element count is bounded whatever the item size (a |V0 shape of 2**62 has nbytes 0).
     problem = shape_problem(shape, dtype.itemsize)
     if problem is not None:
         raise _corrupted(f"{problem} ({dtype})")
-    count = 1
-    for d in shape:
-        count *= d if d else 1
-    if count * dtype.itemsize > _MAX_INTP:  # numpy multiplies every non-zero dimension
+    if math.prod(d or 1 for d in shape) * dtype.itemsize > _MAX_INTP:  # as numpy counts
         raise _corrupted(f"shape {shape} of {dtype} is larger than numpy allows")
-    if nbytes != _prod(shape) * dtype.itemsize:
+    if nbytes != math.prod(shape) * dtype.itemsize:
         raise _corrupted(f"nbytes {nbytes} but shape {shape} of {dtype} needs other")
     try:
         key = bytes(buf[key_at:end]).decode("utf-8")
@@ -399,44 +235,24 @@ def unpack_fields(buf: BufferLike, file_size: int) -> Fields:
 def unpack(buf: BufferLike, file_size: int) -> Header:
     """The checked header at the start of ``buf`` as a ``Header`` (see ``unpack_fields``)."""
     f = unpack_fields(buf, file_size)
-    return Header(
-        dtype=f[1],
-        shape=f[2],
-        is_dead=bool(f[0] & FLAG_DEAD),
-        data_offset=f[3],
-        nbytes=f[4],
-        step_id=f[5],
-        seq=f[6],
-        producer_incarnation=f[7],
-        producer_pid=f[8],
-        slot=f[9],
-        created_ns=f[10],
-        key=f[11],
-    )
+    return Header(f[1], f[2], bool(f[0] & FLAG_DEAD), *f[3:])
 
 
 class Reader:
-    """``unpack_fields`` with one cache: what it concluded about the bytes that depend on
-    neither the key nor the message (ndim, lengths, shape, dtype descriptor), by those
-    bytes. A header whose such bytes were seen gets the rest of the checks (magic, version,
-    flags, slot, lengths, offsets against the bounds) and its key decoded, without the
-    dtype and shape checks; anything else goes to ``unpack_fields``, which says what is
-    wrong. A key new to the reader thus costs what a known one does, and leaves no entry:
-    entries are per (dtype, shape, key length). Bounded (emptied when full). Not
-    thread-safe.
-    """
+    """``unpack_fields`` with one cache, by the bytes that depend on neither the key nor the
+    message (ndim, lengths, shape, dtype): a header whose such bytes were seen skips only the
+    dtype and shape checks, so a new key costs what a known one does and adds no entry.
+    Bounded (emptied when full); not thread-safe."""
 
-    __slots__ = ("_known", "_limit")
+    __slots__ = ("_known",)
 
-    def __init__(self, limit: int = 1024) -> None:
-        self._limit = limit
+    def __init__(self) -> None:
         # static bytes -> header length, data offset, nbytes, dtype, shape
         self._known: dict[bytes, tuple[int, int, int, np.dtype[Any], tuple[int, ...]]] = {}
 
     def read(self, buf: BufferLike, at: int, end: int, record: bool = True) -> Fields:
-        """The checked header of the message ``buf[at:end]``: a ring record (``record``:
-        its data within it, unless it is a notice) or a segment (its data within
-        ``end``). Raises ``InternalError`` as ``unpack_fields`` does."""
+        """The checked header of the message ``buf[at:end]``, a ring record (``record``: its
+        data within it, unless a notice's) or a segment. Raises as ``unpack_fields``."""
         n = end - at
         if n >= PREFIX.size and end <= len(buf):
             (magic, version, flags, size, off, nbytes, step, seq, inc, pid, slot, created,
@@ -472,30 +288,25 @@ class Reader:
             head = bytes(whole[at : at + min(max(size, PREFIX.size), n, _MAX_HEADER)])
         bound = _NO_BOUND if record and len(head) > 10 and head[10] & FLAG_NOTICE else n
         f = unpack_fields(head, bound)
-        if len(self._known) >= self._limit:
+        if len(self._known) >= 1024:
             self._known.clear()
         key_at = size - PREFIX.unpack_from(head, 0)[14]
         self._known[head[_STATIC_AT:key_at]] = (size, f[3], f[4], f[1], f[2])
         return f
 
 
-_CREATED = struct.Struct("<Q")
-_CREATED_AT = struct.calcsize(PREFIX.format[:-4])  # the prefix before ``created_ns``
-
-
 def is_notice(buf: BufferLike) -> bool:
-    """Whether the header at the start of ``buf`` is a ring notice's (``FLAG_NOTICE``: its
-    data is the segment published under the message's name)."""
+    """Whether the header at the start of ``buf`` is a ring notice's (``FLAG_NOTICE``)."""
     return len(buf) >= PREFIX.size and bool(PREFIX.unpack_from(buf, 0)[2] & FLAG_NOTICE)
 
 
 def created_ns(buf: BufferLike) -> int | None:
-    """The ``created_ns`` of the header at the start of ``buf`` (when its producer sent
-    it, ``time.time_ns()``), or None when ``buf`` starts with no header of ours. Reads the
-    magic and that field only: for a sweep judging a message's age, never for data."""
+    """The ``created_ns`` of the header at the start of ``buf`` (when it was sent), or None
+    if ``buf`` starts with no header of ours. Checks the magic only: for judging a
+    message's age, never for data."""
     if len(buf) < PREFIX.size or bytes(buf[: len(MAGIC)]) != MAGIC:
         return None
-    return int(_CREATED.unpack_from(buf, _CREATED_AT)[0])
+    return int(PREFIX.unpack_from(buf, 0)[11])
 
 
 def unpack_identity(buf: BufferLike) -> tuple[int, int, str] | None:
@@ -504,13 +315,8 @@ def unpack_identity(buf: BufferLike) -> tuple[int, int, str] | None:
     if len(buf) < PREFIX.size or bytes(buf[: len(_LEAD)]) != _LEAD:
         return None
     fields = PREFIX.unpack_from(buf, 0)
-    step_id, seq, ndim, dtype_len, key_len = (
-        fields[6],
-        fields[7],
-        fields[12],
-        fields[13],
-        fields[14],
-    )
+    step_id, seq = fields[6:8]
+    ndim, dtype_len, key_len = fields[12:]
     key_at = PREFIX.size + 8 * ndim + dtype_len
     if ndim > MAX_NDIM or key_len > MAX_KEY_BYTES or key_at + key_len > len(buf):
         return None

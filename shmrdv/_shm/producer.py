@@ -1,29 +1,21 @@
 """The sending half of the same-host transport: a message's number, bytes and name.
 
-Per consumer worker the producer keeps a ``Route`` (derived once per pair of tasks): the
-ring it appends that consumer's records to (``ring.py``) and the consumer's doorbell. A
-small value travels inline, as a ring record; a larger one is copied into a warm pool slot
-(``pool.py``; else a fresh fallocated segment) or was written there by its producer
-(``allocate``), given its header, and published with one rename (no replace) to the
-message's name, derived from (namespace, step, key, producer incarnation, sequence number):
-the consumer never sees a half-written tensor, also if the producer dies mid-write (only a
-``t`` name is left, for ``gc``). A notice of it goes in the ring, so the consumer goes
-straight to that name. Then the consumer's doorbell is posted, unless a post is pending
-already: whoever takes that one drains every ring after it.
+A small value travels inline, a record in its consumer's ring (``Route``). A larger one is
+copied into a warm pool slot (``pool.py``; else a fresh fallocated segment) by the sending
+thread and a few helpers, or was written there through ``allocate``, and published with one
+rename (no replace) to the message's name, so that the consumer never sees a half-written
+tensor; a notice goes in the ring. The doorbell is posted unless a post is pending: whoever
+takes that one drains every ring after it. With ``max_inflight_bytes`` a send first reserves
+room in its consumer's window (``Flight``).
 
-A large copy is split into chunks that the sending thread and a few helper threads take
-one at a time (numpy releases the GIL while it copies): one thread leaves memory bandwidth
-unused. Helpers run only where CPUs are free: at most one less than the CPUs this thread
-may use (3 at most), none while the host's load says they are taken.
-
-Thread model (``docs/threads.md``): any thread may call ``send`` / ``allocate``. ``_lock``
-serialises the sequence numbers and the rings (one writer per ring) and guards the
-allocations and the routes' doorbells; it is never held across a call that can block.
-Helpers ("shmrdv-copy-<n>") wait on a queue; no lock is held while copying.
+Thread model (``docs/threads.md``): any thread may send or allocate. ``_lock`` (sequence
+numbers, rings, allocations, doorbells) is never held across a call that can block; the
+helpers ("shmrdv-copy-<n>") wait on a queue and copy under no lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,6 +23,7 @@ import queue
 import threading
 import time
 import weakref
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,12 +32,12 @@ import numpy.typing as npt
 
 from .._cluster import canonical_task
 from .._errors import InternalError, InvalidArgumentError, RendezvousError, closed_error
-from .._keys import ParsedKey
-from .._window import counted_bytes
+from .._keys import DeviceName, ParsedKey
+from .._values import shape_problem
+from .._window import ConsumerWatch, InflightWindow, Windows, counted_bytes
 from .bell import Bell
-from .files import Segment, move_noreplace
+from .files import Segment, is_ours, move_noreplace
 from .header import FLAG_DEAD, FLAG_NOTICE, Template
-from .inflight import Inflight, Ticket
 from .naming import Names
 from .pool import ProducerAlive, Slot, SlotPool
 from .ring import RINGS_SUPPORTED, Ring, ring_size
@@ -52,149 +45,98 @@ from .ring import RINGS_SUPPORTED, Ring, ring_size
 if TYPE_CHECKING:
     import posix_ipc
 
-__all__ = ["PARALLEL_MIN", "RING_LIMIT", "Producer", "copy_into", "helpers", "inline_max"]
+    from .._transport import PeerDirectory
+
+__all__ = ["PARALLEL_MIN", "Flight", "Inflight", "Producer", "Ticket", "copy_into", "helpers"]
 
 _log = logging.getLogger("shmrdv.shm")
 
-#: Values of at most this many bytes (``SHMRDV_INLINE_MAX``, default and maximum 64 KiB; 0
-#: turns it off) travel inline in the ring: for them the dozen system calls of a segment
-#: cost far more than copying the bytes.
+# Values of at most this many bytes (``SHMRDV_INLINE_MAX``, default and maximum; 0: none)
+# travel inline: a segment's dozen system calls cost far more than their bytes.
 RING_LIMIT = 64 << 10
-#: The bytes of records a ring holds (``ring_size`` adds its words).
-RING_CAPACITY = 1 << 20
-#: Below this many bytes a copy is one ``np.copyto``: a thread handoff costs more.
-PARALLEL_MIN = 4 << 20
-_CHUNK = 1 << 20  # a copy's chunk: page-aligned, small enough that a late helper costs little
+RING_CAPACITY = 1 << 20  # the bytes of records a ring holds
+PARALLEL_MIN = 4 << 20  # below it a copy is one np.copyto: a thread handoff costs more
+_CHUNK = 1 << 20  # page-aligned, small enough that a late helper costs little
 _MAX_HELPERS = 3
-# How often a producer looks again for the doorbell of a consumer that has not started.
-_BELL_LOOK_S = 0.02
-# Header templates kept: one per (dtype, shape, key length); emptied when full.
-_TEMPLATES_MAX = 1024
-# ``Route.reader`` of a route without a ring: no reader ever changes it.
-_NO_READER = memoryview(bytes(8)).cast("Q")
+_BELL_LOOK_S = 0.02  # how often to look again for the doorbell of a consumer not started
+_TEMPLATES_MAX = 1024  # header templates kept (emptied when full)
+LSTATS_PER_REFRESH = 32  # published names one ``Flight.refresh`` looks at, at most
+_NO_READER = memoryview(bytes(8)).cast("Q")  # the reader word of a route without a ring
 
 
 def inline_max() -> int:
     """The inline limit in bytes from ``SHMRDV_INLINE_MAX`` (default and maximum 64 KiB)."""
     try:
-        wanted = int(os.environ.get("SHMRDV_INLINE_MAX", str(RING_LIMIT)))
+        return max(0, min(int(os.environ.get("SHMRDV_INLINE_MAX", RING_LIMIT)), RING_LIMIT))
     except ValueError:
         return RING_LIMIT
-    return max(0, min(wanted, RING_LIMIT))
 
 
+@dataclass(eq=False, slots=True)
 class Route:
-    """What a producer keeps per consumer worker: its ring (given up, with segments from
-    then on, if its file is found truncated) and its doorbell (opened on first use: the
-    consumer may not have started yet), and what it sent there. Its fields change under
-    the producer's lock.
+    """What a producer keeps per consumer worker, under its lock: the ring (given up if its
+    file is found truncated), the doorbell (opened on first use: the consumer may not have
+    started) and what was sent. ``reader`` is the ring's reader word, ``bell_reader`` its
+    value when the doorbell was opened: a restarted consumer's is another."""
 
-    ``reader`` is the ring's reader word (``Ring.reader_word``: the incarnation of the
-    consumer process that reads it) and ``bell_reader`` its value when the doorbell was
-    opened: a consumer task that restarted writes its own, and has a doorbell of its own,
-    which the next send opens (``follow``)."""
+    task: str
+    seg: Segment | None = None
+    ring: Ring | None = None
+    bell: Bell | None = None
+    sem: posix_ipc.Semaphore | None = None  # ``bell.semaphore`` while it is set
+    bell_at: float = 0.0  # when to look for the doorbell again
+    fd: int = -1  # the ring file's descriptor and size, checked before each write
+    size: int = 0
+    sent: int = 0
+    sent_bytes: int = 0
+    reader: memoryview = _NO_READER
+    bell_reader: int = 0
 
-    __slots__ = (
-        "bell",
-        "bell_at",
-        "bell_reader",
-        "fd",
-        "reader",
-        "ring",
-        "seg",
-        "sem",
-        "sent",
-        "sent_bytes",
-        "size",
-        "task",
-    )
-
-    def __init__(self, names: Names, producer: str, incarnation: int, task: str) -> None:
-        self.task = task
-        self.seg: Segment | None = None
-        self.ring: Ring | None = None
-        self.bell: Bell | None = None
-        self.sem: posix_ipc.Semaphore | None = None  # ``bell.semaphore`` while it is set
-        self.bell_at = 0.0  # when to look for the doorbell again
-        self.fd = -1  # the ring file's descriptor and size, for its check before each write
-        self.size = 0
-        self.sent = self.sent_bytes = 0
-        self.reader: memoryview = _NO_READER
-        self.bell_reader = 0
-        if RINGS_SUPPORTED:
-            self._make_ring(names, producer, incarnation)
-
-    def _make_ring(self, names: Names, producer: str, incarnation: int) -> None:
-        """Make the ring of this producer run for the consumer, published under its name
-        only once formatted; none where one cannot be made (segments only, found by name)."""
+    def open_ring(self, names: Names, producer: str, incarnation: int) -> None:
+        """Make the ring, published under its name once formatted; none where one cannot be
+        made (then segments only, found by name)."""
         seg = None
+        name = names.ring(producer, incarnation, self.task)
         try:
             seg = Segment.create(names, ring_size(RING_CAPACITY), keep_fd=True)
             meta = {"producer": producer, "incarnation": incarnation, "consumer": self.task}
             ring = Ring.format(memoryview(seg.buf), RING_CAPACITY, json.dumps(meta).encode())
-            move_noreplace(seg.path, Names.path(names.ring(producer, incarnation, self.task)))
+            move_noreplace(seg.path, Names.path(name))
         except (OSError, RendezvousError) as e:
             _log.warning("no ring to %s (%s); segments only, found by name", self.task, e)
             if seg is not None:
                 seg.unlink_quietly()
                 seg.close()
             return
-        seg.name = names.ring(producer, incarnation, self.task)
+        seg.name = name
         self.seg, self.ring, self.fd, self.size = seg, ring, seg.fd, seg.size
         self.reader = ring.reader_word()
 
     def ring_intact(self) -> Ring | None:
-        """The ring, if its file still holds it (one ``lseek``). A process of this user that
-        kept a descriptor may have truncated it, and writing to a lost page would be a
-        SIGBUS: such a ring is given up, and the consumer is sent segments, found by name."""
+        """The ring, if its file still holds it (one ``lseek``: a process of this user may
+        have truncated it, and writing a lost page is a SIGBUS), a new reader followed."""
         try:
             if os.lseek(self.fd, 0, os.SEEK_END) >= self.size:
+                if self.reader[0] != self.bell_reader:  # a restarted consumer: its own doorbell
+                    bell, self.bell, self.sem, self.bell_at = self.bell, None, None, 0.0
+                    self.bell_reader = int(self.reader[0])
+                    if bell is not None:
+                        bell.close()  # the next post looks the new one up
                 return self.ring
         except OSError:
             pass
-        seg, ring = self.seg, self.ring
-        if seg is None or ring is None:
-            return None
-        try:
-            seg.check_size(seg.size)  # says what is wrong
-            why = "its descriptor failed"
-        except (InternalError, ValueError) as e:
-            why = str(e)
-        _log.warning("the ring to %s is unusable (%s); segments from now on", self.task, why)
-        self._let_go_reader()
-        ring.release()
-        seg.unlink_quietly()  # nothing in it can be read any more
-        seg.close()
-        self.seg = self.ring = None
-        self.fd = -1
+        if self.ring is not None:
+            _log.warning("the ring to %s was truncated; segments from now on", self.task)
+            self.close_ring(lost=True)
         return None
 
-    def _let_go_reader(self) -> None:
-        word, self.reader = self.reader, _NO_READER
-        if word is not _NO_READER:
-            word.release()
-
-    def follow(self) -> None:
-        """The ring has another reader than the doorbell's (``reader[0] != bell_reader``):
-        its consumer task restarted, or attached the ring after the doorbell was opened.
-        The doorbell is let go, and looked up again at the next post."""
-        bell = self.bell
-        self.bell = self.sem = None
-        self.bell_at = 0.0
-        self.bell_reader = int(self.reader[0])
-        if bell is not None:
-            bell.close()
-
     def doorbell(self, names: Names) -> posix_ipc.Semaphore | None:
-        """The consumer's doorbell semaphore, opened on first use (looked for again every
-        ``_BELL_LOOK_S`` while the consumer has not started); None while there is none."""
-        if self.sem is not None:
-            return self.sem
+        """The consumer's doorbell semaphore, opened on first use; None while there is none."""
         now = time.monotonic()
         if now < self.bell_at:
             return None
         self.bell_at = now + _BELL_LOOK_S
-        self.bell_reader = int(self.reader[0])  # (read first: a later reader is followed)
+        self.bell_reader = int(self.reader[0])  # read first: a later reader is followed
         try:
             bell = Bell.open(names, self.task)
         except RendezvousError:
@@ -205,25 +147,170 @@ class Route:
             self.bell, self.sem = bell, bell.semaphore
         return self.sem
 
-    def close(self) -> None:
-        """Unmap the ring and close the doorbell. The ring keeps its name while it holds
-        records its consumer has not taken (they are the consumer task's: this process's,
-        or its next one's after a crash); one whose records are all taken goes."""
-        seg, ring, bell = self.seg, self.ring, self.bell
-        self.seg = self.ring = self.bell = self.sem = None
+    def close_ring(self, lost: bool = False) -> None:
+        """Unmap the ring. Unless ``lost``, its name stays while it holds records not taken:
+        the consumer task's (this process's, or its next one's after a crash)."""
+        seg, ring = self.seg, self.ring
+        self.seg = self.ring = None
         self.fd = -1
-        self._let_go_reader()
+        word, self.reader = self.reader, _NO_READER
+        if word is not _NO_READER:
+            word.release()
         if seg is not None and ring is not None:
-            try:
+            with contextlib.suppress(InternalError):
                 seg.check_size(seg.size)  # a truncated ring's words may be gone
-                if not ring.pending():
-                    seg.unlink_quietly()
-            except InternalError:
-                pass
+                lost = lost or not ring.pending()
+            if lost:
+                seg.unlink_quietly()
             ring.release()
             seg.close()
+
+    def close(self) -> None:
+        self.close_ring()
+        bell, self.bell, self.sem = self.bell, None, None
         if bell is not None:
             bell.close()
+
+
+def _inode(name: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of our file at ``name`` (an ``lstat``, never an open), else None."""
+    try:
+        st = os.lstat(Names.path(name))
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if is_ours(st) else None
+
+
+class Flight:
+    """One consumer's messages in flight, for its window: a segment while its own file (by
+    inode: not another re-created at the name) is at its name, an ``lstat``; a ring record
+    until ``tail`` passes it; none once the consumer died (``ConsumerWatch``). Only a
+    reservation that does not fit looks. The lock is never held across a filesystem call."""
+
+    __slots__ = ("_closed", "_lock", "_records", "_ring", "_segments", "_watch", "window")
+
+    def __init__(self, window: InflightWindow, watch: ConsumerWatch) -> None:
+        self.window = window
+        self._watch = watch
+        self._lock = threading.Lock()
+        self._segments: deque[tuple[str, tuple[int, int], int]] = deque()  # name, inode, bytes
+        self._records: deque[tuple[int, int]] = deque()  # end in the ring, bytes
+        self._ring: Ring | None = None
+        self._closed: BaseException | None = None
+
+    def reserve(self, nbytes: int, timeout: float | None, what: str) -> Ticket:
+        """Reserve ``nbytes`` (blocks while the window is full, up to ``timeout``). Raises
+        ``ResourceExhaustedError`` then, or the closing error once the producer closed."""
+        self.window.reserve(nbytes, timeout, self.refresh, what)
+        if self._closed is not None:
+            self.window.release(nbytes)
+            raise self._closed
+        return Ticket(self, nbytes)
+
+    def refresh(self) -> None:
+        """Give back what the consumer took (everything, if it died): up to ``tail``, then
+        at most ``LSTATS_PER_REFRESH`` names, oldest first, round robin."""
+        if self._watch.died():
+            self.forget()
+            return
+        freed = 0
+        with self._lock:
+            if self._records and self._ring is not None:
+                tail, records = self._ring.tail, self._records
+                while records and records[0][0] <= tail:
+                    freed += records.popleft()[1]
+            n = min(len(self._segments), LSTATS_PER_REFRESH)
+            looking = [self._segments.popleft() for _ in range(n)]
+        still = []
+        for item in looking:
+            if _inode(item[0]) == item[1]:
+                still.append(item)
+            else:
+                freed += item[2]  # taken (renamed or unlinked): maybe another file is there now
+        with self._lock:
+            self._segments.extend(still)  # to the back: the next refresh looks at others
+        if freed:
+            self.window.release(freed)
+
+    def forget(self) -> None:
+        """The consumer died (or this producer closes): nothing of it counts any more."""
+        with self._lock:
+            self._segments.clear()
+            self._records.clear()
+            self._ring = None
+        self.window.reset()
+
+
+class Ticket:
+    """One reservation: published (a segment or a ring record) or cancelled, once."""
+
+    __slots__ = ("_flight", "_open", "nbytes")
+
+    def __init__(self, flight: Flight, nbytes: int) -> None:
+        self._flight = flight
+        self.nbytes = nbytes
+        self._open = True
+
+    def segment(self, name: str) -> None:
+        """Published as segment ``name``: in flight while its file is at that name."""
+        if not self._open:
+            return
+        self._open = False
+        ino = _inode(name)
+        if ino is None:  # taken already (or never ours)
+            self._flight.window.release(self.nbytes)
+            return
+        with self._flight._lock:
+            self._flight._segments.append((name, ino, self.nbytes))
+
+    def record(self, ring: Ring, end: int) -> None:
+        """Appended to ``ring``, ending at ``end``: in flight until ``tail`` passes it."""
+        if self._open:
+            self._open = False
+            with self._flight._lock:
+                self._flight._ring = ring
+                self._flight._records.append((end, self.nbytes))
+
+    def cancel(self) -> None:
+        """Nothing of the message was published: give its bytes back."""
+        if self._open:
+            self._open = False
+            self._flight.window.release(self.nbytes)
+
+
+class Inflight:
+    """A producer's flights, one per consumer task, all under one ``max_inflight_bytes``."""
+
+    def __init__(self, limit: int, peers: PeerDirectory) -> None:
+        self.windows = Windows(limit)
+        self._peers = peers
+        self._flights: dict[InflightWindow, Flight] = {}
+        self._lock = threading.Lock()
+        self._closed: BaseException | None = None
+
+    def for_key(self, key: ParsedKey) -> Flight:
+        """The flight to ``key``'s consumer (dict look-ups once known: the send path)."""
+        return self._flights.get(self.windows.for_key(key)) or self.of(key.dst)
+
+    def of(self, consumer: DeviceName) -> Flight:
+        """The flight to the task of device ``consumer`` (made on first use)."""
+        window = self.windows.of(consumer)
+        flight = self._flights.get(window)
+        if flight is None:
+            watch = ConsumerWatch(self._peers, consumer)  # looks once: outside the lock
+            with self._lock:
+                flight = self._flights.setdefault(window, Flight(window, watch))
+                flight._closed = self._closed
+        return flight
+
+    def close(self, error: BaseException) -> None:
+        """Forget every flight; a reservation waiting or made from now on raises ``error``."""
+        with self._lock:
+            self._closed = error
+            flights = list(self._flights.values())
+        for f in flights:
+            f._closed = error
+            f.forget()
 
 
 @dataclass(eq=False)
@@ -247,71 +334,69 @@ class Producer:
         task: str,
         incarnation: int,
         pool_bytes: int,
-        inflight: Inflight | None = None,
-        holder_alive: ProducerAlive | None = None,
+        inflight: Inflight | None,
+        holder_alive: ProducerAlive,
     ) -> None:
         self._names = names
         self._task = task
         self._inc = incarnation
         self._pid = os.getpid()
-        self._inflight = inflight  # the max_inflight_bytes windows, if any
+        self._inflight = inflight
         self._inline_max = inline_max() if RINGS_SUPPORTED else -1
         self._lock = threading.Lock()
-        self._seqs: dict[int, dict[str, int]] = {}  # step -> key -> next sequence number
+        self._seqs: defaultdict[int, dict[str, int]] = defaultdict(dict)  # step, key: next seq
         self._templates: dict[tuple[Any, tuple[int, ...], int], Template] = {}
         self._routes: dict[str, Route] = {}  # by a key's dst device, as written
         self._by_task: dict[str, Route] = {}  # the same routes, by consumer task
         self._allocations: dict[int, _Allocation] = {}
-        # A consumer run that holds a slot and is gone gives it back (``SlotPool``).
-        self._pool = SlotPool(names, task, incarnation, pool_bytes, holder_alive=holder_alive)
+        self._pool = SlotPool(names, task, incarnation, pool_bytes, holder_alive)
         self._closed = False
         self.zero_copy = self.ring_full = 0
 
     def _route(self, key: ParsedKey) -> Route:
-        """The route to the consumer of ``key``: one per consumer task, made on first use."""
-        route = self._routes.get(key.dst_device)
-        if route is None:
-            task = str(canonical_task(key.dst))
-            with self._lock:
-                route = self._by_task.get(task)
-                if route is None:
-                    route = self._by_task[task] = Route(self._names, self._task, self._inc, task)
-                self._routes[key.dst_device] = route
+        task = str(canonical_task(key.dst))
+        with self._lock:
+            route = self._by_task.get(task)
+            if route is None:
+                route = self._by_task[task] = Route(task)
+                if RINGS_SUPPORTED:
+                    route.open_ring(self._names, self._task, self._inc)
+            self._routes[key.dst_device] = route
         return route
 
     def _template(self, dtype: Any, shape: tuple[int, ...], key_len: int) -> Template:
-        """The header template of (dtype, shape, key length), made once."""
-        k = (dtype, shape, key_len)
-        t = self._templates.get(k)
+        t = self._templates.get((dtype, shape, key_len))
         if t is None:
-            t = Template(dtype, shape, key_len)
             if len(self._templates) >= _TEMPLATES_MAX:
                 self._templates.clear()
-            self._templates[k] = t
+            t = self._templates[(dtype, shape, key_len)] = Template(dtype, shape, key_len)
         return t
 
-    # -- allocate ---------------------------------------------------------------------
+    def _segment(self, size: int) -> tuple[Slot | None, Segment]:
+        slot = self._pool.acquire(size)
+        if slot is not None:
+            return slot, slot.segment
+        return None, Segment.create(self._names, size)
 
     def allocate(self, step_id: int, key: ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
+        """An array to ``send`` as (step, key) without a copy: in a segment (a pool slot if
+        one fits), or plain memory for a value sent inline. Raises ``InvalidArgumentError``
+        for a bad shape or dtype, ``ResourceExhaustedError`` when /dev/shm has no room."""
         try:
             dt = np.dtype(dtype)
             shp = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+            problem = shape_problem(shp, dt.itemsize)
         except (TypeError, ValueError) as e:
-            raise InvalidArgumentError(
-                f"allocate({key.full_key!r}): bad shape {shape!r} or dtype {dtype!r}: {e}"
-            ) from e
-        if any(d < 0 for d in shp):
-            raise InvalidArgumentError(f"allocate({key.full_key!r}): negative dimension in {shp}")
-        if dt.hasobject:
-            raise InvalidArgumentError(
-                f"allocate({key.full_key!r}): dtype {dt} holds Python objects, which cannot be "
-                "shared"
-            )
+            problem = f"bad shape {shape!r} or dtype {dtype!r}: {e}"
+        if problem is None and dt.hasobject:
+            problem = f"dtype {dt} holds Python objects, which cannot be shared"
+        if problem is not None:
+            raise InvalidArgumentError(f"allocate({key.full_key!r}): {problem}")
         t = self._template(dt, shp, len(key.full_key.encode()))
         seg: Segment | None = None
         slot: Slot | None = None
         if 0 < t.nbytes <= self._inline_max:
-            arr: npt.NDArray[Any] = np.empty(shp, dt)  # inline when sent: plain memory serves
+            arr: npt.NDArray[Any] = np.empty(shp, dt)  # sent inline: plain memory serves
         else:
             slot, seg = self._segment(t.segment_size)
             # (A pool slot's size was checked by its acquire a moment ago.)
@@ -326,23 +411,14 @@ class Producer:
         with self._lock:
             if self._allocations.get(ident) is alloc:
                 del self._allocations[ident]
-        if alloc.sent:
-            if alloc.slot is not None:
-                # Nothing of the producer's reads the slot any more: it may carry the next
-                # message once its consumer gives it back (``SlotPool.unpin``).
+        if alloc.slot is not None:
+            if alloc.sent:  # nothing of ours reads it any more: it may carry the next message
                 self._pool.unpin(alloc.slot)
-            return
-        if alloc.slot is not None:  # allocated and never sent: the memory is still ours
-            self._pool.release(alloc.slot)
-        elif alloc.segment is not None:
+            else:
+                self._pool.release(alloc.slot)
+        elif alloc.segment is not None and not alloc.sent:
             alloc.segment.unlink()
             alloc.segment.close()
-
-    def _segment(self, size: int) -> tuple[Slot | None, Segment]:
-        slot = self._pool.acquire(size)
-        if slot is not None:
-            return slot, slot.segment
-        return None, Segment.create(self._names, size)
 
     def _allocated(
         self, step_id: int, key: ParsedKey, value: npt.NDArray[Any]
@@ -366,8 +442,6 @@ class Producer:
             alloc.sent = True
         return alloc
 
-    # -- send -------------------------------------------------------------------------
-
     def send(
         self,
         step_id: int,
@@ -376,12 +450,13 @@ class Producer:
         is_dead: bool,
         timeout: float | None = None,
     ) -> None:
-        """Publish ``value`` as the next message of (step, key): inline in the consumer's
-        ring when it is small and fits, else in a segment (an array from ``allocate``: its
-        own, with no copy). With a ``max_inflight_bytes`` window, room in it first (the
-        bytes of an empty value count too: it is a record or a file)."""
+        """Publish ``value`` as the next message of (step, key): inline when small and it
+        fits, else in a segment (an ``allocate`` array's own: no copy). Blocks only for a
+        full ``max_inflight_bytes`` window. Raises ``ResourceExhaustedError`` for a full
+        window or /dev/shm, ``InternalError`` if the message's name is taken."""
         if self._closed:
             raise closed_error(self._task)
+        route = self._routes.get(key.dst_device) or self._route(key)
         ticket = None
         if self._inflight is not None:
             flight = self._inflight.for_key(key)
@@ -390,20 +465,18 @@ class Producer:
         try:
             if self._allocations:
                 alloc = self._allocated(step_id, key, value)
-            route = self._routes.get(key.dst_device) or self._route(key)
             fk = key.full_key
             raw = fk.encode()
-            t = self._templates.get((value.dtype, value.shape, len(raw)))
-            if t is None:
-                t = self._template(value.dtype, value.shape, len(raw))
+            t = self._templates.get((value.dtype, value.shape, len(raw))) or self._template(
+                value.dtype, value.shape, len(raw)
+            )
             flags = FLAG_DEAD if is_dead else 0
-            seg = alloc.segment if alloc is not None else None
             if not (
-                seg is None
+                (alloc is None or alloc.segment is None)
                 and t.nbytes <= self._inline_max
                 and self._append(step_id, fk, raw, t, value.tobytes(), flags, route, ticket)
             ):
-                self._send_segment(step_id, fk, raw, t, value, seg, alloc, flags, route, ticket)
+                self._send_segment(step_id, fk, raw, t, value, alloc, flags, route, ticket)
         except BaseException:
             if alloc is not None:
                 alloc.sent = False
@@ -421,15 +494,15 @@ class Producer:
         raw: bytes,
         t: Template,
         value: npt.NDArray[Any],
-        seg: Segment | None,
         alloc: _Allocation | None,
         flags: int,
         route: Route,
         ticket: Ticket | None,
     ) -> None:
-        """Publish the message in a segment: ``seg``, an allocation's (no copy), else a pool
-        slot (or a fresh segment) the value is copied into."""
-        slot = alloc.slot if alloc is not None else None
+        """Publish the message in the allocation's segment, else in a pool slot or a fresh
+        segment the value is copied into."""
+        seg, slot = (alloc.segment, alloc.slot) if alloc is not None else (None, None)
+        pinned = seg is not None  # the producer's array is over it
         if seg is None:
             slot, seg = self._segment(t.segment_size)
             try:
@@ -437,7 +510,11 @@ class Producer:
                     copy_into(np.ndarray(value.shape, value.dtype, seg.buf, t.data_offset), value)
                 name = self._publish(step_id, fk, raw, t, seg, slot, flags, route)
             except BaseException:
-                self._discard(slot, seg)
+                if slot is not None:
+                    self._pool.release(slot)
+                else:
+                    seg.unlink_quietly()
+                    seg.close()
                 raise
         else:
             name = self._publish(step_id, fk, raw, t, seg, slot, flags, route)
@@ -445,9 +522,9 @@ class Producer:
         if ticket is not None:
             ticket.segment(name)
         if slot is not None:
-            # An allocation's slot is pinned: it carries no other message while the
-            # producer's array (or a view of it: views keep it alive) can still be read.
-            self._pool.lend(slot, name, route.task, pinned=alloc is not None)
+            # A pinned slot carries no other message while the producer's array (or a view
+            # of it) can still be read.
+            self._pool.lend(slot, name, route.task, pinned=pinned)
         else:
             seg.close()
         self._post(route)
@@ -463,8 +540,8 @@ class Producer:
         route: Route,
         ticket: Ticket | None,
     ) -> bool:
-        """Append the message to the consumer's ring, header and data in one call, and post
-        its doorbell; False (nothing written) if it has no ring or no room."""
+        """Append the message, header and data, to the consumer's ring and post its
+        doorbell; False (nothing written) if it has no ring or no room."""
         with self._lock:
             ring = route.ring_intact()
             if ring is None:
@@ -473,9 +550,7 @@ class Producer:
             if at < 0:
                 self.ring_full += 1
                 return False  # full: this one goes through a segment, in sequence
-            seqs = self._seqs.get(step_id)
-            if seqs is None:
-                seqs = self._seqs[step_id] = {}
+            seqs = self._seqs[step_id]
             seq = seqs.get(fk, 0)
             t.write(ring.buf, at, raw, flags, step_id, seq, self._inc, self._pid, -1,
                     time.time_ns(), data)  # fmt: skip
@@ -483,8 +558,6 @@ class Producer:
             seqs[fk] = seq + 1
             route.sent += 1
             route.sent_bytes += t.nbytes
-            if route.reader[0] != route.bell_reader:  # its consumer task restarted
-                route.follow()
         if ticket is not None:
             ticket.record(ring, end)
         self._post(route)
@@ -501,19 +574,13 @@ class Producer:
         flags: int,
         route: Route,
     ) -> str:
-        """Give the message its sequence number, header and name, atomically, and put a
-        notice of it in the consumer's ring (with no ring, or a full one, the consumer finds
-        it by name: ``Ring.lost`` tells it to look). Returns the name.
-
-        Raises ``InternalError`` if a file has that name already (planted by another user,
-        or an earlier run's unreceived message): it is neither replaced nor written into.
-        That sequence number is skipped (the consumer skips it too).
-        """
+        """Give the message its sequence number, header and name, atomically, and a notice
+        in the ring (else ``Ring.lost`` tells the consumer to look by name); returns the
+        name. ``InternalError`` if the name is taken: that file is left alone, and the
+        sequence number skipped (by the consumer too)."""
         ticket = -1 if slot is None else slot.ticket
         with self._lock:
-            seqs = self._seqs.get(step_id)
-            if seqs is None:
-                seqs = self._seqs[step_id] = {}
+            seqs = self._seqs[step_id]
             seq = seqs.get(fk, 0)
             now = time.time_ns()
             t.write(seg.buf, 0, raw, flags, step_id, seq, self._inc, self._pid, ticket, now)
@@ -534,8 +601,6 @@ class Producer:
             route.sent_bytes += t.nbytes
             ring = route.ring_intact()
             if ring is not None:
-                if route.reader[0] != route.bell_reader:  # its consumer task restarted
-                    route.follow()
                 at = ring.reserve(t.data_offset)
                 if at < 0:
                     self.ring_full += 1
@@ -547,10 +612,9 @@ class Producer:
         return name
 
     def _post(self, route: Route) -> None:
-        """Post the consumer's doorbell unless a post is pending: whoever takes that one
-        drains every ring after it, so also this record (its ``head`` store came first, and
-        the lock's release, an atomic read-modify-write, lies between). A saturated or
-        closed semaphore is left as it is: the consumer's tick finds the message."""
+        """Post the doorbell unless a post is pending: whoever takes that one drains every
+        ring after it (this record's ``head`` store came first; the lock's release lies
+        between). A saturated or closed semaphore is left: the consumer's tick finds it."""
         sem = route.sem
         if sem is None:
             with self._lock:
@@ -563,23 +627,14 @@ class Producer:
         except Exception as e:  # closed by another thread, or saturated
             _log.debug("doorbell of %s not posted: %s", route.task, e)
 
-    def _discard(self, slot: Slot | None, seg: Segment) -> None:
-        if slot is not None:
-            self._pool.release(slot)
-        else:
-            seg.unlink_quietly()
-            seg.close()
-
-    # -- steps and lifetime -----------------------------------------------------------
-
     def cleanup_step(self, step_id: int) -> None:
         if self._seqs:
             with self._lock:
                 self._seqs.pop(step_id, None)
 
     def close(self) -> None:
-        """Sweep the pool, unmap the rings, close the doorbells. The caller has already
-        unlinked this worker's own doorbell (``pool.give_back`` relies on that order)."""
+        """Forget what is in flight, sweep the pool, unmap the rings, close the doorbells.
+        The caller unlinked this worker's own doorbell first (``return_slot`` relies on it)."""
         self._closed = True
         if self._inflight is not None:
             self._inflight.close(closed_error(self._task))  # before the rings are unmapped
@@ -603,24 +658,21 @@ class Producer:
             }
         out.update(self._pool.stats())
         if self._inflight is not None:
-            out["inflight_bytes"] = self._inflight.used()
-            out["window_waits"] = self._inflight.waits()
+            out["inflight_bytes"] = self._inflight.windows.used()
+            out["window_waits"] = self._inflight.windows.waits()
         return out
 
 
-# -- the copy ---------------------------------------------------------------------------------
-
 _EMPTY: npt.NDArray[Any] = np.empty(0, np.uint8)
-# The CPUs this thread may run on and the host's load, and when they were read (a system
-# call and a file read: at most once a second).
+# The CPUs this thread may use (0 while the load average says they are taken), and when
+# they were read: at most once a second.
 _cpus: list[float] = [0.0, 0.0]
 
 
 def helpers() -> int:
     """Helper threads a large copy uses besides the caller: one less than the CPUs this
-    thread may run on (read at most once a second), at most 3, none while the host's load
-    says those CPUs are taken; ``SHMRDV_COPY_THREADS=n`` asks for ``n - 1`` whatever the
-    load (1: none)."""
+    thread may use, at most 3, none while the load average says those are taken
+    (``SHMRDV_COPY_THREADS=n``: ``n - 1``, whatever the load)."""
     now = time.monotonic()
     if now - _cpus[1] >= 1.0:
         try:
@@ -629,93 +681,67 @@ def helpers() -> int:
         except (AttributeError, OSError):  # pragma: no cover - not Linux
             cpus, busy = os.cpu_count() or 1, False
         _cpus[:] = [0.0 if busy else float(cpus), now]
-    wanted = os.environ.get("SHMRDV_COPY_THREADS", "")
-    if wanted:
-        try:
-            return max(0, min(int(wanted) - 1, _MAX_HELPERS))
-        except ValueError:
-            pass
-    return max(0, min(int(_cpus[0]) - 1, _MAX_HELPERS))
+    try:
+        wanted = int(os.environ.get("SHMRDV_COPY_THREADS", ""))
+    except ValueError:  # unset, or not a number: the CPUs decide
+        wanted = int(_cpus[0])
+    return max(0, min(wanted - 1, _MAX_HELPERS))
 
 
 class _Job:
-    """Chunks handed out one at a time: whoever is free takes the next one, so a helper that
-    wakes late (a sleeping CPU takes a while to run) only copies less."""
+    """Chunks handed out one at a time: a helper that wakes late only copies less."""
 
-    __slots__ = ("busy", "chunks", "dst", "error", "idle", "lock", "next", "src")
-
-    def __init__(self, dst: npt.NDArray[Any], src: npt.NDArray[Any], chunks: list[slice]) -> None:
-        self.dst, self.src, self.chunks = dst, src, chunks
-        self.next = self.busy = 0
+    def __init__(self, dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+        self.dst, self.src = dst, src
+        self.starts = iter(range(0, src.nbytes, _CHUNK))
+        self.busy = 0
         self.error: BaseException | None = None
-        self.lock = threading.Lock()
-        self.idle = threading.Condition(self.lock)
+        self.idle = threading.Condition()
 
     def work(self) -> None:
         """Copy chunks until none is left."""
-        while True:
-            with self.lock:
-                if self.next >= len(self.chunks) or self.error is not None:
+        while self.error is None:
+            with self.idle:
+                at = next(self.starts, None)
+                if at is None:
                     return
-                part = self.chunks[self.next]
-                self.next += 1
                 self.busy += 1
             try:
+                part = slice(at, at + _CHUNK)
                 np.copyto(self.dst[part], self.src[part], casting="no")
             except BaseException as e:  # pragma: no cover - same dtype, contiguous
-                with self.lock:
-                    self.error = e
+                self.error = e
             finally:
-                with self.lock:
+                with self.idle:
                     self.busy -= 1
-                    if self.busy == 0:
-                        self.idle.notify_all()
+                    self.idle.notify_all()
 
     def finish(self) -> None:
-        """Stop handing out chunks; wait until no helper is still copying one (none may keep
-        the buffers exported: a segment's mapping cannot close under a view)."""
-        with self.lock:
-            self.next = len(self.chunks)
-            while self.busy:
-                self.idle.wait()
+        """Hand out no more chunks; wait until no helper copies one (a segment's mapping
+        cannot close under a view), then drop the buffers."""
+        with self.idle:
+            self.starts = iter(())
+            self.idle.wait_for(lambda: not self.busy)
             self.dst = self.src = _EMPTY
 
 
-class _Helpers:
-    """The helper threads of this process, shared by every Worker (a forked child starts
-    its own)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._pid = os.getpid()
-
-    def offer(self, job: _Job, n: int) -> None:
-        """Let ``n`` helpers join ``job`` (starting them the first time)."""
-        with self._lock:
-            if self._pid != os.getpid():  # a forked child: the threads stayed with the parent
-                self._queue, self._threads, self._pid = queue.SimpleQueue(), [], os.getpid()
-            while len(self._threads) < n:
-                t = threading.Thread(
-                    target=self._run,
-                    args=(self._queue,),
-                    name=f"shmrdv-copy-{len(self._threads)}",
-                    daemon=True,
-                )
-                t.start()
-                self._threads.append(t)
-            q = self._queue
-        for _ in range(n):
-            q.put(job)
-
-    @staticmethod
-    def _run(q: queue.SimpleQueue[_Job]) -> None:
-        while True:
-            q.get().work()  # a finished job hands out nothing: returns at once
+# The helper threads' queue and count, shared by every Worker of this process.
+_jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+_started = [0]
+_start_lock = threading.Lock()
 
 
-_helpers = _Helpers()
+def _forked() -> None:  # the threads stayed with the parent
+    global _jobs, _start_lock
+    _jobs, _start_lock, _started[0] = queue.SimpleQueue(), threading.Lock(), 0
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def _helper(jobs: queue.SimpleQueue[_Job]) -> None:
+    while True:
+        jobs.get().work()  # a finished job hands out nothing: returns at once
 
 
 def copy_into(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
@@ -727,10 +753,16 @@ def copy_into(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
     if n == 0:
         np.copyto(dst, src, casting="no")
         return
-    d = dst.reshape(-1).view(np.uint8)
-    s = src.reshape(-1).view(np.uint8)
-    job = _Job(d, s, [slice(i, min(i + _CHUNK, nbytes)) for i in range(0, nbytes, _CHUNK)])
-    _helpers.offer(job, n)
+    job = _Job(dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
+    with _start_lock:
+        while _started[0] < n:
+            threading.Thread(
+                target=_helper, args=(_jobs,), name=f"shmrdv-copy-{_started[0]}", daemon=True
+            ).start()
+            _started[0] += 1
+        jobs = _jobs
+    for _ in range(n):
+        jobs.put(job)
     try:
         job.work()
     finally:

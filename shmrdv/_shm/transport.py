@@ -22,9 +22,8 @@ from .._keys import ParsedKey
 from .._transport import PeerRecord, TransportContext
 from .bell import Bell, Poller
 from .consumer import Consumer, run_alive
-from .inflight import Inflight
 from .naming import Names
-from .producer import Producer
+from .producer import Inflight, Producer
 
 __all__ = ["ShmTransport"]
 
