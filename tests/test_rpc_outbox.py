@@ -14,7 +14,7 @@ from shmrdv._errors import AbortedError, ResourceExhaustedError
 from shmrdv._keys import DeviceName, parse_key
 from shmrdv._rendezvous import Received
 from shmrdv._rpc.outbox import Outbox
-from shmrdv._shm.board import ShmBoard
+from shmrdv._shm.transport import ShmBoard
 from shmrdv._transport import TransportContext
 from tests.helpers import PRODUCER, make_key
 

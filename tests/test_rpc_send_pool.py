@@ -17,7 +17,7 @@ from shmrdv._rendezvous import Received
 from shmrdv._rpc import series_wire
 from shmrdv._rpc.outbox import Outbox
 from shmrdv._rpc.send_pool import MIN_BYTES, SendPool
-from shmrdv._shm.board import ShmBoard
+from shmrdv._shm.transport import ShmBoard
 from shmrdv._transport import TransportContext
 from tests.helpers import PRODUCER, make_key
 
