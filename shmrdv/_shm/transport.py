@@ -44,7 +44,6 @@ class ShmTransport:
 
     def __init__(self, ctx: TransportContext, *, pool_bytes: int, busy_poll: float = 0.0) -> None:
         self._ctx = ctx
-        self._task = ctx.task_name
         self._close_lock = threading.Lock()
         self._closed = False
         names = Names(ctx.namespace)
@@ -81,19 +80,14 @@ class ShmTransport:
             and seen.record.incarnation == incarnation
         )
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def __repr__(self) -> str:
-        return f"<ShmTransport {self._task} pending={self._consumer.pending} closed={self._closed}>"
+        return f"<ShmTransport {self._ctx.task_name} pending={self._consumer.pending} closed={self._closed}>"
 
     def can_reach(self, peer: PeerRecord) -> bool:
         return peer.same_host and self.name in peer.transports
 
     def explain_wait(self, peer: PeerRecord) -> str | None:
-        """Nothing beyond what its presence record tells (``_diagnose``)."""
-        return None
+        return None  # nothing beyond what its presence record tells
 
     def send(
         self,
