@@ -168,99 +168,88 @@ def _task_state(task: str, state: PeerState, info: PresenceInfo | None) -> TaskS
     return TaskState(state, record)
 
 
-class _Watch:
-    """One task's record through a cached descriptor, re-opened when its inode changes.
-    ``lock`` is only ever tried (but by ``close``)."""
+class _Seen:
+    """A task's record as a ``Monitor`` keeps it: the descriptor it opened (-1: none)."""
 
-    __slots__ = ("closed", "fds", "info", "ino", "lock", "path")
+    __slots__ = ("fd", "info", "ino", "path")
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        self.lock = threading.Lock()
-        self.fds: list[int] = []  # the cached descriptor, popped to be closed exactly once
+        self.path, self.fd = path, -1
         self.ino: tuple[int, int] | None = None
         self.info: PresenceInfo | None = None
-        self.closed = False
-
-    def look(self) -> tuple[PeerState, PresenceInfo | None]:
-        if not self.lock.acquire(blocking=False):
-            # Contended (another thread, or the garbage collector inside this one).
-            return look(self.path, strict=True)
-        try:
-            if self.closed:
-                return look(self.path, strict=True)
-            try:
-                st = os.stat(self.path, follow_symlinks=False)
-            except FileNotFoundError:
-                return "absent", None
-            if not self.fds or self.ino != (st.st_dev, st.st_ino):
-                _close_watch(self)
-                self.ino = self.info = None
-                opened = _open(self.path)
-                if opened is None:
-                    return "absent", None
-                fd, fst = opened
-                try:
-                    info = _read(fd, self.path, True)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                self.fds.append(fd)
-                # The inode opened: if the name moved on since the stat, the next look re-opens.
-                self.ino, self.info = (fst.st_dev, fst.st_ino), info
-            return _state(self.fds[0], self.info), self.info
-        finally:
-            self.lock.release()
 
 
-def _close_watch(w: _Watch) -> None:
-    with contextlib.suppress(IndexError, OSError):
-        os.close(w.fds.pop())
-
-
-def _close_watches(watches: dict[str, _Watch]) -> None:
-    for w in list(watches.values()):
-        _close_watch(w)
+def _close_all(seen: dict[str, _Seen], lock: threading.Lock) -> None:
+    with lock:
+        for s in seen.values():
+            fd, s.fd, s.ino = s.fd, -1, None
+            if fd >= 0:
+                os.close(fd)
 
 
 class Monitor(Closing):
     """The liveness of the tasks of one namespace on this host (iceoryx2's monitor).
 
     Keeps one descriptor per task asked about, re-opened when the record is replaced (a
-    restarted task). A look that finds it in use (another thread, or the thread the garbage
-    collector interrupted) or the monitor closed looks through a descriptor of its own.
+    restarted task). Its lock is only ever tried: a look that finds it taken (by another
+    thread, or by the thread the garbage collector interrupted) or the monitor closed looks
+    through a descriptor of its own.
     """
 
     def __init__(self, names: Names) -> None:
         self._names = names
-        self._watches: dict[str, _Watch] = {}
+        self._lock = threading.Lock()
+        self._seen: dict[str, _Seen] = {}
         self._closed = False
-        self._finalizer = weakref.finalize(self, _close_watches, self._watches)
+        self._finalizer = weakref.finalize(self, _close_all, self._seen, self._lock)
 
     def state(self, task: str) -> TaskState:
         """``task``'s state (canonical name) and what its record says (``TaskState``): one
         ``stat`` and one ``flock`` test while the record is unchanged. Raises
         ``InternalError`` if the record is not ours or is corrupt. Never blocks."""
-        w = self._watches.get(task)
-        if w is None:
-            path = self._names.path(self._names.presence(task))
-            if self._closed:
-                return _task_state(task, *look(path, strict=True))
-            # No lock: the atomic setdefault picks one watch (a lock the garbage collector's
-            # interrupted thread holds would deadlock).
-            w = self._watches.setdefault(task, _Watch(path))
-        return _task_state(task, *w.look())
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    return _task_state(task, *self._look(task))
+            finally:
+                self._lock.release()
+        return _task_state(task, *look(self._path(task), strict=True))
+
+    def _path(self, task: str) -> str:
+        return self._names.path(self._names.presence(task))
+
+    def _look(self, task: str) -> tuple[PeerState, PresenceInfo | None]:
+        seen = self._seen.get(task)
+        if seen is None:
+            seen = self._seen[task] = _Seen(self._path(task))
+        try:
+            st = os.stat(seen.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return "absent", None
+        if seen.ino != (st.st_dev, st.st_ino):
+            if seen.fd >= 0:
+                os.close(seen.fd)
+            seen.fd, seen.ino, seen.info = -1, None, None
+            opened = _open(seen.path)
+            if opened is None:
+                return "absent", None
+            fd, fst = opened
+            try:
+                info = _read(fd, seen.path, True)
+            except BaseException:
+                os.close(fd)
+                raise
+            # The inode opened: if the name moved on since the stat, the next look re-opens.
+            seen.fd, seen.ino, seen.info = fd, (fst.st_dev, fst.st_ino), info
+        return _state(seen.fd, seen.info), seen.info
 
     def close(self) -> None:
         """Close every cached descriptor (after a look running meanwhile). Idempotent."""
         self._closed = True
-        for w in list(self._watches.values()):
-            with w.lock:
-                w.closed = True
-                _close_watch(w)
+        self._finalizer()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"watching {len(self._watches)}"
+        state = "closed" if self._closed else f"watching {len(self._seen)}"
         return f"<Monitor {self._names.namespace_id} {state}>"
 
 
