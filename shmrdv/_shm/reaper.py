@@ -54,7 +54,6 @@ __all__ = [
     "list_objects",
     "object_names",
     "sightings",
-    "sweep",
     "unlink_if_unused",
 ]
 
@@ -67,17 +66,15 @@ GRACE_S = 30.0
 #: A Worker's start or close reads this many directory entries, works this long, at most.
 SYNC_ENTRIES, SYNC_SECONDS = 16384, 0.02
 # The background thread starts this long after it is asked, then works in runs this long,
-# each followed by a pause as long as the run took, and this long at least.
+# each followed by a pause as long as the run (this long at least).
 _FIRST_PAUSE, _RUN_SECONDS, _PAUSE = 0.05, 0.02, 0.005
 # Names between two looks at the clock; objects a sweep of a namespace tries to remove even
 # when out of time; the most of a ring read (one is ~1 MiB).
 _CLOCK_EVERY, _AT_LEAST, _RING_MAX_BYTES = 256, 64, 16 << 20
 # ``sightings`` reads this many records at most, of this size at most.
 _MAX_RECORDS, _MAX_RECORD_BYTES = 256, 4096
-# What a late consumer may still take; what a dead producer run leaves that is nobody
-# else's, and its pool slots.
-_FOR_A_CONSUMER = frozenset({"message", "ring"})
-_PRODUCER_KINDS = frozenset({"pool", "returned", "temp"})
+_FOR_A_CONSUMER = frozenset({"message", "ring"})  # what a late consumer may still take
+_PRODUCER_KINDS = frozenset({"pool", "returned", "temp"})  # a dead run's, nobody else's
 _SLOT_KINDS = frozenset({"pool", "returned"})
 _SEGMENT_KINDS = frozenset({"temp", "message", "pool", "held", "returned"})  # with a header
 _KIND_AT = len(PREFIX) + NAMESPACE_ID_HEX + 1  # ``shmrdv_<id>_<kind letter>``
@@ -89,9 +86,9 @@ Groups = dict[str, list[str]]  # a listing: namespace id -> the names of that na
 
 
 class _Pace:
-    """How long a job works: ``go()`` is False once it must stop. A start's or close's pace
-    ends at ``deadline``; the background's pauses after each run as long as the run took
-    (sweeps take at most half of what the process could run) and ends once ``stop`` is set."""
+    """How long a job works: ``go()`` is False once it must stop, at ``deadline`` for a start
+    or close; the background's pauses after each run as long as it ran (sweeps take half of
+    what the process could run at most) and stops once ``stop`` is set."""
 
     def __init__(self, seconds: float, stop: threading.Event | None = None) -> None:
         self.deadline = time.monotonic() + seconds
@@ -114,8 +111,8 @@ Job = Callable[[Groups, _Pace], bool]
 
 
 def _listing(shm_dir: str, pace: _Pace | None = None, max_entries: float = math.inf) -> Groups:
-    """The shmrdv-looking names of ``shm_dir`` by namespace id, every one unless ``pace``
-    or ``max_entries`` stops the reading first: then ``_STOPPED``. Never raises."""
+    """The shmrdv-looking names of ``shm_dir`` by namespace id; ``_STOPPED`` if ``pace`` or
+    ``max_entries`` stopped the reading first."""
     groups: Groups = defaultdict(list)
     plain, sem, n = len(PREFIX), len(_SEM_NAMES), 0
     try:
@@ -153,8 +150,7 @@ class _Entry(ObjectName):
 
 
 def _ours(shm_dir: str, name: str) -> _Entry | None:
-    """``name`` if shmrdv made it and it is a regular file of ours (by one ``lstat``:
-    another user's file, a symlink, a FIFO is never opened)."""
+    """``name`` if shmrdv made it and it is a regular file of ours, by one ``lstat``."""
     parsed = parse_name(name)
     if parsed is None:
         return None
@@ -176,8 +172,8 @@ def _records(shm_dir: str, group: Iterable[str]) -> Iterator[_Entry]:
 
 
 def namespace_alive(group: Iterable[str], shm_dir: str) -> bool:
-    """Whether a worker of the namespace whose names are ``group`` lives: one of its records
-    is locked (one we cannot look at for want of descriptors counts: nothing goes on a guess)."""
+    """Whether one of the presence records among ``group`` is locked (one we cannot look at
+    for want of descriptors counts: nothing goes on a guess)."""
     for e in _records(shm_dir, group):
         try:
             if look(e.path)[0] == "alive":
@@ -191,10 +187,9 @@ def namespace_alive(group: Iterable[str], shm_dir: str) -> bool:
 
 def unlink_if_unused(path: str, ino: tuple[int, int], *, mapped_ok: bool = False) -> bool:
     """Unlink ``path`` if it is still the file ``ino`` (as listed), ours, and no process has it
-    open or mapped (a write lease, ``F_SETLEASE``, is granted only then; dropped at once): a
-    file a live process uses, or a starting worker's record, never goes. ``mapped_ok`` (a
-    dead run's slots and ring, which a consumer may keep mapped) skips that. Whether it
-    went; ``OSError`` when the unlink fails. Never blocks."""
+    open or mapped (a write lease, ``F_SETLEASE``, is granted only then; dropped at once).
+    ``mapped_ok`` (a dead run's slots and ring, which a consumer may keep mapped) skips the
+    lease. Whether it went; ``OSError`` when the unlink fails. Never blocks."""
     try:
         fd, st = open_checked(path, os.O_RDONLY, "shmrdv object")
     except FileNotFoundError:
@@ -302,8 +297,8 @@ def collect(
     namespace: str | None = None, dry_run: bool = False, shm_dir: str = SHM_DIR
 ) -> list[ObjectInfo]:
     """Remove what the namespaces where no worker is alive left (of ``namespace`` only, if
-    given); what went (``dry_run``: would go). The sweeps' rules without their bounds or
-    a wait for consumers; ``InternalError`` if an object cannot be removed. Never blocks."""
+    given); what went (``dry_run``: would go). The sweeps' rules without their bounds nor a
+    wait for consumers; ``InternalError`` if an object cannot be removed. Never blocks."""
     job = _Sweep(shm_dir, by_hand=True, dry_run=dry_run)
     job(_of(namespace, shm_dir), _Pace(math.inf))
     return sorted(job.gone, key=_ORDER)
@@ -327,9 +322,8 @@ def sightings(task: str, namespace: str, *, shm_dir: str = SHM_DIR) -> list[Sigh
 
 class _Sweep:
     """A job: what the dead namespaces of a listing left. ``closing``: ``(names, task)`` of
-    the worker whose close runs it (what was sent to it need not wait for a consumer). By
-    hand (``collect``): no value waits, what went (``dry_run``: would go) is kept in
-    ``gone``, and a failure to remove raises."""
+    the worker whose close runs it (what was sent to it does not wait). By hand: no value
+    waits, what went (or would) is kept in ``gone``, and a failure to remove raises."""
 
     def __init__(
         self,
@@ -363,7 +357,6 @@ class _Sweep:
         return True
 
     def _collect(self, ns: str, listed: list[_Entry], pace: _Pace) -> bool:
-        """Remove what may go of ``listed``; False if ``pace`` stopped it first."""
         theirs: set[str] = set()
         keep, said = False, {}
         if self._by_hand:
@@ -560,19 +553,6 @@ class _Producer(_Slots):
             return 0
 
 
-def sweep(shm_dir: str = SHM_DIR, seconds: float = 0.25) -> tuple[int, bool]:
-    """What a Worker's start sweeps, here, within about ``seconds`` (the listing may take
-    half): how many objects went, and whether it was done. Never raises; never blocks."""
-    pace = _Pace(seconds / 2)
-    groups = _listing(shm_dir, pace)
-    if groups is _STOPPED:
-        return 0, False
-    pace.deadline += seconds / 2
-    job = _Sweep(shm_dir)
-    done = job(groups, pace)
-    return job.removed, done
-
-
 def collect_producer(names: Names, producer: str, incarnation: int, consumer: str) -> int:
     """Free what the dead run ``incarnation`` of ``producer`` left, for a ``consumer`` that
     took all it sent: its unused slots, half-written segments, its ring to ``consumer`` if
@@ -653,8 +633,8 @@ os.register_at_fork(after_in_child=_forked)
 
 
 def _run(what: str, jobs: list[Job]) -> None:
-    """Run ``jobs`` over a listing of /dev/shm within ``SYNC_ENTRIES`` entries read and about
-    ``SYNC_SECONDS`` spent here, the rest in the background. Logs a failure, never raises."""
+    """Run ``jobs`` within ``SYNC_ENTRIES`` entries read and about ``SYNC_SECONDS`` here, the
+    rest in the background. Logs a failure, never raises."""
     try:
         pace = _Pace(SYNC_SECONDS)
         groups = _listing(SHM_DIR, pace, SYNC_ENTRIES)
@@ -670,8 +650,8 @@ def _run(what: str, jobs: list[Job]) -> None:
 
 
 def at_start(names: Names, task: str, incarnation: int) -> bool:
-    """A worker's start, once its record is published: what dead namespaces and earlier runs
-    of its task left. Whether sweeps run for this worker (``SHMRDV_AUTO_GC``; for ``at_close``)."""
+    """A worker's start, its record published: what dead namespaces and earlier runs of its
+    task left. Whether sweeps run for this worker (``SHMRDV_AUTO_GC``), for ``at_close``."""
     if os.environ.get(ENV_VAR, "1").strip() == "0":
         return False
     _BACKGROUND.use(1)
