@@ -112,24 +112,22 @@ class PresenceInfo:
         return cls(**values, transports=tuple(transports))
 
 
-def _open(path: str) -> tuple[int, os.stat_result] | None:
-    """The record at ``path`` opened for reading and its ``fstat``; None if there is none."""
-    try:
-        return open_checked(path, os.O_RDONLY, "presence record", max_size=MAX_RECORD_BYTES)
-    except FileNotFoundError:
-        return None
-
-
-def _read(fd: int, path: str, strict: bool) -> PresenceInfo | None:
-    """What the record says; a corrupt one raises if ``strict``, else is None (its lock still
+def _open(path: str, strict: bool) -> tuple[int, os.stat_result, PresenceInfo | None] | None:
+    """The record at ``path`` opened for reading, its ``fstat`` and what it says; None if
+    there is none. A corrupt record raises if ``strict``, else says None (its lock still
     tells whether its owner lives)."""
     try:
-        return PresenceInfo.from_json(os.pread(fd, MAX_RECORD_BYTES, 0), path)
+        fd, st = open_checked(path, os.O_RDONLY, "presence record", max_size=MAX_RECORD_BYTES)
+    except FileNotFoundError:
+        return None
+    try:
+        return fd, st, PresenceInfo.from_json(os.pread(fd, MAX_RECORD_BYTES, 0), path)
     except InternalError as e:
         if strict:
+            os.close(fd)
             raise
         _log.debug("%s", e)
-        return None
+        return fd, st, None
 
 
 def _state(fd: int, info: PresenceInfo | None) -> PeerState:
@@ -150,12 +148,11 @@ def look(path: str, *, strict: bool = False) -> tuple[PeerState, PresenceInfo | 
     its own. ``("absent", None)`` if there is none; a corrupt record reads by its lock with
     None for its content, unless ``strict``. Raises ``InternalError`` if the file is not
     ours (owner, mode, type, symlink) or, if ``strict``, corrupt. Does not block."""
-    opened = _open(path)
+    opened = _open(path, strict)
     if opened is None:
         return "absent", None
-    fd = opened[0]
+    fd, _, info = opened
     try:
-        info = _read(fd, path, strict)
         return _state(fd, info), info
     finally:
         os.close(fd)
@@ -230,15 +227,10 @@ class Monitor(Closing):
             if seen.fd >= 0:
                 os.close(seen.fd)
             seen.fd, seen.ino, seen.info = -1, None, None
-            opened = _open(seen.path)
+            opened = _open(seen.path, True)
             if opened is None:
                 return "absent", None
-            fd, fst = opened
-            try:
-                info = _read(fd, seen.path, True)
-            except BaseException:
-                os.close(fd)
-                raise
+            fd, fst, info = opened
             # The inode opened: if the name moved on since the stat, the next look re-opens.
             seen.fd, seen.ino, seen.info = fd, (fst.st_dev, fst.st_ino), info
         return _state(seen.fd, seen.info), seen.info
@@ -287,13 +279,12 @@ def claim(path: str) -> Iterator[Claim]:
     """The record at ``path``, under its exclusive lock if nobody holds one: only a dead
     record's claimer replaces or removes it, so two claimers never both do. Only tries the
     lock. Raises ``InternalError`` if the record is not ours. Does not block."""
-    opened = _open(path)
+    opened = _open(path, False)
     if opened is None:
         yield Claim(path, "absent")
         return
-    fd, st = opened
+    fd, st, info = opened
     try:
-        info = _read(fd, path, False)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -387,18 +378,17 @@ class Presence(Closing):
             raise _publish_error(e, temp) from e
         try:
             os.fchmod(fd, 0o600)  # umask-proof
-            try:
-                if os.write(fd, data) != len(data):
-                    raise OSError(errno.ENOSPC, "short write", temp)
-            except OSError as e:
-                raise _publish_error(e, temp) from e
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write", temp)
             # Locked before it has its final name: no reader can ever see it unlocked.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             cls._install(temp, final, info)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
             os.close(fd)
+            if isinstance(e, OSError):
+                raise _publish_error(e, temp) from e
             raise
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
