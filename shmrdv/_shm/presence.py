@@ -319,16 +319,10 @@ def _close_fd(fd: int, path: str, ino: tuple[int, int]) -> None:
     """Unlink ``path`` if it is still our record, then close ``fd`` (which drops the lock):
     a peer that sees the lock free and the record still there concludes "dead", which is
     right a moment later anyway."""
-    try:
+    with contextlib.suppress(OSError):  # whatever happens, the descriptor (the lock) goes
         st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        _log.warning("cannot stat presence record %s at close: %s", path, e)
-    else:
         if (st.st_dev, st.st_ino) == ino:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            os.unlink(path)
     os.close(fd)
 
 
