@@ -11,7 +11,7 @@ else passes between them (TensorPipe's ``Transport`` / ``Context`` split):
   (``TaskState``: alive, dead or absent, from the one liveness monitor of its host), and
   where else on this host its task was seen (``Sighting``).
 * ``PresenceBoard`` — this host's presence records, from which the peer directory
-  (``_cluster.Peers``) learns what it answers: the shared-memory one (``_shm/board.py``,
+  (``_cluster.Peers``) learns what it answers: the shared-memory one (``_shm/transport.py``,
   over ``_shm/presence.Monitor``), or none where /dev/shm cannot be used
   (``_cluster.NoPresence``: a gRPC-only worker).
 * ``Transport`` — send, allocate, start a receive, help a blocked receiver wait, abort

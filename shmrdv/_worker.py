@@ -432,7 +432,7 @@ class Worker(Closing):
     def _presence_board(self) -> PresenceBoard:
         """The shared-memory board; none for a worker without ``"shm"`` where /dev/shm
         cannot be used (its peers are then found by the cluster spec alone)."""
-        from ._shm.board import ShmBoard, usable
+        from ._shm.transport import ShmBoard, usable
 
         if "shm" not in self.transports and not usable():
             _log.info(

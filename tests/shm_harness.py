@@ -20,10 +20,9 @@ import numpy.typing as npt
 from shmrdv._cluster import Peers, canonical_task
 from shmrdv._keys import DeviceName, ParsedKey, create_key, parse_key
 from shmrdv._rendezvous import Received, RecvSlot, wait_received
-from shmrdv._shm.board import ShmBoard
 from shmrdv._shm.naming import Names
 from shmrdv._shm.presence import Presence, PresenceInfo, boot_id
-from shmrdv._shm.transport import ShmTransport
+from shmrdv._shm.transport import ShmBoard, ShmTransport
 from shmrdv._transport import TransportContext
 
 __all__ = ["Endpoint", "key_between"]

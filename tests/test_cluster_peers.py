@@ -12,7 +12,7 @@ import shmrdv
 from shmrdv._cluster import ALL_TRANSPORTS, NoPresence, Peers
 from shmrdv._keys import DeviceName
 from shmrdv._procs import ChildWorker
-from shmrdv._shm.board import ShmBoard
+from shmrdv._shm.transport import ShmBoard
 from shmrdv._transport import TaskState
 
 A = "/job:a/replica:0/task:0"

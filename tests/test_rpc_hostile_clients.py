@@ -26,7 +26,7 @@ from shmrdv._rpc.guard import Limits
 from shmrdv._rpc.messages import RECV_TENSOR as RECV_TENSOR_METHOD
 from shmrdv._rpc.server import RpcServer
 from shmrdv._rpc.transport import GrpcTransport
-from shmrdv._shm.board import ShmBoard
+from shmrdv._shm.transport import ShmBoard
 from shmrdv._transport import TransportContext
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,7 +16,7 @@ from shmrdv._errors import AbortedError, ResourceExhaustedError
 from shmrdv._keys import parse_key
 from shmrdv._rpc.messages import Assembly
 from shmrdv._rpc.outbox import Outbox, Sent, Taker
-from shmrdv._shm.board import ShmBoard
+from shmrdv._shm.transport import ShmBoard
 
 
 class _Taker(Taker):

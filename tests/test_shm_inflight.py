@@ -15,11 +15,11 @@ from shmrdv._cluster import Peers
 from shmrdv._errors import ResourceExhaustedError
 from shmrdv._keys import DeviceName
 from shmrdv._procs import ChildWorker
-from shmrdv._shm.board import ShmBoard
 from shmrdv._shm.files import Segment
 from shmrdv._shm.naming import Names
 from shmrdv._shm.producer import LSTATS_PER_REFRESH, Inflight
 from shmrdv._shm.ring import Ring, ring_size
+from shmrdv._shm.transport import ShmBoard
 
 DST = DeviceName.parse(CONSUMER + "/device:CPU:0")
 

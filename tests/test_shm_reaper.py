@@ -341,18 +341,15 @@ def _job_loop(ns: str, rounds: int, q: Any) -> None:
         q.put(repr(e))
 
 
-def test_reaper_sweep_leaves_what_a_process_still_has_open(
-    names: Names, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_reaper_leaves_what_a_process_still_has_open(names: Names) -> None:
     # A namespace without a locked record, whose files a process still uses: a worker that
     # is starting (its record written under a temporary name, open and locked, not linked
-    # yet), a doorbell a process has open, a segment a process has mapped. gc's rule alone
-    # ("no live record") would take them; the sweep asks the kernel whether they are in use.
+    # yet), a doorbell a process has open, a segment a process has mapped. "No live record"
+    # alone would take them; the reaper asks the kernel whether they are in use.
     import mmap
 
     import posix_ipc
 
-    monkeypatch.setattr(reaper, "GRACE_S", 0.0)  # messages are not spared for their age
     starting = names.path(names.temp())
     fd = os.open(starting, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     bell = posix_ipc.Semaphore(names.bell(PRODUCER), posix_ipc.O_CREX, mode=0o600)
@@ -362,23 +359,23 @@ def test_reaper_sweep_leaves_what_a_process_still_has_open(
     mapped = mmap.mmap(seg_fd, 4096)
     os.close(seg_fd)
     try:
-        reaper.sweep()
+        assert collect(names.namespace) == []
         assert os.path.exists(starting) and os.path.exists(seg_path)
         assert os.path.exists(names.bell_path(PRODUCER))
     finally:
         os.close(fd)
         bell.close()
         mapped.close()
-    # Nobody uses them any more: the next sweep takes them.
-    reaper.sweep()
+    # Nobody uses them any more: the next collection takes them.
+    assert len(collect(names.namespace)) == 3
     assert left(names.namespace) == []
 
 
 def test_reaper_never_touches_a_live_workers_objects_while_sweeps_race(ns: str) -> None:
     # A live pair holds every kind of object (a received array over a pool slot, a message
     # waiting, its ring, pool slots, records, doorbells) while another job starts and closes
-    # again and again in its own namespace (dead between rounds), and another process sweeps
-    # without pause.
+    # again and again in its own namespace (dead between rounds), and another process starts
+    # and closes Workers (each start and close sweeps) without pause.
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     looping = shmrdv.new_namespace()
@@ -415,23 +412,8 @@ def test_reaper_never_touches_a_live_workers_objects_while_sweeps_race(ns: str) 
 
 def _sweep_until(stop: Any) -> None:
     while not stop.is_set():
-        reaper.sweep()
-
-
-def test_reaper_sweep_is_bounded(tmp_path: Any) -> None:
-    # A flood of names that look like shmrdv's: the sweep gives up at its deadline.
-    names = Names(shmrdv.new_namespace())
-    directory = str(tmp_path)
-    for _ in range(3000):
-        os.close(os.open(os.path.join(directory, names.temp()), os.O_CREAT | os.O_WRONLY, 0o600))
-    out = reaper.sweep(directory, max_objects=100)
-    assert out.removed == 100 and not out.complete
-    t0 = time.monotonic()
-    out = reaper.sweep(directory, max_seconds=0.0)
-    assert out.removed == 0 and not out.complete and time.monotonic() - t0 < 0.5
-    while not (out := reaper.sweep(directory)).complete:
-        pass
-    assert os.listdir(directory) == []
+        with shmrdv.Worker("/job:sweeper/replica:0/task:0", namespace=shmrdv.new_namespace()):
+            pass
 
 
 _FLOODED = """
@@ -508,9 +490,9 @@ def _plant_junk(spec: str) -> None:
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user (setuid)")
 def test_reaper_other_users_junk_namespaces_do_not_stop_the_sweep() -> None:
-    # Another user plants shmrdv-shaped names (presence records included) under more fake
-    # namespace ids than one sweep looks at: they are neither opened nor removed, and they
-    # cost no place in the bound, so a dead namespace of ours is still collected.
+    # Another user plants shmrdv-shaped names (presence records included) under many fake
+    # namespace ids: they are neither opened nor removed, and a dead namespace of ours
+    # behind them is still collected.
     import shutil
     import tempfile
 
@@ -528,14 +510,12 @@ def _sweep_among_junk(directory: str) -> None:
     for name in (ours.presence(PRODUCER), ours.temp()):
         os.close(os.open(os.path.join(directory, name), os.O_CREAT | os.O_WRONLY, 0o600))
     junk = []
-    for _ in range(3 * reaper.MAX_NAMESPACES):
+    for _ in range(48):
         fake = Names(shmrdv.new_namespace())
         junk += [fake.presence(PRODUCER), fake.temp(), fake.message(1, "k", 1, 0)]
     run_as_nobody(_plant_junk, directory + "\n" + "\n".join(junk))
-    out = reaper.sweep(directory)
-    assert out.removed == 2 and out.namespaces == (ours.namespace_id,)
+    assert len(collect(shm_dir=directory)) == 2
     assert sorted(os.listdir(directory)) == sorted(junk)
-    assert reaper.sweep(directory).complete
 
 
 def test_reaper_collect_producer_leaves_a_successors_record(names: Names) -> None:

@@ -1,31 +1,17 @@
 """Presence records: whether a worker lives, as a JSON file in /dev/shm locked with ``flock``.
 
-A worker publishes ``shmrdv_<ns>_w<taskhash>`` (its task, pid, boot id, incarnation, start
-time, address, transports) and holds ``fcntl.flock(LOCK_EX)`` on it for as long as it
-lives. Its owner is alive exactly while that lock is held: the kernel drops it when the
-last descriptor of the open file description goes, that is when the owner dies, however
-it dies (SIGKILL included); a stopped or busy process keeps it, which no heartbeat with a
-deadline can promise (research/pitfalls.md §1). This is the one liveness concept, cut as
-iceoryx2 cuts its ``monitoring``:
+A worker publishes ``shmrdv_<ns>_w<taskhash>`` (task, pid, boot id, incarnation, address,
+transports) and holds ``flock(LOCK_EX)`` on it while it lives: the kernel drops the lock
+when the owner dies, however it dies, and a stopped or busy process keeps it, which no
+heartbeat with a deadline can promise (research/pitfalls.md §1). The one liveness concept,
+cut as iceoryx2 cuts its ``monitoring``: ``Presence`` (the token: a worker's own record),
+``Monitor.state(task)`` (the monitor; ``look(path)`` for a record found by listing) and
+``claim(path)`` (the cleaner: a dead record under its exclusive lock, the one way a record
+is replaced or removed). Every open is ``files.open_checked``: a symlink, a file another
+user planted or leased is an ``InternalError``, never waited for.
 
-* ``Presence`` (iceoryx2's token): a worker's own record, written whole under a temporary
-  name, locked, and only then linked to its name; unlinked and unlocked at close;
-* ``Monitor.state(task)`` (its monitor): a task's ``TaskState``, "alive" while its
-  record's lock is held and the record is from this boot, "dead" when not, "absent" when
-  there is none; ``look(path)`` is the same rule for a record a tool found by listing;
-* ``claim(path)`` (its cleaner): a dead record under its exclusive lock, the one way a
-  record is replaced (a restarted task) or removed (the reaper).
-
-``flock`` locks belong to the open file description: a second ``open`` in the same
-process gets a lock of its own (a ``Monitor`` sees a ``Presence`` of its own process), and
-a ``fork`` shares it, which would keep a dead parent alive: an ``os.register_at_fork``
-hook closes the inherited descriptors in every forked child (``subprocess`` children never
-see them: descriptors are close-on-exec). Every open is ``files.open_checked``: a
-symlink, a file another user planted or leased is an ``InternalError``, never waited for.
-
-Thread model (``docs/threads.md``): no thread of its own. A ``Monitor`` may be asked
-inside the garbage collector (a pool slot given back asks whether its producer lives),
-so it only *tries* locks and never waits for one.
+Thread model (``docs/threads.md``): no thread of its own. A ``Monitor`` may be asked inside
+the garbage collector (a pool slot given back), so it only *tries* locks.
 """
 
 from __future__ import annotations
@@ -48,25 +34,14 @@ from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedErro
 from .._rendezvous import Closing
 from .._transport import PeerRecord, PeerState, TaskState
 from .files import open_checked
+from .naming import SHM_DIR
 
 if TYPE_CHECKING:
     from .naming import Names
 
-__all__ = [
-    "MAX_RECORD_BYTES",
-    "Claim",
-    "Monitor",
-    "Presence",
-    "PresenceInfo",
-    "boot_id",
-    "claim",
-    "look",
-]
+__all__ = ["Claim", "Monitor", "Presence", "PresenceInfo", "boot_id", "claim", "look"]
 
 _log = logging.getLogger("shmrdv.shm.presence")
-
-_BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-_WHAT = "presence record"
 
 #: A record is a few hundred bytes; anything much larger was not written by us.
 MAX_RECORD_BYTES = 64 * 1024
@@ -74,15 +49,13 @@ MAX_RECORD_BYTES = 64 * 1024
 
 @functools.lru_cache(maxsize=1)
 def boot_id() -> str:
-    """This kernel's boot id (``/proc/sys/kernel/random/boot_id``), read once and cached.
-
-    Raises ``InternalError`` if the file cannot be read (not Linux, or no /proc).
-    """
+    """This kernel's boot id, read once. ``InternalError`` if it cannot be read (no /proc)."""
+    path = "/proc/sys/kernel/random/boot_id"
     try:
-        with open(_BOOT_ID_PATH, encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             return f.read().strip()
     except OSError as e:
-        raise InternalError(f"cannot read the boot id from {_BOOT_ID_PATH}: {e}") from e
+        raise InternalError(f"cannot read the boot id from {path}: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +74,6 @@ class PresenceInfo:
     transports: tuple[str, ...] = ("shm", "grpc")
 
     def to_json(self) -> bytes:
-        """The record's bytes."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode("utf-8")
 
     @classmethod
@@ -131,44 +103,36 @@ class PresenceInfo:
                     f"wrong type ({value!r})"
                 )
             values[name] = value
-        values["started"] = float(values["started"])
         transports = obj.get("transports", ["shm", "grpc"])
         if not isinstance(transports, list) or not all(isinstance(t, str) for t in transports):
             raise InternalError(
                 f"presence record {where} is corrupt: field 'transports' is {transports!r}"
             )
-        values["transports"] = tuple(transports)
-        return cls(**values)
+        values["started"] = float(values["started"])
+        return cls(**values, transports=tuple(transports))
 
 
-def _open(path: str) -> tuple[int, os.stat_result] | None:
-    """The record at ``path`` opened for reading, and its ``fstat``; None if there is none.
-    A symlink, a file not ours or under a lease is an ``InternalError``. Never blocks."""
+def _open(path: str, strict: bool) -> tuple[int, os.stat_result, PresenceInfo | None] | None:
+    """The record at ``path`` opened for reading, its ``fstat`` and what it says; None if
+    there is none. A corrupt record raises if ``strict``, else says None (its lock still
+    tells whether its owner lives)."""
     try:
-        return open_checked(path, os.O_RDONLY, _WHAT, max_size=MAX_RECORD_BYTES)
+        fd, st = open_checked(path, os.O_RDONLY, "presence record", max_size=MAX_RECORD_BYTES)
     except FileNotFoundError:
         return None
-
-
-def _read(fd: int, path: str, strict: bool) -> PresenceInfo | None:
-    """What the record open at ``fd`` says; a corrupt one is an ``InternalError`` if
-    ``strict``, else None (its lock still tells whether its owner lives)."""
     try:
-        data = os.pread(fd, MAX_RECORD_BYTES + 1, 0)
-        if len(data) > MAX_RECORD_BYTES:
-            raise InternalError(f"presence record {path} is larger than {MAX_RECORD_BYTES} bytes")
-        return PresenceInfo.from_json(data, path)
+        return fd, st, PresenceInfo.from_json(os.pread(fd, MAX_RECORD_BYTES, 0), path)
     except InternalError as e:
         if strict:
+            os.close(fd)
             raise
         _log.debug("%s", e)
-        return None
+        return fd, st, None
 
 
 def _state(fd: int, info: PresenceInfo | None) -> PeerState:
-    """The liveness rule: a record's owner is alive exactly while it holds the lock (a
-    shared lock, taken and dropped at once, fails only then); a record from another boot
-    is dead whatever its lock says."""
+    """The liveness rule: alive exactly while the owner holds the lock (a shared lock, taken
+    and dropped at once, fails only then); a record from another boot is dead."""
     if info is not None and info.boot_id != boot_id():
         return "dead"
     try:
@@ -181,153 +145,111 @@ def _state(fd: int, info: PresenceInfo | None) -> PeerState:
 
 def look(path: str, *, strict: bool = False) -> tuple[PeerState, PresenceInfo | None]:
     """The state of the record file at ``path`` and what it says, through a descriptor of
-    its own (for records found by listing, and a contended ``Monitor``).
-
-    ``("absent", None)`` if there is no file. A corrupt record still reads ``"alive"`` or
-    ``"dead"`` by its lock, with None for its content, unless ``strict`` (then it is an
-    ``InternalError``). Raises ``InternalError`` if the file is not ours (owner, mode,
-    type, symlink). Does not block.
-    """
-    opened = _open(path)
+    its own. ``("absent", None)`` if there is none; a corrupt record reads by its lock with
+    None for its content, unless ``strict``. Raises ``InternalError`` if the file is not
+    ours (owner, mode, type, symlink) or, if ``strict``, corrupt. Does not block."""
+    opened = _open(path, strict)
     if opened is None:
         return "absent", None
-    fd = opened[0]
+    fd, _, info = opened
     try:
-        info = _read(fd, path, strict)
         return _state(fd, info), info
     finally:
         os.close(fd)
 
 
 def _task_state(task: str, state: PeerState, info: PresenceInfo | None) -> TaskState:
-    """``state`` with the record as a final same-host ``PeerRecord`` (from this boot only)."""
     if info is None or info.boot_id != boot_id():
         return TaskState(state)
     record = PeerRecord(task, True, info.transports, info.address, True, info.incarnation, info.pid)
     return TaskState(state, record)
 
 
-class _Watch:
-    """One task's record through a cached descriptor, re-opened when its inode changes
-    (``Monitor.state``). ``lock`` is only ever tried."""
+class _Seen:
+    """A task's record as a ``Monitor`` keeps it: the descriptor it opened (-1: none)."""
 
-    __slots__ = ("closed", "fds", "info", "ino", "lock", "path")
+    __slots__ = ("fd", "info", "ino", "path")
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        self.lock = threading.Lock()
-        self.fds: list[int] = []  # the cached descriptor (at most one)
+        self.path, self.fd = path, -1
         self.ino: tuple[int, int] | None = None
         self.info: PresenceInfo | None = None
-        self.closed = False
 
-    def look(self) -> tuple[PeerState, PresenceInfo | None]:
-        if not self.lock.acquire(blocking=False):
-            # Contended (another thread, or the garbage collector inside this one).
-            return look(self.path, strict=True)
-        try:
-            if self.closed:
-                return look(self.path, strict=True)
-            try:
-                st = os.stat(self.path, follow_symlinks=False)
-            except FileNotFoundError:
-                return "absent", None
-            if not self.fds or self.ino != (st.st_dev, st.st_ino):
-                _close_all(self.fds)
-                self.ino = self.info = None
-                opened = _open(self.path)
-                if opened is None:
-                    return "absent", None
-                fd, fst = opened
-                try:
-                    info = _read(fd, self.path, True)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                self.fds.append(fd)
-                # The inode actually opened: the name may have moved on since the stat, in
-                # which case the next look sees a mismatch and re-opens.
-                self.ino, self.info = (fst.st_dev, fst.st_ino), info
-            return _state(self.fds[0], self.info), self.info
-        finally:
-            self.lock.release()
 
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            _close_all(self.fds)
+def _close_all(seen: dict[str, _Seen], lock: threading.Lock) -> None:
+    with lock:
+        for s in seen.values():
+            fd, s.fd, s.ino = s.fd, -1, None
+            if fd >= 0:
+                os.close(fd)
 
 
 class Monitor(Closing):
     """The liveness of the tasks of one namespace on this host (iceoryx2's monitor).
 
-    ``state(task)`` costs one ``stat`` and one ``flock`` test while the task's record is
-    unchanged: one descriptor is kept per task asked about, re-opened when the record is
-    replaced (a restarted task). Never blocks and never waits for a lock, so it may run
-    anywhere, a garbage-collector finalizer included: a look that finds the task's
-    descriptor in use (another thread, or the thread it interrupted) looks through a
-    descriptor of its own, opened and closed within the call. Once closed, every look is
-    such a one.
+    Keeps one descriptor per task asked about, re-opened when the record is replaced (a
+    restarted task). Its lock is only ever tried: a look that finds it taken (by another
+    thread, or by the thread the garbage collector interrupted) or the monitor closed looks
+    through a descriptor of its own.
     """
 
     def __init__(self, names: Names) -> None:
         self._names = names
-        self._watches: dict[str, _Watch] = {}
+        self._lock = threading.Lock()
+        self._seen: dict[str, _Seen] = {}
         self._closed = False
-        self._finalizer = weakref.finalize(self, _close_watches, self._watches)
+        self._finalizer = weakref.finalize(self, _close_all, self._seen, self._lock)
 
     def state(self, task: str) -> TaskState:
-        """``task``'s state (canonical name) and what its record says (see ``TaskState``).
+        """``task``'s state (canonical name) and what its record says (``TaskState``): one
+        ``stat`` and one ``flock`` test while the record is unchanged. Raises
+        ``InternalError`` if the record is not ours or is corrupt. Never blocks."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    return _task_state(task, *self._look(task))
+            finally:
+                self._lock.release()
+        return _task_state(task, *look(self._path(task), strict=True))
 
-        Raises ``InternalError`` if the record is not ours or is corrupt. Does not block.
-        """
-        w = self._watches.get(task)
-        if w is None:
-            path = self._names.path(self._names.presence(task))
-            if self._closed:
-                return _task_state(task, *look(path, strict=True))
-            # No lock: the atomic setdefault picks one watch (this may run inside the
-            # garbage collector, where a lock the interrupted thread holds would deadlock).
-            w = self._watches.setdefault(task, _Watch(path))
-        return _task_state(task, *w.look())
+    def _path(self, task: str) -> str:
+        return self._names.path(self._names.presence(task))
 
-    def open_fds(self) -> int:
-        """How many descriptors the monitor holds (at most one per task asked about)."""
-        return sum(len(w.fds) for w in list(self._watches.values()))
+    def _look(self, task: str) -> tuple[PeerState, PresenceInfo | None]:
+        seen = self._seen.get(task)
+        if seen is None:
+            seen = self._seen[task] = _Seen(self._path(task))
+        try:
+            st = os.stat(seen.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return "absent", None
+        if seen.ino != (st.st_dev, st.st_ino):
+            if seen.fd >= 0:
+                os.close(seen.fd)
+            seen.fd, seen.ino, seen.info = -1, None, None
+            opened = _open(seen.path, True)
+            if opened is None:
+                return "absent", None
+            fd, fst, info = opened
+            # The inode opened: if the name moved on since the stat, the next look re-opens.
+            seen.fd, seen.ino, seen.info = fd, (fst.st_dev, fst.st_ino), info
+        return _state(seen.fd, seen.info), seen.info
 
     def close(self) -> None:
-        """Close every cached descriptor. Idempotent. (A look running meanwhile in another
-        thread finishes first: close waits for it, which takes microseconds.)"""
+        """Close every cached descriptor (after a look running meanwhile). Idempotent."""
         self._closed = True
-        for w in list(self._watches.values()):
-            w.close()
+        self._finalizer()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"watching {len(self._watches)}"
+        state = "closed" if self._closed else f"watching {len(self._seen)}"
         return f"<Monitor {self._names.namespace_id} {state}>"
-
-
-def _close_watches(watches: dict[str, _Watch]) -> None:
-    for w in list(watches.values()):
-        _close_all(w.fds)
-
-
-def _close_all(fds: list[int]) -> None:
-    """Close every descriptor in ``fds`` (each popped first: closed exactly once)."""
-    while True:
-        try:
-            fd = fds.pop()
-        except IndexError:
-            return
-        with contextlib.suppress(OSError):
-            os.close(fd)
 
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """What ``claim`` found at its path: ``state`` "absent", "alive" (someone holds a lock
-    on the record) or "dead" (the exclusive lock is now the claimer's, until the ``with``
-    ends); ``info`` what the record says (None if absent or corrupt)."""
+    """What ``claim`` found at its path: ``state`` "absent", "alive" (someone holds a lock on
+    the record) or "dead" (the exclusive lock is now the claimer's until the ``with`` ends);
+    ``info`` what the record says (None if absent or corrupt)."""
 
     path: str
     state: PeerState
@@ -354,20 +276,15 @@ class Claim:
 
 @contextlib.contextmanager
 def claim(path: str) -> Iterator[Claim]:
-    """The record at ``path``, under its exclusive lock if nobody holds one (iceoryx2's
-    cleaner): only the holder of a dead record's claim replaces or removes it, so two
-    claimers never both do, and a live owner's lock makes the claim "alive" at once.
-
-    Only tries the lock. Raises ``InternalError`` if the record is not ours (owner, mode,
-    type, symlink). Does not block.
-    """
-    opened = _open(path)
+    """The record at ``path``, under its exclusive lock if nobody holds one: only a dead
+    record's claimer replaces or removes it, so two claimers never both do. Only tries the
+    lock. Raises ``InternalError`` if the record is not ours. Does not block."""
+    opened = _open(path, False)
     if opened is None:
         yield Claim(path, "absent")
         return
-    fd, st = opened
+    fd, st, info = opened
     try:
-        info = _read(fd, path, False)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -378,24 +295,18 @@ def claim(path: str) -> Iterator[Claim]:
         os.close(fd)
 
 
-# How often publish() looks again when it finds a record whose lock is held: another
-# publisher may hold it for a few microseconds while it replaces a stale record.
-_PUBLISH_ATTEMPTS = 5
-_PUBLISH_RETRY_S = 0.01
+# How often publish() looks again at a record whose lock is held: another publisher may
+# hold it for a few microseconds while it replaces a stale record.
+_PUBLISH_ATTEMPTS, _PUBLISH_RETRY_S = 5, 0.01
 
-# Every open Presence of this process, so a forked child can drop the inherited locks.
+# Every open Presence of this process, so that a forked child can drop the inherited locks.
 _live: weakref.WeakSet[Presence] = weakref.WeakSet()
-_live_lock = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
-    # The child shares each presence fd's open file description with its parent; keeping it
-    # would keep the parent "alive" after its death for as long as the child lives.
-    # Closing our copy drops no lock the parent relies on: the lock belongs to the
-    # description, which the parent still holds open. The lock is re-created: the parent's
-    # may have been held by the forking thread.
-    global _live_lock
-    _live_lock = threading.Lock()
+    # flock locks belong to the open file description, which a fork shares: the child's copy
+    # would keep a dead parent "alive". Closing it drops no lock the parent relies on.
+    # (``subprocess`` children never see the descriptors: they are close-on-exec.)
     for presence in list(_live):
         presence._forget_after_fork()
     _live.clear()
@@ -405,21 +316,13 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _close_fd(fd: int, path: str, ino: tuple[int, int]) -> None:
-    """Unlink ``path`` if it is still our record, then close ``fd`` (which drops the lock).
-
-    Unlinking first: a peer that sees the lock free and the record still there concludes
-    "dead", which is right a moment later anyway.
-    """
-    try:
+    """Unlink ``path`` if it is still our record, then close ``fd`` (which drops the lock):
+    a peer that sees the lock free and the record still there concludes "dead", which is
+    right a moment later anyway."""
+    with contextlib.suppress(OSError):  # whatever happens, the descriptor (the lock) goes
         st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        _log.warning("cannot stat presence record %s at close: %s", path, e)
-    else:
         if (st.st_dev, st.st_ino) == ino:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            os.unlink(path)
     os.close(fd)
 
 
@@ -432,35 +335,32 @@ def _owner(info: PresenceInfo | None) -> str:
 
 
 class Presence(Closing):
-    """The owner side: this process's presence record for one task, locked while open.
+    """This process's presence record for one task, locked while open (``publish``).
 
-    Create with ``Presence.publish``. ``close()`` unlinks the record (if it is still ours)
-    and drops the lock; it is idempotent, and a ``weakref.finalize`` does the same if the
-    object is dropped unclosed. The kernel drops the lock if the process dies.
+    ``close()`` unlinks the record if it is still ours and drops the lock; idempotent, and a
+    ``weakref.finalize`` does the same for a handle dropped unclosed.
     """
 
     def __init__(self, info: PresenceInfo, fd: int, path: str) -> None:
         """Internal: use ``Presence.publish``."""
         self._info = info
         self._fd = fd
-        self._path = path
+        self.path = path
         st = os.fstat(fd)
         self._closed = False
         self._finalizer = weakref.finalize(self, _close_fd, fd, path, (st.st_dev, st.st_ino))
-        with _live_lock:
-            _live.add(self)
+        _live.add(self)
 
     @classmethod
     def publish(cls, names: Names, info: PresenceInfo) -> Presence:
-        """Write ``info`` as ``info.task``'s record and lock it; return the owner handle.
+        """Write ``info`` as ``info.task``'s record and lock it; a dead worker's is replaced.
 
-        A record left by a dead worker (its lock free) is replaced. Raises
-        ``InvalidArgumentError`` if a live process holds the task's record, ``InternalError``
-        if the record there is not ours or a file cannot be written. Does not block (beyond a
-        few 10 ms retries while another publisher replaces a stale record).
+        Raises ``InvalidArgumentError`` if a live process holds the task's record,
+        ``ResourceExhaustedError`` if /dev/shm is full, ``InternalError`` if the record there
+        is not ours. Does not block (beyond a few 10 ms retries while another publisher
+        replaces a stale record).
         """
-        # The record names its namespace by the public id, never the token.
-        info = dataclasses.replace(info, namespace=names.namespace_id)
+        info = dataclasses.replace(info, namespace=names.namespace_id)  # never the token
         final = names.path(names.presence(info.task))
         data = info.to_json()
         temp = names.path(names.temp())
@@ -472,18 +372,17 @@ class Presence(Closing):
             raise _publish_error(e, temp) from e
         try:
             os.fchmod(fd, 0o600)  # umask-proof
-            try:
-                if os.write(fd, data) != len(data):
-                    raise OSError(errno.ENOSPC, "short write", temp)
-            except OSError as e:
-                raise _publish_error(e, temp) from e
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write", temp)
             # Locked before it has its final name: no reader can ever see it unlocked.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             cls._install(temp, final, info)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
             os.close(fd)
+            if isinstance(e, OSError):
+                raise _publish_error(e, temp) from e
             raise
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
@@ -520,39 +419,21 @@ class Presence(Closing):
                 # Gone or replaced meanwhile: look at the name again.
         raise InternalError(f"cannot publish presence record {final}: it keeps changing")
 
-    @property
-    def info(self) -> PresenceInfo:
-        """What the record says."""
-        return self._info
-
-    @property
-    def path(self) -> str:
-        """The record's path in /dev/shm."""
-        return self._path
-
-    @property
-    def closed(self) -> bool:
-        """Whether ``close()`` ran (or the handle was dropped in a forked child)."""
-        return self._closed
-
     def close(self) -> None:
-        """Unlink the record if it is still ours, then drop the lock. Idempotent; never blocks."""
-        if self._closed:
-            return
-        self._closed = True
-        with _live_lock:
+        """Unlink the record if it is still ours, then drop the lock. Idempotent."""
+        if not self._closed:
+            self._closed = True
             _live.discard(self)
-        self._finalizer()
+            self._finalizer()
 
     def _forget_after_fork(self) -> None:
-        # In a forked child: close our copy of the fd only. Never unlink: the record is the
-        # parent's. Detaching the finalizer stops it from unlinking at the child's exit.
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer.detach()
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
+        # In a forked child: close our copy of the descriptor, never unlink (the record is
+        # the parent's), and detach the finalizer that would unlink it at the child's exit.
+        if not self._closed:
+            self._closed = True
+            self._finalizer.detach()
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -563,17 +444,16 @@ class Presence(Closing):
 
 
 def _publish_error(e: OSError, path: str) -> Exception:
-    """A full /dev/shm (no room, no inodes, the memory cgroup) is ``ResourceExhaustedError``,
-    anything else ``InternalError``."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG):
-        try:
-            st = os.statvfs(os.path.dirname(path))
-            free = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
-        except OSError:
-            free = "unknown space free"
-        return ResourceExhaustedError(
-            f"cannot write presence record {path}: {e.strerror}; {os.path.dirname(path)} has "
-            f"{free}. In a container, give it more (docker run --shm-size=...); remove what "
-            "dead processes left behind with `python -m shmrdv gc`"
-        )
-    return InternalError(f"cannot create presence record {path}: {e}")
+    """A full /dev/shm (no room, no inodes, the memory cgroup) is ``ResourceExhaustedError``."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG):
+        return InternalError(f"cannot create presence record {path}: {e}")
+    try:
+        st = os.statvfs(SHM_DIR)
+        free = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+    except OSError:
+        free = "unknown space free"
+    return ResourceExhaustedError(
+        f"cannot write presence record {path}: {e.strerror}; {SHM_DIR} has {free}. In a "
+        "container, give it more (docker run --shm-size=...); remove what dead processes "
+        "left behind with `python -m shmrdv gc`"
+    )

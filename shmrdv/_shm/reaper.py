@@ -1,23 +1,16 @@
 """What dead workers left in /dev/shm, and who collects it: the one stale-resource cleaner.
 
-A worker killed by SIGKILL, SIGTERM or the OOM killer leaves its record, doorbell, pool
-slots, rings and unreceived messages in /dev/shm. Names say their namespace id
-(``naming``), so the directory is the registry: read one way (``DirScan``, a bounded
-number of entries at a time), collected by one set of rules. Only a regular file of ours
-is opened (``_ours``: one ``lstat``); a namespace is alive while one of its presence records
-is locked (``namespace_alive``, asked again just before its files go); a file goes only if
-it is still the one listed and unused (``unlink_if_unused``). They serve ``shmrdv ls`` /
-``gc`` and ``pytest_plugin``'s leak check, a Worker's start and close (``at_start``,
-``at_close``) and a consumer done with a dead producer run (``after_producer``).
+Names carry their namespace id (``naming``), so the directory is the registry. Only a
+regular file of ours is opened (one ``lstat`` first); a namespace is dead while none of its
+presence records is locked (asked again just before its files go); a file goes only if it
+is still the inode listed and nobody has it open or mapped (``unlink_if_unused``). A dead
+namespace's values wait ``GRACE_S`` after the newest was sent, by the time its producer
+recorded (tmpfs keeps no mtime for writes through a mapping), unless they were sent to the
+closing worker. For ``ls`` / ``gc`` and the leak check, a Worker's start and close, and a
+consumer done with a dead producer run; ``SHMRDV_AUTO_GC=0`` turns the sweeps off.
 
-Messages and rings of a dead namespace wait for a late consumer until ``GRACE_S`` after the
-newest value in them was sent (as its producer wrote: tmpfs keeps no mtime for writes
-through a mapping), unless they were the closing worker's. A start, close or collection
-reads at most ``SYNC_ENTRIES`` entries and works about ``SYNC_SECONDS`` itself; the rest is
-left to one background thread per process. ``SHMRDV_AUTO_GC=0`` turns the sweeps off.
-
-Thread model (docs/threads.md): any thread may call in; one lock guards the background
-thread's work, counters and handle; no job or directory read runs under it.
+Thread model (docs/threads.md): any thread may call in; a start or close works about
+``SYNC_SECONDS`` itself and leaves the rest to one background thread per process.
 """
 
 from __future__ import annotations
@@ -61,92 +54,87 @@ __all__ = [
     "list_objects",
     "object_names",
     "sightings",
-    "sweep",
     "unlink_if_unused",
 ]
 
 _log = logging.getLogger("shmrdv.shm.reaper")
 
 ENV_VAR = "SHMRDV_AUTO_GC"
-#: A sweep removes at most this many objects, spends about this long when called directly,
-#: and looks at this many dead namespaces at most (another user's names cost none).
-MAX_OBJECTS, MAX_SECONDS, MAX_NAMESPACES = 4096, 0.25, 16
 #: Seconds a dead namespace's values wait for a consumer after the newest was sent (a
 #: producer may send and close before its consumer starts). Read per sweep.
 GRACE_S = 30.0
 #: A Worker's start or close reads this many directory entries, works this long, at most.
 SYNC_ENTRIES, SYNC_SECONDS = 16384, 0.02
-# The background thread starts this long after it is asked, reads this many entries or runs
-# the jobs this long at a time, each followed by a pause at least this long and as long.
-_FIRST_PAUSE, _SLICE_ENTRIES, _RUN_SECONDS, _SLICE_PAUSE = 0.05, 4096, 0.02, 0.005
-# Names between two looks at the clock; objects a sweep of a dead namespace tries to remove
-# even when out of time; the most of a ring read (one is ~1 MiB).
+# The background thread starts this long after it is asked, then works in runs this long,
+# each followed by a pause as long as the run (this long at least).
+_FIRST_PAUSE, _RUN_SECONDS, _PAUSE = 0.05, 0.02, 0.005
+# Names between two looks at the clock; objects a sweep of a namespace tries to remove even
+# when out of time; the most of a ring read (one is ~1 MiB).
 _CLOCK_EVERY, _AT_LEAST, _RING_MAX_BYTES = 256, 64, 16 << 20
-# What a late consumer may still take; what a dead producer run leaves that is nobody
-# else's, and its pool slots; what has a segment header.
-_FOR_A_CONSUMER = frozenset({"message", "ring"})
-_PRODUCER_KINDS = frozenset({"pool", "returned", "temp"})
+# ``sightings`` reads this many records at most, of this size at most.
+_MAX_RECORDS, _MAX_RECORD_BYTES = 256, 4096
+_FOR_A_CONSUMER = frozenset({"message", "ring"})  # what a late consumer may still take
+_PRODUCER_KINDS = frozenset({"pool", "returned", "temp"})  # a dead run's, nobody else's
 _SLOT_KINDS = frozenset({"pool", "returned"})
-_SEGMENT_KINDS = frozenset({"temp", "message", "pool", "held", "returned"})
+_SEGMENT_KINDS = frozenset({"temp", "message", "pool", "held", "returned"})  # with a header
 _KIND_AT = len(PREFIX) + NAMESPACE_ID_HEX + 1  # ``shmrdv_<id>_<kind letter>``
 _CODES = {kind: code for code, kind in KINDS.items()}
 _SEM_NAMES = SEM_PREFIX + PREFIX
-# ``sightings`` looks at this many records at most, of this size at most.
-_MAX_RECORDS, _MAX_RECORD_BYTES = 256, 4096
 _ORDER = operator.attrgetter("namespace", "kind", "name")  # of what ls and gc show
 
 Groups = dict[str, list[str]]  # a listing: namespace id -> the names of that namespace
-#: ``job(groups, deadline)``: work until ``deadline`` (``time.monotonic``); True once done;
-#: called again with the same groups, it goes on where it stopped.
-Job = Callable[[Groups, float], bool]
 
 
-class DirScan:
-    """The shmrdv-looking names of ``shm_dir`` by namespace id, a bounded share at a time."""
+class _Pace:
+    """How long a job works: ``go()`` is False once it must stop, at ``deadline`` for a start
+    or close; the background's pauses after each run as long as it ran (sweeps take half of
+    what the process could run at most) and stops once ``stop`` is set."""
 
-    def __init__(self, shm_dir: str = SHM_DIR) -> None:
-        self.shm_dir, self.done = shm_dir, False
-        self.groups: Groups = defaultdict(list)
-        self._it: Iterator[os.DirEntry[str]] | None = None
+    def __init__(self, seconds: float, stop: threading.Event | None = None) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.entries = 0  # directory entries read
+        self._stop = stop
 
-    def read(self, max_entries: float = math.inf, deadline: float = math.inf) -> int:
-        """Read up to ``max_entries`` more entries, fewer if ``deadline`` passes first; how
-        many were read (``done`` tells whether that was the last)."""
-        groups, plain, sem = self.groups, len(PREFIX), len(SEM_PREFIX) + len(PREFIX)
-        n = 0
-        try:
-            if self._it is None and not self.done:
-                self._it = os.scandir(self.shm_dir)
-            while n < max_entries:  # a slice at a time, then a look at the clock
-                size = int(min(_CLOCK_EVERY, max_entries - n))
-                names = [entry.name for entry in itertools.islice(self._it or (), size)]
-                if not names:
-                    break
-                n += len(names)
-                for name in names:
-                    if name.startswith(PREFIX):
-                        groups[name[plain : plain + NAMESPACE_ID_HEX]].append(name)
-                    elif name.startswith(_SEM_NAMES):
-                        groups[name[sem : sem + NAMESPACE_ID_HEX]].append(name)
-                if time.monotonic() > deadline:
-                    return n
-            else:
-                return n
-        except OSError as e:  # no directory (any more): what was read stands
-            _log.debug("listing %s: %s", self.shm_dir, e)
-        self.done = True
-        self.close()
-        return n
-
-    def close(self) -> None:
-        it, self._it = self._it, None
-        if it is not None:
-            it.close()  # type: ignore[attr-defined]  # os.scandir's iterator
+    def go(self) -> bool:
+        now = time.monotonic()
+        if now <= self.deadline:
+            return True
+        if self._stop is None:
+            return False
+        self._stop.wait(max(_PAUSE, _RUN_SECONDS + now - self.deadline))
+        self.deadline = time.monotonic() + _RUN_SECONDS
+        return not self._stop.is_set()
 
 
-def _listing(shm_dir: str) -> Groups:
-    (scan := DirScan(shm_dir)).read()
-    return scan.groups
+#: ``job(groups, pace)``: work on a listing while ``pace`` lets it; True once done.
+Job = Callable[[Groups, _Pace], bool]
+
+
+def _listing(shm_dir: str, pace: _Pace | None = None, max_entries: float = math.inf) -> Groups:
+    """The shmrdv-looking names of ``shm_dir`` by namespace id; ``_STOPPED`` if ``pace`` or
+    ``max_entries`` stopped the reading first."""
+    groups: Groups = defaultdict(list)
+    plain, sem, n = len(PREFIX), len(_SEM_NAMES), 0
+    try:
+        with os.scandir(shm_dir) as entries:
+            for entry in entries:
+                if pace and n % _CLOCK_EVERY == 0 and n and (n >= max_entries or not pace.go()):
+                    return _STOPPED
+                n += 1
+                name = entry.name
+                if name.startswith(PREFIX):
+                    groups[name[plain : plain + NAMESPACE_ID_HEX]].append(name)
+                elif name.startswith(_SEM_NAMES):
+                    groups[name[sem : sem + NAMESPACE_ID_HEX]].append(name)
+    except OSError as e:  # no directory (any more): what was read stands
+        _log.debug("listing %s: %s", shm_dir, e)
+    finally:
+        if pace is not None:
+            pace.entries += n
+    return groups
+
+
+_STOPPED: Groups = {}  # what ``_listing`` returns when it stopped before the end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +150,7 @@ class _Entry(ObjectName):
 
 
 def _ours(shm_dir: str, name: str) -> _Entry | None:
-    """``name`` if shmrdv made it and it is a regular file of ours (``is_ours``, by one
-    ``lstat``: another user's file, a symlink, a FIFO is never opened)."""
+    """``name`` if shmrdv made it and it is a regular file of ours, by one ``lstat``."""
     parsed = parse_name(name)
     if parsed is None:
         return None
@@ -185,9 +172,8 @@ def _records(shm_dir: str, group: Iterable[str]) -> Iterator[_Entry]:
 
 
 def namespace_alive(group: Iterable[str], shm_dir: str) -> bool:
-    """Whether a worker of the namespace whose names are ``group`` lives: one of its presence
-    records of ours is locked (``presence.look``; one we cannot look at for want of
-    descriptors counts: nothing is collected on a guess)."""
+    """Whether one of the presence records among ``group`` is locked (one we cannot look at
+    for want of descriptors counts: nothing goes on a guess)."""
     for e in _records(shm_dir, group):
         try:
             if look(e.path)[0] == "alive":
@@ -201,10 +187,9 @@ def namespace_alive(group: Iterable[str], shm_dir: str) -> bool:
 
 def unlink_if_unused(path: str, ino: tuple[int, int], *, mapped_ok: bool = False) -> bool:
     """Unlink ``path`` if it is still the file ``ino`` (as listed), ours, and no process has it
-    open or mapped (a write lease, ``F_SETLEASE``, is granted only then; dropped at once): a
-    file a live process uses, or a starting worker's record, never goes. ``mapped_ok`` (a
-    dead run's slots and ring, which a consumer may keep mapped) skips that. Whether it
-    went; ``OSError`` when the unlink fails. Never blocks."""
+    open or mapped (a write lease, ``F_SETLEASE``, is granted only then; dropped at once).
+    ``mapped_ok`` (a dead run's slots and ring, which a consumer may keep mapped) skips the
+    lease. Whether it went; ``OSError`` when the unlink fails. Never blocks."""
     try:
         fd, st = open_checked(path, os.O_RDONLY, "shmrdv object")
     except FileNotFoundError:
@@ -312,9 +297,10 @@ def collect(
     namespace: str | None = None, dry_run: bool = False, shm_dir: str = SHM_DIR
 ) -> list[ObjectInfo]:
     """Remove what the namespaces where no worker is alive left (of ``namespace`` only, if
-    given); what went (``dry_run``: would go). The sweeps' rules without their bounds or
-    a wait for consumers; ``InternalError`` if an object cannot be removed. Never blocks."""
-    (job := _Sweep(shm_dir, by_hand=True, dry_run=dry_run))(_of(namespace, shm_dir), math.inf)
+    given); what went (``dry_run``: would go). The sweeps' rules without their bounds nor a
+    wait for consumers; ``InternalError`` if an object cannot be removed. Never blocks."""
+    job = _Sweep(shm_dir, by_hand=True, dry_run=dry_run)
+    job(_of(namespace, shm_dir), _Pace(math.inf))
     return sorted(job.gone, key=_ORDER)
 
 
@@ -334,108 +320,63 @@ def sightings(task: str, namespace: str, *, shm_dir: str = SHM_DIR) -> list[Sigh
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class Swept:
-    """What ``sweep`` did: objects removed, dead namespaces collected from, whether complete."""
-
-    removed: int
-    namespaces: tuple[str, ...]
-    complete: bool
-
-
 class _Sweep:
-    """What the dead namespaces of a listing left (a ``Job``); ``collect``'s ``by_hand``: no
-    bounds, no value waits for a consumer, what went is kept (``gone``), failures raise."""
+    """A job: what the dead namespaces of a listing left. ``closing``: ``(names, task)`` of
+    the worker whose close runs it (what was sent to it does not wait). By hand: no value
+    waits, what went (or would) is kept in ``gone``, and a failure to remove raises."""
 
     def __init__(
         self,
-        shm_dir: str,
+        shm_dir: str = SHM_DIR,
         closing: tuple[Names, str] | None = None,
         *,
-        bounds: tuple[float, float] = (MAX_OBJECTS, MAX_NAMESPACES),
         by_hand: bool = False,
         dry_run: bool = False,
     ) -> None:
         self._dir, self._closing, self._by_hand, self._dry_run = shm_dir, closing, by_hand, dry_run
-        self._max = (math.inf, math.inf) if by_hand else bounds
-        self._done: set[str] = set()  # namespaces done with
-        # Where a bound stopped: how far a namespace's names were listed, its files not removed.
-        self._stopped: dict[str, tuple[int, list[_Entry]]] = {}
-        self.removed, self.waiting = 0, False  # values were kept for a consumer
-        self.collected: list[str] = []
-        self.gone: list[ObjectInfo] = []  # by hand: what went (or would go)
+        self.removed = 0
+        self.gone: list[ObjectInfo] = []
 
-    def __call__(self, groups: Groups, deadline: float) -> bool:
-        start = time.monotonic()
-        # Listing may take half the time; removing gets the rest, and always a few objects.
-        listing_until = start + max(deadline - start, 0.0) / 2
-        removed = looked = 0
+    def __call__(self, groups: Groups, pace: _Pace) -> bool:
         for ns, group in groups.items():
-            if ns in self._done:
-                continue
-            if removed >= self._max[0] or looked >= self._max[1] or time.monotonic() > deadline:
+            if not pace.go():
                 return False
-            at, listed = self._stopped.pop(ns, (0, []))
-            if at == 0 and namespace_alive(group, self._dir):
-                self._done.add(ns)
-                continue
-            if at < len(group):
-                at, listed = self._list(group, at, listed, listing_until)
-                if at < len(group):
-                    self._stopped[ns] = (at, listed)
-                    return False  # out of time while listing: on from there next run
-                if not listed:
-                    self._done.add(ns)
-                    continue  # nothing of ours (another user's names): costs no namespace
-            # Again, now that the files are listed: a restarted task's record is seen; a new
-            # task's worker has its files open or mapped, which ``unlink_if_unused`` leaves.
             if namespace_alive(group, self._dir):
-                self._done.add(ns)
                 continue
-            looked += 1
-            count, left = self._collect(ns, listed, deadline, self._max[0] - removed)
-            removed += count
-            if left:
-                self._stopped[ns] = (len(group), left)  # the rest next run
+            listed = []
+            for i, name in enumerate(group, 1):
+                if i % _CLOCK_EVERY == 0 and not pace.go():
+                    return False
+                if (e := _ours(self._dir, name)) is not None:
+                    listed.append(e)
+            # Asked again, now that the files are listed: a restarted task's record is seen;
+            # a new task's worker has its files open or mapped (``unlink_if_unused``).
+            alive = not listed or namespace_alive(group, self._dir)
+            if not alive and not self._collect(ns, listed, pace):
                 return False
-            self._done.add(ns)
         return True
 
-    def _list(
-        self, group: list[str], at: int, listed: list[_Entry], until: float
-    ) -> tuple[int, list[_Entry]]:
-        """Our files among ``group`` from ``at`` on (into ``listed``), until ``until``."""
-        for i in range(at, len(group)):
-            if i - at >= _CLOCK_EVERY and i % _CLOCK_EVERY == 0 and time.monotonic() > until:
-                return i, listed
-            if (e := _ours(self._dir, group[i])) is not None:
-                listed.append(e)
-        return len(group), listed
-
-    def _collect(
-        self, ns: str, listed: list[_Entry], deadline: float, room: float
-    ) -> tuple[int, list[_Entry]]:
-        """Remove what may go of ``listed``, up to ``room``: how many went, what was left."""
+    def _collect(self, ns: str, listed: list[_Entry], pace: _Pace) -> bool:
         theirs: set[str] = set()
         keep, said = False, {}
         if self._by_hand:
             said = _describe(listed, False)
             if self._dry_run:
                 self.gone += said.values()
-                return 0, []
+                return True
         else:
             closing = self._closing
             me = _task(closing[1]) if closing and closing[0].namespace_id == ns else None
             theirs, keep = _waiting(listed, me, time.time_ns() - int(GRACE_S * 1e9))
         listed.sort(key=lambda e: e.kind == "presence")  # records last: `ls` shows whose
         count = tried = 0
-        for i, e in enumerate(listed):
-            if tried >= _AT_LEAST and (time.monotonic() > deadline or count >= room):
-                self._add(ns, count)
-                return count, listed[i:]
+        done = True
+        for e in listed:
             if keep and e.kind in _FOR_A_CONSUMER and e.path not in theirs:
-                self.waiting = True  # may be for a consumer about to start: a later sweep
-                continue
+                continue  # may be for a consumer about to start: a later sweep
+            if tried >= _AT_LEAST and not pace.go():
+                done = False
+                break
             tried += 1
             try:
                 if unlink_if_unused(e.path, e.ino):
@@ -445,15 +386,10 @@ class _Sweep:
                 if self._by_hand:
                     raise InternalError(f"cannot remove {e.path}: {err}") from err
                 _log.warning("cannot remove %s of dead namespace %s: %s", e.path, ns, err)
-        self._add(ns, count)
-        return count, []
-
-    def _add(self, ns: str, count: int) -> None:
         if count:
             self.removed += count
-            if ns not in self.collected:
-                self.collected.append(ns)
             _log.info("collected %d object(s) left by the dead workers of namespace %s", count, ns)
+        return done
 
 
 def _task(device: object) -> tuple[str, int, int] | None:
@@ -531,26 +467,23 @@ def _read_ring(path: str) -> tuple[tuple[str, int, int] | None, int | None]:
 
 
 class _Slots:
-    """A ``Job``: the unused pool slots (free, ``returned``) and half-written segments of
+    """A job: the unused pool slots (free, ``returned``) and half-written segments of
     ``task``'s run ``run``, or the slots of its runs but ``but`` (a restarted producer takes
     back what its killed runs held); by the run in their header, a slot by its name too."""
 
     def __init__(self, names: Names, task: str, run: int | None, but: int | None = None) -> None:
         self._names, self._task, self._run, self._but = names, task, run, but
-        self._dir, self._next, self.removed = SHM_DIR, 0, 0  # _next: where the last call stopped
+        self.removed = 0
 
-    def __call__(self, groups: Groups, deadline: float) -> bool:
+    def __call__(self, groups: Groups, pace: _Pace) -> bool:
         names, run, but = self._names, self._run, self._but
-        entries = groups.get(names.namespace_id, [])
         codes = {_CODES[kind] for kind in (_PRODUCER_KINDS if run is not None else _SLOT_KINDS)}
         before = self.removed
-        while self._next < len(entries) and self.removed < MAX_OBJECTS:
-            if time.monotonic() > deadline:
-                return False
-            name = entries[self._next]
-            self._next += 1
-            if name[_KIND_AT : _KIND_AT + 1] not in codes or (e := _ours(self._dir, name)) is None:
+        for name in groups.get(names.namespace_id, []):
+            if name[_KIND_AT : _KIND_AT + 1] not in codes or (e := _ours(SHM_DIR, name)) is None:
                 continue
+            if not pace.go():
+                return False
             if (header := peek_header(e.path)) is None:
                 continue
             inc = header.producer_incarnation
@@ -559,7 +492,7 @@ class _Slots:
             if e.kind in _SLOT_KINDS and not _is_slot_of(names, e, self._task, inc, header.slot):
                 continue  # another producer's slot, or a name that is no slot of that run
             # A slot of a dead run may still be kept mapped by a consumer for reuse: its
-            # names go anyway (the mapping follows, slotmaps.py). A temp must be unused.
+            # names go anyway (the mapping follows, mappings.py). A temp must be unused.
             self.removed += _unlink(e, mapped_ok=e.kind in _SLOT_KINDS)
         if but is not None and self.removed > before:
             _log.info("collected %d pool slot(s) of earlier runs", self.removed - before)
@@ -578,33 +511,30 @@ def _is_slot_of(names: Names, e: _Entry, task: str, inc: int, ticket: int) -> bo
 
 
 class _Producer(_Slots):
-    """``collect_producer`` as a ``Job``: the run's slots and segments, then its ring, record."""
+    """``collect_producer`` as a job: the run's slots and segments, then its ring, record."""
 
-    def __init__(self, names: Names, task: str, run: int, consumer: str, shm_dir: str) -> None:
+    def __init__(self, names: Names, task: str, run: int, consumer: str) -> None:
         super().__init__(names, task, run)
-        self._inc, self._consumer, self._dir = run, consumer, shm_dir
-        self._record = os.path.join(shm_dir, names.presence(task))
-        self._dead: bool | None = None  # its record's state at first: that run's and dead
+        self._inc, self._consumer = run, consumer
+        self._record = os.path.join(SHM_DIR, names.presence(task))
 
-    def __call__(self, groups: Groups, deadline: float) -> bool:
+    def __call__(self, groups: Groups, pace: _Pace) -> bool:
         names, task, inc = self._names, self._task, self._inc
-        if self._dead is None:
-            try:
-                state, info = look(self._record)
-            except RendezvousError as e:
-                _log.debug("not collecting %s: %s", task, e)
-                return True
-            if state == "alive" and (info is None or info.incarnation == inc):
-                return True  # that run lives (or a corrupt record hides which): nothing left
-            self._dead = state == "dead" and info is not None and info.incarnation == inc
+        try:
+            state, info = look(self._record)
+        except RendezvousError as e:
+            _log.debug("not collecting %s: %s", task, e)
+            return True
+        if state == "alive" and (info is None or info.incarnation == inc):
+            return True  # that run lives (or a corrupt record hides which): nothing left
         before = self.removed
-        if not super().__call__(groups, deadline):
+        if not super().__call__(groups, pace):
             return False
-        ring = _ours(self._dir, names.ring(task, inc, self._consumer))
+        ring = _ours(SHM_DIR, names.ring(task, inc, self._consumer))
         if ring is not None and _read_ring(ring.path)[1] is None:
             # Every record taken: the ring goes, also while its consumer still maps it.
             self.removed += _unlink(ring, mapped_ok=True)
-        if self._dead:
+        if state == "dead" and info is not None and info.incarnation == inc:
             self.removed += self._remove_record()
         if self.removed > before:
             _log.info("collected %d object(s) of dead producer %s", self.removed - before, task)
@@ -617,68 +547,37 @@ class _Producer(_Slots):
             with claim(self._record) as dead:
                 if dead.state != "dead" or dead.info is None or dead.info.incarnation != self._inc:
                     return 0  # a successor replaced it since (and may have died too)
-                bell = _ours(self._dir, SEM_PREFIX + self._names.bell(self._task)[1:])
+                bell = _ours(SHM_DIR, SEM_PREFIX + self._names.bell(self._task)[1:])
                 return (0 if bell is None else _unlink(bell)) + dead.remove()
         except (OSError, RendezvousError):
             return 0
 
 
-def sweep(
-    shm_dir: str = SHM_DIR,
-    *,
-    closing: tuple[Names, str] | None = None,
-    max_objects: int = MAX_OBJECTS,
-    max_seconds: float = MAX_SECONDS,
-    max_namespaces: int = MAX_NAMESPACES,
-) -> Swept:
-    """Collect what this user's dead namespaces left, here, within the bounds (listing may
-    take half of ``max_seconds``); ``closing`` is ``(names, task)`` of the worker whose close
-    runs it. Never raises for what it finds (what cannot go is logged); never blocks."""
-    start = time.monotonic()
-    scan = DirScan(shm_dir)
-    scan.read(math.inf, start + max_seconds / 2)
-    if not scan.done:
-        scan.close()
-        return Swept(0, (), False)
-    job = _Sweep(shm_dir, closing, bounds=(max_objects, max_namespaces))
-    done = job(scan.groups, start + max_seconds)
-    return Swept(job.removed, tuple(job.collected), done and not job.waiting)
-
-
-def collect_producer(
-    names: Names, producer: str, incarnation: int, consumer: str, shm_dir: str = SHM_DIR
-) -> int:
+def collect_producer(names: Names, producer: str, incarnation: int, consumer: str) -> int:
     """Free what the dead run ``incarnation`` of ``producer`` left, for a ``consumer`` that
     took all it sent: its unused slots, half-written segments, its ring to ``consumer`` if
     all taken, and its doorbell and record if still that run's and dead (messages and held
     slots are their consumers'). Nothing while it lives. How many went. Never blocks."""
-    job = _Producer(names, producer, incarnation, consumer, shm_dir)
-    job(_listing(shm_dir), time.monotonic() + MAX_SECONDS)
+    job = _Producer(names, producer, incarnation, consumer)
+    job(_listing(SHM_DIR), _Pace(math.inf))
     return job.removed
 
 
 class _Background:
-    """The process's background sweeps: the work left (jobs, with the listing begun if
-    any) and the thread that does it, while a Worker of the process uses sweeps (``use``)."""
+    """The process's sweeper thread and the jobs left to it, while a Worker uses sweeps.
+    ``lock`` guards the fields; no job or directory read runs under it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.read = {"sync": 0, "background": 0}
-        self.pid, self.users = os.getpid(), 0
+        self.users = 0
         self.thread: threading.Thread | None = None
-        self.work: tuple[DirScan | None, list[Job]] | None = None
+        self.jobs: list[Job] = []
         self.stop = threading.Event()  # set while the last Worker stops the thread
-
-    def _after_fork(self) -> None:
-        """(Under the lock) a fork child has no thread of its parent's, nor its users."""
-        if self.pid != os.getpid():
-            self.pid, self.users, self.thread, self.work = os.getpid(), 0, None, None
-            self.stop = threading.Event()
 
     def use(self, n: int) -> None:
         """A Worker starts (1) or ends (-1) using sweeps: the last one stops the thread."""
         with self.lock:
-            self._after_fork()
             self.users += n
             thread = self.thread if self.users <= 0 else None
             if thread is not None:
@@ -687,53 +586,34 @@ class _Background:
             thread.join()
             self.stop.clear()
 
-    def submit(self, scan: DirScan | None, jobs: list[Job]) -> None:
-        """Leave ``jobs`` to the thread (to work not started yet, which lists after this)."""
+    def submit(self, jobs: list[Job]) -> None:
+        """Leave ``jobs`` to the thread, which lists /dev/shm afresh for them."""
         with self.lock:
-            self._after_fork()
             if self.users > 0 and not self.stop.is_set():
-                if self.work is not None:
-                    self.work[1].extend(jobs)
-                else:
-                    self.work, scan = (scan, jobs), None
-                    if self.thread is None:
-                        self.thread = threading.Thread(
-                            target=self._loop, name="shmrdv-sweeper", daemon=True
-                        )
-                        self.thread.start()
-        if scan is not None:
-            scan.close()
+                self.jobs += jobs
+                if self.thread is None:
+                    self.thread = threading.Thread(
+                        target=self._loop, name="shmrdv-sweeper", daemon=True
+                    )
+                    self.thread.start()
 
     def _loop(self) -> None:
         self.stop.wait(_FIRST_PAUSE)
         while True:
             with self.lock:
-                work, self.work = self.work, None
-                if work is None or self.stop.is_set():
+                jobs, self.jobs = self.jobs, []
+                if not jobs or self.stop.is_set():
                     self.thread = None
-                    if work is not None and work[0] is not None:
-                        work[0].close()
                     return
             try:
-                self._do(work[0] or DirScan(), work[1])
+                pace = _Pace(_RUN_SECONDS, self.stop)
+                groups = _listing(SHM_DIR, pace)
+                self.count("background", pace.entries)
+                if groups is not _STOPPED:
+                    for job in jobs:
+                        job(groups, pace)
             except Exception:  # pragma: no cover - jobs never raise for what they find
                 _log.exception("background sweep of /dev/shm")
-
-    def _do(self, scan: DirScan, jobs: list[Job]) -> None:
-        """Read the listing, then run the jobs, a slice at a time, each followed by a pause
-        at least as long: sweeps take at most half of what the process could run."""
-        try:
-            while not scan.done and not self.stop.is_set():
-                t0 = time.monotonic()
-                self.count("background", scan.read(_SLICE_ENTRIES, t0 + _RUN_SECONDS))
-                self.stop.wait(max(_SLICE_PAUSE, time.monotonic() - t0))
-        finally:
-            scan.close()
-        while jobs and scan.done and not self.stop.is_set():
-            t0 = time.monotonic()
-            jobs = [job for job in jobs if not job(scan.groups, t0 + _RUN_SECONDS)]
-            if jobs:
-                self.stop.wait(max(_SLICE_PAUSE, time.monotonic() - t0))
 
     def count(self, where: str, n: int) -> None:
         with self.lock:
@@ -743,46 +623,54 @@ class _Background:
 _BACKGROUND = _Background()
 
 
+def _forked() -> None:
+    # A fork child has neither its parent's thread nor its Workers (nor, maybe, a free lock).
+    global _BACKGROUND
+    _BACKGROUND = _Background()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _run(what: str, jobs: list[Job]) -> None:
-    """Run ``jobs`` over a listing of /dev/shm within ``SYNC_ENTRIES`` entries read and about
-    ``SYNC_SECONDS`` spent here, the rest in the background. Logs a failure, never raises."""
+    """Run ``jobs`` within ``SYNC_ENTRIES`` entries read and about ``SYNC_SECONDS`` here, the
+    rest in the background. Logs a failure, never raises."""
     try:
-        start = time.monotonic()
-        scan = DirScan(SHM_DIR)
-        _BACKGROUND.count("sync", scan.read(SYNC_ENTRIES, start + SYNC_SECONDS))
-        if not scan.done:
-            _BACKGROUND.submit(scan, jobs)
-            return
-        deadline = max(time.monotonic(), start + SYNC_SECONDS / 2) + SYNC_SECONDS / 2
-        left = [job for job in jobs if not job(scan.groups, deadline)]
-        if left:  # a bound stopped them: the background lists again (the directory changes)
-            _BACKGROUND.submit(None, left)
+        pace = _Pace(SYNC_SECONDS)
+        groups = _listing(SHM_DIR, pace, SYNC_ENTRIES)
+        _BACKGROUND.count("sync", pace.entries)
+        if groups is not _STOPPED:
+            # The jobs get half the time at least, however long the listing took.
+            pace.deadline = max(pace.deadline, time.monotonic() + SYNC_SECONDS / 2)
+            jobs = [job for job in jobs if not job(groups, pace)]
+        if jobs:  # the background lists again: the directory changes
+            _BACKGROUND.submit(jobs)
     except Exception:  # pragma: no cover - nothing it expects is raised
         _log.exception("sweep of /dev/shm %s", what)
 
 
 def at_start(names: Names, task: str, incarnation: int) -> bool:
-    """A worker's start, once its record is published: what dead namespaces and earlier runs
-    of its task left. Whether sweeps run for this worker (``SHMRDV_AUTO_GC``; for ``at_close``)."""
+    """A worker's start, its record published: what dead namespaces and earlier runs of its
+    task left. Whether sweeps run for this worker (``SHMRDV_AUTO_GC``), for ``at_close``."""
     if os.environ.get(ENV_VAR, "1").strip() == "0":
         return False
     _BACKGROUND.use(1)
-    _run(f"at the start of {task}", [_Sweep(SHM_DIR), _Slots(names, task, None, incarnation)])
+    _run(f"at the start of {task}", [_Sweep(), _Slots(names, task, None, incarnation)])
     return True
 
 
 def at_close(names: Names, task: str, sweeping: bool) -> None:
     """A worker's close, once its record is gone (``sweeping``: what ``at_start`` returned):
-    ``sweep``, with what was sent to it; the last Worker stops the background thread."""
+    a sweep, with what was sent to it; the last Worker stops the background thread."""
     if sweeping:
         if os.environ.get(ENV_VAR, "1").strip() != "0":
-            _run(f"at the close of {task}", [_Sweep(SHM_DIR, closing=(names, task))])
+            _run(f"at the close of {task}", [_Sweep(closing=(names, task))])
         _BACKGROUND.use(-1)
 
 
 def after_producer(names: Names, producer: str, incarnation: int, consumer: str) -> None:
     """``collect_producer``, bounded here, for a consumer done with a producer run."""
-    _run(f"after {producer}", [_Producer(names, producer, incarnation, consumer, SHM_DIR)])
+    _run(f"after {producer}", [_Producer(names, producer, incarnation, consumer)])
 
 
 def entries_read() -> dict[str, int]:
@@ -793,7 +681,6 @@ def entries_read() -> dict[str, int]:
 
 def idle(timeout: float) -> bool:
     """Wait up to ``timeout`` s for the background thread to be done; whether it is (tests)."""
-    deadline = time.monotonic() + timeout
-    while (thread := _BACKGROUND.thread) is not None and time.monotonic() < deadline:
-        thread.join(max(0.0, min(deadline - time.monotonic(), 0.05)))
+    if (thread := _BACKGROUND.thread) is not None:
+        thread.join(timeout)
     return _BACKGROUND.thread is None

@@ -1,31 +1,38 @@
-"""The same-host transport: tensors through POSIX shared memory named by key.
+"""A Worker's shared-memory side: its transport and its presence board.
 
-``ShmTransport`` implements ``shmrdv._transport.Transport`` over its three parts: the
-``Producer`` (``producer.py``: send, allocate, rings and doorbells of the consumers it sends
-to), the ``Consumer`` (``consumer.py``: the channel table the rings feed) and the
-``Poller`` (``bell.py``: who polls this worker's doorbell), and owns the doorbell.
+``ShmTransport`` implements ``_transport.Transport`` over the ``Producer`` (``producer.py``:
+send, allocate, the rings and doorbells of the consumers it sends to), the ``Consumer``
+(``consumer.py``: the channel table the rings feed) and the ``Poller`` (``bell.py``: who
+polls this worker's doorbell), and owns the doorbell. ``ShmBoard`` is the worker's
+``_transport.PresenceBoard``: it publishes the worker's record (``presence.Presence``),
+answers its peers' states from one ``presence.Monitor``, and collects what dead workers of
+this user left when it publishes and closes (``reaper.at_start`` / ``reaper.at_close``).
 
 Thread model (``docs/threads.md``): every method may be called from any thread. ``done``
 callbacks run through ``invoke_done``, outside every lock: in the calling thread when the
 value is there already, else in the thread that polled the doorbell (a blocked receiver or
-the dispatcher thread).
+the dispatcher thread). ``ShmBoard.state`` may run inside the garbage collector.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from typing import Any
 
 import numpy.typing as npt
 
 from .._keys import ParsedKey
-from .._transport import PeerRecord, TransportContext
+from .._transport import PeerRecord, Sighting, TaskState, TransportContext
+from . import reaper
 from .bell import Bell, Poller
 from .consumer import Consumer, run_alive
-from .naming import Names
+from .naming import SHM_DIR, Names
+from .presence import Monitor, Presence, PresenceInfo, boot_id
 from .producer import Inflight, Producer
 
-__all__ = ["ShmTransport"]
+__all__ = ["ShmBoard", "ShmTransport", "usable"]
 
 
 class ShmTransport:
@@ -35,7 +42,6 @@ class ShmTransport:
 
     def __init__(self, ctx: TransportContext, *, pool_bytes: int, busy_poll: float = 0.0) -> None:
         self._ctx = ctx
-        self._task = ctx.task_name
         self._close_lock = threading.Lock()
         self._closed = False
         names = Names(ctx.namespace)
@@ -63,19 +69,14 @@ class ShmTransport:
     def _kick(self) -> None:
         self._poller.kick()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def __repr__(self) -> str:
-        return f"<ShmTransport {self._task} pending={self._consumer.pending} closed={self._closed}>"
+        return f"<ShmTransport {self._ctx.task_name} pending={self._consumer.pending} closed={self._closed}>"
 
     def can_reach(self, peer: PeerRecord) -> bool:
         return peer.same_host and self.name in peer.transports
 
     def explain_wait(self, peer: PeerRecord) -> str | None:
-        """Nothing beyond what its presence record tells (``_diagnose``)."""
-        return None
+        return None  # nothing beyond what its presence record tells
 
     def send(
         self,
@@ -122,3 +123,49 @@ class ShmTransport:
         out["rings"] = out.pop("rings_in") + out.pop("rings_out")
         out.update(self._poller.stats())
         return out
+
+
+def usable() -> bool:
+    """Whether this process can create objects in /dev/shm (a writable directory)."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK)
+
+
+class ShmBoard:
+    """The presence records of one namespace on this host (see the module docstring).
+
+    ``namespace``: the job's token (``Names``). Raises ``InvalidArgumentError`` for a bad one.
+    """
+
+    def __init__(self, namespace: str) -> None:
+        self._names = Names(namespace)
+        self._monitor = Monitor(self._names)
+        self._presence: Presence | None = None
+        self._task = ""
+        self._sweeping = False  # ``reaper.at_start`` ran the sweeps (``at_close`` then too)
+
+    def __repr__(self) -> str:
+        return f"<ShmBoard {self._names.namespace_id} {self._monitor!r}>"
+
+    def publish(
+        self, task: str, incarnation: int, address: str | None, transports: tuple[str, ...]
+    ) -> None:
+        assert self._presence is None, "a board publishes one worker's record"
+        self._task = task
+        info = PresenceInfo(
+            task, os.getpid(), boot_id(), incarnation, time.time(), "", address, transports
+        )
+        self._presence = Presence.publish(self._names, info)
+        self._sweeping = reaper.at_start(self._names, task, incarnation)
+
+    def state(self, task: str) -> TaskState:
+        return self._monitor.state(task)
+
+    def sightings(self, task: str) -> list[Sighting] | None:
+        return reaper.sightings(task, self._names.namespace_id)
+
+    def close(self) -> None:
+        self._monitor.close()
+        presence, self._presence = self._presence, None
+        if presence is not None:
+            presence.close()
+            reaper.at_close(self._names, self._task, self._sweeping)
