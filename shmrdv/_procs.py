@@ -4,8 +4,9 @@ The one process harness of the demo, the benchmarks and the tests. A ``Child`` r
 ``target(conn, *args)`` in a spawned process that ignores SIGINT (the parent handles
 Ctrl-C), turns SIGTERM into ``SystemExit`` (so ``with Worker(...)`` blocks close) and is
 sent SIGTERM when its parent dies; a ``target`` that raises sends ``("error", traceback)``.
-Every wait of the parent is bounded; processes are stopped only by the pids started here.
-``ChildWorker`` drives a ``shmrdv.Worker`` in a child.
+Processes are stopped only by the pids started here. ``ChildWorker`` drives a
+``shmrdv.Worker`` in a child. Thread model (``docs/threads.md``): no threads; a
+``ChildWorker`` may be called from any thread, one command at a time.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import Connection
-from typing import Any
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from ._errors import UnavailableError
 from ._rendezvous import Closing, Received
+
+if TYPE_CHECKING:
+    from ._worker import Worker
 
 __all__ = [
     "Child",
@@ -41,6 +46,7 @@ __all__ = [
     "wait_for_close",
 ]
 
+_T = TypeVar("_T")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -63,7 +69,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def _entry(
     target: Callable[..., None],
     conn: Connection,
-    parent_pid: int,
+    parent: int,
     cpus: frozenset[int] | None,
     *args: Any,
 ) -> None:
@@ -71,7 +77,7 @@ def _entry(
     signal.signal(signal.SIGTERM, _on_sigterm)
     with contextlib.suppress(Exception):  # not Linux, or no libc symbol: best effort
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
+    if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(1)
     try:
         if cpus is not None:
@@ -87,7 +93,7 @@ def _entry(
         conn.close()
 
 
-def exit_reason(proc: multiprocessing.process.BaseProcess) -> str:
+def exit_reason(proc: BaseProcess) -> str:
     """``"still running"``, ``"exit code N"`` or ``"killed by signal N"``."""
     code = proc.exitcode
     if code is None:
@@ -96,23 +102,20 @@ def exit_reason(proc: multiprocessing.process.BaseProcess) -> str:
 
 
 def wait_for_close(conn: Connection) -> None:
-    """In a child: block until the parent sends ``("close",)`` or is gone.
-
-    The parent decides the order in which children close: consumers before the producers
-    they pull from, so that no channel sees its server go away mid-call.
-    """
+    """In a child: block until the parent sends ``("close",)`` or is gone. The parent
+    decides the order in which children close (consumers before the producers they pull
+    from, so that no channel sees its server go away mid-call)."""
     with contextlib.suppress(EOFError, OSError):
         while conn.recv()[0] != "close":
             pass
 
 
 class Child:
-    """One spawned process running ``target(conn, *args)``, and the parent's end of its pipe.
+    """One spawned process running ``target(conn, *args)`` (a top-level function; the
+    arguments must pickle), and the parent's end of its pipe.
 
-    ``target`` and ``args`` must pickle (a top-level function). ``daemon=True`` also stops
-    it when the parent exits normally; a daemon cannot start children of its own. ``cpus``:
-    pin the child to these CPUs (one this process may not use fails the child). Leaving a
-    ``with`` block stops it (``stop(5)``).
+    ``daemon``: also stop it when the parent exits normally (a daemon cannot start children
+    of its own). ``cpus``: pin it to these CPUs. Leaving a ``with`` block stops it.
     """
 
     def __init__(
@@ -131,7 +134,7 @@ class Child:
         self._closed = False
         self.conn: Connection
         self.conn, child = ctx.Pipe()
-        self.process: multiprocessing.process.BaseProcess = ctx.Process(
+        self.process: BaseProcess = ctx.Process(
             target=_entry,
             args=(target, child, os.getpid(), pinned, *args),
             name=name,
@@ -141,15 +144,10 @@ class Child:
             self.process.start()
         finally:
             child.close()  # only the child keeps its end: its death shows up here as EOF
-
-    @property
-    def pid(self) -> int:
-        pid = self.process.pid
-        assert pid is not None  # started in __init__
-        return pid
+        self.pid = cast(int, self.process.pid)  # set by start()
 
     def __repr__(self) -> str:
-        return f"<Child {self.name} pid={self.process.pid} {exit_reason(self.process)}>"
+        return f"<Child {self.name} pid={self.pid} {exit_reason(self.process)}>"
 
     def __enter__(self) -> Child:
         return self
@@ -172,11 +170,8 @@ class Child:
             return True  # closed: the next recv reports why
 
     def recv(self, timeout: float, what: str = "a message") -> tuple[Any, ...]:
-        """The child's next message within ``timeout`` s.
-
-        Raises ``ChildTimeout`` if none came, ``ChildFailed`` if the child died (its exit
-        code or signal in the message) or sent ``("error", traceback)``.
-        """
+        """The child's next message within ``timeout`` s: ``ChildTimeout`` if none came,
+        ``ChildFailed`` if the child died (how, in the message) or sent an error."""
         return self._recv_by(time.monotonic() + timeout, timeout, what)
 
     def _recv_by(self, deadline: float, timeout: float, what: str) -> tuple[Any, ...]:
@@ -197,28 +192,24 @@ class Child:
     def expect(
         self, kind: str, timeout: float, other: Callable[[tuple[Any, ...]], bool] | None = None
     ) -> tuple[Any, ...]:
-        """The next message of ``kind`` (its first item), within ``timeout`` s in all.
-
-        A message of another kind goes to ``other`` (progress reports, say), which returns
-        True to keep waiting; without ``other``, or if it returns False, ``ChildFailed``.
-        """
+        """The next message of ``kind`` (its first item), within ``timeout`` s in all. A
+        message of another kind goes to ``other`` (progress reports, say), which returns
+        True to keep waiting; without ``other``, or if it returns False, ``ChildFailed``."""
         deadline = time.monotonic() + timeout
-        while True:
-            msg = self._recv_by(deadline, timeout, repr(kind))
-            if msg[0] == kind:
-                return msg
+        while (msg := self._recv_by(deadline, timeout, repr(kind)))[0] != kind:
             if other is None or not other(msg):
                 raise ChildFailed(f"expected {kind!r} from {self.name}, got {msg!r}")
+        return msg
 
     def signal(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to this child (by its pid), unless it has exited."""
+        """Send ``sig`` to this child, unless it has exited."""
         if self.process.exitcode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
     def stop(self, grace: float, term_wait: float = 5.0) -> bool:
-        """Close the pipe (a child in ``wait_for_close`` sees EOF and returns), then
-        ``reap`` it; True if it had to be signalled."""
+        """Close the pipe (a child in ``wait_for_close`` returns), then ``reap`` it; whether
+        it had to be signalled."""
         self.close()
         return reap([self], grace, term_wait) > 0
 
@@ -229,11 +220,7 @@ class Child:
             self.conn.close()
 
 
-def reap(
-    children: Iterable[Child | multiprocessing.process.BaseProcess],
-    grace: float,
-    term_wait: float = 5.0,
-) -> int:
+def reap(children: Iterable[Child | BaseProcess], grace: float, term_wait: float = 5.0) -> int:
     """Join every process within ``grace`` s in all, then SIGTERM the rest, then (``term_wait``
     s later: time for ``with`` blocks to close) SIGKILL; how many had to be signalled."""
     procs = [c.process if isinstance(c, Child) else c for c in children]
@@ -253,7 +240,7 @@ def reap(
 
 
 class ChildGroup:
-    """Named children started together and stopped together (``reap``)."""
+    """Named children started together; leaving a ``with`` block stops them all (``reap``)."""
 
     def __init__(self) -> None:
         self.children: dict[str, Child] = {}
@@ -281,8 +268,8 @@ class ChildGroup:
 
     def check_alive(self, names: Iterable[str] | None = None) -> None:
         """``ChildFailed`` if a child (of ``names``, default all) failed, died or sent
-        anything; one that exited cleanly is not a failure."""
-        for child in self if names is None else [self[n] for n in names]:
+        anything (one that exited cleanly did not fail)."""
+        for child in self if names is None else map(self.__getitem__, names):
             if not child.poll() and child.process.exitcode in (0, None):
                 continue
             try:
@@ -294,16 +281,16 @@ class ChildGroup:
             raise ChildFailed(f"unexpected message from {child.name}: {msg!r}")
 
     def alive(self) -> int:
-        return sum(1 for c in self.children.values() if c.process.exitcode is None)
+        return sum(1 for c in self if c.process.exitcode is None)
 
     def reap(self, grace: float) -> int:
         """Close every pipe, then ``reap`` every child; how many had to be signalled."""
-        for child in self.children.values():
+        for child in self:
             child.close()
-        return reap(self.children.values(), grace)
+        return reap(self, grace)
 
 
-# -- ChildWorker: a Worker in a child, driven by calls of module-level functions ----------
+# -- ChildWorker: a Worker in a child, running module-level functions it is sent ----------
 
 
 def _child_main(conn: Connection, task: str, kwargs: dict[str, Any]) -> None:
@@ -341,7 +328,7 @@ def _portable(e: BaseException) -> BaseException:
         return ChildError(f"{type(e).__name__}: {e}\n{text}")
 
 
-def _send(worker: Any, step: int, key: str, value: Any, is_dead: bool, allocate: bool) -> None:
+def _send(worker: Worker, step: int, key: str, value: Any, is_dead: bool, allocate: bool) -> None:
     rdv = worker.rendezvous(step)
     if allocate:
         buf = rdv.allocate(key, value.shape, value.dtype)
@@ -350,13 +337,12 @@ def _send(worker: Any, step: int, key: str, value: Any, is_dead: bool, allocate:
     rdv.send(key, value, is_dead=is_dead)
 
 
-def _recv(worker: Any, step: int, key: str, timeout: float | None) -> Received:
+def _recv(worker: Worker, step: int, key: str, timeout: float | None) -> Received:
     # copy=True: the value is pickled back to the parent, the segment freed at once.
-    got: Received = worker.rendezvous(step).recv(key, timeout=timeout, copy=True)
-    return got
+    return worker.rendezvous(step).recv(key, timeout=timeout, copy=True)
 
 
-def _cleanup(worker: Any, step: int) -> None:
+def _cleanup(worker: Worker, step: int) -> None:
     worker.cleanup(step)
 
 
@@ -376,11 +362,10 @@ class _ChildProducer:
 class ChildWorker(Closing):
     """A ``shmrdv.Worker`` for ``task`` in a spawned child process.
 
-    Each method sends one command and blocks until the child answers (at most
-    ``reply_timeout`` s: ``TimeoutError``); the child's exception is re-raised here, and a
-    child that died is ``UnavailableError``. ``kill()`` sends a signal (SIGKILL by
-    default); ``close()`` closes the child's Worker, waits for the process and is
-    idempotent. Use it as a context manager.
+    Each method sends one command and blocks until the child answers, at most
+    ``reply_timeout`` s (then ``TimeoutError``); the child's exception is raised here, and a
+    child that died is ``UnavailableError``. ``kill()`` signals it (SIGKILL by default);
+    ``close()`` closes its Worker, waits for the process and is idempotent.
     """
 
     def __init__(self, task: str, *, reply_timeout: float = 60.0, **worker_kwargs: Any) -> None:
@@ -390,6 +375,7 @@ class ChildWorker(Closing):
         self._closed = False
         self._child = Child(f"shmrdv-child {task}", _child_main, task, worker_kwargs)
         self.pid = self._child.pid
+        self.process = self._child.process
         try:
             self.incarnation, self.address = self._reply("start", reply_timeout)
         except BaseException:
@@ -398,10 +384,6 @@ class ChildWorker(Closing):
 
     def __repr__(self) -> str:
         return f"<ChildWorker {self.task} pid={self.pid} alive={self.process.is_alive()}>"
-
-    @property
-    def process(self) -> multiprocessing.process.BaseProcess:
-        return self._child.process
 
     def _reply(self, what: str, timeout: float) -> Any:
         try:
@@ -418,9 +400,9 @@ class ChildWorker(Closing):
             raise payload
         return payload
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
-        """Run ``fn(worker, *args)`` in the child (``fn`` must be importable by name) and
-        return its result (it must pickle); ``timeout`` defaults to ``reply_timeout``."""
+    def call(self, fn: Callable[..., _T], *args: Any, timeout: float | None = None) -> _T:
+        """Run ``fn(worker, *args)`` in the child (``fn`` importable by name, its result
+        picklable) and return its result; ``timeout`` defaults to ``reply_timeout``."""
         with self._lock:
             if self._closed:
                 raise UnavailableError(f"child {self.task} is closed")
@@ -428,9 +410,9 @@ class ChildWorker(Closing):
                 self._child.send((fn, args))
             except ChildFailed as e:
                 raise UnavailableError(f"child {self.task} (pid {self.pid}) is gone") from e
-            return self._reply(
-                fn.__name__.lstrip("_"), self._reply_timeout if timeout is None else timeout
-            )
+            wait = self._reply_timeout if timeout is None else timeout
+            result: _T = self._reply(fn.__name__.lstrip("_"), wait)
+            return result
 
     def send(self, key: str, value: Any, *, is_dead: bool = False, step: int = 0) -> None:
         """``worker.rendezvous(step).send(key, value)`` in the child."""
@@ -446,14 +428,13 @@ class ChildWorker(Closing):
         """``worker.rendezvous(step).recv(key, timeout=...)`` in the child; the value comes
         back by pickle."""
         wait = None if timeout is None else timeout + self._reply_timeout
-        got: Received = self.call(_recv, step, key, timeout, timeout=wait)
-        return got
+        return self.call(_recv, step, key, timeout, timeout=wait)
 
     def cleanup(self, step: int) -> None:
         self.call(_cleanup, step)
 
     def producer(self, step: int = 0, *, allocate: bool = False) -> _ChildProducer:
-        """A conformance-pair producer sending from this child (``allocate=True``: zero-copy sends)."""
+        """A conformance-pair producer sending from this child (``allocate``: zero-copy)."""
         return _ChildProducer(self, step, allocate)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
