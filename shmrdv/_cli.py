@@ -1,15 +1,15 @@
 """The ``shmrdv`` command: demo, bench, ls, gc, serve, namespace.
 
-Exit codes: 0 success, 1 the command ran and failed, 2 bad usage (argparse's code), 141 the
-reader of the output went away (as a command killed by SIGPIPE, silently). Errors go to
-stderr, results to stdout. ``shmrdv demo`` runs a pipeline of processes (a producer, N
-stages, a sink: frame ``i`` goes through stage ``i % N``, each hop a rendezvous key between
-two Workers) beside the same pipeline over ``multiprocessing.Queue``.
+Exit codes: 0 success, 1 the command ran and failed, 2 bad usage, 141 the reader of the
+output went away (quietly, as a command killed by SIGPIPE). Errors go to stderr, results
+to stdout. Thread model (``docs/threads.md``): the main thread; the demo's roles run in
+child processes (``_procs``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -72,79 +72,67 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-_SERVE_NEEDS = (
-    "give --listen HOST:PORT for the echo peer of `shmrdv bench --peer`; or, for a task "
-    "of a cluster, --task and --cluster JSON, or a TF_CONFIG holding both; and --namespace "
-    "or $SHMRDV_NAMESPACE (python3 -m shmrdv namespace makes one)"
-)
-
-
 def _serve_until_stopped(tick: Callable[[], object] = lambda: None) -> None:
     """Block until SIGTERM or Ctrl-C, calling ``tick`` every second."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         while not stop.wait(1.0):
             tick()
-    except KeyboardInterrupt:
-        pass
-
-
-def _cmd_serve_echo(args: argparse.Namespace) -> int:
-    from ._bench.echo import EchoService
-    from ._errors import InvalidArgumentError
-
-    if args.task or args.cluster or args.namespace:
-        args.parser.error(
-            "--listen runs the echo peer on its own: give it without --task, --cluster, --namespace"
-        )
-    try:
-        service = EchoService(args.listen, token=os.environ.get("SHMRDV_TOKEN") or None)
-    except InvalidArgumentError as e:
-        args.parser.error(f"--listen: {e}")
-    with service:
-        port = service.address.rpartition(":")[2]
-        print(
-            f"echo peer listening on {service.address}; on another host run: "
-            f"shmrdv bench --peer <this host>:{port}; Ctrl-C stops",
-            flush=True,
-        )
-        _serve_until_stopped(service.expire_idle)
-    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from . import DeviceName, Worker
-    from ._bench.echo import EchoLoop
+    from ._bench.echo import EchoLoop, EchoService
     from ._cluster import ENV_VAR, ClusterSpec
+    from ._errors import InvalidArgumentError
 
-    if args.listen:
-        return _cmd_serve_echo(args)
     usage: argparse.ArgumentParser = args.parser
+    token = os.environ.get("SHMRDV_TOKEN") or None
+    if args.listen:
+        if args.task or args.cluster or args.namespace:
+            usage.error(
+                "--listen runs the echo peer on its own: give it without --task, --cluster, --namespace"
+            )
+        try:
+            service = EchoService(args.listen, token=token)
+        except InvalidArgumentError as e:
+            usage.error(f"--listen: {e}")
+        with service:
+            port = service.address.rpartition(":")[2]
+            print(
+                f"echo peer listening on {service.address}; on another host run: "
+                f"shmrdv bench --peer <this host>:{port}; Ctrl-C stops",
+                flush=True,
+            )
+            _serve_until_stopped(service.expire_idle)
+        return 0
+    needs = (
+        "give --listen HOST:PORT for the echo peer of `shmrdv bench --peer`; or, for a task "
+        "of a cluster, --task and --cluster JSON, or a TF_CONFIG holding both; and --namespace "
+        "or $SHMRDV_NAMESPACE (python3 -m shmrdv namespace makes one)"
+    )
     missing = []
     if not args.cluster and not os.environ.get("TF_CONFIG"):
         missing.append("no --cluster and TF_CONFIG is not set")
     if not args.namespace and not os.environ.get(ENV_VAR):
         missing.append(f"no --namespace and ${ENV_VAR} is not set")
     if missing:
-        usage.error(f"{'; '.join(missing)}: {_SERVE_NEEDS}")
+        usage.error(f"{'; '.join(missing)}: {needs}")
     if args.cluster:
         try:
             cluster = ClusterSpec(json.loads(args.cluster))
         except json.JSONDecodeError as e:
             usage.error(f'--cluster is not JSON ({e}); e.g. \'{{"worker": ["hostA:2222"]}}\'')
-        task = args.task
     else:
         cluster = ClusterSpec.from_tf_config()
-        task = args.task or ClusterSpec.tf_config_task()
+    task = args.task or (None if args.cluster else ClusterSpec.tf_config_task())
     if not task:
-        usage.error(f"no task: {_SERVE_NEEDS}")
-    token = os.environ.get("SHMRDV_TOKEN") or None
+        usage.error(f"no task: {needs}")
     with Worker(
         task, cluster=cluster, namespace=args.namespace, transports=("grpc", "shm"), token=token
     ) as w:
-        me = DeviceName.parse(w.task)
-        others = [t for t in cluster.tasks() if DeviceName.parse(t) != me]
+        others = [t for t in cluster.tasks() if DeviceName.parse(t) != DeviceName.parse(w.task)]
         echo = EchoLoop(w, others)
         try:
             print(
@@ -180,77 +168,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shmrdv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def command(
-        name: str, run: Callable[..., int], help: str, **kw: Any
-    ) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, **kw)
+    def command(name: str, run: Callable[..., int], help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         p.set_defaults(func=run, parser=p)
         return p
 
-    p = command(
-        "demo",
-        _run_demo,
-        "run a multi-process pipeline over shmrdv and mp.Queue",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    cores = len(os.sched_getaffinity(0))
+    p = command("demo", _run_demo, "run a multi-process pipeline over shmrdv and mp.Queue")
     p.add_argument("--frames", type=int, default=400, help="frames to push through")
     p.add_argument("--size", type=_frame_size, default="4m", help="frame size, e.g. 64k, 4m")
+    cores = len(os.sched_getaffinity(0))
     p.add_argument("--stages", type=int, default=cores, help="transform processes")
-    p.add_argument(
-        "--hosts", type=int, choices=(1, 2), default=1, help="2: gRPC, as from another host"
-    )
-    p.add_argument(
-        "--window",
-        type=int,
-        default=4,
-        help="backpressure: frames in flight from a sender to each consumer; 0: no window",
-    )
+    p.add_argument("--hosts", type=int, choices=(1, 2), default=1, help="2: gRPC, as between hosts")
+    p.add_argument("--window", type=int, default=4, help="backpressure: frames in flight; 0: none")
     p.add_argument("--no-baseline", action="store_true", help="skip the multiprocessing.Queue run")
-
     p = command("bench", _cmd_bench, "measure shmrdv against the peers installed here")
     from ._bench.options import build_parser as add_bench_options  # the benchmarks load on use
 
     add_bench_options(p)
-
     only = "only this namespace (its token or its id)"
-    p = command(
-        "ls",
-        _cmd_ls,
-        "list shmrdv objects in /dev/shm (kind, namespace, step, size, owner, alive, age)",
-    )
+    p = command("ls", _cmd_ls, "list shmrdv objects in /dev/shm")
     p.add_argument("--namespace", help=only)
     p.add_argument("--json", action="store_true", help="print JSON")
     p = command("gc", _cmd_gc, "remove the objects of namespaces in which no worker is alive")
     p.add_argument("--namespace", help=only)
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
-
-    p = command(
-        "serve",
-        _cmd_serve,
-        "an echo peer: every array another host sends it comes back (shmrdv bench --peer "
-        "measures against it), on its own (--listen) or as a task of a cluster",
-    )
-    p.add_argument(
-        "--listen",
-        metavar="HOST:PORT",
-        help="the echo peer of `shmrdv bench --peer HOST:PORT`, listening here "
-        "(0.0.0.0:PORT: every interface); one bench at a time; token from $SHMRDV_TOKEN",
-    )
-    p.add_argument(
-        "--task", help="task name, e.g. /job:worker/replica:0/task:0 (default: TF_CONFIG's)"
-    )
-    p.add_argument(
-        "--cluster",
-        help='cluster spec as JSON, e.g. \'{"worker": ["hostA:2222", "hostB:2222"]}\' (default: TF_CONFIG)',
-    )
-    p.add_argument(
-        "--namespace",
-        help="namespace token shared by the job's workers (default: $SHMRDV_NAMESPACE)",
-    )
-    command(
-        "namespace", _cmd_namespace, "print a fresh namespace token (export SHMRDV_NAMESPACE=...)"
-    )
+    p = command("serve", _cmd_serve, "an echo peer for `bench --peer`, alone or as a task")
+    p.add_argument("--listen", metavar="HOST:PORT", help="alone, here; token: $SHMRDV_TOKEN")
+    p.add_argument("--task", help="task name, e.g. /job:worker/task:0 (default: TF_CONFIG's)")
+    p.add_argument("--cluster", help="cluster spec as JSON (default: TF_CONFIG's)")
+    p.add_argument("--namespace", help="namespace token (default: $SHMRDV_NAMESPACE)")
+    command("namespace", _cmd_namespace, "print a fresh namespace token")
     return parser
 
 
@@ -283,9 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141  # as a shell reports a command killed by SIGPIPE (128 + 13)
 
 
-# -- shmrdv demo: each role is a top-level function (spawn pickles it by name) that runs in a
-# Child, waits at the barrier ``go`` until every process of its pipeline is up, and after its
-# work waits for "close": the consumers close before the producers they pull from.
+# -- shmrdv demo: a producer, N stages and a sink, frame ``i`` through stage ``i % N``, each
+# hop a rendezvous key between two Workers; then the same over multiprocessing.Queue. Each
+# role runs in a Child, waits at the barrier ``go`` until all are up, and after its work for
+# "close": the consumers close before the producers they pull from.
 
 
 @dataclass(frozen=True)
@@ -360,8 +308,7 @@ def _sink(conn: Connection, run: _Run, go: Any) -> None:
 def _count(conn: Connection, run: _Run, go: Any, take: Callable[[int], Any]) -> None:
     """A sink's loop: ``take(i)`` receives frame ``i``, which must be the producer's
     ``i % 1000``, times 0.5, plus 1. Reports progress, then ``("done", seconds, bad)``, timed
-    from the first frame received to the last: start-up (spawn, imports, the first frame
-    through the pipeline) is not counted."""
+    from the first frame received to the last: start-up is not counted."""
     go.wait(60)
     bad = 0
     first = last = 0.0
@@ -376,9 +323,6 @@ def _count(conn: Connection, run: _Run, go: Any, take: Callable[[int], Any]) -> 
             last = now
     conn.send(("done", last - first, bad))
     wait_for_close(conn)
-
-
-# The same pipeline over multiprocessing.Queue: ``qs`` is (into each stage, out of each stage).
 
 
 def _q_producer(conn: Connection, run: _Run, go: Any, qs: Any) -> None:
@@ -404,9 +348,9 @@ def _q_sink(conn: Connection, run: _Run, go: Any, qs: Any) -> None:
 def _pipeline(
     run: _Run, label: str, roles: tuple[Callable[..., None], ...], *links: Any
 ) -> tuple[float, int]:
-    """Run the producer, the stages and the sink of ``roles``, printing the sink's progress
-    until its "done" (at most 300 s); then close the consumers before the producer. Returns
-    seconds from the sink's first frame to its last, and how many were wrong."""
+    """Run the producer, stages and sink of ``roles``, printing the sink's progress until it
+    is done, then close the consumers before the producer. Seconds from the sink's first
+    frame to its last, and how many frames were wrong; every role's waits are bounded."""
     producer, stage, sink = roles
     with ChildGroup() as group:
         go = mp.get_context("spawn").Barrier(run.stages + 2)
@@ -415,39 +359,34 @@ def _pipeline(
             group.start(f"stage{s}", stage, run, go, *links, s)
         group.start("sink", sink, run, go, *links)
         tty = sys.stderr.isatty()
-        deadline = time.monotonic() + 300.0
         try:
-            while time.monotonic() < deadline:
-                try:
-                    msg = group["sink"].recv(0.5, "progress")
-                except ChildTimeout:
-                    group.check_alive([c.name for c in group if c.name != "sink"])
-                    continue
-                if msg[0] == "done":
-                    break
+            while (msg := _next(group, "sink"))[0] != "done":
                 _, n, dt = msg
                 rate = (n - 1) / dt if dt > 0 else 0.0
-                gbs = rate * run.nbytes / 1e9
-                line = f"  {label}: {n}/{run.frames} frames  {rate:7.1f} frames/s  {gbs:6.2f} GB/s"
+                line = f"  {label}: {n}/{run.frames} frames  {rate:7.1f} frames/s  {rate * run.nbytes / 1e9:6.2f} GB/s"
                 # A terminal gets one updating line; a log gets a line per report.
                 sys.stderr.write(f"\r{line} " if tty else f"{line}\n")
                 sys.stderr.flush()
-            else:
-                raise RuntimeError(f"{label}: no result within 300 s")
         except ChildFailed as e:
             raise RuntimeError(f"{label}: {e}") from None
         finally:
             if tty:
-                sys.stderr.write("\n")
+                print(file=sys.stderr)
         for wave in ([c for c in group if c.name != "producer"], [group["producer"]]):
             for child in wave:
-                try:
+                with contextlib.suppress(ChildFailed):  # already gone: reap reports the rest
                     child.send(("close",))
-                except ChildFailed:
-                    pass  # already gone: reap reports nothing more
             reap(wave, 60.0)
-    _, seconds, bad = msg
-    return seconds, bad
+    return msg[1], msg[2]
+
+
+def _next(group: ChildGroup, name: str) -> tuple[Any, ...]:
+    """The next message of child ``name``, while watching the others for failures."""
+    while True:
+        try:
+            return group[name].recv(0.5, "progress")
+        except ChildTimeout:
+            group.check_alive(c.name for c in group if c.name != name)
 
 
 def _rate(frames: int, seconds: float) -> float | None:
@@ -456,8 +395,7 @@ def _rate(frames: int, seconds: float) -> float | None:
 
 
 def _result_line(label: str, frames: int, seconds: float, bad: int, nbytes: int) -> str:
-    rate = _rate(frames, seconds)
-    if rate is None:
+    if (rate := _rate(frames, seconds)) is None:
         return f"{label + ':':23} {frames} frame(s), {bad} bad (a rate takes two frames)"
     return (
         f"{label + ':':23} {frames} frames, the last {frames - 1} in {seconds:6.2f} s = "
@@ -477,7 +415,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     window = args.window * shape[0] * shape[1] * 4 or None
     run = _Run(args.frames, shape, args.stages, shmrdv.new_namespace(), args.hosts, window)
     where = "gRPC on loopback (as between hosts)" if args.hosts == 2 else "shared memory"
-    intro = [
+    print(
         f"shmrdv demo: {run.frames} frames of {shape[0]}x{shape[1]} float32 "
         f"({run.nbytes / 2**20:.1f} MiB), producer -> {run.stages} stage(s) -> sink, over {where}",
         f"backpressure: at most {args.window} frames ({window / 2**20:.1f} MiB) in flight from "
@@ -486,8 +424,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         else "backpressure: none (--window 0): a sender never waits for its consumers",
         "frames/s: from the first frame the sink receives to the last, so start-up "
         "(processes, imports, the first frame through the pipeline) is not counted",
-    ]
-    print("\n".join(intro), flush=True)
+        sep="\n",
+        flush=True,
+    )
     try:
         dt, bad = _pipeline(run, "shmrdv", (_producer, _stage, _sink))
         print(_result_line("shmrdv", run.frames, dt, bad, run.nbytes), flush=True)
@@ -515,6 +454,6 @@ def _run_demo(args: argparse.Namespace) -> int:
     finally:
         if left := collect(run.ns):
             print(
-                f"shmrdv demo: collected {len(left)} leftover object(s) of the demo's namespace",
+                f"shmrdv demo: collected {len(left)} leftover object(s) of its namespace",
                 file=sys.stderr,
             )
