@@ -1,17 +1,10 @@
 """Helpers for testing code built on shmrdv, and the conformance battery every transport passes.
 
-A *pair* is a producer that sends keys to a consumer (a ``Rendezvous`` in this process); the
-producer may live in another process or host behind a proxy. Each ``check_<behaviour>(pair)``
-sends only plain numpy arrays, never relies on object identity across the pair, calls
-``pair.settle()`` where it needs the sends to have landed, and raises ``AssertionError`` when
-the behaviour is wrong; every wait is bounded (``WAIT_S``). Run them with
-``run_conformance``, or one test per check::
-
-    @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
-    def test_conformance(check, my_pair):   # my_pair: a fixture yielding a RendezvousPair
-        check(my_pair)
-
-The reference is ``shmrdv.LocalRendezvous``. Thread model (``docs/threads.md``): a check
+Each ``check_<behaviour>(pair)`` of ``CHECKS`` runs on a ``RendezvousPair`` (the producer
+may be a proxy for another process or host), sends only plain numpy arrays, bounds every
+wait, and raises ``AssertionError`` when the behaviour differs from the reference,
+``shmrdv.LocalRendezvous``. Run them with ``run_conformance``, or one test per check
+(``@pytest.mark.parametrize("check", CHECKS)``). Thread model (``docs/threads.md``): a check
 that needs a blocked receiver runs it in a ``shmrdv-conformance`` daemon thread.
 """
 
@@ -75,12 +68,9 @@ class Producer(Protocol):
 
 @dataclass
 class RendezvousPair:
-    """A producer, a consumer in this process, and how to name keys between them.
-
-    ``make_key(edge_name)`` returns a full rendezvous key from the producer's device to the
-    consumer's. ``settle()`` returns once every send made so far has reached the consumer's
-    side (e.g. a proxy's flush); the default is for in-process sends, landed when sent.
-    """
+    """A producer, a consumer in this process, ``make_key(edge_name)`` for a key from one to
+    the other, and ``settle()``, which returns once every send so far has reached the
+    consumer's side (the default: in-process sends have landed when ``send`` returns)."""
 
     producer: Producer
     consumer: Rendezvous
@@ -95,11 +85,8 @@ def _expect(condition: bool, message: str) -> None:
 
 
 def assert_same(actual: object, expected: npt.NDArray[Any], what: str = "value") -> None:
-    """Raise ``AssertionError`` unless ``actual`` is an ndarray of the same dtype, shape and bytes.
-
-    Bytes are compared in C order, so layout (strides, Fortran order) may differ, and NaN
-    payloads, signed zeros and padding-free structured records compare exactly.
-    """
+    """``AssertionError`` unless ``actual`` is an ndarray of the same dtype, shape and bytes
+    (in C order: the layout may differ; NaN payloads and signed zeros compare exactly)."""
     if not isinstance(actual, np.ndarray):
         raise AssertionError(f"{what}: expected a numpy.ndarray, got {type(actual).__name__}")
     _expect(actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype!r} != {expected.dtype!r}")
@@ -115,11 +102,8 @@ def assert_same(actual: object, expected: npt.NDArray[Any], what: str = "value")
 
 
 def sample_values() -> dict[str, npt.NDArray[Any]]:
-    """One array per kind of value a transport must carry exactly (DESIGN.md "Values").
-
-    NaN, infinities, signed zero, integer extremes, non-ASCII text, a structured dtype, a
-    strided view, Fortran order, 0-d and empty arrays, and bfloat16 where ``ml_dtypes`` is.
-    """
+    """One array per kind of value a transport must carry exactly (DESIGN.md "Values"),
+    bfloat16 where ``ml_dtypes`` is installed."""
     values: dict[str, npt.NDArray[Any]] = {}
     for name in ("float16", "float32", "float64"):
         values[name] = np.array([0.0, -0.0, 1.5, np.nan, np.inf, -np.inf, 1e-7], dtype=name)
@@ -154,8 +138,7 @@ def _key(pair: RendezvousPair, label: str) -> str:
     return pair.make_key(f"conformance_{label}_{uuid.uuid4().hex[:12]}")
 
 
-def _token(label: str) -> str:
-    """A text to find again in an error or a log record."""
+def _token(label: str) -> str:  # a text to find again in an error or a log record
     return f"conformance-{label}-{uuid.uuid4().hex[:8]}"
 
 
@@ -192,12 +175,9 @@ def _expect_timeout(call: Callable[[], object], what: str) -> None:
     try:
         got = call()
     except DeadlineExceededError as e:
-        elapsed = time.monotonic() - t0
-        _expect(isinstance(e, TimeoutError), f"{what}: DeadlineExceededError is not a TimeoutError")
-        _expect(
-            elapsed < EXPIRE_S + PROMPT_S,
-            f"{what}: a {EXPIRE_S}s timeout took {elapsed:.2f}s to expire",
-        )
+        took = time.monotonic() - t0
+        _expect(isinstance(e, TimeoutError), f"{what}: DeadlineExceededError is no TimeoutError")
+        _expect(took < EXPIRE_S + PROMPT_S, f"{what}: a {EXPIRE_S}s timeout took {took:.2f}s")
         return
     raise AssertionError(f"{what}: expected DeadlineExceededError, got {got!r}")
 
@@ -237,9 +217,9 @@ class _Recorder:
         return calls[0]
 
 
-def _is_error(error: BaseException | None, cls: type[BaseException], token: str) -> bool:
-    """``error`` is the one given to ``start_abort``: its class, its message."""
-    return isinstance(error, cls) and token in str(error)
+def _aborted(error: BaseException | None, token: str) -> bool:
+    """Whether ``error`` is the ``AbortedError`` given to ``start_abort`` with ``token``."""
+    return isinstance(error, AbortedError) and token in str(error)
 
 
 # -- the checks: what arrives, and in which order -----------------------------------------
@@ -597,15 +577,16 @@ def check_abort_fails_pending(pair: RendezvousPair) -> None:
     time.sleep(SETTLE_S)  # let the thread block
     t0 = time.monotonic()
     pair.consumer.start_abort(AbortedError(f"aborted by the conformance suite ({token})"))
-    got = blocked.exception(PROMPT_S)
-    _expect(_is_error(got, AbortedError, token), f"blocked recv: got {got!r}, not the abort error")
-    got, received = rec.only_call("recv_async")
-    _expect(_is_error(got, AbortedError, token), f"recv_async: got {got!r}, not the abort error")
+    error, received = rec.only_call("recv_async")
     _expect(received is None, f"recv_async: an error came with a value {received!r}")
-    got = fut.exception(PROMPT_S)
-    _expect(_is_error(got, AbortedError, token), f"recv_future: got {got!r}, not the abort error")
-    elapsed = time.monotonic() - t0
-    _expect(elapsed < PROMPT_S, f"the abort took {elapsed:.2f}s to reach the waiters")
+    for what, got in (
+        ("blocked recv", blocked.exception(PROMPT_S)),
+        ("recv_async", error),
+        ("recv_future", fut.exception(PROMPT_S)),
+    ):
+        _expect(_aborted(got, token), f"{what}: got {got!r}, not the abort error")
+    took = time.monotonic() - t0
+    _expect(took < PROMPT_S, f"the abort took {took:.2f}s to reach the waiters")
 
 
 def check_abort_first_error_wins(pair: RendezvousPair) -> None:
@@ -624,10 +605,11 @@ def check_abort_first_error_wins(pair: RendezvousPair) -> None:
     _expect(time.monotonic() - t0 < PROMPT_S, "recv after abort did not fail at once")
     rec = _Recorder()
     pair.consumer.recv_async(key, rec.done)
-    err, _ = rec.only_call("recv_async after abort")
-    _expect(_is_error(err, AbortedError, first), f"recv_async after abort: got {err!r}")
-    err = pair.consumer.recv_future(key).exception(PROMPT_S)
-    _expect(_is_error(err, AbortedError, first), f"recv_future after abort: got {err!r}")
+    for what, error in (
+        ("recv_async", rec.only_call("recv_async after abort")[0]),
+        ("recv_future", pair.consumer.recv_future(key).exception(PROMPT_S)),
+    ):
+        _expect(_aborted(error, first), f"{what} after abort: got {error!r}")
 
 
 def check_bad_key_reported(pair: RendezvousPair) -> None:
