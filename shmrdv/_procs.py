@@ -356,7 +356,7 @@ class _ChildProducer:
         # Only plain arrays go through allocate: what send refuses or converts (object
         # dtypes, ndarray subclasses) must meet send itself.
         allocate = self._allocate and type(value) is np.ndarray and not value.dtype.hasobject
-        self._child.call(_send, self._step, key, value, is_dead, allocate)
+        self._child.send(key, value, is_dead=is_dead, step=self._step, allocate=allocate)
 
 
 class ChildWorker(Closing):
@@ -414,15 +414,12 @@ class ChildWorker(Closing):
             result: _T = self._reply(fn.__name__.lstrip("_"), wait)
             return result
 
-    def send(self, key: str, value: Any, *, is_dead: bool = False, step: int = 0) -> None:
-        """``worker.rendezvous(step).send(key, value)`` in the child."""
-        self.call(_send, step, key, value, is_dead, False)
-
-    def send_allocated(
-        self, key: str, value: npt.NDArray[Any], *, is_dead: bool = False, step: int = 0
+    def send(
+        self, key: str, value: Any, *, is_dead: bool = False, step: int = 0, allocate: bool = False
     ) -> None:
-        """``allocate`` a buffer in the child, copy ``value`` into it, and send the buffer."""
-        self.call(_send, step, key, value, is_dead, True)
+        """``worker.rendezvous(step).send(key, value)`` in the child (``allocate``: copied
+        into an ``allocate``d buffer first, a zero-copy send)."""
+        self.call(_send, step, key, value, is_dead, allocate)
 
     def recv(self, key: str, *, timeout: float | None = None, step: int = 0) -> Received:
         """``worker.rendezvous(step).recv(key, timeout=...)`` in the child; the value comes
