@@ -28,14 +28,11 @@ if TYPE_CHECKING:
 __all__ = ["shmrdv_child_worker", "shmrdv_namespace"]
 
 SHM_DIR = "/dev/shm"
-# How long a leaked child has to exit after SIGTERM (a Worker in it closes), then SIGKILL.
-_TERM_GRACE_S = 2.0
-_KILL_WAIT_S = 2.0
 
 
 def _objects() -> set[str]:
-    """The shmrdv names in /dev/shm that are this user's regular files (one ``lstat`` each,
-    nothing opened): another user's ``shmrdv_...`` junk is neither a leak nor ours to remove."""
+    # This user's regular files only (one lstat each, nothing opened): another user's
+    # shmrdv_... junk is neither a leak nor ours to remove.
     from ._shm.reaper import object_names
 
     return object_names(SHM_DIR)
@@ -65,13 +62,10 @@ def _children() -> set[int]:
 
 def _end(pids: Iterable[int]) -> dict[int, str]:
     """SIGTERM those of ``pids`` still live children of this process (a shmrdv child then
-    closes its Worker), SIGKILL them ``_TERM_GRACE_S`` later; how each ended: ``"SIGTERM"``,
-    ``"SIGKILL"``, ``"gone"`` or ``"still running"``.
-
-    Signals go through a pidfd taken while the pid was checked to be our child, so a pid
-    reused meanwhile is never signalled. The exited children are left for their owners (a
-    ``multiprocessing.Process``, a ``Popen``) to reap.
-    """
+    closes its Worker), SIGKILL them 2 s later; how each ended (``"SIGTERM"``, ``"SIGKILL"``,
+    ``"gone"``, ``"still running"``). Signals go through a pidfd taken while the pid was
+    checked to be our child, so a pid reused meanwhile is never signalled; their owners (a
+    ``multiprocessing.Process``, a ``Popen``) reap them."""
     how: dict[int, str] = {}
     fds: dict[int, int] = {}
     for pid in sorted(pids):
@@ -86,12 +80,12 @@ def _end(pids: Iterable[int]) -> dict[int, str]:
             os.close(fd)
             how[pid] = "gone"
     try:
-        for sig, wait in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, _KILL_WAIT_S)):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid, fd in fds.items():
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(fd, sig)
                 how[pid] = sig.name
-            deadline = time.monotonic() + wait
+            deadline = time.monotonic() + 2.0
             while fds and (left := deadline - time.monotonic()) > 0:
                 poller = select.poll()
                 for fd in fds.values():
@@ -151,17 +145,11 @@ def _leftovers(
 def _left_in_shm(names: set[str], listing: list[ObjectInfo]) -> str:
     """The leaked ``names``, each as "<kind> of namespace id <id>" with the key, step, task
     and pid where its header or record says them, and its raw name; then how to fix it."""
-    from ._shm.naming import parse_name
-
     known = {o.name: o for o in listing}
     shown = []
     for name in sorted(names)[:20]:
-        o = known.get(name)
-        if o is None:
-            parsed = parse_name(name)
-            shown.append(
-                f"{parsed.kind} of namespace id {parsed.namespace} ({name})" if parsed else name
-            )
+        if (o := known.get(name)) is None:
+            shown.append(name)  # not in the listing (renamed meanwhile): the name says the rest
             continue
         details = [("key", None if o.key is None else repr(o.key)), ("step", o.step_id)]
         details += [("task", o.task), ("pid", o.owner_pid)]
