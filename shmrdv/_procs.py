@@ -307,11 +307,7 @@ def _child_main(conn: Connection, task: str, kwargs: dict[str, Any]) -> None:
             try:
                 fn, args = conn.recv()
             except (EOFError, OSError):
-                return  # parent gone
-            if fn == "close":
-                worker.close()
-                conn.send(("ok", None))
-                return
+                return  # closed by the parent, or the parent is gone: the Worker closes
             try:
                 conn.send(("ok", fn(worker, *args)))
             except BaseException as e:
@@ -443,13 +439,8 @@ class ChildWorker(Closing):
             self._child.close()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Close the child's Worker and wait for the process; kill it if it does not exit."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                try:
-                    self._child.send(("close", ()))
-                    self._child.recv(timeout, "answer to 'close'")
-                except ChildFailed:
-                    pass  # gone already, or hung: stop() below ends it
-        self._child.stop(timeout)
+        """Close the pipe, so that the child closes its Worker and exits; wait for it that
+        long, then stop it (``Child.stop``). Idempotent."""
+        with self._lock:  # after a command in progress
+            self._closed = True
+            self._child.stop(timeout)
