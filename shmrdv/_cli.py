@@ -24,23 +24,22 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
+from . import ClusterSpec, DeviceName, Worker, __version__, create_key, new_namespace
+from ._cluster import ENV_VAR
+from ._errors import InvalidArgumentError, RendezvousError
 from ._procs import ChildFailed, ChildGroup, ChildTimeout, reap, wait_for_close
+from ._shm.reaper import collect, list_objects
 from ._values import format_size, parse_size
 
 __all__ = ["main"]
 
 
 def _cmd_namespace(args: argparse.Namespace) -> int:
-    from ._cluster import new_namespace
-
     print(new_namespace())
     return 0
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from ._shm.reaper import list_objects
-
     objs = list_objects(args.namespace)
     if args.json:
         print(json.dumps([o.__dict__ for o in objs], indent=1, default=str))
@@ -61,8 +60,6 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from ._shm.reaper import collect
-
     removed = collect(args.namespace, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for o in removed:
@@ -82,10 +79,7 @@ def _serve_until_stopped(tick: Callable[[], object] = lambda: None) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from . import DeviceName, Worker
-    from ._bench.echo import EchoLoop, EchoService
-    from ._cluster import ENV_VAR, ClusterSpec
-    from ._errors import InvalidArgumentError
+    from ._bench.echo import EchoLoop, EchoService  # the benchmark tool loads on use
 
     usage: argparse.ArgumentParser = args.parser
     token = os.environ.get("SHMRDV_TOKEN") or None
@@ -202,8 +196,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ._errors import RendezvousError
-
     try:
         try:
             args, extra = build_parser().parse_known_args(argv)
@@ -257,15 +249,13 @@ def _dev(task: int) -> str:
 
 
 def _producer(conn: Connection, run: _Run, go: Any) -> None:
-    import shmrdv
-
     # --hosts 2: the stages reach the producer only through gRPC, as on another host.
     transports = ("grpc",) if run.hosts == 2 else None
-    with shmrdv.Worker(
+    with Worker(
         _dev(0), namespace=run.ns, transports=transports, max_inflight_bytes=run.window
     ) as w:
         rdv = w.rendezvous(0)
-        keys = [shmrdv.create_key(_dev(0), 0, _dev(1 + s), "frame") for s in range(run.stages)]
+        keys = [create_key(_dev(0), 0, _dev(1 + s), "frame") for s in range(run.stages)]
         go.wait(60)
         for i in range(run.frames):
             buf = rdv.allocate(keys[i % run.stages], run.shape, np.float32)
@@ -276,13 +266,11 @@ def _producer(conn: Connection, run: _Run, go: Any) -> None:
 
 
 def _stage(conn: Connection, run: _Run, go: Any, s: int) -> None:
-    import shmrdv
-
     me = _dev(1 + s)
-    with shmrdv.Worker(me, namespace=run.ns, max_inflight_bytes=run.window) as w:
+    with Worker(me, namespace=run.ns, max_inflight_bytes=run.window) as w:
         rdv = w.rendezvous(0)
-        src = shmrdv.create_key(_dev(0), 0, me, "frame")
-        dst = shmrdv.create_key(me, 0, _dev(1 + run.stages), "out")
+        src = create_key(_dev(0), 0, me, "frame")
+        dst = create_key(me, 0, _dev(1 + run.stages), "out")
         go.wait(60)
         for _ in range(s, run.frames, run.stages):
             frame = rdv.recv(src, timeout=60).value
@@ -296,12 +284,10 @@ def _stage(conn: Connection, run: _Run, go: Any, s: int) -> None:
 
 
 def _sink(conn: Connection, run: _Run, go: Any) -> None:
-    import shmrdv
-
     me = _dev(1 + run.stages)
-    with shmrdv.Worker(me, namespace=run.ns) as w:
+    with Worker(me, namespace=run.ns) as w:
         rdv = w.rendezvous(0)
-        keys = [shmrdv.create_key(_dev(1 + s), 0, me, "out") for s in range(run.stages)]
+        keys = [create_key(_dev(1 + s), 0, me, "out") for s in range(run.stages)]
         _count(conn, run, go, lambda i: rdv.recv(keys[i % run.stages], timeout=60).value)
 
 
@@ -404,16 +390,12 @@ def _result_line(label: str, frames: int, seconds: float, bad: int, nbytes: int)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    import shmrdv
-
-    from ._shm.reaper import collect
-
     if args.frames < 1 or args.stages < 1 or args.window < 0:
         args.parser.error("--frames and --stages must be >= 1, --window >= 0 (0: no window)")
     elems = args.size // 4
     shape = (int(elems**0.5), elems // int(elems**0.5))
     window = args.window * shape[0] * shape[1] * 4 or None
-    run = _Run(args.frames, shape, args.stages, shmrdv.new_namespace(), args.hosts, window)
+    run = _Run(args.frames, shape, args.stages, new_namespace(), args.hosts, window)
     where = "gRPC on loopback (as between hosts)" if args.hosts == 2 else "shared memory"
     print(
         f"shmrdv demo: {run.frames} frames of {shape[0]}x{shape[1]} float32 "
