@@ -23,16 +23,14 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from ._errors import UnavailableError
 from ._rendezvous import Closing, Received
-
-if TYPE_CHECKING:
-    from ._worker import Worker
+from ._worker import Worker
 
 __all__ = [
     "Child",
@@ -294,10 +292,8 @@ class ChildGroup:
 
 
 def _child_main(conn: Connection, task: str, kwargs: dict[str, Any]) -> None:
-    import shmrdv
-
     try:
-        worker = shmrdv.Worker(task, **kwargs)
+        worker = Worker(task, **kwargs)
     except BaseException as e:  # report why it could not start
         conn.send(("err", _portable(e)))
         return

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ._cluster import new_namespace
+from ._procs import ChildWorker
+
 if TYPE_CHECKING:
-    from ._procs import ChildWorker
     from ._shm.reaper import ObjectInfo
 
 __all__ = ["shmrdv_child_worker", "shmrdv_namespace"]
@@ -252,8 +254,6 @@ def shmrdv_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
 @pytest.fixture
 def shmrdv_namespace() -> str:
     """A fresh namespace token (``shmrdv.new_namespace()``)."""
-    from ._cluster import new_namespace
-
     return new_namespace()
 
 
@@ -263,8 +263,6 @@ def shmrdv_child_worker(shmrdv_namespace: str) -> Iterator[Callable[..., ChildWo
     holding a ``Worker`` for ``task`` in the test's namespace and returns its
     ``shmrdv.testing.ChildWorker`` (send, recv, call, kill, ...). Every child is closed at
     teardown."""
-    from ._procs import ChildWorker
-
     children: list[ChildWorker] = []
 
     def make(task: str, **worker_kwargs: Any) -> ChildWorker:
