@@ -1,21 +1,12 @@
 """Child processes that die with their parent, each with a control pipe and bounded waits.
 
-The one process harness of the library, the demo, the benchmarks and the tests:
-
-* ``Child(name, target, *args)`` spawns ``target(conn, *args)`` in a new process. In the
-  child, SIGINT is ignored (the parent handles Ctrl-C and stops it), SIGTERM raises
-  ``SystemExit`` (so ``with Worker(...)`` blocks close), and Linux is asked to SIGTERM
-  the child when the parent dies (``PR_SET_PDEATHSIG``). If ``target`` raises, the child
-  sends ``("error", traceback_text)`` and exits 1. ``cpus=`` pins the child to those CPUs
-  before ``target`` starts (the threads it starts inherit the mask).
-* ``Child.recv(timeout)`` waits for the next message, at most ``timeout`` seconds:
-  ``ChildTimeout`` on silence, ``ChildFailed`` on death or an ``error`` message.
-* ``Child.stop(grace)`` / ``reap(children, grace)``: join within ``grace``, then SIGTERM,
-  then SIGKILL; only the processes started here, by their pid.
-* ``ChildGroup`` holds named children and forwards to them.
-* ``wait_for_close(conn)`` in a child blocks until the parent sends ``("close",)`` or is
-  gone: the parent decides the order in which children close (consumers before the
-  producers they pull from, so that no channel sees its server go away mid-call).
+The one process harness of the demo, the benchmarks and the tests. A ``Child`` runs
+``target(conn, *args)`` in a spawned process that ignores SIGINT (the parent handles
+Ctrl-C), turns SIGTERM into ``SystemExit`` (so ``with Worker(...)`` blocks close) and is
+sent SIGTERM when its parent dies; a ``target`` that raises sends ``("error", traceback)``.
+Processes are stopped only by the pids started here. ``ChildWorker`` drives a
+``shmrdv.Worker`` in a child. Thread model (``docs/threads.md``): no threads; a
+``ChildWorker`` may be called from any thread, one command at a time.
 """
 
 from __future__ import annotations
@@ -23,21 +14,23 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import multiprocessing
-import multiprocessing.connection
 import os
+import pickle
 import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import Connection
-from typing import Any
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from ._errors import UnavailableError
 from ._rendezvous import Closing, Received
+from ._worker import Worker
 
 __all__ = [
     "Child",
@@ -46,14 +39,13 @@ __all__ = [
     "ChildGroup",
     "ChildTimeout",
     "ChildWorker",
-    "child_setup",
     "exit_reason",
     "reap",
     "wait_for_close",
 ]
 
-# linux/prctl.h
-_PR_SET_PDEATHSIG = 1
+_T = TypeVar("_T")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ChildFailed(Exception):
@@ -64,35 +56,30 @@ class ChildTimeout(ChildFailed):
     """A child stayed silent longer than the wait allowed (it may still be working)."""
 
 
+class ChildError(Exception):
+    """An exception raised in the child that could not be sent back as itself."""
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
-
-
-def child_setup(parent_pid: int) -> None:
-    """Run first in a child: ignore SIGINT, turn SIGTERM into ``SystemExit``, die with the parent.
-
-    ``PR_SET_PDEATHSIG`` fires when the parent *thread* exits; a child whose parent is
-    already gone (``getppid`` changed before the request took effect) exits at once.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    with contextlib.suppress(Exception):  # not Linux, or no libc symbol: best effort
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def _entry(
     target: Callable[..., None],
     conn: Connection,
-    parent_pid: int,
+    parent: int,
     cpus: frozenset[int] | None,
     *args: Any,
 ) -> None:
-    child_setup(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    with contextlib.suppress(Exception):  # not Linux, or no libc symbol: best effort
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
     try:
         if cpus is not None:
-            os.sched_setaffinity(0, cpus)
+            os.sched_setaffinity(0, cpus)  # before target: the threads it starts inherit it
         target(conn, *args)
     except BaseException as e:
         if isinstance(e, SystemExit) and e.code in (0, None):
@@ -104,7 +91,7 @@ def _entry(
         conn.close()
 
 
-def exit_reason(proc: multiprocessing.process.BaseProcess) -> str:
+def exit_reason(proc: BaseProcess) -> str:
     """``"still running"``, ``"exit code N"`` or ``"killed by signal N"``."""
     code = proc.exitcode
     if code is None:
@@ -113,20 +100,20 @@ def exit_reason(proc: multiprocessing.process.BaseProcess) -> str:
 
 
 def wait_for_close(conn: Connection) -> None:
-    """In a child: block until the parent sends ``("close",)`` or is gone."""
+    """In a child: block until the parent sends ``("close",)`` or is gone. The parent
+    decides the order in which children close (consumers before the producers they pull
+    from, so that no channel sees its server go away mid-call)."""
     with contextlib.suppress(EOFError, OSError):
         while conn.recv()[0] != "close":
             pass
 
 
 class Child:
-    """One spawned process running ``target(conn, *args)``, and the parent's end of its pipe.
+    """One spawned process running ``target(conn, *args)`` (a top-level function; the
+    arguments must pickle), and the parent's end of its pipe.
 
-    ``target`` and ``args`` must pickle (spawn starts a fresh interpreter): a top-level
-    function. ``daemon=True`` (the default) also stops it when the parent exits normally;
-    a daemon cannot start children of its own. ``cpus``: pin the child to these CPUs
-    (``os.sched_setaffinity``; one this process may not use fails the child). Use it as
-    a context manager: leaving stops it (``stop(grace=5)``).
+    ``daemon``: also stop it when the parent exits normally (a daemon cannot start children
+    of its own). ``cpus``: pin it to these CPUs. Leaving a ``with`` block stops it.
     """
 
     def __init__(
@@ -134,18 +121,18 @@ class Child:
         name: str,
         target: Callable[..., None],
         *args: Any,
-        start_method: str = "spawn",
         daemon: bool = True,
         cpus: Iterable[int] | None = None,
     ) -> None:
         pinned = None if cpus is None else frozenset(cpus)
         if pinned is not None and not pinned:
             raise ValueError(f"{name}: cpus must name at least one CPU, or be None")
-        ctx: Any = multiprocessing.get_context(start_method)
+        ctx: Any = multiprocessing.get_context("spawn")
         self.name = name
-        parent, child = ctx.Pipe()
-        self.conn: Connection = parent
-        self.process: multiprocessing.process.BaseProcess = ctx.Process(
+        self._closed = False
+        self.conn: Connection
+        self.conn, child = ctx.Pipe()
+        self.process: BaseProcess = ctx.Process(
             target=_entry,
             args=(target, child, os.getpid(), pinned, *args),
             name=name,
@@ -155,16 +142,10 @@ class Child:
             self.process.start()
         finally:
             child.close()  # only the child keeps its end: its death shows up here as EOF
-        self._closed = False
-
-    @property
-    def pid(self) -> int:
-        pid = self.process.pid
-        assert pid is not None  # started in __init__
-        return pid
+        self.pid = cast(int, self.process.pid)  # set by start()
 
     def __repr__(self) -> str:
-        return f"<Child {self.name} pid={self.process.pid} {exit_reason(self.process)}>"
+        return f"<Child {self.name} pid={self.pid} {exit_reason(self.process)}>"
 
     def __enter__(self) -> Child:
         return self
@@ -187,21 +168,15 @@ class Child:
             return True  # closed: the next recv reports why
 
     def recv(self, timeout: float, what: str = "a message") -> tuple[Any, ...]:
-        """The child's next message within ``timeout`` s.
-
-        Raises ``ChildTimeout`` if none came, ``ChildFailed`` if the child died (its exit
-        code or signal in the message) or sent ``("error", traceback)``.
-        """
+        """The child's next message within ``timeout`` s: ``ChildTimeout`` if none came,
+        ``ChildFailed`` if the child died (how, in the message) or sent an error."""
         return self._recv_by(time.monotonic() + timeout, timeout, what)
 
     def _recv_by(self, deadline: float, timeout: float, what: str) -> tuple[Any, ...]:
-        while True:
-            remaining = deadline - time.monotonic()
-            if self.poll(max(0.0, min(remaining, 0.5))):
-                break
+        while not self.poll(max(0.0, min(deadline - time.monotonic(), 0.5))):
             if self.process.exitcode is not None and not self.poll():
                 raise ChildFailed(f"{self.name} died ({exit_reason(self.process)})")
-            if remaining <= 0:
+            if time.monotonic() >= deadline:
                 raise ChildTimeout(f"no {what} from {self.name} within {timeout:g} s (hung?)")
         try:
             msg: tuple[Any, ...] = tuple(self.conn.recv())
@@ -213,34 +188,26 @@ class Child:
         return msg
 
     def expect(
-        self,
-        kind: str,
-        timeout: float,
-        other: Callable[[tuple[Any, ...]], bool] | None = None,
+        self, kind: str, timeout: float, other: Callable[[tuple[Any, ...]], bool] | None = None
     ) -> tuple[Any, ...]:
-        """The next message of ``kind`` (its first item), within ``timeout`` s in all.
-
-        A message of another kind goes to ``other`` (progress reports, say), which returns
-        True to keep waiting; without ``other``, or if it returns False, ``ChildFailed``.
-        """
+        """The next message of ``kind`` (its first item), within ``timeout`` s in all. A
+        message of another kind goes to ``other`` (progress reports, say), which returns
+        True to keep waiting; without ``other``, or if it returns False, ``ChildFailed``."""
         deadline = time.monotonic() + timeout
-        while True:
-            msg = self._recv_by(deadline, timeout, repr(kind))
-            if msg[0] == kind:
-                return msg
+        while (msg := self._recv_by(deadline, timeout, repr(kind)))[0] != kind:
             if other is None or not other(msg):
                 raise ChildFailed(f"expected {kind!r} from {self.name}, got {msg!r}")
+        return msg
 
     def signal(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to this child (by its pid), unless it has exited."""
+        """Send ``sig`` to this child, unless it has exited."""
         if self.process.exitcode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
     def stop(self, grace: float, term_wait: float = 5.0) -> bool:
-        """Close the pipe (a child in ``wait_for_close`` or ``recv`` sees EOF and returns),
-        join within ``grace`` s, then SIGTERM, then (``term_wait`` s later) SIGKILL; True
-        if it had to be stopped."""
+        """Close the pipe (a child in ``wait_for_close`` returns), then ``reap`` it; whether
+        it had to be signalled."""
         self.close()
         return reap([self], grace, term_wait) > 0
 
@@ -251,16 +218,9 @@ class Child:
             self.conn.close()
 
 
-def reap(
-    children: Iterable[Child | multiprocessing.process.BaseProcess],
-    grace: float,
-    term_wait: float = 5.0,
-) -> int:
-    """Join every process within ``grace`` s in all, then SIGTERM, then SIGKILL the rest.
-
-    Returns how many had to be terminated. Each wait is bounded: ``term_wait`` s after
-    SIGTERM (time for ``with`` blocks to close), 5 s after SIGKILL.
-    """
+def reap(children: Iterable[Child | BaseProcess], grace: float, term_wait: float = 5.0) -> int:
+    """Join every process within ``grace`` s in all, then SIGTERM the rest, then (``term_wait``
+    s later: time for ``with`` blocks to close) SIGKILL; how many had to be signalled."""
     procs = [c.process if isinstance(c, Child) else c for c in children]
     deadline = time.monotonic() + grace
     for p in procs:
@@ -268,9 +228,9 @@ def reap(
     stopped = [p for p in procs if p.exitcode is None]
     for p in stopped:
         p.terminate()
-    term_deadline = time.monotonic() + term_wait
+    deadline = time.monotonic() + term_wait
     for p in stopped:
-        p.join(max(0.0, term_deadline - time.monotonic()))
+        p.join(max(0.0, deadline - time.monotonic()))
         if p.exitcode is None:
             p.kill()
             p.join(5)
@@ -278,10 +238,9 @@ def reap(
 
 
 class ChildGroup:
-    """Named children started together and stopped together (``reap``)."""
+    """Named children started together; leaving a ``with`` block stops them all (``reap``)."""
 
-    def __init__(self, start_method: str = "spawn") -> None:
-        self._start_method = start_method
+    def __init__(self) -> None:
         self.children: dict[str, Child] = {}
 
     def __enter__(self) -> ChildGroup:
@@ -297,65 +256,44 @@ class ChildGroup:
         return iter(list(self.children.values()))
 
     def start(
-        self,
-        name: str,
-        target: Callable[..., None],
-        *args: Any,
-        cpus: Iterable[int] | None = None,
+        self, name: str, target: Callable[..., None], *args: Any, cpus: Iterable[int] | None = None
     ) -> Child:
         """Start ``Child(name, target, *args, cpus=cpus)`` in this group."""
         if name in self.children:
             raise ValueError(f"a child named {name!r} was already started")
-        child = Child(name, target, *args, start_method=self._start_method, cpus=cpus)
-        self.children[name] = child
+        child = self.children[name] = Child(name, target, *args, cpus=cpus)
         return child
 
     def check_alive(self, names: Iterable[str] | None = None) -> None:
-        """``ChildFailed`` if a child (of ``names``, default all) failed or sent anything meanwhile."""
-        chosen = self.children.values() if names is None else [self.children[n] for n in names]
-        for child in chosen:
-            if child.poll():
-                try:
-                    msg = child.conn.recv()
-                except (EOFError, OSError, ValueError):
-                    child.process.join(5)
-                    if child.process.exitcode not in (0, None):
-                        raise ChildFailed(
-                            f"{child.name} died ({exit_reason(child.process)})"
-                        ) from None
-                    continue
-                if msg[0] == "error":
-                    raise ChildFailed(f"{child.name} failed:\n{msg[1]}")
-                raise ChildFailed(f"unexpected message from {child.name}: {msg!r}")
-            if child.process.exitcode not in (0, None):
-                raise ChildFailed(f"{child.name} died ({exit_reason(child.process)})")
+        """``ChildFailed`` if a child (of ``names``, default all) failed, died or sent
+        anything (one that exited cleanly did not fail)."""
+        for child in self if names is None else map(self.__getitem__, names):
+            if not child.poll() and child.process.exitcode in (0, None):
+                continue
+            try:
+                msg = child.recv(0.0)
+            except ChildFailed:
+                if child.process.exitcode != 0:
+                    raise
+                continue
+            raise ChildFailed(f"unexpected message from {child.name}: {msg!r}")
 
     def alive(self) -> int:
-        return sum(1 for c in self.children.values() if c.process.exitcode is None)
+        return sum(1 for c in self if c.process.exitcode is None)
 
     def reap(self, grace: float) -> int:
-        """Stop every child (close its pipe, join within ``grace``, then SIGTERM, then SIGKILL);
-        how many had to be stopped."""
-        for child in self.children.values():
+        """Close every pipe, then ``reap`` every child; how many had to be signalled."""
+        for child in self:
             child.close()
-        return reap(self.children.values(), grace)
+        return reap(self, grace)
 
 
-# Seconds the parent waits for a command's answer before declaring the child hung.
-_DEFAULT_REPLY_S = 60.0
+# -- ChildWorker: a Worker in a child, running module-level functions it is sent ----------
 
 
-class ChildError(Exception):
-    """An exception raised in the child that could not be sent back as itself."""
-
-
-def _child_main(
-    conn: multiprocessing.connection.Connection, task: str, kwargs: dict[str, Any]
-) -> None:
-    import shmrdv
-
+def _child_main(conn: Connection, task: str, kwargs: dict[str, Any]) -> None:
     try:
-        worker = shmrdv.Worker(task, **kwargs)
+        worker = Worker(task, **kwargs)
     except BaseException as e:  # report why it could not start
         conn.send(("err", _portable(e)))
         return
@@ -363,56 +301,41 @@ def _child_main(
     with worker:
         while True:
             try:
-                cmd, args = conn.recv()
+                fn, args = conn.recv()
             except (EOFError, OSError):
-                return  # parent gone
-            if cmd == "close":
-                worker.close()
-                conn.send(("ok", None))
-                return
+                return  # closed by the parent, or the parent is gone: the Worker closes
             try:
-                result = _run(worker, cmd, args)
+                conn.send(("ok", fn(worker, *args)))
             except BaseException as e:
                 conn.send(("err", _portable(e)))
-            else:
-                conn.send(("ok", result))
-
-
-def _run(worker: Any, cmd: str, args: tuple[Any, ...]) -> Any:
-    if cmd == "send":
-        step, key, value, is_dead = args
-        worker.rendezvous(step).send(key, value, is_dead=is_dead)
-        return None
-    if cmd == "send_allocated":
-        step, key, value, is_dead = args
-        rdv = worker.rendezvous(step)
-        buf = rdv.allocate(key, value.shape, value.dtype)
-        buf[...] = value
-        rdv.send(key, buf, is_dead=is_dead)
-        return None
-    if cmd == "recv":
-        step, key, timeout = args
-        # copy=True: the value is pickled back to the parent, the segment freed at once.
-        return worker.rendezvous(step).recv(key, timeout=timeout, copy=True)
-    if cmd == "cleanup":
-        worker.cleanup(args[0])
-        return None
-    if cmd == "call":
-        fn, fargs = args
-        return fn(worker, *fargs)
-    raise ValueError(f"unknown child command {cmd!r}")
 
 
 def _portable(e: BaseException) -> BaseException:
     """The exception itself if it pickles, else a ChildError carrying its text."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(e))
         return e
     except Exception:
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         return ChildError(f"{type(e).__name__}: {e}\n{text}")
+
+
+def _send(worker: Worker, step: int, key: str, value: Any, is_dead: bool, allocate: bool) -> None:
+    rdv = worker.rendezvous(step)
+    if allocate:
+        buf = rdv.allocate(key, value.shape, value.dtype)
+        buf[...] = value
+        value = buf
+    rdv.send(key, value, is_dead=is_dead)
+
+
+def _recv(worker: Worker, step: int, key: str, timeout: float | None) -> Received:
+    # copy=True: the value is pickled back to the parent, the segment freed at once.
+    return worker.rendezvous(step).recv(key, timeout=timeout, copy=True)
+
+
+def _cleanup(worker: Worker, step: int) -> None:
+    worker.cleanup(step)
 
 
 class _ChildProducer:
@@ -424,39 +347,29 @@ class _ChildProducer:
     def send(self, key: str, value: npt.NDArray[Any], *, is_dead: bool = False) -> None:
         # Only plain arrays go through allocate: what send refuses or converts (object
         # dtypes, ndarray subclasses) must meet send itself.
-        if self._allocate and type(value) is np.ndarray and not value.dtype.hasobject:
-            self._child.send_allocated(key, value, is_dead=is_dead, step=self._step)
-        else:
-            self._child.send(key, value, is_dead=is_dead, step=self._step)
+        allocate = self._allocate and type(value) is np.ndarray and not value.dtype.hasobject
+        self._child.send(key, value, is_dead=is_dead, step=self._step, allocate=allocate)
 
 
 class ChildWorker(Closing):
-    """A ``shmrdv.Worker`` for ``task`` in a child process (spawn by default).
+    """A ``shmrdv.Worker`` for ``task`` in a spawned child process.
 
-    Each method sends one command and blocks until the child answers (at most
-    ``reply_timeout`` seconds); the child's exception is re-raised here. ``kill()``
-    sends a signal (SIGKILL by default); ``close()`` closes the child's Worker, waits for
-    the process and is idempotent. Use it as a context manager.
+    Each method sends one command and blocks until the child answers, at most
+    ``reply_timeout`` s (then ``TimeoutError``); the child's exception is raised here, and a
+    child that died is ``UnavailableError``. ``kill()`` signals it (SIGKILL by default);
+    ``close()`` closes its Worker, waits for the process and is idempotent.
     """
 
-    def __init__(
-        self,
-        task: str,
-        *,
-        start_method: str = "spawn",
-        reply_timeout: float = _DEFAULT_REPLY_S,
-        **worker_kwargs: Any,
-    ) -> None:
+    def __init__(self, task: str, *, reply_timeout: float = 60.0, **worker_kwargs: Any) -> None:
         self.task = task
         self._reply_timeout = reply_timeout
         self._lock = threading.Lock()
-        self._child = Child(
-            f"shmrdv-child {task}", _child_main, task, worker_kwargs, start_method=start_method
-        )
-        self.pid = self._child.pid
         self._closed = False
+        self._child = Child(f"shmrdv-child {task}", _child_main, task, worker_kwargs)
+        self.pid = self._child.pid
+        self.process = self._child.process
         try:
-            self.incarnation, self.address = self._reply("start")
+            self.incarnation, self.address = self._reply("start", reply_timeout)
         except BaseException:
             self.kill()
             raise
@@ -464,13 +377,12 @@ class ChildWorker(Closing):
     def __repr__(self) -> str:
         return f"<ChildWorker {self.task} pid={self.pid} alive={self.process.is_alive()}>"
 
-    def _reply(self, what: str, timeout: float | None = None) -> Any:
-        t = self._reply_timeout if timeout is None else timeout
+    def _reply(self, what: str, timeout: float) -> Any:
         try:
-            status, payload = self._child.recv(t, f"answer to {what!r}")
+            status, payload = self._child.recv(timeout, f"answer to {what!r}")
         except ChildTimeout:
             raise TimeoutError(
-                f"child {self.task} (pid {self.pid}) did not answer {what!r} within {t:g}s"
+                f"child {self.task} (pid {self.pid}) did not answer {what!r} within {timeout:g}s"
             ) from None
         except ChildFailed as e:
             raise UnavailableError(
@@ -480,46 +392,39 @@ class ChildWorker(Closing):
             raise payload
         return payload
 
-    def _call(self, cmd: str, *args: Any, timeout: float | None = None) -> Any:
+    def call(self, fn: Callable[..., _T], *args: Any, timeout: float | None = None) -> _T:
+        """Run ``fn(worker, *args)`` in the child (``fn`` importable by name, its result
+        picklable) and return its result; ``timeout`` defaults to ``reply_timeout``."""
         with self._lock:
             if self._closed:
                 raise UnavailableError(f"child {self.task} is closed")
             try:
-                self._child.send((cmd, args))
+                self._child.send((fn, args))
             except ChildFailed as e:
                 raise UnavailableError(f"child {self.task} (pid {self.pid}) is gone") from e
-            return self._reply(cmd, timeout)
+            wait = self._reply_timeout if timeout is None else timeout
+            result: _T = self._reply(fn.__name__.lstrip("_"), wait)
+            return result
 
-    def send(self, key: str, value: Any, *, is_dead: bool = False, step: int = 0) -> None:
-        """``worker.rendezvous(step).send(key, value)`` in the child."""
-        self._call("send", step, key, value, is_dead)
-
-    def send_allocated(
-        self, key: str, value: npt.NDArray[Any], *, is_dead: bool = False, step: int = 0
+    def send(
+        self, key: str, value: Any, *, is_dead: bool = False, step: int = 0, allocate: bool = False
     ) -> None:
-        """``allocate`` a buffer in the child, copy ``value`` into it, and send the buffer."""
-        self._call("send_allocated", step, key, value, is_dead)
+        """``worker.rendezvous(step).send(key, value)`` in the child (``allocate``: copied
+        into an ``allocate``d buffer first, a zero-copy send)."""
+        self.call(_send, step, key, value, is_dead, allocate)
 
     def recv(self, key: str, *, timeout: float | None = None, step: int = 0) -> Received:
-        """``worker.rendezvous(step).recv(key, timeout=...)`` in the child; the value comes back by pickle."""
+        """``worker.rendezvous(step).recv(key, timeout=...)`` in the child; the value comes
+        back by pickle."""
         wait = None if timeout is None else timeout + self._reply_timeout
-        result: Received = self._call("recv", step, key, timeout, timeout=wait)
-        return result
+        return self.call(_recv, step, key, timeout, timeout=wait)
 
     def cleanup(self, step: int) -> None:
-        self._call("cleanup", step)
-
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
-        """Run ``fn(worker, *args)`` in the child (``fn`` must be importable by name) and return its result."""
-        return self._call("call", fn, args, timeout=timeout)
+        self.call(_cleanup, step)
 
     def producer(self, step: int = 0, *, allocate: bool = False) -> _ChildProducer:
-        """A conformance-pair producer sending from this child (``allocate=True``: zero-copy sends)."""
+        """A conformance-pair producer sending from this child (``allocate``: zero-copy)."""
         return _ChildProducer(self, step, allocate)
-
-    @property
-    def process(self) -> multiprocessing.process.BaseProcess:
-        return self._child.process
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the child (only the child we started, by its pid)."""
@@ -530,13 +435,8 @@ class ChildWorker(Closing):
             self._child.close()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Close the child's Worker and wait for the process; kill it if it does not exit."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                try:
-                    self._child.send(("close", ()))
-                    self._child.recv(timeout, "answer to 'close'")
-                except ChildFailed:
-                    pass  # gone already, or hung: stop() below ends it
-        self._child.stop(timeout)
+        """Close the pipe, so that the child closes its Worker and exits; wait for it that
+        long, then stop it (``Child.stop``). Idempotent."""
+        with self._lock:  # after a command in progress
+            self._closed = True
+            self._child.stop(timeout)

@@ -1,14 +1,11 @@
-"""A pytest plugin for testing code built on shmrdv (registered as ``pytest11`` entry ``shmrdv``).
+"""The pytest plugin for code built on shmrdv (``pytest11`` entry point ``shmrdv``).
 
-It is loaded through the entry point, but its leak check stays off until ``--shmrdv`` is
-given or the ini option ``shmrdv = true`` is set. Fixtures: ``shmrdv_namespace`` (a fresh
-namespace token), ``shmrdv_child_worker`` (a factory of Workers running in real child
-processes), and, when enabled, the autouse ``shmrdv_leak_check`` (fails a test that
-leaves shmrdv objects of a dead namespace in /dev/shm or child processes running) and a
-session-wide check. Leaked objects are named by namespace id, kind and, where their
-header or record tells, key, step, task and pid; leaked children are ended (SIGTERM,
-then SIGKILL; only those, by pid), so that none outlives the session or holds up its
-exit. ``shmrdv.testing`` has the conformance battery and ``run_in_worker``.
+Fixtures: ``shmrdv_namespace`` (a fresh namespace token) and ``shmrdv_child_worker`` (a
+factory of ``ChildWorker``s, closed at teardown). With ``--shmrdv`` or the ini option
+``shmrdv = true``, a leak check fails each test, and the session, that leaves objects of a
+dead namespace in /dev/shm (named by kind, namespace id and what their header or record
+says, then removed) or child processes running (ended: SIGTERM, then SIGKILL, only those,
+by pidfd). Every message says how to fix what it found. It starts no threads.
 """
 
 from __future__ import annotations
@@ -19,48 +16,28 @@ import os
 import select
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ._cluster import new_namespace
+from ._procs import ChildWorker
+
 if TYPE_CHECKING:
     from ._shm.reaper import ObjectInfo
 
-__all__ = ["child_pids", "describe_objects", "end_children", "how_to_fix", "leftover_objects"]
+__all__ = ["shmrdv_child_worker", "shmrdv_namespace"]
 
 SHM_DIR = "/dev/shm"
-# How long a leaked child has to exit after SIGTERM (a Worker in it closes), then SIGKILL.
-_TERM_GRACE_S = 2.0
-_KILL_WAIT_S = 2.0
 
 
-def leftover_objects(prefix: str = "shmrdv_") -> set[str]:
-    """Names in /dev/shm (segments, records, ``sem.`` semaphores) that start with ``prefix``.
-
-    Only names shmrdv makes and regular files of this user count (``reaper.object_names``: one
-    ``lstat`` per shmrdv name, nothing opened): /dev/shm is world-writable, and another
-    user's junk ``shmrdv_...`` files are neither this test's leak nor for it to remove.
-    """
+def _objects() -> set[str]:
+    # This user's regular files only (one lstat each, nothing opened): another user's
+    # shmrdv_... junk is neither a leak nor ours to remove.
     from ._shm.reaper import object_names
 
-    return {
-        n for n in object_names(SHM_DIR) if n.startswith(prefix) or n.startswith("sem." + prefix)
-    }
-
-
-def _helper_pids() -> set[int]:
-    """Long-lived helpers multiprocessing starts once per process (not a test's leak)."""
-    pids: set[int] = set()
-    try:
-        from multiprocessing import resource_tracker
-
-        pid = getattr(resource_tracker._resource_tracker, "_pid", None)
-        if pid:
-            pids.add(pid)
-    except Exception:  # pragma: no cover - private API moved
-        pass
-    return pids
+    return object_names(SHM_DIR)
 
 
 def _is_live_child(pid: int) -> bool:
@@ -75,43 +52,22 @@ def _is_live_child(pid: int) -> bool:
     return len(fields) >= 2 and int(fields[1]) == os.getpid() and fields[0] != b"Z"
 
 
-def child_pids() -> set[int]:
-    """Pids of live (non-zombie) children of this process, from /proc.
+def _children() -> set[int]:
+    """Live children of this process, but multiprocessing's resource tracker (started by the
+    first ``spawn``, it lives as long as this process)."""
+    from multiprocessing import resource_tracker
 
-    multiprocessing's resource tracker, started by the first ``spawn``, is not counted.
-    """
-    try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:  # pragma: no cover
-        return set()
-    return {pid for pid in pids if _is_live_child(pid)} - _helper_pids()
+    tracker = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
+    pids = (int(p) for p in os.listdir("/proc") if p.isdigit())
+    return {pid for pid in pids if pid != tracker and _is_live_child(pid)}
 
 
-def _wait_exits(fds: dict[int, int], timeout: float) -> None:
-    """Wait up to ``timeout`` s until every pidfd in ``fds`` (pid -> fd) is readable
-    (its process exited); drop those from ``fds``."""
-    deadline = time.monotonic() + timeout
-    while fds:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        poller = select.poll()
-        for fd in fds.values():
-            poller.register(fd, select.POLLIN)
-        ready = {fd for fd, _ in poller.poll(left * 1000)}
-        for pid in [p for p, fd in fds.items() if fd in ready]:
-            os.close(fds.pop(pid))
-
-
-def end_children(pids: Sequence[int] | set[int]) -> dict[int, str]:
-    """End those of ``pids`` that are still live children of this process; say how.
-
-    Each gets SIGTERM (a shmrdv child then closes its Worker), and SIGKILL if it is still
-    running ``_TERM_GRACE_S`` later. Signals go through a pidfd taken while the pid was
-    checked to be our child, so a pid reused meanwhile is never signalled. The exited
-    children are not reaped: their owners (a ``multiprocessing.Process``, a ``Popen``) do
-    that. Returns pid -> ``"SIGTERM"``, ``"SIGKILL"``, ``"gone"`` or ``"still running"``.
-    """
+def _end(pids: Iterable[int]) -> dict[int, str]:
+    """SIGTERM those of ``pids`` still live children of this process (a shmrdv child then
+    closes its Worker), SIGKILL them 2 s later; how each ended (``"SIGTERM"``, ``"SIGKILL"``,
+    ``"gone"``, ``"still running"``). Signals go through a pidfd taken while the pid was
+    checked to be our child, so a pid reused meanwhile is never signalled; their owners (a
+    ``multiprocessing.Process``, a ``Popen``) reap them."""
     how: dict[int, str] = {}
     fds: dict[int, int] = {}
     for pid in sorted(pids):
@@ -120,128 +76,38 @@ def end_children(pids: Sequence[int] | set[int]) -> dict[int, str]:
         except OSError:
             how[pid] = "gone"
             continue
-        if not _is_live_child(pid):  # checked after the pidfd pins the process
+        if _is_live_child(pid):  # checked after the pidfd pins the process
+            fds[pid] = fd
+        else:
             os.close(fd)
             how[pid] = "gone"
-            continue
-        fds[pid] = fd
     try:
-        for sig, wait in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, _KILL_WAIT_S)):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid, fd in fds.items():
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(fd, sig)
                 how[pid] = sig.name
-            _wait_exits(fds, wait)
-        for pid in fds:
-            how[pid] = "still running"
+            deadline = time.monotonic() + 2.0
+            while fds and (left := deadline - time.monotonic()) > 0:
+                poller = select.poll()
+                for fd in fds.values():
+                    poller.register(fd, select.POLLIN)  # readable: the process exited
+                ready = {fd for fd, _ in poller.poll(left * 1000)}
+                for pid in [p for p, fd in fds.items() if fd in ready]:
+                    os.close(fds.pop(pid))
+        how.update((pid, "still running") for pid in fds)
     finally:
         for fd in fds.values():
             os.close(fd)
     return how
 
 
-def how_to_fix(names: set[str], listing: list[ObjectInfo]) -> str:
-    """What to change in a test that left ``names`` behind, by the kinds among them."""
-    kinds = {o.kind for o in listing if o.name in names}
-    fixes = []
-    if "message" in kinds or "ring" in kinds:
-        fixes.append(
-            "values were sent and never received: receive them, or call "
-            "Worker.cleanup(step) on the consumer's Worker for the step they were sent in"
-        )
-    if kinds - {"message", "ring"} or not kinds:
-        fixes.append(
-            "a Worker was not closed: close every Worker the test makes "
-            "(use 'with shmrdv.Worker(...) as w:')"
-        )
-    return "To fix: " + "; ".join(fixes) + "."
-
-
-def describe_objects(names: set[str], listing: list[ObjectInfo] | None = None) -> list[str]:
-    """Each of ``names`` (entries of /dev/shm) as "<kind> of namespace id <id>", with the
-    key, step, task and pid where its header or record says them, and the raw name.
-
-    ``listing`` is a ``list_objects()`` taken beforehand (one is taken if None).
-    """
-    from ._shm.naming import parse_name
-
-    if listing is None:
-        from ._shm.reaper import list_objects
-
-        listing = list_objects()
-    known = {o.name: o for o in listing}
-    out = []
-    for name in sorted(names):
-        info = known.get(name)
-        parsed = parse_name(name)
-        if info is not None:
-            kind, ns = info.kind, info.namespace
-        elif parsed is not None:
-            kind, ns = parsed.kind, parsed.namespace
-        else:
-            out.append(name)
-            continue
-        parts = [f"{kind} of namespace id {ns}"]
-        if info is not None:
-            if info.key is not None:
-                parts.append(f"key {info.key!r}")
-            if info.step_id is not None:
-                parts.append(f"step {info.step_id}")
-            if info.task is not None:
-                parts.append(f"task {info.task}")
-            if info.owner_pid is not None:
-                parts.append(f"pid {info.owner_pid}")
-        out.append(", ".join(parts) + f" ({name})")
-    return out
-
-
-def wait_clean(
-    before_objects: set[str], before_children: set[int], grace: float = 3.0
-) -> tuple[set[str], set[int]]:
-    """Wait up to ``grace`` seconds for new objects and children to go; return what is left."""
-    deadline = time.monotonic() + grace
-    collected = False
-    while True:
-        objs = leftover_objects() - before_objects
-        kids = child_pids() - before_children
-        if not objs and not kids:
-            return objs, kids
-        if not collected:
-            # Only when something is left: a full collection costs ~10 ms, and most tests
-            # leave nothing. It runs finalizers of unreachable Workers and segments.
-            gc.collect()
-            collected = True
-            continue
-        if time.monotonic() > deadline:
-            return objs, kids
-        time.sleep(0.05)
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("shmrdv")
-    group.addoption(
-        "--shmrdv",
-        action="store_true",
-        default=False,
-        help="enable shmrdv's fixtures and its leak check (objects in /dev/shm, child processes)",
-    )
-    parser.addini("shmrdv", "enable the shmrdv plugin (true/false)", type="bool", default=False)
-
-
-def _enabled(config: pytest.Config) -> bool:
-    if getattr(config.option, "shmrdv", False):
-        return True
-    try:
-        return bool(config.getini("shmrdv"))
-    except ValueError:  # registered after option parsing (a bare checkout's conftest)
-        return False
-
-
 def _dead_leftovers(names: set[str]) -> tuple[set[str], list[ObjectInfo]]:
-    """Those of ``names`` whose namespace has no live worker (a live one still owns its
-    objects), and the listing that judged them."""
+    """Those of ``names`` still there whose namespace has no live worker (a live one still
+    owns its objects), and the listing that judged them."""
     if not names:
         return set(), []
+    from ._shm.naming import parse_name
     from ._shm.reaper import list_objects
 
     # Judged by namespace, never by name: a live job's pool slot is renamed p -> m -> h -> r
@@ -252,14 +118,58 @@ def _dead_leftovers(names: set[str]) -> tuple[set[str], list[ObjectInfo]]:
     dead = {
         n
         for n in names
-        if _namespace_of(n) not in live and os.path.lexists(os.path.join(SHM_DIR, n))
+        if (p := parse_name(n)) and p.namespace not in live and os.path.lexists(f"{SHM_DIR}/{n}")
     }
     return dead, listing
 
 
-def _namespace_of(name: str) -> str:
-    """The namespace id in ``shmrdv_<namespace id>_...`` (or ``sem.shmrdv_...``)."""
-    return name.removeprefix("sem.").removeprefix("shmrdv_").split("_", 1)[0]
+def _leftovers(
+    objects: set[str], children: set[int], grace: float
+) -> tuple[set[str], list[ObjectInfo], set[int]]:
+    """Wait up to ``grace`` s for the objects of dead namespaces and the children not in
+    ``objects`` and ``children`` to go; what is left, and the listing that judged it."""
+    deadline = time.monotonic() + grace
+    collected = False
+    while True:
+        dead, listing = _dead_leftovers(_objects() - objects)
+        kids = _children() - children
+        if (not dead and not kids) or time.monotonic() > deadline:
+            return dead, listing, kids
+        if not collected:
+            # Only when something is left (most tests leave nothing, and a full collection
+            # takes a while): it runs the finalizers of unreachable Workers and segments.
+            gc.collect()
+            collected = True
+        else:
+            time.sleep(0.05)
+
+
+def _left_in_shm(names: set[str], listing: list[ObjectInfo]) -> str:
+    """The leaked ``names``, each as "<kind> of namespace id <id>" with the key, step, task
+    and pid where its header or record says them, and its raw name; then how to fix it."""
+    known = {o.name: o for o in listing}
+    shown = []
+    for name in sorted(names)[:20]:
+        if (o := known.get(name)) is None:
+            shown.append(name)  # not in the listing (renamed meanwhile): the name says the rest
+            continue
+        details = [("key", None if o.key is None else repr(o.key)), ("step", o.step_id)]
+        details += [("task", o.task), ("pid", o.owner_pid)]
+        said = "".join(f", {what} {value}" for what, value in details if value is not None)
+        shown.append(f"{o.kind} of namespace id {o.namespace}{said} ({name})")
+    kinds = {o.kind for o in listing if o.name in names}
+    fixes = []
+    if kinds & {"message", "ring"}:
+        fixes.append(
+            "values were sent and never received: receive them, or call "
+            "Worker.cleanup(step) on the consumer's Worker for the step they were sent in"
+        )
+    if kinds - {"message", "ring"} or not kinds:
+        fixes.append(
+            "a Worker was not closed: close every Worker the test makes "
+            "(use 'with shmrdv.Worker(...) as w:')"
+        )
+    return f"left in {SHM_DIR}: {'; '.join(shown)}. To fix: {'; '.join(fixes)}."
 
 
 def _remove(names: set[str]) -> None:
@@ -274,96 +184,91 @@ def _remove(names: set[str]) -> None:
             unlink_if_unused(path, (st.st_dev, st.st_ino), mapped_ok=True)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("shmrdv")
+    group.addoption(
+        "--shmrdv",
+        action="store_true",
+        default=False,
+        help="enable shmrdv's leak check (objects in /dev/shm, child processes)",
+    )
+    parser.addini("shmrdv", "enable the shmrdv leak check (true/false)", type="bool", default=False)
+
+
+def _enabled(config: pytest.Config) -> bool:
+    if getattr(config.option, "shmrdv", False):
+        return True
+    try:
+        return bool(config.getini("shmrdv"))
+    except ValueError:  # registered after option parsing (a bare checkout's conftest)
+        return False
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shmrdv_session_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     """At the end of the session, nothing the tests created may be left in /dev/shm."""
     if not _enabled(request.config):
         yield
         return
-    before = leftover_objects()
+    before = _objects()
     yield
-    objs, _ = wait_clean(before, child_pids())
     # Objects of a namespace with a live worker belong to a process still running (another
     # session on this machine); ours are all closed by now.
-    dead, listing = _dead_leftovers(objs)
+    dead, listing, _ = _leftovers(before, _children(), grace=3.0)
     if dead:
-        pytest.fail(
-            f"shmrdv leak check: the session left in {SHM_DIR}: "
-            f"{'; '.join(describe_objects(dead, listing)[:20])}. {how_to_fix(dead, listing)}",
-            pytrace=False,
-        )
+        pytest.fail(f"shmrdv leak check: the session {_left_in_shm(dead, listing)}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)
 def shmrdv_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail the test if it left shmrdv objects in /dev/shm or child processes running.
 
-    Objects of a namespace that still has a live worker (one a longer-lived fixture
-    holds) are that worker's, not leaks; the session check catches them at the end.
+    Objects of a namespace that still has a live worker (one a longer-lived fixture holds)
+    are that worker's, not leaks; the session check catches them at the end.
     """
     if not _enabled(request.config):
         yield
         return
-    before_objects, before_children = leftover_objects(), child_pids()
+    objects, children = _objects(), _children()
     yield
-    dead, listing, kids = _wait_leftovers(before_objects, before_children, grace=3.0)
+    dead, listing, kids = _leftovers(objects, children, grace=3.0)
     problems = []
     if kids:
         # Ended, not only reported: a leaked multiprocessing child holds up pytest's exit
         # (its atexit joins it), and any other outlives the session.
-        how = end_children(kids)
+        how = _end(kids)
         ended = ", ".join(f"{pid} ({how[pid]})" for pid in sorted(kids))
         problems.append(
             f"child processes still running, ended by the leak check: {ended} (join or stop "
             "every process the test starts, e.g. a ChildWorker in a with block)"
         )
         # What an ended child left of a namespace nobody runs now is left over too.
-        dead, listing, _ = _wait_leftovers(before_objects, child_pids(), grace=1.0)
+        dead, listing, _ = _leftovers(objects, _children(), grace=1.0)
     if dead:
-        shown = describe_objects(dead, listing)
-        problems.append(f"left in {SHM_DIR}: {'; '.join(shown[:20])}. {how_to_fix(dead, listing)}")
+        problems.append(_left_in_shm(dead, listing))
         _remove(dead)
     if problems:
         pytest.fail("shmrdv leak check: " + "; ".join(problems), pytrace=False)
 
 
-def _wait_leftovers(
-    before_objects: set[str], before_children: set[int], grace: float
-) -> tuple[set[str], list[ObjectInfo], set[int]]:
-    """Wait up to ``grace`` s for new objects (of dead namespaces) and children to go;
-    return the objects left, the listing that judged them, and the children left."""
-    deadline = time.monotonic() + grace
-    while True:
-        objs, kids = wait_clean(before_objects, before_children, grace=0.0)
-        dead, listing = _dead_leftovers(objs)
-        if (not dead and not kids) or time.monotonic() > deadline:
-            return dead, listing, kids
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def shmrdv_namespace() -> str:
     """A fresh namespace token (``shmrdv.new_namespace()``)."""
-    from ._cluster import new_namespace
-
     return new_namespace()
 
 
 @pytest.fixture
-def shmrdv_child_worker(shmrdv_namespace: str) -> Iterator[Callable[..., Any]]:
+def shmrdv_child_worker(shmrdv_namespace: str) -> Iterator[Callable[..., ChildWorker]]:
     """A factory: ``shmrdv_child_worker(task, **worker_kwargs)`` starts a real child process
     holding a ``Worker`` for ``task`` in the test's namespace and returns its
-    ``shmrdv.testing.ChildWorker`` handle (send, recv, call, kill, ...). Every child is
-    closed at teardown."""
-    from ._procs import ChildWorker
-
+    ``shmrdv.testing.ChildWorker`` (send, recv, call, kill, ...). Every child is closed at
+    teardown."""
     children: list[ChildWorker] = []
 
     def make(task: str, **worker_kwargs: Any) -> ChildWorker:
         worker_kwargs.setdefault("namespace", shmrdv_namespace)
-        child = ChildWorker(task, **worker_kwargs)
-        children.append(child)
-        return child
+        children.append(ChildWorker(task, **worker_kwargs))
+        return children[-1]
 
     yield make
     for child in reversed(children):
