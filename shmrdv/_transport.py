@@ -242,8 +242,9 @@ class Transport(Protocol):
         """Fail every pending receive of the step with ``error``; later ones fail at once."""
         ...
 
-    def cleanup_step(self, step_id: int) -> None:
-        """Free what the step still holds (called once per cleanup, after ``abort_step``)."""
+    def cleanup_step(self, step_id: int, error: BaseException) -> None:
+        """Fail the step's pending receives with ``error`` (as ``abort_step``, if it was not
+        aborted already) and free what the step still holds; called once per cleanup."""
         ...
 
     def close(self) -> None:

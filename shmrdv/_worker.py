@@ -219,14 +219,20 @@ class StepRendezvous(Rendezvous):
     def start_abort(self, error: BaseException) -> None:
         if not isinstance(error, BaseException):
             raise InvalidArgumentError(f"start_abort needs an exception, not {error!r}")
+        if self._abort_here(error):
+            self._routes.abort_step(self.step_id, error)
+
+    def _abort_here(self, error: BaseException) -> bool:
+        """Abort this object and its in-process table, not the transports; whether it was
+        open."""
         with self._lock:
             if self._error is not None:
-                return
+                return False
             self._error = error
             local = self._local
         if local is not None:
             local.start_abort(error)
-        self._routes.abort_step(self.step_id, error)
+        return True
 
     @property
     def aborted(self) -> BaseException | None:
@@ -539,11 +545,9 @@ class Worker(Closing):
             while len(self._tombstones) > _TOMBSTONES:
                 self._tombstones.popitem(last=False)
         if rdv is not None:
-            rdv.start_abort(error)  # aborts the transports too (unless aborted before)
-        else:
-            self._routes.abort_step(step, error)
+            rdv._abort_here(error)
         for t in self._active_transports():
-            t.cleanup_step(step)
+            t.cleanup_step(step, error)  # fails its receives, unless aborted before
 
     def is_cleaned_up(self, step_id: int) -> bool:
         """True if ``cleanup(step_id)`` ran (and is still remembered)."""

@@ -81,8 +81,7 @@ class Endpoint:
         from shmrdv._errors import AbortedError
 
         self.cleaned.add(step)
-        self.transport.abort_step(step, AbortedError(f"Cleanup {step}"))
-        self.transport.cleanup_step(step)
+        self.transport.cleanup_step(step, AbortedError(f"Cleanup {step}"))
 
     def close(self) -> None:
         self.transport.close()

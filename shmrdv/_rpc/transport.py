@@ -141,7 +141,8 @@ class GrpcTransport:
         self._outbox.abort_step(step_id, error)
         self._client.abort_step(step_id, error)
 
-    def cleanup_step(self, step_id: int) -> None:
+    def cleanup_step(self, step_id: int, error: BaseException) -> None:
+        self.abort_step(step_id, error)
         self._outbox.cleanup_step(step_id)
         self._client.cleanup_step(step_id)
 

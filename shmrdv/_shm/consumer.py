@@ -767,15 +767,19 @@ class Consumer:
         self._after(work)
         return work is not None
 
-    def cleanup_step(self, step_id: int, posted: bool) -> None:
-        """Forget the step; free what was sent to this worker in it and not received: what
-        its channels hold, and what a listing shows where messages may have come with no
-        ring record (``Recovery.needed``, or ``posted``: a doorbell post is pending)."""
+    def cleanup_step(self, step_id: int, error: BaseException, posted: bool) -> bool:
+        """Fail the step's waiters with ``error`` (unless it was aborted), forget the step,
+        free what was sent to this worker in it and not received: what its channels hold,
+        and what a listing shows where messages may have come with no ring record
+        (``Recovery.needed``, or ``posted``: a doorbell post is pending). Whether any
+        waiter was failed."""
         with self.lock:
-            self._aborted.pop(step_id, None)
-            self.refusing = self._closed or bool(self._aborted)
+            error = self._aborted.pop(step_id, error)
+            if self.refusing:
+                self.refusing = self._closed or bool(self._aborted)
             chans = self._steps.pop(step_id, None)
             for ch in (chans or {}).values():
+                self._fail(ch, error)
                 while ch in self._table:
                     got = self._table.take(ch)
                     if got is MISSING:
@@ -793,6 +797,7 @@ class Consumer:
         self._after(work)
         if listing:
             self._recovery.free_unreceived(step_id)
+        return work is not None
 
     def close(self) -> None:
         """Fail every waiter with the closed error; the caller then calls ``release``."""

@@ -98,10 +98,12 @@ class ShmTransport:
         if self._consumer.abort_step(step_id, error):
             self._poller.wake_all()  # followers, and a leader blocked on the doorbell
 
-    def cleanup_step(self, step_id: int) -> None:
-        """Forget the step; free the unreceived messages sent to this worker in it."""
+    def cleanup_step(self, step_id: int, error: BaseException) -> None:
+        """Fail the step's waiters, forget the step, free the unreceived messages sent to
+        this worker in it."""
         self._producer.cleanup_step(step_id)
-        self._consumer.cleanup_step(step_id, self._bell.pending > 0)
+        if self._consumer.cleanup_step(step_id, error, self._bell.pending > 0):
+            self._poller.wake_all()
 
     def close(self) -> None:
         with self._close_lock:
