@@ -63,11 +63,10 @@ _HOST_SCRIPT = textwrap.dedent(
             box["elapsed"] = time.monotonic() - t0
         t = threading.Thread(target=run, daemon=True)
         t.start()
-        client = w._grpc._client if w._grpc is not None else None
         announced = False
         limit = time.monotonic() + cmd["timeout"] + watchdog
         while t.is_alive() and time.monotonic() < limit:
-            if not announced and client is not None and client.stats()["receiving"]:
+            if not announced and w.stats().get("grpc", {}).get("receives_pending"):
                 say(event="receiving")
                 announced = True
             time.sleep(0.005)
