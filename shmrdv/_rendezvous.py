@@ -451,6 +451,8 @@ class Rendezvous(abc.ABC):
         """
         if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
             timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
+        if type(key) is str:
+            key = parse_key(key)  # once: the wait below routes it again
         slot = RecvSlot()
         cancel = self.start_recv(key, slot.done, copy=copy, blocking=True)
         if slot.filled:
