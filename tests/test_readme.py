@@ -1,4 +1,5 @@
-"""The README stays true: every python example runs, the Quickstart has two commands, CI runs the second."""
+"""The README and docs/api.md stay true: every python example runs, the Quickstart has two
+commands, CI runs the second, the command-line table and the PyTorch section say what users need."""
 
 from __future__ import annotations
 
@@ -12,10 +13,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+API = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+# The pages whose python examples are run: the README and the API guide.
+PAGES = {"README.md": README, "docs/api.md": API}
 
 
-def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README, re.S)
+def _python_blocks(text: str = README) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def _examples() -> list[tuple[str, int]]:
+    return [(page, i) for page, text in PAGES.items() for i in range(len(_python_blocks(text)))]
 
 
 def _quickstart_commands() -> list[str]:
@@ -44,13 +52,14 @@ def test_readme_ci_runs_the_test_command_verbatim() -> None:
 
 def test_readme_has_python_examples() -> None:
     assert len(_python_blocks()) >= 3
+    assert len(_python_blocks(API)) >= 4  # the guide, backpressure, bounds, PyTorch
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("index", range(len(_python_blocks())))
+@pytest.mark.parametrize(("page", "index"), _examples())
 @pytest.mark.slow
-def test_readme_example_runs(index: int, tmp_path: Path) -> None:
-    block = _python_blocks()[index]
+def test_readme_example_runs(page: str, index: int, tmp_path: Path) -> None:
+    block = _python_blocks(PAGES[page])[index]
     if re.search(r"^import torch$", block, re.M):
         pytest.importorskip("torch")  # the "PyTorch users" example runs where torch is
     env = dict(os.environ)
@@ -80,12 +89,12 @@ def test_readme_example_runs(index: int, tmp_path: Path) -> None:
         text=True,
         timeout=100,
     )
-    assert proc.returncode == 0, f"example {index} failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, f"{page} example {index} failed:\n{proc.stdout}\n{proc.stderr}"
 
 
-def _section(title: str) -> str:
-    m = re.search(rf"^## {re.escape(title)}\s*$(.*?)(?=^## )", README, re.S | re.M)
-    assert m, f"README has no '## {title}' section"
+def _section(title: str, page: str = "README.md") -> str:
+    m = re.search(rf"^## {re.escape(title)}\s*$(.*?)(?=^## |\Z)", PAGES[page], re.S | re.M)
+    assert m, f"{page} has no '## {title}' section"
     return m.group(1)
 
 
@@ -118,18 +127,27 @@ def test_readme_cli_table_explains_the_two_hosts_comparison() -> None:
     assert "--hosts 2" in row and "network path" in row and "same-host" in row, row
 
 
-def test_readme_pytorch_section_has_a_torch_example() -> None:
-    body = _section("PyTorch users")
+def test_api_pytorch_section_has_a_torch_example() -> None:
+    body = _section("PyTorch users", "docs/api.md")
     (block,) = re.findall(r"```python\n(.*?)```", body, re.S)
     assert ".numpy()" in block and "torch.from_numpy" in block
 
 
-def test_readme_pytorch_section_says_it_needs_torch_before_its_example() -> None:
-    prose = _section("PyTorch users").split("```python", 1)[0]
+def test_api_pytorch_section_says_it_needs_torch_before_its_example() -> None:
+    prose = _section("PyTorch users", "docs/api.md").split("```python", 1)[0]
     assert "needs PyTorch" in prose and "pip install torch" in prose, prose
+
+
+def test_readme_links_the_pytorch_section() -> None:
+    assert "PyTorch" in README and "docs/api.md" in README
+
+
+def test_readme_is_a_short_page() -> None:
+    assert len(README.splitlines()) <= 250
 
 
 def test_readme_states_no_test_counts() -> None:
     # Counts go stale with every test added (it said 1,405 when 1,406 were collected).
-    counts = re.findall(r"\b\d[\d,]*\s+tests\b", README)
-    assert not counts, f"the README states test counts that go stale: {counts}"
+    for page, text in PAGES.items():
+        counts = re.findall(r"\b\d[\d,]*\s+tests\b", text)
+        assert not counts, f"{page} states test counts that go stale: {counts}"
