@@ -315,9 +315,9 @@ class Worker(Closing):
         busy_poll: low latency for a stage that has a core of its own. A receive blocked
             on another process of this host polls shared memory instead of sleeping on
             the doorbell until this many seconds have passed since the last message
-            arrived (0, the default: a short adaptive spin, off where the job has one
-            CPU, by the machine or its cgroup quota, and after a wait that went
-            unanswered). The time spent polling is in ``stats()`` (``spin_us``, with
+            arrived (0, the default: a spin of 250 µs before it sleeps, off on a
+            one-CPU machine, paused for a second when few of its last spins found a
+            message and after a wait that went unanswered). The time spent polling is in ``stats()`` (``spin_us``, with
             ``spins`` started and ``spin_hits``, those that found a message).
         max_connections, max_concurrent_rpcs, first_message_timeout: bounds of this
             worker's gRPC server against clients that never finish a call, with or
