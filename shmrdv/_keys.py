@@ -454,12 +454,18 @@ def _check_edge_name(edge_name: str) -> str | None:
     return None
 
 
+_NO_FRAME = (0, 0)
+#: The "<src>;<incarnation>;<dst>" head of keys made, by (src, incarnation, dst) as given:
+#: a new edge name of known ends is checked alone.
+_heads: dict[tuple[str, int, str], str] = {}
+
+
 def create_key(
     src_device: str | DeviceName,
     src_incarnation: int,
     dst_device: str | DeviceName,
     name: str,
-    frame_iter: tuple[int, int] = (0, 0),
+    frame_iter: tuple[int, int] = _NO_FRAME,
 ) -> str:
     """Build a rendezvous key, byte-identical to TensorFlow's ``Rendezvous::CreateKey``.
 
@@ -469,6 +475,12 @@ def create_key(
     non-empty, no ``;``. ``frame_iter`` is ``(frame_id, iter_id)`` as uint64 and int64;
     ``(0, 0)`` outside loops. Raises ``InvalidArgumentError`` naming the bad argument.
     """
+    if frame_iter is _NO_FRAME and type(name) is str and type(src_incarnation) is int:
+        head = _heads.get((src_device, src_incarnation, dst_device))  # type: ignore[arg-type]
+        if head is not None and name and name.isascii() and ";" not in name:
+            key = f"{head};{name};0:0"
+            if len(key) <= _SHORT_KEY:
+                return key
     src = _device_text(src_device, "src_device")
     dst = _device_text(dst_device, "dst_device")
     incarnation = _integer(src_incarnation, "src_incarnation")
@@ -492,8 +504,13 @@ def create_key(
     if not _INT64_MIN <= iter_id <= _INT64_MAX:
         raise InvalidArgumentError(f"iter_id must be an int64, got {iter_id}")
     # TensorFlow: Uint64ToHexString (formerly FpToString, "%016llx") -- same text.
-    key = f"{src};{incarnation:016x};{dst};{name};{frame_id}:{iter_id}"
+    head = f"{src};{incarnation:016x};{dst}"
+    key = f"{head};{name};{frame_id}:{iter_id}"
     _check_length(key)
+    if type(src_device) is str and type(dst_device) is str:
+        if len(_heads) >= _ENDS_MAX:
+            _heads.clear()
+        _heads[(src_device, incarnation, dst_device)] = head
     return key
 
 
