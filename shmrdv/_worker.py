@@ -411,6 +411,7 @@ class Worker(Closing):
         self._tombstones: OrderedDict[int, AbortedError] = OrderedDict()
         self._shm: Transport | None = None
         self._grpc: Transport | None = None
+        self._active: tuple[Transport, ...] = ()  # those made so far (``_made``)
         self._board = board = self._presence_board()
         self._peers = Peers(board, self.cluster)
         self._ctx = TransportContext(
@@ -476,6 +477,7 @@ class Worker(Closing):
             self._shm = ShmTransport(
                 self._ctx, pool_bytes=self._shm_pool_bytes, busy_poll=self._busy_poll
             )
+        self._made()
 
     def _cluster_has_remote_task(self) -> bool:
         if self.cluster is None:
@@ -540,8 +542,9 @@ class Worker(Closing):
         )
         with self._lock:
             rdv = self._steps.pop(step, None)
+            if step in self._tombstones:
+                self._tombstones.move_to_end(step)
             self._tombstones[step] = error
-            self._tombstones.move_to_end(step)
             while len(self._tombstones) > _TOMBSTONES:
                 self._tombstones.popitem(last=False)
         if rdv is not None:
@@ -636,7 +639,11 @@ class Worker(Closing):
         return closed_error(self.task)
 
     def _active_transports(self) -> tuple[Transport, ...]:
-        return tuple(t for t in (self._shm, self._grpc) if t is not None)
+        return self._active
+
+    def _made(self) -> None:
+        """A transport was made: the tuple of those made so far, read per cleanup."""
+        self._active = tuple(t for t in (self._shm, self._grpc) if t is not None)
 
     def _transport(self, name: str) -> Transport:
         """The named transport of this worker; gRPC's client is made on first use."""
@@ -648,5 +655,6 @@ class Worker(Closing):
                     from ._rpc.transport import GrpcTransport
 
                     self._grpc = GrpcTransport(self._ctx, None, tls=self._tls, token=self._token)
+                    self._made()
                 return self._grpc
         raise InvalidArgumentError(f"{self.task} has no transport {name!r}")  # pragma: no cover

@@ -773,6 +773,9 @@ class Consumer:
         and what a listing shows where messages may have come with no ring record
         (``Recovery.needed``, or ``posted``: a doorbell post is pending). Whether any
         waiter was failed."""
+        busy = step_id in self._steps or posted or self._unexplained or self.refusing
+        if not busy and not self._recovery.needed():
+            return False  # nothing of the step here, nothing to look for
         with self.lock:
             error = self._aborted.pop(step_id, error)
             if self.refusing:
