@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 from ._errors import InvalidArgumentError
 from ._keys import DeviceName, _quote
-from ._transport import PeerRecord, PeerState, PresenceBoard, Sighting, TaskState
+from ._transport import PeerRecord, PresenceBoard, Sighting, TaskState
 
 __all__ = [
     "ALL_TRANSPORTS",
@@ -623,10 +623,6 @@ class Peers:
             return seen
         record = self._provisional(name) if seen.record is None else self._final(seen.record)
         return TaskState(seen.state, record)
-
-    def liveness(self, task: DeviceName) -> tuple[PeerState, PeerRecord | None]:
-        # ``state`` as a pair, for _shm/transport.py and _shm/liveness.py until they ask it.
-        return (seen := self.state(task)).state, seen.record
 
     def sightings(self, task: DeviceName) -> list[Sighting] | None:
         return self._board.sightings(str(canonical_task(task)))
