@@ -1,50 +1,20 @@
 """WaiterTable: per key, a FIFO of values not yet taken or of waiters not yet served.
 
-The one rendezvous table of the library (issue 18 §3), after TensorFlow's
-``LocalRendezvous`` (``core/framework/local_rendezvous.cc``): each key holds either values
-that arrived with nobody waiting, or waiters that came with nothing there, never both; a
-key with neither is not in the table. What a value and a waiter are is the owner's
-business (an array, a notice, a ``Received``; a callback record, a future): the table only
-orders them and pairs them.
+The one rendezvous table of the library, after TensorFlow's ``LocalRendezvous``
+(``core/framework/local_rendezvous.cc``): a key holds values that arrived with nobody
+waiting, or waiters that came with nothing there, never both; a key with neither is not in
+the table. What a value and a waiter are is the owner's business; the table orders and
+pairs them, and the owner completes what it hands back after releasing its lock (STYLE.md
+rule 5).
 
-How an owner uses it, under the owner's own lock (the table has none)::
+Unlike TensorFlow, a waiter can be removed in O(1) and then never takes a value
+(TensorFlow leaves a timed-out waiter queued and it swallows the next send); and the key is
+whatever the owner passes, not ``Hash64(FullKey())``, so two keys never share a queue.
+Waiters must hash by identity, never be ``None``, a ``deque`` or an ``OrderedDict``, and be
+queued at most once at a time.
 
-    table: WaiterTable[str, Received, MyWaiter] = WaiterTable()
-
-    # a value arrives
-    waiter = table.put(key, value)         # the oldest waiter, removed; or None: queued
-    # a receive starts
-    value = table.take(key)                # the oldest value, removed; or MISSING
-    if value is MISSING:
-        table.wait(key, waiter)            # queue the waiter (no value is there)
-    # the receive is given up (timeout, Future.cancel, asyncio cancellation)
-    if table.cancel(key, waiter): ...      # True: removed, it will never get a value
-    # everything fails
-    for waiter in table.abort(): ...       # every waiter, oldest first; values dropped
-
-Whatever the table hands back (a waiter to complete, waiters to fail) the owner completes
-after releasing its lock (STYLE.md rule 5).
-
-Differences from TensorFlow, both deliberate:
-
-* a waiter can be removed, in O(1), and a removed waiter never takes a value;
-  TensorFlow leaves a timed-out waiter queued and it swallows the next send
-  (research/tf_rendezvous.md §2.2). The waiters of a key live in an ``OrderedDict`` used
-  as an ordered set: the oldest is popped in O(1) like a deque's, a cancelled one is
-  removed in O(1) too, instead of ``deque.remove``'s scan or a "cancelled" mark that a
-  later ``put`` would have to skip (and that would make the counts lie). A key's only
-  waiter, the common case (one receive per key at a time), is kept bare: no
-  ``OrderedDict`` is made for it (a fraction of a microsecond per receive that waits);
-* the key is whatever the owner passes (a full key string, a ``(step_id, key)`` pair),
-  not ``Hash64(FullKey())``, so two keys can never share a queue.
-
-Waiters are found again by hash and equality: use objects that hash by identity (a plain
-class, a ``dataclass(eq=False)``), never ``None`` and never a ``deque`` or an
-``OrderedDict`` (a lone waiter is told apart by its type), and queue one at most once at
-a time.
-
-Thread model: none of its own and no lock: every call is made under its owner's lock
-(``docs/threads.md``). Nothing here blocks or calls back.
+Thread model (``docs/threads.md``): no lock of its own; every call is made under its
+owner's lock. Nothing here blocks or calls back.
 """
 
 from __future__ import annotations
@@ -77,26 +47,19 @@ MISSING: Final = Missing.MISSING
 class WaiterTable(Generic[K, V, W]):
     """Per key, a FIFO of values (``V``) or of waiters (``W``), never both (module docstring).
 
-    Not thread-safe: its owner's lock guards every call. Every operation is O(1) except
-    ``abort`` (O(keys + items)). The counts (``len``, ``pending_values``,
-    ``pending_waiters``) are kept as it goes, so reading them is O(1) too.
+    Every operation is O(1) but ``abort``; the counts are kept as it goes.
     """
 
-    __slots__ = ("_nvalues", "_nwaiters", "_table", "has", "size")
+    __slots__ = ("_nvalues", "_nwaiters", "_table")
 
     def __init__(self) -> None:
-        # One dict for both kinds keeps the keys in arrival order (``keys``). A key maps
-        # to a deque of values, to its only waiter (bare), or to an OrderedDict of
-        # waiters; never to an empty container.
+        # A key maps to a deque of values, to its only waiter (bare: the common case, one
+        # receive per key, makes no container), or to an OrderedDict of waiters used as an
+        # ordered set (a cancelled waiter leaves in O(1), unlike ``deque.remove``); never to
+        # an empty container. One dict for both keeps the keys in arrival order.
         self._table: dict[K, deque[V] | OrderedDict[W, None] | W] = {}
-        #: ``key in table`` and ``len(table)`` as bound methods of the dict itself: the same
-        #: answers without a Python call, for an owner's hot loop.
-        self.has: Callable[[object], bool] = self._table.__contains__
-        self.size: Callable[[], int] = self._table.__len__
         self._nvalues = 0
         self._nwaiters = 0
-
-    # -- pairing ---------------------------------------------------------------------
 
     def put(self, key: K, value: V, *, front: bool = False) -> W | None:
         """Hand ``value`` to the oldest waiter of ``key``, or queue it.
@@ -164,7 +127,7 @@ class WaiterTable(Generic[K, V, W]):
 
     def cancel(self, key: K, waiter: W) -> bool:
         """Remove ``waiter`` from ``key``: True if it was queued (it will get nothing),
-        False if it was not (already handed a value by ``put``, or by ``abort``)."""
+        False if ``put`` or ``abort`` handed it out already."""
         queue = self._table.get(key)
         if isinstance(queue, OrderedDict):
             if waiter not in queue:
@@ -190,12 +153,8 @@ class WaiterTable(Generic[K, V, W]):
         return queue
 
     def abort(self, where: Callable[[K], bool] | None = None) -> list[W]:
-        """Empty the table, or the keys for which ``where(key)`` is true.
-
-        Returns their waiters, each key's oldest first, for the caller to fail with its
-        error; their values are dropped (count them first with ``pending_values`` if you
-        log them).
-        """
+        """Empty the table, or the keys for which ``where(key)`` is true; their waiters,
+        each key's oldest first, for the caller to fail; their values are dropped."""
         keys = list(self._table) if where is None else [k for k in self._table if where(k)]
         waiters: list[W] = []
         for key in keys:
@@ -210,8 +169,6 @@ class WaiterTable(Generic[K, V, W]):
                 self._nwaiters -= 1
         return waiters
 
-    # -- keys and counts ----------------------------------------------------------------------
-
     def __len__(self) -> int:
         """Keys with a value or a waiter queued."""
         return len(self._table)
@@ -220,10 +177,7 @@ class WaiterTable(Generic[K, V, W]):
         return key in self._table
 
     def __iter__(self) -> Iterator[K]:
-        """Keys with a value or a waiter queued, in the order they entered the table.
-
-        Do not change the table while iterating.
-        """
+        """Keys with a value or a waiter queued, oldest first; do not change the table meanwhile."""
         return iter(self._table)
 
     def values_of(self, key: K) -> int:

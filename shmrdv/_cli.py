@@ -102,9 +102,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             _serve_until_stopped(service.expire_idle)
         return 0
     needs = (
-        "give --listen HOST:PORT for the echo peer of `shmrdv bench --peer`; or, for a task "
-        "of a cluster, --task and --cluster JSON, or a TF_CONFIG holding both; and --namespace "
-        "or $SHMRDV_NAMESPACE (python3 -m shmrdv namespace makes one)"
+        "give --listen HOST:PORT (the echo peer of `shmrdv bench --peer`), or --task and "
+        "--cluster JSON (or TF_CONFIG) and --namespace (or $SHMRDV_NAMESPACE)"
     )
     missing = []
     if not args.cluster and not os.environ.get("TF_CONFIG"):
@@ -222,16 +221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141  # as a shell reports a command killed by SIGPIPE (128 + 13)
 
 
-# -- shmrdv demo: a producer, N stages and a sink, frame ``i`` through stage ``i % N``, each
-# hop a rendezvous key between two Workers; then the same over multiprocessing.Queue. Each
-# role runs in a Child, waits at the barrier ``go`` until all are up, and after its work for
-# "close": the consumers close before the producers they pull from.
+# shmrdv demo: a producer, N stages and a sink, frame ``i`` through stage ``i % N``, each hop
+# a key between two Workers; then the same over multiprocessing.Queue. Each role is a Child
+# that waits at the barrier ``go``, and after its work for "close".
 
 
 @dataclass(frozen=True)
 class _Run:
-    """What every process of a demo run knows."""
-
     frames: int
     shape: tuple[int, int]
     stages: int
@@ -292,9 +288,8 @@ def _sink(conn: Connection, run: _Run, go: Any) -> None:
 
 
 def _count(conn: Connection, run: _Run, go: Any, take: Callable[[int], Any]) -> None:
-    """A sink's loop: ``take(i)`` receives frame ``i``, which must be the producer's
-    ``i % 1000``, times 0.5, plus 1. Reports progress, then ``("done", seconds, bad)``, timed
-    from the first frame received to the last: start-up is not counted."""
+    """A sink's loop: ``take(i)`` receives frame ``i`` (the producer's ``i % 1000`` * 0.5 + 1);
+    reports progress, then ``("done", seconds from the first frame to the last, bad)``."""
     go.wait(60)
     bad = 0
     first = last = 0.0
@@ -334,9 +329,8 @@ def _q_sink(conn: Connection, run: _Run, go: Any, qs: Any) -> None:
 def _pipeline(
     run: _Run, label: str, roles: tuple[Callable[..., None], ...], *links: Any
 ) -> tuple[float, int]:
-    """Run the producer, stages and sink of ``roles``, printing the sink's progress until it
-    is done, then close the consumers before the producer. Seconds from the sink's first
-    frame to its last, and how many frames were wrong; every role's waits are bounded."""
+    """Run the roles, printing the sink's progress, then close the consumers before the
+    producer; the sink's seconds and how many frames were wrong."""
     producer, stage, sink = roles
     with ChildGroup() as group:
         go = mp.get_context("spawn").Barrier(run.stages + 2)
@@ -376,7 +370,6 @@ def _next(group: ChildGroup, name: str) -> tuple[Any, ...]:
 
 
 def _rate(frames: int, seconds: float) -> float | None:
-    """Frames per second from the first frame received to the last (None: fewer than two)."""
     return (frames - 1) / seconds if frames > 1 and seconds > 0 else None
 
 

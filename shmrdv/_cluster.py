@@ -1,15 +1,13 @@
 """Where a job's workers are: the cluster spec, host addresses, the namespace, the peers.
 
-* ``ClusterSpec``: which address serves each task (``job -> task index -> host:port``),
-  modelled on TensorFlow's ``tf.train.ClusterSpec`` and its ``TF_CONFIG`` environment
-  variable. Tasks are ``/job:<job>/replica:0/task:<index>``: a cluster spec has no
-  replicas, so an unset replica means 0 and any other replica is not in the cluster.
-* Host addresses: ``host:port`` splitting, and whether a host is this one.
-* The namespace: a job's secret token and its public id.
-* ``Peers``: the peer directory of a Worker, over this host's presence records (final
-  answers) and the cluster spec (provisional ones, before a peer has started).
+``ClusterSpec`` maps each task ``/job:<job>/replica:0/task:<i>`` to ``host:port``, as
+TensorFlow's ``tf.train.ClusterSpec`` and ``TF_CONFIG`` (a spec has no replicas: an unset
+replica means 0). The namespace is a job's secret token and its public id. ``Peers`` is a
+Worker's peer directory over this host's presence records (final answers) and the cluster
+spec (provisional ones, before a peer has started).
 
-No thread of its own; ``Peers`` reads presence records through the board it is given.
+Thread model (``docs/threads.md``): no thread of its own; ``Peers`` reads presence records
+through the board it is given.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 from ._errors import InvalidArgumentError
 from ._keys import DeviceName, _quote
-from ._transport import PeerRecord, PeerState, PresenceBoard, Sighting, TaskState
+from ._transport import PeerRecord, PresenceBoard, Sighting, TaskState
 
 __all__ = [
     "ALL_TRANSPORTS",
@@ -49,11 +47,8 @@ __all__ = [
 
 
 def split_host_port(address: str) -> tuple[str, int]:
-    """``"host:port"`` / ``"[v6]:port"`` -> (host without brackets, port).
-
-    The one host:port parser: raises ``InvalidArgumentError`` (also a ``ValueError``)
-    naming the address for anything else (no port, a port that is not 0-65535).
-    """
+    """``"host:port"`` / ``"[v6]:port"`` -> (host without brackets, port); else
+    ``InvalidArgumentError`` naming the address."""
     if not isinstance(address, str):
         raise InvalidArgumentError(
             f"an address must be a 'host:port' str, not {type(address).__name__}"
@@ -78,7 +73,7 @@ def _own_addresses() -> frozenset[str]:
                 addrs.add(str(info[4][0]))
         except OSError:
             continue
-    # Every interface address (Linux): the kernel's local routes and the IPv6 list.
+    # Every interface address (Linux): the kernel's local routes and its IPv6 list.
     try:
         with open("/proc/net/fib_trie", encoding="ascii") as f:
             lines = f.read().splitlines()
@@ -120,15 +115,13 @@ def is_local_host(host: str) -> bool:
 
 ENV_VAR = "SHMRDV_NAMESPACE"
 
-# 128 bits cannot be enumerated; base32 (lowercased, unpadded) spells them in 26
-# characters of [a-z2-7], safe in any file or semaphore name.
+# 128 bits cannot be enumerated; base32 spells them in 26 characters of [a-z2-7].
 _TOKEN_BYTES = 16
-# Tokens go into /dev/shm and semaphore names (NAME_MAX 255 bytes, shared with the
-# prefix and the key digest), so keep them short and to one safe alphabet.
+# A token is hashed into names (NAME_MAX 255 bytes): short, of one safe alphabet.
 _VALID = re.compile(r"[a-z0-9]{8,64}")
 
-#: A namespace id is 8 bytes of blake2b (16 hex characters): enough to tell a host's jobs
-#: apart, short enough to leave room in a name; it is public, so its size is no secret.
+#: A namespace id is 8 bytes of blake2b: enough to tell a host's jobs apart, short enough
+#: to leave room in a name.
 NAMESPACE_ID_HEX = 16
 _ID_PERSON = b"shmrdv.nsid"
 
@@ -139,21 +132,16 @@ _HOW_TO_GET_ONE = (
 
 
 def new_namespace() -> str:
-    """A fresh token of 128 random bits from ``secrets``: 26 lowercase letters and digits.
-
-    Create it once per job and give the same token to every worker of the job.
-    """
+    """A fresh token of 128 random bits: create it once per job, give it to every worker."""
     raw = base64.b32encode(secrets.token_bytes(_TOKEN_BYTES)).decode("ascii")
     return raw.rstrip("=").lower()
 
 
 def namespace_id(token: str) -> str:
-    """The public id of the namespace ``token``: 16 lowercase hex characters.
+    """The public id of the namespace ``token``: 16 hex characters, a one-way digest.
 
-    It prefixes every object of the job in /dev/shm (``shmrdv_<id>_...``) and is what
-    ``shmrdv ls`` shows and ``shmrdv gc --namespace`` accepts; it reveals nothing that
-    helps find the token (a one-way digest of 128 random bits). Raises
-    ``InvalidArgumentError`` if ``token`` is not a valid token.
+    It prefixes the job's objects in /dev/shm, ``shmrdv ls`` shows it and ``shmrdv gc
+    --namespace`` takes it. Raises ``InvalidArgumentError`` for an invalid token.
     """
     if token is None:
         raise InvalidArgumentError("namespace_id() needs a namespace token, not None")
@@ -165,12 +153,8 @@ def namespace_id(token: str) -> str:
 
 
 def resolve_namespace(namespace: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """The namespace to use: ``namespace`` if given, else env ``SHMRDV_NAMESPACE``.
-
-    ``environ`` defaults to ``os.environ``; an empty variable counts as unset. Raises
-    ``InvalidArgumentError`` if neither is set (saying how to get a token) or if the
-    token is not 8 to 64 characters of ``[a-z0-9]``.
-    """
+    """``namespace`` if given, else env ``SHMRDV_NAMESPACE`` (empty: unset), checked;
+    ``InvalidArgumentError`` saying how to get a token if neither is a valid one."""
     source = "namespace"
     if namespace is None:
         env = os.environ if environ is None else environ
@@ -193,9 +177,8 @@ def resolve_namespace(namespace: str | None, environ: Mapping[str, str] | None =
 
 
 def namespace_ids(namespace: str) -> frozenset[str]:
-    """The namespace ids ``namespace`` (a ``--namespace`` of ``shmrdv ls`` / ``gc``) may mean:
-    an id (16 hex characters), a token, or both. Raises ``InvalidArgumentError`` when it is
-    neither."""
+    """The ids a ``--namespace`` of ``shmrdv ls`` / ``gc`` may mean (an id, a token's id,
+    or both); ``InvalidArgumentError`` when it is neither."""
     ids: set[str] = set()
     if len(namespace) == NAMESPACE_ID_HEX and all(c in "0123456789abcdef" for c in namespace):
         ids.add(namespace)
@@ -214,12 +197,8 @@ _MAX_NAMED_CHARS = 5
 
 
 def describe_bad_token(value: object) -> str:
-    """``value``, refused as a namespace token, described without echoing it.
-
-    A near miss (a token read with its trailing newline, or in upper case) is as secret as
-    the token itself, and messages reach logs: say its type or length and which characters
-    are not allowed, never the value.
-    """
+    """``value``, refused as a namespace token, described by type, length and bad
+    characters, never echoed: a near miss (a trailing newline) is as secret as the token."""
     if not isinstance(value, str):
         return f"a {type(value).__name__}, not a str"
     bad = sorted({c for c in value if not ("a" <= c <= "z" or "0" <= c <= "9")})
@@ -287,17 +266,13 @@ def _task_index(value: object, job: str) -> int:
 
 
 class ClusterSpec:
-    """An immutable map from task to address, ``job -> task index -> "host:port"``.
+    """An immutable map ``job -> task index -> "host:port"``.
 
     ``ClusterSpec({"worker": ["hostA:2222", "hostB:2222"], "ps": {0: "h:1", 3: "h:2"}})``:
-    each job maps to a list of addresses (task indices 0, 1, ...) or to a dict of task
-    index to address; another ``ClusterSpec`` is copied. Job names match
-    ``[A-Za-z][A-Za-z0-9_]*``; an address is ``host:port`` with a host name, an IPv4
-    address or ``[IPv6]``, and a port in 0..65535. Two tasks may not share an address,
-    except with port 0 ("any free port"). Malformed specs raise ``InvalidArgumentError``
-    naming the job, the task and the value.
-
-    Equal specs compare and hash equal; ``task in spec`` accepts task or device names.
+    a list (indices 0, 1, ...) or a dict per job. Job names match ``[A-Za-z][A-Za-z0-9_]*``;
+    hosts are names, IPv4 or ``[IPv6]``; two tasks share no address but port 0 ("any free
+    port"). Malformed specs raise ``InvalidArgumentError`` naming job, task and value.
+    Compares and hashes by value; ``task in spec`` takes task or device names.
     """
 
     __slots__ = ("_hash", "_jobs")
@@ -372,22 +347,16 @@ class ClusterSpec:
         return list(self._jobs)
 
     def tasks(self, job: str | None = None) -> list[str]:
-        """Canonical task names ``/job:<job>/replica:0/task:<i>``, by job then index.
-
-        With ``job``, only that job's tasks; an unknown job raises ``InvalidArgumentError``.
-        """
+        """Task names ``/job:<job>/replica:0/task:<i>`` (of ``job`` only, if given), by job
+        then index; ``InvalidArgumentError`` for an unknown job."""
         if job is not None and job not in self._jobs:
             raise InvalidArgumentError(f"cluster spec has no job {job!r}; its jobs are {self.jobs}")
         names = [job] if job is not None else list(self._jobs)
         return [f"/job:{j}/replica:0/task:{i}" for j in names for i in self._jobs[j]]
 
     def task_address(self, task: str | DeviceName) -> str:
-        """The ``host:port`` of ``task``, a task or device name (its device part is ignored).
-
-        Raises ``InvalidArgumentError`` if the name does not parse, lacks a job or task,
-        has a replica other than 0, or is not in the spec; the message names the task
-        and the jobs (or task indices) the spec knows.
-        """
+        """The ``host:port`` of ``task`` (a task or device name); ``InvalidArgumentError``
+        naming what the spec knows if it is not in the spec."""
         name = task if isinstance(task, DeviceName) else DeviceName.parse(task)
         if not name.has_task:
             raise InvalidArgumentError(
@@ -421,11 +390,7 @@ class ClusterSpec:
         return split[1]
 
     def as_dict(self) -> dict[str, list[str] | dict[int, str]]:
-        """A fresh dict: a list per job whose tasks are 0..n-1, else index -> address.
-
-        TensorFlow's ``ClusterSpec.as_dict`` makes the same choice; the result feeds
-        back into ``ClusterSpec(...)``.
-        """
+        """A list per job whose tasks are 0..n-1, else a dict, as TensorFlow's ``as_dict``."""
         out: dict[str, list[str] | dict[int, str]] = {}
         for job, tasks in self._jobs.items():
             if list(tasks) == list(range(len(tasks))):
@@ -435,7 +400,6 @@ class ClusterSpec:
         return out
 
     def __contains__(self, task: object) -> bool:
-        """True when ``task`` (a task or device name) has an address; False for anything else."""
         if not isinstance(task, (str, DeviceName)):
             return False
         try:
@@ -457,13 +421,8 @@ class ClusterSpec:
 
     @classmethod
     def from_tf_config(cls, environ: Mapping[str, str] | None = None) -> ClusterSpec:
-        """The cluster in the ``TF_CONFIG`` environment variable (``environ`` or ``os.environ``).
-
-        ``TF_CONFIG`` holds JSON ``{"cluster": {"worker": ["h:2222", ...], ...},
-        "task": {"type": "worker", "index": 0}}``, as TensorFlow's
-        ``TFConfigClusterResolver`` reads it. Raises ``InvalidArgumentError`` if it is
-        unset, not JSON, has no ``"cluster"`` object, or the cluster is malformed.
-        """
+        """The cluster of ``TF_CONFIG`` (in ``environ`` or ``os.environ``), as TensorFlow's
+        ``TFConfigClusterResolver`` reads it; ``InvalidArgumentError`` if unset or malformed."""
         config = _read_tf_config(environ)
         if config is None:
             raise InvalidArgumentError(
@@ -482,13 +441,8 @@ class ClusterSpec:
 
     @staticmethod
     def tf_config_task(environ: Mapping[str, str] | None = None) -> str | None:
-        """This process's task ``/job:<type>/replica:0/task:<index>`` from ``TF_CONFIG``.
-
-        None if ``TF_CONFIG`` is unset or has no ``"task"``. The task need not be in the
-        cluster (TensorFlow's "evaluator" is not). Raises ``InvalidArgumentError`` if
-        ``TF_CONFIG`` is not a JSON object or its ``"task"`` lacks a valid ``"type"`` or
-        ``"index"``.
-        """
+        """This process's task from ``TF_CONFIG``'s ``"task"`` (None if there is none; it
+        need not be in the cluster, as TensorFlow's "evaluator"); raises if malformed."""
         config = _read_tf_config(environ)
         if config is None or config.get("task") is None:
             return None
@@ -516,7 +470,6 @@ class ClusterSpec:
 
 
 def _read_tf_config(environ: Mapping[str, str] | None) -> dict[str, object] | None:
-    """The parsed ``TF_CONFIG`` object, None if unset or blank; raise if not a JSON object."""
     env = os.environ if environ is None else environ
     raw = env.get(_TF_CONFIG)
     if raw is None or not raw.strip():
@@ -544,11 +497,7 @@ def canonical_task(dev: DeviceName) -> DeviceName:
 
 
 class NoPresence:
-    """The ``PresenceBoard`` of a host without presence records: nobody is seen here.
-
-    For a worker that takes no shared-memory transport where /dev/shm cannot be used: its
-    peers are found through the cluster spec alone, and nothing is published.
-    """
+    """The ``PresenceBoard`` of a worker without /dev/shm: peers come from the cluster spec."""
 
     def publish(
         self, task: str, incarnation: int, address: str | None, transports: tuple[str, ...]
@@ -571,10 +520,8 @@ class NoPresence:
 class Peers:
     """The ``PeerDirectory`` of one Worker, over its ``PresenceBoard`` and cluster spec.
 
-    Port 0 in the cluster spec picks a free port when that task's server starts: a peer on
-    this host learns the port from the task's presence record (until then its address is
-    not known, and a receive waits for it); a task on another host given port 0 could
-    never be reached, so the cluster spec is refused, saying why."""
+    A task given port 0 is found by its presence record, so only on this host: port 0 for
+    a task on another host is refused."""
 
     def __init__(self, board: PresenceBoard, cluster: ClusterSpec | None) -> None:
         self._board = board
@@ -591,8 +538,7 @@ class Peers:
                 )
 
     def _provisional(self, name: str) -> PeerRecord:
-        """What the cluster spec says of task ``name`` (nothing final): no address while
-        its port is 0 (its presence record will say)."""
+        """What the cluster spec says of task ``name``: provisional, no address for port 0."""
         if self._cluster is None:
             return PeerRecord(name, True, ALL_TRANSPORTS, None, False)
         try:
@@ -605,8 +551,7 @@ class Peers:
         )
 
     def _final(self, record: PeerRecord) -> PeerRecord:
-        """A record from the board, with the cluster's address for the task if it has one
-        (not port 0: the record has the port the task's server was given)."""
+        """A record from the board, with the cluster's address unless that has port 0."""
         if self._cluster is not None and record.task in self._cluster:
             address = self._cluster.task_address(record.task)
             if address != record.address and split_host_port(address)[1]:
@@ -623,10 +568,6 @@ class Peers:
             return seen
         record = self._provisional(name) if seen.record is None else self._final(seen.record)
         return TaskState(seen.state, record)
-
-    def liveness(self, task: DeviceName) -> tuple[PeerState, PeerRecord | None]:
-        # ``state`` as a pair, for _shm/transport.py and _shm/liveness.py until they ask it.
-        return (seen := self.state(task)).state, seen.record
 
     def sightings(self, task: DeviceName) -> list[Sighting] | None:
         return self._board.sightings(str(canonical_task(task)))

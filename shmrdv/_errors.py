@@ -1,10 +1,8 @@
 """The one error tree of shmrdv, mirroring TensorFlow's status codes.
 
-Builtins are reused where they fit, so ``except TimeoutError`` or ``except ValueError``
-keeps working for users who do not know shmrdv's names. Errors are translated only at
-the edge where they arise (an ``OSError`` in the segment code, a ``grpc.RpcError`` in the
-RPC client) and chained with ``raise ... from``; ``code_for_error`` / ``error_for_code``
-map them to and from ``grpc.StatusCode``.
+Builtins are reused where they fit (``except TimeoutError`` keeps working); errors are
+translated only where they arise and chained; ``code_for_error`` / ``error_for_code`` map
+them to and from ``grpc.StatusCode``.
 """
 
 from __future__ import annotations
@@ -33,17 +31,13 @@ class RendezvousError(Exception):
 
 
 class InvalidArgumentError(RendezvousError, ValueError):
-    """The caller passed something wrong: a bad key, device name, value or option.
-
-    TensorFlow: ``INVALID_ARGUMENT``. Nothing was sent or queued.
-    """
+    """The caller passed a bad key, device name, value or option; nothing was sent or
+    queued. TensorFlow: ``INVALID_ARGUMENT``."""
 
 
 class AbortedError(RendezvousError):
-    """The rendezvous was aborted (``start_abort``, step cleanup, close) or the peer restarted.
-
-    TensorFlow: ``ABORTED`` ("Cleanup <step_id>", "... different device incarnation ...").
-    """
+    """The rendezvous was aborted (``start_abort``, step cleanup, close) or the peer
+    restarted. TensorFlow: ``ABORTED``."""
 
 
 class CancelledError(RendezvousError):
@@ -51,17 +45,12 @@ class CancelledError(RendezvousError):
 
 
 class DeadlineExceededError(RendezvousError, TimeoutError):
-    """A receive did not complete before its timeout; its waiter has been removed.
-
-    TensorFlow: ``DEADLINE_EXCEEDED``.
-    """
+    """A receive timed out; its waiter was removed. TensorFlow: ``DEADLINE_EXCEEDED``."""
 
 
 class UnavailableError(RendezvousError, ConnectionError):
-    """The peer is gone or unreachable (its process died, the network failed).
-
-    TensorFlow: ``UNAVAILABLE``. See ``__cause__`` for what the OS or gRPC said.
-    """
+    """The peer is gone or unreachable (``__cause__`` says what the OS or gRPC said).
+    TensorFlow: ``UNAVAILABLE``."""
 
 
 class ResourceExhaustedError(RendezvousError):
@@ -77,21 +66,17 @@ class InternalError(RendezvousError):
 
 
 def closed_error(task: str) -> AbortedError:
-    """The one error for a call on (or pending in) a Worker its owner closed.
-
-    "Closed by you", as opposed to a peer that broke (``UnavailableError``).
-    """
+    """The error of a call on (or pending in) a Worker its owner closed: "you closed it",
+    not "it broke" (``UnavailableError``)."""
     return AbortedError(f"Worker {task} is closed")
 
 
 def is_closed_error(error: BaseException, task: str) -> bool:
-    """Whether ``error`` is ``closed_error(task)``: the worker is closing, not a step
-    failing (a transport tells its remote peers that the producer went away)."""
+    """Whether ``error`` is ``closed_error(task)``: the worker closing, not a step failing."""
     return isinstance(error, AbortedError) and str(error) == str(closed_error(task))
 
 
-# Error class -> status code; the inverse map below is derived from it, so the two
-# directions cannot drift apart.
+# The inverse map is derived from this one, so the two directions cannot drift apart.
 _CODE_OF: dict[type[RendezvousError], grpc.StatusCode] = {
     InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
     AbortedError: grpc.StatusCode.ABORTED,

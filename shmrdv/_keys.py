@@ -1,25 +1,11 @@
-"""Rendezvous keys: TensorFlow's ``Rendezvous::CreateKey`` / ``ParseKey`` text format.
+"""Rendezvous keys and device names, as TensorFlow writes and parses them.
 
-A key is five fields joined by ``;``::
-
-    <src_device>;<src_incarnation: 16 lowercase hex>;<dst_device>;<edge_name>;<frame>:<iter>
-
-for example (one line)::
-
-    /job:w/replica:0/task:7/device:CPU:0;2845c575404f86b6;
-    /job:w/replica:0/task:7/device:CPU:0;Placeholder_112:0;0:0
-
-(tensorflow/core/framework/rendezvous.cc; research/tf_rendezvous.md §1). Pure functions,
-no I/O.
-
-Device names follow TensorFlow's ``/job:<job>/replica:<r>/task:<t>/device:<TYPE>:<id>``
-grammar: a ``DeviceName`` is the parsed form; its *task* part (``/job:w/replica:0/task:1``)
-names one process, a worker. Names are always compared as parsed fields, never as string
-prefixes: TensorFlow's ``IsLocalDevice`` is a prefix test, under which
-``/job:w/replica:0/task:1`` wrongly owns ``/job:w/replica:0/task:10/...``
-(research/tf_rendezvous.md §2.3). The grammar follows ``DeviceNameUtils::ParseFullName``
-(``DeviceName.parse``) and, kept apart as in TensorFlow, ``ParseLocalName``
-(``DeviceName.parse_local``, the bare ``CPU:0`` form), tensorflow/core/util/device_name_utils.cc.
+A key is ``<src_device>;<src_incarnation: 16 lowercase hex>;<dst_device>;<edge_name>;<frame>:<iter>``
+(TensorFlow's ``Rendezvous::CreateKey`` / ``ParseKey``, tensorflow/core/framework/rendezvous.cc).
+A ``DeviceName`` is ``/job:<job>/replica:<r>/task:<t>/device:<TYPE>:<id>`` parsed as
+``DeviceNameUtils::ParseFullName`` does (``parse``) and, kept apart as there, ``ParseLocalName``
+(``parse_local``: ``CPU:0``). Names are compared as parsed fields, never as string prefixes:
+TensorFlow's ``IsLocalDevice`` prefix test lets ``task:1`` own ``task:10``. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -39,7 +25,6 @@ __all__ = [
     "ParsedKey",
     "create_key",
     "key_digest",
-    "parse_full_name",
     "parse_key",
 ]
 
@@ -50,9 +35,8 @@ _IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _DIGITS = re.compile(r"[0-9]+")
 _LOCAL = re.compile(r"[A-Za-z][A-Za-z0-9_]*:[0-9]+")
 
-# TensorFlow keeps these fields in an ``int``; we cap at int64 so that every parsed number
-# fits TensorFlow's wire types and ``int()`` never sees a string long enough to hit
-# CPython's int_max_str_digits limit (which would raise ValueError, not our error).
+# TensorFlow keeps these fields in an ``int``; int64 fits its wire types and keeps ``int()``
+# away from CPython's int_max_str_digits limit (a ValueError, not our error).
 _MAX_NUMBER = 2**63 - 1
 _MAX_NUMBER_DIGITS = len(str(_MAX_NUMBER))
 
@@ -60,9 +44,6 @@ _MAX_NUMBER_DIGITS = len(str(_MAX_NUMBER))
 # ``/gpu:N`` (either case) mean ``/device:CPU:N`` / ``/device:GPU:N``.
 _PREFIXES = ("/job:", "/replica:", "/task:", "/device:", "/cpu:", "/CPU:", "/gpu:", "/GPU:")
 _LEGACY_TYPES = {"/cpu:": "CPU", "/CPU:": "CPU", "/gpu:": "GPU", "/GPU:": "GPU"}
-
-# Hot-path cache sizes: a worker sees few distinct device names.
-_DEVICE_CACHE_SIZE = 4096
 
 _QUOTE_LIMIT = 160
 
@@ -100,10 +81,8 @@ def _check_ident(value: object, field: str) -> None:
 class DeviceName:
     """A parsed device name; ``None`` in a field means unset (absent or ``*``).
 
-    Equality and hashing are on the parsed fields, so ``/cpu:0`` equals
-    ``/device:CPU:0`` and ``/task:1`` never equals ``/task:10``. The constructor
-    validates its fields and raises ``InvalidArgumentError`` for values that no
-    device name could spell.
+    Equal by parsed fields (``/cpu:0`` equals ``/device:CPU:0``); the constructor raises
+    ``InvalidArgumentError`` for values no device name could spell.
     """
 
     job: str | None
@@ -121,23 +100,13 @@ class DeviceName:
 
     @classmethod
     def parse(cls, name: str) -> DeviceName:
-        """Parse a full, partial or legacy device name; raise ``InvalidArgumentError``.
+        """Parse a full, partial or legacy device name as TensorFlow's ``ParseFullName``.
 
-        Accepts exactly what TensorFlow's ``DeviceNameUtils::ParseFullName`` accepts:
-
-        * ``/job:<job>``, ``/replica:<n>``, ``/task:<n>``, ``/device:<TYPE>`` with an
-          optional ``:<n>``, in any order (TensorFlow loops while a part matches); a
-          repeated part overrides the earlier one, as in TensorFlow;
-        * legacy ``/cpu:<n>``, ``/CPU:<n>``, ``/gpu:<n>``, ``/GPU:<n>`` (type ``CPU``/``GPU``;
-          only these four: ``/device:gpu:0`` keeps its lower-case type ``gpu``, as there);
-        * ``*`` for any value, meaning unset; ``""`` and ``"/"`` (everything unset).
-
-        Every part starts with ``/``: ``gpu:3`` or ``CPU:0`` is refused here (it is a
-        local name, read by ``parse_local``). Job and type names match
-        ``[A-Za-z][A-Za-z0-9_]*``; numbers are ASCII decimal digits up to 2**63-1
-        (TensorFlow reads them into an ``int``). Results are cached (this is on the
-        send/recv hot path). Any other input, including a non-``str``, raises
-        ``InvalidArgumentError`` whose message quotes the name and says which part is wrong.
+        Parts ``/job:<job>``, ``/replica:<n>``, ``/task:<n>``, ``/device:<TYPE>[:<n>]`` in
+        any order (a repeated part overrides, as there); legacy ``/cpu:<n>`` and ``/gpu:<n>``
+        in either case; ``*`` for unset; ``""`` and ``"/"``. Names match
+        ``[A-Za-z][A-Za-z0-9_]*``, numbers are decimal up to 2**63-1. Cached. Anything else
+        (``CPU:0`` is ``parse_local``'s) raises ``InvalidArgumentError`` naming the bad part.
         """
         if type(name) is not str:
             raise InvalidArgumentError(f"a device name must be a str, not {type(name).__name__}")
@@ -145,12 +114,8 @@ class DeviceName:
 
     @classmethod
     def parse_local(cls, name: str) -> DeviceName:
-        """Parse a bare local device name ``<TYPE>:<n>`` such as ``CPU:0``.
-
-        TensorFlow's ``DeviceNameUtils::ParseLocalName``: a type, ``:`` and a number, no
-        wildcard, nothing else; job, replica and task stay unset. Raises
-        ``InvalidArgumentError`` otherwise (a name starting with ``/`` is ``parse``'s).
-        """
+        """Parse a local name ``<TYPE>:<n>`` (``CPU:0``) as TensorFlow's ``ParseLocalName``:
+        no wildcard, job, replica and task unset; else ``InvalidArgumentError``."""
         if type(name) is not str:
             raise InvalidArgumentError(f"a device name must be a str, not {type(name).__name__}")
         return _parse_local(name)
@@ -158,9 +123,8 @@ class DeviceName:
     def __str__(self) -> str:
         """Canonical form, as TensorFlow's ``ParsedNameToString``: set parts only.
 
-        ``/job:x/replica:r/task:t/device:TYPE:id``, with ``/device:TYPE:*`` when the id
-        is unset. TensorFlow drops an id whose type is unset; we write ``/device:*:id``
-        so that parsing the string always gives back an equal ``DeviceName``.
+        TensorFlow drops an id whose type is unset; we write ``/device:*:id`` so that the
+        string always parses back to an equal ``DeviceName``.
         """
         parts = [self.task_part]
         if self.type is not None or self.id is not None:
@@ -171,10 +135,8 @@ class DeviceName:
 
     @property
     def task_part(self) -> str:
-        """The task part, ``/job:x/replica:r/task:t``, with only the parts that are set.
-
-        TensorFlow: the first half of ``SplitDeviceName``.
-        """
+        """``/job:x/replica:r/task:t`` with the parts that are set (TensorFlow's
+        ``SplitDeviceName``, first half)."""
         out = ""
         if self.job is not None:
             out += f"/job:{self.job}"
@@ -190,14 +152,9 @@ class DeviceName:
         return self.job is not None and self.task is not None
 
     def same_task(self, other: DeviceName) -> bool:
-        """True when both names are in the same worker process.
-
-        Job and task must be set on both and equal; replicas must be equal, where an
-        unset replica counts as 0 (``/job:w/task:1`` is the worker
-        ``/job:w/replica:0/task:1``). TensorFlow's ``IsSameAddressSpace`` requires the
-        replica on both sides; we relax that because partial names are common in
-        user code and there is one replica per job in practice.
-        """
+        """True when both names set job and task, equal, and equal replicas (unset counts
+        as 0: TensorFlow's ``IsSameAddressSpace`` requires it set, but partial names are
+        common in user code and a job has one replica in practice)."""
         if not (self.has_task and other.has_task):
             return False
         return (
@@ -223,12 +180,6 @@ class DeviceName:
 _UNSET = DeviceName(None, None, None, None, None)
 
 
-def parse_full_name(name: str) -> DeviceName:
-    """``DeviceName.parse``: the device parts of rendezvous keys, which TensorFlow's
-    ``Rendezvous::ParseKey`` reads with ``ParseFullName``."""
-    return DeviceName.parse(name)
-
-
 def _error(name: str, what: str) -> InvalidArgumentError:
     return InvalidArgumentError(f"Invalid device name {_quote(name)}: {what}")
 
@@ -241,8 +192,7 @@ def _parse_number(name: str, token: str, field: str) -> int | None:
         if not token:
             raise _error(name, f"{field} is empty; expected a decimal number or '*'")
         raise _error(name, f"{field} {_quote(token)} is not a decimal number or '*'")
-    # Strip leading zeros and check the length first: int() of a very long digit string
-    # raises ValueError in CPython >= 3.11 (int_max_str_digits).
+    # The length first: int() of a very long digit string raises ValueError (CPython >= 3.11).
     digits = token.lstrip("0") or "0"
     if len(digits) > _MAX_NUMBER_DIGITS or int(digits) > _MAX_NUMBER:
         raise _error(name, f"{field} {_quote(token)} is larger than {_MAX_NUMBER}")
@@ -308,9 +258,8 @@ def _parse_uncached(name: str) -> DeviceName:
     id_: int | None = None
     pos = 0
     end = len(name)
-    # TensorFlow's loop tries every prefix each round and stops when none matches; every
-    # prefix starts with '/', so a value runs up to the next '/' (numbers and job names
-    # cannot contain one), which is how we cut tokens here. Same accepted language.
+    # TensorFlow's loop tries every prefix each round; every prefix starts with '/' and no
+    # value holds one, so a value runs up to the next '/'. Same accepted language.
     while pos < end:
         prefix = next((p for p in _PREFIXES if name.startswith(p, pos)), None)
         if prefix is None:
@@ -344,37 +293,31 @@ def _parse_uncached(name: str) -> DeviceName:
     return DeviceName(job, replica, task, type_, id_)
 
 
-_parse_cached = functools.lru_cache(maxsize=_DEVICE_CACHE_SIZE)(_parse_uncached)
+_parse_cached = functools.lru_cache(maxsize=4096)(_parse_uncached)  # few devices per job
 
 
 _UINT64_LIMIT = 2**64
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
-# TensorFlow HexStringToUint64: one or more of [0-9a-fA-F], no "0x", no sign. It does not
-# check the length, so a 17th digit silently shifts bits out of the uint64; we refuse
-# more than 16 digits instead (CreateKey always writes exactly 16).
+# TensorFlow HexStringToUint64: [0-9a-fA-F]+, where a 17th digit silently shifts bits out;
+# we refuse more than 16 (CreateKey writes exactly 16).
 _HEX = re.compile(r"[0-9a-fA-F]{1,16}")
-# TensorFlow only requires part 5 to be non-empty. We also require FrameAndIter's
-# shape, ``<frame_id>:<iter_id>`` in ASCII decimal (frame_id uint64, iter_id int64, which
-# may be -1, TensorFlow's kIllegalIterId), because CreateKey never writes anything else
-# and a malformed one is a caller's bug worth reporting.
+# TensorFlow only requires part 5 to be non-empty; we require what CreateKey writes,
+# ``<frame_id uint64>:<iter_id int64>`` (-1 is TensorFlow's kIllegalIterId).
 _FRAME_ITER = re.compile(r"([0-9]{1,20}):(-?[0-9]{1,19})")
 
-# What a key's first three parts (src device, incarnation, dst device) and its fifth
-# (frame:iter) parse to, derived once: a job has few distinct devices and frames, so a key
-# parses with one split and two lookups, whether it is used once or a million times.
-# Cleared when full (a job with this many is not using keys as TensorFlow does).
+# What a key's first three parts and its fifth parse to, derived once: a job has few
+# devices and frames, so any key, new or reused, parses with one split and two lookups.
+# Cleared when full.
 _ENDS_MAX = 4096
 _ends: dict[str, tuple[str, int, str, DeviceName, DeviceName]] = {}
 _frames: dict[str, tuple[int, int]] = {}
 _new_parsed = tuple.__new__
 _DIGEST_SIZE = 16
 
-#: The longest key (UTF-8 bytes) any transport carries: checked here, where every path
-#: parses its keys, so that no transport takes a key another one refuses (a gRPC request,
-#: a segment header and a ring record each hold the key whole). TensorFlow's keys are a
-#: few hundred bytes.
+#: The longest key (UTF-8 bytes) any transport carries, checked where every path parses
+#: its keys so that no transport takes a key another refuses.
 MAX_KEY_BYTES = 64 << 10
 # Keys of at most this many characters fit whatever their encoding (4 bytes a character).
 _SHORT_KEY = MAX_KEY_BYTES // 4
@@ -383,11 +326,10 @@ _PART_NAMES = ("src_device", "src_incarnation", "dst_device", "edge_name", "fram
 
 
 class ParsedKey(NamedTuple):
-    """A parsed rendezvous key. ``str(pk)`` is the key text, ``pk.full_key``.
+    """A parsed rendezvous key; ``str(pk)`` is ``pk.full_key``.
 
-    ``src_device`` and ``dst_device`` are the device parts exactly as written in the key
-    (possibly empty: TensorFlow's "implicit local device"); ``src`` and ``dst`` are the
-    same parts parsed. Immutable (a named tuple: made per message at the cost of a tuple).
+    ``src_device`` / ``dst_device`` are as written (empty: TensorFlow's implicit local
+    device), ``src`` / ``dst`` parsed. A named tuple: made per message at a tuple's cost.
     """
 
     src_device: str
@@ -410,8 +352,7 @@ _USE_CREATE_KEY = (
 
 
 def _bad_key(key: str, part: int, what: str) -> InvalidArgumentError:
-    # TensorFlow says "Invalid  rendezvous key: <key>"; we keep that prefix and add which
-    # part is wrong and why.
+    # TensorFlow's "Invalid rendezvous key: <key>", plus which part is wrong and why.
     return InvalidArgumentError(
         f"Invalid rendezvous key {_quote(key)}: part {part} ({_PART_NAMES[part - 1]}) {what}"
         + _USE_CREATE_KEY
@@ -428,7 +369,6 @@ def _device_problem(text: str, error: InvalidArgumentError) -> str:
 
 
 def _check_length(key: str) -> None:
-    """Raise ``InvalidArgumentError`` if ``key`` is longer than ``MAX_KEY_BYTES``."""
     if len(key) <= _SHORT_KEY:
         return
     n = len(key.encode("utf-8", "surrogatepass"))
@@ -448,8 +388,7 @@ def _check_edge_name(edge_name: str) -> str | None:
     try:
         edge_name.encode("utf-8")
     except UnicodeEncodeError:
-        # Keys travel as proto3 ``string`` fields (RecvTensorRequest.rendezvous_key), which
-        # must be valid UTF-8; a lone surrogate cannot be encoded.
+        # Keys travel as proto3 ``string`` fields, which must be valid UTF-8.
         return f"{_quote(edge_name)} is not encodable as UTF-8 (lone surrogate)"
     return None
 
@@ -467,13 +406,12 @@ def create_key(
     name: str,
     frame_iter: tuple[int, int] = _NO_FRAME,
 ) -> str:
-    """Build a rendezvous key, byte-identical to TensorFlow's ``Rendezvous::CreateKey``.
+    """A rendezvous key, byte-identical to TensorFlow's ``Rendezvous::CreateKey``.
 
-    Device names are used as written (a ``DeviceName`` as its canonical ``str``); they
-    must parse (the empty string means "implicit local device"). ``src_incarnation`` is a
-    uint64 written as 16 lowercase zero-padded hex digits. ``name`` is the edge name:
-    non-empty, no ``;``. ``frame_iter`` is ``(frame_id, iter_id)`` as uint64 and int64;
-    ``(0, 0)`` outside loops. Raises ``InvalidArgumentError`` naming the bad argument.
+    Device names are used as written (a ``DeviceName`` as its ``str``) and must parse
+    (``""``: the implicit local device); ``src_incarnation`` is a uint64; ``name`` is
+    non-empty without ``;``; ``frame_iter`` is (uint64, int64), ``(0, 0)`` outside loops.
+    Raises ``InvalidArgumentError`` naming the bad argument.
     """
     if frame_iter is _NO_FRAME and type(name) is str and type(src_incarnation) is int:
         head = _heads.get((src_device, src_incarnation, dst_device))  # type: ignore[arg-type]
@@ -522,15 +460,14 @@ def _device_text(device: str | DeviceName, what: str) -> str:
     if ";" in device:
         raise InvalidArgumentError(f"{what} {_quote(device)} contains ';', the key separator")
     try:
-        parse_full_name(device)
+        DeviceName.parse(device)
     except InvalidArgumentError as e:
         raise InvalidArgumentError(f"{what}: {e}") from None
     return device
 
 
 def _integer(value: object, what: str) -> int:
-    # operator.index accepts int and numpy integers but not floats or strings; bool is
-    # refused on purpose (True as an incarnation is a bug, not 1).
+    # operator.index takes numpy integers, not floats; True as an incarnation is a bug, not 1.
     if isinstance(value, bool):
         raise InvalidArgumentError(f"{what} must be an integer, not bool")
     try:
@@ -544,28 +481,17 @@ def _integer(value: object, what: str) -> int:
 def parse_key(key: str) -> ParsedKey:
     """Parse a rendezvous key as TensorFlow's ``Rendezvous::ParseKey`` does, or raise.
 
-    Rules (TensorFlow's unless marked *ours*):
-
-    1. exactly five ``;``-separated parts; a sixth part is an error (*ours*: also an
-       empty one, i.e. a trailing ``;``, which TensorFlow's cursor arithmetic lets through);
-    2. parts 1 and 3 parse as device names (``ParseFullName``; empty means unset);
-    3. part 2 is 1 to 16 hex digits, either case (*ours*: at most 16; TensorFlow
-       overflows silently);
-    4. part 4, the edge name, is not empty (*ours*: and is valid UTF-8);
-    5. part 5 is not empty (*ours*: it is ``<frame_id>:<iter_id>``, uint64 and int64 in
-       ASCII decimal);
-    6. *ours*: at most ``MAX_KEY_BYTES`` bytes of UTF-8.
-
-    Raises ``InvalidArgumentError`` (a ``ValueError``) quoting the key and naming the
-    part that is wrong. A key costs one split and two lookups: what its devices and frame
-    parse to is derived once (this is on the send/recv hot path).
+    TensorFlow's rules: five ``;``-separated parts, devices that parse, a hex incarnation,
+    a non-empty edge name and part 5. Ours besides: no trailing empty sixth part, at most
+    16 hex digits (TensorFlow overflows silently), a UTF-8 edge name, part 5 as
+    ``<frame_id>:<iter_id>``, at most ``MAX_KEY_BYTES``. Raises ``InvalidArgumentError``
+    quoting the key and naming the wrong part.
     """
     if type(key) is not str:
         raise InvalidArgumentError(
             f"a rendezvous key must be a str, not {type(key).__name__}" + _USE_CREATE_KEY
         )
-    # The ends ("<src_device>;<src_incarnation>;<dst_device>") and the frame seen before:
-    # the edge name is all that is left to check (non-empty, no ';', ASCII).
+    # Ends and frame seen before: only the edge name is left to check (non-empty, ASCII).
     parts = key.rsplit(";", 2)
     if len(parts) == 3 and len(key) <= _SHORT_KEY:
         head, edge_name, fi_text = parts
@@ -597,7 +523,7 @@ def _parse_key_checked(key: str) -> ParsedKey:
         )
     src_text, inc_text, dst_text, edge_name, fi_text = parts
     try:
-        src = parse_full_name(src_text)
+        src = DeviceName.parse(src_text)
     except InvalidArgumentError as e:
         raise _bad_key(key, 1, _device_problem(src_text, e)) from None
     if _HEX.fullmatch(inc_text) is None:
@@ -607,7 +533,7 @@ def _parse_key_checked(key: str) -> ParsedKey:
             raise _bad_key(key, 2, f"{_quote(inc_text)} has more than 16 hex digits (uint64)")
         raise _bad_key(key, 2, f"{_quote(inc_text)} is not hexadecimal")
     try:
-        dst = parse_full_name(dst_text)
+        dst = DeviceName.parse(dst_text)
     except InvalidArgumentError as e:
         raise _bad_key(key, 3, _device_problem(dst_text, e)) from None
     problem = _check_edge_name(edge_name)
@@ -636,12 +562,8 @@ def _parse_key_checked(key: str) -> ParsedKey:
 
 
 def key_digest(full_key: str) -> bytes:
-    """16-byte BLAKE2b digest of the key's UTF-8 text, for naming OS objects after a key.
-
-    Keys are longer than a shm name may be and contain ``/`` and ``;``, so modules that
-    name things after keys use this digest. Lone surrogates (which ``parse_key`` refuses)
-    are hashed via ``surrogatepass`` rather than raising.
-    """
+    """16-byte BLAKE2b of the key's UTF-8 text, to name OS objects after a key (keys are
+    too long for a name and hold ``/``); a lone surrogate is hashed, not refused."""
     return hashlib.blake2b(
         full_key.encode("utf-8", "surrogatepass"), digest_size=_DIGEST_SIZE
     ).digest()

@@ -1,12 +1,13 @@
 """Child processes that die with their parent, each with a control pipe and bounded waits.
 
 The one process harness of the demo, the benchmarks and the tests. A ``Child`` runs
-``target(conn, *args)`` in a spawned process that ignores SIGINT (the parent handles
-Ctrl-C), turns SIGTERM into ``SystemExit`` (so ``with Worker(...)`` blocks close) and is
-sent SIGTERM when its parent dies; a ``target`` that raises sends ``("error", traceback)``.
-Processes are stopped only by the pids started here. ``ChildWorker`` drives a
-``shmrdv.Worker`` in a child. Thread model (``docs/threads.md``): no threads; a
-``ChildWorker`` may be called from any thread, one command at a time.
+``target(conn, *args)`` in a spawned process that ignores SIGINT (the parent handles it),
+turns SIGTERM into ``SystemExit`` (so ``with Worker(...)`` blocks close) and gets SIGTERM
+when its parent dies; a ``target`` that raises sends ``("error", traceback)``. Only pids
+started here are signalled. ``ChildWorker`` drives a ``shmrdv.Worker`` in a child.
+
+Thread model (``docs/threads.md``): no threads; a ``ChildWorker`` may be called from any
+thread, one command at a time.
 """
 
 from __future__ import annotations
@@ -100,21 +101,17 @@ def exit_reason(proc: BaseProcess) -> str:
 
 
 def wait_for_close(conn: Connection) -> None:
-    """In a child: block until the parent sends ``("close",)`` or is gone. The parent
-    decides the order in which children close (consumers before the producers they pull
-    from, so that no channel sees its server go away mid-call)."""
+    """In a child: block until the parent sends ``("close",)`` or is gone (the parent
+    closes consumers before the producers they pull from)."""
     with contextlib.suppress(EOFError, OSError):
         while conn.recv()[0] != "close":
             pass
 
 
 class Child:
-    """One spawned process running ``target(conn, *args)`` (a top-level function; the
-    arguments must pickle), and the parent's end of its pipe.
-
-    ``daemon``: also stop it when the parent exits normally (a daemon cannot start children
-    of its own). ``cpus``: pin it to these CPUs. Leaving a ``with`` block stops it.
-    """
+    """A spawned process running ``target(conn, *args)`` (top-level, arguments that
+    pickle) and the parent's end of its pipe; ``cpus`` pins it; ``with`` stops it.
+    ``daemon=False`` lets it start children of its own."""
 
     def __init__(
         self,
@@ -161,15 +158,15 @@ class Child:
             raise ChildFailed(f"{self.name} is gone ({exit_reason(self.process)})") from e
 
     def poll(self, timeout: float = 0.0) -> bool:
-        """Whether a message (or EOF) is there to read, waiting at most ``timeout`` s."""
+        """Whether a message (or EOF) is there, waiting at most ``timeout`` s."""
         try:
             return self.conn.poll(timeout)
         except (OSError, ValueError):
             return True  # closed: the next recv reports why
 
     def recv(self, timeout: float, what: str = "a message") -> tuple[Any, ...]:
-        """The child's next message within ``timeout`` s: ``ChildTimeout`` if none came,
-        ``ChildFailed`` if the child died (how, in the message) or sent an error."""
+        """The child's next message within ``timeout`` s; ``ChildTimeout`` if none came,
+        ``ChildFailed`` if it died or sent an error."""
         return self._recv_by(time.monotonic() + timeout, timeout, what)
 
     def _recv_by(self, deadline: float, timeout: float, what: str) -> tuple[Any, ...]:
@@ -190,9 +187,8 @@ class Child:
     def expect(
         self, kind: str, timeout: float, other: Callable[[tuple[Any, ...]], bool] | None = None
     ) -> tuple[Any, ...]:
-        """The next message of ``kind`` (its first item), within ``timeout`` s in all. A
-        message of another kind goes to ``other`` (progress reports, say), which returns
-        True to keep waiting; without ``other``, or if it returns False, ``ChildFailed``."""
+        """The next message of ``kind`` within ``timeout`` s in all; another kind goes to
+        ``other``, which returns True to keep waiting (else ``ChildFailed``)."""
         deadline = time.monotonic() + timeout
         while (msg := self._recv_by(deadline, timeout, repr(kind)))[0] != kind:
             if other is None or not other(msg):
@@ -206,8 +202,7 @@ class Child:
                 os.kill(self.pid, sig)
 
     def stop(self, grace: float, term_wait: float = 5.0) -> bool:
-        """Close the pipe (a child in ``wait_for_close`` returns), then ``reap`` it; whether
-        it had to be signalled."""
+        """Close the pipe, then ``reap`` the child; whether it had to be signalled."""
         self.close()
         return reap([self], grace, term_wait) > 0
 
@@ -219,8 +214,8 @@ class Child:
 
 
 def reap(children: Iterable[Child | BaseProcess], grace: float, term_wait: float = 5.0) -> int:
-    """Join every process within ``grace`` s in all, then SIGTERM the rest, then (``term_wait``
-    s later: time for ``with`` blocks to close) SIGKILL; how many had to be signalled."""
+    """Join every process within ``grace`` s, SIGTERM the rest, SIGKILL them ``term_wait`` s
+    later (time for ``with`` blocks to close); how many had to be signalled."""
     procs = [c.process if isinstance(c, Child) else c for c in children]
     deadline = time.monotonic() + grace
     for p in procs:
@@ -238,7 +233,7 @@ def reap(children: Iterable[Child | BaseProcess], grace: float, term_wait: float
 
 
 class ChildGroup:
-    """Named children started together; leaving a ``with`` block stops them all (``reap``)."""
+    """Named children started together; leaving a ``with`` block reaps them all."""
 
     def __init__(self) -> None:
         self.children: dict[str, Child] = {}
@@ -258,15 +253,13 @@ class ChildGroup:
     def start(
         self, name: str, target: Callable[..., None], *args: Any, cpus: Iterable[int] | None = None
     ) -> Child:
-        """Start ``Child(name, target, *args, cpus=cpus)`` in this group."""
         if name in self.children:
             raise ValueError(f"a child named {name!r} was already started")
         child = self.children[name] = Child(name, target, *args, cpus=cpus)
         return child
 
     def check_alive(self, names: Iterable[str] | None = None) -> None:
-        """``ChildFailed`` if a child (of ``names``, default all) failed, died or sent
-        anything (one that exited cleanly did not fail)."""
+        """``ChildFailed`` if a child (of ``names``) failed, died or sent anything."""
         for child in self if names is None else map(self.__getitem__, names):
             if not child.poll() and child.process.exitcode in (0, None):
                 continue
@@ -286,9 +279,6 @@ class ChildGroup:
         for child in self:
             child.close()
         return reap(self, grace)
-
-
-# -- ChildWorker: a Worker in a child, running module-level functions it is sent ----------
 
 
 def _child_main(conn: Connection, task: str, kwargs: dict[str, Any]) -> None:
@@ -311,7 +301,6 @@ def _child_main(conn: Connection, task: str, kwargs: dict[str, Any]) -> None:
 
 
 def _portable(e: BaseException) -> BaseException:
-    """The exception itself if it pickles, else a ChildError carrying its text."""
     try:
         pickle.loads(pickle.dumps(e))
         return e
@@ -354,10 +343,8 @@ class _ChildProducer:
 class ChildWorker(Closing):
     """A ``shmrdv.Worker`` for ``task`` in a spawned child process.
 
-    Each method sends one command and blocks until the child answers, at most
-    ``reply_timeout`` s (then ``TimeoutError``); the child's exception is raised here, and a
-    child that died is ``UnavailableError``. ``kill()`` signals it (SIGKILL by default);
-    ``close()`` closes its Worker, waits for the process and is idempotent.
+    Each method blocks until the child answers, at most ``reply_timeout`` s (then
+    ``TimeoutError``), and raises the child's exception; a dead child is ``UnavailableError``.
     """
 
     def __init__(self, task: str, *, reply_timeout: float = 60.0, **worker_kwargs: Any) -> None:
@@ -393,8 +380,7 @@ class ChildWorker(Closing):
         return payload
 
     def call(self, fn: Callable[..., _T], *args: Any, timeout: float | None = None) -> _T:
-        """Run ``fn(worker, *args)`` in the child (``fn`` importable by name, its result
-        picklable) and return its result; ``timeout`` defaults to ``reply_timeout``."""
+        """``fn(worker, *args)`` run in the child (``fn`` importable, its result picklable)."""
         with self._lock:
             if self._closed:
                 raise UnavailableError(f"child {self.task} is closed")
@@ -409,13 +395,11 @@ class ChildWorker(Closing):
     def send(
         self, key: str, value: Any, *, is_dead: bool = False, step: int = 0, allocate: bool = False
     ) -> None:
-        """``worker.rendezvous(step).send(key, value)`` in the child (``allocate``: copied
-        into an ``allocate``d buffer first, a zero-copy send)."""
+        """``worker.rendezvous(step).send(key, value)`` in the child (``allocate``: zero-copy)."""
         self.call(_send, step, key, value, is_dead, allocate)
 
     def recv(self, key: str, *, timeout: float | None = None, step: int = 0) -> Received:
-        """``worker.rendezvous(step).recv(key, timeout=...)`` in the child; the value comes
-        back by pickle."""
+        """``worker.rendezvous(step).recv(key, timeout=...)`` in the child, sent back by pickle."""
         wait = None if timeout is None else timeout + self._reply_timeout
         return self.call(_recv, step, key, timeout, timeout=wait)
 
@@ -423,7 +407,7 @@ class ChildWorker(Closing):
         self.call(_cleanup, step)
 
     def producer(self, step: int = 0, *, allocate: bool = False) -> _ChildProducer:
-        """A conformance-pair producer sending from this child (``allocate``: zero-copy)."""
+        """A conformance-pair ``Producer`` sending from this child."""
         return _ChildProducer(self, step, allocate)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
@@ -435,8 +419,8 @@ class ChildWorker(Closing):
             self._child.close()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Close the pipe, so that the child closes its Worker and exits; wait for it that
-        long, then stop it (``Child.stop``). Idempotent."""
+        """Close the pipe (the child closes its Worker and exits), ``Child.stop`` it after
+        ``timeout`` s. Idempotent."""
         with self._lock:  # after a command in progress
             self._closed = True
             self._child.stop(timeout)

@@ -1,27 +1,21 @@
 """Which rendezvous carries a key: its route, derived once per pair of key ends.
 
-Like TensorFlow's ``BaseRemoteRendezvous``, a Worker's step only sends keys whose src task
-is its worker and only receives keys whose dst task is its worker; tasks are compared as
-parsed names (``task:1`` is not ``task:10``). Both ends in the worker: the step's
-in-process ``LocalRendezvous``. The other end in another worker: the first transport of
-the *producer's* priority list that the peer takes and that ``can_reach`` it (TensorPipe's
-``canCommunicateWithRemote``), so both ends pick the same one. All of this depends only on
-a key's two ends (src device, src incarnation, dst device), never on its edge name: it is
-derived once per pair (``Ends``), so a key used once costs its parse and nothing else. A
-peer's transport is kept once its record is final (its own presence record).
+As TensorFlow's ``BaseRemoteRendezvous``, a Worker's step sends only keys whose src task is
+its own and receives only keys whose dst task is its own (tasks compared parsed). Both ends
+here: the step's ``LocalRendezvous``; the other end in another worker: the first transport
+of the *producer's* priority list that the peer takes and that ``can_reach`` it (TensorPipe's
+``canCommunicateWithRemote``), so both ends pick the same one. A route depends only on a
+key's ends (src device, src incarnation, dst device), never its edge name (``Ends``), and a
+peer's transport is kept once its presence record is final.
 
-A receive started before its producer's record is final (the producer has not started,
-its order is unknown) listens on this worker's own pick at once and, once the record is
-final and picks another transport, on that one too (``RaceRecv``: each a callback
-receive, a *leg*; ``PickWatch`` looks for the record in one thread that runs only while
-such receives wait). A producer sends each value on one transport, so at most one leg
-gets a value: the first value ends the race and cancels the other legs; an error ends it
-only when every leg has failed and no other is to come.
+A receive started before its producer's record is final listens on this worker's own pick
+and, once the record picks another transport, on that one too (``RaceRecv``, one *leg* per
+transport; ``PickWatch`` looks for final records). A value travels on one transport only:
+the first value ends the race; an error ends it only when every leg has failed.
 
-Thread model (``docs/threads.md``): thread-safe. ``Routes._lock`` guards the pairs, the
-final per-peer routes and the long waits; a race's lock its state; ``PickWatch``'s lock
-the receives it watches (thread ``shmrdv-pick``). No lock is held across a transport call
-or a ``done``.
+Thread model (``docs/threads.md``): thread-safe; ``Routes._lock`` guards the pairs, routes
+and long waits, a race's lock its state, ``PickWatch``'s lock its receives (thread
+``shmrdv-pick``). No lock is held across a transport call or a ``done``.
 """
 
 from __future__ import annotations
@@ -47,13 +41,9 @@ ENDS_MAX = 4096
 
 
 class Ends:
-    """What a key's two ends mean to this worker (see the module docstring).
-
-    ``sends`` / ``receives``: whether a step of this worker may send / receive keys
-    between these ends (its own task at that end, and for a send the right incarnation).
-    ``peer`` is the other end's task (None when both ends, or neither, are this worker);
-    ``transport`` and ``wait`` are filled in once the peer's record is final.
-    """
+    """What a key's two ends mean to this worker: whether its steps may send / receive
+    such keys, the ``peer`` task (None when both ends or neither are this worker), and
+    ``transport`` and ``wait`` once the peer's record is final."""
 
     __slots__ = (
         "dst_own",
@@ -124,8 +114,6 @@ class Routes:
                 )
         return ends
 
-    # -- the checks, their errors built only when they fail ---------------------------
-
     def send_error(self, pk: ParsedKey, ends: Ends) -> Exception:
         if not ends.src_own:
             return not_this_task(pk, "src", self.ctx.task_name)
@@ -143,8 +131,6 @@ class Routes:
             f'vs. {self.ctx.incarnation:016x}. Your worker job ("{self.ctx.task_name}") was '
             f"probably restarted; key {pk.full_key!r}"
         )
-
-    # -- choosing a transport ---------------------------------------------------------
 
     def transport(self, ends: Ends, pk: ParsedKey) -> Transport:
         """The transport between this worker and ``ends.peer`` (which must be set)."""
@@ -167,10 +153,8 @@ class Routes:
         return t
 
     def others_reaching(self, ends: Ends, first: Transport) -> bool:
-        """Whether a receive started on ``first`` by a provisional record (the producer's
-        order not known) may have to listen elsewhere too: whether the peer may take
-        another transport of this worker's that may reach it. A transport not made yet is
-        not made for this (gRPC's client: asked once the record is final)."""
+        """Whether a receive started on ``first`` by a provisional record may have to
+        listen on another transport too (one not made yet is not made for this)."""
         assert ends.peer is not None
         record = self.ctx.peers.lookup(ends.peer)
         if record.final:
@@ -192,7 +176,7 @@ class Routes:
         leg: Callable[[Transport, DoneCallback], Canceller],
     ) -> None:
         """Start ``leg``'s receive on the producer's pick once its record is final and the
-        pick is not ``first`` (``_race.PickWatch``)."""
+        pick is not ``first``."""
 
         def pick() -> tuple[LegStarter | None] | None:
             t = ends.transport or self.transport(ends, pk)
@@ -204,10 +188,9 @@ class Routes:
 
     def _choose(self, record: PeerRecord, pk: ParsedKey, *, producer: bool) -> Transport:
         """The first of the *producer's* priority list that both take and that reaches the
-        peer, so that both ends pick the same one whatever order each lists them in."""
+        peer; raises ``InvalidArgumentError`` when none does."""
         if producer or not record.final:
-            # A provisional record (the cluster spec's, before the producer has started)
-            # does not know the producer's order: this worker's own is the best guess.
+            # A provisional record does not know the producer's order: ours is the best guess.
             order = [n for n in self.order if n in record.transports]
         else:
             order = [n for n in record.transports if n in self.order]
@@ -226,13 +209,10 @@ class Routes:
         for t in self._active():
             t.abort_step(step_id, error)
 
-    # -- why a receive waits (never per message) --------------------------------------
-
     def diagnose(self, pk: ParsedKey, *, probe: bool = False) -> str | None:
-        """Why a receive of ``pk`` may be waiting: where its producer is alive, if not in
-        this worker's namespace; with ``probe``, also what the key's transport finds
-        (``Transport.explain_wait``). None when there is nothing to tell. Lists presence
-        records and may probe: only for a timeout, a long wait or ``stats()``."""
+        """Why a receive of ``pk`` may be waiting (where its producer is alive, if not in
+        this namespace; with ``probe``, what the transport finds), or None. Lists presence
+        records: only for a timeout, a long wait or ``stats()``, never per message."""
         peers = self.ctx.peers
         try:
             record = peers.lookup(pk.src)
@@ -283,13 +263,8 @@ class Routes:
 
 
 def explain_absent_producer(task: str, found: list[Sighting] | None) -> str | None:
-    """A sentence saying where ``task`` lives if not in this worker's namespace, or None.
-
-    None also when it is alive in this worker's namespace, or when ``found`` is None (this
-    host keeps no presence records). Otherwise "task … is alive in namespace id …, not in
-    this worker's: producer and consumer must share the namespace", or "task … is not
-    alive anywhere on this host".
-    """
+    """A sentence saying where ``task`` lives if not alive in this worker's namespace;
+    None if it is, or if this host keeps no presence records (``found`` None)."""
     if found is None or any(s.alive and s.ours for s in found):
         return None
     elsewhere = sorted({s.namespace for s in found if s.alive and not s.ours})
@@ -335,8 +310,8 @@ def start_leg(
 
 LegStarter = Callable[[DoneCallback], Canceller]
 
-#: How often ``PickWatch`` looks for final records: first after ``_FIRST_LOOK`` s, then
-#: twice as long each time up to ``_LAST_LOOK`` s (a producer usually starts soon).
+# How often ``PickWatch`` looks: doubling from the first pause to the last (a producer
+# usually starts soon).
 _FIRST_LOOK = 0.005
 _LAST_LOOK = 0.1
 
@@ -385,8 +360,7 @@ class RaceRecv:
         return True
 
     def fail(self, error: BaseException) -> None:
-        """End the receive with ``error`` (its producer's pick could not be made), unless
-        a leg has ended it."""
+        """End the receive with ``error`` (no pick could be made), unless a leg ended it."""
         with self._lock:
             if self._ended or self._cancelling:
                 return
@@ -402,7 +376,8 @@ class RaceRecv:
         done(error, None)
 
     def _over(self) -> bool:
-        """``_ended``, read again (a leg may have ended the receive meanwhile)."""
+        """``_ended`` read again: a leg may have ended the race while the lock was free (a
+        method, so that mypy does not narrow the attribute across that gap)."""
         return self._ended
 
     def _leg_done(self, i: int, error: BaseException | None, received: Received | None) -> None:
@@ -464,11 +439,8 @@ Pick = Callable[[], "tuple[LegStarter | None] | None"]
 
 
 class PickWatch:
-    """Starts a receive's leg on its producer's pick once the producer's record is final.
-
-    One daemon thread, started with the first receive watched and ending when none is
-    left; it calls each receive's ``pick`` outside its lock.
-    """
+    """Starts a receive's leg on its producer's pick once the producer's record is final,
+    in one daemon thread that runs while receives are watched; ``pick`` runs outside the lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -119,10 +119,6 @@ class PeerDirectory(Protocol):
         """
         ...
 
-    def liveness(self, task: DeviceName) -> tuple[PeerState, PeerRecord | None]:
-        """``state`` as a pair, for the transport modules that still ask so."""
-        ...
-
     def sightings(self, task: DeviceName) -> list[Sighting] | None:
         """Where ``task`` has a presence record on this host, in any namespace of this user.
 

@@ -1,4 +1,5 @@
-"""Which values may be sent: numpy arrays whose dtype holds no Python objects."""
+"""Which values may be sent (numpy arrays whose dtype holds no Python objects), how a dtype
+is described on the wire, and the size rules every peer's shape is checked against."""
 
 from __future__ import annotations
 
@@ -67,8 +68,7 @@ def encode_dtype(dtype: np.dtype[Any]) -> bytes:
     elif dtype.names is None and dtype.subdtype is None:
         encoded = dtype.str.encode("ascii")
     else:
-        # What numpy.lib.format.dtype_to_descr returns for a structured dtype (it also
-        # warns about metadata, which we drop silently: the .npy format drops it too).
+        # numpy's dtype_to_descr form (metadata dropped, as the .npy format drops it).
         encoded = _JSON_TAG + json.dumps(dtype.descr).encode("utf-8")
     try:
         same = decode_dtype(encoded) == dtype
@@ -85,8 +85,7 @@ def encode_dtype(dtype: np.dtype[Any]) -> bytes:
 
 @functools.lru_cache(maxsize=256)
 def decode_dtype(encoded: bytes, where: str = "segment header") -> np.dtype[Any]:
-    """The dtype of a descriptor; raises ``InternalError`` ("<where> corrupted: dtype
-    ...") for anything unusable."""
+    """The dtype of a descriptor; ``InternalError`` ("<where> corrupted") if unusable."""
     try:
         if encoded.startswith(_JSON_TAG):
             descr = _json_to_descr(json.loads(encoded[len(_JSON_TAG) :].decode("utf-8")))
@@ -115,7 +114,7 @@ def _ml_dtype(name: bytes, where: str) -> np.dtype[Any]:
     if _ML_NAME_RE.fullmatch(name) is None:
         raise ValueError("not an ml_dtypes type name")
     try:
-        # Lazily: optional, and only values of its types need it.
+        # Optional: only values of its types need it.
         import ml_dtypes
     except ImportError as e:
         raise InternalError(
@@ -162,12 +161,11 @@ def format_size(n: int) -> str:
     return f"{value:.0f} {unit}" if value.is_integer() else f"{value:.1f} {unit}"
 
 
-#: The most elements any tensor may have, whatever its item size (2**40: 4 TiB of float32).
-#: A peer's header or wire message is checked against it before anything is allocated or
-#: looped over: a count bounded only through ``nbytes`` lets zero-byte items through.
+#: The most elements any tensor may have, checked before a peer's shape makes us allocate
+#: or loop (a bound through ``nbytes`` alone lets zero-byte items through).
 MAX_ELEMENTS = 1 << 40
-#: Zero-byte items (``V0``, ``S0``, ``U0``) carry no data but still cost per-element work
-#: (numpy even widens ``S0`` to ``S1`` when it allocates): a much lower bound for them.
+#: Zero-byte items (``V0``, ``S0``) still cost per-element work (numpy widens ``S0`` to
+#: ``S1`` when it allocates): a much lower bound for them.
 MAX_ZERO_ITEM_ELEMENTS = 1 << 24
 
 
@@ -180,14 +178,12 @@ _MAX_NAMED_ATTRIBUTES = 5
 
 
 def as_ndarray(value: object, verb: str, where: str = "") -> npt.NDArray[Any]:
-    """``value`` as a plain ndarray (a numpy scalar as a 0-d array); else raise.
+    """``value`` as a plain ndarray (a numpy scalar as a 0-d array), else
+    ``InvalidArgumentError`` ("cannot <verb> a <type><where>: ...").
 
-    An ndarray subclass whose instances hold nothing beyond their bytes (``np.memmap``,
-    ``np.matrix``, ``np.recarray``, any subclass without instance attributes) is returned
-    as a plain ``numpy.ndarray`` view of the same memory: that is what a receiver gets.
-    One that holds more (a masked array's mask, a unit, ...) is refused, since the receiver
-    would silently lose it. The ``InvalidArgumentError`` reads "cannot <verb> a
-    <type><where>: ...".
+    A subclass whose values are all in its bytes (``np.memmap``, ``np.matrix``, one without
+    instance attributes) becomes a plain view, which is what a receiver gets; one holding
+    more (a mask, a unit) is refused: the receiver would silently lose it.
     """
     if type(value) is np.ndarray:
         return value
@@ -206,7 +202,6 @@ def _type_name(value: object) -> str:
 
 
 def _plain(value: npt.NDArray[Any], verb: str, where: str) -> npt.NDArray[Any]:
-    """The plain-ndarray view of a subclass instance whose values are all in its bytes."""
     if isinstance(value, np.ma.MaskedArray):
         raise InvalidArgumentError(
             f"cannot {verb} a numpy.ma.MaskedArray{where}: only its data would travel, so the "
@@ -230,8 +225,7 @@ def _plain(value: npt.NDArray[Any], verb: str, where: str) -> npt.NDArray[Any]:
 
 
 def _instance_state(value: npt.NDArray[Any]) -> list[str]:
-    """The names of the attributes an ndarray subclass instance holds (``__dict__`` and
-    ``__slots__``), sorted."""
+    """The attributes an ndarray subclass instance holds (``__dict__`` and ``__slots__``)."""
     names = set(getattr(value, "__dict__", {}))
     for cls in type(value).__mro__:
         slots = cls.__dict__.get("__slots__", ())
@@ -242,14 +236,10 @@ def _instance_state(value: npt.NDArray[Any]) -> list[str]:
 
 
 def check_value(value: object, key: str) -> npt.NDArray[Any]:
-    """Return ``value`` as an ndarray, or raise ``InvalidArgumentError`` saying why not.
-
-    Accepts any ``numpy.ndarray`` (any shape, 0-d and empty included) and numpy scalars
-    (as 0-d arrays). Refuses dtypes that hold Python objects, at any depth of a
-    structured dtype: their bytes are pointers, meaningless in another process.
-    """
-    # A non-empty plain array: its element count is the one rule's count (no zero dimension
-    # to take as 1), and its dtype's flag says if it holds objects.
+    """``value`` as an ndarray (any shape; a numpy scalar as 0-d), or
+    ``InvalidArgumentError`` saying why not (an object dtype at any depth: its bytes are
+    pointers, meaningless in another process)."""
+    # A non-empty plain array has no zero dimension to count as 1: its size is the rule's.
     if type(value) is np.ndarray and 0 < value.size <= MAX_ELEMENTS and not value.dtype.hasobject:
         return value
     arr = as_ndarray(value, "send", f" under key {key!r}")
@@ -266,12 +256,9 @@ def check_value(value: object, key: str) -> npt.NDArray[Any]:
 
 
 def shape_problem(shape: tuple[int, ...], itemsize: int) -> str | None:
-    """Why an array of ``shape`` with ``itemsize``-byte items is refused, or None.
-
-    The one rule shared by ``send`` (the caller's value), the segment header, the ring
-    record and the gRPC coding (a peer's bytes): every dimension >= 0, at most
-    ``MAX_ELEMENTS`` elements (``MAX_ZERO_ITEM_ELEMENTS`` for zero-byte items), counted
-    with zero dimensions taken as 1 so that ``(0, 2**62)`` is refused too.
+    """Why an array of ``shape`` with ``itemsize``-byte items is refused, or None: the one
+    rule of ``send``, the segment header, the ring record and the gRPC coding. Zero
+    dimensions count as 1, so that ``(0, 2**62)`` is refused too.
     """
     count = 1
     for d in shape:

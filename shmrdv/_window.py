@@ -1,26 +1,16 @@
 """Backpressure: the bytes a producer has sent to one consumer that it has not received yet.
 
 ``Worker(..., max_inflight_bytes=N)`` gives each consumer worker of a producer one
-``InflightWindow`` (per transport). ``send`` reserves the tensor's bytes before anything
-of it is sent; the transport gives them back when it learns that the consumer took the
-message (or died, or the step was cleaned up). A reservation that does not fit waits up
-to the send's timeout, then raises ``ResourceExhaustedError`` naming the consumer and the
-window. A tensor larger than the whole window goes out once nothing else is in flight to
-that consumer, so no tensor is refused for its size alone (``multiprocessing.Queue(maxsize)``
-counts items; a byte window is what bounds /dev/shm).
+``InflightWindow`` per transport: ``send`` reserves a tensor's bytes before sending any of
+it; the transport gives them back once the consumer took it (or died, or the step was
+cleaned up). A tensor larger than the window goes once nothing else is in flight to that
+consumer (a byte window is what bounds /dev/shm; ``multiprocessing.Queue(maxsize)`` counts
+items). A transport that learns of receives only by looking (shared memory) is asked to
+``refresh`` every ``REFRESH_S`` while a reservation waits; ``ConsumerWatch`` frees the window
+of a consumer that died.
 
-How the transport learns of a receive is its own business: the gRPC outbox knows at
-once (a pull takes the value); the shared-memory producer cannot be told without a
-message back, so while a reservation waits it is asked to ``refresh`` (look at what the
-consumer took: the ring's read position, which message names are gone) every
-``REFRESH_S`` seconds.
-
-``Windows`` is a producer's windows, one per consumer task; ``ConsumerWatch`` tells, from
-the consumer's presence record on this host, that it died (its window is then freed: what
-it did not take will never be taken by it).
-
-Thread model (``docs/threads.md``): any thread may reserve or release; a reservation blocks only its caller,
-never under a transport lock (the refresh callback is called without the window's lock).
+Thread model (``docs/threads.md``): any thread reserves or releases; a reservation blocks
+only its caller, and ``refresh`` runs without the window's lock.
 """
 
 from __future__ import annotations
@@ -38,8 +28,6 @@ if TYPE_CHECKING:
     from ._transport import PeerDirectory
 
 __all__ = [
-    "LIVENESS_S",
-    "REFRESH_S",
     "VALUE_FLOOR",
     "ConsumerWatch",
     "InflightWindow",
@@ -52,16 +40,14 @@ __all__ = [
 REFRESH_S = 0.002
 #: How often a waiting reservation looks whether its consumer died.
 LIVENESS_S = 0.05
-#: What one value counts for at least in the bounds kept in bytes (this window, and what
-#: a gRPC series takes in a message, keeps and prefetches): a value of no bytes (a 0
-#: dimension, a dtype of size 0) still costs its header, its ring record or segment and
-#: the objects that hold it, so a flood of them stops at the bound as full ones do.
+#: What one value counts for at least in every bound kept in bytes: a value of no bytes
+#: still costs a header, a record and objects, so a flood of them stops at the bound too.
 VALUE_FLOOR = 256
 
 
 def counted_bytes(nbytes: int) -> int:
-    """What a value of ``nbytes`` bytes counts for in those bounds (``VALUE_FLOOR`` at
-    least); the transports reserve and release each value's count, never a sum's."""
+    """What a value of ``nbytes`` bytes counts for (``VALUE_FLOOR`` at least); transports
+    reserve and release each value's count, never a sum's."""
     return nbytes if nbytes > VALUE_FLOOR else VALUE_FLOOR
 
 
@@ -108,12 +94,8 @@ class InflightWindow:
         refresh: Callable[[], None] | None = None,
         what: str = "tensor",
     ) -> None:
-        """Reserve ``nbytes`` for a send, waiting up to ``timeout`` s (None: forever) for room.
-
-        ``refresh()`` is called (outside the lock) while waiting, so the transport can
-        ``release`` what the consumer has taken meanwhile. Raises ``ResourceExhaustedError``
-        when the time is up; nothing is reserved then.
-        """
+        """Reserve ``nbytes``, blocking up to ``timeout`` s (None: forever) for room and
+        calling ``refresh()`` meanwhile; ``ResourceExhaustedError`` (nothing reserved) then."""
         with self._lock:  # the fast path: the lock itself, not the Condition's wrapper
             used = self._used
             if used + nbytes <= self._limit or used == 0:
@@ -172,10 +154,6 @@ class Windows:
         self._by_device: dict[str, InflightWindow] = {}  # by a key's dst device, as written
         self._lock = threading.Lock()
 
-    @property
-    def limit(self) -> int:
-        return self._limit
-
     def of(self, consumer: DeviceName) -> InflightWindow:
         """The window towards the task of device ``consumer`` (one per task, not per device)."""
         tk = consumer.task_key()
@@ -215,13 +193,10 @@ class Windows:
 
 
 class ConsumerWatch:
-    """Whether a consumer task died since it was seen alive: then its window is freed.
+    """Whether a consumer task died since it was seen alive (then its window is freed).
 
-    Asks the liveness monitor (``PeerDirectory.state``: a ``stat`` and a ``flock`` test)
-    when made and then at most every ``LIVENESS_S`` seconds, only when asked (by a waiting
-    reservation's refresh). A consumer seen alive and then dead, absent or alive with
-    another incarnation died: ``died()`` is True once for it, and the watch waits for its
-    next life.
+    ``died()`` asks ``PeerDirectory.state`` at most every ``LIVENESS_S`` s; it is True once
+    for a consumer seen alive and then dead, absent or alive in another incarnation.
     """
 
     __slots__ = ("_alive", "_next", "_peers", "_task")

@@ -1,11 +1,10 @@
 """The pytest plugin for code built on shmrdv (``pytest11`` entry point ``shmrdv``).
 
-Fixtures: ``shmrdv_namespace`` (a fresh namespace token) and ``shmrdv_child_worker`` (a
-factory of ``ChildWorker``s, closed at teardown). With ``--shmrdv`` or the ini option
-``shmrdv = true``, a leak check fails each test, and the session, that leaves objects of a
-dead namespace in /dev/shm (named by kind, namespace id and what their header or record
-says, then removed) or child processes running (ended: SIGTERM, then SIGKILL, only those,
-by pidfd). Every message says how to fix what it found. It starts no threads.
+Fixtures ``shmrdv_namespace`` (a fresh token) and ``shmrdv_child_worker`` (a factory of
+``ChildWorker``s, closed at teardown). With ``--shmrdv`` or ini ``shmrdv = true``, a leak
+check fails a test, or the session, that leaves objects of a dead namespace in /dev/shm
+(then removes them) or child processes running (then ends them by pidfd), saying how to
+fix it. Thread model (``docs/threads.md``): it starts no threads.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ SHM_DIR = "/dev/shm"
 
 
 def _objects() -> set[str]:
-    # This user's regular files only (one lstat each, nothing opened): another user's
-    # shmrdv_... junk is neither a leak nor ours to remove.
+    # This user's regular files only: another user's are neither a leak nor ours to remove.
     from ._shm.reaper import object_names
 
     return object_names(SHM_DIR)
@@ -63,11 +61,9 @@ def _children() -> set[int]:
 
 
 def _end(pids: Iterable[int]) -> dict[int, str]:
-    """SIGTERM those of ``pids`` still live children of this process (a shmrdv child then
-    closes its Worker), SIGKILL them 2 s later; how each ended (``"SIGTERM"``, ``"SIGKILL"``,
-    ``"gone"``, ``"still running"``). Signals go through a pidfd taken while the pid was
-    checked to be our child, so a pid reused meanwhile is never signalled; their owners (a
-    ``multiprocessing.Process``, a ``Popen``) reap them."""
+    """SIGTERM those of ``pids`` still live children of this process, SIGKILL them 2 s later;
+    how each ended. Through a pidfd taken before the pid is checked to be our child, so a
+    reused pid is never signalled; their owners reap them."""
     how: dict[int, str] = {}
     fds: dict[int, int] = {}
     for pid in sorted(pids):
@@ -103,16 +99,14 @@ def _end(pids: Iterable[int]) -> dict[int, str]:
 
 
 def _dead_leftovers(names: set[str]) -> tuple[set[str], list[ObjectInfo]]:
-    """Those of ``names`` still there whose namespace has no live worker (a live one still
-    owns its objects), and the listing that judged them."""
+    """Those of ``names`` still there whose namespace has no live worker, and the listing."""
     if not names:
         return set(), []
     from ._shm.naming import parse_name
     from ._shm.reaper import list_objects
 
-    # Judged by namespace, never by name: a live job's pool slot is renamed p -> m -> h -> r
-    # and may be missing from any one listing. A name that vanished was cleaned up by its
-    # owner; anything else still there, of a namespace nobody runs, is left over.
+    # Judged by namespace, never by name: a live job's pool slot is renamed as it goes and
+    # may be missing from any one listing.
     listing = list_objects()
     live = {o.namespace for o in listing if o.alive}
     dead = {
@@ -126,8 +120,8 @@ def _dead_leftovers(names: set[str]) -> tuple[set[str], list[ObjectInfo]]:
 def _leftovers(
     objects: set[str], children: set[int], grace: float
 ) -> tuple[set[str], list[ObjectInfo], set[int]]:
-    """Wait up to ``grace`` s for the objects of dead namespaces and the children not in
-    ``objects`` and ``children`` to go; what is left, and the listing that judged it."""
+    """Wait up to ``grace`` s for new objects of dead namespaces and new children to go;
+    what is left, and the listing that judged it."""
     deadline = time.monotonic() + grace
     collected = False
     while True:
@@ -136,8 +130,8 @@ def _leftovers(
         if (not dead and not kids) or time.monotonic() > deadline:
             return dead, listing, kids
         if not collected:
-            # Only when something is left (most tests leave nothing, and a full collection
-            # takes a while): it runs the finalizers of unreachable Workers and segments.
+            # Only when something is left (a full collection takes a while): it runs the
+            # finalizers of unreachable Workers and segments.
             gc.collect()
             collected = True
         else:
@@ -145,8 +139,7 @@ def _leftovers(
 
 
 def _left_in_shm(names: set[str], listing: list[ObjectInfo]) -> str:
-    """The leaked ``names``, each as "<kind> of namespace id <id>" with the key, step, task
-    and pid where its header or record says them, and its raw name; then how to fix it."""
+    """The leaked ``names`` (kind, namespace id, key, step, task, pid), and how to fix it."""
     known = {o.name: o for o in listing}
     shown = []
     for name in sorted(names)[:20]:
@@ -173,8 +166,8 @@ def _left_in_shm(names: set[str], listing: list[ObjectInfo]) -> str:
 
 
 def _remove(names: set[str]) -> None:
-    """Remove the leaked ``names``, so that one leak does not fail every later test: by the
-    reaper's rule (a regular file of ours, still the one looked at), also while mapped."""
+    """Remove the leaked ``names`` (by the reaper's rule), so that one leak does not fail
+    every later test."""
     from ._shm.reaper import unlink_if_unused
 
     for name in names:
@@ -212,8 +205,7 @@ def shmrdv_session_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     before = _objects()
     yield
-    # Objects of a namespace with a live worker belong to a process still running (another
-    # session on this machine); ours are all closed by now.
+    # A namespace with a live worker now is another session's: ours are all closed.
     dead, listing, _ = _leftovers(before, _children(), grace=3.0)
     if dead:
         pytest.fail(f"shmrdv leak check: the session {_left_in_shm(dead, listing)}", pytrace=False)
@@ -221,11 +213,8 @@ def shmrdv_session_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def shmrdv_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fail the test if it left shmrdv objects in /dev/shm or child processes running.
-
-    Objects of a namespace that still has a live worker (one a longer-lived fixture holds)
-    are that worker's, not leaks; the session check catches them at the end.
-    """
+    """Fail the test if it left shmrdv objects of a dead namespace in /dev/shm or child
+    processes running (a live namespace's objects are left to the session check)."""
     if not _enabled(request.config):
         yield
         return
@@ -259,10 +248,8 @@ def shmrdv_namespace() -> str:
 
 @pytest.fixture
 def shmrdv_child_worker(shmrdv_namespace: str) -> Iterator[Callable[..., ChildWorker]]:
-    """A factory: ``shmrdv_child_worker(task, **worker_kwargs)`` starts a real child process
-    holding a ``Worker`` for ``task`` in the test's namespace and returns its
-    ``shmrdv.testing.ChildWorker`` (send, recv, call, kill, ...). Every child is closed at
-    teardown."""
+    """``shmrdv_child_worker(task, **worker_kwargs)``: a ``ChildWorker`` for ``task`` in the
+    test's namespace, closed at teardown."""
     children: list[ChildWorker] = []
 
     def make(task: str, **worker_kwargs: Any) -> ChildWorker:

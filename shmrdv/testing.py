@@ -1,11 +1,10 @@
 """Helpers for testing code built on shmrdv, and the conformance battery every transport passes.
 
-Each ``check_<behaviour>(pair)`` of ``CHECKS`` runs on a ``RendezvousPair`` (the producer
-may be a proxy for another process or host), sends only plain numpy arrays, bounds every
-wait, and raises ``AssertionError`` when the behaviour differs from the reference,
-``shmrdv.LocalRendezvous``. Run them with ``run_conformance``, or one test per check
-(``@pytest.mark.parametrize("check", CHECKS)``). Thread model (``docs/threads.md``): a check
-that needs a blocked receiver runs it in a ``shmrdv-conformance`` daemon thread.
+Each ``check_<behaviour>(pair)`` of ``CHECKS`` runs on a ``RendezvousPair``, bounds every
+wait and raises ``AssertionError`` where the behaviour differs from ``LocalRendezvous``'s.
+Run them with ``run_conformance`` or one test per check (``parametrize("check", CHECKS)``).
+Thread model (``docs/threads.md``): a blocked receiver runs in a ``shmrdv-conformance``
+daemon thread.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ WAIT_S = 5.0
 EXPIRE_S = 0.2
 #: How soon "at once" must be: an expired timeout raising, an abort reaching a waiter.
 PROMPT_S = 2.0
-#: Pause that lets a receive get queued before the send that completes it. Correctness never
-#: depends on it: a check passes either way round; it only makes "recv before send" likely.
+#: Pause that makes "recv before send" likely; a check passes either way round.
 SETTLE_S = 0.05
 
 _T = TypeVar("_T")
@@ -69,8 +67,7 @@ class Producer(Protocol):
 @dataclass
 class RendezvousPair:
     """A producer, a consumer in this process, ``make_key(edge_name)`` for a key from one to
-    the other, and ``settle()``, which returns once every send so far has reached the
-    consumer's side (the default: in-process sends have landed when ``send`` returns)."""
+    the other, and ``settle()``, which returns once every send so far reached the consumer."""
 
     producer: Producer
     consumer: Rendezvous
@@ -86,7 +83,7 @@ def _expect(condition: bool, message: str) -> None:
 
 def assert_same(actual: object, expected: npt.NDArray[Any], what: str = "value") -> None:
     """``AssertionError`` unless ``actual`` is an ndarray of the same dtype, shape and bytes
-    (in C order: the layout may differ; NaN payloads and signed zeros compare exactly)."""
+    in C order (NaN payloads and signed zeros compare exactly)."""
     if not isinstance(actual, np.ndarray):
         raise AssertionError(f"{what}: expected a numpy.ndarray, got {type(actual).__name__}")
     _expect(actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype!r} != {expected.dtype!r}")
@@ -102,8 +99,7 @@ def assert_same(actual: object, expected: npt.NDArray[Any], what: str = "value")
 
 
 def sample_values() -> dict[str, npt.NDArray[Any]]:
-    """One array per kind of value a transport must carry exactly (DESIGN.md "Values"),
-    bfloat16 where ``ml_dtypes`` is installed."""
+    """One array per kind of value a transport must carry exactly (bfloat16 with ``ml_dtypes``)."""
     values: dict[str, npt.NDArray[Any]] = {}
     for name in ("float16", "float32", "float64"):
         values[name] = np.array([0.0, -0.0, 1.5, np.nan, np.inf, -np.inf, 1e-7], dtype=name)
@@ -130,9 +126,6 @@ def sample_values() -> dict[str, npt.NDArray[Any]]:
     return values
 
 
-# -- what the checks share --------------------------------------------------------------
-
-
 def _key(pair: RendezvousPair, label: str) -> str:
     """A key of a fresh edge name, so no check ever sees another's leftovers."""
     return pair.make_key(f"conformance_{label}_{uuid.uuid4().hex[:12]}")
@@ -143,7 +136,6 @@ def _token(label: str) -> str:  # a text to find again in an error or a log reco
 
 
 def _recv_now(pair: RendezvousPair, key: str, *, copy: bool = False) -> Received:
-    """Receive a value that must arrive within ``WAIT_S``."""
     try:
         got = pair.consumer.recv(key, timeout=WAIT_S, copy=copy)
     except DeadlineExceededError as e:
@@ -183,7 +175,7 @@ def _expect_timeout(call: Callable[[], object], what: str) -> None:
 
 
 def _spawn(fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
-    """Run ``fn`` in a daemon thread; its outcome in a Future (waits on it are bounded)."""
+    """Run ``fn`` in a daemon thread; its outcome in a Future."""
     fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
 
     def run() -> None:
@@ -236,9 +228,6 @@ def _failures(pair: RendezvousPair, key: str) -> list[tuple[str, BaseException |
 def _aborted(error: BaseException | None, token: str) -> bool:
     """Whether ``error`` is the ``AbortedError`` given to ``start_abort`` with ``token``."""
     return isinstance(error, AbortedError) and token in str(error)
-
-
-# -- the checks: what arrives, and in which order -----------------------------------------
 
 
 def check_recv_after_send(pair: RendezvousPair) -> None:
@@ -404,9 +393,6 @@ def check_large_value(pair: RendezvousPair) -> None:
     pair.producer.send(key, sent)
     pair.settle()
     assert_same(_recv_now(pair, key).value, sent, "8 MiB float64")
-
-
-# -- the checks: how a receive completes (callbacks, futures, asyncio, timeouts, aborts) ----
 
 
 def check_recv_timeout_removes_waiter(pair: RendezvousPair) -> None:
@@ -626,11 +612,10 @@ def run_conformance(
     make_pair: Callable[[], contextlib.AbstractContextManager[RendezvousPair]],
     checks: Iterable[Callable[[RendezvousPair], None]] | None = None,
 ) -> None:
-    """Run every check (or those given), each on a fresh pair from ``make_pair()``.
+    """Run every check (or those given), each on a fresh pair from ``make_pair()``; blocks.
 
-    All checks run even when some fail; then ``AssertionError`` lists the failures, chained
-    to the first one. Blocks for as long as the checks take (a few seconds). Call it where
-    no event loop is running: the asyncio checks use ``asyncio.run``.
+    Then ``AssertionError`` lists the failures, chained to the first. Call it where no
+    event loop runs: the asyncio checks use ``asyncio.run``.
     """
     failures: list[tuple[str, BaseException]] = []
     selected = list(CHECKS if checks is None else checks)
@@ -650,12 +635,9 @@ def run_conformance(
 def run_in_worker(
     task: str, fn: Callable[..., _T], *args: Any, timeout: float = 60.0, **worker_kwargs: Any
 ) -> _T:
-    """Run ``fn(worker, *args)`` in a fresh child process holding a ``Worker`` for ``task``.
-
-    Returns what ``fn`` returns (it must pickle) or raises what it raised; the child and its
-    Worker are closed before this returns. ``fn`` must be importable by name (a module-level
-    function). ``worker_kwargs`` go to ``shmrdv.Worker`` (``namespace=`` ...).
-    """
+    """``fn(worker, *args)`` run in a fresh child process holding a ``Worker(task,
+    **worker_kwargs)``, which is closed before this returns; ``fn`` must be importable and
+    its result pickle. Raises what ``fn`` raised."""
     with ChildWorker(task, reply_timeout=timeout, **worker_kwargs) as child:
         result: _T = child.call(fn, *args)
         return result

@@ -56,7 +56,6 @@ def test_peers_live_record_is_final(shmrdv_namespace: str) -> None:
             assert rec.address == w.address and rec.pid == os.getpid()
             assert rec.incarnation == w.incarnation
             assert peers.state(DeviceName.parse(B)) == TaskState("alive", rec)
-            assert peers.liveness(DeviceName.parse(B)) == ("alive", rec)  # the pair, as before
         assert peers.state(DeviceName.parse(B)) == TaskState("absent")
     finally:
         peers.close()

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shmrdv._errors import InvalidArgumentError
-from shmrdv._keys import DeviceName, parse_full_name
+from shmrdv._keys import DeviceName
 
 D = DeviceName
 
@@ -104,15 +104,6 @@ def test_parse_error_quotes_a_long_name_shortened() -> None:
 def test_parse_non_str_raises_invalid_argument(bad: object) -> None:
     with pytest.raises(InvalidArgumentError, match="must be a str"):
         DeviceName.parse(bad)  # type: ignore[arg-type]
-    with pytest.raises(InvalidArgumentError, match="must be a str"):
-        parse_full_name(bad)  # type: ignore[arg-type]
-
-
-def test_parse_full_name_is_parse() -> None:
-    # Keys use ParseFullName (TensorFlow Rendezvous::ParseKey), as DeviceName.parse does.
-    with pytest.raises(InvalidArgumentError, match="starts with '/'"):
-        parse_full_name("CPU:0")
-    assert parse_full_name("/cpu:0") == D(None, None, None, "CPU", 0)
 
 
 @pytest.mark.parametrize(
@@ -199,7 +190,6 @@ _DEVICE_NAMES = st.builds(
 @given(_DEVICE_NAMES)
 def test_str_then_parse_round_trips(name: DeviceName) -> None:
     assert DeviceName.parse(str(name)) == name
-    assert parse_full_name(str(name)) == name
 
 
 @pytest.mark.parametrize(
