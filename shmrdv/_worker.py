@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = ["StepRendezvous", "Worker"]
 
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1  # a step id's range
 _log = logging.getLogger("shmrdv.worker")
 
 # How many cleaned-up step ids a worker remembers (TensorFlow keeps none and lets a late
@@ -514,8 +515,13 @@ class Worker(Closing):
         After ``cleanup(step_id)`` it is a rendezvous whose every call fails at once with
         ``AbortedError("Cleanup <step_id>")``.
         """
-        step = self._check_step(step_id)
-        self._check_usable()
+        step = (
+            step_id
+            if type(step_id) is int and _I64_MIN <= step_id <= _I64_MAX
+            else self._check_step(step_id)
+        )
+        if self._closed or self._forked:
+            raise self._unusable()
         with self._lock:
             rdv = self._steps.get(step)
             if rdv is not None:
@@ -534,22 +540,27 @@ class Worker(Closing):
         Pending receives of the step fail at once; values sent to this worker in that
         step and not received are freed. Later calls on the step fail at once.
         """
-        step = self._check_step(step_id)
+        step = (
+            step_id
+            if type(step_id) is int and _I64_MIN <= step_id <= _I64_MAX
+            else self._check_step(step_id)
+        )
         error = AbortedError(
             f"Cleanup {step}: step {step} of {self.task} was cleaned up "
             "(Worker.cleanup); a step id is not reused after its cleanup: give the next step "
             "a new step id"
         )
+        tombstones = self._tombstones
         with self._lock:
             rdv = self._steps.pop(step, None)
-            if step in self._tombstones:
-                self._tombstones.move_to_end(step)
-            self._tombstones[step] = error
-            while len(self._tombstones) > _TOMBSTONES:
-                self._tombstones.popitem(last=False)
+            if step in tombstones:
+                tombstones.move_to_end(step)
+            tombstones[step] = error
+            if len(tombstones) > _TOMBSTONES:
+                tombstones.popitem(last=False)
         if rdv is not None:
             rdv._abort_here(error)
-        for t in self._active_transports():
+        for t in self._active:
             t.cleanup_step(step, error)  # fails its receives, unless aborted before
 
     def is_cleaned_up(self, step_id: int) -> bool:
@@ -619,7 +630,7 @@ class Worker(Closing):
         if (
             isinstance(step_id, bool)
             or not isinstance(step_id, int)
-            or not -(2**63) <= step_id < 2**63
+            or not _I64_MIN <= step_id <= _I64_MAX
         ):
             raise InvalidArgumentError(f"step_id must be an int64, not {step_id!r}")
         return step_id

@@ -782,7 +782,8 @@ class Consumer:
                 self.refusing = self._closed or bool(self._aborted)
             chans = self._steps.pop(step_id, None)
             for ch in (chans or {}).values():
-                self._fail(ch, error)
+                if ch in ch.src.waiting:
+                    self._fail(ch, error)
                 while ch in self._table:
                     got = self._table.take(ch)
                     if got is MISSING:

@@ -291,10 +291,13 @@ class Recovery:
         process moved out: it holds their values)."""
         if not RINGS_SUPPORTED:
             return True
-        return any(
-            not s.rings or any(r.lost > r.moved for r in s.rings)
-            for s in self._consumer.srcs.values()
-        )
+        for s in self._consumer.srcs.values():  # (per cleanup: loops, not generators)
+            if not s.rings:
+                return True
+            for r in s.rings:
+                if r.lost > r.moved:
+                    return True
+        return False
 
     def recover(self, src: Source) -> None:
         """Queue the messages of ``src`` whose records its full rings lost (one listing,
