@@ -30,11 +30,10 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
+from .._errors import InternalError, InvalidArgumentError
 from .._rendezvous import Closing
 from .._transport import PeerRecord, PeerState, TaskState
-from .files import open_checked
-from .naming import SHM_DIR
+from .files import open_checked, os_error
 
 if TYPE_CHECKING:
     from .naming import Names
@@ -369,7 +368,7 @@ class Presence(Closing):
                 temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
             )
         except OSError as e:
-            raise _publish_error(e, temp) from e
+            raise os_error(e, f"create presence record {temp}") from e
         try:
             os.fchmod(fd, 0o600)  # umask-proof
             if os.write(fd, data) != len(data):
@@ -382,7 +381,7 @@ class Presence(Closing):
                 os.unlink(temp)
             os.close(fd)
             if isinstance(e, OSError):
-                raise _publish_error(e, temp) from e
+                raise os_error(e, f"create presence record {temp}") from e
             raise
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
@@ -441,19 +440,3 @@ class Presence(Closing):
             f"<Presence {self._info.task} pid={self._info.pid} "
             f"incarnation={self._info.incarnation:#x} {state}>"
         )
-
-
-def _publish_error(e: OSError, path: str) -> Exception:
-    """A full /dev/shm (no room, no inodes, the memory cgroup) is ``ResourceExhaustedError``."""
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG):
-        return InternalError(f"cannot create presence record {path}: {e}")
-    try:
-        st = os.statvfs(SHM_DIR)
-        free = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
-    except OSError:
-        free = "unknown space free"
-    return ResourceExhaustedError(
-        f"cannot write presence record {path}: {e.strerror}; {SHM_DIR} has {free}. In a "
-        "container, give it more (docker run --shm-size=...); remove what dead processes "
-        "left behind with `python -m shmrdv gc`"
-    )
