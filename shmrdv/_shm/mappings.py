@@ -1,12 +1,10 @@
 """The segments a consumer maps: a message taken from its segment, pool slots held, kept
 mapped and given back (the consumer's half of the slot protocol of ``pool.py``).
 
-A one-off segment is mapped, its name unlinked, its array handed out. A pool slot is
-renamed to ``held`` while its array lives (this run noted in its control block), and once
-the array is collected, to ``returned`` for its producer, with the ticket of its next lend
-stored in the block (``give_back``). Its mapping is kept from one message to the next
-(``SlotMaps``), found again by inode after the renames: no page faults per message after
-warm-up. Each kept mapping holds a descriptor, hence ``KEEP_MAX``.
+A one-off segment is mapped and unlinked. A pool slot is renamed ``held`` while its array
+lives, then ``returned`` to its producer (``give_back``); its mapping is kept from one
+message to the next (``SlotMaps``, found by inode): no page faults per message after
+warm-up.
 
 Thread model (docs/threads.md): ``SlotMaps`` runs under the consumer's lock;
 ``return_slot`` runs in whichever thread collects an array, possibly inside the garbage

@@ -1,14 +1,11 @@
 """Presence records: whether a worker lives, as a JSON file in /dev/shm locked with ``flock``.
 
-A worker publishes ``shmrdv_<ns>_w<taskhash>`` (task, pid, boot id, incarnation, address,
-transports) and holds ``flock(LOCK_EX)`` on it while it lives: the kernel drops the lock
-when the owner dies, however it dies, and a stopped or busy process keeps it, which no
-heartbeat with a deadline can promise (research/pitfalls.md §1). The one liveness concept,
-cut as iceoryx2 cuts its ``monitoring``: ``Presence`` (the token: a worker's own record),
-``Monitor.state(task)`` (the monitor; ``look(path)`` for a record found by listing) and
-``claim(path)`` (the cleaner: a dead record under its exclusive lock, the one way a record
-is replaced or removed). Every open is ``files.open_checked``: a symlink, a file another
-user planted or leased is an ``InternalError``, never waited for.
+A worker holds ``flock(LOCK_EX)`` on its record while it lives: the kernel drops the lock
+however the owner dies, and a stopped or busy process keeps it, which no heartbeat with a
+deadline can promise (research/pitfalls.md §1). As iceoryx2 cuts its ``monitoring``:
+``Presence`` (a worker's own record), ``Monitor`` / ``look`` (the monitor) and ``claim``
+(the cleaner: the one way a dead record is replaced or removed). Every open is
+``files.open_checked``.
 
 Thread model (``docs/threads.md``): no thread of its own. A ``Monitor`` may be asked inside
 the garbage collector (a pool slot given back), so it only *tries* locks.

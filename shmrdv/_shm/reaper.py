@@ -1,13 +1,11 @@
 """What dead workers left in /dev/shm, and who collects it: the one stale-resource cleaner.
 
-Names carry their namespace id (``naming``), so the directory is the registry. Only a
-regular file of ours is opened (one ``lstat`` first); a namespace is dead while none of its
-presence records is locked (asked again just before its files go); a file goes only if it
-is still the inode listed and nobody has it open or mapped (``unlink_if_unused``). A dead
-namespace's values wait ``GRACE_S`` after the newest was sent, by the time its producer
-recorded (tmpfs keeps no mtime for writes through a mapping), unless they were sent to the
-closing worker. For ``ls`` / ``gc`` and the leak check, a Worker's start and close, and a
-consumer done with a dead producer run; ``SHMRDV_AUTO_GC=0`` turns the sweeps off.
+Names carry their namespace id, so the directory is the registry. A namespace is dead
+while none of its presence records is locked (asked again just before its files go); a
+file goes only if it is still the inode listed and nobody has it open or mapped
+(``unlink_if_unused``). A dead namespace's values wait ``GRACE_S`` after the newest was
+sent, by the time its producer recorded (tmpfs keeps no mtime for writes through a
+mapping). ``SHMRDV_AUTO_GC=0`` turns the sweeps off.
 
 Thread model (docs/threads.md): any thread may call in; a start or close works about
 ``SYNC_SECONDS`` itself and leaves the rest to one background thread per process.
@@ -40,22 +38,9 @@ from .naming import KINDS, PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, Object
 from .presence import claim, look
 from .ring import DATA_OFFSET, Ring, describe
 
-__all__ = [
-    "ENV_VAR",
-    "GRACE_S",
-    "ObjectInfo",
-    "after_producer",
-    "at_close",
-    "at_start",
-    "collect",
-    "collect_producer",
-    "entries_read",
-    "idle",
-    "list_objects",
-    "object_names",
-    "sightings",
-    "unlink_if_unused",
-]
+__all__ = ["ENV_VAR", "GRACE_S", "ObjectInfo", "after_producer", "at_close", "at_start"]
+__all__ += ["collect", "collect_producer", "entries_read", "idle", "list_objects"]
+__all__ += ["object_names", "sightings", "unlink_if_unused"]
 
 _log = logging.getLogger("shmrdv.shm.reaper")
 

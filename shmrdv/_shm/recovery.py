@@ -1,21 +1,13 @@
 """A consumer's rings and names: what the drain does not see, found; what a ring cannot
-keep, moved out. Names are the truth.
+keep, moved out (``spill``). Names are the truth.
 
-A producer run's ring for this consumer is attached once per run and read from its oldest
-record not taken (``InRing``: the durable copy of what the consumer task has not taken).
-``spill`` moves records that wait for a receive while the producer needs the room out to
-their messages' names, where the task's next process finds them as it finds what a full
-ring lost.
+A ring (``InRing``) is attached once per producer run and read from its oldest record not
+taken. Messages with no record (no ring, a full one, a run gone before it was known) are
+found by a ``Listing``: other users can plant any number of names under the job's public
+prefix, so it is rate-limited, skipped while the directory is unchanged, and a name new to
+it costs one ``lstat``, at most ``_NEW_PER_LISTING`` per listing, and never another.
 
-A producer's messages come with a ring record, except where it has no ring (not x86-64,
-or it could not make one), where its ring was full (``Ring.lost``) and where it was gone
-before this consumer knew its run: a ``Listing`` finds those. Other local users can plant
-any number of names under the job's public prefix, so a listing is rate-limited, skipped
-while the directory is unchanged, and a name new to it costs one ``lstat`` if it is
-another user's, at most ``_NEW_PER_LISTING`` per listing, and is never looked at again.
-
-Thread model (docs/threads.md): every method runs under the consumer's lock, except
-``free_unreceived``, after it (the listing's refused names are a set).
+Thread model (docs/threads.md): under the consumer's lock, except ``free_unreceived``.
 """
 
 from __future__ import annotations
