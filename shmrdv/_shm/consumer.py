@@ -300,9 +300,8 @@ class Consumer:
         return lambda: self.cancel(waiter)
 
     def _first_look(self, ch: Channel, src: Source) -> Received | BaseException | None:
-        """What a receive finds before it becomes its channel's first waiter: the value
-        (from a ring due for a look, or by name), a failed ring's error, or its producer's
-        death or restart, seen now rather than at the next tick."""
+        """What a receive finds before it waits: the value (from a ring due for a look, or by
+        name), a failed ring's error, or its producer's death or restart, seen now."""
         if src.look_at != _INF:
             self._recovery.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
@@ -414,9 +413,8 @@ class Consumer:
 
     def drain(self, r: InRing) -> None:
         """Every record of ring ``r`` to its channel's oldest waiter, or queued as ``Held``
-        (past half the ring, ``Recovery.spill`` moves the oldest out). A record is hostile
-        bytes: one the reader refuses still names its key, whose receiver gets the error.
-        A ring its file no longer holds (a SIGBUS to read) is failed."""
+        (past half the ring, ``Recovery.spill`` moves the oldest out). A refused record's
+        receiver gets the error; a ring its file no longer holds (a SIGBUS) is failed."""
         if not r.intact():
             self._fail_ring(r)
             return
@@ -506,8 +504,7 @@ class Consumer:
 
     def _fill(self, ch: Channel, seq: int, r: InRing) -> None:
         """Messages ``ch.seq`` to ``seq - 1`` came with no record: queued from their names.
-        Only the last ``r.lost`` can be there; earlier numbers were taken by an earlier
-        process of this task, or skipped by the producer (a failed publish)."""
+        Only the last ``r.lost`` can be there (others were taken, or skipped by the producer)."""
         for s in range(max(ch.seq, seq - min(r.lost, _FILL_MAX)), seq):
             got = self._open(ch, s, r.inc, None)
             if got is not None:
@@ -726,8 +723,7 @@ class Consumer:
 
     def cleanup_step(self, step_id: int, posted: bool) -> None:
         """Forget the step and free what was sent to it and not received: what its channels
-        hold, and, where messages may have come with no record (``posted``: a doorbell post
-        is pending), what a listing shows."""
+        hold, and what a listing shows where a message may have come with no record."""
         with self.lock:
             self._aborted.pop(step_id, None)
             self.refusing = self._closed or bool(self._aborted)
@@ -764,9 +760,8 @@ class Consumer:
         self._after(work)
 
     def release(self) -> None:
-        """After ``close``: unlink the held names of arrays still alive, unmap the rings,
-        collect what runs that are over left, unless their ring holds records not taken
-        (kept for this task's next process)."""
+        """After ``close``: unlink held names, unmap the rings, collect what runs that are
+        over left unless their ring holds records not taken (kept for the next process)."""
         self._maps.unlink_held()
         with self.lock:
             for r in list(self._rings):
