@@ -131,8 +131,7 @@ class SlotPool:
 
     def acquire(self, nbytes: int) -> Slot | None:
         """A free slot for a segment of ``nbytes`` (now ``allocated``), or None when the
-        pool cannot serve it (too big, or full of lent slots): the caller writes a one-off
-        segment then. Never blocks."""
+        pool cannot serve it (the caller writes a one-off segment). Never blocks."""
         cls = size_class(nbytes)
         counted = _counted(cls)
         if counted > self._limit:
@@ -213,8 +212,7 @@ class SlotPool:
         return slot
 
     def _reclaim(self) -> None:
-        """Take back slots their consumers gave back (through the control block, or under
-        their ``returned`` name), and held ones whose consumer run is gone; forget those
+        """Take back slots given back, and held ones whose consumer run is gone; forget those
         under none of their names any more."""
         if self._pinned:
             pinned, self._pinned = self._pinned, []
@@ -267,8 +265,8 @@ class SlotPool:
         return True
 
     def _came_back(self, slot: Slot) -> bool:
-        """Whether the consumer gave ``slot`` back through its control block (renamed
-        ``returned`` first): if so it is free, under that name. A shrunk slot is forgotten."""
+        """Whether the consumer gave ``slot`` back through its control block: then it is free,
+        under its ``returned`` name. A shrunk slot is forgotten."""
         nxt = slot.ticket + (1 << SLOT_BITS)
         seg = slot.segment
         try:
