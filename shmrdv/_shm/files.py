@@ -224,11 +224,9 @@ def _given_back(
 
 
 class Segment(Closing):
-    """One open shared-memory segment file, made by ``create`` or ``attach``. ``close()``
-    drops this handle's mapping (idempotent; a ``weakref.finalize`` closes a forgotten one),
-    never the name; arrays made by ``view`` and ``lend`` keep the mapping until collected.
-    ``name`` is the bare name (its owner sets it after a rename), ``size`` the bytes mapped,
-    ``fd`` the descriptor kept (``keep_fd``: an ``lseek`` to its end is a lighter size check
+    """One open shared-memory segment file (``create``, ``attach``). ``close()`` drops this
+    handle's mapping, never the name; arrays from ``view`` and ``lend`` keep it until
+    collected. ``fd``: the descriptor if ``keep_fd`` (an ``lseek`` is a lighter size check
     than ``check_size``), else -1."""
 
     def __init__(

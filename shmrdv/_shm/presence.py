@@ -181,13 +181,9 @@ def _close_all(seen: dict[str, _Seen], lock: threading.Lock) -> None:
 
 
 class Monitor(Closing):
-    """The liveness of the tasks of one namespace on this host (iceoryx2's monitor).
-
-    Keeps one descriptor per task asked about, re-opened when the record is replaced (a
-    restarted task). Its lock is only ever tried: a look that finds it taken (by another
-    thread, or by the thread the garbage collector interrupted) or the monitor closed looks
-    through a descriptor of its own.
-    """
+    """The liveness of the tasks of one namespace on this host (iceoryx2's monitor): one
+    descriptor per task, re-opened when the record is replaced. Its lock is only tried (the
+    garbage collector may interrupt its holder): if taken, a look opens its own descriptor."""
 
     def __init__(self, names: Names) -> None:
         self._names = names
@@ -331,11 +327,8 @@ def _owner(info: PresenceInfo | None) -> str:
 
 
 class Presence(Closing):
-    """This process's presence record for one task, locked while open (``publish``).
-
-    ``close()`` unlinks the record if it is still ours and drops the lock; idempotent, and a
-    ``weakref.finalize`` does the same for a handle dropped unclosed.
-    """
+    """This process's presence record for one task, locked while open (``publish``);
+    ``close()`` (or the finalizer) unlinks it if still ours and drops the lock."""
 
     def __init__(self, info: PresenceInfo, fd: int, path: str) -> None:
         """Internal: use ``Presence.publish``."""
@@ -350,12 +343,9 @@ class Presence(Closing):
     @classmethod
     def publish(cls, names: Names, info: PresenceInfo) -> Presence:
         """Write ``info`` as ``info.task``'s record and lock it; a dead worker's is replaced.
-
-        Raises ``InvalidArgumentError`` if a live process holds the task's record,
-        ``ResourceExhaustedError`` if /dev/shm is full, ``InternalError`` if the record there
-        is not ours. Does not block (beyond a few 10 ms retries while another publisher
-        replaces a stale record).
-        """
+        Raises ``InvalidArgumentError`` if a live process holds it, ``ResourceExhaustedError``
+        if /dev/shm is full, ``InternalError`` if the record there is not ours. Blocks only
+        for a few short retries while another publisher replaces a stale record."""
         info = dataclasses.replace(info, namespace=names.namespace_id)  # never the token
         final = names.path(names.presence(info.task))
         data = info.to_json()
