@@ -9,16 +9,12 @@ producer checks its file (``files.open_checked``) before ``sem_open``, which ope
 ``O_NONBLOCK``. ``posix_ipc`` turns EINTR into ``SignalError`` without retrying (Linux
 never restarts ``sem_timedwait``) and takes absolute ``CLOCK_REALTIME`` deadlines.
 
-One thread at a time polls the doorbell and runs ``Consumer.scan`` (``Poller``). A blocked
-receiver that finds no one polling becomes the leader: it spins on the semaphore's value
-for ``SPIN_NS`` (waking a process asleep on another CPU takes a while), then blocks on it,
-scans, delivers to every waiter and hands the role on. Other blocked receivers wait on a
-condition until delivered or the role is free. The dispatcher thread takes the role only
-while callback receives wait and no blocked receiver has held it for ``_HANDOFF_NS``; it
-never spins. The spin is off on one CPU, for a second after a quarter or fewer of its last
-``SPIN_WINDOW`` spins found a post, and after a wait that went unanswered until a post
-comes again. ``Worker(busy_poll=s)`` replaces it: the leader polls for ``s`` seconds after
-the last message.
+One thread at a time polls the doorbell and runs ``Consumer.scan`` (``Poller``): a blocked
+receiver that finds no one polling leads, spinning on the value for ``SPIN_NS`` (waking a
+sleeping process takes a while), then blocking; the others wait on a condition. The
+dispatcher thread leads only while callback receives wait and no blocked receiver led for
+``_HANDOFF_NS``, and never spins. The spin is off on one CPU and while it does not pay
+(``spin_pays``); ``Worker(busy_poll=s)`` polls for ``s`` seconds after the last message.
 
 Thread model (docs/threads.md): any thread; ``Poller._cond`` guards only the poller role
 and is never held while polling or delivering.

@@ -1,28 +1,16 @@
 """The receiving half of the same-host transport: one channel table, fed by the rings.
 
-Each (step, key) is a ``Channel``, the key of one ``WaiterTable`` (``_channels.py``): its
-values not taken yet, or its waiting receives, oldest first. A producer leaves a record of
-each message in the ring it keeps for this consumer (``ring.py``): the value itself when
-small, else a notice "message (step, key, seq) is the segment of its name"
-(``SlotMaps.take``). Draining a ring hands each record to its channel's oldest waiter, or
-queues it; a receive takes the oldest value, or waits.
+Each (step, key) is a ``Channel`` of one ``WaiterTable``: values not taken, or waiting
+receives. Draining a producer's ring (``ring.py``) hands each record (the value, or a notice
+naming its segment) to the oldest waiter, or queues it. Names are the truth: what no record
+shows is found by name (``recovery.py``); a lost doorbell post costs a tick, never a
+message. A queued value keeps its ring record (``Held``) until taken, so the task's next
+process reads exactly what was not taken. Once per tick, producers with waiters are looked
+up: a death fails their receives (``UnavailableError``), a restart those of keys pinned to
+the old run (``AbortedError``, as TensorFlow words it).
 
-Names are the truth; rings are how the consumer hears of them. What no record shows is
-found by name: a gap in a channel's sequence numbers (a full ring) at once, the waiting
-channels of a producer without a ring per doorbell post, the rest by a listing
-(``recovery.py``). A lost doorbell post costs a tick (``TICK``), never a message. A ring is
-also the durable copy of what this consumer task has not taken: a queued value (``Held``)
-keeps its record until it is taken or freed, so the task's next process, after a crash,
-reads exactly the records not taken.
-
-Once per tick, per producer task with waiters, the liveness monitor is asked
-(``PeerDirectory.state``): a receive whose producer was seen alive and then died fails with
-``UnavailableError``; a producer seen with a new incarnation fails the receives of keys
-pinned to the old one (``AbortedError``, as TensorFlow words it) and moves the others on.
-
-Thread model (docs/threads.md): every method takes ``lock`` itself; what it finds to do
-after it (deliveries, frees, collections) runs once it is released, in the same thread.
-File operations under the lock never block (``files.open_checked``).
+Thread model (docs/threads.md): every method takes ``lock``; deliveries, frees and
+collections found under it run after it, in the same thread.
 """
 
 from __future__ import annotations
@@ -48,20 +36,19 @@ from .._errors import (
 )
 from .._keys import DeviceName, ParsedKey
 from .._rendezvous import Canceller, DoneCallback, Received, invoke_done, received
-from .._transport import PeerDirectory, TaskState, TransportContext
+from .._transport import TaskState, TransportContext
 from . import reaper
 from .header import FLAG_DEAD, FLAG_NOTICE, Reader, unpack_identity
 from .mappings import SlotMaps
 from .naming import Names
-from .pool import ProducerAlive
+from .pool import run_alive
 from .recovery import Held, InRing, Recovery
 
-__all__ = ["TICK", "Channel", "Consumer", "Notice", "Source", "run_alive"]
+__all__ = ["TICK", "Channel", "Consumer", "Notice", "Source"]
 
 _log = logging.getLogger("shmrdv.shm")
 
-#: Liveness and fallback period while receives wait: bounds what a lost doorbell post costs
-#: and the time to notice a dead producer (< 1 s).
+#: Liveness and fallback period while receives wait: what a lost doorbell post costs.
 TICK = 0.2
 # Above this many waiting channels of a producer without a ring, one listing of /dev/shm
 # is cheaper than one open per channel.
@@ -78,8 +65,7 @@ Item = tuple[DoneCallback, bool, Received | BaseException]
 
 
 class Notice:
-    """A queued message that is the segment of its name: message ``seq`` of run ``inc``, in
-    pool slot ``slot`` or -1, its array as its record said (None when found by listing)."""
+    """A queued message that is the segment of its name (``array``: as its record said)."""
 
     __slots__ = ("array", "inc", "seq", "slot")
 
@@ -97,9 +83,8 @@ _Work = tuple[list[Item], list[tuple[str, int]], list[Orphan]]
 
 
 class Channel:
-    """One (step, key): the key of its values and waiters in the table (hashes by identity)
-    and the sequence number of its next message not in the table yet, of producer run
-    ``inc`` (0: not known yet)."""
+    """One (step, key), hashed by identity: ``seq`` of its next message not queued yet, of
+    producer run ``inc`` (0: not known yet)."""
 
     __slots__ = ("inc", "key", "pk", "seen_alive", "seq", "src", "step")
 
@@ -147,22 +132,8 @@ class Source:
         return any(r.lost != r.lost_seen for r in self.rings)
 
 
-def run_alive(peers: PeerDirectory) -> ProducerAlive:
-    """``pool.ProducerAlive`` over the liveness monitor: whether ``task``'s live worker is
-    run ``incarnation``. Lock-free and never blocking (it runs inside the garbage collector,
-    giving a slot back); raises what ``PeerDirectory.state`` raises."""
-
-    def alive(task: str, incarnation: int) -> bool:
-        seen = peers.state(DeviceName.parse(task))
-        record = seen.record if seen.state == "alive" else None
-        return record is not None and record.incarnation == incarnation
-
-    return alive
-
-
 def deliver(done: DoneCallback, copy: bool, result: Received | BaseException) -> None:
-    """Call ``done`` with ``result`` (a private copy of the value if ``copy``) through
-    ``invoke_done``: outside every lock; what it raises is logged."""
+    """Call ``done`` with ``result`` (copied if ``copy``), outside every lock."""
     if type(result) is Received:
         if copy:
             result = Received(np.array(result.value, copy=True), result.is_dead)
@@ -205,8 +176,6 @@ class Consumer:
         self._records = 0  # ring records drained
         self._unexplained = False  # a post brought no record: a ring this consumer lacks
 
-    # -- what the parts share ---------------------------------------------------------
-
     def source(self, task: str) -> Source:
         """The producer ``task`` (canonical name), known from now on."""
         src = self.srcs.get(task)
@@ -228,7 +197,7 @@ class Consumer:
         return self._steps.get(step, {}).get(key)
 
     def queue(self, ch: Channel, value: Queued) -> None:
-        """Hand ``value`` (the channel's next message) to its oldest waiter, or queue it."""
+        """Hand the channel's next message to its oldest waiter, or queue it."""
         if type(value) is Notice and ch in ch.src.waiting:
             value = self._open(ch, value.seq, value.inc, value)  # type: ignore[assignment]
         waiter = self._table.put(ch, value)
@@ -236,7 +205,6 @@ class Consumer:
             self._out.append(self._served(waiter, value))
 
     def _work(self) -> _Work | None:
-        """(Under the lock) what was found to do after it, if anything, taken."""
         if not (self._out or self._over or self._late):
             return None
         work = self._out, self._over, self._late
@@ -244,8 +212,7 @@ class Consumer:
         return work
 
     def _after(self, work: _Work | None) -> None:
-        """Do what was found under the lock (released now): collect what producer runs
-        that are over left, free messages of steps cleaned up already, deliver."""
+        """Do what was found under the lock, now released."""
         if work is None:
             return
         out, over, late = work
@@ -253,12 +220,10 @@ class Consumer:
             reaper.after_producer(self._names, task, inc, self._task)
         for args in late:
             self._recovery.free(*args)
-        # One at a time, nothing kept: a mapped array the receiver drops goes back at once.
+        # Nothing kept: a mapped array the receiver drops goes back at once.
         out.reverse()
         while out:
             deliver(*out.pop())
-
-    # -- receives ---------------------------------------------------------------------
 
     def check_open(self, step: int) -> None:
         if self._closed:
@@ -276,8 +241,7 @@ class Consumer:
         copy: bool = False,
         blocking: bool = False,
     ) -> Canceller:
-        """``Transport.start_recv``: take the next value now (delivered here, after the
-        lock), or queue a waiter (the canceller removes it)."""
+        """``Transport.start_recv``: deliver the next value now, or queue a waiter."""
         result: Received | BaseException | None = None
         first = False
         with self.lock:
@@ -324,10 +288,8 @@ class Consumer:
         return lambda: self.cancel(waiter)
 
     def _first_look(self, ch: Channel, src: Source) -> Received | BaseException | None:
-        """What a receive finds before it becomes its channel's first waiter: its producer's
-        ring if due for a look, its message by name where no ring shows it, a failed ring's
-        error, and whether its producer died before this receive (not only at a tick) or
-        was restarted."""
+        """What a receive finds before it waits: the value (from a ring due for a look, or by
+        name), a failed ring's error, or its producer's death or restart, seen now."""
         if src.look_at != _INF:
             self._recovery.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
@@ -353,8 +315,7 @@ class Consumer:
             return True
 
     def take(self, ch: Channel, by_name: bool) -> Received | BaseException | None:
-        """The channel's next value if it is there: queued, or (``by_name``: no ring shows
-        this producer's messages, or one lost records) by its name."""
+        """The channel's next value if it is there: queued, or by its name (``by_name``)."""
         got = self._table.take(ch)
         if got is not MISSING:
             return self._taken(ch, got)
@@ -375,7 +336,6 @@ class Consumer:
         return result
 
     def _taken(self, ch: Channel, got: Queued) -> Received | BaseException:
-        """What a receive gets for the queued ``got`` (a notice is opened)."""
         if type(got) is Held:
             got.r.taken(got.pos)
             got = got.value
@@ -387,7 +347,7 @@ class Consumer:
         return got  # type: ignore[return-value]  # opened
 
     def _served(self, waiter: Waiter, value: Queued) -> Item:
-        """The delivery of ``value``, which ``put`` handed to ``waiter``, counted."""
+        """The delivery of ``value`` to ``waiter``, counted."""
         ch = waiter.channel
         if ch not in self._table:
             ch.src.waiting.pop(ch, None)
@@ -414,13 +374,11 @@ class Consumer:
             assert waiter is not None
             self._out.append(self._served(waiter, error))
 
-    # -- messages in segments -----------------------------------------------------------
-
     def _open(
         self, ch: Channel, seq: int, inc: int, notice: Notice | None
     ) -> Received | BaseException | None:
-        """Message ``seq`` of ``ch`` (producer run ``inc``) from the segment of its name: None
-        if it is not published (yet); an error for a notice whose segment is gone."""
+        """Message ``seq`` of ``ch`` from the segment of its name: None if not published
+        (yet); an error for a notice whose segment is gone."""
         watch = next((r.watch for r in ch.src.rings if r.inc == inc), None)
         if notice is None:
             return self._maps.take(ch.src.task, ch.step, ch.key, inc, seq, watch=watch)
@@ -434,8 +392,6 @@ class Consumer:
             )
         return got
 
-    # -- rings ----------------------------------------------------------------------------
-
     def adopt(self, r: InRing) -> None:
         """A ring ``Recovery.attach`` mapped: known from now on, and drained."""
         r.src.rings.append(r)
@@ -444,12 +400,9 @@ class Consumer:
         self.drain(r)
 
     def drain(self, r: InRing) -> None:
-        """Every record of ring ``r`` to its channel: to its oldest waiter, or queued as
-        ``Held``. Records an earlier process of this consumer task took are skipped. Once
-        more than half the ring is held, the oldest held records move out of it
-        (``Recovery.spill``). A ring its file no longer holds (a SIGBUS to read) is failed.
-        A record is the producer's bytes: its header gets the reader's checks, and one
-        refused still names its key: its receiver gets the error."""
+        """Every record of ring ``r`` to its channel's oldest waiter, or queued as ``Held``
+        (past half the ring, ``Recovery.spill`` moves the oldest out). A refused record's
+        receiver gets the error; a ring its file no longer holds (a SIGBUS) is failed."""
         if not r.intact():
             self._fail_ring(r)
             return
@@ -538,10 +491,8 @@ class Consumer:
             self._recovery.spill(r)
 
     def _fill(self, ch: Channel, seq: int, r: InRing) -> None:
-        """Messages ``ch.seq`` to ``seq - 1`` of ``ch`` came with no record: queued from
-        their names, in order. Only the last ``r.lost`` (at most ``_FILL_MAX``) can be
-        there; the numbers before were taken by an earlier process of this consumer task,
-        or skipped by the producer (a failed publish)."""
+        """Messages ``ch.seq`` to ``seq - 1`` came with no record: queued from their names.
+        Only the last ``r.lost`` can be there (others were taken, or skipped by the producer)."""
         for s in range(max(ch.seq, seq - min(r.lost, _FILL_MAX)), seq):
             got = self._open(ch, s, r.inc, None)
             if got is not None:
@@ -552,8 +503,7 @@ class Consumer:
     def _refused(
         self, src: Source, payload: memoryview, e: RendezvousError
     ) -> tuple[int, int, str, InternalError] | None:
-        """(step, seq, key, the error for its receiver) of a record refused with ``e``, or
-        None when the record does not even say whose it is."""
+        """(step, seq, key, error) of a refused record; None if it does not say whose."""
         self.refused += 1
         _log.warning("refusing a record of the ring from %s: %s", src.task, e)
         who = unpack_identity(payload)
@@ -564,9 +514,8 @@ class Consumer:
         return step, seq, key, InternalError(why)
 
     def _fail_ring(self, r: InRing) -> None:
-        """Give up a ring whose file no longer holds it. Its producer, if it saw that too,
-        goes on by name: the waiting receives look by name first, and fail only if their
-        message is not there; else the next receive hears of it once."""
+        """Give up a ring whose file no longer holds it. Its producer goes on by name: the
+        waiting receives look by name, then fail; else the next receive hears of it once."""
         src = r.src
         error = InternalError(
             f"the ring from producer {src.task} is unusable: its file was truncated below "
@@ -590,13 +539,10 @@ class Consumer:
         r.src.ring_incs.discard(r.inc)
         r.release()
 
-    # -- the scan (run by whoever polls the doorbell) -----------------------------------
-
     def scan(self, posted: bool = True) -> int:
-        """Drain the rings; per doorbell post (``posted``), look by name for the messages of
-        producers without a ring; once per tick, check the producers that have waiters and
-        let go of the rings of runs that are over. Delivers after the lock. Returns how
-        many values a scan no post asked for delivered (what a lost post cost), else 0."""
+        """Drain the rings; per doorbell post (``posted``), look by name for producers
+        without a ring; once per tick, check producers with waiters and let go of rings of
+        runs that are over. Returns how many values a scan no post asked for delivered."""
         with self.lock:
             if self._closed:
                 return 0
@@ -632,8 +578,8 @@ class Consumer:
         return found
 
     def _tick(self, src: Source) -> None:
-        """Once per tick for a producer with waiters: its ring, what it lost or left by
-        name, its liveness."""
+        """Once per tick for a producer with waiters: its ring, its messages by name, its
+        liveness."""
         self._recovery.look_for_ring(src, force=not src.rings)
         if src.lost():
             self._recovery.recover(src)
@@ -669,7 +615,7 @@ class Consumer:
                 self._fail(ch, failure)
 
     def _look(self, src: Source) -> TaskState | RendezvousError:
-        """The producer's state (a look at most once per tick while it lives; a new run
+        """The producer's state (looked up at most once per tick while it lives; a new run
         noted), or the error of a record that cannot be trusted."""
         now = time.monotonic()
         if src.alive_at >= 0 and now - src.alive_at <= TICK:
@@ -719,16 +665,14 @@ class Consumer:
         return None
 
     def _run_over(self, src: Source, inc: int) -> bool:
-        """Whether run ``inc`` of the producer can send nothing more: its record is gone or
-        dead, or names another run."""
+        """Whether run ``inc`` of the producer can send nothing more."""
         seen = self._look(src)  # (which notes the live run in ``src.inc``)
         if isinstance(seen, RendezvousError):
             return False
         return seen.state != "alive" or src.inc not in (0, inc)
 
     def _probe_ringless(self) -> None:
-        """Per doorbell post: the waiting channels of known producers without a ring, by
-        the name of their next message (one listing first when they are many)."""
+        """Per doorbell post: the waiting channels of producers without a ring, by name."""
         for src in list(self.srcs.values()):
             if not src.waiting or not src.inc or not src.ringless(0):
                 continue
@@ -739,8 +683,8 @@ class Consumer:
                 self.serve(ch, True)
 
     def _retire_over(self) -> None:
-        """Let go of the rings of producer runs that are over once every record is taken;
-        what those runs left is collected after the lock (``reaper.after_producer``)."""
+        """Let go of the rings of runs that are over once every record is taken; what
+        those runs left is collected after the lock."""
         for r in list(self._rings):
             if not self._run_over(r.src, r.inc):
                 continue
@@ -752,8 +696,6 @@ class Consumer:
                     r.src.look_at = _INF  # a restarted producer is looked for again
                 self._forget_ring(r)
                 self._over.append((r.src.task, r.inc))
-
-    # -- steps and lifetime ---------------------------------------------------------------
 
     def abort_step(self, step_id: int, error: BaseException) -> bool:
         """Fail the step's waiters (delivered after the lock), and its later receives;
@@ -768,11 +710,10 @@ class Consumer:
         return work is not None
 
     def cleanup_step(self, step_id: int, error: BaseException, posted: bool) -> bool:
-        """Fail the step's waiters with ``error`` (unless it was aborted), forget the step,
-        free what was sent to this worker in it and not received: what its channels hold,
-        and what a listing shows where messages may have come with no ring record
-        (``Recovery.needed``, or ``posted``: a doorbell post is pending). Whether any
-        waiter was failed."""
+        """Fail the step's waiters with ``error`` (unless it was aborted), forget the step
+        and free what was sent to it and not received: what its channels hold, and what a
+        listing shows where a message may have come with no record. Whether any waiter
+        was failed."""
         busy = step_id in self._steps or posted or self._unexplained or self.refusing
         if not busy and not self._recovery.needed():
             return False  # nothing of the step here, nothing to look for
@@ -816,9 +757,8 @@ class Consumer:
         self._after(work)
 
     def release(self) -> None:
-        """After ``close``: unlink the held names of arrays still alive, unmap the rings,
-        collect what producer runs that are over left, unless their ring holds records not
-        taken: those stay for this task's next process, with what the run left."""
+        """After ``close``: unlink held names, unmap the rings, collect what runs that are
+        over left unless their ring holds records not taken (kept for the next process)."""
         self._maps.unlink_held()
         with self.lock:
             for r in list(self._rings):

@@ -34,16 +34,15 @@ from .._rendezvous import Closing
 from .header import MAGIC, MAX_KEY_BYTES, PREFIX, Header, unpack
 from .naming import SHM_DIR, Names
 
-__all__ = ["Segment", "is_ours", "move_noreplace", "open_checked", "peek_header"]
+__all__ = ["Segment", "is_ours", "move_noreplace", "open_checked", "os_error", "peek_header"]
 
 _log = logging.getLogger("shmrdv.shm.files")
 
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _MODE = 0o600
-# No room: the tmpfs is full, the size is past a file size limit, or the memory cgroup
-# refused the pages.
-_NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.ENOMEM)
+# No room: the tmpfs is full, a quota or file size limit, or the memory cgroup refused pages.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.ENOMEM)
 _NO_FDS = (errno.EMFILE, errno.ENFILE)
 
 
@@ -60,7 +59,9 @@ def _free_bytes() -> str:
     return f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
 
 
-def _open_error(e: OSError, what: str) -> Exception:
+def os_error(e: OSError, what: str) -> Exception:
+    """The error to raise for ``e`` from ``cannot <what>``: out of descriptors or of room in
+    /dev/shm is ``ResourceExhaustedError``, anything else ``InternalError``."""
     if e.errno in _NO_FDS:
         return ResourceExhaustedError(
             f"cannot {what}: too many open files ({e.strerror}); each shared-memory segment, "
@@ -93,7 +94,7 @@ def open_checked(
             raise InternalError(f"{what} {path} is a symlink; refusing it") from e
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             raise InternalError(f"{what} {path} is leased by another process; not waiting") from e
-        raise _open_error(e, f"open {what} {path}") from e
+        raise os_error(e, f"open {what} {path}") from e
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -223,11 +224,9 @@ def _given_back(
 
 
 class Segment(Closing):
-    """One open shared-memory segment file, made by ``create`` or ``attach``. ``close()``
-    drops this handle's mapping (idempotent; a ``weakref.finalize`` closes a forgotten one),
-    never the name; arrays made by ``view`` and ``lend`` keep the mapping until collected.
-    ``name`` is the bare name (its owner sets it after a rename), ``size`` the bytes mapped,
-    ``fd`` the descriptor kept (``keep_fd``: an ``lseek`` to its end is a lighter size check
+    """One open shared-memory segment file (``create``, ``attach``). ``close()`` drops this
+    handle's mapping, never the name; arrays from ``view`` and ``lend`` keep it until
+    collected. ``fd``: the descriptor if ``keep_fd`` (an ``lseek`` is a lighter size check
     than ``check_size``), else -1."""
 
     def __init__(
@@ -275,7 +274,7 @@ class Segment(Closing):
                     "squatted by another process)"
                 ) from e
             if isinstance(e, OSError):
-                raise _open_error(e, f"create segment {name} ({size} bytes)") from e
+                raise os_error(e, f"create segment {name} ({size} bytes)") from e
             raise
         return cls(names, name, mem, fd, keep_fd)
 
@@ -298,7 +297,7 @@ class Segment(Closing):
         except BaseException as e:
             os.close(fd)
             if isinstance(e, OSError):
-                raise _open_error(e, f"map segment {name}") from e
+                raise os_error(e, f"map segment {name}") from e
             raise
         return cls(names, name, mem, fd, keep_fd)
 

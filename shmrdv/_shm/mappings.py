@@ -1,12 +1,10 @@
 """The segments a consumer maps: a message taken from its segment, pool slots held, kept
 mapped and given back (the consumer's half of the slot protocol of ``pool.py``).
 
-A one-off segment is mapped, its name unlinked, its array handed out. A pool slot is
-renamed to ``held`` while its array lives (this run noted in its control block), and once
-the array is collected, to ``returned`` for its producer, with the ticket of its next lend
-stored in the block (``give_back``). Its mapping is kept from one message to the next
-(``SlotMaps``), found again by inode after the renames: no page faults per message after
-warm-up. Each kept mapping holds a descriptor, hence ``KEEP_MAX``.
+A one-off segment is mapped and unlinked. A pool slot is renamed ``held`` while its array
+lives, then ``returned`` to its producer (``give_back``); its mapping is kept from one
+message to the next (``SlotMaps``, found by inode): no page faults per message after
+warm-up.
 
 Thread model (docs/threads.md): ``SlotMaps`` runs under the consumer's lock;
 ``return_slot`` runs in whichever thread collects an array, possibly inside the garbage
@@ -72,16 +70,14 @@ def give_back(
     watch: RunWatch | None = None,
     held: set[str] | None = None,
 ) -> None:
-    """Rename the pool slot file at ``path`` to its ``returned`` name (leaving ``held``,
-    the consumer's held names), then, with its mapping ``mem``, store the slot's next ticket
-    in its control block (after an ``fstat``: a truncated page would be a SIGBUS). Takes no
-    lock: it runs where an array is collected, possibly inside the garbage collector.
+    """Rename the pool slot at ``path`` to its ``returned`` name, then store its next ticket
+    in its control block (``mem``, after an ``fstat``: a truncated page is a SIGBUS). Takes
+    no lock: it may run inside the garbage collector.
 
-    A producer that is no longer the live worker of that run takes nothing back: the file
-    is unlinked instead. Its ``close`` unlinks its doorbell, then removes the ``returned``
-    names of its lent slots; we rename first, then look for the doorbell, then for its live
-    record: seeing both, our rename came before that sweep. The look is skipped while
-    ``watch`` is live: the consumer collects what the run leaves (``RunWatch``)."""
+    A producer run that is over takes nothing back: the file is unlinked. Its ``close``
+    unlinks its doorbell, then its ``returned`` names; we rename, then look for the doorbell
+    and its live record: seeing both, our rename came first. Skipped while ``watch`` is live
+    (the consumer collects what the run leaves)."""
     if held is not None:
         held.discard(os.path.basename(path))
     ret = names.path(names.returned(producer_task, incarnation, slot))
@@ -184,12 +180,10 @@ class SlotMaps:
         array: tuple[Any, ...] | None = None,
         watch: RunWatch | None = None,
     ) -> Received | BaseException | None:
-        """Message ``seq`` of (step, key) of producer ``task``'s run ``inc``, from the
-        segment of its name: None if there is no such name (yet), the error for a file that
-        is not ours or whose header does not say this message. The array is a writable view
-        of the segment, the consumer's alone: its name is unlinked, or a pool slot's renamed
-        to ``held`` until the array is collected. A slot a ring notice names (``slot``,
-        ``array``) that is mapped already is taken with no open."""
+        """Message ``seq`` of (step, key) of ``task``'s run ``inc``, from the segment of its
+        name: None if there is none (yet), the error for a file not ours or not this
+        message. The array is a writable view, the consumer's alone (the name unlinked, or a
+        slot's renamed ``held``). A slot a notice names that is mapped already needs no open."""
         self.probes += 1
         names = self._names
         name = names.message(step, key, inc, seq)

@@ -25,17 +25,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._errors import InternalError, ResourceExhaustedError
+from .._keys import DeviceName
+from .._transport import PeerDirectory
 from .files import Segment, move_noreplace
 from .naming import MAX_SLOT, SLOT_BITS, Names
 
 __all__ = ["CONTROL", "DEFAULT_MAX_SLOTS", "HOLDER_AT", "WORD", "ProducerAlive", "Slot"]
-__all__ += ["SlotPool"]
+__all__ += ["SlotPool", "run_alive"]
 
 _log = logging.getLogger("shmrdv.shm.pool")
 
 #: ``alive(task, incarnation)``: is that task's live worker of that incarnation? Lock-free
 #: (it runs inside the garbage collector) and never blocks.
 ProducerAlive = Callable[[str, int], bool]
+
+
+def run_alive(peers: PeerDirectory) -> ProducerAlive:
+    """``pool.ProducerAlive`` over the liveness monitor. Lock-free, never blocks (it may run
+    inside the garbage collector); raises what ``PeerDirectory.state`` raises."""
+
+    def alive(task: str, incarnation: int) -> bool:
+        seen = peers.state(DeviceName.parse(task))
+        record = seen.record if seen.state == "alive" else None
+        return record is not None and record.incarnation == incarnation
+
+    return alive
+
 
 #: At most this many slots (each holds a mapping and a file descriptor).
 DEFAULT_MAX_SLOTS = 256
@@ -131,8 +146,7 @@ class SlotPool:
 
     def acquire(self, nbytes: int) -> Slot | None:
         """A free slot for a segment of ``nbytes`` (now ``allocated``), or None when the
-        pool cannot serve it (too big, or full of lent slots): the caller writes a one-off
-        segment then. Never blocks."""
+        pool cannot serve it (the caller writes a one-off segment). Never blocks."""
         cls = size_class(nbytes)
         counted = _counted(cls)
         if counted > self._limit:
@@ -213,8 +227,7 @@ class SlotPool:
         return slot
 
     def _reclaim(self) -> None:
-        """Take back slots their consumers gave back (through the control block, or under
-        their ``returned`` name), and held ones whose consumer run is gone; forget those
+        """Take back slots given back, and held ones whose consumer run is gone; forget those
         under none of their names any more."""
         if self._pinned:
             pinned, self._pinned = self._pinned, []
@@ -267,8 +280,8 @@ class SlotPool:
         return True
 
     def _came_back(self, slot: Slot) -> bool:
-        """Whether the consumer gave ``slot`` back through its control block (renamed
-        ``returned`` first): if so it is free, under that name. A shrunk slot is forgotten."""
+        """Whether the consumer gave ``slot`` back through its control block: then it is free,
+        under its ``returned`` name. A shrunk slot is forgotten."""
         nxt = slot.ticket + (1 << SLOT_BITS)
         seg = slot.segment
         try:

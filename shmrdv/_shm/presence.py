@@ -1,14 +1,11 @@
 """Presence records: whether a worker lives, as a JSON file in /dev/shm locked with ``flock``.
 
-A worker publishes ``shmrdv_<ns>_w<taskhash>`` (task, pid, boot id, incarnation, address,
-transports) and holds ``flock(LOCK_EX)`` on it while it lives: the kernel drops the lock
-when the owner dies, however it dies, and a stopped or busy process keeps it, which no
-heartbeat with a deadline can promise (research/pitfalls.md §1). The one liveness concept,
-cut as iceoryx2 cuts its ``monitoring``: ``Presence`` (the token: a worker's own record),
-``Monitor.state(task)`` (the monitor; ``look(path)`` for a record found by listing) and
-``claim(path)`` (the cleaner: a dead record under its exclusive lock, the one way a record
-is replaced or removed). Every open is ``files.open_checked``: a symlink, a file another
-user planted or leased is an ``InternalError``, never waited for.
+A worker holds ``flock(LOCK_EX)`` on its record while it lives: the kernel drops the lock
+however the owner dies, and a stopped or busy process keeps it, which no heartbeat with a
+deadline can promise (research/pitfalls.md §1). As iceoryx2 cuts its ``monitoring``:
+``Presence`` (a worker's own record), ``Monitor`` / ``look`` (the monitor) and ``claim``
+(the cleaner: the one way a dead record is replaced or removed). Every open is
+``files.open_checked``.
 
 Thread model (``docs/threads.md``): no thread of its own. A ``Monitor`` may be asked inside
 the garbage collector (a pool slot given back), so it only *tries* locks.
@@ -30,11 +27,10 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._errors import InternalError, InvalidArgumentError, ResourceExhaustedError
+from .._errors import InternalError, InvalidArgumentError
 from .._rendezvous import Closing
 from .._transport import PeerRecord, PeerState, TaskState
-from .files import open_checked
-from .naming import SHM_DIR
+from .files import open_checked, os_error
 
 if TYPE_CHECKING:
     from .naming import Names
@@ -185,13 +181,9 @@ def _close_all(seen: dict[str, _Seen], lock: threading.Lock) -> None:
 
 
 class Monitor(Closing):
-    """The liveness of the tasks of one namespace on this host (iceoryx2's monitor).
-
-    Keeps one descriptor per task asked about, re-opened when the record is replaced (a
-    restarted task). Its lock is only ever tried: a look that finds it taken (by another
-    thread, or by the thread the garbage collector interrupted) or the monitor closed looks
-    through a descriptor of its own.
-    """
+    """The liveness of the tasks of one namespace on this host (iceoryx2's monitor): one
+    descriptor per task, re-opened when the record is replaced. Its lock is only tried (the
+    garbage collector may interrupt its holder): if taken, a look opens its own descriptor."""
 
     def __init__(self, names: Names) -> None:
         self._names = names
@@ -335,11 +327,8 @@ def _owner(info: PresenceInfo | None) -> str:
 
 
 class Presence(Closing):
-    """This process's presence record for one task, locked while open (``publish``).
-
-    ``close()`` unlinks the record if it is still ours and drops the lock; idempotent, and a
-    ``weakref.finalize`` does the same for a handle dropped unclosed.
-    """
+    """This process's presence record for one task, locked while open (``publish``);
+    ``close()`` (or the finalizer) unlinks it if still ours and drops the lock."""
 
     def __init__(self, info: PresenceInfo, fd: int, path: str) -> None:
         """Internal: use ``Presence.publish``."""
@@ -354,12 +343,9 @@ class Presence(Closing):
     @classmethod
     def publish(cls, names: Names, info: PresenceInfo) -> Presence:
         """Write ``info`` as ``info.task``'s record and lock it; a dead worker's is replaced.
-
-        Raises ``InvalidArgumentError`` if a live process holds the task's record,
-        ``ResourceExhaustedError`` if /dev/shm is full, ``InternalError`` if the record there
-        is not ours. Does not block (beyond a few 10 ms retries while another publisher
-        replaces a stale record).
-        """
+        Raises ``InvalidArgumentError`` if a live process holds it, ``ResourceExhaustedError``
+        if /dev/shm is full, ``InternalError`` if the record there is not ours. Blocks only
+        for a few short retries while another publisher replaces a stale record."""
         info = dataclasses.replace(info, namespace=names.namespace_id)  # never the token
         final = names.path(names.presence(info.task))
         data = info.to_json()
@@ -369,7 +355,7 @@ class Presence(Closing):
                 temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
             )
         except OSError as e:
-            raise _publish_error(e, temp) from e
+            raise os_error(e, f"create presence record {temp}") from e
         try:
             os.fchmod(fd, 0o600)  # umask-proof
             if os.write(fd, data) != len(data):
@@ -382,7 +368,7 @@ class Presence(Closing):
                 os.unlink(temp)
             os.close(fd)
             if isinstance(e, OSError):
-                raise _publish_error(e, temp) from e
+                raise os_error(e, f"create presence record {temp}") from e
             raise
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
@@ -441,19 +427,3 @@ class Presence(Closing):
             f"<Presence {self._info.task} pid={self._info.pid} "
             f"incarnation={self._info.incarnation:#x} {state}>"
         )
-
-
-def _publish_error(e: OSError, path: str) -> Exception:
-    """A full /dev/shm (no room, no inodes, the memory cgroup) is ``ResourceExhaustedError``."""
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG):
-        return InternalError(f"cannot create presence record {path}: {e}")
-    try:
-        st = os.statvfs(SHM_DIR)
-        free = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
-    except OSError:
-        free = "unknown space free"
-    return ResourceExhaustedError(
-        f"cannot write presence record {path}: {e.strerror}; {SHM_DIR} has {free}. In a "
-        "container, give it more (docker run --shm-size=...); remove what dead processes "
-        "left behind with `python -m shmrdv gc`"
-    )

@@ -1,16 +1,13 @@
 """The sending half of the same-host transport: a message's number, bytes and name.
 
-A small value travels inline, a record in its consumer's ring (``Route``). A larger one is
-copied into a warm pool slot (``pool.py``; else a fresh fallocated segment) by the sending
-thread and a few helpers, or was written there through ``allocate``, and published with one
-rename (no replace) to the message's name, so that the consumer never sees a half-written
-tensor; a notice goes in the ring. The doorbell is posted unless a post is pending: whoever
-takes that one drains every ring after it. With ``max_inflight_bytes`` a send first reserves
-room in its consumer's window (``Flight``).
+A small value is a record in its consumer's ring (``Route``). A larger one is copied into
+a pool slot or fresh segment (or was written there through ``allocate``) and published by
+one no-replace rename to the message's name, so no half-written tensor is ever seen; a
+notice goes in the ring. With ``max_inflight_bytes`` a send first reserves room in its
+consumer's window (``Flight``).
 
-Thread model (``docs/threads.md``): any thread may send or allocate. ``_lock`` (sequence
-numbers, rings, allocations, doorbells) is never held across a call that can block; the
-helpers ("shmrdv-copy-<n>") wait on a queue and copy under no lock.
+Thread model (``docs/threads.md``): any thread may send or allocate; ``_lock`` is never held
+across a call that can block; the copy helpers ("shmrdv-copy-<n>") copy under no lock.
 """
 
 from __future__ import annotations
@@ -74,10 +71,9 @@ def inline_max() -> int:
 
 @dataclass(eq=False, slots=True)
 class Route:
-    """What a producer keeps per consumer worker, under its lock: the ring (given up if its
-    file is found truncated), the doorbell (opened on first use: the consumer may not have
-    started) and what was sent. ``reader`` is the ring's reader word, ``bell_reader`` its
-    value when the doorbell was opened: a restarted consumer's is another."""
+    """What a producer keeps per consumer worker, under its lock: the ring, the doorbell
+    (opened on first use: the consumer may not have started) and what was sent.
+    ``bell_reader``: the ring's reader word when the doorbell was opened."""
 
     task: str
     seg: Segment | None = None
@@ -93,8 +89,7 @@ class Route:
     bell_reader: int = 0
 
     def open_ring(self, names: Names, producer: str, incarnation: int) -> None:
-        """Make the ring, published under its name once formatted; none where one cannot be
-        made (then segments only, found by name)."""
+        """Make the ring, published once formatted; none if it cannot be (segments only)."""
         seg = None
         name = names.ring(producer, incarnation, self.task)
         try:
@@ -183,9 +178,8 @@ def _inode(name: str) -> tuple[int, int] | None:
 
 class Flight:
     """One consumer's messages in flight, for its window: a segment while its own file (by
-    inode: not another re-created at the name) is at its name, an ``lstat``; a ring record
-    until ``tail`` passes it; none once the consumer died (``ConsumerWatch``). Only a
-    reservation that does not fit looks. The lock is never held across a filesystem call."""
+    inode) is at its name; a ring record until ``tail`` passes it; none once the consumer
+    died. Only a reservation that does not fit looks. No filesystem call under the lock."""
 
     __slots__ = ("_closed", "_lock", "_records", "_ring", "_segments", "_watch", "window")
 
@@ -233,7 +227,7 @@ class Flight:
             self.window.release(freed)
 
     def forget(self) -> None:
-        """The consumer died (or this producer closes): nothing of it counts any more."""
+        """The consumer died (or this producer closes): nothing counts any more."""
         with self._lock:
             self._segments.clear()
             self._records.clear()
@@ -424,7 +418,7 @@ class Producer:
         self, step_id: int, key: ParsedKey, value: npt.NDArray[Any]
     ) -> _Allocation | None:
         """The allocation ``value`` is, if any, now marked sent (``InvalidArgumentError`` if
-        it was sent already, or is sent under another key or step)."""
+        sent already, or under another key or step)."""
         alloc = self._allocations.get(id(value))
         if alloc is None or alloc.ref() is not value:
             return None
@@ -575,9 +569,8 @@ class Producer:
         route: Route,
     ) -> str:
         """Give the message its sequence number, header and name, atomically, and a notice
-        in the ring (else ``Ring.lost`` tells the consumer to look by name); returns the
-        name. ``InternalError`` if the name is taken: that file is left alone, and the
-        sequence number skipped (by the consumer too)."""
+        in the ring (else ``Ring.lost``); returns the name. ``InternalError`` if the name is
+        taken: that file is left alone, its sequence number skipped."""
         ticket = -1 if slot is None else slot.ticket
         with self._lock:
             seqs = self._seqs[step_id]

@@ -1,13 +1,11 @@
 """What dead workers left in /dev/shm, and who collects it: the one stale-resource cleaner.
 
-Names carry their namespace id (``naming``), so the directory is the registry. Only a
-regular file of ours is opened (one ``lstat`` first); a namespace is dead while none of its
-presence records is locked (asked again just before its files go); a file goes only if it
-is still the inode listed and nobody has it open or mapped (``unlink_if_unused``). A dead
-namespace's values wait ``GRACE_S`` after the newest was sent, by the time its producer
-recorded (tmpfs keeps no mtime for writes through a mapping), unless they were sent to the
-closing worker. For ``ls`` / ``gc`` and the leak check, a Worker's start and close, and a
-consumer done with a dead producer run; ``SHMRDV_AUTO_GC=0`` turns the sweeps off.
+Names carry their namespace id, so the directory is the registry. A namespace is dead
+while none of its presence records is locked (asked again just before its files go); a
+file goes only if it is still the inode listed and nobody has it open or mapped
+(``unlink_if_unused``). A dead namespace's values wait ``GRACE_S`` after the newest was
+sent, by the time its producer recorded (tmpfs keeps no mtime for writes through a
+mapping). ``SHMRDV_AUTO_GC=0`` turns the sweeps off.
 
 Thread model (docs/threads.md): any thread may call in; a start or close works about
 ``SYNC_SECONDS`` itself and leaves the rest to one background thread per process.
@@ -40,22 +38,9 @@ from .naming import KINDS, PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, Object
 from .presence import claim, look
 from .ring import DATA_OFFSET, Ring, describe
 
-__all__ = [
-    "ENV_VAR",
-    "GRACE_S",
-    "ObjectInfo",
-    "after_producer",
-    "at_close",
-    "at_start",
-    "collect",
-    "collect_producer",
-    "entries_read",
-    "idle",
-    "list_objects",
-    "object_names",
-    "sightings",
-    "unlink_if_unused",
-]
+__all__ = ["ENV_VAR", "GRACE_S", "ObjectInfo", "after_producer", "at_close", "at_start"]
+__all__ += ["collect", "collect_producer", "entries_read", "idle", "list_objects"]
+__all__ += ["object_names", "sightings", "unlink_if_unused"]
 
 _log = logging.getLogger("shmrdv.shm.reaper")
 
@@ -86,9 +71,8 @@ Groups = dict[str, list[str]]  # a listing: namespace id -> the names of that na
 
 
 class _Pace:
-    """How long a job works: ``go()`` is False once it must stop, at ``deadline`` for a start
-    or close; the background's pauses after each run as long as it ran (sweeps take half of
-    what the process could run at most) and stops once ``stop`` is set."""
+    """How long a job works: ``go()`` is False once past ``deadline`` (a start or close); in
+    the background (``stop``) it pauses after each run as long as it ran, until ``stop``."""
 
     def __init__(self, seconds: float, stop: threading.Event | None = None) -> None:
         self.deadline = time.monotonic() + seconds
@@ -186,10 +170,9 @@ def namespace_alive(group: Iterable[str], shm_dir: str) -> bool:
 
 
 def unlink_if_unused(path: str, ino: tuple[int, int], *, mapped_ok: bool = False) -> bool:
-    """Unlink ``path`` if it is still the file ``ino`` (as listed), ours, and no process has it
-    open or mapped (a write lease, ``F_SETLEASE``, is granted only then; dropped at once).
-    ``mapped_ok`` (a dead run's slots and ring, which a consumer may keep mapped) skips the
-    lease. Whether it went; ``OSError`` when the unlink fails. Never blocks."""
+    """Unlink ``path`` if it is still the file ``ino``, ours, and no process has it open or
+    mapped (only then is a write lease granted); ``mapped_ok`` skips the lease. Whether it
+    went; ``OSError`` when the unlink fails. Never blocks."""
     try:
         fd, st = open_checked(path, os.O_RDONLY, "shmrdv object")
     except FileNotFoundError:
@@ -230,10 +213,9 @@ def _unlink(e: _Entry, *, mapped_ok: bool = False) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
-    """One shmrdv object, as ``list_objects`` saw it: ``size`` the memory it holds; ``owner_pid``
-    the worker's (record, doorbell) or producer's (segment header); ``alive`` whether that
-    record's lock is held (records) or a worker of the namespace lives; ``step_id``, ``key``
-    and ``task`` from a header or record. None when unknown (unwritten, corrupt)."""
+    """One shmrdv object, as ``list_objects`` saw it (None where unknown): ``owner_pid`` the
+    worker's or producer's; ``alive`` whether a record's lock is held, or for other kinds
+    whether a worker of the namespace lives."""
 
     kind: str
     namespace: str  # the namespace id (public), never the token
@@ -322,8 +304,8 @@ def sightings(task: str, namespace: str, *, shm_dir: str = SHM_DIR) -> list[Sigh
 
 class _Sweep:
     """A job: what the dead namespaces of a listing left. ``closing``: ``(names, task)`` of
-    the worker whose close runs it (what was sent to it does not wait). By hand: no value
-    waits, what went (or would) is kept in ``gone``, and a failure to remove raises."""
+    the closing worker (what was sent to it does not wait). ``by_hand``: nothing waits, what
+    went is kept in ``gone``, and a failure to remove raises."""
 
     def __init__(
         self,
@@ -402,9 +384,8 @@ def _task(device: object) -> tuple[str, int, int] | None:
 def _waiting(
     listed: list[_Entry], me: tuple[str, int, int] | None, since: int
 ) -> tuple[set[str], bool]:
-    """The messages and rings among ``listed`` addressed to the task ``me`` (by the key in a
-    header, the consumer a ring names), and whether another holds a value sent after
-    ``since`` (``time.time_ns()``, as its producer wrote it). Without ``me``, stops at one."""
+    """The messages and rings among ``listed`` addressed to the task ``me``, and whether
+    another holds a value sent after ``since`` (``time.time_ns()``)."""
     theirs: set[str] = set()
     keep = False
     for e in listed:
@@ -431,9 +412,9 @@ def _waiting(
 
 
 def _read_ring(path: str) -> tuple[tuple[str, int, int] | None, int | None]:
-    """The consumer task a ring was made for and when the newest record it has not taken was
-    sent (None when unknown). Read with ``pread``, never mapped (a truncation costs nothing,
-    no mapping keeps the file in use), its records only if some are not taken."""
+    """The consumer task a ring was made for and when its newest record not taken was sent
+    (None when unknown). Read with ``pread``, never mapped: a truncation costs nothing, and
+    no mapping keeps the file in use."""
     try:
         fd, st = open_checked(path, os.O_RDONLY, "ring", max_size=_RING_MAX_BYTES)
     except (OSError, RendezvousError):
@@ -467,9 +448,8 @@ def _read_ring(path: str) -> tuple[tuple[str, int, int] | None, int | None]:
 
 
 class _Slots:
-    """A job: the unused pool slots (free, ``returned``) and half-written segments of
-    ``task``'s run ``run``, or the slots of its runs but ``but`` (a restarted producer takes
-    back what its killed runs held); by the run in their header, a slot by its name too."""
+    """A job: the unused pool slots and half-written segments of ``task``'s run ``run``, or
+    the slots of its runs but ``but`` (what a restarted producer's killed runs held)."""
 
     def __init__(self, names: Names, task: str, run: int | None, but: int | None = None) -> None:
         self._names, self._task, self._run, self._but = names, task, run, but
@@ -555,17 +535,15 @@ class _Producer(_Slots):
 
 def collect_producer(names: Names, producer: str, incarnation: int, consumer: str) -> int:
     """Free what the dead run ``incarnation`` of ``producer`` left, for a ``consumer`` that
-    took all it sent: its unused slots, half-written segments, its ring to ``consumer`` if
-    all taken, and its doorbell and record if still that run's and dead (messages and held
-    slots are their consumers'). Nothing while it lives. How many went. Never blocks."""
+    took all it sent: unused slots, half-written segments, its ring to ``consumer``, its
+    doorbell and record if still that run's. How many went. Never blocks."""
     job = _Producer(names, producer, incarnation, consumer)
     job(_listing(SHM_DIR), _Pace(math.inf))
     return job.removed
 
 
 class _Background:
-    """The process's sweeper thread and the jobs left to it, while a Worker uses sweeps.
-    ``lock`` guards the fields; no job or directory read runs under it."""
+    """The process's sweeper thread and its jobs; no job or listing runs under ``lock``."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -633,8 +611,7 @@ os.register_at_fork(after_in_child=_forked)
 
 
 def _run(what: str, jobs: list[Job]) -> None:
-    """Run ``jobs`` within ``SYNC_ENTRIES`` entries read and about ``SYNC_SECONDS`` here, the
-    rest in the background. Logs a failure, never raises."""
+    """Run ``jobs`` here for about ``SYNC_SECONDS``, the rest in the background. Never raises."""
     try:
         pace = _Pace(SYNC_SECONDS)
         groups = _listing(SHM_DIR, pace, SYNC_ENTRIES)

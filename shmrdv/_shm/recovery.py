@@ -1,21 +1,13 @@
 """A consumer's rings and names: what the drain does not see, found; what a ring cannot
-keep, moved out. Names are the truth.
+keep, moved out (``spill``). Names are the truth.
 
-A producer run's ring for this consumer is attached once per run and read from its oldest
-record not taken (``InRing``: the durable copy of what the consumer task has not taken).
-``spill`` moves records that wait for a receive while the producer needs the room out to
-their messages' names, where the task's next process finds them as it finds what a full
-ring lost.
+A ring (``InRing``) is attached once per producer run and read from its oldest record not
+taken. Messages with no record (no ring, a full one, a run gone before it was known) are
+found by a ``Listing``: other users can plant any number of names under the job's public
+prefix, so it is rate-limited, skipped while the directory is unchanged, and a name new to
+it costs one ``lstat``, at most ``_NEW_PER_LISTING`` per listing, and never another.
 
-A producer's messages come with a ring record, except where it has no ring (not x86-64,
-or it could not make one), where its ring was full (``Ring.lost``) and where it was gone
-before this consumer knew its run: a ``Listing`` finds those. Other local users can plant
-any number of names under the job's public prefix, so a listing is rate-limited, skipped
-while the directory is unchanged, and a name new to it costs one ``lstat`` if it is
-another user's, at most ``_NEW_PER_LISTING`` per listing, and is never looked at again.
-
-Thread model (docs/threads.md): every method runs under the consumer's lock, except
-``free_unreceived``, after it (the listing's refused names are a set).
+Thread model (docs/threads.md): under the consumer's lock, except ``free_unreceived``.
 """
 
 from __future__ import annotations
@@ -63,10 +55,9 @@ _INF = float("inf")
 
 
 class Listing:
-    """The names under ``prefix`` in ``directory``, listed again only when it changed (its
-    mtime: one ``stat``), at most every ``min_interval`` s, and down to a quarter of that
-    rate while listings find nothing new. ``refuse``d names are left out of every later
-    listing without a system call. Not thread-safe (its owner's lock)."""
+    """The names under ``prefix`` in ``directory``, listed again only when its mtime
+    changed, at most every ``min_interval`` s (a quarter of that rate while nothing is new).
+    ``refuse``d names are left out without a system call. Not thread-safe."""
 
     def __init__(self, prefix: str, min_interval: float, directory: str = SHM_DIR) -> None:
         self._prefix, self._dir, self._interval = prefix, directory, min_interval
@@ -166,9 +157,8 @@ class InRing:
             return False
 
     def taken(self, pos: int) -> None:
-        """The value of its record at ``pos`` (``Held``) is taken or freed: so marked in the
-        ring if its file still holds it (else the next drain fails the ring), or the
-        segment the record moved out to is removed."""
+        """The value of its record at ``pos`` is taken or freed: so marked in the ring, or
+        the segment the record moved out to is removed."""
         if self.spilled:
             path = self.spilled.pop(pos, None)
             if path is not None:
@@ -242,10 +232,9 @@ class Recovery:
         return True
 
     def attach(self, name: str, expect: tuple[str, int] | None) -> bool:
-        """Map a producer's ring for this consumer, once per producer run, and have it
-        drained (``Consumer.adopt``) from its oldest record not taken. False: no such name.
-        ``InternalError`` for a ring that is not ours, not for this consumer, or not from
-        ``expect`` (producer task, incarnation)."""
+        """Map a producer's ring for this consumer, once per run, and have it drained from
+        its oldest record not taken. False: no such name. ``InternalError`` for a ring not
+        ours, not for this consumer, or not from ``expect`` (task, incarnation)."""
         try:
             seg = Segment.attach(self._names, name, keep_fd=True)
         except FileNotFoundError:
@@ -286,9 +275,8 @@ class Recovery:
                 os.unlink(path)
 
     def needed(self) -> bool:
-        """Whether messages may have come to this consumer with no ring record: a producer
-        it heard of has no ring attached, or a ring lost records (not counting those this
-        process moved out: it holds their values)."""
+        """Whether messages may have come with no ring record: a producer without a ring, or
+        a ring that lost records (not counting those this process moved out)."""
         if not RINGS_SUPPORTED:
             return True
         for s in self._consumer.srcs.values():  # (per cleanup: loops, not generators)
@@ -300,10 +288,9 @@ class Recovery:
         return False
 
     def recover(self, src: Source) -> None:
-        """Queue the messages of ``src`` whose records its full rings lost (one listing,
-        rate-limited), after what its rings hold: the rings are drained after the listing,
-        and a producer writes the records of a key's earlier messages before it publishes a
-        later one by name, so every record before a listed message is read first."""
+        """Queue the messages of ``src`` whose records its full rings lost (one listing),
+        after what its rings hold: they are drained after the listing, and a producer writes
+        a key's earlier records before it publishes a later message by name."""
         from .consumer import Notice  # (the consumer imports this module)
 
         consumer = self._consumer
@@ -354,10 +341,8 @@ class Recovery:
         return [c for c in chans if (c.step, c.key, c.seq, c.inc) in there]
 
     def resolve_incarnation(self, ch: Channel) -> None:
-        """Find the run of the channel's producer: its presence record, else (it is gone,
-        or has not started: its messages are still there, under names computed with its
-        incarnation) its ring, or the newest message a listing shows for the channel's next
-        receive."""
+        """Find the run of the channel's producer: its presence record, else (gone, or not
+        started) its ring, or the newest listed message for the channel's next receive."""
         src = ch.src
         if not src.inc and not self._learn_run(src):
             return
@@ -406,12 +391,10 @@ class Recovery:
                 _log.debug("%s", e)
 
     def spill(self, r: InRing) -> None:
-        """Move the oldest records of ring ``r`` that are read and not taken out to their
-        messages' names until those left take at most a quarter of it: a key nobody
-        receives for a while must not leave its producer without room. Counted in the ring
-        (``Ring.add_spilled``), so the task's next process looks for them by name; taking a
-        value removes its segment. What cannot be written (/dev/shm full) stays. Right
-        after a drain checked the ring's size."""
+        """Move the oldest held records of ring ``r`` out to their messages' names until
+        those left take at most a quarter of it: a key nobody receives must not leave its
+        producer without room. Counted in the ring, so the task's next process looks for
+        them by name. What cannot be written (/dev/shm full) stays."""
         ring = r.ring
         held = ring.held
         count = 0

@@ -27,8 +27,9 @@ from .._keys import ParsedKey
 from .._transport import PeerRecord, Sighting, TaskState, TransportContext
 from . import reaper
 from .bell import Bell, Poller
-from .consumer import Consumer, run_alive
+from .consumer import Consumer
 from .naming import SHM_DIR, Names
+from .pool import run_alive
 from .presence import Monitor, Presence, PresenceInfo, boot_id
 from .producer import Inflight, Producer
 
