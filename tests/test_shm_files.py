@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import stat
+import struct
 import textwrap
 from pathlib import Path
 
@@ -293,6 +294,28 @@ def test_segment_arrays_outlive_close(names: Names) -> None:
     del view
     gc.collect()
     assert not _mapped(path)
+
+
+def test_segment_lend_callback_keeps_the_mapping_its_segment_closes_meanwhile(
+    names: Names,
+) -> None:
+    # A consumer's give-back writes the slot's control word through the kept mapping; the
+    # segment may be closed by another thread at that moment (its kept mappings dropped).
+    seg = Segment.create(names, 4096)
+    mem = seg.buf
+    got: list[int] = []
+
+    def give_back(mapping: object) -> None:
+        seg.close()  # the race: the mapping's last user is this callback
+        struct.pack_into("<Q", mapping, 4088, 7)  # type: ignore[arg-type]
+        got.append(struct.unpack_from("<Q", mapping, 4088)[0])  # type: ignore[arg-type]
+
+    arr = seg.lend(np.dtype(np.uint8), (16,), 0, 16, give_back, mem)
+    del mem
+    del arr
+    gc.collect()
+    seg.unlink()
+    assert got == [7]
 
 
 def test_segment_arrays_outlive_forgotten_segment(names: Names) -> None:

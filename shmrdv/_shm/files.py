@@ -215,12 +215,13 @@ def _given_back(
     # Globals bound as defaults: it may run while the interpreter tears modules down.
     if lends.pop(id(ref), None) is None or exiting:
         return
-    with _LENT_LOCK:
-        ref.lent[0] -= 1
     try:
-        ref.callback(*ref.args)
+        ref.callback(*ref.args)  # counted as lent meanwhile: the mapping cannot be closed
     except Exception:
         _log.exception("release callback of segment %s raised", ref.name)
+    finally:
+        with _LENT_LOCK:
+            ref.lent[0] -= 1
 
 
 class Segment(Closing):
