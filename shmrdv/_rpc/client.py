@@ -77,7 +77,16 @@ Address = str | Callable[[str | None], str]
 
 # Request ids need to be unique, not secret: seeded from the OS (again in a forked child).
 _ids = random.Random(secrets.randbits(128))
-os.register_at_fork(after_in_child=lambda: _ids.seed(secrets.randbits(128)))
+#: Forks this process is the child of: a client made before one opens new channels.
+_forks = [0]
+
+
+def _forked() -> None:
+    _ids.seed(secrets.randbits(128))
+    _forks[0] += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 
 _QUEUED, _ACTIVE, _DONE = range(3)
 
@@ -146,7 +155,7 @@ class RpcClient:
         self._reset()
 
     def _reset(self) -> None:
-        self._pid = os.getpid()
+        self._fork = _forks[0]
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._channels = Channels(self._tls, self.metadata)
@@ -179,7 +188,7 @@ class RpcClient:
         (``DeadlineExceededError``). ``blocking``: ``done`` fills a blocked receiver's slot
         and the caller calls ``wait(done, ...)`` until it has run. Raises the step's abort
         error at once."""
-        if self._pid != os.getpid():
+        if self._fork != _forks[0]:
             self._reset()  # a forked child: the parent's channels are not ours
         t = check_timeout(timeout)
         try:
@@ -758,7 +767,7 @@ class RpcClient:
     def close(self, error: BaseException | None = None) -> None:
         """Fail the receives in flight with ``error`` (default ``CancelledError``), send
         the acks still waiting (up to a second) and close the channels. Idempotent."""
-        if self._pid != os.getpid():
+        if self._fork != _forks[0]:
             self._reset()
         with self._lock:
             if self._closed:
@@ -779,7 +788,7 @@ class RpcClient:
     def get_status(self, address: str, *, timeout: float = 5.0) -> tuple[DeviceAttributes, ...]:
         """TensorFlow's ``GetStatus`` of the worker at ``address`` (its devices); blocks.
         Raises the mapped error (``UnavailableError`` when it cannot be reached)."""
-        if self._pid != os.getpid():
+        if self._fork != _forks[0]:
             self._reset()
         return self._channels.get_status(address, check_timeout(timeout))
 
