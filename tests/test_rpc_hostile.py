@@ -387,7 +387,9 @@ def test_the_issue_19_silent_floods_leave_the_server_bounded(ns: str) -> None:
         during = server.check()
         assert during["shm"] == "ok", during
         grown = during["rss_mb"] - before["rss_mb"]
-        assert grown < 250, f"RSS grew by {grown:.0f} MB under 55,000 silent calls"
+        # Measured 220-255 MB on a 2-vCPU VM (seven runs, 2026-12-07): gRPC's per-stream
+        # state of the accepted calls; before the gate, 1,010 MB, kept.
+        assert grown < 300, f"RSS grew by {grown:.0f} MB under 55,000 silent calls"
         # Every one of them ends: dropped by the gate, or refused by gRPC itself.
         deadline = time.monotonic() + 60
         while _ended(flood) < 55_000:
