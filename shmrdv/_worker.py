@@ -98,12 +98,12 @@ class StepRendezvous(Rendezvous):
     step and every later call.
     """
 
-    def __init__(self, routes: Routes, step_id: int) -> None:
+    def __init__(self, routes: Routes, step_id: int, lock: threading.Lock) -> None:
         self._routes = routes
         self.step_id = step_id
         # Keys with both ends in this worker: made on first use (most steps have none).
         self._local: LocalRendezvous | None = None
-        self._lock = threading.Lock()
+        self._lock = lock  # the Worker's: it aborts a step under it (``Worker.cleanup``)
         self._error: BaseException | None = None
 
     def __repr__(self) -> str:
@@ -220,20 +220,14 @@ class StepRendezvous(Rendezvous):
     def start_abort(self, error: BaseException) -> None:
         if not isinstance(error, BaseException):
             raise InvalidArgumentError(f"start_abort needs an exception, not {error!r}")
-        if self._abort_here(error):
-            self._routes.abort_step(self.step_id, error)
-
-    def _abort_here(self, error: BaseException) -> bool:
-        """Abort this object and its in-process table, not the transports; whether it was
-        open."""
         with self._lock:
             if self._error is not None:
-                return False
+                return
             self._error = error
             local = self._local
         if local is not None:
             local.start_abort(error)
-        return True
+        self._routes.abort_step(self.step_id, error)
 
     @property
     def aborted(self) -> BaseException | None:
@@ -526,7 +520,7 @@ class Worker(Closing):
             rdv = self._steps.get(step)
             if rdv is not None:
                 return rdv
-            rdv = StepRendezvous(self._routes, step)
+            rdv = StepRendezvous(self._routes, step, self._lock)
             tomb = self._tombstones.get(step)
             if tomb is None:
                 self._steps[step] = rdv
@@ -550,7 +544,7 @@ class Worker(Closing):
             "(Worker.cleanup); a step id is not reused after its cleanup: give the next step "
             "a new step id"
         )
-        tombstones = self._tombstones
+        tombstones, local = self._tombstones, None
         with self._lock:
             rdv = self._steps.pop(step, None)
             if step in tombstones:
@@ -558,8 +552,11 @@ class Worker(Closing):
             tombstones[step] = error
             if len(tombstones) > _TOMBSTONES:
                 tombstones.popitem(last=False)
-        if rdv is not None:
-            rdv._abort_here(error)
+            if rdv is not None and rdv._error is None:  # aborted as ``start_abort`` does
+                rdv._error = error
+                local = rdv._local
+        if local is not None:
+            local.start_abort(error)
         for t in self._active:
             t.cleanup_step(step, error)  # fails its receives, unless aborted before
 

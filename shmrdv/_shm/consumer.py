@@ -738,8 +738,9 @@ class Consumer:
                         )
             listing = posted or self._unexplained or self._recovery.needed()
             self._unexplained = False
-            work = self._work()
-        self._after(work)
+            work = self._work() if self._out or self._over or self._late else None
+        if work is not None:
+            self._after(work)
         if listing:
             self._recovery.free_unreceived(step_id)
         return work is not None
