@@ -77,16 +77,10 @@ Address = str | Callable[[str | None], str]
 
 # Request ids need to be unique, not secret: seeded from the OS (again in a forked child).
 _ids = random.Random(secrets.randbits(128))
-#: Forks this process is the child of: a client made before one opens new channels.
-_forks = [0]
-
-
-def _forked() -> None:
-    _ids.seed(secrets.randbits(128))
-    _forks[0] += 1
-
-
-os.register_at_fork(after_in_child=_forked)
+os.register_at_fork(after_in_child=lambda: _ids.seed(secrets.randbits(128)))
+#: One entry per fork this process is the child of: a client made before opens new channels.
+_forks: list[None] = []
+os.register_at_fork(after_in_child=lambda: _forks.append(None))
 
 _QUEUED, _ACTIVE, _DONE = range(3)
 
@@ -104,13 +98,9 @@ class Recv:
         self, client: RpcClient, address: Address, step_id: int, key: ParsedKey,
         done: DoneCallback, blocking: bool, timeout: float | None,
     ) -> None:  # fmt: skip
-        self.client = client
-        self.address = address
+        self.client, self.address, self.key = client, address, key
         self.k = (step_id, key.full_key)
-        self.key = key
-        self.done = done
-        self.blocking = blocking
-        self.timeout = timeout
+        self.done, self.blocking, self.timeout = done, blocking, timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.rid = _ids.getrandbits(63) | 1  # odd: never 0 (TensorFlow: GetUniqueRequestId)
         self.state = _QUEUED
@@ -155,7 +145,7 @@ class RpcClient:
         self._reset()
 
     def _reset(self) -> None:
-        self._fork = _forks[0]
+        self._fork = len(_forks)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._channels = Channels(self._tls, self.metadata)
@@ -188,7 +178,7 @@ class RpcClient:
         (``DeadlineExceededError``). ``blocking``: ``done`` fills a blocked receiver's slot
         and the caller calls ``wait(done, ...)`` until it has run. Raises the step's abort
         error at once."""
-        if self._fork != _forks[0]:
+        if self._fork != len(_forks):
             self._reset()  # a forked child: the parent's channels are not ours
         t = check_timeout(timeout)
         try:
@@ -767,7 +757,7 @@ class RpcClient:
     def close(self, error: BaseException | None = None) -> None:
         """Fail the receives in flight with ``error`` (default ``CancelledError``), send
         the acks still waiting (up to a second) and close the channels. Idempotent."""
-        if self._fork != _forks[0]:
+        if self._fork != len(_forks):
             self._reset()
         with self._lock:
             if self._closed:
@@ -788,7 +778,7 @@ class RpcClient:
     def get_status(self, address: str, *, timeout: float = 5.0) -> tuple[DeviceAttributes, ...]:
         """TensorFlow's ``GetStatus`` of the worker at ``address`` (its devices); blocks.
         Raises the mapped error (``UnavailableError`` when it cannot be reached)."""
-        if self._fork != _forks[0]:
+        if self._fork != len(_forks):
             self._reset()
         return self._channels.get_status(address, check_timeout(timeout))
 
