@@ -54,7 +54,7 @@ def split_host_port(address: str) -> tuple[str, int]:
             f"an address must be a 'host:port' str, not {type(address).__name__}"
         )
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise InvalidArgumentError(
             f"address {address!r} is not 'host:port' (e.g. '127.0.0.1:2222', '[::1]:2222')"
         )

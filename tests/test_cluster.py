@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shmrdv._cluster import ClusterSpec
+from shmrdv._cluster import ClusterSpec, split_host_port
 from shmrdv._errors import InvalidArgumentError
 from shmrdv._keys import DeviceName
 
@@ -282,3 +282,11 @@ def test_tf_config_task_rejects_malformed(config: object, fragment: str) -> None
     with pytest.raises(InvalidArgumentError) as info:
         ClusterSpec.tf_config_task(_env(config))
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("address", ["h:\u00b2", "h:\u0663", "h:\uff11\uff12"])
+def test_split_host_port_refuses_non_ascii_digits_naming_the_address(address: str) -> None:
+    # str.isdigit() takes superscripts and other scripts' digits; int() then fails
+    # with a bare ValueError (it did), or reads them as a port.
+    with pytest.raises(InvalidArgumentError, match="is not 'host:port'"):
+        split_host_port(address)
