@@ -53,14 +53,12 @@ def split_host_port(address: str) -> tuple[str, int]:
         raise InvalidArgumentError(
             f"an address must be a 'host:port' str, not {type(address).__name__}"
         )
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+    split = _split_address(address)
+    if split is None:
         raise InvalidArgumentError(
             f"address {address!r} is not 'host:port' (e.g. '127.0.0.1:2222', '[::1]:2222')"
         )
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
+    return split
 
 
 @functools.lru_cache(maxsize=1)
