@@ -322,6 +322,31 @@ def test_fd_exhaustion_shm_recv_is_resource_exhausted_and_recovers(ns: str) -> N
 
 
 @pytest.mark.slow
+def test_fd_exhaustion_a_waiting_shm_recv_fails_and_the_value_stays(ns: str) -> None:
+    # The value's segment arrives while the receive waits, with no descriptor to map it:
+    # the waiting receive fails, and the value is the next receive's.
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        ChildWorker(PRODUCER, namespace=ns) as producer,
+    ):
+        back = make_key("back", src=CONSUMER, dst=PRODUCER)
+        rdv = consumer.rendezvous(1)
+        producer.call(child_send, 1, make_key("warm"))  # the route is known
+        rdv.recv(make_key("warm"), timeout=10)
+        rdv.send(back, np.arange(2.0))  # the ring is attached (inline: no segment)
+        assert producer.recv(back, timeout=10, step=1).value.tolist() == [0.0, 1.0]
+        big = np.arange(20_000.0)  # > 64 KiB: a segment, never mapped by the child yet
+        sender = threading.Timer(1.0, rdv.send, (back, big))
+        sender.start()
+        try:
+            out = producer.call(child_starved, "recv", 1, back, 0)
+        finally:
+            sender.join(10)
+        assert out["starved"][0] == "ResourceExhaustedError", out
+        assert out["after"] == "ok", out  # it got the value the starved receive could not
+
+
+@pytest.mark.slow
 def test_fd_exhaustion_first_contact_is_resource_exhausted(ns: str) -> None:
     with (
         shmrdv.Worker(CONSUMER, namespace=ns) as consumer,

@@ -199,7 +199,12 @@ class Consumer:
     def queue(self, ch: Channel, value: Queued) -> None:
         """Hand the channel's next message to its oldest waiter, or queue it."""
         if type(value) is Notice and ch in ch.src.waiting:
-            value = self._open(ch, value.seq, value.inc, value)  # type: ignore[assignment]
+            opened = self._open(ch, value.seq, value.inc, value)
+            if type(opened) is ResourceExhaustedError:
+                self._fail(ch, opened)  # out of descriptors: the waiting receives fail,
+                self._table.put(ch, value)  # and the unread message is the next one's
+                return
+            value = opened  # type: ignore[assignment]
         waiter = self._table.put(ch, value)
         if waiter is not None:
             self._out.append(self._served(waiter, value))
@@ -578,8 +583,7 @@ class Consumer:
         return found
 
     def _tick(self, src: Source) -> None:
-        """Once per tick for a producer with waiters: its ring, its messages by name, its
-        liveness."""
+        """Once per tick for a producer with waiters: its ring, names and liveness."""
         self._recovery.look_for_ring(src, force=not src.rings)
         if src.lost():
             self._recovery.recover(src)
@@ -698,8 +702,7 @@ class Consumer:
                 self._over.append((r.src.task, r.inc))
 
     def abort_step(self, step_id: int, error: BaseException) -> bool:
-        """Fail the step's waiters (delivered after the lock), and its later receives;
-        whether any waiter was failed."""
+        """Fail the step's waiters and its later receives; whether any waiter was failed."""
         with self.lock:
             error = self._aborted.setdefault(step_id, error)
             self.refusing = True
