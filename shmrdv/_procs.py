@@ -1,13 +1,10 @@
 """Child processes that die with their parent, each with a control pipe and bounded waits.
 
-The one process harness of the demo, the benchmarks and the tests. A ``Child`` runs
-``target(conn, *args)`` in a spawned process that ignores SIGINT (the parent handles it),
-turns SIGTERM into ``SystemExit`` (so ``with Worker(...)`` blocks close) and gets SIGTERM
-when its parent dies; a ``target`` that raises sends ``("error", traceback)``. Only pids
+The process harness of the demo, the benchmarks and the tests: a ``Child`` ignores SIGINT
+(the parent handles it), turns SIGTERM into ``SystemExit`` (so ``with`` blocks close), gets
+SIGTERM when its parent dies and reports a failure as ``("error", traceback)``. Only pids
 started here are signalled. ``ChildWorker`` drives a ``shmrdv.Worker`` in a child.
-
-Thread model (``docs/threads.md``): no threads; a ``ChildWorker`` may be called from any
-thread, one command at a time.
+Thread model (``docs/threads.md``): no threads; a ``ChildWorker`` takes one command at a time.
 """
 
 from __future__ import annotations
@@ -213,10 +210,10 @@ class Child:
             self.conn.close()
 
 
-def reap(children: Iterable[Child | BaseProcess], grace: float, term_wait: float = 5.0) -> int:
+def reap(children: Iterable[Child], grace: float, term_wait: float = 5.0) -> int:
     """Join every process within ``grace`` s, SIGTERM the rest, SIGKILL them ``term_wait`` s
     later (time for ``with`` blocks to close); how many had to be signalled."""
-    procs = [c.process if isinstance(c, Child) else c for c in children]
+    procs = [c.process for c in children]
     deadline = time.monotonic() + grace
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -323,10 +320,6 @@ def _recv(worker: Worker, step: int, key: str, timeout: float | None) -> Receive
     return worker.rendezvous(step).recv(key, timeout=timeout, copy=True)
 
 
-def _cleanup(worker: Worker, step: int) -> None:
-    worker.cleanup(step)
-
-
 class _ChildProducer:
     """The ``Producer`` of a conformance pair, in a child process."""
 
@@ -404,7 +397,7 @@ class ChildWorker(Closing):
         return self.call(_recv, step, key, timeout, timeout=wait)
 
     def cleanup(self, step: int) -> None:
-        self.call(_cleanup, step)
+        self.call(Worker.cleanup, step)
 
     def producer(self, step: int = 0, *, allocate: bool = False) -> _ChildProducer:
         """A conformance-pair ``Producer`` sending from this child."""
