@@ -64,32 +64,26 @@ def _end(pids: Iterable[int]) -> dict[int, str]:
     """SIGTERM those of ``pids`` still live children of this process, SIGKILL them 2 s later;
     how each ended. Through a pidfd taken before the pid is checked to be our child, so a
     reused pid is never signalled; their owners reap them."""
-    how: dict[int, str] = {}
+    how = dict.fromkeys(pids, "gone")
     fds: dict[int, int] = {}
-    for pid in sorted(pids):
-        try:
+    for pid in sorted(how):
+        with contextlib.suppress(OSError):
             fd = os.pidfd_open(pid)
-        except OSError:
-            how[pid] = "gone"
-            continue
-        if _is_live_child(pid):  # checked after the pidfd pins the process
-            fds[pid] = fd
-        else:
-            os.close(fd)
-            how[pid] = "gone"
+            if _is_live_child(pid):  # checked after the pidfd pins the process
+                fds[pid] = fd
+            else:
+                os.close(fd)
     try:
         for sig in (signal.SIGTERM, signal.SIGKILL):
+            deadline = time.monotonic() + 2.0
             for pid, fd in fds.items():
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(fd, sig)
                 how[pid] = sig.name
-            deadline = time.monotonic() + 2.0
-            while fds and (left := deadline - time.monotonic()) > 0:
-                poller = select.poll()
-                for fd in fds.values():
-                    poller.register(fd, select.POLLIN)  # readable: the process exited
-                ready = {fd for fd, _ in poller.poll(left * 1000)}
-                for pid in [p for p, fd in fds.items() if fd in ready]:
+            for pid, fd in list(fds.items()):
+                exited = select.poll()  # a pidfd is readable once its process exited
+                exited.register(fd, select.POLLIN)
+                if exited.poll(max(0.0, deadline - time.monotonic()) * 1000):
                     os.close(fds.pop(pid))
         how.update((pid, "still running") for pid in fds)
     finally:
