@@ -230,20 +230,20 @@ def _aborted(error: BaseException | None, token: str) -> bool:
 
 
 def check_fifo_channel(pair: RendezvousPair) -> None:
-    """Values sent before anyone waits are queued, each with its ``is_dead``, and handed to
-    the receives oldest first; nothing more is left."""
-    key = _key(pair, "fifo")
-    sent = [(np.full(4, i, dtype=np.int32), i % 3 == 0) for i in range(8)]
-    for value, is_dead in sent:
-        pair.producer.send(key, value, is_dead=is_dead)
+    """Values sent before anyone waits are queued, each with its ``is_dead``; each key is a
+    FIFO channel of its own, however the sends to many keys interleave; nothing more is left."""
+    keys = [_key(pair, f"fifo{k}") for k in range(16)]
+    for seq in range(3):
+        for k, key in enumerate(keys):
+            pair.producer.send(key, np.array([k, seq], dtype=np.int64), is_dead=k == seq)
     pair.settle()
-    for i, (value, is_dead) in enumerate(sent):
-        got = _recv_now(pair, key)
-        _expect(
-            got.is_dead is is_dead, f"recv #{i}: is_dead should be {is_dead}, got {got.is_dead!r}"
-        )
-        assert_same(got.value, value, f"recv #{i} of one key")
-    _expect_nothing(pair, key, "8 sends, 8 recvs")
+    for k in reversed(range(len(keys))):  # another order than the sends'
+        for seq in range(3):
+            got = _recv_now(pair, keys[k])
+            dead = f"key #{k} recv #{seq}: is_dead should be {k == seq}, got {got.is_dead!r}"
+            _expect(got.is_dead is (k == seq), dead)
+            assert_same(got.value, np.array([k, seq], dtype=np.int64), f"key #{k} recv #{seq}")
+    _expect_nothing(pair, keys[0], "3 sends, 3 recvs")
 
 
 def check_waiters_fifo(pair: RendezvousPair) -> None:
@@ -254,19 +254,6 @@ def check_waiters_fifo(pair: RendezvousPair) -> None:
         pair.producer.send(key, np.array([i], dtype=np.int16))
     for i, fut in enumerate(futures):
         assert_same(fut.result(WAIT_S).value, np.array([i], dtype=np.int16), f"waiter #{i}")
-
-
-def check_many_keys_interleaved(pair: RendezvousPair) -> None:
-    """Sends to many keys, interleaved, stay apart and in order per key."""
-    keys = [_key(pair, f"many{k}") for k in range(16)]
-    for seq in range(3):
-        for k, key in enumerate(keys):
-            pair.producer.send(key, np.array([k, seq], dtype=np.int64))
-    pair.settle()
-    for k in reversed(range(len(keys))):  # another order than the sends'
-        for seq in range(3):
-            got = _recv_now(pair, keys[k]).value
-            assert_same(got, np.array([k, seq], dtype=np.int64), f"key #{k} recv #{seq}")
 
 
 def check_values_round_trip(pair: RendezvousPair) -> None:
