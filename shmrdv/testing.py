@@ -294,11 +294,9 @@ def check_unsendable_refused(pair: RendezvousPair) -> None:
         try:
             pair.producer.send(key, value)
         except InvalidArgumentError as e:
-            _expect(
-                named in str(e), f"the refusal of a {what} array does not name the {named}: {e}"
-            )
+            _expect(named in str(e), f"the refusal of an array ({what}) does not name {named}: {e}")
         else:
-            raise AssertionError(f"send of a {what} array was accepted")
+            raise AssertionError(f"send of an array ({what}) was accepted")
     _expect_nothing(pair, key, "refused sends")
 
 
@@ -449,18 +447,17 @@ def check_recv_future_lets_go(pair: RendezvousPair) -> None:
     garbage collector: nothing of the receive keeps it (a shared-memory value holds its
     producer's pool slot until then)."""
     sent = np.arange(6, dtype=np.int32)
-    for order in ("queued", "later"):
-        key = _key(pair, f"future_lets_go_{order}")
-        enabled = gc.isenabled()
-        gc.disable()  # a reference cycle would keep the value until a collection
-        try:
+    enabled = gc.isenabled()
+    gc.disable()  # a reference cycle would keep the value until a collection
+    try:
+        for order in ("queued", "later"):
+            key = _key(pair, f"future_lets_go_{order}")
             # A copy that only the send holds: an in-process send may hand over the array.
             if order == "queued":
                 pair.producer.send(key, sent.copy())
                 pair.settle()
-                fut = pair.consumer.recv_future(key)
-            else:
-                fut = pair.consumer.recv_future(key)
+            fut = pair.consumer.recv_future(key)
+            if order == "later":
                 pair.producer.send(key, sent.copy())
             got = fut.result(WAIT_S)
             assert_same(got.value, sent, f"future of a {order} value")
@@ -475,9 +472,9 @@ def check_recv_future_lets_go(pair: RendezvousPair) -> None:
                 f"the value of a {order} recv_future is still referenced after the future "
                 "and its result were dropped (a reference cycle, or a thread keeps it)",
             )
-        finally:
-            if enabled:
-                gc.enable()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def check_abort_fails_pending(pair: RendezvousPair) -> None:
