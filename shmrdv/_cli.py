@@ -342,7 +342,7 @@ def _pipeline(
         try:
             while (msg := _next(group, "sink"))[0] != "done":
                 _, n, dt = msg
-                rate = (n - 1) / dt if dt > 0 else 0.0
+                rate = _rate(n, dt) or 0.0
                 line = f"  {label}: {n}/{run.frames} frames  {rate:7.1f} frames/s  {rate * run.nbytes / 1e9:6.2f} GB/s"
                 # A terminal gets one updating line; a log gets a line per report.
                 sys.stderr.write(f"\r{line} " if tty else f"{line}\n")
