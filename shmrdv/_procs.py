@@ -4,7 +4,8 @@ The process harness of the demo, the benchmarks and the tests: a ``Child`` ignor
 (the parent handles it), turns SIGTERM into ``SystemExit`` (so ``with`` blocks close), gets
 SIGTERM when its parent dies and reports a failure as ``("error", traceback)``. Only pids
 started here are signalled. ``ChildWorker`` drives a ``shmrdv.Worker`` in a child.
-Thread model (``docs/threads.md``): no threads; a ``ChildWorker`` takes one command at a time.
+Thread model (``docs/threads.md``): no threads; a ``ChildWorker`` may be called from any
+thread, one command at a time.
 """
 
 from __future__ import annotations
