@@ -345,20 +345,10 @@ class RaceRecv:
         return True
 
     def fail(self, error: BaseException) -> None:
-        """End the receive with ``error`` (no pick could be made), unless a leg ended it."""
-        with self._lock:
-            if self._ended or self._cancelling:
-                return
-            self._cancelling = True
-            open_legs = [c for j, c in enumerate(self._cancels) if j in self._open]
-        if not all(c is not None and c() for c in open_legs):
-            return  # a leg's outcome is on its way: it ends the receive
-        with self._lock:
-            if self._over():
-                return
-            self._ended = True
-            done = self._let_go()
-        done(error, None)
+        """End the receive with ``error`` (no pick could be made), unless a leg ends it."""
+        done = self._done  # ``_ignore`` once ended; the real one if ``self()`` ends it
+        if self():
+            done(error, None)
 
     def _over(self) -> bool:
         """``_ended`` read again after the lock was free (a method: mypy must not narrow it)."""
@@ -393,11 +383,9 @@ class RaceRecv:
                 return False
             self._cancelling = True
             open_legs = [c for j, c in enumerate(self._cancels) if j in self._open]
-        return self._cancelled([c is not None and c() for c in open_legs])
-
-    def _cancelled(self, removed: list[bool]) -> bool:
+        removed = [c is not None and c() for c in open_legs]
         with self._lock:
-            if self._ended or not all(removed):
+            if self._over() or not all(removed):
                 return False  # a leg's outcome is on its way (or came): it ends the race
             self._ended = True
             self._let_go()
