@@ -34,7 +34,6 @@ from ._cluster import (
     is_local_host,
     namespace_id,
     resolve_namespace,
-    split_host_port,
 )
 from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError, closed_error
 from ._keys import DeviceName, ParsedKey, parse_key
@@ -124,8 +123,6 @@ class StepRendezvous(Rendezvous):
             t = ends.transport or self._routes.transport(ends, pk)
             t.send(self.step_id, pk, arr, dead, timeout)
 
-    send.__doc__ = Rendezvous.send.__doc__
-
     def _make_local(self) -> LocalRendezvous:
         """The step's in-process table, made on first use (aborted if the step is)."""
         with self._lock:
@@ -177,8 +174,6 @@ class StepRendezvous(Rendezvous):
                 self._routes.watch_pick(ends, pk, race, t, leg)
                 return race
         return t.start_recv(self.step_id, pk, done, copy=copy, blocking=blocking)
-
-    start_recv.__doc__ = Rendezvous.start_recv.__doc__
 
     def _wait_blocked(
         self, slot: RecvSlot, cancel: Canceller, key: str | ParsedKey, timeout: float | None
@@ -415,7 +410,6 @@ class Worker(Closing):
         return ShmBoard(self.namespace)
 
     def _start(self, explicit_transports: bool) -> None:
-        board = self._board
         start_server = (
             "grpc" in self.transports
             and (
@@ -426,15 +420,17 @@ class Worker(Closing):
         if start_server:
             from ._rpc.transport import GrpcTransport
 
-            bind = self._bind_address()
+            cluster = self.cluster
+            bind = "127.0.0.1:0"
+            if cluster is not None and self.task in cluster:
+                bind = cluster.task_address(self.task)
             grpc_t = GrpcTransport(
                 self._ctx, bind, tls=self._tls, token=self._token, limits=self._server_limits
             )
             self._grpc = grpc_t
             self.address = grpc_t.address
-        elif "grpc" in self.transports:
-            self._grpc = None  # created lazily on the first remote key (client side only)
-        board.publish(self.task, self.incarnation, self.address, self.transports)
+        # Else a gRPC client is made on the first remote key (``_transport``).
+        self._board.publish(self.task, self.incarnation, self.address, self.transports)
         if "shm" in self.transports:
             from ._shm.transport import ShmTransport
 
@@ -444,30 +440,18 @@ class Worker(Closing):
         self._made()
 
     def _cluster_has_remote_task(self) -> bool:
-        if self.cluster is None:
-            return False
-        for t in self.cluster.tasks():
-            host, _ = split_host_port(self.cluster.task_address(t))
-            if not is_local_host(host):
-                return True
-        return False
-
-    def _bind_address(self) -> str:
-        if self.cluster is not None and self.task in self.cluster:
-            return self.cluster.task_address(self.task)
-        return "127.0.0.1:0"
+        cluster = self.cluster
+        return cluster is not None and any(
+            not is_local_host(cluster.host_of(t)) for t in cluster.tasks()
+        )
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        window = (
-            ""
-            if self.max_inflight_bytes is None
-            else f" max_inflight_bytes={self.max_inflight_bytes}"
-        )
+        window = self.max_inflight_bytes
         return (
             f"<shmrdv.Worker {self.task} namespace_id={self.namespace_id} "
-            f"incarnation={self.incarnation:016x} "
-            f"transports={self.transports}{window} steps={len(self._steps)} {state}>"
+            f"incarnation={self.incarnation:016x} transports={self.transports}"
+            f"{'' if window is None else f' max_inflight_bytes={window}'} "
+            f"steps={len(self._steps)} {'closed' if self._closed else 'open'}>"
         )
 
     def rendezvous(self, step_id: int) -> StepRendezvous:
