@@ -144,7 +144,7 @@ def check_timeout(timeout: object) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise InvalidArgumentError(f"timeout must be a number of seconds or None, not {timeout!r}")
     t = float(timeout)
-    if not t >= 0 or t == float("inf"):
+    if not 0 <= t < _INF:  # also refuses NaN
         raise InvalidArgumentError(f"timeout must be finite and >= 0 seconds, not {timeout!r}")
     return t
 
@@ -198,10 +198,6 @@ class RecvSlot:
         return self.received
 
 
-def _plain_wait(slot: RecvSlot, timeout: float) -> None:
-    slot.wait(timeout)
-
-
 class WaitObserver(Protocol):
     """What a blocked receive tells the Worker's step: the error of its timeout, that it
     has waited long (after 1 s, 2 s, 4 s, ...), and that it stopped waiting."""
@@ -218,7 +214,7 @@ def wait_received(
     cancel: Canceller,
     key: str | ParsedKey,
     timeout: float | None,
-    helper: Callable[[RecvSlot, float], None] = _plain_wait,
+    helper: Callable[[RecvSlot, float], object] = RecvSlot.wait,
     observer: WaitObserver | None = None,
 ) -> Received:
     """The one blocking receive loop: wait for ``slot``, cancel on timeout or interrupt.
@@ -232,7 +228,7 @@ def wait_received(
         return slot.result()
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
-    report_at = start + _LONG_WAIT if observer is not None else float("inf")
+    report_at = start + _LONG_WAIT if observer is not None else _INF
     reported = False
     # The clock is read again only for a slot still empty after a wait.
     now: float | None = start
@@ -352,8 +348,6 @@ class Rendezvous(abc.ABC):
             raise InvalidArgumentError(
                 f"cannot allocate shape={shape!r} dtype={dtype!r}: {e}"
             ) from e
-
-    # -- receive flavours, built once on start_recv ------------------------------------
 
     def recv_async(self, key: str | ParsedKey, done: DoneCallback, *, copy: bool = False) -> None:
         """Call ``done(error, received)`` exactly once; return at once.
@@ -607,6 +601,5 @@ class LocalRendezvous(Rendezvous, Closing):
         )
 
 
-def _too_late() -> bool:
-    """The canceller of a receive completed before ``start_recv`` returned."""
+def _too_late() -> bool:  # the canceller of a receive done before ``start_recv`` returned
     return False

@@ -382,7 +382,7 @@ class Worker(Closing):
             cleaned_up=self._tombstones.__contains__,
             max_inflight_bytes=self.max_inflight_bytes,
         )
-        self._routes = Routes(self._ctx, self.transports, self._transport, self._active_transports)
+        self._routes = Routes(self._ctx, self.transports, self._transport, lambda: self._active)
         self.address: str | None = None
 
         try:
@@ -526,7 +526,7 @@ class Worker(Closing):
         error = closed_error(self.task)
         for _step, rdv in steps:
             rdv.start_abort(error)
-        for t in self._active_transports():
+        for t in self._active:
             try:
                 t.close()
             except Exception:  # pragma: no cover - keep closing the rest
@@ -555,7 +555,7 @@ class Worker(Closing):
             for k, v in rdv.stats().items():
                 local[k] = local.get(k, 0) + v
         out["local"] = local
-        for t in self._active_transports():
+        for t in self._active:
             out[t.name] = t.stats()
         return out
 
@@ -579,9 +579,6 @@ class Worker(Closing):
                 f"fork by pid {os.getpid()}; a Worker cannot be shared: create a new Worker in the child"
             )
         return closed_error(self.task)
-
-    def _active_transports(self) -> tuple[Transport, ...]:
-        return self._active
 
     def _made(self) -> None:
         self._active = tuple(t for t in (self._shm, self._grpc) if t is not None)
