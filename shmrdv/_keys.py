@@ -16,13 +16,7 @@ from typing import NamedTuple
 
 from ._errors import InvalidArgumentError
 
-__all__ = [
-    "MAX_KEY_BYTES",
-    "DeviceName",
-    "ParsedKey",
-    "create_key",
-    "parse_key",
-]
+__all__ = ["MAX_KEY_BYTES", "DeviceName", "ParsedKey", "create_key", "parse_key"]
 
 
 # TensorFlow: IsJobName / ConsumeJobName / ConsumeDeviceType accept [A-Za-z][A-Za-z0-9_]*.

@@ -41,32 +41,18 @@ class Ends:
     """What a key's ends mean here: may steps send / receive it, the ``peer`` task (None
     when both ends or neither are this worker), and its ``transport`` once final."""
 
-    __slots__ = (
-        "dst_own",
-        "inc_ok",
-        "local",
-        "peer",
-        "receives",
-        "sends",
-        "src_own",
-        "transport",
-        "wait",
-    )
+    __slots__ = ("dst_own", "local", "peer", "receives", "sends", "src_own", "transport", "wait")
 
     def __init__(self, pk: ParsedKey, task: DeviceName, incarnation: int) -> None:
         self.src_own = task.same_task(pk.src)
         self.dst_own = task.same_task(pk.dst)
-        self.inc_ok = not self.src_own or pk.src_incarnation in (0, incarnation)
-        self.sends = self.src_own and self.inc_ok
-        self.receives = self.dst_own and self.inc_ok
+        inc_ok = not self.src_own or pk.src_incarnation in (0, incarnation)
+        self.sends = self.src_own and inc_ok
+        self.receives = self.dst_own and inc_ok
         self.local = self.src_own and self.dst_own
-        self.peer: DeviceName | None = (
-            pk.dst
-            if self.src_own and not self.dst_own
-            else pk.src
-            if self.dst_own and not self.src_own
-            else None
-        )
+        self.peer: DeviceName | None = None  # both ends or neither here: no peer
+        if self.src_own != self.dst_own:
+            self.peer = pk.dst if self.src_own else pk.src
         self.transport: Transport | None = None
         self.wait: Callable[[RecvSlot, float], None] | None = None
 
