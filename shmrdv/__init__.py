@@ -55,9 +55,6 @@ __all__ = [
 # Tracebacks and reprs show the public path (trio's fixup_module_metadata does the same).
 for _name in __all__:
     _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("shmrdv._"):
-        try:
-            _obj.__module__ = __name__
-        except (AttributeError, TypeError):  # pragma: no cover - builtins, functions of C types
-            pass
+    if getattr(_obj, "__module__", "").startswith("shmrdv._"):  # our classes and functions
+        _obj.__module__ = __name__
 del _name, _obj
