@@ -246,24 +246,6 @@ class StepRendezvous(Rendezvous):
         return {} if self._local is None else self._local.stats()
 
 
-def _task_of(task: str | DeviceName) -> DeviceName:
-    dev = task if isinstance(task, DeviceName) else DeviceName.parse(task)
-    if dev.job is None or dev.task is None:
-        raise InvalidArgumentError(
-            f"a Worker needs a task name with a job and a task index, like "
-            f"'/job:worker/replica:0/task:0', not {str(task)!r}"
-        )
-    return canonical_task(dev)
-
-
-def _check_busy_poll(seconds: Any) -> float:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise InvalidArgumentError(f"busy_poll must be a number of seconds >= 0, not {seconds!r}")
-    if not 0.0 <= seconds <= 3600.0:
-        raise InvalidArgumentError(f"busy_poll must be between 0 and 3600 seconds, not {seconds!r}")
-    return float(seconds)
-
-
 class Worker(Closing):
     """One task of a job: hands out step-scoped rendezvous and owns their transports.
 
@@ -314,7 +296,13 @@ class Worker(Closing):
         self._closed = True  # until fully built, so close() from the finalizer is a no-op
         self._forked = False
         self._pid = os.getpid()
-        self._task = _task_of(task)
+        dev = task if isinstance(task, DeviceName) else DeviceName.parse(task)
+        if not dev.has_task:
+            raise InvalidArgumentError(
+                f"a Worker needs a task name with a job and a task index, like "
+                f"'/job:worker/replica:0/task:0', not {str(task)!r}"
+            )
+        self._task = canonical_task(dev)
         self.task: str = str(self._task)
         self.cluster: ClusterSpec | None = (
             None
@@ -363,7 +351,15 @@ class Worker(Closing):
         self._tls = tls
         self._token = token
         self._shm_pool_bytes = shm_pool_bytes
-        self._busy_poll = _check_busy_poll(busy_poll)
+        if isinstance(busy_poll, bool) or not isinstance(busy_poll, (int, float)):
+            raise InvalidArgumentError(
+                f"busy_poll must be a number of seconds >= 0, not {busy_poll!r}"
+            )
+        if not 0.0 <= busy_poll <= 3600.0:
+            raise InvalidArgumentError(
+                f"busy_poll must be between 0 and 3600 seconds, not {busy_poll!r}"
+            )
+        self._busy_poll = float(busy_poll)
 
         self._lock = threading.Lock()
         self._steps: dict[int, StepRendezvous] = {}
