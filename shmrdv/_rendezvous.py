@@ -287,8 +287,6 @@ class _RecvFuture(concurrent.futures.Future[Received]):
 def _settle(
     fut: asyncio.Future[Received], error: BaseException | None, received: Received | None
 ) -> None:
-    if fut.done():  # pragma: no cover - we never cancel this future ourselves
-        return
     if error is not None:
         fut.set_exception(error)
     else:
