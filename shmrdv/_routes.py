@@ -29,7 +29,7 @@ from ._keys import DeviceName, ParsedKey
 from ._rendezvous import Canceller, DoneCallback, Received, RecvSlot
 from ._transport import PeerRecord, Sighting, Transport, TransportContext
 
-__all__ = ["Ends", "RaceRecv", "Routes", "explain_absent_producer", "start_leg"]
+__all__ = ["Ends", "RaceRecv", "Routes", "explain_absent_producer"]
 
 _log = logging.getLogger("shmrdv.worker")
 
@@ -147,15 +147,20 @@ class Routes:
             for n in self.order
         )
 
-    def watch_pick(
+    def race(
         self,
         ends: Ends,
         pk: ParsedKey,
-        race: RaceRecv,
         first: Transport,
-        leg: Callable[[Transport, DoneCallback], Canceller],
-    ) -> None:
-        """Add ``leg`` on the producer's pick once its record is final, unless ``first``."""
+        step_id: int,
+        done: DoneCallback,
+        copy: bool,
+    ) -> RaceRecv:
+        """A callback receive on ``first`` that also listens on the producer's pick once its
+        record is final (when ``others_reaching``)."""
+
+        def leg(t: Transport, leg_done: DoneCallback) -> Canceller:
+            return t.start_recv(step_id, pk, leg_done, copy=copy)
 
         def pick() -> tuple[LegStarter | None] | None:
             t = ends.transport or self.transport(ends, pk)
@@ -163,7 +168,9 @@ class Routes:
                 return None  # still provisional
             return (None if t is first else functools.partial(leg, t),)
 
+        race = RaceRecv(done, [functools.partial(leg, first)], f"key {pk.full_key!r}")
         self._picks.watch(race, pick)
+        return race
 
     def _choose(self, record: PeerRecord, pk: ParsedKey, *, producer: bool) -> Transport:
         if producer or not record.final:
@@ -273,12 +280,6 @@ def not_this_task(pk: ParsedKey, side: str, task_name: str) -> InvalidArgumentEr
         f"key names, or build the key with a {side} device of this task (e.g. "
         f"{task_name}/device:CPU:0)"
     )
-
-
-def start_leg(
-    t: Transport, done: DoneCallback, *, step_id: int, pk: ParsedKey, copy: bool
-) -> Canceller:
-    return t.start_recv(step_id, pk, done, copy=copy, blocking=False)
 
 
 LegStarter = Callable[[DoneCallback], Canceller]

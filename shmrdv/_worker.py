@@ -12,7 +12,6 @@ transport call.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import secrets
@@ -50,7 +49,7 @@ from ._rendezvous import (
     timeout_error,
     wait_received,
 )
-from ._routes import Ends, RaceRecv, Routes, start_leg
+from ._routes import Ends, RaceRecv, Routes
 from ._rpc.guard import DEFAULT_FIRST_MESSAGE_TIMEOUT, DEFAULT_MAX_CONCURRENT_RPCS, Limits
 from ._transport import PresenceBoard, Transport, TransportContext
 from ._values import check_value
@@ -169,10 +168,7 @@ class StepRendezvous(Rendezvous):
         if t is None:
             t = self._routes.transport(ends, pk)
             if ends.transport is None and self._routes.others_reaching(ends, t):
-                leg = functools.partial(start_leg, step_id=self.step_id, pk=pk, copy=copy)
-                race = RaceRecv(done, [functools.partial(leg, t)], f"key {pk.full_key!r}")
-                self._routes.watch_pick(ends, pk, race, t, leg)
-                return race
+                return self._routes.race(ends, pk, t, self.step_id, done, copy)
         return t.start_recv(self.step_id, pk, done, copy=copy, blocking=blocking)
 
     def _wait_blocked(
