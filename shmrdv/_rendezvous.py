@@ -327,9 +327,10 @@ class Rendezvous(abc.ABC):
     ) -> Canceller:
         """Arrange for ``done(error, received)`` to be called once; return a canceller.
 
-        The receive primitive (TensorFlow's ``RecvAsync``), with the contract of
-        ``_transport.py``; ``copy``: a private copy instead of shared memory. Raises a
-        ``RendezvousError`` (and never calls ``done``) for a call that cannot start.
+        The receive primitive (TensorFlow's ``RecvAsync``). The canceller removes the waiter
+        and returns True (``done`` never runs), or False when the value is on its way.
+        ``done`` never runs under a lock. ``copy``: a private copy, not shared memory.
+        Raises a ``RendezvousError`` (``done`` never called) for a call that cannot start.
         """
 
     @abc.abstractmethod
