@@ -1,17 +1,12 @@
 """WaiterTable: per key, a FIFO of values not yet taken or of waiters not yet served.
 
 The one rendezvous table of the library, after TensorFlow's ``LocalRendezvous``
-(``core/framework/local_rendezvous.cc``): a key holds values that arrived with nobody
-waiting, or waiters that came with nothing there, never both; a key with neither is not in
-the table. What a value and a waiter are is the owner's business; the table orders and
-pairs them, and the owner completes what it hands back after releasing its lock (STYLE.md
-rule 5).
-
-Unlike TensorFlow, a waiter can be removed in O(1) and then never takes a value
-(TensorFlow leaves a timed-out waiter queued and it swallows the next send); and the key is
-whatever the owner passes, not ``Hash64(FullKey())``, so two keys never share a queue.
-Waiters must hash by identity, never be ``None``, a ``deque`` or an ``OrderedDict``, and be
-queued at most once at a time.
+(``core/framework/local_rendezvous.cc``): a key holds values or waiters, never both, and a
+key with neither is not in the table. Unlike TensorFlow, a waiter is removed in O(1) and
+then never takes a value, and keys are compared whole (not by ``Hash64``). The owner
+completes what the table hands back after releasing its lock (STYLE.md rule 5). Waiters
+hash by identity, are never ``None``, a ``deque`` or an ``OrderedDict``, and are queued
+at most once at a time.
 
 Thread model (``docs/threads.md``): no lock of its own; every call is made under its
 owner's lock. Nothing here blocks or calls back.
@@ -32,7 +27,7 @@ W = TypeVar("W", bound=Hashable)
 
 
 class Missing(enum.Enum):
-    """The type of ``MISSING`` (an enum, so that ``is MISSING`` narrows for mypy)."""
+    """The type of ``MISSING`` (an enum: ``is MISSING`` narrows for mypy)."""
 
     MISSING = "MISSING"
 
@@ -45,10 +40,7 @@ MISSING: Final = Missing.MISSING
 
 
 class WaiterTable(Generic[K, V, W]):
-    """Per key, a FIFO of values (``V``) or of waiters (``W``), never both (module docstring).
-
-    Every operation is O(1) but ``abort``; the counts are kept as it goes.
-    """
+    """Per key, a FIFO of values (``V``) or of waiters (``W``); O(1) but ``abort``."""
 
     __slots__ = ("_nvalues", "_nwaiters", "_table")
 
@@ -62,13 +54,9 @@ class WaiterTable(Generic[K, V, W]):
         self._nwaiters = 0
 
     def put(self, key: K, value: V, *, front: bool = False) -> W | None:
-        """Hand ``value`` to the oldest waiter of ``key``, or queue it.
-
-        Returns that waiter, removed from the table (the caller completes it with
-        ``value``), or ``None`` when nobody waited and ``value`` was queued: at the back,
-        or with ``front=True`` at the head (a value taken and given back keeps its place
-        before everything that arrived after it).
-        """
+        """The oldest waiter of ``key``, removed, for the caller to complete with ``value``;
+        or ``None``, ``value`` queued at the back (``front``: at the head, for a value taken
+        and given back, which keeps its place before later ones)."""
         queue = self._table.get(key)
         if queue is None:
             self._table[key] = deque((value,))
@@ -102,11 +90,8 @@ class WaiterTable(Generic[K, V, W]):
         return value
 
     def wait(self, key: K, waiter: W) -> bool:
-        """Queue ``waiter`` behind the waiters of ``key``; True if it is the only one.
-
-        Call it after ``take`` found nothing. Raises ``ValueError`` if ``key`` has values
-        queued (the waiter would wait for nothing) or ``waiter`` is queued already.
-        """
+        """Queue ``waiter`` (after ``take`` found nothing); True if it is the only one.
+        ``ValueError`` if ``key`` has values queued or ``waiter`` is queued already."""
         queue = self._table.get(key)
         if queue is None:
             self._table[key] = waiter  # the only waiter: bare
@@ -143,8 +128,7 @@ class WaiterTable(Generic[K, V, W]):
         return True
 
     def head(self, key: K) -> W | None:
-        """The oldest waiter of ``key``, left in place, or ``None`` (for an owner that
-        serves one waiter per key at a time, such as one RPC in flight per key)."""
+        """The oldest waiter of ``key``, left in place, or ``None``."""
         queue = self._table.get(key)
         if queue is None or isinstance(queue, deque):
             return None
@@ -170,23 +154,20 @@ class WaiterTable(Generic[K, V, W]):
         return waiters
 
     def __len__(self) -> int:
-        """Keys with a value or a waiter queued."""
         return len(self._table)
 
     def __contains__(self, key: object) -> bool:
         return key in self._table
 
     def __iter__(self) -> Iterator[K]:
-        """Keys with a value or a waiter queued, oldest first; do not change the table meanwhile."""
+        """Keys with a value or a waiter queued, oldest first."""
         return iter(self._table)
 
     def values_of(self, key: K) -> int:
-        """How many values ``key`` has queued."""
         queue = self._table.get(key)
         return len(queue) if isinstance(queue, deque) else 0
 
     def waiters_of(self, key: K) -> int:
-        """How many waiters ``key`` has queued."""
         queue = self._table.get(key)
         if queue is None or isinstance(queue, deque):
             return 0
@@ -194,12 +175,10 @@ class WaiterTable(Generic[K, V, W]):
 
     @property
     def pending_values(self) -> int:
-        """Values queued over all keys."""
         return self._nvalues
 
     @property
     def pending_waiters(self) -> int:
-        """Waiters queued over all keys."""
         return self._nwaiters
 
     def __repr__(self) -> str:

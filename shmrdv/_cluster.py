@@ -1,13 +1,11 @@
 """Where a job's workers are: the cluster spec, host addresses, the namespace, the peers.
 
-``ClusterSpec`` maps each task ``/job:<job>/replica:0/task:<i>`` to ``host:port``, as
-TensorFlow's ``tf.train.ClusterSpec`` and ``TF_CONFIG`` (a spec has no replicas: an unset
-replica means 0). The namespace is a job's secret token and its public id. ``Peers`` is a
-Worker's peer directory over this host's presence records (final answers) and the cluster
-spec (provisional ones, before a peer has started).
+``ClusterSpec`` is TensorFlow's ``tf.train.ClusterSpec`` / ``TF_CONFIG`` (no replicas:
+unset means 0). The namespace is a job's secret token and its public id. ``Peers`` is a
+Worker's peer directory: this host's presence records (final), else the cluster spec
+(provisional, before a peer has started).
 
-Thread model (``docs/threads.md``): no thread of its own; ``Peers`` reads presence records
-through the board it is given.
+Thread model (``docs/threads.md``): no thread of its own.
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ __all__ = [
 
 
 def split_host_port(address: str) -> tuple[str, int]:
-    """``"host:port"`` / ``"[v6]:port"`` -> (host without brackets, port); else
-    ``InvalidArgumentError`` naming the address."""
+    """``"host:port"`` / ``"[v6]:port"`` -> (host without brackets, port), or raise."""
     if not isinstance(address, str):
         raise InvalidArgumentError(
             f"an address must be a 'host:port' str, not {type(address).__name__}"
@@ -118,8 +115,7 @@ _TOKEN_BYTES = 16
 # A token is hashed into names (NAME_MAX 255 bytes): short, of one safe alphabet.
 _VALID = re.compile(r"[a-z0-9]{8,64}")
 
-#: A namespace id is 8 bytes of blake2b: enough to tell a host's jobs apart, short enough
-#: to leave room in a name.
+#: 8 bytes of blake2b: enough to tell a host's jobs apart, short enough for a name.
 NAMESPACE_ID_HEX = 16
 _ID_PERSON = b"shmrdv.nsid"
 
@@ -136,11 +132,8 @@ def new_namespace() -> str:
 
 
 def namespace_id(token: str) -> str:
-    """The public id of the namespace ``token``: 16 hex characters, a one-way digest.
-
-    It prefixes the job's objects in /dev/shm, ``shmrdv ls`` shows it and ``shmrdv gc
-    --namespace`` takes it. Raises ``InvalidArgumentError`` for an invalid token.
-    """
+    """The public id of the namespace ``token`` (16 hex characters, a one-way digest), as
+    ``shmrdv ls`` shows it; ``InvalidArgumentError`` for an invalid token."""
     if token is None:
         raise InvalidArgumentError("namespace_id() needs a namespace token, not None")
     token = resolve_namespace(token)
@@ -151,8 +144,8 @@ def namespace_id(token: str) -> str:
 
 
 def resolve_namespace(namespace: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """``namespace`` if given, else env ``SHMRDV_NAMESPACE`` (empty: unset), checked;
-    ``InvalidArgumentError`` saying how to get a token if neither is a valid one."""
+    """``namespace``, else env ``SHMRDV_NAMESPACE``, checked; else ``InvalidArgumentError``
+    saying how to get a token."""
     source = "namespace"
     if namespace is None:
         env = os.environ if environ is None else environ
@@ -175,8 +168,7 @@ def resolve_namespace(namespace: str | None, environ: Mapping[str, str] | None =
 
 
 def namespace_ids(namespace: str) -> frozenset[str]:
-    """The ids a ``--namespace`` of ``shmrdv ls`` / ``gc`` may mean (an id, a token's id,
-    or both); ``InvalidArgumentError`` when it is neither."""
+    """The ids a ``--namespace`` of ``shmrdv ls`` / ``gc`` may mean (an id, a token's id)."""
     ids: set[str] = set()
     if len(namespace) == NAMESPACE_ID_HEX and all(c in "0123456789abcdef" for c in namespace):
         ids.add(namespace)
@@ -195,8 +187,7 @@ _MAX_NAMED_CHARS = 5
 
 
 def describe_bad_token(value: object) -> str:
-    """``value``, refused as a namespace token, described by type, length and bad
-    characters, never echoed: a near miss (a trailing newline) is as secret as the token."""
+    """A refused token described, never echoed: a near miss is as secret as the token."""
     if not isinstance(value, str):
         return f"a {type(value).__name__}, not a str"
     bad = sorted({c for c in value if not ("a" <= c <= "z" or "0" <= c <= "9")})
@@ -210,7 +201,7 @@ def describe_bad_token(value: object) -> str:
 
 # Same grammar as job names in device names (TensorFlow IsJobName).
 _JOB_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
-# A DNS-ish host name: letters, digits, '-', '_', '.'; no spaces, '/', '@', ':'.
+# A DNS-ish host name: no spaces, '/', '@', ':'.
 _HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
 _DOTTED_NUMBERS = re.compile(r"[0-9.]+")
 _PORT = re.compile(r"[0-9]{1,5}")
@@ -227,7 +218,6 @@ JobTasks = Sequence[str] | Mapping[int, str] | Mapping[str, str]
 
 
 def _split_address(address: str) -> tuple[str, int] | None:
-    """``(host, port)`` of ``host:port`` / ``[v6]:port``, or None if malformed."""
     if address.startswith("["):
         close = address.find("]")
         if close == -1 or not address.startswith(":", close + 1):
@@ -264,13 +254,11 @@ def _task_index(value: object, job: str) -> int:
 
 
 class ClusterSpec:
-    """An immutable map ``job -> task index -> "host:port"``.
+    """An immutable map ``job -> task index -> "host:port"``, compared by value.
 
-    ``ClusterSpec({"worker": ["hostA:2222", "hostB:2222"], "ps": {0: "h:1", 3: "h:2"}})``:
-    a list (indices 0, 1, ...) or a dict per job. Job names match ``[A-Za-z][A-Za-z0-9_]*``;
-    hosts are names, IPv4 or ``[IPv6]``; two tasks share no address but port 0 ("any free
-    port"). Malformed specs raise ``InvalidArgumentError`` naming job, task and value.
-    Compares and hashes by value; ``task in spec`` takes task or device names.
+    ``ClusterSpec({"worker": ["hostA:2222", "hostB:2222"], "ps": {0: "h:1", 3: "h:2"}})``;
+    no two tasks share an address but port 0 ("any free port"). ``InvalidArgumentError``
+    names the bad job, task or value. ``task in spec`` takes task or device names.
     """
 
     __slots__ = ("_hash", "_jobs")
@@ -341,20 +329,17 @@ class ClusterSpec:
 
     @property
     def jobs(self) -> list[str]:
-        """The job names, sorted."""
         return list(self._jobs)
 
     def tasks(self, job: str | None = None) -> list[str]:
-        """Task names ``/job:<job>/replica:0/task:<i>`` (of ``job`` only, if given), by job
-        then index; ``InvalidArgumentError`` for an unknown job."""
+        """Task names (of ``job`` only, if given), by job then index."""
         if job is not None and job not in self._jobs:
             raise InvalidArgumentError(f"cluster spec has no job {job!r}; its jobs are {self.jobs}")
         names = [job] if job is not None else list(self._jobs)
         return [f"/job:{j}/replica:0/task:{i}" for j in names for i in self._jobs[j]]
 
     def task_address(self, task: str | DeviceName) -> str:
-        """The ``host:port`` of ``task`` (a task or device name); ``InvalidArgumentError``
-        naming what the spec knows if it is not in the spec."""
+        """The ``host:port`` of ``task`` (a task or device name), or raise naming the spec's."""
         name = task if isinstance(task, DeviceName) else DeviceName.parse(task)
         if not name.has_task:
             raise InvalidArgumentError(
@@ -377,25 +362,18 @@ class ClusterSpec:
 
     def host_of(self, task: str | DeviceName) -> str:
         """The host part of ``task``'s address (an IPv6 address without brackets)."""
-        split = _split_address(self.task_address(task))
-        assert split is not None  # validated in __init__
-        return split[0]
+        return split_host_port(self.task_address(task))[0]
 
     def port_of(self, task: str | DeviceName) -> int:
         """The port of ``task``'s address (0 means "any free port")."""
-        split = _split_address(self.task_address(task))
-        assert split is not None  # validated in __init__
-        return split[1]
+        return split_host_port(self.task_address(task))[1]
 
     def as_dict(self) -> dict[str, list[str] | dict[int, str]]:
         """A list per job whose tasks are 0..n-1, else a dict, as TensorFlow's ``as_dict``."""
-        out: dict[str, list[str] | dict[int, str]] = {}
-        for job, tasks in self._jobs.items():
-            if list(tasks) == list(range(len(tasks))):
-                out[job] = list(tasks.values())
-            else:
-                out[job] = dict(tasks)
-        return out
+        return {
+            job: list(tasks.values()) if list(tasks) == list(range(len(tasks))) else dict(tasks)
+            for job, tasks in self._jobs.items()
+        }
 
     def __contains__(self, task: object) -> bool:
         if not isinstance(task, (str, DeviceName)):
@@ -419,8 +397,8 @@ class ClusterSpec:
 
     @classmethod
     def from_tf_config(cls, environ: Mapping[str, str] | None = None) -> ClusterSpec:
-        """The cluster of ``TF_CONFIG`` (in ``environ`` or ``os.environ``), as TensorFlow's
-        ``TFConfigClusterResolver`` reads it; ``InvalidArgumentError`` if unset or malformed."""
+        """The cluster of ``TF_CONFIG`` as TensorFlow's ``TFConfigClusterResolver`` reads it;
+        ``InvalidArgumentError`` if unset or malformed."""
         config = _read_tf_config(environ)
         if config is None:
             raise InvalidArgumentError(
@@ -439,8 +417,8 @@ class ClusterSpec:
 
     @staticmethod
     def tf_config_task(environ: Mapping[str, str] | None = None) -> str | None:
-        """This process's task from ``TF_CONFIG``'s ``"task"`` (None if there is none; it
-        need not be in the cluster, as TensorFlow's "evaluator"); raises if malformed."""
+        """This process's task from ``TF_CONFIG``'s ``"task"`` (None if none; it need not
+        be in the cluster, as TensorFlow's "evaluator"); raises if malformed."""
         config = _read_tf_config(environ)
         if config is None or config.get("task") is None:
             return None
@@ -489,7 +467,7 @@ ALL_TRANSPORTS = ("shm", "grpc")
 
 
 def canonical_task(dev: DeviceName) -> DeviceName:
-    """The task part of ``dev`` with the replica defaulted to 0; raise if it names no task."""
+    """The task part of ``dev``, replica defaulted to 0; raise if it names no task."""
     job, replica, task = dev.task_key()
     return DeviceName(job=job, replica=replica, task=task, type=None, id=None)
 
@@ -517,9 +495,7 @@ class NoPresence:
 
 class Peers:
     """The ``PeerDirectory`` of one Worker, over its ``PresenceBoard`` and cluster spec.
-
-    A task given port 0 is found by its presence record, so only on this host: port 0 for
-    a task on another host is refused."""
+    A task given port 0 is found by its presence record, so only on this host."""
 
     def __init__(self, board: PresenceBoard, cluster: ClusterSpec | None) -> None:
         self._board = board
@@ -536,7 +512,7 @@ class Peers:
                 )
 
     def _provisional(self, name: str) -> PeerRecord:
-        """What the cluster spec says of task ``name``: provisional, no address for port 0."""
+        """What the cluster spec says of task ``name`` (no address for port 0)."""
         if self._cluster is None:
             return PeerRecord(name, True, ALL_TRANSPORTS, None, False)
         try:
@@ -549,7 +525,7 @@ class Peers:
         )
 
     def _final(self, record: PeerRecord) -> PeerRecord:
-        """A record from the board, with the cluster's address unless that has port 0."""
+        """A board's record, with the cluster's address unless that has port 0."""
         if self._cluster is not None and record.task in self._cluster:
             address = self._cluster.task_address(record.task)
             if address != record.address and split_host_port(address)[1]:
@@ -571,5 +547,4 @@ class Peers:
         return self._board.sightings(str(canonical_task(task)))
 
     def close(self) -> None:
-        """Close the board's descriptors. Idempotent."""
         self._board.close()

@@ -1,9 +1,5 @@
-"""The one error tree of shmrdv, mirroring TensorFlow's status codes.
-
-Builtins are reused where they fit (``except TimeoutError`` keeps working); errors are
-translated only where they arise and chained; ``code_for_error`` / ``error_for_code`` map
-them to and from ``grpc.StatusCode``.
-"""
+"""The one error tree of shmrdv, mirroring TensorFlow's status codes, reusing builtins where
+they fit (``except TimeoutError`` works), and its one map to and from ``grpc.StatusCode``."""
 
 from __future__ import annotations
 
@@ -31,48 +27,44 @@ class RendezvousError(Exception):
 
 
 class InvalidArgumentError(RendezvousError, ValueError):
-    """The caller passed a bad key, device name, value or option; nothing was sent or
-    queued. TensorFlow: ``INVALID_ARGUMENT``."""
+    """A bad key, device name, value or option; nothing was sent or queued."""
 
 
 class AbortedError(RendezvousError):
-    """The rendezvous was aborted (``start_abort``, step cleanup, close) or the peer
-    restarted. TensorFlow: ``ABORTED``."""
+    """The rendezvous was aborted (``start_abort``, cleanup, close) or the peer restarted."""
 
 
 class CancelledError(RendezvousError):
-    """The receive was cancelled by its caller. TensorFlow: ``CANCELLED``."""
+    """The receive was cancelled by its caller."""
 
 
 class DeadlineExceededError(RendezvousError, TimeoutError):
-    """A receive timed out; its waiter was removed. TensorFlow: ``DEADLINE_EXCEEDED``."""
+    """A receive timed out; its waiter was removed."""
 
 
 class UnavailableError(RendezvousError, ConnectionError):
-    """The peer is gone or unreachable (``__cause__`` says what the OS or gRPC said).
-    TensorFlow: ``UNAVAILABLE``."""
+    """The peer is gone or unreachable (``__cause__`` says what the OS or gRPC said)."""
 
 
 class ResourceExhaustedError(RendezvousError):
-    """Out of a resource: /dev/shm space, file descriptors, memory. TensorFlow: ``RESOURCE_EXHAUSTED``."""
+    """Out of a resource: /dev/shm space, file descriptors, memory, a full window."""
 
 
 class UnauthenticatedError(RendezvousError, PermissionError):
-    """A gRPC peer refused the call's credentials (missing or wrong token). gRPC: ``UNAUTHENTICATED``."""
+    """A gRPC peer refused the call's credentials (missing or wrong token)."""
 
 
 class InternalError(RendezvousError):
-    """A broken invariant inside shmrdv or a corrupted peer. TensorFlow: ``INTERNAL``."""
+    """A broken invariant inside shmrdv or a corrupted peer."""
 
 
 def closed_error(task: str) -> AbortedError:
-    """The error of a call on (or pending in) a Worker its owner closed: "you closed it",
-    not "it broke" (``UnavailableError``)."""
+    """The error of a call on a Worker its owner closed: "you closed it", not "it broke"."""
     return AbortedError(f"Worker {task} is closed")
 
 
 def is_closed_error(error: BaseException, task: str) -> bool:
-    """Whether ``error`` is ``closed_error(task)``: the worker closing, not a step failing."""
+    """Whether ``error`` is ``closed_error(task)``, not a step failing."""
     return isinstance(error, AbortedError) and str(error) == str(closed_error(task))
 
 

@@ -1,32 +1,22 @@
 """Rendezvous keys and device names, as TensorFlow writes and parses them.
 
-A key is ``<src_device>;<src_incarnation: 16 lowercase hex>;<dst_device>;<edge_name>;<frame>:<iter>``
-(TensorFlow's ``Rendezvous::CreateKey`` / ``ParseKey``, tensorflow/core/framework/rendezvous.cc).
-A ``DeviceName`` is ``/job:<job>/replica:<r>/task:<t>/device:<TYPE>:<id>`` parsed as
-``DeviceNameUtils::ParseFullName`` does (``parse``) and, kept apart as there, ``ParseLocalName``
-(``parse_local``: ``CPU:0``). Names are compared as parsed fields, never as string prefixes:
-TensorFlow's ``IsLocalDevice`` prefix test lets ``task:1`` own ``task:10``. Pure functions, no I/O.
+Keys as ``Rendezvous::CreateKey`` / ``ParseKey`` (tensorflow/core/framework/rendezvous.cc);
+device names as ``DeviceNameUtils::ParseFullName`` (``parse``) and ``ParseLocalName``
+(``parse_local``). Names are compared as parsed fields, never as string prefixes:
+TensorFlow's ``IsLocalDevice`` prefix test lets ``task:1`` own ``task:10``. No I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import operator
 import re
 from typing import NamedTuple
 
 from ._errors import InvalidArgumentError
 
-__all__ = [
-    "MAX_KEY_BYTES",
-    "DeviceName",
-    "ParsedKey",
-    "create_key",
-    "key_digest",
-    "parse_key",
-]
+__all__ = ["MAX_KEY_BYTES", "DeviceName", "ParsedKey", "create_key", "parse_key"]
 
 
 # TensorFlow: IsJobName / ConsumeJobName / ConsumeDeviceType accept [A-Za-z][A-Za-z0-9_]*.
@@ -49,7 +39,7 @@ _QUOTE_LIMIT = 160
 
 
 def _quote(text: str) -> str:
-    """``repr`` of ``text`` for error messages, shortened so a huge input makes a short message."""
+    """``repr`` of ``text`` for error messages, shortened."""
     if len(text) > _QUOTE_LIMIT:
         return repr(text[:_QUOTE_LIMIT]) + f"... ({len(text)} characters)"
     return repr(text)
@@ -79,11 +69,9 @@ def _check_ident(value: object, field: str) -> None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DeviceName:
-    """A parsed device name; ``None`` in a field means unset (absent or ``*``).
-
-    Equal by parsed fields (``/cpu:0`` equals ``/device:CPU:0``); the constructor raises
-    ``InvalidArgumentError`` for values no device name could spell.
-    """
+    """A parsed device name; ``None`` in a field means unset (absent or ``*``). Equal by
+    fields (``/cpu:0`` equals ``/device:CPU:0``); ``InvalidArgumentError`` for values no
+    device name could spell."""
 
     job: str | None
     replica: int | None
@@ -100,32 +88,22 @@ class DeviceName:
 
     @classmethod
     def parse(cls, name: str) -> DeviceName:
-        """Parse a full, partial or legacy device name as TensorFlow's ``ParseFullName``.
-
-        Parts ``/job:<job>``, ``/replica:<n>``, ``/task:<n>``, ``/device:<TYPE>[:<n>]`` in
-        any order (a repeated part overrides, as there); legacy ``/cpu:<n>`` and ``/gpu:<n>``
-        in either case; ``*`` for unset; ``""`` and ``"/"``. Names match
-        ``[A-Za-z][A-Za-z0-9_]*``, numbers are decimal up to 2**63-1. Cached. Anything else
-        (``CPU:0`` is ``parse_local``'s) raises ``InvalidArgumentError`` naming the bad part.
-        """
+        """Parse a full, partial or legacy (``/cpu:0``) name as TensorFlow's
+        ``ParseFullName``; ``InvalidArgumentError`` naming the bad part. Cached."""
         if type(name) is not str:
             raise InvalidArgumentError(f"a device name must be a str, not {type(name).__name__}")
         return _parse_cached(name)
 
     @classmethod
     def parse_local(cls, name: str) -> DeviceName:
-        """Parse a local name ``<TYPE>:<n>`` (``CPU:0``) as TensorFlow's ``ParseLocalName``:
-        no wildcard, job, replica and task unset; else ``InvalidArgumentError``."""
+        """Parse ``<TYPE>:<n>`` (``CPU:0``) as TensorFlow's ``ParseLocalName``, or raise."""
         if type(name) is not str:
             raise InvalidArgumentError(f"a device name must be a str, not {type(name).__name__}")
         return _parse_local(name)
 
     def __str__(self) -> str:
-        """Canonical form, as TensorFlow's ``ParsedNameToString``: set parts only.
-
-        TensorFlow drops an id whose type is unset; we write ``/device:*:id`` so that the
-        string always parses back to an equal ``DeviceName``.
-        """
+        """Set parts only, as TensorFlow's ``ParsedNameToString``, except that an id of an
+        unset type is written ``/device:*:id`` (TensorFlow drops it) so it parses back."""
         parts = [self.task_part]
         if self.type is not None or self.id is not None:
             type_ = "*" if self.type is None else self.type
@@ -135,8 +113,7 @@ class DeviceName:
 
     @property
     def task_part(self) -> str:
-        """``/job:x/replica:r/task:t`` with the parts that are set (TensorFlow's
-        ``SplitDeviceName``, first half)."""
+        """``/job:x/replica:r/task:t``, set parts only (``SplitDeviceName``'s first half)."""
         out = ""
         if self.job is not None:
             out += f"/job:{self.job}"
@@ -148,13 +125,12 @@ class DeviceName:
 
     @property
     def has_task(self) -> bool:
-        """True when job and task are both set, so the name points at one worker process."""
+        """Job and task are set: the name points at one worker process."""
         return self.job is not None and self.task is not None
 
     def same_task(self, other: DeviceName) -> bool:
-        """True when both names set job and task, equal, and equal replicas (unset counts
-        as 0: TensorFlow's ``IsSameAddressSpace`` requires it set, but partial names are
-        common in user code and a job has one replica in practice)."""
+        """Both set equal job and task, and equal replicas (unset counts as 0: TensorFlow's
+        ``IsSameAddressSpace`` requires it set, but partial names are common)."""
         if not (self.has_task and other.has_task):
             return False
         return (
@@ -173,7 +149,7 @@ class DeviceName:
         return (self.job, self.replica or 0, self.task)
 
     def with_device(self, type: str | None, id: int | None) -> DeviceName:
-        """This name with its device part replaced (``None`` unsets); raise on bad values."""
+        """This name with its device part replaced (``None`` unsets)."""
         return DeviceName(self.job, self.replica, self.task, type, id)
 
 
@@ -210,7 +186,7 @@ def _parse_ident(name: str, token: str, field: str) -> str | None:
 
 
 def _token(name: str, pos: int, stops: str) -> tuple[str, int]:
-    """The text from ``pos`` up to (not including) the first character in ``stops``."""
+    """The text from ``pos`` up to the first character in ``stops``, and where it ends."""
     end = len(name)
     for stop in stops:
         found = name.find(stop, pos, end)
@@ -220,7 +196,6 @@ def _token(name: str, pos: int, stops: str) -> tuple[str, int]:
 
 
 def _parse_local(name: str) -> DeviceName:
-    """TensorFlow ``ParseLocalName``: exactly ``<TYPE>:<n>``, no wildcard."""
     if name.startswith("/"):
         raise _error(
             name, "a local name is <TYPE>:<n> (like CPU:0), without a leading '/' (that is parse's)"
@@ -307,17 +282,15 @@ _HEX = re.compile(r"[0-9a-fA-F]{1,16}")
 # ``<frame_id uint64>:<iter_id int64>`` (-1 is TensorFlow's kIllegalIterId).
 _FRAME_ITER = re.compile(r"([0-9]{1,20}):(-?[0-9]{1,19})")
 
-# What a key's first three parts and its fifth parse to, derived once: a job has few
-# devices and frames, so any key, new or reused, parses with one split and two lookups.
-# Cleared when full.
+# What a key's first three parts and its fifth parse to: a job has few devices and
+# frames, so any key, new or reused, parses with one split and two lookups. Cleared when full.
 _ENDS_MAX = 4096
 _ends: dict[str, tuple[str, int, str, DeviceName, DeviceName]] = {}
 _frames: dict[str, tuple[int, int]] = {}
 _new_parsed = tuple.__new__
-_DIGEST_SIZE = 16
 
-#: The longest key (UTF-8 bytes) any transport carries, checked where every path parses
-#: its keys so that no transport takes a key another refuses.
+#: The longest key (UTF-8 bytes), checked where every path parses keys, so that no
+#: transport takes a key another refuses.
 MAX_KEY_BYTES = 64 << 10
 # Keys of at most this many characters fit whatever their encoding (4 bytes a character).
 _SHORT_KEY = MAX_KEY_BYTES // 4
@@ -326,11 +299,9 @@ _PART_NAMES = ("src_device", "src_incarnation", "dst_device", "edge_name", "fram
 
 
 class ParsedKey(NamedTuple):
-    """A parsed rendezvous key; ``str(pk)`` is ``pk.full_key``.
-
-    ``src_device`` / ``dst_device`` are as written (empty: TensorFlow's implicit local
-    device), ``src`` / ``dst`` parsed. A named tuple: made per message at a tuple's cost.
-    """
+    """A parsed rendezvous key; ``str(pk)`` is ``pk.full_key``. ``src_device`` /
+    ``dst_device`` as written (empty: the implicit local device), ``src`` / ``dst`` parsed.
+    A named tuple: made per message at a tuple's cost."""
 
     src_device: str
     src_incarnation: int
@@ -360,7 +331,6 @@ def _bad_key(key: str, part: int, what: str) -> InvalidArgumentError:
 
 
 def _device_problem(text: str, error: InvalidArgumentError) -> str:
-    """``error`` from parsing device ``text``, reworded as the problem of a key part."""
     reason = str(error)
     prefix = f"Invalid device name {_quote(text)}: "
     if reason.startswith(prefix):
@@ -394,8 +364,8 @@ def _check_edge_name(edge_name: str) -> str | None:
 
 
 _NO_FRAME = (0, 0)
-#: The "<src>;<incarnation>;<dst>" head of keys made, by (src, incarnation, dst) as given:
-#: a new edge name of known ends is checked alone.
+#: The "<src>;<incarnation>;<dst>" of keys made, by the arguments: a new edge name of
+#: known ends is checked alone.
 _heads: dict[tuple[str, int, str], str] = {}
 
 
@@ -408,10 +378,9 @@ def create_key(
 ) -> str:
     """A rendezvous key, byte-identical to TensorFlow's ``Rendezvous::CreateKey``.
 
-    Device names are used as written (a ``DeviceName`` as its ``str``) and must parse
-    (``""``: the implicit local device); ``src_incarnation`` is a uint64; ``name`` is
-    non-empty without ``;``; ``frame_iter`` is (uint64, int64), ``(0, 0)`` outside loops.
-    Raises ``InvalidArgumentError`` naming the bad argument.
+    Devices are used as written and must parse (``""``: the implicit local device);
+    ``name`` is non-empty without ``;``; ``frame_iter`` is (uint64, int64). Raises
+    ``InvalidArgumentError`` naming the bad argument. See docs/api.md.
     """
     if frame_iter is _NO_FRAME and type(name) is str and type(src_incarnation) is int:
         head = _heads.get((src_device, src_incarnation, dst_device))  # type: ignore[arg-type]
@@ -479,14 +448,10 @@ def _integer(value: object, what: str) -> int:
 
 
 def parse_key(key: str) -> ParsedKey:
-    """Parse a rendezvous key as TensorFlow's ``Rendezvous::ParseKey`` does, or raise.
-
-    TensorFlow's rules: five ``;``-separated parts, devices that parse, a hex incarnation,
-    a non-empty edge name and part 5. Ours besides: no trailing empty sixth part, at most
-    16 hex digits (TensorFlow overflows silently), a UTF-8 edge name, part 5 as
-    ``<frame_id>:<iter_id>``, at most ``MAX_KEY_BYTES``. Raises ``InvalidArgumentError``
-    quoting the key and naming the wrong part.
-    """
+    """Parse a key as TensorFlow's ``Rendezvous::ParseKey``, a little stricter: at most 16
+    hex digits (TensorFlow overflows silently), a UTF-8 edge name, part 5 as
+    ``<frame_id>:<iter_id>``, at most ``MAX_KEY_BYTES``. ``InvalidArgumentError`` quotes
+    the key and names the wrong part."""
     if type(key) is not str:
         raise InvalidArgumentError(
             f"a rendezvous key must be a str, not {type(key).__name__}" + _USE_CREATE_KEY
@@ -507,19 +472,18 @@ def parse_key(key: str) -> ParsedKey:
 
 
 def _parse_key_checked(key: str) -> ParsedKey:
-    """``parse_key`` with every check, remembering what the key's ends and frame parse to."""
+    """``parse_key`` with every check, remembering what its ends and frame parse to."""
     _check_length(key)
     parts = key.split(";")
-    if len(parts) < 5:
-        raise InvalidArgumentError(
-            f"Invalid rendezvous key {_quote(key)}: it has {len(parts)} ';'-separated parts, "
-            "expected 5: src_device;src_incarnation;dst_device;edge_name;frame_id:iter_id"
-            + _USE_CREATE_KEY
+    if len(parts) != 5:
+        expected = (
+            ": src_device;src_incarnation;dst_device;edge_name;frame_id:iter_id"
+            if len(parts) < 5
+            else " (the edge name may not contain ';')"
         )
-    if len(parts) > 5:
         raise InvalidArgumentError(
             f"Invalid rendezvous key {_quote(key)}: it has {len(parts)} ';'-separated parts, "
-            "expected 5 (the edge name may not contain ';')" + _USE_CREATE_KEY
+            f"expected 5{expected}{_USE_CREATE_KEY}"
         )
     src_text, inc_text, dst_text, edge_name, fi_text = parts
     try:
@@ -559,11 +523,3 @@ def _parse_key_checked(key: str) -> ParsedKey:
     _ends[f"{src_text};{inc_text};{dst_text}"] = (src_text, incarnation, dst_text, src, dst)
     _frames[fi_text] = (frame_id, iter_id)
     return ParsedKey(src_text, incarnation, dst_text, edge_name, (frame_id, iter_id), src, dst, key)
-
-
-def key_digest(full_key: str) -> bytes:
-    """16-byte BLAKE2b of the key's UTF-8 text, to name OS objects after a key (keys are
-    too long for a name and hold ``/``); a lone surrogate is hashed, not refused."""
-    return hashlib.blake2b(
-        full_key.encode("utf-8", "surrogatepass"), digest_size=_DIGEST_SIZE
-    ).digest()

@@ -1,27 +1,14 @@
-"""The Rendezvous interface every transport implements, and the receive flavours built on it.
+"""The Rendezvous interface, ``Received``, and the receive flavours written once on it.
 
-Every receive ends in a ``Received`` (the value and TensorFlow's ``is_dead``), defined
-here with the interface that returns it, so that a transport's receive path reads this
-module and its own.
+A rendezvous implements ``send``, ``start_recv`` (the one asynchronous receive primitive,
+TensorFlow's ``RecvAsync``, returning a canceller), ``start_abort`` and, where it can do
+better than ``numpy.empty``, ``allocate``. ``recv``, ``recv_async``, ``recv_future`` and
+``arecv`` are built here on ``start_recv`` (TensorFlow: ``Recv`` is a "synchronous wrapper
+for RecvAsync"), so every rendezvous behaves alike. The canceller's contract is
+``_transport.py``'s. Unlike TensorFlow, a receive that gave up never takes a value.
+``LocalRendezvous`` is the in-process one, on ``_channels.WaiterTable``.
 
-A rendezvous implements four things: ``send``, ``start_recv`` (the one asynchronous
-receive primitive, with a canceller: TensorFlow's ``RecvAsync``), ``start_abort`` and,
-where it can do better than a plain ``numpy.empty``, ``allocate``. Everything else a user
-calls — the blocking ``recv`` with a timeout, ``recv_async``, ``recv_future`` and
-``arecv`` — is written once, here, on top of ``start_recv``, so every rendezvous behaves
-the same way (TensorFlow: ``Recv`` is a "synchronous wrapper for RecvAsync"). The same
-name and flags go on down to the transports (``Transport.start_recv`` in
-``_transport.py``).
-
-The canceller returned by ``start_recv`` is how a timeout, ``Future.cancel()`` or an
-asyncio cancellation removes a waiter: it returns ``True`` when it removed the waiter
-before anything was delivered (``done`` will then never be called), ``False`` when the
-delivery already happened or is under way (``done`` is, or will be, called exactly once).
-Unlike TensorFlow, whose timed-out waiter stays queued and swallows the next send, a
-receive that gave up never takes a value.
-
-Thread model: see ``docs/threads.md``. A blocked ``recv`` waits in the calling thread;
-``done`` callbacks run where the rendezvous says, never under its lock.
+Thread model: see ``docs/threads.md``.
 """
 
 from __future__ import annotations
@@ -57,10 +44,8 @@ __all__ = [
     "WaitObserver",
     "as_parsed_key",
     "check_timeout",
-    "done_failed",
     "invoke_done",
     "received",
-    "same_value",
     "timeout_error",
     "wait_received",
 ]
@@ -72,28 +57,18 @@ DoneCallback: TypeAlias = "Callable[[BaseException | None, Received | None], Non
 
 
 def invoke_done(done: DoneCallback, error: BaseException | None, received: Received | None) -> None:
-    """Call ``done(error, received)``; log, never raise, what it raises.
-
-    Callers must not hold any lock of theirs: the callback may call back into shmrdv.
-    """
+    """Call ``done(error, received)``, logging what it raises. Hold no lock: it may call back."""
     try:
         done(error, received)
     except Exception:
-        done_failed(done)
-
-
-def done_failed(done: DoneCallback) -> None:
-    """Log the exception ``done`` just raised (in an ``except`` block): what ``invoke_done``
-    does with it, for a hot loop that calls ``done`` in its own ``try``."""
-    _callback_log.exception("exception in a recv_async done callback %r", done)
+        _callback_log.exception("exception in a recv_async done callback %r", done)
 
 
 _C = TypeVar("_C", bound="Closing")
 
 
 class Closing:
-    """Mixin for a class that defines ``close``: entering gives the object itself, leaving
-    (normally or by an exception, which propagates) calls ``close``."""
+    """Mixin for a class that defines ``close``: a context manager that closes on exit."""
 
     def close(self) -> None:
         raise NotImplementedError
@@ -110,11 +85,8 @@ _log = logging.getLogger("shmrdv.rendezvous")
 
 @dataclass(frozen=True, slots=True)
 class Received:
-    """A received tensor: ``value`` and TensorFlow's ``is_dead`` flag.
-
-    ``is_dead`` is set for values of untaken control-flow branches; the value still has
-    the sender's dtype and shape. Unpacks as ``value, is_dead = rdv.recv(key)``.
-    """
+    """A received tensor and TensorFlow's ``is_dead`` flag (set for values of untaken
+    control-flow branches). Unpacks as ``value, is_dead = rdv.recv(key)``."""
 
     value: npt.NDArray[Any]
     is_dead: bool = False
@@ -136,22 +108,11 @@ _set_is_dead = _slots.is_dead.__set__
 
 
 def received(value: npt.NDArray[Any], is_dead: bool) -> Received:
-    """``Received(value, is_dead)``, built at half the cost: for the receive side's hot
-    loop (one per message arriving). ``is_dead`` must be a ``bool``."""
+    """``Received(value, is_dead)`` for the receive side's hot loop; ``is_dead`` a ``bool``."""
     r: Received = _new(Received)
     _set_value(r, value)
     _set_is_dead(r, is_dead)
     return r
-
-
-def same_value(a: Received, b: Received) -> bool:
-    """Equal dtype, shape, bytes and ``is_dead`` (for tests and checks; NaN-safe)."""
-    return (
-        a.is_dead == b.is_dead
-        and a.value.dtype == b.value.dtype
-        and a.value.shape == b.value.shape
-        and np.ascontiguousarray(a.value).tobytes() == np.ascontiguousarray(b.value).tobytes()
-    )
 
 
 Canceller = Callable[[], bool]
@@ -166,7 +127,6 @@ _LONG_WAIT = 1.0
 
 
 def as_parsed_key(key: str | ParsedKey) -> ParsedKey:
-    """Accept a key string or an already parsed key."""
     if isinstance(key, ParsedKey):
         return key
     if not isinstance(key, str):
@@ -177,15 +137,14 @@ def as_parsed_key(key: str | ParsedKey) -> ParsedKey:
 
 
 def check_timeout(timeout: object) -> float | None:
-    """``None`` waits forever; a number (an ``int`` or a ``float``, numpy's too) must be
-    finite and >= 0. The one check of every call's timeout, whatever its transport: a
-    string or a bool is refused, not converted (``"1"`` and ``True`` are no durations)."""
+    """The one check of every call's timeout: ``None``, or a finite real >= 0 (numpy's
+    too). A string or a bool is refused, not converted: ``"1"`` and ``True`` are no durations."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise InvalidArgumentError(f"timeout must be a number of seconds or None, not {timeout!r}")
     t = float(timeout)
-    if not t >= 0 or t == float("inf"):
+    if not 0 <= t < _INF:  # also refuses NaN
         raise InvalidArgumentError(f"timeout must be finite and >= 0 seconds, not {timeout!r}")
     return t
 
@@ -200,13 +159,10 @@ def timeout_error(key: str | ParsedKey, timeout: float | None) -> DeadlineExceed
 
 
 class RecvSlot:
-    """One blocking receiver's mailbox: filled exactly once by its ``done`` callback.
+    """One blocking receiver's mailbox, filled once by ``done``; only its receiver waits.
 
-    A plain lock, made only when the receiver has to wait (a receive whose value is already
-    there never makes one) and released by ``done``, is the wake-up: it costs a fraction
-    of a ``threading.Event`` (which builds a ``Condition``). Only the receiving thread
-    calls ``wait``. One is made per blocking receive, so its fields start as class
-    defaults (no ``__init__``, no ``__slots__``): ``done`` sets what it is given.
+    The wake-up is a plain lock made only when the receiver has to wait (an ``Event``
+    builds a ``Condition``); one is made per receive, so fields are class defaults.
     """
 
     _lock: threading.Lock | None = None
@@ -242,24 +198,15 @@ class RecvSlot:
         return self.received
 
 
-def _plain_wait(slot: RecvSlot, timeout: float) -> None:
-    slot.wait(timeout)
-
-
 class WaitObserver(Protocol):
-    """What a blocked receive tells whoever routes it (the Worker's step rendezvous)."""
+    """What a blocked receive tells the Worker's step: the error of its timeout, that it
+    has waited long (after 1 s, 2 s, 4 s, ...), and that it stopped waiting."""
 
-    def timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
-        """The error of a receive whose timeout expired (its waiter already removed)."""
-        ...
+    def timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError: ...
 
-    def waiting_long(self, slot: RecvSlot, key: ParsedKey, waited: float) -> None:
-        """The receive of ``slot`` has waited ``waited`` seconds (after 1 s, 2 s, 4 s, ...)."""
-        ...
+    def waiting_long(self, slot: RecvSlot, key: ParsedKey, waited: float) -> None: ...
 
-    def stopped_waiting(self, slot: RecvSlot) -> None:
-        """The receive of ``slot``, once reported by ``waiting_long``, no longer waits."""
-        ...
+    def stopped_waiting(self, slot: RecvSlot) -> None: ...
 
 
 def wait_received(
@@ -267,27 +214,23 @@ def wait_received(
     cancel: Canceller,
     key: str | ParsedKey,
     timeout: float | None,
-    helper: Callable[[RecvSlot, float], None] = _plain_wait,
+    helper: Callable[[RecvSlot, float], object] = RecvSlot.wait,
     observer: WaitObserver | None = None,
 ) -> Received:
     """The one blocking receive loop: wait for ``slot``, cancel on timeout or interrupt.
 
-    ``helper(slot, seconds)`` blocks up to ``seconds`` or until the slot is filled, doing
-    whatever work the transport needs from a blocked receiver meanwhile (``Transport.wait``);
-    it may return early. A timeout that expires removes the waiter (``cancel()``) and raises
-    ``DeadlineExceededError``; if the value won the race, it is returned. Ctrl-C
-    (``KeyboardInterrupt``) removes the waiter too and propagates. ``observer`` (if any)
-    builds the timeout's error and hears of a wait that lasts (``WaitObserver``). ``key``
-    (checked already) is parsed only for those, never on the way to a value.
+    ``helper`` blocks up to the given seconds, doing the transport's work meanwhile
+    (``Transport.wait``). A timeout removes the waiter and raises
+    ``DeadlineExceededError`` unless the value won the race; Ctrl-C removes it and
+    propagates. ``key`` is parsed only for ``observer``, never on the way to a value.
     """
     if slot.filled:
         return slot.result()
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
-    report_at = start + _LONG_WAIT if observer is not None else float("inf")
+    report_at = start + _LONG_WAIT if observer is not None else _INF
     reported = False
-    # The clock is read again only for a slot still empty after a wait: one read for a
-    # wait that is answered at once (the first pass uses ``start``).
+    # The clock is read again only for a slot still empty after a wait.
     now: float | None = start
     try:
         while not slot.filled:
@@ -319,7 +262,7 @@ def wait_received(
     finally:
         if reported and observer is not None:
             observer.stopped_waiting(slot)
-    got = slot.received  # ``slot.result()`` written out, as in ``recv``
+    got = slot.received  # ``slot.result()`` written out: one call fewer per message
     if got is not None:
         return got
     return slot.result()
@@ -344,8 +287,6 @@ class _RecvFuture(concurrent.futures.Future[Received]):
 def _settle(
     fut: asyncio.Future[Received], error: BaseException | None, received: Received | None
 ) -> None:
-    if fut.done():  # pragma: no cover - we never cancel this future ourselves
-        return
     if error is not None:
         fut.set_exception(error)
     else:
@@ -353,14 +294,11 @@ def _settle(
 
 
 class Rendezvous(abc.ABC):
-    """A place where a producer's ``send`` meets a consumer's ``recv`` under one key.
+    """Where a producer's ``send`` meets a consumer's ``recv`` under one key.
 
-    Keys are TensorFlow rendezvous keys (``shmrdv.create_key``), as strings or
-    ``ParsedKey``. Several sends of one key queue in FIFO order; each receive takes the
-    oldest. ``send`` never blocks.
+    Keys are TensorFlow rendezvous keys (``shmrdv.create_key``), strings or ``ParsedKey``.
+    Sends of one key queue in FIFO order; each receive takes the oldest. See docs/api.md.
     """
-
-    # -- what a transport implements -------------------------------------------------
 
     @abc.abstractmethod
     def send(
@@ -373,9 +311,9 @@ class Rendezvous(abc.ABC):
     ) -> None:
         """Hand ``value`` (a numpy array) to the receiver of ``key``.
 
-        Never blocks on the consumer, unless its Worker has a ``max_inflight_bytes``
-        window and it is full: then it waits up to ``timeout`` seconds (None: as long as
-        it takes) for room and raises ``ResourceExhaustedError``, having sent nothing.
+        Never blocks on the consumer, unless a ``max_inflight_bytes`` window is full: then
+        it waits up to ``timeout`` seconds (None: as long as it takes) for room and raises
+        ``ResourceExhaustedError``, having sent nothing.
         """
 
     @abc.abstractmethod
@@ -389,20 +327,10 @@ class Rendezvous(abc.ABC):
     ) -> Canceller:
         """Arrange for ``done(error, received)`` to be called once; return a canceller.
 
-        The one receive primitive the other flavours are built on (TensorFlow's
-        ``RecvAsync``). The canceller removes the waiter and returns ``True`` (``done``
-        will never run), or returns ``False`` when the value is delivered or on its way.
-
-        ``done`` may run in the calling thread (a value is already there) or in a
-        transport thread, never under a lock of the rendezvous. ``copy``: deliver a
-        private copy instead of shared memory. ``blocking``: the caller is a thread
-        that will block in ``recv`` until ``done`` has run, and ``done`` is quick and
-        never blocks (a ``RecvSlot``'s): a transport may then let that thread wait for
-        the value itself instead of waking another thread for it.
-
-        May raise a ``RendezvousError`` at once for a call that cannot start (a bad key,
-        a key this rendezvous cannot receive, an aborted rendezvous); ``done`` is then
-        never called.
+        The receive primitive (TensorFlow's ``RecvAsync``). The canceller removes the waiter
+        and returns True (``done`` never runs), or False when the value is on its way.
+        ``done`` never runs under a lock. ``copy``: a private copy, not shared memory.
+        Raises a ``RendezvousError`` (``done`` never called) for a call that cannot start.
         """
 
     @abc.abstractmethod
@@ -410,11 +338,8 @@ class Rendezvous(abc.ABC):
         """Fail every pending and later call with ``error``; the first error wins. Never blocks."""
 
     def allocate(self, key: str | ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
-        """An array to fill and then pass to ``send(key, array)``.
-
-        Transports that can, return memory the receiver will see without a copy; the
-        default is a plain ``numpy.empty``, which ``send`` hands over as any array.
-        """
+        """An array to fill and then ``send(key, array)``: memory the receiver sees without
+        a copy where the transport can, else a plain ``numpy.empty``."""
         as_parsed_key(key)
         try:
             return np.empty(shape, dtype=dtype)
@@ -423,15 +348,12 @@ class Rendezvous(abc.ABC):
                 f"cannot allocate shape={shape!r} dtype={dtype!r}: {e}"
             ) from e
 
-    # -- receive flavours, built once on start_recv ------------------------------------
-
     def recv_async(self, key: str | ParsedKey, done: DoneCallback, *, copy: bool = False) -> None:
-        """Call ``done(error, received)`` exactly once, when the value arrives or the call fails.
+        """Call ``done(error, received)`` exactly once; return at once.
 
-        Returns at once. ``done`` runs in the calling thread if the value is already
-        there, otherwise in a transport thread; it never runs under a lock, and an
-        exception it raises is logged (logger ``shmrdv.callbacks``), not propagated.
-        A bad key is reported through ``done`` too.
+        ``done`` runs in this thread if the value is there, else in a transport thread,
+        never under a lock; what it raises is logged (``shmrdv.callbacks``). A bad key is
+        reported through ``done`` too.
         """
         try:
             self.start_recv(key, lambda err, rec: invoke_done(done, err, rec), copy=copy)
@@ -443,11 +365,9 @@ class Rendezvous(abc.ABC):
     ) -> Received:
         """Block until the oldest value of ``key`` arrives; return ``Received(value, is_dead)``.
 
-        ``timeout`` (seconds, ``None`` = forever) that expires raises
-        ``DeadlineExceededError`` (also a ``TimeoutError``) and removes the waiter, so a
-        later send is not swallowed. ``copy=True`` returns a private copy where the
-        transport would otherwise hand out shared memory. Raises the abort error if the
-        rendezvous is or gets aborted; Ctrl-C (``KeyboardInterrupt``) also removes the waiter.
+        A ``timeout`` (seconds; None: forever) that expires raises ``DeadlineExceededError``
+        and removes the waiter, so no later send is swallowed; so does Ctrl-C. Raises the
+        abort error if the rendezvous is or gets aborted.
         """
         if timeout is not None and (type(timeout) is not float or not 0.0 <= timeout < _INF):
             timeout = check_timeout(timeout)  # not a plain finite float >= 0: convert or refuse
@@ -465,21 +385,15 @@ class Rendezvous(abc.ABC):
     def _wait_blocked(
         self, slot: RecvSlot, cancel: Canceller, key: str | ParsedKey, timeout: float | None
     ) -> Received:
-        """How ``recv`` waits for a ``slot`` that ``start_recv(..., blocking=True)`` will fill.
-
-        Here: on the slot alone (``wait_received``). A rendezvous whose transports need
-        help from a blocked receiver, or that reports long waits, says so by overriding it.
-        """
+        """How ``recv`` waits; overridden by a rendezvous whose transports need help from a
+        blocked receiver or that reports long waits."""
         return wait_received(slot, cancel, key, timeout)
 
     def recv_future(
         self, key: str | ParsedKey, *, copy: bool = False
     ) -> concurrent.futures.Future[Received]:
-        """A ``concurrent.futures.Future`` of the next value of ``key``.
-
-        ``cancel()`` removes the waiter and returns ``True``, or returns ``False`` when the
-        value has already been taken for this future (it then completes normally).
-        """
+        """A ``Future`` of the next value of ``key``; ``cancel()`` removes the waiter, or
+        returns False when the value is already on its way (it then completes normally)."""
         fut = _RecvFuture()
 
         def done(error: BaseException | None, received: Received | None) -> None:
@@ -495,7 +409,7 @@ class Rendezvous(abc.ABC):
             fut.set_exception(e)
             return fut
         fut._canceller = canceller
-        if fut.done():  # completed already (``done`` may have run before the line above)
+        if fut.done():  # ``done`` may have run before the line above
             fut._canceller = None
         return fut
 
@@ -504,10 +418,8 @@ class Rendezvous(abc.ABC):
     ) -> Received:
         """``await`` the next value of ``key`` without blocking the event loop.
 
-        A ``timeout`` that expires raises ``DeadlineExceededError`` and removes the waiter;
-        cancelling the awaiting task removes it too. If the value was already taken when
-        the cancellation arrived, it is returned instead of being dropped (as
-        ``asyncio.wait_for`` does with a result that races its cancellation).
+        A timeout or a cancellation of the task removes the waiter; a value already taken
+        when the cancellation came is returned, not dropped (as ``asyncio.wait_for`` does).
         """
         pk = as_parsed_key(key)
         t = check_timeout(timeout)
@@ -532,7 +444,6 @@ class Rendezvous(abc.ABC):
         return await afut
 
     def _timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
-        """The error of a receive of ``key`` whose ``timeout`` expired (overridable)."""
         return timeout_error(key, timeout)
 
 
@@ -540,10 +451,7 @@ _local_log = logging.getLogger("shmrdv.local")
 
 
 class _Waiter:
-    """One pending receive: its callback and whether it wants a private copy.
-
-    Hashed by identity, so a channel can find and remove exactly this waiter.
-    """
+    """One pending receive; hashed by identity, so its channel can remove exactly it."""
 
     __slots__ = ("copy", "done")
 
@@ -563,13 +471,10 @@ def _deliverable(value: npt.NDArray[Any], is_dead: bool, copy: bool) -> Received
 class LocalRendezvous(Rendezvous, Closing):
     """A rendezvous inside one process: ``send`` and ``recv`` meet in a locked table.
 
-    No copy is made: the receiver gets the very array object that was sent (as TensorFlow
-    shares a host tensor between Send and Recv on one worker), so the sender must not
-    write to it afterwards. ``recv(..., copy=True)`` (or ``copy=True`` on any receive
-    flavour) returns a private ``numpy.array(value, copy=True)`` instead.
-
-    Thread-safe. ``send`` never blocks. ``close()`` (or leaving a ``with`` block) aborts
-    with ``CancelledError``; ``start_abort(error)`` aborts with your error.
+    The receiver gets the very array sent (as TensorFlow shares a host tensor between
+    Send and Recv on one worker): the sender must not write to it afterwards, or the
+    receiver asks for ``copy=True``. ``send`` never blocks; a waiting receiver's ``done``
+    runs in the sender's thread. ``close()`` aborts with ``CancelledError``. Thread-safe.
     """
 
     def __init__(self) -> None:
@@ -580,8 +485,6 @@ class LocalRendezvous(Rendezvous, Closing):
         self._sent = 0
         self._received = 0
 
-    # -- the Rendezvous primitives -----------------------------------------------------
-
     def send(
         self,
         key: str | ParsedKey,
@@ -590,47 +493,22 @@ class LocalRendezvous(Rendezvous, Closing):
         is_dead: bool = False,
         timeout: float | None = None,
     ) -> None:
-        """Queue ``value`` under ``key``, or hand it to the oldest waiting receiver.
-
-        Never blocks (``timeout`` is accepted for the common signature; nothing here waits). If a receiver is waiting, its callback runs in this thread before
-        ``send`` returns (outside the lock); an exception from it is logged, not raised.
-        Raises ``InvalidArgumentError`` for a bad key or a value that is not a numpy array
-        or holds Python objects (nothing is queued), and the abort error once aborted.
-        """
         if timeout is not None:
-            check_timeout(timeout)
-        self._put(as_parsed_key(key), value, bool(is_dead), front=False)
+            check_timeout(timeout)  # for the common signature: nothing here waits
+        pk = as_parsed_key(key)
+        self.put(pk, check_value(value, pk.full_key), bool(is_dead))
 
     def put(self, key: ParsedKey, value: npt.NDArray[Any], is_dead: bool) -> None:
-        """``send`` for a caller that already parsed the key and checked the value with
-        ``check_value`` (a Worker's router): the same, minus those two per-message steps."""
-        self._put(key, value, is_dead, front=False, checked=True)
-
-    def requeue(self, key: ParsedKey, received: Received) -> None:
-        """Put a value that was taken but could not be delivered back at the head of its key.
-
-        The next receive of ``key`` gets it before anything sent later, so FIFO order
-        holds (the gRPC server uses this when a call is cancelled after its value was
-        taken). After an abort the value is dropped, like every queued value.
-        """
-        try:
-            self._put(key, received.value, received.is_dead, front=True)
-        except RendezvousError:
-            pass
-
-    def _put(
-        self, pk: ParsedKey, value: Any, dead: bool, *, front: bool, checked: bool = False
-    ) -> None:
-        arr = value if checked else check_value(value, pk.full_key)
+        """``send`` of a parsed key and a value ``check_value`` accepted (a Worker's step)."""
         with self._lock:
             if self._error is not None:
                 raise self._abort_error()
             self._sent += 1
-            waiter = self._table.put(pk.full_key, (arr, dead), front=front)
+            waiter = self._table.put(key.full_key, (value, is_dead))
             if waiter is None:
                 return
             self._received += 1
-        invoke_done(waiter.done, None, _deliverable(arr, dead, waiter.copy))
+        invoke_done(waiter.done, None, _deliverable(value, is_dead, waiter.copy))
 
     def start_recv(
         self,
@@ -640,13 +518,6 @@ class LocalRendezvous(Rendezvous, Closing):
         copy: bool = False,
         blocking: bool = False,
     ) -> Canceller:
-        """Take the oldest value of ``key`` now, or queue a waiter for the next one.
-
-        With a value queued (or once aborted) ``done`` runs in this thread before the
-        call returns; otherwise it runs later in the thread of the ``send`` (or abort)
-        that completes it, whether ``blocking`` or not. The canceller removes exactly
-        this waiter. Raises ``InvalidArgumentError`` for a bad key.
-        """
         full_key = as_parsed_key(key).full_key
         with self._lock:
             if self._error is not None:
@@ -667,18 +538,13 @@ class LocalRendezvous(Rendezvous, Closing):
         return _too_late
 
     def _cancel(self, full_key: str, waiter: _Waiter) -> bool:
-        """Remove ``waiter`` if it is still queued: ``True``, and its done will never run."""
         with self._lock:
             return self._table.cancel(full_key, waiter)
 
     def start_abort(self, error: BaseException) -> None:
-        """Fail every waiting receive with ``error`` and every later call; drop queued values.
-
-        The first error wins: later calls are no-ops. Waiters' callbacks run in this
-        thread after the lock is released. Never blocks (beyond those callbacks).
-        Raises ``InvalidArgumentError`` if ``error`` is not an exception (TensorFlow
-        CHECK-fails on an OK status).
-        """
+        """Fail every waiting receive with ``error`` (in this thread, after the lock is
+        released) and every later call; drop queued values. The first error wins.
+        ``InvalidArgumentError`` if ``error`` is not an exception (TensorFlow CHECK-fails)."""
         if not isinstance(error, BaseException):
             raise InvalidArgumentError(f"start_abort needs an exception instance, not {error!r}")
         with self._lock:
@@ -686,39 +552,23 @@ class LocalRendezvous(Rendezvous, Closing):
                 return
             self._error, self._error_tb = error, error.__traceback__
             dropped = self._table.pending_values
-            keys = sum(1 for k in self._table if self._table.values_of(k)) if dropped else 0
             waiters = self._table.abort()
         if dropped:
             # TensorFlow logs the dropped sends too ("Rendezvous aborted, dropping ...").
-            _local_log.debug(
-                "LocalRendezvous aborted (%r): dropped %d queued value(s) over %d key(s)",
-                error,
-                dropped,
-                keys,
-            )
+            _local_log.debug("LocalRendezvous aborted (%r): dropped %d value(s)", error, dropped)
         for waiter in waiters:
             invoke_done(waiter.done, self._abort_error(), None)
 
     def _abort_error(self) -> BaseException:
-        """The stored abort error, with the traceback it had when stored.
-
-        Raising one instance again and again would grow its ``__traceback__`` by the
-        raising frames each time and keep those frames (and the arrays in them) alive.
-        """
+        """The stored error with its stored traceback: raising one instance again and again
+        would grow its ``__traceback__`` and keep those frames (and their arrays) alive."""
         error = self._error
         assert error is not None
         return error.with_traceback(self._error_tb)
 
-    # -- lifetime ----------------------------------------------------------------------
-
     def close(self) -> None:
-        """Abort with ``CancelledError("LocalRendezvous closed")`` unless already aborted.
-
-        Idempotent. Pending receives fail with that error; queued values are dropped.
-        """
+        """Abort with ``CancelledError("LocalRendezvous closed")`` unless aborted. Idempotent."""
         self.start_abort(CancelledError("LocalRendezvous closed"))
-
-    # -- introspection -----------------------------------------------------------------
 
     @property
     def aborted(self) -> BaseException | None:
@@ -726,7 +576,7 @@ class LocalRendezvous(Rendezvous, Closing):
         return self._error
 
     def stats(self) -> dict[str, int]:
-        """Counters: values and waiters pending now, keys with either, sent and received so far."""
+        """Values and waiters pending now, keys with either, sent and received so far."""
         with self._lock:
             return {
                 "pending_values": self._table.pending_values,
@@ -750,6 +600,5 @@ class LocalRendezvous(Rendezvous, Closing):
         )
 
 
-def _too_late() -> bool:
-    """The canceller of a receive completed before ``start_recv`` returned."""
+def _too_late() -> bool:  # the canceller of a receive done before ``start_recv`` returned
     return False

@@ -1,21 +1,18 @@
 """Which rendezvous carries a key: its route, derived once per pair of key ends.
 
-As TensorFlow's ``BaseRemoteRendezvous``, a Worker's step sends only keys whose src task is
-its own and receives only keys whose dst task is its own (tasks compared parsed). Both ends
-here: the step's ``LocalRendezvous``; the other end in another worker: the first transport
-of the *producer's* priority list that the peer takes and that ``can_reach`` it (TensorPipe's
-``canCommunicateWithRemote``), so both ends pick the same one. A route depends only on a
-key's ends (src device, src incarnation, dst device), never its edge name (``Ends``), and a
-peer's transport is kept once its presence record is final.
+As TensorFlow's ``BaseRemoteRendezvous``, a step sends only keys whose src task is its own
+and receives only keys whose dst task is its own. Both ends here: the step's
+``LocalRendezvous``; else the first transport of the *producer's* priority list that the
+peer takes and that ``can_reach`` it, so both ends pick the same one. A route depends on
+(src device, src incarnation, dst device), never the edge name (``Ends``), and is kept
+once the peer's presence record is final.
 
-A receive started before its producer's record is final listens on this worker's own pick
-and, once the record picks another transport, on that one too (``RaceRecv``, one *leg* per
-transport; ``PickWatch`` looks for final records). A value travels on one transport only:
-the first value ends the race; an error ends it only when every leg has failed.
+A receive started before that listens on this worker's pick and, if the final record
+picks another transport, on that one too (``RaceRecv``, one leg per transport, started by
+``PickWatch``): the first value ends the race, an error only once every leg failed.
 
-Thread model (``docs/threads.md``): thread-safe; ``Routes._lock`` guards the pairs, routes
-and long waits, a race's lock its state, ``PickWatch``'s lock its receives (thread
-``shmrdv-pick``). No lock is held across a transport call or a ``done``.
+Thread model (``docs/threads.md``): thread-safe (thread ``shmrdv-pick``); no lock is held
+across a transport call or a ``done``.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ from ._keys import DeviceName, ParsedKey
 from ._rendezvous import Canceller, DoneCallback, Received, RecvSlot
 from ._transport import PeerRecord, Sighting, Transport, TransportContext
 
-__all__ = ["Ends", "RaceRecv", "Routes", "explain_absent_producer", "start_leg"]
+__all__ = ["Ends", "RaceRecv", "Routes", "explain_absent_producer"]
 
 _log = logging.getLogger("shmrdv.worker")
 
@@ -41,36 +38,21 @@ ENDS_MAX = 4096
 
 
 class Ends:
-    """What a key's two ends mean to this worker: whether its steps may send / receive
-    such keys, the ``peer`` task (None when both ends or neither are this worker), and
-    ``transport`` and ``wait`` once the peer's record is final."""
+    """What a key's ends mean here: may steps send / receive it, the ``peer`` task (None
+    when both ends or neither are this worker), and its ``transport`` once final."""
 
-    __slots__ = (
-        "dst_own",
-        "inc_ok",
-        "local",
-        "peer",
-        "receives",
-        "sends",
-        "src_own",
-        "transport",
-        "wait",
-    )
+    __slots__ = ("dst_own", "local", "peer", "receives", "sends", "src_own", "transport", "wait")
 
     def __init__(self, pk: ParsedKey, task: DeviceName, incarnation: int) -> None:
         self.src_own = task.same_task(pk.src)
         self.dst_own = task.same_task(pk.dst)
-        self.inc_ok = not self.src_own or pk.src_incarnation in (0, incarnation)
-        self.sends = self.src_own and self.inc_ok
-        self.receives = self.dst_own and self.inc_ok
+        inc_ok = not self.src_own or pk.src_incarnation in (0, incarnation)
+        self.sends = self.src_own and inc_ok
+        self.receives = self.dst_own and inc_ok
         self.local = self.src_own and self.dst_own
-        self.peer: DeviceName | None = (
-            pk.dst
-            if self.src_own and not self.dst_own
-            else pk.src
-            if self.dst_own and not self.src_own
-            else None
-        )
+        self.peer: DeviceName | None = None  # both ends or neither here: no peer
+        if self.src_own != self.dst_own:
+            self.peer = pk.dst if self.src_own else pk.src
         self.transport: Transport | None = None
         self.wait: Callable[[RecvSlot, float], None] | None = None
 
@@ -97,12 +79,10 @@ class Routes:
         # Blocked receives that have waited long, by id of their slot: (step, key, since).
         self._long_waits: dict[int, tuple[int, ParsedKey, float]] = {}
         self._picks = PickWatch()
-        # What every call of this worker's steps raises once it may not be used (closed,
-        # or inherited across fork). One attribute read per call.
+        # What every call of this worker's steps raises once closed or forked off.
         self.refused: Callable[[], BaseException] | None = None
 
     def of(self, pk: ParsedKey) -> Ends:
-        """The route of ``pk``'s ends, derived on first sight."""
         ends = self.ends.get((pk.src_device, pk.src_incarnation, pk.dst_device))
         if ends is None:
             ends = Ends(pk, self.ctx.task, self.ctx.incarnation)
@@ -133,7 +113,7 @@ class Routes:
         )
 
     def transport(self, ends: Ends, pk: ParsedKey) -> Transport:
-        """The transport between this worker and ``ends.peer`` (which must be set)."""
+        """The transport to ``ends.peer`` (set); ``InvalidArgumentError`` if none reaches it."""
         t = ends.transport
         if t is not None:
             return t
@@ -153,8 +133,8 @@ class Routes:
         return t
 
     def others_reaching(self, ends: Ends, first: Transport) -> bool:
-        """Whether a receive started on ``first`` by a provisional record may have to
-        listen on another transport too (one not made yet is not made for this)."""
+        """Whether a receive started on ``first`` may have to listen on another transport
+        too (one not made yet is not made for this)."""
         assert ends.peer is not None
         record = self.ctx.peers.lookup(ends.peer)
         if record.final:
@@ -167,16 +147,20 @@ class Routes:
             for n in self.order
         )
 
-    def watch_pick(
+    def race(
         self,
         ends: Ends,
         pk: ParsedKey,
-        race: RaceRecv,
         first: Transport,
-        leg: Callable[[Transport, DoneCallback], Canceller],
-    ) -> None:
-        """Start ``leg``'s receive on the producer's pick once its record is final and the
-        pick is not ``first``."""
+        step_id: int,
+        done: DoneCallback,
+        copy: bool,
+    ) -> RaceRecv:
+        """A callback receive on ``first`` that also listens on the producer's pick once its
+        record is final (when ``others_reaching``)."""
+
+        def leg(t: Transport, leg_done: DoneCallback) -> Canceller:
+            return t.start_recv(step_id, pk, leg_done, copy=copy)
 
         def pick() -> tuple[LegStarter | None] | None:
             t = ends.transport or self.transport(ends, pk)
@@ -184,11 +168,11 @@ class Routes:
                 return None  # still provisional
             return (None if t is first else functools.partial(leg, t),)
 
+        race = RaceRecv(done, [functools.partial(leg, first)], f"key {pk.full_key!r}")
         self._picks.watch(race, pick)
+        return race
 
     def _choose(self, record: PeerRecord, pk: ParsedKey, *, producer: bool) -> Transport:
-        """The first of the *producer's* priority list that both take and that reaches the
-        peer; raises ``InvalidArgumentError`` when none does."""
         if producer or not record.final:
             # A provisional record does not know the producer's order: ours is the best guess.
             order = [n for n in self.order if n in record.transports]
@@ -205,14 +189,12 @@ class Routes:
         )
 
     def abort_step(self, step_id: int, error: BaseException) -> None:
-        """Abort ``step_id`` in every transport created so far."""
         for t in self._active():
             t.abort_step(step_id, error)
 
     def diagnose(self, pk: ParsedKey, *, probe: bool = False) -> str | None:
-        """Why a receive of ``pk`` may be waiting (where its producer is alive, if not in
-        this namespace; with ``probe``, what the transport finds), or None. Lists presence
-        records: only for a timeout, a long wait or ``stats()``, never per message."""
+        """Why a receive of ``pk`` may be waiting (``probe``: ask the transport too), or
+        None. Lists presence records: for a timeout or ``stats()``, never per message."""
         peers = self.ctx.peers
         try:
             record = peers.lookup(pk.src)
@@ -263,8 +245,8 @@ class Routes:
 
 
 def explain_absent_producer(task: str, found: list[Sighting] | None) -> str | None:
-    """A sentence saying where ``task`` lives if not alive in this worker's namespace;
-    None if it is, or if this host keeps no presence records (``found`` None)."""
+    """Where ``task`` lives if not alive in this worker's namespace; None if it is, or if
+    this host keeps no presence records (``found`` None)."""
     if found is None or any(s.alive and s.ours for s in found):
         return None
     elsewhere = sorted({s.namespace for s in found if s.alive and not s.ours})
@@ -282,8 +264,7 @@ def explain_absent_producer(task: str, found: list[Sighting] | None) -> str | No
 
 
 def not_this_task(pk: ParsedKey, side: str, task_name: str) -> InvalidArgumentError:
-    """TensorFlow's "Invalid rendezvous key (src|dst)", saying which task the key names,
-    which task this worker is, and what to do instead."""
+    """TensorFlow's "Invalid rendezvous key (src|dst)", saying what to do instead."""
     device = pk.src if side == "src" else pk.dst
     role, verb = ("producer", "sends") if side == "src" else ("consumer", "receives")
     call = "send" if side == "src" else "recv"
@@ -301,17 +282,9 @@ def not_this_task(pk: ParsedKey, side: str, task_name: str) -> InvalidArgumentEr
     )
 
 
-def start_leg(
-    t: Transport, done: DoneCallback, *, step_id: int, pk: ParsedKey, copy: bool
-) -> Canceller:
-    """One leg of a ``RaceRecv``: a callback receive on ``t``."""
-    return t.start_recv(step_id, pk, done, copy=copy, blocking=False)
-
-
 LegStarter = Callable[[DoneCallback], Canceller]
 
-# How often ``PickWatch`` looks: doubling from the first pause to the last (a producer
-# usually starts soon).
+# ``PickWatch``'s pause doubles from the first to the last (a producer usually starts soon).
 _FIRST_LOOK = 0.005
 _LAST_LOOK = 0.1
 
@@ -338,7 +311,6 @@ class RaceRecv:
 
     @property
     def ended(self) -> bool:
-        """Whether a value, an error or a cancel has ended the receive."""
         return self._ended
 
     def add(self, start: LegStarter) -> bool:
@@ -360,24 +332,13 @@ class RaceRecv:
         return True
 
     def fail(self, error: BaseException) -> None:
-        """End the receive with ``error`` (no pick could be made), unless a leg ended it."""
-        with self._lock:
-            if self._ended or self._cancelling:
-                return
-            self._cancelling = True
-            open_legs = [c for j, c in enumerate(self._cancels) if j in self._open]
-        if not all(c is not None and c() for c in open_legs):
-            return  # a leg's outcome is on its way: it ends the receive
-        with self._lock:
-            if self._over():
-                return
-            self._ended = True
-            done = self._let_go()
-        done(error, None)
+        """End the receive with ``error`` (no pick could be made), unless a leg ends it."""
+        done = self._done  # ``_ignore`` once ended; the real one if ``self()`` ends it
+        if self():
+            done(error, None)
 
     def _over(self) -> bool:
-        """``_ended`` read again: a leg may have ended the race while the lock was free (a
-        method, so that mypy does not narrow the attribute across that gap)."""
+        """``_ended`` read again after the lock was free (a method: mypy must not narrow it)."""
         return self._ended
 
     def _leg_done(self, i: int, error: BaseException | None, received: Received | None) -> None:
@@ -409,38 +370,34 @@ class RaceRecv:
                 return False
             self._cancelling = True
             open_legs = [c for j, c in enumerate(self._cancels) if j in self._open]
-        return self._cancelled([c is not None and c() for c in open_legs])
-
-    def _cancelled(self, removed: list[bool]) -> bool:
+        removed = [c is not None and c() for c in open_legs]
         with self._lock:
-            if self._ended or not all(removed):
+            if self._over() or not all(removed):
                 return False  # a leg's outcome is on its way (or came): it ends the race
             self._ended = True
             self._let_go()
             return True
 
     def _let_go(self) -> DoneCallback:
-        """The race has ended (under the lock): drop the legs' cancellers and ``done``, and
-        return ``done`` to call. The legs' callbacks point back here, and ``done`` is
-        usually a slot that keeps this race to cancel it: kept, these cycles would hold the
-        value, and with it a pool slot of its producer, until a full collection."""
+        """Drop the legs' cancellers and ``done`` (under the lock) and return ``done``: kept,
+        their cycles through this race would hold the value, and its producer's pool slot,
+        until a full collection."""
         done, self._done = self._done, _ignore
         self._cancels = []
         return done
 
 
 def _ignore(error: BaseException | None, received: Received | None) -> None:
-    """An ended race's ``done``: nothing more is delivered."""
+    """An ended race's ``done``."""
 
 
-#: What ``PickWatch`` asks of a watched receive: ``None`` while the producer's record is
-#: provisional; once final, the leg to add (``None`` too if it is the first leg's).
+#: ``None`` while the producer's record is provisional; then the leg to add (or ``(None,)``).
 Pick = Callable[[], "tuple[LegStarter | None] | None"]
 
 
 class PickWatch:
-    """Starts a receive's leg on its producer's pick once the producer's record is final,
-    in one daemon thread that runs while receives are watched; ``pick`` runs outside the lock."""
+    """Adds a receive's leg on its producer's pick once the record is final, in one daemon
+    thread that runs while receives are watched; ``pick`` runs outside the lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -458,7 +415,6 @@ class PickWatch:
             threading.Thread(target=self._run, name="shmrdv-pick", daemon=True).start()
 
     def watching(self) -> int:
-        """How many receives wait for their producer's pick."""
         with self._lock:
             return len(self._watched)
 
@@ -482,8 +438,7 @@ class PickWatch:
 
     @staticmethod
     def _look(race: RaceRecv, pick: Pick) -> bool:
-        """Whether ``race`` needs no more looking (ended, or its pick's leg added). An
-        error of the pick or of the leg's start is the receive's: it ends with it."""
+        """Whether ``race`` needs no more looking; an error of the pick ends the receive."""
         if race.ended:
             return True
         try:

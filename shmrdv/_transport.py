@@ -1,32 +1,18 @@
-"""The seam between a Worker's router and its cross-process transports.
+"""The seam between a Worker's router and its cross-process transports (TensorPipe's
+``Transport`` / ``Context`` split): what a transport is given (``TransportContext``, never
+the Worker), what it offers (``Transport``), and how peers are found (``PeerDirectory``
+over a host's ``PresenceBoard``). The core knows a transport only through these.
 
-Everything a transport offers and everything it is given is declared here, and nothing
-else passes between them (TensorPipe's ``Transport`` / ``Context`` split):
+The receive contract, said once for every transport: ``start_recv`` returns a canceller
+that removes the waiter and returns True (``done`` will then never run), or returns False
+when the value is delivered or on its way. Otherwise ``done(error, received)`` runs
+exactly once, through ``invoke_done``, never under a lock of the transport, in the calling
+thread if the value is already there. ``blocking=True`` means the caller will call
+``wait`` until ``done`` has run and ``done`` never blocks, so no other thread need be woken.
+A call that cannot start (closed, step aborted) raises a ``RendezvousError`` and never
+calls ``done``.
 
-* ``TransportContext`` — what a transport knows of its worker: task, incarnation,
-  namespace token, the peer directory and a "step cleaned up?" query. Frozen; a
-  transport never sees the ``Worker``.
-* ``PeerRecord`` / ``PeerDirectory`` — where another worker is (same host or not),
-  which transports it takes, its gRPC address, whether the answer is final, its state
-  (``TaskState``: alive, dead or absent, from the one liveness monitor of its host), and
-  where else on this host its task was seen (``Sighting``).
-* ``PresenceBoard`` — this host's presence records, from which the peer directory
-  (``_cluster.Peers``) learns what it answers: the shared-memory one (``_shm/transport.py``,
-  over ``_shm/presence.Monitor``), or none where /dev/shm cannot be used
-  (``_cluster.NoPresence``: a gRPC-only worker).
-* ``Transport`` — send, allocate, start a receive, help a blocked receiver wait, abort
-  and clean up a step, close, stats, and whether it can reach a peer
-  (TensorPipe's ``canCommunicateWithRemote``).
-
-The router (``_router.py``) picks, per peer, the first transport of the worker's
-priority list that the peer takes and that ``can_reach`` it. Both ends in one worker
-never reach a transport: they stay in the step's in-process ``LocalRendezvous``. The
-core modules (router, peers, diagnosis, worker's steps) know a transport only through
-these declarations, never through a transport package's modules.
-
-Thread model (``docs/threads.md``): every method may be called from any thread. ``done``
-callbacks are called exactly once (unless the canceller returned ``True``), through
-``invoke_done``, never under a lock of the transport.
+Thread model (``docs/threads.md``): every method may be called from any thread.
 """
 
 from __future__ import annotations
@@ -63,10 +49,9 @@ PeerState = Literal["absent", "alive", "dead"]
 class PeerRecord:
     """What this worker knows of another worker's task.
 
-    ``final`` is True when the answer comes from the peer's own presence record on this
-    host (it cannot change while that peer lives); a provisional answer (from the cluster
-    spec, before the peer has started) must not be cached. ``incarnation`` and ``pid``
-    are 0 when unknown.
+    ``final``: from the peer's own presence record on this host (fixed while it lives);
+    a provisional answer (the cluster spec's, before the peer started) is never cached.
+    ``incarnation`` and ``pid`` are 0 when unknown.
     """
 
     task: str  # canonical: /job:<j>/replica:<r>/task:<t>
@@ -80,11 +65,8 @@ class PeerRecord:
 
 @dataclass(frozen=True, slots=True)
 class TaskState:
-    """A task's state, as its presence record on this host tells (iceoryx2's monitoring
-    ``State``): ``"alive"`` while its owner holds the record's lock (``record`` says which
-    run, its pid, address and transports), ``"dead"`` for a record nobody holds or one
-    from another boot, ``"absent"`` for no record (not started, closed, or not known here).
-    ``record`` is what the record says (None when absent or from another boot)."""
+    """A task's state from its presence record on this host (iceoryx2's monitoring
+    ``State``); ``record`` is what the record says (None when absent or from another boot)."""
 
     state: PeerState
     record: PeerRecord | None = None
@@ -101,54 +83,35 @@ class Sighting:
 
 
 class PeerDirectory(Protocol):
-    """Answers, per peer task, where it is and whether it lives."""
+    """Per peer task: where it is and whether it lives. Raises ``InternalError`` for a
+    presence record that is not ours or is corrupt; never blocks."""
 
     def lookup(self, task: DeviceName) -> PeerRecord:
-        """Where ``task`` is and what it takes (cheap: one ``stat`` while nothing changed).
-
-        Raises ``InternalError`` if its presence record is not ours or is corrupt.
-        """
+        """Where ``task`` is and what it takes (one ``stat`` while nothing changed)."""
         ...
 
     def state(self, task: DeviceName) -> TaskState:
-        """A fresh look at ``task``: alive, dead or absent, and what its record says (with
-        the cluster's address for it). Cheap (one ``stat`` and one ``flock`` test while the
-        record is unchanged), lock-free for the caller (it may run inside the garbage
-        collector), bounded in descriptors. Raises ``InternalError`` if the record is not
-        ours or is corrupt. Never blocks.
-        """
+        """A fresh look at ``task``, lock-free for the caller (it may run inside the
+        garbage collector) and bounded in descriptors."""
         ...
 
     def sightings(self, task: DeviceName) -> list[Sighting] | None:
-        """Where ``task`` has a presence record on this host, in any namespace of this user.
-
-        None when this host keeps no presence records to look at. Costly (it lists them):
-        for a diagnosis only, never per message. Never raises for what it finds.
-        """
+        """Where ``task`` has a record on this host in any namespace of this user (None:
+        no records kept here). Lists them: for a diagnosis, never per message."""
         ...
 
 
 class PresenceBoard(Protocol):
-    """This host's presence records of one namespace: a worker's own, and its peers'.
-
-    A worker publishes its record for as long as it lives; a peer's record on this host
-    says it is here, which transports it takes, its gRPC address and whether it lives.
-    """
+    """This host's presence records of one namespace: this worker's own (published until
+    ``close``) and its peers' (``PeerDirectory``'s source, by canonical task name)."""
 
     def publish(
         self, task: str, incarnation: int, address: str | None, transports: tuple[str, ...]
-    ) -> None:
-        """Publish this worker's record (held until ``close``). Raises if it cannot."""
-        ...
+    ) -> None: ...
 
-    def state(self, task: str) -> TaskState:
-        """``task``'s state (canonical name), its record as a final same-host
-        ``PeerRecord``: the host's liveness monitor (``PeerDirectory.state``)."""
-        ...
+    def state(self, task: str) -> TaskState: ...
 
-    def sightings(self, task: str) -> list[Sighting] | None:
-        """``PeerDirectory.sightings`` of ``task`` (canonical name)."""
-        ...
+    def sightings(self, task: str) -> list[Sighting] | None: ...
 
     def close(self) -> None:
         """Withdraw the published record and release every descriptor. Idempotent."""
@@ -170,21 +133,19 @@ class TransportContext:
 
 
 class Transport(Protocol):
-    """One cross-process transport of a Worker (shared memory or gRPC)."""
+    """One cross-process transport of a Worker (shared memory or gRPC); ``Rendezvous``'s
+    calls for one step, with the contract of the module docstring."""
 
     name: str
 
     def can_reach(self, peer: PeerRecord) -> bool:
-        """Whether this transport can carry keys between this worker and ``peer``."""
+        """Whether this transport can carry keys to and from ``peer`` (TensorPipe's
+        ``canCommunicateWithRemote``)."""
         ...
 
     def explain_wait(self, peer: PeerRecord) -> str | None:
-        """Why a receive from ``peer`` may be waiting, as this transport sees it now (e.g.
-        its address does not answer, and the status it got); None: nothing to tell.
-
-        For the message of a timeout and for ``stats()``, never per message. Blocks for a
-        short probe at most (well under a second).
-        """
+        """Why a receive from ``peer`` may be waiting, as this transport sees it (None:
+        nothing to tell). For a timeout or ``stats()``; blocks a short probe at most."""
         ...
 
     def send(
@@ -195,12 +156,7 @@ class Transport(Protocol):
         is_dead: bool,
         timeout: float | None,
     ) -> None:
-        """Hand ``value`` to the consumer of ``key`` (another worker).
-
-        Never blocks on the consumer, unless a ``max_inflight_bytes`` window is set and
-        full: then it waits up to ``timeout`` seconds (None: as long as it takes) and
-        raises ``ResourceExhaustedError``, having sent nothing.
-        """
+        """``Rendezvous.send``: blocks only for room in a full ``max_inflight_bytes`` window."""
         ...
 
     def allocate(self, step_id: int, key: ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
@@ -215,23 +171,11 @@ class Transport(Protocol):
         *,
         copy: bool = False,
         blocking: bool = False,
-    ) -> Canceller:
-        """Receive the next value of ``key`` from its producer (another worker).
-
-        ``Rendezvous.start_recv`` of one step, on this transport. ``done(error, received)``
-        is called exactly once (in this thread if the value is already there) unless the
-        returned canceller removes the waiter first and returns True. ``copy``: deliver a
-        private copy. ``blocking``: the caller is a blocked receiver that will call
-        ``wait`` until ``done`` has run (``done`` is quick and never blocks), so the
-        transport need not wake another thread for it. May raise a ``RendezvousError`` at
-        once (closed, step aborted); ``done`` is then never called.
-        """
-        ...
+    ) -> Canceller: ...
 
     def wait(self, slot: RecvSlot, timeout: float) -> None:
-        """Block the calling receiver up to ``timeout`` seconds, helping the transport
-        meanwhile (e.g. polling the doorbell as leader); return early once ``slot`` is
-        filled. May return early for no reason: the caller loops."""
+        """Block a ``blocking`` receiver up to ``timeout`` s, helping the transport meanwhile
+        (e.g. polling the doorbell as leader); may return early: the caller loops."""
         ...
 
     def abort_step(self, step_id: int, error: BaseException) -> None:
@@ -239,14 +183,11 @@ class Transport(Protocol):
         ...
 
     def cleanup_step(self, step_id: int, error: BaseException) -> None:
-        """Fail the step's pending receives with ``error`` (as ``abort_step``, if it was not
-        aborted already) and free what the step still holds; called once per cleanup."""
+        """``abort_step`` (unless aborted before), then free what the step still holds."""
         ...
 
     def close(self) -> None:
         """Release every resource; idempotent. Pending receives fail with the closed error."""
         ...
 
-    def stats(self) -> dict[str, int]:
-        """Counters: bytes, messages, pending, live segments."""
-        ...
+    def stats(self) -> dict[str, int]: ...

@@ -38,7 +38,7 @@ _ML_NAME_RE = re.compile(rb"[a-z][a-z0-9_]{0,63}")
 
 
 def _json_to_descr(obj: Any) -> Any:
-    """Undo JSON's tuple-to-list on a ``dtype_to_descr`` value (fields, titles, shapes)."""
+    """Undo JSON's tuple-to-list on a ``dtype.descr`` (fields, titles, shapes)."""
     if isinstance(obj, str):
         return obj
     if not isinstance(obj, list):
@@ -132,8 +132,7 @@ EXAMPLE = "e.g. 4096, 64k, 4m or 1g (binary units; 4mib and 4mb mean 4m too)"
 
 
 def parse_size(text: str, minimum: int = 1) -> int:
-    """``"64"`` -> 64, ``"1k"`` -> 1024, ``"4m"``, ``"1.5g"``, at least ``minimum`` bytes;
-    ``ValueError`` with an example otherwise."""
+    """``"64"``, ``"1k"``, ``"4m"``, ``"1.5g"`` in bytes, at least ``minimum``; else ``ValueError``."""
     s = text.strip().lower()
     for tail in ("ib", "b"):
         if s.endswith(tail) and len(s) > len(tail):
@@ -152,7 +151,7 @@ def parse_size(text: str, minimum: int = 1) -> int:
 
 
 def format_size(n: int) -> str:
-    """``512 B``, ``4 KiB``, ``1.5 KiB``, ``16 MiB``, ``2.3 GiB``: a whole number of a unit stays whole."""
+    """``512 B``, ``4 KiB``, ``1.5 KiB``, ``16 MiB``, ``2.3 GiB``."""
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if value < 1024 or unit == "GiB":
@@ -165,7 +164,7 @@ def format_size(n: int) -> str:
 #: or loop (a bound through ``nbytes`` alone lets zero-byte items through).
 MAX_ELEMENTS = 1 << 40
 #: Zero-byte items (``V0``, ``S0``) still cost per-element work (numpy widens ``S0`` to
-#: ``S1`` when it allocates): a much lower bound for them.
+#: ``S1`` when it allocates): a lower bound for them.
 MAX_ZERO_ITEM_ELEMENTS = 1 << 24
 
 
@@ -178,13 +177,9 @@ _MAX_NAMED_ATTRIBUTES = 5
 
 
 def as_ndarray(value: object, verb: str, where: str = "") -> npt.NDArray[Any]:
-    """``value`` as a plain ndarray (a numpy scalar as a 0-d array), else
-    ``InvalidArgumentError`` ("cannot <verb> a <type><where>: ...").
-
-    A subclass whose values are all in its bytes (``np.memmap``, ``np.matrix``, one without
-    instance attributes) becomes a plain view, which is what a receiver gets; one holding
-    more (a mask, a unit) is refused: the receiver would silently lose it.
-    """
+    """``value`` as a plain ndarray (a numpy scalar as 0-d), else ``InvalidArgumentError``
+    ("cannot <verb> a <type><where>: ..."). A subclass holding more than its bytes (a mask,
+    a unit) is refused: the receiver would silently lose it."""
     if type(value) is np.ndarray:
         return value
     if isinstance(value, np.ndarray):
@@ -236,9 +231,8 @@ def _instance_state(value: npt.NDArray[Any]) -> list[str]:
 
 
 def check_value(value: object, key: str) -> npt.NDArray[Any]:
-    """``value`` as an ndarray (any shape; a numpy scalar as 0-d), or
-    ``InvalidArgumentError`` saying why not (an object dtype at any depth: its bytes are
-    pointers, meaningless in another process)."""
+    """``value`` as a sendable ndarray (``as_ndarray``, ``shape_problem``, no objects at
+    any depth), else ``InvalidArgumentError`` saying why."""
     # A non-empty plain array has no zero dimension to count as 1: its size is the rule's.
     if type(value) is np.ndarray and 0 < value.size <= MAX_ELEMENTS and not value.dtype.hasobject:
         return value
@@ -257,8 +251,7 @@ def check_value(value: object, key: str) -> npt.NDArray[Any]:
 
 def shape_problem(shape: tuple[int, ...], itemsize: int) -> str | None:
     """Why an array of ``shape`` with ``itemsize``-byte items is refused, or None: the one
-    rule of ``send``, the segment header, the ring record and the gRPC coding. Zero
-    dimensions count as 1, so that ``(0, 2**62)`` is refused too.
+    rule of ``send`` and of every wire. Zero dimensions count as 1 (``(0, 2**62)`` is refused).
     """
     count = 1
     for d in shape:

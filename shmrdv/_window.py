@@ -1,16 +1,14 @@
 """Backpressure: the bytes a producer has sent to one consumer that it has not received yet.
 
-``Worker(..., max_inflight_bytes=N)`` gives each consumer worker of a producer one
-``InflightWindow`` per transport: ``send`` reserves a tensor's bytes before sending any of
-it; the transport gives them back once the consumer took it (or died, or the step was
-cleaned up). A tensor larger than the window goes once nothing else is in flight to that
-consumer (a byte window is what bounds /dev/shm; ``multiprocessing.Queue(maxsize)`` counts
-items). A transport that learns of receives only by looking (shared memory) is asked to
-``refresh`` every ``REFRESH_S`` while a reservation waits; ``ConsumerWatch`` frees the window
-of a consumer that died.
+``Worker(..., max_inflight_bytes=N)`` gives each consumer worker one ``InflightWindow`` per
+transport: ``send`` reserves a tensor's bytes before sending any of it, and the transport
+gives them back once the consumer took it (or died, or the step was cleaned up). Bytes, not
+items (``multiprocessing.Queue(maxsize)``), because bytes are what fill /dev/shm. A tensor
+larger than the window goes once nothing else is in flight. ``ConsumerWatch`` frees the
+window of a consumer that died.
 
-Thread model (``docs/threads.md``): any thread reserves or releases; a reservation blocks
-only its caller, and ``refresh`` runs without the window's lock.
+Thread model (``docs/threads.md``): a reservation blocks only its caller, and ``refresh``
+runs without the window's lock.
 """
 
 from __future__ import annotations
@@ -40,14 +38,13 @@ __all__ = [
 REFRESH_S = 0.002
 #: How often a waiting reservation looks whether its consumer died.
 LIVENESS_S = 0.05
-#: What one value counts for at least in every bound kept in bytes: a value of no bytes
-#: still costs a header, a record and objects, so a flood of them stops at the bound too.
+#: What a value counts for at least in every bound kept in bytes: an empty one still costs a
+#: header, a record and objects, so a flood of them stops at the bound too.
 VALUE_FLOOR = 256
 
 
 def counted_bytes(nbytes: int) -> int:
-    """What a value of ``nbytes`` bytes counts for (``VALUE_FLOOR`` at least); transports
-    reserve and release each value's count, never a sum's."""
+    """What a value of ``nbytes`` bytes counts for; reserve and release each value's, never a sum's."""
     return nbytes if nbytes > VALUE_FLOOR else VALUE_FLOOR
 
 
@@ -84,9 +81,6 @@ class InflightWindow:
     def limit(self) -> int:
         return self._limit
 
-    def _fits(self, nbytes: int) -> bool:
-        return self._used + nbytes <= self._limit or self._used == 0
-
     def reserve(
         self,
         nbytes: int,
@@ -95,7 +89,7 @@ class InflightWindow:
         what: str = "tensor",
     ) -> None:
         """Reserve ``nbytes``, blocking up to ``timeout`` s (None: forever) for room and
-        calling ``refresh()`` meanwhile; ``ResourceExhaustedError`` (nothing reserved) then."""
+        calling ``refresh()`` (to learn of receives) meanwhile; then ``ResourceExhaustedError``."""
         with self._lock:  # the fast path: the lock itself, not the Condition's wrapper
             used = self._used
             if used + nbytes <= self._limit or used == 0:
@@ -107,7 +101,7 @@ class InflightWindow:
             if refresh is not None:
                 refresh()
             with self._cond:
-                if self._fits(nbytes):
+                if self._used + nbytes <= self._limit or self._used == 0:
                     self._used += nbytes
                     return
                 left = None if deadline is None else deadline - time.monotonic()
@@ -123,7 +117,7 @@ class InflightWindow:
                 self._cond.wait(wait)
 
     def charge(self, nbytes: int) -> None:
-        """Count ``nbytes`` again without waiting (a value put back in flight, e.g. requeued)."""
+        """Count ``nbytes`` again without waiting (a value put back in flight)."""
         with self._cond:
             self._used += nbytes
 
@@ -144,7 +138,7 @@ class InflightWindow:
 
 
 class Windows:
-    """A producer's windows, one per consumer task (made on first use), all of one limit."""
+    """A producer's windows, one per consumer task (made on first use)."""
 
     __slots__ = ("_by_device", "_by_task", "_limit", "_lock")
 
@@ -155,7 +149,7 @@ class Windows:
         self._lock = threading.Lock()
 
     def of(self, consumer: DeviceName) -> InflightWindow:
-        """The window towards the task of device ``consumer`` (one per task, not per device)."""
+        """The window towards the task of device ``consumer``."""
         tk = consumer.task_key()
         w = self._by_task.get(tk)
         if w is None:
@@ -168,7 +162,7 @@ class Windows:
         return w
 
     def for_key(self, key: ParsedKey) -> InflightWindow:
-        """The window towards ``key``'s consumer (one dict look-up once known: the send path)."""
+        """The window towards ``key``'s consumer (one look-up once known: the send path)."""
         w = self._by_device.get(key.dst_device)
         if w is None:
             w = self._by_device.setdefault(key.dst_device, self.of(key.dst))
@@ -179,25 +173,19 @@ class Windows:
             return iter(list(self._by_task.values()))
 
     def used(self) -> int:
-        """Bytes in flight to all consumers together."""
         return sum(w.used for w in self)
 
     def waits(self) -> int:
-        """Reservations that had to wait, all consumers together."""
         return sum(w.waits for w in self)
 
     def reset(self) -> None:
-        """Give everything back (the producer is closing)."""
         for w in self:
             w.reset()
 
 
 class ConsumerWatch:
-    """Whether a consumer task died since it was seen alive (then its window is freed).
-
-    ``died()`` asks ``PeerDirectory.state`` at most every ``LIVENESS_S`` s; it is True once
-    for a consumer seen alive and then dead, absent or alive in another incarnation.
-    """
+    """``died()``: True once for a consumer task seen alive and then dead, absent or alive
+    in another incarnation (its window is then freed); looks every ``LIVENESS_S`` at most."""
 
     __slots__ = ("_alive", "_next", "_peers", "_task")
 

@@ -1,23 +1,17 @@
 """Worker: one task of a job, its transports and its steps (``StepRendezvous``).
 
-A Worker is TensorFlow's worker process reduced to its rendezvous part: a task name
-(``/job:w/replica:0/task:1``), an incarnation (a random uint64 drawn at start), a
-namespace shared by the job's workers, and the transports that reach other workers:
-shared memory on this host, gRPC across hosts. ``rendezvous(step_id)`` hands out the
-step's ``StepRendezvous``; ``cleanup(step_id)`` aborts and frees it (TensorFlow's
-``RendezvousMgr::Cleanup``), leaving a tombstone so a late call fails at once.
-
-Routing (which rendezvous carries a key, derived once per pair of key ends) is
-``_routes.py``'s.
+A Worker is TensorFlow's worker process reduced to its rendezvous part: a task, an
+incarnation, a namespace, and the transports that reach other workers. ``cleanup(step)``
+aborts and frees a step (TensorFlow's ``RendezvousMgr::Cleanup``), leaving a tombstone so
+a late call fails at once. Which rendezvous carries a key is ``_routes.py``'s.
 
 Thread model (``docs/threads.md``): thread-safe. ``Worker._lock`` guards the steps, the
-tombstones and the lazy gRPC client; a step's lock its abort error and the making of its
-in-process table. None is held across a transport call.
+tombstones and the lazy gRPC client, and each step's abort; none is held across a
+transport call.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import secrets
@@ -39,7 +33,6 @@ from ._cluster import (
     is_local_host,
     namespace_id,
     resolve_namespace,
-    split_host_port,
 )
 from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError, closed_error
 from ._keys import DeviceName, ParsedKey, parse_key
@@ -56,7 +49,7 @@ from ._rendezvous import (
     timeout_error,
     wait_received,
 )
-from ._routes import Ends, RaceRecv, Routes, start_leg
+from ._routes import Ends, RaceRecv, Routes
 from ._rpc.guard import DEFAULT_FIRST_MESSAGE_TIMEOUT, DEFAULT_MAX_CONCURRENT_RPCS, Limits
 from ._transport import PresenceBoard, Transport, TransportContext
 from ._values import check_value
@@ -90,12 +83,10 @@ os.register_at_fork(after_in_child=_mark_forked)
 class StepRendezvous(Rendezvous):
     """The rendezvous of one step of one Worker (``Worker.rendezvous(step_id)``).
 
-    ``send`` never blocks on the consumer; it copies the array once into shared memory
-    for a consumer on this host (none for an array from ``allocate``, none for a consumer
-    in this worker) and buffers it for a consumer on another host, which pulls it.
-    Receives block, call back, or complete a Future / awaitable as described on
-    ``Rendezvous``. ``start_abort`` (or ``Worker.cleanup``) fails everything pending in this
-    step and every later call.
+    ``send`` copies the array once into shared memory for a consumer on this host (none
+    for an ``allocate``d array or a consumer in this worker) and buffers it for one on
+    another host, which pulls it. ``start_abort`` (or ``Worker.cleanup``) fails everything
+    pending in this step and every later call. See docs/api.md.
     """
 
     def __init__(self, routes: Routes, step_id: int, lock: threading.Lock) -> None:
@@ -131,10 +122,8 @@ class StepRendezvous(Rendezvous):
             t = ends.transport or self._routes.transport(ends, pk)
             t.send(self.step_id, pk, arr, dead, timeout)
 
-    send.__doc__ = Rendezvous.send.__doc__
-
     def _make_local(self) -> LocalRendezvous:
-        """The step's in-process table, made once (aborted at once if the step is)."""
+        """The step's in-process table, made on first use (aborted if the step is)."""
         with self._lock:
             local = self._local
             if local is None:
@@ -145,7 +134,6 @@ class StepRendezvous(Rendezvous):
         return local
 
     def _route(self, key: str | ParsedKey) -> tuple[ParsedKey, Ends]:
-        """The parsed key and the route of its ends (one split and two lookups)."""
         routes = self._routes
         if routes.refused is not None:
             raise routes.refused()
@@ -180,35 +168,26 @@ class StepRendezvous(Rendezvous):
         if t is None:
             t = self._routes.transport(ends, pk)
             if ends.transport is None and self._routes.others_reaching(ends, t):
-                leg = functools.partial(start_leg, step_id=self.step_id, pk=pk, copy=copy)
-                race = RaceRecv(done, [functools.partial(leg, t)], f"key {pk.full_key!r}")
-                self._routes.watch_pick(ends, pk, race, t, leg)
-                return race
+                return self._routes.race(ends, pk, t, self.step_id, done, copy)
         return t.start_recv(self.step_id, pk, done, copy=copy, blocking=blocking)
-
-    start_recv.__doc__ = Rendezvous.start_recv.__doc__
 
     def _wait_blocked(
         self, slot: RecvSlot, cancel: Canceller, key: str | ParsedKey, timeout: float | None
     ) -> Received:
-        """A blocked receiver helps its transport while it waits (``Transport.wait``: the
-        shared-memory one polls the doorbell as leader) and reports a wait that lasts."""
+        """A blocked receiver helps its transport (``Transport.wait``) and reports a wait
+        that lasts."""
         pk, ends = self._route(key)
         if ends.local:
             return wait_received(slot, cancel, pk, timeout)
         if isinstance(cancel, RaceRecv):  # its legs are callback receives: nothing to help
             return wait_received(slot, cancel, pk, timeout, observer=self)
-        # The transport start_recv chose (asked again only while the peer's record is
-        # provisional, i.e. before the peer has started).
+        # The transport start_recv chose (asked again while the peer's record is provisional).
         helper = ends.wait or self._routes.transport(ends, pk).wait
         return wait_received(slot, cancel, pk, timeout, helper, self)
 
     def allocate(self, key: str | ParsedKey, shape: Any, dtype: Any) -> npt.NDArray[Any]:
-        """An array to fill and then ``send(key, array)``.
-
-        For a consumer on this host it lies in a shared-memory segment, so ``send`` only
-        publishes it: no copy at all. It may be sent once, under this key only.
-        """
+        """An array to fill and then ``send(key, array)``, once, under this key only; for a
+        consumer on this host it lies in shared memory and ``send`` only publishes it."""
         pk, ends = self._route(key)
         if not ends.sends or self._error is not None:
             raise self._refusal(pk, ends, sending=True)
@@ -234,7 +213,7 @@ class StepRendezvous(Rendezvous):
         """The abort error, or ``None`` while the step is open."""
         return self._error
 
-    # -- WaitObserver: what a cross-process receive that waits says ---------------------
+    # -- WaitObserver ---------------------------------------------------------------------
 
     def timeout_error(self, key: ParsedKey, timeout: float | None) -> DeadlineExceededError:
         error = timeout_error(key, timeout)
@@ -263,71 +242,34 @@ class StepRendezvous(Rendezvous):
         return {} if self._local is None else self._local.stats()
 
 
-def _task_of(task: str | DeviceName) -> DeviceName:
-    dev = task if isinstance(task, DeviceName) else DeviceName.parse(task)
-    if dev.job is None or dev.task is None:
-        raise InvalidArgumentError(
-            f"a Worker needs a task name with a job and a task index, like "
-            f"'/job:worker/replica:0/task:0', not {str(task)!r}"
-        )
-    return canonical_task(dev)
-
-
-def _check_busy_poll(seconds: Any) -> float:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise InvalidArgumentError(f"busy_poll must be a number of seconds >= 0, not {seconds!r}")
-    if not 0.0 <= seconds <= 3600.0:
-        raise InvalidArgumentError(f"busy_poll must be between 0 and 3600 seconds, not {seconds!r}")
-    return float(seconds)
-
-
 class Worker(Closing):
     """One task of a job: hands out step-scoped rendezvous and owns their transports.
 
-    Args:
-        task: this worker's task, e.g. ``"/job:worker/replica:0/task:0"`` (replica
-            defaults to 0). At most one live Worker per task and namespace on a host.
-        cluster: a ``ClusterSpec`` (or its dict) giving each task's ``host:port``.
-            ``None``: every task is on this host and no server is needed.
-        namespace: the job's token from ``shmrdv.new_namespace()``, shared by all its
-            workers; defaults to the ``SHMRDV_NAMESPACE`` environment variable. It is a
-            secret: messages, logs, ``repr`` and ``stats()`` name the namespace by its
-            public id, ``w.namespace_id`` (``shmrdv.namespace_id(token)``), never by it.
-        transports: priority list among ``"shm"`` and ``"grpc"``; default both, with a
-            gRPC server started only when the cluster puts a task on another host.
-            Passing ``("grpc",)`` forces the network path (and starts the server).
-        incarnation: this run's id, a non-zero uint64; random unless given.
-        tls, token: gRPC security options (see ``TLSConfig``); a token is a shared
-            bearer secret every call must carry.
-        shm_pool_bytes: bytes of reusable shared-memory slots kept warm for sends to
-            this host's workers (0 disables the pool).
-        max_inflight_bytes: backpressure. At most this many bytes sent to any one
-            consumer worker and not yet received by it (every cross-process transport);
-            a ``send`` that would exceed it waits up to its ``timeout`` for room, then
-            raises ``ResourceExhaustedError`` having sent nothing. A tensor larger than
-            the window goes out once nothing else is in flight to that consumer.
-            ``None`` (default): no window, ``send`` never waits.
-        busy_poll: low latency for a stage that has a core of its own. A receive blocked
-            on another process of this host polls shared memory instead of sleeping on
-            the doorbell until this many seconds have passed since the last message
-            arrived (0, the default: a spin of 250 µs before it sleeps, off on a
-            one-CPU machine, paused for a second when few of its last spins found a
-            message and after a wait that went unanswered). The time spent polling is in ``stats()`` (``spin_us``, with
-            ``spins`` started and ``spin_hits``, those that found a message).
-        max_connections, max_concurrent_rpcs, first_message_timeout: bounds of this
-            worker's gRPC server against clients that never finish a call, with or
-            without the token. Connections beyond ``max_connections`` are refused
-            (default: a quarter of the process's descriptor limit, ``ulimit -n``, at
-            most 1,024; at most half of it may be asked for); calls in flight beyond
-            ``max_concurrent_rpcs`` (default 16,384) get ``RESOURCE_EXHAUSTED``; a call
-            that has not sent its request message ``first_message_timeout`` seconds
-            (default 5) after opening is dropped with ``UNAVAILABLE`` (and only a
-            quarter of ``max_concurrent_rpcs``, at most 1,024, may wait for theirs
-            longer than a second). Checked here even when no server starts.
+    ``Worker(task, cluster=None, namespace=None, ...)``; docs/api.md has every option.
 
-    Close it (or use ``with``): ``close()`` aborts every step and releases every OS
-    object this worker owns. A Worker cannot be used in a ``fork`` child of the process
-    that created it: create a new one there.
+    Args:
+        task: this worker's task, e.g. ``"/job:worker/replica:0/task:0"``. At most one
+            live Worker per task and namespace on a host.
+        cluster: a ``ClusterSpec`` (or its dict) of each task's ``host:port``; ``None``:
+            every task is on this host and no server is needed.
+        namespace: the job's secret token (``shmrdv.new_namespace()``), else env
+            ``SHMRDV_NAMESPACE``; messages name it by ``w.namespace_id`` only.
+        transports: priority list among ``"shm"`` and ``"grpc"``; ``("grpc",)`` forces
+            the network path and starts the server.
+        incarnation: this run's id, a non-zero uint64; random unless given.
+        tls, token: gRPC security options (``TLSConfig``, a shared bearer secret).
+        shm_pool_bytes: warm shared-memory slots kept for sends (0: no pool).
+        max_inflight_bytes: backpressure: at most this many bytes sent to one consumer
+            worker and not received yet; a ``send`` beyond waits up to its ``timeout``,
+            then raises ``ResourceExhaustedError`` having sent nothing. None: no window.
+        busy_poll: seconds a receive blocked on this host polls shared memory after the
+            last message instead of sleeping (0: a short spin only); cost in ``stats()``.
+        max_connections, max_concurrent_rpcs, first_message_timeout: the gRPC server's
+            bounds against clients that never finish a call (checked even when no
+            server starts).
+
+    ``close()`` (or ``with``) aborts every step and releases every OS object. A Worker
+    cannot be used in a ``fork`` child of the process that created it.
     """
 
     def __init__(
@@ -350,7 +292,13 @@ class Worker(Closing):
         self._closed = True  # until fully built, so close() from the finalizer is a no-op
         self._forked = False
         self._pid = os.getpid()
-        self._task = _task_of(task)
+        dev = task if isinstance(task, DeviceName) else DeviceName.parse(task)
+        if not dev.has_task:
+            raise InvalidArgumentError(
+                f"a Worker needs a task name with a job and a task index, like "
+                f"'/job:worker/replica:0/task:0', not {str(task)!r}"
+            )
+        self._task = canonical_task(dev)
         self.task: str = str(self._task)
         self.cluster: ClusterSpec | None = (
             None
@@ -399,7 +347,15 @@ class Worker(Closing):
         self._tls = tls
         self._token = token
         self._shm_pool_bytes = shm_pool_bytes
-        self._busy_poll = _check_busy_poll(busy_poll)
+        if isinstance(busy_poll, bool) or not isinstance(busy_poll, (int, float)):
+            raise InvalidArgumentError(
+                f"busy_poll must be a number of seconds >= 0, not {busy_poll!r}"
+            )
+        if not 0.0 <= busy_poll <= 3600.0:
+            raise InvalidArgumentError(
+                f"busy_poll must be between 0 and 3600 seconds, not {busy_poll!r}"
+            )
+        self._busy_poll = float(busy_poll)
 
         self._lock = threading.Lock()
         self._steps: dict[int, StepRendezvous] = {}
@@ -418,7 +374,7 @@ class Worker(Closing):
             cleaned_up=self._tombstones.__contains__,
             max_inflight_bytes=self.max_inflight_bytes,
         )
-        self._routes = Routes(self._ctx, self.transports, self._transport, self._active_transports)
+        self._routes = Routes(self._ctx, self.transports, self._transport, lambda: self._active)
         self.address: str | None = None
 
         try:
@@ -432,8 +388,8 @@ class Worker(Closing):
         self._finalizer = weakref.finalize(self, _log.debug, "worker %s collected", self.task)
 
     def _presence_board(self) -> PresenceBoard:
-        """The shared-memory board; none for a worker without ``"shm"`` where /dev/shm
-        cannot be used (its peers are then found by the cluster spec alone)."""
+        """The shared-memory board, or none for a gRPC-only worker where /dev/shm cannot
+        be used (peers are then found by the cluster spec alone)."""
         from ._shm.transport import ShmBoard, usable
 
         if "shm" not in self.transports and not usable():
@@ -446,7 +402,6 @@ class Worker(Closing):
         return ShmBoard(self.namespace)
 
     def _start(self, explicit_transports: bool) -> None:
-        board = self._board
         start_server = (
             "grpc" in self.transports
             and (
@@ -457,15 +412,17 @@ class Worker(Closing):
         if start_server:
             from ._rpc.transport import GrpcTransport
 
-            bind = self._bind_address()
+            cluster = self.cluster
+            bind = "127.0.0.1:0"
+            if cluster is not None and self.task in cluster:
+                bind = cluster.task_address(self.task)
             grpc_t = GrpcTransport(
                 self._ctx, bind, tls=self._tls, token=self._token, limits=self._server_limits
             )
             self._grpc = grpc_t
             self.address = grpc_t.address
-        elif "grpc" in self.transports:
-            self._grpc = None  # created lazily on the first remote key (client side only)
-        board.publish(self.task, self.incarnation, self.address, self.transports)
+        # Else a gRPC client is made on the first remote key (``_transport``).
+        self._board.publish(self.task, self.incarnation, self.address, self.transports)
         if "shm" in self.transports:
             from ._shm.transport import ShmTransport
 
@@ -475,40 +432,23 @@ class Worker(Closing):
         self._made()
 
     def _cluster_has_remote_task(self) -> bool:
-        if self.cluster is None:
-            return False
-        for t in self.cluster.tasks():
-            host, _ = split_host_port(self.cluster.task_address(t))
-            if not is_local_host(host):
-                return True
-        return False
-
-    def _bind_address(self) -> str:
-        if self.cluster is not None and self.task in self.cluster:
-            return self.cluster.task_address(self.task)
-        return "127.0.0.1:0"
-
-    # -- public API ----------------------------------------------------------------------
+        cluster = self.cluster
+        return cluster is not None and any(
+            not is_local_host(cluster.host_of(t)) for t in cluster.tasks()
+        )
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        window = (
-            ""
-            if self.max_inflight_bytes is None
-            else f" max_inflight_bytes={self.max_inflight_bytes}"
-        )
+        window = self.max_inflight_bytes
         return (
             f"<shmrdv.Worker {self.task} namespace_id={self.namespace_id} "
-            f"incarnation={self.incarnation:016x} "
-            f"transports={self.transports}{window} steps={len(self._steps)} {state}>"
+            f"incarnation={self.incarnation:016x} transports={self.transports}"
+            f"{'' if window is None else f' max_inflight_bytes={window}'} "
+            f"steps={len(self._steps)} {'closed' if self._closed else 'open'}>"
         )
 
     def rendezvous(self, step_id: int) -> StepRendezvous:
-        """The rendezvous of step ``step_id`` (created on first use, then the same object).
-
-        After ``cleanup(step_id)`` it is a rendezvous whose every call fails at once with
-        ``AbortedError("Cleanup <step_id>")``.
-        """
+        """The rendezvous of step ``step_id``, made on first use; after ``cleanup(step_id)``
+        one whose every call fails at once with ``AbortedError("Cleanup <step_id>")``."""
         step = (
             step_id
             if type(step_id) is int and _I64_MIN <= step_id <= _I64_MAX
@@ -529,11 +469,9 @@ class Worker(Closing):
         return rdv
 
     def cleanup(self, step_id: int) -> None:
-        """Abort step ``step_id`` with ``AbortedError("Cleanup <step_id>")`` and free its state.
-
-        Pending receives of the step fail at once; values sent to this worker in that
-        step and not received are freed. Later calls on the step fail at once.
-        """
+        """Abort step ``step_id`` with ``AbortedError("Cleanup <step_id>")``: its pending
+        and later calls fail at once; values sent to this worker in it and not received
+        are freed."""
         step = (
             step_id
             if type(step_id) is int and _I64_MIN <= step_id <= _I64_MAX
@@ -566,10 +504,7 @@ class Worker(Closing):
 
     def close(self) -> None:
         """Abort every step, stop the server, release every OS object. Idempotent.
-
-        Values this worker already sent to another worker on this host stay readable by
-        it: from ``send``'s return they belong to the consumer.
-        """
+        Values already sent to a worker on this host stay its own."""
         if self._closed:
             return
         self._closed = True
@@ -583,7 +518,7 @@ class Worker(Closing):
         error = closed_error(self.task)
         for _step, rdv in steps:
             rdv.start_abort(error)
-        for t in self._active_transports():
+        for t in self._active:
             try:
                 t.close()
             except Exception:  # pragma: no cover - keep closing the rest
@@ -595,13 +530,9 @@ class Worker(Closing):
         return self._closed
 
     def stats(self) -> dict[str, Any]:
-        """Counters per transport (bytes, messages, pending, live segments), steps,
-        tombstones, ``max_inflight_bytes`` (the backpressure window, None if unset; each
-        transport reports ``inflight_bytes`` and ``window_waits`` when set), ``routes``
-        (pairs of key ends whose route is remembered) and ``waiting``:
-        the blocked receives waiting for over a second, each with step, key, seconds
-        waited and a diagnosis (None, or where its producer's task is alive if not in this
-        worker's namespace, or that it is alive nowhere on this host)."""
+        """Counters per transport, steps, tombstones, ``max_inflight_bytes``, ``routes``
+        (pairs of key ends remembered) and ``waiting`` (receives blocked over a second,
+        with step, key, seconds and a diagnosis). Lists presence records for a diagnosis."""
         out: dict[str, Any] = {
             "task": self.task,
             "namespace_id": self.namespace_id,
@@ -616,11 +547,11 @@ class Worker(Closing):
             for k, v in rdv.stats().items():
                 local[k] = local.get(k, 0) + v
         out["local"] = local
-        for t in self._active_transports():
+        for t in self._active:
             out[t.name] = t.stats()
         return out
 
-    # -- lifecycle and the transports it built (given to the router as callables) --------
+    # -- the transports it built (given to the router as callables) -----------------------
 
     @staticmethod
     def _check_step(step_id: int) -> int:
@@ -632,13 +563,8 @@ class Worker(Closing):
             raise InvalidArgumentError(f"step_id must be an int64, not {step_id!r}")
         return step_id
 
-    def _check_usable(self) -> None:
-        if self._forked or self._closed:
-            raise self._unusable()
-
     def _unusable(self) -> InvalidArgumentError | AbortedError:
-        """What a call of a worker that is closed, or inherited across fork, raises (its
-        steps raise it too: ``Routes.refused``)."""
+        """What a call of a closed or forked-off worker (and of its steps) raises."""
         if self._forked:
             return InvalidArgumentError(
                 f"this Worker ({self.task}) was created in pid {self._pid} and inherited across "
@@ -646,11 +572,7 @@ class Worker(Closing):
             )
         return closed_error(self.task)
 
-    def _active_transports(self) -> tuple[Transport, ...]:
-        return self._active
-
     def _made(self) -> None:
-        """A transport was made: the tuple of those made so far, read per cleanup."""
         self._active = tuple(t for t in (self._shm, self._grpc) if t is not None)
 
     def _transport(self, name: str) -> Transport:
