@@ -316,9 +316,10 @@ class Worker(Closing):
                 f"transports must be a list like ('shm', 'grpc'), not the string {transports!r}"
             )
         bad = [t for t in names if t not in ALL_TRANSPORTS]
-        if bad or len(set(names)) != len(names):
+        if bad or not names or len(set(names)) != len(names):
             raise InvalidArgumentError(
-                f"transports must be distinct names among {ALL_TRANSPORTS}, not {names!r}"
+                f"transports must be one or more distinct names among {ALL_TRANSPORTS}, "
+                f"not {names!r}"
             )
         self.transports: tuple[str, ...] = names
         if incarnation is None:
@@ -334,7 +335,11 @@ class Worker(Closing):
                 f"incarnation must be a non-zero uint64, not {incarnation!r}"
             )
         self.incarnation: int = incarnation
-        if not isinstance(shm_pool_bytes, int) or shm_pool_bytes < 0:
+        if (
+            isinstance(shm_pool_bytes, bool)
+            or not isinstance(shm_pool_bytes, int)
+            or shm_pool_bytes < 0
+        ):
             raise InvalidArgumentError(
                 f"shm_pool_bytes must be an int >= 0, not {shm_pool_bytes!r}"
             )

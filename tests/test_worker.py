@@ -64,10 +64,16 @@ def test_worker_bad_task_refused(task: str) -> None:
         shmrdv.Worker(task, namespace=shmrdv.new_namespace())
 
 
-@pytest.mark.parametrize("transports", [("tcp",), ("shm", "shm"), "shm", ("SHM",)])
+@pytest.mark.parametrize("transports", [("tcp",), ("shm", "shm"), "shm", ("SHM",), ()])
 def test_worker_bad_transports_refused(transports: object) -> None:
     with pytest.raises(shmrdv.InvalidArgumentError, match="transports"):
         shmrdv.Worker(TASK, namespace=shmrdv.new_namespace(), transports=transports)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("pool", [-1, True, 1.5, "512"])
+def test_worker_bad_shm_pool_bytes_refused(pool: object) -> None:
+    with pytest.raises(shmrdv.InvalidArgumentError, match="shm_pool_bytes"):
+        shmrdv.Worker(TASK, namespace=shmrdv.new_namespace(), shm_pool_bytes=pool)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("inc", [0, -1, 2**64, 1.5, True])
