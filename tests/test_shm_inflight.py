@@ -9,8 +9,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from helpers import CONSUMER
+from helpers import CONSUMER, PRODUCER
 
+import shmrdv
 from shmrdv._cluster import Peers
 from shmrdv._errors import ResourceExhaustedError
 from shmrdv._keys import DeviceName
@@ -25,8 +26,11 @@ DST = DeviceName.parse(CONSUMER + "/device:CPU:0")
 
 
 @pytest.fixture
-def names(ns: str) -> Names:
-    return Names(ns)
+def names(ns: str) -> Iterator[Names]:
+    # A live worker in the namespace: no Worker's sweep (of this or another process) takes
+    # the namespace for a dead one and collects the segments the tests publish by hand.
+    with shmrdv.Worker(PRODUCER, namespace=ns, transports=("shm",)):
+        yield Names(ns)
 
 
 @pytest.fixture
