@@ -472,7 +472,7 @@ class _Slots:
             if e.kind in _SLOT_KINDS and not _is_slot_of(names, e, self._task, inc, header.slot):
                 continue  # another producer's slot, or a name that is no slot of that run
             # A slot of a dead run may still be kept mapped by a consumer for reuse: its
-            # names go anyway (the mapping follows, mappings.py). A temp must be unused.
+            # names go anyway (the mapping follows, pool.SlotMaps). A temp must be unused.
             self.removed += _unlink(e, mapped_ok=e.kind in _SLOT_KINDS)
         if but is not None and self.removed > before:
             _log.info("collected %d pool slot(s) of earlier runs", self.removed - before)

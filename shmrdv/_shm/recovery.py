@@ -26,9 +26,8 @@ from .._keys import parse_key
 from .._transport import TransportContext
 from .files import Segment, is_ours, move_noreplace, peek_header
 from .header import Header, is_notice, unpack_identity
-from .mappings import RunWatch, give_back
 from .naming import SHM_DIR, Names, parse_name
-from .pool import ProducerAlive
+from .pool import ProducerAlive, RunWatch, give_back
 from .ring import RINGS_SUPPORTED, Ring
 
 if TYPE_CHECKING:
