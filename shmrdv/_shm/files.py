@@ -34,7 +34,8 @@ from .._rendezvous import Closing
 from .header import MAGIC, MAX_KEY_BYTES, PREFIX, Header, unpack
 from .naming import SHM_DIR, Names
 
-__all__ = ["Segment", "is_ours", "move_noreplace", "open_checked", "os_error", "peek_header"]
+__all__ = ["Segment", "inode", "is_ours", "move_noreplace", "open_checked", "os_error"]
+__all__ += ["peek_header"]
 
 _log = logging.getLogger("shmrdv.shm.files")
 
@@ -49,6 +50,16 @@ _NO_FDS = (errno.EMFILE, errno.ENFILE)
 def is_ours(st: os.stat_result) -> bool:
     """A regular file of this user with no group/other permission bits."""
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def inode(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the file named ``path`` (not followed), None if there is none:
+    whether a name is still the file we had, across renames."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _free_bytes() -> str:

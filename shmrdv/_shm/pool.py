@@ -33,7 +33,7 @@ from .._keys import DeviceName
 from .._rendezvous import Received, received
 from .._transport import PeerDirectory
 from .._values import shape_problem
-from .files import Segment, move_noreplace, open_checked
+from .files import Segment, inode, move_noreplace, open_checked
 from .header import FLAG_DEAD, Reader
 from .naming import MAX_SLOT, SLOT_BITS, Names
 
@@ -407,12 +407,9 @@ class SlotPool:
     def _remove_returned(self, slot: Slot) -> None:
         """Unlink ``slot``'s ``returned`` name if it is the slot's own inode."""
         ret = self._path(self._names.returned, slot.ticket)
-        try:
-            st = os.stat(ret, follow_symlinks=False)
-            if (st.st_dev, st.st_ino) == slot.ino:
+        if inode(ret) == slot.ino:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(ret)
-        except FileNotFoundError:
-            pass
 
 
 # A consumer keeps at most as many mappings as a pool has slots. One that lent nothing for
