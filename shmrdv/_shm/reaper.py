@@ -34,7 +34,7 @@ from .._keys import DeviceName, parse_key
 from .._transport import Sighting
 from .files import is_ours, open_checked, peek_header
 from .header import created_ns
-from .naming import KINDS, PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
+from .naming import CODES, PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
 from .presence import claim, look
 from .ring import DATA_OFFSET, Ring, describe
 
@@ -63,7 +63,6 @@ _PRODUCER_KINDS = frozenset({"pool", "returned", "temp"})  # a dead run's, nobod
 _SLOT_KINDS = frozenset({"pool", "returned"})
 _SEGMENT_KINDS = frozenset({"temp", "message", "pool", "held", "returned"})  # with a header
 _KIND_AT = len(PREFIX) + NAMESPACE_ID_HEX + 1  # ``shmrdv_<id>_<kind letter>``
-_CODES = {kind: code for code, kind in KINDS.items()}
 _SEM_NAMES = SEM_PREFIX + PREFIX
 _ORDER = operator.attrgetter("namespace", "kind", "name")  # of what ls and gc show
 
@@ -151,7 +150,7 @@ def _ours(shm_dir: str, name: str) -> _Entry | None:
 def _records(shm_dir: str, group: Iterable[str]) -> Iterator[_Entry]:
     """The presence records of ours among ``group`` (another name costs a string test)."""
     for name in group:
-        if name.startswith(_CODES["presence"], _KIND_AT) and (e := _ours(shm_dir, name)):
+        if name.startswith(CODES["presence"], _KIND_AT) and (e := _ours(shm_dir, name)):
             yield e
 
 
@@ -452,7 +451,7 @@ class _Slots:
 
     def __call__(self, groups: Groups, pace: _Pace) -> bool:
         names, run, but = self._names, self._run, self._but
-        codes = {_CODES[kind] for kind in (_PRODUCER_KINDS if run is not None else _SLOT_KINDS)}
+        codes = {CODES[kind] for kind in (_PRODUCER_KINDS if run is not None else _SLOT_KINDS)}
         before = self.removed
         for name in groups.get(names.namespace_id, []):
             if name[_KIND_AT : _KIND_AT + 1] not in codes or (e := _ours(SHM_DIR, name)) is None:
