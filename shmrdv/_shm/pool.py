@@ -405,7 +405,6 @@ class SlotPool:
             slot.segment.close()
 
     def _remove_returned(self, slot: Slot) -> None:
-        """Unlink ``slot``'s ``returned`` name if it is the slot's own inode."""
         ret = self._path(self._names.returned, slot.ticket)
         if inode(ret) == slot.ino:
             with contextlib.suppress(FileNotFoundError):
@@ -646,7 +645,6 @@ class SlotMaps:
                 os.unlink(Names.path(held.pop()))
 
     def _keep(self, seg: Segment, ident: _Ident, task: str, incarnation: int, slot: int) -> None:
-        """Keep ``seg``, lent under ticket ``slot``, mapped for its next message."""
         kept = self._kept.get(ident)
         if kept is not None:
             kept.slot = slot

@@ -148,7 +148,6 @@ def _ours(shm_dir: str, name: str) -> _Entry | None:
 
 
 def _records(shm_dir: str, group: Iterable[str]) -> Iterator[_Entry]:
-    """The presence records of ours among ``group`` (another name costs a string test)."""
     for name in group:
         if name.startswith(CODES["presence"], _KIND_AT) and (e := _ours(shm_dir, name)):
             yield e
@@ -252,7 +251,6 @@ def _describe(entries: list[_Entry], alive: bool) -> dict[str, ObjectInfo]:
 
 
 def _of(namespace: str | None, shm_dir: str) -> Groups:
-    """The listing, of ``namespace`` (a token or an id) only if given."""
     ids = None if namespace is None else namespace_ids(namespace)
     return {ns: names for ns, names in _listing(shm_dir).items() if ids is None or ns in ids}
 
@@ -485,8 +483,6 @@ def _is_slot_of(names: Names, e: _Entry, task: str, inc: int, ticket: int) -> bo
 
 
 class _Producer(_Slots):
-    """``collect_producer`` as a job."""
-
     def __init__(self, names: Names, task: str, run: int, consumer: str) -> None:
         super().__init__(names, task, run)
         self._inc, self._consumer = run, consumer

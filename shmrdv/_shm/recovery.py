@@ -459,7 +459,6 @@ class Recovery:
         return True
 
     def _peek(self, name: str) -> Header | None:
-        """The header of message ``name``, or None (and refused)."""
         h = peek_header(Names.path(name))
         if h is None:
             self.listing.refuse(name)
