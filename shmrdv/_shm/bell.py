@@ -264,8 +264,9 @@ def spin_pays() -> bool:
 
 
 class Poller:
-    """Who polls one transport's doorbell (see the module docstring): ``busy_poll`` s after
-    the last message a leader polls; else it spins ``SPIN_NS`` while spins pay."""
+    """Who polls one transport's doorbell (see the module docstring). A leader polls for
+    ``busy_poll`` s after the last message if set, else spins up to ``SPIN_NS`` while the
+    spin pays: on more than one CPU, with a post in enough of the last ``SPIN_WINDOW``."""
 
     def __init__(self, bell: Bell, consumer: Consumer, label: str, busy_poll: float = 0.0) -> None:
         self._bell = bell
