@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from header_corruptions import build_header, write_header
 from small_shm import run_with_small_dev_shm
 
 from shmrdv._errors import InternalError
@@ -27,7 +28,7 @@ KEY = (
 
 
 def _header(shape: tuple[int, ...] = (4, 8), dtype: str = "<f4") -> layout.Header:
-    return layout.Header.build(
+    return build_header(
         key=KEY,
         dtype=np.dtype(dtype),
         shape=shape,
@@ -56,7 +57,7 @@ def test_segment_create_attach_zero_copy(names: Names) -> None:
     with Segment.create(names, h.segment_size) as prod:
         assert prod.name.startswith(names.prefix + "t")
         assert prod.path == f"{SHM_DIR}/{prod.name}" and prod.size == h.segment_size
-        layout.pack_into(prod.buf, h)
+        write_header(prod.buf, h)
         src = _array(prod, h)
         src[...] = np.arange(32, dtype="<f4").reshape(4, 8)
         with Segment.attach(names, prod.name) as cons:
@@ -163,7 +164,7 @@ def test_segment_attach_refuses_symlink_and_fifo(names: Names) -> None:
 def test_segment_check_size_detects_truncation(names: Names) -> None:
     h = _header()
     with Segment.create(names, h.segment_size) as prod:
-        layout.pack_into(prod.buf, h)
+        write_header(prod.buf, h)
         with Segment.attach(names, prod.name) as cons:
             cons.check_size(h.segment_size)
             os.truncate(prod.path, 100)  # a peer shrinks the file under the reader
@@ -213,7 +214,7 @@ def test_segment_view_is_ndarray_without_a_header_and_checks_the_same(names: Nam
     # checks before a byte is touched.
     h = _header((4, 8), "<f4")
     with Segment.create(names, h.segment_size) as prod:
-        layout.pack_into(prod.buf, h)
+        write_header(prod.buf, h)
         arr = prod.view(h.dtype, h.shape, h.data_offset, h.nbytes, checked=True)
         arr[...] = np.arange(32, dtype="<f4").reshape(4, 8)
         np.testing.assert_array_equal(_array(prod, h), arr)
@@ -372,7 +373,7 @@ def test_segment_lend_callback_exception_is_logged(
 def test_segment_empty_array_and_zero_size(names: Names) -> None:
     h = _header((0, 3))
     with Segment.create(names, h.segment_size) as seg:
-        layout.pack_into(seg.buf, h)
+        write_header(seg.buf, h)
         arr = _array(seg, h)
         assert arr.shape == (0, 3) and arr.dtype == np.float32 and arr.flags.writeable
         seg.unlink()

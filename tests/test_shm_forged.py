@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 import pytest
+from header_corruptions import build_header, write_header
 from helpers import CONSUMER, PRODUCER, make_key
 
 import shmrdv
-from shmrdv._shm import header as layout
 from shmrdv._shm.files import Segment
 from shmrdv._shm.naming import Names
 
@@ -27,7 +27,7 @@ STEP = 1
 
 def _forge(names: Names, key: str, dtype: str, shape: tuple[int, ...]) -> None:
     """Publish a header-only segment under the name of ``key``'s first message."""
-    header = layout.Header.build(
+    header = build_header(
         key=key,
         dtype=np.dtype(dtype),
         shape=shape,
@@ -38,7 +38,7 @@ def _forge(names: Names, key: str, dtype: str, shape: tuple[int, ...]) -> None:
     )
     seg = Segment.create(names, header.segment_size, names.message(STEP, key, INCARNATION, 0))
     try:
-        layout.pack_into(seg.buf, header)
+        write_header(seg.buf, header)
     finally:
         seg.close()
 

@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from header_corruptions import build_header, write_header
 from helpers import CONSUMER, PRODUCER, SHMRDV_PATH, PresenceChild, make_key, run_as_nobody
 from small_shm import run_with_small_dev_shm
 
 import shmrdv
 from shmrdv._procs import ChildWorker
-from shmrdv._shm import header as layout
 from shmrdv._shm import reaper
 from shmrdv._shm.bell import Bell
 from shmrdv._shm.naming import SHM_DIR, Names
@@ -596,7 +596,7 @@ def _write(path: str, data: bytes) -> None:
 
 def _segments(names: Names, directory: str = SHM_DIR, step_id: int = 3) -> None:
     """A published message with a real header, and an unwritten temp segment."""
-    header = layout.Header.build(
+    header = build_header(
         key=KEY,
         dtype=np.dtype("<f4"),
         shape=(4,),
@@ -606,7 +606,7 @@ def _segments(names: Names, directory: str = SHM_DIR, step_id: int = 3) -> None:
         producer_pid=4242,
     )
     buf = bytearray(header.segment_size)
-    layout.pack_into(buf, header)
+    write_header(buf, header)
     _write(os.path.join(directory, names.message(step_id, KEY, 1, 0)), bytes(buf))
     _write(os.path.join(directory, names.temp()), bytes(256))
 

@@ -1,20 +1,16 @@
-"""A worker's doorbell, and who polls it.
+"""A worker's doorbell (``Bell``), and who polls it (``Poller``).
 
 The doorbell is a named POSIX semaphore counting "look again" hints: the consumer worker
 creates it and polls it, producers post it after publishing. A post is a hint, never the
-data: the names in /dev/shm are the truth, so a lost, extra or saturated post costs a
-wasted look at most. It is only ever created with ``O_CREX`` (``O_CREAT`` silently opens
-another user's, who could swallow our wake-ups: research/pitfalls.md §4, §7), and a
-producer checks its file (``files.open_checked``) before ``sem_open``, which opens without
-``O_NONBLOCK``. ``posix_ipc`` turns EINTR into ``SignalError`` without retrying (Linux
-never restarts ``sem_timedwait``) and takes absolute ``CLOCK_REALTIME`` deadlines.
+data (the names in /dev/shm are), so a lost or extra post costs a wasted look at most. It
+is created with ``O_CREX`` only (``O_CREAT`` silently opens another user's, who could
+swallow our wake-ups: research/pitfalls.md §4, §7), and opened only after its file passed
+``files.open_checked`` (``sem_open`` has no ``O_NONBLOCK``).
 
-One thread at a time polls the doorbell and runs ``Consumer.scan`` (``Poller``): a blocked
-receiver that finds no one polling leads, spinning on the value for ``SPIN_NS`` (waking a
-sleeping process takes a while), then blocking; the others wait on a condition. The
-dispatcher thread leads only while callback receives wait and no blocked receiver led for
-``_HANDOFF_NS``, and never spins. The spin is off on one CPU and while it does not pay
-(``spin_pays``); ``Worker(busy_poll=s)`` polls for ``s`` seconds after the last message.
+One thread at a time polls the doorbell and runs ``Consumer.scan``: a blocked receiver that
+finds no one polling leads, spinning on the value first (waking a sleeping process takes a
+while), then blocking; the others wait on a condition. The dispatcher thread leads only for
+callback receives, once no blocked receiver led for ``_HANDOFF_NS``, and never spins.
 
 Thread model (docs/threads.md): any thread; ``Poller._cond`` guards only the poller role
 and is never held while polling or delivering.
@@ -33,10 +29,10 @@ from typing import TYPE_CHECKING
 
 import posix_ipc
 
-from .._errors import InternalError, ResourceExhaustedError
+from .._errors import InternalError
 from .._rendezvous import Closing, RecvSlot
 from .consumer import TICK, Consumer
-from .files import open_checked
+from .files import open_checked, os_error
 
 if TYPE_CHECKING:
     from .naming import Names
@@ -45,11 +41,10 @@ __all__ = ["SPIN_NS", "SPIN_WINDOW", "Bell", "Poller", "spin_pays"]
 
 _log = logging.getLogger("shmrdv.shm.bell")
 
-#: glibc's semaphore file holds one ``sem_t`` (32 bytes on x86-64); anything much larger
-#: under a bell's name is not a semaphore of ours.
+# glibc's semaphore file holds one ``sem_t`` (32 bytes on x86-64): a larger one is not ours.
 _MAX_SEM_FILE = 4096
-#: How long a leader polls the doorbell's value before it blocks (ns): about a reply's
-#: worth of work on the other side of a ping-pong, a large message's included.
+# How long a leader polls the doorbell's value before it blocks (ns): about a reply's worth
+# of work on the other side of a ping-pong, a large message's included.
 SPIN_NS = 250_000
 # The dispatcher thread takes the poller role only once no blocked receiver has held it
 # for this long: a receiver in a loop comes back sooner, and polls itself.
@@ -61,9 +56,7 @@ _PAUSE_NS = 1_000_000_000
 
 
 def _check_ours(path: str, what: str) -> os.stat_result | None:
-    """``open_checked`` the semaphore's file: None if it is missing; ``InternalError`` if
-    another user planted it (or holds a lease on it). Never blocks, never follows a symlink.
-    """
+    """The semaphore file's ``fstat`` if it passes ``open_checked``, None if it is missing."""
     try:
         fd, st = open_checked(path, os.O_RDONLY, what, max_size=_MAX_SEM_FILE)
     except FileNotFoundError:
@@ -73,9 +66,8 @@ def _check_ours(path: str, what: str) -> os.stat_result | None:
 
 
 class Bell(Closing):
-    """A handle on one worker's doorbell semaphore: ``Bell.create`` (the consumer, once per
-    worker) or ``Bell.open`` (a producer). ``close()`` closes this handle only, ``unlink()``
-    removes the name. Thread-safe."""
+    """A handle on one worker's doorbell: ``create`` (its worker) or ``open`` (a producer).
+    ``close()`` closes the handle only, ``unlink()`` removes the name. Thread-safe."""
 
     def __init__(self, sem: posix_ipc.Semaphore, name: str, path: str, task: str) -> None:
         self._sem, self._name, self._path, self._task = sem, name, path, task
@@ -87,11 +79,10 @@ class Bell(Closing):
 
     @classmethod
     def create(cls, names: Names, task: str, *, replace_stale: bool = False) -> Bell:
-        """Create ``task``'s bell, empty, mode 0600, with ``O_CREX``; an existing one of ours
-        is replaced if ``replace_stale`` (the caller holds the task's presence record: its
-        previous owner is dead). Raises ``InternalError`` naming the semaphore when it exists
-        otherwise (another live owner, or another user's), ``ResourceExhaustedError`` when
-        /dev/shm is full. Does not block."""
+        """Create ``task``'s bell, empty, mode 0600; one of ours there already is replaced if
+        ``replace_stale`` (the caller holds the task's record: its owner is dead). Raises
+        ``InternalError`` if it exists otherwise, ``ResourceExhaustedError`` if /dev/shm is
+        full. Does not block."""
         name, path = names.bell(task), names.bell_path(task)
         what = f"doorbell semaphore {path} of {task}"
         for attempt in (1, 2):
@@ -110,12 +101,9 @@ class Bell(Closing):
                 _log.info("replacing stale %s", what)
                 with contextlib.suppress(posix_ipc.ExistentialError):
                     posix_ipc.unlink_semaphore(name)
-            except (posix_ipc.Error, OSError, ValueError) as e:
-                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise ResourceExhaustedError(
-                        f"cannot create {what}: {e.strerror}; /dev/shm is full (remove what "
-                        "dead processes left behind with `python -m shmrdv gc`)"
-                    ) from e
+            except OSError as e:  # /dev/shm full, no descriptors left, ...
+                raise os_error(e, f"create {what}") from e
+            except (posix_ipc.Error, ValueError) as e:
                 raise InternalError(f"cannot create {what}: {e}") from e
         else:
             raise InternalError(f"cannot create {what}: it keeps changing")
@@ -131,9 +119,8 @@ class Bell(Closing):
 
     @classmethod
     def open(cls, names: Names, task: str) -> Bell | None:
-        """Open ``task``'s existing bell (the producer side); None if it does not exist.
-        Raises ``InternalError`` if its file is not ours (owner, mode, type): a semaphore
-        planted by another user is never posted or waited on. Does not block."""
+        """Open ``task``'s bell; None if there is none. Raises ``InternalError`` if its file
+        is not ours: a planted semaphore is never posted or waited on. Does not block."""
         name, path = names.bell(task), names.bell_path(task)
         what = f"doorbell semaphore of {task}"
         # Checked before opening and compared after: once a file of ours is under the name, only
@@ -165,8 +152,7 @@ class Bell(Closing):
     @property
     def pending(self) -> int:
         """How many posts are waiting to be taken (the semaphore's value)."""
-        if self._closed:
-            self._check_open("read")
+        self._check_open("read")
         return int(self._sem.value)
 
     def _check_open(self, action: str) -> None:
@@ -175,30 +161,26 @@ class Bell(Closing):
 
     @property
     def semaphore(self) -> posix_ipc.Semaphore:
-        """The semaphore itself, for its ``value`` and ``release`` with no Python call around
-        them (a sender, a spinning poller); both raise on a closed handle."""
+        """The semaphore, for ``value`` and ``release`` with no call around them."""
         return self._sem
 
     def ring(self) -> None:
-        """Post one hint; a saturated counter is left as it is. Never blocks. Raises
-        ``InternalError`` if this handle is closed."""
-        if self._closed:
-            self._check_open("ring")
+        """Post one hint (a saturated counter stays). Never blocks; ``InternalError`` once
+        closed."""
+        self._check_open("ring")
         try:
             self._sem.release()
         except (posix_ipc.Error, OSError) as e:  # (closed by another thread meanwhile)
-            # posix_ipc: release() at SEM_VALUE_MAX raises EOVERFLOW (pitfalls.md §4). The
-            # waiter has more hints than it will ever need.
+            # release() at SEM_VALUE_MAX raises EOVERFLOW (pitfalls.md §4): hints enough.
             if getattr(e, "errno", None) != errno.EOVERFLOW:
                 raise InternalError(
                     f"cannot post doorbell {self._path} of {self._task}: {e}"
                 ) from e
 
     def wait(self, timeout: float | None) -> bool:
-        """Block until a post arrives (True, one post taken) or ``timeout`` seconds pass
-        (False; ``None``: until a post or ``close``, which returns False). A signal is
-        retried with the time left; a ``KeyboardInterrupt`` propagates. Raises
-        ``InternalError`` if the handle was closed before the call."""
+        """Block until a post (True, one taken), ``timeout`` s (None: no limit) or ``close``
+        (False). A signal is retried with the time left (posix_ipc turns EINTR into
+        ``SignalError``); ``InternalError`` if the handle was closed before."""
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         with self._lock:
             self._check_open("wait on")
@@ -211,8 +193,7 @@ class Bell(Closing):
                 except posix_ipc.BusyError:
                     return False
                 except posix_ipc.SignalError:
-                    # EINTR from a signal whose handler did not raise (pitfalls.md §4).
-                    if self._closed:
+                    if self._closed:  # (a handler that raised propagates: pitfalls.md §4)
                         return False
                     continue
                 return not self._closed
@@ -222,7 +203,7 @@ class Bell(Closing):
                 self._idle.notify_all()
 
     def drain(self) -> int:
-        """Take every pending post without blocking; return how many were taken."""
+        """Take every pending post without blocking; how many."""
         if self._closed:
             self._check_open("drain")
         count = 0
@@ -239,10 +220,9 @@ class Bell(Closing):
         return count
 
     def close(self, timeout: float = 5.0) -> None:
-        """Close this handle (the name stays). Idempotent. Threads blocked in ``wait`` are
-        woken first (by posts) and return False; blocks until they have left, at most
-        ``timeout`` s, then logs and leaves the handle open rather than unmap a semaphore
-        under a waiter."""
+        """Close the handle (idempotent). Threads in ``wait`` are woken by posts and return
+        False; waits up to ``timeout`` s for them to leave, else logs and leaves the handle
+        open rather than unmap a semaphore under a waiter."""
         with self._lock:
             if self._closed:
                 return
@@ -266,7 +246,7 @@ class Bell(Closing):
         self._finalizer()
 
     def unlink(self) -> None:
-        """Remove the bell's name (existing handles keep working). A missing name is fine."""
+        """Remove the name (handles keep working); a missing one is fine."""
         try:
             posix_ipc.unlink_semaphore(self._name)
         except posix_ipc.ExistentialError:
@@ -284,7 +264,9 @@ def spin_pays() -> bool:
 
 
 class Poller:
-    """Who polls one transport's doorbell (see the module docstring)."""
+    """Who polls one transport's doorbell (see the module docstring). A leader polls for
+    ``busy_poll`` s after the last message if set, else spins up to ``SPIN_NS`` while the
+    spin pays: on more than one CPU, with a post in enough of the last ``SPIN_WINDOW``."""
 
     def __init__(self, bell: Bell, consumer: Consumer, label: str, busy_poll: float = 0.0) -> None:
         self._bell = bell
@@ -324,8 +306,7 @@ class Poller:
 
     def wait(self, slot: RecvSlot, timeout: float) -> None:
         """Block up to ``timeout`` s as leader (polling) or follower; early once filled. A
-        blocked receiver has priority: finding the dispatcher thread polling, it rings the
-        doorbell so that the thread hands the role over."""
+        blocked receiver finding the dispatcher thread polling rings, to take the role."""
         with self._lock:
             if slot.filled or self._closed:
                 return
@@ -375,9 +356,8 @@ class Poller:
                     cond.notify_all()
 
     def _poll(self, wait: float, spin: bool) -> None:
-        """Wait up to ``wait`` s for a doorbell post (spinning first if ``spin``), then
-        scan and deliver. The dispatcher thread never spins: a spinning thread keeps the
-        GIL from the receiver that wants the role (and from the user's threads)."""
+        """Wait up to ``wait`` s for a post (spinning first if ``spin``: never the dispatcher
+        thread, which would keep the GIL from a receiver that wants the role), then scan."""
         bell = self._bell
         start = time.perf_counter_ns()
         if not spin:
@@ -422,9 +402,8 @@ class Poller:
             self._tick_finds += found
 
     def stats(self) -> dict[str, int]:
-        """Time spent spinning (its CPU time), spins and those that found a post, polls by
-        the dispatcher thread, posts taken, and values found only once a wait on the
-        doorbell timed out (0 unless a producer could not post)."""
+        """Spinning (its CPU time, spins, those that found a post), the dispatcher thread's
+        polls, posts taken, values found only after a wait timed out (a post never came)."""
         return {
             "spin_us": self._spun_ns // 1000,
             "spins": self._spins,

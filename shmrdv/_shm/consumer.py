@@ -39,9 +39,8 @@ from .._rendezvous import Canceller, DoneCallback, Received, invoke_done, receiv
 from .._transport import TaskState, TransportContext
 from . import reaper
 from .header import FLAG_DEAD, FLAG_NOTICE, Reader, unpack_identity
-from .mappings import SlotMaps
 from .naming import Names
-from .pool import run_alive
+from .pool import SlotMaps, run_alive
 from .recovery import Held, InRing, Recovery
 
 __all__ = ["TICK", "Channel", "Consumer", "Notice", "Source"]

@@ -34,7 +34,8 @@ from .._rendezvous import Closing
 from .header import MAGIC, MAX_KEY_BYTES, PREFIX, Header, unpack
 from .naming import SHM_DIR, Names
 
-__all__ = ["Segment", "is_ours", "move_noreplace", "open_checked", "os_error", "peek_header"]
+__all__ = ["Segment", "inode", "is_ours", "move_noreplace", "open_checked", "os_error"]
+__all__ += ["peek_header"]
 
 _log = logging.getLogger("shmrdv.shm.files")
 
@@ -49,6 +50,16 @@ _NO_FDS = (errno.EMFILE, errno.ENFILE)
 def is_ours(st: os.stat_result) -> bool:
     """A regular file of this user with no group/other permission bits."""
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def inode(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the file named ``path`` (not followed), None if there is none:
+    whether a name is still the file we had, across renames."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _free_bytes() -> str:
@@ -79,11 +90,10 @@ def os_error(e: OSError, what: str) -> Exception:
 def open_checked(
     path: str, flags: int, what: str, *, max_size: int | None = None
 ) -> tuple[int, os.stat_result]:
-    """Open ``path`` (``O_RDONLY`` or ``O_RDWR``) with ``O_NOFOLLOW`` and ``O_NONBLOCK`` (a
-    planted FIFO, or a file under a lease, fails at once; nothing is created) and check it.
-    Returns the descriptor (the caller closes it) and its ``fstat``. Raises
-    ``FileNotFoundError`` unchanged; ``InternalError`` naming ``what`` and ``path`` for a
-    symlink, a lease, anything but ``is_ours`` or over ``max_size`` bytes;
+    """Open ``path`` (``O_RDONLY`` or ``O_RDWR``) with ``O_NOFOLLOW | O_NONBLOCK`` (a planted
+    FIFO or a leased file fails at once) and check it: the descriptor (the caller's to close)
+    and its ``fstat``. Raises ``FileNotFoundError`` unchanged; ``InternalError`` naming
+    ``what`` for a symlink, a lease, a file not ``is_ours`` or over ``max_size`` bytes;
     ``ResourceExhaustedError`` when out of descriptors."""
     try:
         fd = os.open(path, flags | _OPEN_FLAGS)
@@ -115,9 +125,8 @@ def open_checked(
 
 
 def peek_header(path: str) -> Header | None:
-    """The header of the segment file at ``path``, read with ``pread`` (nothing mapped), or
-    None if it is gone, not ours or holds no valid header. For listings, never for data.
-    Never blocks; another user's file costs one ``lstat`` and is never opened."""
+    """The header of the segment file at ``path`` by ``pread`` (for listings, never for data),
+    or None if it is gone, not ours or invalid. Another user's file is never opened."""
     try:
         if not is_ours(os.stat(path, follow_symlinks=False)):
             return None
@@ -139,7 +148,7 @@ def peek_header(path: str) -> Header | None:
 
 # renameat2(2) with RENAME_NOREPLACE (Linux >= 3.15 on tmpfs, glibc >= 2.28): an atomic move
 # that refuses an existing target, where rename() replaces it (as root, even another user's
-# file in the sticky /dev/shm). No ``argtypes``: ints and bytes are what C takes already.
+# file in the sticky /dev/shm).
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 try:
@@ -152,7 +161,7 @@ _FS_ERRORS = sys.getfilesystemencodeerrors()
 
 def move_noreplace(old: str, new: str) -> None:
     """Move the file ``old`` to the name ``new`` atomically; ``FileExistsError`` if ``new``
-    exists, other ``OSError`` s unchanged (``FileNotFoundError`` when ``old`` is gone)."""
+    exists, other ``OSError`` s unchanged."""
     if _renameat2 is not None:
         old_b, new_b = old.encode(_FS_ENCODING, _FS_ERRORS), new.encode(_FS_ENCODING, _FS_ERRORS)
         if _renameat2(_AT_FDCWD, old_b, _AT_FDCWD, new_b, _RENAME_NOREPLACE) == 0:
@@ -167,7 +176,7 @@ def move_noreplace(old: str, new: str) -> None:
 
 
 class _EmptyBuffer(bytearray):
-    """The mapping of a 0-byte file (``mmap`` cannot map nothing): a planted one, say."""
+    """The mapping of a 0-byte file (``mmap`` cannot map nothing)."""
 
     __slots__ = ("__weakref__",)
 
@@ -180,7 +189,6 @@ class _Owner(np.ndarray):  # type: ignore[type-arg,unused-ignore]
 def _release_mem(
     mem: mmap.mmap | _EmptyBuffer, owner: list[weakref.ref[_Owner]], lent: list[int]
 ) -> None:
-    """Unmap now unless arrays use the mapping: the last of them unmaps it when collected."""
     if isinstance(mem, mmap.mmap) and not (owner and owner[0]() is not None) and not lent[0]:
         try:
             mem.close()
@@ -188,13 +196,13 @@ def _release_mem(
             pass  # a memoryview of ``buf`` is alive; the mapping goes when it is released
 
 
-# Guards every Segment's count of lent arrays: ``lend`` and the callbacks (any thread).
+# Guards every Segment's count of lent arrays (``lend`` and the callbacks, any thread).
 _LENT_LOCK = threading.Lock()
 
 
 class _Lend(weakref.ref):  # type: ignore[type-arg]
-    """The weak reference to a ``lend`` array's owner, calling ``_given_back``: lighter than a
-    ``weakref.finalize``; like one with ``atexit`` off, it does nothing at exit."""
+    """A ``lend`` array owner's weak reference, calling ``_given_back``: a lighter
+    ``weakref.finalize`` that does nothing at exit."""
 
     __slots__ = ("args", "callback", "lent", "name")
 
@@ -225,10 +233,9 @@ def _given_back(
 
 
 class Segment(Closing):
-    """One open shared-memory segment file (``create``, ``attach``). ``close()`` drops this
-    handle's mapping, never the name; arrays from ``view`` and ``lend`` keep it until
-    collected. ``fd``: the descriptor if ``keep_fd`` (an ``lseek`` is a lighter size check
-    than ``check_size``), else -1."""
+    """One segment file mapped (``create``, ``attach``). ``close()`` drops this handle's
+    mapping, never the name; arrays from ``view`` and ``lend`` keep it until collected.
+    ``fd``: the descriptor if ``keep_fd`` (for a cheap ``lseek`` size check), else -1."""
 
     def __init__(
         self, names: Names, name: str, mem: mmap.mmap | _EmptyBuffer, fd: int, keep_fd: bool
@@ -251,8 +258,8 @@ class Segment(Closing):
         cls, names: Names, size: int, name: str | None = None, *, keep_fd: bool = False
     ) -> Segment:
         """Create, reserve and map a new segment of ``size`` bytes (default: a temp name).
-        Raises ``ResourceExhaustedError`` when /dev/shm has no room (nothing is left behind)
-        or descriptors ran out, ``InternalError`` when the name exists already."""
+        Raises ``ResourceExhaustedError`` when /dev/shm is full (nothing is left behind) or
+        descriptors ran out, ``InternalError`` when the name exists."""
         name = names.temp() if name is None else name
         path = names.path(name)
         fd = -1
@@ -281,8 +288,7 @@ class Segment(Closing):
 
     @classmethod
     def attach(cls, names: Names, name: str, *, keep_fd: bool = False) -> Segment:
-        """``open_checked`` and map the segment ``name`` at its size. Raises
-        ``FileNotFoundError`` unchanged when there is none, as ``open_checked`` else."""
+        """``open_checked`` and map the segment ``name``. Raises as ``open_checked``."""
         fd, st = open_checked(names.path(name), os.O_RDWR, "segment")
         return cls.map_fd(names, name, fd, st, keep_fd=keep_fd)
 
@@ -290,8 +296,8 @@ class Segment(Closing):
     def map_fd(
         cls, names: Names, name: str, fd: int, st: os.stat_result, *, keep_fd: bool = False
     ) -> Segment:
-        """Map the file of ``fd`` (``open_checked``, which gave ``st``) at its size, then
-        close ``fd`` unless ``keep_fd``."""
+        """Map the file of ``fd`` (from ``open_checked``, with its ``st``); ``fd`` is closed
+        unless ``keep_fd``."""
         try:
             size = st.st_size
             mem: mmap.mmap | _EmptyBuffer = mmap.mmap(fd, size) if size > 0 else _EmptyBuffer()
@@ -312,16 +318,15 @@ class Segment(Closing):
 
     @property
     def buf(self) -> mmap.mmap | bytearray:
-        """The mapping, for the header; arrays only through ``view`` or ``lend`` (one built
-        over it directly does not keep it alive). ``InternalError`` once closed."""
+        """The mapping, for the header; arrays only through ``view`` or ``lend`` (they keep it
+        alive). ``InternalError`` once closed."""
         if self._mem is None:
             raise InternalError(f"segment {self.name} is closed")
         return self._mem
 
     def check_size(self, min_size: int) -> None:
         """Raise ``InternalError`` unless the mapping and the file (one ``fstat``) still hold
-        ``min_size`` bytes: reading a page a peer truncated away is a SIGBUS. Call it before
-        touching the data."""
+        ``min_size`` bytes: touching a page a peer truncated away is a SIGBUS."""
         mem = self.buf
         if min_size > self.size:
             raise InternalError(f"segment {self.name} maps {self.size} bytes, {min_size} needed")
@@ -345,9 +350,9 @@ class Segment(Closing):
         *,
         checked: bool = False,
     ) -> npt.NDArray[Any]:
-        """A writable array over the ``nbytes`` at ``data_offset``, no copy; it (and every
-        view of it) keeps the mapping alive after ``close()``. ``checked``: the caller
-        checked the file's size a moment ago. Raises as ``check_size``."""
+        """A writable array over the ``nbytes`` at ``data_offset``, no copy, keeping the
+        mapping alive (``checked``: the caller just checked the size). Raises as
+        ``check_size``."""
         mem = self.buf
         if not checked or data_offset + nbytes > self.size:
             self.check_size(data_offset + nbytes)
@@ -371,9 +376,9 @@ class Segment(Closing):
         *args: object,
         checked: bool = False,
     ) -> npt.NDArray[Any]:
-        """``view`` with an owner of its own: ``callback(*args)`` runs once that array and
-        its views are collected (in whichever thread drops the last, possibly inside the
-        garbage collector; its exceptions are logged). The mapping stays with the segment."""
+        """``view`` with an owner of its own: ``callback(*args)`` runs once it and its views
+        are collected (in any thread, maybe inside the garbage collector; its exceptions are
+        logged)."""
         mem = self.buf
         if not checked or data_offset + nbytes > self.size:
             self.check_size(data_offset + nbytes)
@@ -410,8 +415,8 @@ class Segment(Closing):
             _log.warning("%s", e)
 
     def close(self) -> None:
-        """Drop this handle's mapping (idempotent; never raises; no unlink): at once, or
-        when the last array over it is collected."""
+        """Drop this handle's mapping, now or once its last array is collected (idempotent,
+        never raises, never unlinks)."""
         if self._mem is None:
             return
         self._finalizer.detach()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +31,7 @@ from .._errors import InternalError, InvalidArgumentError
 from .._values import MAX_DTYPE_BYTES, decode_dtype, encode_dtype, shape_problem
 
 __all__ = ["FLAG_DEAD", "FLAG_NOTICE", "MAGIC", "MAX_KEY_BYTES", "PREFIX", "Header", "Reader"]
-__all__ += ["Template", "created_ns", "is_notice", "pack_into", "unpack", "unpack_identity"]
+__all__ += ["Template", "created_ns", "is_notice", "unpack", "unpack_identity"]
 
 BufferLike = bytes | bytearray | memoryview | mmap.mmap
 
@@ -151,32 +150,9 @@ class Header:
     created_ns: int
     key: str
 
-    @classmethod
-    def build(
-        cls, *, key: str, dtype: np.dtype[Any], shape: tuple[int, ...], **fields: Any
-    ) -> Header:
-        """A header of ``fields`` (step_id, seq, producer_incarnation, producer_pid; is_dead,
-        slot and created_ns if not False, -1 and now) with ``data_offset`` and ``nbytes``
-        worked out. Raises ``InvalidArgumentError`` as ``Template`` does."""
-        t = Template(dtype, shape, len(key.encode("utf-8")))
-        fields = {"is_dead": False, "slot": -1, "created_ns": time.time_ns(), **fields}
-        return cls(dtype=dtype, shape=t.shape, data_offset=t.data_offset, nbytes=t.nbytes,
-                   key=key, **fields)  # fmt: skip
-
     @property
     def segment_size(self) -> int:
         return self.data_offset + self.nbytes
-
-
-def pack_into(buf: bytearray | memoryview | mmap.mmap, h: Header) -> None:
-    """Write ``h``'s header bytes (not the padding) at the start of ``buf``: how tests and
-    tools write a header ``Header.build`` made. Raises as ``Template.write`` does."""
-    key = h.key.encode("utf-8")
-    t = Template(h.dtype, h.shape, len(key))
-    out = bytearray(t.data_offset)
-    t.write(out, 0, key, FLAG_DEAD if h.is_dead else 0, h.step_id, h.seq,
-            h.producer_incarnation, h.producer_pid, h.slot, h.created_ns)  # fmt: skip
-    buf[: t.header_len] = out[: t.header_len]
 
 
 def unpack_fields(buf: BufferLike, file_size: int) -> Fields:

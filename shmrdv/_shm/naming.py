@@ -23,7 +23,7 @@ from typing import Any
 from .._cluster import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
 from .._errors import InvalidArgumentError
 
-__all__ = ["KINDS", "MAX_SLOT", "PREFIX", "SEM_PREFIX", "SHM_DIR", "SLOT_BITS", "Names"]
+__all__ = ["CODES", "KINDS", "MAX_SLOT", "PREFIX", "SEM_PREFIX", "SHM_DIR", "SLOT_BITS", "Names"]
 __all__ += ["ObjectName", "parse_name"]
 
 #: Where Linux/glibc keeps POSIX shared memory (``shm_open("/x")`` is ``/dev/shm/x``).
@@ -36,7 +36,7 @@ DIGEST_BYTES = 10
 KINDS = dict(
     w="presence", b="bell", t="temp", m="message", p="pool", h="held", r="returned", q="ring"
 )
-_CODES = {kind: code for code, kind in KINDS.items()}
+CODES = {kind: code for code, kind in KINDS.items()}  # the letter of each kind
 _NAMESPACE_RE = re.compile(r"[a-z0-9]{8,64}")
 _ID_RE = re.compile(rf"[0-9a-f]{{{NAMESPACE_ID_HEX}}}")
 _HEX_RE = re.compile(rf"[0-9a-f]{{{2 * DIGEST_BYTES}}}")
@@ -54,8 +54,8 @@ _LENGTH = struct.Struct("<Q")
 
 @functools.lru_cache(maxsize=64)
 def _keyed_state(key: bytes, person: bytes) -> Any:
-    """A blake2b state with the key block absorbed: copying it costs less than keying afresh
-    (the same digest). Kept here, not on ``Names``, which stays plain data (it pickles)."""
+    """A blake2b state with the key absorbed: a copy costs less than keying afresh. Not on
+    ``Names``, which stays plain data (it pickles)."""
     return hashlib.blake2b(digest_size=DIGEST_BYTES, key=key, person=person)
 
 
@@ -76,9 +76,8 @@ def _packed(fields: struct.Struct, what: str, *values: int) -> bytes:
 
 @dataclass(frozen=True)
 class ObjectName:
-    """A ``/dev/shm`` entry shmrdv made: its ``kind`` (a value of ``KINDS``), its public
-    ``namespace`` id, and ``rest``, the keyed hash after the kind letter (opaque without the
-    token). ``entry`` is the directory entry as given (``sem.`` for a bell)."""
+    """A ``/dev/shm`` entry shmrdv made (``sem.`` kept for a bell): its ``kind``, public
+    ``namespace`` id, and ``rest``, the keyed hash after the kind letter."""
 
     entry: str
     kind: str
@@ -105,14 +104,13 @@ def parse_name(entry: str) -> ObjectName | None:
 
 @dataclass(frozen=True)
 class Names:
-    """The bare names (no directory) of one namespace's objects: ``namespace`` is the secret
-    token, ``namespace_id`` its public digest. Raises ``InvalidArgumentError`` for a token
-    that is not ``[a-z0-9]{8,64}`` (without echoing it) and for out-of-range fields."""
+    """The bare names of one namespace's objects (``namespace``: the secret token). Raises
+    ``InvalidArgumentError`` for a token not ``[a-z0-9]{8,64}`` (never echoed it) or a field
+    out of range."""
 
     namespace: str = field(repr=False)  # the secret: kept out of logs
     namespace_id: str = field(init=False)
     _key: bytes = field(init=False, repr=False, compare=False)
-    #: ``shmrdv_<namespace id>_``, the start of every name of this namespace.
     prefix: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -128,18 +126,18 @@ class Names:
     def _name(self, kind: str, person: bytes, data: bytes) -> str:
         h = _keyed_state(self._key, person).copy()  # a token (<= 64 bytes) is a blake2b key
         h.update(data)
-        return f"{self.prefix}{_CODES[kind]}{h.hexdigest()}"
+        return f"{self.prefix}{CODES[kind]}{h.hexdigest()}"
 
     def _slot(self, kind: str, task: str, incarnation: int, ticket: int) -> str:
         data = _encoded_task(task) + _packed(_SLOT_FIELDS, "pool slot", incarnation, ticket)
         return self._name(kind, b"shmrdv." + kind.encode(), data)
 
     def presence(self, task: str) -> str:
-        """The presence record of the worker ``task`` (canonical task name)."""
+        """The presence record of the worker ``task``."""
         return self._name("presence", b"shmrdv.task", _encoded_task(task))
 
     def bell(self, task: str) -> str:
-        """The ``posix_ipc`` name (with its leading slash) of the worker ``task``'s doorbell."""
+        """The ``posix_ipc`` name (a leading slash) of the worker ``task``'s doorbell."""
         return "/" + self._name("bell", b"shmrdv.task", _encoded_task(task))
 
     def bell_path(self, task: str) -> str:
@@ -176,5 +174,4 @@ class Names:
 
     @staticmethod
     def path(name: str) -> str:
-        """The file of a bare name: ``/dev/shm/<name>``."""
         return f"{SHM_DIR}/{name}"

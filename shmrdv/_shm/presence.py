@@ -3,12 +3,11 @@
 A worker holds ``flock(LOCK_EX)`` on its record while it lives: the kernel drops the lock
 however the owner dies, and a stopped or busy process keeps it, which no heartbeat with a
 deadline can promise (research/pitfalls.md §1). As iceoryx2 cuts its ``monitoring``:
-``Presence`` (a worker's own record), ``Monitor`` / ``look`` (the monitor) and ``claim``
-(the cleaner: the one way a dead record is replaced or removed). Every open is
-``files.open_checked``.
+``Presence`` (the token), ``Monitor`` / ``look`` (the monitor), ``claim`` (the cleaner: the
+one way a dead record is replaced or removed). Every open is ``files.open_checked``.
 
-Thread model (``docs/threads.md``): no thread of its own. A ``Monitor`` may be asked inside
-the garbage collector (a pool slot given back), so it only *tries* locks.
+Thread model (docs/threads.md): no thread of its own. A ``Monitor`` may be asked inside the
+garbage collector (a pool slot given back), so it only *tries* locks.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import InternalError, InvalidArgumentError
 from .._rendezvous import Closing
 from .._transport import PeerRecord, PeerState, TaskState
-from .files import open_checked, os_error
+from .files import inode, open_checked, os_error
 
 if TYPE_CHECKING:
     from .naming import Names
@@ -39,7 +38,7 @@ __all__ = ["Claim", "Monitor", "Presence", "PresenceInfo", "boot_id", "claim", "
 
 _log = logging.getLogger("shmrdv.shm.presence")
 
-#: A record is a few hundred bytes; anything much larger was not written by us.
+# A record is a few hundred bytes; anything much larger was not written by us.
 MAX_RECORD_BYTES = 64 * 1024
 
 
@@ -109,9 +108,8 @@ class PresenceInfo:
 
 
 def _open(path: str, strict: bool) -> tuple[int, os.stat_result, PresenceInfo | None] | None:
-    """The record at ``path`` opened for reading, its ``fstat`` and what it says; None if
-    there is none. A corrupt record raises if ``strict``, else says None (its lock still
-    tells whether its owner lives)."""
+    """The record at ``path`` opened, its ``fstat`` and what it says; None if there is none.
+    A corrupt record raises if ``strict``, else says None (its lock still tells)."""
     try:
         fd, st = open_checked(path, os.O_RDONLY, "presence record", max_size=MAX_RECORD_BYTES)
     except FileNotFoundError:
@@ -127,8 +125,8 @@ def _open(path: str, strict: bool) -> tuple[int, os.stat_result, PresenceInfo | 
 
 
 def _state(fd: int, info: PresenceInfo | None) -> PeerState:
-    """The liveness rule: alive exactly while the owner holds the lock (a shared lock, taken
-    and dropped at once, fails only then); a record from another boot is dead."""
+    """Alive exactly while the owner holds the lock (only then does a shared lock fail); a
+    record from another boot is dead."""
     if info is not None and info.boot_id != boot_id():
         return "dead"
     try:
@@ -140,10 +138,9 @@ def _state(fd: int, info: PresenceInfo | None) -> PeerState:
 
 
 def look(path: str, *, strict: bool = False) -> tuple[PeerState, PresenceInfo | None]:
-    """The state of the record file at ``path`` and what it says, through a descriptor of
-    its own. ``("absent", None)`` if there is none; a corrupt record reads by its lock with
-    None for its content, unless ``strict``. Raises ``InternalError`` if the file is not
-    ours (owner, mode, type, symlink) or, if ``strict``, corrupt. Does not block."""
+    """The state of the record at ``path`` and what it says (``("absent", None)``: none; a
+    corrupt one says None unless ``strict``). Raises ``InternalError`` if the file is not
+    ours or, if ``strict``, corrupt. Does not block."""
     opened = _open(path, strict)
     if opened is None:
         return "absent", None
@@ -162,8 +159,6 @@ def _task_state(task: str, state: PeerState, info: PresenceInfo | None) -> TaskS
 
 
 class _Seen:
-    """A task's record as a ``Monitor`` keeps it: the descriptor it opened (-1: none)."""
-
     __slots__ = ("fd", "info", "ino", "path")
 
     def __init__(self, path: str) -> None:
@@ -181,9 +176,9 @@ def _close_all(seen: dict[str, _Seen], lock: threading.Lock) -> None:
 
 
 class Monitor(Closing):
-    """The liveness of the tasks of one namespace on this host (iceoryx2's monitor): one
-    descriptor per task, re-opened when the record is replaced. Its lock is only tried (the
-    garbage collector may interrupt its holder): if taken, a look opens its own descriptor."""
+    """The liveness of one namespace's tasks on this host: a descriptor per task, re-opened
+    when its record is replaced. Its lock is only tried (the garbage collector may interrupt
+    its holder): if taken, a look opens a descriptor of its own."""
 
     def __init__(self, names: Names) -> None:
         self._names = names
@@ -193,9 +188,8 @@ class Monitor(Closing):
         self._finalizer = weakref.finalize(self, _close_all, self._seen, self._lock)
 
     def state(self, task: str) -> TaskState:
-        """``task``'s state (canonical name) and what its record says (``TaskState``): one
-        ``stat`` and one ``flock`` test while the record is unchanged. Raises
-        ``InternalError`` if the record is not ours or is corrupt. Never blocks."""
+        """``task``'s state and record: a ``stat`` and a ``flock`` test while the record is
+        unchanged. Raises ``InternalError`` if it is not ours or corrupt. Never blocks."""
         if self._lock.acquire(blocking=False):
             try:
                 if not self._closed:
@@ -211,11 +205,10 @@ class Monitor(Closing):
         seen = self._seen.get(task)
         if seen is None:
             seen = self._seen[task] = _Seen(self._path(task))
-        try:
-            st = os.stat(seen.path, follow_symlinks=False)
-        except FileNotFoundError:
+        ino = inode(seen.path)
+        if ino is None:
             return "absent", None
-        if seen.ino != (st.st_dev, st.st_ino):
+        if seen.ino != ino:
             if seen.fd >= 0:
                 os.close(seen.fd)
             seen.fd, seen.ino, seen.info = -1, None, None
@@ -239,9 +232,8 @@ class Monitor(Closing):
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """What ``claim`` found at its path: ``state`` "absent", "alive" (someone holds a lock on
-    the record) or "dead" (the exclusive lock is now the claimer's until the ``with`` ends);
-    ``info`` what the record says (None if absent or corrupt)."""
+    """What ``claim`` found: "absent", "alive" (its lock is held) or "dead" (the exclusive lock
+    is the claimer's until the ``with`` ends); ``info`` None if absent or corrupt."""
 
     path: str
     state: PeerState
@@ -249,15 +241,10 @@ class Claim:
     ino: tuple[int, int] | None = None  # the inode claimed (dead only)
 
     def still_there(self) -> bool:
-        """Whether the claimed record is still at its name (not replaced meanwhile)."""
-        try:
-            st = os.stat(self.path, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        return self.ino is not None and (st.st_dev, st.st_ino) == self.ino
+        return self.ino is not None and inode(self.path) == self.ino
 
     def remove(self) -> bool:
-        """Unlink the claimed record if it is still at its name; whether it went."""
+        """Unlink the claimed record if it was not replaced meanwhile; whether it went."""
         if not self.still_there():
             return False
         with contextlib.suppress(FileNotFoundError):
@@ -269,8 +256,8 @@ class Claim:
 @contextlib.contextmanager
 def claim(path: str) -> Iterator[Claim]:
     """The record at ``path``, under its exclusive lock if nobody holds one: only a dead
-    record's claimer replaces or removes it, so two claimers never both do. Only tries the
-    lock. Raises ``InternalError`` if the record is not ours. Does not block."""
+    record's claimer replaces or removes it, so two never both do. ``InternalError`` if the
+    record is not ours. Does not block."""
     opened = _open(path, False)
     if opened is None:
         yield Claim(path, "absent")
@@ -287,8 +274,7 @@ def claim(path: str) -> Iterator[Claim]:
         os.close(fd)
 
 
-# How often publish() looks again at a record whose lock is held: another publisher may
-# hold it for a few microseconds while it replaces a stale record.
+# Another publisher may hold a record's lock a moment while it replaces a stale one.
 _PUBLISH_ATTEMPTS, _PUBLISH_RETRY_S = 5, 0.01
 
 # Every open Presence of this process, so that a forked child can drop the inherited locks.
@@ -308,12 +294,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _close_fd(fd: int, path: str, ino: tuple[int, int]) -> None:
-    """Unlink ``path`` if it is still our record, then close ``fd`` (which drops the lock):
-    a peer that sees the lock free and the record still there concludes "dead", which is
-    right a moment later anyway."""
+    """Unlink ``path`` if it is still our record, then drop the lock (a peer seeing the lock
+    free first concludes "dead", right a moment later anyway)."""
     with contextlib.suppress(OSError):  # whatever happens, the descriptor (the lock) goes
-        st = os.stat(path, follow_symlinks=False)
-        if (st.st_dev, st.st_ino) == ino:
+        if inode(path) == ino:
             os.unlink(path)
     os.close(fd)
 
@@ -331,7 +315,6 @@ class Presence(Closing):
     ``close()`` (or the finalizer) unlinks it if still ours and drops the lock."""
 
     def __init__(self, info: PresenceInfo, fd: int, path: str) -> None:
-        """Internal: use ``Presence.publish``."""
         self._info = info
         self._fd = fd
         self.path = path
@@ -342,10 +325,10 @@ class Presence(Closing):
 
     @classmethod
     def publish(cls, names: Names, info: PresenceInfo) -> Presence:
-        """Write ``info`` as ``info.task``'s record and lock it; a dead worker's is replaced.
-        Raises ``InvalidArgumentError`` if a live process holds it, ``ResourceExhaustedError``
-        if /dev/shm is full, ``InternalError`` if the record there is not ours. Blocks only
-        for a few short retries while another publisher replaces a stale record."""
+        """Write ``info`` as its task's record and lock it, replacing a dead worker's. Raises
+        ``InvalidArgumentError`` if a live process holds it, ``ResourceExhaustedError`` if
+        /dev/shm is full, ``InternalError`` if it is not ours. Blocks a few short retries
+        at most (another publisher replacing a stale record)."""
         info = dataclasses.replace(info, namespace=names.namespace_id)  # never the token
         final = names.path(names.presence(info.task))
         data = info.to_json()

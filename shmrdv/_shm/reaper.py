@@ -7,8 +7,8 @@ file goes only if it is still the inode listed and nobody has it open or mapped
 sent, by the time its producer recorded (tmpfs keeps no mtime for writes through a
 mapping). ``SHMRDV_AUTO_GC=0`` turns the sweeps off.
 
-Thread model (docs/threads.md): any thread may call in; a start or close works about
-``SYNC_SECONDS`` itself and leaves the rest to one background thread per process.
+Thread model (docs/threads.md): any thread; a start or close works ``SYNC_SECONDS`` at
+most itself and leaves the rest to one background thread per process.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .._keys import DeviceName, parse_key
 from .._transport import Sighting
 from .files import is_ours, open_checked, peek_header
 from .header import created_ns
-from .naming import KINDS, PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
+from .naming import CODES, PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
 from .presence import claim, look
 from .ring import DATA_OFFSET, Ring, describe
 
@@ -45,25 +45,24 @@ __all__ += ["object_names", "sightings", "unlink_if_unused"]
 _log = logging.getLogger("shmrdv.shm.reaper")
 
 ENV_VAR = "SHMRDV_AUTO_GC"
-#: Seconds a dead namespace's values wait for a consumer after the newest was sent (a
-#: producer may send and close before its consumer starts). Read per sweep.
+# Seconds a dead namespace's values wait for a consumer after the newest was sent (a
+# producer may send and close before its consumer starts). Read per sweep.
 GRACE_S = 30.0
-#: A Worker's start or close reads this many directory entries, works this long, at most.
+# A Worker's start or close reads this many directory entries, works this long, at most.
 SYNC_ENTRIES, SYNC_SECONDS = 16384, 0.02
 # The background thread starts this long after it is asked, then works in runs this long,
 # each followed by a pause as long as the run (this long at least).
 _FIRST_PAUSE, _RUN_SECONDS, _PAUSE = 0.05, 0.02, 0.005
 # Names between two looks at the clock; objects a sweep of a namespace tries to remove even
-# when out of time; the most of a ring read (one is ~1 MiB).
+# when out of time; the most of a ring read (one is ~1 MiB); the most records ``sightings``
+# reads, and their size.
 _CLOCK_EVERY, _AT_LEAST, _RING_MAX_BYTES = 256, 64, 16 << 20
-# ``sightings`` reads this many records at most, of this size at most.
 _MAX_RECORDS, _MAX_RECORD_BYTES = 256, 4096
 _FOR_A_CONSUMER = frozenset({"message", "ring"})  # what a late consumer may still take
 _PRODUCER_KINDS = frozenset({"pool", "returned", "temp"})  # a dead run's, nobody else's
 _SLOT_KINDS = frozenset({"pool", "returned"})
 _SEGMENT_KINDS = frozenset({"temp", "message", "pool", "held", "returned"})  # with a header
 _KIND_AT = len(PREFIX) + NAMESPACE_ID_HEX + 1  # ``shmrdv_<id>_<kind letter>``
-_CODES = {kind: code for code, kind in KINDS.items()}
 _SEM_NAMES = SEM_PREFIX + PREFIX
 _ORDER = operator.attrgetter("namespace", "kind", "name")  # of what ls and gc show
 
@@ -71,8 +70,8 @@ Groups = dict[str, list[str]]  # a listing: namespace id -> the names of that na
 
 
 class _Pace:
-    """How long a job works: ``go()`` is False once past ``deadline`` (a start or close); in
-    the background (``stop``) it pauses after each run as long as it ran, until ``stop``."""
+    """How long a job works: ``go()`` is False past ``deadline``; in the background (with
+    ``stop``) it pauses after each run as long as it ran, and is False once ``stop`` is set."""
 
     def __init__(self, seconds: float, stop: threading.Event | None = None) -> None:
         self.deadline = time.monotonic() + seconds
@@ -96,7 +95,7 @@ Job = Callable[[Groups, _Pace], bool]
 
 def _listing(shm_dir: str, pace: _Pace | None = None, max_entries: float = math.inf) -> Groups:
     """The shmrdv-looking names of ``shm_dir`` by namespace id; ``_STOPPED`` if ``pace`` or
-    ``max_entries`` stopped the reading first."""
+    ``max_entries`` stopped it first."""
     groups: Groups = defaultdict(list)
     plain, sem, n = len(PREFIX), len(_SEM_NAMES), 0
     try:
@@ -123,7 +122,7 @@ _STOPPED: Groups = {}  # what ``_listing`` returns when it stopped before the en
 
 @dataclasses.dataclass(frozen=True)
 class _Entry(ObjectName):
-    """A file of ours as listed: its name (a record and its doorbell share ``rest``) and stat."""
+    """A file of ours as listed, and its ``lstat`` (a record and its doorbell share ``rest``)."""
 
     path: str
     st: os.stat_result
@@ -134,7 +133,7 @@ class _Entry(ObjectName):
 
 
 def _ours(shm_dir: str, name: str) -> _Entry | None:
-    """``name`` if shmrdv made it and it is a regular file of ours, by one ``lstat``."""
+    """``name`` if shmrdv made it and it is ours, by one ``lstat``."""
     parsed = parse_name(name)
     if parsed is None:
         return None
@@ -149,15 +148,14 @@ def _ours(shm_dir: str, name: str) -> _Entry | None:
 
 
 def _records(shm_dir: str, group: Iterable[str]) -> Iterator[_Entry]:
-    """The presence records of ours among ``group`` (another name costs a string test)."""
     for name in group:
-        if name.startswith(_CODES["presence"], _KIND_AT) and (e := _ours(shm_dir, name)):
+        if name.startswith(CODES["presence"], _KIND_AT) and (e := _ours(shm_dir, name)):
             yield e
 
 
 def namespace_alive(group: Iterable[str], shm_dir: str) -> bool:
-    """Whether one of the presence records among ``group`` is locked (one we cannot look at
-    for want of descriptors counts: nothing goes on a guess)."""
+    """Whether a presence record among ``group`` is locked (or cannot be looked at for want
+    of descriptors: nothing goes on a guess)."""
     for e in _records(shm_dir, group):
         try:
             if look(e.path)[0] == "alive":
@@ -170,9 +168,9 @@ def namespace_alive(group: Iterable[str], shm_dir: str) -> bool:
 
 
 def unlink_if_unused(path: str, ino: tuple[int, int], *, mapped_ok: bool = False) -> bool:
-    """Unlink ``path`` if it is still the file ``ino``, ours, and no process has it open or
-    mapped (only then is a write lease granted); ``mapped_ok`` skips the lease. Whether it
-    went; ``OSError`` when the unlink fails. Never blocks."""
+    """Unlink ``path`` if it is still the file ``ino``, ours, and nobody has it open or mapped
+    (only then is a write lease granted; ``mapped_ok`` skips that). Whether it went;
+    ``OSError`` if the unlink fails. Never blocks."""
     try:
         fd, st = open_checked(path, os.O_RDONLY, "shmrdv object")
     except FileNotFoundError:
@@ -213,9 +211,8 @@ def _unlink(e: _Entry, *, mapped_ok: bool = False) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
-    """One shmrdv object, as ``list_objects`` saw it (None where unknown): ``owner_pid`` the
-    worker's or producer's; ``alive`` whether a record's lock is held, or for other kinds
-    whether a worker of the namespace lives."""
+    """One shmrdv object as ``list_objects`` saw it (None: unknown). ``alive``: a record's
+    lock is held, or for other kinds a worker of the namespace lives."""
 
     kind: str
     namespace: str  # the namespace id (public), never the token
@@ -231,7 +228,7 @@ class ObjectInfo:
 
 
 def _describe(entries: list[_Entry], alive: bool) -> dict[str, ObjectInfo]:
-    """What ``ls`` shows of one namespace's ``entries``, by path; ``alive``: the namespace's."""
+    """What ``ls`` shows of one namespace's ``entries`` (``alive``: the namespace's), by path."""
     now, out, workers = time.time(), {}, {}
     for e in sorted(entries, key=lambda e: e.kind != "presence"):  # records before doorbells
         size, age = e.st.st_blocks * 512, max(now - e.st.st_mtime, 0.0)
@@ -254,7 +251,6 @@ def _describe(entries: list[_Entry], alive: bool) -> dict[str, ObjectInfo]:
 
 
 def _of(namespace: str | None, shm_dir: str) -> Groups:
-    """The listing, of ``namespace`` only if given (a token or an id, ``namespace_ids``)."""
     ids = None if namespace is None else namespace_ids(namespace)
     return {ns: names for ns, names in _listing(shm_dir).items() if ids is None or ns in ids}
 
@@ -270,25 +266,24 @@ def list_objects(namespace: str | None = None, shm_dir: str = SHM_DIR) -> list[O
 
 
 def object_names(shm_dir: str = SHM_DIR) -> set[str]:
-    """The names of the shmrdv objects of ours (one ``lstat`` each): what the leak check
-    compares before and after a test."""
+    """The names of the shmrdv objects of ours (one ``lstat`` each), for the leak check."""
     return {name for group in _listing(shm_dir).values() for name in group if _ours(shm_dir, name)}
 
 
 def collect(
     namespace: str | None = None, dry_run: bool = False, shm_dir: str = SHM_DIR
 ) -> list[ObjectInfo]:
-    """Remove what the namespaces where no worker is alive left (of ``namespace`` only, if
-    given); what went (``dry_run``: would go). The sweeps' rules without their bounds nor a
-    wait for consumers; ``InternalError`` if an object cannot be removed. Never blocks."""
+    """Remove what namespaces where no worker lives left (of ``namespace`` only, if given):
+    the sweeps' rules without their bounds or grace. What went (``dry_run``: would go);
+    ``InternalError`` if an object cannot be removed. Never blocks."""
     job = _Sweep(shm_dir, by_hand=True, dry_run=dry_run)
     job(_of(namespace, shm_dir), _Pace(math.inf))
     return sorted(job.gone, key=_ORDER)
 
 
 def sightings(task: str, namespace: str, *, shm_dir: str = SHM_DIR) -> list[Sighting]:
-    """The presence records of ours naming ``task``, in any namespace (for a diagnosis;
-    ``namespace``: the caller's id). Bounded; never raises for what it finds; never blocks."""
+    """Our presence records naming ``task``, in any namespace (``namespace``: the caller's
+    id), for a diagnosis. Bounded; never raises for what it finds; never blocks."""
     out: list[Sighting] = []
     records = (e for g in _listing(shm_dir).values() for e in _records(shm_dir, g))
     small = (e for e in records if e.st.st_size <= _MAX_RECORD_BYTES)
@@ -303,9 +298,9 @@ def sightings(task: str, namespace: str, *, shm_dir: str = SHM_DIR) -> list[Sigh
 
 
 class _Sweep:
-    """A job: what the dead namespaces of a listing left. ``closing``: ``(names, task)`` of
-    the closing worker (what was sent to it does not wait). ``by_hand``: nothing waits, what
-    went is kept in ``gone``, and a failure to remove raises."""
+    """A job: what a listing's dead namespaces left. ``closing``: ``(names, task)`` of the
+    closing worker (what was sent to it does not wait). ``by_hand``: nothing waits, ``gone``
+    says what went, and a failure to remove raises."""
 
     def __init__(
         self,
@@ -384,8 +379,8 @@ def _task(device: object) -> tuple[str, int, int] | None:
 def _waiting(
     listed: list[_Entry], me: tuple[str, int, int] | None, since: int
 ) -> tuple[set[str], bool]:
-    """The messages and rings among ``listed`` addressed to the task ``me``, and whether
-    another holds a value sent after ``since`` (``time.time_ns()``)."""
+    """The messages and rings among ``listed`` for the task ``me``, and whether another
+    holds a value sent after ``since`` (``time.time_ns()``)."""
     theirs: set[str] = set()
     keep = False
     for e in listed:
@@ -412,9 +407,8 @@ def _waiting(
 
 
 def _read_ring(path: str) -> tuple[tuple[str, int, int] | None, int | None]:
-    """The consumer task a ring was made for and when its newest record not taken was sent
-    (None when unknown). Read with ``pread``, never mapped: a truncation costs nothing, and
-    no mapping keeps the file in use."""
+    """The consumer task of a ring and when its newest record not taken was sent (None:
+    unknown), by ``pread``: a truncation costs nothing and no mapping keeps it in use."""
     try:
         fd, st = open_checked(path, os.O_RDONLY, "ring", max_size=_RING_MAX_BYTES)
     except (OSError, RendezvousError):
@@ -435,11 +429,9 @@ def _read_ring(path: str) -> tuple[tuple[str, int, int] | None, int | None]:
         return consumer, newest
     try:
         ring = Ring(memoryview(data))
-        try:
-            for record in ring.take():  # (a private copy: taking changes nothing)
-                sent = created_ns(record)
-                if sent is not None and (newest is None or sent > newest):
-                    newest = sent
+        try:  # (a private copy: taking changes nothing)
+            for sent in filter(None, map(created_ns, ring.take())):
+                newest = max(sent, newest or 0)
         finally:
             ring.release()
     except (RendezvousError, IndexError, struct.error):
@@ -448,8 +440,8 @@ def _read_ring(path: str) -> tuple[tuple[str, int, int] | None, int | None]:
 
 
 class _Slots:
-    """A job: the unused pool slots and half-written segments of ``task``'s run ``run``, or
-    the slots of its runs but ``but`` (what a restarted producer's killed runs held)."""
+    """A job: the unused slots and half-written segments of ``task``'s run ``run``, or the
+    slots of its runs but ``but`` (what a restarted producer's killed runs held)."""
 
     def __init__(self, names: Names, task: str, run: int | None, but: int | None = None) -> None:
         self._names, self._task, self._run, self._but = names, task, run, but
@@ -457,7 +449,7 @@ class _Slots:
 
     def __call__(self, groups: Groups, pace: _Pace) -> bool:
         names, run, but = self._names, self._run, self._but
-        codes = {_CODES[kind] for kind in (_PRODUCER_KINDS if run is not None else _SLOT_KINDS)}
+        codes = {CODES[kind] for kind in (_PRODUCER_KINDS if run is not None else _SLOT_KINDS)}
         before = self.removed
         for name in groups.get(names.namespace_id, []):
             if name[_KIND_AT : _KIND_AT + 1] not in codes or (e := _ours(SHM_DIR, name)) is None:
@@ -472,7 +464,7 @@ class _Slots:
             if e.kind in _SLOT_KINDS and not _is_slot_of(names, e, self._task, inc, header.slot):
                 continue  # another producer's slot, or a name that is no slot of that run
             # A slot of a dead run may still be kept mapped by a consumer for reuse: its
-            # names go anyway (the mapping follows, mappings.py). A temp must be unused.
+            # names go anyway (the mapping follows, pool.SlotMaps). A temp must be unused.
             self.removed += _unlink(e, mapped_ok=e.kind in _SLOT_KINDS)
         if but is not None and self.removed > before:
             _log.info("collected %d pool slot(s) of earlier runs", self.removed - before)
@@ -480,8 +472,8 @@ class _Slots:
 
 
 def _is_slot_of(names: Names, e: _Entry, task: str, inc: int, ticket: int) -> bool:
-    """Whether ``e`` is a name of ``task``'s run ``inc`` for the slot whose header says
-    ``ticket`` (its last lend): ``returned`` under it, ``pool`` under it or the next one."""
+    """Whether ``e`` is a name of ``task``'s run ``inc`` for the slot of ``ticket`` (its last
+    lend): ``returned`` under it, ``pool`` under it or the next one."""
     if ticket < 0:
         return False
     if e.kind == "returned":
@@ -491,8 +483,6 @@ def _is_slot_of(names: Names, e: _Entry, task: str, inc: int, ticket: int) -> bo
 
 
 class _Producer(_Slots):
-    """``collect_producer`` as a job: the run's slots and segments, then its ring, record."""
-
     def __init__(self, names: Names, task: str, run: int, consumer: str) -> None:
         super().__init__(names, task, run)
         self._inc, self._consumer = run, consumer
@@ -521,8 +511,8 @@ class _Producer(_Slots):
         return True
 
     def _remove_record(self) -> int:
-        """The doorbell and record, under the record's claim (``presence.claim``: a live
-        owner's lock refuses it, a successor's publish waits for it) if still that run's."""
+        """The doorbell and record if still that run's, under the record's claim (a live
+        owner's lock refuses it, a successor's publish waits for it)."""
         try:
             with claim(self._record) as dead:
                 if dead.state != "dead" or dead.info is None or dead.info.incarnation != self._inc:
@@ -626,10 +616,14 @@ def _run(what: str, jobs: list[Job]) -> None:
         _log.exception("sweep of /dev/shm %s", what)
 
 
+def _enabled() -> bool:
+    return os.environ.get(ENV_VAR, "1").strip() != "0"
+
+
 def at_start(names: Names, task: str, incarnation: int) -> bool:
     """A worker's start, its record published: what dead namespaces and earlier runs of its
     task left. Whether sweeps run for this worker (``SHMRDV_AUTO_GC``), for ``at_close``."""
-    if os.environ.get(ENV_VAR, "1").strip() == "0":
+    if not _enabled():
         return False
     _BACKGROUND.use(1)
     _run(f"at the start of {task}", [_Sweep(), _Slots(names, task, None, incarnation)])
@@ -640,7 +634,7 @@ def at_close(names: Names, task: str, sweeping: bool) -> None:
     """A worker's close, once its record is gone (``sweeping``: what ``at_start`` returned):
     a sweep, with what was sent to it; the last Worker stops the background thread."""
     if sweeping:
-        if os.environ.get(ENV_VAR, "1").strip() != "0":
+        if _enabled():
             _run(f"at the close of {task}", [_Sweep(closing=(names, task))])
         _BACKGROUND.use(-1)
 
@@ -651,13 +645,13 @@ def after_producer(names: Names, producer: str, incarnation: int, consumer: str)
 
 
 def entries_read() -> dict[str, int]:
-    """Directory entries this process's sweeps read: ``sync`` itself, ``background``."""
+    """Directory entries this process's sweeps read, ``sync`` and in the ``background``."""
     with _BACKGROUND.lock:
         return dict(_BACKGROUND.read)
 
 
 def idle(timeout: float) -> bool:
-    """Wait up to ``timeout`` s for the background thread to be done; whether it is (tests)."""
+    """Wait up to ``timeout`` s for the background thread to end; whether it did (tests)."""
     if (thread := _BACKGROUND.thread) is not None:
         thread.join(timeout)
     return _BACKGROUND.thread is None

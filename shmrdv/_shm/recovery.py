@@ -26,9 +26,8 @@ from .._keys import parse_key
 from .._transport import TransportContext
 from .files import Segment, is_ours, move_noreplace, peek_header
 from .header import Header, is_notice, unpack_identity
-from .mappings import RunWatch, give_back
 from .naming import SHM_DIR, Names, parse_name
-from .pool import ProducerAlive
+from .pool import ProducerAlive, RunWatch, give_back
 from .ring import RINGS_SUPPORTED, Ring
 
 if TYPE_CHECKING:
@@ -42,12 +41,10 @@ _log = logging.getLogger("shmrdv.shm")
 # Names a listing found unusable are remembered, up to this many, and skipped without a
 # system call afterwards: a flood of planted names costs one ``lstat`` each, once.
 _REFUSED_MAX = 1 << 17
-# At most this many names new to the consumer are looked at per listing.
+# Names new to the consumer looked at per listing; seconds between listings, and between
+# looks for a producer's ring that is not there yet.
 _NEW_PER_LISTING = 32768
-# A listing at most this often (seconds).
-_LIST_EVERY = 0.1
-# How often a consumer looks for a producer's ring that is not there yet.
-_RING_LOOK_S = 0.02
+_LIST_EVERY, _RING_LOOK_S = 0.1, 0.02
 # A listing is trusted to be complete only if the directory's mtime was at least this
 # old when it was taken: the kernel stamps changes with a coarse clock.
 _TRUST_NS = 20_000_000
@@ -55,9 +52,9 @@ _INF = float("inf")
 
 
 class Listing:
-    """The names under ``prefix`` in ``directory``, listed again only when its mtime
-    changed, at most every ``min_interval`` s (a quarter of that rate while nothing is new).
-    ``refuse``d names are left out without a system call. Not thread-safe."""
+    """The names under ``prefix`` in ``directory``, listed again only when its mtime changed,
+    at most every ``min_interval`` s (a quarter of that rate while nothing is new), without
+    the ``refuse``d names. Not thread-safe."""
 
     def __init__(self, prefix: str, min_interval: float, directory: str = SHM_DIR) -> None:
         self._prefix, self._dir, self._interval = prefix, directory, min_interval
@@ -71,8 +68,8 @@ class Listing:
         self._refused: set[str] = set()
 
     def refresh(self) -> bool:
-        """Make ``names`` current if allowed; True if they are (listed now, or the directory
-        has not changed since), False if a listing is due but rate-limited or failed."""
+        """Make ``names`` current if allowed: whether they are (False: a listing is due but
+        rate-limited, or failed)."""
         try:
             mtime = os.stat(self._dir).st_mtime_ns
         except OSError:
@@ -104,7 +101,7 @@ class Listing:
         return True
 
     def refuse(self, name: str) -> None:
-        """``name`` is unusable: leave it out of every later listing (up to a bound)."""
+        """Leave the unusable ``name`` out of every later listing (up to a bound)."""
         if len(self._refused) < _REFUSED_MAX:
             self._refused.add(name)
 
@@ -112,13 +109,13 @@ class Listing:
         return name in self._refused
 
     def incomplete(self) -> None:
-        """Names of this listing were left unexamined: list again when next allowed."""
+        """Names were left unexamined: list again when next allowed."""
         self._mtime = -1
 
 
 class Held:
-    """A queued value that a ring record brought: the record stays in ring ``r`` (the task's
-    durable copy) until the value is taken or freed (``InRing.taken``)."""
+    """A queued value a ring record brought: the record stays in ring ``r`` (the task's
+    durable copy) until the value is taken or freed."""
 
     __slots__ = ("pos", "r", "value")
 
@@ -128,8 +125,7 @@ class Held:
 
 @dataclass(eq=False, slots=True)
 class InRing:
-    """A producer run's ring for this consumer, attached (its name stays while it holds
-    records not taken)."""
+    """A producer run's ring for this consumer, attached."""
 
     segment: Segment
     ring: Ring
@@ -149,16 +145,16 @@ class InRing:
         self.fd, self.size = self.segment.fd, self.segment.size
 
     def intact(self) -> bool:
-        """Whether its file still holds it (one ``lseek`` of the kept descriptor): a process
-        that kept a descriptor may have truncated it, and a lost page is a SIGBUS."""
+        """Whether its file still holds it (one ``lseek``): a process that kept a descriptor
+        may have truncated it, and a lost page is a SIGBUS."""
         try:
             return self.fd >= 0 and os.lseek(self.fd, 0, os.SEEK_END) >= self.size
         except OSError:
             return False
 
     def taken(self, pos: int) -> None:
-        """The value of its record at ``pos`` is taken or freed: so marked in the ring, or
-        the segment the record moved out to is removed."""
+        """The value of its record at ``pos`` is taken or freed: mark it in the ring, or
+        remove the segment the record moved out to."""
         if self.spilled:
             path = self.spilled.pop(pos, None)
             if path is not None:
@@ -192,8 +188,7 @@ class Recovery:
         self._listed_gen = self._rings_gen = -1  # the listing generations they reflect
 
     def _learn_run(self, src: Source) -> bool:
-        """Note ``src``'s live run from its presence record if it is there; False if the
-        record cannot be trusted."""
+        """Note ``src``'s live run from its presence record; False if it cannot be trusted."""
         try:
             record = self._ctx.peers.lookup(src.dev)
         except RendezvousError as e:  # a record that is not ours, or corrupt
@@ -203,9 +198,17 @@ class Recovery:
             src.inc = record.incarnation
         return True
 
+    def _sender(self, key: str) -> str | None:
+        """The producer task of ``key`` if it is addressed to this worker, else None."""
+        try:
+            pk = parse_key(key)
+            return str(canonical_task(pk.src)) if pk.dst.task_key() == self._own else None
+        except RendezvousError:
+            return None
+
     def look_for_ring(self, src: Source, force: bool = False) -> None:
         """Attach the ring of ``src``'s current run if it is there (at most every
-        ``_RING_LOOK_S`` unless ``force``)."""
+        ``_RING_LOOK_S``, unless ``force``)."""
         if not RINGS_SUPPORTED:
             src.look_at = _INF
             return
@@ -232,8 +235,8 @@ class Recovery:
         return True
 
     def attach(self, name: str, expect: tuple[str, int] | None) -> bool:
-        """Map a producer's ring for this consumer, once per run, and have it drained from
-        its oldest record not taken. False: no such name. ``InternalError`` for a ring not
+        """Map a producer's ring for this consumer, once per run, to be drained from its
+        oldest record not taken; False if there is none. ``InternalError`` for a ring not
         ours, not for this consumer, or not from ``expect`` (task, incarnation)."""
         try:
             seg = Segment.attach(self._names, name, keep_fd=True)
@@ -265,8 +268,8 @@ class Recovery:
         return True
 
     def free(self, task: str, step: int, key: str, inc: int, seq: int, slot: int) -> None:
-        """Free a message nobody will receive (never under the lock): its segment unlinked,
-        or its pool slot given back to its producer (``give_back``)."""
+        """Free a message nobody will receive (never under the lock): unlink its segment, or
+        give its pool slot back."""
         path = Names.path(self._names.message(step, key, inc, seq))
         if slot >= 0:
             give_back(self._names, self._alive, task, inc, slot, path)
@@ -276,7 +279,7 @@ class Recovery:
 
     def needed(self) -> bool:
         """Whether messages may have come with no ring record: a producer without a ring, or
-        a ring that lost records (not counting those this process moved out)."""
+        a ring that lost records (not those this process moved out)."""
         if not RINGS_SUPPORTED:
             return True
         for s in self._consumer.srcs.values():  # (per cleanup: loops, not generators)
@@ -308,11 +311,7 @@ class Recovery:
             ch = consumer.find(step, key)
             if ch is not None and (ch.inc not in (0, inc) or seq < ch.seq):
                 continue
-            try:  # a message of the producer's, and to this consumer
-                pk = parse_key(key)
-                if str(canonical_task(pk.src)) != src.task or pk.dst.task_key() != self._own:
-                    continue
-            except RendezvousError:
+            if self._sender(key) != src.task:
                 continue
             ch = consumer.channel(step, key, src, inc)
             ch.inc, ch.seq = inc, seq + 1
@@ -335,7 +334,7 @@ class Recovery:
         return out
 
     def published(self, chans: list[Channel]) -> list[Channel]:
-        """Those of ``chans`` whose next message a listing shows (one listing for many)."""
+        """Those of ``chans`` whose next message a listing shows."""
         self._list_messages()
         there = {(h.step_id, h.key, h.seq, h.producer_incarnation) for h in self._listed.values()}
         return [c for c in chans if (c.step, c.key, c.seq, c.inc) in there]
@@ -360,8 +359,8 @@ class Recovery:
                 ch.inc, newest = h.producer_incarnation, h.created_ns
 
     def find_rings(self) -> None:
-        """Attach the rings addressed to this worker that a listing shows (a producer that
-        closed before its run was known here); each name is tried once."""
+        """Attach the rings to this worker a listing shows (of a producer that closed before
+        its run was known here), each name tried once."""
         listing = self.listing
         if not listing.refresh() or self._rings_gen == listing.generation:
             return
@@ -418,8 +417,8 @@ class Recovery:
             r.lost_seen += count  # not to be looked for by name)
 
     def _publish(self, inc: int, payload: memoryview) -> str:
-        """Publish ``payload`` (a ring record of producer run ``inc``, read and checked
-        already) under its message's name; return its path. Raises ``RendezvousError``."""
+        """Publish ``payload`` (a checked ring record of producer run ``inc``) under its
+        message's name; its path. Raises ``RendezvousError``."""
         who = unpack_identity(payload)
         if who is None:  # pragma: no cover - the drain read this header
             raise InternalError("a ring record names no message")
@@ -460,7 +459,6 @@ class Recovery:
         return True
 
     def _peek(self, name: str) -> Header | None:
-        """The header of message ``name`` (one lstat for another user's), or None: refused."""
         h = peek_header(Names.path(name))
         if h is None:
             self.listing.refuse(name)
@@ -480,11 +478,6 @@ class Recovery:
             h = self._peek(entry)
             if h is None or h.step_id != step_id:
                 continue
-            try:
-                pk = parse_key(h.key)
-                mine = pk.dst.task_key() == self._own
-                task = str(canonical_task(pk.src))
-            except RendezvousError:
-                continue
-            if mine:
+            task = self._sender(h.key)
+            if task is not None:
                 self.free(task, step_id, h.key, h.producer_incarnation, h.seq, h.slot)

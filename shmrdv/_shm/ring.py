@@ -107,8 +107,8 @@ class Ring:
 
     @classmethod
     def format(cls, buf: memoryview, capacity: int, meta: bytes = b"") -> Ring:
-        """Write a fresh, empty ring into ``buf`` (before anyone can see it); ``meta`` (at
-        most 3800 bytes) says whose it is, for ``ls`` and a consumer that lists rings."""
+        """Write a fresh, empty ring into ``buf`` (before anyone can see it); ``meta`` says
+        whose it is (for ``ls`` and a consumer that lists rings)."""
         if len(meta) > _META_MAX:
             raise InternalError(f"ring description of {len(meta)} bytes is too long")
         buf[:DATA_OFFSET] = bytes(DATA_OFFSET)
@@ -118,12 +118,11 @@ class Ring:
         return cls(buf)
 
     def meta(self) -> bytes:
-        """The owner's description written by ``format``."""
         return describe(self.buf[:DATA_OFFSET])[0]
 
     def reserve(self, payload: int) -> int:
-        """Where a record of ``payload`` bytes goes in ``buf`` (visible at ``commit``), or
-        -1 (nothing written) if it does not fit now; at most a quarter of the ring."""
+        """Where a record of ``payload`` bytes (at most a quarter of the ring) goes in ``buf``,
+        visible at ``commit``; -1 (nothing written) if it does not fit now."""
         if payload > self._max_record:
             return -1
         size = (payload + _PAD) & _ROUND  # the length word, 8-aligned
@@ -145,51 +144,48 @@ class Ring:
         return at + 4
 
     def _room(self, end: int) -> bool:
-        """Room for records up to the running count ``end`` (a read of ``tail``, which only
-        grows: ``reserve`` reads it again only when the last one leaves no room)."""
+        """Room for records up to the running count ``end``? (``tail`` only grows: it is
+        read again only when the last read leaves no room.)"""
         tail = self._tail_seen = self._words[_T]
         return end - tail <= self.capacity
 
     def commit(self) -> int:
-        """Publish the reserved record: one store of ``head``, after every byte of it.
-        Returns the new ``head``."""
+        """Publish the reserved record (one store of ``head``); the new ``head``."""
         head = self._words[_H] = self._next_head
         return head
 
     def count_lost(self) -> None:
-        """Producer: a record could not be appended (the consumer looks by name then)."""
+        """A record could not be appended: the consumer looks for it by name."""
         self._words[_L] += 1
 
     def reader_word(self) -> memoryview:
-        """The ``reader`` word as a one-u64 view (``view[0]``: a look without a call); the
-        caller releases it before the ring."""
+        """The ``reader`` word as a one-u64 view (released by the caller before the ring)."""
         return self._words[_C : _C + 1]
 
     def pending(self) -> bool:
-        """Whether records not taken are in the ring (``head`` is ahead of ``tail``)."""
+        """Whether records not taken are in the ring."""
         words = self._words
         return bool(words[_H] != words[_T])
 
     def attach(self, reader: int) -> None:
-        """The consumer run ``reader`` (its incarnation) reads from ``tail`` on."""
+        """The consumer run of incarnation ``reader`` reads from ``tail`` on."""
         words = self._words
         self._cursor = words[_R] = words[_T]
         words[_C] = reader
 
     @property
     def tail(self) -> int:
-        """The start of the oldest record not taken (a running byte count)."""
+        """The start of the oldest record not taken, a running byte count."""
         return int(self._words[_T])
 
     def release(self) -> None:
-        """Let go of the buffer, so that its mapping can be closed."""
         self._words.release()
         self._u32.release()
         self.buf.release()
 
     def take(self) -> Iterator[memoryview]:
-        """Every record's payload (a view valid until the next one), each taken once the
-        caller asks for the next."""
+        """Every record's payload (a view valid until the next), each taken as the next is
+        asked for."""
         buf = self.buf
         while True:
             spans = self.spans()
@@ -205,11 +201,10 @@ class Ring:
                 return
 
     def spans(self) -> list[tuple[int, int]]:
-        """Where the next records' payloads are in ``buf``, ``(start, end)`` each, a batch
-        per call (records taken before are skipped; none is taken until ``consume``). A batch
-        ends at ``head``, after about ``_BATCH_BYTES``, or before a length that is no
-        record's, which the next call raises ``InternalError`` for. Reads ``lost`` after
-        ``head``, so a record lost before one of the batch is counted."""
+        """The next batch of records' payloads, ``(start, end)`` in ``buf`` each, skipping
+        those taken before; none is taken until ``consume``. A batch ends at ``head``, after
+        about ``_BATCH_BYTES`` or before a bad length (the next call raises ``InternalError``).
+        ``lost`` is read after ``head``: a record lost before one of the batch is counted."""
         words = self._words
         head = words[_H]
         self.lost = words[_L] + words[_S]
@@ -263,14 +258,12 @@ class Ring:
 
     @property
     def passed(self) -> bool:
-        """Whether the last ``spans`` read past records (taken before), also if it returned
-        none: ``consume`` then records that."""
+        """Whether the last ``spans`` passed records taken before (for ``consume`` to record)."""
         return bool(self._to != self._from)
 
     def consume(self, before: int = -1) -> bool:
-        """Pass, and take, the records of the last ``spans`` (with ``before``: those before
-        the payload at ``before``, found again next time), but for those ``hold`` kept:
-        ``tail`` stays at the oldest of them. Returns whether more may follow the batch."""
+        """Take the records of the last ``spans`` (those before the payload at ``before``, if
+        given) but those ``hold`` kept, where ``tail`` stays; whether more may follow."""
         tail = self._to if before < 0 else self.position(before)
         words = self._words
         self._cursor = words[_R] = tail
@@ -279,23 +272,23 @@ class Ring:
         return self._more
 
     def position(self, at: int) -> int:
-        """The running byte count at which the record whose payload is at ``at`` (one of
-        the last ``spans``) starts."""
+        """The running byte count where the record of the payload at ``at`` (of the last
+        ``spans``) starts."""
         # The run after a wrap starts at DATA_OFFSET and ends before the first run's start.
         cap, start = self.capacity, self._from
         pos, at = start % cap, at - 4 - DATA_OFFSET
         return start + (at - pos if at >= pos else cap - pos + at)
 
     def hold(self, at: int) -> int:
-        """Keep ``tail`` before the record whose payload is at ``at`` (one of the last
-        ``spans``) until ``taken``; returns its ``position``."""
+        """Keep ``tail`` before the record of the payload at ``at`` until ``taken``; its
+        ``position``."""
         position = self.position(at)
         self.held.append(position)
         return position
 
     def taken(self, position: int) -> None:
-        """The held record at ``position`` is taken: ``tail`` passes it (and the taken ones
-        after it) if it is the oldest held, else it is marked taken."""
+        """The held record at ``position`` is taken: ``tail`` passes it (and taken ones after
+        it) if it is the oldest held, else it is marked taken."""
         held = self.held
         if held[0] != position:
             self._early.add(position)
@@ -308,20 +301,20 @@ class Ring:
         self._words[_T] = held[0] if held else self._cursor
 
     def record(self, position: int) -> memoryview:
-        """The payload of the record at ``position`` (not taken)."""
+        """The payload of the record at ``position``."""
         at = DATA_OFFSET + position % self.capacity
         return self.buf[at + 4 : at + (self._u32[at >> 2] & ~7)]
 
     def add_spilled(self, count: int) -> None:
-        """The consumer moved ``count`` more records out of the ring."""
+        """The consumer moved ``count`` more records out, to be found by name."""
         self._words[_S] += count
 
     def mark_taken(self, position: int) -> None:
-        """The record at ``position`` is taken while an older one is not: a later reader
-        of the ring skips it."""
+        """Mark the record at ``position`` taken while an older one is not (a later reader
+        skips it)."""
         self._u32[(DATA_OFFSET + position % self.capacity) >> 2] |= _TAKEN
 
     @property
     def read(self) -> int:
-        """Where the consumer reads next (a running byte count)."""
+        """Where the consumer reads next, a running byte count."""
         return int(self._cursor)

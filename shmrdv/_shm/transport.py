@@ -1,17 +1,11 @@
-"""A Worker's shared-memory side: its transport and its presence board.
+"""A Worker's shared-memory side: ``ShmTransport`` (a ``_transport.Transport`` over the
+``Producer``, the ``Consumer`` and the ``Poller`` of its own doorbell) and ``ShmBoard`` (its
+``_transport.PresenceBoard``: its record, its peers' states, and the reaper's sweeps when it
+publishes and closes).
 
-``ShmTransport`` implements ``_transport.Transport`` over the ``Producer`` (``producer.py``:
-send, allocate, the rings and doorbells of the consumers it sends to), the ``Consumer``
-(``consumer.py``: the channel table the rings feed) and the ``Poller`` (``bell.py``: who
-polls this worker's doorbell), and owns the doorbell. ``ShmBoard`` is the worker's
-``_transport.PresenceBoard``: it publishes the worker's record (``presence.Presence``),
-answers its peers' states from one ``presence.Monitor``, and collects what dead workers of
-this user left when it publishes and closes (``reaper.at_start`` / ``reaper.at_close``).
-
-Thread model (``docs/threads.md``): every method may be called from any thread. ``done``
-callbacks run through ``invoke_done``, outside every lock: in the calling thread when the
-value is there already, else in the thread that polled the doorbell (a blocked receiver or
-the dispatcher thread). ``ShmBoard.state`` may run inside the garbage collector.
+Thread model (docs/threads.md): any thread. ``done`` callbacks run outside every lock, in
+the caller's thread or the one that polled the doorbell; ``ShmBoard.state`` may run inside
+the garbage collector.
 """
 
 from __future__ import annotations
@@ -37,8 +31,6 @@ __all__ = ["ShmBoard", "ShmTransport", "usable"]
 
 
 class ShmTransport:
-    """Shared-memory transport of one Worker (see the module docstring)."""
-
     name = "shm"
 
     def __init__(self, ctx: TransportContext, *, pool_bytes: int, busy_poll: float = 0.0) -> None:
@@ -49,13 +41,9 @@ class ShmTransport:
         self._bell = Bell.create(names, ctx.task_name, replace_stale=True)
         try:
             limit = ctx.max_inflight_bytes
+            inflight = None if limit is None else Inflight(limit, ctx.peers)
             self._producer = Producer(
-                names,
-                ctx.task_name,
-                ctx.incarnation,
-                pool_bytes,
-                None if limit is None else Inflight(limit, ctx.peers),
-                run_alive(ctx.peers),  # whether a consumer run holding a slot lives
+                names, ctx.task_name, ctx.incarnation, pool_bytes, inflight, run_alive(ctx.peers)
             )
             self._consumer = consumer = Consumer(ctx, names, self._kick)
             self._poller = Poller(self._bell, consumer, ctx.task_name, busy_poll)
@@ -63,7 +51,6 @@ class ShmTransport:
             self._bell.unlink()
             self._bell.close()
             raise
-        #: ``Transport.start_recv`` and ``Transport.wait``: the consumer's and the poller's.
         self.start_recv = consumer.start_recv
         self.wait = self._poller.wait
 
@@ -100,8 +87,6 @@ class ShmTransport:
             self._poller.wake_all()  # followers, and a leader blocked on the doorbell
 
     def cleanup_step(self, step_id: int, error: BaseException) -> None:
-        """Fail the step's waiters, forget the step, free the unreceived messages sent to
-        this worker in it."""
         self._producer.cleanup_step(step_id)
         if self._consumer.cleanup_step(step_id, error, self._bell.pending > 0):
             self._poller.wake_all()
@@ -134,17 +119,15 @@ def usable() -> bool:
 
 
 class ShmBoard:
-    """The presence records of one namespace on this host (see the module docstring).
-
-    ``namespace``: the job's token (``Names``). Raises ``InvalidArgumentError`` for a bad one.
-    """
+    """The presence records of the namespace of token ``namespace`` on this host. Raises
+    ``InvalidArgumentError`` for a bad token."""
 
     def __init__(self, namespace: str) -> None:
         self._names = Names(namespace)
         self._monitor = Monitor(self._names)
         self._presence: Presence | None = None
         self._task = ""
-        self._sweeping = False  # ``reaper.at_start`` ran the sweeps (``at_close`` then too)
+        self._sweeping = False  # what ``reaper.at_start`` said, for ``at_close``
 
     def __repr__(self) -> str:
         return f"<ShmBoard {self._names.namespace_id} {self._monitor!r}>"
