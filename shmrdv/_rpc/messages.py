@@ -372,12 +372,10 @@ class Assembly:
         start, end = head.content
         if total < 0 and self._buffer is None:  # a whole value: the usual case
             view = adopt(buf, start, end) if owned and end - start >= _ADOPT_BYTES else None
-            if view is None:
-                array = tensor_value(head, memoryview(buf)[start:end], is_dead, copy=True)
-            else:
-                array = tensor_value(head, view, is_dead, copy=False)
-                if not array.flags.aligned:  # a sender that did not align it (TensorFlow)
-                    array = array.copy()
+            content = memoryview(buf)[start:end] if view is None else view
+            array = tensor_value(head, content, is_dead, copy=view is None)
+            if not array.flags.aligned:  # adopted, from a sender that did not align it
+                array = array.copy()
             return received(array, is_dead)
         return self._chunk(head, is_dead, offset, total, buf, start, end)
 

@@ -183,8 +183,7 @@ def adopt(message: Buffer, start: int, end: int) -> memoryview | None:
     if _storage is None or type(message) is not bytes:
         return None
     face = {"data": (_storage(message) + start, False), "shape": (end - start,), "typestr": "|u1"}
-    view: memoryview = np.asarray(SimpleNamespace(message=message, __array_interface__=face)).data
-    return view
+    return np.asarray(SimpleNamespace(message=message, __array_interface__=face)).data
 
 
 # -- dtypes -------------------------------------------------------------------------------
