@@ -152,6 +152,7 @@ class RpcClient:
         self._had_series: dict[str, None] = {}
         self._aborted: dict[int, BaseException] = {}
         self._closed = False
+        self._fetching: set[Recv] = set()  # receives fetching the chunks of a value
         self.received = self.received_bytes = 0
 
     def __repr__(self) -> str:
@@ -218,15 +219,10 @@ class RpcClient:
             series = self._series.get(k)
             if recv.state == _DONE:
                 return True
+            busy = recv.state != _ACTIVE or recv.started or recv.chunks or k in self._releasing
             if series is not None and series.reader is None and k not in self._releasing:
                 series.reader = recv
-            elif (
-                series is not None
-                or recv.state != _ACTIVE
-                or recv.started
-                or recv.chunks
-                or k in self._releasing
-            ):
+            elif series is not None or busy:
                 self._cond.wait(timeout)
                 return True
         if series is not None:
@@ -371,6 +367,7 @@ class RpcClient:
         with self._lock:
             if recv.state != _ACTIVE:
                 return
+            self._fetching.add(recv)
             for offset in assembly.missing[:_CHUNKS_IN_FLIGHT]:
                 recv.chunks[offset] = None
         for offset in list(recv.chunks):
@@ -402,6 +399,7 @@ class RpcClient:
                 calls = [c for c in recv.chunks.values() if c is not None]
                 recv.chunks.clear()
                 recv.assembly = None
+                self._fetching.discard(recv)
                 self._cond.notify_all()
             for call in calls:
                 call.cancel()
@@ -533,6 +531,7 @@ class RpcClient:
         """``recv`` leaves the tables (the lock is held)."""
         k = recv.k
         recv.state = _DONE
+        self._fetching.discard(recv)
         self._table.cancel(k, recv)
         if recv.blocking and self._blocked.pop(recv.done, None) is recv:
             self._blocking[k] -= 1
@@ -781,6 +780,7 @@ class RpcClient:
                 "received": self.received,
                 "received_bytes": self.received_bytes,
                 "receives_pending": self._table.pending_waiters,
+                "fetching": len(self._fetching),
                 "series": len(self._series),
             }
 
