@@ -126,19 +126,6 @@ def test_a_key_received_again_is_pushed_in_order_over_one_series(
     assert stats["server_series_values"] == 199
 
 
-def test_a_series_nobody_reads_ends_and_opens_again_for_the_next_reader(
-    pair: tuple[shmrdv.Worker, shmrdv.Worker],
-) -> None:
-    producer, consumer = pair
-    _opened(pair)
-    # No receive waits: the call ends instead of ticking (the producer's loop rests).
-    wait_for(lambda: producer.stats()["grpc"]["server_series_open"] == 0)
-    producer.rendezvous(1).send(_key(), _value(2, 64))
-    _check(consumer.rendezvous(1).recv(_key(), timeout=10).value, 2, 64)
-    assert producer.stats()["grpc"]["server_series"] == 2  # the same series, opened again
-    assert consumer.stats()["grpc"]["series"] == 1
-
-
 def test_a_large_value_is_pushed_in_chunks(pair: tuple[shmrdv.Worker, shmrdv.Worker]) -> None:
     producer, consumer = pair
     _opened(pair)

@@ -55,12 +55,15 @@ __all__ = ["GONE_GRACE", "TURN", "Address", "RpcClient"]
 
 #: The longest call a blocked receiver makes before it looks at its deadline and abort.
 TURN = 0.2
-#: A producer reached and then gone has this long to come back (as shared memory's has).
+#: A producer reached and then gone has this long to come back (as long as shared memory
+#: takes to see a dead producer's presence record go).
 GONE_GRACE = 1.0
 _RETRY_FIRST, _RETRY_MAX = 0.05, 1.0
-_CHUNKS_IN_FLIGHT, _CHUNK_RETRIES = 4, 2
-_IDLE_TURNS = 2  # turns that brought nothing (0.4 s): then a blocked receiver's long call
-_ACK_DELAY = 0.05  # a series read and left is acknowledged after this long, or ended
+_CHUNKS_IN_FLIGHT = 4
+# A blocked receiver whose turns brought nothing (0.4 s) waits on one long call.
+_IDLE_TURNS = 2
+_CHUNK_RETRIES = 2
+_ACK_DELAY = 0.05  # a series' values read and not acknowledged are, after this long
 _SEEN_KEPT = 4096  # receives counted per (step, key), to find the keys received again
 _NO_SERIES_PAUSE = 5.0  # after a producer refused a series (its bounds)
 _NEVER_CONNECTED = "failed to connect"  # grpcio's words for a peer not listening (yet)
@@ -238,7 +241,8 @@ class RpcClient:
             head = self._table.head(k)
             if head is None or k in self._releasing:
                 return
-            head.state = _ACTIVE  # (never _DONE: those leave the table)
+            if head.state == _QUEUED:
+                head.state = _ACTIVE
             series = self._series.get(k)
             if series is None and head.blocking and self._wants_series(head):
                 series = self._open_series(head)
@@ -620,32 +624,22 @@ class RpcClient:
                 if series.reader is recv:
                     series.reader = None
                 self._cond.notify_all()
-                flush = self._flush_later(series) if series.held > series.acked else None
+                flush = None
+                if series.held > series.acked and series.flush is None:
+                    flush = series.flush = threading.Timer(_ACK_DELAY, self._flush, (series,))
+                    flush.daemon = True
             if flush is not None:
                 flush.start()
             self._drive(k)
 
-    def _flush_later(self, series: SeriesCall) -> threading.Timer | None:
-        """``_flush`` after ``_ACK_DELAY``, unless it is due already (the lock is held)."""
-        if series.flush is not None:
-            return None
-        flush = series.flush = threading.Timer(_ACK_DELAY, self._flush, (series, series.held))
-        flush.daemon = True
-        return flush
-
-    def _flush(self, series: SeriesCall, held: int) -> None:
-        """No reader: acknowledge what was read; if nothing was since ``held``, end the call
-        (not to tick for nobody; a reader opens it again), else look again later."""
+    def _flush(self, series: SeriesCall) -> None:
+        """What a series' reader read and left unacknowledged (no reader saw the series
+        ask since) is acknowledged: the producer's window counts it no more."""
         with self._lock:
             series.flush = None
-            if series.reader is not None:
-                return
-            again = self._flush_later(series) if series.held != held else None
-        series.ack()
-        if again is not None:
-            again.start()
-        else:
-            series.cancel()
+            reading = series.reader is not None
+        if not reading:
+            series.ack()
 
     def _series_failed(self, recv: Recv, series: SeriesCall, error: grpc.RpcError) -> None:
         code, details = status(error)
@@ -706,7 +700,8 @@ class RpcClient:
             invoke_done(waiter.done, error, None)
 
     def _release_series(self, k: tuple[int, str], series: SeriesCall) -> None:
-        """Callback receives of ``k``, no reader: its series goes back, they use RecvTensor."""
+        """No blocked receiver reads ``k``'s series for its callback receives: the
+        producer takes back what was not read, then they go on with ``RecvTensor``."""
 
         def released(_: Any) -> None:
             with self._lock:

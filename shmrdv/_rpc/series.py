@@ -1,17 +1,18 @@
 """RecvTensorSeries, shmrdv's one streaming method: a key received again is pushed.
 
-Between shmrdv workers, the values of a key taken again and again are pushed as they
-are sent, over one server-streaming call, instead of a round trip per value.
+Between shmrdv workers, a key a consumer takes again and again has its values pushed
+as they are sent, over one server-streaming call, instead of a round trip per value.
+
 * Exactly once across dropped connections: a series has its own request_id; the
   producer keeps what it pushed until the consumer says how many values it holds
   (``MarkRecvFinished`` with ``held``, asked for by field 1003). Opened again, a series
   gets what it lacks; released or expired, what it did not hold goes back, in order.
 * Bounds (``guard.Limits``): series open, and ``max_pushed_bytes`` ahead of the acks.
-* Ends: ``OK`` when idle, the step's error, ``UNAVAILABLE`` when the server stops,
-  cancelled by a consumer that stopped reading; an idle series ticks every ``TICK`` so
-  that its blocked reader sees its deadline. ``SeriesService``: the producer's end, on
-  the serving loop (no lock); ``SeriesCall``: the consumer's, read by one blocked
-  receiver at a time in its own thread.
+* Ends: ``OK`` when idle, the step's error, ``UNAVAILABLE`` when the server stops; an
+  idle series ticks every ``TICK`` so that its blocked reader sees its deadline.
+
+``SeriesService``: the producer's end, on the serving loop (no lock). ``SeriesCall``:
+the consumer's end, read by one blocked receiver at a time in its own thread.
 """
 
 from __future__ import annotations
