@@ -121,6 +121,38 @@ def test_decode_gives_a_private_writable_array() -> None:
     )
 
 
+@pytest.mark.parametrize("shape", [(1 << 14,), (3, 1 << 14), (1 << 18,)])
+def test_large_response_aligns_its_content_and_parses_as_generated(shape: tuple[int, ...]) -> None:
+    arr = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    ours = _whole(arr, False, 1_700_000_000_123_456)
+    _, canonical = expected_response(arr, False, 1_700_000_000_123_456)
+    assert ours.endswith(arr.tobytes()) and (len(ours) - arr.nbytes) % 8 == 0
+    assert worker_pb2.RecvTensorResponse.FromString(ours).SerializeToString() == canonical
+
+
+def test_decode_of_an_owned_message_keeps_the_value_in_it() -> None:
+    arr = np.arange(1 << 16, dtype=np.float64).reshape(256, 256)
+    message = bytes(bytearray(_whole(arr)))  # a message of its own, as grpcio's are
+    got = messages.Assembly().feed(message, owned=True)
+    assert got is not None and same(got.value, arr)
+    value = got.value
+    assert value.flags.writeable and value.flags.aligned and not value.flags.owndata
+    del got, message
+    value[0, 0] = -1.0  # the array keeps the message's bytes alive and is its own
+    assert value[0, 0] == -1.0 and value[255, 255] == arr[255, 255]
+
+
+def test_decode_of_an_unaligned_owned_message_copies() -> None:
+    arr = np.arange(1 << 15, dtype=np.int64)
+    tf_order, _ = expected_response(arr, False, 5)  # TensorFlow's bytes: no alignment
+    message = next(
+        m for m in (b"\x18\x05" * n + tf_order for n in range(4)) if (len(m) - arr.nbytes) % 8
+    )
+    got = messages.Assembly().feed(message, owned=True)
+    assert got is not None and same(got.value, arr)
+    assert got.value.flags.writeable and got.value.flags.aligned and got.value.flags.owndata
+
+
 def test_decode_tensorflow_skeleton_with_zero_dims_and_empty_content() -> None:
     # TensorFlow's hand-written skeleton writes Dim{size: 0} as 08 00 and an empty
     # tensor_content field; canonical protobuf leaves both out.

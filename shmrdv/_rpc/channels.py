@@ -1,9 +1,8 @@
 """The consumer's channels: one per producer address, in one process.
 
-A ``Peer`` is a producer's address with its channel, its methods, and what rides on its
-next request: acks (request_ids whose answers arrived) and releases (request_ids given
-up: what the producer took for them goes back to its key). ``Channels.close`` sends
-what no request took and waits for it a moment.
+A ``Peer``: a producer's channel, its methods, and what rides on its next request: acks
+(answers arrived) and releases (request_ids given up: their values go back).
+``Channels.close`` sends what no request took, and waits for it a moment.
 
 Thread model (docs/threads.md): thread-safe: one lock guards the table; the queues are
 deques (atomic appends and pops); nothing blocks under the lock.

@@ -1,14 +1,12 @@
 """RpcClient: the consumer's one receive state machine over gRPC.
 
-A receive (``Recv``, TensorFlow's ``RpcRecvTensorCall``) pulls the next value of a
-(step, key) with ``RecvTensor`` under a random request_id: from the blocked receiver's
-own thread (turns of at most ``TURN``, again under the same request_id: the response
-cache makes that safe), or as a grpcio future for a callback receive. A chunked value's
-other chunks are fetched by offset. Receives of one (step, key) go one at a time, in
-order (the core's ``WaiterTable``). A key received again by a blocked receiver switches
-to ``RecvTensorSeries`` (``series``), read in that receiver's thread. Failures: a
-producer not listening yet is retried until the deadline; one reached and then gone
-gets ``GONE_GRACE``; other statuses map to the error tree (``error_for_code``).
+A receive (``Recv``, TensorFlow's ``RpcRecvTensorCall``) pulls a (step, key)'s next
+value with ``RecvTensor`` under a random request_id: in the blocked receiver's thread
+(turns of at most ``TURN`` under that request_id, which the response cache makes safe)
+or as a grpcio future; a chunked value's other chunks by offset. Receives of one key go
+in order (``WaiterTable``). A key received again by a blocked receiver switches to
+``RecvTensorSeries`` (``series``), read in its thread. A producer not listening yet is
+retried until the deadline, one gone gets ``GONE_GRACE``; see ``error_for_code``.
 
 Thread model (docs/threads.md): thread-safe; one lock (and its condition, on which
 blocked receivers wait their turn), no call made under it; ``done`` of a callback
@@ -131,11 +129,8 @@ class Recv:
 
 class RpcClient:
     """Pulls values from shmrdv (and TensorFlow) workers over gRPC (module docstring).
-
-    ``tls``: open TLS channels (``TLSConfig`` with the servers' CA, and a client
-    certificate for servers that require one). ``token``: sent with every call.
-    ``close()`` fails the receives in flight.
-    """
+    ``tls``: TLS channels (``TLSConfig``: the servers' CA, a client certificate if they
+    require one); ``token``: sent with every call. ``close()`` fails receives in flight."""
 
     def __init__(self, *, tls: TLSConfig | None = None, token: str | None = None) -> None:
         if tls is not None and not isinstance(tls, TLSConfig):
@@ -227,15 +222,10 @@ class RpcClient:
             series = self._series.get(k)
             if recv.state == _DONE:
                 return True
+            busy = recv.state != _ACTIVE or recv.started or recv.chunks or k in self._releasing
             if series is not None and series.reader is None and k not in self._releasing:
                 series.reader = recv
-            elif (
-                series is not None
-                or recv.state != _ACTIVE
-                or recv.started
-                or recv.chunks
-                or k in self._releasing
-            ):
+            elif series is not None or busy:
                 self._cond.wait(timeout)
                 return True
         if series is not None:
@@ -277,14 +267,10 @@ class RpcClient:
         recv.refused = None
         try:
             where = address if isinstance(address, str) else address(refused)
+            peer = self._channels[where]  # (never UnavailableError)
         except UnavailableError as e:
             self._pause(recv, str(e))
             return None
-        except RendezvousError as e:
-            self._finish(recv, e, None)
-            return None
-        try:
-            peer = self._channels[where]
         except RendezvousError as e:
             self._finish(recv, e, None)
             return None
@@ -369,7 +355,7 @@ class RpcClient:
         peer.reached = True
         assembly = recv.assembly = Assembly()
         try:
-            got = assembly.feed(data)
+            got = assembly.feed(data, owned=True)
             if got is None and not assembly.missing:  # an ask, or no tensor at all
                 raise InvalidArgumentError("neither a tensor nor the first of its chunks")
         except RendezvousError as e:

@@ -1,14 +1,12 @@
 """Who may talk to a gRPC server, and how much anyone may make it hold.
 
 * ``TLSConfig``: TLS credentials (mutual TLS with a client CA).
-* ``Gate``, which every call passes first: the bearer token (``UNAUTHENTICATED`` as
-  soon as the headers arrive; constant-time compare), then its request message soon
-  after it opens, or it is dropped (``UNAVAILABLE``): grpc.aio would otherwise wait for
-  a unary request without a deadline, token or not.
-* ``Limits``: every bound of a server, the hostile-client ones too: connections, calls
-  in flight, calls parked (in all, per peer host, per connection: ``Parked``) and for
-  how long, the response cache, series open and what one may push ahead of its acks.
-  The byte window towards one consumer is the core's ``_window``.
+* ``Gate``, passed first by every call: the bearer token (``UNAUTHENTICATED`` with
+  the headers; constant-time), then its request message soon, or it is dropped
+  (``UNAVAILABLE``; grpc.aio would wait for a unary request forever).
+* ``Limits``: every bound, the hostile-client ones too: connections, calls in flight
+  and parked (in all, per peer host, per connection: ``Parked``) and for how long, the
+  response cache, series open and their bytes ahead of acks (the window: ``_window``).
 
 Thread model (docs/threads.md): ``Gate`` and ``Parked`` run on the server's loop;
 ``TLSConfig`` and ``Limits`` are frozen values.
@@ -200,10 +198,9 @@ class _Waiting:
 class Gate:
     """What every call passes first (``admit``): the token, then its request message
     within ``timeout`` seconds of its headers (at most ``max_waiting`` calls may wait
-    over a second; the oldest beyond are dropped). The server's handlers all take a
-    request *stream*, so that gRPC runs them as soon as a call's headers arrive: a call
-    without the token is refused before it sends anything, a silent one is dropped
-    (``UNAVAILABLE``: a client that was merely slow may call again), with one timer."""
+    over a second; the oldest beyond are dropped). The handlers take a request *stream*,
+    so gRPC runs them at a call's headers: a call without the token is refused before it
+    sends anything, a silent one dropped (``UNAVAILABLE``: a slow client calls again)."""
 
     def __init__(self, token: str | None, timeout: float, max_waiting: int) -> None:
         self._token = check_token(token)

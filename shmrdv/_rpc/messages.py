@@ -1,19 +1,16 @@
 """The messages of the gRPC methods, built and parsed by hand: one encoder and one
 decoder each, on ``wire``'s TensorProto coding.
 
-* ``RecvTensorRequest`` (``encode_request`` / ``decode_request``) with extension
-  fields TensorFlow skips: 1001 acks, 1002 "chunks welcome", 1003 a series' values held,
-  1004 the offset of the chunk wanted, 1005 request_ids given up.
-* ``RecvTensorResponse`` (``encode_value`` / ``Assembly``), as TensorFlow writes it,
-  the content being the array's buffer joined once. Beyond ``CHUNK_BYTES`` a value goes
-  as chunks: responses whose ``tensor_content`` is the slice at offset 1001 of a whole
-  of 1002 bytes. In a series, a response with field 1003 and no tensor asks for an ack,
-  and one with field 1004 and no tensor packs the whole responses of several values.
-* ``MarkRecvFinishedRequest`` (1001 "released", 1002 a series' values held) and
-  ``GetStatusResponse``.
+* ``RecvTensorRequest`` (``encode_request`` / ``decode_request``), with fields
+  TensorFlow skips: 1001 acks, 1002 "chunks welcome", 1003 a series' values held, 1004
+  the offset of the chunk wanted, 1005 request_ids given up.
+* ``RecvTensorResponse`` (``encode_value`` / ``Assembly``) in TensorFlow's order, the
+  array's buffer joined once; beyond ``CHUNK_BYTES``, chunks: the slice at offset 1001
+  of a whole of 1002 bytes. In a series, field 1003 without a tensor asks for an ack,
+  field 1004 packs the whole responses of several values.
+* ``MarkRecvFinishedRequest`` (1001 "released", 1002 held) and ``GetStatusResponse``.
 
-Bytes that do not parse or describe an impossible tensor, and values that cannot be
-sent, raise ``InvalidArgumentError``; a whole response beyond 2 GiB
+Bad bytes or values raise ``InvalidArgumentError``; a whole response beyond 2 GiB
 ``ResourceExhaustedError``. Pure functions; no thread model needed.
 """
 
@@ -40,6 +37,7 @@ from .wire import (
     Buffer,
     Malformed,
     TensorHeader,
+    adopt,
     as_buffer,
     check_int64,
     check_shape,
@@ -78,6 +76,9 @@ RECV_TENSOR_SERIES: Final = f"/{SHMRDV_SERVICE}/RecvTensorSeries"
 CHUNK_BYTES: Final = 4 << 20
 # TensorFlow: kProtoBufLimitBytes; gRPC's largest message is INT32_MAX.
 _MAX_MESSAGE_BYTES: Final = (1 << 31) - 1
+# From this size on tensor_content starts 8-aligned and a value lives in its message: no
+# copy, nor a second buffer for the allocator to give back and fault in again each time.
+_ADOPT_BYTES: Final = 1 << 16
 #: A request carries at most this many acks; more are ignored (they expire).
 MAX_ACKS: Final = 1024
 
@@ -256,7 +257,11 @@ def encode_value(
     total = len(content)
     if total <= chunk_bytes:
         size = len(head) + total + len(tail)
-        whole = b"".join([prefix, b"\x0a", varint(size), head, content, tail])
+        length = varint(size)
+        if total >= _ADOPT_BYTES:  # require_ack's 1, written long, 8-aligns tensor_content
+            pad = -(len(prefix) + 1 + len(length) + len(head)) % 8  # (protobuf takes it)
+            prefix[-1:] = b"\x81" + b"\x80" * (pad - 1) + b"\x00" if pad else b"\x01"
+        whole = b"".join([prefix, b"\x0a", length, head, content, tail])
         return Encoded((whole,), arr.nbytes, chunk_bytes)
     cut = head.rindex(b"\x22" + varint(total))  # the content's tag and length end the head
     fixed = head[:cut]
@@ -302,12 +307,10 @@ def whole_message(encoded: Encoded) -> bytes:
 class Assembly:
     """Reads the ``RecvTensorResponse`` messages of one value into a ``Received``.
 
-    ``feed`` each message (a series' in order, chunks fetched by offset in any order):
-    it returns the value once complete (a private, writable array: the one copy), else
-    None. A chunked value's buffer is allocated once, when its first chunk comes, after
-    its size is checked against its dtype and shape and this host's memory. ``ask``:
-    the last message was an ask (no tensor); ``packed``: the whole responses it packed
-    (a series' pack, no tensor). Not thread-safe: one value, one feeder.
+    ``feed`` each message (chunks in any order): the value once complete (a private,
+    writable array), else None. A chunked value's buffer is allocated at its first chunk,
+    once its size is checked against its dtype, shape and this host's memory. ``ask``:
+    the last message asked for an ack; ``packed``: the responses it packed. One feeder.
     """
 
     __slots__ = (
@@ -330,14 +333,15 @@ class Assembly:
             return []
         return [o for o in range(0, self._total, self._step) if o not in self._got]
 
-    def feed(self, data: Buffer) -> Received | None:
+    def feed(self, data: Buffer, *, owned: bool = False) -> Received | None:
+        """``owned``: ``data`` is a message nobody else holds (fresh from grpcio)."""
         buf = as_buffer(data)
         try:
-            return self._feed(buf)
+            return self._feed(buf, owned)
         except Malformed as e:
             raise InvalidArgumentError(f"Cannot parse tensor from response: {e}") from e
 
-    def _feed(self, buf: Buffer) -> Received | None:
+    def _feed(self, buf: Buffer, owned: bool) -> Received | None:
         head = TensorHeader()
         is_dead = ask = False
         offset, total, tensor = 0, -1, False
@@ -367,7 +371,11 @@ class Assembly:
             return None
         start, end = head.content
         if total < 0 and self._buffer is None:  # a whole value: the usual case
-            array = tensor_value(head, memoryview(buf)[start:end], is_dead, copy=True)
+            view = adopt(buf, start, end) if owned and end - start >= _ADOPT_BYTES else None
+            content = memoryview(buf)[start:end] if view is None else view
+            array = tensor_value(head, content, is_dead, copy=view is None)
+            if not array.flags.aligned:  # adopted, from a sender that did not align it
+                array = array.copy()
             return received(array, is_dead)
         return self._chunk(head, is_dead, offset, total, buf, start, end)
 

@@ -1,11 +1,10 @@
 """Outbox: the values a worker sent to consumers on other hosts, until a call takes them.
 
-``send`` encodes the value at once (the one copy a send makes) into the core's per-key
-table (``WaiterTable``). The server's calls and series (``Taker``s, on the serving
-loop) take values or park until a send comes, which hands them over with one wake-up of
-the loop, shared by every answer ready meanwhile. A value not delivered goes back to its
-key's head (``requeue``). The window (``max_inflight_bytes``, the core's ``_window``)
-counts a value until it is delivered, dropped, its step ends or its consumer died.
+``send`` encodes the value (its one copy) into the core's per-key ``WaiterTable``. The
+server's calls and series (``Taker``s) take values or park; a send hands them over with
+one wake-up of the loop for every answer ready meanwhile. A value not delivered goes back
+to its key's head (``requeue``). The window (``_window``) counts a value until it is
+delivered, dropped, its step ends or its consumer died.
 
 Thread model (docs/threads.md): any thread; one lock guards the table; takers are
 settled after it is released, on the serving loop.

@@ -1,8 +1,7 @@
 """RecvTensorSeries, shmrdv's one streaming method: a key received again is pushed.
 
-Between shmrdv workers, a key a consumer takes one value after another has its values
-pushed as they are sent, over one server-streaming call of the (step, key), instead of a
-round trip per value.
+Between shmrdv workers, a key a consumer takes again and again has its values pushed
+as they are sent, over one server-streaming call, instead of a round trip per value.
 
 * Exactly once across dropped connections: a series has its own request_id; the
   producer keeps what it pushed until the consumer says how many values it holds
@@ -347,11 +346,9 @@ def _released(state: _Pushed) -> bool:
 
 class SeriesCall:
     """The consumer's end of one series of (step, key): its call, opened again as needed
-    under the series' request_id, and the count of values it has read (``held``).
-
-    ``read`` runs in one blocked receiver's thread at a time: the ``reader`` (the
-    caller's, under its lock, as is ``flush``, its timer of a late ack); ``cancel`` and
-    ``release`` may come from any thread.
+    under its request_id, and the count of values read (``held``). ``read`` runs in one
+    blocked receiver's thread at a time, the ``reader`` (set under the caller's lock, as
+    is ``flush``, its timer of a late ack); ``cancel`` and ``release`` in any thread.
     """
 
     def __init__(self, peer: Peer, step_id: int, key: str, rid: int) -> None:
@@ -392,7 +389,7 @@ class SeriesCall:
                 raise
             if not message:
                 return []
-            got = self._assembly.feed(message)
+            got = self._assembly.feed(message, owned=True)
             if got is not None or self._assembly.packed:
                 values = [got] if got is not None else self._unpack(self._assembly.packed)
                 self.held += len(values)

@@ -1,12 +1,11 @@
 """RpcServer: the server consumers on other hosts pull a worker's values from.
 
 A grpc.aio server on its own loop thread, answering from an ``outbox.Outbox``:
-``RecvTensor`` (TensorFlow's: the key's next value, or the call parks within
-``guard.Limits``; a large value's first chunk, the rest fetched by offset),
-``GetStatus``, ``MarkRecvFinished`` and ``RecvTensorSeries`` (``series``). The response
-cache (TensorFlow's ``GrpcResponseCache``) keeps a value answered under a request_id for
-a retry until its client acknowledges or releases it, or ``cache_ttl`` passes (a value
-never delivered goes back to its key); one no longer cached is ``ABORTED``.
+``RecvTensor`` (the key's next value, or the call parks within ``guard.Limits``; a large
+value's first chunk, then by offset), ``GetStatus``, ``MarkRecvFinished``,
+``RecvTensorSeries``. The response cache (TensorFlow's ``GrpcResponseCache``) keeps an
+answer for a retry of its request_id until acknowledged, released or ``cache_ttl`` (never
+delivered: back to its key); a request_id no longer cached is ``ABORTED``.
 
 Thread model (docs/threads.md): handlers, cache and series live on the loop
 ("shmrdv-rpc-server"; no lock); ``start``, ``stop`` and ``stats`` from any thread.
@@ -99,11 +98,9 @@ class _Entry(Taker):
 class RpcServer:
     """A grpc.aio server on its own loop thread answering consumers from an ``Outbox``.
 
-    ``bind`` is used as given: ``127.0.0.1:0`` or ``localhost:0`` for loopback,
-    ``[::]:port`` for every interface; port 0 picks a free port (``address``). ``tls``,
-    ``token`` and ``limits`` (``guard``) say who may call and how much they may hold.
-    ``start()`` blocks until it listens; ``stop()`` fails parked calls with
-    ``UNAVAILABLE`` and joins the thread. A context manager.
+    ``bind`` as given (``127.0.0.1:0`` loopback, ``[::]:port`` every interface; port 0: a
+    free one, see ``address``); ``tls``, ``token``, ``limits``: ``guard``. ``start()``
+    blocks until it listens; ``stop()`` fails parked calls (``UNAVAILABLE``) and joins.
     """
 
     def __init__(

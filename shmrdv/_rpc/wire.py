@@ -7,17 +7,19 @@ Pure functions over buffers (the messages that use them are in ``messages``):
 * Dtypes: numbers and bool as TensorFlow sends them, bytes arrays as ``DT_STRING``;
   dtypes TensorFlow lacks are ``DT_INVALID`` with the numpy dtype in TensorProto field
   1001 (``_values.encode_dtype``). Values travel little-endian.
-* TensorProto: ``tensor_parts`` writes it around the array's own buffer (TensorFlow's
-  ``EncodeTensorToByteBuffer``: ``tensor_content``, no shape for a scalar);
-  ``read_tensor`` and ``tensor_value`` read it back, every element count checked
-  (``_values.shape_problem``) before anything is allocated.
+* TensorProto: ``tensor_parts`` writes it around the array's buffer (TensorFlow's
+  ``EncodeTensorToByteBuffer``); ``read_tensor`` and ``tensor_value`` read it back, every
+  element count checked before anything is allocated; ``adopt`` lets it stay there.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any, Final
 
 import numpy as np
@@ -28,10 +30,10 @@ from .._values import decode_dtype, encode_dtype, shape_problem
 
 __all__ = [
     "DT_INVALID", "DT_STRING", "I64", "LEN", "MAX_DECODED_BYTES", "VARINT", "Buffer",
-    "Malformed", "TensorHeader", "as_buffer", "check_int64", "dtype_descriptor",
-    "dtype_to_tf", "fields", "int_field", "len_field", "put_varint", "read_tensor", "read_utf8",
-    "read_varint", "resolve_dtype", "signed64", "tensor_parts", "tensor_value", "tf_to_dtype",
-    "varint", "wire_dtype",
+    "Malformed", "TensorHeader", "adopt", "as_buffer", "check_int64", "dtype_descriptor",
+    "dtype_to_tf", "fields", "int_field", "len_field", "put_varint",
+    "read_tensor", "read_utf8", "read_varint", "resolve_dtype", "signed64", "tensor_parts",
+    "tensor_value", "tf_to_dtype", "varint", "wire_dtype",
 ]  # fmt: skip
 
 Buffer = bytes | bytearray | memoryview
@@ -165,6 +167,23 @@ def as_buffer(data: object) -> Buffer:
         except TypeError as e:
             raise InvalidArgumentError("message buffer is not C-contiguous") from e
     raise InvalidArgumentError(f"message must be bytes, got {type(data).__qualname__}")
+
+
+# CPython's accessor of a bytes object's storage; elsewhere a received value is copied.
+_storage: Any = None
+if sys.implementation.name == "cpython":
+    _storage = ctypes.pythonapi.PyBytes_AsString
+    _storage.restype, _storage.argtypes = ctypes.c_void_p, [ctypes.py_object]
+
+
+def adopt(message: Buffer, start: int, end: int) -> memoryview | None:
+    """A writable view of ``message[start:end]``, which lives as long as the view, for a
+    message nobody else holds (fresh from grpcio): a received value can live in it instead
+    of in a copy. None where that cannot be done."""
+    if _storage is None or type(message) is not bytes:
+        return None
+    face = {"data": (_storage(message) + start, False), "shape": (end - start,), "typestr": "|u1"}
+    return np.asarray(SimpleNamespace(message=message, __array_interface__=face)).data
 
 
 # -- dtypes -------------------------------------------------------------------------------
