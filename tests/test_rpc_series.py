@@ -418,7 +418,7 @@ class CutProxy:
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
-        self._holding = False
+        self._held_from: set[socket.socket] = set()  # upstream sockets held since hold()
         self.refusing = False  # close each connection at once (the producer unreachable)
         self.held = 0  # bytes from upstream held back since hold()
         self.accepted = 0
@@ -427,21 +427,25 @@ class CutProxy:
         self._threads[0].start()
 
     def hold(self) -> None:
-        """Keep what upstream sends from now on (read, not forwarded) until the cut."""
+        """Keep what upstream sends on the connections open now (read, not forwarded)
+        until the cut."""
         with self._lock:
-            self._holding = True
+            self._held_from = set(self._socks)
 
     def cut(self) -> None:
-        """Close both sockets of every connection; what was held is dropped."""
+        """Close both sockets of every connection; what was held is dropped. The holding
+        ends only once they are closed: what came after the held bytes is never forwarded
+        (TCP drops no middle, a proxy that did would corrupt the stream)."""
         with self._lock:
             socks, self._socks = self._socks, []
-            self._holding = False
         for s in socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)  # wakes the pump blocked on it
             except OSError:
                 pass
             s.close()
+        with self._lock:
+            self._held_from = set()
 
     def close(self) -> None:
         self._stop.set()
@@ -486,7 +490,7 @@ class CutProxy:
                 if not data:
                     break
                 with self._lock:
-                    if downstream and self._holding:
+                    if downstream and src in self._held_from:
                         self.held += len(data)
                         continue
                 dst.sendall(data)
