@@ -334,7 +334,7 @@ class Assembly:
         return [o for o in range(0, self._total, self._step) if o not in self._got]
 
     def feed(self, data: Buffer, *, owned: bool = False) -> Received | None:
-        """``owned``: ``data`` is a message nobody else holds (fresh from grpcio)."""
+        """``owned``: ``data`` is a message nobody reads again (fresh from grpcio)."""
         buf = as_buffer(data)
         try:
             return self._feed(buf, owned)

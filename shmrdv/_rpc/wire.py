@@ -178,7 +178,7 @@ if sys.implementation.name == "cpython":
 
 def adopt(message: Buffer, start: int, end: int) -> memoryview | None:
     """A writable view of ``message[start:end]``, which lives as long as the view, for a
-    message nobody else holds (fresh from grpcio): a received value can live in it instead
+    message nobody reads again (fresh from grpcio): a received value can live in it instead
     of in a copy. None where that cannot be done."""
     if _storage is None or type(message) is not bytes:
         return None
