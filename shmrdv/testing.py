@@ -210,12 +210,15 @@ class _Recorder:
 
 def _failures(pair: RendezvousPair, key: str) -> list[tuple[str, BaseException | None]]:
     """What recv, recv_async and recv_future of ``key`` fail with, each within ``PROMPT_S``."""
+    t0 = time.monotonic()
     try:
-        got: object = pair.consumer.recv(key, timeout=EXPIRE_S)
+        got: object = pair.consumer.recv(key, timeout=WAIT_S)
     except Exception as e:
         error: BaseException = e
     else:
         raise AssertionError(f"recv of {key!r} returned {got!r}")
+    took = time.monotonic() - t0
+    _expect(took < PROMPT_S, f"recv took {took:.2f}s to fail with {error!r}, not at once")
     rec = _Recorder()
     pair.consumer.recv_async(key, rec.done)
     async_error, received = rec.only_call("recv_async")

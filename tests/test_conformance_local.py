@@ -7,6 +7,7 @@ rendezvous below is caught by the check written for that behaviour.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,7 +18,7 @@ from helpers import PRODUCER, make_key
 
 from shmrdv._channels import MISSING
 from shmrdv._keys import ParsedKey
-from shmrdv._rendezvous import Canceller, DoneCallback, LocalRendezvous
+from shmrdv._rendezvous import Canceller, DoneCallback, LocalRendezvous, Received
 from shmrdv.testing import CHECKS, RendezvousPair, run_conformance
 
 
@@ -152,6 +153,17 @@ class _LastErrorWins(LocalRendezvous):
         super().start_abort(error)
 
 
+class _SlowAfterAbort(LocalRendezvous):
+    """Fails a receive of an aborted rendezvous only once its timeout has passed."""
+
+    def recv(
+        self, key: str | ParsedKey, *, timeout: float | None = None, copy: bool = False
+    ) -> Received:
+        if self._error is not None and timeout is not None:
+            time.sleep(timeout)
+        return super().recv(key, timeout=timeout, copy=copy)
+
+
 class _CorruptsLarge(LocalRendezvous):
     def send(self, key: str | ParsedKey, value: Any, *, is_dead: bool = False) -> None:
         if isinstance(value, np.ndarray) and value.nbytes > 1 << 20:
@@ -186,6 +198,7 @@ def _check(name: str) -> Callable[[RendezvousPair], None]:
         (_KeepsSubclass, "check_values_round_trip"),
         (_AbortForgetsWaiters, "check_abort_fails_pending"),
         (_LastErrorWins, "check_abort_first_error_wins"),
+        (_SlowAfterAbort, "check_abort_first_error_wins"),
         (_CorruptsLarge, "check_values_round_trip"),
         (_LosesStructure, "check_values_round_trip"),
     ],
