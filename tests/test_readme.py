@@ -139,7 +139,8 @@ def test_api_pytorch_section_says_it_needs_torch_before_its_example() -> None:
 
 
 def test_readme_links_the_pytorch_section() -> None:
-    assert "PyTorch" in README and "docs/api.md" in README
+    assert "](docs/api.md#pytorch-users)" in README
+    assert "\n## PyTorch users\n" in (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
 
 
 def test_readme_is_a_short_page() -> None:
