@@ -318,6 +318,17 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _fds_on(path: str) -> int:
+    """This process's descriptors on ``path`` (unlinked or not): other threads' do not count."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(path)
+        except OSError:
+            continue  # closed meanwhile
+    return count
+
+
 @pytest.mark.slow
 def test_liveness_fds_flat_over_many_jobs_in_one_process() -> None:
     """Each job's liveness descriptors go with its workers (issue 11: +40 fds after 40 jobs).
@@ -355,7 +366,8 @@ def test_liveness_fds_flat_over_many_jobs_in_one_process() -> None:
 
 def test_monitor_bounded_descriptors_over_restarts(names: Names) -> None:
     """A watched task restarted many times: the monitor keeps one descriptor for it."""
-    before = _open_fds()
+    record = names.path(names.presence(TASK))
+    before = _fds_on(record)
     with Monitor(names) as m:
         for inc in range(1, 30):
             info = PresenceInfo(TASK, os.getpid(), boot_id(), inc, time.time(), names.namespace)
@@ -364,21 +376,22 @@ def test_monitor_bounded_descriptors_over_restarts(names: Names) -> None:
                 assert state.state == "alive" and state.record is not None
                 assert state.record.incarnation == inc
             assert m.state(TASK).state == "absent"
-            assert _open_fds() <= before + 1
-    assert _open_fds() == before
+            assert _fds_on(record) <= before + 1
+    assert _fds_on(record) == before
 
 
 def test_monitor_closed_still_answers_and_keeps_no_descriptor(names: Names) -> None:
     # A pool slot given back after its Worker closed (in the garbage collector) still asks.
     m = Monitor(names)
+    record = names.path(names.presence(TASK))
     with Presence.publish(names, _info(names)):
-        before = _open_fds()
+        before = _fds_on(record)
         assert m.state(TASK).state == "alive"
-        assert _open_fds() == before + 1
+        assert _fds_on(record) == before + 1
         m.close()
-        assert _open_fds() == before
+        assert _fds_on(record) == before
         assert m.state(TASK).state == "alive" and m.state(OTHER).state == "absent"
-        assert _open_fds() == before
+        assert _fds_on(record) == before
     m.close()  # idempotent
 
 
