@@ -80,14 +80,20 @@ def child_send(worker: shmrdv.Worker, step: int, key: str) -> None:
 def child_starved(
     worker: shmrdv.Worker, action: str, step: int, key: str, spare: int
 ) -> dict[str, Any]:
-    """Run ``action`` ("send" or "recv") with only ``spare`` descriptors free, then again
-    once they are all back. Returns what each attempt gave: "ok" or (error type, message)."""
+    """Run ``action`` ("send", "recv", or "recv-waiting": a receive that waits, then sends
+    ``parked`` to the consumer) with only ``spare`` descriptors free, then again (a plain
+    receive for "recv-waiting") once they are all back. Returns what each attempt gave: "ok" or (error type, message)."""
 
-    def attempt() -> Any:
+    def attempt(starved: bool) -> Any:
         try:
             rdv = worker.rendezvous(step)
             if action == "send":
                 rdv.send(key, np.arange(20_000.0))  # > 64 KiB: a segment (small ones need no fd)
+            elif action == "recv-waiting" and starved:
+                # Waiting first, then saying so (inline, on the warm route: no descriptor).
+                waiting = rdv.recv_future(key, copy=True)
+                rdv.send(make_key("parked"), np.zeros(1))
+                waiting.result(timeout=30)
             else:
                 rdv.recv(key, timeout=3.0, copy=True)
             return "ok"
@@ -106,12 +112,12 @@ def child_starved(
             pass
         for _ in range(min(spare, len(hog))):
             os.close(hog.pop())
-        starved = attempt()
+        starved = attempt(True)
     finally:
         for fd in hog:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    return {"starved": starved, "after": attempt(), "alive": True}
+    return {"starved": starved, "after": attempt(False), "alive": True}
 
 
 # -- a peer killed mid-stream ------------------------------------------------------------------
@@ -336,12 +342,18 @@ def test_fd_exhaustion_a_waiting_shm_recv_fails_and_the_value_stays(ns: str) -> 
         rdv.send(back, np.arange(2.0))  # the ring is attached (inline: no segment)
         assert producer.recv(back, timeout=10, step=1).value.tolist() == [0.0, 1.0]
         big = np.arange(20_000.0)  # > 64 KiB: a segment, never mapped by the child yet
-        sender = threading.Timer(1.0, rdv.send, (back, big))
+
+        def send_once_waiting() -> None:
+            rdv.recv(make_key("parked"), timeout=30)  # the child's receive waits
+            rdv.send(back, big)
+
+        sender = threading.Thread(target=send_once_waiting)
         sender.start()
         try:
-            out = producer.call(child_starved, "recv", 1, back, 0)
+            out = producer.call(child_starved, "recv-waiting", 1, back, 0)
         finally:
-            sender.join(10)
+            sender.join(30)
+        assert out["alive"]
         assert out["starved"][0] == "ResourceExhaustedError", out
         assert out["after"] == "ok", out  # it got the value the starved receive could not
 
