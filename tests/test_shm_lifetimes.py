@@ -8,6 +8,7 @@ job's last close collects them (``test_shm_reaper.py``), or ``gc``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -106,6 +107,41 @@ def test_lifetime_consumer_cleanup_frees_unreceived(ns: str) -> None:
         consumer.cleanup(2)
         consumer.cleanup(3)
         assert "m" not in kinds(ns)
+
+
+def test_lifetime_cleanup_during_a_drain_frees_what_the_drain_queues(ns: str) -> None:
+    # Worker.cleanup(1) lands while a drain holds the consumer's lock, between the drain's
+    # "is step 1 cleaned up?" (not yet) and its queueing of step 1's message: the cleanup
+    # must wait for the drain and then free that message, not see an empty step and go.
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        ChildWorker(PRODUCER, namespace=ns) as producer,
+    ):
+        producer.send(make_key("warm"), np.full(10, 1), step=2)
+        assert consumer.rendezvous(2).recv(make_key("warm"), timeout=10).value[0] == 1
+        shm = next(t for t in consumer._active if t.name == "shm")
+        cons = shm._consumer
+        looked = cons._ctx.cleaned_up
+        cleanups: list[threading.Thread] = []
+
+        def cleaned_up(step: int) -> bool:
+            answer = looked(step)  # what the drain acts on
+            if step == 1 and not cleanups:
+                cleanups.append(threading.Thread(target=consumer.cleanup, args=(1,)))
+                cleanups[0].start()
+                time.sleep(0.2)  # the cleanup runs now, the drain still in its lock
+            return answer
+
+        cons._ctx = dataclasses.replace(cons._ctx, cleaned_up=cleaned_up)
+        producer.send(make_key("late"), np.full(10_000, 1), step=1)  # a segment and a notice
+        shm._bell.drain()  # its post taken here, so the cleanup sees no post pending
+        cons.scan()
+        assert cleanups, "the drain never looked at step 1"
+        cleanups[0].join(10)
+        assert not cleanups[0].is_alive()
+        assert "m" not in kinds(ns)  # the message the drain queued was freed
+        with pytest.raises(shmrdv.AbortedError, match="Cleanup 1"):
+            consumer.rendezvous(1).recv(make_key("late"), timeout=1)
 
 
 # -- a consumer killed and restarted takes what its task was sent and did not take -----------

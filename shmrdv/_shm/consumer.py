@@ -716,9 +716,8 @@ class Consumer:
         and free what was sent to it and not received: what its channels hold, and what a
         listing shows where a message may have come with no record. Whether any waiter
         was failed."""
-        busy = step_id in self._steps or posted or self._unexplained or self.refusing
-        if not busy and not self._recovery.needed():
-            return False  # nothing of the step here, nothing to look for
+        # Under the lock even when the step looks empty: a drain that found the step not
+        # cleaned up yet adds its channels under this lock, and ``needed`` reads ``srcs``.
         with self.lock:
             error = self._aborted.pop(step_id, error)
             if self.refusing:
@@ -730,7 +729,7 @@ class Consumer:
                 while ch in self._table:
                     got = self._table.take(ch)
                     if got is MISSING:
-                        break  # waiters: a receive started after the abort
+                        break
                     if type(got) is Held:
                         got.r.taken(got.pos)
                         got = got.value
@@ -740,12 +739,12 @@ class Consumer:
                         )
             listing = posted or self._unexplained or self._recovery.needed()
             self._unexplained = False
-            work = self._work() if self._out or self._over or self._late else None
-        if work is not None:
-            self._after(work)
+            failed = bool(self._out)
+            work = self._work()
+        self._after(work)
         if listing:
             self._recovery.free_unreceived(step_id)
-        return work is not None
+        return failed
 
     def close(self) -> None:
         """Fail every waiter with the closed error; the caller then calls ``release``."""
