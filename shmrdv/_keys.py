@@ -382,8 +382,14 @@ def create_key(
     ``name`` is non-empty without ``;``; ``frame_iter`` is (uint64, int64). Raises
     ``InvalidArgumentError`` naming the bad argument. See docs/api.md.
     """
-    if frame_iter is _NO_FRAME and type(name) is str and type(src_incarnation) is int:
-        head = _heads.get((src_device, src_incarnation, dst_device))  # type: ignore[arg-type]
+    if (
+        frame_iter is _NO_FRAME
+        and type(name) is str
+        and type(src_incarnation) is int
+        and type(src_device) is str
+        and type(dst_device) is str
+    ):
+        head = _heads.get((src_device, src_incarnation, dst_device))
         if head is not None and name and name.isascii() and ";" not in name:
             key = f"{head};{name};0:0"
             if len(key) <= _SHORT_KEY:

@@ -77,6 +77,8 @@ def test_create_key_accepts_numpy_integers() -> None:
         (("/job:1", 1, CPU1, "e"), "src_device: Invalid device name '/job:1'"),
         ((CPU0, 1, "CPU:0", "e"), "dst_device: Invalid device name 'CPU:0'"),
         ((None, 1, CPU1, "e"), "src_device must be a str"),
+        (([CPU0], 1, CPU1, "e"), "src_device must be a str"),
+        ((CPU0, 1, {CPU1: 1}, "e"), "dst_device must be a str"),
         ((CPU0, 1, CPU1, "e", (0,)), "frame_iter must be a tuple"),
         ((CPU0, 1, CPU1, "e", [0, 0]), "frame_iter must be a tuple"),
         ((CPU0, 1, CPU1, "e", (-1, 0)), "frame_id must be a uint64"),
