@@ -469,8 +469,8 @@ class Worker(Closing):
             tomb = self._tombstones.get(step)
             if tomb is None:
                 self._steps[step] = rdv
-        if tomb is not None:
-            rdv.start_abort(tomb)
+            else:  # aborted here only: the transports forgot the step at its cleanup
+                rdv._error = tomb
         return rdv
 
     def cleanup(self, step_id: int) -> None:

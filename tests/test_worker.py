@@ -216,6 +216,19 @@ def test_worker_cleanup_aborts_pending_and_later_calls(worker: shmrdv.Worker) ->
     assert worker.rendezvous(8).aborted is None
 
 
+def test_worker_a_cleaned_up_step_asked_for_again_aborts_it_here_only(ns: str) -> None:
+    # The transports forgot step 7 at its cleanup; asking for it again must not make them
+    # remember an abort of it for ever (each send would check it, each ask add to it).
+    with shmrdv.Worker(TASK, namespace=ns) as worker:
+        worker.rendezvous(7).send(key("x", dst=OTHER), np.zeros(1))  # shared memory is up
+        worker.cleanup(7)
+        for _ in range(3):
+            with pytest.raises(shmrdv.AbortedError, match="Cleanup 7"):
+                worker.rendezvous(7).send(key("x", dst=OTHER), np.zeros(1))
+        shm = next(t for t in worker._active if t.name == "shm")
+        assert not shm._consumer._aborted and not shm._consumer.refusing
+
+
 def _recv_error(rdv: shmrdv.Rendezvous, k: str) -> BaseException:
     try:
         rdv.recv(k, timeout=5)
