@@ -52,14 +52,15 @@ def is_ours(st: os.stat_result) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
-def inode(path: str) -> tuple[int, int] | None:
-    """``(st_dev, st_ino)`` of the file named ``path`` (not followed), None if there is none:
-    whether a name is still the file we had, across renames."""
+def inode(path: str, *, ours: bool = False) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the file named ``path`` (an ``lstat``, never an open), None
+    if there is none (or, with ``ours``, it is not ours): whether a name is still the file
+    we had, across renames."""
     try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
+        st = os.lstat(path)
+    except OSError:
         return None
-    return st.st_dev, st.st_ino
+    return None if ours and not is_ours(st) else (st.st_dev, st.st_ino)
 
 
 def _free_bytes() -> str:

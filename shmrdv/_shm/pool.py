@@ -274,8 +274,7 @@ class SlotPool:
         try:
             seg.check_size(slot.capacity)
             holder = WORD.unpack_from(seg.buf, slot.capacity - CONTROL + HOLDER_AT)[0]
-            st = os.stat(held, follow_symlinks=False)
-            if not holder or (st.st_dev, st.st_ino) != slot.ino:
+            if not holder or inode(held) != slot.ino:
                 return False
             if self._holder_alive(slot.lent_to, holder):
                 return False
@@ -324,11 +323,10 @@ class SlotPool:
         """Whether ``slot`` is under its ``returned`` name (given back without the word): if
         so it is free again, under that name."""
         ret = self._names.returned(self._task, self._incarnation, slot.ticket)
-        try:
-            st = os.stat(Names.path(ret), follow_symlinks=False)
-        except OSError:
+        ino = inode(Names.path(ret))
+        if ino is None:
             return False  # not given back (yet)
-        if (st.st_dev, st.st_ino) != slot.ino:
+        if ino != slot.ino:
             self._refuse(Names.path(ret))  # not the file we created: never take it as ours
             return False
         self._freed_as(slot, slot.ticket + _NEXT, ret)
@@ -684,10 +682,8 @@ class SlotMaps:
                 names.returned(task, inc, ticket),
                 names.held(task, inc, ticket),
             ):
-                with contextlib.suppress(OSError):
-                    st = os.stat(names.path(name), follow_symlinks=False)
-                    if (st.st_dev, st.st_ino) == ident:
-                        break
+                if inode(names.path(name)) == ident:
+                    break
             else:
                 self._drop(ident)
 

@@ -33,7 +33,7 @@ from .._keys import DeviceName, ParsedKey
 from .._values import shape_problem
 from .._window import ConsumerWatch, InflightWindow, Windows, counted_bytes
 from .bell import Bell
-from .files import Segment, is_ours, move_noreplace
+from .files import Segment, inode, move_noreplace
 from .header import FLAG_DEAD, FLAG_NOTICE, Template
 from .naming import Names
 from .pool import ProducerAlive, Slot, SlotPool
@@ -167,15 +167,6 @@ class Route:
             bell.close()
 
 
-def _inode(name: str) -> tuple[int, int] | None:
-    """``(st_dev, st_ino)`` of our file at ``name`` (an ``lstat``, never an open), else None."""
-    try:
-        st = os.lstat(Names.path(name))
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino) if is_ours(st) else None
-
-
 class Flight:
     """One consumer's messages in flight, for its window: a segment while its own file (by
     inode) is at its name; a ring record until ``tail`` passes it; none once the consumer
@@ -217,7 +208,7 @@ class Flight:
             looking = [self._segments.popleft() for _ in range(n)]
         still = []
         for item in looking:
-            if _inode(item[0]) == item[1]:
+            if inode(Names.path(item[0]), ours=True) == item[1]:
                 still.append(item)
             else:
                 freed += item[2]  # taken (renamed or unlinked): maybe another file is there now
@@ -250,7 +241,7 @@ class Ticket:
         if not self._open:
             return
         self._open = False
-        ino = _inode(name)
+        ino = inode(Names.path(name), ours=True)
         if ino is None:  # taken already (or never ours)
             self._flight.window.release(self.nbytes)
             return
