@@ -311,7 +311,6 @@ class _Sweep:
         dry_run: bool = False,
     ) -> None:
         self._dir, self._closing, self._by_hand, self._dry_run = shm_dir, closing, by_hand, dry_run
-        self.removed = 0
         self.gone: list[ObjectInfo] = []
 
     def __call__(self, groups: Groups, pace: _Pace) -> bool:
@@ -364,7 +363,6 @@ class _Sweep:
                     raise InternalError(f"cannot remove {e.path}: {err}") from err
                 _log.warning("cannot remove %s of dead namespace %s: %s", e.path, ns, err)
         if count:
-            self.removed += count
             _log.info("collected %d object(s) left by the dead workers of namespace %s", count, ns)
         return done
 
