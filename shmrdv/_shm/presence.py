@@ -122,6 +122,9 @@ def _open(path: str, strict: bool) -> tuple[int, os.stat_result, PresenceInfo | 
             raise
         _log.debug("%s", e)
         return fd, st, None
+    except BaseException:  # a failed read: the descriptor is not the caller's
+        os.close(fd)
+        raise
 
 
 def _state(fd: int, info: PresenceInfo | None) -> PeerState:
