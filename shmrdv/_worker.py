@@ -364,7 +364,7 @@ class Worker(Closing):
 
         self._lock = threading.Lock()
         self._steps: dict[int, StepRendezvous] = {}
-        self._tombstones: OrderedDict[int, AbortedError] = OrderedDict()
+        self._tombstones: OrderedDict[int, None] = OrderedDict()  # steps cleaned up
         self._shm: Transport | None = None
         self._grpc: Transport | None = None
         self._active: tuple[Transport, ...] = ()  # those made so far (``_made``)
@@ -466,12 +466,18 @@ class Worker(Closing):
             if rdv is not None:
                 return rdv
             rdv = StepRendezvous(self._routes, step, self._lock)
-            tomb = self._tombstones.get(step)
-            if tomb is None:
+            if step not in self._tombstones:
                 self._steps[step] = rdv
             else:  # aborted here only: the transports forgot the step at its cleanup
-                rdv._error = tomb
+                rdv._error = self._cleanup_error(step)
         return rdv
+
+    def _cleanup_error(self, step: int) -> AbortedError:
+        return AbortedError(
+            f"Cleanup {step}: step {step} of {self.task} was cleaned up "
+            "(Worker.cleanup); a step id is not reused after its cleanup: give the next step "
+            "a new step id"
+        )
 
     def cleanup(self, step_id: int) -> None:
         """Abort step ``step_id`` with ``AbortedError("Cleanup <step_id>")``: its pending
@@ -482,17 +488,13 @@ class Worker(Closing):
             if type(step_id) is int and _I64_MIN <= step_id <= _I64_MAX
             else self._check_step(step_id)
         )
-        error = AbortedError(
-            f"Cleanup {step}: step {step} of {self.task} was cleaned up "
-            "(Worker.cleanup); a step id is not reused after its cleanup: give the next step "
-            "a new step id"
-        )
+        error = self._cleanup_error(step)
         tombstones, local = self._tombstones, None
         with self._lock:
             rdv = self._steps.pop(step, None)
             if step in tombstones:
                 tombstones.move_to_end(step)
-            tombstones[step] = error
+            tombstones[step] = None
             if len(tombstones) > _TOMBSTONES:
                 tombstones.popitem(last=False)
             if rdv is not None and rdv._error is None:  # aborted as ``start_abort`` does

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import posix_ipc
 
 from .._channels import MISSING, WaiterTable
 from .._cluster import canonical_task
@@ -145,9 +146,14 @@ class Consumer:
     """The receiving half of one worker's shared-memory transport (see the module docstring)."""
 
     def __init__(
-        self, ctx: TransportContext, names: Names, on_callback_waiter: Callable[[], None]
+        self,
+        ctx: TransportContext,
+        names: Names,
+        on_callback_waiter: Callable[[], None],
+        doorbell: posix_ipc.Semaphore,
     ) -> None:
         self._ctx = ctx
+        self._doorbell = doorbell  # its value: posts not taken yet
         self._task = ctx.task_name
         self._names = names
         self._wake_dispatcher = on_callback_waiter
@@ -258,7 +264,9 @@ class Consumer:
                 if src is None:
                     src = self.source(str(canonical_task(key.src)))
                     self._src_by_device[key.src_device] = src
-                ch = self.channel(step_id, key.full_key, src, key.src_incarnation)
+                if chans is None:
+                    chans = self._steps[step_id] = {}
+                ch = chans[key.full_key] = Channel(step_id, key.full_key, src, key.src_incarnation)
             if ch.pk is None:
                 ch.pk = key
                 if key.src_incarnation:
@@ -711,18 +719,20 @@ class Consumer:
         self._after(work)
         return work is not None
 
-    def cleanup_step(self, step_id: int, error: BaseException, posted: bool) -> bool:
+    def cleanup_step(self, step_id: int, error: BaseException) -> bool:
         """Fail the step's waiters with ``error`` (unless it was aborted), forget the step
         and free what was sent to it and not received: what its channels hold, and what a
-        listing shows where a message may have come with no record. Whether any waiter
-        was failed."""
+        listing shows where a message may have come with no record (a post not drained, a
+        ring without, a lost record). Whether any waiter was failed."""
         # Under the lock even when the step looks empty: a drain that found the step not
         # cleaned up yet adds its channels under this lock, and ``needed`` reads ``srcs``.
         with self.lock:
-            error = self._aborted.pop(step_id, error)
-            if self.refusing:
-                self.refusing = self._closed or bool(self._aborted)
+            if self._closed:
+                return False  # (every waiter was failed)
             chans = self._steps.pop(step_id, None)
+            if self._aborted:
+                error = self._aborted.pop(step_id, error)
+                self.refusing = self._closed or bool(self._aborted)
             for ch in (chans or {}).values():
                 if ch in ch.src.waiting:
                     self._fail(ch, error)
@@ -737,11 +747,12 @@ class Consumer:
                         self._late.append(
                             (ch.src.task, ch.step, ch.key, got.inc, got.seq, got.slot)
                         )
-            listing = posted or self._unexplained or self._recovery.needed()
+            listing = self._unexplained or self._recovery.needed() or self._doorbell.value > 0
             self._unexplained = False
             failed = bool(self._out)
             work = self._work()
-        self._after(work)
+        if work is not None:
+            self._after(work)
         if listing:
             self._recovery.free_unreceived(step_id)
         return failed

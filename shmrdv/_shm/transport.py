@@ -45,7 +45,7 @@ class ShmTransport:
             self._producer = Producer(
                 names, ctx.task_name, ctx.incarnation, pool_bytes, inflight, run_alive(ctx.peers)
             )
-            self._consumer = consumer = Consumer(ctx, names, self._kick)
+            self._consumer = consumer = Consumer(ctx, names, self._kick, self._bell.semaphore)
             self._poller = Poller(self._bell, consumer, ctx.task_name, busy_poll)
         except BaseException:
             self._bell.unlink()
@@ -88,7 +88,7 @@ class ShmTransport:
 
     def cleanup_step(self, step_id: int, error: BaseException) -> None:
         self._producer.cleanup_step(step_id)
-        if self._consumer.cleanup_step(step_id, error, self._bell.pending > 0):
+        if self._consumer.cleanup_step(step_id, error):
             self._poller.wake_all()
 
     def close(self) -> None:
