@@ -482,12 +482,16 @@ class Worker(Closing):
     def cleanup(self, step_id: int) -> None:
         """Abort step ``step_id`` with ``AbortedError("Cleanup <step_id>")``: its pending
         and later calls fail at once; values sent to this worker in it and not received
-        are freed."""
+        are freed. Nothing to do once the worker is closed."""
         step = (
             step_id
             if type(step_id) is int and _I64_MIN <= step_id <= _I64_MAX
             else self._check_step(step_id)
         )
+        if self._closed or self._forked:
+            if self._forked:
+                raise self._unusable()
+            return  # close aborted every step and freed what they held
         error = self._cleanup_error(step)
         tombstones, local = self._tombstones, None
         with self._lock:

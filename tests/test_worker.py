@@ -388,6 +388,8 @@ def test_worker_close_is_idempotent_and_aborts(worker: shmrdv.Worker) -> None:
         fut.result(timeout=2)
     with pytest.raises(shmrdv.AbortedError, match="closed"):
         worker.rendezvous(4)
+    worker.cleanup(3)  # nothing left to free: a ``finally`` after close does not raise
+    worker.cleanup(4)
 
 
 def test_worker_repr_and_stats(worker: shmrdv.Worker) -> None:
