@@ -87,6 +87,7 @@ def _child_use_inherited(worker: shmrdv.Worker, results: Any) -> None:
         "rendezvous": lambda: worker.rendezvous(1),
         "send": lambda: rdv.send(make_key("x", src=PARENT, dst=CHILD), np.zeros(1)),
         "recv": lambda: rdv.recv(make_key("y", src=CHILD, dst=PARENT), timeout=1),
+        "cleanup": lambda: worker.cleanup(7),
     }
     for name, call in calls.items():
         try:
