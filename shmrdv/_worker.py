@@ -511,7 +511,7 @@ class Worker(Closing):
 
     def is_cleaned_up(self, step_id: int) -> bool:
         """True if ``cleanup(step_id)`` ran (and is still remembered)."""
-        return step_id in self._tombstones
+        return self._check_step(step_id) in self._tombstones
 
     def close(self) -> None:
         """Abort every step, stop the server, release every OS object. Idempotent.

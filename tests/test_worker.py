@@ -182,8 +182,9 @@ def test_worker_rendezvous_same_object_per_step(worker: shmrdv.Worker) -> None:
 
 @pytest.mark.parametrize("step", [1.0, "1", True, 2**63, -(2**63) - 1])
 def test_worker_bad_step_refused(worker: shmrdv.Worker, step: object) -> None:
-    with pytest.raises(shmrdv.InvalidArgumentError, match="step_id"):
-        worker.rendezvous(step)  # type: ignore[arg-type]
+    for call in (worker.rendezvous, worker.cleanup, worker.is_cleaned_up):
+        with pytest.raises(shmrdv.InvalidArgumentError, match="step_id"):
+            call(step)  # type: ignore[arg-type]
 
 
 def test_worker_in_process_no_copy(worker: shmrdv.Worker) -> None:
