@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 
 from . import ClusterSpec, DeviceName, Worker, __version__, create_key, new_namespace
+from ._bench.common import format_size, parse_size
 from ._cluster import ENV_VAR
 from ._errors import InvalidArgumentError, RendezvousError
 from ._procs import ChildFailed, ChildGroup, ChildTimeout, reap, wait_for_close
 from ._shm.reaper import collect, list_objects
-from ._values import format_size, parse_size
 
 __all__ = ["main"]
 
