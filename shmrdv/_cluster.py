@@ -26,22 +26,9 @@ from ._errors import InvalidArgumentError
 from ._keys import DeviceName, _quote
 from ._transport import PeerRecord, PresenceBoard, Sighting, TaskState
 
-__all__ = [
-    "ALL_TRANSPORTS",
-    "ClusterSpec",
-    "ENV_VAR",
-    "NAMESPACE_ID_HEX",
-    "NoPresence",
-    "Peers",
-    "canonical_task",
-    "describe_bad_token",
-    "is_local_host",
-    "namespace_id",
-    "namespace_ids",
-    "new_namespace",
-    "resolve_namespace",
-    "split_host_port",
-]
+__all__ = ["ALL_TRANSPORTS", "ClusterSpec", "ENV_VAR", "NAMESPACE_ID_HEX", "NoPresence", "Peers"]
+__all__ += ["canonical_task", "describe_bad_token", "is_local_host", "namespace_id"]
+__all__ += ["namespace_ids", "new_namespace", "resolve_namespace", "split_host_port"]
 
 
 def split_host_port(address: str) -> tuple[str, int]:

@@ -31,17 +31,8 @@ from ._errors import UnavailableError
 from ._rendezvous import Closing, Received
 from ._worker import Worker
 
-__all__ = [
-    "Child",
-    "ChildError",
-    "ChildFailed",
-    "ChildGroup",
-    "ChildTimeout",
-    "ChildWorker",
-    "exit_reason",
-    "reap",
-    "wait_for_close",
-]
+__all__ = ["Child", "ChildError", "ChildFailed", "ChildGroup", "ChildTimeout", "ChildWorker"]
+__all__ += ["exit_reason", "reap", "wait_for_close"]
 
 _T = TypeVar("_T")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -14,16 +14,8 @@ from numpy.lib import format as npy_format
 
 from ._errors import InternalError, InvalidArgumentError
 
-__all__ = [
-    "MAX_DTYPE_BYTES",
-    "MAX_ELEMENTS",
-    "MAX_ZERO_ITEM_ELEMENTS",
-    "as_ndarray",
-    "check_value",
-    "decode_dtype",
-    "encode_dtype",
-    "shape_problem",
-]
+__all__ = ["MAX_DTYPE_BYTES", "MAX_ELEMENTS", "MAX_ZERO_ITEM_ELEMENTS", "as_ndarray", "check_value"]
+__all__ += ["decode_dtype", "encode_dtype", "shape_problem"]
 
 
 #: The longest descriptor written or read (a corrupted length never makes us allocate much).
