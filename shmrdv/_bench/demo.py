@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from .. import Worker, create_key, new_namespace
-from .._procs import ChildFailed, ChildGroup, ChildTimeout, reap, wait_for_close
+from .._procs import ChildFailed, ChildTimeout, reap, wait_for_close
 from .._shm.reaper import collect
+from .children import ChildGroup
 
 __all__ = ["run"]
 

@@ -42,7 +42,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._procs import ChildFailed, ChildGroup
+from .._procs import ChildFailed
+from .children import ChildGroup
 from .common import GRPC_OPTIONS, format_size, parse_array_size, pin_cpus
 from .options import PIPELINE_CASES
 from .report import DASH, TIMES, format_sig

@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._procs import ChildFailed, ChildGroup
+from .._procs import ChildFailed
+from .children import ChildGroup
 from .common import format_size, pin_cpus
 from .mp_methods import pipe_oob_recv, pipe_oob_send
 from .report import TIMES
