@@ -1,26 +1,24 @@
-"""The ``shmrdv`` command: demo, bench, ls, gc, serve, namespace.
+"""The ``shmrdv`` command: ls, gc, namespace, and the tools of ``_bench`` (demo, bench,
+serve), loaded on use.
 
 Exit codes: 0 success, 1 the command ran and failed, 2 bad usage, 141 the reader of the
 output went away (quietly, as a command killed by SIGPIPE). Errors go to stderr, results
-to stdout. Thread model (``docs/threads.md``): the main thread; the demo (``_bench/demo.py``)
-runs its roles in child processes.
+to stdout. Thread model (``docs/threads.md``): the main thread; the demo runs its roles in
+child processes.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib
 import json
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable, Sequence
 
-from . import ClusterSpec, DeviceName, Worker, __version__, new_namespace
+from . import __version__, new_namespace
 from ._bench.common import format_size, parse_size
-from ._cluster import ENV_VAR
-from ._errors import InvalidArgumentError, RendezvousError
+from ._errors import RendezvousError
 from ._shm.reaper import collect, list_objects
 
 __all__ = ["main"]
@@ -61,86 +59,15 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_until_stopped(tick: Callable[[], object] = lambda: None) -> None:
-    """Block until SIGTERM or Ctrl-C, calling ``tick`` every second."""
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with contextlib.suppress(KeyboardInterrupt):
-        while not stop.wait(1.0):
-            tick()
+def _tool(module: str) -> Callable[[argparse.Namespace], int]:
+    """The command ``_bench.<module>.run``, imported on use: the benchmark tools load late."""
 
+    def run(args: argparse.Namespace) -> int:
+        tool = importlib.import_module(f"._bench.{module}", __package__)
+        rc: int = tool.run(args)
+        return rc
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from ._bench.echo import EchoLoop, EchoService  # the benchmark tool loads on use
-
-    usage: argparse.ArgumentParser = args.parser
-    token = os.environ.get("SHMRDV_TOKEN") or None
-    if args.listen:
-        if args.task or args.cluster or args.namespace:
-            usage.error(
-                "--listen runs the echo peer on its own: give it without --task, --cluster, --namespace"
-            )
-        try:
-            service = EchoService(args.listen, token=token)
-        except InvalidArgumentError as e:
-            usage.error(f"--listen: {e}")
-        with service:
-            port = service.address.rpartition(":")[2]
-            print(
-                f"echo peer listening on {service.address}; on another host run: "
-                f"shmrdv bench --peer <this host>:{port}; Ctrl-C stops",
-                flush=True,
-            )
-            _serve_until_stopped(service.expire_idle)
-        return 0
-    needs = (
-        "give --listen HOST:PORT (the echo peer of `shmrdv bench --peer`), or --task and "
-        "--cluster JSON (or TF_CONFIG) and --namespace (or $SHMRDV_NAMESPACE)"
-    )
-    missing = []
-    if not args.cluster and not os.environ.get("TF_CONFIG"):
-        missing.append("no --cluster and TF_CONFIG is not set")
-    if not args.namespace and not os.environ.get(ENV_VAR):
-        missing.append(f"no --namespace and ${ENV_VAR} is not set")
-    if missing:
-        usage.error(f"{'; '.join(missing)}: {needs}")
-    if args.cluster:
-        try:
-            cluster = ClusterSpec(json.loads(args.cluster))
-        except json.JSONDecodeError as e:
-            usage.error(f'--cluster is not JSON ({e}); e.g. \'{{"worker": ["hostA:2222"]}}\'')
-    else:
-        cluster = ClusterSpec.from_tf_config()
-    task = args.task or (None if args.cluster else ClusterSpec.tf_config_task())
-    if not task:
-        usage.error(f"no task: {needs}")
-    with Worker(
-        task, cluster=cluster, namespace=args.namespace, transports=("grpc", "shm"), token=token
-    ) as w:
-        others = [t for t in cluster.tasks() if DeviceName.parse(t) != DeviceName.parse(w.task)]
-        echo = EchoLoop(w, others)
-        try:
-            print(
-                f"serving {w.task} on {w.address} (incarnation {w.incarnation:016x}), echoing "
-                f"what {len(others)} other task(s) send it; Ctrl-C stops",
-                flush=True,
-            )
-            _serve_until_stopped()
-        finally:
-            echo.close()
-    return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from ._bench.runner import run
-
-    return run(args)
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from ._bench.demo import run
-
-    return run(args)
+    return run
 
 
 def _frame_size(text: str) -> int:
@@ -164,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=run, parser=p)
         return p
 
-    p = command("demo", _cmd_demo, "run a multi-process pipeline over shmrdv and mp.Queue")
+    p = command("demo", _tool("demo"), "run a multi-process pipeline over shmrdv and mp.Queue")
     p.add_argument("--frames", type=int, default=400, help="frames to push through")
     p.add_argument("--size", type=_frame_size, default="4m", help="frame size, e.g. 64k, 4m")
     cores = len(os.sched_getaffinity(0))
@@ -172,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, choices=(1, 2), default=1, help="2: gRPC, as between hosts")
     p.add_argument("--window", type=int, default=4, help="backpressure: frames in flight; 0: none")
     p.add_argument("--no-baseline", action="store_true", help="skip the multiprocessing.Queue run")
-    p = command("bench", _cmd_bench, "measure shmrdv against the peers installed here")
+    p = command("bench", _tool("runner"), "measure shmrdv against the peers installed here")
     from ._bench.options import build_parser as add_bench_options  # the benchmarks load on use
 
     add_bench_options(p)
@@ -183,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("gc", _cmd_gc, "remove the objects of namespaces in which no worker is alive")
     p.add_argument("--namespace", help=only)
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
-    p = command("serve", _cmd_serve, "an echo peer for `bench --peer`, alone or as a task")
+    p = command("serve", _tool("serve"), "an echo peer for `bench --peer`, alone or as a task")
     p.add_argument("--listen", metavar="HOST:PORT", help="alone, here; token: $SHMRDV_TOKEN")
     p.add_argument("--task", help="task name, e.g. /job:worker/task:0 (default: TF_CONFIG's)")
     p.add_argument("--cluster", help="cluster spec as JSON (default: TF_CONFIG's)")
