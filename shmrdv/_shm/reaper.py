@@ -260,7 +260,8 @@ def list_objects(namespace: str | None = None, shm_dir: str = SHM_DIR) -> list[O
 
 
 def object_names(shm_dir: str = SHM_DIR) -> set[str]:
-    """The names of the shmrdv objects of ours (one ``lstat`` each), for the leak check."""
+    """The names of this user's shmrdv objects (one ``lstat`` each), for the leak check:
+    another user's are neither a leak nor ours to remove."""
     return {name for group in _listing(shm_dir).values() for name in group if _ours(shm_dir, name)}
 
 
