@@ -71,10 +71,6 @@ class InflightWindow:
         """Bytes reserved and not given back."""
         return self._used
 
-    @property
-    def limit(self) -> int:
-        return self._limit
-
     def reserve(
         self,
         nbytes: int,
