@@ -26,22 +26,9 @@ from ._errors import InvalidArgumentError
 from ._keys import DeviceName, _quote
 from ._transport import PeerRecord, PresenceBoard, Sighting, TaskState
 
-__all__ = [
-    "ALL_TRANSPORTS",
-    "ClusterSpec",
-    "ENV_VAR",
-    "NAMESPACE_ID_HEX",
-    "NoPresence",
-    "Peers",
-    "canonical_task",
-    "describe_bad_token",
-    "is_local_host",
-    "namespace_id",
-    "namespace_ids",
-    "new_namespace",
-    "resolve_namespace",
-    "split_host_port",
-]
+__all__ = ["ALL_TRANSPORTS", "ClusterSpec", "ENV_VAR", "NAMESPACE_ID_HEX", "NoPresence", "Peers"]
+__all__ += ["canonical_task", "describe_bad_token", "is_local_host", "namespace_id"]
+__all__ += ["namespace_ids", "new_namespace", "resolve_namespace", "split_host_port"]
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -512,13 +499,11 @@ class Peers:
                 )
 
     def _provisional(self, name: str) -> PeerRecord:
-        """What the cluster spec says of task ``name`` (no address for port 0)."""
-        if self._cluster is None:
+        """What the cluster spec says of task ``name`` (no address for port 0); a task it
+        does not name is only reachable on this host."""
+        if self._cluster is None or name not in self._cluster:
             return PeerRecord(name, True, ALL_TRANSPORTS, None, False)
-        try:
-            address = self._cluster.task_address(name)
-        except InvalidArgumentError:
-            return PeerRecord(name, True, ALL_TRANSPORTS, None, False)  # only reachable here
+        address = self._cluster.task_address(name)
         host, port = split_host_port(address)
         return PeerRecord(
             name, is_local_host(host), ALL_TRANSPORTS, address if port else None, False

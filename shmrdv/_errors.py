@@ -5,21 +5,10 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = [
-    "AbortedError",
-    "CancelledError",
-    "DeadlineExceededError",
-    "InternalError",
-    "InvalidArgumentError",
-    "RendezvousError",
-    "ResourceExhaustedError",
-    "UnauthenticatedError",
-    "UnavailableError",
-    "closed_error",
-    "code_for_error",
-    "error_for_code",
-    "is_closed_error",
-]
+__all__ = ["AbortedError", "CancelledError", "DeadlineExceededError", "InternalError"]
+__all__ += ["InvalidArgumentError", "RendezvousError", "ResourceExhaustedError"]
+__all__ += ["UnauthenticatedError", "UnavailableError", "closed_error", "code_for_error"]
+__all__ += ["error_for_code", "is_closed_error"]
 
 
 class RendezvousError(Exception):

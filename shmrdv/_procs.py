@@ -1,7 +1,7 @@
 """Child processes that die with their parent, each with a control pipe and bounded waits.
 
-The process harness of the demo, the benchmarks and the tests: a ``Child`` ignores SIGINT
-(the parent handles it), turns SIGTERM into ``SystemExit`` (so ``with`` blocks close), gets
+The process harness of the benchmarks and the tests: a ``Child`` ignores SIGINT (the
+parent handles it), turns SIGTERM into ``SystemExit`` (so ``with`` blocks close), gets
 SIGTERM when its parent dies and reports a failure as ``("error", traceback)``. Only pids
 started here are signalled. ``ChildWorker`` drives a ``shmrdv.Worker`` in a child.
 Thread model (``docs/threads.md``): no threads; a ``ChildWorker`` may be called from any
@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar, cast
@@ -31,17 +31,8 @@ from ._errors import UnavailableError
 from ._rendezvous import Closing, Received
 from ._worker import Worker
 
-__all__ = [
-    "Child",
-    "ChildError",
-    "ChildFailed",
-    "ChildGroup",
-    "ChildTimeout",
-    "ChildWorker",
-    "exit_reason",
-    "reap",
-    "wait_for_close",
-]
+__all__ = ["Child", "ChildError", "ChildFailed", "ChildTimeout", "ChildWorker"]
+__all__ += ["exit_reason", "reap", "wait_for_close"]
 
 _T = TypeVar("_T")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -228,55 +219,6 @@ def reap(children: Iterable[Child], grace: float, term_wait: float = 5.0) -> int
             p.kill()
             p.join(5)
     return len(stopped)
-
-
-class ChildGroup:
-    """Named children started together; leaving a ``with`` block reaps them all."""
-
-    def __init__(self) -> None:
-        self.children: dict[str, Child] = {}
-
-    def __enter__(self) -> ChildGroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.reap(5.0)
-
-    def __getitem__(self, name: str) -> Child:
-        return self.children[name]
-
-    def __iter__(self) -> Iterator[Child]:
-        return iter(list(self.children.values()))
-
-    def start(
-        self, name: str, target: Callable[..., None], *args: Any, cpus: Iterable[int] | None = None
-    ) -> Child:
-        if name in self.children:
-            raise ValueError(f"a child named {name!r} was already started")
-        child = self.children[name] = Child(name, target, *args, cpus=cpus)
-        return child
-
-    def check_alive(self, names: Iterable[str] | None = None) -> None:
-        """``ChildFailed`` if a child (of ``names``) failed, died or sent anything."""
-        for child in self if names is None else map(self.__getitem__, names):
-            if not child.poll() and child.process.exitcode in (0, None):
-                continue
-            try:
-                msg = child.recv(0.0)
-            except ChildFailed:
-                if child.process.exitcode != 0:
-                    raise
-                continue
-            raise ChildFailed(f"unexpected message from {child.name}: {msg!r}")
-
-    def alive(self) -> int:
-        return sum(1 for c in self if c.process.exitcode is None)
-
-    def reap(self, grace: float) -> int:
-        """Close every pipe, then ``reap`` every child; how many had to be signalled."""
-        for child in self:
-            child.close()
-        return reap(self, grace)
 
 
 def _child_main(conn: Connection, task: str, kwargs: dict[str, Any]) -> None:

@@ -29,16 +29,8 @@ from ._rendezvous import DoneCallback
 if TYPE_CHECKING:
     from ._rendezvous import Canceller, RecvSlot
 
-__all__ = [
-    "PeerDirectory",
-    "PeerRecord",
-    "PeerState",
-    "PresenceBoard",
-    "Sighting",
-    "TaskState",
-    "Transport",
-    "TransportContext",
-]
+__all__ = ["PeerDirectory", "PeerRecord", "PeerState", "PresenceBoard", "Sighting", "TaskState"]
+__all__ += ["Transport", "TransportContext"]
 
 #: ``"absent"``: no presence record on this host; ``"alive"``: its owner holds its lock;
 #: ``"dead"``: a record whose owner is gone (or from another boot).

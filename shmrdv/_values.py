@@ -14,18 +14,8 @@ from numpy.lib import format as npy_format
 
 from ._errors import InternalError, InvalidArgumentError
 
-__all__ = [
-    "MAX_DTYPE_BYTES",
-    "MAX_ELEMENTS",
-    "MAX_ZERO_ITEM_ELEMENTS",
-    "as_ndarray",
-    "check_value",
-    "decode_dtype",
-    "encode_dtype",
-    "format_size",
-    "parse_size",
-    "shape_problem",
-]
+__all__ = ["MAX_DTYPE_BYTES", "MAX_ELEMENTS", "MAX_ZERO_ITEM_ELEMENTS", "as_ndarray", "check_value"]
+__all__ += ["decode_dtype", "encode_dtype", "shape_problem"]
 
 
 #: The longest descriptor written or read (a corrupted length never makes us allocate much).
@@ -125,39 +115,6 @@ def _ml_dtype(name: bytes, where: str) -> np.dtype[Any]:
     if not isinstance(scalar_type, type) or not scalar_type.__module__.startswith("ml_dtypes"):
         raise ValueError(f"ml_dtypes has no type {name.decode('ascii')!r}")
     return np.dtype(scalar_type)
-
-
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-EXAMPLE = "e.g. 4096, 64k, 4m or 1g (binary units; 4mib and 4mb mean 4m too)"
-
-
-def parse_size(text: str, minimum: int = 1) -> int:
-    """``"64"``, ``"1k"``, ``"4m"``, ``"1.5g"`` in bytes, at least ``minimum``; else ``ValueError``."""
-    s = text.strip().lower()
-    for tail in ("ib", "b"):
-        if s.endswith(tail) and len(s) > len(tail):
-            s = s[: -len(tail)]
-            break
-    unit = s[-1] if s and s[-1] in "kmg" else ""
-    number = s[: len(s) - len(unit)]
-    try:
-        value = float(number) * _UNITS[unit]
-    except ValueError:
-        raise ValueError(f"not a size: {text!r}; give {EXAMPLE}") from None
-    if not minimum <= value < float("inf"):  # also refuses nan
-        least = "1 byte" if minimum == 1 else f"{minimum} bytes"
-        raise ValueError(f"size {text!r} must be at least {least}; give {EXAMPLE}")
-    return int(value)
-
-
-def format_size(n: int) -> str:
-    """``512 B``, ``4 KiB``, ``1.5 KiB``, ``16 MiB``, ``2.3 GiB``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            break
-        value /= 1024
-    return f"{value:.0f} {unit}" if value.is_integer() else f"{value:.1f} {unit}"
 
 
 #: The most elements any tensor may have, checked before a peer's shape makes us allocate

@@ -25,14 +25,8 @@ if TYPE_CHECKING:
     from ._keys import ParsedKey
     from ._transport import PeerDirectory
 
-__all__ = [
-    "VALUE_FLOOR",
-    "ConsumerWatch",
-    "InflightWindow",
-    "Windows",
-    "check_window",
-    "counted_bytes",
-]
+__all__ = ["VALUE_FLOOR", "ConsumerWatch", "InflightWindow", "Windows", "check_window"]
+__all__ += ["counted_bytes"]
 
 #: How often a waiting reservation asks the transport what the consumer has taken.
 REFRESH_S = 0.002
@@ -76,10 +70,6 @@ class InflightWindow:
     def used(self) -> int:
         """Bytes reserved and not given back."""
         return self._used
-
-    @property
-    def limit(self) -> int:
-        return self._limit
 
     def reserve(
         self,

@@ -16,26 +16,16 @@ import select
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
 from ._cluster import new_namespace
 from ._procs import ChildWorker
-
-if TYPE_CHECKING:
-    from ._shm.reaper import ObjectInfo
+from ._shm.naming import SHM_DIR, parse_name
+from ._shm.reaper import ObjectInfo, list_objects, object_names, unlink_if_unused
 
 __all__ = ["shmrdv_child_worker", "shmrdv_namespace"]
-
-SHM_DIR = "/dev/shm"
-
-
-def _objects() -> set[str]:
-    # This user's regular files only: another user's are neither a leak nor ours to remove.
-    from ._shm.reaper import object_names
-
-    return object_names(SHM_DIR)
 
 
 def _is_live_child(pid: int) -> bool:
@@ -96,9 +86,6 @@ def _dead_leftovers(names: set[str]) -> tuple[set[str], list[ObjectInfo]]:
     """Those of ``names`` still there whose namespace has no live worker, and the listing."""
     if not names:
         return set(), []
-    from ._shm.naming import parse_name
-    from ._shm.reaper import list_objects
-
     # Judged by namespace, never by name: a live job's pool slot is renamed as it goes and
     # may be missing from any one listing.
     listing = list_objects()
@@ -119,7 +106,7 @@ def _leftovers(
     deadline = time.monotonic() + grace
     collected = False
     while True:
-        dead, listing = _dead_leftovers(_objects() - objects)
+        dead, listing = _dead_leftovers(object_names() - objects)
         kids = _children() - children
         if (not dead and not kids) or time.monotonic() > deadline:
             return dead, listing, kids
@@ -162,8 +149,6 @@ def _left_in_shm(names: set[str], listing: list[ObjectInfo]) -> str:
 def _remove(names: set[str]) -> None:
     """Remove the leaked ``names`` (by the reaper's rule), so that one leak does not fail
     every later test."""
-    from ._shm.reaper import unlink_if_unused
-
     for name in names:
         path = os.path.join(SHM_DIR, name)
         with contextlib.suppress(OSError):
@@ -197,7 +182,7 @@ def shmrdv_session_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     if not _enabled(request.config):
         yield
         return
-    before = _objects()
+    before = object_names()
     yield
     # A namespace with a live worker now is another session's: ours are all closed.
     dead, listing, _ = _leftovers(before, _children(), grace=3.0)
@@ -212,7 +197,7 @@ def shmrdv_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     if not _enabled(request.config):
         yield
         return
-    objects, children = _objects(), _children()
+    objects, children = object_names(), _children()
     yield
     dead, listing, kids = _leftovers(objects, children, grace=3.0)
     problems = []

@@ -32,20 +32,9 @@ from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError
 from ._procs import ChildError, ChildWorker
 from ._rendezvous import Received, Rendezvous
 
-__all__ = [
-    "CHECKS",
-    "ChildError",
-    "ChildWorker",
-    "EXPIRE_S",
-    "PROMPT_S",
-    "Producer",
-    "RendezvousPair",
-    "WAIT_S",
-    "assert_same",
-    "run_conformance",
-    "run_in_worker",
-    "sample_values",
-]
+__all__ = ["CHECKS", "ChildError", "ChildWorker", "EXPIRE_S", "PROMPT_S", "Producer"]
+__all__ += ["RendezvousPair", "WAIT_S", "assert_same", "run_conformance", "run_in_worker"]
+__all__ += ["sample_values"]
 
 #: Longest wait for something that must happen (a value arriving, a callback firing).
 WAIT_S = 5.0

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, run_bench, wait_for
 
-from shmrdv._bench.common import parse_array_size, parse_sizes
+from shmrdv._bench.common import format_size, parse_array_size, parse_sizes
 from shmrdv._bench.contract import (
     Handler,
     MethodSpec,
@@ -27,7 +27,6 @@ from shmrdv._bench.contract import (
 from shmrdv._bench.methods import METHODS, register_method
 from shmrdv._bench.options import build_parser
 from shmrdv._bench.textfit import WIDTH
-from shmrdv._values import format_size
 
 
 def _tagged_pids(tag: str) -> list[int]:

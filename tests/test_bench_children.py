@@ -13,8 +13,8 @@ from helpers import PRODUCER, make_key
 
 import shmrdv
 from shmrdv._bench import children
-from shmrdv._bench.children import Teardown
-from shmrdv._procs import wait_for_close
+from shmrdv._bench.children import ChildGroup, Teardown
+from shmrdv._procs import ChildFailed, wait_for_close
 from shmrdv._shm.reaper import list_objects
 
 
@@ -94,3 +94,27 @@ def test_children_other_errors_propagate_after_the_teardown() -> None:
         _ = 1 / 0
     assert outcome.failure is None
     assert list(list_objects(namespace)) == []
+
+
+def _silent(conn: Connection) -> None:
+    wait_for_close(conn)
+
+
+def _raises(conn: Connection) -> None:
+    raise ValueError("bad input 42")
+
+
+def test_children_group_reaps_everything_and_check_alive_names_the_failure() -> None:
+    with ChildGroup() as group:
+        group.start("a", _silent)
+        group.start("b", _raises)
+        with pytest.raises(ValueError, match="already started"):
+            group.start("a", _silent)
+        deadline = time.monotonic() + 30
+        with pytest.raises(ChildFailed, match="b failed"):
+            while time.monotonic() < deadline:
+                group.check_alive()
+                time.sleep(0.05)
+        group["a"].send(("close",))
+        assert group.reap(10) == 0
+        assert group.alive() == 0

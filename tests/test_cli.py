@@ -92,7 +92,7 @@ def test_cli_demo_two_hosts_over_grpc() -> None:
 
 
 def test_cli_demo_rate_leaves_start_up_out() -> None:
-    from shmrdv._cli import _rate, _result_line
+    from shmrdv._bench.demo import _rate, _result_line
 
     # 11 frames, the first received at t, the last at t + 2 s: 10 intervals in 2 s.
     assert _rate(11, 2.0) == 5.0

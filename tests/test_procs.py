@@ -10,7 +10,7 @@ from multiprocessing.connection import Connection
 import pytest
 from helpers import wait_for
 
-from shmrdv._procs import Child, ChildFailed, ChildGroup, ChildTimeout, reap, wait_for_close
+from shmrdv._procs import Child, ChildFailed, ChildTimeout, reap, wait_for_close
 
 
 def _echo(conn: Connection) -> None:
@@ -122,22 +122,6 @@ def test_a_child_dies_with_its_parent() -> None:
         )
 
 
-def test_group_reaps_everything_and_check_alive_names_the_failure() -> None:
-    with ChildGroup() as group:
-        group.start("a", _silent)
-        group.start("b", _raises)
-        with pytest.raises(ValueError, match="already started"):
-            group.start("a", _silent)
-        deadline = time.monotonic() + 30
-        with pytest.raises(ChildFailed, match="b failed"):
-            while time.monotonic() < deadline:
-                group.check_alive()
-                time.sleep(0.05)
-        group["a"].send(("close",))
-        assert group.reap(10) == 0
-        assert group.alive() == 0
-
-
 def test_stop_closes_the_pipe_so_a_waiting_child_exits_by_itself() -> None:
     child = Child("waiter", _silent)
     t0 = time.monotonic()
@@ -153,11 +137,9 @@ def _affinity(conn: Connection) -> None:
 
 def test_cpus_pins_the_child_before_its_target_runs() -> None:
     usable = sorted(os.sched_getaffinity(0))
-    with ChildGroup() as group:
-        group.start("pinned", _affinity, cpus=[usable[-1]])
-        group.start("free", _affinity)
-        assert group["pinned"].expect("cpus", 30) == ("cpus", [usable[-1]])
-        assert group["free"].expect("cpus", 30) == ("cpus", usable)
+    with Child("pinned", _affinity, cpus=[usable[-1]]) as pinned, Child("free", _affinity) as free:
+        assert pinned.expect("cpus", 30) == ("cpus", [usable[-1]])
+        assert free.expect("cpus", 30) == ("cpus", usable)
 
 
 def test_cpus_outside_the_mask_fail_the_child_and_empty_cpus_are_refused() -> None:

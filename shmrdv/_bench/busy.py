@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._procs import ChildGroup
+from .children import ChildGroup
 
 __all__ = ["busy_processes", "host_text"]
 

@@ -1,5 +1,7 @@
 """A benchmark run's child processes, in a namespace of their own, torn down whatever happens.
 
+``ChildGroup`` starts named ``_procs.Child`` processes together and reaps them all.
+
 Every multi-process measurement (``--load``, ``--soak``, ``--fan-in``, ...) starts its
 children in a fresh namespace, talks to them, and must end with none of them running and
 nothing of theirs left in /dev/shm, also when a child fails or the user interrupts. ``run``
@@ -14,15 +16,65 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from .._procs import ChildFailed, ChildGroup
+from .._procs import Child, ChildFailed, reap
 
-__all__ = ["Children", "Teardown", "run"]
+__all__ = ["ChildGroup", "Children", "Teardown", "run"]
 
 _REAP_GRACE_S = 30.0
 _BYE_TIMEOUT_S = 60.0
+
+
+class ChildGroup:
+    """Named children started together; leaving a ``with`` block reaps them all."""
+
+    def __init__(self) -> None:
+        self.children: dict[str, Child] = {}
+
+    def __enter__(self) -> ChildGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reap(5.0)
+
+    def __getitem__(self, name: str) -> Child:
+        return self.children[name]
+
+    def __iter__(self) -> Iterator[Child]:
+        return iter(list(self.children.values()))
+
+    def start(
+        self, name: str, target: Callable[..., None], *args: Any, cpus: Iterable[int] | None = None
+    ) -> Child:
+        if name in self.children:
+            raise ValueError(f"a child named {name!r} was already started")
+        child = self.children[name] = Child(name, target, *args, cpus=cpus)
+        return child
+
+    def check_alive(self, names: Iterable[str] | None = None) -> None:
+        """``ChildFailed`` if a child (of ``names``) failed, died or sent anything."""
+        for child in self if names is None else map(self.__getitem__, names):
+            if not child.poll() and child.process.exitcode in (0, None):
+                continue
+            try:
+                msg = child.recv(0.0)
+            except ChildFailed:
+                if child.process.exitcode != 0:
+                    raise
+                continue
+            raise ChildFailed(f"unexpected message from {child.name}: {msg!r}")
+
+    def alive(self) -> int:
+        return sum(1 for c in self if c.process.exitcode is None)
+
+    def reap(self, grace: float) -> int:
+        """Close every pipe, then ``reap`` every child; how many had to be signalled."""
+        for child in self:
+            child.close()
+        return reap(self, grace)
 
 
 @dataclass(kw_only=True)

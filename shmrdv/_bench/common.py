@@ -1,9 +1,9 @@
 """What every ``shmrdv bench`` mode shares: sizes of float32 arrays as text, the key patterns,
 CPU pinning, and the environment its child processes start with.
 
-Sizes are ``shmrdv._values`` sizes (one parser and one printer for the whole project),
-narrowed to what a float32 array can be. ``runner``, ``load``, ``soak`` and the other modes
-import it; it imports none of them.
+Sizes as text have one parser and one printer for the whole project (``shmrdv ls`` and
+``gc`` print with it too), narrowed here to what a float32 array can be. ``runner``, ``load``,
+``soak`` and the other modes import it; it imports none of them.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from .._values import parse_size
-
 __all__ = [
     "GRPC_OPTIONS",
     "GRPC_VERBOSITY",
     "KEY_PATTERNS",
+    "format_size",
     "grpc_quiet_children",
     "parse_key_patterns",
     "parse_array_size",
+    "parse_size",
     "parse_sizes",
     "pin_cpus",
 ]
@@ -38,6 +38,39 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.enable_http_proxy", 0),
 ]
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+EXAMPLE = "e.g. 4096, 64k, 4m or 1g (binary units; 4mib and 4mb mean 4m too)"
+
+
+def parse_size(text: str, minimum: int = 1) -> int:
+    """``"64"``, ``"1k"``, ``"4m"``, ``"1.5g"`` in bytes, at least ``minimum``; else ``ValueError``."""
+    s = text.strip().lower()
+    for tail in ("ib", "b"):
+        if s.endswith(tail) and len(s) > len(tail):
+            s = s[: -len(tail)]
+            break
+    unit = s[-1] if s and s[-1] in "kmg" else ""
+    number = s[: len(s) - len(unit)]
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"not a size: {text!r}; give {EXAMPLE}") from None
+    if not minimum <= value < float("inf"):  # also refuses nan
+        least = "1 byte" if minimum == 1 else f"{minimum} bytes"
+        raise ValueError(f"size {text!r} must be at least {least}; give {EXAMPLE}")
+    return int(value)
+
+
+def format_size(n: int) -> str:
+    """``512 B``, ``4 KiB``, ``1.5 KiB``, ``16 MiB``, ``2.3 GiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            break
+        value /= 1024
+    return f"{value:.0f} {unit}" if value.is_integer() else f"{value:.1f} {unit}"
 
 
 # The key patterns users write (DESIGN.md, "Names and keys"), each a first-class path that the
@@ -66,7 +99,7 @@ def parse_key_patterns(text: str) -> list[str]:
 
 
 def parse_array_size(text: str) -> int:
-    """A size (``_sizes.parse_size``: ``64``, ``1k``, ``16m``, ``1g``) that float32 arrays fill:
+    """A size (``parse_size``: ``64``, ``1k``, ``16m``, ``1g``) that float32 arrays fill:
     a multiple of 4 bytes, at least 8. ``ValueError`` naming what is wrong otherwise."""
     value = parse_size(text, minimum=8)
     if value % 4:

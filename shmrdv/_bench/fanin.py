@@ -40,9 +40,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .._procs import ChildFailed
-from .._values import format_size
 from . import children
 from .children import Teardown
+from .common import format_size
 from .report import TIMES
 
 __all__ = ["FanInConfig", "FanInResult", "format_fanin", "run_cli", "run_fanin"]

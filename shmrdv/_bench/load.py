@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._procs import ChildTimeout
-from .._values import format_size
 from . import children, options
 from .children import Teardown
+from .common import format_size
 from .load_plan import LoadConfig, make_plan
 from .load_roles import consumer_main, producer_main
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from .._values import format_size
-from .common import KEY_PATTERNS, parse_array_size, parse_key_patterns, parse_sizes
+from .common import KEY_PATTERNS, format_size, parse_array_size, parse_key_patterns, parse_sizes
 
 __all__ = [
     "DEFAULT_SIZES",

@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._procs import ChildFailed, ChildGroup
-from .._values import format_size
-from .common import GRPC_OPTIONS, parse_array_size, pin_cpus
+from .._procs import ChildFailed
+from .children import ChildGroup
+from .common import GRPC_OPTIONS, format_size, parse_array_size, pin_cpus
 from .options import PIPELINE_CASES
 from .report import DASH, TIMES, format_sig
 

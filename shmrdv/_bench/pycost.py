@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._procs import ChildFailed, ChildGroup
-from .._values import format_size
-from .common import pin_cpus
+from .._procs import ChildFailed
+from .children import ChildGroup
+from .common import format_size, pin_cpus
 from .mp_methods import pipe_oob_recv, pipe_oob_send
 from .report import TIMES
 

@@ -37,8 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._procs import Child, ChildFailed
-from .._values import format_size
-from .common import GRPC_OPTIONS, parse_sizes
+from .common import GRPC_OPTIONS, format_size, parse_sizes
 from .echo import (
     BENCH_TASK,
     CLOSE_METHOD,

@@ -13,9 +13,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from .._values import format_size
 from .busy import host_text
-from .common import KEY_PATTERNS
+from .common import KEY_PATTERNS, format_size
 from .machine import describe_machine
 from .results import BASELINE_COPY, BASELINE_PEER, BenchRun, MethodResult
 from .textfit import fit_markdown

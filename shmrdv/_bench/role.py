@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._values import format_size
+from .common import format_size
 from .contract import (
     F32,
     KIND_CHECK,

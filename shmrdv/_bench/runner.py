@@ -29,10 +29,9 @@ from multiprocessing.context import SpawnContext
 from typing import Any, TextIO
 
 from .._procs import ChildFailed
-from .._values import format_size
 from . import methods, options
 from .busy import busy_processes
-from .common import grpc_quiet_children, parse_sizes, pin_cpus
+from .common import format_size, grpc_quiet_children, parse_sizes, pin_cpus
 from .contract import MethodSpec
 from .machine import describe_machine, load_average
 from .options import DEFAULT_SIZES, QUICK_METHODS, QUICK_SIZES

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._procs import ChildTimeout
-from .._values import format_size
 from . import children, options
 from .children import Teardown
+from .common import format_size
 from .soak_analysis import INFO_SERIES, SeriesReport, analyse
 from .soak_plan import SoakConfig
 from .soak_roles import consumer_main, producer_main

@@ -25,8 +25,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from .._values import format_size
-from .common import parse_sizes, pin_cpus
+from .common import format_size, parse_sizes, pin_cpus
 from .machine import describe_machine
 
 __all__ = [

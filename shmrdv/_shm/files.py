@@ -34,8 +34,8 @@ from .._rendezvous import Closing
 from .header import MAGIC, MAX_KEY_BYTES, PREFIX, Header, unpack
 from .naming import SHM_DIR, Names
 
-__all__ = ["Segment", "inode", "is_ours", "move_noreplace", "open_checked", "os_error"]
-__all__ += ["peek_header"]
+__all__ = ["Segment", "inode", "is_ours", "lstat_ours", "move_noreplace", "open_checked"]
+__all__ += ["os_error", "peek_header"]
 
 _log = logging.getLogger("shmrdv.shm.files")
 
@@ -50,6 +50,16 @@ _NO_FDS = (errno.EMFILE, errno.ENFILE)
 def is_ours(st: os.stat_result) -> bool:
     """A regular file of this user with no group/other permission bits."""
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def lstat_ours(path: str) -> os.stat_result | None:
+    """The ``lstat`` of ``path`` (never an open) if it ``is_ours``, else None (also if there
+    is none): how a listing of /dev/shm judges a name before anything opens it."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st if is_ours(st) else None
 
 
 def inode(path: str, *, ours: bool = False) -> tuple[int, int] | None:
@@ -128,9 +138,9 @@ def open_checked(
 def peek_header(path: str) -> Header | None:
     """The header of the segment file at ``path`` by ``pread`` (for listings, never for data),
     or None if it is gone, not ours or invalid. Another user's file is never opened."""
+    if lstat_ours(path) is None:
+        return None
     try:
-        if not is_ours(os.stat(path, follow_symlinks=False)):
-            return None
         fd, st = open_checked(path, os.O_RDONLY, "segment")
     except (OSError, InternalError, ResourceExhaustedError):
         return None

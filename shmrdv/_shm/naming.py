@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._cluster import NAMESPACE_ID_HEX, describe_bad_token, namespace_id
+from .._cluster import NAMESPACE_ID_HEX, namespace_id
 from .._errors import InvalidArgumentError
 
 __all__ = ["CODES", "KINDS", "MAX_SLOT", "PREFIX", "SEM_PREFIX", "SHM_DIR", "SLOT_BITS", "Names"]
@@ -37,7 +37,6 @@ KINDS = dict(
     w="presence", b="bell", t="temp", m="message", p="pool", h="held", r="returned", q="ring"
 )
 CODES = {kind: code for code, kind in KINDS.items()}  # the letter of each kind
-_NAMESPACE_RE = re.compile(r"[a-z0-9]{8,64}")
 _ID_RE = re.compile(rf"[0-9a-f]{{{NAMESPACE_ID_HEX}}}")
 _HEX_RE = re.compile(rf"[0-9a-f]{{{2 * DIGEST_BYTES}}}")
 #: A producer never needs a million pool slots.
@@ -105,8 +104,8 @@ def parse_name(entry: str) -> ObjectName | None:
 @dataclass(frozen=True)
 class Names:
     """The bare names of one namespace's objects (``namespace``: the secret token). Raises
-    ``InvalidArgumentError`` for a token not ``[a-z0-9]{8,64}`` (never echoed it) or a field
-    out of range."""
+    ``InvalidArgumentError`` for an invalid token (as ``namespace_id``) or a field out of
+    range."""
 
     namespace: str = field(repr=False)  # the secret: kept out of logs
     namespace_id: str = field(init=False)
@@ -114,11 +113,6 @@ class Names:
     prefix: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.namespace, str) or not _NAMESPACE_RE.fullmatch(self.namespace):
-            raise InvalidArgumentError(
-                f"invalid shmrdv namespace ({describe_bad_token(self.namespace)}): expected 8 "
-                "to 64 characters of [a-z0-9] (use shmrdv.new_namespace())"
-            )
         object.__setattr__(self, "namespace_id", namespace_id(self.namespace))
         object.__setattr__(self, "_key", self.namespace.encode("ascii"))
         object.__setattr__(self, "prefix", f"{PREFIX}{self.namespace_id}_")

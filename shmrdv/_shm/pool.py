@@ -268,8 +268,6 @@ class SlotPool:
     def _reclaim_held(self, slot: Slot, held: str) -> bool:
         """Take back a slot still ``held`` by a consumer run that is gone (killed); whether
         it was. Only our file, only when the holder word names a run known to be over."""
-        if not slot.lent_to:
-            return False
         seg = slot.segment
         try:
             seg.check_size(slot.capacity)

@@ -32,7 +32,7 @@ from .._cluster import NAMESPACE_ID_HEX, namespace_ids
 from .._errors import InternalError, InvalidArgumentError, RendezvousError
 from .._keys import DeviceName, parse_key
 from .._transport import Sighting
-from .files import is_ours, open_checked, peek_header
+from .files import lstat_ours, open_checked, peek_header
 from .header import created_ns
 from .naming import CODES, PREFIX, SEM_PREFIX, SHM_DIR, SLOT_BITS, Names, ObjectName, parse_name
 from .presence import claim, look
@@ -135,14 +135,8 @@ class _Entry(ObjectName):
 def _ours(shm_dir: str, name: str) -> _Entry | None:
     """``name`` if shmrdv made it and it is ours, by one ``lstat``."""
     parsed = parse_name(name)
-    if parsed is None:
-        return None
     path = os.path.join(shm_dir, name)
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return None
-    if not is_ours(st):
+    if parsed is None or (st := lstat_ours(path)) is None:
         return None
     return _Entry(name, parsed.kind, parsed.namespace, parsed.rest, path, st)
 
@@ -266,7 +260,8 @@ def list_objects(namespace: str | None = None, shm_dir: str = SHM_DIR) -> list[O
 
 
 def object_names(shm_dir: str = SHM_DIR) -> set[str]:
-    """The names of the shmrdv objects of ours (one ``lstat`` each), for the leak check."""
+    """The names of this user's shmrdv objects (one ``lstat`` each), for the leak check:
+    another user's are neither a leak nor ours to remove."""
     return {name for group in _listing(shm_dir).values() for name in group if _ours(shm_dir, name)}
 
 
