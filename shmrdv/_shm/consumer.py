@@ -38,6 +38,7 @@ from .._keys import DeviceName, ParsedKey
 from .._rendezvous import Canceller, DoneCallback, Received, invoke_done, received
 from .._transport import TaskState, TransportContext
 from . import reaper
+from .files import inode
 from .header import FLAG_DEAD, FLAG_NOTICE, Reader, unpack_identity
 from .naming import Names
 from .pool import SlotMaps, run_alive
@@ -495,13 +496,13 @@ class Consumer:
             self._recovery.spill(r)
 
     def _fill(self, ch: Channel, seq: int, r: InRing) -> None:
-        """Messages ``ch.seq`` to ``seq - 1`` came with no record: queued from their names.
-        Only the last ``r.lost`` can be there (others were taken, or skipped by the producer)."""
+        """Messages ``ch.seq`` to ``seq - 1`` came with no record: queued as notices of the
+        names there (opened when taken: a key nobody receives holds no descriptor). Only the
+        last ``r.lost`` can be there (others were taken, or skipped by the producer)."""
         for s in range(max(ch.seq, seq - min(r.lost, _FILL_MAX)), seq):
-            got = self._open(ch, s, r.inc, None)
-            if got is not None:
+            if inode(Names.path(self._names.message(ch.step, ch.key, r.inc, s))) is not None:
                 ch.seq = s + 1
-                self.queue(ch, got)
+                self.queue(ch, Notice(s, r.inc, -1))
         ch.seq = seq
 
     def _refused(
