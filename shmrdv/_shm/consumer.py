@@ -406,12 +406,13 @@ class Consumer:
 
     def drain(self, r: InRing) -> None:
         """Every record of ring ``r`` to its channel's oldest waiter, or queued as ``Held``
-        (past half the ring, ``Recovery.spill`` moves the oldest out). A refused record's
-        receiver gets the error; a ring its file no longer holds (a SIGBUS) is failed."""
+        (past half the ring, ``Recovery.spill`` moves out the oldest held before this drain).
+        A refused record's receiver gets the error; a ring its file no longer holds is failed."""
         if not r.intact():
             self._fail_ring(r)
             return
         ring, src, inc = r.ring, r.src, r.inc
+        before = ring.read
         buf, read, cleaned_up = ring.buf, self._reader.read, self._ctx.cleaned_up
         held, put = ring.held, self._table.put
         last_step: int | None = None
@@ -493,7 +494,7 @@ class Consumer:
             if not ring.consume():
                 break
         if held and ring.read - held[0] > ring.capacity >> 1:
-            self._recovery.spill(r)
+            self._recovery.spill(r, before)
 
     def _fill(self, ch: Channel, seq: int, r: InRing) -> None:
         """Messages ``ch.seq`` to ``seq - 1`` came with no record: queued as notices of the
@@ -792,6 +793,7 @@ class Consumer:
                 "pending_receives": self._table.pending_waiters,
                 "channels": sum(len(c) for c in self._steps.values()),
                 "rings_in": len(self._rings),
+                "moved_out": sum(r.moved for r in self._rings),  # of the rings attached
                 "held": len(self._maps.held),
                 "slots_mapped": len(self._maps),
                 "slot_map_hits": self._maps.hits,

@@ -389,15 +389,15 @@ class Recovery:
             except RendezvousError as e:
                 _log.debug("%s", e)
 
-    def spill(self, r: InRing) -> None:
-        """Move the oldest held records of ring ``r`` out to their messages' names until
-        those left take at most a quarter of it: a key nobody receives must not leave its
-        producer without room. Counted in the ring, so the task's next process looks for
-        them by name. What cannot be written (/dev/shm full) stays."""
+    def spill(self, r: InRing, before: int) -> None:
+        """Move the oldest records of ring ``r`` read before ``before`` (a read position)
+        out to their messages' names, until those left take at most a quarter of it: a key
+        nobody receives must not leave its producer without room, and what a drain just
+        read is about to be taken. Each is counted in the ring before ``tail`` passes it,
+        so the task's next process looks for it by name. What cannot be written stays."""
         ring = r.ring
         held = ring.held
-        count = 0
-        while held and ring.read - held[0] > ring.capacity >> 2:
+        while held and held[0] < before and ring.read - held[0] > ring.capacity >> 2:
             pos = held[0]
             payload = ring.record(pos)
             try:
@@ -408,13 +408,11 @@ class Recovery:
             finally:
                 payload.release()
             r.spilled[pos] = path
+            ring.add_spilled(1)
+            r.moved += 1
+            r.lost += 1  # (as the next drain reads it; its value is queued here:
+            r.lost_seen += 1  # not to be looked for by name)
             ring.taken(pos)
-            count += 1
-        if count:
-            ring.add_spilled(count)
-            r.moved += count
-            r.lost += count  # (as the next drain reads it; their values are queued here:
-            r.lost_seen += count  # not to be looked for by name)
 
     def _publish(self, inc: int, payload: memoryview) -> str:
         """Publish ``payload`` (a checked ring record of producer run ``inc``) under its
