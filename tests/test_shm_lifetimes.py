@@ -302,6 +302,7 @@ def test_lifetime_restarted_consumer_takes_what_was_moved_out_of_the_ring_first(
                 out.send(make_key("a"), np.full(16, i, np.uint32))
             assert consumer.call(child_nothing_more, "b")
             assert "m" in kinds(ns)  # the values moved out of the ring
+            assert consumer.call(child_stats)["shm"]["moved_out"] > 0
             consumer.kill(signal.SIGKILL)
         finally:
             consumer.close()
@@ -309,6 +310,59 @@ def test_lifetime_restarted_consumer_takes_what_was_moved_out_of_the_ring_first(
             assert again.call(child_take, "a", 2500) == list(range(500, 3000))
             assert again.call(child_nothing_more, "a")
             assert "m" not in kinds(ns)
+
+
+def child_send_each(worker: shmrdv.Worker, edges: list[str], n: int, start: int = 0) -> int:
+    """Send ``n`` values of each of ``edges`` in turn (step 1), numbered from ``start`` in
+    the order sent; the worker's ``ring_full``."""
+    rdv = worker.rendezvous(1)
+    for i in range(start, start + n * len(edges)):
+        rdv.send(make_key(edges[i % len(edges)]), np.full(16, i, np.uint32))
+    return int(worker.stats()["shm"]["ring_full"])
+
+
+@pytest.mark.parametrize("keys", ["same", "fresh"])
+def test_lifetime_a_burst_read_at_once_moves_nothing_out(ns: str, keys: str) -> None:
+    # 2,000 small values, more than half the ring, sent before the consumer asks: what one
+    # drain read is about to be taken, so none is moved out to a segment of its own.
+    edges = ["a"] if keys == "same" else [f"a{i}" for i in range(2000)]
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        ChildWorker(PRODUCER, namespace=ns) as producer,
+    ):
+        assert producer.call(child_send_each, edges, 2000 // len(edges)) == 0
+        rdv = consumer.rendezvous(1)
+        got = [int(rdv.recv(make_key(edges[i % len(edges)]), timeout=30).value[0])
+               for i in range(2000)]  # fmt: skip
+        assert got == list(range(2000))
+        assert consumer.stats()["shm"]["moved_out"] == 0
+        assert "m" not in kinds(ns) and "t" not in kinds(ns)
+
+
+def test_lifetime_values_held_or_moved_out_outlive_a_killed_producer(ns: str) -> None:
+    # The consumer reads 1,000 values and takes 500; 2,000 more come and a look for another
+    # key reads them: past half the ring, the 500 read before move out. The producer is
+    # SIGKILLed: the 2,500 values held or moved out still arrive, once, in order.
+    with shmrdv.Worker(CONSUMER, namespace=ns) as consumer:
+        rdv = consumer.rendezvous(1)
+        producer = ChildWorker(PRODUCER, namespace=ns)
+        try:
+            assert producer.call(child_send_each, ["a"], 1000) == 0
+            assert [int(rdv.recv(make_key("a"), timeout=30).value[0]) for _ in range(500)] == (
+                list(range(500))
+            )
+            assert producer.call(child_send_each, ["a"], 2000, 1000) == 0
+            with pytest.raises(shmrdv.DeadlineExceededError):
+                rdv.recv(make_key("b"), timeout=0.3)
+            assert consumer.stats()["shm"]["moved_out"] > 0
+            producer.kill(signal.SIGKILL)
+        finally:
+            producer.close()
+        got = [int(rdv.recv(make_key("a"), timeout=30).value[0]) for _ in range(2500)]
+        assert got == list(range(500, 3000))
+        with pytest.raises((shmrdv.UnavailableError, shmrdv.DeadlineExceededError)):
+            rdv.recv(make_key("a"), timeout=5)
+        consumer.cleanup(1)
 
 
 def _taken(log: str) -> list[int]:

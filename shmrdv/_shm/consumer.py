@@ -54,8 +54,6 @@ TICK = 0.2
 # is cheaper than one open per channel.
 _LISTDIR_ABOVE = 64
 _INF = float("inf")
-# A gap in a channel's sequence numbers is filled by this many looks by name at most.
-_FILL_MAX = 1 << 16
 _ndarray = np.ndarray
 # What a producer seen alive less than a tick ago is taken to be, without a look.
 _ALIVE = TaskState("alive")
@@ -180,6 +178,8 @@ class Consumer:
         self.received = self.received_bytes = self.refused = self.scans = 0
         self._records = 0  # ring records drained
         self._unexplained = False  # a post brought no record: a ring this consumer lacks
+        self._behind = False  # a drain stopped before its ring's end: a first look reads on
+        self._want: Channel | bool = False  # the channel of a receive's first look
 
     def source(self, task: str) -> Source:
         """The producer ``task`` (canonical name), known from now on."""
@@ -302,11 +302,17 @@ class Consumer:
     def _first_look(self, ch: Channel, src: Source) -> Received | BaseException | None:
         """What a receive finds before it waits: the value (from a ring due for a look, or by
         name), a failed ring's error, or its producer's death or restart, seen now."""
+        self._want = ch  # a ring attached now is read until it brings ch's value
         if src.look_at != _INF:
             self._recovery.look_for_ring(src)
         if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
             src.tried.add(ch.inc)  # a key pinned to a run that is not the live one
             self._recovery.attach_run(src, ch.inc)
+        self._want = False
+        if self._behind and ch not in self._table:
+            self._behind = False
+            for r in list(self._rings):
+                self.drain(r, ch)
         result = self.take(ch, src.ringless(ch.inc) or src.lost())
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None
@@ -409,16 +415,18 @@ class Consumer:
         r.src.rings.append(r)
         r.src.ring_incs.add(r.inc)
         self._rings.append(r)
-        self.drain(r)
+        self.drain(r, self._want)
 
-    def drain(self, r: InRing) -> None:
+    def drain(self, r: InRing, want: Channel | bool = False) -> None:
         """Every record of ring ``r`` to its channel's oldest waiter, or queued as ``Held``
-        (past half the ring, ``Recovery.spill`` moves the oldest out). A refused record's
-        receiver gets the error; a ring its file no longer holds (a SIGBUS) is failed."""
+        (past half the ring held, ``Recovery.spill`` moves out what earlier drains read); if
+        ``want`` (a channel, or True), only until no receive waits and ``want`` has a value
+        (``_behind``). A refused record's receiver gets the error; a lost ring is failed."""
         if not r.intact():
             self._fail_ring(r)
             return
         ring, src, inc = r.ring, r.src, r.inc
+        before = ring.read
         buf, read, cleaned_up = ring.buf, self._reader.read, self._ctx.cleaned_up
         held, put = ring.held, self._table.put
         last_step: int | None = None
@@ -480,13 +488,13 @@ class Consumer:
                         fill = not ch.inc and seq
                         ch.inc = inc
                         if fill:
-                            self._fill(ch, seq, r)
+                            self._recovery.fill(ch, seq, r)
                     elif seq != ch.seq:
                         if seq < ch.seq:  # taken by its name already
                             if held:
                                 ring.mark_taken(ring.position(at))
                             continue
-                        self._fill(ch, seq, r)
+                        self._recovery.fill(ch, seq, r)
                     ch.seq = seq + 1
                     if ch in ch.src.waiting:
                         if held:  # taken while an older record is not
@@ -499,18 +507,11 @@ class Consumer:
                 raise
             if not ring.consume():
                 break
+            if want and not self._table.pending_waiters and (want is True or want in self._table):
+                self._behind = True
+                break
         if held and ring.read - held[0] > ring.capacity >> 1:
-            self._recovery.spill(r)
-
-    def _fill(self, ch: Channel, seq: int, r: InRing) -> None:
-        """Messages ``ch.seq`` to ``seq - 1`` came with no record: queued from their names.
-        Only the last ``r.lost`` can be there (others were taken, or skipped by the producer)."""
-        for s in range(max(ch.seq, seq - min(r.lost, _FILL_MAX)), seq):
-            got = self._open(ch, s, r.inc, None)
-            if got is not None:
-                ch.seq = s + 1
-                self.queue(ch, got)
-        ch.seq = seq
+            self._recovery.spill(r, before)
 
     def _refused(
         self, src: Source, payload: memoryview, e: RendezvousError
@@ -562,7 +563,7 @@ class Consumer:
             records = self._records
             try:
                 for r in list(self._rings):
-                    self.drain(r)
+                    self.drain(r, True)
                 if posted and records == self._records:
                     # A post no ring explains: a producer whose ring is not attached yet
                     # (it sent its first message meanwhile), or one without a ring.
@@ -802,6 +803,7 @@ class Consumer:
                 "pending_receives": self._table.pending_waiters,
                 "channels": sum(len(c) for c in self._steps.values()),
                 "rings_in": len(self._rings),
+                "moved_out": sum(r.moved for r in self._rings),  # of the rings attached
                 "held": len(self._maps.held),
                 "slots_mapped": len(self._maps),
                 "slot_map_hits": self._maps.hits,

@@ -1,11 +1,9 @@
 """A consumer's rings and names: what the drain does not see, found; what a ring cannot
-keep, moved out (``spill``). Names are the truth.
-
-A ring (``InRing``) is attached once per producer run and read from its oldest record not
-taken. Messages with no record (no ring, a full one, a run gone before it was known) are
-found by a ``Listing``: other users can plant any number of names under the job's public
-prefix, so it is rate-limited, skipped while the directory is unchanged, and a name new to
-it costs one ``lstat``, at most ``_NEW_PER_LISTING`` per listing, and never another.
+keep, moved out (``spill``). Names are the truth. A ring (``InRing``) is attached once per
+producer run. Messages with no record are found by a ``Listing``: other users can plant
+any number of names under the job's prefix, so it is rate-limited, skipped while the
+directory is unchanged, and a name new to it costs one ``lstat``, at most
+``_NEW_PER_LISTING`` per listing, and never another.
 
 Thread model (docs/threads.md): under the consumer's lock, except ``free_unreceived``.
 """
@@ -24,7 +22,7 @@ from .._cluster import canonical_task
 from .._errors import InternalError, RendezvousError
 from .._keys import parse_key
 from .._transport import TransportContext
-from .files import Segment, is_ours, move_noreplace, peek_header
+from .files import Segment, inode, is_ours, move_noreplace, peek_header
 from .header import Header, is_notice, unpack_identity
 from .naming import SHM_DIR, Names, parse_name
 from .pool import ProducerAlive, RunWatch, give_back
@@ -45,6 +43,7 @@ _REFUSED_MAX = 1 << 17
 # looks for a producer's ring that is not there yet.
 _NEW_PER_LISTING = 32768
 _LIST_EVERY, _RING_LOOK_S = 0.1, 0.02
+_FILL_MAX = 1 << 16  # a gap in a channel's sequence numbers: names looked at, at most
 # A listing is trusted to be complete only if the directory's mtime was at least this
 # old when it was taken: the kernel stamps changes with a coarse clock.
 _TRUST_NS = 20_000_000
@@ -389,15 +388,24 @@ class Recovery:
             except RendezvousError as e:
                 _log.debug("%s", e)
 
-    def spill(self, r: InRing) -> None:
-        """Move the oldest held records of ring ``r`` out to their messages' names until
-        those left take at most a quarter of it: a key nobody receives must not leave its
-        producer without room. Counted in the ring, so the task's next process looks for
-        them by name. What cannot be written (/dev/shm full) stays."""
-        ring = r.ring
-        held = ring.held
-        count = 0
-        while held and ring.read - held[0] > ring.capacity >> 2:
+    def fill(self, ch: Channel, seq: int, r: InRing) -> None:
+        """Queue messages ``ch.seq`` to ``seq - 1`` (no ring record; only the last ``r.lost``
+        can be there) as notices of the names there: opened when taken, not held open."""
+        from .consumer import Notice  # (the consumer imports this module)
+
+        for s in range(max(ch.seq, seq - min(r.lost, _FILL_MAX)), seq):
+            if inode(Names.path(self._names.message(ch.step, ch.key, r.inc, s))) is not None:
+                ch.seq = s + 1
+                self._consumer.queue(ch, Notice(s, r.inc, -1))
+        ch.seq = seq
+
+    def spill(self, r: InRing, before: int) -> None:
+        """Move the oldest held records of ring ``r`` read before position ``before`` out to
+        their messages' names until those left take at most a quarter of it (a key nobody
+        receives must not leave its producer without room; what a drain just read is about
+        to be taken), each counted in the ring first: the task's next process looks for it."""
+        ring, held = r.ring, r.ring.held
+        while held and held[0] < before and ring.read - held[0] > ring.capacity >> 2:
             pos = held[0]
             payload = ring.record(pos)
             try:
@@ -408,13 +416,11 @@ class Recovery:
             finally:
                 payload.release()
             r.spilled[pos] = path
+            ring.add_spilled(1)
+            r.moved += 1
+            r.lost += 1  # (as the next drain reads it; its value is queued here:
+            r.lost_seen += 1  # not to be looked for by name)
             ring.taken(pos)
-            count += 1
-        if count:
-            ring.add_spilled(count)
-            r.moved += count
-            r.lost += count  # (as the next drain reads it; their values are queued here:
-            r.lost_seen += count  # not to be looked for by name)
 
     def _publish(self, inc: int, payload: memoryview) -> str:
         """Publish ``payload`` (a checked ring record of producer run ``inc``) under its

@@ -5,12 +5,10 @@ worker appends records (the segment header, then the data) to a ring per consume
 ``tail`` is the start of the oldest record not *taken* (handed to a receive, or freed): the
 producer writes over nothing after it. A record taken before an older one is marked, so
 the consumer's next process, after a crash, reads exactly the records not taken.
-
 Ordering: the producer writes a record, then stores ``head``; the consumer loads ``head``,
 then reads. Each is one aligned 8-byte store or load through a ``memoryview`` cast to ``Q``
 (``struct.pack_into`` zeroes its target first), and x86-64 keeps stores in order (TSO);
 weaker memory models need fences Python cannot issue, so rings are used on x86-64 only.
-
 Pure on a buffer. Not thread-safe: each side's owner serialises its calls.
 """
 
@@ -50,7 +48,7 @@ _ALIGN = 8
 _PAD, _ROUND = 4 + _ALIGN - 1, -_ALIGN
 # A consumer's batch (``spans``) ends after about this many bytes: the producer gets room
 # back as the consumer goes, not only once a full ring is drained.
-_BATCH_BYTES = 1 << 16
+_BATCH_BYTES = 1 << 14
 
 
 def ring_size(capacity: int) -> int:
@@ -186,17 +184,11 @@ class Ring:
     def take(self) -> Iterator[memoryview]:
         """Every record's payload (a view valid until the next), each taken as the next is
         asked for."""
-        buf = self.buf
-        while True:
-            spans = self.spans()
-            if not spans:
-                return
-            first = True
-            for at, end in spans:
-                if not first:
+        while spans := self.spans():
+            for i, (at, end) in enumerate(spans):
+                if i:
                     self.consume(at)  # the records before this one are passed
-                first = False
-                yield buf[at:end]
+                yield self.buf[at:end]
             if not self.consume():
                 return
 
