@@ -50,8 +50,7 @@ _log = logging.getLogger("shmrdv.shm")
 
 #: Liveness and fallback period while receives wait: what a lost doorbell post costs.
 TICK = 0.2
-# Above this many waiting channels of a producer without a ring, one listing of /dev/shm
-# is cheaper than one open per channel.
+# Above this many waiting channels of a ringless producer, one listing beats an open each.
 _LISTDIR_ABOVE = 64
 _INF = float("inf")
 _ndarray = np.ndarray
@@ -71,8 +70,7 @@ class Notice:
         self.seq, self.inc, self.slot, self.array = seq, inc, slot, array
 
 
-#: What a channel queues: a value that came inline, a notice, or an error to deliver as one;
-#: ``Held`` while its ring record stays.
+#: What a channel queues: a value, a notice or an error; ``Held`` while its ring record stays.
 Queued = Received | Notice | BaseException | Held
 #: A message to free: producer task, step, key, incarnation, seq, slot.
 Orphan = tuple[str, int, str, int, int, int]
@@ -144,17 +142,13 @@ class Consumer:
     """The receiving half of one worker's shared-memory transport (see the module docstring)."""
 
     def __init__(
-        self,
-        ctx: TransportContext,
-        names: Names,
-        on_callback_waiter: Callable[[], None],
-        doorbell: posix_ipc.Semaphore,
-    ) -> None:
+        self, ctx: TransportContext, names: Names, kick: Callable[[], None], bell: posix_ipc.Semaphore
+    ) -> None:  # fmt: skip
         self._ctx = ctx
-        self._doorbell = doorbell  # its value: posts not taken yet
+        self._bell = bell  # its value: doorbell posts not taken yet
         self._task = ctx.task_name
         self._names = names
-        self._wake_dispatcher = on_callback_waiter
+        self._wake_dispatcher = kick  # a callback receive is queued: someone must poll
         self.lock = threading.Lock()
         self._closed = False
         self._aborted: dict[int, BaseException] = {}
@@ -190,9 +184,7 @@ class Consumer:
 
     def channel(self, step: int, key: str, src: Source, inc: int) -> Channel:
         """The channel of (step, key), made if new (of ``src``'s run ``inc``)."""
-        chans = self._steps.get(step)
-        if chans is None:
-            chans = self._steps[step] = {}
+        chans = self._steps.setdefault(step, {})
         ch = chans.get(key)
         if ch is None:
             ch = chans[key] = Channel(step, key, src, inc)
@@ -483,8 +475,7 @@ class Consumer:
                     if ch is None:
                         ch = chans[key] = Channel(step, key, src, inc)
                     if ch.inc != inc:
-                        # Its run first heard of (its earlier messages may be by name), or
-                        # its producer restarted.
+                        # Its run first heard of (earlier messages may be by name), or a restart.
                         fill = not ch.inc and seq
                         ch.inc = inc
                         if fill:
@@ -565,8 +556,7 @@ class Consumer:
                 for r in list(self._rings):
                     self.drain(r, True)
                 if posted and records == self._records:
-                    # A post no ring explains: a producer whose ring is not attached yet
-                    # (it sent its first message meanwhile), or one without a ring.
+                    # A post no ring explains: a ring not attached yet, or a producer without.
                     self._unexplained = True
                     for src in list(self.srcs.values()):
                         if src.waiting and src.ringless(0):
@@ -662,8 +652,7 @@ class Consumer:
                     f'Your worker job ("{src}") was probably restarted; key {key!r}'
                 )
             if not pinned and ch.inc and inc != ch.inc:
-                # Restarted producer and a key that does not pin an incarnation: follow the
-                # new run from its first message (a channel with waiters has nothing queued).
+                # A restart, a key not pinned: follow the new run from its first message.
                 ch.inc, ch.seq = inc, 0
                 return None
             ch.seen_alive = True
@@ -721,10 +710,9 @@ class Consumer:
         return work is not None
 
     def cleanup_step(self, step_id: int, error: BaseException) -> bool:
-        """Fail the step's waiters with ``error`` (unless it was aborted), forget the step
-        and free what was sent to it and not received: what its channels hold, and what a
-        listing shows where a message may have come with no record (a post not drained, a
-        ring without, a lost record). Whether any waiter was failed."""
+        """Fail the step's waiters with ``error`` (unless aborted), forget the step and free
+        what it was sent and not received: what its channels hold, and what a listing shows
+        where a message may have come with no record. Whether any waiter was failed."""
         # Under the lock even when the step looks empty: a drain that found the step not
         # cleaned up yet adds its channels under this lock, and ``needed`` reads ``srcs``.
         with self.lock:
@@ -748,7 +736,7 @@ class Consumer:
                         self._late.append(
                             (ch.src.task, ch.step, ch.key, got.inc, got.seq, got.slot)
                         )
-            listing = self._unexplained or self._recovery.needed() or self._doorbell.value > 0
+            listing = self._unexplained or self._recovery.needed() or self._bell.value > 0
             self._unexplained = False
             failed = bool(self._out)
             work = self._work()
