@@ -7,8 +7,8 @@ import grpc
 
 __all__ = ["AbortedError", "CancelledError", "DeadlineExceededError", "InternalError"]
 __all__ += ["InvalidArgumentError", "RendezvousError", "ResourceExhaustedError"]
-__all__ += ["UnauthenticatedError", "UnavailableError", "closed_error", "code_for_error"]
-__all__ += ["error_for_code", "is_closed_error"]
+__all__ += ["UnauthenticatedError", "UnavailableError", "cleanup_error", "closed_error"]
+__all__ += ["code_for_error", "error_for_code", "is_closed_error"]
 
 
 class RendezvousError(Exception):
@@ -50,6 +50,14 @@ class InternalError(RendezvousError):
 def closed_error(task: str) -> AbortedError:
     """The error of a call on a Worker its owner closed: "you closed it", not "it broke"."""
     return AbortedError(f"Worker {task} is closed")
+
+
+def cleanup_error(step: int, task: str) -> AbortedError:
+    """The error of a call in a step ``Worker.cleanup`` cleaned up (TensorFlow: "Cleanup")."""
+    return AbortedError(
+        f"Cleanup {step}: step {step} of {task} was cleaned up (Worker.cleanup); a step id "
+        "is not reused after its cleanup: give the next step a new step id"
+    )
 
 
 def is_closed_error(error: BaseException, task: str) -> bool:

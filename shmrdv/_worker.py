@@ -34,7 +34,13 @@ from ._cluster import (
     namespace_id,
     resolve_namespace,
 )
-from ._errors import AbortedError, DeadlineExceededError, InvalidArgumentError, closed_error
+from ._errors import (
+    AbortedError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    cleanup_error,
+    closed_error,
+)
 from ._keys import DeviceName, ParsedKey, parse_key
 from ._rendezvous import (
     Canceller,
@@ -169,7 +175,11 @@ class StepRendezvous(Rendezvous):
             t = self._routes.transport(ends, pk)
             if ends.transport is None and self._routes.others_reaching(ends, t):
                 return self._routes.race(ends, pk, t, self.step_id, done, copy)
-        return t.start_recv(self.step_id, pk, done, copy=copy, blocking=blocking)
+        cancel = t.start_recv(self.step_id, pk, done, copy=copy, blocking=blocking)
+        error = self.aborted  # (read again: the step may have been aborted meanwhile)
+        if error is not None and cancel():  # after the transport failed what it had
+            raise error
+        return cancel
 
     def _wait_blocked(
         self, slot: RecvSlot, cancel: Canceller, key: str | ParsedKey, timeout: float | None
@@ -469,15 +479,8 @@ class Worker(Closing):
             if step not in self._tombstones:
                 self._steps[step] = rdv
             else:  # aborted here only: the transports forgot the step at its cleanup
-                rdv._error = self._cleanup_error(step)
+                rdv._error = cleanup_error(step, self.task)
         return rdv
-
-    def _cleanup_error(self, step: int) -> AbortedError:
-        return AbortedError(
-            f"Cleanup {step}: step {step} of {self.task} was cleaned up "
-            "(Worker.cleanup); a step id is not reused after its cleanup: give the next step "
-            "a new step id"
-        )
 
     def cleanup(self, step_id: int) -> None:
         """Abort step ``step_id`` with ``AbortedError("Cleanup <step_id>")``: its pending
@@ -492,7 +495,7 @@ class Worker(Closing):
             if self._forked:
                 raise self._unusable()
             return  # close aborted every step and freed what they held
-        error = self._cleanup_error(step)
+        error = cleanup_error(step, self.task)
         tombstones, local = self._tombstones, None
         with self._lock:
             rdv = self._steps.pop(step, None)

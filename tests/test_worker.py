@@ -175,6 +175,37 @@ def test_worker_one_live_worker_per_task(worker: shmrdv.Worker) -> None:
     assert worker.namespace not in text
 
 
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_worker_cleanup_between_a_receives_check_and_its_transport_fails_it(
+    transport: str,
+) -> None:
+    """A cleanup that lands after a receive found its step open and before the transport
+    took the receive (a thread switch there) fails it at once: no wait, nothing kept."""
+    ns, step = shmrdv.new_namespace(), 4
+    consumer_task, producer_task = TASK, "/job:worker/replica:0/task:1"
+    k = key("racing", src=producer_task + "/device:CPU:0")
+    with (
+        shmrdv.Worker(consumer_task, namespace=ns, transports=(transport,)) as w,
+        shmrdv.Worker(producer_task, namespace=ns, transports=(transport,)),
+    ):
+        rdv = w.rendezvous(step)
+        rdv.recv_future(key("first", src=producer_task + "/device:CPU:0")).cancel()
+        [t] = w._active  # the transport the receive goes to, made by the receive above
+        start_recv = t.start_recv
+
+        def cleaned_up_first(*args: Any, **kwargs: Any) -> Any:
+            w.cleanup(step)  # as another thread would, between the check and this call
+            return start_recv(*args, **kwargs)
+
+        t.start_recv = cleaned_up_first  # type: ignore[method-assign]
+        began = time.monotonic()
+        with pytest.raises(shmrdv.AbortedError, match=f"Cleanup {step}"):
+            rdv.recv(k, timeout=20)
+        assert time.monotonic() - began < 10  # failed, not timed out
+        if transport == "shm":
+            assert w.stats()["shm"]["channels"] == 0  # no state made for the step
+
+
 def test_worker_rendezvous_same_object_per_step(worker: shmrdv.Worker) -> None:
     assert worker.rendezvous(1) is worker.rendezvous(1)
     assert worker.rendezvous(1) is not worker.rendezvous(2)

@@ -33,6 +33,7 @@ from .._errors import (
     RendezvousError,
     ResourceExhaustedError,
     UnavailableError,
+    cleanup_error,
     closed_error,
 )
 from .._keys import DeviceName, ParsedKey
@@ -257,6 +258,8 @@ class Consumer:
                     src = self.source(str(canonical_task(key.src)))
                     self._src_by_device[key.src_device] = src
                 if chans is None:
+                    if self._ctx.cleaned_up(step_id):  # raced its cleanup: no state for it
+                        raise cleanup_error(step_id, self._task)
                     chans = self._steps[step_id] = {}
                 ch = chans[key.full_key] = Channel(step_id, key.full_key, src, key.src_incarnation)
             if ch.pk is None:
