@@ -390,8 +390,7 @@ class Consumer:
     def _open(
         self, ch: Channel, seq: int, inc: int, notice: Notice | None
     ) -> Received | BaseException | None:
-        """Message ``seq`` of ``ch`` from the segment of its name: None if not published
-        (yet); an error for a notice whose segment is gone."""
+        """Message ``seq`` of ``ch`` by its name: None if not published, an error if gone."""
         watch = next((r.watch for r in ch.src.rings if r.inc == inc), None)
         if notice is None:
             return self._maps.take(ch.src.task, ch.step, ch.key, inc, seq, watch=watch)
@@ -687,8 +686,7 @@ class Consumer:
                 self.serve(ch, True)
 
     def _retire_over(self) -> None:
-        """Let go of the rings of runs that are over once every record is taken; what
-        those runs left is collected after the lock."""
+        """Let go of the rings of runs over once every record is taken (collected after)."""
         for r in list(self._rings):
             if not self._run_over(r.src, r.inc):
                 continue
