@@ -335,8 +335,87 @@ def test_lifetime_a_burst_read_at_once_moves_nothing_out(ns: str, keys: str) -> 
         got = [int(rdv.recv(make_key(edges[i % len(edges)]), timeout=30).value[0])
                for i in range(2000)]  # fmt: skip
         assert got == list(range(2000))
-        assert consumer.stats()["shm"]["moved_out"] == 0
+        stats = consumer.stats()["shm"]
+        assert stats["moved_out"] == 0 and stats["tick_finds"] == 0  # none waited for a tick
         assert "m" not in kinds(ns) and "t" not in kinds(ns)
+
+
+def child_take_a_then_clean_up(worker: shmrdv.Worker) -> int:
+    rdv = worker.rendezvous(1)
+    got = int(rdv.recv(make_key("a"), timeout=30).value[0])
+    worker.cleanup(1)
+    return got
+
+
+def child_look_for_x(worker: shmrdv.Worker) -> int | None:
+    try:
+        return int(worker.rendezvous(1).recv(make_key("x"), timeout=1).value[0])
+    except shmrdv.DeadlineExceededError:
+        return None
+
+
+@pytest.mark.parametrize("end", ["close", "SIGKILL"])
+def test_lifetime_values_a_cleanup_freed_unread_stay_freed(ns: str, end: str) -> None:
+    # Step 1 brings "a" and 400 "x"; the consumer takes "a" (its drain may stop reading
+    # there) and cleans step 1 up, then ends. The task's next process gets no "x" of step
+    # 1: the cleanup freed them, read or not.
+    with shmrdv.Worker(PRODUCER, namespace=ns) as producer:
+        out = producer.rendezvous(1)
+        consumer = ChildWorker(CONSUMER, namespace=ns)
+        try:
+            out.send(make_key("a"), np.full(16, 7, np.uint32))
+            for i in range(400):
+                out.send(make_key("x"), np.full(16, i, np.uint32))
+            assert consumer.call(child_take_a_then_clean_up) == 7
+            if end == "SIGKILL":
+                consumer.kill(signal.SIGKILL)
+        finally:
+            consumer.close()
+        with ChildWorker(CONSUMER, namespace=ns) as again:
+            assert again.call(child_look_for_x) is None
+        producer.cleanup(1)
+
+
+def test_lifetime_a_pool_slot_found_by_name_and_cleaned_up_goes_back(ns: str) -> None:
+    # The ring is full when a large value is sent, so its notice goes by name only; a later
+    # record shows the gap, filled by name; the step is cleaned up unreceived: its pool slot
+    # goes back to the producer (not unlinked, which would lose it from the pool).
+    with (
+        shmrdv.Worker(CONSUMER, namespace=ns) as consumer,
+        shmrdv.Worker(PRODUCER, namespace=ns) as producer,
+    ):
+        out, inn = producer.rendezvous(1), consumer.rendezvous(1)
+        n = 0
+        while producer.stats()["shm"]["ring_full"] == 0:
+            out.send(make_key("fill"), np.full(16, n, np.uint32))
+            n += 1
+        out.send(make_key("big"), np.full(300_000, 0, np.uint32))  # no room for its record
+        assert [int(inn.recv(make_key("fill"), timeout=10).value[0]) for _ in range(n)] == (
+            list(range(n))
+        )
+        out.send(make_key("big"), np.full(300_000, 1, np.uint32))  # a record after a gap
+        with pytest.raises(shmrdv.DeadlineExceededError):
+            inn.recv(make_key("other"), timeout=0.5)  # a drain reads it, fills the gap
+        consumer.cleanup(1)
+        # Large values keep the pool busy past the producer's check of its lent slots (a
+        # second after a look): one unlinked instead of given back would count as lost.
+        out2, inn2 = producer.rendezvous(2), consumer.rendezvous(2)
+        until = time.monotonic() + 2 * pool_lost_check_s()
+        while time.monotonic() < until:
+            out2.send(make_key("b2"), np.full(300_000, 2, np.uint32))
+            inn2.recv(make_key("b2"), timeout=10)
+            time.sleep(0.05)
+        stats = producer.stats()["shm"]
+        assert stats["pool_lost"] == 0 and stats["pool_reused"] > 0, stats
+        consumer.cleanup(2)
+        producer.cleanup(1)
+        producer.cleanup(2)
+
+
+def pool_lost_check_s() -> float:
+    from shmrdv._shm import pool
+
+    return float(pool._LOST_CHECK_S)
 
 
 def test_lifetime_values_held_or_moved_out_outlive_a_killed_producer(ns: str) -> None:

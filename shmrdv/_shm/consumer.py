@@ -20,10 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
-import posix_ipc
+from posix_ipc import Semaphore
 
 from .._channels import MISSING, WaiterTable
 from .._cluster import canonical_task
@@ -43,9 +42,9 @@ from . import reaper
 from .header import FLAG_DEAD, FLAG_NOTICE, Reader, unpack_identity
 from .naming import Names
 from .pool import SlotMaps, run_alive
-from .recovery import Held, InRing, Recovery
+from .recovery import Held, InRing, Notice, Recovery
 
-__all__ = ["TICK", "Channel", "Consumer", "Notice", "Source"]
+__all__ = ["TICK", "Channel", "Consumer", "Source"]
 
 _log = logging.getLogger("shmrdv.shm")
 
@@ -60,15 +59,6 @@ _ALIVE = TaskState("alive")
 
 #: A delivery to make outside the lock: ``done``, whether to copy, the value or the error.
 Item = tuple[DoneCallback, bool, Received | BaseException]
-
-
-class Notice:
-    """A queued message that is the segment of its name (``array``: as its record said)."""
-
-    __slots__ = ("array", "inc", "seq", "slot")
-
-    def __init__(self, seq: int, inc: int, slot: int, array: tuple[Any, ...] | None = None) -> None:
-        self.seq, self.inc, self.slot, self.array = seq, inc, slot, array
 
 
 #: What a channel queues: a value, a notice or an error; ``Held`` while its ring record stays.
@@ -143,8 +133,8 @@ class Consumer:
     """The receiving half of one worker's shared-memory transport (see the module docstring)."""
 
     def __init__(
-        self, ctx: TransportContext, names: Names, kick: Callable[[], None], bell: posix_ipc.Semaphore
-    ) -> None:  # fmt: skip
+        self, ctx: TransportContext, names: Names, kick: Callable[[], None], bell: Semaphore
+    ) -> None:
         self._ctx = ctx
         self._bell = bell  # its value: doorbell posts not taken yet
         self._task = ctx.task_name
@@ -298,16 +288,16 @@ class Consumer:
         """What a receive finds before it waits: the value (from a ring due for a look, or by
         name), a failed ring's error, or its producer's death or restart, seen now."""
         self._want = ch  # a ring attached now is read until it brings ch's value
-        if src.look_at != _INF:
-            self._recovery.look_for_ring(src)
-        if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
-            src.tried.add(ch.inc)  # a key pinned to a run that is not the live one
-            self._recovery.attach_run(src, ch.inc)
-        self._want = False
+        try:
+            if src.look_at != _INF:
+                self._recovery.look_for_ring(src)
+            if ch.inc and ch.inc not in src.ring_incs and ch.inc not in src.tried:
+                src.tried.add(ch.inc)  # a key pinned to a run that is not the live one
+                self._recovery.attach_run(src, ch.inc)
+        finally:
+            self._want = False
         if self._behind and ch not in self._table:
-            self._behind = False
-            for r in list(self._rings):
-                self.drain(r, ch)
+            self._catch_up(ch)
         result = self.take(ch, src.ringless(ch.inc) or src.lost())
         if result is None and src.broken is not None:
             result, src.broken = src.broken, None
@@ -505,6 +495,12 @@ class Consumer:
                 break
         if held and ring.read - held[0] > ring.capacity >> 1:
             self._recovery.spill(r, before)
+
+    def _catch_up(self, want: Channel | bool = False) -> None:
+        """Drain the rings a lazy drain left unread (until ``want``'s value, if given)."""
+        self._behind = False
+        for r in list(self._rings):
+            self.drain(r, want)
 
     def _refused(
         self, src: Source, payload: memoryview, e: RendezvousError
@@ -714,11 +710,13 @@ class Consumer:
         """Fail the step's waiters with ``error`` (unless aborted), forget the step and free
         what it was sent and not received: what its channels hold, and what a listing shows
         where a message may have come with no record. Whether any waiter was failed."""
-        # Under the lock even when the step looks empty: a drain that found the step not
-        # cleaned up yet adds its channels under this lock, and ``needed`` reads ``srcs``.
+        # Under the lock even for a step that looks empty: a drain may be adding its channels.
         with self.lock:
             if self._closed:
                 return False  # (every waiter was failed)
+            posted = self._bell.value > 0
+            if self._behind or posted:  # the step's unread records: freed as they are read
+                self._catch_up()
             chans = self._steps.pop(step_id, None)
             if self._aborted:
                 error = self._aborted.pop(step_id, error)
@@ -737,7 +735,7 @@ class Consumer:
                         self._late.append(
                             (ch.src.task, ch.step, ch.key, got.inc, got.seq, got.slot)
                         )
-            listing = self._unexplained or self._recovery.needed() or self._bell.value > 0
+            listing = self._unexplained or self._recovery.needed() or posted
             self._unexplained = False
             failed = bool(self._out)
             work = self._work()
@@ -752,6 +750,8 @@ class Consumer:
         with self.lock:
             if self._closed:
                 return
+            if self._behind or self._bell.value > 0:  # what cleaned-up steps were sent: freed
+                self._catch_up()
             self._closed = self.refusing = True
             error = closed_error(self._task)
             for ch in list(self._table):

@@ -596,9 +596,9 @@ class Producer:
         return name
 
     def _post(self, route: Route) -> None:
-        """Post the doorbell unless a post is pending: whoever takes that one drains every
-        ring after it (this record's ``head`` store came first; the lock's release lies
-        between). A saturated or closed semaphore is left: the consumer's tick finds it."""
+        """Post the doorbell unless a post is pending: whoever takes that one reads the rings
+        after it, or leaves them to the next receive (this record's ``head`` store came
+        first; the lock's release lies between). A saturated or closed semaphore is left: the consumer's tick finds it."""
         sem = route.sem
         if sem is None:
             with self._lock:

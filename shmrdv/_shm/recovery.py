@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._cluster import canonical_task
 from .._errors import InternalError, RendezvousError
@@ -30,9 +30,9 @@ from .ring import RINGS_SUPPORTED, Ring
 
 if TYPE_CHECKING:
     from .._rendezvous import Received
-    from .consumer import Channel, Consumer, Notice, Source
+    from .consumer import Channel, Consumer, Source
 
-__all__ = ["Held", "InRing", "Listing", "Recovery"]
+__all__ = ["UNKNOWN_SLOT", "Held", "InRing", "Listing", "Notice", "Recovery"]
 
 _log = logging.getLogger("shmrdv.shm")
 
@@ -44,6 +44,7 @@ _REFUSED_MAX = 1 << 17
 _NEW_PER_LISTING = 32768
 _LIST_EVERY, _RING_LOOK_S = 0.1, 0.02
 _FILL_MAX = 1 << 16  # a gap in a channel's sequence numbers: names looked at, at most
+UNKNOWN_SLOT = -2  # a notice of a message found by name: a pool slot or not, its header says
 # A listing is trusted to be complete only if the directory's mtime was at least this
 # old when it was taken: the kernel stamps changes with a coarse clock.
 _TRUST_NS = 20_000_000
@@ -110,6 +111,15 @@ class Listing:
     def incomplete(self) -> None:
         """Names were left unexamined: list again when next allowed."""
         self._mtime = -1
+
+
+class Notice:
+    """A queued message that is the segment of its name (``array``: as its record said)."""
+
+    __slots__ = ("array", "inc", "seq", "slot")
+
+    def __init__(self, seq: int, inc: int, slot: int, array: tuple[Any, ...] | None = None) -> None:
+        self.seq, self.inc, self.slot, self.array = seq, inc, slot, array
 
 
 class Held:
@@ -270,6 +280,9 @@ class Recovery:
         """Free a message nobody will receive (never under the lock): unlink its segment, or
         give its pool slot back."""
         path = Names.path(self._names.message(step, key, inc, seq))
+        if slot == UNKNOWN_SLOT:  # a message found by name: its header says
+            header = peek_header(path)
+            slot = header.slot if header is not None else -1
         if slot >= 0:
             give_back(self._names, self._alive, task, inc, slot, path)
         else:
@@ -293,8 +306,6 @@ class Recovery:
         """Queue the messages of ``src`` whose records its full rings lost (one listing),
         after what its rings hold: they are drained after the listing, and a producer writes
         a key's earlier records before it publishes a later message by name."""
-        from .consumer import Notice  # (the consumer imports this module)
-
         consumer = self._consumer
         lost = [(r, r.lost) for r in src.rings if r.lost != r.lost_seen]
         if not lost or not self._list_messages():
@@ -391,12 +402,10 @@ class Recovery:
     def fill(self, ch: Channel, seq: int, r: InRing) -> None:
         """Queue messages ``ch.seq`` to ``seq - 1`` (no ring record; only the last ``r.lost``
         can be there) as notices of the names there: opened when taken, not held open."""
-        from .consumer import Notice  # (the consumer imports this module)
-
         for s in range(max(ch.seq, seq - min(r.lost, _FILL_MAX)), seq):
             if inode(Names.path(self._names.message(ch.step, ch.key, r.inc, s))) is not None:
                 ch.seq = s + 1
-                self._consumer.queue(ch, Notice(s, r.inc, -1))
+                self._consumer.queue(ch, Notice(s, r.inc, UNKNOWN_SLOT))
         ch.seq = seq
 
     def spill(self, r: InRing, before: int) -> None:
