@@ -247,11 +247,9 @@ class Consumer:
                 if src is None:
                     src = self.source(str(canonical_task(key.src)))
                     self._src_by_device[key.src_device] = src
-                if chans is None:
-                    if self._ctx.cleaned_up(step_id):  # raced its cleanup: no state for it
-                        raise cleanup_error(step_id, self._task)
-                    chans = self._steps[step_id] = {}
-                ch = chans[key.full_key] = Channel(step_id, key.full_key, src, key.src_incarnation)
+                if chans is None and self._ctx.cleaned_up(step_id):  # raced its cleanup
+                    raise cleanup_error(step_id, self._task)  # (no state made for it)
+                ch = self.channel(step_id, key.full_key, src, key.src_incarnation)
             if ch.pk is None:
                 ch.pk = key
                 if key.src_incarnation:
